@@ -1,0 +1,36 @@
+# Set-up is part of every target: a fresh machine needs only `make demo` or `make test`.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench soak clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch: respect one that is importable; otherwise the pinned CPU build (never unpinned).
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev,fsspec]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/trainguard demo
+
+test: setup
+	$(VPY) -m ruff check src tests bench
+	$(VPY) -m pytest -q -p no:cacheprovider tests
+
+lint: setup
+	$(VPY) -m ruff check src tests bench
+
+bench: setup
+	$(VPY) -m bench.run
+
+soak: setup
+	$(VPY) -m pytest -q -p no:cacheprovider tests -m slow --override-ini="addopts=" -k soak
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,64 @@
+"""trainguard: checkpointing and fault tolerance for PyTorch training.
+
+The public surface is what ``__all__`` lists; nothing else is imported from deep paths.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .api import load, save  # noqa: E402
+from .errors import (  # noqa: E402
+    CheckpointError,
+    CorruptCheckpointError,
+    DiskFullError,
+    FormatVersionError,
+    LockedError,
+    NotACheckpointError,
+    RankFailureError,
+    StateMismatchError,
+    StepExistsError,
+    UnsupportedValueError,
+)
+from .inspect import verify  # noqa: E402
+from .manager import CheckpointManager  # noqa: E402
+from .policies import (  # noqa: E402
+    EveryNSteps,
+    EverySeconds,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    RetentionPolicy,
+    SavePolicy,
+)
+from .stateful import RNGState, Stateful, StateDict  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "save",
+    "load",
+    "verify",
+    "CheckpointManager",
+    "Stateful",
+    "StateDict",
+    "RNGState",
+    "SavePolicy",
+    "RetentionPolicy",
+    "EveryNSteps",
+    "EverySeconds",
+    "KeepAll",
+    "KeepLatest",
+    "KeepEvery",
+    "KeepBest",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "DiskFullError",
+    "FormatVersionError",
+    "LockedError",
+    "NotACheckpointError",
+    "RankFailureError",
+    "StateMismatchError",
+    "StepExistsError",
+    "UnsupportedValueError",
+]

@@ -1,0 +1,44 @@
+"""The ``trainguard`` command. Thin: every command calls into the library modules.
+
+Commands live in small modules under :mod:`trainguard.commands`; each exposes click commands
+that :func:`main` registers. Errors derived from :class:`CheckpointError` are printed as one
+clear line (exit code 2), never as a traceback from deep inside the library.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import click
+
+from .errors import CheckpointError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):  # type: ignore[override]
+        try:
+            return super().invoke(ctx)
+        except CheckpointError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(2)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="trainguard")
+def main() -> None:
+    """trainguard: checkpointing and fault tolerance for PyTorch training."""
+
+
+def _register() -> None:
+    from . import commands
+
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        mod = importlib.import_module(f"{commands.__name__}.{info.name}")
+        for obj in vars(mod).values():
+            if isinstance(obj, click.Command) and getattr(obj.callback, "__module__", None) == mod.__name__:
+                main.add_command(obj)
+
+
+_register()

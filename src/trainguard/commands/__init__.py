@@ -1,0 +1,1 @@
+"""One module per group of ``trainguard`` subcommands; :mod:`trainguard.cli` registers them."""

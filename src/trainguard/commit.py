@@ -1,0 +1,149 @@
+"""The run directory's lifecycle: the writer lock, debris cleanup, discovery of checkpoints.
+
+Called on rank 0 only (the manager broadcasts results). The two-phase commit itself is in
+``api.save``: all ranks write and fsync into the temp directory, report through the store,
+then rank 0 writes ``manifest.json`` last and renames the directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+import warnings
+from dataclasses import dataclass
+
+from . import layout
+from .errors import LockedError, NotACheckpointError
+from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from .storage import Storage
+
+_HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
+
+
+class RunLock:
+    """One writing job per run directory: ``<root>/.lock`` under a POSIX record lock.
+
+    POSIX locks belong to the process: they vanish when it dies (so a crashed job's lock is
+    stale and is taken over with a warning) and are not inherited by forked DataLoader workers.
+    Object stores have no locks; there the lock is skipped (documented in docs/storage.md).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, layout.LOCK)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        real = os.path.realpath(self.path)
+        if real in _HELD:
+            raise LockedError(
+                f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
+                "process; close it first or give each manager its own directory"
+            )
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise LockedError(
+                f"{os.path.dirname(self.path)} is in use by another job ({holder}). Stop that job, or "
+                "point this one at another directory; two writers would delete each other's checkpoints"
+            ) from None
+        old = _read_holder(fd)
+        if old and f"pid {os.getpid()} " not in old + " ":
+            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=3)
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        os.fsync(fd)
+        self.fd = fd
+        _HELD.add(real)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        _HELD.discard(os.path.realpath(self.path))
+        try:
+            os.ftruncate(self.fd, 0)
+            fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        if not raw:
+            return ""
+        d = json.loads(raw)
+        return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
+    except (OSError, ValueError):
+        return "unknown holder"
+
+
+def read_manifest(storage: Storage, directory: str) -> Manifest:
+    """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent."""
+    path = storage.join(directory, layout.MANIFEST)
+    if not storage.exists(path):
+        if not storage.exists(directory):
+            raise NotACheckpointError(f"{directory}: no such checkpoint directory")
+        raise NotACheckpointError(
+            f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
+            "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
+        )
+    data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    return parse(data, where=f"{directory}/{layout.MANIFEST}")
+
+
+@dataclass
+class StepDir:
+    step: int
+    name: str
+    path: str
+    status: str  # "committed" (manifest present, not yet verified), "incomplete"
+
+
+def list_steps(storage: Storage, root: str) -> list[StepDir]:
+    """Step directories under ``root``, oldest first; temp and old directories are not listed."""
+    out = []
+    for name in storage.listdir(root):
+        step = layout.parse_step(name)
+        if step is None:
+            continue
+        path = storage.join(root, name)
+        status = "committed" if storage.exists(storage.join(path, layout.MANIFEST)) else "incomplete"
+        out.append(StepDir(step, name, path, status))
+    return sorted(out, key=lambda s: s.step)
+
+
+def clean_debris(storage: Storage, root: str) -> list[str]:
+    """Remove what crashed saves left: temp dirs, step dirs without a manifest. An ``.old-``
+    dir (an overwrite that crashed between its two renames) is moved back when its step is
+    missing. Rank 0 only, while holding the lock. Returns the names removed or restored."""
+    done = []
+    names = storage.listdir(root)
+    for name in names:
+        path = storage.join(root, name)
+        if layout.TMP_RE.match(name):
+            storage.remove_tree(path)
+            done.append(name)
+        elif m := layout.OLD_RE.match(name):
+            final = storage.join(root, layout.step_dir(int(m.group(1))))
+            if not storage.exists(storage.join(final, layout.MANIFEST)) and storage.exists(
+                storage.join(path, layout.MANIFEST)
+            ):
+                storage.remove_tree(final)
+                storage.rename_dir(path, final)
+                done.append(f"{name} -> {layout.step_dir(int(m.group(1)))}")
+            else:
+                storage.remove_tree(path)
+                done.append(name)
+    for s in list_steps(storage, root):
+        if s.status == "incomplete":
+            storage.remove_tree(s.path)
+            done.append(s.name)
+    return done

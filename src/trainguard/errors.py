@@ -1,0 +1,86 @@
+"""The error hierarchy. Every error a user can cause derives from :class:`CheckpointError`.
+
+Messages say what to change. Where a builtin fits, the error derives from it too, so
+``except FileNotFoundError`` keeps working for callers that do not know trainguard.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base of every trainguard error."""
+
+
+class NotACheckpointError(CheckpointError, FileNotFoundError):
+    """The path holds no committed checkpoint (no ``manifest.json``)."""
+
+
+class FormatVersionError(CheckpointError):
+    """The manifest was written by a format this version cannot read."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Bytes on disk do not match what the manifest promises (checksum, size, structure)."""
+
+    def __init__(self, message: str, *, file: str | None = None, entry: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+        self.entry = entry
+
+
+class StateMismatchError(CheckpointError, KeyError):
+    """A strict load found missing, unexpected or shape/dtype-mismatched entries."""
+
+    def __init__(
+        self,
+        *,
+        missing: list[str],
+        unexpected: list[str],
+        mismatched: list[str],
+    ) -> None:
+        self.missing = missing
+        self.unexpected = unexpected
+        self.mismatched = mismatched
+        parts = []
+        if missing:
+            parts.append(f"missing from the checkpoint ({len(missing)}): {_short(missing)}")
+        if unexpected:
+            parts.append(f"in the checkpoint but not in the state ({len(unexpected)}): {_short(unexpected)}")
+        if mismatched:
+            parts.append(f"shape/dtype differ ({len(mismatched)}): {_short(mismatched)}")
+        msg = "state does not match the checkpoint: " + "; ".join(parts)
+        msg += ". Pass strict=False to load what matches, or only=[...] to load a subset."
+        super().__init__(msg)
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A leaf is neither a tensor nor a JSON value (raised at save time, naming its path)."""
+
+
+class StepExistsError(CheckpointError, FileExistsError):
+    """A checkpoint for this step is already committed."""
+
+
+class LockedError(CheckpointError):
+    """Another live job holds the run directory's lock."""
+
+
+class RankFailureError(CheckpointError):
+    """One or more ranks failed during a collective save/load; carries every failing rank's traceback."""
+
+    def __init__(self, message: str, failures: dict[int, str]) -> None:
+        self.failures = dict(failures)
+        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(self.failures.items()))
+        super().__init__(f"{message}\n{detail}" if detail else message)
+
+
+class DiskFullError(CheckpointError, OSError):
+    """The storage ran out of space while saving."""
+
+
+def _short(items: list[str], n: int = 8) -> str:
+    head = ", ".join(items[:n])
+    return head + (f", ... (+{len(items) - n} more)" if len(items) > n else "")

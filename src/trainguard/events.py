@@ -1,0 +1,56 @@
+"""The JSONL event log: one JSON object per line under ``<run dir>/events.jsonl``.
+
+Written by the manager (saves, restores, failures) and by ``trainguard run`` (starts,
+rendezvous, restarts). Each line carries ``t`` (unix time), ``event``, and the writer's
+``rank`` and ``pid``. Appends are single ``write`` calls of whole lines with O_APPEND, so
+several processes may log to the same file without interleaving lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Appends events to a JSONL file; a no-op when ``path`` is None."""
+
+    def __init__(self, path: str | os.PathLike[str] | None, *, rank: int = 0) -> None:
+        self.path = None if path is None else Path(path)
+        self.rank = rank
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        rec = {"t": time.time(), "event": event, "rank": self.rank, "pid": os.getpid(), **fields}
+        if self.path is not None:
+            line = (json.dumps(rec, default=str) + "\n").encode()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+        return rec
+
+
+def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield the events of a JSONL log; a torn last line (a crash mid-write) is skipped."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / EVENTS_FILE
+    if not p.exists():
+        return
+    with open(p, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,148 @@
+"""Nested state <-> a JSON skeleton plus a flat ``{path: tensor}`` map. Pure; no I/O.
+
+A state value is a tree of dicts, lists and tuples whose leaves are tensors or JSON values
+(int, float incl. nan/inf, bool, None, str). :func:`flatten` turns it into
+
+* a *skeleton*: plain JSON that mirrors the tree, with each tensor replaced by
+  ``{"$t": "<path>"}``, and the things JSON cannot say encoded as one-key objects:
+  ``{"$tuple": [...]}``, ``{"$float": "nan"|"inf"|"-inf"}``,
+  ``{"$dict": [[key, value], ...]}`` for dicts whose keys are not all plain strings
+  (int keys, or keys starting with ``$``);
+* ``tensors``: ``{path: tensor}`` in tree order, paths joined with ``/``
+  (``optim/state/fc.weight/exp_avg``).
+
+:func:`unflatten` reverses it, taking tensors from a mapping. Anything that is neither a
+tensor nor JSON raises :class:`UnsupportedValueError` naming its path, at save time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .errors import CorruptCheckpointError, UnsupportedValueError
+
+# Deepest nesting accepted when reading a skeleton back (hostile manifests).
+MAX_DEPTH = 64
+
+
+def _plain_key(k: object) -> bool:
+    return type(k) is str and not k.startswith("$")
+
+
+def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return ``(skeleton, tensors)`` for one state value rooted at ``prefix``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def enc(v: Any, path: str, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(f"{path}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, torch.Tensor):
+            if path in tensors:
+                raise UnsupportedValueError(
+                    f"{path}: two values map to the same path; rename the keys so that no key contains '/'"
+                )
+            tensors[path] = v
+            return {"$t": path}
+        if v is None or type(v) is bool or type(v) is str:
+            return v
+        if type(v) is int:
+            return v
+        if type(v) is float:
+            if math.isfinite(v):
+                return v
+            return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
+        if isinstance(v, Mapping):
+            if all(_plain_key(k) for k in v):
+                return {k: enc(x, f"{path}/{k}", depth + 1) for k, x in v.items()}
+            pairs = []
+            for k, x in v.items():
+                if type(k) not in (str, int):
+                    raise UnsupportedValueError(
+                        f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; "
+                        "use str or int keys"
+                    )
+                pairs.append([k, enc(x, f"{path}/{k}", depth + 1)])
+            return {"$dict": pairs}
+        if type(v) is tuple:
+            return {"$tuple": [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]}
+        if type(v) is list:
+            return [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]
+        # numpy scalars and other number-likes are a common accident: say what to do.
+        hint = (
+            "convert it with int()/float()/.tolist()"
+            if hasattr(v, "item") or hasattr(v, "tolist")
+            else "store tensors or JSON values (int, float, bool, None, str, dict, list, tuple); "
+            "wrap other objects in a class with state_dict()/load_state_dict() returning those"
+        )
+        raise UnsupportedValueError(
+            f"{path}: value of type {type(v).__module__}.{type(v).__qualname__} cannot be saved "
+            f"without pickle; {hint}"
+        )
+
+    return enc(value, prefix, 0), tensors
+
+
+def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "manifest") -> Any:
+    """Rebuild the value from its skeleton; ``get_tensor(path)`` supplies each tensor.
+
+    Validates as it goes: a malformed skeleton raises :class:`CorruptCheckpointError`.
+    """
+
+    def dec(s: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: skeleton nested deeper than {MAX_DEPTH} levels")
+        if s is None or type(s) in (bool, int, float, str):
+            return s
+        if type(s) is list:
+            return [dec(x, depth + 1) for x in s]
+        if type(s) is dict:
+            if len(s) == 1:
+                (k, x), = s.items()
+                if k == "$t":
+                    if type(x) is not str:
+                        raise CorruptCheckpointError(f"{where}: tensor reference {x!r} is not a string")
+                    return get_tensor(x)
+                if k == "$tuple":
+                    if type(x) is not list:
+                        raise CorruptCheckpointError(f"{where}: $tuple holds {type(x).__name__}, not a list")
+                    return tuple(dec(y, depth + 1) for y in x)
+                if k == "$float":
+                    if x not in ("nan", "inf", "-inf"):
+                        raise CorruptCheckpointError(f"{where}: bad $float {x!r}")
+                    return float(x)
+                if k == "$dict":
+                    if type(x) is not list:
+                        raise CorruptCheckpointError(f"{where}: $dict holds {type(x).__name__}, not a list")
+                    out = {}
+                    for pair in x:
+                        if type(pair) is not list or len(pair) != 2 or type(pair[0]) not in (str, int):
+                            raise CorruptCheckpointError(f"{where}: bad $dict item {str(pair)[:80]!r}")
+                        out[pair[0]] = dec(pair[1], depth + 1)
+                    return out
+            for k in s:
+                if k.startswith("$"):
+                    raise CorruptCheckpointError(f"{where}: unknown skeleton marker {k[:40]!r}")
+            return {k: dec(x, depth + 1) for k, x in s.items()}
+        raise CorruptCheckpointError(f"{where}: unexpected skeleton value of type {type(s).__name__}")
+
+    return dec(skeleton, 0)
+
+
+def tensor_refs(skeleton: Any) -> list[str]:
+    """All tensor paths referenced by a skeleton, in order (no validation beyond shape)."""
+    out: list[str] = []
+    stack = [skeleton]
+    while stack:
+        s = stack.pop()
+        if type(s) is list:
+            stack.extend(reversed(s))
+        elif type(s) is dict:
+            if len(s) == 1 and "$t" in s and type(s["$t"]) is str:
+                out.append(s["$t"])
+            else:
+                stack.extend(reversed(list(s.values())))
+    return out

@@ -1,0 +1,126 @@
+"""Read-only views of checkpoints: ``verify`` every checksum, list a run directory, describe
+entries. Safe to run while a job is saving into the same run directory (they never touch
+temp directories and take no lock). Used by the CLI and by tests; any process may call them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import layout
+from .commit import list_steps, read_manifest
+from .errors import CheckpointError
+from .manifest import Manifest, checksum
+from .storage import Storage, for_path
+
+_READ = 64 << 20
+
+
+@dataclass
+class VerifyResult:
+    path: str
+    ok: bool
+    errors: list[str] = field(default_factory=list)
+    bytes_checked: int = 0
+    step: int | None = None
+
+
+def verify(path: str | os.PathLike[str]) -> VerifyResult:
+    """Check one checkpoint: manifest checksum and structure, file sizes, every chunk checksum.
+
+    Reads every data byte once (streaming, bounded memory). Never raises for a bad
+    checkpoint: the result lists what is wrong (file and tensor).
+    """
+    storage, target = for_path(path)
+    try:
+        manifest = read_manifest(storage, target)
+    except CheckpointError as e:
+        return VerifyResult(target, False, [str(e)])
+    errors: list[str] = []
+    total = 0
+    for fname, size in manifest.files.items():
+        p = storage.join(target, fname)
+        if not storage.exists(p):
+            errors.append(f"{fname}: missing")
+        elif storage.size(p) != size:
+            errors.append(f"{fname}: {storage.size(p)} bytes, manifest says {size}")
+    if errors:
+        return VerifyResult(target, False, errors, 0, manifest.step)
+    total = _check_chunks(storage, target, manifest, errors)
+    return VerifyResult(target, not errors, errors, total, manifest.step)
+
+
+def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
+    buf = bytearray(max(_READ // m.block_size, 1) * m.block_size)
+    view = memoryview(buf)
+    total = 0
+    readers = {f: storage.open_read(storage.join(directory, f)) for f in m.files}
+    try:
+        for path, e in m.tensors.items():
+            for c in e.chunks:
+                pos = 0
+                while pos < c.length:
+                    n = min(len(buf), c.length - pos)
+                    try:
+                        readers[c.file].readinto(view[:n], c.offset + pos)
+                    except CheckpointError as ex:
+                        errors.append(f"{c.file}: tensor {path!r}: {ex}")
+                        break
+                    for b in range(0, n, m.block_size):
+                        idx = (pos + b) // m.block_size
+                        if checksum(view[b : min(b + m.block_size, n)]) != c.checksums[idx]:
+                            errors.append(f"{c.file}: checksum mismatch in tensor {path!r} (block {idx})")
+                    pos += n
+                    total += n
+    finally:
+        for r in readers.values():
+            r.close()
+    return total
+
+
+@dataclass
+class StepInfo:
+    step: int
+    name: str
+    path: str
+    status: str  # valid | corrupt | incomplete | committed (not verified)
+    created: float | None = None
+    size: int = 0
+    entries: int = 0
+    detail: str = ""
+
+
+def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False) -> list[StepInfo]:
+    """Every step directory under ``root`` with its status. ``verify_data`` checks all bytes;
+    otherwise a checkpoint whose manifest validates and whose file sizes match is "valid"."""
+    storage, r = for_path(root)
+    out = []
+    for s in list_steps(storage, r):
+        if s.status == "incomplete":
+            out.append(StepInfo(s.step, s.name, s.path, "incomplete", detail=f"no {layout.MANIFEST}"))
+            continue
+        try:
+            m = read_manifest(storage, s.path)
+        except CheckpointError as e:
+            out.append(StepInfo(s.step, s.name, s.path, "corrupt", detail=str(e)))
+            continue
+        status, detail = "valid", ""
+        if verify_data:
+            v = verify(s.path)
+            if not v.ok:
+                status, detail = "corrupt", "; ".join(v.errors[:3])
+        else:
+            for f, size in m.files.items():
+                p = storage.join(s.path, f)
+                if not storage.exists(p) or storage.size(p) != size:
+                    status, detail = "corrupt", f"{f}: size differs from the manifest"
+                    break
+        out.append(StepInfo(s.step, s.name, s.path, status, m.created, m.total_bytes, len(m.objects), detail))
+    return out
+
+
+def describe(path: str | os.PathLike[str]) -> Manifest:
+    """The validated manifest of one checkpoint (for ``trainguard inspect``)."""
+    storage, target = for_path(path)
+    return read_manifest(storage, target)

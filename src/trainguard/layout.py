@@ -1,0 +1,47 @@
+"""Every on-disk name in one place: step directories, temp directories, data files, the lock.
+
+::
+
+    <root>/
+      step-000000700/            committed: holds manifest.json (written last)
+        manifest.json
+        data-00000.bin           raw bytes written by rank 0
+      step-000000800.tmp-<id>/   a save in progress or a crashed one: never read, cleaned at start
+      step-000000600.old-<id>/   an overwritten checkpoint being replaced (recovered if the new one is missing)
+      .lock                      one writing job per run directory
+      events.jsonl               the event log
+"""
+
+from __future__ import annotations
+
+import re
+
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+STEP_RE = re.compile(r"^step-(\d{9,})$")
+TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})$")
+OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})$")
+DATA_RE = re.compile(r"^data-\d{5}\.bin$")
+
+
+def step_dir(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"step-{step:09d}"
+
+
+def tmp_dir(name: str, save_id: str) -> str:
+    return f"{name}.tmp-{save_id}"
+
+
+def old_dir(name: str, save_id: str) -> str:
+    return f"{name}.old-{save_id}"
+
+
+def data_file(rank: int) -> str:
+    return f"data-{rank:05d}.bin"
+
+
+def parse_step(name: str) -> int | None:
+    m = STEP_RE.match(name)
+    return int(m.group(1)) if m else None

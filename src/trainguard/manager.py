@@ -1,0 +1,277 @@
+"""``CheckpointManager``: when to save, what to keep, where to resume. Policy, not mechanism:
+bytes move in ``api``/``io``; the manager decides and keeps the run directory tidy.
+
+Every rank constructs the manager and calls ``restore``, ``save`` and ``close`` in the same
+order. Rank 0 alone holds the run directory's lock, cleans debris, applies retention and
+lists checkpoints; it shares its decisions with the other ranks through the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from . import layout
+from .api import load, start_save
+from .commit import RunLock, clean_debris, list_steps, read_manifest
+from .dist import DistContext
+from .errors import CheckpointError
+from .events import EVENTS_FILE, EventLog
+from .handle import SaveHandle
+from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
+from .storage import for_path
+
+log = logging.getLogger("trainguard")
+
+
+class CheckpointManager:
+    """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
+
+    ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a
+    :class:`RetentionPolicy` (default ``KeepLatest(3)``); ``async_save``: write in the
+    background; ``on_error``: ``"raise"`` or ``"warn"`` (log, keep training, try again at the
+    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()`` call and set
+    ``should_stop``.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        save: SavePolicy | None = None,
+        keep: RetentionPolicy | None = None,
+        async_save: bool = False,
+        layout: str = "sharded",
+        on_error: str = "raise",
+        handle_signals: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
+        if save is not None and not isinstance(save, SavePolicy):
+            raise TypeError(f"save={save!r}: pass a save policy such as tg.EveryNSteps(100)")
+        if keep is not None and not isinstance(keep, RetentionPolicy):
+            raise TypeError(f"keep={keep!r}: pass a retention policy such as tg.KeepLatest(3)")
+        self.root = os.fspath(root)
+        self.storage, self._root = for_path(self.root)
+        self.save_policy = save if save is not None else EveryNSteps(1000)
+        self.keep = keep if keep is not None else KeepLatest(3)
+        self.async_save = async_save
+        self.layout = layout
+        self.on_error = on_error
+        self.handle_signals = handle_signals
+        self.timeout = timeout
+        self.ctx = DistContext.current()
+        self.events = EventLog(
+            os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank
+        )
+        if getattr(self.save_policy, "events", "absent") is None:
+            self.save_policy.events = self.events  # type: ignore[attr-defined]
+        self._lock = RunLock(self._root) if self.storage.atomic_rename else None
+        self._pending: SaveHandle | None = None
+        self._preempt = threading.Event()
+        self._old_handlers: dict[int, Any] = {}
+        self._opened = False
+        self.should_stop = False
+        self.last_saved_step: int | None = None
+        self._metrics: dict[int, dict[str, float]] = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def open(self) -> CheckpointManager:
+        """Take the lock and clean debris (rank 0), then agree with the other ranks."""
+        if self._opened:
+            return self
+        err = None
+        if self.ctx.rank == 0:
+            try:
+                self.storage.makedirs(self._root)
+                if self._lock:
+                    self._lock.acquire()
+                removed = clean_debris(self.storage, self._root)
+                if removed:
+                    log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
+                    self.events.emit("debris", removed=removed)
+            except CheckpointError as e:
+                err = str(e)
+        err = self.ctx.broadcast("open", err, timeout=self.timeout)
+        if err:
+            if self.ctx.rank == 0:
+                raise
+            raise CheckpointError(f"rank 0 could not open {self.root}: {err}")
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self._opened = True
+        self.events.emit("manager_open", world_size=self.ctx.world_size, async_save=self.async_save)
+        return self
+
+    def __enter__(self) -> CheckpointManager:
+        return self.open()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for the save in flight (its error is raised here), release the lock."""
+        if not self._opened:
+            return
+        try:
+            self.wait()
+        finally:
+            for sig, h in self._old_handlers.items():
+                signal.signal(sig, h)
+            self._old_handlers.clear()
+            if self._lock:
+                self._lock.release()
+            self._opened = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
+        self._preempt.set()
+
+    # ------------------------------------------------------------------ save
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> SaveHandle | None:
+        """Call once per training step on every rank; saves when the policy says so (or ``force``,
+        or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
+        self._require_open()
+        now = time.monotonic()
+        self.save_policy.on_step(step, now)
+        want = force or self.save_policy.should_save(step, now)
+        preempt = self._preempt.is_set()
+        if self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals):
+            # Rank 0 decides for time-based policies and preemption, so all ranks agree.
+            want, preempt = self.ctx.broadcast("decide", [bool(want), preempt], timeout=self.timeout)
+        if preempt:
+            want = True
+            self.should_stop = True
+        if not want:
+            return None
+        return self._save_now(step, state, metrics)
+
+    def _needs_agreement(self) -> bool:
+        return not isinstance(self.save_policy, EveryNSteps)
+
+    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
+        t0 = time.monotonic()
+        try:
+            self._finish_pending()  # one save in flight: the wait counts as stall
+        except CheckpointError as e:
+            self._report_failure(e, step=self._pending_step)
+        target = self.storage.join(self._root, layout.step_dir(step))
+        meta = {"step": step, "metrics": dict(metrics or {})}
+        self._metrics[step] = dict(metrics or {})
+        try:
+            handle = start_save(
+                self.storage, target, state, self.ctx,
+                async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
+            )
+        except CheckpointError as e:
+            self._report_failure(e, step=step)
+            return None
+        handle.stall_s = time.monotonic() - t0
+        self._pending, self._pending_step, self._pending_t0 = handle, step, t0
+        if handle.done():
+            self._finish_pending()
+        return handle
+
+    def _finish_pending(self) -> None:
+        h = self._pending
+        if h is None:
+            return
+        self._pending = None
+        try:
+            manifest = h.result()
+        except CheckpointError:
+            raise
+        except Exception as e:  # a non-trainguard error from the background: wrap it
+            raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
+        h.duration_s = time.monotonic() - self._pending_t0
+        self.last_saved_step = manifest.step
+        self.save_policy.on_saved(manifest.step, h.stall_s, h.duration_s)
+        self.events.emit(
+            "save", step=manifest.step, stall_s=round(h.stall_s, 6), duration_s=round(h.duration_s, 6),
+            bytes=manifest.total_bytes, async_save=self.async_save,
+        )
+        if self.ctx.rank == 0:
+            self._apply_retention(manifest.step)
+
+    def _report_failure(self, e: CheckpointError, step: int | None) -> None:
+        self.events.emit("save_failed", step=step, error=str(e)[:2000])
+        if self.on_error == "raise":
+            raise e
+        log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
+        warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; raises its error (on every rank)."""
+        try:
+            self._finish_pending()
+        except CheckpointError as e:
+            self._report_failure(e, step=getattr(self, "_pending_step", None))
+
+    def _apply_retention(self, newest: int) -> None:
+        # Runs after `newest` is committed (never before), on rank 0, while holding the lock.
+        steps = [s for s in list_steps(self.storage, self._root) if s.status == "committed"]
+        infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps]
+        keep = set(self.keep.select(infos)) | {newest}
+        for s in steps:
+            if s.step not in keep and s.step < newest:
+                self.storage.remove_tree(s.path)
+                self._metrics.pop(s.step, None)
+                self.events.emit("retention_delete", step=s.step)
+
+    def _metrics_of(self, s: Any) -> dict[str, float]:
+        if s.step not in self._metrics:
+            try:
+                self._metrics[s.step] = dict(read_manifest(self.storage, s.path).metadata.get("metrics", {}))
+            except CheckpointError:
+                self._metrics[s.step] = {}
+        return self._metrics[s.step]
+
+    # ------------------------------------------------------------------ restore
+    def restore(self, state: Mapping[str, Any], *, strict: bool = True) -> int | None:
+        """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
+        why). Returns its step, or None on a fresh start. Every rank calls it."""
+        self._require_open()
+        t0 = time.monotonic()
+        candidates = None
+        if self.ctx.rank == 0:
+            candidates = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
+        candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
+        for step in reversed(candidates):
+            path = self.storage.join(self._root, layout.step_dir(step))
+            try:
+                load(path, state, strict=strict, timeout=self.timeout)
+            except CheckpointError as e:
+                if isinstance(e, (TypeError, KeyError)) and "StateMismatch" in type(e).__name__:
+                    raise  # the state does not fit: an older checkpoint will not fit either
+                log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, e)
+                self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
+                continue
+            self.last_saved_step = step
+            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path)
+            return step
+        self.events.emit("fresh_start", skipped=len(candidates))
+        return None
+
+    def latest_step(self) -> int | None:
+        """The newest committed step (manifest present; not verified)."""
+        steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
+        return steps[-1] if steps else None
+
+    def _require_open(self) -> None:
+        if not self._opened:
+            raise CheckpointError("CheckpointManager is not open: use `with CheckpointManager(...) as mgr:` or call open()")

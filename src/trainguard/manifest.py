@@ -1,0 +1,286 @@
+"""The manifest: versioned, human-readable JSON, validated field by field before any use.
+
+``manifest.json`` is ``{"checksum":"<xxh3_64 hex>","manifest":<body>}`` where the checksum
+covers the exact bytes of ``<body>``: a flipped byte anywhere is detected before parsing the
+body. Written by rank 0 only, last, after every rank reported success (see ``commit.py``).
+
+Body (format_version 1)::
+
+    {"format_version": 1, "step": 700, "created": 1764500000.0, "world_size": 2,
+     "layout": "sharded", "library": "trainguard 0.1.0", "torch": "2.13.0",
+     "checksum": "xxh3_64", "block_size": 4194304, "metadata": {...},
+     "files": {"data-00000.bin": 123456},
+     "objects": {"model": {"skeleton": {...}}, "rng": {"ranks": [{...}, {...}]}},
+     "tensors": {"model/fc.weight": {"dtype": "float32", "shape": [4, 3],
+                 "chunks": [[offsets, sizes, file, byte_offset, length, [checksums...]]]}}}
+
+Chunks are lists, not objects, to keep manifests of thousands of ranks small.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from .errors import CorruptCheckpointError, FormatVersionError
+from .layout import DATA_RE
+
+FORMAT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+# Hard limits on what a manifest may claim (hostile or corrupt input).
+MAX_MANIFEST_BYTES = 1 << 30
+MAX_NDIM = 16
+MAX_TENSOR_BYTES = 1 << 48
+MAX_BLOCK = 1 << 30
+
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "complex64": torch.complex64,
+    "complex128": torch.complex128,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+for _name in ("uint16", "uint32", "uint64"):
+    if hasattr(torch, _name):
+        DTYPES[_name] = getattr(torch, _name)
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+def checksum(data: Any) -> str:
+    """The checksum of a bytes-like object: xxh3_64 as 16 hex digits (releases the GIL)."""
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+@dataclass
+class Chunk:
+    """One stored box of a tensor: ``offsets``/``sizes`` in the global tensor, bytes at
+    ``[offset, offset+length)`` of ``file``, one checksum per ``block_size`` bytes."""
+
+    offsets: list[int]
+    sizes: list[int]
+    file: str
+    offset: int
+    length: int
+    checksums: list[str]
+
+    def to_json(self) -> list[Any]:
+        return [self.offsets, self.sizes, self.file, self.offset, self.length, self.checksums]
+
+
+@dataclass
+class TensorEntry:
+    dtype: str
+    shape: list[int]
+    chunks: list[Chunk]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass
+class Manifest:
+    step: int
+    world_size: int
+    created: float
+    layout: str
+    block_size: int
+    files: dict[str, int]
+    objects: dict[str, dict[str, Any]]
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    library: str = ""
+    torch_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_bytes(self) -> bytes:
+        body = json.dumps(
+            {
+                "format_version": self.format_version,
+                "step": self.step,
+                "created": self.created,
+                "world_size": self.world_size,
+                "layout": self.layout,
+                "library": self.library,
+                "torch": self.torch_version,
+                "checksum": "xxh3_64",
+                "block_size": self.block_size,
+                "metadata": self.metadata,
+                "files": self.files,
+                "objects": self.objects,
+                "tensors": {k: v.to_json() for k, v in self.tensors.items()},
+            },
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
+        return b'{"checksum":"' + checksum(body).encode() + b'","manifest":' + body + b"}\n"
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str = "manifest.json") -> Manifest:
+        return parse(data, where)
+
+
+_PREFIX = b'{"checksum":"'
+
+
+def parse(data: bytes, where: str = "manifest.json") -> Manifest:
+    """Check the checksum, then validate every field. Raises CorruptCheckpointError/FormatVersionError."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise CorruptCheckpointError(f"{where}: {len(data)} bytes is larger than any manifest", file=where)
+    head = len(_PREFIX) + 16
+    if not (data.startswith(_PREFIX) and data[head : head + 13] == b'","manifest":' and data.rstrip().endswith(b"}")):
+        raise CorruptCheckpointError(f"{where}: not a trainguard manifest (or truncated)", file=where)
+    want = data[len(_PREFIX) : head].decode("ascii", "replace")
+    body = data[head + 13 : len(data.rstrip()) - 1]
+    if checksum(body) != want:
+        raise CorruptCheckpointError(f"{where}: checksum mismatch: the manifest is corrupt", file=where)
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: invalid JSON: {e}", file=where) from None
+    return validate(raw, where)
+
+
+def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if key not in d:
+        raise CorruptCheckpointError(f"{where}: missing field {key!r}", file=where)
+    v = d[key]
+    if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+        raise CorruptCheckpointError(f"{where}: field {key!r} has type {type(v).__name__}", file=where)
+    return v
+
+
+def _int(v: Any, lo: int, hi: int, what: str, where: str) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise CorruptCheckpointError(f"{where}: {what} = {str(v)[:40]!r} is not an integer in [{lo}, {hi}]", file=where)
+    return v
+
+
+def validate(raw: Any, where: str = "manifest.json") -> Manifest:
+    """Turn a parsed JSON body into a Manifest, checking types, bounds and cross references."""
+    if type(raw) is not dict:
+        raise CorruptCheckpointError(f"{where}: body is not an object", file=where)
+    version = raw.get("format_version")
+    if version not in SUPPORTED_VERSIONS:
+        raise FormatVersionError(
+            f"{where}: format_version {str(version)[:20]} is not supported by this trainguard "
+            f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade trainguard to load it"
+        )
+    if raw.get("checksum", "xxh3_64") != "xxh3_64":
+        raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {str(raw.get('checksum'))[:20]!r}")
+    step = _int(_req(raw, "step", int, where), 0, 1 << 62, "step", where)
+    world = _int(_req(raw, "world_size", int, where), 1, 1 << 20, "world_size", where)
+    block = _int(_req(raw, "block_size", int, where), 1, MAX_BLOCK, "block_size", where)
+    created = _req(raw, "created", (int, float), where)
+    layout = _req(raw, "layout", str, where)
+    if layout not in ("sharded", "full"):
+        raise CorruptCheckpointError(f"{where}: unknown layout {layout[:20]!r}", file=where)
+    files_raw = _req(raw, "files", dict, where)
+    files: dict[str, int] = {}
+    for name, size in files_raw.items():
+        if not DATA_RE.match(name):
+            raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
+        files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
+    objects = _req(raw, "objects", dict, where)
+    for key, obj in objects.items():
+        if type(obj) is not dict or not ("skeleton" in obj or type(obj.get("ranks")) is list):
+            raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
+    tensors: dict[str, TensorEntry] = {}
+    for path, t in _req(raw, "tensors", dict, where).items():
+        tensors[path] = _tensor(path, t, files, block, where)
+    metadata = raw.get("metadata", {})
+    if type(metadata) is not dict:
+        raise CorruptCheckpointError(f"{where}: metadata is not an object", file=where)
+    return Manifest(
+        step=step,
+        world_size=world,
+        created=float(created),
+        layout=layout,
+        block_size=block,
+        files=files,
+        objects=objects,
+        tensors=tensors,
+        metadata=metadata,
+        library=str(raw.get("library", "")),
+        torch_version=str(raw.get("torch", "")),
+        format_version=version,
+    )
+
+
+def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) -> TensorEntry:
+    w = f"{where}: tensor {path[:80]!r}"
+    if type(t) is not dict:
+        raise CorruptCheckpointError(f"{w} is malformed", file=where, entry=path)
+    dtype = t.get("dtype")
+    if dtype not in DTYPES:
+        raise CorruptCheckpointError(f"{w}: unknown dtype {str(dtype)[:20]!r}", file=where, entry=path)
+    shape = t.get("shape")
+    if type(shape) is not list or len(shape) > MAX_NDIM:
+        raise CorruptCheckpointError(f"{w}: bad shape", file=where, entry=path)
+    shape = [_int(s, 0, MAX_TENSOR_BYTES, "shape", w) for s in shape]
+    itemsize = DTYPES[dtype].itemsize
+    if math.prod(shape) * itemsize > MAX_TENSOR_BYTES:
+        raise CorruptCheckpointError(f"{w}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
+    chunks_raw = t.get("chunks")
+    if type(chunks_raw) is not list:
+        raise CorruptCheckpointError(f"{w}: chunks is not a list", file=where, entry=path)
+    chunks = []
+    volume = 0
+    for c in chunks_raw:
+        if type(c) is not list or len(c) != 6:
+            raise CorruptCheckpointError(f"{w}: malformed chunk", file=where, entry=path)
+        offs, sizes, fname, off, length, sums = c
+        if type(offs) is not list or type(sizes) is not list or len(offs) != len(shape) or len(sizes) != len(shape):
+            raise CorruptCheckpointError(f"{w}: chunk box does not match the shape", file=where, entry=path)
+        for o, s, dim in zip(offs, sizes, shape):
+            _int(o, 0, dim, "chunk offset", w)
+            _int(s, 0, dim, "chunk size", w)
+            if o + s > dim:
+                raise CorruptCheckpointError(f"{w}: chunk extends past the tensor", file=where, entry=path)
+        if fname not in files:
+            raise CorruptCheckpointError(f"{w}: chunk refers to unknown file {str(fname)[:60]!r}", file=where, entry=path)
+        _int(off, 0, files[fname], "chunk offset in file", w)
+        n = math.prod(sizes)
+        if _int(length, 0, files[fname], "chunk length", w) != n * itemsize or off + length > files[fname]:
+            raise CorruptCheckpointError(
+                f"{w}: chunk length {length} does not fit its box ({n * itemsize} bytes) or its file",
+                file=where,
+                entry=path,
+            )
+        if type(sums) is not list or len(sums) != -(-length // block) or not all(
+            type(s) is str and len(s) == 16 for s in sums
+        ):
+            raise CorruptCheckpointError(f"{w}: chunk checksums are malformed", file=where, entry=path)
+        volume += n
+        chunks.append(Chunk(list(offs), list(sizes), fname, off, length, list(sums)))
+    if volume != math.prod(shape):
+        raise CorruptCheckpointError(
+            f"{w}: chunks cover {volume} elements, the shape has {math.prod(shape)}", file=where, entry=path
+        )
+    return TensorEntry(dtype=dtype, shape=shape, chunks=chunks)

@@ -1,0 +1,202 @@
+"""Pure planning: who writes which chunk, where it goes in the file, and which byte ranges a
+rank reads for the boxes it owns. No I/O, no torch.distributed: tested with simulated ranks.
+
+Boxes are ``(offsets, sizes)`` in a tensor's global index space, stored row-major.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Chunks of at least this size start at a page boundary (O_DIRECT and mmap friendly);
+# smaller ones at 64 bytes, which keeps any dtype aligned when the file is mmapped.
+PAGE = 4096
+SMALL_ALIGN = 64
+PAGE_ALIGN_FROM = 1 << 20
+# Replicated tensors larger than this are split into row ranges so ranks can share the work.
+SPLIT_BYTES = 64 << 20
+
+
+def align_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class Box:
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def intersect(self, other: Box) -> Box | None:
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
+        if any(h <= low for low, h in zip(lo, hi)) and self.sizes:
+            return None
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+
+    def flat_start_in(self, outer: Box) -> int:
+        """Row-major element index of this box's first element inside ``outer``."""
+        idx = 0
+        for o, oo, s in zip(self.offsets, outer.offsets, outer.sizes):
+            idx = idx * s + (o - oo)
+        return idx
+
+    def is_contiguous_in(self, outer: Box) -> bool:
+        """True when this box's elements form one contiguous run in ``outer`` (row-major)."""
+        diff = [i for i, (a, b) in enumerate(zip(self.sizes, outer.sizes)) if a != b]
+        if not diff:
+            return True
+        return all(self.sizes[j] == 1 for j in range(diff[-1]))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+def row_split(shape: Sequence[int], itemsize: int, max_bytes: int = SPLIT_BYTES) -> list[Box]:
+    """Split a tensor into dim-0 row ranges of at most ``max_bytes`` (at least one row each)."""
+    nbytes = math.prod(shape) * itemsize
+    if not shape or shape[0] < 2 or nbytes <= max_bytes:
+        return [full_box(shape)]
+    row = nbytes // shape[0]
+    rows = max(1, max_bytes // max(row, 1))
+    out = []
+    for r in range(0, shape[0], rows):
+        n = min(rows, shape[0] - r)
+        out.append(Box((r,) + (0,) * (len(shape) - 1), (n,) + tuple(shape[1:])))
+    return out
+
+
+@dataclass(frozen=True)
+class ReplicatedItem:
+    path: str
+    shape: tuple[int, ...]
+    itemsize: int
+
+
+def assign_replicated(
+    items: Sequence[ReplicatedItem], world_size: int, base_load: Sequence[int] | None = None
+) -> list[tuple[str, Box, int]]:
+    """Deterministically spread replicated tensors over ranks so each writes ~1/N of the bytes.
+
+    Every rank calls this with the same ``items`` (same names, shapes, order-independent) and
+    gets the same answer, so no communication is needed beyond agreeing on the item set.
+    ``base_load[r]`` is what rank r already writes (its own shards). Returns
+    ``(path, box, writer_rank)`` for every piece; with one rank nothing is split.
+    """
+    loads = [(int(base_load[r]) if base_load else 0, r) for r in range(world_size)]
+    heapq.heapify(loads)
+    pieces: list[tuple[int, str, Box]] = []
+    for it in items:
+        boxes = row_split(it.shape, it.itemsize) if world_size > 1 else [full_box(it.shape)]
+        for b in boxes:
+            pieces.append((b.numel * it.itemsize, it.path, b))
+    pieces.sort(key=lambda p: (-p[0], p[1], p[2].offsets))
+    out = []
+    for nbytes, path, box in pieces:
+        load, r = heapq.heappop(loads)
+        out.append((path, box, r))
+        heapq.heappush(loads, (load + nbytes, r))
+    return out
+
+
+def layout_file(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
+    """Byte offsets for consecutive chunks of the given sizes in one file, and the file size."""
+    offsets = []
+    pos = start
+    for n in sizes:
+        pos = align_up(pos, PAGE if n >= PAGE_ALIGN_FROM else SMALL_ALIGN)
+        offsets.append(pos)
+        pos += n
+    return offsets, pos
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    """Verify ``checksum`` over ``length`` bytes at ``start`` within a read buffer."""
+
+    start: int
+    length: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    """Read ``length`` bytes at ``offset`` of ``file``.
+
+    Direct (``dest_byte`` is not None): straight into the destination's bytes at ``dest_byte``.
+    Indirect: into a scratch buffer, then copy the elements of ``inter`` out of it, where the
+    buffer holds chunk ``chunk`` from its element ``first_elem`` on.
+    """
+
+    file: str
+    offset: int
+    length: int
+    dest_byte: int | None
+    chunk: Box
+    inter: Box
+    first_elem: int
+    checks: tuple[BlockCheck, ...]
+    chunk_index: int
+
+
+def plan_reads(
+    chunks: Sequence[tuple[Box, str, int, int, Sequence[str]]],
+    dest: Box,
+    itemsize: int,
+    block_size: int,
+    verify: bool = True,
+) -> list[ReadOp]:
+    """Byte ranges to read so that ``dest`` (a box held contiguously by this rank) is filled.
+
+    ``chunks`` are ``(box, file, byte_offset, length, checksums)``. Only ranges overlapping
+    ``dest`` are read; with ``verify`` they are widened to whole checksum blocks.
+    """
+    ops: list[ReadOp] = []
+    for ci, (cbox, fname, foff, length, sums) in enumerate(chunks):
+        inter = cbox.intersect(dest)
+        if inter is None or inter.numel == 0:
+            continue
+        first = inter.flat_start_in(cbox)
+        last = _last_flat(inter, cbox)
+        lo, hi = first * itemsize, (last + 1) * itemsize
+        if verify:
+            lo = lo // block_size * block_size
+            hi = min(align_up(hi, block_size), length)
+        direct = (
+            inter.is_contiguous_in(cbox)
+            and inter.is_contiguous_in(dest)
+            and lo == first * itemsize
+            and hi == (last + 1) * itemsize
+        )
+        checks: tuple[BlockCheck, ...] = ()
+        if verify:
+            checks = tuple(
+                BlockCheck(b * block_size - lo, min(block_size, length - b * block_size), sums[b])
+                for b in range(lo // block_size, -(-hi // block_size))
+            )
+        ops.append(
+            ReadOp(
+                file=fname,
+                offset=foff + lo,
+                length=hi - lo,
+                dest_byte=inter.flat_start_in(dest) * itemsize if direct else None,
+                chunk=cbox,
+                inter=inter,
+                first_elem=lo // itemsize if itemsize else 0,
+                checks=checks,
+                chunk_index=ci,
+            )
+        )
+    return ops
+
+
+def _last_flat(inter: Box, outer: Box) -> int:
+    last = Box(tuple(o + s - 1 for o, s in zip(inter.offsets, inter.sizes)), tuple(1 for _ in inter.sizes))
+    return last.flat_start_in(outer)

@@ -1,0 +1,183 @@
+"""When to save and which checkpoints to keep. Pure policy: no I/O, no torch.distributed.
+
+The manager calls, on every rank and in this order, for every ``mgr.save(step, state)``:
+
+1. ``save_policy.on_step(step, now)``: a heartbeat with the training loop's clock;
+2. ``save_policy.should_save(step, now)``: must return the same answer on every rank (all
+   built-in policies are deterministic functions of step and of values agreed at start;
+   time-based policies are decided on rank 0 and broadcast by the manager);
+3. after a save was staged/committed, ``save_policy.on_saved(step, stall_s, duration_s)``.
+
+Retention runs on rank 0 only, after a new checkpoint is committed:
+``keep.select(checkpoints) -> set of steps to keep``. The manager additionally never deletes
+the newest valid checkpoint nor anything before the new one is committed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What retention policies see of one committed checkpoint."""
+
+    step: int
+    created: float
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class SavePolicy:
+    """Base class of save policies: when should the manager write a checkpoint?"""
+
+    def on_step(self, step: int, now: float) -> None:
+        """Called by the manager at every ``save()`` call (one per training step)."""
+
+    def should_save(self, step: int, now: float) -> bool:
+        raise NotImplementedError
+
+    def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
+        """Called after a save: ``stall_s`` is the time training was blocked, ``duration_s`` the whole save."""
+
+    def describe(self) -> str:
+        return repr(self)
+
+
+class EveryNSteps(SavePolicy):
+    """Save when ``step % n == 0`` (and ``step > 0`` unless ``at_start=True``)."""
+
+    def __init__(self, n: int, *, at_start: bool = False) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
+        self.n = n
+        self.at_start = at_start
+
+    def should_save(self, step: int, now: float) -> bool:
+        if step == 0 and not self.at_start:
+            return False
+        return step % self.n == 0
+
+    def __repr__(self) -> str:
+        return f"EveryNSteps({self.n})"
+
+
+class EverySeconds(SavePolicy):
+    """Save when at least ``seconds`` of wall time passed since the last save (or the start)."""
+
+    def __init__(self, seconds: float) -> None:
+        if not seconds > 0:
+            raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be > 0")
+        self.seconds = float(seconds)
+        self._last: float | None = None
+
+    def on_step(self, step: int, now: float) -> None:
+        if self._last is None:
+            self._last = now
+
+    def should_save(self, step: int, now: float) -> bool:
+        return self._last is not None and now - self._last >= self.seconds
+
+    def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
+        self._last = None  # restart the clock at the next step
+
+    def __repr__(self) -> str:
+        return f"EverySeconds({self.seconds:g})"
+
+
+class RetentionPolicy:
+    """Base class of retention policies: which committed checkpoints to keep."""
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        raise NotImplementedError
+
+    def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
+        return KeepUnion(self, other)
+
+
+class KeepAll(RetentionPolicy):
+    """Never delete anything."""
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in checkpoints}
+
+    def __repr__(self) -> str:
+        return "KeepAll()"
+
+
+class KeepLatest(RetentionPolicy):
+    """Keep the ``n`` newest checkpoints."""
+
+    def __init__(self, n: int) -> None:
+        if not isinstance(n, int) or n < 2:
+            raise ValueError(
+                f"KeepLatest({n!r}): keep at least 2 checkpoints: the newest one may be incomplete "
+                "or corrupt when the job dies, and then the one before it is all you have"
+            )
+        self.n = n
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n :]}
+
+    def __repr__(self) -> str:
+        return f"KeepLatest({self.n})"
+
+
+class KeepEvery(RetentionPolicy):
+    """Keep every checkpoint whose step is a multiple of ``k`` forever (combine with ``|``)."""
+
+    def __init__(self, k: int) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"KeepEvery({k!r}): k must be a positive number of steps")
+        self.k = k
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in checkpoints if c.step % self.k == 0}
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.k})"
+
+
+class KeepBest(RetentionPolicy):
+    """Keep the ``n`` checkpoints with the best ``metric`` (passed as ``mgr.save(..., metrics={...})``).
+
+    Checkpoints without the metric, or with a NaN value, rank last.
+    """
+
+    def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"KeepBest(mode={mode!r}): mode must be 'min' or 'max'")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"KeepBest(n={n!r}): n must be a positive integer")
+        self.metric, self.n, self.mode = metric, n, mode
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        sign = 1.0 if self.mode == "min" else -1.0
+
+        def key(c: CheckpointInfo) -> tuple[int, float, int]:
+            v = c.metrics.get(self.metric)
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                return (1, 0.0, -c.step)
+            return (0, sign * float(v), -c.step)
+
+        return {c.step for c in sorted(checkpoints, key=key)[: self.n]}
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.metric!r}, n={self.n}, mode={self.mode!r})"
+
+
+class KeepUnion(RetentionPolicy):
+    """Keep what any of the policies keeps: ``KeepLatest(3) | KeepEvery(10_000)``."""
+
+    def __init__(self, *policies: RetentionPolicy) -> None:
+        self.policies = policies
+
+    def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= p.select(checkpoints)
+        return out
+
+    def __repr__(self) -> str:
+        return " | ".join(repr(p) for p in self.policies)

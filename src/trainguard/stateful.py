@@ -1,0 +1,232 @@
+"""What can be saved: the ``Stateful`` protocol, plain progress values, RNG state, and the
+adapters that turn modules and optimizers into name-keyed state dicts.
+
+``api.save``/``api.load`` call :func:`adapt` once per top-level entry of the user's state, on
+every rank, before flattening. Nothing here knows about files or torch.distributed.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` and ``load_state_dict()`` can be an entry of the state."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class StateDict(dict):
+    """A dict of plain progress values (step, tokens, epoch...) that loads in place.
+
+    ``state["progress"] = tg.StateDict(step=0, tokens=0)``; after ``restore``, the same object
+    holds the saved values. Values are tensors or JSON values, like every leaf.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.clear()
+        self.update(state_dict)
+
+
+class RNGState:
+    """Every random generator a training step draws from: Python ``random``, NumPy's global
+    generator, torch CPU, and each CUDA device when CUDA is present.
+
+    Rank-local: in a multi-rank save every rank stores its own; see ``docs/distributed.md`` for
+    what happens when the world size changes (rank r takes saved rank r when it exists,
+    otherwise its generators are re-seeded deterministically from ``(seed, rank)``).
+    """
+
+    trainguard_rank_local = True
+
+    def __init__(self, *, reseed: int = 0) -> None:
+        self.reseed = reseed
+
+    def state_dict(self) -> dict[str, Any]:
+        algo, keys, pos, has_gauss, cached = np.random.get_state()
+        sd: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": {
+                "algo": str(algo),
+                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            },
+            "torch_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            sd["cuda"] = list(torch.cuda.get_rng_state_all())
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        random.setstate(_as_python_rng(state_dict["python"]))
+        n = state_dict["numpy"]
+        np.random.set_state(
+            (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+        torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
+        cuda = state_dict.get("cuda")
+        if cuda and torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if len(cuda) != count:
+                warnings.warn(
+                    f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {count}; "
+                    f"restoring the first {min(len(cuda), count)}",
+                    stacklevel=2,
+                )
+            for i, s in enumerate(cuda[:count]):
+                torch.cuda.set_rng_state(s.to("cpu", torch.uint8), i)
+        elif cuda:
+            warnings.warn("checkpoint has CUDA RNG state but CUDA is not available; it is ignored", stacklevel=2)
+
+    def reseed_for_rank(self, rank: int) -> None:
+        """Seed every generator deterministically from ``(reseed, rank)``; used when no saved state
+        exists for this rank (the world size grew)."""
+        seed = (self.reseed * 1_000_003 + rank) % (2**31)
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+
+def _as_python_rng(v: Any) -> tuple:
+    version, internal, gauss = v
+    return (int(version), tuple(int(x) for x in internal), gauss)
+
+
+def is_rank_local(obj: Any) -> bool:
+    """True for entries each rank saves separately (RNG, per-rank iterators)."""
+    return bool(getattr(obj, "trainguard_rank_local", False))
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """Strip DDP/DataParallel (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    while True:
+        if isinstance(module, (DistributedDataParallel, DataParallel)):
+            module = module.module
+        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def _canonical_key(key: str) -> str:
+    # A compiled submodule inside the model shows up as "..._orig_mod.<name>".
+    parts = [p for p in key.split(".") if p != "_orig_mod"]
+    return ".".join(parts)
+
+
+class ModuleAdapter:
+    """Saves an ``nn.Module`` under wrapper-free names; loads into wrapped or unwrapped models."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = unwrap_module(module)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {_canonical_key(k): v for k, v in self.module.state_dict().items()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        actual = {_canonical_key(k): k for k in self.module.state_dict()}
+        mapped = {actual.get(k, k): v for k, v in state_dict.items()}
+        self.module.load_state_dict(mapped, strict=strict)
+
+    def param_names(self) -> dict[int, str]:
+        return {id(p): _canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+
+
+class OptimizerAdapter:
+    """Optimizer state keyed by parameter *name* instead of integer index.
+
+    ``names`` maps ``id(param)`` to its name (from the modules in the same state); parameters
+    not found there are named ``param.<index>`` (with a warning at save time).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
+        self.optimizer = optimizer
+        self.names = names
+
+    def _index_names(self) -> list[str]:
+        out: list[str] = []
+        unnamed = 0
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                name = self.names.get(id(p))
+                if name is None:
+                    unnamed += 1
+                    name = f"param.{len(out)}"
+                out.append(name)
+        if unnamed:
+            warnings.warn(
+                f"{unnamed} optimizer parameter(s) belong to no nn.Module in the saved state; they are "
+                "keyed by index, which breaks if parameters are re-ordered. Save the model in the same state.",
+                stacklevel=3,
+            )
+        if len(set(out)) != len(out):
+            raise ValueError("optimizer holds the same parameter twice; trainguard keys optimizer state by name")
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = self.optimizer.state_dict()
+        names = self._index_names()
+        return {
+            "state": {names[i]: s for i, s in sd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        index = {n: i for i, n in enumerate(self._index_names())}
+        missing = [n for g in state_dict["param_groups"] for n in g["params"] if n not in index]
+        if missing:
+            from .errors import StateMismatchError
+
+            raise StateMismatchError(missing=[], unexpected=[f"optim param {n}" for n in missing], mismatched=[])
+        self.optimizer.load_state_dict(
+            {
+                "state": {index[n]: s for n, s in state_dict["state"].items()},
+                "param_groups": [
+                    {**g, "params": [index[n] for n in g["params"]]} for g in state_dict["param_groups"]
+                ],
+            }
+        )
+
+
+def param_name_map(state: Mapping[str, Any]) -> dict[int, str]:
+    """``id(param) -> name`` over every module in the state (names prefixed by the entry key
+    when the state holds more than one module)."""
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    out: dict[int, str] = {}
+    for key, mod in modules.items():
+        for pid, name in ModuleAdapter(mod).param_names().items():
+            out.setdefault(pid, name if len(modules) == 1 else f"{key}.{name}")
+    return out
+
+
+def adapt(value: Any, names: Mapping[int, str]) -> Any:
+    """The object whose ``state_dict()``/``load_state_dict()`` trainguard calls for one entry,
+    or the value itself when it is plain data (a tensor or JSON)."""
+    if isinstance(value, nn.Module):
+        return ModuleAdapter(value)
+    if isinstance(value, torch.optim.Optimizer):
+        return OptimizerAdapter(value, names)
+    return value
+
+
+def has_state(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
