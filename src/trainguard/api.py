@@ -42,7 +42,7 @@ from .flatten import flatten, tensor_refs, unflatten
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_file
 from .manifest import DTYPE_NAMES, Chunk, Manifest, TensorEntry
 from .planner import Box, ReplicatedItem, assign_replicated, full_box, layout_file, plan_reads
-from .stateful import ModuleAdapter, adapt, has_state, is_rank_local, param_name_map
+from .stateful import ModuleAdapter, OptimizerAdapter, adapt, has_state, is_rank_local, param_name_map
 from .storage import Storage, for_path
 
 
@@ -472,17 +472,21 @@ def _load(
         for p in refs:
             if p not in manifest.tensors:
                 raise CorruptCheckpointError(f"manifest references tensor {p!r} that it does not describe", entry=p)
-        for p in dest:
-            if p not in refs:
-                missing.append(p)
+        # Modules have a fixed set of tensors: report every difference. Optimizers: shapes must
+        # match (a fresh one has no state yet). Other objects: their load_state_dict decides; a
+        # tensor whose shape changed is simply read into a new tensor.
         if isinstance(obj, ModuleAdapter):
+            missing += [p for p in dest if p not in refs]
             unexpected += [p for p in refs if p not in dest]
         for p in refs:
             d = dest.get(p)
             if d is not None:
                 e = manifest.tensors[p]
                 if list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype:
-                    mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
+                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                        mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
+                    else:
+                        del dest[p]
         plans.append((key, obj, skel, dest))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
@@ -514,12 +518,20 @@ def _load(
         live.copy_(staged)
     for key, obj, skel, dest in plans:
         value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
-        if isinstance(obj, ModuleAdapter):
-            obj.load_state_dict(value, strict=strict)
-        elif has_state(obj):
-            obj.load_state_dict(value)
-        elif isinstance(state, dict):
-            state[key] = value
+        try:
+            if isinstance(obj, ModuleAdapter):
+                obj.load_state_dict(value, strict=strict)
+            elif has_state(obj):
+                obj.load_state_dict(value)
+            elif isinstance(state, dict):
+                state[key] = value
+        except CheckpointError:
+            raise
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
+                "the same way as when it was saved (same parameter groups, same configuration)"
+            ) from e
 
 
 def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) -> tuple[Any, int | None]:

@@ -191,19 +191,32 @@ class OptimizerAdapter:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        index = {n: i for i, n in enumerate(self._index_names())}
-        missing = [n for g in state_dict["param_groups"] for n in g["params"] if n not in index]
-        if missing:
-            from .errors import StateMismatchError
+        from .errors import CheckpointError
 
-            raise StateMismatchError(missing=[], unexpected=[f"optim param {n}" for n in missing], mismatched=[])
+        names = self._index_names()
+        index = {n: i for i, n in enumerate(names)}
+        saved_groups = state_dict["param_groups"]
+        cur_groups = self.optimizer.param_groups
+        if len(saved_groups) != len(cur_groups):
+            raise CheckpointError(
+                f"entry 'optim': the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
+                f"{len(cur_groups)}; build the optimizer with the same groups as when it was saved"
+            )
+        groups = []
+        pos = 0
+        for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
+            cur_names = names[pos : pos + len(cur["params"])]
+            pos += len(cur["params"])
+            if set(saved["params"]) != set(cur_names):
+                diff = sorted(set(saved["params"]) ^ set(cur_names))
+                raise CheckpointError(
+                    f"entry 'optim': parameter group {gi} holds other parameters than at save time "
+                    f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
+                )
+            # torch matches saved to current parameters by position: give the current order.
+            groups.append({**saved, "params": [index[n] for n in cur_names]})
         self.optimizer.load_state_dict(
-            {
-                "state": {index[n]: s for n, s in state_dict["state"].items()},
-                "param_groups": [
-                    {**g, "params": [index[n] for n in g["params"]]} for g in state_dict["param_groups"]
-                ],
-            }
+            {"state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups}
         )
 
 

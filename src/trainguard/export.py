@@ -1,0 +1,63 @@
+"""Export a checkpoint's model weights to standard formats: a safetensors file, or a file that
+``torch.load(weights_only=True)`` reads. Offline, one process, no process group; tensors are
+assembled from their chunks (whatever world size wrote them) one at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import torch
+
+from .commit import read_manifest
+from .errors import CheckpointError
+from .io import ReadTarget, read_targets
+from .manifest import Manifest
+from .planner import Box, full_box, plan_reads
+from .storage import Storage, for_path
+
+
+def iter_tensors(
+    storage: Storage, directory: str, manifest: Manifest, prefix: str, *, verify: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, one at a time
+    (names without the prefix). Rank-local entries (``key@rank``) are not included."""
+    head = prefix.rstrip("/") + "/"
+    for path, e in manifest.tensors.items():
+        if not path.startswith(head):
+            continue
+        t = torch.empty(e.shape, dtype=e.torch_dtype)
+        ops = plan_reads(
+            [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in e.chunks],
+            full_box(e.shape),
+            e.torch_dtype.itemsize,
+            manifest.block_size,
+            verify,
+        )
+        read_targets(storage, directory, [ReadTarget(path, t, full_box(e.shape), ops)])
+        yield path[len(head) :], t
+
+
+def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
+    """Write entry ``entry``'s tensors to ``to`` (``.safetensors`` or ``.pt``/``.pth``).
+    Returns the number of tensors written. Called by ``trainguard export``."""
+    storage, directory = for_path(ckpt)
+    manifest = read_manifest(storage, directory)
+    if entry not in manifest.objects:
+        raise CheckpointError(
+            f"{directory} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
+        )
+    tensors = dict(iter_tensors(storage, directory, manifest, entry))
+    if not tensors:
+        raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
+    out = os.fspath(to)
+    if out.endswith(".safetensors"):
+        from safetensors.torch import save_file
+
+        save_file(tensors, out, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
+    elif out.endswith((".pt", ".pth", ".bin")):
+        torch.save(tensors, out)
+    else:
+        raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
+    return len(tensors)

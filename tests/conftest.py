@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run a Python child process (bounded in time; killed on timeout by subprocess.run)."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "src"), e.get("PYTHONPATH", "")])
+    e.update(env or {})
+    return subprocess.run([sys.executable, *args], env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def run_child():
+    return run_py

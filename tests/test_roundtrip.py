@@ -1,0 +1,177 @@
+"""Round trips of every kind of leaf and entry, one process."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.flatten import flatten, unflatten
+
+
+def test_every_json_leaf_kind_round_trips_with_tuples_and_int_keys(tmp_path):
+    value = {
+        "i": 3, "neg": -(2**62), "f": 1.5, "nan": float("nan"), "inf": float("inf"), "ninf": float("-inf"),
+        "b": True, "none": None, "s": "héllo/with slash", "l": [1, [2, 3], ()], "t": (1, (2.0, "x"), [None]),
+        "d": {"nested": {"deeper": [1, 2]}}, "intkeys": {0: "a", 5: {1: 2}}, "$odd": {"$t": "not a tensor"},
+        "empty": {}, "tensor_in_tuple": (torch.arange(3),),
+    }
+    state = {"extra": value}
+    tg.save(tmp_path / "step-000000001", state)
+    out = {"extra": None}
+    tg.load(tmp_path / "step-000000001", out)
+    got = out["extra"]
+    assert math.isnan(got["nan"]) and got["inf"] == math.inf and got["ninf"] == -math.inf
+    for k in ("i", "neg", "f", "b", "none", "s", "l", "t", "d", "intkeys", "$odd", "empty"):
+        assert got[k] == value[k] and type(got[k]) is type(value[k]), k
+    assert type(got["t"][1]) is tuple and type(got["l"][2]) is tuple
+    assert torch.equal(got["tensor_in_tuple"][0], torch.arange(3)) and type(got["tensor_in_tuple"]) is tuple
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int32, torch.int64,
+     torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn],
+)
+def test_tensor_dtypes_and_shapes_round_trip_in_place(tmp_path, dtype):
+    g = torch.Generator().manual_seed(0)
+    shapes = [(), (0,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5)]
+    src = {f"t{i}": (torch.randn(s, generator=g) * 10).to(dtype) for i, s in enumerate(shapes)}
+    tg.save(tmp_path / "c", {"x": src})
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    ptrs = {k: v.data_ptr() for k, v in dst.items()}
+    if any(v.numel() for v in src.values() if v.dtype != torch.bool):
+        assert not all(_same(dst[k], src[k]) for k in src if src[k].numel())
+    tg.load(tmp_path / "c", {"x": dst})
+    for k in src:
+        assert dst[k].data_ptr() == ptrs[k], "loaded in place, not replaced"
+        assert dst[k].dtype == dtype and _same(dst[k], src[k]), k
+
+
+def _same(a, b):
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def test_unsupported_leaf_fails_at_save_naming_its_path(tmp_path):
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    opt.param_groups[0]["foo"] = object()
+    with pytest.raises(tg.UnsupportedValueError, match=r"optim/param_groups/0/foo.*without pickle"):
+        tg.save(tmp_path / "c", {"optim": opt})
+    with pytest.raises(tg.UnsupportedValueError, match=r"x/arr.*tolist"):
+        tg.save(tmp_path / "c", {"x": {"arr": np.zeros(3)}})
+    assert not (tmp_path / "c").exists()
+
+
+def test_non_contiguous_tensor_is_rejected_with_the_fix(tmp_path):
+    with pytest.raises(tg.UnsupportedValueError, match=r"w: tensor is not contiguous.*contiguous\(\)"):
+        tg.save(tmp_path / "c", {"x": {"w": torch.randn(4, 5).t()}})
+
+
+def test_flatten_unflatten_inverse_on_nested_structure():
+    v = {"a": [1, (2, {"b": torch.ones(2)})], 3: "int key"}
+    skel, tensors = flatten(v, "root")
+    assert list(tensors) == ["root/a/1/1/b"]
+    back = unflatten(skel, tensors.__getitem__)
+    assert back[3] == "int key" and back["a"][1][1]["b"] is tensors["root/a/1/1/b"]
+
+
+def _model():
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def test_module_prefixes_are_stripped_and_load_into_wrapped_or_plain(tmp_path):
+    torch.manual_seed(0)
+    m = _model()
+    compiled = torch.compile(m)  # wraps as OptimizedModule (._orig_mod); nothing is compiled here
+    tg.save(tmp_path / "c", {"model": compiled})
+    names = set(tg.inspect.describe(tmp_path / "c").tensors)
+    assert names == {"model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"}
+    torch.manual_seed(1)
+    plain = _model()
+    assert not torch.equal(plain[0].weight, m[0].weight)
+    tg.load(tmp_path / "c", {"model": plain})
+    assert torch.equal(plain[0].weight, m[0].weight)
+    torch.manual_seed(2)
+    wrapped = torch.compile(_model())
+    tg.load(tmp_path / "c", {"model": wrapped})
+    assert torch.equal(wrapped._orig_mod[2].weight, m[2].weight)
+
+
+def test_optimizer_state_keyed_by_name_survives_reordered_params(tmp_path):
+    torch.manual_seed(0)
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    tg.save(tmp_path / "c", {"model": m, "optim": opt})
+    names = tg.inspect.describe(tmp_path / "c").tensors
+    assert "optim/state/0.weight/exp_avg" in names and "optim/state/2.bias/exp_avg_sq" in names
+    m2 = _model()
+    # Parameters in another order (and another group split) than at save time.
+    opt2 = torch.optim.AdamW([{"params": [m2[2].bias, m2[2].weight]}, {"params": [m2[0].bias, m2[0].weight]}], lr=0.1)
+    saved = {n: opt.state[p]["exp_avg"] for n, p in m.named_parameters()}
+    with pytest.raises(tg.CheckpointError, match="entry 'optim'"):
+        tg.load(tmp_path / "c", {"model": m2, "optim": opt2})  # two groups now, one at save time
+    opt3 = torch.optim.AdamW(list(reversed(list(m2.parameters()))), lr=0.1)
+    tg.load(tmp_path / "c", {"model": m2, "optim": opt3})
+    for n, p in m2.named_parameters():
+        assert torch.equal(opt3.state[p]["exp_avg"], saved[n]), n
+
+
+def test_scheduler_scaler_statedict_and_generic_stateful_round_trip(tmp_path):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    for _ in range(5):
+        opt.step()
+        sched.step()
+    scaler.scale(torch.tensor(1.0))
+    scaler.update(new_scale=64.0)
+
+    class Counter:
+        def __init__(self, n=0):
+            self.n = n
+
+        def state_dict(self):
+            return {"n": self.n, "hist": torch.arange(self.n)}
+
+        def load_state_dict(self, sd):
+            self.n = sd["n"]
+            assert torch.equal(sd["hist"], torch.arange(self.n))
+
+    prog = tg.StateDict(step=5, tokens=1 << 40)
+    tg.save(tmp_path / "c", {"sched": sched, "scaler": scaler, "progress": prog, "counter": Counter(7)})
+    opt2 = torch.optim.SGD(_model().parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.5)
+    scaler2 = torch.amp.GradScaler("cpu")
+    prog2, c2 = tg.StateDict(), Counter()
+    tg.load(tmp_path / "c", {"sched": sched2, "scaler": scaler2, "progress": prog2, "counter": c2})
+    assert sched2.state_dict() == sched.state_dict() and sched2.get_last_lr() == [0.25]
+    assert scaler2.get_scale() == 64.0 and prog2 == {"step": 5, "tokens": 1 << 40} and c2.n == 7
+
+
+def test_rng_state_restores_every_generator():
+    state = tg.RNGState()
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    np.random.randn()  # leave a cached gaussian in numpy's state
+    sd = state.state_dict()
+    expected = (random.random(), np.random.randn(3).tolist(), torch.rand(3).tolist())
+    random.seed(9), np.random.seed(9), torch.manual_seed(9)
+    assert (random.random(), np.random.randn(3).tolist(), torch.rand(3).tolist()) != expected
+    state.load_state_dict(sd)
+    assert (random.random(), np.random.randn(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    tg.save(tmp_path / "c", {"rng": tg.RNGState()})
+    expected = (random.random(), np.random.rand(), torch.rand(2).tolist())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    tg.load(tmp_path / "c", {"rng": tg.RNGState()})
+    assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == expected
