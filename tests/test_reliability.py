@@ -182,7 +182,7 @@ def test_documented_example_runs_and_matches_the_doc() -> None:
     for key, value in documented.items():
         if key == "intervals":
             assert [r["label"] for r in got[key]] == [r["label"] for r in value]
-            for g, v in zip(got[key], value):
+            for g, v in zip(got[key], value, strict=True):
                 assert g["efficiency"] == pytest.approx(v["efficiency"], rel=1e-5)
         else:
             assert got[key] == pytest.approx(value, rel=1e-5), key

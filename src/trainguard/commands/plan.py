@@ -1,0 +1,204 @@
+"""``trainguard plan`` (how often to save) and ``trainguard doctor`` (common checkpointing mistakes).
+
+Thin: the figures come from :mod:`trainguard.reliability`, the checks from
+:mod:`trainguard.doctor`; this module parses options and prints rich tables or JSON.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ..reliability import Plan, format_duration, make_plan, parse_duration, plot_plan
+
+
+class _Duration(click.ParamType):
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+DURATION = _Duration()
+
+
+def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
+        opts = [
+            click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="nodes in the job"),
+            click.option("--node-failures-per-day", type=float, help="failures per node per day, e.g. 0.0065"),
+            click.option("--node-mtbf", type=DURATION, help="or a node's mean time between failures, e.g. 400d"),
+            click.option("--save-stall", type=DURATION, required=restart_required,
+                         help="time training is blocked per save (async: the blocking part), e.g. 30s"),
+            click.option("--restart", type=DURATION, required=restart_required, default=None if restart_required else 0.0,
+                         help="time from a failure until training runs again, e.g. 10m"),
+            click.option("--step-time", type=DURATION, help="seconds per training step, to express intervals in steps"),
+            click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True),
+        ]
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return wrap
+
+
+def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: float | None, save_stall: float,
+                restart: float, step_time: float | None, gpus_per_node: int,
+                intervals: dict[str, float] | None = None) -> Plan:
+    if (node_failures_per_day is None) == (node_mtbf is None):
+        raise click.UsageError("give exactly one of --node-failures-per-day and --node-mtbf")
+    try:
+        return make_plan(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf,
+                         stall_s=save_stall, restart_s=restart, step_time_s=step_time,
+                         gpus_per_node=gpus_per_node, intervals=intervals)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
+    """``"500,1000"`` (steps; needs a step time) or ``"10m,1h"`` (compute time) -> {label: seconds}."""
+    out: dict[str, float] = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        if item.isdigit():
+            if step_time is None:
+                raise click.UsageError(f"--every {item} is in steps: give --step-time too (or write e.g. 30m)")
+            out[f"every {int(item)} steps"] = int(item) * step_time
+        else:
+            try:
+                out[f"every {item}"] = parse_duration(item)
+            except ValueError as e:
+                raise click.UsageError(f"--every: {e}") from None
+    return out
+
+
+@click.command("plan")
+@_failure_options(restart_required=True)
+@click.option("--every", "every", help="intervals to compare, steps or durations: 500,1000 or 10m,1h")
+@click.option("--plot", type=click.Path(dir_okay=False), help="draw efficiency against interval to this PNG")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
+def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float | None, save_stall: float,
+             restart: float, step_time: float | None, gpus_per_node: int, every: str | None, plot: str | None,
+             as_json: bool) -> None:
+    """How often to save: failure odds, Young's and Daly's intervals, efficiency, GPU-hours lost.
+
+    Example: trainguard plan --nodes 256 --node-failures-per-day 0.0065 --save-stall 30s --restart 10m
+    --step-time 2s --every 500,1000
+    """
+    p = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node,
+                    parse_every(every, step_time))
+    if plot:
+        try:
+            plot_plan(p, plot)
+        except ImportError:
+            raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
+    if as_json:
+        click.echo(json.dumps(p.to_dict()))
+        return
+    _print_plan(p, plot)
+
+
+def _pct(p: float) -> str:
+    return f"{100 * p:.1f}%" if p < 0.995 else f"{100 * p:.6g}%"
+
+
+def _print_plan(p: Plan, plot: str | None) -> None:
+    con = Console()
+    t = Table(title="Failures", show_header=False)
+    t.add_row("job MTBF", f"{format_duration(p.job_mtbf_s)} (node MTBF {format_duration(p.node_mtbf_s)} "
+              f"/ {p.nodes} nodes)")
+    t.add_row("P(>= 1 failure) per day", _pct(p.p_failure_day))
+    t.add_row("P(>= 1 failure) per week", _pct(p.p_failure_week))
+    t.add_row("expected failures per day", f"{86400 / p.job_mtbf_s:.3g}")
+    con.print(t)
+    t = Table(title=f"Save interval (stall {format_duration(p.stall_s)}, restart {format_duration(p.restart_s)})")
+    for col in ("interval", "compute between saves", "steps", "efficiency", "GPU-hours lost / day"):
+        t.add_column(col, justify="left" if col == "interval" else "right")
+    gpus = p.nodes * p.gpus_per_node * 24.0
+    rows = [("Young (first order)", p.young_interval_s, p.efficiency_at_young),
+            ("Daly (optimum)", p.daly_interval_s, p.efficiency_at_daly)]
+    rows += [(r.label, r.interval_s, r.efficiency) for r in p.rows]
+    for label, tau, e in rows:
+        steps = p.steps(tau)
+        t.add_row(label, format_duration(tau), "-" if steps is None else f"{steps:,}", f"{100 * e:.2f}%",
+                  f"{(1 - e) * gpus:,.0f}")
+    con.print(t)
+    con.print("Efficiency = useful time / wall time, from the exact expected time "
+              "M·e^(R/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006); see docs/planning.md.")
+    if plot:
+        con.print(f"plot written to {plot}")
+
+
+@click.command("doctor")
+@click.argument("script", type=click.Path(exists=True, dir_okay=False))
+@_failure_options(restart_required=False)
+@click.option("--amp", type=click.Choice(["float16", "bfloat16", "none"]), help="override AMP detection")
+@click.option("--json", "as_json", is_flag=True, help="print the findings as a JSON list")
+def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, node_mtbf: float | None,
+               save_stall: float | None, restart: float, step_time: float | None, gpus_per_node: int,
+               amp: str | None, as_json: bool) -> None:
+    """Check a training script for common checkpointing mistakes; exit 1 if any is an error.
+
+    SCRIPT must define trainguard_state() returning the state dict, or (state, manager) where
+    manager is a CheckpointManager or a dict with root, save, keep, async_save. Its module-level
+    code runs (keep training under `if __name__ == "__main__":`). Give the failure rate and
+    --save-stall (and --step-time) to also check the save interval against the optimum.
+    """
+    from ..doctor import check, settings_from
+
+    state, manager = _load_hook(Path(script))
+    plan = None
+    if save_stall is not None and (node_failures_per_day is not None or node_mtbf is not None):
+        plan = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node)
+    amp_mode: str | bool | None = False if amp == "none" else amp
+    settings = settings_from(manager, plan=plan, source=Path(script).read_text(encoding="utf-8"), amp=amp_mode)
+    findings = check(state, settings)
+    if as_json:
+        click.echo(json.dumps([f.__dict__ for f in findings]))
+    else:
+        t = Table(title=f"trainguard doctor {script}")
+        for col in ("check", "status", "finding", "fix"):
+            t.add_column(col, overflow="fold")
+        style = {"error": "bold red", "warning": "yellow", "ok": "green"}
+        for f in findings:
+            t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
+        Console().print(t)
+    if any(f.severity == "error" for f in findings):
+        sys.exit(1)
+
+
+def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
+    """Import ``path`` as a module (not as __main__) and call its ``trainguard_state()``."""
+    spec = importlib.util.spec_from_file_location(f"_trainguard_doctor_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise click.ClickException(f"{path}: cannot import this file as Python")
+    mod = importlib.util.module_from_spec(spec)
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)  # so the script's own sibling imports work
+    try:
+        spec.loader.exec_module(mod)
+        hook = getattr(mod, "trainguard_state", None)
+        if not callable(hook):
+            raise click.ClickException(f"{path} defines no trainguard_state(): add one that returns the state "
+                                       "dict, or (state, manager)")
+        out = hook()
+    except click.ClickException:
+        raise
+    except Exception as e:
+        raise click.ClickException(f"{path}: {type(e).__name__}: {e}") from e
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
+    if not isinstance(state, Mapping):
+        raise click.ClickException(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
+    return state, manager

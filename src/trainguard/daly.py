@@ -1,0 +1,176 @@
+"""``DalyInterval``: a save policy that measures the stall and the step time and saves at Daly's optimum.
+
+The manager calls it like every :class:`~trainguard.policies.SavePolicy`, on every rank, in
+this order for each ``mgr.save(step, state)``: ``on_step`` -> ``should_save`` -> (after a save)
+``on_saved(step, stall_s, duration_s)``, where ``stall_s`` is the time training was blocked
+(for an async save: the blocking part only) and ``duration_s`` the whole save until commit.
+
+Same answer on every rank: ``should_save`` is a function of the step and of ``next_step``,
+which moves only when ``should_save`` says yes (by the current interval) and inside
+:meth:`DalyInterval.on_saved`. The values the interval is computed from (stall, duration, step
+time) are measured per rank and may differ slightly, so a multi-rank manager either broadcasts
+rank 0's decision every step (trainguard's manager does this for every policy but
+``EveryNSteps``), or broadcasts rank 0's :meth:`DalyInterval.measurements` after ``on_saved``
+and calls :meth:`DalyInterval.agree` with them on every rank, which recomputes the interval
+from those values alone (``needs_agreement`` is True to say so).
+
+The manager may set ``policy.events`` (an :class:`~trainguard.events.EventLog`, or None); every
+choice of interval is then logged as an ``"interval"`` event with the reason.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+from .policies import SavePolicy
+from .reliability import daly_interval, format_duration, job_mtbf
+
+
+class DalyInterval(SavePolicy):
+    """Save at Daly's optimal interval for the failure rate given and the stall measured.
+
+    ``tg.DalyInterval(node_failures_per_day=0.0065, nodes=256)`` (or ``node_mtbf_s=...``).
+    Until the first save has been measured, saves every ``initial_steps`` steps. After each
+    save the interval becomes ``daly_interval(stall, job MTBF) / step_time`` steps, where stall,
+    duration and step time are medians of the last ``window`` measurements, clamped to
+    ``[min_steps, max_steps]``, and never shorter than one save's full duration (so a save never
+    starts while the previous one is in flight; this floor wins over ``max_steps``).
+    """
+
+    needs_agreement = True
+
+    def __init__(
+        self,
+        *,
+        node_failures_per_day: float | None = None,
+        nodes: int = 1,
+        node_mtbf_s: float | None = None,
+        initial_steps: int = 100,
+        min_steps: int = 1,
+        max_steps: int | None = None,
+        window: int = 5,
+    ) -> None:
+        self.mtbf_s = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
+        for name, v in (("initial_steps", initial_steps), ("min_steps", min_steps), ("window", window)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"DalyInterval({name}={v!r}): must be a positive integer")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < min_steps):
+            raise ValueError(f"DalyInterval(max_steps={max_steps!r}): must be an integer >= min_steps={min_steps}")
+        self.nodes = nodes
+        self.min_steps, self.max_steps = min_steps, max_steps
+        self.interval_steps = self._clamp(initial_steps)
+        self.next_step: int | None = None  # anchored at the first step seen (a resumed run starts late)
+        self.reason = f"initial: {self.interval_steps} steps until a save has been measured"
+        self.events: Any = None  # set by the manager: an EventLog or None
+        self._stalls: deque[float] = deque(maxlen=window)
+        self._durations: deque[float] = deque(maxlen=window)
+        self._step_times: deque[float] = deque(maxlen=8 * window)
+        self._last: tuple[int, float] | None = None  # (step, now) of the previous on_step
+        self._decided: int | None = None  # the last step should_save said yes to
+
+    # -- the SavePolicy protocol ---------------------------------------------------------
+    def on_step(self, step: int, now: float) -> None:
+        """Record the step time from consecutive calls; a sample spanning a save's stall is dropped."""
+        if self._last is not None and step > self._last[0] and now >= self._last[1] and self._last[0] != self._decided:
+            self._step_times.append((now - self._last[1]) / (step - self._last[0]))
+        self._last = (step, now)
+        self._anchor(step)
+
+    def should_save(self, step: int, now: float) -> bool:
+        """True once ``step`` reached ``next_step``: a function of the step only, equal on all ranks.
+
+        Saying yes moves ``next_step`` on by the current interval at once, so that an async
+        save whose ``on_saved`` comes later does not make every following step a save too.
+        Asking twice for the same step gives the same answer.
+        """
+        self._anchor(step)
+        assert self.next_step is not None
+        if step == self._decided:
+            return True
+        if step < self.next_step:
+            return False
+        self._decided = step
+        self.next_step = step + self.interval_steps  # provisional until on_saved
+        return True
+
+    def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
+        """Record the save's stall and duration, then choose the next interval.
+
+        A manager may notice that an async save finished only when it starts the next one;
+        then ``duration_s`` spans the whole gap between the two saves and is only an upper
+        bound, so it is capped at that gap (it must not ratchet the interval up).
+        """
+        stall, duration = max(0.0, float(stall_s)), max(float(stall_s), float(duration_s))
+        step_time = self.measurements()["step_time_s"]
+        if self._decided is not None and self._decided > step and step_time:
+            duration = min(duration, (self._decided - step) * step_time)
+        self._stalls.append(stall)
+        self._durations.append(duration)
+        self._last = None  # the next step-time sample may include this save's stall
+        self._choose(step, self.measurements())
+
+    # -- agreement across ranks ----------------------------------------------------------
+    def measurements(self) -> dict[str, float | None]:
+        """The smoothed values the interval is computed from (rank 0's are broadcast by the manager)."""
+        return {
+            "stall_s": statistics.median(self._stalls) if self._stalls else None,
+            "duration_s": statistics.median(self._durations) if self._durations else None,
+            "step_time_s": statistics.median(self._step_times) if self._step_times else None,
+        }
+
+    def agree(self, step: int, values: dict[str, float | None]) -> None:
+        """Recompute the interval after the save at ``step`` from ``values`` (rank 0's measurements)."""
+        self._choose(step, values, emit=False)
+
+    # -- internals -----------------------------------------------------------------------
+    def _anchor(self, step: int) -> None:
+        if self.next_step is None:
+            self.next_step = step + self.interval_steps
+            self._emit(step, rule="initial")
+
+    def _clamp(self, steps: int) -> int:
+        steps = max(self.min_steps, steps)
+        return steps if self.max_steps is None else min(self.max_steps, steps)
+
+    def _choose(self, step: int, m: dict[str, float | None], *, emit: bool = True) -> None:
+        stall, duration, step_time = m.get("stall_s"), m.get("duration_s"), m.get("step_time_s")
+        if stall is None or duration is None or not step_time:
+            rule = "waiting"
+            self.reason = f"waiting for step-time measurements; keeping {self.interval_steps} steps"
+        else:
+            tau = daly_interval(stall, self.mtbf_s)
+            daly_steps = max(1, round(tau / step_time))
+            floor_steps = max(1, math.ceil(duration / step_time))
+            steps, rule = self._clamp(daly_steps), "daly"
+            if steps != daly_steps:
+                rule = "min_steps" if steps > daly_steps else "max_steps"
+            self.reason = (
+                f"Daly: stall {format_duration(stall)}, job MTBF {format_duration(self.mtbf_s)} -> "
+                f"save every {format_duration(tau)} of compute = {daly_steps} steps of {step_time:.3g}s"
+            )
+            if rule != "daly":
+                self.reason += f"; clamped to {rule}={steps}"
+            if floor_steps > steps:  # the floor wins even over max_steps: one save in flight at a time
+                steps, rule = floor_steps, "save-duration"
+                self.reason += f"; raised to {floor_steps} steps: one save takes {format_duration(duration)}"
+            self.interval_steps = steps
+        # counted from the newest save decided, which is later than ``step`` when on_saved came late
+        self.next_step = max(step, self._decided or step) + self.interval_steps
+        if emit:
+            self._emit(step, rule=rule, **m)
+
+    def _emit(self, step: int, *, rule: str, **fields: Any) -> None:
+        if self.events is not None:
+            self.events.emit(
+                "interval", step=step, steps=self.interval_steps, next_step=self.next_step,
+                rule=rule, reason=self.reason, mtbf_s=self.mtbf_s, **fields,
+            )
+
+    def describe(self) -> str:
+        return f"{self!r}: every {self.interval_steps} steps ({self.reason})"
+
+    def __repr__(self) -> str:
+        return f"DalyInterval(nodes={self.nodes}, job_mtbf={format_duration(self.mtbf_s)})"

@@ -1,0 +1,363 @@
+"""The doctor: common checkpointing mistakes in a training script's state and settings, with fixes.
+
+Two ways in: :func:`doctor` at run time (``tg.doctor(state, manager)``, any rank, prints
+nothing, returns findings), and ``trainguard doctor train.py`` (:mod:`trainguard.commands.plan`),
+which imports the script, calls its ``trainguard_state()`` hook and prints a table. Both end in
+the pure :func:`check`, which takes the state and a :class:`Settings` record, so every check is
+testable without a manager, a process group or a real filesystem.
+
+Nothing here imports the manager: it is read by duck typing (``.root``, ``.save_policy``,
+``.keep``, ``.async_save``). A check that lacks what it needs (no manager, no plan, no script
+source) is left out of the result rather than reported as passed.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .reliability import Plan, format_duration
+
+FAR = 3.0  # an interval more than FAR times off the optimum is reported
+_SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
+_RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
+_EPHEMERAL = {"tmpfs": "tmpfs (RAM): gone at reboot, and it eats host memory",
+              "ramfs": "ramfs (RAM): gone at reboot, and it eats host memory",
+              "overlay": "a container's writable overlay layer: gone when the container is removed",
+              "aufs": "a container's writable aufs layer: gone when the container is removed"}
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's verdict. ``severity`` is ``"error"``, ``"warning"`` or ``"ok"``."""
+
+    check: str
+    severity: str
+    message: str
+    fix: str = ""
+
+
+@dataclass
+class Settings:
+    """What the checks know besides the state. ``None`` means unknown (the check detects or skips)."""
+
+    root: str | None = None  # the checkpoint directory
+    save_policy: Any = None
+    keep: Any = None  # the retention policy
+    async_save: bool = False
+    plan: Plan | None = None  # from reliability.make_plan: stall, step time, failure rate
+    amp: str | bool | None = None  # "float16" / True, "bfloat16", False; None: detect
+    backend: str | None = None  # default process group backend; None: ask torch.distributed
+    source: str | None = None  # the training script's text, for the static checks
+    mountinfo: str | None = None  # /proc/self/mountinfo text; None: read it
+
+
+def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None = None,
+           source: str | None = "auto", amp: str | bool | None = None) -> list[Finding]:
+    """Check ``state`` and ``manager`` (a CheckpointManager or a mapping of its settings).
+
+    ``source="auto"`` reads the ``__main__`` script, if there is one, for the static checks;
+    ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
+    """
+    if source == "auto":
+        main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+        source = Path(main_file).read_text(encoding="utf-8", errors="replace") if main_file.endswith(".py") \
+            and os.path.isfile(main_file) else None
+    return check(state, settings_from(manager, plan=plan, source=source, amp=amp))
+
+
+def settings_from(manager: Any = None, **overrides: Any) -> Settings:
+    """Read a manager (attributes) or a mapping (keys: root, save/save_policy, keep, async_save, ...)."""
+    def get(name: str) -> Any:
+        return manager.get(name) if isinstance(manager, Mapping) else getattr(manager, name, None)
+
+    s = Settings()
+    if manager is not None:
+        root = get("root")
+        s.root = None if root is None else os.fspath(root)
+        s.save_policy = get("save_policy") if get("save_policy") is not None else get("save")
+        s.keep, s.async_save = get("keep"), bool(get("async_save"))
+        for name in ("plan", "amp", "backend"):
+            if get(name) is not None:
+                setattr(s, name, get(name))
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(s, k, v)
+    return s
+
+
+def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
+    """Run every check that applies; pure except for reading mountinfo/torch.distributed when unset."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"the state must be a dict of named objects, got {type(state).__name__}")
+    leaves = list(_walk(state))
+    checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
+        _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, _single_rank]
+    return [f for c in checks if (f := c(leaves, settings)) is not None]
+
+
+def _walk(obj: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """(path, value) for every value in nested dicts/lists/tuples of the state (objects not entered)."""
+    if isinstance(obj, Mapping) and depth < 5:
+        for k, v in obj.items():
+            p = f"{path}/{k}" if path else str(k)
+            yield p, v
+            yield from _walk(v, p, depth + 1)
+    elif isinstance(obj, (list, tuple)) and depth < 5:
+        for i, v in enumerate(obj):
+            yield f"{path}/{i}", v
+            yield from _walk(v, f"{path}/{i}", depth + 1)
+
+
+def _name(x: Any) -> str:
+    return type(x).__name__
+
+
+def _is_optimizer(x: Any) -> bool:
+    return hasattr(x, "param_groups") and callable(getattr(x, "state_dict", None)) and not hasattr(x, "optimizer")
+
+
+def _is_scheduler(x: Any) -> bool:
+    return hasattr(x, "optimizer") and callable(getattr(x, "state_dict", None)) and (
+        hasattr(x, "last_epoch") or hasattr(x, "get_last_lr") or "Scheduler" in _name(x))
+
+
+def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    opts = [(p, x) for p, x in leaves if _is_optimizer(x)]
+    scheds = [(p, x) for p, x in leaves if _is_scheduler(x)]
+    name = "optimizer+scheduler"
+    if scheds and not opts:
+        return Finding(name, "error", f"the LR scheduler ({scheds[0][0]}) is saved but its optimizer is not: "
+                       "a resume restarts Adam moments/momentum from zero", 'add the optimizer: state["optim"] = optimizer')
+    lost = [p for p, sc in scheds if not any(sc.optimizer is o for _, o in opts)]
+    if lost:
+        return Finding(name, "error", f"the scheduler at {lost[0]} drives an optimizer that is not in the state",
+                       "save the optimizer the scheduler was built with")
+    if opts and not scheds:
+        return Finding(name, "warning", f"the optimizer ({opts[0][0]}) is saved without an LR scheduler: "
+                       "a resume restarts warmup/decay from the beginning",
+                       'add it: state["sched"] = lr_scheduler (ignore if the learning rate is constant)')
+    return Finding(name, "ok", "optimizer and scheduler saved together" if opts else "no optimizer in the state")
+
+
+def _rng(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    hits = [p for p, x in leaves if _name(x) == "RNGState" or ("rng" in p.rsplit("/", 1)[-1].lower() and x is not None)]
+    if hits:
+        return Finding("rng", "ok", f"RNG state saved ({hits[0]})")
+    return Finding("rng", "warning", "no RNG state: after a resume dropout masks, augmentations and sampling "
+                   "differ from an uninterrupted run", 'add state["rng"] = tg.RNGState() (python, numpy, torch, CUDA)')
+
+
+def _data(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    ok = [(p, x) for p, x in leaves if ("Sampler" in _name(x) or "DataLoader" in _name(x))
+          and callable(getattr(x, "state_dict", None))]
+    if ok:
+        return Finding("data position", "ok", f"data position saved ({ok[0][0]}: {_name(ok[0][1])})")
+    plain = [f"{p} is a {_name(x)}, which has no state_dict" for p, x in leaves
+             if "Sampler" in _name(x) or "DataLoader" in _name(x)]
+    counters = [p for p, _ in leaves if any(w in p.rsplit("/", 1)[-1].lower() for w in ("sample", "epoch", "batch"))]
+    why = "; ".join(plain) or "no sampler or data loader with a state_dict in the state"
+    fix = 'use tg.ResumableSampler (or torchdata\'s StatefulDataLoader) and add it: state["data"] = sampler'
+    if counters and not plain:
+        return Finding("data position", "warning", f"{why}; only a counter ({counters[0]}): a resume is exact "
+                       "only if your loader skips ahead by exactly that much", fix)
+    return Finding("data position", "error", f"{why}: a resume replays or skips data", fix)
+
+
+def _amp(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    scaler = [p for p, x in leaves if "GradScaler" in _name(x)]
+    mode, why = s.amp, "as configured"
+    if mode is None:
+        mode, why = _amp_detect(leaves, s.source)
+    if scaler:
+        return Finding("amp", "ok", f"GradScaler saved ({scaler[0]})")
+    if mode in (True, "float16"):
+        return Finding("amp", "error", f"float16 AMP in use ({why}) but no GradScaler in the state: a resume "
+                       "restarts the loss scale at 65536, skipping steps until it settles",
+                       'add state["scaler"] = scaler (torch.amp.GradScaler)')
+    return Finding("amp", "ok", "bfloat16 autocast needs no GradScaler" if mode == "bfloat16" else "no float16 AMP detected")
+
+
+def _amp_detect(leaves: list[tuple[str, Any]], source: str | None) -> tuple[str | bool, str]:
+    import torch
+
+    for p, x in leaves:
+        if isinstance(x, torch.nn.Module) and any(t.dtype == torch.float16 for t in x.parameters()):
+            return "float16", f"{p} has float16 parameters"
+    for call in _calls(source, {"autocast"}):
+        text = ast.unparse(call)
+        if "bfloat16" in text or "bf16" in text:
+            return "bfloat16", f"line {call.lineno}: {text}"
+        if "float16" in text or "half" in text or "cpu" not in text:  # CUDA's autocast defaults to float16
+            return "float16", f"line {call.lineno}: {text}"
+        return "bfloat16", f"line {call.lineno}: {text}"  # CPU's autocast defaults to bfloat16
+    return False, "not detected"
+
+
+def _calls(source: str | None, names: set[str], tree: ast.AST | None = None) -> Iterator[ast.Call]:
+    if tree is None:
+        try:
+            tree = ast.parse(source or "")
+        except SyntaxError:
+            return
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if (isinstance(f, ast.Attribute) and f.attr in names) or (isinstance(f, ast.Name) and f.id in names):
+                yield n
+
+
+def _retention(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    keep = s.keep
+    if keep is None:
+        return None
+    parts = [keep, *getattr(keep, "policies", ())]
+    ones = [p for p in parts if getattr(p, "n", None) == 1 and not hasattr(p, "metric")]
+    kept = None
+    if callable(getattr(keep, "select", None)):
+        from .policies import CheckpointInfo
+
+        infos = [CheckpointInfo(step=1009 * k + 7, created=float(k)) for k in range(1, 21)]
+        try:
+            kept = len(keep.select(infos))
+        except Exception:  # a custom policy that needs metrics: judge by its attributes only
+            kept = None
+    if ones or (kept is not None and kept < 2):
+        what = f"{ones[0]!r} keeps one checkpoint" if ones else f"{keep!r} keeps {kept} of 20 checkpoints"
+        return Finding("retention", "error", f"{what}: when the newest is incomplete or corrupt, "
+                       "there is nothing to fall back to", "keep at least two recent ones: keep=tg.KeepLatest(2) "
+                       "(combine with | KeepEvery/KeepBest for long-term copies)")
+    return Finding("retention", "ok", f"{keep!r} keeps at least two recent checkpoints")
+
+
+def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    pol, plan = s.save_policy, s.plan
+    if pol is None:
+        return None
+    if _name(pol) == "DalyInterval":
+        return Finding("interval", "ok", "DalyInterval adapts the interval to the measured stall and step time")
+    if plan is None:
+        return None
+    if isinstance(getattr(pol, "n", None), int) and plan.step_time_s:
+        cur, what = pol.n * plan.step_time_s, f"every {pol.n} steps ({format_duration(pol.n * plan.step_time_s)})"
+    elif isinstance(getattr(pol, "seconds", None), (int, float)):
+        cur, what = float(pol.seconds), f"every {format_duration(pol.seconds)}"
+    else:
+        return None
+    opt, ratio = plan.optimal_interval_s, cur / plan.optimal_interval_s
+    steps = plan.steps(opt)
+    best = f"{format_duration(opt)}" + (f" = {steps} steps" if steps else "")
+    e_cur, e_opt = plan.efficiency(cur), plan.efficiency(opt)
+    gpus = plan.nodes * plan.gpus_per_node * 24.0
+    detail = (f"saving {what}; for a {format_duration(plan.stall_s)} stall and a job MTBF of "
+              f"{format_duration(plan.job_mtbf_s)} the optimum is {best}: efficiency {100 * e_cur:.2f}% vs "
+              f"{100 * e_opt:.2f}%, {(e_opt - e_cur) * gpus:,.0f} GPU-hours/day more lost")
+    fix = (f"save every {best}" + (f": tg.EveryNSteps({steps})" if steps else "")
+           + ", or use tg.DalyInterval(node_failures_per_day=..., nodes=...)")
+    if ratio > FAR:
+        return Finding("interval", "warning", f"too rare: {detail}", fix)
+    if ratio < 1 / FAR:
+        return Finding("interval", "warning", f"too frequent for the stall: {detail}", fix)
+    return Finding("interval", "ok", f"within {FAR:g}x of the optimum: {detail}")
+
+
+def parse_mountinfo(text: str) -> list[tuple[str, str]]:
+    """(mount point, filesystem type) per line of ``/proc/self/mountinfo``, in mount order."""
+    out = []
+    for line in text.splitlines():
+        left, sep, right = line.partition(" - ")
+        fields, rfields = left.split(), right.split()
+        if sep and len(fields) >= 5 and rfields:
+            mp = fields[4].encode().decode("unicode_escape") if "\\" in fields[4] else fields[4]
+            out.append((mp, rfields[0]))
+    return out
+
+
+def filesystem_of(path: str, mounts: list[tuple[str, str]]) -> str | None:
+    """The filesystem type of the deepest mount containing ``path`` (the last one mounted wins)."""
+    best: tuple[int, str] | None = None
+    for mp, fs in mounts:
+        if path == mp or path.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) >= best[0]:
+                best = (len(mp), fs)
+    return None if best is None else best[1]
+
+
+def _storage(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    if s.root is None or ("://" in s.root and not s.root.startswith("file://")):
+        return None
+    text = s.mountinfo
+    if text is None:
+        try:
+            text = Path("/proc/self/mountinfo").read_text()
+        except OSError:
+            return None
+    path = str(Path(s.root.removeprefix("file://")).expanduser().resolve())
+    fs = filesystem_of(path, parse_mountinfo(text))
+    if fs is None:
+        return None
+    if fs in _EPHEMERAL:
+        return Finding("storage", "error", f"{s.root} is on {_EPHEMERAL[fs]}",
+                       "point the manager at persistent storage: a mounted volume, a parallel "
+                       "filesystem, or an object store (fsspec URL)")
+    return Finding("storage", "ok", f"{s.root} is on {fs}")
+
+
+def _async_pg(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    if not s.async_save:
+        return Finding("async", "ok", "synchronous saves")
+    backend = s.backend
+    if backend is None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return Finding("async", "ok", "async saves in a single process")
+        backend = str(dist.get_backend())
+    if any(b in backend.lower() for b in ("gloo", "mpi", "ucc")):
+        return Finding("async", "ok", f"async saves with a CPU-capable process group ({backend})")
+    return Finding("async", "error", f"async saving with only a {backend} process group: the background "
+                   "save's collectives need a CPU-capable backend and would block on (or deadlock with) "
+                   "the GPU stream", 'init the group with both: dist.init_process_group("cpu:gloo,cuda:nccl")')
+
+
+def _single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    if s.source is None:
+        return None
+    try:
+        tree = ast.parse(s.source)
+    except SyntaxError:
+        return None
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_rank_zero(node.test):
+            body = ast.Module(body=node.body, type_ignores=[])
+            hits += [c.lineno for c in _calls(None, _SAVE_CALLS, body)]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                "rank_zero" in ast.unparse(d) for d in node.decorator_list):
+            hits += [c.lineno for c in _calls(None, _SAVE_CALLS, node)]
+    if hits:
+        lines = ", ".join(str(n) for n in sorted(set(hits)))
+        return Finding("all ranks save", "error", f"save called under a rank-0 condition (line {lines}): "
+                       "the other ranks' shards, RNG and data positions are never written, and a "
+                       "collective save waits forever for them", "call mgr.save(step, state) on every rank; "
+                       "trainguard decides which rank writes what")
+    return Finding("all ranks save", "ok", "no save under a rank-0 condition")
+
+
+def _is_rank_zero(test: ast.expr) -> bool:
+    for n in ast.walk(test):
+        if isinstance(n, ast.Compare) and any(isinstance(o, (ast.Eq, ast.Is)) for o in n.ops):
+            sides = [n.left, *n.comparators]
+            if any(isinstance(x, ast.Constant) and x.value == 0 for x in sides) and \
+                    any("rank" in ast.unparse(x).lower() for x in sides):
+                return True
+        if isinstance(n, ast.Name) and n.id in _RANK_ZERO_FLAGS:
+            return True
+        if isinstance(n, ast.Attribute) and n.attr in _RANK_ZERO_FLAGS:
+            return True
+    return False

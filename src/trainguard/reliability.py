@@ -1,0 +1,326 @@
+"""How often to save: failure probability, Young/Daly intervals, efficiency, Monte Carlo check.
+
+Pure arithmetic on floats and numpy arrays; no torch, no I/O. Called by ``trainguard plan``
+(:mod:`trainguard.commands.plan`), by :class:`trainguard.daly.DalyInterval` on every save, and by
+the doctor's interval check. All times are seconds.
+
+The model (Young 1974; Daly 2006): failures of the job form a Poisson process with mean time
+between failures ``M = node_mtbf / nodes``. Training alternates ``tau`` seconds of useful compute
+with a checkpoint that blocks training for ``delta`` seconds (the *stall*: for an async save only
+its blocking part). A failure loses all work since the last committed checkpoint (including a
+checkpoint being written), then costs ``R`` seconds to restart, during which failures can happen
+too. Which formula gives which number (see docs/planning.md):
+
+- :func:`young_interval`: ``sqrt(2 delta M)`` (Young 1974, first order);
+- :func:`daly_interval`: Daly's 2006 higher-order estimate
+  ``sqrt(2 delta M) [1 + sqrt(delta/2M)/3 + (delta/2M)/9] - delta`` (``M`` if ``delta >= 2M``);
+- :func:`expected_wall_time`: the *exact* expected wall time of one ``tau`` of useful work in this
+  model, ``M e^{R/M} (e^{(tau+delta)/M} - 1)`` (Daly 2006), hence :func:`efficiency` = ``tau / that``;
+- :func:`optimal_interval`: the exact minimiser of that expression, found numerically;
+- :func:`simulate`: a Monte Carlo run of the same model, to check the closed forms.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+DAY = 86400.0
+WEEK = 7 * DAY
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": DAY, "w": WEEK}
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(ms|s|min|m|h|d|w)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str | float) -> float:
+    """``"30s"``, ``"10m"``, ``"2.5h"``, ``"400d"``, ``"250ms"`` or a bare number of seconds -> seconds."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"cannot read {text!r} as a duration: write e.g. 30s, 10m, 2h or 400d")
+    return float(m.group(1)) * _UNITS[(m.group(2) or "s").lower()]
+
+
+def format_duration(seconds: float) -> str:
+    """Seconds as a short human string: ``"45.0s"``, ``"12.3m"``, ``"4.56h"``, ``"2.10d"``."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    for unit, size, above in (("d", DAY, 2 * DAY), ("h", 3600.0, 3600.0), ("m", 60.0, 60.0)):
+        if abs(seconds) >= above:
+            return f"{seconds / size:.3g}{unit}"
+    return f"{seconds:.3g}s"
+
+
+def job_mtbf(*, nodes: int, node_failures_per_day: float | None = None, node_mtbf_s: float | None = None) -> float:
+    """The job's mean time between failures in seconds: a node's MTBF divided by the node count.
+
+    Give exactly one of ``node_failures_per_day`` (failures per node per day) and ``node_mtbf_s``.
+    """
+    if (node_failures_per_day is None) == (node_mtbf_s is None):
+        raise ValueError("give exactly one of node_failures_per_day and node_mtbf_s")
+    if not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes={nodes!r}: the node count must be a positive integer")
+    if node_mtbf_s is None:
+        assert node_failures_per_day is not None
+        if not node_failures_per_day > 0:
+            raise ValueError(f"node_failures_per_day={node_failures_per_day!r} must be > 0")
+        node_mtbf_s = DAY / node_failures_per_day
+    if not node_mtbf_s > 0:
+        raise ValueError(f"node_mtbf_s={node_mtbf_s!r} must be > 0")
+    return float(node_mtbf_s) / nodes
+
+
+def p_failure(period_s: float, mtbf_s: float) -> float:
+    """Probability of at least one failure of the job within ``period_s`` (exponential failures)."""
+    return -math.expm1(-period_s / mtbf_s)
+
+
+def young_interval(stall_s: float, mtbf_s: float) -> float:
+    """Young's (1974) first-order optimum: compute time between saves ``sqrt(2 delta M)``."""
+    return math.sqrt(2.0 * stall_s * mtbf_s)
+
+
+def daly_interval(stall_s: float, mtbf_s: float) -> float:
+    """Daly's (2006) higher-order estimate of the optimal compute time between saves."""
+    if stall_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = stall_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * stall_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - stall_s
+
+
+def expected_wall_time(interval_s: Any, stall_s: float, restart_s: float, mtbf_s: float) -> Any:
+    """Exact expected wall time to commit one ``interval_s`` of useful work: ``M e^{R/M}(e^{(tau+delta)/M}-1)``.
+
+    Works on floats and on numpy arrays of intervals.
+    """
+    return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((np.asarray(interval_s) + stall_s) / mtbf_s)
+
+
+def efficiency(interval_s: Any, stall_s: float, restart_s: float, mtbf_s: float) -> Any:
+    """Useful time / wall time in the long run when saving after every ``interval_s`` of compute."""
+    tau = np.asarray(interval_s, dtype=float)
+    out = tau / expected_wall_time(tau, stall_s, restart_s, mtbf_s)
+    return float(out) if out.ndim == 0 else out
+
+
+def optimal_interval(stall_s: float, mtbf_s: float) -> float:
+    """The exact optimum of :func:`efficiency` (independent of the restart cost).
+
+    Solves ``e^{(tau+delta)/M} (tau/M - 1) + 1 = 0`` (the derivative's zero; its left side rises
+    monotonically from below 0 at ``tau=0`` to 1 at ``tau=M``) by bisection.
+    """
+    lo, hi = 0.0, mtbf_s
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        u = mid / mtbf_s
+        h = math.expm1((mid + stall_s) / mtbf_s) * (u - 1.0) + u  # = e^a (u - 1) + 1, without cancellation
+        lo, hi = (mid, hi) if h < 0 else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return 0.5 * (lo + hi)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` measured over all runs together."""
+
+    efficiency: float  # total useful time / total wall time
+    stderr: float  # standard error of ``efficiency`` (delta method over runs)
+    failures_per_run: float
+    wall_s_per_run: float
+
+
+def simulate(
+    *,
+    interval_s: float,
+    stall_s: float,
+    restart_s: float,
+    mtbf_s: float,
+    work_s: float | None = None,
+    runs: int = 2000,
+    seed: int = 0,
+) -> SimResult:
+    """Monte Carlo estimate of :func:`efficiency`: ``runs`` independent jobs, each doing ``work_s``.
+
+    Each job walks a timeline: a restart (after a failure) needs ``restart_s`` uninterrupted
+    seconds, then segments of ``interval_s`` compute + ``stall_s`` save follow; a segment counts
+    once its save finished. The time to the next failure is drawn from an exponential with mean
+    ``mtbf_s`` (memoryless, so redrawn after each failure); a failure throws away the segment in
+    progress. Vectorised over jobs: one numpy pass per failure, so the loop runs about
+    ``max failures per job`` times. ``work_s`` defaults to 50 MTBFs.
+    """
+    if min(interval_s, mtbf_s) <= 0 or min(stall_s, restart_s) < 0:
+        raise ValueError("interval_s and mtbf_s must be > 0, stall_s and restart_s >= 0")
+    rng = np.random.default_rng(seed)
+    seg = interval_s + stall_s
+    n_seg = max(1, math.ceil((50.0 * mtbf_s if work_s is None else work_s) / interval_s))
+    remaining = np.full(runs, n_seg, dtype=np.int64)
+    wall = np.zeros(runs)
+    fails = np.zeros(runs, dtype=np.int64)
+    restarting = np.zeros(runs, dtype=bool)
+    active = np.arange(runs)
+    while active.size:
+        x = rng.exponential(mtbf_s, size=active.size)  # time until the next failure
+        need_restart = np.where(restarting[active], restart_s, 0.0)
+        avail = x - need_restart  # < 0: the failure hit the restart itself
+        rem = remaining[active]
+        finished = avail >= rem * seg
+        done = np.where(avail > 0, np.floor(np.maximum(avail, 0.0) / seg), 0).astype(np.int64)
+        wall[active] += np.where(finished, need_restart + rem * seg, x)
+        remaining[active] = np.where(finished, 0, rem - np.minimum(done, rem))
+        fails[active] += ~finished
+        restarting[active] = ~finished
+        active = active[~finished]
+    useful = n_seg * interval_s
+    eff = runs * useful / wall.sum()
+    stderr = eff * wall.std(ddof=1) / wall.mean() / math.sqrt(runs) if runs > 1 else float("nan")
+    return SimResult(eff, float(stderr), float(fails.mean()), float(wall.mean()))
+
+
+@dataclass(frozen=True)
+class IntervalRow:
+    """Efficiency and cost of one candidate save interval."""
+
+    label: str
+    interval_s: float
+    steps: int | None
+    efficiency: float
+    lost_gpu_hours_per_day: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every figure ``trainguard plan`` prints; built by :func:`make_plan`."""
+
+    nodes: int
+    gpus_per_node: int
+    node_mtbf_s: float
+    stall_s: float
+    restart_s: float
+    step_time_s: float | None
+    p_failure_day: float
+    p_failure_week: float
+    job_mtbf_s: float
+    young_interval_s: float
+    daly_interval_s: float
+    optimal_interval_s: float
+    efficiency_at_young: float
+    efficiency_at_daly: float
+    efficiency_at_optimum: float
+    lost_gpu_hours_per_day: float
+    rows: list[IntervalRow] = field(default_factory=list)
+
+    def steps(self, seconds: float) -> int | None:
+        """Compute time in training steps (at least 1), or None without a step time."""
+        return None if self.step_time_s is None else max(1, round(seconds / self.step_time_s))
+
+    def efficiency(self, interval_s: float) -> float:
+        return efficiency(interval_s, self.stall_s, self.restart_s, self.job_mtbf_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object of ``trainguard plan --json`` (floats rounded to 6 significant digits)."""
+        d: dict[str, Any] = {k: v for k, v in asdict(self).items() if k != "rows"}
+        d["job_mtbf_hours"] = self.job_mtbf_s / 3600.0
+        d["young_interval_steps"] = self.steps(self.young_interval_s)
+        d["daly_interval_steps"] = self.steps(self.daly_interval_s)
+        d["intervals"] = [asdict(r) for r in self.rows]
+        return _rounded(d)
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
+
+
+def make_plan(
+    *,
+    nodes: int,
+    stall_s: float,
+    restart_s: float,
+    node_failures_per_day: float | None = None,
+    node_mtbf_s: float | None = None,
+    step_time_s: float | None = None,
+    gpus_per_node: int = 8,
+    intervals: dict[str, float] | None = None,
+) -> Plan:
+    """All planner figures. ``intervals`` maps a label (e.g. ``"500 steps"``) to compute seconds.
+
+    Called by ``trainguard plan`` and by users who pass ``plan=`` to :func:`trainguard.doctor`.
+    """
+    if stall_s < 0 or restart_s < 0:
+        raise ValueError("the save stall and the restart time must be >= 0")
+    if step_time_s is not None and not step_time_s > 0:
+        raise ValueError(f"step_time_s={step_time_s!r} must be > 0")
+    m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
+    young, daly, opt = young_interval(stall_s, m), daly_interval(stall_s, m), optimal_interval(stall_s, m)
+    gpus = nodes * gpus_per_node
+
+    def row(label: str, tau: float) -> IntervalRow:
+        e = efficiency(tau, stall_s, restart_s, m)
+        steps = None if step_time_s is None else max(1, round(tau / step_time_s))
+        return IntervalRow(label, tau, steps, e, (1.0 - e) * gpus * 24.0)
+
+    e_daly = efficiency(daly, stall_s, restart_s, m)
+    return Plan(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        node_mtbf_s=m * nodes,
+        stall_s=stall_s,
+        restart_s=restart_s,
+        step_time_s=step_time_s,
+        p_failure_day=p_failure(DAY, m),
+        p_failure_week=p_failure(WEEK, m),
+        job_mtbf_s=m,
+        young_interval_s=young,
+        daly_interval_s=daly,
+        optimal_interval_s=opt,
+        efficiency_at_young=efficiency(young, stall_s, restart_s, m),
+        efficiency_at_daly=e_daly,
+        efficiency_at_optimum=efficiency(opt, stall_s, restart_s, m),
+        lost_gpu_hours_per_day=(1.0 - e_daly) * gpus * 24.0,
+        rows=[row(k, v) for k, v in (intervals or {}).items()],
+    )
+
+
+def plot_plan(plan: Plan, path: str) -> None:
+    """Draw efficiency against the save interval to ``path`` (PNG), optimum and user intervals marked.
+
+    Needs matplotlib (``pip install matplotlib``); uses the Agg canvas, never pyplot's global state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    opt = plan.optimal_interval_s
+    marks = [opt, plan.young_interval_s, *(r.interval_s for r in plan.rows)]
+    lo, hi = min(marks + [opt / 20]) / 1.5, max(marks + [opt * 20]) * 1.5
+    xs = np.geomspace(lo, hi, 400)
+    fig = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.plot(xs / 60, 100 * efficiency(xs, plan.stall_s, plan.restart_s, plan.job_mtbf_s), color="C0")
+    e = plan.efficiency_at_daly
+    ax.axvline(plan.daly_interval_s / 60, color="C1", ls="--", lw=1)
+    ax.plot([plan.daly_interval_s / 60], [100 * e], "o", color="C1", label=f"Daly optimum ({100 * e:.2f}%)")
+    ax.plot([plan.young_interval_s / 60], [100 * plan.efficiency_at_young], "^", color="C2", label="Young")
+    for i, r in enumerate(plan.rows):
+        ax.plot([r.interval_s / 60], [100 * r.efficiency], "s", color=f"C{3 + i % 7}",
+                label=f"{r.label} ({100 * r.efficiency:.2f}%)")
+    ax.set_xscale("log")
+    ax.set_xlabel("compute time between saves (minutes)")
+    ax.set_ylabel("efficiency: useful / wall time (%)")
+    ax.set_title(f"{plan.nodes} nodes, job MTBF {format_duration(plan.job_mtbf_s)}, "
+                 f"stall {format_duration(plan.stall_s)}, restart {format_duration(plan.restart_s)}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
