@@ -23,6 +23,7 @@ from .commit import RunLock, clean_debris, list_steps, read_manifest
 from .dist import DistContext
 from .errors import CheckpointError
 from .events import EVENTS_FILE, EventLog
+from .faults import fault
 from .handle import SaveHandle
 from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .storage import for_path
@@ -51,6 +52,7 @@ class CheckpointManager:
         on_error: str = "raise",
         handle_signals: bool = True,
         timeout: float | None = None,
+        max_staging_bytes: int | None = None,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
@@ -67,6 +69,7 @@ class CheckpointManager:
         self.on_error = on_error
         self.handle_signals = handle_signals
         self.timeout = timeout
+        self.max_staging_bytes = max_staging_bytes  # async staging memory cap (docs/async.md)
         self.ctx = DistContext.current()
         self.events = EventLog(
             os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank
@@ -177,6 +180,7 @@ class CheckpointManager:
             handle = start_save(
                 self.storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
+                max_staging_bytes=self.max_staging_bytes,
             )
         except CheckpointError as e:
             self._report_failure(e, step=step)
@@ -200,9 +204,12 @@ class CheckpointManager:
             raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
         h.duration_s = time.monotonic() - self._pending_t0
         self.last_saved_step = manifest.step
-        self.save_policy.on_saved(manifest.step, h.stall_s, h.duration_s)
+        # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits.
+        stall = h.stall_s + h.hook_wait_s
+        self.save_policy.on_saved(manifest.step, stall, h.duration_s)
         self.events.emit(
-            "save", step=manifest.step, stall_s=round(h.stall_s, 6), duration_s=round(h.duration_s, 6),
+            "save", step=manifest.step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
+            stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6),
             bytes=manifest.total_bytes, async_save=self.async_save,
         )
         if self.ctx.rank == 0:
@@ -227,6 +234,7 @@ class CheckpointManager:
         steps = [s for s in list_steps(self.storage, self._root) if s.status == "committed"]
         infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps]
         keep = set(self.keep.select(infos)) | {newest}
+        fault("before_retention", self.ctx.rank)
         for s in steps:
             if s.step not in keep and s.step < newest:
                 self.storage.remove_tree(s.path)

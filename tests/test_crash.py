@@ -1,0 +1,46 @@
+"""A hard crash at each named point of the save path leaves the last good checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import TESTS, run_py
+from crashlib import state_for
+
+import trainguard as tg
+from trainguard.faults import POINTS
+from trainguard.inspect import list_checkpoints
+
+COMMITTED_AFTER = {"after_rename", "before_retention"}
+
+
+def _assert_state(state, step):
+    want = state_for(step)
+    assert state["progress"]["step"] == step
+    assert torch.equal(state["model"].weight, want["model"].weight)
+    assert torch.equal(state["data"]["big"], want["data"]["big"])
+    assert all(torch.equal(a, b) for a, b in zip(state["data"]["small"], want["data"]["small"]))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("point", POINTS)
+def test_crash_at_named_point_leaves_last_good_checkpoint(tmp_path, point, mode):
+    root = tmp_path / "run"
+    r = run_py([str(TESTS / "crashlib.py"), str(root), point, "exit", mode], timeout=120)
+    assert r.returncode == 17, (r.returncode, r.stdout, r.stderr)
+    expect = 2 if point in COMMITTED_AFTER else 1
+    rows = list_checkpoints(root)
+    assert [x.step for x in rows if x.status == "valid"][-1] == expect
+    for x in rows:
+        if x.status == "valid":
+            assert tg.verify(x.path).ok
+    state = state_for(99)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1)) as mgr:
+        # The new manager cleaned what the crash left: no temp dirs, no manifest-less step dirs.
+        names = os.listdir(root)
+        assert not [n for n in names if ".tmp-" in n or ".old-" in n], names
+        assert all(x.status == "valid" for x in list_checkpoints(root))
+        assert mgr.restore(state) == expect
+    _assert_state(state, expect)
