@@ -1,5 +1,10 @@
 """``SaveHandle``: what a save returns. Sync saves hand back one that is already done; the
-async path completes it from its background writer."""
+async path (``async_save``) completes it from its save thread.
+
+Who touches what: the training thread calls the query methods (``staged``, ``done``,
+``wait_staged``, ``result``); the save thread calls ``set_staged``/``set_result``/``set_error``
+exactly once each at most; the optimizer pre-step hook adds to ``hook_wait_s``.
+"""
 
 from __future__ import annotations
 
@@ -9,30 +14,46 @@ from typing import Any
 
 class SaveHandle:
     """Progress of one save: ``staged()`` (training may mutate the state again), ``done()``
-    (committed or failed), ``result(timeout)`` (the manifest, or the save's error raised)."""
+    (committed or failed), ``result(timeout)`` (the manifest, or the save's error raised).
+
+    Stall accounting: ``call_s`` is the time the save call blocked; ``hook_wait_s`` the time
+    ``optimizer.step()`` waited for the background copies; ``stall_s`` is set by the manager
+    (its whole ``save()`` call, including the wait for the previous save).
+    """
 
     def __init__(self, step: int | None = None) -> None:
         self.step = step
         self._staged = threading.Event()
         self._done = threading.Event()
+        self.waiting = threading.Event()  # set when a pre-step hook starts waiting (tests, diagnostics)
         self._result: Any = None
         self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self.observed = False  # result() was called: its error (if any) has been seen
         self.stall_s = 0.0
+        self.call_s = 0.0
+        self.hook_wait_s = 0.0
         self.duration_s = 0.0
         self.bytes = 0
 
     def staged(self) -> bool:
+        """True once the save no longer reads the live tensors."""
         return self._staged.is_set()
 
     def done(self) -> bool:
+        """True once the save is committed or failed."""
         return self._done.is_set()
 
     def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``."""
         return self._staged.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
+        """The committed manifest; raises the save's error. Joins the save thread when done."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"save of step {self.step} not finished after {timeout} s")
+        self.join()
+        self.observed = True
         if self._error is not None:
             raise self._error
         return self._result
@@ -40,7 +61,21 @@ class SaveHandle:
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None
 
+    @property
+    def total_stall_s(self) -> float:
+        """What the training loop lost to this save: the call plus the pre-step waits."""
+        return max(self.stall_s, self.call_s) + self.hook_wait_s
+
     # -- completion, called by whoever runs the save
+    def attach_thread(self, thread: threading.Thread) -> None:
+        self._thread = thread
+
+    def join(self) -> None:
+        """Wait for the save thread to exit (no-op for sync saves or from the thread itself)."""
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
     def set_staged(self) -> None:
         self._staged.set()
 

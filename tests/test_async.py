@@ -1,0 +1,264 @@
+"""Async save (one process): what is saved is the state at the call, the optimizer pre-step hook
+holds step() until the background copies are done, failures surface at the next save/wait/close,
+the staging pool is reused, the cap works, and the doc example runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard import async_save
+from trainguard.events import read_events
+from trainguard.stage import StagingPool, default_pool
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, width)
+        self.norm = nn.BatchNorm1d(width)
+        self.fc2 = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.norm(self.fc1(x))))
+
+
+def make_state(width: int = 64, seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    model = Net(width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=0)}
+    train_step(state)
+    return state
+
+
+def train_step(state: dict) -> None:
+    x = torch.randn(32, 16)
+    loss = state["model"](x).pow(2).mean()
+    state["optim"].zero_grad()
+    loss.backward()
+    state["optim"].step()
+    state["progress"]["step"] += 1
+
+
+def tensors_of(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model/{k}": v.detach().clone() for k, v in state["model"].state_dict().items()}
+    for i, s in enumerate(state["optim"].state.values()):
+        for k, v in s.items():
+            out[f"optim/{i}/{k}"] = v.detach().clone()
+    out["rng"] = torch.get_rng_state().clone()
+    return out
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    bad = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not bad, f"differ: {bad}"
+
+
+def differs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def load_fresh(path: Path, width: int = 64) -> dict[str, torch.Tensor]:
+    state = make_state(width, seed=99)
+    tg.load(path, state)
+    return tensors_of(state)
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds the background copies until the test opens it."""
+    ev = threading.Event()
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: ev.wait(60))
+    yield ev
+    ev.set()
+
+
+def no_save_threads() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("trainguard-async-save")]
+
+
+def test_step_waits_for_staging_and_checkpoint_holds_state_at_call(tmp_path, gate):
+    state = make_state()
+    at_call = tensors_of(state)
+    h = tg.save(tmp_path / "a", state, async_=True)
+    assert not h.staged()  # parameters and Adam moments are still being copied
+    # Training continues in another thread: forward (mutates BatchNorm stats) then step().
+    t = threading.Thread(target=train_step, args=(state,))
+    t.start()
+    assert h.waiting.wait(30), "optimizer.step() did not reach the pre-step hook"
+    assert state["model"].fc1.weight.equal(at_call["model/fc1.weight"])  # step() is held
+    assert not state["model"].norm.running_mean.equal(at_call["model/norm.running_mean"])  # forward ran
+    gate.set()
+    t.join(30)
+    assert not t.is_alive()
+    assert differs(tensors_of(state), at_call)  # the step went through after staging
+    assert h.hook_wait_s > 0
+    h.result(timeout=60)
+    assert_same(load_fresh(tmp_path / "a"), at_call)
+    assert no_save_threads()
+
+
+def test_in_place_mutation_right_after_save(tmp_path):
+    state = make_state()
+    at_call = tensors_of(state)
+    h = tg.save(tmp_path / "a", state, async_=True)
+    # Buffers and RNG are copied inside the call: mutate them at once.
+    state["model"].norm.running_mean.add_(5.0)
+    torch.randn(100)
+    # Parameters outside optimizer.step(): the documented rule is wait_staged() first.
+    assert h.wait_staged(60)
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.mul_(-3.0)
+    assert differs(tensors_of(state), at_call)
+    h.result(timeout=60)
+    assert_same(load_fresh(tmp_path / "a"), at_call)
+
+
+def test_manager_logs_stall_including_pre_step_wait(tmp_path, gate):
+    state = make_state()
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        h = mgr.save(1, state)
+        t = threading.Thread(target=train_step, args=(state,))
+        t.start()
+        assert h.waiting.wait(30)
+        gate.set()
+        t.join(30)
+    saves = [e for e in read_events(tmp_path) if e["event"] == "save"]
+    assert len(saves) == 1
+    assert saves[0]["stall_hook_s"] > 0
+    assert saves[0]["stall_s"] == pytest.approx(saves[0]["stall_call_s"] + saves[0]["stall_hook_s"], abs=2e-6)
+    assert no_save_threads()
+
+
+@pytest.mark.parametrize("where", ["save", "wait", "close"])
+def test_disk_error_surfaces_and_previous_checkpoint_stays_valid(tmp_path, monkeypatch, where):
+    state = make_state()
+    mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False).open()
+    mgr.save(1, state)
+    mgr.wait()
+    at_1 = tensors_of(state)
+    train_step(state)
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "write_begin")
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    h = mgr.save(2, state)
+    assert h is not None
+    with pytest.raises(tg.CheckpointError, match="injected failure"):
+        if where == "save":
+            mgr.save(3, state)
+        elif where == "wait":
+            mgr.wait()
+        else:
+            mgr.close()
+    monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+    assert no_save_threads()
+    assert not default_pool().in_use  # buffers released
+    assert mgr.latest_step() == 1
+    assert_same(load_fresh(tmp_path / "step-000000001"), at_1)
+    train_step(state)  # no hook left waiting on the failed save
+    mgr.close()
+    assert [e["step"] for e in read_events(tmp_path) if e["event"] == "save_failed"] == [2]
+
+
+def test_staging_error_does_not_block_training(tmp_path, monkeypatch):
+    state = make_state()
+    real = async_save.copy_into
+
+    def broken(slot, src, stream=None):
+        if threading.current_thread().name.startswith("trainguard-async-save"):
+            raise MemoryError("simulated: host memory exhausted")
+        return real(slot, src, stream)
+
+    monkeypatch.setattr(async_save, "copy_into", broken)
+    h = tg.save(tmp_path / "a", state, async_=True)
+    train_step(state)  # the hook returns: a failed staging releases waiters
+    with pytest.raises(tg.CheckpointError, match="staging failed"):
+        h.result(timeout=60)
+    assert not (tmp_path / "a" / "manifest.json").exists()
+    assert not default_pool().in_use
+    assert no_save_threads()
+
+
+def test_unobserved_failure_is_raised_by_the_next_api_save(tmp_path, monkeypatch):
+    state = make_state()
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "before_fsync")
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    first = tg.save(tmp_path / "a", state, async_=True)
+    first.join()  # finished (and failed), but nobody called result()
+    assert first.done() and first.exception() is not None
+    monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+    with pytest.raises(tg.CheckpointError, match="previous async save"):
+        tg.save(tmp_path / "b", state, async_=True)
+    tg.save(tmp_path / "b", state, async_=True).result(timeout=60)  # reported once, then saving works
+    assert (tmp_path / "b" / "manifest.json").exists()
+
+
+def test_pool_reused_over_50_saves_without_rss_growth(tmp_path):
+    state = make_state(width=1024)  # ~0.1 MB of fc weights ... plus Adam: a few hundred KB
+    state["big"] = torch.randn(2 << 20)  # 8 MB plain tensor: copied in the call, into the pool
+    pool = default_pool()
+    proc = psutil.Process()
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2),
+                              async_save=True, handle_signals=False) as mgr:
+        for step in range(1, 51):
+            train_step(state)
+            mgr.save(step, state)
+            if step == 5:
+                mgr.wait()
+                allocations, capacity, rss5 = pool.allocations, pool.capacity, proc.memory_info().rss
+        mgr.wait()
+        rss50 = proc.memory_info().rss
+    assert pool.capacity == capacity and pool.allocations == allocations  # no arena growth
+    assert rss50 - rss5 < 64 << 20, f"RSS grew by {(rss50 - rss5) >> 20} MiB over 45 saves"
+    assert mgr.latest_step() == 50
+
+
+def test_staging_cap_writes_the_rest_from_live_tensors(tmp_path):
+    state = make_state(width=1024)  # fc1+fc2 params and Adam moments: ~0.5 MB protected
+    at_call = tensors_of(state)
+    cap = 64 << 10
+    h = tg.save(tmp_path / "a", state, async_=True, max_staging_bytes=cap)
+    train_step(state)  # held by the hook until the un-staged tensors are on disk
+    assert differs(tensors_of(state), at_call)
+    h.result(timeout=60)
+    pool = default_pool(cap)
+    sync_bytes = sum(b.nbytes for b in state["model"].buffers()) + torch.get_rng_state().nbytes + 4096
+    assert pool.capacity <= cap + sync_bytes
+    assert_same(load_fresh(tmp_path / "a", width=1024), at_call)
+
+
+def test_pool_rejects_bad_cap_and_double_acquire():
+    with pytest.raises(ValueError, match="max_staging_bytes"):
+        StagingPool(max_bytes=-1)
+    pool = StagingPool(pin=False)
+    a = pool.acquire([10, 100])
+    assert [s.numel() for s in a] == [10, 100]
+    with pytest.raises(tg.CheckpointError, match="in flight"):
+        pool.acquire([1])
+    pool.release()
+    b = pool.acquire([100, 10])
+    assert pool.allocations == 1 and b[0].data_ptr() == a[0].data_ptr()
+
+
+def test_doc_example_runs(tmp_path):
+    text = (ROOT / "docs" / "async.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        exec(compile(code, "docs/async.md", "exec"), {})
+    finally:
+        os.chdir(cwd)
+    assert (tmp_path / "ckpts" / "async-demo").is_dir()
