@@ -151,6 +151,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     timeout: float | None = None,
+    max_staging_bytes: int | None = None,
 ) -> Any:
     """Save ``state`` into the checkpoint directory ``path`` (every rank calls it).
 
@@ -165,6 +166,7 @@ def save(
     handle = start_save(
         storage, target, state, DistContext.current(),
         async_=async_, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
+        max_staging_bytes=max_staging_bytes,
     )
     return handle if async_ else handle.result()
 
@@ -181,13 +183,16 @@ def start_save(
     overwrite: bool = False,
     timeout: float | None = None,
     step: int | None = None,
+    max_staging_bytes: int | None = None,
 ) -> SaveHandle:
-    """Start a save on every rank; sync saves return an already completed handle."""
+    """Start a save on every rank; sync saves return an already completed handle.
+    ``max_staging_bytes`` caps the async path's host staging memory (docs/async.md)."""
     if async_:
         from .async_save import start_async_save
 
         return start_async_save(
-            storage, target, state, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
+            storage, target, state, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
+            step=step, max_staging_bytes=max_staging_bytes,
         )
     snap = _collective_capture(state, ctx, layout, timeout)
     manifest = persist_and_commit(
