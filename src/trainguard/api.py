@@ -27,7 +27,7 @@ import torch
 
 from . import __version__, layout
 from .commit import read_manifest
-from .dist import DistContext, is_dtensor, shard_of
+from .dist import DistContext, ensure_optimizer_state, failure, is_dtensor, shard_of, summary
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -55,7 +55,7 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]  # global shape
     box: Box  # the local box in global coordinates
-    kind: str  # "replicated" | "sharded" | "local"
+    kind: str  # "replicated" | "sharded" | "local" | "full"
     writer: bool = True
 
 
@@ -99,7 +99,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
         for path, t in tensors.items():
-            leaves.append(_leaf(path, t, local, layout_kind))
+            leaves.append(_leaf(path, t, local, layout_kind, ctx.rank))
     sig = hashlib.sha1(
         json.dumps(
             [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype) for lf in leaves if lf.kind != "local")]
@@ -108,8 +108,9 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
 
 
-def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str) -> Leaf:
-    if is_dtensor(t) and layout_kind == "full":
+def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0) -> Leaf:
+    full = layout_kind == "full" and not local
+    if is_dtensor(t) and full:
         t = t.full_tensor()  # collective on the training group: every rank reaches it in the same order
     data, shape, offsets, writer = shard_of(t)
     if data.dtype not in DTYPE_NAMES:
@@ -120,7 +121,13 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str) -> Leaf:
             "before saving, or return a contiguous copy from state_dict()"
         )
     kind = "local" if local else ("sharded" if is_dtensor(t) else "replicated")
-    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, Box(tuple(offsets), tuple(data.shape)), kind, writer)
+    if full:
+        # layout="full": whole tensors, one chunk each, all in rank 0's file (export/inference).
+        kind, writer = "full", rank == 0
+        if rank != 0:
+            data = data.new_empty((0,) * data.dim())  # others only need shape and dtype
+    box = full_box(shape) if full else Box(tuple(offsets), tuple(data.shape))
+    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer)
 
 
 def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:
@@ -207,7 +214,9 @@ def _collective_capture(state: Mapping[str, Any], ctx: DistContext, layout_kind:
     except Exception as e:
         # Tell the other ranks before raising, so they fail now instead of at the timeout.
         if ctx.is_distributed:
-            ctx.all_gather("begin", {"error": traceback.format_exc()}, timeout=timeout)
+            # Every rank, this one included, raises the same RankFailureError.
+            begin = ctx.all_gather("begin", {"error": traceback.format_exc()}, timeout=timeout)
+            _raise_failures("save", begin, ctx)
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"could not capture the state: {e}") from e
@@ -219,7 +228,7 @@ def _raise_failures(what: str, outcomes: list[Any], ctx: DistContext) -> None:
         return
     if not ctx.is_distributed and len(failures) == 1:
         raise CheckpointError(f"{what} failed:\n{failures[0]}")
-    raise RankFailureError(f"{what} failed on rank(s) {sorted(failures)}", failures)
+    raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)
 
 
 def persist_and_commit(
@@ -250,7 +259,7 @@ def persist_and_commit(
         hello["id"] = uuid.uuid4().hex[:16]
         final = storage.join(parent, name)
         if storage.exists(storage.join(final, layout_mod.MANIFEST)) and not overwrite:
-            hello["error"] = f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
+            hello["exists"] = f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     _check_begin(begin, ctx)
     save_id = begin[0]["id"]
@@ -263,22 +272,30 @@ def persist_and_commit(
         fault("written", ctx.rank)
     except Exception as e:
         report = {"error": _describe(e)}
-    written = ctx.all_gather("written", report, timeout=timeout)
+    # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
     outcome: dict[str, Any] = {"error": None}
     manifest = None
-    if ctx.rank == 0:
+    try:
+        written = ctx.gather("written", report, timeout=timeout)
+    except RankFailureError as e:  # rank 0 only: a rank died or never reported
+        written, outcome = None, {"error": summary(e), "failures": e.failures}
+    if ctx.rank == 0 and written is not None:
         try:
             _raise_failures("save", written, ctx)
             manifest = _build_manifest(snap, written, ctx, layout, metadata, step)
             fault("before_manifest", ctx.rank)
+            # Invariant: the manifest is written only after every rank reported its data durable.
             _commit(storage, parent, name, work, manifest, overwrite, save_id)
+        except RankFailureError as e:
+            outcome = {"error": summary(e), "failures": e.failures}
         except Exception as e:
-            storage.remove_tree(work)
-            outcome = {"error": _describe(e), "written_failed": any(w.get("error") for w in written)}
+            outcome = {"error": _describe(e)}
+    if ctx.rank == 0 and outcome.get("error"):
+        storage.remove_tree(work)
     outcome = ctx.broadcast("commit", outcome, timeout=timeout)
+    if outcome.get("failures"):
+        raise failure(outcome["error"], {int(r): tb for r, tb in outcome["failures"].items()})
     if outcome.get("error"):
-        if outcome.get("written_failed"):
-            _raise_failures("save", written, ctx)
         raise CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
     if manifest is None:
         manifest = read_manifest(storage, storage.join(parent, name))
@@ -296,6 +313,8 @@ def _describe(e: BaseException) -> str:
 
 def _check_begin(begin: list[Any], ctx: DistContext) -> None:
     _raise_failures("save", begin, ctx)
+    if begin[0].get("exists"):
+        raise StepExistsError(begin[0]["exists"])
     steps = {r: b["step"] for r, b in enumerate(begin)}
     off = [r for r, s in steps.items() if s != steps[0]]
     if off:
@@ -467,6 +486,9 @@ def _load(
             continue
         value = state[key]
         obj = adapt(value, names)
+        if isinstance(obj, OptimizerAdapter):
+            # A fresh optimizer of DTensor params has no state to read shards into: create it.
+            ensure_optimizer_state(obj.optimizer)
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue

@@ -21,6 +21,7 @@ from . import layout
 from .api import load, start_save
 from .commit import RunLock, clean_debris, list_steps, read_manifest
 from .dist import DistContext
+from .elastic.watchdog import heartbeat
 from .errors import CheckpointError
 from .events import EVENTS_FILE, EventLog
 from .faults import fault
@@ -90,7 +91,7 @@ class CheckpointManager:
         """Take the lock and clean debris (rank 0), then agree with the other ranks."""
         if self._opened:
             return self
-        err = None
+        err, exc = None, None
         if self.ctx.rank == 0:
             try:
                 self.storage.makedirs(self._root)
@@ -101,11 +102,11 @@ class CheckpointManager:
                     log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                     self.events.emit("debris", removed=removed)
             except CheckpointError as e:
-                err = str(e)
+                err, exc = str(e), e
         err = self.ctx.broadcast("open", err, timeout=self.timeout)
         if err:
-            if self.ctx.rank == 0:
-                raise
+            if exc is not None:
+                raise exc
             raise CheckpointError(f"rank 0 could not open {self.root}: {err}")
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -150,6 +151,7 @@ class CheckpointManager:
         """Call once per training step on every rank; saves when the policy says so (or ``force``,
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
         self._require_open()
+        heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)
         want = force or self.save_policy.should_save(step, now)
