@@ -6,8 +6,12 @@ Many processes: :class:`StoreDistContext`, whose collectives go through the c10d
 training loop runs its own collectives, and a dead or absent rank becomes an error with its
 rank number after a bounded wait instead of a hang.
 
-Every collective must be called by every rank in the same order (like any collective); a
-call that some rank never makes ends on the others with ``RankFailureError`` naming it.
+Every collective must be called by every rank in the same order (like any collective). Rank 0
+is the coordinator: it waits for every rank's key, watching heartbeats, and publishes either
+the result or one failure record, so that every rank raises the *same* ``RankFailureError``.
+A rank that never arrives is named after ``timeout``; a rank whose heartbeat stops (process
+died) after ``TRAINGUARD_DEAD_AFTER`` seconds; a rank waiting in a *different* collective at
+the same round (``load`` while the others ``save``) at once.
 """
 
 from __future__ import annotations
@@ -21,10 +25,31 @@ from typing import Any
 
 from .errors import RankFailureError
 
-DEFAULT_TIMEOUT = float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
-# A rank whose heartbeat has not moved for this long is declared dead.
-DEAD_AFTER = float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
 HEARTBEAT_EVERY = 0.5
+
+
+def default_timeout() -> float:
+    """``TRAINGUARD_TIMEOUT`` (seconds, default 600): how long a collective waits for a rank."""
+    return float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
+
+
+def dead_after() -> float:
+    """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
+    this long is declared dead."""
+    return float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
+
+
+def failure(message: str, failures: dict[int, str]) -> RankFailureError:
+    """A ``RankFailureError`` that remembers its one-line ``message`` (see :func:`summary`), so it
+    can be sent to the other ranks and raised there identically."""
+    e = RankFailureError(message, failures)
+    e.summary = message  # type: ignore[attr-defined]
+    return e
+
+
+def summary(e: BaseException) -> str:
+    """The message of a ``RankFailureError`` without the per-rank tracebacks appended to it."""
+    return str(getattr(e, "summary", e))
 
 
 class DistContext:
@@ -40,6 +65,14 @@ class DistContext:
 
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
         """Every rank contributes a JSON value; every rank gets the list, indexed by rank."""
+        return [value]
+
+    def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
+        """Every rank contributes a JSON value; rank 0 gets the list, the others ``None`` at once.
+
+        A failure to collect (a rank died or never came) raises ``RankFailureError`` on rank 0
+        only: the caller must pass it on to the others (``api`` does, in its "commit" broadcast).
+        """
         return [value]
 
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
@@ -62,6 +95,8 @@ class DistContext:
             from torch.distributed.distributed_c10d import _get_default_store
 
             ctx = StoreDistContext(_get_default_store(), dist.get_rank(), dist.get_world_size())
+            for old in _CACHE.values():
+                old.close()
             _CACHE.clear()
             _CACHE[id(pg)] = ctx
         return ctx
@@ -73,14 +108,20 @@ _CACHE: dict[int, DistContext] = {}
 
 class StoreDistContext(DistContext):
     """Collectives through a c10d ``Store`` with liveness: each rank bumps a heartbeat key from a
-    daemon thread; a waiter declares a rank dead when its heartbeat stops moving."""
+    daemon thread; rank 0 declares a rank dead when its heartbeat stops moving.
 
-    def __init__(self, store: Any, rank: int, world_size: int, *, dead_after: float = DEAD_AFTER) -> None:
+    Cost per collective: each rank sets one key and reads one; rank 0 reads ``world_size`` keys
+    in one ``multi_get``. Keys of earlier rounds are deleted by rank 0.
+    """
+
+    def __init__(
+        self, store: Any, rank: int, world_size: int, *, dead_after_s: float | None = None
+    ) -> None:
         self.store = store
         self.rank = rank
         self.world_size = world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        self.dead_after = dead_after
+        self.dead_after = dead_after() if dead_after_s is None else dead_after_s
         # All ranks create their context at their first collective call; the counter gives
         # the same generation to all of them, so keys of an earlier job on the store never clash.
         gen = (int(store.add("trainguard/contexts", 1)) - 1) // world_size
@@ -102,24 +143,116 @@ class StoreDistContext(DistContext):
     def close(self) -> None:
         self._stop.set()
 
-    def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
+    # -- collectives -------------------------------------------------------------------------
+
+    def _enter(self, tag: str) -> str:
         self._round += 1
-        base = f"{self.prefix}/r{self._round}/{tag}"
+        # Where this rank is now: lets rank 0 tell "in another collective" from "not there yet".
+        self.store.set(f"{self.prefix}/at/{self.rank}", json.dumps([self._round, tag]))
+        return f"{self.prefix}/r{self._round}/{tag}"
+
+    def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
+        base = self._enter(tag)
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
-        keys = [f"{base}/{r}" for r in range(self.world_size)]
-        self._wait(keys, tag, timeout)
-        out = [json.loads(self.store.get(k)) for k in keys]
+        if self.rank == 0:
+            try:
+                values = self._collect(base, tag, timeout)
+            except RankFailureError as e:
+                self.store.set(f"{base}/all", json.dumps({"error": summary(e), "failures": e.failures}))
+                raise
+            self.store.set(f"{base}/all", json.dumps({"values": values}))
+            self._cleanup(self._round - 2)
+            return values
+        out = self._await_root(f"{base}/all", tag, timeout)
+        if "error" in out:
+            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
+        return out["values"]
+
+    def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
+        base = self._enter(tag)
+        self.store.set(f"{base}/{self.rank}", json.dumps(value))
+        if self.rank != 0:
+            return None
+        values = self._collect(base, tag, timeout)
         self._cleanup(self._round - 2)
-        return out
+        return values
 
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
-        self._round += 1
-        key = f"{self.prefix}/r{self._round}/{tag}/0"
+        base = self._enter(tag)
         if self.rank == 0:
-            self.store.set(key, json.dumps(value))
+            self.store.set(f"{base}/all", json.dumps(value))
             return value
-        self._wait([key], tag, timeout)
+        return self._await_root(f"{base}/all", tag, timeout)
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _collect(self, base: str, tag: str, timeout: float | None) -> list[Any]:
+        keys = [f"{base}/{r}" for r in range(self.world_size)]
+        self._wait_for(keys, list(range(self.world_size)), tag, timeout)
+        raw = self.store.multi_get(keys)
+        return [json.loads(v) for v in raw]
+
+    def _await_root(self, key: str, tag: str, timeout: float | None) -> Any:
+        # Rank 0 decides about the other ranks within ``timeout``; wait a little longer for its verdict.
+        t = default_timeout() if timeout is None else timeout
+        self._wait_for([key], [0], tag, t + self.dead_after + 5.0)
         return json.loads(self.store.get(key))
+
+    def _wait_for(self, keys: list[str], ranks: list[int], tag: str, timeout: float | None) -> None:
+        """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]``."""
+        timeout = default_timeout() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        seen: dict[int, tuple[int, float]] = {}
+        while True:
+            try:
+                self.store.wait(keys, timedelta(seconds=min(1.0, max(0.05, deadline - time.monotonic()))))
+                return
+            except Exception:
+                pass  # a timeout of this short wait: look at who is missing
+            missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
+            if not missing:
+                return
+            now = time.monotonic()
+            self._check_elsewhere(missing, tag)
+            dead = []
+            for r in missing:
+                beat = int(self.store.add(f"{self.prefix}/hb/{r}", 0))
+                last = seen.get(r)
+                if last is None or last[0] != beat:
+                    seen[r] = (beat, now)
+                elif beat > 0 and now - last[1] > self.dead_after:
+                    # beat == 0: the rank never created its context (not arrived yet, maybe never)
+                    dead.append(r)
+            if dead:
+                raise failure(
+                    f"{tag}: rank(s) {dead} stopped responding (no heartbeat for {self.dead_after:.0f} s): "
+                    "the process died or hangs",
+                    {r: "process died or hung (no heartbeat)" for r in dead},
+                )
+            if now > deadline:
+                raise failure(
+                    f"{tag}: rank(s) {missing} did not arrive within {timeout:.0f} s. Every rank must call "
+                    "save/load with the same step and state (e.g. not under `if rank == 0:`)",
+                    {r: f"did not call {tag} within {timeout:.0f} s" for r in missing},
+                )
+
+    def _check_elsewhere(self, missing: list[int], tag: str) -> None:
+        """Raise at once when a missing rank waits in another collective of the same round."""
+        raw = self.store.multi_get([f"{self.prefix}/at/{r}" for r in missing]) if self._all_at(missing) else []
+        wrong = {}
+        for r, v in zip(missing, raw, strict=False):
+            rnd, other = json.loads(v)
+            if rnd == self._round and other != tag:
+                wrong[r] = other
+        if wrong:
+            raise failure(
+                f"{tag}: rank(s) {sorted(wrong)} are in {sorted(set(wrong.values()))} instead of {tag!r}: ranks "
+                "called different trainguard operations (e.g. save on some ranks, load on others)",
+                {r: f"called {w!r} while rank {self.rank} called {tag!r}" for r, w in wrong.items()},
+            )
+
+    def _all_at(self, ranks: list[int]) -> bool:
+        return all(self.store.check([f"{self.prefix}/at/{r}"]) for r in ranks)
 
     def _cleanup(self, round_no: int) -> None:
         # Keys two rounds back are no longer read by anyone (every rank passed the round after).
@@ -131,52 +264,17 @@ class StoreDistContext(DistContext):
         except Exception:
             pass
 
-    def _wait(self, keys: list[str], tag: str, timeout: float | None) -> None:
-        timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        seen: dict[int, tuple[int, float]] = {}
-        while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=1.0))
-                return
-            except Exception:
-                pass  # a timeout of this short wait: look at who is missing
-            missing = [r for r, k in zip(self._ranks_of(keys), keys) if not self.store.check([k])]
-            if not missing:
-                return
-            now = time.monotonic()
-            dead = []
-            for r in missing:
-                beat = int(self.store.add(f"{self.prefix}/hb/{r}", 0))
-                last = seen.get(r)
-                if last is None or last[0] != beat:
-                    seen[r] = (beat, now)
-                elif now - last[1] > self.dead_after:
-                    dead.append(r)
-            if dead:
-                raise RankFailureError(
-                    f"{tag}: rank(s) {dead} stopped responding (no heartbeat for {self.dead_after:.0f} s): "
-                    "the process died or hangs",
-                    {r: "process died or hung (no heartbeat)" for r in dead},
-                )
-            if now > deadline:
-                raise RankFailureError(
-                    f"{tag}: rank(s) {missing} did not arrive within {timeout:.0f} s. Every rank must call "
-                    "save/load with the same step and state (e.g. not under `if rank == 0:`)",
-                    {r: f"did not call {tag} within {timeout:.0f} s" for r in missing},
-                )
 
-    def _ranks_of(self, keys: list[str]) -> list[int]:
-        return [int(k.rsplit("/", 1)[1]) for k in keys]
+_TAGS = ("begin", "written", "commit", "load", "open", "decide", "candidates")
 
 
 def _list_round_keys(ctx: StoreDistContext, round_no: int) -> list[str]:
     # Tags used per round are not tracked; deleting by known tags keeps this cheap.
-    return [
-        f"{ctx.prefix}/r{round_no}/{tag}/{r}"
-        for tag in ("begin", "written", "commit", "load")
-        for r in range(ctx.world_size)
-    ]
+    keys = []
+    for tag in _TAGS:
+        keys.append(f"{ctx.prefix}/r{round_no}/{tag}/all")
+        keys += [f"{ctx.prefix}/r{round_no}/{tag}/{r}" for r in range(ctx.world_size)]
+    return keys
 
 
 def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
@@ -203,7 +301,7 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
             )
     shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coord = mesh.get_coordinate() or []
-    writer = all(c == 0 for c, p in zip(coord, placements) if isinstance(p, Replicate))
+    writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
     return t.to_local(), tuple(t.shape), tuple(offsets), writer
 
 
@@ -213,3 +311,41 @@ def is_dtensor(t: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(t, DTensor)
+
+
+def ensure_optimizer_state(optimizer: Any) -> bool:
+    """Give a fresh optimizer over DTensor parameters its state, so a load can read shards into it.
+
+    Called by ``api.load`` on every rank before loading optimizer state. It does nothing when the
+    optimizer already has state or holds no DTensor parameter (plain tensors are read into new
+    whole tensors and handed to ``optimizer.load_state_dict``). Otherwise it runs one
+    ``step()`` with zero gradients and every learning rate set to 0, which creates each state
+    tensor with its parameter's sharding and leaves the parameters unchanged; the loaded values
+    then overwrite that state. Returns True when it created state.
+    """
+    import torch
+
+    if optimizer.state or not any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
+        return False
+    saved_lr = []
+    for g in optimizer.param_groups:
+        saved_lr.append(g.get("lr"))
+        if isinstance(g.get("lr"), torch.Tensor):
+            g["lr"] = g["lr"].clone().fill_(0.0)
+        elif "lr" in g:
+            g["lr"] = 0.0
+    grads = {}
+    try:
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                if p.requires_grad:
+                    grads[p] = p.grad
+                    p.grad = torch.zeros_like(p)
+        optimizer.step()
+    finally:
+        for p, old in grads.items():
+            p.grad = old
+        for g, lr in zip(optimizer.param_groups, saved_lr, strict=True):
+            if lr is not None:
+                g["lr"] = lr
+    return True

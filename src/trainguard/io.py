@@ -26,6 +26,24 @@ SMALL = 1 << 20  # chunks below this are coalesced
 DEFAULT_BLOCK = 4 << 20  # checksum granularity
 STREAMS = 2
 
+_COUNTERS = {"bytes_read": 0, "bytes_written": 0}
+_COUNTERS_LOCK = threading.Lock()
+
+
+def counters() -> dict[str, int]:
+    """This process's running totals of checkpoint bytes read and written (a debug counter).
+
+    ``read_targets`` adds what it reads (checksum widening included), ``write_file`` what it
+    writes; take the difference around a ``load`` to see how many bytes this rank read.
+    """
+    with _COUNTERS_LOCK:
+        return dict(_COUNTERS)
+
+
+def _count(key: str, n: int) -> None:
+    with _COUNTERS_LOCK:
+        _COUNTERS[key] += n
+
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
@@ -152,6 +170,7 @@ def write_file(
     except BaseException:
         w.abort()
         raise
+    _count("bytes_written", sum(c.length for c in chunks))
     return sums
 
 
@@ -223,6 +242,7 @@ def read_targets(
     finally:
         for r in readers.values():
             r.close()
+    _count("bytes_read", total)
     return total
 
 
@@ -239,7 +259,7 @@ def _read_one(reader: FileReader, t: ReadTarget, op: ReadOp) -> None:
     typed = scratch.view(t.dest.dtype)
     cstrides = _strides(op.chunk.sizes)
     src = typed.as_strided(op.inter.sizes, cstrides, op.inter.flat_start_in(op.chunk) - op.first_elem)
-    rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes))
+    rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
     t.dest.view(t.box.sizes)[rel].copy_(src)
 
 
