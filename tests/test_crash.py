@@ -6,12 +6,13 @@ import os
 
 import pytest
 import torch
-from conftest import TESTS, run_py
-from crashlib import state_for
 
 import trainguard as tg
 from trainguard.faults import POINTS
 from trainguard.inspect import list_checkpoints
+
+from conftest import TESTS, run_py
+from crashlib import state_for
 
 COMMITTED_AFTER = {"after_rename", "before_retention"}
 

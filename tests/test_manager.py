@@ -10,13 +10,14 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, TESTS
-from crashlib import state_for
 
 import trainguard as tg
 from trainguard import layout
 from trainguard.events import read_events
 from trainguard.inspect import list_checkpoints
+
+from conftest import ROOT, TESTS
+from crashlib import state_for
 
 
 def _steps(root):

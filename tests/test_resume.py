@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
+
 from conftest import TESTS, run_py
 
 

@@ -32,7 +32,7 @@ from .policies import (  # noqa: E402
     RetentionPolicy,
     SavePolicy,
 )
-from .stateful import RNGState, Stateful, StateDict  # noqa: E402
+from .stateful import RNGState, StateDict, Stateful  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -37,8 +37,8 @@ from .errors import (
     UnsupportedValueError,
 )
 from .faults import fault
-from .handle import SaveHandle
 from .flatten import flatten, tensor_refs, unflatten
+from .handle import SaveHandle
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_file
 from .manifest import DTYPE_NAMES, Chunk, Manifest, TensorEntry
 from .planner import Box, ReplicatedItem, assign_replicated, full_box, layout_file, plan_reads

@@ -1,0 +1,24 @@
+"""The examples in README.md and docs/checkpoints.md run as written."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _blocks(doc: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/checkpoints.md"])
+def test_python_examples_run(doc, tmp_path, monkeypatch):
+    blocks = _blocks(doc)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, doc, "exec"), {"__name__": "__doc_example__"})
+    assert (tmp_path / "ckpts").exists()
