@@ -8,6 +8,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .api import load, save  # noqa: E402
+from .daly import DalyInterval  # noqa: E402
+from .doctor import Finding  # noqa: E402
+from .doctor import doctor as doctor  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CorruptCheckpointError,
@@ -46,6 +49,9 @@ __all__ = [
     "SavePolicy",
     "RetentionPolicy",
     "EveryNSteps",
+    "DalyInterval",
+    "doctor",
+    "Finding",
     "EverySeconds",
     "KeepAll",
     "KeepLatest",
