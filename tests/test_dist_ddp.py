@@ -9,11 +9,12 @@ import warnings
 from pathlib import Path
 
 import torch
-from dist_helper import run_ranks
 from torch import nn
 
 import trainguard as tg
 from trainguard import io as tg_io
+
+from dist_helper import run_ranks
 
 GLOBAL_BATCH = 12  # divisible by 1, 2, 3, 4: the same global batch at every world size
 

@@ -1,0 +1,31 @@
+"""``trainguard consolidate SRC DST``: a sharded checkpoint as one full checkpoint, offline.
+
+Thin: :func:`trainguard.consolidate.consolidate` does the work (no process group, one tensor
+in memory at a time).
+"""
+
+from __future__ import annotations
+
+import click
+
+from ..consolidate import consolidate as _consolidate
+
+
+@click.command("consolidate")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it already holds a checkpoint.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only the final line.")
+def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
+    """Turn the checkpoint SRC (saved by any number of ranks) into a full one at DST.
+
+    DST holds whole tensors in one data file (layout "full"), loadable at any world size and
+    by tools that expect one tensor per chunk. Memory use is bounded by the largest tensor.
+    """
+
+    def show(path: str, nbytes: int) -> None:
+        if not quiet:
+            click.echo(f"  {path}  {nbytes} B")
+
+    m = _consolidate(src, dst, overwrite=overwrite, progress=show)
+    click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {dst}")

@@ -1,0 +1,111 @@
+"""Offline consolidation: a sharded checkpoint becomes a full one (whole tensors, one file).
+
+``consolidate(src, dst)`` runs in one process without a process group (the ``trainguard
+consolidate SRC DST`` command calls it). It streams tensor by tensor: each tensor is read
+whole from whatever chunks hold it (checksums verified), written at the next aligned offset
+of ``data-00000.bin`` with fresh block checksums, and dropped, so memory stays bounded by the
+largest tensor. Rank-local entries (RNG, per-rank iterators) are kept per saved rank. The
+manifest is written last and the directory renamed into place, as in a save.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import layout
+from .api import _commit
+from .commit import read_manifest
+from .errors import StepExistsError
+from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
+from .manifest import Chunk, Manifest, TensorEntry, checksum
+from .planner import Box, full_box, layout_file, plan_reads
+from .storage import for_path
+
+
+def consolidate(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    progress: Callable[[str, int], None] | None = None,
+) -> Manifest:
+    """Write the checkpoint at ``src`` as a ``layout="full"`` checkpoint at ``dst``.
+
+    ``dst`` is a step directory (``.../step-000000700``) or any new directory. Raises
+    ``StepExistsError`` when ``dst`` already holds a checkpoint (unless ``overwrite``),
+    ``CorruptCheckpointError`` when a byte of ``src`` fails its checksum. ``progress(path,
+    nbytes)`` is called after each tensor.
+    """
+    sstore, sdir = for_path(src)
+    dstore, target = for_path(dst)
+    m = read_manifest(sstore, sdir)
+    parent, name = os.path.split(target.rstrip("/"))
+    final = dstore.join(parent, name)
+    if dstore.exists(dstore.join(final, layout.MANIFEST)) and not overwrite:
+        raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")
+    dstore.makedirs(parent)
+    save_id = uuid.uuid4().hex[:16]
+    work = dstore.join(parent, layout.tmp_dir(name, save_id) if dstore.atomic_rename else name)
+    dstore.makedirs(work)
+    fname = layout.data_file(0)
+    tensors: dict[str, TensorEntry] = {}
+    w = dstore.open_write(dstore.join(work, fname))
+    try:
+        pos = 0
+        for path, e in m.tensors.items():
+            whole = _read_whole(sstore, sdir, m, path, e)
+            data = tensor_bytes(whole)
+            (off,), pos = layout_file([len(data)], pos)
+            chunks = []
+            if len(data):
+                w.pwrite(data, off)
+                sums = [checksum(data[b : b + DEFAULT_BLOCK]) for b in range(0, len(data), DEFAULT_BLOCK)]
+                chunks.append(Chunk([0] * len(e.shape), list(e.shape), fname, off, len(data), sums))
+            tensors[path] = TensorEntry(e.dtype, list(e.shape), chunks)
+            if progress:
+                progress(path, len(data))
+            del whole, data
+        w.finish(pos)
+    except BaseException:
+        w.abort()
+        dstore.remove_tree(work)
+        raise
+    out = Manifest(
+        step=m.step,
+        world_size=m.world_size,
+        created=time.time(),
+        layout="full",
+        block_size=DEFAULT_BLOCK,
+        files={fname: pos},
+        objects=m.objects,
+        tensors=tensors,
+        metadata={**m.metadata, "consolidated_from": {"path": str(src), "layout": m.layout, "created": m.created}},
+        library=m.library,
+        torch_version=m.torch_version,
+    )
+    try:
+        _commit(dstore, parent, name, work, out, overwrite, save_id)
+    except BaseException:
+        dstore.remove_tree(work)
+        raise
+    return out
+
+
+def _read_whole(storage: Any, directory: str, m: Manifest, path: str, e: TensorEntry) -> torch.Tensor:
+    t = torch.empty(e.shape, dtype=e.torch_dtype)
+    box = full_box(e.shape)
+    ops = plan_reads(
+        [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in e.chunks],
+        box,
+        e.torch_dtype.itemsize,
+        m.block_size,
+        True,
+    )
+    read_targets(storage, directory, [ReadTarget(path, t, box, ops)])
+    return t
