@@ -22,7 +22,7 @@ from .api import load, start_save
 from .commit import RunLock, clean_debris, list_steps, read_manifest
 from .dist import DistContext
 from .elastic.watchdog import heartbeat
-from .errors import CheckpointError
+from .errors import CheckpointError, StateMismatchError
 from .events import EVENTS_FILE, EventLog
 from .faults import fault
 from .handle import SaveHandle
@@ -266,7 +266,7 @@ class CheckpointManager:
             try:
                 load(path, state, strict=strict, timeout=self.timeout)
             except CheckpointError as e:
-                if isinstance(e, (TypeError, KeyError)) and "StateMismatch" in type(e).__name__:
+                if isinstance(e, StateMismatchError):
                     raise  # the state does not fit: an older checkpoint will not fit either
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, e)
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
