@@ -21,7 +21,7 @@ demo: setup
 
 test: setup
 	$(VPY) -m ruff check src tests bench
-	$(VPY) -m pytest -q -p no:cacheprovider tests
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
 
 lint: setup
 	$(VPY) -m ruff check src tests bench
@@ -30,7 +30,7 @@ bench: setup
 	$(VPY) -m bench.run
 
 soak: setup
-	$(VPY) -m pytest -q -p no:cacheprovider tests -m slow --override-ini="addopts=" -k soak
+	$(VPY) -m pytest -q -s -p no:cacheprovider -m slow -k soak tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
