@@ -20,7 +20,6 @@ import json
 import os
 import threading
 import time
-from datetime import timedelta
 from typing import Any
 
 from .errors import RankFailureError
@@ -160,13 +159,10 @@ class StoreDistContext(DistContext):
             except RankFailureError as e:
                 self.store.set(f"{base}/all", json.dumps({"error": summary(e), "failures": e.failures}))
                 raise
-            self.store.set(f"{base}/all", json.dumps({"values": values}))
+            self.store.set(f"{base}/all", json.dumps({"value": values}))
             self._cleanup(self._round - 2)
             return values
-        out = self._await_root(f"{base}/all", tag, timeout)
-        if "error" in out:
-            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
-        return out["values"]
+        return self._await_root(f"{base}/all", tag, timeout)
 
     def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
         base = self._enter(tag)
@@ -180,7 +176,7 @@ class StoreDistContext(DistContext):
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
         base = self._enter(tag)
         if self.rank == 0:
-            self.store.set(f"{base}/all", json.dumps(value))
+            self.store.set(f"{base}/all", json.dumps({"value": value}))
             return value
         return self._await_root(f"{base}/all", tag, timeout)
 
@@ -196,7 +192,10 @@ class StoreDistContext(DistContext):
         # Rank 0 decides about the other ranks within ``timeout``; wait a little longer for its verdict.
         t = default_timeout() if timeout is None else timeout
         self._wait_for([key], [0], tag, t + self.dead_after + 5.0)
-        return json.loads(self.store.get(key))
+        out = json.loads(self.store.get(key))  # {"value": v} or rank 0's failure record
+        if "error" in out:
+            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
+        return out["value"]
 
     def _wait_for(self, keys: list[str], ranks: list[int], tag: str, timeout: float | None) -> None:
         """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]``."""
@@ -204,16 +203,19 @@ class StoreDistContext(DistContext):
         deadline = time.monotonic() + timeout
         seen: dict[int, tuple[int, float]] = {}
         while True:
-            try:
-                self.store.wait(keys, timedelta(seconds=min(1.0, max(0.05, deadline - time.monotonic()))))
-                return
-            except Exception:
-                pass  # a timeout of this short wait: look at who is missing
+            # Poll with check() rather than a timed store.wait(), which logs a warning per timeout.
+            pause, look_at = 0.002, time.monotonic() + 1.0
+            while time.monotonic() < look_at:
+                if self.store.check(keys):
+                    return
+                time.sleep(pause)
+                pause = min(2 * pause, 0.1)
             missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
             if not missing:
                 return
             now = time.monotonic()
-            self._check_elsewhere(missing, tag)
+            if self.rank == 0:  # the coordinator judges; the others wait for its verdict
+                self._check_elsewhere(missing, tag)
             dead = []
             for r in missing:
                 beat = int(self.store.add(f"{self.prefix}/hb/{r}", 0))
@@ -245,11 +247,16 @@ class StoreDistContext(DistContext):
             if rnd == self._round and other != tag:
                 wrong[r] = other
         if wrong:
-            raise failure(
+            e = failure(
                 f"{tag}: rank(s) {sorted(wrong)} are in {sorted(set(wrong.values()))} instead of {tag!r}: ranks "
                 "called different trainguard operations (e.g. save on some ranks, load on others)",
                 {r: f"called {w!r} while rank {self.rank} called {tag!r}" for r, w in wrong.items()},
             )
+            # The ranks waiting in the other collective get the same verdict instead of a timeout.
+            record = json.dumps({"error": summary(e), "failures": e.failures})
+            for other in set(wrong.values()):
+                self.store.set(f"{self.prefix}/r{self._round}/{other}/all", record)
+            raise e
 
     def _all_at(self, ranks: list[int]) -> bool:
         return all(self.store.check([f"{self.prefix}/at/{r}"]) for r in ranks)
