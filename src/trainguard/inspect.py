@@ -52,7 +52,10 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
 
 
 def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
-    buf = bytearray(max(_READ // m.block_size, 1) * m.block_size)
+    # Whole blocks, but never more than the longest chunk: a small checkpoint (or a hostile
+    # block_size) must not cost a 64 MiB-1 GiB zero-filled buffer per verify.
+    longest = max((c.length for e in m.tensors.values() for c in e.chunks), default=0)
+    buf = bytearray(max(1, min(max(_READ // m.block_size, 1) * m.block_size, longest)))
     view = memoryview(buf)
     total = 0
     readers = {f: storage.open_read(storage.join(directory, f)) for f in m.files}

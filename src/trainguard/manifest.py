@@ -154,10 +154,12 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is larger than any manifest", file=where)
     head = len(_PREFIX) + 16
-    if not (data.startswith(_PREFIX) and data[head : head + 13] == b'","manifest":' and data.rstrip().endswith(b"}")):
+    # Exactly what ``to_bytes`` writes, ending in b"}\n": a cut-off or altered last byte is
+    # corruption too, not whitespace to strip.
+    if not (data.startswith(_PREFIX) and data[head : head + 13] == b'","manifest":' and data.endswith(b"}\n")):
         raise CorruptCheckpointError(f"{where}: not a trainguard manifest (or truncated)", file=where)
     want = data[len(_PREFIX) : head].decode("ascii", "replace")
-    body = data[head + 13 : len(data.rstrip()) - 1]
+    body = data[head + 13 : len(data) - 2]
     if checksum(body) != want:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the manifest is corrupt", file=where)
     try:
