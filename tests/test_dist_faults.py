@@ -73,9 +73,19 @@ def consistency_group(rank: int, world: int, root: str) -> dict:
 
 def kill_group(rank: int, world: int, root: str) -> dict:
     state = make_state()
+    # Async saves every step: the background commit's collectives interleave with the manager's
+    # per-step "decide" broadcast in a different order on each rank (they use separate channels).
+    with tg.CheckpointManager(f"{root}/mgr", save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), async_save=True,
+                              timeout=60) as mgr:
+        for step in range(6):
+            state["model"].weight.data.add_(1.0)
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+    last = mgr.last_saved_step
+    state = make_state()
     tg.save(f"{root}/step-000000001", state)
     _crash("write_piece", 1, "kill")
-    return {"kill": _attempt(lambda: tg.save(f"{root}/step-000000002", state, timeout=120))}
+    return {"kill": _attempt(lambda: tg.save(f"{root}/step-000000002", state, timeout=120)), "last": last}
 
 
 def _committed(root: str) -> list[str]:
@@ -122,6 +132,7 @@ def test_rank_killed_mid_save(tmp_path: Path) -> None:
         k = r.value["kill"]
         # Found by the heartbeat (TRAINGUARD_DEAD_AFTER=3), not by the 120 s timeout.
         assert k["type"] == "RankFailureError" and k["ranks"] == [1] and "stopped responding" in k["msg"], k
-    assert res[0].value == res[2].value
+    assert res[0].value == res[2].value and res[0].value["last"] == 5
     assert _committed(root) == ["step-000000001"]
+    assert _committed(f"{root}/mgr") == ["step-000000004", "step-000000005"]
     _restores(root)

@@ -197,8 +197,10 @@ def start_save(
     if async_:
         from .async_save import start_async_save
 
+        # Its own channel: the background commit's collectives may interleave with the training
+        # thread's (the manager's "decide") in a different order on each rank.
         return start_async_save(
-            storage, target, state, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
+            storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
             step=step, max_staging_bytes=max_staging_bytes,
         )
     snap = _collective_capture(state, ctx, layout, timeout)

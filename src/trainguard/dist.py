@@ -81,6 +81,10 @@ class DistContext:
     def close(self) -> None:
         pass
 
+    def channel(self, name: str) -> DistContext:
+        """A context whose collectives are sequenced apart from this one's (see StoreDistContext)."""
+        return self
+
     @staticmethod
     def current() -> DistContext:
         """The context for this process: store-based when torch.distributed is initialised."""
@@ -124,11 +128,28 @@ class StoreDistContext(DistContext):
         # All ranks create their context at their first collective call; the counter gives
         # the same generation to all of them, so keys of an earlier job on the store never clash.
         gen = (int(store.add("trainguard/contexts", 1)) - 1) // world_size
-        self.prefix = f"trainguard/{gen}"
+        self.prefix = f"trainguard/{gen}"  # heartbeats live here, shared by every channel
+        self.chan = f"{self.prefix}/main"  # rounds and "at" keys of this channel
         self._round = 0
+        self._channels: dict[str, StoreDistContext] = {}
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)
         self._hb.start()
+
+    def channel(self, name: str) -> StoreDistContext:
+        """A context with its own sequence of collectives, sharing this one's store and heartbeat.
+
+        Collectives of one channel must be called in the same order on every rank; those of two
+        channels may interleave differently (the async save's background thread uses its own
+        channel while the training thread keeps calling the manager's collectives).
+        """
+        ch = self._channels.get(name)
+        if ch is None:
+            ch = object.__new__(StoreDistContext)
+            ch.__dict__.update(self.__dict__)
+            ch.chan, ch._round, ch._channels = f"{self.prefix}/{name}", 0, {}
+            self._channels[name] = ch
+        return ch
 
     def _beat(self) -> None:
         key = f"{self.prefix}/hb/{self.rank}"
@@ -147,8 +168,8 @@ class StoreDistContext(DistContext):
     def _enter(self, tag: str) -> str:
         self._round += 1
         # Where this rank is now: lets rank 0 tell "in another collective" from "not there yet".
-        self.store.set(f"{self.prefix}/at/{self.rank}", json.dumps([self._round, tag]))
-        return f"{self.prefix}/r{self._round}/{tag}"
+        self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._round, tag]))
+        return f"{self.chan}/r{self._round}/{tag}"
 
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
         base = self._enter(tag)
@@ -240,7 +261,7 @@ class StoreDistContext(DistContext):
 
     def _check_elsewhere(self, missing: list[int], tag: str) -> None:
         """Raise at once when a missing rank waits in another collective of the same round."""
-        raw = self.store.multi_get([f"{self.prefix}/at/{r}" for r in missing]) if self._all_at(missing) else []
+        raw = self.store.multi_get([f"{self.chan}/at/{r}" for r in missing]) if self._all_at(missing) else []
         wrong = {}
         for r, v in zip(missing, raw, strict=False):
             rnd, other = json.loads(v)
@@ -255,11 +276,11 @@ class StoreDistContext(DistContext):
             # The ranks waiting in the other collective get the same verdict instead of a timeout.
             record = json.dumps({"error": summary(e), "failures": e.failures})
             for other in set(wrong.values()):
-                self.store.set(f"{self.prefix}/r{self._round}/{other}/all", record)
+                self.store.set(f"{self.chan}/r{self._round}/{other}/all", record)
             raise e
 
     def _all_at(self, ranks: list[int]) -> bool:
-        return all(self.store.check([f"{self.prefix}/at/{r}"]) for r in ranks)
+        return all(self.store.check([f"{self.chan}/at/{r}"]) for r in ranks)
 
     def _cleanup(self, round_no: int) -> None:
         # Keys two rounds back are no longer read by anyone (every rank passed the round after).
@@ -279,8 +300,8 @@ def _list_round_keys(ctx: StoreDistContext, round_no: int) -> list[str]:
     # Tags used per round are not tracked; deleting by known tags keeps this cheap.
     keys = []
     for tag in _TAGS:
-        keys.append(f"{ctx.prefix}/r{round_no}/{tag}/all")
-        keys += [f"{ctx.prefix}/r{round_no}/{tag}/{r}" for r in range(ctx.world_size)]
+        keys.append(f"{ctx.chan}/r{round_no}/{tag}/all")
+        keys += [f"{ctx.chan}/r{round_no}/{tag}/{r}" for r in range(ctx.world_size)]
     return keys
 
 
