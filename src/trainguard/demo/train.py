@@ -1,0 +1,95 @@
+"""The demo's worker script: ``trainguard run ... -m trainguard.demo.train --steps 1000``.
+
+Every rank runs :func:`main`. Data parallel over gloo (DDP) when launched with several
+workers. Everything a step depends on is in the checkpointed state, so a resumed run
+reproduces the uninterrupted one bit for bit: model, optimizer, the sampler's global position
+(:class:`trainguard.sampler.ResumableSampler`) and each rank's dropout RNG
+(:class:`trainguard.RNGState`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+import trainguard as tg
+from trainguard.demo.model import SIZES, GPTConfig, TinyGPT, Windows, stdlib_corpus
+from trainguard.sampler import ResumableSampler
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--save-every", type=int, default=100)
+    p.add_argument("--size", default="demo", choices=sorted(SIZES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--run-dir", default=os.environ.get("TRAINGUARD_RUN_DIR", "trainguard-run"))
+    return p.parse_args(argv)
+
+
+def _batches(sampler: ResumableSampler, size: int) -> Iterator[list[int]]:
+    """Per-rank batches from the sampler's current position, across epochs."""
+    while True:
+        it = iter(sampler)
+        while True:
+            batch = [i for _, i in zip(range(size), it)]
+            if len(batch) < size:
+                break
+            yield batch
+        sampler.next_epoch()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    cfg = GPTConfig.named(args.size)
+    batch = SIZES[args.size][4]
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = TinyGPT(cfg)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    data = Windows(stdlib_corpus(args.corpus_bytes), cfg.context)
+    sampler = ResumableSampler(len(data), seed=args.seed)
+    torch.manual_seed(args.seed * 1000 + 1 + rank)  # each rank's own dropout stream
+    progress = tg.StateDict(step=0, loss=0.0)
+    state = {"model": model, "optim": opt, "data": sampler, "rng": tg.RNGState(reseed=args.seed),
+             "progress": progress}
+    policy = tg.EveryNSteps(args.save_every)
+    # handle_signals=False: no per-step agreement round through the store (not needed under
+    # `trainguard run`, whose restarts SIGKILL after --stop-timeout anyway).
+    with tg.CheckpointManager(args.run_dir, save=policy, keep=tg.KeepLatest(3), async_save=True,
+                              handle_signals=False) as mgr:
+        start = mgr.restore(state)
+        step = 0 if start is None else start
+        batches = _batches(sampler, batch)
+        while step < args.steps and not mgr.should_stop:
+            x, y = data.batch(next(batches))
+            loss = net(x, y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sampler.advance(len(x))
+            step += 1
+            progress.update(step=step, loss=loss.item())
+            mgr.save(step, state)
+            if rank == 0 and step % 100 == 0:
+                print(f"step {step} loss {float(loss):.3f}", flush=True)
+        if step % args.save_every:
+            mgr.save(step, state, force=True)  # the final weights are always in a checkpoint
+        mgr.wait()
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""Summary and timeline of a run's event log (``<run dir>/events.jsonl``).
+
+:func:`summarize` is pure (events in, numbers out); ``trainguard report RUN_DIR`` prints it
+and ``--plot timeline.png`` draws steps over wall time with saves, failures and restores.
+Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure``,
+``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
+and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``).
+
+Recovery of failure *i*, split in four: **detect** (fault injected -> agent saw it; unknown
+for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
+rendezvous, new processes, imports, process group), **restore** (the manager's load), **first
+step** (restore done -> first training step finished).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from .events import read_events
+
+
+def _after(events: list[dict[str, Any]], name: str, t: float, **match: Any) -> dict[str, Any] | None:
+    for e in events:
+        if e["event"] == name and e["t"] >= t and all(e.get(k) == v for k, v in match.items()):
+            return e
+    return None
+
+
+def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Failures, lost work, recovery times, checkpoint overhead and goodput of one run."""
+    ev = sorted(events, key=lambda e: e.get("t", 0.0))
+    if not ev:
+        return {"events": 0}
+    steps = [e for e in ev if e["event"] == "step"]
+    saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
+    failures = [e for e in ev if e["event"] in ("failure",)]
+    faults = [e for e in ev if e["event"] == "fault"]
+    recoveries = []
+    prev_t = ev[0]["t"]
+    for f in failures:
+        fault = next((x for x in reversed(faults) if prev_t <= x["t"] <= f["t"]), None)
+        restore = _after(ev, "restore", f["t"], rank=0)
+        first = _after(ev, "first_step", f["t"])
+        rec: dict[str, Any] = {"t": f["t"], "rank": f.get("rank"), "cause": f.get("cause"),
+                               "restored_step": restore["step"] if restore else None,
+                               "lost_steps": first.get("lost_steps") if first else None}
+        if fault:
+            rec["detect_s"] = f["t"] - fault["t"]
+            rec["fault_step"] = fault["step"]
+        if restore:
+            start = restore["t"] - restore.get("seconds", 0.0)
+            rec["restart_s"] = start - f["t"]
+            rec["restore_s"] = restore.get("seconds", 0.0)
+        if first:
+            if restore:
+                rec["first_step_s"] = first["t"] - restore["t"]
+            rec["recover_s"] = first["t"] - (fault["t"] if fault else f["t"])
+        recoveries.append(rec)
+        prev_t = f["t"]
+    start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
+    wall = ev[-1]["t"] - start_t
+    dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
+           if a["pid"] == b["pid"] and b["step"] == a["step"] + 1]
+    step_s = statistics.median(dts) if dts else None
+    final = steps[-1]["step"] if steps else None
+    stall = sum(s.get("stall_s", 0.0) for s in saves)
+    useful = (final or 0) * step_s if step_s else None
+    return {
+        "events": len(ev),
+        "wall_s": wall,
+        "final_step": final,
+        "steps_run": len({(e["pid"], e["step"]) for e in steps}),
+        "step_s": step_s,
+        "failures": len(failures),
+        "recoveries": recoveries,
+        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
+        "saves": len(saves),
+        "save_stall_s": stall,
+        "save_stall_mean_s": stall / len(saves) if saves else None,
+        "save_duration_mean_s": statistics.mean(s.get("duration_s", 0.0) for s in saves) if saves else None,
+        "save_bytes": saves[-1].get("bytes") if saves else None,
+        "checkpoint_overhead": stall / wall if wall > 0 else None,
+        "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
+        "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in ev if e["event"] == "rendezvous"],
+        "hangs": sum(1 for e in ev if e["event"] == "hang"),
+    }
+
+
+def load(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    return list(read_events(run_dir))
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    """The text ``trainguard report`` prints."""
+    if not s.get("events"):
+        return "no events"
+    lines = [
+        f"wall time          {_f(s['wall_s'])} s, final step {s['final_step']}, {s['steps_run']} steps run, "
+        f"median step {_f(s['step_s'], '{:.4f}')} s",
+        f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}",
+        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}",
+    ]
+    for i, r in enumerate(s["recoveries"], 1):
+        lines.append(
+            f"  #{i} rank {r['rank']} {r['cause']}: restored step {r['restored_step']}, lost {r['lost_steps']}; "
+            f"recover {_f(r.get('recover_s'))} s = detect {_f(r.get('detect_s'))} + restart "
+            f"{_f(r.get('restart_s'))} + restore {_f(r.get('restore_s'))} + first step {_f(r.get('first_step_s'))}"
+        )
+    lines += [
+        f"checkpoints        {s['saves']} saves, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
+        f"({_f(s['save_stall_mean_s'], '{:.4f}')} s each), duration {_f(s['save_duration_mean_s'], '{:.3f}')} s, "
+        f"{_f(s['save_bytes'], '{:,}')} bytes",
+        f"checkpoint overhead {_f(None if s['checkpoint_overhead'] is None else 100 * s['checkpoint_overhead'])} % of wall time",
+        f"goodput            {_f(None if s['goodput'] is None else 100 * s['goodput'], '{:.1f}')} % "
+        "(final step x median step time / wall time)",
+    ]
+    return "\n".join(lines)
+
+
+def plot_timeline(events: Iterable[dict[str, Any]], path: str | os.PathLike[str], *, title: str = "") -> None:
+    """Steps over wall time (one line per worker process), saves, failures and restores."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ev = sorted(events, key=lambda e: e["t"])
+    t0 = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"] if ev else 0.0)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    by_pid: dict[int, list[dict[str, Any]]] = {}
+    for e in ev:
+        if e["event"] == "step":
+            by_pid.setdefault(e["pid"], []).append(e)
+    for i, pts in enumerate(by_pid.values()):
+        ax.plot([p["t"] - t0 for p in pts], [p["step"] for p in pts], color="C0", lw=1.5,
+                label="training (rank 0)" if i == 0 else None)
+    saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
+    ax.scatter([e["t"] - t0 for e in saves], [e["step"] for e in saves], marker="|", s=120, color="C2",
+               label="checkpoint committed")
+    for i, e in enumerate(x for x in ev if x["event"] == "failure"):
+        ax.axvline(e["t"] - t0, color="C3", ls="--", label="failure detected" if i == 0 else None)
+    restores = [e for e in ev if e["event"] == "restore" and e.get("rank") == 0]
+    ax.scatter([e["t"] - t0 for e in restores], [e["step"] for e in restores], marker="o", color="C1",
+               zorder=3, label="restored")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("step")
+    ax.set_title(title or "trainguard run timeline")
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
