@@ -28,7 +28,6 @@ from .faults import fault
 from .handle import SaveHandle
 from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .storage import for_path
-from .tiers import RamTier, location
 
 log = logging.getLogger("trainguard")
 
@@ -55,7 +54,6 @@ class CheckpointManager:
         handle_signals: bool = True,
         timeout: float | None = None,
         max_staging_bytes: int | None = None,
-        ram_tier: bool | str = False,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
@@ -87,11 +85,6 @@ class CheckpointManager:
         self.should_stop = False
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
-        # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
-        self.ram = (
-            RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
-            if ram_tier else None
-        )
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
@@ -105,8 +98,6 @@ class CheckpointManager:
                 if self._lock:
                     self._lock.acquire()
                 removed = clean_debris(self.storage, self._root)
-                if self.ram:
-                    self.ram.open()
                 if removed:
                     log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                     self.events.emit("debris", removed=removed)
@@ -128,17 +119,14 @@ class CheckpointManager:
         return self.open()
 
     def __exit__(self, *exc: Any) -> None:
-        self.close(keep_ram_tier=exc[0] is not None)
+        self.close()
 
-    def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Wait for the save in flight (its error is raised here), release the lock. The RAM
-        tier is removed unless ``keep_ram_tier``, an exception or a preemption signal."""
+    def close(self) -> None:
+        """Wait for the save in flight (its error is raised here), release the lock."""
         if not self._opened:
             return
         try:
             self.wait()
-            if self.ram:
-                self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set()))
         finally:
             for sig, h in self._old_handlers.items():
                 signal.signal(sig, h)
@@ -190,12 +178,9 @@ class CheckpointManager:
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": dict(metrics or {})}
         self._metrics[step] = dict(metrics or {})
-        storage = self.storage
-        if self.ram:
-            storage, target = self.ram.target(step)
         try:
             handle = start_save(
-                storage, target, state, self.ctx,
+                self.storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
                 max_staging_bytes=self.max_staging_bytes,
             )
@@ -229,9 +214,7 @@ class CheckpointManager:
             stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6),
             bytes=manifest.total_bytes, async_save=self.async_save,
         )
-        if self.ram:
-            self.ram.committed(manifest.step, on_durable=self._apply_retention)
-        elif self.ctx.rank == 0:
+        if self.ctx.rank == 0:
             self._apply_retention(manifest.step)
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
@@ -276,11 +259,10 @@ class CheckpointManager:
         t0 = time.monotonic()
         candidates = None
         if self.ctx.rank == 0:
-            steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
-            durable = [(s, location(self.storage, self.storage.join(self._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
-            candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
+            candidates = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
         candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
-        for step, path, tier in candidates:
+        for step in reversed(candidates):
+            path = self.storage.join(self._root, layout.step_dir(step))
             try:
                 load(path, state, strict=strict, timeout=self.timeout)
             except CheckpointError as e:
@@ -290,9 +272,7 @@ class CheckpointManager:
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 continue
             self.last_saved_step = step
-            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
-            if self.ram:
-                self.ram.restored(step, tier, on_durable=self._apply_retention)
+            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path)
             return step
         self.events.emit("fresh_start", skipped=len(candidates))
         return None
