@@ -28,6 +28,7 @@ from .faults import fault
 from .handle import SaveHandle
 from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .storage import for_path
+from .tiers import RamTier, location
 
 log = logging.getLogger("trainguard")
 
@@ -54,6 +55,7 @@ class CheckpointManager:
         handle_signals: bool = True,
         timeout: float | None = None,
         max_staging_bytes: int | None = None,
+        ram_tier: bool | str = False,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
@@ -85,6 +87,11 @@ class CheckpointManager:
         self.should_stop = False
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
+        # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
+        self.ram = (
+            RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
+            if ram_tier else None
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
@@ -108,6 +115,8 @@ class CheckpointManager:
             if exc is not None:
                 raise exc
             raise CheckpointError(f"rank 0 could not open {self.root}: {err}")
+        if self.ram:
+            self.ram.open()  # every rank (a collective check that all share one node)
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
@@ -119,14 +128,17 @@ class CheckpointManager:
         return self.open()
 
     def __exit__(self, *exc: Any) -> None:
-        self.close()
+        self.close(keep_ram_tier=exc[0] is not None)
 
-    def close(self) -> None:
-        """Wait for the save in flight (its error is raised here), release the lock."""
+    def close(self, *, keep_ram_tier: bool = False) -> None:
+        """Wait for the save in flight (its error is raised here), release the lock. The RAM
+        tier is removed unless ``keep_ram_tier``, an exception or a preemption signal."""
         if not self._opened:
             return
         try:
             self.wait()
+            if self.ram:
+                self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set()))
         finally:
             for sig, h in self._old_handlers.items():
                 signal.signal(sig, h)
@@ -178,9 +190,12 @@ class CheckpointManager:
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": dict(metrics or {})}
         self._metrics[step] = dict(metrics or {})
+        storage = self.storage
+        if self.ram:
+            storage, target = self.ram.target(step)
         try:
             handle = start_save(
-                self.storage, target, state, self.ctx,
+                storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
                 max_staging_bytes=self.max_staging_bytes,
             )
@@ -214,7 +229,9 @@ class CheckpointManager:
             stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6),
             bytes=manifest.total_bytes, async_save=self.async_save,
         )
-        if self.ctx.rank == 0:
+        if self.ram:
+            self.ram.committed(manifest.step, on_durable=self._apply_retention)
+        elif self.ctx.rank == 0:
             self._apply_retention(manifest.step)
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
@@ -259,10 +276,11 @@ class CheckpointManager:
         t0 = time.monotonic()
         candidates = None
         if self.ctx.rank == 0:
-            candidates = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
+            steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
+            durable = [(s, location(self.storage, self.storage.join(self._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
+            candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
         candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
-        for step in reversed(candidates):
-            path = self.storage.join(self._root, layout.step_dir(step))
+        for step, path, tier in candidates:
             try:
                 load(path, state, strict=strict, timeout=self.timeout)
             except CheckpointError as e:
@@ -272,7 +290,9 @@ class CheckpointManager:
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 continue
             self.last_saved_step = step
-            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path)
+            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
+            if self.ram:
+                self.ram.restored(step, tier, on_durable=self._apply_retention)
             return step
         self.events.emit("fresh_start", skipped=len(candidates))
         return None

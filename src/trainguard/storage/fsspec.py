@@ -1,0 +1,358 @@
+"""Object stores and other fsspec filesystems (``s3://``, ``gs://``, ``memory://``, ...).
+
+Object stores have no atomic directory rename, so ``atomic_rename`` is False: ``api.save``
+writes the data objects in place into the final step "directory" (a key prefix), and
+rank 0 writes ``manifest.json`` LAST; its presence is the commit marker. Discovery
+(``commit.list_steps``) treats a step without it as incomplete and ``clean_debris`` removes
+it; ``remove_tree`` deletes the marker FIRST, so a retention delete that dies half-way leaves
+an incomplete step (ignored, cleaned later), never a manifest whose data is gone.
+
+Writes: each rank's data file is cut into parts of ``part_size`` bytes. ``pwrite`` (called
+from ``io.write_file``'s threads) copies bytes into the part's buffer; a part whose bytes
+are all there is uploaded at once on a small thread pool (S3: one ``upload_part`` each, in
+parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
+``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
+appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
+pieces fetched concurrently (``fs.cat_ranges``).
+
+Credentials and endpoints come from the filesystem's usual configuration: for S3 the boto
+chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws/config``, instance roles) and
+fsspec's own (``FSSPEC_S3_ENDPOINT_URL``, ``fsspec.config.conf``). See docs/storage.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .. import layout
+from ..errors import CheckpointError, CorruptCheckpointError
+
+log = logging.getLogger("trainguard")
+
+PART_SIZE = 32 << 20  # upload part; S3 allows 10,000 parts: files up to 320 GB per rank
+READ_PIECE = 16 << 20  # ranged GETs above this are split and fetched concurrently
+UPLOAD_THREADS = 4  # parts uploaded at once per open file
+MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
+
+
+def _import_fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise CheckpointError(
+            "URLs such as s3://... need fsspec: pip install 'trainguard[fsspec]' (and s3fs for s3://, gcsfs for gs://)"
+        ) from e
+    return fsspec
+
+
+class FsspecStorage:
+    """A :class:`~trainguard.storage.base.Storage` over any fsspec filesystem.
+
+    Built by ``storage.for_path(url)`` (via :meth:`from_url`) in every process that touches the
+    checkpoint; holds no per-save state, so one instance serves threads and saves alike.
+    """
+
+    atomic_rename = False
+
+    def __init__(self, fs: Any, *, part_size: int = PART_SIZE) -> None:
+        if part_size < (5 << 20):
+            raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
+        self.fs = fs
+        self.part_size = part_size
+        self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
+
+    @classmethod
+    def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
+        """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``)."""
+        fsspec = _import_fsspec()
+        try:
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        except (ImportError, ValueError) as e:
+            raise CheckpointError(
+                f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
+                "e.g. s3fs for s3://, gcsfs for gs://"
+            ) from e
+        return cls(fs), path.rstrip("/") or path
+
+    # ---------------------------------------------------------------- metadata
+    def _fresh(self, path: str) -> None:
+        # Listings are cached by fsspec; another process (or rank) may have written since.
+        self.fs.invalidate_cache(path)
+
+    def join(self, *parts: str) -> str:
+        head, *rest = parts
+        return "/".join([head.rstrip("/"), *(p.strip("/") for p in rest)]) if rest else head
+
+    def makedirs(self, path: str) -> None:
+        self.fs.makedirs(path, exist_ok=True)
+
+    def listdir(self, path: str) -> list[str]:
+        """Names directly under ``path`` that hold at least one object. One flat listing: a
+        "directory" emptied by a delete (some servers keep a folder entry) is not listed."""
+        self._fresh(path)
+        base = path.rstrip("/") + "/"
+        try:
+            keys = self.fs.find(path, withdirs=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        names = {k[len(base) :].split("/", 1)[0] for k in keys if k.startswith(base) and not k.endswith("/")}
+        return sorted(n for n in names if n)
+
+    def url(self, path: str) -> str:
+        """The URL that ``storage.for_path`` maps back to ``path`` on this filesystem."""
+        return str(self.fs.unstrip_protocol(path))
+
+    def exists(self, path: str) -> bool:
+        self._fresh(path)
+        return bool(self.fs.exists(path))
+
+    def size(self, path: str) -> int:
+        self._fresh(path)
+        return int(self.fs.size(path))
+
+    def read_bytes(self, path: str, limit: int) -> bytes:
+        return bytes(self.fs.cat_file(path, start=0, end=limit + 1))
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        # A single PUT: the object appears whole or not at all.
+        self.fs.pipe_file(path, bytes(data))
+
+    def rename_dir(self, src: str, dst: str) -> None:
+        raise CheckpointError(
+            f"cannot rename {src} to {dst}: object stores have no directory rename (atomic_rename is False)"
+        )
+
+    def remove_tree(self, path: str) -> None:
+        marker = self.join(path, layout.MANIFEST)
+        # Invariant: the commit marker goes first, so a delete that dies half-way leaves an
+        # incomplete step (ignored by discovery), never a manifest pointing at missing data.
+        # Best effort, like the local backend: a failure leaves debris that is cleaned later.
+        try:
+            try:
+                self.fs.rm_file(marker)
+            except FileNotFoundError:
+                pass
+            self._fresh(path)
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, e)
+        self._fresh(path)
+
+    def fsync_dir(self, path: str) -> None:
+        """Nothing to do: a completed PUT is durable."""
+
+    def open_write(self, path: str) -> _PartWriter:
+        return _PartWriter(self, path)
+
+    def open_read(self, path: str) -> _RangeReader:
+        return _RangeReader(self.fs, path)
+
+
+class _PartWriter:
+    """Assembles pwrite'd bytes into fixed-size parts and uploads complete parts in parallel."""
+
+    def __init__(self, storage: FsspecStorage, path: str) -> None:
+        self.fs, self.path, self.P = storage.fs, path, storage.part_size
+        self._lock = threading.Lock()
+        self._bufs: dict[int, bytearray] = {}
+        self._filled: dict[int, int] = {}
+        self._free: list[bytearray] = []
+        self._slots = threading.BoundedSemaphore(MAX_BUFFERED_PARTS)
+        self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="trainguard-upload")
+        self._futures: list[Future[Any]] = []
+        self._sent: set[int] = set()
+        self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
+
+    def _buffer(self, k: int) -> bytearray:
+        with self._lock:
+            buf = self._bufs.get(k)
+            if buf is None:
+                buf = self._bufs[k] = self._free.pop() if self._free else bytearray(self.P)
+                self._filled[k] = 0
+            return buf
+
+    def pwrite(self, data: memoryview, offset: int) -> None:
+        view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+        pos, n = 0, len(view)
+        while pos < n:
+            k, start = divmod(offset + pos, self.P)
+            take = min(self.P - start, n - pos)
+            buf = self._buffer(k)
+            buf[start : start + take] = view[pos : pos + take]  # disjoint ranges: no lock needed
+            with self._lock:
+                self._filled[k] += take
+                full = self._filled[k] == self.P
+                if full:
+                    del self._bufs[k], self._filled[k]
+            if full:
+                self._submit(k, buf, self.P)
+            pos += take
+
+    def _submit(self, k: int, buf: bytearray, length: int) -> None:
+        self._slots.acquire()  # bounds the memory of parts waiting for upload
+        self._sent.add(k)
+
+        def run() -> None:
+            try:
+                self._up.part(k, memoryview(buf)[:length])
+            finally:
+                with self._lock:
+                    if len(self._free) < 2:
+                        self._free.append(buf)
+                self._slots.release()
+
+        self._futures.append(self._pool.submit(run))
+
+    def finish(self, size: int) -> None:
+        try:
+            last = -(-size // self.P)
+            for k in range(last):
+                with self._lock:
+                    buf = self._bufs.pop(k, None)
+                    self._filled.pop(k, None)
+                if buf is None and k not in self._sent:
+                    buf = bytearray(self.P)  # a part never written to: a hole of zeros
+                if buf is not None:
+                    self._submit(k, buf, min(self.P, size - k * self.P))
+            for f in self._futures:
+                f.result()
+            self._up.complete(last, size)
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        try:
+            self._up.abort()
+        except Exception:  # best effort: the incomplete step is cleaned at the next start
+            pass
+
+
+class _S3Upload:
+    """S3 multipart upload through s3fs's ``call_s3`` (thread-safe: it runs on fsspec's loop)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(path)
+        self._lock = threading.Lock()
+        self._id: str | None = None
+        self._etags: dict[int, str] = {}
+        self._small: bytes | None = None
+
+    def _upload_id(self) -> str:
+        with self._lock:
+            if self._id is None:
+                self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+            return self._id
+
+    def part(self, k: int, data: memoryview) -> None:
+        if k == 0 and self._id is None and len(self._etags) == 0 and len(data) < PART_SIZE_MIN_MULTIPART:
+            self._small = bytes(data)  # maybe the whole file: one PUT at complete()
+            return
+        uid = self._upload_id()
+        r = self.fs.call_s3(
+            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=bytes(data)
+        )
+        with self._lock:
+            self._etags[k] = r["ETag"]
+
+    def complete(self, nparts: int, size: int) -> None:
+        if self._id is None:
+            self.fs.pipe_file(f"{self.bucket}/{self.key}", self._small or b"")
+            return
+        if self._small is not None:  # part 0 was held back but the file has more parts
+            self.part(0, memoryview(self._small))
+            self._small = None
+        missing = [k for k in range(nparts) if k not in self._etags]
+        if missing:
+            raise CheckpointError(f"{self.key}: parts {missing} were never uploaded")
+        parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(nparts)]
+        self.fs.call_s3(
+            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
+
+    def abort(self) -> None:
+        if self._id is not None:
+            self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id)
+
+
+PART_SIZE_MIN_MULTIPART = 5 << 20  # a lone part below S3's minimum is sent as a plain PUT
+
+
+class _StreamUpload:
+    """Any fsspec filesystem: parts are written in order through ``fs.open(path, "wb")``; a
+    part completed early waits in memory for its predecessors. Nothing is visible before close."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+        self._lock = threading.Lock()
+        self._next = 0
+        self._ready: dict[int, bytes] = {}
+        self._file: Any = None
+
+    def part(self, k: int, data: memoryview) -> None:
+        with self._lock:
+            self._ready[k] = bytes(data)
+            while self._next in self._ready:
+                if self._file is None:
+                    self._file = self.fs.open(self.path, "wb")
+                self._file.write(self._ready.pop(self._next))
+                self._next += 1
+
+    def complete(self, nparts: int, size: int) -> None:
+        with self._lock:
+            if self._next != nparts or self._ready:
+                raise CheckpointError(f"{self.path}: parts out of order at completion ({self._next} of {nparts})")
+            if self._file is None:
+                self.fs.pipe_file(self.path, b"")
+            else:
+                self._file.close()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        f, self._file = self._file, None
+        if f is not None and hasattr(f, "discard"):
+            f.discard()
+
+
+class _RangeReader:
+    """Ranged reads; a large range is split into pieces fetched concurrently."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+
+    def readinto(self, buf: memoryview, offset: int) -> None:
+        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+        n = len(view)
+        if n == 0:
+            return
+        starts = list(range(offset, offset + n, READ_PIECE))
+        ends = [min(s + READ_PIECE, offset + n) for s in starts]
+        if len(starts) == 1:
+            pieces = [self.fs.cat_file(self.path, start=offset, end=offset + n)]
+        else:
+            pieces = self.fs.cat_ranges([self.path] * len(starts), starts, ends, on_error="raise")
+        pos = 0
+        for s, e, piece in zip(starts, ends, pieces):
+            if isinstance(piece, BaseException):
+                raise piece
+            if len(piece) != e - s:
+                raise CorruptCheckpointError(
+                    f"{self.path}: truncated: wanted {n} bytes at offset {offset}, got {pos + len(piece)}",
+                    file=self.path.rsplit("/", 1)[-1],
+                )
+            view[pos : pos + len(piece)] = piece
+            pos += len(piece)
+
+    def close(self) -> None:
+        pass

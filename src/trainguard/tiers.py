@@ -1,0 +1,207 @@
+"""Checkpoint tiers for ``CheckpointManager``: the optional RAM tier in host shared memory.
+
+With ``CheckpointManager(root, ram_tier=True)`` every save goes first to
+``/dev/shm/trainguard-ram-<uid>/<hash of root>/step-N`` (a normal trainguard checkpoint on
+tmpfs, written at memory speed), and rank 0 then copies it to the durable tier (``root``) in
+a background thread: data files first, ``manifest.json`` last, in a temp directory renamed
+into place (object stores: in place, the manifest is the marker). The RAM tier survives a
+worker process crash (torchrun restarts workers on the same node), so ``restore`` prefers
+it: for each step, newest first, the RAM copy, then the durable copy.
+
+Bounded: the RAM tier keeps only the newest checkpoint (two while the next one is being
+written). Cleaned by a clean ``close()`` (no exception, no preemption signal): the job ended.
+All ranks must be on one node (the RAM tier is node-local); checked at ``open``.
+
+Call order (every rank, the manager does it): ``open`` -> (``target`` -> save ->
+``committed``)* -> ``close``; ``candidates`` during ``restore``. Rank 0 alone persists,
+deletes and lists; the others only write their own data files into the RAM directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import layout
+from .commit import clean_debris, list_steps
+from .errors import CheckpointError
+from .faults import fault
+from .manifest import MAX_MANIFEST_BYTES, parse
+from .storage import LocalStorage, Storage
+
+log = logging.getLogger("trainguard")
+
+DEFAULT_BASE = "/dev/shm"
+PIECE = 64 << 20
+
+
+def location(storage: Storage, path: str) -> str:
+    """A string that ``storage.for_path`` maps back to ``path`` on ``storage`` (URLs for fsspec)."""
+    url = getattr(storage, "url", None)
+    return url(path) if callable(url) else path
+
+
+def ram_dir(root: str, base: str = DEFAULT_BASE) -> str:
+    """Where the RAM tier of the run ``root`` lives (the same for every restart of the job)."""
+    key = hashlib.sha1(os.path.abspath(root).encode() if "://" not in root else root.encode()).hexdigest()[:16]
+    return os.path.join(base, f"trainguard-ram-{os.getuid()}", key)
+
+
+class RamTier:
+    """The RAM tier of one manager. ``spec`` is ``True`` (``/dev/shm``) or a base directory."""
+
+    def __init__(self, spec: bool | str, *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any) -> None:
+        base = DEFAULT_BASE if spec is True else os.fspath(spec)
+        if not os.path.isdir(base):
+            raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
+        self.storage = LocalStorage()
+        self.dir = ram_dir(root, base)
+        self.durable, self.durable_root = durable, durable_root
+        self.ctx, self.events = ctx, events
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.persisted: int | None = None
+
+    # --------------------------------------------------------------- lifecycle
+    def open(self) -> None:
+        """Every rank: check that all ranks share this node; rank 0 cleans crashed RAM saves."""
+        if self.ctx.is_distributed:
+            hosts = self.ctx.all_gather("ram_host", socket.gethostname(), timeout=None)
+            if len(set(hosts)) > 1:
+                raise CheckpointError(
+                    f"ram_tier needs every rank on one node (ranks run on {sorted(set(hosts))}); "
+                    "drop ram_tier=... for multi-node jobs"
+                )
+        if self.ctx.rank == 0:
+            os.makedirs(self.dir, exist_ok=True)
+            clean_debris(self.storage, self.dir)
+
+    def close(self, *, clean: bool) -> None:
+        """Rank 0: wait for the persist in flight (raise its error); with ``clean`` (the job
+        ended normally) remove the RAM tier."""
+        if self.ctx.rank != 0:
+            return
+        self.wait()
+        err, self._error = self._error, None
+        if clean and err is None:
+            self.storage.remove_tree(self.dir)
+        if err is not None:
+            raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
+
+    # --------------------------------------------------------------- save
+    def target(self, step: int) -> tuple[Storage, str]:
+        """Every rank, before a save: where it goes. Rank 0 first waits for the previous persist
+        (one in flight; the wait counts as stall)."""
+        if self.ctx.rank == 0:
+            self.wait()
+        return self.storage, os.path.join(self.dir, layout.step_dir(step))
+
+    def committed(self, step: int, on_durable: Callable[[int], None]) -> None:
+        """Rank 0, after ``step`` committed in RAM: drop older RAM copies, then copy ``step`` to
+        the durable tier in the background and call ``on_durable(step)`` (retention) after."""
+        if self.ctx.rank != 0:
+            return
+        for s in list_steps(self.storage, self.dir):
+            if s.step != step:
+                self.storage.remove_tree(s.path)
+        self._start(step, on_durable)
+
+    def _start(self, step: int, on_durable: Callable[[int], None]) -> None:
+        self.wait()
+
+        def run() -> None:
+            try:
+                t0 = time.monotonic()
+                if self.persist(step):
+                    self.events.emit("ram_persist", step=step, seconds=round(time.monotonic() - t0, 6))
+                self.persisted = step
+                on_durable(step)
+            except BaseException as e:  # surfaced at close(); the next save retries with a newer step
+                log.warning("trainguard: copying step %d from the RAM tier to %s failed: %s", step, self.durable_root, e)
+                self.events.emit("ram_persist_failed", step=step, error=str(e)[:2000])
+                self._error = e
+
+        self._error = None
+        self._thread = threading.Thread(target=run, name="trainguard-ram-persist", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        t = self._thread
+        if t is not None:
+            t.join()
+            self._thread = None
+
+    def persist(self, step: int) -> bool:
+        """Copy RAM step ``step`` to the durable tier, manifest last. False if already there."""
+        d, root, name = self.durable, self.durable_root, layout.step_dir(step)
+        src = os.path.join(self.dir, name)
+        final = d.join(root, name)
+        if d.exists(d.join(final, layout.MANIFEST)):
+            return False
+        raw = self.storage.read_bytes(os.path.join(src, layout.MANIFEST), MAX_MANIFEST_BYTES)
+        manifest = parse(raw, where=f"{src}/{layout.MANIFEST}")
+        work = d.join(root, layout.tmp_dir(name, uuid.uuid4().hex[:16])) if d.atomic_rename else final
+        d.makedirs(work)
+        fault("before_persist", 0)
+        try:
+            for fname, size in manifest.files.items():
+                _copy(os.path.join(src, fname), d, d.join(work, fname), size)
+            # Invariant: the manifest is copied only after every data file is durable.
+            d.write_atomic(d.join(work, layout.MANIFEST), raw)
+            if d.atomic_rename:
+                d.fsync_dir(work)
+                d.rename_dir(work, final)
+        except BaseException:
+            d.remove_tree(work)
+            raise
+        return True
+
+    # --------------------------------------------------------------- restore
+    def candidates(self, durable_steps: list[int]) -> list[tuple[int, str, str]]:
+        """Rank 0: ``(step, path, tier)`` to try, newest step first, RAM copy before durable."""
+        ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
+        out = []
+        for step in sorted(set(ram) | set(durable_steps), reverse=True):
+            if step in ram:
+                out.append((step, ram[step], "ram"))
+            if step in durable_steps:
+                out.append((step, location(self.durable, self.durable.join(self.durable_root, layout.step_dir(step))), "durable"))
+        return out
+
+    def restored(self, step: int, tier: str, on_durable: Callable[[int], None]) -> None:
+        """Rank 0, after a restore from the RAM tier: make sure that step reaches the durable tier."""
+        if self.ctx.rank == 0 and tier == "ram":
+            self._start(step, on_durable)
+
+
+def _copy(src: str, d: Storage, dst: str, size: int) -> None:
+    """Copy one data file from tmpfs to ``d`` in pieces, two at a time, no intermediate copy."""
+    w = d.open_write(dst)
+    try:
+        if size:
+            with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                if len(mm) < size:
+                    raise CheckpointError(f"{src}: {len(mm)} bytes, the manifest says {size}")
+                view = memoryview(mm)
+                pieces = [view[o : min(o + PIECE, size)] for o in range(0, size, PIECE)]
+                try:
+                    with ThreadPoolExecutor(2, thread_name_prefix="trainguard-ram-copy") as ex:
+                        for fu in [ex.submit(w.pwrite, p, i * PIECE) for i, p in enumerate(pieces)]:
+                            fu.result()
+                finally:
+                    for p in pieces:
+                        p.release()
+                    view.release()
+        w.finish(size)
+    except BaseException:
+        w.abort()
+        raise
