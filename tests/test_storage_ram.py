@@ -1,0 +1,81 @@
+"""The RAM tier: saves land in shared memory first, rank 0 copies them to the durable tier in
+the background; restore prefers the RAM copy; bounded to the newest; removed by a clean close;
+survives a process crash."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import torch
+
+import trainguard as tg
+from trainguard.commit import list_steps
+from trainguard.storage import LocalStorage
+from trainguard.tiers import ram_dir
+
+
+def _model(fill: float) -> torch.nn.Module:
+    m = torch.nn.Linear(64, 32)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(fill)
+    return m
+
+
+def _steps(d: str) -> list[int]:
+    return [s.step for s in list_steps(LocalStorage(), d) if s.status == "committed"]
+
+
+def test_ram_tier_bounded_preferred_falls_back_and_is_cleaned(tmp_path):
+    root = str(tmp_path / "run")
+    ram = ram_dir(root)  # default base: /dev/shm
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=True) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": _model(float(step))})
+            assert _steps(ram) == [step]  # only the newest stays in RAM
+        mgr.ram.wait()  # the background copy of step 3
+        assert _steps(root) == [2, 3]  # durable tier, retention applied after each copy
+        dest = _model(0.0)
+        assert mgr.restore({"model": dest}) == 3
+        assert torch.equal(dest.weight, _model(3.0).weight)
+        # A corrupt RAM copy: restore falls back to the durable copy of the same step.
+        with open(os.path.join(ram, "step-000000003", "data-00000.bin"), "r+b") as f:
+            f.write(b"\xff" * 16)
+        dest = _model(0.0)
+        assert mgr.restore({"model": dest}) == 3
+        assert torch.equal(dest.weight, _model(3.0).weight)
+    assert not os.path.exists(ram)  # a clean close removes the RAM tier
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys, torch
+    import trainguard as tg
+    root, base = sys.argv[1], sys.argv[2]
+    m = torch.nn.Linear(64, 32)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                m.weight.fill_(step)
+            mgr.save(step, {"model": m})
+    """
+)
+
+
+def test_ram_copy_survives_a_crash_before_it_reached_disk(tmp_path, run_child):
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    # The process dies (os._exit) when it starts copying step 2 to disk: step 1 is durable,
+    # step 2 only exists in the RAM tier.
+    env = {"TRAINGUARD_CRASH_AT": "before_persist", "TRAINGUARD_CRASH_SKIP": "1"}
+    r = run_child(["-c", CHILD, root, base], env=env, timeout=120)
+    assert r.returncode == 17, r.stderr[-3000:]
+    ram = ram_dir(root, base)
+    assert _steps(root) == [1] and _steps(ram) == [2]
+    m = torch.nn.Linear(64, 32)
+    with tg.CheckpointManager(root, ram_tier=base) as mgr:
+        assert mgr.restore({"model": m}) == 2  # the newest, from RAM
+        assert torch.all(m.weight == 2)
+    assert _steps(root) == [1, 2]  # restore made sure step 2 reached the durable tier
+    assert not os.path.exists(ram)
