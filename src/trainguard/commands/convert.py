@@ -1,0 +1,43 @@
+"""``trainguard convert SRC DST``: between trainguard checkpoints and torch.save / safetensors
+files and torch.distributed.checkpoint directories (offline, one process)."""
+
+from __future__ import annotations
+
+import warnings
+
+import click
+
+FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
+
+
+@click.command("convert")
+@click.argument("src")
+@click.argument("dst")
+@click.option("--from", "src_format", type=click.Choice(FORMATS), help="Source format (default: detected).")
+@click.option(
+    "--to", "dst_format", type=click.Choice(FORMATS),
+    help="Output format (default: from DST's name: .safetensors, .pt/.pth/.bin, else a trainguard directory).",
+)
+@click.option(
+    "--entry", default="model", show_default=True,
+    help="Entry to export, or the entry an imported flat file becomes. '*' with --to dcp: every entry.",
+)
+def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str) -> None:
+    """Convert a checkpoint. Examples:
+
+    \b
+      trainguard convert ckpts/run1/step-000000700 model.safetensors
+      trainguard convert ckpts/run1/step-000000700 out_dcp --to dcp --entry '*'
+      trainguard convert weights.pt ckpts/imported/step-000000000
+      trainguard convert dcp_dir ckpts/imported/step-000000000   (DCP metadata is a pickle: trusted sources only)
+    """
+    from ..convert import convert
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = convert(src, dst, src_format=src_format, dst_format=dst_format, entry=None if entry == "*" else entry)
+    for w in caught:
+        click.echo(f"warning: {w.message}", err=True)
+    click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")
+    if res["skipped"]:
+        click.echo(f"skipped {len(res['skipped'])} non-tensor DCP entries (pickled objects): {res['skipped'][:10]}", err=True)

@@ -1,0 +1,181 @@
+"""Import and export: trainguard checkpoints <-> ``torch.save`` files, safetensors files and
+``torch.distributed.checkpoint`` (DCP) directories.
+
+Offline, one process, no process group (called by ``trainguard convert`` or from Python).
+Reading never unpickles anything from a trainguard checkpoint, a safetensors file or a
+``torch.save`` file (``torch.load(weights_only=True)``). DCP is the exception: its
+``.metadata`` file is a pickle that DCP's own reader loads, so a DCP directory must come from
+a trusted source (a warning says so); DCP's non-tensor entries (pickled objects) are skipped.
+
+Name mapping: a trainguard entry ``E`` with tensor ``E/name`` becomes ``name`` in a
+safetensors/``.pt`` file (one entry, ``--entry``) and the DCP key ``E.name`` (every entry, or
+only ``--entry``). Importing a DCP key ``E.name`` gives entry ``E`` with tensor ``name``; a
+flat file becomes entry ``--entry`` (default ``model``), so ``{"model": module}`` loads it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .commit import read_manifest
+from .errors import CheckpointError
+from .export import iter_tensors
+from .storage import for_path
+
+FORMATS = ("trainguard", "torch", "safetensors", "dcp")
+DCP_WARNING = (
+    "reading a torch.distributed.checkpoint directory: its .metadata file is a pickle, and unpickling "
+    "can run arbitrary code. Only convert DCP checkpoints from a trusted source"
+)
+
+
+def detect(path: str | os.PathLike[str]) -> str:
+    """The format of an existing checkpoint at ``path``, by its shape on disk."""
+    p = os.fspath(path)
+    if p.endswith(".safetensors"):
+        return "safetensors"
+    if p.endswith((".pt", ".pth", ".bin")):
+        return "torch"
+    storage, d = for_path(p)
+    if storage.exists(storage.join(d, "manifest.json")):
+        return "trainguard"
+    if os.path.isfile(os.path.join(p, ".metadata")):
+        return "dcp"
+    raise CheckpointError(
+        f"{p}: not a trainguard checkpoint (no manifest.json), DCP directory (no .metadata), "
+        ".pt/.pth/.bin or .safetensors file; pass the source format explicitly (--from)"
+    )
+
+
+def target_format(path: str | os.PathLike[str]) -> str:
+    """The output format implied by a destination name (directories: trainguard)."""
+    p = os.fspath(path)
+    if p.endswith(".safetensors"):
+        return "safetensors"
+    if p.endswith((".pt", ".pth", ".bin")):
+        return "torch"
+    return "trainguard"
+
+
+def convert(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    entry: str | None = "model",
+) -> dict[str, Any]:
+    """Convert the checkpoint ``src`` into ``dst``; returns ``{"from", "to", "tensors", "skipped"}``.
+
+    ``entry``: which trainguard entry to export (``None``: every entry; DCP output only), or
+    which entry an imported flat file becomes.
+    """
+    sf = src_format or detect(src)
+    df = dst_format or target_format(dst)
+    for f in (sf, df):
+        if f not in FORMATS:
+            raise CheckpointError(f"unknown format {f!r}; use one of {', '.join(FORMATS)}")
+    if (sf == "trainguard") == (df == "trainguard"):
+        raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
+    if sf == "trainguard":
+        tensors = _read_trainguard(src, entry, nested=df == "dcp")
+        _write_foreign(tensors, dst, df)
+        n = sum(len(v) if isinstance(v, dict) else 1 for v in tensors.values())
+        return {"from": sf, "to": df, "tensors": n, "skipped": []}
+    state, skipped = _read_foreign(src, sf, entry or "model")
+    from .api import save
+
+    save(dst, state)
+    n = sum(len(v) if isinstance(v, Mapping) else 1 for v in state.values())
+    return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
+
+
+def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, nested: bool) -> dict[str, Any]:
+    storage, d = for_path(src)
+    manifest = read_manifest(storage, d)
+    entries = list(manifest.objects) if entry is None else [entry]
+    if entry is None and not nested:
+        raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
+    out: dict[str, Any] = {}
+    for e in entries:
+        if e not in manifest.objects:
+            raise CheckpointError(f"{d} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
+        tensors = dict(iter_tensors(storage, d, manifest, e))
+        if tensors:
+            out[e] = tensors
+    if not out:
+        raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
+    return out if nested else out[entries[0]]
+
+
+def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: str) -> None:
+    out = os.fspath(dst)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(tensors, out, metadata={"format": "pt", "source": "trainguard"})
+    elif fmt == "torch":
+        torch.save(tensors, out)
+    else:  # dcp: one process, no process group
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+
+
+def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str) -> tuple[dict[str, Any], list[str]]:
+    p = os.fspath(src)
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        return {entry: load_file(p)}, []
+    if fmt == "torch":
+        try:
+            obj = torch.load(p, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise CheckpointError(
+                f"{p}: torch.load(weights_only=True) refused it ({e}). trainguard does not unpickle arbitrary "
+                "objects; re-save the file with only tensors and plain containers"
+            ) from e
+        if isinstance(obj, torch.Tensor):
+            return {entry: {"tensor": obj}}, []
+        if not isinstance(obj, Mapping):
+            raise CheckpointError(f"{p}: holds a {type(obj).__name__}; convert needs a dict (a state_dict)")
+        if all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return {entry: dict(obj)}, []  # a plain state_dict
+        if all(isinstance(k, str) and k and "/" not in k and "@" not in k for k in obj):
+            return dict(obj), []  # {"model": ..., "optim": ...}: one entry each
+        return {entry: dict(obj)}, []
+    return _read_dcp(p, entry)
+
+
+def _read_dcp(path: str, entry: str) -> tuple[dict[str, Any], list[str]]:
+    """Read every tensor of a DCP directory through DCP's public reader, whole (any sharding)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    warnings.warn(DCP_WARNING, stacklevel=3)
+    reader = dcp.FileSystemReader(path)
+    meta = reader.read_metadata()
+    flat: dict[str, torch.Tensor] = {}
+    skipped: list[str] = []
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        else:
+            skipped.append(fqn)  # a pickled object: not imported
+    if not flat:
+        raise CheckpointError(f"{path}: the DCP checkpoint holds no tensors")
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for fqn, t in flat.items():
+        head, _, rest = fqn.partition(".")
+        if rest and "/" not in head and "@" not in head and not head.startswith("$"):
+            state.setdefault(head, {})[rest] = t
+        else:
+            state.setdefault(entry, {})[fqn] = t
+    return state, skipped
