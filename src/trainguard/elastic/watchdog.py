@@ -119,7 +119,7 @@ class Watchdog:
         sys.stderr.flush()
         self.events.emit(
             "hang", step=self._step, idle_s=round(idle, 3), timeout_s=round(self.current_timeout(), 3),
-            stacks=stacks[-4000:],
+            stacks=stacks[-20000:],
         )
         os._exit(HANG_EXIT)
 

@@ -1,0 +1,107 @@
+"""``trainguard demo``: the same training twice under ``trainguard run`` (2 workers), once with a
+kill injected, once without; prints the table and whether the final weights are identical.
+
+Runs in a temporary directory that is removed at the end (``keep=True`` keeps it); the
+timeline PNG of the run with the fault is written to ``plot``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import layout
+from ..api import load
+from ..report import load as load_events
+from ..report import plot_timeline, summarize
+from .model import GPTConfig, TinyGPT
+
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
+def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str | None,
+           timeout: float, log_path: str, spawn: bool = False) -> int:
+    """One job: ``trainguard run`` with 2 workers on this machine. Returns its exit code."""
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
+           "--max-restarts", "3", "--run-dir", run_dir]
+    cmd += ["--start-method", "spawn"] if spawn else ["--start-method", "fork", "--run-path"]
+    if fault:
+        cmd += ["--fault", fault]
+    cmd += [TRAIN_PY, "--steps", str(steps), "--save-every", str(save_every), "--size", size]
+    with open(log_path, "wb") as log:
+        try:
+            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            return 124
+
+
+def final_weights(run_dir: str, step: int, size: str) -> dict[str, torch.Tensor]:
+    model = TinyGPT(GPTConfig.named(size))
+    load(os.path.join(run_dir, layout.step_dir(step)), {"model": model}, only=["model"])
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _row(name: str, s: dict[str, Any]) -> list[str]:
+    rec = s["recoveries"][0] if s["recoveries"] else {}
+
+    def f(v: Any, fmt: str = "{:.2f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    split = (f"{f(rec.get('recover_s'))} ({f(rec.get('detect_s'))}/{f(rec.get('restart_s'))}/"
+             f"{f(rec.get('restore_s'))}/{f(rec.get('first_step_s'))})" if rec else "-")
+    return [name, str(s["final_step"]), str(s["failures"]), str(s["lost_steps"]), split,
+            f(s["save_stall_mean_s"], "{:.4f}"), f(None if s["goodput"] is None else 100 * s["goodput"], "{:.1f}%")]
+
+
+def table(rows: list[list[str]]) -> str:
+    head = ["run", "final step", "failures", "lost steps", "recover s (detect/restart/restore/1st step)",
+            "save stall s", "goodput"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def run_demo(*, steps: int = 1000, fault_step: int = 743, save_every: int = 100, size: str = "demo",
+             plot: str | None = "trainguard-demo-timeline.png", keep: bool = False, spawn: bool = False,
+             timeout: float = 1200, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """Both runs, the table, the bit-identity check. Returns ``{"identical", "faulty", "clean"}``."""
+    if not 0 < fault_step < steps:
+        raise ValueError(f"fault step {fault_step} must lie between 0 and steps={steps}")
+    work = tempfile.mkdtemp(prefix="trainguard-demo-")
+    out: dict[str, Any] = {"workdir": work}
+    try:
+        for name, fault in (("kill", f"step={fault_step},rank=1,kind=kill"), ("clean", None)):
+            rd = os.path.join(work, name)
+            echo(f"[{name}] trainguard run: 2 workers, {steps} steps, async checkpoint every {save_every}"
+                 + (f", kill rank 1 at step {fault_step}" if fault else ""))
+            rc = launch(rd, steps=steps, save_every=save_every, size=size, fault=fault, timeout=timeout,
+                        log_path=os.path.join(work, f"{name}.log"), spawn=spawn)
+            if rc != 0:
+                with open(os.path.join(work, f"{name}.log"), errors="replace") as f:
+                    tail = f.read()[-3000:]
+                raise RuntimeError(f"the {name} run failed (exit code {rc}); its log ends with:\n{tail}")
+            out[name] = summarize(load_events(rd))
+        a = final_weights(os.path.join(work, "kill"), steps, size)
+        b = final_weights(os.path.join(work, "clean"), steps, size)
+        out["identical"] = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        echo("")
+        echo(table([_row("with kill", out["kill"]), _row("no fault", out["clean"])]))
+        echo("")
+        echo(f"final weights bit-identical: {'YES' if out['identical'] else 'NO'} ({len(a)} tensors compared)")
+        if plot:
+            plot_timeline(load_events(os.path.join(work, "kill")), plot, title="trainguard demo: kill at step "
+                          f"{fault_step}, resume at {fault_step // save_every * save_every}")
+            echo(f"timeline: {plot}")
+    finally:
+        if keep:
+            echo(f"run directories kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return out

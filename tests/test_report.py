@@ -1,0 +1,56 @@
+"""report.summarize on a synthetic event log; the CLI and the timeline plot."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from trainguard.cli import main
+from trainguard.report import format_summary, summarize
+
+
+def _events():
+    ev = [{"t": 0.0, "event": "agent_start", "rank": -1, "pid": 1},
+          {"t": 0.5, "event": "rendezvous", "rank": -1, "pid": 1, "world_size": 2}]
+    t = 1.0
+    for s in range(1, 24):  # first attempt: steps 1..23, saves at 10 and 20
+        ev.append({"t": t, "event": "step", "step": s, "rank": 0, "pid": 10, "world_size": 2})
+        if s in (10, 20):
+            ev.append({"t": t + 0.01, "event": "save", "step": s, "rank": 0, "pid": 10, "stall_s": 0.02,
+                       "duration_s": 0.2, "bytes": 1000})
+        t += 0.1
+    ev.append({"t": t, "event": "fault", "step": 23, "rank": 1, "pid": 11, "kind": "kill"})
+    ev.append({"t": t + 0.3, "event": "failure", "rank": 1, "pid": 1, "cause": "killed by SIGKILL"})
+    ev.append({"t": t + 2.3, "event": "restore", "step": 20, "rank": 0, "pid": 20, "seconds": 0.2})
+    ev.append({"t": t + 2.5, "event": "first_step", "step": 21, "rank": 0, "pid": 20, "lost_steps": 3})
+    t += 2.5
+    for s in range(21, 31):
+        ev.append({"t": t, "event": "step", "step": s, "rank": 0, "pid": 20, "world_size": 2})
+        t += 0.1
+    ev.append({"t": t, "event": "agent_exit", "rank": -1, "pid": 1, "ok": True})
+    return ev
+
+
+def test_summary_numbers():
+    s = summarize(_events())
+    assert s["failures"] == 1 and s["lost_steps"] == 3 and s["final_step"] == 30
+    r = s["recoveries"][0]
+    assert r["restored_step"] == 20 and r["fault_step"] == 23
+    assert abs(r["detect_s"] - 0.3) < 1e-6 and abs(r["restore_s"] - 0.2) < 1e-6
+    assert abs(r["restart_s"] - 1.8) < 1e-6 and abs(r["first_step_s"] - 0.2) < 1e-6
+    assert abs(r["recover_s"] - 2.5) < 1e-6  # = detect + restart + restore + first step
+    assert abs(s["step_s"] - 0.1) < 1e-6 and s["saves"] == 2 and abs(s["save_stall_s"] - 0.04) < 1e-9
+    assert 0 < s["goodput"] < 1
+    assert "lost steps 3" in format_summary(s)
+
+
+def test_cli_report_and_plot(tmp_path):
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in _events()) + '{"torn')
+    png = tmp_path / "timeline.png"
+    res = CliRunner().invoke(main, ["report", str(tmp_path), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    assert "failures           1" in res.output and "restored step 20" in res.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    res = CliRunner().invoke(main, ["report", str(tmp_path), "--json"])
+    assert json.loads(res.output)["lost_steps"] == 3
