@@ -41,7 +41,7 @@ from .flatten import flatten, tensor_refs, unflatten
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_file
 from .manifest import DTYPE_NAMES, Chunk, Manifest, TensorEntry
-from .planner import Box, ReplicatedItem, assign_replicated, full_box, layout_file, plan_reads
+from .planner import Box, ReplicatedItem, assign_replicated, full_box, layout_file, overlapping, plan_reads
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, has_state, is_rank_local, param_name_map
 from .storage import Storage, for_path
 
@@ -520,6 +520,10 @@ def _load(
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
     bad = {m.split(" ")[0] for m in mismatched}
+    # Sizes on disk are checked before any destination is allocated: a manifest cannot make
+    # this rank allocate more than the files it points at really hold.
+    wanted = {c.file for _k, _o, skel, _d in plans for p in tensor_refs(skel) if p not in bad for c in manifest.tensors[p].chunks}
+    _check_file_sizes(storage, directory, manifest, wanted)
     targets: list[ReadTarget] = []
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
@@ -533,8 +537,9 @@ def _load(
             loaded[p] = live if live is not None else t
             if stage_back is not None:
                 finish.append((t, stage_back))
+            near = [e.chunks[i] for i in overlapping([(c.offsets, c.sizes) for c in e.chunks], box)]
             ops = plan_reads(
-                [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in e.chunks],
+                [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in near],
                 box,
                 e.torch_dtype.itemsize,
                 manifest.block_size,
@@ -603,8 +608,11 @@ def _destination(live: torch.Tensor | None, e: TensorEntry) -> tuple[torch.Tenso
 
 
 def _check_files(storage: Storage, directory: str, manifest: Manifest, targets: list[ReadTarget]) -> None:
-    needed = {op.file for t in targets for op in t.ops}
-    for f in needed:
+    _check_file_sizes(storage, directory, manifest, {op.file for t in targets for op in t.ops})
+
+
+def _check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
+    for f in sorted(needed):
         p = storage.join(directory, f)
         if not storage.exists(p):
             raise CorruptCheckpointError(f"{p}: data file is missing", file=f)

@@ -6,6 +6,7 @@ Boxes are ``(offsets, sizes)`` in a tensor's global index space, stored row-majo
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Sequence
@@ -34,22 +35,22 @@ class Box:
         return math.prod(self.sizes)
 
     def intersect(self, other: Box) -> Box | None:
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes))
-        if any(h <= low for low, h in zip(lo, hi)) and self.sizes:
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
+        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True))
+        if any(h <= low for low, h in zip(lo, hi, strict=True)) and self.sizes:
             return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi)))
+        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
 
     def flat_start_in(self, outer: Box) -> int:
         """Row-major element index of this box's first element inside ``outer``."""
         idx = 0
-        for o, oo, s in zip(self.offsets, outer.offsets, outer.sizes):
+        for o, oo, s in zip(self.offsets, outer.offsets, outer.sizes, strict=True):
             idx = idx * s + (o - oo)
         return idx
 
     def is_contiguous_in(self, outer: Box) -> bool:
         """True when this box's elements form one contiguous run in ``outer`` (row-major)."""
-        diff = [i for i, (a, b) in enumerate(zip(self.sizes, outer.sizes)) if a != b]
+        diff = [i for i, (a, b) in enumerate(zip(self.sizes, outer.sizes, strict=True)) if a != b]
         if not diff:
             return True
         return all(self.sizes[j] == 1 for j in range(diff[-1]))
@@ -146,6 +147,26 @@ class ReadOp:
     chunk_index: int
 
 
+def overlapping(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], dest: Box) -> list[int]:
+    """Indices of the ``(offsets, sizes)`` boxes that may overlap ``dest`` along dim 0.
+
+    When the boxes are sorted by their dim-0 offset (manifests keep chunks sorted by offsets)
+    this bisects, so a rank's read plan costs O(log n + overlap) per tensor instead of O(n)
+    box intersections: at 4,096 shards per tensor that is the difference between milliseconds
+    and a minute. Unsorted input falls back to a linear filter. 0-d tensors: every box.
+    """
+    if not dest.sizes:
+        return list(range(len(boxes)))
+    lo, hi = dest.offsets[0], dest.offsets[0] + dest.sizes[0]
+    starts = [b[0][0] for b in boxes]
+    if any(a > b for a, b in zip(starts, starts[1:], strict=False)):
+        return [i for i, (o, s) in enumerate(boxes) if o[0] < hi and o[0] + s[0] > lo]
+    longest = max((b[1][0] for b in boxes), default=0)
+    first = bisect.bisect_right(starts, lo - longest)
+    last = bisect.bisect_left(starts, hi)
+    return [i for i in range(first, last) if boxes[i][0][0] + boxes[i][1][0] > lo]
+
+
 def plan_reads(
     chunks: Sequence[tuple[Box, str, int, int, Sequence[str]]],
     dest: Box,
@@ -198,5 +219,5 @@ def plan_reads(
 
 
 def _last_flat(inter: Box, outer: Box) -> int:
-    last = Box(tuple(o + s - 1 for o, s in zip(inter.offsets, inter.sizes)), tuple(1 for _ in inter.sizes))
+    last = Box(tuple(o + s - 1 for o, s in zip(inter.offsets, inter.sizes, strict=True)), tuple(1 for _ in inter.sizes))
     return last.flat_start_in(outer)
