@@ -10,6 +10,7 @@ reproduces the uninterrupted one bit for bit: model, optimizer, the sampler's gl
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Iterator
 
@@ -29,6 +30,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
+    p.add_argument("--record", default=None, help="append each step's sample indices (JSON lines) here")
     p.add_argument("--run-dir", default=os.environ.get("TRAINGUARD_RUN_DIR", "trainguard-run"))
     return p.parse_args(argv)
 
@@ -43,6 +45,15 @@ def _batches(sampler: ResumableSampler, size: int) -> Iterator[list[int]]:
                 break
             yield batch
         sampler.next_epoch()
+
+
+def _record(path: str, step: int, rank: int, world: int, idx: list[int]) -> None:
+    line = json.dumps({"step": step, "rank": rank, "world": world, "idx": idx}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,7 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         step = 0 if start is None else start
         batches = _batches(sampler, batch)
         while step < args.steps and not mgr.should_stop:
-            x, y = data.batch(next(batches))
+            idx = next(batches)
+            x, y = data.batch(idx)
             loss = net(x, y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -81,6 +93,8 @@ def main(argv: list[str] | None = None) -> None:
             sampler.advance(len(x))
             step += 1
             progress.update(step=step, loss=loss.item())
+            if args.record:
+                _record(args.record, step, rank, world, idx)
             mgr.save(step, state)
             if rank == 0 and step % 100 == 0:
                 print(f"step {step} loss {float(loss):.3f}", flush=True)
