@@ -1,0 +1,52 @@
+"""DistributedDataParallel under torchrun: every rank calls the manager in the same order; rank 0
+writes the replicated weights once (the writes are balanced across ranks).
+
+    torchrun --nproc-per-node 2 examples/ddp_torchrun.py --dir ckpts/ddp --steps 10
+    torchrun --nproc-per-node 2 examples/ddp_torchrun.py --dir ckpts/ddp --steps 20   # resumes
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import trainguard as tg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="ckpts/ddp")
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+
+    dist.init_process_group("gloo")  # "nccl" on GPUs
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 1)))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
+
+    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(4), keep=tg.KeepLatest(2)) as mgr:
+        start = mgr.restore(state)
+        if rank == 0:
+            print("fresh start" if start is None else f"resumed from step {start}", flush=True)
+        torch.manual_seed(1000 + rank)  # each rank its own data
+        for step in range(0 if start is None else start + 1, args.steps):
+            x = torch.randn(16, 8)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state["progress"]["step"] = step
+            mgr.save(step, state, force=step == args.steps - 1)
+        if rank == 0:
+            print(f"done at step {args.steps - 1}, saved step {mgr.last_saved_step}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

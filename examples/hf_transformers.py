@@ -1,0 +1,58 @@
+"""A Hugging Face ``transformers`` model trained with trainguard checkpoints, then exported to a
+safetensors file that ``transformers`` loads. A tiny randomly initialised GPT-2 (no download).
+
+    python examples/hf_transformers.py --dir ckpts/hf --out hf_export
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import trainguard as tg
+from trainguard.convert import convert
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="ckpts/hf")
+    ap.add_argument("--out", default="hf_export")
+    ap.add_argument("--steps", type=int, default=4)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "progress": tg.StateDict(step=-1)}
+
+    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(2)) as mgr:
+        start = mgr.restore(state)
+        for step in range(0 if start is None else start + 1, args.steps):
+            ids = torch.randint(0, 100, (4, 16))
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            state["progress"]["step"] = step
+            mgr.save(step, state, force=step == args.steps - 1)
+        mgr.wait()
+        ckpt = os.path.join(args.dir, f"step-{mgr.last_saved_step:09d}")
+
+    # Export: config.json + model.safetensors is a directory transformers loads.
+    os.makedirs(args.out, exist_ok=True)
+    config.save_pretrained(args.out)
+    convert(ckpt, os.path.join(args.out, "model.safetensors"), entry="model")
+    loaded = GPT2LMHeadModel.from_pretrained(args.out)
+    ids = torch.randint(0, 100, (2, 10))
+    model.eval()
+    with torch.no_grad():
+        same = torch.equal(model(input_ids=ids).logits, loaded(input_ids=ids).logits)
+    print(f"exported {ckpt} to {args.out}; transformers reloaded it, logits equal = {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""A plain PyTorch training loop with trainguard: save every few steps, resume after a restart.
+
+    python examples/plain_loop.py --dir ckpts/plain --steps 20
+    python examples/plain_loop.py --dir ckpts/plain --steps 40   # resumes where the first run stopped
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="ckpts/plain")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
+
+    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(5), keep=tg.KeepLatest(2)) as mgr:
+        start = mgr.restore(state)
+        print("fresh start" if start is None else f"resumed from step {start}")
+        first = 0 if start is None else start + 1
+        for step in range(first, args.steps):
+            x = torch.randn(16, 8)
+            loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            sched.step()
+            state["progress"]["step"] = step
+            mgr.save(step, state, force=step == args.steps - 1)
+        print(f"done at step {args.steps - 1}, loss {loss.item():.4f}, saved step {mgr.last_saved_step}")
+
+
+if __name__ == "__main__":
+    main()
