@@ -47,7 +47,10 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
             errors.append(f"{fname}: {storage.size(p)} bytes, manifest says {size}")
     if errors:
         return VerifyResult(target, False, errors, 0, manifest.step)
-    total = _check_chunks(storage, target, manifest, errors)
+    try:
+        total = _check_chunks(storage, target, manifest, errors)
+    except CheckpointError as e:  # e.g. a data file that is a symlink or not a regular file
+        errors.append(str(e))
     return VerifyResult(target, not errors, errors, total, manifest.step)
 
 

@@ -189,7 +189,7 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     if type(raw) is not dict:
         raise CorruptCheckpointError(f"{where}: body is not an object", file=where)
     version = raw.get("format_version")
-    if version not in SUPPORTED_VERSIONS:
+    if type(version) is not int or version not in SUPPORTED_VERSIONS:  # true == 1 in Python
         raise FormatVersionError(
             f"{where}: format_version {str(version)[:20]} is not supported by this trainguard "
             f"(reads {', '.join(map(str, SUPPORTED_VERSIONS))}); upgrade trainguard to load it"
@@ -210,12 +210,15 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
     objects = _req(raw, "objects", dict, where)
-    for key, obj in objects.items():
-        if type(obj) is not dict or not ("skeleton" in obj or type(obj.get("ranks")) is list):
-            raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
     tensors: dict[str, TensorEntry] = {}
     for path, t in _req(raw, "tensors", dict, where).items():
         tensors[path] = _tensor(path, t, files, block, where)
+    _check_file_ranges(tensors, where)
+    for key, obj in objects.items():
+        if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
+            raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
+        for skel in [obj["skeleton"]] if "skeleton" in obj else obj["ranks"]:
+            _check_skeleton(skel, tensors, f"{where}: object {key[:60]!r}")
     metadata = raw.get("metadata", {})
     if type(metadata) is not dict:
         raise CorruptCheckpointError(f"{where}: metadata is not an object", file=where)
@@ -240,7 +243,7 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) ->
     if type(t) is not dict:
         raise CorruptCheckpointError(f"{w} is malformed", file=where, entry=path)
     dtype = t.get("dtype")
-    if dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:  # a list here would raise TypeError
         raise CorruptCheckpointError(f"{w}: unknown dtype {str(dtype)[:20]!r}", file=where, entry=path)
     shape = t.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM:
@@ -265,7 +268,7 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) ->
             _int(s, 0, dim, "chunk size", w)
             if o + s > dim:
                 raise CorruptCheckpointError(f"{w}: chunk extends past the tensor", file=where, entry=path)
-        if fname not in files:
+        if type(fname) is not str or fname not in files:
             raise CorruptCheckpointError(f"{w}: chunk refers to unknown file {str(fname)[:60]!r}", file=where, entry=path)
         _int(off, 0, files[fname], "chunk offset in file", w)
         n = math.prod(sizes)
@@ -285,4 +288,54 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) ->
         raise CorruptCheckpointError(
             f"{w}: chunks cover {volume} elements, the shape has {math.prod(shape)}", file=where, entry=path
         )
+    # With the volume equal to the shape's, disjoint boxes tile the tensor exactly: no element
+    # is left unread (uninitialised memory) and none is written twice.
+    _check_disjoint_boxes([c for c in chunks if math.prod(c.sizes)], w, where, path)
     return TensorEntry(dtype=dtype, shape=shape, chunks=chunks)
+
+
+def _check_disjoint_boxes(chunks: list[Chunk], w: str, where: str, path: str) -> None:
+    if len(chunks) < 2:
+        return
+    ndim = len(chunks[0].offsets)
+    # Sweep along the dimension with the most distinct offsets (dim 0 for row splits).
+    d = max(range(ndim), key=lambda i: len({c.offsets[i] for c in chunks}))
+    order = sorted(chunks, key=lambda c: c.offsets[d])
+    for i, a in enumerate(order):
+        end = a.offsets[d] + a.sizes[d]
+        for b in order[i + 1 :]:
+            if b.offsets[d] >= end:
+                break
+            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+                raise CorruptCheckpointError(
+                    f"{w}: chunks at {a.offsets} and {b.offsets} overlap", file=where, entry=path
+                )
+
+
+def _check_file_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
+    """No two chunks share bytes of a file: a tensor can never claim more bytes than the files hold."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for path, e in tensors.items():
+        for c in e.chunks:
+            if c.length:
+                spans.setdefault(c.file, []).append((c.offset, c.offset + c.length, path))
+    for fname, rs in spans.items():
+        rs.sort()
+        for (_, end, p1), (start, _, p2) in zip(rs, rs[1:]):
+            if start < end:
+                raise CorruptCheckpointError(
+                    f"{where}: tensors {p1[:60]!r} and {p2[:60]!r} claim the same bytes of {fname} (at {start})",
+                    file=where,
+                    entry=p2,
+                )
+
+
+def _check_skeleton(skel: Any, tensors: dict[str, TensorEntry], where: str) -> None:
+    """The skeleton decodes (bounded depth, known markers) and references only described tensors."""
+    from .flatten import unflatten  # flatten does not import manifest; local to keep the layering obvious
+
+    def known(p: str) -> None:
+        if p not in tensors:
+            raise CorruptCheckpointError(f"{where}: references tensor {p[:80]!r} that the manifest does not describe")
+
+    unflatten(skel, known, where=where)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 
 from ..errors import DiskFullError
 
@@ -52,11 +53,34 @@ def _disk_error(e: OSError, path: str, needed: int) -> OSError:
     return e
 
 
+def _open_regular(path: str) -> int:
+    """Open a checkpoint file for reading, refusing anything but a regular file in place.
+
+    O_NOFOLLOW: a symlink (possibly leaving the directory) is refused. O_NONBLOCK: a FIFO
+    planted under a checkpoint name cannot block the open; it is then refused as not regular.
+    """
+    from ..errors import CorruptCheckpointError
+
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpointError(
+                f"{path} is a symbolic link; checkpoint files must be regular files inside the checkpoint",
+                file=os.path.basename(path),
+            ) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpointError(f"{path} is not a regular file", file=os.path.basename(path))
+    return fd
+
+
 class _LocalReader:
     def __init__(self, path: str) -> None:
         self.path = path
-        # O_NOFOLLOW: a data file that is a symlink (possibly leaving the directory) is refused.
-        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        self.fd = _open_regular(path)
 
     def readinto(self, buf: memoryview, offset: int) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
@@ -98,9 +122,10 @@ class LocalStorage:
         return os.stat(path, follow_symlinks=False).st_size
 
     def read_bytes(self, path: str, limit: int) -> bytes:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = _open_regular(path)
         with os.fdopen(fd, "rb") as f:
-            return f.read(limit + 1)
+            # Never ask for more than the file holds: read(n) allocates n bytes up front.
+            return f.read(min(os.fstat(fd).st_size, limit) + 1)
 
     def write_atomic(self, path: str, data: bytes) -> None:
         tmp = f"{path}.tmp-{os.getpid()}"
