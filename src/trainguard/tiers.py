@@ -94,6 +94,10 @@ class RamTier:
         err, self._error = self._error, None
         if clean and err is None:
             self.storage.remove_tree(self.dir)
+            try:
+                os.rmdir(os.path.dirname(self.dir))  # the per-user dir, if no other run uses it
+            except OSError:
+                pass
         if err is not None:
             raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
 
