@@ -102,3 +102,20 @@ def test_manager_on_memory_url_saves_keeps_restores():
     with tg.CheckpointManager(url) as mgr:
         assert mgr.restore({"model": fresh}) == 2
     assert torch.equal(fresh.weight, model.weight)
+
+
+def _doc_blocks(doc: str) -> list[str]:
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / doc).read_text()
+    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
+
+
+def test_storage_doc_examples_run(tmp_path, monkeypatch):
+    blocks = _doc_blocks("docs/storage.md")
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "docs/storage.md", "exec"), {"__name__": "__doc_example__"})
+    assert (tmp_path / "ckpts" / "ram-demo" / "step-000000001" / "manifest.json").exists()
