@@ -94,9 +94,12 @@ def resume_group(rank: int, world: int, root: str, more: int) -> dict:
     full = {k: v.full_tensor() for k, v in state["table"].items()}
     local = {k: v.to_local().clone() for k, v in state["table"].items()}
     rng = torch.get_rng_state()
+    step = state["progress"]["step"]
     train(state["model"], state["optim"], range(3, 3 + more), rank, world)
+    state["progress"]["step"] = 2 + more
+    tg.save(f"{root}/step-{2 + more:09d}", state)  # saved at W=2, resumed at W=1 by the test
     return {"fresh": fresh, "loaded": loaded, "full": full, "local": local, "read": read, "rng": rng,
-            "step": state["progress"]["step"], "warnings": [str(x.message) for x in w],
+            "step": step, "warnings": [str(x.message) for x in w],
             "after": {k: v.clone() for k, v in state["model"].module.state_dict().items()}}
 
 
@@ -149,3 +152,13 @@ def test_ddp_and_dtensor_saved_at_4_resume_at_2(tmp_path: Path) -> None:
     for r in res:
         for k, t in model.state_dict().items():
             torch.testing.assert_close(r.value["after"][k], t, rtol=1e-5, atol=1e-6)
+
+    # 2 -> 1: the W=2 group's checkpoint, loaded here, holds exactly what that group trained.
+    resumed = make_model(3)
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    tg.load(f"{root}/step-{2 + more:09d}", {"model": resumed, "optim": opt2}, strict=False)
+    assert _equal({k: v for k, v in resumed.state_dict().items()}, res[0].value["after"])
+    train(resumed, opt2, range(3 + more, 5 + more), 0, 1)
+    train(model, opt, range(3 + more, 5 + more), 0, 1)
+    for k, t in model.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[k], t, rtol=1e-5, atol=1e-6)

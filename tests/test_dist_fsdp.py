@@ -8,6 +8,7 @@ consolidates the W=2 one offline.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -76,7 +77,8 @@ def w2_group(rank: int, world: int, root: str, w1_ref: dict) -> dict:
     tg.load(f"{root}/w1/step-000000001", {"model": model, "optim": opt})  # 1 -> 2, optimizer state lazily created
     got = full_state(model, opt)
     train(model, opt, range(1, 3))
-    tg.save(f"{root}/w2/step-000000003", {"model": model, "optim": opt, "progress": tg.StateDict(step=3)})
+    tg.save(f"{root}/w2/step-000000003",
+            {"model": model, "optim": opt, "progress": tg.StateDict(step=3), "rng": tg.RNGState()})
     return {"differed": differed, "loaded_equal": got.keys() == w1_ref.keys() and all(
         torch.equal(got[k], w1_ref[k]) for k in got), "ref": full_state(model, opt)}
 
@@ -88,13 +90,18 @@ def w3_group(rank: int, world: int, root: str, ref: dict) -> dict:
     tg.load(f"{root}/w2/step-000000003", {"model": model}, only=["model"], strict=False, verify=False)
     model_read = tg_io.counters()["bytes_read"] - before
     before = tg_io.counters()["bytes_read"]
-    tg.load(f"{root}/w2/step-000000003", {"model": model, "optim": opt, "progress": tg.StateDict()})  # 2 -> 3
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tg.load(f"{root}/w2/step-000000003",  # 2 -> 3
+                {"model": model, "optim": opt, "progress": tg.StateDict(), "rng": tg.RNGState(reseed=3)})
     all_read = tg_io.counters()["bytes_read"] - before
+    rng = torch.get_rng_state()
     got = full_state(model, opt)
     tg.save(f"{root}/w3/step-000000004", {"model": model, "optim": opt})
     tg.save(f"{root}/full/step-000000004", {"model": model, "optim": opt}, layout="full")
     return {"differed": differed, "equal": got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in got),
-            "model_read": model_read, "all_read": all_read, "local": local_bytes(model), "full": got}
+            "model_read": model_read, "all_read": all_read, "local": local_bytes(model), "full": got,
+            "rng": rng, "warnings": [str(x.message) for x in w]}
 
 
 def _plain_load(path: str) -> dict[str, torch.Tensor]:
@@ -123,6 +130,12 @@ def test_fsdp2_reshard_1_2_3_1_and_consolidate(tmp_path: Path) -> None:
         assert v["differed"] and v["equal"]
         assert v["model_read"] == v["local"]  # exactly its own shard of the model, nothing else
         assert v["local"] < total_model / 2
+    # Rank-local RNG, world grew 2 -> 3: ranks 0, 1 take saved ranks 0, 1; rank 2 is re-seeded
+    # from (reseed, rank), with a warning.
+    torch.manual_seed((3 * 1_000_003 + 2) % 2**31)
+    assert torch.equal(r3[2].value["rng"], torch.get_rng_state())
+    assert any("re-seeded" in w for w in r3[2].value["warnings"])
+    assert not torch.equal(r3[0].value["rng"], r3[2].value["rng"])
     # With verification (the default) reads widen to whole checksum blocks (4 MiB), here whole
     # saved chunks: ranks 0 and 2 overlap one W=2 chunk per tensor, rank 1 (the middle) both.
     total = sum(t.nbytes for t in ref.values())
