@@ -79,3 +79,33 @@ def test_ram_copy_survives_a_crash_before_it_reached_disk(tmp_path, run_child):
         assert torch.all(m.weight == 2)
     assert _steps(root) == [1, 2]  # restore made sure step 2 reached the durable tier
     assert not os.path.exists(ram)
+
+
+def _ranks_with_ram_tier(rank: int, world: int, root: str, base: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Linear(64, 32))
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, async_save=True) as mgr:
+        for step in (1, 2):
+            with torch.no_grad():
+                model.module.weight.fill_(step)
+            mgr.save(step, {"model": model})
+        mgr.wait()
+        ram_after_save = _steps(mgr.ram.dir) if rank == 0 else None  # rank 0 prunes the RAM tier
+        fresh = DDP(torch.nn.Linear(64, 32))
+        restored = mgr.restore({"model": fresh})
+        ok = bool(torch.all(fresh.module.weight == 2))
+    return {"ram": ram_after_save, "restored": restored, "ok": ok}
+
+
+def test_two_ranks_async_save_through_the_ram_tier(tmp_path):
+    from dist_helper import run_ranks
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    res = run_ranks(_ranks_with_ram_tier, 2, root, base, timeout=90, env={"TRAINGUARD_DEAD_AFTER": "5"})
+    assert res[0].value["ram"] == [2]  # only the newest stays in RAM
+    assert all(r.value["restored"] == 2 and r.value["ok"] for r in res)
+    assert _steps(root) == [1, 2]  # both copied to disk, manifest last
+    assert not os.path.exists(ram_dir(root, base))  # clean close on every rank
