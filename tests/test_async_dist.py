@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from dist_helper import run_ranks
 from trainguard.stage import default_pool
+
+from dist_helper import run_ranks
 
 
 def _setup(seed: int = 0):
