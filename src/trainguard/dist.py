@@ -280,7 +280,7 @@ class StoreDistContext(DistContext):
             raise e
 
     def _all_at(self, ranks: list[int]) -> bool:
-        return all(self.store.check([f"{self.chan}/at/{r}"]) for r in ranks)
+        return bool(self.store.check([f"{self.chan}/at/{r}" for r in ranks]))
 
     def _cleanup(self, round_no: int) -> None:
         # Keys two rounds back are no longer read by anyone (every rank passed the round after).
