@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, DiskFullError
 from .manifest import checksum
 from .planner import Box, ReadOp
 from .storage.base import FileReader, Storage
@@ -167,6 +167,10 @@ def write_file(
         if fault:
             fault("before_fsync")
         w.finish(size)
+    except DiskFullError as e:
+        w.abort()
+        # Say how much the whole file needed, not only the piece that failed.
+        raise DiskFullError(e.errno, f"{e.strerror}. This data file needs {size} bytes in all") from e
     except BaseException:
         w.abort()
         raise
