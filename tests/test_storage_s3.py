@@ -70,7 +70,8 @@ class Weed:
 
     def start(self, timeout: float = 45.0) -> None:
         p = self.ports
-        # grpc ports are explicit too (the default is port+10000, maybe taken); extra listeners off.
+        # grpc ports are explicit too (the default is port+10000, maybe taken); extra listeners and
+        # telemetry off; a single master elects itself at once (a restart otherwise waits ~10 s).
         grpc = _free_ports(4)
         args = [
             WEED, "server", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -79,6 +80,7 @@ class Weed:
             "-filer", f"-filer.port={p['filer']}", f"-filer.port.grpc={grpc[2]}",
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={grpc[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.config={self.config}", "-master.volumeSizeLimitMB=256", "-volume.max=0", "-metricsPort=0",
+            "-master.electionTimeout=1s", "-master.peers=none", "-master.telemetry=false",
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
