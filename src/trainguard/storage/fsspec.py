@@ -199,7 +199,8 @@ class _PartWriter:
 
         def run() -> None:
             try:
-                self._up.part(k, memoryview(buf)[:length])
+                # A whole part goes up from its buffer as is (botocore takes a bytearray, no copy).
+                self._up.part(k, buf if length == len(buf) else bytes(memoryview(buf)[:length]))
             finally:
                 with self._lock:
                     if len(self._free) < 2:
@@ -253,13 +254,13 @@ class _S3Upload:
                 self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
             return self._id
 
-    def part(self, k: int, data: memoryview) -> None:
+    def part(self, k: int, data: bytes | bytearray) -> None:
         if k == 0 and self._id is None and len(self._etags) == 0 and len(data) < PART_SIZE_MIN_MULTIPART:
             self._small = bytes(data)  # maybe the whole file: one PUT at complete()
             return
         uid = self._upload_id()
         r = self.fs.call_s3(
-            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=bytes(data)
+            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data
         )
         with self._lock:
             self._etags[k] = r["ETag"]
@@ -269,7 +270,7 @@ class _S3Upload:
             self.fs.pipe_file(f"{self.bucket}/{self.key}", self._small or b"")
             return
         if self._small is not None:  # part 0 was held back but the file has more parts
-            self.part(0, memoryview(self._small))
+            self.part(0, self._small)
             self._small = None
         missing = [k for k in range(nparts) if k not in self._etags]
         if missing:
@@ -300,7 +301,7 @@ class _StreamUpload:
         self._ready: dict[int, bytes] = {}
         self._file: Any = None
 
-    def part(self, k: int, data: memoryview) -> None:
+    def part(self, k: int, data: bytes | bytearray) -> None:
         with self._lock:
             self._ready[k] = bytes(data)
             while self._next in self._ready:
