@@ -164,3 +164,16 @@ def test_manifest_tail_edits_are_detected(tmp_path):
         assert by_verify and by_load and "manifest.json" in msg, data[-4:]
     man.write_bytes(good)
     assert tg.verify(tmp_path / "ck").ok
+
+
+def test_reliability_doc_example_runs(tmp_path, monkeypatch):
+    """The example in docs/reliability.md runs as written (flip, verify names it, restore falls back)."""
+    import re
+
+    doc = Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, str(doc), "exec"), {"__name__": "__doc_example__"})
+    assert (tmp_path / "ckpts" / "rel" / "step-000000001").exists()
