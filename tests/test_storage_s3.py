@@ -159,6 +159,12 @@ def test_manager_save_retention_restore_on_s3(weed):
         assert steps == [2, 3]  # retention deleted step 1
         # The big data file went up in several parts (35 MB > 32 MiB) and reads back exactly.
         assert storage.size(storage.join(root, "step-000000003", "data-00000.bin")) > storage.part_size
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    res = CliRunner().invoke(cli, ["verify", url])  # the CLI reads s3:// too
+    assert res.exit_code == 0 and res.output.count("OK") == 2, res.output
     fresh = _state(0)
     assert not _same(fresh["model"], st["model"])
     with tg.CheckpointManager(url) as mgr:
