@@ -13,6 +13,7 @@ from .commit import list_steps, read_manifest
 from .errors import CheckpointError
 from .manifest import Manifest, checksum
 from .storage import Storage, for_path
+from .tiers import location
 
 _READ = 64 << 20
 
@@ -103,17 +104,18 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     storage, r = for_path(root)
     out = []
     for s in list_steps(storage, r):
+        addr = location(storage, s.path)  # what for_path maps back (a URL on object stores)
         if s.status == "incomplete":
-            out.append(StepInfo(s.step, s.name, s.path, "incomplete", detail=f"no {layout.MANIFEST}"))
+            out.append(StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}"))
             continue
         try:
             m = read_manifest(storage, s.path)
         except CheckpointError as e:
-            out.append(StepInfo(s.step, s.name, s.path, "corrupt", detail=str(e)))
+            out.append(StepInfo(s.step, s.name, addr, "corrupt", detail=str(e)))
             continue
         status, detail = "valid", ""
         if verify_data:
-            v = verify(s.path)
+            v = verify(addr)
             if not v.ok:
                 status, detail = "corrupt", "; ".join(v.errors[:3])
         else:
@@ -122,7 +124,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                 if not storage.exists(p) or storage.size(p) != size:
                     status, detail = "corrupt", f"{f}: size differs from the manifest"
                     break
-        out.append(StepInfo(s.step, s.name, s.path, status, m.created, m.total_bytes, len(m.objects), detail))
+        out.append(StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail))
     return out
 
 
