@@ -70,6 +70,7 @@ def worker_save(root: str, size_gb: float) -> None:
 def worker_restore(root: str, size_gb: float, source: str, launched: float) -> None:
     t_start = time.time()
     import torch  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401  (trainguard imports it lazily; count it as import time)
 
     import trainguard as tg
 
@@ -157,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
             Path(a.json).write_text(json.dumps({"size_gb": a.size_gb, "save": saved, "results": results}, indent=1))
     finally:
         shutil.rmtree(ram_dir(root), ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(ram_dir(root)))  # the per-user dir, if now empty
+        except OSError:
+            pass
         shutil.rmtree(base, ignore_errors=True)
 
 
