@@ -4,18 +4,23 @@ at random byte counts inside the data writes (a partial write, then SIGKILL), on
 state it loads equals that step's state bit for bit, ``verify`` passes on every directory ``ls``
 reports valid, and the next manager start removes the debris.
 
-One-rank trials run in processes forked from a forkserver that imported torch once (a trial
-costs a fork and a few MB of I/O, not a Python start). Each test prints ``trials=N failures=M``.
+One-rank trials run in processes forked by a small trial server that imported torch once (a
+trial costs a fork and a few MB of I/O, not a Python start). Each test prints
+``trials=N failures=M``.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
 import os
 import random
+import select
 import shutil
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +31,7 @@ from trainguard.faults import POINTS
 from trainguard.inspect import list_checkpoints
 from trainguard.storage import LocalStorage
 
+from conftest import ROOT, TESTS
 from dist_helper import run_ranks
 
 RANDOM_TRIALS = int(os.environ.get("TG_CRASH_TRIALS", "50"))  # half sync, half async
@@ -91,6 +97,57 @@ def _trial(root: str, mode: str, kill_at_byte: int | None, point: str | None) ->
         mgr.wait()
 
 
+SERVER = r"""
+import json, os, sys, tempfile, traceback
+import torch
+import test_reliability_crash as t
+import trainguard as tg
+# Warm up once (lazy imports such as torch.distributed.tensor cost ~0.7 s): a sync save and a
+# load in a temp directory. No thread is left running, so forking afterwards is safe.
+torch.set_num_threads(1)
+with tempfile.TemporaryDirectory() as d:
+    tg.save(d + "/step-000000001", t.state_for(0))
+    tg.load(d + "/step-000000001", t.state_for(1))
+    import trainguard.async_save, trainguard.stage  # noqa: F401
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            t._trial(*json.loads(line))
+            os._exit(0)
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+class TrialServer:
+    """A child Python that imported torch and trainguard once and forks one process per trial
+    (it runs no torch code itself, so forking it is safe). Killed by PID on timeout or close."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     env=env, text=True)
+
+    def run(self, args: list, timeout: float = 120) -> int | None:
+        """Run one trial; its exit code (-9: killed by SIGKILL), or None if it hung (then the server is killed)."""
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            self.close()
+            return None
+        return int(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # by PID; a trial child left running would be orphaned, but each ends by SIGKILL
+        self.proc.wait(10)
+
+
 def _data_bytes(ckpt: Path) -> dict[str, int]:
     """Data bytes written per file (chunk lengths, not holes) by the save of ``ckpt``."""
     m = read_manifest(LocalStorage(), str(ckpt))
@@ -132,31 +189,31 @@ def test_sigkill_at_named_points_and_random_write_moments(tmp_path):
     rng = random.Random(7)
     plan = [(mode, None, p) for mode in ("sync", "async") for p in POINTS]
     plan += [(("sync", "async")[i % 2], rng.randrange(total), None) for i in range(RANDOM_TRIALS)]
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "numpy", "trainguard"])
+    server = TrialServer()
     trials = failures = debris_seen = 0
     report = []
+    t_child = t_check = 0.0
     for i, (mode, at_byte, point) in enumerate(plan):
         root = tmp_path / f"t{i}"
         shutil.copytree(template, root)
-        p = ctx.Process(target=_trial, args=(str(root), mode, at_byte, point))
-        p.start()
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        t0 = time.monotonic()
+        code = server.run([str(root), mode, at_byte, point])
+        t1 = time.monotonic()
         trials += 1
         what = f"{mode} " + (f"point={point}" if point else f"byte={at_byte}/{total}")
-        problems = [] if p.exitcode == -signal.SIGKILL else [f"child exit code {p.exitcode}, not SIGKILL"]
+        problems = [] if code == -signal.SIGKILL else [f"child exit code {code}, not SIGKILL"]
         debris_seen += any(".tmp-" in n for n in os.listdir(root))
         expect = 2 if point in COMMITTED_AFTER else 1
         problems += check_after_crash(root, expect)
+        t_child, t_check = t_child + t1 - t0, t_check + time.monotonic() - t1
         if problems:
             failures += 1
             report.append(f"{what}: {problems}")
         shutil.rmtree(root)
+    server.close()
     print(f"crash 1-rank: trials={trials} failures={failures} (named={2 * len(POINTS)}, "
-          f"random={RANDOM_TRIALS}, runs that left debris={debris_seen})")
+          f"random={RANDOM_TRIALS}, runs that left debris={debris_seen}; seconds in children {t_child:.1f}, "
+          f"in checks {t_check:.1f})")
     assert failures == 0, "\n".join(report)
     assert trials == 2 * len(POINTS) + RANDOM_TRIALS and debris_seen >= RANDOM_TRIALS // 2
 
@@ -194,10 +251,8 @@ def test_sigkill_on_two_ranks(tmp_path):
     for i, (mode, kind) in enumerate(cases):
         root = tmp_path / f"r{i}"
         if kind == "bytes":
-            if sizes is None:  # learn each rank's byte count from a 2-rank save of the same state
-                run_ranks(two_rank_probe, 2, str(tmp_path / "probe"), timeout=120)
-                sizes = _data_bytes(tmp_path / "probe" / "step-000000001")
-            kill = [rng.randrange(sizes[f"data-{r:05d}.bin"]) for r in range(2)]
+            sizes = sizes or _rank_bytes(2)
+            kill = [rng.randrange(sizes[r]) for r in range(2)]
             res = run_ranks(two_rank_trial, 2, str(root), mode, kill, timeout=120, check=False)
             ok = all(r.exitcode == -signal.SIGKILL for r in res)
         else:
@@ -215,6 +270,16 @@ def test_sigkill_on_two_ranks(tmp_path):
     assert failures == 0, "\n".join(report)
 
 
-def two_rank_probe(rank: int, world: int, root: str) -> None:
-    torch.set_num_threads(1)
-    tg.save(Path(root) / "step-000000001", state_for(1))
+def _rank_bytes(world: int) -> list[int]:
+    """The data bytes each rank writes for ``state_for``: the planner's deterministic split of
+    replicated tensors, computed here instead of spawning ranks to find out."""
+    from trainguard.api import capture
+    from trainguard.dist import DistContext
+    from trainguard.planner import ReplicatedItem, assign_replicated
+
+    snap = capture(state_for(1), ctx=DistContext.current())
+    items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in snap.leaves]
+    out = [0] * world
+    for _path, box, r in assign_replicated(items, world, [0] * world):
+        out[r] += box.numel * 4  # every tensor here is float32
+    return out
