@@ -35,6 +35,7 @@ from .policies import (  # noqa: E402
     RetentionPolicy,
     SavePolicy,
 )
+from .sampler import ResumableIterable, ResumableSampler  # noqa: E402
 from .stateful import RNGState, StateDict, Stateful  # noqa: E402
 
 __all__ = [
@@ -46,6 +47,8 @@ __all__ = [
     "Stateful",
     "StateDict",
     "RNGState",
+    "ResumableSampler",
+    "ResumableIterable",
     "SavePolicy",
     "RetentionPolicy",
     "EveryNSteps",

@@ -377,3 +377,26 @@ def ensure_optimizer_state(optimizer: Any) -> bool:
             if lr is not None:
                 g["lr"] = lr
     return True
+
+
+def describe_error(e: BaseException) -> str:
+    """One rank's error as text for the others: the message for our errors, else a traceback."""
+    import traceback
+
+    from .errors import CheckpointError
+
+    if isinstance(e, CheckpointError):
+        return f"{type(e).__name__}: {e}"
+    return traceback.format_exc()
+
+
+def raise_failures(what: str, outcomes: list[Any], ctx: DistContext) -> None:
+    """Raise on every rank when any outcome carries an error (called after an exchange)."""
+    from .errors import CheckpointError
+
+    failures = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
+    if not failures:
+        return
+    if not ctx.is_distributed and len(failures) == 1:
+        raise CheckpointError(f"{what} failed:\n{failures[0]}")
+    raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)

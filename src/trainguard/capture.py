@@ -1,0 +1,126 @@
+"""Phase 1 of a save, on every rank: take the live state apart into JSON skeletons and tensor
+leaves, and decide which chunks this rank writes. Synchronous and cheap: tensors are
+referenced, not copied (the async path copies them in its stage phase).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .dist import DistContext, is_dtensor, shard_of
+from .errors import (
+    UnsupportedValueError,
+)
+from .flatten import flatten
+from .manifest import DTYPE_NAMES
+from .planner import Box, ReplicatedItem, assign_replicated, full_box
+from .stateful import adapt, has_state, is_rank_local, param_name_map
+
+
+@dataclass
+class Leaf:
+    """One tensor of the captured state, as this rank holds it."""
+
+    path: str
+    tensor: torch.Tensor  # local data (the shard for a DTensor)
+    dtype: str
+    shape: tuple[int, ...]  # global shape
+    box: Box  # the local box in global coordinates
+    kind: str  # "replicated" | "sharded" | "local" | "full"
+    writer: bool = True
+
+
+@dataclass
+class Snapshot:
+    """What ``capture`` took from the live state: JSON skeletons (copied now) and tensor refs."""
+
+    objects: dict[str, Any]
+    rank_local: list[str]
+    leaves: list[Leaf]
+    entry_sig: str = ""
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_key(key: Any) -> str:
+    if type(key) is not str or not key or "/" in key or "@" in key or key.startswith("$"):
+        raise UnsupportedValueError(
+            f"state key {key!r}: top-level keys must be non-empty strings without '/' or '@'"
+        )
+    return key
+
+
+def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "sharded") -> Snapshot:
+    """Take the state apart into JSON skeletons and tensor leaves (every rank, synchronously).
+
+    Tensors are referenced, not copied; async saving copies them in its stage phase.
+    """
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(f"state must be a dict of entries, got {type(state).__name__}")
+    names = param_name_map(state)
+    objects: dict[str, Any] = {}
+    rank_local: list[str] = []
+    leaves: list[Leaf] = []
+    for key, value in state.items():
+        _check_key(key)
+        obj = adapt(value, names)
+        sd = obj.state_dict() if has_state(obj) else obj
+        local = is_rank_local(value)
+        if local:
+            rank_local.append(key)
+        skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
+        objects[key] = skel
+        for path, t in tensors.items():
+            leaves.append(_leaf(path, t, local, layout_kind, ctx.rank))
+    sig = hashlib.sha1(
+        json.dumps(
+            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype) for lf in leaves if lf.kind != "local")]
+        ).encode()
+    ).hexdigest()
+    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
+
+
+def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0) -> Leaf:
+    full = layout_kind == "full" and not local
+    if is_dtensor(t) and full:
+        t = t.full_tensor()  # collective on the training group: every rank reaches it in the same order
+    data, shape, offsets, writer = shard_of(t)
+    if data.dtype not in DTYPE_NAMES:
+        raise UnsupportedValueError(f"{path}: dtype {data.dtype} is not supported; convert the tensor")
+    if not data.is_contiguous():
+        raise UnsupportedValueError(
+            f"{path}: tensor is not contiguous (strides {tuple(data.stride())}); call .contiguous() on it "
+            "before saving, or return a contiguous copy from state_dict()"
+        )
+    kind = "local" if local else ("sharded" if is_dtensor(t) else "replicated")
+    if full:
+        # layout="full": whole tensors, one chunk each, all in rank 0's file (export/inference).
+        kind, writer = "full", rank == 0
+        if rank != 0:
+            data = data.new_empty((0,) * data.dim())  # others only need shape and dtype
+    box = full_box(shape) if full else Box(tuple(offsets), tuple(data.shape))
+    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer)
+
+
+def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:
+    """The chunks this rank writes: its shards, its rank-local tensors, and its balanced share
+    of the replicated tensors (the same deterministic assignment on every rank)."""
+    by_path = {lf.path: lf for lf in snap.leaves}
+    rep = sorted((lf for lf in snap.leaves if lf.kind == "replicated"), key=lambda lf: lf.path)
+    items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
+    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, ctx.world_size, base_loads) if r == ctx.rank]
+    mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
+    return mine
+
+
+def chunk_view(leaf: Leaf, box: Box) -> torch.Tensor:
+    """The contiguous CPU-side tensor holding ``box`` of ``leaf`` (a row range or the whole)."""
+    t = leaf.tensor
+    if box != leaf.box:  # a dim-0 row range of a replicated tensor
+        t = t[box.offsets[0] : box.offsets[0] + box.sizes[0]]
+    return t

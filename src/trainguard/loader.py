@@ -1,0 +1,222 @@
+"""``load``: every rank reads the manifest, plans the byte ranges overlapping what it holds
+(resharding when the world size changed), reads them straight into the destination tensors,
+verifies checksums, then calls each entry's ``load_state_dict``. The outcome is exchanged, so
+all ranks succeed or all raise the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .commit import read_manifest
+from .dist import DistContext, describe_error, ensure_optimizer_state, raise_failures, shard_of
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    StateMismatchError,
+)
+from .flatten import flatten, tensor_refs, unflatten
+from .io import ReadTarget, read_targets
+from .manifest import DTYPE_NAMES, Manifest, TensorEntry
+from .planner import Box, full_box, overlapping, plan_reads
+from .stateful import ModuleAdapter, OptimizerAdapter, adapt, has_state, param_name_map
+from .storage import Storage, for_path
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: Mapping[str, Any] | dict[str, Any],
+    *,
+    strict: bool = True,
+    only: Iterable[str] | None = None,
+    verify: bool = True,
+    timeout: float | None = None,
+) -> Manifest:
+    """Load the checkpoint at ``path`` into ``state`` in place (every rank calls it).
+
+    Bytes are read straight into the destination tensors' memory. With ``strict``, missing,
+    unexpected and mismatched entries raise one ``StateMismatchError`` listing all of them.
+    ``only=["model"]`` loads a subset of the entries. Checksums of every byte read are
+    verified unless ``verify=False``. All ranks succeed or all raise.
+    """
+    ctx = DistContext.current()
+    storage, target = for_path(path)
+    try:
+        manifest = read_manifest(storage, target)
+        _load(storage, target, manifest, state, ctx, strict, only, verify)
+        err = None
+    except Exception as e:
+        if not ctx.is_distributed:
+            raise
+        err, exc = describe_error(e), e
+    if ctx.is_distributed:
+        outcomes = ctx.all_gather("load", {"error": err}, timeout=timeout)
+        if err is not None:
+            raise exc
+        raise_failures(f"load of {target}", outcomes, ctx)
+    return manifest
+
+
+def _load(
+    storage: Storage,
+    directory: str,
+    manifest: Manifest,
+    state: Mapping[str, Any],
+    ctx: DistContext,
+    strict: bool,
+    only: Iterable[str] | None,
+    verify: bool,
+) -> None:
+    keys = list(state) if only is None else list(only)
+    unknown = [k for k in keys if k not in state]
+    if unknown:
+        raise StateMismatchError(missing=[f"{k} (in only=, not in state)" for k in unknown], unexpected=[], mismatched=[])
+    missing_keys = [k for k in keys if k not in manifest.objects]
+    unexpected_keys = [k for k in manifest.objects if k not in state] if only is None else []
+    names = param_name_map(state)
+    plans = []  # (key, adapter, skeleton, {path: dest tensor})
+    missing: list[str] = list(missing_keys)
+    unexpected: list[str] = list(unexpected_keys)
+    mismatched: list[str] = []
+    for key in keys:
+        if key in missing_keys:
+            continue
+        value = state[key]
+        obj = adapt(value, names)
+        if isinstance(obj, OptimizerAdapter):
+            # A fresh optimizer of DTensor params has no state to read shards into: create it.
+            ensure_optimizer_state(obj.optimizer)
+        skel, src_rank = _skeleton_for(manifest, key, value, ctx)
+        if skel is None:
+            continue
+        prefix = f"{key}@{src_rank}" if src_rank is not None else key
+        cur = obj.state_dict() if has_state(obj) else value
+        _, dest = flatten(cur, prefix)
+        refs = tensor_refs(skel)
+        for p in refs:
+            if p not in manifest.tensors:
+                raise CorruptCheckpointError(f"manifest references tensor {p!r} that it does not describe", entry=p)
+        # Modules have a fixed set of tensors: report every difference. Optimizers: shapes must
+        # match (a fresh one has no state yet). Other objects: their load_state_dict decides; a
+        # tensor whose shape changed is simply read into a new tensor.
+        if isinstance(obj, ModuleAdapter):
+            missing += [p for p in dest if p not in refs]
+            unexpected += [p for p in refs if p not in dest]
+        for p in refs:
+            d = dest.get(p)
+            if d is not None:
+                e = manifest.tensors[p]
+                if list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype:
+                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                        mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
+                    else:
+                        del dest[p]
+        plans.append((key, obj, skel, dest))
+    if strict and (missing or unexpected or mismatched):
+        raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
+    bad = {m.split(" ")[0] for m in mismatched}
+    # Sizes on disk are checked before any destination is allocated: a manifest cannot make
+    # this rank allocate more than the files it points at really hold.
+    wanted = {c.file for _k, _o, skel, _d in plans for p in tensor_refs(skel) if p not in bad for c in manifest.tensors[p].chunks}
+    _check_file_sizes(storage, directory, manifest, wanted)
+    targets: list[ReadTarget] = []
+    finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
+    loaded: dict[str, torch.Tensor] = {}
+    for _key, _obj, skel, dest in plans:
+        for p in tensor_refs(skel):
+            if p in bad:
+                continue
+            e = manifest.tensors[p]
+            live = dest.get(p)
+            t, box, stage_back = _destination(live, e)
+            loaded[p] = live if live is not None else t
+            if stage_back is not None:
+                finish.append((t, stage_back))
+            near = [e.chunks[i] for i in overlapping([(c.offsets, c.sizes) for c in e.chunks], box)]
+            ops = plan_reads(
+                [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in near],
+                box,
+                e.torch_dtype.itemsize,
+                manifest.block_size,
+                verify,
+            )
+            targets.append(ReadTarget(p, t, box, ops))
+    _check_files(storage, directory, manifest, targets)
+    read_targets(storage, directory, targets)
+    for staged, live in finish:
+        live.copy_(staged)
+    for key, obj, skel, dest in plans:
+        value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
+        try:
+            if isinstance(obj, ModuleAdapter):
+                obj.load_state_dict(value, strict=strict)
+            elif has_state(obj):
+                obj.load_state_dict(value)
+            elif isinstance(state, dict):
+                state[key] = value
+        except CheckpointError:
+            raise
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+            raise CheckpointError(
+                f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
+                "the same way as when it was saved (same parameter groups, same configuration)"
+            ) from e
+
+
+def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) -> tuple[Any, int | None]:
+    """This rank's skeleton for entry ``key`` (rank-local entries: the rule in docs/distributed.md)."""
+    obj = manifest.objects[key]
+    if "skeleton" in obj:
+        return obj["skeleton"], None
+    ranks = obj["ranks"]
+    if ctx.rank < len(ranks):
+        if len(ranks) != ctx.world_size:
+            import warnings
+
+            warnings.warn(
+                f"{key}: saved by {len(ranks)} ranks, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
+                f"rank {ctx.rank}'s state",
+                stacklevel=4,
+            )
+        return ranks[ctx.rank], ctx.rank
+    import warnings
+
+    if hasattr(value, "reseed_for_rank"):
+        value.reseed_for_rank(ctx.rank)
+        warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} ranks); re-seeded", stacklevel=4)
+        return None, None
+    src = ctx.rank % len(ranks)
+    warnings.warn(f"{key}: no saved state for rank {ctx.rank}; taking saved rank {src}'s", stacklevel=4)
+    return ranks[src], src
+
+
+def _destination(live: torch.Tensor | None, e: TensorEntry) -> tuple[torch.Tensor, Box, torch.Tensor | None]:
+    """(tensor to read into, its box, live tensor to copy into afterwards or None)."""
+    if live is None:
+        t = torch.empty(e.shape, dtype=e.torch_dtype)
+        return t, full_box(e.shape), None
+    data, shape, offsets, _ = shard_of(live)
+    box = Box(tuple(offsets), tuple(data.shape))
+    if data.is_cpu and data.is_contiguous():
+        return data, box, None
+    return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
+
+
+def _check_files(storage: Storage, directory: str, manifest: Manifest, targets: list[ReadTarget]) -> None:
+    _check_file_sizes(storage, directory, manifest, {op.file for t in targets for op in t.ops})
+
+
+def _check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
+    for f in sorted(needed):
+        p = storage.join(directory, f)
+        if not storage.exists(p):
+            raise CorruptCheckpointError(f"{p}: data file is missing", file=f)
+        actual = storage.size(p)
+        if actual != manifest.files[f]:
+            raise CorruptCheckpointError(
+                f"{p}: {actual} bytes on disk, the manifest says {manifest.files[f]} (truncated or replaced)", file=f
+            )
