@@ -28,6 +28,9 @@ lint: setup
 
 bench: setup
 	$(VPY) -m bench.run
+	$(VPY) -m bench.stall
+	$(VPY) -m bench.planner_scale
+	$(VPY) -m bench.ram_tier --size-gb 3
 
 soak: setup
 	$(VPY) -m pytest -q -s -p no:cacheprovider -m slow -k soak tests
