@@ -214,3 +214,17 @@ def test_on_error_warn_keeps_training_and_retries(tmp_path, monkeypatch):
         with pytest.raises(tg.CheckpointError, match="injected failure at write_begin"):
             mgr.save(3, state_for(3))
     assert _steps(tmp_path) == [2]
+
+
+def test_retention_failure_is_reported_not_raised(tmp_path, monkeypatch):
+    class Broken(tg.KeepLatest):
+        def select(self, checkpoints):
+            raise OSError("permission denied while listing")
+
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=Broken(2)) as mgr:
+        with pytest.warns(UserWarning, match="retention after step 1 failed"):
+            assert mgr.save(1, state_for(1)) is not None
+        with pytest.warns(UserWarning, match="retention after step 2 failed"):
+            mgr.save(2, state_for(2))
+    assert _steps(tmp_path) == [1, 2]
+    assert [e["step"] for e in read_events(tmp_path) if e["event"] == "retention_failed"] == [1, 2]

@@ -250,6 +250,15 @@ class CheckpointManager:
 
     def _apply_retention(self, newest: int) -> None:
         # Runs after `newest` is committed (never before), on rank 0, while holding the lock.
+        # The new checkpoint is safe whatever happens here: a failure is reported, not raised.
+        try:
+            self._retain(newest)
+        except Exception as e:
+            log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
+            self.events.emit("retention_failed", step=newest, error=str(e)[:2000])
+            warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=2)
+
+    def _retain(self, newest: int) -> None:
         steps = [s for s in list_steps(self.storage, self._root) if s.status == "committed"]
         infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps]
         keep = set(self.keep.select(infos)) | {newest}
