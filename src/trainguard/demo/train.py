@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from collections.abc import Iterator
 
 import torch
@@ -32,6 +33,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--record", default=None, help="append each step's sample indices (JSON lines) here")
     p.add_argument("--run-dir", default=os.environ.get("TRAINGUARD_RUN_DIR", "trainguard-run"))
+    p.add_argument("--hold-at", type=int, default=None, metavar="STEP",
+                   help="drills: at this step, at world size --hold-world, commit the checkpoint, log a "
+                        "'hold' event and wait (at most --hold-s) for the agent to restart the group, "
+                        "e.g. because a new agent joined (scale-up)")
+    p.add_argument("--hold-world", type=int, default=1)
+    p.add_argument("--hold-s", type=float, default=45.0, help="bound of the hold (below the hang floor)")
+    p.add_argument("--no-signals", action="store_true",
+                   help="CheckpointManager(handle_signals=False): no save-on-SIGTERM")
     return p.parse_args(argv)
 
 
@@ -56,6 +65,17 @@ def _record(path: str, step: int, rank: int, world: int, idx: list[int]) -> None
         os.close(fd)
 
 
+def _hold(mgr: tg.CheckpointManager, args: argparse.Namespace, step: int, world: int) -> None:
+    """The scale-up drill's barrier: the checkpoint of ``step`` is committed, then this worker
+    waits until the agent stops it (a membership change) or ``--hold-s`` passes, so a test can
+    start a new agent at a known point without racing the training loop."""
+    mgr.wait()
+    mgr.events.emit("hold", step=step, world_size=world, max_s=args.hold_s)
+    deadline = time.monotonic() + args.hold_s
+    while time.monotonic() < deadline and not mgr._preempt.is_set():  # SIGTERM seen (handle_signals)
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     torch.set_num_threads(1)
@@ -76,12 +96,10 @@ def main(argv: list[str] | None = None) -> None:
     state = {"model": model, "optim": opt, "data": sampler, "rng": tg.RNGState(reseed=args.seed),
              "progress": progress}
     policy = tg.EveryNSteps(args.save_every)
-    # handle_signals=False: no per-step agreement round through the store (not needed under
-    # `trainguard run`, whose restarts SIGKILL after --stop-timeout anyway).
     with tg.CheckpointManager(args.run_dir, save=policy, keep=tg.KeepLatest(3), async_save=True,
-                              handle_signals=False) as mgr:
+                              handle_signals=not args.no_signals) as mgr:
         start = mgr.restore(state)
-        step = 0 if start is None else start
+        step = saved = 0 if start is None else start
         batches = _batches(sampler, batch)
         while step < args.steps and not mgr.should_stop:
             idx = next(batches)
@@ -95,10 +113,13 @@ def main(argv: list[str] | None = None) -> None:
             progress.update(step=step, loss=loss.item())
             if args.record:
                 _record(args.record, step, rank, world, idx)
-            mgr.save(step, state)
+            if mgr.save(step, state) is not None:
+                saved = step
+            if step == args.hold_at and world == args.hold_world:
+                _hold(mgr, args, step, world)
             if rank == 0 and step % 100 == 0:
                 print(f"step {step} loss {float(loss):.3f}", flush=True)
-        if step % args.save_every:
+        if saved != step:
             mgr.save(step, state, force=True)  # the final weights are always in a checkpoint
         mgr.wait()
     if world > 1:
