@@ -30,9 +30,10 @@ from .errors import (
 )
 from .faults import fault
 from .handle import SaveHandle
-from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_file
+from .index import encode as encode_index
+from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
 from .loader import load  # noqa: F401
-from .manifest import Chunk, Manifest, TensorEntry
+from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import layout_file
 from .storage import Storage, for_path
 
@@ -127,8 +128,11 @@ def persist_and_commit(
 ) -> Manifest:
     """Phases 2 and 3 of a save, on every rank: write own chunks, exchange outcomes, commit.
 
-    ``stage(leaf, box)`` may supply the bytes of a chunk (the async path's host copies);
-    by default they come from the tensors themselves. Safe to run on a background thread:
+    ``stage(mine)`` may supply the bytes of this rank's chunks ``mine`` (``capture.my_chunks``,
+    known once the "begin" round agreed the per-rank loads): a generator of batches of
+    ``(index in mine, byte offset in that chunk, host tensor)``, each batch written before the
+    next is requested (the async path's host copies, ``async_save._batches``). By default the
+    bytes come from the tensors themselves. Safe to run on a background thread:
     it only talks to other ranks through the store.
     """
     parent, name = os.path.split(target.rstrip("/"))
@@ -211,34 +215,74 @@ def _write_rank(
     storage: Storage, work: str, snap: Snapshot, ctx: DistContext, base_loads: list[int], stage: Any
 ) -> dict[str, Any]:
     mine = my_chunks(snap, ctx, base_loads)
-    views = [stage(lf, b) if stage else chunk_view(lf, b) for lf, b in mine]
-    cpu = [v if isinstance(v, memoryview) else tensor_bytes(v if v.is_cpu else v.cpu()) for v in views]
-    offsets, size = layout_file([len(v) for v in cpu])
     fname = layout_mod.data_file(ctx.rank)
-    sums = write_file(
-        storage,
-        storage.join(work, fname),
-        [WriteChunk(v, o) for v, o in zip(cpu, offsets)],
-        size,
-        block=DEFAULT_BLOCK,
-        fault=lambda p: fault(p, ctx.rank),
-    )
+    if stage is None:  # sync: write straight from the tensors' memory
+        cpu = [tensor_bytes(v if v.is_cpu else v.cpu()) for v in (chunk_view(lf, b) for lf, b in mine)]
+        lengths = [len(v) for v in cpu]
+        offsets, size = layout_file(lengths)
+        sums = write_file(
+            storage,
+            storage.join(work, fname),
+            [WriteChunk(v, o) for v, o in zip(cpu, offsets)],
+            size,
+            block=DEFAULT_BLOCK,
+            fault=lambda p: fault(p, ctx.rank),
+        )
+    else:  # async: host copies, produced batch by batch (async_save._batches)
+        lengths = [chunk_view(lf, b).nbytes for lf, b in mine]
+        offsets, size = layout_file(lengths)
+        sums = _write_staged(storage, storage.join(work, fname), stage(mine), offsets, size, ctx.rank)
     chunks = [
-        [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, len(v), s]
-        for (lf, b), v, o, s in zip(mine, cpu, offsets, sums)
+        [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, n, s]
+        for (lf, b), n, o, s in zip(mine, lengths, offsets, sums)
+        if lf.regular is None
     ]
+    # Regular parts (format 2) go to this rank's index file, not to rank 0: the report stays
+    # O(1) per rank instead of O(tensors). Durable before this rank reports success.
+    regular = {lf.path: (o, n, s) for (lf, _b), n, o, s in zip(mine, lengths, offsets, sums) if lf.regular is not None}
+    index = None
+    if regular:
+        data = encode_index(fname, regular)
+        iname = layout_mod.index_file(ctx.rank)
+        storage.write_atomic(storage.join(work, iname), data)
+        index = [iname, len(data), checksum(data)]
     local_objects = {k: snap.objects[k] for k in snap.rank_local}
-    return {"error": None, "file": fname, "size": size, "chunks": chunks, "objects": local_objects}
+    return {"error": None, "file": fname, "size": size, "chunks": chunks, "index": index, "objects": local_objects}
 
+
+
+def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int) -> list[list[str]]:
+    """Write the async path's batches of ``(chunk index, byte offset in the chunk, host tensor)``;
+    returns each chunk's block checksums (a split chunk's pieces start on block boundaries)."""
+    order: list[int] = []
+
+    def chunks() -> Any:
+        try:
+            for batch in batches:
+                order.extend(i for i, _, _ in batch)
+                yield [WriteChunk(tensor_bytes(t), offsets[i] + start) for i, start, t in batch]
+        finally:
+            batches.close()  # stops staging (and releases a waiting step()) if writing failed
+
+    flat = write_batches(storage, path, chunks(), size, block=DEFAULT_BLOCK, fault=lambda p: fault(p, rank))
+    sums: list[list[str]] = [[] for _ in offsets]
+    for i, s in zip(order, flat, strict=True):
+        sums[i] += s
+    return sums
 
 def _build_manifest(
     snap: Snapshot, written: list[Any], ctx: DistContext, layout: str, metadata: Mapping[str, Any] | None, step: int
 ) -> Manifest:
-    tensors: dict[str, TensorEntry] = {}
+    tensors: dict[str, TensorEntry] = {
+        lf.path: TensorEntry(lf.dtype, list(lf.shape), [], lf.regular) for lf in snap.leaves if lf.regular is not None
+    }
     files: dict[str, int] = {}
+    indexes: dict[str, tuple[int, str]] = {}
     for w in written:
-        if w["chunks"] or w["size"]:
+        if w["chunks"] or w["size"] or w.get("index"):
             files[w["file"]] = w["size"]
+        if w.get("index"):
+            indexes[w["index"][0]] = (w["index"][1], w["index"][2])
         for path, dtype, shape, offs, sizes, off, length, sums in w["chunks"]:
             e = tensors.setdefault(path, TensorEntry(dtype, shape, []))
             e.chunks.append(Chunk(offs, sizes, w["file"], off, length, sums))
@@ -268,6 +312,9 @@ def _build_manifest(
         metadata=dict(metadata or {}),
         library=f"trainguard {__version__}",
         torch_version=torch.__version__,
+        # Format 1 unless a tensor is regular: single-process and DDP saves are unchanged.
+        format_version=2 if any(e.regular is not None for e in tensors.values()) else 1,
+        indexes=indexes,
     )
 
 

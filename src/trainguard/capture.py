@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from .dist import DistContext, is_dtensor, shard_of
+from .dist import DistContext, is_dtensor, regular_dim, shard_of
 from .errors import (
     UnsupportedValueError,
 )
 from .flatten import flatten
 from .manifest import DTYPE_NAMES
-from .planner import Box, ReplicatedItem, assign_replicated, full_box
+from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .stateful import adapt, has_state, is_rank_local, param_name_map
 
 
@@ -34,6 +34,7 @@ class Leaf:
     box: Box  # the local box in global coordinates
     kind: str  # "replicated" | "sharded" | "local" | "full"
     writer: bool = True
+    regular: Regular | None = None  # Shard(d) over all ranks: saved in format 2's compact form
 
 
 @dataclass
@@ -76,16 +77,16 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
         for path, t in tensors.items():
-            leaves.append(_leaf(path, t, local, layout_kind, ctx.rank))
+            leaves.append(_leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size))
     sig = hashlib.sha1(
         json.dumps(
-            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype) for lf in leaves if lf.kind != "local")]
+            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local")]
         ).encode()
     ).hexdigest()
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
 
 
-def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0) -> Leaf:
+def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:
     full = layout_kind == "full" and not local
     if is_dtensor(t) and full:
         t = t.full_tensor()  # collective on the training group: every rank reaches it in the same order
@@ -104,7 +105,13 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         if rank != 0:
             data = data.new_empty((0,) * data.dim())  # others only need shape and dtype
     box = full_box(shape) if full else Box(tuple(offsets), tuple(data.shape))
-    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer)
+    regular = None
+    d = None if full or local else regular_dim(t, world)
+    if d is not None and world > 1:
+        regular = Regular(d, world)
+        if regular.part_box(shape, rank) != box:  # torch changed its chunking: stay explicit
+            regular = None
+    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer, regular)
 
 
 def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:

@@ -22,9 +22,10 @@ from . import layout
 from .api import _commit
 from .commit import read_manifest
 from .errors import StepExistsError
+from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import Box, full_box, layout_file, plan_reads
+from .planner import full_box, layout_file, plan_reads
 from .storage import for_path
 
 
@@ -58,8 +59,9 @@ def consolidate(
     w = dstore.open_write(dstore.join(work, fname))
     try:
         pos = 0
+        src = ChunkSource.of(sstore, sdir, m)
         for path, e in m.tensors.items():
-            whole = _read_whole(sstore, sdir, m, path, e)
+            whole = _read_whole(sstore, sdir, src, path, e)
             data = tensor_bytes(whole)
             (off,), pos = layout_file([len(data)], pos)
             chunks = []
@@ -97,14 +99,14 @@ def consolidate(
     return out
 
 
-def _read_whole(storage: Any, directory: str, m: Manifest, path: str, e: TensorEntry) -> torch.Tensor:
+def _read_whole(storage: Any, directory: str, src: ChunkSource, path: str, e: TensorEntry) -> torch.Tensor:
     t = torch.empty(e.shape, dtype=e.torch_dtype)
     box = full_box(e.shape)
     ops = plan_reads(
-        [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in e.chunks],
+        plan_args(src.all_chunks(path, e)),
         box,
         e.torch_dtype.itemsize,
-        m.block_size,
+        src.m.block_size,
         True,
     )
     read_targets(storage, directory, [ReadTarget(path, t, box, ops)])

@@ -333,6 +333,23 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
     return t.to_local(), tuple(t.shape), tuple(offsets), writer
 
 
+def regular_dim(t: Any, world_size: int) -> int | None:
+    """The dim ``d`` when DTensor ``t`` is one ``Shard(d)`` on a 1-D mesh of exactly ranks
+    0..world_size-1 in order (FSDP2's default), so that rank i holds ``torch.chunk`` part i:
+    ``capture`` then saves it in the compact "regular" form. None for anything else."""
+    if not is_dtensor(t) or t.dim() == 0:
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh, placements = t.device_mesh, t.placements
+    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard:  # not _StridedShard
+        return None
+    if mesh.mesh.flatten().tolist() != list(range(world_size)):
+        return None
+    d = placements[0].dim % t.dim()
+    return d
+
+
 def is_dtensor(t: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor

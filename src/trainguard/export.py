@@ -12,9 +12,10 @@ import torch
 
 from .commit import read_manifest
 from .errors import CheckpointError
+from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import Manifest
-from .planner import Box, full_box, plan_reads
+from .planner import full_box, plan_reads
 from .storage import Storage, for_path
 
 
@@ -24,12 +25,13 @@ def iter_tensors(
     """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, one at a time
     (names without the prefix). Rank-local entries (``key@rank``) are not included."""
     head = prefix.rstrip("/") + "/"
+    src = ChunkSource.of(storage, directory, manifest)
     for path, e in manifest.tensors.items():
         if not path.startswith(head):
             continue
         t = torch.empty(e.shape, dtype=e.torch_dtype)
         ops = plan_reads(
-            [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in e.chunks],
+            plan_args(src.all_chunks(path, e)),
             full_box(e.shape),
             e.torch_dtype.itemsize,
             manifest.block_size,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from . import layout
 from .commit import list_steps, read_manifest
 from .errors import CheckpointError
+from .index import ChunkSource
 from .manifest import Manifest, checksum
 from .storage import Storage, for_path
 from .tiers import location
@@ -40,7 +41,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         return VerifyResult(target, False, [str(e)])
     errors: list[str] = []
     total = 0
-    for fname, size in manifest.files.items():
+    for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
         p = storage.join(target, fname)
         if not storage.exists(p):
             errors.append(f"{fname}: missing")
@@ -56,30 +57,32 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
 
 
 def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
+    # Format 2: every index is read and validated (size, checksum, fields) before any data.
+    src = ChunkSource.of(storage, directory, m)
+    every = [(path, c) for path, e in m.tensors.items() for c in src.all_chunks(path, e)]
     # Whole blocks, but never more than the longest chunk: a small checkpoint (or a hostile
     # block_size) must not cost a 64 MiB-1 GiB zero-filled buffer per verify.
-    longest = max((c.length for e in m.tensors.values() for c in e.chunks), default=0)
+    longest = max((c.length for _p, c in every), default=0)
     buf = bytearray(max(1, min(max(_READ // m.block_size, 1) * m.block_size, longest)))
     view = memoryview(buf)
     total = 0
     readers = {f: storage.open_read(storage.join(directory, f)) for f in m.files}
     try:
-        for path, e in m.tensors.items():
-            for c in e.chunks:
-                pos = 0
-                while pos < c.length:
-                    n = min(len(buf), c.length - pos)
-                    try:
-                        readers[c.file].readinto(view[:n], c.offset + pos)
-                    except CheckpointError as ex:
-                        errors.append(f"{c.file}: tensor {path!r}: {ex}")
-                        break
-                    for b in range(0, n, m.block_size):
-                        idx = (pos + b) // m.block_size
-                        if checksum(view[b : min(b + m.block_size, n)]) != c.checksums[idx]:
-                            errors.append(f"{c.file}: checksum mismatch in tensor {path!r} (block {idx})")
-                    pos += n
-                    total += n
+        for path, c in every:
+            pos = 0
+            while pos < c.length:
+                n = min(len(buf), c.length - pos)
+                try:
+                    readers[c.file].readinto(view[:n], c.offset + pos)
+                except CheckpointError as ex:
+                    errors.append(f"{c.file}: tensor {path!r}: {ex}")
+                    break
+                for b in range(0, n, m.block_size):
+                    idx = (pos + b) // m.block_size
+                    if checksum(view[b : min(b + m.block_size, n)]) != c.checksums[idx]:
+                        errors.append(f"{c.file}: checksum mismatch in tensor {path!r} (block {idx})")
+                pos += n
+                total += n
     finally:
         for r in readers.values():
             r.close()
@@ -119,7 +122,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
             if not v.ok:
                 status, detail = "corrupt", "; ".join(v.errors[:3])
         else:
-            for f, size in m.files.items():
+            for f, size in {**m.files, **{k: v[0] for k, v in m.indexes.items()}}.items():
                 p = storage.join(s.path, f)
                 if not storage.exists(p) or storage.size(p) != size:
                     status, detail = "corrupt", f"{f}: size differs from the manifest"

@@ -6,6 +6,7 @@
       step-000000700/            committed: holds manifest.json (written last)
         manifest.json
         data-00000.bin           raw bytes written by rank 0
+        data-00000.idx           format 2: where rank 0's regular parts sit in data-00000.bin
       step-000000800.tmp-<id>/   a save in progress or a crashed one: never read, cleaned at start
       step-000000600.old-<id>/   an overwritten checkpoint being replaced (recovered if the new one is missing)
       .lock                      one writing job per run directory
@@ -22,6 +23,7 @@ STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})$")
 OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})$")
 DATA_RE = re.compile(r"^data-\d{5}\.bin$")
+IDX_RE = re.compile(r"^data-\d{5}\.idx$")
 
 
 def step_dir(step: int) -> str:
@@ -45,3 +47,8 @@ def data_file(rank: int) -> str:
 def parse_step(name: str) -> int | None:
     m = STEP_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def index_file(rank: int) -> str:
+    """Format 2: where rank ``rank``'s regular parts sit in its data file (see index.py)."""
+    return f"data-{rank:05d}.idx"

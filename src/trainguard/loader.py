@@ -20,9 +20,10 @@ from .errors import (
     StateMismatchError,
 )
 from .flatten import flatten, tensor_refs, unflatten
+from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
-from .planner import Box, full_box, overlapping, plan_reads
+from .planner import Box, full_box, plan_reads
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, has_state, param_name_map
 from .storage import Storage, for_path
 
@@ -121,7 +122,16 @@ def _load(
     bad = {m.split(" ")[0] for m in mismatched}
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
-    wanted = {c.file for _k, _o, skel, _d in plans for p in tensor_refs(skel) if p not in bad for c in manifest.tensors[p].chunks}
+    # Regular tensors read into a live shard allocate nothing: their files are checked below,
+    # only those of the parts this rank reads.
+    src = ChunkSource.of(storage, directory, manifest)
+    wanted = {
+        f
+        for _k, _o, skel, d in plans
+        for p in tensor_refs(skel)
+        if p not in bad and (manifest.tensors[p].regular is None or d.get(p) is None)
+        for f in src.files(manifest.tensors[p])
+    }
     _check_file_sizes(storage, directory, manifest, wanted)
     targets: list[ReadTarget] = []
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
@@ -136,9 +146,8 @@ def _load(
             loaded[p] = live if live is not None else t
             if stage_back is not None:
                 finish.append((t, stage_back))
-            near = [e.chunks[i] for i in overlapping([(c.offsets, c.sizes) for c in e.chunks], box)]
             ops = plan_reads(
-                [(Box(tuple(c.offsets), tuple(c.sizes)), c.file, c.offset, c.length, c.checksums) for c in near],
+                plan_args(src.chunks(p, e, box)),
                 box,
                 e.torch_dtype.itemsize,
                 manifest.block_size,

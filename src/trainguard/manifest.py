@@ -15,6 +15,17 @@ Body (format_version 1)::
                  "chunks": [[offsets, sizes, file, byte_offset, length, [checksums...]]]}}}
 
 Chunks are lists, not objects, to keep manifests of thousands of ranks small.
+
+format_version 2 (written only when some tensor uses it) adds regularly sharded tensors::
+
+     "indexes": {"data-00000.idx": [size, "<xxh3_64 hex>"], ...},
+     "tensors": {"model/w": {"dtype": "bfloat16", "shape": [4096, 4096],
+                 "regular": {"dim": 0, "parts": 4096}}}
+
+Part ``i`` of a regular tensor is the ``torch.chunk``/``Shard(dim)`` box ``i`` (see
+``planner.Regular``) and lives in ``data-{i:05d}.bin``; where in that file, and its block
+checksums, are in the index ``data-{i:05d}.idx`` (``index.py``), whose size and checksum the
+manifest holds. The manifest stays O(tensors + ranks) instead of O(tensors x ranks).
 """
 
 from __future__ import annotations
@@ -28,16 +39,18 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError, FormatVersionError
-from .layout import DATA_RE
+from .layout import DATA_RE, IDX_RE, data_file, index_file
+from .planner import Regular
 
-FORMAT_VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+FORMAT_VERSION = 1  # what a save writes when no tensor is regular (2 otherwise)
+SUPPORTED_VERSIONS = (1, 2)
 
 # Hard limits on what a manifest may claim (hostile or corrupt input).
 MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48
 MAX_BLOCK = 1 << 30
+MAX_INDEX_BYTES = 1 << 30
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -87,6 +100,7 @@ class TensorEntry:
     dtype: str
     shape: list[int]
     chunks: list[Chunk]
+    regular: Regular | None = None  # format 2: parts listed in the index files, chunks empty
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -97,6 +111,8 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        if self.regular is not None:
+            return {"dtype": self.dtype, "shape": self.shape, "regular": {"dim": self.regular.dim, "parts": self.regular.parts}}
         return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json() for c in self.chunks]}
 
 
@@ -114,12 +130,14 @@ class Manifest:
     library: str = ""
     torch_version: str = ""
     format_version: int = FORMAT_VERSION
+    indexes: dict[str, tuple[int, str]] = field(default_factory=dict)  # format 2: name -> (size, xxh3_64)
 
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
 
     def to_bytes(self) -> bytes:
+        extra: dict[str, Any] = {"indexes": {k: list(v) for k, v in self.indexes.items()}} if self.format_version >= 2 else {}
         body = json.dumps(
             {
                 "format_version": self.format_version,
@@ -133,6 +151,7 @@ class Manifest:
                 "block_size": self.block_size,
                 "metadata": self.metadata,
                 "files": self.files,
+                **extra,
                 "objects": self.objects,
                 "tensors": {k: v.to_json() for k, v in self.tensors.items()},
             },
@@ -209,10 +228,12 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if not DATA_RE.match(name):
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
+    indexes = _indexes(raw, version, world, where)
     objects = _req(raw, "objects", dict, where)
     tensors: dict[str, TensorEntry] = {}
     for path, t in _req(raw, "tensors", dict, where).items():
-        tensors[path] = _tensor(path, t, files, block, where)
+        tensors[path] = _tensor(path, t, files, block, where, version)
+    _check_regular_files(tensors, files, indexes, where)
     _check_file_ranges(tensors, where)
     for key, obj in objects.items():
         if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
@@ -235,10 +256,46 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         library=str(raw.get("library", "")),
         torch_version=str(raw.get("torch", "")),
         format_version=version,
+        indexes=indexes,
     )
 
 
-def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) -> TensorEntry:
+def _indexes(raw: dict[str, Any], version: int, world: int, where: str) -> dict[str, tuple[int, str]]:
+    if version < 2:
+        if "indexes" in raw:
+            raise CorruptCheckpointError(f"{where}: format_version 1 has no index files", file=where)
+        return {}
+    out: dict[str, tuple[int, str]] = {}
+    for name, v in _req(raw, "indexes", dict, where).items():
+        if not IDX_RE.match(name):
+            raise CorruptCheckpointError(f"{where}: index file name {name[:60]!r} is not allowed", file=where)
+        if type(v) is not list or len(v) != 2 or type(v[1]) is not str or len(v[1]) != 16:
+            raise CorruptCheckpointError(f"{where}: index {name} is malformed", file=where)
+        out[name] = (_int(v[0], 0, MAX_INDEX_BYTES, f"size of {name}", where), v[1])
+    return out
+
+
+def _regular(t: dict[str, Any], shape: list[int], w: str, where: str, path: str) -> Regular:
+    r = t.get("regular")
+    if "chunks" in t or type(r) is not dict or set(r) != {"dim", "parts"} or not shape:
+        raise CorruptCheckpointError(f"{w}: malformed regular sharding", file=where, entry=path)
+    return Regular(_int(r["dim"], 0, len(shape) - 1, "regular dim", w), _int(r["parts"], 1, 1 << 20, "regular parts", w))
+
+
+def _check_regular_files(
+    tensors: dict[str, TensorEntry], files: dict[str, int], indexes: dict[str, tuple[int, str]], where: str
+) -> None:
+    """Every non-empty part of a regular tensor has its data file and its index: checked once
+    up to the largest count of non-empty parts (non-empty parts are always the leading ones)."""
+    need = max((e.regular.nonempty(e.shape) for e in tensors.values() if e.regular is not None), default=0)
+    for i in range(need):
+        if data_file(i) not in files or index_file(i) not in indexes:
+            raise CorruptCheckpointError(
+                f"{where}: regular tensors have a part {i} but {data_file(i)} or {index_file(i)} is not listed", file=where
+            )
+
+
+def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, version: int = 1) -> TensorEntry:
     w = f"{where}: tensor {path[:80]!r}"
     if type(t) is not dict:
         raise CorruptCheckpointError(f"{w} is malformed", file=where, entry=path)
@@ -253,6 +310,8 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str) ->
     # Nonzero dims only: [0, 3e9, 3e9] holds nothing but its strides overflow int64 in torch.
     if math.prod(s for s in shape if s) * itemsize > MAX_TENSOR_BYTES:
         raise CorruptCheckpointError(f"{w}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
+    if version >= 2 and "regular" in t:
+        return TensorEntry(dtype=dtype, shape=shape, chunks=[], regular=_regular(t, shape, w, where, path))
     chunks_raw = t.get("chunks")
     if type(chunks_raw) is not list:
         raise CorruptCheckpointError(f"{w}: chunks is not a list", file=where, entry=path)

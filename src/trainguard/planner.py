@@ -221,3 +221,37 @@ def plan_reads(
 def _last_flat(inter: Box, outer: Box) -> int:
     last = Box(tuple(o + s - 1 for o, s in zip(inter.offsets, inter.sizes, strict=True)), tuple(1 for _ in inter.sizes))
     return last.flat_start_in(outer)
+
+
+@dataclass(frozen=True)
+class Regular:
+    """A tensor split into ``parts`` along ``dim`` with ``torch.chunk`` / DTensor ``Shard(dim)``
+    semantics: chunk size ``c = ceil(n / parts)``; part ``i`` starts at ``min(i*c, n)`` and
+    holds ``max(0, min(c, n - i*c))`` rows (as ``compute_local_shape_and_global_offset``)."""
+
+    dim: int
+    parts: int
+
+    def chunk(self, shape: Sequence[int]) -> int:
+        return -(-shape[self.dim] // self.parts)
+
+    def part_box(self, shape: Sequence[int], i: int) -> Box:
+        n, c = shape[self.dim], self.chunk(shape)
+        lo = min(i * c, n)
+        offs = [0] * len(shape)
+        sizes = list(shape)
+        offs[self.dim], sizes[self.dim] = lo, max(0, min(c, n - lo))
+        return Box(tuple(offs), tuple(sizes))
+
+    def nonempty(self, shape: Sequence[int]) -> int:
+        """How many leading parts hold at least one row along ``dim`` (the rest are empty)."""
+        c = self.chunk(shape)
+        return min(self.parts, -(-shape[self.dim] // c)) if c else 0
+
+    def overlapping(self, shape: Sequence[int], dest: Box) -> range:
+        """The parts whose boxes meet ``dest`` along ``dim``: O(1), no scan of the parts."""
+        c = self.chunk(shape)
+        lo, hi = dest.offsets[self.dim], dest.offsets[self.dim] + dest.sizes[self.dim]
+        if not c or hi <= lo:
+            return range(0)
+        return range(lo // c, min(self.nonempty(shape), -(-hi // c)))

@@ -157,7 +157,7 @@ class RamTier:
         d.makedirs(work)
         fault("before_persist", 0)
         try:
-            for fname, size in manifest.files.items():
+            for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
                 _copy(os.path.join(src, fname), d, d.join(work, fname), size)
             # Invariant: the manifest is copied only after every data file is durable.
             d.write_atomic(d.join(work, layout.MANIFEST), raw)

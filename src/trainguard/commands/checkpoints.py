@@ -64,7 +64,7 @@ def inspect_cmd(ckpt: str) -> None:
             e = m.tensors.get(p)
             if e is None:
                 continue
-            node.add(f"{p.split('/', 1)[-1]}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({len(e.chunks)} chunk(s))")
+            node.add(f"{p.split('/', 1)[-1]}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({f'{e.regular.parts} parts along dim {e.regular.dim}' if e.regular else f'{len(e.chunks)} chunk(s)'})")
     console.print(tree)
 
 
