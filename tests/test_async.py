@@ -225,18 +225,85 @@ def test_pool_reused_over_50_saves_without_rss_growth(tmp_path):
     assert mgr.latest_step() == 50
 
 
-def test_staging_cap_writes_the_rest_from_live_tensors(tmp_path):
-    state = make_state(width=1024)  # fc1+fc2 params and Adam moments: ~0.5 MB protected
+def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gate):
+    # fc1.weight and its Adam moments are 6.4 MB each: larger than the 4 MiB batch buffer the cap
+    # leaves, so they are split into block-aligned pieces across batches.
+    state = make_state(width=100_000)
     at_call = tensors_of(state)
-    cap = 64 << 10
+    cap = 8 << 20
     h = tg.save(tmp_path / "a", state, async_=True, max_staging_bytes=cap)
-    train_step(state)  # held by the hook until the un-staged tensors are on disk
-    assert differs(tensors_of(state), at_call)
+    t = threading.Thread(target=train_step, args=(state,))
+    t.start()
+    assert h.waiting.wait(30)
+    gate.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert differs(tensors_of(state), at_call)  # the step ran after staging, while/after writing
     h.result(timeout=60)
+    protected = sum(p.nbytes for p in state["model"].parameters()) * 3  # params + exp_avg + exp_avg_sq
+    assert h.staged_background_bytes >= protected
+    assert h.staging_batches >= protected // (4 << 20)  # copy, write, copy, ...
     pool = default_pool(cap)
-    sync_bytes = sum(b.nbytes for b in state["model"].buffers()) + torch.get_rng_state().nbytes + 4096
-    assert pool.capacity <= cap + sync_bytes
-    assert_same(load_fresh(tmp_path / "a", width=1024), at_call)
+    assert pool.capacity <= cap  # sync slots (BN stats, RNG) + the 4 MiB batch buffer
+    assert_same(load_fresh(tmp_path / "a", width=100_000), at_call)
+    assert tg.load(tmp_path / "a", make_state(width=100_000, seed=3)) is not None
+
+
+def test_staging_cap_bounds_rss_over_many_saves(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3000, 3000)  # 36 MB of parameters, 108 MB with Adam's moments; tiny activations
+    state = {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=1e-3)}
+
+    def step() -> None:
+        state["optim"].zero_grad()
+        model(torch.randn(8, 3000)).square().mean().backward()
+        state["optim"].step()
+
+    step()
+    protected = sum(p.nbytes for p in model.parameters()) * 3
+    cap = 12 << 20
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    peak = 0
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), async_save=True,
+                              handle_signals=False, max_staging_bytes=cap) as mgr:
+        for i in range(1, 7):
+            step()
+            h = mgr.save(i, state)
+            mgr.wait()
+            assert h.staged_background_bytes >= protected and h.staging_batches >= 9  # 108 MB / 12 MiB
+            peak = max(peak, proc.memory_info().rss)
+            if i == 1:
+                allocations = default_pool(cap).allocations
+    pool = default_pool(cap)
+    assert pool.capacity <= cap and pool.allocations == allocations  # one buffer, reused by every save
+    # Uncapped staging would add >= 108 MB; the cap, coalescing buffers and allocator slack stay below.
+    assert peak - rss0 < cap + (48 << 20), f"RSS grew by {(peak - rss0) >> 20} MiB"
+    assert mgr.latest_step() == 6
+
+
+def test_write_batches_pieces_give_the_whole_chunks_checksums(tmp_path):
+    from trainguard.io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
+    from trainguard.storage import for_path
+
+    data = torch.randint(0, 255, (3 * DEFAULT_BLOCK + 12345,), dtype=torch.uint8)
+    small = torch.arange(100, dtype=torch.uint8)
+    storage, root = for_path(tmp_path)
+    size = data.numel() + 4096 + 100
+    whole = write_file(storage, storage.join(root, "a"), [WriteChunk(tensor_bytes(data), 0),
+                                                          WriteChunk(tensor_bytes(small), data.numel() + 4096)], size)
+    buf = torch.empty(2 * DEFAULT_BLOCK, dtype=torch.uint8)  # one buffer reused for every batch
+
+    def batches():
+        for start in range(0, data.numel(), 2 * DEFAULT_BLOCK):
+            n = min(2 * DEFAULT_BLOCK, data.numel() - start)
+            buf[:n].copy_(data[start : start + n])
+            yield [WriteChunk(tensor_bytes(buf[:n]), start)]
+        yield [WriteChunk(tensor_bytes(small), data.numel() + 4096)]
+
+    parts = write_batches(storage, storage.join(root, "b"), batches(), size)
+    assert parts[0] + parts[1] == whole[0] and parts[2] == whole[1]
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
 
 
 def test_pool_rejects_bad_cap_and_double_acquire():
@@ -250,6 +317,15 @@ def test_pool_rejects_bad_cap_and_double_acquire():
     pool.release()
     b = pool.acquire([100, 10])
     assert pool.allocations == 1 and b[0].data_ptr() == a[0].data_ptr()
+    capped = StagingPool(max_bytes=10 << 20, pin=False)
+    capped.acquire([3 << 20])
+    block = 4 << 20
+    assert capped.background_bytes(100 << 20, 8 << 20, block=block) == block  # 7 MiB left: one block
+    assert capped.background_bytes(1000, 500, block=block) == 1000  # everything fits
+    tiny = StagingPool(max_bytes=1000, pin=False)
+    tiny.acquire([900])
+    assert tiny.background_bytes(10 << 20, 6000, block=block) == 6000  # at least the largest chunk
+    assert tiny.background_bytes(10 << 20, 8 << 20, block=block) == block  # ... or one block of it
 
 
 def test_doc_example_runs(tmp_path):

@@ -7,12 +7,16 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    pool every tensor that may change before the next ``optimizer.step()``: module buffers
    (BatchNorm statistics change in forward), RNG state, plain tensors, and parameters of no
    optimizer in the state.
-2. **background stage** (one daemon thread per save): parameters held by an optimizer of the
-   state and that optimizer's state tensors change only inside ``optimizer.step()``, so they
-   are copied while training runs forward/backward. A step *pre-hook* on each such optimizer
-   (registered once, weak registry) blocks ``step()`` until these copies are done; the time it
-   blocks is added to ``handle.hook_wait_s`` and reported as stall by the manager.
-3. **persist + commit** (same thread): ``api.persist_and_commit`` writes the staged bytes and
+2. **background stage** (the save thread, after the "begin" round has fixed which chunks this
+   rank writes): parameters held by an optimizer of the state and that optimizer's state
+   tensors change only inside ``optimizer.step()``, so only *this rank's chunks* of them (its
+   share of replicated tensors, its shards) are copied, while training runs forward/backward.
+   With ``max_staging_bytes`` they are copied in batches that fit the cap, each batch written
+   before the next is copied into the same buffer. A step *pre-hook* on each such optimizer
+   (registered once, weak registry) blocks ``step()`` until the last of them is copied (with a
+   small cap: until the last batch is staged); the time it blocks is added to
+   ``handle.hook_wait_s`` and reported as stall by the manager.
+3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged bytes and
    commits through the c10d store (never the training process group), so it is safe while
    training runs collectives. Its error is stored in the handle and surfaces on every rank at
    the next ``save()``/``wait()``/``close()``.
@@ -28,7 +32,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,8 +42,9 @@ from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .dist import DistContext, is_dtensor
 from .errors import CheckpointError
 from .handle import SaveHandle
+from .io import DEFAULT_BLOCK
 from .planner import Box
-from .stage import StagingPool, copy_into, default_pool
+from .stage import StagingPool, _round_up, copy_into, default_pool
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -58,9 +64,8 @@ class _Job:
         self.handle = handle
         self.pool = pool
         self.optimizer_ids = {id(o) for o in optimizers}
-        self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> staged host tensor
-        self.background: list[tuple[Leaf, torch.Tensor]] = []  # (leaf, slot) copied by the thread
-        self.direct = 0  # leaves past the cap: written from the live tensors
+        self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> host copy made in the call
+        self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
 
@@ -93,16 +98,13 @@ def start_async_save(
     todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
     now = [lf for lf in todo if _ptr(lf.tensor) not in protected]
     later = [lf for lf in todo if _ptr(lf.tensor) in protected]
-    slots = pool.acquire([lf.tensor.nbytes for lf in now + later], required=len(now))
+    slots = pool.acquire([lf.tensor.nbytes for lf in now])
     try:
-        for lf, slot in zip(now, slots[: len(now)], strict=True):
-            job.copies[id(lf)] = copy_into(slot, lf.tensor)  # type: ignore[arg-type]
-        for lf, slot in zip(later, slots[len(now) :], strict=True):
-            if slot is None:
-                job.direct += 1
-            else:
-                job.background.append((lf, slot))
-        for lf, _ in job.background:
+        for lf, slot in zip(now, slots, strict=True):
+            job.copies[id(lf)] = copy_into(slot, lf.tensor)
+            handle.staged_sync_bytes += lf.tensor.nbytes
+        job.later = {id(lf) for lf in later}
+        for lf in later:
             if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(lf.tensor.device))  # copies start after pending kernels
@@ -126,31 +128,17 @@ def start_async_save(
 
 
 def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, **kw: Any) -> None:
-    """The save thread: background copies, then persist and commit; always releases the pool."""
+    """The save thread: persist and commit, staging this rank's chunks in between (after the
+    "begin" round, batch by batch as ``api._write_rank`` writes them); always releases the pool."""
     handle = job.handle
     try:
-        if job.error is None:
-            try:
-                _stage_background(job)
-            except Exception as e:
-                job.error = e
-        if job.direct == 0:
-            handle.set_staged()  # training may step: nothing reads the live tensors any more
-
-        def stage(lf: Leaf, box: Box) -> torch.Tensor:
-            if job.error is not None:  # reported to every rank by the "written" round
-                raise CheckpointError(f"staging failed on rank {ctx.rank}: {job.error!r}") from job.error
-            t = job.copies.get(id(lf))
-            if t is None:  # past the staging cap: the live tensor, protected until done
-                return chunk_view(lf, box)
-            return chunk_view(Leaf(lf.path, t, lf.dtype, lf.shape, lf.box, lf.kind, lf.writer), box)
-
-        manifest = persist_and_commit(storage, target, snap, ctx, stage=stage, **kw)
+        manifest = persist_and_commit(
+            storage, target, snap, ctx, stage=lambda mine: _batches(job, mine, ctx.rank), **kw
+        )
         outcome: tuple[Any, BaseException | None] = (manifest, None)
     except BaseException as e:  # surfaced by handle.result() at the next save/wait/close
         outcome = (None, e)
     job.copies.clear()
-    job.background.clear()
     job.pool.release()
     if outcome[1] is None:
         handle.set_result(outcome[0])
@@ -162,7 +150,38 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
         handle.set_error(outcome[1])
 
 
-def _stage_background(job: _Job) -> None:
+Batch = list[tuple[int, int, torch.Tensor]]  # (index in ``mine``, byte offset in that chunk, host bytes)
+
+
+def _batches(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> Iterator[Batch]:
+    """The ``stage`` of ``api._write_rank`` (save thread): batches of host bytes of this rank's
+    chunks, in ``mine`` (= file) order: io.write_batches needs batches that do not interleave.
+    Copies made in the call join the batch as they are; parameters and optimizer state are copied
+    into the background buffer, one buffer-full per batch. A batch's buffer is reused for
+    the next one once ``io.write_batches`` asks for it (it has written the batch by then).
+    Sets ``staged`` when the last protected chunk is copied, or when staging stops."""
+    try:
+        if job.error is not None:  # reported to every rank by the "written" round
+            raise job.error
+        todo: list[tuple[int, torch.Tensor, bool]] = []  # (index, chunk, already a host copy), in file order
+        for i, (lf, box) in enumerate(mine):
+            copy = job.copies.get(id(lf))
+            if copy is not None:
+                todo.append((i, chunk_view(replace(lf, tensor=copy), box), True))
+            elif id(lf) in job.later:
+                todo.append((i, chunk_view(lf, box), False))
+            else:
+                raise CheckpointError(f"{lf.path}: chunk neither copied nor staged (internal error)")
+        yield from _stage_background(job, todo)
+    except CheckpointError as e:
+        raise CheckpointError(f"staging failed on rank {rank}: {e}") from e
+    except Exception as e:
+        raise CheckpointError(f"staging failed on rank {rank}: {e!r}") from e
+    finally:
+        job.handle.set_staged()  # never leave step() blocked, whatever happened
+
+
+def _stage_background(job: _Job, todo: list[tuple[int, torch.Tensor, bool]]) -> Iterator[Batch]:
     if _before_background_stage is not None:
         _before_background_stage()
     streams: dict[int, Any] = {}
@@ -170,11 +189,46 @@ def _stage_background(job: _Job) -> None:
         s = torch.cuda.Stream(device=idx)
         s.wait_event(ev)
         streams[idx] = s
-    for lf, slot in job.background:
-        stream = streams.get(lf.tensor.device.index) if lf.tensor.is_cuda else None
-        job.copies[id(lf)] = copy_into(slot, lf.tensor, stream)
+    srcs = [(i, _as_bytes(t), ready) for i, t, ready in todo]
+    sizes = [b.numel() for _, b, ready in srcs if not ready]
+    room = job.pool.background_bytes(sum(map(_round_up, sizes)), max(sizes, default=0), block=DEFAULT_BLOCK)
+    buf = job.pool.buffer(room)
+    h = job.handle
+    batch: Batch = []
+    pos = 0
+    for i, src, ready in srcs:
+        n, start = src.numel(), 0
+        if ready or n == 0:
+            batch.append((i, 0, src))
+            continue
+        while start < n:
+            free = max(room - pos, 0)
+            # A piece of a split chunk starts on a checksum block of its chunk.
+            piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK
+            if piece == 0:  # the buffer is full: write it, then reuse it
+                _sync(streams)
+                h.staging_batches += 1
+                yield batch
+                batch, pos = [], 0
+                continue
+            stream = streams.get(src.device.index) if src.is_cuda else None
+            batch.append((i, start, copy_into(buf[pos : pos + piece], src[start : start + piece], stream)))
+            h.staged_background_bytes += piece
+            pos, start = _round_up(pos + piece), start + piece
+    _sync(streams)
+    h.set_staged()  # the last parameter/optimizer chunk is copied: step() may run
+    h.staging_batches += 1
+    yield batch
+
+
+def _sync(streams: dict[int, Any]) -> None:
     for s in streams.values():
         s.synchronize()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (a view, same device)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _finish_previous() -> None:

@@ -19,6 +19,8 @@ class SaveHandle:
     Stall accounting: ``call_s`` is the time the save call blocked; ``hook_wait_s`` the time
     ``optimizer.step()`` waited for the background copies; ``stall_s`` is set by the manager
     (its whole ``save()`` call, including the wait for the previous save).
+    ``staged_sync_bytes``/``staged_background_bytes``/``staging_batches``: what the async path
+    copied into host memory on this rank (see ``docs/async.md``).
     """
 
     def __init__(self, step: int | None = None) -> None:
@@ -35,6 +37,12 @@ class SaveHandle:
         self.hook_wait_s = 0.0
         self.duration_s = 0.0
         self.bytes = 0
+        # Host staging (async saves): bytes copied in the call (buffers, RNG, plain tensors, whole),
+        # bytes of this rank's parameter/optimizer chunks copied by the save thread, and in how
+        # many batches (1 unless ``max_staging_bytes`` made it copy, write, copy, ...).
+        self.staged_sync_bytes = 0
+        self.staged_background_bytes = 0
+        self.staging_batches = 0
 
     def staged(self) -> bool:
         """True once the save no longer reads the live tensors."""

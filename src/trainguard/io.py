@@ -9,9 +9,10 @@ parallel write streams beat one (see the README's benchmark section).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -156,26 +157,71 @@ def write_file(
     fault: Callable[[str], None] | None = None,
 ) -> list[list[str]]:
     """Write every chunk into a new file of ``size`` bytes, fsync it, and return the per-block
-    checksums of each chunk (in the order given). Gaps between chunks are left as holes."""
-    sums = [[""] * (-(-c.length // block)) for c in chunks]
-    tasks = _tasks(chunks, block)
+    checksums of each chunk (in the order given). Gaps between chunks are left as holes.
+
+    The sync save path (``api._write_rank``): chunks point straight into tensor memory."""
+    return write_batches(storage, path, [chunks], size, block=block, streams=streams, fault=fault)
+
+
+def write_batches(
+    storage: Storage,
+    path: str,
+    batches: Iterable[Sequence[WriteChunk]],
+    size: int,
+    *,
+    block: int = DEFAULT_BLOCK,
+    streams: int = STREAMS,
+    fault: Callable[[str], None] | None = None,
+) -> list[list[str]]:
+    """Like :func:`write_file`, for chunks produced in batches (the async path's capped staging).
+
+    Each batch is written completely (2 streams, 64 MiB pieces, small chunks coalesced) before
+    the next one is requested from ``batches``, so a producer may reuse one batch's buffers for
+    the next (copy, write, copy, ...). Returns the checksums of every chunk of every batch, in
+    the order produced. Small chunks of a batch are coalesced into one write *gaps included*,
+    so batches must come in file order: no chunk of one batch may lie between two of another's.
+    A chunk may be a piece of a larger chunk: pieces that start on a
+    ``block`` boundary of their chunk give that chunk's checksums when concatenated. The
+    iterator is closed if writing fails (a generator's ``finally`` runs then).
+    """
+    sums: list[list[str]] = []
+    total = 0
     w = storage.open_write(path)
+    it = iter(batches)
     try:
         if fault:
             fault("write_begin")
-        _run_parallel([lambda t=t: t(chunks, w, block, sums) for t in tasks], streams, fault, "write_piece")
+        end = 0
+        for batch in it:
+            lo = min((c.offset for c in batch), default=end)
+            if lo < end:
+                raise ValueError(f"write_batches: a batch starts at byte {lo}, before the previous one ended ({end})")
+            end = max((c.offset + c.length for c in batch), default=end)
+            part = [[""] * (-(-c.length // block)) for c in batch]
+            tasks = _tasks(batch, block)
+            _run_parallel([lambda t=t, b=batch, p=part: t(b, w, block, p) for t in tasks], streams, fault, "write_piece")
+            sums += part
+            total += sum(c.length for c in batch)
         if fault:
             fault("before_fsync")
         w.finish(size)
     except DiskFullError as e:
         w.abort()
+        _close(it)
         # Say how much the whole file needed, not only the piece that failed.
         raise DiskFullError(e.errno, f"{e.strerror}. This data file needs {size} bytes in all") from e
     except BaseException:
         w.abort()
+        _close(it)
         raise
-    _count("bytes_written", sum(c.length for c in chunks))
+    _count("bytes_written", total)
     return sums
+
+
+def _close(it: Iterator[Any]) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
 
 
 def _run_parallel(

@@ -1,15 +1,18 @@
-"""Host staging buffers for async saves: one reusable arena per process, pinned when CUDA is present.
+"""Host staging buffers for async saves: one reusable pool per process, pinned when CUDA is present.
 
-``async_save.start_async_save`` (training thread, every rank) asks :meth:`StagingPool.acquire`
-for one host slot per tensor it stages, copies into them (small, fast-changing tensors at once,
-parameters and optimizer state from its background thread), and calls :meth:`StagingPool.release`
-when the save is committed or failed. One save holds the pool at a time (one save in flight).
+Who calls what (``async_save``, every rank, one save holding the pool at a time):
 
-Why an arena: touching fresh memory costs 0.5-0.7 s per GiB on these machines and pinned
-allocations are slower still, so the buffers are allocated once and reused by every later save
-of the same state; the arena grows only when the state grows. ``max_bytes`` caps it: tensors
-that do not fit get no slot and are written straight from the live tensors (see
-``docs/async.md``, "Memory cap").
+1. training thread, inside the save call: :meth:`StagingPool.acquire` gives one slot per tensor
+   that must be copied at once (buffers, RNG, plain tensors); these always get a slot.
+2. save thread, once the "begin" round fixed which chunks this rank writes:
+   :meth:`StagingPool.background_bytes` sizes the buffer for the parameters/optimizer state
+   (all of them, or what the cap leaves), :meth:`StagingPool.buffer` hands it out, and the
+   save thread stages into it batch after batch (copy, write, copy, ...).
+3. save thread, when the save is committed or failed: :meth:`StagingPool.release`.
+
+Why reuse: touching fresh memory costs 0.5-0.7 s per GiB on these machines and pinned
+allocations are slower still, so both arenas are allocated once and reused by every later save
+of the same state; they grow only when the state grows. See ``docs/async.md``, "Memory cap".
 """
 
 from __future__ import annotations
@@ -29,11 +32,13 @@ def _round_up(n: int) -> int:
 
 
 class StagingPool:
-    """A growing, reusable uint8 arena cut into per-tensor slots.
+    """Two growing, reusable uint8 arenas: ``sync`` slots (copies made in the save call) and the
+    ``background`` buffer (parameters and optimizer state, staged by the save thread).
 
     ``pin``: page-locked memory (default: when CUDA is available; it is what makes
-    device-to-host copies asynchronous). ``max_bytes``: the most the arena may hold (None: no cap).
-    Thread-safe: acquire/release may be called from different threads.
+    device-to-host copies asynchronous). ``max_bytes``: the most both arenas together should
+    hold (None: no cap); only the sync slots may exceed it, plus at most one checksum block for
+    the background buffer when the sync slots leave less. Thread-safe.
     """
 
     def __init__(self, *, max_bytes: int | None = None, pin: bool | None = None) -> None:
@@ -41,71 +46,93 @@ class StagingPool:
             raise ValueError(f"max_staging_bytes={max_bytes}: pass a byte count >= 0, or None for no cap")
         self.max_bytes = max_bytes
         self.pin = torch.cuda.is_available() if pin is None else pin
-        self._arena: torch.Tensor | None = None
+        self._sync: torch.Tensor | None = None
+        self._background: torch.Tensor | None = None
+        self._sync_used = 0
         self._lock = threading.Lock()
         self._in_use = False
-        self.allocations = 0  # how many times the arena was (re)allocated: stays 1 for a steady state
+        self.allocations = 0  # how many times an arena was (re)allocated: constant in a steady state
 
     @property
     def capacity(self) -> int:
-        """Bytes held by the arena now."""
-        return 0 if self._arena is None else self._arena.numel()
+        """Bytes held by both arenas now."""
+        return sum(0 if a is None else a.numel() for a in (self._sync, self._background))
 
     @property
     def in_use(self) -> bool:
         return self._in_use
 
-    def acquire(self, sizes: Sequence[int], *, required: int = 0) -> list[torch.Tensor | None]:
-        """Slots (uint8 tensors) for ``sizes`` bytes each, in order; ``None`` for those past the cap.
+    def acquire(self, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Hold the pool and return one sync slot (uint8 tensor) of ``sizes[i]`` bytes each.
 
-        The first ``required`` sizes always get a slot (they hold state that cannot wait: it is
-        allowed to exceed the cap). Raises ``CheckpointError`` if the pool is already held.
+        Called in the save call (training thread). These slots ignore the cap: their tensors
+        cannot wait. Raises ``CheckpointError`` if the pool is already held.
         """
         with self._lock:
             if self._in_use:
                 raise CheckpointError(
                     "the staging pool is held by a save still in flight; wait for it (handle.result()) first"
                 )
-            offsets: list[int | None] = []
+            offsets: list[int] = []
             end = 0
-            for i, n in enumerate(sizes):
-                need = end + _round_up(n)
-                if i >= required and self.max_bytes is not None and need > self.max_bytes:
-                    offsets.append(None)
-                    continue
+            for n in sizes:
                 offsets.append(end)
-                end = need
-            self._ensure(end)
+                end += _round_up(n)
+            self._grow("_sync", end)
+            self._sync_used = end
             self._in_use = True
-            arena = self._arena
-        out: list[torch.Tensor | None] = []
-        for off, n in zip(offsets, sizes, strict=True):
-            if off is None:
-                out.append(None)
-            elif n == 0 or arena is None:
-                out.append(torch.empty(0, dtype=torch.uint8))
-            else:
-                out.append(arena[off : off + n])
-        return out
+            arena = self._sync
+        return [
+            arena[off : off + n] if n and arena is not None else torch.empty(0, dtype=torch.uint8)
+            for off, n in zip(offsets, sizes, strict=True)
+        ]
 
-    def _ensure(self, nbytes: int) -> None:
-        if nbytes <= self.capacity:
+    def background_bytes(self, need: int, largest: int, *, block: int) -> int:
+        """Size of the background buffer for ``need`` bytes of chunks, the largest ``largest``.
+
+        No cap: ``need`` (everything in one batch). With a cap: what the sync slots leave of it,
+        rounded down to a multiple of ``block`` (pieces of a split chunk start on a checksum
+        block), but at least ``min(largest, block)`` so that every chunk can be staged.
+        """
+        if self.max_bytes is None or need == 0:
+            return need
+        room = max(self.max_bytes - self._sync_used, 0)
+        if room >= block:
+            room = room // block * block
+        room = max(room, min(largest, block))
+        return min(room, need)
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """The background buffer (uint8, ``nbytes``), valid until :meth:`release`; only the
+        holder of the pool (its save thread) calls it."""
+        with self._lock:
+            if not self._in_use:
+                raise CheckpointError("staging buffer requested without holding the pool (internal error)")
+            self._grow("_background", nbytes)
+            arena = self._background
+        return arena[:nbytes] if arena is not None else torch.empty(0, dtype=torch.uint8)
+
+    def _grow(self, name: str, nbytes: int) -> None:
+        arena = getattr(self, name)
+        if nbytes <= (0 if arena is None else arena.numel()):
             return  # reuse: the steady state allocates nothing
-        self._arena = None  # drop the old arena before allocating the new one (peak = new size)
-        self._arena = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        del arena
+        setattr(self, name, None)  # drop the old arena before allocating the new one (peak = new size)
+        setattr(self, name, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin))
         self.allocations += 1
 
     def release(self) -> None:
         """Give the slots back (the save that held them is committed or failed)."""
         with self._lock:
             self._in_use = False
+            self._sync_used = 0
 
     def trim(self) -> None:
-        """Free the arena (e.g. after training); the next save allocates it again."""
+        """Free both arenas (e.g. after training); the next save allocates them again."""
         with self._lock:
             if self._in_use:
                 raise CheckpointError("cannot trim the staging pool while a save holds it")
-            self._arena = None
+            self._sync = self._background = None
 
 
 _DEFAULT: dict[tuple[int | None, bool | None], StagingPool] = {}
