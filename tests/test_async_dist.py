@@ -111,3 +111,62 @@ def test_dead_rank_surfaces_on_the_survivor(tmp_path):
     assert v["err"] is not None and "RankFailureError" in v["err"] and "[1]" in v["err"], v["err"]
     assert v["threads"] == [] and not v["pool_in_use"]
     assert v["latest"] == 1
+
+
+def _big_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 1024), nn.ReLU(), nn.Linear(1024, 256)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=0)}
+
+
+def _all_tensors(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"m/{k}": v.detach().clone() for k, v in state["model"].module.state_dict().items()}
+    for i, s in enumerate(state["optim"].state.values()):
+        out.update({f"o/{i}/{k}": v.detach().clone() for k, v in s.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def staged_share(rank: int, world: int, root: str) -> dict:
+    state = _big_setup()
+    _step(state, 1, rank)
+    protected = sum(p.nbytes for p in state["model"].parameters())
+    protected += sum(v.nbytes for s in state["optim"].state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    out: dict = {"protected": protected}
+    for name, cap in (("uncapped", None), ("capped", 1 << 20)):
+        at_call = _all_tensors(state)
+        h = tg.save(Path(root) / name, state, async_=True, max_staging_bytes=cap)
+        _step(state, 2, rank)  # DDP all-reduce while the save stages and commits through the store
+        manifest = h.result(timeout=60)
+        mine = f"data-{rank:05d}.bin"
+        share = sum(c.length for path, e in manifest.tensors.items() if not path.startswith("rng")
+                    for c in e.chunks if c.file == mine)  # the parameter/optimizer bytes this rank wrote
+        after = _all_tensors(state)
+        fresh = _big_setup(seed=7)
+        _step(fresh, 1, rank)  # create Adam state to load into
+        before_load = _all_tensors(fresh)
+        tg.load(Path(root) / name, fresh)
+        loaded = _all_tensors(fresh)
+        out[name] = {
+            "background": h.staged_background_bytes, "share": share, "sync": h.staged_sync_bytes, "batches": h.staging_batches,
+            "differs_before": any(not torch.equal(before_load[k], at_call[k]) for k in at_call),
+            "stepped": any(not torch.equal(after[k], at_call[k]) for k in at_call),
+            "equal": loaded.keys() == at_call.keys() and all(torch.equal(loaded[k], at_call[k]) for k in at_call),
+        }
+    return out
+
+
+def test_each_rank_stages_only_its_share_of_replicated_state(tmp_path):
+    results = run_ranks(staged_share, 2, str(tmp_path / "run"), timeout=120)
+    protected = results[0].value["protected"]
+    assert protected > 2 << 20
+    for name in ("uncapped", "capped"):
+        per_rank = [r.value[name] for r in results]
+        # Every byte of the parameters and Adam state is staged exactly once, on the rank that writes it.
+        assert sum(v["background"] for v in per_rank) == protected, (name, per_rank)
+        assert all(v["background"] == v["share"] < 0.7 * protected for v in per_rank), (name, per_rank)
+        assert all(v["sync"] < 64 << 10 for v in per_rank)  # RNG state only
+        for v in per_rank:
+            assert v["differs_before"] and v["stepped"] and v["equal"], (name, v)
+    assert all(r.value["capped"]["batches"] >= 2 for r in results)
+    assert all(r.value["uncapped"]["batches"] == 1 for r in results)
