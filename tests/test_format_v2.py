@@ -145,7 +145,11 @@ def test_corrupt_or_missing_index_and_v1_with_indexes(tmp_path: Path) -> None:
     assert not tg.verify(ck).ok and tg.inspect.list_checkpoints(tmp_path)[0].status == "corrupt"
     # A v1 manifest cannot carry v2 fields; a v2 one needs every part's file and index.
     body = json.loads((V2 / "manifest.json").read_bytes())["manifest"]
-    for change in ({"format_version": 1}, {"indexes": {}}, {"indexes": {"../x.idx": [1, "0" * 16]}}):
+    huge = {**body["tensors"], "model/0.weight": {"dtype": "float32", "shape": [5_000_000, 3], "regular": {"dim": 0, "parts": 2}}}
+    bad_rule = {**body["tensors"], "model/0.bias": {"dtype": "float32", "shape": [5], "regular": {"dim": 1, "parts": 2}}}
+    changes = ({"format_version": 1}, {"indexes": {}}, {"indexes": {"../x.idx": [1, "0" * 16]}}, {"tensors": huge},
+               {"tensors": bad_rule})
+    for change in changes:  # the huge shape claims more bytes than the data files hold
         b = json.dumps({**body, **change}, separators=(",", ":")).encode()
         with pytest.raises(CheckpointError):
             parse(b'{"checksum":"' + checksum(b).encode() + b'","manifest":' + b + b"}\n")

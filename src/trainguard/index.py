@@ -20,13 +20,84 @@ part's bytes, bounds against the data file, one checksum per block, no shared by
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 from .errors import CorruptCheckpointError
-from .layout import data_file, index_file
-from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import Box, overlapping
+from .layout import DATA_RE, IDX_RE, data_file, index_file
+from .manifest import Chunk, Manifest, TensorEntry, _int, _req, checksum
+from .planner import Box, Regular, overlapping
+
+MAX_INDEX_BYTES = 1 << 30
+
+
+# ----------------------------------------------------------- manifest fields (called by manifest.validate)
+
+
+def parse_indexes(raw: dict[str, Any], version: int, where: str) -> dict[str, tuple[int, str]]:
+    """The manifest's ``indexes`` (format 2 only): allowed names, sizes, checksums."""
+    if version < 2:
+        if "indexes" in raw:
+            raise CorruptCheckpointError(f"{where}: format_version 1 has no index files", file=where)
+        return {}
+    out: dict[str, tuple[int, str]] = {}
+    for name, v in _req(raw, "indexes", dict, where).items():
+        if not IDX_RE.match(name):
+            raise CorruptCheckpointError(f"{where}: index file name {name[:60]!r} is not allowed", file=where)
+        if type(v) is not list or len(v) != 2 or type(v[1]) is not str or len(v[1]) != 16:
+            raise CorruptCheckpointError(f"{where}: index {name} is malformed", file=where)
+        out[name] = (_int(v[0], 0, MAX_INDEX_BYTES, f"size of {name}", where), v[1])
+    return out
+
+
+def parse_regular(t: dict[str, Any], shape: list[int], w: str, where: str, path: str) -> Regular:
+    r = t.get("regular")
+    if "chunks" in t or type(r) is not dict or set(r) != {"dim", "parts"} or not shape:
+        raise CorruptCheckpointError(f"{w}: malformed regular sharding", file=where, entry=path)
+    return Regular(_int(r["dim"], 0, len(shape) - 1, "regular dim", w), _int(r["parts"], 1, 1 << 20, "regular parts", w))
+
+
+def check_regular_files(
+    tensors: dict[str, TensorEntry], files: dict[str, int], indexes: dict[str, tuple[int, str]], where: str
+) -> None:
+    """Every non-empty part of a regular tensor has its data file and its index: checked once
+    up to the largest count of non-empty parts (non-empty parts are always the leading ones)."""
+    need = max((e.regular.nonempty(e.shape) for e in tensors.values() if e.regular is not None), default=0)
+    for i in range(need):
+        if data_file(i) not in files or index_file(i) not in indexes:
+            raise CorruptCheckpointError(
+                f"{where}: regular tensors have a part {i} but {data_file(i)} or {index_file(i)} is not listed", file=where
+            )
+    # What the parts claim of each file fits in it (as explicit chunks do), so a manifest cannot
+    # make a loader allocate more than the files hold: O(tensors + parts) with a difference array.
+    claim = [0] * (need + 1)
+    for e in tensors.values():
+        if e.regular is not None and (k := e.regular.nonempty(e.shape)):
+            row = math.prod(e.shape) // e.shape[e.regular.dim] * e.torch_dtype.itemsize
+            full, last = e.regular.chunk(e.shape) * row, (e.shape[e.regular.dim] - (k - 1) * e.regular.chunk(e.shape)) * row
+            claim[0] += full
+            claim[k - 1] += last - full
+            claim[k] -= last
+    for e in tensors.values():
+        for c in e.chunks:
+            if (i := _part_of(c.file)) is not None and i < need:
+                claim[i] += c.length
+                claim[i + 1] -= c.length
+    total = 0
+    for i in range(need):
+        total += claim[i]
+        if total > files[data_file(i)]:
+            raise CorruptCheckpointError(
+                f"{where}: tensors claim {total} bytes of {data_file(i)}, which holds {files[data_file(i)]}", file=where
+            )
+
+
+def _part_of(fname: str) -> int | None:
+    return int(fname[5:10]) if DATA_RE.match(fname) and fname[5:10].isascii() else None
+
+
+# ----------------------------------------------------------- index files
 
 
 def encode(fname: str, entries: dict[str, tuple[int, int, list[str]]]) -> bytes:

@@ -39,7 +39,7 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError, FormatVersionError
-from .layout import DATA_RE, IDX_RE, data_file, index_file
+from .layout import DATA_RE
 from .planner import Regular
 
 FORMAT_VERSION = 1  # what a save writes when no tensor is regular (2 otherwise)
@@ -50,7 +50,6 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48
 MAX_BLOCK = 1 << 30
-MAX_INDEX_BYTES = 1 << 30
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
@@ -228,12 +227,14 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if not DATA_RE.match(name):
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
-    indexes = _indexes(raw, version, world, where)
+    from .index import check_regular_files, parse_indexes  # format 2; index.py imports this module
+
+    indexes = parse_indexes(raw, version, where)
     objects = _req(raw, "objects", dict, where)
     tensors: dict[str, TensorEntry] = {}
     for path, t in _req(raw, "tensors", dict, where).items():
         tensors[path] = _tensor(path, t, files, block, where, version)
-    _check_regular_files(tensors, files, indexes, where)
+    check_regular_files(tensors, files, indexes, where)
     _check_file_ranges(tensors, where)
     for key, obj in objects.items():
         if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
@@ -260,41 +261,6 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     )
 
 
-def _indexes(raw: dict[str, Any], version: int, world: int, where: str) -> dict[str, tuple[int, str]]:
-    if version < 2:
-        if "indexes" in raw:
-            raise CorruptCheckpointError(f"{where}: format_version 1 has no index files", file=where)
-        return {}
-    out: dict[str, tuple[int, str]] = {}
-    for name, v in _req(raw, "indexes", dict, where).items():
-        if not IDX_RE.match(name):
-            raise CorruptCheckpointError(f"{where}: index file name {name[:60]!r} is not allowed", file=where)
-        if type(v) is not list or len(v) != 2 or type(v[1]) is not str or len(v[1]) != 16:
-            raise CorruptCheckpointError(f"{where}: index {name} is malformed", file=where)
-        out[name] = (_int(v[0], 0, MAX_INDEX_BYTES, f"size of {name}", where), v[1])
-    return out
-
-
-def _regular(t: dict[str, Any], shape: list[int], w: str, where: str, path: str) -> Regular:
-    r = t.get("regular")
-    if "chunks" in t or type(r) is not dict or set(r) != {"dim", "parts"} or not shape:
-        raise CorruptCheckpointError(f"{w}: malformed regular sharding", file=where, entry=path)
-    return Regular(_int(r["dim"], 0, len(shape) - 1, "regular dim", w), _int(r["parts"], 1, 1 << 20, "regular parts", w))
-
-
-def _check_regular_files(
-    tensors: dict[str, TensorEntry], files: dict[str, int], indexes: dict[str, tuple[int, str]], where: str
-) -> None:
-    """Every non-empty part of a regular tensor has its data file and its index: checked once
-    up to the largest count of non-empty parts (non-empty parts are always the leading ones)."""
-    need = max((e.regular.nonempty(e.shape) for e in tensors.values() if e.regular is not None), default=0)
-    for i in range(need):
-        if data_file(i) not in files or index_file(i) not in indexes:
-            raise CorruptCheckpointError(
-                f"{where}: regular tensors have a part {i} but {data_file(i)} or {index_file(i)} is not listed", file=where
-            )
-
-
 def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, version: int = 1) -> TensorEntry:
     w = f"{where}: tensor {path[:80]!r}"
     if type(t) is not dict:
@@ -311,7 +277,9 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     if math.prod(s for s in shape if s) * itemsize > MAX_TENSOR_BYTES:
         raise CorruptCheckpointError(f"{w}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
     if version >= 2 and "regular" in t:
-        return TensorEntry(dtype=dtype, shape=shape, chunks=[], regular=_regular(t, shape, w, where, path))
+        from .index import parse_regular
+
+        return TensorEntry(dtype=dtype, shape=shape, chunks=[], regular=parse_regular(t, shape, w, where, path))
     chunks_raw = t.get("chunks")
     if type(chunks_raw) is not list:
         raise CorruptCheckpointError(f"{w}: chunks is not a list", file=where, entry=path)
