@@ -330,11 +330,14 @@ def test_pool_rejects_bad_cap_and_double_acquire():
 
 def test_doc_example_runs(tmp_path):
     text = (ROOT / "docs" / "async.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) == 2  # the manager example and the capped-staging example
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(code, "docs/async.md", "exec"), {})
+        for code in blocks:
+            exec(compile(code, "docs/async.md", "exec"), {})
     finally:
         os.chdir(cwd)
     assert (tmp_path / "ckpts" / "async-demo").is_dir()
+    assert (tmp_path / "ckpts" / "capped" / "manifest.json").is_file()
