@@ -15,6 +15,9 @@ and validating only the index files of the parts needed (each once per source). 
 trusted exactly as far as the manifest: size and checksum first, then every field is checked
 as strictly as a manifest chunk (tensor known and regular, part in range, length equal to the
 part's bytes, bounds against the data file, one checksum per block, no shared bytes).
+
+It also holds format 2's checks of the manifest's own new fields (``indexes``, ``regular``),
+which ``manifest.validate`` calls.
 """
 
 from __future__ import annotations
