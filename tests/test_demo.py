@@ -45,10 +45,13 @@ def test_documented_commands_parse():
     # The documented `trainguard run` line parses with torchrun's parser plus ours.
     from trainguard.elastic.launcher import build_parser
 
-    cmd = re.search(r"^\$ (trainguard run .*)$", DOC.read_text(), re.M).group(1)
-    args = build_parser().parse_args(shlex.split(cmd)[2:])
+    drill, scale = re.findall(r"^\$ (trainguard run .*)$", DOC.read_text(), re.M)
+    args = build_parser().parse_args(shlex.split(drill)[2:])
     assert args.fault == ["step=743,rank=1,kind=kill"] and args.nproc_per_node == "2"
     assert args.max_restarts == 3
+    args = build_parser().parse_args(shlex.split(scale)[2:])
+    assert args.nnodes == "1:2" and args.rdzv_backend == "c10d" and "is_host=false" in args.rdzv_conf
     res = CliRunner().invoke(main, ["run", "--help"])
     assert res.exit_code == 0 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in res.output
     assert "--fault" in res.output and "--nproc-per-node" in res.output
+    assert "TRAINGUARD_DEAD_AFTER=3" in res.output and "--no-preload" in res.output

@@ -34,7 +34,8 @@ def test_fault_fires_once_per_job(tmp_path, monkeypatch):
 
 
 def test_prepare_sets_defaults_user_values_win(tmp_path, monkeypatch):
-    for k in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TRAINGUARD_FAULT", "TRAINGUARD_HANG_TIMEOUT"):
+    for k in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TRAINGUARD_FAULT", "TRAINGUARD_HANG_TIMEOUT",
+              "TRAINGUARD_DEAD_AFTER"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() writes the agent's environment
     args = build_parser().parse_args(["--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
@@ -47,6 +48,29 @@ def test_prepare_sets_defaults_user_values_win(tmp_path, monkeypatch):
     assert os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert os.environ["TRAINGUARD_FAULT"] == "step=2,rank=1,kind=hang"
     assert os.environ["TRAINGUARD_HANG_TIMEOUT"] == "4.0" and args.max_restarts == 3
+    assert os.environ["TRAINGUARD_DEAD_AFTER"] == "3.0" and args.monitor_interval == 0.1
+
+
+def test_agent_logs_failures_without_importing_dynamo():
+    # torch's log formatter imports torch._dynamo (~2 s) for a record with a traceback; the agent
+    # logs every worker failure that way. With trainguard's filter the traceback is still logged.
+    code = """if True:
+        import logging, sys
+        import torch
+        from trainguard.elastic.launcher import install_log_filter
+        log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+        install_log_filter()
+        assert "torch._dynamo" not in sys.modules
+        try:
+            raise ValueError("worker died")
+        except ValueError:
+            log.exception("failed (exitcode: 1)")
+        print("dynamo" if "torch._dynamo" in sys.modules else "no dynamo")
+    """
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "no dynamo"
+    assert "failed (exitcode: 1)" in p.stderr and "ValueError: worker died" in p.stderr
 
 
 def test_auto_timeout_follows_step_times():
