@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from trainguard import async_save
+from trainguard import async_save, faults
 from trainguard.events import read_events
 from trainguard.stage import StagingPool, default_pool
 
@@ -225,12 +225,24 @@ def test_pool_reused_over_50_saves_without_rss_growth(tmp_path):
     assert mgr.latest_step() == 50
 
 
-def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gate):
+def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gate, monkeypatch):
     # fc1.weight and its Adam moments are 6.4 MB each: larger than the 4 MiB batch buffer the cap
     # leaves, so they are split into block-aligned pieces across batches.
     state = make_state(width=100_000)
     at_call = tensors_of(state)
     cap = 8 << 20
+    staged_at_batch: list[bool] = []  # was step() released when each batch reached the writer?
+    real = tg.api.write_batches
+
+    def spy(storage, path, batches, size, **kw):
+        def watch():
+            for batch in batches:
+                staged_at_batch.append(async_save._INFLIGHT.handle.staged())
+                yield batch
+
+        return real(storage, path, watch(), size, **kw)
+
+    monkeypatch.setattr(tg.api, "write_batches", spy)
     h = tg.save(tmp_path / "a", state, async_=True, max_staging_bytes=cap)
     t = threading.Thread(target=train_step, args=(state,))
     t.start()
@@ -243,10 +255,31 @@ def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gat
     protected = sum(p.nbytes for p in state["model"].parameters()) * 3  # params + exp_avg + exp_avg_sq
     assert h.staged_background_bytes >= protected
     assert h.staging_batches >= protected // (4 << 20)  # copy, write, copy, ...
+    assert staged_at_batch == [False] * (h.staging_batches - 1) + [True]  # released with the last batch
     pool = default_pool(cap)
     assert pool.capacity <= cap  # sync slots (BN stats, RNG) + the 4 MiB batch buffer
     assert_same(load_fresh(tmp_path / "a", width=100_000), at_call)
     assert tg.load(tmp_path / "a", make_state(width=100_000, seed=3)) is not None
+
+
+def test_write_error_between_batches_releases_step_and_pool(tmp_path, monkeypatch):
+    state = make_state(width=100_000)
+    cap = 8 << 20
+    tg.save(tmp_path / "a", state, async_=True, max_staging_bytes=cap).result(timeout=60)
+    at_a = tensors_of(state)
+    train_step(state)
+    monkeypatch.setattr(faults, "_passed", {})
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "write_piece")
+    monkeypatch.setenv("TRAINGUARD_CRASH_SKIP", "2")  # fail inside the second batch's writes
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    h = tg.save(tmp_path / "b", state, async_=True, max_staging_bytes=cap)
+    train_step(state)  # not blocked for good: staging stops when writing fails
+    with pytest.raises(tg.CheckpointError, match="injected failure"):
+        h.result(timeout=60)
+    assert h.staged() and 1 <= h.staging_batches < 5
+    assert not (tmp_path / "b" / "manifest.json").exists()
+    assert not default_pool(cap).in_use and no_save_threads()
+    assert_same(load_fresh(tmp_path / "a", width=100_000), at_a)
 
 
 def test_staging_cap_bounds_rss_over_many_saves(tmp_path):
