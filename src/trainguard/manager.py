@@ -204,7 +204,7 @@ class CheckpointManager:
             return None
         handle.stall_s = time.monotonic() - t0
         self._pending, self._pending_step, self._pending_t0 = handle, step, t0
-        if handle.done():
+        if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
         return handle
 
