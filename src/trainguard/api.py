@@ -29,6 +29,7 @@ from .errors import (
     StepExistsError,
 )
 from .faults import fault
+from .gcpause import gc_paused
 from .handle import SaveHandle
 from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
@@ -92,10 +93,11 @@ def start_save(
             storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
             step=step, max_staging_bytes=max_staging_bytes,
         )
-    snap = _collective_capture(state, ctx, layout, timeout)
-    manifest = persist_and_commit(
-        storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
-    )
+    with gc_paused():
+        snap = _collective_capture(state, ctx, layout, timeout)
+        manifest = persist_and_commit(
+            storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
+        )
     return SaveHandle.completed(manifest, manifest.step)
 
 

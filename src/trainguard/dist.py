@@ -312,12 +312,9 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
     on ranks that hold a replica of a box another rank writes (coordinate > 0 on a mesh
     dimension with a ``Replicate`` placement), so each box is written once.
     """
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # type: ignore[assignment]
-    if not isinstance(t, DTensor):
-        return t, tuple(t.shape), tuple(0 for _ in t.shape), True
+    if not is_dtensor(t):
+        shape = tuple(t.shape)
+        return t, shape, (0,) * len(shape), True
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -350,12 +347,18 @@ def regular_dim(t: Any, world_size: int) -> int | None:
     return d
 
 
+_DTENSOR: Any = None
+
+
 def is_dtensor(t: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(t, DTensor)
+    """True for a DTensor (the class is imported once: this runs for every leaf)."""
+    global _DTENSOR
+    if _DTENSOR is None:
+        try:
+            from torch.distributed.tensor import DTensor as _DTENSOR
+        except ImportError:  # pragma: no cover - torch without distributed
+            _DTENSOR = ()
+    return isinstance(t, _DTENSOR)
 
 
 def ensure_optimizer_state(optimizer: Any) -> bool:

@@ -20,6 +20,7 @@ from .errors import (
     StateMismatchError,
 )
 from .flatten import flatten, tensor_refs, unflatten
+from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
@@ -47,8 +48,9 @@ def load(
     ctx = DistContext.current()
     storage, target = for_path(path)
     try:
-        manifest = read_manifest(storage, target)
-        _load(storage, target, manifest, state, ctx, strict, only, verify)
+        with gc_paused():
+            manifest = read_manifest(storage, target)
+            _load(storage, target, manifest, state, ctx, strict, only, verify)
         err = None
     except Exception as e:
         if not ctx.is_distributed:
