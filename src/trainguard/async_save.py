@@ -41,6 +41,7 @@ import torch
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .dist import DistContext, is_dtensor
 from .errors import CheckpointError
+from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import Box
@@ -90,7 +91,8 @@ def start_async_save(
     """
     t0 = time.monotonic()
     _finish_previous()
-    snap = _collective_capture(state, ctx, layout, timeout)
+    with gc_paused():
+        snap = _collective_capture(state, ctx, layout, timeout)
     protected, optimizers = _protected(state)
     handle = SaveHandle(step)
     pool = default_pool(max_staging_bytes)
