@@ -36,6 +36,7 @@ from .faults import parse_fault
 from .watchdog import HANG_EXIT, ORPHAN_EXIT
 
 DEAD_AFTER = 3.0
+FAIL_GRACE = 1.0
 RDZV_DEFAULTS = {"last_call_timeout": "3", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
 DEFAULTS_TEXT = """\
@@ -47,6 +48,7 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
                                         c10d: a lost agent is noticed in seconds (46 s otherwise)
   --max-restarts 3                      torchrun: 0
   --stop-timeout 5                      SIGKILL workers 5 s after SIGTERM on a restart (torch: 30 s)
+  worker failure -> peers SIGKILLed    after 1 s + SIGTERM + 1 s (torch: SIGTERM, then 30 s)
   --monitor-interval 0.1                torch's default here (the agent polls its workers 10x/s)
   TRAINGUARD_DEAD_AFTER=3               workers: a peer without store heartbeat for 3 s is dead
                                         (default 10): bounds a survivor's wait on a save in flight
@@ -181,12 +183,14 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     """Wrap torch's agent methods (in this process) to log events and bound the stop wait."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.multiprocessing.spawn import ProcessContext
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
     orig_restart = SimpleElasticAgent._restart_workers
+    orig_join = ProcessContext.join
 
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
@@ -211,10 +215,17 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _stop(self: Any, wg: Any) -> None:
         self._shutdown(timeout=max(1, round(stop_timeout)))
 
+    def _join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> Any:
+        # Fork/spawn contexts: when a worker fails, torch SIGTERMs the others and waits a fixed
+        # 30 s before SIGKILL. A worker that ignores SIGTERM (save-on-signal) while its error path
+        # waits for a dead peer held the restart for seconds: wait FAIL_GRACE, SIGTERM, FAIL_GRACE.
+        return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
+
     SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]
     LocalElasticAgent._monitor_workers = _monitor  # type: ignore[method-assign]
     SimpleElasticAgent._restart_workers = _restart  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = _stop  # type: ignore[method-assign]
+    ProcessContext.join = _join  # type: ignore[method-assign]
     LocalElasticAgent._trainguard_hooked = True  # type: ignore[attr-defined]
 
 
