@@ -348,11 +348,22 @@ def regular_dim(t: Any, world_size: int) -> int | None:
 
 
 _DTENSOR: Any = None
+_PLAIN: tuple[type, ...] = ()
+
+
+def _plain_types() -> tuple[type, ...]:
+    import torch
+
+    return (torch.Tensor, torch.nn.Parameter)
 
 
 def is_dtensor(t: Any) -> bool:
     """True for a DTensor (the class is imported once: this runs for every leaf)."""
-    global _DTENSOR
+    global _DTENSOR, _PLAIN
+    if not _PLAIN:
+        _PLAIN = _plain_types()
+    if type(t) in _PLAIN:  # fast path: no import of torch.distributed.tensor (~0.3 s) when unused
+        return False
     if _DTENSOR is None:
         try:
             from torch.distributed.tensor import DTensor as _DTENSOR
