@@ -86,6 +86,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
         "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in ev if e["event"] == "rendezvous"],
         "hangs": sum(1 for e in ev if e["event"] == "hang"),
+        # Group restarts because an agent joined (scale-up), not because a worker failed.
+        "membership_restarts": sum(1 for e in ev if e["event"] == "restart" and e.get("reason") == "membership"),
     }
 
 
@@ -104,7 +106,8 @@ def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"wall time          {_f(s['wall_s'])} s, final step {s['final_step']}, {s['steps_run']} steps run, "
         f"median step {_f(s['step_s'], '{:.4f}')} s",
-        f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}",
+        f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}"
+        f" ({s.get('membership_restarts', 0)} restarts for joining agents)",
         f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}",
     ]
     for i, r in enumerate(s["recoveries"], 1):
