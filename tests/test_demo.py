@@ -22,7 +22,10 @@ def test_demo_kill_resume_is_bit_identical(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     lines = []
+    # forkserver: new worker processes forked from a server that preloaded torch (fork is run by
+    # the scale and hang tests).
     out = run_demo(steps=30, fault_step=23, save_every=10, size="tiny", plot=str(tmp_path / "t.png"),
+                   start_method="forkserver",
                    timeout=180, echo=lines.append)
     assert out["identical"], "\n".join(lines)
     kill, clean = out["kill"], out["clean"]

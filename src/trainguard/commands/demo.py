@@ -15,8 +15,11 @@ import click
               help="model size (demo: ~1.3M parameters; tiny: for tests)")
 @click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")
 @click.option("--keep", is_flag=True, help="keep the run directories (printed) instead of removing them")
-@click.option("--spawn", is_flag=True, help="new worker processes (spawn) instead of fork + --run-path")
-def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, keep: bool, spawn: bool) -> None:
+@click.option("--spawn", is_flag=True, help="new interpreters running the script instead of --run-path")
+@click.option("--start-method", type=click.Choice(["fork", "forkserver"]), default="fork", show_default=True,
+              help="with --run-path: fork the agent, or fork a clean server that preloaded torch")
+def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, keep: bool, spawn: bool,
+         start_method: str) -> None:
     """Train a tiny GPT on the stdlib's sources twice (with a kill at --fault-step, and without)
     under `trainguard run`, then compare: lost steps, recovery time, save stall, goodput, and
     whether the final weights are bit-identical."""
@@ -24,7 +27,7 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
 
     try:
         out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
-                       keep=keep, spawn=spawn, echo=click.echo)
+                       keep=keep, spawn=spawn, start_method=start_method, echo=click.echo)
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     sys.exit(0 if out["identical"] else 1)

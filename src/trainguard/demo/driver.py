@@ -27,11 +27,13 @@ TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 
 
 def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str | None,
-           timeout: float, log_path: str, spawn: bool = False) -> int:
-    """One job: ``trainguard run`` with 2 workers on this machine. Returns its exit code."""
+           timeout: float, log_path: str, spawn: bool = False, start_method: str = "fork") -> int:
+    """One job: ``trainguard run`` with 2 workers on this machine. Returns its exit code.
+    ``start_method``: fork or forkserver (with ``--run-path``); ``spawn=True``: new interpreters
+    running the script (torchrun's default for a script)."""
     cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
            "--max-restarts", "3", "--run-dir", run_dir]
-    cmd += ["--start-method", "spawn"] if spawn else ["--start-method", "fork", "--run-path"]
+    cmd += ["--start-method", "spawn"] if spawn else ["--start-method", start_method, "--run-path"]
     if fault:
         cmd += ["--fault", fault]
     cmd += [TRAIN_PY, "--steps", str(steps), "--save-every", str(save_every), "--size", size]
@@ -70,7 +72,8 @@ def table(rows: list[list[str]]) -> str:
 
 def run_demo(*, steps: int = 1000, fault_step: int = 743, save_every: int = 100, size: str = "demo",
              plot: str | None = "trainguard-demo-timeline.png", keep: bool = False, spawn: bool = False,
-             timeout: float = 1200, echo: Callable[[str], None] = print) -> dict[str, Any]:
+             start_method: str = "fork", timeout: float = 1200,
+             echo: Callable[[str], None] = print) -> dict[str, Any]:
     """Both runs, the table, the bit-identity check. Returns ``{"identical", "faulty", "clean"}``."""
     if not 0 < fault_step < steps:
         raise ValueError(f"fault step {fault_step} must lie between 0 and steps={steps}")
@@ -82,7 +85,8 @@ def run_demo(*, steps: int = 1000, fault_step: int = 743, save_every: int = 100,
             echo(f"[{name}] trainguard run: 2 workers, {steps} steps, async checkpoint every {save_every}"
                  + (f", kill rank 1 at step {fault_step}" if fault else ""))
             rc = launch(rd, steps=steps, save_every=save_every, size=size, fault=fault, timeout=timeout,
-                        log_path=os.path.join(work, f"{name}.log"), spawn=spawn)
+                        log_path=os.path.join(work, f"{name}.log"), spawn=spawn,
+                        start_method=start_method)
             if rc != 0:
                 with open(os.path.join(work, f"{name}.log"), errors="replace") as f:
                     tail = f.read()[-3000:]
