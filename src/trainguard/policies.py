@@ -16,6 +16,7 @@ the newest valid checkpoint nor anything before the new one is committed.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,17 +30,21 @@ class CheckpointInfo:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
-class SavePolicy:
+class SavePolicy(ABC):
     """Base class of save policies: when should the manager write a checkpoint?"""
 
     def on_step(self, step: int, now: float) -> None:
-        """Called by the manager at every ``save()`` call (one per training step)."""
+        """Called by the manager at every ``save()`` call (one per training step); optional hook."""
+        return None
 
+    @abstractmethod
     def should_save(self, step: int, now: float) -> bool:
-        raise NotImplementedError
+        """True when a checkpoint should be written at this step (same answer on every rank)."""
 
     def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        """Called after a save: ``stall_s`` is the time training was blocked, ``duration_s`` the whole save."""
+        """Called after a save: ``stall_s`` is the time training was blocked, ``duration_s`` the whole save;
+        optional hook."""
+        return None
 
     def describe(self) -> str:
         return repr(self)
@@ -86,11 +91,12 @@ class EverySeconds(SavePolicy):
         return f"EverySeconds({self.seconds:g})"
 
 
-class RetentionPolicy:
+class RetentionPolicy(ABC):
     """Base class of retention policies: which committed checkpoints to keep."""
 
+    @abstractmethod
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        raise NotImplementedError
+        """The steps to keep among the committed ``checkpoints``."""
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
         return KeepUnion(self, other)
