@@ -30,9 +30,10 @@ BATCH = SIZES["tiny"][4]
 
 
 def _agent(port: int, rdzv_id: str, run_dir, rec, *extra: str, fault: str | None = None) -> subprocess.Popen:
+    # last_call_timeout=5: two agents started together under load still form the first round together.
     cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nnodes", "1:2",
            "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-           "--rdzv-id", rdzv_id, "--rdzv-conf", "is_host=false", "--start-method", "fork", "--run-path",
+           "--rdzv-id", rdzv_id, "--rdzv-conf", "is_host=false,last_call_timeout=5", "--start-method", "fork", "--run-path",
            "--run-dir", str(run_dir)]
     cmd += ["--fault", fault] if fault else []
     cmd += [TRAIN, "--steps", "30", "--save-every", "5", "--size", "tiny", "--record", str(rec), *extra]

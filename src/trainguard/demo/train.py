@@ -5,6 +5,11 @@ workers. Everything a step depends on is in the checkpointed state, so a resumed
 reproduces the uninterrupted one bit for bit: model, optimizer, the sampler's global position
 (:class:`trainguard.sampler.ResumableSampler`) and each rank's dropout RNG
 (:class:`trainguard.RNGState`).
+
+Drill options: ``--record FILE`` appends each step's sample indices (coverage tests);
+``--hold-at STEP --hold-world W`` commits the checkpoint of STEP and waits (bounded by
+``--hold-s``) when running at world size W, so a test can start a new agent at a known point
+(scale-up); ``--no-signals`` turns off the manager's save-on-SIGTERM.
 """
 
 from __future__ import annotations
