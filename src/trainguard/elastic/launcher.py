@@ -12,6 +12,11 @@ extended with trainguard's options, so every torchrun flag works. Before the age
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
 * stops workers on a restart with SIGTERM and SIGKILL after ``--stop-timeout`` (5 s) instead of
   torch's fixed 30 s (a worker stuck in a collective would otherwise cost 30 s per restart);
+* on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
+  and a fixed 30 s), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
+* preformats tracebacks before torch's log formatter sees them (it imports ``torch._dynamo``,
+  ~2 s, to log a worker failure) and, with ``fork``/``forkserver``, preloads ``torch._dynamo``
+  so restarted workers do not import it (:func:`preload`);
 * passes ``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_WATCHDOG``, ``TRAINGUARD_HANG_TIMEOUT`` and
   ``TRAINGUARD_FAULT`` to the workers (read by :func:`trainguard.elastic.heartbeat`);
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to append
