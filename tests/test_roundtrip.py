@@ -175,3 +175,29 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     tg.load(tmp_path / "c", {"rng": tg.RNGState()})
     assert (random.random(), np.random.rand(), torch.rand(2).tolist()) == expected
+
+
+def test_rank_writes_two_files_in_parallel_and_both_are_verified(tmp_path, monkeypatch):
+    import trainguard.api as api
+
+    monkeypatch.setattr(api, "TWO_FILES_FROM", 0)  # the real threshold is 64 MiB
+    g = torch.Generator().manual_seed(0)
+    src = {f"t{i}": torch.randn(1000 * (i + 1), generator=g) for i in range(6)}
+    tg.save(tmp_path / "c", {"x": src})
+    names = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert names == ["data-00000-1.bin", "data-00000.bin", "manifest.json"]
+    m = tg.inspect.describe(tmp_path / "c")
+    used = {c.file for e in m.tensors.values() for c in e.chunks}
+    assert used == {"data-00000.bin", "data-00000-1.bin"}
+    sizes = sorted(m.files.values())
+    assert sizes[0] > 0.6 * sizes[1]  # balanced by bytes
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    tg.load(tmp_path / "c", {"x": dst})
+    assert all(torch.equal(dst[k], src[k]) for k in src)
+    second = tmp_path / "c" / "data-00000-1.bin"
+    raw = bytearray(second.read_bytes())
+    raw[10] ^= 1
+    second.write_bytes(bytes(raw))
+    assert not tg.verify(tmp_path / "c").ok
+    with pytest.raises(tg.CorruptCheckpointError, match="data-00000-1.bin"):
+        tg.load(tmp_path / "c", {"x": dst})

@@ -15,6 +15,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -221,24 +222,19 @@ def _write_rank(
     if stage is None:  # sync: write straight from the tensors' memory
         cpu = [tensor_bytes(v if v.is_cpu else v.cpu()) for v in (chunk_view(lf, b) for lf, b in mine)]
         lengths = [len(v) for v in cpu]
-        offsets, size = layout_file(lengths)
-        sums = write_file(
-            storage,
-            storage.join(work, fname),
-            [WriteChunk(v, o) for v, o in zip(cpu, offsets)],
-            size,
-            block=DEFAULT_BLOCK,
-            fault=lambda p: fault(p, ctx.rank),
-        )
-    else:  # async: host copies, produced batch by batch (async_save._batches)
+        streams = _split_streams(mine, lengths)
+        offsets, sums, names, files = _write_streams(storage, work, ctx.rank, cpu, streams)
+    else:  # async: host copies, produced batch by batch (async_save._batches), one file
         lengths = [chunk_view(lf, b).nbytes for lf, b in mine]
         offsets, size = layout_file(lengths)
         sums = _write_staged(storage, storage.join(work, fname), stage(mine), offsets, size, ctx.rank)
+        names, files = [fname] * len(mine), {fname: size}
     chunks = [
-        [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, n, s]
-        for (lf, b), n, o, s in zip(mine, lengths, offsets, sums)
+        [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, n, s, f]
+        for (lf, b), n, o, s, f in zip(mine, lengths, offsets, sums, names)
         if lf.regular is None
     ]
+    size = files.get(fname, 0)
     # Regular parts (format 2) go to this rank's index file, not to rank 0: the report stays
     # O(1) per rank instead of O(tensors). Durable before this rank reports success.
     regular = {lf.path: (o, n, s) for (lf, _b), n, o, s in zip(mine, lengths, offsets, sums) if lf.regular is not None}
@@ -249,7 +245,68 @@ def _write_rank(
         storage.write_atomic(storage.join(work, iname), data)
         index = [iname, len(data), checksum(data)]
     local_objects = {k: snap.objects[k] for k in snap.rank_local}
-    return {"error": None, "file": fname, "size": size, "chunks": chunks, "index": index, "objects": local_objects}
+    return {
+        "error": None, "file": fname, "size": size, "files": files, "chunks": chunks, "index": index,
+        "objects": local_objects,
+    }
+
+
+# Below this, one file is enough; above, a second file written in parallel pays off.
+TWO_FILES_FROM = 64 << 20
+
+
+def _split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]:
+    """Stream (file) of each chunk: buffered writes to one file serialize on the kernel's inode
+    lock (ext4), so a rank writes two files in parallel (measured: raw 1 stream 1.0 GB/s, 2 files
+    2.1 GB/s on the 3 GB state). Regular parts (format 2) stay in stream 0, where their index
+    points; explicit chunks balance the bytes."""
+    out = [0] * len(mine)
+    if sum(lengths) < TWO_FILES_FROM or len(mine) < 2:
+        return out
+    loads = [sum(n for (lf, _b), n in zip(mine, lengths) if lf.regular is not None), 0]
+    for i in sorted(range(len(mine)), key=lambda i: -lengths[i]):
+        if mine[i][0].regular is None:
+            out[i] = 0 if loads[0] <= loads[1] else 1
+            loads[out[i]] += lengths[i]
+    return out
+
+
+def _write_streams(
+    storage: Storage, work: str, rank: int, cpu: list[memoryview], streams: list[int]
+) -> tuple[list[int], list[list[str]], list[str], dict[str, int]]:
+    """Write each stream's chunks to its own file, the files in parallel (one writer each);
+    returns per-chunk offsets, checksums and file names, and every file's size."""
+    groups = sorted(set(streams)) or [0]
+    offsets: list[int] = [0] * len(cpu)
+    sums: list[list[str]] = [[] for _ in cpu]
+    names = [layout_mod.data_file(rank, g) for g in streams]
+    files: dict[str, int] = {}
+    jobs = []
+    for g in groups:
+        idx = [i for i, s in enumerate(streams) if s == g]
+        offs, size = layout_file([len(cpu[i]) for i in idx])
+        for i, o in zip(idx, offs):
+            offsets[i] = o
+        name = layout_mod.data_file(rank, g)
+        files[name] = size
+        jobs.append((idx, name, [WriteChunk(cpu[i], o) for i, o in zip(idx, offs)], size))
+
+    def run(job: tuple[list[int], str, list[WriteChunk], int]) -> None:
+        idx, name, wchunks, size = job
+        got = write_file(
+            storage, storage.join(work, name), wchunks, size, block=DEFAULT_BLOCK,
+            streams=1 if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
+        )
+        for i, s in zip(idx, got):
+            sums[i] = s
+
+    if len(jobs) == 1:
+        run(jobs[0])
+    else:
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="trainguard-file") as ex:
+            for f in [ex.submit(run, j) for j in jobs]:
+                f.result()
+    return offsets, sums, names, files
 
 
 
@@ -281,13 +338,14 @@ def _build_manifest(
     files: dict[str, int] = {}
     indexes: dict[str, tuple[int, str]] = {}
     for w in written:
-        if w["chunks"] or w["size"] or w.get("index"):
-            files[w["file"]] = w["size"]
+        for fname, size in (w.get("files") or {w["file"]: w["size"]}).items():
+            if size or w.get("index") and fname == w["file"]:
+                files[fname] = size
         if w.get("index"):
             indexes[w["index"][0]] = (w["index"][1], w["index"][2])
-        for path, dtype, shape, offs, sizes, off, length, sums in w["chunks"]:
+        for path, dtype, shape, offs, sizes, off, length, sums, *fname in w["chunks"]:
             e = tensors.setdefault(path, TensorEntry(dtype, shape, []))
-            e.chunks.append(Chunk(offs, sizes, w["file"], off, length, sums))
+            e.chunks.append(Chunk(offs, sizes, fname[0] if fname else w["file"], off, length, sums))
     for lf in snap.leaves:  # zero-size tensors have no chunks but must exist
         if lf.kind != "local":
             tensors.setdefault(lf.path, TensorEntry(lf.dtype, list(lf.shape), []))

@@ -22,7 +22,7 @@ LOCK = ".lock"
 STEP_RE = re.compile(r"^step-(\d{9,})$")
 TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})$")
 OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})$")
-DATA_RE = re.compile(r"^data-\d{5}\.bin$")
+DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin$")  # data-RRRRR.bin, data-RRRRR-S.bin (stream S)
 IDX_RE = re.compile(r"^data-\d{5}\.idx$")
 
 
@@ -40,8 +40,9 @@ def old_dir(name: str, save_id: str) -> str:
     return f"{name}.old-{save_id}"
 
 
-def data_file(rank: int) -> str:
-    return f"data-{rank:05d}.bin"
+def data_file(rank: int, stream: int = 0) -> str:
+    """Rank ``rank``'s data file; a rank writing several files in parallel adds ``-<stream>``."""
+    return f"data-{rank:05d}.bin" if stream == 0 else f"data-{rank:05d}-{stream}.bin"
 
 
 def parse_step(name: str) -> int | None:
