@@ -374,3 +374,15 @@ def test_doc_example_runs(tmp_path):
         os.chdir(cwd)
     assert (tmp_path / "ckpts" / "async-demo").is_dir()
     assert (tmp_path / "ckpts" / "capped" / "manifest.json").is_file()
+
+
+def test_async_save_duration_is_when_it_finished_not_when_collected(tmp_path):
+    state = {"x": {"w": torch.randn(1000)}, "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True) as mgr:
+        h = mgr.save(1, state)
+        h.result(timeout=60)
+        finished = h.finished_at
+        assert finished is not None
+        mgr.wait()
+    ev = [e for e in read_events(tmp_path) if e["event"] == "save"]
+    assert len(ev) == 1 and ev[0]["duration_s"] == round(finished - mgr._pending_t0, 6)

@@ -9,6 +9,7 @@ exactly once each at most; the optimizer pre-step hook adds to ``hook_wait_s``.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 
@@ -36,6 +37,7 @@ class SaveHandle:
         self.call_s = 0.0
         self.hook_wait_s = 0.0
         self.duration_s = 0.0
+        self.finished_at: float | None = None  # time.monotonic() when committed or failed
         self.bytes = 0
         # Host staging (async saves): bytes copied in the call (buffers, RNG, plain tensors, whole),
         # bytes of this rank's parameter/optimizer chunks copied by the save thread, and in how
@@ -89,11 +91,13 @@ class SaveHandle:
 
     def set_result(self, value: Any) -> None:
         self._result = value
+        self.finished_at = time.monotonic()
         self._staged.set()
         self._done.set()
 
     def set_error(self, error: BaseException) -> None:
         self._error = error
+        self.finished_at = time.monotonic()
         self._staged.set()
         self._done.set()
 

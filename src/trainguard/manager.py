@@ -219,7 +219,8 @@ class CheckpointManager:
             raise
         except Exception as e:  # a non-trainguard error from the background: wrap it
             raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
-        h.duration_s = time.monotonic() - self._pending_t0
+        # When the save really ended (an async save is collected at the next call, later).
+        h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits.
         stall = h.stall_s + h.hook_wait_s
