@@ -12,7 +12,7 @@ import click
 @click.option("--fault-step", type=int, default=743, show_default=True, help="kill rank 1 after this step")
 @click.option("--save-every", type=int, default=100, show_default=True)
 @click.option("--size", type=click.Choice(["demo", "tiny"]), default="demo", show_default=True,
-              help="model size (demo: ~1.3M parameters; tiny: for tests)")
+              help="model size (demo: ~3.3M parameters; tiny: for tests)")
 @click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")
 @click.option("--keep", is_flag=True, help="keep the run directories (printed) instead of removing them")
 @click.option("--spawn", is_flag=True, help="new interpreters running the script instead of --run-path")

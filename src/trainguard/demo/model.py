@@ -17,7 +17,7 @@ from torch.nn import functional as F
 SIZES = {
     # name: (layers, heads, width, context, batch per rank)
     "tiny": (1, 2, 32, 32, 4),
-    "demo": (4, 4, 160, 64, 4),
+    "demo": (4, 4, 256, 64, 4),
 }
 
 
