@@ -229,6 +229,8 @@ class CheckpointManager:
             "save", step=manifest.step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
             stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6),
             bytes=manifest.total_bytes, async_save=self.async_save,
+            # wall time of the commit (async saves are logged when collected, at the next call)
+            committed_t=round(time.time() - (time.monotonic() - (h.finished_at or time.monotonic())), 6),
         )
         if self.ram:
             self.ram.committed(manifest.step, on_durable=self._apply_retention)

@@ -145,7 +145,7 @@ def plot_timeline(events: Iterable[dict[str, Any]], path: str | os.PathLike[str]
         ax.plot([p["t"] - t0 for p in pts], [p["step"] for p in pts], color="C0", lw=1.5,
                 label="training (rank 0)" if i == 0 else None)
     saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
-    ax.scatter([e["t"] - t0 for e in saves], [e["step"] for e in saves], marker="|", s=120, color="C2",
+    ax.scatter([e.get("committed_t", e["t"]) - t0 for e in saves], [e["step"] for e in saves], marker="|", s=120, color="C2",
                label="checkpoint committed")
     for i, e in enumerate(x for x in ev if x["event"] == "failure"):
         ax.axvline(e["t"] - t0, color="C3", ls="--", label="failure detected" if i == 0 else None)
