@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
-from .dist import DistContext, is_dtensor
+from .dist import DistContext
+from .dtensor import is_dtensor
 from .errors import CheckpointError
 from .gcpause import gc_paused
 from .handle import SaveHandle

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from .dist import DistContext, is_dtensor, regular_dim, shard_of
+from .dist import DistContext
+from .dtensor import is_dtensor, regular_dim, shard_of
 from .errors import (
     UnsupportedValueError,
 )

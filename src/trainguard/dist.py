@@ -1,4 +1,4 @@
-"""``DistContext``: the only module that knows torch.distributed.
+"""``DistContext``: processes and the c10d store (with ``dtensor.py``, the only modules that know torch.distributed).
 
 One process: :class:`DistContext` itself, a null object whose collectives return at once.
 Many processes: :class:`StoreDistContext`, whose collectives go through the c10d *store*
@@ -303,111 +303,6 @@ def _list_round_keys(ctx: StoreDistContext, round_no: int) -> list[str]:
         keys.append(f"{ctx.chan}/r{round_no}/{tag}/all")
         keys += [f"{ctx.chan}/r{round_no}/{tag}/{r}" for r in range(ctx.world_size)]
     return keys
-
-
-def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
-    """For a tensor leaf: ``(local tensor, global shape, global offsets of the local box, writer)``.
-
-    Plain tensors are whole (offsets 0). A DTensor gives its local shard; ``writer`` is False
-    on ranks that hold a replica of a box another rank writes (coordinate > 0 on a mesh
-    dimension with a ``Replicate`` placement), so each box is written once.
-    """
-    if not is_dtensor(t):
-        shape = tuple(t.shape)
-        return t, shape, (0,) * len(shape), True
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh, placements = t.device_mesh, t.placements
-    for p in placements:
-        if not isinstance(p, (Shard, Replicate)):
-            raise TypeError(
-                f"DTensor with placement {p} cannot be saved as is; call .redistribute() to Shard/Replicate first"
-            )
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    coord = mesh.get_coordinate() or []
-    writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
-    return t.to_local(), tuple(t.shape), tuple(offsets), writer
-
-
-def regular_dim(t: Any, world_size: int) -> int | None:
-    """The dim ``d`` when DTensor ``t`` is one ``Shard(d)`` on a 1-D mesh of exactly ranks
-    0..world_size-1 in order (FSDP2's default), so that rank i holds ``torch.chunk`` part i:
-    ``capture`` then saves it in the compact "regular" form. None for anything else."""
-    if not is_dtensor(t) or t.dim() == 0:
-        return None
-    from torch.distributed.tensor import Shard
-
-    mesh, placements = t.device_mesh, t.placements
-    if mesh.ndim != 1 or len(placements) != 1 or type(placements[0]) is not Shard:  # not _StridedShard
-        return None
-    if mesh.mesh.flatten().tolist() != list(range(world_size)):
-        return None
-    d = placements[0].dim % t.dim()
-    return d
-
-
-_DTENSOR: Any = None
-_PLAIN: tuple[type, ...] = ()
-
-
-def _plain_types() -> tuple[type, ...]:
-    import torch
-
-    return (torch.Tensor, torch.nn.Parameter)
-
-
-def is_dtensor(t: Any) -> bool:
-    """True for a DTensor (the class is imported once: this runs for every leaf)."""
-    global _DTENSOR, _PLAIN
-    if not _PLAIN:
-        _PLAIN = _plain_types()
-    if type(t) in _PLAIN:  # fast path: no import of torch.distributed.tensor (~0.3 s) when unused
-        return False
-    if _DTENSOR is None:
-        try:
-            from torch.distributed.tensor import DTensor as _DTENSOR
-        except ImportError:  # pragma: no cover - torch without distributed
-            _DTENSOR = ()
-    return isinstance(t, _DTENSOR)
-
-
-def ensure_optimizer_state(optimizer: Any) -> bool:
-    """Give a fresh optimizer over DTensor parameters its state, so a load can read shards into it.
-
-    Called by ``api.load`` on every rank before loading optimizer state. It does nothing when the
-    optimizer already has state or holds no DTensor parameter (plain tensors are read into new
-    whole tensors and handed to ``optimizer.load_state_dict``). Otherwise it runs one
-    ``step()`` with zero gradients and every learning rate set to 0, which creates each state
-    tensor with its parameter's sharding and leaves the parameters unchanged; the loaded values
-    then overwrite that state. Returns True when it created state.
-    """
-    import torch
-
-    if optimizer.state or not any(is_dtensor(p) for g in optimizer.param_groups for p in g["params"]):
-        return False
-    saved_lr = []
-    for g in optimizer.param_groups:
-        saved_lr.append(g.get("lr"))
-        if isinstance(g.get("lr"), torch.Tensor):
-            g["lr"] = g["lr"].clone().fill_(0.0)
-        elif "lr" in g:
-            g["lr"] = 0.0
-    grads = {}
-    try:
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    grads[p] = p.grad
-                    p.grad = torch.zeros_like(p)
-        optimizer.step()
-    finally:
-        for p, old in grads.items():
-            p.grad = old
-        for g, lr in zip(optimizer.param_groups, saved_lr, strict=True):
-            if lr is not None:
-                g["lr"] = lr
-    return True
 
 
 def describe_error(e: BaseException) -> str:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
-from .dist import DistContext, describe_error, ensure_optimizer_state, raise_failures, shard_of
+from .dist import DistContext, describe_error, raise_failures
+from .dtensor import ensure_optimizer_state, shard_of
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
