@@ -37,10 +37,8 @@ DCP_WARNING = (
 def detect(path: str | os.PathLike[str]) -> str:
     """The format of an existing checkpoint at ``path``, by its shape on disk."""
     p = os.fspath(path)
-    if p.endswith(".safetensors"):
-        return "safetensors"
-    if p.endswith((".pt", ".pth", ".bin")):
-        return "torch"
+    if (by_name := target_format(p)) != "trainguard":
+        return by_name
     storage, d = for_path(p)
     if storage.exists(storage.join(d, "manifest.json")):
         return "trainguard"

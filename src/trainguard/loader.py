@@ -157,7 +157,8 @@ def _load(
                 verify,
             )
             targets.append(ReadTarget(p, t, box, ops))
-    _check_files(storage, directory, manifest, targets)
+    # The files of live regular shards were not checked above; each file is stat'ed once.
+    _check_file_sizes(storage, directory, manifest, {op.file for t in targets for op in t.ops} - wanted)
     read_targets(storage, directory, targets)
     for staged, live in finish:
         live.copy_(staged)
@@ -216,10 +217,6 @@ def _destination(live: torch.Tensor | None, e: TensorEntry) -> tuple[torch.Tenso
     if data.is_cpu and data.is_contiguous():
         return data, box, None
     return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
-
-
-def _check_files(storage: Storage, directory: str, manifest: Manifest, targets: list[ReadTarget]) -> None:
-    _check_file_sizes(storage, directory, manifest, {op.file for t in targets for op in t.ops})
 
 
 def _check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
