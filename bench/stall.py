@@ -12,8 +12,8 @@ For each state size, in the same process on the same model and optimizer:
 - ``dcp_async``: ``dcp.async_save`` with its default stager (stall = the call + waiting for the
   previous save before the next one);
 - ``dcp_async_bg``: ``dcp.async_save`` with one reused ``DefaultStager`` staging in the
-  background (the best CPU options: pinned/shared memory are unavailable without an
-  accelerator); stall also includes waiting for ``staging_completion`` before ``optimizer.step()``.
+  background (its best options: pinned memory and non-blocking copies with ``--device cuda``;
+  on the CPU, pinned/shared memory are unavailable); stall also includes waiting for ``staging_completion`` before ``optimizer.step()``.
 
 Reported per method: stall per save (median, max), end-to-end time and overhead vs ``none``,
 the step-time slowdown while a save is in flight (CPU stolen by the background writer), and for
@@ -21,6 +21,9 @@ the step-time slowdown while a save is in flight (CPU stolen by the background w
 
 ``--writers``: the thread-vs-process decision: one training loop while a *thread* writes and
 checksums a buffer, then while a separate *process* does the same; step slowdown and MB/s each.
+
+``--device cuda``: the model trains on the GPU (the case async saving is for: the writer's CPU
+time does not compete with the training step); trainguard stages into pinned memory.
 
 ``--quick``: ~240 MB of state (model + Adam), 16 steps of ~0.3 s, a save every 4: for
 development on a shared 2-core machine. Writes ``bench/results/stall.json``.
@@ -52,12 +55,12 @@ REPO = Path(__file__).resolve().parent.parent
 WIDTH = 1024
 
 
-def build(total_bytes: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(total_bytes: int, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     """An MLP whose fp32 parameters + Adam moments take about ``total_bytes``."""
     torch.manual_seed(0)
     layer = (WIDTH * WIDTH + WIDTH) * 4 * 3
     n = max(2, round(total_bytes / layer))
-    model = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())])
+    model = nn.Sequential(*[m for _ in range(n) for m in (nn.Linear(WIDTH, WIDTH), nn.ReLU())]).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
     return model, opt
 
@@ -67,20 +70,29 @@ class Loop:
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, step_s: float) -> None:
         self.model, self.opt, self.batch = model, opt, 16
+        self.device = next(model.parameters()).device
         for _ in range(3):
             self.step()  # creates Adam state, warms up the allocator and thread pool
-        for _ in range(2):  # calibrate twice: the first estimate is from a tiny batch
+        for _ in range(6):  # calibrate until close: the first estimates are from tiny batches
             t = statistics.median(self._timed() for _ in range(3))
-            self.batch = max(1, round(self.batch * step_s / t))
+            self.batch = max(1, round(self.batch * min(step_s / t, 50.0)))
+            if abs(t / step_s - 1) < 0.15:
+                break
         self.base = statistics.median(self._timed() for _ in range(3))
 
     def _timed(self) -> float:
         t0 = time.perf_counter()
         self.step()
+        self.sync()
         return time.perf_counter() - t0
 
+    def sync(self) -> None:
+        """Wait for the GPU's queued work, so step times are real (no-op on the CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def forward_backward(self) -> None:
-        x = torch.randn(self.batch, WIDTH)
+        x = torch.randn(self.batch, WIDTH, device=self.device)
         self.opt.zero_grad(set_to_none=False)
         self.model(x).square().mean().backward()
 
@@ -167,8 +179,9 @@ class DcpAsync(Method):
         if self.background:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+            gpu = next(model.parameters()).is_cuda  # pinned memory and non-blocking copies need CUDA
             self.stager = DefaultStager(StagingOptions(
-                use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False,
+                use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=gpu,
             ))
 
     def save(self, path: Path) -> float:
@@ -217,6 +230,7 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
     rss: list[int] = []
     proc = psutil.Process()
     saves: list[Path] = []
+    book = 0.0
     t_start = time.perf_counter()
     for i in range(1, steps + 1):
         t0 = time.perf_counter()
@@ -225,27 +239,37 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         waited = m.before_step() if m is not None else 0.0
         hook0 = m.hook_wait() if isinstance(m, TgAsync) else 0.0
         loop.opt.step()
+        loop.sync()
         if isinstance(m, TgAsync):
             waited += m.hook_wait() - hook0
         if stalls and waited:
             stalls[-1] += waited
         step_times.append((time.perf_counter() - t0 - waited, flying))
-        if m is not None and i % every == 0:
+        if m is not None and i % every == 0 and i < steps:  # no save after the last step: see below
             path = tmp / f"{m.name}-{i:06d}"
             stalls.append(m.save(path))
             saves.append(path)
+            t_book = time.perf_counter()
             if len(saves) > 2:  # keep the disk bounded; the oldest is committed by now
                 shutil.rmtree(saves.pop(0), ignore_errors=True)
             rss.append(proc.memory_info().rss)
+            book += time.perf_counter() - t_book  # the bench's own housekeeping: not counted
+    # The run's time ends with its last step: waiting for the last save to drain is not time the
+    # training loop lost (a real run keeps training meanwhile), so it is reported apart.
+    total = time.perf_counter() - t_start - book
+    t_drain = time.perf_counter()
     if m is not None:
         m.finish()
-    total = time.perf_counter() - t_start
+    drain = time.perf_counter() - t_drain
     for p in saves:
         shutil.rmtree(p, ignore_errors=True)
     quiet = [t for t, f in step_times if not f] or [loop.base]
     busy = [t for t, f in step_times if f]
     out: dict[str, Any] = {
         "total_s": total,
+        "drain_s": drain,
+        "housekeeping_s": book,
+        "step_s": [round(t, 4) for t, _ in step_times],
         "stalls_s": stalls,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         "stall_max_s": max(stalls) if stalls else 0.0,
@@ -348,6 +372,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--every", type=int, default=10)
     p.add_argument("--methods", default="tg_async,dcp_async,dcp_async_bg,tg_sync")
     p.add_argument("--rounds", type=int, default=2, help="interleaved repetitions of every method")
+    p.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda (pinned staging)")
     p.add_argument("--writers", action="store_true", help="also measure thread vs process writer")
     p.add_argument("--tmp", type=Path, default=REPO / "bench" / ".tmp")
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "stall.json")
@@ -367,7 +392,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"config": {k: str(v) for k, v in vars(a).items()}, "sizes": {}}
     try:
         for gb in [float(x) for x in a.gb.split(",")]:
-            model, opt = build(int(gb * 1e9))
+            model, opt = build(int(gb * 1e9), a.device)
             loop = Loop(model, opt, a.step_s)
             nbytes = sum(p.nbytes for p in model.parameters()) * 3
             r: dict[str, Any] = {"state_bytes": nbytes, "batch": loop.batch, "base_step_s": loop.base}
