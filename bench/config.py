@@ -9,7 +9,8 @@ from pathlib import Path
 ALL_STATES = ("100mb", "gpt", "small10k", "ddp")
 QUICK_STATES = ("100mb",)
 # Every method, in run order (bench.methods holds them and checks this list against itself).
-METHOD_NAMES = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "memcpy",
+METHOD_NAMES = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "raw_d2",
+                "memcpy",
                 "dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async")
 
 

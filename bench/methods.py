@@ -14,7 +14,7 @@ from .base import AsyncHandle, AsyncMethod, Ctx, LoadVariant, SyncMethod
 from .config import METHOD_NAMES, wanted
 from .methods_basic import SAFETENSORS, TORCH_SAVE
 from .methods_dcp import DCP_ASYNC, DCP_ASYNC_BG, DCP_ASYNC_REUSE, DCP_T1, DCP_T2
-from .methods_raw import RAW_1, RAW_2
+from .methods_raw import RAW_1, RAW_2, RAW_D2
 from .states import State
 
 _STEP_DIR = "step-000000001"
@@ -66,7 +66,7 @@ TRAINGUARD_ASYNC = AsyncMethod(
     how="tg.save(step_dir, state, async_=True); training waits for handle.staged() before mutating",
 )
 
-SYNC: tuple[SyncMethod, ...] = (TORCH_SAVE, SAFETENSORS, DCP_T1, DCP_T2, TRAINGUARD, RAW_1, RAW_2)
+SYNC: tuple[SyncMethod, ...] = (TORCH_SAVE, SAFETENSORS, DCP_T1, DCP_T2, TRAINGUARD, RAW_1, RAW_2, RAW_D2)
 ASYNC: tuple[AsyncMethod, ...] = (DCP_ASYNC, DCP_ASYNC_REUSE, DCP_ASYNC_BG, TRAINGUARD_ASYNC)
 MEMCPY = "memcpy"
 TRAINGUARD_NAMES = ("trainguard", "trainguard_async")

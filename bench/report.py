@@ -25,7 +25,7 @@ METRICS = {
 }
 TIME_METRIC = {"save": "seconds", "load_hot": "seconds", "load_cold": "seconds", "copy": "seconds",
                "async": "stall_s"}
-LIMIT_SOURCES = ("raw_1", "raw_2")
+LIMIT_SOURCES = ("raw_1", "raw_2", "raw_d2")
 
 
 def stats(by_round: dict[int, float]) -> dict[str, object]:

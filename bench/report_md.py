@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-LIMIT_LABEL = "limit: best of raw_1 / raw_2"
+LIMIT_LABEL = "limit: best of raw_1 / raw_2 / raw_d2"
 
 
 def _s(x: float | None) -> str:
@@ -209,7 +209,7 @@ def _methods(doc: dict) -> list[str]:
         if d.get("multi_rank"):
             line += f". 2 ranks: {d['multi_rank']}"
         out.append(line + ".")
-    return out + ["- `limit`: per round, the faster of `raw_1` and `raw_2`.", ""]
+    return out + ["- `limit`: per round, the fastest of `raw_1`, `raw_2` and `raw_d2` (O_DIRECT).", ""]
 
 
 def markdown(doc: dict) -> str:

@@ -15,7 +15,11 @@ For each state size, in the same process on the same model and optimizer:
   background (its best options: pinned memory and non-blocking copies with ``--device cuda``;
   on the CPU, pinned/shared memory are unavailable); stall also includes waiting for ``staging_completion`` before ``optimizer.step()``.
 
-Reported per method: stall per save (median, max), end-to-end time and overhead vs ``none``,
+Each method's first save (buffer allocation, pinned memory) is made and timed apart before its
+timed run; the run ends with its last step (the last save's drain is reported apart).
+
+Reported per method: stall per save (median, max), end-to-end time and overhead vs ``none``
+(round by round), the cost per save (extra seconds of the run per save),
 the step-time slowdown while a save is in flight (CPU stolen by the background writer), and for
 ``tg_async`` the RSS after each save (growth over the run) and the staging pool's size.
 
@@ -223,8 +227,32 @@ class DcpAsyncBg(DcpAsync):
     background = True
 
 
+def first_save(m: Method, loop: Loop, every: int, tmp: Path) -> dict[str, Any]:
+    """The method's first save (allocations of staging buffers, pinned memory, imports), with
+    ``every`` steps overlapping it, then drained: reported apart from the steady state."""
+    path = tmp / f"{m.name}-first"
+    call = m.save(path)
+    t0 = time.perf_counter()
+    waited = 0.0
+    for _ in range(every):
+        loop.forward_backward()
+        waited += m.before_step()
+        hook0 = m.hook_wait() if isinstance(m, TgAsync) else 0.0
+        loop.opt.step()
+        loop.sync()
+        if isinstance(m, TgAsync):
+            waited += m.hook_wait() - hook0
+    steps = time.perf_counter() - t0
+    m.finish()
+    shutil.rmtree(path, ignore_errors=True)
+    return {"stall_s": call + waited, "steps_extra_s": steps - waited - every * loop.base}
+
+
 def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) -> dict[str, Any]:
-    """``steps`` training steps, a save after every ``every``-th; per-save stall and step times."""
+    """``steps`` training steps, a save after every ``every``-th; per-save stall and step times.
+    The first save of each method is made and timed apart before (``first_save``)."""
+    first = first_save(m, loop, every, tmp) if m is not None else None
+    m = type(m)(m.model, m.opt) if m is not None else None  # no state carried over but the library's own
     stalls: list[float] = []
     step_times: list[tuple[float, bool]] = []
     rss: list[int] = []
@@ -266,6 +294,8 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
     quiet = [t for t, f in step_times if not f] or [loop.base]
     busy = [t for t, f in step_times if f]
     out: dict[str, Any] = {
+        "first_save": first,
+        "saves": len(stalls),
         "total_s": total,
         "drain_s": drain,
         "housekeeping_s": book,
@@ -404,7 +434,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     runs[name].append(run_method(m, loop, a.steps, a.every, tmp))
             for name in names:
                 r[name] = _combine(runs[name])
-                r[name]["overhead"] = r[name]["total_s"] / r["none"]["total_s"] - 1
+                # Pair round i of the method with round i of no checkpoints (load drifts on a shared machine).
+                pairs = list(zip(runs[name], runs["none"]))
+                r[name]["overhead"] = statistics.median(a["total_s"] / b["total_s"] - 1 for a, b in pairs)
+                if name != "none":
+                    r[name]["cost_per_save_s"] = statistics.median((a["total_s"] - b["total_s"]) / max(a["saves"], 1) for a, b in pairs)
+                    r[name]["first_save"] = runs[name][0]["first_save"]
             pool = default_pool()
             r["tg_pool"] = {"capacity_mb": pool.capacity / 2**20, "allocations": pool.allocations}
             if "tg_async" in r and "dcp_async" in r and r["dcp_async"]["stall_median_s"]:
@@ -424,13 +459,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def _print(gb: float, r: dict[str, Any]) -> None:
     print(f"\n== {r['state_bytes'] / 1e9:.2f} GB state, step {r['base_step_s']:.3f} s (batch {r['batch']})")
-    print(f"{'method':<14}{'stall med':>10}{'stall max':>10}{'total s':>9}{'overhead':>9}{'step busy/quiet':>17}")
+    print(f"{'method':<14}{'stall med':>10}{'stall max':>10}{'total s':>9}{'overhead':>9}{'cost/save s':>12}"
+          f"{'step busy/quiet':>17}{'first save: stall, steps +s':>30}")
     for k, v in r.items():
         if isinstance(v, dict) and "total_s" in v:
             busy = v["step_in_flight_median_s"]
             ratio = f"{busy / v['step_quiet_median_s']:.2f}" if busy else "-"
+            first = v.get("first_save")
+            first_s = f"{first['stall_s']:.3f}, {first['steps_extra_s']:+.3f}" if first else "-"
+            cost = v.get("cost_per_save_s")
             print(f"{k:<14}{v['stall_median_s']:>10.4f}{v['stall_max_s']:>10.4f}{v['total_s']:>9.2f}"
-                  f"{v.get('overhead', 0.0):>9.1%}{ratio:>17}")
+                  f"{v.get('overhead', 0.0):>9.1%}{'-' if cost is None else f'{cost:.3f}':>12}{ratio:>17}{first_s:>30}")
     if "tg_vs_dcp_stall" in r:
         print(f"tg_async stall / dcp_async stall = {r['tg_vs_dcp_stall']:.1%}")
     if "rss_after_saves_mb" in r.get("tg_async", {}):

@@ -36,8 +36,9 @@ from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import layout_file
+from .planner import PAGE, PAGE_ALIGN_FROM, layout_file
 from .storage import Storage, for_path
+from .storage.local import buffer_address
 
 
 def save(
@@ -284,7 +285,8 @@ def _write_streams(
     jobs = []
     for g in groups:
         idx = [i for i, s in enumerate(streams) if s == g]
-        offs, size = layout_file([len(cpu[i]) for i in idx])
+        phases = [_phase(cpu[i]) for i in idx]
+        offs, size = layout_file([len(cpu[i]) for i in idx], phases=phases)
         for i, o in zip(idx, offs):
             offsets[i] = o
         name = layout_mod.data_file(rank, g)
@@ -308,6 +310,12 @@ def _write_streams(
                 f.result()
     return offsets, sums, names, files
 
+
+
+def _phase(view: memoryview) -> int | None:
+    """Where a chunk's memory starts within a page (see ``planner.layout_file``)."""
+    addr = buffer_address(view) if len(view) >= PAGE_ALIGN_FROM else None
+    return None if addr is None else addr % PAGE
 
 
 def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int) -> list[list[str]]:

@@ -46,7 +46,7 @@ from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import Box
-from .stage import StagingPool, _round_up, copy_into, default_pool
+from .stage import StagingPool, _round_up, copy_into, default_pool, slot_room, slot_start
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -194,7 +194,7 @@ def _stage_background(job: _Job, todo: list[tuple[int, torch.Tensor, bool]]) -> 
         streams[idx] = s
     srcs = [(i, _as_bytes(t), ready) for i, t, ready in todo]
     sizes = [b.numel() for _, b, ready in srcs if not ready]
-    room = job.pool.background_bytes(sum(map(_round_up, sizes)), max(sizes, default=0), block=DEFAULT_BLOCK)
+    room = job.pool.background_bytes(slot_room(sizes), max(sizes, default=0), block=DEFAULT_BLOCK)
     buf = job.pool.buffer(room)
     h = job.handle
     batch: Batch = []
@@ -205,6 +205,9 @@ def _stage_background(job: _Job, todo: list[tuple[int, torch.Tensor, bool]]) -> 
             batch.append((i, 0, src))
             continue
         while start < n:
+            # Large chunks start on a page in the file (planner.layout_file) and their pieces on a
+            # block: on a page here too, so the writer can send them with O_DIRECT.
+            pos = min(slot_start(pos, n), room)
             free = max(room - pos, 0)
             # A piece of a split chunk starts on a checksum block of its chunk.
             piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK

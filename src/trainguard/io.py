@@ -27,7 +27,7 @@ SMALL = 1 << 20  # chunks below this are coalesced
 DEFAULT_BLOCK = 4 << 20  # checksum granularity
 STREAMS = 2
 
-_COUNTERS = {"bytes_read": 0, "bytes_written": 0}
+_COUNTERS = {"bytes_read": 0, "bytes_written": 0, "bytes_direct": 0}
 _COUNTERS_LOCK = threading.Lock()
 
 
@@ -35,7 +35,8 @@ def counters() -> dict[str, int]:
     """This process's running totals of checkpoint bytes read and written (a debug counter).
 
     ``read_targets`` adds what it reads (checksum widening included), ``write_file`` what it
-    writes; take the difference around a ``load`` to see how many bytes this rank read.
+    writes (``bytes_direct``: the part that went through O_DIRECT); take the difference around
+    a ``load`` to see how many bytes this rank read.
     """
     with _COUNTERS_LOCK:
         return dict(_COUNTERS)
@@ -65,18 +66,30 @@ class WriteChunk:
         return len(self.data)
 
 
+PAGE_ALIGN = 4096  # coalescing buffers start on a page: their pages can go through direct I/O
+
+
+def aligned_empty(nbytes: int, align: int = PAGE_ALIGN) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose first byte is ``align``-aligned."""
+    raw = torch.empty(nbytes + align, dtype=torch.uint8)
+    shift = -raw.data_ptr() % align
+    return raw[shift : shift + nbytes]
+
+
 class _BufferPool:
-    """Reusable coalescing buffers: fresh memory is slow to fault in on these machines."""
+    """Reusable coalescing buffers (page-aligned): fresh memory is slow to fault in on these machines."""
 
     def __init__(self) -> None:
-        self._free: list[bytearray] = []
+        self._free: list[memoryview] = []
         self._lock = threading.Lock()
 
-    def get(self) -> bytearray:
+    def get(self) -> memoryview:
         with self._lock:
-            return self._free.pop() if self._free else bytearray(COALESCE)
+            if self._free:
+                return self._free.pop()
+        return tensor_bytes(aligned_empty(COALESCE + PAGE_ALIGN))
 
-    def put(self, b: bytearray) -> None:
+    def put(self, b: memoryview) -> None:
         with self._lock:
             if len(self._free) < 4:
                 self._free.append(b)
@@ -132,7 +145,8 @@ def _small_task(idx: list[int]) -> Callable[..., None]:
         end = chunks[idx[-1]].offset + chunks[idx[-1]].length
         buf = _POOL.get()
         try:
-            view = memoryview(buf)
+            # Bytes sit at the same position modulo a page as in the file: whole pages can go direct.
+            view = buf[base % PAGE_ALIGN :]
             for i in idx:
                 c = chunks[i]
                 rel = c.offset - base
@@ -155,12 +169,13 @@ def write_file(
     block: int = DEFAULT_BLOCK,
     streams: int = STREAMS,
     fault: Callable[[str], None] | None = None,
+    direct: bool = True,
 ) -> list[list[str]]:
     """Write every chunk into a new file of ``size`` bytes, fsync it, and return the per-block
     checksums of each chunk (in the order given). Gaps between chunks are left as holes.
 
     The sync save path (``api._write_rank``): chunks point straight into tensor memory."""
-    return write_batches(storage, path, [chunks], size, block=block, streams=streams, fault=fault)
+    return write_batches(storage, path, [chunks], size, block=block, streams=streams, fault=fault, direct=direct)
 
 
 def write_batches(
@@ -172,8 +187,13 @@ def write_batches(
     block: int = DEFAULT_BLOCK,
     streams: int = STREAMS,
     fault: Callable[[str], None] | None = None,
+    direct: bool = True,
 ) -> list[list[str]]:
     """Like :func:`write_file`, for chunks produced in batches (the async path's capped staging).
+
+    ``direct``: on storage that offers it (local files), whole pages of a chunk whose memory
+    address and file offset agree modulo a page are written with O_DIRECT (see
+    ``storage.local``); the planner places large chunks so that they agree.
 
     Each batch is written completely (2 streams, 64 MiB pieces, small chunks coalesced) before
     the next one is requested from ``batches``, so a producer may reuse one batch's buffers for
@@ -186,7 +206,7 @@ def write_batches(
     """
     sums: list[list[str]] = []
     total = 0
-    w = storage.open_write(path)
+    w = storage.open_write(path, direct=True) if direct and getattr(storage, "direct_io", False) else storage.open_write(path)
     it = iter(batches)
     try:
         if fault:
@@ -215,6 +235,7 @@ def write_batches(
         _close(it)
         raise
     _count("bytes_written", total)
+    _count("bytes_direct", getattr(w, "direct_bytes", 0))
     return sums
 
 

@@ -107,12 +107,27 @@ def assign_replicated(
     return out
 
 
-def layout_file(sizes: Sequence[int], start: int = 0) -> tuple[list[int], int]:
-    """Byte offsets for consecutive chunks of the given sizes in one file, and the file size."""
+def layout_file(
+    sizes: Sequence[int], start: int = 0, phases: Sequence[int | None] | None = None
+) -> tuple[list[int], int]:
+    """Byte offsets for consecutive chunks of the given sizes in one file, and the file size.
+
+    Large chunks start on a page, or, when ``phases[i]`` is given (the chunk's memory address
+    modulo a page, a multiple of 64), at that position within a page: memory and file then
+    agree modulo a page and the chunk's whole pages can be written with O_DIRECT straight
+    from the tensor (``storage.local``). Offsets stay 64-aligned either way.
+    """
     offsets = []
     pos = start
-    for n in sizes:
-        pos = align_up(pos, PAGE if n >= PAGE_ALIGN_FROM else SMALL_ALIGN)
+    for i, n in enumerate(sizes):
+        phase = phases[i] if phases is not None else None
+        if n < PAGE_ALIGN_FROM:
+            pos = align_up(pos, SMALL_ALIGN)
+        elif phase is not None and phase % SMALL_ALIGN == 0:
+            pos = align_up(pos, SMALL_ALIGN)
+            pos += (phase - pos) % PAGE
+        else:
+            pos = align_up(pos, PAGE)
         offsets.append(pos)
         pos += n
     return offsets, pos

@@ -23,12 +23,28 @@ from collections.abc import Sequence
 import torch
 
 from .errors import CheckpointError
+from .io import aligned_empty
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
+PAGE = 4096  # large slots start on a page, like large chunks in the file: written with O_DIRECT
+LARGE = 1 << 20  # = planner.PAGE_ALIGN_FROM: chunks from this size start on a page in the file
 
 
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def slot_start(pos: int, nbytes: int) -> int:
+    """Where a slot of ``nbytes`` goes at or after ``pos``: on a page if large, else 64-aligned."""
+    return -(-pos // PAGE) * PAGE if nbytes >= LARGE else _round_up(pos)
+
+
+def slot_room(sizes: Sequence[int]) -> int:
+    """Bytes that slots of these sizes need, laid out one after another with ``slot_start``."""
+    end = 0
+    for n in sizes:
+        end = slot_start(end, n) + n
+    return _round_up(end)
 
 
 class StagingPool:
@@ -76,8 +92,8 @@ class StagingPool:
             offsets: list[int] = []
             end = 0
             for n in sizes:
-                offsets.append(end)
-                end += _round_up(n)
+                offsets.append(slot_start(end, n))
+                end = _round_up(offsets[-1] + n)
             self._grow("_sync", end)
             self._sync_used = end
             self._in_use = True
@@ -118,7 +134,10 @@ class StagingPool:
             return  # reuse: the steady state allocates nothing
         del arena
         setattr(self, name, None)  # drop the old arena before allocating the new one (peak = new size)
-        setattr(self, name, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin))
+        if self.pin:  # page-locked allocations start on a page
+            setattr(self, name, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        else:
+            setattr(self, name, aligned_empty(nbytes, PAGE))
         self.allocations += 1
 
     def release(self) -> None:

