@@ -77,8 +77,10 @@ def save_group(rank: int, world: int, root: str) -> dict:
     before = tg_io.counters()["bytes_written"]
     m = tg.save(f"{root}/step-000000002", state)
     written = tg_io.counters()["bytes_written"] - before
-    return {"written": written, "files": m.files, "saved": _cpu_state(state["model"].module, state["optim"]),
-            "rng": torch.get_rng_state()}
+    kind = type(m).__name__  # ranks > 0 get a LazyManifest: step and size without reading manifest.json
+    summary = (m.step, m.total_bytes, m.__dict__.get("_full") is None)  # read before .files below
+    return {"written": written, "files": m.files, "kind": kind, "summary": summary,
+            "saved": _cpu_state(state["model"].module, state["optim"]), "rng": torch.get_rng_state()}
 
 
 def resume_group(rank: int, world: int, root: str, more: int) -> dict:
@@ -121,6 +123,12 @@ def test_ddp_and_dtensor_saved_at_4_resume_at_2(tmp_path: Path) -> None:
     assert max(written) < 0.5 * rep_bytes, written  # not "rank 0 writes everything"
     ref = saved[0].value["saved"]
     assert all(_equal(r.value["saved"], ref) for r in saved)  # DDP kept the replicas identical
+    # Every rank's save() result: rank 0 the manifest it built, the others a lazy one that knew
+    # step and size before reading anything, and reads the same files on demand.
+    assert [r.value["kind"] for r in saved] == ["Manifest", "LazyManifest", "LazyManifest", "LazyManifest"]
+    assert all(r.value["summary"][:2] == (2, m.total_bytes) for r in saved)
+    assert all(r.value["summary"][2] for r in saved[1:])  # nothing read for step/total_bytes
+    assert all(r.value["files"] == m.files for r in saved)
 
     more = 2
     res = run_ranks(resume_group, 2, root, more, timeout=90, env={"TRAINGUARD_DEAD_AFTER": "3"})

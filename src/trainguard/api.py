@@ -175,6 +175,7 @@ def persist_and_commit(
             fault("before_manifest", ctx.rank)
             # Invariant: the manifest is written only after every rank reported its data durable.
             _commit(storage, parent, name, work, manifest, overwrite, save_id)
+            outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
         except RankFailureError as e:
             outcome = {"error": summary(e), "failures": e.failures}
         except Exception as e:
@@ -186,9 +187,30 @@ def persist_and_commit(
         raise failure(outcome["error"], {int(r): tb for r, tb in outcome["failures"].items()})
     if outcome.get("error"):
         raise CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
-    if manifest is None:
-        manifest = read_manifest(storage, storage.join(parent, name))
+    if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)
+        return LazyManifest(storage, storage.join(parent, name), outcome["step"], outcome["total_bytes"])  # type: ignore[return-value]
     return manifest
+
+
+class LazyManifest:
+    """What a save returns on ranks other than 0: ``step`` and ``total_bytes`` come with the
+    commit broadcast; anything else reads and validates ``manifest.json`` on first use."""
+
+    def __init__(self, storage: Storage, directory: str, step: int, total_bytes: int) -> None:
+        self.step = step
+        self.total_bytes = total_bytes
+        self._where = (storage, directory)
+        self._full: Manifest | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_where", "_full"):
+            raise AttributeError(name)
+        if self._full is None:
+            self._full = read_manifest(*self._where)
+        return getattr(self._full, name)
+
+    def __repr__(self) -> str:
+        return f"LazyManifest(step={self.step}, total_bytes={self.total_bytes}, directory={self._where[1]!r})"
 
 
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
