@@ -71,8 +71,8 @@ def test_async_save_writes_staged_pages_direct(tmp_path: Path):
 
 @pytest.mark.parametrize("refused_at", ["open", "write"])
 def test_kernel_refusing_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch, refused_at: str):
-    """Some filesystems (FUSE, older tmpfs) answer EINVAL to O_DIRECT at open, some devices at the
-    first write (alignment rules): the save then goes buffered and is whole."""
+    """Some filesystems (FUSE, tmpfs before Linux 6.6) answer EINVAL to O_DIRECT at open, some
+    devices at the first write (alignment rules): the save then goes buffered and is whole."""
     import errno
 
     from trainguard.storage import local
@@ -112,7 +112,7 @@ def test_writer_sends_only_whole_aligned_pages_direct(tmp_path: Path):
     buf.copy_(torch.randint(0, 255, (3 << 20,), dtype=torch.uint8))
     data = io.tensor_bytes(buf)
     w = LocalStorage().open_write(str(tmp_path / "f"), direct=True)
-    if w.dfd is None:
+    if not w.direct_ok:
         pytest.skip("this filesystem refuses O_DIRECT")
     w.pwrite(data[100:], 100 + 8192)  # agrees modulo a page
     assert w.direct_bytes and w.direct_bytes % DIRECT_ALIGN == 0 and w.direct_bytes < len(data) - 100

@@ -7,6 +7,7 @@ import errno
 import os
 import shutil
 import stat
+import threading
 
 from ..errors import DiskFullError
 
@@ -18,6 +19,9 @@ from ..errors import DiskFullError
 DIRECT_ALIGN = 4096  # memory address, file offset and length alignment (>= any device's logical block)
 DIRECT_MIN = 1 << 20  # smaller writes are not worth a second path
 _DIRECT_ENV = "TRAINGUARD_DIRECT_IO"  # "0" turns direct writes off (the buffered path stays)
+
+
+_LOCK = threading.Lock()
 
 
 def direct_io_enabled() -> bool:
@@ -40,7 +44,10 @@ class _LocalWriter:
     ``direct=True`` (io.write_batches asks for it): a write whose memory address and file
     offset agree modulo ``DIRECT_ALIGN`` sends its whole aligned pages through a second,
     O_DIRECT descriptor. Falls back to buffered writes, for good, when the filesystem refuses
-    O_DIRECT (tmpfs and some FUSE filesystems answer EINVAL).
+    O_DIRECT (some FUSE filesystems and tmpfs before Linux 6.6 answer EINVAL at open; some
+    devices refuse the first write). The O_DIRECT descriptor stays open until ``finish``/
+    ``abort`` even then: other threads may be writing through it, and a closed number can be
+    reused by the next ``open``.
     """
 
     def __init__(self, path: str, *, direct: bool = False) -> None:
@@ -52,12 +59,13 @@ class _LocalWriter:
                 self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
             except OSError:
                 self.dfd = None
+        self.direct_ok = self.dfd is not None
         self.direct_bytes = 0  # bytes that went through O_DIRECT (tests and benchmarks read it)
 
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         n = len(view)
-        if self.dfd is not None and n >= DIRECT_MIN:
+        if self.direct_ok and n >= DIRECT_MIN:
             addr = buffer_address(view)
             if addr is not None and (addr - offset) % DIRECT_ALIGN == 0:
                 head = -offset % DIRECT_ALIGN
@@ -84,14 +92,15 @@ class _LocalWriter:
                 got = os.pwrite(self.dfd, view[done:], offset + done)  # type: ignore[arg-type]
             except OSError as e:
                 if e.errno == errno.EINVAL and done == 0:
-                    self._close_direct()  # refused (alignment rules of this device): buffered from now on
+                    self.direct_ok = False  # refused (alignment rules of this device): buffered from now on
                     return False
                 raise _disk_error(e, self.path, n - done) from e
             if got % DIRECT_ALIGN:  # a short write off the grid: finish buffered
                 self._buffered(view[done + got :], offset + done + got)
                 got = n - done
             done += got
-        self.direct_bytes += n
+        with _LOCK:
+            self.direct_bytes += n
         return True
 
     def _close_direct(self) -> None:
