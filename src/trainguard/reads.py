@@ -1,0 +1,178 @@
+"""The read side's pieces and scheduler: read ops cut into block-aligned pieces that are read
+and checksummed one after the other, spread over a few threads.
+
+Called by ``io.read_targets`` (itself called by ``loader._load``, ``export`` and
+``consolidate``). Why pieces: a read op may cover a whole 100+ MB tensor. Reading it in one
+call and verifying afterwards reads every byte from DRAM twice (the copy out of the page
+cache, then the hash, long after the data left the caches). A piece of a few MiB is hashed
+right after it was read, while it is still in L2/L3, and two threads stealing pieces (not
+whole tensors) stay busy even when one tensor is most of the checkpoint.
+
+Scheduling: the pieces, in file order, are cut into one contiguous range per thread, of
+about equal bytes; each thread walks its own range front to back (sequential reads, good for
+readahead on a cold file) and, once done, steals pieces from the back of the range with the
+most bytes left.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from .errors import CorruptCheckpointError
+from .manifest import checksum
+from .planner import BlockCheck, ReadOp
+from .storage.base import FileReader
+
+
+class Piece:
+    """Read ``len(view)`` bytes at ``offset`` of ``reader`` into ``view``, then verify
+    ``checks`` (starts relative to ``view``); then call ``done`` (if any)."""
+
+    __slots__ = ("reader", "view", "offset", "checks", "op", "path", "done", "key")
+
+    def __init__(
+        self,
+        reader: FileReader,
+        view: memoryview,
+        offset: int,
+        checks: Sequence[BlockCheck],
+        op: ReadOp,
+        path: str,
+        done: Callable[[], None] | None,
+        key: tuple[str, int],
+    ) -> None:
+        self.reader, self.view, self.offset, self.checks = reader, view, offset, checks
+        self.op, self.path, self.done, self.key = op, path, done, key
+
+    def run(self) -> None:
+        self.reader.readinto(self.view, self.offset)
+        for c in self.checks:
+            if checksum(self.view[c.start : c.start + c.length]) != c.checksum:
+                raise corrupt(self.op, self.path, self.offset - self.op.offset + c.start, c.length)
+        if self.done is not None:
+            self.done()
+
+
+def corrupt(op: ReadOp, path: str, start: int, length: int) -> CorruptCheckpointError:
+    """The error for a checksum mismatch over ``length`` bytes at ``start`` within ``op``."""
+    a = op.offset + start
+    return CorruptCheckpointError(
+        f"{op.file}: checksum mismatch in tensor {path!r} (bytes {a}..{a + length}): the checkpoint is corrupt",
+        file=op.file,
+        entry=path,
+    )
+
+
+def split(
+    reader: FileReader,
+    mv: memoryview,
+    op: ReadOp,
+    path: str,
+    piece_bytes: int | None,
+    done: Callable[[], None] | None = None,
+) -> list[Piece]:
+    """Cut ``op`` (to be read into ``mv``, ``op.length`` bytes) into pieces of at most
+    ``piece_bytes`` (None: one piece), each ending on a checksum block boundary, so that every
+    block is verified by the piece that read it. A block larger than ``piece_bytes`` is one piece.
+
+    ``done``, if given, is called once, by whichever piece finishes last (the indirect reads'
+    copy out of their scratch buffer)."""
+    n = op.length
+    if not piece_bytes or n <= piece_bytes:
+        bounds = [(0, n, 0, len(op.checks))]
+    else:
+        bounds = []
+        checks = op.checks
+        if checks:
+            i = 0
+            while i < len(checks):
+                start, j = checks[i].start, i + 1
+                while j < len(checks) and checks[j].start + checks[j].length - start <= piece_bytes:
+                    j += 1
+                end = checks[j - 1].start + checks[j - 1].length
+                bounds.append((start, end, i, j))
+                i = j
+        else:
+            bounds = [(s, min(s + piece_bytes, n), 0, 0) for s in range(0, n, piece_bytes)]
+    finish = done
+    if done is not None and len(bounds) > 1:
+        finish = _countdown(len(bounds), done)
+    out = []
+    for start, end, i, j in bounds:
+        checks = op.checks[i:j]
+        if start:
+            checks = tuple(BlockCheck(c.start - start, c.length, c.checksum) for c in checks)
+        out.append(Piece(reader, mv[start:end], op.offset + start, checks, op, path, finish, (op.file, op.offset + start)))
+    return out
+
+
+def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
+    left = [n]
+    lock = threading.Lock()
+
+    def one() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            done()
+
+    return one
+
+
+def run(pieces: list[Piece], streams: int) -> None:
+    """Run every piece on ``streams`` threads (see the module docstring); re-raises the first
+    error in the caller's thread, after the other threads stopped taking pieces."""
+    if not pieces:
+        return
+    pieces.sort(key=lambda p: p.key)
+    if streams <= 1 or len(pieces) == 1:
+        for p in pieces:
+            p.run()
+        return
+    total = sum(len(p.view) for p in pieces)
+    queues: list[deque[Piece]] = [deque() for _ in range(streams)]
+    left = [0] * streams
+    acc = 0
+    for p in pieces:
+        k = min(streams - 1, acc * streams // total) if total else 0
+        queues[k].append(p)
+        left[k] += len(p.view)
+        acc += len(p.view)
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def take(k: int) -> Piece | None:
+        with lock:
+            if queues[k]:
+                p = queues[k].popleft()
+                left[k] -= len(p.view)
+                return p
+            victim = max(range(streams), key=lambda i: left[i])
+            if not queues[victim]:
+                return None
+            p = queues[victim].pop()
+            left[victim] -= len(p.view)
+            return p
+
+    def worker(k: int) -> None:
+        while not errors:
+            p = take(k)
+            if p is None:
+                return
+            try:
+                p.run()
+            except BaseException as e:  # re-raised in the caller's thread
+                errors.append(e)
+                return
+
+    with ThreadPoolExecutor(max_workers=streams - 1, thread_name_prefix="trainguard-read") as ex:
+        futures = [ex.submit(worker, k) for k in range(1, streams)]
+        worker(0)
+        for f in futures:
+            f.result()
+    if errors:
+        raise errors[0]
