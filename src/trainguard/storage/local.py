@@ -9,7 +9,6 @@ import shutil
 import stat
 
 from ..errors import DiskFullError
-from . import _pagecache
 
 READ_PIECE = 4 << 20  # bytes per read call of a load: fits the L3 cache twice over (2 streams)
 
@@ -81,59 +80,30 @@ def _open_regular(path: str) -> int:
 
 
 class _LocalReader:
-    """Reads of one checkpoint file (``io.read_targets``, from its reader threads).
-
-    Pieces whose pages are not in the page cache (a cold load) are read with O_DIRECT into a
-    per-thread aligned bounce buffer and copied into place: filling the page cache costs more
-    CPU than the read itself on some machines (fresh pages), and a checkpoint read once gains
-    nothing from it. Cached pieces (a hot load) are read the ordinary way. Either way the
-    bytes are the file's bytes; O_DIRECT refused (tmpfs, some FUSE mounts): ordinary reads.
-    """
-
     #: ``io.read_targets`` reads at most this many bytes per call (block-aligned pieces,
     #: checksummed right after they are read, while still in cache).
     piece_bytes = READ_PIECE
-    #: Read uncached pieces with O_DIRECT (see the class docstring); tests may turn it off.
-    direct = True
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = _open_regular(path)
-        self._dfd = -1  # O_DIRECT descriptor, opened when some of the file is not cached
-        if self.direct and _pagecache.cached_fraction(self.fd) < 1.0:
-            self._dfd = _pagecache.open_direct(self.fd)
-        self._use_direct = self._dfd >= 0
 
     def readinto(self, buf: memoryview, offset: int) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        n = len(view)
-        if self._use_direct and n >= _pagecache.ALIGN and not _pagecache.cached(self.fd, offset, n):
-            try:
-                _pagecache.read_direct(self._dfd, view, offset, self._truncated)
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                self._use_direct = False  # alignment refused after all: ordinary reads from now on
-        done = 0
+        done, n = 0, len(view)
         while done < n:
             got = os.preadv(self.fd, [view[done:]], offset + done)
             if got == 0:
-                raise self._truncated(n, offset, done)
+                from ..errors import CorruptCheckpointError
+
+                raise CorruptCheckpointError(
+                    f"{self.path}: truncated: wanted {n} bytes at offset {offset}, file ended after {done}",
+                    file=os.path.basename(self.path),
+                )
             done += got
-
-    def _truncated(self, n: int, offset: int, done: int) -> Exception:
-        from ..errors import CorruptCheckpointError
-
-        return CorruptCheckpointError(
-            f"{self.path}: truncated: wanted {n} bytes at offset {offset}, file ended after {done}",
-            file=os.path.basename(self.path),
-        )
 
     def close(self) -> None:
         os.close(self.fd)
-        if self._dfd >= 0:
-            os.close(self._dfd)
 
 
 class LocalStorage:
