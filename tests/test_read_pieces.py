@@ -98,8 +98,9 @@ def test_split_covers_the_op_and_verifies_each_block_once(piece: int | None) -> 
     for p in pieces:
         assert p.offset == op.offset + pos
         assert piece is None or len(p.view) <= max(piece, BLOCK + 100)
-        seen += [(pos + c.start, c.length, c.checksum) for c in p.checks]
-        assert all(c.start + c.length <= len(p.view) for c in p.checks)
+        assert p.base == pos
+        seen += [(c.start, c.length, c.checksum) for c in p.checks]
+        assert all(pos <= c.start and c.start + c.length <= pos + len(p.view) for c in p.checks)
         pos += len(p.view)
     assert pos == length
     assert seen == [(c.start, c.length, c.checksum) for c in checks]

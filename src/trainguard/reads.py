@@ -29,29 +29,33 @@ from .storage.base import FileReader
 
 class Piece:
     """Read ``len(view)`` bytes at ``offset`` of ``reader`` into ``view``, then verify
-    ``checks`` (starts relative to ``view``); then call ``done`` (if any)."""
+    ``checks`` (their starts are relative to the op: ``base`` bytes before ``view``); then
+    call ``done`` (if any)."""
 
-    __slots__ = ("reader", "view", "offset", "checks", "op", "path", "done", "key")
+    __slots__ = ("reader", "view", "offset", "base", "checks", "op", "path", "done", "key")
 
     def __init__(
         self,
         reader: FileReader,
         view: memoryview,
-        offset: int,
+        base: int,
         checks: Sequence[BlockCheck],
         op: ReadOp,
         path: str,
         done: Callable[[], None] | None,
-        key: tuple[str, int],
     ) -> None:
-        self.reader, self.view, self.offset, self.checks = reader, view, offset, checks
-        self.op, self.path, self.done, self.key = op, path, done, key
+        self.reader, self.view, self.base, self.checks = reader, view, base, checks
+        self.op, self.path, self.done = op, path, done
+        self.offset = op.offset + base
+        self.key = (op.file, self.offset)
 
     def run(self) -> None:
         self.reader.readinto(self.view, self.offset)
+        base = self.base
         for c in self.checks:
-            if checksum(self.view[c.start : c.start + c.length]) != c.checksum:
-                raise corrupt(self.op, self.path, self.offset - self.op.offset + c.start, c.length)
+            s = c.start - base
+            if checksum(self.view[s : s + c.length]) != c.checksum:
+                raise corrupt(self.op, self.path, c.start, c.length)
         if self.done is not None:
             self.done()
 
@@ -100,13 +104,7 @@ def split(
     finish = done
     if done is not None and len(bounds) > 1:
         finish = _countdown(len(bounds), done)
-    out = []
-    for start, end, i, j in bounds:
-        checks = op.checks[i:j]
-        if start:
-            checks = tuple(BlockCheck(c.start - start, c.length, c.checksum) for c in checks)
-        out.append(Piece(reader, mv[start:end], op.offset + start, checks, op, path, finish, (op.file, op.offset + start)))
-    return out
+    return [Piece(reader, mv[start:end], start, op.checks[i:j], op, path, finish) for start, end, i, j in bounds]
 
 
 def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
