@@ -96,11 +96,10 @@ def test_split_covers_the_op_and_verifies_each_block_once(piece: int | None) -> 
     pieces = reads.split(None, mv, op, "x", piece)  # type: ignore[arg-type]
     pos, seen = 0, []
     for p in pieces:
-        assert p.offset == op.offset + pos
-        assert piece is None or len(p.view) <= max(piece, BLOCK + 100)
-        assert p.base == pos
+        assert p.base == pos and p.key == ("f", op.offset + pos)
+        assert piece is None or p.length <= max(piece, BLOCK + 100)
         seen += [(c.start, c.length, c.checksum) for c in p.checks]
-        assert all(pos <= c.start and c.start + c.length <= pos + len(p.view) for c in p.checks)
-        pos += len(p.view)
+        assert all(p.base <= c.start and c.start + c.length <= p.end for c in p.checks)
+        pos = p.end
     assert pos == length
     assert seen == [(c.start, c.length, c.checksum) for c in checks]

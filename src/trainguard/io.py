@@ -312,8 +312,33 @@ def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview |
     if op.dest_byte is not None:
         assert dest is not None
         return reads.split(reader, dest[op.dest_byte : op.dest_byte + op.length], op, t.path, size)
-    scratch = torch.empty(op.length, dtype=torch.uint8)
-    return reads.split(reader, tensor_bytes(scratch), op, t.path, size, lambda: _scatter(scratch, t, op))
+    scratch = _Scratch(op.length)
+    return reads.split(reader, scratch.get, op, t.path, size, lambda: _scatter(scratch.release(), t, op))
+
+
+class _Scratch:
+    """An indirect op's scratch buffer: allocated by the first of its pieces to run, dropped
+    once its elements are copied out, so only the ops being read hold one (not every op of a
+    resharding load at once)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.t: torch.Tensor | None = None
+        self.mv: memoryview | None = None
+        self.lock = threading.Lock()
+
+    def get(self) -> memoryview:
+        with self.lock:
+            if self.mv is None:
+                self.t = torch.empty(self.n, dtype=torch.uint8)
+                self.mv = tensor_bytes(self.t)
+            return self.mv
+
+    def release(self) -> torch.Tensor:
+        with self.lock:
+            t, self.t, self.mv = self.t, None, None
+        assert t is not None
+        return t
 
 
 def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:

@@ -26,35 +26,40 @@ from .manifest import checksum
 from .planner import BlockCheck, ReadOp
 from .storage.base import FileReader
 
+Buffer = memoryview | Callable[[], memoryview]
+
 
 class Piece:
-    """Read ``len(view)`` bytes at ``offset`` of ``reader`` into ``view``, then verify
-    ``checks`` (their starts are relative to the op: ``base`` bytes before ``view``); then
-    call ``done`` (if any)."""
+    """Read bytes ``[base, end)`` of op ``op`` into the same bytes of ``buf`` (the op's whole
+    buffer, or a function returning it: indirect ops allocate their scratch buffer only when
+    a piece runs), then verify ``checks`` (starts relative to the op); then call ``done``."""
 
-    __slots__ = ("reader", "view", "offset", "base", "checks", "op", "path", "done", "key")
+    __slots__ = ("reader", "buf", "base", "end", "checks", "op", "path", "done", "key")
 
     def __init__(
         self,
         reader: FileReader,
-        view: memoryview,
+        buf: Buffer,
         base: int,
+        end: int,
         checks: Sequence[BlockCheck],
         op: ReadOp,
         path: str,
         done: Callable[[], None] | None,
     ) -> None:
-        self.reader, self.view, self.base, self.checks = reader, view, base, checks
+        self.reader, self.buf, self.base, self.end, self.checks = reader, buf, base, end, checks
         self.op, self.path, self.done = op, path, done
-        self.offset = op.offset + base
-        self.key = (op.file, self.offset)
+        self.key = (op.file, op.offset + base)
+
+    @property
+    def length(self) -> int:
+        return self.end - self.base
 
     def run(self) -> None:
-        self.reader.readinto(self.view, self.offset)
-        base = self.base
+        buf = self.buf if isinstance(self.buf, memoryview) else self.buf()
+        self.reader.readinto(buf[self.base : self.end], self.op.offset + self.base)
         for c in self.checks:
-            s = c.start - base
-            if checksum(self.view[s : s + c.length]) != c.checksum:
+            if checksum(buf[c.start : c.start + c.length]) != c.checksum:
                 raise corrupt(self.op, self.path, c.start, c.length)
         if self.done is not None:
             self.done()
@@ -72,13 +77,13 @@ def corrupt(op: ReadOp, path: str, start: int, length: int) -> CorruptCheckpoint
 
 def split(
     reader: FileReader,
-    mv: memoryview,
+    buf: Buffer,
     op: ReadOp,
     path: str,
     piece_bytes: int | None,
     done: Callable[[], None] | None = None,
 ) -> list[Piece]:
-    """Cut ``op`` (to be read into ``mv``, ``op.length`` bytes) into pieces of at most
+    """Cut ``op`` (to be read into ``buf``, ``op.length`` bytes) into pieces of at most
     ``piece_bytes`` (None: one piece), each ending on a checksum block boundary, so that every
     block is verified by the piece that read it. A block larger than ``piece_bytes`` is one piece.
 
@@ -104,7 +109,7 @@ def split(
     finish = done
     if done is not None and len(bounds) > 1:
         finish = _countdown(len(bounds), done)
-    return [Piece(reader, mv[start:end], start, op.checks[i:j], op, path, finish) for start, end, i, j in bounds]
+    return [Piece(reader, buf, start, end, op.checks[i:j], op, path, finish) for start, end, i, j in bounds]
 
 
 def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
@@ -131,15 +136,15 @@ def run(pieces: list[Piece], streams: int) -> None:
         for p in pieces:
             p.run()
         return
-    total = sum(len(p.view) for p in pieces)
+    total = sum(p.length for p in pieces)
     queues: list[deque[Piece]] = [deque() for _ in range(streams)]
     left = [0] * streams
     acc = 0
     for p in pieces:
         k = min(streams - 1, acc * streams // total) if total else 0
         queues[k].append(p)
-        left[k] += len(p.view)
-        acc += len(p.view)
+        left[k] += p.length
+        acc += p.length
     lock = threading.Lock()
     errors: list[BaseException] = []
 
@@ -147,13 +152,13 @@ def run(pieces: list[Piece], streams: int) -> None:
         with lock:
             if queues[k]:
                 p = queues[k].popleft()
-                left[k] -= len(p.view)
+                left[k] -= p.length
                 return p
             victim = max(range(streams), key=lambda i: left[i])
             if not queues[victim]:
                 return None
             p = queues[victim].pop()
-            left[victim] -= len(p.view)
+            left[victim] -= p.length
             return p
 
     def worker(k: int) -> None:
