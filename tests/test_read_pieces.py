@@ -103,3 +103,11 @@ def test_split_covers_the_op_and_verifies_each_block_once(piece: int | None) -> 
         pos = p.end
     assert pos == length
     assert seen == [(c.start, c.length, c.checksum) for c in checks]
+
+
+def test_split_reads_an_op_whose_checks_do_not_tile_it_as_one_piece() -> None:
+    box = Box((0,), (3 * BLOCK,))
+    checks = (BlockCheck(0, BLOCK, "a"), BlockCheck(2 * BLOCK, BLOCK, "c"))  # a gap: not from plan_reads
+    op = ReadOp("f", 0, 3 * BLOCK, 0, box, box, 0, checks, 0)
+    pieces = reads.split(None, memoryview(bytearray(3 * BLOCK)), op, "x", BLOCK)  # type: ignore[arg-type]
+    assert [(p.base, p.end, len(p.checks)) for p in pieces] == [(0, 3 * BLOCK, 2)]

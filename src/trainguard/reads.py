@@ -90,7 +90,7 @@ def split(
     ``done``, if given, is called once, by whichever piece finishes last (the indirect reads'
     copy out of their scratch buffer)."""
     n = op.length
-    if not piece_bytes or n <= piece_bytes:
+    if not piece_bytes or n <= piece_bytes or (op.checks and not _tiles(op.checks, n)):
         bounds = [(0, n, 0, len(op.checks))]
     else:
         bounds = []
@@ -110,6 +110,17 @@ def split(
     if done is not None and len(bounds) > 1:
         finish = _countdown(len(bounds), done)
     return [Piece(reader, buf, start, end, op.checks[i:j], op, path, finish) for start, end, i, j in bounds]
+
+
+def _tiles(checks: Sequence[BlockCheck], n: int) -> bool:
+    """Whether the checked blocks cover ``[0, n)`` exactly, in order (as ``plan_reads`` makes
+    them); pieces are cut along them, so any other shape is read as one piece."""
+    pos = 0
+    for c in checks:
+        if c.start != pos:
+            return False
+        pos += c.length
+    return pos == n
 
 
 def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
