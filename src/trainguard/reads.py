@@ -8,16 +8,17 @@ cache, then the hash, long after the data left the caches). A piece of a few MiB
 right after it was read, while it is still in L2/L3, and two threads stealing pieces (not
 whole tensors) stay busy even when one tensor is most of the checkpoint.
 
-Scheduling: the pieces, in file order, are cut into one contiguous range per thread, of
-about equal bytes; each thread walks its own range front to back (sequential reads, good for
-readahead on a cold file) and, once done, steals pieces from the back of the range with the
-most bytes left.
+Scheduling: the threads take pieces from one shared iterator, in the order of the targets
+(tensor order). Sorting them by file offset and giving each thread its own file measured
+worse on a cold 3 GB load after drop_caches (1.8 s vs 1.47 s, twice the CPU time), so the
+order is left as planned. Piece sizes come from the reader (``piece_bytes``: 4 MiB for a
+cached local file; None, one piece per op, for an uncached one or a non-local reader: see
+``storage._pagecache``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -34,7 +35,7 @@ class Piece:
     buffer, or a function returning it: indirect ops allocate their scratch buffer only when
     a piece runs), then verify ``checks`` (starts relative to the op); then call ``done``."""
 
-    __slots__ = ("reader", "buf", "base", "end", "checks", "op", "path", "done", "key")
+    __slots__ = ("reader", "buf", "base", "end", "checks", "op", "path", "done")
 
     def __init__(
         self,
@@ -49,7 +50,6 @@ class Piece:
     ) -> None:
         self.reader, self.buf, self.base, self.end, self.checks = reader, buf, base, end, checks
         self.op, self.path, self.done = op, path, done
-        self.key = (op.file, op.offset + base)
 
     @property
     def length(self) -> int:
@@ -138,43 +138,23 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
 
 
 def run(pieces: list[Piece], streams: int) -> None:
-    """Run every piece on ``streams`` threads (see the module docstring); re-raises the first
-    error in the caller's thread, after the other threads stopped taking pieces."""
+    """Run every piece on ``streams`` threads (the caller's among them), which take the next
+    piece in the order given (work stealing over pieces); re-raises the first error in the
+    caller's thread, after the other threads stopped taking pieces."""
     if not pieces:
         return
-    pieces.sort(key=lambda p: p.key)
     if streams <= 1 or len(pieces) == 1:
         for p in pieces:
             p.run()
         return
-    total = sum(p.length for p in pieces)
-    queues: list[deque[Piece]] = [deque() for _ in range(streams)]
-    left = [0] * streams
-    acc = 0
-    for p in pieces:
-        k = min(streams - 1, acc * streams // total) if total else 0
-        queues[k].append(p)
-        left[k] += p.length
-        acc += p.length
+    it = iter(pieces)
     lock = threading.Lock()
     errors: list[BaseException] = []
 
-    def take(k: int) -> Piece | None:
-        with lock:
-            if queues[k]:
-                p = queues[k].popleft()
-                left[k] -= p.length
-                return p
-            victim = max(range(streams), key=lambda i: left[i])
-            if not queues[victim]:
-                return None
-            p = queues[victim].pop()
-            left[victim] -= p.length
-            return p
-
-    def worker(k: int) -> None:
+    def worker() -> None:
         while not errors:
-            p = take(k)
+            with lock:
+                p = next(it, None)
             if p is None:
                 return
             try:
@@ -184,8 +164,8 @@ def run(pieces: list[Piece], streams: int) -> None:
                 return
 
     with ThreadPoolExecutor(max_workers=streams - 1, thread_name_prefix="trainguard-read") as ex:
-        futures = [ex.submit(worker, k) for k in range(1, streams)]
-        worker(0)
+        futures = [ex.submit(worker) for _ in range(streams - 1)]
+        worker()
         for f in futures:
             f.result()
     if errors:
