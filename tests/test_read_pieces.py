@@ -7,6 +7,7 @@ direct reads (into the destination) and indirect ones (resharding, via a scratch
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from trainguard.errors import CorruptCheckpointError
 from trainguard.index import ChunkSource, plan_args
 from trainguard.io import ReadTarget, read_targets
 from trainguard.planner import BlockCheck, Box, ReadOp, plan_reads
-from trainguard.storage import LocalStorage, local
+from trainguard.storage import LocalStorage, _pagecache, local
 from trainguard.storage.local import _LocalReader
 
 BLOCK = 64 << 10
@@ -112,3 +113,38 @@ def test_split_reads_an_op_whose_checks_do_not_tile_it_as_one_piece() -> None:
     op = ReadOp("f", 0, 3 * BLOCK, 0, box, box, 0, checks, 0)
     pieces = reads.split(None, memoryview(bytearray(3 * BLOCK)), op, "x", BLOCK)  # type: ignore[arg-type]
     assert [(p.base, p.end, len(p.checks)) for p in pieces] == [(0, 3 * BLOCK, 2)]
+
+
+def _evict(ckpt: Path) -> None:
+    for f in ckpt.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_an_uncached_file_is_read_whole_op_and_a_flip_is_still_named(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"w": torch.randn(3_000_000, generator=g)}  # 12 MB: 3 blocks of 4 MiB
+    tg.save(tmp_path / "ck", state)
+    pos = _flip(tmp_path / "ck", "w", 5_000_001)  # in the second block
+    _evict(tmp_path / "ck")
+    m = read_manifest(LocalStorage(), str(tmp_path / "ck"))
+    r = LocalStorage().open_read(str(tmp_path / "ck" / m.tensors["w"].chunks[0].file))
+    try:
+        if _pagecache.cached_fraction(r.fd) is not None:  # cachestat answers: the file is cold
+            assert r.piece_bytes == local.COLD_READ_PIECE
+    finally:
+        r.close()
+    with pytest.raises(CorruptCheckpointError) as ei:
+        tg.load(tmp_path / "ck", {"w": torch.zeros(3_000_000)})
+    lo, hi = _byte_range(str(ei.value))
+    assert "'w'" in str(ei.value) and lo <= pos < hi
+    _flip(tmp_path / "ck", "w", 5_000_001)  # flip it back: a cold load is then exact
+    _evict(tmp_path / "ck")
+    fresh = {"w": torch.zeros(3_000_000)}
+    tg.load(tmp_path / "ck", fresh)
+    assert torch.equal(fresh["w"], state["w"])
