@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from .errors import CorruptCheckpointError, DiskFullError
+from . import reads
+from .errors import DiskFullError
 from .manifest import checksum
 from .planner import Box, ReadOp
 from .storage.base import FileReader, Storage
@@ -299,17 +300,25 @@ def read_targets(
     *,
     streams: int = STREAMS,
 ) -> int:
-    """Execute every read op, verifying checksums; returns the number of bytes read."""
+    """Execute every read op, verifying checksums; returns the number of bytes read.
+
+    Called by ``loader._load``, ``export`` and ``consolidate``. Ops are cut into pieces that
+    are checksummed right after they are read (:mod:`.reads`), when the reader allows pieces
+    (``piece_bytes``: local files); other readers read each op whole, then verify it.
+    """
     readers: dict[str, FileReader] = {}
     total = 0
     try:
+        pieces: list[reads.Piece] = []
         for t in targets:
+            dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None
             for op in t.ops:
-                if op.file not in readers:
-                    readers[op.file] = storage.open_read(storage.join(directory, op.file))
+                r = readers.get(op.file)
+                if r is None:
+                    r = readers[op.file] = storage.open_read(storage.join(directory, op.file))
                 total += op.length
-        jobs = [lambda t=t, op=op: _read_one(readers[op.file], t, op) for t in targets for op in t.ops]
-        _run_parallel(jobs, streams)
+                pieces += _op_pieces(r, t, op, dest)
+        reads.run(pieces, streams)
     finally:
         for r in readers.values():
             r.close()
@@ -317,32 +326,49 @@ def read_targets(
     return total
 
 
-def _read_one(reader: FileReader, t: ReadTarget, op: ReadOp) -> None:
+def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview | None) -> list[reads.Piece]:
+    """The pieces of one op: direct ops read into the destination's bytes; indirect ones into a
+    scratch buffer whose elements are copied into place once its last piece is verified."""
+    size = getattr(reader, "piece_bytes", None)
     if op.dest_byte is not None:
-        mv = tensor_bytes(t.dest)[op.dest_byte : op.dest_byte + op.length]
-        reader.readinto(mv, op.offset)
-        _verify(mv, op, t.path)
-        return
-    scratch = torch.empty(op.length, dtype=torch.uint8)
-    mv = tensor_bytes(scratch)
-    reader.readinto(mv, op.offset)
-    _verify(mv, op, t.path)
+        assert dest is not None
+        return reads.split(reader, dest[op.dest_byte : op.dest_byte + op.length], op, t.path, size)
+    scratch = _Scratch(op.length)
+    return reads.split(reader, scratch.get, op, t.path, size, lambda: _scatter(scratch.release(), t, op))
+
+
+class _Scratch:
+    """An indirect op's scratch buffer: allocated by the first of its pieces to run, dropped
+    once its elements are copied out, so only the ops being read hold one (not every op of a
+    resharding load at once)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.t: torch.Tensor | None = None
+        self.mv: memoryview | None = None
+        self.lock = threading.Lock()
+
+    def get(self) -> memoryview:
+        with self.lock:
+            if self.mv is None:
+                self.t = torch.empty(self.n, dtype=torch.uint8)
+                self.mv = tensor_bytes(self.t)
+            return self.mv
+
+    def release(self) -> torch.Tensor:
+        with self.lock:
+            t, self.t, self.mv = self.t, None, None
+        assert t is not None
+        return t
+
+
+def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
+    """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``."""
     typed = scratch.view(t.dest.dtype)
     cstrides = _strides(op.chunk.sizes)
     src = typed.as_strided(op.inter.sizes, cstrides, op.inter.flat_start_in(op.chunk) - op.first_elem)
     rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
     t.dest.view(t.box.sizes)[rel].copy_(src)
-
-
-def _verify(mv: memoryview, op: ReadOp, path: str) -> None:
-    for c in op.checks:
-        if checksum(mv[c.start : c.start + c.length]) != c.checksum:
-            raise CorruptCheckpointError(
-                f"{op.file}: checksum mismatch in tensor {path!r} (bytes {op.offset + c.start}.."
-                f"{op.offset + c.start + c.length}): the checkpoint is corrupt",
-                file=op.file,
-                entry=path,
-            )
 
 
 def _strides(sizes: Sequence[int]) -> tuple[int, ...]:

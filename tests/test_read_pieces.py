@@ -1,0 +1,150 @@
+"""Loads read large ops in block-aligned pieces, each checksummed right after it is read
+(``trainguard.reads``). These tests use small checksum blocks and pieces so that one tensor
+is many pieces: every byte still lands in place, every block is verified by exactly one
+piece, and a flipped byte in the middle is reported with its tensor and byte range, for
+direct reads (into the destination) and indirect ones (resharding, via a scratch buffer).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard import api, reads
+from trainguard.commit import read_manifest
+from trainguard.errors import CorruptCheckpointError
+from trainguard.index import ChunkSource, plan_args
+from trainguard.io import ReadTarget, read_targets
+from trainguard.planner import BlockCheck, Box, ReadOp, plan_reads
+from trainguard.storage import LocalStorage, _pagecache, local
+from trainguard.storage.local import _LocalReader
+
+BLOCK = 64 << 10
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints saved with 64 KiB checksum blocks, loaded in 256 KiB pieces (cached or not)."""
+    monkeypatch.setattr(api, "DEFAULT_BLOCK", BLOCK)
+    monkeypatch.setattr(_LocalReader, "piece_bytes", 4 * BLOCK)
+    monkeypatch.setattr(local, "COLD_READ_PIECE", 4 * BLOCK)
+
+
+def _flip(ckpt: Path, name: str, at: int) -> int:
+    """Flip one byte ``at`` bytes into tensor ``name``'s chunk; returns its file offset."""
+    m = read_manifest(LocalStorage(), str(ckpt))
+    c = m.tensors[name].chunks[0]
+    pos = c.offset + at
+    with open(ckpt / c.file, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ 0x5A]))
+    return pos
+
+
+def _byte_range(msg: str) -> tuple[int, int]:
+    lo, hi = msg.split("(bytes ")[1].split(")")[0].split("..")
+    return int(lo), int(hi)
+
+
+def test_large_tensor_in_pieces_round_trips_and_a_middle_flip_is_named(tmp_path: Path, small_blocks: None) -> None:
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(300_001, generator=g), "b": torch.randn(77, generator=g)}  # ~1.2 MB: 19 blocks
+    tg.save(tmp_path / "ck", state)
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    tg.load(tmp_path / "ck", fresh)
+    assert all(torch.equal(fresh[k], state[k]) for k in state)
+    pos = _flip(tmp_path / "ck", "w", 600_001)  # in block 9, piece 3
+    with pytest.raises(CorruptCheckpointError) as ei:
+        tg.load(tmp_path / "ck", fresh)
+    assert "'w'" in str(ei.value)
+    lo, hi = _byte_range(str(ei.value))
+    assert lo <= pos < hi and hi - lo == BLOCK
+
+
+def test_indirect_reads_in_pieces_reshard_and_detect_a_flip(tmp_path: Path, small_blocks: None) -> None:
+    g = torch.Generator().manual_seed(1)
+    full = torch.randn(512, 600, generator=g)  # 1.2 MB, one chunk
+    tg.save(tmp_path / "ck", {"t": full})
+    storage, d = LocalStorage(), str(tmp_path / "ck")
+    m = read_manifest(storage, d)
+    name = "t"
+    e = m.tensors[name]
+    box = Box((100, 250), (300, 200))  # a column band: strided in the chunk, so indirect
+    ops = plan_reads(plan_args(ChunkSource.of(storage, d, m).chunks(name, e, box)), box, 4, m.block_size)
+    assert ops and all(op.dest_byte is None for op in ops) and sum(len(op.checks) for op in ops) > 4
+    dest = torch.zeros(300, 200)
+    read_targets(storage, d, [ReadTarget(name, dest, box, ops)])
+    assert torch.equal(dest, full[100:400, 250:450])
+    pos = _flip(tmp_path / "ck", name, (250 * 600 + 300) * 4)  # inside the band's rows
+    with pytest.raises(CorruptCheckpointError) as ei:
+        read_targets(storage, d, [ReadTarget(name, torch.zeros(300, 200), box, ops)])
+    lo, hi = _byte_range(str(ei.value))
+    assert repr(name) in str(ei.value) and lo <= pos < hi
+
+
+@pytest.mark.parametrize("piece", [None, 1, 3 * BLOCK, 4 * BLOCK, 10 * BLOCK])
+def test_split_covers_the_op_and_verifies_each_block_once(piece: int | None) -> None:
+    length = 9 * BLOCK + 100
+    checks = tuple(BlockCheck(s, min(BLOCK, length - s), f"{s:016x}") for s in range(0, length, BLOCK))
+    box = Box((0,), (length,))
+    op = ReadOp("f", 4096, length, 0, box, box, 0, checks, 0)
+    mv = memoryview(bytearray(length))
+    pieces = reads.split(None, mv, op, "x", piece)  # type: ignore[arg-type]
+    pos, seen = 0, []
+    for p in pieces:
+        assert p.base == pos
+        assert piece is None or p.length <= max(piece, BLOCK + 100)
+        seen += [(c.start, c.length, c.checksum) for c in p.checks]
+        assert all(p.base <= c.start and c.start + c.length <= p.end for c in p.checks)
+        pos = p.end
+    assert pos == length
+    assert seen == [(c.start, c.length, c.checksum) for c in checks]
+
+
+def test_split_reads_an_op_whose_checks_do_not_tile_it_as_one_piece() -> None:
+    box = Box((0,), (3 * BLOCK,))
+    checks = (BlockCheck(0, BLOCK, "a"), BlockCheck(2 * BLOCK, BLOCK, "c"))  # a gap: not from plan_reads
+    op = ReadOp("f", 0, 3 * BLOCK, 0, box, box, 0, checks, 0)
+    pieces = reads.split(None, memoryview(bytearray(3 * BLOCK)), op, "x", BLOCK)  # type: ignore[arg-type]
+    assert [(p.base, p.end, len(p.checks)) for p in pieces] == [(0, 3 * BLOCK, 2)]
+
+
+def _evict(ckpt: Path) -> None:
+    for f in ckpt.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_an_uncached_file_is_read_whole_op_and_a_flip_is_still_named(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(2)
+    state = {"w": torch.randn(3_000_000, generator=g)}  # 12 MB: 3 blocks of 4 MiB
+    tg.save(tmp_path / "ck", state)
+    pos = _flip(tmp_path / "ck", "w", 5_000_001)  # in the second block
+    _evict(tmp_path / "ck")
+    m = read_manifest(LocalStorage(), str(tmp_path / "ck"))
+    r = LocalStorage().open_read(str(tmp_path / "ck" / m.tensors["w"].chunks[0].file))
+    try:
+        if _pagecache.cached_fraction(r.fd) is not None:  # cachestat answers: the file is cold
+            assert r.piece_bytes == local.COLD_READ_PIECE
+    finally:
+        r.close()
+    with pytest.raises(CorruptCheckpointError) as ei:
+        tg.load(tmp_path / "ck", {"w": torch.zeros(3_000_000)})
+    lo, hi = _byte_range(str(ei.value))
+    assert "'w'" in str(ei.value) and lo <= pos < hi
+    _flip(tmp_path / "ck", "w", 5_000_001)  # flip it back: a cold load is then exact
+    _evict(tmp_path / "ck")
+    fresh = {"w": torch.zeros(3_000_000)}
+    tg.load(tmp_path / "ck", fresh)
+    assert torch.equal(fresh["w"], state["w"])
