@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SYNC = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "limit")
+SYNC = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "raw_d2", "limit")
 ASYNC = ("dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async")
 TG = ("trainguard", "trainguard_async")
 
@@ -66,3 +66,17 @@ def test_bench_smoke(tmp_path: Path) -> None:
     for label in ("torch.save", "safetensors", "DCP save (thread_count=2)", "DCP async_save (default)",
                   "limit: best of raw_1 / raw_2", "## Machine", "### Save (durable)", "### Load"):
         assert label in md, label
+
+
+def test_direct_ab_smoke(tmp_path: Path) -> None:
+    """bench.direct_ab (the A/B behind docs/checkpoints.md's direct I/O figures) runs both ways
+    and leaves the environment as it found it."""
+    from bench import direct_ab
+
+    before = os.environ.get("TRAINGUARD_DIRECT_IO")
+    for extra in ([], ["--async"]):
+        res = direct_ab.main(["--gb", "0.02", "--rounds", "2", "--tmp", str(tmp_path / "ab"), *extra])
+        assert set(res) == {"direct", "buffered"}
+        assert all(len(v) == 2 and all(x[0] > 0 for x in v) for v in res.values())
+    assert os.environ.get("TRAINGUARD_DIRECT_IO") == before
+    assert not (tmp_path / "ab").exists()

@@ -131,3 +131,18 @@ def test_layout_places_large_chunks_at_their_memory_phase():
     assert offs[1] % 4096 == 64  # agrees with the address modulo a page
     assert offs[2] % 4096 == 0  # a phase off the 64-byte grid: plain page alignment
     assert all(o % 64 == 0 for o in offs) and size == offs[3] + 10
+
+
+def test_direct_writer_preallocates_the_file(tmp_path: Path):
+    """reserve(size) allocates the blocks before the first write (few extents, and a full disk is
+    found before any byte is written); the finished file holds exactly what was written."""
+    w = LocalStorage().open_write(str(tmp_path / "f"), direct=True)
+    if not w.direct_ok:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    w.reserve(8 << 20)
+    assert os.stat(tmp_path / "f").st_blocks * 512 >= 8 << 20
+    buf = io.aligned_empty(4 << 20)
+    buf.fill_(7)
+    w.pwrite(io.tensor_bytes(buf), 0)
+    w.finish(4 << 20)
+    assert (tmp_path / "f").read_bytes() == bytes([7]) * (4 << 20)

@@ -210,6 +210,9 @@ def write_batches(
     w = storage.open_write(path, direct=True) if direct and getattr(storage, "direct_io", False) else storage.open_write(path)
     it = iter(batches)
     try:
+        reserve = getattr(w, "reserve", None)
+        if reserve is not None:
+            reserve(size)
         if fault:
             fault("write_begin")
         end = 0

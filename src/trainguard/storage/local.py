@@ -68,6 +68,21 @@ class _LocalWriter:
         self.direct_ok = self.dfd is not None
         self.direct_bytes = 0  # bytes that went through O_DIRECT (tests and benchmarks read it)
 
+    def reserve(self, size: int) -> None:
+        """Allocate the file's ``size`` bytes up front (called once, before the writes, by
+        ``io.write_batches``), when writing direct: O_DIRECT writes allocate extent by extent
+        as they come (3 GB in two files written in parallel: ~145 extents per file, against 12
+        with delayed allocation), which makes the cold read of the file slower. A full disk is
+        found here, before any byte is written; a filesystem without fallocate is fine."""
+        if not self.direct_ok or size <= 0:
+            return
+        try:
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise _disk_error(e, self.path, size) from e
+            # EOPNOTSUPP/EINVAL: no preallocation here; the writes allocate as they go.
+
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         n = len(view)
