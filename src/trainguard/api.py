@@ -22,7 +22,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import read_manifest
+from .commit import LazyManifest
 from .dist import DistContext, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
@@ -36,9 +36,9 @@ from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import PAGE, PAGE_ALIGN_FROM, layout_file
+from .planner import PAGE_ALIGN_FROM, layout_file
 from .storage import Storage, for_path
-from .storage.local import buffer_address
+from .storage.local import page_phase
 
 
 def save(
@@ -192,27 +192,6 @@ def persist_and_commit(
     return manifest
 
 
-class LazyManifest:
-    """What a save returns on ranks other than 0: ``step`` and ``total_bytes`` come with the
-    commit broadcast; anything else reads and validates ``manifest.json`` on first use."""
-
-    def __init__(self, storage: Storage, directory: str, step: int, total_bytes: int) -> None:
-        self.step = step
-        self.total_bytes = total_bytes
-        self._where = (storage, directory)
-        self._full: Manifest | None = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_where", "_full"):
-            raise AttributeError(name)
-        if self._full is None:
-            self._full = read_manifest(*self._where)
-        return getattr(self._full, name)
-
-    def __repr__(self) -> str:
-        return f"LazyManifest(step={self.step}, total_bytes={self.total_bytes}, directory={self._where[1]!r})"
-
-
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
 
 
@@ -307,7 +286,7 @@ def _write_streams(
     jobs = []
     for g in groups:
         idx = [i for i, s in enumerate(streams) if s == g]
-        phases = [_phase(cpu[i]) for i in idx]
+        phases = [page_phase(cpu[i]) if len(cpu[i]) >= PAGE_ALIGN_FROM else None for i in idx]
         offs, size = layout_file([len(cpu[i]) for i in idx], phases=phases)
         for i, o in zip(idx, offs):
             offsets[i] = o
@@ -331,13 +310,6 @@ def _write_streams(
             for f in [ex.submit(run, j) for j in jobs]:
                 f.result()
     return offsets, sums, names, files
-
-
-
-def _phase(view: memoryview) -> int | None:
-    """Where a chunk's memory starts within a page (see ``planner.layout_file``)."""
-    addr = buffer_address(view) if len(view) >= PAGE_ALIGN_FROM else None
-    return None if addr is None else addr % PAGE
 
 
 def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int) -> list[list[str]]:

@@ -14,6 +14,7 @@ import socket
 import time
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from . import layout
 from .errors import LockedError, NotACheckpointError
@@ -97,6 +98,27 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
         )
     data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
     return parse(data, where=f"{directory}/{layout.MANIFEST}")
+
+
+class LazyManifest:
+    """What a save returns on ranks other than 0: ``step`` and ``total_bytes`` come with the
+    commit broadcast; anything else reads and validates ``manifest.json`` on first use."""
+
+    def __init__(self, storage: Storage, directory: str, step: int, total_bytes: int) -> None:
+        self.step = step
+        self.total_bytes = total_bytes
+        self._where = (storage, directory)
+        self._full: Manifest | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_where", "_full"):
+            raise AttributeError(name)
+        if self._full is None:
+            self._full = read_manifest(*self._where)
+        return getattr(self._full, name)
+
+    def __repr__(self) -> str:
+        return f"LazyManifest(step={self.step}, total_bytes={self.total_bytes}, directory={self._where[1]!r})"
 
 
 @dataclass

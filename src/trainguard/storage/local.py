@@ -44,6 +44,13 @@ def buffer_address(view: memoryview) -> int | None:
         return None
 
 
+def page_phase(view: memoryview) -> int | None:
+    """Where a buffer starts within a page (``planner.layout_file`` places large chunks at
+    their phase, so that memory and file agree modulo a page); None when unknown."""
+    addr = buffer_address(view)
+    return None if addr is None else addr % DIRECT_ALIGN
+
+
 class _LocalWriter:
     """Writes one data file: ``pwrite`` (from several threads), then ``finish`` or ``abort``.
 
