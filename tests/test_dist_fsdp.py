@@ -147,7 +147,7 @@ def test_fsdp2_reshard_1_2_3_1_and_consolidate(tmp_path: Path) -> None:
 
     # layout="full": one whole chunk per tensor, all in rank 0's file.
     full_dir = f"{root}/full/step-000000004"
-    from trainguard.api import read_manifest
+    from trainguard.commit import read_manifest
     from trainguard.storage import for_path
 
     m = read_manifest(*for_path(full_dir))

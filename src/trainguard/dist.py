@@ -16,6 +16,7 @@ the same round (``load`` while the others ``save``) at once.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -107,6 +108,18 @@ class DistContext:
 
 _NULL = DistContext()
 _CACHE: dict[int, DistContext] = {}
+
+
+@atexit.register
+def _stop_heartbeats() -> None:
+    """At interpreter exit, stop the heartbeat threads before torch's objects are torn down: a
+    daemon thread still inside a C++ store call during finalization can abort the process
+    ("terminate called without an active exception", seen once in an example's exit)."""
+    for ctx in list(_CACHE.values()):
+        ctx.close()
+        hb = getattr(ctx, "_hb", None)
+        if hb is not None:
+            hb.join(timeout=2.0)
 
 
 class StoreDistContext(DistContext):
