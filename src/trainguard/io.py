@@ -19,7 +19,7 @@ import torch
 from . import reads
 from .errors import DiskFullError
 from .manifest import checksum
-from .planner import Box, ReadOp
+from .planner import PAGE, Box, ReadOp
 from .storage.base import FileReader, Storage
 
 PIECE = 64 << 20  # bytes per pwrite of a large chunk (a multiple of every block size we use)
@@ -67,7 +67,7 @@ class WriteChunk:
         return len(self.data)
 
 
-PAGE_ALIGN = 4096  # coalescing buffers start on a page: their pages can go through direct I/O
+PAGE_ALIGN = PAGE  # coalescing buffers start on a page: their pages can go through direct I/O
 
 
 def aligned_empty(nbytes: int, align: int = PAGE_ALIGN) -> torch.Tensor:
@@ -170,13 +170,12 @@ def write_file(
     block: int = DEFAULT_BLOCK,
     streams: int = STREAMS,
     fault: Callable[[str], None] | None = None,
-    direct: bool = True,
 ) -> list[list[str]]:
     """Write every chunk into a new file of ``size`` bytes, fsync it, and return the per-block
     checksums of each chunk (in the order given). Gaps between chunks are left as holes.
 
     The sync save path (``api._write_rank``): chunks point straight into tensor memory."""
-    return write_batches(storage, path, [chunks], size, block=block, streams=streams, fault=fault, direct=direct)
+    return write_batches(storage, path, [chunks], size, block=block, streams=streams, fault=fault)
 
 
 def write_batches(
@@ -188,13 +187,12 @@ def write_batches(
     block: int = DEFAULT_BLOCK,
     streams: int = STREAMS,
     fault: Callable[[str], None] | None = None,
-    direct: bool = True,
 ) -> list[list[str]]:
     """Like :func:`write_file`, for chunks produced in batches (the async path's capped staging).
 
-    ``direct``: on storage that offers it (local files), whole pages of a chunk whose memory
-    address and file offset agree modulo a page are written with O_DIRECT (see
-    ``storage.local``); the planner places large chunks so that they agree.
+    On storage that offers it (local files), whole pages of a chunk whose memory address and
+    file offset agree modulo a page are written with O_DIRECT (see ``storage.local``; off with
+    ``TRAINGUARD_DIRECT_IO=0``); the planner places large chunks so that they agree.
 
     Each batch is written completely (2 streams, 64 MiB pieces, small chunks coalesced) before
     the next one is requested from ``batches``, so a producer may reuse one batch's buffers for
@@ -207,7 +205,7 @@ def write_batches(
     """
     sums: list[list[str]] = []
     total = 0
-    w = storage.open_write(path, direct=True) if direct and getattr(storage, "direct_io", False) else storage.open_write(path)
+    w = storage.open_write(path, direct=True) if getattr(storage, "direct_io", False) else storage.open_write(path)
     it = iter(batches)
     try:
         reserve = getattr(w, "reserve", None)

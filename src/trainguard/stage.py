@@ -24,10 +24,10 @@ import torch
 
 from .errors import CheckpointError
 from .io import aligned_empty
+from .planner import PAGE, PAGE_ALIGN_FROM
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
-PAGE = 4096  # large slots start on a page, like large chunks in the file: written with O_DIRECT
-LARGE = 1 << 20  # = planner.PAGE_ALIGN_FROM: chunks from this size start on a page in the file
+# Large slots start on a page, like large chunks in the file (planner.layout_file): written with O_DIRECT.
 
 
 def _round_up(n: int) -> int:
@@ -36,7 +36,7 @@ def _round_up(n: int) -> int:
 
 def slot_start(pos: int, nbytes: int) -> int:
     """Where a slot of ``nbytes`` goes at or after ``pos``: on a page if large, else 64-aligned."""
-    return -(-pos // PAGE) * PAGE if nbytes >= LARGE else _round_up(pos)
+    return -(-pos // PAGE) * PAGE if nbytes >= PAGE_ALIGN_FROM else _round_up(pos)
 
 
 def slot_room(sizes: Sequence[int]) -> int:
