@@ -146,3 +146,116 @@ def test_direct_writer_preallocates_the_file(tmp_path: Path):
     w.pwrite(io.tensor_bytes(buf), 0)
     w.finish(4 << 20)
     assert (tmp_path / "f").read_bytes() == bytes([7]) * (4 << 20)
+
+
+def _evict(ckpt: Path) -> None:
+    for f in ckpt.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _cold_reads_known(ckpt: Path) -> None:
+    from trainguard.storage import _pagecache
+
+    f = next(p for p in ckpt.iterdir() if p.name.endswith(".bin") or p.name.startswith("data"))
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        if _pagecache.cached_fraction(fd) is None:
+            pytest.skip("cachestat is not available: every file is read as cached")
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_cold_load_reads_whole_pages_direct_into_the_tensors(tmp_path: Path, monkeypatch, direct: str):
+    """A load of files not in the page cache reads the pages of large chunks with O_DIRECT
+    straight into the destination (off with TRAINGUARD_DIRECT_IO=0); the result is the same."""
+    state = odd_state()
+    tg.save(tmp_path / "c", state)
+    _cold_reads_known(tmp_path / "c")
+    monkeypatch.setenv("TRAINGUARD_DIRECT_IO", direct)
+    out = fresh(state)
+    _evict(tmp_path / "c")
+    before = io.counters()
+    tg.load(tmp_path / "c", out)
+    got = io.counters()["bytes_read_direct"] - before["bytes_read_direct"]
+    assert all(torch.equal(out[k], state[k]) for k in state)
+    if direct == "1":
+        assert got > (4 << 20), f"only {got} bytes were read direct"
+    else:
+        assert got == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_cold_read_refused_by_the_kernel_falls_back_to_buffered(tmp_path: Path, monkeypatch):
+    import errno
+
+    from trainguard.storage import local
+
+    state = odd_state()
+    tg.save(tmp_path / "c", state)
+    _cold_reads_known(tmp_path / "c")
+    real_open, real_preadv = os.open, os.preadv
+    direct_fds: set[int] = set()
+
+    def fake_open(path, flags, *a):
+        fd = real_open(path, flags, *a)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def fake_preadv(fd, bufs, offset):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, bufs, offset)
+
+    monkeypatch.setattr(local.os, "open", fake_open)
+    monkeypatch.setattr(local.os, "preadv", fake_preadv)
+    out = fresh(state)
+    _evict(tmp_path / "c")
+    before = io.counters()["bytes_read_direct"]
+    tg.load(tmp_path / "c", out)
+    assert io.counters()["bytes_read_direct"] == before
+    assert direct_fds, "the cold load did not even try O_DIRECT"
+    assert all(torch.equal(out[k], state[k]) for k in state)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_cold_resharding_read_fills_its_scratch_buffer_direct(tmp_path: Path):
+    """A box that is not contiguous in the saved chunk (columns of a matrix) is read through a
+    scratch buffer placed at the file offset's page phase: its pages come direct too, and the
+    elements land in the right places; a flipped byte in them is still caught."""
+    from trainguard.commit import read_manifest
+    from trainguard.errors import CorruptCheckpointError
+    from trainguard.index import ChunkSource, plan_args
+    from trainguard.planner import Box, plan_reads
+
+    w = torch.randn(1024, 1536)
+    tg.save(tmp_path / "c", {"w": w})
+    _cold_reads_known(tmp_path / "c")
+    storage, d = LocalStorage(), str(tmp_path / "c")
+    m = read_manifest(storage, d)
+    e = m.tensors["w"]
+    box = Box((0, 512), (1024, 512))
+    ops = plan_reads(plan_args(ChunkSource.of(storage, d, m).chunks("w", e, box)), box, 4, m.block_size, True)
+    assert ops and all(op.dest_byte is None for op in ops)  # indirect: through scratch buffers
+    dest = torch.zeros(1024, 512)
+    _evict(tmp_path / "c")
+    before = io.counters()["bytes_read_direct"]
+    io.read_targets(storage, d, [io.ReadTarget("w", dest, box, ops)])
+    assert io.counters()["bytes_read_direct"] - before > (1 << 20)
+    assert torch.equal(dest, w[:, 512:1024])
+    c = e.chunks[0]
+    with open(tmp_path / "c" / c.file, "r+b") as f:
+        f.seek(c.offset + 3 * 1536 * 4 + 600 * 4)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+    _evict(tmp_path / "c")
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        io.read_targets(storage, d, [io.ReadTarget("w", torch.zeros(1024, 512), box, ops)])

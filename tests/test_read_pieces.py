@@ -126,7 +126,7 @@ def _evict(ckpt: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
-def test_an_uncached_file_is_read_whole_op_and_a_flip_is_still_named(tmp_path: Path) -> None:
+def test_an_uncached_file_is_read_in_cold_pieces_and_a_flip_is_still_named(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     state = {"w": torch.randn(3_000_000, generator=g)}  # 12 MB: 3 blocks of 4 MiB
     tg.save(tmp_path / "ck", state)
@@ -136,7 +136,8 @@ def test_an_uncached_file_is_read_whole_op_and_a_flip_is_still_named(tmp_path: P
     r = LocalStorage().open_read(str(tmp_path / "ck" / m.tensors["w"].chunks[0].file))
     try:
         if _pagecache.cached_fraction(r.fd) is not None:  # cachestat answers: the file is cold
-            assert r.piece_bytes == local.COLD_READ_PIECE
+            want = local.COLD_DIRECT_PIECE if r.direct_ok else local.COLD_READ_PIECE
+            assert r.piece_bytes == want
     finally:
         r.close()
     with pytest.raises(CorruptCheckpointError) as ei:
@@ -148,3 +149,26 @@ def test_an_uncached_file_is_read_whole_op_and_a_flip_is_still_named(tmp_path: P
     fresh = {"w": torch.zeros(3_000_000)}
     tg.load(tmp_path / "ck", fresh)
     assert torch.equal(fresh["w"], state["w"])
+
+
+def test_cached_fraction_samples_the_whole_file(tmp_path: Path) -> None:
+    """The estimate looks at ranges spread over the file: evicting the first half of a 64 MiB
+    file reads about half, evicting all of it about nothing."""
+    f = tmp_path / "data"
+    n = 64 << 20
+    with open(f, "wb") as fh:
+        fh.write(os.urandom(1 << 20) * 64)
+        fh.flush()
+        os.fsync(fh.fileno())
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        if _pagecache.cached_fraction(fd) is None:
+            pytest.skip("cachestat is not available on this kernel")
+        os.pread(fd, n, 0)  # everything cached
+        assert _pagecache.cached_fraction(fd) > 0.9
+        os.posix_fadvise(fd, 0, n // 2, os.POSIX_FADV_DONTNEED)
+        assert 0.3 < _pagecache.cached_fraction(fd) < 0.7
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert _pagecache.cached_fraction(fd) < 0.1
+    finally:
+        os.close(fd)

@@ -28,16 +28,17 @@ SMALL = 1 << 20  # chunks below this are coalesced
 DEFAULT_BLOCK = 4 << 20  # checksum granularity
 STREAMS = 2
 
-_COUNTERS = {"bytes_read": 0, "bytes_written": 0, "bytes_direct": 0}
+_COUNTERS = {"bytes_read": 0, "bytes_written": 0, "bytes_direct": 0, "bytes_read_direct": 0}
 _COUNTERS_LOCK = threading.Lock()
 
 
 def counters() -> dict[str, int]:
     """This process's running totals of checkpoint bytes read and written (a debug counter).
 
-    ``read_targets`` adds what it reads (checksum widening included), ``write_file`` what it
-    writes (``bytes_direct``: the part that went through O_DIRECT); take the difference around
-    a ``load`` to see how many bytes this rank read.
+    ``read_targets`` adds what it reads (checksum widening included; ``bytes_read_direct``:
+    the part read with O_DIRECT), ``write_file`` what it writes (``bytes_direct``: the part
+    that went through O_DIRECT); take the difference around a ``load`` to see how many bytes
+    this rank read.
     """
     with _COUNTERS_LOCK:
         return dict(_COUNTERS)
@@ -70,10 +71,11 @@ class WriteChunk:
 PAGE_ALIGN = PAGE  # coalescing buffers start on a page: their pages can go through direct I/O
 
 
-def aligned_empty(nbytes: int, align: int = PAGE_ALIGN) -> torch.Tensor:
-    """A uint8 CPU tensor of ``nbytes`` whose first byte is ``align``-aligned."""
+def aligned_empty(nbytes: int, align: int = PAGE_ALIGN, phase: int = 0) -> torch.Tensor:
+    """A uint8 CPU tensor of ``nbytes`` whose first byte sits ``phase`` bytes past an
+    ``align``-aligned address."""
     raw = torch.empty(nbytes + align, dtype=torch.uint8)
-    shift = -raw.data_ptr() % align
+    shift = (phase - raw.data_ptr()) % align
     return raw[shift : shift + nbytes]
 
 
@@ -297,31 +299,45 @@ class ReadTarget:
 def read_targets(
     storage: Storage,
     directory: str,
-    targets: Sequence[ReadTarget],
+    targets: Iterable[ReadTarget],
     *,
     streams: int = STREAMS,
+    check_file: Callable[[str], None] | None = None,
 ) -> int:
     """Execute every read op, verifying checksums; returns the number of bytes read.
 
     Called by ``loader._load``, ``export`` and ``consolidate``. Ops are cut into pieces that
     are checksummed right after they are read (:mod:`.reads`), when the reader allows pieces
     (``piece_bytes``: local files); other readers read each op whole, then verify it.
+
+    ``targets`` may be a generator (the loader plans tensor by tensor): it is consumed by the
+    read threads as they need work, so reading starts with the first target's first piece.
+    ``check_file(name)``, if given, is called once per data file before it is opened (the
+    loader checks the file's size against the manifest there).
     """
     readers: dict[str, FileReader] = {}
     total = 0
-    try:
-        pieces: list[reads.Piece] = []
+
+    def pieces() -> Iterator[reads.Piece]:
+        nonlocal total
         for t in targets:
             dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None
             for op in t.ops:
                 r = readers.get(op.file)
                 if r is None:
+                    if check_file is not None:
+                        check_file(op.file)
                     r = readers[op.file] = storage.open_read(storage.join(directory, op.file))
                 total += op.length
-                pieces += _op_pieces(r, t, op, dest)
-        reads.run(pieces, streams)
+                yield from _op_pieces(r, t, op, dest)
+
+    gen = pieces()
+    try:
+        reads.run(gen, streams)
     finally:
+        gen.close()
         for r in readers.values():
+            _count("bytes_read_direct", getattr(r, "direct_bytes", 0))
             r.close()
     _count("bytes_read", total)
     return total
@@ -334,17 +350,18 @@ def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview |
     if op.dest_byte is not None:
         assert dest is not None
         return reads.split(reader, dest[op.dest_byte : op.dest_byte + op.length], op, t.path, size)
-    scratch = _Scratch(op.length)
+    scratch = _Scratch(op.length, op.offset % PAGE)
     return reads.split(reader, scratch.get, op, t.path, size, lambda: _scatter(scratch.release(), t, op))
 
 
 class _Scratch:
     """An indirect op's scratch buffer: allocated by the first of its pieces to run, dropped
     once its elements are copied out, so only the ops being read hold one (not every op of a
-    resharding load at once)."""
+    resharding load at once). It starts at the op's file offset modulo a page (``phase``), so
+    a cold read can fill its whole pages with O_DIRECT."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, phase: int = 0) -> None:
+        self.n, self.phase = n, phase
         self.t: torch.Tensor | None = None
         self.mv: memoryview | None = None
         self.lock = threading.Lock()
@@ -352,7 +369,7 @@ class _Scratch:
     def get(self) -> memoryview:
         with self.lock:
             if self.mv is None:
-                self.t = torch.empty(self.n, dtype=torch.uint8)
+                self.t = aligned_empty(self.n, PAGE, self.phase)
                 self.mv = tensor_bytes(self.t)
             return self.mv
 
@@ -367,7 +384,8 @@ def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
     """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``."""
     typed = scratch.view(t.dest.dtype)
     cstrides = _strides(op.chunk.sizes)
-    src = typed.as_strided(op.inter.sizes, cstrides, op.inter.flat_start_in(op.chunk) - op.first_elem)
+    # as_strided's offset counts from the start of the storage, not of the (aligned) view.
+    src = typed.as_strided(op.inter.sizes, cstrides, typed.storage_offset() + op.inter.flat_start_in(op.chunk) - op.first_elem)
     rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
     t.dest.view(t.box.sizes)[rel].copy_(src)
 

@@ -7,7 +7,7 @@ all ranks succeed or all raise the same error.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -136,30 +136,37 @@ def _load(
         for f in src.files(manifest.tensors[p])
     }
     _check_file_sizes(storage, directory, manifest, wanted)
-    targets: list[ReadTarget] = []
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
-    for _key, _obj, skel, dest in plans:
-        for p in tensor_refs(skel):
-            if p in bad:
-                continue
-            e = manifest.tensors[p]
-            live = dest.get(p)
-            t, box, stage_back = _destination(live, e)
-            loaded[p] = live if live is not None else t
-            if stage_back is not None:
-                finish.append((t, stage_back))
-            ops = plan_reads(
-                plan_args(src.chunks(p, e, box)),
-                box,
-                e.torch_dtype.itemsize,
-                manifest.block_size,
-                verify,
-            )
-            targets.append(ReadTarget(p, t, box, ops))
-    # The files of live regular shards were not checked above; each file is stat'ed once.
-    _check_file_sizes(storage, directory, manifest, {op.file for t in targets for op in t.ops} - wanted)
-    read_targets(storage, directory, targets)
+
+    def targets() -> Iterator[ReadTarget]:
+        # A generator: the read threads plan tensor k+1 while tensor k's pieces are read.
+        for _key, _obj, skel, dest in plans:
+            for p in tensor_refs(skel):
+                if p in bad:
+                    continue
+                e = manifest.tensors[p]
+                live = dest.get(p)
+                t, box, stage_back = _destination(live, e)
+                loaded[p] = live if live is not None else t
+                if stage_back is not None:
+                    finish.append((t, stage_back))
+                ops = plan_reads(
+                    plan_args(src.chunks(p, e, box)),
+                    box,
+                    e.torch_dtype.itemsize,
+                    manifest.block_size,
+                    verify,
+                )
+                yield ReadTarget(p, t, box, ops)
+
+    # The files of live regular shards were not checked above: each is checked when first opened.
+    read_targets(
+        storage,
+        directory,
+        targets(),
+        check_file=lambda f: None if f in wanted else _check_file_sizes(storage, directory, manifest, {f}),
+    )
     for staged, live in finish:
         live.copy_(staged)
     for key, obj, skel, dest in plans:

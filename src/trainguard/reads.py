@@ -19,7 +19,7 @@ cached local file; None, one piece per op, for an uncached one or a non-local re
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CorruptCheckpointError
@@ -137,13 +137,15 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
-def run(pieces: list[Piece], streams: int) -> None:
+def run(pieces: Iterable[Piece], streams: int) -> None:
     """Run every piece on ``streams`` threads (the caller's among them), which take the next
     piece in the order given (work stealing over pieces); re-raises the first error in the
-    caller's thread, after the other threads stopped taking pieces."""
-    if not pieces:
-        return
-    if streams <= 1 or len(pieces) == 1:
+    caller's thread, after the other threads stopped taking pieces.
+
+    ``pieces`` may be a generator that plans as it goes (``io.read_targets``): it is advanced
+    under the lock by whichever thread needs a piece, so the first pieces are being read while
+    later ones are still planned. An error raised by the generator is re-raised like a read's."""
+    if streams <= 1:
         for p in pieces:
             p.run()
         return
@@ -153,11 +155,11 @@ def run(pieces: list[Piece], streams: int) -> None:
 
     def worker() -> None:
         while not errors:
-            with lock:
-                p = next(it, None)
-            if p is None:
-                return
             try:
+                with lock:
+                    p = next(it, None)
+                if p is None:
+                    return
                 p.run()
             except BaseException as e:  # re-raised in the caller's thread
                 errors.append(e)

@@ -42,19 +42,35 @@ def _setup() -> tuple[Any, Any, Any] | None:
 _API = _setup()
 
 
+SAMPLES = 16  # ranges looked at per file
+SAMPLE_BYTES = 1 << 20  # bytes per range
+
+
 def cached_fraction(fd: int) -> float | None:
-    """The fraction of the open file ``fd``'s pages in the page cache; None when unknown."""
+    """The fraction of the open file ``fd``'s pages in the page cache, estimated from
+    ``SAMPLES`` evenly spread ranges of ``SAMPLE_BYTES`` (the whole file when it is smaller):
+    asking about a whole 1.5 GB file walks ~380,000 page-cache entries (3 ms, measured), the
+    sample a few thousand. None when unknown."""
     global _API
     if _API is None:
         return None
     import ctypes
 
     fn, Range, Stat = _API
-    pages = -(-os.fstat(fd).st_size // mmap.PAGESIZE)
-    if not pages:
+    size = os.fstat(fd).st_size
+    if not size:
         return None
+    if size <= SAMPLES * SAMPLE_BYTES:
+        ranges = [(0, size)]
+    else:
+        step = (size - SAMPLE_BYTES) // (SAMPLES - 1) // mmap.PAGESIZE * mmap.PAGESIZE
+        ranges = [(i * step, SAMPLE_BYTES) for i in range(SAMPLES)]
+    cached = pages = 0
     st = Stat()
-    if fn(_SYS_CACHESTAT, fd, ctypes.byref(Range(0, 0)), ctypes.byref(st), 0) != 0:
-        _API = None  # ENOSYS, EPERM (seccomp), ...: stop asking
-        return None
-    return min(1.0, st.cache / pages)
+    for off, n in ranges:
+        if fn(_SYS_CACHESTAT, fd, ctypes.byref(Range(off, n)), ctypes.byref(st), 0) != 0:
+            _API = None  # ENOSYS, EPERM (seccomp), ...: stop asking
+            return None
+        cached += st.cache
+        pages += -(-n // mmap.PAGESIZE)
+    return min(1.0, cached / pages)
