@@ -85,11 +85,25 @@ def gate(monkeypatch):
     ev.set()
 
 
+@pytest.fixture(params=["zero_copy", "copy"])
+def mode(request, monkeypatch):
+    """Both ways of staging protected CPU tensors: copied into the staging pool first (the
+    default) or written from their own memory (``TRAINGUARD_ASYNC_ZERO_COPY=1``)."""
+    monkeypatch.setenv("TRAINGUARD_ASYNC_ZERO_COPY", "1" if request.param == "zero_copy" else "0")
+    return request.param
+
+
+@pytest.fixture
+def copy_mode(monkeypatch):
+    """Tests of the staging copies themselves (caps, batches, copy errors)."""
+    monkeypatch.setenv("TRAINGUARD_ASYNC_ZERO_COPY", "0")
+
+
 def no_save_threads() -> bool:
     return not [t for t in threading.enumerate() if t.name.startswith("trainguard-async-save")]
 
 
-def test_step_waits_for_staging_and_checkpoint_holds_state_at_call(tmp_path, gate):
+def test_step_waits_for_staging_and_checkpoint_holds_state_at_call(tmp_path, gate, mode):
     state = make_state()
     at_call = tensors_of(state)
     h = tg.save(tmp_path / "a", state, async_=True)
@@ -110,7 +124,7 @@ def test_step_waits_for_staging_and_checkpoint_holds_state_at_call(tmp_path, gat
     assert no_save_threads()
 
 
-def test_in_place_mutation_right_after_save(tmp_path):
+def test_in_place_mutation_right_after_save(tmp_path, mode):
     state = make_state()
     at_call = tensors_of(state)
     h = tg.save(tmp_path / "a", state, async_=True)
@@ -172,7 +186,7 @@ def test_disk_error_surfaces_and_previous_checkpoint_stays_valid(tmp_path, monke
     assert [e["step"] for e in read_events(tmp_path) if e["event"] == "save_failed"] == [2]
 
 
-def test_staging_error_does_not_block_training(tmp_path, monkeypatch):
+def test_staging_error_does_not_block_training(tmp_path, monkeypatch, copy_mode):
     state = make_state()
     real = async_save.copy_into
 
@@ -225,7 +239,7 @@ def test_pool_reused_over_50_saves_without_rss_growth(tmp_path):
     assert mgr.latest_step() == 50
 
 
-def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gate, monkeypatch):
+def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gate, monkeypatch, copy_mode):
     # fc1.weight and its Adam moments are 6.4 MB each: larger than the 4 MiB batch buffer the cap
     # leaves, so they are split into block-aligned pieces across batches.
     state = make_state(width=100_000)
@@ -262,7 +276,7 @@ def test_staging_cap_stages_in_batches_and_step_waits_for_the_last(tmp_path, gat
     assert tg.load(tmp_path / "a", make_state(width=100_000, seed=3)) is not None
 
 
-def test_write_error_between_batches_releases_step_and_pool(tmp_path, monkeypatch):
+def test_write_error_between_batches_releases_step_and_pool(tmp_path, monkeypatch, copy_mode):
     state = make_state(width=100_000)
     cap = 8 << 20
     tg.save(tmp_path / "a", state, async_=True, max_staging_bytes=cap).result(timeout=60)
@@ -282,7 +296,7 @@ def test_write_error_between_batches_releases_step_and_pool(tmp_path, monkeypatc
     assert_same(load_fresh(tmp_path / "a", width=100_000), at_a)
 
 
-def test_staging_cap_bounds_rss_over_many_saves(tmp_path):
+def test_staging_cap_bounds_rss_over_many_saves(tmp_path, copy_mode):
     torch.manual_seed(0)
     model = nn.Linear(3000, 3000)  # 36 MB of parameters, 108 MB with Adam's moments; tiny activations
     state = {"model": model, "optim": torch.optim.Adam(model.parameters(), lr=1e-3)}
@@ -386,3 +400,47 @@ def test_async_save_duration_is_when_it_finished_not_when_collected(tmp_path):
         mgr.wait()
     ev = [e for e in read_events(tmp_path) if e["event"] == "save"]
     assert len(ev) == 1 and ev[0]["duration_s"] == round(finished - mgr._pending_t0, 6)
+
+
+def test_zero_copy_writes_protected_tensors_from_their_memory(tmp_path, monkeypatch):
+    """CPU training on local files: parameters and Adam moments are written straight from the
+    live tensors (no staging copy, no staging memory); step() after the write does not wait."""
+    monkeypatch.setenv("TRAINGUARD_ASYNC_ZERO_COPY", "1")
+    state = make_state(width=20_000)
+    at_call = tensors_of(state)
+    protected = sum(p.nbytes for p in state["model"].parameters()) * 3  # params + exp_avg + exp_avg_sq
+    h = tg.save(tmp_path / "a", state, async_=True)
+    assert h.wait_staged(60)
+    assert h.written_live_bytes >= protected and h.staged_background_bytes == 0
+    train_step(state)
+    assert h.hook_wait_s == 0 and differs(tensors_of(state), at_call)
+    h.result(timeout=60)
+    assert_same(load_fresh(tmp_path / "a", width=20_000), at_call)
+
+
+def test_zero_copy_step_during_the_write_copies_the_rest(tmp_path, monkeypatch):
+    """step() comes while the live tensors are still being written: the save thread finishes the
+    batch in flight, copies every chunk not yet written into the staging buffer, releases step()
+    and writes the copies; the checkpoint holds the state at the call, not the stepped one."""
+    from trainguard.storage import local
+
+    monkeypatch.setenv("TRAINGUARD_ASYNC_ZERO_COPY", "1")
+    monkeypatch.setattr(async_save, "ZERO_COPY_BATCH", 1 << 20)  # many batches
+    state = make_state(width=20_000)  # fc1.weight and its moments: 1.3 MB each
+    at_call = tensors_of(state)
+    handles: list = []
+    real = local._LocalWriter.pwrite
+
+    def held(self, data, offset):  # the first batch's writes wait until step() waits
+        assert handles and handles[0].waiting.wait(60)
+        return real(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", held)
+    h = tg.save(tmp_path / "a", state, async_=True)
+    handles.append(h)
+    train_step(state)  # blocks in the pre-step hook until the rest is copied
+    assert h.hook_wait_s > 0 and h.written_live_bytes > 0 and h.staged_background_bytes > 0
+    assert differs(tensors_of(state), at_call)
+    h.result(timeout=60)
+    assert_same(load_fresh(tmp_path / "a", width=20_000), at_call)
+    assert not default_pool().in_use and no_save_threads()

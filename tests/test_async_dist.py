@@ -133,7 +133,8 @@ def staged_share(rank: int, world: int, root: str) -> dict:
     protected = sum(p.nbytes for p in state["model"].parameters())
     protected += sum(v.nbytes for s in state["optim"].state.values() for v in s.values() if isinstance(v, torch.Tensor))
     out: dict = {"protected": protected}
-    for name, cap in (("uncapped", None), ("capped", 1 << 20)):
+    for name, cap in (("uncapped", None), ("capped", 1 << 20), ("live", None)):
+        os.environ["TRAINGUARD_ASYNC_ZERO_COPY"] = "1" if name == "live" else "0"
         at_call = _all_tensors(state)
         h = tg.save(Path(root) / name, state, async_=True, max_staging_bytes=cap)
         _step(state, 2, rank)  # DDP all-reduce while the save stages and commits through the store
@@ -148,7 +149,7 @@ def staged_share(rank: int, world: int, root: str) -> dict:
         tg.load(Path(root) / name, fresh)
         loaded = _all_tensors(fresh)
         out[name] = {
-            "background": h.staged_background_bytes, "share": share, "sync": h.staged_sync_bytes, "batches": h.staging_batches,
+            "background": h.staged_background_bytes + h.written_live_bytes, "share": share, "sync": h.staged_sync_bytes, "batches": h.staging_batches,
             "differs_before": any(not torch.equal(before_load[k], at_call[k]) for k in at_call),
             "stepped": any(not torch.equal(after[k], at_call[k]) for k in at_call),
             "equal": loaded.keys() == at_call.keys() and all(torch.equal(loaded[k], at_call[k]) for k in at_call),
@@ -160,9 +161,10 @@ def test_each_rank_stages_only_its_share_of_replicated_state(tmp_path):
     results = run_ranks(staged_share, 2, str(tmp_path / "run"), timeout=120)
     protected = results[0].value["protected"]
     assert protected > 2 << 20
-    for name in ("uncapped", "capped"):
+    for name in ("uncapped", "capped", "live"):
         per_rank = [r.value[name] for r in results]
-        # Every byte of the parameters and Adam state is staged exactly once, on the rank that writes it.
+        # Every byte of the parameters and Adam state is staged (or, "live", written from the
+        # tensors) exactly once, on the rank that writes it.
         assert sum(v["background"] for v in per_rank) == protected, (name, per_rank)
         assert all(v["background"] == v["share"] < 0.7 * protected for v in per_rank), (name, per_rank)
         assert all(v["sync"] < 64 << 10 for v in per_rank)  # RNG state only

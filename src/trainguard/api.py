@@ -133,11 +133,11 @@ def persist_and_commit(
     """Phases 2 and 3 of a save, on every rank: write own chunks, exchange outcomes, commit.
 
     ``stage(mine)`` may supply the bytes of this rank's chunks ``mine`` (``capture.my_chunks``,
-    known once the "begin" round agreed the per-rank loads): a generator of batches of
+    known once the "begin" round agreed the per-rank loads): ``(phases, batches)``, the page
+    phase of each chunk's source (or None; for the file layout) and a generator of batches of
     ``(index in mine, byte offset in that chunk, host tensor)``, each batch written before the
-    next is requested (the async path's host copies, ``async_save._batches``). By default the
-    bytes come from the tensors themselves. Safe to run on a background thread:
-    it only talks to other ranks through the store.
+    next is requested (the async path, ``async_save._stage``). By default the bytes come from
+    the tensors themselves. Safe on a background thread: it talks to other ranks via the store.
     """
     parent, name = os.path.split(target.rstrip("/"))
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
@@ -226,10 +226,10 @@ def _write_rank(
         lengths = [len(v) for v in cpu]
         streams = _split_streams(mine, lengths)
         offsets, sums, names, files = _write_streams(storage, work, ctx.rank, cpu, streams)
-    else:  # async: host copies, produced batch by batch (async_save._batches), one file
-        lengths = [chunk_view(lf, b).nbytes for lf, b in mine]
-        offsets, size = layout_file(lengths)
-        sums = _write_staged(storage, storage.join(work, fname), stage(mine), offsets, size, ctx.rank)
+    else:  # async: host copies or live CPU tensors, batch by batch (async_save._stage), one file
+        lengths, (phases, batches) = [chunk_view(lf, b).nbytes for lf, b in mine], stage(mine)
+        offsets, size = layout_file(lengths, phases=phases)
+        sums = _write_staged(storage, storage.join(work, fname), batches, offsets, size, ctx.rank)
         names, files = [fname] * len(mine), {fname: size}
     chunks = [
         [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, n, s, f]

@@ -29,6 +29,7 @@ updates) must call ``handle.wait_staged()`` first.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import weakref
@@ -45,7 +46,7 @@ from .errors import CheckpointError
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
-from .planner import Box
+from .planner import PAGE, PAGE_ALIGN_FROM, Box
 from .stage import StagingPool, _round_up, copy_into, default_pool, slot_room, slot_start
 from .storage import Storage
 
@@ -70,6 +71,7 @@ class _Job:
         self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
+        self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
 
 
 def start_async_save(
@@ -114,6 +116,7 @@ def start_async_save(
                 job.cuda_events[lf.tensor.device.index] = ev
     except Exception as e:  # still join the collective rounds, so every rank fails together
         job.error = e
+    job.zero_copy = _zero_copy_ok(storage, later)
     _hook(optimizers)
     handle.call_s = time.monotonic() - t0
     handle.bytes = sum(lf.tensor.nbytes for lf in todo)
@@ -135,9 +138,7 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
     "begin" round, batch by batch as ``api._write_rank`` writes them); always releases the pool."""
     handle = job.handle
     try:
-        manifest = persist_and_commit(
-            storage, target, snap, ctx, stage=lambda mine: _batches(job, mine, ctx.rank), **kw
-        )
+        manifest = persist_and_commit(storage, target, snap, ctx, stage=lambda mine: _stage(job, mine, ctx.rank), **kw)
         outcome: tuple[Any, BaseException | None] = (manifest, None)
     except BaseException as e:  # surfaced by handle.result() at the next save/wait/close
         outcome = (None, e)
@@ -154,28 +155,69 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
 
 
 Batch = list[tuple[int, int, torch.Tensor]]  # (index in ``mine``, byte offset in that chunk, host bytes)
+Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, chunk, already a host copy, page phase)
+
+# Zero-copy writes go in batches of about this many bytes; between two, the save thread looks
+# whether step() is waiting (then it copies the rest instead, training being blocked anyway).
+ZERO_COPY_BATCH = 256 << 20
+_ZERO_COPY_ENV = "TRAINGUARD_ASYNC_ZERO_COPY"  # "1": opt in (docs/async.md, "Zero-copy")
 
 
-def _batches(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> Iterator[Batch]:
-    """The ``stage`` of ``api._write_rank`` (save thread): batches of host bytes of this rank's
-    chunks, in ``mine`` (= file) order: io.write_batches needs batches that do not interleave.
-    Copies made in the call join the batch as they are; parameters and optimizer state are copied
-    into the background buffer, one buffer-full per batch. A batch's buffer is reused for
-    the next one once ``io.write_batches`` asks for it (it has written the batch by then).
-    Sets ``staged`` when the last protected chunk is copied, or when staging stops."""
+def _zero_copy_ok(storage: Storage, later: list[Leaf]) -> bool:
+    """Write the protected chunks from their own memory? Opt-in (``TRAINGUARD_ASYNC_ZERO_COPY=1``),
+    and only CPU tensors (a GPU's must be copied to the host anyway) onto storage that writes
+    them with O_DIRECT (local files): the save then needs no staging memory and no copy, and a
+    write that is not done when ``step()`` comes is finished from copies made then
+    (``_write_live``). Not the default: on this 2-core machine the write outlasted
+    forward+backward and the stall grew (docs/async.md has the figures)."""
+    from .storage.local import direct_io_enabled
+
+    return (
+        os.environ.get(_ZERO_COPY_ENV, "0") == "1"
+        and getattr(storage, "direct_io", False)
+        and direct_io_enabled()
+        and all(not lf.tensor.is_cuda for lf in later)
+    )
+
+
+def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int | None] | None, Iterator[Batch]]:
+    """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's
+    source (where ``planner.layout_file`` puts it within a page of the file, so that its pages
+    can go O_DIRECT), and the batches (:func:`_batches`)."""
+    todo: Todo = []
     try:
-        if job.error is not None:  # reported to every rank by the "written" round
-            raise job.error
-        todo: list[tuple[int, torch.Tensor, bool]] = []  # (index, chunk, already a host copy), in file order
         for i, (lf, box) in enumerate(mine):
             copy = job.copies.get(id(lf))
             if copy is not None:
-                todo.append((i, chunk_view(replace(lf, tensor=copy), box), True))
+                todo.append((i, chunk_view(replace(lf, tensor=copy), box), True, 0))
             elif id(lf) in job.later:
-                todo.append((i, chunk_view(lf, box), False))
+                t = chunk_view(lf, box)
+                phase = t.data_ptr() % PAGE if job.zero_copy and t.is_contiguous() and t.numel() else 0
+                todo.append((i, t, False, phase if phase % 64 == 0 else 0))
             else:
                 raise CheckpointError(f"{lf.path}: chunk neither copied nor staged (internal error)")
-        yield from _stage_background(job, todo)
+    except Exception as e:  # raised from the batches, where the write path reports it
+        return None, _batches(job, None, rank, e)
+    phases = [(t.data_ptr() % PAGE if ready and t.numel() else p) for _i, t, ready, p in todo]
+    return phases, _batches(job, todo, rank, None)
+
+
+def _batches(job: _Job, todo: Todo | None, rank: int, error: BaseException | None) -> Iterator[Batch]:
+    """Batches of host bytes of this rank's chunks, in file order (io.write_batches needs
+    batches that do not interleave). Copies made in the call join the batch as they are;
+    parameters and optimizer state are written from their own memory (``job.zero_copy``) or
+    copied into the background buffer, one buffer-full per batch; a batch's buffer is reused
+    for the next one once ``io.write_batches`` asks for it (it has written the batch by then).
+    Sets ``staged`` when the last protected chunk is copied or written, or when staging stops."""
+    try:
+        if job.error is not None:  # reported to every rank by the "written" round
+            raise job.error
+        if error is not None:
+            raise error
+        assert todo is not None
+        if _before_background_stage is not None:
+            _before_background_stage()
+        yield from (_write_live if job.zero_copy else _stage_background)(job, todo)
     except CheckpointError as e:
         raise CheckpointError(f"staging failed on rank {rank}: {e}") from e
     except Exception as e:
@@ -184,30 +226,55 @@ def _batches(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> Iterator[Bat
         job.handle.set_staged()  # never leave step() blocked, whatever happened
 
 
-def _stage_background(job: _Job, todo: list[tuple[int, torch.Tensor, bool]]) -> Iterator[Batch]:
-    if _before_background_stage is not None:
-        _before_background_stage()
+def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
+    """Zero-copy: the protected chunks are written (and checksummed) from the live tensors,
+    about ``ZERO_COPY_BATCH`` bytes per batch, while forward/backward only read them; ``staged``
+    is set once the last batch is written. If ``step()`` (the pre-step hook) or ``wait_staged()``
+    is waiting when a batch is done, the chunks not yet written are copied into the staging
+    buffer at once (the caller is blocked anyway; a memcpy is much faster than the disk) and
+    written from there, so the wait is one batch's write plus one copy, not the whole save."""
+    h = job.handle
+    batch: Batch = []
+    size = live = 0
+    for k, (i, t, ready, _phase) in enumerate(todo):
+        batch.append((i, 0, _as_bytes(t)))
+        size += t.nbytes
+        live += 0 if ready else t.nbytes
+        if size < ZERO_COPY_BATCH and k < len(todo) - 1:
+            continue
+        h.staging_batches += 1
+        yield batch
+        h.written_live_bytes += live
+        batch, size, live = [], 0, 0
+        if h.waiting.is_set() and k < len(todo) - 1:
+            yield from _stage_background(job, todo[k + 1 :])
+            return
+    h.set_staged()
+
+
+def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
     streams: dict[int, Any] = {}
     for idx, ev in job.cuda_events.items():
         s = torch.cuda.Stream(device=idx)
         s.wait_event(ev)
         streams[idx] = s
-    srcs = [(i, _as_bytes(t), ready) for i, t, ready in todo]
-    sizes = [b.numel() for _, b, ready in srcs if not ready]
-    room = job.pool.background_bytes(slot_room(sizes), max(sizes, default=0), block=DEFAULT_BLOCK)
+    srcs = [(i, _as_bytes(t), ready, phase) for i, t, ready, phase in todo]
+    sizes = [b.numel() for _, b, ready, _p in srcs if not ready]
+    room = job.pool.background_bytes(slot_room(sizes) + PAGE * len(sizes), max(sizes, default=0), block=DEFAULT_BLOCK)
     buf = job.pool.buffer(room)
     h = job.handle
     batch: Batch = []
     pos = 0
-    for i, src, ready in srcs:
+    for i, src, ready, phase in srcs:
         n, start = src.numel(), 0
         if ready or n == 0:
             batch.append((i, 0, src))
             continue
         while start < n:
-            # Large chunks start on a page in the file (planner.layout_file) and their pieces on a
-            # block: on a page here too, so the writer can send them with O_DIRECT.
-            pos = min(slot_start(pos, n), room)
+            # Large chunks start on a page in the file (planner.layout_file), or at their live
+            # memory's phase within one (zero-copy), and their pieces on a block: at the same
+            # place within a page here too, so the writer can send them with O_DIRECT.
+            pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
             free = max(room - pos, 0)
             # A piece of a split chunk starts on a checksum block of its chunk.
             piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK

@@ -28,7 +28,7 @@ class SaveHandle:
         self.step = step
         self._staged = threading.Event()
         self._done = threading.Event()
-        self.waiting = threading.Event()  # set when a pre-step hook starts waiting (tests, diagnostics)
+        self.waiting = threading.Event()  # set when step() or wait_staged() starts waiting for staging
         self._result: Any = None
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -44,6 +44,7 @@ class SaveHandle:
         # many batches (1 unless ``max_staging_bytes`` made it copy, write, copy, ...).
         self.staged_sync_bytes = 0
         self.staged_background_bytes = 0
+        self.written_live_bytes = 0  # zero-copy: protected chunks written from the live tensors
         self.staging_batches = 0
 
     def staged(self) -> bool:
@@ -55,7 +56,10 @@ class SaveHandle:
         return self._done.is_set()
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``."""
+        """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``.
+        Tells a zero-copy save that someone waits: it copies what it has not written yet."""
+        if not self._staged.is_set():
+            self.waiting.set()
         return self._staged.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Any:
