@@ -172,3 +172,39 @@ def test_cached_fraction_samples_the_whole_file(tmp_path: Path) -> None:
         assert _pagecache.cached_fraction(fd) < 0.1
     finally:
         os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_cold_small_tensors_are_read_in_groups_and_a_flip_is_named(tmp_path: Path, monkeypatch) -> None:
+    """From a cold file, small tensors are read a group at a time (one read of up to 16 MiB,
+    in file order, which is the order the loader plans them in), then verified and copied one
+    by one: every tensor lands in place, and a flipped byte names its own tensor."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [int(s) for s in torch.randint(100, 60_000, (300,), generator=g)]
+    state = {f"layer{i}.w": torch.randn(n, generator=g) for i, n in enumerate(sizes)}  # ~36 MB, 2 files
+    tg.save(tmp_path / "ck", state)
+    m = read_manifest(LocalStorage(), str(tmp_path / "ck"))
+    by_file: dict[str, list[int]] = {}
+    for name in m.tensors:  # the manifest lists tensors in file order: front to back in each file
+        c = m.tensors[name].chunks[0]
+        by_file.setdefault(c.file, []).append(c.offset)
+    assert all(offs == sorted(offs) for offs in by_file.values())
+    _evict(tmp_path / "ck")
+    r = LocalStorage().open_read(str(tmp_path / "ck" / next(iter(by_file))))
+    cold_known = r.cold
+    r.close()
+    if not cold_known:
+        pytest.skip("cachestat is not available: every file is read as cached")
+    groups: list[int] = []
+    real = reads.GroupPiece.run
+    monkeypatch.setattr(reads.GroupPiece, "run", lambda self: (groups.append(len(self.ops)), real(self))[1])
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    tg.load(tmp_path / "ck", fresh)
+    assert all(torch.equal(fresh[k], state[k]) for k in state)
+    assert sum(groups) == len(state) and len(groups) <= 8, groups  # a few reads, not 300
+    pos = _flip(tmp_path / "ck", "layer123.w", 4 * 500 + 3)
+    _evict(tmp_path / "ck")
+    with pytest.raises(CorruptCheckpointError) as ei:
+        tg.load(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
+    lo, hi = _byte_range(str(ei.value))
+    assert "'layer123.w'" in str(ei.value) and lo <= pos < hi

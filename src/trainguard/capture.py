@@ -123,6 +123,9 @@ def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[t
     items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
     mine = [(by_path[p], b) for p, b, r in assign_replicated(items, ctx.world_size, base_loads) if r == ctx.rank]
     mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
+    # In path order (the balancing above goes by size): the file holds the tensors in this
+    # order, the manifest lists them so, and a load plans them so, reading each file front to back.
+    mine.sort(key=lambda c: (c[0].path, c[1].offsets))
     return mine
 
 

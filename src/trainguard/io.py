@@ -35,10 +35,8 @@ _COUNTERS_LOCK = threading.Lock()
 def counters() -> dict[str, int]:
     """This process's running totals of checkpoint bytes read and written (a debug counter).
 
-    ``read_targets`` adds what it reads (checksum widening included; ``bytes_read_direct``:
-    the part read with O_DIRECT), ``write_file`` what it writes (``bytes_direct``: the part
-    that went through O_DIRECT); take the difference around a ``load`` to see how many bytes
-    this rank read.
+    ``read_targets`` adds what it reads (checksum widening included), ``write_file`` what it
+    writes; ``bytes_read_direct``/``bytes_direct``: the parts that went through O_DIRECT.
     """
     with _COUNTERS_LOCK:
         return dict(_COUNTERS)
@@ -310,15 +308,16 @@ def read_targets(
     are checksummed right after they are read (:mod:`.reads`), when the reader allows pieces
     (``piece_bytes``: local files); other readers read each op whole, then verify it.
 
-    ``targets`` may be a generator (the loader plans tensor by tensor): it is consumed by the
-    read threads as they need work, so reading starts with the first target's first piece.
-    ``check_file(name)``, if given, is called once per data file before it is opened (the
-    loader checks the file's size against the manifest there).
+    ``targets`` may be a generator (the loader plans tensor by tensor), consumed by the read
+    threads as they need work. ``check_file(name)``, if given, is called once per data file
+    before it is opened (the loader checks the file's size against the manifest there).
     """
     readers: dict[str, FileReader] = {}
     total = 0
 
-    def pieces() -> Iterator[reads.Piece]:
+    small = reads.SmallOps(_POOL.get, _POOL.put)  # cold small ops: read in groups
+
+    def pieces() -> Iterator[reads.Piece | reads.GroupPiece]:
         nonlocal total
         for t in targets:
             dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None
@@ -329,7 +328,9 @@ def read_targets(
                         check_file(op.file)
                     r = readers[op.file] = storage.open_read(storage.join(directory, op.file))
                 total += op.length
-                yield from _op_pieces(r, t, op, dest)
+                grouped = small.take(r, t.path, op, dest)
+                yield from _op_pieces(r, t, op, dest) if grouped is None else grouped
+        yield from small.rest()
 
     gen = pieces()
     try:

@@ -139,26 +139,19 @@ def _load(
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
 
+    want = {p: dest for _key, _obj, skel, dest in plans for p in tensor_refs(skel) if p not in bad}
+
     def targets() -> Iterator[ReadTarget]:
-        # A generator: the read threads plan tensor k+1 while tensor k's pieces are read.
-        for _key, _obj, skel, dest in plans:
-            for p in tensor_refs(skel):
-                if p in bad:
-                    continue
-                e = manifest.tensors[p]
-                live = dest.get(p)
-                t, box, stage_back = _destination(live, e)
-                loaded[p] = live if live is not None else t
-                if stage_back is not None:
-                    finish.append((t, stage_back))
-                ops = plan_reads(
-                    plan_args(src.chunks(p, e, box)),
-                    box,
-                    e.torch_dtype.itemsize,
-                    manifest.block_size,
-                    verify,
-                )
-                yield ReadTarget(p, t, box, ops)
+        # A generator: the read threads plan tensor k+1 while tensor k's pieces are read. In the
+        # manifest's order, which is the order the tensors were written in (file order).
+        for p in (p for p in manifest.tensors if p in want):
+            e, live = manifest.tensors[p], want[p].get(p)
+            t, box, stage_back = _destination(live, e)
+            loaded[p] = live if live is not None else t
+            if stage_back is not None:
+                finish.append((t, stage_back))
+            ops = plan_reads(plan_args(src.chunks(p, e, box)), box, e.torch_dtype.itemsize, manifest.block_size, verify)
+            yield ReadTarget(p, t, box, ops)
 
     # The files of live regular shards were not checked above: each is checked when first opened.
     read_targets(

@@ -19,7 +19,7 @@ cached local file; None, one piece per op, for an uncached one or a non-local re
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CorruptCheckpointError
@@ -63,6 +63,72 @@ class Piece:
                 raise corrupt(self.op, self.path, c.start, c.length)
         if self.done is not None:
             self.done()
+
+
+GROUP_BYTES = 16 << 20  # a cold group of small ops is one read of at most this many bytes
+GROUP_GAP = 64 << 10  # ops further apart than this in the file start a new group
+SMALL_OP = 1 << 20  # ops below this are grouped when their file is cold
+
+
+class SmallOps:
+    """Cold reads of small tensors, grouped: from a file mostly not in the page cache, one
+    ``preadv`` per tensor waits for the disk each time (10,000 tensors of 4 KB-1 MB: 1.8 s for
+    1.9 GB against 0.66 s for large reads of the same bytes). ``take`` collects the small direct
+    ops of such files into one open :class:`GroupPiece` per file while they come in file order
+    (as the loader plans them: tensor order is file order within a file) and hands back the
+    groups that are complete, so reading overlaps planning; ``rest`` the groups still open.
+    ``get``/``put`` lend the buffers (``io``'s pool of page-aligned 16 MiB + 1 page buffers)."""
+
+    def __init__(self, get: Callable[[], memoryview], put: Callable[[memoryview], None]) -> None:
+        self.get, self.put = get, put
+        self.open: dict[int, GroupPiece] = {}
+
+    def take(self, reader: FileReader, path: str, op: ReadOp, dest: memoryview | None) -> list[GroupPiece] | None:
+        """None: not a cold small direct op (read it as usual); else the groups now complete."""
+        if dest is None or op.dest_byte is None or op.length >= SMALL_OP or not getattr(reader, "cold", False):
+            return None
+        done = []
+        g = self.open.get(id(reader))
+        if g is not None and not g.fits(op):
+            done.append(self.open.pop(id(reader)))
+            g = None
+        if g is None:
+            g = self.open[id(reader)] = GroupPiece(reader, op.offset, self)
+        g.ops.append((op, path, dest[op.dest_byte : op.dest_byte + op.length]))
+        g.end = max(g.end, op.offset + op.length)
+        return done
+
+    def rest(self) -> Iterator[GroupPiece]:
+        while self.open:
+            yield self.open.popitem()[1]
+
+
+class GroupPiece:
+    """Bytes ``[lo, end)`` of a file holding several small ops: one read into a page-aligned
+    buffer (O_DIRECT for its whole pages), then each op verified and copied into place (run by
+    :func:`run` like a :class:`Piece`)."""
+
+    def __init__(self, reader: FileReader, lo: int, lender: SmallOps) -> None:
+        self.reader, self.lo, self.end, self.lender = reader, lo, lo, lender
+        self.ops: list[tuple[ReadOp, str, memoryview]] = []
+
+    def fits(self, op: ReadOp) -> bool:
+        return self.lo <= op.offset <= self.end + GROUP_GAP and op.offset + op.length - self.lo <= GROUP_BYTES
+
+    def run(self) -> None:
+        buf = self.lender.get()
+        try:
+            phase = self.lo % 4096  # the buffer starts on a page: file and memory agree modulo a page
+            view = buf[phase : phase + self.end - self.lo]
+            self.reader.readinto(view, self.lo)
+            for op, path, dst in self.ops:
+                rel = op.offset - self.lo
+                for c in op.checks:
+                    if checksum(view[rel + c.start : rel + c.start + c.length]) != c.checksum:
+                        raise corrupt(op, path, c.start, c.length)
+                dst[:] = view[rel : rel + op.length]
+        finally:
+            self.lender.put(buf)
 
 
 def corrupt(op: ReadOp, path: str, start: int, length: int) -> CorruptCheckpointError:
@@ -137,7 +203,7 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
-def run(pieces: Iterable[Piece], streams: int) -> None:
+def run(pieces: Iterable[Piece | GroupPiece], streams: int) -> None:
     """Run every piece on ``streams`` threads (the caller's among them), which take the next
     piece in the order given (work stealing over pieces); re-raises the first error in the
     caller's thread, after the other threads stopped taking pieces.

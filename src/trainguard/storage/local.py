@@ -238,7 +238,8 @@ class _LocalReader:
         self.dfd: int | None = None
         self.direct_bytes = 0  # bytes read through O_DIRECT (tests and benchmarks read it)
         cached = _pagecache.cached_fraction(self.fd)
-        if cached is not None and cached < 0.9:
+        self.cold = cached is not None and cached < 0.9  # io groups small reads of a cold file
+        if self.cold:
             self.piece_bytes = COLD_READ_PIECE
             if direct_io_enabled():
                 self.dfd = self._open_direct()
