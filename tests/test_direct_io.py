@@ -259,3 +259,42 @@ def test_cold_resharding_read_fills_its_scratch_buffer_direct(tmp_path: Path):
     _evict(tmp_path / "c")
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         io.read_targets(storage, d, [io.ReadTarget("w", torch.zeros(1024, 512), box, ops)])
+
+
+def test_o_direct_reads_only_for_a_sole_reader_on_the_machine(monkeypatch):
+    """Several ranks of one machine loading replicated state read the same bytes: through the
+    page cache the disk is read once, with O_DIRECT once per rank, so only a sole reader
+    (world size 1, or torchrun's LOCAL_WORLD_SIZE=1) reads cold files direct."""
+    from types import SimpleNamespace
+
+    from trainguard.loader import _sole_reader
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _sole_reader(SimpleNamespace(world_size=1))
+    assert not _sole_reader(SimpleNamespace(world_size=2))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank per node
+    assert _sole_reader(SimpleNamespace(world_size=8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not _sole_reader(SimpleNamespace(world_size=8))
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
+def test_cold_read_without_direct_goes_through_the_page_cache(tmp_path: Path):
+    from trainguard.commit import read_manifest
+    from trainguard.index import ChunkSource, plan_args
+    from trainguard.planner import full_box, plan_reads
+
+    w = torch.randn(2 << 20)
+    tg.save(tmp_path / "c", {"w": w})
+    _cold_reads_known(tmp_path / "c")
+    storage, d = LocalStorage(), str(tmp_path / "c")
+    m = read_manifest(storage, d)
+    box = full_box(m.tensors["w"].shape)
+    ops = plan_reads(plan_args(ChunkSource.of(storage, d, m).chunks("w", m.tensors["w"], box)), box, 4, m.block_size)
+    for direct in (False, True):
+        _evict(tmp_path / "c")
+        dest = torch.zeros(2 << 20)
+        before = io.counters()["bytes_read_direct"]
+        io.read_targets(storage, d, [io.ReadTarget("w", dest, box, ops)], direct=direct)
+        got = io.counters()["bytes_read_direct"] - before
+        assert torch.equal(dest, w) and (got > (4 << 20) if direct else got == 0)

@@ -2,8 +2,7 @@
 ranges straight into destination tensors, with verification.
 
 Called by ``api.save``/``api.load`` on each rank for that rank's own file and reads; safe to
-run from a background thread (the async writer). Two streams by default: on this machine two
-parallel write streams beat one (see the README's benchmark section).
+run from a background thread (the async writer). Two streams by default (measured faster here).
 """
 
 from __future__ import annotations
@@ -301,6 +300,7 @@ def read_targets(
     *,
     streams: int = STREAMS,
     check_file: Callable[[str], None] | None = None,
+    direct: bool = True,
 ) -> int:
     """Execute every read op, verifying checksums; returns the number of bytes read.
 
@@ -309,8 +309,8 @@ def read_targets(
     (``piece_bytes``: local files); other readers read each op whole, then verify it.
 
     ``targets`` may be a generator (the loader plans tensor by tensor), consumed by the read
-    threads as they need work. ``check_file(name)``, if given, is called once per data file
-    before it is opened (the loader checks the file's size against the manifest there).
+    threads as they need work. ``check_file(name)``: called once per data file before it is
+    opened (the loader checks its size there). ``direct=False``: no O_DIRECT for cold files.
     """
     readers: dict[str, FileReader] = {}
     total = 0
@@ -326,7 +326,8 @@ def read_targets(
                 if r is None:
                     if check_file is not None:
                         check_file(op.file)
-                    r = readers[op.file] = storage.open_read(storage.join(directory, op.file))
+                    kw = {"direct": direct} if getattr(storage, "direct_io", False) else {}
+                    r = readers[op.file] = storage.open_read(storage.join(directory, op.file), **kw)
                 total += op.length
                 grouped = small.take(r, t.path, op, dest)
                 yield from _op_pieces(r, t, op, dest) if grouped is None else grouped
@@ -356,10 +357,9 @@ def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview |
 
 
 class _Scratch:
-    """An indirect op's scratch buffer: allocated by the first of its pieces to run, dropped
-    once its elements are copied out, so only the ops being read hold one (not every op of a
-    resharding load at once). It starts at the op's file offset modulo a page (``phase``), so
-    a cold read can fill its whole pages with O_DIRECT."""
+    """An indirect op's scratch buffer, allocated by its first piece to run and dropped once its
+    elements are copied out (not every op of a resharding load at once); it starts at the op's
+    file offset modulo a page (``phase``): a cold read can fill its whole pages with O_DIRECT."""
 
     def __init__(self, n: int, phase: int = 0) -> None:
         self.n, self.phase = n, phase

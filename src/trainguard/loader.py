@@ -159,6 +159,7 @@ def _load(
         directory,
         targets(),
         check_file=lambda f: None if f in wanted else _check_file_sizes(storage, directory, manifest, {f}),
+        direct=_sole_reader(ctx),
     )
     for staged, live in finish:
         live.copy_(staged)
@@ -178,6 +179,15 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             ) from e
+
+
+def _sole_reader(ctx: DistContext) -> bool:
+    """Whether cold files may be read with O_DIRECT: it bypasses the page cache, which is right
+    for one process per machine and wrong when several ranks of this machine read the same
+    bytes (replicated state: with the page cache the disk is read once for all of them;
+    measured with 2 DDP ranks: O_DIRECT 2.43 s, through the cache 1.49 s). torchrun's
+    ``LOCAL_WORLD_SIZE`` says how many ranks share this machine; unknown counts as several."""
+    return ctx.world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == "1"
 
 
 def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) -> tuple[Any, int | None]:

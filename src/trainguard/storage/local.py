@@ -232,7 +232,7 @@ class _LocalReader:
 
     piece_bytes: int | None = READ_PIECE
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, direct: bool = True) -> None:
         self.path = path
         self.fd = _open_regular(path)
         self.dfd: int | None = None
@@ -241,7 +241,7 @@ class _LocalReader:
         self.cold = cached is not None and cached < 0.9  # io groups small reads of a cold file
         if self.cold:
             self.piece_bytes = COLD_READ_PIECE
-            if direct_io_enabled():
+            if direct and direct_io_enabled():
                 self.dfd = self._open_direct()
                 if self.dfd is not None:
                     self.piece_bytes = COLD_DIRECT_PIECE
@@ -413,8 +413,10 @@ class LocalStorage:
         """A writer for a new data file; ``direct``: send aligned pages through O_DIRECT."""
         return _LocalWriter(path, direct=direct)
 
-    def open_read(self, path: str) -> _LocalReader:
-        return _LocalReader(path)
+    def open_read(self, path: str, *, direct: bool = True) -> _LocalReader:
+        """A reader; ``direct=False``: no O_DIRECT even when the file is cold (other processes
+        of this machine read the same bytes: through the page cache the disk is read once)."""
+        return _LocalReader(path, direct=direct)
 
     def fsync_dir(self, path: str) -> None:
         fd = os.open(path or ".", os.O_RDONLY)
