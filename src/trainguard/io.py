@@ -333,7 +333,7 @@ def read_targets(
                 yield from _op_pieces(r, t, op, dest) if grouped is None else grouped
         yield from small.rest()
 
-    gen = pieces()
+    gen = reads.batched(pieces())
     try:
         reads.run(gen, streams)
     finally:

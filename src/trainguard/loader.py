@@ -157,7 +157,7 @@ def _load(
     read_targets(
         storage,
         directory,
-        targets(),
+        targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
         check_file=lambda f: None if f in wanted else _check_file_sizes(storage, directory, manifest, {f}),
         direct=_sole_reader(ctx),
     )
@@ -179,6 +179,12 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             ) from e
+
+
+# Planning while reading pays off for large tensors; with thousands of small ones the planning
+# thread holds the GIL while the readers' short preadv calls wait to get it back (10,000 tensors
+# loaded hot: 0.78-0.81 s planned while reading, 0.70 s planned first): plan them all first.
+EAGER_PLAN_FROM = 2000
 
 
 def _sole_reader(ctx: DistContext) -> bool:

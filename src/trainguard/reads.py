@@ -131,6 +131,38 @@ class GroupPiece:
             self.lender.put(buf)
 
 
+class Pieces(list):
+    """Several small pieces handed to a read thread at once (``io.read_targets`` batches them):
+    one hand-over of the shared iterator's lock per batch instead of per 4 KB tensor."""
+
+    def run(self) -> None:
+        for p in self:
+            p.run()
+
+
+BATCH_BYTES = 4 << 20  # pieces are handed to the read threads in batches of about this many bytes
+
+
+def batched(pieces: Iterator[Piece | GroupPiece]) -> Iterator[Piece | GroupPiece | Pieces]:
+    """The pieces in batches of at least ``BATCH_BYTES`` (a large piece alone, thousands of small
+    tensors' pieces together): one hand-over of :func:`run`'s lock per batch. Measured on 10,000
+    small tensors loaded hot: handing them over one by one cost 0.1 s. Closes ``pieces``."""
+    batch, size = Pieces(), 0
+    try:
+        for p in pieces:
+            batch.append(p)
+            size += p.length if isinstance(p, Piece) else BATCH_BYTES
+            if size >= BATCH_BYTES:
+                yield batch
+                batch, size = Pieces(), 0
+        if batch:
+            yield batch
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
+
+
 def corrupt(op: ReadOp, path: str, start: int, length: int) -> CorruptCheckpointError:
     """The error for a checksum mismatch over ``length`` bytes at ``start`` within ``op``."""
     a = op.offset + start
@@ -203,7 +235,7 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
-def run(pieces: Iterable[Piece | GroupPiece], streams: int) -> None:
+def run(pieces: Iterable[Piece | GroupPiece | Pieces], streams: int) -> None:
     """Run every piece on ``streams`` threads (the caller's among them), which take the next
     piece in the order given (work stealing over pieces); re-raises the first error in the
     caller's thread, after the other threads stopped taking pieces.
