@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import trainguard as tg
+from test_read_pieces import _evict  # tests/ is on sys.path under pytest
 from trainguard import io
 from trainguard.planner import layout_file
 from trainguard.storage.local import DIRECT_ALIGN, LocalStorage
@@ -146,16 +147,6 @@ def test_direct_writer_preallocates_the_file(tmp_path: Path):
     w.pwrite(io.tensor_bytes(buf), 0)
     w.finish(4 << 20)
     assert (tmp_path / "f").read_bytes() == bytes([7]) * (4 << 20)
-
-
-def _evict(ckpt: Path) -> None:
-    for f in ckpt.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _cold_reads_known(ckpt: Path) -> None:

@@ -4,7 +4,6 @@ directories, atomic renames. The default backend."""
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import shutil
 import stat
@@ -12,6 +11,16 @@ import threading
 
 from ..errors import DiskFullError
 from . import _pagecache
+from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
+    DIRECT_ALIGN,
+    DIRECT_MIN,
+    bounce_get,
+    bounce_put,
+    buffer_address,
+    direct_io_enabled,
+    direct_split,
+    page_phase,
+)
 
 READ_PIECE = 4 << 20  # bytes per read call of a hot load: fits the L3 cache twice over (2 streams)
 # Files mostly not in the page cache, read buffered (no O_DIRECT here): each read op in one
@@ -24,38 +33,7 @@ COLD_READ_PIECE: int | None = None
 # page cache had to take fresh memory from the VM first.
 COLD_DIRECT_PIECE = 32 << 20
 
-# Direct I/O (O_DIRECT): the device reads the bytes straight from our memory, no copy into the
-# page cache. Measured on this machine (3 GB, 2 writers, fsync'd): ~0.1 s of CPU per GB against
-# 0.3 s buffered, and 2+ s per GB when the page cache must first take fresh memory from the VM;
-# it is what lets a background save leave the training step its cores. Only whole, aligned
-# pages go direct: the bytes before the first and after the last page boundary stay buffered.
-DIRECT_ALIGN = 4096  # memory address, file offset and length alignment (>= any device's logical block)
-DIRECT_MIN = 1 << 20  # smaller writes are not worth a second path
-_DIRECT_ENV = "TRAINGUARD_DIRECT_IO"  # "0" turns direct writes off (the buffered path stays)
-
-
 _LOCK = threading.Lock()
-
-
-def direct_io_enabled() -> bool:
-    return hasattr(os, "O_DIRECT") and os.environ.get(_DIRECT_ENV, "1") != "0"
-
-
-def buffer_address(view: memoryview) -> int | None:
-    """Memory address of a buffer's first byte (None when it cannot be had)."""
-    try:
-        import numpy as np
-
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-    except (TypeError, ValueError):
-        return None
-
-
-def page_phase(view: memoryview) -> int | None:
-    """Where a buffer starts within a page (``planner.layout_file`` places large chunks at
-    their phase, so that memory and file agree modulo a page); None when unknown."""
-    addr = buffer_address(view)
-    return None if addr is None else addr % DIRECT_ALIGN
 
 
 class _LocalWriter:
@@ -99,16 +77,8 @@ class _LocalWriter:
 
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        n = len(view)
-        if self.direct_ok and n >= DIRECT_MIN:
-            addr = buffer_address(view)
-            if addr is not None and (addr - offset) % DIRECT_ALIGN == 0:
-                head = -offset % DIRECT_ALIGN
-                mid = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
-                if mid and self._direct(view[head : head + mid], offset + head):
-                    self._buffered(view[:head], offset)
-                    self._buffered(view[head + mid :], offset + head + mid)
-                    return
+        if self.direct_ok and len(view) >= DIRECT_MIN and direct_split(view, offset, self._direct, self._buffered):
+            return
         self._buffered(view, offset)
 
     def _buffered(self, view: memoryview, offset: int) -> None:
@@ -199,23 +169,6 @@ def _open_regular(path: str) -> int:
     return fd
 
 
-BOUNCE_BYTES = 8 << 20  # page-aligned buffers for cold reads whose memory is at another page phase
-_BOUNCE_FREE: list[memoryview] = []
-
-
-def _bounce_get() -> memoryview:
-    with _LOCK:
-        if _BOUNCE_FREE:
-            return _BOUNCE_FREE.pop()
-    return memoryview(mmap.mmap(-1, BOUNCE_BYTES))  # anonymous mappings start on a page
-
-
-def _bounce_put(b: memoryview) -> None:
-    with _LOCK:
-        if len(_BOUNCE_FREE) < 2:  # one per read stream is kept for the next load
-            _BOUNCE_FREE.append(b)
-
-
 class _LocalReader:
     """Reads one data file for ``io.read_targets`` (several threads call ``readinto``).
 
@@ -263,17 +216,11 @@ class _LocalReader:
 
     def readinto(self, buf: memoryview, offset: int) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        n = len(view)
-        if self.direct_ok and n >= DIRECT_MIN:
-            addr = buffer_address(view)
-            if addr is not None and (addr - offset) % DIRECT_ALIGN == 0:
-                head = -offset % DIRECT_ALIGN
-                mid = (n - head) // DIRECT_ALIGN * DIRECT_ALIGN
-                if mid and self._direct(view[head : head + mid], offset + head):
-                    self._buffered(view[:head], offset)
-                    self._buffered(view[head + mid :], offset + head + mid)
-                    return
-            elif addr is not None and self._bounced(view, offset):
+        if self.direct_ok and len(view) >= DIRECT_MIN:
+            if direct_split(view, offset, self._direct, self._buffered):
+                return
+            # At another page phase than the offset (not refused: then direct_ok is False now).
+            if self.direct_ok and buffer_address(view) is not None and self._bounced(view, offset):
                 return
         self._buffered(view, offset)
 
@@ -281,7 +228,7 @@ class _LocalReader:
         """A cold read into memory at another page phase than the file offset: whole pages
         read with O_DIRECT into a page-aligned bounce buffer, then copied into place (one
         memcpy, cheaper than filling the page cache). False (nothing read) if refused."""
-        bounce = _bounce_get()
+        bounce = bounce_get()
         try:
             done, n = 0, len(view)
             while done < n:
@@ -305,7 +252,7 @@ class _LocalReader:
                 view[done : done + step] = bounce[o - lo : need]
                 done += step
         finally:
-            _bounce_put(bounce)
+            bounce_put(bounce)
         with _LOCK:
             self.direct_bytes += n
         return True
