@@ -70,32 +70,40 @@ def test_async_save_writes_staged_pages_direct(tmp_path: Path):
     assert all(torch.equal(v, want[k]) for k, v in other.state_dict().items())
 
 
-@pytest.mark.parametrize("refused_at", ["open", "write"])
-def test_kernel_refusing_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch, refused_at: str):
-    """Some filesystems (FUSE, tmpfs before Linux 6.6) answer EINVAL to O_DIRECT at open, some
-    devices at the first write (alignment rules): the save then goes buffered and is whole."""
+def _refuse_o_direct(monkeypatch, call: str, *, at_open: bool) -> set[int]:
+    """Make storage.local's kernel refuse O_DIRECT with EINVAL: at open (``at_open``), or at the
+    first ``call`` (``pwrite`` or ``preadv``) on an O_DIRECT descriptor. Returns the set of
+    O_DIRECT descriptors opened (filled as the code under test opens them)."""
     import errno
 
     from trainguard.storage import local
 
-    real_open, real_pwrite = os.open, os.pwrite
+    real_open, real_call = os.open, getattr(os, call)
     direct_fds: set[int] = set()
 
     def fake_open(path, flags, *a):
-        if flags & os.O_DIRECT and refused_at == "open":
+        if flags & os.O_DIRECT and at_open:
             raise OSError(errno.EINVAL, "Invalid argument")
         fd = real_open(path, flags, *a)
         if flags & os.O_DIRECT:
             direct_fds.add(fd)
         return fd
 
-    def fake_pwrite(fd, data, offset):
+    def fake_call(fd, data, offset):
         if fd in direct_fds:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
+        return real_call(fd, data, offset)
 
     monkeypatch.setattr(local.os, "open", fake_open)
-    monkeypatch.setattr(local.os, "pwrite", fake_pwrite)
+    monkeypatch.setattr(local.os, call, fake_call)
+    return direct_fds
+
+
+@pytest.mark.parametrize("refused_at", ["open", "write"])
+def test_kernel_refusing_o_direct_falls_back_to_buffered(tmp_path: Path, monkeypatch, refused_at: str):
+    """Some filesystems (FUSE, tmpfs before Linux 6.6) answer EINVAL to O_DIRECT at open, some
+    devices at the first write (alignment rules): the save then goes buffered and is whole."""
+    _refuse_o_direct(monkeypatch, "pwrite", at_open=refused_at == "open")
     state = odd_state()
     before = io.counters()["bytes_direct"]
     tg.save(tmp_path / "c", state)
@@ -184,29 +192,10 @@ def test_cold_load_reads_whole_pages_direct_into_the_tensors(tmp_path: Path, mon
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
 def test_cold_read_refused_by_the_kernel_falls_back_to_buffered(tmp_path: Path, monkeypatch):
-    import errno
-
-    from trainguard.storage import local
-
     state = odd_state()
     tg.save(tmp_path / "c", state)
     _cold_reads_known(tmp_path / "c")
-    real_open, real_preadv = os.open, os.preadv
-    direct_fds: set[int] = set()
-
-    def fake_open(path, flags, *a):
-        fd = real_open(path, flags, *a)
-        if flags & os.O_DIRECT:
-            direct_fds.add(fd)
-        return fd
-
-    def fake_preadv(fd, bufs, offset):
-        if fd in direct_fds:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_preadv(fd, bufs, offset)
-
-    monkeypatch.setattr(local.os, "open", fake_open)
-    monkeypatch.setattr(local.os, "preadv", fake_preadv)
+    direct_fds = _refuse_o_direct(monkeypatch, "preadv", at_open=False)
     out = fresh(state)
     _evict(tmp_path / "c")
     before = io.counters()["bytes_read_direct"]
