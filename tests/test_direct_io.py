@@ -278,3 +278,25 @@ def test_cold_read_without_direct_goes_through_the_page_cache(tmp_path: Path):
         io.read_targets(storage, d, [io.ReadTarget("w", dest, box, ops)], direct=direct)
         got = io.counters()["bytes_read_direct"] - before
         assert torch.equal(dest, w) and (got > (4 << 20) if direct else got == 0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        lambda: torch.arange(12, dtype=torch.bfloat16),  # no numpy dtype: the general path
+        lambda: torch.ones(5, requires_grad=True),
+        lambda: torch.tensor(3.5, dtype=torch.float64),  # 0-d
+        lambda: torch.arange(20, dtype=torch.int64)[5:15],  # a view with a storage offset
+        lambda: torch.tensor([True, False, True]),
+    ],
+)
+def test_tensor_bytes_are_the_tensors_bytes_without_a_copy(make) -> None:
+    """tensor_bytes' numpy shortcut and its general path agree, and both alias the tensor."""
+    t = make()
+    mv = io.tensor_bytes(t)
+    assert bytes(mv) == t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert len(mv) == t.nbytes
+    with torch.no_grad():
+        t.view(-1)[0] = 1 if t.dtype == torch.bool else 7
+    assert bytes(mv[: t.element_size()]) == t.detach().reshape(-1)[:1].view(torch.uint8).numpy().tobytes()

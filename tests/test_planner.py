@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -123,3 +124,33 @@ def test_scale_benchmark_runs_small() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "read plan" in out.stdout and "manifest parse" in out.stdout
+
+
+class _OtherBox(Box):
+    """A Box that never compares equal to a plain one: forces plan_reads' general path."""
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 9), min_size=0, max_size=3),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([16, 64, 100, 4096]),
+    st.integers(0, 1 << 20),
+    st.booleans(),
+)
+def test_whole_chunk_fast_path_plans_what_the_general_path_plans(
+    shape: list[int], itemsize: int, block: int, foff: int, verify: bool
+) -> None:
+    """plan_reads' shortcut for a chunk that is exactly the destination (every whole-tensor load)
+    gives the same op, field by field, as the box arithmetic it skips."""
+    box = full_box(shape)
+    length = math.prod(shape) * itemsize
+    sums = [f"{b:016x}" for b in range(-(-length // block))]
+    fast = plan_reads([(box, "f", foff, length, sums)], box, itemsize, block, verify)
+    other = _OtherBox(box.offsets, box.sizes)
+    slow = plan_reads([(other, "f", foff, length, sums)], box, itemsize, block, verify)
+    assert len(fast) == len(slow) == 1
+    assert fast[0] == dataclasses.replace(slow[0], chunk=box, inter=Box(slow[0].inter.offsets, slow[0].inter.sizes))
+    assert fast[0].dest_byte == 0 and fast[0].length == length
+    if verify:
+        assert [c.checksum for c in fast[0].checks] == sums

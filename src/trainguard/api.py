@@ -255,6 +255,7 @@ def _write_rank(
 
 # Below this, one file is enough; above, a second file written in parallel pays off.
 TWO_FILES_FROM = 64 << 20
+FILE_STREAMS = 1
 
 
 def _split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]:
@@ -298,7 +299,7 @@ def _write_streams(
         idx, name, wchunks, size = job
         got = write_file(
             storage, storage.join(work, name), wchunks, size, block=DEFAULT_BLOCK,
-            streams=1 if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
+            streams=FILE_STREAMS if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
         )
         for i, s in zip(idx, got):
             sums[i] = s

