@@ -178,9 +178,9 @@ def test_rng_state_round_trips_through_a_checkpoint(tmp_path):
 
 
 def test_rank_writes_two_files_in_parallel_and_both_are_verified(tmp_path, monkeypatch):
-    import trainguard.api as api
+    from trainguard import streams
 
-    monkeypatch.setattr(api, "TWO_FILES_FROM", 0)  # the real threshold is 64 MiB
+    monkeypatch.setattr(streams, "TWO_FILES_FROM", 0)  # the real threshold is 64 MiB
     g = torch.Generator().manual_seed(0)
     src = {f"t{i}": torch.randn(1000 * (i + 1), generator=g) for i in range(6)}
     tg.save(tmp_path / "c", {"x": src})

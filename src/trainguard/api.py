@@ -15,7 +15,6 @@ import time
 import traceback
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -33,12 +32,12 @@ from .faults import fault
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .index import encode as encode_index
-from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches, write_file
+from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import PAGE_ALIGN_FROM, layout_file
+from .planner import layout_file
 from .storage import Storage, for_path
-from .storage.local import page_phase
+from .streams import split_streams, write_streams
 
 
 def save(
@@ -224,8 +223,8 @@ def _write_rank(
     if stage is None:  # sync: write straight from the tensors' memory
         cpu = [tensor_bytes(v if v.is_cpu else v.cpu()) for v in (chunk_view(lf, b) for lf, b in mine)]
         lengths = [len(v) for v in cpu]
-        streams = _split_streams(mine, lengths)
-        offsets, sums, names, files = _write_streams(storage, work, ctx.rank, cpu, streams)
+        streams = split_streams(mine, lengths)
+        offsets, sums, names, files = write_streams(storage, work, ctx.rank, cpu, streams)
     else:  # async: host copies or live CPU tensors, batch by batch (async_save._stage), one file
         lengths, (phases, batches) = [chunk_view(lf, b).nbytes for lf, b in mine], stage(mine)
         offsets, size = layout_file(lengths, phases=phases)
@@ -251,66 +250,6 @@ def _write_rank(
         "error": None, "file": fname, "size": size, "files": files, "chunks": chunks, "index": index,
         "objects": local_objects,
     }
-
-
-# Below this, one file is enough; above, a second file written in parallel pays off.
-TWO_FILES_FROM = 64 << 20
-FILE_STREAMS = 1
-
-
-def _split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]:
-    """Stream (file) of each chunk: buffered writes to one file serialize on the kernel's inode
-    lock (ext4), so a rank writes two files in parallel (measured: raw 1 stream 1.0 GB/s, 2 files
-    2.1 GB/s on the 3 GB state). Regular parts (format 2) stay in stream 0, where their index
-    points; explicit chunks balance the bytes."""
-    out = [0] * len(mine)
-    if sum(lengths) < TWO_FILES_FROM or len(mine) < 2:
-        return out
-    loads = [sum(n for (lf, _b), n in zip(mine, lengths) if lf.regular is not None), 0]
-    for i in sorted(range(len(mine)), key=lambda i: -lengths[i]):
-        if mine[i][0].regular is None:
-            out[i] = 0 if loads[0] <= loads[1] else 1
-            loads[out[i]] += lengths[i]
-    return out
-
-
-def _write_streams(
-    storage: Storage, work: str, rank: int, cpu: list[memoryview], streams: list[int]
-) -> tuple[list[int], list[list[str]], list[str], dict[str, int]]:
-    """Write each stream's chunks to its own file, the files in parallel (one writer each);
-    returns per-chunk offsets, checksums and file names, and every file's size."""
-    groups = sorted(set(streams)) or [0]
-    offsets: list[int] = [0] * len(cpu)
-    sums: list[list[str]] = [[] for _ in cpu]
-    names = [layout_mod.data_file(rank, g) for g in streams]
-    files: dict[str, int] = {}
-    jobs = []
-    for g in groups:
-        idx = [i for i, s in enumerate(streams) if s == g]
-        phases = [page_phase(cpu[i]) if len(cpu[i]) >= PAGE_ALIGN_FROM else None for i in idx]
-        offs, size = layout_file([len(cpu[i]) for i in idx], phases=phases)
-        for i, o in zip(idx, offs):
-            offsets[i] = o
-        name = layout_mod.data_file(rank, g)
-        files[name] = size
-        jobs.append((idx, name, [WriteChunk(cpu[i], o) for i, o in zip(idx, offs)], size))
-
-    def run(job: tuple[list[int], str, list[WriteChunk], int]) -> None:
-        idx, name, wchunks, size = job
-        got = write_file(
-            storage, storage.join(work, name), wchunks, size, block=DEFAULT_BLOCK,
-            streams=FILE_STREAMS if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
-        )
-        for i, s in zip(idx, got):
-            sums[i] = s
-
-    if len(jobs) == 1:
-        run(jobs[0])
-    else:
-        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="trainguard-file") as ex:
-            for f in [ex.submit(run, j) for j in jobs]:
-                f.result()
-    return offsets, sums, names, files
 
 
 def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int) -> list[list[str]]:

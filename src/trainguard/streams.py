@@ -1,0 +1,78 @@
+"""A rank's synchronous write (``api._write_rank``, on the calling thread of every rank):
+its chunks split over one or two data files, written in parallel straight from the tensors'
+memory. The async path writes one file from its staging buffers (``api._write_staged``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from . import layout as layout_mod
+from .capture import Leaf
+from .faults import fault
+from .io import DEFAULT_BLOCK, WriteChunk, write_file
+from .planner import PAGE_ALIGN_FROM, layout_file
+from .storage import Storage
+from .storage.local import page_phase
+
+# Below this, one file is enough; above, a second file written in parallel pays off.
+TWO_FILES_FROM = 64 << 20
+# Threads per file when a rank writes two: one copies and hashes a buffer of small tensors
+# while the other's write is on the disk (10,000 tensors, 1.88 GB: 1.10-1.24 s with 1 per
+# file, 1.04-1.10 s with 2, 1.00 s with 3; the 3 GB GPT state unchanged, 1.02 vs 1.04 s).
+FILE_STREAMS = 2
+
+
+def split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]:
+    """Stream (file) of each chunk: buffered writes to one file serialize on the kernel's inode
+    lock (ext4), so a rank writes two files in parallel (measured: raw 1 stream 1.0 GB/s, 2 files
+    2.1 GB/s on the 3 GB state). Regular parts (format 2) stay in stream 0, where their index
+    points; explicit chunks balance the bytes."""
+    out = [0] * len(mine)
+    if sum(lengths) < TWO_FILES_FROM or len(mine) < 2:
+        return out
+    loads = [sum(n for (lf, _b), n in zip(mine, lengths) if lf.regular is not None), 0]
+    for i in sorted(range(len(mine)), key=lambda i: -lengths[i]):
+        if mine[i][0].regular is None:
+            out[i] = 0 if loads[0] <= loads[1] else 1
+            loads[out[i]] += lengths[i]
+    return out
+
+
+def write_streams(
+    storage: Storage, work: str, rank: int, cpu: list[memoryview], streams: list[int]
+) -> tuple[list[int], list[list[str]], list[str], dict[str, int]]:
+    """Write each stream's chunks to its own file, the files in parallel (``FILE_STREAMS`` threads each);
+    returns per-chunk offsets, checksums and file names, and every file's size."""
+    groups = sorted(set(streams)) or [0]
+    offsets: list[int] = [0] * len(cpu)
+    sums: list[list[str]] = [[] for _ in cpu]
+    names = [layout_mod.data_file(rank, g) for g in streams]
+    files: dict[str, int] = {}
+    jobs = []
+    for g in groups:
+        idx = [i for i, s in enumerate(streams) if s == g]
+        phases = [page_phase(cpu[i]) if len(cpu[i]) >= PAGE_ALIGN_FROM else None for i in idx]
+        offs, size = layout_file([len(cpu[i]) for i in idx], phases=phases)
+        for i, o in zip(idx, offs):
+            offsets[i] = o
+        name = layout_mod.data_file(rank, g)
+        files[name] = size
+        jobs.append((idx, name, [WriteChunk(cpu[i], o) for i, o in zip(idx, offs)], size))
+
+    def run(job: tuple[list[int], str, list[WriteChunk], int]) -> None:
+        idx, name, wchunks, size = job
+        got = write_file(
+            storage, storage.join(work, name), wchunks, size, block=DEFAULT_BLOCK,
+            streams=FILE_STREAMS if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
+        )
+        for i, s in zip(idx, got):
+            sums[i] = s
+
+    if len(jobs) == 1:
+        run(jobs[0])
+    else:
+        with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="trainguard-file") as ex:
+            for f in [ex.submit(run, j) for j in jobs]:
+                f.result()
+    return offsets, sums, names, files
