@@ -89,9 +89,14 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
 
 def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:
     full = layout_kind == "full" and not local
-    if is_dtensor(t) and full:
-        t = t.full_tensor()  # collective on the training group: every rank reaches it in the same order
-    data, shape, offsets, writer = shard_of(t)
+    dt = is_dtensor(t)
+    if dt and full:
+        t, dt = t.full_tensor(), False  # collective on the training group: every rank reaches it in the same order
+    if dt:
+        data, shape, offsets, writer = shard_of(t)
+    else:  # a plain tensor (shard_of's answer, without its checks)
+        data, shape, writer = t, tuple(t.shape), True
+        offsets = (0,) * len(shape)
     if data.dtype not in DTYPE_NAMES:
         raise UnsupportedValueError(f"{path}: dtype {data.dtype} is not supported; convert the tensor")
     if not data.is_contiguous():
@@ -99,7 +104,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             f"{path}: tensor is not contiguous (strides {tuple(data.stride())}); call .contiguous() on it "
             "before saving, or return a contiguous copy from state_dict()"
         )
-    kind = "local" if local else ("sharded" if is_dtensor(t) else "replicated")
+    kind = "local" if local else ("sharded" if dt else "replicated")
     if full:
         # layout="full": whole tensors, one chunk each, all in rank 0's file (export/inference).
         kind, writer = "full", rank == 0
@@ -107,7 +112,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             data = data.new_empty((0,) * data.dim())  # others only need shape and dtype
     box = full_box(shape) if full else Box(tuple(offsets), tuple(data.shape))
     regular = None
-    d = None if full or local else regular_dim(t, world)
+    d = regular_dim(t, world) if dt and not local else None
     if d is not None and world > 1:
         regular = Regular(d, world)
         if regular.part_box(shape, rank) != box:  # torch changed its chunking: stay explicit
@@ -118,6 +123,10 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
 def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:
     """The chunks this rank writes: its shards, its rank-local tensors, and its balanced share
     of the replicated tensors (the same deterministic assignment on every rank)."""
+    if ctx.world_size == 1:  # everything is this rank's, whole (what the balancing below gives)
+        mine = [(lf, lf.box) for lf in snap.leaves if lf.kind == "replicated" or lf.writer]
+        mine.sort(key=lambda c: (c[0].path, c[1].offsets))
+        return mine
     by_path = {lf.path: lf for lf in snap.leaves}
     rep = sorted((lf for lf in snap.leaves if lf.kind == "replicated"), key=lambda lf: lf.path)
     items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
