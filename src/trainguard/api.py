@@ -224,7 +224,7 @@ def _write_rank(
         cpu = [tensor_bytes(v if v.is_cpu else v.cpu()) for v in (chunk_view(lf, b) for lf, b in mine)]
         lengths = [len(v) for v in cpu]
         streams = split_streams(mine, lengths)
-        offsets, sums, names, files = write_streams(storage, work, ctx.rank, cpu, streams)
+        offsets, sums, names, files = write_streams(storage, work, ctx.rank, cpu, streams, DEFAULT_BLOCK)
     else:  # async: host copies or live CPU tensors, batch by batch (async_save._stage), one file
         lengths, (phases, batches) = [chunk_view(lf, b).nbytes for lf, b in mine], stage(mine)
         offsets, size = layout_file(lengths, phases=phases)

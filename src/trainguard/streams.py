@@ -10,7 +10,7 @@ from typing import Any
 from . import layout as layout_mod
 from .capture import Leaf
 from .faults import fault
-from .io import DEFAULT_BLOCK, WriteChunk, write_file
+from .io import WriteChunk, write_file
 from .planner import PAGE_ALIGN_FROM, layout_file
 from .storage import Storage
 from .storage.local import page_phase
@@ -40,10 +40,11 @@ def split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]
 
 
 def write_streams(
-    storage: Storage, work: str, rank: int, cpu: list[memoryview], streams: list[int]
+    storage: Storage, work: str, rank: int, cpu: list[memoryview], streams: list[int], block: int
 ) -> tuple[list[int], list[list[str]], list[str], dict[str, int]]:
     """Write each stream's chunks to its own file, the files in parallel (``FILE_STREAMS`` threads each);
-    returns per-chunk offsets, checksums and file names, and every file's size."""
+    returns per-chunk offsets, checksums (per ``block`` bytes, the manifest's block size) and
+    file names, and every file's size."""
     groups = sorted(set(streams)) or [0]
     offsets: list[int] = [0] * len(cpu)
     sums: list[list[str]] = [[] for _ in cpu]
@@ -63,7 +64,7 @@ def write_streams(
     def run(job: tuple[list[int], str, list[WriteChunk], int]) -> None:
         idx, name, wchunks, size = job
         got = write_file(
-            storage, storage.join(work, name), wchunks, size, block=DEFAULT_BLOCK,
+            storage, storage.join(work, name), wchunks, size, block=block,
             streams=FILE_STREAMS if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
         )
         for i, s in zip(idx, got):
