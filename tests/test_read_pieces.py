@@ -208,3 +208,41 @@ def test_cold_small_tensors_are_read_in_groups_and_a_flip_is_named(tmp_path: Pat
         tg.load(tmp_path / "ck", {k: torch.zeros_like(v) for k, v in state.items()})
     lo, hi = _byte_range(str(ei.value))
     assert "'layer123.w'" in str(ei.value) and lo <= pos < hi
+
+
+def _warm(ckpt: Path) -> None:
+    for f in ckpt.iterdir():
+        f.read_bytes()
+
+
+def test_cached_small_tensors_are_read_in_scatter_groups_and_a_flip_is_named(tmp_path: Path, monkeypatch) -> None:
+    """Small tensors of a cached file: one preadv per group straight into the destinations
+    (gaps skipped), every tensor verified in place, a corrupt one named; a large one read as usual."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i:03d}": torch.randn(int(torch.randint(1, 3000, (1,), generator=g)), generator=g) for i in range(300)}
+    state["big"] = torch.randn(600_000, generator=g)  # 2.4 MB: pieces, not a group
+    tg.save(tmp_path / "ck", state)
+    _warm(tmp_path / "ck")
+    groups: list[int] = []
+    real = reads.ScatterPiece.run
+    monkeypatch.setattr(reads.ScatterPiece, "run", lambda self: (groups.append(len(self.ops)), real(self))[1])
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    tg.load(tmp_path / "ck", fresh)
+    assert all(torch.equal(fresh[k], state[k]) for k in state)
+    assert sum(groups) == 300 and 1 < len(groups) <= 300 // 2  # grouped, and more than one group
+    _flip(tmp_path / "ck", "t123", 4)
+    _warm(tmp_path / "ck")
+    with pytest.raises(CorruptCheckpointError, match="'t123'"):
+        tg.load(tmp_path / "ck", fresh)
+
+
+def test_a_short_scatter_read_falls_back_to_reads_op_by_op(tmp_path: Path, monkeypatch) -> None:
+    g = torch.Generator().manual_seed(6)
+    state = {f"t{i}": torch.randn(500 + i, generator=g) for i in range(40)}
+    tg.save(tmp_path / "ck", state)
+    _warm(tmp_path / "ck")
+    real, calls = _LocalReader.readv_into, []
+    monkeypatch.setattr(_LocalReader, "readv_into", lambda self, bufs, off: (calls.append(off), real(self, bufs[:1], off))[1])
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    tg.load(tmp_path / "ck", fresh)
+    assert calls and all(torch.equal(fresh[k], state[k]) for k in state)

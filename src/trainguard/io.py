@@ -323,7 +323,7 @@ def read_targets(
 
     small = reads.SmallOps(_POOL.get, _POOL.put)  # cold small ops: read in groups
 
-    def pieces() -> Iterator[reads.Piece | reads.GroupPiece]:
+    def pieces() -> Iterator[reads.Piece | reads.GroupPiece | reads.ScatterPiece]:
         nonlocal total
         for t in targets:
             dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None

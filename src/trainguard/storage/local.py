@@ -224,6 +224,14 @@ class _LocalReader:
                 return
         self._buffered(view, offset)
 
+    def readv_into(self, bufs: list[memoryview], offset: int) -> int:
+        """One ``preadv`` from ``offset`` into ``bufs`` in turn (cached small reads, ``reads.
+        ScatterPiece``); returns the bytes read, which the caller checks."""
+        try:
+            return os.preadv(self.fd, bufs, offset)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.path}: {e.strerror}") from e
+
     def _bounced(self, view: memoryview, offset: int) -> bool:
         """A cold read into memory at another page phase than the file offset: whole pages
         read with O_DIRECT into a page-aligned bounce buffer, then copied into place (one
