@@ -321,7 +321,7 @@ def read_targets(
     readers: dict[str, FileReader] = {}
     total = 0
 
-    small = reads.SmallOps(_POOL.get, _POOL.put)  # cold small ops: read in groups
+    small = reads.SmallOps(_POOL.get, _POOL.put)  # small ops: read in groups
 
     def pieces() -> Iterator[reads.Piece | reads.GroupPiece | reads.ScatterPiece]:
         nonlocal total

@@ -73,17 +73,19 @@ SMALL_OP = 1 << 20  # ops below this are grouped when their file is cold
 
 
 class SmallOps:
-    """Cold reads of small tensors, grouped: from a file mostly not in the page cache, one
+    """Reads of small tensors, grouped. From a file mostly not in the page cache, one
     ``preadv`` per tensor waits for the disk each time (10,000 tensors of 4 KB-1 MB: 1.8 s for
-    1.9 GB against 0.66 s for large reads of the same bytes). ``take`` collects the small direct
-    ops of such files into one open :class:`GroupPiece` per file while they come in file order
-    (as the loader plans them: tensor order is file order within a file) and hands back the
-    groups that are complete, so reading overlaps planning; ``rest`` the groups still open.
-    ``get``/``put`` lend the buffers (``io``'s pool of page-aligned 16 MiB + 1 page buffers)."""
+    1.9 GB against 0.66 s for large reads of the same bytes): :class:`GroupPiece`. From a
+    cached file, a piece per tensor costs more Python than copying: :class:`ScatterPiece`.
+    ``take`` collects the small direct ops of a file into one open group per file while they
+    come in file order (as the loader plans them: tensor order is file order within a file) and
+    hands back the groups that are complete, so reading overlaps planning; ``rest`` the groups
+    still open. ``get``/``put`` lend GroupPiece's buffers (``io``'s pool of page-aligned
+    16 MiB + 1 page buffers)."""
 
     def __init__(self, get: Callable[[], memoryview], put: Callable[[memoryview], None]) -> None:
         self.get, self.put = get, put
-        self.open: dict[int, GroupPiece] = {}
+        self.open: dict[int, GroupPiece | ScatterPiece] = {}
 
     def take(
         self, reader: FileReader, path: str, op: ReadOp, dest: memoryview | None
@@ -194,7 +196,9 @@ class Pieces(list):
 BATCH_BYTES = 4 << 20  # pieces are handed to the read threads in batches of about this many bytes
 
 
-def batched(pieces: Iterator[Piece | GroupPiece]) -> Iterator[Piece | GroupPiece | Pieces]:
+def batched(
+    pieces: Iterator[Piece | GroupPiece | ScatterPiece],
+) -> Iterator[Piece | GroupPiece | ScatterPiece | Pieces]:
     """The pieces in batches of at least ``BATCH_BYTES`` (a large piece alone, thousands of small
     tensors' pieces together): one hand-over of :func:`run`'s lock per batch (10,000 small
     tensors loaded hot while planning: 0.805 s one by one, 0.780 s batched). Closes ``pieces``."""
@@ -286,7 +290,7 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
-def run(pieces: Iterable[Piece | GroupPiece | Pieces], streams: int) -> None:
+def run(pieces: Iterable[Piece | GroupPiece | ScatterPiece | Pieces], streams: int) -> None:
     """Run every piece on ``streams`` threads (the caller's among them), which take the next
     piece in the order given (work stealing over pieces); re-raises the first error in the
     caller's thread, after the other threads stopped taking pieces.
