@@ -163,8 +163,11 @@ def _load(
     )
     for staged, live in finish:
         live.copy_(staged)
-    for key, obj, skel, dest, _refs in plans:
-        value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
+    for key, obj, skel, dest, refs in plans:
+        if len(refs) == 1 and skel == {"$t": refs[0]}:  # an entry that is one tensor: no skeleton to walk
+            value = loaded.get(refs[0], dest.get(refs[0]))
+        else:
+            value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
         try:
             if isinstance(obj, ModuleAdapter):
                 obj.load_state_dict(value, strict=strict)

@@ -262,67 +262,74 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
 
 
 def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, version: int = 1) -> TensorEntry:
-    w = f"{where}: tensor {path[:80]!r}"
     if type(t) is not dict:
-        raise CorruptCheckpointError(f"{w} is malformed", file=where, entry=path)
+        raise CorruptCheckpointError(f"{_w(where, path)} is malformed", file=where, entry=path)
     dtype = t.get("dtype")
     if type(dtype) is not str or dtype not in DTYPES:  # a list here would raise TypeError
-        raise CorruptCheckpointError(f"{w}: unknown dtype {str(dtype)[:20]!r}", file=where, entry=path)
+        raise CorruptCheckpointError(f"{_w(where, path)}: unknown dtype {str(dtype)[:20]!r}", file=where, entry=path)
     shape = t.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM:
-        raise CorruptCheckpointError(f"{w}: bad shape", file=where, entry=path)
+        raise CorruptCheckpointError(f"{_w(where, path)}: bad shape", file=where, entry=path)
     if not all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in shape):
-        shape = [_int(s, 0, MAX_TENSOR_BYTES, "shape", w) for s in shape]  # raises, naming the value
+        shape = [_int(s, 0, MAX_TENSOR_BYTES, "shape", _w(where, path)) for s in shape]  # raises, naming the value
     itemsize = DTYPES[dtype].itemsize
     # Nonzero dims only: [0, 3e9, 3e9] holds nothing but its strides overflow int64 in torch.
     if math.prod(s for s in shape if s) * itemsize > MAX_TENSOR_BYTES:
-        raise CorruptCheckpointError(f"{w}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
+        raise CorruptCheckpointError(f"{_w(where, path)}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
     if version >= 2 and "regular" in t:
         from .index import parse_regular
 
-        return TensorEntry(dtype=dtype, shape=shape, chunks=[], regular=parse_regular(t, shape, w, where, path))
+        return TensorEntry(dtype=dtype, shape=shape, chunks=[], regular=parse_regular(t, shape, _w(where, path), where, path))
     chunks_raw = t.get("chunks")
     if type(chunks_raw) is not list:
-        raise CorruptCheckpointError(f"{w}: chunks is not a list", file=where, entry=path)
+        raise CorruptCheckpointError(f"{_w(where, path)}: chunks is not a list", file=where, entry=path)
     chunks = []
     volume = 0
     for c in chunks_raw:
         if type(c) is not list or len(c) != 6:
-            raise CorruptCheckpointError(f"{w}: malformed chunk", file=where, entry=path)
+            raise CorruptCheckpointError(f"{_w(where, path)}: malformed chunk", file=where, entry=path)
         offs, sizes, fname, off, length, sums = c
         if type(offs) is not list or type(sizes) is not list or len(offs) != len(shape) or len(sizes) != len(shape):
-            raise CorruptCheckpointError(f"{w}: chunk box does not match the shape", file=where, entry=path)
+            raise CorruptCheckpointError(f"{_w(where, path)}: chunk box does not match the shape", file=where, entry=path)
         for o, s, dim in zip(offs, sizes, shape):
             if type(o) is int and type(s) is int and o >= 0 and s >= 0 and o + s <= dim:
                 continue  # the common case, one test; the slow path below says what is wrong
-            _int(o, 0, dim, "chunk offset", w)
-            _int(s, 0, dim, "chunk size", w)
-            raise CorruptCheckpointError(f"{w}: chunk extends past the tensor", file=where, entry=path)
+            _int(o, 0, dim, "chunk offset", _w(where, path))
+            _int(s, 0, dim, "chunk size", _w(where, path))
+            raise CorruptCheckpointError(f"{_w(where, path)}: chunk extends past the tensor", file=where, entry=path)
         if type(fname) is not str or fname not in files:
-            raise CorruptCheckpointError(f"{w}: chunk refers to unknown file {str(fname)[:60]!r}", file=where, entry=path)
-        _int(off, 0, files[fname], "chunk offset in file", w)
+            raise CorruptCheckpointError(f"{_w(where, path)}: chunk refers to unknown file {str(fname)[:60]!r}", file=where, entry=path)
+        flen = files[fname]
+        if not (type(off) is int and type(length) is int and 0 <= off <= flen and 0 <= length <= flen):
+            _int(off, 0, flen, "chunk offset in file", _w(where, path))  # raises, naming the value
+            _int(length, 0, flen, "chunk length", _w(where, path))
         n = math.prod(sizes)
-        if _int(length, 0, files[fname], "chunk length", w) != n * itemsize or off + length > files[fname]:
+        if length != n * itemsize or off + length > flen:
             raise CorruptCheckpointError(
-                f"{w}: chunk length {length} does not fit its box ({n * itemsize} bytes) or its file",
+                f"{_w(where, path)}: chunk length {length} does not fit its box ({n * itemsize} bytes) or its file",
                 file=where,
                 entry=path,
             )
         if type(sums) is not list or len(sums) != -(-length // block) or not all(
             type(s) is str and len(s) == 16 for s in sums
         ):
-            raise CorruptCheckpointError(f"{w}: chunk checksums are malformed", file=where, entry=path)
+            raise CorruptCheckpointError(f"{_w(where, path)}: chunk checksums are malformed", file=where, entry=path)
         volume += n
-        chunks.append(Chunk(list(offs), list(sizes), fname, off, length, list(sums)))
+        chunks.append(Chunk(offs, sizes, fname, off, length, sums))  # fresh lists from the JSON parser
     if volume != math.prod(shape):
         raise CorruptCheckpointError(
-            f"{w}: chunks cover {volume} elements, the shape has {math.prod(shape)}", file=where, entry=path
+            f"{_w(where, path)}: chunks cover {volume} elements, the shape has {math.prod(shape)}", file=where, entry=path
         )
     # With the volume equal to the shape's, disjoint boxes tile the tensor exactly: no element
     # is left unread (uninitialised memory) and none is written twice.
     if len(chunks) > 1:
-        _check_disjoint_boxes([c for c in chunks if math.prod(c.sizes)], w, where, path)
+        _check_disjoint_boxes([c for c in chunks if math.prod(c.sizes)], _w(where, path), where, path)
     return TensorEntry(dtype=dtype, shape=shape, chunks=chunks)
+
+
+def _w(where: str, path: str) -> str:
+    """How an error names a tensor entry (built only when there is an error)."""
+    return f"{where}: tensor {path[:80]!r}"
 
 
 def _check_disjoint_boxes(chunks: list[Chunk], w: str, where: str, path: str) -> None:

@@ -67,7 +67,7 @@ def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 def full_box(shape: Sequence[int]) -> Box:
-    return Box(tuple(0 for _ in shape), tuple(shape))
+    return Box((0,) * len(shape), tuple(shape))
 
 
 def row_split(shape: Sequence[int], itemsize: int, max_bytes: int = SPLIT_BYTES) -> list[Box]:
