@@ -8,6 +8,7 @@ direct reads (into the destination) and indirect ones (resharding, via a scratch
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,34 @@ def test_a_short_scatter_read_falls_back_to_reads_op_by_op(tmp_path: Path, monke
     fresh = {k: torch.zeros_like(v) for k, v in state.items()}
     tg.load(tmp_path / "ck", fresh)
     assert calls and all(torch.equal(fresh[k], state[k]) for k in state)
+
+
+class _Probe:
+    """A stand-in piece that records which thread ran it and waits (bounded) at a barrier."""
+
+    def __init__(self, barrier: threading.Barrier | None, seen: list[int]) -> None:
+        self.barrier, self.seen = barrier, seen
+
+    def run(self) -> None:
+        self.seen.append(threading.get_ident())
+        if self.barrier is not None:
+            self.barrier.wait(timeout=10)  # BrokenBarrierError unless 3 threads run at once
+
+
+def test_run_adds_the_extra_thread_only_while_it_is_wanted() -> None:
+    """Three threads meet at a 3-party barrier only if the extra one runs beside the two; with
+    ``want_extra`` false the extra thread stops after its first piece."""
+    seen: list[int] = []
+    barrier = threading.Barrier(3)
+    reads.run([_Probe(barrier, seen) for _ in range(3)], 2, extra=1, want_extra=lambda: True)
+    assert len(set(seen)) == 3
+    with pytest.raises(threading.BrokenBarrierError):
+        reads.run([_Probe(threading.Barrier(3, timeout=0.5), []) for _ in range(2)], 2, extra=0)
+    seen, asked = [], []  # want_extra is asked by the extra thread only, after each of its pieces
+
+    def no() -> bool:
+        asked.append(1)
+        return False
+
+    reads.run([_Probe(None, seen) for _ in range(400)], 2, extra=1, want_extra=no)
+    assert len(seen) == 400 and len(asked) <= 1

@@ -290,10 +290,20 @@ def _countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
     return one
 
 
-def run(pieces: Iterable[Piece | GroupPiece | ScatterPiece | Pieces], streams: int) -> None:
+def run(
+    pieces: Iterable[Piece | GroupPiece | ScatterPiece | Pieces],
+    streams: int,
+    *,
+    extra: int = 0,
+    want_extra: Callable[[], bool] | None = None,
+) -> None:
     """Run every piece on ``streams`` threads (the caller's among them), which take the next
     piece in the order given (work stealing over pieces); re-raises the first error in the
     caller's thread, after the other threads stopped taking pieces.
+
+    ``extra`` more threads run while ``want_extra()`` says so (checked after each piece they
+    run; ``io.read_targets`` asks for them while it reads with O_DIRECT, where a thread spends
+    most of its time waiting for the device and two leave it idle while they checksum).
 
     ``pieces`` may be a generator that plans as it goes (``io.read_targets``): it is advanced
     under the lock by whichever thread needs a piece, so the first pieces are being read while
@@ -306,7 +316,7 @@ def run(pieces: Iterable[Piece | GroupPiece | ScatterPiece | Pieces], streams: i
     lock = threading.Lock()
     errors: list[BaseException] = []
 
-    def worker() -> None:
+    def worker(gated: bool = False) -> None:
         while not errors:
             try:
                 with lock:
@@ -314,12 +324,15 @@ def run(pieces: Iterable[Piece | GroupPiece | ScatterPiece | Pieces], streams: i
                 if p is None:
                     return
                 p.run()
+                if gated and not (want_extra is not None and want_extra()):
+                    return
             except BaseException as e:  # re-raised in the caller's thread
                 errors.append(e)
                 return
 
-    with ThreadPoolExecutor(max_workers=streams - 1, thread_name_prefix="trainguard-read") as ex:
+    with ThreadPoolExecutor(max_workers=streams - 1 + extra, thread_name_prefix="trainguard-read") as ex:
         futures = [ex.submit(worker) for _ in range(streams - 1)]
+        futures += [ex.submit(worker, True) for _ in range(extra if want_extra is not None else 0)]
         worker()
         for f in futures:
             f.result()
