@@ -278,3 +278,36 @@ def test_run_adds_the_extra_thread_only_while_it_is_wanted() -> None:
 
     reads.run([_Probe(None, seen) for _ in range(400)], 2, extra=1, want_extra=no)
     assert len(seen) == 400 and len(asked) <= 1
+
+
+@pytest.mark.parametrize("at", [0, 100_003, BLOCK // 4 - 1, 2 * BLOCK // 4 + 7])  # first byte, mid, last of block 0/1
+def test_cached_blocks_are_read_and_hashed_in_parts_and_a_flip_is_named(
+    tmp_path: Path, small_blocks: None, monkeypatch: pytest.MonkeyPatch, at: int
+) -> None:
+    """A file in the page cache: each checksum block is read in ``hash_sub`` parts, hashed as
+    they arrive (streaming xxh3 gives the block's checksum); a flipped byte anywhere in a block,
+    the last part of a block included, names that block."""
+    sub = 24 << 10  # does not divide the 64 KiB block: the last part of each block is shorter
+    monkeypatch.setattr(_LocalReader, "hash_sub", sub)
+    calls: list[int] = []
+    real = _LocalReader.readinto
+
+    def counting(self: _LocalReader, buf: memoryview, offset: int) -> None:
+        calls.append(len(buf))
+        real(self, buf, offset)
+
+    monkeypatch.setattr(_LocalReader, "readinto", counting)
+    g = torch.Generator().manual_seed(9)
+    state = {"w": torch.randn(400_000, generator=g)}  # 1.6 MB (pieces, not a scatter group): 24 blocks + a partial one
+    tg.save(tmp_path / "ck", state)
+    _warm(tmp_path / "ck")
+    fresh = {"w": torch.zeros(400_000)}
+    tg.load(tmp_path / "ck", fresh)
+    assert torch.equal(fresh["w"], state["w"])
+    assert calls and max(calls) == sub and min(calls) < sub  # read in parts, short last parts
+    pos = _flip(tmp_path / "ck", "w", at * 4 if at else 0)
+    _warm(tmp_path / "ck")
+    with pytest.raises(CorruptCheckpointError) as ei:
+        tg.load(tmp_path / "ck", {"w": torch.zeros(400_000)})
+    lo, hi = _byte_range(str(ei.value))
+    assert "'w'" in str(ei.value) and lo <= pos < hi and hi - lo == BLOCK

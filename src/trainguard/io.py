@@ -122,9 +122,10 @@ def _tasks(chunks: Sequence[WriteChunk], block: int) -> list[Callable[..., None]
         batch, batch_bytes = [], 0
 
     order = sorted(range(len(chunks)), key=lambda i: chunks[i].offset)
+    small = min(SMALL, block)  # a coalesced chunk gets one checksum: it must fit in one block
     for i in order:
         c = chunks[i]
-        if c.length >= SMALL:
+        if c.length >= small:
             flush()
             piece = max(block, PIECE // block * block)
             for start in range(0, c.length, piece):

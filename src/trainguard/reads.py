@@ -5,7 +5,8 @@ Called by ``io.read_targets`` (itself called by ``loader._load``, ``export`` and
 ``consolidate``). Why pieces: a read op may cover a whole 100+ MB tensor. Reading it in one
 call and verifying afterwards reads every byte from DRAM twice (the copy out of the page
 cache, then the hash, long after the data left the caches). A piece of a few MiB is hashed
-right after it was read, while it is still in L2/L3, and two threads stealing pieces (not
+right after it was read, while it is still in L2/L3 (from the page cache: each block in
+512 KiB reads hashed as they arrive, ``storage.local.HASH_SUB``), and two threads stealing pieces (not
 whole tensors) stay busy even when one tensor is most of the checkpoint.
 
 Scheduling: the threads take pieces (in batches, :func:`batched`) from one shared iterator,
@@ -23,6 +24,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+
+import xxhash
 
 from .errors import CorruptCheckpointError
 from .manifest import checksum
@@ -59,12 +62,38 @@ class Piece:
 
     def run(self) -> None:
         buf = self.buf if isinstance(self.buf, memoryview) else self.buf()
-        self.reader.readinto(buf[self.base : self.end], self.op.offset + self.base)
-        for c in self.checks:
-            if checksum(buf[c.start : c.start + c.length]) != c.checksum:
-                raise corrupt(self.op, self.path, c.start, c.length)
+        sub = getattr(self.reader, "hash_sub", None)
+        if sub and self._tiled():
+            self._run_streamed(buf, sub)
+        else:
+            self.reader.readinto(buf[self.base : self.end], self.op.offset + self.base)
+            for c in self.checks:
+                if checksum(buf[c.start : c.start + c.length]) != c.checksum:
+                    raise corrupt(self.op, self.path, c.start, c.length)
         if self.done is not None:
             self.done()
+
+    def _tiled(self) -> bool:
+        """Whether the checks cover ``[base, end)`` exactly, in order."""
+        pos = self.base
+        for c in self.checks:
+            if c.start != pos:
+                return False
+            pos += c.length
+        return pos == self.end and pos > self.base
+
+    def _run_streamed(self, buf: memoryview, sub: int) -> None:
+        """Read each checked block in ``sub``-byte reads, hashing each right after it is read,
+        while it is still in the core's L2 cache (a file in the page cache: ``hash_sub``)."""
+        base = self.op.offset
+        for c in self.checks:
+            h = xxhash.xxh3_64()
+            for s in range(c.start, c.start + c.length, sub):
+                b = buf[s : min(s + sub, c.start + c.length)]
+                self.reader.readinto(b, base + s)
+                h.update(b)
+            if h.hexdigest() != c.checksum:
+                raise corrupt(self.op, self.path, c.start, c.length)
 
 
 GROUP_BYTES = 16 << 20  # a cold group of small ops is one read of at most this many bytes
