@@ -49,9 +49,14 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"round {r} extra={extra}: {times[extra][-1]:.3f} s", flush=True)
         finally:
             tio.COLD_DIRECT_EXTRA = 1
+    return report("extra", times, state, dest)
+
+
+def report(name: str, times: dict, state: dict[str, torch.Tensor], dest: dict[str, torch.Tensor]) -> int:
+    """Print min, median and max per variant of an A/B; 1 if ``dest`` does not hold ``state``."""
+    for value, v in times.items():
+        print(f"{name}={value}: min {min(v):.3f}  median {statistics.median(v):.3f}  max {max(v):.3f} s")
     bad = [k for k in state if not torch.equal(state[k], dest[k])]
-    for extra, v in times.items():
-        print(f"extra={extra}: min {min(v):.3f}  median {statistics.median(v):.3f}  max {max(v):.3f} s")
     if bad:
         print(f"MISMATCH in {len(bad)} tensors, e.g. {bad[0]}")
         return 1

@@ -10,7 +10,6 @@ Prints min, median and max per variant and checks the loaded bytes.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import trainguard as tg
 from trainguard.storage.local import HASH_SUB, _LocalReader
 
+from .cold_ab import report
 from .states import build_state
 
 
@@ -48,13 +48,7 @@ def main(argv: list[str] | None = None) -> int:
                     times[sub].append(time.perf_counter() - t)
         finally:
             _LocalReader.hash_sub = HASH_SUB
-    for sub, v in times.items():
-        print(f"hash_sub={sub}: min {min(v):.3f}  median {statistics.median(v):.3f}  max {max(v):.3f} s")
-    bad = [k for k in state if not torch.equal(state[k], dest[k])]
-    if bad:
-        print(f"MISMATCH in {len(bad)} tensors, e.g. {bad[0]}")
-        return 1
-    return 0
+    return report("hash_sub", times, state, dest)
 
 
 if __name__ == "__main__":
