@@ -78,6 +78,12 @@ def checksum(data: Any) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def hasher() -> Any:
+    """A streaming form of :func:`checksum`: ``update()`` with the parts in order, then
+    ``hexdigest()`` equals ``checksum`` of the whole (``reads.Piece`` hashes hot blocks so)."""
+    return xxhash.xxh3_64()
+
+
 @dataclass
 class Chunk:
     """One stored box of a tensor: ``offsets``/``sizes`` in the global tensor, bytes at

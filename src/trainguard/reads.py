@@ -25,10 +25,8 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import xxhash
-
 from .errors import CorruptCheckpointError
-from .manifest import checksum
+from .manifest import checksum, hasher
 from .planner import BlockCheck, ReadOp
 from .storage.base import FileReader
 
@@ -87,7 +85,7 @@ class Piece:
         while it is still in the core's L2 cache (a file in the page cache: ``hash_sub``)."""
         base = self.op.offset
         for c in self.checks:
-            h = xxhash.xxh3_64()
+            h = hasher()
             for s in range(c.start, c.start + c.length, sub):
                 b = buf[s : min(s + sub, c.start + c.length)]
                 self.reader.readinto(b, base + s)
