@@ -61,7 +61,7 @@ class Piece:
     def run(self) -> None:
         buf = self.buf if isinstance(self.buf, memoryview) else self.buf()
         sub = getattr(self.reader, "hash_sub", None)
-        if sub and self._tiled():
+        if sub and self.end > self.base and _tiles(self.checks, self.end, self.base):
             self._run_streamed(buf, sub)
         else:
             self.reader.readinto(buf[self.base : self.end], self.op.offset + self.base)
@@ -70,15 +70,6 @@ class Piece:
                     raise corrupt(self.op, self.path, c.start, c.length)
         if self.done is not None:
             self.done()
-
-    def _tiled(self) -> bool:
-        """Whether the checks cover ``[base, end)`` exactly, in order."""
-        pos = self.base
-        for c in self.checks:
-            if c.start != pos:
-                return False
-            pos += c.length
-        return pos == self.end and pos > self.base
 
     def _run_streamed(self, buf: memoryview, sub: int) -> None:
         """Read each checked block in ``sub``-byte reads, hashing each right after it is read,
@@ -292,10 +283,11 @@ def split(
     return [Piece(reader, buf, start, end, op.checks[i:j], op, path, finish) for start, end, i, j in bounds]
 
 
-def _tiles(checks: Sequence[BlockCheck], n: int) -> bool:
-    """Whether the checked blocks cover ``[0, n)`` exactly, in order (as ``plan_reads`` makes
-    them); pieces are cut along them, so any other shape is read as one piece."""
-    pos = 0
+def _tiles(checks: Sequence[BlockCheck], n: int, start: int = 0) -> bool:
+    """Whether the checked blocks cover ``[start, n)`` exactly, in order (as ``plan_reads`` makes
+    them); pieces are cut along them, so any other shape is read as one piece (and a piece
+    whose blocks do not cover it is hashed whole, not in parts)."""
+    pos = start
     for c in checks:
         if c.start != pos:
             return False

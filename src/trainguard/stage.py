@@ -22,8 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .buffers import aligned_empty
 from .errors import CheckpointError
-from .io import aligned_empty
 from .planner import PAGE, PAGE_ALIGN_FROM
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned

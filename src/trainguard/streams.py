@@ -17,7 +17,7 @@ from .storage.local import page_phase
 
 # Below this, one file is enough; above, a second file written in parallel pays off.
 TWO_FILES_FROM = 64 << 20
-# Threads per file when a rank writes two: one copies and hashes a buffer of small tensors
+# Threads per file (one file or two): one copies and hashes a buffer of small tensors
 # while the other's write is on the disk (10,000 tensors, 1.88 GB: 1.10-1.24 s with 1 per
 # file, 1.04-1.10 s with 2, 1.00 s with 3; the 3 GB GPT state unchanged, 1.02 vs 1.04 s).
 FILE_STREAMS = 2
@@ -65,7 +65,7 @@ def write_streams(
         idx, name, wchunks, size = job
         got = write_file(
             storage, storage.join(work, name), wchunks, size, block=block,
-            streams=FILE_STREAMS if len(jobs) > 1 else 2, fault=lambda p: fault(p, rank),
+            streams=FILE_STREAMS, fault=lambda p: fault(p, rank),
         )
         for i, s in zip(idx, got):
             sums[i] = s
