@@ -35,6 +35,8 @@ def _plain_key(k: object) -> bool:
 
 def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Return ``(skeleton, tensors)`` for one state value rooted at ``prefix``."""
+    if isinstance(value, torch.Tensor):  # a state that is a flat dict of tensors: one call per tensor
+        return {"$t": prefix}, {prefix: value}
     tensors: dict[str, torch.Tensor] = {}
 
     def enc(v: Any, path: str, depth: int) -> Any:
@@ -83,7 +85,10 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             f"without pickle; {hint}"
         )
 
-    return enc(value, prefix, 0), tensors
+    try:
+        return enc(value, prefix, 0), tensors
+    finally:
+        enc = None  # type: ignore[assignment]  # break enc -> cell -> enc: no garbage cycle per call
 
 
 def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "manifest") -> Any:
@@ -129,7 +134,10 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
             return {k: dec(x, depth + 1) for k, x in s.items()}
         raise CorruptCheckpointError(f"{where}: unexpected skeleton value of type {type(s).__name__}")
 
-    return dec(skeleton, 0)
+    try:
+        return dec(skeleton, 0)
+    finally:
+        dec = None  # type: ignore[assignment]  # break dec -> cell -> dec: no garbage cycle per call
 
 
 def tensor_refs(skeleton: Any) -> list[str]:
