@@ -219,3 +219,46 @@ def test_rank_writes_two_files_in_parallel_and_both_are_verified(tmp_path, monke
     assert not tg.verify(tmp_path / "c").ok
     with pytest.raises(tg.CorruptCheckpointError, match="data-00000-1.bin"):
         tg.load(tmp_path / "c", {"x": dst})
+
+
+def test_sync_save_of_device_chunks_goes_through_a_bounded_reused_host_buffer(tmp_path, monkeypatch):
+    # CUDA chunks of a sync save reach the host in batches through one buffer of HOST_BATCH
+    # bytes, not as one .cpu() copy of the whole state. Here every chunk is treated as a device
+    # chunk (the seam), with a 5 MiB batch: the 24 MiB tensor is split into block pieces.
+    from trainguard import streams
+
+    g = torch.Generator().manual_seed(0)
+    state = {
+        "big": torch.randn(6 << 20, generator=g),  # 24 MiB
+        "mid": torch.randn(300_000, generator=g).to(torch.bfloat16),
+        "small": {f"s{i}": torch.randn(100 * (i + 1), generator=g) for i in range(20)},
+        "flags": torch.rand(1000, generator=g) > 0.5,
+        "empty": torch.zeros(0, 3),
+    }
+    flat = tg.save(tmp_path / "plain", state)  # straight from the tensors' memory
+    batches: list[int] = []
+    real = streams._host_batches
+
+    def spy(views, copy, limit):
+        for b in real(views, copy, limit):
+            batches.append(sum(t.numel() for _i, _s, t in b))
+            yield b
+
+    monkeypatch.setattr(streams, "needs_host_copy", lambda t: True)
+    monkeypatch.setattr(streams, "HOST_BATCH", 5 << 20)
+    monkeypatch.setattr(streams, "_HOST", {"buf": None})
+    monkeypatch.setattr(streams, "_host_batches", spy)
+    staged = tg.save(tmp_path / "staged", state)
+    assert len(batches) >= 5 and max(batches) <= 5 << 20, batches
+    buf = streams._HOST["buf"]
+    assert buf is not None and buf.numel() <= 5 << 20  # the kept buffer, reused by the next save
+    tg.save(tmp_path / "again", state)
+    assert streams._HOST["buf"] is buf
+    for name, e in staged.tensors.items():  # the same bytes: the same block checksums
+        assert [c.checksums for c in e.chunks] == [c.checksums for c in flat.tensors[name].chunks], name
+    back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {n: torch.zeros_like(t) for n, t in v.items()})
+            for k, v in state.items()}
+    tg.load(tmp_path / "staged", back)
+    assert torch.equal(back["big"], state["big"]) and torch.equal(back["mid"], state["mid"])
+    assert torch.equal(back["flags"], state["flags"]) and back["empty"].shape == (0, 3)
+    assert all(torch.equal(back["small"][n], t) for n, t in state["small"].items())

@@ -37,7 +37,7 @@ from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import layout_file
 from .storage import Storage, for_path
-from .streams import split_streams, write_streams
+from .streams import has_device_chunks, host_batches, split_streams, write_streams
 
 
 def save(
@@ -221,12 +221,14 @@ def _write_rank(
 ) -> dict[str, Any]:
     mine = my_chunks(snap, ctx, base_loads)
     fname = layout_mod.data_file(ctx.rank)
+    if stage is None and has_device_chunks(mine):
+        stage = host_batches  # sync, device chunks: through a bounded host buffer, batch by batch
     if stage is None:  # sync: write straight from the tensors' memory
-        cpu = [tensor_bytes(v if v.is_cpu else v.cpu()) for v in (chunk_view(lf, b) for lf, b in mine)]
+        cpu = [tensor_bytes(chunk_view(lf, b)) for lf, b in mine]
         lengths = [len(v) for v in cpu]
         streams = split_streams(mine, lengths)
         offsets, sums, names, files = write_streams(storage, work, ctx.rank, cpu, streams, DEFAULT_BLOCK)
-    else:  # async: host copies or live CPU tensors, batch by batch (async_save._stage), one file
+    else:  # async, or device chunks: host copies or live CPU tensors, batch by batch, one file
         lengths, (phases, batches) = [chunk_view(lf, b).nbytes for lf, b in mine], stage(mine)
         offsets, size = layout_file(lengths, phases=phases)
         sums = _write_staged(storage, storage.join(work, fname), batches, offsets, size, ctx.rank)

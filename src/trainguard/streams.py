@@ -1,17 +1,25 @@
 """A rank's synchronous write (``api._write_rank``, on the calling thread of every rank):
 its chunks split over one or two data files, written in parallel straight from the tensors'
-memory. The async path writes one file from its staging buffers (``api._write_staged``)."""
+memory; chunks held by a device (CUDA) reach the host through one bounded, reused buffer
+(:func:`host_batches`). The async path writes one file from its staging buffers
+(``api._write_staged``)."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from . import layout as layout_mod
-from .capture import Leaf
+from .buffers import aligned_empty
+from .capture import Leaf, chunk_view
 from .faults import fault
-from .io import WriteChunk, write_file
-from .planner import PAGE_ALIGN_FROM, layout_file
+from .io import DEFAULT_BLOCK, WriteChunk, write_file
+from .planner import PAGE, PAGE_ALIGN_FROM, Box, layout_file
+from .stage import _round_up, slot_start
 from .storage import Storage
 from .storage.local import page_phase
 
@@ -77,3 +85,70 @@ def write_streams(
             for f in [ex.submit(run, j) for j in jobs]:
                 f.result()
     return offsets, sums, names, files
+
+
+# Host bytes for a sync save's device chunks: copied in batches of at most this much, each
+# written before the next is copied into the same (reused) buffer. The peak host memory of a
+# sync save of GPU state is this, not the state's size.
+HOST_BATCH = 256 << 20
+_HOST: dict[str, Any] = {"buf": None}  # the reused buffer (grown once, kept for later saves)
+_HOST_LOCK = threading.Lock()
+Batch = list[tuple[int, int, torch.Tensor]]  # (index in ``mine``, byte offset in that chunk, host bytes)
+
+
+def needs_host_copy(t: torch.Tensor) -> bool:
+    """Whether a chunk must be copied to host memory before it can be written (a seam for tests)."""
+    return not t.is_cpu
+
+
+def has_device_chunks(mine: list[tuple[Leaf, Box]]) -> bool:
+    """Whether some chunk of ``mine`` must be copied to the host first (then: :func:`host_batches`)."""
+    return any(needs_host_copy(lf.tensor) for lf, _box in mine)
+
+
+def host_batches(mine: list[tuple[Leaf, Box]], limit: int | None = None) -> tuple[list[int | None], Iterator[Batch]]:
+    """The ``stage`` of ``api.persist_and_commit`` for a sync save that holds device chunks
+    (``api._write_rank``, calling thread): the page phase of each chunk's source and batches
+    of host bytes in file order (``io.write_batches``). CPU chunks are written from their own
+    memory; device chunks are copied into one reused host buffer of ``limit`` bytes (default
+    ``HOST_BATCH``; at least one checksum block), large ones in pieces that start on a checksum block of their chunk
+    and on a page of the buffer (their file offsets are page-aligned too: O_DIRECT)."""
+    views = [chunk_view(lf, box) for lf, box in mine]
+    copy = [needs_host_copy(v) and v.numel() > 0 for v in views]
+    phases: list[int | None] = [0 if c else (v.data_ptr() % PAGE if v.numel() else None) for v, c in zip(views, copy)]
+    return phases, _host_batches(views, copy, max(limit or HOST_BATCH, DEFAULT_BLOCK))
+
+
+def _host_batches(views: list[torch.Tensor], copy: list[bool], limit: int) -> Iterator[Batch]:
+    need = min(limit, sum(_round_up(v.nbytes) + PAGE for v, c in zip(views, copy) if c))
+    with _HOST_LOCK:  # one sync save at a time uses the kept buffer; another gets its own
+        buf, _HOST["buf"] = _HOST["buf"], None
+    if buf is None or buf.numel() < need:
+        buf = aligned_empty(need, PAGE) if need else None
+    try:
+        batch: Batch = []
+        pos = 0
+        for i, (v, c) in enumerate(zip(views, copy)):
+            src = v.detach().reshape(-1).view(torch.uint8) if v.numel() else v
+            if not c:
+                batch.append((i, 0, src))
+                continue
+            n, start = src.numel(), 0
+            while start < n:
+                assert buf is not None
+                pos = min(slot_start(pos, n), buf.numel())  # a large chunk's every piece on a page
+                free = buf.numel() - pos
+                piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK
+                if piece == 0:  # full: hand this batch over; it is written before we come back
+                    yield batch
+                    batch, pos = [], 0
+                    continue
+                dst = buf[pos : pos + piece]
+                dst.copy_(src[start : start + piece])  # device to host, synchronous
+                batch.append((i, start, dst))
+                pos, start = _round_up(pos + piece), start + piece
+        yield batch
+    finally:
+        with _HOST_LOCK:
+            if buf is not None and (_HOST["buf"] is None or _HOST["buf"].numel() < buf.numel()):
+                _HOST["buf"] = buf
