@@ -177,9 +177,10 @@ def test_cached_fraction_samples_the_whole_file(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")
 def test_cold_small_tensors_are_read_in_groups_and_a_flip_is_named(tmp_path: Path, monkeypatch) -> None:
-    """From a cold file, small tensors are read a group at a time (one read of up to 16 MiB,
-    in file order, which is the order the loader plans them in), then verified and copied one
-    by one: every tensor lands in place, and a flipped byte names its own tensor."""
+    """From a cold file, small tensors are read a group at a time (one scattering read of up to
+    32 MiB straight into their destinations, in file order, which is the order the loader plans
+    them in), then verified one by one: every tensor lands in place, and a flipped byte names
+    its own tensor."""
     g = torch.Generator().manual_seed(4)
     sizes = [int(s) for s in torch.randint(100, 60_000, (300,), generator=g)]
     state = {f"layer{i}.w": torch.randn(n, generator=g) for i, n in enumerate(sizes)}  # ~36 MB, 2 files
@@ -197,12 +198,13 @@ def test_cold_small_tensors_are_read_in_groups_and_a_flip_is_named(tmp_path: Pat
     if not cold_known:
         pytest.skip("cachestat is not available: every file is read as cached")
     groups: list[int] = []
-    real = reads.GroupPiece.run
-    monkeypatch.setattr(reads.GroupPiece, "run", lambda self: (groups.append(len(self.ops)), real(self))[1])
+    real = reads.ScatterPiece.run
+    monkeypatch.setattr(reads.ScatterPiece, "run", lambda self: (groups.append((len(self.ops), self.limit)), real(self))[1])
     fresh = {k: torch.zeros_like(v) for k, v in state.items()}
     tg.load(tmp_path / "ck", fresh)
     assert all(torch.equal(fresh[k], state[k]) for k in state)
-    assert sum(groups) == len(state) and len(groups) <= 8, groups  # a few reads, not 300
+    assert sum(n for n, _ in groups) == len(state) and len(groups) <= 8, groups  # a few reads, not 300
+    assert {lim for _, lim in groups} == {reads.COLD_SCATTER_BYTES}  # the cold files' larger groups
     pos = _flip(tmp_path / "ck", "layer123.w", 4 * 500 + 3)
     _evict(tmp_path / "ck")
     with pytest.raises(CorruptCheckpointError) as ei:

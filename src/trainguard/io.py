@@ -304,9 +304,9 @@ def read_targets(
     readers: dict[str, FileReader] = {}
     total = 0
 
-    small = reads.SmallOps(_POOL.get, _POOL.put)  # small ops: read in groups
+    small = reads.SmallOps()  # small ops: read in groups
 
-    def pieces() -> Iterator[reads.Piece | reads.GroupPiece | reads.ScatterPiece]:
+    def pieces() -> Iterator[reads.Piece | reads.ScatterPiece]:
         nonlocal total
         for t in targets:
             dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None
