@@ -111,8 +111,9 @@ def host_batches(mine: list[tuple[Leaf, Box]], limit: int | None = None) -> tupl
     (``api._write_rank``, calling thread): the page phase of each chunk's source and batches
     of host bytes in file order (``io.write_batches``). CPU chunks are written from their own
     memory; device chunks are copied into one reused host buffer of ``limit`` bytes (default
-    ``HOST_BATCH``; at least one checksum block), large ones in pieces that start on a checksum block of their chunk
-    and on a page of the buffer (their file offsets are page-aligned too: O_DIRECT)."""
+    ``HOST_BATCH``; at least one checksum block), large ones in pieces that start on a
+    checksum block of their chunk and on a page of the buffer (their file offsets are
+    page-aligned too: O_DIRECT)."""
     views = [chunk_view(lf, box) for lf, box in mine]
     copy = [needs_host_copy(v) and v.numel() > 0 for v in views]
     phases: list[int | None] = [0 if c else (v.data_ptr() % PAGE if v.numel() else None) for v, c in zip(views, copy)]
