@@ -139,11 +139,11 @@ def test_sync_save_of_cuda_state_stages_through_a_bounded_host_buffer(tmp_path, 
     from trainguard import streams
 
     monkeypatch.setattr(streams, "HOST_BATCH", 8 << 20)
-    monkeypatch.setattr(streams, "_HOST", {"buf": None})
+    monkeypatch.setattr(streams, "_HOST_POOL", None)
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {"w": torch.randn(10 << 20, device="cuda", generator=g), "b": torch.randn(1000, device="cuda", generator=g)}
     tg.save(tmp_path / "c", state)
-    assert streams._HOST["buf"].numel() <= 8 << 20  # 40 MiB of state, never more than 8 MiB on the host
+    assert streams._HOST_POOL.capacity <= 8 << 20  # 40 MiB of state, never more than 8 MiB on the host
     back = {k: torch.zeros_like(v) for k, v in state.items()}
     tg.load(tmp_path / "c", back)
     assert all(torch.equal(back[k], state[k]) for k in state)

@@ -239,21 +239,21 @@ def test_sync_save_of_device_chunks_goes_through_a_bounded_reused_host_buffer(tm
     batches: list[int] = []
     real = streams._host_batches
 
-    def spy(views, copy, limit):
-        for b in real(views, copy, limit):
+    def spy(items):
+        for b in real(items):
             batches.append(sum(t.numel() for _i, _s, t in b))
             yield b
 
     monkeypatch.setattr(streams, "needs_host_copy", lambda t: True)
     monkeypatch.setattr(streams, "HOST_BATCH", 5 << 20)
-    monkeypatch.setattr(streams, "_HOST", {"buf": None})
+    monkeypatch.setattr(streams, "_HOST_POOL", None)
     monkeypatch.setattr(streams, "_host_batches", spy)
     staged = tg.save(tmp_path / "staged", state)
     assert len(batches) >= 5 and max(batches) <= 5 << 20, batches
-    buf = streams._HOST["buf"]
-    assert buf is not None and buf.numel() <= 5 << 20  # the kept buffer, reused by the next save
+    pool = streams._HOST_POOL
+    assert pool is not None and 0 < pool.capacity <= 5 << 20  # the kept buffer, reused by the next save
     tg.save(tmp_path / "again", state)
-    assert streams._HOST["buf"] is buf
+    assert streams._HOST_POOL is pool and pool.allocations == 1 and not pool.in_use
     for name, e in staged.tensors.items():  # the same bytes: the same block checksums
         assert [c.checksums for c in e.chunks] == [c.checksums for c in flat.tensors[name].chunks], name
     back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {n: torch.zeros_like(t) for n, t in v.items()})

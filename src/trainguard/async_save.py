@@ -40,14 +40,15 @@ from typing import Any
 import torch
 
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
+from .buffers import as_bytes
 from .dist import DistContext
 from .dtensor import is_dtensor
 from .errors import CheckpointError
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
-from .planner import PAGE, PAGE_ALIGN_FROM, Box
-from .stage import StagingPool, _round_up, copy_into, default_pool, slot_room, slot_start
+from .planner import PAGE, Box
+from .stage import Batch, StagingPool, copy_into, default_pool, pack_batches
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -154,7 +155,6 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
         handle.set_error(outcome[1])
 
 
-Batch = list[tuple[int, int, torch.Tensor]]  # (index in ``mine``, byte offset in that chunk, host bytes)
 Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, chunk, already a host copy, page phase)
 
 # Zero-copy writes go in batches of about this many bytes; between two, the save thread looks
@@ -237,7 +237,7 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
     batch: Batch = []
     size = live = 0
     for k, (i, t, ready, _phase) in enumerate(todo):
-        batch.append((i, 0, _as_bytes(t)))
+        batch.append((i, 0, as_bytes(t)))
         size += t.nbytes
         live += 0 if ready else t.nbytes
         if size < ZERO_COPY_BATCH and k < len(todo) - 1:
@@ -258,50 +258,25 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
         s = torch.cuda.Stream(device=idx)
         s.wait_event(ev)
         streams[idx] = s
-    srcs = [(i, _as_bytes(t), ready, phase) for i, t, ready, phase in todo]
-    sizes = [b.numel() for _, b, ready, _p in srcs if not ready]
-    room = job.pool.background_bytes(slot_room(sizes) + PAGE * len(sizes), max(sizes, default=0), block=DEFAULT_BLOCK)
-    buf = job.pool.buffer(room)
+    srcs = [(i, as_bytes(t), ready, phase) for i, t, ready, phase in todo]
+    buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in srcs if not ready], block=DEFAULT_BLOCK))
     h = job.handle
-    batch: Batch = []
-    pos = 0
-    for i, src, ready, phase in srcs:
-        n, start = src.numel(), 0
-        if ready or n == 0:
-            batch.append((i, 0, src))
-            continue
-        while start < n:
-            # Large chunks start on a page in the file (planner.layout_file), or at their live
-            # memory's phase within one (zero-copy), and their pieces on a block: at the same
-            # place within a page here too, so the writer can send them with O_DIRECT.
-            pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
-            free = max(room - pos, 0)
-            # A piece of a split chunk starts on a checksum block of its chunk.
-            piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK
-            if piece == 0:  # the buffer is full: write it, then reuse it
-                _sync(streams)
-                h.staging_batches += 1
-                yield batch
-                batch, pos = [], 0
-                continue
-            stream = streams.get(src.device.index) if src.is_cuda else None
-            batch.append((i, start, copy_into(buf[pos : pos + piece], src[start : start + piece], stream)))
-            h.staged_background_bytes += piece
-            pos, start = _round_up(pos + piece), start + piece
-    _sync(streams)
-    h.set_staged()  # the last parameter/optimizer chunk is copied: step() may run
-    h.staging_batches += 1
-    yield batch
+
+    def copy(slot: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        h.staged_background_bytes += src.numel()
+        return copy_into(slot, src, streams.get(src.device.index) if src.is_cuda else None)
+
+    def flush() -> None:  # the batch's device copies are done before it is written
+        _sync(streams)
+        h.staging_batches += 1
+
+    # set_staged: the last parameter/optimizer chunk is copied: step() may run
+    yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)
 
 
 def _sync(streams: dict[int, Any]) -> None:
     for s in streams.values():
         s.synchronize()
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 tensor (a view, same device)."""
-    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
 def _finish_previous() -> None:

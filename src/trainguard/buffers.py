@@ -22,6 +22,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (a view, same device)."""
+    return t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
 def aligned_empty(nbytes: int, align: int = PAGE_ALIGN, phase: int = 0) -> torch.Tensor:
     """A uint8 CPU tensor of ``nbytes`` whose first byte sits ``phase`` bytes past an
     ``align``-aligned address."""

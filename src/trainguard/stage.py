@@ -18,7 +18,7 @@ of the same state; they grow only when the state grows. See ``docs/async.md``, "
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -118,6 +118,11 @@ class StagingPool:
         room = max(room, min(largest, block))
         return min(room, need)
 
+    def background_for(self, sizes: Sequence[int], *, block: int) -> int:
+        """:meth:`background_bytes` for chunks of these sizes, laid out by :func:`pack_batches`
+        (one page of slack each: a chunk may start at its source's phase within a page)."""
+        return self.background_bytes(slot_room(sizes) + PAGE * len(sizes), max(sizes, default=0), block=block)
+
     def buffer(self, nbytes: int) -> torch.Tensor:
         """The background buffer (uint8, ``nbytes``), valid until :meth:`release`; only the
         holder of the pool (its save thread) calls it."""
@@ -167,6 +172,53 @@ def default_pool(max_bytes: int | None = None) -> StagingPool:
                 del _DEFAULT[k]
         pool = _DEFAULT[key] = StagingPool(max_bytes=max_bytes)
     return pool
+
+
+Batch = list[tuple[int, int, torch.Tensor]]  # (index of the chunk, byte offset in it, host bytes)
+
+
+def pack_batches(
+    items: Iterable[tuple[int, torch.Tensor, bool, int]],
+    buf: torch.Tensor,
+    *,
+    block: int,
+    copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    flush: Callable[[], None] = lambda: None,
+    last: Callable[[], None] = lambda: None,
+) -> Iterator[Batch]:
+    """Batches for ``io.write_batches`` (in file order), copying chunks into the reusable ``buf``.
+
+    ``items``: ``(index, uint8 source bytes, ready, page phase)``; a ``ready`` source (already
+    host memory) joins the batch as it is, the others are copied with ``copy(slot, source
+    piece)`` (returns the host bytes). Large chunks start on a page of ``buf`` (plus ``phase``:
+    where the planner put them within a page of the file, so that they can go O_DIRECT), and
+    a chunk larger than what is left is split into pieces that start on a checksum ``block`` of
+    their chunk. When ``buf`` is full the batch is handed over (``flush()`` first), and
+    ``buf`` is reused once the writer asks for the next. ``last()`` runs before the final
+    batch is handed over. Used by the async save thread (``async_save._stage_background``)
+    and by sync saves of device chunks (``streams.host_batches``)."""
+    room = buf.numel()
+    batch: Batch = []
+    pos = 0
+    for i, src, ready, phase in items:
+        n, start = src.numel(), 0
+        if ready or n == 0:
+            batch.append((i, 0, src))
+            continue
+        while start < n:
+            pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
+            free = max(room - pos, 0)
+            piece = n - start if n - start <= free else free // block * block
+            if piece == 0:  # the buffer is full: write it, then reuse it
+                flush()
+                yield batch
+                batch, pos = [], 0
+                continue
+            batch.append((i, start, copy(buf[pos : pos + piece], src[start : start + piece])))
+            pos, start = _round_up(pos + piece), start + piece
+    flush()
+    last()
+    yield batch
 
 
 def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = None) -> torch.Tensor:

@@ -6,7 +6,6 @@ memory; chunks held by a device (CUDA) reach the host through one bounded, reuse
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -14,12 +13,13 @@ from typing import Any
 import torch
 
 from . import layout as layout_mod
-from .buffers import aligned_empty
+from .buffers import as_bytes
 from .capture import Leaf, chunk_view
+from .errors import CheckpointError
 from .faults import fault
 from .io import DEFAULT_BLOCK, WriteChunk, write_file
 from .planner import PAGE, PAGE_ALIGN_FROM, Box, layout_file
-from .stage import _round_up, slot_start
+from .stage import Batch, StagingPool, pack_batches
 from .storage import Storage
 from .storage.local import page_phase
 
@@ -88,12 +88,10 @@ def write_streams(
 
 
 # Host bytes for a sync save's device chunks: copied in batches of at most this much, each
-# written before the next is copied into the same (reused) buffer. The peak host memory of a
-# sync save of GPU state is this, not the state's size.
+# written before the next is copied into the same buffer (kept for later saves, pinned when
+# CUDA is present). The peak host memory of a sync save of GPU state is this, not the state.
 HOST_BATCH = 256 << 20
-_HOST: dict[str, Any] = {"buf": None}  # the reused buffer (grown once, kept for later saves)
-_HOST_LOCK = threading.Lock()
-Batch = list[tuple[int, int, torch.Tensor]]  # (index in ``mine``, byte offset in that chunk, host bytes)
+_HOST_POOL: StagingPool | None = None
 
 
 def needs_host_copy(t: torch.Tensor) -> bool:
@@ -106,50 +104,30 @@ def has_device_chunks(mine: list[tuple[Leaf, Box]]) -> bool:
     return any(needs_host_copy(lf.tensor) for lf, _box in mine)
 
 
-def host_batches(mine: list[tuple[Leaf, Box]], limit: int | None = None) -> tuple[list[int | None], Iterator[Batch]]:
+def host_batches(mine: list[tuple[Leaf, Box]]) -> tuple[list[int | None], Iterator[Batch]]:
     """The ``stage`` of ``api.persist_and_commit`` for a sync save that holds device chunks
     (``api._write_rank``, calling thread): the page phase of each chunk's source and batches
-    of host bytes in file order (``io.write_batches``). CPU chunks are written from their own
-    memory; device chunks are copied into one reused host buffer of ``limit`` bytes (default
-    ``HOST_BATCH``; at least one checksum block), large ones in pieces that start on a
-    checksum block of their chunk and on a page of the buffer (their file offsets are
-    page-aligned too: O_DIRECT)."""
+    of host bytes in file order (``stage.pack_batches``). CPU chunks are written from their
+    own memory; device chunks go through this process's host pool, capped at ``HOST_BATCH``
+    (a second sync save running meanwhile in another thread gets a pool of its own)."""
     views = [chunk_view(lf, box) for lf, box in mine]
     copy = [needs_host_copy(v) and v.numel() > 0 for v in views]
     phases: list[int | None] = [0 if c else (v.data_ptr() % PAGE if v.numel() else None) for v, c in zip(views, copy)]
-    return phases, _host_batches(views, copy, max(limit or HOST_BATCH, DEFAULT_BLOCK))
+    return phases, _host_batches([(i, as_bytes(v), not c, 0) for i, (v, c) in enumerate(zip(views, copy))])
 
 
-def _host_batches(views: list[torch.Tensor], copy: list[bool], limit: int) -> Iterator[Batch]:
-    need = min(limit, sum(_round_up(v.nbytes) + PAGE for v, c in zip(views, copy) if c))
-    with _HOST_LOCK:  # one sync save at a time uses the kept buffer; another gets its own
-        buf, _HOST["buf"] = _HOST["buf"], None
-    if buf is None or buf.numel() < need:
-        buf = aligned_empty(need, PAGE) if need else None
+def _host_batches(items: list[tuple[int, torch.Tensor, bool, int]]) -> Iterator[Batch]:
+    global _HOST_POOL
+    pool = _HOST_POOL
+    if pool is None or pool.max_bytes != HOST_BATCH:
+        pool = _HOST_POOL = StagingPool(max_bytes=HOST_BATCH)
     try:
-        batch: Batch = []
-        pos = 0
-        for i, (v, c) in enumerate(zip(views, copy)):
-            src = v.detach().reshape(-1).view(torch.uint8) if v.numel() else v
-            if not c:
-                batch.append((i, 0, src))
-                continue
-            n, start = src.numel(), 0
-            while start < n:
-                assert buf is not None
-                pos = min(slot_start(pos, n), buf.numel())  # a large chunk's every piece on a page
-                free = buf.numel() - pos
-                piece = n - start if n - start <= free else free // DEFAULT_BLOCK * DEFAULT_BLOCK
-                if piece == 0:  # full: hand this batch over; it is written before we come back
-                    yield batch
-                    batch, pos = [], 0
-                    continue
-                dst = buf[pos : pos + piece]
-                dst.copy_(src[start : start + piece])  # device to host, synchronous
-                batch.append((i, start, dst))
-                pos, start = _round_up(pos + piece), start + piece
-        yield batch
+        pool.acquire([])
+    except CheckpointError:  # held by another thread's sync save
+        pool = StagingPool(max_bytes=HOST_BATCH)
+        pool.acquire([])
+    try:
+        buf = pool.buffer(pool.background_for([b.numel() for _i, b, ready, _p in items if not ready], block=DEFAULT_BLOCK))
+        yield from pack_batches(items, buf, block=DEFAULT_BLOCK, copy=lambda slot, src: slot.copy_(src))
     finally:
-        with _HOST_LOCK:
-            if buf is not None and (_HOST["buf"] is None or _HOST["buf"].numel() < buf.numel()):
-                _HOST["buf"] = buf
+        pool.release()
