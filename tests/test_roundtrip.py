@@ -53,6 +53,34 @@ def test_tensor_dtypes_and_shapes_round_trip_in_place(tmp_path, dtype):
         assert dst[k].dtype == dtype and _same(dst[k], src[k]), k
 
 
+def test_flat_dict_of_tensors_loads_in_place_and_replaces_entries_whose_shape_changed(tmp_path):
+    """Top-level entries that are plain tensors take the loader's per-entry fast path; the
+    cases it hands to the general path (a Parameter, a non-contiguous view, a changed shape or
+    dtype, an empty tensor) behave as there."""
+    g = torch.Generator().manual_seed(1)
+    src = {f"w{i}": torch.randn(3 + i, 2, generator=g) for i in range(40)}
+    src.update(empty=torch.empty(0, 3), p=nn.Parameter(torch.randn(4, generator=g)), t=torch.randn(3, 5, generator=g))
+    tg.save(tmp_path / "c", src)
+    dst = {k: torch.zeros_like(v.detach()) for k, v in src.items()}
+    dst["p"] = nn.Parameter(torch.zeros(4))
+    base = torch.zeros(5, 3)
+    dst["t"] = base.t()  # non-contiguous destination: read into a staging tensor, copied back
+    dst["w7"] = torch.zeros(5, 5)  # shape changed: replaced by the checkpoint's tensor
+    dst["w8"] = torch.zeros(11, 2, dtype=torch.float64)  # dtype changed: replaced too
+    ptrs = {k: v.data_ptr() for k, v in dst.items() if k not in ("w7", "w8", "empty")}
+    assert not torch.equal(dst["w0"], src["w0"])
+    tg.load(tmp_path / "c", dst, verify=False)
+    tg.load(tmp_path / "c", dst)
+    for k, v in src.items():
+        assert dst[k].shape == v.shape and dst[k].dtype == v.dtype and torch.equal(dst[k], v.detach()), k
+        if k in ptrs:
+            assert dst[k].data_ptr() == ptrs[k], f"{k}: loaded in place, not replaced"
+    assert torch.equal(base, src["t"].t()) and isinstance(dst["p"], nn.Parameter)
+    mod = {"w7": torch.zeros(5, 5)}
+    with pytest.raises(tg.StateMismatchError):  # strict and a missing entry: still reported
+        tg.load(tmp_path / "c", {**mod, "absent": torch.zeros(1)}, only=["w7", "absent"])
+
+
 def _same(a, b):
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 

@@ -67,6 +67,8 @@ def check_regular_files(
     """Every non-empty part of a regular tensor has its data file and its index: checked once
     up to the largest count of non-empty parts (non-empty parts are always the leading ones)."""
     need = max((e.regular.nonempty(e.shape) for e in tensors.values() if e.regular is not None), default=0)
+    if not need:
+        return  # no regular tensor with data (format 1): nothing below applies
     for i in range(need):
         if data_file(i) not in files or index_file(i) not in indexes:
             raise CorruptCheckpointError(

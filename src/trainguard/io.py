@@ -309,8 +309,10 @@ def read_targets(
     def pieces() -> Iterator[reads.Piece | reads.ScatterPiece]:
         nonlocal total
         for t in targets:
-            dest = tensor_bytes(t.dest) if any(op.dest_byte is not None for op in t.ops) else None
-            for op in t.ops:
+            ops = t.ops
+            in_place = ops[0].dest_byte is not None if len(ops) == 1 else any(op.dest_byte is not None for op in ops)
+            dest = tensor_bytes(t.dest) if in_place else None
+            for op in ops:
                 r = readers.get(op.file)
                 if r is None:
                     if check_file is not None:

@@ -84,7 +84,7 @@ def hasher() -> Any:
     return xxhash.xxh3_64()
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     """One stored box of a tensor: ``offsets``/``sizes`` in the global tensor, bytes at
     ``[offset, offset+length)`` of ``file``, one checksum per ``block_size`` bytes."""
@@ -246,6 +246,8 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
             raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
         for skel in [obj["skeleton"]] if "skeleton" in obj else obj["ranks"]:
+            if type(skel) is dict and len(skel) == 1 and type(skel.get("$t")) is str and skel["$t"] in tensors:
+                continue  # an entry that is one tensor (a flat dict of tensors has thousands of them)
             _check_skeleton(skel, tensors, f"{where}: object {key[:60]!r}")
     metadata = raw.get("metadata", {})
     if type(metadata) is not dict:
@@ -276,11 +278,15 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     shape = t.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM:
         raise CorruptCheckpointError(f"{_w(where, path)}: bad shape", file=where, entry=path)
-    if not all(type(s) is int and 0 <= s <= MAX_TENSOR_BYTES for s in shape):
-        shape = [_int(s, 0, MAX_TENSOR_BYTES, "shape", _w(where, path)) for s in shape]  # raises, naming the value
     itemsize = DTYPES[dtype].itemsize
+    nonzero = itemsize  # the product of the nonzero dims, times the item size
+    for s in shape:  # a loop, not all() and prod() over generators: this runs for every tensor
+        if type(s) is not int or not 0 <= s <= MAX_TENSOR_BYTES:
+            _int(s, 0, MAX_TENSOR_BYTES, "shape", _w(where, path))  # raises, naming the value
+        if s:
+            nonzero *= s
     # Nonzero dims only: [0, 3e9, 3e9] holds nothing but its strides overflow int64 in torch.
-    if math.prod(s for s in shape if s) * itemsize > MAX_TENSOR_BYTES:
+    if nonzero > MAX_TENSOR_BYTES:
         raise CorruptCheckpointError(f"{_w(where, path)}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
     if version >= 2 and "regular" in t:
         from .index import parse_regular
@@ -316,8 +322,10 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
                 file=where,
                 entry=path,
             )
-        if type(sums) is not list or len(sums) != -(-length // block) or not all(
-            type(s) is str and len(s) == 16 for s in sums
+        if type(sums) is not list or len(sums) != -(-length // block) or not (
+            (type(sums[0]) is str and len(sums[0]) == 16)
+            if len(sums) == 1
+            else all(type(s) is str and len(s) == 16 for s in sums)
         ):
             raise CorruptCheckpointError(f"{_w(where, path)}: chunk checksums are malformed", file=where, entry=path)
         volume += n
@@ -330,7 +338,7 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     # is left unread (uninitialised memory) and none is written twice.
     if len(chunks) > 1:
         _check_disjoint_boxes([c for c in chunks if math.prod(c.sizes)], _w(where, path), where, path)
-    return TensorEntry(dtype=dtype, shape=shape, chunks=chunks)
+    return TensorEntry(dtype, shape, chunks)
 
 
 def _w(where: str, path: str) -> str:
@@ -376,8 +384,6 @@ def _check_file_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
 
 def _check_skeleton(skel: Any, tensors: dict[str, TensorEntry], where: str) -> None:
     """The skeleton decodes (bounded depth, known markers) and references only described tensors."""
-    if type(skel) is dict and len(skel) == 1 and type(skel.get("$t")) is str and skel["$t"] in tensors:
-        return  # an entry that is one tensor (a flat dict of tensors has thousands of them)
     from .flatten import unflatten  # flatten does not import manifest; local to keep the layering obvious
 
     def known(p: str) -> None:

@@ -143,7 +143,9 @@ def layout_file(
     return offsets, pos
 
 
-@dataclass(frozen=True)
+# BlockCheck and ReadOp are made per tensor on every load (10,000 of each for 10,000 small
+# tensors): slotted and not frozen, whose __init__ costs 0.3 us instead of 0.4-1.1 us.
+@dataclass(slots=True)
 class BlockCheck:
     """Verify ``checksum`` over ``length`` bytes at ``start`` within a read buffer."""
 
@@ -152,7 +154,7 @@ class BlockCheck:
     checksum: str
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ReadOp:
     """Read ``length`` bytes at ``offset`` of ``file``.
 
@@ -210,13 +212,7 @@ def plan_reads(
             # The common case (a whole tensor, or the very shard this rank holds): the chunk is
             # read whole, straight into the destination. The same op as below, without the box
             # arithmetic (10,000 small tensors: 25 -> 6 us each).
-            checks: tuple[BlockCheck, ...] = ()
-            if verify:
-                checks = tuple(
-                    BlockCheck(lo, min(block_size, length - lo), sums[b])
-                    for b, lo in enumerate(range(0, length, block_size))
-                )
-            ops.append(ReadOp(fname, foff, length, 0, cbox, cbox, 0, checks, ci))
+            ops.append(whole_read(cbox, fname, foff, length, sums, block_size, verify, ci))
             continue
         inter = cbox.intersect(dest)
         if inter is None or inter.numel == 0:
@@ -253,6 +249,21 @@ def plan_reads(
             )
         )
     return ops
+
+
+def whole_read(
+    box: Box, fname: str, foff: int, length: int, sums: Sequence[str], block_size: int, verify: bool = True, ci: int = 0
+) -> ReadOp:
+    """The op reading chunk ``ci`` (``length > 0`` bytes at ``foff`` of ``fname``) whole into a
+    destination that is exactly its box ``box``: what :func:`plan_reads` plans for it, called
+    directly by the loader for whole plain tensors (1 us instead of 2 per tensor)."""
+    checks: tuple[BlockCheck, ...] = ()
+    if verify:
+        if length <= block_size:
+            checks = (BlockCheck(0, length, sums[0]),)
+        else:
+            checks = tuple(BlockCheck(lo, min(block_size, length - lo), sums[b]) for b, lo in enumerate(range(0, length, block_size)))
+    return ReadOp(fname, foff, length, 0, box, box, 0, checks, ci)
 
 
 def _last_flat(inter: Box, outer: Box) -> int:
