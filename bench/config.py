@@ -11,7 +11,7 @@ QUICK_STATES = ("100mb",)
 # Every method, in run order (bench.methods holds them and checks this list against itself).
 METHOD_NAMES = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "raw_d2",
                 "memcpy",
-                "dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async")
+                "dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async", "trainguard_async_bg")
 
 
 def wanted(filters: tuple[str, ...]) -> list[str]:

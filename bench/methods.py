@@ -49,6 +49,10 @@ def _tg_start(ctx: Ctx, d: Path, state: State) -> AsyncHandle:
     return _TgHandle(tgad.async_save(d / _STEP_DIR, state))
 
 
+def _tg_start_bg(ctx: Ctx, d: Path, state: State) -> AsyncHandle:
+    return _TgHandle(tgad.async_save(d / _STEP_DIR, state, background=True))
+
+
 TRAINGUARD = SyncMethod(
     name="trainguard",
     label="trainguard",
@@ -66,10 +70,19 @@ TRAINGUARD_ASYNC = AsyncMethod(
     how="tg.save(step_dir, state, async_=True); training waits for handle.staged() before mutating",
 )
 
+TRAINGUARD_ASYNC_BG = AsyncMethod(
+    name="trainguard_async_bg",
+    label="trainguard async (stage_in_background)",
+    start=_tg_start_bg,
+    load=_tg_load,
+    how="tg.save(step_dir, state, async_=True, stage_in_background=True): nothing copied in the call (this state "
+    "has no optimizer, so the default copies every tensor there); training waits for handle.staged() before mutating",
+)
+
 SYNC: tuple[SyncMethod, ...] = (TORCH_SAVE, SAFETENSORS, DCP_T1, DCP_T2, TRAINGUARD, RAW_1, RAW_2, RAW_D2)
-ASYNC: tuple[AsyncMethod, ...] = (DCP_ASYNC, DCP_ASYNC_REUSE, DCP_ASYNC_BG, TRAINGUARD_ASYNC)
+ASYNC: tuple[AsyncMethod, ...] = (DCP_ASYNC, DCP_ASYNC_REUSE, DCP_ASYNC_BG, TRAINGUARD_ASYNC, TRAINGUARD_ASYNC_BG)
 MEMCPY = "memcpy"
-TRAINGUARD_NAMES = ("trainguard", "trainguard_async")
+TRAINGUARD_NAMES = ("trainguard", "trainguard_async", "trainguard_async_bg")
 assert set(METHOD_NAMES) == {m.name for m in SYNC} | {a.name for a in ASYNC} | {MEMCPY}, \
     "config.METHOD_NAMES and the registry disagree"
 

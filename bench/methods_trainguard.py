@@ -4,6 +4,7 @@ Written against the API being built (docs: /work/shared/DESIGN.md):
     tg.save(path, state)                -> writes the step directory ``path``
     tg.load(path, state)                -> loads in place
     tg.save(path, state, async_=True)   -> SaveHandle with .staged(), .done(), .result(timeout=None)
+    tg.save(path, state, async_=True, stage_in_background=True)   -> the same, nothing copied in the call
 
 ``state`` here is a flat ``{name: CPU tensor}`` dict (names use dots, never slashes).
 With several ranks, every rank calls these with the same ``path`` inside an initialised
@@ -54,6 +55,9 @@ def load_into(path: Path, state: State) -> None:
     _tg().load(str(path), state)
 
 
-def async_save(path: Path, state: State) -> Any:
-    """Start an async save; returns trainguard's SaveHandle (``.staged()``, ``.done()``, ``.result()``)."""
+def async_save(path: Path, state: State, background: bool = False) -> Any:
+    """Start an async save; returns trainguard's SaveHandle (``.staged()``, ``.done()``, ``.result()``).
+    ``background``: ``stage_in_background=True`` (no copy in the call; the loop waits for ``staged()``)."""
+    if background:
+        return _tg().save(str(path), state, async_=True, stage_in_background=True)
     return _tg().save(str(path), state, async_=True)

@@ -141,6 +141,33 @@ def test_in_place_mutation_right_after_save(tmp_path, mode):
     assert_same(load_fresh(tmp_path / "a"), at_call)
 
 
+def test_stage_in_background_copies_nothing_in_the_call_and_saves_the_state_at_the_call(tmp_path, gate, copy_mode):
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(1000 + 37 * i, generator=g) for i in range(8)}  # plain tensors: no optimizer
+    total = sum(v.nbytes for v in state.values())
+    at_call = {k: v.clone() for k, v in state.items()}
+    h = tg.save(tmp_path / "a", state, async_=True, stage_in_background=True)
+    assert h.staged_sync_bytes == 0 and not h.staged()  # the gate holds the save thread: nothing copied yet
+    gate.set()
+    assert h.wait_staged(60)
+    assert h.staged_background_bytes == total
+    for v in state.values():  # allowed once staged, though the write may still run
+        v.mul_(-2.0)
+    h.result(timeout=60)
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    tg.load(tmp_path / "a", out)
+    assert all(torch.equal(out[k], at_call[k]) for k in state)
+    # The default copies plain tensors inside the call.
+    h2 = tg.save(tmp_path / "b", state, async_=True)
+    assert h2.staged_sync_bytes == total
+    h2.result(timeout=60)
+    assert h2.staged_background_bytes == 0
+    with pytest.raises(ValueError, match="needs async_=True"):
+        tg.save(tmp_path / "c", state, stage_in_background=True)
+    assert not (tmp_path / "c").exists()
+    assert no_save_threads()
+
+
 def test_manager_logs_stall_including_pre_step_wait(tmp_path, gate):
     state = make_state()
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
@@ -378,7 +405,7 @@ def test_pool_rejects_bad_cap_and_double_acquire():
 def test_doc_example_runs(tmp_path):
     text = (ROOT / "docs" / "async.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) == 2  # the manager example and the capped-staging example
+    assert len(blocks) == 3  # the manager example, the capped-staging one, stage_in_background
     cwd = os.getcwd()
     os.chdir(tmp_path)
     try:
@@ -388,6 +415,7 @@ def test_doc_example_runs(tmp_path):
         os.chdir(cwd)
     assert (tmp_path / "ckpts" / "async-demo").is_dir()
     assert (tmp_path / "ckpts" / "capped" / "manifest.json").is_file()
+    assert (tmp_path / "ckpts" / "background" / "step-1" / "manifest.json").is_file()
 
 
 def test_async_save_duration_is_when_it_finished_not_when_collected(tmp_path):

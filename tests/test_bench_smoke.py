@@ -13,8 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNC = ("torch_save", "safetensors", "dcp_t1", "dcp_t2", "trainguard", "raw_1", "raw_2", "raw_d2", "limit")
-ASYNC = ("dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async")
-TG = ("trainguard", "trainguard_async")
+ASYNC = ("dcp_async", "dcp_async_reuse", "dcp_async_bgstage", "trainguard_async", "trainguard_async_bg")
+TG = ("trainguard", "trainguard_async", "trainguard_async_bg")
 
 
 def _run(tmp_path: Path) -> tuple[dict, str]:

@@ -50,6 +50,7 @@ def save(
     overwrite: bool = False,
     timeout: float | None = None,
     max_staging_bytes: int | None = None,
+    stage_in_background: bool = False,
 ) -> Any:
     """Save ``state`` into the checkpoint directory ``path`` (every rank calls it).
 
@@ -57,14 +58,18 @@ def save(
     ``SaveHandle`` whose ``result()`` gives it. Raises ``StepExistsError`` when ``path`` is
     already a checkpoint (``overwrite=True`` replaces it), ``UnsupportedValueError`` for a
     leaf that is neither a tensor nor JSON, ``RankFailureError`` when any rank failed.
+    ``stage_in_background=True`` (with ``async_``): the call copies nothing; the caller must
+    call ``handle.wait_staged()`` before mutating any tensor of ``state`` (docs/async.md).
     """
     if layout not in ("sharded", "full"):
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
+    if stage_in_background and not async_:
+        raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
     storage, target = for_path(path)
     handle = start_save(
         storage, target, state, DistContext.current(),
         async_=async_, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
-        max_staging_bytes=max_staging_bytes,
+        max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
     )
     return handle if async_ else handle.result()
 
@@ -82,9 +87,11 @@ def start_save(
     timeout: float | None = None,
     step: int | None = None,
     max_staging_bytes: int | None = None,
+    stage_in_background: bool = False,
 ) -> SaveHandle:
     """Start a save on every rank; sync saves return an already completed handle.
-    ``max_staging_bytes`` caps the async path's host staging memory (docs/async.md)."""
+    ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
+    moves every copy to the save thread (docs/async.md); both only matter with ``async_``."""
     if async_:
         from .async_save import start_async_save
 
@@ -92,7 +99,7 @@ def start_save(
         # thread's (the manager's "decide") in a different order on each rank.
         return start_async_save(
             storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
-            step=step, max_staging_bytes=max_staging_bytes,
+            step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
         )
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout)

@@ -23,7 +23,10 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
 
 Contract for user code: tensors that are not parameters/optimizer state are copied at the call.
 Code that mutates *parameters* outside ``optimizer.step()`` (EMA, weight clipping, manual
-updates) must call ``handle.wait_staged()`` first.
+updates) must call ``handle.wait_staged()`` first. With ``stage_in_background=True`` nothing is
+copied at the call: every tensor is staged in step 2, and the caller must call
+``handle.wait_staged()`` before it mutates any tensor of the state (the contract of DCP's
+background staging).
 """
 
 from __future__ import annotations
@@ -87,11 +90,15 @@ def start_async_save(
     timeout: float | None = None,
     step: int | None = None,
     max_staging_bytes: int | None = None,
+    stage_in_background: bool = False,
 ) -> SaveHandle:
     """Start an async save on this rank (every rank calls it, same order); returns its handle.
 
     Blocks only for the previous save in flight, the capture and the synchronous copies. Raises
     ``CheckpointError`` here if the previous save failed and nobody has seen its error yet.
+    ``stage_in_background``: no copy in the call; the save thread stages every tensor (only this
+    rank's chunks), and the caller waits for ``handle.wait_staged()`` before mutating any tensor
+    of the state (``step()`` of an optimizer in the state still waits by itself).
     """
     t0 = time.monotonic()
     _finish_previous()
@@ -102,8 +109,11 @@ def start_async_save(
     pool = default_pool(max_staging_bytes)
     job = _Job(handle, pool, optimizers)
     todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
-    now = [lf for lf in todo if _ptr(lf.tensor) not in protected]
-    later = [lf for lf in todo if _ptr(lf.tensor) in protected]
+    if stage_in_background:
+        now, later = [], todo
+    else:
+        now = [lf for lf in todo if _ptr(lf.tensor) not in protected]
+        later = [lf for lf in todo if _ptr(lf.tensor) in protected]
     slots = pool.acquire([lf.tensor.nbytes for lf in now])
     try:
         for lf, slot in zip(now, slots, strict=True):
