@@ -183,6 +183,34 @@ def test_manager_logs_stall_including_pre_step_wait(tmp_path, gate):
     assert saves[0]["stall_s"] == pytest.approx(saves[0]["stall_call_s"] + saves[0]["stall_hook_s"], abs=2e-6)
     assert no_save_threads()
 
+def test_manager_stage_in_background_counts_wait_staged_as_stall(tmp_path, gate, copy_mode):
+    weights = {f"w{i}": torch.randn(300, 7) for i in range(5)}
+    state = {"weights": tg.StateDict(**weights), "progress": tg.StateDict(step=0)}
+    at_call = {k: v.clone() for k, v in weights.items()}
+    with pytest.raises(ValueError, match="needs async_save=True"):
+        tg.CheckpointManager(tmp_path / "x", stage_in_background=True, handle_signals=False)
+    with tg.CheckpointManager(tmp_path / "m", save=tg.EveryNSteps(1), async_save=True, stage_in_background=True,
+                              handle_signals=False) as mgr:
+        h = mgr.save(1, state)
+        assert h.staged_sync_bytes == 0 and not h.staged()
+        # The loop waits before mutating; the staging is released once it is seen waiting.
+        opener = threading.Thread(target=lambda: h.waiting.wait(30) and gate.set())
+        opener.start()
+        assert h.wait_staged(60)
+        opener.join(30)
+        for w in weights.values():
+            w.add_(1.0)
+    saves = [e for e in read_events(tmp_path / "m") if e["event"] == "save"]
+    assert len(saves) == 1 and saves[0]["stall_wait_s"] > 0
+    assert saves[0]["stall_s"] == pytest.approx(
+        saves[0]["stall_call_s"] + saves[0]["stall_hook_s"] + saves[0]["stall_wait_s"], abs=3e-6
+    )
+    fresh = {"weights": tg.StateDict(**{k: torch.zeros_like(v) for k, v in weights.items()}), "progress": tg.StateDict(step=0)}
+    tg.load(tmp_path / "m" / "step-000000001", fresh)
+    assert all(torch.equal(fresh["weights"][k], at_call[k]) for k in weights)
+    assert no_save_threads()
+
+
 
 @pytest.mark.parametrize("where", ["save", "wait", "close"])
 def test_disk_error_surfaces_and_previous_checkpoint_stays_valid(tmp_path, monkeypatch, where):

@@ -311,10 +311,7 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     h = job.handle
     if h.staged():
         return
-    t0 = time.monotonic()
-    h.waiting.set()
-    h.wait_staged()
-    h.hook_wait_s += time.monotonic() - t0
+    h.hook_wait_s += h.block_until_staged()[1]
 
 
 def _hook(optimizers: list[torch.optim.Optimizer]) -> None:

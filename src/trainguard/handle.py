@@ -18,8 +18,9 @@ class SaveHandle:
     (committed or failed), ``result(timeout)`` (the manifest, or the save's error raised).
 
     Stall accounting: ``call_s`` is the time the save call blocked; ``hook_wait_s`` the time
-    ``optimizer.step()`` waited for the background copies; ``stall_s`` is set by the manager
-    (its whole ``save()`` call, including the wait for the previous save).
+    ``optimizer.step()`` waited for the background copies; ``wait_staged_s`` the time callers
+    of ``wait_staged()`` waited for them; ``stall_s`` is set by the manager (its whole
+    ``save()`` call, including the wait for the previous save).
     ``staged_sync_bytes``/``staged_background_bytes``/``staging_batches``: what the async path
     copied into host memory on this rank (see ``docs/async.md``).
     """
@@ -36,6 +37,7 @@ class SaveHandle:
         self.stall_s = 0.0
         self.call_s = 0.0
         self.hook_wait_s = 0.0
+        self.wait_staged_s = 0.0
         self.duration_s = 0.0
         self.finished_at: float | None = None  # time.monotonic() when committed or failed
         self.bytes = 0
@@ -58,9 +60,19 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``.
         Tells a zero-copy save that someone waits: it copies what it has not written yet."""
-        if not self._staged.is_set():
-            self.waiting.set()
-        return self._staged.wait(timeout)
+        ok, waited = self.block_until_staged(timeout)
+        self.wait_staged_s += waited
+        return ok
+
+    def block_until_staged(self, timeout: float | None = None) -> tuple[bool, float]:
+        """``wait_staged`` without the accounting: (staged, seconds waited). The optimizer
+        pre-step hook waits so and adds the time to ``hook_wait_s`` instead."""
+        if self._staged.is_set():
+            return True, 0.0
+        self.waiting.set()
+        t0 = time.monotonic()
+        ok = self._staged.wait(timeout)
+        return ok, time.monotonic() - t0
 
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest; raises the save's error. Joins the save thread when done."""
@@ -77,8 +89,8 @@ class SaveHandle:
 
     @property
     def total_stall_s(self) -> float:
-        """What the training loop lost to this save: the call plus the pre-step waits."""
-        return max(self.stall_s, self.call_s) + self.hook_wait_s
+        """What the training loop lost to this save: the call plus the waits for staging."""
+        return max(self.stall_s, self.call_s) + self.hook_wait_s + self.wait_staged_s
 
     # -- completion, called by whoever runs the save
     def attach_thread(self, thread: threading.Thread) -> None:

@@ -38,8 +38,9 @@ class CheckpointManager:
 
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a
     :class:`RetentionPolicy` (default ``KeepLatest(3)``); ``async_save``: write in the
-    background; ``on_error``: ``"raise"`` or ``"warn"`` (log, keep training, try again at the
-    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()`` call and set
+    background (``stage_in_background``: with no copy in the call, see docs/async.md);
+    ``on_error``: ``"raise"`` or ``"warn"`` (log, keep training, try again at the next save);
+    ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()`` call and set
     ``should_stop``.
     """
 
@@ -56,7 +57,10 @@ class CheckpointManager:
         timeout: float | None = None,
         max_staging_bytes: int | None = None,
         ram_tier: bool | str = False,
+        stage_in_background: bool = False,
     ) -> None:
+        if stage_in_background and not async_save:
+            raise ValueError("stage_in_background=True needs async_save=True")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
         if save is not None and not isinstance(save, SavePolicy):
@@ -73,6 +77,7 @@ class CheckpointManager:
         self.handle_signals = handle_signals
         self.timeout = timeout
         self.max_staging_bytes = max_staging_bytes  # async staging memory cap (docs/async.md)
+        self.stage_in_background = stage_in_background  # no copy in save(): wait_staged() before mutating
         self.ctx = DistContext.current()
         self.events = EventLog(
             os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank
@@ -197,7 +202,7 @@ class CheckpointManager:
             handle = start_save(
                 storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
-                max_staging_bytes=self.max_staging_bytes,
+                max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background,
             )
         except CheckpointError as e:
             self._report_failure(e, step=step)
@@ -222,12 +227,13 @@ class CheckpointManager:
         # When the save really ended (an async save is collected at the next call, later).
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step
-        # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits.
-        stall = h.stall_s + h.hook_wait_s
+        # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
+        # + the caller's wait_staged() waits.
+        stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
         self.save_policy.on_saved(manifest.step, stall, h.duration_s)
         self.events.emit(
             "save", step=manifest.step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
-            stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6),
+            stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6), stall_wait_s=round(h.wait_staged_s, 6),
             bytes=manifest.total_bytes, async_save=self.async_save,
             # wall time of the commit (async saves are logged when collected, at the next call)
             committed_t=round(time.time() - (time.monotonic() - (h.finished_at or time.monotonic())), 6),
