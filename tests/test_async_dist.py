@@ -133,10 +133,10 @@ def staged_share(rank: int, world: int, root: str) -> dict:
     protected = sum(p.nbytes for p in state["model"].parameters())
     protected += sum(v.nbytes for s in state["optim"].state.values() for v in s.values() if isinstance(v, torch.Tensor))
     out: dict = {"protected": protected}
-    for name, cap in (("uncapped", None), ("capped", 1 << 20), ("live", None)):
+    for name, cap in (("uncapped", None), ("capped", 1 << 20), ("live", None), ("background", None)):
         os.environ["TRAINGUARD_ASYNC_ZERO_COPY"] = "1" if name == "live" else "0"
         at_call = _all_tensors(state)
-        h = tg.save(Path(root) / name, state, async_=True, max_staging_bytes=cap)
+        h = tg.save(Path(root) / name, state, async_=True, max_staging_bytes=cap, stage_in_background=name == "background")
         _step(state, 2, rank)  # DDP all-reduce while the save stages and commits through the store
         manifest = h.result(timeout=60)
         mine = f"data-{rank:05d}.bin"
@@ -161,13 +161,17 @@ def test_each_rank_stages_only_its_share_of_replicated_state(tmp_path):
     results = run_ranks(staged_share, 2, str(tmp_path / "run"), timeout=120)
     protected = results[0].value["protected"]
     assert protected > 2 << 20
-    for name in ("uncapped", "capped", "live"):
+    for name in ("uncapped", "capped", "live", "background"):
         per_rank = [r.value[name] for r in results]
         # Every byte of the parameters and Adam state is staged (or, "live", written from the
         # tensors) exactly once, on the rank that writes it.
-        assert sum(v["background"] for v in per_rank) == protected, (name, per_rank)
-        assert all(v["background"] == v["share"] < 0.7 * protected for v in per_rank), (name, per_rank)
-        assert all(v["sync"] < 64 << 10 for v in per_rank)  # RNG state only
+        assert sum(v["share"] for v in per_rank) == protected, (name, per_rank)
+        assert all(v["share"] < 0.7 * protected for v in per_rank), (name, per_rank)
+        if name == "background":  # stage_in_background: nothing in the call, the RNG state too later
+            assert all(v["sync"] == 0 and 0 < v["background"] - v["share"] < 64 << 10 for v in per_rank), per_rank
+        else:
+            assert all(v["background"] == v["share"] for v in per_rank), (name, per_rank)
+            assert all(v["sync"] < 64 << 10 for v in per_rank)  # RNG state only
         for v in per_rank:
             assert v["differs_before"] and v["stepped"] and v["equal"], (name, v)
     assert all(r.value["capped"]["batches"] >= 2 for r in results)
