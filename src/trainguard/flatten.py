@@ -140,6 +140,17 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
         dec = None  # type: ignore[assignment]  # break dec -> cell -> dec: no garbage cycle per call
 
 
+def single_tensor(skel: Any) -> str | None:
+    """The path when ``skel`` is one tensor reference, ``{"$t": path}`` (an entry that is a
+    tensor: a flat dict of tensors has thousands), else None. The loader and the manifest's
+    validation take a shortcut for these instead of walking the skeleton."""
+    if type(skel) is dict and len(skel) == 1:
+        p = skel.get("$t")
+        if type(p) is str:
+            return p
+    return None
+
+
 def tensor_refs(skeleton: Any) -> list[str]:
     """All tensor paths referenced by a skeleton, in order (no validation beyond shape)."""
     out: list[str] = []
@@ -149,8 +160,8 @@ def tensor_refs(skeleton: Any) -> list[str]:
         if type(s) is list:
             stack.extend(reversed(s))
         elif type(s) is dict:
-            if len(s) == 1 and "$t" in s and type(s["$t"]) is str:
-                out.append(s["$t"])
+            if (p := single_tensor(s)) is not None:
+                out.append(p)
             else:
                 stack.extend(reversed(list(s.values())))
     return out

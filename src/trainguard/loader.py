@@ -20,7 +20,7 @@ from .errors import (
     CorruptCheckpointError,
     StateMismatchError,
 )
-from .flatten import flatten, tensor_refs, unflatten
+from .flatten import flatten, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
@@ -92,7 +92,7 @@ def _load(
             continue
         value = state[key]
         skel = manifest.objects[key].get("skeleton")
-        if type(value) is torch.Tensor and type(skel) is dict and len(skel) == 1 and skel.get("$t") == key:
+        if type(value) is torch.Tensor and single_tensor(skel) == key:
             # An entry that is one plain tensor (a flat dict of tensors: thousands of them),
             # saved as such: what the general path below does, without its per-entry calls.
             # The manifest's validation checked that the tensor is described.
@@ -188,9 +188,9 @@ def _load(
     )
     for staged, live in finish:
         live.copy_(staged)
-    for key, obj, skel, dest, refs in plans:
-        if len(refs) == 1 and skel == {"$t": refs[0]}:  # an entry that is one tensor: no skeleton to walk
-            value = loaded.get(refs[0], dest.get(refs[0]))
+    for key, obj, skel, dest, _refs in plans:
+        if (p := single_tensor(skel)) is not None:  # an entry that is one tensor: no skeleton to walk
+            value = loaded.get(p, dest.get(p))
         else:
             value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
         try:

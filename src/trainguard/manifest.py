@@ -233,6 +233,7 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if not DATA_RE.match(name):
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
+    from .flatten import single_tensor
     from .index import check_regular_files, parse_indexes  # format 2; index.py imports this module
 
     indexes = parse_indexes(raw, version, where)
@@ -246,8 +247,8 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
             raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
         for skel in [obj["skeleton"]] if "skeleton" in obj else obj["ranks"]:
-            if type(skel) is dict and len(skel) == 1 and type(skel.get("$t")) is str and skel["$t"] in tensors:
-                continue  # an entry that is one tensor (a flat dict of tensors has thousands of them)
+            if single_tensor(skel) in tensors:
+                continue  # an entry that is one described tensor: nothing else to check
             _check_skeleton(skel, tensors, f"{where}: object {key[:60]!r}")
     metadata = raw.get("metadata", {})
     if type(metadata) is not dict:
