@@ -29,6 +29,7 @@ from .errors import (
     StepExistsError,
 )
 from .faults import fault
+from .flatten import encode_json
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .index import encode as encode_index
@@ -92,6 +93,8 @@ def start_save(
     """Start a save on every rank; sync saves return an already completed handle.
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``."""
+    if metadata:
+        encode_json(metadata)  # a value JSON cannot hold fails here, before a byte is written
     if async_:
         from .async_save import start_async_save
 
@@ -153,21 +156,20 @@ def persist_and_commit(
     hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
-        final = storage.join(parent, name)
-        if storage.exists(storage.join(final, layout_mod.MANIFEST)) and not overwrite:
-            hello["exists"] = f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"
+        hello.update(_occupied(storage, storage.join(parent, name), overwrite))
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     _check_begin(begin, ctx)
     save_id = begin[0]["id"]
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
     fault("begin", ctx.rank)
     report: dict[str, Any] = {"error": None}
+    write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
     try:
         storage.makedirs(work)
         report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage)
         fault("written", ctx.rank)
     except Exception as e:
-        report = {"error": describe_error(e)}
+        report, write_error = {"error": describe_error(e)}, e
     # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
     outcome: dict[str, Any] = {"error": None}
     manifest = None
@@ -187,9 +189,14 @@ def persist_and_commit(
             outcome = {"error": summary(e), "failures": e.failures}
         except Exception as e:
             outcome = {"error": describe_error(e)}
+            write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
     if ctx.rank == 0 and outcome.get("error"):
         storage.remove_tree(work)
     outcome = ctx.broadcast("commit", outcome, timeout=timeout)
+    if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
+        if isinstance(write_error, CheckpointError):
+            raise write_error  # a DiskFullError stays one
+        raise CheckpointError(f"save of {target} failed: {type(write_error).__name__}: {write_error}") from write_error
     if outcome.get("failures"):
         raise failure(outcome["error"], {int(r): tb for r, tb in outcome["failures"].items()})
     if outcome.get("error"):
@@ -202,10 +209,42 @@ def persist_and_commit(
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
 
 
+def _occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
+    """Rank 0, before a save: why ``final`` may not receive it (``{}``: it may). A committed
+    checkpoint is replaced only with ``overwrite`` (and only where the storage can rename a
+    directory: in place, a failed save would destroy it); a directory holding anything but a
+    checkpoint's own files is never saved into (the commit would delete what it holds)."""
+    try:
+        names = storage.listdir(final)
+    except NotADirectoryError:
+        return {"refused": f"{final} is a file, not a directory; save the checkpoint to a directory path"}
+    foreign = [n for n in names if not layout_mod.own_file(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return {"refused": (
+            f"{final} already holds files that are not a checkpoint's ({shown}); saving there would "
+            "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
+            "step-NNNNNNNNN directories: pass one of those, or use the manager)"
+        )}
+    if layout_mod.MANIFEST not in names:
+        return {}
+    if not overwrite:
+        return {"exists": f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"}
+    if not storage.atomic_rename:
+        return {"refused": (
+            f"{final} already holds a committed checkpoint and this storage cannot replace a directory "
+            "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
+            "path, or delete the old checkpoint first"
+        )}
+    return {}
+
+
 def _check_begin(begin: list[Any], ctx: DistContext) -> None:
     raise_failures("save", begin, ctx)
     if begin[0].get("exists"):
         raise StepExistsError(begin[0]["exists"])
+    if begin[0].get("refused"):
+        raise CheckpointError(begin[0]["refused"])
     steps = {r: b["step"] for r, b in enumerate(begin)}
     off = [r for r, s in steps.items() if s != steps[0]]
     if off:
@@ -297,7 +336,8 @@ def _build_manifest(
             indexes[w["index"][0]] = (w["index"][1], w["index"][2])
         for path, dtype, shape, offs, sizes, off, length, sums, *fname in w["chunks"]:
             e = tensors.setdefault(path, TensorEntry(dtype, shape, []))
-            e.chunks.append(Chunk(offs, sizes, fname[0] if fname else w["file"], off, length, sums))
+            if length:  # an empty chunk (empty tensor or shard) names a file that may hold nothing
+                e.chunks.append(Chunk(offs, sizes, fname[0] if fname else w["file"], off, length, sums))
     for lf in snap.leaves:  # zero-size tensors have no chunks but must exist
         if lf.kind != "local":
             tensors.setdefault(lf.path, TensorEntry(lf.dtype, list(lf.shape), []))

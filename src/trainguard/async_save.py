@@ -31,8 +31,10 @@ background staging).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -51,7 +53,7 @@ from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import PAGE, Box
-from .stage import Batch, StagingPool, copy_into, default_pool, pack_batches
+from .stage import Batch, StagingPool, copy_into, default_pool, pack_batches, trim_idle_pools
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -116,27 +118,32 @@ def start_async_save(
         later = [lf for lf in todo if _ptr(lf.tensor) in protected]
     slots = pool.acquire([lf.tensor.nbytes for lf in now])
     try:
-        for lf, slot in zip(now, slots, strict=True):
-            job.copies[id(lf)] = copy_into(slot, lf.tensor)
-            handle.staged_sync_bytes += lf.tensor.nbytes
-        job.later = {id(lf) for lf in later}
-        for lf in later:
-            if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(lf.tensor.device))  # copies start after pending kernels
-                job.cuda_events[lf.tensor.device.index] = ev
-    except Exception as e:  # still join the collective rounds, so every rank fails together
-        job.error = e
-    job.zero_copy = _zero_copy_ok(storage, later)
-    _hook(optimizers)
-    handle.call_s = time.monotonic() - t0
-    handle.bytes = sum(lf.tensor.nbytes for lf in todo)
-    thread = threading.Thread(
-        target=_run, args=(job, storage, target, snap, ctx),
-        kwargs=dict(layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step),
-        name="trainguard-async-save", daemon=True,
-    )
-    handle.attach_thread(thread)
+        try:
+            for lf, slot in zip(now, slots, strict=True):
+                job.copies[id(lf)] = copy_into(slot, lf.tensor)
+                handle.staged_sync_bytes += lf.tensor.nbytes
+            job.later = {id(lf) for lf in later}
+            for lf in later:
+                if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(lf.tensor.device))  # copies start after pending kernels
+                    job.cuda_events[lf.tensor.device.index] = ev
+        except Exception as e:  # still join the collective rounds, so every rank fails together
+            job.error = e
+        job.zero_copy = _zero_copy_ok(storage, later)
+        _hook(optimizers)
+        handle.call_s = time.monotonic() - t0
+        handle.bytes = sum(lf.tensor.nbytes for lf in todo)
+        thread = threading.Thread(
+            target=_run, args=(job, storage, target, snap, ctx),
+            kwargs=dict(layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step),
+            name="trainguard-async-save", daemon=True,
+        )
+        handle.attach_thread(thread)
+    except BaseException:  # e.g. KeyboardInterrupt in the copies: the pool must not stay held
+        job.copies.clear()
+        pool.release()
+        raise
     global _INFLIGHT
     with _LOCK:
         _INFLIGHT = job
@@ -298,9 +305,42 @@ def _finish_previous() -> None:
     h = prev.handle
     h.join()
     err = h.exception()
-    if err is not None and not h.observed:
+    if err is not None and not h.observed and not h.owned:  # a manager's save: that manager reports it
         h.observed = True
         raise CheckpointError(f"the previous async save (step {h.step}) failed: {err}") from err
+
+
+def release_staging() -> None:
+    """Free the staging memory of this process once no save is in flight
+    (``CheckpointManager.close``, after its last save); the next async save allocates again."""
+    global _INFLIGHT
+    with _LOCK:
+        if _INFLIGHT is not None and not _INFLIGHT.handle.done():
+            return
+        _INFLIGHT = None
+    trim_idle_pools()
+
+
+def _drain_at_exit() -> None:
+    """At interpreter exit, an async save still in flight is finished, not dropped: the last
+    checkpoint of a script is often the one that matters. Runs before ``concurrent.futures``
+    shuts its executors down (the save's writers use them)."""
+    job = _INFLIGHT
+    if job is None or job.handle.done():
+        return
+    h = job.handle
+    log.warning("trainguard: the interpreter is exiting; waiting for the async save of step %s to finish", h.step)
+    h.join()
+    err = h.exception()
+    if err is not None and not h.observed:
+        log.error("trainguard: the async save of step %s failed: %s", h.step, err)
+        print(f"trainguard: the async save of step {h.step} failed: {err}", file=sys.stderr)
+
+
+# threading's own exit hooks run before its threads are joined and in reverse order of
+# registration: this one, registered after concurrent.futures', runs before it (atexit would
+# run after it, when no executor accepts work any more).
+getattr(threading, "_register_atexit", atexit.register)(_drain_at_exit)
 
 
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

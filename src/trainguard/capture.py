@@ -99,6 +99,11 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         offsets = (0,) * len(shape)
     if data.dtype not in DTYPE_NAMES:
         raise UnsupportedValueError(f"{path}: dtype {data.dtype} is not supported; convert the tensor")
+    if data.is_conj() or data.is_neg():
+        raise UnsupportedValueError(
+            f"{path}: tensor is a lazy conjugate/negative view (its memory does not hold its values); "
+            "call .resolve_conj() / .resolve_neg() on it before saving"
+        )
     if not data.is_contiguous():
         raise UnsupportedValueError(
             f"{path}: tensor is not contiguous (strides {tuple(data.stride())}); call .contiguous() on it "

@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from . import layout
-from .api import _commit
+from .api import _commit, _occupied
 from .commit import read_manifest
-from .errors import StepExistsError
+from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
@@ -48,8 +48,11 @@ def consolidate(
     m = read_manifest(sstore, sdir)
     parent, name = os.path.split(target.rstrip("/"))
     final = dstore.join(parent, name)
-    if dstore.exists(dstore.join(final, layout.MANIFEST)) and not overwrite:
+    why = _occupied(dstore, final, overwrite)
+    if why.get("exists"):
         raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")
+    if why.get("refused"):
+        raise CheckpointError(why["refused"])
     dstore.makedirs(parent)
     save_id = uuid.uuid4().hex[:16]
     work = dstore.join(parent, layout.tmp_dir(name, save_id) if dstore.atomic_rename else name)
@@ -59,9 +62,9 @@ def consolidate(
     w = dstore.open_write(dstore.join(work, fname))
     try:
         pos = 0
-        src = ChunkSource.of(sstore, sdir, m)
+        source = ChunkSource.of(sstore, sdir, m)
         for path, e in m.tensors.items():
-            whole = _read_whole(sstore, sdir, src, path, e)
+            whole = _read_whole(sstore, sdir, source, path, e)
             data = tensor_bytes(whole)
             (off,), pos = layout_file([len(data)], pos)
             chunks = []
@@ -87,7 +90,7 @@ def consolidate(
         files={fname: pos},
         objects=m.objects,
         tensors=tensors,
-        metadata={**m.metadata, "consolidated_from": {"path": str(src), "layout": m.layout, "created": m.created}},
+        metadata={**m.metadata, "consolidated_from": {"path": os.fspath(src), "layout": m.layout, "created": m.created}},
         library=m.library,
         torch_version=m.torch_version,
     )

@@ -88,7 +88,7 @@ def convert(
     state, skipped = _read_foreign(src, sf, entry or "model")
     from .api import save
 
-    save(dst, state)
+    save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
     n = sum(len(v) if isinstance(v, Mapping) else 1 for v in state.values())
     return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
 
@@ -123,6 +123,16 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
         import torch.distributed.checkpoint as dcp
 
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+
+
+def _contiguous(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.resolve_conj().resolve_neg().contiguous()
+    if isinstance(v, Mapping):
+        return {k: _contiguous(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_contiguous(x) for x in v)
+    return v
 
 
 def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str) -> tuple[dict[str, Any], list[str]]:

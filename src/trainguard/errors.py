@@ -84,3 +84,14 @@ class DiskFullError(CheckpointError, OSError):
 def _short(items: list[str], n: int = 8) -> str:
     head = ", ".join(items[:n])
     return head + (f", ... (+{len(items) - n} more)" if len(items) > n else "")
+
+
+def is_data_error(e: BaseException) -> bool:
+    """Whether ``e`` (raised by a load) says the checkpoint's bytes are unusable, so that
+    ``CheckpointManager.restore`` tries an older one, rather than that the state does not fit
+    it (an older one would not fit either: raised). A distributed load sets ``retry_older``
+    on every rank from every rank's verdict, so that all ranks decide alike."""
+    flag = getattr(e, "retry_older", None)
+    if flag is not None:
+        return bool(flag)
+    return isinstance(e, (CorruptCheckpointError, NotACheckpointError, FormatVersionError))

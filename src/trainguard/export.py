@@ -23,11 +23,15 @@ def iter_tensors(
     storage: Storage, directory: str, manifest: Manifest, prefix: str, *, verify: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, one at a time
-    (names without the prefix). Rank-local entries (``key@rank``) are not included."""
+    (names without the prefix; an entry that is one tensor keeps its name). Rank-local entries (``key@rank``) are not included."""
     head = prefix.rstrip("/") + "/"
     src = ChunkSource.of(storage, directory, manifest)
     for path, e in manifest.tensors.items():
-        if not path.startswith(head):
+        if path == prefix:  # an entry that is one tensor: named after the entry
+            name = path
+        elif path.startswith(head):
+            name = path[len(head) :]
+        else:
             continue
         t = torch.empty(e.shape, dtype=e.torch_dtype)
         ops = plan_reads(
@@ -38,7 +42,7 @@ def iter_tensors(
             verify,
         )
         read_targets(storage, directory, [ReadTarget(path, t, full_box(e.shape), ops)])
-        yield path[len(head) :], t
+        yield name, t
 
 
 def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
@@ -54,6 +58,9 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     if not tensors:
         raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
     out = os.fspath(to)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
     if out.endswith(".safetensors"):
         from safetensors.torch import save_file
 

@@ -165,3 +165,24 @@ def tensor_refs(skeleton: Any) -> list[str]:
             else:
                 stack.extend(reversed(list(s.values())))
     return out
+
+
+def encode_json(value: Mapping[str, Any], where: str = "metadata") -> Any:
+    """A checkpoint's ``metadata`` as it is stored in the manifest (JSON, nan/inf and tuples
+    marked as in skeletons). ``api.start_save`` calls it before anything is written, so a
+    value that cannot be stored fails the call, not the commit; ``Manifest.to_bytes`` again."""
+    skel, tensors = flatten(dict(value), where)
+    if tensors:
+        raise UnsupportedValueError(
+            f"{next(iter(tensors))}: metadata cannot hold tensors; convert it with .item() or .tolist()"
+        )
+    return skel
+
+
+def decode_json(skel: Any, where: str) -> Any:
+    """Inverse of :func:`encode_json` (``manifest.parse``); a tensor reference there is corrupt."""
+
+    def no_tensor(path: str) -> Any:
+        raise CorruptCheckpointError(f"{where}: metadata refers to a tensor ({path[:60]!r})")
+
+    return unflatten(skel, no_tensor, where=where)

@@ -34,6 +34,7 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.observed = False  # result() was called: its error (if any) has been seen
+        self.owned = False  # a CheckpointManager collects it (its error is the manager's to report)
         self.stall_s = 0.0
         self.call_s = 0.0
         self.hook_wait_s = 0.0

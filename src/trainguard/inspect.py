@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from . import layout
 from .commit import list_steps, read_manifest
-from .errors import CheckpointError
+from .errors import CheckpointError, NotACheckpointError
 from .index import ChunkSource
 from .manifest import Manifest, checksum
 from .storage import Storage, for_path
@@ -105,8 +105,14 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     """Every step directory under ``root`` with its status. ``verify_data`` checks all bytes;
     otherwise a checkpoint whose manifest validates and whose file sizes match is "valid"."""
     storage, r = for_path(root)
+    if not storage.exists(r):
+        raise NotACheckpointError(f"{root}: no such directory")
+    try:
+        steps = list_steps(storage, r)
+    except NotADirectoryError:
+        raise NotACheckpointError(f"{root} is a file; pass a run directory or a checkpoint (step) directory") from None
     out = []
-    for s in list_steps(storage, r):
+    for s in steps:
         addr = location(storage, s.path)  # what for_path maps back (a URL on object stores)
         if s.status == "incomplete":
             out.append(StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}"))

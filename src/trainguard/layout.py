@@ -24,6 +24,8 @@ TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})$")
 OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})$")
 DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin$")  # data-RRRRR.bin, data-RRRRR-S.bin (stream S)
 IDX_RE = re.compile(r"^data-\d{5}\.idx$")
+# A small file being written atomically (``Storage.write_atomic``: ``<name>.tmp-<pid>``).
+ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+$")
 
 
 def step_dir(step: int) -> str:
@@ -53,3 +55,9 @@ def parse_step(name: str) -> int | None:
 def index_file(rank: int) -> str:
     """Format 2: where rank ``rank``'s regular parts sit in its data file (see index.py)."""
     return f"data-{rank:05d}.idx"
+
+
+def own_file(name: str) -> bool:
+    """Whether ``name`` is a file a checkpoint directory of ours may hold (``api`` refuses to
+    save into, and so to delete, a directory holding anything else)."""
+    return name == MANIFEST or bool(DATA_RE.match(name) or IDX_RE.match(name) or ATOMIC_TMP_RE.match(name))

@@ -7,7 +7,8 @@ all ranks succeed or all raise the same error.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     StateMismatchError,
+    is_data_error,
 )
 from .flatten import flatten, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
@@ -58,10 +60,17 @@ def load(
             raise
         err, exc = describe_error(e), e
     if ctx.is_distributed:
-        outcomes = ctx.all_gather("load", {"error": err}, timeout=timeout)
-        if err is not None:
-            raise exc
-        raise_failures(f"load of {target}", outcomes, ctx)
+        outcomes = ctx.all_gather("load", {"error": err, "data": err is None or is_data_error(exc)}, timeout=timeout)
+        # Every rank raises, and tells restore() the same thing: try an older checkpoint only
+        # when every rank that failed found bad bytes (not a state that does not fit).
+        data = all(o.get("data") for o in outcomes if o.get("error"))
+        try:
+            if err is not None:
+                raise exc
+            raise_failures(f"load of {target}", outcomes, ctx)
+        except CheckpointError as e:
+            e.retry_older = data  # type: ignore[attr-defined]
+            raise
     return manifest
 
 
@@ -75,10 +84,14 @@ def _load(
     only: Iterable[str] | None,
     verify: bool,
 ) -> None:
+    if isinstance(only, (str, bytes)):
+        raise TypeError(f"only={only!r}: pass a list of entry names, e.g. only=[{only!r}]")
     keys = list(state) if only is None else list(only)
     unknown = [k for k in keys if k not in state]
     if unknown:
-        raise StateMismatchError(missing=[f"{k} (in only=, not in state)" for k in unknown], unexpected=[], mismatched=[])
+        raise CheckpointError(
+            f"only= names entries that are not in the state: {unknown}; the state has {sorted(state)[:20]}"
+        )
     missing_keys = [k for k in keys if k not in manifest.objects]
     unexpected_keys = [k for k in manifest.objects if k not in state] if only is None else []
     names = param_name_map(state)
@@ -86,6 +99,7 @@ def _load(
     missing: list[str] = list(missing_keys)
     unexpected: list[str] = list(unexpected_keys)
     mismatched: list[str] = []
+    cast: set[str] = set()
     skip = set(missing_keys)
     for key in keys:
         if key in skip:
@@ -129,12 +143,20 @@ def _load(
                 if list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype:
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
+                        if list(d.shape) == e.shape:
+                            cast.add(p)  # strict=False: read, then copy_ into the state's dtype
                     else:
                         del dest[p]
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
-    bad = {m.split(" ")[0] for m in mismatched}
+    bad = {m.split(" ")[0] for m in mismatched} - cast
+    if bad:
+        warnings.warn(
+            f"strict=False: {len(bad)} tensor(s) whose shape differs from the checkpoint's keep their current "
+            f"values: {', '.join(m for m in mismatched if m.split(' ')[0] in bad)[:1500]}",
+            stacklevel=3,
+        )
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
     # Regular tensors read into a live shard allocate nothing: their files are checked below,
@@ -163,7 +185,10 @@ def _load(
         # manifest's order, which is the order the tensors were written in (file order).
         for p in (p for p in manifest.tensors if p in want):
             e, live = manifest.tensors[p], want[p].get(p)
-            if type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu and live.is_contiguous():
+            if (
+                type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
+                and live.is_contiguous() and live.dtype == e.torch_dtype
+            ):
                 # A whole plain tensor stored in one chunk (validation: its box is the whole
                 # tensor), read in place: the general path below without its per-tensor calls.
                 c, box = e.chunks[0], Box((0,) * len(e.shape), tuple(e.shape))
@@ -198,15 +223,32 @@ def _load(
                 obj.load_state_dict(value, strict=strict)
             elif has_state(obj):
                 obj.load_state_dict(value)
-            elif isinstance(state, dict):
+            elif isinstance(state, MutableMapping):
                 state[key] = value
+            elif not _same(value, state[key]):
+                raise CheckpointError(
+                    f"entry {key!r}: the state is a read-only {type(state).__name__}, and this entry is replaced "
+                    "on load (a JSON value, or a tensor whose shape or dtype changed); pass a dict"
+                )
         except CheckpointError:
             raise
-        except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             ) from e
+
+
+def _same(loaded: Any, current: Any) -> bool:
+    """Whether a read-only state already holds what was loaded (a tensor loaded in place, an equal value)."""
+    if loaded is current:
+        return True
+    if isinstance(loaded, torch.Tensor) or isinstance(current, torch.Tensor):
+        return False
+    try:
+        return type(loaded) is type(current) and bool(loaded == current)
+    except Exception:  # a structure holding tensors: not comparable this way
+        return False
 
 
 # Planning while reading pays off for large tensors; with thousands of small ones the planning
@@ -232,16 +274,12 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
     ranks = obj["ranks"]
     if ctx.rank < len(ranks):
         if len(ranks) != ctx.world_size:
-            import warnings
-
             warnings.warn(
                 f"{key}: saved by {len(ranks)} ranks, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
                 f"rank {ctx.rank}'s state",
                 stacklevel=4,
             )
         return ranks[ctx.rank], ctx.rank
-    import warnings
-
     if hasattr(value, "reseed_for_rank"):
         value.reseed_for_rank(ctx.rank)
         warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} ranks); re-seeded", stacklevel=4)
@@ -258,8 +296,10 @@ def _destination(live: torch.Tensor | None, e: TensorEntry) -> tuple[torch.Tenso
         return t, full_box(e.shape), None
     data, shape, offsets, _ = shard_of(live)
     box = Box(tuple(offsets), tuple(data.shape))
-    if data.is_cpu and data.is_contiguous():
+    if data.is_cpu and data.is_contiguous() and data.dtype == e.torch_dtype:
         return data, box, None
+    if data.dtype != e.torch_dtype:  # strict=False, dtype changed: read as saved, copy_ casts
+        return torch.empty(tuple(data.shape), dtype=e.torch_dtype), box, data
     return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
 
 

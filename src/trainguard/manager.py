@@ -19,10 +19,11 @@ from typing import Any
 
 from . import layout
 from .api import load, start_save
+from .async_save import release_staging
 from .commit import RunLock, clean_debris, list_steps, read_manifest
 from .dist import DistContext
 from .elastic.watchdog import heartbeat
-from .errors import CheckpointError, StateMismatchError
+from .errors import CheckpointError, UnsupportedValueError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .faults import fault
 from .handle import SaveHandle
@@ -61,6 +62,8 @@ class CheckpointManager:
     ) -> None:
         if stage_in_background and not async_save:
             raise ValueError("stage_in_background=True needs async_save=True")
+        if max_staging_bytes is not None and max_staging_bytes <= 0:
+            raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a positive number of bytes, or None for no cap")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
         if save is not None and not isinstance(save, SavePolicy):
@@ -92,6 +95,7 @@ class CheckpointManager:
         self.should_stop = False
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
+        self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self.ram = (
             RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
@@ -133,15 +137,24 @@ class CheckpointManager:
         return self.open()
 
     def __exit__(self, *exc: Any) -> None:
-        self.close(keep_ram_tier=exc[0] is not None)
+        if exc[0] is None:
+            self.close()
+            return
+        try:  # the block's own exception goes on: a failed last save is logged, not raised over it
+            self.close(keep_ram_tier=True)
+        except CheckpointError as e:
+            log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
 
     def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Wait for the save in flight (its error is raised here), release the lock. The RAM
-        tier is removed unless ``keep_ram_tier``, an exception or a preemption signal."""
+        """Wait for the save in flight (its error is raised here), release the lock and the
+        async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception
+        or a preemption signal."""
         if not self._opened:
             return
         try:
             self.wait()
+            if self.async_save:
+                release_staging()
             if self.ram:
                 self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set()))
         finally:
@@ -188,26 +201,37 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
         t0 = time.monotonic()
+        values = _metric_values(metrics)
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall
         except CheckpointError as e:
             self._report_failure(e, step=self._pending_step)
+        if step == self.last_saved_step and step not in self._rejected:
+            # Saved already (a forced save at the end after the policy's, a loop restarted at the
+            # restored step): that checkpoint holds this step.
+            log.info("trainguard: step %d is already saved in %s; not saved again", step, self.root)
+            return None
         target = self.storage.join(self._root, layout.step_dir(step))
-        meta = {"step": step, "metrics": dict(metrics or {})}
-        self._metrics[step] = dict(metrics or {})
+        meta = {"step": step, "metrics": values}
+        self._metrics[step] = values
         storage = self.storage
         if self.ram:
             storage, target = self.ram.target(step)
+        replace = step in self._rejected  # restore found it unusable: the run comes back to it
+        if replace and not storage.atomic_rename and self.ctx.rank == 0:
+            storage.remove_tree(target)  # no atomic replace on object stores: it was unusable anyway
         try:
             handle = start_save(
                 storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
                 max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background,
+                overwrite=replace and storage.atomic_rename,
             )
         except CheckpointError as e:
             self._report_failure(e, step=step)
             return None
         handle.stall_s = time.monotonic() - t0
+        handle.owned = True  # its error is reported by this manager, not by another's next save
         self._pending, self._pending_step, self._pending_t0 = handle, step, t0
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
@@ -227,6 +251,7 @@ class CheckpointManager:
         # When the save really ended (an async save is collected at the next call, later).
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step
+        self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
         # + the caller's wait_staged() waits.
         stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
@@ -269,7 +294,8 @@ class CheckpointManager:
 
     def _retain(self, newest: int) -> None:
         steps = [s for s in list_steps(self.storage, self._root) if s.status == "committed"]
-        infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps]
+        # A checkpoint restore() found unusable takes no place among those kept.
+        infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps if s.step not in self._rejected]
         keep = set(self.keep.select(infos)) | {newest}
         fault("before_retention", self.ctx.rank)
         for s in steps:
@@ -298,21 +324,40 @@ class CheckpointManager:
             durable = [(s, location(self.storage, self.storage.join(self._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
             candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
         candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
+        skipped: list[str] = []
+        touched: set[str] = set()  # entries a skipped checkpoint may have written into
         for step, path, tier in candidates:
             try:
-                load(path, state, strict=strict, timeout=self.timeout)
+                m = load(path, state, strict=strict, timeout=self.timeout)
             except CheckpointError as e:
-                if isinstance(e, StateMismatchError):
-                    raise  # the state does not fit: an older checkpoint will not fit either
+                if not is_data_error(e):
+                    raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, e)
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
+                self._rejected.add(step)
+                skipped.append(f"step {step} ({path}): {str(e)[:500]}")
+                touched |= _entries(path, state)
                 continue
+            if touched - set(m.objects):
+                raise CheckpointError(
+                    f"restore: entries {sorted(touched - set(m.objects))} were partly read from a newer checkpoint "
+                    f"that is not usable, and the checkpoint of step {step} does not hold them; they hold no "
+                    "consistent state. Rebuild them, or load with strict=True"
+                )
             self.last_saved_step = step
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)
             return step
-        self.events.emit("fresh_start", skipped=len(candidates))
+        if skipped:
+            # Never a silent fresh start over a state that the failed loads partly overwrote.
+            raise CheckpointError(
+                f"restore: none of the {len(skipped)} checkpoint(s) in {self.root} could be loaded (newest first):\n"
+                + "\n".join(skipped)
+                + "\nThe state may hold part of what was read. Find the cause (`trainguard verify <step dir>`), or "
+                "move the checkpoints away to start fresh"
+            )
+        self.events.emit("fresh_start", skipped=0)
         return None
 
     def latest_step(self) -> int | None:
@@ -323,3 +368,28 @@ class CheckpointManager:
     def _require_open(self) -> None:
         if not self._opened:
             raise CheckpointError("CheckpointManager is not open: use `with CheckpointManager(...) as mgr:` or call open()")
+
+
+def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
+    (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
+    before a byte is written. nan and ±inf are kept (``KeepBest`` ranks them last)."""
+    out: dict[str, float] = {}
+    for k, v in (metrics or {}).items():
+        if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+            v = v.item()
+        if type(k) is not str or type(v) not in (int, float, bool):
+            raise UnsupportedValueError(
+                f"metrics[{k!r}] = {v!r} ({type(v).__name__}): metrics map str names to numbers "
+                "(a one-element tensor is converted with .item())"
+            )
+        out[k] = v
+    return out
+
+
+def _entries(path: str, state: Mapping[str, Any]) -> set[str]:
+    """The entries of ``state`` that a failed load of ``path`` may have written into."""
+    try:
+        return {k for k in read_manifest(*for_path(path)).objects if k in state}
+    except CheckpointError:
+        return set()  # no manifest could be read: nothing was read into the state

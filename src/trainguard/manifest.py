@@ -154,7 +154,7 @@ class Manifest:
                 "torch": self.torch_version,
                 "checksum": "xxh3_64",
                 "block_size": self.block_size,
-                "metadata": self.metadata,
+                "metadata": _encode_metadata(self.metadata),
                 "files": self.files,
                 **extra,
                 "objects": self.objects,
@@ -233,7 +233,7 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if not DATA_RE.match(name):
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
-    from .flatten import single_tensor
+    from .flatten import decode_json, single_tensor
     from .index import check_regular_files, parse_indexes  # format 2; index.py imports this module
 
     indexes = parse_indexes(raw, version, where)
@@ -253,6 +253,7 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     metadata = raw.get("metadata", {})
     if type(metadata) is not dict:
         raise CorruptCheckpointError(f"{where}: metadata is not an object", file=where)
+    metadata = decode_json(metadata, f"{where}: metadata")
     return Manifest(
         step=step,
         world_size=world,
@@ -392,3 +393,9 @@ def _check_skeleton(skel: Any, tensors: dict[str, TensorEntry], where: str) -> N
             raise CorruptCheckpointError(f"{where}: references tensor {p[:80]!r} that the manifest does not describe")
 
     unflatten(skel, known, where=where)
+
+
+def _encode_metadata(metadata: dict[str, Any]) -> Any:
+    from .flatten import encode_json
+
+    return encode_json(metadata)

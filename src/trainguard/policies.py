@@ -76,16 +76,26 @@ class EverySeconds(SavePolicy):
             raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be > 0")
         self.seconds = float(seconds)
         self._last: float | None = None
+        self._decided: int | None = None
 
     def on_step(self, step: int, now: float) -> None:
         if self._last is None:
             self._last = now
 
     def should_save(self, step: int, now: float) -> bool:
-        return self._last is not None and now - self._last >= self.seconds
+        """Saying yes restarts the clock at once: an async save's ``on_saved`` comes a save
+        later, and every step until then must not be a save too. Asked twice for one step,
+        the same answer."""
+        if step == self._decided:
+            return True
+        if self._last is None or now - self._last < self.seconds:
+            return False
+        self._decided, self._last = step, now
+        return True
 
     def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        self._last = None  # restart the clock at the next step
+        if step != self._decided:
+            self._last = None  # a save the policy did not ask for (forced): the clock restarts at the next step
 
     def __repr__(self) -> str:
         return f"EverySeconds({self.seconds:g})"

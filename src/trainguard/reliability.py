@@ -67,11 +67,11 @@ def job_mtbf(*, nodes: int, node_failures_per_day: float | None = None, node_mtb
         raise ValueError(f"nodes={nodes!r}: the node count must be a positive integer")
     if node_mtbf_s is None:
         assert node_failures_per_day is not None
-        if not node_failures_per_day > 0:
-            raise ValueError(f"node_failures_per_day={node_failures_per_day!r} must be > 0")
+        if not 0 < node_failures_per_day < math.inf:
+            raise ValueError(f"node_failures_per_day={node_failures_per_day!r} must be a finite number > 0")
         node_mtbf_s = DAY / node_failures_per_day
-    if not node_mtbf_s > 0:
-        raise ValueError(f"node_mtbf_s={node_mtbf_s!r} must be > 0")
+    if not 0 < node_mtbf_s < math.inf:
+        raise ValueError(f"node_mtbf_s={node_mtbf_s!r} must be a finite number > 0")
     return float(node_mtbf_s) / nodes
 
 
@@ -257,8 +257,13 @@ def make_plan(
 
     Called by ``trainguard plan`` and by users who pass ``plan=`` to :func:`trainguard.doctor`.
     """
-    if stall_s < 0 or restart_s < 0:
-        raise ValueError("the save stall and the restart time must be >= 0")
+    if not 0 < stall_s < math.inf:
+        raise ValueError(
+            f"stall_s={stall_s!r}: the time a save blocks training must be a finite number > 0 "
+            "(with no cost, the optimum is to save continuously: no interval to plan)"
+        )
+    if not 0 <= restart_s < math.inf:
+        raise ValueError(f"restart_s={restart_s!r}: the restart time must be a finite number >= 0")
     if step_time_s is not None and not step_time_s > 0:
         raise ValueError(f"step_time_s={step_time_s!r} must be > 0")
     m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)

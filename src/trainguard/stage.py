@@ -174,6 +174,13 @@ def default_pool(max_bytes: int | None = None) -> StagingPool:
     return pool
 
 
+def trim_idle_pools() -> None:
+    """Free the arenas of every process-wide pool no save holds (``async_save.release_staging``)."""
+    for pool in list(_DEFAULT.values()):
+        if not pool.in_use:
+            pool.trim()
+
+
 Batch = list[tuple[int, int, torch.Tensor]]  # (index of the chunk, byte offset in it, host bytes)
 
 

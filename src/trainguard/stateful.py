@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .errors import CorruptCheckpointError
+
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
 
 
@@ -75,12 +77,16 @@ class RNGState:
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        random.setstate(_as_python_rng(state_dict["python"]))
-        n = state_dict["numpy"]
-        np.random.set_state(
-            (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-        )
-        torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
+        try:
+            random.setstate(_as_python_rng(state_dict["python"]))
+            n = state_dict["numpy"]
+            np.random.set_state(
+                (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+            )
+            torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
+            # Saved by RNGState itself: a state that does not parse is a damaged checkpoint.
+            raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             count = torch.cuda.device_count()

@@ -102,7 +102,7 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
-        click.echo(json.dumps(p.to_dict()))
+        click.echo(json.dumps(p.to_dict(), allow_nan=False))
         return
     _print_plan(p, plot)
 

@@ -250,7 +250,10 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if str(args.nproc_per_node).lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
+        parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker per node (or auto, cpu, gpu)")
     prepare(args)
     events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
     install_agent_hooks(events, args.stop_timeout)

@@ -10,6 +10,7 @@ import stat
 import threading
 
 from ..errors import DiskFullError
+from ..layout import MANIFEST
 from . import _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
@@ -132,14 +133,21 @@ class _LocalWriter:
             raise _disk_error(e, self.path, 0) from e
         finally:
             self._close_direct()
-            os.close(self.fd)
+            self._close()
 
     def abort(self) -> None:
         self._close_direct()
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        self._close()
+
+    def _close(self) -> None:
+        """Close once: ``io.write_batches`` calls ``abort`` after a ``finish`` that failed (its fsync),
+        and a number closed twice may by then belong to a file another thread opened."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _disk_error(e: OSError, path: str, needed: int) -> OSError:
@@ -371,6 +379,14 @@ class LocalStorage:
         self.fsync_dir(os.path.dirname(dst))
 
     def remove_tree(self, path: str) -> None:
+        """Delete a checkpoint directory, its manifest first (made durable): a delete cut short
+        leaves a directory without a manifest, which ``commit.clean_debris`` removes, never a
+        manifest whose data is gone."""
+        try:
+            os.unlink(os.path.join(path, MANIFEST))
+            self.fsync_dir(path)
+        except OSError:
+            pass
         shutil.rmtree(path, ignore_errors=True)
 
     def open_write(self, path: str, *, direct: bool = False) -> _LocalWriter:
