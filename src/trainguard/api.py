@@ -10,6 +10,7 @@ phases are::
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 import traceback
@@ -386,5 +387,10 @@ def _commit(storage: Storage, parent: str, name: str, work: str, manifest: Manif
         storage.rename_dir(work, final)
         storage.remove_tree(old)
     else:
-        storage.rename_dir(work, final)
+        try:
+            storage.rename_dir(work, final)
+        except OSError as e:  # lost a race: another save of this step renamed its directory first
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise StepExistsError(f"{final} was committed by someone else during this save") from e
     fault("after_rename", 0)
