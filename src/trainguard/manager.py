@@ -342,7 +342,7 @@ class CheckpointManager:
                 raise CheckpointError(
                     f"restore: entries {sorted(touched - set(m.objects))} were partly read from a newer checkpoint "
                     f"that is not usable, and the checkpoint of step {step} does not hold them; they hold no "
-                    "consistent state. Rebuild them, or load with strict=True"
+                    "consistent state. Restore a state without them, then add them fresh"
                 )
             self.last_saved_step = step
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
