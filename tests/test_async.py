@@ -289,7 +289,8 @@ def test_pool_reused_over_50_saves_without_rss_growth(tmp_path):
                 allocations, capacity, rss5 = pool.allocations, pool.capacity, proc.memory_info().rss
         mgr.wait()
         rss50 = proc.memory_info().rss
-    assert pool.capacity == capacity and pool.allocations == allocations  # no arena growth
+        assert pool.capacity == capacity and pool.allocations == allocations  # no arena growth
+    assert pool.capacity == 0  # close() freed the staging memory
     assert rss50 - rss5 < 64 << 20, f"RSS grew by {(rss50 - rss5) >> 20} MiB over 45 saves"
     assert mgr.latest_step() == 50
 

@@ -310,15 +310,23 @@ def _finish_previous() -> None:
         raise CheckpointError(f"the previous async save (step {h.step}) failed: {err}") from err
 
 
-def release_staging() -> None:
-    """Free the staging memory of this process once no save is in flight
-    (``CheckpointManager.close``, after its last save); the next async save allocates again."""
-    global _INFLIGHT
+# Open async CheckpointManagers of this process: the last one to close frees the staging memory.
+_USERS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def use_staging(owner: Any) -> None:
+    """``CheckpointManager.open`` of an async manager: it will use the process's staging pools."""
+    _USERS.add(owner)
+
+
+def release_staging(owner: Any) -> None:
+    """``CheckpointManager.close``, after its last save: when no other async manager is open and
+    no save is in flight, free the staging memory (the next async save allocates it again)."""
+    _USERS.discard(owner)
     with _LOCK:
-        if _INFLIGHT is not None and not _INFLIGHT.handle.done():
-            return
-        _INFLIGHT = None
-    trim_idle_pools()
+        busy = _INFLIGHT is not None and not _INFLIGHT.handle.done()
+    if not busy and not _USERS:
+        trim_idle_pools()
 
 
 def _drain_at_exit() -> None:

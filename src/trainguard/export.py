@@ -61,6 +61,8 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
+    if os.path.isdir(out):
+        raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if out.endswith(".safetensors"):
         from safetensors.torch import save_file
 

@@ -230,7 +230,9 @@ def _load(
                     f"entry {key!r}: the state is a read-only {type(state).__name__}, and this entry is replaced "
                     "on load (a JSON value, or a tensor whose shape or dtype changed); pass a dict"
                 )
-        except CheckpointError:
+        except CheckpointError as e:  # from the object's own load_state_dict (a sampler's check): say which entry
+            if e.args and isinstance(e.args[0], str) and not e.args[0].startswith("entry "):
+                e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
             raise
         except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(

@@ -19,15 +19,16 @@ from typing import Any
 
 from . import layout
 from .api import load, start_save
-from .async_save import release_staging
+from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps, read_manifest
 from .dist import DistContext
+from .elastic import watchdog
 from .elastic.watchdog import heartbeat
-from .errors import CheckpointError, UnsupportedValueError, is_data_error
+from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .faults import fault
 from .handle import SaveHandle
-from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
+from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
 from .storage import for_path
 from .tiers import RamTier, location
 
@@ -62,8 +63,8 @@ class CheckpointManager:
     ) -> None:
         if stage_in_background and not async_save:
             raise ValueError("stage_in_background=True needs async_save=True")
-        if max_staging_bytes is not None and max_staging_bytes <= 0:
-            raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a positive number of bytes, or None for no cap")
+        if max_staging_bytes is not None and max_staging_bytes < 0:
+            raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
         if save is not None and not isinstance(save, SavePolicy):
@@ -130,6 +131,8 @@ class CheckpointManager:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._opened = True
+        if self.async_save:
+            use_staging(self)
         self.events.emit("manager_open", world_size=self.ctx.world_size, async_save=self.async_save)
         return self
 
@@ -151,13 +154,14 @@ class CheckpointManager:
         or a preemption signal."""
         if not self._opened:
             return
+        watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
         try:
             self.wait()
-            if self.async_save:
-                release_staging()
             if self.ram:
                 self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set()))
         finally:
+            if self.async_save:
+                release_staging(self)  # after a failed last save too: its pool was released
             for sig, h in self._old_handlers.items():
                 signal.signal(sig, h)
             self._old_handlers.clear()
@@ -194,14 +198,15 @@ class CheckpointManager:
             self.should_stop = True
         if not want:
             return None
-        return self._save_now(step, state, metrics)
+        with watchdog.paused():  # a save (a first one of a large state) may outlast the hang timeout
+            return self._save_now(step, state, metrics)
 
     def _needs_agreement(self) -> bool:
         return not isinstance(self.save_policy, EveryNSteps)
 
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
         t0 = time.monotonic()
-        values = _metric_values(metrics)
+        values = metric_values(metrics)
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall
         except CheckpointError as e:
@@ -325,7 +330,7 @@ class CheckpointManager:
             candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
         candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
         skipped: list[str] = []
-        touched: set[str] = set()  # entries a skipped checkpoint may have written into
+        touched: dict[str, list[int]] = {}  # tensors a skipped checkpoint may have written into, their shapes
         for step, path, tier in candidates:
             try:
                 m = load(path, state, strict=strict, timeout=self.timeout)
@@ -336,13 +341,14 @@ class CheckpointManager:
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
                 skipped.append(f"step {step} ({path}): {str(e)[:500]}")
-                touched |= _entries(path, state)
+                touched.update(_tensors(path, state))
                 continue
-            if touched - set(m.objects):
+            left = sorted(p for p, shape in touched.items() if p not in m.tensors or m.tensors[p].shape != shape)
+            if left:  # strict=False: the older checkpoint does not overwrite them
                 raise CheckpointError(
-                    f"restore: entries {sorted(touched - set(m.objects))} were partly read from a newer checkpoint "
-                    f"that is not usable, and the checkpoint of step {step} does not hold them; they hold no "
-                    "consistent state. Restore a state without them, then add them fresh"
+                    f"restore: tensors {left[:20]} were partly read from a newer checkpoint that is not usable, and "
+                    f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
+                    "state. Restore a state without them, then add them fresh"
                 )
             self.last_saved_step = step
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
@@ -370,26 +376,11 @@ class CheckpointManager:
             raise CheckpointError("CheckpointManager is not open: use `with CheckpointManager(...) as mgr:` or call open()")
 
 
-def _metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
-    (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
-    before a byte is written. nan and ±inf are kept (``KeepBest`` ranks them last)."""
-    out: dict[str, float] = {}
-    for k, v in (metrics or {}).items():
-        if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
-            v = v.item()
-        if type(k) is not str or type(v) not in (int, float, bool):
-            raise UnsupportedValueError(
-                f"metrics[{k!r}] = {v!r} ({type(v).__name__}): metrics map str names to numbers "
-                "(a one-element tensor is converted with .item())"
-            )
-        out[k] = v
-    return out
-
-
-def _entries(path: str, state: Mapping[str, Any]) -> set[str]:
-    """The entries of ``state`` that a failed load of ``path`` may have written into."""
+def _tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
+    have written into: bytes are read in place, before the load can fail on a checksum."""
     try:
-        return {k for k in read_manifest(*for_path(path)).objects if k in state}
+        m = read_manifest(*for_path(path))
     except CheckpointError:
-        return set()  # no manifest could be read: nothing was read into the state
+        return {}  # no manifest could be read: nothing was read into the state
+    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UnsupportedValueError
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class EverySeconds(SavePolicy):
             raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be > 0")
         self.seconds = float(seconds)
         self._last: float | None = None
-        self._decided: int | None = None
+        self._decided: list[int] = []  # steps it said yes to whose on_saved has not come yet
 
     def on_step(self, step: int, now: float) -> None:
         if self._last is None:
@@ -86,15 +89,18 @@ class EverySeconds(SavePolicy):
         """Saying yes restarts the clock at once: an async save's ``on_saved`` comes a save
         later, and every step until then must not be a save too. Asked twice for one step,
         the same answer."""
-        if step == self._decided:
+        if step in self._decided:
             return True
         if self._last is None or now - self._last < self.seconds:
             return False
-        self._decided, self._last = step, now
+        self._decided = [*self._decided[-7:], step]
+        self._last = now
         return True
 
     def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        if step != self._decided:
+        if step in self._decided:
+            self._decided.remove(step)
+        else:
             self._last = None  # a save the policy did not ask for (forced): the clock restarts at the next step
 
     def __repr__(self) -> str:
@@ -197,3 +203,22 @@ class KeepUnion(RetentionPolicy):
 
     def __repr__(self) -> str:
         return " | ".join(repr(p) for p in self.policies)
+
+
+def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
+    (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
+    before a byte is written. nan and ±inf are kept (``KeepBest`` ranks them last)."""
+    out: dict[str, float] = {}
+    for k, v in (metrics or {}).items():
+        n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # a tensor, a numpy array or scalar
+        if hasattr(v, "item") and n == 1:
+            v = v.item()
+        if type(k) is not str or type(v) not in (int, float, bool):
+            raise UnsupportedValueError(
+                f"metrics[{k!r}] = {v!r} ({type(v).__name__}): metrics map str names to numbers "
+                "(a one-element tensor is converted with .item())"
+            )
+        out[k] = v
+    return out
+

@@ -63,6 +63,8 @@ def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: floa
                          gpus_per_node=gpus_per_node, intervals=intervals)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    except OverflowError:
+        raise click.UsageError("the inputs are out of range (a rate or duration too large to compute with)") from None
 
 
 def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
@@ -102,7 +104,10 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
         except ImportError:
             raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
-        click.echo(json.dumps(p.to_dict(), allow_nan=False))
+        try:
+            click.echo(json.dumps(p.to_dict(), allow_nan=False))
+        except ValueError:
+            raise click.UsageError("the inputs are out of range: the plan's figures overflow") from None
         return
     _print_plan(p, plot)
 

@@ -26,12 +26,14 @@ while the main thread is blocked in a collective.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 
 from ..events import EVENTS_FILE, EventLog, read_events
 from .faults import Fault, faults_from_env, maybe_fire, run_dir
@@ -64,6 +66,7 @@ class Watchdog:
         self.events = events or EventLog(None)
         self.dump_dir = dump_dir
         self._last: float | None = None
+        self._paused = False
         self._step: int | None = None
         self._gaps: deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
@@ -78,9 +81,18 @@ class Watchdog:
 
     def beat(self, step: int | None = None) -> None:
         now = time.monotonic()
-        if self._last is not None:
+        if self._last is not None and not self._paused:
             self._gaps.append(now - self._last)
-        self._last, self._step = now, step
+        self._last, self._step, self._paused = now, step, False
+
+    def pause(self) -> None:
+        """Stop timing (a save in progress, training over) until :meth:`resume` or the next beat."""
+        self._paused = True
+
+    def resume(self) -> None:
+        """Time again from now; the paused time is no gap between steps."""
+        if self._paused:
+            self._last, self._paused = time.monotonic(), False
 
     def current_timeout(self) -> float:
         if self.timeout is not None:
@@ -95,7 +107,7 @@ class Watchdog:
                 print(f"trainguard: agent (pid {self.parent_pid}) is gone; this worker exits", file=sys.stderr)
                 os._exit(ORPHAN_EXIT)
             last = self._last
-            if last is not None and time.monotonic() - last > self.current_timeout():
+            if last is not None and not self._paused and time.monotonic() - last > self.current_timeout():
                 self._on_hang(time.monotonic() - last)
 
     def _on_hang(self, idle: float) -> None:
@@ -182,3 +194,25 @@ def heartbeat(step: int) -> None:
             if _HEART is None:
                 _HEART = _Heart()
     _HEART.beat(step)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No hang is declared inside (``CheckpointManager`` wraps each save in it: a first save of a
+    large state may outlast the timeout); timing restarts at its end."""
+    wd = _HEART.watchdog if _HEART is not None else None
+    if wd is None:
+        yield
+        return
+    wd.pause()
+    try:
+        yield
+    finally:
+        wd.resume()
+
+
+def suspend() -> None:
+    """No hang is declared until the next heartbeat (``CheckpointManager.close``: training is
+    over, and evaluation or an upload may follow for longer than the timeout)."""
+    if _HEART is not None and _HEART.watchdog is not None:
+        _HEART.watchdog.pause()
