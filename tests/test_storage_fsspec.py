@@ -54,6 +54,22 @@ def test_parts_from_threads_out_of_order_with_holes():
         r.readinto(memoryview(bytearray(100)), size - 50)
 
 
+def test_holes_are_zeros_also_in_a_reused_part_buffer():
+    storage, root = FsspecStorage.from_url(_url())
+    storage.part_size = P
+    path = storage.join(root, "f.bin")
+    w = storage.open_write(path)
+    w.pwrite(memoryview(b"\xab" * P), 0)  # part 0 complete: uploaded, its buffer recycled
+    for f in w._futures:
+        f.result()
+    w.pwrite(memoryview(b"\x01" * 100), P + 4096)  # part 1 in the reused buffer: [P, P+4096) a hole
+    w.finish(P + 4096 + 100)
+    out = bytearray(4096 + 100)
+    storage.open_read(path).readinto(memoryview(out), P)
+    assert bytes(out) == bytes(4096) + b"\x01" * 100  # before: the hole held part 0's bytes
+    storage.remove_tree(root)
+
+
 def test_aborted_write_leaves_nothing():
     storage, root = FsspecStorage.from_url(_url())
     path = storage.join(root, "g.bin")

@@ -109,3 +109,56 @@ def test_two_ranks_async_save_through_the_ram_tier(tmp_path):
     assert all(r.value["restored"] == 2 and r.value["ok"] for r in res)
     assert _steps(root) == [1, 2]  # both copied to disk, manifest last
     assert not os.path.exists(ram_dir(root, base))  # clean close on every rank
+
+
+def test_async_save_reaches_disk_without_waiting_for_the_next_save(tmp_path):
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, async_save=True,
+                              handle_signals=False) as mgr:
+        mgr.save(1, {"model": _model(1.0)}).result(timeout=60)
+        mgr.ram.wait()  # the copy the commit started (before: none until the next save call)
+        assert _steps(root) == [1]
+
+
+def test_ram_copy_of_a_deleted_run_directory_is_not_restored(tmp_path):
+    import shutil
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    try:
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
+            mgr.save(5, {"model": _model(5.0)})
+            raise KeyboardInterrupt  # the job dies: its RAM copy is kept for the restart
+    except KeyboardInterrupt:
+        pass
+    assert _steps(ram_dir(root, base)) == [5]
+    shutil.rmtree(root)  # the user starts over
+    m = _model(0.0)
+    with tg.CheckpointManager(root, ram_tier=base, handle_signals=False) as mgr:
+        assert mgr.restore({"model": m}) is None  # before: 5, from the RAM copy of the deleted run
+        assert _steps(ram_dir(root, base)) == []
+    assert torch.all(m.weight == 0) and _steps(root) == []
+
+
+def test_ram_tier_short_of_room_drops_the_copy_already_on_disk_before_the_next_save(tmp_path, monkeypatch):
+    import shutil
+
+    from trainguard import streams, tiers
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    seen: list[list[int]] = []  # committed RAM steps when each save starts writing its data
+    monkeypatch.setattr(streams, "fault", lambda point, rank: seen.append(_steps(ram_dir(root, base)))
+                        if point == "write_begin" else None)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
+        mgr.save(1, {"model": _model(1.0)})
+        mgr.save(2, {"model": _model(2.0)})
+        assert seen == [[], [1]]  # room enough: the RAM copy of step 1 stays while step 2 is written
+        free = shutil.disk_usage(base)
+        monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: free._replace(free=4096))
+        mgr.save(3, {"model": _model(3.0)})
+        assert seen[-1] == []  # step 2 was on disk already: dropped from RAM first
+        assert _steps(ram_dir(root, base)) == [3]
+        mgr.ram.wait()
+        assert _steps(root)[-1] == 3

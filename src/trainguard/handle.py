@@ -8,9 +8,13 @@ exactly once each at most; the optimizer pre-step hook adds to ``hook_wait_s``.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("trainguard")
 
 
 class SaveHandle:
@@ -35,6 +39,9 @@ class SaveHandle:
         self._thread: threading.Thread | None = None
         self.observed = False  # result() was called: its error (if any) has been seen
         self.owned = False  # a CheckpointManager collects it (its error is the manager's to report)
+        # Called with the manifest by the save thread once committed, before done() turns true
+        # (the manager starts the RAM tier's copy to disk at once, not at the next save).
+        self.on_commit: Callable[[Any], None] | None = None
         self.stall_s = 0.0
         self.call_s = 0.0
         self.hook_wait_s = 0.0
@@ -110,6 +117,12 @@ class SaveHandle:
         self._result = value
         self.finished_at = time.monotonic()
         self._staged.set()
+        cb = self.on_commit
+        if cb is not None:
+            try:
+                cb(value)
+            except Exception as e:  # the checkpoint is committed; the callback's failure is its own
+                log.warning("trainguard: after the commit of step %s: %s", self.step, e)
         self._done.set()
 
     def set_error(self, error: BaseException) -> None:

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import mmap
 import os
+import shutil
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ from .storage import LocalStorage, Storage
 log = logging.getLogger("trainguard")
 
 DEFAULT_BASE = "/dev/shm"
+RUN_ID = ".trainguard-run-id"  # in the durable root and in its RAM tier: which run they belong to
 PIECE = 64 << 20
 
 
@@ -70,6 +72,7 @@ class RamTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.persisted: int | None = None
+        self._committed: int | None = None  # the step committed() last started to persist
 
     # --------------------------------------------------------------- lifecycle
     def open(self) -> None:
@@ -84,6 +87,39 @@ class RamTier:
         if self.ctx.rank == 0:
             os.makedirs(self.dir, exist_ok=True)
             clean_debris(self.storage, self.dir)
+            self._check_run()
+
+    def _check_run(self) -> None:
+        """Rank 0, at open: the RAM tier belongs to this run directory, not to one deleted since
+        (a user who removed the run to start over must not get its old RAM copy back). Both
+        hold the same random id: the durable root's ``RUN_ID`` file, written at the first open."""
+        d, marker = self.durable, self.durable.join(self.durable_root, RUN_ID)
+        if d.exists(marker):
+            rid = d.read_bytes(marker, 64).decode(errors="replace")
+        else:
+            rid = uuid.uuid4().hex
+            d.write_atomic(marker, rid.encode())
+        own = os.path.join(self.dir, RUN_ID)
+        mine = open(own).read() if os.path.exists(own) else None
+        if mine is not None and mine != rid:
+            stale = [s.name for s in list_steps(self.storage, self.dir)]
+            if stale:
+                log.warning("trainguard: the RAM tier %s held %s of a run directory since deleted: discarded", self.dir, stale)
+                self.events.emit("ram_discard", steps=stale)
+            for s in list_steps(self.storage, self.dir):
+                self.storage.remove_tree(s.path)
+        if mine != rid:
+            self.storage.write_atomic(own, rid.encode())
+
+    def make_room(self) -> None:
+        """Rank 0, before a save into RAM: a RAM tier too small for two checkpoints drops the
+        copies already on disk first (else every later save fails for want of room)."""
+        done = [s for s in list_steps(self.storage, self.dir) if s.step == self.persisted]
+        need = sum(_tree_bytes(s.path) for s in list_steps(self.storage, self.dir))
+        if done and shutil.disk_usage(self.dir).free < need * 1.05 + (16 << 20):
+            for s in done:
+                self.storage.remove_tree(s.path)
+            self.events.emit("ram_make_room", removed=[s.name for s in done])
 
     def close(self, *, clean: bool) -> None:
         """Rank 0: wait for the persist in flight (raise its error); with ``clean`` (the job
@@ -107,13 +143,17 @@ class RamTier:
         (one in flight; the wait counts as stall)."""
         if self.ctx.rank == 0:
             self.wait()
+            self.make_room()
         return self.storage, os.path.join(self.dir, layout.step_dir(step))
 
     def committed(self, step: int, on_durable: Callable[[int], None]) -> None:
         """Rank 0, after ``step`` committed in RAM: drop older RAM copies, then copy ``step`` to
-        the durable tier in the background and call ``on_durable(step)`` (retention) after."""
-        if self.ctx.rank != 0:
+        the durable tier in the background and call ``on_durable(step)`` (retention) after.
+        An async save calls it from its thread at the commit and the manager again when it
+        collects the save: the second call does nothing."""
+        if self.ctx.rank != 0 or self._committed == step:
             return
+        self._committed = step
         for s in list_steps(self.storage, self.dir):
             if s.step != step:
                 self.storage.remove_tree(s.path)
@@ -185,6 +225,10 @@ class RamTier:
         """Rank 0, after a restore from the RAM tier: make sure that step reaches the durable tier."""
         if self.ctx.rank == 0 and tier == "ram":
             self._start(step, on_durable)
+
+
+def _tree_bytes(path: str) -> int:
+    return sum(e.stat().st_blocks * 512 for e in os.scandir(path) if e.is_file())
 
 
 def _copy(src: str, d: Storage, dst: str, size: int) -> None:

@@ -22,6 +22,7 @@ fsspec's own (``FSSPEC_S3_ENDPOINT_URL``, ``fsspec.config.conf``). See docs/stor
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -172,7 +173,12 @@ class _PartWriter:
         with self._lock:
             buf = self._bufs.get(k)
             if buf is None:
-                buf = self._bufs[k] = self._free.pop() if self._free else bytearray(self.P)
+                if self._free:  # a reused part buffer: zeroed, so that holes between chunks are zeros
+                    buf = self._free.pop()
+                    ctypes.memset((ctypes.c_char * len(buf)).from_buffer(buf), 0, len(buf))
+                else:
+                    buf = bytearray(self.P)
+                self._bufs[k] = buf
                 self._filled[k] = 0
             return buf
 
