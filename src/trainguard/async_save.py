@@ -340,8 +340,7 @@ def _drain_at_exit() -> None:
     log.warning("trainguard: the interpreter is exiting; waiting for the async save of step %s to finish", h.step)
     h.join()
     err = h.exception()
-    if err is not None and not h.observed:
-        log.error("trainguard: the async save of step %s failed: %s", h.step, err)
+    if err is not None and not h.observed:  # printed: logging may be torn down by now
         print(f"trainguard: the async save of step {h.step} failed: {err}", file=sys.stderr)
 
 
