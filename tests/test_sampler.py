@@ -16,13 +16,17 @@ from trainguard.sampler import ResumableIterable, ResumableSampler
 DOC = Path(__file__).resolve().parents[1] / "docs" / "data.md"
 
 
-def _consume(state: dict | None, world: int, steps: int, batch: int, n: int, epochs: int) -> tuple[list[int], dict]:
-    """Run `steps` lockstep steps of `world` ranks from `state`; return indices consumed and the new state."""
+def _consume(
+    state: dict | None, world: int, steps: int, batch: int, n: int, epochs: int
+) -> tuple[list[int], dict, list[int]]:
+    """Run `steps` lockstep steps of `world` ranks from `state`; return indices consumed, the new
+    state and the tail padding among them (expected: the epoch's first samples, wrapped)."""
     samplers = [ResumableSampler(n, seed=7, rank=r, world_size=world) for r in range(world)]
     if state is not None:
         for s in samplers:
             s.load_state_dict(state)
     seen: list[int] = []
+    padding: list[int] = []
     for _ in range(steps):
         if samplers[0].epoch >= epochs:
             break
@@ -31,21 +35,28 @@ def _consume(state: dict | None, world: int, steps: int, batch: int, n: int, epo
                 s.next_epoch()
             continue
         its = [list(s)[:batch] for s in samplers]
+        assert len({len(got) for got in its}) == 1  # lockstep: the same batch size on every rank
+        left = n - samplers[0].position
+        if len(its[0]) * world > left:  # this step ends the epoch and holds the padding
+            padding += [samplers[0].order()[i % n] for i in range(len(its[0]) * world - left)]
         for s, got in zip(samplers, its):
             seen += got
             s.advance(len(got))
-    return seen, samplers[0].state_dict()
+    return seen, samplers[0].state_dict(), padding
 
 
 def test_world_size_changes_cover_every_sample_once_per_epoch():
     n, epochs = 120, 2
-    seen, state = [], None
+    seen, pads, state = [], [], None
     # 2 ranks, then 1, then 3, then 2 again until done: the global position carries over.
     for world, steps in ((2, 5), (1, 7), (3, 9), (2, 1000)):
-        got, state = _consume(state, world, steps, batch=4, n=n, epochs=epochs)
+        got, state, padding = _consume(state, world, steps, batch=4, n=n, epochs=epochs)
         seen += got
+        pads += padding
     assert state["epoch"] == epochs
-    assert Counter(seen) == Counter({i: epochs for i in range(n)})
+    # Once each, plus the padding of epoch 0's tail at W=3 (4 left: 2 per rank, 2 wrapped).
+    assert len(pads) == 2
+    assert Counter(seen) == Counter({i: epochs for i in range(n)}) + Counter(pads)
 
 
 def test_order_depends_on_seed_and_epoch_and_load_restores_position():
@@ -62,8 +73,9 @@ def test_order_depends_on_seed_and_epoch_and_load_restores_position():
 
 
 def test_uneven_tail_and_drop_last():
+    # Equal counts for lockstep ranks: rank 1's tail wraps around to the epoch's first sample.
     s0, s1 = (ResumableSampler(7, shuffle=False, rank=r, world_size=2) for r in (0, 1))
-    assert list(s0) == [0, 2, 4, 6] and list(s1) == [1, 3, 5] and len(s0) == 4
+    assert list(s0) == [0, 2, 4, 6] and list(s1) == [1, 3, 5, 0] and len(s0) == len(s1) == 4
     d0, d1 = (ResumableSampler(7, shuffle=False, drop_last=True, rank=r, world_size=2) for r in (0, 1))
     assert list(d0) == [0, 2, 4] and list(d1) == [1, 3, 5]
 

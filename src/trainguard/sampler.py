@@ -6,7 +6,8 @@ samples of this epoch all ranks together have consumed. Rank ``r`` of ``W`` read
 order from the position with stride ``W`` (``order[pos + r], order[pos + r + W], ...``), so
 ``W`` ranks that each consumed ``k`` samples consumed exactly ``order[pos : pos + k * W]``.
 After a restart at another world size every rank continues from the same global position, and
-over a run every sample of each epoch is consumed exactly once.
+over a run every sample of each epoch is consumed at least once (exactly once but for the
+tail padding below), in the order an uninterrupted run would have had.
 
 Who calls what, on every rank and in this order::
 
@@ -23,8 +24,15 @@ Who calls what, on every rank and in this order::
 
 DataLoader workers and prefetching do not matter: the sampler yields indices in the main
 process and the position moves only in :meth:`advance`, i.e. when training consumed data.
-The tail of an epoch that does not divide by ``W`` gives the first ranks one sample more
-(exact coverage); pass ``drop_last=True`` for equal counts (the tail is then skipped).
+Every rank yields the same number of samples from a position, so every rank runs the same
+number of steps per epoch (DDP's collectives pair up; unequal counts would leave a rank waiting
+in an all-reduce its peers never join). When the ``R = num_samples - position`` remaining
+samples do not divide by ``W``, the epoch is padded like torch's ``DistributedSampler``: the
+global order is extended past its end by wrapping around to the epoch's beginning
+(``order[0], order[1], ...``), so each rank gets ``ceil(R / W)`` samples and up to ``W - 1``
+samples of the epoch are seen twice. The position counts *real* samples only (``advance`` caps
+it at ``num_samples``), so a resume at any world size stays exact. ``drop_last=True`` instead
+gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 """
 
 from __future__ import annotations
@@ -52,6 +60,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     ``data``: a sized dataset or the number of samples. ``rank``/``world_size`` default to
     torch.distributed's (read at each ``__iter__``, so a restart at another size just works).
+
+    From global position ``p`` with ``R = num_samples - p`` samples left, each rank yields
+    ``ceil(R / W)`` samples (``R // W`` with ``drop_last=True``): the same count on every rank,
+    so lockstep data parallelism runs the same number of steps everywhere. Without
+    ``drop_last`` an uneven tail is padded by wrapping around to the start of the epoch's order
+    (as ``DistributedSampler`` does); :meth:`advance` counts only the ``R`` real samples.
     """
 
     def __init__(
@@ -88,22 +102,32 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def _end(self, world: int) -> int:
+        """The global position at which the epoch's data ends for this world size."""
         if not self.drop_last:
             return self.num_samples
         return self.position + (self.num_samples - self.position) // world * world
 
+    def _per_rank(self, world: int) -> int:
+        """Samples every rank yields from the current position (the same on all ranks)."""
+        remaining = max(self.num_samples - self.position, 0)
+        return remaining // world if self.drop_last else -(-remaining // world)
+
     def __iter__(self) -> Iterator[int]:
         rank, world = self.rank_world
-        order = self.order()
-        return iter(order[self.position + rank : self._end(world) : world])
+        order, n = self.order(), self.num_samples
+        start, stop = self.position + rank, self.position + self._per_rank(world) * world
+        mine = order[start : min(stop, n) : world]
+        # Global indices past the end wrap to the epoch's beginning: the tail padding (< W in all).
+        first_pad = start + len(mine) * world
+        return iter(mine + [order[(g - n) % n] for g in range(first_pad, stop, world)])
 
     def __len__(self) -> int:
-        rank, world = self.rank_world
-        return len(range(self.position + rank, self._end(world), world))
+        return self._per_rank(self.rank_world[1])
 
     def advance(self, n: int) -> None:
         """Record that *this rank* consumed ``n`` more samples; every rank calls it with the same
-        ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``."""
+        ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``,
+        capped at ``num_samples``: tail padding is not counted as consumed data."""
         _, world = self.rank_world
         self.position = min(self.position + int(n) * world, self.num_samples)
 
