@@ -11,17 +11,24 @@ extended with trainguard's options, so every torchrun flag works. Before the age
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
 * stops workers on a restart with SIGTERM and SIGKILL after ``--stop-timeout`` (5 s) instead of
-  torch's fixed 30 s (a worker stuck in a collective would otherwise cost 30 s per restart);
+  torch's fixed 30 s (a worker stuck in a collective would otherwise cost 30 s per restart), and
+  lets a worker that returned from its script on that SIGTERM (a preemption save) exit at once
+  (torch keeps it waiting for SIGKILL);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
 * preformats tracebacks before torch's log formatter sees them (it imports ``torch._dynamo``,
   ~2 s, to log a worker failure) and, with ``fork``/``forkserver``, preloads ``torch._dynamo``
   so restarted workers do not import it (:func:`preload`);
-* passes ``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_WATCHDOG``, ``TRAINGUARD_HANG_TIMEOUT`` and
-  ``TRAINGUARD_FAULT`` to the workers (read by :func:`trainguard.elastic.heartbeat`);
+* passes ``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_WATCHDOG``, ``TRAINGUARD_HANG_TIMEOUT``,
+  ``TRAINGUARD_FAULT``, ``TRAINGUARD_JOB_ID`` and ``TRAINGUARD_AGENT_PID`` (its own pid, for the
+  orphan check) to the workers (read by :func:`trainguard.elastic.heartbeat`);
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to append
   ``agent_start``, ``rendezvous``, ``failure``, ``restart`` and ``agent_exit`` events to
   ``<run dir>/events.jsonl``.
+
+On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and
+raises ``SignalException``; :func:`main` logs ``agent_exit`` with the signal and returns
+128 + its number (143 for SIGTERM), without a traceback (torchrun: the traceback, exit code 1).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from .faults import EXIT_CODE as FAULT_EXIT
 from .faults import parse_fault
-from .watchdog import HANG_EXIT, ORPHAN_EXIT
+from .watchdog import AGENT_PID_ENV, HANG_EXIT, ORPHAN_EXIT
 
 DEAD_AFTER = 3.0
 FAIL_GRACE = 1.0
@@ -52,7 +59,9 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
   --rdzv-conf last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3
                                         c10d: a lost agent is noticed in seconds (46 s otherwise)
   --max-restarts 3                      torchrun: 0
-  --stop-timeout 5                      SIGKILL workers 5 s after SIGTERM on a restart (torch: 30 s)
+  --stop-timeout 5                      SIGKILL workers 5 s after SIGTERM on a restart (torch: 30 s);
+                                        a worker that returned on SIGTERM (preemption save) exits
+                                        at once (torch: waits for the SIGKILL)
   worker failure -> peers SIGKILLed    after 1 s + SIGTERM + 1 s (torch: SIGTERM, then 30 s)
   --monitor-interval 0.1                torch's default here (the agent polls its workers 10x/s)
   TRAINGUARD_DEAD_AFTER=3               workers: a peer without store heartbeat for 3 s is dead
@@ -67,6 +76,9 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
                                         gets its Python stacks dumped and is killed; the agent
                                         restarts the group
   orphan check on                       a worker whose agent died exits instead of training on
+                                        (any start method: workers check the agent's pid)
+  SIGTERM/SIGINT to the agent           workers get it too; the agent logs agent_exit and exits
+                                        128+signal (143), no traceback (torchrun: 1)
 Single node without --rdzv-endpoint: c10d on a free localhost port (as torchrun --standalone).
 For several agents use --rdzv-conf is_host=false with a store that outlives them.
 """
@@ -112,6 +124,9 @@ def prepare(args: argparse.Namespace) -> None:
     os.makedirs(run_dir, exist_ok=True)
     os.environ["TRAINGUARD_RUN_DIR"] = run_dir
     os.environ.setdefault("TRAINGUARD_JOB_ID", args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4()))
+    # The orphan check of the workers' watchdog: with forkserver their parent is the forkserver,
+    # not this process, so they check this pid (watchdog.agent_alive), not their parent's.
+    os.environ[AGENT_PID_ENV] = str(os.getpid())
     if faults:
         os.environ["TRAINGUARD_FAULT"] = ";".join(f.spec() for f in faults)
     # An async save in flight when a peer dies waits this long for it; the store default (10 s)
@@ -198,6 +213,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     """Wrap torch's agent methods (in this process) to log events and bound the stop wait."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.multiprocessing.spawn import ProcessContext
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
@@ -206,6 +222,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     orig_monitor = LocalElasticAgent._monitor_workers
     orig_restart = SimpleElasticAgent._restart_workers
     orig_join = ProcessContext.join
+    orig_close = MultiprocessContext._close
 
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
@@ -236,17 +253,34 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         # waits for a dead peer held the restart for seconds: wait FAIL_GRACE, SIGTERM, FAIL_GRACE.
         return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
 
+    def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
+        # A worker whose function returned waits for this event before its process ends; torch
+        # sets it only when all workers are done, never on close. A worker that answered the
+        # agent's SIGTERM with a save and a clean return (handle_signals=True) then waited for
+        # SIGKILL: 30 s on SIGTERM to the agent, --stop-timeout on a membership restart.
+        finished = getattr(self, "_worker_finished_event", None)
+        if finished is not None:
+            finished.set()
+        orig_close(self, death_sig, timeout)
+
     SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]
     LocalElasticAgent._monitor_workers = _monitor  # type: ignore[method-assign]
     SimpleElasticAgent._restart_workers = _restart  # type: ignore[method-assign]
     LocalElasticAgent._stop_workers = _stop  # type: ignore[method-assign]
     ProcessContext.join = _join  # type: ignore[method-assign]
+    MultiprocessContext._close = _close  # type: ignore[method-assign]
     LocalElasticAgent._trainguard_hooked = True  # type: ignore[attr-defined]
 
 
+AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agent turns into SignalException
+
+
 def main(argv: list[str]) -> int:
-    """Run the agent for ``argv`` (torchrun flags, trainguard flags, script and its args).
-    Returns the process exit code: 0 when the job succeeded, 1 when it failed for good."""
+    """Run the agent for ``argv`` (torchrun flags, trainguard flags, script and its args); called
+    by the ``trainguard run`` command, which exits with the result: 0 when the job succeeded, 1
+    when it failed for good, 128 + the signal's number when the agent was stopped by a signal
+    (its workers were sent the same signal by torch's agent first)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
@@ -260,9 +294,23 @@ def main(argv: list[str]) -> int:
     install_log_filter()
     preload(args)
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
-                rdzv_conf=args.rdzv_conf, faults=args.fault)
+                rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
+    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
+    handlers = {s: signal.getsignal(s) for s in sigs}
     try:
         run(args)
+    except SignalException as e:
+        sig = signal.Signals(e.sigval)
+        for s in sigs:  # torch's handler raises again on a second signal: no traceback while logging
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
+            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}",
+                  file=sys.stderr)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+        return 128 + int(sig)
     except ChildFailedError as e:
         events.emit("agent_exit", ok=False, error=str(e)[-2000:])
         print(f"trainguard run: the job failed after its restarts; see {events.path}", file=sys.stderr)

@@ -3,9 +3,9 @@
 The training loop reports progress once per step: :meth:`CheckpointManager.save` calls
 :func:`heartbeat` for you, or call ``tg.elastic.heartbeat(step)`` yourself. Each call, on
 every rank, in this order: (1) rank 0 appends a ``step`` event to the run's event log (and,
-on its first call in this process, a ``first_step`` event with the steps lost since the last
-run of the job); (2) the watchdog notes the time; (3) any fault drill for this rank and step
-fires (:mod:`.faults`).
+on its first call in this process, a ``first_step`` event with the steps of this job lost
+since its last run: see :func:`_lost_steps`); (2) the watchdog notes the time; (3) any fault
+drill for this rank and step fires (:mod:`.faults`).
 
 The watchdog is a daemon thread, started by the first heartbeat when ``TRAINGUARD_WATCHDOG=1``
 (``trainguard run`` sets it). It ends the worker with exit code 75 when
@@ -17,11 +17,19 @@ The watchdog is a daemon thread, started by the first heartbeat when ``TRAINGUAR
   stderr and to ``<run dir>/hang-rank<R>-<pid>.txt``, and logs a ``hang`` event. A rank
   blocked in a collective because its peer died or hangs stops beating too, so it is covered:
   gloo has no watchdog of its own.
-* its parent (the elastic agent) died: an orphaned worker would otherwise keep training and
-  hold its peers in collectives (``orphaned`` event, exit code 76).
+* its elastic agent died: an orphaned worker would otherwise keep training and hold its peers
+  in collectives (``orphaned`` event, exit code 76). ``trainguard run`` exports the agent's pid
+  as ``TRAINGUARD_AGENT_PID``; the watchdog checks that this process still exists, is no zombie,
+  and has the start time it had when the watchdog was armed (a reused pid is not the agent; a
+  process that started after this worker is not its agent either).
+  With ``--start-method forkserver`` a worker's parent is the forkserver, which outlives the
+  agent as long as any worker does, so the parent pid alone says nothing there. Without the
+  variable (plain torchrun) the check is ``os.getppid()`` against the parent at arm time.
 
-The thread only reads a clock and ``os.getppid()``; gloo waits release the GIL, so it runs
-while the main thread is blocked in a collective.
+No hang is declared while the watchdog is paused: :func:`paused` around each save and
+:func:`suspend` from ``CheckpointManager.close`` (both called by the manager); the orphan check
+goes on. The thread only reads a clock, ``os.getppid()`` or ``/proc/<agent pid>/stat``; gloo
+waits release the GIL, so it runs while the main thread is blocked in a collective.
 """
 
 from __future__ import annotations
@@ -40,6 +48,44 @@ from .faults import Fault, faults_from_env, maybe_fire, run_dir
 
 HANG_EXIT = 75
 ORPHAN_EXIT = 76
+AGENT_PID_ENV = "TRAINGUARD_AGENT_PID"  # set by ``launcher.prepare`` for its workers
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of ``pid`` from ``/proc/<pid>/stat``;
+    None where it cannot be read (no such process, or no /proc). Called by :class:`Watchdog`."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        return fields[0].decode(), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def agent_alive(pid: int, start: int | None) -> bool:
+    """Whether process ``pid`` exists, is not a zombie, and (when ``start`` is known) still has
+    start time ``start``. Called by the watchdog thread every ``check_every`` seconds."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # a process of another user has this pid: /proc's start time tells whether it is ours
+    stat = _proc_stat(pid)
+    if stat is None:
+        return True  # no /proc (macOS): the signal check is all there is
+    state, started = stat
+    return state not in ("Z", "X", "x") and (start is None or started == start)
+
+
+def _agent_start(pid: int) -> int | None:
+    """The start time of the agent ``pid`` when the watchdog is armed (:class:`Watchdog`), None
+    without /proc. The agent predates its workers: a process that started after this one has
+    the agent's pid reused, and gets a start time no process has (reported gone at once)."""
+    agent, me = _proc_stat(pid), _proc_stat(os.getpid())
+    if agent is None:
+        return None
+    return -1 if me is not None and agent[1] > me[1] else agent[1]
 
 
 class Watchdog:
@@ -53,6 +99,7 @@ class Watchdog:
         factor: float = 10.0,
         check_every: float = 0.2,
         parent_pid: int | None = None,
+        agent_pid: int | None = None,
         events: EventLog | None = None,
         dump_dir: str | None = None,
     ) -> None:
@@ -63,6 +110,8 @@ class Watchdog:
         self.factor = factor
         self.check_every = check_every
         self.parent_pid = parent_pid
+        self.agent_pid = agent_pid  # when set, checked instead of parent_pid (see the module docstring)
+        self._agent_start = _agent_start(agent_pid) if agent_pid is not None else None
         self.events = events or EventLog(None)
         self.dump_dir = dump_dir
         self._last: float | None = None
@@ -100,11 +149,19 @@ class Watchdog:
         longest = max(self._gaps, default=0.0)
         return max(self.floor, self.factor * longest)
 
+    def orphaned(self) -> bool:
+        """Whether the agent is gone: ``agent_pid`` is no longer the process it was at arm time,
+        or, without it, the parent changed. Called by the watchdog thread."""
+        if self.agent_pid is not None:
+            return not agent_alive(self.agent_pid, self._agent_start)
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
     def _run(self) -> None:
         while not self._stop.wait(self.check_every):
-            if self.parent_pid is not None and os.getppid() != self.parent_pid:
-                self.events.emit("orphaned", parent_pid=self.parent_pid)
-                print(f"trainguard: agent (pid {self.parent_pid}) is gone; this worker exits", file=sys.stderr)
+            if self.orphaned():
+                agent = self.agent_pid if self.agent_pid is not None else self.parent_pid
+                self.events.emit("orphaned", parent_pid=self.parent_pid, agent_pid=agent)
+                print(f"trainguard: agent (pid {agent}) is gone; this worker exits", file=sys.stderr, flush=True)
                 os._exit(ORPHAN_EXIT)
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.current_timeout():
@@ -153,6 +210,7 @@ class _Heart:
                 timeout=float(t) if t else None,
                 floor=float(os.environ.get("TRAINGUARD_HANG_FLOOR", "60")),
                 parent_pid=os.getppid(),
+                agent_pid=_agent_pid(),
                 events=self.events,
                 dump_dir=rd,
             ).start()
@@ -161,7 +219,7 @@ class _Heart:
         if self.rank == 0 and self.events.path is not None:
             if self.first:
                 self.events.emit("first_step", step=step, world_size=self.world_size,
-                                 lost_steps=_lost_steps(self.events.path, step))
+                                 lost_steps=_lost_steps(self.events.path, step, os.environ.get("TRAINGUARD_JOB_ID")))
             self.events.emit("step", step=step, world_size=self.world_size)
         self.first = False
         if self.watchdog is not None:
@@ -170,15 +228,40 @@ class _Heart:
             maybe_fire(step, self.rank, self.faults)
 
 
-def _lost_steps(path: os.PathLike[str] | str, step: int) -> int:
-    """Steps done by an earlier run of the job beyond the one this run resumed from."""
-    last = None
+def _agent_pid() -> int | None:
+    """The agent's pid that ``trainguard run`` exported (``TRAINGUARD_AGENT_PID``), if any."""
+    try:
+        pid = int(os.environ.get(AGENT_PID_ENV, ""))
+    except ValueError:
+        return None
+    return pid if pid > 0 else None
+
+
+def _lost_steps(path: os.PathLike[str] | str, step: int, job: str | None = None) -> int:
+    """Steps done by an earlier run of this job beyond the one this run resumed from (rank 0's
+    first heartbeat in a process calls it, for the ``first_step`` event).
+
+    Only this job's ``step`` events count, not those of an earlier job in the same run directory:
+    those after an ``agent_start`` with ``job_id == job`` (``TRAINGUARD_JOB_ID``: the rendezvous
+    id, or a fresh uuid per ``trainguard run`` without one), up to an ``agent_start`` of another
+    job; when the log has no ``agent_start`` of ``job`` (plain torchrun), those after the last
+    ``agent_start``, or all of them when there is none."""
+    last_mine = last_any = None
+    seen = mine = False
     for ev in read_events(path):
-        if ev.get("event") == "step":
-            last = ev.get("step")
-    if last is None or last < step:
+        kind = ev.get("event")
+        if kind == "agent_start":
+            mine = job is not None and ev.get("job_id") == job
+            seen = seen or mine
+            last_any = None
+        elif kind == "step":
+            last_any = ev.get("step")
+            if mine:
+                last_mine = last_any
+    last = last_mine if seen else last_any
+    if not isinstance(last, int) or last < step:
         return 0
-    return int(last) - (step - 1)
+    return last - (step - 1)
 
 
 _HEART: _Heart | None = None
