@@ -39,6 +39,7 @@ import torch
 import xxhash
 
 from .errors import CorruptCheckpointError, FormatVersionError
+from .flatten import decode_json, encode_json, single_tensor
 from .layout import DATA_RE
 from .planner import Regular
 
@@ -154,7 +155,7 @@ class Manifest:
                 "torch": self.torch_version,
                 "checksum": "xxh3_64",
                 "block_size": self.block_size,
-                "metadata": _encode_metadata(self.metadata),
+                "metadata": encode_json(self.metadata),
                 "files": self.files,
                 **extra,
                 "objects": self.objects,
@@ -233,7 +234,6 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         if not DATA_RE.match(name):
             raise CorruptCheckpointError(f"{where}: data file name {name[:60]!r} is not allowed", file=where)
         files[name] = _int(size, 0, MAX_TENSOR_BYTES, f"size of {name}", where)
-    from .flatten import decode_json, single_tensor
     from .index import check_regular_files, parse_indexes  # format 2; index.py imports this module
 
     indexes = parse_indexes(raw, version, where)
@@ -394,8 +394,3 @@ def _check_skeleton(skel: Any, tensors: dict[str, TensorEntry], where: str) -> N
 
     unflatten(skel, known, where=where)
 
-
-def _encode_metadata(metadata: dict[str, Any]) -> Any:
-    from .flatten import encode_json
-
-    return encode_json(metadata)

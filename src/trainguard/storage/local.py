@@ -3,6 +3,7 @@ directories, atomic renames. The default backend."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -140,14 +141,11 @@ class _LocalWriter:
         self._close()
 
     def _close(self) -> None:
-        """Close once: ``io.write_batches`` calls ``abort`` after a ``finish`` that failed (its fsync),
-        and a number closed twice may by then belong to a file another thread opened."""
+        """Once: ``abort`` follows a failed ``finish``; a number closed twice may be another thread's file by then."""
         fd, self.fd = self.fd, -1
         if fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def _disk_error(e: OSError, path: str, needed: int) -> OSError:
@@ -379,14 +377,10 @@ class LocalStorage:
         self.fsync_dir(os.path.dirname(dst))
 
     def remove_tree(self, path: str) -> None:
-        """Delete a checkpoint directory, its manifest first (made durable): a delete cut short
-        leaves a directory without a manifest, which ``commit.clean_debris`` removes, never a
-        manifest whose data is gone."""
-        try:
+        """Manifest first (durably): a delete cut short leaves no manifest whose data is gone."""
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(path, MANIFEST))
             self.fsync_dir(path)
-        except OSError:
-            pass
         shutil.rmtree(path, ignore_errors=True)
 
     def open_write(self, path: str, *, direct: bool = False) -> _LocalWriter:
