@@ -15,9 +15,10 @@ flat file becomes entry ``--entry`` (default ``model``), so ``{"model": module}`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -67,11 +68,15 @@ def convert(
     src_format: str | None = None,
     dst_format: str | None = None,
     entry: str | None = "model",
+    dcp_split: bool = True,
 ) -> dict[str, Any]:
     """Convert the checkpoint ``src`` into ``dst``; returns ``{"from", "to", "tensors", "skipped"}``.
 
     ``entry``: which trainguard entry to export (``None``: every entry; DCP output only), or
-    which entry an imported flat file becomes.
+    which entry an imported flat file becomes. Importing DCP, ``dcp_split`` splits each key at
+    its first dot into entry and name (a key without a dot is an entry of its own); without it
+    every key goes into ``entry`` (a DCP of a bare ``model.state_dict()``). A foreign file that
+    cannot be read or written raises ``CheckpointError``.
     """
     sf = src_format or detect(src)
     df = dst_format or target_format(dst)
@@ -82,10 +87,17 @@ def convert(
         raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
     if sf == "trainguard":
         tensors = _read_trainguard(src, entry, nested=df == "dcp")
-        _write_foreign(tensors, dst, df)
+        parent = os.path.dirname(os.path.abspath(os.fspath(dst)))
+        if not os.path.isdir(parent):
+            raise CheckpointError(f"{dst}: the directory {parent} does not exist; create it first")
+        with _foreign_errors(f"cannot write {dst} as {df}"):
+            _write_foreign(tensors, dst, df)
         n = sum(len(v) if isinstance(v, dict) else 1 for v in tensors.values())
         return {"from": sf, "to": df, "tensors": n, "skipped": []}
-    state, skipped = _read_foreign(src, sf, entry or "model")
+    with _foreign_errors(f"cannot read {src} as {sf}"):
+        state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
+    # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
+    state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else v for k, v in state.items()}
     from .api import save
 
     save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
@@ -125,6 +137,17 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
 
 
+@contextlib.contextmanager
+def _foreign_errors(what: str) -> Iterator[None]:
+    """Errors of torch.load/safetensors/DCP on a foreign file, as one CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
+
+
 def _contiguous(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return v.resolve_conj().resolve_neg().contiguous()
@@ -135,7 +158,7 @@ def _contiguous(v: Any) -> Any:
     return v
 
 
-def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str) -> tuple[dict[str, Any], list[str]]:
+def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: bool = True) -> tuple[dict[str, Any], list[str]]:
     p = os.fspath(src)
     if fmt == "safetensors":
         from safetensors.torch import load_file
@@ -158,10 +181,10 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str) -> tuple[di
         if all(isinstance(k, str) and k and "/" not in k and "@" not in k for k in obj):
             return dict(obj), []  # {"model": ..., "optim": ...}: one entry each
         return {entry: dict(obj)}, []
-    return _read_dcp(p, entry)
+    return _read_dcp(p, entry, dcp_split)
 
 
-def _read_dcp(path: str, entry: str) -> tuple[dict[str, Any], list[str]]:
+def _read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Read every tensor of a DCP directory through DCP's public reader, whole (any sharding)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -182,8 +205,10 @@ def _read_dcp(path: str, entry: str) -> tuple[dict[str, Any], list[str]]:
     state: dict[str, dict[str, torch.Tensor]] = {}
     for fqn, t in flat.items():
         head, _, rest = fqn.partition(".")
-        if rest and "/" not in head and "@" not in head and not head.startswith("$"):
+        if not split or "/" in head or "@" in head or head.startswith("$") or not head:
+            state.setdefault(entry, {})[fqn] = t
+        elif rest:
             state.setdefault(head, {})[rest] = t
         else:
-            state.setdefault(entry, {})[fqn] = t
+            state[head] = t  # a key without a dot: an entry that is one tensor
     return state, skipped

@@ -63,12 +63,15 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
-    if out.endswith(".safetensors"):
-        from safetensors.torch import save_file
-
-        save_file(tensors, out, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
-    elif out.endswith((".pt", ".pth", ".bin")):
-        torch.save(tensors, out)
-    else:
+    if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
+    try:
+        if out.endswith(".safetensors"):
+            from safetensors.torch import save_file
+
+            save_file(tensors, out, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
+        else:
+            torch.save(tensors, out)
+    except Exception as e:  # e.g. a dtype safetensors cannot store (complex128)
+        raise CheckpointError(f"cannot write {out}: {type(e).__name__}: {e}") from e
     return len(tensors)

@@ -19,13 +19,13 @@ import re
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
-STEP_RE = re.compile(r"^step-(\d{9,})$")
-TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})$")
-OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})$")
-DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin$")  # data-RRRRR.bin, data-RRRRR-S.bin (stream S)
-IDX_RE = re.compile(r"^data-\d{5}\.idx$")
+STEP_RE = re.compile(r"^step-(\d{9,})\Z", re.ASCII)
+TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})\Z", re.ASCII)
+OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})\Z", re.ASCII)
+DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin\Z", re.ASCII)  # data-RRRRR.bin, data-RRRRR-S.bin (stream S)
+IDX_RE = re.compile(r"^data-\d{5}\.idx\Z", re.ASCII)
 # A small file being written atomically (``Storage.write_atomic``: ``<name>.tmp-<pid>``).
-ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+$")
+ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+\Z", re.ASCII)
 
 
 def step_dir(step: int) -> str:

@@ -123,6 +123,8 @@ def _load(
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue
+        if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
+            mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
         cur = obj.state_dict() if has_state(obj) else value
         _, dest = flatten(cur, prefix)

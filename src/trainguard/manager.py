@@ -65,6 +65,8 @@ class CheckpointManager:
             raise ValueError("stage_in_background=True needs async_save=True")
         if max_staging_bytes is not None and max_staging_bytes < 0:
             raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
+        if layout not in ("sharded", "full"):
+            raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
         if save is not None and not isinstance(save, SavePolicy):

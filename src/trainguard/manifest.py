@@ -225,6 +225,8 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     world = _int(_req(raw, "world_size", int, where), 1, 1 << 20, "world_size", where)
     block = _int(_req(raw, "block_size", int, where), 1, MAX_BLOCK, "block_size", where)
     created = _req(raw, "created", (int, float), where)
+    if not 0 <= created < 1e11:  # nan, inf, or no time a clock of ours gives
+        raise CorruptCheckpointError(f"{where}: created={created!r} is no timestamp", file=where)
     layout = _req(raw, "layout", str, where)
     if layout not in ("sharded", "full"):
         raise CorruptCheckpointError(f"{where}: unknown layout {layout[:20]!r}", file=where)

@@ -46,13 +46,16 @@ from .errors import CheckpointError
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    import torch.distributed as dist
+    if rank is None or world_size is None:
+        import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank), (dist.get_world_size() if world_size is None else world_size)
-    return (rank or 0), (world_size or 1)
+        if dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world_size = dist.get_world_size() if world_size is None else world_size
+    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+    return rank, world_size
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):

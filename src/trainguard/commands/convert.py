@@ -19,10 +19,11 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
     help="Output format (default: from DST's name: .safetensors, .pt/.pth/.bin, else a trainguard directory).",
 )
 @click.option(
-    "--entry", default="model", show_default=True,
-    help="Entry to export, or the entry an imported flat file becomes. '*' with --to dcp: every entry.",
+    "--entry", default=None,
+    help="Entry to export, or the entry an imported flat file becomes (default: model). '*' with --to dcp: "
+    "every entry. Importing DCP: given, every key goes into it; else keys split at their first dot.",
 )
-def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str) -> None:
+def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
     """Convert a checkpoint. Examples:
 
     \b
@@ -35,7 +36,8 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = convert(src, dst, src_format=src_format, dst_format=dst_format, entry=None if entry == "*" else entry)
+        res = convert(src, dst, src_format=src_format, dst_format=dst_format,
+                      entry=None if entry == "*" else (entry or "model"), dcp_split=entry is None)
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")

@@ -10,7 +10,7 @@ import shutil
 import stat
 import threading
 
-from ..errors import DiskFullError
+from ..errors import CorruptCheckpointError, DiskFullError
 from ..layout import MANIFEST
 from . import _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
@@ -165,12 +165,12 @@ def _open_regular(path: str) -> int:
     O_NOFOLLOW: a symlink (possibly leaving the directory) is refused. O_NONBLOCK: a FIFO
     planted under a checkpoint name cannot block the open; it is then refused as not regular.
     """
-    from ..errors import CorruptCheckpointError
-
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise CorruptCheckpointError(f"{path}: data file is missing", file=os.path.basename(path)) from None
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(
                 f"{path} is a symbolic link; checkpoint files must be regular files inside the checkpoint",
