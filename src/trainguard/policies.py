@@ -221,4 +221,3 @@ def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
             )
         out[k] = v
     return out
-

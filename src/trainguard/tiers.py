@@ -100,7 +100,10 @@ class RamTier:
             rid = uuid.uuid4().hex
             d.write_atomic(marker, rid.encode())
         own = os.path.join(self.dir, RUN_ID)
-        mine = open(own).read() if os.path.exists(own) else None
+        mine = None
+        if os.path.exists(own):
+            with open(own) as f:
+                mine = f.read()
         if mine is not None and mine != rid:
             stale = [s.name for s in list_steps(self.storage, self.dir)]
             if stale:
