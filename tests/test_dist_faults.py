@@ -136,3 +136,43 @@ def test_rank_killed_mid_save(tmp_path: Path) -> None:
     assert _committed(root) == ["step-000000001"]
     assert _committed(f"{root}/mgr") == ["step-000000004", "step-000000005"]
     _restores(root)
+
+
+_STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_store_whose_host_died_gives_rank_failure_error(tmp_path: Path) -> None:
+    # With env:// rendezvous rank 0 hosts the store: when it dies, the others' store calls fail
+    # with torch's DistNetworkError, which used to leave trainguard's collectives as it was.
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from trainguard.dist import StoreDistContext
+
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(host.stdout.readline())
+        store = torch.distributed.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=10))
+        ctx = StoreDistContext(store, 1, 2, dead_after_s=2.0)
+        host.kill()
+        host.wait(timeout=30)
+        try:
+            ctx.broadcast("decide", None, timeout=5)
+        except tg.RankFailureError as e:
+            assert "store stopped answering" in str(e)
+        else:
+            raise AssertionError("broadcast returned although the store's host is dead")
+        finally:
+            ctx.close()
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(timeout=30)

@@ -162,3 +162,26 @@ def test_ram_tier_short_of_room_drops_the_copy_already_on_disk_before_the_next_s
         assert _steps(ram_dir(root, base)) == [3]
         mgr.ram.wait()
         assert _steps(root)[-1] == 3
+
+
+def _ram_open_with_a_dead_peer(rank: int, world: int, root: str, base: str) -> str:
+    import signal
+
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # dies before it builds its manager (no heartbeat yet)
+    try:
+        with tg.CheckpointManager(root, ram_tier=base, timeout=3, handle_signals=False):
+            return "opened"
+    except tg.RankFailureError as e:
+        return f"RankFailureError: {e}"
+
+
+def test_ram_tier_open_keeps_the_managers_timeout(tmp_path):
+    from dist_helper import run_ranks
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    res = run_ranks(_ram_open_with_a_dead_peer, 2, root, base, timeout=60, check=False,
+                    env={"TRAINGUARD_TIMEOUT": "600"})
+    # before: the RAM tier's host check waited TRAINGUARD_TIMEOUT (600 s), not timeout=3
+    assert not res[0].timed_out and str(res[0].value).startswith("RankFailureError"), res[0]

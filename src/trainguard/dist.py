@@ -17,10 +17,12 @@ the same round (``load`` while the others ``save``) at once.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .errors import RankFailureError
@@ -37,6 +39,26 @@ def dead_after() -> float:
     """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
     this long is declared dead."""
     return float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
+
+
+def _store_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap a ``StoreDistContext`` collective: the store's own errors (``DistNetworkError``,
+    ``DistStoreError``: RuntimeErrors; connection OSErrors) become a ``RankFailureError``."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, tag: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, tag, *args, **kwargs)
+        except RankFailureError:
+            raise
+        except (RuntimeError, OSError) as e:
+            raise failure(
+                f"{tag}: the c10d store stopped answering ({type(e).__name__}: {e}); the process hosting it "
+                "(rank 0, or the launcher) died",
+                {0: "the store it hosts is unreachable"},
+            ) from e
+
+    return wrapper
 
 
 def failure(message: str, failures: dict[int, str]) -> RankFailureError:
@@ -177,6 +199,8 @@ class StoreDistContext(DistContext):
         self._stop.set()
 
     # -- collectives -------------------------------------------------------------------------
+    # Each public collective turns a store that stopped answering (its host died: rank 0 with
+    # env:// rendezvous, or the launcher) into the RankFailureError every other failure gives.
 
     def _enter(self, tag: str) -> str:
         self._round += 1
@@ -184,6 +208,7 @@ class StoreDistContext(DistContext):
         self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._round, tag]))
         return f"{self.chan}/r{self._round}/{tag}"
 
+    @_store_errors
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
         base = self._enter(tag)
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
@@ -198,6 +223,7 @@ class StoreDistContext(DistContext):
             return values
         return self._await_root(f"{base}/all", tag, timeout)
 
+    @_store_errors
     def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
         base = self._enter(tag)
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
@@ -207,6 +233,7 @@ class StoreDistContext(DistContext):
         self._cleanup(self._round - 2)
         return values
 
+    @_store_errors
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
         base = self._enter(tag)
         if self.rank == 0:

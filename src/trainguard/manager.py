@@ -128,7 +128,7 @@ class CheckpointManager:
                 raise exc
             raise CheckpointError(f"rank 0 could not open {self.root}: {err}")
         if self.ram:
-            self.ram.open()  # every rank (a collective check that all share one node)
+            self.ram.open(self.timeout)  # every rank (a collective check that all share one node)
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)

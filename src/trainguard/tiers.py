@@ -75,10 +75,11 @@ class RamTier:
         self._committed: int | None = None  # the step committed() last started to persist
 
     # --------------------------------------------------------------- lifecycle
-    def open(self) -> None:
-        """Every rank: check that all ranks share this node; rank 0 cleans crashed RAM saves."""
+    def open(self, timeout: float | None = None) -> None:
+        """Every rank: check that all ranks share this node (within the manager's ``timeout``);
+        rank 0 cleans crashed RAM saves."""
         if self.ctx.is_distributed:
-            hosts = self.ctx.all_gather("ram_host", socket.gethostname(), timeout=None)
+            hosts = self.ctx.all_gather("ram_host", socket.gethostname(), timeout=timeout)
             if len(set(hosts)) > 1:
                 raise CheckpointError(
                     f"ram_tier needs every rank on one node (ranks run on {sorted(set(hosts))}); "
