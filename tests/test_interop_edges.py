@@ -123,3 +123,10 @@ def test_dcp_keys_split_at_their_first_dot_unless_an_entry_is_given(tmp_path):
 def test_sampler_refuses_a_rank_outside_the_world(rank, world):
     with pytest.raises(ValueError, match="0 <= rank < world_size"):
         list(tg.ResumableSampler(10, rank=rank, world_size=world))
+
+
+@pytest.mark.parametrize("position, epoch", [(-3, 0), (11, 0), (5, -1)])
+def test_sampler_refuses_a_saved_position_outside_its_dataset(position, epoch):
+    sd = {**tg.ResumableSampler(10).state_dict(), "position": position, "epoch": epoch}
+    with pytest.raises(tg.CorruptCheckpointError, match="outside 0..10"):
+        tg.ResumableSampler(10).load_state_dict(sd)

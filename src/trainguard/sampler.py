@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -161,9 +161,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"shuffle={state_dict['shuffle']}; this sampler has {self.num_samples}, {self.shuffle}. "
                 "Resume with the same dataset, or start a new run"
             )
-        self.seed = int(state_dict["seed"])
-        self.epoch = int(state_dict["epoch"])
-        self.position = int(state_dict["position"])
+        position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
+        if not 0 <= position <= self.num_samples or epoch < 0:
+            raise CorruptCheckpointError(
+                f"ResumableSampler: saved position {position} (epoch {epoch}) is outside 0..{self.num_samples}"
+            )
+        self.seed, self.epoch, self.position = int(state_dict["seed"]), epoch, position
 
 
 class ResumableIterable(torch.utils.data.IterableDataset):
