@@ -15,17 +15,16 @@ flat file becomes entry ``--entry`` (default ``model``), so ``{"model": module}`
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .commit import read_manifest
 from .errors import CheckpointError
-from .export import iter_tensors
+from .export import check_destination, foreign_errors, iter_tensors
 from .storage import for_path
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
@@ -87,14 +86,12 @@ def convert(
         raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
     if sf == "trainguard":
         tensors = _read_trainguard(src, entry, nested=df == "dcp")
-        parent = os.path.dirname(os.path.abspath(os.fspath(dst)))
-        if not os.path.isdir(parent):
-            raise CheckpointError(f"{dst}: the directory {parent} does not exist; create it first")
-        with _foreign_errors(f"cannot write {dst} as {df}"):
+        check_destination(os.fspath(dst))
+        with foreign_errors(f"cannot write {dst} as {df}"):
             _write_foreign(tensors, dst, df)
         n = sum(len(v) if isinstance(v, dict) else 1 for v in tensors.values())
         return {"from": sf, "to": df, "tensors": n, "skipped": []}
-    with _foreign_errors(f"cannot read {src} as {sf}"):
+    with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
     state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else v for k, v in state.items()}
@@ -135,17 +132,6 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
         import torch.distributed.checkpoint as dcp
 
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
-
-
-@contextlib.contextmanager
-def _foreign_errors(what: str) -> Iterator[None]:
-    """Errors of torch.load/safetensors/DCP on a foreign file, as one CheckpointError."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
 
 
 def _contiguous(v: Any) -> Any:

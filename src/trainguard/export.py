@@ -5,6 +5,7 @@ assembled from their chunks (whatever world size wrote them) one at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 
@@ -58,20 +59,36 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     if not tensors:
         raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
     out = os.fspath(to)
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
+    check_destination(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    try:
+    with foreign_errors(f"cannot write {out}"):  # e.g. a dtype safetensors cannot store (complex128)
         if out.endswith(".safetensors"):
             from safetensors.torch import save_file
 
             save_file(tensors, out, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
         else:
             torch.save(tensors, out)
-    except Exception as e:  # e.g. a dtype safetensors cannot store (complex128)
-        raise CheckpointError(f"cannot write {out}: {type(e).__name__}: {e}") from e
     return len(tensors)
+
+
+def check_destination(out: str) -> None:
+    """A file or directory is about to be written at ``out``: its parent must exist (``export``,
+    ``convert``; the libraries' own errors for it are tracebacks)."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
+
+
+@contextlib.contextmanager
+def foreign_errors(what: str) -> Iterator[None]:
+    """torch.save/torch.load/safetensors/DCP errors on a foreign file, as one CheckpointError
+    (``export``, ``convert``: the CLI prints it as one ``error:`` line)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e

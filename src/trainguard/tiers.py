@@ -118,8 +118,9 @@ class RamTier:
     def make_room(self) -> None:
         """Rank 0, before a save into RAM: a RAM tier too small for two checkpoints drops the
         copies already on disk first (else every later save fails for want of room)."""
-        done = [s for s in list_steps(self.storage, self.dir) if s.step == self.persisted]
-        need = sum(_tree_bytes(s.path) for s in list_steps(self.storage, self.dir))
+        steps = list_steps(self.storage, self.dir)
+        done = [s for s in steps if s.step == self.persisted]
+        need = sum(_tree_bytes(s.path) for s in steps)
         if done and shutil.disk_usage(self.dir).free < need * 1.05 + (16 << 20):
             for s in done:
                 self.storage.remove_tree(s.path)
