@@ -170,27 +170,55 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
 
 class ResumableIterable(torch.utils.data.IterableDataset):
-    """Wrapper for iterable datasets: global sample ``i`` of the stream goes to rank ``i % W``;
-    a resume skips the first ``position`` samples by reading them (the stream must repeat the
-    same order each epoch: no resumable shuffle). ``make_iter(epoch)`` opens the stream.
-    Use it with ``num_workers=0`` (worker processes would each read the whole stream).
+    """Wrapper for iterable datasets: from the saved ``position``, the stream is read in groups
+    of ``W`` items and rank ``r`` takes item ``r`` of each group (global item ``position + r``,
+    ``position + r + W``, ...); a resume skips the first ``position`` items by reading them (the
+    stream must repeat the same order each epoch: no resumable shuffle). ``make_iter(epoch)``
+    opens the stream.
+
+    Every rank reads the whole stream, so every rank sees the same last group: when the stream
+    ends in a partial group of ``k < W`` items, ranks ``r >= k`` take item ``r % k`` of it (up to
+    ``W - 1`` items seen twice), so every rank yields the same count and lockstep ranks run the
+    same number of steps (an uneven count leaves a DDP rank waiting in an all-reduce its peers
+    never join). ``drop_last=True`` skips a partial last group instead. :meth:`advance` moves the
+    position by ``n * W`` items, padding included: a checkpoint taken in the padded end resumes
+    with nothing left of the epoch on any rank.
+
+    Use it with ``num_workers`` 0 or 1: several DataLoader worker processes would each read the
+    whole stream and yield every item once per worker (refused with a ValueError).
     """
 
-    def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, rank: int | None = None,
-                 world_size: int | None = None) -> None:
+    def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
+                 rank: int | None = None, world_size: int | None = None) -> None:
         self.make_iter = make_iter
+        self.drop_last = drop_last
         self._rank, self._world = rank, world_size
         self.epoch = 0
         self.position = 0
 
     def __iter__(self) -> Iterator[Any]:
         rank, world = _rank_world(self._rank, self._world)
+        info = torch.utils.data.get_worker_info()
+        if info is not None and info.num_workers > 1:
+            raise ValueError(
+                f"ResumableIterable: DataLoader has num_workers={info.num_workers}; each worker would "
+                "read the whole stream and yield every item once per worker. Use num_workers=0 or 1"
+            )
+        group: list[Any] = []
         for i, item in enumerate(self.make_iter(self.epoch)):
-            if i >= self.position and (i - self.position) % world == rank:
-                yield item
+            if i < self.position:
+                continue
+            group.append(item)
+            if len(group) == world:
+                yield group[rank]
+                group = []
+        if group and not self.drop_last:
+            yield group[rank % len(group)]  # the partial last group, wrapped: same count everywhere
 
     def advance(self, n: int) -> None:
-        """Same contract as :meth:`ResumableSampler.advance`."""
+        """Record that *this rank* consumed ``n`` more items; every rank calls it with the same
+        ``n``, so the position moves by ``n * world_size`` (padding of the last group included:
+        the stream's length is not known in advance)."""
         self.position += int(n) * _rank_world(self._rank, self._world)[1]
 
     def next_epoch(self) -> None:
@@ -201,5 +229,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.epoch = int(state_dict["epoch"])
-        self.position = int(state_dict["position"])
+        position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
+        if position < 0 or epoch < 0:
+            raise CorruptCheckpointError(f"ResumableIterable: saved position {position} (epoch {epoch}) is negative")
+        self.epoch, self.position = epoch, position
