@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
+import math
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 import click
 from rich.console import Console
@@ -19,6 +23,21 @@ from ..storage import for_path
 console = Console()
 
 
+def _plain(v: Any) -> Any:
+    """JSON-safe copy for ``--json``: tuples as lists, nan/inf as the strings "nan", "inf", "-inf"."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "nan" if v != v else ("inf" if v > 0 else "-inf")
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _print_json(value: Any) -> None:
+    click.echo(json.dumps(_plain(value), indent=1, allow_nan=False))
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
@@ -30,10 +49,15 @@ def _size(n: float) -> str:
 @click.command("ls")
 @click.argument("run_dir")
 @click.option("--verify", "verify_data", is_flag=True, help="Also check every data checksum (reads all bytes).")
-def ls(run_dir: str, verify_data: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per step) instead of a table.")
+def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
     (valid / corrupt / incomplete)."""
     rows = list_checkpoints(run_dir, verify_data=verify_data)
+    if as_json:
+        _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
+                      "bytes": r.size, "entries": r.entries, "detail": r.detail} for r in rows])
+        return
     table = Table(title=run_dir)
     for col in ("step", "created", "size", "entries", "status", "detail"):
         table.add_column(col)
@@ -50,27 +74,51 @@ def ls(run_dir: str, verify_data: bool) -> None:
 
 @click.command("inspect")
 @click.argument("ckpt")
-def inspect_cmd(ckpt: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's description as JSON.")
+def inspect_cmd(ckpt: str, as_json: bool) -> None:
     """Show a checkpoint's entries as a tree: dtype, shape and bytes of every tensor."""
     m = describe(ckpt)
+    if as_json:
+        _print_json(_description(ckpt, m))
+        return
     tree = Tree(
         f"[bold]{ckpt}[/]  step {m.step}, world size {m.world_size}, layout {m.layout}, "
         f"{_size(m.total_bytes)} in {len(m.files)} file(s), format v{m.format_version}, {m.library}, torch {m.torch_version}"
     )
-    for key, obj in m.objects.items():
-        node = tree.add(f"[bold cyan]{key}[/]" + ("  (per rank)" if "ranks" in obj else ""))
-        skel = obj.get("skeleton") if "skeleton" in obj else (obj["ranks"][0] if obj["ranks"] else {})
-        for p in tensor_refs(skel):
-            e = m.tensors.get(p)
-            if e is None:
-                continue
-            node.add(f"{p.split('/', 1)[-1]}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({f'{e.regular.parts} parts along dim {e.regular.dim}' if e.regular else f'{len(e.chunks)} chunk(s)'})")
+    for key, per_rank, tensors in _entries(m):
+        node = tree.add(f"[bold cyan]{key}[/]" + ("  (per rank)" if per_rank else ""))
+        for name, e in tensors:
+            node.add(f"{name}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({f'{e.regular.parts} parts along dim {e.regular.dim}' if e.regular else f'{len(e.chunks)} chunk(s)'})")
     console.print(tree)
+
+
+def _entries(m: Any) -> Iterator[tuple[str, bool, list[tuple[str, Any]]]]:
+    """Each entry of the state: its key, whether it is saved per rank, its tensors (name in the
+    entry, manifest entry); a per-rank entry shows rank 0's."""
+    for key, obj in m.objects.items():
+        skel = obj.get("skeleton") if "skeleton" in obj else (obj["ranks"][0] if obj["ranks"] else {})
+        found = ((p, m.tensors.get(p)) for p in tensor_refs(skel))
+        yield key, "ranks" in obj, [(p.split("/", 1)[-1], e) for p, e in found if e is not None]
+
+
+def _description(ckpt: str, m: Any) -> dict[str, Any]:
+    """``inspect --json``: the manifest's facts and, per entry, its tensors (dtype, shape, bytes,
+    how they are split); the metadata as saved (nan/inf as strings)."""
+    def split(e: Any) -> dict[str, int]:
+        return {"parts": e.regular.parts, "dim": e.regular.dim} if e.regular else {"chunks": len(e.chunks)}
+
+    entries = {key: {"per_rank": per_rank, "tensors": {name: {"dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
+                                                                **split(e)} for name, e in tensors}}
+               for key, per_rank, tensors in _entries(m)}
+    return {"path": ckpt, "step": m.step, "world_size": m.world_size, "layout": m.layout, "created": m.created,
+            "bytes": m.total_bytes, "files": dict(m.files), "format_version": m.format_version, "library": m.library,
+            "torch": m.torch_version, "metadata": m.metadata, "entries": entries}
 
 
 @click.command("verify")
 @click.argument("path")
-def verify_cmd(path: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
+def verify_cmd(path: str, as_json: bool) -> None:
     """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
     Exit code 0 only when everything matches."""
     storage, p = for_path(path)
@@ -82,16 +130,20 @@ def verify_cmd(path: str) -> None:
         if not rows:
             raise
         targets = [r.path for r in rows]
-    ok = True
+    ok, out = True, []
     for t in targets:
         res = verify(t)
         ok &= res.ok
-        if res.ok:
+        if as_json:
+            out.append({"path": t, "step": res.step, "ok": res.ok, "bytes_checked": res.bytes_checked, "errors": res.errors})
+        elif res.ok:
             console.print(f"[green]OK[/]      {t}  ({_size(res.bytes_checked)} checked)")
         else:
             console.print(f"[red]CORRUPT[/] {t}")
             for e in res.errors[:20]:
                 console.print(f"        {e}")
+    if as_json:
+        _print_json(out)
     sys.exit(0 if ok else 1)
 
 
