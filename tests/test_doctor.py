@@ -189,14 +189,12 @@ def test_storage_location(root: str, mountinfo: str, severity: str) -> None:
     assert one(good_state(), "storage", root="s3://bucket/run1", mountinfo=MOUNTS) is None
 
 
-def test_async_saving_needs_a_cpu_process_group() -> None:
+def test_async_saving_works_with_any_process_group() -> None:
     s = good_state()
     assert one(s, "async").message == "synchronous saves"
-    f = one(s, "async", async_save=True, backend="nccl")
-    assert f.severity == "error" and "cpu:gloo,cuda:nccl" in f.fix
-    assert one(s, "async", async_save=True, backend="cpu:gloo,cuda:nccl").severity == "ok"
-    assert one(s, "async", async_save=True, backend="gloo").severity == "ok"
-    assert one(s, "async", async_save=True).severity == "ok"  # no process group: a single process
+    # trainguard coordinates through the c10d store, never the training group: NCCL alone is fine
+    for backend in ("nccl", "cpu:gloo,cuda:nccl", "gloo", None):
+        assert one(s, "async", async_save=True, backend=backend).severity == "ok"
 
 
 RANK0_SAVE = """\
@@ -225,7 +223,9 @@ def test_saving_from_one_rank_only() -> None:
     f = one(s, "all ranks save", source=RANK0_SAVE)
     assert f.severity == "error" and "line 5" in f.message and "every rank" in f.fix
     assert one(s, "all ranks save", source=ALL_SAVE).severity == "ok"
-    assert one(s, "all ranks save", source=DECORATED).severity == "error"
+    f = one(s, "all ranks save", source=DECORATED)  # torch.save on rank 0: an export or a partial checkpoint
+    assert f.severity == "warning" and "line 3" in f.message
+    assert one(s, "all ranks save", source=DECORATED.replace("torch.save", "tg.save")).severity == "error"
     env = "import os\nif int(os.environ['RANK']) == 0:\n    tg.save('x', state)\n"
     assert one(s, "all ranks save", source=env).severity == "error"
     assert one(s, "all ranks save") is None  # no source: not checked

@@ -25,6 +25,7 @@ from .reliability import Plan, format_duration
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
+_FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json"}  # not checkpoints
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
 _EPHEMERAL = {"tmpfs": "tmpfs (RAM): gone at reboot, and it eats host memory",
               "ramfs": "ramfs (RAM): gone at reboot, and it eats host memory",
@@ -131,6 +132,12 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
     opts = [(p, x) for p, x in leaves if _is_optimizer(x)]
     scheds = [(p, x) for p, x in leaves if _is_scheduler(x)]
     name = "optimizer+scheduler"
+    snaps = [p for p, x in leaves if isinstance(x, Mapping) and ({"param_groups", "state"} <= x.keys()
+                                                                 or {"last_epoch", "base_lrs"} <= x.keys())]
+    if snaps:  # a dict is saved and loaded as data: nothing ever puts it back into the optimizer/scheduler
+        return Finding(name, "error", f"{snaps[0]} is a copy of an optimizer's or scheduler's state_dict(), "
+                       "not the object: it is frozen when taken and a resume never loads it back",
+                       'put the object itself in the state: state["optim"] = optimizer')
     if scheds and not opts:
         return Finding(name, "error", f"the LR scheduler ({scheds[0][0]}) is saved but its optimizer is not: "
                        "a resume restarts Adam moments/momentum from zero", 'add the optimizer: state["optim"] = optimizer')
@@ -142,11 +149,26 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
         return Finding(name, "warning", f"the optimizer ({opts[0][0]}) is saved without an LR scheduler: "
                        "a resume restarts warmup/decay from the beginning",
                        'add it: state["sched"] = lr_scheduler (ignore if the learning rate is constant)')
-    return Finding(name, "ok", "optimizer and scheduler saved together" if opts else "no optimizer in the state")
+    if opts:
+        return Finding(name, "ok", "optimizer and scheduler saved together")
+    built = next(_calls(s.source, _optimizer_names()), None)
+    if built is not None:
+        return Finding(name, "error", f"the script builds an optimizer (line {built.lineno}: "
+                       f"{ast.unparse(built.func)}) but the state has none: a resume restarts its "
+                       "moments/momentum from zero", 'add it: state["optim"] = optimizer')
+    return Finding(name, "ok", "no optimizer in the state")
+
+
+def _optimizer_names() -> set[str]:
+    import torch
+
+    return {n for n, c in vars(torch.optim).items()
+            if isinstance(c, type) and issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer}
 
 
 def _rng(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
-    hits = [p for p, x in leaves if _name(x) == "RNGState" or ("rng" in p.rsplit("/", 1)[-1].lower() and x is not None)]
+    hits = [p for p, x in leaves if _name(x) == "RNGState" or ("rng" in p.rsplit("/", 1)[-1].lower()
+                                                               and not isinstance(x, (int, float, str, type(None))))]
     if hits:
         return Finding("rng", "ok", f"RNG state saved ({hits[0]})")
     return Finding("rng", "warning", "no RNG state: after a resume dropout masks, augmentations and sampling "
@@ -254,8 +276,9 @@ def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     best = f"{format_duration(opt)}" + (f" = {steps} steps" if steps else "")
     e_cur, e_opt = plan.efficiency(cur), plan.efficiency(opt)
     gpus = plan.nodes * plan.gpus_per_node * 24.0
-    detail = (f"saving {what}; for a {format_duration(plan.stall_s)} stall and a job MTBF of "
-              f"{format_duration(plan.job_mtbf_s)} the optimum is {best}: efficiency {100 * e_cur:.2f}% vs "
+    detail = (f"saving {what}; for a {format_duration(plan.stall_s)} stall, a job MTBF of "
+              f"{format_duration(plan.job_mtbf_s)} and a {format_duration(plan.restart_s)} restart the optimum "
+              f"is {best}: efficiency {100 * e_cur:.2f}% vs "
               f"{100 * e_opt:.2f}%, {(e_opt - e_cur) * gpus:,.0f} GPU-hours/day more lost")
     fix = (f"save every {best}" + (f": tg.EveryNSteps({steps})" if steps else "")
            + ", or use tg.DalyInterval(node_failures_per_day=..., nodes=...)")
@@ -309,20 +332,10 @@ def _storage(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
 
 
 def _async_pg(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
-    if not s.async_save:
-        return Finding("async", "ok", "synchronous saves")
-    backend = s.backend
-    if backend is None:
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return Finding("async", "ok", "async saves in a single process")
-        backend = str(dist.get_backend())
-    if any(b in backend.lower() for b in ("gloo", "mpi", "ucc")):
-        return Finding("async", "ok", f"async saves with a CPU-capable process group ({backend})")
-    return Finding("async", "error", f"async saving with only a {backend} process group: the background "
-                   "save's collectives need a CPU-capable backend and would block on (or deadlock with) "
-                   "the GPU stream", 'init the group with both: dist.init_process_group("cpu:gloo,cuda:nccl")')
+    # Saves (the background commit included) coordinate through the c10d store, never through the
+    # training process group (docs/async.md): an NCCL-only group is fine.
+    return Finding("async", "ok", "async saves (coordinated through the c10d store: any process group backend)"
+                   if s.async_save else "synchronous saves")
 
 
 def _single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
@@ -332,21 +345,32 @@ def _single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         tree = ast.parse(s.source)
     except SyntaxError:
         return None
-    hits = []
+    calls: list[ast.Call] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and _is_rank_zero(node.test):
-            body = ast.Module(body=node.body, type_ignores=[])
-            hits += [c.lineno for c in _calls(None, _SAVE_CALLS, body)]
+            calls += _calls(None, _SAVE_CALLS, ast.Module(body=node.body, type_ignores=[]))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
-            hits += [c.lineno for c in _calls(None, _SAVE_CALLS, node)]
+            calls += _calls(None, _SAVE_CALLS, node)
+    owner = [(c.lineno, _receiver(c)) for c in calls]
+    hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r != "torch"})
     if hits:
-        lines = ", ".join(str(n) for n in sorted(set(hits)))
-        return Finding("all ranks save", "error", f"save called under a rank-0 condition (line {lines}): "
-                       "the other ranks' shards, RNG and data positions are never written, and a "
-                       "collective save waits forever for them", "call mgr.save(step, state) on every rank; "
-                       "trainguard decides which rank writes what")
+        return Finding("all ranks save", "error", f"save called under a rank-0 condition (line "
+                       f"{', '.join(map(str, hits))}): the other ranks' shards, RNG and data positions are never "
+                       "written, and a collective save waits forever for them", "call mgr.save(step, state) on "
+                       "every rank; trainguard decides which rank writes what")
+    if torch_saves := sorted({n for n, r in owner if r == "torch"}):
+        return Finding("all ranks save", "warning", f"torch.save under a rank-0 condition (line "
+                       f"{', '.join(map(str, torch_saves))}): fine to export a replicated (DDP) model's weights, "
+                       "but as a checkpoint it misses FSDP shards and every other rank's RNG and data position",
+                       "checkpoint with mgr.save(step, state) on every rank; keep rank-0 torch.save for exports")
     return Finding("all ranks save", "ok", "no save under a rank-0 condition")
+
+
+def _receiver(call: ast.Call) -> str | None:
+    """``torch`` for ``torch.save(...)``, ``mgr`` for ``self.mgr.save(...)``, None for a bare ``save(...)``."""
+    v = getattr(call.func, "value", None)
+    return v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
 
 
 def _is_rank_zero(test: ast.expr) -> bool:

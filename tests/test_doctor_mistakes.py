@@ -1,0 +1,65 @@
+"""Doctor checks that fired wrongly or stayed quiet (review of the planning/doctor promise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from trainguard.doctor import Finding, Settings, check
+from trainguard.policies import EveryNSteps
+from trainguard.reliability import make_plan
+
+
+class RNGState:
+    def state_dict(self) -> dict:
+        return {}
+
+
+def one(state: dict[str, Any], name: str, **settings: Any) -> Finding:
+    (found,) = [f for f in check(state, Settings(**settings)) if f.check == name]
+    return found
+
+
+def test_async_save_with_an_nccl_only_group_is_fine() -> None:
+    # Saves coordinate through the c10d store, never the training process group (docs/async.md).
+    f = one({}, "async", async_save=True, backend="nccl")
+    assert f.severity == "ok" and "store" in f.message
+
+
+def test_an_optimizer_built_by_the_script_but_not_saved_is_an_error() -> None:
+    src = "import torch\nmodel = torch.nn.Linear(4, 4)\n\nopt = torch.optim.AdamW(model.parameters())\n"
+    f = one({"model": torch.nn.Linear(4, 4)}, "optimizer+scheduler", source=src)
+    assert f.severity == "error" and "line 4" in f.message and "torch.optim.AdamW" in f.message
+    assert one({"model": torch.nn.Linear(4, 4)}, "optimizer+scheduler", source="x = 1\n").severity == "ok"
+
+
+def test_a_state_dict_snapshot_instead_of_the_optimizer_is_an_error() -> None:
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    f = one({"model": model, "optim": opt.state_dict()}, "optimizer+scheduler")
+    assert f.severity == "error" and "optim is a copy" in f.message
+    f = one({"model": model, "optim": opt, "sched": sched.state_dict()}, "optimizer+scheduler")
+    assert f.severity == "error" and "sched is a copy" in f.message
+
+
+def test_a_seed_is_not_an_rng_state() -> None:
+    assert one({"config": {"rng_seed": 1234}}, "rng").severity == "warning"
+    assert one({"extra": {"torch_rng": torch.get_rng_state()}}, "rng").severity == "ok"
+
+
+def test_exports_under_rank_zero_are_not_checkpoint_errors() -> None:
+    src = ("import torch, numpy as np\nfor step in range(9):\n    mgr.save(step, state)\n"
+           "if dist.get_rank() == 0:\n    torch.save(model.state_dict(), 'final.pt')\n    np.save('e.npy', e)\n")
+    f = one({}, "all ranks save", source=src)
+    assert f.severity == "warning" and "line 5" in f.message and "line 6" not in f.message
+    src += "if rank == 0:\n    self.mgr.save(step, state)\n"
+    f = one({}, "all ranks save", source=src)
+    assert f.severity == "error" and "line 8" in f.message and "5" not in f.message
+
+
+def test_interval_finding_states_the_restart_it_assumed() -> None:
+    plan = make_plan(nodes=256, node_failures_per_day=0.0065, stall_s=30, restart_s=0, step_time_s=2)
+    f = one({}, "interval", save_policy=EveryNSteps(1), plan=plan)
+    assert f.severity == "warning" and "0s restart" in f.message
