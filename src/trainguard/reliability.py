@@ -98,7 +98,8 @@ def expected_wall_time(interval_s: Any, stall_s: float, restart_s: float, mtbf_s
 
     Works on floats and on numpy arrays of intervals.
     """
-    return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((np.asarray(interval_s) + stall_s) / mtbf_s)
+    with np.errstate(over="ignore"):  # e^(huge) is inf: the job never gets through (efficiency 0)
+        return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((np.asarray(interval_s) + stall_s) / mtbf_s)
 
 
 def efficiency(interval_s: Any, stall_s: float, restart_s: float, mtbf_s: float) -> Any:
@@ -111,14 +112,14 @@ def efficiency(interval_s: Any, stall_s: float, restart_s: float, mtbf_s: float)
 def optimal_interval(stall_s: float, mtbf_s: float) -> float:
     """The exact optimum of :func:`efficiency` (independent of the restart cost).
 
-    Solves ``e^{(tau+delta)/M} (tau/M - 1) + 1 = 0`` (the derivative's zero; its left side rises
-    monotonically from below 0 at ``tau=0`` to 1 at ``tau=M``) by bisection.
+    Solves ``e^{(tau+delta)/M} (tau/M - 1) + 1 = 0`` (the derivative's zero) by bisection, in the
+    form ``tau/M - 1 + e^{-(tau+delta)/M} = 0`` (same sign, no overflow when ``delta >> M``), whose
+    left side rises monotonically from below 0 at ``tau=0`` to above 0 at ``tau=M``.
     """
     lo, hi = 0.0, mtbf_s
     for _ in range(200):
         mid = 0.5 * (lo + hi)
-        u = mid / mtbf_s
-        h = math.expm1((mid + stall_s) / mtbf_s) * (u - 1.0) + u  # = e^a (u - 1) + 1, without cancellation
+        h = mid / mtbf_s + math.expm1(-(mid + stall_s) / mtbf_s)
         lo, hi = (mid, hi) if h < 0 else (lo, mid)
         if hi - lo <= 1e-12 * hi:
             break

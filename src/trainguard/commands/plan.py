@@ -72,6 +72,8 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         if item.isdigit():
+            if int(item) == 0:
+                raise click.UsageError("--every 0: an interval must be at least 1 step (or a duration > 0)")
             if step_time is None:
                 raise click.UsageError(f"--every {item} is in steps: give --step-time too (or write e.g. 30m)")
             out[f"every {int(item)} steps"] = int(item) * step_time
@@ -80,6 +82,8 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
                 out[f"every {item}"] = parse_duration(item)
             except ValueError as e:
                 raise click.UsageError(f"--every: {e}") from None
+            if not out[f"every {item}"] > 0:
+                raise click.UsageError(f"--every {item}: an interval must be a duration > 0")
     return out
 
 

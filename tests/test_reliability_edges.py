@@ -1,0 +1,32 @@
+"""Planner edge cases: a stall far beyond the job's MTBF, and zero intervals to compare."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+from click.testing import CliRunner
+
+from trainguard import reliability as rel
+from trainguard.commands.plan import plan_cmd
+
+
+def test_optimum_when_the_stall_dwarfs_the_mtbf() -> None:
+    # 10^6 nodes failing once a day: job MTBF 0.0864 s, a 30 s stall (delta/M ~ 350 and ~ 7000)
+    assert 0.99 * 0.0864 < rel.optimal_interval(30.0, 0.0864) < 0.0864
+    assert 0.99 * 0.004 < rel.optimal_interval(30.0, 0.004) < 0.004  # e^(7500) overflowed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no numpy overflow warning leaks to the user
+        assert rel.efficiency(60.0, 30.0, 600.0, 0.004) == 0.0
+    res = CliRunner().invoke(plan_cmd, ["--nodes", "20000000", "--node-failures-per-day", "1", "--save-stall", "30s",
+                                        "--restart", "10m", "--json"])
+    assert res.exit_code == 0, res.output
+    got = json.loads(res.output)
+    assert got["efficiency_at_optimum"] == 0.0 and got["p_failure_day"] == 1.0
+
+
+def test_every_zero_is_refused() -> None:
+    for every, step in (("0", ["--step-time", "1s"]), ("0s", []), ("10m,0", [])):
+        res = CliRunner().invoke(plan_cmd, ["--node-failures-per-day", "1", "--save-stall", "30s", "--restart", "1m",
+                                            "--every", every, *step])
+        assert res.exit_code == 2 and "--every" in res.output, (every, res.output)
