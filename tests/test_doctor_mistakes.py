@@ -63,3 +63,22 @@ def test_interval_finding_states_the_restart_it_assumed() -> None:
     plan = make_plan(nodes=256, node_failures_per_day=0.0065, stall_s=30, restart_s=0, step_time_s=2)
     f = one({}, "interval", save_policy=EveryNSteps(1), plan=plan)
     assert f.severity == "warning" and "0s restart" in f.message
+
+
+def test_a_stateful_object_of_the_users_own_may_hold_the_data_position() -> None:
+    class TokenStream:  # a resumable iterable dataset: not named *Sampler/*DataLoader
+        def state_dict(self) -> dict:
+            return {"offset": 0}
+
+        def load_state_dict(self, d: dict) -> None:
+            pass
+
+    f = one({"data": TokenStream()}, "data position")
+    assert f.severity == "warning" and "unless data (TokenStream)" in f.message
+    model = torch.nn.Linear(2, 2)  # modules, optimizers, schedulers, scalers are no data position
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt, "sched": torch.optim.lr_scheduler.StepLR(opt, 10),
+             "scaler": torch.amp.GradScaler("cpu")}
+    assert one(state, "data position").severity == "error"
+    state["loader"] = torch.utils.data.DataLoader(list(range(4)))  # a plain DataLoader stays an error
+    assert one(state | {"data": TokenStream()}, "data position").severity == "error"

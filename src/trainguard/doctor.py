@@ -188,6 +188,10 @@ def _data(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
     if counters and not plain:
         return Finding("data position", "warning", f"{why}; only a counter ({counters[0]}): a resume is exact "
                        "only if your loader skips ahead by exactly that much", fix)
+    own = [(p, x) for p, x in leaves if callable(getattr(x, "load_state_dict", None)) and not plain and not (
+        _is_optimizer(x) or _is_scheduler(x) or hasattr(x, "parameters") or _name(x) in ("RNGState", "GradScaler"))]
+    if own:  # a stateful object of the user's own (a resumable dataset/iterator) may well hold the position
+        return Finding("data position", "warning", f"{why}, unless {own[0][0]} ({_name(own[0][1])}) holds it", fix)
     return Finding("data position", "error", f"{why}: a resume replays or skips data", fix)
 
 
