@@ -1,4 +1,4 @@
-"""The examples in README.md and docs/checkpoints.md run as written."""
+"""The examples in README.md, docs/checkpoints.md and docs/data.md run as written."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def _blocks(doc: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/checkpoints.md"])
+@pytest.mark.parametrize("doc", ["README.md", "docs/checkpoints.md", "docs/data.md"])
 def test_python_examples_run(doc, tmp_path, monkeypatch):
     blocks = _blocks(doc)
     assert blocks

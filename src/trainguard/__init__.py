@@ -36,6 +36,7 @@ from .policies import (  # noqa: E402
     SavePolicy,
 )
 from .sampler import ResumableIterable, ResumableSampler  # noqa: E402
+from .seeded import SeededDataset  # noqa: E402
 from .stateful import RNGState, StateDict, Stateful  # noqa: E402
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RNGState",
     "ResumableSampler",
     "ResumableIterable",
+    "SeededDataset",
     "SavePolicy",
     "RetentionPolicy",
     "EveryNSteps",

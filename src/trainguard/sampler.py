@@ -12,7 +12,8 @@ tail padding below), in the order an uninterrupted run would have had.
 Who calls what, on every rank and in this order::
 
     sampler = tg.ResumableSampler(dataset, seed=0)      # rank/world from torch.distributed
-    loader = DataLoader(dataset, batch_size=b, sampler=sampler, num_workers=2)
+    loader = DataLoader(dataset, batch_size=b, sampler=sampler, num_workers=2,
+                        generator=torch.Generator())      # not the global RNG (docs/data.md)
     state["data"] = sampler                               # saved with the checkpoint (global)
     start = mgr.restore(state)
     while sampler.epoch < epochs:
@@ -69,6 +70,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     so lockstep data parallelism runs the same number of steps everywhere. Without
     ``drop_last`` an uneven tail is padded by wrapping around to the start of the epoch's order
     (as ``DistributedSampler`` does); :meth:`advance` counts only the ``R`` real samples.
+
+    ``with_epoch=True`` yields ``(index, epoch)`` pairs instead of indices, for
+    :class:`trainguard.SeededDataset` (random augmentation that a resume reproduces).
     """
 
     def __init__(
@@ -80,8 +84,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        with_epoch: bool = False,
     ) -> None:
         self.num_samples = data if isinstance(data, int) else len(data)
+        self.with_epoch = with_epoch  # yield (index, epoch) pairs, for tg.SeededDataset
         if self.num_samples < 1:
             raise ValueError("ResumableSampler: the dataset is empty")
         self.seed = int(seed)
@@ -115,14 +121,17 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         remaining = max(self.num_samples - self.position, 0)
         return remaining // world if self.drop_last else -(-remaining // world)
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[Any]:
         rank, world = self.rank_world
         order, n = self.order(), self.num_samples
         start, stop = self.position + rank, self.position + self._per_rank(world) * world
         mine = order[start : min(stop, n) : world]
         # Global indices past the end wrap to the epoch's beginning: the tail padding (< W in all).
         first_pad = start + len(mine) * world
-        return iter(mine + [order[(g - n) % n] for g in range(first_pad, stop, world)])
+        mine += [order[(g - n) % n] for g in range(first_pad, stop, world)]
+        if self.with_epoch:  # the key of tg.SeededDataset: its random draws depend on (seed, epoch, index)
+            return iter([(i, self.epoch) for i in mine])
+        return iter(mine)
 
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])

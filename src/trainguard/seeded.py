@@ -1,0 +1,65 @@
+"""``SeededDataset``: random data augmentation that a resume reproduces, with any number of
+DataLoader workers.
+
+``tg.RNGState`` restores the training process's generators, not those of DataLoader worker
+processes: torch seeds each worker from a base seed drawn when the loader's iterator is created,
+and a worker's draws depend on which batches it happened to get. A resumed run creates its
+iterator at another point and hands the batches to the workers from the resume point on, so
+augmentation drawn in ``__getitem__`` would differ from the uninterrupted run's.
+
+``SeededDataset`` makes every sample's draws a function of ``(seed, epoch, index)`` only: around
+each ``dataset[index]`` it seeds Python ``random``, NumPy's global generator and torch's CPU
+generator from that triple and restores them afterwards. The same sample of the same epoch is
+augmented the same way whatever the worker, the number of workers, or where the run resumed.
+The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(index, epoch)``::
+
+    sampler = tg.ResumableSampler(dataset, seed=0, with_epoch=True)
+    loader = DataLoader(tg.SeededDataset(dataset, seed=0), sampler=sampler, num_workers=2,
+                        generator=torch.Generator())
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class SeededDataset(torch.utils.data.Dataset):
+    """Wraps a map-style dataset; ``self[(index, epoch)]`` is ``dataset[index]`` computed with
+    Python ``random``, NumPy's global generator and torch's CPU generator seeded from
+    ``(seed, epoch, index)`` (the generators' previous states are restored afterwards, so the
+    caller's random stream is untouched when ``num_workers=0``)."""
+
+    def __init__(self, dataset: Any, *, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = int(seed)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def sample_seed(self, index: int, epoch: int) -> int:
+        """The 64-bit seed of one sample of one epoch."""
+        words = np.random.SeedSequence([self.seed % 2**64, int(epoch), int(index)]).generate_state(2, np.uint32)
+        return int(words[0]) | int(words[1]) << 32
+
+    def __getitem__(self, key: Any) -> Any:
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise TypeError(
+                f"SeededDataset got key {key!r}; it needs (index, epoch) keys: "
+                "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
+            )
+        index, epoch = key
+        seed = self.sample_seed(index, epoch)
+        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        try:
+            random.seed(seed)
+            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+            torch.manual_seed(seed)
+            return self.dataset[index]
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.set_rng_state(saved[2])
