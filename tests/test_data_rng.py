@@ -72,6 +72,17 @@ def test_seeded_dataset_is_independent_of_workers_and_keeps_the_callers_rng():
     assert all(torch.equal(a, b) for a, b in zip(in_process, in_workers, strict=True))
 
 
+def test_seeded_dataset_leaves_cuda_generators_alone(monkeypatch):
+    """Only the CPU generator is seeded (and restored): torch.manual_seed would also reseed every
+    CUDA device, whose state SeededDataset does not restore (dropout on the GPU with
+    num_workers=0 would then draw from the sample's seed)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(seed))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(seed))
+    first = tg.SeededDataset(Augmented(), seed=3)[(5, 1)]
+    assert calls == [] and torch.equal(first, tg.SeededDataset(Augmented(), seed=3)[(5, 1)])
+
+
 def test_seeded_dataset_refuses_plain_indices():
     with pytest.raises(TypeError, match="with_epoch=True"):
         tg.SeededDataset(Augmented())[3]

@@ -57,7 +57,7 @@ class SeededDataset(torch.utils.data.Dataset):
         try:
             random.seed(seed)
             np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed every CUDA device too
             return self.dataset[index]
         finally:
             random.setstate(saved[0])
