@@ -1,10 +1,11 @@
-"""Planner edge cases: a stall far beyond the job's MTBF, and zero intervals to compare."""
+"""Planner edge cases: a stall far beyond the job's MTBF, zero intervals to compare, CLI error wording."""
 
 from __future__ import annotations
 
 import json
 import warnings
 
+import pytest
 from click.testing import CliRunner
 
 from trainguard import reliability as rel
@@ -30,3 +31,16 @@ def test_every_zero_is_refused() -> None:
         res = CliRunner().invoke(plan_cmd, ["--node-failures-per-day", "1", "--save-stall", "30s", "--restart", "1m",
                                             "--every", every, *step])
         assert res.exit_code == 2 and "--every" in res.output, (every, res.output)
+
+
+def test_cli_errors_name_the_options_not_python_parameters() -> None:
+    cases = [("--node-mtbf 0 --save-stall 30s --restart 1m", "--node-mtbf 0s", "node_mtbf_s"),
+             ("--node-failures-per-day -1 --save-stall 30s --restart 1m", "--node-failures-per-day -1",
+              "node_failures_per_day"),
+             ("--node-failures-per-day 1 --save-stall 0s --restart 1m", "--save-stall 0s", "stall_s"),
+             ("--node-failures-per-day 1 --save-stall 30s --restart 1m --step-time 0", "--step-time 0s", "step_time_s")]
+    for args, want, internal in cases:
+        res = CliRunner().invoke(plan_cmd, args.split())
+        assert res.exit_code == 2 and want in res.output and internal not in res.output, (args, res.output)
+    with pytest.raises(ValueError, match="stall_s=0"):  # the Python API keeps its parameter names
+        rel.make_plan(nodes=1, node_failures_per_day=1, stall_s=0, restart_s=0)

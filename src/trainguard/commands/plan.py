@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -62,9 +63,28 @@ def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: floa
                          stall_s=save_stall, restart_s=restart, step_time_s=step_time,
                          gpus_per_node=gpus_per_node, intervals=intervals)
     except ValueError as e:
-        raise click.UsageError(str(e)) from None
+        raise click.UsageError(_as_options(str(e))) from None
     except OverflowError:
         raise click.UsageError("the inputs are out of range (a rate or duration too large to compute with)") from None
+
+
+# make_plan's parameter -> the option that sets it (durations are printed back as durations)
+_OPTIONS = {"node_failures_per_day": "--node-failures-per-day", "node_mtbf_s": "--node-mtbf",
+            "stall_s": "--save-stall", "restart_s": "--restart", "step_time_s": "--step-time", "nodes": "--nodes"}
+
+
+def _as_options(message: str) -> str:
+    """make_plan's ``stall_s=0.0: ...`` as the CLI says it: ``--save-stall 0s: ...``."""
+    def option(m: re.Match[str]) -> str:
+        name, value = m.group(1), m.group(2)
+        if name.endswith("_s"):
+            try:
+                value = format_duration(float(value))
+            except ValueError:
+                pass
+        return f"{_OPTIONS[name]} {value}"
+
+    return re.sub(r"\b(" + "|".join(_OPTIONS) + r")=([^\s:]+)", option, message)
 
 
 def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
