@@ -168,7 +168,7 @@ def test_plan_cli_tables_and_plot(tmp_path: Path) -> None:
     out = tmp_path / "eff.png"
     res = CliRunner().invoke(plan_cmd, shlex.split(EXAMPLE + f" --every 500 --plot {out}"), terminal_width=120)
     assert res.exit_code == 0, res.output
-    assert "Daly (optimum)" in res.output and "every 500 steps" in res.output and "873" in res.output
+    assert "optimum (exact)" in res.output and "Daly (estimate)" in res.output and "every 500 steps" in res.output and "873" in res.output
     assert "81.1%" in res.output  # P(>= 1 failure) per day
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 

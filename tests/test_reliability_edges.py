@@ -44,3 +44,19 @@ def test_cli_errors_name_the_options_not_python_parameters() -> None:
         assert res.exit_code == 2 and want in res.output and internal not in res.output, (args, res.output)
     with pytest.raises(ValueError, match="stall_s=0"):  # the Python API keeps its parameter names
         rel.make_plan(nodes=1, node_failures_per_day=1, stall_s=0, restart_s=0)
+
+
+def test_text_output_shows_the_exact_optimum_and_advises_when_it_is_hopeless() -> None:
+    # 1000 nodes failing once a day: job MTBF 86.4 s; a 3 min stall (>= 2 MTBF): Daly says 86.4 s,
+    # the exact optimum is 82.2 s (1.37m), and even there almost nothing gets done
+    args = "--nodes 1000 --node-failures-per-day 1 --save-stall 3m --restart 10m".split()
+    res = CliRunner().invoke(plan_cmd, args, terminal_width=200)
+    assert res.exit_code == 0, res.output
+    rows = {line.split("│")[1].strip(): line for line in res.output.splitlines() if line.count("│") > 3}
+    assert "1.37m" in rows["optimum (exact)"] and "1.44m" in rows["Daly (estimate)"]
+    assert "Daly (optimum)" not in res.output
+    assert "1,000" in res.output and "e+" not in res.output  # expected failures per day
+    assert "async saves" in res.output and "RAM tier" in res.output and "fewer nodes" in res.output
+    res = CliRunner().invoke(plan_cmd, "--nodes 256 --node-failures-per-day 0.0065 --save-stall 30s --restart 10m"
+                             .split(), terminal_width=200)
+    assert res.exit_code == 0 and "fewer nodes" not in res.output and "1.66" in res.output

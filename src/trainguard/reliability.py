@@ -314,9 +314,10 @@ def plot_plan(plan: Plan, path: str) -> None:
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     ax.plot(xs / 60, 100 * efficiency(xs, plan.stall_s, plan.restart_s, plan.job_mtbf_s), color="C0")
-    e = plan.efficiency_at_daly
-    ax.axvline(plan.daly_interval_s / 60, color="C1", ls="--", lw=1)
-    ax.plot([plan.daly_interval_s / 60], [100 * e], "o", color="C1", label=f"Daly optimum ({100 * e:.2f}%)")
+    e = plan.efficiency_at_optimum
+    ax.axvline(opt / 60, color="C1", ls="--", lw=1)
+    ax.plot([opt / 60], [100 * e], "o", color="C1", label=f"optimum ({100 * e:.2f}%)")
+    ax.plot([plan.daly_interval_s / 60], [100 * plan.efficiency_at_daly], "v", color="C8", label="Daly's estimate")
     ax.plot([plan.young_interval_s / 60], [100 * plan.efficiency_at_young], "^", color="C2", label="Young")
     for i, r in enumerate(plan.rows):
         ax.plot([r.interval_s / 60], [100 * r.efficiency], "s", color=f"C{3 + i % 7}",

@@ -136,6 +136,9 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
     _print_plan(p, plot)
 
 
+HOPELESS = 0.5  # below this efficiency at the optimum, plan says what to change instead of the interval
+
+
 def _pct(p: float) -> str:
     return f"{100 * p:.1f}%" if p < 0.995 else f"{100 * p:.6g}%"
 
@@ -147,14 +150,16 @@ def _print_plan(p: Plan, plot: str | None) -> None:
               f"/ {p.nodes} nodes)")
     t.add_row("P(>= 1 failure) per day", _pct(p.p_failure_day))
     t.add_row("P(>= 1 failure) per week", _pct(p.p_failure_week))
-    t.add_row("expected failures per day", f"{86400 / p.job_mtbf_s:.3g}")
+    per_day = 86400 / p.job_mtbf_s
+    t.add_row("expected failures per day", f"{per_day:,.0f}" if per_day >= 100 else f"{per_day:.3g}")
     con.print(t)
     t = Table(title=f"Save interval (stall {format_duration(p.stall_s)}, restart {format_duration(p.restart_s)})")
     for col in ("interval", "compute between saves", "steps", "efficiency", "GPU-hours lost / day"):
         t.add_column(col, justify="left" if col == "interval" else "right")
     gpus = p.nodes * p.gpus_per_node * 24.0
     rows = [("Young (first order)", p.young_interval_s, p.efficiency_at_young),
-            ("Daly (optimum)", p.daly_interval_s, p.efficiency_at_daly)]
+            ("Daly (estimate)", p.daly_interval_s, p.efficiency_at_daly),
+            ("optimum (exact)", p.optimal_interval_s, p.efficiency_at_optimum)]
     rows += [(r.label, r.interval_s, r.efficiency) for r in p.rows]
     for label, tau, e in rows:
         steps = p.steps(tau)
@@ -163,6 +168,12 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     con.print(t)
     con.print("Efficiency = useful time / wall time, from the exact expected time "
               "M·e^(R/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006); see docs/planning.md.")
+    if p.efficiency_at_optimum < HOPELESS:
+        verb = "exceed" if max(p.stall_s, p.restart_s) >= p.job_mtbf_s else "approach"
+        con.print(f"Even at the optimum only {100 * p.efficiency_at_optimum:.2f}% of the time is useful: the save "
+                  f"stall ({format_duration(p.stall_s)}) and restart ({format_duration(p.restart_s)}) {verb} the "
+                  f"job MTBF ({format_duration(p.job_mtbf_s)}). Cut the stall with async saves (only their blocking "
+                  "part counts) or a RAM tier (ram_tier=True), shorten the restart, or run on fewer nodes.")
     if plot:
         con.print(f"plot written to {plot}")
 
