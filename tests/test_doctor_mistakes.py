@@ -82,3 +82,31 @@ def test_a_stateful_object_of_the_users_own_may_hold_the_data_position() -> None
     assert one(state, "data position").severity == "error"
     state["loader"] = torch.utils.data.DataLoader(list(range(4)))  # a plain DataLoader stays an error
     assert one(state | {"data": TokenStream()}, "data position").severity == "error"
+
+
+def test_a_step_policy_without_a_step_time_says_it_was_not_checked() -> None:
+    plan = make_plan(nodes=256, node_failures_per_day=0.0065, stall_s=30, restart_s=600)  # no step time
+    f = one({}, "interval", save_policy=EveryNSteps(1), plan=plan)
+    assert f.severity == "info" and "not checked" in f.message and "step time" in f.message
+    assert "--step-time" in f.fix and "29.1m" in f.message  # the optimum it would compare with
+
+
+def test_a_dict_manager_without_save_has_the_managers_default_policy() -> None:
+    from trainguard.doctor import doctor
+
+    plan = make_plan(nodes=256, node_failures_per_day=0.0065, stall_s=30, restart_s=600, step_time_s=2)
+    (f,) = [f for f in doctor({}, {"root": "/tmp/x"}, plan=plan, source=None) if f.check == "interval"]
+    assert f.severity == "ok" and "every 1000 steps" in f.message  # CheckpointManager's EveryNSteps(1000)
+
+
+def test_doctor_cli_shows_info_findings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import doctor_cmd
+
+    script = tmp_path / "train.py"
+    script.write_text("import trainguard.policies as pol\n\ndef trainguard_state():\n"
+                      "    return {}, {'root': 's3://b/r', 'save': pol.EveryNSteps(1)}\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--node-failures-per-day", "1", "--save-stall", "30s"],
+                             terminal_width=200)
+    assert "info" in res.output and "--step-time" in res.output, res.output

@@ -33,7 +33,8 @@ _EPHEMERAL = {"tmpfs": "tmpfs (RAM): gone at reboot, and it eats host memory",
 
 @dataclass(frozen=True)
 class Finding:
-    """One check's verdict. ``severity`` is ``"error"``, ``"warning"`` or ``"ok"``."""
+    """One check's verdict. ``severity`` is ``"error"``, ``"warning"``, ``"ok"``, or ``"info"``: the check
+    applies but lacks an input to decide (the message says which)."""
 
     check: str
     severity: str
@@ -81,6 +82,11 @@ def settings_from(manager: Any = None, **overrides: Any) -> Settings:
         s.root = None if root is None else os.fspath(root)
         s.save_policy = get("save_policy") if get("save_policy") is not None else get("save")
         s.keep, s.async_save = get("keep"), bool(get("async_save"))
+        if isinstance(manager, Mapping):  # a dict of settings: what it leaves out is CheckpointManager's default
+            from .policies import EveryNSteps, KeepLatest
+
+            s.save_policy = EveryNSteps(1000) if s.save_policy is None else s.save_policy
+            s.keep = KeepLatest(3) if s.keep is None else s.keep
         for name in ("plan", "amp", "backend"):
             if get(name) is not None:
                 setattr(s, name, get(name))
@@ -269,7 +275,13 @@ def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return Finding("interval", "ok", "DalyInterval adapts the interval to the measured stall and step time")
     if plan is None:
         return None
-    if isinstance(getattr(pol, "n", None), int) and plan.step_time_s:
+    if isinstance(getattr(pol, "n", None), int) and not plan.step_time_s:
+        return Finding("interval", "info", f"not checked: {pol!r} counts steps and the plan has no step time "
+                       f"(for a {format_duration(plan.stall_s)} stall and a job MTBF of "
+                       f"{format_duration(plan.job_mtbf_s)} the optimum is {format_duration(plan.optimal_interval_s)} "
+                       "of compute)", "give the step time to compare: trainguard doctor --step-time 2s, "
+                       "or make_plan(step_time_s=...)")
+    if isinstance(getattr(pol, "n", None), int):
         cur, what = pol.n * plan.step_time_s, f"every {pol.n} steps ({format_duration(pol.n * plan.step_time_s)})"
     elif isinstance(getattr(pol, "seconds", None), (int, float)):
         cur, what = float(pol.seconds), f"every {format_duration(pol.seconds)}"

@@ -208,7 +208,7 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         t = Table(title=f"trainguard doctor {script}")
         for col in ("check", "status", "finding", "fix"):
             t.add_column(col, overflow="fold")
-        style = {"error": "bold red", "warning": "yellow", "ok": "green"}
+        style = {"error": "bold red", "warning": "yellow", "ok": "green", "info": "cyan"}
         for f in findings:
             t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
         Console().print(t)
