@@ -110,3 +110,16 @@ def test_doctor_cli_shows_info_findings(tmp_path) -> None:  # type: ignore[no-un
     res = CliRunner().invoke(doctor_cmd, [str(script), "--node-failures-per-day", "1", "--save-stall", "30s"],
                              terminal_width=200)
     assert "info" in res.output and "--step-time" in res.output, res.output
+
+
+def test_retention_is_probed_with_the_steps_the_save_policy_produces() -> None:
+    from trainguard.policies import KeepEvery, KeepLatest
+
+    # saves every 1000 steps, KeepEvery(1000) keeps them all: not "0 of 20"
+    assert one({}, "retention", keep=KeepEvery(1000), save_policy=EveryNSteps(1000)).severity == "ok"
+    assert one({}, "retention", keep=KeepEvery(500), save_policy=EveryNSteps(1000)).severity == "ok"
+    # KeepEvery(10_000) with saves every 1000: between multiples only the newest is left
+    f = one({}, "retention", keep=KeepEvery(10_000), save_policy=EveryNSteps(1000))
+    assert f.severity == "error" and "keeps 1 of" in f.message
+    assert one({}, "retention", keep=KeepLatest(2) | KeepEvery(10_000), save_policy=EveryNSteps(1000)).severity == "ok"
+    assert one({}, "retention", keep=KeepEvery(1000)).severity == "error"  # unknown save steps: as before

@@ -250,17 +250,21 @@ def _retention(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None
     parts = [keep, *getattr(keep, "policies", ())]
     ones = [p for p in parts if getattr(p, "n", None) == 1 and not hasattr(p, "metric")]
-    kept = None
+    n = getattr(s.save_policy, "n", None)
+    n = n if isinstance(n, int) and n > 0 else None
+    steps = [n * k if n else 1009 * k + 7 for k in range(1, 21)]  # what the save policy produces, or any
+    kept, of = None, 0
     if callable(getattr(keep, "select", None)):
         from .policies import CheckpointInfo
 
-        infos = [CheckpointInfo(step=1009 * k + 7, created=float(k)) for k in range(1, 21)]
-        try:
-            kept = len(keep.select(infos))
+        infos = [CheckpointInfo(step=st, created=float(k)) for k, st in enumerate(steps)]
+        try:  # after each save the manager keeps the selection and the newest: the fewest, from two saves on
+            kept, of = min((len(set(keep.select(infos[:i])) | {steps[i - 1]}), i) for i in range(2, 21))
         except Exception:  # a custom policy that needs metrics: judge by its attributes only
             kept = None
     if ones or (kept is not None and kept < 2):
-        what = f"{ones[0]!r} keeps one checkpoint" if ones else f"{keep!r} keeps {kept} of 20 checkpoints"
+        saved = f" saved every {n} steps" if n else ""
+        what = f"{ones[0]!r} keeps one checkpoint" if ones else f"{keep!r} keeps {kept} of {of} checkpoints{saved}"
         return Finding("retention", "error", f"{what}: when the newest is incomplete or corrupt, "
                        "there is nothing to fall back to", "keep at least two recent ones: keep=tg.KeepLatest(2) "
                        "(combine with | KeepEvery/KeepBest for long-term copies)")
