@@ -123,3 +123,19 @@ def test_retention_is_probed_with_the_steps_the_save_policy_produces() -> None:
     assert f.severity == "error" and "keeps 1 of" in f.message
     assert one({}, "retention", keep=KeepLatest(2) | KeepEvery(10_000), save_policy=EveryNSteps(1000)).severity == "ok"
     assert one({}, "retention", keep=KeepEvery(1000)).severity == "error"  # unknown save steps: as before
+
+
+def test_rank_zero_saves_written_as_not_rank_or_an_else_branch_are_seen() -> None:
+    cases = {"if not rank:\n    mgr.save(step, state)\n": "line 2",
+             "if not dist.get_rank():\n    x = 1\n    mgr.save(step, state)\n": "line 3",
+             "if rank != 0:\n    pass\nelse:\n    mgr.save(step, state)\n": "line 4",
+             "if dist.get_rank() > 0:\n    wait()\nelif step % 10 == 0:\n    mgr.save(step, state)\n": "line 4",
+             "if not is_main_process:\n    pass\nelse:\n    mgr.save(step, state)\n": "line 4"}
+    for src, line in cases.items():
+        f = one({}, "all ranks save", source=src)
+        assert f.severity == "error" and line in f.message, (src, f)
+    fine = ["if rank != 0:\n    mgr.save(step, state)\n",  # other ranks only: not this mistake
+            "if not (rank == 0):\n    mgr.save(step, state)\nelse:\n    print(1)\n",  # was taken for rank 0
+            "if rank == 0:\n    print('saving')\nelse:\n    pass\nmgr.save(step, state)\n"]
+    for src in fine:
+        assert one({}, "all ranks save", source=src).severity == "ok", src

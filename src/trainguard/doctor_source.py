@@ -25,8 +25,9 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None
     calls: list[ast.Call] = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and _is_rank_zero(node.test):
-            calls += _calls(None, _SAVE_CALLS, ast.Module(body=node.body, type_ignores=[]))
+        if isinstance(node, ast.If) and (zero := _rank_zero(node.test)) is not None:
+            branch = node.body if zero else node.orelse  # `if rank != 0: ... else: save()`: the else
+            calls += _calls(None, _SAVE_CALLS, ast.Module(body=branch, type_ignores=[]))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, _SAVE_CALLS, node)
@@ -51,15 +52,36 @@ def _receiver(call: ast.Call) -> str | None:
     return v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
 
 
-def _is_rank_zero(test: ast.expr) -> bool:
-    for n in ast.walk(test):
-        if isinstance(n, ast.Compare) and any(isinstance(o, (ast.Eq, ast.Is)) for o in n.ops):
-            sides = [n.left, *n.comparators]
-            if any(isinstance(x, ast.Constant) and x.value == 0 for x in sides) and \
-                    any("rank" in ast.unparse(x).lower() for x in sides):
-                return True
-        if isinstance(n, ast.Name) and n.id in _RANK_ZERO_FLAGS:
+def _rank_zero(test: ast.expr) -> bool | None:
+    """True if ``test`` holds on rank 0 only (``rank == 0``, ``not rank``, ``is_main_process``), False if
+    it fails on rank 0 only (``rank != 0``, ``rank > 0``, ``not is_main_process``), else None."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _rank_zero(test.operand)
+        return (not inner) if inner is not None else (True if _mentions_rank(test.operand) else None)
+    if isinstance(test, ast.BoolOp):
+        parts = [_rank_zero(v) for v in test.values]
+        if True in parts:  # `rank == 0 and ...`; `rank == 0 or step % 100 == 0`: rank 0 saves more often
             return True
-        if isinstance(n, ast.Attribute) and n.attr in _RANK_ZERO_FLAGS:
+        return False if isinstance(test.op, ast.Or) and False in parts else None  # `rank != 0 or ...`: else
+    if isinstance(test, ast.Compare):
+        if len(test.ops) != 1:
+            return None
+        (op,), left, right = test.ops, test.left, test.comparators[0]
+        zero = [isinstance(x, ast.Constant) and x.value == 0 and x.value is not False for x in (left, right)]
+        if not any(zero) or not (_mentions_rank(left) or _mentions_rank(right)):
+            return None
+        if isinstance(op, (ast.Eq, ast.Is)):
             return True
-    return False
+        if isinstance(op, (ast.NotEq, ast.IsNot)) or (isinstance(op, ast.Gt) and zero[1]) or (
+                isinstance(op, ast.Lt) and zero[0]):
+            return False
+        return None
+    f = test.func if isinstance(test, ast.Call) else test  # is_main_process, acc.is_main_process, is_rank_zero()
+    if (isinstance(f, ast.Name) and f.id in _RANK_ZERO_FLAGS) or (
+            isinstance(f, ast.Attribute) and f.attr in _RANK_ZERO_FLAGS):
+        return True
+    return None
+
+
+def _mentions_rank(x: ast.expr) -> bool:
+    return not isinstance(x, ast.Constant) and "rank" in ast.unparse(x).lower()
