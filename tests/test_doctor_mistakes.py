@@ -139,3 +139,26 @@ def test_rank_zero_saves_written_as_not_rank_or_an_else_branch_are_seen() -> Non
             "if rank == 0:\n    print('saving')\nelse:\n    pass\nmgr.save(step, state)\n"]
     for src in fine:
         assert one({}, "all ranks save", source=src).severity == "ok", src
+
+
+STAGED = """\
+import trainguard as tg
+mgr = tg.CheckpointManager("ckpts", async_save=True,
+                           stage_in_background=True)
+for step in range(100):
+    loss = model(x).sum()
+    h = mgr.save(step, state)
+"""
+
+
+def test_stage_in_background_without_wait_staged_is_an_error() -> None:
+    f = one({}, "background staging", source=STAGED)
+    assert f.severity == "error" and "line 2" in f.message and "wait_staged()" in f.fix
+    ok = STAGED + "    if h is not None:\n        h.wait_staged()\n"
+    assert one({}, "background staging", source=ok).severity == "ok"
+    # the manager's setting counts too; without stage_in_background (or without source) nothing to check
+    f = one({}, "background staging", source="mgr.save(1, state)\n", stage_in_background=True)
+    assert f.severity == "error"
+    assert [f.check for f in check({}, Settings(source=STAGED.replace("True", "False")))
+            if f.check == "background staging"] == []
+    assert [f.check for f in check({}, Settings(stage_in_background=True)) if f.check == "background staging"] == []

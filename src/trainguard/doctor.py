@@ -50,6 +50,7 @@ class Settings:
     save_policy: Any = None
     keep: Any = None  # the retention policy
     async_save: bool = False
+    stage_in_background: bool = False  # async saves copy tensors after save() returns (docs/async.md)
     plan: Plan | None = None  # from reliability.make_plan: stall, step time, failure rate
     amp: str | bool | None = None  # "float16" / True, "bfloat16", False; None: detect
     backend: str | None = None  # default process group backend; None: ask torch.distributed
@@ -82,6 +83,7 @@ def settings_from(manager: Any = None, **overrides: Any) -> Settings:
         s.root = None if root is None else os.fspath(root)
         s.save_policy = get("save_policy") if get("save_policy") is not None else get("save")
         s.keep, s.async_save = get("keep"), bool(get("async_save"))
+        s.stage_in_background = bool(get("stage_in_background"))
         if isinstance(manager, Mapping):  # a dict of settings: what it leaves out is CheckpointManager's default
             from .policies import EveryNSteps, KeepLatest
 
@@ -101,10 +103,10 @@ def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
     if not isinstance(state, Mapping):
         raise TypeError(f"the state must be a dict of named objects, got {type(state).__name__}")
     leaves = list(_walk(state))
-    from .doctor_source import single_rank
+    from .doctor_source import single_rank, staging
 
     checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
-        _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, single_rank]
+        _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, staging, single_rank]
     return [f for c in checks if (f := c(leaves, settings)) is not None]
 
 

@@ -1,7 +1,8 @@
 """The doctor's checks that read the training script's source (:mod:`trainguard.doctor` runs them).
 
-Static, on the script's text only (``Settings.source``): a save that only rank 0 reaches. Each
-check returns ``None`` when there is no source to read.
+Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
+``wait_staged()`` anywhere, and a save that only rank 0 reaches. Each check returns ``None`` when
+there is no source to read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,31 @@ from .doctor import Finding, Settings, _calls
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
 _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json"}  # not checkpoints
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
+
+
+def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """docs/async.md: with ``stage_in_background=True`` the caller must wait for ``handle.wait_staged()``."""
+    if s.source is None:
+        return None
+    try:
+        tree = ast.parse(s.source)
+    except SyntaxError:
+        return None
+    on = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and any(
+        k.arg == "stage_in_background" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+        for k in n.keywords)]
+    if not on and not s.stage_in_background:
+        return None
+    where = f"stage_in_background=True (line {on[0].lineno})" if on else "the manager's stage_in_background=True"
+    if waits := next(_calls(None, {"wait_staged"}, tree), None):
+        return Finding("background staging", "ok", f"{where}; the script waits for staging (line {waits.lineno}: "
+                       f"{ast.unparse(waits)})")
+    return Finding("background staging", "error", f"{where} but the script never calls wait_staged(): the save "
+                   "thread copies the tensors after save() returns, so the next forward (module buffers) or any "
+                   "in-place update outside optimizer.step() can change them mid-copy, a torn checkpoint that "
+                   "nothing detects", "keep the handle, h = mgr.save(step, state), and call h.wait_staged() before "
+                   "anything writes into a tensor of the state (the next forward included), or drop "
+                   "stage_in_background=True")
 
 
 def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
