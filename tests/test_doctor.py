@@ -57,7 +57,7 @@ def one(state: dict[str, Any], name: str, **settings: Any) -> Finding | None:
 
 def test_good_state_is_clean() -> None:
     findings = check(good_state(), Settings())
-    assert {f.check for f in findings} == {"optimizer+scheduler", "rng", "data position", "amp", "async"}
+    assert {f.check for f in findings} == {"model", "optimizer+scheduler", "rng", "data position", "amp", "async"}
     assert all(f.severity == "ok" for f in findings), findings
 
 

@@ -162,3 +162,23 @@ def test_stage_in_background_without_wait_staged_is_an_error() -> None:
     assert [f.check for f in check({}, Settings(source=STAGED.replace("True", "False")))
             if f.check == "background staging"] == []
     assert [f.check for f in check({}, Settings(stage_in_background=True)) if f.check == "background staging"] == []
+
+
+def test_a_state_without_a_model_is_an_error() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    f = one({"optim": opt, "rng": torch.get_rng_state(), "step": 3}, "model")  # an RNG tensor is no model
+    assert f.severity == "error" and 'state["model"] = model' in f.fix
+    assert one({"model": model, "optim": opt}, "model").severity == "ok"
+    assert one({"weights": model.state_dict()}, "model").severity == "ok"  # tensors count
+    assert one({"nets": [model]}, "model").severity == "ok"
+
+    class Engine:  # a stateful object of the user's own may hold the weights
+        def state_dict(self) -> dict:
+            return {}
+
+        def load_state_dict(self, d: dict) -> None:
+            pass
+
+    f = one({"engine": Engine(), "optim": opt}, "model")
+    assert f.severity == "warning" and "engine (Engine)" in f.message

@@ -106,7 +106,7 @@ def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
     from .doctor_source import single_rank, staging
 
     checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
-        _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, staging, single_rank]
+        _model, _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, staging, single_rank]
     return [f for c in checks if (f := c(leaves, settings)) is not None]
 
 
@@ -134,6 +134,27 @@ def _is_optimizer(x: Any) -> bool:
 def _is_scheduler(x: Any) -> bool:
     return hasattr(x, "optimizer") and callable(getattr(x, "state_dict", None)) and (
         hasattr(x, "last_epoch") or hasattr(x, "get_last_lr") or "Scheduler" in _name(x))
+
+
+def _own_stateful(leaves: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Objects with load_state_dict that are no module, optimizer, scheduler, RNG state or scaler."""
+    return [(p, x) for p, x in leaves if callable(getattr(x, "load_state_dict", None)) and not (
+        _is_optimizer(x) or _is_scheduler(x) or hasattr(x, "parameters") or _name(x) in ("RNGState", "GradScaler"))]
+
+
+def _model(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
+    import torch
+
+    found = [(p, x) for p, x in leaves if isinstance(x, torch.nn.Module)] or [
+        (p, x) for p, x in leaves if isinstance(x, torch.Tensor) and "rng" not in p.lower()]
+    if found:
+        return Finding("model", "ok", f"model weights saved ({found[0][0]}: {_name(found[0][1])})")
+    own = [(p, x) for p, x in _own_stateful(leaves) if "Sampler" not in _name(x) and "DataLoader" not in _name(x)]
+    why = "no nn.Module and no tensor in the state"
+    fix = 'add the model: state["model"] = model'
+    if own:
+        return Finding("model", "warning", f"{why}, unless {own[0][0]} ({_name(own[0][1])}) holds the weights", fix)
+    return Finding("model", "error", f"{why}: a resume starts from the initial weights", fix)
 
 
 def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
@@ -196,8 +217,7 @@ def _data(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
     if counters and not plain:
         return Finding("data position", "warning", f"{why}; only a counter ({counters[0]}): a resume is exact "
                        "only if your loader skips ahead by exactly that much", fix)
-    own = [(p, x) for p, x in leaves if callable(getattr(x, "load_state_dict", None)) and not plain and not (
-        _is_optimizer(x) or _is_scheduler(x) or hasattr(x, "parameters") or _name(x) in ("RNGState", "GradScaler"))]
+    own = [] if plain else _own_stateful(leaves)
     if own:  # a stateful object of the user's own (a resumable dataset/iterator) may well hold the position
         return Finding("data position", "warning", f"{why}, unless {own[0][0]} ({_name(own[0][1])}) holds it", fix)
     return Finding("data position", "error", f"{why}: a resume replays or skips data", fix)
