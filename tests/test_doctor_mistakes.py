@@ -182,3 +182,15 @@ def test_a_state_without_a_model_is_an_error() -> None:
 
     f = one({"engine": Engine(), "optim": opt}, "model")
     assert f.severity == "warning" and "engine (Engine)" in f.message
+
+
+def test_a_dataloader_without_its_own_generator_is_a_warning() -> None:
+    """docs/data.md: a DataLoader without generator= draws its base seed from the global torch
+    generator at each iterator start; a resume draws it elsewhere in the stream (dropout differs)."""
+    bare = "from torch.utils.data import DataLoader\nloader = DataLoader(ds, batch_size=4, sampler=s)\n"
+    f = one({}, "data randomness", source=bare)
+    assert f.severity == "warning" and "line 2" in f.message and "generator=torch.Generator()" in f.fix
+    own = "import torch\nloader = torch.utils.data.DataLoader(ds, generator=torch.Generator())\n"
+    assert one({}, "data randomness", source=own).severity == "ok"
+    assert one({}, "data randomness", source="loader = DataLoader(ds, **kw)\n").severity == "ok"
+    assert [f for f in check({}, Settings(source="x = 1\n")) if f.check == "data randomness"] == []

@@ -1,7 +1,8 @@
 """The doctor's checks that read the training script's source (:mod:`trainguard.doctor` runs them).
 
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
-``wait_staged()`` anywhere, and a save that only rank 0 reaches. Each check returns ``None`` when
+``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=``, and a save that only
+rank 0 reaches. Each check returns ``None`` when
 there is no source to read.
 """
 
@@ -40,6 +41,30 @@ def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                    "nothing detects", "keep the handle, h = mgr.save(step, state), and call h.wait_staged() before "
                    "anything writes into a tensor of the state (the next forward included), or drop "
                    "stage_in_background=True")
+
+
+def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """docs/data.md, "Randomness in the data pipeline": a DataLoader without ``generator=`` draws
+    its base seed from the global torch generator each time its iterator starts."""
+    if s.source is None:
+        return None
+    try:
+        tree = ast.parse(s.source)
+    except SyntaxError:
+        return None
+    loaders = list(_calls(None, {"DataLoader"}, tree))
+    if not loaders:
+        return None
+    # A **kwargs may carry generator=: not reported.
+    bare = [c for c in loaders if not any(k.arg in ("generator", None) for k in c.keywords)]
+    if not bare:
+        return Finding("data randomness", "ok", f"the DataLoader has its own generator (line {loaders[0].lineno})")
+    lines = ", ".join(str(c.lineno) for c in bare)
+    return Finding("data randomness", "warning", f"DataLoader without generator= (line {lines}): each time its "
+                   "iterator starts (every epoch, and once after a restore) it draws a seed from the global torch "
+                   "generator; a resumed run draws it at another point of that stream, so dropout and every later "
+                   "draw differ from the uninterrupted run", "DataLoader(..., generator=torch.Generator()); for "
+                   "augmentation drawn in workers see tg.SeededDataset (docs/data.md)")
 
 
 def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
