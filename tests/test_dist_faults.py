@@ -176,3 +176,25 @@ def test_a_store_whose_host_died_gives_rank_failure_error(tmp_path: Path) -> Non
         if host.poll() is None:
             host.kill()
             host.wait(timeout=30)
+
+
+def unshared_group(rank: int, world: int, root: str) -> dict:
+    """Each rank resolves the relative run directory in its own working directory: what node-local
+    disks (or ranks launched in different directories) look like to trainguard."""
+    own = Path(root) / f"node{rank}"
+    own.mkdir(parents=True, exist_ok=True)
+    os.chdir(own)
+    out = _attempt(lambda: tg.save("ckpts/step-000000001", make_state()))
+    out["left"] = sorted(p.name for p in (own / "ckpts").iterdir()) if (own / "ckpts").exists() else []
+    return out
+
+
+def test_a_run_directory_that_ranks_do_not_share_is_refused(tmp_path: Path) -> None:
+    res = run_ranks(unshared_group, 2, str(tmp_path), timeout=120, env=ENV)
+    for r in res:
+        assert r.value["type"] == "CheckpointError", r.value
+        assert "rank 1 wrote and fsynced data-00001.bin" in r.value["msg"]
+        assert "storage every rank shares" in r.value["msg"] and "absolute path" in r.value["msg"]
+    # Rank 0 committed nothing: no step directory, and its temp directory is gone.
+    assert res[0].value["left"] == []
+    assert not list((tmp_path / "node0").rglob("manifest.json"))

@@ -22,7 +22,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest
+from .commit import LazyManifest, check_shared
 from .dist import DistContext, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
@@ -182,6 +182,7 @@ def persist_and_commit(
         try:
             raise_failures("save", written, ctx)
             manifest = _build_manifest(snap, written, ctx, layout, metadata, step)
+            check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
             # Invariant: the manifest is written only after every rank reported its data durable.
             _commit(storage, parent, name, work, manifest, overwrite, save_id)

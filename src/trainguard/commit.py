@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout
-from .errors import LockedError, NotACheckpointError
+from .errors import CheckpointError, LockedError, NotACheckpointError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .storage import Storage
 
@@ -98,6 +98,29 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
         )
     data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
     return parse(data, where=f"{directory}/{layout.MANIFEST}")
+
+
+def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
+    """Rank 0, after every rank reported its files durable and before the manifest is written
+    (``api.persist_and_commit``): the files of a few other ranks, the last one and up to 8 spread
+    over the ranks, are in the directory rank 0 is about to commit (lookups by name: a directory
+    listing may be stale on NFS). A run directory on node-local disks in a multi-node job, or a
+    relative path resolved in different working directories, would otherwise commit checkpoints
+    whose other ranks' files are somewhere else: every save "succeeds" and none can be loaded.
+    At most 9 ranks are looked at, whatever the world size (a handful of stats per save)."""
+    world = len(written)
+    for r in sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
+        w = written[r]
+        names = [f for f, size in (w.get("files") or {w["file"]: w["size"]}).items() if size]
+        names += [w["index"][0]] if w.get("index") else []
+        for fname in names:
+            if not storage.exists(storage.join(work, fname)):
+                raise CheckpointError(
+                    f"rank {r} wrote and fsynced {fname} into {work}, but rank 0 does not find it there: "
+                    "the run directory must be on storage every rank shares (a parallel or network "
+                    "filesystem, or an object store), not a node-local disk, and an absolute path "
+                    "(a relative one is resolved in each rank's working directory)"
+                )
 
 
 class LazyManifest:
