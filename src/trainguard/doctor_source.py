@@ -2,8 +2,7 @@
 
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
 ``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=``, and a save that only
-rank 0 reaches. Each check returns ``None`` when
-there is no source to read.
+rank 0 reaches. Each check returns ``None`` when there is no source to read (or it does not parse).
 """
 
 from __future__ import annotations
@@ -18,13 +17,18 @@ _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
 
 
-def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    """docs/async.md: with ``stage_in_background=True`` the caller must wait for ``handle.wait_staged()``."""
+def _tree(s: Settings) -> ast.Module | None:
     if s.source is None:
         return None
     try:
-        tree = ast.parse(s.source)
+        return ast.parse(s.source)
     except SyntaxError:
+        return None
+
+
+def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """docs/async.md: with ``stage_in_background=True`` the caller must wait for ``handle.wait_staged()``."""
+    if (tree := _tree(s)) is None:
         return None
     on = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and any(
         k.arg == "stage_in_background" and not (isinstance(k.value, ast.Constant) and not k.value.value)
@@ -46,11 +50,7 @@ def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
 def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """docs/data.md, "Randomness in the data pipeline": a DataLoader without ``generator=`` draws
     its base seed from the global torch generator each time its iterator starts."""
-    if s.source is None:
-        return None
-    try:
-        tree = ast.parse(s.source)
-    except SyntaxError:
+    if (tree := _tree(s)) is None:
         return None
     loaders = list(_calls(None, {"DataLoader"}, tree))
     if not loaders:
@@ -68,11 +68,7 @@ def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
 
 
 def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    if s.source is None:
-        return None
-    try:
-        tree = ast.parse(s.source)
-    except SyntaxError:
+    if (tree := _tree(s)) is None:
         return None
     calls: list[ast.Call] = []
     for node in ast.walk(tree):
