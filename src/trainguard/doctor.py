@@ -53,7 +53,7 @@ class Settings:
     stage_in_background: bool = False  # async saves copy tensors after save() returns (docs/async.md)
     plan: Plan | None = None  # from reliability.make_plan: stall, step time, failure rate
     amp: str | bool | None = None  # "float16" / True, "bfloat16", False; None: detect
-    backend: str | None = None  # default process group backend; None: ask torch.distributed
+    backend: str | None = None  # accepted for compatibility; no check needs it (saves coordinate through the store)
     source: str | None = None  # the training script's text, for the static checks
     mountinfo: str | None = None  # /proc/self/mountinfo text; None: read it
 
