@@ -99,6 +99,29 @@ def test_several_workers_are_refused_one_worker_matches_the_main_process():
     assert one == list(range(10)) == [x for b in DataLoader(it, batch_size=3) for x in b.tolist()]
 
 
+def test_a_persistent_worker_is_refused_instead_of_replaying_its_first_epoch():
+    # persistent_workers=True keeps the worker's copy of the dataset across epochs: advance(),
+    # next_epoch() and load_state_dict() in the main process never reach it. Before the fix the
+    # second epoch silently replayed the first epoch's stream (and a resume's skip).
+    def make_iter(epoch):
+        return iter(range(100 * epoch, 100 * epoch + 6))
+
+    it = ResumableIterable(make_iter, rank=0, world_size=1)
+    loader = DataLoader(it, batch_size=2, num_workers=1, persistent_workers=True)
+    first = [x for b in loader for x in b.tolist()]
+    assert first == list(range(6))
+    it.advance(len(first))
+    it.next_epoch()
+    with pytest.raises(ValueError, match="persistent_workers=True"):
+        list(loader)
+    # Without persistent workers every epoch's iterator gets a fresh copy: epoch 1 is read.
+    again = ResumableIterable(make_iter, rank=0, world_size=1)
+    again.next_epoch()
+    plain = DataLoader(again, batch_size=2, num_workers=1)
+    assert [x for b in plain for x in b.tolist()] == list(range(100, 106))
+    assert [x for b in plain for x in b.tolist()] == list(range(100, 106))  # a second iterator too
+
+
 def test_a_negative_saved_position_is_corrupt():
     it = ResumableIterable(_stream(5), rank=0, world_size=1)
     with pytest.raises(CorruptCheckpointError, match="negative"):

@@ -194,7 +194,9 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     with nothing left of the epoch on any rank.
 
     Use it with ``num_workers`` 0 or 1: several DataLoader worker processes would each read the
-    whole stream and yield every item once per worker (refused with a ValueError).
+    whole stream and yield every item once per worker (refused with a ValueError). A worker
+    with ``persistent_workers=True`` keeps one copy of the dataset that never sees the main
+    process's position or epoch: its second epoch is refused with a ValueError.
     """
 
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
@@ -213,6 +215,18 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                 f"ResumableIterable: DataLoader has num_workers={info.num_workers}; each worker would "
                 "read the whole stream and yield every item once per worker. Use num_workers=0 or 1"
             )
+        if info is not None:
+            # Each DataLoader iterator gives a non-persistent worker a fresh copy of the dataset;
+            # a persistent worker iterates its one copy again, which never saw advance(),
+            # next_epoch() or load_state_dict() in the main process: it would replay its first epoch.
+            if getattr(self, "_worker_iterated", False):
+                raise ValueError(
+                    "ResumableIterable: the DataLoader worker iterates its copy of the dataset again "
+                    "(persistent_workers=True); that copy never sees advance(), next_epoch() or "
+                    "load_state_dict() of the main process and would replay the epoch it started with. "
+                    "Use persistent_workers=False"
+                )
+            self._worker_iterated = True
         group: list[Any] = []
         for i, item in enumerate(self.make_iter(self.epoch)):
             if i < self.position:
