@@ -131,8 +131,8 @@ def test_fsdp2_reshard_1_2_3_1_and_consolidate(tmp_path: Path) -> None:
         assert v["model_read"] == v["local"]  # exactly its own shard of the model, nothing else
         assert v["local"] < total_model / 2
     # Rank-local RNG, world grew 2 -> 3: ranks 0, 1 take saved ranks 0, 1; rank 2 is re-seeded
-    # from (reseed, rank), with a warning.
-    torch.manual_seed((3 * 1_000_003 + 2) % 2**31)
+    # from (reseed, rank, the checkpoint's step), with a warning.
+    tg.RNGState(reseed=3).reseed_for_rank(2, step=3)
     assert torch.equal(r3[2].value["rng"], torch.get_rng_state())
     assert any("re-seeded" in w for w in r3[2].value["warnings"])
     assert not torch.equal(r3[0].value["rng"], r3[2].value["rng"])

@@ -6,6 +6,7 @@ all ranks succeed or all raise the same error.
 
 from __future__ import annotations
 
+import inspect
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -270,6 +271,16 @@ def _sole_reader(ctx: DistContext) -> bool:
     return ctx.world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == "1"
 
 
+def _reseed(value: Any, rank: int, step: int) -> None:
+    """``value.reseed_for_rank(rank, step=step)``; ``(rank)`` alone for an object of the user's
+    whose method takes no ``step`` (the protocol before steps were passed)."""
+    params = inspect.signature(value.reseed_for_rank).parameters
+    if "step" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        value.reseed_for_rank(rank, step=step)
+    else:
+        value.reseed_for_rank(rank)
+
+
 def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) -> tuple[Any, int | None]:
     """This rank's skeleton for entry ``key`` (rank-local entries: the rule in docs/distributed.md)."""
     obj = manifest.objects[key]
@@ -285,7 +296,7 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
             )
         return ranks[ctx.rank], ctx.rank
     if hasattr(value, "reseed_for_rank"):
-        value.reseed_for_rank(ctx.rank)
+        _reseed(value, ctx.rank, manifest.step)
         warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} ranks); re-seeded", stacklevel=4)
         return None, None
     src = ctx.rank % len(ranks)

@@ -101,10 +101,12 @@ class RNGState:
         elif cuda:
             warnings.warn("checkpoint has CUDA RNG state but CUDA is not available; it is ignored", stacklevel=2)
 
-    def reseed_for_rank(self, rank: int) -> None:
-        """Seed every generator deterministically from ``(reseed, rank)``; used when no saved state
-        exists for this rank (the world size grew)."""
-        seed = (self.reseed * 1_000_003 + rank) % (2**31)
+    def reseed_for_rank(self, rank: int, step: int = 0) -> None:
+        """Seed every generator deterministically from ``(reseed, rank, step)``; the loader calls it
+        on a rank that has no saved state (the world size grew), with the checkpoint's ``step``:
+        the same checkpoint gives the same streams, and a rank added again at a later growth draws
+        a new stream instead of replaying the one it had after the first growth."""
+        seed = int(np.random.SeedSequence([self.reseed % 2**63, int(rank), int(step) % 2**63]).generate_state(1)[0])
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
