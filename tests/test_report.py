@@ -54,3 +54,15 @@ def test_cli_report_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     res = CliRunner().invoke(main, ["report", str(tmp_path), "--json"])
     assert json.loads(res.output)["lost_steps"] == 3
+
+
+def test_world_sizes_counted_once_per_rendezvous_round_with_several_agents():
+    """Each agent logs every rendezvous round it takes part in (node_rank 0 and 1 here)."""
+    ev = [{"t": 0.0, "event": "agent_start", "rank": -1, "pid": 1}]
+    for t, world, nodes in ((1.2, 2, 2), (10.7, 1, 1), (19.2, 2, 2)):
+        ev += [{"t": t, "event": "rendezvous", "rank": -1, "pid": 1 + n, "world_size": world, "nodes": nodes,
+                "node_rank": n} for n in range(nodes)]
+    ev.append({"t": 20.0, "event": "step", "step": 1, "rank": 0, "pid": 10, "world_size": 2})
+    s = summarize(ev)
+    assert [w for _t, w in s["world_sizes"]] == [2, 1, 2]
+    assert "world sizes        2 at 1.2s, 1 at 10.7s, 2 at 19.2s" in format_summary(s)

@@ -84,7 +84,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "save_bytes": saves[-1].get("bytes") if saves else None,
         "checkpoint_overhead": stall / wall if wall > 0 else None,
         "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
-        "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in ev if e["event"] == "rendezvous"],
+        # Every agent logs each rendezvous round: count node 0's (logs without node_rank: all).
+        "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in ev
+                        if e["event"] == "rendezvous" and e.get("node_rank", 0) == 0],
         "hangs": sum(1 for e in ev if e["event"] == "hang"),
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": sum(1 for e in ev if e["event"] == "restart" and e.get("reason") == "membership"),
