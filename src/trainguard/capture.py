@@ -21,7 +21,7 @@ from .errors import (
 from .flatten import flatten
 from .manifest import DTYPE_NAMES
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
-from .stateful import adapt, has_state, is_rank_local, param_name_map
+from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 
 
 @dataclass
@@ -62,8 +62,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
 
     Tensors are referenced, not copied; async saving copies them in its stage phase.
     """
-    if not isinstance(state, Mapping):
-        raise UnsupportedValueError(f"state must be a dict of entries, got {type(state).__name__}")
+    check_state(state)
     names = param_name_map(state)
     objects: dict[str, Any] = {}
     rank_local: list[str] = []

@@ -64,7 +64,12 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
 
     ``source="auto"`` reads the ``__main__`` script, if there is one, for the static checks;
     ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
+    Any process or rank, once the state (and manager) exist; no collective, no I/O but reads.
     """
+    if plan is not None and not isinstance(plan, Plan):
+        raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
+    if amp not in (None, True, False, "float16", "bfloat16"):
+        raise ValueError(f"amp={amp!r}: use 'float16' (or True), 'bfloat16', False, or None to detect")
     if source == "auto":
         main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
         source = Path(main_file).read_text(encoding="utf-8", errors="replace") if main_file.endswith(".py") \
@@ -77,6 +82,9 @@ def settings_from(manager: Any = None, **overrides: Any) -> Settings:
     def get(name: str) -> Any:
         return manager.get(name) if isinstance(manager, Mapping) else getattr(manager, name, None)
 
+    if manager is not None and not isinstance(manager, Mapping) and not any(
+            hasattr(manager, a) for a in ("root", "save_policy", "keep")):
+        raise TypeError(f"manager={manager!r}: pass a CheckpointManager or a dict of its settings (root, save, keep, ...)")
     s = Settings()
     if manager is not None:
         root = get("root")

@@ -15,7 +15,9 @@
 
 from __future__ import annotations
 
+import operator
 import re
+from typing import Any
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -26,6 +28,17 @@ DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin\Z", re.ASCII)  # data-RRRRR.bin
 IDX_RE = re.compile(r"^data-\d{5}\.idx\Z", re.ASCII)
 # A small file being written atomically (``Storage.write_atomic``: ``<name>.tmp-<pid>``).
 ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+\Z", re.ASCII)
+
+
+def check_step(step: Any) -> int:
+    """The ``step`` given to ``CheckpointManager.save``: an integer >= 0 (numpy and 0-d tensor ints too)."""
+    try:
+        n = operator.index(step) if not isinstance(step, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise (TypeError if n is None else ValueError)(f"step={step!r}: pass the training step as an int >= 0")
+    return n
 
 
 def step_dir(step: int) -> str:

@@ -29,7 +29,7 @@ from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .planner import Box, full_box, plan_reads, whole_read
-from .stateful import ModuleAdapter, OptimizerAdapter, adapt, has_state, param_name_map
+from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
 from .storage import Storage, for_path
 
 
@@ -85,6 +85,7 @@ def _load(
     only: Iterable[str] | None,
     verify: bool,
 ) -> None:
+    check_state(state)
     if isinstance(only, (str, bytes)):
         raise TypeError(f"only={only!r}: pass a list of entry names, e.g. only=[{only!r}]")
     keys = list(state) if only is None else list(only)

@@ -29,6 +29,7 @@ from .events import EVENTS_FILE, EventLog
 from .faults import fault
 from .handle import SaveHandle
 from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
+from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier, location
 
@@ -38,6 +39,8 @@ log = logging.getLogger("trainguard")
 class CheckpointManager:
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 
+    Every rank, in this order: construct, ``open()`` (or ``with``), ``restore``, ``save`` once per
+    step, ``close()``; ``wait()`` any time after a save. ``latest_step()``: any process.
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a
     :class:`RetentionPolicy` (default ``KeepLatest(3)``); ``async_save``: write in the
     background (``stage_in_background``: with no copy in the call, see docs/async.md);
@@ -107,7 +110,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
-        """Take the lock and clean debris (rank 0), then agree with the other ranks."""
+        """Every rank, first: rank 0 takes the lock and cleans debris, then the ranks agree."""
         if self._opened:
             return self
         err, exc = None, None
@@ -120,8 +123,9 @@ class CheckpointManager:
                 if removed:
                     log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                     self.events.emit("debris", removed=removed)
-            except CheckpointError as e:
-                err, exc = str(e), e
+            except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
+                exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): pass a directory path")
+                err = str(exc)
         err = self.ctx.broadcast("open", err, timeout=self.timeout)
         if err:
             if exc is not None:
@@ -151,8 +155,8 @@ class CheckpointManager:
             log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
 
     def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Wait for the save in flight (its error is raised here), release the lock and the
-        async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception
+        """Every rank, last: wait for the save in flight (its error is raised here, or warned with
+        ``on_error="warn"``), release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception
         or a preemption signal."""
         if not self._opened:
             return
@@ -187,6 +191,7 @@ class CheckpointManager:
         """Call once per training step on every rank; saves when the policy says so (or ``force``,
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
         self._require_open()
+        step = layout.check_step(step)
         heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)
@@ -285,7 +290,7 @@ class CheckpointManager:
         warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
 
     def wait(self) -> None:
-        """Block until the save in flight is committed; raises its error (on every rank)."""
+        """Every rank: block until the save in flight is committed; raises its error (``on_error="warn"``: warns)."""
         try:
             self._finish_pending()
         except CheckpointError as e:
@@ -326,6 +331,7 @@ class CheckpointManager:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
         why). Returns its step, or None on a fresh start. Every rank calls it."""
         self._require_open()
+        check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
         candidates = None
         if self.ctx.rank == 0:
@@ -371,7 +377,7 @@ class CheckpointManager:
         return None
 
     def latest_step(self) -> int | None:
-        """The newest committed step (manifest present; not verified)."""
+        """The newest committed step (manifest present; not verified). Any process; no collective."""
         steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
         return steps[-1] if steps else None
 

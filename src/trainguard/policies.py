@@ -16,6 +16,7 @@ the newest valid checkpoint nor anything before the new one is committed.
 from __future__ import annotations
 
 import math
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -75,8 +76,8 @@ class EverySeconds(SavePolicy):
     """Save when at least ``seconds`` of wall time passed since the last save (or the start)."""
 
     def __init__(self, seconds: float) -> None:
-        if not seconds > 0:
-            raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be > 0")
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
+            raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be a number > 0")
         self.seconds = float(seconds)
         self._last: float | None = None
         self._decided: list[int] = []  # steps it said yes to whose on_saved has not come yet
@@ -112,9 +113,12 @@ class RetentionPolicy(ABC):
 
     @abstractmethod
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        """The steps to keep among the committed ``checkpoints``."""
+        """The steps to keep among the committed ``checkpoints``. Called by the manager on rank 0 only,
+        after each commit; the newest checkpoint is kept whatever this returns."""
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
+        if not isinstance(other, RetentionPolicy):
+            raise TypeError(f"{self!r} | {other!r}: combine retention policies, e.g. KeepLatest(3) | KeepEvery(10_000)")
         return KeepUnion(self, other)
 
 
@@ -168,6 +172,8 @@ class KeepBest(RetentionPolicy):
     """
 
     def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
+        if not isinstance(metric, str) or not metric:
+            raise TypeError(f"KeepBest(metric={metric!r}): name the metric, a str key of mgr.save(..., metrics={{...}})")
         if mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode={mode!r}): mode must be 'min' or 'max'")
         if not isinstance(n, int) or n < 1:
@@ -209,6 +215,8 @@ def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
     (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
     before a byte is written. nan and ±inf are kept (``KeepBest`` ranks them last)."""
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise UnsupportedValueError(f"metrics={metrics!r}: pass a dict of names to numbers, e.g. metrics={{'loss': 0.25}}")
     out: dict[str, float] = {}
     for k, v in (metrics or {}).items():
         n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # a tensor, a numpy array or scalar

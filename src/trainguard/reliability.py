@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -75,18 +76,29 @@ def job_mtbf(*, nodes: int, node_failures_per_day: float | None = None, node_mtb
     return float(node_mtbf_s) / nodes
 
 
+def _check(mtbf_s: float, stall_s: float = 0.0) -> None:
+    """The public formulas' inputs: a job MTBF > 0 and a stall >= 0, both finite seconds."""
+    if not 0 < mtbf_s < math.inf:
+        raise ValueError(f"mtbf_s={mtbf_s!r}: the job's mean time between failures must be finite seconds > 0")
+    if not 0 <= stall_s < math.inf:
+        raise ValueError(f"stall_s={stall_s!r}: the time a save blocks training must be finite seconds >= 0")
+
+
 def p_failure(period_s: float, mtbf_s: float) -> float:
     """Probability of at least one failure of the job within ``period_s`` (exponential failures)."""
+    _check(mtbf_s)
     return -math.expm1(-period_s / mtbf_s)
 
 
 def young_interval(stall_s: float, mtbf_s: float) -> float:
     """Young's (1974) first-order optimum: compute time between saves ``sqrt(2 delta M)``."""
+    _check(mtbf_s, stall_s)
     return math.sqrt(2.0 * stall_s * mtbf_s)
 
 
 def daly_interval(stall_s: float, mtbf_s: float) -> float:
     """Daly's (2006) higher-order estimate of the optimal compute time between saves."""
+    _check(mtbf_s, stall_s)
     if stall_s >= 2.0 * mtbf_s:
         return mtbf_s
     x = stall_s / (2.0 * mtbf_s)
@@ -98,6 +110,7 @@ def expected_wall_time(interval_s: Any, stall_s: float, restart_s: float, mtbf_s
 
     Works on floats and on numpy arrays of intervals.
     """
+    _check(mtbf_s, stall_s)
     with np.errstate(over="ignore"):  # e^(huge) is inf: the job never gets through (efficiency 0)
         return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((np.asarray(interval_s) + stall_s) / mtbf_s)
 
@@ -116,6 +129,7 @@ def optimal_interval(stall_s: float, mtbf_s: float) -> float:
     form ``tau/M - 1 + e^{-(tau+delta)/M} = 0`` (same sign, no overflow when ``delta >> M``), whose
     left side rises monotonically from below 0 at ``tau=0`` to above 0 at ``tau=M``.
     """
+    _check(mtbf_s, stall_s)
     lo, hi = 0.0, mtbf_s
     for _ in range(200):
         mid = 0.5 * (lo + hi)
@@ -155,8 +169,10 @@ def simulate(
     progress. Vectorised over jobs: one numpy pass per failure, so the loop runs about
     ``max failures per job`` times. ``work_s`` defaults to 50 MTBFs.
     """
-    if min(interval_s, mtbf_s) <= 0 or min(stall_s, restart_s) < 0:
-        raise ValueError("interval_s and mtbf_s must be > 0, stall_s and restart_s >= 0")
+    if not (interval_s > 0 and mtbf_s > 0 and stall_s >= 0 and restart_s >= 0) or math.inf in (interval_s, mtbf_s):
+        raise ValueError("interval_s and mtbf_s must be finite numbers > 0, stall_s and restart_s >= 0")
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1 or (work_s is not None and not work_s > 0):
+        raise ValueError(f"runs={runs!r}, work_s={work_s!r}: runs must be an int >= 1, work_s a number > 0 (or None)")
     rng = np.random.default_rng(seed)
     seg = interval_s + stall_s
     n_seg = max(1, math.ceil((50.0 * mtbf_s if work_s is None else work_s) / interval_s))
@@ -267,6 +283,8 @@ def make_plan(
         raise ValueError(f"restart_s={restart_s!r}: the restart time must be a finite number >= 0")
     if step_time_s is not None and not step_time_s > 0:
         raise ValueError(f"step_time_s={step_time_s!r} must be > 0")
+    if intervals is not None and (not isinstance(intervals, Mapping) or not all(0 < v < math.inf for v in intervals.values())):
+        raise ValueError(f"intervals={intervals!r}: map labels to compute seconds > 0, e.g. {{'500 steps': 1000.0}}")
     m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
     young, daly, opt = young_interval(stall_s, m), daly_interval(stall_s, m), optimal_interval(stall_s, m)
     gpus = nodes * gpus_per_node

@@ -38,6 +38,7 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
@@ -57,6 +58,18 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
     return rank, world_size
+
+
+def _consumed(n: Any) -> int:
+    """``advance(n)``'s count: an int >= 0 (a negative count would move the position back)."""
+    try:
+        k = operator.index(n) if not isinstance(n, bool) else None
+    except TypeError:
+        k = None
+    if k is None or k < 0:
+        raise (TypeError if k is None else ValueError)(
+            f"advance({n!r}): pass the number of items this rank consumed, an int >= 0 (e.g. len(batch))")
+    return k
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
@@ -93,12 +106,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.seed = int(seed)
         self.shuffle = shuffle
         self.drop_last = drop_last
+        if rank is not None and world_size is not None:
+            _rank_world(rank, world_size)  # both given: a wrong pair fails here, not at the first __iter__
         self._rank, self._world = rank, world_size
         self.epoch = 0
         self.position = 0  # global samples of this epoch consumed
 
     @property
     def rank_world(self) -> tuple[int, int]:
+        """``(rank, world_size)`` now: the explicit values, else torch.distributed's."""
         return _rank_world(self._rank, self._world)
 
     def order(self, epoch: int | None = None) -> list[int]:
@@ -141,10 +157,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``,
         capped at ``num_samples``: tail padding is not counted as consumed data."""
         _, world = self.rank_world
-        self.position = min(self.position + int(n) * world, self.num_samples)
+        self.position = min(self.position + _consumed(n) * world, self.num_samples)
 
     @property
     def epoch_done(self) -> bool:
+        """Whether this epoch's data is consumed (every rank gets the same answer)."""
         _, world = self.rank_world
         return self.position >= self._end(world)
 
@@ -156,6 +173,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """DistributedSampler-compatible: a new epoch starts at 0; the current one (e.g. the
         restored one) keeps its position."""
+        if int(epoch) < 0:
+            raise ValueError(f"set_epoch({epoch!r}): epochs count from 0")
         if epoch != self.epoch:
             self.epoch, self.position = int(epoch), 0
 
@@ -242,9 +261,10 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         """Record that *this rank* consumed ``n`` more items; every rank calls it with the same
         ``n``, so the position moves by ``n * world_size`` (padding of the last group included:
         the stream's length is not known in advance)."""
-        self.position += int(n) * _rank_world(self._rank, self._world)[1]
+        self.position += _consumed(n) * _rank_world(self._rank, self._world)[1]
 
     def next_epoch(self) -> None:
+        """Every rank, after the last batch of an epoch: start the next one at position 0."""
         self.epoch += 1
         self.position = 0
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, UnsupportedValueError
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
 
@@ -51,13 +51,15 @@ class RNGState:
 
     Rank-local: in a multi-rank save every rank stores its own; see ``docs/distributed.md`` for
     what happens when the world size changes (rank r takes saved rank r when it exists,
-    otherwise its generators are re-seeded deterministically from ``(seed, rank)``).
+    otherwise its generators are re-seeded deterministically from ``(reseed, rank, checkpoint step)``).
     """
 
     trainguard_rank_local = True
 
     def __init__(self, *, reseed: int = 0) -> None:
-        self.reseed = reseed
+        if isinstance(reseed, bool) or not hasattr(reseed, "__index__"):
+            raise TypeError(f"RNGState(reseed={reseed!r}): pass an int seed (used when the world size grows)")
+        self.reseed = int(reseed)
 
     def state_dict(self) -> dict[str, Any]:
         algo, keys, pos, has_gauss, cached = np.random.get_state()
@@ -115,6 +117,14 @@ class RNGState:
 def _as_python_rng(v: Any) -> tuple:
     version, internal, gauss = v
     return (int(version), tuple(int(x) for x in internal), gauss)
+
+
+def check_state(state: Any) -> None:
+    """``save``/``load``/``restore``: the state must be a mapping of entry names to objects."""
+    if not isinstance(state, Mapping):
+        raise UnsupportedValueError(
+            f"state must be a dict of named entries, e.g. {{'model': model, 'optim': optimizer}}; got {type(state).__name__}"
+        )
 
 
 def is_rank_local(obj: Any) -> bool:
