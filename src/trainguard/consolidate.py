@@ -41,7 +41,7 @@ def consolidate(
     ``dst`` is a step directory (``.../step-000000700``) or any new directory. Raises
     ``StepExistsError`` when ``dst`` already holds a checkpoint (unless ``overwrite``),
     ``CorruptCheckpointError`` when a byte of ``src`` fails its checksum. ``progress(path,
-    nbytes)`` is called after each tensor.
+    nbytes)`` is called after each tensor. One process, no collective (run it offline, or on one rank).
     """
     sstore, sdir = for_path(src)
     dstore, target = for_path(dst)

@@ -75,7 +75,8 @@ def convert(
     which entry an imported flat file becomes. Importing DCP, ``dcp_split`` splits each key at
     its first dot into entry and name (a key without a dot is an entry of its own); without it
     every key goes into ``entry`` (a DCP of a bare ``model.state_dict()``). A foreign file that
-    cannot be read or written raises ``CheckpointError``.
+    cannot be read or written raises ``CheckpointError``. One process, outside any process group
+    (an import ends in :func:`trainguard.save`, a collective when torch.distributed is initialised).
     """
     sf = src_format or detect(src)
     df = dst_format or target_format(dst)

@@ -114,7 +114,8 @@ class DalyInterval(SavePolicy):
 
     # -- agreement across ranks ----------------------------------------------------------
     def measurements(self) -> dict[str, float | None]:
-        """The smoothed values the interval is computed from (rank 0's are broadcast by the manager)."""
+        """The smoothed values the interval is computed from. trainguard's manager does not call it (it
+        broadcasts rank 0's decision every step); another caller may broadcast rank 0's and :meth:`agree`."""
         return {
             "stall_s": statistics.median(self._stalls) if self._stalls else None,
             "duration_s": statistics.median(self._durations) if self._durations else None,

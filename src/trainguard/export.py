@@ -48,7 +48,7 @@ def iter_tensors(
 
 def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
     """Write entry ``entry``'s tensors to ``to`` (``.safetensors`` or ``.pt``/``.pth``).
-    Returns the number of tensors written. Called by ``trainguard export``."""
+    Returns the number of tensors written. Called by ``trainguard export``; one process, no collective."""
     storage, directory = for_path(ckpt)
     manifest = read_manifest(storage, directory)
     if entry not in manifest.objects:

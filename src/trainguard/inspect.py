@@ -32,7 +32,8 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     """Check one checkpoint: manifest checksum and structure, file sizes, every chunk checksum.
 
     Reads every data byte once (streaming, bounded memory). Never raises for a bad
-    checkpoint: the result lists what is wrong (file and tensor).
+    checkpoint: the result lists what is wrong (file and tensor). Any one process, any time:
+    no lock, no collective (safe while a job saves into the same run directory).
     """
     storage, target = for_path(path)
     try:

@@ -25,9 +25,14 @@ __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_ra
 class Stateful(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict()`` can be an entry of the state."""
 
-    def state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]:
+        """Called by every save on every rank; tensors are saved by rank, JSON values as rank 0's
+        (each rank's own when the object sets ``trainguard_rank_local = True``)."""
+        ...
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Called by ``load``/``restore`` on every rank, after the saved bytes were read and verified."""
+        ...
 
 
 class StateDict(dict):

@@ -10,6 +10,9 @@ from typing import Protocol
 
 
 class FileWriter(Protocol):
+    """From ``Storage.open_write``: one per data file, on the rank that writes it;
+    ``pwrite`` (any threads), then ``finish`` once, or ``abort`` on failure."""
+
     def pwrite(self, data: memoryview, offset: int) -> None:
         """Write all of ``data`` at ``offset``; may be called from several threads at once."""
 
@@ -21,6 +24,8 @@ class FileWriter(Protocol):
 
 
 class FileReader(Protocol):
+    """From ``Storage.open_read``: ``readinto`` (any threads), then ``close``."""
+
     def readinto(self, buf: memoryview, offset: int) -> None:
         """Fill all of ``buf`` from ``offset``; raises on a short read. Thread-safe."""
 
@@ -28,6 +33,10 @@ class FileReader(Protocol):
 
 
 class Storage(Protocol):
+    """A backend (``for_path`` picks one). Every rank writes its own data and index files under
+    the save's directory; rank 0 alone writes the manifest, renames, and removes (cleanup,
+    retention). Readers (load, verify, list) may run in any process."""
+
     #: True when ``rename_dir`` is atomic (POSIX): commit then writes into a temp directory
     #: and renames it. Object stores write in place and treat the manifest as the marker.
     atomic_rename: bool
