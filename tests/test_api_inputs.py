@@ -125,3 +125,17 @@ def test_reliability_formulas_refuse_impossible_inputs() -> None:
     with pytest.raises(ValueError, match="intervals="):
         reliability.make_plan(nodes=1, stall_s=1, restart_s=1, node_mtbf_s=100, intervals={"x": -10.0})
     assert reliability.daly_interval(0.0, 100.0) == 0.0  # a zero stall stays allowed (DalyInterval)
+
+
+def test_timeouts_must_be_positive_seconds(tmp_path: Path) -> None:
+    # Accepted silently before; a distributed run then failed every collective at once, or
+    # deep inside the store with a str.
+    path = _saved(tmp_path)
+    for bad in (-1, 0, "10"):
+        with pytest.raises(ValueError, match="seconds > 0"):
+            tg.CheckpointManager(tmp_path / "m", timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="seconds > 0"):
+            tg.save(tmp_path / "s" / "step-000000002", {"model": nn.Linear(2, 2)}, timeout=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="seconds > 0"):
+            tg.load(path, {"model": nn.Linear(2, 2)}, timeout=bad)  # type: ignore[arg-type]
+    tg.load(path, {"model": nn.Linear(2, 2)}, timeout=5)

@@ -23,7 +23,7 @@ import torch
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, check_shared
-from .dist import DistContext, describe_error, failure, raise_failures, summary
+from .dist import DistContext, check_timeout, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
     RankFailureError,
@@ -67,6 +67,7 @@ def save(
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
     if stage_in_background and not async_:
         raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
+    check_timeout(timeout)
     storage, target = for_path(path)
     handle = start_save(
         storage, target, state, DistContext.current(),

@@ -35,6 +35,12 @@ def default_timeout() -> float:
     return float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
 
 
+def check_timeout(timeout: Any) -> None:
+    """``timeout=`` of ``save``/``load``/``CheckpointManager``: seconds > 0, or None for the default."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout={timeout!r}: pass how long a collective may wait, seconds > 0, or None (default)")
+
+
 def dead_after() -> float:
     """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
     this long is declared dead."""

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
-from .dist import DistContext, describe_error, raise_failures
+from .dist import DistContext, check_timeout, describe_error, raise_failures
 from .dtensor import ensure_optimizer_state, shard_of
 from .errors import (
     CheckpointError,
@@ -49,6 +49,7 @@ def load(
     ``only=["model"]`` loads a subset of the entries. Checksums of every byte read are
     verified unless ``verify=False``. All ranks succeed or all raise.
     """
+    check_timeout(timeout)
     ctx = DistContext.current()
     storage, target = for_path(path)
     try:

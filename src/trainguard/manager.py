@@ -21,7 +21,7 @@ from . import layout
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps, read_manifest
-from .dist import DistContext
+from .dist import DistContext, check_timeout
 from .elastic import watchdog
 from .elastic.watchdog import heartbeat
 from .errors import CheckpointError, is_data_error
@@ -70,6 +70,7 @@ class CheckpointManager:
             raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
         if layout not in ("sharded", "full"):
             raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
+        check_timeout(timeout)
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
         if save is not None and not isinstance(save, SavePolicy):
