@@ -139,3 +139,9 @@ def test_timeouts_must_be_positive_seconds(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="seconds > 0"):
             tg.load(path, {"model": nn.Linear(2, 2)}, timeout=bad)  # type: ignore[arg-type]
     tg.load(path, {"model": nn.Linear(2, 2)}, timeout=5)
+
+
+def test_save_metadata_must_be_a_dict(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="metadata=\\[1, 2\\]: pass a dict"):  # was dict()'s own message
+        tg.save(tmp_path / "step-000000001", {"model": nn.Linear(2, 2)}, metadata=[1, 2])  # type: ignore[arg-type]
+    assert not any(tmp_path.iterdir())

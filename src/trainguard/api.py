@@ -68,6 +68,8 @@ def save(
     if stage_in_background and not async_:
         raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
     check_timeout(timeout)
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata={metadata!r}: pass a dict of JSON values, e.g. metadata={{'lr': 3e-4}}")
     storage, target = for_path(path)
     handle = start_save(
         storage, target, state, DistContext.current(),
