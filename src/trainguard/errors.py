@@ -95,3 +95,18 @@ def is_data_error(e: BaseException) -> bool:
     if flag is not None:
         return bool(flag)
     return isinstance(e, (CorruptCheckpointError, NotACheckpointError, FormatVersionError))
+
+
+def nonneg_int(value: object, hint: str) -> int:
+    """``value`` as an int >= 0 (Python, numpy and 0-d tensor ints; not bools): a TypeError for
+    anything else, a ValueError for a negative one, each followed by ``hint``."""
+    import operator
+
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[call-overload]
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise (TypeError if n is None else ValueError)(hint)
+    return n
+

@@ -15,9 +15,10 @@
 
 from __future__ import annotations
 
-import operator
 import re
 from typing import Any
+
+from .errors import nonneg_int
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
@@ -32,13 +33,7 @@ ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+\Z", re.A
 
 def check_step(step: Any) -> int:
     """The ``step`` given to ``CheckpointManager.save``: an integer >= 0 (numpy and 0-d tensor ints too)."""
-    try:
-        n = operator.index(step) if not isinstance(step, bool) else None
-    except TypeError:
-        n = None
-    if n is None or n < 0:
-        raise (TypeError if n is None else ValueError)(f"step={step!r}: pass the training step as an int >= 0")
-    return n
+    return nonneg_int(step, f"step={step!r}: pass the training step as an int >= 0")
 
 
 def step_dir(step: int) -> str:

@@ -38,13 +38,12 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
 import torch
 
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -62,14 +61,7 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 def _consumed(n: Any) -> int:
     """``advance(n)``'s count: an int >= 0 (a negative count would move the position back)."""
-    try:
-        k = operator.index(n) if not isinstance(n, bool) else None
-    except TypeError:
-        k = None
-    if k is None or k < 0:
-        raise (TypeError if k is None else ValueError)(
-            f"advance({n!r}): pass the number of items this rank consumed, an int >= 0 (e.g. len(batch))")
-    return k
+    return nonneg_int(n, f"advance({n!r}): pass the number of items this rank consumed, an int >= 0 (e.g. len(batch))")
 
 
 class ResumableSampler(torch.utils.data.Sampler[int]):
