@@ -6,6 +6,8 @@ Messages say what to change. Where a builtin fits, the error derives from it too
 
 from __future__ import annotations
 
+import operator
+
 
 class CheckpointError(Exception):
     """Base of every trainguard error."""
@@ -100,8 +102,6 @@ def is_data_error(e: BaseException) -> bool:
 def nonneg_int(value: object, hint: str) -> int:
     """``value`` as an int >= 0 (Python, numpy and 0-d tensor ints; not bools): a TypeError for
     anything else, a ValueError for a negative one, each followed by ``hint``."""
-    import operator
-
     try:
         n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[call-overload]
     except TypeError:
