@@ -241,3 +241,23 @@ def test_make_plan_refuses_an_infinite_node_mtbf():
         make_plan(nodes=8, stall_s=30, restart_s=600, node_mtbf_s=float("inf"))
     with pytest.raises(ValueError, match="node_failures_per_day"):
         make_plan(nodes=8, stall_s=30, restart_s=600, node_failures_per_day=float("inf"))
+
+
+def test_cli_ls_of_a_step_directory_says_to_use_inspect(tmp_path):
+    tg.save(tmp_path / "step-000000001", {"w": torch.ones(4)})
+    r = _cli("ls", tmp_path / "step-000000001")
+    assert r.exit_code == 2 and _one_line_error(r), (r.exit_code, r.output, r.exception)
+    assert "is a checkpoint, not a run directory" in r.output and "trainguard inspect" in r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = _cli("ls", empty)  # a run directory without checkpoints yet is no error
+    assert r.exit_code == 0 and "no checkpoints" in r.output
+
+
+def test_cli_run_of_a_missing_script_is_one_line_before_any_worker(tmp_path, capsys):
+    from trainguard.elastic.launcher import main as launch
+
+    rc = launch(["--nproc-per-node", "1", "--run-dir", str(tmp_path / "run"), str(tmp_path / "nosuch.py")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("error: ") and "nosuch.py: no such file" in err
+    assert not (tmp_path / "run").exists()  # refused before the agent started (no event log)

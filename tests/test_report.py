@@ -66,3 +66,10 @@ def test_world_sizes_counted_once_per_rendezvous_round_with_several_agents():
     s = summarize(ev)
     assert [w for _t, w in s["world_sizes"]] == [2, 1, 2]
     assert "world sizes        2 at 1.2s, 1 at 10.7s, 2 at 19.2s" in format_summary(s)
+
+
+def test_summary_of_a_log_without_steps_prints_dashes_not_none():
+    ev = [{"t": 0.0, "event": "save", "step": 10, "rank": 0, "pid": 1, "stall_s": 0.01, "duration_s": 0.1, "bytes": 10},
+          {"t": 1.0, "event": "save", "step": 20, "rank": 0, "pid": 1, "stall_s": 0.01, "duration_s": 0.1, "bytes": 10}]
+    text = format_summary(summarize(ev))  # a manager's own log, not under `trainguard run`
+    assert "final step -," in text and "None" not in text

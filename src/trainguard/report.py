@@ -106,7 +106,7 @@ def format_summary(s: dict[str, Any]) -> str:
     if not s.get("events"):
         return "no events"
     lines = [
-        f"wall time          {_f(s['wall_s'])} s, final step {s['final_step']}, {s['steps_run']} steps run, "
+        f"wall time          {_f(s['wall_s'])} s, final step {_f(s['final_step'], '{}')}, {s['steps_run']} steps run, "
         f"median step {_f(s['step_s'], '{:.4f}')} s",
         f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}"
         f" ({s.get('membership_restarts', 0)} restarts for joining agents)",

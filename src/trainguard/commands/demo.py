@@ -8,9 +8,10 @@ import click
 
 
 @click.command("demo")
-@click.option("--steps", type=int, default=1000, show_default=True)
+@click.option("--steps", type=int, default=1000, show_default=True, help="training steps of each run")
 @click.option("--fault-step", type=int, default=743, show_default=True, help="kill rank 1 after this step")
-@click.option("--save-every", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--save-every", type=click.IntRange(min=1), default=100, show_default=True,
+              help="async checkpoint every N steps")
 @click.option("--size", type=click.Choice(["demo", "tiny"]), default="demo", show_default=True,
               help="model size (demo: ~3.3M parameters; tiny: for tests)")
 @click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")

@@ -43,9 +43,11 @@ def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], C
             click.option("--save-stall", type=DURATION, required=restart_required,
                          help="time training is blocked per save (async: the blocking part), e.g. 30s"),
             click.option("--restart", type=DURATION, required=restart_required, default=None if restart_required else 0.0,
-                         help="time from a failure until training runs again, e.g. 10m"),
-            click.option("--step-time", type=DURATION, help="seconds per training step, to express intervals in steps"),
-            click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True),
+                         help="time from a failure until training runs again, e.g. 10m"
+                              + ("" if restart_required else " (default 0)")),
+            click.option("--step-time", type=DURATION, help="time per training step, e.g. 2s, to express intervals in steps"),
+            click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+                         help="for the GPU-hours lost"),
         ]
         for opt in reversed(opts):
             f = opt(f)

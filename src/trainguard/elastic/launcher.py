@@ -104,14 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds without a heartbeat before a worker is declared hung (default: "
                         "automatic, max(--hang-floor, 10 x the longest recent step))")
     g.add_argument("--hang-floor", type=float, default=60.0, metavar="S",
-                   help="lower bound of the automatic hang timeout (default 60)")
+                   help="seconds: lower bound of the automatic hang timeout (default 60)")
     g.add_argument("--no-watchdog", action="store_true", help="disable the hang watchdog and orphan check")
     g.add_argument("--no-preload", action="store_true",
                    help="with --start-method fork, do not import torch._dynamo in the agent before forking "
                         "(torch imports it lazily in the first optimizer and in its log formatter: ~1-2 s "
                         "in every restarted worker otherwise)")
     g.add_argument("--stop-timeout", type=float, default=5.0, metavar="S",
-                   help="on a restart, SIGKILL workers this long after SIGTERM (torch: fixed 30 s)")
+                   help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30)")
     return p
 
 
@@ -288,6 +288,11 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if str(args.nproc_per_node).lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker per node (or auto, cpu, gpu)")
+    if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
+        # Otherwise every worker fails to open it, and the agent restarts them --max-restarts times.
+        print(f"error: {args.training_script}: no such file; give the path of the training script "
+              "(-m NAME for a module)", file=sys.stderr)
+        return 2
     prepare(args)
     events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
     install_agent_hooks(events, args.stop_timeout)
