@@ -96,3 +96,12 @@ def test_json_output_of_ls_inspect_verify(tmp_path):
     out = subprocess.run(line.replace("ckpts/run1", str(tmp_path)), shell=True, env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "1", out.stderr
+
+
+def test_top_level_help_lists_every_command_with_its_whole_first_sentence():
+    r = _run("--help")
+    commands = r.output.split("Commands:", 1)[1]
+    assert r.exit_code == 0 and "..." not in commands  # click cut them at the terminal width
+    for name in ("consolidate", "convert", "demo", "doctor", "export", "inspect", "ls", "plan", "report", "run", "verify"):
+        assert re.search(rf"^  {name} ", commands, re.M), name
+    assert "into a full one at DST." in " ".join(commands.split())

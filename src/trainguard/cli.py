@@ -24,6 +24,14 @@ class _Group(click.Group):
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Each command's whole first sentence, wrapped: click cuts it at the terminal width ("...").
+        rows = [(name, cmd.get_short_help_str(limit=300)) for name in self.list_commands(ctx)
+                if (cmd := self.get_command(ctx, name)) is not None and not cmd.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="trainguard")

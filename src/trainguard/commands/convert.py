@@ -24,7 +24,7 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
     "every entry. Importing DCP: given, every key goes into it; else keys split at their first dot.",
 )
 def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
-    """Convert a checkpoint. Examples:
+    """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP. Examples:
 
     \b
       trainguard convert ckpts/run1/step-000000700 model.safetensors
