@@ -270,6 +270,13 @@ class CheckpointManager:
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
         # + the caller's wait_staged() waits.
         stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
+        r0 = time.monotonic()
+        if self.ram:
+            self.ram.committed(manifest.step, on_durable=self._apply_retention)
+        elif self.ctx.rank == 0:
+            self._apply_retention(manifest.step)
+        if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
+            stall += time.monotonic() - r0
         self.save_policy.on_saved(manifest.step, stall, h.duration_s)
         self.events.emit(
             "save", step=manifest.step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
@@ -278,10 +285,6 @@ class CheckpointManager:
             # wall time of the commit (async saves are logged when collected, at the next call)
             committed_t=round(time.time() - (time.monotonic() - (h.finished_at or time.monotonic())), 6),
         )
-        if self.ram:
-            self.ram.committed(manifest.step, on_durable=self._apply_retention)
-        elif self.ctx.rank == 0:
-            self._apply_retention(manifest.step)
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
         self.events.emit("save_failed", step=step, error=str(e)[:2000])
