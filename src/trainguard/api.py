@@ -22,7 +22,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest, check_shared
+from .commit import LazyManifest, check_shared, rank_files
 from .dist import DistContext, check_timeout, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
@@ -334,7 +334,7 @@ def _build_manifest(
     files: dict[str, int] = {}
     indexes: dict[str, tuple[int, str]] = {}
     for w in written:
-        for fname, size in (w.get("files") or {w["file"]: w["size"]}).items():
+        for fname, size in rank_files(w).items():
             if size or w.get("index") and fname == w["file"]:
                 files[fname] = size
         if w.get("index"):

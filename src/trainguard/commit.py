@@ -100,6 +100,12 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     return parse(data, where=f"{directory}/{layout.MANIFEST}")
 
 
+def rank_files(report: dict[str, Any]) -> dict[str, int]:
+    """The data files of one rank's "written" report (``api._write_rank``), name -> bytes; a rank
+    that wrote no file reports its one file name with 0 bytes."""
+    return report.get("files") or {report["file"]: report["size"]}
+
+
 def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
     """Rank 0, after every rank reported its files durable and before the manifest is written
     (``api.persist_and_commit``): the files of a few other ranks, the last one and up to 8 spread
@@ -111,7 +117,7 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
     world = len(written)
     for r in sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
         w = written[r]
-        names = [f for f, size in (w.get("files") or {w["file"]: w["size"]}).items() if size]
+        names = [f for f, size in rank_files(w).items() if size]
         names += [w["index"][0]] if w.get("index") else []
         for fname in names:
             if not storage.exists(storage.join(work, fname)):
