@@ -22,7 +22,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest, check_shared, rank_files
+from .commit import LazyManifest, check_shared, occupied, rank_files
 from .dist import DistContext, check_timeout, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
@@ -160,7 +160,7 @@ def persist_and_commit(
     hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
-        hello.update(_occupied(storage, storage.join(parent, name), overwrite))
+        hello.update(occupied(storage, storage.join(parent, name), overwrite))
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     _check_begin(begin, ctx)
     save_id = begin[0]["id"]
@@ -187,6 +187,7 @@ def persist_and_commit(
             manifest = _build_manifest(snap, written, ctx, layout, metadata, step)
             check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
+            _claim_commit(ctx, save_id)
             # Invariant: the manifest is written only after every rank reported its data durable.
             _commit(storage, parent, name, work, manifest, overwrite, save_id)
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
@@ -197,7 +198,10 @@ def persist_and_commit(
             write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
     if ctx.rank == 0 and outcome.get("error"):
         storage.remove_tree(work)
-    outcome = ctx.broadcast("commit", outcome, timeout=timeout)
+    try:
+        outcome = ctx.broadcast("commit", outcome, timeout=timeout)
+    except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
+        _abandon_commit(ctx, save_id, target, e)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
         if isinstance(write_error, CheckpointError):
             raise write_error  # a DiskFullError stays one
@@ -213,35 +217,30 @@ def persist_and_commit(
 
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
 
+_COMMITTING = {"committing": 0}
 
-def _occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
-    """Rank 0, before a save: why ``final`` may not receive it (``{}``: it may). A committed
-    checkpoint is replaced only with ``overwrite`` (and only where the storage can rename a
-    directory: in place, a failed save would destroy it); a directory holding anything but a
-    checkpoint's own files is never saved into (the commit would delete what it holds)."""
-    try:
-        names = storage.listdir(final)
-    except NotADirectoryError:
-        return {"refused": f"{final} is a file, not a directory; save the checkpoint to a directory path"}
-    foreign = [n for n in names if not layout_mod.own_file(n)]
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        return {"refused": (
-            f"{final} already holds files that are not a checkpoint's ({shown}); saving there would "
-            "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
-            "step-NNNNNNNNN directories: pass one of those, or use the manager)"
-        )}
-    if layout_mod.MANIFEST not in names:
-        return {}
-    if not overwrite:
-        return {"exists": f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"}
-    if not storage.atomic_rename:
-        return {"refused": (
-            f"{final} already holds a committed checkpoint and this storage cannot replace a directory "
-            "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
-            "path, or delete the old checkpoint first"
-        )}
-    return {}
+
+def _claim_commit(ctx: DistContext, save_id: str) -> None:
+    """Rank 0, right before the manifest (the first irreversible act): claim the commit. If a
+    rank already gave up waiting for rank 0 (it was stopped or stalled for longer than that
+    rank waits, ``_abandon_commit``), raise its failure instead: a rank 0 that resumes late
+    must not commit a save that the other ranks reported as failed."""
+    first = ctx.fence(f"commit/{save_id}", _COMMITTING)
+    if first != _COMMITTING:
+        raise failure(first["error"], {int(r): tb for r, tb in first["failures"].items()})
+
+
+def _abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureError) -> None:
+    """A rank other than 0 whose wait for the "commit" outcome failed (rank 0 stopped responding,
+    or is too slow): forbid the commit (``_claim_commit``) and raise ``e``; when rank 0 claimed
+    it first, whether ``target`` got committed is unknown, and the error says so."""
+    if ctx.fence(f"commit/{save_id}", {"error": summary(e), "failures": e.failures}) != _COMMITTING:
+        raise e
+    raise failure(
+        f"commit: rank 0 stopped responding while committing {target}; it may or may not be committed "
+        f"(the manifest tells: a CheckpointManager resumes from it only if it is). {summary(e)}",
+        {0: "stopped responding while committing"},
+    ) from e
 
 
 def _check_begin(begin: list[Any], ctx: DistContext) -> None:

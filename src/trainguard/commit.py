@@ -198,3 +198,33 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
             storage.remove_tree(s.path)
             done.append(s.name)
     return done
+
+
+def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
+    """Rank 0, before a save: why ``final`` may not receive it (``{}``: it may). A committed
+    checkpoint is replaced only with ``overwrite`` (and only where the storage can rename a
+    directory: in place, a failed save would destroy it); a directory holding anything but a
+    checkpoint's own files is never saved into (the commit would delete what it holds)."""
+    try:
+        names = storage.listdir(final)
+    except NotADirectoryError:
+        return {"refused": f"{final} is a file, not a directory; save the checkpoint to a directory path"}
+    foreign = [n for n in names if not layout.own_file(n)]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        return {"refused": (
+            f"{final} already holds files that are not a checkpoint's ({shown}); saving there would "
+            "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
+            "step-NNNNNNNNN directories: pass one of those, or use the manager)"
+        )}
+    if layout.MANIFEST not in names:
+        return {}
+    if not overwrite:
+        return {"exists": f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"}
+    if not storage.atomic_rename:
+        return {"refused": (
+            f"{final} already holds a committed checkpoint and this storage cannot replace a directory "
+            "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
+            "path, or delete the old checkpoint first"
+        )}
+    return {}

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from . import layout
-from .api import _commit, _occupied
-from .commit import read_manifest
+from .api import _commit
+from .commit import occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
@@ -48,7 +48,7 @@ def consolidate(
     m = read_manifest(sstore, sdir)
     parent, name = os.path.split(target.rstrip("/"))
     final = dstore.join(parent, name)
-    why = _occupied(dstore, final, overwrite)
+    why = occupied(dstore, final, overwrite)
     if why.get("exists"):
         raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")
     if why.get("refused"):

@@ -107,6 +107,10 @@ class DistContext:
         """Rank 0's value, on every rank."""
         return value
 
+    def fence(self, tag: str, claim: Any) -> Any:
+        """The first ``claim`` made under ``tag`` by any rank; one process: its own."""
+        return claim
+
     def close(self) -> None:
         pass
 
@@ -222,9 +226,9 @@ class StoreDistContext(DistContext):
             try:
                 values = self._collect(base, tag, timeout)
             except RankFailureError as e:
-                self.store.set(f"{base}/all", json.dumps({"error": summary(e), "failures": e.failures}))
+                self._publish(f"{base}/all", {"error": summary(e), "failures": e.failures})
                 raise
-            self.store.set(f"{base}/all", json.dumps({"value": values}))
+            self._publish(f"{base}/all", {"value": values})
             self._cleanup(self._round - 2)
             return values
         return self._await_root(f"{base}/all", tag, timeout)
@@ -243,9 +247,24 @@ class StoreDistContext(DistContext):
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
         base = self._enter(tag)
         if self.rank == 0:
-            self.store.set(f"{base}/all", json.dumps({"value": value}))
+            self._publish(f"{base}/all", {"value": value})
             return value
         return self._await_root(f"{base}/all", tag, timeout)
+
+    @_store_errors
+    def fence(self, tag: str, claim: Any) -> Any:
+        """The first ``claim`` made under ``tag`` by any rank (a compare-and-set): exactly one of
+        rank 0's "I commit now" and another rank's "I gave up on rank 0" wins (``api``)."""
+        return json.loads(self.store.compare_set(f"{self.prefix}/fence/{tag}", "", json.dumps(claim)))
+
+    def _publish(self, key: str, record: dict[str, Any]) -> None:
+        """Rank 0: publish a round's result, unless a rank that gave up on rank 0 (``_await_root``)
+        put its failure there first: then raise that failure, so every rank leaves this round."""
+        mine = json.dumps(record)
+        first = self.store.compare_set(key, "", mine).decode()
+        if first != mine:
+            out = json.loads(first)
+            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -258,7 +277,14 @@ class StoreDistContext(DistContext):
     def _await_root(self, key: str, tag: str, timeout: float | None) -> Any:
         # Rank 0 decides about the other ranks within ``timeout``; wait a little longer for its verdict.
         t = default_timeout() if timeout is None else timeout
-        self._wait_for([key], [0], tag, t + self.dead_after + 5.0)
+        try:
+            self._wait_for([key], [0], tag, t + self.dead_after + 5.0)
+        except RankFailureError as e:
+            # Leave the failure where rank 0 publishes: a rank 0 that was only stopped raises it in
+            # this round when it resumes (``_publish``), not one round ahead of us for good.
+            mine = json.dumps({"error": summary(e), "failures": e.failures})
+            if self.store.compare_set(key, "", mine).decode() == mine:
+                raise
         out = json.loads(self.store.get(key))  # {"value": v} or rank 0's failure record
         if "error" in out:
             raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})

@@ -3,7 +3,8 @@
 ``TRAINGUARD_CRASH_AT=<point>`` makes the process fail when it reaches ``point``;
 ``TRAINGUARD_CRASH_RANK`` limits it to one rank; ``TRAINGUARD_CRASH_KIND`` is ``exit``
 (``os._exit(17)``, the default: no cleanup runs, like a power cut for this process), ``kill``
-(SIGKILL to itself) or ``raise`` (a ``RuntimeError``, as from a failing disk);
+(SIGKILL to itself), ``stop`` (SIGSTOP to itself: a hung rank, until something sends it
+SIGCONT) or ``raise`` (a ``RuntimeError``, as from a failing disk);
 ``TRAINGUARD_CRASH_SKIP=n`` lets the point pass ``n`` times first.
 
 Points, in order: ``begin`` (after the ranks agreed to save), ``write_begin`` (data file
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 POINTS = (
     "begin",
@@ -48,4 +50,7 @@ def fault(point: str, rank: int = 0) -> None:
         raise RuntimeError(f"injected failure at {point} on rank {rank}")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":  # sent to this thread: it stops here, not some instructions later
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        return
     os._exit(17)

@@ -1,0 +1,123 @@
+"""Hung ranks, not dead ones: rank 0 SIGSTOPped in the middle of a save on real gloo ranks.
+
+The other ranks give up on it after ``TRAINGUARD_DEAD_AFTER`` (its heartbeat stops with it) and
+raise. What is checked here is what happens when rank 0 is SIGCONTed afterwards (a node that
+was only frozen): it must raise the same error in the same round, commit nothing the others
+were told failed, and leave the ranks' collectives in step, so the next save works.
+
+Each rank function publishes rank 0's PID in the store; rank 1 sends the SIGCONT only after its
+own save raised, so the order is fixed by the test, not by timing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+from dist_helper import run_ranks
+
+ENV = {"TRAINGUARD_DEAD_AFTER": "2"}
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    return {"model": nn.Linear(16, 16), "progress": tg.StateDict(step=1)}
+
+
+def _attempt(fn: Any) -> dict:
+    try:
+        fn()
+    except tg.RankFailureError as e:
+        return {"type": "RankFailureError", "msg": str(e).splitlines()[0], "ranks": sorted(e.failures)}
+    except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
+        return {"type": type(e).__name__, "msg": str(e)}
+    return {"type": None}
+
+
+def _save(root: str, step: int, state: dict, async_: bool) -> None:
+    out = tg.save(f"{root}/step-{step:09d}", state, timeout=3, async_=async_)
+    if async_:
+        out.result()
+
+
+def _stop_rank0_then_resume(rank: int, root: str, step: int, stop: Any, async_: bool) -> dict:
+    """Every rank: save ``step`` with ``stop()`` making rank 0 SIGSTOP itself on the way; rank 1,
+    once its save raised, SIGCONTs rank 0; then every rank saves ``step + 1``."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
+    if rank == 0:
+        store.set("test/pid0", str(os.getpid()))
+    state = _state()
+    stop()
+    out = {"hung": _attempt(lambda: _save(root, step, state, async_))}
+    os.environ.pop("TRAINGUARD_CRASH_AT", None)
+    if rank == 1:
+        os.kill(int(store.get("test/pid0")), signal.SIGCONT)
+    out["next"] = _attempt(lambda: _save(root, step + 1, state, async_))
+    return out
+
+
+def stopped_at_commit(rank: int, world: int, root: str, async_: bool) -> dict:
+    def stop() -> None:  # rank 0 stops with every rank's data durable, before the manifest
+        os.environ.update(TRAINGUARD_CRASH_AT="before_manifest", TRAINGUARD_CRASH_RANK="0", TRAINGUARD_CRASH_KIND="stop")
+
+    tg.save(f"{root}/step-000000001", _state(), timeout=3)
+    return _stop_rank0_then_resume(rank, root, 2, stop, async_)
+
+
+def stopped_in_begin(rank: int, world: int, root: str) -> dict:
+    import trainguard.api as api
+
+    real = api.occupied
+
+    def occupied(*args: Any) -> Any:  # rank 0 only, inside the "begin" round, before it publishes
+        api.occupied = real
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        return real(*args)
+
+    def stop() -> None:
+        if rank == 0:
+            api.occupied = occupied
+
+    tg.save(f"{root}/step-000000001", _state(), timeout=3)
+    return _stop_rank0_then_resume(rank, root, 2, stop, False)
+
+
+def _committed(root: str) -> list[str]:
+    return sorted(n for n in os.listdir(root) if os.path.exists(os.path.join(root, n, "manifest.json")))
+
+
+def _check(res: list, root: Path) -> None:
+    hung = [r.value["hung"] for r in res]
+    # The same error on both ranks, naming rank 0; rank 0 (resumed) raises it too.
+    assert all(h["type"] == "RankFailureError" and h["ranks"] == [0] for h in hung), hung
+    assert "stopped responding" in hung[1]["msg"] and hung[0] == hung[1], hung
+    # The resumed rank 0 committed nothing, removed its temp directory, and the ranks are still
+    # in step: the next save commits on both.
+    assert [r.value["next"] for r in res] == [{"type": None}] * 2, [r.value for r in res]
+    assert _committed(str(root)) == ["step-000000001", "step-000000003"]
+    assert sorted(os.listdir(root)) == ["step-000000001", "step-000000003"]
+    assert tg.CheckpointManager(str(root)).latest_step() == 3
+
+
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_rank0_resumed_after_the_others_gave_up_does_not_commit(tmp_path: Path, async_: bool) -> None:
+    res = run_ranks(stopped_at_commit, 2, str(tmp_path), async_, timeout=120, env=ENV)
+    _check(res, tmp_path)
+
+
+def test_rank0_resumed_inside_a_round_leaves_the_ranks_in_step(tmp_path: Path) -> None:
+    # Before the fix, rank 1 left the "begin" round while rank 0, resumed, went on to the next
+    # one: from then on every collective of that channel paired different rounds and failed.
+    res = run_ranks(stopped_in_begin, 2, str(tmp_path), timeout=120, env=ENV)
+    _check(res, tmp_path)
