@@ -121,3 +121,50 @@ def test_rank0_resumed_inside_a_round_leaves_the_ranks_in_step(tmp_path: Path) -
     # one: from then on every collective of that channel paired different rounds and failed.
     res = run_ranks(stopped_in_begin, 2, str(tmp_path), timeout=120, env=ENV)
     _check(res, tmp_path)
+
+
+def store_host_frozen(rank: int, world: int, root: str) -> dict:
+    """Like ``env://`` rendezvous: rank 0 hosts the c10d store of the process group (the helper's
+    store only passes the port). Rank 0 freezes in an async save's commit; rank 1 must get
+    an error, not a hang, from ``close()`` (it waits for that save), and then SIGCONTs rank 0."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    helper = _get_default_store()
+    dist.destroy_process_group()
+    if rank == 0:
+        host = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=60), wait_for_workers=False)
+        helper.set("test/port", str(host.port))
+        helper.set("test/pid0", str(os.getpid()))
+    else:
+        host = dist.TCPStore("127.0.0.1", int(helper.get("test/port")), world, False, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg2", host), rank=rank, world_size=world)
+    state = _state()
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, timeout=3, handle_signals=False).open()
+    mgr.save(1, state)
+    mgr.wait()
+    os.environ.update(TRAINGUARD_CRASH_AT="before_manifest", TRAINGUARD_CRASH_RANK="0", TRAINGUARD_CRASH_KIND="stop")
+    mgr.save(2, state)
+    out = {"close": _attempt(mgr.close)}  # waits for save 2, then raises its error
+    out["threads"] = sorted(t.name for t in threading.enumerate() if t.name.startswith("trainguard-async-save"))
+    if rank == 1:
+        os.kill(int(helper.get("test/pid0")), signal.SIGCONT)
+    return out
+
+
+def test_a_frozen_store_host_gives_errors_not_a_hang(tmp_path: Path) -> None:
+    # Before the fix, rank 1 waited in wait() until the helper killed it (the store's calls block
+    # while its host is stopped, whatever the store's or trainguard's timeout).
+    res = run_ranks(store_host_frozen, 2, str(tmp_path), timeout=120, env=ENV)
+    r1 = res[1].value
+    assert r1["close"]["type"] == "RankFailureError" and r1["close"]["ranks"] == [0], r1
+    assert "commit: the c10d store stopped answering" in r1["close"]["msg"], r1
+    assert "did not answer check within 2 s" in r1["close"]["msg"], r1
+    assert r1["threads"] == [], r1
+    # Rank 0, resumed, finished on its own (it may have committed step 2: every rank's data was
+    # durable and nobody could tell it otherwise through the frozen store).
+    assert res[0].value["threads"] == []
+    assert "step-000000001" in _committed(str(tmp_path))

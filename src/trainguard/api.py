@@ -22,7 +22,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest, check_shared, occupied, rank_files
+from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, occupied, rank_files
 from .dist import DistContext, check_timeout, describe_error, failure, raise_failures, summary
 from .errors import (
     CheckpointError,
@@ -187,7 +187,7 @@ def persist_and_commit(
             manifest = _build_manifest(snap, written, ctx, layout, metadata, step)
             check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
-            _claim_commit(ctx, save_id)
+            claim_commit(ctx, save_id)
             # Invariant: the manifest is written only after every rank reported its data durable.
             _commit(storage, parent, name, work, manifest, overwrite, save_id)
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
@@ -201,7 +201,7 @@ def persist_and_commit(
     try:
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
-        _abandon_commit(ctx, save_id, target, e)
+        abandon_commit(ctx, save_id, target, e)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
         if isinstance(write_error, CheckpointError):
             raise write_error  # a DiskFullError stays one
@@ -216,32 +216,6 @@ def persist_and_commit(
 
 
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
-
-_COMMITTING = {"committing": 0}
-
-
-def _claim_commit(ctx: DistContext, save_id: str) -> None:
-    """Rank 0, right before the manifest (the first irreversible act): claim the commit. If a
-    rank already gave up waiting for rank 0 (it was stopped or stalled for longer than that
-    rank waits, ``_abandon_commit``), raise its failure instead: a rank 0 that resumes late
-    must not commit a save that the other ranks reported as failed."""
-    first = ctx.fence(f"commit/{save_id}", _COMMITTING)
-    if first != _COMMITTING:
-        raise failure(first["error"], {int(r): tb for r, tb in first["failures"].items()})
-
-
-def _abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureError) -> None:
-    """A rank other than 0 whose wait for the "commit" outcome failed (rank 0 stopped responding,
-    or is too slow): forbid the commit (``_claim_commit``) and raise ``e``; when rank 0 claimed
-    it first, whether ``target`` got committed is unknown, and the error says so."""
-    if ctx.fence(f"commit/{save_id}", {"error": summary(e), "failures": e.failures}) != _COMMITTING:
-        raise e
-    raise failure(
-        f"commit: rank 0 stopped responding while committing {target}; it may or may not be committed "
-        f"(the manifest tells: a CheckpointManager resumes from it only if it is). {summary(e)}",
-        {0: "stopped responding while committing"},
-    ) from e
-
 
 def _check_begin(begin: list[Any], ctx: DistContext) -> None:
     raise_failures("save", begin, ctx)

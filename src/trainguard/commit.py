@@ -1,6 +1,7 @@
 """The run directory's lifecycle: the writer lock, debris cleanup, discovery of checkpoints.
 
-Called on rank 0 only (the manager broadcasts results). The two-phase commit itself is in
+Called on rank 0 only (the manager broadcasts results), except the commit fence at the end
+(``claim_commit`` on rank 0, ``abandon_commit`` on any rank). The two-phase commit itself is in
 ``api.save``: all ranks write and fsync into the temp directory, report through the store,
 then rank 0 writes ``manifest.json`` last and renames the directory.
 """
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout
-from .errors import CheckpointError, LockedError, NotACheckpointError
+from .dist import DistContext, failure, summary
+from .errors import CheckpointError, LockedError, NotACheckpointError, RankFailureError
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .storage import Storage
 
@@ -228,3 +230,34 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "path, or delete the old checkpoint first"
         )}
     return {}
+
+
+_COMMITTING = {"committing": 0}
+
+
+def claim_commit(ctx: DistContext, save_id: str) -> None:
+    """Rank 0, right before the manifest (the first irreversible act): claim the commit. If a
+    rank already gave up waiting for rank 0 (it was stopped or stalled for longer than that
+    rank waits, ``abandon_commit``), raise its failure instead: a rank 0 that resumes late
+    must not commit a save that the other ranks reported as failed."""
+    first = ctx.fence(f"commit/{save_id}", _COMMITTING)
+    if first != _COMMITTING:
+        raise failure(first["error"], {int(r): tb for r, tb in first["failures"].items()})
+
+
+def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureError) -> None:
+    """Any rank whose "commit" broadcast failed with ``e`` (another rank: rank 0 stopped responding
+    or is too slow; rank 0: a rank had given up on it): forbid the commit (``claim_commit``) and
+    raise ``e``; when rank 0 claimed it first, whether ``target`` got committed is unknown, and
+    the error says so. A store that stopped answering (the fence fails too): ``e`` as it is."""
+    try:
+        first = ctx.fence(f"commit/{save_id}", {"error": summary(e), "failures": e.failures})
+    except RankFailureError:
+        raise e from None  # the store itself stopped answering: nobody can claim anything
+    if first != _COMMITTING:
+        raise e
+    raise failure(
+        f"commit: rank 0 stopped responding while committing {target}; it may or may not be committed "
+        f"(the manifest tells: a CheckpointManager resumes from it only if it is). {summary(e)}",
+        {0: "stopped responding while committing"},
+    ) from e

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import RankFailureError
+from .storecall import BoundedStore
 
 HEARTBEAT_EVERY = 0.5
 
@@ -60,7 +61,7 @@ def _store_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         except (RuntimeError, OSError) as e:
             raise failure(
                 f"{tag}: the c10d store stopped answering ({type(e).__name__}: {e}); the process hosting it "
-                "(rank 0, or the launcher) died",
+                "(rank 0, or the launcher) died or hangs",
                 {0: "the store it hosts is unreachable"},
             ) from e
 
@@ -165,11 +166,9 @@ class StoreDistContext(DistContext):
     def __init__(
         self, store: Any, rank: int, world_size: int, *, dead_after_s: float | None = None
     ) -> None:
-        self.store = store
-        self.rank = rank
-        self.world_size = world_size
-        self.local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        self.rank, self.world_size, self.local_rank = rank, world_size, int(os.environ.get("LOCAL_RANK", rank))
         self.dead_after = dead_after() if dead_after_s is None else dead_after_s
+        self.store = BoundedStore(store, self.dead_after)  # a frozen store host: an error, not a hang
         # All ranks create their context at their first collective call; the counter gives
         # the same generation to all of them, so keys of an earlier job on the store never clash.
         gen = (int(store.add("trainguard/contexts", 1)) - 1) // world_size
@@ -200,13 +199,14 @@ class StoreDistContext(DistContext):
         key = f"{self.prefix}/hb/{self.rank}"
         while not self._stop.is_set():
             try:
-                self.store.add(key, 1)
+                self.store.raw.add(key, 1)  # unbounded: a slow store must not stop this rank's beat
             except Exception:
                 return  # the store is gone (job ending); nothing to report to
             self._stop.wait(HEARTBEAT_EVERY)
 
     def close(self) -> None:
         self._stop.set()
+        self.store.close()
 
     # -- collectives -------------------------------------------------------------------------
     # Each public collective turns a store that stopped answering (its host died: rank 0 with

@@ -1,0 +1,105 @@
+"""``BoundedStore``: c10d store calls that give up after a bound (``dist.StoreDistContext``'s store).
+
+A ``TCPStore`` client whose server is *frozen* (the process hosting it SIGSTOPped, or its node
+hung; with ``env://`` rendezvous that is rank 0) does not fail: every call blocks until the
+server answers again, past the store's own timeout (torch 2.13: ``add``, ``check`` and ``get``
+blocked for more than 55 s on a client created with a 5 s timeout). trainguard's collectives
+wait by polling (``check``), so every one of its store calls should take milliseconds.
+
+So each call runs on one worker thread per store and the caller waits for it at most ``bound``
+seconds (``TRAINGUARD_DEAD_AFTER``, the time after which a silent rank is declared dead), then
+raises :class:`StoreStalled`, which the collectives turn into a ``RankFailureError`` on every
+waiting rank. The call itself cannot be interrupted: it stays on the worker (a daemon thread)
+until the server answers or its connection breaks; calls queued behind it that nobody waits
+for any more are dropped, not sent late. The heartbeat thread uses the raw store (``raw``): it
+may block there, but its rank must not stop beating because the store was slow.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+
+class StoreStalled(RuntimeError):
+    """A store call did not return within the bound (a RuntimeError, like the store's own errors)."""
+
+
+class _Call:
+    __slots__ = ("fn", "args", "done", "result", "error", "dropped")
+
+    def __init__(self, fn: Any, args: tuple) -> None:
+        self.fn, self.args = fn, args
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.dropped = False
+
+
+class BoundedStore:
+    """The store methods trainguard uses, each bounded by ``bound`` seconds (any thread may call)."""
+
+    def __init__(self, store: Any, bound: float) -> None:
+        self.raw = store
+        self.bound = bound
+        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+
+    def _call(self, name: str, *args: Any) -> Any:
+        call = _Call(getattr(self.raw, name), args)
+        with self._lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="trainguard-store", daemon=True)
+                self._worker.start()
+            self._calls.put(call)
+        if not call.done.wait(self.bound):
+            call.dropped = True  # not sent at all if it is still queued
+            raise StoreStalled(
+                f"the store did not answer {name} within {self.bound:.0f} s (its host is frozen or unreachable)"
+            )
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def close(self) -> None:
+        """Let the worker end once it has run what is queued (a later call starts another)."""
+        with self._lock:
+            if self._worker is not None:
+                self._calls.put(_Call(None, ()))
+                self._worker = None
+
+    def _work(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call.fn is None:
+                return
+            if call.dropped:
+                continue
+            try:
+                call.result = call.fn(*call.args)
+            except BaseException as e:  # handed to the caller
+                call.error = e
+            call.done.set()
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", key)
