@@ -168,3 +168,42 @@ def test_a_frozen_store_host_gives_errors_not_a_hang(tmp_path: Path) -> None:
     # durable and nobody could tell it otherwise through the frozen store).
     assert res[0].value["threads"] == []
     assert "step-000000001" in _committed(str(tmp_path))
+
+
+def stalled_write(rank: int, world: int, root: str) -> dict:
+    """Rank 1's filesystem stalls as it starts to write (its heartbeat keeps beating): it blocks
+    at the "begin" fault point, before it creates the temp directory, until rank 0's save has
+    raised; then every rank saves the next step."""
+    import time
+
+    import trainguard.api as api
+
+    tg.save(f"{root}/step-000000001", _state(), timeout=3)
+    real, release = api.fault, f"{root}.release"
+
+    def stall(point: str, r: int = 0) -> None:
+        if point == "begin" and rank == 1:
+            while not os.path.exists(release):  # bounded by run_ranks' timeout
+                time.sleep(0.02)
+        real(point, r)
+
+    api.fault = stall
+    out = {"hung": _attempt(lambda: _save(root, 2, _state(), False))}
+    api.fault = real
+    if rank == 0:
+        Path(release).touch()
+    out["next"] = _attempt(lambda: _save(root, 3, _state(), False))
+    return out
+
+
+def test_a_rank_stuck_in_its_write_is_named_as_such(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    res = run_ranks(stalled_write, 2, str(root), timeout=120, env=ENV)
+    hung = [r.value["hung"] for r in res]
+    # Rank 0 gives up after timeout=3 (rank 1's heartbeat beats) with an error naming rank 1 as
+    # stuck in its write, not as a rank that never called save; rank 1 raises the same.
+    assert all(h["type"] == "RankFailureError" and h["ranks"] == [1] for h in hung), hung
+    assert hung[0] == hung[1] and "rank(s) [1] did not finish writing its data within 3 s" in hung[0]["msg"], hung
+    assert [r.value["next"] for r in res] == [{"type": None}] * 2, [r.value for r in res]
+    assert _committed(str(root)) == ["step-000000001", "step-000000003"]

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import RankFailureError
+from .errors import RankFailureError, failure, summary  # noqa: F401 - failure, summary: imported from here too
 from .storecall import BoundedStore
 
 HEARTBEAT_EVERY = 0.5
@@ -66,19 +66,6 @@ def _store_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
             ) from e
 
     return wrapper
-
-
-def failure(message: str, failures: dict[int, str]) -> RankFailureError:
-    """A ``RankFailureError`` that remembers its one-line ``message`` (see :func:`summary`), so it
-    can be sent to the other ranks and raised there identically."""
-    e = RankFailureError(message, failures)
-    e.summary = message  # type: ignore[attr-defined]
-    return e
-
-
-def summary(e: BaseException) -> str:
-    """The message of a ``RankFailureError`` without the per-rank tracebacks appended to it."""
-    return str(getattr(e, "summary", e))
 
 
 class DistContext:
@@ -324,6 +311,12 @@ class StoreDistContext(DistContext):
                     "the process died or hangs",
                     {r: "process died or hung (no heartbeat)" for r in dead},
                 )
+            if now > deadline and tag in _MIDWAY:  # every rank came to this save: these are stuck in it
+                raise failure(
+                    f"{tag}: rank(s) {missing} did not finish {_MIDWAY[tag]} within {timeout:.0f} s: still at it, "
+                    "or stuck (a stalled filesystem, or a hung process whose heartbeat still beats)",
+                    {r: f"still {_MIDWAY[tag]} after {timeout:.0f} s" for r in missing},
+                )
             if now > deadline:
                 raise failure(
                     f"{tag}: rank(s) {missing} did not arrive within {timeout:.0f} s. Every rank must call "
@@ -365,6 +358,9 @@ class StoreDistContext(DistContext):
             pass
 
 
+# Collectives that every rank reaches only after an earlier one of the same operation (all ranks
+# passed "begin"): a rank missing there is busy with the work in between, not absent.
+_MIDWAY = {"written": "writing its data"}
 _TAGS = ("begin", "written", "commit", "load", "open", "decide", "candidates")
 
 

@@ -79,6 +79,19 @@ class RankFailureError(CheckpointError):
         super().__init__(f"{message}\n{detail}" if detail else message)
 
 
+def failure(message: str, failures: dict[int, str]) -> RankFailureError:
+    """A ``RankFailureError`` that remembers its one-line ``message`` (see :func:`summary`), so it
+    can be sent to the other ranks and raised there identically."""
+    e = RankFailureError(message, failures)
+    e.summary = message  # type: ignore[attr-defined]
+    return e
+
+
+def summary(e: BaseException) -> str:
+    """The message of a ``RankFailureError`` without the per-rank tracebacks appended to it."""
+    return str(getattr(e, "summary", e))
+
+
 class DiskFullError(CheckpointError, OSError):
     """The storage ran out of space while saving."""
 
