@@ -196,7 +196,7 @@ def stalled_write(rank: int, world: int, root: str) -> dict:
     return out
 
 
-def test_a_rank_stuck_in_its_write_is_named_as_such(tmp_path: Path) -> None:
+def test_a_rank_stuck_in_its_write_is_named_as_such_and_cleans_up(tmp_path: Path) -> None:
     root = tmp_path / "run"
     root.mkdir()
     res = run_ranks(stalled_write, 2, str(root), timeout=120, env=ENV)
@@ -207,3 +207,6 @@ def test_a_rank_stuck_in_its_write_is_named_as_such(tmp_path: Path) -> None:
     assert hung[0] == hung[1] and "rank(s) [1] did not finish writing its data within 3 s" in hung[0]["msg"], hung
     assert [r.value["next"] for r in res] == [{"type": None}] * 2, [r.value for r in res]
     assert _committed(str(root)) == ["step-000000001", "step-000000003"]
+    # Rank 1 resumed after rank 0 had removed the temp directory and created it again for its
+    # data file; told it failed, it removes it too: no step-000000002.tmp-* left behind.
+    assert sorted(os.listdir(root)) == ["step-000000001", "step-000000003"]

@@ -202,6 +202,9 @@ def persist_and_commit(
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
         abandon_commit(ctx, save_id, target, e)
+    if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
+        # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
+        storage.remove_tree(work)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
         if isinstance(write_error, CheckpointError):
             raise write_error  # a DiskFullError stays one
