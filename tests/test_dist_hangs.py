@@ -210,3 +210,48 @@ def test_a_rank_stuck_in_its_write_is_named_as_such_and_cleans_up(tmp_path: Path
     # Rank 1 resumed after rank 0 had removed the temp directory and created it again for its
     # data file; told it failed, it removes it too: no step-000000002.tmp-* left behind.
     assert sorted(os.listdir(root)) == ["step-000000001", "step-000000003"]
+
+
+def stopped_in_restore(rank: int, world: int, root: str) -> dict:
+    """Rank 0 stops while it lists the run directory for the resume decision (before its
+    "candidates" broadcast); rank 1 SIGCONTs it once its restore raised; both restore again."""
+    import threading
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    import trainguard.manager as manager
+
+    store = _get_default_store()
+    if rank == 0:
+        store.set("test/pid0", str(os.getpid()))
+    state = _state()
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=3, handle_signals=False) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    real = manager.list_steps
+
+    def list_steps(*args: Any) -> Any:
+        manager.list_steps = real
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+        return real(*args)
+
+    if rank == 0:
+        manager.list_steps = list_steps
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=3, handle_signals=False) as mgr:
+        out = {"hung": _attempt(lambda: mgr.restore(state))}
+        if rank == 1:
+            os.kill(int(store.get("test/pid0")), signal.SIGCONT)
+        out["again"] = mgr.restore(state)
+        mgr.save(3, state)
+    return out
+
+
+def test_rank0_resumed_inside_the_resume_decision_leaves_restore_working(tmp_path: Path) -> None:
+    # Before the fix: rank 0, resumed, went on to "load" while rank 1 had left "candidates";
+    # the second restore and the next save failed too.
+    res = run_ranks(stopped_in_restore, 2, str(tmp_path), timeout=120, env=ENV)
+    hung = [r.value["hung"] for r in res]
+    assert all(h["type"] == "RankFailureError" and h["ranks"] == [0] for h in hung) and hung[0] == hung[1], hung
+    assert "candidates: rank(s) [0] stopped responding" in hung[0]["msg"], hung
+    assert [r.value["again"] for r in res] == [2, 2]
+    assert _committed(str(tmp_path)) == ["step-000000001", "step-000000002", "step-000000003"]
