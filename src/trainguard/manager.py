@@ -26,9 +26,9 @@ from .elastic import watchdog
 from .elastic.watchdog import heartbeat
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
-from .faults import fault
 from .handle import SaveHandle
-from .policies import CheckpointInfo, EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
+from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
+from .retention import retain
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier, location
@@ -304,31 +304,11 @@ class CheckpointManager:
         # Runs after `newest` is committed (never before), on rank 0, while holding the lock.
         # The new checkpoint is safe whatever happens here: a failure is reported, not raised.
         try:
-            self._retain(newest)
+            retain(self, newest)
         except Exception as e:
             log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
             self.events.emit("retention_failed", step=newest, error=str(e)[:2000])
             warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=2)
-
-    def _retain(self, newest: int) -> None:
-        steps = [s for s in list_steps(self.storage, self._root) if s.status == "committed"]
-        # A checkpoint restore() found unusable takes no place among those kept.
-        infos = [CheckpointInfo(s.step, 0.0, self._metrics_of(s)) for s in steps if s.step not in self._rejected]
-        keep = set(self.keep.select(infos)) | {newest}
-        fault("before_retention", self.ctx.rank)
-        for s in steps:
-            if s.step not in keep and s.step < newest:
-                self.storage.remove_tree(s.path)
-                self._metrics.pop(s.step, None)
-                self.events.emit("retention_delete", step=s.step)
-
-    def _metrics_of(self, s: Any) -> dict[str, float]:
-        if s.step not in self._metrics:
-            try:
-                self._metrics[s.step] = dict(read_manifest(self.storage, s.path).metadata.get("metrics", {}))
-            except CheckpointError:
-                self._metrics[s.step] = {}
-        return self._metrics[s.step]
 
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, strict: bool = True) -> int | None:
