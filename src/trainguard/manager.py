@@ -103,6 +103,7 @@ class CheckpointManager:
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
+        self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self.ram = (
             RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
@@ -230,9 +231,13 @@ class CheckpointManager:
         storage = self.storage
         if self.ram:
             storage, target = self.ram.target(step)
-        replace = step in self._rejected  # restore found it unusable: the run comes back to it
-        if replace and not storage.atomic_rename and self.ctx.rank == 0:
-            storage.remove_tree(target)  # no atomic replace on object stores: it was unusable anyway
+        # A step restore found unusable, or one an earlier run left (this run resumed behind it): replaced.
+        replace = step in self._rejected or step not in self._own
+        durable = self.storage.join(self._root, layout.step_dir(step))
+        if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename) and self.storage.exists(
+            self.storage.join(durable, layout.MANIFEST)
+        ):  # no atomic replace on object stores, nor of the RAM tier's copy: it is unusable or abandoned
+            self.storage.remove_tree(durable)
         try:
             handle = start_save(
                 storage, target, state, self.ctx,
@@ -266,6 +271,7 @@ class CheckpointManager:
         # When the save really ended (an async save is collected at the next call, later).
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step
+        self._own.add(manifest.step)
         self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
         # + the caller's wait_staged() waits.

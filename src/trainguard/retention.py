@@ -8,6 +8,7 @@ The policy (``policies.RetentionPolicy.select``) decides; this module lists and 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from .commit import list_steps, read_manifest
@@ -18,15 +19,35 @@ from .policies import CheckpointInfo
 if TYPE_CHECKING:
     from .manager import CheckpointManager
 
+log = logging.getLogger("trainguard")
+
 
 def retain(mgr: CheckpointManager, newest: int) -> None:
     """Delete the committed checkpoints of ``mgr``'s root that ``mgr.keep`` does not keep, older
     than ``newest`` (which is kept whatever the policy says). A step ``restore`` found unusable
-    takes no place among those kept."""
+    takes no place among those kept.
+
+    Checkpoints newer than ``newest`` that this manager did not write are deleted too: an earlier
+    run left them, and this run went back behind them (``restore`` found them unusable, or the
+    operator rolled back with ``tg.load``). Their timeline is abandoned: kept, they would hold
+    ``KeepLatest`` slots in place of this run's checkpoints, and the next restart would resume
+    from them instead of from this run's newest."""
     steps = [s for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+    abandoned = [s for s in steps if s.step > newest and s.step not in mgr._own]
+    steps = [s for s in steps if s not in abandoned]
     infos = [CheckpointInfo(s.step, 0.0, _metrics_of(mgr, s)) for s in steps if s.step not in mgr._rejected]
     keep = set(mgr.keep.select(infos)) | {newest}
     fault("before_retention", mgr.ctx.rank)
+    if abandoned:
+        log.warning(
+            "trainguard: removing the checkpoints of steps %s in %s: this run saved step %d behind them, so "
+            "they belong to an earlier run's abandoned timeline (a restart must not resume from them)",
+            ", ".join(str(s.step) for s in abandoned), mgr.root, newest,
+        )
+    for s in abandoned:
+        mgr.storage.remove_tree(s.path)
+        mgr._metrics.pop(s.step, None)
+        mgr.events.emit("retention_delete", step=s.step, abandoned_by=newest)
     for s in steps:
         if s.step not in keep and s.step < newest:
             mgr.storage.remove_tree(s.path)

@@ -1,0 +1,123 @@
+"""A run that goes back in steps: it resumed from an older checkpoint than the newest in its run
+directory (newer ones were corrupt, or the operator rolled back with ``tg.load``). Its saves must
+go on without manual cleanup, replacing steps an earlier run left, and the next restart must not
+jump back to that earlier run's newer checkpoints (an abandoned timeline)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.events import read_events
+
+
+def _state(v: float) -> dict:
+    return {"w": torch.full((8,), float(v)), "p": tg.StateDict(step=0)}
+
+
+def _steps(root) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and "." not in n)
+
+
+def _dead_run(root, last: int = 43) -> None:
+    """The run that crashed at step ``last``: committed 10, 20, 30, 40 (w = step)."""
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        for s in range(1, last + 1):
+            m.save(s, _state(s))
+
+
+def _flip(root, step: int) -> None:
+    f = os.path.join(root, f"step-{step:09d}", "data-00000.bin")
+    b = bytearray(open(f, "rb").read())
+    b[0] ^= 1
+    open(f, "wb").write(b)
+
+
+def test_a_rolled_back_run_replaces_the_dead_runs_steps_and_drops_its_newer_ones(tmp_path):
+    _dead_run(tmp_path)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10), keep=tg.KeepLatest(3), handle_signals=False) as m:
+        x = _state(0)
+        tg.load(tmp_path / "step-000000010", x)  # the operator rolls back past a loss spike
+        for s in range(11, 26):
+            m.save(s, _state(1000 + s))  # step 20 exists from the dead run: replaced, not refused
+        assert _steps(tmp_path) == [10, 20]  # 30, 40: newer steps of the abandoned run, removed
+    dropped = [e["step"] for e in read_events(tmp_path) if e["event"] == "retention_delete"]
+    assert sorted(dropped) == [30, 40]
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x) == 20
+        assert x["w"][0].item() == 1020.0  # this run's step 20, not the dead run's
+
+
+def test_a_run_resumed_behind_corrupt_checkpoints_drops_them_at_its_first_save(tmp_path, caplog):
+    _dead_run(tmp_path)
+    _flip(tmp_path, 30)
+    _flip(tmp_path, 40)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x) == 20
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            for s in range(21, 28):
+                m.save(s, _state(1000 + s))
+        assert _steps(tmp_path) == [20, 25]  # not 30 and 40 kept "newer" until the run passes them
+    assert any("30, 40" in r.getMessage() and "abandoned" in r.getMessage() for r in caplog.records)
+    n = len(list(read_events(tmp_path)))
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as m:  # the next restart
+        x = _state(0)
+        assert m.restore(x) == 25 and x["w"][0].item() == 1025.0
+    assert not [e for e in list(read_events(tmp_path))[n:] if e["event"] == "restore_skip"]
+
+
+def test_newer_checkpoints_of_a_dead_run_take_no_keeplatest_slot(tmp_path):
+    _dead_run(tmp_path)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(2), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        tg.load(tmp_path / "step-000000010", _state(0))
+        for s in range(11, 17):
+            m.save(s, _state(1000 + s))
+        # 12, 14, 16 saved by this run: KeepLatest(2) keeps this run's two newest
+        assert _steps(tmp_path) == [14, 16]
+
+
+def test_a_run_that_only_moves_forward_deletes_nothing_newer(tmp_path):
+    _dead_run(tmp_path)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x) == 40
+        for s in range(40, 56):
+            m.save(s, _state(s))
+    assert _steps(tmp_path) == [10, 20, 30, 40, 50]
+
+
+def test_a_rolled_back_run_on_an_object_store(tmp_path):
+    pytest.importorskip("fsspec")
+    url = f"memory://tg-{uuid.uuid4().hex[:10]}"
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        for s in range(1, 44):
+            m.save(s, _state(s))
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        tg.load(f"{url}/step-000000010", _state(0))
+        for s in range(11, 26):
+            m.save(s, _state(1000 + s))
+    with tg.CheckpointManager(url, handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x) == 20 and x["w"][0].item() == 1020.0
+        assert [s for s in (10, 20, 30, 40) if m.storage.exists(m.storage.join(m._root, f"step-{s:09d}"))] == [10, 20]
+
+
+def test_a_rolled_back_run_with_the_ram_tier_replaces_the_durable_copy(tmp_path):
+    _dead_run(tmp_path / "run")
+    base = str(tmp_path / "shm")
+    os.mkdir(base)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(10), keep=tg.KeepAll(), ram_tier=base,
+                              handle_signals=False) as m:
+        tg.load(tmp_path / "run" / "step-000000010", _state(0))
+        for s in range(11, 26):
+            m.save(s, _state(1000 + s))
+    x = _state(0)
+    tg.load(tmp_path / "run" / "step-000000020", x)  # the durable copy is this run's, not the dead run's
+    assert x["w"][0].item() == 1020.0 and _steps(tmp_path / "run") == [10, 20]
