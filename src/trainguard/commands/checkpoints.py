@@ -18,6 +18,7 @@ from ..commit import read_manifest
 from ..errors import CheckpointError, NotACheckpointError
 from ..flatten import tensor_refs
 from ..inspect import describe, list_checkpoints, verify
+from ..layout import MANIFEST
 from ..storage import for_path
 
 console = Console()
@@ -133,31 +134,57 @@ def _description(ckpt: str, m: Any) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
 def verify_cmd(path: str, as_json: bool) -> None:
     """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
-    Exit code 0 only when everything matches."""
+    Exit code 0 only when every committed checkpoint matches (a step directory without a manifest,
+    a save in progress or a crashed one, is listed as incomplete and does not count)."""
     storage, p = for_path(path)
     try:
         read_manifest(storage, p)
-        targets = [p]
+        targets = [(p, "committed", None)]
     except CheckpointError:
         rows = list_checkpoints(path)
         if not rows:
-            raise
-        targets = [r.path for r in rows]
+            raise NotACheckpointError(
+                f"{path} holds no checkpoint: no {MANIFEST} (a checkpoint directory) and no step-NNNNNNNNN "
+                "directories (a run directory); nothing to verify"
+            ) from None
+        targets = [(r.path, r.status, r.step) for r in rows]
     ok, out = True, []
-    for t in targets:
-        res = verify(t)
-        ok &= res.ok
+    for t, listed, step in targets:
+        status, step, errors, checked = _check(t, listed, step)
+        ok &= status in ("valid", "incomplete", "deleted")
         if as_json:
-            out.append({"path": t, "step": res.step, "ok": res.ok, "bytes_checked": res.bytes_checked, "errors": res.errors})
-        elif res.ok:
-            console.print(f"[green]OK[/]      {t}  ({_size(res.bytes_checked)} checked)")
+            out.append({"path": t, "step": step, "ok": status == "valid", "status": status, "bytes_checked": checked,
+                        "errors": errors})
+        elif status == "valid":
+            console.print(f"[green]OK[/]      {t}  ({_size(checked)} checked)")
         else:
-            console.print(f"[red]CORRUPT[/] {t}")
-            for e in res.errors[:20]:
+            console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(status, "[yellow]DELETED[/]")
+                          + f" {t}")
+            for e in errors[:20]:
                 console.print(f"        {e}")
     if as_json:
         _print_json(out)
     sys.exit(0 if ok else 1)
+
+
+def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list[str], int]:
+    """``verify_cmd``'s verdict on one checkpoint ``t`` of step ``step`` that ``list_checkpoints``
+    found ``listed`` ("incomplete": no manifest; anything else: verified here): status, step,
+    errors, bytes checked. Status "valid", "corrupt", "incomplete", or "deleted" (it vanished while
+    verified: a running job's retention deleted it); neither of the last two is corruption, and
+    restore never reads a step without a manifest."""
+    if listed == "incomplete":
+        return "incomplete", step, [f"no {MANIFEST}: a save in progress (object stores write in place) or one that crashed; "
+                              "restore never reads it, and the manager removes it when it next opens"], 0
+    res = verify(t)
+    if not res.ok and not _exists(t):
+        return "deleted", step, ["removed while it was checked (a running job's retention deletes old checkpoints)"], 0
+    return "valid" if res.ok else "corrupt", res.step, res.errors, res.bytes_checked
+
+
+def _exists(path: str) -> bool:
+    storage, p = for_path(path)
+    return storage.exists(p)
 
 
 @click.command("export")
