@@ -274,3 +274,42 @@ def test_server_killed_mid_upload_keeps_previous_checkpoint(weed, tmp_path):
         assert mgr.restore(dest) == 1
         assert torch.equal(dest["model"]["w"], good["model"]["w"])
         assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1]
+
+
+def test_operator_view_on_s3_rollback_save_in_progress_and_the_cli(weed):
+    """A run rolled back past a dead run's checkpoints saves over them on S3 (no atomic replace)
+    and drops their newer ones; ``ls`` and ``verify`` of the S3 run directory while a save is in
+    progress (files written in place, no manifest yet) report it incomplete, not corrupt."""
+    import s3fs
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    url = _url()
+
+    def small(v: float) -> dict:
+        return {"w": torch.full((64,), float(v))}
+
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        for step in range(1, 44):  # the dead run: 10, 20, 30, 40
+            mgr.save(step, small(step))
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        tg.load(f"{url}/step-000000010", small(0))  # rolled back
+        for step in range(11, 26):
+            mgr.save(step, small(1000 + step))
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [10, 20]
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        dest = small(0)
+        assert mgr.restore(dest) == 20 and dest["w"][0].item() == 1020.0
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.pipe(f"{url[5:]}/step-000000030/data-00000.bin", b"x" * 100)  # a save of step 30 in progress
+    runner = CliRunner()
+    r = runner.invoke(main, ["ls", url, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0 and [(x["step"], x["status"]) for x in json.loads(r.output)] == [
+        (10, "valid"), (20, "valid"), (30, "incomplete")]
+    r = runner.invoke(main, ["verify", url, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [(10, "valid"), (20, "valid"), (30, "incomplete")]
+    r = runner.invoke(main, ["ls", f"s3://tgtest/{uuid.uuid4().hex[:10]}"])
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "no such directory" in r.output
