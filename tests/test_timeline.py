@@ -121,3 +121,28 @@ def test_a_rolled_back_run_with_the_ram_tier_replaces_the_durable_copy(tmp_path)
     x = _state(0)
     tg.load(tmp_path / "run" / "step-000000020", x)  # the durable copy is this run's, not the dead run's
     assert x["w"][0].item() == 1020.0 and _steps(tmp_path / "run") == [10, 20]
+
+
+class _SeenPolicy(tg.RetentionPolicy):
+    """A custom policy (keep all) that records what it was shown, as a time-based one would read it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def select(self, checkpoints):
+        self.seen = [(c.step, c.created) for c in checkpoints]
+        return {c.step for c in checkpoints}
+
+
+def test_a_custom_retention_policy_sees_when_each_checkpoint_was_created(tmp_path):
+    from trainguard.commit import read_manifest
+    from trainguard.storage import for_path
+
+    _dead_run(tmp_path, last=20)  # 10, 20 from an earlier process: read from their manifests
+    policy = _SeenPolicy()
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10), keep=policy, handle_signals=False) as m:
+        assert m.restore(_state(0)) == 20
+        for s in range(21, 41):
+            m.save(s, _state(s))
+    want = [(s, read_manifest(*for_path(str(tmp_path / f"step-{s:09d}"))).created) for s in (10, 20, 30, 40)]
+    assert policy.seen == want and all(c > 1e9 for _, c in want)

@@ -102,6 +102,7 @@ class CheckpointManager:
         self.should_stop = False
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
+        self._created: dict[int, float] = {}  # step -> its manifest's `created`, for retention policies (rank 0)
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
@@ -272,6 +273,8 @@ class CheckpointManager:
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step
         self._own.add(manifest.step)
+        if self.ctx.rank == 0:  # a full manifest here (elsewhere a lazy one would read it)
+            self._created[manifest.step] = manifest.created
         self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
         # + the caller's wait_staged() waits.

@@ -27,7 +27,9 @@ from .errors import UnsupportedValueError
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What retention policies see of one committed checkpoint."""
+    """What retention policies see of one committed checkpoint: its step, ``created`` (the wall
+    time, ``time.time()``, at which its manifest was built: a policy such as "one per day" reads
+    it; 0.0 when the manifest could not be read) and the metrics saved with it."""
 
     step: int
     created: float

@@ -35,7 +35,7 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     steps = [s for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
     abandoned = [s for s in steps if s.step > newest and s.step not in mgr._own]
     steps = [s for s in steps if s not in abandoned]
-    infos = [CheckpointInfo(s.step, 0.0, _metrics_of(mgr, s)) for s in steps if s.step not in mgr._rejected]
+    infos = [CheckpointInfo(s.step, *_facts(mgr, s)) for s in steps if s.step not in mgr._rejected]
     keep = set(mgr.keep.select(infos)) | {newest}
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
@@ -46,20 +46,30 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
         )
     for s in abandoned:
         mgr.storage.remove_tree(s.path)
-        mgr._metrics.pop(s.step, None)
+        _forget(mgr, s.step)
         mgr.events.emit("retention_delete", step=s.step, abandoned_by=newest)
     for s in steps:
         if s.step not in keep and s.step < newest:
             mgr.storage.remove_tree(s.path)
-            mgr._metrics.pop(s.step, None)
+            _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
 
 
-def _metrics_of(mgr: CheckpointManager, s: Any) -> dict[str, float]:
-    """The metrics saved with step ``s`` (cached in ``mgr._metrics``; read from its manifest once)."""
-    if s.step not in mgr._metrics:
+def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
+    """When step ``s`` was saved (its manifest's ``created``, wall time) and the metrics saved with
+    it: cached in ``mgr._created`` and ``mgr._metrics`` (the manager fills both for its own saves);
+    read from its manifest once otherwise (0.0 and no metrics when it cannot be read)."""
+    if s.step not in mgr._metrics or s.step not in mgr._created:
         try:
-            mgr._metrics[s.step] = dict(read_manifest(mgr.storage, s.path).metadata.get("metrics", {}))
+            m = read_manifest(mgr.storage, s.path)
+            mgr._metrics.setdefault(s.step, dict(m.metadata.get("metrics", {})))
+            mgr._created[s.step] = m.created
         except CheckpointError:
-            mgr._metrics[s.step] = {}
-    return mgr._metrics[s.step]
+            mgr._metrics.setdefault(s.step, {})
+            mgr._created[s.step] = 0.0
+    return mgr._created[s.step], mgr._metrics[s.step]
+
+
+def _forget(mgr: CheckpointManager, step: int) -> None:
+    mgr._metrics.pop(step, None)
+    mgr._created.pop(step, None)
