@@ -161,14 +161,20 @@ class StepDir:
 
 
 def list_steps(storage: Storage, root: str) -> list[StepDir]:
-    """Step directories under ``root``, oldest first; temp and old directories are not listed."""
+    """Step directories under ``root``, oldest first; temp and old directories are not listed.
+    Whether each holds its manifest comes with the listing where the storage can say
+    (``listdir_marked``: object stores, one listing instead of a request per step directory)."""
     out = []
-    for name in storage.listdir(root):
+    marked = getattr(storage, "listdir_marked", None)
+    names = marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
+    for name, has_manifest in names.items():
         step = layout.parse_step(name)
         if step is None:
             continue
         path = storage.join(root, name)
-        status = "committed" if storage.exists(storage.join(path, layout.MANIFEST)) else "incomplete"
+        if not marked:
+            has_manifest = storage.exists(storage.join(path, layout.MANIFEST))
+        status = "committed" if has_manifest else "incomplete"
         out.append(StepDir(step, name, path, status))
     return sorted(out, key=lambda s: s.step)
 

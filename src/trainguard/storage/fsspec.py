@@ -93,14 +93,26 @@ class FsspecStorage:
     def listdir(self, path: str) -> list[str]:
         """Names directly under ``path`` that hold at least one object. One flat listing: a
         "directory" emptied by a delete (some servers keep a folder entry) is not listed."""
+        return sorted(self.listdir_marked(path, layout.MANIFEST))
+
+    def listdir_marked(self, path: str, marker: str) -> dict[str, bool]:
+        """``listdir(path)``, each name with whether it holds the object ``<name>/<marker>``, from
+        the same one flat listing: ``commit.list_steps`` (every manager open, restore and
+        retention, on rank 0) learns which step directories hold a manifest without one request
+        per step directory."""
         self._fresh(path)
         base = path.rstrip("/") + "/"
         try:
             keys = self.fs.find(path, withdirs=False)
         except (FileNotFoundError, NotADirectoryError):
-            return []
-        names = {k[len(base) :].split("/", 1)[0] for k in keys if k.startswith(base) and not k.endswith("/")}
-        return sorted(n for n in names if n)
+            return {}
+        out: dict[str, bool] = {}
+        for k in keys:
+            if k.startswith(base) and not k.endswith("/"):
+                name, _, rest = k[len(base) :].partition("/")
+                if name:
+                    out[name] = out.get(name, False) or rest == marker
+        return out
 
     def url(self, path: str) -> str:
         """The URL that ``storage.for_path`` maps back to ``path`` on this filesystem."""
