@@ -113,6 +113,11 @@ class EverySeconds(SavePolicy):
 class RetentionPolicy(ABC):
     """Base class of retention policies: which committed checkpoints to keep."""
 
+    #: Whether ``select`` reads ``created`` or ``metrics``. Where False (policies of steps
+    #: alone), the manager passes 0.0 and ``{}`` instead of reading every kept checkpoint's
+    #: manifest at the first retention after a restart.
+    reads_metadata: bool = True
+
     @abstractmethod
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """The steps to keep among the committed ``checkpoints``. Called by the manager on rank 0 only,
@@ -127,6 +132,8 @@ class RetentionPolicy(ABC):
 class KeepAll(RetentionPolicy):
     """Never delete anything."""
 
+    reads_metadata = False
+
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in checkpoints}
 
@@ -136,6 +143,8 @@ class KeepAll(RetentionPolicy):
 
 class KeepLatest(RetentionPolicy):
     """Keep the ``n`` newest checkpoints."""
+
+    reads_metadata = False
 
     def __init__(self, n: int) -> None:
         if not isinstance(n, int) or n < 2:
@@ -154,6 +163,8 @@ class KeepLatest(RetentionPolicy):
 
 class KeepEvery(RetentionPolicy):
     """Keep every checkpoint whose step is a multiple of ``k`` forever (combine with ``|``)."""
+
+    reads_metadata = False
 
     def __init__(self, k: int) -> None:
         if not isinstance(k, int) or k < 1:
@@ -202,6 +213,7 @@ class KeepUnion(RetentionPolicy):
 
     def __init__(self, *policies: RetentionPolicy) -> None:
         self.policies = policies
+        self.reads_metadata = any(p.reads_metadata for p in policies)
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         out: set[int] = set()

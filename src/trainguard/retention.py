@@ -35,7 +35,8 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     steps = [s for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
     abandoned = [s for s in steps if s.step > newest and s.step not in mgr._own]
     steps = [s for s in steps if s not in abandoned]
-    infos = [CheckpointInfo(s.step, *_facts(mgr, s)) for s in steps if s.step not in mgr._rejected]
+    facts = mgr.keep.reads_metadata  # else no manifest is read (KeepLatest, KeepEvery: steps alone)
+    infos = [CheckpointInfo(s.step, *(_facts(mgr, s) if facts else (0.0, {}))) for s in steps if s.step not in mgr._rejected]
     keep = set(mgr.keep.select(infos)) | {newest}
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
