@@ -168,3 +168,37 @@ def test_retention_by_step_alone_reads_no_manifest_after_a_restart(tmp_path, mon
                               handle_signals=False) as m:
         m.save(32, _state(32), metrics={"loss": 0.5})
     assert len(reads) == 5  # a policy that ranks by metrics reads them: 10, 20, 29, 30, 31
+
+
+def test_a_loop_that_restarts_from_zero_after_restore_is_refused_not_destructive(tmp_path):
+    """restore() returned 40 and the loop started again at step 1 (a bug): saving step 10 would
+    replace this run's step 10 and drop 20, 30, 40. Refused, naming what to do; nothing deleted."""
+    _dead_run(tmp_path)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        assert m.restore(_state(0)) == 40
+        for s in range(1, 10):
+            m.save(s, _state(s))
+        with pytest.raises(tg.CheckpointError, match=r"restore\(\) resumed this run from step 40") as e:
+            m.save(10, _state(10))
+        assert "restore(state, step=" in str(e.value)
+    assert _steps(tmp_path) == [10, 20, 30, 40]
+
+
+def test_restore_at_a_step_rolls_back_and_the_next_restart_stays_on_the_new_timeline(tmp_path):
+    _dead_run(tmp_path)
+    _flip(tmp_path, 20)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5), keep=tg.KeepAll(), handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x, step=30) == 30 and x["w"][0].item() == 30.0  # at or before 30: 30
+        assert _steps(tmp_path) == [10, 20, 30, 40]  # nothing is deleted before this run saves
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5), keep=tg.KeepAll(), handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x, step=25) == 10  # 20 is corrupt: the newest usable one before it
+        for s in range(11, 16):
+            m.save(s, _state(1000 + s))
+        assert _steps(tmp_path) == [10, 15]  # 20 (corrupt), 30, 40: the abandoned timeline
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as m:
+        x = _state(0)
+        assert m.restore(x) == 15 and x["w"][0].item() == 1015.0
+        with pytest.raises(tg.CheckpointError, match="no checkpoint at or before step 5"):
+            m.restore(_state(0), step=5)

@@ -330,3 +330,14 @@ def _check_file_sizes(storage: Storage, directory: str, manifest: Manifest, need
             raise CorruptCheckpointError(
                 f"{p}: {actual} bytes on disk, the manifest says {manifest.files[f]} (truncated or replaced)", file=f
             )
+
+
+def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
+    have written into: bytes are read in place, before the load can fail on a checksum.
+    ``CheckpointManager.restore`` calls it on every rank after a load it skipped."""
+    try:
+        m = read_manifest(*for_path(path))
+    except CheckpointError:
+        return {}  # no manifest could be read: nothing was read into the state
+    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}

@@ -20,13 +20,14 @@ from typing import Any
 from . import layout
 from .api import load, start_save
 from .async_save import release_staging, use_staging
-from .commit import RunLock, clean_debris, list_steps, read_manifest
+from .commit import RunLock, clean_debris, list_steps
 from .dist import DistContext, check_timeout
 from .elastic import watchdog
 from .elastic.watchdog import heartbeat
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
+from .loader import touched_tensors
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
 from .retention import retain
 from .stateful import check_state
@@ -105,6 +106,7 @@ class CheckpointManager:
         self._created: dict[int, float] = {}  # step -> its manifest's `created`, for retention policies (rank 0)
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
+        self._restored: int | None = None  # the step restore() returned: saving an older one is refused
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self.ram = (
             RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
@@ -226,6 +228,12 @@ class CheckpointManager:
             # restored step): that checkpoint holds this step.
             log.info("trainguard: step %d is already saved in %s; not saved again", step, self.root)
             return None
+        if self._restored is not None and step < self._restored and step not in self._own:
+            raise CheckpointError(
+                f"save(step={step}): restore() resumed this run from step {self._restored}; saving an older step would "
+                "replace checkpoints and remove the newer ones. Continue the loop from the restored step "
+                "(start = mgr.restore(state) or 0), or roll back on purpose with mgr.restore(state, step=...)"
+            )
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": values}
         self._metrics[step] = values
@@ -320,10 +328,12 @@ class CheckpointManager:
             warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=2)
 
     # ------------------------------------------------------------------ restore
-    def restore(self, state: Mapping[str, Any], *, strict: bool = True) -> int | None:
+    def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
-        why). Returns its step, or None on a fresh start. Every rank calls it."""
+        why). Returns its step, or None on a fresh start. Every rank calls it. ``step``: the newest
+        at or before it (a rollback: the newer ones are removed when this run's first save commits)."""
         self._require_open()
+        at = None if step is None else layout.check_step(step)
         check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
         candidates = None
@@ -332,6 +342,8 @@ class CheckpointManager:
             durable = [(s, location(self.storage, self.storage.join(self._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
             candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
         candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
+        if at is not None and candidates and not (candidates := [c for c in candidates if c[0] <= at]):
+            raise CheckpointError(f"restore(step={at}): {self.root} holds no checkpoint at or before step {at}")
         skipped: list[str] = []
         touched: dict[str, list[int]] = {}  # tensors a skipped checkpoint may have written into, their shapes
         for step, path, tier in candidates:
@@ -344,7 +356,7 @@ class CheckpointManager:
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
                 skipped.append(f"step {step} ({path}): {str(e)[:500]}")
-                touched.update(_tensors(path, state))
+                touched.update(touched_tensors(path, state))
                 continue
             left = sorted(p for p, shape in touched.items() if p not in m.tensors or m.tensors[p].shape != shape)
             if left:  # strict=False: the older checkpoint does not overwrite them
@@ -353,7 +365,7 @@ class CheckpointManager:
                     f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
                     "state. Restore a state without them, then add them fresh"
                 )
-            self.last_saved_step = step
+            self.last_saved_step = self._restored = step
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)
@@ -378,12 +390,3 @@ class CheckpointManager:
         if not self._opened:
             raise CheckpointError("CheckpointManager is not open: use `with CheckpointManager(...) as mgr:` or call open()")
 
-
-def _tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
-    """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
-    have written into: bytes are read in place, before the load can fail on a checksum."""
-    try:
-        m = read_manifest(*for_path(path))
-    except CheckpointError:
-        return {}  # no manifest could be read: nothing was read into the state
-    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}
