@@ -202,3 +202,34 @@ def test_restore_at_a_step_rolls_back_and_the_next_restart_stays_on_the_new_time
         assert m.restore(x) == 15 and x["w"][0].item() == 1015.0
         with pytest.raises(tg.CheckpointError, match="no checkpoint at or before step 5"):
             m.restore(_state(0), step=5)
+
+
+def rollback_group(rank: int, world: int, root: str) -> dict:
+    """Every rank: the dead run (10..40), then a rollback to 20 and saves to 35; then a loop that
+    starts again at 0 after restore(). Returns what each rank saw."""
+    _dead_run(root)
+    out: dict = {}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        x = _state(0)
+        out["restored"] = m.restore(x, step=25)
+        for s in range(21, 36):
+            m.save(s, {"w": torch.full((8,), 1000.0 + s), "p": tg.StateDict(step=s)})
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
+        x = _state(0)
+        out["after"] = (m.restore(x), x["w"][0].item())
+        try:
+            m.save(10, _state(10))
+            out["refused"] = False
+        except tg.CheckpointError as e:
+            out["refused"] = "restore() resumed this run from step 30" in str(e)
+    out["steps"] = _steps(root)
+    return out
+
+
+def test_a_rollback_on_two_ranks(tmp_path):
+    from dist_helper import run_ranks
+
+    res = run_ranks(rollback_group, 2, str(tmp_path), timeout=120)
+    assert all(r.ok for r in res), [r.error for r in res]
+    for r in res:
+        assert r.value == {"restored": 20, "after": (30, 1030.0), "refused": True, "steps": [10, 20, 30]}
