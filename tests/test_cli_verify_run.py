@@ -62,3 +62,10 @@ def test_a_checkpoint_deleted_by_retention_during_verify_does_not_fail_it(tmp_pa
 def test_verify_of_a_run_dir_without_checkpoints_says_so(tmp_path):
     r = CliRunner().invoke(main, ["verify", str(tmp_path)])
     assert r.exit_code == 2 and "no checkpoint" in r.output and "crashed" not in r.output
+
+
+def test_a_run_dir_of_incomplete_steps_only_fails_verify(tmp_path):
+    (tmp_path / layout.step_dir(5)).mkdir()  # a crashed save, and nothing committed
+    (tmp_path / layout.step_dir(5) / "data-00000.bin").write_bytes(b"x")
+    r = _run("verify", tmp_path)
+    assert r.exit_code == 1 and "INCOMPLETE" in r.output and "no committed checkpoint verified" in r.output

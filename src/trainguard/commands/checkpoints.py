@@ -134,8 +134,8 @@ def _description(ckpt: str, m: Any) -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
 def verify_cmd(path: str, as_json: bool) -> None:
     """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
-    Exit code 0 only when every committed checkpoint matches (a step directory without a manifest,
-    a save in progress or a crashed one, is listed as incomplete and does not count)."""
+    Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
+    without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
     storage, p = for_path(path)
     try:
         read_manifest(storage, p)
@@ -148,10 +148,11 @@ def verify_cmd(path: str, as_json: bool) -> None:
                 "directories (a run directory); nothing to verify"
             ) from None
         targets = [(r.path, r.status, r.step) for r in rows]
-    ok, out = True, []
+    ok, out, verified = True, [], 0
     for t, listed, step in targets:
         status, step, errors, checked = _check(t, listed, step)
         ok &= status in ("valid", "incomplete", "deleted")
+        verified += status == "valid"
         if as_json:
             out.append({"path": t, "step": step, "ok": status == "valid", "status": status, "bytes_checked": checked,
                         "errors": errors})
@@ -164,7 +165,9 @@ def verify_cmd(path: str, as_json: bool) -> None:
                 console.print(f"        {e}")
     if as_json:
         _print_json(out)
-    sys.exit(0 if ok else 1)
+    if not verified and not as_json:
+        console.print("[red]no committed checkpoint verified[/]: restore would find none to load")
+    sys.exit(0 if ok and verified else 1)  # a run dir of incomplete (or deleted) ones only: nothing to resume from
 
 
 def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list[str], int]:
