@@ -10,7 +10,9 @@ The manager calls, on every rank and in this order, for every ``mgr.save(step, s
 
 Retention runs on rank 0 only, after a new checkpoint is committed:
 ``keep.select(checkpoints) -> set of steps to keep``. The manager additionally never deletes
-the newest valid checkpoint nor anything before the new one is committed.
+the checkpoint it just committed nor anything before it is committed; checkpoints with newer
+steps that it did not write (an earlier run's, which this run went back behind) are removed
+whatever the policy says (``retention.retain``).
 """
 
 from __future__ import annotations
