@@ -1,5 +1,5 @@
 """A run that goes back in steps: it resumed from an older checkpoint than the newest in its run
-directory (newer ones were corrupt, or the operator rolled back with ``tg.load``). Its saves must
+directory (newer ones were corrupt, or the operator rolled back with ``restore(state, step=N)``). Its saves must
 go on without manual cleanup, replacing steps an earlier run left, and the next restart must not
 jump back to that earlier run's newer checkpoints (an abandoned timeline)."""
 
@@ -42,7 +42,7 @@ def test_a_rolled_back_run_replaces_the_dead_runs_steps_and_drops_its_newer_ones
     _dead_run(tmp_path)
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10), keep=tg.KeepLatest(3), handle_signals=False) as m:
         x = _state(0)
-        tg.load(tmp_path / "step-000000010", x)  # the operator rolls back past a loss spike
+        assert m.restore(x, step=15) == 10  # the operator rolls back past a loss spike
         for s in range(11, 26):
             m.save(s, _state(1000 + s))  # step 20 exists from the dead run: replaced, not refused
         assert _steps(tmp_path) == [10, 20]  # 30, 40: newer steps of the abandoned run, removed
@@ -76,11 +76,32 @@ def test_a_run_resumed_behind_corrupt_checkpoints_drops_them_at_its_first_save(t
 def test_newer_checkpoints_of_a_dead_run_take_no_keeplatest_slot(tmp_path):
     _dead_run(tmp_path)
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(2), keep=tg.KeepLatest(2), handle_signals=False) as m:
-        tg.load(tmp_path / "step-000000010", _state(0))
+        m.restore(_state(0), step=10)
         for s in range(11, 17):
             m.save(s, _state(1000 + s))
         # 12, 14, 16 saved by this run: KeepLatest(2) keeps this run's two newest
         assert _steps(tmp_path) == [14, 16]
+
+
+def test_a_manager_that_did_not_restore_keeps_an_earlier_runs_checkpoints(tmp_path, caplog):
+    """No restore(): the manager knows nothing of the directory's timeline (a new experiment pointed
+    at an old directory by mistake, a rollback done with tg.load). It removes none of the earlier
+    run's checkpoints, warns about the newer ones, and refuses a step that exists, saying how to
+    roll back on purpose."""
+    _dead_run(tmp_path)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        tg.load(tmp_path / "step-000000010", _state(0))
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            m.save(5, _state(1005))
+        assert _steps(tmp_path) == [5, 10, 20, 30, 40]
+        with pytest.raises(tg.StepExistsError, match=r"restore\(state, step=") as e:
+            m.save(10, _state(1010))
+        assert "overwrite=True" not in str(e.value)
+    assert any("20, 30, 40" in r.getMessage() and "kept" in r.getMessage() for r in caplog.records)
+    assert _steps(tmp_path) == [5, 10, 20, 30, 40]
+    x = _state(0)
+    tg.load(tmp_path / "step-000000010", x)
+    assert x["w"][0].item() == 10.0  # the earlier run's step 10, untouched
 
 
 def test_a_run_that_only_moves_forward_deletes_nothing_newer(tmp_path):
@@ -100,7 +121,7 @@ def test_a_rolled_back_run_on_an_object_store(tmp_path):
         for s in range(1, 44):
             m.save(s, _state(s))
     with tg.CheckpointManager(url, save=tg.EveryNSteps(10), keep=tg.KeepAll(), handle_signals=False) as m:
-        tg.load(f"{url}/step-000000010", _state(0))
+        m.restore(_state(0), step=10)
         for s in range(11, 26):
             m.save(s, _state(1000 + s))
     with tg.CheckpointManager(url, handle_signals=False) as m:
@@ -115,7 +136,7 @@ def test_a_rolled_back_run_with_the_ram_tier_replaces_the_durable_copy(tmp_path)
     os.mkdir(base)
     with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(10), keep=tg.KeepAll(), ram_tier=base,
                               handle_signals=False) as m:
-        tg.load(tmp_path / "run" / "step-000000010", _state(0))
+        m.restore(_state(0), step=10)
         for s in range(11, 26):
             m.save(s, _state(1000 + s))
     x = _state(0)

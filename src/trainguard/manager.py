@@ -29,7 +29,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
-from .retention import retain
+from .retention import retain, unrestored_error
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier, location
@@ -107,6 +107,7 @@ class CheckpointManager:
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
+        self._warned_foreign = False  # retention.py warned once about newer checkpoints of another run
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self.ram = (
             RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
@@ -240,8 +241,10 @@ class CheckpointManager:
         storage = self.storage
         if self.ram:
             storage, target = self.ram.target(step)
-        # A step restore found unusable, or one an earlier run left (this run resumed behind it): replaced.
-        replace = step in self._rejected or step not in self._own
+        # A step restore found unusable, or one an earlier run left after the step restore() returned
+        # (this run resumed behind it): replaced. Without restore() nothing is known of the directory's
+        # timeline, and an existing step is refused (StepExistsError), as by tg.save.
+        replace = step in self._rejected or (self._restored is not None and step not in self._own)
         durable = self.storage.join(self._root, layout.step_dir(step))
         if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename) and self.storage.exists(
             self.storage.join(durable, layout.MANIFEST)
@@ -255,7 +258,7 @@ class CheckpointManager:
                 overwrite=replace and storage.atomic_rename,
             )
         except CheckpointError as e:
-            self._report_failure(e, step=step)
+            self._report_failure(unrestored_error(e, step, self._restored), step=step)
             return None
         handle.stall_s = time.monotonic() - t0
         handle.owned = True  # its error is reported by this manager, not by another's next save

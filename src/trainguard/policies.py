@@ -11,8 +11,8 @@ The manager calls, on every rank and in this order, for every ``mgr.save(step, s
 Retention runs on rank 0 only, after a new checkpoint is committed:
 ``keep.select(checkpoints) -> set of steps to keep``. The manager additionally never deletes
 the checkpoint it just committed nor anything before it is committed; checkpoints with newer
-steps that it did not write (an earlier run's, which this run went back behind) are removed
-whatever the policy says (``retention.retain``).
+steps that it did not write (an earlier run's, which this run went back behind after its
+``restore`` returned an older step) are removed whatever the policy says (``retention.retain``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ Called by ``CheckpointManager._apply_retention`` on rank 0 only, while it holds 
 directory's lock, after the checkpoint of step ``newest`` is committed (never before): from the
 training thread after a sync save, from the save's or the RAM tier's background thread otherwise.
 The policy (``policies.RetentionPolicy.select``) decides; this module lists and deletes.
+``unrestored_error`` words the error of a manager's save that met an earlier run's step.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .commit import list_steps, read_manifest
-from .errors import CheckpointError
+from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .policies import CheckpointInfo
 
@@ -27,13 +28,23 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     than ``newest`` (which is kept whatever the policy says). A step ``restore`` found unusable
     takes no place among those kept.
 
-    Checkpoints newer than ``newest`` that this manager did not write are deleted too: an earlier
-    run left them, and this run went back behind them (``restore`` found them unusable, or the
-    operator rolled back with ``tg.load``). Their timeline is abandoned: kept, they would hold
-    ``KeepLatest`` slots in place of this run's checkpoints, and the next restart would resume
-    from them instead of from this run's newest."""
+    Checkpoints newer than ``newest`` that this manager did not write are deleted too, once its
+    ``restore`` returned a step: an earlier run left them, and this run went back behind them
+    (``restore`` found them unusable, or the operator rolled back with ``restore(state, step=N)``).
+    Their timeline is abandoned: kept, they would hold ``KeepLatest`` slots in place of this run's
+    checkpoints, and the next restart would resume from them instead of from this run's newest.
+    A manager that never restored knows nothing of them and keeps them (with a warning, once)."""
     steps = [s for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
-    abandoned = [s for s in steps if s.step > newest and s.step not in mgr._own]
+    foreign = [s for s in steps if s.step > newest and s.step not in mgr._own]
+    abandoned = foreign if mgr._restored is not None else []
+    if foreign and not abandoned and not mgr._warned_foreign:
+        mgr._warned_foreign = True
+        log.warning(
+            "trainguard: %s holds checkpoints of steps %s, newer than this run's step %d, that this run did not "
+            "write; they are kept, and a restart resumes from the newest of them. Call mgr.restore(state) at the "
+            "start (or mgr.restore(state, step=N) to roll back: they are then removed), or use a new directory",
+            mgr.root, ", ".join(str(s.step) for s in foreign), newest,
+        )
     steps = [s for s in steps if s not in abandoned]
     facts = mgr.keep.reads_metadata  # else no manifest is read (KeepLatest, KeepEvery: steps alone)
     infos = [CheckpointInfo(s.step, *(_facts(mgr, s) if facts else (0.0, {}))) for s in steps if s.step not in mgr._rejected]
@@ -74,3 +85,18 @@ def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
 def _forget(mgr: CheckpointManager, step: int) -> None:
     mgr._metrics.pop(step, None)
     mgr._created.pop(step, None)
+
+
+def unrestored_error(e: CheckpointError, step: int, restored: int | None) -> CheckpointError:
+    """Called by ``CheckpointManager.save`` on every rank whose save failed with ``e``. A save of a
+    step the run directory already holds, by a manager whose ``restore`` returned no step: say how
+    to continue behind it (the ``StepExistsError`` itself names ``overwrite=True``, which a
+    manager's ``save`` does not take). Any other error: ``e`` itself."""
+    if restored is not None or not isinstance(e, StepExistsError):
+        return e
+    return StepExistsError(
+        f"save(step={step}): the run directory already holds a checkpoint of step {step}, from an earlier run, and "
+        "this manager did not restore() from the directory. To continue this run behind that checkpoint (a "
+        "rollback: its newer checkpoints are then removed at the first save), call mgr.restore(state, step=...) "
+        "before the loop; to keep that run's checkpoints, save this one into a new directory"
+    )
