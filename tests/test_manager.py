@@ -228,3 +228,21 @@ def test_retention_failure_is_reported_not_raised(tmp_path, monkeypatch):
             mgr.save(2, state_for(2))
     assert _steps(tmp_path) == [1, 2]
     assert [e["step"] for e in read_events(tmp_path) if e["event"] == "retention_failed"] == [1, 2]
+
+
+def test_a_failed_open_releases_the_run_dir_lock(tmp_path, monkeypatch):
+    """Rank 0 took the lock, then the debris cleanup failed (a permission error, say): the open
+    raises, and the same process can open the directory once the cause is gone. The lock stayed
+    held before: every later open in the process said another manager was using the directory."""
+    import trainguard.manager as manager_mod
+
+    def broken(storage, root):
+        raise PermissionError(13, "Permission denied", root)
+
+    monkeypatch.setattr(manager_mod, "clean_debris", broken)
+    with pytest.raises(tg.CheckpointError, match="Permission denied"):
+        tg.CheckpointManager(tmp_path, handle_signals=False).open()
+    monkeypatch.undo()
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as m:
+        m.save(1, {"w": torch.ones(2)}, force=True)
+    assert (tmp_path / "step-000000001" / "manifest.json").exists()

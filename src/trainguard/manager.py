@@ -132,13 +132,16 @@ class CheckpointManager:
             except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
                 exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): pass a directory path")
                 err = str(exc)
-        err = self.ctx.broadcast("open", err, timeout=self.timeout)
-        if err:
-            if exc is not None:
-                raise exc
-            raise CheckpointError(f"rank 0 could not open {self.root}: {err}")
-        if self.ram:
-            self.ram.open(self.timeout)  # every rank (a collective check that all share one node)
+        try:  # a failed open leaves the directory unlocked: the same process may open it again
+            err = self.ctx.broadcast("open", err, timeout=self.timeout)
+            if err:
+                raise exc if exc is not None else CheckpointError(f"rank 0 could not open {self.root}: {err}")
+            if self.ram:
+                self.ram.open(self.timeout)  # every rank (a collective check that all share one node)
+        except BaseException:
+            if self._lock:
+                self._lock.release()
+            raise
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
