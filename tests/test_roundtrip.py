@@ -95,11 +95,6 @@ def test_unsupported_leaf_fails_at_save_naming_its_path(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
-def test_non_contiguous_tensor_is_rejected_with_the_fix(tmp_path):
-    with pytest.raises(tg.UnsupportedValueError, match=r"w: tensor is not contiguous.*contiguous\(\)"):
-        tg.save(tmp_path / "c", {"x": {"w": torch.randn(4, 5).t()}})
-
-
 def test_flatten_unflatten_inverse_on_nested_structure():
     v = {"a": [1, (2, {"b": torch.ones(2)})], 3: "int key"}
     skel, tensors = flatten(v, "root")

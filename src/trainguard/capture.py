@@ -1,6 +1,7 @@
 """Phase 1 of a save, on every rank: take the live state apart into JSON skeletons and tensor
 leaves, and decide which chunks this rank writes. Synchronous and cheap: tensors are
-referenced, not copied (the async path copies them in its stage phase).
+referenced, not copied (the async path copies them in its stage phase), except a
+non-contiguous one (channels_last, a transposed view), saved from a contiguous copy taken here.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _check_key(key: Any) -> str:
 def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "sharded") -> Snapshot:
     """Take the state apart into JSON skeletons and tensor leaves (every rank, synchronously).
 
-    Tensors are referenced, not copied; async saving copies them in its stage phase.
+    Tensors are referenced, not copied (non-contiguous ones excepted); async saving copies them
+    in its stage phase.
     """
     check_state(state)
     names = param_name_map(state)
@@ -104,10 +106,16 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             "call .resolve_conj() / .resolve_neg() on it before saving"
         )
     if not data.is_contiguous():
-        raise UnsupportedValueError(
-            f"{path}: tensor is not contiguous (strides {tuple(data.stride())}); call .contiguous() on it "
-            "before saving, or return a contiguous copy from state_dict()"
-        )
+        if _may_overlap(data):
+            raise UnsupportedValueError(
+                f"{path}: tensor's elements share memory (strides {tuple(data.stride())}: an expand()ed or "
+                "as_strided view); save the tensor it was expanded from, or call .contiguous() on it "
+                "(a full copy) before saving"
+            )
+        # channels_last weights (and Adam's moments, which follow them), transposed or sliced
+        # views: saved as a contiguous copy of their values, taken now (a snapshot, as a save
+        # is), at the cost of that copy's memory until the save has written it.
+        data = data.contiguous()
     kind = "local" if local else ("sharded" if dt else "replicated")
     if full:
         # layout="full": whole tensors, one chunk each, all in rank 0's file (export/inference).
@@ -122,6 +130,18 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         if regular.part_box(shape, rank) != box:  # torch changed its chunking: stay explicit
             regular = None
     return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer, regular)
+
+
+def _may_overlap(t: torch.Tensor) -> bool:
+    """Whether two elements of non-contiguous ``t`` may share memory (stride 0 of ``expand``,
+    ``as_strided``): its contiguous copy could be far larger than its memory. Dense layouts
+    (channels_last, transposes) and slices with gaps are not."""
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:

@@ -1,0 +1,76 @@
+"""Tensors that are not flat, contiguous, dense CPU arrays: what a save keeps, what it refuses
+(at save time, saying what to do), and what a load does with them. One process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return t.contiguous().reshape(-1).view(torch.uint8).tolist()
+
+
+# ------------------------------------------------------------------ non-contiguous tensors
+def test_channels_last_model_and_its_adam_state_save_and_load(tmp_path):
+    # The standard recipe for conv nets on GPUs: the weights and Adam's moments (zeros_like
+    # keeps the memory format) are channels_last, not contiguous.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    model(x).square().mean().backward()
+    opt.step()
+    assert not model[0].weight.is_contiguous() and not opt.state[model[0].weight]["exp_avg"].is_contiguous()
+    tg.save(tmp_path / "c", {"model": model, "optim": opt})
+
+    fresh = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    fopt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    before = fresh[0].weight
+    assert not torch.equal(fresh[0].weight, model[0].weight)
+    tg.load(tmp_path / "c", {"model": fresh, "optim": fopt})
+    for a, b in zip(fresh.parameters(), model.parameters()):
+        assert _bits(a) == _bits(b)
+        assert a.is_contiguous(memory_format=torch.channels_last) == b.is_contiguous(memory_format=torch.channels_last)
+        assert all(torch.equal(fopt.state[a][k], opt.state[b][k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+    assert fresh[0].weight is before and fopt.param_groups[0]["params"][0] is before
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda b: b.t(), lambda b: b[::2], lambda b: b[:, 1:3], lambda b: b.reshape(2, 3, 2, 2).permute(0, 2, 3, 1)],
+    ids=["transposed", "every_other_row", "column_slice", "permuted"],
+)
+def test_non_contiguous_tensor_saves_its_values_and_leaves_the_live_tensor_alone(tmp_path, make):
+    base = torch.randn(6, 4)
+    v = make(base)
+    assert not v.is_contiguous()
+    kept = (v.data_ptr(), v.stride())
+    tg.save(tmp_path / "c", {"x": {"w": v}})
+    assert (v.data_ptr(), v.stride()) == kept  # not replaced or moved
+    out = {"x": {"w": torch.zeros(v.shape)}}
+    tg.load(tmp_path / "c", out)
+    assert _bits(out["x"]["w"]) == _bits(v)
+
+
+def test_expanded_view_is_refused_naming_its_path_and_what_to_save(tmp_path):
+    row = torch.randn(1, 4)
+    with pytest.raises(tg.UnsupportedValueError, match=r"x/w: .*share memory.*expand"):
+        tg.save(tmp_path / "c", {"x": {"w": row.expand(1000, 4)}})
+    assert not (tmp_path / "c").exists()
+
+
+def test_async_save_of_a_channels_last_model_keeps_the_values_of_the_save_call(tmp_path):
+    model = nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    want = model.weight.detach().clone()
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), async_save=True) as mgr:
+        handle = mgr.save(1, {"model": model})
+        with torch.no_grad():
+            model.weight.add_(1.0)  # after the call: not in the checkpoint
+        handle.result(timeout=120)
+    fresh = nn.Conv2d(3, 8, 3)
+    tg.load(tmp_path / "run" / "step-000000001", {"model": fresh})
+    assert _bits(fresh.weight) == _bits(want)
