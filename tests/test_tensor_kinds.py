@@ -74,3 +74,28 @@ def test_async_save_of_a_channels_last_model_keeps_the_values_of_the_save_call(t
     fresh = nn.Conv2d(3, 8, 3)
     tg.load(tmp_path / "run" / "step-000000001", {"model": fresh})
     assert _bits(fresh.weight) == _bits(want)
+
+
+# ------------------------------------------------------------------ refused at save, saying what to do
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: torch.randn(3, 3).to_sparse(), r"sparse_coo.*to_dense\(\)"),
+        (lambda: torch.randn(3, 3).to_sparse_csr(), r"sparse_csr.*to_dense\(\)"),
+        (lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]), r"nested.*unbind\(\)"),
+        (lambda: torch.empty(3, device="meta"), r"a meta tensor holds no data.*to_empty"),
+        (lambda: torch.quantize_per_tensor(torch.randn(4), 0.1, 3, torch.qint8), r"quantized.*int_repr\(\).*dequantize\(\)"),
+        (lambda: torch.zeros(4, dtype=torch.int4) if hasattr(torch, "int4") else torch.zeros(4, dtype=torch.bits8),
+         r"dtype torch\.\w+ is not supported.*float32.*\.to\("),
+    ],
+    ids=["sparse_coo", "sparse_csr", "nested", "meta", "qint8", "unsupported_dtype"],
+)
+def test_tensor_kinds_without_a_dense_byte_layout_are_refused_at_save(tmp_path, make, says):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested/sparse CSR constructors warn that they are prototypes
+        t = make()
+    with pytest.raises(tg.UnsupportedValueError, match=r"model/w: " + says):
+        tg.save(tmp_path / "c", {"model": {"w": t}})
+    assert not (tmp_path / "c").exists()

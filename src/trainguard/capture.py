@@ -96,10 +96,11 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
     if dt:
         data, shape, offsets, writer = shard_of(t)
     else:  # a plain tensor (shard_of's answer, without its checks)
+        _refuse_kind(path, t)  # first: a nested tensor has no shape
         data, shape, writer = t, tuple(t.shape), True
         offsets = (0,) * len(shape)
-    if data.dtype not in DTYPE_NAMES:
-        raise UnsupportedValueError(f"{path}: dtype {data.dtype} is not supported; convert the tensor")
+    if dt:
+        _refuse_kind(path, data)
     if data.is_conj() or data.is_neg():
         raise UnsupportedValueError(
             f"{path}: tensor is a lazy conjugate/negative view (its memory does not hold its values); "
@@ -130,6 +131,36 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         if regular.part_box(shape, rank) != box:  # torch changed its chunking: stay explicit
             regular = None
     return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer, regular)
+
+
+def _refuse_kind(path: str, t: torch.Tensor) -> None:
+    """``_leaf``: refuse, at save time and saying what to do, a tensor whose memory is not a
+    dense array of its values in a stored dtype (they failed later, or with torch's words)."""
+    what = None
+    if t.is_nested:
+        what = "nested tensors cannot be saved; save its components (.unbind()) or a padded tensor (.to_padded_tensor(0))"
+    elif t.layout is not torch.strided:
+        what = (
+            f"{str(t.layout)[6:]} tensors cannot be saved, only dense ones; save .to_dense(), or its parts "
+            "(.indices()/.values(); .crow_indices()/.col_indices()/.values() for CSR) as tensors"
+        )
+    elif t.is_quantized:
+        what = (
+            f"quantized tensors ({t.dtype}) cannot be saved; save .int_repr() with its q_scale()/q_zero_point() "
+            "(q_per_channel_scales()/..._zero_points() per channel), or .dequantize()"
+        )
+    elif t.is_meta:
+        what = (
+            "a meta tensor holds no data; materialise the module first (module.to_empty(device=...), "
+            "then initialise it or load weights into it)"
+        )
+    elif t.dtype not in DTYPE_NAMES:
+        what = (
+            f"dtype {t.dtype} is not supported (stored dtypes: {', '.join(DTYPE_NAMES.values())}); "
+            "convert it to one of them with .to(dtype)"
+        )
+    if what:
+        raise UnsupportedValueError(f"{path}: {what}")
 
 
 def _may_overlap(t: torch.Tensor) -> bool:
