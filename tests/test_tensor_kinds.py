@@ -99,3 +99,20 @@ def test_tensor_kinds_without_a_dense_byte_layout_are_refused_at_save(tmp_path, 
     with pytest.raises(tg.UnsupportedValueError, match=r"model/w: " + says):
         tg.save(tmp_path / "c", {"model": {"w": t}})
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize(
+    "shape, says",
+    [([1] * 16 + [2], r"17 dimensions.*at most 16.*reshape"), ([0, 2**50], r"dimension of 1125899906842624")],
+    ids=["17_dims", "huge_empty_dim"],
+)
+def test_a_shape_the_loader_would_refuse_is_refused_at_save(tmp_path, shape, says):
+    # These saved and committed, and then every load refused the manifest as corrupt.
+    with pytest.raises(tg.UnsupportedValueError, match=r"x: .*" + says):
+        tg.save(tmp_path / "c", {"x": torch.empty(shape)})
+    assert not (tmp_path / "c").exists()
+    ok = torch.arange(6.0).reshape([1] * 14 + [2, 3])  # 16 dimensions: the limit, saved and loaded
+    tg.save(tmp_path / "d", {"x": ok})
+    out = {"x": torch.zeros_like(ok)}
+    tg.load(tmp_path / "d", out)
+    assert torch.equal(out["x"], ok)

@@ -20,7 +20,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .flatten import flatten
-from .manifest import DTYPE_NAMES
+from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 
@@ -117,6 +117,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         # views: saved as a contiguous copy of their values, taken now (a snapshot, as a save
         # is), at the cost of that copy's memory until the save has written it.
         data = data.contiguous()
+    _check_shape(path, shape, data.element_size())
     kind = "local" if local else ("sharded" if dt else "replicated")
     if full:
         # layout="full": whole tensors, one chunk each, all in rank 0's file (export/inference).
@@ -161,6 +162,23 @@ def _refuse_kind(path: str, t: torch.Tensor) -> None:
         )
     if what:
         raise UnsupportedValueError(f"{path}: {what}")
+
+
+def _check_shape(path: str, shape: tuple[int, ...], itemsize: int) -> None:
+    """``_leaf``: refuse a shape that ``manifest.parse`` would refuse as corrupt (a save that
+    committed it could never be loaded)."""
+    if len(shape) > MAX_NDIM:
+        raise UnsupportedValueError(
+            f"{path}: tensor has {len(shape)} dimensions, checkpoints hold at most {MAX_NDIM}; "
+            "reshape it before saving (and back after loading)"
+        )
+    nbytes = itemsize
+    for s in shape:
+        if s > MAX_TENSOR_BYTES:
+            raise UnsupportedValueError(f"{path}: a dimension of {s} exceeds the limit of {MAX_TENSOR_BYTES}; reshape it")
+        nbytes *= max(s, 1)
+    if nbytes > MAX_TENSOR_BYTES:
+        raise UnsupportedValueError(f"{path}: tensor exceeds the limit of {MAX_TENSOR_BYTES} bytes; split it")
 
 
 def _may_overlap(t: torch.Tensor) -> bool:
