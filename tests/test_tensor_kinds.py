@@ -116,3 +116,32 @@ def test_a_shape_the_loader_would_refuse_is_refused_at_save(tmp_path, shape, say
     out = {"x": torch.zeros_like(ok)}
     tg.load(tmp_path / "d", out)
     assert torch.equal(out["x"], ok)
+
+
+# ------------------------------------------------------------------ loading into meta tensors
+def test_load_into_a_model_built_on_meta_is_refused_naming_to_empty(tmp_path):
+    # A model built under torch.device("meta") holds no memory: the load read nothing into it
+    # and returned as if it had loaded.
+    model = nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tg.save(tmp_path / "c", {"model": model, "optim": opt})
+    with torch.device("meta"):
+        fresh = nn.Linear(4, 3)
+    with pytest.raises(tg.StateMismatchError, match=r"model/weight \(the state's tensor is on the meta device.*to_empty"):
+        tg.load(tmp_path / "c", {"model": fresh}, only=["model"])
+    with pytest.warns(UserWarning, match=r"model/bias \(the state's tensor is on the meta device"):
+        tg.load(tmp_path / "c", {"model": fresh}, strict=False, only=["model"])
+    assert fresh.weight.is_meta
+    fresh.to_empty(device="cpu")  # the fix the message names
+    fopt = torch.optim.Adam(fresh.parameters())
+    tg.load(tmp_path / "c", {"model": fresh, "optim": fopt})
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fopt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+
+def test_plain_meta_tensor_entries_are_replaced_by_the_loaded_tensor(tmp_path):
+    tg.save(tmp_path / "c", {"x": torch.arange(3.0), "extra": {"w": torch.ones(2, 2)}})
+    state = {"x": torch.empty(3, device="meta"), "extra": {"w": torch.empty(2, 2, device="meta")}}
+    tg.load(tmp_path / "c", state)
+    assert torch.equal(state["x"], torch.arange(3.0)) and torch.equal(state["extra"]["w"], torch.ones(2, 2))

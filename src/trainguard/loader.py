@@ -114,7 +114,7 @@ def _load(
             # saved as such: what the general path below does, without its per-entry calls.
             # The manifest's validation checked that the tensor is described.
             e = manifest.tensors[key]
-            if list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype:
+            if list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or value.is_meta:
                 plans.append((key, value, skel, {}, [key]))  # read into a new tensor
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
@@ -145,7 +145,11 @@ def _load(
             d = dest.get(p)
             if d is not None:
                 e = manifest.tensors[p]
-                if list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype:
+                if d.is_meta and isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                    # No memory to read into: copy_ into it is a no-op, and the load looked done.
+                    mismatched.append(f"{p} (the state's tensor is on the meta device and holds no memory; "
+                                      "call module.to_empty(device=...) before loading into it)")
+                elif list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype or d.is_meta:
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
                         if list(d.shape) == e.shape:
@@ -158,7 +162,7 @@ def _load(
     bad = {m.split(" ")[0] for m in mismatched} - cast
     if bad:
         warnings.warn(
-            f"strict=False: {len(bad)} tensor(s) whose shape differs from the checkpoint's keep their current "
+            f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no memory) keep their current "
             f"values: {', '.join(m for m in mismatched if m.split(' ')[0] in bad)[:1500]}",
             stacklevel=3,
         )
