@@ -145,3 +145,16 @@ def test_plain_meta_tensor_entries_are_replaced_by_the_loaded_tensor(tmp_path):
     state = {"x": torch.empty(3, device="meta"), "extra": {"w": torch.empty(2, 2, device="meta")}}
     tg.load(tmp_path / "c", state)
     assert torch.equal(state["x"], torch.arange(3.0)) and torch.equal(state["extra"]["w"], torch.ones(2, 2))
+
+
+# ------------------------------------------------------------------ interop
+def test_convert_of_a_torch_file_holding_a_sparse_tensor_is_one_error_line(tmp_path):
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    torch.save({"emb": torch.randn(4, 3).to_sparse(), "b": torch.ones(2)}, tmp_path / "sparse.pt")
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "sparse.pt"), str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output  # before: a RuntimeError traceback from .contiguous()
+    assert "error: model/emb: sparse_coo tensors cannot be saved" in res.output and "to_dense()" in res.output
+    assert not (tmp_path / "out").exists()

@@ -137,6 +137,8 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
 
 def _contiguous(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
+        if v.is_nested or v.layout is not torch.strided or v.is_quantized or v.is_meta:
+            return v  # the save refuses it, naming it and what to save instead
         return v.resolve_conj().resolve_neg().contiguous()
     if isinstance(v, Mapping):
         return {k: _contiguous(x) for k, x in v.items()}
