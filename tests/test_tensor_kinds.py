@@ -76,6 +76,25 @@ def test_async_save_of_a_channels_last_model_keeps_the_values_of_the_save_call(t
     assert _bits(fresh.weight) == _bits(want)
 
 
+# ------------------------------------------------------------------ dtypes
+@pytest.mark.parametrize("name", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"])
+def test_low_precision_dtypes_round_trip_bit_exactly_in_place_and_into_new_tensors(tmp_path, name):
+    # MX training's e8m0 scales and packed fp4, the fnuz float8s, complex32: refused before.
+    dt = getattr(torch, name)
+    x = torch.empty(3 << 18, dtype=dt)  # 0.75 MiB (1-byte dtypes) or 3 MiB (complex32), and a 5-element head
+    x.view(torch.uint8).copy_(torch.randint(0, 256, (x.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)))
+    tg.save(tmp_path / "c", {"model": {"w": x, "head": x[:5].clone()}})
+    live = {"w": torch.empty_like(x), "head": torch.empty_like(x[:5])}
+    for t in live.values():
+        t.view(torch.uint8).zero_()
+    out = {"model": live}
+    tg.load(tmp_path / "c", out)
+    assert out["model"]["w"] is live["w"] and _bits(live["w"]) == _bits(x) and _bits(live["head"]) == _bits(x[:5])
+    fresh = {"model": None}
+    tg.load(tmp_path / "c", fresh)
+    assert fresh["model"]["w"].dtype == dt and _bits(fresh["model"]["w"]) == _bits(x)
+
+
 # ------------------------------------------------------------------ refused at save, saying what to do
 @pytest.mark.parametrize(
     "make, says",

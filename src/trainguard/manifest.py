@@ -68,7 +68,8 @@ DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
     "bool": torch.bool,
 }
-for _name in ("uint16", "uint32", "uint64"):
+# Newer dtypes, stored as their bytes like the others (float8_e8m0fnu: MX scales; float4_e2m1fn_x2: two fp4 per byte).
+for _name in ("uint16", "uint32", "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"):
     if hasattr(torch, _name):
         DTYPES[_name] = getattr(torch, _name)
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
