@@ -177,3 +177,39 @@ def test_convert_of_a_torch_file_holding_a_sparse_tensor_is_one_error_line(tmp_p
     assert res.exit_code == 2, res.output  # before: a RuntimeError traceback from .contiguous()
     assert "error: model/emb: sparse_coo tensors cannot be saved" in res.output and "to_dense()" in res.output
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ in-place loads keep identity
+def test_load_into_a_non_contiguous_parameter_outside_a_module_keeps_it_and_its_grad_flag(tmp_path):
+    # A plain entry's tensors are the user's own (no state_dict() detaches them): a Parameter
+    # or a view of a leaf that requires grad, read through a staging tensor, then copied in.
+    src = {"ema": {"conv": torch.randn(2, 3, 4, 5), "proj": torch.randn(4, 3)}}
+    tg.save(tmp_path / "c", src)
+    conv = nn.Parameter(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    leaf = torch.zeros(3, 4, requires_grad=True)
+    state = {"ema": {"conv": conv, "proj": leaf.t()}}
+    tg.load(tmp_path / "c", state)  # before: RuntimeError 'a leaf Variable that requires grad ... in-place'
+    assert state["ema"]["conv"] is conv and conv.requires_grad and torch.equal(conv, src["ema"]["conv"])
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    assert leaf.requires_grad and leaf.grad_fn is None and torch.equal(leaf.t(), src["ema"]["proj"])
+
+
+def test_a_read_through_scratch_into_a_tensor_that_requires_grad_lands_in_place(tmp_path):
+    # Columns of a saved matrix (what a load of a dim-1-sharded checkpoint reads) are copied
+    # from a scratch buffer into the destination: a plain entry's Parameter refused that copy_.
+    from trainguard import io
+    from trainguard.commit import read_manifest
+    from trainguard.index import ChunkSource, plan_args
+    from trainguard.planner import Box, plan_reads
+    from trainguard.storage.local import LocalStorage
+
+    w = torch.randn(8, 6)
+    tg.save(tmp_path / "c", {"w": w})
+    storage, d = LocalStorage(), str(tmp_path / "c")
+    m = read_manifest(storage, d)
+    box = Box((0, 3), (8, 3))
+    ops = plan_reads(plan_args(ChunkSource.of(storage, d, m).chunks("w", m.tensors["w"], box)), box, 4, m.block_size, True)
+    assert ops and all(op.dest_byte is None for op in ops)  # through a scratch buffer
+    dest = nn.Parameter(torch.zeros(8, 3))
+    io.read_targets(storage, d, [io.ReadTarget("w", dest, box, ops)])
+    assert torch.equal(dest, w[:, 3:]) and dest.requires_grad and dest.grad_fn is None

@@ -382,5 +382,5 @@ def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
     # as_strided's offset counts from the start of the storage, not of the (aligned) view.
     src = typed.as_strided(op.inter.sizes, cstrides, typed.storage_offset() + op.inter.flat_start_in(op.chunk) - op.first_elem)
     rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
-    t.dest.view(t.box.sizes)[rel].copy_(src)
+    t.dest.detach().view(t.box.sizes)[rel].copy_(src)  # detach: a Parameter's in-place copy_ is refused
 

@@ -221,7 +221,7 @@ def _load(
         direct=_sole_reader(ctx),
     )
     for staged, live in finish:
-        live.copy_(staged)
+        live.detach().copy_(staged)  # a plain entry's Parameter: nothing detached it (state_dict() does for modules)
     for key, obj, skel, dest, _refs in plans:
         if (p := single_tensor(skel)) is not None:  # an entry that is one tensor: no skeleton to walk
             value = loaded.get(p, dest.get(p))
