@@ -213,3 +213,49 @@ def test_a_read_through_scratch_into_a_tensor_that_requires_grad_lands_in_place(
     dest = nn.Parameter(torch.zeros(8, 3))
     io.read_targets(storage, d, [io.ReadTarget("w", dest, box, ops)])
     assert torch.equal(dest, w[:, 3:]) and dest.requires_grad and dest.grad_fn is None
+
+
+# ------------------------------------------------------------------ tied weights
+class _TiedLM(nn.Module):
+    """A GPT's tie: ``lm_head.weight`` IS ``wte.weight`` (two state_dict keys, one Parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.ln = nn.LayerNorm(4)
+        self.lm_head = nn.Linear(4, 10, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+
+def test_tied_model_round_trips_and_keeps_the_tie_and_the_optimizer_parameters(tmp_path):
+    model = _TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.lm_head(model.ln(model.wte(torch.tensor([1, 2])))).sum().backward()
+    opt.step()
+    tg.save(tmp_path / "c", {"model": model, "optim": opt})
+    fresh = _TiedLM()
+    fopt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    tied = fresh.wte.weight
+    assert not torch.equal(tied, model.wte.weight)
+    tg.load(tmp_path / "c", {"model": fresh, "optim": fopt})
+    assert fresh.lm_head.weight is fresh.wte.weight is tied and fopt.param_groups[0]["params"][0] is tied
+    assert torch.equal(tied, model.wte.weight)
+    assert torch.equal(fopt.state[tied]["exp_avg"], opt.state[model.wte.weight]["exp_avg"])
+
+
+def test_a_strict_load_takes_one_name_of_a_tie_for_both(tmp_path):
+    # safetensors refuses shared tensors, so its save_model (and Hugging Face's save_pretrained)
+    # keep one name of a tie; a converted file of theirs has no 'lm_head.weight'.
+    from safetensors.torch import save_model
+
+    from trainguard.convert import convert
+
+    model = _TiedLM()
+    save_model(model, str(tmp_path / "m.safetensors"))
+    convert(tmp_path / "m.safetensors", tmp_path / "imported")
+    fresh = _TiedLM()
+    tg.load(tmp_path / "imported", {"model": fresh})  # before: StateMismatchError, one name 'missing'
+    assert fresh.lm_head.weight is fresh.wte.weight and torch.equal(fresh.wte.weight, model.wte.weight)
+    tg.save(tmp_path / "b", {"model": {"bias": torch.zeros(10)}})
+    with pytest.raises(tg.StateMismatchError, match=r"missing from the checkpoint \(1\): model/weight"):
+        tg.load(tmp_path / "b", {"model": nn.Linear(4, 10)})  # a missing name with no tie: still reported

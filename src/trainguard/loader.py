@@ -139,7 +139,8 @@ def _load(
         # match (a fresh one has no state yet). Other objects: their load_state_dict decides; a
         # tensor whose shape changed is simply read into a new tensor.
         if isinstance(obj, ModuleAdapter):
-            missing += [p for p in dest if p not in refs]
+            have, head, tied = set(refs), prefix + "/", obj.tied()  # a tie loads through any of its names
+            missing += [p for p in dest if p not in have and not any(head + n in have for n in tied.get(p[len(head) :], ()))]
             unexpected += [p for p in refs if p not in dest]
         for p in refs:
             d = dest.get(p)

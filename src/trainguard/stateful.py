@@ -168,7 +168,21 @@ class ModuleAdapter:
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         actual = {_canonical_key(k): k for k in self.module.state_dict()}
         mapped = {actual.get(k, k): v for k, v in state_dict.items()}
+        for name, names in self.tied().items():  # one name of a tie loads the others
+            if name in actual and actual[name] not in mapped:
+                have = next((actual[n] for n in names if n in actual and actual[n] in mapped), None)
+                if have is not None:
+                    mapped[actual[name]] = mapped[have]
         self.module.load_state_dict(mapped, strict=strict)
+
+    def tied(self) -> dict[str, list[str]]:
+        """Every name of a parameter or buffer the module holds under several names (a tie:
+        ``lm_head.weight`` IS ``wte.weight``) -> all its names. ``loader._load`` does not report
+        a tied name missing when another of its names is in the checkpoint (safetensors keeps one)."""
+        groups: dict[int, list[str]] = {}
+        for n, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]:
+            groups.setdefault(id(t), []).append(_canonical_key(n))
+        return {n: names for names in groups.values() if len(names) > 1 for n in names}
 
     def param_names(self) -> dict[int, str]:
         return {id(p): _canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
