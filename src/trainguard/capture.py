@@ -140,6 +140,11 @@ def _refuse_kind(path: str, t: torch.Tensor) -> None:
     what = None
     if t.is_nested:
         what = "nested tensors cannot be saved; save its components (.unbind()) or a padded tensor (.to_padded_tensor(0))"
+    elif type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        what = (
+            f"tensor subclass {type(t).__qualname__} keeps its data in inner tensors; save plain tensors "
+            "instead (its components from __tensor_flatten__(), or a conversion such as .dequantize())"
+        )
     elif t.layout is not torch.strided:
         what = (
             f"{str(t.layout)[6:]} tensors cannot be saved, only dense ones; save .to_dense(), or its parts "
