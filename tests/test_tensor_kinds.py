@@ -284,3 +284,50 @@ def test_wrapper_subclass_without_its_own_memory_is_refused_at_save(tmp_path):
         with pytest.raises(tg.UnsupportedValueError, match=r"model/w: tensor subclass TwoTensor .*__tensor_flatten__"):
             tg.save(tmp_path / "c", {"model": {"w": value}})
     assert not (tmp_path / "c").exists()
+
+
+class _LM(nn.Module):
+    """Large enough (2 x 8 MiB) for the two names' reads to run on two threads at once."""
+
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(2048, 1024)
+        self.lm_head = nn.Linear(1024, 2048, bias=False)
+        if tie:
+            self.lm_head.weight = self.wte.weight
+
+
+def test_untied_checkpoint_into_a_tied_model_loads_one_name_and_warns_not_corrupt(tmp_path):
+    # Both names were read straight into the one tensor on two threads: each checksum saw the
+    # other's bytes, and a sound checkpoint was reported corrupt (restore then tried older ones).
+    model = _LM(tie=False)
+    tg.save(tmp_path / "c", {"model": model})
+    for _ in range(2):
+        fresh = _LM(tie=True)
+        with pytest.warns(UserWarning, match=r"tied weights.*model/lm_head\.weight / model/wte\.weight"):
+            tg.load(tmp_path / "c", {"model": fresh})
+        assert fresh.lm_head.weight is fresh.wte.weight
+        assert torch.equal(fresh.wte.weight, model.wte.weight)  # the later name in path order, as the warning says
+
+
+def test_overlapping_views_in_a_plain_state_load_in_path_order(tmp_path):
+    tg.save(tmp_path / "c", {"a": torch.arange(12.0), "b": -torch.arange(1.0, 7.0)})
+    base = torch.zeros(12)
+    state = {"a": base, "b": base[2:8]}
+    tg.load(tmp_path / "c", state)  # before: CorruptCheckpointError for 'a' (its bytes overwritten by 'b')
+    assert base.tolist() == [0.0, 1.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, 8.0, 9.0, 10.0, 11.0]
+    assert state["b"].data_ptr() == base.data_ptr() + 8
+
+
+def test_a_tie_saved_as_such_is_read_once(tmp_path, monkeypatch):
+    from trainguard import loader
+
+    model = _TiedLM()
+    tg.save(tmp_path / "c", {"model": model})
+    read = []
+    real = loader.read_targets
+    monkeypatch.setattr(loader, "read_targets", lambda s, d, ts, **kw: real(s, d, [read.append(t.path) or t for t in ts], **kw))
+    fresh = _TiedLM()
+    tg.load(tmp_path / "c", {"model": fresh})
+    assert torch.equal(fresh.wte.weight, model.wte.weight) and fresh.lm_head.weight is fresh.wte.weight
+    assert sorted(read) == ["model/lm_head.weight", "model/ln.bias", "model/ln.weight"]  # not model/wte.weight too

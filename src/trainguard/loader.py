@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .aliases import shared_destinations
 from .commit import read_manifest
 from .dist import DistContext, check_timeout, describe_error, raise_failures
 from .dtensor import ensure_optimizer_state, shard_of
@@ -187,16 +188,27 @@ def _load(
     loaded: dict[str, torch.Tensor] = {}
 
     want = {p: dest for _key, _obj, _skel, dest, refs in plans for p in refs if p not in bad}
+    # In the manifest's order, which is the order the tensors were written in (file order).
+    order = [p for p in manifest.tensors if p in want]
+    skip, stage, differ = shared_destinations(order, want, manifest.tensors)  # tied weights, overlapping views
+    if differ:
+        warnings.warn(
+            "one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
+            f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}",
+            stacklevel=3,
+        )
 
     block = manifest.block_size
 
     def targets() -> Iterator[ReadTarget]:
-        # A generator: the read threads plan tensor k+1 while tensor k's pieces are read. In the
-        # manifest's order, which is the order the tensors were written in (file order).
-        for p in (p for p in manifest.tensors if p in want):
+        # A generator: the read threads plan tensor k+1 while tensor k's pieces are read.
+        for p in order:
             e, live = manifest.tensors[p], want[p].get(p)
+            if p in skip:  # the memory of a tensor read before it, the same bytes in the checkpoint
+                loaded[p] = live
+                continue
             if (
-                type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
+                p not in stage and type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
                 and live.is_contiguous() and live.dtype == e.torch_dtype
             ):
                 # A whole plain tensor stored in one chunk (validation: its box is the whole
@@ -206,7 +218,7 @@ def _load(
                 ops = [whole_read(box, c.file, c.offset, c.length, c.checksums, block, verify)] if c.length else []
                 yield ReadTarget(p, live, box, ops)
                 continue
-            t, box, stage_back = _destination(live, e)
+            t, box, stage_back = _destination(live, e, stage=p in stage)
             loaded[p] = live if live is not None else t
             if stage_back is not None:
                 finish.append((t, stage_back))
@@ -311,14 +323,15 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
     return ranks[src], src
 
 
-def _destination(live: torch.Tensor | None, e: TensorEntry) -> tuple[torch.Tensor, Box, torch.Tensor | None]:
-    """(tensor to read into, its box, live tensor to copy into afterwards or None)."""
+def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False) -> tuple[torch.Tensor, Box, torch.Tensor | None]:
+    """(tensor to read into, its box, live tensor to copy into afterwards or None). ``stage``:
+    the live memory is shared with another destination (``aliases``): read beside it."""
     if live is None:
         t = torch.empty(e.shape, dtype=e.torch_dtype)
         return t, full_box(e.shape), None
     data, shape, offsets, _ = shard_of(live)
     box = Box(tuple(offsets), tuple(data.shape))
-    if data.is_cpu and data.is_contiguous() and data.dtype == e.torch_dtype:
+    if data.is_cpu and data.is_contiguous() and data.dtype == e.torch_dtype and not stage:
         return data, box, None
     if data.dtype != e.torch_dtype:  # strict=False, dtype changed: read as saved, copy_ casts
         return torch.empty(tuple(data.shape), dtype=e.torch_dtype), box, data

@@ -1,0 +1,112 @@
+"""Destinations of a load that share memory: tied weights (``lm_head.weight`` IS ``wte.weight``,
+two names in a module's ``state_dict()``, one tensor; FSDP2 ties alike, by their local shards)
+and overlapping views in a plain state (``{"a": base, "b": base[2:8]}``).
+
+``loader._load`` reads each tensor straight into its destination, on several threads, and
+verifies its bytes there. Two reads into the same memory raced: when the checkpoint holds
+different bytes for them (saved untied, loaded tied) one read overwrote the other between its
+read and its checksum, and a sound checkpoint was reported corrupt (and ``restore`` went on to
+older ones). :func:`shared_destinations` tells the loader, before it reads, which tensors to
+skip (the same memory as one read before it, with the same bytes in the checkpoint: a tie
+saved as such, read once) and which to read into a staging tensor and copy in after every
+read, one at a time in path order (the last one wins, as in ``Module.load_state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .dtensor import is_dtensor
+from .manifest import TensorEntry
+
+
+def shared_destinations(
+    order: list[str], live: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, TensorEntry]
+) -> tuple[set[str], set[str], list[tuple[str, str]]]:
+    """``(skip, stage, differ)`` for the tensors ``order`` (plan order: the paths of ``live``)
+    read into their live destinations ``live[path].get(path)``; ``differ`` lists ``(first, later)`` pairs that are
+    one tensor in the state but hold different bytes in the checkpoint (the later one wins).
+    Destinations read through a staging tensor anyway (GPU, non-contiguous, another dtype) are
+    copied in one at a time after the reads and cannot race: they are never skipped or staged.
+    Memory is shared only within one storage: first the storage of each destination (~0.3 us
+    a tensor, where a hot load of 10,000 tensors spends ~14 us; no tie and no view, the common
+    case, ends there), then the spans of those whose storage holds another destination too."""
+    bases = [
+        (t if type(t) is torch.Tensor else _local(t)).untyped_storage().data_ptr()
+        for p, dest in live.items()
+        if (t := dest.get(p)) is not None
+    ]
+    skip: set[str] = set()
+    stage: set[str] = set()
+    differ: list[tuple[str, str]] = []
+    if len(set(bases)) == len(bases):
+        return skip, stage, differ
+    seen: dict[int, int] = {}
+    for b in bases:
+        seen[b] = seen.get(b, 0) + 1
+    pos = {p: i for i, p in enumerate(order)}
+    spans: list[tuple[int, int, int]] = []  # (start address, end address, plan position)
+    held = ((p, t) for p, dest in live.items() if (t := dest.get(p)) is not None)
+    for (p, t), b in zip(held, bases, strict=True):
+        if b and seen[b] > 1 and p in pos and (n := (t := _local(t)).nbytes):
+            spans.append((t.data_ptr(), t.data_ptr() + n, pos[p]))
+    if len(spans) < 2:
+        return skip, stage, differ
+    spans.sort()
+    group, end = [spans[0]], spans[0][1]
+    for s in spans[1:]:
+        if s[0] < end:
+            group.append(s)
+            end = max(end, s[1])
+        else:
+            if len(group) > 1:
+                _settle(group, order, live, tensors, skip, stage, differ)
+            group, end = [s], s[1]
+    if len(group) > 1:
+        _settle(group, order, live, tensors, skip, stage, differ)
+    return skip, stage, differ
+
+
+def _settle(
+    group: list[tuple[int, int, int]],
+    order: list[str],
+    live: Mapping[str, Mapping[str, Any]],
+    tensors: Mapping[str, TensorEntry],
+    skip: set[str],
+    stage: set[str],
+    differ: list[tuple[str, str]],
+) -> None:
+    """One run of destinations whose memory overlaps: the first in plan order that is read in
+    place stays so; each later one is skipped (the same view, the same bytes) or staged."""
+    direct = []
+    for _start, _end, i in sorted(group, key=lambda s: s[2]):
+        p = order[i]
+        t = _local(live[p][p])
+        if t.is_cpu and t.dtype == tensors[p].torch_dtype and t.is_contiguous():
+            direct.append((p, t))
+    if len(direct) < 2:
+        return
+    (first, ft), rest = direct[0], direct[1:]
+    for p, t in rest:
+        same_view = t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
+        if same_view and _same_bytes(tensors[first], tensors[p]):
+            skip.add(p)
+        else:
+            stage.add(p)
+            if same_view:
+                differ.append((first, p))
+
+
+def _local(t: Any) -> Any:
+    """The tensor whose memory a load writes: a DTensor's local shard, else ``t`` (or None)."""
+    return t.to_local() if t is not None and type(t) is not torch.Tensor and is_dtensor(t) else t
+
+
+def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
+    """Whether two manifest entries hold the same bytes (same boxes, same block checksums)."""
+    if a.regular is not None or b.regular is not None or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return [(c.offsets, c.sizes, c.checksums) for c in a.chunks] == [(c.offsets, c.sizes, c.checksums) for c in b.chunks]
