@@ -331,3 +331,24 @@ def test_a_tie_saved_as_such_is_read_once(tmp_path, monkeypatch):
     tg.load(tmp_path / "c", {"model": fresh})
     assert torch.equal(fresh.wte.weight, model.wte.weight) and fresh.lm_head.weight is fresh.wte.weight
     assert sorted(read) == ["model/lm_head.weight", "model/ln.bias", "model/ln.weight"]  # not model/wte.weight too
+
+
+def test_an_optimizer_imported_from_a_torch_save_file_loads_into_the_optimizer(tmp_path):
+    # torch keys optimizer state by parameter index; trainguard by name. An imported
+    # {"model", "optim"} file failed with "'<' not supported between instances of 'str' and 'int'".
+    from trainguard.convert import convert
+
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 7}, tmp_path / "ck.pt")
+    convert(tmp_path / "ck.pt", tmp_path / "imported")
+    fresh = nn.Linear(3, 2)
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    state = {"model": fresh, "optim": fopt, "step": None}
+    tg.load(tmp_path / "imported", state)
+    assert state["step"] == 7 and fopt.param_groups[0]["lr"] == 0.01
+    assert torch.equal(fopt.state[fresh.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+    tg.save(tmp_path / "again", state)  # and saved again by name
+    assert torch.equal(fopt.state[fresh.bias]["exp_avg_sq"], opt.state[model.bias]["exp_avg_sq"])

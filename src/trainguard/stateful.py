@@ -230,9 +230,14 @@ class OptimizerAdapter:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         from .errors import CheckpointError
 
+        saved_groups = state_dict["param_groups"]
+        if all(type(i) is int for g in saved_groups for i in g["params"]):
+            # torch's own form, keyed by index (a torch.save file imported by ``convert``):
+            # torch matches it to the parameters by position.
+            self.optimizer.load_state_dict(dict(state_dict))
+            return
         names = self._index_names()
         index = {n: i for i, n in enumerate(names)}
-        saved_groups = state_dict["param_groups"]
         cur_groups = self.optimizer.param_groups
         if len(saved_groups) != len(cur_groups):
             raise CheckpointError(
