@@ -35,7 +35,7 @@ def shared_destinations(
     a tensor, where a hot load of 10,000 tensors spends ~14 us; no tie and no view, the common
     case, ends there), then the spans of those whose storage holds another destination too."""
     bases = [
-        (t if type(t) is torch.Tensor else _local(t)).untyped_storage().data_ptr()
+        t.untyped_storage().data_ptr() if type(t) is torch.Tensor else _base(t)
         for p, dest in live.items()
         if (t := dest.get(p)) is not None
     ]
@@ -51,7 +51,7 @@ def shared_destinations(
     spans: list[tuple[int, int, int]] = []  # (start address, end address, plan position)
     held = ((p, t) for p, dest in live.items() if (t := dest.get(p)) is not None)
     for (p, t), b in zip(held, bases, strict=True):
-        if b and seen[b] > 1 and p in pos and (n := (t := _local(t)).nbytes):
+        if b > 0 and seen[b] > 1 and p in pos and (n := (t := _local(t)).nbytes):
             spans.append((t.data_ptr(), t.data_ptr() + n, pos[p]))
     if len(spans) < 2:
         return skip, stage, differ
@@ -98,6 +98,15 @@ def _settle(
             stage.add(p)
             if same_view:
                 differ.append((first, p))
+
+
+def _base(t: torch.Tensor) -> int:
+    """The storage address of a Parameter's or DTensor's memory; a subclass without storage of
+    its own (a ``__torch_dispatch__`` wrapper) counts as unique here (the read refuses it)."""
+    try:
+        return _local(t).untyped_storage().data_ptr()
+    except RuntimeError:
+        return -1 - id(t)
 
 
 def _local(t: Any) -> Any:
