@@ -106,17 +106,12 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             f"{path}: tensor is a lazy conjugate/negative view (its memory does not hold its values); "
             "call .resolve_conj() / .resolve_neg() on it before saving"
         )
-    if not data.is_contiguous():
-        if _may_overlap(data):
-            raise UnsupportedValueError(
-                f"{path}: tensor's elements share memory (strides {tuple(data.stride())}: an expand()ed or "
-                "as_strided view); save the tensor it was expanded from, or call .contiguous() on it "
-                "(a full copy) before saving"
-            )
-        # channels_last weights (and Adam's moments, which follow them), transposed or sliced
-        # views: saved as a contiguous copy of their values, taken now (a snapshot, as a save
-        # is), at the cost of that copy's memory until the save has written it.
-        data = data.contiguous()
+    if not data.is_contiguous() and _may_overlap(data):
+        raise UnsupportedValueError(
+            f"{path}: tensor's elements share memory (strides {tuple(data.stride())}: an expand()ed or "
+            "as_strided view); save the tensor it was expanded from, or call .contiguous() on it "
+            "(a full copy) before saving"
+        )
     _check_shape(path, shape, data.element_size())
     kind = "local" if local else ("sharded" if dt else "replicated")
     if full:
@@ -124,6 +119,11 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         kind, writer = "full", rank == 0
         if rank != 0:
             data = data.new_empty((0,) * data.dim())  # others only need shape and dtype
+    if not data.is_contiguous():
+        # channels_last weights (and Adam's moments, which follow them), transposed or sliced
+        # views: saved as a contiguous copy of their values, taken now (a snapshot, as a save
+        # is), at the cost of that copy's memory until the save has written it.
+        data = data.contiguous()
     box = full_box(shape) if full else Box(tuple(offsets), tuple(data.shape))
     regular = None
     d = regular_dim(t, world) if dt and not local else None
