@@ -86,15 +86,17 @@ def test_agent_loss_scales_down_and_coverage_is_exact(tmp_path):
     worlds = [e["world_size"] for e in events if e["event"] == "rendezvous"]
     assert 2 in worlds and worlds[-1] == 1, worlds
     restores = [e["step"] for e in events if e["event"] == "restore" and e["rank"] == 0]
-    assert restores[-1] == 10
+    r = restores[-1]  # 10; 5 when step 10's async save was still in flight as the agent died
+    assert r in (5, 10), restores
     traj = _final_trajectory(rec)
-    assert {g[0]["world"] for s, g in traj.items() if s > 10} == {1}
-    assert len(_check_coverage(traj)) == 10 * 2 * BATCH + 20 * BATCH
+    assert {g[0]["world"] for s, g in traj.items() if s > r} == {1}
+    assert len(_check_coverage(traj)) == r * 2 * BATCH + (30 - r) * BATCH
 
 
 @pytest.mark.timeout(300)
 def test_world_size_2_1_2_completes_with_exact_coverage(tmp_path):
-    """2 agents; one is lost at step 12 (restore 10, W=1); at step 20 the W=1 worker commits its
+    """2 agents; one is lost at step 12 (restore 10, W=1; or 5 when the async save of step 10
+    was still in flight when the agent died: tiny steps on a loaded machine); at step 20 the W=1 worker commits its
     checkpoint and holds (bounded) until the test has started a third agent, whose arrival makes
     the survivor restart the group at W=2 (restore 20); the job finishes at step 30."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -115,24 +117,25 @@ def test_world_size_2_1_2_completes_with_exact_coverage(tmp_path):
     assert worlds[:2] == [2, 2] and 1 in worlds and worlds[-2:] == [2, 2], worlds
     summary = summarize(events)
     assert summary["membership_restarts"] >= 1 and summary["failures"] == 1 and summary["final_step"] == 30
-    assert summary["recoveries"][0]["restored_step"] == 10
+    r = summary["recoveries"][0]["restored_step"]
+    assert r in (5, 10), summary["recoveries"]
     # The W=1 worker saved at 20 before holding; on the agent's SIGTERM (membership restart)
     # the manager (handle_signals) may commit a preemption save at 21 before it exits.
     held = next(e["pid"] for e in events if e["event"] == "hold")
     last_w1 = max(e["step"] for e in events if e["event"] == "save" and e["pid"] == held)
     assert last_w1 in (20, 21)
     restores = [e for e in events if e["event"] == "restore" and e["rank"] == 0]
-    assert [e["step"] for e in restores] == [10, last_w1]
+    assert [e["step"] for e in restores] == [r, last_w1]
     traj = _final_trajectory(rec)
     phases = [g[0]["world"] for _, g in sorted(traj.items())]
-    assert phases == [2] * 10 + [1] * (last_w1 - 10) + [2] * (30 - last_w1), phases
+    assert phases == [2] * r + [1] * (last_w1 - r) + [2] * (30 - last_w1), phases
     seen = _check_coverage(traj)
     # The final state is what the event log implies: the last 'step' event of each step gives the
     # world size that ran it, hence the global samples consumed.
     world_of = {e["step"]: e["world_size"] for e in events if e["event"] == "step"}
     assert sorted(world_of) == list(range(1, 31))
     implied = BATCH * sum(world_of.values())
-    assert implied == len(seen) == BATCH * (60 - (last_w1 - 10))
+    assert implied == len(seen) == BATCH * (60 - (last_w1 - r))
     state = {"model": TinyGPT(GPTConfig.named("tiny")), "data": ResumableSampler(len(seen) + 10**5, seed=0),
              "progress": tg.StateDict(step=0, loss=0.0)}
     state["data"].num_samples = len(Windows(stdlib_corpus(2_000_000), GPTConfig.named("tiny").context))
