@@ -486,15 +486,17 @@ def test_zero_copy_step_during_the_write_copies_the_rest(tmp_path, monkeypatch):
     state = make_state(width=20_000)  # fc1.weight and its moments: 1.3 MB each
     at_call = tensors_of(state)
     handles: list = []
+    known = threading.Event()  # the save thread may reach its first write before save() returns
     real = local._LocalWriter.pwrite
 
     def held(self, data, offset):  # the first batch's writes wait until step() waits
-        assert handles and handles[0].waiting.wait(60)
+        assert known.wait(60) and handles[0].waiting.wait(60)
         return real(self, data, offset)
 
     monkeypatch.setattr(local._LocalWriter, "pwrite", held)
     h = tg.save(tmp_path / "a", state, async_=True)
     handles.append(h)
+    known.set()
     train_step(state)  # blocks in the pre-step hook until the rest is copied
     assert h.hook_wait_s > 0 and h.written_live_bytes > 0 and h.staged_background_bytes > 0
     assert differs(tensors_of(state), at_call)
