@@ -23,11 +23,13 @@ import torch
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, occupied, rank_files
-from .dist import DistContext, check_timeout, describe_error, failure, raise_failures, summary
+from .dist import DistContext, check_timeout, describe_error, raise_failures
 from .errors import (
     CheckpointError,
     RankFailureError,
     StepExistsError,
+    failure_record,
+    from_record,
 )
 from .faults import fault
 from .flatten import encode_json
@@ -180,7 +182,7 @@ def persist_and_commit(
     try:
         written = ctx.gather("written", report, timeout=timeout)
     except RankFailureError as e:  # rank 0 only: a rank died or never reported
-        written, outcome = None, {"error": summary(e), "failures": e.failures}
+        written, outcome = None, failure_record(e)
     if ctx.rank == 0 and written is not None:
         try:
             raise_failures("save", written, ctx)
@@ -192,7 +194,7 @@ def persist_and_commit(
             _commit(storage, parent, name, work, manifest, overwrite, save_id)
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
         except RankFailureError as e:
-            outcome = {"error": summary(e), "failures": e.failures}
+            outcome = failure_record(e)
         except Exception as e:
             outcome = {"error": describe_error(e)}
             write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
@@ -210,7 +212,7 @@ def persist_and_commit(
             raise write_error  # a DiskFullError stays one
         raise CheckpointError(f"save of {target} failed: {type(write_error).__name__}: {write_error}") from write_error
     if outcome.get("failures"):
-        raise failure(outcome["error"], {int(r): tb for r, tb in outcome["failures"].items()})
+        raise from_record(outcome)
     if outcome.get("error"):
         raise CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
     if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)

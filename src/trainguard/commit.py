@@ -19,7 +19,14 @@ from typing import Any
 
 from . import layout
 from .dist import DistContext, failure, summary
-from .errors import CheckpointError, LockedError, NotACheckpointError, RankFailureError
+from .errors import (
+    CheckpointError,
+    LockedError,
+    NotACheckpointError,
+    RankFailureError,
+    failure_record,
+    from_record,
+)
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .storage import Storage
 
@@ -248,7 +255,7 @@ def claim_commit(ctx: DistContext, save_id: str) -> None:
     must not commit a save that the other ranks reported as failed."""
     first = ctx.fence(f"commit/{save_id}", _COMMITTING)
     if first != _COMMITTING:
-        raise failure(first["error"], {int(r): tb for r, tb in first["failures"].items()})
+        raise from_record(first)
 
 
 def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureError) -> None:
@@ -257,7 +264,7 @@ def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureEr
     raise ``e``; when rank 0 claimed it first, whether ``target`` got committed is unknown, and
     the error says so. A store that stopped answering (the fence fails too): ``e`` as it is."""
     try:
-        first = ctx.fence(f"commit/{save_id}", {"error": summary(e), "failures": e.failures})
+        first = ctx.fence(f"commit/{save_id}", failure_record(e))
     except RankFailureError:
         raise e from None  # the store itself stopped answering: nobody can claim anything
     if first != _COMMITTING:

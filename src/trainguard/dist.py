@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .errors import RankFailureError, failure, summary  # noqa: F401 - failure, summary: imported from here too
+from .errors import RankFailureError, failure, failure_record, from_record, summary  # noqa: F401 - failure, summary: imported from here too
 from .storecall import BoundedStore
 
 HEARTBEAT_EVERY = 0.5
@@ -213,7 +213,7 @@ class StoreDistContext(DistContext):
             try:
                 values = self._collect(base, tag, timeout)
             except RankFailureError as e:
-                self._publish(f"{base}/all", {"error": summary(e), "failures": e.failures})
+                self._publish(f"{base}/all", failure_record(e))
                 raise
             self._publish(f"{base}/all", {"value": values})
             self._cleanup(self._round - 2)
@@ -251,7 +251,7 @@ class StoreDistContext(DistContext):
         first = self.store.compare_set(key, "", mine).decode()
         if first != mine:
             out = json.loads(first)
-            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
+            raise from_record(out)
 
     # -- waiting -----------------------------------------------------------------------------
 
@@ -269,12 +269,12 @@ class StoreDistContext(DistContext):
         except RankFailureError as e:
             # Leave the failure where rank 0 publishes: a rank 0 that was only stopped raises it in
             # this round when it resumes (``_publish``), not one round ahead of us for good.
-            mine = json.dumps({"error": summary(e), "failures": e.failures})
+            mine = json.dumps(failure_record(e))
             if self.store.compare_set(key, "", mine).decode() == mine:
                 raise
         out = json.loads(self.store.get(key))  # {"value": v} or rank 0's failure record
         if "error" in out:
-            raise failure(out["error"], {int(r): tb for r, tb in out["failures"].items()})
+            raise from_record(out)
         return out["value"]
 
     def _wait_for(self, keys: list[str], ranks: list[int], tag: str, timeout: float | None) -> None:
@@ -339,7 +339,7 @@ class StoreDistContext(DistContext):
                 {r: f"called {w!r} while rank {self.rank} called {tag!r}" for r, w in wrong.items()},
             )
             # The ranks waiting in the other collective get the same verdict instead of a timeout.
-            record = json.dumps({"error": summary(e), "failures": e.failures})
+            record = json.dumps(failure_record(e))
             for other in set(wrong.values()):
                 self.store.set(f"{self.chan}/r{self._round}/{other}/all", record)
             raise e

@@ -7,6 +7,7 @@ Messages say what to change. Where a builtin fits, the error derives from it too
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 
 class CheckpointError(Exception):
@@ -90,6 +91,16 @@ def failure(message: str, failures: dict[int, str]) -> RankFailureError:
 def summary(e: BaseException) -> str:
     """The message of a ``RankFailureError`` without the per-rank tracebacks appended to it."""
     return str(getattr(e, "summary", e))
+
+
+def failure_record(e: RankFailureError) -> dict[str, Any]:
+    """``e`` as the JSON-able record ranks exchange through the store (:func:`from_record` raises it again)."""
+    return {"error": summary(e), "failures": e.failures}
+
+
+def from_record(record: dict[str, Any]) -> RankFailureError:
+    """The ``RankFailureError`` of a :func:`failure_record` received from another rank (JSON keys are strings)."""
+    return failure(record["error"], {int(r): tb for r, tb in record["failures"].items()})
 
 
 class DiskFullError(CheckpointError, OSError):
