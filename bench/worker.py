@@ -189,11 +189,15 @@ def _guarded(ctx: Ctx, rec: Recorder, name: str, fn) -> None:
 
 def run_rounds(ctx: Ctx, cfg: Config, sel: Selection, state: State, root: Path, rec: Recorder,
                dropper: CacheDropper, trainer: Trainer | None) -> None:
-    """Synchronous methods round-robin (round r of every method back to back); then each async
-    method for all its rounds, closed before the next one, so that at most one method's cached
-    staging copy of the state is alive at a time (two would not fit in RAM in the 2-rank case)."""
+    """Synchronous methods round-robin (round r of every method back to back, the order rotated
+    by one method each round, so that no method always runs after the same one: whatever a
+    method leaves behind, the memory it freed, its deleted files, falls on each of the others
+    in turn); then each async method for all its rounds, closed before the next one, so
+    that at most one method's cached staging copy of the state is alive at a time (two would
+    not fit in RAM in the 2-rank case)."""
     for rnd in range(cfg.reps + 1):
-        for m in sel.sync:
+        k = rnd % max(1, len(sel.sync))
+        for m in [*sel.sync[k:], *sel.sync[:k]]:
             if m.name not in rec.errors:
                 _guarded(ctx, rec, m.name, partial(run_sync, ctx, rec, m, root, state, rnd, dropper))
         if sel.memcpy and "memcpy" not in rec.errors:
