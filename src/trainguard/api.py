@@ -42,6 +42,7 @@ from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import layout_file
 from .storage import Storage, for_path
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
+from .tied import format_for
 
 
 def save(
@@ -240,7 +241,7 @@ def _check_begin(begin: list[Any], ctx: DistContext) -> None:
     if bad:
         raise RankFailureError(
             f"save: rank(s) {bad} passed a different set of entries/tensors than rank 0; every rank must "
-            "save the same state keys with the same tensor names, shapes and dtypes",
+            "save the same state keys with the same tensor names, shapes and dtypes (and the same tied tensors)",
             {r: "state differs from rank 0's" for r in bad},
         )
 
@@ -307,7 +308,8 @@ def _build_manifest(
     snap: Snapshot, written: list[Any], ctx: DistContext, layout: str, metadata: Mapping[str, Any] | None, step: int
 ) -> Manifest:
     tensors: dict[str, TensorEntry] = {
-        lf.path: TensorEntry(lf.dtype, list(lf.shape), [], lf.regular) for lf in snap.leaves if lf.regular is not None
+        lf.path: TensorEntry(lf.dtype, list(lf.shape), [], lf.regular, lf.alias)
+        for lf in snap.leaves if lf.regular is not None or lf.alias is not None
     }
     files: dict[str, int] = {}
     indexes: dict[str, tuple[int, str]] = {}
@@ -329,6 +331,9 @@ def _build_manifest(
             tensors.setdefault(path, TensorEntry(dtype, shape, []))
     for e in tensors.values():
         e.chunks.sort(key=lambda c: (c.offsets, c.file))
+    for e in tensors.values():
+        if e.alias is not None:
+            e.chunks = tensors[e.alias].chunks  # as manifest.validate gives it to readers
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():
         if key in snap.rank_local:
@@ -347,8 +352,8 @@ def _build_manifest(
         metadata=dict(metadata or {}),
         library=f"trainguard {__version__}",
         torch_version=torch.__version__,
-        # Format 1 unless a tensor is regular: single-process and DDP saves are unchanged.
-        format_version=2 if any(e.regular is not None for e in tensors.values()) else 1,
+        # Format 1 unless a tensor is regular (2) or an alias (3): saves without them are unchanged.
+        format_version=format_for(tensors.values()),
         indexes=indexes,
     )
 

@@ -2,6 +2,8 @@
 leaves, and decide which chunks this rank writes. Synchronous and cheap: tensors are
 referenced, not copied (the async path copies them in its stage phase), except a
 non-contiguous one (channels_last, a transposed view), saved from a contiguous copy taken here.
+A tensor held under several names (tied weights) is written once, under its first name; each
+later name is an alias leaf (``tied.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
+from .tied import PLAIN, same_view
 
 
 @dataclass
@@ -34,9 +37,10 @@ class Leaf:
     dtype: str
     shape: tuple[int, ...]  # global shape
     box: Box  # the local box in global coordinates
-    kind: str  # "replicated" | "sharded" | "local" | "full"
+    kind: str  # "replicated" | "sharded" | "local" | "full" | "alias"
     writer: bool = True
     regular: Regular | None = None  # Shard(d) over all ranks: saved in format 2's compact form
+    alias: str | None = None  # kind "alias": the path of the leaf holding the bytes (never written)
 
 
 @dataclass
@@ -69,6 +73,9 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     objects: dict[str, Any] = {}
     rank_local: list[str] = []
     leaves: list[Leaf] = []
+    # Address of a plain tensor's first element -> [(tensor, its leaf)]: the tensors stay
+    # referenced until the capture ends, so no address is reused by a later temporary.
+    seen: dict[int, list[tuple[torch.Tensor, Leaf]]] = {}
     for key, value in state.items():
         _check_key(key)
         obj = adapt(value, names)
@@ -79,13 +86,31 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
         for path, t in tensors.items():
-            leaves.append(_leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size))
+            ptr = 0 if local or type(t) not in PLAIN else _address(t)  # 0: no memory (or not checked)
+            if ptr and (bucket := seen.get(ptr)) is not None and (first := same_view(bucket, t)) is not None:
+                # The same view of the same memory as an earlier name (a tie): written once, as that.
+                leaves.append(replace(first, path=path, kind="alias", writer=False, alias=first.path))
+                continue
+            lf = _leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size)
+            leaves.append(lf)
+            if ptr:
+                seen.setdefault(ptr, []).append((t, lf))
+    # Ranks must agree on the ties too: which tensors each rank writes depends on them.
     sig = hashlib.sha1(
         json.dumps(
-            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local")]
+            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim, lf.alias) for lf in leaves if lf.kind != "local")]
         ).encode()
     ).hexdigest()
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s first element is; 0 for a tensor without memory of its own (sparse, meta:
+    ``_leaf`` refuses them, saying what to save instead)."""
+    try:
+        return t.data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:

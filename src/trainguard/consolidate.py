@@ -4,8 +4,9 @@
 consolidate SRC DST`` command calls it). It streams tensor by tensor: each tensor is read
 whole from whatever chunks hold it (checksums verified), written at the next aligned offset
 of ``data-00000.bin`` with fresh block checksums, and dropped, so memory stays bounded by the
-largest tensor. Rank-local entries (RNG, per-rank iterators) are kept per saved rank. The
-manifest is written last and the directory renamed into place, as in a save.
+largest tensor. Rank-local entries (RNG, per-rank iterators) are kept per saved rank, and
+aliases (format 3: a tie stored once) stay aliases of their target. The manifest is written
+last and the directory renamed into place, as in a save.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import full_box, layout_file, plan_reads
 from .storage import for_path
+from .tied import format_for
 
 
 def consolidate(
@@ -64,6 +66,8 @@ def consolidate(
         pos = 0
         source = ChunkSource.of(sstore, sdir, m)
         for path, e in m.tensors.items():
+            if e.alias is not None:
+                continue  # given its target's chunks below: the bytes are written once
             whole = _read_whole(sstore, sdir, source, path, e)
             data = tensor_bytes(whole)
             (off,), pos = layout_file([len(data)], pos)
@@ -77,6 +81,10 @@ def consolidate(
                 progress(path, len(data))
             del whole, data
         w.finish(pos)
+        for path, e in m.tensors.items():
+            if e.alias is not None:
+                tensors[path] = TensorEntry(e.dtype, list(e.shape), tensors[e.alias].chunks, alias=e.alias)
+        tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
     except BaseException:
         w.abort()
         dstore.remove_tree(work)
@@ -93,6 +101,7 @@ def consolidate(
         metadata={**m.metadata, "consolidated_from": {"path": os.fspath(src), "layout": m.layout, "created": m.created}},
         library=m.library,
         torch_version=m.torch_version,
+        format_version=format_for(tensors.values()),
     )
     try:
         _commit(dstore, parent, name, work, out, overwrite, save_id)

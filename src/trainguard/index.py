@@ -85,7 +85,7 @@ def check_regular_files(
             claim[k - 1] += last - full
             claim[k] -= last
     for e in tensors.values():
-        for c in e.chunks:
+        for c in e.chunks if e.alias is None else ():  # an alias (format 3) claims no bytes of its own
             if (i := _part_of(c.file)) is not None and i < need:
                 claim[i] += c.length
                 claim[i + 1] -= c.length
@@ -192,7 +192,7 @@ class ChunkSource:
             if self._explicit is None:
                 self._explicit = {}
                 for p, e in self.m.tensors.items():
-                    for c in e.chunks:
+                    for c in e.chunks if e.alias is None else ():  # an alias: its target's bytes
                         if c.length:
                             self._explicit.setdefault(c.file, []).append((c.offset, c.offset + c.length, p))
             name = index_file(part)

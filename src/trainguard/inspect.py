@@ -14,6 +14,7 @@ from .errors import CheckpointError, NotACheckpointError
 from .index import ChunkSource
 from .manifest import Manifest, checksum
 from .storage import Storage, for_path
+from .tied import aliases_of
 from .tiers import location
 
 _READ = 64 << 20
@@ -60,7 +61,9 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
 def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
     # Format 2: every index is read and validated (size, checksum, fields) before any data.
     src = ChunkSource.of(storage, directory, m)
-    every = [(path, c) for path, e in m.tensors.items() for c in src.all_chunks(path, e)]
+    # Format 3: an alias has no bytes of its own; its target's are read once, an error names both.
+    aka = {p: f"{p!r} (and its alias(es) {', '.join(map(repr, a))})" for p, a in aliases_of(m.tensors).items()}
+    every = [(aka.get(path, repr(path)), c) for path, e in m.tensors.items() if e.alias is None for c in src.all_chunks(path, e)]
     # Whole blocks, but never more than the longest chunk: a small checkpoint (or a hostile
     # block_size) must not cost a 64 MiB-1 GiB zero-filled buffer per verify.
     longest = max((c.length for _p, c in every), default=0)
@@ -76,12 +79,12 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
                 try:
                     readers[c.file].readinto(view[:n], c.offset + pos)
                 except CheckpointError as ex:
-                    errors.append(f"{c.file}: tensor {path!r}: {ex}")
+                    errors.append(f"{c.file}: tensor {path}: {ex}")
                     break
                 for b in range(0, n, m.block_size):
                     idx = (pos + b) // m.block_size
                     if checksum(view[b : min(b + m.block_size, n)]) != c.checksums[idx]:
-                        errors.append(f"{c.file}: checksum mismatch in tensor {path!r} (block {idx})")
+                        errors.append(f"{c.file}: checksum mismatch in tensor {path} (block {idx})")
                 pos += n
                 total += n
     finally:

@@ -199,6 +199,7 @@ def _load(
         )
 
     block = manifest.block_size
+    same: list[tuple[str, str]] = []  # (alias, target) both read into new tensors: one tensor, as torch.load gives
 
     def targets() -> Iterator[ReadTarget]:
         # A generator: the read threads plan tensor k+1 while tensor k's pieces are read.
@@ -206,6 +207,9 @@ def _load(
             e, live = manifest.tensors[p], want[p].get(p)
             if p in skip:  # the memory of a tensor read before it, the same bytes in the checkpoint
                 loaded[p] = live
+                continue
+            if e.alias is not None and live is None and e.alias in want and want[e.alias].get(e.alias) is None:
+                same.append((p, e.alias))
                 continue
             if (
                 p not in stage and type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
@@ -233,6 +237,8 @@ def _load(
         check_file=lambda f: None if f in wanted else _check_file_sizes(storage, directory, manifest, {f}),
         direct=_sole_reader(ctx),
     )
+    for p, target in same:
+        loaded[p] = loaded[target]
     for staged, live in finish:
         live.detach().copy_(staged)  # a plain entry's Parameter: nothing detached it (state_dict() does for modules)
     for key, obj, skel, dest, _refs in plans:

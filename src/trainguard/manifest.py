@@ -26,6 +26,16 @@ Part ``i`` of a regular tensor is the ``torch.chunk``/``Shard(dim)`` box ``i`` (
 ``planner.Regular``) and lives in ``data-{i:05d}.bin``; where in that file, and its block
 checksums, are in the index ``data-{i:05d}.idx`` (``index.py``), whose size and checksum the
 manifest holds. The manifest stays O(tensors + ranks) instead of O(tensors x ranks).
+
+format_version 3 (written only when some entry is an alias) stores a tensor that one rank's
+state holds under several names (a tie: ``lm_head.weight`` IS ``wte.weight``) once: the first
+name in the state's order keeps the chunks, each later name is an alias entry naming it::
+
+     "tensors": {"model/lm_head.weight": {"dtype": "float32", "shape": [50257, 768],
+                 "alias": "model/wte.weight"}}
+
+The target exists, is not an alias itself, has chunks (not ``regular``), and the same dtype and
+shape; parsed, an alias entry shares its target's ``chunks`` list (``tied.py``).
 """
 
 from __future__ import annotations
@@ -38,13 +48,15 @@ from typing import Any
 import torch
 import xxhash
 
+from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored dtypes)
 from .errors import CorruptCheckpointError, FormatVersionError
 from .flatten import decode_json, encode_json, single_tensor
 from .layout import DATA_RE
 from .planner import Regular
+from .tied import parse_alias, resolve_aliases
 
-FORMAT_VERSION = 1  # what a save writes when no tensor is regular (2 otherwise)
-SUPPORTED_VERSIONS = (1, 2)
+FORMAT_VERSION = 1  # what a save writes with no regular tensor and no alias (``format_for``)
+SUPPORTED_VERSIONS = (1, 2, 3)
 
 # Hard limits on what a manifest may claim (hostile or corrupt input).
 MAX_MANIFEST_BYTES = 1 << 30
@@ -52,27 +64,6 @@ MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48
 MAX_BLOCK = 1 << 30
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "bool": torch.bool,
-}
-# Newer dtypes, stored as their bytes like the others (float8_e8m0fnu: MX scales; float4_e2m1fn_x2: two fp4 per byte).
-for _name in ("uint16", "uint32", "uint64", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
 def checksum(data: Any) -> str:
@@ -108,6 +99,7 @@ class TensorEntry:
     shape: list[int]
     chunks: list[Chunk]
     regular: Regular | None = None  # format 2: parts listed in the index files, chunks empty
+    alias: str | None = None  # format 3: the path of the entry holding the bytes (its chunks shared)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -118,6 +110,8 @@ class TensorEntry:
         return math.prod(self.shape) * self.torch_dtype.itemsize
 
     def to_json(self) -> dict[str, Any]:
+        if self.alias is not None:
+            return {"dtype": self.dtype, "shape": self.shape, "alias": self.alias}
         if self.regular is not None:
             return {"dtype": self.dtype, "shape": self.shape, "regular": {"dim": self.regular.dim, "parts": self.regular.parts}}
         return {"dtype": self.dtype, "shape": self.shape, "chunks": [c.to_json() for c in self.chunks]}
@@ -244,6 +238,8 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for path, t in _req(raw, "tensors", dict, where).items():
         tensors[path] = _tensor(path, t, files, block, where, version)
+    if version >= 3:
+        resolve_aliases(tensors, where)
     check_regular_files(tensors, files, indexes, where)
     _check_file_ranges(tensors, where)
     for key, obj in objects.items():
@@ -293,6 +289,8 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     # Nonzero dims only: [0, 3e9, 3e9] holds nothing but its strides overflow int64 in torch.
     if nonzero > MAX_TENSOR_BYTES:
         raise CorruptCheckpointError(f"{_w(where, path)}: claims {math.prod(shape) * itemsize} bytes", file=where, entry=path)
+    if "alias" in t:  # format 3: no chunks of its own (resolve_aliases checks the target)
+        return TensorEntry(dtype, shape, [], alias=parse_alias(t, version, _w(where, path), where, path))
     if version >= 2 and "regular" in t:
         from .index import parse_regular
 
@@ -373,6 +371,8 @@ def _check_file_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
     """No two chunks share bytes of a file: a tensor can never claim more bytes than the files hold."""
     spans: dict[str, list[tuple[int, int, str]]] = {}
     for path, e in tensors.items():
+        if e.alias is not None:
+            continue  # its target's chunks
         for c in e.chunks:
             if c.length:
                 spans.setdefault(c.file, []).append((c.offset, c.offset + c.length, path))

@@ -102,8 +102,15 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
     for key, per_rank, tensors in _entries(m):
         node = tree.add(f"[bold cyan]{key}[/]" + ("  (per rank)" if per_rank else ""))
         for name, e in tensors:
-            node.add(f"{name}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({f'{e.regular.parts} parts along dim {e.regular.dim}' if e.regular else f'{len(e.chunks)} chunk(s)'})")
+            node.add(f"{name}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({_stored(e)})")
     console.print(tree)
+
+
+def _stored(e: Any) -> str:
+    """How ``inspect`` says where a tensor's bytes are."""
+    if e.alias is not None:  # format 3: a tie, its bytes stored once under the target's name
+        return f"alias of {e.alias}: no bytes of its own"
+    return f"{e.regular.parts} parts along dim {e.regular.dim}" if e.regular else f"{len(e.chunks)} chunk(s)"
 
 
 def _entries(m: Any) -> Iterator[tuple[str, bool, list[tuple[str, Any]]]]:
@@ -118,7 +125,9 @@ def _entries(m: Any) -> Iterator[tuple[str, bool, list[tuple[str, Any]]]]:
 def _description(ckpt: str, m: Any) -> dict[str, Any]:
     """``inspect --json``: the manifest's facts and, per entry, its tensors (dtype, shape, bytes,
     how they are split); the metadata as saved (nan/inf as strings)."""
-    def split(e: Any) -> dict[str, int]:
+    def split(e: Any) -> dict[str, Any]:
+        if e.alias is not None:
+            return {"alias": e.alias}
         return {"parts": e.regular.parts, "dim": e.regular.dim} if e.regular else {"chunks": len(e.chunks)}
 
     entries = {key: {"per_rank": per_rank, "tensors": {name: {"dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,

@@ -1,0 +1,98 @@
+"""Tied storage written once (format 3): a tensor that one rank's state holds under several
+names (a GPT's ``lm_head.weight`` IS ``wte.weight``: two ``state_dict()`` keys, one tensor).
+
+Save: ``capture`` notes, for each plain tensor (``torch.Tensor``/``nn.Parameter``, not DTensor
+shards nor rank-local entries), where its memory starts (one dict lookup per tensor). A later
+name that is the same view of the same memory as an earlier one (same address, dtype, shape,
+stride, device) becomes an alias leaf: nobody writes it, and the manifest describes it as
+``{"dtype", "shape", "alias": "<the earlier name>"}``. Views that only overlap (``base`` and
+``base[2:8]``) are saved separately, as before.
+
+Manifest: :func:`parse_alias` checks an alias entry's own fields and :func:`resolve_aliases`
+its target (``manifest.validate`` calls both), then gives the alias its target's ``chunks``
+list: every reader (load, partial loads, resharding, export) reads an alias through its
+target's bytes and checksums without knowing about aliases. What walks *all* chunks of a
+manifest once (byte-range checks, ``verify``, ``consolidate``) skips alias entries, which hold
+no bytes of their own. :func:`format_for` keeps checkpoints without a tie at format 1 (2 with
+regular tensors), readable by older trainguard; a format 3 one makes them say "upgrade".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import CorruptCheckpointError
+
+if TYPE_CHECKING:
+    from .manifest import TensorEntry
+
+PLAIN = (torch.Tensor, nn.Parameter)  # the types whose ties are detected (``type(t) in PLAIN``)
+MAX_PATH = 4096
+
+
+def same_view(bucket: list[tuple[torch.Tensor, Any]], t: torch.Tensor) -> Any:
+    """``capture``: the leaf of the first tensor in ``bucket`` (tensors whose memory starts at
+    ``t``'s address, with their leaves) that is the same view as ``t``, else None."""
+    for u, leaf in bucket:
+        if u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel():
+            return leaf
+    return None
+
+
+def format_for(tensors: Iterable[TensorEntry]) -> int:
+    """The format_version a manifest with these entries is written in: 3 with an alias, 2 with a
+    regular tensor, else 1 (older trainguard reads what it can)."""
+    version = 1
+    for e in tensors:
+        if e.alias is not None:
+            return 3
+        if e.regular is not None:
+            version = 2
+    return version
+
+
+def parse_alias(t: dict[str, Any], version: int, w: str, where: str, path: str) -> str:
+    """An alias entry's own fields (its dtype and shape were checked by the caller)."""
+    if version < 3:
+        raise CorruptCheckpointError(f"{w}: alias entries need format_version 3, the manifest says {version}", file=where, entry=path)
+    target = t["alias"]
+    if set(t) != {"dtype", "shape", "alias"}:
+        raise CorruptCheckpointError(f"{w}: an alias entry holds no chunks of its own (fields {sorted(t)[:6]})", file=where, entry=path)
+    if type(target) is not str or not target or len(target) > MAX_PATH:
+        raise CorruptCheckpointError(f"{w}: alias {str(target)[:60]!r} is not a tensor path", file=where, entry=path)
+    return target
+
+
+def resolve_aliases(tensors: Mapping[str, TensorEntry], where: str) -> None:
+    """Check each alias's target and give the alias the target's chunks (the same list)."""
+    for path, e in tensors.items():
+        if e.alias is None:
+            continue
+        target = tensors.get(e.alias)
+        why = None
+        if target is None:
+            why = "which the manifest does not describe"
+        elif target.alias is not None:
+            why = f"which is itself an alias (of {target.alias[:80]!r})"
+        elif target.regular is not None:
+            why = "which is a regular tensor (aliases name tensors with chunks)"
+        elif target.dtype != e.dtype or target.shape != e.shape:
+            why = f"which is {target.dtype}{target.shape}, the alias {e.dtype}{e.shape}"
+        if why:
+            raise CorruptCheckpointError(
+                f"{where}: tensor {path[:80]!r} is an alias of {e.alias[:80]!r}, {why}", file=where, entry=path
+            )
+        e.chunks = target.chunks  # type: ignore[union-attr]
+
+
+def aliases_of(tensors: Mapping[str, TensorEntry]) -> dict[str, list[str]]:
+    """Target path -> the paths of its aliases (empty for a checkpoint without ties)."""
+    out: dict[str, list[str]] = {}
+    for path, e in tensors.items():
+        if e.alias is not None:
+            out.setdefault(e.alias, []).append(path)
+    return out
