@@ -73,9 +73,11 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     objects: dict[str, Any] = {}
     rank_local: list[str] = []
     leaves: list[Leaf] = []
-    # Address of a plain tensor's first element -> [(tensor, its leaf)]: the tensors stay
-    # referenced until the capture ends, so no address is reused by a later temporary.
-    seen: dict[int, list[tuple[torch.Tensor, Leaf]]] = {}
+    # Address of a plain tensor's first element -> (tensor, its leaf), a list of them for views
+    # starting there (tied.same_view): the tensors stay referenced until the capture ends, so no
+    # address is reused by a later temporary. ~0.4 us a tensor (bench/tie_cost.py).
+    seen: dict[int, Any] = {}
+    ties: list[tuple[str, str]] = []  # (alias, target)
     for key, value in state.items():
         _check_key(key)
         obj = adapt(value, names)
@@ -86,31 +88,28 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
         for path, t in tensors.items():
-            ptr = 0 if local or type(t) not in PLAIN else _address(t)  # 0: no memory (or not checked)
-            if ptr and (bucket := seen.get(ptr)) is not None and (first := same_view(bucket, t)) is not None:
+            ptr = 0  # the address of a plain tensor of a shared entry; 0: none, or not checked
+            if not local and type(t) in PLAIN:
+                try:
+                    ptr = t.data_ptr()
+                except RuntimeError:  # sparse, meta...: no memory of its own (_leaf refuses it)
+                    pass
+            if ptr and (hit := seen.get(ptr)) is not None and (first := same_view(hit, t)) is not None:
                 # The same view of the same memory as an earlier name (a tie): written once, as that.
                 leaves.append(replace(first, path=path, kind="alias", writer=False, alias=first.path))
+                ties.append((path, first.path))
                 continue
             lf = _leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size)
             leaves.append(lf)
             if ptr:
-                seen.setdefault(ptr, []).append((t, lf))
+                seen[ptr] = (t, lf) if not hit else [*(hit if type(hit) is list else [hit]), (t, lf)]
     # Ranks must agree on the ties too: which tensors each rank writes depends on them.
     sig = hashlib.sha1(
         json.dumps(
-            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim, lf.alias) for lf in leaves if lf.kind != "local")]
+            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local"), sorted(ties)]
         ).encode()
     ).hexdigest()
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
-
-
-def _address(t: torch.Tensor) -> int:
-    """Where ``t``'s first element is; 0 for a tensor without memory of its own (sparse, meta:
-    ``_leaf`` refuses them, saying what to save instead)."""
-    try:
-        return t.data_ptr()
-    except RuntimeError:
-        return 0
 
 
 def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:

@@ -34,10 +34,10 @@ PLAIN = (torch.Tensor, nn.Parameter)  # the types whose ties are detected (``typ
 MAX_PATH = 4096
 
 
-def same_view(bucket: list[tuple[torch.Tensor, Any]], t: torch.Tensor) -> Any:
-    """``capture``: the leaf of the first tensor in ``bucket`` (tensors whose memory starts at
-    ``t``'s address, with their leaves) that is the same view as ``t``, else None."""
-    for u, leaf in bucket:
+def same_view(hit: Any, t: torch.Tensor) -> Any:
+    """``capture``: the leaf of the earlier tensor that is the same view as ``t``, else None.
+    ``hit``: the ``(tensor, leaf)`` whose memory starts at ``t``'s address, or a list of them."""
+    for u, leaf in hit if type(hit) is list else (hit,):
         if u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel():
             return leaf
     return None
