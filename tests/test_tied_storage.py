@@ -299,17 +299,25 @@ def _ddp_tied(rank: int, world: int, root: str) -> dict:
     nn.functional.cross_entropy(ddp(torch.arange(4) + 4 * rank), torch.arange(4)).backward()
     opt.step()
     tg.save(f"{root}/step-000000001", {"model": ddp, "optim": opt})
+    tg.save(f"{root}/full", {"model": ddp, "optim": opt}, layout="full")  # rank 0 writes all: ranks agree on the tie
     fresh = _GPT()
     fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
     tg.load(f"{root}/step-000000001", {"model": fresh, "optim": fopt})
     assert fresh.lm_head.weight is fresh.wte.weight
-    return {"w": model.wte.weight.detach().clone(), "same": all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values())),
+    try:  # tied on rank 0 only: which tensors a rank writes depends on the ties, so the save refuses
+        tg.save(f"{root}/mixed", {"model": _GPT(tie=rank == 0)})
+        mixed = "saved"
+    except tg.RankFailureError as e:
+        mixed = str(e)
+    return {"mixed": mixed, "w": model.wte.weight.detach().clone(), "same": all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values())),
             "exp_avg": torch.equal(fopt.state[fresh.wte.weight]["exp_avg"], opt.state[model.wte.weight]["exp_avg"])}
 
 
 def test_two_gloo_ranks_each_with_a_tie(tmp_path):
     out = run_ranks(_ddp_tied, 2, str(tmp_path), timeout=120)
     assert all(r.value["same"] and r.value["exp_avg"] for r in out)
+    assert all("different set of entries" in r.value["mixed"] and "tied tensors" in r.value["mixed"] for r in out)
+    assert not (tmp_path / "mixed").exists()
     ck = tmp_path / "step-000000001"
     body = _body(ck)
     assert body["format_version"] == 3 and body["world_size"] == 2
@@ -322,3 +330,8 @@ def test_two_gloo_ranks_each_with_a_tie(tmp_path):
     tg.load(ck, {"model": fresh}, only=["model"])  # at world size 1
     assert fresh.lm_head.weight is fresh.wte.weight and torch.equal(fresh.wte.weight, out[0].value["w"])
     assert tg.verify(ck).ok
+    full = tmp_path / "full"
+    assert _body(full)["format_version"] == 3 and _aliases(full) == {"model/lm_head.weight": "model/wte.weight"}
+    fresh = _GPT()
+    tg.load(full, {"model": fresh}, only=["model"])
+    assert fresh.lm_head.weight is fresh.wte.weight and torch.equal(fresh.wte.weight, out[0].value["w"])
