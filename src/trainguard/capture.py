@@ -75,7 +75,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     leaves: list[Leaf] = []
     # Address of a plain tensor's first element -> (tensor, its leaf), a list of them for views
     # starting there (tied.same_view): the tensors stay referenced until the capture ends, so no
-    # address is reused by a later temporary. ~0.4 us a tensor (bench/tie_cost.py).
+    # address is reused by a later temporary. 0.3-0.5 us a tensor (bench/tie_cost.py).
     seen: dict[int, Any] = {}
     ties: list[tuple[str, str]] = []  # (alias, target)
     for key, value in state.items():
