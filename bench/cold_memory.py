@@ -5,8 +5,9 @@ One file of ``--gb`` GiB is read into one existing buffer by 2 threads in 32 MiB
 calls, three ways per round: (a) buffered, right after ``drop_caches`` freed a cached copy of
 the same file (what ``bench.run``'s cold loads see: the cache is dropped right after the hot
 loads); (b) buffered, ``--idle`` seconds after the drop (the freed memory has sat idle, as on a
-node where a job restarts); (c) O_DIRECT (no page cache). On this VM the page cache is fast
-only with memory freed moments before; idle free memory must be faulted back in first.
+node where a job restarts); (c) O_DIRECT (no page cache). On this VM the buffered read was fast
+only with memory freed moments before; why is not known (first-touching fresh anonymous
+memory costs the same right after a free and after 20 s idle, ~2.2 us a page: README).
 Prints each read's wall time, then every variant's figures. The file is deleted at the end.
 """
 
