@@ -20,7 +20,7 @@ import trainguard.demo.driver
 from trainguard import async_save, faults, stage
 from trainguard.cli import main
 from trainguard.events import read_events
-from trainguard.inspect import verify
+from trainguard.inspect import list_checkpoints, verify
 from trainguard.reliability import make_plan
 
 SRC = Path(tg.__file__).resolve().parents[1]  # the trainguard under test (children import the same one)
@@ -252,6 +252,17 @@ def test_cli_ls_of_a_step_directory_says_to_use_inspect(tmp_path):
     empty.mkdir()
     r = _cli("ls", empty)  # a run directory without checkpoints yet is no error
     assert r.exit_code == 0 and "no checkpoints" in r.output
+
+
+def test_list_checkpoints_of_a_step_directory_raises_instead_of_listing_nothing(tmp_path):
+    tg.save(tmp_path / "run" / "step-000000001", {"w": torch.ones(4)})
+    assert [(r.step, r.status) for r in list_checkpoints(tmp_path / "run")] == [(1, "valid")]
+    with pytest.raises(tg.NotACheckpointError, match="is a checkpoint, not a run directory"):
+        list_checkpoints(tmp_path / "run" / "step-000000001")  # returned [] before
+    (tmp_path / "empty").mkdir()
+    assert list_checkpoints(tmp_path / "empty") == []  # a run directory with no checkpoint yet
+    with pytest.raises(tg.NotACheckpointError, match="is a file"):
+        list_checkpoints(tmp_path / "run" / "step-000000001" / "manifest.json")
 
 
 def test_cli_run_of_a_missing_script_is_one_line_before_any_worker(tmp_path, capsys):

@@ -106,15 +106,27 @@ class StepInfo:
 
 
 def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False) -> list[StepInfo]:
-    """Every step directory under ``root`` with its status. ``verify_data`` checks all bytes;
-    otherwise a checkpoint whose manifest validates and whose file sizes match is "valid"."""
+    """Every step directory under ``root`` (a run directory) with its status. ``verify_data``
+    checks all bytes; otherwise a checkpoint whose manifest validates and whose file sizes match
+    is "valid". ``root`` being one checkpoint (a step directory) raises NotACheckpointError
+    naming ``describe``/``verify`` (``trainguard inspect``/``verify``) instead of listing nothing."""
     storage, r = for_path(root)
     if not storage.exists(r):
         raise NotACheckpointError(f"{root}: no such directory")
     try:
         steps = list_steps(storage, r)
     except NotADirectoryError:
-        raise NotACheckpointError(f"{root} is a file; pass a run directory or a checkpoint (step) directory") from None
+        raise NotACheckpointError(f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
+    if not steps:
+        try:
+            read_manifest(storage, r)
+        except CheckpointError:
+            pass  # an empty run directory (or not a checkpoint at all): nothing to list
+        else:
+            raise NotACheckpointError(
+                f"{root} is a checkpoint, not a run directory: `trainguard inspect {root}` shows it, "
+                "`trainguard ls` (list_checkpoints) takes the directory that holds the step-* directories"
+            )
     out = []
     for s in steps:
         addr = location(storage, s.path)  # what for_path maps back (a URL on object stores)

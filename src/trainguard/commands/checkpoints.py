@@ -54,9 +54,7 @@ def _size(n: float) -> str:
 def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
     (valid / corrupt / incomplete)."""
-    rows = list_checkpoints(run_dir, verify_data=verify_data)
-    if not rows:
-        _refuse_a_checkpoint(run_dir)
+    rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
     if as_json:
         _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
                       "bytes": r.size, "entries": r.entries, "detail": r.detail} for r in rows])
@@ -73,17 +71,6 @@ def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
     console.print(table)
     if not rows:
         console.print("no checkpoints")
-
-
-def _refuse_a_checkpoint(path: str) -> None:
-    """``ls`` of a step directory finds no steps under it: say so instead of an empty table."""
-    storage, p = for_path(path)
-    try:
-        read_manifest(storage, p)
-    except CheckpointError:
-        return
-    raise NotACheckpointError(f"{path} is a checkpoint, not a run directory: `trainguard inspect {path}` shows it, "
-                              "`trainguard ls` takes the directory that holds the step-* directories")
 
 
 @click.command("inspect")
