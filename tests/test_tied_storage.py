@@ -278,11 +278,25 @@ def test_inspect_consolidate_export_and_convert_of_a_tied_checkpoint(tmp_path):
     assert torch.equal(st["lm_head.weight"], model.wte.weight) and torch.equal(st["wte.weight"], model.wte.weight)
     assert export(ck, tmp_path / "m.pt") == 6
     pt = torch.load(tmp_path / "m.pt", weights_only=True)
+    # torch.save's form of a tie: one storage under both names, stored once (as torch.save of the
+    # model's state_dict gives); the file is smaller than the state's bytes counted per name.
+    assert pt["lm_head.weight"].data_ptr() == pt["wte.weight"].data_ptr()
+    per_name = sum(t.nbytes for t in model.state_dict().values())
+    assert (tmp_path / "m.pt").stat().st_size < per_name - V * D * 4 + 16384
     untied = _GPT(tie=False)
     untied.load_state_dict(pt)
     assert torch.equal(untied.lm_head.weight, model.wte.weight)
     convert(ck, tmp_path / "c.safetensors")
     assert torch.equal(load_file(tmp_path / "c.safetensors")["lm_head.weight"], model.wte.weight)
+    convert(ck, tmp_path / "c.pt")
+    cpt = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert cpt["lm_head.weight"].data_ptr() == cpt["wte.weight"].data_ptr() and torch.equal(cpt["wte.weight"], model.wte.weight)
+    convert(ck, tmp_path / "c.dcp", dst_format="dcp", entry=None)  # DCP writes each name of a tie with its bytes
+    import torch.distributed.checkpoint as dcp
+
+    back = {"model.wte.weight": torch.zeros(V, D), "model.lm_head.weight": torch.zeros(V, D)}
+    dcp.load(back, storage_reader=dcp.FileSystemReader(str(tmp_path / "c.dcp")), no_dist=True)
+    assert torch.equal(back["model.lm_head.weight"], model.wte.weight) and torch.equal(back["model.wte.weight"], model.wte.weight)
     # A torch.save file of a tied state_dict (one storage, two names) imports as a tie.
     convert(_torch_save(tmp_path, model), tmp_path / "imported")
     assert _aliases(tmp_path / "imported") == {"model/lm_head.weight": "model/wte.weight"}

@@ -86,7 +86,7 @@ def convert(
     if (sf == "trainguard") == (df == "trainguard"):
         raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
     if sf == "trainguard":
-        tensors = _read_trainguard(src, entry, nested=df == "dcp")
+        tensors = _read_trainguard(src, entry, nested=df == "dcp", share=df == "torch")
         check_destination(os.fspath(dst))
         with foreign_errors(f"cannot write {dst} as {df}"):
             _write_foreign(tensors, dst, df)
@@ -103,7 +103,9 @@ def convert(
     return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
 
 
-def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, nested: bool) -> dict[str, Any]:
+def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, nested: bool, share: bool = False) -> dict[str, Any]:
+    """The tensors of ``entry`` (every entry, ``nested``, for DCP); ``share``: a tie's names are one
+    tensor (``torch.save`` stores it once; safetensors refuses shared tensors, DCP writes each name)."""
     storage, d = for_path(src)
     manifest = read_manifest(storage, d)
     entries = list(manifest.objects) if entry is None else [entry]
@@ -113,7 +115,7 @@ def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, nested: 
     for e in entries:
         if e not in manifest.objects:
             raise CheckpointError(f"{d} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
-        tensors = dict(iter_tensors(storage, d, manifest, e))
+        tensors = dict(iter_tensors(storage, d, manifest, e, share=share))
         if tensors:
             out[e] = tensors
     if not out:

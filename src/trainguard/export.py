@@ -21,18 +21,26 @@ from .storage import Storage, for_path
 
 
 def iter_tensors(
-    storage: Storage, directory: str, manifest: Manifest, prefix: str, *, verify: bool = True
+    storage: Storage, directory: str, manifest: Manifest, prefix: str, *, verify: bool = True, share: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, one at a time
-    (names without the prefix; an entry that is one tensor keeps its name). Rank-local entries (``key@rank``) are not included."""
+    (names without the prefix; an entry that is one tensor keeps its name). Rank-local entries (``key@rank``) are not included.
+    ``share``: the names of a tie (format 3 alias) yield one tensor object, read once, as
+    ``torch.load`` gives them and ``torch.save`` stores them (once); else each name gets its own
+    copy (safetensors refuses tensors that share memory)."""
     head = prefix.rstrip("/") + "/"
     src = ChunkSource.of(storage, directory, manifest)
+    read: dict[str, torch.Tensor] = {}  # share: the tensor holding the bytes' path -> its tensor
     for path, e in manifest.tensors.items():
         if path == prefix:  # an entry that is one tensor: named after the entry
             name = path
         elif path.startswith(head):
             name = path[len(head) :]
         else:
+            continue
+        holder = e.alias or path  # an alias may come first in path order: its target's bytes are the same
+        if share and holder in read:
+            yield name, read[holder]
             continue
         t = torch.empty(e.shape, dtype=e.torch_dtype)
         ops = plan_reads(
@@ -43,6 +51,8 @@ def iter_tensors(
             verify,
         )
         read_targets(storage, directory, [ReadTarget(path, t, full_box(e.shape), ops)])
+        if share:
+            read[holder] = t
         yield name, t
 
 
@@ -55,10 +65,10 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(
             f"{directory} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
         )
-    tensors = dict(iter_tensors(storage, directory, manifest, entry))
+    out = os.fspath(to)
+    tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not out.endswith(".safetensors")))
     if not tensors:
         raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
-    out = os.fspath(to)
     check_destination(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
