@@ -219,10 +219,8 @@ def test_an_older_trainguard_says_upgrade_and_a_golden_v1_is_unchanged(tmp_path,
 V3 = Path(__file__).parent / "data" / "v3" / "step-000000003"  # make_v3.py; never regenerated
 
 
-def test_format_v3_fixture_loads_verifies_and_keeps_its_ties():
-    import sys
-
-    sys.path.insert(0, str(V3.parents[1]))
+def test_format_v3_fixture_loads_verifies_and_keeps_its_ties(monkeypatch):
+    monkeypatch.syspath_prepend(str(V3.parents[1]))
     from make_v3 import TiedLM, golden_extra, golden_model
 
     assert tg.inspect.describe(V3).format_version == 3 and tg.verify(V3).ok
