@@ -109,7 +109,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     """Every step directory under ``root`` (a run directory) with its status. ``verify_data``
     checks all bytes; otherwise a checkpoint whose manifest validates and whose file sizes match
     is "valid". ``root`` being one checkpoint (a step directory) raises NotACheckpointError
-    naming ``describe``/``verify`` (``trainguard inspect``/``verify``) instead of listing nothing."""
+    saying so (``describe``, ``trainguard inspect``, shows one) instead of listing nothing."""
     storage, r = for_path(root)
     if not storage.exists(r):
         raise NotACheckpointError(f"{root}: no such directory")
