@@ -123,6 +123,16 @@ def test_a_tied_checkpoint_loads_into_tied_untied_and_no_model(tmp_path):
     assert ref["lm_head.weight"].data_ptr() == ref["wte.weight"].data_ptr()  # what torch.load gives
 
 
+def test_the_names_of_a_tie_loaded_into_nothing_are_one_tensor_also_without_its_target(tmp_path):
+    model = _GPT()
+    tg.save(tmp_path / "c", {"emb": model.wte.weight, "model": model})  # the plain entry holds the bytes
+    assert _aliases(tmp_path / "c") == {"model/lm_head.weight": "emb", "model/wte.weight": "emb"}
+    state = {"model": None}
+    tg.load(tmp_path / "c", state, only=["model"])  # both names are aliases of an entry not loaded
+    got = state["model"]
+    assert got["lm_head.weight"] is got["wte.weight"] and torch.equal(got["wte.weight"], model.wte.weight)
+
+
 def _torch_save(tmp_path: Path, model: nn.Module) -> Path:
     torch.save(model.state_dict(), tmp_path / "sd.pt")
     return tmp_path / "sd.pt"

@@ -199,7 +199,8 @@ def _load(
         )
 
     block = manifest.block_size
-    same: list[tuple[str, str]] = []  # (alias, target) both read into new tensors: one tensor, as torch.load gives
+    same: list[tuple[str, str]] = []  # (alias, path read for its bytes), both into new tensors: one tensor, as torch.load gives
+    first: dict[str, str] = {}  # a tie's target not read into a new tensor -> its alias that is, shared by the others
 
     def targets() -> Iterator[ReadTarget]:
         # A generator: the read threads plan tensor k+1 while tensor k's pieces are read.
@@ -208,9 +209,14 @@ def _load(
             if p in skip:  # the memory of a tensor read before it, the same bytes in the checkpoint
                 loaded[p] = live
                 continue
-            if e.alias is not None and live is None and e.alias in want and want[e.alias].get(e.alias) is None:
-                same.append((p, e.alias))
-                continue
+            if e.alias is not None and live is None:
+                if e.alias in want and want[e.alias].get(e.alias) is None:
+                    same.append((p, e.alias))
+                    continue
+                if e.alias in first:  # another name of the tie was read into a new tensor already
+                    same.append((p, first[e.alias]))
+                    continue
+                first[e.alias] = p  # read below (its target is not loaded into a new tensor)
             if (
                 p not in stage and type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
                 and live.is_contiguous() and live.dtype == e.torch_dtype
