@@ -42,7 +42,7 @@ from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import layout_file
 from .storage import Storage, for_path
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
-from .tied import format_for
+from .tied import format_for, resolve_aliases
 
 
 def save(
@@ -331,9 +331,7 @@ def _build_manifest(
             tensors.setdefault(path, TensorEntry(dtype, shape, []))
     for e in tensors.values():
         e.chunks.sort(key=lambda c: (c.offsets, c.file))
-    for e in tensors.values():
-        if e.alias is not None:
-            e.chunks = tensors[e.alias].chunks  # as manifest.validate gives it to readers
+    resolve_aliases(tensors, "save")  # an alias shares its target's chunks, as manifest.validate gives them
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():
         if key in snap.rank_local:

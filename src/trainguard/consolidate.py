@@ -28,7 +28,7 @@ from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import full_box, layout_file, plan_reads
 from .storage import for_path
-from .tied import format_for
+from .tied import format_for, resolve_aliases
 
 
 def consolidate(
@@ -83,8 +83,9 @@ def consolidate(
         w.finish(pos)
         for path, e in m.tensors.items():
             if e.alias is not None:
-                tensors[path] = TensorEntry(e.dtype, list(e.shape), tensors[e.alias].chunks, alias=e.alias)
+                tensors[path] = TensorEntry(e.dtype, list(e.shape), [], alias=e.alias)
         tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
+        resolve_aliases(tensors, os.fspath(dst))  # each alias gets its target's new chunks
     except BaseException:
         w.abort()
         dstore.remove_tree(work)
