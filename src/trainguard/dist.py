@@ -147,7 +147,8 @@ class StoreDistContext(DistContext):
     daemon thread; rank 0 declares a rank dead when its heartbeat stops moving.
 
     Cost per collective: each rank sets one key and reads one; rank 0 reads ``world_size`` keys
-    in one ``multi_get``. Keys of earlier rounds are deleted by rank 0.
+    in one ``multi_get``. Rank 0 deletes the keys of rounds every rank has passed, in the
+    background (``_cleanup``).
     """
 
     def __init__(
@@ -162,6 +163,8 @@ class StoreDistContext(DistContext):
         self.prefix = f"trainguard/{gen}"  # heartbeats live here, shared by every channel
         self.chan = f"{self.prefix}/main"  # rounds and "at" keys of this channel
         self._round = 0
+        self._keys: dict[int, tuple[str, bool, bool]] = {}  # rank 0: round -> (tag, "/all" key, per-rank keys)
+        self._fences: list[tuple[int, str]] = []  # rank 0: (round, fence key) claimed in that round
         self._channels: dict[str, StoreDistContext] = {}
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)
@@ -178,7 +181,7 @@ class StoreDistContext(DistContext):
         if ch is None:
             ch = object.__new__(StoreDistContext)
             ch.__dict__.update(self.__dict__)
-            ch.chan, ch._round, ch._channels = f"{self.prefix}/{name}", 0, {}
+            ch.chan, ch._round, ch._channels, ch._keys, ch._fences = f"{self.prefix}/{name}", 0, {}, {}, []
             self._channels[name] = ch
         return ch
 
@@ -199,15 +202,17 @@ class StoreDistContext(DistContext):
     # Each public collective turns a store that stopped answering (its host died: rank 0 with
     # env:// rendezvous, or the launcher) into the RankFailureError every other failure gives.
 
-    def _enter(self, tag: str) -> str:
+    def _enter(self, tag: str, *, all_key: bool, per_rank: bool) -> str:
         self._round += 1
+        if self.rank == 0:  # the keys this round creates, for _cleanup
+            self._keys[self._round] = (tag, all_key, per_rank)
         # Where this rank is now: lets rank 0 tell "in another collective" from "not there yet".
         self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._round, tag]))
         return f"{self.chan}/r{self._round}/{tag}"
 
     @_store_errors
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
-        base = self._enter(tag)
+        base = self._enter(tag, all_key=True, per_rank=True)
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
         if self.rank == 0:
             try:
@@ -222,7 +227,7 @@ class StoreDistContext(DistContext):
 
     @_store_errors
     def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
-        base = self._enter(tag)
+        base = self._enter(tag, all_key=False, per_rank=True)
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
         if self.rank != 0:
             return None
@@ -232,7 +237,7 @@ class StoreDistContext(DistContext):
 
     @_store_errors
     def broadcast(self, tag: str, value: Any = None, *, timeout: float | None = None) -> Any:
-        base = self._enter(tag)
+        base = self._enter(tag, all_key=True, per_rank=False)
         if self.rank == 0:
             self._publish(f"{base}/all", {"value": value})
             return value
@@ -242,7 +247,10 @@ class StoreDistContext(DistContext):
     def fence(self, tag: str, claim: Any) -> Any:
         """The first ``claim`` made under ``tag`` by any rank (a compare-and-set): exactly one of
         rank 0's "I commit now" and another rank's "I gave up on rank 0" wins (``api``)."""
-        return json.loads(self.store.compare_set(f"{self.prefix}/fence/{tag}", "", json.dumps(claim)))
+        key = f"{self.prefix}/fence/{tag}"
+        if self.rank == 0:
+            self._fences.append((self._round, key))
+        return json.loads(self.store.compare_set(key, "", json.dumps(claim)))
 
     def _publish(self, key: str, record: dict[str, Any]) -> None:
         """Rank 0: publish a round's result, unless a rank that gave up on rank 0 (``_await_root``)
@@ -348,31 +356,26 @@ class StoreDistContext(DistContext):
         return bool(self.store.check([f"{self.chan}/at/{r}" for r in ranks]))
 
     def _cleanup(self, round_no: int) -> None:
-        # Keys two rounds back are no longer read by anyone (every rank passed the round after).
-        if round_no < 1 or self.rank != 0:
+        """Rank 0, in a round every rank has entered: delete the keys of rounds up to ``round_no``
+        (two back: every rank has passed the round after it), broadcasts' included (a manager
+        broadcasts once per step), and the fences claimed in them, in the background."""
+        if self.rank != 0:
             return
-        try:
-            for k in _list_round_keys(self, round_no):
-                self.store.delete_key(k)
-        except Exception:
-            pass
+        keys = []
+        for r in [r for r in self._keys if r <= round_no]:
+            tag, all_key, per_rank = self._keys.pop(r)
+            base = f"{self.chan}/r{r}/{tag}"
+            keys += [f"{base}/all"] if all_key else []
+            keys += [f"{base}/{k}" for k in range(self.world_size)] if per_rank else []
+        while self._fences and self._fences[0][0] <= round_no:
+            keys.append(self._fences.pop(0)[1])
+        if keys:
+            self.store.discard(keys)
 
 
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
 # passed "begin"): a rank missing there is busy with the work in between, not absent.
 _MIDWAY = {"written": "writing its data"}
-_TAGS = ("begin", "written", "commit", "load", "open", "decide", "candidates")
-
-
-def _list_round_keys(ctx: StoreDistContext, round_no: int) -> list[str]:
-    # Tags used per round are not tracked; deleting by known tags keeps this cheap.
-    keys = []
-    for tag in _TAGS:
-        keys.append(f"{ctx.chan}/r{round_no}/{tag}/all")
-        keys += [f"{ctx.chan}/r{round_no}/{tag}/{r}" for r in range(ctx.world_size)]
-    return keys
-
-
 def describe_error(e: BaseException) -> str:
     """One rank's error as text for the others: the message for our errors, else a traceback."""
     import traceback
