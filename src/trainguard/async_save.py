@@ -147,7 +147,13 @@ def start_async_save(
     global _INFLIGHT
     with _LOCK:
         _INFLIGHT = job
-    thread.start()
+    try:
+        thread.start()
+    except Exception as e:  # no thread ("can't start new thread"): nothing would release the pool or step()
+        _INFLIGHT = None  # the previous save is finished (_finish_previous): none is in flight
+        job.copies.clear()
+        pool.release()
+        raise CheckpointError(f"could not start the async save thread: {e}") from e
     return handle
 
 

@@ -1,0 +1,102 @@
+"""Async saves and the CheckpointManager under failures found by a review: a save thread that
+cannot start, a wait interrupted by Ctrl-C, close() from another thread. Every failed save leaves
+the previous checkpoint loadable, no thread behind, no staging pool held, and step() free."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard import async_save, stage
+from trainguard.errors import CheckpointError
+
+
+@pytest.fixture(autouse=True)
+def _own_async_state(monkeypatch):
+    """Own process-wide staging pools; a save left in flight is finished before the next test."""
+    monkeypatch.setattr(stage, "_DEFAULT", {})
+    yield
+    job = async_save._INFLIGHT
+    if job is not None and job.handle._thread is not None and job.handle._thread.ident is not None:
+        job.handle.join()
+
+
+def _state() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    _step(model, optim)
+    return {"model": model, "optim": optim}
+
+
+def _step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    optim.zero_grad()
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()
+
+
+def _values(state: dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+def _loaded(path) -> dict[str, torch.Tensor]:
+    got = _state()
+    torch.nn.init.zeros_(got["model"].weight)
+    tg.load(path, got)
+    return _values(got)
+
+
+def _no_save_threads() -> bool:
+    return not [t for t in threading.enumerate() if t.name.startswith("trainguard-async-save")]
+
+
+def _refuse_save_threads(monkeypatch) -> None:
+    real = threading.Thread.start
+
+    def start(self):
+        if self.name == "trainguard-async-save":
+            raise RuntimeError("can't start new thread")  # the thread limit of the process is reached
+        return real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+
+
+def test_save_thread_that_cannot_start_releases_pool_and_step_and_next_save_works(tmp_path, monkeypatch):
+    state = _state()
+    tg.save(tmp_path / "a", state, async_=True).result(timeout=60)
+    before = _values(state)
+    _refuse_save_threads(monkeypatch)
+    with pytest.raises(CheckpointError, match="could not start the async save thread"):
+        tg.save(tmp_path / "b", state, async_=True)
+    monkeypatch.undo()
+    assert not stage.default_pool().in_use
+    job = async_save._INFLIGHT
+    assert job is None or job.handle.staged()  # else the optimizer's pre-step hook waits forever
+    _step(state["model"], state["optim"])
+    after = _values(state)
+    tg.save(tmp_path / "c", state, async_=True).result(timeout=60)  # not refused, no join error
+    assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "a").values(), before.values()))
+    assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "c").values(), after.values()))
+    assert _no_save_threads()
+
+
+def test_manager_with_on_error_warn_goes_on_when_the_save_thread_cannot_start(tmp_path, monkeypatch):
+    state = _state()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, on_error="warn",
+                                  handle_signals=False) as mgr:
+            mgr.save(1, state)
+            mgr.wait()
+            _refuse_save_threads(monkeypatch)
+            assert mgr.save(2, state) is None  # reported as a failed save, training goes on
+            monkeypatch.undo()
+            _step(state["model"], state["optim"])
+            assert mgr.save(3, state) is not None
+    assert any("save of step 2 failed" in str(w.message) for w in caught)
+    assert mgr.latest_step() == 3
+    assert not stage.default_pool().in_use and _no_save_threads()
