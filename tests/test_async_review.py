@@ -13,6 +13,7 @@ import torch
 import trainguard as tg
 from trainguard import async_save, stage
 from trainguard.errors import CheckpointError
+from trainguard.handle import SaveHandle
 
 
 @pytest.fixture(autouse=True)
@@ -100,3 +101,52 @@ def test_manager_with_on_error_warn_goes_on_when_the_save_thread_cannot_start(tm
     assert any("save of step 2 failed" in str(w.message) for w in caught)
     assert mgr.latest_step() == 3
     assert not stage.default_pool().in_use and _no_save_threads()
+
+
+def _interrupt_waits(monkeypatch) -> threading.Event:
+    """From now on a wait for a save still in flight is cut short by Ctrl-C (KeyboardInterrupt
+    in the wait), and saves are held before their background copies until the returned event."""
+    real = SaveHandle.result
+
+    def result(self, timeout=None):
+        if not self.done():
+            raise KeyboardInterrupt
+        return real(self, timeout)
+
+    monkeypatch.setattr(SaveHandle, "result", result)
+    gate = threading.Event()
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+    return gate
+
+
+def test_close_after_a_wait_cut_short_by_ctrl_c_still_waits_and_raises_the_saves_error(tmp_path, monkeypatch):
+    state = _state()
+    mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False).open()
+    mgr.save(1, state)
+    mgr.wait()
+    gate = _interrupt_waits(monkeypatch)
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "before_fsync")
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    h = mgr.save(2, state)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.wait()
+    gate.set()
+    h.join()  # the save failed in the background meanwhile
+    with pytest.raises(CheckpointError, match="injected failure at before_fsync"):
+        mgr.close()  # before: returned at once, the failure was never raised
+    assert mgr.latest_step() == 1
+    assert not stage.default_pool().in_use and _no_save_threads()
+
+
+def test_save_after_a_wait_cut_short_by_ctrl_c_collects_the_save_in_flight(tmp_path, monkeypatch):
+    state = _state()
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        gate = _interrupt_waits(monkeypatch)
+        assert mgr.save(1, state) is not None
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save(2, state)  # Ctrl-C while this save waits for the one in flight
+        gate.set()
+        monkeypatch.undo()  # waits are not interrupted any more
+        assert mgr.save(2, state) is not None
+        assert mgr.last_saved_step == 1  # step 1 was collected: committed, and known to the manager
+    assert mgr.last_saved_step == 2 and mgr.latest_step() == 2
