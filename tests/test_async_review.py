@@ -4,6 +4,7 @@ the previous checkpoint loadable, no thread behind, no staging pool held, and st
 
 from __future__ import annotations
 
+import signal
 import threading
 import warnings
 
@@ -150,3 +151,28 @@ def test_save_after_a_wait_cut_short_by_ctrl_c_collects_the_save_in_flight(tmp_p
         assert mgr.save(2, state) is not None
         assert mgr.last_saved_step == 1  # step 1 was collected: committed, and known to the manager
     assert mgr.last_saved_step == 2 and mgr.latest_step() == 2
+
+
+def test_close_from_another_thread_releases_the_run_dir_and_a_later_close_restores_the_handlers(tmp_path):
+    state = _state()
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True).open()  # main thread: handlers set
+    assert mgr.save(1, state) is not None
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            mgr.close()  # waits for the save in flight
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=close)
+    t.start()
+    t.join()
+    assert not errors, errors  # before: ValueError (signal only works in main thread), run dir still locked
+    assert mgr.latest_step() == 1 and _no_save_threads() and not stage.default_pool().in_use
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True) as again:  # not locked any more
+        assert again.restore(state) == 1
+    mgr.open()
+    mgr.close()  # in the main thread: the handlers from before the first open() are back
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -144,7 +144,7 @@ class CheckpointManager:
             raise
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+                self._old_handlers.setdefault(sig, signal.signal(sig, self._on_signal))  # the first: a close() in another thread left it
         self._opened = True
         if self.async_save:
             use_staging(self)
@@ -177,9 +177,10 @@ class CheckpointManager:
         finally:
             if self.async_save:
                 release_staging(self)  # after a failed last save too: its pool was released
-            for sig, h in self._old_handlers.items():
-                signal.signal(sig, h)
-            self._old_handlers.clear()
+            if threading.current_thread() is threading.main_thread():  # Python refuses elsewhere: they stay set
+                for sig, h in self._old_handlers.items():
+                    signal.signal(sig, h)
+                self._old_handlers.clear()
             if self._lock:
                 self._lock.release()
             self._opened = False
