@@ -168,7 +168,8 @@ def test_close_from_another_thread_releases_the_run_dir_and_a_later_close_restor
 
     t = threading.Thread(target=close)
     t.start()
-    t.join()
+    t.join(timeout=120)
+    assert not t.is_alive(), "close() in another thread hung"
     assert not errors, errors  # before: ValueError (signal only works in main thread), run dir still locked
     assert mgr.latest_step() == 1 and _no_save_threads() and not stage.default_pool().in_use
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True) as again:  # not locked any more

@@ -47,13 +47,21 @@ import torch
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext
-from .dtensor import is_dtensor
 from .errors import CheckpointError
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import PAGE, Box
-from .stage import Batch, StagingPool, copy_into, default_pool, pack_batches, trim_idle_pools
+from .stage import (
+    Batch,
+    StagingPool,
+    copy_into,
+    default_pool,
+    pack_batches,
+    protected_tensors,
+    tensor_key,
+    trim_idle_pools,
+)
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -106,7 +114,7 @@ def start_async_save(
     _finish_previous()
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout)
-    protected, optimizers = _protected(state)
+    protected, optimizers = protected_tensors(state)
     handle = SaveHandle(step)
     pool = default_pool(max_staging_bytes)
     job = _Job(handle, pool, optimizers)
@@ -114,8 +122,8 @@ def start_async_save(
     if stage_in_background:
         now, later = [], todo
     else:
-        now = [lf for lf in todo if _ptr(lf.tensor) not in protected]
-        later = [lf for lf in todo if _ptr(lf.tensor) in protected]
+        now = [lf for lf in todo if tensor_key(lf.tensor) not in protected]
+        later = [lf for lf in todo if tensor_key(lf.tensor) in protected]
     slots = pool.acquire([lf.tensor.nbytes for lf in now])
     try:
         try:
@@ -141,8 +149,7 @@ def start_async_save(
         )
         handle.attach_thread(thread)
     except BaseException:  # e.g. KeyboardInterrupt in the copies: the pool must not stay held
-        job.copies.clear()
-        pool.release()
+        _drop(job)
         raise
     global _INFLIGHT
     with _LOCK:
@@ -150,11 +157,17 @@ def start_async_save(
     try:
         thread.start()
     except Exception as e:  # no thread ("can't start new thread"): nothing would release the pool or step()
-        _INFLIGHT = None  # the previous save is finished (_finish_previous): none is in flight
-        job.copies.clear()
-        pool.release()
+        with _LOCK:
+            _INFLIGHT = None  # the previous save is finished (_finish_previous): none is in flight
+        _drop(job)
         raise CheckpointError(f"could not start the async save thread: {e}") from e
     return handle
+
+
+def _drop(job: _Job) -> None:
+    """A save that never got its thread: release its copies and the staging pool."""
+    job.copies.clear()
+    job.pool.release()
 
 
 def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, **kw: Any) -> None:
@@ -371,30 +384,3 @@ def _hook(optimizers: list[torch.optim.Optimizer]) -> None:
     for opt in optimizers:
         if opt not in _HOOKED:
             _HOOKED[opt] = opt.register_step_pre_hook(_pre_step_hook)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
-
-
-def _ptr(t: torch.Tensor) -> tuple[int, int, str] | None:
-    if t.numel() == 0:
-        return None
-    return (t.data_ptr(), t.nbytes, str(t.device))
-
-
-def _protected(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.optim.Optimizer]]:
-    """Tensors that change only in ``step()`` of an optimizer in the state (identified by data
-    pointer, size and device), and those optimizers. Parameters of no such optimizer are not
-    protected: something else may update them, so they are copied at the call."""
-    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
-    out: set[Any] = set()
-    for opt in optimizers:
-        for group in opt.param_groups:
-            for p in group["params"]:
-                out.add(_ptr(_local(p.detach())))
-                for v in opt.state.get(p, {}).values():
-                    if isinstance(v, torch.Tensor):
-                        out.add(_ptr(_local(v.detach())))
-    out.discard(None)
-    return out, optimizers

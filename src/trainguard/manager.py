@@ -279,12 +279,12 @@ class CheckpointManager:
             return
         try:
             manifest = h.result()
-        except CheckpointError:
-            raise
-        except Exception as e:  # a non-trainguard error from the background: wrap it
+        except Exception as e:  # not a wait cut short (Ctrl-C): that leaves it for the next save/wait/close
+            self._pending = None
+            if isinstance(e, CheckpointError):
+                raise
             raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
-        finally:  # a wait cut short (Ctrl-C) leaves it in flight: the next save/wait/close collects it
-            self._pending = None if h.done() else h
+        self._pending = None
         # When the save really ended (an async save is collected at the next call, later).
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
         self.last_saved_step = manifest.step

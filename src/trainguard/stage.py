@@ -2,6 +2,9 @@
 
 Who calls what (``async_save``, every rank, one save holding the pool at a time):
 
+0. training thread, first in the save call: :func:`protected_tensors` says which tensors only
+   an optimizer's ``step()`` changes (staged later, by the save thread) and which are copied now.
+
 1. training thread, inside the save call: :meth:`StagingPool.acquire` gives one slot per tensor
    that must be copied at once (buffers, RNG, plain tensors); these always get a slot.
 2. save thread, once the "begin" round fixed which chunks this rank writes:
@@ -18,11 +21,13 @@ of the same state; they grow only when the state grows. See ``docs/async.md``, "
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from .buffers import aligned_empty
+from .dtensor import is_dtensor
 from .errors import CheckpointError
 from .planner import PAGE, PAGE_ALIGN_FROM
 
@@ -243,3 +248,31 @@ def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = Non
     else:
         dst.copy_(src)
     return dst
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_dtensor(t) else t
+
+
+def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:
+    """A tensor's memory: data pointer, size and device (None when empty)."""
+    if t.numel() == 0:
+        return None
+    return (t.data_ptr(), t.nbytes, str(t.device))
+
+
+def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.optim.Optimizer]]:
+    """Tensors that change only in ``step()`` of an optimizer in the state (``tensor_key``s), and
+    those optimizers; ``async_save.start_async_save`` copies every other tensor in the call.
+    Parameters of no such optimizer are not protected: something else may update them."""
+    optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
+    out: set[Any] = set()
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                out.add(tensor_key(_local(p.detach())))
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor):
+                        out.add(tensor_key(_local(v.detach())))
+    out.discard(None)
+    return out, optimizers
