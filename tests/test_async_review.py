@@ -177,3 +177,27 @@ def test_close_from_another_thread_releases_the_run_dir_and_a_later_close_restor
     mgr.open()
     mgr.close()  # in the main thread: the handlers from before the first open() are back
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_restore_waits_for_the_save_in_flight_before_it_writes_into_the_state(tmp_path, monkeypatch):
+    from trainguard import manager as manager_mod
+
+    state = _state()
+    gate = threading.Event()  # the save's background copies wait until someone waits for the save
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+    real_result, real_load = SaveHandle.result, manager_mod.load
+    monkeypatch.setattr(SaveHandle, "result", lambda self, timeout=None: (gate.set(), real_result(self, timeout))[1])
+    seen: list[bool] = []
+
+    def load(*args, **kwargs):
+        seen.append(h.done())  # before: restore() loaded while the save still copied the state
+        gate.set()
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(manager_mod, "load", load)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        at_save = _values(state)
+        h = mgr.save(1, state)
+        assert mgr.restore(state) == 1
+        assert seen == [True]
+    assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "step-000000001").values(), at_save.values()))

@@ -23,7 +23,6 @@ from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps
 from .dist import DistContext, check_timeout
 from .elastic import watchdog
-from .elastic.watchdog import heartbeat
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
@@ -109,10 +108,8 @@ class CheckpointManager:
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
         self._warned_foreign = False  # retention.py warned once about newer checkpoints of another run
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
-        self.ram = (
-            RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events)
-            if ram_tier else None
-        )
+        self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx,
+                           events=self.events) if ram_tier else None
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
@@ -202,7 +199,7 @@ class CheckpointManager:
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
         self._require_open()
         step = layout.check_step(step)
-        heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
+        watchdog.heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)
         want = force or self.save_policy.should_save(step, now)
@@ -338,9 +335,11 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
-        why). Returns its step, or None on a fresh start. Every rank calls it. ``step``: the newest
-        at or before it (a rollback: the newer ones are removed when this run's first save commits)."""
+        why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an
+        async save in flight (``wait``). ``step``: the newest at or before it (a rollback: the newer
+        ones are removed when this run's first save commits)."""
         self._require_open()
+        self.wait()  # an async save in flight still reads the tensors this writes into
         at = None if step is None else layout.check_step(step)
         check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
