@@ -30,7 +30,8 @@ def shared_destinations(
     read into their live destinations ``live[path].get(path)``; ``differ`` lists ``(first, later)`` pairs that are
     one tensor in the state but hold different bytes in the checkpoint (the later one wins).
     Destinations read through a staging tensor anyway (GPU, non-contiguous, another dtype) are
-    copied in one at a time after the reads and cannot race: they are never skipped or staged.
+    copied in one at a time after the reads and cannot race: they are never skipped or staged;
+    a destination read in place after one of them in plan order is staged (its copy follows).
     Memory is shared only within one storage: first the storage of each destination (~0.3 us
     a tensor, where a hot load of 10,000 tensors spends ~14 us; no tie and no view, the common
     case, ends there), then the spans of those whose storage holds another destination too."""
@@ -79,24 +80,27 @@ def _settle(
     stage: set[str],
     differ: list[tuple[str, str]],
 ) -> None:
-    """One run of destinations whose memory overlaps: the first in plan order that is read in
-    place stays so; each later one is skipped (the same view, the same bytes) or staged."""
-    direct = []
+    """One run of destinations whose memory overlaps: the first in plan order stays read in
+    place (when it can be); each later one that could be is skipped (the same view, the same
+    bytes, nothing copied over it in between) or staged. A destination staged anyway is copied
+    in after every read: the ones after it are staged too, so that all copies keep plan order."""
+    members = []
     for _start, _end, i in sorted(group, key=lambda s: s[2]):
         p = order[i]
         t = _local(live[p][p])
-        if t.is_cpu and t.dtype == tensors[p].torch_dtype and t.is_contiguous():
-            direct.append((p, t))
-    if len(direct) < 2:
-        return
-    (first, ft), rest = direct[0], direct[1:]
-    for p, t in rest:
-        same_view = t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
-        if same_view and _same_bytes(tensors[first], tensors[p]):
+        members.append((p, t, t.is_cpu and t.dtype == tensors[p].torch_dtype and t.is_contiguous()))
+    (first, ft, in_place), copied = members[0], False
+    for p, t, direct in members[1:]:
+        if not direct:
+            copied = True  # staged by the loader: copied in after the reads, in plan order
+            continue
+        same_view = in_place and t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
+        same = same_view and _same_bytes(tensors[first], tensors[p])
+        if same and not copied:
             skip.add(p)
         else:
             stage.add(p)
-            if same_view:
+            if same_view and not same:
                 differ.append((first, p))
 
 
