@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 import trainguard as tg
@@ -27,3 +28,16 @@ def test_a_view_read_through_staging_before_a_later_view_still_loads_in_path_ord
         warnings.simplefilter("error")  # "a" and "c" hold the same values: no warning says otherwise
         tg.load(tmp_path / "d", {"a": base, "b": base[::2], "c": base})
     assert base.tolist() == x.tolist()
+
+
+def test_an_optimizer_that_does_not_fit_is_named_by_its_own_entry(tmp_path):
+    # The refusal named "entry 'optim'" whatever the state called the optimizer.
+    model = torch.nn.Linear(3, 2)
+    tg.save(tmp_path / "c", {"model": model, "opt": torch.optim.SGD(model.parameters(), lr=0.1)})
+    groups = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    with pytest.raises(tg.CheckpointError, match=r"^entry 'opt': the checkpoint has 1 parameter group\(s\)") as ei:
+        tg.load(tmp_path / "c", {"model": model, "opt": groups})
+    assert "'optim'" not in str(ei.value)
+    other = torch.optim.SGD([model.weight], lr=0.1)
+    with pytest.raises(tg.CheckpointError, match=r"^entry 'opt': parameter group 0 holds other parameters"):
+        tg.load(tmp_path / "c", {"model": model, "opt": other})

@@ -228,6 +228,7 @@ class OptimizerAdapter:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
         from .errors import CheckpointError
 
         saved_groups = state_dict["param_groups"]
@@ -241,7 +242,7 @@ class OptimizerAdapter:
         cur_groups = self.optimizer.param_groups
         if len(saved_groups) != len(cur_groups):
             raise CheckpointError(
-                f"entry 'optim': the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
+                f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
                 f"{len(cur_groups)}; build the optimizer with the same groups as when it was saved"
             )
         groups = []
@@ -252,7 +253,7 @@ class OptimizerAdapter:
             if set(saved["params"]) != set(cur_names):
                 diff = sorted(set(saved["params"]) ^ set(cur_names))
                 raise CheckpointError(
-                    f"entry 'optim': parameter group {gi} holds other parameters than at save time "
+                    f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
                 )
             # torch matches saved to current parameters by position: give the current order.
