@@ -41,3 +41,23 @@ def test_an_optimizer_that_does_not_fit_is_named_by_its_own_entry(tmp_path):
     other = torch.optim.SGD([model.weight], lr=0.1)
     with pytest.raises(tg.CheckpointError, match=r"^entry 'opt': parameter group 0 holds other parameters"):
         tg.load(tmp_path / "c", {"model": model, "opt": other})
+
+
+def test_strict_false_keeps_a_reshaped_tensor_whose_name_holds_a_space(tmp_path):
+    # The loader found the tensors to leave alone by the first word of each mismatch line:
+    # "model/my" for "model/my layer.weight", so the tensor was read all the same, its box
+    # overlapping the checkpoint's overwritten (rows 0-2 of 5) while the warning said it kept
+    # its values; a dtype change to cast was listed as kept.
+    model = torch.nn.ModuleDict({"my layer": torch.nn.Linear(4, 3)})
+    tg.save(tmp_path / "c", {"model": model})
+    wider = torch.nn.ModuleDict({"my layer": torch.nn.Linear(4, 5)})
+    before = wider["my layer"].weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"2 tensor\(s\) .* keep their current values: model/my layer\.weight"):
+        tg.load(tmp_path / "c", {"model": wider}, strict=False)
+    assert torch.equal(wider["my layer"].weight, before)
+
+    doubled = torch.nn.ModuleDict({"my layer": torch.nn.Linear(4, 3)}).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # cast into the state's dtype, as documented: nothing kept
+        tg.load(tmp_path / "c", {"model": doubled}, strict=False)
+    assert torch.equal(doubled["my layer"].weight, model["my layer"].weight.double())

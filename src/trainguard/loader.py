@@ -103,7 +103,7 @@ def _load(
     missing: list[str] = list(missing_keys)
     unexpected: list[str] = list(unexpected_keys)
     mismatched: list[str] = []
-    cast: set[str] = set()
+    bad: dict[str, str] = {}  # path -> its line of ``mismatched``: not read (strict=False keeps its values)
     skip = set(missing_keys)
     for key in keys:
         if key in skip:
@@ -149,23 +149,23 @@ def _load(
                 e = manifest.tensors[p]
                 if d.is_meta and isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                     # No memory to read into: copy_ into it is a no-op, and the load looked done.
-                    mismatched.append(f"{p} (the state's tensor is on the meta device and holds no memory; "
-                                      "call module.to_empty(device=...) before loading into it)")
+                    bad[p] = (f"{p} (the state's tensor is on the meta device and holds no memory; "
+                              "call module.to_empty(device=...) before loading into it)")
+                    mismatched.append(bad[p])
                 elif list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype or d.is_meta:
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
-                        if list(d.shape) == e.shape:
-                            cast.add(p)  # strict=False: read, then copy_ into the state's dtype
+                        if list(d.shape) != e.shape:  # else strict=False reads it, then copy_ casts it
+                            bad[p] = mismatched[-1]
                     else:
                         del dest[p]
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
-    bad = {m.split(" ")[0] for m in mismatched} - cast
-    if bad:
+    if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no memory) keep their current "
-            f"values: {', '.join(m for m in mismatched if m.split(' ')[0] in bad)[:1500]}",
+            f"values: {', '.join(bad.values())[:1500]}",
             stacklevel=3,
         )
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
