@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -61,3 +62,20 @@ def test_strict_false_keeps_a_reshaped_tensor_whose_name_holds_a_space(tmp_path)
         warnings.simplefilter("error")  # cast into the state's dtype, as documented: nothing kept
         tg.load(tmp_path / "c", {"model": doubled}, strict=False)
     assert torch.equal(doubled["my layer"].weight, model["my layer"].weight.double())
+
+
+def test_a_read_only_state_refuses_values_it_cannot_take_compared_leaf_by_leaf(tmp_path):
+    # Whether the read-only state already held the loaded value was asked with == on the whole
+    # structure: {"a": 1} == {"a": True}, and a new one-element tensor of another dtype or
+    # shape "equal" to the state's; the loaded values were dropped without an error.
+    tg.save(tmp_path / "c", {"p": {"a": True, "t": torch.tensor([2.0]), "x": float("nan")}})
+    for p in (
+        {"a": 1, "t": torch.tensor([2.0]), "x": float("nan")},
+        {"a": True, "t": torch.tensor([2.0], dtype=torch.float64), "x": float("nan")},
+        {"a": True, "t": torch.tensor(2.0), "x": float("nan")},
+    ):
+        with pytest.raises(tg.CheckpointError, match=r"entry 'p': the state is a read-only mappingproxy"):
+            tg.load(tmp_path / "c", types.MappingProxyType({"p": p}))
+    t = torch.zeros(1)
+    tg.load(tmp_path / "c", types.MappingProxyType({"p": {"a": True, "t": t, "x": float("nan")}}))
+    assert t.tolist() == [2.0]  # read in place, the other values equal (nan included): nothing to replace

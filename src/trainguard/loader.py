@@ -276,15 +276,18 @@ def _load(
 
 
 def _same(loaded: Any, current: Any) -> bool:
-    """Whether a read-only state already holds what was loaded (a tensor loaded in place, an equal value)."""
+    """Whether a read-only state already holds what was loaded (a tensor loaded in place, an equal
+    value), compared leaf by leaf: ``==`` on a structure would take ``True`` for ``1`` and a new
+    one-element tensor (another dtype or shape) for the state's, and drop what was loaded."""
     if loaded is current:
         return True
-    if isinstance(loaded, torch.Tensor) or isinstance(current, torch.Tensor):
+    if type(loaded) is not type(current) or isinstance(loaded, torch.Tensor):
         return False
-    try:
-        return type(loaded) is type(current) and bool(loaded == current)
-    except Exception:  # a structure holding tensors: not comparable this way
-        return False
+    if isinstance(loaded, dict):
+        return loaded.keys() == current.keys() and all(_same(v, current[k]) for k, v in loaded.items())
+    if isinstance(loaded, (list, tuple)):
+        return len(loaded) == len(current) and all(_same(a, b) for a, b in zip(loaded, current, strict=True))
+    return bool(loaded == current) or (loaded != loaded and current != current)  # JSON leaves; nan holds nan
 
 
 # Planning while reading pays off for large tensors; with thousands of small ones the planning
