@@ -79,3 +79,29 @@ def test_a_read_only_state_refuses_values_it_cannot_take_compared_leaf_by_leaf(t
     t = torch.zeros(1)
     tg.load(tmp_path / "c", types.MappingProxyType({"p": {"a": True, "t": t, "x": float("nan")}}))
     assert t.tolist() == [2.0]  # read in place, the other values equal (nan included): nothing to replace
+
+
+def test_an_expanded_destination_is_refused_before_any_read_or_replaced_when_plain(tmp_path):
+    # An expand()ed tensor (stride 0) cannot hold distinct values: the read into it failed with
+    # torch's RuntimeError half-way, after other tensors of the state were already overwritten.
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 5)
+            self.register_buffer("scale", torch.arange(5.0))
+
+    saved = Net()
+    tg.save(tmp_path / "c", {"model": saved, "w": torch.arange(6.0)})
+    net = Net()
+    net.scale = torch.ones(1).expand(5)
+    before = net.lin.weight.detach().clone()
+    with pytest.raises(tg.StateMismatchError, match=r"model/scale \(the state's tensor is expanded"):
+        tg.load(tmp_path / "c", {"model": net, "w": torch.zeros(6)})
+    assert torch.equal(net.lin.weight, before)  # refused before any read
+    with pytest.warns(UserWarning, match=r"1 tensor\(s\) .* keep their current values: model/scale"):
+        tg.load(tmp_path / "c", {"model": net}, strict=False)
+    assert torch.equal(net.lin.weight, saved.lin.weight) and net.scale.tolist() == [1.0] * 5
+
+    state = {"w": torch.zeros(1).expand(6)}  # a plain entry: read into a new tensor, as for another shape
+    tg.load(tmp_path / "c", state, only=["w"])
+    assert state["w"].tolist() == list(range(6)) and state["w"].stride() == (1,)

@@ -115,7 +115,7 @@ def _load(
             # saved as such: what the general path below does, without its per-entry calls.
             # The manifest's validation checked that the tensor is described.
             e = manifest.tensors[key]
-            if list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or value.is_meta:
+            if list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or value.is_meta or _expanded(value):
                 plans.append((key, value, skel, {}, [key]))  # read into a new tensor
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
@@ -152,6 +152,13 @@ def _load(
                     bad[p] = (f"{p} (the state's tensor is on the meta device and holds no memory; "
                               "call module.to_empty(device=...) before loading into it)")
                     mismatched.append(bad[p])
+                elif _expanded(d):  # reading in place would fail half-way, after other tensors were written
+                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                        bad[p] = (f"{p} (the state's tensor is expanded: its elements share memory, a stride of 0, and "
+                                  "cannot take distinct values; give it memory of its own, e.g. with .clone())")
+                        mismatched.append(bad[p])
+                    else:
+                        del dest[p]  # read into a new tensor, as for another shape
                 elif list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype or d.is_meta:
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
@@ -273,6 +280,11 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             ) from e
+
+
+def _expanded(t: torch.Tensor) -> bool:
+    """Whether elements of ``t`` share memory (``expand()``: a stride of 0 along a dimension of size > 1)."""
+    return t.layout == torch.strided and any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape, strict=True))
 
 
 def _same(loaded: Any, current: Any) -> bool:
