@@ -246,3 +246,19 @@ def test_a_failed_open_releases_the_run_dir_lock(tmp_path, monkeypatch):
     with tg.CheckpointManager(tmp_path, handle_signals=False) as m:
         m.save(1, {"w": torch.ones(2)}, force=True)
     assert (tmp_path / "step-000000001" / "manifest.json").exists()
+
+
+def test_an_event_log_that_cannot_be_written_does_not_fail_saves_or_restores(tmp_path, caplog):
+    # The log is a record: a full disk or a removed/replaced events.jsonl used to raise OSError
+    # out of a save that had committed (and out of open/restore).
+    model = torch.nn.Linear(4, 4)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1)) as mgr:
+        (tmp_path / "events.jsonl").unlink()
+        (tmp_path / "events.jsonl").mkdir()  # every append now fails (IsADirectoryError)
+        with caplog.at_level("WARNING", logger="trainguard"):
+            assert mgr.save(1, {"model": model}) is not None
+            assert mgr.save(2, {"model": model}) is not None
+            fresh = torch.nn.Linear(4, 4)
+            assert mgr.restore({"model": fresh}) == 2
+    assert torch.equal(fresh.weight, model.weight)
+    assert sum("cannot write the event log" in r.getMessage() for r in caplog.records) == 1

@@ -9,6 +9,7 @@ several processes may log to the same file without interleaving lines.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -16,25 +17,36 @@ from pathlib import Path
 from typing import Any
 
 EVENTS_FILE = "events.jsonl"
+log = logging.getLogger("trainguard")
 
 
 class EventLog:
-    """Appends events to a JSONL file; a no-op when ``path`` is None."""
+    """Appends events to a JSONL file; a no-op when ``path`` is None.
+
+    The log is a record, not part of a checkpoint: a line that cannot be written (a full disk,
+    a read-only or removed directory) is dropped with one warning per log, and the caller (a
+    save that succeeded, a restore) goes on."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, rank: int = 0) -> None:
         self.path = None if path is None else Path(path)
         self.rank = rank
+        self._warned = False
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         rec = {"t": time.time(), "event": event, "rank": self.rank, "pid": os.getpid(), **fields}
         if self.path is not None:
             line = (json.dumps(rec, default=str) + "\n").encode()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                try:
+                    os.write(fd, line)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                if not self._warned:
+                    self._warned = True
+                    log.warning("trainguard: cannot write the event log %s (%s); events are dropped until it can", self.path, e)
         return rec
 
 
