@@ -201,3 +201,26 @@ def test_restore_waits_for_the_save_in_flight_before_it_writes_into_the_state(tm
         assert mgr.restore(state) == 1
         assert seen == [True]
     assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "step-000000001").values(), at_save.values()))
+
+
+def test_an_embedding_with_max_norm_is_copied_at_the_call(tmp_path, monkeypatch):
+    # nn.Embedding(max_norm=...) renormalizes the rows it looks up inside forward(), outside
+    # optimizer.step(): staged later like other parameters, the checkpoint held the rows as the
+    # next forward rewrote them, not as they were at the save() call.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 8, max_norm=1.0), torch.nn.Linear(8, 2))
+    with torch.no_grad():
+        model[0].weight.mul_(10.0)  # every row longer than max_norm
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optim}
+    gate = threading.Event()
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+    at_call = model[0].weight.detach().clone()
+    h = tg.save(tmp_path / "c", state, async_=True)
+    model(torch.arange(16)).sum().backward()  # the forward renormalizes every row in place
+    assert not torch.equal(model[0].weight, at_call)
+    gate.set()
+    h.result(timeout=60)
+    got = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 2))
+    tg.load(tmp_path / "c", {"model": got}, only=["model"])
+    assert torch.equal(got[0].weight, at_call)

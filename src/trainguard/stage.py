@@ -264,9 +264,16 @@ def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:
 def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.optim.Optimizer]]:
     """Tensors that change only in ``step()`` of an optimizer in the state (``tensor_key``s), and
     those optimizers; ``async_save.start_async_save`` copies every other tensor in the call.
-    Parameters of no such optimizer are not protected: something else may update them."""
+    Parameters of no such optimizer are not protected: something else may update them; nor are
+    the weights of embeddings with ``max_norm`` (their forward renormalizes rows in place)."""
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     out: set[Any] = set()
+    # Embeddings with max_norm renormalize the rows they look up in forward, outside step().
+    renormed = {
+        tensor_key(_local(m.weight.detach()))
+        for v in state.values() if isinstance(v, torch.nn.Module)
+        for m in v.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
+    }
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
@@ -275,4 +282,4 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
                     if isinstance(v, torch.Tensor):
                         out.add(tensor_key(_local(v.detach())))
     out.discard(None)
-    return out, optimizers
+    return out - renormed, optimizers
