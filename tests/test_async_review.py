@@ -224,3 +224,41 @@ def test_an_embedding_with_max_norm_is_copied_at_the_call(tmp_path, monkeypatch)
     got = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 2))
     tg.load(tmp_path / "c", {"model": got}, only=["model"])
     assert torch.equal(got[0].weight, at_call)
+
+
+def test_after_commit_runs_once_whether_the_save_committed_before_or_after():
+    calls: list[object] = []
+    early = SaveHandle(1)
+    early.set_result("m1")  # the save thread won the race to the commit
+    early.after_commit(calls.append)
+    late = SaveHandle(2)
+    late.after_commit(calls.append)
+    assert calls == ["m1"]
+    late.set_result("m2")
+    failed = SaveHandle(3)
+    failed.set_error(RuntimeError("x"))
+    failed.after_commit(calls.append)
+    assert calls == ["m1", "m2"]
+
+
+def test_ram_tier_copy_starts_when_the_async_save_committed_before_the_manager_looked(tmp_path, monkeypatch):
+    # The manager set its commit callback after the save call returned: a save that committed
+    # first was copied to disk only when the manager collected it at the next save/wait/close.
+    from trainguard import manager as manager_mod
+
+    real = manager_mod.start_save
+
+    def committed_first(*args, **kwargs):
+        h = real(*args, **kwargs)
+        h.join()  # the save thread commits before the manager gets the handle
+        return h
+
+    monkeypatch.setattr(manager_mod, "start_save", committed_first)
+    state = _state()
+    (tmp_path / "shm").mkdir()
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), async_save=True, handle_signals=False,
+                              ram_tier=str(tmp_path / "shm")) as mgr:
+        assert mgr.save(1, state) is not None
+        mgr.ram.wait()  # the copy to disk was started by the commit, not by a later call
+        assert mgr.ram.persisted == 1
+        assert (tmp_path / "run" / "step-000000001" / "manifest.json").exists()

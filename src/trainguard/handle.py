@@ -40,8 +40,11 @@ class SaveHandle:
         self.observed = False  # result() was called: its error (if any) has been seen
         self.owned = False  # a CheckpointManager collects it (its error is the manager's to report)
         # Called with the manifest by the save thread once committed, before done() turns true
-        # (the manager starts the RAM tier's copy to disk at once, not at the next save).
+        # (the manager starts the RAM tier's copy to disk at once, not at the next save); set
+        # it with after_commit(), which also runs it if the save committed before.
         self.on_commit: Callable[[Any], None] | None = None
+        self._commit_lock = threading.Lock()
+        self._committed = False
         self.stall_s = 0.0
         self.call_s = 0.0
         self.hook_wait_s = 0.0
@@ -113,16 +116,31 @@ class SaveHandle:
     def set_staged(self) -> None:
         self._staged.set()
 
+    def after_commit(self, cb: Callable[[Any], None]) -> None:
+        """Training thread, right after the save call: run ``cb(manifest)`` once the save commits,
+        on the save thread, or now if the save thread committed it already (it may win the race
+        to here); exactly once either way, never for a failed save."""
+        with self._commit_lock:
+            self.on_commit = cb
+            now = self._committed
+        if now:
+            self._run_commit_callback(cb, self._result)
+
+    def _run_commit_callback(self, cb: Callable[[Any], None], value: Any) -> None:
+        try:
+            cb(value)
+        except Exception as e:  # the checkpoint is committed; the callback's failure is its own
+            log.warning("trainguard: after the commit of step %s: %s", self.step, e)
+
     def set_result(self, value: Any) -> None:
         self._result = value
         self.finished_at = time.monotonic()
         self._staged.set()
-        cb = self.on_commit
+        with self._commit_lock:
+            self._committed = True
+            cb = self.on_commit
         if cb is not None:
-            try:
-                cb(value)
-            except Exception as e:  # the checkpoint is committed; the callback's failure is its own
-                log.warning("trainguard: after the commit of step %s: %s", self.step, e)
+            self._run_commit_callback(cb, value)
         self._done.set()
 
     def set_error(self, error: BaseException) -> None:

@@ -264,7 +264,7 @@ class CheckpointManager:
         handle.stall_s = time.monotonic() - t0
         handle.owned = True  # its error is reported by this manager, not by another's next save
         if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
-            handle.on_commit = lambda m: self.ram.committed(m.step, on_durable=self._apply_retention)  # type: ignore[union-attr]
+            handle.after_commit(lambda m: self.ram.committed(m.step, on_durable=self._apply_retention))  # type: ignore[union-attr]
         self._pending, self._pending_step, self._pending_t0 = handle, step, t0
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
