@@ -105,3 +105,15 @@ def test_an_expanded_destination_is_refused_before_any_read_or_replaced_when_pla
     state = {"w": torch.zeros(1).expand(6)}  # a plain entry: read into a new tensor, as for another shape
     tg.load(tmp_path / "c", state, only=["w"])
     assert state["w"].tolist() == list(range(6)) and state["w"].stride() == (1,)
+
+
+def test_destinations_with_a_conjugate_or_negative_bit_load_their_values(tmp_path):
+    # x.conj() and torch._neg_view(x) are contiguous views whose memory holds the conjugate /
+    # negation of their values: read in place they failed with torch's RuntimeError (their
+    # .numpy() is refused); they are read beside and copied in, as a strided view is.
+    z = torch.randn(4, dtype=torch.complex64)
+    tg.save(tmp_path / "c", {"z": z, "n": torch.arange(4.0), "nested": {"z": z * 2}})
+    zc, nz = torch.zeros(4, dtype=torch.complex64).conj(), torch._neg_view(torch.zeros(4))
+    inner = torch.zeros(4, dtype=torch.complex64).conj()
+    tg.load(tmp_path / "c", {"z": zc, "n": nz, "nested": {"z": inner}})
+    assert torch.equal(zc, z) and torch.equal(nz, torch.arange(4.0)) and torch.equal(inner, z * 2)

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .buffers import in_place
 from .dtensor import is_dtensor
 from .manifest import TensorEntry
 
@@ -88,13 +89,13 @@ def _settle(
     for _start, _end, i in sorted(group, key=lambda s: s[2]):
         p = order[i]
         t = _local(live[p][p])
-        members.append((p, t, t.is_cpu and t.dtype == tensors[p].torch_dtype and t.is_contiguous()))
-    (first, ft, in_place), copied = members[0], False
+        members.append((p, t, in_place(t, tensors[p].torch_dtype)))
+    (first, ft, first_direct), copied = members[0], False
     for p, t, direct in members[1:]:
         if not direct:
             copied = True  # staged by the loader: copied in after the reads, in plan order
             continue
-        same_view = in_place and t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
+        same_view = first_direct and t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
         same = same_view and _same_bytes(tensors[first], tensors[p])
         if same and not copied:
             skip.add(p)

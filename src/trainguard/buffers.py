@@ -22,6 +22,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+def in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a load can read bytes of ``dtype`` straight into ``t``'s memory (``loader`` and
+    ``aliases`` ask): a contiguous CPU tensor of that dtype whose memory holds its values as
+    they are (no conjugate or negative bit: ``x.conj()``, ``torch._neg_view``)."""
+    return t.is_cpu and t.dtype == dtype and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor (a view, same device)."""
     return t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)

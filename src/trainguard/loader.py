@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from .aliases import shared_destinations
+from .buffers import in_place
 from .commit import read_manifest
 from .dist import DistContext, check_timeout, describe_error, raise_failures
 from .dtensor import ensure_optimizer_state, shard_of
@@ -225,8 +226,8 @@ def _load(
                     continue
                 first[e.alias] = p  # read below (its target is not loaded into a new tensor)
             if (
-                p not in stage and type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1 and live.is_cpu
-                and live.is_contiguous() and live.dtype == e.torch_dtype
+                p not in stage and type(live) is torch.Tensor and e.regular is None and len(e.chunks) == 1
+                and in_place(live, e.torch_dtype)
             ):
                 # A whole plain tensor stored in one chunk (validation: its box is the whole
                 # tensor), read in place: the general path below without its per-tensor calls.
@@ -359,7 +360,7 @@ def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False)
         return t, full_box(e.shape), None
     data, shape, offsets, _ = shard_of(live)
     box = Box(tuple(offsets), tuple(data.shape))
-    if data.is_cpu and data.is_contiguous() and data.dtype == e.torch_dtype and not stage:
+    if in_place(data, e.torch_dtype) and not stage:
         return data, box, None
     if data.dtype != e.torch_dtype:  # strict=False, dtype changed: read as saved, copy_ casts
         return torch.empty(tuple(data.shape), dtype=e.torch_dtype), box, data
