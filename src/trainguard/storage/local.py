@@ -10,7 +10,7 @@ import shutil
 import stat
 import threading
 
-from ..errors import CorruptCheckpointError, DiskFullError
+from ..errors import CorruptCheckpointError
 from ..layout import MANIFEST
 from . import _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
@@ -23,6 +23,7 @@ from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported 
     direct_split,
     page_phase,
 )
+from ._diskfull import disk_error as _disk_error
 
 READ_PIECE = 4 << 20  # bytes per read call of a hot load: fits the L3 cache twice over (2 streams)
 # Files mostly not in the page cache, read buffered (no O_DIRECT here): each read op in one
@@ -146,17 +147,6 @@ class _LocalWriter:
         if fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _disk_error(e: OSError, path: str, needed: int) -> OSError:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        free = shutil.disk_usage(os.path.dirname(path)).free
-        return DiskFullError(
-            e.errno,
-            f"no space left writing {path}: {needed} more bytes were needed here, "
-            f"{free} bytes are free. Free space, lower retention (keep=...), or save elsewhere",
-        )
-    return e
 
 
 def _open_regular(path: str) -> int:
@@ -377,7 +367,12 @@ class LocalStorage:
         self.fsync_dir(os.path.dirname(dst))
 
     def remove_tree(self, path: str) -> None:
-        """Manifest first (durably): a delete cut short leaves no manifest whose data is gone."""
+        """Manifest first (durably): a delete cut short leaves no manifest whose data is gone. A
+        symlink (a checkpoint linked into the run directory) is unlinked; what it points at stays."""
+        if os.path.islink(path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return
         with contextlib.suppress(OSError):
             os.unlink(os.path.join(path, MANIFEST))
             self.fsync_dir(path)

@@ -1,0 +1,34 @@
+"""Storage, commit, retention and CLI edges found by the storage review: each test failed before its fix."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import trainguard as tg
+from trainguard import layout
+
+
+def _flip(path, at: int = 50) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_retention_unlinks_a_linked_in_checkpoint_and_keeps_what_it_points_at(tmp_path):
+    # A checkpoint linked into a run directory (ln -s /pretrained/step-000000000 run/): retention
+    # and debris cleanup remove the link. Before, the manifest of the checkpoint *outside* the run
+    # directory was deleted (through the link) and the link stayed, "removed" again at every open.
+    pre = tmp_path / "pretrained" / layout.step_dir(0)
+    tg.save(pre, {"w": torch.ones(4)})
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(pre, run / layout.step_dir(0))
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        assert m.restore(state) == 0
+        for s in (1, 2, 3):
+            m.save(s, state)
+    assert sorted(os.listdir(run)) == [".lock", "events.jsonl", layout.step_dir(2), layout.step_dir(3)]
+    assert tg.verify(pre).ok  # the pretrained checkpoint is untouched
