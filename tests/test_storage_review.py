@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
+from click.testing import CliRunner
 
 import trainguard as tg
 from trainguard import layout
+from trainguard.cli import main
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def _flip(path, at: int = 50) -> None:
@@ -32,3 +39,17 @@ def test_retention_unlinks_a_linked_in_checkpoint_and_keeps_what_it_points_at(tm
             m.save(s, state)
     assert sorted(os.listdir(run)) == [".lock", "events.jsonl", layout.step_dir(2), layout.step_dir(3)]
     assert tg.verify(pre).ok  # the pretrained checkpoint is untouched
+
+
+def test_verify_of_a_step_directory_with_a_corrupt_manifest_reports_it_corrupt(tmp_path):
+    # Before: "holds no checkpoint: no manifest.json ... nothing to verify" (exit 2, no JSON),
+    # as if the manifest were absent, for a manifest that is there and fails its checksum.
+    tg.save(tmp_path / layout.step_dir(1), {"w": torch.ones(8)})
+    step = tmp_path / layout.step_dir(1)
+    _flip(step / layout.MANIFEST)
+    r = _run("verify", step)
+    assert r.exit_code == 1, r.output
+    assert "CORRUPT" in r.output and "checksum mismatch" in r.output and "no manifest" not in r.output
+    rows = json.loads(_run("verify", step, "--json").output)
+    assert [(x["status"], x["ok"]) for x in rows] == [("corrupt", False)]
+    assert "checksum mismatch" in rows[0]["errors"][0]

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ..commit import read_manifest
-from ..errors import CheckpointError, NotACheckpointError
+from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..flatten import tensor_refs
 from ..inspect import describe, list_checkpoints, verify
 from ..layout import MANIFEST
@@ -136,7 +136,9 @@ def verify_cmd(path: str, as_json: bool) -> None:
     try:
         read_manifest(storage, p)
         targets = [(p, "committed", None)]
-    except CheckpointError:
+    except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
+        targets = [(p, "committed", None)]
+    except NotACheckpointError:  # no manifest: a run directory
         rows = list_checkpoints(path)
         if not rows:
             raise NotACheckpointError(
