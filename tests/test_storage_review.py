@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import torch
 from click.testing import CliRunner
@@ -53,3 +55,15 @@ def test_verify_of_a_step_directory_with_a_corrupt_manifest_reports_it_corrupt(t
     rows = json.loads(_run("verify", step, "--json").output)
     assert [(x["status"], x["ok"]) for x in rows] == [("corrupt", False)]
     assert "checksum mismatch" in rows[0]["errors"][0]
+
+
+def test_python_dash_m_trainguard_cli_runs_the_command(tmp_path):
+    # `python -m trainguard.cli verify BAD` ran nothing and exited 0: a script read "verified".
+    tg.save(tmp_path / layout.step_dir(1), {"w": torch.ones(8)})
+    _flip(tmp_path / layout.step_dir(1) / "data-00000.bin", at=3)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.path.dirname(tg.__path__[0]),
+                                                                     os.environ.get("PYTHONPATH", "")] if p)}
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "verify", str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "CORRUPT" in r.stdout

@@ -50,3 +50,7 @@ def _register() -> None:
 
 
 _register()
+
+
+if __name__ == "__main__":  # python -m trainguard.cli ...: the same command as `trainguard ...`
+    main(prog_name="trainguard")
