@@ -67,3 +67,15 @@ def test_python_dash_m_trainguard_cli_runs_the_command(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "CORRUPT" in r.stdout
+
+
+def test_convert_into_an_existing_checkpoint_says_how_to_proceed(tmp_path):
+    # Before: "pass overwrite=True to replace it", an option neither convert() nor the command has.
+    tg.save(tmp_path / layout.step_dir(0), {"model": {"w": torch.ones(3)}})
+    torch.save({"w": torch.zeros(3)}, tmp_path / "w.pt")
+    r = _run("convert", tmp_path / "w.pt", tmp_path / layout.step_dir(0))
+    assert r.exit_code == 2, r.output
+    assert "overwrite" not in r.output and "convert into a new directory" in r.output
+    back = {"model": {"w": torch.empty(3)}}
+    tg.load(tmp_path / layout.step_dir(0), back)
+    assert torch.equal(back["model"]["w"], torch.ones(3))  # the checkpoint is untouched

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
-from .errors import CheckpointError
+from .errors import CheckpointError, StepExistsError
 from .export import check_destination, foreign_errors, iter_tensors
 from .storage import for_path
 
@@ -98,7 +98,13 @@ def convert(
     state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else v for k, v in state.items()}
     from .api import save
 
-    save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
+    try:
+        save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
+    except StepExistsError:  # its "overwrite=True" is not an option of convert
+        raise StepExistsError(
+            f"{dst} already holds a committed checkpoint; convert does not replace one. Remove it or "
+            "convert into a new directory"
+        ) from None
     n = sum(len(v) if isinstance(v, Mapping) else 1 for v in state.values())
     return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
 
