@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -79,3 +80,37 @@ def test_convert_into_an_existing_checkpoint_says_how_to_proceed(tmp_path):
     back = {"model": {"w": torch.empty(3)}}
     tg.load(tmp_path / layout.step_dir(0), back)
     assert torch.equal(back["model"]["w"], torch.ones(3))  # the checkpoint is untouched
+
+
+def test_a_failed_export_or_convert_leaves_the_earlier_file_as_it_was(tmp_path, monkeypatch):
+    # export/convert wrote straight into the output file: a full disk half-way through destroyed
+    # the export of an earlier run. They write a temporary file beside it and rename it.
+    import errno
+
+    import safetensors.torch
+
+    from trainguard.convert import convert
+    from trainguard.export import export
+
+    model = torch.nn.Linear(4, 3)
+    tg.save(tmp_path / "ck", {"model": model})
+    pt, st = tmp_path / "w.pt", tmp_path / "w.safetensors"
+    assert export(tmp_path / "ck", pt) == 2 and export(tmp_path / "ck", pt) == 2  # a rerun replaces it
+    convert(tmp_path / "ck", st)
+    before = {p: p.read_bytes() for p in (pt, st)}
+
+    def full_disk(obj, f, *args, **kwargs):
+        with open(f, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(tg.CheckpointError, match="No space left"):
+        export(tmp_path / "ck", pt)
+    with pytest.raises(tg.CheckpointError, match="No space left"):
+        convert(tmp_path / "ck", st)
+    monkeypatch.undo()
+    assert {p: p.read_bytes() for p in (pt, st)} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "w.pt", "w.safetensors"]  # no temporary file left
+    assert torch.equal(torch.load(pt, weights_only=True)["weight"], model.weight.detach())

@@ -24,7 +24,7 @@ import torch
 
 from .commit import read_manifest
 from .errors import CheckpointError, StepExistsError
-from .export import check_destination, foreign_errors, iter_tensors
+from .export import check_destination, foreign_errors, iter_tensors, replacing
 from .storage import for_path
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
@@ -134,9 +134,11 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        save_file(tensors, out, metadata={"format": "pt", "source": "trainguard"})
+        with replacing(out) as tmp:  # an earlier file at out survives a failed write
+            save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard"})
     elif fmt == "torch":
-        torch.save(tensors, out)
+        with replacing(out) as tmp:
+            torch.save(tensors, tmp)
     else:  # dcp: one process, no process group
         import torch.distributed.checkpoint as dcp
 

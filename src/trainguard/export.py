@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 
 import torch
@@ -74,14 +75,41 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    with foreign_errors(f"cannot write {out}"):  # e.g. a dtype safetensors cannot store (complex128)
+    with foreign_errors(f"cannot write {out}"), replacing(out) as tmp:  # e.g. a dtype safetensors cannot store
         if out.endswith(".safetensors"):
             from safetensors.torch import save_file
 
-            save_file(tensors, out, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
+            save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
         else:
-            torch.save(tensors, out)
+            torch.save(tensors, tmp)
     return len(tensors)
+
+
+@contextlib.contextmanager
+def replacing(out: str) -> Iterator[str]:
+    """A temporary file beside ``out`` to write into (``export``, ``convert`` to one file): once
+    written it is fsynced and renamed over ``out``, so a reader finds the old file or the new one
+    and a failed or interrupted write (a full disk, an unsupported dtype) leaves an earlier file
+    at ``out`` as it was; on failure the temporary file is removed."""
+    head, name = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fd = os.open(head, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself durable
+    finally:
+        os.close(fd)
 
 
 def check_destination(out: str) -> None:
