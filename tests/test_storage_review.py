@@ -114,3 +114,23 @@ def test_a_failed_export_or_convert_leaves_the_earlier_file_as_it_was(tmp_path, 
     assert {p: p.read_bytes() for p in (pt, st)} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "w.pt", "w.safetensors"]  # no temporary file left
     assert torch.equal(torch.load(pt, weights_only=True)["weight"], model.weight.detach())
+
+
+def test_the_ram_tier_of_a_run_does_not_depend_on_how_its_root_is_spelled(tmp_path):
+    # ram_dir hashed the root as given when it held "://": "memory://r/run" and "memory://r/run/"
+    # (or "file:///x" and "/x") had two RAM tiers, and a restart spelled otherwise missed a step
+    # that only the RAM tier held.
+    base = tmp_path / "shm"
+    base.mkdir()
+    model = torch.nn.Linear(4, 4)
+    spellings = [("memory://rt-spell/run", "memory://rt-spell/run/"), (f"file://{tmp_path}/run", f"{tmp_path}/run/")]
+    for first, again in spellings:
+        with tg.CheckpointManager(first, save=tg.EveryNSteps(1), ram_tier=str(base)) as mgr:
+            mgr.save(1, {"model": model})
+            mgr.wait()
+            dirs = {mgr.ram.dir}
+            mgr.close(keep_ram_tier=True)
+        with tg.CheckpointManager(again, ram_tier=str(base)) as mgr:
+            dirs.add(mgr.ram.dir)
+            assert mgr.restore({"model": torch.nn.Linear(4, 4)}) == 1
+        assert len(dirs) == 1, dirs

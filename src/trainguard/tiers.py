@@ -66,7 +66,7 @@ class RamTier:
         if not os.path.isdir(base):
             raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
         self.storage = LocalStorage()
-        self.dir = ram_dir(root, base)
+        self.dir = ram_dir(location(durable, durable_root), base)  # one spelling per run: file://, "run/", ...
         self.durable, self.durable_root = durable, durable_root
         self.ctx, self.events = ctx, events
         self._thread: threading.Thread | None = None
