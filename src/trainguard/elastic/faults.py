@@ -11,7 +11,9 @@ again, while a new job in the same run directory does.
 Kinds: ``kill`` (SIGKILL to itself: no cleanup, like an OOM kill), ``exit`` (``os._exit(43)``),
 ``exception`` (raises :class:`InjectedFault` from the training loop), ``hang`` (blocks forever,
 for the hang watchdog to find), ``agent`` (SIGKILL to its elastic agent, then to itself: the
-loss of a whole node, for world-size drills).
+loss of a whole node, for world-size drills). The agent is the pid ``trainguard run`` exports as
+``TRAINGUARD_AGENT_PID`` (with ``--start-method forkserver`` the worker's parent is the
+forkserver, not the agent), else the parent (plain torchrun).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def maybe_fire(step: int, rank: int, faults: list[Fault]) -> None:
 
 
 def fire(f: Fault) -> None:
+    """Carry out ``f`` in this worker (:func:`maybe_fire`, on the rank it names)."""
     if f.kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.kind == "exit":
@@ -128,7 +131,10 @@ def fire(f: Fault) -> None:
     elif f.kind == "exception":
         raise InjectedFault(f"injected fault: {f.spec()}")
     elif f.kind == "agent":
-        os.kill(os.getppid(), signal.SIGKILL)
+        from .watchdog import _agent_pid  # not at the top: watchdog imports this module
+
+        agent = _agent_pid()  # under forkserver the parent is the forkserver, which would not end the agent
+        os.kill(agent if agent is not None else os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.kind == "hang":
         _injected_hang()
