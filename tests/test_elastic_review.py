@@ -29,3 +29,24 @@ def test_agent_fault_kills_the_agent_pid_not_the_parent():
         with contextlib.suppress(ProcessLookupError):
             agent.kill()
         agent.wait(timeout=30)
+
+
+def test_report_on_a_foreign_or_binary_events_file_is_a_clear_error(tmp_path):
+    # Lines of another tool's JSONL log (no "event"), JSON that is not an object, a "t" that is
+    # no number, or undecodable bytes: `trainguard report` ended in a KeyError, AttributeError,
+    # TypeError or UnicodeDecodeError traceback instead of its "no events" message.
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    for name, data in (("foreign", b'{"level": "info", "msg": "hello"}\n'), ("lists", b'[1, 2]\n"x"\n3\n'),
+                       ("t", b'{"event": "step", "t": "noon", "step": 1}\n{"event": "x", "t": 2.0}\n'),
+                       ("bytes", b'\xff\xfe{"a": 1}\n')):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        (run_dir / "events.jsonl").write_bytes(data)
+        res = CliRunner().invoke(main, ["report", str(run_dir)])
+        if name == "t":  # the one real event is reported, the other line skipped
+            assert res.exit_code == 0 and "wall time" in res.output, (name, res.output, res.exception)
+        else:
+            assert res.exit_code == 1 and "no events in" in res.output, (name, res.output, res.exception)

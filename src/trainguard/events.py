@@ -51,18 +51,23 @@ class EventLog:
 
 
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield the events of a JSONL log; a torn last line (a crash mid-write) is skipped."""
+    """Yield the events of a JSONL log (``trainguard report``, tests). A line that is no event
+    of :class:`EventLog` is skipped: a torn last line (a crash mid-write), undecodable bytes, or
+    a line of another tool's log (not an object with a string ``event`` and a numeric ``t``)."""
     p = Path(path)
     if p.is_dir():
         p = p / EVENTS_FILE
     if not p.exists():
         return
-    with open(p, encoding="utf-8") as f:
+    with open(p, encoding="utf-8", errors="replace") as f:
         for line in f:
             line = line.strip()
             if not line:
                 continue
             try:
-                yield json.loads(line)
+                ev = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if (isinstance(ev, dict) and isinstance(ev.get("event"), str)
+                    and isinstance(ev.get("t"), (int, float)) and not isinstance(ev["t"], bool)):
+                yield ev
