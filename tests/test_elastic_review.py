@@ -8,6 +8,10 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
+from trainguard.elastic.launcher import build_parser
+
 from conftest import run_py
 
 
@@ -50,3 +54,16 @@ def test_report_on_a_foreign_or_binary_events_file_is_a_clear_error(tmp_path):
             assert res.exit_code == 0 and "wall time" in res.output, (name, res.output, res.exception)
         else:
             assert res.exit_code == 1 and "no events in" in res.output, (name, res.output, res.exception)
+
+
+@pytest.mark.parametrize("flag, value", [("--hang-timeout", "0"), ("--hang-timeout", "-1"), ("--hang-timeout", "nan"),
+                                         ("--hang-floor", "0"), ("--hang-floor", "-5"), ("--stop-timeout", "-1")])
+def test_run_refuses_bad_watchdog_and_stop_seconds_in_the_parser(flag, value, capsys):
+    # --hang-timeout 0 failed in every worker at its first heartbeat (ValueError), restarted
+    # --max-restarts times; --hang-floor 0 or -5 made the auto timeout 0 s, so every worker was
+    # declared hung 0.2 s after its first step; nan never fired at all.
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([flag, value, "train.py"])
+    assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    args = build_parser().parse_args(["--hang-timeout", "2.5", "--hang-floor", "1", "--stop-timeout", "0", "x.py"])
+    assert (args.hang_timeout, args.hang_floor, args.stop_timeout) == (2.5, 1.0, 0.0)

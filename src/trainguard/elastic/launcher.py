@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -84,6 +85,21 @@ For several agents use --rdzv-conf is_host=false with a store that outlives them
 """
 
 
+def _seconds(minimum: float, strict: bool) -> Any:
+    """An argparse ``type`` for a finite number of seconds above ``minimum`` (``strict``) or at
+    least it: a bad value fails in the parser, not in every worker at its first heartbeat
+    (``--hang-timeout 0``) or as a hang declared at once (``--hang-floor 0``, auto timeout 0 s)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = math.nan
+        if not math.isfinite(v) or v < minimum or (strict and v == minimum):
+            raise argparse.ArgumentTypeError(f"{text!r}: give seconds {'>' if strict else '>='} {minimum:g}")
+        return v
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser plus trainguard's options (``--fault``, ``--run-dir``, watchdog)."""
     from torch.distributed.run import get_args_parser
@@ -100,17 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="fault drill 'step=N,rank=R,kind=kill|exit|exception|hang|agent', fires once "
                         "per job (repeatable; plain torchrun: TRAINGUARD_FAULT='spec;spec')")
-    g.add_argument("--hang-timeout", type=float, default=None, metavar="S",
+    g.add_argument("--hang-timeout", type=_seconds(0, strict=True), default=None, metavar="S",
                    help="seconds without a heartbeat before a worker is declared hung (default: "
                         "automatic, max(--hang-floor, 10 x the longest recent step))")
-    g.add_argument("--hang-floor", type=float, default=60.0, metavar="S",
+    g.add_argument("--hang-floor", type=_seconds(0, strict=True), default=60.0, metavar="S",
                    help="seconds: lower bound of the automatic hang timeout (default 60)")
     g.add_argument("--no-watchdog", action="store_true", help="disable the hang watchdog and orphan check")
     g.add_argument("--no-preload", action="store_true",
                    help="with --start-method fork, do not import torch._dynamo in the agent before forking "
                         "(torch imports it lazily in the first optimizer and in its log formatter: ~1-2 s "
                         "in every restarted worker otherwise)")
-    g.add_argument("--stop-timeout", type=float, default=5.0, metavar="S",
+    g.add_argument("--stop-timeout", type=_seconds(0, strict=False), default=5.0, metavar="S",
                    help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30)")
     return p
 
