@@ -9,8 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trainguard.elastic.launcher import build_parser
+from trainguard.sampler import ResumableSampler
 
 from conftest import run_py
 
@@ -67,3 +69,16 @@ def test_run_refuses_bad_watchdog_and_stop_seconds_in_the_parser(flag, value, ca
     assert e.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
     args = build_parser().parse_args(["--hang-timeout", "2.5", "--hang-floor", "1", "--stop-timeout", "0", "x.py"])
     assert (args.hang_timeout, args.hang_floor, args.stop_timeout) == (2.5, 1.0, 0.0)
+
+
+def test_sampler_takes_a_64_bit_seed_and_keeps_every_order_that_existed():
+    # seed * 1_000_003 + epoch went to Generator.manual_seed as is: any seed >= ~2**44 (a 64-bit
+    # one such as torch.initial_seed()) raised "Overflow when unpacking long long" at __iter__.
+    for seed in (2**45, 2**63 + 5, 2**64 - 1):
+        s = ResumableSampler(10, seed=seed, rank=1, world_size=2)
+        assert sorted(s.order(0)) == sorted(s.order(1)) == list(range(10))
+        assert list(s) == s.order(0)[1::2]
+    for seed, epoch in ((0, 0), (7, 3), (-1, 0), (2**40, 1)):  # seeds that worked: the same order as before
+        g = torch.Generator()
+        g.manual_seed(seed * 1_000_003 + epoch)
+        assert ResumableSampler(10, seed=seed).order(epoch) == torch.randperm(10, generator=g).tolist()

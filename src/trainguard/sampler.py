@@ -114,8 +114,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         e = self.epoch if epoch is None else epoch
         if not self.shuffle:
             return list(range(self.num_samples))
+        key = self.seed * 1_000_003 + e
+        if not -(2**63) <= key < 2**64:  # a 64-bit seed (torch.initial_seed()): past what manual_seed takes
+            key %= 2**64  # only keys that raised before are mapped: every order that existed stays
         g = torch.Generator()
-        g.manual_seed(self.seed * 1_000_003 + e)
+        g.manual_seed(key)
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def _end(self, world: int) -> int:
