@@ -4,6 +4,7 @@ before its fix. Every process started here is bounded in time and killed by its 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from trainguard.elastic import launcher
 from trainguard.elastic.launcher import build_parser
 from trainguard.sampler import ResumableSampler
 
@@ -82,3 +84,14 @@ def test_sampler_takes_a_64_bit_seed_and_keeps_every_order_that_existed():
         g = torch.Generator()
         g.manual_seed(seed * 1_000_003 + epoch)
         assert ResumableSampler(10, seed=seed).order(epoch) == torch.randperm(10, generator=g).tolist()
+
+
+def test_run_with_a_run_dir_that_cannot_be_created_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    # --run-dir naming a file (or a path under one): a FileExistsError traceback from os.makedirs.
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() writes the agent's environment
+    script = tmp_path / "train.py"
+    script.write_text("")
+    for run_dir in (script, script / "sub"):
+        with pytest.raises(SystemExit) as e:
+            launcher.main(["--nproc-per-node", "1", "--run-dir", str(run_dir), str(script)])
+        assert e.value.code == 2 and f"--run-dir {run_dir}: cannot create the directory" in capsys.readouterr().err

@@ -309,7 +309,10 @@ def main(argv: list[str]) -> int:
         print(f"error: {args.training_script}: no such file; give the path of the training script "
               "(-m NAME for a module)", file=sys.stderr)
         return 2
-    prepare(args)
+    try:
+        prepare(args)
+    except OSError as e:  # the run directory: a file of that name, no permission, a read-only disk
+        parser.error(f"--run-dir {args.run_dir}: cannot create the directory ({e.strerror or e})")
     events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
     install_agent_hooks(events, args.stop_timeout)
     install_log_filter()
