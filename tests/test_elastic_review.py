@@ -95,3 +95,23 @@ def test_run_with_a_run_dir_that_cannot_be_created_is_a_clear_error(tmp_path, mo
         with pytest.raises(SystemExit) as e:
             launcher.main(["--nproc-per-node", "1", "--run-dir", str(run_dir), str(script)])
         assert e.value.code == 2 and f"--run-dir {run_dir}: cannot create the directory" in capsys.readouterr().err
+
+
+def test_a_fault_fires_again_in_a_new_job_when_the_rendezvous_id_is_torchruns_default(tmp_path, monkeypatch):
+    # The marker was keyed on TORCHELASTIC_RUN_ID first: torchrun's default "none" (multi-node
+    # without --rdzv-id, static rendezvous) was the same for every job, so a new job in the same
+    # run directory never fired its drill again.
+    from trainguard.elastic import faults
+
+    f = faults.parse_fault("step=3,rank=0,kind=kill")
+    monkeypatch.setenv("TRAINGUARD_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.setenv("TRAINGUARD_JOB_ID", "job-a")
+    assert faults.claim(f) and not faults.claim(f)  # once per job: a restarted worker does not fire
+    monkeypatch.setenv("TRAINGUARD_JOB_ID", "job-b")
+    assert faults.claim(f)  # a new job does
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-1")  # a real rendezvous id: the same on every node
+    monkeypatch.setenv("TRAINGUARD_JOB_ID", "node-2-launch")
+    assert faults.claim(f) and not faults.claim(f)
+    monkeypatch.setenv("TRAINGUARD_JOB_ID", "node-3-launch")
+    assert not faults.claim(f)

@@ -4,9 +4,9 @@
 ``TRAINGUARD_FAULT="step=743,rank=1,kind=kill"`` (several specs separated by ``;``).
 :func:`maybe_fire` is called by :func:`trainguard.elastic.heartbeat` on every rank at every
 step; the matching rank fires. "Once per job": before firing, the rank creates a marker file
-with ``O_EXCL`` under ``<run dir>/.trainguard/`` named after the job id (the rendezvous id,
-``TORCHELASTIC_RUN_ID``), so the restarted workers, which see the same step again, do not fire
-again, while a new job in the same run directory does.
+with ``O_EXCL`` under ``<run dir>/.trainguard/`` named after the job id (:func:`job_id`: the
+rendezvous id ``TORCHELASTIC_RUN_ID``), so the restarted workers, which see the same step again,
+do not fire again, while a new job in the same run directory does.
 
 Kinds: ``kill`` (SIGKILL to itself: no cleanup, like an OOM kill), ``exit`` (``os._exit(43)``),
 ``exception`` (raises :class:`InjectedFault` from the training loop), ``hang`` (blocks forever,
@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
+import socket
 import tempfile
 import time
 from dataclasses import dataclass
@@ -89,8 +90,18 @@ def run_dir() -> str | None:
     return os.environ.get("TRAINGUARD_RUN_DIR") or None
 
 
+def job_id() -> str:
+    """The id of this job for fault markers: the rendezvous id, the same on every node; torchrun's
+    default rendezvous id ("none", multi-node without --rdzv-id) names no job, so then the id
+    ``trainguard run`` made for this launch, else (plain torchrun) this node's agent process."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        return run_id
+    return os.environ.get("TRAINGUARD_JOB_ID") or f"agent-{socket.gethostname()}-{os.getppid()}"
+
+
 def _marker(fault: Fault) -> str:
-    job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("TRAINGUARD_JOB_ID") or "nojob"
+    job = job_id()
     base = run_dir() or os.path.join(tempfile.gettempdir(), "trainguard-faults")
     digest = hashlib.sha1(f"{job}|{fault.spec()}".encode()).hexdigest()[:16]
     return os.path.join(base, ".trainguard", f"fault-{digest}.fired")
