@@ -356,9 +356,8 @@ class StoreDistContext(DistContext):
         return bool(self.store.check([f"{self.chan}/at/{r}" for r in ranks]))
 
     def _cleanup(self, round_no: int) -> None:
-        """Rank 0, in a round every rank has entered: delete the keys of rounds up to ``round_no``
-        (two back: every rank has passed the round after it), broadcasts' included (a manager
-        broadcasts once per step), and the fences claimed in them, in the background."""
+        """Rank 0, in a round every rank entered: delete in the background the keys of rounds up to
+        ``round_no`` (two back: all passed the round after), broadcasts' too, and their fences."""
         if self.rank != 0:
             return
         keys = []
@@ -369,13 +368,14 @@ class StoreDistContext(DistContext):
             keys += [f"{base}/{k}" for k in range(self.world_size)] if per_rank else []
         while self._fences and self._fences[0][0] <= round_no:
             keys.append(self._fences.pop(0)[1])
-        if keys:
-            self.store.discard(keys)
+        self.store.discard(keys)
 
 
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
 # passed "begin"): a rank missing there is busy with the work in between, not absent.
 _MIDWAY = {"written": "writing its data"}
+
+
 def describe_error(e: BaseException) -> str:
     """One rank's error as text for the others: the message for our errors, else a traceback."""
     import traceback

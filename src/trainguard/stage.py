@@ -4,7 +4,6 @@ Who calls what (``async_save``, every rank, one save holding the pool at a time)
 
 0. training thread, first in the save call: :func:`protected_tensors` says which tensors only
    an optimizer's ``step()`` changes (staged later, by the save thread) and which are copied now.
-
 1. training thread, inside the save call: :meth:`StagingPool.acquire` gives one slot per tensor
    that must be copied at once (buffers, RNG, plain tensors); these always get a slot.
 2. save thread, once the "begin" round fixed which chunks this rank writes:
