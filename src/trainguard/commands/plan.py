@@ -202,7 +202,7 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     if save_stall is not None and (node_failures_per_day is not None or node_mtbf is not None):
         plan = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node)
     amp_mode: str | bool | None = False if amp == "none" else amp
-    settings = settings_from(manager, plan=plan, source=Path(script).read_text(encoding="utf-8"), amp=amp_mode)
+    settings = settings_from(manager, plan=plan, source=_source(Path(script)), amp=amp_mode)
     findings = check(state, settings)
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings]))
@@ -218,16 +218,32 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         sys.exit(1)
 
 
+def _source(path: Path) -> str:
+    """The script's text as Python reads it: its PEP 263 coding line, else UTF-8 (undecodable bytes replaced)."""
+    data = path.read_bytes()
+    try:
+        return importlib.util.decode_source(data)
+    except (SyntaxError, UnicodeDecodeError, LookupError):
+        return data.decode("utf-8", errors="replace")
+
+
 def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
-    """Import ``path`` as a module (not as __main__) and call its ``trainguard_state()``."""
+    """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
+    ``trainguard_state()``."""
     spec = importlib.util.spec_from_file_location(f"_trainguard_doctor_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise click.ClickException(f"{path}: cannot import this file as Python")
     mod = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # so the script's own sibling imports work
+    argv, sys.argv = sys.argv, [str(path)]  # argparse at module level sees the script's defaults, not ours
     try:
-        spec.loader.exec_module(mod)
+        try:
+            spec.loader.exec_module(mod)
+        except SystemExit as e:
+            raise click.ClickException(f"{path} exited while being imported (SystemExit: {e.code}): the doctor "
+                                       "imports it, so keep argument parsing and training under "
+                                       "`if __name__ == \"__main__\":`") from None
         hook = getattr(mod, "trainguard_state", None)
         if not callable(hook):
             raise click.ClickException(f"{path} defines no trainguard_state(): add one that returns the state "
@@ -238,6 +254,7 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     except Exception as e:
         raise click.ClickException(f"{path}: {type(e).__name__}: {e}") from e
     finally:
+        sys.argv = argv
         if folder in sys.path:
             sys.path.remove(folder)
     state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)

@@ -1,0 +1,40 @@
+"""Doc-vs-code review of planning and the doctor: cases that failed before their fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from trainguard.commands.plan import doctor_cmd
+from trainguard.doctor import Finding, Settings, check
+
+
+def one(name: str, **settings: object) -> Finding:
+    (found,) = [f for f in check({}, Settings(**settings)) if f.check == name]  # type: ignore[arg-type]
+    return found
+
+
+def test_doctor_reads_a_script_in_a_declared_non_utf8_encoding(tmp_path: Path) -> None:
+    # A valid Python file (PEP 263 coding line) that Python imports fine; the doctor read it as UTF-8.
+    script = tmp_path / "train.py"
+    script.write_bytes(b"# -*- coding: latin-1 -*-\n# caf\xe9\nimport torch\n\ndef trainguard_state():\n"
+                       b"    return {'model': torch.nn.Linear(2, 2)}\n\nif False:\n    print('caf\xe9')\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--json"])
+    assert res.exception is None or isinstance(res.exception, SystemExit), res.exception
+    assert '"check": "model"' in res.output and "all ranks save" in res.output, res.output
+
+
+def test_doctor_says_so_when_the_script_exits_while_imported(tmp_path: Path) -> None:
+    # argparse at module level: it parsed the doctor's own arguments and exited 2 with the script's usage
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\np = argparse.ArgumentParser()\np.add_argument('--lr', type=float, default=1e-3)\n"
+                      "args = p.parse_args()\n\ndef trainguard_state():\n    return {}\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--json"])
+    assert "unrecognized arguments" not in res.output, res.output
+    assert res.exit_code == 1 and '"check": "model"' in res.output, res.output  # defaults: imports, then checks
+    # a script that exits at import (sys.exit(3)) exited the doctor silently with the script's code
+    script.write_text("import sys\nsys.exit(3)\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script)])
+    assert res.exit_code == 1 and "exited" in res.output and "__main__" in res.output, res.output
+
