@@ -38,3 +38,15 @@ def test_doctor_says_so_when_the_script_exits_while_imported(tmp_path: Path) -> 
     res = CliRunner().invoke(doctor_cmd, [str(script)])
     assert res.exit_code == 1 and "exited" in res.output and "__main__" in res.output, res.output
 
+
+def test_config_and_image_saves_under_rank_zero_are_not_checkpoint_errors() -> None:
+    # docs/planning.md: "np.save and the like: not reported"; accelerate's save is torch.save on the main process
+    src = ("if rank == 0:\n    OmegaConf.save(cfg, 'config.yaml')\n    yaml.safe_dump(cfg, f)\n"
+           "if accelerator.is_main_process:\n    accelerator.save(model.state_dict(), 'model.pt')\n")
+    f = one("all ranks save", source=src)
+    assert f.severity == "warning" and "line 5" in f.message and "line 2" not in f.message, f.message
+    assert "accelerator.save" in f.message, f.message
+    f = one("all ranks save", source="if rank == 0:\n    OmegaConf.save(cfg, 'config.yaml')\n")
+    assert f.severity == "ok", f.message
+    f = one("all ranks save", source="if rank == 0:\n    mgr.save(step, state)\n    OmegaConf.save(c, 'c.yaml')\n")
+    assert f.severity == "error" and "line 2" in f.message and "3" not in f.message, f.message

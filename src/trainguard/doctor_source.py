@@ -13,7 +13,8 @@ from typing import Any
 from .doctor import Finding, Settings, _calls
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
-_FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json"}  # not checkpoints
+_FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf"}  # not checkpoints
+_EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
 
 
@@ -79,14 +80,15 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, _SAVE_CALLS, node)
     owner = [(c.lineno, _receiver(c)) for c in calls]
-    hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r != "torch"})
+    hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r not in _EXPORTS})
     if hits:
         return Finding("all ranks save", "error", f"save called under a rank-0 condition (line "
                        f"{', '.join(map(str, hits))}): the other ranks' shards, RNG and data positions are never "
                        "written, and a collective save waits forever for them", "call mgr.save(step, state) on "
                        "every rank; trainguard decides which rank writes what")
-    if torch_saves := sorted({n for n, r in owner if r == "torch"}):
-        return Finding("all ranks save", "warning", f"torch.save under a rank-0 condition (line "
+    if torch_saves := sorted({n for n, r in owner if r in _EXPORTS}):
+        names = ", ".join(sorted({f"{r}.save" for _, r in owner if r in _EXPORTS}))
+        return Finding("all ranks save", "warning", f"{names} under a rank-0 condition (line "
                        f"{', '.join(map(str, torch_saves))}): fine to export a replicated (DDP) model's weights, "
                        "but as a checkpoint it misses FSDP shards and every other rank's RNG and data position",
                        "checkpoint with mgr.save(step, state) on every rank; keep rank-0 torch.save for exports")
