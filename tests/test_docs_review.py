@@ -50,3 +50,14 @@ def test_config_and_image_saves_under_rank_zero_are_not_checkpoint_errors() -> N
     assert f.severity == "ok", f.message
     f = one("all ranks save", source="if rank == 0:\n    mgr.save(step, state)\n    OmegaConf.save(c, 'c.yaml')\n")
     assert f.severity == "error" and "line 2" in f.message and "3" not in f.message, f.message
+
+
+def test_plan_prints_small_failure_odds_without_rounding_them_to_zero() -> None:
+    from trainguard.commands.plan import plan_cmd
+
+    # one node failing once in 10,000 days: P(day) = 0.0099995 %, P(week) = 0.07 %; printed as 0.0 % and 0.1 %
+    res = CliRunner().invoke(plan_cmd, "--node-failures-per-day 0.0001 --save-stall 10s --restart 5m".split(),
+                             terminal_width=200)
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines()
+            if line.count("│") == 3}
+    assert rows["P(>= 1 failure) per day"] == "0.01%" and rows["P(>= 1 failure) per week"] == "0.07%", res.output

@@ -142,6 +142,8 @@ HOPELESS = 0.5  # below this efficiency at the optimum, plan says what to change
 
 
 def _pct(p: float) -> str:
+    if p < 0.001:  # 2 significant digits: odds of 1e-4 a day are not "0.0%"
+        return f"{100 * p:.2g}%"
     return f"{100 * p:.1f}%" if p < 0.995 else f"{100 * p:.6g}%"
 
 
