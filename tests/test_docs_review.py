@@ -61,3 +61,16 @@ def test_plan_prints_small_failure_odds_without_rounding_them_to_zero() -> None:
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in res.output.splitlines()
             if line.count("│") == 3}
     assert rows["P(>= 1 failure) per day"] == "0.01%" and rows["P(>= 1 failure) per week"] == "0.07%", res.output
+
+
+def test_interval_check_takes_the_stall_out_of_an_every_seconds_interval() -> None:
+    # EverySeconds counts wall time from one save's start to the next, the save's stall included; the plan's
+    # intervals are compute time: EverySeconds(60) with a 30 s stall computes 30 s between saves, not 60 s
+    from trainguard.policies import EverySeconds
+    from trainguard.reliability import make_plan
+
+    plan = make_plan(nodes=256, node_failures_per_day=0.0065, stall_s=30, restart_s=600, step_time_s=2)
+    f = one("interval", save_policy=EverySeconds(60), plan=plan)
+    assert f.severity == "warning" and f"efficiency {100 * plan.efficiency(30.0):.2f}%" in f.message, f.message
+    f = one("interval", save_policy=EverySeconds(1800 + 30), plan=plan)
+    assert f.severity == "ok" and f"efficiency {100 * plan.efficiency(1800.0):.2f}%" in f.message, f.message

@@ -318,8 +318,9 @@ def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                        "or make_plan(step_time_s=...)")
     if isinstance(getattr(pol, "n", None), int):
         cur, what = pol.n * plan.step_time_s, f"every {pol.n} steps ({format_duration(pol.n * plan.step_time_s)})"
-    elif isinstance(getattr(pol, "seconds", None), (int, float)):
-        cur, what = float(pol.seconds), f"every {format_duration(pol.seconds)}"
+    elif isinstance(getattr(pol, "seconds", None), (int, float)):  # wall time from save to save: stall included
+        cur = max(float(pol.seconds) - plan.stall_s, plan.step_time_s or 0.0)
+        what = f"every {format_duration(pol.seconds)} of wall time ({format_duration(cur)} of compute)"
     else:
         return None
     opt, ratio = plan.optimal_interval_s, cur / plan.optimal_interval_s
