@@ -74,3 +74,22 @@ def test_interval_check_takes_the_stall_out_of_an_every_seconds_interval() -> No
     assert f.severity == "warning" and f"efficiency {100 * plan.efficiency(30.0):.2f}%" in f.message, f.message
     f = one("interval", save_policy=EverySeconds(1800 + 30), plan=plan)
     assert f.severity == "ok" and f"efficiency {100 * plan.efficiency(1800.0):.2f}%" in f.message, f.message
+
+
+def test_rank_zero_conditions_are_recognised_by_the_rank_not_by_the_letters_rank() -> None:
+    # "rank" anywhere in a comparison with 0 made it a rank-0 condition: `rank % 2 == 0` (every
+    # other rank) and `epoch % eval_ranking_every == 0` were errors; `rank < 1` was not seen.
+    fine = ["if rank % 2 == 0:\n    mgr.save(step, state)\n",
+            "if epoch % eval_ranking_every == 0:\n    mgr.save(step, state)\n",
+            "if num_rankings == 0:\n    mgr.save(step, state)\n"]
+    for src in fine:
+        assert one("all ranks save", source=src).severity == "ok", src
+    flagged = ["if rank < 1:\n    mgr.save(step, state)\n",
+               "if 0 == args.local_rank:\n    mgr.save(step, state)\n",
+               "if int(os.environ.get('RANK', 0)) == 0:\n    mgr.save(step, state)\n",
+               "if os.environ['RANK'] == 0:\n    mgr.save(step, state)\n",
+               "if self.global_rank <= 0:\n    mgr.save(step, state)\n",
+               "if rank >= 1:\n    pass\nelse:\n    mgr.save(step, state)\n"]
+    for src in flagged:
+        f = one("all ranks save", source=src)
+        assert f.severity == "error", (src, f.message)

@@ -8,6 +8,7 @@ rank 0 reaches. Each check returns ``None`` when there is no source to read (or 
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
@@ -116,14 +117,15 @@ def _rank_zero(test: ast.expr) -> bool | None:
         if len(test.ops) != 1:
             return None
         (op,), left, right = test.ops, test.left, test.comparators[0]
-        zero = [isinstance(x, ast.Constant) and x.value == 0 and x.value is not False for x in (left, right)]
-        if not any(zero) or not (_mentions_rank(left) or _mentions_rank(right)):
+        if isinstance(left, ast.Constant):  # `0 == rank`, `0 < rank`: the rank on the left
+            left, right, op = right, left, _FLIP.get(type(op), op)
+        if not (_mentions_rank(left) and isinstance(right, ast.Constant) and type(right.value) is int):
             return None
-        if isinstance(op, (ast.Eq, ast.Is)):
-            return True
-        if isinstance(op, (ast.NotEq, ast.IsNot)) or (isinstance(op, ast.Gt) and zero[1]) or (
-                isinstance(op, ast.Lt) and zero[0]):
-            return False
+        n = right.value
+        if n == 0 and isinstance(op, (ast.Eq, ast.Is, ast.LtE)) or n == 1 and isinstance(op, ast.Lt):
+            return True  # rank == 0, rank <= 0, rank < 1
+        if n == 0 and isinstance(op, (ast.NotEq, ast.IsNot, ast.Gt)) or n == 1 and isinstance(op, ast.GtE):
+            return False  # rank != 0, rank > 0, rank >= 1
         return None
     f = test.func if isinstance(test, ast.Call) else test  # is_main_process, acc.is_main_process, is_rank_zero()
     if (isinstance(f, ast.Name) and f.id in _RANK_ZERO_FLAGS) or (
@@ -132,5 +134,24 @@ def _rank_zero(test: ast.expr) -> bool | None:
     return None
 
 
+_FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
+
+
 def _mentions_rank(x: ast.expr) -> bool:
-    return not isinstance(x, ast.Constant) and "rank" in ast.unparse(x).lower()
+    """Whether ``x`` is a process rank: a name or attribute with "rank" as a word of it (``rank``,
+    ``args.local_rank``, ``dist.get_rank()``, ``self.global_rank``) or an environment lookup of one
+    (``int(os.environ["RANK"])``, ``os.environ.get("RANK")``); not ``rank % 2`` nor ``ranking_every``."""
+    if isinstance(x, ast.Call):
+        if isinstance(x.func, ast.Name) and x.func.id == "int" and x.args:
+            return _mentions_rank(x.args[0])
+        if isinstance(x.func, ast.Attribute) and x.func.attr in ("get", "getenv") and x.args:
+            return isinstance(x.args[0], ast.Constant) and _rank_word(str(x.args[0].value))
+        x = x.func
+    if isinstance(x, ast.Subscript):
+        return isinstance(x.slice, ast.Constant) and _rank_word(str(x.slice.value))
+    name = x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else ""
+    return _rank_word(name)
+
+
+def _rank_word(name: str) -> bool:
+    return re.search(r"(^|_)rank($|_)", name.lower()) is not None
