@@ -93,3 +93,13 @@ def test_rank_zero_conditions_are_recognised_by_the_rank_not_by_the_letters_rank
     for src in flagged:
         f = one("all ranks save", source=src)
         assert f.severity == "error", (src, f.message)
+
+
+def test_amp_check_of_a_run_time_dtype_is_a_warning_and_of_a_disabled_autocast_nothing() -> None:
+    # nanoGPT's `torch.amp.autocast(device_type=device_type, dtype=ptdtype)` (bfloat16 by default)
+    # and `autocast("cuda", enabled=False)` were float16 AMP errors.
+    f = one("amp", source="ctx = torch.amp.autocast(device_type=device_type, dtype=ptdtype)\n")
+    assert f.severity == "warning" and "chosen at run time" in f.message, f.message
+    assert one("amp", source="with torch.autocast('cuda', enabled=False):\n    pass\n").severity == "ok"
+    assert one("amp", source="with torch.autocast('cuda'):\n    pass\n").severity == "error"  # CUDA's default: float16
+    assert one("amp", source="with torch.autocast('cuda', dtype=torch.bfloat16):\n    pass\n").severity == "ok"

@@ -239,10 +239,11 @@ def _amp(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
         mode, why = _amp_detect(leaves, s.source)
     if scaler:
         return Finding("amp", "ok", f"GradScaler saved ({scaler[0]})")
-    if mode in (True, "float16"):
-        return Finding("amp", "error", f"float16 AMP in use ({why}) but no GradScaler in the state: a resume "
-                       "restarts the loss scale at 65536, skipping steps until it settles",
-                       'add state["scaler"] = scaler (torch.amp.GradScaler)')
+    if mode in (True, "float16", "unknown"):
+        return Finding("amp", "error" if mode != "unknown" else "warning",
+                       f"{'float16' if mode != 'unknown' else 'maybe float16 (a dtype chosen at run time)'} AMP in use "
+                       f"({why}) but no GradScaler in the state: a resume restarts the loss scale at 65536, skipping "
+                       "steps until it settles", 'add state["scaler"] = scaler (torch.amp.GradScaler)')
     return Finding("amp", "ok", "bfloat16 autocast needs no GradScaler" if mode == "bfloat16" else "no float16 AMP detected")
 
 
@@ -253,10 +254,17 @@ def _amp_detect(leaves: list[tuple[str, Any]], source: str | None) -> tuple[str 
         if isinstance(x, torch.nn.Module) and any(t.dtype == torch.float16 for t in x.parameters()):
             return "float16", f"{p} has float16 parameters"
     for call in _calls(source, {"autocast"}):
+        kw = {k.arg: k.value for k in call.keywords if k.arg}
+        if isinstance(kw.get("enabled"), ast.Constant) and kw["enabled"].value is False:
+            continue  # autocast(..., enabled=False): no AMP
         text = ast.unparse(call)
         if "bfloat16" in text or "bf16" in text:
             return "bfloat16", f"line {call.lineno}: {text}"
-        if "float16" in text or "half" in text or "cpu" not in text:  # CUDA's autocast defaults to float16
+        if "float16" in text or "half" in text:
+            return "float16", f"line {call.lineno}: {text}"
+        if "dtype" in kw or len(call.args) > 1:  # autocast(device_type=..., dtype=ptdtype): nanoGPT's style
+            return "unknown", f"line {call.lineno}: {text}"
+        if "cpu" not in text:  # CUDA's autocast defaults to float16
             return "float16", f"line {call.lineno}: {text}"
         return "bfloat16", f"line {call.lineno}: {text}"  # CPU's autocast defaults to bfloat16
     return False, "not detected"
