@@ -163,7 +163,12 @@ def persist_and_commit(
     hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
-        hello.update(occupied(storage, storage.join(parent, name), overwrite))
+        try:
+            hello.update(occupied(storage, storage.join(parent, name), overwrite))
+        except Exception as e:  # a listing that failed (name too long, no permission, an object store's error)
+            if not ctx.is_distributed:
+                raise
+            hello["error"] = describe_error(e)  # in the begin round: every rank raises it, none waits for rank 0
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     _check_begin(begin, ctx)
     save_id = begin[0]["id"]

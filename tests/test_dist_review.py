@@ -1,0 +1,51 @@
+"""Review of the distributed save/load path: failures that only one rank sees must fail the save on
+every rank, in the same collective round, and commit nothing (real gloo ranks, bounded)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+import trainguard as tg
+
+from dist_helper import run_ranks
+
+ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
+
+
+def _attempt(fn) -> dict:
+    try:
+        fn()
+    except tg.RankFailureError as e:
+        return {"type": "RankFailureError", "msg": str(e), "ranks": sorted(e.failures)}
+    except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
+        return {"type": type(e).__name__, "msg": str(e)}
+    return {"type": None}
+
+
+def listing_fails_on_rank0_group(rank: int, world: int, root: str) -> dict:
+    state = {"w": torch.arange(6.0)}
+    # Rank 0 alone looks at the target before the "begin" round; its listing fails (ENAMETOOLONG).
+    out = {"listing": _attempt(lambda: tg.save(f"{root}/{'x' * 300}", state, timeout=20))}
+    out["next"] = _attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
+    return out
+
+
+def _only_the_next_save_committed(root: str) -> None:
+    assert sorted(os.listdir(root)) == ["step-000000004"]  # nothing else committed, no temp directory left
+    got = {"w": torch.zeros(6)}
+    tg.load(f"{root}/step-000000004", got)
+    assert torch.equal(got["w"], torch.arange(6.0))
+
+
+def test_rank0_failing_to_look_at_the_target_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    out = [r.value for r in run_ranks(listing_fails_on_rank0_group, 2, root, timeout=90, env=ENV)]
+    for o in out:
+        assert o["listing"]["type"] == "RankFailureError" and o["listing"]["ranks"] == [0], o["listing"]
+        assert "File name too long" in o["listing"]["msg"]
+        assert o["next"]["type"] is None, o["next"]
+    assert len({o["listing"]["msg"] for o in out}) == 1
+    _only_the_next_save_committed(root)
