@@ -33,6 +33,18 @@ def listing_fails_on_rank0_group(rank: int, world: int, root: str) -> dict:
     return out
 
 
+def bad_metadata_on_rank1_group(rank: int, world: int, root: str) -> dict:
+    state = {"w": torch.arange(6.0)}
+    # Metadata only rank 1 cannot store (rank 0's is the one the manifest would hold).
+    bad = {"acc": 0.5} if rank == 0 else {"acc": object()}
+    out = {"metadata": _attempt(lambda: tg.save(f"{root}/step-000000002", state, metadata=bad, timeout=20))}
+    out["metadata_async"] = _attempt(
+        lambda: tg.save(f"{root}/step-000000003", state, metadata=bad, async_=True, timeout=20).result()
+    )
+    out["next"] = _attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
+    return out
+
+
 def _only_the_next_save_committed(root: str) -> None:
     assert sorted(os.listdir(root)) == ["step-000000004"]  # nothing else committed, no temp directory left
     got = {"w": torch.zeros(6)}
@@ -48,4 +60,16 @@ def test_rank0_failing_to_look_at_the_target_fails_the_save_on_every_rank(tmp_pa
         assert "File name too long" in o["listing"]["msg"]
         assert o["next"]["type"] is None, o["next"]
     assert len({o["listing"]["msg"] for o in out}) == 1
+    _only_the_next_save_committed(root)
+
+
+def test_metadata_one_rank_cannot_store_fails_the_save_on_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    out = [r.value for r in run_ranks(bad_metadata_on_rank1_group, 2, root, timeout=90, env=ENV)]
+    for o in out:
+        for case in ("metadata", "metadata_async"):
+            assert o[case]["type"] == "RankFailureError" and o[case]["ranks"] == [1], o[case]
+            assert "metadata/acc" in o[case]["msg"]
+        assert o["next"]["type"] is None, o["next"]
+    assert len({o["metadata"]["msg"] for o in out}) == 1
     _only_the_next_save_committed(root)

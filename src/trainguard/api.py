@@ -100,8 +100,6 @@ def start_save(
     """Start a save on every rank; sync saves return an already completed handle.
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``."""
-    if metadata:
-        encode_json(metadata)  # a value JSON cannot hold fails here, before a byte is written
     if async_:
         from .async_save import start_async_save
 
@@ -112,7 +110,7 @@ def start_save(
             step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
         )
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout)
+        snap = _collective_capture(state, ctx, layout, timeout, metadata)
         manifest = persist_and_commit(
             storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
         )
@@ -120,8 +118,14 @@ def start_save(
     return SaveHandle.completed(manifest, manifest.step)
 
 
-def _collective_capture(state: Mapping[str, Any], ctx: DistContext, layout_kind: str, timeout: float | None) -> Snapshot:
+def _collective_capture(
+    state: Mapping[str, Any], ctx: DistContext, layout_kind: str, timeout: float | None, metadata: Mapping[str, Any] | None = None
+) -> Snapshot:
+    """Phase 1 on every rank (sync and async saves): check ``metadata`` and capture ``state``. A
+    rank that fails here tells the others in the "begin" round, so every rank raises at once."""
     try:
+        if metadata:
+            encode_json(metadata)  # a value JSON cannot hold fails here, before a byte is written
         return capture(state, ctx=ctx, layout_kind=layout_kind)
     except Exception as e:
         # Tell the other ranks before raising, so they fail now instead of at the timeout.

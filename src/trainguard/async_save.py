@@ -113,7 +113,7 @@ def start_async_save(
     t0 = time.monotonic()
     _finish_previous()
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout)
+        snap = _collective_capture(state, ctx, layout, timeout, metadata)
     protected, optimizers = protected_tensors(state)
     handle = SaveHandle(step)
     pool = default_pool(max_staging_bytes)

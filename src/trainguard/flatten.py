@@ -169,7 +169,7 @@ def tensor_refs(skeleton: Any) -> list[str]:
 
 def encode_json(value: Mapping[str, Any], where: str = "metadata") -> Any:
     """A checkpoint's ``metadata`` as it is stored in the manifest (JSON, nan/inf and tuples
-    marked as in skeletons). ``api.start_save`` calls it before anything is written, so a
+    marked as in skeletons). ``api._collective_capture`` calls it on every rank before anything is written, so a
     value that cannot be stored fails the call, not the commit; ``Manifest.to_bytes`` again."""
     skel, tensors = flatten(dict(value), where)
     if tensors:
