@@ -73,3 +73,35 @@ def test_metadata_one_rank_cannot_store_fails_the_save_on_every_rank(tmp_path: P
         assert o["next"]["type"] is None, o["next"]
     assert len({o["metadata"]["msg"] for o in out}) == 1
     _only_the_next_save_committed(root)
+
+
+def submesh_group(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    def state(scale: float) -> dict:
+        torch.manual_seed(0)
+        full = torch.randn(5, 3) * scale
+        return {
+            "a": distribute_tensor(full, DeviceMesh("cpu", [0, 1]), [Shard(0)]),  # rank 2 holds none of it
+            "b": distribute_tensor(full * 2, DeviceMesh("cpu", [1, 2]), [Replicate()]),  # rank 0 holds none
+        }
+
+    saved, fresh = state(1.0), state(0.0)
+    out = {"save": _attempt(lambda: tg.save(f"{root}/step-000000001", saved, timeout=20))}
+    out["load"] = _attempt(lambda: tg.load(f"{root}/step-000000001", fresh, timeout=20))
+    out["equal"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
+    return out
+
+
+def test_dtensors_on_meshes_of_some_ranks_load_on_every_rank(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    out = [r.value for r in run_ranks(submesh_group, 3, root, timeout=90, env=ENV)]
+    for o in out:
+        assert o["save"]["type"] is None and o["load"]["type"] is None, (o["save"], o["load"])
+        assert o["equal"]
+    got = {"a": None, "b": None}
+    tg.load(f"{root}/step-000000001", got)  # offline, one process: whole tensors
+    torch.manual_seed(0)
+    full = torch.randn(5, 3)
+    assert torch.equal(got["a"], full) and torch.equal(got["b"], full * 2)

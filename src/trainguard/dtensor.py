@@ -30,8 +30,14 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
             raise TypeError(
                 f"DTensor with placement {p} cannot be saved as is; call .redistribute() to Shard/Replicate first"
             )
+    coord = mesh.get_coordinate()
+    if coord is None and t.dim():
+        # This rank is outside the DTensor's mesh (a mesh over some of the ranks): it holds none of
+        # it. torch gives its local shape as (0,) with no offsets, a box of another rank than the
+        # tensor's, which broke the load's read planning: an empty box of the tensor's rank instead.
+        return t.to_local().new_empty((0,) * t.dim()), tuple(t.shape), (0,) * t.dim(), False
     shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-    coord = mesh.get_coordinate() or []
+    coord = coord or []
     writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
     return t.to_local(), tuple(t.shape), tuple(offsets), writer
 
