@@ -105,3 +105,25 @@ def test_dtensors_on_meshes_of_some_ranks_load_on_every_rank(tmp_path: Path) -> 
     torch.manual_seed(0)
     full = torch.randn(5, 3)
     assert torch.equal(got["a"], full) and torch.equal(got["b"], full * 2)
+
+
+def bad_metrics_on_rank1_group(rank: int, world: int, root: str) -> dict:
+    state = {"w": torch.arange(6.0)}
+    # A validation metric only rank 0 computes: the others pass None, which metrics refuse.
+    metrics = {"val": 0.25 if rank == 0 else None}
+    out = {}
+    with tg.CheckpointManager(f"{root}/run", save=tg.EveryNSteps(1), timeout=20, handle_signals=False) as mgr:
+        out["save"] = _attempt(lambda: mgr.save(1, state, metrics=metrics))
+        out["next"] = _attempt(lambda: mgr.save(2, state, metrics={"val": 0.5}))  # the ranks are still in step
+        out["latest"] = mgr.latest_step()
+    return out
+
+
+def test_a_metric_refused_on_one_rank_fails_the_managers_save_on_every_rank(tmp_path: Path) -> None:
+    # The manager refused metrics before any collective: rank 1 raised at once and rank 0 waited in
+    # the "begin" round for it (the heartbeat went on) until the timeout, or paired its next save.
+    out = [r.value for r in run_ranks(bad_metrics_on_rank1_group, 2, str(tmp_path), timeout=90, env=ENV)]
+    for o in out:
+        assert o["save"]["type"] == "RankFailureError" and o["save"]["ranks"] == [1], o["save"]
+        assert "metrics['val'] = None" in o["save"]["msg"], o["save"]["msg"]
+        assert o["next"]["type"] is None and o["latest"] == 2, o

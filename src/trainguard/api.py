@@ -96,10 +96,12 @@ def start_save(
     step: int | None = None,
     max_staging_bytes: int | None = None,
     stage_in_background: bool = False,
+    preflight: Exception | None = None,
 ) -> SaveHandle:
     """Start a save on every rank; sync saves return an already completed handle.
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
-    moves every copy to the save thread (docs/async.md); both only matter with ``async_``."""
+    moves every copy to the save thread (docs/async.md); both only matter with ``async_``.
+    ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
     if async_:
         from .async_save import start_async_save
 
@@ -107,10 +109,10 @@ def start_save(
         # thread's (the manager's "decide") in a different order on each rank.
         return start_async_save(
             storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
-            step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
+            step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background, preflight=preflight,
         )
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout, metadata)
+        snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
         manifest = persist_and_commit(
             storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
         )
@@ -119,11 +121,15 @@ def start_save(
 
 
 def _collective_capture(
-    state: Mapping[str, Any], ctx: DistContext, layout_kind: str, timeout: float | None, metadata: Mapping[str, Any] | None = None
+    state: Mapping[str, Any], ctx: DistContext, layout_kind: str, timeout: float | None,
+    metadata: Mapping[str, Any] | None = None, preflight: Exception | None = None,
 ) -> Snapshot:
     """Phase 1 on every rank (sync and async saves): check ``metadata`` and capture ``state``. A
-    rank that fails here tells the others in the "begin" round, so every rank raises at once."""
+    rank that fails here (or brings a ``preflight`` error) tells the others in the "begin" round,
+    so every rank raises at once."""
     try:
+        if preflight is not None:
+            raise preflight
         if metadata:
             encode_json(metadata)  # a value JSON cannot hold fails here, before a byte is written
         return capture(state, ctx=ctx, layout_kind=layout_kind)

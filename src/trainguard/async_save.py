@@ -101,6 +101,7 @@ def start_async_save(
     step: int | None = None,
     max_staging_bytes: int | None = None,
     stage_in_background: bool = False,
+    preflight: Exception | None = None,
 ) -> SaveHandle:
     """Start an async save on this rank (every rank calls it, same order); returns its handle.
 
@@ -113,7 +114,7 @@ def start_async_save(
     t0 = time.monotonic()
     _finish_previous()
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout, metadata)
+        snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
     protected, optimizers = protected_tensors(state)
     handle = SaveHandle(step)
     pool = default_pool(max_staging_bytes)

@@ -27,7 +27,7 @@ from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
-from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, metric_values
+from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, checked_metrics
 from .retention import retain, unrestored_error
 from .stateful import check_state
 from .storage import for_path
@@ -220,7 +220,7 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
         t0 = time.monotonic()
-        values = metric_values(metrics)
+        values, bad = checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall
         except CheckpointError as e:
@@ -256,7 +256,7 @@ class CheckpointManager:
                 storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
                 max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background,
-                overwrite=replace and storage.atomic_rename,
+                overwrite=replace and storage.atomic_rename, preflight=bad,
             )
         except CheckpointError as e:
             self._report_failure(unrestored_error(e, step, self._restored), step=step)

@@ -227,6 +227,16 @@ class KeepUnion(RetentionPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
+def checked_metrics(metrics: Mapping[str, Any] | None) -> tuple[dict[str, float], UnsupportedValueError | None]:
+    """:func:`metric_values`, its refusal returned, not raised: ``CheckpointManager.save`` hands
+    it to the save's first round (``start_save(preflight=...)``), so that a value refused on
+    some ranks only fails the save on every rank at once instead of leaving the others waiting."""
+    try:
+        return metric_values(metrics), None
+    except UnsupportedValueError as e:
+        return {}, e
+
+
 def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
     (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
