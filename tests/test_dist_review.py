@@ -88,7 +88,10 @@ def submesh_group(rank: int, world: int, root: str) -> dict:
         }
 
     saved, fresh = state(1.0), state(0.0)
-    out = {"save": _attempt(lambda: tg.save(f"{root}/step-000000001", saved, timeout=20))}
+    # layout="full" gathers each DTensor: a rank outside a mesh got a (0,) tensor from full_tensor()
+    # and the save was refused as "ranks passed different entries"; now it names the mesh.
+    out = {"full": _attempt(lambda: tg.save(f"{root}/full", {"b": saved["b"]}, layout="full", timeout=20))}
+    out["save"] = _attempt(lambda: tg.save(f"{root}/step-000000001", saved, timeout=20))
     out["load"] = _attempt(lambda: tg.load(f"{root}/step-000000001", fresh, timeout=20))
     out["equal"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
     return out
@@ -98,8 +101,11 @@ def test_dtensors_on_meshes_of_some_ranks_load_on_every_rank(tmp_path: Path) -> 
     root = str(tmp_path)
     out = [r.value for r in run_ranks(submesh_group, 3, root, timeout=90, env=ENV)]
     for o in out:
+        assert o["full"]["type"] == "RankFailureError" and o["full"]["ranks"] == [0], o["full"]
+        assert "layout='full' needs every DTensor on a mesh of all ranks" in o["full"]["msg"], o["full"]["msg"]
         assert o["save"]["type"] is None and o["load"]["type"] is None, (o["save"], o["load"])
         assert o["equal"]
+    assert not os.path.exists(f"{root}/full")
     got = {"a": None, "b": None}
     tg.load(f"{root}/step-000000001", got)  # offline, one process: whole tensors
     torch.manual_seed(0)

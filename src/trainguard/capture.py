@@ -116,6 +116,11 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
     full = layout_kind == "full" and not local
     dt = is_dtensor(t)
     if dt and full:
+        if t.device_mesh.get_coordinate() is None:  # full_tensor() would give this rank a (0,) tensor
+            raise UnsupportedValueError(
+                f"{path}: layout='full' needs every DTensor on a mesh of all ranks, and rank {rank} is outside this "
+                "one's; save sharded (the default) and make a full copy offline with `trainguard consolidate`"
+            )
         t, dt = t.full_tensor(), False  # collective on the training group: every rank reaches it in the same order
     if dt:
         data, shape, offsets, writer = shard_of(t)
