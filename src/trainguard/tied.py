@@ -4,9 +4,10 @@ names (a GPT's ``lm_head.weight`` IS ``wte.weight``: two ``state_dict()`` keys, 
 Save: ``capture`` notes, for each plain tensor (``torch.Tensor``/``nn.Parameter``, not DTensor
 shards nor rank-local entries), where its memory starts (one dict lookup per tensor). A later
 name that is the same view of the same memory as an earlier one (same address, dtype, shape,
-stride, device) becomes an alias leaf: nobody writes it, and the manifest describes it as
-``{"dtype", "shape", "alias": "<the earlier name>"}``. Views that only overlap (``base`` and
-``base[2:8]``) are saved separately, as before.
+stride, device, conjugate and negative bits) becomes an alias leaf: nobody writes it, and the
+manifest describes it as ``{"dtype", "shape", "alias": "<the earlier name>"}``. Views that only
+overlap (``base`` and ``base[2:8]``) are saved separately, as before; ``x.conj()`` of a complex
+``x`` earlier in the state is no tie (its memory is ``x``'s, its values are not): ``_leaf`` refuses it.
 
 Manifest: :func:`parse_alias` checks an alias entry's own fields and :func:`resolve_aliases`
 its target (``manifest.validate`` calls both), then gives the alias its target's ``chunks``
@@ -38,7 +39,10 @@ def same_view(hit: Any, t: torch.Tensor) -> Any:
     """``capture``: the leaf of the earlier tensor that is the same view as ``t``, else None.
     ``hit``: the ``(tensor, leaf)`` whose memory starts at ``t``'s address, or a list of them."""
     for u, leaf in hit if type(hit) is list else (hit,):
-        if u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel():
+        if (
+            u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel()
+            and u.is_conj() == t.is_conj() and u.is_neg() == t.is_neg()  # x.conj(): x's memory, other values
+        ):
             return leaf
     return None
 
