@@ -3,6 +3,8 @@ round-trips exactly or is refused at save time, never silently changed."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -22,3 +24,27 @@ def test_conjugate_or_negative_view_of_an_earlier_tensor_is_refused_not_aliased(
     out = {"a": None, "b": None}
     tg.load(tmp_path / "ok", out)
     assert torch.equal(out["a"], x) and torch.equal(out["b"], x.conj())
+
+
+@pytest.mark.parametrize("where", ["value", "key", "metadata"])
+def test_int_with_more_digits_than_json_reads_back_is_refused_at_save(tmp_path, where):
+    # json reads no int of more than 4300 digits (Python's default): such a checkpoint, saved
+    # after sys.set_int_max_str_digits(0) as the old error said, was "corrupt" to every reader.
+    big = 10**4300
+    state = {"t": torch.ones(2), "p": tg.StateDict(v=big if where == "value" else 0, d={big: 1} if where == "key" else {})}
+    meta = {"n": big} if where == "metadata" else None
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(0)
+    try:
+        with pytest.raises(tg.UnsupportedValueError, match=r"more than 4300 decimal digits.*hex\(v\)"):
+            tg.save(tmp_path / "c", state, metadata=meta)
+    finally:
+        sys.set_int_max_str_digits(old)
+    assert not (tmp_path / "c").exists()
+    # The largest int JSON reads back round-trips exactly, as does its hex form.
+    edge = 10**4300 - 1
+    tg.save(tmp_path / "ok", {"p": tg.StateDict(v=edge, n=-edge, h=hex(big), d={edge: 1})}, metadata={"n": edge})
+    p = tg.StateDict()
+    m = tg.load(tmp_path / "ok", {"p": p})
+    assert p == {"v": edge, "n": -edge, "h": hex(big), "d": {edge: 1}} and int(p["h"], 16) == big
+    assert m.metadata == {"n": edge}

@@ -27,6 +27,11 @@ from .errors import CorruptCheckpointError, UnsupportedValueError
 
 # Deepest nesting accepted when reading a skeleton back (hostile manifests).
 MAX_DEPTH = 64
+# Python's default limit on the decimal digits of an int that ``json`` reads or writes
+# (``sys.int_info.default_max_str_digits``): a larger int saved with the limit raised would
+# make the manifest unreadable, "invalid JSON", to any process with the default.
+MAX_INT_DIGITS = 4300
+_INT_BOUND = 10**MAX_INT_DIGITS
 
 
 def _plain_key(k: object) -> bool:
@@ -52,7 +57,7 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
         if v is None or type(v) is bool or type(v) is str:
             return v
         if type(v) is int:
-            return v
+            return _check_int(v, path)
         if type(v) is float:
             if math.isfinite(v):
                 return v
@@ -67,6 +72,8 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
                         f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; "
                         "use str or int keys"
                     )
+                if type(k) is int:
+                    _check_int(k, path)
                 pairs.append([k, enc(x, f"{path}/{k}", depth + 1)])
             return {"$dict": pairs}
         if type(v) is tuple:
@@ -89,6 +96,16 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
         return enc(value, prefix, 0), tensors
     finally:
         enc = None  # type: ignore[assignment]  # break enc -> cell -> enc: no garbage cycle per call
+
+
+def _check_int(v: int, path: str) -> int:
+    """``flatten``: ``v``, or refused when it has more decimal digits than JSON can carry back."""
+    if -_INT_BOUND < v < _INT_BOUND:
+        return v
+    raise UnsupportedValueError(
+        f"{path}: an int of {v.bit_length()} bits has more than {MAX_INT_DIGITS} decimal digits, which "
+        "Python's json does not read back; store it as hex(v) and convert it back with int(s, 16)"
+    )
 
 
 def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "manifest") -> Any:
