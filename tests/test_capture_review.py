@@ -48,3 +48,21 @@ def test_int_with_more_digits_than_json_reads_back_is_refused_at_save(tmp_path, 
     m = tg.load(tmp_path / "ok", {"p": p})
     assert p == {"v": edge, "n": -edge, "h": hex(big), "d": {edge: 1}} and int(p["h"], 16) == big
     assert m.metadata == {"n": edge}
+
+
+def test_step_past_what_a_manifest_holds_is_refused_before_writing(tmp_path):
+    # manifest.validate takes steps up to 2**62; a save of a larger one (named by the directory,
+    # or given to the manager) committed a checkpoint that every load called corrupt.
+    big = 2**62 + 1
+    with pytest.raises(ValueError, match=r"at most 2\*\*62"):
+        tg.save(tmp_path / f"step-{big}", {"t": torch.ones(2)})
+    assert not (tmp_path / f"step-{big}").exists()
+    with tg.CheckpointManager(tmp_path / "m", handle_signals=False) as mgr:
+        with pytest.raises(ValueError, match=r"at most 2\*\*62"):
+            mgr.save(big, {"t": torch.ones(2)}, force=True)
+        mgr.save(2**62, {"t": torch.ones(2)}, force=True)
+    out = {"t": torch.zeros(2)}
+    with tg.CheckpointManager(tmp_path / "m", handle_signals=False) as mgr:
+        assert mgr.restore(out) == 2**62
+    assert torch.equal(out["t"], torch.ones(2))
+    assert not [n for n in (tmp_path / "m").iterdir() if n.name.startswith("step-") and n.name != f"step-{2**62}"]

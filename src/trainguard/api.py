@@ -102,6 +102,8 @@ def start_save(
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``.
     ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
+    # A step a manifest cannot hold fails before a byte is written (tg.save takes it from the name, step-<n>).
+    layout_mod.check_step(step if step is not None else layout_mod.parse_step(os.path.basename(target.rstrip("/"))) or 0)
     if async_:
         from .async_save import start_async_save
 

@@ -31,9 +31,17 @@ IDX_RE = re.compile(r"^data-\d{5}\.idx\Z", re.ASCII)
 ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+\Z", re.ASCII)
 
 
+# The largest step a manifest holds (``manifest.validate`` refuses a larger one as corrupt).
+MAX_STEP = 1 << 62
+
+
 def check_step(step: Any) -> int:
-    """The ``step`` given to ``CheckpointManager.save``: an integer >= 0 (numpy and 0-d tensor ints too)."""
-    return nonneg_int(step, f"step={step!r}: pass the training step as an int >= 0")
+    """The ``step`` given to ``CheckpointManager.save``/``restore``, or named by the directory of
+    ``tg.save`` (``api.start_save``): an integer in [0, 2**62] (numpy and 0-d tensor ints too)."""
+    n = nonneg_int(step, f"step={step!r}: pass the training step as an int >= 0")
+    if n > MAX_STEP:
+        raise ValueError(f"step={n}: a checkpoint's step is at most 2**62 ({MAX_STEP}); a larger one could not be loaded")
+    return n
 
 
 def step_dir(step: int) -> str:

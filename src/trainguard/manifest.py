@@ -51,7 +51,7 @@ import xxhash
 from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored dtypes)
 from .errors import CorruptCheckpointError, FormatVersionError
 from .flatten import decode_json, encode_json, single_tensor
-from .layout import DATA_RE
+from .layout import DATA_RE, MAX_STEP
 from .planner import Regular
 from .tied import parse_alias, resolve_aliases
 
@@ -216,7 +216,7 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
         )
     if raw.get("checksum", "xxh3_64") != "xxh3_64":
         raise CorruptCheckpointError(f"{where}: unknown checksum algorithm {str(raw.get('checksum'))[:20]!r}")
-    step = _int(_req(raw, "step", int, where), 0, 1 << 62, "step", where)
+    step = _int(_req(raw, "step", int, where), 0, MAX_STEP, "step", where)
     world = _int(_req(raw, "world_size", int, where), 1, 1 << 20, "world_size", where)
     block = _int(_req(raw, "block_size", int, where), 1, MAX_BLOCK, "block_size", where)
     created = _req(raw, "created", (int, float), where)
