@@ -37,11 +37,14 @@ MAX_PATH = 4096
 
 def same_view(hit: Any, t: torch.Tensor) -> Any:
     """``capture``: the leaf of the earlier tensor that is the same view as ``t``, else None.
-    ``hit``: the ``(tensor, leaf)`` whose memory starts at ``t``'s address, or a list of them."""
+    ``hit``: the ``(tensor, leaf)`` whose memory starts at ``t``'s address, or a list of them.
+    A leaf whose path is longer than :func:`parse_alias` takes as a target is none: ``t`` is
+    then saved with bytes of its own."""
     for u, leaf in hit if type(hit) is list else (hit,):
         if (
             u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel()
             and u.is_conj() == t.is_conj() and u.is_neg() == t.is_neg()  # x.conj(): x's memory, other values
+            and len(leaf.path) <= MAX_PATH
         ):
             return leaf
     return None
