@@ -25,6 +25,7 @@ from .commit import occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
+from .loader import _check_file_sizes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import full_box, layout_file, plan_reads
 from .storage import for_path
@@ -48,6 +49,9 @@ def consolidate(
     sstore, sdir = for_path(src)
     dstore, target = for_path(dst)
     m = read_manifest(sstore, sdir)
+    # Sizes on disk before any tensor is allocated (as a load checks them).
+    source = ChunkSource.of(sstore, sdir, m)
+    _check_file_sizes(sstore, sdir, m, {f for e in m.tensors.values() if e.alias is None for f in source.files(e)})
     parent, name = os.path.split(target.rstrip("/"))
     final = dstore.join(parent, name)
     why = occupied(dstore, final, overwrite)
@@ -64,7 +68,6 @@ def consolidate(
     w = dstore.open_write(dstore.join(work, fname))
     try:
         pos = 0
-        source = ChunkSource.of(sstore, sdir, m)
         for path, e in m.tensors.items():
             if e.alias is not None:
                 continue  # given its target's chunks below: the bytes are written once

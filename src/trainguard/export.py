@@ -16,6 +16,7 @@ from .commit import read_manifest
 from .errors import CheckpointError
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
+from .loader import _check_file_sizes
 from .manifest import Manifest
 from .planner import full_box, plan_reads
 from .storage import Storage, for_path
@@ -32,13 +33,13 @@ def iter_tensors(
     head = prefix.rstrip("/") + "/"
     src = ChunkSource.of(storage, directory, manifest)
     read: dict[str, torch.Tensor] = {}  # share: the tensor holding the bytes' path -> its tensor
-    for path, e in manifest.tensors.items():
-        if path == prefix:  # an entry that is one tensor: named after the entry
-            name = path
-        elif path.startswith(head):
-            name = path[len(head) :]
-        else:
-            continue
+    # An entry that is one tensor is named after the entry; the others without the prefix.
+    mine = [(path if path == prefix else path[len(head) :], path, e) for path, e in manifest.tensors.items()
+            if path == prefix or path.startswith(head)]
+    # Sizes on disk first, as a load checks them: a manifest cannot make this allocate more
+    # than the files it points at really hold.
+    _check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
+    for name, path, e in mine:
         holder = e.alias or path  # an alias may come first in path order: its target's bytes are the same
         if share and holder in read:
             yield name, read[holder]

@@ -1,0 +1,78 @@
+"""Hostile checkpoints found by a review of SECURITY.md's promises against the code: each case
+is built here from a real checkpoint whose manifest is edited and re-checksummed (so the
+validator and the read paths are reached, not only the checksum)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.consolidate import consolidate
+from trainguard.convert import convert
+from trainguard.errors import CorruptCheckpointError
+from trainguard.export import export
+from trainguard.manifest import checksum
+
+DATA = "data-00000.bin"
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(4, 8, generator=g), "b": torch.randn(4, generator=g)}, "progress": tg.StateDict(step=seed)}
+
+
+def _ckpt(tmp_path: Path) -> tuple[Path, dict]:
+    d = tmp_path / "run" / "step-000000005"
+    tg.save(d, _state(5))
+    return d, json.loads((d / "manifest.json").read_bytes())["manifest"]
+
+
+def _write(d: Path, body: dict | bytes) -> None:
+    raw = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    (d / "manifest.json").write_bytes(b'{"checksum":"' + checksum(raw).encode() + b'","manifest":' + raw + b"}\n")
+
+
+def _bounded_empty(monkeypatch: pytest.MonkeyPatch, limit: int) -> None:
+    """``torch.empty`` refuses (AssertionError) any allocation above ``limit`` bytes."""
+    real = torch.empty
+
+    def empty(*size: Any, **k: Any) -> torch.Tensor:
+        dims = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        n = math.prod(int(x) for x in dims) * (k.get("dtype") or torch.get_default_dtype()).itemsize
+        assert n <= limit, f"allocation of {n} bytes for a checkpoint of a few KB"
+        return real(*size, **k)
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+# ----------------------------------------------------------------------------- allocation before the size check
+
+
+@pytest.mark.parametrize("how", ["export_safetensors", "export_pt", "convert", "consolidate"])
+def test_offline_readers_check_file_sizes_before_allocating(tmp_path, monkeypatch, how):
+    """A manifest claiming a 16 GiB tensor in a file it says holds 16 GiB (the file holds 2 KB):
+    export, convert and consolidate allocated the tensor before looking at the file (a raw
+    RuntimeError from the allocator, or 16 GiB of address space); a load refuses it first."""
+    d, body = _ckpt(tmp_path)
+    n = 1 << 34
+    body["files"][DATA] += n
+    body["tensors"]["model/w"] = {
+        "dtype": "float32", "shape": [1 << 16, 1 << 16],
+        "chunks": [[[0, 0], [1 << 16, 1 << 16], DATA, body["files"][DATA] - n, n, ["0" * 16] * (n // body["block_size"])]],
+    }
+    _write(d, body)
+    _bounded_empty(monkeypatch, 1 << 20)
+    run = {
+        "export_safetensors": lambda: export(d, tmp_path / "w.safetensors"),
+        "export_pt": lambda: export(d, tmp_path / "w.pt"),
+        "convert": lambda: convert(d, tmp_path / "c.safetensors"),
+        "consolidate": lambda: consolidate(d, tmp_path / "full" / "step-000000005"),
+    }[how]
+    with pytest.raises(CorruptCheckpointError, match="bytes on disk"):
+        run()
