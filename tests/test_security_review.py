@@ -76,3 +76,21 @@ def test_offline_readers_check_file_sizes_before_allocating(tmp_path, monkeypatc
     }[how]
     with pytest.raises(CorruptCheckpointError, match="bytes on disk"):
         run()
+
+
+# ----------------------------------------------------------------------------- JSON that is not JSON
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_literals_are_refused(tmp_path, literal):
+    """``json.loads`` accepts ``NaN``/``Infinity``, which trainguard never writes (non-finite
+    floats are ``{"$float": ...}``). One in a skeleton loaded, and made ``consolidate`` fail with
+    a raw ValueError when it wrote the skeleton back (``allow_nan=False``)."""
+    d, body = _ckpt(tmp_path)
+    body["objects"]["progress"]["skeleton"]["step"] = "@"
+    _write(d, json.dumps(body, separators=(",", ":")).replace('"@"', literal).encode())
+    with pytest.raises(CorruptCheckpointError, match="invalid JSON"):
+        tg.load(d, _state(1))
+    assert not tg.verify(d).ok
+    with pytest.raises(CorruptCheckpointError, match="invalid JSON"):
+        consolidate(d, tmp_path / "full" / "step-000000005")

@@ -17,6 +17,7 @@ tensor nor JSON raises :class:`UnsupportedValueError` naming its path, at save t
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -203,3 +204,14 @@ def decode_json(skel: Any, where: str) -> Any:
         raise CorruptCheckpointError(f"{where}: metadata refers to a tensor ({path[:60]!r})")
 
     return unflatten(skel, no_tensor, where=where)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_json(data: bytes) -> Any:
+    """``json.loads`` of standard JSON only (``manifest.parse``): the ``NaN`` and ``Infinity``
+    literals that ``json.loads`` accepts are never written (``allow_nan=False``; non-finite floats
+    are ``{"$float": ...}``), and one in a skeleton could not be written back (``consolidate``)."""
+    return json.loads(data, parse_constant=_no_constant)

@@ -50,7 +50,7 @@ import xxhash
 
 from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored dtypes)
 from .errors import CorruptCheckpointError, FormatVersionError
-from .flatten import decode_json, encode_json, single_tensor
+from .flatten import decode_json, encode_json, loads_json, single_tensor
 from .layout import DATA_RE, MAX_STEP
 from .planner import Regular
 from .tied import parse_alias, resolve_aliases
@@ -183,7 +183,7 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
     if checksum(body) != want:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the manifest is corrupt", file=where)
     try:
-        raw = json.loads(body)
+        raw = loads_json(body)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{where}: invalid JSON: {e}", file=where) from None
     return validate(raw, where)
