@@ -94,3 +94,36 @@ def test_nan_and_infinity_literals_are_refused(tmp_path, literal):
     assert not tg.verify(d).ok
     with pytest.raises(CorruptCheckpointError, match="invalid JSON"):
         consolidate(d, tmp_path / "full" / "step-000000005")
+
+
+# ----------------------------------------------------------------------------- names shown by the CLI
+
+
+@pytest.mark.parametrize("name", ["[/x]", "[bold]w", "w\\", "w\x1b[2J\x1b]0;t\x07"])
+def test_cli_shows_hostile_names_verbatim(tmp_path, name):
+    """Entry and tensor names, library strings and error messages that quote a manifest went to
+    rich as markup: ``[/x]`` made ``inspect``, ``ls`` and ``verify`` end in a MarkupError
+    traceback, and an escape sequence reached the terminal."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    d, body = _ckpt(tmp_path)
+    body["objects"][name] = body["objects"].pop("model")
+    body["objects"][name]["skeleton"] = {name: {"$t": "model/w"}, "b": {"$t": "model/b"}}
+    body["library"] = name
+    _write(d, body)
+    bad = tmp_path / "run" / "step-000000006"
+    bad.mkdir()
+    _write(bad, {**body, "files": {name: 1}})  # its error message quotes the name
+    runner = CliRunner()
+    shown = name.replace("\x1b", "\\x1b").replace("\x07", "\\x07")
+    for args, code in ((["inspect", str(d)], 0), (["ls", str(d.parent)], 0), (["verify", str(bad)], 1), (["verify", str(d.parent)], 1)):
+        r = runner.invoke(main, args, terminal_width=300)
+        assert r.exception is None or isinstance(r.exception, SystemExit), (args, r.output)
+        assert r.exit_code == code, (args, r.output)
+        assert "\x1b" not in r.output and "\x07" not in r.output, args
+        if args[0] == "inspect":
+            assert f"── {shown}\n" in r.output  # the entry, as named
+        if args[0] == "verify" and args[1] == str(bad):
+            assert f"{shown[:40]}" in r.output

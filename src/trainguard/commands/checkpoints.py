@@ -5,12 +5,14 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
@@ -33,6 +35,13 @@ def _plain(v: Any) -> Any:
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     return v
+
+
+def _shown(s: Any) -> str:
+    """A string from a checkpoint (names, paths, errors quoting them) as rich shows it verbatim:
+    markup escaped (``[/x]`` in a tensor name made rich raise MarkupError) and control
+    characters written as ``\\xNN`` (an escape sequence must not reach the terminal)."""
+    return escape(re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", str(s)))
 
 
 def _print_json(value: Any) -> None:
@@ -59,14 +68,14 @@ def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
         _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
                       "bytes": r.size, "entries": r.entries, "detail": r.detail} for r in rows])
         return
-    table = Table(title=run_dir)
+    table = Table(title=_shown(run_dir))
     for col in ("step", "created", "size", "entries", "status", "detail"):
         table.add_column(col)
     for r in rows:
         created = _dt.datetime.fromtimestamp(r.created).strftime("%Y-%m-%d %H:%M:%S") if r.created else "-"
         style = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}.get(r.status, "")
         table.add_row(
-            str(r.step), created, _size(r.size), str(r.entries), f"[{style}]{r.status}[/]", r.detail[:80]
+            str(r.step), created, _size(r.size), str(r.entries), f"[{style}]{r.status}[/]", _shown(r.detail[:80])
         )
     console.print(table)
     if not rows:
@@ -83,13 +92,14 @@ def inspect_cmd(ckpt: str, as_json: bool) -> None:
         _print_json(_description(ckpt, m))
         return
     tree = Tree(
-        f"[bold]{ckpt}[/]  step {m.step}, world size {m.world_size}, layout {m.layout}, "
-        f"{_size(m.total_bytes)} in {len(m.files)} file(s), format v{m.format_version}, {m.library}, torch {m.torch_version}"
+        f"[bold]{_shown(ckpt)}[/]  step {m.step}, world size {m.world_size}, layout {m.layout}, "
+        f"{_size(m.total_bytes)} in {len(m.files)} file(s), format v{m.format_version}, {_shown(m.library)}, "
+        f"torch {_shown(m.torch_version)}"
     )
     for key, per_rank, tensors in _entries(m):
-        node = tree.add(f"[bold cyan]{key}[/]" + ("  (per rank)" if per_rank else ""))
+        node = tree.add(f"[bold cyan]{_shown(key)}[/]" + ("  (per rank)" if per_rank else ""))
         for name, e in tensors:
-            node.add(f"{name}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({_stored(e)})")
+            node.add(f"{_shown(name)}  {e.dtype} {tuple(e.shape)}  {_size(e.nbytes)}  ({_shown(_stored(e))})")
     console.print(tree)
 
 
@@ -155,12 +165,12 @@ def verify_cmd(path: str, as_json: bool) -> None:
             out.append({"path": t, "step": step, "ok": status == "valid", "status": status, "bytes_checked": checked,
                         "errors": errors})
         elif status == "valid":
-            console.print(f"[green]OK[/]      {t}  ({_size(checked)} checked)")
+            console.print(f"[green]OK[/]      {_shown(t)}  ({_size(checked)} checked)")
         else:
             console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(status, "[yellow]DELETED[/]")
-                          + f" {t}")
+                          + f" {_shown(t)}")
             for e in errors[:20]:
-                console.print(f"        {e}")
+                console.print(f"        {_shown(e)}")
     if as_json:
         _print_json(out)
     if not verified and not as_json:
