@@ -52,7 +52,7 @@ from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored d
 from .errors import CorruptCheckpointError, FormatVersionError
 from .flatten import decode_json, encode_json, loads_json, single_tensor
 from .layout import DATA_RE, MAX_STEP
-from .planner import Regular
+from .planner import Regular, tiles
 from .tied import parse_alias, resolve_aliases
 
 FORMAT_VERSION = 1  # what a save writes with no regular tensor and no alias (``format_for``)
@@ -337,34 +337,17 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
         raise CorruptCheckpointError(
             f"{_w(where, path)}: chunks cover {volume} elements, the shape has {math.prod(shape)}", file=where, entry=path
         )
-    # With the volume equal to the shape's, disjoint boxes tile the tensor exactly: no element
-    # is left unread (uninitialised memory) and none is written twice.
-    if len(chunks) > 1:
-        _check_disjoint_boxes([c for c in chunks if math.prod(c.sizes)], _w(where, path), where, path)
+    # The boxes tile the tensor exactly: no element is left unread (uninitialised memory) and
+    # none is written twice.
+    if len(chunks) > 1 and not (ok := tiles([(c.offsets, c.sizes) for c in chunks if math.prod(c.sizes)], shape)):
+        why = "overlap (they do not tile the tensor)" if ok is False else "are too irregular a layout to check"
+        raise CorruptCheckpointError(f"{_w(where, path)}: chunks {why}", file=where, entry=path)
     return TensorEntry(dtype, shape, chunks)
 
 
 def _w(where: str, path: str) -> str:
     """How an error names a tensor entry (built only when there is an error)."""
     return f"{where}: tensor {path[:80]!r}"
-
-
-def _check_disjoint_boxes(chunks: list[Chunk], w: str, where: str, path: str) -> None:
-    if len(chunks) < 2:
-        return
-    ndim = len(chunks[0].offsets)
-    # Sweep along the dimension with the most distinct offsets (dim 0 for row splits).
-    d = max(range(ndim), key=lambda i: len({c.offsets[i] for c in chunks}))
-    order = sorted(chunks, key=lambda c: c.offsets[d])
-    for i, a in enumerate(order):
-        end = a.offsets[d] + a.sizes[d]
-        for b in order[i + 1 :]:
-            if b.offsets[d] >= end:
-                break
-            if all(bo < ao + asz and ao < bo + bsz for ao, asz, bo, bsz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
-                raise CorruptCheckpointError(
-                    f"{w}: chunks at {a.offsets} and {b.offsets} overlap", file=where, entry=path
-                )
 
 
 def _check_file_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
