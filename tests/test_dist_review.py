@@ -133,3 +133,30 @@ def test_a_metric_refused_on_one_rank_fails_the_managers_save_on_every_rank(tmp_
         assert o["save"]["type"] == "RankFailureError" and o["save"]["ranks"] == [1], o["save"]
         assert "metrics['val'] = None" in o["save"]["msg"], o["save"]["msg"]
         assert o["next"]["type"] is None and o["latest"] == 2, o
+
+
+def regular_and_stream_files_group(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    torch.manual_seed(0)
+    big = torch.randn(16 << 20)  # 64 MiB, Shard(0) on the whole mesh: a regular tensor (format 2)
+    # Replicated tensors beside it: over 64 MiB a rank writes a second file, data-RRRRR-1.bin.
+    extra = {f"t{i}": torch.full((4 << 20,), float(i)) for i in range(8)}
+    tg.save(f"{root}/ck", {"w": distribute_tensor(big, mesh, [Shard(0)]), "extra": extra}, timeout=60)
+    fresh = {"w": distribute_tensor(torch.zeros_like(big), mesh, [Shard(0)]),
+             "extra": {k: torch.zeros_like(v) for k, v in extra.items()}}
+    out = {"load": _attempt(lambda: tg.load(f"{root}/ck", fresh, timeout=60))}
+    out["equal"] = torch.equal(fresh["w"].full_tensor(), big) and all(torch.equal(fresh["extra"][k], v) for k, v in extra.items())
+    return out
+
+
+def test_regular_tensors_beside_a_second_stream_file_load(tmp_path: Path) -> None:
+    # The manifest check of what regular parts claim of each rank's file counted the chunks of the
+    # rank's second stream file (data-RRRRR-1.bin) against data-RRRRR.bin: a valid FSDP-style
+    # checkpoint of over 64 MiB a rank was refused at every load as "tensors claim N bytes of ...".
+    out = [r.value for r in run_ranks(regular_and_stream_files_group, 2, str(tmp_path), timeout=120, env=ENV)]
+    assert "data-00000-1.bin" in os.listdir(tmp_path / "ck")  # the case: a second stream file
+    for o in out:
+        assert o["load"]["type"] is None and o["equal"], o

@@ -99,7 +99,12 @@ def check_regular_files(
 
 
 def _part_of(fname: str) -> int | None:
-    return int(fname[5:10]) if DATA_RE.match(fname) and fname[5:10].isascii() else None
+    """The rank whose regular parts live in ``fname`` (its stream-0 file, ``data-RRRRR.bin``);
+    None for any other file: a stream file (``data-RRRRR-S.bin``) holds explicit chunks only."""
+    if not (DATA_RE.match(fname) and fname[5:10].isascii()):
+        return None
+    i = int(fname[5:10])
+    return i if fname == data_file(i) else None
 
 
 # ----------------------------------------------------------- index files
