@@ -70,8 +70,10 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
     buf = bytearray(max(1, min(max(_READ // m.block_size, 1) * m.block_size, longest)))
     view = memoryview(buf)
     total = 0
-    readers = {f: storage.open_read(storage.join(directory, f)) for f in m.files}
+    readers = {}
     try:
+        for f in m.files:  # opened one by one: a file that cannot be opened leaves none of them open
+            readers[f] = storage.open_read(storage.join(directory, f))
         for path, c in every:
             pos = 0
             while pos < c.length:
