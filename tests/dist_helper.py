@@ -140,3 +140,18 @@ def _child(
     tmp.rename(Path(out) / f"{rank}.pkl")
     # Skip interpreter teardown (gloo/store threads can make it slow); results are on disk.
     os._exit(code)
+
+
+def attempt(fn: Callable[[], Any]) -> dict:
+    """Run ``fn`` on a rank and return its outcome for the test to compare across ranks:
+    ``{"type": None}``, ``{"type": "RankFailureError", "msg", "ranks"}`` (the ranks it names),
+    or ``{"type": <exception class name>, "msg"}``."""
+    import trainguard as tg
+
+    try:
+        fn()
+    except tg.RankFailureError as e:
+        return {"type": "RankFailureError", "msg": str(e), "ranks": sorted(e.failures)}
+    except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
+        return {"type": type(e).__name__, "msg": str(e)}
+    return {"type": None}

@@ -15,7 +15,7 @@ from torch import nn
 
 import trainguard as tg
 
-from dist_helper import run_ranks
+from dist_helper import attempt, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
 
@@ -23,16 +23,6 @@ ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
 def make_state(seed: int = 0) -> dict:
     torch.manual_seed(seed)
     return {"model": nn.Linear(64, 64), "rng": tg.RNGState(), "progress": tg.StateDict(step=1)}
-
-
-def _attempt(fn) -> dict:
-    try:
-        fn()
-    except tg.RankFailureError as e:
-        return {"type": "RankFailureError", "msg": str(e), "ranks": sorted(e.failures)}
-    except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
-        return {"type": type(e).__name__, "msg": str(e)}
-    return {"type": None}
 
 
 def _crash(point: str, rank: int, kind: str) -> None:
@@ -51,20 +41,20 @@ def consistency_group(rank: int, world: int, root: str) -> dict:
     tg.save(f"{root}/step-000000001", state)
     out = {}
     _crash("write_begin", 1, "raise")
-    out["raise"] = _attempt(lambda: tg.save(f"{root}/step-000000002", state))
+    out["raise"] = attempt(lambda: tg.save(f"{root}/step-000000002", state))
     _no_crash()
     step = 4 if rank == 1 else 3
-    out["step"] = _attempt(lambda: tg.save(f"{root}/step-{step:09d}", state))
+    out["step"] = attempt(lambda: tg.save(f"{root}/step-{step:09d}", state))
     extra = {**state, "extra": tg.StateDict(a=1)} if rank == 2 else state
-    out["entries"] = _attempt(lambda: tg.save(f"{root}/step-000000005", extra))
+    out["entries"] = attempt(lambda: tg.save(f"{root}/step-000000005", extra))
     if rank == 1:
-        out["op"] = _attempt(lambda: tg.load(f"{root}/step-000000001", make_state(3)))
+        out["op"] = attempt(lambda: tg.load(f"{root}/step-000000001", make_state(3)))
     else:
-        out["op"] = _attempt(lambda: tg.save(f"{root}/step-000000006", state))
+        out["op"] = attempt(lambda: tg.save(f"{root}/step-000000006", state))
     # The classic deadlock: `if rank == 0: save(...)`. The others wait outside trainguard.
     store = _get_default_store()
     if rank == 0:
-        out["rank0_only"] = _attempt(lambda: tg.save(f"{root}/step-000000007", state, timeout=3))
+        out["rank0_only"] = attempt(lambda: tg.save(f"{root}/step-000000007", state, timeout=3))
         store.set("test/done", "1")
     else:
         store.wait(["test/done"])
@@ -85,7 +75,7 @@ def kill_group(rank: int, world: int, root: str) -> dict:
     state = make_state()
     tg.save(f"{root}/step-000000001", state)
     _crash("write_piece", 1, "kill")
-    return {"kill": _attempt(lambda: tg.save(f"{root}/step-000000002", state, timeout=120)), "last": last}
+    return {"kill": attempt(lambda: tg.save(f"{root}/step-000000002", state, timeout=120)), "last": last}
 
 
 def _committed(root: str) -> list[str]:
@@ -184,7 +174,7 @@ def unshared_group(rank: int, world: int, root: str) -> dict:
     own = Path(root) / f"node{rank}"
     own.mkdir(parents=True, exist_ok=True)
     os.chdir(own)
-    out = _attempt(lambda: tg.save("ckpts/step-000000001", make_state()))
+    out = attempt(lambda: tg.save("ckpts/step-000000001", make_state()))
     out["left"] = sorted(p.name for p in (own / "ckpts").iterdir()) if (own / "ckpts").exists() else []
     return out
 

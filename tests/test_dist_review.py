@@ -10,26 +10,16 @@ import torch
 
 import trainguard as tg
 
-from dist_helper import run_ranks
+from dist_helper import attempt, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
-
-
-def _attempt(fn) -> dict:
-    try:
-        fn()
-    except tg.RankFailureError as e:
-        return {"type": "RankFailureError", "msg": str(e), "ranks": sorted(e.failures)}
-    except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
-        return {"type": type(e).__name__, "msg": str(e)}
-    return {"type": None}
 
 
 def listing_fails_on_rank0_group(rank: int, world: int, root: str) -> dict:
     state = {"w": torch.arange(6.0)}
     # Rank 0 alone looks at the target before the "begin" round; its listing fails (ENAMETOOLONG).
-    out = {"listing": _attempt(lambda: tg.save(f"{root}/{'x' * 300}", state, timeout=20))}
-    out["next"] = _attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
+    out = {"listing": attempt(lambda: tg.save(f"{root}/{'x' * 300}", state, timeout=20))}
+    out["next"] = attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
     return out
 
 
@@ -37,11 +27,11 @@ def bad_metadata_on_rank1_group(rank: int, world: int, root: str) -> dict:
     state = {"w": torch.arange(6.0)}
     # Metadata only rank 1 cannot store (rank 0's is the one the manifest would hold).
     bad = {"acc": 0.5} if rank == 0 else {"acc": object()}
-    out = {"metadata": _attempt(lambda: tg.save(f"{root}/step-000000002", state, metadata=bad, timeout=20))}
-    out["metadata_async"] = _attempt(
+    out = {"metadata": attempt(lambda: tg.save(f"{root}/step-000000002", state, metadata=bad, timeout=20))}
+    out["metadata_async"] = attempt(
         lambda: tg.save(f"{root}/step-000000003", state, metadata=bad, async_=True, timeout=20).result()
     )
-    out["next"] = _attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
+    out["next"] = attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
     return out
 
 
@@ -90,9 +80,9 @@ def submesh_group(rank: int, world: int, root: str) -> dict:
     saved, fresh = state(1.0), state(0.0)
     # layout="full" gathers each DTensor: a rank outside a mesh got a (0,) tensor from full_tensor()
     # and the save was refused as "ranks passed different entries"; now it names the mesh.
-    out = {"full": _attempt(lambda: tg.save(f"{root}/full", {"b": saved["b"]}, layout="full", timeout=20))}
-    out["save"] = _attempt(lambda: tg.save(f"{root}/step-000000001", saved, timeout=20))
-    out["load"] = _attempt(lambda: tg.load(f"{root}/step-000000001", fresh, timeout=20))
+    out = {"full": attempt(lambda: tg.save(f"{root}/full", {"b": saved["b"]}, layout="full", timeout=20))}
+    out["save"] = attempt(lambda: tg.save(f"{root}/step-000000001", saved, timeout=20))
+    out["load"] = attempt(lambda: tg.load(f"{root}/step-000000001", fresh, timeout=20))
     out["equal"] = all(torch.equal(fresh[k].to_local(), saved[k].to_local()) for k in saved)
     return out
 
@@ -119,8 +109,8 @@ def bad_metrics_on_rank1_group(rank: int, world: int, root: str) -> dict:
     metrics = {"val": 0.25 if rank == 0 else None}
     out = {}
     with tg.CheckpointManager(f"{root}/run", save=tg.EveryNSteps(1), timeout=20, handle_signals=False) as mgr:
-        out["save"] = _attempt(lambda: mgr.save(1, state, metrics=metrics))
-        out["next"] = _attempt(lambda: mgr.save(2, state, metrics={"val": 0.5}))  # the ranks are still in step
+        out["save"] = attempt(lambda: mgr.save(1, state, metrics=metrics))
+        out["next"] = attempt(lambda: mgr.save(2, state, metrics={"val": 0.5}))  # the ranks are still in step
         out["latest"] = mgr.latest_step()
     return out
 
@@ -147,7 +137,7 @@ def regular_and_stream_files_group(rank: int, world: int, root: str) -> dict:
     tg.save(f"{root}/ck", {"w": distribute_tensor(big, mesh, [Shard(0)]), "extra": extra}, timeout=60)
     fresh = {"w": distribute_tensor(torch.zeros_like(big), mesh, [Shard(0)]),
              "extra": {k: torch.zeros_like(v) for k, v in extra.items()}}
-    out = {"load": _attempt(lambda: tg.load(f"{root}/ck", fresh, timeout=60))}
+    out = {"load": attempt(lambda: tg.load(f"{root}/ck", fresh, timeout=60))}
     out["equal"] = torch.equal(fresh["w"].full_tensor(), big) and all(torch.equal(fresh["extra"][k], v) for k, v in extra.items())
     return out
 
