@@ -183,7 +183,8 @@ class KeepEvery(RetentionPolicy):
 class KeepBest(RetentionPolicy):
     """Keep the ``n`` checkpoints with the best ``metric`` (passed as ``mgr.save(..., metrics={...})``).
 
-    Checkpoints without the metric, or with a NaN value, rank last.
+    Checkpoints without the metric, or with a NaN or infinite value (either sign, in either
+    mode: a diverged run's, never its best), rank last, the newest first among them.
     """
 
     def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
@@ -200,7 +201,7 @@ class KeepBest(RetentionPolicy):
 
         def key(c: CheckpointInfo) -> tuple[int, float, int]:
             v = c.metrics.get(self.metric)
-            if v is None or (isinstance(v, float) and math.isnan(v)):
+            if v is None or not math.isfinite(v):
                 return (1, 0.0, -c.step)
             return (0, sign * float(v), -c.step)
 

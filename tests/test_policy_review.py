@@ -1,0 +1,32 @@
+"""Review of the manager's save policies, retention and signal handling: one test per bug found."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.policies import CheckpointInfo
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit())
+
+
+@pytest.mark.parametrize("mode, bad", [("min", -math.inf), ("max", math.inf), ("min", math.inf), ("max", -math.inf)])
+def test_keep_best_ranks_infinite_metrics_last_in_either_mode(tmp_path, mode, bad):
+    # docs/checkpoints.md: "nan and ±inf included: KeepBest ranks them last". A loss of -inf
+    # (mode="min") or an accuracy of +inf (mode="max") ranked first and was kept forever.
+    good = [0.5, 0.3, 0.2] if mode == "min" else [0.5, 0.6, 0.7]
+    infos = [CheckpointInfo(1, 0.0, {"m": bad})] + [CheckpointInfo(s, 0.0, {"m": v}) for s, v in enumerate(good, 2)]
+    assert tg.KeepBest("m", n=1, mode=mode).select(infos) == {4}
+    assert tg.KeepBest("m", n=3, mode=mode).select(infos) == {2, 3, 4}
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepBest("m", n=1, mode=mode),
+                              handle_signals=False) as mgr:
+        for step, v in enumerate([bad, *good], 1):
+            mgr.save(step, {"w": torch.zeros(2)}, metrics={"m": v})
+    assert _steps(tmp_path) == [4]
