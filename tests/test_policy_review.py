@@ -30,3 +30,23 @@ def test_keep_best_ranks_infinite_metrics_last_in_either_mode(tmp_path, mode, ba
         for step, v in enumerate([bad, *good], 1):
             mgr.save(step, {"w": torch.zeros(2)}, metrics={"m": v})
     assert _steps(tmp_path) == [4]
+
+
+def test_a_rollback_in_the_same_process_replaces_and_removes_this_managers_newer_steps(tmp_path):
+    # restore(state, step=N) mid-run (an automatic rollback past a loss spike): the steps this
+    # manager saved after N are an abandoned timeline like an earlier run's. They were still
+    # counted as its own: the save of step 6 raised StepExistsError ("pass overwrite=True", which
+    # save() does not take), and 8 and 10 would have been kept and resumed from at the next start.
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(2), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+        for step in range(1, 11):
+            state["w"].fill_(step)
+            mgr.save(step, state)
+        assert _steps(tmp_path) == [2, 4, 6, 8, 10]
+        assert mgr.restore(state, step=5) == 4 and state["w"][0].item() == 4.0
+        for step in range(5, 8):
+            state["w"].fill_(100 + step)
+            assert (mgr.save(step, state) is not None) == (step == 6)
+        assert _steps(tmp_path) == [2, 4, 6]  # 6 replaced; 8 and 10 removed
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as mgr:
+        assert mgr.restore(state) == 6 and state["w"][0].item() == 106.0

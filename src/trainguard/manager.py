@@ -372,7 +372,8 @@ class CheckpointManager:
                     f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
                     "state. Restore a state without them, then add them fresh"
                 )
-            self.last_saved_step = self._restored = step
+            # This manager's own newer steps (a rollback mid-run) are an abandoned timeline too: replaced, removed.
+            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)
