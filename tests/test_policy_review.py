@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,20 @@ def test_a_rollback_in_the_same_process_replaces_and_removes_this_managers_newer
         assert _steps(tmp_path) == [2, 4, 6]  # 6 replaced; 8 and 10 removed
     with tg.CheckpointManager(tmp_path, handle_signals=False) as mgr:
         assert mgr.restore(state) == 6 and state["w"][0].item() == 106.0
+
+
+def test_sigterm_reaches_every_open_manager_not_only_the_one_opened_last(tmp_path):
+    # Two managers open in one process (the model's and an EMA copy's): the second one's open()
+    # replaced the first one's handler, so SIGTERM set only the second one's flag and the first
+    # neither saved at its next save() nor set should_stop.
+    state = {"w": torch.zeros(4)}
+    before = signal.getsignal(signal.SIGTERM)
+    with tg.CheckpointManager(tmp_path / "main", save=tg.EveryNSteps(100)) as main:
+        with tg.CheckpointManager(tmp_path / "ema", save=tg.EveryNSteps(100)) as ema:
+            assert main.save(1, state) is None and ema.save(1, state) is None
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert main.save(2, state) is not None and main.should_stop
+            assert ema.save(2, state) is not None and ema.should_stop
+        assert signal.getsignal(signal.SIGTERM) == main._on_signal
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert _steps(tmp_path / "main") == [2] and _steps(tmp_path / "ema") == [2]

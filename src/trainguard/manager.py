@@ -27,7 +27,7 @@ from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
-from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, checked_metrics
+from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, chain_preemption, checked_metrics
 from .retention import retain, unrestored_error
 from .stateful import check_state
 from .storage import for_path
@@ -185,6 +185,7 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
         self._preempt.set()
+        chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 
     # ------------------------------------------------------------------ save
     def save(
@@ -372,8 +373,7 @@ class CheckpointManager:
                     f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
                     "state. Restore a state without them, then add them fresh"
                 )
-            # This manager's own newer steps (a rollback mid-run) are an abandoned timeline too: replaced, removed.
-            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}
+            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}  # newer: abandoned
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)

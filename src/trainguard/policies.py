@@ -228,6 +228,15 @@ class KeepUnion(RetentionPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
+def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
+    """Called by a ``CheckpointManager``'s SIGTERM/SIGINT handler with the handler its ``open()``
+    replaced: when that is another open manager's (two managers in one process, e.g. the model's
+    and an EMA copy's), it is told too, so that every open manager saves at its next ``save()`` and
+    sets ``should_stop``, not only the one opened last. Any other handler is not called."""
+    if getattr(previous, "__name__", None) == "_on_signal" and hasattr(getattr(previous, "__self__", None), "_preempt"):
+        previous(signum, frame)
+
+
 def checked_metrics(metrics: Mapping[str, Any] | None) -> tuple[dict[str, float], UnsupportedValueError | None]:
     """:func:`metric_values`, its refusal returned, not raised: ``CheckpointManager.save`` hands
     it to the save's first round (``start_save(preflight=...)``), so that a value refused on
