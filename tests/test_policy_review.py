@@ -68,3 +68,34 @@ def test_sigterm_reaches_every_open_manager_not_only_the_one_opened_last(tmp_pat
         assert signal.getsignal(signal.SIGTERM) == main._on_signal
     assert signal.getsignal(signal.SIGTERM) is before
     assert _steps(tmp_path / "main") == [2] and _steps(tmp_path / "ema") == [2]
+
+
+def _signal_on_rank1_group(rank: int, world: int, root: str) -> dict:
+    import signal as _signal
+
+    import trainguard as _tg
+
+    state = {"w": torch.arange(4.0)}
+    saved, stopped = [], None
+    with _tg.CheckpointManager(f"{root}/run", save=_tg.EveryNSteps(1000), timeout=30) as mgr:
+        for step in range(1, 9):
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), _signal.SIGTERM)  # only this rank's node is reclaimed
+            if mgr.save(step, state) is not None:
+                saved.append(step)
+            if mgr.should_stop:
+                stopped = step
+                break
+            torch.distributed.barrier()  # the step's gradient all-reduce: ranks stay within a step
+    return {"saved": saved, "stopped": stopped}
+
+
+def test_a_preemption_signal_on_another_rank_than_0_saves_and_stops_every_rank(tmp_path):
+    # Rank 0 alone decided whether to save for preemption, from its own flag: a SIGTERM that
+    # reached only another rank (its node reclaimed) was never acted on. Heard one step late at
+    # most (rank 0 may have decided that step already).
+    from dist_helper import run_ranks
+
+    out = [r.value for r in run_ranks(_signal_on_rank1_group, 2, str(tmp_path), timeout=90)]
+    assert out[0] == out[1], out  # the same decision on every rank
+    assert out[0]["stopped"] in (3, 4) and out[0]["saved"] == [out[0]["stopped"]], out

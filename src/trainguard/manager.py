@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import layout
+from . import layout, policies
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps
@@ -27,7 +27,7 @@ from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
-from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy, chain_preemption, checked_metrics
+from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import retain, unrestored_error
 from .stateful import check_state
 from .storage import for_path
@@ -185,7 +185,7 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
         self._preempt.set()
-        chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
+        policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 
     # ------------------------------------------------------------------ save
     def save(
@@ -206,8 +206,8 @@ class CheckpointManager:
         want = force or self.save_policy.should_save(step, now)
         preempt = self._preempt.is_set()
         if self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals):
-            # Rank 0 decides for time-based policies and preemption, so all ranks agree.
-            want, preempt = self.ctx.broadcast("decide", [bool(want), preempt], timeout=self.timeout)
+            # Rank 0 decides for time-based policies and preemption (any rank's), so all ranks agree.
+            want, preempt = policies.decide(self.ctx, want, preempt, self.timeout)
         if preempt:
             want = True
             self.should_stop = True
@@ -221,7 +221,7 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
         t0 = time.monotonic()
-        values, bad = checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
+        values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall
         except CheckpointError as e:

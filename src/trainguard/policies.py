@@ -228,6 +228,27 @@ class KeepUnion(RetentionPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
+def decide(ctx: Any, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:
+    """``CheckpointManager.save`` on every rank, each step of a distributed run: rank 0's
+    ``(save now, stop now)``, broadcast. The stop is asked by *any* signalled rank: a rank whose
+    flag is set writes a store key, which rank 0 looks at (one ``check``) before it decides;
+    before, only rank 0's own flag counted, and a SIGTERM that reached another node's workers
+    (its node reclaimed) was never acted on. A rank that sets the key at step k, after rank 0
+    decided step k, is heard at step k+1: every rank still receives the same decision."""
+    store = getattr(ctx, "store", None)
+    if store is not None and hasattr(ctx, "prefix"):
+        key = f"{ctx.prefix}/preempt"
+        try:
+            if preempt and ctx.rank != 0:
+                store.set(key, "1")
+            elif ctx.rank == 0 and not preempt:
+                preempt = bool(store.check([key]))
+        except Exception:  # a store that stopped answering: the broadcast below says so, on every rank
+            pass
+    out = ctx.broadcast("decide", [bool(want), preempt], timeout=timeout)
+    return bool(out[0]), bool(out[1])
+
+
 def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
     """Called by a ``CheckpointManager``'s SIGTERM/SIGINT handler with the handler its ``open()``
     replaced: when that is another open manager's (two managers in one process, e.g. the model's
