@@ -34,7 +34,7 @@ from typing import Any
 
 from . import layout
 from .commit import clean_debris, list_steps
-from .errors import CheckpointError
+from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, parse
 from .storage import LocalStorage, Storage
@@ -150,6 +150,19 @@ class RamTier:
             self.wait()
             self.make_room()
         return self.storage, os.path.join(self.dir, layout.step_dir(step))
+
+    def preflight(self, step: int, bad: Exception | None) -> Exception | None:
+        """Every rank, when the manager starts a save of ``step`` into RAM (after it removed a
+        durable copy it replaces): the error to raise in the save's first round, ``bad`` (the
+        caller's) first. On rank 0, a ``StepExistsError`` when the durable tier already holds a
+        committed ``step``: ``persist`` would find it there and skip the copy, so the new save
+        would never reach disk (the same refusal as a save without the RAM tier)."""
+        if bad is not None or self.ctx.rank != 0:
+            return bad
+        final = self.durable.join(self.durable_root, layout.step_dir(step))
+        if self.durable.exists(self.durable.join(final, layout.MANIFEST)):
+            return StepExistsError(f"{location(self.durable, final)} already holds a committed checkpoint")
+        return None
 
     def committed(self, step: int, on_durable: Callable[[int], None]) -> None:
         """Rank 0, after ``step`` committed in RAM: drop older RAM copies, then copy ``step`` to
