@@ -357,21 +357,24 @@ class _RangeReader:
             return
         starts = list(range(offset, offset + n, READ_PIECE))
         ends = [min(s + READ_PIECE, offset + n) for s in starts]
-        if len(starts) == 1:
-            pieces = [self.fs.cat_file(self.path, start=offset, end=offset + n)]
-        else:
-            pieces = self.fs.cat_ranges([self.path] * len(starts), starts, ends, on_error="raise")
-        pos = 0
-        for s, e, piece in zip(starts, ends, pieces):
-            if isinstance(piece, BaseException):
-                raise piece
-            if len(piece) != e - s:
-                raise CorruptCheckpointError(
-                    f"{self.path}: truncated: wanted {n} bytes at offset {offset}, got {pos + len(piece)}",
-                    file=self.path.rsplit("/", 1)[-1],
-                )
-            view[pos : pos + len(piece)] = piece
-            pos += len(piece)
+        try:
+            if len(starts) == 1:
+                pieces = [self.fs.cat_file(self.path, start=offset, end=offset + n)]
+            else:
+                pieces = self.fs.cat_ranges([self.path] * len(starts), starts, ends, on_error="raise")
+            pos = 0
+            for s, e, piece in zip(starts, ends, pieces):
+                if isinstance(piece, BaseException):
+                    raise piece
+                if len(piece) != e - s:
+                    raise CorruptCheckpointError(
+                        f"{self.path}: truncated: wanted {n} bytes at offset {offset}, got {pos + len(piece)}",
+                        file=self.path.rsplit("/", 1)[-1],
+                    )
+                view[pos : pos + len(piece)] = piece
+                pos += len(piece)
+        except FileNotFoundError:  # deleted since the load checked it (retention, an operator): bad bytes, as locally
+            raise CorruptCheckpointError(f"{self.path}: data file is missing", file=self.path.rsplit("/", 1)[-1]) from None
 
     def close(self) -> None:
         pass
