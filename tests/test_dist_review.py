@@ -150,3 +150,26 @@ def test_regular_tensors_beside_a_second_stream_file_load(tmp_path: Path) -> Non
     assert "data-00000-1.bin" in os.listdir(tmp_path / "ck")  # the case: a second stream file
     for o in out:
         assert o["load"]["type"] is None and o["equal"], o
+
+
+def listing_fails_in_restore_group(rank: int, world: int, root: str) -> dict:
+    from trainguard import manager, retention
+
+    state = {"w": torch.arange(4.0)}
+    with tg.CheckpointManager(f"{root}/run", save=tg.EveryNSteps(1), timeout=20, handle_signals=False) as mgr:
+        mgr.save(1, state)
+    if rank == 0:  # rank 0 alone lists the run directory for restore (no permission, an object store's error)
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        retention.list_steps = manager.list_steps = refused
+    with tg.CheckpointManager(f"{root}/run", timeout=20, handle_signals=False) as mgr:
+        return attempt(lambda: mgr.restore(state))
+
+
+def test_rank0_failing_to_list_for_restore_fails_restore_on_every_rank(tmp_path: Path) -> None:
+    # Rank 0 raised the listing's error alone; the others waited in the "candidates" broadcast
+    # until rank 0's process ended (or the timeout).
+    out = [r.value for r in run_ranks(listing_fails_in_restore_group, 2, str(tmp_path), timeout=90, env=ENV)]
+    for o in out:
+        assert o["type"] == "CheckpointError" and "cannot list" in o["msg"] and "Permission denied" in o["msg"], o

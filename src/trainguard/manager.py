@@ -28,10 +28,10 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
-from .retention import retain, unrestored_error
+from .retention import restore_candidates, retain, unrestored_error
 from .stateful import check_state
 from .storage import for_path
-from .tiers import RamTier, location
+from .tiers import RamTier
 
 log = logging.getLogger("trainguard")
 
@@ -344,12 +344,9 @@ class CheckpointManager:
         at = None if step is None else layout.check_step(step)
         check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
-        candidates = None
-        if self.ctx.rank == 0:
-            steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
-            durable = [(s, location(self.storage, self.storage.join(self._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
-            candidates = self.ram.candidates(steps) if self.ram else durable  # (step, path, tier), newest first
-        candidates = self.ctx.broadcast("candidates", candidates, timeout=self.timeout)
+        candidates = self.ctx.broadcast("candidates", restore_candidates(self) if self.ctx.rank == 0 else None, timeout=self.timeout)
+        if isinstance(candidates, dict):  # rank 0 could not list the run directory: every rank raises it
+            raise CheckpointError(f"restore: cannot list {self.root}: {candidates['error']}")
         if at is not None and candidates and not (candidates := [c for c in candidates if c[0] <= at]):
             raise CheckpointError(f"restore(step={at}): {self.root} holds no checkpoint at or before step {at}")
         skipped: list[str] = []

@@ -4,6 +4,7 @@ Called by ``CheckpointManager._apply_retention`` on rank 0 only, while it holds 
 directory's lock, after the checkpoint of step ``newest`` is committed (never before): from the
 training thread after a sync save, from the save's or the RAM tier's background thread otherwise.
 The policy (``policies.RetentionPolicy.select``) decides; this module lists and deletes.
+``restore_candidates`` lists what ``CheckpointManager.restore`` tries (rank 0, broadcast).
 ``unrestored_error`` words the error of a manager's save that met an earlier run's step.
 """
 
@@ -12,10 +13,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from . import layout
 from .commit import list_steps, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .policies import CheckpointInfo
+from .tiers import location
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -65,6 +68,20 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             mgr.storage.remove_tree(s.path)
             _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
+
+
+def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | dict[str, str]:
+    """Rank 0, in ``CheckpointManager.restore``: the committed checkpoints to try, ``(step, path,
+    tier)`` newest first (the RAM tier's copy of a step before its durable one), which it
+    broadcasts; or ``{"error": ...}`` when the run directory cannot be listed (no permission, an
+    object store's error), so that every rank raises it instead of waiting for rank 0."""
+    try:
+        steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+    except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
+        return {"error": f"{type(e).__name__}: {e}"}
+    if mgr.ram:
+        return mgr.ram.candidates(steps)
+    return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
 
 
 def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
