@@ -219,7 +219,7 @@ def stopped_in_restore(rank: int, world: int, root: str) -> dict:
 
     from torch.distributed.distributed_c10d import _get_default_store
 
-    import trainguard.manager as manager
+    import trainguard.retention as retention  # restore_candidates lists the run directory
 
     store = _get_default_store()
     if rank == 0:
@@ -228,15 +228,15 @@ def stopped_in_restore(rank: int, world: int, root: str) -> dict:
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=3, handle_signals=False) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
-    real = manager.list_steps
+    real = retention.list_steps
 
     def list_steps(*args: Any) -> Any:
-        manager.list_steps = real
+        retention.list_steps = real
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
         return real(*args)
 
     if rank == 0:
-        manager.list_steps = list_steps
+        retention.list_steps = list_steps
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=3, handle_signals=False) as mgr:
         out = {"hung": _attempt(lambda: mgr.restore(state))}
         if rank == 1:
