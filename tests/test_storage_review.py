@@ -134,3 +134,23 @@ def test_the_ram_tier_of_a_run_does_not_depend_on_how_its_root_is_spelled(tmp_pa
             dirs.add(mgr.ram.dir)
             assert mgr.restore({"model": torch.nn.Linear(4, 4)}) == 1
         assert len(dirs) == 1, dirs
+
+
+def test_a_manifest_deleted_between_its_lookup_and_its_read_is_no_checkpoint(tmp_path, monkeypatch):
+    # On an object store the read of a manifest deleted after read_manifest looked it up raised
+    # fsspec's FileNotFoundError as is (restore does not fall back on that); now the same
+    # NotACheckpointError as a manifest that is not there.
+    from trainguard.storage.fsspec import FsspecStorage
+
+    root = "memory://manifest-race/run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1)) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        mgr.save(2, {"w": torch.full((2,), 2.0)})
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.rm("/manifest-race/run/step-000000002/manifest.json")
+    real = FsspecStorage.exists
+    monkeypatch.setattr(FsspecStorage, "exists", lambda self, p: p.endswith("step-000000002/manifest.json") or real(self, p))
+    with pytest.raises(tg.NotACheckpointError, match="deleted while it was read"):
+        tg.load(f"{root}/step-000000002", {"w": torch.zeros(2)})

@@ -105,7 +105,10 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
             f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
         )
-    data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    try:
+        data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:  # deleted since the lookup above (retention, an operator; an object store's read)
+        raise NotACheckpointError(f"{directory}: its {layout.MANIFEST} was deleted while it was read") from None
     return parse(data, where=f"{directory}/{layout.MANIFEST}")
 
 
