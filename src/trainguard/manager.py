@@ -371,6 +371,7 @@ class CheckpointManager:
                     "state. Restore a state without them, then add them fresh"
                 )
             self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}  # newer: abandoned
+            self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)

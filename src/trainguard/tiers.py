@@ -240,9 +240,20 @@ class RamTier:
         return out
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None]) -> None:
-        """Rank 0, after a restore from the RAM tier: make sure that step reaches the durable tier."""
-        if self.ctx.rank == 0 and tier == "ram":
+        """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
+        RAM tier: make sure that step reaches the durable tier. Restored from the durable tier: a
+        RAM copy of the same step was tried first and found unusable; it is removed (the durable
+        copy is good)."""
+        if self.ctx.rank != 0:
+            return
+        if tier == "ram":
             self._start(step, on_durable)
+            return
+        self.wait()
+        bad = os.path.join(self.dir, layout.step_dir(step))
+        if os.path.exists(bad):
+            self.storage.remove_tree(bad)
+            self.events.emit("ram_discard", steps=[layout.step_dir(step)])
 
 
 def _tree_bytes(path: str) -> int:
