@@ -185,10 +185,10 @@ def persist_and_commit(
     _check_begin(begin, ctx)
     save_id = begin[0]["id"]
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
-    fault("begin", ctx.rank)
     report: dict[str, Any] = {"error": None}
     write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
-    try:
+    try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early
+        fault("begin", ctx.rank)
         storage.makedirs(work)
         report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage)
         fault("written", ctx.rank)
