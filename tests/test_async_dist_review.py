@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from trainguard.dist import DistContext
 from trainguard.stage import default_pool
 
 from dist_helper import attempt, run_ranks
@@ -60,3 +61,28 @@ def test_a_fault_raised_after_begin_on_one_rank_fails_every_rank_and_the_next_sa
         assert v["threads"] == [] and not v["pool_in_use"] and v["latest"] == 1, v
         assert v["next"] == {"type": None} and v["close"] == {"type": None}, v
         assert v["latest_after"] == 3, v
+
+
+STEPS = 60
+
+
+def long_async_run(rank: int, world: int, root: str) -> dict:
+    state = _state()
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), async_save=True) as mgr:  # a decision per step
+        for step in range(1, STEPS + 1):
+            _step(state)
+            mgr.save(step, state)
+    ctx = DistContext.current()
+    ctx.store.drain()  # the deletes run in the background
+    left = [r for r in range(1, ctx._round + 1) if ctx.store.check([f"{ctx.chan}/r{r}/decide/all"])]
+    return {"decide_keys": len(left), "records": len(ctx._keys), "latest": mgr.latest_step()}
+
+
+def test_an_async_managers_run_keeps_a_bounded_number_of_decision_keys_in_the_store(tmp_path):
+    # Before: the per-step "decide" broadcasts run on the main channel, whose old rounds only a
+    # gather there deletes, and async saves gather on their own channel: all 60 keys stayed.
+    results = run_ranks(long_async_run, 2, str(tmp_path / "run"), timeout=90)
+    for r in results:
+        assert r.value["latest"] == STEPS
+        assert r.value["decide_keys"] <= 10, r.value
+    assert results[0].value["records"] <= 10, results[0].value

@@ -252,6 +252,7 @@ class CheckpointManager:
             self.storage.join(durable, layout.MANIFEST)
         ):  # no atomic replace on object stores, nor of the RAM tier's copy: it is unusable or abandoned
             self.storage.remove_tree(durable)
+        mark = policies.decision_mark(self.ctx)  # before the save: a sync one's rounds follow it
         try:
             handle = start_save(
                 storage, target, state, self.ctx,
@@ -266,7 +267,7 @@ class CheckpointManager:
         handle.owned = True  # its error is reported by this manager, not by another's next save
         if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
             handle.after_commit(lambda m: self.ram.committed(m.step, on_durable=self._apply_retention))  # type: ignore[union-attr]
-        self._pending, self._pending_step, self._pending_t0 = handle, step, t0
+        self._pending, self._pending_step, self._pending_t0, self._pending_mark = handle, step, t0, mark
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
         return handle
@@ -289,6 +290,7 @@ class CheckpointManager:
         self._own.add(manifest.step)
         if self.ctx.rank == 0:  # a full manifest here (elsewhere a lazy one would read it)
             self._created[manifest.step] = manifest.created
+            policies.forget_decisions(self.ctx, self._pending_mark)  # every rank read the decisions up to it
         self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
         # + the caller's wait_staged() waits.

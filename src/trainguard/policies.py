@@ -249,6 +249,23 @@ def decide(ctx: Any, want: bool, preempt: bool, timeout: float | None) -> tuple[
     return bool(out[0]), bool(out[1])
 
 
+def decision_mark(ctx: Any) -> int | None:
+    """The round of ``ctx`` (the manager's main channel) that this step's decision was read in,
+    taken before the step's save starts: :func:`forget_decisions` after that save commits."""
+    return getattr(ctx, "_round", None)
+
+
+def forget_decisions(ctx: Any, mark: int | None) -> None:
+    """Rank 0, once the save started after main-channel round ``mark`` committed: every rank
+    reached that save's "begin" round, so every rank has read the rounds up to ``mark`` (the
+    per-step "decide" broadcasts): their store keys are deleted. Only a gather deletes old rounds
+    of a channel, and an async save gathers on its own channel: without this the main channel
+    kept one store key per training step (and rank 0 one record) for the whole run."""
+    cleanup = getattr(ctx, "_cleanup", None)
+    if mark is not None and cleanup is not None:
+        cleanup(mark)
+
+
 def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
     """Called by a ``CheckpointManager``'s SIGTERM/SIGINT handler with the handler its ``open()``
     replaced: when that is another open manager's (two managers in one process, e.g. the model's
