@@ -8,21 +8,8 @@ import os
 import torch
 
 import trainguard as tg
-from trainguard.commit import list_steps
-from trainguard.storage import LocalStorage
+from test_storage_ram import _model, _steps
 from trainguard.tiers import ram_dir
-
-
-def _model(fill: float) -> torch.nn.Module:
-    m = torch.nn.Linear(64, 32)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.fill_(fill)
-    return m
-
-
-def _steps(d: str) -> list[int]:
-    return [s.step for s in list_steps(LocalStorage(), d) if s.status == "committed"]
 
 
 def _flip_a_byte(step_dir: str) -> None:
