@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .buffers import in_place
-from .dtensor import is_dtensor
+from .dtensor import local_part
 from .manifest import TensorEntry
 
 
@@ -53,7 +53,7 @@ def shared_destinations(
     spans: list[tuple[int, int, int]] = []  # (start address, end address, plan position)
     held = ((p, t) for p, dest in live.items() if (t := dest.get(p)) is not None)
     for (p, t), b in zip(held, bases, strict=True):
-        if b > 0 and seen[b] > 1 and p in pos and (n := (t := _local(t)).nbytes):
+        if b > 0 and seen[b] > 1 and p in pos and (n := (t := local_part(t)).nbytes):
             spans.append((t.data_ptr(), t.data_ptr() + n, pos[p]))
     if len(spans) < 2:
         return skip, stage, differ
@@ -88,7 +88,7 @@ def _settle(
     members = []
     for _start, _end, i in sorted(group, key=lambda s: s[2]):
         p = order[i]
-        t = _local(live[p][p])
+        t = local_part(live[p][p])
         members.append((p, t, in_place(t, tensors[p].torch_dtype)))
     (first, ft, first_direct), copied = members[0], False
     for p, t, direct in members[1:]:
@@ -109,14 +109,10 @@ def _base(t: torch.Tensor) -> int:
     """The storage address of a Parameter's or DTensor's memory; a subclass without storage of
     its own (a ``__torch_dispatch__`` wrapper) counts as unique here (the read refuses it)."""
     try:
-        return _local(t).untyped_storage().data_ptr()
+        return local_part(t).untyped_storage().data_ptr()
     except RuntimeError:
         return -1 - id(t)
 
-
-def _local(t: Any) -> Any:
-    """The tensor whose memory a load writes: a DTensor's local shard, else ``t`` (or None)."""
-    return t.to_local() if t is not None and type(t) is not torch.Tensor and is_dtensor(t) else t
 
 
 def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:

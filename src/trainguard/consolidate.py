@@ -25,7 +25,7 @@ from .commit import occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
-from .loader import _check_file_sizes
+from .loader import check_file_sizes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import full_box, layout_file, plan_reads
 from .storage import for_path
@@ -51,7 +51,7 @@ def consolidate(
     m = read_manifest(sstore, sdir)
     # Sizes on disk before any tensor is allocated (as a load checks them).
     source = ChunkSource.of(sstore, sdir, m)
-    _check_file_sizes(sstore, sdir, m, {f for e in m.tensors.values() if e.alias is None for f in source.files(e)})
+    check_file_sizes(sstore, sdir, m, {f for e in m.tensors.values() if e.alias is None for f in source.files(e)})
     parent, name = os.path.split(target.rstrip("/"))
     final = dstore.join(parent, name)
     why = occupied(dstore, final, overwrite)

@@ -84,6 +84,12 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, _DTENSOR)
 
 
+def local_part(t: Any) -> Any:
+    """The tensor whose memory this rank holds: a DTensor's local shard, else ``t`` (or None).
+    ``aliases`` (the load's overlap check) and ``stage.protected_tensors`` (async saves) ask."""
+    return t.to_local() if t is not None and is_dtensor(t) else t
+
+
 def ensure_optimizer_state(optimizer: Any) -> bool:
     """Give a fresh optimizer over DTensor parameters its state, so a load can read shards into it.
 

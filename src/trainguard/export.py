@@ -16,7 +16,7 @@ from .commit import read_manifest
 from .errors import CheckpointError
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
-from .loader import _check_file_sizes
+from .loader import check_file_sizes
 from .manifest import Manifest
 from .planner import full_box, plan_reads
 from .storage import Storage, for_path
@@ -38,7 +38,7 @@ def iter_tensors(
             if path == prefix or path.startswith(head)]
     # Sizes on disk first, as a load checks them: a manifest cannot make this allocate more
     # than the files it points at really hold.
-    _check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
+    check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
     for name, path, e in mine:
         holder = e.alias or path  # an alias may come first in path order: its target's bytes are the same
         if share and holder in read:

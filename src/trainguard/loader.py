@@ -191,7 +191,7 @@ def _load(
                 wanted.add(e.chunks[0].file)  # a set per tensor from src.files costs 1 us more
             else:
                 wanted |= src.files(e)
-    _check_file_sizes(storage, directory, manifest, wanted)
+    check_file_sizes(storage, directory, manifest, wanted)
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
 
@@ -248,7 +248,7 @@ def _load(
         storage,
         directory,
         targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
-        check_file=lambda f: None if f in wanted else _check_file_sizes(storage, directory, manifest, {f}),
+        check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
         direct=_sole_reader(ctx),
     )
     for p, target in same:
@@ -367,7 +367,7 @@ def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False)
     return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
 
 
-def _check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
+def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
     for f in sorted(needed):
         p = storage.join(directory, f)
         if not storage.exists(p):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .buffers import aligned_empty
-from .dtensor import is_dtensor
+from .dtensor import local_part
 from .errors import CheckpointError
 from .planner import PAGE, PAGE_ALIGN_FROM
 
@@ -249,10 +249,6 @@ def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = Non
     return dst
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if is_dtensor(t) else t
-
-
 def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:
     """A tensor's memory: data pointer, size and device (None when empty)."""
     if t.numel() == 0:
@@ -269,16 +265,16 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
     out: set[Any] = set()
     # Embeddings with max_norm renormalize the rows they look up in forward, outside step().
     renormed = {
-        tensor_key(_local(m.weight.detach()))
+        tensor_key(local_part(m.weight.detach()))
         for v in state.values() if isinstance(v, torch.nn.Module)
         for m in v.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
     }
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                out.add(tensor_key(_local(p.detach())))
+                out.add(tensor_key(local_part(p.detach())))
                 for v in opt.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
-                        out.add(tensor_key(_local(v.detach())))
+                        out.add(tensor_key(local_part(v.detach())))
     out.discard(None)
     return out - renormed, optimizers
