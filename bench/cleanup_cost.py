@@ -2,7 +2,7 @@
 process group: ``python -m bench.cleanup_cost [--world 512] [--rounds 5]``.
 
 One ``StoreDistContext`` (rank 0 of ``--world``) on a loopback ``TCPStore``; for each round the
-keys a gathering round leaves (``world + 1``) are created, then ``_cleanup`` is timed (what
+keys a gathering round leaves (``world + 1``) are created, then ``forget`` is timed (what
 rank 0's collective waits for), and at the end the time until the background deletion is
 done (``BoundedStore.drain``) and the keys left over.
 """
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
                 client.set(f"{ctx.chan}/r{r}/begin/{k}", "v")
             ctx._keys[r] = ("begin", True, True)
             t = time.perf_counter()
-            ctx._cleanup(r)
+            ctx.forget(r)
             ts.append(time.perf_counter() - t)
         t = time.perf_counter()
         ctx.store.drain()

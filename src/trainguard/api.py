@@ -23,13 +23,15 @@ import torch
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, occupied, rank_files
-from .dist import DistContext, check_timeout, describe_error, raise_failures
+from .dist import DistContext, check_timeout
 from .errors import (
     CheckpointError,
     RankFailureError,
     StepExistsError,
+    describe_error,
     failure_record,
     from_record,
+    raise_failures,
 )
 from .faults import fault
 from .flatten import encode_json

@@ -102,6 +102,20 @@ class DistContext:
     def close(self) -> None:
         pass
 
+    def mark(self) -> int | None:
+        """The last round this channel entered: :meth:`forget` it once every rank is past it."""
+        return None
+
+    def forget(self, mark: int | None) -> None:
+        """Rank 0: delete (in the background) the store keys of rounds up to ``mark``."""
+
+    def raise_flag(self, name: str) -> None:
+        """Any rank, outside the collectives: set job-wide flag ``name`` (one store call)."""
+
+    def flag_raised(self, name: str) -> bool:
+        """Rank 0: whether any rank raised flag ``name`` (one store call)."""
+        return False
+
     def channel(self, name: str) -> DistContext:
         """A context whose collectives are sequenced apart from this one's (see StoreDistContext)."""
         return self
@@ -148,7 +162,7 @@ class StoreDistContext(DistContext):
 
     Cost per collective: each rank sets one key and reads one; rank 0 reads ``world_size`` keys
     in one ``multi_get``. Rank 0 deletes the keys of rounds every rank has passed, in the
-    background (``_cleanup``).
+    background (``forget``).
     """
 
     def __init__(
@@ -204,7 +218,7 @@ class StoreDistContext(DistContext):
 
     def _enter(self, tag: str, *, all_key: bool, per_rank: bool) -> str:
         self._round += 1
-        if self.rank == 0:  # the keys this round creates, for _cleanup
+        if self.rank == 0:  # the keys this round creates, for forget()
             self._keys[self._round] = (tag, all_key, per_rank)
         # Where this rank is now: lets rank 0 tell "in another collective" from "not there yet".
         self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._round, tag]))
@@ -221,7 +235,7 @@ class StoreDistContext(DistContext):
                 self._publish(f"{base}/all", failure_record(e))
                 raise
             self._publish(f"{base}/all", {"value": values})
-            self._cleanup(self._round - 2)
+            self.forget(self._round - 2)
             return values
         return self._await_root(f"{base}/all", tag, timeout)
 
@@ -232,7 +246,7 @@ class StoreDistContext(DistContext):
         if self.rank != 0:
             return None
         values = self._collect(base, tag, timeout)
-        self._cleanup(self._round - 2)
+        self.forget(self._round - 2)
         return values
 
     @_store_errors
@@ -355,18 +369,27 @@ class StoreDistContext(DistContext):
     def _all_at(self, ranks: list[int]) -> bool:
         return bool(self.store.check([f"{self.chan}/at/{r}" for r in ranks]))
 
-    def _cleanup(self, round_no: int) -> None:
+    def mark(self) -> int | None:
+        return self._round
+
+    def raise_flag(self, name: str) -> None:
+        self.store.set(f"{self.prefix}/{name}", "1")
+
+    def flag_raised(self, name: str) -> bool:
+        return bool(self.store.check([f"{self.prefix}/{name}"]))
+
+    def forget(self, mark: int | None) -> None:
         """Rank 0, in a round every rank entered: delete in the background the keys of rounds up to
-        ``round_no`` (two back: all passed the round after), broadcasts' too, and their fences."""
-        if self.rank != 0:
+        ``mark`` (two back: all passed the round after), broadcasts' too, and their fences."""
+        if self.rank != 0 or mark is None:
             return
         keys = []
-        for r in [r for r in self._keys if r <= round_no]:
+        for r in [r for r in self._keys if r <= mark]:
             tag, all_key, per_rank = self._keys.pop(r)
             base = f"{self.chan}/r{r}/{tag}"
             keys += [f"{base}/all"] if all_key else []
             keys += [f"{base}/{k}" for k in range(self.world_size)] if per_rank else []
-        while self._fences and self._fences[0][0] <= round_no:
+        while self._fences and self._fences[0][0] <= mark:
             keys.append(self._fences.pop(0)[1])
         self.store.discard(keys)
 
@@ -374,26 +397,3 @@ class StoreDistContext(DistContext):
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
 # passed "begin"): a rank missing there is busy with the work in between, not absent.
 _MIDWAY = {"written": "writing its data"}
-
-
-def describe_error(e: BaseException) -> str:
-    """One rank's error as text for the others: the message for our errors, else a traceback."""
-    import traceback
-
-    from .errors import CheckpointError
-
-    if isinstance(e, CheckpointError):
-        return f"{type(e).__name__}: {e}"
-    return traceback.format_exc()
-
-
-def raise_failures(what: str, outcomes: list[Any], ctx: DistContext) -> None:
-    """Raise on every rank when any outcome carries an error (called after an exchange)."""
-    from .errors import CheckpointError
-
-    failures = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
-    if not failures:
-        return
-    if not ctx.is_distributed and len(failures) == 1:
-        raise CheckpointError(f"{what} failed:\n{failures[0]}")
-    raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)

@@ -134,3 +134,22 @@ def nonneg_int(value: object, hint: str) -> int:
         raise (TypeError if n is None else ValueError)(hint)
     return n
 
+
+def describe_error(e: BaseException) -> str:
+    """One rank's error as text for the others: the message for our errors, else a traceback."""
+    import traceback
+
+    if isinstance(e, CheckpointError):
+        return f"{type(e).__name__}: {e}"
+    return traceback.format_exc()
+
+
+def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
+    """Raise on every rank when any outcome carries an error (called after an exchange; ``ctx``
+    the ``DistContext`` it went through)."""
+    failures = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
+    if not failures:
+        return
+    if not ctx.is_distributed and len(failures) == 1:
+        raise CheckpointError(f"{what} failed:\n{failures[0]}")
+    raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)

@@ -17,13 +17,15 @@ import torch
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import read_manifest
-from .dist import DistContext, check_timeout, describe_error, raise_failures
+from .dist import DistContext, check_timeout
 from .dtensor import ensure_optimizer_state, shard_of
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     StateMismatchError,
+    describe_error,
     is_data_error,
+    raise_failures,
 )
 from .flatten import flatten, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .dist import DistContext
 from .errors import UnsupportedValueError
 
 
@@ -228,42 +229,38 @@ class KeepUnion(RetentionPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
-def decide(ctx: Any, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:
+def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:
     """``CheckpointManager.save`` on every rank, each step of a distributed run: rank 0's
     ``(save now, stop now)``, broadcast. The stop is asked by *any* signalled rank: a rank whose
     flag is set writes a store key, which rank 0 looks at (one ``check``) before it decides;
     before, only rank 0's own flag counted, and a SIGTERM that reached another node's workers
     (its node reclaimed) was never acted on. A rank that sets the key at step k, after rank 0
     decided step k, is heard at step k+1: every rank still receives the same decision."""
-    store = getattr(ctx, "store", None)
-    if store is not None and hasattr(ctx, "prefix"):
-        key = f"{ctx.prefix}/preempt"
+    if ctx.is_distributed:
         try:
             if preempt and ctx.rank != 0:
-                store.set(key, "1")
+                ctx.raise_flag("preempt")
             elif ctx.rank == 0 and not preempt:
-                preempt = bool(store.check([key]))
+                preempt = ctx.flag_raised("preempt")
         except Exception:  # a store that stopped answering: the broadcast below says so, on every rank
             pass
     out = ctx.broadcast("decide", [bool(want), preempt], timeout=timeout)
     return bool(out[0]), bool(out[1])
 
 
-def decision_mark(ctx: Any) -> int | None:
+def decision_mark(ctx: DistContext) -> int | None:
     """The round of ``ctx`` (the manager's main channel) that this step's decision was read in,
     taken before the step's save starts: :func:`forget_decisions` after that save commits."""
-    return getattr(ctx, "_round", None)
+    return ctx.mark()
 
 
-def forget_decisions(ctx: Any, mark: int | None) -> None:
+def forget_decisions(ctx: DistContext, mark: int | None) -> None:
     """Rank 0, once the save started after main-channel round ``mark`` committed: every rank
     reached that save's "begin" round, so every rank has read the rounds up to ``mark`` (the
     per-step "decide" broadcasts): their store keys are deleted. Only a gather deletes old rounds
     of a channel, and an async save gathers on its own channel: without this the main channel
     kept one store key per training step (and rank 0 one record) for the whole run."""
-    cleanup = getattr(ctx, "_cleanup", None)
-    if mark is not None and cleanup is not None:
-        cleanup(mark)
+    ctx.forget(mark)
 
 
 def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
