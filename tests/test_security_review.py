@@ -229,3 +229,19 @@ def test_tiling_check_matches_brute_force():
         assert tiles(boxes, shape) is want, (shape, boxes)
         if sum(math.prod(s) for _o, s in boxes) == math.prod(shape):
             assert _sweep(boxes, 1 << 30) is want, (shape, boxes)
+
+
+def test_consolidate_cli_prints_names_without_escape_sequences(tmp_path):
+    """``trainguard consolidate`` lists each tensor it writes; a name holding an escape sequence
+    went to the terminal as is (click.echo does not escape)."""
+    from click.testing import CliRunner
+
+    import trainguard as tg
+    from trainguard.cli import main
+
+    name = "w\x1b[2J\x1b]0;t\x07"
+    tg.save(tmp_path / "run" / "step-000000001", {"m": {name: torch.arange(4.0)}})
+    r = CliRunner().invoke(main, ["consolidate", str(tmp_path / "run" / "step-000000001"), str(tmp_path / "full")])
+    assert r.exit_code == 0, r.output
+    assert "\x1b" not in r.output and "\x07" not in r.output
+    assert "m/w\\x1b[2J\\x1b]0;t\\x07" in r.output

@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
-import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +21,7 @@ from ..flatten import tensor_refs
 from ..inspect import describe, list_checkpoints, verify
 from ..layout import MANIFEST
 from ..storage import for_path
+from . import printable
 
 console = Console()
 
@@ -41,7 +41,7 @@ def _shown(s: Any) -> str:
     """A string from a checkpoint (names, paths, errors quoting them) as rich shows it verbatim:
     markup escaped (``[/x]`` in a tensor name made rich raise MarkupError) and control
     characters written as ``\\xNN`` (an escape sequence must not reach the terminal)."""
-    return escape(re.sub(r"[\x00-\x1f\x7f-\x9f]", lambda m: f"\\x{ord(m.group()):02x}", str(s)))
+    return escape(printable(s))
 
 
 def _print_json(value: Any) -> None:
