@@ -99,3 +99,19 @@ def test_a_preemption_signal_on_another_rank_than_0_saves_and_stops_every_rank(t
     out = [r.value for r in run_ranks(_signal_on_rank1_group, 2, str(tmp_path), timeout=90)]
     assert out[0] == out[1], out  # the same decision on every rank
     assert out[0]["stopped"] in (3, 4) and out[0]["saved"] == [out[0]["stopped"]], out
+
+
+def test_keepbest_ranks_an_int_past_float_range_last(tmp_path):
+    """``metrics={"loss": 10**400}`` (an int no float holds) made every later retention fail with
+    "int too large to convert to float": old checkpoints piled up, one warning per save."""
+    import warnings
+
+    import trainguard as tg
+
+    m = torch.nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with tg.CheckpointManager(tmp_path, keep=tg.KeepBest("loss", n=1), async_save=False) as mgr:
+            for step, loss in ((1, 10**400), (2, 1.0), (3, 2.0)):
+                mgr.save(step, {"m": m}, metrics={"loss": loss}, force=True)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000000002", "step-000000003"]  # the best, and the newest (never deleted)

@@ -202,9 +202,11 @@ class KeepBest(RetentionPolicy):
 
         def key(c: CheckpointInfo) -> tuple[int, float, int]:
             v = c.metrics.get(self.metric)
-            if v is None or not math.isfinite(v):
-                return (1, 0.0, -c.step)
-            return (0, sign * float(v), -c.step)
+            try:  # an int past a float's range (OverflowError) ranks last, as ±inf does
+                f = float(v) if isinstance(v, (int, float)) else math.nan
+            except OverflowError:
+                f = math.nan
+            return (0, sign * f, -c.step) if math.isfinite(f) else (1, 0.0, -c.step)
 
         return {c.step for c in sorted(checkpoints, key=key)[: self.n]}
 
