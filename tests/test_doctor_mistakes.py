@@ -194,3 +194,12 @@ def test_a_dataloader_without_its_own_generator_is_a_warning() -> None:
     assert one({}, "data randomness", source=own).severity == "ok"
     assert one({}, "data randomness", source="loader = DataLoader(ds, **kw)\n").severity == "ok"
     assert [f for f in check({}, Settings(source="x = 1\n")) if f.check == "data randomness"] == []
+
+
+def test_doctor_reads_generator_none_and_a_staging_flag_as_written() -> None:
+    """``DataLoader(ds, generator=None)`` is the default spelled out: no generator of its own (it
+    counted as one); ``stage_in_background=flag`` was reported as "stage_in_background=True"."""
+    f = one({}, "data randomness", source="loader = DataLoader(ds, generator=None)\n")
+    assert f.severity == "warning" and "line 1" in f.message
+    f = one({}, "background staging", source="flag = args.bg\nh = mgr.save(1, state, stage_in_background=flag)\n")
+    assert f.severity == "error" and "stage_in_background=flag (line 2)" in f.message

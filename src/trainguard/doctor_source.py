@@ -32,12 +32,12 @@ def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """docs/async.md: with ``stage_in_background=True`` the caller must wait for ``handle.wait_staged()``."""
     if (tree := _tree(s)) is None:
         return None
-    on = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and any(
-        k.arg == "stage_in_background" and not (isinstance(k.value, ast.Constant) and not k.value.value)
-        for k in n.keywords)]
+    on = [(n, k) for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+          if k.arg == "stage_in_background" and not (isinstance(k.value, ast.Constant) and not k.value.value)]
     if not on and not s.stage_in_background:
         return None
-    where = f"stage_in_background=True (line {on[0].lineno})" if on else "the manager's stage_in_background=True"
+    where = (f"stage_in_background={ast.unparse(on[0][1].value)} (line {on[0][0].lineno})" if on
+             else "the manager's stage_in_background=True")
     if waits := next(_calls(None, {"wait_staged"}, tree), None):
         return Finding("background staging", "ok", f"{where}; the script waits for staging (line {waits.lineno}: "
                        f"{ast.unparse(waits)})")
@@ -57,8 +57,8 @@ def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
     loaders = list(_calls(None, {"DataLoader"}, tree))
     if not loaders:
         return None
-    # A **kwargs may carry generator=: not reported.
-    bare = [c for c in loaders if not any(k.arg in ("generator", None) for k in c.keywords)]
+    # A **kwargs may carry generator=: not reported. generator=None is the default, spelled out.
+    bare = [c for c in loaders if not any(k.arg is None or k.arg == "generator" and not _is_none(k.value) for k in c.keywords)]
     if not bare:
         return Finding("data randomness", "ok", f"the DataLoader has its own generator (line {loaders[0].lineno})")
     lines = ", ".join(str(c.lineno) for c in bare)
@@ -155,3 +155,7 @@ def _mentions_rank(x: ast.expr) -> bool:
 
 def _rank_word(name: str) -> bool:
     return re.search(r"(^|_)rank($|_)", name.lower()) is not None
+
+
+def _is_none(node: ast.expr) -> bool:
+    return isinstance(node, ast.Constant) and node.value is None
