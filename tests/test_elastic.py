@@ -33,6 +33,25 @@ def test_fault_fires_once_per_job(tmp_path, monkeypatch):
     assert claim(f)
 
 
+def test_a_fault_for_a_rank_the_job_does_not_have_is_a_warning_on_rank_0(monkeypatch):
+    """``--fault step=10,rank=5`` on a 2-rank job never fired, and nothing said so."""
+    from trainguard.elastic.watchdog import _Heart
+
+    monkeypatch.delenv("TRAINGUARD_RUN_DIR", raising=False)
+    monkeypatch.setenv("TRAINGUARD_FAULT", "step=10,rank=5,kind=exit;step=3,rank=1,kind=exit")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.warns(UserWarning, match=r"'step=10,rank=5,kind=exit' does not fire while this job has 2 rank") as got:
+        _Heart()
+    assert len(got) == 1  # rank=1 exists
+    monkeypatch.setenv("RANK", "1")  # said once, by rank 0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _Heart()
+
+
 def test_prepare_sets_defaults_user_values_win(tmp_path, monkeypatch):
     for k in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TRAINGUARD_FAULT", "TRAINGUARD_HANG_TIMEOUT",
               "TRAINGUARD_DEAD_AFTER"):

@@ -43,6 +43,7 @@ import re
 import sys
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -206,6 +207,10 @@ class _Heart:
         rd = run_dir()
         self.events = EventLog(os.path.join(rd, EVENTS_FILE) if rd else None, rank=self.rank)
         self.faults: list[Fault] = faults_from_env()
+        for f in self.faults if self.rank == 0 else []:
+            if f.rank >= self.world_size:  # an elastic job may grow to it later: a warning, not an error
+                warnings.warn(f"fault drill {f.spec()!r} does not fire while this job has {self.world_size} "
+                              f"rank(s) (0..{self.world_size - 1}); name one of them with rank=", stacklevel=3)
         self.first = True
         self.watchdog: Watchdog | None = None
         if os.environ.get("TRAINGUARD_WATCHDOG") == "1":
