@@ -112,3 +112,16 @@ def test_iterable_wrapper_resumes_at_global_position():
 def test_doc_example_runs():
     code = re.search(r"```python\n(.*?)```", DOC.read_text(), re.S).group(1)
     exec(compile(code, str(DOC), "exec"), {})
+
+
+def test_a_sampler_state_and_an_iterable_state_are_not_taken_for_each_other():
+    """A ResumableSampler's state loaded into a ResumableIterable was accepted (its position, an
+    index into a dataset, applied to a stream); the other way round raised a bare KeyError."""
+    sampler = ResumableSampler(TensorDataset(torch.arange(10)), rank=0, world_size=1, seed=0)
+    stream = ResumableIterable(lambda epoch: iter(range(10)), rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="is a ResumableSampler's"):
+        stream.load_state_dict(sampler.state_dict())
+    with pytest.raises(CheckpointError, match="not a ResumableSampler's"):
+        sampler.load_state_dict(stream.state_dict())
+    stream.load_state_dict({"epoch": 1, "position": 4})  # its own kind still loads
+    assert stream.state_dict() == {"epoch": 1, "position": 4}

@@ -178,6 +178,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 "num_samples": self.num_samples, "shuffle": self.shuffle}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "num_samples" not in state_dict:
+            raise CheckpointError(f"ResumableSampler: the saved state {sorted(state_dict)} is not a ResumableSampler's "
+                                  "(a ResumableIterable's?): restore a sampler from a sampler's entry")
         if int(state_dict["num_samples"]) != self.num_samples or bool(state_dict["shuffle"]) != self.shuffle:
             raise CheckpointError(
                 f"ResumableSampler: checkpoint has num_samples={state_dict['num_samples']}, "
@@ -267,6 +270,9 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "num_samples" in state_dict:  # positions in an indexed dataset, not in this stream
+            raise CheckpointError("ResumableIterable: the saved state is a ResumableSampler's: restore an iterable "
+                                  "dataset from an iterable dataset's entry")
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if position < 0 or epoch < 0:
             raise CorruptCheckpointError(f"ResumableIterable: saved position {position} (epoch {epoch}) is negative")
