@@ -256,3 +256,33 @@ def test_retention_removes_the_manifest_durably_before_any_data(tmp_path, monkey
     commit = rec.rename_to(run / "step-000000003")
     assert commit < gone[0]
     assert rec.not_durable(run / "step-000000003", gone[0], run) == []
+
+
+# ---------------------------------------------------------------------------- new directories
+def test_save_into_new_directories_makes_them_durable(tmp_path, monkeypatch):
+    """tg.save into ``a/b/step-1`` creates ``a`` and ``b``: a save that reported success must not
+    lose them (and so the checkpoint) to a power loss. Before the fix only ``b`` was fsynced (after
+    the rename): the entries of ``a`` in tmp_path and of ``b`` in ``a`` were never made durable."""
+    rec = Recorder(monkeypatch)
+    ckpt = tmp_path / "a" / "b" / "step-000000001"
+    tg.save(ckpt, _state(1.0))
+    assert rec.not_durable(ckpt, rec.mark("returned"), tmp_path) == []
+
+
+def test_manager_run_directory_it_creates_is_durable_before_the_first_save_returns(tmp_path, monkeypatch):
+    rec = Recorder(monkeypatch)
+    run = tmp_path / "ckpts" / "run1"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0))
+        done = rec.mark("returned")
+    assert rec.not_durable(run / "step-000000001", done, tmp_path) == []
+
+
+def test_a_save_fsyncs_its_run_directory_no_more_than_before(tmp_path, monkeypatch):
+    """The temp directory's own entry need not be durable (it is renamed, and that is fsynced):
+    making new directories durable costs nothing per save in an existing run directory."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rec = Recorder(monkeypatch)
+    tg.save(run / "step-000000001", _state(1.0))
+    assert rec.log.count(("fsync", _key(run.stat()))) == 1  # after the rename

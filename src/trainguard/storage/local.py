@@ -12,7 +12,7 @@ import threading
 
 from ..errors import CorruptCheckpointError
 from ..layout import MANIFEST
-from . import _pagecache
+from . import _durable, _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
     DIRECT_MIN,
@@ -324,7 +324,7 @@ class LocalStorage:
         return os.path.join(*parts)
 
     def makedirs(self, path: str) -> None:
-        os.makedirs(path, exist_ok=True)
+        _durable.makedirs(path)  # each new directory fsynced into its parent
 
     def listdir(self, path: str) -> list[str]:
         try:
@@ -388,8 +388,4 @@ class LocalStorage:
         return _LocalReader(path, direct=direct)
 
     def fsync_dir(self, path: str) -> None:
-        fd = os.open(path or ".", os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _durable.fsync_dir(path)

@@ -1,0 +1,34 @@
+"""Directory operations of ``LocalStorage`` that must survive a power loss, not only a crash of
+the process: after one, a directory entry (a create, mkdir, rename or unlink) is there only if
+its directory was fsynced after it (tests/test_fsync_review.py checks the order of the calls)."""
+
+from __future__ import annotations
+
+import os
+
+from ..layout import TMP_RE
+
+
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory ``path`` durable (``LocalStorage.fsync_dir``)."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs(path: str) -> None:
+    """``LocalStorage.makedirs``: create ``path`` and its missing parents (a manager's run root at
+    ``open``, the parents of ``tg.save``'s path, a save's temp directory). Each directory created
+    is made durable in its parent (the parent fsynced), else a power loss could take a new run
+    directory, and every checkpoint committed in it, away after the saves reported success. A
+    temp directory's own entry is not: it is renamed into place, and that rename is fsynced."""
+    created, p = [], os.path.abspath(path)
+    while not os.path.isdir(p) and os.path.dirname(p) != p:
+        created.append(p)
+        p = os.path.dirname(p)
+    os.makedirs(path, exist_ok=True)
+    for d in reversed(created):
+        if d != created[0] or not TMP_RE.match(os.path.basename(d)):
+            fsync_dir(os.path.dirname(d))
