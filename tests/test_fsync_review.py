@@ -12,6 +12,7 @@ deletion removes), whether what must be durable was.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 import trainguard as tg
 from trainguard.export import export
+from trainguard.storage import LocalStorage
 
 Key = tuple[int, int]  # (st_dev, st_ino)
 
@@ -286,3 +288,38 @@ def test_a_save_fsyncs_its_run_directory_no_more_than_before(tmp_path, monkeypat
     rec = Recorder(monkeypatch)
     tg.save(run / "step-000000001", _state(1.0))
     assert rec.log.count(("fsync", _key(run.stat()))) == 1  # after the rename
+
+
+# ---------------------------------------------------------------------------- deletion that fails
+@pytest.mark.parametrize("fail", ["unlink", "fsync"])
+def test_remove_tree_deletes_no_data_while_the_manifest_may_survive(tmp_path, monkeypatch, fail):
+    """Retention and debris cleanup delete a checkpoint's manifest first, durably, then its data.
+    When the manifest cannot be removed (EIO, EPERM), or its removal cannot be made durable (the
+    directory's fsync fails), the data files must stay: deleted, they would leave a manifest (now,
+    or back after a power loss) that lists the checkpoint as committed and points at nothing.
+    Before the fix both errors were swallowed and the data files removed anyway."""
+    ckpt = tmp_path / "step-000000001"
+    tg.save(ckpt, _state(1.0))
+    data = [p for p in ckpt.iterdir() if p.name != "manifest.json"]
+    ckpt_key = _key(ckpt.stat())
+    real_unlink, real_fsync = os.unlink, os.fsync
+
+    def unlink(path: Any, *a: Any, **k: Any) -> None:
+        if fail == "unlink" and os.path.basename(os.fsdecode(path)) == "manifest.json":
+            raise OSError(errno.EIO, "Input/output error", os.fsdecode(path))
+        real_unlink(path, *a, **k)
+
+    def fsync(fd: int) -> None:
+        if fail == "fsync" and _key(os.fstat(fd)) == ckpt_key:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "fsync", fsync)
+    LocalStorage().remove_tree(str(ckpt))
+    monkeypatch.undo()
+    assert data and all(p.exists() for p in data)
+    if fail == "unlink":  # nothing was removed: still a whole checkpoint, retention tries again
+        assert tg.verify(ckpt).ok
+    LocalStorage().remove_tree(str(ckpt))  # once the disk answers again, it goes
+    assert not ckpt.exists()

@@ -4,9 +4,13 @@ its directory was fsynced after it (tests/test_fsync_review.py checks the order 
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 
-from ..layout import TMP_RE
+from ..layout import MANIFEST, TMP_RE
+
+log = logging.getLogger("trainguard")
 
 
 def fsync_dir(path: str) -> None:
@@ -32,3 +36,21 @@ def makedirs(path: str) -> None:
     for d in reversed(created):
         if d != created[0] or not TMP_RE.match(os.path.basename(d)):
             fsync_dir(os.path.dirname(d))
+
+
+def remove_tree(path: str) -> None:
+    """``LocalStorage.remove_tree`` of a directory (retention, debris cleanup, a failed save's temp
+    directory): its manifest first, durably (the directory fsynced), then the rest, so that a
+    delete cut short, by a crash or a power loss, leaves no manifest whose data is gone. When the
+    manifest cannot be removed (EIO, EPERM) or its removal cannot be made durable (the fsync
+    fails), nothing else is: a warning, and the directory is left for the next cleanup (a whole
+    checkpoint, or one without its manifest: debris). Never raises (callers clean up on error paths)."""
+    try:
+        os.unlink(os.path.join(path, MANIFEST))
+        fsync_dir(path)
+    except (FileNotFoundError, NotADirectoryError):
+        pass  # no manifest (a temp directory), or nothing there
+    except OSError as e:
+        log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, e)
+        return
+    shutil.rmtree(path, ignore_errors=True)

@@ -6,12 +6,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import stat
 import threading
 
 from ..errors import CorruptCheckpointError
-from ..layout import MANIFEST
 from . import _durable, _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
@@ -373,10 +371,7 @@ class LocalStorage:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(path, MANIFEST))
-            self.fsync_dir(path)
-        shutil.rmtree(path, ignore_errors=True)
+        _durable.remove_tree(path)  # stops, data kept, when the manifest's removal is not durable
 
     def open_write(self, path: str, *, direct: bool = False) -> _LocalWriter:
         """A writer for a new data file; ``direct``: send aligned pages through O_DIRECT."""
