@@ -22,6 +22,8 @@ import pytest
 import torch
 
 import trainguard as tg
+from trainguard import streams
+from trainguard.consolidate import consolidate
 from trainguard.export import export
 from trainguard.storage import LocalStorage
 
@@ -174,10 +176,13 @@ def _files(ckpt: Path) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------- commit order
+@pytest.mark.parametrize("two_files", [False, True])
 @pytest.mark.parametrize("async_", [False, True])
-def test_save_commits_only_durable_bytes_and_is_durable_when_it_returns(tmp_path, monkeypatch, async_):
+def test_save_commits_only_durable_bytes_and_is_durable_when_it_returns(tmp_path, monkeypatch, async_, two_files):
     run = tmp_path / "run"
     run.mkdir()
+    if two_files:  # a rank writing >= 64 MiB writes two files in parallel: here from 1 MiB
+        monkeypatch.setattr(streams, "TWO_FILES_FROM", 1 << 20)
     rec = Recorder(monkeypatch)
     h = tg.save(run / "step-000000001", _state(1.0), async_=async_)
     if async_:
@@ -190,7 +195,9 @@ def test_save_commits_only_durable_bytes_and_is_durable_when_it_returns(tmp_path
     assert rec.not_durable(ckpt, commit, None) == []
     # ... and the rename itself is durable before the save reports success.
     assert rec.not_durable(ckpt, done, run) == []
-    assert len(_files(ckpt)) >= 2  # manifest.json and data-00000.bin
+    names = {p.name for p in _files(ckpt)}  # the check above covered each of them
+    assert {"data-00000.bin", "manifest.json"} <= names
+    assert ("data-00000-1.bin" in names) == (two_files and not async_)  # the async path writes one file
 
 
 def test_overwrite_keeps_the_old_checkpoint_durable_until_the_new_one_is(tmp_path, monkeypatch):
@@ -225,6 +232,16 @@ def test_ram_tier_copy_commits_only_durable_bytes(tmp_path, monkeypatch):
     ckpt = run / "step-000000001"
     assert rec.not_durable(ckpt, rec.rename_to(ckpt), None) == []
     assert rec.not_durable(ckpt, done, run) == []
+
+
+def test_consolidate_commits_only_durable_bytes_into_new_directories(tmp_path, monkeypatch):
+    tg.save(tmp_path / "src" / "step-000000001", _state(1.0))
+    rec = Recorder(monkeypatch)
+    dst = tmp_path / "full" / "step-000000001"
+    consolidate(str(tmp_path / "src" / "step-000000001"), str(dst))
+    done = rec.mark("returned")
+    assert rec.not_durable(dst, rec.rename_to(dst), None) == []
+    assert rec.not_durable(dst, done, tmp_path) == []
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
