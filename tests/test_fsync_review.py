@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,84 @@ def _key(st: os.stat_result) -> Key:
     return (st.st_dev, st.st_ino)
 
 
-class Recorder:
-    """Logs ``("entry", dir, name)``, ``("write", inode)``, ``("fsync", inode)``,
-    ``("rename", src, dst)``, ``("mark", label)`` as the patched ``os`` functions run (any thread)."""
+class Trace:
+    """A log of ``("entry", dir, name)``, ``("write", inode)``, ``("fsync", inode)``, ``("rename",
+    src, dst)``, ``("unlink", dir, name)``, ``("mark", label)``, each with its CLOCK_MONOTONIC time
+    (one clock for every process of the machine: the logs of several ranks merge into one)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.times: list[int] = []
+
+    @classmethod
+    def merge(cls, *parts: tuple[list[int], list[tuple[Any, ...]]]) -> Trace:
+        t = cls()
+        for when, ev in sorted(((w, e) for times, log in parts for w, e in zip(times, log)), key=lambda x: x[0]):
+            t.times.append(when)
+            t.log.append(ev)
+        return t
+
+    def part(self) -> tuple[list[int], list[tuple[Any, ...]]]:
+        return list(self.times), list(self.log)
+
+    # ------------------------------------------------------------------ the durability model
+    def entry_durable(self, d: Key, name: str, at: int) -> bool:
+        """The last change of entry ``name`` in directory ``d`` before ``at`` was followed by an
+        fsync of ``d`` before ``at`` (an entry this log never changed was there before: durable)."""
+        last = max((i for i, e in enumerate(self.log[:at]) if e[0] == "entry" and e[1] == d and e[2] == name), default=None)
+        return last is None or any(e == ("fsync", d) for e in self.log[last + 1 : at])
+
+    def data_durable(self, inode: Key, at: int) -> bool:
+        """The file was fsynced after its last write (or creation) and before ``at``."""
+        last = max((i for i, e in enumerate(self.log[:at]) if e == ("write", inode)), default=-1)
+        return any(e == ("fsync", inode) for e in self.log[last + 1 : at])
+
+    def rename_to(self, dst: str | os.PathLike[str]) -> int:
+        """Index of the last rename onto ``dst`` (the commit of a checkpoint directory, a file)."""
+        dst = os.path.abspath(dst)
+        return max(i for i, e in enumerate(self.log) if e[0] == "rename" and e[2] == dst)
+
+    def not_durable(self, path: str | os.PathLike[str], at: int, base: str | os.PathLike[str] | None) -> list[str]:
+        """What of ``path`` (a checkpoint directory or a file) a power loss at ``at`` may lose: its
+        files' bytes or entries, its own entry, or that of a directory between it and ``base``
+        (``base=None``: the files inside only, as at the rename that commits the directory)."""
+        path = Path(path).absolute()
+        bad = []
+        files = sorted(path.iterdir()) if path.is_dir() else [path]
+        for f in files:
+            if f.is_file():
+                if not self.data_durable(_key(f.stat()), at):
+                    bad.append(f"bytes of {f}")
+                if not self.entry_durable(_key(f.parent.stat()), f.name, at):
+                    bad.append(f"entry of {f}")
+        if base is None:
+            return bad
+        p, base = (path if path.is_dir() else path.parent), Path(base).absolute()
+        chain = [path] if path.is_file() else []
+        while p != base:
+            chain.append(p)
+            p = p.parent
+        for c in chain:
+            if not self.entry_durable(_key(c.parent.stat()), c.name, at):
+                bad.append(f"entry of {c}")
+        return bad
+
+class Recorder(Trace):
+    """Records the calls of the patched ``os`` functions (any thread of this process)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.log: list[tuple[Any, ...]] = []
+        super().__init__()
         self.lock = threading.Lock()
+        self._patch(monkeypatch)
+
+    def mark(self, label: str) -> int:
+        """Log a point of the test (``"returned"``...); returns its index."""
+        with self.lock:
+            self.times.append(time.monotonic_ns())
+            self.log.append(("mark", label))
+            return len(self.log) - 1
+
+    def _patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
         real = {n: getattr(os, n) for n in (
             "open", "mkdir", "rename", "replace", "unlink", "remove", "rmdir", "fsync", "fdatasync",
             "write", "pwrite", "pwritev", "ftruncate", "posix_fallocate",
@@ -49,6 +121,7 @@ class Recorder:
 
         def add(*ev: Any) -> None:
             with self.lock:
+                self.times.append(time.monotonic_ns())
                 self.log.append(ev)
 
         def parent(path: Any, dir_fd: int | None) -> tuple[Key, str]:
@@ -118,55 +191,6 @@ class Recorder:
         for n in ("write", "pwrite", "pwritev", "ftruncate", "posix_fallocate"):
             monkeypatch.setattr(os, n, w_write(n))
 
-    def mark(self, label: str) -> int:
-        """Log a point of the test (``"returned"``...); returns its index."""
-        with self.lock:
-            self.log.append(("mark", label))
-            return len(self.log) - 1
-
-    # ------------------------------------------------------------------ the durability model
-    def entry_durable(self, d: Key, name: str, at: int) -> bool:
-        """The last change of entry ``name`` in directory ``d`` before ``at`` was followed by an
-        fsync of ``d`` before ``at`` (an entry this log never changed was there before: durable)."""
-        last = max((i for i, e in enumerate(self.log[:at]) if e[0] == "entry" and e[1] == d and e[2] == name), default=None)
-        return last is None or any(e == ("fsync", d) for e in self.log[last + 1 : at])
-
-    def data_durable(self, inode: Key, at: int) -> bool:
-        """The file was fsynced after its last write (or creation) and before ``at``."""
-        last = max((i for i, e in enumerate(self.log[:at]) if e == ("write", inode)), default=-1)
-        return any(e == ("fsync", inode) for e in self.log[last + 1 : at])
-
-    def rename_to(self, dst: str | os.PathLike[str]) -> int:
-        """Index of the last rename onto ``dst`` (the commit of a checkpoint directory, a file)."""
-        dst = os.path.abspath(dst)
-        return max(i for i, e in enumerate(self.log) if e[0] == "rename" and e[2] == dst)
-
-    def not_durable(self, path: str | os.PathLike[str], at: int, base: str | os.PathLike[str] | None) -> list[str]:
-        """What of ``path`` (a checkpoint directory or a file) a power loss at ``at`` may lose: its
-        files' bytes or entries, its own entry, or that of a directory between it and ``base``
-        (``base=None``: the files inside only, as at the rename that commits the directory)."""
-        path = Path(path).absolute()
-        bad = []
-        files = sorted(path.iterdir()) if path.is_dir() else [path]
-        for f in files:
-            if f.is_file():
-                if not self.data_durable(_key(f.stat()), at):
-                    bad.append(f"bytes of {f}")
-                if not self.entry_durable(_key(f.parent.stat()), f.name, at):
-                    bad.append(f"entry of {f}")
-        if base is None:
-            return bad
-        p, base = (path if path.is_dir() else path.parent), Path(base).absolute()
-        chain = [path] if path.is_file() else []
-        while p != base:
-            chain.append(p)
-            p = p.parent
-        for c in chain:
-            if not self.entry_durable(_key(c.parent.stat()), c.name, at):
-                bad.append(f"entry of {c}")
-        return bad
-
-
 def _state(v: float) -> dict:
     return {"w": torch.full((300_000,), v), "b": torch.arange(10.0) + v, "progress": tg.StateDict(step=int(v))}
 
@@ -198,6 +222,34 @@ def test_save_commits_only_durable_bytes_and_is_durable_when_it_returns(tmp_path
     names = {p.name for p in _files(ckpt)}  # the check above covered each of them
     assert {"data-00000.bin", "manifest.json"} <= names
     assert ("data-00000-1.bin" in names) == (two_files and not async_)  # the async path writes one file
+
+
+def _two_ranks_save(rank: int, world: int, run: str) -> tuple[list[int], list[tuple[Any, ...]]]:
+    mp = pytest.MonkeyPatch()
+    try:
+        rec = Recorder(mp)
+        tg.save(os.path.join(run, "step-000000001"), _state(1.0), layout="full")
+        rec.mark(f"returned-{rank}")
+        return rec.part()
+    finally:
+        mp.undo()
+
+
+def test_two_ranks_commit_only_bytes_every_rank_made_durable(tmp_path):
+    """Rank 1's data file is fsynced (bytes) by rank 1, and its entry made durable by rank 0's
+    fsync of the temp directory, both before rank 0 renames the directory into place; merged on
+    the machine's monotonic clock, the two logs are one history to check."""
+    from dist_helper import run_ranks
+
+    run = tmp_path / "run"
+    run.mkdir()
+    res = run_ranks(_two_ranks_save, 2, str(run), timeout=60)
+    assert all(r.ok for r in res), [r.error for r in res]
+    trace = Trace.merge(*(r.value for r in res))
+    ckpt = run / "step-000000001"
+    assert {p.name for p in _files(ckpt)} == {"data-00000.bin", "data-00001.bin", "manifest.json"}
+    assert trace.not_durable(ckpt, trace.rename_to(ckpt), None) == []
+    assert trace.not_durable(ckpt, trace.log.index(("mark", "returned-0")), run) == []
 
 
 def test_overwrite_keeps_the_old_checkpoint_durable_until_the_new_one_is(tmp_path, monkeypatch):
