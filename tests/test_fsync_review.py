@@ -349,6 +349,24 @@ def test_manager_run_directory_it_creates_is_durable_before_the_first_save_retur
     assert rec.not_durable(run / "step-000000001", done, tmp_path) == []
 
 
+def test_a_parent_that_cannot_be_read_does_not_fail_the_save(tmp_path, monkeypatch):
+    """A directory one may write into but not read (mode -wx, as root no mode stops this test, so
+    its open is refused here) cannot be opened to fsync: a warning, not a failed save."""
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    real_open = os.open
+
+    def refuse(path: Any, flags: int, *a: Any, **k: Any) -> int:
+        if os.path.abspath(os.fsdecode(path)) == str(drop) and not flags & (os.O_WRONLY | os.O_RDWR):
+            raise PermissionError(errno.EACCES, "Permission denied", os.fsdecode(path))
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", refuse)
+    with tg.CheckpointManager(drop / "run", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0))
+    assert (drop / "run" / "step-000000001" / "manifest.json").exists()
+
+
 def test_a_save_fsyncs_its_run_directory_no_more_than_before(tmp_path, monkeypatch):
     """The temp directory's own entry need not be durable (it is renamed, and that is fsynced):
     making new directories durable costs nothing per save in an existing run directory."""

@@ -35,7 +35,11 @@ def makedirs(path: str) -> None:
     os.makedirs(path, exist_ok=True)
     for d in reversed(created):
         if d != created[0] or not TMP_RE.match(os.path.basename(d)):
-            fsync_dir(os.path.dirname(d))
+            try:
+                fsync_dir(os.path.dirname(d))
+            except PermissionError:  # a parent one may write into but not read (mode -wx): cannot be opened
+                log.warning("trainguard: cannot fsync %s (no read permission); %s may not survive a power loss",
+                            os.path.dirname(d), d)
 
 
 def remove_tree(path: str) -> None:
