@@ -73,3 +73,16 @@ def test_summary_of_a_log_without_steps_prints_dashes_not_none():
           {"t": 1.0, "event": "save", "step": 20, "rank": 0, "pid": 1, "stall_s": 0.01, "duration_s": 0.1, "bytes": 10}]
     text = format_summary(summarize(ev))  # a manager's own log, not under `trainguard run`
     assert "final step -," in text and "None" not in text
+
+
+def test_an_event_written_after_a_zero_filled_tail_is_read(tmp_path):
+    """A power loss can leave the log's unwritten tail as NUL bytes (ext4 data=writeback, older
+    XFS); the first event appended after the restart starts with them and was dropped, by
+    `trainguard report` and by the first_step event's count of lost steps."""
+    from trainguard.elastic.watchdog import _lost_steps
+    from trainguard.events import read_events
+
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(b'{"t": 1, "event": "step", "step": 4}\n' + b"\0" * 64 + b'{"t": 2, "event": "step", "step": 9}\n')
+    assert [e["step"] for e in read_events(path)] == [4, 9]
+    assert _lost_steps(path, 5) == 5  # steps 5..9 were done before the restart resumed at 5

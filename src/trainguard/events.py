@@ -53,7 +53,8 @@ class EventLog:
 def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Yield the events of a JSONL log (``trainguard report``, tests). A line that is no event
     of :class:`EventLog` is skipped: a torn last line (a crash mid-write), undecodable bytes, or
-    a line of another tool's log (not an object with a string ``event`` and a numeric ``t``)."""
+    a line of another tool's log; NUL bytes before a line (a file system that zero-fills a tail
+    lost in a power loss: the next line is written after them) are dropped (not an object with a string ``event`` and a numeric ``t``)."""
     p = Path(path)
     if p.is_dir():
         p = p / EVENTS_FILE
@@ -61,7 +62,7 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
         return
     with open(p, encoding="utf-8", errors="replace") as f:
         for line in f:
-            line = line.strip()
+            line = line.strip().lstrip("\0")  # NULs: the zero-filled tail a power loss may leave before it
             if not line:
                 continue
             try:

@@ -283,7 +283,7 @@ def _event_at(buf: Any, pos: int) -> tuple[int, int, dict[str, Any] | None]:
     b = buf.find(b"\n", pos)
     b = len(buf) if b < 0 else b
     try:
-        ev = json.loads(buf[a:b])
+        ev = json.loads(buf[a:b].lstrip(b"\0"))  # NULs: a power loss's zero-filled tail before it
     except ValueError:
         return a, b, None
     return a, b, ev if isinstance(ev, dict) else None
