@@ -60,3 +60,26 @@ def test_text_output_shows_the_exact_optimum_and_advises_when_it_is_hopeless() -
     res = CliRunner().invoke(plan_cmd, "--nodes 256 --node-failures-per-day 0.0065 --save-stall 30s --restart 10m"
                              .split(), terminal_width=200)
     assert res.exit_code == 0 and "fewer nodes" not in res.output and "1.66" in res.output
+
+
+def test_load_of_a_step_whose_overwrite_was_cut_short_names_its_previous_copy(tmp_path):
+    """A crash between the two renames of ``overwrite=True`` leaves ``step-N`` missing and its
+    previous checkpoint at ``step-N.old-<id>`` until a manager opens; ``tg.load`` said only "no
+    such checkpoint directory"."""
+    import torch
+
+    import trainguard as tg
+    from trainguard.errors import NotACheckpointError
+
+    step = tmp_path / "run" / "step-000000005"
+    tg.save(step, {"w": torch.arange(3.0)})
+    old = step.parent / "step-000000005.old-1a2b"
+    step.rename(old)  # where _commit's first rename put it
+    got = {"w": torch.zeros(3)}
+    with pytest.raises(NotACheckpointError, match=r"overwrite of it was cut short.*step-000000005\.old-1a2b"):
+        tg.load(step, got)
+    tg.load(old, got)
+    assert torch.equal(got["w"], torch.arange(3.0))
+    with tg.CheckpointManager(step.parent):  # puts it back
+        pass
+    assert (step / "manifest.json").exists() and not old.exists()

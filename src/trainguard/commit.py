@@ -100,7 +100,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     path = storage.join(directory, layout.MANIFEST)
     if not storage.exists(path):
         if not storage.exists(directory):
-            raise NotACheckpointError(f"{directory}: no such checkpoint directory")
+            raise NotACheckpointError(f"{directory}: no such checkpoint directory{_moved_aside(storage, directory)}")
         raise NotACheckpointError(
             f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
@@ -110,6 +110,21 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     except FileNotFoundError:  # deleted since the lookup above (retention, an operator; an object store's read)
         raise NotACheckpointError(f"{directory}: its {layout.MANIFEST} was deleted while it was read") from None
     return parse(data, where=f"{directory}/{layout.MANIFEST}")
+
+
+def _moved_aside(storage: Storage, directory: str) -> str:
+    """For ``read_manifest``'s error: where an overwrite cut short between its two renames left
+    ``directory``'s previous checkpoint (``<name>.old-<id>``, put back by the next manager's
+    ``clean_debris``), or ``""``."""
+    parent, name = os.path.split(directory.rstrip("/"))
+    try:
+        olds = [n for n in storage.listdir(parent) if n.startswith(f"{name}.old-") and layout.OLD_RE.match(n)]
+        old = next((storage.join(parent, n) for n in olds if storage.exists(storage.join(parent, n, layout.MANIFEST))), None)
+    except OSError:
+        return ""
+    return "" if old is None else (
+        f" (an overwrite of it was cut short: its previous checkpoint is {old}; load that path, or open a "
+        f"CheckpointManager on {parent}, which puts it back)")
 
 
 def rank_files(report: dict[str, Any]) -> dict[str, int]:
