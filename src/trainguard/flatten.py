@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -156,6 +157,30 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
         return dec(skeleton, 0)
     finally:
         dec = None  # type: ignore[assignment]  # break dec -> cell -> dec: no garbage cycle per call
+
+
+def keep_types(loaded: Any, current: Any) -> Any:
+    """``loaded`` (what :func:`unflatten` built) with each dict that ``current`` holds at the
+    same place as a ``Counter``, ``OrderedDict`` or ``defaultdict`` made one again (with its
+    ``default_factory``). A skeleton stores every dict as a dict; ``loader._load`` calls this
+    with the destination's own ``state_dict()`` (or value), so a load in place keeps its types:
+    a ``MultiStepLR``'s milestones are a ``Counter``, and ``SequentialLR`` needs its
+    ``.elements()`` at its switch. Dicts and lists are changed in place (they are fresh)."""
+    if type(loaded) is dict and isinstance(current, dict):
+        for k, v in loaded.items():
+            if k in current and (w := keep_types(v, current[k])) is not v:
+                loaded[k] = w  # an existing key: no resize while iterating
+        typ = type(current)
+        if typ is defaultdict:
+            return defaultdict(current.default_factory, loaded)
+        return typ(loaded) if typ in (Counter, OrderedDict) else loaded
+    if type(loaded) in (list, tuple) and type(current) is type(loaded):
+        new = [keep_types(v, c) for v, c in zip(loaded, current)]
+        if any(w is not v for w, v in zip(new, loaded)):
+            if type(loaded) is tuple:
+                return (*new, *loaded[len(new):])
+            loaded[: len(new)] = new
+    return loaded
 
 
 def single_tensor(skel: Any) -> str | None:

@@ -27,7 +27,7 @@ from .errors import (
     is_data_error,
     raise_failures,
 )
-from .flatten import flatten, single_tensor, tensor_refs, unflatten
+from .flatten import flatten, keep_types, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
@@ -108,6 +108,7 @@ def _load(
     mismatched: list[str] = []
     bad: dict[str, str] = {}  # path -> its line of ``mismatched``: not read (strict=False keeps its values)
     skip = set(missing_keys)
+    current: dict[str, Any] = {}  # key -> the destination's own state_dict() (or value), for keep_types
     for key in keys:
         if key in skip:
             continue
@@ -134,6 +135,8 @@ def _load(
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
         cur = obj.state_dict() if has_state(obj) else value
+        if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+            current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
         _, dest = flatten(cur, prefix)
         refs = tensor_refs(skel)
         for p in refs:
@@ -261,7 +264,7 @@ def _load(
         if (p := single_tensor(skel)) is not None:  # an entry that is one tensor: no skeleton to walk
             value = loaded.get(p, dest.get(p))
         else:
-            value = unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p)))
+            value = keep_types(unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p))), current.get(key))
         try:
             if isinstance(obj, ModuleAdapter):
                 obj.load_state_dict(value, strict=strict)

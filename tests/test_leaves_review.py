@@ -1,0 +1,69 @@
+"""Review of what a state may hold (leaf types, dict kinds): round trips that must keep the
+destination's types, and refusals that must say what to change. One process."""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter, OrderedDict, defaultdict
+
+import torch
+from torch import nn
+from torch.optim import lr_scheduler as sched
+
+import trainguard as tg
+
+
+def _warmup_then_steps(model: nn.Module) -> tuple[torch.optim.Optimizer, sched.LRScheduler]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    warm = sched.LinearLR(opt, start_factor=0.5, total_iters=3)
+    return opt, sched.SequentialLR(opt, [warm, sched.MultiStepLR(opt, milestones=[5, 8])], milestones=[3])
+
+
+def test_multistep_milestones_stay_a_counter_and_a_resumed_warmup_schedule_passes_its_switch(tmp_path):
+    # MultiStepLR keeps its milestones in a collections.Counter; SequentialLR calls step(0) on it
+    # at the switch, which needs Counter.elements(). Loaded as a plain dict, the resumed run
+    # crashed there (AttributeError: 'dict' object has no attribute 'elements').
+    model = nn.Linear(3, 2)
+    opt, lr = _warmup_then_steps(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "step(0) is deprecated" at the switch
+        opt.step()
+        lr.step()
+        tg.save(tmp_path / "step-000000001", {"model": model, "optim": opt, "sched": lr})
+        model2 = nn.Linear(3, 2)
+        opt2, lr2 = _warmup_then_steps(model2)
+        tg.load(tmp_path / "step-000000001", {"model": model2, "optim": opt2, "sched": lr2})
+        assert type(lr2._schedulers[1].milestones) is Counter
+        for _ in range(8):
+            opt.step()
+            lr.step()
+            opt2.step()
+            lr2.step()
+            assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def test_dict_kinds_come_back_as_the_destination_holds_them_and_as_dicts_into_nothing(tmp_path):
+    def value() -> dict:
+        return {
+            "counts": Counter({"a": 2, 3: 1}),
+            "seen": defaultdict(list, {"x": [1, torch.arange(2)]}),
+            "order": OrderedDict([("b", 1), ("a", {"c": Counter()})]),
+            "rows": [defaultdict(int, {"n": 1}), (Counter({1: 1}),)],
+        }
+
+    tg.save(tmp_path / "step-000000001", {"extra": value()})
+    dest = {"extra": value()}
+    tg.load(tmp_path / "step-000000001", dest)
+    got = dest["extra"]
+    assert type(got["counts"]) is Counter and got["counts"] == Counter({"a": 2, 3: 1})
+    assert type(got["seen"]) is defaultdict and got["seen"].default_factory is list
+    assert got["seen"]["x"][0] == 1 and torch.equal(got["seen"]["x"][1], torch.arange(2))
+    assert got["seen"]["new"] == []  # the default_factory works again after a resume
+    assert type(got["order"]) is OrderedDict and list(got["order"]) == ["b", "a"]
+    assert type(got["order"]["a"]["c"]) is Counter
+    assert type(got["rows"][0]) is defaultdict and got["rows"][0]["missing"] == 0
+    assert type(got["rows"][1]) is tuple and type(got["rows"][1][0]) is Counter
+
+    into_nothing = {"extra": None}  # no destination type to follow: plain dicts, equal values
+    tg.load(tmp_path / "step-000000001", into_nothing)
+    assert type(into_nothing["extra"]["counts"]) is dict and into_nothing["extra"]["counts"] == {"a": 2, 3: 1}
