@@ -67,3 +67,31 @@ def test_dict_kinds_come_back_as_the_destination_holds_them_and_as_dicts_into_no
     into_nothing = {"extra": None}  # no destination type to follow: plain dicts, equal values
     tg.load(tmp_path / "step-000000001", into_nothing)
     assert type(into_nothing["extra"]["counts"]) is dict and into_nothing["extra"]["counts"] == {"a": 2, 3: 1}
+
+
+def test_step_sliced_columns_are_saved_and_only_views_that_really_share_memory_are_refused(tmp_path):
+    # x[:, ::2] of a 5-wide matrix holds columns 0, 2, 4: strides (5, 2), no element shared.
+    # The overlap check took a dimension's extent as stride * size (6 > 5) and refused it as
+    # "an expand()ed or as_strided view", against the docs' "a transposed or sliced view" saved.
+    x = torch.randn(4, 5)
+    c = torch.randn(6, 5, dtype=torch.complex64)
+    kept = {
+        "cols": x[:, ::2],
+        "corner": x[1:, 1::3],
+        "real_of_cols": torch.view_as_real(c[:, ::2]),  # strides (10, 4, 1)
+        "gappy": torch.arange(40.0).as_strided((3, 3), (5, 2)),  # offsets 0..14, all distinct
+    }
+    tg.save(tmp_path / "c", {"x": kept})
+    out = {"x": None}
+    tg.load(tmp_path / "c", out)
+    for k, v in kept.items():
+        assert torch.equal(out["x"][k], v), k
+    # Views whose elements do share memory are still refused, before anything is written.
+    for shared in (torch.arange(40.0).as_strided((3, 3), (4, 2)), torch.arange(40.0).as_strided((2, 4), (3, 1))):
+        try:
+            tg.save(tmp_path / "d", {"x": {"w": shared}})
+        except tg.UnsupportedValueError as e:
+            assert "x/w: tensor's elements share memory" in str(e)
+        else:
+            raise AssertionError(f"strides {shared.stride()} share memory and were saved")
+        assert not (tmp_path / "d").exists()

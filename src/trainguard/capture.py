@@ -218,12 +218,14 @@ def _check_shape(path: str, shape: tuple[int, ...], itemsize: int) -> None:
 def _may_overlap(t: torch.Tensor) -> bool:
     """Whether two elements of non-contiguous ``t`` may share memory (stride 0 of ``expand``,
     ``as_strided``): its contiguous copy could be far larger than its memory. Dense layouts
-    (channels_last, transposes) and slices with gaps are not."""
-    extent = 1
+    (channels_last, transposes) and slices with gaps (``x[:, ::2]``) are not: with the
+    dimensions in stride order, each stride must pass the last offset the smaller ones reach
+    (``x[:, ::2]`` of a 5-wide ``x``: columns reach 4, rows step 5)."""
+    reach = 0  # the largest offset reached by the dimensions taken so far
     for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride < extent:
+        if stride <= reach:
             return True
-        extent = stride * size
+        reach += stride * (size - 1)
     return False
 
 
