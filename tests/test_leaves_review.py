@@ -95,3 +95,23 @@ def test_step_sliced_columns_are_saved_and_only_views_that_really_share_memory_a
         else:
             raise AssertionError(f"strides {shared.stride()} share memory and were saved")
         assert not (tmp_path / "d").exists()
+
+
+def test_a_module_or_scheduler_nested_in_an_entry_is_refused_saying_to_make_it_an_entry(tmp_path):
+    # The refusal said "wrap other objects in a class with state_dict()/load_state_dict()",
+    # which a module already is: only top-level entries are adapted.
+    gen = nn.Linear(2, 2)
+    opt = torch.optim.SGD(gen.parameters(), lr=0.1)
+    for state, path in (
+        ({"models": {"gen": gen}}, "models/gen"),
+        ({"scheds": [sched.StepLR(opt, 2)]}, "scheds/0"),
+        ({"extra": {"rng": tg.RNGState()}}, "extra/rng"),
+    ):
+        try:
+            tg.save(tmp_path / "c", state)
+        except tg.UnsupportedValueError as e:
+            msg = str(e)
+        else:
+            raise AssertionError(f"{path} was saved")
+        assert msg.startswith(f"{path}: ") and "top-level entries" in msg and "wrap other objects" not in msg, msg
+        assert not (tmp_path / "c").exists()

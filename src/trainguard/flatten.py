@@ -82,13 +82,21 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return {"$tuple": [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]}
         if type(v) is list:
             return [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]
-        # numpy scalars and other number-likes are a common accident: say what to do.
-        hint = (
-            "convert it with int()/float()/.tolist()"
-            if hasattr(v, "item") or hasattr(v, "tolist")
-            else "store tensors or JSON values (int, float, bool, None, str, dict, list, tuple); "
-            "wrap other objects in a class with state_dict()/load_state_dict() returning those"
-        )
+        if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
+            # A module, optimizer or scheduler inside an entry ({"models": {"gen": G}}): only
+            # top-level entries are adapted (module prefixes, optimizers keyed by name).
+            raise UnsupportedValueError(
+                f"{path}: a {type(v).__module__}.{type(v).__qualname__} inside an entry cannot be saved; objects "
+                "with state_dict()/load_state_dict() (modules, optimizers, schedulers...) are saved as top-level "
+                f"entries of the state only: give it its own key, e.g. state[{path.replace('/', '.')!r}]"
+            )
+        if hasattr(v, "item") or hasattr(v, "tolist"):  # numpy scalars and number-likes: a common accident
+            hint = "convert it with int()/float()/.tolist()"
+        else:
+            hint = (
+                "store tensors or JSON values (int, float, bool, None, str, dict, list, tuple); "
+                "wrap other objects in a class with state_dict()/load_state_dict() returning those"
+            )
         raise UnsupportedValueError(
             f"{path}: value of type {type(v).__module__}.{type(v).__qualname__} cannot be saved "
             f"without pickle; {hint}"
