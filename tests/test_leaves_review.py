@@ -6,6 +6,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter, OrderedDict, defaultdict
 
+import pytest
 import torch
 from torch import nn
 from torch.optim import lr_scheduler as sched
@@ -115,3 +116,18 @@ def test_a_module_or_scheduler_nested_in_an_entry_is_refused_saying_to_make_it_a
             raise AssertionError(f"{path} was saved")
         assert msg.startswith(f"{path}: ") and "top-level entries" in msg and "wrap other objects" not in msg, msg
         assert not (tmp_path / "c").exists()
+
+
+def test_an_int_and_a_str_key_holding_tensors_at_one_path_are_refused_naming_both_causes(tmp_path):
+    # {1: t, "1": u} map to one path, x/1; the refusal told to remove '/' from keys that hold none.
+    with pytest.raises(tg.UnsupportedValueError) as e:
+        tg.save(tmp_path / "c", {"x": {1: torch.ones(1), "1": torch.zeros(1)}})
+    assert str(e.value).startswith("x/1: ") and "1 and '1'" in str(e.value)
+    with pytest.raises(tg.UnsupportedValueError, match=r"x/a/b: .*'/'"):
+        tg.save(tmp_path / "c", {"x": {"a/b": torch.ones(1), "a": {"b": torch.zeros(1)}}})
+    assert not (tmp_path / "c").exists()
+    # Non-tensor values under such keys have no path of their own: saved and loaded as they are.
+    tg.save(tmp_path / "c", {"x": {1: "int", "1": "str", "a/b": 1, "a": {"b": 2}}})
+    out = {"x": None}
+    tg.load(tmp_path / "c", out)
+    assert out["x"] == {1: "int", "1": "str", "a/b": 1, "a": {"b": 2}}

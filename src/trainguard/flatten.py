@@ -52,7 +52,8 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
         if isinstance(v, torch.Tensor):
             if path in tensors:
                 raise UnsupportedValueError(
-                    f"{path}: two values map to the same path; rename the keys so that no key contains '/'"
+                    f"{path}: two tensors map to the same path: a key contains '/', or an int key and a str key "
+                    "read alike (1 and '1'); rename the keys"
                 )
             tensors[path] = v
             return {"$t": path}
