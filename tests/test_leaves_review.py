@@ -131,3 +131,47 @@ def test_an_int_and_a_str_key_holding_tensors_at_one_path_are_refused_naming_bot
     out = {"x": None}
     tg.load(tmp_path / "c", out)
     assert out["x"] == {1: "int", "1": "str", "a/b": 1, "a": {"b": 2}}
+
+
+class _Amax(nn.Module):
+    """Keeps a history in its extra state as a tensor whose size grows (as TransformerEngine's
+    FP8 modules keep their metadata: a uint8 tensor of serialized bytes, empty when fresh)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.history: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.history.append(float(x.detach().abs().max()))
+        return self.lin(x)
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(self.history, dtype=torch.float64)
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        self.history = state.tolist()
+
+
+def test_a_module_extra_state_tensor_of_another_size_loads_strictly_into_a_fresh_module(tmp_path):
+    # torch hands _extra_state to set_extra_state as it is; trainguard checked it like a
+    # parameter: a fresh module's empty state was 'checkpoint float64[3], state float64[0]',
+    # a StateMismatchError (strict) or a warning and the history silently kept empty (strict=False).
+    model = nn.Sequential(_Amax(), _Amax())
+    for _ in range(3):
+        model(torch.randn(1, 2))
+    tg.save(tmp_path / "c", {"model": model})
+    fresh = nn.Sequential(_Amax(), _Amax())
+    tg.load(tmp_path / "c", {"model": fresh})
+    assert fresh[0].history == model[0].history and len(fresh[1].history) == 3
+    assert torch.equal(fresh[0].lin.weight, model[0].lin.weight)
+    # A missing parameter is still reported, next to a differing extra state.
+    other = nn.Sequential(_Amax(), _Amax(), nn.Linear(2, 2))
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(tmp_path / "c", {"model": other})
+    assert e.value.missing == ["model/2.weight", "model/2.bias"] and not e.value.unexpected and not e.value.mismatched
+    # A checkpoint without the extra state at all: reported missing, before anything is read.
+    tg.save(tmp_path / "plain", {"model": nn.Sequential(nn.Linear(2, 2))})
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(tmp_path / "plain", {"model": nn.Sequential(_Amax())})
+    assert e.value.missing == ["model/0._extra_state", "model/0.lin.weight", "model/0.lin.bias"] and e.value.unexpected == ["model/0.weight", "model/0.bias"]

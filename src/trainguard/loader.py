@@ -146,9 +146,12 @@ def _load(
         # match (a fresh one has no state yet). Other objects: their load_state_dict decides; a
         # tensor whose shape changed is simply read into a new tensor.
         if isinstance(obj, ModuleAdapter):
+            for p in (extra := obj.extra_state_paths([*dest, *refs], prefix)):
+                dest.pop(p, None)  # set_extra_state takes what was saved, any shape: read into new tensors
             have, head, tied = set(refs), prefix + "/", obj.tied()  # a tie loads through any of its names
+            missing += [p for p in extra if p not in have and type(skel) is dict and p[len(head) :].split("/")[0] not in skel]
             missing += [p for p in dest if p not in have and not any(head + n in have for n in tied.get(p[len(head) :], ()))]
-            unexpected += [p for p in refs if p not in dest]
+            unexpected += [p for p in refs if p not in dest and p not in extra]
         for p in refs:
             d = dest.get(p)
             if d is not None:

@@ -8,8 +8,9 @@ every rank, before flattening. Nothing here knows about files or torch.distribut
 from __future__ import annotations
 
 import random
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -156,6 +157,9 @@ def _canonical_key(key: str) -> str:
     return ".".join(parts)
 
 
+_EXTRA = re.compile(r"[/.]_extra_state(/|$)")
+
+
 class ModuleAdapter:
     """Saves an ``nn.Module`` under wrapper-free names; loads into wrapped or unwrapped models."""
 
@@ -183,6 +187,14 @@ class ModuleAdapter:
         for n, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]:
             groups.setdefault(id(t), []).append(_canonical_key(n))
         return {n: names for names in groups.values() if len(names) > 1 for n in names}
+
+    @staticmethod
+    def extra_state_paths(paths: Iterable[str], prefix: str) -> set[str]:
+        """``loader._load``: the tensor paths of module entry ``prefix`` that lie in a module's extra
+        state (``get_extra_state()``; TransformerEngine's FP8 metadata is a uint8 tensor whose size
+        changes). Torch hands that value to ``set_extra_state`` as it is, checking no shape: these
+        are read into new tensors, and reported neither missing nor unexpected."""
+        return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
     def param_names(self) -> dict[int, str]:
         return {id(p): _canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
