@@ -175,3 +175,21 @@ def test_a_module_extra_state_tensor_of_another_size_loads_strictly_into_a_fresh
     with pytest.raises(tg.StateMismatchError) as e:
         tg.load(tmp_path / "plain", {"model": nn.Sequential(_Amax())})
     assert e.value.missing == ["model/0._extra_state", "model/0.lin.weight", "model/0.lin.bias"] and e.value.unexpected == ["model/0.weight", "model/0.bias"]
+
+
+def test_a_checkpoint_loads_into_a_fresh_lazy_module_which_it_materializes(tmp_path):
+    # torch's load_state_dict materializes LazyLinear's parameters from the state dict; the
+    # loader asked their stride first and raised torch's ValueError ("uninitialized parameter").
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.LazyLinear(2))
+    model(torch.randn(2, 4))
+    tg.save(tmp_path / "c", {"model": model, "extra": {"w": model[0].weight.detach().clone()}})
+    fresh = nn.Sequential(nn.LazyLinear(3), nn.ReLU(), nn.LazyLinear(2))
+    lazy_w = nn.parameter.UninitializedParameter()
+    state = {"model": fresh, "extra": {"w": lazy_w}}
+    tg.load(tmp_path / "c", state)
+    for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True):
+        assert type(a) is torch.Tensor and torch.equal(a, b)  # materialized, as torch's own load does
+    x = torch.randn(5, 4)
+    assert torch.equal(fresh(x), model(x))
+    assert torch.equal(state["extra"]["w"], model[0].weight)  # a plain entry's: replaced by the loaded tensor

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .aliases import shared_destinations
 from .buffers import in_place
@@ -154,7 +155,9 @@ def _load(
             unexpected += [p for p in refs if p not in dest and p not in extra]
         for p in refs:
             d = dest.get(p)
-            if d is not None:
+            if isinstance(d, UninitializedTensorMixin):  # a lazy module's: load_state_dict materializes it
+                del dest[p]  # read into a new tensor (its shape and stride raise)
+            elif d is not None:
                 e = manifest.tensors[p]
                 if d.is_meta and isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
                     # No memory to read into: copy_ into it is a no-op, and the load looked done.
