@@ -193,3 +193,11 @@ def test_a_checkpoint_loads_into_a_fresh_lazy_module_which_it_materializes(tmp_p
     x = torch.randn(5, 4)
     assert torch.equal(fresh(x), model(x))
     assert torch.equal(state["extra"]["w"], model[0].weight)  # a plain entry's: replaced by the loaded tensor
+
+
+def test_saving_a_lazy_module_before_its_first_forward_is_refused_naming_the_parameter(tmp_path):
+    # It failed as "could not capture the state: Can't access the shape of an uninitialized
+    # parameter", naming no path.
+    with pytest.raises(tg.UnsupportedValueError, match=r"^model/0\.weight: .*lazy.*forward"):
+        tg.save(tmp_path / "c", {"model": nn.Sequential(nn.LazyLinear(3))})
+    assert not (tmp_path / "c").exists()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from .dist import DistContext
 from .dtensor import is_dtensor, regular_dim, shard_of
@@ -167,7 +168,9 @@ def _refuse_kind(path: str, t: torch.Tensor) -> None:
     """``_leaf``: refuse, at save time and saying what to do, a tensor whose memory is not a
     dense array of its values in a stored dtype (they failed later, or with torch's words)."""
     what = None
-    if t.is_nested:
+    if isinstance(t, UninitializedTensorMixin):  # its shape raises
+        what = "an uninitialized parameter of a lazy module (nn.LazyLinear...) holds no data; run a forward pass before saving"
+    elif t.is_nested:
         what = "nested tensors cannot be saved; save its components (.unbind()) or a padded tensor (.to_padded_tensor(0))"
     elif type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
         what = (
