@@ -1,8 +1,7 @@
 """``load``: every rank reads the manifest, plans the byte ranges overlapping what it holds
 (resharding when the world size changed), reads them straight into the destination tensors,
 verifies checksums, then calls each entry's ``load_state_dict``. The outcome is exchanged, so
-all ranks succeed or all raise the same error.
-"""
+all ranks succeed or all raise the same error."""
 
 from __future__ import annotations
 
