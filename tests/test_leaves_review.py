@@ -201,3 +201,23 @@ def test_saving_a_lazy_module_before_its_first_forward_is_refused_naming_the_par
     with pytest.raises(tg.UnsupportedValueError, match=r"^model/0\.weight: .*lazy.*forward"):
         tg.save(tmp_path / "c", {"model": nn.Sequential(nn.LazyLinear(3))})
     assert not (tmp_path / "c").exists()
+
+
+def test_a_manifest_no_load_could_read_is_refused_before_the_commit(tmp_path, monkeypatch):
+    """A state with ~1e8 small JSON values made a manifest over the 1 GiB a load reads: the save
+    committed it, and every load then refused the checkpoint as corrupt. (The limit is lowered
+    here, as the save and the load share it.)"""
+    import trainguard.commit
+    import trainguard.manifest
+    from trainguard.errors import CheckpointError
+
+    monkeypatch.setattr(trainguard.manifest, "MAX_MANIFEST_BYTES", 20_000)
+    monkeypatch.setattr(trainguard.commit, "MAX_MANIFEST_BYTES", 20_000)
+    ok, big = tmp_path / "run" / "step-000000001", tmp_path / "run" / "step-000000002"
+    tg.save(ok, {"w": torch.ones(2), "n": list(range(100))})
+    with pytest.raises(CheckpointError, match="over the 20000 a load reads"):
+        tg.save(big, {"w": torch.ones(2), "n": list(range(10_000))})
+    assert not big.exists() and [p.name for p in ok.parent.iterdir()] == [ok.name]
+    got = {"w": torch.zeros(2), "n": []}
+    tg.load(ok, got)
+    assert got["n"] == list(range(100))

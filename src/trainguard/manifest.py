@@ -49,7 +49,7 @@ import torch
 import xxhash
 
 from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored dtypes)
-from .errors import CorruptCheckpointError, FormatVersionError
+from .errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
 from .flatten import decode_json, encode_json, loads_json, single_tensor
 from .layout import DATA_RE, MAX_STEP
 from .planner import Regular, tiles
@@ -159,6 +159,10 @@ class Manifest:
             separators=(",", ":"),
             allow_nan=False,
         ).encode()
+        if len(body) > MAX_MANIFEST_BYTES - 64:  # no load would read it: refused before the commit
+            raise UnsupportedValueError(
+                f"the manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES} a load reads: the state's "
+                "JSON values (numbers, strings, lists outside tensors) are too many; put bulk data in tensors")
         return b'{"checksum":"' + checksum(body).encode() + b'","manifest":' + body + b"}\n"
 
     @classmethod
