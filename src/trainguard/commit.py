@@ -207,7 +207,9 @@ def list_steps(storage: Storage, root: str) -> list[StepDir]:
 def clean_debris(storage: Storage, root: str) -> list[str]:
     """Remove what crashed saves left: temp dirs, step dirs without a manifest. An ``.old-``
     dir (an overwrite that crashed between its two renames) is moved back when its step is
-    missing. Rank 0 only, while holding the lock. Returns the names removed or restored."""
+    missing; an ``.abandoned-<token>`` one (``retention.set_aside``) is removed when the save
+    that set it aside committed, else moved back. Rank 0 only, while holding the lock. Returns
+    the names removed or restored."""
     done = []
     names = storage.listdir(root)
     for name in names:
@@ -230,7 +232,31 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
         if s.status == "incomplete":
             storage.remove_tree(s.path)
             done.append(s.name)
+    aside = [(n, m) for n in names if (m := layout.ASIDE_RE.match(n))]
+    for token in {m.group(2) for _, m in aside}:  # a rollback's first save crashed, or committed (retention.set_aside)
+        gone = _carries(storage, root, token)
+        for n, m in aside:
+            final = storage.join(root, layout.step_dir(int(m.group(1))))
+            if m.group(2) != token or not gone and storage.exists(final):
+                continue  # not gone, and its step saved again since (by hand): left for the operator
+            if gone:
+                storage.remove_tree(storage.join(root, n))
+            else:
+                storage.rename_dir(storage.join(root, n), final)
+            done.append(n if gone else f"{n} -> {layout.step_dir(int(m.group(1)))}")
     return done
+
+
+def _carries(storage: Storage, root: str, token: str) -> bool:
+    """``clean_debris``: whether a committed checkpoint of ``root`` carries ``aside: token`` in its
+    metadata (the save that set the ``.abandoned-<token>`` directories aside committed)."""
+    for s in reversed(list_steps(storage, root)):
+        try:
+            if s.status == "committed" and read_manifest(storage, s.path).metadata.get("aside") == token:
+                return True
+        except CheckpointError:
+            continue
+    return False
 
 
 def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:

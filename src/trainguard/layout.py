@@ -9,6 +9,8 @@
         data-00000.idx           format 2: where rank 0's regular parts sit in data-00000.bin
       step-000000800.tmp-<id>/   a save in progress or a crashed one: never read, cleaned at start
       step-000000600.old-<id>/   an overwritten checkpoint being replaced (recovered if the new one is missing)
+      step-000000900.abandoned-<token>/  a rollback's abandoned checkpoint, set aside before this run's first save
+                                 (deleted once a save carrying <token> commits, else put back)
       .lock                      one writing job per run directory
       events.jsonl               the event log
 """
@@ -25,6 +27,7 @@ LOCK = ".lock"
 STEP_RE = re.compile(r"^step-(\d{9,})\Z", re.ASCII)
 TMP_RE = re.compile(r"^step-(\d{9,})\.tmp-([0-9a-f]{1,32})\Z", re.ASCII)
 OLD_RE = re.compile(r"^step-(\d{9,})\.old-([0-9a-f]{1,32})\Z", re.ASCII)
+ASIDE_RE = re.compile(r"^step-(\d{9,})\.abandoned-([0-9a-f]{1,32})\Z", re.ASCII)
 DATA_RE = re.compile(r"^data-\d{5}(-[1-9])?\.bin\Z", re.ASCII)  # data-RRRRR.bin, data-RRRRR-S.bin (stream S)
 IDX_RE = re.compile(r"^data-\d{5}\.idx\Z", re.ASCII)
 # A small file being written atomically (``Storage.write_atomic``: ``<name>.tmp-<pid>``).
@@ -56,6 +59,10 @@ def tmp_dir(name: str, save_id: str) -> str:
 
 def old_dir(name: str, save_id: str) -> str:
     return f"{name}.old-{save_id}"
+
+
+def aside_dir(name: str, token: str) -> str:
+    return f"{name}.abandoned-{token}"
 
 
 def data_file(rank: int, stream: int = 0) -> str:

@@ -28,7 +28,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
-from .retention import restore_candidates, retain, unrestored_error
+from .retention import restore_candidates, retain, set_aside, unrestored_error
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
@@ -106,7 +106,7 @@ class CheckpointManager:
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
-        self._warned_foreign = False  # retention.py warned once about newer checkpoints of another run
+        self._warned_foreign, self._aside = False, ""  # warned of another run's newer checkpoints; retention.set_aside's token
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx,
                            events=self.events) if ram_tier else None
@@ -161,9 +161,8 @@ class CheckpointManager:
             log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
 
     def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Every rank, last: wait for the save in flight (its error is raised here, or warned with
-        ``on_error="warn"``), release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception
-        or a preemption signal."""
+        """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``),
+        release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal."""
         if not self._opened:
             return
         watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
@@ -252,6 +251,8 @@ class CheckpointManager:
             self.storage.join(durable, layout.MANIFEST)
         ):  # no atomic replace on object stores, nor of the RAM tier's copy: it is unusable or abandoned
             self.storage.remove_tree(durable)
+        if self.ctx.rank == 0 and self._restored is not None and not self.ram:  # newer steps of an abandoned timeline
+            bad = bad or set_aside(self, step, meta)
         mark = policies.decision_mark(self.ctx)  # before the save: a sync one's rounds follow it
         try:
             handle = start_save(
@@ -338,9 +339,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
-        why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an
-        async save in flight (``wait``). ``step``: the newest at or before it (a rollback: the newer
-        ones are removed when this run's first save commits)."""
+        why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an async save in flight
+        (``wait``). ``step``: the newest at or before it (a rollback: the newer ones go when this run's first save commits)."""
         self._require_open()
         self.wait()  # an async save in flight still reads the tensors this writes into
         at = None if step is None else layout.check_step(step)
@@ -372,7 +372,7 @@ class CheckpointManager:
                     f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
                     "state. Restore a state without them, then add them fresh"
                 )
-            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}  # newer: abandoned
+            self.last_saved_step, self._restored, self._own, self._aside = step, step, {s for s in self._own if s <= step}, ""
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:

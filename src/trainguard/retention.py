@@ -4,13 +4,15 @@ Called by ``CheckpointManager._apply_retention`` on rank 0 only, while it holds 
 directory's lock, after the checkpoint of step ``newest`` is committed (never before): from the
 training thread after a sync save, from the save's or the RAM tier's background thread otherwise.
 The policy (``policies.RetentionPolicy.select``) decides; this module lists and deletes.
-``restore_candidates`` lists what ``CheckpointManager.restore`` tries (rank 0, broadcast).
+``restore_candidates`` lists what ``CheckpointManager.restore`` tries (rank 0, broadcast);
+``set_aside`` moves a rollback's abandoned checkpoints out of its way before a save starts.
 ``unrestored_error`` words the error of a manager's save that met an earlier run's step.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import TYPE_CHECKING, Any
 
 from . import layout
@@ -63,11 +65,50 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
         mgr.storage.remove_tree(s.path)
         _forget(mgr, s.step)
         mgr.events.emit("retention_delete", step=s.step, abandoned_by=newest)
+    for name in mgr.storage.listdir(mgr._root) if mgr._aside else []:  # set aside for this save, now committed
+        if (m := layout.ASIDE_RE.match(name)) and m.group(2) == mgr._aside:
+            mgr.storage.remove_tree(mgr.storage.join(mgr._root, name))
+            _forget(mgr, int(m.group(1)))
+            mgr.events.emit("retention_delete", step=int(m.group(1)), abandoned_by=newest)
+    mgr._aside = ""
     for s in steps:
         if s.step not in keep and s.step < newest:
             mgr.storage.remove_tree(s.path)
             _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
+
+
+def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> CheckpointError | None:
+    """Rank 0, in ``CheckpointManager.save`` after ``restore`` (a run directory that renames
+    atomically, no RAM tier), before the save of ``step`` starts. The committed checkpoints newer
+    than the step ``restore`` returned that this manager did not write (the timeline it went back
+    behind, the earlier run's copy of ``step`` included: no overwrite needed then) are renamed
+    to ``step-N.abandoned-<token>``, where no restore sees them, and the save's ``meta`` carries
+    ``aside: token`` (so does every save until one with it commits, which ``retain`` follows by
+    deleting them). Before, they were deleted only after that commit, and a crash in between (for
+    an async save, until it was collected) left them to the restart, which resumed from the
+    abandoned timeline. Now ``clean_debris`` (the next ``open``) deletes them when a checkpoint
+    carrying the token committed, and otherwise puts them back: the rollback takes effect with
+    the first save's commit, as before, and at once. Returns the error for the save's first
+    round (a rename that failed), or None."""
+    if not mgr.storage.atomic_rename:
+        return None
+    try:
+        newer = [s for s in list_steps(mgr.storage, mgr._root)
+                 if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own]
+        mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else "")
+        if newer:
+            log.warning("trainguard: setting aside the checkpoints of steps %s in %s: this run went back to step %s behind "
+                        "them; they are deleted when its next save commits", ", ".join(str(s.step) for s in newer),
+                        mgr.root, mgr._restored)
+        for s in newer:
+            mgr.storage.rename_dir(s.path, mgr.storage.join(mgr._root, layout.aside_dir(s.name, mgr._aside)))
+    except OSError as e:
+        return CheckpointError(f"could not move the checkpoints newer than step {step} out of the way of this run's "
+                               f"rollback, in {mgr.root}: {e}")
+    if mgr._aside:
+        meta["aside"] = mgr._aside
+    return None
 
 
 def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | dict[str, str]:
