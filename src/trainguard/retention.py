@@ -65,17 +65,20 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
         mgr.storage.remove_tree(s.path)
         _forget(mgr, s.step)
         mgr.events.emit("retention_delete", step=s.step, abandoned_by=newest)
-    for name in mgr.storage.listdir(mgr._root) if mgr._aside else []:  # set aside for this save, now committed
+    for name in mgr.storage.listdir(mgr._root) if mgr._aside not in ("", DONE) else []:  # set aside for this save
         if (m := layout.ASIDE_RE.match(name)) and m.group(2) == mgr._aside:
             mgr.storage.remove_tree(mgr.storage.join(mgr._root, name))
             _forget(mgr, int(m.group(1)))
             mgr.events.emit("retention_delete", step=int(m.group(1)), abandoned_by=newest)
-    mgr._aside = ""
+    mgr._aside = DONE if mgr._aside else ""
     for s in steps:
         if s.step not in keep and s.step < newest:
             mgr.storage.remove_tree(s.path)
             _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
+
+
+DONE = "-"  # mgr._aside once set_aside found nothing to set aside, or what it set aside was deleted
 
 
 def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> CheckpointError | None:
@@ -91,12 +94,12 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
     carrying the token committed, and otherwise puts them back: the rollback takes effect with
     the first save's commit, as before, and at once. Returns the error for the save's first
     round (a rename that failed), or None."""
-    if not mgr.storage.atomic_rename:
+    if not mgr.storage.atomic_rename or mgr._aside == DONE:  # DONE: nothing (more) to set aside since restore
         return None
     try:
         newer = [s for s in list_steps(mgr.storage, mgr._root)
                  if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own]
-        mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else "")
+        mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else DONE)
         if newer:
             log.warning("trainguard: setting aside the checkpoints of steps %s in %s: this run went back to step %s behind "
                         "them; they are deleted when its next save commits", ", ".join(str(s.step) for s in newer),
@@ -106,7 +109,7 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
     except OSError as e:
         return CheckpointError(f"could not move the checkpoints newer than step {step} out of the way of this run's "
                                f"rollback, in {mgr.root}: {e}")
-    if mgr._aside:
+    if mgr._aside != DONE:
         meta["aside"] = mgr._aside
     return None
 
