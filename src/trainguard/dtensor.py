@@ -23,10 +23,11 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
         return t, shape, (0,) * len(shape), True
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     mesh, placements = t.device_mesh, t.placements
     for p in placements:
-        if not isinstance(p, (Shard, Replicate)):
+        if not isinstance(p, (Shard, Replicate, _StridedShard)):
             raise TypeError(
                 f"DTensor with placement {p} cannot be saved as is; call .redistribute() to Shard/Replicate first"
             )
@@ -36,10 +37,73 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
         # it. torch gives its local shape as (0,) with no offsets, a box of another rank than the
         # tensor's, which broke the load's read planning: an empty box of the tensor's rank instead.
         return t.to_local().new_empty((0,) * t.dim()), tuple(t.shape), (0,) * t.dim(), False
-    shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    if any(isinstance(p, _StridedShard) for p in placements):
+        # FSDP2 over a tensor-parallel model: torch's offsets give only each dim's first index.
+        offsets = strided_offsets(tuple(t.shape), tuple(mesh.shape), coord, placements, tuple(t.to_local().shape))
+    else:
+        _, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coord = coord or []
     writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
     return t.to_local(), tuple(t.shape), tuple(offsets), writer
+
+
+def strided_offsets(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: list[int], placements: Any, local: tuple[int, ...]
+) -> tuple[int, ...]:
+    """The global offsets of this rank's box of a DTensor with a ``_StridedShard`` placement
+    (what ``fully_shard`` gives a tensor-parallel parameter: ``(_StridedShard(0, sf=tp), Shard(0))``).
+
+    ``shard_of`` calls it. Placements apply left to right as torch's do: ``Shard`` takes
+    ``torch.chunk`` piece ``c`` of the indices so far, ``_StridedShard(d, sf)`` cuts them into
+    ``sf`` chunks and takes piece ``c`` of each. Indices are kept as ``(start, stop)`` runs, so
+    the cost grows with the number of runs, not rows. A rank's indices that are not one run
+    (its rows are not next to each other in the tensor) cannot be one box, nor can a run whose
+    length is not the local tensor's (``local``, its shape): both refused.
+    """
+    from torch.distributed.tensor import Replicate
+
+    runs: dict[int, list[tuple[int, int]]] = {}
+    for md, p in enumerate(placements):
+        if isinstance(p, Replicate):
+            continue
+        d = p.dim % len(shape)
+        cur = runs.get(d, [(0, shape[d])] if shape[d] else [])
+        n, sf = sum(b - a for a, b in cur), int(getattr(p, "split_factor", 1))
+        k, c = mesh_shape[md], coord[md]
+        out: list[tuple[int, int]] = []
+        step = -(-n // sf)
+        for s in range(sf):
+            lo, hi = min(s * step, n), min((s + 1) * step, n)
+            size = -(-(hi - lo) // k)
+            out += _take(cur, lo + min(c * size, hi - lo), lo + min((c + 1) * size, hi - lo))
+        runs[d] = out
+    offsets = [0] * len(shape)
+    for d, rs in runs.items():
+        merged: list[tuple[int, int]] = []
+        for a, b in rs:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        if len(merged) > 1 or sum(b - a for a, b in merged) != local[d]:
+            raise TypeError(
+                f"DTensor with placements {tuple(placements)} of shape {shape}: this rank's part of dim {d} is "
+                f"not one run of its {local[d]} local indices ({merged}), so it cannot be saved as a box; call .redistribute() to "
+                "Shard/Replicate first"
+            )
+        offsets[d] = merged[0][0] if merged else shape[d]  # empty: torch's offset for an empty shard
+    return tuple(offsets)
+
+
+def _take(runs: list[tuple[int, int]], i: int, j: int) -> list[tuple[int, int]]:
+    """Elements ``i:j`` of the concatenation of ``runs`` (``strided_offsets``), as runs."""
+    out, pos = [], 0
+    for a, b in runs:
+        lo, hi = max(i - pos, 0), min(j - pos, b - a)
+        if lo < hi:
+            out.append((a + lo, a + hi))
+        pos += b - a
+    return out
 
 
 def regular_dim(t: Any, world_size: int) -> int | None:
