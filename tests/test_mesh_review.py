@@ -145,3 +145,39 @@ def test_strided_offsets_match_torchs_own_split_or_refuse() -> None:
                     rows[0] if rows else n, 0)
                 runs += 1
     assert runs and refused
+
+
+def tp_replicated_group(rank: int, world: int, root: str) -> dict:
+    """Tensor parallel on "tp" of a dp x tp mesh, replicated over "dp" (DDP-style): each dp
+    group holds the same parameters, as DTensors on its own slice ``mesh["tp"]``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def build(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = make_model(seed)
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    model, opt = build(0)
+    train(model, opt, 2)  # the same batches on every rank: the dp replicas stay equal
+    ref = full_state(model, opt)
+    m = tg.save(f"{root}/tp", {"model": model, "optim": opt})
+    fresh, fresh_opt = build(1)
+    tg.load(f"{root}/tp", {"model": fresh, "optim": fresh_opt})
+    return {"ref": ref, "same": full_state(fresh, fresh_opt), "chunk_bytes": sum(c.length for e in m.tensors.values() for c in e.chunks) if rank == 0 else None}
+
+
+def test_tensor_parallel_replicated_over_dp_is_written_once_and_loads(tmp_path: Path) -> None:
+    root = str(tmp_path)
+    out = [r.value for r in run_ranks(tp_replicated_group, 4, root, timeout=120, env=ENV)]
+    ref = out[0]["ref"]
+    for o in out:
+        assert _equal(o["ref"], ref) and _equal(o["same"], ref)
+    # Each box written once (one dp replica), not once per replica.
+    assert out[0]["chunk_bytes"] == sum(v.nbytes for v in ref.values())
+    model = make_model(3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    tg.load(f"{root}/tp", {"model": model, "optim": opt})  # offline, one process
+    assert _equal(full_state(model, opt), ref)

@@ -16,7 +16,8 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
 
     Plain tensors are whole (offsets 0). A DTensor gives its local shard; ``writer`` is False
     on ranks that hold a replica of a box another rank writes (coordinate > 0 on a mesh
-    dimension with a ``Replicate`` placement), so each box is written once.
+    dimension with a ``Replicate`` placement, or along a dim of the larger mesh that the
+    DTensor's mesh is a slice of: ``first_replica``), so each box is written once.
     """
     if not is_dtensor(t):
         shape = tuple(t.shape)
@@ -44,7 +45,35 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
         _, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
     coord = coord or []
     writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
-    return t.to_local(), tuple(t.shape), tuple(offsets), writer
+    return t.to_local(), tuple(t.shape), tuple(offsets), writer and first_replica(mesh)
+
+
+_FIRST: dict[int, tuple[Any, bool]] = {}
+
+
+def first_replica(mesh: Any) -> bool:
+    """False when ``mesh`` is a slice of a larger mesh (``mesh["tp"]`` of a dp x tp mesh: a
+    tensor-parallel model replicated over "dp") and this rank's coordinate is not 0 along a dim
+    of the larger mesh that the slice does not span: the tensor is taken to be replicated along
+    those dims, as along a ``Replicate`` placement, and one replica writes it. Every replica used
+    to write its copy, so the manifest listed each box several times and no load accepted it.
+
+    ``shard_of`` asks, for every DTensor leaf; answers are kept per mesh object.
+    """
+    hit = _FIRST.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    answer = True
+    if root is not mesh and (coord := root.get_coordinate()) is not None:
+        ranks = root.mesh
+        where = [(ranks == r).nonzero()[0].tolist() for r in mesh.mesh.flatten().tolist()]
+        fixed = [d for d in range(ranks.dim()) if len({w[d] for w in where}) == 1]
+        answer = all(coord[d] == 0 for d in fixed)
+    if len(_FIRST) > 4096:
+        _FIRST.clear()
+    _FIRST[id(mesh)] = (mesh, answer)
+    return answer
 
 
 def strided_offsets(
