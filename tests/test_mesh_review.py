@@ -181,3 +181,24 @@ def test_tensor_parallel_replicated_over_dp_is_written_once_and_loads(tmp_path: 
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     tg.load(f"{root}/tp", {"model": model, "optim": opt})  # offline, one process
     assert _equal(full_state(model, opt), ref)
+
+
+def separate_meshes_group(rank: int, world: int, root: str) -> dict:
+    """The same tensor on two device meshes built apart ([0, 1] and [2, 3], not slices of one)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from dist_helper import attempt
+
+    meshes = [DeviceMesh("cpu", [0, 1]), DeviceMesh("cpu", [2, 3])]  # every rank makes both groups
+    mesh = meshes[rank // 2]
+    t = distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+    return attempt(lambda: tg.save(f"{root}/step-000000001", {"t": t}, timeout=30))
+
+
+def test_a_save_no_load_would_accept_fails_instead_of_committing(tmp_path: Path) -> None:
+    out = [r.value for r in run_ranks(separate_meshes_group, 4, str(tmp_path), timeout=90, env=ENV)]
+    for o in out:  # before: committed, and every load failed "chunks cover 24 elements, the shape has 12"
+        assert o["type"] == "CheckpointError", o
+        assert "t: the ranks wrote 24 elements of its 12 (data-00000.bin and data-00002.bin both hold" in o["msg"], o
+    assert not (tmp_path / "step-000000001").exists()

@@ -41,7 +41,7 @@ from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import layout_file
+from .planner import check_cover, layout_file
 from .storage import Storage, for_path
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
 from .tied import format_for, resolve_aliases
@@ -350,6 +350,7 @@ def _build_manifest(
             tensors.setdefault(path, TensorEntry(dtype, shape, []))
     for e in tensors.values():
         e.chunks.sort(key=lambda c: (c.offsets, c.file))
+    check_cover(tensors)  # no commit that no load would accept
     resolve_aliases(tensors, "save")  # an alias shares its target's chunks, as manifest.validate gives them
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():

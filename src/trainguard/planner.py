@@ -11,6 +11,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Chunks of at least this size start at a page boundary (O_DIRECT and mmap friendly);
 # smaller ones at 64 bytes, which keeps any dtype aligned when the file is mmapped.
@@ -356,3 +357,32 @@ def _sweep(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], budget: int) ->
             if all(b < a + n and a < b + m for a, n, b, m in zip(ao, asz, bo, bsz, strict=True)):
                 return False
     return True
+
+
+def check_cover(tensors: dict[str, Any]) -> None:
+    """Rank 0, before it commits a save (``api._build_manifest``): the chunks the ranks wrote
+    cover each tensor's elements exactly once, as every load checks (``manifest``), so that no
+    checkpoint is committed that no load accepts. Two ranks that both wrote a part (a DTensor
+    held by several device meshes that are not slices of one mesh) fail the save, naming them.
+    O(chunks): element counts only; regular (format 2) and alias entries have no chunks here."""
+    from .errors import CheckpointError
+
+    for path, e in tensors.items():
+        if e.regular is not None or e.alias is not None:
+            continue
+        volume, n = sum(math.prod(c.sizes) for c in e.chunks), math.prod(e.shape)
+        if volume == n:
+            continue
+        seen: dict[tuple, str] = {}
+        twice = ""
+        for c in e.chunks:
+            k = (tuple(c.offsets), tuple(c.sizes))
+            if k in seen:
+                twice = f" ({seen[k]} and {c.file} both hold the part at {list(c.offsets)})"
+                break
+            seen[k] = c.file
+        raise CheckpointError(
+            f"{path}: the ranks wrote {volume} elements of its {n}{twice}"
+            + "; e.g. a DTensor held by several device meshes is written by each: build them as slices of one "
+            "mesh (init_device_mesh(...)['tp']), whose other dimensions count as replicas"
+        )
