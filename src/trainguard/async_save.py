@@ -12,10 +12,11 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    tensors change only inside ``optimizer.step()``, so only *this rank's chunks* of them (its
    share of replicated tensors, its shards) are copied, while training runs forward/backward.
    With ``max_staging_bytes`` they are copied in batches that fit the cap, each batch written
-   before the next is copied into the same buffer. A step *pre-hook* on each such optimizer
-   (registered once, weak registry) blocks ``step()`` until the last of them is copied (with a
-   small cap: until the last batch is staged); the time it blocks is added to
-   ``handle.hook_wait_s`` and reported as stall by the manager.
+   before the next is copied into the same buffer. A step *pre-hook* (torch's global one,
+   registered once) blocks ``step()`` of such an optimizer, and of any other optimizer over a
+   tensor still to be copied, until the last of them is copied (with a small cap: until the
+   last batch is staged); the time it blocks is added to ``handle.hook_wait_s`` and reported
+   as stall by the manager.
 3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged bytes and
    commits through the c10d store (never the training process group), so it is safe while
    training runs collectives. Its error is stored in the handle and surfaces on every rank at
@@ -43,6 +44,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
@@ -57,8 +59,10 @@ from .stage import (
     StagingPool,
     copy_into,
     default_pool,
+    optimizer_writes,
     pack_batches,
     protected_tensors,
+    storage_key,
     tensor_key,
     trim_idle_pools,
 )
@@ -66,8 +70,8 @@ from .storage import Storage
 
 log = logging.getLogger("trainguard")
 
-# Optimizers that carry our step pre-hook (registered once each, dropped with the optimizer).
-_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+# The step pre-hook of every optimizer of the process (torch's global one), registered once.
+_HOOK: Any = None
 _LOCK = threading.Lock()
 _INFLIGHT: _Job | None = None  # the one save in flight in this process
 # Test seam: called by the save thread before its background copies (tests hold staging open).
@@ -83,6 +87,7 @@ class _Job:
         self.optimizer_ids = {id(o) for o in optimizers}
         self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> host copy made in the call
         self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
+        self.storages: set[Any] = set()  # stage.storage_key of those leaves: a step() writing one waits
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
@@ -132,6 +137,7 @@ def start_async_save(
                 job.copies[id(lf)] = copy_into(slot, lf.tensor)
                 handle.staged_sync_bytes += lf.tensor.nbytes
             job.later = {id(lf) for lf in later}
+            job.storages = {storage_key(lf.tensor) for lf in later} - {None}
             for lf in later:
                 if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
                     ev = torch.cuda.Event()
@@ -140,7 +146,7 @@ def start_async_save(
         except Exception as e:  # still join the collective rounds, so every rank fails together
             job.error = e
         job.zero_copy = _zero_copy_ok(storage, later)
-        _hook(optimizers)
+        _hook()
         handle.call_s = time.monotonic() - t0
         handle.bytes = sum(lf.tensor.nbytes for lf in todo)
         thread = threading.Thread(
@@ -371,17 +377,20 @@ getattr(threading, "_register_atexit", atexit.register)(_drain_at_exit)
 
 
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Runs at the start of every ``step()`` of a hooked optimizer, in the training thread."""
+    """Runs at the start of every ``step()`` of every optimizer (torch's global pre-hook), in the
+    training thread: while the save in flight has not copied its tensors yet, waits if the
+    optimizer is one of the state's or steps a tensor the save thread still has to copy (an
+    optimizer not in the state, or built after the save, over the same parameters)."""
     job = _INFLIGHT
-    if job is None or id(optimizer) not in job.optimizer_ids:
+    if job is None or job.handle.staged():
+        return
+    if id(optimizer) not in job.optimizer_ids and not optimizer_writes(optimizer, job.storages):
         return
     h = job.handle
-    if h.staged():
-        return
     h.hook_wait_s += h.block_until_staged()[1]
 
 
-def _hook(optimizers: list[torch.optim.Optimizer]) -> None:
-    for opt in optimizers:
-        if opt not in _HOOKED:
-            _HOOKED[opt] = opt.register_step_pre_hook(_pre_step_hook)
+def _hook() -> None:
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_pre_hook(_pre_step_hook)

@@ -278,3 +278,27 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
                         out.add(tensor_key(local_part(v.detach())))
     out.discard(None)
     return out - renormed, optimizers
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
+    """The memory a tensor lives in (its storage's address and device; a DTensor's local shard's),
+    None when it has none. ``async_save`` keys the tensors its save thread still copies by it."""
+    try:
+        t = local_part(t)
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # sparse, meta...
+        return None
+    return (ptr, str(t.device)) if ptr else None
+
+
+def optimizer_writes(optimizer: torch.optim.Optimizer, storages: set[Any]) -> bool:
+    """Whether ``step()`` of ``optimizer`` writes into one of ``storages`` (its parameters and
+    state tensors); ``async_save``'s pre-step hook asks it for optimizers not in the state."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if storage_key(p.detach()) in storages:
+                return True
+    return any(
+        isinstance(v, torch.Tensor) and storage_key(v.detach()) in storages
+        for s in optimizer.state.values() if isinstance(s, Mapping) for v in s.values()
+    )
