@@ -152,3 +152,30 @@ def test_step_of_an_optimizer_over_nothing_saved_does_not_wait(tmp_path, gate):
     h.result(timeout=60)
     assert finished and not h.waiting.is_set()
     assert not torch.equal(other_model[0].weight, before)
+
+
+def test_load_into_the_state_waits_until_the_async_save_in_flight_has_copied_it(tmp_path, gate):
+    # A rollback with tg.load right after tg.save(async_=True) (a loss spike: back to the last
+    # good checkpoint) wrote the older weights into the parameters before the save thread copied
+    # them: the new checkpoint silently held the older checkpoint's weights. Manager.restore waited
+    # for its own save; tg.load waited for none.
+    model, optim = _trained()
+    tg.save(tmp_path / "old", {"model": model, "optim": optim})
+    optim.zero_grad()
+    model(torch.randn(8, 32)).sum().backward()
+    optim.step()
+    at_call = _weights(model)
+    h = tg.save(tmp_path / "new", {"model": model, "optim": optim}, async_=True)
+    t = threading.Thread(target=lambda: tg.load(tmp_path / "old", {"model": model, "optim": optim}))
+    t.start()
+    try:
+        assert h.waiting.wait(20), "load did not wait for the save's copies"
+        assert all(torch.equal(v, at_call[k]) for k, v in model.state_dict().items())
+    finally:
+        gate.set()
+        t.join(60)
+    assert not t.is_alive()
+    h.result(timeout=60)
+    assert [k for k, v in _loaded_weights(tmp_path / "new").items() if not torch.equal(v, at_call[k])] == []
+    assert _weights(model).keys() == at_call.keys()
+    assert not torch.equal(model[0].weight, at_call["0.weight"])  # the rollback happened, after the copies

@@ -310,16 +310,20 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
         return copy_into(slot, src, streams.get(src.device.index) if src.is_cuda else None)
 
     def flush() -> None:  # the batch's device copies are done before it is written
-        _sync(streams)
+        for s in streams.values():
+            s.synchronize()
         h.staging_batches += 1
 
     # set_staged: the last parameter/optimizer chunk is copied: step() may run
     yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)
 
 
-def _sync(streams: dict[int, Any]) -> None:
-    for s in streams.values():
-        s.synchronize()
+def wait_staging_in_flight() -> None:
+    """``loader.load``, before it writes into the live state: wait until the async save in flight
+    (any, in this process) has copied the tensors it still reads (a rollback right after a save)."""
+    job = _INFLIGHT
+    if job is not None and not job.handle.staged():
+        job.handle.wait_staged()
 
 
 def _finish_previous() -> None:

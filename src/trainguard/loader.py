@@ -51,11 +51,15 @@ def load(
     Bytes are read straight into the destination tensors' memory. With ``strict``, missing,
     unexpected and mismatched entries raise one ``StateMismatchError`` listing all of them.
     ``only=["model"]`` loads a subset of the entries. Checksums of every byte read are
-    verified unless ``verify=False``. All ranks succeed or all raise.
+    verified unless ``verify=False``. All ranks succeed or all raise. An async save in flight
+    first finishes copying the state it saves (``async_save.wait_staging_in_flight``).
     """
     check_timeout(timeout)
     ctx = DistContext.current()
     storage, target = for_path(path)
+    from .async_save import wait_staging_in_flight  # here: async_save imports api, which imports this
+
+    wait_staging_in_flight()  # an async save still copying the state would save what this loads
     try:
         with gc_paused():
             manifest = read_manifest(storage, target)
