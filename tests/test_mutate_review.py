@@ -179,3 +179,18 @@ def test_load_into_the_state_waits_until_the_async_save_in_flight_has_copied_it(
     assert [k for k, v in _loaded_weights(tmp_path / "new").items() if not torch.equal(v, at_call[k])] == []
     assert _weights(model).keys() == at_call.keys()
     assert not torch.equal(model[0].weight, at_call["0.weight"])  # the rollback happened, after the copies
+
+
+def test_metadata_changed_after_an_async_save_call_is_saved_as_it_was_at_the_call(tmp_path, gate):
+    # The manifest of an async save is built by the save thread at commit, and it took the
+    # caller's metadata dict as it was then: a run-info dict updated every step in place
+    # (tokens seen, a list of events) was saved with later values.
+    model, optim = _trained()
+    meta = {"tokens": 100, "events": ["start"], "shape": (2, 3)}
+    h = tg.save(tmp_path / "c", {"model": model, "optim": optim}, async_=True, metadata=meta)
+    meta["tokens"] = 200
+    meta["events"].append("later")
+    gate.set()
+    saved = h.result(timeout=60).metadata
+    assert saved == {"tokens": 100, "events": ["start"], "shape": (2, 3)}
+    assert tg.load(tmp_path / "c", {"model": _model()}, only=["model"]).metadata == saved  # as read back

@@ -34,7 +34,7 @@ from .errors import (
     raise_failures,
 )
 from .faults import fault
-from .flatten import encode_json
+from .flatten import decode_json, encode_json
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .index import encode as encode_index
@@ -134,9 +134,11 @@ def _collective_capture(
     try:
         if preflight is not None:
             raise preflight
-        if metadata:
-            encode_json(metadata)  # a value JSON cannot hold fails here, before a byte is written
-        return capture(state, ctx=ctx, layout_kind=layout_kind)
+        # Checked here, before a byte is written; saved as copied now (an async manifest comes later).
+        meta = decode_json(encode_json(metadata), "metadata") if metadata else {}
+        snap = capture(state, ctx=ctx, layout_kind=layout_kind)
+        snap.metadata = meta
+        return snap
     except Exception as e:
         # Tell the other ranks before raising, so they fail now instead of at the timeout.
         if ctx.is_distributed:
@@ -206,7 +208,7 @@ def persist_and_commit(
     if ctx.rank == 0 and written is not None:
         try:
             raise_failures("save", written, ctx)
-            manifest = _build_manifest(snap, written, ctx, layout, metadata, step)
+            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step)
             check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
             claim_commit(ctx, save_id)

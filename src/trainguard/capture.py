@@ -52,7 +52,7 @@ class Snapshot:
     rank_local: list[str]
     leaves: list[Leaf]
     entry_sig: str = ""
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
 
 
 def _check_key(key: Any) -> str:
