@@ -67,28 +67,53 @@ class _Wrapper(torch.optim.Optimizer):
     it never calls Optimizer.__init__ (no hooks of its own, its step() not torch's wrapper)
     and steps the optimizer it wraps."""
 
-    def __init__(self, inner: torch.optim.Optimizer) -> None:  # no super().__init__()
-        self.inner = inner
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super().__init__()
+        self.optimizer = optimizer
 
     @property
     def state(self):  # type: ignore[override]
-        return self.inner.state
+        return self.optimizer.state
 
     @property
     def param_groups(self):  # type: ignore[override]
-        return self.inner.param_groups
+        return self.optimizer.param_groups
 
     def state_dict(self):  # type: ignore[override]
-        return self.inner.state_dict()
+        return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
-        self.inner.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none)
+        self.optimizer.zero_grad(set_to_none)
 
     def step(self, closure=None):  # type: ignore[override]
-        return self.inner.step(closure)
+        return self.optimizer.step(closure)
+
+
+class _OwnSGD(torch.optim.Optimizer):
+    """An optimizer that skips Optimizer.__init__ and does its math itself: torch runs no hook
+    before its step()."""
+
+    def __init__(self, params, lr: float) -> None:  # no super().__init__()
+        self.param_groups = [{"params": list(params), "lr": lr}]
+        self.state = {}
+        self.defaults = {"lr": lr}
+
+    def state_dict(self):  # type: ignore[override]
+        return {"state": {}, "param_groups": [{"lr": self.param_groups[0]["lr"], "params": [0, 1]}]}
+
+    def load_state_dict(self, state_dict) -> None:  # type: ignore[override]
+        self.param_groups[0]["lr"] = state_dict["param_groups"][0]["lr"]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-self.param_groups[0]["lr"])
 
 
 def _step_in_thread(model: nn.Module, optim: torch.optim.Optimizer) -> threading.Thread:
@@ -194,3 +219,34 @@ def test_metadata_changed_after_an_async_save_call_is_saved_as_it_was_at_the_cal
     saved = h.result(timeout=60).metadata
     assert saved == {"tokens": 100, "events": ["start"], "shape": (2, 3)}
     assert tg.load(tmp_path / "c", {"model": _model()}, only=["model"]).metadata == saved  # as read back
+
+
+def test_an_optimizer_whose_step_runs_no_hook_has_its_parameters_copied_in_the_call(tmp_path, gate):
+    # No pre-hook can hold such a step(): its parameters must not be left to the save thread.
+    torch.manual_seed(0)
+    model = nn.Linear(32, 32)
+    optim = _OwnSGD(model.parameters(), lr=1.0)
+    at_call = model.weight.detach().clone()
+    h = tg.save(tmp_path / "c", {"model": model, "optim": optim}, async_=True)
+    assert h.staged_sync_bytes == sum(p.nbytes for p in model.parameters())
+    model(torch.randn(4, 32)).sum().backward()
+    optim.step()  # runs at once: nothing holds it
+    assert not torch.equal(model.weight, at_call)
+    gate.set()
+    h.result(timeout=60)
+    got = nn.Linear(32, 32)
+    tg.load(tmp_path / "c", {"model": got}, only=["model"])
+    assert torch.equal(got.weight, at_call)
+
+
+def test_step_of_an_optimizer_over_a_lazy_modules_uninitialized_parameters_is_not_broken(tmp_path, gate):
+    # The pre-step hook looks at the memory of every optimizer that steps while a save copies;
+    # a lazy module's parameters have none yet (torch raises ValueError at any use of them).
+    model, optim = _trained()
+    lazy = nn.LazyLinear(4)
+    other = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    h = tg.save(tmp_path / "c", {"model": model, "optim": optim}, async_=True)
+    other.step()  # no gradients yet: a no-op, which must not fail in trainguard's hook
+    assert not h.staged() and not h.waiting.is_set()
+    gate.set()
+    h.result(timeout=60)

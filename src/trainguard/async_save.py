@@ -23,8 +23,8 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    the next ``save()``/``wait()``/``close()``.
 
 Contract for user code: tensors that are not parameters/optimizer state are copied at the call.
-Code that mutates *parameters* outside ``optimizer.step()`` (EMA, weight clipping, manual
-updates) must call ``handle.wait_staged()`` first. With ``stage_in_background=True`` nothing is
+Code that mutates *parameters or optimizer state* outside ``optimizer.step()`` (EMA, weight
+clipping, manual updates) must call ``handle.wait_staged()`` first. With ``stage_in_background=True`` nothing is
 copied at the call: every tensor is staged in step 2, and the caller must call
 ``handle.wait_staged()`` before it mutates any tensor of the state (the contract of DCP's
 background staging).

@@ -260,7 +260,8 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
     """Tensors that change only in ``step()`` of an optimizer in the state (``tensor_key``s), and
     those optimizers; ``async_save.start_async_save`` copies every other tensor in the call.
     Parameters of no such optimizer are not protected: something else may update them; nor are
-    the weights of embeddings with ``max_norm`` (their forward renormalizes rows in place)."""
+    the weights of embeddings with ``max_norm`` (their forward renormalizes rows in place); nor
+    the tensors of an optimizer whose ``step()`` runs no pre-hook (:func:`_hooked`)."""
     optimizers = [v for v in state.values() if isinstance(v, torch.optim.Optimizer)]
     out: set[Any] = set()
     # Embeddings with max_norm renormalize the rows they look up in forward, outside step().
@@ -269,7 +270,7 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
         for v in state.values() if isinstance(v, torch.nn.Module)
         for m in v.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
     }
-    for opt in optimizers:
+    for opt in filter(_hooked, optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
                 out.add(tensor_key(local_part(p.detach())))
@@ -280,13 +281,25 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
     return out - renormed, optimizers
 
 
+def _hooked(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch runs step pre-hooks (``async_save``'s wait) before ``opt`` steps: its class's
+    ``step`` is torch's wrapper (``Optimizer.__init__`` put it there), or it is a wrapper that
+    skips ``Optimizer.__init__`` and steps the torch optimizer it holds as ``.optimizer``
+    (Hugging Face Accelerate's ``AcceleratedOptimizer``). A custom class that skips it and does
+    the math itself steps unseen: its tensors are copied in the call."""
+    inner = getattr(opt, "optimizer", None)
+    return any(
+        isinstance(o, torch.optim.Optimizer) and getattr(type(o).step, "hooked", False) for o in (opt, inner)
+    )
+
+
 def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
     """The memory a tensor lives in (its storage's address and device; a DTensor's local shard's),
     None when it has none. ``async_save`` keys the tensors its save thread still copies by it."""
     try:
-        t = local_part(t)
+        t = local_part(t.detach())
         ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # sparse, meta...
+    except (RuntimeError, NotImplementedError, ValueError):  # sparse; a lazy module's uninitialized parameter
         return None
     return (ptr, str(t.device)) if ptr else None
 
@@ -296,9 +309,9 @@ def optimizer_writes(optimizer: torch.optim.Optimizer, storages: set[Any]) -> bo
     state tensors); ``async_save``'s pre-step hook asks it for optimizers not in the state."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if storage_key(p.detach()) in storages:
+            if storage_key(p) in storages:
                 return True
     return any(
-        isinstance(v, torch.Tensor) and storage_key(v.detach()) in storages
+        isinstance(v, torch.Tensor) and storage_key(v) in storages
         for s in optimizer.state.values() if isinstance(s, Mapping) for v in s.values()
     )
