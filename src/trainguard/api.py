@@ -10,7 +10,6 @@ phases are::
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 import traceback
@@ -22,7 +21,7 @@ import torch
 
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, occupied, rank_files
+from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, commit_dir, occupied, rank_files
 from .dist import DistContext, check_timeout
 from .errors import (
     CheckpointError,
@@ -213,7 +212,7 @@ def persist_and_commit(
             fault("before_manifest", ctx.rank)
             claim_commit(ctx, save_id)
             # Invariant: the manifest is written only after every rank reported its data durable.
-            _commit(storage, parent, name, work, manifest, overwrite, save_id)
+            commit_dir(storage, parent, name, work, manifest, overwrite, save_id)
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
         except RankFailureError as e:
             outcome = failure_record(e)
@@ -376,28 +375,3 @@ def _build_manifest(
         format_version=format_for(tensors.values()),
         indexes=indexes,
     )
-
-
-def _commit(storage: Storage, parent: str, name: str, work: str, manifest: Manifest, overwrite: bool, save_id: str) -> None:
-    # Invariant: we get here only after every rank reported its data durable (fsynced).
-    storage.write_atomic(storage.join(work, layout_mod.MANIFEST), manifest.to_bytes())
-    fault("after_manifest", 0)
-    final = storage.join(parent, name)
-    if not storage.atomic_rename:
-        return  # object stores: the manifest written last *is* the commit marker
-    storage.fsync_dir(work)
-    if storage.exists(final):
-        if not overwrite and storage.exists(storage.join(final, layout_mod.MANIFEST)):
-            raise StepExistsError(f"{final} was committed by someone else during this save")
-        old = storage.join(parent, layout_mod.old_dir(name, save_id))
-        storage.rename_dir(final, old)
-        storage.rename_dir(work, final)
-        storage.remove_tree(old)
-    else:
-        try:
-            storage.rename_dir(work, final)
-        except OSError as e:  # lost a race: another save of this step renamed its directory first
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            raise StepExistsError(f"{final} was committed by someone else during this save") from e
-    fault("after_rename", 0)

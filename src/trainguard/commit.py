@@ -8,6 +8,7 @@ then rank 0 writes ``manifest.json`` last and renames the directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -21,12 +22,15 @@ from . import layout
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
+    CorruptCheckpointError,
     LockedError,
     NotACheckpointError,
     RankFailureError,
+    StepExistsError,
     failure_record,
     from_record,
 )
+from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .storage import Storage
 
@@ -125,6 +129,21 @@ def _moved_aside(storage: Storage, directory: str) -> str:
     return "" if old is None else (
         f" (an overwrite of it was cut short: its previous checkpoint is {old}; load that path, or open a "
         f"CheckpointManager on {parent}, which puts it back)")
+
+
+def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
+    """Before a byte is read (``loader._load``, ``export``, ``consolidate``): each data file of
+    ``needed`` exists and has the size the manifest gives it (a truncated or replaced file is
+    found here, not as a short read or a huge allocation)."""
+    for f in sorted(needed):
+        p = storage.join(directory, f)
+        if not storage.exists(p):
+            raise CorruptCheckpointError(f"{p}: data file is missing", file=f)
+        actual = storage.size(p)
+        if actual != manifest.files[f]:
+            raise CorruptCheckpointError(
+                f"{p}: {actual} bytes on disk, the manifest says {manifest.files[f]} (truncated or replaced)", file=f
+            )
 
 
 def rank_files(report: dict[str, Any]) -> dict[str, int]:
@@ -318,3 +337,30 @@ def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureEr
         f"(the manifest tells: a CheckpointManager resumes from it only if it is). {summary(e)}",
         {0: "stopped responding while committing"},
     ) from e
+
+
+def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Manifest, overwrite: bool, save_id: str) -> None:
+    """Rank 0, the last step of a save (``api.persist_and_commit``), only after every rank reported
+    its data durable (fsynced): write the manifest into ``work``, then rename ``work`` to
+    ``parent/name`` (an existing checkpoint, with ``overwrite``, goes to ``<name>.old-<id>`` first)."""
+    storage.write_atomic(storage.join(work, layout.MANIFEST), manifest.to_bytes())
+    fault("after_manifest", 0)
+    final = storage.join(parent, name)
+    if not storage.atomic_rename:
+        return  # object stores: the manifest written last *is* the commit marker
+    storage.fsync_dir(work)
+    if storage.exists(final):
+        if not overwrite and storage.exists(storage.join(final, layout.MANIFEST)):
+            raise StepExistsError(f"{final} was committed by someone else during this save")
+        old = storage.join(parent, layout.old_dir(name, save_id))
+        storage.rename_dir(final, old)
+        storage.rename_dir(work, final)
+        storage.remove_tree(old)
+    else:
+        try:
+            storage.rename_dir(work, final)
+        except OSError as e:  # lost a race: another save of this step renamed its directory first
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            raise StepExistsError(f"{final} was committed by someone else during this save") from e
+    fault("after_rename", 0)

@@ -21,11 +21,10 @@ import torch
 
 from . import layout
 from .api import _commit
-from .commit import occupied, read_manifest
+from .commit import check_file_sizes, occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
-from .loader import check_file_sizes
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .planner import full_box, layout_file, plan_reads
 from .storage import for_path

@@ -12,11 +12,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .commit import read_manifest
+from .commit import check_file_sizes, read_manifest
 from .errors import CheckpointError
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
-from .loader import check_file_sizes
 from .manifest import Manifest
 from .planner import full_box, plan_reads
 from .storage import Storage, for_path

@@ -16,7 +16,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from .aliases import shared_destinations
 from .buffers import in_place
-from .commit import read_manifest
+from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout
 from .dtensor import ensure_optimizer_state, shard_of
 from .errors import (
@@ -379,18 +379,6 @@ def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False)
     if data.dtype != e.torch_dtype:  # strict=False, dtype changed: read as saved, copy_ casts
         return torch.empty(tuple(data.shape), dtype=e.torch_dtype), box, data
     return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
-
-
-def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
-    for f in sorted(needed):
-        p = storage.join(directory, f)
-        if not storage.exists(p):
-            raise CorruptCheckpointError(f"{p}: data file is missing", file=f)
-        actual = storage.size(p)
-        if actual != manifest.files[f]:
-            raise CorruptCheckpointError(
-                f"{p}: {actual} bytes on disk, the manifest says {manifest.files[f]} (truncated or replaced)", file=f
-            )
 
 
 def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
