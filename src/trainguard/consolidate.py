@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 from . import layout
-from .api import _commit
-from .commit import check_file_sizes, occupied, read_manifest
+from .commit import check_file_sizes, commit_dir, occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
@@ -107,7 +106,7 @@ def consolidate(
         format_version=format_for(tensors.values()),
     )
     try:
-        _commit(dstore, parent, name, work, out, overwrite, save_id)
+        commit_dir(dstore, parent, name, work, out, overwrite, save_id)
     except BaseException:
         dstore.remove_tree(work)
         raise
