@@ -268,8 +268,15 @@ class OptimizerAdapter:
                     f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
                 )
-            # torch matches saved to current parameters by position: give the current order.
-            groups.append({**saved, "params": [index[n] for n in cur_names]})
+            # torch matches saved to current parameters by position: give the current order,
+            # and the same order to the names of an optimizer built from named_parameters()
+            # (torch takes the saved "param_names" over the current ones).
+            group = {**saved, "params": [index[n] for n in cur_names]}
+            given = saved.get("param_names")
+            if isinstance(given, list) and len(given) == len(saved["params"]):
+                by_name = dict(zip(saved["params"], given, strict=True))
+                group["param_names"] = [by_name[n] for n in cur_names]
+            groups.append(group)
         self.optimizer.load_state_dict(
             {"state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups}
         )

@@ -1,0 +1,37 @@
+"""Optimizers, LR schedulers and GradScaler across a resume: what ``OptimizerAdapter`` (stateful.py)
+gives ``torch.optim.Optimizer.load_state_dict`` when the optimizer is rebuilt differently."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+
+def _stepped(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+
+
+def test_param_names_follow_the_parameters_when_the_order_changed(tmp_path):
+    # An optimizer built from named_parameters() (torch >= 2.6) keeps "param_names" beside
+    # "params" in each group; trainguard matches the state by name, so a rebuilt optimizer may list
+    # its parameters in another order. Its names must still describe its parameters.
+    m = _model()
+    opt = torch.optim.Adam(m.named_parameters(), lr=1e-2)
+    _stepped(opt, m)
+    tg.save(tmp_path / "step-1", {"model": m, "optim": opt})
+    m2 = _model()
+    opt2 = torch.optim.Adam(list(reversed(list(m2.named_parameters()))), lr=1e-2)
+    tg.load(tmp_path / "step-1", {"model": m2, "optim": opt2})
+    names = {id(p): n for n, p in m2.named_parameters()}
+    group = opt2.param_groups[0]
+    assert group["param_names"] == [names[id(p)] for p in group["params"]]
+    for p in group["params"]:
+        assert torch.equal(opt2.state[p]["exp_avg"], opt.state[dict(m.named_parameters())[names[id(p)]]]["exp_avg"])
