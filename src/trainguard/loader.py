@@ -129,12 +129,13 @@ def _load(
                 plans.append((key, value, skel, {key: value}, [key]))
             continue
         obj = adapt(value, names)
-        if isinstance(obj, OptimizerAdapter):
-            # A fresh optimizer of DTensor params has no state to read shards into: create it.
-            ensure_optimizer_state(obj.optimizer)
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue
+        if isinstance(obj, OptimizerAdapter):
+            obj.check_saved(skel, key)
+            # A fresh optimizer of DTensor params has no state to read shards into: create it.
+            ensure_optimizer_state(obj.optimizer)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key

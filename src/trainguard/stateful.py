@@ -237,7 +237,22 @@ class OptimizerAdapter:
         return {
             "state": {names[i]: s for i, s in sd["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
+            "class": optimizer_class(self.optimizer),
         }
+
+    def check_saved(self, skeleton: Any, key: str) -> None:
+        """``loader._load``, before anything is read: refuse the state of another optimizer class
+        (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained on).
+        Checkpoints from before the class was saved, and torch's own form, are not checked."""
+        from .errors import CheckpointError
+
+        saved = skeleton.get("class") if isinstance(skeleton, dict) else None
+        if isinstance(saved, str) and saved != (cur := optimizer_class(self.optimizer)):
+            raise CheckpointError(
+                f"entry {key!r}: the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; "
+                f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
+                "the state and load with strict=False)"
+            )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
@@ -280,6 +295,14 @@ class OptimizerAdapter:
         self.optimizer.load_state_dict(
             {"state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups}
         )
+
+
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The class name saved with an optimizer's state (``OptimizerAdapter``); a wrapper that keeps
+    the real optimizer in ``.optimizer`` (Accelerate's) names the one it wraps."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return type(optimizer).__qualname__
 
 
 def param_name_map(state: Mapping[str, Any]) -> dict[int, str]:
