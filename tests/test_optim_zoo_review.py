@@ -59,3 +59,25 @@ def test_another_optimizer_class_is_refused_naming_both(tmp_path, saved, rebuilt
     # The way out the message names: the optimizer left out, strict=False.
     tg.load(tmp_path / "step-1", {"model": m2}, strict=False)
     assert torch.equal(m2[0].weight, m[0].weight)
+
+
+def test_optimizer_loads_when_a_module_entry_was_added_or_removed(tmp_path):
+    # Optimizer state is keyed "0.weight" when the state holds one module and "model.0.weight"
+    # when it holds several: adding an EMA model to the state of a running job (or dropping one)
+    # must not make its checkpoints unloadable into the same optimizer.
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _stepped(opt, m)
+    tg.save(tmp_path / "one", {"model": m, "optim": opt})
+    tg.save(tmp_path / "two", {"model": m, "optim": opt, "ema": torch.optim.swa_utils.AveragedModel(m)})
+    for saved, with_ema in (("one", True), ("two", False)):
+        m2 = _model()
+        opt2 = torch.optim.Adam(m2.parameters(), lr=1e-3)
+        state = {"model": m2, "optim": opt2}
+        if with_ema:
+            state["ema"] = torch.optim.swa_utils.AveragedModel(m2)
+        tg.load(tmp_path / saved, state, strict=False)  # the entry "ema" is missing or unexpected
+        assert opt2.param_groups[0]["lr"] == 1e-2
+        for p, q in zip(m.parameters(), m2.parameters(), strict=True):
+            assert torch.equal(opt2.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+            assert torch.equal(opt2.state[q]["step"], opt.state[p]["step"])

@@ -105,7 +105,7 @@ def _load(
         )
     missing_keys = [k for k in keys if k not in manifest.objects]
     unexpected_keys = [k for k in manifest.objects if k not in state] if only is None else []
-    names = param_name_map(state)
+    names, other_names = param_name_map(state), {}
     plans = []  # (key, adapter, skeleton, {path: dest tensor}, tensor paths of the skeleton)
     missing: list[str] = list(missing_keys)
     unexpected: list[str] = list(unexpected_keys)
@@ -134,6 +134,7 @@ def _load(
             continue
         if isinstance(obj, OptimizerAdapter):
             obj.check_saved(skel, key)
+            obj.other_names = other_names = other_names or param_name_map(state, other=True)
             # A fresh optimizer of DTensor params has no state to read shards into: create it.
             ensure_optimizer_state(obj.optimizer)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:

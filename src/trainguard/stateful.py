@@ -210,6 +210,17 @@ class OptimizerAdapter:
     def __init__(self, optimizer: torch.optim.Optimizer, names: Mapping[int, str]) -> None:
         self.optimizer = optimizer
         self.names = names
+        self.other_names: Mapping[int, str] = {}  # param_name_map(other=True), set by loader._load
+
+    def _saved_names(self, names: list[str], saved: set[str]) -> list[str]:
+        """``names``, or their other spelling (``other_names``) when the checkpoint's are those:
+        saved from a state with one module, loaded into one with several, or back."""
+        if set(names) == saved:
+            return names
+        other = [self.other_names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
+        if None not in other and len(set(other)) == len(other) and set(other) == saved:
+            return other  # type: ignore[return-value]
+        return names
 
     def _index_names(self) -> list[str]:
         out: list[str] = []
@@ -264,7 +275,7 @@ class OptimizerAdapter:
             # torch matches it to the parameters by position.
             self.optimizer.load_state_dict(dict(state_dict))
             return
-        names = self._index_names()
+        names = self._saved_names(self._index_names(), {n for g in saved_groups for n in g["params"]})
         index = {n: i for i, n in enumerate(names)}
         cur_groups = self.optimizer.param_groups
         if len(saved_groups) != len(cur_groups):
@@ -305,14 +316,17 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return type(optimizer).__qualname__
 
 
-def param_name_map(state: Mapping[str, Any]) -> dict[int, str]:
+def param_name_map(state: Mapping[str, Any], *, other: bool = False) -> dict[int, str]:
     """``id(param) -> name`` over every module in the state (names prefixed by the entry key
-    when the state holds more than one module)."""
+    when the state holds more than one module). ``other``: the other spelling, prefixed when the
+    state holds one module and not when it holds several; ``loader._load`` gives it to each
+    ``OptimizerAdapter`` for a checkpoint saved with another number of modules (an EMA added)."""
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    prefixed = (len(modules) > 1) != other
     out: dict[int, str] = {}
     for key, mod in modules.items():
         for pid, name in ModuleAdapter(mod).param_names().items():
-            out.setdefault(pid, name if len(modules) == 1 else f"{key}.{name}")
+            out.setdefault(pid, f"{key}.{name}" if prefixed else name)
     return out
 
 
