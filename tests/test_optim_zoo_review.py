@@ -81,3 +81,46 @@ def test_optimizer_loads_when_a_module_entry_was_added_or_removed(tmp_path):
         for p, q in zip(m.parameters(), m2.parameters(), strict=True):
             assert torch.equal(opt2.state[q]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
             assert torch.equal(opt2.state[q]["step"], opt.state[p]["step"])
+
+
+def test_load_into_the_state_waits_for_an_async_save_still_copying_it(tmp_path, monkeypatch):
+    # Rolling the live state back (tg.load of an older checkpoint) while an async save of it is in
+    # flight: the save must commit the state of its call, not the bytes the load writes in place.
+    m = _model()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _stepped(opt, m)
+    tg.save(tmp_path / "old", {"model": m, "optim": opt})
+    old = {k: v.clone() for k, v in m.state_dict().items()}
+    _stepped(opt, m)
+    at_call = {k: v.clone() for k, v in m.state_dict().items()}
+    gate = threading.Event()  # the save's background copies (parameters, Adam state) wait for it
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+    h = tg.save(tmp_path / "new", {"model": m, "optim": opt}, async_=True)
+    threading.Thread(target=lambda: (h.waiting.wait(60), gate.set()), daemon=True).start()  # opens it for a waiter
+    tg.load(tmp_path / "old", {"model": m, "optim": opt})
+    gate.set()
+    h.result(timeout=60)
+    assert all(torch.equal(v, old[k]) for k, v in m.state_dict().items())  # the load rolled it back
+    got = _model()
+    tg.load(tmp_path / "new", {"model": got}, only=["model"])
+    for k, v in got.state_dict().items():
+        assert torch.equal(v, at_call[k]), k
+
+
+def test_other_parameter_groups_are_refused_before_anything_is_read(tmp_path):
+    # A live optimizer (with state) and its model: a refused load must leave both as they were,
+    # not the model and the optimizer's moments loaded and the rest not.
+    m = _model()
+    opt = torch.optim.Adam([{"params": m[0].parameters()}, {"params": m[1].parameters(), "lr": 0.1}])
+    _stepped(opt, m)
+    tg.save(tmp_path / "step-1", {"model": m, "optim": opt})
+    m2 = _model()
+    opt2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    for _ in range(2):
+        _stepped(opt2, m2)
+    before = {k: v.clone() for k, v in m2.state_dict().items()}
+    moments = {p: opt2.state[p]["exp_avg"].clone() for p in m2.parameters()}
+    with pytest.raises(tg.CheckpointError, match=r"entry 'optim': the checkpoint has 2 parameter group\(s\), the optimizer 1"):
+        tg.load(tmp_path / "step-1", {"model": m2, "optim": opt2})
+    assert all(torch.equal(v, before[k]) for k, v in m2.state_dict().items())
+    assert all(torch.equal(opt2.state[p]["exp_avg"], v) for p, v in moments.items())

@@ -133,8 +133,8 @@ def _load(
         if skel is None:
             continue
         if isinstance(obj, OptimizerAdapter):
-            obj.check_saved(skel, key)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
+            obj.check_saved(skel, key)
             # A fresh optimizer of DTensor params has no state to read shards into: create it.
             ensure_optimizer_state(obj.optimizer)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:

@@ -222,7 +222,7 @@ class OptimizerAdapter:
             return other  # type: ignore[return-value]
         return names
 
-    def _index_names(self) -> list[str]:
+    def _index_names(self, warn: bool = True) -> list[str]:
         out: list[str] = []
         unnamed = 0
         for group in self.optimizer.param_groups:
@@ -232,7 +232,7 @@ class OptimizerAdapter:
                     unnamed += 1
                     name = f"param.{len(out)}"
                 out.append(name)
-        if unnamed:
+        if unnamed and warn:
             warnings.warn(
                 f"{unnamed} optimizer parameter(s) belong to no nn.Module in the saved state; they are "
                 "keyed by index, which breaks if parameters are re-ordered. Save the model in the same state.",
@@ -252,9 +252,11 @@ class OptimizerAdapter:
         }
 
     def check_saved(self, skeleton: Any, key: str) -> None:
-        """``loader._load``, before anything is read: refuse the state of another optimizer class
-        (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained on).
-        Checkpoints from before the class was saved, and torch's own form, are not checked."""
+        """``loader._load``, before anything is read into the state (a refused load left the model
+        and the optimizer's moments loaded, the rest not): refuse the state of another optimizer
+        class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
+        on) and other parameter groups. The class is not checked for checkpoints from before it
+        was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
         from .errors import CheckpointError
 
         saved = skeleton.get("class") if isinstance(skeleton, dict) else None
@@ -264,29 +266,32 @@ class OptimizerAdapter:
                 f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
                 "the state and load with strict=False)"
             )
+        groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
+        if isinstance(groups, list) and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
+            for g in groups
+        ):
+            try:
+                self._match_groups(groups, warn=False)  # load_state_dict warns
+            except CheckpointError as e:
+                raise CheckpointError(f"entry {key!r}: {e}") from None
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
+    def _match_groups(self, saved_groups: list[Any], warn: bool = True) -> list[list[str]]:
+        """The names of each current group's parameters, spelt as in the checkpoint; raises
+        ``CheckpointError`` when the groups differ from the saved ones (their count, or which
+        parameters each holds)."""
         from .errors import CheckpointError
 
-        saved_groups = state_dict["param_groups"]
-        if all(type(i) is int for g in saved_groups for i in g["params"]):
-            # torch's own form, keyed by index (a torch.save file imported by ``convert``):
-            # torch matches it to the parameters by position.
-            self.optimizer.load_state_dict(dict(state_dict))
-            return
-        names = self._saved_names(self._index_names(), {n for g in saved_groups for n in g["params"]})
-        index = {n: i for i, n in enumerate(names)}
+        names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
         if len(saved_groups) != len(cur_groups):
             raise CheckpointError(
                 f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
                 f"{len(cur_groups)}; build the optimizer with the same groups as when it was saved"
             )
-        groups = []
-        pos = 0
+        out, pos = [], 0
         for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
-            cur_names = names[pos : pos + len(cur["params"])]
+            out.append(cur_names := names[pos : pos + len(cur["params"])])
             pos += len(cur["params"])
             if set(saved["params"]) != set(cur_names):
                 diff = sorted(set(saved["params"]) ^ set(cur_names))
@@ -294,6 +299,20 @@ class OptimizerAdapter:
                     f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
                 )
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
+        saved_groups = state_dict["param_groups"]
+        if all(type(i) is int for g in saved_groups for i in g["params"]):
+            # torch's own form, keyed by index (a torch.save file imported by ``convert``):
+            # torch matches it to the parameters by position.
+            self.optimizer.load_state_dict(dict(state_dict))
+            return
+        per_group = self._match_groups(saved_groups)
+        index = {n: i for i, n in enumerate(n for names in per_group for n in names)}
+        groups = []
+        for saved, cur_names in zip(saved_groups, per_group, strict=True):
             # torch matches saved to current parameters by position: give the current order,
             # and the same order to the names of an optimizer built from named_parameters()
             # (torch takes the saved "param_names" over the current ones).
