@@ -124,3 +124,91 @@ def test_other_parameter_groups_are_refused_before_anything_is_read(tmp_path):
         tg.load(tmp_path / "step-1", {"model": m2, "optim": opt2})
     assert all(torch.equal(v, before[k]) for k, v in m2.state_dict().items())
     assert all(torch.equal(opt2.state[p]["exp_avg"], v) for p, v in moments.items())
+
+
+class _Net(nn.Module):
+    """A sparse embedding, two trained layers, a frozen one and one that never gets a gradient."""
+
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, sparse=sparse)
+        self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+        self.unused = nn.Linear(2, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.fc2(torch.tanh(self.fc1(self.emb(idx)))))
+
+
+_S = torch.optim.lr_scheduler
+_ZOO = {
+    "lbfgs-sequential": (lambda m: torch.optim.LBFGS(m.parameters(), lr=0.5, history_size=3, max_iter=4),
+                         lambda o: _S.SequentialLR(o, [_S.LinearLR(o, 0.1, total_iters=3), _S.ExponentialLR(o, 0.9)], [3])),
+    "nadam-plateau": (lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+                      lambda o: _S.ReduceLROnPlateau(o, patience=1, cooldown=1, factor=0.5)),
+    "adam-fused-tensor-lr-onecycle": (lambda m: torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2), amsgrad=True, fused=True),
+                                      lambda o: _S.OneCycleLR(o, max_lr=0.1, total_steps=20)),
+    "sgd-groups-cyclic": (lambda m: torch.optim.SGD([{"params": m.emb.parameters(), "lr": 0.05},
+                                                     {"params": [*m.fc1.parameters(), *m.fc2.parameters(), *m.unused.parameters()]}],
+                                                    lr=0.1, momentum=0.9, nesterov=True),
+                          lambda o: _S.CyclicLR(o, [1e-3, 1e-4], [1e-1, 1e-2], step_size_up=3, mode="exp_range", gamma=0.9)),
+    "asgd-warm-restarts": (lambda m: torch.optim.ASGD(m.parameters(), lr=1e-2, t0=2),
+                           lambda o: _S.CosineAnnealingWarmRestarts(o, T_0=3, T_mult=2)),
+    "sparse-adam-multiplicative": (lambda m: torch.optim.SparseAdam(list(m.emb.parameters()), lr=1e-2),
+                                   lambda o: _S.MultiplicativeLR(o, lambda s: 0.95)),
+}
+
+
+def _zoo_state(name: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = _Net(sparse=name.startswith("sparse"))
+    make_opt, make_sched = _ZOO[name]
+    opt = make_opt(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    return {"model": model, "optim": opt, "sched": make_sched(opt), "scaler": scaler, "rng": tg.RNGState()}
+
+
+def _zoo_step(st: dict, k: int) -> None:
+    model, opt, sched, scaler = st["model"], st["optim"], st["sched"], st["scaler"]
+    idx = torch.randint(0, 10, (5,))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(idx).square().mean()
+        loss.backward()
+        return loss
+
+    if isinstance(opt, torch.optim.LBFGS):
+        opt.step(closure)
+    else:
+        opt.zero_grad()
+        scaler.scale(model(idx).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    sched.step(1.0 if k % 3 else 0.5) if isinstance(sched, _S.ReduceLROnPlateau) else sched.step()
+
+
+@pytest.mark.parametrize("name", sorted(_ZOO))
+def test_resume_is_bit_identical_across_optimizers_and_schedulers(tmp_path, name):
+    ref = _zoo_state(name, 0)
+    for k in range(10):
+        _zoo_step(ref, k)
+    run = _zoo_state(name, 0)
+    for k in range(5):
+        _zoo_step(run, k)
+    tg.save(tmp_path / "step-5", run)
+    new = _zoo_state(name, 1)  # other initial weights and RNG: everything must come from the checkpoint
+    tg.load(tmp_path / "step-5", new)
+    for k in range(5, 10):
+        _zoo_step(new, k)
+    for a, b in zip(ref["model"].state_dict().values(), new["model"].state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    want, got = ref["optim"].state_dict(), new["optim"].state_dict()
+    assert want["state"].keys() == got["state"].keys()
+    for i, s in want["state"].items():
+        for key, v in s.items():
+            vs, gs = (v, got["state"][i][key]) if isinstance(v, list) else ([v], [got["state"][i][key]])
+            for x, y in zip(vs, gs, strict=True):
+                assert torch.equal(x, y) if torch.is_tensor(x) else x == y, (i, key)
+    assert [float(x) for x in ref["sched"]._last_lr] == [float(x) for x in new["sched"]._last_lr]
+    assert ref["scaler"].state_dict() == new["scaler"].state_dict()
