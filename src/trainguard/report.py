@@ -14,6 +14,7 @@ step** (restore done -> first training step finished).
 
 from __future__ import annotations
 
+import bisect
 import os
 import statistics
 from collections.abc import Iterable
@@ -22,11 +23,11 @@ from typing import Any
 from .events import read_events
 
 
-def _after(events: list[dict[str, Any]], name: str, t: float, **match: Any) -> dict[str, Any] | None:
-    for e in events:
-        if e["event"] == name and e["t"] >= t and all(e.get(k) == v for k, v in match.items()):
-            return e
-    return None
+def _first_from(events: list[dict[str, Any]], times: list[float], t: float) -> dict[str, Any] | None:
+    """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``:
+    a bisection, not a scan from the start of the log per failure (O(failures x events))."""
+    i = bisect.bisect_left(times, t)
+    return events[i] if i < len(events) else None
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -38,12 +39,17 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
     failures = [e for e in ev if e["event"] in ("failure",)]
     faults = [e for e in ev if e["event"] == "fault"]
+    restores = [e for e in ev if e["event"] == "restore" and e.get("rank") == 0]
+    firsts = [e for e in ev if e["event"] == "first_step"]
+    fault_t, restore_t, first_t = ([e["t"] for e in x] for x in (faults, restores, firsts))
     recoveries = []
     prev_t = ev[0]["t"]
     for f in failures:
-        fault = next((x for x in reversed(faults) if prev_t <= x["t"] <= f["t"]), None)
-        restore = _after(ev, "restore", f["t"], rank=0)
-        first = _after(ev, "first_step", f["t"])
+        # The last fault in [prev_t, f["t"]], the first restore (rank 0) and first step from f["t"] on.
+        i = bisect.bisect_right(fault_t, f["t"])
+        fault = faults[i - 1] if i and fault_t[i - 1] >= prev_t else None
+        restore = _first_from(restores, restore_t, f["t"])
+        first = _first_from(firsts, first_t, f["t"])
         rec: dict[str, Any] = {"t": f["t"], "rank": f.get("rank"), "cause": f.get("cause"),
                                "restored_step": restore["step"] if restore else None,
                                "lost_steps": first.get("lost_steps") if first else None}
