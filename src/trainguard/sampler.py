@@ -38,6 +38,7 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
@@ -111,15 +112,20 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def order(self, epoch: int | None = None) -> list[int]:
         """The global sample order of ``epoch`` (default: the current one)."""
-        e = self.epoch if epoch is None else epoch
+        perm = self._permutation(self.epoch if epoch is None else epoch)
+        return list(range(self.num_samples)) if perm is None else perm.tolist()
+
+    def _permutation(self, e: int) -> torch.Tensor | None:
+        """Epoch ``e``'s shuffled order as a tensor (8 bytes a sample; ``tolist()`` would make it
+        ~36); None without shuffling (the identity). ``order`` and ``__iter__`` call it."""
         if not self.shuffle:
-            return list(range(self.num_samples))
+            return None
         key = self.seed * 1_000_003 + e
         if not -(2**63) <= key < 2**64:  # a 64-bit seed (torch.initial_seed()): past what manual_seed takes
             key %= 2**64  # only keys that raised before are mapped: every order that existed stays
         g = torch.Generator()
         g.manual_seed(key)
-        return torch.randperm(self.num_samples, generator=g).tolist()
+        return torch.randperm(self.num_samples, generator=g)
 
     def _end(self, world: int) -> int:
         """The global position at which the epoch's data ends for this world size."""
@@ -133,16 +139,20 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return remaining // world if self.drop_last else -(-remaining // world)
 
     def __iter__(self) -> Iterator[Any]:
+        # Only this rank's share of the order becomes Python ints (1/W of the epoch): the whole
+        # order as a list costs ~36 bytes a sample on every rank (36 GB for 10**9 samples).
         rank, world = self.rank_world
-        order, n = self.order(), self.num_samples
+        perm, n, epoch = self._permutation(self.epoch), self.num_samples, self.epoch
         start, stop = self.position + rank, self.position + self._per_rank(world) * world
-        mine = order[start : min(stop, n) : world]
+        end = max(start, min(stop, n))
+        mine: Iterable[int] = range(start, end, world) if perm is None else perm[start:end:world].tolist()
         # Global indices past the end wrap to the epoch's beginning: the tail padding (< W in all).
-        first_pad = start + len(mine) * world
-        mine += [order[(g - n) % n] for g in range(first_pad, stop, world)]
+        first_pad = start + len(mine) * world  # type: ignore[arg-type]  # a range or a list
+        pad = [(g - n) % n for g in range(first_pad, stop, world)]
+        out = itertools.chain(mine, pad if perm is None else perm[pad].tolist())
         if self.with_epoch:  # the key of tg.SeededDataset: its random draws depend on (seed, epoch, index)
-            return iter([(i, self.epoch) for i in mine])
-        return iter(mine)
+            return ((i, epoch) for i in out)
+        return out
 
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])
