@@ -93,3 +93,34 @@ def test_sampler_iter_holds_this_ranks_share_not_the_epochs_order_as_python_ints
     s.epoch = 2
     got, peak = _iter_peak(s, 3)
     assert got == [(i, 2) for i in s.order()[5 : 5 + 3 * world : world]] and peak < 8 * n // 4
+
+
+class _Step(int):
+    """A step number whose equality tests are counted (a list's ``in`` makes one per element)."""
+
+    eqs = 0
+    __hash__ = int.__hash__
+
+    def __eq__(self, other: object) -> bool:
+        _Step.eqs += 1
+        return int(self) == other
+
+
+def test_ram_tier_candidates_compare_steps_linearly(tmp_path):
+    """``RamTier.candidates`` (rank 0, in every ``restore`` of a manager with ``ram_tier``)
+    looked each step up in the list of durable steps: O(steps**2), 20 s for 40,000 kept
+    checkpoints (``KeepAll``/``KeepEvery`` over a long run) while every other rank waits in the
+    broadcast of the result."""
+    from trainguard.storage.local import LocalStorage
+    from trainguard.tiers import RamTier
+
+    (tmp_path / "shm").mkdir()
+    rt = RamTier(str(tmp_path / "shm"), root=str(tmp_path / "run"), durable=LocalStorage(), durable_root=str(tmp_path / "run"),
+                 ctx=None, events=None)
+    (tmp_path / "shm" / "ram").mkdir()
+    rt.dir = str(tmp_path / "shm" / "ram")  # an empty RAM tier: every candidate is durable
+    n = 3_000
+    _Step.eqs = 0
+    out = rt.candidates([_Step(s) for s in range(0, 10 * n, 10)])
+    assert [s for s, _p, _t in out] == list(range(10 * (n - 1), -1, -10)) and {t for *_, t in out} == {"durable"}
+    assert _Step.eqs < 10 * n, _Step.eqs  # the list's `in`: ~n**2 / 2 = 4.5 M

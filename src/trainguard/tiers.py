@@ -231,11 +231,12 @@ class RamTier:
     def candidates(self, durable_steps: list[int]) -> list[tuple[int, str, str]]:
         """Rank 0: ``(step, path, tier)`` to try, newest step first, RAM copy before durable."""
         ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
+        durable = set(durable_steps)  # not the list: a look-up per step made this O(steps**2)
         out = []
-        for step in sorted(set(ram) | set(durable_steps), reverse=True):
+        for step in sorted(set(ram) | durable, reverse=True):
             if step in ram:
                 out.append((step, ram[step], "ram"))
-            if step in durable_steps:
+            if step in durable:
                 out.append((step, location(self.durable, self.durable.join(self.durable_root, layout.step_dir(step))), "durable"))
         return out
 
