@@ -163,3 +163,40 @@ def test_optimizer_load_does_not_scan_its_group_for_every_state_tensor(tmp_path,
     assert all(torch.equal(opt.state[model[name]]["momentum_buffer"], v) for name, v in want.items())
     assert [g["params"] for g in opt.param_groups] == [list(model.parameters())]
     assert scanned[0] <= 2 * n, scanned[0]  # a plain list: n**2 / 2 = 2 M
+
+
+def test_retention_reads_kept_checkpoints_facts_without_validating_their_tensors(tmp_path, monkeypatch):
+    """A retention policy that reads metadata (``KeepBest``, or any union with it) learns, at the
+    first retention after a restart, ``created`` and the metrics of every kept checkpoint. It
+    parsed and validated each whole manifest for those two values: for 100,000 tensors, 15 MB and
+    1.5-3.7 s each, so a run keeping ``KeepEvery(1000) | KeepBest("loss")`` checkpoints spent
+    minutes in the first save after each restart. Counted: tensor entries validated."""
+    import torch
+
+    import trainguard as tg
+    from trainguard import manifest as mf
+
+    root = str(tmp_path / "run")
+    state = {"w": {f"t{i}": torch.zeros(2) for i in range(300)}, "p": tg.StateDict(step=0)}
+    keep = tg.KeepBest("loss", n=2) | tg.KeepEvery(10)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), keep=keep, handle_signals=False) as mgr:
+        for s, loss in ((10, 3.0), (20, float("nan")), (30, 1.0), (40, 2.0), (50, 5.0)):
+            mgr.save(s, state, metrics={"loss": loss})
+    validated = [0]
+    original = mf._tensor
+
+    def counting(*a: Any, **k: Any) -> Any:
+        validated[0] += 1
+        return original(*a, **k)
+
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10), keep=tg.KeepBest("loss", n=2), handle_signals=False) as mgr:
+        assert mgr.restore(state) == 50
+        monkeypatch.setattr(mf, "_tensor", counting)
+        mgr.save(60, state, metrics={"loss": 4.0})
+        monkeypatch.undo()
+        assert mgr._created[30] > 0 and mgr._metrics[30] == {"loss": 1.0}
+        assert str(mgr._metrics.get(20, {}).get("loss", "nan")) == "nan"
+    # Kept: the two best (30, 40) and the newest (60); 10, 20 and 50 were deleted.
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == [
+        "step-000000030", "step-000000040", "step-000000060"]
+    assert validated[0] == 0, validated[0]  # before: every kept checkpoint's 301 tensors, 5 times

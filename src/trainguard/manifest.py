@@ -175,6 +175,15 @@ _PREFIX = b'{"checksum":"'
 
 def parse(data: bytes, where: str = "manifest.json") -> Manifest:
     """Check the checksum, then validate every field. Raises CorruptCheckpointError/FormatVersionError."""
+    try:
+        raw = loads_json(verified_body(data, where))
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where}: invalid JSON: {e}", file=where) from None
+    return validate(raw, where)
+
+
+def verified_body(data: bytes, where: str = "manifest.json") -> bytes:
+    """The JSON body of a manifest file's bytes, its checksum verified (``parse``, ``commit.read_facts``)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is larger than any manifest", file=where)
     head = len(_PREFIX) + 16
@@ -186,11 +195,7 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
     body = data[head + 13 : len(data) - 2]
     if checksum(body) != want:
         raise CorruptCheckpointError(f"{where}: checksum mismatch: the manifest is corrupt", file=where)
-    try:
-        raw = loads_json(body)
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{where}: invalid JSON: {e}", file=where) from None
-    return validate(raw, where)
+    return body
 
 
 def _req(d: dict[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:

@@ -16,7 +16,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from . import layout
-from .commit import list_steps, read_manifest
+from .commit import list_steps, read_facts
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .policies import CheckpointInfo
@@ -134,9 +134,9 @@ def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
     read from its manifest once otherwise (0.0 and no metrics when it cannot be read)."""
     if s.step not in mgr._metrics or s.step not in mgr._created:
         try:
-            m = read_manifest(mgr.storage, s.path)
-            mgr._metrics.setdefault(s.step, dict(m.metadata.get("metrics", {})))
-            mgr._created[s.step] = m.created
+            created, metadata = read_facts(mgr.storage, s.path)  # not every tensor validated
+            mgr._metrics.setdefault(s.step, dict(metadata.get("metrics", {})))
+            mgr._created[s.step] = created
         except CheckpointError:
             mgr._metrics.setdefault(s.step, {})
             mgr._created[s.step] = 0.0
