@@ -200,3 +200,48 @@ def test_retention_reads_kept_checkpoints_facts_without_validating_their_tensors
     assert sorted(p.name for p in (tmp_path / "run").glob("step-*")) == [
         "step-000000030", "step-000000040", "step-000000060"]
     assert validated[0] == 0, validated[0]  # before: every kept checkpoint's 301 tensors, 5 times
+
+
+_MANY_FILES = r'''
+import os, resource, sys, torch
+import trainguard as tg
+from trainguard.io import DEFAULT_BLOCK
+from trainguard.manifest import Chunk, Manifest, TensorEntry, checksum
+
+W, d = int(sys.argv[1]), sys.argv[2]
+full = torch.arange(W * 4, dtype=torch.float32).reshape(W, 4)
+chunks, files = [], {}
+os.makedirs(d)
+for r in range(W):  # what W ranks write for a tensor sharded by rows: one file each
+    b = full[r].numpy().tobytes()
+    name = f"data-{r:05d}.bin"
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(b)
+    files[name] = len(b)
+    chunks.append(Chunk([r, 0], [1, 4], name, 0, len(b), [checksum(b)]))
+m = Manifest(step=1, world_size=W, created=1.0, layout="sharded", block_size=DEFAULT_BLOCK, files=files,
+             objects={"t": {"skeleton": {"$t": "t"}}}, tensors={"t": TensorEntry("float32", [W, 4], chunks)})
+with open(os.path.join(d, "manifest.json"), "wb") as f:
+    f.write(m.to_bytes())
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (128, hard))  # a common default is 1024, for 1,000+ ranks
+t = torch.zeros(W, 4)
+tg.load(d, {"t": t})
+assert torch.equal(t, full)
+v = tg.verify(d)
+assert v.ok, v.errors
+print("OK")
+'''
+
+
+def test_a_checkpoint_of_more_ranks_than_open_files_allowed_loads_and_verifies(tmp_path, run_child):
+    """A load (and ``verify``) keeps every data file it reads open until it ends, up to two
+    descriptors each (buffered and O_DIRECT): a checkpoint of more ranks' files than the process
+    may open failed with ``OSError: Too many open files``. A replicated (DDP) tensor set is spread
+    over every rank's file, so every rank's restore of a 1,000-rank DDP job touches 1,000 files,
+    past the common soft limit of 1024 descriptors. The soft limit is now raised (up to the hard
+    limit) as files are opened."""
+    script = tmp_path / "many.py"
+    script.write_text(_MANY_FILES)
+    r = run_child([str(script), "300", str(tmp_path / "ckpt")], timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-2000:]

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from . import layout
 from .commit import list_steps, read_manifest
 from .errors import CheckpointError, NotACheckpointError
+from .fdlimit import ensure_room
 from .index import ChunkSource
 from .manifest import Manifest, checksum
 from .storage import Storage, for_path
@@ -71,6 +72,7 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
     view = memoryview(buf)
     total = 0
     readers = {}
+    ensure_room(len(m.files))
     try:
         for f in m.files:  # opened one by one: a file that cannot be opened leaves none of them open
             readers[f] = storage.open_read(storage.join(directory, f))

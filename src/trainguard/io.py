@@ -18,6 +18,7 @@ import torch
 from . import reads
 from .buffers import PAGE_ALIGN, aligned_empty, tensor_bytes
 from .errors import DiskFullError
+from .fdlimit import ensure_room
 from .manifest import checksum
 from .planner import PAGE, Box, ReadOp, row_major_strides
 from .storage.base import FileReader, Storage
@@ -318,6 +319,7 @@ def read_targets(
                     if check_file is not None:
                         check_file(op.file)
                     kw = {"direct": direct} if getattr(storage, "direct_io", False) else {}
+                    ensure_room(len(readers) + 1)  # every file stays open to the end: may pass 1024 fds
                     r = readers[op.file] = storage.open_read(storage.join(directory, op.file), **kw)
                 total += op.length
                 grouped = small.take(r, t.path, op, dest)
