@@ -3,11 +3,14 @@ gives ``torch.optim.Optimizer.load_state_dict`` when the optimizer is rebuilt di
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
 
 import trainguard as tg
+from trainguard import async_save
 
 
 def _model() -> nn.Module:

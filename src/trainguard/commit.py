@@ -31,8 +31,7 @@ from .errors import (
     from_record,
 )
 from .faults import fault
-from .flatten import decode_json
-from .manifest import MAX_MANIFEST_BYTES, SUPPORTED_VERSIONS, Manifest, parse, verified_body
+from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .storage import Storage
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
@@ -102,55 +101,10 @@ def _read_holder(fd: int) -> str:
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
     """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent."""
-    return parse(*_manifest_bytes(storage, directory))
+    return parse(*manifest_bytes(storage, directory))
 
 
-def read_facts(storage: Storage, directory: str) -> tuple[float, dict[str, Any]]:
-    """``created`` and ``metadata`` of the checkpoint in ``directory``, for retention policies
-    (``retention._facts``, rank 0, for each kept checkpoint at the first retention after a
-    restart): the checksum is verified and the fields are checked as ``manifest.validate`` does,
-    but only the leading fields are decoded (``Manifest.to_bytes`` writes them before the files,
-    objects and tensors), not every tensor validated: a 100,000-tensor manifest took 1.5-3.7 s
-    to parse whole for these two values. A manifest laid out otherwise is parsed whole."""
-    data, where = _manifest_bytes(storage, directory)
-    body = verified_body(data, where)
-    try:
-        head = _leading_fields(body.decode())
-    except (ValueError, IndexError, RecursionError):
-        head = {}
-    version, created, metadata = head.get("format_version"), head.get("created"), head.get("metadata")
-    if type(version) is not int or version not in SUPPORTED_VERSIONS or type(created) not in (int, float) or not (
-        0 <= created < 1e11 and type(metadata) is dict
-    ):
-        m = parse(data, where)  # says what is wrong, or reads a valid manifest laid out otherwise
-        return m.created, m.metadata
-    return float(created), decode_json(metadata, f"{where}: metadata")
-
-
-def _leading_fields(text: str) -> dict[str, Any]:
-    """``read_facts``: the fields of a manifest body up to ``metadata``, decoded one by one;
-    ValueError when it is laid out otherwise (a field repeated, or ``files`` first)."""
-    dec = json.JSONDecoder(parse_constant=_no_constant)
-    head: dict[str, Any] = {}
-    if not text.startswith("{"):
-        raise ValueError("not an object")
-    pos = 1
-    while "metadata" not in head:
-        key, pos = dec.raw_decode(text, pos)
-        if type(key) is not str or key in head or key in ("files", "objects", "tensors") or text[pos] != ":":
-            raise ValueError("not a leading field")
-        head[key], pos = dec.raw_decode(text, pos + 1)
-        if text[pos] != ",":
-            raise ValueError("metadata is not followed by other fields")
-        pos += 1
-    return head
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # as manifest.parse: NaN and Infinity are never written
-
-
-def _manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
+def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     """The bytes of ``<directory>/manifest.json`` and how errors name it; ``NotACheckpointError`` if absent."""
     path = storage.join(directory, layout.MANIFEST)
     if not storage.exists(path):

@@ -183,7 +183,7 @@ def parse(data: bytes, where: str = "manifest.json") -> Manifest:
 
 
 def verified_body(data: bytes, where: str = "manifest.json") -> bytes:
-    """The JSON body of a manifest file's bytes, its checksum verified (``parse``, ``commit.read_facts``)."""
+    """The JSON body of a manifest file's bytes, its checksum verified (``parse``, ``retention.read_facts``)."""
     if len(data) > MAX_MANIFEST_BYTES:
         raise CorruptCheckpointError(f"{where}: {len(data)} bytes is larger than any manifest", file=where)
     head = len(_PREFIX) + 16
