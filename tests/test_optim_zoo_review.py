@@ -215,3 +215,20 @@ def test_resume_is_bit_identical_across_optimizers_and_schedulers(tmp_path, name
                 assert torch.equal(x, y) if torch.is_tensor(x) else x == y, (i, key)
     assert [float(x) for x in ref["sched"]._last_lr] == [float(x) for x in new["sched"]._last_lr]
     assert ref["scaler"].state_dict() == new["scaler"].state_dict()
+
+
+def test_an_lr_set_from_numpy_is_saved_as_a_float(tmp_path):
+    """A manual schedule ``g["lr"] = base * np.cos(...)`` leaves a numpy.float64 (a float
+    subclass) in the param group: the first save raised UnsupportedValueError, stopping the run at
+    its first checkpoint. Other numpy values are still refused."""
+    import numpy as np
+
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt.param_groups[0]["lr"] = 0.1 * np.cos(np.float64(0.5))
+    tg.save(tmp_path / "a", {"model": m, "optim": opt})
+    opt2 = torch.optim.SGD(m.parameters(), lr=1.0)
+    tg.load(tmp_path / "a", {"model": m, "optim": opt2})
+    assert opt2.param_groups[0]["lr"] == 0.1 * np.cos(0.5) and type(opt2.param_groups[0]["lr"]) is float
+    with pytest.raises(tg.UnsupportedValueError, match="numpy"):
+        tg.save(tmp_path / "b", {"x": {"v": np.float32(1.5)}})

@@ -61,7 +61,8 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return v
         if type(v) is int:
             return _check_int(v, path)
-        if type(v) is float:
+        if type(v) is float or type(v).__module__ == "numpy" and isinstance(v, float):
+            v = float(v)  # numpy.float64 (a float subclass): an lr set by a manual schedule, np.cos(...)
             if math.isfinite(v):
                 return v
             return {"$float": "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")}
