@@ -130,3 +130,18 @@ def foreign_errors(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
+    except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
+        if type(e).__name__ != "CheckpointException":
+            raise
+        raise CheckpointError(f"{what}: {_dcp_cause(e)}") from e
+
+
+def _dcp_cause(e: BaseException) -> str:
+    """The first failing rank's own exception inside DCP's ``CheckpointException`` (whose text
+    is tracebacks), as ``Type: message``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        cause = next(iter(failures.values()))
+        cause = cause[0] if isinstance(cause, tuple) and cause else cause  # (exception, stack summary)
+        return f"{type(cause).__name__}: {cause}"
+    return f"{type(e).__name__}: {e}"
