@@ -16,9 +16,9 @@ from trainguard.convert import convert
 
 
 def _dcp_of_linear(tmp_path) -> str:
-    src = str(tmp_path / "ck" / "step-000000001")
+    src = str(tmp_path / "lin" / "step-000000001")
     tg.save(src, {"model": torch.nn.Linear(4, 3)})
-    out = str(tmp_path / "dcp")
+    out = str(tmp_path / "lin_dcp")
     convert(src, out, dst_format="dcp", entry=None)
     return out
 
@@ -36,3 +36,88 @@ def test_a_damaged_dcp_directory_is_a_checkpoint_error_and_the_cli_exits_2(tmp_p
     assert res.exit_code == 2, res.output
     assert "error: cannot read" in res.output and "Traceback" not in res.output
     assert not (tmp_path / "imported").exists() and not (tmp_path / "imported2").exists()
+
+
+def _make(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3))
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for s in range(steps):
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _fsdp2(seed: int, lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _make(seed)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=lr)
+
+
+def _whole(sd: dict) -> dict:
+    return {k: _whole(v) if isinstance(v, dict) else v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in sd.items()}
+
+
+def _dcp_load_into_fsdp2(rank: int, world: int, path: str) -> dict:
+    """A rank of a FSDP2 job resuming from a DCP directory as torch documents it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = _fsdp2(99, lr=0.5)
+    _train(model, opt, 1)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    msd, osd = get_state_dict(model, opt)
+    return {"model": _whole(msd), "optim": _whole(osd["state"]), "lr": osd["param_groups"][0]["lr"]}
+
+
+def test_export_to_dcp_loads_into_an_fsdp2_model_and_optimizer_on_two_ranks(tmp_path):
+    # Before: optimizer tensors went to DCP as 'optim.state/0.weight/exp_avg' and param_groups
+    # not at all, so dcp.load into get_state_dict(model, optim) raised "Missing key in checkpoint
+    # state_dict: optim.state.0.weight.step" on every rank.
+    from dist_helper import run_ranks
+
+    model = _make(1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    src = str(tmp_path / "ck" / "step-000000002")
+    tg.save(src, {"model": model, "optim": opt, "progress": tg.StateDict(step=2), "rng": tg.RNGState()})
+    res = CliRunner().invoke(main, ["convert", src, str(tmp_path / "dcp"), "--to", "dcp", "--entry", "*"])
+    assert res.exit_code == 0, res.output
+    got = run_ranks(_dcp_load_into_fsdp2, 2, str(tmp_path / "dcp"), timeout=90)[1].value
+    for k, v in model.state_dict().items():
+        assert torch.equal(got["model"][k], v), k
+    for i, (name, _p) in enumerate(model.named_parameters()):
+        for k, v in opt.state_dict()["state"][i].items():
+            assert torch.equal(got["optim"][name][k], v), (name, k)
+    assert got["lr"] == 1e-2  # param_groups travel too
+
+
+def test_convert_to_dcp_never_writes_into_an_existing_checkpoint(tmp_path):
+    # Before: --to dcp into a trainguard checkpoint directory (even its own source) added
+    # .metadata and __0_0.distcp beside manifest.json, and into a DCP directory overwrote its
+    # files in place.
+    src = str(tmp_path / "ck")
+    tg.save(src, {"model": torch.nn.Linear(4, 3)})
+    before = sorted(os.listdir(src))
+    for dst in (src, _dcp_of_linear(tmp_path)):
+        listing = sorted(os.listdir(dst))
+        with pytest.raises(tg.CheckpointError, match="not an empty directory.*Remove it or pick another"):
+            convert(src, dst, dst_format="dcp", entry=None)
+        assert sorted(os.listdir(dst)) == listing
+    assert sorted(os.listdir(src)) == before
+    (tmp_path / "empty").mkdir()
+    convert(src, tmp_path / "empty", dst_format="dcp", entry=None)
+    assert (tmp_path / "empty" / ".metadata").is_file()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary directory left

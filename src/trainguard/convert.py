@@ -25,6 +25,7 @@ import torch
 from .commit import read_manifest
 from .errors import CheckpointError, StepExistsError
 from .export import check_destination, foreign_errors, iter_tensors, replacing
+from .flatten import single_tensor, unflatten
 from .storage import for_path
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
@@ -86,12 +87,17 @@ def convert(
     if (sf == "trainguard") == (df == "trainguard"):
         raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
     if sf == "trainguard":
-        tensors = _read_trainguard(src, entry, nested=df == "dcp", share=df == "torch")
         check_destination(os.fspath(dst))
+        if df == "dcp":
+            _check_dcp_destination(os.fspath(dst))
+            state, n = _read_entries(src, entry)
+            with foreign_errors(f"cannot write {dst} as {df}"):
+                _write_dcp(state, os.fspath(dst))
+            return {"from": sf, "to": df, "tensors": n, "skipped": []}
+        tensors = _read_trainguard(src, entry, share=df == "torch")
         with foreign_errors(f"cannot write {dst} as {df}"):
             _write_foreign(tensors, dst, df)
-        n = sum(len(v) if isinstance(v, dict) else 1 for v in tensors.values())
-        return {"from": sf, "to": df, "tensors": n, "skipped": []}
+        return {"from": sf, "to": df, "tensors": len(tensors), "skipped": []}
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
@@ -109,40 +115,91 @@ def convert(
     return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
 
 
-def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, nested: bool, share: bool = False) -> dict[str, Any]:
-    """The tensors of ``entry`` (every entry, ``nested``, for DCP); ``share``: a tie's names are one
-    tensor (``torch.save`` stores it once; safetensors refuses shared tensors, DCP writes each name)."""
+def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, share: bool = False) -> dict[str, Any]:
+    """The tensors of ``entry`` (``convert`` to one file); ``share``: a tie's names are one tensor
+    (``torch.save`` stores it once; safetensors refuses shared tensors)."""
+    if entry is None:
+        raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
     storage, d = for_path(src)
     manifest = read_manifest(storage, d)
-    entries = list(manifest.objects) if entry is None else [entry]
-    if entry is None and not nested:
-        raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
-    out: dict[str, Any] = {}
-    for e in entries:
-        if e not in manifest.objects:
-            raise CheckpointError(f"{d} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
-        tensors = dict(iter_tensors(storage, d, manifest, e, share=share))
-        if tensors:
-            out[e] = tensors
-    if not out:
-        raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
-    return out if nested else out[entries[0]]
+    if entry not in manifest.objects:
+        raise CheckpointError(f"{d} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
+    tensors = dict(iter_tensors(storage, d, manifest, entry, share=share))
+    if not tensors:
+        raise CheckpointError(f"{d}: entries {[entry]} hold no tensors to export")
+    return tensors
 
 
 def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: str) -> None:
+    """One entry's tensors into a ``.safetensors`` or ``.pt`` file (``fmt``), replaced whole."""
     out = os.fspath(dst)
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
         with replacing(out) as tmp:  # an earlier file at out survives a failed write
             save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard"})
-    elif fmt == "torch":
+    else:
         with replacing(out) as tmp:
             torch.save(tensors, tmp)
-    else:  # dcp: one process, no process group
-        import torch.distributed.checkpoint as dcp
 
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(out), no_dist=True)
+
+def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[str, Any], int]:
+    """``convert`` to DCP: each entry (every one with ``entry=None``) as a load into nothing gives
+    it, tensors and JSON values (an optimizer's ``state`` by parameter name and its
+    ``param_groups``), so that DCP flattens it into the keys it gives ``get_state_dict``'s output
+    (``optim.state.0.weight.exp_avg``, ``optim.param_groups.0.lr``). Rank-local entries are left
+    out. Returns the state and its number of tensors."""
+    storage, d = for_path(src)
+    manifest = read_manifest(storage, d)
+    entries = list(manifest.objects) if entry is None else [entry]
+    state: dict[str, Any] = {}
+    n = 0
+    for e in entries:
+        if e not in manifest.objects:
+            raise CheckpointError(f"{d} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
+        obj = manifest.objects[e]
+        if "skeleton" not in obj:
+            continue  # rank-local (RNG state of each rank): not part of a model's DCP checkpoint
+        one = single_tensor(obj["skeleton"]) is not None
+        tensors = {e if one else f"{e}/{name}": t for name, t in iter_tensors(storage, d, manifest, e)}
+        n += len(tensors)
+        state[e] = unflatten(obj["skeleton"], tensors.__getitem__)
+    if not n:
+        raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
+    return state, n
+
+
+def _check_dcp_destination(out: str) -> None:
+    """A DCP directory is written only where nothing is: its files would overwrite (or mix with)
+    a DCP or trainguard checkpoint's in place."""
+    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
+        raise CheckpointError(
+            f"{out} already exists and is not an empty directory; convert writes a DCP checkpoint into a new "
+            "directory only. Remove it or pick another name"
+        )
+
+
+def _write_dcp(state: dict[str, Any], out: str) -> None:
+    """``dcp.save`` (one process, no process group) into a directory beside ``out``, renamed into
+    place once complete: a failed write leaves nothing at ``out``."""
+    import shutil
+    import uuid
+
+    import torch.distributed.checkpoint as dcp
+
+    head, name = os.path.split(os.path.abspath(out))
+    tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        os.rename(tmp, out)  # over an empty directory too
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fd = os.open(head, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _contiguous(v: Any) -> Any:
