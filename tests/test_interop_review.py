@@ -121,3 +121,49 @@ def test_convert_to_dcp_never_writes_into_an_existing_checkpoint(tmp_path):
     convert(src, tmp_path / "empty", dst_format="dcp", entry=None)
     assert (tmp_path / "empty" / ".metadata").is_file()
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no temporary directory left
+
+
+class _Note:
+    """A custom object in a DCP checkpoint: pickled by DCP, refused by weights_only=True."""
+
+
+def _dcp_save_from_fsdp2(rank: int, world: int, path: str) -> dict:
+    """A FSDP2 job's DCP checkpoint as torch documents it: get_state_dict + dcp.save."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _fsdp2(1, lr=1e-2)
+    _train(model, opt, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "step": 2, "blob": io.BytesIO(b"raw"), "note": _Note()}, checkpoint_id=path)
+    return {"model": _whole(msd), "optim": _whole(osd["state"])}
+
+
+def test_a_dcp_checkpoint_of_fsdp2_model_and_optimizer_imports_and_resumes_both(tmp_path):
+    # Before: keys were split at their first dot only, so the optimizer became one flat dict
+    # {'state.0.weight.exp_avg': ...} without param_groups (skipped as pickled objects), and
+    # loading it into {"optim": optimizer} raised "its load_state_dict() refused the saved
+    # state: 'param_groups'".
+    from dist_helper import run_ranks
+
+    path = str(tmp_path / "dcp")
+    ref = run_ranks(_dcp_save_from_fsdp2, 2, path, timeout=90)[0].value
+    with pytest.warns(UserWarning, match="pickle"):
+        res = convert(path, tmp_path / "ck")
+    assert sorted(res["skipped"]) == ["blob", "note"]  # raw bytes and a custom class: not imported
+    assert res["tensors"] == 4 + 4 * 3
+    model = _make(7)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    state = {"model": model, "optim": opt, "step": None}
+    tg.load(tmp_path / "ck", state)
+    for k, v in ref["model"].items():
+        assert torch.equal(model.state_dict()[k], v), k
+    saved = opt.state_dict()
+    for i, (name, _p) in enumerate(model.named_parameters()):
+        for k, v in ref["optim"][name].items():
+            got = saved["state"][i][k]
+            assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), (name, k)
+    assert saved["param_groups"][0]["lr"] == 1e-2 and state["step"] == 2
+    _train(model, opt, 1)  # and the optimizer steps from it

@@ -5,11 +5,12 @@ Offline, one process, no process group (called by ``trainguard convert`` or from
 Reading never unpickles anything from a trainguard checkpoint, a safetensors file or a
 ``torch.save`` file (``torch.load(weights_only=True)``). DCP is the exception: its
 ``.metadata`` file is a pickle that DCP's own reader loads, so a DCP directory must come from
-a trusted source (a warning says so); DCP's non-tensor entries (pickled objects) are skipped.
+a trusted source (a warning says so); its non-tensor entries are read with ``weights_only=True``
+(``dcp_import``): JSON values are imported, other objects skipped.
 
 Name mapping: a trainguard entry ``E`` with tensor ``E/name`` becomes ``name`` in a
 safetensors/``.pt`` file (one entry, ``--entry``) and the DCP key ``E.name`` (every entry, or
-only ``--entry``). Importing a DCP key ``E.name`` gives entry ``E`` with tensor ``name``; a
+only ``--entry``). Importing a DCP key gives back the nesting DCP recorded for it (``E.name``: entry ``E``, tensor ``name``); a
 flat file becomes entry ``--entry`` (default ``model``), so ``{"model": module}`` loads it.
 """
 
@@ -111,8 +112,15 @@ def convert(
             f"{dst} already holds a committed checkpoint; convert does not replace one. Remove it or "
             "convert into a new directory"
         ) from None
-    n = sum(len(v) if isinstance(v, Mapping) else 1 for v in state.values())
-    return {"from": sf, "to": df, "tensors": n, "skipped": skipped}
+    return {"from": sf, "to": df, "tensors": _count(state), "skipped": skipped}
+
+
+def _count(v: Any) -> int:
+    """The number of tensors in an imported state."""
+    if isinstance(v, torch.Tensor):
+        return 1
+    items = v.values() if isinstance(v, Mapping) else v if isinstance(v, (list, tuple)) else ()
+    return sum(_count(x) for x in items)
 
 
 def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, share: bool = False) -> dict[str, Any]:
@@ -237,34 +245,7 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
         if all(isinstance(k, str) and k and "/" not in k and "@" not in k for k in obj):
             return dict(obj), []  # {"model": ..., "optim": ...}: one entry each
         return {entry: dict(obj)}, []
-    return _read_dcp(p, entry, dcp_split)
-
-
-def _read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """Read every tensor of a DCP directory through DCP's public reader, whole (any sharding)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from .dcp_import import read_dcp
 
     warnings.warn(DCP_WARNING, stacklevel=3)
-    reader = dcp.FileSystemReader(path)
-    meta = reader.read_metadata()
-    flat: dict[str, torch.Tensor] = {}
-    skipped: list[str] = []
-    for fqn, md in meta.state_dict_metadata.items():
-        if isinstance(md, TensorStorageMetadata):
-            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        else:
-            skipped.append(fqn)  # a pickled object: not imported
-    if not flat:
-        raise CheckpointError(f"{path}: the DCP checkpoint holds no tensors")
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for fqn, t in flat.items():
-        head, _, rest = fqn.partition(".")
-        if not split or "/" in head or "@" in head or head.startswith("$") or not head:
-            state.setdefault(entry, {})[fqn] = t
-        elif rest:
-            state.setdefault(head, {})[rest] = t
-        else:
-            state[head] = t  # a key without a dot: an entry that is one tensor
-    return state, skipped
+    return read_dcp(p, entry, dcp_split)

@@ -21,7 +21,7 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
 @click.option(
     "--entry", default=None,
     help="Entry to export, or the entry an imported flat file becomes (default: model). '*' with --to dcp: "
-    "every entry. Importing DCP: given, every key goes into it; else keys split at their first dot.",
+    "every entry. Importing DCP: given, every key goes into it; else each key's first name is its entry.",
 )
 def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
     """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP. Examples:
@@ -42,4 +42,4 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
         click.echo(f"warning: {w.message}", err=True)
     click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")
     if res["skipped"]:
-        click.echo(f"skipped {len(res['skipped'])} non-tensor DCP entries (pickled objects): {res['skipped'][:10]}", err=True)
+        click.echo(f"skipped {len(res['skipped'])} DCP entries that are neither tensors nor JSON values: {res['skipped'][:10]}", err=True)

@@ -1,0 +1,111 @@
+"""Read a ``torch.distributed.checkpoint`` (DCP) directory whole, for ``convert`` (one process,
+no process group; the caller warns that DCP's ``.metadata`` is a pickle).
+
+DCP flattens a nested state into dotted keys and records, in its metadata's ``planner_data``,
+the path each key came from: ``optim.state.0.weight.exp_avg`` is
+``("optim", "state", "0.weight", "exp_avg")``. :func:`read_dcp` rebuilds that nesting, so an
+optimizer written from ``get_state_dict`` comes back as ``{"state": {name: {...}},
+"param_groups": [...]}``, which loads into ``{"optim": optimizer}``. DCP's non-tensor entries
+(each one ``torch.save``-d) are read with ``torch.load(weights_only=True)``; those that are
+JSON values (an optimizer's ``lr``, ``betas``, ``params``; a step counter) are imported, any
+other object is skipped and listed.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+
+def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
+    """``(state, skipped)`` of the DCP directory ``path``. ``split``: each key's first path
+    element is its entry (keys that cannot name one go into ``entry``); without it, every
+    tensor goes into ``entry`` under its full key (a DCP of a bare ``model.state_dict()``)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(path).read_metadata()
+    flat: dict[str, Any] = {}
+    skipped: list[str] = []
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        elif split and isinstance(md, BytesStorageMetadata):
+            flat[fqn] = io.BytesIO()
+        else:
+            skipped.append(fqn)
+    if not any(isinstance(v, torch.Tensor) for v in flat.values()):
+        raise CheckpointError(f"{path}: the DCP checkpoint holds no tensors")
+    values: dict[str, Any] = {}
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # DCP's own: weights_only=False
+            fqn = read_item.dest_index.fqn
+            try:
+                values[fqn] = torch.load(value, map_location="cpu", weights_only=True)
+            except Exception:
+                values[fqn] = _Refused
+
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
+    paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    state: dict[str, Any] = {}
+    for fqn, v in flat.items():
+        if not isinstance(v, torch.Tensor):
+            v = values.get(fqn, _Refused)
+            if v is _Refused or not _plain(v):
+                skipped.append(fqn)  # a pickled object (bytes, a class): not imported
+                continue
+        keys = paths.get(fqn)
+        if not isinstance(keys, tuple) or len(keys) < 2 or type(keys[0]) is not str:
+            keys = tuple(fqn.split(".", 1))  # a flat key (a bare state_dict's): split at its first dot
+        head = keys[0]
+        if not split or not head or "/" in head or "@" in head or head.startswith("$"):
+            state.setdefault(entry, {})[fqn] = v
+        elif len(keys) == 1:
+            state[head] = v  # a key without a dot: an entry that is one tensor (or value)
+        else:
+            node = state.setdefault(head, {})
+            if not isinstance(node, dict):
+                raise CheckpointError(f"{path}: key {fqn!r} lies inside {head!r}, which is a value itself")
+            _put(node, keys[1:], v, fqn, path)
+    return {k: _lists(v, k) for k, v in state.items()}, skipped
+
+
+class _Refused:
+    """A non-tensor DCP entry that ``torch.load(weights_only=True)`` refused."""
+
+
+def _plain(v: Any) -> bool:
+    """Whether ``v`` is a JSON value trainguard saves (an object of another type is skipped)."""
+    if v is None or type(v) in (bool, int, float, str):
+        return True
+    if type(v) in (list, tuple):
+        return all(_plain(x) for x in v)
+    if type(v) is dict:
+        return all(type(k) in (str, int) and _plain(x) for k, x in v.items())
+    return False
+
+
+def _put(node: dict[Any, Any], keys: tuple[Any, ...], v: Any, fqn: str, path: str) -> None:
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise CheckpointError(f"{path}: key {fqn!r} lies inside {k!r}, which is a value itself")
+    node[keys[-1]] = v
+
+
+def _lists(v: Any, key: Any) -> Any:
+    """DCP writes a list's items under their index (``param_groups.0.lr``): a level whose keys
+    are exactly ``0..n-1`` becomes a list again, as DCP's own loader makes it, except an
+    optimizer's ``state`` keyed by parameter index (a ``dict`` in ``optimizer.state_dict()``)."""
+    if not isinstance(v, dict):
+        return v
+    out = {k: _lists(x, k) for k, x in v.items()}
+    if key != "state" and out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
