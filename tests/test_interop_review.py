@@ -167,3 +167,27 @@ def test_a_dcp_checkpoint_of_fsdp2_model_and_optimizer_imports_and_resumes_both(
             assert got.dtype == v.dtype and got.shape == v.shape and torch.equal(got, v), (name, k)
     assert saved["param_groups"][0]["lr"] == 1e-2 and state["step"] == 2
     _train(model, opt, 1)  # and the optimizer steps from it
+
+
+def test_a_dcp_of_a_plain_optimizer_state_dict_loads_by_position_not_silently_empty(tmp_path):
+    # DCP writes dict keys as strings: the index-keyed state of optimizer.state_dict() came back
+    # as {'0': ..., '1': ...} with params [0, 1, ...], and torch's load_state_dict kept those
+    # keys aside without error: the optimizer resumed with no Adam moments at all.
+    import torch.distributed.checkpoint as dcp
+
+    model = _make(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    _train(model, opt, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single-process DCP and the trusted-source warning
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+        convert(tmp_path / "dcp", tmp_path / "ck")
+    fresh = _make(2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1.0)
+    tg.load(tmp_path / "ck", {"model": fresh, "optim": fresh_opt})
+    want, got = opt.state_dict(), fresh_opt.state_dict()
+    assert sorted(got["state"]) == sorted(want["state"]) == [0, 1, 2, 3]
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    assert got["param_groups"] == want["param_groups"]

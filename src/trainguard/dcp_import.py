@@ -5,7 +5,8 @@ DCP flattens a nested state into dotted keys and records, in its metadata's ``pl
 the path each key came from: ``optim.state.0.weight.exp_avg`` is
 ``("optim", "state", "0.weight", "exp_avg")``. :func:`read_dcp` rebuilds that nesting, so an
 optimizer written from ``get_state_dict`` comes back as ``{"state": {name: {...}},
-"param_groups": [...]}``, which loads into ``{"optim": optimizer}``. DCP's non-tensor entries
+"param_groups": [...]}``, which loads into ``{"optim": optimizer}`` (a plain
+``optimizer.state_dict()``, keyed by index, too: DCP wrote its keys as strings). DCP's non-tensor entries
 (each one ``torch.save``-d) are read with ``torch.load(weights_only=True)``; those that are
 JSON values (an optimizer's ``lr``, ``betas``, ``params``; a step counter) are imported, any
 other object is skipped and listed.
@@ -100,12 +101,20 @@ def _put(node: dict[Any, Any], keys: tuple[Any, ...], v: Any, fqn: str, path: st
 
 
 def _lists(v: Any, key: Any) -> Any:
-    """DCP writes a list's items under their index (``param_groups.0.lr``): a level whose keys
-    are exactly ``0..n-1`` becomes a list again, as DCP's own loader makes it, except an
-    optimizer's ``state`` keyed by parameter index (a ``dict`` in ``optimizer.state_dict()``)."""
+    """DCP writes a list's items under their int index (``param_groups.0.lr``) and a dict's keys
+    as strings: a level whose keys are exactly ``0..n-1`` becomes a list again, as DCP's own
+    loader makes it; an optimizer's state keyed by parameter index (``optimizer.state_dict()``,
+    whose ``params`` are ints) gets its int keys back, else nothing would match its parameters."""
     if not isinstance(v, dict):
         return v
     out = {k: _lists(x, k) for k, x in v.items()}
-    if key != "state" and out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
+    if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
         return [out[i] for i in range(len(out))]
+    groups, state = out.get("param_groups"), out.get("state")
+    if (
+        isinstance(groups, list) and isinstance(state, dict)
+        and all(isinstance(g, dict) and all(type(i) is int for i in g.get("params", ())) for g in groups)
+        and all(type(k) is str and k.isdigit() for k in state)
+    ):
+        out["state"] = {int(k): x for k, x in state.items()}
     return out
