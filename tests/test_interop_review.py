@@ -191,3 +191,105 @@ def test_a_dcp_of_a_plain_optimizer_state_dict_loads_by_position_not_silently_em
         for k, v in s.items():
             assert torch.equal(got["state"][i][k], v), (i, k)
     assert got["param_groups"] == want["param_groups"]
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(10, 4, dtype=dtype)
+        self.h = torch.nn.Linear(4, 4, dtype=dtype)
+        self.lm_head = torch.nn.Linear(4, 10, bias=False, dtype=dtype)
+        self.lm_head.weight = self.wte.weight
+
+
+def _hf_shards(model: torch.nn.Module, d, fmt: str) -> str:
+    """A Hugging Face sharded checkpoint of ``model`` as save_pretrained writes it: tied names
+    once, one shard per tensor, an index mapping names to shards."""
+    import json
+
+    from safetensors.torch import save_file
+
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    ext = "safetensors" if fmt == "safetensors" else "bin"
+    weight_map = {}
+    for i, (k, v) in enumerate(sorted(sd.items())):
+        shard = f"model-{i + 1:05d}-of-{len(sd):05d}.{ext}"
+        if fmt == "safetensors":
+            save_file({k: v.clone()}, str(d / shard), metadata={"format": "pt"})
+        else:
+            torch.save({k: v.clone()}, d / shard)
+        weight_map[k] = shard
+    name = "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+    (d / name).write_text(json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return str(d / name)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_a_sharded_hugging_face_checkpoint_imports_from_its_index(tmp_path, fmt):
+    # Before: the index (and the directory) was "not a trainguard checkpoint ... pass --from",
+    # and --from safetensors failed to parse the JSON: a model over one shard could not be imported.
+    torch.manual_seed(0)
+    src = _TiedLM(torch.bfloat16)
+    (tmp_path / "hf").mkdir()
+    index = _hf_shards(src, tmp_path / "hf", fmt)
+    res = CliRunner().invoke(main, ["convert", index, str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.output
+    assert "converted 3 tensors" in res.output
+    dest = _TiedLM(torch.bfloat16)
+    tg.load(tmp_path / "ck", {"model": dest})  # strict: the tied name comes from its other name
+    assert dest.lm_head.weight is dest.wte.weight
+    for k, v in src.state_dict().items():
+        got = dest.state_dict()[k]
+        assert got.dtype == torch.bfloat16 and torch.equal(got, v), k
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "hf"), str(tmp_path / "ck2")])
+    assert res.exit_code == 2 and os.path.basename(index) in res.output  # the directory: use its index
+
+
+def test_a_sharded_checkpoint_whose_shard_lacks_a_listed_tensor_is_refused(tmp_path):
+    import json
+
+    (tmp_path / "hf").mkdir()
+    index = _hf_shards(_TiedLM(), tmp_path / "hf", "safetensors")
+    body = json.loads(open(index).read())
+    body["weight_map"]["h.extra"] = body["weight_map"]["h.bias"]
+    open(index, "w").write(json.dumps(body))
+    with pytest.raises(tg.CheckpointError, match=r"not in it: \['h.extra'\]"):
+        convert(index, tmp_path / "ck")
+    body["weight_map"]["h.extra"] = "../elsewhere.safetensors"
+    open(index, "w").write(json.dumps(body))
+    with pytest.raises(tg.CheckpointError, match="not a file name beside the index"):
+        convert(index, tmp_path / "ck")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_every_documented_convert_command_line_runs_as_written(tmp_path, monkeypatch):
+    """Each ``trainguard convert`` line of docs/interop.md, run literally, on inputs made under
+    the names it uses."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "interop.md").read_text()
+    lines = [ln.split("#")[0].strip() for ln in text.splitlines() if ln.startswith("trainguard convert ")]
+    assert len(lines) >= 5
+    monkeypatch.chdir(tmp_path)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    tg.save("ckpts/run1/step-000000700", {"model": model})
+    torch.save(model.state_dict(), "weights.pt")
+    convert("ckpts/run1/step-000000700", "dcp_dir", dst_format="dcp", entry=None)
+    Path("hf_model").mkdir()
+    _hf_shards(model, tmp_path / "hf_model", "safetensors")
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        res = CliRunner().invoke(main, argv)
+        assert res.exit_code == 0, (line, res.output)
+        dst = argv[2]
+        if re.match(r"ckpts/imported", dst):
+            fresh = torch.nn.Linear(4, 3)
+            tg.load(dst, {"model": fresh})
+            assert torch.equal(fresh.weight, model.weight), line
+            tg_dir = Path(dst)
+            for p in tg_dir.iterdir():
+                p.unlink()
+            tg_dir.rmdir()  # the next import goes to the same documented name

@@ -30,6 +30,7 @@ from .flatten import single_tensor, unflatten
 from .storage import for_path
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
+INDEX = ".index.json"
 DCP_WARNING = (
     "reading a torch.distributed.checkpoint directory: its .metadata file is a pickle, and unpickling "
     "can run arbitrary code. Only convert DCP checkpoints from a trusted source"
@@ -39,6 +40,8 @@ DCP_WARNING = (
 def detect(path: str | os.PathLike[str]) -> str:
     """The format of an existing checkpoint at ``path``, by its shape on disk."""
     p = os.fspath(path)
+    if p.endswith(INDEX):  # Hugging Face shards: model.safetensors.index.json, pytorch_model.bin.index.json
+        return target_format(p[: -len(INDEX)])
     if (by_name := target_format(p)) != "trainguard":
         return by_name
     storage, d = for_path(p)
@@ -46,9 +49,11 @@ def detect(path: str | os.PathLike[str]) -> str:
         return "trainguard"
     if os.path.isfile(os.path.join(p, ".metadata")):
         return "dcp"
+    if os.path.isdir(p) and (indexes := sorted(n for n in os.listdir(p) if n.endswith(INDEX))):
+        raise CheckpointError(f"{p}: a sharded Hugging Face checkpoint? Convert its index: {os.path.join(p, indexes[0])}")
     raise CheckpointError(
         f"{p}: not a trainguard checkpoint (no manifest.json), DCP directory (no .metadata), "
-        ".pt/.pth/.bin or .safetensors file; pass the source format explicitly (--from)"
+        ".pt/.pth/.bin or .safetensors file (or *.index.json of their shards); pass the source format explicitly (--from)"
     )
 
 
@@ -224,6 +229,8 @@ def _contiguous(v: Any) -> Any:
 
 def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: bool = True) -> tuple[dict[str, Any], list[str]]:
     p = os.fspath(src)
+    if p.endswith(INDEX) and fmt in ("safetensors", "torch"):
+        return {entry: _read_shards(p, fmt)}, []
     if fmt == "safetensors":
         from safetensors.torch import load_file
 
@@ -249,3 +256,28 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
 
     warnings.warn(DCP_WARNING, stacklevel=3)
     return read_dcp(p, entry, dcp_split)
+
+
+def _read_shards(index: str, fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors of a Hugging Face sharded checkpoint: ``index`` (``model.safetensors.index.json``,
+    ``pytorch_model.bin.index.json``) maps each name to its shard file, beside it; each shard is
+    read once, and every name the index lists must be in its shard."""
+    import json
+
+    with open(index, "rb") as f:
+        weight_map = json.load(f).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: no \"weight_map\" of tensor names to shard files; is it a Hugging Face index?")
+    head = os.path.dirname(index)
+    out: dict[str, torch.Tensor] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        if not isinstance(shard, str) or os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise CheckpointError(f"{index}: shard {shard!r} is not a file name beside the index")
+        names = [k for k, v in weight_map.items() if v == shard]
+        tensors = _read_foreign(os.path.join(head, shard), fmt, "model")[0]["model"]
+        if not isinstance(tensors, Mapping) or not all(isinstance(v, torch.Tensor) for v in tensors.values()):
+            raise CheckpointError(f"{index}: shard {shard} is not a flat dict of tensors")
+        if missing := [n for n in names if n not in tensors]:
+            raise CheckpointError(f"{index}: {len(missing)} tensor(s) the index places in {shard} are not in it: {missing[:5]}")
+        out.update((n, tensors[n]) for n in names)
+    return out

@@ -31,6 +31,7 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
       trainguard convert ckpts/run1/step-000000700 out_dcp --to dcp --entry '*'
       trainguard convert weights.pt ckpts/imported/step-000000000
       trainguard convert dcp_dir ckpts/imported/step-000000000   (DCP metadata is a pickle: trusted sources only)
+      trainguard convert hf_model/model.safetensors.index.json ckpts/imported/step-000000000
     """
     from ..convert import convert
 
