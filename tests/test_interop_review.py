@@ -293,3 +293,16 @@ def test_every_documented_convert_command_line_runs_as_written(tmp_path, monkeyp
             for p in tg_dir.iterdir():
                 p.unlink()
             tg_dir.rmdir()  # the next import goes to the same documented name
+
+
+def test_a_torch_file_with_a_pickled_class_is_refused_in_one_line_naming_the_class(tmp_path):
+    # Before: torch's whole weights_only message (a dozen lines, advising add_safe_globals,
+    # which the command has no way to take) was the "one error: line".
+    import argparse
+
+    torch.save({"model": torch.nn.Linear(2, 2).state_dict(), "args": argparse.Namespace(lr=1)}, tmp_path / "run.pt")
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "run.pt"), str(tmp_path / "ck")])
+    assert res.exit_code == 2
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert "argparse.Namespace" in res.output and "weights_only=False)['model']" in res.output
+    assert not (tmp_path / "ck").exists()

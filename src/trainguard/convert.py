@@ -239,9 +239,12 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
         try:
             obj = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as e:
+            why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln), "")
+            why = why.split(" was not an allowed global")[0].replace("WeightsUnpickler error: ", "") or str(e)
             raise CheckpointError(
-                f"{p}: torch.load(weights_only=True) refused it ({e}). trainguard does not unpickle arbitrary "
-                "objects; re-save the file with only tensors and plain containers"
+                f"{p}: torch.load(weights_only=True) refused it ({why}). trainguard does not unpickle arbitrary "
+                "objects; if you trust the file, re-save what you need as tensors and plain containers, e.g. "
+                f"torch.save(torch.load({os.path.basename(p)!r}, weights_only=False)['model'], 'weights.pt')"
             ) from e
         if isinstance(obj, torch.Tensor):
             return {entry: {"tensor": obj}}, []
