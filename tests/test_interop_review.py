@@ -306,3 +306,33 @@ def test_a_torch_file_with_a_pickled_class_is_refused_in_one_line_naming_the_cla
     assert len(res.output.strip().splitlines()) == 1, res.output
     assert "argparse.Namespace" in res.output and "weights_only=False)['model']" in res.output
     assert not (tmp_path / "ck").exists()
+
+
+def test_sgd_and_multisteplr_through_dcp_and_back_resume_the_same_schedule(tmp_path):
+    # Before: SGD without momentum has an empty state, for which DCP writes no key, so the
+    # import lacked 'state' and the load refused the optimizer ('state'); and DCP writes dict keys
+    # as strings, so MultiStepLR's milestones came back as {'3': 1, '5': 1}: the schedule never
+    # matched an epoch and the LR silently stayed at its start value.
+    def build(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, [3, 5], 0.1)
+
+    model = torch.nn.Linear(2, 2)
+    opt, sched = build(model)
+    opt.step()
+    sched.step()
+    src = str(tmp_path / "ck")
+    tg.save(src, {"model": model, "optim": opt, "sched": sched})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert(src, tmp_path / "dcp", dst_format="dcp", entry=None)
+        convert(tmp_path / "dcp", tmp_path / "back")
+    opt2, sched2 = build(model)
+    tg.load(tmp_path / "back", {"model": model, "optim": opt2, "sched": sched2})
+    assert sched2.state_dict() == sched.state_dict()
+    for _ in range(5):
+        for o, s in ((opt, sched), (opt2, sched2)):
+            o.step()
+            s.step()
+        assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert opt.param_groups[0]["lr"] < 0.02

@@ -77,6 +77,9 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
     return {k: _lists(v, k) for k, v in state.items()}, skipped
 
 
+_SCALARS = (int, float, bool, str, type(None))
+
+
 class _Refused:
     """A non-tensor DCP entry that ``torch.load(weights_only=True)`` refused."""
 
@@ -103,14 +106,22 @@ def _put(node: dict[Any, Any], keys: tuple[Any, ...], v: Any, fqn: str, path: st
 def _lists(v: Any, key: Any) -> Any:
     """DCP writes a list's items under their int index (``param_groups.0.lr``) and a dict's keys
     as strings: a level whose keys are exactly ``0..n-1`` becomes a list again, as DCP's own
-    loader makes it; an optimizer's state keyed by parameter index (``optimizer.state_dict()``,
-    whose ``params`` are ints) gets its int keys back, else nothing would match its parameters."""
+    loader makes it; a dict whose keys are all digits over plain values (a ``MultiStepLR``'s
+    ``milestones``) gets int keys, else its schedule would never match an epoch; an optimizer's
+    state keyed by parameter index (``optimizer.state_dict()``, whose ``params`` are ints) gets
+    its int keys back, else nothing would match its parameters; an optimizer without state yet
+    (DCP wrote no key for an empty dict) gets ``state: {}``."""
     if not isinstance(v, dict):
         return v
     out = {k: _lists(x, k) for k, x in v.items()}
     if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
         return [out[i] for i in range(len(out))]
-    groups, state = out.get("param_groups"), out.get("state")
+    if out and all(type(k) is str and k.isdigit() and type(x) in _SCALARS for k, x in out.items()):
+        return {int(k): x for k, x in out.items()}  # a MultiStepLR's milestones {30: 1}: int keys again
+    groups = out.get("param_groups")
+    if isinstance(groups, list) and groups and all(isinstance(g, dict) and "params" in g for g in groups):
+        out.setdefault("state", {})  # an optimizer without state yet (SGD, no momentum): DCP wrote no key for it
+    state = out.get("state")
     if (
         isinstance(groups, list) and isinstance(state, dict)
         and all(isinstance(g, dict) and all(type(i) is int for i in g.get("params", ())) for g in groups)
