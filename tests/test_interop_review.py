@@ -336,3 +336,28 @@ def test_sgd_and_multisteplr_through_dcp_and_back_resume_the_same_schedule(tmp_p
             s.step()
         assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
     assert opt.param_groups[0]["lr"] < 0.02
+
+
+def test_a_torch_file_saved_from_a_wrapped_model_loads_into_plain_and_wrapped_models(tmp_path):
+    # Before: the 'module.' (DDP/DataParallel) or '_orig_mod.' (torch.compile) prefix of every key
+    # was kept, so neither a plain nor a wrapped model loaded the import (StateMismatchError:
+    # missing model/0.weight, unexpected model/module.0.weight).
+    model = _make(3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train(model, opt, 1)
+    wrapped = torch.nn.DataParallel(model)
+    assert all(k.startswith("module.") for k in wrapped.state_dict())
+    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 1}, tmp_path / "ddp.pt")
+    convert(tmp_path / "ddp.pt", tmp_path / "ck")
+    for dest in (_make(4), torch.nn.DataParallel(_make(5))):
+        dest_opt = torch.optim.Adam(dest.parameters(), lr=1e-2)
+        tg.load(tmp_path / "ck", {"model": dest, "optimizer": dest_opt, "epoch": None})
+        for k, v in wrapped.state_dict().items():
+            assert torch.equal(dest.state_dict()[k if isinstance(dest, torch.nn.DataParallel) else k[7:]], v), k
+        assert torch.equal(dest_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    compiled = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
+    torch.save(compiled, tmp_path / "compiled.bin")
+    convert(tmp_path / "compiled.bin", tmp_path / "ck2")
+    dest = _make(6)
+    tg.load(tmp_path / "ck2", {"model": dest})
+    assert all(torch.equal(dest.state_dict()[k], v) for k, v in model.state_dict().items())

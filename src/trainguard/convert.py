@@ -107,7 +107,7 @@ def convert(
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
-    state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else v for k, v in state.items()}
+    state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else _unwrapped(v) for k, v in state.items()}
     from .api import save
 
     try:
@@ -118,6 +118,21 @@ def convert(
             "convert into a new directory"
         ) from None
     return {"from": sf, "to": df, "tensors": _count(state), "skipped": skipped}
+
+
+WRAPPERS = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+
+
+def _unwrapped(v: Any) -> Any:
+    """A state_dict saved from a wrapped model (every key ``module.*`` or ``_orig_mod.*``) without
+    the prefix, as trainguard saves a wrapped module: it then loads into plain or wrapped models."""
+    if not isinstance(v, Mapping) or not v or not all(isinstance(t, torch.Tensor) for t in v.values()):
+        return v
+    while True:
+        prefix = next((p for p in WRAPPERS if all(isinstance(k, str) and k.startswith(p) for k in v)), None)
+        if prefix is None or any(k == prefix for k in v):
+            return v
+        v = {k[len(prefix):]: t for k, t in v.items()}
 
 
 def _count(v: Any) -> int:
