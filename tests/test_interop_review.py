@@ -361,3 +361,22 @@ def test_a_torch_file_saved_from_a_wrapped_model_loads_into_plain_and_wrapped_mo
     dest = _make(6)
     tg.load(tmp_path / "ck2", {"model": dest})
     assert all(torch.equal(dest.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_tied_export_to_safetensors_loads_as_the_docs_say(tmp_path):
+    """docs/interop.md: load_file + load_state_dict loads it; safetensors' load_model needs strict=False."""
+    from safetensors.torch import load_file, load_model
+
+    torch.manual_seed(0)
+    src = _TiedLM()
+    tg.save(tmp_path / "ck", {"model": src})
+    convert(tmp_path / "ck", tmp_path / "m.safetensors")
+    dest = _TiedLM()
+    dest.load_state_dict(load_file(tmp_path / "m.safetensors"))
+    assert dest.lm_head.weight is dest.wte.weight and torch.equal(dest.wte.weight, src.wte.weight)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        load_model(_TiedLM(), tmp_path / "m.safetensors")
+    dest = _TiedLM()
+    missing, unexpected = load_model(dest, tmp_path / "m.safetensors", strict=False)
+    assert not missing and dest.lm_head.weight is dest.wte.weight and torch.equal(dest.wte.weight, src.wte.weight)
+    assert load_file(tmp_path / "m.safetensors")["h.weight"].is_contiguous()
