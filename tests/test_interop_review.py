@@ -380,3 +380,15 @@ def test_a_tied_export_to_safetensors_loads_as_the_docs_say(tmp_path):
     missing, unexpected = load_model(dest, tmp_path / "m.safetensors", strict=False)
     assert not missing and dest.lm_head.weight is dest.wte.weight and torch.equal(dest.wte.weight, src.wte.weight)
     assert load_file(tmp_path / "m.safetensors")["h.weight"].is_contiguous()
+
+
+@pytest.mark.parametrize("keys", [["model.x", "model"], ["model", "model.x"]])
+def test_a_dcp_key_that_is_a_value_and_a_prefix_of_others_is_refused_not_dropped(tmp_path, keys):
+    # Before: whichever came last replaced the other: 'model' (a tensor) dropped every model.* tensor.
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({k: torch.full((2,), float(i)) for i, k in enumerate(keys)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+        with pytest.raises(tg.CheckpointError, match="is a value"):
+            convert(tmp_path / "d", tmp_path / "ck")

@@ -68,6 +68,8 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
         if not split or not head or "/" in head or "@" in head or head.startswith("$"):
             state.setdefault(entry, {})[fqn] = v
         elif len(keys) == 1:
+            if head in state:
+                raise CheckpointError(f"{path}: key {fqn!r} is a value and holds other keys ({fqn}.*) too")
             state[head] = v  # a key without a dot: an entry that is one tensor (or value)
         else:
             node = state.setdefault(head, {})
@@ -100,6 +102,8 @@ def _put(node: dict[Any, Any], keys: tuple[Any, ...], v: Any, fqn: str, path: st
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise CheckpointError(f"{path}: key {fqn!r} lies inside {k!r}, which is a value itself")
+    if keys[-1] in node:
+        raise CheckpointError(f"{path}: key {fqn!r} is a value and holds other keys ({fqn}.*) too")
     node[keys[-1]] = v
 
 
