@@ -88,9 +88,9 @@ def test_a_failed_first_save_leaves_them_aside_until_a_later_save_commits(tmp_pa
         with pytest.warns(UserWarning, match="save of step 3 failed"):
             assert mgr.save(3, state) is None
         monkeypatch.delenv("TRAINGUARD_CRASH_AT")
-        left = _steps(root)  # the earlier run's 3, 4 and 5 set aside, not deleted
-        assert left[:2] == ["step-000000001", "step-000000002"] and len(left) == 5
-        assert all(".abandoned-" in n for n in left[2:])
+        left = _steps(root)  # the earlier run's 4 and 5 set aside, not deleted; its 3 not replaced
+        assert left[:3] == ["step-000000001", "step-000000002", "step-000000003"] and len(left) == 5
+        assert all(".abandoned-" in n for n in left[3:])
         state["w"].fill_(40.0)
         mgr.save(4, state)
         assert _steps(root) == ["step-000000001", "step-000000002", "step-000000004"]

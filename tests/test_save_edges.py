@@ -357,7 +357,9 @@ def test_remove_tree_cut_short_leaves_no_committed_checkpoint(tmp_path, monkeypa
         os.unlink(os.path.join(path, "data-00000.bin"))  # rmtree's first unlink, then the crash
         raise RuntimeError("process died in the middle of a delete (injected)")
 
-    monkeypatch.setattr(local_storage, "shutil", SimpleNamespace(rmtree=rmtree, disk_usage=shutil.disk_usage))
+    from trainguard.storage import _durable
+
+    monkeypatch.setattr(_durable, "shutil", SimpleNamespace(rmtree=rmtree, disk_usage=shutil.disk_usage))
     with pytest.raises(RuntimeError, match="injected"):
         storage.remove_tree(storage.join(root, "step-000000001"))
     monkeypatch.undo()

@@ -178,8 +178,8 @@ def test_retention_by_step_alone_reads_no_manifest_after_a_restart(tmp_path, mon
         for s in range(1, 31):
             m.save(s, _state(s))
     reads = []
-    real = retention.read_manifest
-    monkeypatch.setattr(retention, "read_manifest", lambda *a: reads.append(a[1]) or real(*a))
+    real = retention.read_facts
+    monkeypatch.setattr(retention, "read_facts", lambda *a: reads.append(a[1]) or real(*a))
     keep = tg.KeepLatest(3) | tg.KeepEvery(10)
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=keep, handle_signals=False) as m:
         assert m.restore(_state(0)) == 30

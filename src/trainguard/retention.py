@@ -89,7 +89,7 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
     """Rank 0, in ``CheckpointManager.save`` after ``restore`` (a run directory that renames
     atomically, no RAM tier), before the save of ``step`` starts. The committed checkpoints newer
     than the step ``restore`` returned that this manager did not write (the timeline it went back
-    behind, the earlier run's copy of ``step`` included: no overwrite needed then) are renamed
+    behind; the earlier run's copy of ``step`` itself is replaced by the commit) are renamed
     to ``step-N.abandoned-<token>``, where no restore sees them, and the save's ``meta`` carries
     ``aside: token`` (so does every save until one with it commits, which ``retain`` follows by
     deleting them). Before, they were deleted only after that commit, and a crash in between (for
@@ -102,12 +102,12 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
         return None
     try:
         newer = [s for s in list_steps(mgr.storage, mgr._root)
-                 if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own]
+                 if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own and s.step != step]
         mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else DONE)
         if newer:
-            log.warning("trainguard: setting aside the checkpoints of steps %s in %s: this run went back to step %s behind "
-                        "them; they are deleted when its next save commits", ", ".join(str(s.step) for s in newer),
-                        mgr.root, mgr._restored)
+            log.warning("trainguard: setting aside the checkpoints of steps %s in %s, an abandoned timeline: this run went "
+                        "back to step %s behind them; they are deleted when its next save commits",
+                        ", ".join(str(s.step) for s in newer), mgr.root, mgr._restored)
         for s in newer:
             mgr.storage.rename_dir(s.path, mgr.storage.join(mgr._root, layout.aside_dir(s.name, mgr._aside)))
     except OSError as e:
