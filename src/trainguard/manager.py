@@ -28,7 +28,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
-from .retention import restore_candidates, retain, set_aside, unrestored_error
+from .retention import DONE, restore_candidates, retain, set_aside, unrestored_error
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
@@ -293,8 +293,7 @@ class CheckpointManager:
             self._created[manifest.step] = manifest.created
             policies.forget_decisions(self.ctx, self._pending_mark)  # every rank read the decisions up to it
         self._rejected.discard(manifest.step)
-        # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step waits
-        # + the caller's wait_staged() waits.
+        # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step + wait_staged() waits.
         stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
         r0 = time.monotonic()
         if self.ram:
@@ -372,7 +371,8 @@ class CheckpointManager:
                     f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
                     "state. Restore a state without them, then add them fresh"
                 )
-            self.last_saved_step, self._restored, self._own, self._aside = step, step, {s for s in self._own if s <= step}, ""
+            self._aside = "" if self._aside == DONE else self._aside  # a token never committed stays (set_aside)
+            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
