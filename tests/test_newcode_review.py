@@ -35,3 +35,34 @@ def test_a_second_rollback_after_a_failed_first_save_keeps_the_abandoned_steps_a
         warnings.simplefilter("error")  # no debris to clean either
         assert _resume(root) == (3, 30.0)
     assert _steps(root) == ["step-000000001", "step-000000002", "step-000000003"]
+
+
+class _EMA(torch.nn.Module):
+    """A wrapper whose only child is named ``module`` (timm's ModelEmaV2, AveragedModel-like)."""
+
+    def __init__(self, m: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = m
+
+
+def test_a_torch_file_of_a_model_whose_child_is_named_module_still_loads_after_convert(tmp_path):
+    """convert drops a 'module.' prefix every key has (a DDP model's state_dict, 2ad085b). Before:
+    the state_dict of a model whose child is named 'module' (torch.save(ema.state_dict())),
+    which loaded before that change, then no longer loaded into that model: StateMismatchError
+    'missing model/module.weight, unexpected model/weight'."""
+    from trainguard.convert import convert
+
+    torch.manual_seed(0)
+    src = _EMA(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)))
+    src.module[1].running_mean.fill_(0.5)
+    torch.save(src.state_dict(), tmp_path / "ema.pt")
+    convert(tmp_path / "ema.pt", tmp_path / "ck")
+    dst = _EMA(torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)))
+    tg.load(tmp_path / "ck", {"model": dst})
+    got = dst.state_dict()
+    assert list(got) == list(src.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in src.state_dict().items())
+    # the DDP case the prefix removal is for still loads into the plain model
+    plain = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    tg.load(tmp_path / "ck", {"model": plain})
+    assert torch.equal(plain[0].weight, src.module[0].weight)

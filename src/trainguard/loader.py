@@ -152,6 +152,7 @@ def _load(
         # match (a fresh one has no state yet). Other objects: their load_state_dict decides; a
         # tensor whose shape changed is simply read into a new tensor.
         if isinstance(obj, ModuleAdapter):
+            dest = obj.unwrapped_names(refs, dest, prefix + "/")  # an import without DDP's "module." prefix
             for p in (extra := obj.extra_state_paths([*dest, *refs], prefix)):
                 dest.pop(p, None)  # set_extra_state takes what was saved, any shape: read into new tensors
             have, head, tied = set(refs), prefix + "/", obj.tied()  # a tie loads through any of its names

@@ -171,6 +171,8 @@ class ModuleAdapter:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         actual = {_canonical_key(k): k for k in self.module.state_dict()}
+        if state_dict and not any(k in actual for k in state_dict) and all("module." + k in actual for k in state_dict):
+            state_dict = {"module." + k: v for k, v in state_dict.items()}  # see unwrapped_names
         mapped = {actual.get(k, k): v for k, v in state_dict.items()}
         for name, names in self.tied().items():  # one name of a tie loads the others
             if name in actual and actual[name] not in mapped:
@@ -187,6 +189,19 @@ class ModuleAdapter:
         for n, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]:
             groups.setdefault(id(t), []).append(_canonical_key(n))
         return {n: names for names in groups.values() if len(names) > 1 for n in names}
+
+    @staticmethod
+    def unwrapped_names(refs: list[str], dest: dict[str, Any], head: str) -> dict[str, Any]:
+        """``loader._load``: ``dest`` (path -> the state's tensor) keyed by the checkpoint's paths
+        ``refs`` when those are exactly the module's own without their leading ``module.``, else
+        ``dest``. ``convert`` drops the ``module.`` of a torch file saved from a DDP model; a model
+        whose child is named ``module`` (an EMA wrapper) saved so then loads again, and
+        ``load_state_dict`` puts the prefix back."""
+        w = head + "module."
+        if not refs or any(p in dest for p in refs) or not all(p.startswith(w) for p in dest):
+            return dest
+        alias = {p: w + p[len(head) :] for p in refs}
+        return {p: dest[q] for p, q in alias.items()} if set(alias.values()) == set(dest) else dest
 
     @staticmethod
     def extra_state_paths(paths: Iterable[str], prefix: str) -> set[str]:
