@@ -22,3 +22,17 @@ def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float
 @pytest.fixture
 def run_child():
     return run_py
+
+
+@pytest.fixture
+def gate(monkeypatch):
+    """Holds an async save's background copies (``async_save._before_background_stage``) until
+    the test opens it (test_async.py, test_mutate_review.py)."""
+    import threading
+
+    from trainguard import async_save
+
+    ev = threading.Event()
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: ev.wait(60))
+    yield ev
+    ev.set()

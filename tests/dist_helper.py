@@ -155,3 +155,17 @@ def attempt(fn: Callable[[], Any]) -> dict:
     except Exception as e:  # noqa: BLE001 - reported to the test as a wrong outcome
         return {"type": type(e).__name__, "msg": str(e)}
     return {"type": None}
+
+
+def full_state(model: Any, opt: Any) -> dict[str, Any]:
+    """Every parameter and optimizer state tensor, whole (collective for DTensors)."""
+
+    def whole(t: Any) -> Any:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
+
+    out = {f"p/{n}": whole(p.detach()) for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            out[f"o/{names[id(p)]}/{k}"] = whole(v)
+    return out

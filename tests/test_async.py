@@ -76,15 +76,6 @@ def load_fresh(path: Path, width: int = 64) -> dict[str, torch.Tensor]:
     return tensors_of(state)
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    """Holds the background copies until the test opens it."""
-    ev = threading.Event()
-    monkeypatch.setattr(async_save, "_before_background_stage", lambda: ev.wait(60))
-    yield ev
-    ev.set()
-
-
 @pytest.fixture(params=["zero_copy", "copy"])
 def mode(request, monkeypatch):
     """Both ways of staging protected CPU tensors: copied into the staging pool first (the

@@ -19,7 +19,7 @@ import trainguard as tg
 from trainguard import io as tg_io
 from trainguard.cli import main as cli
 
-from dist_helper import run_ranks
+from dist_helper import full_state, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
 
@@ -51,20 +51,6 @@ def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
             fully_shard(layer)
     fully_shard(model)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
-
-
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer state tensor, whole (collective for DTensors)."""
-
-    def whole(t: torch.Tensor) -> torch.Tensor:
-        return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
-
-    out = {f"p/{n}": whole(p.detach()) for n, p in model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"o/{names[id(p)]}/{k}"] = whole(v)
-    return out
 
 
 def local_bytes(model: nn.Module) -> int:

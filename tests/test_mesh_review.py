@@ -12,7 +12,7 @@ from torch import nn
 
 import trainguard as tg
 
-from dist_helper import run_ranks
+from dist_helper import full_state, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "5"}
 
@@ -21,19 +21,6 @@ def make_model(seed: int) -> nn.Module:
     torch.manual_seed(seed)
     # 10 hidden rows: 5 per tp rank (TP needs even parts), 3 and 2 per dp rank; 5 output rows: 3 and 2
     return nn.Sequential(nn.Linear(6, 10), nn.ReLU(), nn.Linear(10, 5))
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
-
-
-def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"p/{n}": whole(p.detach()) for n, p in model.named_parameters()}
-    names = {id(p): n for n, p in model.named_parameters()}
-    for p, s in opt.state.items():
-        for k, v in s.items():
-            out[f"o/{names[id(p)]}/{k}"] = whole(v)
-    return out
 
 
 def fsdp_tp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -27,15 +27,6 @@ def _own_async_state(monkeypatch):
         job.handle.join()
 
 
-@pytest.fixture
-def gate(monkeypatch):
-    """Holds the background copies until the test opens it."""
-    ev = threading.Event()
-    monkeypatch.setattr(async_save, "_before_background_stage", lambda: ev.wait(60))
-    yield ev
-    ev.set()
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
