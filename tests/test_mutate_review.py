@@ -118,6 +118,19 @@ def _step_in_thread(model: nn.Module, optim: torch.optim.Optimizer) -> threading
     return t
 
 
+def _waits_then_opens(h, gate, t: threading.Thread, model, at_call: dict, who: str) -> None:
+    """Thread ``t`` (a step, a load) must wait for the save's held copies, leaving the weights as at
+    the call; then the gate opens, ``t`` ends and the save commits."""
+    try:
+        assert h.waiting.wait(20), f"{who} did not wait for the save's copies"
+        assert all(torch.equal(v, at_call[k]) for k, v in model.state_dict().items())
+    finally:
+        gate.set()
+        t.join(60)
+    assert not t.is_alive()
+    h.result(timeout=60)
+
+
 @pytest.mark.parametrize("which", ["side_optimizer", "recreated_optimizer", "wrapped_optimizer"])
 @pytest.mark.parametrize("background", [False, True])
 def test_step_of_an_optimizer_not_in_the_state_waits_for_the_copies_of_the_saved_parameters(tmp_path, gate, which, background):
@@ -137,15 +150,7 @@ def test_step_of_an_optimizer_not_in_the_state_waits_for_the_copies_of_the_saved
     h = tg.save(tmp_path / "c", {"model": model, "optim": optim}, async_=True, stage_in_background=background)
     if other is None:  # e.g. the loop rebuilds its optimizer after a phase change
         other = torch.optim.SGD(model.parameters(), lr=1.0)
-    t = _step_in_thread(model, other)
-    try:
-        assert h.waiting.wait(20), "the optimizer's step() did not wait for the save's copies"
-        assert all(torch.equal(v, at_call[k]) for k, v in model.state_dict().items())
-    finally:
-        gate.set()
-        t.join(60)
-    assert not t.is_alive()
-    h.result(timeout=60)
+    _waits_then_opens(h, gate, _step_in_thread(model, other), model, at_call, "the optimizer's step()")
     assert not torch.equal(model[0].weight, at_call["0.weight"])  # the step went through after staging
     got = _loaded_weights(tmp_path / "c")
     assert [k for k in at_call if not torch.equal(got[k], at_call[k])] == []
@@ -184,14 +189,7 @@ def test_load_into_the_state_waits_until_the_async_save_in_flight_has_copied_it(
     h = tg.save(tmp_path / "new", {"model": model, "optim": optim}, async_=True)
     t = threading.Thread(target=lambda: tg.load(tmp_path / "old", {"model": model, "optim": optim}))
     t.start()
-    try:
-        assert h.waiting.wait(20), "load did not wait for the save's copies"
-        assert all(torch.equal(v, at_call[k]) for k, v in model.state_dict().items())
-    finally:
-        gate.set()
-        t.join(60)
-    assert not t.is_alive()
-    h.result(timeout=60)
+    _waits_then_opens(h, gate, t, model, at_call, "load")
     assert [k for k, v in _loaded_weights(tmp_path / "new").items() if not torch.equal(v, at_call[k])] == []
     assert _weights(model).keys() == at_call.keys()
     assert not torch.equal(model[0].weight, at_call["0.weight"])  # the rollback happened, after the copies

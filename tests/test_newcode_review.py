@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 
 import trainguard as tg
-from test_rollback_crash import _first_run, _resume, _steps
+from test_rollback_crash import _first_run, _resume, _rollback_and_fail, _steps
 
 
 def test_a_second_rollback_after_a_failed_first_save_keeps_the_abandoned_steps_aside(tmp_path, monkeypatch):
@@ -21,12 +20,7 @@ def test_a_second_rollback_after_a_failed_first_save_keeps_the_abandoned_steps_a
     _first_run(root)
     state = {"w": torch.zeros(4)}
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), async_save=False, on_error="warn") as mgr:
-        assert mgr.restore(state, step=2) == 2
-        monkeypatch.setenv("TRAINGUARD_CRASH_AT", "before_manifest")
-        monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
-        with pytest.warns(UserWarning, match="save of step 3 failed"):
-            assert mgr.save(3, state) is None
-        monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+        _rollback_and_fail(mgr, state, monkeypatch)
         assert mgr.restore(state, step=2) == 2
         state["w"].fill_(30.0)
         mgr.save(3, state)

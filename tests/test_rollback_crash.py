@@ -77,17 +77,22 @@ def test_a_crash_in_or_after_a_rollbacks_first_save_resumes_the_right_timeline(t
     assert _steps(root) == want
 
 
+def _rollback_and_fail(mgr: tg.CheckpointManager, state: dict, monkeypatch) -> None:
+    """restore(step=2), then a save of step 3 that fails before its commit (an injected error)."""
+    assert mgr.restore(state, step=2) == 2
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "before_manifest")
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    with pytest.warns(UserWarning, match="save of step 3 failed"):
+        assert mgr.save(3, state) is None
+    monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+
+
 def test_a_failed_first_save_leaves_them_aside_until_a_later_save_commits(tmp_path, monkeypatch):
     root = tmp_path / "run"
     _first_run(root)
     state = {"w": torch.zeros(4)}
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), async_save=False, on_error="warn") as mgr:
-        assert mgr.restore(state, step=2) == 2
-        monkeypatch.setenv("TRAINGUARD_CRASH_AT", "before_manifest")
-        monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
-        with pytest.warns(UserWarning, match="save of step 3 failed"):
-            assert mgr.save(3, state) is None
-        monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+        _rollback_and_fail(mgr, state, monkeypatch)
         left = _steps(root)  # the earlier run's 4 and 5 set aside, not deleted; its 3 not replaced
         assert left[:3] == ["step-000000001", "step-000000002", "step-000000003"] and len(left) == 5
         assert all(".abandoned-" in n for n in left[3:])
