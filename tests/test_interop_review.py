@@ -392,3 +392,21 @@ def test_a_dcp_key_that_is_a_value_and_a_prefix_of_others_is_refused_not_dropped
         dcp.save({k: torch.full((2,), float(i)) for i, k in enumerate(keys)}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
         with pytest.raises(tg.CheckpointError, match="is a value"):
             convert(tmp_path / "d", tmp_path / "ck")
+
+
+def test_dcp_import_gives_int_keys_back_only_to_keys_an_int_writes(tmp_path):
+    """DCP writes a dict's int keys as strings; the import makes "7" an int again, but a string
+    key of its own ("07", a superscript digit) was taken for one: "07" and "7" collapsed into one
+    key, and "²" ended the convert with int()'s ValueError."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainguard.dcp_import import _int_key
+
+    assert [k for k in ("7", "07", "²", "-1", "10") if _int_key(k)] == ["7", "10"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(1), "d": {"07": 1, "7": 2, "²": 3}}, checkpoint_id=str(tmp_path / "d"), no_dist=True)
+        convert(tmp_path / "d", tmp_path / "ck")
+    got = {"x": torch.zeros(1), "d": {}}
+    tg.load(tmp_path / "ck", got)
+    assert got["d"] == {"07": 1, "7": 2, "²": 3}

@@ -245,3 +245,10 @@ def test_consolidate_cli_prints_names_without_escape_sequences(tmp_path):
     assert r.exit_code == 0, r.output
     assert "\x1b" not in r.output and "\x07" not in r.output
     assert "m/w\\x1b[2J\\x1b]0;t\\x07" in r.output
+
+
+def test_printed_names_escape_bidirectional_overrides():
+    """A name with U+202E (right-to-left override) reorders what the terminal shows after it."""
+    from trainguard.commands import printable
+
+    assert printable("w\u202egpj.exe\x1b") == "w\\u202egpj.exe\\x1b"

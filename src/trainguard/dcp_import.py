@@ -120,7 +120,7 @@ def _lists(v: Any, key: Any) -> Any:
     out = {k: _lists(x, k) for k, x in v.items()}
     if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
         return [out[i] for i in range(len(out))]
-    if out and all(type(k) is str and k.isdigit() and type(x) in _SCALARS for k, x in out.items()):
+    if out and all(_int_key(k) and type(x) in _SCALARS for k, x in out.items()):
         return {int(k): x for k, x in out.items()}  # a MultiStepLR's milestones {30: 1}: int keys again
     groups = out.get("param_groups")
     if isinstance(groups, list) and groups and all(isinstance(g, dict) and "params" in g for g in groups):
@@ -129,7 +129,13 @@ def _lists(v: Any, key: Any) -> Any:
     if (
         isinstance(groups, list) and isinstance(state, dict)
         and all(isinstance(g, dict) and all(type(i) is int for i in g.get("params", ())) for g in groups)
-        and all(type(k) is str and k.isdigit() for k in state)
+        and all(_int_key(k) for k in state)
     ):
         out["state"] = {int(k): x for k, x in state.items()}
     return out
+
+
+def _int_key(k: Any) -> bool:
+    """Whether ``k`` is an int key that DCP wrote as a string: ASCII digits, written as ``str(int)``
+    writes them ("07" or a superscript digit is a string key of its own, kept)."""
+    return type(k) is str and k.isascii() and k.isdigit() and str(int(k)) == k
