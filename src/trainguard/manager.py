@@ -174,9 +174,7 @@ class CheckpointManager:
             if self.async_save:
                 release_staging(self)  # after a failed last save too: its pool was released
             if threading.current_thread() is threading.main_thread():  # Python refuses elsewhere: they stay set
-                for sig, h in self._old_handlers.items():
-                    signal.signal(sig, h)
-                self._old_handlers.clear()
+                policies.unchain_handlers(self._on_signal, self._old_handlers)  # another open manager's chain too
             if self._lock:
                 self._lock.release()
             self._opened = False

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -272,6 +273,28 @@ def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
     sets ``should_stop``, not only the one opened last. Any other handler is not called."""
     if getattr(previous, "__name__", None) == "_on_signal" and hasattr(getattr(previous, "__self__", None), "_preempt"):
         previous(signum, frame)
+
+
+def unchain_handlers(mine: Any, old: dict[int, Any]) -> None:
+    """``CheckpointManager.close`` in the main thread: put back, for each signal, the handler its
+    ``open()`` replaced (``old``, emptied here). When another manager opened later is still open, its
+    handler is the one installed, and it holds ``mine`` as the handler to chain to: ``mine`` is then
+    taken out of that chain instead (its predecessor becomes ``old[sig]``). Restoring ``old[sig]``
+    over it, as before, left the later manager deaf to signals, and its own ``close()`` then put this
+    closed manager's handler back for good: SIGTERM and Ctrl-C only set a flag nobody read."""
+    for sig, previous in old.items():
+        current = signal.getsignal(sig)
+        owner, seen = getattr(current, "__self__", None) if current != mine else None, set()
+        while owner is not None and isinstance(getattr(owner, "_old_handlers", None), dict) and id(owner) not in seen:
+            seen.add(id(owner))
+            nxt = owner._old_handlers.get(sig)
+            if nxt == mine:
+                owner._old_handlers[sig] = previous
+                break
+            owner = getattr(nxt, "__self__", None)
+        else:
+            signal.signal(sig, previous)
+    old.clear()
 
 
 def checked_metrics(metrics: Mapping[str, Any] | None) -> tuple[dict[str, float], UnsupportedValueError | None]:
