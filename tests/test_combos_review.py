@@ -1,6 +1,6 @@
 """Feature combinations (review): promises that hold for each feature alone, checked where two
 features meet. Two managers in one process (the model's and an EMA copy's) closed in the order
-they were opened."""
+they were opened, and a mid-run rollback (``restore(state, step=N)``) under ``DalyInterval``."""
 
 from __future__ import annotations
 
@@ -36,3 +36,23 @@ def test_two_managers_closed_in_open_order_keep_signals_working(tmp_path: Path) 
     finally:
         signal.signal(signal.SIGTERM, before_term)
         signal.signal(signal.SIGINT, before_int)
+
+
+class _PinnedDaly(tg.DalyInterval):
+    """DalyInterval with fixed measurements (this machine's timing out of the test): Daly's
+    interval for a 0.01 s stall and a 1 h MTBF is 8 steps of 1 s, clamped to max_steps=5."""
+
+    def measurements(self) -> dict[str, float | None]:
+        return {"stall_s": 0.01, "duration_s": 0.01, "step_time_s": 1.0}
+
+
+def test_daly_interval_saves_again_after_a_mid_run_rollback(tmp_path: Path) -> None:
+    policy = _PinnedDaly(node_mtbf_s=3600.0, initial_steps=5, min_steps=5, max_steps=5)
+    state = {"model": torch.nn.Linear(2, 2), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(tmp_path / "run", save=policy, keep=tg.KeepAll(), handle_signals=False) as mgr:
+        first = [s for s in range(1, 31) if mgr.save(s, state) is not None]
+        assert first == [6, 11, 16, 21, 26]
+        assert mgr.restore(state, step=14) == 11  # roll back past a loss spike, mid-run
+        again = [s for s in range(12, 31) if mgr.save(s, state) is not None]
+    # every 5 steps from the rollback on, as after a restart; it was [] (next save at step 31)
+    assert again == [17, 22, 27]

@@ -70,10 +70,17 @@ class DalyInterval(SavePolicy):
         self._step_times: deque[float] = deque(maxlen=8 * window)
         self._last: tuple[int, float] | None = None  # (step, now) of the previous on_step
         self._decided: int | None = None  # the last step should_save said yes to
+        self._prev: int | None = None  # the step of the previous on_step (never reset by a save)
 
     # -- the SavePolicy protocol ---------------------------------------------------------
     def on_step(self, step: int, now: float) -> None:
-        """Record the step time from consecutive calls; a sample spanning a save's stall is dropped."""
+        """Record the step time from consecutive calls; a sample spanning a save's stall is dropped.
+        A step behind the previous one (a rollback, ``mgr.restore(state, step=N)`` mid-run) anchors
+        ``next_step`` again at this step, as at a start: the old timeline's ``next_step`` would leave
+        every step up to it unsaved."""
+        if self._prev is not None and step < self._prev:
+            self.next_step, self._decided, self._last = None, None, None
+        self._prev = step
         if self._last is not None and step > self._last[0] and now >= self._last[1] and self._last[0] != self._decided:
             self._step_times.append((now - self._last[1]) / (step - self._last[0]))
         self._last = (step, now)
