@@ -5,11 +5,14 @@ they were opened, and a mid-run rollback (``restore(state, step=N)``) under ``Da
 from __future__ import annotations
 
 import signal
+import warnings
 from pathlib import Path
 
 import torch
 
 import trainguard as tg
+
+from dist_helper import run_ranks
 
 
 def test_two_managers_closed_in_open_order_keep_signals_working(tmp_path: Path) -> None:
@@ -56,3 +59,74 @@ def test_daly_interval_saves_again_after_a_mid_run_rollback(tmp_path: Path) -> N
         again = [s for s in range(12, 31) if mgr.save(s, state) is not None]
     # every 5 steps from the rollback on, as after a restart; it was [] (next save at step 31)
     assert again == [17, 22, 27]
+
+
+class _TiedLM(torch.nn.Module):
+    """A tiny LM whose output head IS its embedding (GPT-2, small Llamas), as FSDP2 keeps it."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(96, 32)
+        self.mid = torch.nn.Linear(32, 32)
+        self.head = torch.nn.Linear(32, 96, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.mid(self.wte(x))))
+
+
+def _fsdp_lm(tied: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = _TiedLM(tied)
+    fully_shard(model.mid)
+    fully_shard(model)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _fsdp_tie_ranks(rank: int, world: int, root: str) -> dict:
+    model, opt = _fsdp_lm(tied=True)
+    state = {"model": model, "optim": opt}
+    with tg.CheckpointManager(f"{root}/tied", save=tg.EveryNSteps(1), async_save=True, stage_in_background=True,
+                              max_staging_bytes=8192, handle_signals=False, timeout=30) as mgr:
+        for step in (1, 2):
+            opt.zero_grad()
+            model(torch.randint(0, 96, (8,), generator=torch.Generator().manual_seed(step))).square().mean().backward()
+            opt.step()
+            mgr.save(step, state).wait_staged()
+    want = model.wte.weight.full_tensor()
+    untied, _ = _fsdp_lm(tied=False)
+    with torch.no_grad():
+        untied.head.weight.add_(1.0)  # other values under head.weight than under wte.weight
+    tg.save(f"{root}/untied", {"model": untied}, timeout=30)
+    fresh, fresh_opt = _fsdp_lm(tied=True)
+    out: dict = {}
+    for name, where in (("tied", None), ("untied", f"{root}/untied")):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if where is None:
+                with tg.CheckpointManager(f"{root}/tied", handle_signals=False, timeout=30) as mgr:
+                    out["restored"] = mgr.restore({"model": fresh, "optim": fresh_opt})
+                out["exact"] = bool(torch.equal(fresh.wte.weight.full_tensor(), want)) and fresh.head.weight is fresh.wte.weight
+            else:
+                tg.load(where, {"model": fresh}, timeout=30)
+        out[name] = [str(w.message) for w in caught if "holds different values" in str(w.message)]
+    return out
+
+
+def test_fsdp2_tie_saved_async_restores_without_a_false_different_values_warning(tmp_path: Path) -> None:
+    # FSDP2 (regular, format 2 entries) + a tie + async + stage_in_background + max_staging_bytes: the
+    # checkpoint holds the same bytes under both names; restore warned on every rank that it
+    # "holds different values under these names" (its check only read the chunks of format 1 entries).
+    results = run_ranks(_fsdp_tie_ranks, 2, str(tmp_path), timeout=90, env={"TRAINGUARD_DEAD_AFTER": "3"})
+    for r in results:
+        assert r.value["restored"] == 2 and r.value["exact"]
+        assert r.value["tied"] == [], r.value["tied"]
+        assert len(r.value["untied"]) == 1  # a checkpoint really saved untied still says so
+    plain = _TiedLM(tied=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process, a plain tied model: no warning either
+        tg.load(tmp_path / "tied" / "step-000000002", {"model": plain}, only=["model"])
+    assert plain.head.weight is plain.wte.weight

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from .buffers import in_place
-from .dtensor import local_part
+from .dtensor import local_part, shard_of
 from .manifest import TensorEntry
+from .planner import Box
 
 
 def shared_destinations(
-    order: list[str], live: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, TensorEntry]
+    order: list[str], live: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, TensorEntry], src: Any = None
 ) -> tuple[set[str], set[str], list[tuple[str, str]]]:
     """``(skip, stage, differ)`` for the tensors ``order`` (plan order: the paths of ``live``)
     read into their live destinations ``live[path].get(path)``; ``differ`` lists ``(first, later)`` pairs that are
@@ -35,7 +36,9 @@ def shared_destinations(
     a destination read in place after one of them in plan order is staged (its copy follows).
     Memory is shared only within one storage: first the storage of each destination (~0.3 us
     a tensor, where a hot load of 10,000 tensors spends ~14 us; no tie and no view, the common
-    case, ends there), then the spans of those whose storage holds another destination too."""
+    case, ends there), then the spans of those whose storage holds another destination too.
+    ``src`` (the loader's ``index.ChunkSource``) resolves regular (format 2) entries, whose block
+    checksums are in the index files, over this rank's box of them (an FSDP2 tie)."""
     bases = [
         t.untyped_storage().data_ptr() if type(t) is torch.Tensor else _base(t)
         for p, dest in live.items()
@@ -65,10 +68,10 @@ def shared_destinations(
             end = max(end, s[1])
         else:
             if len(group) > 1:
-                _settle(group, order, live, tensors, skip, stage, differ)
+                _settle(group, order, live, tensors, skip, stage, differ, src)
             group, end = [s], s[1]
     if len(group) > 1:
-        _settle(group, order, live, tensors, skip, stage, differ)
+        _settle(group, order, live, tensors, skip, stage, differ, src)
     return skip, stage, differ
 
 
@@ -80,6 +83,7 @@ def _settle(
     skip: set[str],
     stage: set[str],
     differ: list[tuple[str, str]],
+    src: Any = None,
 ) -> None:
     """One run of destinations whose memory overlaps: the first in plan order stays read in
     place (when it can be); each later one that could be is skipped (the same view, the same
@@ -96,7 +100,7 @@ def _settle(
             copied = True  # staged by the loader: copied in after the reads, in plan order
             continue
         same_view = first_direct and t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
-        same = same_view and _same_bytes(tensors[first], tensors[p])
+        same = same_view and _same_bytes(tensors[first], tensors[p], (src, first, p, live[p][p]) if src is not None else None)
         if same and not copied:
             skip.add(p)
         else:
@@ -115,8 +119,19 @@ def _base(t: torch.Tensor) -> int:
 
 
 
-def _same_bytes(a: TensorEntry, b: TensorEntry) -> bool:
-    """Whether two manifest entries hold the same bytes (same boxes, same block checksums)."""
-    if a.regular is not None or b.regular is not None or a.dtype != b.dtype or a.shape != b.shape:
+def _same_bytes(a: TensorEntry, b: TensorEntry, read: tuple[Any, str, str, Any] | None = None) -> bool:
+    """Whether two manifest entries hold the same bytes (same boxes, same block checksums). A
+    regular entry (format 2: an FSDP2 shard) has its chunks in the index files: compared over the
+    box of this rank's shard, ``read = (ChunkSource, path of a, path of b, live tensor)``, through
+    the index files this rank reads anyway; unknown without it (not the same)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return [(c.offsets, c.sizes, c.checksums) for c in a.chunks] == [(c.offsets, c.sizes, c.checksums) for c in b.chunks]
+    if a.regular is None and b.regular is None:
+        return [(c.offsets, c.sizes, c.checksums) for c in a.chunks] == [(c.offsets, c.sizes, c.checksums) for c in b.chunks]
+    if read is None:
+        return False
+    src, pa, pb, live = read
+    data, _shape, offsets, _ = shard_of(live)
+    box = Box(tuple(offsets), tuple(data.shape))
+    ca, cb = src.chunks(pa, a, box), src.chunks(pb, b, box)
+    return bool(ca) and [(c.offsets, c.sizes, c.checksums) for c in ca] == [(c.offsets, c.sizes, c.checksums) for c in cb]

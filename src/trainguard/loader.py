@@ -215,7 +215,7 @@ def _load(
     want = {p: dest for _key, _obj, _skel, dest, refs in plans for p in refs if p not in bad}
     # In the manifest's order, which is the order the tensors were written in (file order).
     order = [p for p in manifest.tensors if p in want]
-    skip, stage, differ = shared_destinations(order, want, manifest.tensors)  # tied weights, overlapping views
+    skip, stage, differ = shared_destinations(order, want, manifest.tensors, src)  # tied weights, overlapping views
     if differ:
         warnings.warn(
             "one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
