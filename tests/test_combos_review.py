@@ -130,3 +130,28 @@ def test_fsdp2_tie_saved_async_restores_without_a_false_different_values_warning
         warnings.simplefilter("error")  # one process, a plain tied model: no warning either
         tg.load(tmp_path / "tied" / "step-000000002", {"model": plain}, only=["model"])
     assert plain.head.weight is plain.wte.weight
+
+
+def test_manager_save_is_not_skipped_by_a_failed_direct_async_tg_save(tmp_path: Path, monkeypatch) -> None:
+    # An async manager for the model and a one-off tg.save(async_=True) of an EMA copy in the same
+    # process. The tg.save fails and nobody collects it: the manager's next save raised that error
+    # as its own failure (on_error="raise": the loop died; "warn": the step went unsaved).
+    model, ema = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        mgr.save(1, {"model": model})
+        mgr.wait()
+        monkeypatch.setenv("TRAINGUARD_CRASH_AT", "write_begin")
+        monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+        failed = tg.save(tmp_path / "ema" / "step-1", {"ema": ema}, async_=True)
+        failed.join()  # the save thread has ended (failed), not collected
+        monkeypatch.delenv("TRAINGUARD_CRASH_AT")
+        assert mgr.save(2, {"model": model}) is not None
+        mgr.wait()
+        assert mgr.latest_step() == 2
+    # the documented contract stays: the next direct async tg.save raises the uncollected error
+    try:
+        tg.save(tmp_path / "ema" / "step-2", {"ema": ema}, async_=True).result()
+        raise AssertionError("the failed tg.save's error was lost")
+    except tg.CheckpointError as e:
+        assert "ema/step-1" in str(e) and "injected failure" in str(e)
+    tg.save(tmp_path / "ema" / "step-3", {"ema": ema}, async_=True).result()  # reported once

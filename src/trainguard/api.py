@@ -98,8 +98,10 @@ def start_save(
     max_staging_bytes: int | None = None,
     stage_in_background: bool = False,
     preflight: Exception | None = None,
+    managed: bool = False,
 ) -> SaveHandle:
-    """Start a save on every rank; sync saves return an already completed handle.
+    """Start a save on every rank; sync saves return an already completed handle. ``managed``: a
+    ``CheckpointManager``'s save (an uncollected error of a direct async ``tg.save`` is not its own).
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``.
     ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
@@ -113,6 +115,7 @@ def start_save(
         return start_async_save(
             storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
             step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background, preflight=preflight,
+            managed=managed,
         )
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)

@@ -8,26 +8,18 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    (BatchNorm statistics change in forward), RNG state, plain tensors, and parameters of no
    optimizer in the state.
 2. **background stage** (the save thread, after the "begin" round has fixed which chunks this
-   rank writes): parameters held by an optimizer of the state and that optimizer's state
-   tensors change only inside ``optimizer.step()``, so only *this rank's chunks* of them (its
-   share of replicated tensors, its shards) are copied, while training runs forward/backward.
-   With ``max_staging_bytes`` they are copied in batches that fit the cap, each batch written
-   before the next is copied into the same buffer. A step *pre-hook* (torch's global one,
-   registered once) blocks ``step()`` of such an optimizer, and of any other optimizer over a
-   tensor still to be copied, until the last of them is copied (with a small cap: until the
-   last batch is staged); the time it blocks is added to ``handle.hook_wait_s`` and reported
-   as stall by the manager.
-3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged bytes and
-   commits through the c10d store (never the training process group), so it is safe while
-   training runs collectives. Its error is stored in the handle and surfaces on every rank at
-   the next ``save()``/``wait()``/``close()``.
+   rank writes): only *this rank's chunks* of the parameters of an optimizer in the state and of
+   its state tensors (they change only inside ``step()``), while forward/backward run; with
+   ``max_staging_bytes`` in batches, each written before the next is copied into the same buffer.
+   A step *pre-hook* (torch's global one, registered once) blocks ``step()`` of such an optimizer,
+   and of any other over a tensor still to be copied, until the last is copied; the time it
+   blocks goes to ``handle.hook_wait_s``, reported as stall by the manager.
+3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged
+   bytes and commits through the c10d store (never the training process group). Its error is
+   stored in the handle and surfaces on every rank at the next ``save()``/``wait()``/``close()``.
 
-Contract for user code: tensors that are not parameters/optimizer state are copied at the call.
-Code that mutates *parameters or optimizer state* outside ``optimizer.step()`` (EMA, weight
-clipping, manual updates) must call ``handle.wait_staged()`` first. With ``stage_in_background=True`` nothing is
-copied at the call: every tensor is staged in step 2, and the caller must call
-``handle.wait_staged()`` before it mutates any tensor of the state (the contract of DCP's
-background staging).
+Contract: code that mutates parameters or optimizer state outside ``step()`` (EMA) calls
+``handle.wait_staged()`` first; with ``stage_in_background=True``, before mutating any tensor.
 """
 
 from __future__ import annotations
@@ -74,6 +66,7 @@ log = logging.getLogger("trainguard")
 _HOOK: Any = None
 _LOCK = threading.Lock()
 _INFLIGHT: _Job | None = None  # the one save in flight in this process
+_UNCOLLECTED: SaveHandle | None = None  # a direct tg.save's failed handle, for the next direct async save
 # Test seam: called by the save thread before its background copies (tests hold staging open).
 _before_background_stage: Any = None
 
@@ -107,17 +100,19 @@ def start_async_save(
     max_staging_bytes: int | None = None,
     stage_in_background: bool = False,
     preflight: Exception | None = None,
+    managed: bool = False,
 ) -> SaveHandle:
     """Start an async save on this rank (every rank calls it, same order); returns its handle.
 
     Blocks only for the previous save in flight, the capture and the synchronous copies. Raises
-    ``CheckpointError`` here if the previous save failed and nobody has seen its error yet.
+    ``CheckpointError`` here if a direct ``tg.save`` failed and nobody has seen its error yet
+    (not in a manager's save: ``managed``).
     ``stage_in_background``: no copy in the call; the save thread stages every tensor (only this
     rank's chunks), and the caller waits for ``handle.wait_staged()`` before mutating any tensor
     of the state (``step()`` of an optimizer in the state still waits by itself).
     """
     t0 = time.monotonic()
-    _finish_previous()
+    _finish_previous(managed)
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
     protected, optimizers = protected_tensors(state)
@@ -326,18 +321,23 @@ def wait_staging_in_flight() -> None:
         job.handle.wait_staged()
 
 
-def _finish_previous() -> None:
-    """One save in flight: wait for the previous one; raise its error if nobody observed it."""
+def _finish_previous(managed: bool = False) -> None:
+    """One save in flight: wait for the previous one. The error of a direct ``tg.save`` nobody
+    observed is raised by the next direct async save; a manager's save (``managed``) logs it and
+    goes on, leaving it for that one (it raised it as its own failure, and skipped its step)."""
+    global _UNCOLLECTED
     with _LOCK:
         prev = _INFLIGHT
-    if prev is None:
-        return
-    h = prev.handle
-    h.join()
-    err = h.exception()
-    if err is not None and not h.observed and not h.owned:  # a manager's save: that manager reports it
+    if prev is not None:
+        prev.handle.join()
+        if prev.handle.exception() is not None and not prev.handle.observed and not prev.handle.owned:
+            _UNCOLLECTED = prev.handle  # not a manager's save: that manager reports it
+            if managed:
+                log.warning("trainguard: an async tg.save (step %s) failed: %s", prev.handle.step, prev.handle.exception())
+    h, _UNCOLLECTED = _UNCOLLECTED, (_UNCOLLECTED if managed else None)
+    if not managed and h is not None and not h.observed:  # result() called meanwhile: seen
         h.observed = True
-        raise CheckpointError(f"the previous async save (step {h.step}) failed: {err}") from err
+        raise CheckpointError(f"the previous async save (step {h.step}) failed: {h.exception()}") from h.exception()
 
 
 # Open async CheckpointManagers of this process: the last one to close frees the staging memory.

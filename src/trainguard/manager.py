@@ -258,6 +258,7 @@ class CheckpointManager:
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
                 max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background,
                 overwrite=replace and storage.atomic_rename, preflight=self.ram.preflight(step, bad) if self.ram else bad,
+                managed=True,
             )
         except CheckpointError as e:
             self._report_failure(unrestored_error(e, step, self._restored), step=step)
