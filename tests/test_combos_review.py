@@ -155,3 +155,34 @@ def test_manager_save_is_not_skipped_by_a_failed_direct_async_tg_save(tmp_path: 
     except tg.CheckpointError as e:
         assert "ema/step-1" in str(e) and "injected failure" in str(e)
     tg.save(tmp_path / "ema" / "step-3", {"ema": ema}, async_=True).result()  # reported once
+
+
+def _preempt_one_rank(rank: int, world: int, root: str, shm: str) -> dict:
+    import os
+
+    model = torch.nn.Linear(4, 4)
+    state = {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(2), async_save=True, ram_tier=shm, timeout=20) as mgr:
+        for step in range(1, 50):
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+            if rank == 1 and step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler told rank 1's process only
+            if mgr.should_stop:
+                break
+    torch.distributed.barrier()  # rank 0's close() is over on every rank from here
+    return {"stopped": step, "ram": sorted(os.listdir(mgr.ram.dir)) if os.path.isdir(mgr.ram.dir) else []}
+
+
+def test_preemption_signal_on_another_rank_keeps_the_ram_tier(tmp_path: Path) -> None:
+    # RAM tier + async + a SIGTERM that reached rank 1 only: every rank saves and stops at one step
+    # (documented: a signal on any rank counts), and the RAM copy must stay for the fast restart.
+    # Rank 0, which owns the RAM tier, saw no signal of its own and removed it as on a clean end.
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    results = run_ranks(_preempt_one_rank, 2, str(tmp_path / "run"), str(shm), timeout=90)
+    stopped = {r.value["stopped"] for r in results}
+    assert len(stopped) == 1
+    step = stopped.pop()
+    assert f"step-{step:09d}" in results[0].value["ram"], results[0].value
+    assert (tmp_path / "run" / f"step-{step:09d}" / "manifest.json").exists()

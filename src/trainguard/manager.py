@@ -162,14 +162,14 @@ class CheckpointManager:
 
     def close(self, *, keep_ram_tier: bool = False) -> None:
         """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``),
-        release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal."""
+        release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
         if not self._opened:
             return
         watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
         try:
             self.wait()
             if self.ram:
-                self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set()))
+                self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set() or self.should_stop))  # any rank's signal
         finally:
             if self.async_save:
                 release_staging(self)  # after a failed last save too: its pool was released
