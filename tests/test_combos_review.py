@@ -186,3 +186,53 @@ def test_preemption_signal_on_another_rank_keeps_the_ram_tier(tmp_path: Path) ->
     step = stopped.pop()
     assert f"step-{step:09d}" in results[0].value["ram"], results[0].value
     assert (tmp_path / "run" / f"step-{step:09d}" / "manifest.json").exists()
+
+
+def test_rollback_while_the_ram_tier_copies_to_disk_does_not_race_its_retention(tmp_path: Path, monkeypatch) -> None:
+    # RAM tier + async + KeepLatest|KeepEvery + a rollback right after a save, while the RAM tier's
+    # background copy of the newest step to disk (and the retention that follows it) still runs.
+    # restore() listed the disk, then that retention deleted step 5 under the load: step 5 was
+    # reported "not usable" (a restore_skip, half-read into the state) and restore fell back to 4.
+    import threading
+
+    from trainguard import manager as manager_mod
+    from trainguard import tiers
+
+    release = threading.Event()  # the copy of step 8 to disk runs until someone waits for it or a load starts
+    real_persist, real_wait, real_load = tiers.RamTier.persist, tiers.RamTier.wait, manager_mod.load
+
+    def persist(self: tiers.RamTier, step: int) -> bool:
+        if step == 8:
+            assert release.wait(30)
+        return real_persist(self, step)
+
+    def wait(self: tiers.RamTier) -> None:
+        release.set()
+        real_wait(self)
+
+    def load(path, state, **kw):  # the copy and its retention end while restore reads
+        release.set()
+        if (t := mgr.ram._thread) is not None:
+            t.join(30)
+        return real_load(path, state, **kw)
+
+    monkeypatch.setattr(tiers.RamTier, "persist", persist)
+    monkeypatch.setattr(tiers.RamTier, "wait", wait)
+    monkeypatch.setattr(manager_mod, "load", load)
+    weight = torch.nn.Linear(4, 4)
+    state = {"model": weight, "progress": tg.StateDict(step=0)}
+    snaps = {}
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), keep=tg.KeepLatest(3) | tg.KeepEvery(4),
+                              async_save=True, ram_tier=str(shm), handle_signals=False) as mgr:
+        for step in range(1, 9):
+            with torch.no_grad():
+                weight.weight.add_(1.0)
+            mgr.save(step, state)
+            snaps[step] = weight.weight.clone()
+        mgr.wait()  # committed in RAM; its copy to disk is still running
+        restored = mgr.restore(state, step=5)  # a loss spike: back to step 5 or the newest before it
+        assert restored == 4 and torch.equal(weight.weight, snaps[4])  # step 5 went with step 8's retention
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert "restore_skip" not in events  # no checkpoint reported unusable, nothing half-read

@@ -284,8 +284,7 @@ class CheckpointManager:
                 raise
             raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
         self._pending = None
-        # When the save really ended (an async save is collected at the next call, later).
-        h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0
+        h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0  # when it ended (collected later)
         self.last_saved_step = manifest.step
         self._own.add(manifest.step)
         if self.ctx.rank == 0:  # a full manifest here (elsewhere a lazy one would read it)
@@ -338,9 +337,11 @@ class CheckpointManager:
     def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
         why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an async save in flight
-        (``wait``). ``step``: the newest at or before it (a rollback: the newer ones go when this run's first save commits)."""
+        (``wait``; and the RAM tier's copy to disk). ``step``: the newest at or before it (a rollback: the newer ones go when this run's first save commits)."""
         self._require_open()
         self.wait()  # an async save in flight still reads the tensors this writes into
+        if self.ram:  # rank 0: its copy to disk and that copy's retention end before the listing, not during the load
+            self.ram.wait()
         at = None if step is None else layout.check_step(step)
         check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
