@@ -273,10 +273,13 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
 
 def _carries(storage: Storage, root: str, token: str) -> bool:
     """``clean_debris``: whether a committed checkpoint of ``root`` carries ``aside: token`` in its
-    metadata (the save that set the ``.abandoned-<token>`` directories aside committed)."""
+    metadata (the save that set the ``.abandoned-<token>`` directories aside committed). Only the
+    manifests' leading fields are read (``retention.read_facts``), newest step first."""
+    from .retention import read_facts  # retention imports this module
+
     for s in reversed(list_steps(storage, root)):
         try:
-            if s.status == "committed" and read_manifest(storage, s.path).metadata.get("aside") == token:
+            if s.status == "committed" and read_facts(storage, s.path)[1].get("aside") == token:
                 return True
         except CheckpointError:
             continue
