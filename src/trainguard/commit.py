@@ -126,14 +126,16 @@ def _moved_aside(storage: Storage, directory: str) -> str:
     ``directory``'s previous checkpoint (``<name>.old-<id>``, put back by the next manager's
     ``clean_debris``), or ``""``."""
     parent, name = os.path.split(directory.rstrip("/"))
-    try:
-        olds = [n for n in storage.listdir(parent) if n.startswith(f"{name}.old-") and layout.OLD_RE.match(n)]
+    try:  # any name tg.save wrote (``final.old-<id>`` too), not only a manager's step-N
+        olds = [n for n in storage.listdir(parent) if layout.is_old_of(n, name)]
         old = next((storage.join(parent, n) for n in olds if storage.exists(storage.join(parent, n, layout.MANIFEST))), None)
     except OSError:
         return ""
-    return "" if old is None else (
-        f" (an overwrite of it was cut short: its previous checkpoint is {old}; load that path, or open a "
-        f"CheckpointManager on {parent}, which puts it back)")
+    if old is None:
+        return ""
+    back = (f"open a CheckpointManager on {parent}, which puts it back" if layout.STEP_RE.match(name)
+            else f"rename it back to {directory}")
+    return f" (an overwrite of it was cut short: its previous checkpoint is {old}; load that path, or {back})"
 
 
 def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:

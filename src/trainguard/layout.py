@@ -61,6 +61,12 @@ def old_dir(name: str, save_id: str) -> str:
     return f"{name}.old-{save_id}"
 
 
+def is_old_of(entry: str, name: str) -> bool:
+    """Whether ``entry`` is ``old_dir(name, <id>)``: ``commit._moved_aside`` finds the checkpoint an
+    overwrite of ``name`` cut short left aside."""
+    return entry.startswith(f"{name}.old-") and re.fullmatch(r"[0-9a-f]{1,32}", entry[len(name) + 5:], re.ASCII) is not None
+
+
 def aside_dir(name: str, token: str) -> str:
     return f"{name}.abandoned-{token}"
 
