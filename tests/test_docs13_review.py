@@ -45,3 +45,49 @@ def test_load_names_the_previous_checkpoint_an_overwrite_cut_short_left_aside(tm
     dest = {"x": torch.empty(3)}
     tg.load(old, dest)  # what the message says to do works
     assert torch.equal(dest["x"], torch.ones(3))
+
+
+@pytest.mark.parametrize("step, restored", [(None, 5), (5, 5), (4, 4)])
+def test_a_restore_after_a_failed_rollback_save_sees_the_steps_it_set_aside(tmp_path, monkeypatch, step, restored):
+    # docs/checkpoints.md: a crash before the rollback's first save commits resumes "from the earlier
+    # timeline's newest, as if this run never saved". A restore in the same process after that save
+    # failed (on_error="warn") must see the same: before, the steps set aside (4 and 5) were hidden,
+    # restore() returned the earlier timeline's step 3 and restore(step=5) step 3 too.
+    from test_rollback_crash import _first_run, _rollback_and_fail, _steps
+
+    root = tmp_path / "run"
+    _first_run(root)
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), async_save=False, on_error="warn") as mgr:
+        _rollback_and_fail(mgr, state, monkeypatch)
+        assert mgr.restore(state, step=step) == restored
+        assert float(state["w"][0]) == restored * 10.0
+        assert _steps(root) == [f"step-00000000{i}" for i in range(1, 6)]
+        state["w"].fill_(restored * 10.0 + 1)
+        mgr.save(restored + 1, state)
+    want = [f"step-00000000{i}" for i in range(1, restored + 2)]
+    assert _steps(root) == want
+    fresh = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore(fresh) == restored + 1
+    assert float(fresh["w"][0]) == restored * 10.0 + 1
+
+
+def test_a_rollback_again_after_a_failed_save_still_abandons_the_newer_steps(tmp_path, monkeypatch):
+    # "A rollback again before that save commits (its save failed, then restore once more)": the
+    # next save that commits abandons the earlier timeline's steps after the one restored.
+    from test_rollback_crash import _first_run, _rollback_and_fail, _steps
+
+    root = tmp_path / "run"
+    _first_run(root)
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), async_save=False, on_error="warn") as mgr:
+        _rollback_and_fail(mgr, state, monkeypatch)
+        assert mgr.restore(state, step=2) == 2
+        state["w"].fill_(31.0)
+        mgr.save(3, state)
+    assert _steps(root) == ["step-000000001", "step-000000002", "step-000000003"]
+    fresh = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(root) as mgr:
+        assert mgr.restore(fresh) == 3
+    assert float(fresh["w"][0]) == 31.0

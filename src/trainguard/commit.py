@@ -258,8 +258,18 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
         if s.status == "incomplete":
             storage.remove_tree(s.path)
             done.append(s.name)
-    aside = [(n, m) for n in names if (m := layout.ASIDE_RE.match(n))]
-    for token in {m.group(2) for _, m in aside}:  # a rollback's first save crashed, or committed (retention.set_aside)
+    return done + settle_aside(storage, root, names)
+
+
+def settle_aside(storage: Storage, root: str, names: list[str], only: str | None = None) -> list[str]:
+    """The ``.abandoned-<token>`` directories of ``names`` (``retention.set_aside``; ``only``: of
+    that token): removed when a save carrying the token committed, else moved back to their step.
+    Called by ``clean_debris`` (a rollback's first save crashed, or committed) and by
+    ``retention.restore_candidates`` (it failed, and the run restores again). Rank 0. Returns
+    what it removed or restored."""
+    done = []
+    aside = [(n, m) for n in names if (m := layout.ASIDE_RE.match(n)) and only in (None, m.group(2))]
+    for token in {m.group(2) for _, m in aside}:
         gone = _carries(storage, root, token)
         for n, m in aside:
             final = storage.join(root, layout.step_dir(int(m.group(1))))

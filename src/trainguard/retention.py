@@ -17,7 +17,7 @@ import secrets
 from typing import TYPE_CHECKING, Any
 
 from . import layout
-from .commit import list_steps, manifest_bytes
+from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .flatten import decode_json
@@ -122,8 +122,16 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
     """Rank 0, in ``CheckpointManager.restore``: the committed checkpoints to try, ``(step, path,
     tier)`` newest first (the RAM tier's copy of a step before its durable one), which it
     broadcasts; or ``{"error": ...}`` when the run directory cannot be listed (no permission, an
-    object store's error), so that every rank raises it instead of waiting for rank 0."""
+    object store's error), so that every rank raises it instead of waiting for rank 0. What
+    ``set_aside`` moved away for a save that did not commit is put back first: before, a restore
+    after that save failed did not see it (``restore()`` gave the earlier timeline's copy of the
+    failed save's step, ``restore(step=5)`` that step too), where a restart resumes from it."""
     try:
+        if mgr._aside not in ("", DONE):  # set aside for a save that failed (restore waited for it)
+            # Back first: this restore sees what a restart would (commit.clean_debris); the next save
+            # sets aside again what is newer than the step restored now.
+            token, mgr._aside = mgr._aside, ""
+            settle_aside(mgr.storage, mgr._root, mgr.storage.listdir(mgr._root), only=token)
         steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
     except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
         return {"error": f"{type(e).__name__}: {e}"}
