@@ -173,3 +173,29 @@ def test_rank0_failing_to_list_for_restore_fails_restore_on_every_rank(tmp_path:
     out = [r.value for r in run_ranks(listing_fails_in_restore_group, 2, str(tmp_path), timeout=90, env=ENV)]
     for o in out:
         assert o["type"] == "CheckpointError" and "cannot list" in o["msg"] and "Permission denied" in o["msg"], o
+
+
+def dtensor_of_another_shape_group(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    tg.save(f"{root}/a", {"t": distribute_tensor(torch.arange(8.0).reshape(8, 1), mesh, (Shard(0),))})
+    dst = distribute_tensor(torch.zeros(6, 1), mesh, (Shard(0),))
+    state = {"t": dst}
+    strict = attempt(lambda: tg.load(f"{root}/a", state))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tg.load(f"{root}/a", state, strict=False)
+    return {"strict": strict, "kept": state["t"] is dst and float(dst.to_local().abs().sum()) == 0.0,
+            "warned": any("keep their current values" in str(x.message) for x in w)}
+
+
+def test_a_dtensor_entry_of_another_shape_is_refused_not_replaced_by_a_full_tensor(tmp_path: Path) -> None:
+    """A plain entry whose shape changed is replaced by the checkpoint's tensor; a DTensor entry
+    was too: every rank got the full tensor, as a plain tensor in place of its shard."""
+    for r in run_ranks(dtensor_of_another_shape_group, 2, str(tmp_path), timeout=90, env={"TRAINGUARD_DEAD_AFTER": "5"}):
+        assert r.value["strict"]["type"] is not None and "checkpoint float32[8, 1]" in r.value["strict"]["msg"], r.value
+        assert r.value["kept"] and r.value["warned"], r.value

@@ -18,7 +18,7 @@ from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout
-from .dtensor import ensure_optimizer_state, shard_of
+from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -178,7 +178,8 @@ def _load(
                     else:
                         del dest[p]  # read into a new tensor, as for another shape
                 elif list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype or d.is_meta:
-                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                    # A DTensor is never replaced: a full plain tensor would land on every rank.
+                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)) or is_dtensor(d):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
                         if list(d.shape) != e.shape:  # else strict=False reads it, then copy_ casts it
                             bad[p] = mismatched[-1]
