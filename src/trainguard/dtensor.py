@@ -30,7 +30,7 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
     for p in placements:
         if not isinstance(p, (Shard, Replicate, _StridedShard)):
             raise TypeError(
-                f"DTensor with placement {p} cannot be saved as is; call .redistribute() to Shard/Replicate first"
+                f"DTensor with placement {p} cannot be saved or loaded into as is; call .redistribute() to Shard/Replicate first"
             )
     coord = mesh.get_coordinate()
     if coord is None and t.dim():
@@ -117,7 +117,7 @@ def strided_offsets(
         if len(merged) > 1 or sum(b - a for a, b in merged) != local[d]:
             raise TypeError(
                 f"DTensor with placements {tuple(placements)} of shape {shape}: this rank's part of dim {d} is "
-                f"not one run of its {local[d]} local indices ({merged}), so it cannot be saved as a box; call .redistribute() to "
+                f"not one run of its {local[d]} local indices ({merged}), so it cannot be saved or loaded as a box; call .redistribute() to "
                 "Shard/Replicate first"
             )
         offsets[d] = merged[0][0] if merged else shape[d]  # empty: torch's offset for an empty shard
