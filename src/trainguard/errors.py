@@ -153,3 +153,19 @@ def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
     if not ctx.is_distributed and len(failures) == 1:
         raise CheckpointError(f"{what} failed:\n{failures[0]}")
     raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)
+
+
+def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: float | None) -> None:
+    """A round of ``loader.load`` (every rank, same order; ``e``: this rank's failure, if any):
+    raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
+    failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
+    that does not fit)."""
+    outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e)}
+    outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
+    try:
+        if e is not None:
+            raise e
+        raise_failures(f"load of {target}", outcomes, ctx)
+    except CheckpointError as x:
+        x.retry_older = all(o.get("data") for o in outcomes if o.get("error"))  # type: ignore[attr-defined]
+        raise

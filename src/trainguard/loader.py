@@ -23,9 +23,7 @@ from .errors import (
     CheckpointError,
     CorruptCheckpointError,
     StateMismatchError,
-    describe_error,
-    is_data_error,
-    raise_failures,
+    agree_load,
 )
 from .flatten import flatten, keep_types, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
@@ -60,27 +58,27 @@ def load(
     from .async_save import wait_staging_in_flight  # here: async_save imports api, which imports this
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
+    agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
+
+    def plan_round(e: Exception | None = None) -> None:  # _load's, before it writes into the state
+        agreed.append(False)
+        agree_load(ctx, "load", target, e, timeout)
+        agreed[0] = True
+
     try:
         with gc_paused():
             manifest = read_manifest(storage, target)
-            _load(storage, target, manifest, state, ctx, strict, only, verify)
-        err = None
+            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round)
     except Exception as e:
         if not ctx.is_distributed:
             raise
-        err, exc = describe_error(e), e
-    if ctx.is_distributed:
-        outcomes = ctx.all_gather("load", {"error": err, "data": err is None or is_data_error(exc)}, timeout=timeout)
-        # Every rank raises, and tells restore() the same thing: try an older checkpoint only
-        # when every rank that failed found bad bytes (not a state that does not fit).
-        data = all(o.get("data") for o in outcomes if o.get("error"))
-        try:
-            if err is not None:
-                raise exc
-            raise_failures(f"load of {target}", outcomes, ctx)
-        except CheckpointError as e:
-            e.retry_older = data  # type: ignore[attr-defined]
+        if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
+            plan_round(e)
+        if not agreed[0]:  # the plan round raised, on every rank
             raise
+        agree_load(ctx, "loaded", target, e, timeout)
+    if ctx.is_distributed:
+        agree_load(ctx, "loaded", target, None, timeout)
     return manifest
 
 
@@ -93,6 +91,7 @@ def _load(
     strict: bool,
     only: Iterable[str] | None,
     verify: bool,
+    plan_round: Any = None,
 ) -> None:
     check_state(state)
     if isinstance(only, (str, bytes)):
@@ -194,6 +193,8 @@ def _load(
             f"values: {', '.join(bad.values())[:1500]}",
             stacklevel=3,
         )
+    if ctx.is_distributed:  # the "load" round: nothing read into the state before every rank found that its state fits
+        plan_round()
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
     # Regular tensors read into a live shard allocate nothing: their files are checked below,
