@@ -146,7 +146,11 @@ def _collective_capture(
         if ctx.is_distributed:
             # Every rank, this one included, raises the same RankFailureError.
             begin = ctx.all_gather("begin", {"error": traceback.format_exc()}, timeout=timeout)
-            raise_failures("save", begin, ctx)
+            try:
+                raise_failures("save", begin, ctx)
+            except RankFailureError as f:  # ranks that captured met it in persist_and_commit's begin round
+                f.captured_elsewhere = any("sig" in o for o in begin)  # type: ignore[attr-defined]
+                raise
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(f"could not capture the state: {e}") from e

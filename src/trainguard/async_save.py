@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import sys
 import threading
 import time
@@ -41,7 +40,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext
-from .errors import CheckpointError
+from .errors import CheckpointError, RankFailureError
 from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
@@ -57,6 +56,7 @@ from .stage import (
     storage_key,
     tensor_key,
     trim_idle_pools,
+    zero_copy_ok,
 )
 from .storage import Storage
 
@@ -114,7 +114,12 @@ def start_async_save(
     t0 = time.monotonic()
     _finish_previous(managed)
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
+        try:
+            snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
+        except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
+            if not getattr(e, "captured_elsewhere", False):
+                raise
+            return _failed(e, step, managed)
     protected, optimizers = protected_tensors(state)
     handle = SaveHandle(step)
     pool = default_pool(max_staging_bytes)
@@ -140,7 +145,7 @@ def start_async_save(
                     job.cuda_events[lf.tensor.device.index] = ev
         except Exception as e:  # still join the collective rounds, so every rank fails together
             job.error = e
-        job.zero_copy = _zero_copy_ok(storage, later)
+        job.zero_copy = zero_copy_ok(storage, [lf.tensor for lf in later])
         _hook()
         handle.call_s = time.monotonic() - t0
         handle.bytes = sum(lf.tensor.nbytes for lf in todo)
@@ -164,6 +169,19 @@ def start_async_save(
         _drop(job)
         raise CheckpointError(f"could not start the async save thread: {e}") from e
     return handle
+
+
+def _failed(e: RankFailureError, step: int | None, managed: bool) -> SaveHandle:
+    """This rank failed the capture round while other ranks captured (a lazy module still
+    uninitialized here, a rollback's set-aside failing on rank 0): their save threads fail their
+    handles with this same error, so this rank's save fails in its handle too, raised at the same
+    next call on every rank. Raising it here put this rank's saves one call ahead of theirs."""
+    global _UNCOLLECTED
+    h = SaveHandle(step)
+    h.set_error(e)
+    if not managed:  # the next direct async save raises it, as the other ranks' does
+        _UNCOLLECTED = h
+    return h
 
 
 def _drop(job: _Job) -> None:
@@ -198,26 +216,6 @@ Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, chunk, already a hos
 # Zero-copy writes go in batches of about this many bytes; between two, the save thread looks
 # whether step() is waiting (then it copies the rest instead, training being blocked anyway).
 ZERO_COPY_BATCH = 256 << 20
-_ZERO_COPY_ENV = "TRAINGUARD_ASYNC_ZERO_COPY"  # "1": opt in (docs/async.md, "Zero-copy")
-
-
-def _zero_copy_ok(storage: Storage, later: list[Leaf]) -> bool:
-    """Write the protected chunks from their own memory? Opt-in (``TRAINGUARD_ASYNC_ZERO_COPY=1``),
-    and only CPU tensors (a GPU's must be copied to the host anyway) onto storage that writes
-    them with O_DIRECT (local files): the save then needs no staging memory and no copy, and a
-    write that is not done when ``step()`` comes is finished from copies made then
-    (``_write_live``). Not the default: on this 2-core machine the write outlasted
-    forward+backward and the stall grew (docs/async.md has the figures)."""
-    from .storage.local import direct_io_enabled
-
-    return (
-        os.environ.get(_ZERO_COPY_ENV, "0") == "1"
-        and getattr(storage, "direct_io", False)
-        and direct_io_enabled()
-        and all(not lf.tensor.is_cuda for lf in later)
-    )
-
-
 def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int | None] | None, Iterator[Batch]]:
     """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's
     source (where ``planner.layout_file`` puts it within a page of the file, so that its pages

@@ -19,6 +19,7 @@ of the same state; they grow only when the state grows. See ``docs/async.md``, "
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -314,4 +315,24 @@ def optimizer_writes(optimizer: torch.optim.Optimizer, storages: set[Any]) -> bo
     return any(
         isinstance(v, torch.Tensor) and storage_key(v) in storages
         for s in optimizer.state.values() if isinstance(s, Mapping) for v in s.values()
+    )
+
+
+_ZERO_COPY_ENV = "TRAINGUARD_ASYNC_ZERO_COPY"  # "1": opt in (docs/async.md, "Zero-copy")
+
+
+def zero_copy_ok(storage: Any, tensors: Sequence[torch.Tensor]) -> bool:
+    """Write the protected chunks from their own memory? Opt-in (``TRAINGUARD_ASYNC_ZERO_COPY=1``),
+    and only CPU tensors (a GPU's must be copied to the host anyway) onto storage that writes
+    them with O_DIRECT (local files): the save then needs no staging memory and no copy, and a
+    write that is not done when ``step()`` comes is finished from copies made then
+    (``async_save._write_live``). Not the default: on this 2-core machine the write outlasted
+    forward+backward and the stall grew (docs/async.md has the figures)."""
+    from .storage.local import direct_io_enabled
+
+    return (
+        os.environ.get(_ZERO_COPY_ENV, "0") == "1"
+        and getattr(storage, "direct_io", False)
+        and direct_io_enabled()
+        and all(not t.is_cuda for t in tensors)
     )
