@@ -300,7 +300,7 @@ def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
     try:
         t = local_part(t.detach())
         ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, ValueError):  # sparse; a lazy module's uninitialized parameter
+    except (RuntimeError, NotImplementedError, ValueError):  # torch's answer for a sparse tensor's storage (NotImplementedError) and a lazy module's uninitialized parameter
         return None
     return (ptr, str(t.device)) if ptr else None
 
