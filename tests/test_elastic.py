@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from trainguard.elastic.faults import Fault, FaultSpecError, claim, parse_fault
-from trainguard.elastic.launcher import build_parser, prepare
-from trainguard.elastic.watchdog import Watchdog
+from trainguard.elastic.launcher import build_parser, prepare, root_failure
+from trainguard.elastic.watchdog import HANG_EXIT, Watchdog
 from trainguard.events import read_events
 
 
@@ -101,6 +101,36 @@ def test_auto_timeout_follows_step_times():
 
 
 @pytest.mark.timeout(180)
+def _exit_with(index: int, codes: tuple[int, ...]) -> None:
+    os._exit(codes[index])
+
+
+def test_the_worker_trainguard_ended_is_the_cause_even_when_a_peer_is_found_first():
+    """Rank 1's watchdog ends it (75), then rank 0 fails in its broken collective (1); the agent
+    looks once both are gone. torch's join reports the first failed process in index order
+    (rank 0, "exit code 1"); the agent's hook reports rank 1's hang."""
+    import multiprocessing.connection
+
+    import torch.multiprocessing as tmp
+    from torch.multiprocessing.spawn import ProcessException
+
+    pc = tmp.start_processes(_exit_with, args=((1, HANG_EXIT),), nprocs=2, join=False, start_method="fork")
+    try:
+        pending = [p.sentinel for p in pc.processes]
+        while pending:  # both gone before anyone looks; bounded
+            ready = multiprocessing.connection.wait(pending, timeout=30)
+            assert ready, "workers did not exit"
+            pending = [s for s in pending if s not in ready]
+        with pytest.raises(ProcessException) as raised:
+            pc.join(1)
+        cause = root_failure(pc, raised.value)
+        assert (cause.error_index, cause.exit_code) == (1, HANG_EXIT)
+        assert root_failure(pc, cause) is cause
+    finally:
+        for p in pc.processes:
+            p.join(5)
+
+
 def test_hang_is_detected_stacks_logged_and_job_restarts(tmp_path):
     run_dir = tmp_path / "run"
     train = os.path.join(os.path.dirname(__import__("trainguard.demo.train").demo.train.__file__), "train.py")

@@ -174,6 +174,31 @@ def _cause(exitcode: int) -> str:
     )
 
 
+OWN_EXITS = (FAULT_EXIT, HANG_EXIT)  # trainguard's own causes: a drill's exit, the watchdog's
+
+
+def root_failure(pc: Any, error: Exception) -> Exception:
+    """The failure to report for a torch ``ProcessContext`` whose ``join`` raised ``error``.
+
+    Called by the agent's ``ProcessContext.join`` hook, in the agent, after torch's ``join``
+    found a failed worker and stopped the others. ``join`` reports the first failed process it
+    finds among those ready, in process order: when rank 1's watchdog ended it (exit 75) and rank
+    0 then failed in its broken collective (exit 1) before the agent looked, rank 0 was reported
+    and the hang was recorded as "exit code 1". A worker that ended with one of trainguard's own
+    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    reported = getattr(error, "error_index", None)
+    procs = list(getattr(pc, "processes", []))
+    if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
+        return error
+    for i, proc in enumerate(procs):
+        if proc.exitcode in OWN_EXITS:
+            return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
+                                          error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
+    return error
+
+
 def _first_failure(failures: dict[int, Any]) -> int:
     # The rank that failed first is usually the one not ending with exit code 1 or SIGTERM: its
     # peers then fail in their collectives (1) or are terminated by the agent (SIGTERM).
@@ -230,7 +255,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
-    from torch.multiprocessing.spawn import ProcessContext
+    from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
@@ -267,7 +292,14 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         # Fork/spawn contexts: when a worker fails, torch SIGTERMs the others and waits a fixed
         # 30 s before SIGKILL. A worker that ignores SIGTERM (save-on-signal) while its error path
         # waits for a dead peer held the restart for seconds: wait FAIL_GRACE, SIGTERM, FAIL_GRACE.
-        return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
+        # The error is replaced by the worker trainguard ended, if any (:func:`root_failure`).
+        try:
+            return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
+        except ProcessException as e:
+            cause = root_failure(self, e)
+            if cause is e:
+                raise
+            raise cause from e
 
     def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
         # A worker whose function returned waits for this event before its process ends; torch
