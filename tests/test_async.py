@@ -259,8 +259,9 @@ def test_unobserved_failure_is_raised_by_the_next_api_save(tmp_path, monkeypatch
     first.join()  # finished (and failed), but nobody called result()
     assert first.done() and first.exception() is not None
     monkeypatch.delenv("TRAINGUARD_CRASH_AT")
-    with pytest.raises(tg.CheckpointError, match="previous async save"):
+    with pytest.raises(tg.CheckpointError, match="previous async save") as raised:
         tg.save(tmp_path / "b", state, async_=True)
+    assert f"({tmp_path / 'a'}) failed" in str(raised.value)  # names the save, not "(step None)"
     tg.save(tmp_path / "b", state, async_=True).result(timeout=60)  # reported once, then saving works
     assert (tmp_path / "b" / "manifest.json").exists()
 

@@ -119,9 +119,9 @@ def start_async_save(
         except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
             if not getattr(e, "captured_elsewhere", False):
                 raise
-            return _failed(e, step, managed)
+            return _failed(e, step, managed, target)
     protected, optimizers = protected_tensors(state)
-    handle = SaveHandle(step)
+    handle = SaveHandle(step, target)
     pool = default_pool(max_staging_bytes)
     job = _Job(handle, pool, optimizers)
     todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
@@ -171,13 +171,13 @@ def start_async_save(
     return handle
 
 
-def _failed(e: RankFailureError, step: int | None, managed: bool) -> SaveHandle:
+def _failed(e: RankFailureError, step: int | None, managed: bool, target: str) -> SaveHandle:
     """This rank failed the capture round while other ranks captured (a lazy module still
     uninitialized here, a rollback's set-aside failing on rank 0): their save threads fail their
     handles with this same error, so this rank's save fails in its handle too, raised at the same
     next call on every rank. Raising it here put this rank's saves one call ahead of theirs."""
     global _UNCOLLECTED
-    h = SaveHandle(step)
+    h = SaveHandle(step, target)
     h.set_error(e)
     if not managed:  # the next direct async save raises it, as the other ranks' does
         _UNCOLLECTED = h
@@ -331,11 +331,12 @@ def _finish_previous(managed: bool = False) -> None:
         if prev.handle.exception() is not None and not prev.handle.observed and not prev.handle.owned:
             _UNCOLLECTED = prev.handle  # not a manager's save: that manager reports it
             if managed:
-                log.warning("trainguard: an async tg.save (step %s) failed: %s", prev.handle.step, prev.handle.exception())
+                log.warning("trainguard: an async tg.save (%s) failed: %s", prev.handle.target, prev.handle.exception())
     h, _UNCOLLECTED = _UNCOLLECTED, (_UNCOLLECTED if managed else None)
     if not managed and h is not None and not h.observed:  # result() called meanwhile: seen
         h.observed = True
-        raise CheckpointError(f"the previous async save (step {h.step}) failed: {h.exception()}") from h.exception()
+        what = f"step {h.step}" if h.step is not None else h.target
+        raise CheckpointError(f"the previous async save ({what}) failed: {h.exception()}") from h.exception()
 
 
 # Open async CheckpointManagers of this process: the last one to close frees the staging memory.

@@ -29,8 +29,9 @@ class SaveHandle:
     copied into host memory on this rank (see ``docs/async.md``).
     """
 
-    def __init__(self, step: int | None = None) -> None:
+    def __init__(self, step: int | None = None, target: str = "") -> None:
         self.step = step
+        self.target = target  # where the save writes (start_async_save), for messages about it
         self._staged = threading.Event()
         self._done = threading.Event()
         self.waiting = threading.Event()  # set when step() or wait_staged() starts waiting for staging
