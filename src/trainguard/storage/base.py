@@ -48,7 +48,8 @@ class Storage(Protocol):
     def size(self, path: str) -> int: ...
     def read_bytes(self, path: str, limit: int) -> bytes: ...
     def write_atomic(self, path: str, data: bytes) -> None:
-        """Write a small file so it appears whole or not at all (temp + fsync + rename)."""
+        """Write a small file so it appears whole or not at all (temp + fsync + rename); with
+        ``atomic_rename``, the directory is fsynced after (the commit relies on it)."""
     def rename_dir(self, src: str, dst: str) -> None:
         """Atomically rename; fails if ``dst`` exists; the parent is fsynced after."""
     def remove_tree(self, path: str) -> None: ...
