@@ -17,6 +17,7 @@ from torch import nn
 
 import trainguard as tg
 from trainguard import capture as capture_mod
+from trainguard.dist import DistContext
 from trainguard.errors import CorruptCheckpointError, FormatVersionError
 from trainguard.manifest import checksum, parse
 
@@ -357,3 +358,29 @@ def test_two_gloo_ranks_each_with_a_tie(tmp_path):
     fresh = _GPT()
     tg.load(full, {"model": fresh}, only=["model"])
     assert fresh.lm_head.weight is fresh.wte.weight and torch.equal(fresh.wte.weight, out[0].value["w"])
+
+
+def _dtype_reads_of_a_capture(monkeypatch, n: int) -> int:
+    base = torch.arange(n + 8, dtype=torch.float32)
+    state = {"views": {f"p{i}": base[: i + 1] for i in range(n)}, "again": {"p3": base[:4]}}
+    calls = 0
+    real = torch.Tensor.dtype  # read once per comparison of two tensors' views
+
+    def counting(self):
+        nonlocal calls
+        calls += 1
+        return real.__get__(self)
+
+    monkeypatch.setattr(torch.Tensor, "dtype", property(counting))
+    snap = capture_mod.capture(state, ctx=DistContext())
+    monkeypatch.undo()
+    aliases = {lf.path: lf.alias for lf in snap.leaves if lf.kind == "alias"}
+    assert aliases == {"again/p3": "views/p3"}  # the one tie is found among n views of one buffer
+    return calls
+
+
+def test_many_views_starting_at_one_address_cost_linear_time_to_capture(monkeypatch):
+    # 2,000 prefix views of one buffer took 1.7 s in the tie check alone (each compared with
+    # every earlier one); now a dict by view: the work per view is constant.
+    small, large = _dtype_reads_of_a_capture(monkeypatch, 400), _dtype_reads_of_a_capture(monkeypatch, 800)
+    assert large <= 2.5 * small, (small, large)

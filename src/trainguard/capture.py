@@ -26,7 +26,7 @@ from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
-from .tied import PLAIN, same_view
+from .tied import PLAIN, remember, same_view
 
 
 @dataclass
@@ -74,9 +74,9 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     objects: dict[str, Any] = {}
     rank_local: list[str] = []
     leaves: list[Leaf] = []
-    # Address of a plain tensor's first element -> (tensor, its leaf), a list of them for views
-    # starting there (tied.same_view): the tensors stay referenced until the capture ends, so no
-    # address is reused by a later temporary. 0.3-0.5 us a tensor (bench/tie_cost.py).
+    # Address of a plain tensor's first element -> (tensor, its leaf), or a dict of them by view
+    # for several views starting there (tied.remember): the tensors stay referenced until the
+    # capture ends, so no address is reused by a later temporary. 0.3-0.5 us a tensor (bench/tie_cost.py).
     seen: dict[int, Any] = {}
     ties: list[tuple[str, str]] = []  # (alias, target)
     for key, value in state.items():
@@ -103,7 +103,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             lf = _leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size)
             leaves.append(lf)
             if ptr:
-                seen[ptr] = (t, lf) if not hit else [*(hit if type(hit) is list else [hit]), (t, lf)]
+                remember(seen, ptr, t, lf)
     # Ranks must agree on the ties too: which tensors each rank writes depends on them.
     sig = hashlib.sha1(
         json.dumps(

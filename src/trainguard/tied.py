@@ -35,19 +35,39 @@ PLAIN = (torch.Tensor, nn.Parameter)  # the types whose ties are detected (``typ
 MAX_PATH = 4096
 
 
+def _sig(t: torch.Tensor) -> tuple[Any, ...]:
+    # What makes two tensors at the same address the same view (x.conj(): x's memory, other values).
+    return (t.dtype, t.shape, t.stride(), t.device, t.is_conj(), t.is_neg())
+
+
 def same_view(hit: Any, t: torch.Tensor) -> Any:
     """``capture``: the leaf of the earlier tensor that is the same view as ``t``, else None.
-    ``hit``: the ``(tensor, leaf)`` whose memory starts at ``t``'s address, or a list of them.
-    A leaf whose path is longer than :func:`parse_alias` takes as a target is none: ``t`` is
-    then saved with bytes of its own."""
-    for u, leaf in hit if type(hit) is list else (hit,):
-        if (
-            u.dtype == t.dtype and u.shape == t.shape and u.stride() == t.stride() and u.device == t.device and t.numel()
-            and u.is_conj() == t.is_conj() and u.is_neg() == t.is_neg()  # x.conj(): x's memory, other values
-            and len(leaf.path) <= MAX_PATH
-        ):
-            return leaf
-    return None
+    ``hit``: what :func:`remember` keeps for ``t``'s address. A leaf whose path is longer than
+    :func:`parse_alias` takes as a target is none: ``t`` is then saved with bytes of its own."""
+    if not t.numel():
+        return None
+    if type(hit) is dict:
+        found = hit.get(_sig(t))
+        return None if found is None else found[1]
+    u, leaf = hit
+    return leaf if len(leaf.path) <= MAX_PATH and _sig(u) == _sig(t) else None
+
+
+def remember(seen: dict[int, Any], ptr: int, t: torch.Tensor, leaf: Any) -> None:
+    """``capture``: note that ``t`` (saved as ``leaf``) starts at address ``ptr``. One tensor
+    is kept as ``(t, leaf)``; several views starting there as a dict by view (the first of each
+    view), so that thousands of views of one buffer (``base[:i]``) cost O(1) each, not a scan of
+    the earlier ones. Every tensor stays referenced until the capture ends (no address reused)."""
+    hit = seen.get(ptr)
+    if hit is None:
+        seen[ptr] = (t, leaf)
+        return
+    if type(hit) is not dict:
+        seen[ptr] = hit = {None: [hit]} if len(hit[1].path) > MAX_PATH else {_sig(hit[0]): hit}
+    if len(leaf.path) <= MAX_PATH and t.numel():
+        hit.setdefault(_sig(t), (t, leaf))
+    else:
+        hit.setdefault(None, []).append((t, leaf))
 
 
 def format_for(tensors: Iterable[TensorEntry]) -> int:
