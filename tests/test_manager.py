@@ -62,6 +62,19 @@ def test_every_seconds_uses_the_loops_clock(tmp_path):
     assert not pol.should_save(3, 115.0) and pol.should_save(4, 121.5)
 
 
+def test_every_seconds_after_a_rollback_decides_by_its_clock_again():
+    pol = tg.EverySeconds(10)
+    pol.on_step(1, 100.0)
+    pol.on_step(5, 110.0)
+    assert pol.should_save(5, 110.0)  # its save fails: no on_saved
+    pol.on_step(3, 111.0)  # mgr.restore(state, step=2): the loop goes on from 3
+    pol.on_step(4, 112.0)
+    pol.on_step(5, 113.0)
+    assert not pol.should_save(5, 113.0)  # 3 s after the last yes: the old timeline's decision is gone
+    pol.on_step(6, 120.5)
+    assert pol.should_save(6, 120.5)
+
+
 def test_restore_falls_back_when_newest_is_corrupt_and_logs_why(tmp_path, caplog):
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(3)) as mgr:
         for s in (1, 2, 3):

@@ -87,8 +87,15 @@ class EverySeconds(SavePolicy):
         self.seconds = float(seconds)
         self._last: float | None = None
         self._decided: list[int] = []  # steps it said yes to whose on_saved has not come yet
+        self._prev: int | None = None  # the step of the previous on_step
 
     def on_step(self, step: int, now: float) -> None:
+        """Starts the clock at the first step. A step behind the previous one (a rollback)
+        forgets the steps decided on the old timeline: one whose save failed is no save when
+        the loop comes back to it (the clock decides, as for any step)."""
+        if self._prev is not None and step < self._prev:
+            self._decided = []
+        self._prev = step
         if self._last is None:
             self._last = now
 
