@@ -378,7 +378,12 @@ class _Scratch:
 
 
 def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
-    """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``."""
+    """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``
+    (an op with ``flat``: the bytes it names, into the destination's bytes)."""
+    if op.flat is not None:
+        skip, at, n = op.flat
+        tensor_bytes(t.dest)[at : at + n] = tensor_bytes(scratch)[skip : skip + n]
+        return
     typed = scratch.view(t.dest.dtype)
     cstrides = row_major_strides(op.chunk.sizes)
     # as_strided's offset counts from the start of the storage, not of the (aligned) view.

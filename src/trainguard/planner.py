@@ -161,7 +161,9 @@ class ReadOp:
 
     Direct (``dest_byte`` is not None): straight into the destination's bytes at ``dest_byte``.
     Indirect: into a scratch buffer, then copy the elements of ``inter`` out of it, where the
-    buffer holds chunk ``chunk`` from its element ``first_elem`` on.
+    buffer holds chunk ``chunk`` from its element ``first_elem`` on; or, with ``flat`` =
+    ``(skip, dest_byte, n)`` (a checksum block at either end of a widened contiguous read, see
+    :func:`plan_reads`), copy its bytes ``[skip, skip + n)`` to the destination's ``dest_byte``.
     """
 
     file: str
@@ -173,6 +175,7 @@ class ReadOp:
     first_elem: int
     checks: tuple[BlockCheck, ...]
     chunk_index: int
+    flat: tuple[int, int, int] | None = None
 
 
 def overlapping(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], dest: Box) -> list[int]:
@@ -205,7 +208,10 @@ def plan_reads(
     """Byte ranges to read so that ``dest`` (a box held contiguously by this rank) is filled.
 
     ``chunks`` are ``(box, file, byte_offset, length, checksums)``. Only ranges overlapping
-    ``dest`` are read; with ``verify`` they are widened to whole checksum blocks.
+    ``dest`` are read; with ``verify`` they are widened to whole checksum blocks. A widened
+    range whose elements are contiguous in both boxes (row shards resharded: 2 -> 3 ranks) is
+    read straight into ``dest`` but for its first and last block, each read into a scratch
+    block and copied (``ReadOp.flat``): scratch memory is two blocks, not the rank's share.
     """
     ops: list[ReadOp] = []
     for ci, (cbox, fname, foff, length, sums) in enumerate(chunks):
@@ -224,31 +230,28 @@ def plan_reads(
         if verify:
             lo = lo // block_size * block_size
             hi = min(align_up(hi, block_size), length)
-        direct = (
-            inter.is_contiguous_in(cbox)
-            and inter.is_contiguous_in(dest)
-            and lo == first * itemsize
-            and hi == (last + 1) * itemsize
-        )
-        checks = ()
-        if verify:
-            checks = tuple(
-                BlockCheck(b * block_size - lo, min(block_size, length - b * block_size), sums[b])
-                for b in range(lo // block_size, -(-hi // block_size))
-            )
-        ops.append(
-            ReadOp(
-                file=fname,
-                offset=foff + lo,
-                length=hi - lo,
-                dest_byte=inter.flat_start_in(dest) * itemsize if direct else None,
-                chunk=cbox,
-                inter=inter,
-                first_elem=lo // itemsize if itemsize else 0,
-                checks=checks,
-                chunk_index=ci,
-            )
-        )
+        b0, b1 = first * itemsize, (last + 1) * itemsize
+        contiguous = inter.is_contiguous_in(cbox) and inter.is_contiguous_in(dest)
+        d0 = inter.flat_start_in(dest) * itemsize
+        # Widened: the blocks wholly inside [b0, b1) go direct; only the end blocks via scratch.
+        mid_lo = b0 if b0 == lo else align_up(b0, block_size)
+        mid_hi = b1 if b1 == hi else b1 // block_size * block_size
+        if not contiguous or (lo, hi) == (b0, b1) or mid_lo >= mid_hi:
+            spans = [(lo, hi, d0 if contiguous and (lo, hi) == (b0, b1) else None, None)]
+        else:  # the end blocks' bytes outside [b0, b1) are verified, not copied
+            spans = [(lo, mid_lo, None, (b0 - lo, d0, mid_lo - b0))] if lo < mid_lo else []
+            spans.append((mid_lo, mid_hi, d0 + mid_lo - b0, None))
+            if mid_hi < hi:
+                spans.append((mid_hi, hi, None, (0, d0 + mid_hi - b0, b1 - mid_hi)))
+        for a, b, dest_byte, flat in spans:
+            checks = ()
+            if verify:
+                checks = tuple(
+                    BlockCheck(k * block_size - a, min(block_size, length - k * block_size), sums[k])
+                    for k in range(a // block_size, -(-b // block_size))
+                )
+            first_elem = a // itemsize if itemsize else 0
+            ops.append(ReadOp(fname, foff + a, b - a, dest_byte, cbox, inter, first_elem, checks, ci, flat))
     return ops
 
 
