@@ -11,7 +11,8 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from .cover import _sweep, check_cover, tiles  # noqa: F401 - their home was here (api, manifest, tests)
 
 # Chunks of at least this size start at a page boundary (O_DIRECT and mmap friendly);
 # smaller ones at 64 bytes, which keeps any dtype aligned when the file is mmapped.
@@ -20,6 +21,7 @@ SMALL_ALIGN = 64
 PAGE_ALIGN_FROM = 1 << 20
 # Replicated tensors larger than this are split into row ranges so ranks can share the work.
 SPLIT_BYTES = 64 << 20
+SCRATCH_BYTES = 4 << 20  # a column shard's rows are read through scratch this much at a time
 
 
 def align_up(n: int, a: int) -> int:
@@ -212,6 +214,7 @@ def plan_reads(
     range whose elements are contiguous in both boxes (row shards resharded: 2 -> 3 ranks) is
     read straight into ``dest`` but for its first and last block, each read into a scratch
     block and copied (``ReadOp.flat``): scratch memory is two blocks, not the rank's share.
+    Other ranges (column shards) go through scratch in groups of rows (:func:`_row_groups`).
     """
     ops: list[ReadOp] = []
     for ci, (cbox, fname, foff, length, sums) in enumerate(chunks):
@@ -224,35 +227,58 @@ def plan_reads(
         inter = cbox.intersect(dest)
         if inter is None or inter.numel == 0:
             continue
-        first = inter.flat_start_in(cbox)
-        last = _last_flat(inter, cbox)
-        lo, hi = first * itemsize, (last + 1) * itemsize
-        if verify:
-            lo = lo // block_size * block_size
-            hi = min(align_up(hi, block_size), length)
-        b0, b1 = first * itemsize, (last + 1) * itemsize
-        contiguous = inter.is_contiguous_in(cbox) and inter.is_contiguous_in(dest)
-        d0 = inter.flat_start_in(dest) * itemsize
-        # Widened: the blocks wholly inside [b0, b1) go direct; only the end blocks via scratch.
-        mid_lo = b0 if b0 == lo else align_up(b0, block_size)
-        mid_hi = b1 if b1 == hi else b1 // block_size * block_size
-        if not contiguous or (lo, hi) == (b0, b1) or mid_lo >= mid_hi:
-            spans = [(lo, hi, d0 if contiguous and (lo, hi) == (b0, b1) else None, None)]
-        else:  # the end blocks' bytes outside [b0, b1) are verified, not copied
-            spans = [(lo, mid_lo, None, (b0 - lo, d0, mid_lo - b0))] if lo < mid_lo else []
-            spans.append((mid_lo, mid_hi, d0 + mid_lo - b0, None))
-            if mid_hi < hi:
-                spans.append((mid_hi, hi, None, (0, d0 + mid_hi - b0, b1 - mid_hi)))
-        for a, b, dest_byte, flat in spans:
-            checks = ()
+        for part in _row_groups(inter, cbox, dest, itemsize, block_size):
+            first = part.flat_start_in(cbox)
+            last = _last_flat(part, cbox)
+            lo, hi = first * itemsize, (last + 1) * itemsize
             if verify:
-                checks = tuple(
-                    BlockCheck(k * block_size - a, min(block_size, length - k * block_size), sums[k])
-                    for k in range(a // block_size, -(-b // block_size))
-                )
-            first_elem = a // itemsize if itemsize else 0
-            ops.append(ReadOp(fname, foff + a, b - a, dest_byte, cbox, inter, first_elem, checks, ci, flat))
+                lo = lo // block_size * block_size
+                hi = min(align_up(hi, block_size), length)
+            b0, b1 = first * itemsize, (last + 1) * itemsize
+            contiguous = part.is_contiguous_in(cbox) and part.is_contiguous_in(dest)
+            d0 = part.flat_start_in(dest) * itemsize
+            # Widened: the blocks wholly inside [b0, b1) go direct; only the end blocks via scratch.
+            mid_lo = b0 if b0 == lo else align_up(b0, block_size)
+            mid_hi = b1 if b1 == hi else b1 // block_size * block_size
+            if not contiguous or (lo, hi) == (b0, b1) or mid_lo >= mid_hi:
+                spans = [(lo, hi, d0 if contiguous and (lo, hi) == (b0, b1) else None, None)]
+            else:  # the end blocks' bytes outside [b0, b1) are verified, not copied
+                spans = [(lo, mid_lo, None, (b0 - lo, d0, mid_lo - b0))] if lo < mid_lo else []
+                spans.append((mid_lo, mid_hi, d0 + mid_lo - b0, None))
+                if mid_hi < hi:
+                    spans.append((mid_hi, hi, None, (0, d0 + mid_hi - b0, b1 - mid_hi)))
+            for a, b, dest_byte, flat in spans:
+                checks = ()
+                if verify:
+                    checks = tuple(
+                        BlockCheck(k * block_size - a, min(block_size, length - k * block_size), sums[k])
+                        for k in range(a // block_size, -(-b // block_size))
+                    )
+                first_elem = a // itemsize if itemsize else 0
+                ops.append(ReadOp(fname, foff + a, b - a, dest_byte, cbox, part, first_elem, checks, ci, flat))
     return ops
+
+
+def _row_groups(inter: Box, cbox: Box, dest: Box, itemsize: int, block: int) -> list[Box]:
+    """``inter`` (read indirectly: not contiguous in chunk ``cbox`` or in ``dest``, as a column
+    shard resharded, loaded on one rank or consolidated) cut along dim 0 at chunk rows that are
+    multiples of ``g``: ~SCRATCH_BYTES (or a block) of the chunk, a multiple of ``block`` when
+    the rows allow, so that the groups' widened reads do not overlap. Each group's scratch
+    buffer is allocated and dropped in turn (``io._Scratch``), not one for every row at once."""
+    row, most = math.prod(cbox.sizes[1:]) * itemsize, max(SCRATCH_BYTES, block)
+    if len(inter.sizes) < 2 or not row or inter.sizes[0] * row <= most:
+        return [inter]
+    if inter.is_contiguous_in(cbox) and inter.is_contiguous_in(dest):
+        return [inter]
+    step = block // math.gcd(block, row) if block else 1  # rows whose bytes are a multiple of the block
+    g = max(1, most // row) if step * row > most else step * (most // (step * row))
+    out, o, n = [], inter.offsets, inter.sizes
+    rel, end = o[0] - cbox.offsets[0], o[0] - cbox.offsets[0] + n[0]
+    while rel < end:
+        nxt = min(end, (rel // g + 1) * g)
+        out.append(Box((cbox.offsets[0] + rel, *o[1:]), (nxt - rel, *n[1:])))
+        rel = nxt
+    return out
 
 
 def whole_read(
@@ -307,85 +333,3 @@ class Regular:
         if not c or hi <= lo:
             return range(0)
         return range(lo // c, min(self.nonempty(shape), -(-hi // c)))
-
-
-# Box tilings with at most this many dimensions split are checked by their corners (2**k per box).
-CORNER_DIMS = 6
-
-
-def tiles(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], shape: Sequence[int]) -> bool | None:
-    """Whether the non-empty ``(offsets, sizes)`` boxes, each inside ``shape``, cover every element
-    of ``shape`` exactly once; None when that cannot be told in time linear in the boxes.
-
-    O(boxes * 2**k), k the number of dimensions that some box does not span whole: the sum of
-    the boxes' indicator functions is a signed sum of orthants, one per corner (in each dimension
-    ``1[a <= x < b] = H(x - a) - H(x - b)``), and orthants are linearly independent, so the boxes
-    tile the tensor iff their signed corners add up to the tensor's. (Comparing boxes pairwise
-    took O(boxes**2) for a staircase of long chunks: 25 s for a 575 KB manifest.) Over
-    ``CORNER_DIMS`` split dimensions (never written by a save), a sweep with a budget."""
-    if not boxes:
-        return math.prod(shape) == 0
-    split = [d for d, n in enumerate(shape) if any(o[d] or s[d] != n for o, s in boxes)]
-    if len(split) > CORNER_DIMS:
-        return _sweep(boxes, 256 * len(boxes) + 65536)
-    acc: dict[tuple[int, ...], int] = {}
-    for o, s in boxes:
-        for corner, sign in _corners([(o[d], o[d] + s[d]) for d in split]):
-            acc[corner] = acc.get(corner, 0) + sign
-    return {c: v for c, v in acc.items() if v} == dict(_corners([(0, shape[d]) for d in split]))
-
-
-def _corners(spans: list[tuple[int, int]]) -> list[tuple[tuple[int, ...], int]]:
-    """The corners of the box with these ``(lo, hi)`` spans, each with its sign (-1 per ``hi``)."""
-    out: list[tuple[tuple[int, ...], int]] = [((), 1)]
-    for lo, hi in spans:
-        out = [(c + (lo,), v) for c, v in out] + [(c + (hi,), -v) for c, v in out]
-    return out
-
-
-def _sweep(boxes: Sequence[tuple[Sequence[int], Sequence[int]]], budget: int) -> bool | None:
-    """Whether boxes (whose volumes add up to the tensor's) are pairwise disjoint, comparing the
-    pairs that overlap along the dimension with the most distinct offsets; None past ``budget``."""
-    d = max(range(len(boxes[0][0])), key=lambda i: len({o[i] for o, _s in boxes}))
-    order = sorted(boxes, key=lambda b: b[0][d])
-    for i, (ao, asz) in enumerate(order):
-        end = ao[d] + asz[d]
-        for j in range(i + 1, len(order)):
-            bo, bsz = order[j]
-            if bo[d] >= end:
-                break
-            budget -= 1
-            if budget < 0:
-                return None
-            if all(b < a + n and a < b + m for a, n, b, m in zip(ao, asz, bo, bsz, strict=True)):
-                return False
-    return True
-
-
-def check_cover(tensors: dict[str, Any]) -> None:
-    """Rank 0, before it commits a save (``api._build_manifest``): the chunks the ranks wrote
-    cover each tensor's elements exactly once, as every load checks (``manifest``), so that no
-    checkpoint is committed that no load accepts. Two ranks that both wrote a part (a DTensor
-    held by several device meshes that are not slices of one mesh) fail the save, naming them.
-    O(chunks): element counts only; regular (format 2) and alias entries have no chunks here."""
-    from .errors import CheckpointError
-
-    for path, e in tensors.items():
-        if e.regular is not None or e.alias is not None:
-            continue
-        volume, n = sum(math.prod(c.sizes) for c in e.chunks), math.prod(e.shape)
-        if volume == n:
-            continue
-        seen: dict[tuple, str] = {}
-        twice = ""
-        for c in e.chunks:
-            k = (tuple(c.offsets), tuple(c.sizes))
-            if k in seen:
-                twice = f" ({seen[k]} and {c.file} both hold the part at {list(c.offsets)})"
-                break
-            seen[k] = c.file
-        raise CheckpointError(
-            f"{path}: the ranks wrote {volume} elements of its {n}{twice}"
-            + "; e.g. a DTensor held by several device meshes is written by each: build them as slices of one "
-            "mesh (init_device_mesh(...)['tp']), whose other dimensions count as replicas"
-        )
