@@ -156,4 +156,5 @@ in pytest, 4-14 MiB in a bare process: several read threads, the allocator). The
     out.zero_()
     extra = _peak_rss_extra(lambda: tg_io.read_targets(storage, d, [tg_io.ReadTarget("w", out, dest, ops)]))
     assert torch.equal(out, t[:, dest.offsets[1] : dest.offsets[1] + dest.sizes[1]])
-    assert extra < share, f"peak extra RSS {extra >> 20} MiB reading a {share >> 20} MiB share"
+    # before: ~3x the share (the whole chunk in one scratch buffer); a generous bound for the arenas
+    assert extra < 2 * share, f"peak extra RSS {extra >> 20} MiB reading a {share >> 20} MiB share"
