@@ -36,7 +36,7 @@ from .policies import (  # noqa: E402
     SavePolicy,
 )
 from .sampler import ResumableIterable, ResumableSampler  # noqa: E402
-from .seeded import SeededDataset  # noqa: E402
+from .seeded import SeededDataset, ignore_stop_signals  # noqa: E402
 from .stateful import RNGState, StateDict, Stateful  # noqa: E402
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "ResumableSampler",
     "ResumableIterable",
     "SeededDataset",
+    "ignore_stop_signals",
     "SavePolicy",
     "RetentionPolicy",
     "EveryNSteps",

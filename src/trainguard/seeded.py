@@ -63,3 +63,33 @@ class SeededDataset(torch.utils.data.Dataset):
             random.setstate(saved[0])
             np.random.set_state(saved[1])
             torch.set_rng_state(saved[2])
+
+
+def ignore_stop_signals(worker_id: int | None = None) -> None:
+    """A DataLoader ``worker_init_fn`` (or a call inside yours): this worker process ignores
+    SIGINT, and SIGTERM unless its parent sent it, so that a stop signal sent to the whole process
+    group reaches only the training process, whose ``CheckpointManager`` saves at its next
+    ``save()`` and stops.
+
+    Slurm (preemption, ``scancel``) signals every process of the job step, Ctrl-C every process
+    of the terminal's group: torch's worker handler dies of a SIGTERM that its parent did not
+    send, and the training process then raises ``RuntimeError: DataLoader worker ... is killed by
+    signal`` (from its SIGCHLD handler, anywhere in the step) before it reaches the preemption
+    save. A SIGTERM from the parent (the loader's shutdown, multiprocessing's at exit) still ends
+    the worker at once, as torch's handler does: SIGTERM is blocked and a thread takes it with
+    ``sigwaitinfo``, which says who sent it."""
+    import os
+    import signal
+    import threading
+
+    del worker_id  # the worker_init_fn signature
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
+
+    def take() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+                os._exit(0)  # torch's handler exits so too: a worker stopped by its loader
+
+    threading.Thread(target=take, name="trainguard-worker-sigterm", daemon=True).start()
