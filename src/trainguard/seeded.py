@@ -75,21 +75,24 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:
     of the terminal's group: torch's worker handler dies of a SIGTERM that its parent did not
     send, and the training process then raises ``RuntimeError: DataLoader worker ... is killed by
     signal`` (from its SIGCHLD handler, anywhere in the step) before it reaches the preemption
-    save. A SIGTERM from the parent (the loader's shutdown, multiprocessing's at exit) still ends
+    save. A SIGTERM from the loader's process (its shutdown, multiprocessing's at exit) still ends
     the worker at once, as torch's handler does: SIGTERM is blocked and a thread takes it with
     ``sigwaitinfo``, which says who sent it."""
+    import multiprocessing
     import os
     import signal
     import threading
 
     del worker_id  # the worker_init_fn signature
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent = os.getppid()
+    # The loader's process: the parent, but for multiprocessing_context="forkserver" (the forkserver's child).
+    creator = multiprocessing.parent_process()
+    parents = {os.getppid(), *([creator.pid] if creator is not None and creator.pid else [])}
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit it
 
     def take() -> None:
         while True:
-            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == parent:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid in parents:
                 os._exit(0)  # torch's handler exits so too: a worker stopped by its loader
 
     threading.Thread(target=take, name="trainguard-worker-sigterm", daemon=True).start()
