@@ -374,8 +374,12 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
         if not overwrite and storage.exists(storage.join(final, layout.MANIFEST)):
             raise StepExistsError(f"{final} was committed by someone else during this save")
         old = storage.join(parent, layout.old_dir(name, save_id))
-        storage.rename_dir(final, old)
-        storage.rename_dir(work, final)
+        try:
+            storage.rename_dir(final, old)
+            storage.rename_dir(work, final)
+        except BaseException:
+            _put_back(storage, old, final)
+            raise
         storage.remove_tree(old)
     else:
         try:
@@ -385,3 +389,13 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
                 raise
             raise StepExistsError(f"{final} was committed by someone else during this save") from e
     fault("after_rename", 0)
+
+
+def _put_back(storage: Storage, old: str, final: str) -> None:
+    """``commit_dir``, an overwrite whose renames failed (I/O error, Ctrl-C) after the previous checkpoint
+    went to ``old``: moved back to ``final`` unless the new one got there (only an fsync failed)."""
+    try:
+        if not storage.exists(final) and storage.exists(storage.join(old, layout.MANIFEST)):
+            storage.rename_dir(old, final)
+    except OSError as e:
+        warnings.warn(f"could not move the previous checkpoint {old} back to {final}: {e}", stacklevel=2)

@@ -1,0 +1,112 @@
+"""An OSError (EIO) at one system call of a save, a load, a manager's open/save/restore/close:
+the previous checkpoint stays loadable where it was, the error is a CheckpointError, nothing
+leaks, and the next save works. The calls are failed by wrapping ``os`` functions and counting
+(``Inject``); the exhaustive sweep over every call is kept out of the suite (bench/.tmp)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import warnings
+
+import pytest
+import torch
+
+import trainguard as tg
+
+
+class Inject:
+    """Raise ``OSError(err)`` from the ``k``-th call (any thread) of ``os.<name>`` for the names
+    in ``funcs`` whose first argument (a path) passes ``match``, while the context is entered.
+    ``close`` closes first, as Linux does when it reports an error."""
+
+    def __init__(self, funcs: dict[str, int], err: int = errno.EIO, match: str = "") -> None:
+        self.left = dict(funcs)  # name -> k (1 = its first call)
+        self.err, self.match = err, match
+        self.lock = threading.Lock()
+        self.orig: dict[str, object] = {}
+        self.hits: list[str] = []
+
+    def _wrap(self, name: str, f):  # noqa: ANN001, ANN202
+        def w(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            if not a or self.match not in str(a[0]):
+                return f(*a, **kw)
+            with self.lock:
+                self.left[name] -= 1
+                hit = self.left[name] == 0
+            if hit:
+                self.hits.append(name)
+                if name == "close":
+                    f(*a, **kw)
+                raise OSError(self.err, f"{os.strerror(self.err)} (injected: {name})")
+            return f(*a, **kw)
+
+        return w
+
+    def __enter__(self) -> Inject:
+        for name in self.left:
+            self.orig[name] = getattr(os, name)
+            setattr(os, name, self._wrap(name, self.orig[name]))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, f in self.orig.items():
+            setattr(os, name, f)
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(300_000, generator=g), "s": [torch.randn(10, generator=g)], "progress": tg.StateDict(step=step)}
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(300_000), "s": [torch.zeros(10)], "progress": tg.StateDict(step=-1)}
+
+
+def assert_holds(path: str | os.PathLike[str], step: int) -> None:
+    st, want = blank(), state_for(step)
+    tg.load(path, st)
+    assert torch.equal(st["w"], want["w"]) and torch.equal(st["s"][0], want["s"][0]) and st["progress"]["step"] == step
+    assert tg.verify(path).ok
+
+
+@pytest.mark.parametrize("call", [("rename", 2), ("fsync", 1)])
+def test_failed_overwrite_leaves_previous_checkpoint_in_place(tmp_path, call):
+    """tg.save(overwrite=True): the previous checkpoint is renamed to ``<name>.old-<id>``, then the
+    new one into place. An error in between (the second rename, or the fsync of the parent after
+    the first) left ``<name>`` empty: every load of the path failed until someone renamed it back."""
+    a = tmp_path / "a"
+    tg.save(a, state_for(1))
+    # The first rename is a -> a.old-<id>, the second a.tmp-<id> -> a. The fsync failed is the
+    # parent's right after the first rename (armed by it: a count alone would hit a data file).
+    name, k = call
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if name == "rename":
+            with Inject({"rename": k}, match=str(tmp_path)), pytest.raises(tg.CheckpointError, match="failed"):
+                tg.save(a, state_for(2), overwrite=True)
+        else:
+            orig_rename = os.rename
+            moved = []
+
+            def rename(src, dst, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+                orig_rename(src, dst, *a, **kw)
+                moved.append(dst)
+                if ".old-" in str(dst):  # the parent's fsync right after this rename fails
+                    inj.__enter__()
+
+            inj = Inject({"fsync": 1})
+            os.rename = rename
+            try:
+                with pytest.raises(tg.CheckpointError, match="failed"):
+                    tg.save(a, state_for(2), overwrite=True)
+            finally:
+                os.rename = orig_rename
+                inj.__exit__()
+            assert inj.hits == ["fsync"]
+    assert_holds(a, 1)  # still there, bit for bit
+    assert sorted(os.listdir(tmp_path)) == ["a"]  # the temp directory removed, nothing set aside left
+    tg.save(a, state_for(3), overwrite=True)  # the next save works
+    assert_holds(a, 3)
+    assert sorted(os.listdir(tmp_path)) == ["a"]
