@@ -110,3 +110,19 @@ def test_failed_overwrite_leaves_previous_checkpoint_in_place(tmp_path, call):
     tg.save(a, state_for(3), overwrite=True)  # the next save works
     assert_holds(a, 3)
     assert sorted(os.listdir(tmp_path)) == ["a"]
+
+
+def test_listing_error_of_managed_save_is_a_checkpoint_error_and_warn_continues(tmp_path):
+    """The save's first look into its target (``commit.occupied``: a listing) failing with EIO
+    escaped one process as a bare OSError: ``on_error="warn"`` (which catches CheckpointError)
+    did not apply, and the training loop died on a save the manager promised to only warn about."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), on_error="warn", handle_signals=False) as mgr:
+        mgr.save(1, state_for(1))
+        with Inject({"listdir": 1}, match="step-000000002"), pytest.warns(UserWarning, match="step-000000002"):
+            assert mgr.save(2, state_for(2)) is None  # warned, training goes on
+        mgr.save(3, state_for(3))  # the next save works
+    with Inject({"listdir": 1}, match=str(tmp_path / "b")), pytest.raises(tg.CheckpointError, match="Input/output"):
+        tg.save(tmp_path / "b", state_for(1))  # tg.save: a CheckpointError too, naming the path
+    assert_holds(run / "step-000000003", 3)
+    assert_holds(run / "step-000000001", 1)

@@ -187,9 +187,10 @@ def persist_and_commit(
         hello["id"] = uuid.uuid4().hex[:16]
         try:
             hello.update(occupied(storage, storage.join(parent, name), overwrite))
-        except Exception as e:  # a listing that failed (name too long, no permission, an object store's error)
-            if not ctx.is_distributed:
-                raise
+        except Exception as e:  # a listing that failed (name too long, no permission, EIO, an object store's error)
+            if not ctx.is_distributed:  # a CheckpointError: a manager's on_error="warn" applies to it
+                raise e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"save of {target} failed: cannot look into {target}: {type(e).__name__}: {e}") from e
             hello["error"] = describe_error(e)  # in the begin round: every rank raises it, none waits for rank 0
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     _check_begin(begin, ctx)
