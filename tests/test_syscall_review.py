@@ -126,3 +126,23 @@ def test_listing_error_of_managed_save_is_a_checkpoint_error_and_warn_continues(
         tg.save(tmp_path / "b", state_for(1))  # tg.save: a CheckpointError too, naming the path
     assert_holds(run / "step-000000003", 3)
     assert_holds(run / "step-000000001", 1)
+
+
+def test_stat_error_at_open_never_deletes_a_committed_checkpoint(tmp_path):
+    """A manager's open removes step directories without a manifest (debris of crashed saves). Whether
+    the manifest is there was asked with os.path.exists, which answers False on any OSError: one EIO
+    on the stat of a committed step's manifest.json, and open deleted that checkpoint."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    (run / "step-000000003").mkdir()  # debris: a step directory without a manifest
+    with Inject({"stat": 1}, match="step-000000002/manifest.json"), pytest.raises(tg.CheckpointError, match="Input/output"):
+        tg.CheckpointManager(run, handle_signals=False).open()
+    assert_holds(run / "step-000000002", 2)
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:  # the next start works
+        st = blank()
+        assert mgr.restore(st) == 2
+        mgr.save(3, state_for(3))
+    assert_holds(run / "step-000000003", 3)
+    assert_holds(run / "step-000000001", 1)

@@ -331,7 +331,13 @@ class LocalStorage:
             return []
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        """False only when ``path`` is not there; another error (EIO, EACCES) is raised: os.path.exists
+        answers False to it, and a manager's open deleted a committed step whose manifest's stat failed."""
+        try:
+            os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def size(self, path: str) -> int:
         return os.stat(path, follow_symlinks=False).st_size
