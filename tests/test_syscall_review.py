@@ -146,3 +146,35 @@ def test_stat_error_at_open_never_deletes_a_committed_checkpoint(tmp_path):
         mgr.save(3, state_for(3))
     assert_holds(run / "step-000000003", 3)
     assert_holds(run / "step-000000001", 1)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("cold", [False, True])
+def test_load_failing_at_fstat_or_close_leaks_no_descriptor(tmp_path, monkeypatch, cold):
+    """An fstat that fails after a checkpoint file was opened (the regular-file check, the page-cache
+    probe, the O_DIRECT descriptor's inode check: EIO, or ESTALE on NFS) left that descriptor open;
+    a close that reported an error (Linux releases the number anyway) skipped the reader's other
+    descriptor and every later reader's. A job that retries its restore leaked one or two a try."""
+    from trainguard.storage import _pagecache
+
+    # Cold: not in the page cache, a second (O_DIRECT) descriptor is opened; hot: one. The probe
+    # keeps its fstat (one of the calls failed below).
+    monkeypatch.setattr(_pagecache, "cached_fraction", lambda fd: os.fstat(fd) and (0.0 if cold else 1.0))
+    a = tmp_path / "a"
+    tg.save(a, state_for(1))
+    tg.load(a, blank())  # warm up (imports, thread pools, bounce buffers)
+    hit = []
+    for name, k in [("fstat", k) for k in range(1, 8)] + [("close", k) for k in range(1, 5)]:
+        before = _open_fds()
+        with Inject({name: k}) as inj:
+            try:
+                tg.load(a, blank())
+            except (OSError, tg.CheckpointError):
+                pass
+        hit += inj.hits
+        assert _open_fds() == before, f"{name} #{k} leaked {_open_fds() - before} descriptor(s)"
+    assert hit.count("fstat") >= (5 if cold else 4) and hit.count("close") >= (2 if cold else 1)
+    assert_holds(a, 1)

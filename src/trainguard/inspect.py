@@ -5,6 +5,7 @@ temp directories and take no lock). Used by the CLI and by tests; any process ma
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field
 
@@ -92,8 +93,9 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
                 pos += n
                 total += n
     finally:
-        for r in readers.values():
-            r.close()
+        for r in readers.values():  # every one, even after a close that raised
+            with contextlib.suppress(OSError):
+                r.close()
     return total
 
 

@@ -7,6 +7,7 @@ run from a background thread (the async writer). Two streams by default (measure
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -334,9 +335,10 @@ def read_targets(
         reads.run(gen, streams, extra=COLD_DIRECT_EXTRA if streams > 1 else 0, want_extra=reading_direct)
     finally:
         gen.close()
-        for r in readers.values():
+        for r in readers.values():  # every one, even after a close that raised (an object store's reader)
             _count("bytes_read_direct", getattr(r, "direct_bytes", 0))
-            r.close()
+            with contextlib.suppress(OSError):
+                r.close()
     _count("bytes_read", total)
     return total
 

@@ -6,10 +6,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import threading
 
-from ..errors import CorruptCheckpointError
 from . import _durable, _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
@@ -22,6 +20,7 @@ from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported 
     page_phase,
 )
 from ._diskfull import disk_error as _disk_error
+from ._open import open_regular as _open_regular
 
 READ_PIECE = 4 << 20  # bytes per read call of a hot load: fits the L3 cache twice over (2 streams)
 # Files mostly not in the page cache, read buffered (no O_DIRECT here): each read op in one
@@ -147,30 +146,6 @@ class _LocalWriter:
                 os.close(fd)
 
 
-def _open_regular(path: str) -> int:
-    """Open a checkpoint file for reading, refusing anything but a regular file in place.
-
-    O_NOFOLLOW: a symlink (possibly leaving the directory) is refused. O_NONBLOCK: a FIFO
-    planted under a checkpoint name cannot block the open; it is then refused as not regular.
-    """
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            raise CorruptCheckpointError(f"{path}: data file is missing", file=os.path.basename(path)) from None
-        if e.errno == errno.ELOOP:
-            raise CorruptCheckpointError(
-                f"{path} is a symbolic link; checkpoint files must be regular files inside the checkpoint",
-                file=os.path.basename(path),
-            ) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CorruptCheckpointError(f"{path} is not a regular file", file=os.path.basename(path))
-    return fd
-
-
 class _LocalReader:
     """Reads one data file for ``io.read_targets`` (several threads call ``readinto``).
 
@@ -193,14 +168,18 @@ class _LocalReader:
         self.fd = _open_regular(path)
         self.dfd: int | None = None
         self.direct_bytes = 0  # bytes read through O_DIRECT (tests and benchmarks read it)
-        cached = _pagecache.cached_fraction(self.fd)
-        self.cold = cached is not None and cached < 0.9  # io groups small reads of a cold file
-        if self.cold:
-            self.piece_bytes, self.hash_sub = COLD_READ_PIECE, None
-            if direct and direct_io_enabled():
-                self.dfd = self._open_direct()
-                if self.dfd is not None:
-                    self.piece_bytes = COLD_DIRECT_PIECE
+        try:  # a failure here (an fstat's EIO) closes what was opened: no caller holds the reader yet
+            cached = _pagecache.cached_fraction(self.fd)
+            self.cold = cached is not None and cached < 0.9  # io groups small reads of a cold file
+            if self.cold:
+                self.piece_bytes, self.hash_sub = COLD_READ_PIECE, None
+                if direct and direct_io_enabled():
+                    self.dfd = self._open_direct()
+                    if self.dfd is not None:
+                        self.piece_bytes = COLD_DIRECT_PIECE
+        except BaseException:
+            self.close()
+            raise
         self.direct_ok = self.dfd is not None
 
     def _open_direct(self) -> int | None:
@@ -211,7 +190,11 @@ class _LocalReader:
             dfd = os.open(self.path, flags)
         except OSError:
             return None
-        a, b = os.fstat(self.fd), os.fstat(dfd)
+        try:
+            a, b = os.fstat(self.fd), os.fstat(dfd)
+        except BaseException:
+            os.close(dfd)  # not left open by an fstat that failed (EIO, ESTALE on NFS)
+            raise
         if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
             os.close(dfd)
             return None
@@ -308,10 +291,11 @@ class _LocalReader:
     def close(self) -> None:
         # The O_DIRECT descriptor stays open until here even after a refusal: other threads
         # may still be reading through it, and a closed number can be reused by the next open.
-        if self.dfd is not None:
-            os.close(self.dfd)
-            self.dfd = None
-        os.close(self.fd)
+        for fd in (self.dfd, self.fd):  # both, even when one reports an error (Linux released it anyway)
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.dfd, self.fd = None, -1
 
 
 class LocalStorage:
