@@ -178,3 +178,33 @@ def test_load_failing_at_fstat_or_close_leaks_no_descriptor(tmp_path, monkeypatc
         assert _open_fds() == before, f"{name} #{k} leaked {_open_fds() - before} descriptor(s)"
     assert hit.count("fstat") >= (5 if cold else 4) and hit.count("close") >= (2 if cold else 1)
     assert_holds(a, 1)
+
+
+def test_io_error_reading_a_checkpoint_is_a_checkpoint_error_and_restore_falls_back(tmp_path, caplog):
+    """An I/O error reading a checkpoint (EIO at the open or the read of its data file) escaped
+    tg.load and CheckpointManager.restore as a bare OSError, and verify raised it instead of
+    reporting: a restarted job whose newest checkpoint sits on a failing sector crashed at every
+    restart, though an older checkpoint that verifies was there. Now tg.load raises a
+    CorruptCheckpointError naming the checkpoint, verify reports it, and restore falls back."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    bad = run / "step-000000002"
+    with Inject({"open": 1}, match="step-000000002/data"), pytest.raises(tg.CorruptCheckpointError, match="step-000000002"):
+        tg.load(bad, blank())
+    with Inject({"open": 1}, match="step-000000002/data"):
+        report = tg.verify(bad)
+    assert not report.ok and "Input/output" in report.errors[0]
+    with Inject({"preadv": 1}):  # the first read of step 2's data (the manifest is read by os.read)
+        report = tg.verify(bad)
+    assert not report.ok and "data-00000.bin" in report.errors[0] and "Input/output" in report.errors[0]
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        st = blank()
+        with Inject({"open": 1}, match="step-000000002/data"):
+            assert mgr.restore(st) == 1  # the newest that can be read
+        assert torch.equal(st["w"], state_for(1)["w"]) and st["progress"]["step"] == 1
+        assert "step 2" in caplog.text and "Input/output" in caplog.text
+        mgr.save(2, state_for(2))  # training goes on from step 1; its step 2 replaces the unreadable one
+    assert_holds(bad, 2)
+

@@ -123,6 +123,21 @@ def is_data_error(e: BaseException) -> bool:
     return isinstance(e, (CorruptCheckpointError, NotACheckpointError, FormatVersionError))
 
 
+def unreadable(e: Exception, target: str) -> Exception:
+    """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``
+    (EIO, ESTALE: the storage failed) as a ``CorruptCheckpointError`` (``restore`` then tries an
+    older checkpoint, as for bad bytes; before, it raised the bare OSError at every restart);
+    anything else as it is."""
+    if not isinstance(e, OSError) or isinstance(e, CheckpointError):
+        return e
+    err = CorruptCheckpointError(
+        f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. The storage failed reading it; "
+        f"`trainguard verify {target}` says whether it can be read now"
+    )
+    err.__cause__ = e
+    return err
+
+
 def nonneg_int(value: object, hint: str) -> int:
     """``value`` as an int >= 0 (Python, numpy and 0-d tensor ints; not bools): a TypeError for
     anything else, a ValueError for a negative one, each followed by ``hint``."""

@@ -43,20 +43,27 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         manifest = read_manifest(storage, target)
     except CheckpointError as e:
         return VerifyResult(target, False, [str(e)])
+    except OSError as e:  # an I/O error (EIO): reported, not raised
+        return VerifyResult(target, False, [f"cannot read {target}/{layout.MANIFEST}: {type(e).__name__}: {e}"])
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
         p = storage.join(target, fname)
-        if not storage.exists(p):
-            errors.append(f"{fname}: missing")
-        elif storage.size(p) != size:
-            errors.append(f"{fname}: {storage.size(p)} bytes, manifest says {size}")
+        try:
+            if not storage.exists(p):
+                errors.append(f"{fname}: missing")
+            elif storage.size(p) != size:
+                errors.append(f"{fname}: {storage.size(p)} bytes, manifest says {size}")
+        except OSError as e:
+            errors.append(f"{fname}: cannot be read: {type(e).__name__}: {e}")
     if errors:
         return VerifyResult(target, False, errors, 0, manifest.step)
     try:
         total = _check_chunks(storage, target, manifest, errors)
     except CheckpointError as e:  # e.g. a data file that is a symlink or not a regular file
         errors.append(str(e))
+    except OSError as e:  # an I/O error opening a data file
+        errors.append(f"cannot read a data file of {target}: {type(e).__name__}: {e}")
     return VerifyResult(target, not errors, errors, total, manifest.step)
 
 
@@ -83,7 +90,7 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
                 n = min(len(buf), c.length - pos)
                 try:
                     readers[c.file].readinto(view[:n], c.offset + pos)
-                except CheckpointError as ex:
+                except (CheckpointError, OSError) as ex:  # bad bytes, or an I/O error: reported, not raised
                     errors.append(f"{c.file}: tensor {path}: {ex}")
                     break
                 for b in range(0, n, m.block_size):

@@ -24,6 +24,7 @@ from .errors import (
     CorruptCheckpointError,
     StateMismatchError,
     agree_load,
+    unreadable,
 )
 from .flatten import flatten, keep_types, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
@@ -69,9 +70,10 @@ def load(
         with gc_paused():
             manifest = read_manifest(storage, target)
             _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round)
-    except Exception as e:
+    except Exception as exc:
+        e = unreadable(exc, target)  # an I/O error reading it: a CorruptCheckpointError (restore tries an older one)
         if not ctx.is_distributed:
-            raise
+            raise e from e.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
             plan_round(e)
         if not agreed[0]:  # the plan round raised, on every rank
