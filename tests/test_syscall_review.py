@@ -208,3 +208,25 @@ def test_io_error_reading_a_checkpoint_is_a_checkpoint_error_and_restore_falls_b
         mgr.save(2, state_for(2))  # training goes on from step 1; its step 2 replaces the unreadable one
     assert_holds(bad, 2)
 
+
+
+@pytest.mark.parametrize("name", ["ftruncate", "pwrite", "fsync"])
+def test_run_lock_failing_to_write_its_holder_leaks_no_descriptor(tmp_path, name):
+    """The manager's lock file is locked, then its holder info written (ftruncate, pwrite, fsync).
+    An I/O error there failed open with CheckpointError but left the descriptor open, and with
+    it the POSIX lock, for as long as the process lived (a job that retried open held its own
+    run directory against the next job). At close, an error truncating it escaped close() as a
+    bare OSError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    before = _open_fds()
+    with Inject({name: 1}), pytest.raises(tg.CheckpointError, match="Input/output"):
+        tg.CheckpointManager(run, handle_signals=False).open()
+    assert _open_fds() == before
+    mgr = tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False).open()
+    mgr.save(1, state_for(1))
+    with Inject({"ftruncate": 1}):
+        mgr.close()  # the holder info is advisory: its truncation failing is no error of close()
+    assert _open_fds() == before
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        assert mgr.restore(blank()) == 1

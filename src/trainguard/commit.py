@@ -1,4 +1,4 @@
-"""The run directory's lifecycle: the writer lock, debris cleanup, discovery of checkpoints.
+"""The run directory's lifecycle: the writer lock (``runlock``), debris cleanup, discovery of checkpoints.
 
 Called on rank 0 only (the manager broadcasts results), except the commit fence at the end
 (``claim_commit`` on rank 0, ``abandon_commit`` on any rank). The two-phase commit itself is in
@@ -9,11 +9,7 @@ then rank 0 writes ``manifest.json`` last and renames the directory.
 from __future__ import annotations
 
 import errno
-import fcntl
-import json
 import os
-import socket
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +19,6 @@ from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
-    LockedError,
     NotACheckpointError,
     RankFailureError,
     StepExistsError,
@@ -32,71 +27,8 @@ from .errors import (
 )
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
+from .runlock import RunLock  # noqa: F401  (the manager imports it from here)
 from .storage import Storage
-
-_HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
-
-
-class RunLock:
-    """One writing job per run directory: ``<root>/.lock`` under a POSIX record lock.
-
-    POSIX locks belong to the process: they vanish when it dies (so a crashed job's lock is
-    stale and is taken over with a warning) and are not inherited by forked DataLoader workers.
-    Object stores have no locks; there the lock is skipped (documented in docs/storage.md).
-    """
-
-    def __init__(self, root: str) -> None:
-        self.path = os.path.join(root, layout.LOCK)
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        real = os.path.realpath(self.path)
-        if real in _HELD:
-            raise LockedError(
-                f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
-                "process; close it first or give each manager its own directory"
-            )
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise LockedError(
-                f"{os.path.dirname(self.path)} is in use by another job ({holder}). Stop that job, or "
-                "point this one at another directory; two writers would delete each other's checkpoints"
-            ) from None
-        old = _read_holder(fd)
-        if old and f"pid {os.getpid()} " not in old + " ":
-            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=3)
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, info, 0)
-        os.fsync(fd)
-        self.fd = fd
-        _HELD.add(real)
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        _HELD.discard(os.path.realpath(self.path))
-        try:
-            os.ftruncate(self.fd, 0)
-            fcntl.lockf(self.fd, fcntl.LOCK_UN)
-        finally:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        raw = os.pread(fd, 4096, 0)
-        if not raw:
-            return ""
-        d = json.loads(raw)
-        return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
-    except (OSError, ValueError):
-        return "unknown holder"
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:

@@ -1,0 +1,88 @@
+"""The run directory's writer lock (``CheckpointManager.open``/``close`` on rank 0)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+import warnings
+
+from . import layout
+from .errors import LockedError
+
+_HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
+
+
+class RunLock:
+    """One writing job per run directory: ``<root>/.lock`` under a POSIX record lock.
+
+    POSIX locks belong to the process: they vanish when it dies (so a crashed job's lock is
+    stale and is taken over with a warning) and are not inherited by forked DataLoader workers.
+    Object stores have no locks; there the lock is skipped (documented in docs/storage.md).
+    """
+
+    def __init__(self, root: str) -> None:
+        self.path = os.path.join(root, layout.LOCK)
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        real = os.path.realpath(self.path)
+        if real in _HELD:
+            raise LockedError(
+                f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
+                "process; close it first or give each manager its own directory"
+            )
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held by another job: the lock failed (ENOLCK, EIO)
+                os.close(fd)
+                raise
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise LockedError(
+                f"{os.path.dirname(self.path)} is in use by another job ({holder}). Stop that job, or "
+                "point this one at another directory; two writers would delete each other's checkpoints"
+            ) from None
+        old = _read_holder(fd)
+        if old and f"pid {os.getpid()} " not in old + " ":
+            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=3)
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, info, 0)
+            os.fsync(fd)
+        except BaseException:  # an I/O error: the open fails, and the lock goes with the descriptor
+            os.close(fd)
+            raise
+        self.fd = fd
+        _HELD.add(real)
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        _HELD.discard(os.path.realpath(self.path))
+        try:  # the holder info is advisory, and closing the descriptor releases the lock: no error raised
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, 0)
+                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        raw = os.pread(fd, 4096, 0)
+        if not raw:
+            return ""
+        d = json.loads(raw)
+        return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
+    except (OSError, ValueError):
+        return "unknown holder"
