@@ -17,11 +17,11 @@ import trainguard as tg
 
 
 class Inject:
-    """Raise ``OSError(err)`` from the ``k``-th call (any thread) of ``os.<name>`` for the names
+    """Raise ``OSError(err)`` (``err`` an exception class: that) from the ``k``-th call (any thread) of ``os.<name>`` for the names
     in ``funcs`` whose first argument (a path) passes ``match``, while the context is entered.
     ``close`` closes first, as Linux does when it reports an error."""
 
-    def __init__(self, funcs: dict[str, int], err: int = errno.EIO, match: str = "") -> None:
+    def __init__(self, funcs: dict[str, int], err: int | type[BaseException] = errno.EIO, match: str = "") -> None:
         self.left = dict(funcs)  # name -> k (1 = its first call)
         self.err, self.match = err, match
         self.lock = threading.Lock()
@@ -39,6 +39,8 @@ class Inject:
                 self.hits.append(name)
                 if name == "close":
                     f(*a, **kw)
+                if isinstance(self.err, type):  # KeyboardInterrupt: Ctrl-C at this call
+                    raise self.err()
                 raise OSError(self.err, f"{os.strerror(self.err)} (injected: {name})")
             return f(*a, **kw)
 
@@ -230,3 +232,29 @@ def test_run_lock_failing_to_write_its_holder_leaks_no_descriptor(tmp_path, name
     assert _open_fds() == before
     with tg.CheckpointManager(run, handle_signals=False) as mgr:
         assert mgr.restore(blank()) == 1
+
+
+def test_ctrl_c_in_open_write_or_close_leaves_no_lock_nor_descriptor(tmp_path):
+    """KeyboardInterrupt at a system call of the main thread. In a manager's open after the lock was
+    taken (the debris cleanup), the lock stayed held: the next manager on the directory in that
+    process (a notebook, a retry loop) got LockedError 'already used by another CheckpointManager
+    in this process' for good. In the lock's own reads, the O_DIRECT open of a data file, and the
+    manifest's write, the descriptor already open leaked (and the manifest's temp file stayed)."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, state_for(1))
+    before = _open_fds()
+    for call in [{"listdir": 1}, {"pread": 1}]:  # clean_debris's listing; the lock's holder read
+        with Inject(call, err=KeyboardInterrupt) as inj, pytest.raises(KeyboardInterrupt):
+            tg.CheckpointManager(run, handle_signals=False).open()
+        assert inj.hits and _open_fds() == before
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:  # not LockedError
+        assert mgr.restore(blank()) == 1
+    for call in [{"open": 2}, {"write": 1}]:  # the data file's O_DIRECT descriptor; the manifest's bytes
+        with Inject(call, err=KeyboardInterrupt, match="" if "open" not in call else "b.tmp-") as inj:
+            with pytest.raises(KeyboardInterrupt):
+                tg.save(tmp_path / "b", state_for(2))
+        assert inj.hits and _open_fds() == before, call
+        assert not [n for d, _, files in os.walk(tmp_path) for n in files if "manifest.json.tmp-" in n]
+    tg.save(tmp_path / "b", state_for(2))  # the next save works
+    assert_holds(tmp_path / "b", 2)

@@ -117,19 +117,19 @@ class CheckpointManager:
         if self._opened:
             return self
         err, exc = None, None
-        if self.ctx.rank == 0:
-            try:
-                self.storage.makedirs(self._root)
-                if self._lock:
-                    self._lock.acquire()
-                removed = clean_debris(self.storage, self._root)
-                if removed:
-                    log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
-                    self.events.emit("debris", removed=removed)
-            except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
-                exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): " + ("pass a directory path" if isinstance(e, (FileExistsError, NotADirectoryError)) else "fix the storage (an I/O error), then start again"))
-                err = str(exc)
-        try:  # a failed open leaves the directory unlocked: the same process may open it again
+        try:  # a failed open (Ctrl-C during the debris cleanup too) leaves the directory unlocked
+            if self.ctx.rank == 0:
+                try:
+                    self.storage.makedirs(self._root)
+                    if self._lock:
+                        self._lock.acquire()
+                    removed = clean_debris(self.storage, self._root)
+                    if removed:
+                        log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
+                        self.events.emit("debris", removed=removed)
+                except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
+                    exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): " + ("pass a directory path" if isinstance(e, (FileExistsError, NotADirectoryError)) else "fix the storage (an I/O error), then start again"))
+                    err = str(exc)
             err = self.ctx.broadcast("open", err, timeout=self.timeout)
             if err:
                 raise exc if exc is not None else CheckpointError(f"rank 0 could not open {self.root}: {err}")

@@ -28,6 +28,7 @@ class RunLock:
     def __init__(self, root: str) -> None:
         self.path = os.path.join(root, layout.LOCK)
         self.fd: int | None = None
+        self._real = ""  # the lock file's real path while held (release does not resolve it again)
 
     def acquire(self) -> None:
         real = os.path.realpath(self.path)
@@ -37,44 +38,46 @@ class RunLock:
                 "process; close it first or give each manager its own directory"
             )
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:  # any failure (an I/O error, Ctrl-C) closes the descriptor, and the lock goes with it
+            self._take(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self._real = fd, real
+        _HELD.add(real)
+
+    def _take(self, fd: int) -> None:
+        """``acquire``: lock ``fd`` and write this process as the holder (the caller closes ``fd`` on error)."""
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held by another job: the lock failed (ENOLCK, EIO)
-                os.close(fd)
                 raise
-            holder = _read_holder(fd)
-            os.close(fd)
             raise LockedError(
-                f"{os.path.dirname(self.path)} is in use by another job ({holder}). Stop that job, or "
+                f"{os.path.dirname(self.path)} is in use by another job ({_read_holder(fd)}). Stop that job, or "
                 "point this one at another directory; two writers would delete each other's checkpoints"
             ) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
-            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=3)
+            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=4)
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, info, 0)
-            os.fsync(fd)
-        except BaseException:  # an I/O error: the open fails, and the lock goes with the descriptor
-            os.close(fd)
-            raise
-        self.fd = fd
-        _HELD.add(real)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        os.fsync(fd)
 
     def release(self) -> None:
+        """Never raises: the holder info is advisory, and closing the descriptor releases the lock."""
         if self.fd is None:
             return
-        _HELD.discard(os.path.realpath(self.path))
-        try:  # the holder info is advisory, and closing the descriptor releases the lock: no error raised
+        fd, self.fd = self.fd, None
+        _HELD.discard(self._real)
+        try:
             with contextlib.suppress(OSError):
-                os.ftruncate(self.fd, 0)
-                fcntl.lockf(self.fd, fcntl.LOCK_UN)
+                os.ftruncate(fd, 0)
+                fcntl.lockf(fd, fcntl.LOCK_UN)
         finally:
             with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = None
+                os.close(fd)
 
 
 def _read_holder(fd: int) -> str:

@@ -65,6 +65,9 @@ class _LocalWriter:
                 self.dfd = os.open(path, os.O_WRONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
             except OSError:
                 self.dfd = None
+            except BaseException:  # Ctrl-C: no caller holds this writer to abort it
+                os.close(self.fd)
+                raise
         self.direct_ok = self.dfd is not None
         self.direct_bytes = 0  # bytes that went through O_DIRECT (tests and benchmarks read it)
 
@@ -340,10 +343,13 @@ class LocalStorage:
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        except OSError as e:
+        except BaseException as e:  # an I/O error, or Ctrl-C: neither the descriptor nor the temp file left
             os.close(fd)
-            os.unlink(tmp)
-            raise _disk_error(e, path, len(data)) from e
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(e, OSError):
+                raise _disk_error(e, path, len(data)) from e
+            raise
         os.close(fd)
         os.replace(tmp, path)
         self.fsync_dir(os.path.dirname(path))
