@@ -258,3 +258,37 @@ def test_ctrl_c_in_open_write_or_close_leaves_no_lock_nor_descriptor(tmp_path):
         assert not [n for d, _, files in os.walk(tmp_path) for n in files if "manifest.json.tmp-" in n]
     tg.save(tmp_path / "b", state_for(2))  # the next save works
     assert_holds(tmp_path / "b", 2)
+
+
+@pytest.mark.parametrize("call", [{"open": 1}, {"fsync": 1}])
+def test_consolidate_failing_leaves_no_temp_directory(tmp_path, call):
+    """consolidate created its temp directory (``full.tmp-<id>``: no manager cleans that name) and
+    opened its data file outside the block that removes it on failure: an EIO at the data file's
+    open, or at the fsync of the parent that makes the new directory durable, left the directory
+    for good, and the error came out as a bare OSError (a traceback from ``trainguard consolidate``)."""
+    from trainguard.consolidate import consolidate
+
+    a = tmp_path / "a"
+    tg.save(a, state_for(1))
+    if "fsync" in call:  # the parent's fsync of a new directory: armed right after the temp directory is made
+        orig_mkdir = os.mkdir
+
+        def mkdir(path, *args, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+            orig_mkdir(path, *args, **kw)
+            if "full.tmp-" in str(path):
+                inj.__enter__()
+
+        inj = Inject(call)
+        os.mkdir = mkdir
+        try:
+            with pytest.raises(tg.CheckpointError, match="Input/output"):
+                consolidate(a, tmp_path / "full")
+        finally:
+            os.mkdir = orig_mkdir
+            inj.__exit__()
+    else:
+        with Inject(call, match="full.tmp-") as inj, pytest.raises(tg.CheckpointError, match="Input/output"):
+            consolidate(a, tmp_path / "full")
+    assert inj.hits and sorted(os.listdir(tmp_path)) == ["a"]
+    consolidate(a, tmp_path / "full")
+    assert_holds(tmp_path / "full", 1)

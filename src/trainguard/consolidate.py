@@ -44,6 +44,15 @@ def consolidate(
     ``CorruptCheckpointError`` when a byte of ``src`` fails its checksum. ``progress(path,
     nbytes)`` is called after each tensor. One process, no collective (run it offline, or on one rank).
     """
+    try:
+        return _consolidate(src, dst, overwrite, progress)
+    except OSError as e:  # an I/O error reading src or writing dst: one CheckpointError (the CLI prints one line)
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: {type(e).__name__}: {e}") from e
+
+
+def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, int], None] | None) -> Manifest:
     sstore, sdir = for_path(src)
     dstore, target = for_path(dst)
     m = read_manifest(sstore, sdir)
@@ -60,11 +69,12 @@ def consolidate(
     dstore.makedirs(parent)
     save_id = uuid.uuid4().hex[:16]
     work = dstore.join(parent, layout.tmp_dir(name, save_id) if dstore.atomic_rename else name)
-    dstore.makedirs(work)
     fname = layout.data_file(0)
     tensors: dict[str, TensorEntry] = {}
-    w = dstore.open_write(dstore.join(work, fname))
-    try:
+    w = None
+    try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
+        dstore.makedirs(work)
+        w = dstore.open_write(dstore.join(work, fname))
         pos = 0
         for path, e in m.tensors.items():
             if e.alias is not None:
@@ -88,7 +98,8 @@ def consolidate(
         tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
         resolve_aliases(tensors, os.fspath(dst))  # each alias gets its target's new chunks
     except BaseException:
-        w.abort()
+        if w is not None:
+            w.abort()
         dstore.remove_tree(work)
         raise
     out = Manifest(
