@@ -212,6 +212,23 @@ def test_io_error_reading_a_checkpoint_is_a_checkpoint_error_and_restore_falls_b
 
 
 
+def test_an_error_of_the_process_not_the_medium_reading_the_newest_checkpoint_is_raised_not_skipped(tmp_path):
+    """EACCES (a remount without permission), EMFILE, ESTALE: not the checkpoint's fault, likely
+    gone at the next start. Falling back to an older checkpoint would make this run's first save
+    remove the newer one (the restored step is then a rollback): restore raises it instead."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, state_for(1))
+        mgr.save(2, state_for(2))
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        with Inject({"open": 1}, errno.EACCES, match="step-000000002/data"), pytest.raises(tg.CheckpointError) as raised:
+            mgr.restore(blank())
+        assert not isinstance(raised.value, tg.CorruptCheckpointError) and "step-000000002" in str(raised.value)
+        st = blank()
+        assert mgr.restore(st) == 2  # the cause gone: the newest loads
+    assert_holds(run / "step-000000002", 2)
+
+
 @pytest.mark.parametrize("name", ["ftruncate", "pwrite", "fsync"])
 def test_run_lock_failing_to_write_its_holder_leaks_no_descriptor(tmp_path, name):
     """The manager's lock file is locked, then its holder info written (ftruncate, pwrite, fsync).

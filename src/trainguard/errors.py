@@ -6,6 +6,7 @@ Messages say what to change. Where a builtin fits, the error derives from it too
 
 from __future__ import annotations
 
+import errno as _errno
 import operator
 from typing import Any
 
@@ -123,16 +124,26 @@ def is_data_error(e: BaseException) -> bool:
     return isinstance(e, (CorruptCheckpointError, NotACheckpointError, FormatVersionError))
 
 
+# The errno of a failing medium or a file system that found corruption (EIO; EUCLEAN, ext4's and
+# XFS's EFSCORRUPTED; EBADMSG, their EFSBADCRC): the checkpoint's bytes are not to be had.
+MEDIA_ERRNOS = frozenset({_errno.EIO, _errno.EUCLEAN, _errno.EBADMSG})
+
+
 def unreadable(e: Exception, target: str) -> Exception:
-    """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``
-    (EIO, ESTALE: the storage failed) as a ``CorruptCheckpointError`` (``restore`` then tries an
-    older checkpoint, as for bad bytes; before, it raised the bare OSError at every restart);
-    anything else as it is."""
+    """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``.
+
+    A medium's error (:data:`MEDIA_ERRNOS`) becomes a ``CorruptCheckpointError``: ``restore``
+    tries an older checkpoint, as for bad bytes (before, it raised the bare OSError at every
+    restart). Any other (EACCES, EMFILE, ESTALE, ENOMEM: the process or its setup, likely gone
+    at the next try) a ``CheckpointError`` naming the checkpoint that ``restore`` raises: falling
+    back would make this run's first save remove the newer, good checkpoints. Anything else as it is."""
     if not isinstance(e, OSError) or isinstance(e, CheckpointError):
         return e
-    err = CorruptCheckpointError(
-        f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. The storage failed reading it; "
-        f"`trainguard verify {target}` says whether it can be read now"
+    media = e.errno in MEDIA_ERRNOS
+    err = (CorruptCheckpointError if media else CheckpointError)(
+        f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. "
+        + ("The storage failed reading it; `trainguard verify` says whether it can be read now" if media
+           else "Fix the cause and start again; an older checkpoint is not tried for this error")
     )
     err.__cause__ = e
     return err
