@@ -57,4 +57,7 @@ def remove_tree(path: str) -> None:
     except OSError as e:
         log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, e)
         return
-    shutil.rmtree(path, ignore_errors=True)
+    try:  # ignore_errors does not cover a directory descriptor's close failing (EIO) in Python 3.11
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError as e:
+        log.warning("trainguard: could not remove all of %s (left for the next cleanup): %s", path, e)
