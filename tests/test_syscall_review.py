@@ -273,6 +273,7 @@ def test_ctrl_c_in_open_write_or_close_leaves_no_lock_nor_descriptor(tmp_path):
                 tg.save(tmp_path / "b", state_for(2))
         assert inj.hits and _open_fds() == before, call
         assert not [n for d, _, files in os.walk(tmp_path) for n in files if "manifest.json.tmp-" in n]
+        assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]  # nor the save's temp directory
     tg.save(tmp_path / "b", state_for(2))  # the next save works
     assert_holds(tmp_path / "b", 2)
 

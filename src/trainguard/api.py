@@ -205,6 +205,10 @@ def persist_and_commit(
         fault("written", ctx.rank)
     except Exception as e:
         report, write_error = {"error": describe_error(e)}, e
+    except BaseException:  # Ctrl-C while writing, one process: no temp directory left behind
+        if not ctx.is_distributed:
+            storage.remove_tree(work)
+        raise
     # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
     outcome: dict[str, Any] = {"error": None}
     manifest = None
@@ -227,6 +231,10 @@ def persist_and_commit(
         except Exception as e:
             outcome = {"error": describe_error(e)}
             write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
+        except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed)
+            if not ctx.is_distributed:
+                storage.remove_tree(work)
+            raise
     if ctx.rank == 0 and outcome.get("error"):
         storage.remove_tree(work)
     try:
