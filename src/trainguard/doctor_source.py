@@ -19,6 +19,29 @@ _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an exp
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
 
 
+def defines_hook(tree: ast.Module) -> bool:
+    """Whether the module may bind ``trainguard_state`` (a def, an assignment, an import, or a
+    ``from x import *``). ``trainguard doctor`` calls this before importing a script: one without
+    the hook is not imported, so a script that trains at module level (nanoGPT's train.py) does not
+    start training, load data or write checkpoints."""
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == "trainguard_state":
+            return True
+        if isinstance(n, ast.Name) and n.id == "trainguard_state" and isinstance(n.ctx, ast.Store):
+            return True
+        if isinstance(n, (ast.Import, ast.ImportFrom)) and any(
+                a.name == "*" or (a.asname or a.name).split(".")[0] == "trainguard_state" for a in n.names):
+            return True
+    return False
+
+
+def check_source(settings: Settings) -> list[Finding]:
+    """The checks that read only the script's source (no state): what ``trainguard doctor`` reports
+    for a script without a ``trainguard_state()`` hook."""
+    checks = (staging, loader_generator, single_rank)
+    return [f for c in checks if (f := c([], settings)) is not None]
+
+
 def _tree(s: Settings) -> ast.Module | None:
     if s.source is None:
         return None

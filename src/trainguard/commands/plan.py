@@ -6,6 +6,7 @@ Thin: the figures come from :mod:`trainguard.reliability`, the checks from
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import re
@@ -194,18 +195,27 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
 
     SCRIPT must define trainguard_state() returning the state dict, or (state, manager) where
     manager is a CheckpointManager or a dict with root, save, keep, async_save. Its module-level
-    code runs (keep training under `if __name__ == "__main__":`). Give the failure rate and
+    code runs (keep training under `if __name__ == "__main__":`); a script without the hook is not
+    imported: only its source is checked, and the exit code is 1. Give the failure rate and
     --save-stall (and --step-time) to also check the save interval against the optimum.
     """
     from ..doctor import check, settings_from
+    from ..doctor_source import check_source, defines_hook
 
-    state, manager = _load_hook(Path(script))
+    source = _source(Path(script))
+    try:
+        tree = ast.parse(source, filename=script)
+    except SyntaxError as e:  # the import would fail the same way: say so without running anything
+        raise click.ClickException(f"{script} is not valid Python 3 (line {e.lineno}: {e.msg}): the doctor "
+                                   "reads and imports it as Python") from None
+    hooked = defines_hook(tree)
+    state, manager = _load_hook(Path(script)) if hooked else ({}, None)
     plan = None
     if save_stall is not None and (node_failures_per_day is not None or node_mtbf is not None):
         plan = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node)
     amp_mode: str | bool | None = False if amp == "none" else amp
-    settings = settings_from(manager, plan=plan, source=_source(Path(script)), amp=amp_mode)
-    findings = check(state, settings)
+    settings = settings_from(manager, plan=plan, source=source, amp=amp_mode)
+    findings = check(state, settings) if hooked else check_source(settings)
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings]))
     else:
@@ -216,6 +226,11 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         for f in findings:
             t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
         Console().print(t)
+    if not hooked:  # not imported: its module-level code (training, at times) never ran
+        raise click.ClickException(f"{script} defines no trainguard_state(), so it was not imported and only its "
+                                   "source was checked (above): add a trainguard_state() that returns the state "
+                                   "dict, or (state, manager), and keep training under `if __name__ == "
+                                   "\"__main__\":` to check the state too")
     if any(f.severity == "error" for f in findings):
         sys.exit(1)
 

@@ -1,0 +1,45 @@
+"""``trainguard doctor`` on real training scripts (review): excerpts of popular scripts, each with its source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from trainguard.commands.plan import doctor_cmd
+
+# Module-level training, as in https://github.com/karpathy/nanoGPT/blob/master/train.py (excerpt,
+# shortened): no trainguard_state(), training runs at import. The marker stands for the training
+# run (data loading, GPU work, out/ckpt.pt overwritten) that importing it would start.
+NANOGPT = """\
+import os
+import torch
+ddp = int(os.environ.get('RANK', -1)) != -1
+master_process = True
+open({marker!r}, 'w').write('training started')
+while True:
+    if master_process:
+        checkpoint = {{'model': 1, 'iter_num': 0}}
+        torch.save(checkpoint, os.path.join('out', 'ckpt.pt'))
+    break
+"""
+
+
+def test_a_script_without_the_hook_is_not_run_only_its_source_checked(tmp_path: Path) -> None:
+    marker = tmp_path / "trained"
+    script = tmp_path / "train.py"
+    script.write_text(NANOGPT.format(marker=str(marker)))
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--json"])
+    assert not marker.exists(), "doctor ran the script's module-level training"
+    assert res.exit_code == 1 and "trainguard_state()" in res.output and "not imported" in res.output
+    found = json.loads(res.stdout.splitlines()[0])  # the source checks still ran
+    assert {f["check"]: f["severity"] for f in found}["all ranks save"] == "warning"
+    assert "line 9" in next(f["message"] for f in found if f["check"] == "all ranks save")
+
+
+def test_a_script_that_is_not_python3_is_a_clear_message(tmp_path: Path) -> None:
+    script = tmp_path / "old.py"
+    script.write_text("import torch\nprint 'epoch', 1\n")  # a Python 2 training script
+    res = CliRunner().invoke(doctor_cmd, [str(script)])
+    assert res.exit_code == 1 and "line 2" in res.output and "Traceback" not in res.output  # held before too
