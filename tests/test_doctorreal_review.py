@@ -43,3 +43,40 @@ def test_a_script_that_is_not_python3_is_a_clear_message(tmp_path: Path) -> None
     script.write_text("import torch\nprint 'epoch', 1\n")  # a Python 2 training script
     res = CliRunner().invoke(doctor_cmd, [str(script)])
     assert res.exit_code == 1 and "line 2" in res.output and "Traceback" not in res.output  # held before too
+
+
+# https://github.com/pytorch/examples/blob/main/mnist/main.py (excerpt): the loader's arguments are
+# a dict built a few lines above; the same shape in distributed/FSDP/T5_training.py.
+MNIST = """\
+import torch
+train_kwargs = {'batch_size': args.batch_size}
+if use_accel:
+    accel_kwargs = {'num_workers': 1, 'persistent_workers': True, 'pin_memory': True, 'shuffle': True}
+    train_kwargs.update(accel_kwargs)
+train_loader = torch.utils.data.DataLoader(dataset1, **train_kwargs)
+"""
+
+
+def _loader_finding(src: str) -> tuple[str, str]:
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import loader_generator
+
+    f = loader_generator([], Settings(source=src))
+    assert f is not None
+    return f.severity, f.message
+
+
+def test_loader_kwargs_built_in_the_script_are_read() -> None:
+    severity, message = _loader_finding(MNIST)
+    assert severity == "warning" and "line 6" in message  # was "ok: the DataLoader has its own generator"
+    with_gen = MNIST.replace("'shuffle': True}", "'shuffle': True, 'generator': torch.Generator()}")
+    assert _loader_finding(with_gen)[0] == "ok"
+    assert _loader_finding(MNIST + "train_kwargs['generator'] = g\n")[0] == "ok"  # x["k"] = ... counts
+    assert _loader_finding(MNIST.replace("train_kwargs.update(accel_kwargs)", "train_kwargs.update(extra)"))[0] \
+        == "info"  # extra comes from nowhere in the text: not decided
+
+
+def test_loader_kwargs_out_of_sight_are_not_called_the_loaders_own_generator() -> None:
+    src = "def make(ds, **kw):\n    return torch.utils.data.DataLoader(ds, **kw)\n"
+    severity, message = _loader_finding(src)
+    assert severity == "info" and "**kw" in message and "has its own generator" not in message

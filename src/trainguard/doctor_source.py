@@ -80,10 +80,28 @@ def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
     loaders = list(_calls(None, {"DataLoader"}, tree))
     if not loaders:
         return None
-    # A **kwargs may carry generator=: not reported. generator=None is the default, spelled out.
-    bare = [c for c in loaders if not any(k.arg is None or k.arg == "generator" and not _is_none(k.value) for k in c.keywords)]
+    # generator=None is the default, spelled out. A **kw is read where the script builds it
+    # (pytorch/examples' mnist: train_kwargs = {...}; train_kwargs.update(cuda_kwargs)); one built
+    # out of sight may carry generator=, and is not reported.
+    def keys(c: ast.Call) -> set[str] | None:
+        out: set[str] | None = {k.arg for k in c.keywords if k.arg and not (k.arg == "generator" and _is_none(k.value))}
+        for k in c.keywords:
+            if k.arg is None:
+                more = _dict_keys(tree, k.value)
+                out = None if out is None or more is None else out | more
+        return out
+
+    resolved = [(c, keys(c)) for c in loaders]
+    bare = [c for c, ks in resolved if ks is not None and "generator" not in ks]
     if not bare:
-        return Finding("data randomness", "ok", f"the DataLoader has its own generator (line {loaders[0].lineno})")
+        own = [c for c, ks in resolved if ks is not None]
+        if own:
+            return Finding("data randomness", "ok", f"the DataLoader has its own generator (line {own[0].lineno})")
+        c = loaders[0]
+        return Finding("data randomness", "info", f"not checked: the DataLoader (line {c.lineno}) takes "
+                       f"{', '.join('**' + ast.unparse(k.value) for k in c.keywords if k.arg is None)}, built out of "
+                       "sight of the script's text: it may or may not carry generator=",
+                       "make sure the keyword arguments include generator=torch.Generator()")
     lines = ", ".join(str(c.lineno) for c in bare)
     return Finding("data randomness", "warning", f"DataLoader without generator= (line {lines}): each time its "
                    "iterator starts (every epoch, and once after a restore) it draws a seed from the global torch "
@@ -182,3 +200,66 @@ def _rank_word(name: str) -> bool:
 
 def _is_none(node: ast.expr) -> bool:
     return isinstance(node, ast.Constant) and node.value is None
+
+
+def _dict_keys(tree: ast.Module, node: ast.expr, depth: int = 0) -> set[str] | None:
+    """The keys of a dict the script builds in plain sight: a literal or ``dict(k=...)``, or a name
+    assigned one, plus its ``.update(...)``/``.setdefault("k", ...)``/``x["k"] = ...`` anywhere.
+    ``None`` when any part is out of sight (a parameter, a function's result, a name passed to a call)."""
+    if depth > 4:
+        return None
+    if isinstance(node, ast.Dict):
+        out: set[str] = set()
+        for k, v in zip(node.keys, node.values):
+            more = {k.value} if isinstance(k, ast.Constant) and isinstance(k.value, str) else \
+                _dict_keys(tree, v, depth + 1) if k is None else None
+            if more is None:
+                return None
+            out |= more
+        return out
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict" and not node.args:
+        return _dict_keys(tree, ast.Dict(keys=[None if k.arg is None else ast.Constant(k.arg) for k in node.keywords],
+                                         values=[k.value for k in node.keywords]), depth + 1)
+    if not isinstance(node, ast.Name):
+        return None
+    name, found, out = node.id, False, set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and n.arg == name or isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names:
+            return None  # a parameter: filled by the caller
+        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and t.id == name:
+                    more = None if n.value is None or isinstance(n, ast.AugAssign) else _dict_keys(tree, n.value, depth + 1)
+                    if more is None:
+                        return None
+                    found, out = True, out | more
+                elif isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id == name:
+                    if not (isinstance(t.slice, ast.Constant) and isinstance(t.slice.value, str)):
+                        return None
+                    out.add(t.slice.value)
+                elif not isinstance(t, (ast.Name, ast.Subscript, ast.Attribute)) and any(
+                        isinstance(x, ast.Name) and x.id == name for x in ast.walk(t)):
+                    return None  # unpacked into: a, kw = f()
+        elif isinstance(n, (ast.For, ast.With, ast.NamedExpr, ast.comprehension)) and any(
+                isinstance(x, ast.Name) and x.id == name and isinstance(x.ctx, ast.Store) for x in ast.walk(
+                    n.target if isinstance(n, (ast.For, ast.NamedExpr, ast.comprehension)) else n)):
+            return None
+        elif isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == name:
+                if f.attr == "update":
+                    parts = [_dict_keys(tree, a, depth + 1) for a in n.args] + [
+                        _dict_keys(tree, k.value, depth + 1) if k.arg is None else {k.arg} for k in n.keywords]
+                    if any(p is None for p in parts):
+                        return None
+                    out = out.union(*parts)
+                elif f.attr == "setdefault" and n.args and isinstance(n.args[0], ast.Constant):
+                    out.add(str(n.args[0].value))
+                elif f.attr not in ("get", "items", "keys", "values", "copy", "pop"):
+                    return None
+            elif not (isinstance(f, ast.Attribute) and f.attr == "update" or isinstance(f, ast.Name) and f.id == "dict") \
+                    and any(isinstance(a, ast.Name) and a.id == name for a in [*n.args, *(k.value for k in n.keywords
+                                                                                      if k.arg is not None)]):
+                return None  # handed to a function that may add to it (other.update(name) only reads it)
+    return out if found else None
