@@ -80,3 +80,50 @@ def test_loader_kwargs_out_of_sight_are_not_called_the_loaders_own_generator() -
     src = "def make(ds, **kw):\n    return torch.utils.data.DataLoader(ds, **kw)\n"
     severity, message = _loader_finding(src)
     assert severity == "info" and "**kw" in message and "has its own generator" not in message
+
+
+# https://github.com/pytorch/examples/blob/main/distributed/ddp-tutorial-series/multigpu_torchrun.py
+# (excerpt): rank 0 (the GPU id read from LOCAL_RANK) saves through a method of the trainer.
+DDP_TUTORIAL = """\
+import os
+import torch
+class Trainer:
+    def __init__(self):
+        self.gpu_id = int(os.environ["LOCAL_RANK"])
+    def _save_snapshot(self, epoch):
+        snapshot = {"MODEL_STATE": self.model.module.state_dict(), "EPOCHS_RUN": epoch}
+        torch.save(snapshot, self.snapshot_path)
+    def train(self, max_epochs):
+        for epoch in range(self.epochs_run, max_epochs):
+            if self.gpu_id == 0 and epoch % self.save_every == 0:
+                self._save_snapshot(epoch)
+"""
+
+
+def _rank_finding(src: str) -> tuple[str, str]:
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import single_rank
+
+    f = single_rank([], Settings(source=src))
+    assert f is not None
+    return f.severity, f.message
+
+
+def test_a_rank0_save_through_a_helper_of_the_script_is_seen() -> None:
+    severity, message = _rank_finding(DDP_TUTORIAL)
+    assert severity == "warning" and "torch.save (in _save_snapshot)" in message and "line 12" in message
+    # minGPT-ddp (same repository, mingpt/trainer.py): `if self.local_rank == 0 ...: self._save_snapshot(epoch)`
+    mingpt = DDP_TUTORIAL.replace("self.gpu_id == 0", "self.local_rank == 0")
+    assert _rank_finding(mingpt)[0] == "warning"
+    ckpt = DDP_TUTORIAL.replace("torch.save(snapshot, self.snapshot_path)", "self.mgr.save(epoch, snapshot)")
+    severity, message = _rank_finding(ckpt)  # a collective save reached from rank 0 only: an error
+    assert severity == "error" and "_save_snapshot" in message
+
+
+def test_helpers_that_save_no_checkpoint_and_other_ids_stay_quiet() -> None:
+    plot = DDP_TUTORIAL.replace("torch.save(snapshot, self.snapshot_path)", "np.save(self.path, snapshot)")
+    assert _rank_finding(plot)[0] == "ok"  # the helper saves a numpy array: no checkpoint
+    every_rank = DDP_TUTORIAL.replace("self.gpu_id == 0 and ", "")
+    assert _rank_finding(every_rank)[0] == "ok"
+    not_a_rank = DDP_TUTORIAL.replace('int(os.environ["LOCAL_RANK"])', "0")  # gpu_id is no rank here
+    assert _rank_finding(not_a_rank)[0] == "ok"

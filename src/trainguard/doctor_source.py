@@ -114,27 +114,81 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     calls: list[ast.Call] = []
+    helpers, aliases = _save_helpers(tree), _rank_aliases(tree)
+    names = _SAVE_CALLS | set(helpers)
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (zero := _rank_zero(node.test)) is not None:
+        if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases)) is not None:
             branch = node.body if zero else node.orelse  # `if rank != 0: ... else: save()`: the else
-            calls += _calls(None, _SAVE_CALLS, ast.Module(body=branch, type_ignores=[]))
+            calls += _calls(None, names, ast.Module(body=branch, type_ignores=[]))
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
-            calls += _calls(None, _SAVE_CALLS, node)
-    owner = [(c.lineno, _receiver(c)) for c in calls]
+            calls += _calls(None, names, node)
+    owner = [(c.lineno, _save_receiver(c, helpers)) for c in calls]
     hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r not in _EXPORTS})
     if hits:
-        return Finding("all ranks save", "error", f"save called under a rank-0 condition (line "
+        via = ", ".join(sorted({_callee(c) for c in calls if _callee(c) in helpers and c.lineno in hits}))
+        return Finding("all ranks save", "error", f"save called{f' (in {via})' if via else ''} under a rank-0 "
+                       "condition (line "
                        f"{', '.join(map(str, hits))}): the other ranks' shards, RNG and data positions are never "
                        "written, and a collective save waits forever for them", "call mgr.save(step, state) on "
                        "every rank; trainguard decides which rank writes what")
     if torch_saves := sorted({n for n, r in owner if r in _EXPORTS}):
         names = ", ".join(sorted({f"{r}.save" for _, r in owner if r in _EXPORTS}))
+        if via := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers) in _EXPORTS}):
+            names += f" (in {', '.join(via)})"
         return Finding("all ranks save", "warning", f"{names} under a rank-0 condition (line "
                        f"{', '.join(map(str, torch_saves))}): fine to export a replicated (DDP) model's weights, "
                        "but as a checkpoint it misses FSDP shards and every other rank's RNG and data position",
                        "checkpoint with mgr.save(step, state) on every rank; keep rank-0 torch.save for exports")
     return Finding("all ranks save", "ok", "no save under a rank-0 condition")
+
+
+def _callee(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+
+
+def _save_receiver(call: ast.Call, helpers: dict[str, str | None]) -> str | None:
+    """The receiver of the save ``call`` makes: its own, or, for a helper of the script's own
+    (``self._save_snapshot(epoch)``), that of the save inside it (``torch``)."""
+    if _callee(call) in helpers and _receiver(call) in (None, "self", "cls"):
+        return helpers[_callee(call)]
+    return _receiver(call)
+
+
+def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
+    """Functions and methods of the script that save, by name, with the receiver of their save:
+    ``_save_snapshot`` -> ``torch`` for pytorch/examples' DDP tutorial, whose rank-0 branch calls
+    ``self._save_snapshot(epoch)`` and that calls ``torch.save``. Helpers of helpers are followed."""
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found: dict[str, str | None] = {}
+    for _ in range(4):
+        before = len(found)
+        for f in funcs:
+            for c in (() if f.name in found else _calls(None, _SAVE_CALLS | set(found), f)):
+                name, r = _callee(c), _receiver(c)
+                if name == f.name and r in (None, "self", "cls"):
+                    continue  # itself
+                if name in found and r in (None, "self", "cls"):
+                    found[f.name] = found[name]
+                    break
+                if name in _SAVE_CALLS and r not in _FOREIGN_SAVES:
+                    found[f.name] = r
+                    break
+        if len(found) == before:
+            break
+    return found
+
+
+def _rank_aliases(tree: ast.Module) -> frozenset[str]:
+    """Names assigned a rank under another name: ``self.gpu_id = int(os.environ["LOCAL_RANK"])``."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and _mentions_rank(n.value):
+            t = n.targets[0]
+            if isinstance(t, (ast.Name, ast.Attribute)):
+                out.add(t.id if isinstance(t, ast.Name) else t.attr)
+    return frozenset(out)
 
 
 def _receiver(call: ast.Call) -> str | None:
@@ -143,14 +197,14 @@ def _receiver(call: ast.Call) -> str | None:
     return v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
 
 
-def _rank_zero(test: ast.expr) -> bool | None:
+def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset()) -> bool | None:
     """True if ``test`` holds on rank 0 only (``rank == 0``, ``not rank``, ``is_main_process``), False if
     it fails on rank 0 only (``rank != 0``, ``rank > 0``, ``not is_main_process``), else None."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = _rank_zero(test.operand)
-        return (not inner) if inner is not None else (True if _mentions_rank(test.operand) else None)
+        inner = _rank_zero(test.operand, aliases)
+        return (not inner) if inner is not None else (True if _mentions_rank(test.operand, aliases) else None)
     if isinstance(test, ast.BoolOp):
-        parts = [_rank_zero(v) for v in test.values]
+        parts = [_rank_zero(v, aliases) for v in test.values]
         if True in parts:  # `rank == 0 and ...`; `rank == 0 or step % 100 == 0`: rank 0 saves more often
             return True
         return False if isinstance(test.op, ast.Or) and False in parts else None  # `rank != 0 or ...`: else
@@ -160,7 +214,7 @@ def _rank_zero(test: ast.expr) -> bool | None:
         (op,), left, right = test.ops, test.left, test.comparators[0]
         if isinstance(left, ast.Constant):  # `0 == rank`, `0 < rank`: the rank on the left
             left, right, op = right, left, _FLIP.get(type(op), op)
-        if not (_mentions_rank(left) and isinstance(right, ast.Constant) and type(right.value) is int):
+        if not (_mentions_rank(left, aliases) and isinstance(right, ast.Constant) and type(right.value) is int):
             return None
         n = right.value
         if n == 0 and isinstance(op, (ast.Eq, ast.Is, ast.LtE)) or n == 1 and isinstance(op, ast.Lt):
@@ -178,20 +232,20 @@ def _rank_zero(test: ast.expr) -> bool | None:
 _FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
 
 
-def _mentions_rank(x: ast.expr) -> bool:
+def _mentions_rank(x: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:
     """Whether ``x`` is a process rank: a name or attribute with "rank" as a word of it (``rank``,
     ``args.local_rank``, ``dist.get_rank()``, ``self.global_rank``) or an environment lookup of one
     (``int(os.environ["RANK"])``, ``os.environ.get("RANK")``); not ``rank % 2`` nor ``ranking_every``."""
     if isinstance(x, ast.Call):
         if isinstance(x.func, ast.Name) and x.func.id == "int" and x.args:
-            return _mentions_rank(x.args[0])
+            return _mentions_rank(x.args[0], aliases)
         if isinstance(x.func, ast.Attribute) and x.func.attr in ("get", "getenv") and x.args:
             return isinstance(x.args[0], ast.Constant) and _rank_word(str(x.args[0].value))
         x = x.func
     if isinstance(x, ast.Subscript):
         return isinstance(x.slice, ast.Constant) and _rank_word(str(x.slice.value))
     name = x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else ""
-    return _rank_word(name)
+    return _rank_word(name) or name in aliases
 
 
 def _rank_word(name: str) -> bool:
