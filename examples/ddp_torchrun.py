@@ -30,11 +30,11 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
 
+    torch.manual_seed(1000 + rank)  # each rank its own data; before restore, which puts the saved RNG back
     with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(4), keep=tg.KeepLatest(2)) as mgr:
         start = mgr.restore(state)
         if rank == 0:
             print("fresh start" if start is None else f"resumed from step {start}", flush=True)
-        torch.manual_seed(1000 + rank)  # each rank its own data
         for step in range(0 if start is None else start + 1, args.steps):
             x = torch.randn(16, 8)
             loss = nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))

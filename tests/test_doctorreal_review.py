@@ -8,6 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from trainguard.commands.plan import doctor_cmd
+from trainguard.doctor import Finding
 
 # Module-level training, as in https://github.com/karpathy/nanoGPT/blob/master/train.py (excerpt,
 # shortened): no trainguard_state(), training runs at import. The marker stands for the training
@@ -127,3 +128,45 @@ def test_helpers_that_save_no_checkpoint_and_other_ids_stay_quiet() -> None:
     assert _rank_finding(every_rank)[0] == "ok"
     not_a_rank = DDP_TUTORIAL.replace('int(os.environ["LOCAL_RANK"])', "0")  # gpu_id is no rank here
     assert _rank_finding(not_a_rank)[0] == "ok"
+
+
+# examples/ddp_torchrun.py of this repository, before: the per-rank seed came after the restore, so
+# a run resumed at step 9 drew other data than an uninterrupted one (weights at step 19 differed).
+RESEED = """\
+import torch
+import trainguard as tg
+def main():
+    state = {"model": model, "optim": opt, "rng": tg.RNGState()}
+    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(4)) as mgr:
+        start = mgr.restore(state)
+        torch.manual_seed(1000 + rank)  # each rank its own data
+        for step in range(0 if start is None else start + 1, args.steps):
+            x = torch.randn(16, 8)
+"""
+
+
+def _reseed(src: str) -> Finding | None:
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import reseed
+
+    return reseed([], Settings(source=src))
+
+
+def test_a_global_seed_after_the_restore_is_a_warning() -> None:
+    f = _reseed(RESEED)
+    assert f is not None and f.severity == "warning" and "line 7: torch.manual_seed(1000 + rank)" in f.message
+    fresh_only = RESEED.replace("        torch.manual_seed(1000 + rank)", "        if start is None:\n"
+                                "            torch.manual_seed(1000 + rank)")
+    assert _reseed(fresh_only).severity == "ok"  # type: ignore[union-attr]
+    before = RESEED.replace("        torch.manual_seed(1000 + rank)  # each rank its own data\n", "").replace(
+        "    with tg", "    torch.manual_seed(1000 + rank)\n    with tg")
+    assert _reseed(before).severity == "ok"  # type: ignore[union-attr]
+    own_generator = RESEED.replace("torch.manual_seed(1000 + rank)", "g.manual_seed(1000 + rank)")
+    assert _reseed(own_generator).severity == "ok"  # type: ignore[union-attr]
+    assert _reseed("import torch\ntorch.manual_seed(0)\n") is None  # no restore: nothing to overwrite
+
+
+def test_the_ddp_example_seeds_before_it_restores() -> None:
+    src = (Path(__file__).parent.parent / "examples" / "ddp_torchrun.py").read_text()
+    f = _reseed(src)
+    assert f is not None and f.severity == "ok", f
