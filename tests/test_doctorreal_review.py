@@ -170,3 +170,25 @@ def test_the_ddp_example_seeds_before_it_restores() -> None:
     src = (Path(__file__).parent.parent / "examples" / "ddp_torchrun.py").read_text()
     f = _reseed(src)
     assert f is not None and f.severity == "ok", f
+
+
+# https://github.com/huggingface/pytorch-image-models/blob/main/train.py (excerpt): the checkpoint
+# saver exists on the primary rank only, and its saves are guarded by `if saver is not None`.
+TIMM = """\
+saver = None
+if utils.is_primary(args):
+    output_dir = utils.get_outdir(args.output if args.output else './output/train', exp_name)
+    saver = utils.CheckpointSaver(model=model, optimizer=optimizer, args=args, checkpoint_dir=output_dir)
+for epoch in range(start_epoch, num_epochs):
+    if saver is not None:
+        best_metric, best_epoch = saver.save_checkpoint(epoch, metric=latest_metric)
+"""
+
+
+def test_a_saver_made_on_rank0_only_is_a_rank0_save() -> None:
+    severity, message = _rank_finding(TIMM)
+    assert severity == "warning" and "saver.save_checkpoint" in message and "line 7" in message
+    everywhere = TIMM.replace("if utils.is_primary(args):", "if True:")
+    assert _rank_finding(everywhere)[0] == "ok"
+    wandb_run = "run = None\nif rank == 0:\n    run = wandb.init(project='x')\nrun.save('config.yaml')\n"
+    assert _rank_finding(wandb_run)[0] == "ok"  # a wandb file upload, no checkpoint

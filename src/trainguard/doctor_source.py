@@ -17,7 +17,8 @@ from .doctor import Finding, Settings, _calls
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
 _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf"}  # not checkpoints
 _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
-_RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero"}
+_RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero",
+                    "is_primary"}  # timm: utils.is_primary(args)
 
 
 def defines_hook(tree: ast.Module) -> bool:
@@ -124,8 +125,13 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
+    objs = _rank0_objects(tree, aliases)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
+    calls += [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
+              and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
+              and isinstance(c.func.value, ast.Name)]
+    exports = _EXPORTS | objs  # like torch.save: rank 0's own file, not a collective save
     owner = [(c.lineno, _save_receiver(c, helpers)) for c in calls]
-    hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r not in _EXPORTS})
+    hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r not in exports})
     if hits:
         via = ", ".join(sorted({_callee(c) for c in calls if _callee(c) in helpers and c.lineno in hits}))
         return Finding("all ranks save", "error", f"save called{f' (in {via})' if via else ''} under a rank-0 "
@@ -133,8 +139,9 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                        f"{', '.join(map(str, hits))}): the other ranks' shards, RNG and data positions are never "
                        "written, and a collective save waits forever for them", "call mgr.save(step, state) on "
                        "every rank; trainguard decides which rank writes what")
-    if torch_saves := sorted({n for n, r in owner if r in _EXPORTS}):
-        names = ", ".join(sorted({f"{r}.save" for _, r in owner if r in _EXPORTS}))
+    if torch_saves := sorted({n for n, r in owner if r in exports}):
+        names = ", ".join(sorted({f"{r}.save" if r in _EXPORTS else f"{r}.{_callee(c)} ({r} is made on rank 0 only)"
+                                  for c, (_, r) in zip(calls, owner) if r in exports}))
         if via := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers) in _EXPORTS}):
             names += f" (in {', '.join(via)})"
         return Finding("all ranks save", "warning", f"{names} under a rank-0 condition (line "
@@ -179,6 +186,22 @@ def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
         if len(found) == before:
             break
     return found
+
+
+def _rank0_objects(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
+    """Names bound to an object on rank 0 only, ``None`` elsewhere: timm's train.py, ``saver = None``
+    then ``if utils.is_primary(args): saver = utils.CheckpointSaver(...)``."""
+    zero = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases)
+            for b in n.body for x in ast.walk(b)}
+    inside, other = set(), set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], ast.Name):
+            if id(n) in zero and isinstance(n.value, ast.Call):  # not wandb.init(...) and the like
+                root = next((x.id for x in ast.walk(n.value.func) if isinstance(x, ast.Name)), None)
+                (other if root in _FOREIGN_SAVES else inside).add(t.id)
+            elif id(n) in zero or not _is_none(n.value):
+                other.add(t.id)
+    return frozenset(inside - other)
 
 
 def _rank_aliases(tree: ast.Module) -> frozenset[str]:
