@@ -203,3 +203,18 @@ def test_doctor_reads_generator_none_and_a_staging_flag_as_written() -> None:
     assert f.severity == "warning" and "line 1" in f.message
     f = one({}, "background staging", source="flag = args.bg\nh = mgr.save(1, state, stage_in_background=flag)\n")
     assert f.severity == "error" and "stage_in_background=flag (line 2)" in f.message
+
+
+def test_dataloader_workers_without_ignore_stop_signals_under_a_manager_is_a_warning() -> None:
+    # A SIGTERM to the process group (Slurm) kills torch's workers before the preemption save
+    # (docs/data.md, "Stop signals and DataLoader workers"; tests/test_e2e_review.py).
+    head = "import trainguard as tg\nmgr = tg.CheckpointManager('ck')\n"
+    f = one({}, "stop signals", source=head + "loader = DataLoader(ds, batch_size=8, num_workers=args.workers)\n")
+    assert f.severity == "warning" and "line 3" in f.message and "ignore_stop_signals" in f.fix
+    kw = head + "kw = {'batch_size': 8}\nkw.update(num_workers=4)\nloader = DataLoader(ds, **kw)\n"
+    assert one({}, "stop signals", source=kw).severity == "warning"
+    fixed = head + "loader = DataLoader(ds, num_workers=4, worker_init_fn=tg.ignore_stop_signals)\n"
+    assert one({}, "stop signals", source=fixed).severity == "ok"
+    for quiet in (head + "loader = DataLoader(ds, num_workers=0)\n", head + "loader = DataLoader(ds, batch_size=8)\n",
+                  "loader = DataLoader(ds, num_workers=4)\n"):  # no workers, or no manager to make a preemption save
+        assert [f for f in check({}, Settings(source=quiet)) if f.check == "stop signals"] == []

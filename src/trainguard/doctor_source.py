@@ -40,7 +40,9 @@ def defines_hook(tree: ast.Module) -> bool:
 def check_source(settings: Settings) -> list[Finding]:
     """The checks that read only the script's source (no state): what ``trainguard doctor`` reports
     for a script without a ``trainguard_state()`` hook."""
-    checks = (staging, loader_generator, single_rank, reseed)
+    from .doctor_signals import worker_signals
+
+    checks = (staging, loader_generator, single_rank, reseed, worker_signals)
     return [f for c in checks if (f := c([], settings)) is not None]
 
 
