@@ -13,20 +13,22 @@ from trainguard.errors import NotACheckpointError
 
 
 def _cut_overwrite_between_renames(monkeypatch, path: Path) -> None:
-    """``tg.save(path, overwrite=True)`` whose second rename (the new checkpoint into place) fails:
-    the previous checkpoint is left at ``<name>.old-<id>`` (docs/checkpoints.md, Where a save may go)."""
+    """``tg.save(path, overwrite=True)`` cut short between its two renames, as by a crash: the
+    second rename (the new checkpoint into place) fails, and so does every later one (the save's
+    move back of the previous checkpoint), which is left at ``<name>.old-<id>`` (docs/checkpoints.md,
+    Where a save may go)."""
     storage = type(tg.storage.for_path(str(path))[0])
     orig = storage.rename_dir
     calls: list[tuple[str, str]] = []
 
     def second_fails(self, src: str, dst: str) -> None:
         calls.append((src, dst))
-        if len(calls) == 2:
+        if len(calls) >= 2:
             raise OSError(5, "injected EIO")
         orig(self, src, dst)
 
     monkeypatch.setattr(storage, "rename_dir", second_fails)
-    with pytest.raises(tg.CheckpointError):
+    with pytest.raises(tg.CheckpointError), pytest.warns(UserWarning, match="could not move the previous checkpoint"):
         tg.save(path, {"x": torch.zeros(3)}, overwrite=True)
     monkeypatch.setattr(storage, "rename_dir", orig)
     assert ".old-" in calls[0][1]
