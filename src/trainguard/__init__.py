@@ -7,6 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from . import forks as _forks  # noqa: E402, F401  (registers the at-fork reset)
 from .api import load, save  # noqa: E402
 from .daly import DalyInterval  # noqa: E402
 from .doctor import Finding  # noqa: E402

@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .errors import CheckpointError
+
 log = logging.getLogger("trainguard")
 
 
@@ -149,6 +151,15 @@ class SaveHandle:
         self.finished_at = time.monotonic()
         self._staged.set()
         self._done.set()
+
+    def forked_off(self, parent: int) -> None:
+        """In a process forked while this save was in flight (``async_save``'s at-fork hook): the
+        save thread runs in the parent only, so ``result()`` here raises instead of waiting forever.
+        New events: a lock of the old ones may have been held by a thread the child does not have."""
+        self._staged, self._done, self.waiting, self._thread = threading.Event(), threading.Event(), threading.Event(), None
+        self.set_error(CheckpointError(
+            f"the async save to {self.target} runs in process {parent}, which forked this one: its outcome is known only there"
+        ))
 
     @classmethod
     def completed(cls, value: Any, step: int | None = None) -> SaveHandle:

@@ -179,6 +179,19 @@ def default_pool(max_bytes: int | None = None) -> StagingPool:
     return pool
 
 
+_FORKED_OFF: list[StagingPool] = []  # a forked child's inherited pools: kept, never used there
+
+
+def forget_pools_in_child() -> None:
+    """``async_save``'s ``os.register_at_fork`` hook, in a forked child: the pools are the parent's
+    (one may be held by a save thread the child does not have, its lock too), so the child starts
+    with none. Kept, not freed: their pages are shared copy-on-write, and a pinned arena's free
+    would go through CUDA, which a forked child must not touch."""
+    global _DEFAULT
+    _FORKED_OFF.extend(_DEFAULT.values())
+    _DEFAULT = {}
+
+
 def trim_idle_pools() -> None:
     """Free the arenas of every process-wide pool no save holds (``async_save.release_staging``)."""
     for pool in list(_DEFAULT.values()):

@@ -1,0 +1,94 @@
+"""Threads, forks and signals around async saves (review): each scenario runs in a child
+interpreter bounded by a timeout (``conftest.run_py``); the processes it forks are joined with a
+timeout and killed by pid."""
+
+from __future__ import annotations
+
+import textwrap
+
+from conftest import run_py
+
+# An async save held in flight (its background copies wait on a gate) while the script forks.
+_PRELUDE = """
+import json, os, sys, threading, multiprocessing as mp
+import torch
+from torch import nn
+import trainguard as tg
+from trainguard import async_save
+root = sys.argv[1]
+torch.manual_seed(0)
+model = nn.Linear(64, 64)
+opt = torch.optim.Adam(model.parameters())
+model(torch.randn(2, 64)).sum().backward()
+opt.step()
+state = {"model": model, "optim": opt}
+tg.save(f"{root}/base", state)
+gate = threading.Event()
+async_save._before_background_stage = lambda: gate.wait(60)
+h = tg.save(f"{root}/inflight", state, async_=True)
+"""
+
+
+def _script(tmp_path, body: str) -> str:
+    p = tmp_path / "script.py"
+    p.write_text(_PRELUDE + textwrap.dedent(body))
+    return str(p)
+
+
+def test_forked_child_loads_steps_and_saves_while_parent_saves(tmp_path):
+    """A process forked while an async save is in flight (an eval process, a Hogwild worker) has
+    no save thread. Before: ``tg.load`` and ``optimizer.step()`` there waited forever for that
+    save's staging, and an async ``tg.save`` there failed: 'the staging pool is held'."""
+    script = _script(tmp_path, """
+        def child():
+            async_save._before_background_stage = None
+            torch.set_num_threads(1)  # torch's own thread pool is not fork-safe (not trainguard's)
+            done = []
+            def mark(what):
+                done.append(what)
+                with open(f"{root}/child.json", "w") as f:
+                    json.dump(done, f)
+            tg.load(f"{root}/base", state); mark("load")
+            opt.step(); mark("step")
+            tg.save(f"{root}/child-async", state, async_=True).result(); mark("async")
+            try:
+                h.result(timeout=5)
+            except tg.CheckpointError as e:
+                mark("parent-handle:" + ("forked" if "forked" in str(e) else str(e)))
+        p = mp.get_context("fork").Process(target=child)
+        p.start()
+        p.join(20)
+        if p.is_alive():
+            os.kill(p.pid, 9)
+            p.join()
+        gate.set()
+        h.result()
+        print("EXIT", p.exitcode)
+    """)
+    r = run_py([script, str(tmp_path)], timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = (tmp_path / "child.json").read_text() if (tmp_path / "child.json").exists() else "[]"
+    assert done == '["load", "step", "async", "parent-handle:forked"]', (done, r.stderr[-3000:])
+    assert "EXIT 0" in r.stdout
+    assert (tmp_path / "inflight" / "manifest.json").exists()  # the parent's save committed
+    assert (tmp_path / "child-async" / "manifest.json").exists()
+
+
+def test_dataloader_workers_forked_during_async_save(tmp_path):
+    """DataLoader workers (num_workers=2, forked at each epoch's ``iter()``) while an async save is
+    in flight: they write nothing, and their exit runs none of trainguard's exit logic. Before,
+    each worker's exit (multiprocessing runs threading's exit hooks) logged 'the interpreter is
+    exiting; waiting for the async save'."""
+    script = _script(tmp_path, """
+        data = torch.utils.data.TensorDataset(torch.arange(64.0))
+        loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2)
+        seen = [float(x) for epoch in range(2) for (b,) in loader for x in b]
+        assert sorted(seen) == sorted(list(range(64)) * 2), seen
+        gate.set()
+        h.result()
+        print("SAVED", sorted(os.listdir(root)))
+    """)
+    r = run_py([script, str(tmp_path)], timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "SAVED ['base', 'inflight', 'script.py']" in r.stdout, r.stdout
+    assert "interpreter is exiting" not in r.stderr, r.stderr[-3000:]
