@@ -92,3 +92,40 @@ def test_dataloader_workers_forked_during_async_save(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "SAVED ['base', 'inflight', 'script.py']" in r.stdout, r.stdout
     assert "interpreter is exiting" not in r.stderr, r.stderr[-3000:]
+
+
+def test_async_saves_from_two_threads_take_turns(tmp_path):
+    """Two threads of the user each run async ``tg.save`` calls (one save in flight per process:
+    the second waits for the first). Before, a save started while the other thread's save was
+    between taking the slot and starting its thread failed with 'RuntimeError: cannot join thread
+    before it is started' (or found the staging pool held): 14 of 30 saves in a run here."""
+    import threading
+
+    import torch
+
+    import trainguard as tg
+
+    states = [{"w": torch.full((64, 64), float(k)), "b": torch.arange(100.0) + k} for k in range(2)]
+    barrier = threading.Barrier(2, timeout=30)
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        for i in range(6):
+            try:
+                barrier.wait()  # both threads start a save at once
+                tg.save(str(tmp_path / f"t{k}-{i}"), states[k], async_=True).result(timeout=30)
+            except BaseException as e:  # noqa: BLE001 (reported below)
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, [repr(e) for e in errors]
+    for k in range(2):
+        for i in range(6):
+            out = {"w": torch.zeros(64, 64), "b": torch.zeros(100)}
+            tg.load(str(tmp_path / f"t{k}-{i}"), out)
+            assert torch.equal(out["w"], states[k]["w"]) and torch.equal(out["b"], states[k]["b"])

@@ -108,15 +108,17 @@ def start_save(
     # A step a manifest cannot hold fails before a byte is written (tg.save takes it from the name, step-<n>).
     layout_mod.check_step(step if step is not None else layout_mod.parse_step(os.path.basename(target.rstrip("/"))) or 0)
     if async_:
-        from .async_save import start_async_save
+        from .async_save import STARTING, start_async_save
 
         # Its own channel: the background commit's collectives may interleave with the training
-        # thread's (the manager's "decide") in a different order on each rank.
-        return start_async_save(
-            storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
-            step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background, preflight=preflight,
-            managed=managed,
-        )
+        # thread's (the manager's "decide") in a different order on each rank. One start at a time
+        # (async saves of two threads): the second waits for the first save, as a save in one thread does.
+        with STARTING:
+            return start_async_save(
+                storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite,
+                timeout=timeout, step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
+                preflight=preflight, managed=managed,
+            )
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
         manifest = persist_and_commit(

@@ -65,6 +65,7 @@ log = logging.getLogger("trainguard")
 # The step pre-hook of every optimizer of the process (torch's global one), registered once.
 _HOOK: Any = None
 _LOCK = threading.Lock()
+STARTING = threading.RLock()  # held by api.start_save around start_async_save: two threads' saves in turn
 _INFLIGHT: _Job | None = None  # the one save in flight in this process
 _UNCOLLECTED: SaveHandle | None = None  # a direct tg.save's failed handle, for the next direct async save
 # Test seam: called by the save thread before its background copies (tests hold staging open).

@@ -25,7 +25,7 @@ def _after_fork_in_child() -> None:
     save in flight fails in the child (``result()`` raises) instead of waiting forever."""
     job = async_save._INFLIGHT
     async_save._INFLIGHT = async_save._UNCOLLECTED = None
-    async_save._LOCK = threading.Lock()
+    async_save._LOCK, async_save.STARTING = threading.Lock(), threading.RLock()
     stage.forget_pools_in_child()
     if job is not None and not job.handle.done():
         job.handle.forked_off(os.getppid())
