@@ -129,3 +129,67 @@ def test_async_saves_from_two_threads_take_turns(tmp_path):
             out = {"w": torch.zeros(64, 64), "b": torch.zeros(100)}
             tg.load(str(tmp_path / f"t{k}-{i}"), out)
             assert torch.equal(out["w"], states[k]["w"]) and torch.equal(out["b"], states[k]["b"])
+
+
+class _Blocking:
+    """A state entry whose ``state_dict()`` (called inside the save call) waits for ``release``."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.block = True
+
+    def state_dict(self) -> dict:
+        if self.block:
+            self.entered.set()
+            assert self.release.wait(30)
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def test_manager_refuses_a_second_thread_inside_it(tmp_path):
+    """A ``CheckpointManager`` is used from one thread at a time. Before, a second thread's
+    ``mgr.save`` ran alongside the first: with async saves one handle was collected twice and
+    another never (``save`` events duplicated and missing). Now the second thread gets a
+    ``CheckpointError`` and the first thread's save is recorded once; the manager is free again
+    afterwards."""
+    import json
+    import threading
+
+    import torch
+
+    import trainguard as tg
+
+    blocker = _Blocking()
+    state = {"w": torch.ones(8), "b": blocker}
+    mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, handle_signals=False).open()
+    first = threading.Thread(target=lambda: mgr.save(1, state), daemon=True)
+    first.start()
+    try:
+        assert blocker.entered.wait(30)  # the first thread is inside mgr.save
+        errors: list[BaseException] = []
+
+        def second() -> None:
+            try:
+                mgr.save(2, {"w": torch.zeros(8)})
+            except BaseException as e:  # noqa: BLE001 (asserted below)
+                errors.append(e)
+
+        t2 = threading.Thread(target=second, daemon=True)
+        t2.start()
+        t2.join(30)
+        assert not t2.is_alive()
+        assert len(errors) == 1 and isinstance(errors[0], tg.CheckpointError), errors
+        assert "one thread at a time" in str(errors[0])
+    finally:
+        blocker.release.set()
+        first.join(30)
+    assert not first.is_alive()
+    blocker.block = False
+    mgr.save(3, state)  # the main thread may use it now
+    mgr.close()
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert sorted(e["step"] for e in events if e["event"] == "save") == [1, 3]

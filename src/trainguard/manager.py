@@ -27,6 +27,7 @@ from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
+from .onethread import one_thread_at_a_time
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import DONE, restore_candidates, retain, set_aside, unrestored_error
 from .stateful import check_state
@@ -36,17 +37,16 @@ from .tiers import RamTier
 log = logging.getLogger("trainguard")
 
 
+@one_thread_at_a_time("save", "wait", "restore", "close")
 class CheckpointManager:
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 
-    Every rank, in this order: construct, ``open()`` (or ``with``), ``restore``, ``save`` once per
-    step, ``close()``; ``wait()`` any time after a save. ``latest_step()``: any process.
-    ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a
-    :class:`RetentionPolicy` (default ``KeepLatest(3)``); ``async_save``: write in the
-    background (``stage_in_background``: with no copy in the call, see docs/async.md);
-    ``on_error``: ``"raise"`` or ``"warn"`` (log, keep training, try again at the next save);
-    ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()`` call and set
-    ``should_stop``.
+    Every rank, in this order: construct, ``open()`` (or ``with``), ``restore``, ``save`` once per step,
+    ``close()``; ``wait()`` any time after a save; one thread at a time. ``latest_step()``: any process.
+    ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a :class:`RetentionPolicy`
+    (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
+    copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
+    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``.
     """
 
     def __init__(

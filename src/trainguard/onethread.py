@@ -1,0 +1,55 @@
+"""``CheckpointManager``'s ``save``/``wait``/``restore``/``close``: one thread at a time.
+
+The manager keeps one save in flight and collects it at the next call; it was never meant to be
+called from two threads at once, and nothing said so. Two threads' ``mgr.save`` of async saves
+collected one handle twice and another never: ``save`` events duplicated and missing in
+``events.jsonl``, the skipped steps' retention and policy accounting lost (sync saves: warnings
+about checkpoints "this run did not write"). Now a second thread entering while another is inside
+gets a ``CheckpointError`` saying so; re-entry from the same thread (``close()`` -> ``wait()``) is fine.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from .errors import CheckpointError
+
+F = TypeVar("F", bound=Callable[..., Any])
+_GUARD = threading.Lock()  # makes the check-and-set of a manager's owner atomic
+
+
+def one_thread_at_a_time(*names: str) -> Callable[[type], type]:
+    """Class decorator of ``CheckpointManager``: its methods ``names`` raise in a thread that
+    enters one while another thread is inside one of them, on the same manager."""
+
+    def wrap(cls: type) -> type:
+        for name in names:
+            setattr(cls, name, _guarded(getattr(cls, name)))
+        return cls
+
+    return wrap
+
+
+def _guarded(method: F) -> F:
+    @functools.wraps(method)
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        me = threading.get_ident()
+        with _GUARD:
+            owner = self.__dict__.get("_inside")
+            if owner is None:
+                self.__dict__["_inside"] = me
+        if owner is not None and owner != me:
+            raise CheckpointError(
+                f"CheckpointManager.{method.__name__}() called from a second thread while another thread is "
+                "inside this manager: a manager is used from one thread at a time (one per thread, or a lock)"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if owner is None:
+                self.__dict__["_inside"] = None
+
+    return guarded  # type: ignore[return-value]
