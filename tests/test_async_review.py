@@ -56,12 +56,12 @@ def _no_save_threads() -> bool:
     return not [t for t in threading.enumerate() if t.name.startswith("trainguard-async-save")]
 
 
-def _refuse_save_threads(monkeypatch) -> None:
+def _refuse_save_threads(monkeypatch, error: type[BaseException] = RuntimeError) -> None:
     real = threading.Thread.start
 
     def start(self):
         if self.name == "trainguard-async-save":
-            raise RuntimeError("can't start new thread")  # the thread limit of the process is reached
+            raise error("can't start new thread")  # the thread limit of the process is reached (or Ctrl-C)
         return real(self)
 
     monkeypatch.setattr(threading.Thread, "start", start)
@@ -84,6 +84,23 @@ def test_save_thread_that_cannot_start_releases_pool_and_step_and_next_save_work
     assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "a").values(), before.values()))
     assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "c").values(), after.values()))
     assert _no_save_threads()
+
+
+def test_ctrl_c_before_the_save_thread_starts_releases_pool_and_step(tmp_path, monkeypatch):
+    # A KeyboardInterrupt between the save's registration as in flight and its thread's start left
+    # the save in flight with no thread: the next optimizer.step() waited forever in the pre-step
+    # hook, and every later async save failed joining a thread never started.
+    state = _state()
+    _refuse_save_threads(monkeypatch, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt):
+        tg.save(tmp_path / "b", state, async_=True)
+    monkeypatch.undo()
+    assert not stage.default_pool().in_use and async_save._INFLIGHT is None
+    _step(state["model"], state["optim"])  # returns: nothing to wait for
+    after = _values(state)
+    tg.save(tmp_path / "c", state, async_=True).result(timeout=60)
+    assert all(torch.equal(a, b) for a, b in zip(_loaded(tmp_path / "c").values(), after.values()))
+    assert _no_save_threads() and not (tmp_path / "b" / "manifest.json").exists()
 
 
 def test_manager_with_on_error_warn_goes_on_when_the_save_thread_cannot_start(tmp_path, monkeypatch):

@@ -3,10 +3,9 @@
 Called by ``api.start_save(async_=True)`` on every rank, from the training thread:
 
 1. **capture + sync stage** (training thread, the only part that blocks training): wait for the
-   previous save in flight, take the state apart (``api.capture``), and copy into the staging
-   pool every tensor that may change before the next ``optimizer.step()``: module buffers
-   (BatchNorm statistics change in forward), RNG state, plain tensors, and parameters of no
-   optimizer in the state.
+   previous save in flight, take the state apart (``api.capture``), and copy into the staging pool
+   every tensor that may change before the next ``optimizer.step()``: module buffers (BatchNorm
+   statistics change in forward), RNG state, plain tensors, and parameters of no optimizer in the state.
 2. **background stage** (the save thread, after the "begin" round has fixed which chunks this
    rank writes): only *this rank's chunks* of the parameters of an optimizer in the state and of
    its state tensors (they change only inside ``step()``), while forward/backward run; with
@@ -15,8 +14,8 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    and of any other over a tensor still to be copied, until the last is copied; the time it
    blocks goes to ``handle.hook_wait_s``, reported as stall by the manager.
 3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged
-   bytes and commits through the c10d store (never the training process group). Its error is
-   stored in the handle and surfaces on every rank at the next ``save()``/``wait()``/``close()``.
+   bytes and commits through the c10d store (never the training process group). Its error is stored
+   in the handle and surfaces on every rank at the next ``save()``/``wait()``/``close()``.
 
 Contract: code that mutates parameters or optimizer state outside ``step()`` (EMA) calls
 ``handle.wait_staged()`` first; with ``stage_in_background=True``, before mutating any tensor.
@@ -88,20 +87,10 @@ class _Job:
 
 
 def start_async_save(
-    storage: Storage,
-    target: str,
-    state: Mapping[str, Any],
-    ctx: DistContext,
-    *,
-    layout: str = "sharded",
-    metadata: Mapping[str, Any] | None = None,
-    overwrite: bool = False,
-    timeout: float | None = None,
-    step: int | None = None,
-    max_staging_bytes: int | None = None,
-    stage_in_background: bool = False,
-    preflight: Exception | None = None,
-    managed: bool = False,
+    storage: Storage, target: str, state: Mapping[str, Any], ctx: DistContext, *, layout: str = "sharded",
+    metadata: Mapping[str, Any] | None = None, overwrite: bool = False, timeout: float | None = None,
+    step: int | None = None, max_staging_bytes: int | None = None, stage_in_background: bool = False,
+    preflight: Exception | None = None, managed: bool = False,
 ) -> SaveHandle:
     """Start an async save on this rank (every rank calls it, same order); returns its handle.
 
@@ -164,10 +153,14 @@ def start_async_save(
         _INFLIGHT = job
     try:
         thread.start()
-    except Exception as e:  # no thread ("can't start new thread"): nothing would release the pool or step()
+    except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
+        if thread.ident is not None:  # it started (Ctrl-C while start() waited for it): it releases them
+            raise
         with _LOCK:
             _INFLIGHT = None  # the previous save is finished (_finish_previous): none is in flight
         _drop(job)
+        if not isinstance(e, Exception):
+            raise
         raise CheckpointError(f"could not start the async save thread: {e}") from e
     return handle
 
