@@ -200,8 +200,7 @@ def root_failure(pc: Any, error: Exception) -> Exception:
 
 
 def _first_failure(failures: dict[int, Any]) -> int:
-    # The rank that failed first is usually the one not ending with exit code 1 or SIGTERM: its
-    # peers then fail in their collectives (1) or are terminated by the agent (SIGTERM).
+    # The first to fail: usually not exit 1 (peers failing in collectives) nor SIGTERM (the agent's).
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM)]
     return min(special or failures)
 
@@ -250,6 +249,31 @@ def preload(args: argparse.Namespace) -> None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard"])
 
 
+def install_signal_once() -> None:
+    """Replace torch's agent signal handler (this process; :func:`install_agent_hooks`) with one
+    that raises ``SignalException`` at the first stop signal only. torch's raised at each: a second
+    signal (Ctrl-C again, a repeated ``scancel``) cut the agent's wait for the workers' preemption
+    save, a third ended the agent, and the orphaned workers' orphan check ended them mid-save (the
+    requeued run resumed from an older step). Later signals are reported; the wait goes on, bounded
+    by torch's shutdown timeout (``--shutdown-timeout``, 30 s), then SIGKILL."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    torch_handler = api._terminate_process_handler
+    if getattr(torch_handler, "_trainguard", False):
+        return
+    seen: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if not seen:
+            seen.append(signum)
+            torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
+        print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
+              "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
+
+    handler._trainguard = True  # type: ignore[attr-defined]
+    api._terminate_process_handler = handler
+
+
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     """Wrap torch's agent methods (in this process) to log events and bound the stop wait."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
@@ -257,6 +281,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
+    install_signal_once()
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
     orig_rdzv = SimpleElasticAgent._rendezvous
