@@ -10,10 +10,9 @@ extended with trainguard's options, so every torchrun flag works. Before the age
 * adds ``last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3`` to the c10d
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
-* stops workers on a restart with SIGTERM and SIGKILL after ``--stop-timeout`` (5 s) instead of
-  torch's fixed 30 s (a worker stuck in a collective would otherwise cost 30 s per restart), and
-  lets a worker that returned from its script on that SIGTERM (a preemption save) exit at once
-  (torch keeps it waiting for SIGKILL);
+* stops workers on a restart with SIGTERM and SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s,
+  per restart for a worker stuck in a collective), lets a worker that returned on that SIGTERM (a
+  preemption save) exit at once (torch: it waits for SIGKILL);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
 * preformats tracebacks before torch's log formatter sees them (it imports ``torch._dynamo``,
@@ -22,13 +21,12 @@ extended with trainguard's options, so every torchrun flag works. Before the age
 * passes ``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_WATCHDOG``, ``TRAINGUARD_HANG_TIMEOUT``,
   ``TRAINGUARD_FAULT``, ``TRAINGUARD_JOB_ID`` and ``TRAINGUARD_AGENT_PID`` (its own pid, for the
   orphan check) to the workers (read by :func:`trainguard.elastic.heartbeat`);
-* wraps the agent's rendezvous/monitor/restart methods *in this process only* to append
-  ``agent_start``, ``rendezvous``, ``failure``, ``restart`` and ``agent_exit`` events to
-  ``<run dir>/events.jsonl``.
+* wraps the agent's rendezvous/monitor/restart methods *in this process only* to log ``agent_start``,
+  ``rendezvous``, ``failure``, ``restart`` and ``agent_exit`` events to ``<run dir>/events.jsonl``.
 
 On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and
-raises ``SignalException``; :func:`main` logs ``agent_exit`` with the signal and returns
-128 + its number (143 for SIGTERM), without a traceback (torchrun: the traceback, exit code 1).
+raises ``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit``
+and returns 128 + the signal (143 for SIGTERM), no traceback (torchrun: a traceback, exit 1).
 """
 
 from __future__ import annotations
@@ -250,28 +248,32 @@ def preload(args: argparse.Namespace) -> None:
 
 
 def install_signal_once() -> None:
-    """Replace torch's agent signal handler (this process; :func:`install_agent_hooks`) with one
-    that raises ``SignalException`` at the first stop signal only. torch's raised at each: a second
-    signal (Ctrl-C again, a repeated ``scancel``) cut the agent's wait for the workers' preemption
-    save, a third ended the agent, and the orphaned workers' orphan check ended them mid-save (the
-    requeued run resumed from an older step). Later signals are reported; the wait goes on, bounded
-    by torch's shutdown timeout (``--shutdown-timeout``, 30 s), then SIGKILL."""
+    """Agent (:func:`install_agent_hooks`): a stop signal while the agent stops its workers for an
+    earlier one is reported, not raised (torch's handler: a 2nd cut the wait for the workers' save,
+    a 3rd ended the agent mid-save). The wait stays bounded: ``--shutdown-timeout``, then SIGKILL."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
 
-    torch_handler = api._terminate_process_handler
-    if getattr(torch_handler, "_trainguard", False):
-        return
+    torch_handler, orig_shutdown = api._terminate_process_handler, LocalElasticAgent._shutdown
     seen: list[int] = []
+    stopping: list[bool] = []  # not empty while the agent stops its workers
 
     def handler(signum: int, frame: Any) -> None:
-        if not seen:
+        if not (seen and stopping):
             seen.append(signum)
             torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
         print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
               "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
 
-    handler._trainguard = True  # type: ignore[attr-defined]
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
+        stopping.append(True)
+        try:
+            orig_shutdown(self, *args, **kwargs)
+        finally:
+            stopping.pop()
+
     api._terminate_process_handler = handler
+    LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -281,9 +283,9 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
     from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
-    install_signal_once()
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
+    install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
     orig_restart = SimpleElasticAgent._restart_workers
@@ -314,10 +316,9 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         self._shutdown(timeout=max(1, round(stop_timeout)))
 
     def _join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> Any:
-        # Fork/spawn contexts: when a worker fails, torch SIGTERMs the others and waits a fixed
-        # 30 s before SIGKILL. A worker that ignores SIGTERM (save-on-signal) while its error path
-        # waits for a dead peer held the restart for seconds: wait FAIL_GRACE, SIGTERM, FAIL_GRACE.
-        # The error is replaced by the worker trainguard ended, if any (:func:`root_failure`).
+        # Fork/spawn: on a failure torch SIGTERMs the others and waits 30 s before SIGKILL; a worker
+        # ignoring SIGTERM (save-on-signal) while its error path waits for a dead peer held the
+        # restart: FAIL_GRACE, SIGTERM, FAIL_GRACE. The cause: the worker trainguard ended, if any.
         try:
             return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
         except ProcessException as e:
@@ -327,10 +328,9 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
             raise cause from e
 
     def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
-        # A worker whose function returned waits for this event before its process ends; torch
-        # sets it only when all workers are done, never on close. A worker that answered the
-        # agent's SIGTERM with a save and a clean return (handle_signals=True) then waited for
-        # SIGKILL: 30 s on SIGTERM to the agent, --stop-timeout on a membership restart.
+        # A worker whose function returned waits for this event, which torch sets only when all
+        # are done, never on close: a worker that saved on SIGTERM and returned waited for SIGKILL
+        # (30 s on SIGTERM to the agent, --stop-timeout on a membership restart).
         finished = getattr(self, "_worker_finished_event", None)
         if finished is not None:
             finished.set()
