@@ -48,14 +48,15 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
-        p = storage.join(target, fname)
         try:
-            if not storage.exists(p):
-                errors.append(f"{fname}: missing")
-            elif storage.size(p) != size:
-                errors.append(f"{fname}: {storage.size(p)} bytes, manifest says {size}")
-        except OSError as e:
+            have = _size_of(storage, storage.join(target, fname))
+        except OSError as e:  # EIO, EACCES: reported, not raised
             errors.append(f"{fname}: cannot be read: {type(e).__name__}: {e}")
+            continue
+        if have is None:
+            errors.append(f"{fname}: missing")
+        elif have != size:
+            errors.append(f"{fname}: {have} bytes, manifest says {size}")
     if errors:
         return VerifyResult(target, False, errors, 0, manifest.step)
     try:
@@ -65,6 +66,26 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     except OSError as e:  # an I/O error opening a data file
         errors.append(f"cannot read a data file of {target}: {type(e).__name__}: {e}")
     return VerifyResult(target, not errors, errors, total, manifest.step)
+
+
+def _size_of(storage: Storage, path: str) -> int | None:
+    """``path``'s size, or None when it is not there (also when it goes between the lookup and
+    the stat: a running job's retention deleting the checkpoint). ``verify``, ``list_checkpoints``."""
+    try:
+        return storage.size(path) if storage.exists(path) else None
+    except FileNotFoundError:
+        return None
+
+
+def deleted_while_read(storage: Storage, directory: str) -> bool:
+    """Whether a checkpoint whose manifest was read has none any more: retention (or an operator)
+    deleted it while ``list_checkpoints`` or ``trainguard verify`` checked it. Deletion removes
+    the manifest first (``Storage.remove_tree``), so a checkpoint half deleted answers True too,
+    and what its missing files showed is not corruption."""
+    try:
+        return not storage.exists(storage.join(directory, layout.MANIFEST))
+    except OSError:
+        return False
 
 
 def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
@@ -111,7 +132,7 @@ class StepInfo:
     step: int
     name: str
     path: str
-    status: str  # valid | corrupt | incomplete | committed (not verified)
+    status: str  # valid | corrupt | incomplete | deleted (while it was listed: retention)
     created: float | None = None
     size: int = 0
     entries: int = 0
@@ -149,7 +170,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
         try:
             m = read_manifest(storage, s.path)
         except CheckpointError as e:
-            out.append(StepInfo(s.step, s.name, addr, "corrupt", detail=str(e)))
+            out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, "corrupt", detail=str(e))))
             continue
         status, detail = "valid", ""
         if verify_data:
@@ -158,12 +179,20 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                 status, detail = "corrupt", "; ".join(v.errors[:3])
         else:
             for f, size in {**m.files, **{k: v[0] for k, v in m.indexes.items()}}.items():
-                p = storage.join(s.path, f)
-                if not storage.exists(p) or storage.size(p) != size:
+                if _size_of(storage, storage.join(s.path, f)) != size:
                     status, detail = "corrupt", f"{f}: size differs from the manifest"
                     break
-        out.append(StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail))
+        out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail)))
     return out
+
+
+def _bad(storage: Storage, directory: str, row: StepInfo) -> StepInfo:
+    """``row`` (of step directory ``directory``), or when it is corrupt because the job's retention
+    deleted it while it was listed (``deleted_while_read``), the same step marked "deleted": not
+    corruption, and restore never reads it."""
+    if row.status == "corrupt" and deleted_while_read(storage, directory):
+        row.status, row.detail = "deleted", "removed while it was listed (a running job's retention deletes old checkpoints)"
+    return row
 
 
 def describe(path: str | os.PathLike[str]) -> Manifest:

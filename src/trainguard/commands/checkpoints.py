@@ -18,7 +18,7 @@ from rich.tree import Tree
 from ..commit import read_manifest
 from ..errors import CorruptCheckpointError, NotACheckpointError
 from ..flatten import tensor_refs
-from ..inspect import describe, list_checkpoints, verify
+from ..inspect import deleted_while_read, describe, list_checkpoints, verify
 from ..layout import MANIFEST
 from ..storage import for_path
 from . import printable
@@ -62,7 +62,7 @@ def _size(n: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per step) instead of a table.")
 def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
-    (valid / corrupt / incomplete)."""
+    (valid / corrupt / incomplete; deleted: retention removed it while it was listed)."""
     rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
     if as_json:
         _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
@@ -73,7 +73,7 @@ def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
         table.add_column(col)
     for r in rows:
         created = _dt.datetime.fromtimestamp(r.created).strftime("%Y-%m-%d %H:%M:%S") if r.created else "-"
-        style = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}.get(r.status, "")
+        style = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}.get(r.status, "dim")  # deleted: dim
         table.add_row(
             str(r.step), created, _size(r.size), str(r.entries), f"[{style}]{r.status}[/]", _shown(r.detail[:80])
         )
@@ -187,15 +187,17 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     if listed == "incomplete":
         return "incomplete", step, [f"no {MANIFEST}: a save in progress (object stores write in place) or one that crashed; "
                               "restore never reads it, and the manager removes it when it next opens"], 0
-    res = verify(t)
-    if not res.ok and not _exists(t):
+    res = verify(t) if listed != "deleted" else None
+    if res is None or (not res.ok and _deleted(t)):
         return "deleted", step, ["removed while it was checked (a running job's retention deletes old checkpoints)"], 0
     return "valid" if res.ok else "corrupt", res.step, res.errors, res.bytes_checked
 
 
-def _exists(path: str) -> bool:
+def _deleted(path: str) -> bool:
+    """Whether checkpoint ``path`` lost its manifest while ``_check`` verified it: deletion removes
+    the manifest first, so a checkpoint retention is still deleting counts (its directory is there)."""
     storage, p = for_path(path)
-    return storage.exists(p)
+    return deleted_while_read(storage, p)
 
 
 @click.command("export")

@@ -1,0 +1,108 @@
+"""The ``trainguard`` command as an operator runs it at 3 a.m. on the directory of a job that is
+still saving into it: retention deleting old steps under the command's feet is not corruption
+(no red "corrupt", no exit 1, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard import commit, layout
+from trainguard import inspect as inspect_mod
+from trainguard.cli import main
+from trainguard.storage.local import LocalStorage
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _run_dir(root) -> None:
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as m:
+        for s in (1, 2, 3):
+            m.save(s, {"w": torch.full((64,), float(s))})
+
+
+def _retention_deletes_step_1_when(monkeypatch, root, obj, name):
+    """Patch ``obj.name`` so that its first call on step 1 first deletes step 1 the way the job's
+    retention does (``Storage.remove_tree``: manifest first, then the data)."""
+    orig = getattr(obj, name)
+    victim = str(root / layout.step_dir(1))
+    done = []
+
+    def patched(*a, **kw):
+        if not done and any(isinstance(x, str) and x.startswith(victim) for x in a):
+            done.append(1)
+            LocalStorage().remove_tree(victim)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(obj, name, patched)
+    return done
+
+
+def _rows(r):
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    return [(x["step"], x["status"]) for x in json.loads(r.output)]
+
+
+def test_ls_of_a_step_retention_deletes_after_the_listing_says_deleted_not_corrupt(tmp_path, monkeypatch):
+    orig = commit.list_steps
+
+    def listed_then_deleted(storage, root):
+        out = orig(storage, root)
+        storage.remove_tree(storage.join(root, layout.step_dir(1)))
+        return out
+
+    monkeypatch.setattr(inspect_mod, "list_steps", listed_then_deleted)
+    for i, opts in enumerate((["--json"], ["--json", "--verify"], [])):
+        _run_dir(tmp_path / str(i))
+        r = _run("ls", tmp_path / str(i), *opts)
+        if opts:
+            assert r.exit_code == 0 and _rows(r) == [(1, "deleted"), (2, "valid"), (3, "valid")], r.output
+        else:  # the table shows the new status (rich markup of an unknown status raised)
+            assert r.exit_code == 0 and "deleted" in r.output and "corrupt" not in r.output, r.output
+
+
+def test_ls_of_a_step_deleted_while_its_file_sizes_are_read_has_no_traceback(tmp_path, monkeypatch):
+    _run_dir(tmp_path)
+    # exists() said the data file is there, then retention removed it before the stat
+    done = _retention_deletes_step_1_when(monkeypatch, tmp_path, LocalStorage, "size")
+    r = _run("ls", tmp_path, "--json")
+    assert done and r.exit_code == 0 and _rows(r) == [(1, "deleted"), (2, "valid"), (3, "valid")], r.output
+
+
+def test_ls_verify_and_verify_of_a_step_half_deleted_after_its_manifest_was_read(tmp_path, monkeypatch):
+    """Retention's delete removes the manifest, then the data files, then the directory: a
+    checker that read the manifest first finds the files missing while the directory is still
+    there. ``verify`` reported such a step corrupt and exited 1 on a healthy run."""
+    for args in (("ls", "--json", "--verify"), ("verify", "--json")):
+        root = tmp_path / args[0]
+        _run_dir(root)
+        victim = root / layout.step_dir(1)
+        orig = inspect_mod.read_manifest
+
+        def read_then_half_deleted(storage, directory, victim=victim, orig=orig):
+            m = orig(storage, directory)
+            if directory == str(victim) and (victim / layout.MANIFEST).exists():
+                (victim / layout.MANIFEST).unlink()  # remove_tree cut short here: the directory stays
+                for f in victim.iterdir():
+                    f.unlink()
+            return m
+
+        monkeypatch.setattr(inspect_mod, "read_manifest", read_then_half_deleted)
+        r = _run(args[0], root, *args[1:])
+        assert r.exit_code == 0 and _rows(r) == [(1, "deleted"), (2, "valid"), (3, "valid")], (args, r.output)
+        monkeypatch.undo()
+
+
+def test_a_corrupt_checkpoint_is_still_corrupt(tmp_path):
+    _run_dir(tmp_path)
+    data = tmp_path / layout.step_dir(2) / layout.data_file(0)
+    data.write_bytes(data.read_bytes()[:-1])
+    for args in (("ls", "--json"), ("ls", "--json", "--verify"), ("verify", "--json")):
+        r = _run(args[0], tmp_path, *args[1:])
+        assert _rows(r) == [(1, "valid"), (2, "corrupt"), (3, "valid")], (args, r.output)
+        assert r.exit_code == (1 if args[0] == "verify" else 0)
