@@ -106,3 +106,29 @@ def test_a_corrupt_checkpoint_is_still_corrupt(tmp_path):
         r = _run(args[0], tmp_path, *args[1:])
         assert _rows(r) == [(1, "valid"), (2, "corrupt"), (3, "valid")], (args, r.output)
         assert r.exit_code == (1 if args[0] == "verify" else 0)
+
+
+def test_a_file_the_operator_may_not_read_is_a_one_line_error_saying_what_to_do(tmp_path, monkeypatch):
+    """chmod 000 (or checkpoints owned by the job's service account): ls, verify, inspect, export
+    ended in a PermissionError traceback. Simulated at the open (tests may run as root, whom
+    chmod does not stop)."""
+    from trainguard.storage import local
+
+    _run_dir(tmp_path)
+    orig = local._open_regular
+    locked = {str(tmp_path / layout.step_dir(2) / layout.MANIFEST), str(tmp_path / layout.step_dir(3) / layout.data_file(0))}
+
+    def open_regular(path):
+        if path in locked:
+            raise PermissionError(13, "Permission denied", path)
+        return orig(path)
+
+    monkeypatch.setattr(local, "_open_regular", open_regular)
+    step2, step3 = tmp_path / layout.step_dir(2), tmp_path / layout.step_dir(3)
+    for args in (("ls", tmp_path), ("verify", tmp_path), ("inspect", step2), ("verify", step3),
+                 ("export", step3, "--entry", "w", "--to", tmp_path / "w.safetensors")):
+        r = _run(*args)
+        assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output, r.exception)
+        assert r.output.startswith("error: ") and "Permission denied" in r.output and "read access" in r.output, r.output
+        assert str(step2 / layout.MANIFEST) in r.output or str(step3 / layout.data_file(0)) in r.output
+    assert not (tmp_path / "w.safetensors").exists()

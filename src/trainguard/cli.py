@@ -2,17 +2,20 @@
 
 Commands live in small modules under :mod:`trainguard.commands`; each exposes click commands
 that :func:`main` registers. Errors derived from :class:`CheckpointError` are printed as one
-clear line (exit code 2), never as a traceback from deep inside the library.
+clear line (exit code 2), never as a traceback from deep inside the library; so is an OSError (a
+file the user may not read, an I/O error), with what to do for a permission error.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
 import pkgutil
 import sys
 
 import click
 
+from .commands import printable
 from .errors import CheckpointError
 
 
@@ -23,6 +26,11 @@ class _Group(click.Group):
         except CheckpointError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+        except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback
+            if e.errno == errno.EPIPE:
+                raise  # output piped into `head`: click's own handling
+            click.echo(f"error: {_os_error(e)}", err=True)
+            sys.exit(2)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Each command's whole first sentence, wrapped: click cuts it at the terminal width ("...").
@@ -31,6 +39,16 @@ class _Group(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+def _os_error(e: OSError) -> str:
+    """``_Group.invoke``'s line for an OSError: the file and the system's reason, and for a
+    permission error what to do (the checkpoints are another user's: a job's service account)."""
+    where = f"{printable(e.filename)}: " if e.filename is not None else ""
+    text = f"{where}{e.strerror or e}"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        text += " (run the command as the user that wrote the checkpoints, or give this one read access)"
+    return text
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
