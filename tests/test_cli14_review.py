@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -132,3 +133,22 @@ def test_a_file_the_operator_may_not_read_is_a_one_line_error_saying_what_to_do(
         assert r.output.startswith("error: ") and "Permission denied" in r.output and "read access" in r.output, r.output
         assert str(step2 / layout.MANIFEST) in r.output or str(step3 / layout.data_file(0)) in r.output
     assert not (tmp_path / "w.safetensors").exists()
+
+
+def test_a_run_directory_given_where_one_checkpoint_is_expected_is_named_as_such(tmp_path):
+    """``inspect``/``export``/``consolidate`` of the run directory said "not a committed checkpoint
+    ... it may be a save that crashed or is still running": the operator was sent looking for a
+    crash. Now: it is a run directory, pass one of its steps, and the `ls` command (quoted)."""
+    root = tmp_path / "run 1"
+    _run_dir(root)
+    for args in (("inspect", root), ("export", root, "--to", tmp_path / "w.pt"), ("consolidate", root, tmp_path / "out")):
+        r = _run(*args)
+        assert r.exit_code == 2 and r.output.startswith("error: "), (args, r.output)
+        assert "is a run directory" in r.output and f"trainguard ls '{root}'" in r.output, (args, r.output)
+        assert "crashed" not in r.output
+    with pytest.raises(tg.NotACheckpointError, match="is a run directory, not one checkpoint"):
+        tg.load(root, {"w": torch.zeros(64)})
+    url = f"memory://cli14-{tmp_path.name}"  # an object store: the command to run names the URL
+    _run_dir(url)
+    r = _run("inspect", url)
+    assert r.exit_code == 2 and f"trainguard ls memory:///cli14-{tmp_path.name}`" in r.output, r.output

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shlex
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -42,15 +43,27 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     if not storage.exists(path):
         if not storage.exists(directory):
             raise NotACheckpointError(f"{directory}: no such checkpoint directory{_moved_aside(storage, directory)}")
-        raise NotACheckpointError(
+        raise NotACheckpointError(_run_dir_named(storage, directory) or (
             f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
-        )
+        ))
     try:
         data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:  # deleted since the lookup above (retention, an operator; an object store's read)
         raise NotACheckpointError(f"{directory}: its {layout.MANIFEST} was deleted while it was read") from None
     return data, f"{directory}/{layout.MANIFEST}"
+
+
+def _run_dir_named(storage: Storage, directory: str) -> str:
+    """For ``read_manifest``'s error: when ``directory`` holds step directories (a run directory given
+    to ``trainguard inspect``/``export``/``consolidate``, ``tg.load``), what it is, else ``""``."""
+    try:
+        n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
+    except OSError:
+        return ""
+    url = getattr(storage, "url", None)  # tiers.location: what the operator typed (a URL on object stores)
+    return (f"{directory} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
+            f"ls {shlex.quote(url(directory) if callable(url) else directory)}` shows which are valid)") if n else ""
 
 
 def _moved_aside(storage: Storage, directory: str) -> str:
