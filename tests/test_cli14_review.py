@@ -152,3 +152,27 @@ def test_a_run_directory_given_where_one_checkpoint_is_expected_is_named_as_such
     _run_dir(url)
     r = _run("inspect", url)
     assert r.exit_code == 2 and f"trainguard ls memory:///cli14-{tmp_path.name}`" in r.output, r.output
+
+
+def test_an_object_store_that_cannot_be_reached_is_a_one_line_error(tmp_path, monkeypatch):
+    """``trainguard ls s3://...`` with a wrong AWS_ENDPOINT_URL or no credentials ended in a
+    botocore traceback (EndpointConnectionError, NoCredentialsError: not OSErrors), exit 1.
+    The client's error is raised here by a memory:// store (no 14 s of connection retries)."""
+    botocore = pytest.importorskip("botocore.exceptions")
+    from trainguard.storage.fsspec import FsspecStorage
+
+    url = f"memory://cli14-{tmp_path.name}"
+    _run_dir(url)
+    for exc in (botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:9/b/run"), botocore.NoCredentialsError()):
+        def fail(self, *a, exc=exc, **kw):
+            raise exc
+
+        monkeypatch.setattr(FsspecStorage, "listdir_marked", fail)
+        monkeypatch.setattr(FsspecStorage, "read_bytes", fail)
+        for args in (("ls", url), ("verify", url), ("inspect", f"{url}/{layout.step_dir(1)}")):
+            r = _run(*args)
+            assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (args, r.output, r.exception)
+            assert r.output.startswith("error: the object store failed: ") and "AWS_ENDPOINT_URL" in r.output, r.output
+    monkeypatch.undo()
+    r = CliRunner().invoke(main, ["ls", url, "--bogus"])  # click's own errors are untouched
+    assert r.exit_code == 2 and "No such option" in r.output

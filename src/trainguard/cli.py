@@ -3,7 +3,8 @@
 Commands live in small modules under :mod:`trainguard.commands`; each exposes click commands
 that :func:`main` registers. Errors derived from :class:`CheckpointError` are printed as one
 clear line (exit code 2), never as a traceback from deep inside the library; so is an OSError (a
-file the user may not read, an I/O error), with what to do for a permission error.
+file the user may not read, an I/O error), with what to do for a permission error, and an error of
+an object store's client library (an endpoint that does not answer, missing credentials).
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ import click
 from .commands import printable
 from .errors import CheckpointError
 
+# Packages whose exceptions (not OSErrors) say an object store could not be used: botocore's
+# EndpointConnectionError, NoCredentialsError, ...; their tracebacks say nothing more to an operator.
+_STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "azure", "adlfs"})
+
 
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
@@ -30,6 +35,12 @@ class _Group(click.Group):
             if e.errno == errno.EPIPE:
                 raise  # output piped into `head`: click's own handling
             click.echo(f"error: {_os_error(e)}", err=True)
+            sys.exit(2)
+        except Exception as e:  # an object store's client: unreachable endpoint, no credentials
+            if type(e).__module__.split(".")[0] not in _STORE_CLIENTS:
+                raise
+            click.echo(f"error: the object store failed: {type(e).__name__}: {printable(e)} (check its endpoint, "
+                       "e.g. AWS_ENDPOINT_URL, and the credentials: docs/storage.md)", err=True)
             sys.exit(2)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
