@@ -176,3 +176,24 @@ def test_an_object_store_that_cannot_be_reached_is_a_one_line_error(tmp_path, mo
     monkeypatch.undo()
     r = CliRunner().invoke(main, ["ls", url, "--bogus"])  # click's own errors are untouched
     assert r.exit_code == 2 and "No such option" in r.output
+
+
+def test_ls_names_the_checkpoints_a_cut_short_overwrite_or_a_rollback_set_aside(tmp_path):
+    """Step 3's only copy in ``step-3.old-<id>`` (an overwrite cut short between its renames) and
+    step 2 set aside by a rollback: ``ls`` listed neither, so the operator read step 3 as lost
+    while the next manager puts it back and restores it. The table is unchanged (and --json)."""
+    import os
+
+    _run_dir(tmp_path)
+    os.rename(tmp_path / layout.step_dir(3), tmp_path / layout.old_dir(layout.step_dir(3), "ab12"))
+    os.rename(tmp_path / layout.step_dir(2), tmp_path / layout.aside_dir(layout.step_dir(2), "cd34"))
+    (tmp_path / layout.old_dir(layout.step_dir(1), "ef56")).mkdir()  # a stale one (step 1 is there): no note
+    r = _run("ls", tmp_path)
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "step-000000003.old-ab12: step 3's previous checkpoint" in text and "puts it back" in text
+    assert "step-000000002.abandoned-cd34: step 2, set aside by a rollback" in text
+    assert "ef56" not in text
+    assert _rows(_run("ls", tmp_path, "--json")) == [(1, "valid")]
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as m:  # what the note promises
+        assert m.restore({"w": torch.zeros(64)}) == 3

@@ -195,6 +195,30 @@ def _bad(storage: Storage, directory: str, row: StepInfo) -> StepInfo:
     return row
 
 
+def set_aside(root: str | os.PathLike[str]) -> list[str]:
+    """What ``trainguard ls`` says under its table about the checkpoints of run directory ``root``
+    that it does not list, but the next manager on ``root`` may put back (``clean_debris``): one
+    line per ``step-N.old-<id>`` (an overwrite cut short, step N without a manifest) and
+    ``step-N.abandoned-<token>`` (set aside by a rollback) that holds a manifest. Never raises."""
+    try:
+        storage, r = for_path(root)
+        names = [n for n in storage.listdir(r) if layout.OLD_RE.match(n) or layout.ASIDE_RE.match(n)]
+        held = [n for n in names if storage.exists(storage.join(r, n, layout.MANIFEST))]
+        olds = {n for n in held if (m := layout.OLD_RE.match(n))
+                and not storage.exists(storage.join(r, layout.step_dir(int(m.group(1))), layout.MANIFEST))}
+    except Exception:  # noqa: BLE001 - the listing above is the answer; this is only a note
+        return []
+    out = []
+    for n in held:
+        if n in olds and (m := layout.OLD_RE.match(n)):  # else its step committed again: clean_debris drops it
+            out.append(f"{n}: step {int(m.group(1))}'s previous checkpoint, left by an overwrite cut short; "
+                       "the next CheckpointManager on this directory puts it back (or load that path)")
+        elif m := layout.ASIDE_RE.match(n):
+            out.append(f"{n}: step {int(m.group(1))}, set aside by a rollback; removed once a save after the "
+                       "rollback commits, else put back by the next CheckpointManager")
+    return out
+
+
 def describe(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of one checkpoint (for ``trainguard inspect``)."""
     storage, target = for_path(path)
