@@ -197,3 +197,21 @@ def test_ls_names_the_checkpoints_a_cut_short_overwrite_or_a_rollback_set_aside(
     assert _rows(_run("ls", tmp_path, "--json")) == [(1, "valid")]
     with tg.CheckpointManager(tmp_path, handle_signals=False) as m:  # what the note promises
         assert m.restore({"w": torch.zeros(64)}) == 3
+
+
+def test_paths_are_printed_as_given_never_as_markup_or_control_characters(tmp_path):
+    """``export --to 'out[x]/[bold]w.pt'`` said "wrote 2 tensors to out/w.pt" (rich took the
+    brackets for markup: the operator is shown a file that does not exist), and an ``error:``
+    line printed a path's newline and escape sequences raw (a run directory named by a script)."""
+    ckpt = tmp_path / "c"
+    tg.save(ckpt, {"model": torch.nn.Linear(2, 2)})
+    out = tmp_path / "out[x]"
+    out.mkdir()
+    r = _run("export", ckpt, "--to", out / "[bold]w.pt")
+    assert r.exit_code == 0 and (out / "[bold]w.pt").exists()
+    assert f"to {out / '[bold]w.pt'}" in " ".join(r.output.split()), r.output
+    odd = tmp_path / "run\nx\x1b[31m"
+    _run_dir(odd)
+    r = _run("inspect", odd)
+    assert r.exit_code == 2 and "\x1b" not in r.output and "\n" not in r.output.rstrip("\n"), repr(r.output)
+    assert "run\\x0ax\\x1b[31m is a run directory" in r.output, repr(r.output)

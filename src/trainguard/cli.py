@@ -29,7 +29,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except CheckpointError as e:
-            click.echo(f"error: {e}", err=True)
+            click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
             sys.exit(2)
         except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback
             if e.errno == errno.EPIPE:

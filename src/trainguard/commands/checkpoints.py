@@ -211,4 +211,4 @@ def export_cmd(ckpt: str, to: str, entry: str) -> None:
     from ..export import export
 
     n = export(ckpt, to, entry=entry)
-    console.print(f"wrote {n} tensors to {to}")
+    console.print(f"wrote {n} tensors to {_shown(to)}")

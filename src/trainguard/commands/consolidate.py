@@ -29,4 +29,4 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
             click.echo(f"  {printable(path)}  {nbytes} B")
 
     m = _consolidate(src, dst, overwrite=overwrite, progress=show)
-    click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {dst}")
+    click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {printable(dst)}")
