@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from . import layout
 from .commit import list_steps, read_manifest
-from .errors import CheckpointError, NotACheckpointError
+from .errors import MEDIA_ERRNOS, CheckpointError, NotACheckpointError
 from .fdlimit import ensure_room
 from .index import ChunkSource
 from .manifest import Manifest, checksum
@@ -43,14 +43,16 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         manifest = read_manifest(storage, target)
     except CheckpointError as e:
         return VerifyResult(target, False, [str(e)])
-    except OSError as e:  # an I/O error (EIO): reported, not raised
+    except OSError as e:  # a medium's error (EIO): reported, not raised; EACCES and the like are raised
+        _raise_unless_media(e)
         return VerifyResult(target, False, [f"cannot read {target}/{layout.MANIFEST}: {type(e).__name__}: {e}"])
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
         try:
             have = _size_of(storage, storage.join(target, fname))
-        except OSError as e:  # EIO, EACCES: reported, not raised
+        except OSError as e:  # EIO: reported, not raised
+            _raise_unless_media(e)
             errors.append(f"{fname}: cannot be read: {type(e).__name__}: {e}")
             continue
         if have is None:
@@ -63,9 +65,18 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         total = _check_chunks(storage, target, manifest, errors)
     except CheckpointError as e:  # e.g. a data file that is a symlink or not a regular file
         errors.append(str(e))
-    except OSError as e:  # an I/O error opening a data file
+    except OSError as e:  # a medium's error opening a data file
+        _raise_unless_media(e)
         errors.append(f"cannot read a data file of {target}: {type(e).__name__}: {e}")
     return VerifyResult(target, not errors, errors, total, manifest.step)
+
+
+def _raise_unless_media(e: OSError) -> None:
+    """``verify`` reports a medium's read error (EIO: the checkpoint's bytes are not to be had) as
+    what is wrong with the checkpoint; any other (EACCES: run as another user; EMFILE) is the
+    command's problem, raised (the CLI prints it as one line, exit 2), never called corruption."""
+    if e.errno not in MEDIA_ERRNOS:
+        raise e
 
 
 def _size_of(storage: Storage, path: str) -> int | None:
@@ -111,7 +122,9 @@ def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[st
                 n = min(len(buf), c.length - pos)
                 try:
                     readers[c.file].readinto(view[:n], c.offset + pos)
-                except (CheckpointError, OSError) as ex:  # bad bytes, or an I/O error: reported, not raised
+                except (CheckpointError, OSError) as ex:  # bad bytes, or a medium's error: reported, not raised
+                    if isinstance(ex, OSError) and not isinstance(ex, CheckpointError):
+                        _raise_unless_media(ex)
                     errors.append(f"{c.file}: tensor {path}: {ex}")
                     break
                 for b in range(0, n, m.block_size):
