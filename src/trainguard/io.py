@@ -21,7 +21,7 @@ from .buffers import PAGE_ALIGN, aligned_empty, tensor_bytes
 from .errors import DiskFullError
 from .fdlimit import ensure_room
 from .manifest import checksum
-from .planner import PAGE, Box, ReadOp, row_major_strides
+from .planner import PAGE, Box, ReadOp, in_range, row_major_strides
 from .storage.base import FileReader, Storage
 
 PIECE = 64 << 20  # bytes per pwrite of a large chunk (a multiple of every block size we use)
@@ -380,16 +380,19 @@ class _Scratch:
 
 
 def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
-    """Copy the elements of ``op.inter`` from an indirect op's scratch buffer into ``t.dest``
-    (an op with ``flat``: the bytes it names, into the destination's bytes)."""
+    """Copy the elements of ``op.inter`` that an indirect op's scratch buffer holds (it holds
+    chunk ``op.chunk`` from element ``op.first_elem`` on: all of them, but for a window of a
+    column shard's read, ``planner._windows``) into ``t.dest`` (an op with ``flat``: the bytes
+    it names, into the destination's bytes)."""
     if op.flat is not None:
         skip, at, n = op.flat
         tensor_bytes(t.dest)[at : at + n] = tensor_bytes(scratch)[skip : skip + n]
         return
     typed = scratch.view(t.dest.dtype)
     cstrides = row_major_strides(op.chunk.sizes)
-    # as_strided's offset counts from the start of the storage, not of the (aligned) view.
-    src = typed.as_strided(op.inter.sizes, cstrides, typed.storage_offset() + op.inter.flat_start_in(op.chunk) - op.first_elem)
-    rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(op.inter.offsets, t.box.offsets, op.inter.sizes, strict=True))
-    t.dest.detach().view(t.box.sizes)[rel].copy_(src)  # detach: a Parameter's in-place copy_ is refused
-
+    dest = t.dest.detach().view(t.box.sizes)  # detach: a Parameter's in-place copy_ is refused
+    for box in in_range(op.inter, op.chunk, op.first_elem, op.first_elem + typed.numel()):
+        # as_strided's offset counts from the start of the storage, not of the (aligned) view.
+        src = typed.as_strided(box.sizes, cstrides, typed.storage_offset() + box.flat_start_in(op.chunk) - op.first_elem)
+        rel = tuple(slice(o - d, o - d + s) for o, d, s in zip(box.offsets, t.box.offsets, box.sizes, strict=True))
+        dest[rel].copy_(src)

@@ -214,7 +214,8 @@ def plan_reads(
     range whose elements are contiguous in both boxes (row shards resharded: 2 -> 3 ranks) is
     read straight into ``dest`` but for its first and last block, each read into a scratch
     block and copied (``ReadOp.flat``): scratch memory is two blocks, not the rank's share.
-    Other ranges (column shards) go through scratch in groups of rows (:func:`_row_groups`).
+    Other ranges (column shards) go through scratch: verified, in windows of whole blocks
+    (:func:`_windows`); else in groups of rows (:func:`_row_groups`).
     """
     ops: list[ReadOp] = []
     for ci, (cbox, fname, foff, length, sums) in enumerate(chunks):
@@ -226,6 +227,10 @@ def plan_reads(
             continue
         inter = cbox.intersect(dest)
         if inter is None or inter.numel == 0:
+            continue
+        contiguous = inter.is_contiguous_in(cbox) and inter.is_contiguous_in(dest)
+        if verify and not contiguous and itemsize and block_size % itemsize == 0:
+            ops += _windows(inter, cbox, fname, foff, length, sums, itemsize, block_size, ci)
             continue
         for part in _row_groups(inter, cbox, dest, itemsize, block_size):
             first = part.flat_start_in(cbox)
@@ -259,12 +264,64 @@ def plan_reads(
     return ops
 
 
+def _windows(
+    inter: Box, cbox: Box, fname: str, foff: int, length: int, sums: Sequence[str], itemsize: int, block: int, ci: int
+) -> list[ReadOp]:
+    """The verified read of ``inter`` (not contiguous in chunk ``cbox`` or in the destination: a
+    column shard resharded, loaded on one rank or consolidated) as disjoint windows of whole
+    checksum blocks, ~SCRATCH_BYTES each, read through scratch in turn; each window's op copies
+    the elements of its ``inter`` (the rows it meets) that lie in its bytes (``io._scatter``),
+    so a row cut by a window boundary is copied in two parts. Every block of the widened range
+    is read and verified once (groups of whole rows overlapped by a block wherever a boundary
+    cut a row: up to 2x the bytes read); windows holding none of ``inter`` are not read."""
+    first, last = inter.flat_start_in(cbox), _last_flat(inter, cbox)
+    lo, hi = first * itemsize // block * block, min(align_up((last + 1) * itemsize, block), length)
+    step, row = max(block, SCRATCH_BYTES // block * block), math.prod(cbox.sizes[1:])
+    ops = []
+    for a in range(lo, hi, step):
+        b = min(a + step, hi)
+        e0, e1 = a // itemsize, b // itemsize
+        if not in_range(inter, cbox, e0, e1):
+            continue
+        r0, r1 = max(inter.offsets[0], cbox.offsets[0] + e0 // row), min(inter.offsets[0] + inter.sizes[0], cbox.offsets[0] + -(-e1 // row))
+        rows = Box((r0, *inter.offsets[1:]), (r1 - r0, *inter.sizes[1:]))
+        checks = tuple(BlockCheck(k * block - a, min(block, length - k * block), sums[k]) for k in range(a // block, -(-b // block)))
+        ops.append(ReadOp(fname, foff + a, b - a, None, cbox, rows, e0, checks, ci))
+    return ops
+
+
+def in_range(inter: Box, cbox: Box, lo: int, hi: int) -> list[Box]:
+    """The elements of ``inter`` whose row-major index in chunk ``cbox`` is in ``[lo, hi)``, as
+    boxes: ``inter`` itself when all are; else its whole rows in range and, recursively, the
+    parts of the (at most two) rows cut by ``lo`` or ``hi``. ``_windows`` and ``io._scatter``."""
+    first, last = inter.flat_start_in(cbox), _last_flat(inter, cbox)
+    if last < lo or first >= hi or not inter.numel:
+        return []
+    if lo <= first and last < hi:
+        return [inter]
+    c0 = cbox.offsets[0]
+    if len(inter.sizes) == 1:
+        a, b = max(inter.offsets[0], c0 + lo), min(inter.offsets[0] + inter.sizes[0], c0 + hi)
+        return [Box((a,), (b - a,))] if a < b else []
+    sub, subc = Box(inter.offsets[1:], inter.sizes[1:]), Box(cbox.offsets[1:], cbox.sizes[1:])
+    row, f, la = math.prod(subc.sizes), sub.flat_start_in(subc), _last_flat(sub, subc)
+    top = inter.offsets[0] + inter.sizes[0]
+    ra, rb = max(inter.offsets[0], c0 - (f - lo) // row), min(top, c0 + (hi - 1 - la) // row + 1)  # whole rows
+    out = [Box((ra, *sub.offsets), (rb - ra, *sub.sizes))] if ra < rb else []
+    for r in sorted({c0 + lo // row, c0 + (hi - 1) // row}):
+        if inter.offsets[0] <= r < top and not ra <= r < rb:
+            base = (r - c0) * row
+            out += [Box((r, *p.offsets), (1, *p.sizes)) for p in in_range(sub, subc, lo - base, hi - base)]
+    return out
+
+
 def _row_groups(inter: Box, cbox: Box, dest: Box, itemsize: int, block: int) -> list[Box]:
     """``inter`` (read indirectly: not contiguous in chunk ``cbox`` or in ``dest``, as a column
-    shard resharded, loaded on one rank or consolidated) cut along dim 0 at chunk rows that are
-    multiples of ``g``: ~SCRATCH_BYTES (or a block) of the chunk, a multiple of ``block`` when
-    the rows allow, so that the groups' widened reads do not overlap. Each group's scratch
-    buffer is allocated and dropped in turn (``io._Scratch``), not one for every row at once."""
+    shard resharded, loaded on one rank or consolidated; read unverified, or with a block that
+    is not a multiple of the item size) cut along dim 0 at chunk rows that are multiples of
+    ``g``: ~SCRATCH_BYTES (or a block) of the chunk, a multiple of ``block`` when the rows allow.
+    Each group's scratch buffer is allocated and dropped in turn (``io._Scratch``), not one for
+    every row at once. Verified reads take :func:`_windows`: whole-row groups re-read a block."""
     row, most = math.prod(cbox.sizes[1:]) * itemsize, max(SCRATCH_BYTES, block)
     if len(inter.sizes) < 2 or not row or inter.sizes[0] * row <= most:
         return [inter]
