@@ -145,17 +145,20 @@ def verify_cmd(path: str, as_json: bool) -> None:
     Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
     without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
     storage, p = for_path(path)
+    aside: list[str] = []
     try:
         read_manifest(storage, p)
         targets = [(p, "committed", None)]
     except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
         targets = [(p, "committed", None)]
     except NotACheckpointError:  # no manifest: a run directory
-        rows = list_checkpoints(path)
+        rows, aside = list_checkpoints(path), set_aside(path)  # aside: what the next manager may put back
         if not rows:
             raise NotACheckpointError(
                 f"{path} holds no checkpoint: no {MANIFEST} (a checkpoint directory) and no step-NNNNNNNNN "
-                "directories (a run directory); nothing to verify"
+                "directories (a run directory); nothing to verify" if not aside else
+                f"{path} holds no step-NNNNNNNNN checkpoint, but the next CheckpointManager may put one back "
+                f"(`trainguard verify` its path checks it): {'; '.join(aside)}"
             ) from None
         targets = [(r.path, r.status, r.step) for r in rows]
     ok, out, verified = True, [], 0
@@ -175,8 +178,11 @@ def verify_cmd(path: str, as_json: bool) -> None:
                 console.print(f"        {_shown(e)}")
     if as_json:
         _print_json(out)
+    if not as_json:
+        for note in aside:  # as under ls's table: a step that is not checked here, but may come back
+            console.print(f"[yellow]not listed[/]: {_shown(note)}")
     if not verified and not as_json:
-        console.print("[red]no committed checkpoint verified[/]: restore would find none to load")
+        console.print("[red]no committed checkpoint verified[/]" + ("" if aside else ": restore would find none to load"))
     sys.exit(0 if ok and verified else 1)  # a run dir of incomplete (or deleted) ones only: nothing to resume from
 
 
