@@ -37,3 +37,39 @@ def test_verify_of_a_run_directory_names_the_checkpoints_it_does_not_check_but_a
     with tg.CheckpointManager(alone, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
         assert mgr.restore(st) == 3  # what verify now names is what a restart resumes from
     assert torch.equal(st["w"], torch.full((8,), 3.0))
+
+
+def _reseed(src: str):
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import reseed
+
+    return reseed([], Settings(source=src))
+
+
+_HEAD = "import torch, trainguard as tg\ndef main(mgr, state):\n"
+
+
+def test_doctor_rng_after_restore_exempts_only_the_fresh_start_branch():
+    """docs/planning.md, 'rng after restore': a seed after the restore is fine only 'outside an if on
+    the restore's result (`if start is None:`, a fresh start)'. Every branch of any if on the
+    result was exempt: a seed set only on a resume (`if start is not None:`, the else of
+    `if start is None:`), which is exactly what overwrites the restored RNG, was 'ok'; and the
+    same fresh-start seed tested on the call itself (`if mgr.restore(state) is None:`) was a warning."""
+    resumed_only = [
+        "    start = mgr.restore(state)\n    if start is not None:\n        torch.manual_seed(0)\n",
+        "    start = mgr.restore(state)\n    if start is None:\n        pass\n    else:\n        torch.manual_seed(1)\n",
+        "    start = mgr.restore(state)\n    if start:\n        torch.manual_seed(0)\n",
+        "    if mgr.restore(state) is not None:\n        torch.manual_seed(0)\n",
+    ]
+    for body in resumed_only:
+        f = _reseed(_HEAD + body)
+        assert f is not None and f.severity == "warning", body
+    fresh_only = [
+        "    start = mgr.restore(state)\n    if start is None:\n        torch.manual_seed(0)\n",
+        "    start = mgr.restore(state)\n    if not start:\n        torch.manual_seed(0)\n",
+        "    start = mgr.restore(state)\n    if start is not None:\n        pass\n    else:\n        torch.manual_seed(0)\n",
+        "    if mgr.restore(state) is None:\n        torch.manual_seed(0)\n",
+    ]
+    for body in fresh_only:
+        f = _reseed(_HEAD + body)
+        assert f is not None and f.severity == "ok", body

@@ -2,7 +2,7 @@
 
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
 ``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=``, and a save that only
-rank 0 reaches, a global seed set after the restore. Each check returns ``None`` when there is no source to read (or it does not parse).
+rank 0 reaches, a global seed set after the restore (:mod:`trainguard.doctor_rng`). Each check returns ``None`` when there is no source to read (or it does not parse).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
+from .doctor_rng import reseed
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
 _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf"}  # not checkpoints
@@ -343,43 +344,6 @@ def _dict_keys(tree: ast.Module, node: ast.expr, depth: int = 0) -> set[str] | N
                                                                                       if k.arg is not None)]):
                 return None  # handed to a function that may add to it (other.update(name) only reads it)
     return out if found else None
-
-
-_SEEDERS = {"set_seed", "seed_everything"}  # transformers/accelerate, lightning: every global generator
-_SEEDS = {"manual_seed", "manual_seed_all", "seed"}  # of torch, torch.cuda, random, np.random (not a Generator)
-
-
-def reseed(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    """A global seed set after ``mgr.restore``/``tg.load`` in the same function overwrites the RNG
-    state just restored (``tg.RNGState()``), so a resumed run draws other numbers than an
-    uninterrupted one. Seeding inside ``if start is None:`` (a fresh start only) is fine."""
-    if (tree := _tree(s)) is None:
-        return None
-    if leaves and not any(type(x).__name__ == "RNGState" or "rng" in p.rsplit("/", 1)[-1].lower() for p, x in leaves):
-        return None  # no RNG state saved: the rng check says so
-    restored, hits = False, []
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
-        nodes = list(_own_nodes(scope))
-        loads = [c for c in nodes if isinstance(c, ast.Call) and (_callee(c) == "restore" or _callee(c) == "load"
-                                                                 and _receiver(c) in ("tg", "trainguard"))]
-        if not loads:
-            continue
-        restored, first = True, min(c.lineno for c in loads)
-        results = {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-                   and n.value in loads for t in n.targets if isinstance(t, ast.Name)}
-        fresh = {id(x) for n in nodes if isinstance(n, ast.If) and any(
-            isinstance(v, ast.Name) and v.id in results for v in ast.walk(n.test)) for x in ast.walk(n)}
-        hits += [c for c in nodes if isinstance(c, ast.Call) and c.lineno > first and id(c) not in fresh and (
-            _callee(c) in _SEEDERS or _callee(c) in _SEEDS and _receiver(c) in ("torch", "cuda", "random"))]
-    if not restored:
-        return None
-    if not hits:
-        return Finding("rng after restore", "ok", "no global seed set after the restore")
-    c = min(hits, key=lambda c: c.lineno)
-    return Finding("rng after restore", "warning", f"line {c.lineno}: {ast.unparse(c)} after the restore: it "
-                   "overwrites the RNG state just restored, so a resumed run draws other numbers (data, dropout) "
-                   "than an uninterrupted one", "seed before mgr.restore(state), which then puts the saved RNG "
-                   "back, or only on a fresh start: if start is None: ...")
 
 
 def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
