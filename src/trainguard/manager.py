@@ -29,7 +29,7 @@ from .handle import SaveHandle
 from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
-from .retention import DONE, restore_candidates, retain, set_aside, unrestored_error
+from .retention import DONE, remove_replaced, restore_candidates, retain, set_aside, unrestored_error
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
@@ -245,10 +245,8 @@ class CheckpointManager:
         # timeline, and an existing step is refused (StepExistsError), as by tg.save.
         replace = step in self._rejected or (self._restored is not None and step not in self._own)
         durable = self.storage.join(self._root, layout.step_dir(step))
-        if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename) and self.storage.exists(
-            self.storage.join(durable, layout.MANIFEST)
-        ):  # no atomic replace on object stores, nor of the RAM tier's copy: it is unusable or abandoned
-            self.storage.remove_tree(durable)
+        if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename):
+            bad = bad or remove_replaced(self, durable)  # no atomic replace on object stores, nor of the RAM tier's copy
         if self.ctx.rank == 0 and self._restored is not None and not self.ram:  # newer steps of an abandoned timeline
             bad = bad or set_aside(self, step, meta)
         mark = policies.decision_mark(self.ctx)  # before the save: a sync one's rounds follow it

@@ -118,6 +118,21 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
     return None
 
 
+def remove_replaced(mgr: CheckpointManager, durable: str) -> CheckpointError | None:
+    """Rank 0, in ``CheckpointManager.save`` of a step it replaces (rejected by restore, or behind a
+    rollback) where no atomic rename can replace it (RAM tier, object stores): the durable copy
+    ``durable`` is removed first (it is unusable or abandoned). Returns the error for the save's
+    first round when the storage cannot tell whether it is there (EIO, EACCES on its stat:
+    ``LocalStorage.exists`` raises them): raised bare here, it escaped ``on_error="warn"`` on rank 0
+    alone while the other ranks waited in the save's first round."""
+    try:
+        if mgr.storage.exists(mgr.storage.join(durable, layout.MANIFEST)):
+            mgr.storage.remove_tree(durable)
+    except OSError as e:
+        return CheckpointError(f"cannot look into {durable}, the checkpoint this save replaces: {e}")
+    return None
+
+
 def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | dict[str, str]:
     """Rank 0, in ``CheckpointManager.restore``: the committed checkpoints to try, ``(step, path,
     tier)`` newest first (the RAM tier's copy of a step before its durable one), which it

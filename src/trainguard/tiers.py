@@ -160,7 +160,11 @@ class RamTier:
         if bad is not None or self.ctx.rank != 0:
             return bad
         final = self.durable.join(self.durable_root, layout.step_dir(step))
-        if self.durable.exists(self.durable.join(final, layout.MANIFEST)):
+        try:  # an error of the stat (EIO, EACCES) fails this save on every rank, not rank 0 alone and bare
+            there = self.durable.exists(self.durable.join(final, layout.MANIFEST))
+        except OSError as e:
+            return CheckpointError(f"cannot look into {location(self.durable, final)}: {e}")
+        if there:
             return StepExistsError(f"{location(self.durable, final)} already holds a committed checkpoint")
         return None
 
