@@ -52,8 +52,8 @@ def _rows(r):
 def test_ls_of_a_step_retention_deletes_after_the_listing_says_deleted_not_corrupt(tmp_path, monkeypatch):
     orig = commit.list_steps
 
-    def listed_then_deleted(storage, root):
-        out = orig(storage, root)
+    def listed_then_deleted(storage, root, **kw):  # noqa: ANN003
+        out = orig(storage, root, **kw)
         storage.remove_tree(storage.join(root, layout.step_dir(1)))
         return out
 

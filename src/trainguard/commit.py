@@ -18,6 +18,7 @@ from typing import Any
 from . import layout
 from .dist import DistContext, failure, summary
 from .errors import (
+    MEDIA_ERRNOS,
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointError,
@@ -153,13 +154,15 @@ class StepDir:
     step: int
     name: str
     path: str
-    status: str  # "committed" (manifest present, not yet verified), "incomplete"
+    status: str  # "committed" (manifest present, not yet verified), "incomplete" (, "unreadable": media_ok)
 
 
-def list_steps(storage: Storage, root: str) -> list[StepDir]:
+def list_steps(storage: Storage, root: str, *, media_ok: bool = False) -> list[StepDir]:
     """Step directories under ``root``, oldest first; temp and old directories are not listed.
     Whether each holds its manifest comes with the listing where the storage can say
-    (``listdir_marked``: object stores, one listing instead of a request per step directory)."""
+    (``listdir_marked``: object stores, one listing instead of a request per step directory).
+    ``media_ok`` (``inspect.list_checkpoints``): a step whose manifest's stat fails with a medium's
+    error (EIO) is listed with status "unreadable" instead of raising (open and restore raise)."""
     out = []
     marked = getattr(storage, "listdir_marked", None)
     names = marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
@@ -168,9 +171,13 @@ def list_steps(storage: Storage, root: str) -> list[StepDir]:
         if step is None:
             continue
         path = storage.join(root, name)
-        if not marked:
-            has_manifest = storage.exists(storage.join(path, layout.MANIFEST))
-        status = "committed" if has_manifest else "incomplete"
+        try:
+            has_manifest = has_manifest if marked else storage.exists(storage.join(path, layout.MANIFEST))
+        except OSError as e:
+            if not media_ok or e.errno not in MEDIA_ERRNOS:
+                raise
+            has_manifest = None
+        status = "committed" if has_manifest else "incomplete" if has_manifest is not None else "unreadable"
         out.append(StepDir(step, name, path, status))
     return sorted(out, key=lambda s: s.step)
 

@@ -161,7 +161,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     if not storage.exists(r):
         raise NotACheckpointError(f"{root}: no such directory")
     try:
-        steps = list_steps(storage, r)
+        steps = list_steps(storage, r, media_ok=True)
     except NotADirectoryError:
         raise NotACheckpointError(f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
     if not steps:
@@ -180,10 +180,14 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
         if s.status == "incomplete":
             out.append(StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}"))
             continue
-        try:
-            m = read_manifest(storage, s.path)
+        try:  # a medium's error (EIO) on one step is that step's verdict, as verify's, not the listing's end
+            m = read_manifest(storage, s.path)  # of an "unreadable" step (its stat's EIO) too: that error again
         except CheckpointError as e:
             out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, "corrupt", detail=str(e))))
+            continue
+        except OSError as e:
+            _raise_unless_media(e)
+            out.append(StepInfo(s.step, s.name, addr, "corrupt", detail=f"cannot read its {layout.MANIFEST}: {e}"))
             continue
         status, detail = "valid", ""
         if verify_data:
@@ -192,7 +196,13 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                 status, detail = "corrupt", "; ".join(v.errors[:3])
         else:
             for f, size in {**m.files, **{k: v[0] for k, v in m.indexes.items()}}.items():
-                if _size_of(storage, storage.join(s.path, f)) != size:
+                try:
+                    have = _size_of(storage, storage.join(s.path, f))
+                except OSError as e:
+                    _raise_unless_media(e)
+                    status, detail = "corrupt", f"{f}: cannot be read: {e}"
+                    break
+                if have != size:
                     status, detail = "corrupt", f"{f}: size differs from the manifest"
                     break
         out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail)))
