@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 import pytest
 
@@ -95,3 +96,54 @@ def test_ls_and_verify_report_a_step_the_medium_cannot_read_and_list_the_others(
         _failing(mp, *call, err=errno.EACCES)
         assert CliRunner().invoke(main, ["ls", str(run)]).exit_code == 2
         assert CliRunner().invoke(main, ["verify", str(run)]).exit_code == 2
+
+
+def test_ctrl_c_before_a_created_save_thread_runs_cancels_that_thread(tmp_path, monkeypatch):
+    """b02accf: a KeyboardInterrupt in ``thread.start()`` takes the save out of flight and releases its
+    staging pool when ``thread.ident`` is None. But Thread.start creates the OS thread first and then
+    waits for it to set its ident: a Ctrl-C landing in that wait, before the new thread got the GIL,
+    found ident None while the thread was about to run. It then ran the save that had been dropped:
+    committed the checkpoint the caller was told failed, and released the staging pool again, while
+    the next save held it (the save after that could stage into the same memory). Modelled here by
+    a thread that starts the save thread once the Ctrl-C has been handled."""
+    from test_async_review import _state, _step
+    from trainguard import async_save, stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})
+    real = threading.Thread.start
+    gate, late = threading.Event(), []
+
+    def start(self):  # noqa: ANN001, ANN202
+        if self.name != "trainguard-async-save" or late:
+            return real(self)
+        late.append((self, threading.Thread(target=lambda: (gate.wait(30), real(self)), daemon=True)))
+        real(late[-1][1])
+        raise KeyboardInterrupt  # the OS thread exists and will run; it has not set its ident yet
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    state = _state()
+    with pytest.raises(KeyboardInterrupt):
+        tg.save(tmp_path / "b", state, async_=True)
+    assert async_save._INFLIGHT is None and not stage.default_pool().in_use
+    _step(state["model"], state["optim"])
+    hold, entered = threading.Event(), threading.Event()
+
+    def seam() -> None:  # holds the first save thread to get here (save c's) until `hold`
+        if not entered.is_set():
+            entered.set()
+            hold.wait(30)
+
+    monkeypatch.setattr(async_save, "_before_background_stage", seam)
+    h = tg.save(tmp_path / "c", state, async_=True)  # holds the pool until `hold`
+    assert entered.wait(30)
+    gate.set()
+    save_thread, starter = late[0]
+    starter.join(30)
+    save_thread.join(30)
+    assert not save_thread.is_alive()
+    try:
+        assert stage.default_pool().in_use, "the dropped save's thread released the pool save c holds"
+        assert not (tmp_path / "b" / "manifest.json").exists(), "the interrupted save committed anyway"
+    finally:
+        hold.set()
+        h.result(timeout=60)

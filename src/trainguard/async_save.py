@@ -84,6 +84,7 @@ class _Job:
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
+        self.began: bool | None = False  # its thread began (_run); None: cancelled before it did
 
 
 def start_async_save(
@@ -154,10 +155,10 @@ def start_async_save(
     try:
         thread.start()
     except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
-        if thread.ident is not None:  # it started (Ctrl-C while start() waited for it): it releases them
-            raise
-        with _LOCK:
-            _INFLIGHT = None  # the previous save is finished (_finish_previous): none is in flight
+        with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
+            if job.began:  # it runs: it releases them
+                raise
+            job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
         _drop(job)
         if not isinstance(e, Exception):
             raise
@@ -188,6 +189,10 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
     """The save thread: persist and commit, staging this rank's chunks in between (after the
     "begin" round, batch by batch as ``api._write_rank`` writes them); always releases the pool."""
     handle = job.handle
+    with _LOCK:  # a Ctrl-C in thread.start() before this ran took the save out of flight (start_async_save)
+        if job.began is None:
+            return
+        job.began = True
     try:
         manifest = persist_and_commit(storage, target, snap, ctx, stage=lambda mine: _stage(job, mine, ctx.rank), **kw)
         outcome: tuple[Any, BaseException | None] = (manifest, None)
