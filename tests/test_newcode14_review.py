@@ -147,3 +147,23 @@ def test_ctrl_c_before_a_created_save_thread_runs_cancels_that_thread(tmp_path, 
     finally:
         hold.set()
         h.result(timeout=60)
+
+
+def test_restore_falls_back_when_the_newest_manifest_cannot_be_read_at_all(tmp_path, monkeypatch):
+    """A medium's error reading a checkpoint makes restore try an older one (docs/reliability.md).
+    With the newest step's manifest.json failing at every open (EIO), the load's error was skipped
+    as promised, but restore then re-read that manifest (loader.touched_tensors, every rank) to see
+    what the failed load wrote, and that second EIO escaped bare: the job could not restart though
+    step 2 was good."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, state_for(s))
+    with monkeypatch.context() as mp:
+        _failing(mp, "open", "step-000000003/manifest.json")
+        with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+            st = blank()
+            assert mgr.restore(st) == 2
+            assert st["progress"]["step"] == 2
+            mgr.save(3, state_for(3))  # replaces the unreadable step
+    assert_holds(run / "step-000000003", 3)

@@ -394,6 +394,6 @@ def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]
     ``CheckpointManager.restore`` calls it on every rank after a load it skipped."""
     try:
         m = read_manifest(*for_path(path))
-    except CheckpointError:
+    except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
         return {}  # no manifest could be read: nothing was read into the state
     return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}
