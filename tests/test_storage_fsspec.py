@@ -163,3 +163,26 @@ def test_listing_a_run_dir_costs_one_listing_not_one_request_per_step():
         type(storage.fs).exists = real
     assert [(s.step, s.status) for s in steps] == [(s, "committed") for s in range(1, 41)] + [(41, "incomplete")]
     assert calls == []
+
+
+def test_ctrl_c_right_after_an_object_store_commit_keeps_the_checkpoint(monkeypatch):
+    # On an object store the save writes in place and its manifest IS the commit: the Ctrl-C
+    # clean-up of a one-process save (which removes a local save's temp directory) must not
+    # remove a checkpoint whose manifest is written.
+    from trainguard import commit
+
+    path = f"{_url()}/step-000000001"
+    real = commit.fault
+
+    def interrupted(point: str, rank: int) -> None:
+        real(point, rank)
+        if point == "after_manifest":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(commit, "fault", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tg.save(path, {"w": torch.arange(6.0)})
+    monkeypatch.setattr(commit, "fault", real)
+    dest = {"w": torch.zeros(6)}
+    tg.load(path, dest)
+    assert torch.equal(dest["w"], torch.arange(6.0))

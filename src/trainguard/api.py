@@ -208,7 +208,7 @@ def persist_and_commit(
     except Exception as e:
         report, write_error = {"error": describe_error(e)}, e
     except BaseException:  # Ctrl-C while writing, one process: no temp directory left behind
-        if not ctx.is_distributed:
+        if not ctx.is_distributed and storage.atomic_rename:  # (an object store writes in place: debris)
             storage.remove_tree(work)
         raise
     # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
@@ -233,8 +233,8 @@ def persist_and_commit(
         except Exception as e:
             outcome = {"error": describe_error(e)}
             write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
-        except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed)
-            if not ctx.is_distributed:
+        except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed); an
+            if not ctx.is_distributed and storage.atomic_rename:  # object store's manifest IS the commit
                 storage.remove_tree(work)
             raise
     if ctx.rank == 0 and outcome.get("error"):
