@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from .errors import CheckpointError
 
 F = TypeVar("F", bound=Callable[..., Any])
-_GUARD = threading.Lock()  # makes the check-and-set of a manager's owner atomic
+_GUARD = threading.RLock()  # the check-and-set of a manager's owner (an RLock: a signal handler may enter)
 
 
 def one_thread_at_a_time(*names: str) -> Callable[[type], type]:
@@ -36,20 +36,20 @@ def one_thread_at_a_time(*names: str) -> Callable[[type], type]:
 def _guarded(method: F) -> F:
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
-        me = threading.get_ident()
-        with _GUARD:
-            owner = self.__dict__.get("_inside")
-            if owner is None:
-                self.__dict__["_inside"] = me
-        if owner is not None and owner != me:
-            raise CheckpointError(
-                f"CheckpointManager.{method.__name__}() called from a second thread while another thread is "
-                "inside this manager: a manager is used from one thread at a time (one per thread, or a lock)"
-            )
-        try:
+        me, owner = threading.get_ident(), None
+        try:  # the mark is taken inside the try: a Ctrl-C after it still clears it
+            with _GUARD:
+                owner = self.__dict__.get("_inside")
+                if owner is None:
+                    self.__dict__["_inside"] = me
+            if owner is not None and owner != me:
+                raise CheckpointError(
+                    f"CheckpointManager.{method.__name__}() called from a second thread while another thread is "
+                    "inside this manager: a manager is used from one thread at a time (one per thread, or a lock)"
+                )
             return method(self, *args, **kwargs)
         finally:
-            if owner is None:
+            if owner is None and self.__dict__.get("_inside") == me:
                 self.__dict__["_inside"] = None
 
     return guarded  # type: ignore[return-value]
