@@ -4,7 +4,9 @@ timeout and killed by pid."""
 
 from __future__ import annotations
 
+import os
 import textwrap
+import threading
 
 from conftest import run_py
 
@@ -193,3 +195,36 @@ def test_manager_refuses_a_second_thread_inside_it(tmp_path):
     mgr.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert sorted(e["step"] for e in events if e["event"] == "save") == [1, 3]
+
+
+def test_a_child_forked_while_another_thread_saves_has_gc_on_and_free_locks():
+    """Another thread inside a save (gc paused, the byte counters' lock held) when the process
+    forks: only the forking thread lives on in the child, so that pause would keep the garbage
+    collector off there for good, and the lock would stay held (the child's first tg.load hangs
+    counting its bytes). The child now starts with both as the forking thread left them."""
+    import gc
+
+    from trainguard import gcpause
+    from trainguard import io as tg_io
+
+    inside, leave = threading.Event(), threading.Event()
+
+    def saving() -> None:
+        with gcpause.gc_paused(), tg_io._COUNTERS_LOCK:
+            inside.set()
+            leave.wait(30)
+
+    t = threading.Thread(target=saving)
+    t.start()
+    try:
+        assert inside.wait(30) and not gc.isenabled()
+        pid = os.fork()
+        if pid == 0:  # the child: report by exit code, never return into pytest
+            ok = gc.isenabled() and tg_io._COUNTERS_LOCK.acquire(timeout=5)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        leave.set()
+        t.join(30)
+    assert gc.isenabled()

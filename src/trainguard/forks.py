@@ -15,18 +15,22 @@ from __future__ import annotations
 import os
 import threading
 
-from . import async_save, stage
+from . import async_save, gcpause, io, stage
+from .storage import _direct, local
 
 
 def _after_fork_in_child() -> None:
     """``os.register_at_fork(after_in_child=...)``: the child starts with no save in flight, no
-    uncollected error of the parent's, fresh module lock and staging pools (a lock held by the
-    parent's save thread at the fork stays held for good in the child); a handle of the parent's
-    save in flight fails in the child (``result()`` raises) instead of waiting forever."""
+    uncollected error of the parent's, fresh module locks and staging pools (a lock held by another
+    thread at the fork stays held for good in the child), the garbage collector as the forking
+    thread left it; a handle of the parent's save in flight fails in the child (``result()``
+    raises) instead of waiting forever."""
     job = async_save._INFLIGHT
     async_save._INFLIGHT = async_save._UNCOLLECTED = None
     async_save._LOCK, async_save.STARTING = threading.Lock(), threading.RLock()
     stage.forget_pools_in_child()
+    gcpause.after_fork_in_child()  # a save or load of another thread paused the collector
+    io._COUNTERS_LOCK, _direct._LOCK, local._LOCK = threading.Lock(), threading.Lock(), threading.Lock()
     if job is not None and not job.handle.done():
         job.handle.forked_off(os.getppid())
 

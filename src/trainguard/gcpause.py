@@ -22,20 +22,38 @@ from contextlib import contextmanager
 _lock = threading.Lock()
 _depth = 0
 _was_enabled = False
+_threads: dict[int, int] = {}  # thread ident -> its depth (for a forked child: :func:`after_fork_in_child`)
 
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
     global _depth, _was_enabled
+    me = threading.get_ident()
     with _lock:
         if _depth == 0:
             _was_enabled = gc.isenabled()
             gc.disable()
         _depth += 1
+        _threads[me] = _threads.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
+            _threads[me] -= 1
+            if not _threads[me]:
+                del _threads[me]
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+def after_fork_in_child() -> None:
+    """``forks``' at-fork hook, in a forked child: only the forking thread lives on, so only its
+    pauses count (another thread's would keep the collector off for good), and the lock is new
+    (held by another thread at the fork, it would stay held)."""
+    global _lock, _depth, _threads
+    me = threading.get_ident()
+    _lock, _threads = threading.Lock(), {me: _threads[me]} if me in _threads else {}
+    _depth = _threads.get(me, 0)
+    if _depth == 0 and _was_enabled and not gc.isenabled():
+        gc.enable()
