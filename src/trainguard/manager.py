@@ -128,7 +128,7 @@ class CheckpointManager:
                         log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                         self.events.emit("debris", removed=removed)
                 except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
-                    exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): " + ("pass a directory path" if isinstance(e, (FileExistsError, NotADirectoryError)) else "fix the storage (an I/O error), then start again"))
+                    exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): " + ("pass a directory path" if isinstance(e, (FileExistsError, NotADirectoryError)) else "fix the storage or its permissions, then start again"))
                     err = str(exc)
             err = self.ctx.broadcast("open", err, timeout=self.timeout)
             if err:
