@@ -18,7 +18,6 @@ from typing import Any
 from . import layout
 from .dist import DistContext, failure, summary
 from .errors import (
-    MEDIA_ERRNOS,
     CheckpointError,
     CorruptCheckpointError,
     NotACheckpointError,
@@ -26,6 +25,7 @@ from .errors import (
     StepExistsError,
     failure_record,
     from_record,
+    is_media_error,
 )
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
@@ -174,7 +174,7 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False) -> list[S
         try:
             has_manifest = has_manifest if marked else storage.exists(storage.join(path, layout.MANIFEST))
         except OSError as e:
-            if not media_ok or e.errno not in MEDIA_ERRNOS:
+            if not media_ok or not is_media_error(e):
                 raise
             has_manifest = None
         status = "committed" if has_manifest else "incomplete" if has_manifest is not None else "unreadable"

@@ -129,6 +129,14 @@ def is_data_error(e: BaseException) -> bool:
 MEDIA_ERRNOS = frozenset({_errno.EIO, _errno.EUCLEAN, _errno.EBADMSG})
 
 
+def is_media_error(e: BaseException) -> bool:
+    """Whether ``e`` is a medium's read error (:data:`MEDIA_ERRNOS`): what is wrong with the
+    checkpoint (``unreadable``, verify, ls). Not an object store's: its client gives EIO to every
+    HTTP error it has no errno for (s3fs: a proxy's 502/504, a 429, MinIO's SlowDownRead), mostly
+    passing; ``FsspecStorage`` marks its errors ``remote`` (a fallback on them rolled the run back)."""
+    return isinstance(e, OSError) and e.errno in MEDIA_ERRNOS and not getattr(e, "remote", False)
+
+
 def unreadable(e: Exception, target: str) -> Exception:
     """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``.
 
@@ -139,7 +147,7 @@ def unreadable(e: Exception, target: str) -> Exception:
     back would make this run's first save remove the newer, good checkpoints. Anything else as it is."""
     if not isinstance(e, OSError) or isinstance(e, CheckpointError):
         return e
-    media = e.errno in MEDIA_ERRNOS
+    media = is_media_error(e)
     err = (CorruptCheckpointError if media else CheckpointError)(
         f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. "
         + ("The storage failed reading it; `trainguard verify` says whether it can be read now" if media

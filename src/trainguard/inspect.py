@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from . import layout
 from .commit import list_steps, read_manifest
-from .errors import MEDIA_ERRNOS, CheckpointError, NotACheckpointError
+from .errors import CheckpointError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
 from .manifest import Manifest, checksum
@@ -75,7 +75,7 @@ def _raise_unless_media(e: OSError) -> None:
     """``verify`` reports a medium's read error (EIO: the checkpoint's bytes are not to be had) as
     what is wrong with the checkpoint; any other (EACCES: run as another user; EMFILE) is the
     command's problem, raised (the CLI prints it as one line, exit 2), never called corruption."""
-    if e.errno not in MEDIA_ERRNOS:
+    if not is_media_error(e):
         raise e
 
 

@@ -16,7 +16,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from ..commit import read_manifest
-from ..errors import MEDIA_ERRNOS, CorruptCheckpointError, NotACheckpointError
+from ..errors import CorruptCheckpointError, NotACheckpointError, is_media_error
 from ..flatten import tensor_refs
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
@@ -162,7 +162,7 @@ def verify_cmd(path: str, as_json: bool) -> None:
             ) from None
         targets = [(r.path, r.status, r.step) for r in rows]
     except OSError as e:  # a medium's error reading it (EIO) too; EACCES and the like are the command's error
-        if e.errno not in MEDIA_ERRNOS:
+        if not is_media_error(e):
             raise
         targets = [(p, "committed", None)]
     ok, out, verified = True, [], 0

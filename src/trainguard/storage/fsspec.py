@@ -15,28 +15,43 @@ parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
 appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
 pieces fetched concurrently (``fs.cat_ranges``).
 
-Credentials and endpoints come from the filesystem's usual configuration: for S3 the boto
-chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws/config``, instance roles) and
-fsspec's own (``FSSPEC_S3_ENDPOINT_URL``, ``fsspec.config.conf``). See docs/storage.md.
+Credentials and endpoints: the filesystem's usual configuration (S3: the boto chain, e.g.
+``AWS_ENDPOINT_URL``; fsspec's ``FSSPEC_S3_ENDPOINT_URL``). See docs/storage.md.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from .. import layout
 from ..errors import CheckpointError, CorruptCheckpointError
 
 log = logging.getLogger("trainguard")
+F = TypeVar("F", bound=Callable[..., Any])
 
 PART_SIZE = 32 << 20  # upload part; S3 allows 10,000 parts: files up to 320 GB per rank
 READ_PIECE = 16 << 20  # ranged GETs above this are split and fetched concurrently
 UPLOAD_THREADS = 4  # parts uploaded at once per open file
 MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
+
+
+def _remote(fn: F) -> F:
+    """Marks the client's ``OSError`` ``remote``: its errno guesses an HTTP error's (s3fs: EIO for a 502,
+    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it)."""
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OSError as e:
+            e.remote = True  # type: ignore[attr-defined]
+            raise
+    return call  # type: ignore[return-value]
 
 
 def _import_fsspec() -> Any:
@@ -95,6 +110,7 @@ class FsspecStorage:
         "directory" emptied by a delete (some servers keep a folder entry) is not listed."""
         return sorted(self.listdir_marked(path, layout.MANIFEST))
 
+    @_remote
     def listdir_marked(self, path: str, marker: str) -> dict[str, bool]:
         """``listdir(path)``, each name with whether it holds the object ``<name>/<marker>``, from
         the same one flat listing: ``commit.list_steps`` (every manager open, restore and
@@ -118,14 +134,17 @@ class FsspecStorage:
         """The URL that ``storage.for_path`` maps back to ``path`` on this filesystem."""
         return str(self.fs.unstrip_protocol(path))
 
+    @_remote
     def exists(self, path: str) -> bool:
         self._fresh(path)
         return bool(self.fs.exists(path))
 
+    @_remote
     def size(self, path: str) -> int:
         self._fresh(path)
         return int(self.fs.size(path))
 
+    @_remote
     def read_bytes(self, path: str, limit: int) -> bytes:
         return bytes(self.fs.cat_file(path, start=0, end=limit + 1))
 
@@ -350,6 +369,7 @@ class _RangeReader:
     def __init__(self, fs: Any, path: str) -> None:
         self.fs, self.path = fs, path
 
+    @_remote
     def readinto(self, buf: memoryview, offset: int) -> None:
         view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         n = len(view)
