@@ -80,3 +80,18 @@ def test_ls_does_not_call_a_checkpoint_corrupt_for_an_object_store_error(monkeyp
     monkeypatch.setattr(MemoryFileSystem, "cat_file", cat_file)
     r = CliRunner().invoke(main, ["ls", url, "--verify"])
     assert r.exit_code == 2 and "corrupt" not in r.output.lower() and "504" in r.output, r.output
+
+
+def test_verify_of_one_checkpoint_on_an_object_store_checks_that_checkpoint():
+    # `trainguard verify s3://bucket/run/step-N` verified the storage's key ("bucket/run/step-N",
+    # or "/run/step-N" on memory://) as a local path: a healthy checkpoint was "DELETED, removed
+    # while it was checked", exit 1 (--json: status "deleted"), and a corrupt one was never read.
+    url = _run_of_three()
+    r = CliRunner().invoke(main, ["verify", f"{url}/step-000000003"])
+    assert r.exit_code == 0 and "OK" in r.output and "DELETED" not in r.output, r.output
+    storage, key = tg.storage.for_path(f"{url}/step-000000003/data-00000.bin")
+    data = bytearray(storage.fs.cat_file(key))
+    data[0] ^= 0xFF
+    storage.fs.pipe_file(key, bytes(data))
+    r = CliRunner().invoke(main, ["verify", "--json", f"{url}/step-000000003"])
+    assert r.exit_code == 1 and '"status": "corrupt"' in r.output, r.output

@@ -145,12 +145,14 @@ def verify_cmd(path: str, as_json: bool) -> None:
     Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
     without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
     storage, p = for_path(path)
+    url = getattr(storage, "url", None)  # an object store's key p ("bucket/run/step-N") is a local path to verify()
+    one = url(p) if url else p  # the checkpoint as verify() and _deleted() take it back
     aside: list[str] = []
     try:
         read_manifest(storage, p)
-        targets = [(p, "committed", None)]
+        targets = [(one, "committed", None)]
     except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
-        targets = [(p, "committed", None)]
+        targets = [(one, "committed", None)]
     except NotACheckpointError:  # no manifest: a run directory
         rows, aside = list_checkpoints(path), set_aside(path)  # aside: what the next manager may put back
         if not rows:
@@ -164,7 +166,7 @@ def verify_cmd(path: str, as_json: bool) -> None:
     except OSError as e:  # a medium's error reading it (EIO) too; EACCES and the like are the command's error
         if not is_media_error(e):
             raise
-        targets = [(p, "committed", None)]
+        targets = [(one, "committed", None)]
     ok, out, verified = True, [], 0
     for t, listed, step in targets:
         status, step, errors, checked = _check(t, listed, step)
