@@ -95,3 +95,19 @@ def test_verify_of_one_checkpoint_on_an_object_store_checks_that_checkpoint():
     storage.fs.pipe_file(key, bytes(data))
     r = CliRunner().invoke(main, ["verify", "--json", f"{url}/step-000000003"])
     assert r.exit_code == 1 and '"status": "corrupt"' in r.output, r.output
+
+
+@pytest.mark.parametrize("command", ["ls", "verify"])
+def test_an_object_store_http_error_in_the_cli_names_the_object_store(monkeypatch, command):
+    # A throttled listing (s3fs: OSError(EBUSY, "Please reduce your request rate.")) printed
+    # 'error: Please reduce your request rate.': no store, no path, no cause. It is now the CLI's
+    # object-store line, as for an unreachable endpoint.
+    url = _run_of_three()
+
+    def find(self, path, *args, **kwargs):
+        raise _s3_error("SlowDown", 503, "ListObjectsV2")
+
+    monkeypatch.setattr(MemoryFileSystem, "find", find)
+    monkeypatch.setattr(MemoryFileSystem, "exists", lambda self, path, **kw: find(self, path))
+    r = CliRunner().invoke(main, [command, url])
+    assert r.exit_code == 2 and "error: the object store failed: OSError" in r.output and "passing" in r.output, r.output

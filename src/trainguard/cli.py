@@ -34,14 +34,14 @@ class _Group(click.Group):
         except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback
             if e.errno == errno.EPIPE:
                 raise  # output piped into `head`: click's own handling
+            if getattr(e, "remote", False):  # an object store's HTTP error (FsspecStorage): no file, no errno of its own
+                _store_failed(e)
             click.echo(f"error: {_os_error(e)}", err=True)
             sys.exit(2)
         except Exception as e:  # an object store's client: unreachable endpoint, no credentials
             if type(e).__module__.split(".")[0] not in _STORE_CLIENTS:
                 raise
-            click.echo(f"error: the object store failed: {type(e).__name__}: {printable(e)} (check its endpoint, "
-                       "e.g. AWS_ENDPOINT_URL, and the credentials: docs/storage.md)", err=True)
-            sys.exit(2)
+            _store_failed(e)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Each command's whole first sentence, wrapped: click cuts it at the terminal width ("...").
@@ -50,6 +50,14 @@ class _Group(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+def _store_failed(e: Exception) -> None:
+    """``_Group.invoke``'s one line for an object store's error (s3fs's "Please reduce your request
+    rate." alone named neither the store nor the cause), then exit 2."""
+    click.echo(f"error: the object store failed: {type(e).__name__}: {printable(e)} (check its endpoint, "
+               "e.g. AWS_ENDPOINT_URL, and the credentials, or try again: docs/storage.md)", err=True)
+    sys.exit(2)
 
 
 def _os_error(e: OSError) -> str:
