@@ -111,3 +111,42 @@ def test_an_object_store_http_error_in_the_cli_names_the_object_store(monkeypatc
     monkeypatch.setattr(MemoryFileSystem, "exists", lambda self, path, **kw: find(self, path))
     r = CliRunner().invoke(main, [command, url])
     assert r.exit_code == 2 and "error: the object store failed: OSError" in r.output and "passing" in r.output, r.output
+
+
+try:  # the session fixture of tests/test_storage_s3.py: a SeaweedFS S3 server on 127.0.0.1
+    from test_storage_s3 import weed  # noqa: F401
+except BaseException:  # pytest's module-level skip there: `weed` is not installed
+    weed = None
+
+
+@pytest.mark.skipif(weed is None, reason="SeaweedFS `weed` binary not installed")
+def test_a_502_of_a_real_s3_client_at_restart_is_raised_not_a_rollback(weed):  # noqa: F811
+    # The same, end to end through s3fs and aiobotocore on a real S3 server: a gateway's 502
+    # answered to the ranged GETs of step 3's data object (botocore's before-call hook).
+    import s3fs
+
+    url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"model": _model(float(s))})
+    fs = s3fs.S3FileSystem()
+    fs.connect()
+
+    class Http:
+        status_code, headers, content, text = 502, {}, b"", ""
+
+    def gateway(params, **kwargs):
+        if "step-000000003/data-" in params.get("url_path", ""):
+            return Http(), {"Error": {"Code": "502", "Message": "Bad Gateway"}, "ResponseMetadata": {"HTTPStatusCode": 502}}
+        return None
+
+    fs.s3.meta.events.register("before-call.s3.GetObject", gateway)
+    try:
+        with tg.CheckpointManager(url, handle_signals=False) as mgr:
+            with pytest.raises(tg.CheckpointError, match=r"502.*an older checkpoint is not tried"):
+                mgr.restore({"model": _model(0.0)})
+    finally:
+        fs.s3.meta.events.unregister("before-call.s3.GetObject", gateway)
+    dest = _model(0.0)
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        assert mgr.restore({"model": dest}) == 3
