@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .errors import CorruptCheckpointError
+from .errors import MEDIA_ERRNOS, CorruptCheckpointError
 from .layout import DATA_RE, IDX_RE, data_file, index_file
 from .manifest import Chunk, Manifest, TensorEntry, _int, _req, checksum
 from .planner import Box, Regular, overlapping
@@ -185,8 +185,12 @@ class ChunkSource:
         def read(name: str) -> bytes:
             try:
                 return storage.read_bytes(storage.join(directory, name), m.indexes[name][0])
-            except (FileNotFoundError, OSError) as e:
+            except (FileNotFoundError, NotADirectoryError) as e:
                 raise CorruptCheckpointError(f"{storage.join(directory, name)}: index file is missing ({e})", file=name) from e
+            except OSError as e:  # EACCES, EMFILE, ESTALE: the process's, raised (restore must not fall back)
+                if e.errno not in MEDIA_ERRNOS:
+                    raise
+                raise CorruptCheckpointError(f"{storage.join(directory, name)}: index file cannot be read ({e})", file=name) from e
 
         return cls(m, read)
 
