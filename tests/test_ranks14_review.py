@@ -5,6 +5,7 @@ and the next save works."""
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,119 @@ def test_eacces_on_one_rank_is_raised_on_every_rank_without_fallback(tmp_path, k
         report = tg.verify(step2)
     assert not report.ok and "Input/output" in report.errors[0]
     assert tg.verify(step2).ok  # still there: no fallback, nothing set aside
+
+
+def _stat_eio_on_rank_0(rank: int, world: int, root: str, where: str) -> dict:
+    mk = lambda: tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False, timeout=20)  # noqa: E731
+    with mk() as mgr:
+        for step in (1, 2):
+            mgr.save(step, _state("ddp", step))
+    out: dict = {}
+    inj = Inject({"stat": 1}, match="manifest.json") if rank == 0 else None
+    if where == "open":
+        with inj or _nothing():
+            out["first"] = attempt(lambda: mk().open().close())
+    else:
+        with mk() as mgr:
+            st = _state("ddp", 9)
+            if where == "restore":
+                with inj or _nothing():
+                    out["first"] = attempt(lambda: mgr.restore(st))
+                out["again"] = attempt(lambda: mgr.restore(st))
+            else:  # retention after a save: a warning on rank 0, the checkpoint intact
+                import warnings
+
+                with warnings.catch_warnings(record=True) as w, inj or _nothing():
+                    warnings.simplefilter("always")
+                    out["first"] = attempt(lambda: mgr.save(3, _state("ddp", 3)))
+                out["warned"] = any("retention" in str(x.message) for x in w)
+            out["next"] = attempt(lambda: mgr.save(4, _state("ddp", 4)))
+    with mk() as mgr:
+        st = _state("ddp", 9)
+        out["restored"] = mgr.restore(st)
+    out["hits"] = list(inj.hits) if inj else []
+    return out
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: object) -> None:
+        return None
+
+
+@pytest.mark.parametrize("where", ["open", "restore", "retention"])
+def test_an_io_error_of_exists_on_rank_0_is_the_same_outcome_on_every_rank(tmp_path, where):
+    res = run_ranks(_stat_eio_on_rank_0, 2, str(tmp_path), where, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[0]["hits"] == ["stat"], vals
+    first = [v["first"]["type"] for v in vals]
+    if where == "retention":
+        assert first == [None, None] and vals[0]["warned"], vals
+    else:
+        assert first == ["CheckpointError", "CheckpointError"], vals
+        assert "Input/output" in vals[0]["first"]["msg"] and "Input/output" in vals[1]["first"]["msg"], vals
+    if where == "restore":
+        assert [v["again"] for v in vals] == [{"type": None}] * 2
+    assert [v["restored"] for v in vals] == [2 if where == "open" else 4] * 2, vals
+
+
+def _overwrite_fails_on_rank_0(rank: int, world: int, root: str, kind: str, call: str) -> dict:
+    a = f"{root}/a"
+    tg.save(a, _state(kind, 1))
+    out: dict = {}
+    if rank == 0 and call == "rename":
+        inj = Inject({"rename": 2}, match=root)  # a -> a.old-<id>, then a.tmp-<id> -> a: the second fails
+    elif rank == 0:
+        inj = Inject({"fsync": 1}, match="")  # armed below, right after the first rename
+    else:
+        inj = None
+    import warnings
+
+    orig = os.rename
+
+    def rename(src, dst, *x, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        orig(src, dst, *x, **kw)
+        if ".old-" in str(dst) and inj is not None and call == "fsync":
+            inj.__enter__()
+
+    os.rename = rename
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if inj is not None and call == "rename":
+                with inj:
+                    out["first"] = attempt(lambda: tg.save(a, _state(kind, 2), overwrite=True))
+            else:
+                out["first"] = attempt(lambda: tg.save(a, _state(kind, 2), overwrite=True))
+    finally:
+        os.rename = orig
+        if inj is not None and call == "fsync":
+            inj.__exit__()
+    out["hits"] = list(inj.hits) if inj else []
+    st = _state(kind, 9)
+    out["load"] = attempt(lambda: tg.load(a, st))
+    out["holds"] = st["progress"]["step"]
+    out["listing"] = sorted(os.listdir(root))
+    out["next"] = attempt(lambda: tg.save(a, _state(kind, 3), overwrite=True))
+    st = _state(kind, 9)
+    tg.load(a, st)
+    want = _weights(_state(kind, 3))
+    got = _weights(st)
+    out["after"] = (st["progress"]["step"], all(torch.equal(got[k], want[k]) for k in got))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("call", ["rename", "fsync"])
+def test_an_overwrite_failing_between_its_renames_on_rank_0_puts_the_previous_back_on_every_rank(tmp_path, kind, call):
+    res = run_ranks(_overwrite_fails_on_rank_0, 2, str(tmp_path), kind, call, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[0]["hits"] == [call], vals
+    assert [v["first"]["type"] for v in vals] == ["CheckpointError"] * 2, vals
+    assert vals[0]["first"]["msg"] == vals[1]["first"]["msg"] and "rank 0" in vals[0]["first"]["msg"]
+    assert [v["load"] for v in vals] == [{"type": None}] * 2 and [v["holds"] for v in vals] == [1, 1], vals
+    assert vals[0]["listing"] == ["a"], vals
+    assert [v["next"] for v in vals] == [{"type": None}] * 2
+    assert [v["after"] for v in vals] == [(3, True)] * 2
