@@ -211,3 +211,61 @@ def test_an_overwrite_failing_between_its_renames_on_rank_0_puts_the_previous_ba
     assert vals[0]["listing"] == ["a"], vals
     assert [v["next"] for v in vals] == [{"type": None}] * 2
     assert [v["after"] for v in vals] == [(3, True)] * 2
+
+
+def _fork_during_async_save(rank: int, world: int, root: str, kind: str) -> dict:
+    import multiprocessing as mp
+    import threading
+
+    from trainguard import async_save
+
+    st = _state(kind, 1)
+    tg.save(f"{root}/base", st)
+    gate = threading.Event()
+    async_save._before_background_stage = lambda: gate.wait(30)
+    h = tg.save(f"{root}/inflight", st, async_=True)
+    data = torch.utils.data.TensorDataset(torch.arange(32.0))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, num_workers=2)
+    seen = sorted(float(x) for _ in range(2) for (b,) in loader for x in b)
+    out: dict = {"seen": seen == sorted(list(range(32)) * 2)}
+    q = mp.get_context("fork").SimpleQueue()
+
+    def child() -> None:  # an eval process forked by the rank: a plain, one-process load
+        try:
+            got = {"progress": tg.StateDict(step=-1)}
+            tg.load(f"{root}/base", got, strict=False, timeout=5)
+            q.put(f"loaded step {got['progress']['step']}")
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            q.put(f"{type(e).__name__}: {e}"[:300])
+
+    p = mp.get_context("fork").Process(target=child)
+    p.start()
+    p.join(20)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+    out["child"] = q.get() if not q.empty() else f"exit {p.exitcode}"
+    gate.set()
+    out["inflight"] = attempt(lambda: h.result(timeout=30))
+    out["next"] = attempt(lambda: tg.save(f"{root}/next", _state(kind, 2)))
+    back = _state(kind, 9)
+    out["load"] = attempt(lambda: tg.load(f"{root}/next", back))
+    out["step"] = back["progress"]["step"]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_a_rank_forking_while_its_async_save_is_in_flight(tmp_path, kind):
+    """DataLoader workers forked over 2 epochs and an eval process forked while the rank's async
+    save is in flight: the workers deliver every sample, the child loads alone, the parent's save
+    commits on both ranks, and the next save and load work."""
+    res = run_ranks(_fork_during_async_save, 2, str(tmp_path), kind, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert [v["seen"] for v in vals] == [True, True], vals
+    # A rank's forked child (an eval process) loads alone. Before, its tg.load entered the parent's
+    # collective rounds as the parent's rank and failed after the liveness bound: 'the c10d store
+    # stopped answering ... the process hosting it (rank 0, or the launcher) died or hangs'.
+    assert [v["child"] for v in vals] == ["loaded step 1", "loaded step 1"], vals
+    for k in ("inflight", "next", "load"):
+        assert [v[k] for v in vals] == [{"type": None}] * 2, vals
+    assert [v["step"] for v in vals] == [2, 2]

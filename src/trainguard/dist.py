@@ -125,7 +125,7 @@ class DistContext:
         """The context for this process: store-based when torch.distributed is initialised."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if _FORKED_CHILD or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return _NULL
         pg = dist.group.WORLD
         ctx = _CACHE.get(id(pg))
@@ -142,6 +142,7 @@ class DistContext:
 
 _NULL = DistContext()
 _CACHE: dict[int, DistContext] = {}
+_FORKED_CHILD = False  # forks.py: forked from a rank of an initialised group; not a rank itself
 
 
 @atexit.register

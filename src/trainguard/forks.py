@@ -1,4 +1,5 @@
-"""What a forked child must not inherit from trainguard: the parent's async save in flight.
+"""What a forked child must not inherit from trainguard: the parent's async save in flight, and
+its place in the parent's process group.
 
 A process forked while an async save runs (DataLoader workers, forked at every epoch's
 ``iter()``; an eval or Hogwild process from ``multiprocessing`` with the fork start method) has
@@ -13,9 +14,10 @@ the parent alone; the child writes and commits nothing of it. Registered by impo
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
-from . import async_save, gcpause, io, stage
+from . import async_save, dist, gcpause, io, stage
 from .storage import _direct, local
 
 
@@ -31,8 +33,23 @@ def _after_fork_in_child() -> None:
     stage.forget_pools_in_child()
     gcpause.after_fork_in_child()  # a save or load of another thread paused the collector
     io._COUNTERS_LOCK, _direct._LOCK, local._LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+    _not_a_rank()
     if job is not None and not job.handle.done():
         job.handle.forked_off(os.getppid())
+
+
+def _not_a_rank() -> None:
+    """In the child: when the parent was a rank of an initialised process group, the child (a
+    DataLoader worker, an eval process) is none. Its ``DistContext.current()`` is the one-process
+    context, so that a ``tg.load`` there reads alone, and the parent's contexts, whose c10d store
+    connection it shares, are dropped unused and unclosed. Before, the child's load entered the
+    parent's collective rounds as the parent's rank and failed after the liveness bound with
+    'the c10d store stopped answering ... rank 0 died or hangs', and a child whose store worker
+    had been restarted would have written into the parent's store connection."""
+    tdist = sys.modules.get("torch.distributed")
+    if dist._CACHE or (tdist is not None and tdist.is_available() and tdist.is_initialized()):
+        dist._FORKED_CHILD = True
+        dist._CACHE.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
