@@ -269,3 +269,54 @@ def test_a_rank_forking_while_its_async_save_is_in_flight(tmp_path, kind):
     for k in ("inflight", "next", "load"):
         assert [v[k] for v in vals] == [{"type": None}] * 2, vals
     assert [v["step"] for v in vals] == [2, 2]
+
+
+class _Intruder:
+    """A stateful whose ``state_dict`` (called inside ``mgr.save``) makes a second thread call
+    ``call(mgr)`` and records what it got."""
+
+    def __init__(self, call) -> None:  # noqa: ANN001
+        self.call, self.mgr, self.got = call, None, []
+
+    def state_dict(self) -> dict:
+        import threading
+
+        if self.mgr is not None and not self.got:
+            t = threading.Thread(target=lambda: self.got.append(attempt(lambda: self.call(self.mgr))), daemon=True)
+            t.start()
+            t.join(30)
+            self.got.append("joined" if not t.is_alive() else "hung")
+        return {"n": torch.tensor(1)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _second_thread_on_rank_0(rank: int, world: int, root: str, what: str) -> dict:
+    calls = {
+        "save": lambda m: m.save(5, _state("ddp", 5), force=True),
+        "restore": lambda m: m.restore(_state("ddp", 5)),
+        "wait": lambda m: m.wait(),
+        "close": lambda m: m.close(),
+    }
+    intr = _Intruder(calls[what])
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False, timeout=20) as mgr:
+        intr.mgr = mgr if rank == 0 else None
+        first = attempt(lambda: (mgr.save(1, {**_state("ddp", 1), "x": intr}), mgr.wait()))
+        intr.mgr = None
+        nxt = attempt(lambda: (mgr.save(2, {**_state("ddp", 2), "x": intr}), mgr.wait()))
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
+        st = {**_state("ddp", 9), "x": intr}
+        step = mgr.restore(st)
+    return {"first": first, "intruder": intr.got, "next": nxt, "restored": step, "progress": st["progress"]["step"]}
+
+
+@pytest.mark.parametrize("what", ["save", "restore", "wait", "close"])
+def test_a_second_thread_inside_a_ranks_manager_is_refused_and_the_ranks_go_on(tmp_path, what):
+    res = run_ranks(_second_thread_on_rank_0, 2, str(tmp_path), what, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[0]["intruder"][1] == "joined" and vals[0]["intruder"][0]["type"] == "CheckpointError", vals
+    assert "second thread" in vals[0]["intruder"][0]["msg"]
+    assert [v["first"] for v in vals] == [{"type": None}] * 2, vals
+    assert [v["next"] for v in vals] == [{"type": None}] * 2, vals
+    assert [(v["restored"], v["progress"]) for v in vals] == [(2, 2)] * 2
