@@ -320,3 +320,68 @@ def test_a_second_thread_inside_a_ranks_manager_is_refused_and_the_ranks_go_on(t
     assert [v["first"] for v in vals] == [{"type": None}] * 2, vals
     assert [v["next"] for v in vals] == [{"type": None}] * 2, vals
     assert [(v["restored"], v["progress"]) for v in vals] == [(2, 2)] * 2
+
+
+def _ctrl_c_on_rank_1(rank: int, world: int, root: str, kind: str, managed: bool, k: int) -> dict:
+    import time
+
+    st = _state(kind, 1)
+    inj = Inject({"open": k}, KeyboardInterrupt, match="/data-") if rank == 1 else _nothing()
+    t0 = time.monotonic()
+    out: dict = {}
+    try:
+        with inj:
+            if managed:
+                mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20).open()
+                mgr.save(1, st)
+                mgr.close()
+            else:
+                tg.save(f"{root}/a", st)
+        out["outcome"] = {"type": None}
+    except KeyboardInterrupt:
+        out["outcome"] = {"type": "KeyboardInterrupt"}
+    except Exception as e:  # noqa: BLE001
+        out["outcome"] = {"type": type(e).__name__, "msg": str(e)[:500]}
+    out["seconds"] = time.monotonic() - t0
+    out["hits"] = list(getattr(inj, "hits", []))
+    return out  # rank 1 ends here, as a process that Ctrl-C ended
+
+
+def _resume(rank: int, world: int, root: str, kind: str, managed: bool) -> dict:
+    out: dict = {}
+    if managed:
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
+            st = _state(kind, 9)
+            out["restored"] = mgr.restore(st)
+            mgr.save(1, _state(kind, 1))
+            out["saved"] = True
+    else:
+        tg.save(f"{root}/a", _state(kind, 1))
+        out["saved"] = True
+    st = _state(kind, 9)
+    tg.load(f"{root}/a" if not managed else f"{root}/step-000000001", st)
+    want, got = _weights(_state(kind, 1)), _weights(st)
+    out["same"] = all(torch.equal(got[k], want[k]) for k in got)
+    return out
+
+
+@pytest.mark.parametrize(("kind", "managed", "k"), [("ddp", False, 1), ("fsdp", True, 2)])  # k: the data file's open, its O_DIRECT one
+def test_ctrl_c_on_one_rank_during_a_sync_save(tmp_path, kind, managed, k):
+    """Ctrl-C (KeyboardInterrupt) at rank 1's open of its data file, rank 1 then ending: rank 0
+    fails with RankFailureError within the liveness bound, no temp directory is left, and the next
+    run saves and loads (held up; the fix of 0137a7b covers one process)."""
+    res = run_ranks(_ctrl_c_on_rank_1, 2, str(tmp_path), kind, managed, k, timeout=60, env=ENV, check=False)
+    vals = [r.value for r in res]
+    assert all(v is not None for v in vals), [r.error for r in res]
+    assert vals[1]["hits"] == ["open"] and vals[1]["outcome"]["type"] == "KeyboardInterrupt", vals
+    assert vals[0]["outcome"]["type"] == "RankFailureError", vals
+    assert vals[0]["seconds"] < 15, vals  # the liveness bound (3 s), not the 20 s timeout
+    left = sorted(os.listdir(tmp_path))
+    assert not [n for n in left if ".tmp-" in n or n.startswith("step-")], left
+    res = run_ranks(_resume, 2, str(tmp_path), kind, managed, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    if managed:
+        assert [v["restored"] for v in vals] == [None, None]
+    assert [v["same"] for v in vals] == [True, True]
+    left = sorted(os.listdir(tmp_path))
+    assert not [n for n in left if ".tmp-" in n], left
