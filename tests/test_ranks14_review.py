@@ -385,3 +385,113 @@ def test_ctrl_c_on_one_rank_during_a_sync_save(tmp_path, kind, managed, k):
     assert [v["same"] for v in vals] == [True, True]
     left = sorted(os.listdir(tmp_path))
     assert not [n for n in left if ".tmp-" in n], left
+
+
+def _big(seed: int) -> nn.Module:
+    """Two 16 MiB weights (4 checksum blocks each): rows sharded by FSDP2 (Shard(0)), and columns
+    (Shard(1): the resharding's row groups)."""
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(1024, 4096, bias=False), nn.Linear(4098, 1024, bias=False))  # 4098 columns: even on 2 and 3 (FSDP2 needs it on dim 1)
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
+
+    fully_shard(m[0])
+    fully_shard(m[1], shard_placement_fn=lambda p: Shard(1))
+    fully_shard(m)
+    return m
+
+
+def _full(m: nn.Module) -> dict:
+    return {n: p.detach().full_tensor() for n, p in m.named_parameters()}
+
+
+def _reshard_save(rank: int, world: int, root: str) -> None:
+    m = _big(0)
+    tg.save(f"{root}/c", {"model": m})
+
+
+def _reshard_load(rank: int, world: int, root: str, verify: bool) -> dict:
+    want = _full(_big(0))
+    m = _big(5)
+    outcome = attempt(lambda: tg.load(f"{root}/c", {"model": m}, verify=verify))
+    got = _full(m)
+    diff = {n: int((got[n] != want[n]).sum()) for n in got}
+    return {"outcome": outcome, "diff": diff, "data": outcome["type"] is not None and "orrupt" in outcome.get("msg", "")}
+
+
+def _flip(root: Path, name: str, block: int, row: int) -> tuple[str, int]:
+    """Flip one byte of row ``row`` of tensor ``name``'s chunk in the data file of rank 0's part
+    (row 0's), in its checksum block ``block`` (a check that the row is in it)."""
+    from trainguard.commit import read_manifest
+    from trainguard.index import ChunkSource
+    from trainguard.storage import for_path
+
+    storage, d = for_path(root / "c")
+    m = read_manifest(storage, d)
+    e = m.tensors[name]
+    c = ChunkSource.of(storage, d, m).all_chunks(name, e)[0]
+    row_bytes = c.length // c.sizes[0]
+    pos = row * row_bytes + 1
+    assert pos // m.block_size == block
+    with open(root / "c" / c.file, "r+b") as f:
+        f.seek(c.offset + pos)
+        b = f.read(1)
+        f.seek(c.offset + pos)
+        f.write(bytes([b[0] ^ 0x40]))
+    return c.file, c.offset + pos
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_fsdp2_rows_and_columns_saved_on_2_ranks_load_on_1_and_3(tmp_path, world):
+    run_ranks(_reshard_save, 2, str(tmp_path), timeout=60, env=ENV)
+    for verify in (True, False):
+        res = run_ranks(_reshard_load, world, str(tmp_path), verify, timeout=60, env=ENV)
+        assert [r.value["outcome"] for r in res] == [{"type": None}] * world, [r.value for r in res]
+        assert [r.value["diff"] for r in res] == [{"0.weight": 0, "1.weight": 0}] * world
+
+
+@pytest.mark.parametrize(("name", "block", "row"), [("0.weight", 1, 1100), ("0.weight", 0, 10), ("1.weight", 1, 600)])
+def test_a_byte_flipped_in_a_scratch_end_block_on_3_ranks(tmp_path, name, block, row):
+    """Rows 0-2047 of the 4096-row weight are rank 0's part of the save (blocks 0 and 1 of its
+    chunk, 1024 rows each); loaded on 3 ranks, rank 0 reads rows 0-1365 and rank 1 rows 1366-2730:
+    block 1 is an end block of both ranks' reads, read through scratch (ce879ef). A byte flipped
+    at row 1100 (rank 0's share) or in block 0 (rank 0's alone), or in the column-sharded weight's
+    second block (read by ranks 0 and 1 in row groups, 9782cbc), is found with verify, a data error
+    on every rank; without verify, exactly that element differs, the same on every rank."""
+    run_ranks(_reshard_save, 2, str(tmp_path), timeout=60, env=ENV)
+    _flip(tmp_path, f"model/{name}", block, row)
+    res = run_ranks(_reshard_load, 3, str(tmp_path), True, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert all(v["outcome"]["type"] is not None for v in vals), vals
+    assert all(v["data"] for v in vals), vals
+    res = run_ranks(_reshard_load, 3, str(tmp_path), False, timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert [v["outcome"] for v in vals] == [{"type": None}] * 3, vals
+    assert [v["diff"] for v in vals] == [{"0.weight": 0, "1.weight": 0, name: 1}] * 3
+
+
+def _mgr_save_big(rank: int, world: int, root: str) -> None:
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": _big(step)})
+
+
+def _mgr_restore_big(rank: int, world: int, root: str) -> dict:
+    want = _full(_big(1))
+    m = _big(7)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
+        step = mgr.restore({"model": m})
+        got = _full(m)
+        mgr.save(3, {"model": m})
+    return {"step": step, "same": all(torch.equal(got[n], want[n]) for n in got)}
+
+
+def test_a_corrupt_end_block_only_two_of_three_ranks_read_falls_back_on_every_rank(tmp_path):
+    """Step 2 (saved on 2 ranks) has a byte flipped in a block ranks 0 and 1 read on 3 ranks;
+    rank 2 reads its share of step 2 fine. Every rank restores step 1, whole, and saves on."""
+    run_ranks(_mgr_save_big, 2, str(tmp_path), timeout=60, env=ENV)
+    os.rename(tmp_path / "step-000000002", tmp_path / "c")
+    _flip(tmp_path, "model/0.weight", 1, 1100)
+    os.rename(tmp_path / "c", tmp_path / "step-000000002")
+    res = run_ranks(_mgr_restore_big, 3, str(tmp_path), timeout=60, env=ENV)
+    assert [r.value for r in res] == [{"step": 1, "same": True}] * 3
