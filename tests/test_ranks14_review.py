@@ -42,7 +42,7 @@ def _weights(st: dict) -> dict:
     return full_state(st["model"], torch.optim.SGD(st["model"].parameters()))
 
 
-def _restore_with_error_on_one_rank(rank: int, world: int, root: str, kind: str, err: int, call: str) -> dict:
+def _restore_with_error_on_one_rank(rank: int, world: int, root: str, kind: str, err: int, call: str, match: str = "step-000000002/data") -> dict:
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
         for step in (1, 2):
             mgr.save(step, _state(kind, step))
@@ -53,7 +53,7 @@ def _restore_with_error_on_one_rank(rank: int, world: int, root: str, kind: str,
 
         def restore() -> None:
             if rank == 1:
-                with Inject({call: 1}, err, match="step-000000002/data" if call == "open" else ""):
+                with Inject({call: 1}, err, match=match if call == "open" else ""):
                     got["step"] = mgr.restore(st)
             else:
                 got["step"] = mgr.restore(st)
@@ -76,9 +76,10 @@ def test_an_io_error_on_one_rank_falls_back_to_the_same_older_step_on_every_rank
     assert [v["next"] for v in vals] == [{"type": None}] * 2
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-def test_eacces_on_one_rank_is_raised_on_every_rank_without_fallback(tmp_path, kind):
-    res = run_ranks(_restore_with_error_on_one_rank, 2, str(tmp_path), kind, errno.EACCES, "open", timeout=60, env=ENV)
+@pytest.mark.parametrize(("kind", "match"), [("ddp", "data"), ("fsdp", "data"), ("fsdp", "manifest")])
+def test_eacces_on_one_rank_is_raised_on_every_rank_without_fallback(tmp_path, kind, match):
+    match = f"step-000000002/{match}"
+    res = run_ranks(_restore_with_error_on_one_rank, 2, str(tmp_path), kind, errno.EACCES, "open", match, timeout=60, env=ENV)
     vals = [r.value for r in res]
     assert [v["step"] for v in vals] == [None, None], vals
     assert vals[1]["outcome"]["type"] == "CheckpointError" and "step-000000002" in vals[1]["outcome"]["msg"]
