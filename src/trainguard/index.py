@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .errors import MEDIA_ERRNOS, CorruptCheckpointError
+from .errors import CorruptCheckpointError, is_media_error
 from .layout import DATA_RE, IDX_RE, data_file, index_file
 from .manifest import Chunk, Manifest, TensorEntry, _int, _req, checksum
 from .planner import Box, Regular, overlapping
@@ -188,7 +188,7 @@ class ChunkSource:
             except (FileNotFoundError, NotADirectoryError) as e:
                 raise CorruptCheckpointError(f"{storage.join(directory, name)}: index file is missing ({e})", file=name) from e
             except OSError as e:  # EACCES, EMFILE, ESTALE: the process's, raised (restore must not fall back)
-                if e.errno not in MEDIA_ERRNOS:
+                if not is_media_error(e):  # (an object store's EIO is not a medium's: FsspecStorage marks it)
                     raise
                 raise CorruptCheckpointError(f"{storage.join(directory, name)}: index file cannot be read ({e})", file=name) from e
 
