@@ -1,7 +1,10 @@
 """A Hugging Face ``transformers`` model trained with trainguard checkpoints, then exported to a
 safetensors file that ``transformers`` loads. A tiny randomly initialised GPT-2 (no download).
+A resume (run it again with more ``--steps``) is bit-identical to a run that never stopped: the
+RNG (token draws, dropout) is saved with the model and optimizer.
 
     python examples/hf_transformers.py --dir ckpts/hf --out hf_export
+    python examples/hf_transformers.py --dir ckpts/hf --out hf_export --steps 8   # resumes
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ def main() -> None:
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"model": model, "optim": opt, "progress": tg.StateDict(step=-1)}
+    state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
 
     with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(2)) as mgr:
         start = mgr.restore(state)

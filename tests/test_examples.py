@@ -1,4 +1,6 @@
-"""Every script under examples/ runs as documented (torchrun ones on 2 gloo ranks, 127.0.0.1)."""
+"""Every script under examples/ runs as documented (torchrun ones on 2 gloo ranks, 127.0.0.1), and
+resumes bit-identically: a run SIGKILLed at a save (``TRAINGUARD_CRASH_AT=begin``, ``kill``) and
+restarted ends with the same model and optimizer bytes as a run that never stopped."""
 
 from __future__ import annotations
 
@@ -6,6 +8,11 @@ import socket
 from pathlib import Path
 
 import pytest
+import torch
+
+from trainguard.commit import read_manifest
+from trainguard.export import iter_tensors
+from trainguard.storage import for_path
 
 from conftest import run_py
 
@@ -13,7 +20,33 @@ EX = Path(__file__).resolve().parent.parent / "examples"
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(script: str, *args: str) -> str:
+def kill_at_save(n: int) -> dict[str, str]:
+    """Environment that SIGKILLs the process(es) when the ``n``-th save (1-based) begins."""
+    return {"TRAINGUARD_CRASH_AT": "begin", "TRAINGUARD_CRASH_KIND": "kill", "TRAINGUARD_CRASH_SKIP": str(n - 1)}
+
+
+def differing(a: Path, b: Path) -> list[str]:
+    """Names of the tensors and JSON entries in which checkpoints ``a`` and ``b`` differ (bit for
+    bit, dtype and shape too), the RNG entries left out: two processes start NumPy and Python
+    ``random`` from different OS seeds, which a script that never draws from them does not use."""
+    out: list[str] = []
+    dumps = []
+    for path in (a, b):
+        storage, d = for_path(str(path))
+        m = read_manifest(storage, d)
+        entries = sorted({t.split("/")[0] for t in m.tensors if not t.startswith("rng")})
+        tensors = {f"{e}/{n}": t for e in entries for n, t in iter_tensors(storage, d, m, e)}
+        dumps.append((tensors, {k: v for k, v in m.objects.items() if not k.startswith("rng")}))
+    (ta, oa), (tb, ob) = dumps
+    out += sorted(set(ta) ^ set(tb)) + sorted(k for k in set(oa) | set(ob) if oa.get(k) != ob.get(k))
+    for k in sorted(set(ta) & set(tb)):
+        x, y = ta[k], tb[k]
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)):
+            out.append(k)
+    return out
+
+
+def _torchrun(script: str, *args: str, env: dict[str, str] | None = None, ok: bool = True) -> str:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -21,35 +54,55 @@ def _torchrun(script: str, *args: str) -> str:
     r = run_py(
         ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", str(EX / script), *args],
-        env=ENV, timeout=180,
+        env={**ENV, **(env or {})}, timeout=180,
     )  # subprocess.run kills the launcher on timeout
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-3000:]
     return r.stdout
 
 
-def test_plain_loop_resumes(tmp_path):
-    first = run_py([str(EX / "plain_loop.py"), "--dir", str(tmp_path), "--steps", "12"], timeout=120)
+def test_plain_loop_resumes_bit_identically(tmp_path):
+    straight = run_py([str(EX / "plain_loop.py"), "--dir", str(tmp_path / "a"), "--steps", "20"], timeout=120)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    args = [str(EX / "plain_loop.py"), "--dir", str(tmp_path / "b")]
+    first = run_py([*args, "--steps", "12"], timeout=120)  # a stop: the last step is saved
     assert first.returncode == 0, first.stderr[-3000:]
     assert "fresh start" in first.stdout and "saved step 11" in first.stdout
-    second = run_py([str(EX / "plain_loop.py"), "--dir", str(tmp_path), "--steps", "20"], timeout=120)
+    killed = run_py([*args, "--steps", "20"], env=kill_at_save(1), timeout=120)  # SIGKILL at step 15's save
+    assert killed.returncode == -9 and "resumed from step 11" in killed.stdout, killed.stderr[-3000:]
+    second = run_py([*args, "--steps", "20"], timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 11" in second.stdout and "saved step 19" in second.stdout
+    assert differing(tmp_path / "a" / "step-000000019", tmp_path / "b" / "step-000000019") == []
 
 
-def test_ddp_under_torchrun_resumes(tmp_path):
-    assert "fresh start" in _torchrun("ddp_torchrun.py", "--dir", str(tmp_path), "--steps", "6")
-    out = _torchrun("ddp_torchrun.py", "--dir", str(tmp_path), "--steps", "10")
-    assert "resumed from step 5" in out and "saved step 9" in out
+def test_ddp_under_torchrun_resumes_bit_identically(tmp_path):
+    assert "fresh start" in _torchrun("ddp_torchrun.py", "--dir", str(tmp_path / "a"), "--steps", "10")
+    b = ["ddp_torchrun.py", "--dir", str(tmp_path / "b"), "--steps", "10"]
+    _torchrun(*b, env=kill_at_save(2), ok=False)  # both ranks SIGKILLed as step 8's save begins
+    out = _torchrun(*b)
+    assert "resumed from step 4" in out and "saved step 9" in out
+    assert differing(tmp_path / "a" / "step-000000009", tmp_path / "b" / "step-000000009") == []
 
 
-def test_fsdp2_under_torchrun_restores_sharded_state(tmp_path):
-    out = _torchrun("fsdp2.py", "--dir", str(tmp_path), "--steps", "6")
-    assert "restored step 5 on 2 ranks: state equal = True" in out
+def test_fsdp2_under_torchrun_restores_sharded_state_and_resumes_bit_identically(tmp_path):
+    out = _torchrun("fsdp2.py", "--dir", str(tmp_path / "a"), "--steps", "9")
+    assert "restored step 8 on 2 ranks: state equal = True" in out
+    b = ["fsdp2.py", "--dir", str(tmp_path / "b"), "--steps", "9"]
+    _torchrun(*b, env=kill_at_save(2), ok=False)  # SIGKILLed as step 6's save begins
+    out = _torchrun(*b)
+    assert differing(tmp_path / "a" / "step-000000008", tmp_path / "b" / "step-000000008") == []
+    assert "resumed from step 3" in out and "restored step 8 on 2 ranks: state equal = True" in out
 
 
-def test_transformers_export_loads_in_transformers(tmp_path):
+def test_transformers_export_loads_in_transformers_and_resumes_bit_identically(tmp_path):
     pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
-    r = run_py([str(EX / "hf_transformers.py"), "--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf")], timeout=240)
+    r = run_py([str(EX / "hf_transformers.py"), "--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "hf"), "--steps", "6"], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "logits equal = True" in r.stdout
     assert (tmp_path / "hf" / "model.safetensors").exists() and (tmp_path / "hf" / "config.json").exists()
+    args = [str(EX / "hf_transformers.py"), "--dir", str(tmp_path / "b"), "--out", str(tmp_path / "hf_b"), "--steps", "6"]
+    killed = run_py(args, env=kill_at_save(2), timeout=240)  # SIGKILL at step 4's save
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    r = run_py(args, timeout=240)
+    assert r.returncode == 0 and "logits equal = True" in r.stdout, r.stderr[-3000:]
+    assert differing(tmp_path / "ck" / "step-000000005", tmp_path / "b" / "step-000000005") == []
