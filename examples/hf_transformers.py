@@ -5,18 +5,36 @@ RNG (token draws, dropout) is saved with the model and optimizer.
 
     python examples/hf_transformers.py --dir ckpts/hf --out hf_export
     python examples/hf_transformers.py --dir ckpts/hf --out hf_export --steps 8   # resumes
+    trainguard doctor examples/hf_transformers.py   # checks what trainguard_state() returns
+
+The token batches are drawn from torch's RNG, which ``tg.RNGState()`` saves: that is this loop's
+data position (the doctor's "data position" warning asks for a sampler; a real loop adds one). The
+learning rate is constant: the doctor's warning of an optimizer saved without a scheduler does not
+apply.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import trainguard as tg
 from trainguard.convert import convert
+
+
+def trainguard_state(root: str = "ckpts/hf") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The training state and the manager's settings: main() trains with them, and
+    ``trainguard doctor`` calls this to check them."""
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
+    return state, {"root": root, "save": tg.EveryNSteps(2), "keep": tg.KeepLatest(3)}
 
 
 def main() -> None:
@@ -26,13 +44,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = {"model": model, "optim": opt, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
-
-    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(2)) as mgr:
+    state, settings = trainguard_state(args.dir)
+    model, opt = state["model"], state["optim"]
+    config = model.config
+    with tg.CheckpointManager(**settings) as mgr:
         start = mgr.restore(state)
         for step in range(0 if start is None else start + 1, args.steps):
             ids = torch.randint(0, 100, (4, 16))

@@ -2,16 +2,32 @@
 
     python examples/plain_loop.py --dir ckpts/plain --steps 20
     python examples/plain_loop.py --dir ckpts/plain --steps 40   # resumes where the first run stopped
+    trainguard doctor examples/plain_loop.py   # checks what trainguard_state() returns
+
+The batches are drawn from torch's RNG, which ``tg.RNGState()`` saves: that is this loop's data
+position (the doctor's "data position" warning asks for a sampler; a real loop adds one).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 from torch import nn
 
 import trainguard as tg
+
+
+def trainguard_state(root: str = "ckpts/plain") -> tuple[dict[str, Any], dict[str, Any]]:
+    """The training state and the manager's settings: main() trains with them, and
+    ``trainguard doctor`` calls this to check them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
+    state = {"model": model, "optim": opt, "sched": sched, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
+    return state, {"root": root, "save": tg.EveryNSteps(5), "keep": tg.KeepLatest(2)}
 
 
 def main() -> None:
@@ -20,13 +36,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
-    state = {"model": model, "optim": opt, "sched": sched, "rng": tg.RNGState(), "progress": tg.StateDict(step=-1)}
-
-    with tg.CheckpointManager(args.dir, save=tg.EveryNSteps(5), keep=tg.KeepLatest(2)) as mgr:
+    state, settings = trainguard_state(args.dir)
+    model, opt, sched = state["model"], state["optim"], state["sched"]
+    with tg.CheckpointManager(**settings) as mgr:
         start = mgr.restore(state)
         print("fresh start" if start is None else f"resumed from step {start}")
         first = 0 if start is None else start + 1
