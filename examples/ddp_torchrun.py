@@ -60,8 +60,11 @@ def main() -> None:
             opt.step()
             state["progress"]["step"] = step
             mgr.save(step, state, force=step == args.steps - 1)
+            if mgr.should_stop:  # SIGTERM/SIGINT on any rank (a preemption): every rank saved this step; exit now
+                break
         if rank == 0:
-            print(f"done at step {args.steps - 1}, saved step {mgr.last_saved_step}", flush=True)
+            print(f"{'stopped' if mgr.should_stop else 'done'} at step {state['progress']['step']}, "
+                  f"saved step {mgr.last_saved_step}", flush=True)
     dist.destroy_process_group()
 
 

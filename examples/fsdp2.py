@@ -78,6 +78,8 @@ def main() -> None:
             opt.step()
             state["progress"]["step"] = step
             mgr.save(step, state, force=step == args.steps - 1)
+            if mgr.should_stop:  # SIGTERM/SIGINT on any rank (a preemption): every rank saved this step; exit now
+                break
         mgr.wait()
         # What a restarted job would do: fresh sharded model + optimizer, restore, compare.
         state2, _ = trainguard_state(args.dir, shard=True)

@@ -57,8 +57,13 @@ def main() -> None:
             opt.step()
             state["progress"]["step"] = step
             mgr.save(step, state, force=step == args.steps - 1)
+            if mgr.should_stop:  # SIGTERM/SIGINT (a preemption): this step was just saved; exit now
+                break
         mgr.wait()
         ckpt = os.path.join(args.dir, f"step-{mgr.last_saved_step:09d}")
+    if mgr.should_stop:
+        print(f"stopped at step {state['progress']['step']}, saved step {mgr.last_saved_step}")
+        return
 
     # Export: config.json + model.safetensors is a directory transformers loads.
     os.makedirs(args.out, exist_ok=True)

@@ -51,7 +51,9 @@ def main() -> None:
             sched.step()
             state["progress"]["step"] = step
             mgr.save(step, state, force=step == args.steps - 1)
-        print(f"done at step {args.steps - 1}, loss {loss.item():.4f}, saved step {mgr.last_saved_step}")
+            if mgr.should_stop:  # SIGTERM/SIGINT (a preemption): this step was just saved; exit now
+                break
+        print(f"{'stopped' if mgr.should_stop else 'done'} at step {state['progress']['step']}, saved step {mgr.last_saved_step}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from trainguard.storage import for_path
 from conftest import run_py
 
 EX = Path(__file__).resolve().parent.parent / "examples"
+STOP = Path(__file__).resolve().parent / "stop_at_step.py"
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
 
 
@@ -46,14 +47,19 @@ def differing(a: Path, b: Path) -> list[str]:
     return out
 
 
-def _torchrun(script: str, *args: str, env: dict[str, str] | None = None, ok: bool = True) -> str:
+def _scripts(args: tuple[str, ...]) -> list[str]:
+    """``args`` with an example's file name made its path."""
+    return [str(EX / a) if a.endswith(".py") and "/" not in a else a for a in args]
+
+
+def _torchrun(*args: str, env: dict[str, str] | None = None, ok: bool = True) -> str:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
     r = run_py(
         ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", str(EX / script), *args],
+         "--rdzv-endpoint", f"127.0.0.1:{port}", *_scripts(args)],
         env={**ENV, **(env or {})}, timeout=180,
     )  # subprocess.run kills the launcher on timeout
     assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-3000:]
@@ -63,24 +69,28 @@ def _torchrun(script: str, *args: str, env: dict[str, str] | None = None, ok: bo
 def test_plain_loop_resumes_bit_identically(tmp_path):
     straight = run_py([str(EX / "plain_loop.py"), "--dir", str(tmp_path / "a"), "--steps", "20"], timeout=120)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    args = [str(EX / "plain_loop.py"), "--dir", str(tmp_path / "b")]
-    first = run_py([*args, "--steps", "12"], timeout=120)  # a stop: the last step is saved
+    args = [str(EX / "plain_loop.py"), "--dir", str(tmp_path / "b"), "--steps", "20"]
+    first = run_py([str(STOP), "11", *args], timeout=120)  # SIGTERM in step 11: saved, and the loop exits
     assert first.returncode == 0, first.stderr[-3000:]
-    assert "fresh start" in first.stdout and "saved step 11" in first.stdout
-    killed = run_py([*args, "--steps", "20"], env=kill_at_save(1), timeout=120)  # SIGKILL at step 15's save
+    assert "fresh start" in first.stdout and "stopped at step 11, saved step 11" in first.stdout, first.stdout
+    killed = run_py(args, env=kill_at_save(1), timeout=120)  # SIGKILL at step 15's save
     assert killed.returncode == -9 and "resumed from step 11" in killed.stdout, killed.stderr[-3000:]
-    second = run_py([*args, "--steps", "20"], timeout=120)
+    second = run_py(args, timeout=120)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from step 11" in second.stdout and "saved step 19" in second.stdout
     assert differing(tmp_path / "a" / "step-000000019", tmp_path / "b" / "step-000000019") == []
+    again = run_py(args, timeout=120)  # a finished job started again (a requeue) has nothing to do
+    assert again.returncode == 0 and "done at step 19" in again.stdout, again.stderr[-3000:]
 
 
 def test_ddp_under_torchrun_resumes_bit_identically(tmp_path):
     assert "fresh start" in _torchrun("ddp_torchrun.py", "--dir", str(tmp_path / "a"), "--steps", "10")
     b = ["ddp_torchrun.py", "--dir", str(tmp_path / "b"), "--steps", "10"]
-    _torchrun(*b, env=kill_at_save(2), ok=False)  # both ranks SIGKILLed as step 8's save begins
+    out = _torchrun(str(STOP), "5", *b, env={"STOP_RANK": "1"})  # SIGTERM to rank 1 alone in step 5
+    assert "stopped at step 5, saved step 5" in out or "stopped at step 6, saved step 6" in out, out
+    _torchrun(*b, env=kill_at_save(1), ok=False)  # both ranks SIGKILLed as step 8's save begins
     out = _torchrun(*b)
-    assert "resumed from step 4" in out and "saved step 9" in out
+    assert ("resumed from step 5" in out or "resumed from step 6" in out) and "saved step 9" in out
     assert differing(tmp_path / "a" / "step-000000009", tmp_path / "b" / "step-000000009") == []
 
 
