@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -36,3 +37,24 @@ def gate(monkeypatch):
     monkeypatch.setattr(async_save, "_before_background_stage", lambda: ev.wait(60))
     yield ev
     ev.set()
+
+
+def evict_page_cache(ckpt: Path) -> None:
+    """Drop the page cache of checkpoint directory ``ckpt``'s files (fsync, then
+    ``POSIX_FADV_DONTNEED``): the next read of them is a cold one."""
+    for f in ckpt.iterdir():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def filled_linear(fill: float) -> torch.nn.Module:
+    """``nn.Linear(8, 4)`` whose every parameter holds ``fill``: which checkpoint loaded shows in a value."""
+    m = torch.nn.Linear(8, 4)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(fill)
+    return m

@@ -169,3 +169,21 @@ def full_state(model: Any, opt: Any) -> dict[str, Any]:
         for k, v in s.items():
             out[f"o/{names[id(p)]}/{k}"] = whole(v)
     return out
+
+
+def small_model(kind: str, seed: int) -> Any:
+    """A 3-layer MLP (its last layer 7 rows: uneven over 2 ranks), ``fully_shard``-ed per layer
+    when ``kind == "fsdp"`` (inside a rank's process group), else plain (DDP-style replicated)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 7))
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in m:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        fully_shard(m)
+    return m

@@ -16,13 +16,7 @@ from botocore.exceptions import ClientError  # noqa: E402
 from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 from s3fs.errors import translate_boto_error  # noqa: E402
 
-
-def _model(fill: float) -> torch.nn.Module:
-    m = torch.nn.Linear(8, 4)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.fill_(fill)
-    return m
+from conftest import filled_linear as _model  # noqa: E402
 
 
 def _s3_error(code: str, status: int, op: str) -> OSError:

@@ -9,13 +9,7 @@ import torch
 
 import trainguard as tg
 
-
-def _model(fill: float) -> torch.nn.Module:
-    m = torch.nn.Linear(8, 4)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.fill_(fill)
-    return m
+from conftest import filled_linear as _model
 
 
 def test_ram_tier_save_of_a_step_the_durable_root_holds_is_refused_not_silently_dropped(tmp_path):

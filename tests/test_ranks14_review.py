@@ -16,21 +16,9 @@ import trainguard as tg
 from test_syscall_review import Inject
 
 from dist_helper import attempt, full_state, run_ranks
+from dist_helper import small_model as _model
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
-
-
-def _model(kind: str, seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 7))  # 7 rows: uneven over 2
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in m:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(m)
-    return m
 
 
 def _state(kind: str, seed: int) -> dict:

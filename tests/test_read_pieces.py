@@ -24,6 +24,8 @@ from trainguard.planner import BlockCheck, Box, ReadOp, plan_reads
 from trainguard.storage import LocalStorage, _pagecache, local
 from trainguard.storage.local import _LocalReader
 
+from conftest import evict_page_cache as _evict
+
 BLOCK = 64 << 10
 
 
@@ -114,16 +116,6 @@ def test_split_reads_an_op_whose_checks_do_not_tile_it_as_one_piece() -> None:
     op = ReadOp("f", 0, 3 * BLOCK, 0, box, box, 0, checks, 0)
     pieces = reads.split(None, memoryview(bytearray(3 * BLOCK)), op, "x", BLOCK)  # type: ignore[arg-type]
     assert [(p.base, p.end, len(p.checks)) for p in pieces] == [(0, 3 * BLOCK, 2)]
-
-
-def _evict(ckpt: Path) -> None:
-    for f in ckpt.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")

@@ -32,6 +32,7 @@ from trainguard.storage import LocalStorage
 from trainguard.storage import local as slocal
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import evict_page_cache as _evict  # noqa: E402
 from dist_helper import run_ranks  # noqa: E402
 
 DTYPES = [torch.uint8, torch.bool, torch.bfloat16, torch.int32, torch.float64, torch.complex64]
@@ -219,16 +220,6 @@ def test_column_shard_read_reads_each_checksum_block_once(shape: tuple[int, int]
             span = min(-(-last // block) * block, length) - first // block * block
             assert sum(op.length for op in ops if op.chunk_index == ci) == span
         assert all(op.length <= planner.SCRATCH_BYTES for op in ops if op.dest_byte is None)
-
-
-def _evict(ckpt: Path) -> None:
-    for f in ckpt.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise to drop the page cache")

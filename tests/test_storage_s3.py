@@ -29,6 +29,7 @@ from torch import nn
 import trainguard as tg
 from trainguard.commit import list_steps
 
+from conftest import filled_linear as _filled_linear
 from dist_helper import run_ranks
 
 pytest.importorskip("s3fs")
@@ -315,14 +316,6 @@ def test_operator_view_on_s3_rollback_save_in_progress_and_the_cli(weed):
     assert r.exit_code == 2 and r.output.startswith("error: ") and "no such directory" in r.output
 
 
-def _filled(fill: float) -> nn.Module:
-    m = nn.Linear(8, 4)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.fill_(fill)
-    return m
-
-
 def test_a_502_of_a_real_s3_client_at_restart_is_raised_not_a_rollback(weed):
     # s3fs turns an HTTP error it has no errno for into EIO (a proxy's 502): restore must not take
     # it for a medium's error and roll the run back (tests/test_objstore14_review.py on memory://);
@@ -332,7 +325,7 @@ def test_a_502_of_a_real_s3_client_at_restart_is_raised_not_a_rollback(weed):
     url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
         for s in (1, 2, 3):
-            mgr.save(s, {"model": _filled(float(s))})
+            mgr.save(s, {"model": _filled_linear(float(s))})
     fs = s3fs.S3FileSystem()
     fs.connect()
 
@@ -348,9 +341,9 @@ def test_a_502_of_a_real_s3_client_at_restart_is_raised_not_a_rollback(weed):
     try:
         with tg.CheckpointManager(url, handle_signals=False) as mgr:
             with pytest.raises(tg.CheckpointError, match=r"502.*an older checkpoint is not tried"):
-                mgr.restore({"model": _filled(0.0)})
+                mgr.restore({"model": _filled_linear(0.0)})
     finally:
         fs.s3.meta.events.unregister("before-call.s3.GetObject", gateway)
-    dest = _filled(0.0)
+    dest = _filled_linear(0.0)
     with tg.CheckpointManager(url, handle_signals=False) as mgr:
         assert mgr.restore({"model": dest}) == 3
