@@ -216,5 +216,6 @@ def test_dataloader_workers_without_ignore_stop_signals_under_a_manager_is_a_war
     fixed = head + "loader = DataLoader(ds, num_workers=4, worker_init_fn=tg.ignore_stop_signals)\n"
     assert one({}, "stop signals", source=fixed).severity == "ok"
     for quiet in (head + "loader = DataLoader(ds, num_workers=0)\n", head + "loader = DataLoader(ds, batch_size=8)\n",
-                  "loader = DataLoader(ds, num_workers=4)\n"):  # no workers, or no manager to make a preemption save
+                  "loader = DataLoader(ds, num_workers=4)\n",  # no workers, or no manager to make a preemption save
+                  "mgr = tg.CheckpointManager('ck', handle_signals=False)\nloader = DataLoader(ds, num_workers=4)\n"):
         assert [f for f in check({}, Settings(source=quiet)) if f.check == "stop signals"] == []

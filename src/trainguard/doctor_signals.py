@@ -33,13 +33,16 @@ def _workers(call: ast.Call, tree: ast.Module) -> bool:
 
 def worker_signals(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning when the script opens a ``CheckpointManager`` (whose signal handling makes the
-    preemption save) and builds a ``DataLoader`` that may start workers, and nowhere mentions
+    preemption save; not one with ``handle_signals=False``) and builds a ``DataLoader`` that may start workers, and nowhere mentions
     ``ignore_stop_signals``. Not reported without source, manager or such a loader."""
     from .doctor import Finding
     from .doctor_source import _calls, _tree
 
     if (tree := _tree(s)) is None or "CheckpointManager" not in (s.source or ""):
         return None
+    if any(k.arg == "handle_signals" and isinstance(k.value, ast.Constant) and k.value.value is False
+           for c in _calls(None, {"CheckpointManager"}, tree) for k in c.keywords):
+        return None  # no preemption save to protect
     loaders = [c for c in _calls(None, {"DataLoader"}, tree) if _workers(c, tree)]
     if not loaders:
         return None
