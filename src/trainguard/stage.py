@@ -313,7 +313,7 @@ def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
     try:
         t = local_part(t.detach())
         ptr = t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, ValueError):  # torch's answer for a sparse tensor's storage (NotImplementedError) and a lazy module's uninitialized parameter
+    except (RuntimeError, ValueError):  # a sparse tensor has no storage (torch raises a RuntimeError subclass); a lazy module's parameter, ValueError
         return None
     return (ptr, str(t.device)) if ptr else None
 
