@@ -31,15 +31,15 @@ def main(argv: list[str] | None = None) -> int:
         ts = []
         for r in range(1, a.rounds + 1):
             for k in names:
-                client.set(f"{ctx.chan}/r{r}/begin/{k}", "v")
-            ctx._keys[r] = ("begin", True, True)
+                client.set(f"{ctx.chan}/r1.{r}/begin/{k}", "v")
+            ctx._keys[(1, r)] = ("begin", True, True)  # operation 1, round r
             t = time.perf_counter()
-            ctx.forget(r)
+            ctx.forget((1, r))
             ts.append(time.perf_counter() - t)
         t = time.perf_counter()
         ctx.store.drain()
         drained = time.perf_counter() - t
-        left = sum(client.check([f"{ctx.chan}/r{r}/begin/{k}"]) for r in range(1, a.rounds + 1) for k in names)
+        left = sum(client.check([f"{ctx.chan}/r1.{r}/begin/{k}"]) for r in range(1, a.rounds + 1) for k in names)
     finally:
         ctx.close()
     print(f"world {a.world}: rank 0's cleanup per round " + " ".join(f"{x * 1e3:.1f}" for x in ts)

@@ -74,7 +74,7 @@ def long_async_run(rank: int, world: int, root: str) -> dict:
             mgr.save(step, state)
     ctx = DistContext.current()
     ctx.store.drain()  # the deletes run in the background
-    left = [r for r in range(1, ctx._round + 1) if ctx.store.check([f"{ctx.chan}/r{r}/decide/all"])]
+    left = [o for o in range(1, ctx._op + 1) if ctx.store.check([f"{ctx.chan}/r{o}.1/decide/all"])]  # one per step
     return {"decide_keys": len(left), "records": len(ctx._keys), "latest": mgr.latest_step()}
 
 

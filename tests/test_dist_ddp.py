@@ -13,6 +13,8 @@ from torch import nn
 
 import trainguard as tg
 from trainguard import io as tg_io
+from trainguard.loader import read_manifest
+from trainguard.storage import for_path
 
 from dist_helper import run_ranks
 
@@ -115,7 +117,7 @@ def test_ddp_and_dtensor_saved_at_4_resume_at_2(tmp_path: Path) -> None:
     root = str(tmp_path)
     saved = run_ranks(save_group, 4, root, timeout=90, env={"TRAINGUARD_DEAD_AFTER": "3"})
     # Replicated tensors are written once in total, balanced over the ranks.
-    m = tg.load.__globals__["read_manifest"](*tg.load.__globals__["for_path"](f"{root}/step-000000002"))
+    m = read_manifest(*for_path(f"{root}/step-000000002"))
     rep_bytes = sum(e.nbytes for p, e in m.tensors.items() if p.startswith(("model/", "optim/")))
     written = [r.value["written"] for r in saved]
     assert sum(written) >= rep_bytes

@@ -45,14 +45,20 @@ def _like_a_manager(ctx: StoreDistContext, steps: int = 120, every: int = 20) ->
     """The rounds of a distributed manager: a decision broadcast per step, a save's begin /
     written / commit rounds and rank 0's commit fence every ``every`` steps."""
     for step in range(1, steps + 1):
-        assert ctx.broadcast("decide", [step % every == 0, False] if ctx.rank == 0 else None) == [step % every == 0, False]
-        if step % every == 0:
-            assert ctx.all_gather("begin", {"rank": ctx.rank})[ctx.rank] == {"rank": ctx.rank}
-            got = ctx.gather("written", ctx.rank)
-            if ctx.rank == 0:
-                assert got == list(range(ctx.world_size))
-                assert ctx.fence(f"commit/{step}", {"committing": 0}) == {"committing": 0}
-            assert ctx.broadcast("commit", {"step": step} if ctx.rank == 0 else None) == {"step": step}
+        with ctx.operation():  # a manager's save() is one operation
+            _one_step(ctx, step, every)
+
+
+def _one_step(ctx: StoreDistContext, step: int, every: int) -> None:
+    assert ctx.broadcast("decide", [step % every == 0, False] if ctx.rank == 0 else None) == [step % every == 0, False]
+    if step % every == 0:
+        assert ctx.all_gather("begin", {"rank": ctx.rank})[ctx.rank] == {"rank": ctx.rank}
+        got = ctx.gather("written", ctx.rank)
+        if ctx.rank == 0:
+            assert got == list(range(ctx.world_size))
+            assert ctx.fence(f"commit/{step}", {"committing": 0}) == {"committing": 0}
+        assert ctx.broadcast("commit", {"step": step} if ctx.rank == 0 else None) == {"step": step}
+
 
 
 def test_keys_of_finished_rounds_and_fences_are_deleted():
@@ -76,9 +82,9 @@ def _keys(server: dist.TCPStore) -> list[str]:
     """The trainguard keys of the rounds and fences still in the store (TCPStore cannot list its
     keys: check the ones the collectives above can have created)."""
     found = []
-    for r in range(1, 200):
-        for tag, per_rank in (("decide", False), ("begin", True), ("written", True), ("commit", False)):
-            base = f"trainguard/0/main/r{r}/{tag}"
+    for op in range(1, 200):  # operation (a step), round within it
+        for r, tag, per_rank in ((1, "decide", False), (2, "begin", True), (3, "written", True), (4, "commit", False)):
+            base = f"trainguard/0/main/r{op}.{r}/{tag}"
             cands = [f"{base}/all"] + ([f"{base}/{k}" for k in range(WORLD)] if per_rank else [])
             found += [k for k in cands if server.check([k])]
     found += [f"trainguard/0/fence/commit/{s}" for s in range(1, 200) if server.check([f"trainguard/0/fence/commit/{s}"])]
@@ -115,8 +121,9 @@ def test_a_rounds_keys_are_deleted_only_once_every_rank_passed_it(world):
     server, ctxs = _run_ranks(two_gathers, world)
     try:
         ctxs[0].store.drain()
-        assert not server.check(["trainguard/0/main/r1/begin/all"])  # round 1: cleaned by round 3
-        assert server.check(["trainguard/0/main/r3/begin/all"])  # the last round stays
+        # Outside any operation (dist.StoreDistContext.operation): all in operation 0.
+        assert not server.check(["trainguard/0/main/r0.1/begin/all"])  # round 1: cleaned by round 3
+        assert server.check(["trainguard/0/main/r0.3/begin/all"])  # the last round stays
     finally:
         for c in ctxs:
             c.close()

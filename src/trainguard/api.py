@@ -22,7 +22,7 @@ import torch
 from . import __version__, layout
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, commit_dir, occupied, rank_files
-from .dist import DistContext, check_timeout
+from .dist import DistContext, check_timeout, one_operation
 from .errors import (
     CheckpointError,
     RankFailureError,
@@ -46,6 +46,7 @@ from .streams import has_device_chunks, host_batches, split_streams, write_strea
 from .tied import format_for, resolve_aliases
 
 
+@one_operation
 def save(
     path: str | os.PathLike[str],
     state: Mapping[str, Any],

@@ -104,66 +104,67 @@ def start_async_save(
     """
     t0 = time.monotonic()
     _finish_previous(managed)
-    with gc_paused():
+    with ctx.operation(eager=True):  # the whole save, its thread's rounds too (dist.StoreDistContext.operation)
+        with gc_paused():
+            try:
+                snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
+            except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
+                if not getattr(e, "captured_elsewhere", False):
+                    raise
+                return _failed(e, step, managed, target)
+        protected, optimizers = protected_tensors(state)
+        handle = SaveHandle(step, target)
+        pool = default_pool(max_staging_bytes)
+        job = _Job(handle, pool, optimizers)
+        todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
+        if stage_in_background:
+            now, later = [], todo
+        else:
+            now = [lf for lf in todo if tensor_key(lf.tensor) not in protected]
+            later = [lf for lf in todo if tensor_key(lf.tensor) in protected]
+        slots = pool.acquire([lf.tensor.nbytes for lf in now])
         try:
-            snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
-        except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
-            if not getattr(e, "captured_elsewhere", False):
-                raise
-            return _failed(e, step, managed, target)
-    protected, optimizers = protected_tensors(state)
-    handle = SaveHandle(step, target)
-    pool = default_pool(max_staging_bytes)
-    job = _Job(handle, pool, optimizers)
-    todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
-    if stage_in_background:
-        now, later = [], todo
-    else:
-        now = [lf for lf in todo if tensor_key(lf.tensor) not in protected]
-        later = [lf for lf in todo if tensor_key(lf.tensor) in protected]
-    slots = pool.acquire([lf.tensor.nbytes for lf in now])
-    try:
-        try:
-            for lf, slot in zip(now, slots, strict=True):
-                job.copies[id(lf)] = copy_into(slot, lf.tensor)
-                handle.staged_sync_bytes += lf.tensor.nbytes
-            job.later = {id(lf) for lf in later}
-            job.storages = {storage_key(lf.tensor) for lf in later} - {None}
-            for lf in later:
-                if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
-                    ev = torch.cuda.Event()
-                    ev.record(torch.cuda.current_stream(lf.tensor.device))  # copies start after pending kernels
-                    job.cuda_events[lf.tensor.device.index] = ev
-        except Exception as e:  # still join the collective rounds, so every rank fails together
-            job.error = e
-        job.zero_copy = zero_copy_ok(storage, [lf.tensor for lf in later])
-        _hook()
-        handle.call_s = time.monotonic() - t0
-        handle.bytes = sum(lf.tensor.nbytes for lf in todo)
-        thread = threading.Thread(
-            target=_run, args=(job, storage, target, snap, ctx),
-            kwargs=dict(layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step),
-            name="trainguard-async-save", daemon=True,
-        )
-        handle.attach_thread(thread)
-    except BaseException:  # e.g. KeyboardInterrupt in the copies: the pool must not stay held
-        _drop(job)
-        raise
-    global _INFLIGHT
-    with _LOCK:
-        _INFLIGHT = job
-    try:
-        thread.start()
-    except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
-        with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
-            if job.began:  # it runs: it releases them
-                raise
-            job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
-        _drop(job)
-        if not isinstance(e, Exception):
+            try:
+                for lf, slot in zip(now, slots, strict=True):
+                    job.copies[id(lf)] = copy_into(slot, lf.tensor)
+                    handle.staged_sync_bytes += lf.tensor.nbytes
+                job.later = {id(lf) for lf in later}
+                job.storages = {storage_key(lf.tensor) for lf in later} - {None}
+                for lf in later:
+                    if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
+                        ev = torch.cuda.Event()
+                        ev.record(torch.cuda.current_stream(lf.tensor.device))  # copies start after pending kernels
+                        job.cuda_events[lf.tensor.device.index] = ev
+            except Exception as e:  # still join the collective rounds, so every rank fails together
+                job.error = e
+            job.zero_copy = zero_copy_ok(storage, [lf.tensor for lf in later])
+            _hook()
+            handle.call_s = time.monotonic() - t0
+            handle.bytes = sum(lf.tensor.nbytes for lf in todo)
+            thread = threading.Thread(
+                target=_run, args=(job, storage, target, snap, ctx),
+                kwargs=dict(layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step),
+                name="trainguard-async-save", daemon=True,
+            )
+            handle.attach_thread(thread)
+        except BaseException:  # e.g. KeyboardInterrupt in the copies: the pool must not stay held
+            _drop(job)
             raise
-        raise CheckpointError(f"could not start the async save thread: {e}") from e
-    return handle
+        global _INFLIGHT
+        with _LOCK:
+            _INFLIGHT = job
+        try:
+            thread.start()
+        except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
+            with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
+                if job.began:  # it runs: it releases them
+                    raise
+                job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
+            _drop(job)
+            if not isinstance(e, Exception):
+                raise
+            raise CheckpointError(f"could not start the async save thread: {e}") from e
+        return handle
 
 
 def _failed(e: RankFailureError, step: int | None, managed: bool, target: str) -> SaveHandle:

@@ -11,24 +11,28 @@ is the coordinator: it waits for every rank's key, watching heartbeats, and publ
 the result or one failure record, so that every rank raises the *same* ``RankFailureError``.
 A rank that never arrives is named after ``timeout``; a rank whose heartbeat stops (process
 died) after ``TRAINGUARD_DEAD_AFTER`` seconds; a rank waiting in a *different* collective at
-the same round (``load`` while the others ``save``) at once.
+the same round (``load`` while the others ``save``), or one that left the call midway, at once
+(``distwait.py``). Rounds are numbered within *operations* (the public calls, :meth:`operation`),
+so a rank that left one midway (a Ctrl-C it caught) meets the others again at the next call.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import os
 import threading
-import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
+from .distwait import LEFT, wait_for
 from .errors import RankFailureError, failure, failure_record, from_record, summary  # noqa: F401 - failure, summary: imported from here too
 from .storecall import BoundedStore
 
 HEARTBEAT_EVERY = 0.5
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def default_timeout() -> float:
@@ -102,11 +106,11 @@ class DistContext:
     def close(self) -> None:
         pass
 
-    def mark(self) -> int | None:
+    def mark(self) -> Any:
         """The last round this channel entered: :meth:`forget` it once every rank is past it."""
         return None
 
-    def forget(self, mark: int | None) -> None:
+    def forget(self, mark: Any) -> None:
         """Rank 0: delete (in the background) the store keys of rounds up to ``mark``."""
 
     def raise_flag(self, name: str) -> None:
@@ -119,6 +123,11 @@ class DistContext:
     def channel(self, name: str) -> DistContext:
         """A context whose collectives are sequenced apart from this one's (see StoreDistContext)."""
         return self
+
+    @contextlib.contextmanager
+    def operation(self, *, eager: bool = False) -> Iterator[None]:
+        """Around each public call that may run collectives, on every rank (see StoreDistContext)."""
+        yield
 
     @staticmethod
     def current() -> DistContext:
@@ -138,6 +147,18 @@ class DistContext:
             _CACHE.clear()
             _CACHE[id(pg)] = ctx
         return ctx
+
+
+def one_operation(fn: F) -> F:
+    """Decorator of ``tg.save`` and ``tg.load``: the call is one operation of this process's
+    context (:meth:`StoreDistContext.operation`)."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with DistContext.current().operation():
+            return fn(*args, **kwargs)
+
+    return call  # type: ignore[return-value]
 
 
 _NULL = DistContext()
@@ -177,9 +198,10 @@ class StoreDistContext(DistContext):
         gen = (int(store.add("trainguard/contexts", 1)) - 1) // world_size
         self.prefix = f"trainguard/{gen}"  # heartbeats live here, shared by every channel
         self.chan = f"{self.prefix}/main"  # rounds and "at" keys of this channel
-        self._round = 0
-        self._keys: dict[int, tuple[str, bool, bool]] = {}  # rank 0: round -> (tag, "/all" key, per-rank keys)
-        self._fences: list[tuple[int, str]] = []  # rank 0: (round, fence key) claimed in that round
+        self._op, self._round = 0, 0  # the operation (public call) and the round within it
+        self._depth, self._new_op, self._in_op = 0, False, False  # see operation()
+        self._keys: dict[tuple[int, int], tuple[str, bool, bool]] = {}  # rank 0: (op, round) -> (tag, "/all" key, per-rank keys)
+        self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round
         self._channels: dict[str, StoreDistContext] = {}
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)
@@ -196,7 +218,8 @@ class StoreDistContext(DistContext):
         if ch is None:
             ch = object.__new__(StoreDistContext)
             ch.__dict__.update(self.__dict__)
-            ch.chan, ch._round, ch._channels, ch._keys, ch._fences = f"{self.prefix}/{name}", 0, {}, {}, []
+            ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = f"{self.prefix}/{name}", 0, 0, {}, {}, []
+            ch._depth, ch._new_op, ch._in_op = 0, False, False
             self._channels[name] = ch
         return ch
 
@@ -217,13 +240,52 @@ class StoreDistContext(DistContext):
     # Each public collective turns a store that stopped answering (its host died: rank 0 with
     # env:// rendezvous, or the launcher) into the RankFailureError every other failure gives.
 
+    @contextlib.contextmanager
+    def operation(self, *, eager: bool = False) -> Iterator[None]:
+        """Around each public call that may run collectives, on every rank: ``tg.save``, ``tg.load``,
+        a ``CheckpointManager``'s ``open``/``save``/``wait``/``restore``/``close`` (nested calls are
+        part of the outer one); on the async-save channel, each save (``eager``: counted even if this
+        rank runs none of its rounds, which its save thread runs later, outside this block).
+
+        Every rank numbers its calls alike (one operation per call that ran a collective), and the
+        rounds within each from 1. A rank that raised out of a call midway (a Ctrl-C its caller
+        caught and went on: the others still wait in the rounds it skipped) marks itself ``LEFT``:
+        the others fail that call at once instead of at the timeout, and the next call pairs the
+        ranks again. Before, the ranks stayed one round apart for good and every later save waited
+        ``TRAINGUARD_TIMEOUT`` (600 s) in its first round.
+        """
+        if self._depth:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        self._depth, self._new_op, self._in_op = 1, True, False
+        if eager:
+            self._next_op()
+        try:
+            yield
+        except BaseException:
+            if self._in_op:  # this rank entered the call's rounds: tell the others it left
+                with contextlib.suppress(Exception):
+                    self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, LEFT]))
+            raise
+        finally:
+            self._depth, self._new_op = 0, False
+
+    def _next_op(self) -> None:
+        self._op, self._round, self._new_op, self._in_op = self._op + 1, 0, False, True
+
     def _enter(self, tag: str, *, all_key: bool, per_rank: bool) -> str:
+        if self._new_op:  # the call's first round: a new operation (see operation())
+            self._next_op()
         self._round += 1
         if self.rank == 0:  # the keys this round creates, for forget()
-            self._keys[self._round] = (tag, all_key, per_rank)
-        # Where this rank is now: lets rank 0 tell "in another collective" from "not there yet".
-        self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._round, tag]))
-        return f"{self.chan}/r{self._round}/{tag}"
+            self._keys[(self._op, self._round)] = (tag, all_key, per_rank)
+        # Where this rank is now: lets the others tell "in another collective" or "left" from "not there yet".
+        self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, self._round, tag]))
+        return f"{self.chan}/r{self._op}.{self._round}/{tag}"
 
     @_store_errors
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
@@ -236,7 +298,7 @@ class StoreDistContext(DistContext):
                 self._publish(f"{base}/all", failure_record(e))
                 raise
             self._publish(f"{base}/all", {"value": values})
-            self.forget(self._round - 2)
+            self.forget((self._op, self._round - 2))
             return values
         return self._await_root(f"{base}/all", tag, timeout)
 
@@ -247,7 +309,7 @@ class StoreDistContext(DistContext):
         if self.rank != 0:
             return None
         values = self._collect(base, tag, timeout)
-        self.forget(self._round - 2)
+        self.forget((self._op, self._round - 2))
         return values
 
     @_store_errors
@@ -264,7 +326,7 @@ class StoreDistContext(DistContext):
         rank 0's "I commit now" and another rank's "I gave up on rank 0" wins (``api``)."""
         key = f"{self.prefix}/fence/{tag}"
         if self.rank == 0:
-            self._fences.append((self._round, key))
+            self._fences.append(((self._op, self._round), key))
         return json.loads(self.store.compare_set(key, "", json.dumps(claim)))
 
     def _publish(self, key: str, record: dict[str, Any]) -> None:
@@ -301,77 +363,11 @@ class StoreDistContext(DistContext):
         return out["value"]
 
     def _wait_for(self, keys: list[str], ranks: list[int], tag: str, timeout: float | None) -> None:
-        """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]``."""
-        timeout = default_timeout() if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        seen: dict[int, tuple[int, float]] = {}
-        while True:
-            # Poll with check() rather than a timed store.wait(), which logs a warning per timeout.
-            pause, look_at = 0.002, time.monotonic() + 1.0
-            while time.monotonic() < look_at:
-                if self.store.check(keys):
-                    return
-                time.sleep(pause)
-                pause = min(2 * pause, 0.1)
-            missing = [r for r, k in zip(ranks, keys, strict=True) if not self.store.check([k])]
-            if not missing:
-                return
-            now = time.monotonic()
-            if self.rank == 0:  # the coordinator judges; the others wait for its verdict
-                self._check_elsewhere(missing, tag)
-            dead = []
-            for r in missing:
-                beat = int(self.store.add(f"{self.prefix}/hb/{r}", 0))
-                last = seen.get(r)
-                if last is None or last[0] != beat:
-                    seen[r] = (beat, now)
-                elif beat > 0 and now - last[1] > self.dead_after:
-                    # beat == 0: the rank never created its context (not arrived yet, maybe never)
-                    dead.append(r)
-            if dead:
-                raise failure(
-                    f"{tag}: rank(s) {dead} stopped responding (no heartbeat for {self.dead_after:.0f} s): "
-                    "the process died or hangs",
-                    {r: "process died or hung (no heartbeat)" for r in dead},
-                )
-            if now > deadline and tag in _MIDWAY:  # every rank came to this save: these are stuck in it
-                raise failure(
-                    f"{tag}: rank(s) {missing} did not finish {_MIDWAY[tag]} within {timeout:.0f} s: still at it, "
-                    "or stuck (a stalled filesystem, or a hung process whose heartbeat still beats)",
-                    {r: f"still {_MIDWAY[tag]} after {timeout:.0f} s" for r in missing},
-                )
-            if now > deadline:
-                raise failure(
-                    f"{tag}: rank(s) {missing} did not arrive within {timeout:.0f} s. Every rank must call "
-                    "save/load with the same step and state (e.g. not under `if rank == 0:`)",
-                    {r: f"did not call {tag} within {timeout:.0f} s" for r in missing},
-                )
+        """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]`` (distwait.py)."""
+        wait_for(self, keys, ranks, tag, default_timeout() if timeout is None else timeout)
 
-    def _check_elsewhere(self, missing: list[int], tag: str) -> None:
-        """Raise at once when a missing rank waits in another collective of the same round."""
-        raw = self.store.multi_get([f"{self.chan}/at/{r}" for r in missing]) if self._all_at(missing) else []
-        wrong = {}
-        for r, v in zip(missing, raw, strict=False):
-            rnd, other = json.loads(v)
-            if rnd == self._round and other != tag:
-                wrong[r] = other
-        if wrong:
-            e = failure(
-                f"{tag}: rank(s) {sorted(wrong)} are in {sorted(set(wrong.values()))} instead of {tag!r}: ranks "
-                "called different trainguard operations (e.g. save on some ranks, load on others)",
-                {r: f"called {w!r} while rank {self.rank} called {tag!r}" for r, w in wrong.items()},
-            )
-            # The ranks waiting in the other collective get the same verdict instead of a timeout.
-            record = json.dumps(failure_record(e))
-            for other in set(wrong.values()):
-                self.store.set(f"{self.chan}/r{self._round}/{other}/all", record)
-            raise e
-
-    def _all_at(self, ranks: list[int]) -> bool:
-        return bool(self.store.check([f"{self.chan}/at/{r}" for r in ranks]))
-
-    def mark(self) -> int | None:
-        return self._round
+    def mark(self) -> tuple[int, int]:
+        return self._op, self._round
 
     def raise_flag(self, name: str) -> None:
         self.store.set(f"{self.prefix}/{name}", "1")
@@ -379,22 +375,19 @@ class StoreDistContext(DistContext):
     def flag_raised(self, name: str) -> bool:
         return bool(self.store.check([f"{self.prefix}/{name}"]))
 
-    def forget(self, mark: int | None) -> None:
+    def forget(self, mark: tuple[int, int] | None) -> None:
         """Rank 0, in a round every rank entered: delete in the background the keys of rounds up to
-        ``mark`` (two back: all passed the round after), broadcasts' too, and their fences."""
+        ``mark`` (operation, round; two back: all passed the round after, and every earlier
+        operation), broadcasts' too, and their fences."""
         if self.rank != 0 or mark is None:
             return
         keys = []
         for r in [r for r in self._keys if r <= mark]:
             tag, all_key, per_rank = self._keys.pop(r)
-            base = f"{self.chan}/r{r}/{tag}"
+            base = f"{self.chan}/r{r[0]}.{r[1]}/{tag}"
             keys += [f"{base}/all"] if all_key else []
             keys += [f"{base}/{k}" for k in range(self.world_size)] if per_rank else []
         while self._fences and self._fences[0][0] <= mark:
             keys.append(self._fences.pop(0)[1])
         self.store.discard(keys)
 
-
-# Collectives that every rank reaches only after an earlier one of the same operation (all ranks
-# passed "begin"): a rank missing there is busy with the work in between, not absent.
-_MIDWAY = {"written": "writing its data"}

@@ -17,7 +17,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
-from .dist import DistContext, check_timeout
+from .dist import DistContext, check_timeout, one_operation
 from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
 from .errors import (
     CheckpointError,
@@ -36,6 +36,7 @@ from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_s
 from .storage import Storage, for_path
 
 
+@one_operation
 def load(
     path: str | os.PathLike[str],
     state: Mapping[str, Any] | dict[str, Any],

@@ -37,7 +37,7 @@ from .tiers import RamTier
 log = logging.getLogger("trainguard")
 
 
-@one_thread_at_a_time("save", "wait", "restore", "close")
+@one_thread_at_a_time("open", "save", "wait", "restore", "close")
 class CheckpointManager:
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 

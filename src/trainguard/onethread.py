@@ -6,10 +6,14 @@ collected one handle twice and another never: ``save`` events duplicated and mis
 ``events.jsonl``, the skipped steps' retention and policy accounting lost (sync saves: warnings
 about checkpoints "this run did not write"). Now a second thread entering while another is inside
 gets a ``CheckpointError`` saying so; re-entry from the same thread (``close()`` -> ``wait()``) is fine.
+
+Each outermost call is also one *operation* of the manager's ``DistContext`` (its collectives are
+numbered per call on every rank, ``dist.StoreDistContext.operation``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -47,7 +51,9 @@ def _guarded(method: F) -> F:
                     f"CheckpointManager.{method.__name__}() called from a second thread while another thread is "
                     "inside this manager: a manager is used from one thread at a time (one per thread, or a lock)"
                 )
-            return method(self, *args, **kwargs)
+            ctx = self.__dict__.get("ctx")
+            with ctx.operation() if ctx is not None else contextlib.nullcontext():  # dist.StoreDistContext.operation
+                return method(self, *args, **kwargs)
         finally:
             if owner is None and self.__dict__.get("_inside") == me:
                 self.__dict__["_inside"] = None

@@ -1,0 +1,126 @@
+"""How a ``StoreDistContext`` rank waits for the keys of a round (``dist.py``), and what it
+concludes about ranks that do not come.
+
+Every rank waits by polling the store; once a second it looks at the ranks still missing:
+rank 0 (the coordinator) judges them, the others judge only rank 0, whose verdict they wait for.
+
+- a rank whose heartbeat stopped for ``dead_after`` seconds: dead;
+- rank 0 only: a rank waiting in a *different* collective of the same round (``load`` while the
+  others ``save``): a mismatch, at once;
+- a rank that *left this operation* (its "at" key says it is in a later operation, or it
+  raised out of this one: ``LEFT``) without writing the key awaited: it never will, at once.
+  Operations are the public calls (``dist.StoreDistContext.operation``); a rank leaves one midway
+  when the caller catches a Ctrl-C raised inside it (``except KeyboardInterrupt:``) and goes on;
+- past ``timeout``: a rank that never arrived, or one still busy midway (``MIDWAY``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from .errors import failure, failure_record
+
+LEFT = "(left)"  # the tag in a rank's "at" key once it raised out of an operation it had entered
+
+# Collectives that every rank reaches only after an earlier one of the same operation (all ranks
+# passed "begin"): a rank missing there is busy with the work in between, not absent.
+MIDWAY = {"written": "writing its data"}
+
+
+def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: float) -> None:
+    """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]`` (``ctx``: a
+    ``StoreDistContext``, in the round ``ctx._op``/``ctx._round`` it entered for ``tag``)."""
+    deadline = time.monotonic() + timeout
+    seen: dict[int, tuple[int, float]] = {}
+    while True:
+        # Poll with check() rather than a timed store.wait(), which logs a warning per timeout.
+        pause, look_at = 0.002, time.monotonic() + 1.0
+        while time.monotonic() < look_at:
+            if ctx.store.check(keys):
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.1)
+        missing = {r: k for r, k in zip(ranks, keys, strict=True) if not ctx.store.check([k])}
+        if not missing:
+            return
+        now = time.monotonic()
+        _check_left(ctx, missing, tag)
+        if ctx.rank == 0:  # the coordinator judges; the others wait for its verdict
+            _check_elsewhere(ctx, list(missing), tag)
+        dead = []
+        for r in missing:
+            beat = int(ctx.store.add(f"{ctx.prefix}/hb/{r}", 0))
+            last = seen.get(r)
+            if last is None or last[0] != beat:
+                seen[r] = (beat, now)
+            elif beat > 0 and now - last[1] > ctx.dead_after:
+                # beat == 0: the rank never created its context (not arrived yet, maybe never)
+                dead.append(r)
+        if dead:
+            raise failure(
+                f"{tag}: rank(s) {dead} stopped responding (no heartbeat for {ctx.dead_after:.0f} s): "
+                "the process died or hangs",
+                {r: "process died or hung (no heartbeat)" for r in dead},
+            )
+        late = list(missing)
+        if now > deadline and tag in MIDWAY:  # every rank came to this save: these are stuck in it
+            raise failure(
+                f"{tag}: rank(s) {late} did not finish {MIDWAY[tag]} within {timeout:.0f} s: still at it, "
+                "or stuck (a stalled filesystem, or a hung process whose heartbeat still beats)",
+                {r: f"still {MIDWAY[tag]} after {timeout:.0f} s" for r in late},
+            )
+        if now > deadline:
+            raise failure(
+                f"{tag}: rank(s) {late} did not arrive within {timeout:.0f} s. Every rank must call "
+                "save/load with the same step and state (e.g. not under `if rank == 0:`)",
+                {r: f"did not call {tag} within {timeout:.0f} s" for r in late},
+            )
+
+
+def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
+    """The ``(operation, round, tag)`` each of ``ranks`` last entered (those that entered any)."""
+    keys = [f"{ctx.chan}/at/{r}" for r in ranks]
+    if not ctx.store.check(keys):
+        keys = [k for k in keys if ctx.store.check([k])]
+        ranks = [r for r in ranks if f"{ctx.chan}/at/{r}" in keys]
+    if not keys:
+        return {}
+    return {r: tuple(json.loads(v)) for r, v in zip(ranks, ctx.store.multi_get(keys), strict=True)}  # type: ignore[misc]
+
+
+def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
+    """Raise at once when a rank whose key is awaited left this operation without writing it."""
+    gone = {}
+    for r, (op, _rnd, other) in _where(ctx, list(missing)).items():
+        if op > ctx._op or (op == ctx._op and other == LEFT):
+            gone[r] = other
+    # Read again: a rank may have written its key and then moved on since the first look.
+    gone = {r: w for r, w in gone.items() if not ctx.store.check([missing[r]])}
+    if gone:
+        raise failure(
+            f"{tag}: rank(s) {sorted(gone)} left this trainguard call before {tag!r} and went on (an exception "
+            "or a Ctrl-C caught on that rank, e.g. `except KeyboardInterrupt:`): the call fails on every rank; "
+            "the ranks' next calls are paired again",
+            {r: f"left the call before {tag!r}" + ("" if w == LEFT else f" (now in {w!r})") for r, w in gone.items()},
+        )
+
+
+def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
+    """Rank 0: raise at once when a missing rank waits in another collective of the same round."""
+    wrong = {}
+    for r, (op, rnd, other) in _where(ctx, missing).items():
+        if (op, rnd) == (ctx._op, ctx._round) and other not in (tag, LEFT):
+            wrong[r] = other
+    if wrong:
+        e = failure(
+            f"{tag}: rank(s) {sorted(wrong)} are in {sorted(set(wrong.values()))} instead of {tag!r}: ranks "
+            "called different trainguard operations (e.g. save on some ranks, load on others)",
+            {r: f"called {w!r} while rank {ctx.rank} called {tag!r}" for r, w in wrong.items()},
+        )
+        # The ranks waiting in the other collective get the same verdict instead of a timeout.
+        record = json.dumps(failure_record(e))
+        for other in set(wrong.values()):
+            ctx.store.set(f"{ctx.chan}/r{ctx._op}.{ctx._round}/{other}/all", record)
+        raise e
