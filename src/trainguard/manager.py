@@ -22,7 +22,7 @@ from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps
 from .dist import DistContext, check_timeout
-from .elastic import watchdog
+from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
@@ -81,25 +81,20 @@ class CheckpointManager:
         self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)
         self.keep = keep if keep is not None else KeepLatest(3)
-        self.async_save = async_save
-        self.layout = layout
-        self.on_error = on_error
-        self.handle_signals = handle_signals
-        self.timeout = timeout
+        self.async_save, self.layout, self.on_error = async_save, layout, on_error
+        self.handle_signals, self.timeout = handle_signals, timeout
         self.max_staging_bytes = max_staging_bytes  # async staging memory cap (docs/async.md)
         self.stage_in_background = stage_in_background  # no copy in save(): wait_staged() before mutating
         self.ctx = DistContext.current()
-        self.events = EventLog(
-            os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank
-        )
+        self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
         if getattr(self.save_policy, "events", "absent") is None:
             self.save_policy.events = self.events  # type: ignore[attr-defined]
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
         self._old_handlers: dict[int, Any] = {}
-        self._opened = False
-        self.should_stop = False
+        self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's last stop signal
+        self.stopped_by: int | None = None  # the stop signal that ended the run (any rank's): exit_code
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
         self._created: dict[int, float] = {}  # step -> its manifest's `created`, for retention policies (rank 0)
@@ -168,6 +163,7 @@ class CheckpointManager:
         watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
         try:
             self.wait()
+            stops.note_stop(self)  # a stop signal while it waited for the last save too: the run was stopped
             if self.ram:
                 self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set() or self.should_stop))  # any rank's signal
         finally:
@@ -179,8 +175,14 @@ class CheckpointManager:
                 self._lock.release()
             self._opened = False
 
+    @property
+    def exit_code(self) -> int:
+        """After ``close()``: 0, or 128 + the stop signal that stopped the run (any rank's: 143), for ``sys.exit`` (docs/elastic.md)."""
+        return 0 if self.stopped_by is None else 128 + self.stopped_by
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
+        self._signum = signum
         self._preempt.set()
         policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 
@@ -206,8 +208,8 @@ class CheckpointManager:
             # Rank 0 decides for time-based policies and preemption (any rank's), so all ranks agree.
             want, preempt = policies.decide(self.ctx, want, preempt, self.timeout)
         if preempt:
-            want = True
-            self.should_stop = True
+            want = self.should_stop = True
+            stops.note_stop(self, remote=True)
         if not want:
             return None
         with watchdog.paused():  # a save (a first one of a large state) may outlast the hang timeout

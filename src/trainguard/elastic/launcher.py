@@ -2,8 +2,7 @@
 defaults, fault drills, hang watchdog and event log.
 
 Called once per node by the ``trainguard run`` command (:func:`main`); this process *is* the
-elastic agent, exactly as ``torchrun`` would be. It parses torchrun's own argument parser
-extended with trainguard's options, so every torchrun flag works. Before the agent starts it:
+elastic agent, as ``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
 
 * sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may
   connect to the dead attempt's gloo ports: recovery failed 3 times in 6 here);
@@ -15,18 +14,17 @@ extended with trainguard's options, so every torchrun flag works. Before the age
   preemption save) exit at once (torch: it waits for SIGKILL);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
-* preformats tracebacks before torch's log formatter sees them (it imports ``torch._dynamo``,
-  ~2 s, to log a worker failure) and, with ``fork``/``forkserver``, preloads ``torch._dynamo``
-  so restarted workers do not import it (:func:`preload`);
-* passes ``TRAINGUARD_RUN_DIR``, ``TRAINGUARD_WATCHDOG``, ``TRAINGUARD_HANG_TIMEOUT``,
-  ``TRAINGUARD_FAULT``, ``TRAINGUARD_JOB_ID`` and ``TRAINGUARD_AGENT_PID`` (its own pid, for the
-  orphan check) to the workers (read by :func:`trainguard.elastic.heartbeat`);
-* wraps the agent's rendezvous/monitor/restart methods *in this process only* to log ``agent_start``,
-  ``rendezvous``, ``failure``, ``restart`` and ``agent_exit`` events to ``<run dir>/events.jsonl``.
+* preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with
+  ``fork``/``forkserver``, preloads ``torch._dynamo`` so restarted workers do not (:func:`preload`);
+* passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``,
+  ``_AGENT_PID`` (orphan check) and ``_STOP_FILE`` (:mod:`.stops`) to the workers;
+* wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
+  ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
 On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and
 raises ``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit``
-and returns 128 + the signal (143 for SIGTERM), no traceback (torchrun: a traceback, exit 1).
+and returns 128 + the signal (143 for SIGTERM), no traceback (torchrun: a traceback, exit 1);
+the same when the workers alone were signalled and stopped (docs/elastic.md, exit codes).
 """
 
 from __future__ import annotations
@@ -44,7 +42,8 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from .faults import EXIT_CODE as FAULT_EXIT
 from .faults import parse_fault
-from .watchdog import AGENT_PID_ENV, HANG_EXIT, ORPHAN_EXIT
+from .stops import STOP_FILE_ENV, agent_result, clear, exit_cause, first_failure, stop_code, stop_file
+from .watchdog import AGENT_PID_ENV, HANG_EXIT
 
 DEAD_AFTER = 3.0
 FAIL_GRACE = 1.0
@@ -78,6 +77,8 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
                                         (any start method: workers check the agent's pid)
   SIGTERM/SIGINT to the agent           workers get it too; the agent logs agent_exit and exits
                                         128+signal (143), no traceback (torchrun: 1)
+  ... or to the workers alone           workers that stopped on it: exit 128+signal, no restart
+                                        (torchrun: 0, a finished job, or a restart)
 Single node without --rdzv-endpoint: c10d on a free localhost port (as torchrun --standalone).
 For several agents use --rdzv-conf is_host=false with a store that outlives them.
 """
@@ -141,6 +142,7 @@ def prepare(args: argparse.Namespace) -> None:
     # The orphan check of the workers' watchdog: with forkserver their parent is the forkserver,
     # not this process, so they check this pid (watchdog.agent_alive), not their parent's.
     os.environ[AGENT_PID_ENV] = str(os.getpid())
+    os.environ[STOP_FILE_ENV] = stop_file(run_dir)  # workers that stop on a signal say so there (stops.py)
     if faults:
         os.environ["TRAINGUARD_FAULT"] = ";".join(f.spec() for f in faults)
     # An async save in flight when a peer dies waits this long for it; the store default (10 s)
@@ -159,17 +161,6 @@ def prepare(args: argparse.Namespace) -> None:
         given = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
         merged = {**RDZV_DEFAULTS, **given}
         args.rdzv_conf = ",".join(f"{k}={v}" for k, v in merged.items())
-
-
-def _cause(exitcode: int) -> str:
-    if exitcode < 0:
-        try:
-            return f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"killed by signal {-exitcode}"
-    return {FAULT_EXIT: "injected exit", HANG_EXIT: "hang (watchdog)", ORPHAN_EXIT: "orphaned"}.get(
-        exitcode, f"exit code {exitcode}"
-    )
 
 
 OWN_EXITS = (FAULT_EXIT, HANG_EXIT)  # trainguard's own causes: a drill's exit, the watchdog's
@@ -195,12 +186,6 @@ def root_failure(pc: Any, error: Exception) -> Exception:
             return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
                                           error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
     return error
-
-
-def _first_failure(failures: dict[int, Any]) -> int:
-    # The first to fail: usually not exit 1 (peers failing in collectives) nor SIGTERM (the agent's).
-    special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM)]
-    return min(special or failures)
 
 
 class _PreformatExceptions(logging.Filter):
@@ -295,6 +280,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
         orig_rdzv(self, wg)
+        clear(os.environ.get(STOP_FILE_ENV))  # workers start next: a stop the restart's SIGTERM caused is forgotten
         world = wg.workers[0].world_size if wg.workers else None
         events.emit("rendezvous", world_size=world, nodes=wg.group_world_size, node_rank=wg.group_rank,
                     seconds=round(time.time() - t0, 3))
@@ -302,9 +288,12 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _monitor(self: Any, wg: Any) -> Any:
         result = orig_monitor(self, wg)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
-            first = _first_failure(result.failures)
-            events.emit("failure", rank=first, cause=_cause(result.failures[first].exitcode),
-                        failures={str(r): _cause(f.exitcode) for r, f in result.failures.items()})
+            if stop_code(None, [f.exitcode for f in result.failures.values()]) is not None:
+                self._remaining_restarts = 0  # exited 128 + a stop signal after their save: a preemption, no failure
+                return result
+            first = first_failure(result.failures)
+            events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode),
+                        failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()})
         return result
 
     def _restart(self: Any, wg: Any) -> None:
@@ -393,8 +382,12 @@ def main(argv: list[str]) -> int:
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
         return 128 + int(sig)
     except ChildFailedError as e:
+        if (code := agent_result(events, e.failures)) is not None:
+            return code
         events.emit("agent_exit", ok=False, error=str(e)[-2000:])
         print(f"trainguard run: the job failed after its restarts; see {events.path}", file=sys.stderr)
         return 1
+    if (code := agent_result(events, {})) is not None:
+        return code
     events.emit("agent_exit", ok=True)
     return 0

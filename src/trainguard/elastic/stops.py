@@ -1,0 +1,119 @@
+"""What a stopped job tells its scheduler: the exit codes of a preemption (docs/elastic.md,
+"Exit codes for a requeue wrapper").
+
+A run stopped by a stop signal (SIGTERM, SIGINT, SIGHUP, SIGQUIT) exits with 128 + the signal's
+number (143 for SIGTERM), the shell's convention, whoever was signalled: the agent, every
+process, or the workers alone (``scancel --signal=TERM`` on the step's tasks, a node agent
+killing trainer processes), under ``trainguard run`` and, through ``mgr.exit_code``, under plain
+``python``/``torchrun``. Two sides:
+
+* workers: :meth:`CheckpointManager.save` (when a stop makes it set ``should_stop``) and
+  ``close()`` (a signal that came while it waited for the last save) call :func:`note_stop`, which
+  sets the manager's ``stopped_by`` (its ``exit_code`` is then 128 + that) and writes the signal's
+  number into the file ``TRAINGUARD_STOP_FILE`` names (set by ``trainguard run``, one per agent);
+* agent (:mod:`trainguard.elastic.launcher`): :func:`clear` before it starts workers (a stop its
+  own restart caused is no preemption), :func:`stop_code` when the workers ended: a job whose
+  workers all succeeded after a stop, or all exited with a stop code, ends with that code and is
+  not restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+from .faults import EXIT_CODE as FAULT_EXIT
+from .watchdog import HANG_EXIT, ORPHAN_EXIT
+
+STOP_FILE_ENV = "TRAINGUARD_STOP_FILE"
+STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT") if hasattr(signal, n))
+STOP_CODES = frozenset(128 + int(s) for s in STOP_SIGNALS)
+PREEMPTED = 128 + int(signal.SIGTERM)  # a stop decided by another rank: its signal is not known here
+
+
+def note_stop(mgr: Any, remote: bool = False) -> None:
+    """``CheckpointManager.save`` on every rank when a stop signal (this process's own, or with
+    ``remote`` another rank's) makes the ranks stop, and ``close()`` (this process's signal, if any):
+    sets ``mgr.stopped_by`` once and tells ``trainguard run`` (the file :data:`STOP_FILE_ENV` names)."""
+    own = mgr._signum if mgr._preempt.is_set() else 0
+    if mgr.stopped_by is not None or not (own or remote):
+        return
+    mgr.stopped_by = int(own) or PREEMPTED - 128
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        try:
+            with open(path, "a") as f:
+                f.write(f"{mgr.stopped_by}\n")
+        except OSError:  # the agent then reports the job as it saw it; the manager's exit_code still says it
+            pass
+
+
+def stop_file(run_dir: str) -> str:
+    """The agent's stop file (``trainguard run``'s ``prepare``): per host and agent, so agents of
+    several nodes sharing a run directory each read their own workers'."""
+    os.makedirs(os.path.join(run_dir, ".trainguard"), exist_ok=True)
+    return os.path.join(run_dir, ".trainguard", f"stopped-{os.uname().nodename}-{os.getpid()}")
+
+
+def clear(path: str | None) -> None:
+    """Agent, before it starts (or restarts) its workers: a stop they noted before is forgotten."""
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+def stop_code(path: str | None, exitcodes: Iterable[int] = ()) -> int | None:
+    """Agent: the exit code for a job whose workers ended with ``exitcodes`` (their failures; none
+    when they all succeeded): a stop code (128 + the signal) when a worker exited with one and every
+    other failure is one too or a kill by a signal (the agent's SIGTERM/SIGKILL of the slower peers),
+    or when there is no failure and a worker noted a stop in ``path``; else None (finished, failed)."""
+    codes = list(exitcodes)
+    if codes:
+        stopped = [c for c in codes if c in STOP_CODES]
+        return stopped[0] if stopped and all(c in STOP_CODES or c < 0 for c in codes) else None
+    try:
+        with open(path or "") as f:
+            seen = [int(x) for x in f.read().split() if x.isdigit()]
+    except OSError:
+        return None
+    return 128 + seen[0] if seen else None
+
+
+def agent_result(events: Any, failures: dict[int, Any]) -> int | None:
+    """``trainguard run``'s ``main`` when torch's agent returned (``failures`` empty) or raised
+    ``ChildFailedError`` (its failures): a stop code (:func:`stop_code`) is logged as ``agent_exit``
+    (``preempted: true``), said on stderr and returned; None: finished or failed as torch says."""
+    path = os.environ.get(STOP_FILE_ENV)
+    code = stop_code(path, [f.exitcode for f in failures.values()])
+    clear(path)  # read: the next agent's job starts without it
+    if code is not None:
+        name = signal.Signals(code - 128).name
+        events.emit("agent_exit", ok=False, signal=name, preempted=True)
+        print(f"trainguard run: the workers were stopped by {name} (preemption: they saved and exited); "
+              f"exit {code}: requeue the job to resume", file=sys.stderr)
+    return code
+
+
+def exit_cause(exitcode: int) -> str:
+    """Agent: a worker's exit code in words, for the ``failure`` event."""
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    if exitcode in STOP_CODES:
+        return f"stopped by {signal.Signals(exitcode - 128).name}"
+    return {FAULT_EXIT: "injected exit", HANG_EXIT: "hang (watchdog)", ORPHAN_EXIT: "orphaned"}.get(
+        exitcode, f"exit code {exitcode}"
+    )
+
+
+def first_failure(failures: dict[int, Any]) -> int:
+    """Agent: the rank that failed first, usually not exit 1 (peers failing in collectives) nor the
+    agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM)."""
+    special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
+    return min(special or failures)
