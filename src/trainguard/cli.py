@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from .commands import printable
+from .commands import printable, stdout_gone
 from .errors import CheckpointError
 
 # Packages whose exceptions (not OSErrors) say an object store could not be used: botocore's
@@ -32,8 +32,9 @@ class _Group(click.Group):
             click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
             sys.exit(2)
         except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback
-            if e.errno == errno.EPIPE:
-                raise  # output piped into `head`: click's own handling
+            if e.errno == errno.EPIPE:  # output piped into `head`, written after the work was done: as `ls | head`
+                stdout_gone()
+                sys.exit(0)
             if getattr(e, "remote", False):  # an object store's HTTP error (FsspecStorage): no file, no errno of its own
                 _store_failed(e)
             click.echo(f"error: {_os_error(e)}", err=True)

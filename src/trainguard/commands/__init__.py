@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from typing import Any
+
+import click
 
 
 def printable(s: Any) -> str:
@@ -16,3 +20,25 @@ def printable(s: Any) -> str:
 def _escaped(m: re.Match[str]) -> str:
     c = ord(m.group())
     return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
+
+
+def stdout_gone() -> None:
+    """The reader of stdout went away (``trainguard verify RUN | head -1``): send the rest of the
+    output to /dev/null, so that the command finishes its work and exits with its own code (verify's
+    verdict; 0 for a listing), not click's or rich's 1 for a broken pipe, which a ``set -o pipefail``
+    script takes for a failed verification. Called by :func:`echo`, the commands' rich console and
+    ``cli._Group.invoke``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+
+
+def echo(message: str = "") -> None:
+    """``click.echo`` to stdout for output written while a command still works (``consolidate``'s
+    progress, ``demo``'s log): a closed pipe silences the rest instead of ending the work."""
+    try:
+        click.echo(message)
+    except BrokenPipeError:
+        stdout_gone()

@@ -21,9 +21,19 @@ from ..flatten import tensor_refs
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
 from ..storage import for_path
-from . import printable
+from . import printable, stdout_gone
 
-console = Console()
+
+class _Console(Console):
+    """rich's console, except that a closed pipe (``| head``) silences the rest of the output
+    instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        stdout_gone()
+
+
+console = _Console()
 
 
 def _plain(v: Any) -> Any:
@@ -45,7 +55,10 @@ def _shown(s: Any) -> str:
 
 
 def _print_json(value: Any) -> None:
-    click.echo(json.dumps(_plain(value), indent=1, allow_nan=False))
+    try:
+        click.echo(json.dumps(_plain(value), indent=1, allow_nan=False))
+    except BrokenPipeError:  # `| head`: verify --json still exits with its verdict
+        stdout_gone()
 
 
 def _size(n: float) -> str:

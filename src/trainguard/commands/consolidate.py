@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from ..consolidate import consolidate as _consolidate
-from . import printable
+from . import echo, printable
 
 
 @click.command("consolidate")
@@ -26,7 +26,7 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
 
     def show(path: str, nbytes: int) -> None:
         if not quiet:
-            click.echo(f"  {printable(path)}  {nbytes} B")
+            echo(f"  {printable(path)}  {nbytes} B")  # `| head`: the consolidation goes on
 
     m = _consolidate(src, dst, overwrite=overwrite, progress=show)
     click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {printable(dst)}")

@@ -1,0 +1,58 @@
+"""The ``trainguard`` command in shell scripts: exit codes a ``set -o pipefail`` script or a
+requeue wrapper can trust (a closed pipe is not a failed verification; every usage error is one
+``error:`` line and exit 2)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard.cli import main
+
+SRC = os.path.join(os.path.dirname(__file__), "..", "src")
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def _run_dir(root, steps=(1, 2, 3)) -> None:
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as m:
+        for s in steps:
+            m.save(s, {"model": {f"w{i}": torch.full((8,), float(s)) for i in range(50)}})
+
+
+def _into_closed_pipe(*args: str) -> subprocess.CompletedProcess:
+    """``trainguard ARGS | head -0``, deterministic: the pipe's read end is closed before the
+    command starts, so its first write to stdout fails with EPIPE."""
+    r, w = os.pipe()
+    os.close(r)
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(SRC))
+    try:
+        return subprocess.run([sys.executable, "-m", "trainguard.cli", *args], stdout=w, stderr=subprocess.PIPE,
+                              env=env, timeout=120, text=True)
+    finally:
+        os.close(w)
+
+
+@pytest.mark.parametrize("cmd", [["verify"], ["ls", "--json"], ["inspect"]])  # rich's output, and click's
+def test_output_into_a_closed_pipe_exits_with_the_commands_own_code(tmp_path, cmd):
+    _run_dir(tmp_path / "run")
+    target = tmp_path / "run" / ("step-000000003" if cmd[0] == "inspect" else "")
+    p = _into_closed_pipe(*cmd, str(target))
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "Error" not in p.stderr, p.stderr
+
+
+def test_verify_into_a_closed_pipe_still_fails_a_corrupt_run(tmp_path):
+    _run_dir(tmp_path / "run")
+    data = next(f for f in (tmp_path / "run" / "step-000000003").iterdir() if f.name != "manifest.json")
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # every byte: no padding left unchanged
+    p = _into_closed_pipe("verify", str(tmp_path / "run"))
+    assert p.returncode == 1, p.stderr  # the verdict, checked to the end: not 0 because the reader left
