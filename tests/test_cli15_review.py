@@ -56,3 +56,34 @@ def test_verify_into_a_closed_pipe_still_fails_a_corrupt_run(tmp_path):
     data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))  # every byte: no padding left unchanged
     p = _into_closed_pipe("verify", str(tmp_path / "run"))
     assert p.returncode == 1, p.stderr  # the verdict, checked to the end: not 0 because the reader left
+
+
+def _one_error_line(r, code: int = 2) -> str:
+    assert r.exit_code == code, (r.exit_code, r.output)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+def test_report_of_a_directory_without_events_is_one_error_line_exit_2(tmp_path):
+    assert "no events in" in _one_error_line(_run("report", tmp_path))
+
+
+def test_demo_with_a_fault_step_beyond_its_steps_is_one_error_line_exit_2():
+    assert "fault step 50" in _one_error_line(_run("demo", "--steps", "10", "--fault-step", "50", "--size", "tiny"))
+
+
+def test_demo_with_negative_steps_is_a_usage_error_before_anything_runs():
+    r = _run("demo", "--steps", "-1")
+    assert r.exit_code == 2 and "--steps" in r.output and "-1 is not in the range" in r.output, r.output
+
+
+def test_demo_whose_training_run_fails_says_error_and_exits_1(monkeypatch):
+    from trainguard.demo import driver
+
+    def failed(**kw):  # noqa: ANN003
+        raise RuntimeError("the faulty run failed (exit code 1); its log ends with:\nboom")
+
+    monkeypatch.setattr(driver, "run_demo", failed)
+    r = _run("demo", "--size", "tiny")
+    assert r.exit_code == 1 and r.output.startswith("error: the faulty run failed"), r.output

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 import click
+from rich.console import Console
 
 
 def printable(s: Any) -> str:
@@ -41,4 +42,30 @@ def echo(message: str = "") -> None:
     try:
         click.echo(message)
     except BrokenPipeError:
+        stdout_gone()
+
+
+class CommandError(click.ClickException):
+    """A command's own refusal, shown as every error of this CLI is: one ``error:`` line on stderr
+    and exit code 2 (an input the command cannot use: a run directory without events, a demo's
+    out-of-range steps), or ``exit_code`` (1: the command ran and what it checked failed).
+    click's ClickException printed ``Error:`` and exited 1, the code ``verify`` gives a corrupt run.
+    Raised by the commands; click's ``main`` shows it and exits."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def show(self, file: Any = None) -> None:
+        """click's ``main`` calls it before exiting with ``exit_code``."""
+        click.echo(f"error: {printable(self.format_message())}", err=True, file=file)
+
+
+class PipeConsole(Console):
+    """rich's console for the commands' output, except that a closed pipe (``| head``) silences
+    the rest instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict."""
+
+    def on_broken_pipe(self) -> None:
+        """rich calls it when a write to stdout fails with EPIPE."""
+        self.quiet = True
         stdout_gone()

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
@@ -21,19 +20,9 @@ from ..flatten import tensor_refs
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
 from ..storage import for_path
-from . import printable, stdout_gone
+from . import PipeConsole, printable, stdout_gone
 
-
-class _Console(Console):
-    """rich's console, except that a closed pipe (``| head``) silences the rest of the output
-    instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        stdout_gone()
-
-
-console = _Console()
+console = PipeConsole()
 
 
 def _plain(v: Any) -> Any:

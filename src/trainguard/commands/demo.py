@@ -6,9 +6,11 @@ import sys
 
 import click
 
+from . import CommandError, echo
+
 
 @click.command("demo")
-@click.option("--steps", type=int, default=1000, show_default=True, help="training steps of each run")
+@click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="training steps of each run")
 @click.option("--fault-step", type=int, default=743, show_default=True, help="kill rank 1 after this step")
 @click.option("--save-every", type=click.IntRange(min=1), default=100, show_default=True,
               help="async checkpoint every N steps")
@@ -28,7 +30,9 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
 
     try:
         out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
-                       keep=keep, spawn=spawn, start_method=start_method, echo=click.echo)
-    except (RuntimeError, ValueError) as e:
-        raise click.ClickException(str(e)) from e
+                       keep=keep, spawn=spawn, start_method=start_method, echo=echo)
+    except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
+        raise CommandError(str(e)) from e
+    except RuntimeError as e:  # a training run failed: the demo ran and failed, as a non-identical result
+        raise CommandError(str(e), exit_code=1) from e
     sys.exit(0 if out["identical"] else 1)

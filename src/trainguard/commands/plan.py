@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
 from ..reliability import Plan, format_duration, make_plan, parse_duration, plot_plan
+from . import CommandError, PipeConsole
 
 
 class _Duration(click.ParamType):
@@ -129,7 +129,7 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
         try:
             plot_plan(p, plot)
         except ImportError:
-            raise click.ClickException("--plot needs matplotlib: pip install matplotlib") from None
+            raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
         try:
             click.echo(json.dumps(p.to_dict(), allow_nan=False))
@@ -149,7 +149,7 @@ def _pct(p: float) -> str:
 
 
 def _print_plan(p: Plan, plot: str | None) -> None:
-    con = Console()
+    con = PipeConsole()
     t = Table(title="Failures", show_header=False)
     t.add_row("job MTBF", f"{format_duration(p.job_mtbf_s)} (node MTBF {format_duration(p.node_mtbf_s)} "
               f"/ {p.nodes} nodes)")
@@ -225,7 +225,7 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         style = {"error": "bold red", "warning": "yellow", "ok": "green", "info": "cyan"}
         for f in findings:
             t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
-        Console().print(t)
+        PipeConsole().print(t)
     if not hooked:  # not imported: its module-level code (training, at times) never ran
         raise click.ClickException(f"{script} defines no trainguard_state(), so it was not imported and only its "
                                    "source was checked (above): add a trainguard_state() that returns the state "

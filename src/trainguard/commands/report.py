@@ -6,6 +6,8 @@ import json
 
 import click
 
+from . import CommandError
+
 
 @click.command("report")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
@@ -18,7 +20,7 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
 
     events = rep.load(run_dir)
     if not events:
-        raise click.ClickException(f"no events in {run_dir}: was it the --run-dir of `trainguard run`?")
+        raise CommandError(f"no events in {run_dir}: was it the --run-dir of `trainguard run`?")
     summary = rep.summarize(events)
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:
