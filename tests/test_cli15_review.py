@@ -87,3 +87,15 @@ def test_demo_whose_training_run_fails_says_error_and_exits_1(monkeypatch):
     monkeypatch.setattr(driver, "run_demo", failed)
     r = _run("demo", "--size", "tiny")
     assert r.exit_code == 1 and r.output.startswith("error: the faulty run failed"), r.output
+
+
+@pytest.mark.parametrize("cmd", [["export", "{ckpt}", "--to", "s3://bucket/run/model.safetensors"],
+                                 ["convert", "{ckpt}", "s3://bucket/run/model.pt"],
+                                 ["convert", "{ckpt}", "memory://bucket/dcp_out", "--to", "dcp"]])
+def test_export_or_convert_to_an_object_store_url_says_outputs_are_local(tmp_path, cmd):
+    # They said "the directory <cwd>/s3:/bucket/run does not exist; create it first": the URL
+    # taken for a local path, and an operator told to create a directory named "s3:".
+    _run_dir(tmp_path / "run", steps=(1,))
+    r = _run(*[a.format(ckpt=tmp_path / "run" / "step-000000001") for a in cmd])
+    line = _one_error_line(r)
+    assert "local path only" in line and "create it first" not in line, line

@@ -114,7 +114,12 @@ def replacing(out: str) -> Iterator[str]:
 
 def check_destination(out: str) -> None:
     """A file or directory is about to be written at ``out``: its parent must exist (``export``,
-    ``convert``; the libraries' own errors for it are tracebacks)."""
+    ``convert``; the libraries' own errors for it are tracebacks). An object store's URL is
+    refused as such: safetensors and torch.save write local files (its "s3:" was taken for a local
+    directory, "the directory /cwd/s3:/bucket does not exist")."""
+    if "://" in out:
+        raise CheckpointError(f"{out}: a .safetensors/.pt/DCP output is written to a local path only; write it "
+                              "there, then copy it to the object store (e.g. `aws s3 cp`)")
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
