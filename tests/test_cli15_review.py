@@ -4,6 +4,7 @@ requeue wrapper can trust (a closed pipe is not a failed verification; every usa
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -99,3 +100,40 @@ def test_export_or_convert_to_an_object_store_url_says_outputs_are_local(tmp_pat
     r = _run(*[a.format(ckpt=tmp_path / "run" / "step-000000001") for a in cmd])
     line = _one_error_line(r)
     assert "local path only" in line and "create it first" not in line, line
+
+
+def _ram_only_step_2(tmp_path):
+    """A run whose step 2 is in its RAM tier only: the job died before the background copy to
+    disk (simulated: the manager keeps its RAM tier, then the durable step 2 is removed)."""
+    from trainguard.storage.local import LocalStorage
+
+    base, run = tmp_path / "shm", tmp_path / "run"
+    base.mkdir()
+    m = tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepAll(), ram_tier=str(base), handle_signals=False)
+    m.open()
+    for s in (1, 2):
+        m.save(s, {"model": {"w": torch.full((8,), float(s))}})
+    m.close(keep_ram_tier=True)
+    LocalStorage().remove_tree(str(run / "step-000000002"))
+    return base, run
+
+
+def test_ls_shows_steps_held_only_in_the_ram_tier(tmp_path):
+    # ls listed step 1 alone: an operator deciding whether the job can resume on this node from
+    # step 2 (restore tries the RAM copy first) did not see it.
+    base, run = _ram_only_step_2(tmp_path)
+    r = _run("ls", run, "--ram-tier", base)
+    assert r.exit_code == 0 and "RAM tier" in r.output and "in RAM only" in r.output and "step(s) 2" in r.output, r.output
+    rows = json.loads(_run("ls", run, "--ram-tier", base, "--json").output)
+    assert [(x["step"], x["status"], x["tier"]) for x in rows] == [(1, "valid", "durable"), (2, "valid", "ram")]
+    with tg.CheckpointManager(run, ram_tier=str(base), handle_signals=False) as m:  # what ls said: step 2 resumes
+        assert m.restore({"model": {"w": torch.zeros(8)}}) == 2
+
+
+def test_ls_does_not_show_a_ram_tier_of_a_deleted_run_directory(tmp_path):
+    # The next manager discards a RAM tier whose run id differs (the run directory was deleted to
+    # start over): ls must not offer it as a resume point.
+    base, run = _ram_only_step_2(tmp_path)
+    (run / ".trainguard-run-id").write_text("another run")
+    r = _run("ls", run, "--ram-tier", base)
+    assert r.exit_code == 0 and "RAM" not in r.output, r.output

@@ -54,8 +54,25 @@ def location(storage: Storage, path: str) -> str:
 
 def ram_dir(root: str, base: str = DEFAULT_BASE) -> str:
     """Where the RAM tier of the run ``root`` lives (the same for every restart of the job)."""
-    key = hashlib.sha1(os.path.abspath(root).encode() if "://" not in root else root.encode()).hexdigest()[:16]
+    # os.fsencode: a run directory whose name is not UTF-8 (a surrogate-escaped byte) has a key too;
+    # the same bytes as .encode() for every UTF-8 name (RAM tiers written before keep their key)
+    key = hashlib.sha1(os.fsencode(os.path.abspath(root)) if "://" not in root else root.encode()).hexdigest()[:16]
     return os.path.join(base, f"trainguard-ram-{os.getuid()}", key)
+
+
+def ram_copies(root: str, base: str = DEFAULT_BASE) -> str | None:
+    """``trainguard ls``: the RAM tier directory of run ``root`` on this node, under ``base`` (the
+    manager's ``ram_tier=``), when it holds checkpoints the next manager would use: it carries
+    the run directory's ``RUN_ID`` (else ``RamTier._check_run`` discards it at open). None if not."""
+    from .storage import for_path
+
+    storage, r = for_path(root)
+    here = ram_dir(location(storage, r), base)
+    mine, marker = os.path.join(here, RUN_ID), storage.join(r, RUN_ID)
+    if not os.path.isfile(mine) or not storage.exists(marker):
+        return None
+    with open(mine, "rb") as f:
+        return here if f.read(64) == storage.read_bytes(marker, 64) else None
 
 
 class RamTier:

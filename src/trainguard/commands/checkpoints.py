@@ -20,6 +20,7 @@ from ..flatten import tensor_refs
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
 from ..storage import for_path
+from ..tiers import DEFAULT_BASE, ram_copies
 from . import PipeConsole, printable, stdout_gone
 
 console = PipeConsole()
@@ -62,15 +63,37 @@ def _size(n: float) -> str:
 @click.argument("run_dir")
 @click.option("--verify", "verify_data", is_flag=True, help="Also check every data checksum (reads all bytes).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per step) instead of a table.")
-def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
+@click.option("--ram-tier", "ram_base", default=DEFAULT_BASE, show_default=True, metavar="DIR",
+              help="Where the manager's ram_tier= keeps its RAM copies (node-local: run ls on the training node).")
+def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
-    (valid / corrupt / incomplete; deleted: retention removed it while it was listed)."""
+    (valid / corrupt / incomplete; deleted: retention removed it while it was listed),
+    and the copies this node's RAM tier holds, which a restart on this node tries first."""
     rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
-    if as_json:
+    ram_dir = ram_copies(run_dir, ram_base)
+    ram = list_checkpoints(ram_dir, verify_data=verify_data) if ram_dir else []
+    if as_json:  # the RAM copies after the run directory's steps, "tier" telling them apart
         _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
-                      "bytes": r.size, "entries": r.entries, "detail": r.detail} for r in rows])
+                      "bytes": r.size, "entries": r.entries, "detail": r.detail, "tier": tier}
+                     for tier, rs in (("durable", rows), ("ram", ram)) for r in rs])
         return
-    table = Table(title=_shown(run_dir))
+    console.print(_table(_shown(run_dir), rows))
+    if not rows:
+        console.print("no checkpoints")
+    if ram:
+        on_disk = {r.step for r in rows if r.status == "valid"}
+        only = [r.step for r in ram if r.status == "valid" and r.step not in on_disk]
+        console.print(_table(f"RAM tier of this node: {_shown(ram_dir)} (a restart here tries these first)", ram))
+        if only:
+            console.print(f"[yellow]in RAM only[/]: step(s) {', '.join(map(str, only))} not (yet) valid in the run "
+                          "directory: a restart on this node resumes from them, one on another node cannot")
+    for note in set_aside(run_dir):  # not listed (restore does not see them now), but may come back
+        console.print(f"[yellow]not listed[/]: {_shown(note)}")
+
+
+def _table(title: str, rows: list[Any]) -> Table:
+    """``ls``'s table of ``rows`` (``list_checkpoints``'s), of the run directory or its RAM tier."""
+    table = Table(title=title)
     for col in ("step", "created", "size", "entries", "status", "detail"):
         table.add_column(col)
     for r in rows:
@@ -79,11 +102,7 @@ def ls(run_dir: str, verify_data: bool, as_json: bool) -> None:
         table.add_row(
             str(r.step), created, _size(r.size), str(r.entries), f"[{style}]{r.status}[/]", _shown(r.detail[:80])
         )
-    console.print(table)
-    if not rows:
-        console.print("no checkpoints")
-    for note in set_aside(run_dir):  # not listed (restore does not see them now), but may come back
-        console.print(f"[yellow]not listed[/]: {_shown(note)}")
+    return table
 
 
 @click.command("inspect")
