@@ -137,3 +137,15 @@ def test_ls_does_not_show_a_ram_tier_of_a_deleted_run_directory(tmp_path):
     (run / ".trainguard-run-id").write_text("another run")
     r = _run("ls", run, "--ram-tier", base)
     assert r.exit_code == 0 and "RAM" not in r.output, r.output
+
+
+def test_commands_on_a_run_directory_whose_name_is_not_utf8(tmp_path):
+    # A directory named on a Latin-1 system (byte 0xff): Python decodes it with surrogateescape,
+    # and printing it to a stdout with errors="strict" (a UTF-8 locale; CliRunner's) raised
+    # UnicodeEncodeError: a traceback, exit 1, for ls, verify and inspect. ls also hashed the path
+    # with str.encode() to find the RAM tier. The byte is now shown as \xff.
+    run = os.path.join(os.fsdecode(bytes(tmp_path)), os.fsdecode(b"run\xff"))
+    _run_dir(run, steps=(1,))
+    for args in (["ls", run], ["verify", run], ["inspect", os.path.join(run, "step-000000001")]):
+        r = _run(*args)
+        assert r.exit_code == 0 and "xff" in r.output, (args, r.output, r.exception)

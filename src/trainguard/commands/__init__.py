@@ -14,12 +14,15 @@ from rich.console import Console
 def printable(s: Any) -> str:
     """A string from a checkpoint (a tensor name, a path) safe to print: control characters
     written as ``\\xNN``, so that an escape sequence in a name never reaches the terminal, and
-    bidirectional overrides as ``\\uNNNN`` (they reorder what a terminal shows)."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]", _escaped, str(s))
+    bidirectional overrides as ``\\uNNNN`` (they reorder what a terminal shows), and a path's
+    byte that is not UTF-8 as ``\\xNN``."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]", _escaped, str(s))
 
 
 def _escaped(m: re.Match[str]) -> str:
     c = ord(m.group())
+    if 0xDC80 <= c <= 0xDCFF:  # a byte of a path that is not UTF-8 (os.fsdecode's surrogateescape): stdout
+        return f"\\x{c - 0xDC00:02x}"  # with errors="strict" (a UTF-8 locale) raised UnicodeEncodeError
     return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
