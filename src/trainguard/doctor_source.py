@@ -241,6 +241,8 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset()) -> bool | 
         (op,), left, right = test.ops, test.left, test.comparators[0]
         if isinstance(left, ast.Constant):  # `0 == rank`, `0 < rank`: the rank on the left
             left, right, op = right, left, _FLIP.get(type(op), op)
+        if isinstance(left, ast.BinOp) and isinstance(left.op, ast.Mod) and not isinstance(left.right, ast.Constant):
+            left = left.left  # imagenet's `args.rank % ngpus_per_node == 0`: the first rank of each node
         if not (_mentions_rank(left, aliases) and isinstance(right, ast.Constant) and type(right.value) is int):
             return None
         n = right.value
@@ -262,7 +264,8 @@ _FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.Lt
 def _mentions_rank(x: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:
     """Whether ``x`` is a process rank: a name or attribute with "rank" as a word of it (``rank``,
     ``args.local_rank``, ``dist.get_rank()``, ``self.global_rank``) or an environment lookup of one
-    (``int(os.environ["RANK"])``, ``os.environ.get("RANK")``); not ``rank % 2`` nor ``ranking_every``."""
+    (``int(os.environ["RANK"])``, ``os.environ.get("RANK")``); not ``rank % 2`` nor ``ranking_every``
+    (``_rank_zero`` reads ``rank % ngpus_per_node``, a modulus that is no literal, as the local rank)."""
     if isinstance(x, ast.Call):
         if isinstance(x.func, ast.Name) and x.func.id == "int" and x.args:
             return _mentions_rank(x.args[0], aliases)
