@@ -38,3 +38,76 @@ def test_the_first_rank_of_each_node_saving_is_a_rank0_save() -> None:
     collective = IMAGENET.replace("torch.save(state, filename)", "mgr.save(state['epoch'], state)")
     assert _rank(collective).severity == "error"
     assert _rank(IMAGENET.replace("ngpus_per_node == 0", "2 == 0")).severity == "ok"  # every other rank: no rank 0 test
+
+
+def _reseed(src: str) -> Finding:
+    f = reseed([], Settings(source=src))
+    assert f is not None
+    return f
+
+
+# The shape of many training scripts (HF's run_*_no_trainer.py call accelerate's set_seed; here the
+# script's own helper, as in OLMo-style utilities): a seeding function defined above and called
+# after the restore overwrites the RNG state just restored.
+SEED_HELPER = """\
+import random, numpy as np, torch
+import trainguard as tg
+def seed_all(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+class Run:
+    def _seed(self):
+        seed_all(self.seed)
+    def go(self, mgr, state):
+        start = mgr.restore(state)
+        self._seed()
+def main():
+    state = {"model": model, "rng": tg.RNGState()}
+    mgr = tg.CheckpointManager("ckpt")
+    start = mgr.restore(state)
+    seed_all(args.seed)
+"""
+
+
+def test_a_seed_set_in_a_helper_called_after_the_restore_is_seen() -> None:
+    f = _reseed(SEED_HELPER)
+    assert f.severity == "warning" and "line 12: self._seed()" in f.message, f  # was "ok"
+    main_only = SEED_HELPER.replace("        self._seed()\n", "")
+    f = _reseed(main_only)
+    assert f.severity == "warning" and "line 16: seed_all(args.seed)" in f.message, f
+    fresh = main_only.replace("    seed_all(args.seed)", "    if start is None:\n        seed_all(args.seed)")
+    assert _reseed(fresh).severity == "ok"
+    before = main_only.replace("    seed_all(args.seed)\n", "").replace("    state = {", "    seed_all(args.seed)\n    state = {")
+    assert _reseed(before).severity == "ok"
+    quiet = main_only.replace("torch.manual_seed(seed)", "g.manual_seed(seed)").replace(
+        "np.random.seed(seed)", "pass").replace("random.seed(seed)", "pass")
+    assert _reseed(quiet).severity == "ok"  # the helper seeds its own generator only
+
+
+# The restore inside a helper of the script, the seed after the call to it in main().
+RESTORE_HELPER = """\
+import torch
+import trainguard as tg
+def load_checkpoint(mgr, state):
+    return mgr.restore(state)
+def main():
+    state = {"model": model, "rng": tg.RNGState()}
+    mgr = tg.CheckpointManager("ckpt")
+    start = load_checkpoint(mgr, state)
+    torch.manual_seed(args.seed)
+"""
+
+
+def test_a_seed_after_a_helper_that_restores_is_seen() -> None:
+    f = _reseed(RESTORE_HELPER)
+    assert f.severity == "warning" and "line 9: torch.manual_seed(args.seed)" in f.message, f  # was "ok"
+    fresh = RESTORE_HELPER.replace("    torch.manual_seed(args.seed)", "    if start is None:\n"
+                                   "        torch.manual_seed(args.seed)")
+    assert _reseed(fresh).severity == "ok"
+    # examples/fsdp2.py: after training it rebuilds the state (which seeds) and restores into it to
+    # compare: the seed is put back before anything draws (a false alarm with the helpers followed)
+    rebuilt = RESTORE_HELPER + "    state2 = dict(state)\n    mgr.restore(state2)\n"
+    assert _reseed(rebuilt).severity == "ok"
+    trained = RESTORE_HELPER + "    for step in range(10):\n        x = torch.randn(3)\n    mgr.restore(state)\n"
+    assert _reseed(trained).severity == "warning"  # the loop draws between the seed and the next restore

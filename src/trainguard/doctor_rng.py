@@ -26,18 +26,22 @@ def reseed(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if leaves and not any(type(x).__name__ == "RNGState" or "rng" in p.rsplit("/", 1)[-1].lower() for p, x in leaves):
         return None  # no RNG state saved: the rng check says so
     restored, hits = False, []
+    seeders, restorers = _helpers(tree)
     for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
-        loads = [c for c in nodes if isinstance(c, ast.Call) and (_callee(c) == "restore" or _callee(c) == "load"
-                                                                 and _receiver(c) in ("tg", "trainguard"))]
+        loads = [c for c in nodes if isinstance(c, ast.Call) and (_is_restore(c) or _callee(c) in restorers
+                                                                 and _receiver(c) in (None, "self", "cls"))]
         if not loads:
             continue
         restored, first = True, min(c.lineno for c in loads)
+        loops = [n for n in nodes if isinstance(n, (ast.For, ast.AsyncFor, ast.While))]
+        looped = {id(x) for n in loops for x in ast.walk(n)}
         results = {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
                    and n.value in loads for t in n.targets if isinstance(t, ast.Name)}
         fresh = {id(x) for n in nodes if isinstance(n, ast.If) for b in _fresh_branch(n, results, loads) for x in ast.walk(b)}
         hits += [c for c in nodes if isinstance(c, ast.Call) and c.lineno > first and id(c) not in fresh and (
-            _callee(c) in _SEEDERS or _callee(c) in _SEEDS and _receiver(c) in ("torch", "cuda", "random"))]
+            _is_seed(c) or _callee(c) in seeders and _receiver(c) in (None, "self", "cls"))
+            and not _put_back(c, loads, loops, looped)]
     if not restored:
         return None
     if not hits:
@@ -63,3 +67,46 @@ def _fresh_branch(n: ast.If, results: set[str], loads: list[ast.Call]) -> list[a
     if none and isinstance(t.ops[0], (ast.IsNot, ast.NotEq)) or on(t):
         return list(n.orelse)
     return [n] if any(on(v) for v in ast.walk(t)) else []
+
+
+def _put_back(c: ast.Call, loads: list[ast.Call], loops: list[ast.AST], looped: set[int]) -> bool:
+    """``reseed``: whether another restore follows the seed ``c`` before any loop starts (and ``c`` is
+    in none): examples/fsdp2.py rebuilds its state (seeding) after training, then restores into it."""
+    after = [x.lineno for x in loads if x.lineno > c.lineno]
+    return id(c) not in looped and bool(after) and not any(c.lineno < n.lineno < min(after) for n in loops)  # type: ignore[attr-defined]
+
+
+def _is_seed(c: ast.Call) -> bool:
+    from .doctor_source import _callee, _receiver
+
+    return _callee(c) in _SEEDERS or _callee(c) in _SEEDS and _receiver(c) in ("torch", "cuda", "random")
+
+
+def _is_restore(c: ast.Call) -> bool:
+    from .doctor_source import _callee, _receiver
+
+    return _callee(c) == "restore" or _callee(c) == "load" and _receiver(c) in ("tg", "trainguard")
+
+
+def _helpers(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """``reseed``: the script's own functions and methods that set a global seed (``seed_all(seed)``
+    calling ``torch.manual_seed``) and those that restore (``load_checkpoint()`` calling
+    ``mgr.restore``), by name; helpers of helpers are followed. One that restores is no seeder:
+    its own body is checked as any function is."""
+    from .doctor_source import _callee, _own_nodes, _receiver
+
+    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    calls = {id(f): [c for c in _own_nodes(f) if isinstance(c, ast.Call)] for f in funcs}
+    seeders: set[str] = set()
+    restorers: set[str] = set()
+    for _ in range(4):
+        before = len(seeders) + len(restorers)
+        for f in funcs:
+            mine = [c for c in calls[id(f)] if _receiver(c) in (None, "self", "cls") and _callee(c) != f.name]
+            if any(_is_restore(c) for c in calls[id(f)]) or any(_callee(c) in restorers for c in mine):
+                restorers.add(f.name)
+            elif any(_is_seed(c) for c in calls[id(f)]) or any(_callee(c) in seeders for c in mine):
+                seeders.add(f.name)
+        if len(seeders) + len(restorers) == before:
+            break
+    return seeders - restorers, restorers
