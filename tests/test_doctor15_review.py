@@ -111,3 +111,33 @@ def test_a_seed_after_a_helper_that_restores_is_seen() -> None:
     assert _reseed(rebuilt).severity == "ok"
     trained = RESTORE_HELPER + "    for step in range(10):\n        x = torch.randn(3)\n    mgr.restore(state)\n"
     assert _reseed(trained).severity == "warning"  # the loop draws between the seed and the next restore
+
+
+# https://github.com/facebookresearch/metaseq/blob/main/metaseq/cli/train.py (excerpt): rank 0
+# runs one step under the profiler, every other step and rank the same train(), which saves.
+METASEQ = """\
+def train(samples):
+    return validate_and_save(samples)
+def validate_and_save(samples):
+    checkpoint_utils.save_checkpoint(cfg.checkpoint, trainer, epoch_itr)
+def loop(progress):
+    for i, samples in enumerate(progress):
+        if (
+            distributed_utils.get_global_rank() == 0
+            and cfg.common.profile
+            and i == 5
+        ):
+            with profiler.profile(profile_memory=True) as prof:
+                valid_losses, should_stop = train(samples)
+            prof.export_chrome_trace("profiler_trace.json")
+        else:
+            valid_losses, should_stop = train(samples)
+"""
+
+
+def test_a_save_that_both_branches_of_a_rank0_test_make_is_every_ranks() -> None:
+    f = _rank(METASEQ)
+    assert f.severity == "ok", f  # was an error: "save called (in train) under a rank-0 condition (line 13)"
+    profile_only = METASEQ.replace("else:\n            valid_losses, should_stop = train(samples)", "else:\n            pass")
+    f = _rank(profile_only)
+    assert f.severity == "error" and "line 13" in f.message, f  # the else no longer saves: rank 0 alone does

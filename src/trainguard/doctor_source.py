@@ -123,8 +123,10 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     names = _SAVE_CALLS | set(helpers)
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases)) is not None:
-            branch = node.body if zero else node.orelse  # `if rank != 0: ... else: save()`: the else
-            calls += _calls(None, names, ast.Module(body=branch, type_ignores=[]))
+            branch, other = (node.body, node.orelse) if zero else (node.orelse, node.body)  # `if rank != 0: ... else: save()`
+            also = {_callee(c) for c in _calls(None, names, ast.Module(body=other, type_ignores=[]))}
+            calls += [c for c in _calls(None, names, ast.Module(body=branch, type_ignores=[]))
+                      if _callee(c) not in also]  # metaseq: `if rank == 0 and profile: train() else: train()`
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
