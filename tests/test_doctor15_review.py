@@ -141,3 +141,27 @@ def test_a_save_that_both_branches_of_a_rank0_test_make_is_every_ranks() -> None
     profile_only = METASEQ.replace("else:\n            valid_losses, should_stop = train(samples)", "else:\n            pass")
     f = _rank(profile_only)
     assert f.severity == "error" and "line 13" in f.message, f  # the else no longer saves: rank 0 alone does
+
+
+# https://github.com/allenai/OLMo/blob/main/scripts/train.py (excerpt): rank 0 writes the run's
+# config; the checkpoints are saved by the trainer on every rank.
+OLMO = """\
+def main(cfg):
+    if get_global_rank() == 0:
+        if not cfg.dry_run:
+            save_path = Path(cfg.save_folder) / "config.yaml"
+            save_path.parent.mkdir(exist_ok=True, parents=True)
+            cfg.save(save_path)
+    barrier()
+    with Trainer(cfg=cfg, model=olmo_model) as trainer:
+        trainer.save_checkpoint(checkpoint_type=checkpoint_type)
+"""
+
+
+def test_a_config_written_on_rank0_is_no_checkpoint() -> None:
+    f = _rank(OLMO)
+    assert f.severity == "ok", f  # was an error: "save called under a rank-0 condition (line 6)"
+    for who in ("self.config", "tokenizer"):
+        assert _rank(OLMO.replace("cfg.save(save_path)", f"{who}.save(save_path)")).severity == "ok"
+    f = _rank(OLMO.replace("cfg.save(save_path)", "trainer.save_checkpoint(checkpoint_type)"))
+    assert f.severity == "error" and "line 6" in f.message, f  # a checkpoint there still is one

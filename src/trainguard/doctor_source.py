@@ -16,7 +16,8 @@ from .doctor import Finding, Settings, _calls
 from .doctor_rng import reseed
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
-_FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf"}  # not checkpoints
+_FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf",  # not checkpoints
+                  "cfg", "config", "conf", "tokenizer"}  # OLMo's train.py: cfg.save(save_folder / "config.yaml")
 _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero",
                     "is_primary"}  # timm: utils.is_primary(args)
