@@ -165,3 +165,26 @@ def test_a_config_written_on_rank0_is_no_checkpoint() -> None:
         assert _rank(OLMO.replace("cfg.save(save_path)", f"{who}.save(save_path)")).severity == "ok"
     f = _rank(OLMO.replace("cfg.save(save_path)", "trainer.save_checkpoint(checkpoint_type)"))
     assert f.severity == "error" and "line 6" in f.message, f  # a checkpoint there still is one
+
+
+# transformers' older examples (run_glue.py, run_squad.py, run_language_modeling.py before the
+# Trainer) and their many forks: -1 is "not distributed", 0 the first process.
+HF_LEGACY = """\
+import os
+import torch
+def train(args, model, optimizer, scheduler, global_step):
+    if args.local_rank in [-1, 0] and args.save_steps > 0 and global_step % args.save_steps == 0:
+        output_dir = os.path.join(args.output_dir, "checkpoint-{}".format(global_step))
+        model_to_save = model.module if hasattr(model, "module") else model
+        model_to_save.save_pretrained(output_dir)
+        torch.save(optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
+        torch.save(scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+"""
+
+
+def test_a_rank_in_minus_one_or_zero_is_a_rank0_test() -> None:
+    f = _rank(HF_LEGACY)
+    assert f.severity == "warning" and "line 8, 9" in f.message, f  # was "ok"
+    assert _rank(HF_LEGACY.replace("[-1, 0]", "(0,)")).severity == "warning"
+    assert _rank(HF_LEGACY.replace("in [-1, 0]", "not in [-1, 0]")).severity == "ok"  # the other ranks
+    assert _rank(HF_LEGACY.replace("[-1, 0]", "[0, 1]")).severity == "ok"  # not one rank: not decided

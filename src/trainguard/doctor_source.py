@@ -246,6 +246,12 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset()) -> bool | 
             left, right, op = right, left, _FLIP.get(type(op), op)
         if isinstance(left, ast.BinOp) and isinstance(left.op, ast.Mod) and not isinstance(left.right, ast.Constant):
             left = left.left  # imagenet's `args.rank % ngpus_per_node == 0`: the first rank of each node
+        if isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.List, ast.Tuple, ast.Set)) \
+                and _mentions_rank(left, aliases):  # HF's older examples: `args.local_rank in [-1, 0]`
+            ns = [n for e in right.elts if type(n := _literal(e)) is int]
+            if len(ns) != len(right.elts) or 0 not in ns or max(ns) > 0:
+                return None
+            return isinstance(op, ast.In)  # -1: not distributed, one process
         if not (_mentions_rank(left, aliases) and isinstance(right, ast.Constant) and type(right.value) is int):
             return None
         n = right.value
@@ -283,6 +289,14 @@ def _mentions_rank(x: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:
 
 def _rank_word(name: str) -> bool:
     return re.search(r"(^|_)rank($|_)", name.lower()) is not None
+
+
+def _literal(node: ast.expr) -> Any:
+    """The value of a literal, ``-1`` included (a unary minus on a constant), else None."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        return None
 
 
 def _is_none(node: ast.expr) -> bool:
