@@ -188,3 +188,34 @@ def test_a_rank_in_minus_one_or_zero_is_a_rank0_test() -> None:
     assert _rank(HF_LEGACY.replace("[-1, 0]", "(0,)")).severity == "warning"
     assert _rank(HF_LEGACY.replace("in [-1, 0]", "not in [-1, 0]")).severity == "ok"  # the other ranks
     assert _rank(HF_LEGACY.replace("[-1, 0]", "[0, 1]")).severity == "ok"  # not one rank: not decided
+
+
+# https://github.com/pytorch/torchtune/blob/main/recipes/full_finetune_distributed.py (excerpt):
+# the rank-0 test is kept in a flag. The recipe saves on every rank (a collective); moved under
+# the flag, as a rank-0 save of a sharded model usually is, it waits forever for the other ranks.
+TORCHTUNE = """\
+class FullFinetuneRecipeDistributed:
+    def __init__(self, cfg):
+        self.world_size, self.rank = utils.get_world_size_and_rank()
+        self._is_rank_zero = self.rank == 0
+    def save_checkpoint(self, epoch):
+        self._checkpoint_client.save_checkpoint(model=self._model, optimizer=self._optimizer,
+                                                training_progress=self._progress(epoch), epoch=epoch)
+    def train(self):
+        for curr_epoch in range(self.epochs_run, self.total_epochs):
+            if self._is_rank_zero:
+                self._log_metrics(curr_epoch)
+            self.save_checkpoint(epoch=curr_epoch)
+"""
+
+
+def test_a_flag_assigned_a_rank0_test_is_a_rank0_test() -> None:
+    assert _rank(TORCHTUNE).severity == "ok"  # the recipe as it is
+    moved = TORCHTUNE.replace("                self._log_metrics(curr_epoch)\n            self.save_checkpoint",
+                              "                self._log_metrics(curr_epoch)\n                self.save_checkpoint")
+    f = _rank(moved)
+    assert f.severity == "error" and "line 12" in f.message, f  # was "ok"
+    plain = "is_main = dist.get_rank() == 0\nif is_main:\n    mgr.save(step, state)\n"
+    assert _rank(plain).severity == "error"  # was "ok"
+    assert _rank(plain.replace("== 0", "== 1")).severity == "ok"  # rank 1 is no rank 0
+    assert _rank(plain.replace("dist.get_rank() == 0", "step % 10 == 0")).severity == "ok"  # no rank at all

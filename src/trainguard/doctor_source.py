@@ -121,9 +121,10 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None
     calls: list[ast.Call] = []
     helpers, aliases = _save_helpers(tree), _rank_aliases(tree)
+    flags = _rank_flags(tree, aliases)
     names = _SAVE_CALLS | set(helpers)
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases)) is not None:
+        if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases, flags)) is not None:
             branch, other = (node.body, node.orelse) if zero else (node.orelse, node.body)  # `if rank != 0: ... else: save()`
             also = {_callee(c) for c in _calls(None, names, ast.Module(body=other, type_ignores=[]))}
             calls += [c for c in _calls(None, names, ast.Module(body=branch, type_ignores=[]))
@@ -131,7 +132,7 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
-    objs = _rank0_objects(tree, aliases)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
+    objs = _rank0_objects(tree, aliases, flags)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
     calls += [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
               and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name)]
@@ -194,10 +195,10 @@ def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
     return found
 
 
-def _rank0_objects(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
+def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[str] = frozenset()) -> frozenset[str]:
     """Names bound to an object on rank 0 only, ``None`` elsewhere: timm's train.py, ``saver = None``
     then ``if utils.is_primary(args): saver = utils.CheckpointSaver(...)``."""
-    zero = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases)
+    zero = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases, flags)
             for b in n.body for x in ast.walk(b)}
     inside, other = set(), set()
     for n in ast.walk(tree):
@@ -221,20 +222,31 @@ def _rank_aliases(tree: ast.Module) -> frozenset[str]:
     return frozenset(out)
 
 
+def _rank_flags(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
+    """Names assigned a rank-0 test, true on rank 0 only: ``is_main = dist.get_rank() == 0``,
+    torchtune's ``self._is_rank_zero = self.rank == 0``; ``single_rank`` reads ``if is_main:`` as one."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], (ast.Name, ast.Attribute)) \
+                and isinstance(n.value, (ast.Compare, ast.BoolOp, ast.UnaryOp)) and _rank_zero(n.value, aliases) is True:
+            out.add(t.id if isinstance(t, ast.Name) else t.attr)
+    return frozenset(out)
+
+
 def _receiver(call: ast.Call) -> str | None:
     """``torch`` for ``torch.save(...)``, ``mgr`` for ``self.mgr.save(...)``, None for a bare ``save(...)``."""
     v = getattr(call.func, "value", None)
     return v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
 
 
-def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset()) -> bool | None:
+def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: frozenset[str] = frozenset()) -> bool | None:
     """True if ``test`` holds on rank 0 only (``rank == 0``, ``not rank``, ``is_main_process``), False if
     it fails on rank 0 only (``rank != 0``, ``rank > 0``, ``not is_main_process``), else None."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        inner = _rank_zero(test.operand, aliases)
+        inner = _rank_zero(test.operand, aliases, flags)
         return (not inner) if inner is not None else (True if _mentions_rank(test.operand, aliases) else None)
     if isinstance(test, ast.BoolOp):
-        parts = [_rank_zero(v, aliases) for v in test.values]
+        parts = [_rank_zero(v, aliases, flags) for v in test.values]
         if True in parts:  # `rank == 0 and ...`; `rank == 0 or step % 100 == 0`: rank 0 saves more often
             return True
         return False if isinstance(test.op, ast.Or) and False in parts else None  # `rank != 0 or ...`: else
@@ -261,8 +273,8 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset()) -> bool | 
             return False  # rank != 0, rank > 0, rank >= 1
         return None
     f = test.func if isinstance(test, ast.Call) else test  # is_main_process, acc.is_main_process, is_rank_zero()
-    if (isinstance(f, ast.Name) and f.id in _RANK_ZERO_FLAGS) or (
-            isinstance(f, ast.Attribute) and f.attr in _RANK_ZERO_FLAGS):
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    if name.lstrip("_") in _RANK_ZERO_FLAGS or name in flags:  # torchtune: self._is_rank_zero
         return True
     return None
 
