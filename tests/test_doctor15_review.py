@@ -219,3 +219,30 @@ def test_a_flag_assigned_a_rank0_test_is_a_rank0_test() -> None:
     assert _rank(plain).severity == "error"  # was "ok"
     assert _rank(plain.replace("== 0", "== 1")).severity == "ok"  # rank 1 is no rank 0
     assert _rank(plain.replace("dist.get_rank() == 0", "step % 10 == 0")).severity == "ok"  # no rank at all
+
+
+# An accelerate training script's save helper (a public script found by code search; the shape is
+# common): the state dict is gathered on every rank, then the other ranks return early and rank 0
+# writes. Fine for an export; a checkpoint written this way lacks the other ranks' state.
+EARLY_RETURN = """\
+import os
+import torch
+def save_model(accelerator, model, optimizer, output_dir):
+    full_state_dict = accelerator.get_state_dict(model)
+    if not accelerator.is_main_process:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    torch.save(full_state_dict, os.path.join(output_dir, "model.pt"))
+    torch.save(optimizer.state_dict(), os.path.join(output_dir, "optimizer.pt"))
+"""
+
+
+def test_a_save_after_the_other_ranks_returned_is_a_rank0_save() -> None:
+    f = _rank(EARLY_RETURN)
+    assert f.severity == "warning" and "line 8, 9" in f.message, f  # was "ok"
+    loop = "for step in range(9):\n    if dist.get_rank() != 0:\n        continue\n    mgr.save(step, state)\n"
+    assert _rank(loop).severity == "error"  # was "ok"
+    both = loop.replace("        continue", "        mgr.save(step, state)\n        continue")
+    assert _rank(both).severity == "ok"  # the other ranks save before they skip: every rank saves
+    zero_returns = EARLY_RETURN.replace("if not accelerator.is_main_process:", "if accelerator.is_main_process:")
+    assert _rank(zero_returns).severity == "ok"  # rank 0 leaves, the others save: not a rank-0 save

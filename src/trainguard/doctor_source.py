@@ -132,6 +132,8 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
+        for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+            calls += _after_exit(block, names, aliases, flags) if isinstance(block, list) else []
     objs = _rank0_objects(tree, aliases, flags)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
     calls += [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
               and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
@@ -156,6 +158,18 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                        "but as a checkpoint it misses FSDP shards and every other rank's RNG and data position",
                        "checkpoint with mgr.save(step, state) on every rank; keep rank-0 torch.save for exports")
     return Finding("all ranks save", "ok", "no save under a rank-0 condition")
+
+
+def _after_exit(block: list[ast.stmt], names: set[str], aliases: frozenset[str], flags: frozenset[str]) -> list[ast.Call]:
+    """``single_rank``: the saves in ``block`` that only rank 0 reaches, after an ``if rank != 0:``
+    (``if not accelerator.is_main_process:``) whose body returns, continues, breaks or raises,
+    less those its body makes too."""
+    for i, st in enumerate(block):
+        if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(
+                st.body[-1], (ast.Return, ast.Continue, ast.Break, ast.Raise)) and _rank_zero(st.test, aliases, flags) is False:
+            also = {_callee(c) for c in _calls(None, names, ast.Module(body=st.body, type_ignores=[]))}
+            return [c for c in _calls(None, names, ast.Module(body=block[i + 1:], type_ignores=[])) if _callee(c) not in also]
+    return []
 
 
 def _callee(call: ast.Call) -> str:
