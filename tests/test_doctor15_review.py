@@ -246,3 +246,29 @@ def test_a_save_after_the_other_ranks_returned_is_a_rank0_save() -> None:
     assert _rank(both).severity == "ok"  # the other ranks save before they skip: every rank saves
     zero_returns = EARLY_RETURN.replace("if not accelerator.is_main_process:", "if accelerator.is_main_process:")
     assert _rank(zero_returns).severity == "ok"  # rank 0 leaves, the others save: not a rank-0 save
+
+
+# transformers' examples/pytorch/*_no_trainer.py (run_clm_no_trainer.py and its forks): the
+# accelerate state is saved with accelerator.save_state on every process, as accelerate requires
+# (with DeepSpeed or FSDP each process writes its shards); the tokenizer on the main one only.
+ACCELERATE = """\
+def main():
+    for step, batch in enumerate(active_dataloader):
+        if isinstance(checkpointing_steps, int):
+            if completed_steps % checkpointing_steps == 0:
+                output_dir = f"step_{completed_steps}"
+                accelerator.save_state(output_dir)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(args.output_dir)
+"""
+
+
+def test_accelerate_save_state_on_the_main_process_only_is_an_error() -> None:
+    assert _rank(ACCELERATE).severity == "ok"  # the example as it is
+    main_only = ACCELERATE.replace("                accelerator.save_state(output_dir)",
+                                   "                if accelerator.is_main_process:\n"
+                                   "                    accelerator.save_state(output_dir)")
+    f = _rank(main_only)
+    assert f.severity == "error" and "line 7" in f.message, f  # was "ok"
+    export = main_only.replace("accelerator.save_state(output_dir)", "accelerator.save(model.state_dict(), output_dir)")
+    assert _rank(export).severity == "warning"  # accelerator.save: rank 0's file, an export (held before)

@@ -15,12 +15,13 @@ from typing import Any
 from .doctor import Finding, Settings, _calls
 from .doctor_rng import reseed
 
-_SAVE_CALLS = {"save", "save_checkpoint", "async_save"}
+_SAVE_CALLS = {"save", "save_checkpoint", "async_save", "save_state"}  # accelerate: accelerator.save_state(dir)
 _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf",  # not checkpoints
                   "cfg", "config", "conf", "tokenizer"}  # OLMo's train.py: cfg.save(save_folder / "config.yaml")
 _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero",
                     "is_primary"}  # timm: utils.is_primary(args)
+_FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
 
 
 def defines_hook(tree: ast.Module) -> bool:
@@ -161,9 +162,8 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
 
 
 def _after_exit(block: list[ast.stmt], names: set[str], aliases: frozenset[str], flags: frozenset[str]) -> list[ast.Call]:
-    """``single_rank``: the saves in ``block`` that only rank 0 reaches, after an ``if rank != 0:``
-    (``if not accelerator.is_main_process:``) whose body returns, continues, breaks or raises,
-    less those its body makes too."""
+    """``single_rank``: the saves in ``block`` after an ``if rank != 0:`` whose body returns, continues,
+    breaks or raises (only rank 0 reaches them), less those that body makes too."""
     for i, st in enumerate(block):
         if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(
                 st.body[-1], (ast.Return, ast.Continue, ast.Break, ast.Raise)) and _rank_zero(st.test, aliases, flags) is False:
@@ -182,7 +182,13 @@ def _save_receiver(call: ast.Call, helpers: dict[str, str | None]) -> str | None
     (``self._save_snapshot(epoch)``), that of the save inside it (``torch``)."""
     if _callee(call) in helpers and _receiver(call) in (None, "self", "cls"):
         return helpers[_callee(call)]
-    return _receiver(call)
+    return _own_receiver(call)
+
+
+def _own_receiver(call: ast.Call) -> str | None:
+    """``_receiver``; ``accelerator.save_state`` (collective: every rank calls it) is no export."""
+    r = _receiver(call)
+    return f"{r}.{_callee(call)}" if r in _EXPORTS and _callee(call) != "save" else r
 
 
 def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
@@ -202,7 +208,7 @@ def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
                     found[f.name] = found[name]
                     break
                 if name in _SAVE_CALLS and r not in _FOREIGN_SAVES:
-                    found[f.name] = r
+                    found[f.name] = _own_receiver(c)
                     break
         if len(found) == before:
             break
@@ -237,8 +243,7 @@ def _rank_aliases(tree: ast.Module) -> frozenset[str]:
 
 
 def _rank_flags(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
-    """Names assigned a rank-0 test, true on rank 0 only: ``is_main = dist.get_rank() == 0``,
-    torchtune's ``self._is_rank_zero = self.rank == 0``; ``single_rank`` reads ``if is_main:`` as one."""
+    """Names assigned a rank-0 test (torchtune: ``self._is_rank_zero = self.rank == 0``), for ``single_rank``."""
     out = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], (ast.Name, ast.Attribute)) \
@@ -275,9 +280,7 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
         if isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.List, ast.Tuple, ast.Set)) \
                 and _mentions_rank(left, aliases):  # HF's older examples: `args.local_rank in [-1, 0]`
             ns = [n for e in right.elts if type(n := _literal(e)) is int]
-            if len(ns) != len(right.elts) or 0 not in ns or max(ns) > 0:
-                return None
-            return isinstance(op, ast.In)  # -1: not distributed, one process
+            return isinstance(op, ast.In) if len(ns) == len(right.elts) and 0 in ns and max(ns) <= 0 else None  # -1: one process
         if not (_mentions_rank(left, aliases) and isinstance(right, ast.Constant) and type(right.value) is int):
             return None
         n = right.value
@@ -292,8 +295,6 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
         return True
     return None
 
-
-_FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
 
 
 def _mentions_rank(x: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:
@@ -317,8 +318,7 @@ def _rank_word(name: str) -> bool:
     return re.search(r"(^|_)rank($|_)", name.lower()) is not None
 
 
-def _literal(node: ast.expr) -> Any:
-    """The value of a literal, ``-1`` included (a unary minus on a constant), else None."""
+def _literal(node: ast.expr) -> Any:  # a literal's value, -1 (a unary minus) included, else None
     try:
         return ast.literal_eval(node)
     except (ValueError, TypeError, SyntaxError, RecursionError):
