@@ -57,7 +57,8 @@ def test_report_on_a_foreign_or_binary_events_file_is_a_clear_error(tmp_path):
         if name == "t":  # the one real event is reported, the other line skipped
             assert res.exit_code == 0 and "wall time" in res.output, (name, res.output, res.exception)
         else:
-            assert res.exit_code == 1 and "no events in" in res.output, (name, res.output, res.exception)
+            # one "error:" line, exit 2: an input error, as every other of the CLI (test_cli15_review)
+            assert res.exit_code == 2 and "error: no events in" in res.output, (name, res.output, res.exception)
 
 
 @pytest.mark.parametrize("flag, value", [("--hang-timeout", "0"), ("--hang-timeout", "-1"), ("--hang-timeout", "nan"),
