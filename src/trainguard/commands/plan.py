@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -244,6 +245,11 @@ def _source(path: Path) -> str:
         return data.decode("utf-8", errors="replace")
 
 
+_LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID",
+                 "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"}
+
+
 def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
     ``trainguard_state()``."""
@@ -254,6 +260,10 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # so the script's own sibling imports work
     argv, sys.argv = sys.argv, [str(path)]  # argparse at module level sees the script's defaults, not ours
+    # One process, whatever launched the doctor: a hook that creates its process group from a
+    # launcher's RANK/WORLD_SIZE/MASTER_* (doctor run inside torchrun or an salloc) waited for
+    # ranks that never come; without them it fails at once, saying so.
+    env = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
     try:
         try:
             spec.loader.exec_module(mod)
@@ -269,8 +279,11 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     except click.ClickException:
         raise
     except Exception as e:
-        raise click.ClickException(f"{path}: {type(e).__name__}: {e}") from e
+        hint = (" (the doctor calls trainguard_state() in one process, without the launcher's "
+                f"{', '.join(sorted(env))}: create the process group in main(), not in the hook)") if env else ""
+        raise click.ClickException(f"{path}: {type(e).__name__}: {e}{hint}") from e
     finally:
+        os.environ.update(env)
         sys.argv = argv
         if folder in sys.path:
             sys.path.remove(folder)
