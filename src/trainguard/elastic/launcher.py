@@ -42,6 +42,7 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from .faults import EXIT_CODE as FAULT_EXIT
 from .faults import parse_fault
+from .reap import close_done, expose_dead
 from .stops import STOP_FILE_ENV, agent_result, clear, exit_cause, first_failure, stop_code, stop_file
 from .watchdog import AGENT_PID_ENV, HANG_EXIT
 
@@ -308,6 +309,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         # Fork/spawn: on a failure torch SIGTERMs the others and waits 30 s before SIGKILL; a worker
         # ignoring SIGTERM (save-on-signal) while its error path waits for a dead peer held the
         # restart: FAIL_GRACE, SIGTERM, FAIL_GRACE. The cause: the worker trainguard ended, if any.
+        made = self.__dict__.setdefault("_tg_ready", [])  # reap.py: an ended worker seen at once
+        made += expose_dead(self)
         try:
             return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
         except ProcessException as e:
@@ -315,6 +318,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
             if cause is e:
                 raise
             raise cause from e
+        finally:
+            self._tg_ready = close_done(self, made)
 
     def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
         # A worker whose function returned waits for this event, which torch sets only when all
