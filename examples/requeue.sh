@@ -14,6 +14,7 @@ while true; do
     case $rc in
         0) echo "requeue: finished"; exit 0 ;;
         129|130|131|143) echo "requeue: stopped by a signal after its save (exit $rc): resume" ;;
+        78) echo "requeue: an error a restart will not fix (exit 78): fix it (see the log), then start again"; exit 78 ;;
         *)
             crashes=$((crashes + 1))
             if [ "$crashes" -ge "${REQUEUE_MAX_CRASHES:-3}" ]; then

@@ -26,6 +26,7 @@ from .errors import (  # noqa: E402
 )
 from .inspect import verify  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
+from .permanent import PERMANENT_EXIT, exit_code_for, install_excepthook  # noqa: E402
 from .policies import (  # noqa: E402
     EveryNSteps,
     EverySeconds,
@@ -64,6 +65,8 @@ __all__ = [
     "KeepLatest",
     "KeepEvery",
     "KeepBest",
+    "exit_code_for",
+    "PERMANENT_EXIT",
     "CheckpointError",
     "CorruptCheckpointError",
     "DiskFullError",
@@ -75,3 +78,5 @@ __all__ = [
     "StepExistsError",
     "UnsupportedValueError",
 ]
+
+install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)

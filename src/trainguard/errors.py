@@ -12,7 +12,10 @@ from typing import Any
 
 
 class CheckpointError(Exception):
-    """Base of every trainguard error."""
+    """Base of every trainguard error. ``permanent``: no restart fixes it (``permanent.py``;
+    such a worker exits 78 under ``trainguard run``)."""
+
+    permanent: bool = False
 
 
 class NotACheckpointError(CheckpointError, FileNotFoundError):
@@ -21,6 +24,8 @@ class NotACheckpointError(CheckpointError, FileNotFoundError):
 
 class FormatVersionError(CheckpointError):
     """The manifest was written by a format this version cannot read."""
+
+    permanent = True
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -34,6 +39,8 @@ class CorruptCheckpointError(CheckpointError):
 
 class StateMismatchError(CheckpointError, KeyError):
     """A strict load found missing, unexpected or shape/dtype-mismatched entries."""
+
+    permanent = True
 
     def __init__(
         self,
@@ -62,6 +69,8 @@ class StateMismatchError(CheckpointError, KeyError):
 
 class UnsupportedValueError(CheckpointError, TypeError):
     """A leaf is neither a tensor nor a JSON value (raised at save time, naming its path)."""
+
+    permanent = True
 
 
 class StepExistsError(CheckpointError, FileExistsError):
@@ -194,7 +203,10 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
     raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
     failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
     that does not fit)."""
-    outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e)}
+    from .permanent import from_medium, is_permanent
+
+    outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
+               "permanent": is_permanent(e), "medium": from_medium(e)}
     outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
     try:
         if e is not None:
@@ -202,4 +214,8 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
         raise_failures(f"load of {target}", outcomes, ctx)
     except CheckpointError as x:
         x.retry_older = all(o.get("data") for o in outcomes if o.get("error"))  # type: ignore[attr-defined]
+        # Every rank alike: a peer's state that does not fit is this rank's too (exit 78 everywhere);
+        # a peer's medium error makes a restore that finds nothing usable no permanent failure.
+        x.permanent = x.permanent or any(o.get("permanent") for o in outcomes)
+        x.medium = any(o.get("medium") for o in outcomes)  # type: ignore[attr-defined]
         raise

@@ -41,9 +41,12 @@ MAX_STEP = 1 << 62
 def check_step(step: Any) -> int:
     """The ``step`` given to ``CheckpointManager.save``/``restore``, or named by the directory of
     ``tg.save`` (``api.start_save``): an integer in [0, 2**62] (numpy and 0-d tensor ints too)."""
-    n = nonneg_int(step, f"step={step!r}: pass the training step as an int >= 0")
-    if n > MAX_STEP:
-        raise ValueError(f"step={n}: a checkpoint's step is at most 2**62 ({MAX_STEP}); a larger one could not be loaded")
+    from .permanent import config_errors
+
+    with config_errors():  # a bad argument: no restart fixes it
+        n = nonneg_int(step, f"step={step!r}: pass the training step as an int >= 0")
+        if n > MAX_STEP:
+            raise ValueError(f"step={n}: a checkpoint's step is at most 2**62 ({MAX_STEP}); a larger one could not be loaded")
     return n
 
 

@@ -19,18 +19,13 @@ from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
 from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
-from .errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    StateMismatchError,
-    agree_load,
-    unreadable,
-)
+from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
 from .flatten import flatten, keep_types, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
+from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
 from .storage import Storage, for_path
@@ -299,10 +294,10 @@ def _load(
                 e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
             raise
         except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise CheckpointError(
+            raise mark_refusal(e, CheckpointError(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
-            ) from e
+            )) from e
 
 
 def _expanded(t: torch.Tensor) -> bool:

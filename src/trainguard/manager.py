@@ -21,13 +21,14 @@ from . import layout, policies
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps
-from .dist import DistContext, check_timeout
+from .dist import DistContext
 from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
+from .permanent import check_manager_args, config_errors, from_medium, is_permanent, mark, open_error
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import DONE, remove_replaced, restore_candidates, retain, set_aside, unrestored_error
 from .stateful import check_state
@@ -64,19 +65,8 @@ class CheckpointManager:
         ram_tier: bool | str = False,
         stage_in_background: bool = False,
     ) -> None:
-        if stage_in_background and not async_save:
-            raise ValueError("stage_in_background=True needs async_save=True")
-        if max_staging_bytes is not None and max_staging_bytes < 0:
-            raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
-        if layout not in ("sharded", "full"):
-            raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
-        check_timeout(timeout)
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
-        if save is not None and not isinstance(save, SavePolicy):
-            raise TypeError(f"save={save!r}: pass a save policy such as tg.EveryNSteps(100)")
-        if keep is not None and not isinstance(keep, RetentionPolicy):
-            raise TypeError(f"keep={keep!r}: pass a retention policy such as tg.KeepLatest(3)")
+        with config_errors():  # a bad argument: no restart fixes it (exit 78 under `trainguard run`)
+            check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background)
         self.root = os.fspath(root)
         self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)
@@ -123,11 +113,12 @@ class CheckpointManager:
                         log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                         self.events.emit("debris", removed=removed)
                 except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
-                    exc = e if isinstance(e, CheckpointError) else CheckpointError(f"cannot open {self.root} ({e}): " + ("pass a directory path" if isinstance(e, (FileExistsError, NotADirectoryError)) else "fix the storage or its permissions, then start again"))
-                    err = str(exc)
+                    exc = open_error(e, self.root)
+                    err = [str(exc), is_permanent(exc)]
             err = self.ctx.broadcast("open", err, timeout=self.timeout)
             if err:
-                raise exc if exc is not None else CheckpointError(f"rank 0 could not open {self.root}: {err}")
+                other = CheckpointError(f"rank 0 could not open {self.root}: {err[0]}")
+                raise exc if exc is not None else (mark(other) if err[1] else other)
             if self.ram:
                 self.ram.open(self.timeout)  # every rank (a collective check that all share one node)
         except BaseException:
@@ -343,7 +334,8 @@ class CheckpointManager:
         if self.ram:  # rank 0: its copy to disk and that copy's retention end before the listing, not during the load
             self.ram.wait()
         at = None if step is None else layout.check_step(step)
-        check_state(state)  # on a fresh start too: not first found at the run's first resume
+        with config_errors():
+            check_state(state)  # on a fresh start too: not first found at the run's first resume
         t0 = time.monotonic()
         candidates = self.ctx.broadcast("candidates", restore_candidates(self) if self.ctx.rank == 0 else None, timeout=self.timeout)
         if isinstance(candidates, dict):  # rank 0 could not list the run directory: every rank raises it
@@ -352,12 +344,14 @@ class CheckpointManager:
             raise CheckpointError(f"restore(step={at}): {self.root} holds no checkpoint at or before step {at}")
         skipped: list[str] = []
         touched: dict[str, list[int]] = {}  # tensors a skipped checkpoint may have written into, their shapes
+        medium = False  # a skip for a medium's error: finding nothing usable is then no permanent failure
         for step, path, tier in candidates:
             try:
                 m = load(path, state, strict=strict, timeout=self.timeout)
             except CheckpointError as e:
                 if not is_data_error(e):
                     raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either
+                medium = medium or from_medium(e)
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, e)
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
@@ -380,12 +374,13 @@ class CheckpointManager:
             return step
         if skipped:
             # Never a silent fresh start over a state that the failed loads partly overwrote.
-            raise CheckpointError(
+            none = CheckpointError(
                 f"restore: none of the {len(skipped)} checkpoint(s) in {self.root} could be loaded (newest first):\n"
                 + "\n".join(skipped)
                 + "\nThe state may hold part of what was read. Find the cause (`trainguard verify <step dir>`), or "
                 "move the checkpoints away to start fresh"
             )
+            raise none if medium else mark(none)  # bad bytes are read again at every restart
         self.events.emit("fresh_start", skipped=0)
         return None
 

@@ -13,6 +13,7 @@ import warnings
 
 from . import layout
 from .errors import LockedError
+from .permanent import mark
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
 
@@ -33,10 +34,10 @@ class RunLock:
     def acquire(self) -> None:
         real = os.path.realpath(self.path)
         if real in _HELD:
-            raise LockedError(
+            raise mark(LockedError(
                 f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
                 "process; close it first or give each manager its own directory"
-            )
+            ))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:  # any failure (an I/O error, Ctrl-C) closes the descriptor, and the lock goes with it
             self._take(fd)
@@ -53,10 +54,13 @@ class RunLock:
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held by another job: the lock failed (ENOLCK, EIO)
                 raise
-            raise LockedError(
+            locked = LockedError(
                 f"{os.path.dirname(self.path)} is in use by another job ({_read_holder(fd)}). Stop that job, or "
                 "point this one at another directory; two writers would delete each other's checkpoints"
-            ) from None
+            )
+            # Permanent only when the holder is a live process of this host: a lost node's lock on a
+            # shared file system may linger (an NFS lease) and go; a restart may then take it.
+            raise (mark(locked) if _live_here(fd) else locked) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
             warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=4)
@@ -89,3 +93,18 @@ def _read_holder(fd: int) -> str:
         return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
     except (OSError, ValueError):
         return "unknown holder"
+
+
+def _live_here(fd: int) -> bool:
+    """Whether the lock's recorded holder is a live process on this host (``acquire``'s LockedError)."""
+    try:
+        d = json.loads(os.pread(fd, 4096, 0))
+        pid = int(d["pid"])
+        if d.get("host") != socket.gethostname() or pid <= 0:
+            return False
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's live process
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True

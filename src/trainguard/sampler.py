@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
+from .permanent import mark
 
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -189,14 +190,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "num_samples" not in state_dict:
-            raise CheckpointError(f"ResumableSampler: the saved state {sorted(state_dict)} is not a ResumableSampler's "
-                                  "(a ResumableIterable's?): restore a sampler from a sampler's entry")
+            raise mark(CheckpointError(f"ResumableSampler: the saved state {sorted(state_dict)} is not a ResumableSampler's "
+                                  "(a ResumableIterable's?): restore a sampler from a sampler's entry"))
         if int(state_dict["num_samples"]) != self.num_samples or bool(state_dict["shuffle"]) != self.shuffle:
-            raise CheckpointError(
+            raise mark(CheckpointError(  # permanent: the same at every restart
                 f"ResumableSampler: checkpoint has num_samples={state_dict['num_samples']}, "
                 f"shuffle={state_dict['shuffle']}; this sampler has {self.num_samples}, {self.shuffle}. "
                 "Resume with the same dataset, or start a new run"
-            )
+            ))
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if not 0 <= position <= self.num_samples or epoch < 0:
             raise CorruptCheckpointError(
@@ -281,8 +282,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "num_samples" in state_dict:  # positions in an indexed dataset, not in this stream
-            raise CheckpointError("ResumableIterable: the saved state is a ResumableSampler's: restore an iterable "
-                                  "dataset from an iterable dataset's entry")
+            raise mark(CheckpointError("ResumableIterable: the saved state is a ResumableSampler's: restore an iterable "
+                                  "dataset from an iterable dataset's entry"))
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if position < 0 or epoch < 0:
             raise CorruptCheckpointError(f"ResumableIterable: saved position {position} (epoch {epoch}) is negative")

@@ -273,14 +273,15 @@ class OptimizerAdapter:
         on) and other parameter groups. The class is not checked for checkpoints from before it
         was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
         from .errors import CheckpointError
+        from .permanent import mark  # each refusal: the same at every restart
 
         saved = skeleton.get("class") if isinstance(skeleton, dict) else None
         if isinstance(saved, str) and saved != (cur := optimizer_class(self.optimizer)):
-            raise CheckpointError(
+            raise mark(CheckpointError(
                 f"entry {key!r}: the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; "
                 f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
                 "the state and load with strict=False)"
-            )
+            ))
         groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
         if isinstance(groups, list) and all(
             isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
@@ -289,31 +290,32 @@ class OptimizerAdapter:
             try:
                 self._match_groups(groups, warn=False)  # load_state_dict warns
             except CheckpointError as e:
-                raise CheckpointError(f"entry {key!r}: {e}") from None
+                raise mark(CheckpointError(f"entry {key!r}: {e}")) from None
 
     def _match_groups(self, saved_groups: list[Any], warn: bool = True) -> list[list[str]]:
         """The names of each current group's parameters, spelt as in the checkpoint; raises
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
         from .errors import CheckpointError
+        from .permanent import mark
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
         if len(saved_groups) != len(cur_groups):
-            raise CheckpointError(
+            raise mark(CheckpointError(
                 f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
                 f"{len(cur_groups)}; build the optimizer with the same groups as when it was saved"
-            )
+            ))
         out, pos = [], 0
         for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
             out.append(cur_names := names[pos : pos + len(cur["params"])])
             pos += len(cur["params"])
             if set(saved["params"]) != set(cur_names):
                 diff = sorted(set(saved["params"]) ^ set(cur_names))
-                raise CheckpointError(
+                raise mark(CheckpointError(
                     f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
-                )
+                ))
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

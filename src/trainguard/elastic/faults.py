@@ -37,6 +37,8 @@ EXIT_CODE = 43
 class FaultSpecError(CheckpointError, ValueError):
     """A ``--fault`` / ``TRAINGUARD_FAULT`` spec that cannot be parsed."""
 
+    permanent = True
+
 
 class InjectedFault(RuntimeError):
     """Raised by a ``kind=exception`` drill. A RuntimeError, not a CheckpointError, so that code

@@ -40,11 +40,20 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
-from .faults import EXIT_CODE as FAULT_EXIT
 from .faults import parse_fault
 from .reap import close_done, expose_dead
-from .stops import STOP_FILE_ENV, agent_result, clear, exit_cause, first_failure, stop_code, stop_file
-from .watchdog import AGENT_PID_ENV, HANG_EXIT
+from .stops import (
+    STOP_FILE_ENV,
+    agent_result,
+    clear,
+    exit_cause,
+    first_failure,
+    no_restart,
+    root_failure,
+    stop_code,
+    stop_file,
+)
+from .watchdog import AGENT_PID_ENV
 
 DEAD_AFTER = 3.0
 FAIL_GRACE = 1.0
@@ -80,6 +89,9 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
                                         128+signal (143), no traceback (torchrun: 1)
   ... or to the workers alone           workers that stopped on it: exit 128+signal, no restart
                                         (torchrun: 0, a finished job, or a restart)
+  error a restart will not fix          a worker that exits 78 (state does not fit the checkpoint,
+                                        no checkpoint loads, unusable run dir, bad argument): no
+                                        restart, exit 78 (torchrun: restarts, then 1)
 Single node without --rdzv-endpoint: c10d on a free localhost port (as torchrun --standalone).
 For several agents use --rdzv-conf is_host=false with a store that outlives them.
 """
@@ -162,31 +174,6 @@ def prepare(args: argparse.Namespace) -> None:
         given = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
         merged = {**RDZV_DEFAULTS, **given}
         args.rdzv_conf = ",".join(f"{k}={v}" for k, v in merged.items())
-
-
-OWN_EXITS = (FAULT_EXIT, HANG_EXIT)  # trainguard's own causes: a drill's exit, the watchdog's
-
-
-def root_failure(pc: Any, error: Exception) -> Exception:
-    """The failure to report for a torch ``ProcessContext`` whose ``join`` raised ``error``.
-
-    Called by the agent's ``ProcessContext.join`` hook, in the agent, after torch's ``join``
-    found a failed worker and stopped the others. ``join`` reports the first failed process it
-    finds among those ready, in process order: when rank 1's watchdog ended it (exit 75) and rank
-    0 then failed in its broken collective (exit 1) before the agent looked, rank 0 was reported
-    and the hang was recorded as "exit code 1". A worker that ended with one of trainguard's own
-    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it."""
-    from torch.multiprocessing.spawn import ProcessExitedException
-
-    reported = getattr(error, "error_index", None)
-    procs = list(getattr(pc, "processes", []))
-    if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
-        return error
-    for i, proc in enumerate(procs):
-        if proc.exitcode in OWN_EXITS:
-            return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
-                                          error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
-    return error
 
 
 class _PreformatExceptions(logging.Filter):
@@ -295,6 +282,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
             first = first_failure(result.failures)
             events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode),
                         failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()})
+            if no_restart(result.failures):
+                self._remaining_restarts = 0  # exit 78: the same error at every restart (permanent.py)
         return result
 
     def _restart(self: Any, wg: Any) -> None:
@@ -345,11 +334,15 @@ AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agen
 def main(argv: list[str]) -> int:
     """Run the agent for ``argv`` (torchrun flags, trainguard flags, script and its args); called
     by the ``trainguard run`` command, which exits with the result: 0 when the job succeeded, 1
-    when it failed for good, 128 + the signal's number when the agent was stopped by a signal
+    when it failed for good, 78 at once when a worker exited 78 (an error no restart fixes:
+    :mod:`trainguard.permanent`), 128 + the signal's number when the agent was stopped by a signal
     (its workers were sent the same signal by torch's agent first)."""
+    import torch.distributed.run as torch_run
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
+
+    from ..permanent import run_script_path
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -366,6 +359,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--run-dir {args.run_dir}: cannot create the directory ({e.strerror or e})")
     events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
     install_agent_hooks(events, args.stop_timeout)
+    torch_run.run_script_path = run_script_path  # --run-path workers: exit 78 on a permanent error
     install_log_filter()
     preload(args)
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,

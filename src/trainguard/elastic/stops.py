@@ -14,7 +14,8 @@ killing trainer processes), under ``trainguard run`` and, through ``mgr.exit_cod
 * agent (:mod:`trainguard.elastic.launcher`): :func:`clear` before it starts workers (a stop its
   own restart caused is no preemption), :func:`stop_code` when the workers ended: a job whose
   workers all succeeded after a stop, or all exited with a stop code, ends with that code and is
-  not restarted.
+  not restarted. A worker that exited 78 (:mod:`trainguard.permanent`: an error no restart fixes)
+  is not restarted either (:func:`no_restart`) and the agent exits 78 (:func:`agent_result`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from ..permanent import PERMANENT_EXIT
 from .faults import EXIT_CODE as FAULT_EXIT
 from .watchdog import HANG_EXIT, ORPHAN_EXIT
 
@@ -90,6 +92,17 @@ def agent_result(events: Any, failures: dict[int, Any]) -> int | None:
     path = os.environ.get(STOP_FILE_ENV)
     code = stop_code(path, [f.exitcode for f in failures.values()])
     clear(path)  # read: the next agent's job starts without it
+    permanent = sorted(r for r, f in failures.items() if f.exitcode == PERMANENT_EXIT)
+    if permanent:
+        f = failures[permanent[0]]
+        message = getattr(f, "message", "") or ""  # the worker's error file (permanent._record), if any
+        message = str(message.get("message", "") if isinstance(message, dict) else message)
+        message = "" if message.startswith(("To enable traceback", "Signal")) else message
+        events.emit("agent_exit", ok=False, permanent=True, ranks=permanent, error=message[-2000:])
+        said = f": {message.splitlines()[0][:500].rstrip('.')}" if message.strip() else ""
+        print(f"trainguard run: rank(s) {permanent} failed with an error a restart will not fix (exit {PERMANENT_EXIT}); "
+              f"not restarted{said}. Fix it (see the worker's error above), then start again", file=sys.stderr)
+        return PERMANENT_EXIT
     if code is not None:
         name = signal.Signals(code - 128).name
         events.emit("agent_exit", ok=False, signal=name, preempted=True)
@@ -107,7 +120,8 @@ def exit_cause(exitcode: int) -> str:
             return f"killed by signal {-exitcode}"
     if exitcode in STOP_CODES:
         return f"stopped by {signal.Signals(exitcode - 128).name}"
-    return {FAULT_EXIT: "injected exit", HANG_EXIT: "hang (watchdog)", ORPHAN_EXIT: "orphaned"}.get(
+    return {FAULT_EXIT: "injected exit", HANG_EXIT: "hang (watchdog)", ORPHAN_EXIT: "orphaned",
+            PERMANENT_EXIT: "an error a restart will not fix"}.get(
         exitcode, f"exit code {exitcode}"
     )
 
@@ -117,3 +131,33 @@ def first_failure(failures: dict[int, Any]) -> int:
     agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM)."""
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
     return min(special or failures)
+
+
+def no_restart(failures: dict[int, Any]) -> bool:
+    """Agent's monitor hook: whether a worker exited :data:`PERMANENT_EXIT` (no restart fixes its error)."""
+    return any(f.exitcode == PERMANENT_EXIT for f in failures.values())
+
+
+OWN_EXITS = (FAULT_EXIT, HANG_EXIT, PERMANENT_EXIT)  # trainguard's own causes: a drill's exit, the watchdog's, exit 78
+
+
+def root_failure(pc: Any, error: Exception) -> Exception:
+    """The failure to report for a torch ``ProcessContext`` whose ``join`` raised ``error``.
+
+    Called by the agent's ``ProcessContext.join`` hook, in the agent, after torch's ``join``
+    found a failed worker and stopped the others. ``join`` reports the first failed process it
+    finds among those ready, in process order: when rank 1's watchdog ended it (exit 75) and rank
+    0 then failed in its broken collective (exit 1) before the agent looked, rank 0 was reported
+    and the hang was recorded as "exit code 1". A worker that ended with one of trainguard's own
+    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    reported = getattr(error, "error_index", None)
+    procs = list(getattr(pc, "processes", []))
+    if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
+        return error
+    for i, proc in enumerate(procs):
+        if proc.exitcode in OWN_EXITS:
+            return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
+                                          error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
+    return error

@@ -1,0 +1,195 @@
+"""Errors a restart will not fix, and the exit code that says so (docs/elastic.md, "Exit codes
+for a requeue wrapper").
+
+A worker that fails with such an error (the script's state no longer fits the checkpoint, every
+checkpoint has bad bytes, the run directory is a file or not writable, another live job on this
+host holds its lock, a bad argument to trainguard) would fail the same way at every restart:
+``trainguard run`` restarted it ``--max-restarts`` times and exited 1, and a requeue wrapper
+requeued it. trainguard marks those errors (:func:`mark`; ``permanent = True`` on the class of
+``StateMismatchError``, ``UnsupportedValueError``, ``FormatVersionError``) and such a process
+exits with :data:`PERMANENT_EXIT` (78):
+
+* under ``trainguard run``: the workers' ``sys.excepthook`` (:func:`install_excepthook`, from
+  ``import trainguard`` when the agent's ``TRAINGUARD_AGENT_PID`` names another process) and,
+  with ``--run-path``, :func:`run_script_path`; the agent (:mod:`.elastic.stops`) restarts no
+  worker that exited 78 and exits 78 itself;
+* under plain ``python``: ``sys.exit(tg.exit_code_for(e))`` (:func:`exit_code_for`).
+
+Not permanent (conservative): store timeouts, a rank dying, a medium's I/O error (EIO, an object
+store's), a full disk, a lock whose holder is on another host (a lost node's NFS lock lingers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from types import TracebackType
+from typing import Any, TypeVar
+
+from .errors import CheckpointError, is_media_error
+
+PERMANENT_EXIT = 78  # sysexits.h EX_CONFIG: not 1 (any crash), 75/76 (hang, orphan), 128 + n (signals)
+E = TypeVar("E", bound=BaseException)
+
+
+def mark(e: E) -> E:
+    """Any raiser in trainguard: ``e`` is an error no restart fixes. Returns ``e``."""
+    if isinstance(e, CheckpointError):
+        e.permanent = True
+    else:
+        e._trainguard_permanent = True  # type: ignore[attr-defined]
+    return e
+
+
+def is_permanent(e: BaseException | None) -> bool:
+    """Whether ``e``, or an error it was raised ``from`` (``__cause__``), is marked permanent."""
+    seen = 0
+    while e is not None and seen < 20:
+        if getattr(e, "_trainguard_permanent", False) or (isinstance(e, CheckpointError) and e.permanent):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return False
+
+
+def exit_code_for(e: BaseException | None) -> int:
+    """The exit code for a process ending with ``e``: 78 when no restart will fix it, else 1
+    (0 for no error). Plain ``python``: ``except Exception as e: ...; sys.exit(tg.exit_code_for(e))``."""
+    if e is None:
+        return 0
+    if isinstance(e, SystemExit):
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return PERMANENT_EXIT if is_permanent(e) else 1
+
+
+def from_medium(e: BaseException | None) -> bool:
+    """Whether ``e`` came from a medium's or an object store's I/O error (its chain holds one, or
+    another rank said so: ``medium``): ``restore`` does not call its failure permanent."""
+    seen = 0
+    while e is not None and seen < 20:
+        if getattr(e, "medium", False) or is_media_error(e) or (isinstance(e, OSError) and getattr(e, "remote", False)):
+            return True
+        e, seen = e.__cause__, seen + 1
+    return False
+
+
+def mark_refusal(cause: BaseException, err: E) -> E:
+    """``loader.load``: ``err``, an entry's ``load_state_dict`` refusing the saved state with
+    ``cause``, marked unless ``cause`` is a RuntimeError (an out-of-memory, a device's error)."""
+    return err if isinstance(cause, RuntimeError) else mark(err)
+
+
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """Around trainguard's argument checks: a ValueError/TypeError raised inside is marked."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        mark(e)
+        raise
+
+
+def say(e: BaseException, who: str = "trainguard") -> None:
+    """One line on stderr naming the error and the exit code (its message says what to change)."""
+    first = (str(e).strip().splitlines() or [""])[0][:1000]
+    print(f"{who}: {type(e).__name__}: {first}\n{who}: a restart will not fix this error; "
+          f"exit {PERMANENT_EXIT} (not restarted by trainguard run)", file=sys.stderr, flush=True)
+
+
+def _finish(code: int) -> None:
+    """The end of a process whose exception was reported: atexit handlers, then ``code``."""
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(BaseException):
+            stream.flush()
+    os._exit(code)
+
+
+def _record(e: BaseException) -> None:
+    """torch's error file (``TORCHELASTIC_ERROR_FILE``): the agent's failure then has the message."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(e, Exception):
+        with contextlib.suppress(Exception):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+            ErrorHandler().record_exception(e)
+
+
+def _hook(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
+    previous = getattr(_hook, "previous", sys.__excepthook__)
+    previous(kind, e, tb)
+    if is_permanent(e):
+        _record(e)
+        say(e)
+        _finish(PERMANENT_EXIT)
+
+
+def install_excepthook() -> None:
+    """``import trainguard`` in a worker of ``trainguard run`` (its ``TRAINGUARD_AGENT_PID`` is
+    another process): an uncaught permanent error ends the process with 78 instead of Python's 1,
+    after the usual traceback and ``atexit`` handlers (non-daemon threads are not waited for)."""
+    agent = os.environ.get("TRAINGUARD_AGENT_PID", "")
+    if not agent.isdigit() or int(agent) == os.getpid() or sys.excepthook is _hook:
+        return
+    _hook.previous = sys.excepthook  # type: ignore[attr-defined]
+    sys.excepthook = _hook
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """``trainguard run --run-path``'s worker entry point (torch's ``run_script_path``, which the
+    agent replaces with it): torch's worker wrapper turns any exception into exit 1, so a
+    permanent one is reported here and becomes ``SystemExit(78)``."""
+    import runpy
+
+    sys.argv = [training_script, *training_script_args]  # as torch's run_script_path
+    try:
+        runpy.run_path(training_script, run_name="__main__")
+    except Exception as e:
+        if not is_permanent(e):
+            raise
+        traceback.print_exc()
+        _record(e)
+        say(e)
+        raise SystemExit(PERMANENT_EXIT) from e
+
+
+def any_permanent(errors: list[Any]) -> bool:
+    """Whether any of ``errors`` (exceptions or None) is permanent."""
+    return any(is_permanent(x) for x in errors if isinstance(x, BaseException))
+
+
+def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout: float | None,
+                       max_staging_bytes: int | None, async_save: bool, stage_in_background: bool) -> None:
+    """``CheckpointManager.__init__`` (inside :func:`config_errors`): its arguments, before any I/O."""
+    from .dist import check_timeout
+    from .policies import RetentionPolicy, SavePolicy
+
+    if stage_in_background and not async_save:
+        raise ValueError("stage_in_background=True needs async_save=True")
+    if max_staging_bytes is not None and max_staging_bytes < 0:
+        raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
+    if layout not in ("sharded", "full"):
+        raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
+    check_timeout(timeout)
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")
+    if save is not None and not isinstance(save, SavePolicy):
+        raise TypeError(f"save={save!r}: pass a save policy such as tg.EveryNSteps(100)")
+    if keep is not None and not isinstance(keep, RetentionPolicy):
+        raise TypeError(f"keep={keep!r}: pass a retention policy such as tg.KeepLatest(3)")
+
+
+def open_error(e: Exception, root: str) -> CheckpointError:
+    """``CheckpointManager.open`` on rank 0: its error ``e`` as the ``CheckpointError`` every rank
+    raises. A file where the directory should be, or no permission: permanent (a lock held by
+    another live job is already marked by ``RunLock``); any other OSError (EIO, ENOSPC, ESTALE) not."""
+    if isinstance(e, CheckpointError):
+        return e
+    path_given = isinstance(e, (FileExistsError, NotADirectoryError))
+    err = CheckpointError(f"cannot open {root} ({e}): " + (
+        "pass a directory path" if path_given else "fix the storage or its permissions, then start again"))
+    err.__cause__ = e
+    return mark(err) if path_given or isinstance(e, PermissionError) else err
