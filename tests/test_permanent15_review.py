@@ -252,3 +252,33 @@ def test_a_sampler_or_optimizer_built_another_way_is_permanent(tmp_path: Path) -
         with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr, pytest.raises(tg.CheckpointError) as e:
             mgr.restore(state, strict=False)
         assert tg.exit_code_for(e.value) == 78, str(e.value)
+
+
+SAVE_WORKER = """\
+    import os
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+
+    dist.init_process_group("gloo")
+    state = {"w": torch.zeros(3), "extra": object() if dist.get_rank() == 1 else 1}
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(1)) as mgr:
+        mgr.save(1, state)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_value_one_rank_cannot_save_ends_every_rank_with_78(tmp_path: Path) -> None:
+    """Rank 1's state holds an object (UnsupportedValueError, permanent); the save's first round
+    makes every rank raise the same RankFailureError. Before: that error was not permanent on
+    any rank (exit 1 everywhere, 3 restarts, exit 1). Now the round carries the mark: 78, no
+    restart, and the agent's line ends with rank 1's error, which says what to change."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(SAVE_WORKER))
+    log = tmp_path / "agent.log"
+    rc = _run([*CLI, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), str(train)], log)
+    text = log.read_text(errors="replace")
+    assert rc == PERMANENT_EXIT, text[-3000:]
+    assert not _events(tmp_path / "run", "restart"), text[-3000:]
+    line = [x for x in text.splitlines() if x.startswith("trainguard run: rank(s)")]
+    assert len(line) == 1 and "UnsupportedValueError: extra" in line[0], text[-3000:]

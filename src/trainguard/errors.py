@@ -189,13 +189,16 @@ def describe_error(e: BaseException) -> str:
 
 def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
     """Raise on every rank when any outcome carries an error (called after an exchange; ``ctx``
-    the ``DistContext`` it went through)."""
+    the ``DistContext`` it went through); permanent when an outcome says ``permanent``."""
     failures = {r: o["error"] for r, o in enumerate(outcomes) if o.get("error")}
     if not failures:
         return
     if not ctx.is_distributed and len(failures) == 1:
-        raise CheckpointError(f"{what} failed:\n{failures[0]}")
-    raise failure(f"{what} failed on rank(s) {sorted(failures)}", failures)
+        err: CheckpointError = CheckpointError(f"{what} failed:\n{failures[0]}")
+    else:
+        err = failure(f"{what} failed on rank(s) {sorted(failures)}", failures)
+    err.permanent = any(o.get("permanent") for o in outcomes)  # a rank's error no restart fixes: every rank's
+    raise err
 
 
 def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: float | None) -> None:

@@ -92,10 +92,18 @@ def config_errors() -> Iterator[None]:
         raise
 
 
+def headline(message: str) -> str:
+    """An error's message in one line: its first line and, for a longer one (a rank's traceback
+    in a ``RankFailureError``, the list of a failed restore), its last, which says what to change."""
+    lines = [x.strip() for x in message.strip().splitlines() if x.strip()]
+    if not lines:
+        return ""
+    return lines[0][:500] + (f" ... {lines[-1][:500]}" if len(lines) > 1 else "")
+
+
 def say(e: BaseException, who: str = "trainguard") -> None:
     """One line on stderr naming the error and the exit code (its message says what to change)."""
-    first = (str(e).strip().splitlines() or [""])[0][:1000]
-    print(f"{who}: {type(e).__name__}: {first}\n{who}: a restart will not fix this error; "
+    print(f"{who}: {type(e).__name__}: {headline(str(e))}\n{who}: a restart will not fix this error; "
           f"exit {PERMANENT_EXIT} (not restarted by trainguard run)", file=sys.stderr, flush=True)
 
 

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from ..permanent import PERMANENT_EXIT
+from ..permanent import PERMANENT_EXIT, headline
 from .faults import EXIT_CODE as FAULT_EXIT
 from .watchdog import HANG_EXIT, ORPHAN_EXIT
 
@@ -99,7 +99,7 @@ def agent_result(events: Any, failures: dict[int, Any]) -> int | None:
         message = str(message.get("message", "") if isinstance(message, dict) else message)
         message = "" if message.startswith(("To enable traceback", "Signal")) else message
         events.emit("agent_exit", ok=False, permanent=True, ranks=permanent, error=message[-2000:])
-        said = f": {message.splitlines()[0][:500].rstrip('.')}" if message.strip() else ""
+        said = f": {headline(message).rstrip('.')}" if message.strip() else ""
         print(f"trainguard run: rank(s) {permanent} failed with an error a restart will not fix (exit {PERMANENT_EXIT}); "
               f"not restarted{said}. Fix it (see the worker's error above), then start again", file=sys.stderr)
         return PERMANENT_EXIT
