@@ -9,9 +9,9 @@ exits 78 (EX_CONFIG), and the agent restarts no worker that exited 78 and exits 
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -196,7 +196,6 @@ def test_a_lock_held_by_a_live_job_here_is_permanent_one_of_another_host_not(tmp
         assert tg.exit_code_for(e.value) == 1
     finally:
         holder.communicate(b"", timeout=30)
-    assert fcntl is not None
 
 
 SCRIPT = """\
@@ -282,3 +281,25 @@ def test_a_value_one_rank_cannot_save_ends_every_rank_with_78(tmp_path: Path) ->
     assert not _events(tmp_path / "run", "restart"), text[-3000:]
     line = [x for x in text.splitlines() if x.startswith("trainguard run: rank(s)")]
     assert len(line) == 1 and "UnsupportedValueError: extra" in line[0], text[-3000:]
+
+
+def test_a_lock_recorded_by_a_pid_that_started_later_is_no_live_holder(tmp_path: Path) -> None:
+    """A pod restarted under the same host name finds its predecessor's lock still held on NFS (the
+    lease has not ended), recorded with a pid that exists again (pid 1, or its own): not permanent,
+    the lock may be free at the next start. Here: the holder's record names this process, which
+    started after the recorded time."""
+    from trainguard.runlock import _live_here
+
+    lock = tmp_path / "lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 1000.0}))
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        assert not _live_here(fd)
+    finally:
+        os.close(fd)
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 4e9}))
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        assert _live_here(fd)
+    finally:
+        os.close(fd)

@@ -96,15 +96,30 @@ def _read_holder(fd: int) -> str:
 
 
 def _live_here(fd: int) -> bool:
-    """Whether the lock's recorded holder is a live process on this host (``acquire``'s LockedError)."""
+    """Whether the lock's recorded holder is a live process on this host (``acquire``'s LockedError):
+    its pid exists and (where /proc tells) started before it took the lock. A pid that started
+    later is another process: a pod restarted under the same host name whose old lock lingers on
+    a shared file system (pid 1, or this very pid, exists there too)."""
     try:
         d = json.loads(os.pread(fd, 4096, 0))
-        pid = int(d["pid"])
+        pid, since = int(d["pid"]), float(d["since"])
         if d.get("host") != socket.gethostname() or pid <= 0:
             return False
-        os.kill(pid, 0)
-    except PermissionError:
-        return True  # another user's live process
+        with contextlib.suppress(PermissionError):  # another user's process: /proc still tells its start
+            os.kill(pid, 0)
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return True
+    started = _started(pid)
+    return started is None or started <= since + 1
+
+
+def _started(pid: int) -> float | None:
+    """The start time of ``pid`` (seconds since the epoch) from /proc, None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None
