@@ -303,3 +303,18 @@ def test_a_lock_recorded_by_a_pid_that_started_later_is_no_live_holder(tmp_path:
         assert _live_here(fd)
     finally:
         os.close(fd)
+
+
+def test_the_excepthooks_exit_keeps_what_the_script_wrote_to_an_open_file(tmp_path: Path) -> None:
+    """The hook ends the process with os._exit(78) (Python's status after an uncaught exception
+    is always 1), which skips the flush of files still open at exit. A metrics file the script
+    never closed lost its last lines. Now the buffers of open files are flushed first."""
+    _checkpoint(tmp_path / "run")
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nlog = open(sys.argv[2], 'w')\nlog.write('before the error\\n')\n"
+                      + textwrap.dedent(SCRIPT))
+    env = {**_env(), "TRAINGUARD_AGENT_PID": str(os.getpid())}
+    out = tmp_path / "metrics.txt"
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(out)], env=env, capture_output=True, timeout=60)
+    assert p.returncode == 78, p.stderr[-2000:]
+    assert out.read_text() == "before the error\n"

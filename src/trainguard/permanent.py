@@ -108,12 +108,19 @@ def say(e: BaseException, who: str = "trainguard") -> None:
 
 
 def _finish(code: int) -> None:
-    """The end of a process whose exception was reported: atexit handlers, then ``code``."""
+    """The end of a process whose exception was reported: atexit handlers, the buffers of files
+    still open (a metrics file the script never closed: Python's own exit flushes them), then
+    ``code``. ``os._exit``: Python's exit status after an uncaught exception is always 1."""
+    import gc
+    import io
+
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(BaseException):
-            stream.flush()
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(BaseException):
+                if not obj.closed and obj.writable():
+                    obj.flush()
     os._exit(code)
 
 
