@@ -74,11 +74,13 @@ def test_a_state_that_does_not_fit_ends_the_job_with_78_without_a_restart(tmp_pa
 
 
 @pytest.mark.timeout(150)
-def test_a_killed_worker_is_still_restarted(tmp_path: Path) -> None:
-    """Guard: a worker SIGKILLed (a drill) is no permanent failure: restarted, the job ends 0."""
+@pytest.mark.parametrize("kind", ["kill", "exception"])
+def test_a_transient_failure_is_still_restarted(tmp_path: Path, kind: str) -> None:
+    """Guard: a worker SIGKILLed, or raising an error of its own (a drill's InjectedFault, through
+    the --run-path runner), is no permanent failure: restarted once, the job ends 0."""
     _checkpoint(tmp_path / "run")
     log = tmp_path / "agent.log"
-    rc = _run(_agent(tmp_path, 4, "--fault", "step=2,rank=1,kind=kill"), log)
+    rc = _run(_agent(tmp_path, 4, "--fault", f"step=2,rank=1,kind={kind}", "--start-method", "fork", "--run-path"), log)
     text = log.read_text(errors="replace")
     assert rc == 0, text[-3000:]
     assert len(_events(tmp_path / "run", "restart")) == 1, text[-3000:]
