@@ -129,6 +129,9 @@ class DistContext:
         """Around each public call that may run collectives, on every rank (see StoreDistContext)."""
         yield
 
+    def rounds_follow(self) -> None:
+        """In an operation: every rank's call runs rounds from here on (see StoreDistContext)."""
+
     @staticmethod
     def current() -> DistContext:
         """The context for this process: store-based when torch.distributed is initialised."""
@@ -151,11 +154,11 @@ class DistContext:
 
 def one_operation(fn: F) -> F:
     """Decorator of ``tg.save`` and ``tg.load``: the call is one operation of this process's
-    context (:meth:`StoreDistContext.operation`)."""
+    context (:meth:`StoreDistContext.operation`), numbered at once (both run rounds on every rank)."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with DistContext.current().operation():
+        with DistContext.current().operation(eager=True):
             return fn(*args, **kwargs)
 
     return call  # type: ignore[return-value]
@@ -187,9 +190,7 @@ class StoreDistContext(DistContext):
     background (``forget``).
     """
 
-    def __init__(
-        self, store: Any, rank: int, world_size: int, *, dead_after_s: float | None = None
-    ) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, *, dead_after_s: float | None = None) -> None:
         self.rank, self.world_size, self.local_rank = rank, world_size, int(os.environ.get("LOCAL_RANK", rank))
         self.dead_after = dead_after() if dead_after_s is None else dead_after_s
         self.store = BoundedStore(store, self.dead_after)  # a frozen store host: an error, not a hang
@@ -199,7 +200,7 @@ class StoreDistContext(DistContext):
         self.prefix = f"trainguard/{gen}"  # heartbeats live here, shared by every channel
         self.chan = f"{self.prefix}/main"  # rounds and "at" keys of this channel
         self._op, self._round = 0, 0  # the operation (public call) and the round within it
-        self._depth, self._new_op, self._in_op = 0, False, False  # see operation()
+        self._depth, self._new_op, self._in_op, self._parent = 0, False, False, None  # operation(); channel()
         self._keys: dict[tuple[int, int], tuple[str, bool, bool]] = {}  # rank 0: (op, round) -> (tag, "/all" key, per-rank keys)
         self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round
         self._channels: dict[str, StoreDistContext] = {}
@@ -218,7 +219,7 @@ class StoreDistContext(DistContext):
         if ch is None:
             ch = object.__new__(StoreDistContext)
             ch.__dict__.update(self.__dict__)
-            ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = f"{self.prefix}/{name}", 0, 0, {}, {}, []
+            ch._parent, ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = self, f"{self.prefix}/{name}", 0, 0, {}, {}, []
             ch._depth, ch._new_op, ch._in_op = 0, False, False
             self._channels[name] = ch
         return ch
@@ -242,17 +243,14 @@ class StoreDistContext(DistContext):
 
     @contextlib.contextmanager
     def operation(self, *, eager: bool = False) -> Iterator[None]:
-        """Around each public call that may run collectives, on every rank: ``tg.save``, ``tg.load``,
-        a ``CheckpointManager``'s ``open``/``save``/``wait``/``restore``/``close`` (nested calls are
-        part of the outer one); on the async-save channel, each save (``eager``: counted even if this
-        rank runs none of its rounds, which its save thread runs later, outside this block).
+        """Around each public call that may run collectives, on every rank: ``tg.save``, ``tg.load``, a
+        ``CheckpointManager``'s ``open``/``save``/``wait``/``restore``/``close`` (nested calls: part of the
+        outer one); on the async-save channel, each save (its thread runs the rounds after this block).
 
-        Every rank numbers its calls alike (one operation per call that ran a collective), and the
-        rounds within each from 1. A rank that raised out of a call midway (a Ctrl-C its caller
-        caught and went on: the others still wait in the rounds it skipped) marks itself ``LEFT``:
-        the others fail that call at once instead of at the timeout, and the next call pairs the
-        ranks again. Before, the ranks stayed one round apart for good and every later save waited
-        ``TRAINGUARD_TIMEOUT`` (600 s) in its first round.
+        Every rank numbers its calls alike (a call is numbered at its first round, or at once: ``eager``,
+        :meth:`rounds_follow`), and the rounds within each from 1. A rank that raised out of a numbered
+        call (a Ctrl-C its caller caught and went on: the others wait in rounds it skipped) marks itself
+        ``LEFT``: the others fail that call at once, and the next call pairs the ranks again.
         """
         if self._depth:
             self._depth += 1
@@ -274,8 +272,17 @@ class StoreDistContext(DistContext):
         finally:
             self._depth, self._new_op = 0, False
 
+    def rounds_follow(self) -> None:
+        """Number the call now, before its first round (``tg.save``/``tg.load``, a manager's ``open``/
+        ``restore``, ``save`` once it saves): a rank that raises before that round (a Ctrl-C in the capture
+        or in the wait for the previous save) is ``LEFT``, not paired with the others' call by its next one."""
+        if self._depth and self._new_op:
+            self._next_op()
+
     def _next_op(self) -> None:
-        self._op, self._round, self._new_op, self._in_op = self._op + 1, 0, False, True
+        # A channel (the async save's) takes its parent's number: equal on every rank after a save one skipped.
+        op = max(self._op + 1, self._parent._op if self._parent is not None else 0)
+        self._op, self._round, self._new_op, self._in_op = op, 0, False, True
 
     def _enter(self, tag: str, *, all_key: bool, per_rank: bool) -> str:
         if self._new_op:  # the call's first round: a new operation (see operation())

@@ -38,7 +38,7 @@ from .tiers import RamTier
 log = logging.getLogger("trainguard")
 
 
-@one_thread_at_a_time("open", "save", "wait", "restore", "close")
+@one_thread_at_a_time("open", "save", "wait", "restore", "close", rounds=("open", "restore"))
 class CheckpointManager:
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 
@@ -179,12 +179,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
     def save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        force: bool = False,
-        metrics: Mapping[str, float] | None = None,
+        self, step: int, state: Mapping[str, Any], *, force: bool = False, metrics: Mapping[str, float] | None = None,
     ) -> SaveHandle | None:
         """Call once per training step on every rank; saves when the policy says so (or ``force``,
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
@@ -203,6 +198,7 @@ class CheckpointManager:
             stops.note_stop(self, remote=True)
         if not want:
             return None
+        self.ctx.rounds_follow()  # every rank saves: a Ctrl-C in the wait for the previous save leaves it (dist.py)
         with watchdog.paused():  # a save (a first one of a large state) may outlast the hang timeout
             return self._save_now(step, state, metrics)
 

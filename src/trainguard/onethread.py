@@ -25,19 +25,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 _GUARD = threading.RLock()  # the check-and-set of a manager's owner (an RLock: a signal handler may enter)
 
 
-def one_thread_at_a_time(*names: str) -> Callable[[type], type]:
+def one_thread_at_a_time(*names: str, rounds: tuple[str, ...] = ()) -> Callable[[type], type]:
     """Class decorator of ``CheckpointManager``: its methods ``names`` raise in a thread that
-    enters one while another thread is inside one of them, on the same manager."""
+    enters one while another thread is inside one of them, on the same manager. ``rounds``: those
+    that run collective rounds on every rank, numbered from their start (``DistContext.rounds_follow``)."""
 
     def wrap(cls: type) -> type:
         for name in names:
-            setattr(cls, name, _guarded(getattr(cls, name)))
+            setattr(cls, name, _guarded(getattr(cls, name), name in rounds))
         return cls
 
     return wrap
 
 
-def _guarded(method: F) -> F:
+def _guarded(method: F, eager: bool = False) -> F:
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
         me, owner = threading.get_ident(), None
@@ -52,7 +53,7 @@ def _guarded(method: F) -> F:
                     "inside this manager: a manager is used from one thread at a time (one per thread, or a lock)"
                 )
             ctx = self.__dict__.get("ctx")
-            with ctx.operation() if ctx is not None else contextlib.nullcontext():  # dist.StoreDistContext.operation
+            with ctx.operation(eager=eager) if ctx is not None else contextlib.nullcontext():  # dist.StoreDistContext.operation
                 return method(self, *args, **kwargs)
         finally:
             if owner is None and self.__dict__.get("_inside") == me:

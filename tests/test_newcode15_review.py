@@ -1,0 +1,137 @@
+"""Review of today's new code (newcode15): collective rounds numbered per operation
+(``dist.StoreDistContext.operation``, ``distwait.py``).
+
+A rank that raised out of a call *before its first round* (a Ctrl-C caught by the script while
+the state was captured, while a manager's save waited for the previous async save, or in
+restore's wait) was not numbered in that call: its next call joined the rounds of the call the
+other ranks were still in, and the ranks' calls stayed one apart for the rest of the run (every
+save failed: "ranks disagree on the step", or rank 1 writing into another save's directory).
+"""
+
+from __future__ import annotations
+
+import torch
+
+import trainguard as tg
+
+from dist_helper import attempt, run_ranks
+from dist_helper import small_model as _model
+
+ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
+
+
+def _state(seed: int) -> dict:
+    return {"model": _model("ddp", seed), "progress": tg.StateDict(step=seed)}
+
+
+def _same(root: str, name: str, seed: int) -> bool:
+    got, want = _state(99), _state(seed)
+    tg.load(f"{root}/{name}", got)
+    return all(torch.equal(a, b) for a, b in zip(got["model"].state_dict().values(), want["model"].state_dict().values(), strict=True)) \
+        and got["progress"]["step"] == seed
+
+
+def _ctrl_c_in_capture(rank: int, world: int, root: str) -> dict:
+    import trainguard.api as api
+
+    out: dict = {}
+    if rank == 1:
+        real = api.capture
+
+        def ctrl_c(*a, **k):  # noqa: ANN002, ANN003, ANN202 - Ctrl-C while this rank captures, before any round
+            api.capture = real
+            raise KeyboardInterrupt
+
+        api.capture = ctrl_c
+        try:
+            tg.save(f"{root}/a", _state(1), timeout=20)
+            out["first"] = {"type": None}
+        except KeyboardInterrupt:
+            out["first"] = {"type": "KeyboardInterrupt"}
+    else:
+        out["first"] = attempt(lambda: tg.save(f"{root}/a", _state(1), timeout=20))
+    out["second"] = attempt(lambda: tg.save(f"{root}/b", _state(2), timeout=20))
+    out["third"] = attempt(lambda: tg.save(f"{root}/c", _state(3), timeout=20))
+    out["loads"] = attempt(lambda: _same(root, "c", 3) or 1 / 0)
+    return out
+
+
+def test_a_ctrl_c_caught_before_a_ranks_first_round_does_not_pair_its_next_save_with_the_others_previous(tmp_path):
+    res = run_ranks(_ctrl_c_in_capture, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["first"] == {"type": "KeyboardInterrupt"}, vals
+    assert vals[0]["first"]["type"] == "RankFailureError" and vals[0]["first"]["ranks"] == [1], vals
+    assert [v["third"] for v in vals] == [{"type": None}] * 2, vals
+    assert [v["second"] for v in vals] == [{"type": None}] * 2, vals
+    assert [v["loads"] for v in vals] == [{"type": None}] * 2, vals
+
+
+def _once(obj, name: str):  # noqa: ANN001, ANN202
+    """Make ``obj.name`` raise KeyboardInterrupt at its next call (only that one)."""
+    real = getattr(obj, name)
+
+    def ctrl_c(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        setattr(obj, name, real)
+        raise KeyboardInterrupt
+
+    setattr(obj, name, ctrl_c)
+
+
+def _caught(fn) -> dict:  # noqa: ANN001
+    try:
+        return attempt(fn)
+    except KeyboardInterrupt:
+        return {"type": "KeyboardInterrupt"}
+
+
+def _managed_async(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")  # on_error="warn": a failed save is a warning, the next one is made
+    mgr = tg.CheckpointManager(
+        root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False, timeout=20, on_error="warn"
+    ).open()
+    out = {"1": attempt(lambda: mgr.save(1, _state(1)))}
+    if rank == 1:  # Ctrl-C while its save of step 2 waits for the save of step 1 (before any round of step 2)
+        _once(mgr, "_finish_pending")
+    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
+    out["3"] = attempt(lambda: mgr.save(3, _state(3)))
+    out["4"] = attempt(lambda: mgr.save(4, _state(4)))
+    out["close"] = attempt(mgr.close)
+    with tg.CheckpointManager(root, handle_signals=False, timeout=20) as again:
+        out["restored"] = attempt(lambda: again.restore(_state(99)))
+        out["step"] = again.last_saved_step
+    return out
+
+
+def test_a_ctrl_c_in_one_ranks_wait_for_the_previous_async_save_does_not_shift_the_later_saves(tmp_path):
+    res = run_ranks(_managed_async, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["2"] == {"type": "KeyboardInterrupt"}, vals
+    # Step 2 fails on rank 0 (reported at its next call) or is never saved; steps 3 and 4 save on both.
+    assert [(v["4"], v["close"]) for v in vals] == [({"type": None}, {"type": None})] * 2, vals
+    assert [v["step"] for v in vals] == [4, 4], vals
+    assert (tmp_path / "step-000000004").is_dir() and (tmp_path / "step-000000003").is_dir()
+
+
+def _restore_twice(rank: int, world: int, root: str) -> dict:
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20) as mgr:
+        mgr.save(1, _state(1))
+    mgr = tg.CheckpointManager(root, handle_signals=False, timeout=20).open()
+    if rank == 1:  # Ctrl-C in restore's wait for a save in flight, before its first round
+        _once(mgr, "wait")
+    out = {"first": _caught(lambda: mgr.restore(_state(99)))}
+    st = _state(99)
+    out["second"] = attempt(lambda: mgr.restore(st))
+    out["step"] = st["progress"]["step"]
+    out["close"] = attempt(mgr.close)
+    return out
+
+
+def test_a_ctrl_c_before_one_ranks_first_restore_round_fails_the_others_restore_and_the_next_one_pairs(tmp_path):
+    res = run_ranks(_restore_twice, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["first"] == {"type": "KeyboardInterrupt"}, vals
+    assert vals[0]["first"]["type"] == "RankFailureError" and vals[0]["first"]["ranks"] == [1], vals
+    assert "left this trainguard call" in vals[0]["first"]["msg"], vals
+    assert [(v["second"], v["step"], v["close"]) for v in vals] == [({"type": None}, 1, {"type": None})] * 2, vals
