@@ -135,3 +135,33 @@ def test_a_ctrl_c_before_one_ranks_first_restore_round_fails_the_others_restore_
     assert vals[0]["first"]["type"] == "RankFailureError" and vals[0]["first"]["ranks"] == [1], vals
     assert "left this trainguard call" in vals[0]["first"]["msg"], vals
     assert [(v["second"], v["step"], v["close"]) for v in vals] == [({"type": None}, 1, {"type": None})] * 2, vals
+
+
+def _ctrl_c_before_decide(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    warnings.simplefilter("ignore")
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=20, on_error="warn").open()  # handle_signals: "decide" each step
+    out = {"1": attempt(lambda: mgr.save(1, _state(1)))}
+    if rank == 1:  # Ctrl-C in the policy, before this step's "decide" round
+        _once(mgr.save_policy, "should_save")
+    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
+    out["3"] = attempt(lambda: mgr.save(3, _state(3)))
+    out["4"] = attempt(lambda: mgr.save(4, _state(4)))
+    out["close"] = attempt(mgr.close)
+    with tg.CheckpointManager(root, timeout=20) as again:
+        out["restored"] = attempt(lambda: again.restore(_state(99)))
+        out["step"] = again.last_saved_step
+    return out
+
+
+def test_a_ctrl_c_before_one_ranks_decide_round_does_not_shift_the_later_saves(tmp_path):
+    # Before: rank 0's decision (a broadcast) went on without rank 1, whose next save then met
+    # rank 0's save of the step before: every later save failed, and the next manager's open too.
+    res = run_ranks(_ctrl_c_before_decide, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["2"] == {"type": "KeyboardInterrupt"}, vals
+    assert [(v["3"], v["4"], v["close"], v["restored"], v["step"]) for v in vals] == [
+        ({"type": None}, {"type": None}, {"type": None}, {"type": None}, 4)
+    ] * 2, vals
+    assert (tmp_path / "step-000000003").is_dir()

@@ -184,13 +184,16 @@ class CheckpointManager:
         """Call once per training step on every rank; saves when the policy says so (or ``force``,
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
         self._require_open()
+        agree = self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals)
+        if agree:  # every rank runs the "decide" round: numbered now, a Ctrl-C before it leaves the call (dist.py)
+            self.ctx.rounds_follow()
         step = layout.check_step(step)
         watchdog.heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)
         want = force or self.save_policy.should_save(step, now)
         preempt = self._preempt.is_set()
-        if self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals):
+        if agree:
             # Rank 0 decides for time-based policies and preemption (any rank's), so all ranks agree.
             want, preempt = policies.decide(self.ctx, want, preempt, self.timeout)
         if preempt:
