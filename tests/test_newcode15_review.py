@@ -165,3 +165,21 @@ def test_a_ctrl_c_before_one_ranks_decide_round_does_not_shift_the_later_saves(t
         ({"type": None}, {"type": None}, {"type": None}, {"type": None}, 4)
     ] * 2, vals
     assert (tmp_path / "step-000000003").is_dir()
+
+
+def _names_per_rank(rank: int, world: int, root: str) -> dict:
+    return {
+        "save": attempt(lambda: tg.save(f"{root}/ckpt-{rank}", _state(1), timeout=20)),  # e.g. a name from each rank's clock
+        "next": attempt(lambda: tg.save(f"{root}/same", _state(2), timeout=20)),
+    }
+
+
+def test_ranks_saving_under_different_names_are_told_so_and_leave_nothing(tmp_path):
+    # Before: rank 1 wrote into ckpt-1.tmp-<id> (left behind), rank 0 looked in ckpt-0.tmp-<id>, and
+    # both were told the run directory must be on shared storage.
+    res = run_ranks(_names_per_rank, 2, str(tmp_path), timeout=60, env=ENV)
+    for r in res:
+        assert r.value["save"]["type"] == "RankFailureError" and r.value["save"]["ranks"] == [1], r.value
+        assert "disagree on the name" in r.value["save"]["msg"] and "shared" not in r.value["save"]["msg"], r.value
+        assert r.value["next"] == {"type": None}, r.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same"]

@@ -186,7 +186,7 @@ def persist_and_commit(
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
     if step is None:
         step = layout_mod.parse_step(name) or 0
-    hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "own": own, "error": None}
+    hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "name": name, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
@@ -269,13 +269,13 @@ def _check_begin(begin: list[Any], ctx: DistContext) -> None:
         raise StepExistsError(begin[0]["exists"])
     if begin[0].get("refused"):
         raise CheckpointError(begin[0]["refused"])
-    steps = {r: b["step"] for r, b in enumerate(begin)}
-    off = [r for r, s in steps.items() if s != steps[0]]
-    if off:
-        raise RankFailureError(
-            f"save: ranks disagree on the step: {steps}; every rank must save the same step",
-            {r: f"called save with step {steps[r]}, rank 0 with {steps[0]}" for r in off},
-        )
+    for key, also in (("step", ""), ("name", " (the path's last part: not made from each rank's clock or rank)")):
+        got = {r: b.get(key) for r, b in enumerate(begin)}  # a name differing: rank 0 looked for the others' files
+        if off := [r for r, s in got.items() if s != got[0]]:  # in its own temp directory ("not on shared storage")
+            raise RankFailureError(
+                f"save: ranks disagree on the {key}: {got}; every rank must save the same {key}{also}",
+                {r: f"called save with {key} {got[r]}, rank 0 with {got[0]}" for r in off},
+            )
     sigs = {r: b["sig"] for r, b in enumerate(begin)}
     bad = [r for r, s in sigs.items() if s != sigs[0]]
     if bad:
