@@ -183,3 +183,27 @@ def test_ranks_saving_under_different_names_are_told_so_and_leave_nothing(tmp_pa
         assert "disagree on the name" in r.value["save"]["msg"] and "shared" not in r.value["save"]["msg"], r.value
         assert r.value["next"] == {"type": None}, r.value
     assert sorted(p.name for p in tmp_path.iterdir()) == ["same"]
+
+
+def _skipped_async_then_wait(rank: int, world: int, root: str) -> dict:
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, timeout=20).open()  # "decide" each step
+    out = {"1": attempt(lambda: (mgr.save(1, _state(1)), mgr.wait()))}
+    if rank == 1:  # Ctrl-C while its save of step 2 waits for the previous save: it never starts step 2's save
+        _once(mgr, "_finish_pending")
+    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
+    out["wait"] = attempt(mgr.wait)  # every rank; rank 1 then goes on to step 3 (its "decide" waits for rank 0)
+    out["3"] = attempt(lambda: (mgr.save(3, _state(3)), mgr.wait()))
+    out["close"] = attempt(mgr.close)
+    return out
+
+
+def test_a_rank_that_never_started_an_async_save_fails_it_at_once_not_at_the_timeout(tmp_path):
+    # Before: rank 0's save thread waited in "begin" for rank 1 while rank 1 waited in step 3's
+    # "decide" for rank 0 (inside wait()): 'did not arrive within 20 s' (600 s by default).
+    res = run_ranks(_skipped_async_then_wait, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["2"] == {"type": "KeyboardInterrupt"}, vals
+    w = vals[0]["wait"]
+    assert w["type"] == "RankFailureError" and w["ranks"] == [1] and "left this trainguard call" in w["msg"], vals
+    assert [(v["3"], v["close"]) for v in vals] == [({"type": None}, {"type": None})] * 2, vals
+    assert (tmp_path / "step-000000003").is_dir() and not (tmp_path / "step-000000002").exists()

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .distwait import LEFT, wait_for
+from .distwait import LEFT, STARTED, wait_for
 from .errors import RankFailureError, failure, failure_record, from_record, summary  # noqa: F401 - failure, summary: imported from here too
 from .storecall import BoundedStore
 
@@ -153,8 +153,7 @@ class DistContext:
 
 
 def one_operation(fn: F) -> F:
-    """Decorator of ``tg.save`` and ``tg.load``: the call is one operation of this process's
-    context (:meth:`StoreDistContext.operation`), numbered at once (both run rounds on every rank)."""
+    """``tg.save``/``tg.load``: one operation (:meth:`StoreDistContext.operation`), numbered at once."""
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -262,6 +261,8 @@ class StoreDistContext(DistContext):
         self._depth, self._new_op, self._in_op = 1, True, False
         if eager:
             self._next_op()
+            with contextlib.suppress(Exception):  # a channel's (async) save started here: see distwait.STARTED
+                self._parent is None or self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, STARTED]))
         try:
             yield
         except BaseException:
@@ -273,9 +274,8 @@ class StoreDistContext(DistContext):
             self._depth, self._new_op = 0, False
 
     def rounds_follow(self) -> None:
-        """Number the call now, before its first round (``tg.save``/``tg.load``, a manager's ``open``/
-        ``restore``, ``save`` once it saves): a rank that raises before that round (a Ctrl-C in the capture
-        or in the wait for the previous save) is ``LEFT``, not paired with the others' call by its next one."""
+        """Number the call now (a manager's ``open``/``restore``/``save``): a rank raising before its first
+        round (a Ctrl-C in the wait for the previous save) is ``LEFT``, not paired by its next call."""
         if self._depth and self._new_op:
             self._next_op()
 

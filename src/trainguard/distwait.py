@@ -23,6 +23,7 @@ from typing import Any
 from .errors import failure, failure_record
 
 LEFT = "(left)"  # the tag in a rank's "at" key once it raised out of an operation it had entered
+STARTED = "(started)"  # an async save's, set by the call that starts it (its thread's rounds come later)
 
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
 # passed "begin"): a rank missing there is busy with the work in between, not absent.
@@ -92,10 +93,16 @@ def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
 
 def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
     """Raise at once when a rank whose key is awaited left this operation without writing it."""
-    gone = {}
-    for r, (op, _rnd, other) in _where(ctx, list(missing)).items():
+    gone, where = {}, _where(ctx, list(missing))
+    for r, (op, _rnd, other) in where.items():
         if op > ctx._op or (op == ctx._op and other == LEFT):
             gone[r] = other
+    parent = getattr(ctx, "_parent", None)  # an async save's channel: a rank that never started this save
+    if parent is not None:  # (a Ctrl-C before it) and whose training thread is past the call that starts it
+        behind = [r for r in missing if r not in gone and where.get(r, (-1,))[0] < ctx._op]
+        for r, (op, _rnd, other) in _where(parent, behind).items():
+            if op > ctx._op or (op == ctx._op and other == LEFT):
+                gone[r] = f"never started this save; now in {other!r}"
     # Read again: a rank may have written its key and then moved on since the first look.
     gone = {r: w for r, w in gone.items() if not ctx.store.check([missing[r]])}
     if gone:
@@ -103,7 +110,8 @@ def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
             f"{tag}: rank(s) {sorted(gone)} left this trainguard call before {tag!r} and went on (an exception "
             "or a Ctrl-C caught on that rank, e.g. `except KeyboardInterrupt:`): the call fails on every rank; "
             "the ranks' next calls are paired again",
-            {r: f"left the call before {tag!r}" + ("" if w == LEFT else f" (now in {w!r})") for r, w in gone.items()},
+            {r: f"left the call before {tag!r}" + ("" if w == LEFT else f" ({w})" if w.startswith("never") else f" (now in {w!r})")
+             for r, w in gone.items()},
         )
 
 
