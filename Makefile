@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench soak clean
+.PHONY: setup demo test test-slow lint bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: setup
 test: setup
 	$(VPY) -m ruff check src tests bench
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+# The tests left out of `make test` for its run time (more seeds, layouts and world sizes; minutes).
+test-slow: setup
+	$(VPY) -m pytest -q -p no:cacheprovider -m slow -k "not soak" tests
 
 lint: setup
 	$(VPY) -m ruff check src tests bench
