@@ -10,25 +10,10 @@ save failed: "ranks disagree on the step", or rank 1 writing into another save's
 
 from __future__ import annotations
 
-import torch
-
 import trainguard as tg
+from test_rejoin import ENV, _same, _state
 
 from dist_helper import attempt, run_ranks
-from dist_helper import small_model as _model
-
-ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
-
-
-def _state(seed: int) -> dict:
-    return {"model": _model("ddp", seed), "progress": tg.StateDict(step=seed)}
-
-
-def _same(root: str, name: str, seed: int) -> bool:
-    got, want = _state(99), _state(seed)
-    tg.load(f"{root}/{name}", got)
-    return all(torch.equal(a, b) for a, b in zip(got["model"].state_dict().values(), want["model"].state_dict().values(), strict=True)) \
-        and got["progress"]["step"] == seed
 
 
 def _ctrl_c_in_capture(rank: int, world: int, root: str) -> dict:
