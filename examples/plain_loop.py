@@ -11,6 +11,7 @@ position (the doctor's "data position" warning asks for a sampler; a real loop a
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 import torch
@@ -54,6 +55,7 @@ def main() -> None:
             if mgr.should_stop:  # SIGTERM/SIGINT (a preemption): this step was just saved; exit now
                 break
         print(f"{'stopped' if mgr.should_stop else 'done'} at step {state['progress']['step']}, saved step {mgr.last_saved_step}")
+    sys.exit(mgr.exit_code)  # 143 after a SIGTERM: a requeue wrapper resumes the run (docs/elastic.md, exit codes)
 
 
 if __name__ == "__main__":
