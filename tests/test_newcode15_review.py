@@ -69,6 +69,22 @@ def _caught(fn) -> dict:  # noqa: ANN001
         return {"type": "KeyboardInterrupt"}
 
 
+def _saves_after_ctrl_c(mgr, rank: int, root: str, inject, again_kw: dict) -> dict:  # noqa: ANN001
+    """Save step 1 on every rank, then ``inject()`` a Ctrl-C on rank 1 inside its save of step 2
+    (caught), then save steps 3 and 4, close, and restore with a new manager (``again_kw``)."""
+    out = {"1": attempt(lambda: mgr.save(1, _state(1)))}
+    if rank == 1:
+        inject()
+    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
+    out["3"] = attempt(lambda: mgr.save(3, _state(3)))
+    out["4"] = attempt(lambda: mgr.save(4, _state(4)))
+    out["close"] = attempt(mgr.close)
+    with tg.CheckpointManager(root, timeout=20, **again_kw) as again:
+        out["restored"] = attempt(lambda: again.restore(_state(99)))
+        out["step"] = again.last_saved_step
+    return out
+
+
 def _managed_async(rank: int, world: int, root: str) -> dict:
     import warnings
 
@@ -76,18 +92,8 @@ def _managed_async(rank: int, world: int, root: str) -> dict:
     mgr = tg.CheckpointManager(
         root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False, timeout=20, on_error="warn"
     ).open()
-    out = {"1": attempt(lambda: mgr.save(1, _state(1)))}
-    if rank == 1:  # Ctrl-C while its save of step 2 waits for the save of step 1 (before any round of step 2)
-        _once(mgr, "_finish_pending")
-    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
-    out["3"] = attempt(lambda: mgr.save(3, _state(3)))
-    out["4"] = attempt(lambda: mgr.save(4, _state(4)))
-    out["close"] = attempt(mgr.close)
-    with tg.CheckpointManager(root, handle_signals=False, timeout=20) as again:
-        out["restored"] = attempt(lambda: again.restore(_state(99)))
-        out["step"] = again.last_saved_step
-    return out
-
+    # Ctrl-C while rank 1's save of step 2 waits for the save of step 1 (before any round of step 2)
+    return _saves_after_ctrl_c(mgr, rank, root, lambda: _once(mgr, "_finish_pending"), {"handle_signals": False})
 
 def test_a_ctrl_c_in_one_ranks_wait_for_the_previous_async_save_does_not_shift_the_later_saves(tmp_path):
     res = run_ranks(_managed_async, 2, str(tmp_path), timeout=90, env=ENV)
@@ -127,18 +133,8 @@ def _ctrl_c_before_decide(rank: int, world: int, root: str) -> dict:
 
     warnings.simplefilter("ignore")
     mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=20, on_error="warn").open()  # handle_signals: "decide" each step
-    out = {"1": attempt(lambda: mgr.save(1, _state(1)))}
-    if rank == 1:  # Ctrl-C in the policy, before this step's "decide" round
-        _once(mgr.save_policy, "should_save")
-    out["2"] = _caught(lambda: mgr.save(2, _state(2)))
-    out["3"] = attempt(lambda: mgr.save(3, _state(3)))
-    out["4"] = attempt(lambda: mgr.save(4, _state(4)))
-    out["close"] = attempt(mgr.close)
-    with tg.CheckpointManager(root, timeout=20) as again:
-        out["restored"] = attempt(lambda: again.restore(_state(99)))
-        out["step"] = again.last_saved_step
-    return out
-
+    # Ctrl-C in rank 1's policy, before step 2's "decide" round
+    return _saves_after_ctrl_c(mgr, rank, root, lambda: _once(mgr.save_policy, "should_save"), {})
 
 def test_a_ctrl_c_before_one_ranks_decide_round_does_not_shift_the_later_saves(tmp_path):
     # Before: rank 0's decision (a broadcast) went on without rank 1, whose next save then met

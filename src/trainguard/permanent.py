@@ -171,11 +171,6 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         raise SystemExit(PERMANENT_EXIT) from e
 
 
-def any_permanent(errors: list[Any]) -> bool:
-    """Whether any of ``errors`` (exceptions or None) is permanent."""
-    return any(is_permanent(x) for x in errors if isinstance(x, BaseException))
-
-
 def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout: float | None,
                        max_staging_bytes: int | None, async_save: bool, stage_in_background: bool) -> None:
     """``CheckpointManager.__init__`` (inside :func:`config_errors`): its arguments, before any I/O."""
