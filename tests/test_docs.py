@@ -20,5 +20,8 @@ def test_python_examples_run(doc, tmp_path, monkeypatch):
     assert blocks
     monkeypatch.chdir(tmp_path)
     for code in blocks:
-        exec(compile(code, doc, "exec"), {"__name__": "__doc_example__"})
+        try:
+            exec(compile(code, doc, "exec"), {"__name__": "__doc_example__"})
+        except SystemExit as done:  # README's loop ends with sys.exit(mgr.exit_code): 0, no stop signal came
+            assert done.code == 0, f"{doc}: an example exited {done.code}"
     assert (tmp_path / "ckpts").exists()
