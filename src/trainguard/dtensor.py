@@ -188,10 +188,15 @@ def ensure_optimizer_state(optimizer: Any) -> bool:
 
     Called by ``api.load`` on every rank before loading optimizer state. It does nothing when the
     optimizer already has state or holds no DTensor parameter (plain tensors are read into new
-    whole tensors and handed to ``optimizer.load_state_dict``). Otherwise it runs one
-    ``step()`` with zero gradients and every learning rate set to 0, which creates each state
-    tensor with its parameter's sharding and leaves the parameters unchanged; the loaded values
-    then overwrite that state. Returns True when it created state.
+    whole tensors and handed to ``optimizer.load_state_dict``). Otherwise it runs ``step()``
+    with zero gradients and every learning rate set to 0, which creates each state tensor with
+    its parameter's sharding and leaves the parameters unchanged; the loaded values then
+    overwrite that state. Returns True when it created state.
+
+    The steps go over the parameters in batches (:func:`_grad_batches`; an optimizer creates
+    state only for parameters with a gradient): one step over all of them held a zero gradient
+    of every parameter and the step's temporaries (foreach Adam: about two more of each) next to
+    the new state, a peak of about twice Adam's state; now it is the state and one batch's.
     """
     import torch
 
@@ -204,14 +209,18 @@ def ensure_optimizer_state(optimizer: Any) -> bool:
             g["lr"] = g["lr"].clone().fill_(0.0)
         elif "lr" in g:
             g["lr"] = 0.0
-    grads = {}
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    grads = {p: p.grad for p in params}
     try:
-        for g in optimizer.param_groups:
-            for p in g["params"]:
-                if p.requires_grad:
-                    grads[p] = p.grad
-                    p.grad = torch.zeros_like(p)
-        optimizer.step()
+        for p in params:
+            p.grad = None
+        for batch in _grad_batches(params):
+            for p in batch:
+                p.grad = torch.zeros_like(p)
+            optimizer.step()
+            for p in batch:
+                p.grad = None
+            _trim()
     finally:
         for p, old in grads.items():
             p.grad = old
@@ -219,3 +228,40 @@ def ensure_optimizer_state(optimizer: Any) -> bool:
             if lr is not None:
                 g["lr"] = lr
     return True
+
+
+def _grad_batches(params: list[Any]) -> list[list[Any]]:
+    """``ensure_optimizer_state``: ``params`` in order, in batches of about an eighth of their
+    local bytes (or one parameter larger than that): a step's zero gradients and temporaries
+    stay near an eighth of the parameters, at most ~16 steps."""
+    size = [local_part(p).numel() * local_part(p).element_size() for p in params]
+    budget = max([sum(size) // 8, *size], default=0)
+    out: list[list[Any]] = []
+    used = budget
+    for p, n in zip(params, size, strict=True):
+        if used + n > budget:
+            out.append([])
+            used = 0
+        out[-1].append(p)
+        used += n
+    return out
+
+
+def _trim() -> None:
+    """Give the heap's free pages back to the system (glibc ``malloc_trim``; elsewhere nothing):
+    a batch's freed gradients and temporaries lie between the state tensors created after them,
+    where glibc neither reuses all of them nor returns them, and each batch's stayed resident."""
+    global _LIBC
+    if _LIBC is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC(0)
+
+
+_LIBC: Any = None
