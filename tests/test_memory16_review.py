@@ -70,3 +70,46 @@ def test_first_fsdp2_load_into_a_fresh_adam_peaks_near_its_state(tmp_path) -> No
         want = [opt.state[p]["exp_avg_sq"][rows].double().sum().item() for p in m.parameters()]
         assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(sums, want, strict=True)), (sums, want)
         assert extra < 1.5 * adam, f"rank {r.rank}: peak extra RSS {extra >> 20} MiB for {adam >> 20} MiB of Adam state"
+
+
+def _anon() -> int:
+    with open("/proc/self/status", "rb") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(b"RssAnon:"))
+
+
+def test_torch_save_import_does_not_copy_the_file_into_memory(tmp_path, monkeypatch) -> None:
+    """``convert`` of a ``torch.save`` file (here 64 MiB, a Hugging Face ``.bin`` shard is one
+    too) read it with ``torch.load`` into anonymous memory and held the copy until its save had
+    written everything: 64 MiB more anonymous memory while the writes ran. Now memory-mapped,
+    as safetensors' ``load_file`` already was: the save writes from the file's pages (clean page
+    cache, which VmHWM counts but the kernel can drop; RssAnon does not count it). Sampled at
+    every checksum of the written data, i.e. while every imported tensor is alive."""
+    import torch
+
+    import trainguard as tg
+    import trainguard.io as tio
+    from trainguard.convert import convert
+
+    src = tmp_path / "pytorch_model.bin"
+    ref = {f"layer{i}.weight": torch.randn(1024, 2048) for i in range(8)}  # 8 x 8 MiB
+    torch.save(ref, src)
+    size = src.stat().st_size
+    del ref
+    peak = [0]
+    checksum = tio.checksum
+
+    def sampled(view: Any) -> Any:
+        peak[0] = max(peak[0], _anon())
+        return checksum(view)
+
+    monkeypatch.setattr(tio, "checksum", sampled)
+    base = _anon()
+    convert(src, tmp_path / "c")
+    monkeypatch.undo()
+    assert peak[0], "the save wrote nothing?"
+    extra = peak[0] - base
+    assert extra < size // 4, f"{extra >> 20} MiB more anonymous memory while importing a {size >> 20} MiB file"
+    back = {k: torch.empty(1024, 2048) for k in torch.load(src, weights_only=True, mmap=True)}
+    tg.load(tmp_path / "c", {"model": back})
+    want = torch.load(src, weights_only=True, mmap=True)
+    assert all(torch.equal(back[k], want[k]) for k in want)
