@@ -113,3 +113,89 @@ def test_torch_save_import_does_not_copy_the_file_into_memory(tmp_path, monkeypa
     tg.load(tmp_path / "c", {"model": back})
     want = torch.load(src, weights_only=True, mmap=True)
     assert all(torch.equal(back[k], want[k]) for k in want)
+
+
+def _titan_model() -> Any:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.ModuleDict({
+        "tok_embeddings": nn.Embedding(50, 16),
+        "layers": nn.ModuleList([nn.Linear(16, 16) for _ in range(2)]),
+        "output": nn.Linear(16, 50),
+    })
+
+
+def _titan_step(m: Any, opt: Any) -> None:
+    import torch
+
+    h = m["tok_embeddings"](torch.arange(8) % 50)
+    for layer in m["layers"]:
+        h = layer(h)
+    m["output"](h).square().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_torchtitan_dcp_checkpoint_imports_and_restores_model_and_optimizer(tmp_path) -> None:
+    """torchtitan saves with DCP the model's state_dict at the top level (keys
+    ``layers.0.weight``), the optimizer flattened by ``get_optimizer_state_dict(...,
+    flatten_optimizer_state_dict=True)`` (``optimizer.state.<fqn>.exp_avg``,
+    ``optimizer.param_groups.<fqn>.lr``), ``lr_scheduler``, ``dataloader`` (pickled bytes) and
+    ``train_state``. Before, the import split the model into entries ``tok_embeddings``,
+    ``layers``, ``output`` and kept the optimizer flat: neither ``{"model": m}`` nor
+    ``{"optimizer": opt}`` could load it. Now the model is entry ``model`` and the optimizer
+    ``{"state", "param_groups"}``: both load, and training goes on identically."""
+    import io
+    import pickle
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    import trainguard as tg
+    from trainguard.convert import convert
+
+    def build() -> tuple[Any, Any, Any]:
+        m = _titan_model()
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+        opt = torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2)
+        return m, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))
+
+    m, opt, sched = build()
+    for _ in range(2):
+        _titan_step(m, opt)
+        sched.step()
+    losses = io.BytesIO()
+    torch.save([1.0], losses)
+    states = {
+        **get_model_state_dict(m),
+        "optimizer": get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True)),
+        "lr_scheduler": sched.state_dict(),  # lr_lambdas: [None] (a lambda is not saved)
+        "dataloader": {"world_size": 1, "dp_rank_0": pickle.dumps({"pos": 3})},
+        "train_state": {"step": torch.tensor(2, dtype=torch.int32), "global_avg_losses": losses},
+    }
+    dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp_path / "titan")), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the DCP-is-a-pickle warning
+        convert(tmp_path / "titan", tmp_path / "tg")
+
+    m2, opt2, sched2 = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tg.load(tmp_path / "tg", {"model": m2, "optimizer": opt2, "lr_scheduler": sched2}, only=["model", "optimizer", "lr_scheduler"])
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+    for p, q in zip(m.parameters(), m2.parameters(), strict=True):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+    assert [g["weight_decay"] for g in opt2.param_groups] == [g["weight_decay"] for g in opt.param_groups]
+    assert sched2.last_epoch == sched.last_epoch and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    _titan_step(m, opt)
+    _titan_step(m2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))

@@ -54,6 +54,7 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
 
     dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
+    model_keys = _titan_model_keys(paths) if split else set()
     state: dict[str, Any] = {}
     for fqn, v in flat.items():
         if not isinstance(v, torch.Tensor):
@@ -65,7 +66,7 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
         if not isinstance(keys, tuple) or len(keys) < 2 or type(keys[0]) is not str:
             keys = tuple(fqn.split(".", 1))  # a flat key (a bare state_dict's): split at its first dot
         head = keys[0]
-        if not split or not head or "/" in head or "@" in head or head.startswith("$"):
+        if fqn in model_keys or not split or not head or "/" in head or "@" in head or head.startswith("$"):
             state.setdefault(entry, {})[fqn] = v
         elif len(keys) == 1:
             if head in state:
@@ -76,7 +77,54 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
             if not isinstance(node, dict):
                 raise CheckpointError(f"{path}: key {fqn!r} lies inside {head!r}, which is a value itself")
             _put(node, keys[1:], v, fqn, path)
-    return {k: _lists(v, k) for k, v in state.items()}, skipped
+    return {k: _unflat_optimizer(v) if _is_flat_optimizer(v) else _lists(v, k) for k, v in state.items()}, skipped
+
+
+_FLAT_OPTIM = ("state.", "param_groups.")
+
+
+def _is_flat_optimizer(v: Any) -> bool:
+    """An optimizer entry that ``get_optimizer_state_dict(..., StateDictOptions(
+    flatten_optimizer_state_dict=True))`` flattened (torchtitan saves it so): keys
+    ``state.<param fqn>.<name>`` and ``param_groups.<param fqn>.<name>`` only."""
+    return (
+        isinstance(v, dict) and bool(v) and all(type(k) is str and k.startswith(_FLAT_OPTIM) and "." in k[6:] for k in v)
+        and any(k.startswith("param_groups.") for k in v)
+    )
+
+
+def _unflat_optimizer(v: dict[str, Any]) -> dict[str, Any]:
+    """A flattened optimizer (:func:`_is_flat_optimizer`) in the form trainguard saves and loads:
+    ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``. The flat form
+    keeps each parameter's group values, not the groups: parameters with the same values are
+    one group (as torch's own unflattening matches them to the optimizer's groups)."""
+    state: dict[str, dict[str, Any]] = {}
+    per_param: dict[str, dict[str, Any]] = {}
+    for k, x in v.items():
+        kind, rest = k.split(".", 1)
+        fqn, name = rest.rsplit(".", 1)
+        (state if kind == "state" else per_param).setdefault(fqn, {})[name] = x
+    groups: dict[str, dict[str, Any]] = {}
+    for fqn, values in per_param.items():
+        g = groups.setdefault(repr(sorted(values.items())), {**values, "params": []})
+        g["params"].append(fqn)
+    return {"state": state, "param_groups": [_lists(g, "") for g in groups.values()]}
+
+
+def _titan_model_keys(paths: dict[str, Any]) -> set[str]:
+    """The model keys of a torchtitan checkpoint, which saves the model's state_dict at the top
+    level (``layers.0.attention.wq.weight``, DCP records it flat) beside ``optimizer``,
+    ``lr_scheduler``, ``dataloader``, ``train_state``: these go into one entry (``--entry``,
+    default ``model``) instead of an entry per first name. Recognised by the flattened optimizer
+    beside them, whose parameter names are all among those top-level keys; else empty."""
+    top = {fqn for fqn, keys in paths.items() if isinstance(keys, tuple) and len(keys) == 1}
+    params = {
+        keys[1].split(".", 1)[1].rsplit(".", 1)[0]
+        for keys in paths.values()
+        if isinstance(keys, tuple) and len(keys) == 2 and type(keys[1]) is str
+        and keys[1].startswith(_FLAT_OPTIM) and "." in keys[1][6:]
+    }
+    return top if params and params <= top else set()
 
 
 _SCALARS = (int, float, bool, str, type(None))
