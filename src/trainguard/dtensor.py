@@ -232,9 +232,11 @@ def ensure_optimizer_state(optimizer: Any) -> bool:
 
 def _grad_batches(params: list[Any]) -> list[list[Any]]:
     """``ensure_optimizer_state``: ``params`` in order, in batches of about an eighth of their
-    local bytes (or one parameter larger than that): a step's zero gradients and temporaries
-    stay near an eighth of the parameters, at most ~16 steps."""
-    size = [local_part(p).numel() * local_part(p).element_size() for p in params]
+    bytes (or one parameter larger than that): a step's zero gradients and temporaries stay
+    near an eighth of the parameters, at most ~16 steps. Sized by the parameters' global
+    shapes, not their local shards, so that every rank takes the same steps over the same
+    parameters (a step over DTensors may talk to the other ranks)."""
+    size = [p.numel() * p.element_size() for p in params]
     budget = max([sum(size) // 8, *size], default=0)
     out: list[list[Any]] = []
     used = budget
