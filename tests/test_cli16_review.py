@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -65,3 +66,41 @@ def test_inspect_text_and_json_of_every_tensor_one_line_each(tmp_path):
     line = next(ln for ln in text.splitlines() if '"layers.0.bias"' in ln)
     assert json.loads("{" + line.strip().rstrip(",") + "}") == {"layers.0.bias": {"dtype": "float32", "shape": [2], "bytes": 8, "chunks": 1}}
     assert len(json.loads(text)["entries"]["model"]["tensors"]) == 4
+
+
+# ----------------------------------------------------------------------------- click's usage errors
+
+
+@pytest.mark.parametrize("args, says", [
+    (["ls", "--bogus", "x"], "No such option '--bogus'"),
+    (["ls"], "Missing argument 'RUN_DIR'"),
+    (["lss"], "No such command 'lss'"),
+    (["--bogus"], "No such option '--bogus'"),
+    (["inspect", "x", "--filter"], "Option '--filter' requires an argument"),
+    (["demo", "--steps", "0"], "0 is not in the range"),
+])
+def test_usage_errors_are_one_error_line_exit_2(args, says):
+    """click printed ``Usage: ...``, ``Try ... for help.``, a blank line and ``Error: ...``; every
+    other error of the CLI is one ``error:`` line, exit 2. Now so are click's, with the usage of the
+    command concerned and where its help is; ``--help`` is unchanged."""
+    r = CliRunner().invoke(main, args, prog_name="trainguard")
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    assert says in lines[0] and "--help`" in lines[0] and "Traceback" not in r.output, r.output
+    if args[0] in ("ls", "inspect"):
+        assert f"usage: trainguard {args[0]} [OPTIONS]" in lines[0], r.output
+    r = CliRunner().invoke(main, [args[0] if not args[0].startswith("--") and args[0] != "lss" else "ls", "--help"], prog_name="trainguard")
+    assert r.exit_code == 0 and r.output.startswith("Usage: trainguard ")
+
+
+def test_run_usage_errors_are_one_error_line_exit_2(capsys):
+    """``trainguard run`` parses with torchrun's argparse parser: 15 lines of usage before
+    ``trainguard run: error: ...``. Now one line, exit 2."""
+    from trainguard.elastic.launcher import build_parser
+
+    for argv in ([], ["--hang-timeout", "-1", "train.py"]):
+        with pytest.raises(SystemExit) as e:
+            build_parser().parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert "`trainguard run --help`" in err[0]

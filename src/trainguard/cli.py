@@ -1,7 +1,8 @@
 """The ``trainguard`` command. Thin: every command calls into the library modules.
 
 Commands live in small modules under :mod:`trainguard.commands`; each exposes click commands
-that :func:`main` registers. Errors derived from :class:`CheckpointError` are printed as one
+that :func:`main` registers. click's usage errors (an unknown option, a missing argument, a value
+out of range) are one ``error:`` line with the command's usage, exit code 2. Errors derived from :class:`CheckpointError` are printed as one
 clear line (exit code 2), never as a traceback from deep inside the library; so is an OSError (a
 file the user may not read, an I/O error), with what to do for a permission error, and an error of
 an object store's client library (an endpoint that does not answer, missing credentials).
@@ -13,10 +14,11 @@ import errno
 import importlib
 import pkgutil
 import sys
+from typing import Any
 
 import click
 
-from .commands import printable, stdout_gone
+from .commands import CommandError, printable, stdout_gone
 from .errors import CheckpointError
 
 # Packages whose exceptions (not OSErrors) say an object store could not be used: botocore's
@@ -25,9 +27,25 @@ _STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "gcsfs", "google"
 
 
 class _Group(click.Group):
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        """click's, for the options before the command (``trainguard --bogus``): a usage error as one line."""
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:  # `trainguard` alone: the help, as click shows it
+            raise
+        except click.UsageError as e:
+            raise _usage(e) from None
+
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:  # a command's options and arguments (unknown, missing, out of range)
+            name = ctx.invoked_subcommand  # the command being parsed: click's parser errors carry no context
+            cmd = self.get_command(ctx, name) if name and e.ctx is None else None
+            raise _usage(e, click.Context(cmd, info_name=name, parent=ctx) if cmd else ctx) from None
         except CheckpointError as e:
             click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
             sys.exit(2)
@@ -51,6 +69,15 @@ class _Group(click.Group):
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
+
+
+def _usage(e: click.UsageError, fallback: click.Context | None = None) -> CommandError:
+    """``_Group``'s one ``error:`` line (exit 2) for click's usage error ``e``, which click showed as
+    a ``Usage:`` line, a ``Try ... --help`` line, a blank line and ``Error: ...``: the message, the
+    usage of the command it is about (``fallback``'s when ``e`` has no context) and where its help is."""
+    ctx = e.ctx or fallback
+    where = f" (usage: {ctx.get_usage().removeprefix('Usage: ')}; see `{ctx.command_path} --help`)" if ctx else ""
+    return CommandError(" ".join(e.format_message().split()) + where, 2)
 
 
 def _store_failed(e: Exception) -> None:

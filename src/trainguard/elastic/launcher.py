@@ -37,7 +37,7 @@ import signal
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from ..events import EVENTS_FILE, EventLog
 from .faults import parse_fault
@@ -140,7 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "in every restarted worker otherwise)")
     g.add_argument("--stop-timeout", type=_seconds(0, strict=False), default=5.0, metavar="S",
                    help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30)")
+    p.error = _usage_error  # type: ignore[method-assign]
     return p
+
+
+def _usage_error(message: str) -> NoReturn:
+    """The parser's error: one ``error:`` line, exit 2, as every ``trainguard`` command's (argparse
+    printed its usage, 15 lines of torchrun's options, before ``trainguard run: error: ...``)."""
+    print(f"error: {message} (see `trainguard run --help`)", file=sys.stderr)
+    sys.exit(2)
 
 
 def prepare(args: argparse.Namespace) -> None:
