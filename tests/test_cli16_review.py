@@ -104,3 +104,45 @@ def test_run_usage_errors_are_one_error_line_exit_2(capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         assert "`trainguard run --help`" in err[0]
+
+
+# ----------------------------------------------------------------------------- verify and the RAM tier
+
+
+def _ram_run(tmp_path):
+    """A run directory whose step 1 has a RAM copy kept (the restart case) under ``tmp_path/shm``."""
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm)) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(4, 2)})
+        mgr.close(keep_ram_tier=True)
+    return root, shm
+
+
+def test_verify_of_a_run_names_a_valid_ram_copy_restore_would_use(tmp_path):
+    """``verify RUN`` said "no committed checkpoint verified: restore would find none to load"
+    while this node's RAM tier held a valid copy, from which a manager with ``ram_tier=`` restored
+    that step. Now it names the RAM copy (``--ram-tier DIR`` as for ``ls``); the exit code stays
+    the run directory's (1), and without a RAM copy the verdict is as before."""
+    root, shm = _ram_run(tmp_path)
+    data = root / "step-000000001" / "data-00000.bin"
+    data.write_bytes(bytes(b ^ 0xFF for b in data.read_bytes()))
+    r = _run("verify", root, "--ram-tier", shm, terminal_width=400)
+    assert r.exit_code == 1 and "CORRUPT" in r.output, r.output
+    assert "restore would find none" not in r.output and "RAM tier" in r.output, r.output
+    assert "holds a valid copy of step 1" in " ".join(r.output.split()), r.output
+    with tg.CheckpointManager(root, ram_tier=str(shm)) as mgr:  # what the note promises
+        assert mgr.restore({"model": torch.nn.Linear(4, 2)}) == 1
+    r = _run("verify", root, "--ram-tier", tmp_path / "elsewhere")
+    assert r.exit_code == 1 and "restore would find none to load" in r.output, r.output
+
+
+def test_verify_of_a_run_without_steps_names_a_ram_copy(tmp_path):
+    """A run whose only checkpoint is in RAM (the copy to the run directory never finished):
+    ``verify RUN`` exits 2 as for any run without checkpoints, and says the RAM tier holds one."""
+    import shutil
+
+    root, shm = _ram_run(tmp_path)
+    shutil.rmtree(root / "step-000000001")
+    r = _run("verify", root, "--ram-tier", shm, terminal_width=400)
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "holds a valid copy of step 1" in r.output, r.output

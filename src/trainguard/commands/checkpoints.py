@@ -18,7 +18,7 @@ from rich.style import Style
 from rich.table import Table
 
 from ..commit import read_manifest
-from ..errors import CorruptCheckpointError, NotACheckpointError, is_media_error
+from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, is_media_error
 from ..flatten import tensor_refs
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
@@ -229,11 +229,15 @@ def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str,
 @click.command("verify")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
-def verify_cmd(path: str, as_json: bool) -> None:
+@click.option("--ram-tier", "ram_base", default=DEFAULT_BASE, show_default=True, metavar="DIR",
+              help="Where the manager's ram_tier= keeps its RAM copies: a run directory with no valid checkpoint "
+                   "says whether this node's RAM tier holds one (which a restart here resumes from).")
+def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
     Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
     without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
     storage, p = for_path(path)
+    run_dir = False
     url = getattr(storage, "url", None)  # an object store's key p ("bucket/run/step-N") is a local path to verify()
     one = url(p) if url else p  # the checkpoint as verify() and _deleted() take it back
     aside: list[str] = []
@@ -243,8 +247,10 @@ def verify_cmd(path: str, as_json: bool) -> None:
     except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
         targets = [(one, "committed", None)]
     except NotACheckpointError:  # no manifest: a run directory
-        rows, aside = list_checkpoints(path), set_aside(path)  # aside: what the next manager may put back
+        rows, aside, run_dir = list_checkpoints(path), set_aside(path), True  # aside: what the next manager may put back
         if not rows:
+            if ram := _in_ram(path, ram_base):  # a first save that crashed before its copy reached the disk
+                raise NotACheckpointError(f"{path} holds no step-NNNNNNNNN checkpoint; {ram}") from None
             raise NotACheckpointError(
                 f"{path} holds no checkpoint: no {MANIFEST} (a checkpoint directory) and no step-NNNNNNNNN "
                 "directories (a run directory); nothing to verify" if not aside else
@@ -277,8 +283,26 @@ def verify_cmd(path: str, as_json: bool) -> None:
         for note in aside:  # as under ls's table: a step that is not checked here, but may come back
             console.print(f"[yellow]not listed[/]: {_shown(note)}")
     if not verified and not as_json:
-        console.print("[red]no committed checkpoint verified[/]" + ("" if aside else ": restore would find none to load"))
+        ram = _in_ram(path, ram_base) if run_dir else None
+        console.print("[red]no committed checkpoint verified[/]" + (f" in the run directory; {_shown(ram)}" if ram else
+                                                                    "" if aside else ": restore would find none to load"))
     sys.exit(0 if ok and verified else 1)  # a run dir of incomplete (or deleted) ones only: nothing to resume from
+
+
+def _in_ram(run_dir: str, base: str) -> str | None:
+    """``verify_cmd``'s note for a run directory without a valid checkpoint: the steps of this
+    node's RAM tier of it (under ``base``) whose checksums all match, which a manager with
+    ``ram_tier=`` restores on this node (``RamTier.candidates``); None when there is none."""
+    try:
+        here = ram_copies(run_dir, base)
+        steps = [r.step for r in list_checkpoints(here, verify_data=True) if r.status == "valid"] if here else []
+    except (CheckpointError, OSError):  # no RAM tier to speak of: the verdict stays the run directory's
+        return None
+    if not steps:
+        return None
+    which = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, sorted(steps, reverse=True)))}"
+    return (f"this node's RAM tier ({here}) holds a valid copy of {which}: a restart on this node with ram_tier= "
+            "resumes from it, one on another node finds none")
 
 
 def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list[str], int]:
