@@ -146,3 +146,28 @@ def test_verify_of_a_run_without_steps_names_a_ram_copy(tmp_path):
     shutil.rmtree(root / "step-000000001")
     r = _run("verify", root, "--ram-tier", shm, terminal_width=400)
     assert r.exit_code == 2 and r.output.startswith("error: ") and "holds a valid copy of step 1" in r.output, r.output
+
+
+# ----------------------------------------------------------------------------- help texts
+
+
+def test_demo_help_names_only_its_own_options_or_trainguard_runs():
+    """``demo --help`` said ``--spawn``: "instead of --run-path", ``--start-method``: "with
+    --run-path", an option ``demo`` does not have (it is ``trainguard run``'s, which the demo uses).
+    Every option the help names is now ``demo``'s own or quoted as ``trainguard run``'s."""
+    import re
+
+    from trainguard.commands.demo import demo
+
+    text = " ".join(_run("demo", "--help", terminal_width=400).output.split())
+    own = {o for p in demo.params for o in p.opts}
+    outside = re.sub(r"`trainguard run [^`]*`", "", text)  # what `trainguard run ...` quotes is its own
+    named = set(re.findall(r"--[a-z][a-z-]*", outside))
+    assert named <= own | {"--help"}, named - own
+
+
+def test_export_help_says_the_output_is_a_local_file():
+    """``export --to`` could not be an object store's URL (refused at run time), which its help did
+    not say; nor that .pth/.bin are torch.save files too."""
+    text = " ".join(_run("export", "--help", terminal_width=400).output.split())
+    assert "local" in text and "object store" in text and ".pth" in text, text

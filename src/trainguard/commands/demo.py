@@ -18,9 +18,11 @@ from . import CommandError, echo
               help="model size (demo: ~3.3M parameters; tiny: for tests)")
 @click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")
 @click.option("--keep", is_flag=True, help="keep the run directories (printed) instead of removing them")
-@click.option("--spawn", is_flag=True, help="new interpreters running the script instead of --run-path")
+@click.option("--spawn", is_flag=True,
+              help="workers are new interpreters running the script (`trainguard run --start-method spawn`), "
+                   "instead of the default: the script run in forked workers (`trainguard run --run-path`)")
 @click.option("--start-method", type=click.Choice(["fork", "forkserver"]), default="fork", show_default=True,
-              help="with --run-path: fork the agent, or fork a clean server that preloaded torch")
+              help="without --spawn: fork the agent, or fork a clean server that preloaded torch")
 def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, keep: bool, spawn: bool,
          start_method: str) -> None:
     """Train a tiny GPT on the stdlib's sources twice (with a kill at --fault-step, and without)
