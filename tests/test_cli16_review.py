@@ -171,3 +171,67 @@ def test_export_help_says_the_output_is_a_local_file():
     not say; nor that .pth/.bin are torch.save files too."""
     text = " ".join(_run("export", "--help", terminal_width=400).output.split())
     assert "local" in text and "object store" in text and ".pth" in text, text
+
+
+# ----------------------------------------------------------------------------- hostile manifests
+
+
+def _rewrite(d, body: bytes) -> None:
+    """Write manifest body ``body`` (bytes of JSON) into checkpoint ``d`` with a valid checksum."""
+    from trainguard.manifest import checksum
+
+    (d / "manifest.json").write_bytes(b'{"checksum":"' + checksum(body).encode() + b'","manifest":' + body + b"}\n")
+
+
+def _body(d) -> dict:
+    return json.loads((d / "manifest.json").read_bytes())["manifest"]
+
+
+def test_a_block_size_that_is_no_multiple_of_an_item_size_is_refused_as_corrupt(tmp_path):
+    """A hand-made manifest with ``block_size`` 6 and float32 tensors (checksums recomputed: it
+    verified): a resharding read of a column band (the planner's whole blocks viewed as float32)
+    failed in torch with a bare RuntimeError ("must be divisible by 4 to view Byte as Float").
+    Now the manifest is refused as corrupt, naming the tensor: load, verify, inspect."""
+    from trainguard.errors import CorruptCheckpointError
+    from trainguard.manifest import checksum
+
+    d = tmp_path / "c"
+    w = torch.arange(60 * 70, dtype=torch.float32).reshape(60, 70)
+    tg.save(d, {"w": w})
+    body = _body(d)
+    c = body["tensors"]["w"]["chunks"][0]
+    data = (d / c[2]).read_bytes()[c[3]: c[3] + c[4]]
+    c[5] = [checksum(data[i: i + 6]) for i in range(0, len(data), 6)]
+    body["block_size"] = 6
+    _rewrite(d, json.dumps(body, separators=(",", ":")).encode())
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w': block_size 6 is not a multiple of its float32 item size"):
+        tg.load(d, {"w": torch.zeros(60, 70)})
+    res = tg.verify(d)
+    assert not res.ok and "hand-edited" in res.errors[0], res.errors
+    r = _run("inspect", d)
+    assert r.exit_code == 2 and r.output.startswith("error: ") and "block_size 6" in r.output, r.output
+
+
+@pytest.mark.parametrize("where", ["tensors", "objects", "top"])
+def test_a_manifest_naming_a_key_twice_is_refused_as_corrupt(tmp_path, where):
+    """JSON allows an object to name a key twice; ``json.loads`` keeps the last value, so a
+    hand-made manifest describing a tensor, an entry or a field twice loaded silently (which of the
+    two was meant?). ``json.dumps`` never writes one: it is refused as corrupt, naming the key."""
+    from trainguard.errors import CorruptCheckpointError
+
+    d = tmp_path / "c"
+    tg.save(d, {"model": torch.nn.Linear(2, 2)})
+    body = _body(d)
+    raw = json.dumps(body, separators=(",", ":"))
+    if where == "top":
+        dup, raw = "step", raw.replace('"step":', '"step":7,"step":', 1)
+    else:
+        dup, key = ("model/weight", "tensors") if where == "tensors" else ("model", "objects")
+        one = json.dumps({dup: body[key][dup]}, separators=(",", ":"))[1:-1]
+        raw = raw.replace(f'"{key}":{{', f'"{key}":{{{one},', 1)
+    _rewrite(d, raw.encode())
+    with pytest.raises(CorruptCheckpointError, match=f"the key '{dup}' appears twice"):
+        tg.load(d, {"model": torch.nn.Linear(2, 2)})
+    assert not tg.verify(d).ok
+    r = _run("verify", d)
+    assert r.exit_code == 1 and "appears twice" in r.output, r.output

@@ -245,8 +245,22 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's ``object_pairs_hook`` for a manifest or an index (``loads_json``, retention's
+    ``_leading_fields``): an object naming one key twice is refused (ValueError), not read as its
+    last value (``json.loads``), which let a hand-edited manifest describe a tensor, a file or an
+    entry twice and load the second silently; ``json.dumps`` of a dict never writes one."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        twice = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"the key {twice[:80]!r} appears twice in one object (a corrupt or hand-edited file)")
+    return out
+
+
 def loads_json(data: bytes) -> Any:
-    """``json.loads`` of standard JSON only (``manifest.parse``): the ``NaN`` and ``Infinity``
-    literals that ``json.loads`` accepts are never written (``allow_nan=False``; non-finite floats
-    are ``{"$float": ...}``), and one in a skeleton could not be written back (``consolidate``)."""
-    return json.loads(data, parse_constant=_no_constant)
+    """``json.loads`` of standard JSON only (``manifest.parse``, ``index``): the ``NaN`` and
+    ``Infinity`` literals that ``json.loads`` accepts are never written (``allow_nan=False``;
+    non-finite floats are ``{"$float": ...}``), and one in a skeleton could not be written back
+    (``consolidate``); nor is a key twice in one object (:func:`unique_keys`)."""
+    return json.loads(data, parse_constant=_no_constant, object_pairs_hook=unique_keys)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import CorruptCheckpointError, is_media_error
+from .flatten import loads_json
 from .layout import DATA_RE, IDX_RE, data_file, index_file
 from .manifest import Chunk, Manifest, TensorEntry, _int, _req, checksum
 from .planner import Box, Regular, overlapping
@@ -127,7 +128,7 @@ def parse_index(data: bytes, part: int, m: Manifest, explicit: list[tuple[int, i
     if len(data) != size or checksum(data) != want:
         raise CorruptCheckpointError(f"{name}: size or checksum differs from the manifest: the index is corrupt", file=name)
     try:
-        raw = json.loads(data)
+        raw = loads_json(data)  # a path twice: refused
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{name}: invalid JSON: {e}", file=name) from None
     if type(raw) is not dict or raw.get("file") != fname or type(raw.get("tensors")) is not dict:

@@ -289,6 +289,9 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     if type(shape) is not list or len(shape) > MAX_NDIM:
         raise CorruptCheckpointError(f"{_w(where, path)}: bad shape", file=where, entry=path)
     itemsize = DTYPES[dtype].itemsize
+    if block % itemsize:  # a resharding read's views of whole blocks failed in torch (a bare RuntimeError)
+        raise CorruptCheckpointError(f"{_w(where, path)}: block_size {block} is not a multiple of its {dtype} item size "
+                                     f"({itemsize}): the manifest is corrupt or hand-edited", file=where, entry=path)
     nonzero = itemsize  # the product of the nonzero dims, times the item size
     for s in shape:  # a loop, not all() and prod() over generators: this runs for every tensor
         if type(s) is not int or not 0 <= s <= MAX_TENSOR_BYTES:

@@ -20,7 +20,7 @@ from . import layout
 from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
-from .flatten import decode_json
+from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .policies import CheckpointInfo
 from .storage import Storage
@@ -215,7 +215,7 @@ def read_facts(storage: Storage, directory: str) -> tuple[float, dict[str, Any]]
 def _leading_fields(text: str) -> dict[str, Any]:
     """``read_facts``: the fields of a manifest body up to ``metadata``, decoded one by one;
     ValueError when it is laid out otherwise (a field repeated, or ``files`` first)."""
-    dec = json.JSONDecoder(parse_constant=_no_constant)
+    dec = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=unique_keys)  # as manifest.parse
     head: dict[str, Any] = {}
     if not text.startswith("{"):
         raise ValueError("not an object")
