@@ -235,3 +235,40 @@ def test_a_manifest_naming_a_key_twice_is_refused_as_corrupt(tmp_path, where):
     assert not tg.verify(d).ok
     r = _run("verify", d)
     assert r.exit_code == 1 and "appears twice" in r.output, r.output
+
+
+# ----------------------------------------------------------------------------- a step whose manifest's stat fails
+
+
+def test_open_stopped_by_an_unreadable_step_says_which_and_how_to_start_from_the_others(tmp_path, monkeypatch):
+    """An EIO on the stat of an old step's manifest fails a manager's open (documented in
+    docs/reliability.md: the open removes step directories without a manifest and cannot tell that
+    one). Its error said only "fix the storage or its permissions"; now it names the step and the
+    documented way out (move it away), which works: the run then restores its newest checkpoint."""
+    import errno
+    import shutil
+
+    from trainguard.errors import CheckpointError
+    from trainguard.storage import LocalStorage
+
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5)) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"m": torch.nn.Linear(2, 2)})
+    bad = root / "step-000000001"
+    real = LocalStorage.exists
+
+    def exists(self, p):
+        if str(p) == str(bad / "manifest.json"):
+            raise OSError(errno.EIO, "Input/output error", str(p))
+        return real(self, p)
+
+    monkeypatch.setattr(LocalStorage, "exists", exists)
+    with pytest.raises(CheckpointError) as ei:
+        tg.CheckpointManager(root, save=tg.EveryNSteps(1)).open()
+    msg = str(ei.value)
+    assert f"whether {bad} holds its manifest cannot be checked" in msg and f"move {bad} out of {root}" in msg, msg
+    assert "Input/output error" in msg
+    shutil.move(str(bad), str(tmp_path / "aside"))  # what the error says to do
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1)) as mgr:
+        assert mgr.restore({"m": torch.nn.Linear(2, 2)}) == 3

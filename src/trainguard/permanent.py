@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
+from . import layout
 from .errors import CheckpointError, is_media_error
 
 PERMANENT_EXIT = 78  # sysexits.h EX_CONFIG: not 1 (any crash), 75/76 (hang, orphan), 128 + n (signals)
@@ -199,7 +200,23 @@ def open_error(e: Exception, root: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     path_given = isinstance(e, (FileExistsError, NotADirectoryError))
-    err = CheckpointError(f"cannot open {root} ({e}): " + (
-        "pass a directory path" if path_given else "fix the storage or its permissions, then start again"))
+    step = _step_of_manifest(getattr(e, "filename", None))
+    if step is not None:  # clean_debris cannot tell a committed checkpoint from a crashed save's debris
+        err = CheckpointError(
+            f"cannot open {root}: whether {step} holds its manifest cannot be checked ({e}); the open removes step "
+            "directories without one (crashed saves), so it stops: fix the storage or its permissions, or move "
+            f"{step} out of {root} to start from the other checkpoints (`trainguard verify {root}` checks them)")
+    else:
+        err = CheckpointError(f"cannot open {root} ({e}): " + (
+            "pass a directory path" if path_given else "fix the storage or its permissions, then start again"))
     err.__cause__ = e
     return mark(err) if path_given or isinstance(e, PermissionError) else err
+
+
+def _step_of_manifest(filename: Any) -> str | None:
+    """``open_error``: the step directory whose ``manifest.json`` an OSError names (its stat failed
+    in ``commit.list_steps``), or None."""
+    if not isinstance(filename, str):
+        return None
+    parent, name = os.path.split(filename)
+    return parent if name == layout.MANIFEST and layout.parse_step(os.path.basename(parent)) is not None else None
