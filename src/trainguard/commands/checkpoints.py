@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import gc
 import json
 import math
 import sys
@@ -20,6 +18,7 @@ from rich.table import Table
 from ..commit import read_manifest
 from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, is_media_error
 from ..flatten import tensor_refs
+from ..gcpause import gc_paused
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
 from ..storage import for_path
@@ -139,7 +138,7 @@ def _table(title: str, rows: list[Any]) -> Table:
                    "'model/*.weight', '*layers.3.*'); repeat to show the tensors any of them matches.")
 def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
     """Show a checkpoint's entries as a tree: dtype, shape and bytes of every tensor."""
-    with _no_gc():  # a manifest of 100,000 tensors is millions of small objects: half its parse was the GC
+    with gc_paused():  # a manifest of 100,000 tensors is millions of small objects: half its parse was the GC
         m = describe(ckpt)
         entries = _entries(m, globs)
     if as_json:
@@ -164,18 +163,6 @@ def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
         lines.append(f"no tensor matches {', '.join(map(printable, globs))}")
     if lines:
         _write("\n".join(lines))
-
-
-@contextlib.contextmanager
-def _no_gc() -> Iterator[None]:
-    """The cyclic garbage collector off while ``inspect`` builds its (acyclic) objects; back as it was."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _write(text: str) -> None:
