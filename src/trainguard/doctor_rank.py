@@ -164,9 +164,12 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
         return (not inner) if inner is not None else (True if _mentions_rank(test.operand, aliases) else None)
     if isinstance(test, ast.BoolOp):
         parts = [_rank_zero(v, aliases, flags) for v in test.values]
-        if True in parts:  # `rank == 0 and ...`; `rank == 0 or step % 100 == 0`: rank 0 saves more often
-            return True
-        return False if isinstance(test.op, ast.Or) and False in parts else None  # `rank != 0 or ...`: else
+        if isinstance(test.op, ast.And):
+            return True if True in parts else None  # `rank == 0 and ...`
+        if True in parts:  # `not dist.is_initialized() or rank == 0`: rank 0 only; Megatron's `... or
+            return None if any(p is None and not _one_process(v, aliases)  # ckpt_type != LEGACY or dp_rank == 0`:
+                               for v, p in zip(test.values, parts)) else True  # every rank, in another mode
+        return False if False in parts else None  # `rank != 0 or ...`: its else is rank 0's
     if isinstance(test, ast.Compare):
         if len(test.ops) != 1:
             return None
@@ -193,6 +196,23 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
         return True
     return None
 
+
+
+def _one_process(x: ast.expr, aliases: frozenset[str]) -> bool:
+    """``_rank_zero``: whether ``x`` holds only when there is a single process, so ``x or rank == 0``
+    is still a rank-0 test: ``not dist.is_initialized()``, ``not args.distributed`` (``ddp``,
+    ``multiprocessing_distributed``), a world size of 1, ``args.local_rank == -1``."""
+    if isinstance(x, ast.UnaryOp) and isinstance(x.op, ast.Not):
+        f = x.operand.func if isinstance(x.operand, ast.Call) else x.operand
+        name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+        return re.search(r"distributed|is_initialized|(^|_)ddp($|_)", name.lower()) is not None
+    if not (isinstance(x, ast.Compare) and len(x.ops) == 1 and type(n := _literal(x.comparators[0])) is int):
+        return False
+    op, left = x.ops[0], x.left.func if isinstance(x.left, ast.Call) else x.left
+    name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
+    if "world_size" in name.lower():
+        return isinstance(op, ast.Eq) and n == 1 or isinstance(op, ast.LtE) and n == 1 or isinstance(op, ast.Lt) and n == 2
+    return _mentions_rank(x.left, aliases) and isinstance(op, ast.Eq) and n == -1
 
 
 def _mentions_rank(x: ast.expr, aliases: frozenset[str] = frozenset()) -> bool:

@@ -1,0 +1,53 @@
+"""``trainguard doctor`` on real training scripts, third pass (review): excerpts of popular
+scripts as fixtures, each with where it came from."""
+
+from __future__ import annotations
+
+from trainguard.doctor import Finding, Settings
+from trainguard.doctor_source import single_rank
+
+
+def _rank(src: str) -> Finding:
+    f = single_rank([], Settings(source=src))
+    assert f is not None
+    return f
+
+
+# https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/training/checkpointing.py (save_checkpoint,
+# trimmed): every rank enters the branch unless the checkpoint is LEGACY, where the first rank of each
+# data-parallel group writes its model shard with torch.save; the sharded saves are every rank's.
+MEGATRON = """\
+import torch
+from megatron.core import dist_checkpointing, mpu
+def save_checkpoint(iteration, model, optimizer, ckpt_type, args, skip_weight_ckpt=False):
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    dp_rank = 0
+    expt_dp_rank = 0
+    if torch.distributed.is_initialized():
+        dp_rank = mpu.get_data_parallel_rank()
+        expt_dp_rank = mpu.get_expert_data_parallel_rank()
+    if not skip_weight_ckpt and (
+        not torch.distributed.is_initialized()
+        or ckpt_type != CheckpointType.LEGACY
+        or dp_rank == 0
+        or expt_dp_rank == 0
+    ):
+        state_dict = generate_state_dict(args, model, optimizer)
+        if ckpt_type == CheckpointType.GLOBAL and args.ckpt_format == 'torch_dist':
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                ensure_directory_exists(checkpoint_name, check_parent=False)
+            async_save_request = dist_checkpointing.save(state_dict, checkpoint_name, save_strategy)
+        else:
+            torch.save(state_dict, checkpoint_name)
+"""
+
+
+def test_a_rank0_test_or_a_mode_where_every_rank_saves_is_no_rank0_save() -> None:
+    f = _rank(MEGATRON)
+    assert f.severity == "ok", f  # was an error: "save called under a rank-0 condition (line 19)"
+    # Or-ed with "not distributed" alone, the test still holds on rank 0 only (one process, or rank 0).
+    single = "import torch.distributed as dist\nif not dist.is_initialized() or dist.get_rank() == 0:\n    mgr.save(1, s)\n"
+    assert _rank(single).severity == "error"
+    for alone in ("not args.distributed", "args.local_rank == -1", "dist.get_world_size() == 1", "world_size < 2"):
+        assert _rank(single.replace("not dist.is_initialized()", alone)).severity == "error", alone
+    assert _rank(single.replace("not dist.is_initialized()", "args.save_on_each_rank")).severity == "ok"
