@@ -51,3 +51,24 @@ def test_a_rank0_test_or_a_mode_where_every_rank_saves_is_no_rank0_save() -> Non
     for alone in ("not args.distributed", "args.local_rank == -1", "dist.get_world_size() == 1", "world_size < 2"):
         assert _rank(single.replace("not dist.is_initialized()", alone)).severity == "error", alone
     assert _rank(single.replace("not dist.is_initialized()", "args.save_on_each_rank")).severity == "ok"
+
+
+# Rank-0 tests spelled in other ways: torch_xla's xm.is_master_ordinal() (pytorch/xla's test_train_mp_*
+# examples), accelerate's accelerator.is_local_main_process (the first process of each machine), an
+# assignment expression, and a match statement on the rank.
+def test_more_spellings_of_a_rank0_test_are_read() -> None:
+    for test in ("xm.is_master_ordinal()", "accelerator.is_local_main_process", "trainer.is_world_process_zero()",
+                 "(r := dist.get_rank()) == 0", "(is_main := dist.get_rank() == 0)"):
+        f = _rank(f"if {test}:\n    mgr.save(step, state)\n")
+        assert f.severity == "error" and "line 2" in f.message, (test, f)  # was "ok"
+    walrus = "if (r := dist.get_rank()) == 0:\n    pass\nif r == 0:\n    mgr.save(step, state)\n"
+    assert _rank(walrus).severity == "error"  # r is the rank from then on
+    match = ("match dist.get_rank():\n    case 0:\n        mgr.save(step, state)\n    case _:\n        pass\n")
+    f = _rank(match)
+    assert f.severity == "error" and "line 3" in f.message, f  # was "ok"
+    both = match.replace("        pass", "        mgr.save(step, state)")
+    assert _rank(both).severity == "ok"  # every rank saves, in one case or the other
+    assert _rank(match.replace("case 0:", "case 1:")).severity == "ok"
+    assert _rank(match.replace("case 0:", "case 0 if step % 100 == 0:")).severity == "error"
+    assert _rank(match.replace("dist.get_rank()", "phase")).severity == "ok"
+    assert _rank(match.replace("mgr.save", "torch.save")).severity == "warning"

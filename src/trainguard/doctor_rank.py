@@ -20,7 +20,9 @@ _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "
                   "cfg", "config", "conf", "tokenizer"}  # OLMo's train.py: cfg.save(save_folder / "config.yaml")
 _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero",
-                    "is_primary"}  # timm: utils.is_primary(args)
+                    "is_primary",  # timm: utils.is_primary(args)
+                    "is_master_ordinal", "is_local_main_process", "is_local_master",  # torch_xla, accelerate: per host
+                    "is_world_process_zero", "is_local_process_zero"}  # transformers' Trainer
 _FLIP = {ast.Lt: ast.Gt(), ast.Gt: ast.Lt(), ast.LtE: ast.GtE(), ast.GtE: ast.LtE()}
 
 
@@ -42,6 +44,13 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
+        elif isinstance(node, ast.Match) and _mentions_rank(node.subject, aliases):  # match rank: case 0: save()
+            for case in node.cases:
+                if _zero_pattern(case.pattern):
+                    also = {_callee(c) for o in node.cases if o is not case
+                            for c in _calls(None, names, ast.Module(body=o.body, type_ignores=[]))}
+                    calls += [c for c in _calls(None, names, ast.Module(body=case.body, type_ignores=[]))
+                              if _callee(c) not in also]
         for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
             calls += _after_exit(block, names, aliases, flags) if isinstance(block, list) else []
     objs = _rank0_objects(tree, aliases, flags)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
@@ -135,11 +144,23 @@ def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[s
     return frozenset(inside - other)
 
 
+def _zero_pattern(p: ast.pattern) -> bool:
+    """``single_rank``: whether a ``case`` pattern on the rank matches rank 0 and no other rank (``case 0:``,
+    ``case 0 | -1:``)."""
+    if isinstance(p, ast.MatchOr):
+        ns = [_literal(x.value) if isinstance(x, ast.MatchValue) else None for x in p.patterns]
+        return all(type(n) is int and n <= 0 for n in ns) and 0 in ns
+    return isinstance(p, ast.MatchValue) and _literal(p.value) == 0 and type(_literal(p.value)) is int
+
+
 def _rank_aliases(tree: ast.Module) -> frozenset[str]:
-    """Names assigned a rank under another name: ``self.gpu_id = int(os.environ["LOCAL_RANK"])``."""
+    """Names assigned a rank under another name: ``self.gpu_id = int(os.environ["LOCAL_RANK"])``,
+    ``if (r := dist.get_rank()) == 0:``."""
     out = set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Assign) and len(n.targets) == 1 and _mentions_rank(n.value):
+        if isinstance(n, ast.NamedExpr) and _mentions_rank(n.value):
+            out.add(n.target.id)
+        elif isinstance(n, ast.Assign) and len(n.targets) == 1 and _mentions_rank(n.value):
             t = n.targets[0]
             if isinstance(t, (ast.Name, ast.Attribute)):
                 out.add(t.id if isinstance(t, ast.Name) else t.attr)
@@ -150,8 +171,11 @@ def _rank_flags(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
     """Names assigned a rank-0 test (torchtune: ``self._is_rank_zero = self.rank == 0``), for ``single_rank``."""
     out = set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], (ast.Name, ast.Attribute)) \
-                and isinstance(n.value, (ast.Compare, ast.BoolOp, ast.UnaryOp)) and _rank_zero(n.value, aliases) is True:
+        if not (isinstance(n, ast.NamedExpr) or isinstance(n, ast.Assign) and len(n.targets) == 1):
+            continue
+        t = n.target if isinstance(n, ast.NamedExpr) else n.targets[0]  # `if (is_main := rank == 0):`
+        if isinstance(t, (ast.Name, ast.Attribute)) and isinstance(n.value, (ast.Compare, ast.BoolOp, ast.UnaryOp)) \
+                and _rank_zero(n.value, aliases) is True:
             out.add(t.id if isinstance(t, ast.Name) else t.attr)
     return frozenset(out)
 
@@ -159,6 +183,8 @@ def _rank_flags(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
 def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: frozenset[str] = frozenset()) -> bool | None:
     """True if ``test`` holds on rank 0 only (``rank == 0``, ``not rank``, ``is_main_process``), False if
     it fails on rank 0 only (``rank != 0``, ``rank > 0``, ``not is_main_process``), else None."""
+    if isinstance(test, ast.NamedExpr):  # `if (is_main := rank == 0):`
+        return _rank_zero(test.value, aliases, flags)
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
         inner = _rank_zero(test.operand, aliases, flags)
         return (not inner) if inner is not None else (True if _mentions_rank(test.operand, aliases) else None)
@@ -176,6 +202,7 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
         (op,), left, right = test.ops, test.left, test.comparators[0]
         if isinstance(left, ast.Constant):  # `0 == rank`, `0 < rank`: the rank on the left
             left, right, op = right, left, _FLIP.get(type(op), op)
+        left = left.value if isinstance(left, ast.NamedExpr) else left  # `(r := dist.get_rank()) == 0`
         if isinstance(left, ast.BinOp) and isinstance(left.op, ast.Mod) and not isinstance(left.right, ast.Constant):
             left = left.left  # imagenet's `args.rank % ngpus_per_node == 0`: the first rank of each node
         if isinstance(op, (ast.In, ast.NotIn)) and isinstance(right, (ast.List, ast.Tuple, ast.Set)) \
