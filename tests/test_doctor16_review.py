@@ -72,3 +72,40 @@ def test_more_spellings_of_a_rank0_test_are_read() -> None:
     assert _rank(match.replace("case 0:", "case 0 if step % 100 == 0:")).severity == "error"
     assert _rank(match.replace("dist.get_rank()", "phase")).severity == "ok"
     assert _rank(match.replace("mgr.save", "torch.save")).severity == "warning"
+
+
+def _reseed(src: str) -> Finding:
+    from trainguard.doctor_rng import reseed
+
+    f = reseed([], Settings(source=src))
+    assert f is not None
+    return f
+
+
+# The shape of HF's run_*_no_trainer.py examples (transformers/examples/pytorch), with the seed moved
+# after the resume: accelerate's load_state puts back the random, numpy, torch and cuda generators
+# that save_state wrote, and set_seed then overwrites them.
+ACCELERATE = """\
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+def main(args):
+    accelerator = Accelerator()
+    model, optimizer, train_dataloader = accelerator.prepare(model, optimizer, train_dataloader)
+    if args.resume_from_checkpoint:
+        accelerator.load_state(args.resume_from_checkpoint)
+    set_seed(args.seed)
+    for epoch in range(args.num_train_epochs):
+        train(model, train_dataloader)
+"""
+
+
+def test_accelerate_load_state_is_a_restore_for_the_seed_check() -> None:
+    f = _reseed(ACCELERATE)
+    assert f.severity == "warning" and "line 8" in f.message, f  # was None: no restore seen
+    before = ACCELERATE.replace("    set_seed(args.seed)\n", "").replace("    accelerator = Accelerator()\n",
+                                                                       "    set_seed(args.seed)\n    accelerator = Accelerator()\n")
+    assert _reseed(before).severity == "ok"  # HF's own order: seed first
+    from trainguard.doctor_rng import reseed
+
+    other = ACCELERATE.replace("accelerator.load_state", "cache.load_state")  # not accelerate's: no restore seen
+    assert reseed([], Settings(source=other)) is None

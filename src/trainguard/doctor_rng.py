@@ -1,6 +1,7 @@
 """The doctor's "rng after restore" check (``doctor.check`` and ``doctor_source.check_source`` call
-it, on the script's source): a global seed set after ``mgr.restore``/``tg.load`` overwrites the RNG
-state just restored, unless it runs on a fresh start only (``if start is None:``)."""
+it, on the script's source): a global seed set after ``mgr.restore``/``tg.load`` (or accelerate's
+``accelerator.load_state``) overwrites the RNG state just restored, unless it runs on a fresh start
+only (``if start is None:``)."""
 
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def _is_seed(c: ast.Call) -> bool:
 def _is_restore(c: ast.Call) -> bool:
     from .doctor_source import _callee, _receiver
 
-    return _callee(c) == "restore" or _callee(c) == "load" and _receiver(c) in ("tg", "trainguard")
+    return _callee(c) == "restore" or _callee(c) == "load" and _receiver(c) in ("tg", "trainguard") or (
+        _callee(c) == "load_state" and "accelerator" in (_receiver(c) or "").lower())  # its RNG states too
 
 
 def _helpers(tree: ast.Module) -> tuple[set[str], set[str]]:
