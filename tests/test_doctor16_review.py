@@ -3,6 +3,11 @@ scripts as fixtures, each with where it came from."""
 
 from __future__ import annotations
 
+import json
+
+from click.testing import CliRunner
+
+from trainguard.commands.plan import doctor_cmd
 from trainguard.doctor import Finding, Settings
 from trainguard.doctor_source import single_rank
 
@@ -109,3 +114,60 @@ def test_accelerate_load_state_is_a_restore_for_the_seed_check() -> None:
 
     other = ACCELERATE.replace("accelerator.load_state", "cache.load_state")  # not accelerate's: no restore seen
     assert reseed([], Settings(source=other)) is None
+
+
+# https://github.com/microsoft/DeepSpeedExamples, applications/DeepSpeed-Chat (trimmed): the script
+# saves through save_hf_format, a function of the project's own dschat/utils/utils.py, two folders up.
+DSCHAT_MAIN = """\
+import torch
+from dschat.utils.utils import print_rank_0, save_hf_format, save_zero_three_model
+def main():
+    args.global_rank = torch.distributed.get_rank()
+    if args.output_dir is not None:
+        print_rank_0('saving the final model ...', args.global_rank)
+        if args.global_rank == 0:
+            save_hf_format(model, tokenizer, args)
+"""
+DSCHAT_UTILS = """\
+import os
+import torch
+def print_rank_0(msg, rank=None):
+    if rank is not None and rank <= 0:
+        print(msg)
+def save_hf_format(model, tokenizer, args, sub_folder=""):
+    model_to_save = model.module if hasattr(model, 'module') else model
+    output_dir = os.path.join(args.output_dir, sub_folder)
+    torch.save(model_to_save.state_dict(), os.path.join(output_dir, "pytorch_model.bin"))
+    tokenizer.save_vocabulary(output_dir)
+"""
+
+
+def _project(tmp_path, files: dict[str, str]):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+
+def test_a_save_helper_of_the_projects_own_module_is_followed(tmp_path) -> None:
+    main = tmp_path / "training" / "step1_supervised_finetuning" / "main.py"
+    _project(tmp_path, {"dschat/__init__.py": "", "dschat/utils/__init__.py": "", "dschat/utils/utils.py": DSCHAT_UTILS,
+                        "training/step1_supervised_finetuning/main.py": DSCHAT_MAIN})
+    f = single_rank([], Settings(source=DSCHAT_MAIN, path=str(main)))
+    assert f is not None and f.severity == "warning" and "line 8" in f.message, f  # was "ok"
+    assert "torch.save" in f.message and "save_hf_format" in f.message, f
+    res = CliRunner().invoke(doctor_cmd, [str(main), "--json"])  # the command gives the script's path
+    found = {x["check"]: x for x in json.loads(res.stdout.splitlines()[0])}
+    assert found["all ranks save"]["severity"] == "warning" and "save_hf_format" in found["all ranks save"]["message"]
+    assert _rank(DSCHAT_MAIN).severity == "ok"  # no path: the module is out of sight
+    # `import m as u` / `from pkg import m` and a collective save in the helper; a helper of a helper.
+    sib = tmp_path / "sib"
+    _project(sib, {"ckpt.py": "from helpers import write\ndef save_all(m, s):\n    write(m, s)\n",
+                   "helpers.py": "def write(m, s):\n    m.save(1, s)\n", "pkg/__init__.py": "",
+                   "pkg/io.py": "import torch\ndef dump(x):\n    torch.save(x, 'x.pt')\n"})
+    for src, sev in (("import ckpt as c\nif rank == 0:\n    c.save_all(mgr, s)\n", "error"),
+                     ("from ckpt import save_all\nif rank == 0:\n    save_all(mgr, s)\n", "error"),
+                     ("from pkg import io\nif rank == 0:\n    io.dump(s)\n", "warning"),
+                     ("import ckpt\nif rank == 0:\n    other.save_all(mgr, s)\n", "ok"),  # not the module's
+                     ("from torch import save_all\nif rank == 0:\n    save_all(mgr, s)\n", "ok")):  # no local file
+        f = single_rank([], Settings(source=src, path=str(sib / "train.py")))
+        assert f is not None and f.severity == sev, (src, f)

@@ -55,6 +55,7 @@ class Settings:
     amp: str | bool | None = None  # "float16" / True, "bfloat16", False; None: detect
     backend: str | None = None  # accepted for compatibility; no check needs it (saves coordinate through the store)
     source: str | None = None  # the training script's text, for the static checks
+    path: str | None = None  # the script's file: its imports of the project's own modules are read too
     mountinfo: str | None = None  # /proc/self/mountinfo text; None: read it
 
 
@@ -70,11 +71,11 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
         raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
     if amp not in (None, True, False, "float16", "bfloat16"):
         raise ValueError(f"amp={amp!r}: use 'float16' (or True), 'bfloat16', False, or None to detect")
-    if source == "auto":
-        main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    main_file = (getattr(sys.modules.get("__main__"), "__file__", None) or "") if source == "auto" else ""
+    if source == "auto":  # its imports of the project's own modules are read too (path=)
         source = Path(main_file).read_text(encoding="utf-8", errors="replace") if main_file.endswith(".py") \
             and os.path.isfile(main_file) else None
-    return check(state, settings_from(manager, plan=plan, source=source, amp=amp))
+    return check(state, settings_from(manager, plan=plan, source=source, amp=amp, path=(main_file or None) if source else None))
 
 
 def settings_from(manager: Any = None, **overrides: Any) -> Settings:

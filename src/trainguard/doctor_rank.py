@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
+from .doctor_imports import imported
 from .doctor_source import _callee, _is_none, _receiver, _tree
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save", "save_state"}  # accelerate: accelerator.save_state(dir)
@@ -32,7 +34,8 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     calls: list[ast.Call] = []
-    helpers, aliases = _save_helpers(tree), _rank_aliases(tree)
+    known, mods = imported(tree, s.path, _module_helpers)  # DeepSpeed-Chat: save_hf_format, of dschat/utils/utils.py
+    helpers, aliases = _save_helpers(tree, known, mods), _rank_aliases(tree)
     flags = _rank_flags(tree, aliases)
     names = _SAVE_CALLS | set(helpers)
     for node in ast.walk(tree):
@@ -57,8 +60,11 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     calls += [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
               and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name)]
+    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    calls = [c for c in calls if _callee(c) in _SAVE_CALLS or _callee(c) not in set(known) - own
+             or _receiver(c) in (None, *mods)]  # an imported helper's name on another object: not that helper
     exports = _EXPORTS | objs  # like torch.save: rank 0's own file, not a collective save
-    owner = [(c.lineno, _save_receiver(c, helpers)) for c in calls]
+    owner = [(c.lineno, _save_receiver(c, helpers, mods)) for c in calls]
     hits = sorted({n for n, r in owner if r not in _FOREIGN_SAVES and r not in exports})
     if hits:
         via = ", ".join(sorted({_callee(c) for c in calls if _callee(c) in helpers and c.lineno in hits}))
@@ -70,7 +76,7 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if torch_saves := sorted({n for n, r in owner if r in exports}):
         names = ", ".join(sorted({f"{r}.save" if r in _EXPORTS else f"{r}.{_callee(c)} ({r} is made on rank 0 only)"
                                   for c, (_, r) in zip(calls, owner) if r in exports}))
-        if via := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers) in _EXPORTS}):
+        if via := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers, mods) in _EXPORTS}):
             names += f" (in {', '.join(via)})"
         return Finding("all ranks save", "warning", f"{names} under a rank-0 condition (line "
                        f"{', '.join(map(str, torch_saves))}): fine to export a replicated (DDP) model's weights, "
@@ -90,10 +96,11 @@ def _after_exit(block: list[ast.stmt], names: set[str], aliases: frozenset[str],
     return []
 
 
-def _save_receiver(call: ast.Call, helpers: dict[str, str | None]) -> str | None:
+def _save_receiver(call: ast.Call, helpers: dict[str, str | None], mods: frozenset[str] = frozenset()) -> str | None:
     """The receiver of the save ``call`` makes: its own, or, for a helper of the script's own
-    (``self._save_snapshot(epoch)``), that of the save inside it (``torch``)."""
-    if _callee(call) in helpers and _receiver(call) in (None, "self", "cls"):
+    (``self._save_snapshot(epoch)``) or of a local module (``utils.save_hf_format(...)``, ``utils``
+    in ``mods``), that of the save inside it (``torch``)."""
+    if _callee(call) in helpers and _receiver(call) in (None, "self", "cls", *mods):
         return helpers[_callee(call)]
     return _own_receiver(call)
 
@@ -104,12 +111,21 @@ def _own_receiver(call: ast.Call) -> str | None:
     return f"{r}.{_callee(call)}" if r in _EXPORTS and _callee(call) != "save" else r
 
 
-def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
+def _module_helpers(tree: ast.Module, path: Path, depth: int, budget: list[int]) -> dict[str, str | None]:
+    """``doctor_imports.imported`` calls this on each local module the script imports: its save helpers."""
+    known, mods = imported(tree, path, _module_helpers, depth, budget)
+    return _save_helpers(tree, known, mods)
+
+
+def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
+                  mods: frozenset[str] = frozenset()) -> dict[str, str | None]:
     """Functions and methods of the script that save, by name, with the receiver of their save:
     ``_save_snapshot`` -> ``torch`` for pytorch/examples' DDP tutorial, whose rank-0 branch calls
-    ``self._save_snapshot(epoch)`` and that calls ``torch.save``. Helpers of helpers are followed."""
+    ``self._save_snapshot(epoch)`` and that calls ``torch.save``. Helpers of helpers are followed,
+    ``known`` ones (imported from the local modules ``mods``: ``doctor_imports``) included."""
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    found: dict[str, str | None] = {}
+    found: dict[str, str | None] = dict(known or {})
+    mine = (None, "self", "cls", *mods)
     for _ in range(4):
         before = len(found)
         for f in funcs:
@@ -117,7 +133,7 @@ def _save_helpers(tree: ast.Module) -> dict[str, str | None]:
                 name, r = _callee(c), _receiver(c)
                 if name == f.name and r in (None, "self", "cls"):
                     continue  # itself
-                if name in found and r in (None, "self", "cls"):
+                if name in found and r in mine:
                     found[f.name] = found[name]
                     break
                 if name in _SAVE_CALLS and r not in _FOREIGN_SAVES:

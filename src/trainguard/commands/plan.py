@@ -215,7 +215,7 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     if save_stall is not None and (node_failures_per_day is not None or node_mtbf is not None):
         plan = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node)
     amp_mode: str | bool | None = False if amp == "none" else amp
-    settings = settings_from(manager, plan=plan, source=source, amp=amp_mode)
+    settings = settings_from(manager, plan=plan, source=source, amp=amp_mode, path=script)
     findings = check(state, settings) if hooked else check_source(settings)
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings]))
