@@ -171,3 +171,33 @@ def test_a_save_helper_of_the_projects_own_module_is_followed(tmp_path) -> None:
                      ("from torch import save_all\nif rank == 0:\n    save_all(mgr, s)\n", "ok")):  # no local file
         f = single_rank([], Settings(source=src, path=str(sib / "train.py")))
         assert f is not None and f.severity == sev, (src, f)
+
+
+# https://github.com/Lightning-AI/litgpt, litgpt/pretrain.py and litgpt/parser_config.py (trimmed):
+# every rank saves the checkpoint with fabric.save; rank 0 then writes the command line's
+# hyperparameters.yaml with jsonargparse's parser.save, through a helper of another module.
+LITGPT_PRETRAIN = """\
+from litgpt.parser_config import save_hyperparameters
+def save_checkpoint(fabric, state, tokenizer_dir, checkpoint_file):
+    fabric.save(checkpoint_file, state)
+    if fabric.global_rank == 0:
+        save_hyperparameters(setup, checkpoint_file.parent)
+"""
+LITGPT_PARSER_CONFIG = """\
+from jsonargparse import capture_parser
+def save_hyperparameters(function, checkpoint_dir, known_commands=None):
+    parser = capture_parser(lambda: CLI(function))
+    config = parser.parse_args()
+    parser.save(config, checkpoint_dir / "hyperparameters.yaml", overwrite=True)
+"""
+
+
+def test_a_config_file_written_on_rank0_through_a_helper_is_no_checkpoint(tmp_path) -> None:
+    _project(tmp_path, {"litgpt/__init__.py": "", "litgpt/parser_config.py": LITGPT_PARSER_CONFIG,
+                        "litgpt/pretrain.py": LITGPT_PRETRAIN})
+    f = single_rank([], Settings(source=LITGPT_PRETRAIN, path=str(tmp_path / "litgpt" / "pretrain.py")))
+    assert f is not None and f.severity == "ok", f  # was an error: "save called (in save_hyperparameters)"
+    # in the script itself too, and whatever the receiver is named
+    for text in ("    parser.save(config, 'hparams.yaml')\n", "    writer.save(cfg, out / 'config.json')\n"):
+        assert _rank(f"if rank == 0:\n{text}").severity == "ok", text
+    assert _rank("if rank == 0:\n    writer.save(state, out / 'model.pt')\n").severity == "error"

@@ -19,7 +19,8 @@ from .doctor_source import _callee, _is_none, _receiver, _tree
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save", "save_state"}  # accelerate: accelerator.save_state(dir)
 _FOREIGN_SAVES = {"np", "numpy", "wandb", "mlflow", "joblib", "pickle", "plt", "json", "OmegaConf",  # not checkpoints
-                  "cfg", "config", "conf", "tokenizer"}  # OLMo's train.py: cfg.save(save_folder / "config.yaml")
+                  "cfg", "config", "conf", "tokenizer", "parser"}  # OLMo's train.py: cfg.save(save_folder / "config.yaml")
+_TEXT_FILES = (".yaml", ".yml", ".json", ".txt", ".csv", ".toml", ".md", ".png", ".jpg", ".svg")  # not checkpoints
 _EXPORTS = {"torch", "accelerator", "xm"}  # torch.save and its wrappers: an export, or a partial checkpoint
 _RANK_ZERO_FLAGS = {"is_main_process", "is_rank_zero", "is_master", "master_process", "rank_zero", "is_global_zero",
                     "is_primary",  # timm: utils.is_primary(args)
@@ -61,6 +62,7 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
               and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name)]
     own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    calls = [c for c in calls if not _text_file(c)]  # config.yaml, metrics.json
     calls = [c for c in calls if _callee(c) in _SAVE_CALLS or _callee(c) not in set(known) - own
              or _receiver(c) in (None, *mods)]  # an imported helper's name on another object: not that helper
     exports = _EXPORTS | objs  # like torch.save: rank 0's own file, not a collective save
@@ -136,12 +138,19 @@ def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
                 if name in found and r in mine:
                     found[f.name] = found[name]
                     break
-                if name in _SAVE_CALLS and r not in _FOREIGN_SAVES:
+                if name in _SAVE_CALLS and r not in _FOREIGN_SAVES and not _text_file(c):
                     found[f.name] = _own_receiver(c)
                     break
         if len(found) == before:
             break
     return found
+
+
+def _text_file(call: ast.Call) -> bool:
+    """Whether ``call`` names a text or image file, no checkpoint: litgpt's
+    ``parser.save(config, checkpoint_dir / "hyperparameters.yaml")``, ``x.save(out / "config.json")``."""
+    return any(isinstance(x, ast.Constant) and isinstance(x.value, str) and x.value.lower().endswith(_TEXT_FILES)
+               for a in [*call.args, *(k.value for k in call.keywords)] for x in ast.walk(a))
 
 
 def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[str] = frozenset()) -> frozenset[str]:
