@@ -201,3 +201,22 @@ def test_a_config_file_written_on_rank0_through_a_helper_is_no_checkpoint(tmp_pa
     for text in ("    parser.save(config, 'hparams.yaml')\n", "    writer.save(cfg, out / 'config.json')\n"):
         assert _rank(f"if rank == 0:\n{text}").severity == "ok", text
     assert _rank("if rank == 0:\n    writer.save(state, out / 'model.pt')\n").severity == "error"
+
+
+def test_the_modules_followed_are_bounded(tmp_path) -> None:
+    # Two imports deep: script -> m0 -> m1 is followed, m1 -> m2 is not; a cycle back ends there too.
+    _project(tmp_path, {"m0.py": "from m1 import f1\ndef f0(x):\n    f1(x)\n",
+                        "m1.py": "import train\nfrom m2 import f2\ndef f1(x):\n    torch.save(x, 'a.pt')\n"
+                                 "def g1(x):\n    f2(x)\n",
+                        "m2.py": "def f2(x):\n    torch.save(x, 'b.pt')\n",
+                        "train.py": "from m0 import f0\nfrom m1 import g1\n"})
+    for call, sev in (("f0(s)", "warning"), ("g1(s)", "ok")):
+        src = f"from m0 import f0\nfrom m1 import g1\nif rank == 0:\n    {call}\n"
+        f = single_rank([], Settings(source=src, path=str(tmp_path / "train.py")))
+        assert f is not None and f.severity == sev, (call, f)
+    # At most 32 files: a helper in the 40th module the script imports is out of reach.
+    _project(tmp_path / "many", {f"k{i:02d}.py": f"def f{i}(x):\n    torch.save(x, 'a.pt')\n" for i in range(40)})
+    src = "".join(f"from k{i:02d} import f{i}\n" for i in range(40)) + "if rank == 0:\n    f{}(s)\n"
+    for i, sev in ((0, "warning"), (31, "warning"), (39, "ok")):
+        f = single_rank([], Settings(source=src.format(i), path=str(tmp_path / "many" / "train.py")))
+        assert f is not None and f.severity == sev, (i, f)

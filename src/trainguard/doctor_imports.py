@@ -14,44 +14,56 @@ from __future__ import annotations
 import ast
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 V = TypeVar("V")
-Analyse = Callable[[ast.Module, Path, int, list[int]], dict[str, V]]  # (tree, path, depth, budget) -> {name: what}
 _UP = 3  # folders above the script searched for an absolute import
 _DEPTH = 2  # imports of imports followed
 _MAX_FILES = 32
 _MAX_BYTES = 2_000_000
 
 
+class Reads:
+    """What one :func:`imported` call, and those it leads to, share: the files left to read, the results
+    of those read (a module many others import is read once), and ``needle``: a module whose imports are
+    not followed (the deepest) and whose text lacks it is not parsed (``"save"``: it has no save helper)."""
+
+    def __init__(self, needle: str = "") -> None:
+        self.left, self.needle = _MAX_FILES, needle
+        self.done: dict[Path, Any] = {}
+
+
+Analyse = Callable[[ast.Module, Path, int, Reads], dict[str, V]]  # (tree, path, depth, reads) -> {name: what}
+
+
 def imported(tree: ast.Module, path: str | Path | None, analyse: Analyse[V], depth: int = 0,
-             budget: list[int] | None = None) -> tuple[dict[str, V], frozenset[str]]:
+             reads: Reads | None = None) -> tuple[dict[str, V], frozenset[str]]:
     """What ``analyse`` finds in the local modules the file ``path`` (parsed: ``tree``) imports, under
     the names the file uses: ``from m import f as g`` gives ``{"g": analyse(m)["f"]}``; ``import m as mm``
     and ``from pkg import m`` (``m`` a module) give every name ``analyse(m)`` finds, and the module's
     name (``mm``, ``m``) among the names returned second, for calls as ``mm.f()``. ``({}, frozenset())``
     without a path, past the depth or the file budget. ``analyse`` reads a module's own imports by
-    calling this again with the depth and ``budget`` (the files left to read, shared) it is given."""
+    calling this again with the depth and ``reads`` it is given."""
     found: dict[str, V] = {}
     mods: set[str] = set()
     if path is None or depth >= _DEPTH:
         return found, frozenset()
-    budget = [_MAX_FILES] if budget is None else budget
+    reads = Reads() if reads is None else reads
     folder = Path(path).resolve().parent
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if (what := _read(_module(a.name, 0, folder), analyse, depth, budget)) is not None:
+                if (what := _read(_module(a.name, 0, folder), analyse, depth, reads)) is not None:
                     found.update(what)
                     mods.add(a.asname or a.name.rsplit(".", 1)[-1])  # `import a.b.c`: called as a.b.c.f()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            what = _read(_module(base, node.level, folder), analyse, depth, budget) if base else None
+            what = _read(_module(base, node.level, folder), analyse, depth, reads) if base else None
             for a in node.names:
                 if what is not None and a.name in what:
                     found[a.asname or a.name] = what[a.name]
                 elif a.name != "*" and (sub := _read(_module(f"{base}.{a.name}".strip("."), node.level, folder),
-                                                     analyse, depth, budget)) is not None:
+                                                     analyse, depth, reads)) is not None:
                     found.update(sub)  # `from dschat.utils import utils`: utils.save_hf_format(...)
                     mods.add(a.asname or a.name)
                 elif a.name == "*" and what is not None:
@@ -75,16 +87,23 @@ def _module(name: str, level: int, folder: Path) -> Path | None:
     return None
 
 
-def _read(f: Path | None, analyse: Analyse[V], depth: int, budget: list[int]) -> dict[str, V] | None:
+def _read(f: Path | None, analyse: Analyse[V], depth: int, reads: Reads) -> dict[str, V] | None:
     """``analyse`` of the local file ``f``; None when there is none, it is too large, it does not
     parse, or the file budget is spent."""
-    if f is None or budget[0] <= 0:
+    if f is None:
         return None
-    budget[0] -= 1
+    if f in reads.done:
+        return reads.done[f]
+    if reads.left <= 0:
+        return None
+    reads.left -= 1
+    out = None
     try:
-        if f.stat().st_size > _MAX_BYTES:
-            return None
-        tree = ast.parse(f.read_text(encoding="utf-8", errors="replace"), filename=str(f))
+        if f.stat().st_size <= _MAX_BYTES:
+            text = f.read_text(encoding="utf-8", errors="replace")
+            out = {} if depth + 1 >= _DEPTH and reads.needle not in text else analyse(
+                ast.parse(text, filename=str(f)), f, depth + 1, reads)
     except (OSError, SyntaxError, ValueError, RecursionError):
-        return None
-    return analyse(tree, f, depth + 1, budget)
+        pass
+    reads.done[f] = out
+    return out

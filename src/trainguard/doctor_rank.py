@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
-from .doctor_imports import imported
+from .doctor_imports import Reads, imported
 from .doctor_source import _callee, _is_none, _receiver, _tree
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save", "save_state"}  # accelerate: accelerator.save_state(dir)
@@ -35,7 +35,7 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     calls: list[ast.Call] = []
-    known, mods = imported(tree, s.path, _module_helpers)  # DeepSpeed-Chat: save_hf_format, of dschat/utils/utils.py
+    known, mods = imported(tree, s.path, _module_helpers, reads=Reads("save"))  # DeepSpeed-Chat: save_hf_format, of dschat/utils/utils.py
     helpers, aliases = _save_helpers(tree, known, mods), _rank_aliases(tree)
     flags = _rank_flags(tree, aliases)
     names = _SAVE_CALLS | set(helpers)
@@ -113,9 +113,9 @@ def _own_receiver(call: ast.Call) -> str | None:
     return f"{r}.{_callee(call)}" if r in _EXPORTS and _callee(call) != "save" else r
 
 
-def _module_helpers(tree: ast.Module, path: Path, depth: int, budget: list[int]) -> dict[str, str | None]:
+def _module_helpers(tree: ast.Module, path: Path, depth: int, reads: Reads) -> dict[str, str | None]:
     """``doctor_imports.imported`` calls this on each local module the script imports: its save helpers."""
-    known, mods = imported(tree, path, _module_helpers, depth, budget)
+    known, mods = imported(tree, path, _module_helpers, depth, reads)
     return _save_helpers(tree, known, mods)
 
 
@@ -128,11 +128,14 @@ def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     found: dict[str, str | None] = dict(known or {})
     mine = (None, "self", "cls", *mods)
+    called = {id(f): [(c, _callee(c)) for c in ast.walk(f) if isinstance(c, ast.Call)] for f in funcs}  # one walk
     for _ in range(4):
         before = len(found)
         for f in funcs:
-            for c in (() if f.name in found else _calls(None, _SAVE_CALLS | set(found), f)):
-                name, r = _callee(c), _receiver(c)
+            for c, name in (() if f.name in found else called[id(f)]):
+                if name not in _SAVE_CALLS and name not in found:
+                    continue
+                r = _receiver(c)
                 if name == f.name and r in (None, "self", "cls"):
                     continue  # itself
                 if name in found and r in mine:
