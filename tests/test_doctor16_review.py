@@ -220,3 +220,29 @@ def test_the_modules_followed_are_bounded(tmp_path) -> None:
     for i, sev in ((0, "warning"), (31, "warning"), (39, "ok")):
         f = single_rank([], Settings(source=src.format(i), path=str(tmp_path / "many" / "train.py")))
         assert f is not None and f.severity == sev, (i, f)
+
+
+# https://github.com/NVIDIA/Megatron-LM, megatron/core/dist_checkpointing/strategies/common.py
+# (trimmed): its folder also holds a torch.py (the torch strategy), and msc_utils a method named save;
+# the rank-0 torch.save there is still torch's.
+MEGATRON_COMMON = """\
+import torch
+from megatron.core.msc_utils import maybe_msc
+def save_common(common_state_dict, checkpoint_dir):
+    if torch.distributed.get_rank() == 0:
+        maybe_msc.torch.save(common_state_dict, checkpoint_dir + '/common.pt')
+"""
+
+
+def test_a_module_named_like_torch_next_to_a_module_is_not_torch(tmp_path) -> None:
+    strategies = "megatron/core/dist_checkpointing/strategies"
+    _project(tmp_path, {"megatron/__init__.py": "", "megatron/core/__init__.py": "",
+                        "megatron/core/msc_utils.py": "class Msc:\n    def save(self, x, p):\n        self.client.save(x, p)\n",
+                        f"{strategies}/__init__.py": "", f"{strategies}/common.py": MEGATRON_COMMON,
+                        f"{strategies}/torch.py": "import torch\ndef save(x, p):\n    writer.save(x, p)\n"})
+    train = tmp_path / "train.py"  # a script importing the module: `import torch` there is torch
+    src = "from megatron.core.dist_checkpointing.strategies.common import save_common\nif rank == 0:\n    save_common(s, d)\n"
+    f = single_rank([], Settings(source=src, path=str(train)))
+    assert f is not None and f.severity == "warning" and "torch.save" in f.message, f
+    f = single_rank([], Settings(source=MEGATRON_COMMON, path=str(tmp_path / strategies / "common.py")))
+    assert f is not None and f.severity == "warning" and "torch.save" in f.message, f  # was an error: "(in save)"

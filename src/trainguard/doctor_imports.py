@@ -31,6 +31,7 @@ class Reads:
     def __init__(self, needle: str = "") -> None:
         self.left, self.needle = _MAX_FILES, needle
         self.done: dict[Path, Any] = {}
+        self.roots: list[Path] = []  # where an absolute import is looked up: the script's folder and those above
 
 
 Analyse = Callable[[ast.Module, Path, int, Reads], dict[str, V]]  # (tree, path, depth, reads) -> {name: what}
@@ -50,19 +51,21 @@ def imported(tree: ast.Module, path: str | Path | None, analyse: Analyse[V], dep
         return found, frozenset()
     reads = Reads() if reads is None else reads
     folder = Path(path).resolve().parent
+    if not reads.roots:  # as Python runs the script: an absolute import never means a module's own sibling
+        reads.roots = [folder, *list(folder.parents)[:_UP]]
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
-                if (what := _read(_module(a.name, 0, folder), analyse, depth, reads)) is not None:
+                if (what := _read(_module(a.name, 0, folder, reads.roots), analyse, depth, reads)) is not None:
                     found.update(what)
                     mods.add(a.asname or a.name.rsplit(".", 1)[-1])  # `import a.b.c`: called as a.b.c.f()
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            what = _read(_module(base, node.level, folder), analyse, depth, reads) if base else None
+            what = _read(_module(base, node.level, folder, reads.roots), analyse, depth, reads) if base else None
             for a in node.names:
                 if what is not None and a.name in what:
                     found[a.asname or a.name] = what[a.name]
-                elif a.name != "*" and (sub := _read(_module(f"{base}.{a.name}".strip("."), node.level, folder),
+                elif a.name != "*" and (sub := _read(_module(f"{base}.{a.name}".strip("."), node.level, folder, reads.roots),
                                                      analyse, depth, reads)) is not None:
                     found.update(sub)  # `from dschat.utils import utils`: utils.save_hf_format(...)
                     mods.add(a.asname or a.name)
@@ -71,15 +74,16 @@ def imported(tree: ast.Module, path: str | Path | None, analyse: Analyse[V], dep
     return found, frozenset(mods)
 
 
-def _module(name: str, level: int, folder: Path) -> Path | None:
-    """The local file of module ``name`` (``level`` dots before it) imported from a file in ``folder``."""
+def _module(name: str, level: int, folder: Path, roots: list[Path]) -> Path | None:
+    """The local file of module ``name`` (``level`` dots before it) imported from a file in ``folder``:
+    a relative import from ``folder``, an absolute one from the first of ``roots`` that has it."""
     parts = [p for p in name.split(".") if p]
     if level:
         if level - 2 >= len(folder.parents):  # above the filesystem's root
             return None
         bases = [folder if level == 1 else folder.parents[level - 2]]
     else:
-        bases = [folder, *list(folder.parents)[:_UP]]
+        bases = roots
     for b in bases:
         for f in (b.joinpath(*parts).with_suffix(".py") if parts else None, b.joinpath(*parts, "__init__.py")):
             if f is not None and f.is_file():

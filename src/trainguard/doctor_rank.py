@@ -35,7 +35,8 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     calls: list[ast.Call] = []
-    known, mods = imported(tree, s.path, _module_helpers, reads=Reads("save"))  # DeepSpeed-Chat: save_hf_format, of dschat/utils/utils.py
+    known, mods = imported(tree, s.path, _module_helpers, reads=Reads("save"))  # DeepSpeed-Chat's save_hf_format
+    mods -= _EXPORTS  # a torch.py of the project's own does not make torch.save one of its helpers
     helpers, aliases = _save_helpers(tree, known, mods), _rank_aliases(tree)
     flags = _rank_flags(tree, aliases)
     names = _SAVE_CALLS | set(helpers)
@@ -116,7 +117,7 @@ def _own_receiver(call: ast.Call) -> str | None:
 def _module_helpers(tree: ast.Module, path: Path, depth: int, reads: Reads) -> dict[str, str | None]:
     """``doctor_imports.imported`` calls this on each local module the script imports: its save helpers."""
     known, mods = imported(tree, path, _module_helpers, depth, reads)
-    return _save_helpers(tree, known, mods)
+    return _save_helpers(tree, known, mods - _EXPORTS)
 
 
 def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
