@@ -1,19 +1,15 @@
 """``DistContext``: processes and the c10d store (with ``dtensor.py``, the only modules that know torch.distributed).
 
-One process: :class:`DistContext` itself, a null object whose collectives return at once.
-Many processes: :class:`StoreDistContext`, whose collectives go through the c10d *store*
-(never the training process group), so a background save thread can coordinate while the
-training loop runs its own collectives, and a dead or absent rank becomes an error with its
-rank number after a bounded wait instead of a hang.
+One process: :class:`DistContext`, a null object. Many: :class:`StoreDistContext`, whose collectives
+go through the c10d *store* (never the training process group: a background save thread may
+coordinate while training runs its own collectives; a dead or absent rank is an error naming it).
 
-Every collective must be called by every rank in the same order (like any collective). Rank 0
-is the coordinator: it waits for every rank's key, watching heartbeats, and publishes either
-the result or one failure record, so that every rank raises the *same* ``RankFailureError``.
-A rank that never arrives is named after ``timeout``; a rank whose heartbeat stops (process
-died) after ``TRAINGUARD_DEAD_AFTER`` seconds; a rank waiting in a *different* collective at
-the same round (``load`` while the others ``save``), or one that left the call midway, at once
-(``distwait.py``). Rounds are numbered within *operations* (the public calls, :meth:`operation`),
-so a rank that left one midway (a Ctrl-C it caught) meets the others again at the next call.
+Every rank calls the collectives in the same order. Rank 0 coordinates: it waits for every rank's
+key, watching heartbeats, and publishes the result or one failure record (every rank raises the
+*same* ``RankFailureError``): a rank never arriving after ``timeout``, one whose heartbeat stopped
+after ``TRAINGUARD_DEAD_AFTER`` s, one in a *different* collective of the round or that left the
+call, at once (``distwait.py``). Rounds are numbered within *operations* (the public calls,
+:meth:`operation`): a rank that left one midway (a Ctrl-C it caught) meets the others at the next.
 """
 
 from __future__ import annotations
@@ -27,29 +23,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from .distwait import LEFT, STARTED, wait_for
+from .distwait import LEFT, STARTED, check_timeout, dead_after, default_timeout, wait_for  # noqa: F401 - imported from here
 from .errors import RankFailureError, failure, failure_record, from_record, summary  # noqa: F401 - failure, summary: imported from here too
+from .permanent import headline, is_permanent
 from .storecall import BoundedStore
 
 HEARTBEAT_EVERY = 0.5
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def default_timeout() -> float:
-    """``TRAINGUARD_TIMEOUT`` (seconds, default 600): how long a collective waits for a rank."""
-    return float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
-
-
-def check_timeout(timeout: Any) -> None:
-    """``timeout=`` of ``save``/``load``/``CheckpointManager``: seconds > 0, or None for the default."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
-        raise ValueError(f"timeout={timeout!r}: pass how long a collective may wait, seconds > 0, or None (default)")
-
-
-def dead_after() -> float:
-    """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
-    this long is declared dead."""
-    return float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
 
 
 def _store_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -265,10 +245,13 @@ class StoreDistContext(DistContext):
                 self._parent is None or self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, STARTED]))
         try:
             yield
-        except BaseException:
+        except BaseException as e:
+            why = [headline(str(e))] if is_permanent(e) else []  # no restart fixes it: the others fail so, at once
+            if why and self._new_op:  # not numbered yet (its first round to come): now, as the others' call is
+                self._next_op()
             if self._in_op:  # this rank entered the call's rounds: tell the others it left
                 with contextlib.suppress(Exception):
-                    self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, LEFT]))
+                    self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, LEFT, *why]))
             raise
         finally:
             self._depth, self._new_op = 0, False

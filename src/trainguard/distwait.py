@@ -17,10 +17,12 @@ rank 0 (the coordinator) judges them, the others judge only rank 0, whose verdic
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
 from .errors import failure, failure_record
+from .permanent import mark
 
 LEFT = "(left)"  # the tag in a rank's "at" key once it raised out of an operation it had entered
 STARTED = "(started)"  # an async save's, set by the call that starts it (its thread's rounds come later)
@@ -28,6 +30,23 @@ STARTED = "(started)"  # an async save's, set by the call that starts it (its th
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
 # passed "begin"): a rank missing there is busy with the work in between, not absent.
 MIDWAY = {"written": "writing its data"}
+
+
+def default_timeout() -> float:
+    """``TRAINGUARD_TIMEOUT`` (seconds, default 600): how long a collective waits for a rank."""
+    return float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
+
+
+def check_timeout(timeout: Any) -> None:
+    """``timeout=`` of ``save``/``load``/``CheckpointManager``: seconds > 0, or None for the default."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
+        raise ValueError(f"timeout={timeout!r}: pass how long a collective may wait, seconds > 0, or None (default)")
+
+
+def dead_after() -> float:
+    """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
+    this long is declared dead."""
+    return float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
 
 
 def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: float) -> None:
@@ -93,18 +112,25 @@ def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
 
 def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
     """Raise at once when a rank whose key is awaited left this operation without writing it."""
-    gone, where = {}, _where(ctx, list(missing))
-    for r, (op, _rnd, other) in where.items():
+    gone, why, where = {}, {}, _where(ctx, list(missing))
+    for r, (op, _rnd, other, *perm) in where.items():
         if op > ctx._op or (op == ctx._op and other == LEFT):
-            gone[r] = other
+            gone[r], why[r] = other, perm
     parent = getattr(ctx, "_parent", None)  # an async save's channel: a rank that never started this save
     if parent is not None:  # (a Ctrl-C before it) and whose training thread is past the call that starts it
         behind = [r for r in missing if r not in gone and where.get(r, (-1,))[0] < ctx._op]
-        for r, (op, _rnd, other) in _where(parent, behind).items():
+        for r, (op, _rnd, other, *perm) in _where(parent, behind).items():
             if op > ctx._op or (op == ctx._op and other == LEFT):
-                gone[r] = f"never started this save; now in {other!r}"
+                gone[r], why[r] = f"never started this save; now in {other!r}", perm
     # Read again: a rank may have written its key and then moved on since the first look.
     gone = {r: w for r, w in gone.items() if not ctx.store.check([missing[r]])}
+    perm = {r: why[r][0] for r in gone if why[r]}  # it raised an error no restart fixes (dist.operation): so is this
+    if perm:
+        raise mark(failure(
+            f"{tag}: rank(s) {sorted(perm)} failed with an error that no restart fixes: "
+            + "; ".join(f"rank {r}: {m}" for r, m in sorted(perm.items())),
+            {r: f"left the call before {tag!r}: {m}" for r, m in perm.items()},
+        ))
     if gone:
         raise failure(
             f"{tag}: rank(s) {sorted(gone)} left this trainguard call before {tag!r} and went on (an exception "
@@ -118,7 +144,7 @@ def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
 def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
     """Rank 0: raise at once when a missing rank waits in another collective of the same round."""
     wrong = {}
-    for r, (op, rnd, other) in _where(ctx, missing).items():
+    for r, (op, rnd, other, *_why) in _where(ctx, missing).items():
         if (op, rnd) == (ctx._op, ctx._round) and other not in (tag, LEFT):
             wrong[r] = other
     if wrong:

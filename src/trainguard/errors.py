@@ -105,12 +105,14 @@ def summary(e: BaseException) -> str:
 
 def failure_record(e: RankFailureError) -> dict[str, Any]:
     """``e`` as the JSON-able record ranks exchange through the store (:func:`from_record` raises it again)."""
-    return {"error": summary(e), "failures": e.failures}
+    return {"error": summary(e), "failures": e.failures, **({"permanent": True} if e.permanent else {})}
 
 
 def from_record(record: dict[str, Any]) -> RankFailureError:
     """The ``RankFailureError`` of a :func:`failure_record` received from another rank (JSON keys are strings)."""
-    return failure(record["error"], {int(r): tb for r, tb in record["failures"].items()})
+    e = failure(record["error"], {int(r): tb for r, tb in record["failures"].items()})
+    e.permanent = bool(record.get("permanent"))  # a rank's error no restart fixes (distwait._check_left): every rank's
+    return e
 
 
 class DiskFullError(CheckpointError, OSError):
