@@ -7,7 +7,7 @@ Every scenario runs real gloo ranks on 127.0.0.1 (``dist_helper.run_ranks``), bo
 from __future__ import annotations
 
 import trainguard as tg
-from test_rejoin import ENV, _state
+from test_rejoin import ENV, _same, _state
 
 from dist_helper import run_ranks
 
@@ -42,3 +42,64 @@ def test_a_permanent_error_on_one_rank_fails_the_others_at_once_with_a_permanent
         assert "rank(s) [1] failed with an error that no restart fixes" in v["msg"] and "step=-1" in v["msg"], vals
     assert vals[0]["msg"] == vals[2]["msg"], vals
 
+
+def _ctrl_c_after_the_save_thread_started(rank: int, world: int, root: str) -> dict:
+    import threading
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    import trainguard.async_save as asv
+    import trainguard.distwait as dw
+
+    store, out = _get_default_store(), {}
+    if rank == 0:  # say when it looked at rank 1's "at" key after rank 1 caught its Ctrl-C
+        real_check = dw._check_left
+
+        def check_left(*a):  # noqa: ANN002, ANN202
+            try:
+                return real_check(*a)
+            finally:
+                if store.check(["t16/caught"]):
+                    store.set("t16/looked", "1")
+
+        dw._check_left = check_left
+        out["first"] = _outcome(lambda: tg.save(f"{root}/a", _state(1), async_=True, timeout=20).result())
+        dw._check_left = real_check
+    else:
+        real = threading.Thread.start
+
+        def start_then_ctrl_c(self) -> None:  # noqa: ANN001
+            real(self)
+            if self.name == "trainguard-async-save":
+                threading.Thread.start = real
+                while asv._INFLIGHT is not None and asv._INFLIGHT.began is False:  # until its thread owns the rounds
+                    threading.Event().wait(0.001)
+                raise KeyboardInterrupt  # after start(), before the call returns
+
+        # The save thread writes its data only once rank 0 looked at where rank 1 is.
+        asv._before_background_stage = lambda: store.wait(["t16/looked"], timedelta(seconds=30))
+        threading.Thread.start = start_then_ctrl_c
+        try:
+            tg.save(f"{root}/a", _state(1), async_=True, timeout=20)
+            out["first"] = {"type": None}
+        except KeyboardInterrupt:
+            out["first"] = {"type": "KeyboardInterrupt"}
+        store.set("t16/caught", "1")
+        asv._INFLIGHT.handle.join()
+        asv._before_background_stage = None
+    out["second"] = _outcome(lambda: tg.save(f"{root}/b", _state(2), async_=True, timeout=20).result())
+    out["loads"] = _outcome(lambda: _same(root, "a", 1) or 1 / 0)
+    return out
+
+
+def test_a_ctrl_c_after_the_async_save_thread_started_does_not_fail_that_save(tmp_path):
+    # Before: the call's operation marked rank 1 LEFT although its save thread was running the
+    # save's rounds: rank 0 failed the save ("rank(s) [1] left this trainguard call"), and so did
+    # rank 1's own thread; nothing was committed.
+    res = run_ranks(_ctrl_c_after_the_save_thread_started, 2, str(tmp_path), timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert vals[1]["first"] == {"type": "KeyboardInterrupt"}, vals
+    assert vals[0]["first"] == {"type": None}, vals
+    assert [v["second"] for v in vals] == [{"type": None}] * 2, vals
+    assert [v["loads"] for v in vals] == [{"type": None}] * 2, vals

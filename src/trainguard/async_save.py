@@ -153,18 +153,20 @@ def start_async_save(
         global _INFLIGHT
         with _LOCK:
             _INFLIGHT = job
-        try:
+        try:  # the thread runs the call's rounds: a Ctrl-C from here on leaves it running them, not LEFT (dist.py)
+            ctx.hand_off(True)
             thread.start()
+            return handle
         except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
             with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
                 if job.began:  # it runs: it releases them
                     raise
                 job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
+            ctx.hand_off(False)  # this rank left the save: the others fail it at once
             _drop(job)
             if not isinstance(e, Exception):
                 raise
             raise CheckpointError(f"could not start the async save thread: {e}") from e
-        return handle
 
 
 def _failed(e: RankFailureError, step: int | None, managed: bool, target: str) -> SaveHandle:
@@ -213,8 +215,7 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
 
 Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, chunk, already a host copy, page phase)
 
-# Zero-copy writes go in batches of about this many bytes; between two, the save thread looks
-# whether step() is waiting (then it copies the rest instead, training being blocked anyway).
+# Zero-copy writes' batch size; between two, the save thread copies the rest if step() waits.
 ZERO_COPY_BATCH = 256 << 20
 def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int | None] | None, Iterator[Batch]]:
     """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's

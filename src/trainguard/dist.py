@@ -112,6 +112,9 @@ class DistContext:
     def rounds_follow(self) -> None:
         """In an operation: every rank's call runs rounds from here on (see StoreDistContext)."""
 
+    def hand_off(self, off: bool) -> None:
+        """``start_async_save``: its thread runs this operation's rounds (``off``): the call raising is not leaving it."""
+
     @staticmethod
     def current() -> DistContext:
         """The context for this process: store-based when torch.distributed is initialised."""
@@ -261,6 +264,9 @@ class StoreDistContext(DistContext):
         round (a Ctrl-C in the wait for the previous save) is ``LEFT``, not paired by its next call."""
         if self._depth and self._new_op:
             self._next_op()
+
+    def hand_off(self, off: bool) -> None:
+        self._in_op = not off
 
     def _next_op(self) -> None:
         # A channel (the async save's) takes its parent's number: equal on every rank after a save one skipped.
