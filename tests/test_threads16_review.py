@@ -103,3 +103,41 @@ def test_a_ctrl_c_after_the_async_save_thread_started_does_not_fail_that_save(tm
     assert vals[0]["first"] == {"type": None}, vals
     assert [v["second"] for v in vals] == [{"type": None}] * 2, vals
     assert [v["loads"] for v in vals] == [{"type": None}] * 2, vals
+
+
+def _two_threads(rank: int, world: int, root: str) -> dict:
+    import threading
+
+    out: dict = {}
+
+    def manager(name: str, then_direct: bool) -> None:
+        mgr = tg.CheckpointManager(f"{root}/{name}", save=tg.EveryNSteps(1), handle_signals=False, timeout=15).open()
+        res = [_outcome(lambda: mgr.restore(_state(0)))]
+        res += [_outcome(lambda s=s: mgr.save(s, _state(s))) for s in (1, 2, 3)]
+        res.append(_outcome(mgr.close))
+        if then_direct:  # tg.save in this thread while the main thread's manager saves
+            res += [_outcome(lambda s=s: tg.save(f"{root}/direct/{s}", _state(s), timeout=15)) for s in (1, 2, 3)]
+        out[name] = [r["type"] for r in res]
+
+    other = threading.Thread(target=manager, args=("b", True))
+    other.start()
+    manager("a", False)
+    other.join(45)
+    out["loads"] = _outcome(lambda: (_same(f"{root}/a", "step-000000003", 3) and _same(f"{root}/b", "step-000000003", 3)
+                                     and _same(f"{root}/direct", "3", 3)) or 1 / 0)
+    return out
+
+
+def test_two_managers_used_from_two_threads_and_a_direct_save_in_one_do_not_mix_their_rounds(tmp_path):
+    # Before: both managers (and tg.save) numbered their rounds on one channel of the process,
+    # whose operation() nesting counter the threads shared: thread b's call counted as nested in
+    # thread a's, each rank interleaved the threads' rounds in its own order, and the two threads'
+    # first calls could even create two contexts; every open/save failed after the timeout
+    # ("did not arrive within 15 s"). Now each manager has its own channel (its root), a
+    # manager's nested tg.load uses it, and the context is created once.
+    res = run_ranks(_two_threads, 2, str(tmp_path), timeout=90, env=ENV)
+    vals = [r.value for r in res]
+    assert [v["a"] for v in vals] == [[None] * 5] * 2, vals
+    assert [v["b"] for v in vals] == [[None] * 8] * 2, vals
+    assert [v["loads"] for v in vals] == [{"type": None}] * 2, vals
+

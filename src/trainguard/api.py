@@ -117,7 +117,7 @@ def start_save(
         # (async saves of two threads): the second waits for the first save, as a save in one thread does.
         with STARTING:
             return start_async_save(
-                storage, target, state, ctx.channel("async-save"), layout=layout, metadata=metadata, overwrite=overwrite,
+                storage, target, state, ctx.channel("async-save", follow=True), layout=layout, metadata=metadata, overwrite=overwrite,
                 timeout=timeout, step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
                 preflight=preflight, managed=managed,
             )

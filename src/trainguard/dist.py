@@ -100,7 +100,7 @@ class DistContext:
         """Rank 0: whether any rank raised flag ``name`` (one store call)."""
         return False
 
-    def channel(self, name: str) -> DistContext:
+    def channel(self, name: str, *, follow: bool = False) -> DistContext:
         """A context whose collectives are sequenced apart from this one's (see StoreDistContext)."""
         return self
 
@@ -122,16 +122,19 @@ class DistContext:
 
         if _FORKED_CHILD or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return _NULL
+        if getattr(_LOCAL, "ctx", None) is not None:  # in a manager's call: its channel (a restore's tg.load)
+            return _LOCAL.ctx  # type: ignore[no-any-return]
         pg = dist.group.WORLD
-        ctx = _CACHE.get(id(pg))
-        if ctx is None:
-            from torch.distributed.distributed_c10d import _get_default_store
+        with _MAKING:  # one context per group: two threads' first calls made two (generations apart)
+            ctx = _CACHE.get(id(pg))
+            if ctx is None:
+                from torch.distributed.distributed_c10d import _get_default_store
 
-            ctx = StoreDistContext(_get_default_store(), dist.get_rank(), dist.get_world_size())
-            for old in _CACHE.values():
-                old.close()
-            _CACHE.clear()
-            _CACHE[id(pg)] = ctx
+                ctx = StoreDistContext(_get_default_store(), dist.get_rank(), dist.get_world_size())
+                for old in _CACHE.values():
+                    old.close()
+                _CACHE.clear()
+                _CACHE[id(pg)] = ctx
         return ctx
 
 
@@ -149,6 +152,8 @@ def one_operation(fn: F) -> F:
 _NULL = DistContext()
 _CACHE: dict[int, DistContext] = {}
 _FORKED_CHILD = False  # forks.py: forked from a rank of an initialised group; not a rank itself
+_MAKING = threading.Lock()
+_LOCAL = threading.local()  # .ctx: the channel whose operation this thread is in (StoreDistContext.operation)
 
 
 @atexit.register
@@ -182,7 +187,7 @@ class StoreDistContext(DistContext):
         self.prefix = f"trainguard/{gen}"  # heartbeats live here, shared by every channel
         self.chan = f"{self.prefix}/main"  # rounds and "at" keys of this channel
         self._op, self._round = 0, 0  # the operation (public call) and the round within it
-        self._depth, self._new_op, self._in_op, self._parent = 0, False, False, None  # operation(); channel()
+        self._depth, self._new_op, self._in_op, self._parent, self._base = 0, False, False, None, self  # operation(); channel()
         self._keys: dict[tuple[int, int], tuple[str, bool, bool]] = {}  # rank 0: (op, round) -> (tag, "/all" key, per-rank keys)
         self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round
         self._channels: dict[str, StoreDistContext] = {}
@@ -190,20 +195,22 @@ class StoreDistContext(DistContext):
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)
         self._hb.start()
 
-    def channel(self, name: str) -> StoreDistContext:
+    def channel(self, name: str, *, follow: bool = False) -> StoreDistContext:
         """A context with its own sequence of collectives, sharing this one's store and heartbeat.
 
         Collectives of one channel must be called in the same order on every rank; those of two
-        channels may interleave differently (the async save's background thread uses its own
-        channel while the training thread keeps calling the manager's collectives).
+        channels may interleave differently: each ``CheckpointManager`` has one (its root's name;
+        two managers used from two threads), and ``follow``: the async save's of this one (its
+        thread's rounds, while the training thread goes on), whose operations take this one's numbers.
         """
-        ch = self._channels.get(name)
+        home = self if follow else self._base
+        ch = home._channels.get(name)
         if ch is None:
             ch = object.__new__(StoreDistContext)
-            ch.__dict__.update(self.__dict__)
-            ch._parent, ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = self, f"{self.prefix}/{name}", 0, 0, {}, {}, []
+            ch.__dict__.update(home.__dict__)
+            ch._parent, ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = self if follow else None, f"{home.chan}/{name}", 0, 0, {}, {}, []
             ch._depth, ch._new_op, ch._in_op = 0, False, False
-            self._channels[name] = ch
+            home._channels[name] = ch
         return ch
 
     def _beat(self) -> None:
@@ -241,7 +248,8 @@ class StoreDistContext(DistContext):
             finally:
                 self._depth -= 1
             return
-        self._depth, self._new_op, self._in_op = 1, True, False
+        self._depth, self._new_op, self._in_op, prev = 1, True, False, getattr(_LOCAL, "ctx", None)
+        _LOCAL.ctx = self if self._parent is None else prev  # nested calls of this thread (DistContext.current)
         if eager:
             self._next_op()
             with contextlib.suppress(Exception):  # a channel's (async) save started here: see distwait.STARTED
@@ -257,7 +265,7 @@ class StoreDistContext(DistContext):
                     self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, LEFT, *why]))
             raise
         finally:
-            self._depth, self._new_op = 0, False
+            self._depth, self._new_op, _LOCAL.ctx = 0, False, prev
 
     def rounds_follow(self) -> None:
         """Number the call now (a manager's ``open``/``restore``/``save``): a rank raising before its first
