@@ -266,13 +266,18 @@ class CheckpointManager:
         h = self._pending
         if h is None:
             return
+        seen = h.observed  # the caller collected its error with handle.result(): recorded, not raised again
         try:
             manifest = h.result()
         except Exception as e:  # not a wait cut short (Ctrl-C): that leaves it for the next save/wait/close
             self._pending = None
-            if isinstance(e, CheckpointError):
+            err = e if isinstance(e, CheckpointError) else CheckpointError(f"background save of step {self._pending_step} failed: {e}")
+            if not seen and err is e:
                 raise
-            raise CheckpointError(f"background save of step {self._pending_step} failed: {e}") from e
+            if not seen:
+                raise err from e
+            self.events.emit("save_failed", step=self._pending_step, error=str(err)[:2000], collected=True)
+            return log.warning("trainguard: save of step %s failed (collected by handle.result()): %s", self._pending_step, err)
         self._pending = None
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0  # when it ended (collected later)
         self.last_saved_step = manifest.step
