@@ -6,6 +6,8 @@ Every scenario runs real gloo ranks on 127.0.0.1 (``dist_helper.run_ranks``), bo
 
 from __future__ import annotations
 
+import contextlib
+
 import trainguard as tg
 from test_rejoin import ENV, _same, _state
 
@@ -176,3 +178,26 @@ def test_an_async_failure_collected_with_result_is_not_raised_again_by_the_manag
     failed = [e["step"] for e in events if e["event"] == "save_failed"]
     assert failed == [1, 3], events  # the collected failure is still recorded
 
+
+def _mismatch_then_rounds(ctx) -> None:  # noqa: ANN001
+    with ctx.operation(), contextlib.suppress(tg.RankFailureError):  # rank 1 loads while rank 0 saves
+        ctx.all_gather("load" if ctx.rank == 1 else "begin", ctx.rank)
+    for i in range(4):
+        with ctx.operation():
+            assert ctx.all_gather("begin", i) == [i] * ctx.world_size
+
+
+def test_the_keys_of_a_mismatched_round_are_deleted_like_the_others():
+    from test_store_keys import _run_ranks
+
+    # Before: rank 0's verdict for the ranks in the other collective ("load") and their own keys
+    # stayed in the store for good, one set per mismatch.
+    server, ctxs = _run_ranks(_mismatch_then_rounds, 2)
+    try:
+        ctxs[0].store.drain()
+        left = [k for k in ("all", "0", "1") if server.check([f"trainguard/0/main/r1.1/load/{k}"])]
+        assert left == [], left
+        assert not server.check(["trainguard/0/main/r1.1/begin/all"])
+    finally:
+        for c in ctxs:
+            c.close()

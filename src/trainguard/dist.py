@@ -189,7 +189,7 @@ class StoreDistContext(DistContext):
         self._op, self._round = 0, 0  # the operation (public call) and the round within it
         self._depth, self._new_op, self._in_op, self._parent, self._base = 0, False, False, None, self  # operation(); channel()
         self._keys: dict[tuple[int, int], tuple[str, bool, bool]] = {}  # rank 0: (op, round) -> (tag, "/all" key, per-rank keys)
-        self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round
+        self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round, or other key (distwait)
         self._channels: dict[str, StoreDistContext] = {}
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)

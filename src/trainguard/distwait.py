@@ -153,8 +153,11 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
             "called different trainguard operations (e.g. save on some ranks, load on others)",
             {r: f"called {w!r} while rank {ctx.rank} called {tag!r}" for r, w in wrong.items()},
         )
-        # The ranks waiting in the other collective get the same verdict instead of a timeout.
-        record = json.dumps(failure_record(e))
+        # The ranks waiting in the other collective get the same verdict instead of a timeout; its keys
+        # (the verdict, theirs) are deleted with this round's (dist.forget), not left for good.
+        record, at = json.dumps(failure_record(e)), (ctx._op, ctx._round)
         for other in set(wrong.values()):
-            ctx.store.set(f"{ctx.chan}/r{ctx._op}.{ctx._round}/{other}/all", record)
+            base = f"{ctx.chan}/r{ctx._op}.{ctx._round}/{other}"
+            ctx.store.set(f"{base}/all", record)
+            ctx._fences += [(at, f"{base}/{k}") for k in ["all", *(r for r, w in wrong.items() if w == other)]]
         raise e
