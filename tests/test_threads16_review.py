@@ -201,3 +201,27 @@ def test_the_keys_of_a_mismatched_round_are_deleted_like_the_others():
     finally:
         for c in ctxs:
             c.close()
+
+
+def _spelled_otherwise(rank: int, world: int, root: str) -> dict:
+    import os
+
+    os.makedirs(f"{root}/mnt", exist_ok=True)
+    if rank == 1 and not os.path.exists(f"{root}/elsewhere"):
+        os.symlink(f"{root}/mnt", f"{root}/elsewhere")  # one node mounts the shared directory elsewhere
+    run = f"{root}/{'elsewhere' if rank == 1 else 'mnt'}/run1"
+    mgr = tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False, timeout=15).open()
+    out = [_outcome(lambda: mgr.restore(_state(0)))]
+    out += [_outcome(lambda s=s: mgr.save(s, _state(s))) for s in (1, 2)]
+    out.append(_outcome(mgr.close))
+    return {"calls": [r["type"] for r in out], "loads": _outcome(lambda: _same(f"{root}/mnt/run1", "step-000000002", 2) or 1 / 0)}
+
+
+def test_ranks_spelling_the_run_directory_otherwise_share_its_manager_rounds(tmp_path):
+    # Each manager's rounds are a channel of their own (two threads' managers); named by the whole
+    # root, ranks whose paths differ (a symlink, another mount point) met in no round and every
+    # call waited the whole timeout. Named by the directory's last part they meet.
+    res = run_ranks(_spelled_otherwise, 2, str(tmp_path), timeout=60, env=ENV)
+    vals = [r.value for r in res]
+    assert [v["calls"] for v in vals] == [[None] * 4] * 2, vals
+    assert [v["loads"] for v in vals] == [{"type": None}] * 2, vals

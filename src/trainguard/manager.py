@@ -75,7 +75,8 @@ class CheckpointManager:
         self.handle_signals, self.timeout = handle_signals, timeout
         self.max_staging_bytes = max_staging_bytes  # async staging memory cap (docs/async.md)
         self.stage_in_background = stage_in_background  # no copy in save(): wait_staged() before mutating
-        self.ctx = DistContext.current().channel(f"manager:{self._root}")  # its own rounds: managers of two threads
+        # Its own rounds (two threads' managers), named by the root's last part (another node may mount it elsewhere).
+        self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
         if getattr(self.save_policy, "events", "absent") is None:
             self.save_policy.events = self.events  # type: ignore[attr-defined]
