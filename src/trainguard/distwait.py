@@ -161,3 +161,27 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
             ctx.store.set(f"{base}/all", record)
             ctx._fences += [(at, f"{base}/{k}") for k in ["all", *(r for r, w in wrong.items() if w == other)]]
         raise e
+
+
+CLOSE_WAIT = 60.0  # seconds: the most rank 0's close() waits for the other ranks to arrive (closing_round)
+
+
+def closing_round(ctx: Any, timeout: float | None) -> None:
+    """``CheckpointManager.close()`` on every rank, last, when it ends without an exception: rank 0
+    leaves only when every rank is here, i.e. has read every outcome rank 0 published (the last
+    save's "commit"). Rank 0's process hosts the job's c10d store (env:// under torchrun and
+    ``trainguard run``): leaving at once, its exit took the store with it, and a peer still to
+    read the commit failed ("the c10d store stopped answering"; across nodes: the other node's
+    agent restarted into a closed rendezvous and exited 1 where this one exited 143). Bounded by
+    ``min(timeout, CLOSE_WAIT)``; a rank that does not come (it died, it trains on) is logged."""
+    import logging
+
+    from .dist import default_timeout
+    from .errors import CheckpointError
+
+    if not ctx.is_distributed:
+        return
+    try:
+        ctx.gather("close", None, timeout=min(default_timeout() if timeout is None else timeout, CLOSE_WAIT))
+    except CheckpointError as e:
+        logging.getLogger("trainguard").info("trainguard: close() did not meet every rank: %s", e)

@@ -22,6 +22,7 @@ from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris, list_steps
 from .dist import DistContext
+from .distwait import closing_round
 from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
@@ -143,6 +144,7 @@ class CheckpointManager:
             self.close()
             return
         try:  # the block's own exception goes on: a failed last save is logged, not raised over it
+            self._failing = True  # no closing round: the others may wait for this rank elsewhere
             self.close(keep_ram_tier=True)
         except CheckpointError as e:
             log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
@@ -150,6 +152,7 @@ class CheckpointManager:
     def close(self, *, keep_ram_tier: bool = False) -> None:
         """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``),
         release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
+        failing = self.__dict__.pop("_failing", False)  # __exit__ with an exception: no closing round
         if not self._opened:
             return
         watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
@@ -158,6 +161,8 @@ class CheckpointManager:
             stops.note_stop(self)  # a stop signal while it waited for the last save too: the run was stopped
             if self.ram:
                 self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set() or self.should_stop))  # any rank's signal
+            if not failing:
+                closing_round(self.ctx, self.timeout)  # rank 0 (the store's host) leaves last
         finally:
             if self.async_save:
                 release_staging(self)  # after a failed last save too: its pool was released

@@ -1,0 +1,110 @@
+"""Review of ``trainguard run`` across nodes (exit codes, docs/elastic.md) and of process cleanup.
+
+Two agents on this machine stand for two nodes (``--nnodes 2``, c10d on 127.0.0.1 through a
+store the test hosts, one worker each). Every process group a test starts is bounded in time
+and SIGKILLed by its group id in a ``finally``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT / "src"), **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> list[int]:
+    """Wait for every process (own session each), bounded; whatever is left is SIGKILLed by group."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        pytest.fail("did not end in time\n" + "\n=====\n".join(x.read_text(errors="replace")[-3000:] for x in logs))
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+# Two ranks of an env:// gloo group: rank 0's process hosts the c10d store (as under torchrun and
+# trainguard run). One sync save, then close(); rank 0 exits at once after its close(). Rank 1
+# reads the save's "commit" outcome only when rank 0's process is gone or rank 0 is inside its
+# close() (its "at" key: the slower peer of a real job, made certain here).
+LAST_SAVE = """\
+    import json, os, sys, time
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+    from trainguard import dist as tgdist
+
+    rank, out = int(os.environ["RANK"]), sys.argv[1]
+    dist.init_process_group("gloo")
+    if rank == 0:
+        open(os.path.join(out, "rank0.pid"), "w").write(str(os.getpid()))
+    else:
+        orig = tgdist.StoreDistContext.broadcast
+
+        def late(self, tag, value=None, *, timeout=None):
+            if tag == "commit":
+                pid = int(open(os.path.join(out, "rank0.pid")).read())
+                for _ in range(2000):  # bounded: 20 s
+                    if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+                        break
+                    try:
+                        if json.loads(self.store.raw.get(f"{self.chan}/at/0"))[2] == "close":
+                            break
+                    except Exception:
+                        pass
+                    time.sleep(0.01)
+            return orig(self, tag, value, timeout=timeout)
+
+        tgdist.StoreDistContext.broadcast = late
+    model = torch.nn.Linear(2, 2)
+    mgr = tg.CheckpointManager(os.path.join(out, "ck"), save=tg.EveryNSteps(10**6))
+    with mgr:
+        mgr.save(1, {"model": model}, force=True)
+    print(f"rank {rank} closed", flush=True)
+    os._exit(0)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_rank0_stays_in_close_until_every_rank_read_the_last_commit(tmp_path: Path) -> None:
+    """Before: rank 0 published the last save's commit outcome and left ``close()``; its process
+    (the host of the job's c10d store) exited, and a peer that had not read the outcome yet failed
+    with ``RankFailureError: commit: the c10d store stopped answering``. Across two nodes that was
+    a node whose workers saved on SIGTERM and exited 143 while the other node's worker failed
+    (exit 1): one agent exited 143, the other restarted into a closed rendezvous and exited 1."""
+    script = tmp_path / "w.py"
+    script.write_text(textwrap.dedent(LAST_SAVE))
+    port = str(_free_port())
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    (tmp_path / "rank0.pid").write_text("0")  # rank 1 reads it only in the last save
+    procs = []
+    for r in range(2):
+        env = _env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        with open(logs[r], "wb") as f:
+            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=f,
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
+    codes = _wait_all(procs, logs, 80)
+    text = "\n=====\n".join(x.read_text(errors="replace")[-3000:] for x in logs)
+    assert codes == [0, 0], text
+    assert "rank 1 closed" in text and "stopped answering" not in text, text
+
