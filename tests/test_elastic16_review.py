@@ -108,3 +108,66 @@ def test_rank0_stays_in_close_until_every_rank_read_the_last_commit(tmp_path: Pa
     assert codes == [0, 0], text
     assert "rank 1 closed" in text and "stopped answering" not in text, text
 
+
+# One --run-path worker with a DataLoader of 2 processes; each loader process notes its pid.
+LOADER = """\
+    import os, sys
+    import torch
+    from trainguard.elastic import heartbeat
+
+    out = sys.argv[1]
+
+    def note(i):
+        open(os.path.join(out, f"loader-{os.getpid()}"), "w").close()
+
+    class Zeros(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**6
+
+        def __getitem__(self, i):
+            return torch.zeros(2)
+
+    for step, batch in enumerate(torch.utils.data.DataLoader(Zeros(), batch_size=4, num_workers=2, worker_init_fn=note), 1):
+        heartbeat(step)  # the drill SIGKILLs the worker at step 3
+        if step >= 10**4:
+            break
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(90)
+def test_no_dataloader_process_of_a_killed_worker_outlives_the_agent(tmp_path: Path) -> None:
+    """Before: a SIGKILLed ``--run-path`` worker's DataLoader processes (reparented to pid 1) lived
+    on after the agent had exited (torch's loader watchdog ends them within ~5 s; they hold the
+    agent's stdout open meanwhile: a wrapper reading it waited). The agent stopped only the worker
+    pid. Now each worker leads its own process group and the agent ends the group after the worker."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(LOADER))
+    log = tmp_path / "agent.log"
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "1",
+           "--start-method", "fork", "--run-path", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+           "--fault", "step=3,rank=0,kind=kill", str(script), str(tmp_path)]
+    with open(log, "wb") as f:
+        agent = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    loaders: list[int] = []
+    try:
+        rc = agent.wait(timeout=80)
+        loaders = [int(p.name.split("-")[1]) for p in tmp_path.glob("loader-*")]
+        left = [pid for pid in loaders if _alive(pid)]  # at once: the agent has just exited
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(agent.pid, signal.SIGKILL)
+        for pid in loaders:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait(timeout=10)
+    text = log.read_text(errors="replace")
+    assert rc == 1 and "killed by SIGKILL" in (tmp_path / "run" / "events.jsonl").read_text(), text[-3000:]
+    assert len(loaders) == 2, text[-3000:]
+    assert left == [], f"loader processes {left} outlived the agent"

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 
 from ..events import EVENTS_FILE, EventLog
 from .faults import parse_fault
-from .reap import close_done, expose_dead
+from .reap import close_done, end_trees, expose_dead
 from .stops import (
     STOP_FILE_ENV,
     agent_result,
@@ -325,7 +325,9 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         finished = getattr(self, "_worker_finished_event", None)
         if finished is not None:
             finished.set()
+        pids = [p.pid for p in self._pc.processes] if self._pc else []
         orig_close(self, death_sig, timeout)
+        end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)
 
     SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]
     LocalElasticAgent._monitor_workers = _monitor  # type: ignore[method-assign]

@@ -8,12 +8,19 @@ the chaos review, 3 of 4 kills; 0.03-0.08 s without loader workers). The agent p
 every ``--monitor-interval`` through ``ProcessContext.join``; before each, :func:`expose_dead`
 asks each worker's exit status (``waitpid(WNOHANG)``, as ``Process.exitcode`` does) and gives a
 worker that has ended a sentinel that is ready, so torch's ``join`` handles it at once.
+
+Those loader processes also outlived the agent: torch's agent ends a ``--run-path`` worker by its
+pid only, so a SIGKILLed worker's loader processes (reparented to pid 1) lived on after the agent
+had exited, holding its stdout open. Each such worker now leads a session of its own
+(:func:`own_session`, as torch starts a script worker: ``start_new_session=True``), and after
+torch closed the workers the agent SIGKILLs what is left of each worker's group (:func:`end_trees`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from typing import Any
 
 
@@ -44,3 +51,23 @@ def close_done(pc: Any, made: list[int]) -> list[int]:
             with contextlib.suppress(OSError):
                 os.close(fd)
     return left
+
+
+def own_session() -> None:
+    """A ``--run-path`` worker, first (:func:`trainguard.permanent.run_script_path`): a session
+    and process group of its own, which its DataLoader processes inherit, so that the agent ends
+    the worker's whole process tree with one ``killpg`` (:func:`end_trees`). A new session, not
+    only a group: no background group of the terminal (a ``breakpoint()`` reading stdin works)."""
+    with contextlib.suppress(OSError):  # already a group leader: not a forked worker
+        os.setsid()
+
+
+def end_trees(pids: list[int]) -> None:
+    """Agent, after torch's ``MultiprocessContext._close`` stopped (or found dead) the workers
+    ``pids``: SIGKILL whatever is left in their process groups (loader processes)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) != pid:  # a live worker that is no group leader: not ours to group-kill
+                continue
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
