@@ -171,3 +171,41 @@ def test_no_dataloader_process_of_a_killed_worker_outlives_the_agent(tmp_path: P
     assert rc == 1 and "killed by SIGKILL" in (tmp_path / "run" / "events.jsonl").read_text(), text[-3000:]
     assert len(loaders) == 2, text[-3000:]
     assert left == [], f"loader processes {left} outlived the agent"
+
+
+# The agent's signal handler (install_signal_once), inherited by a child forked from the agent
+# (a worker with --start-method fork) that gets SIGTERM before it installs its own handler, inside
+# code that swallows exceptions (as fork's at-fork hooks do: "Exception ignored in _releaseLock").
+INHERITED = """\
+    import os, signal
+    from trainguard.elastic.launcher import install_signal_once
+
+    install_signal_once()
+    from torch.distributed.elastic.multiprocessing import api
+    signal.signal(signal.SIGTERM, api._terminate_process_handler)  # as torch's PContext.start does
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):
+                pass
+        except BaseException:
+            pass
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("signal" if os.WIFSIGNALED(status) else "exit", os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+"""
+
+
+def test_a_forked_worker_dies_of_a_stop_signal_its_inherited_handler_got(tmp_path: Path) -> None:
+    """Before: a worker forked from the agent kept torch's agent handler, which *raises*
+    ``SignalException``; a SIGTERM that reached the worker right after the fork was raised inside
+    fork's at-fork hooks, where Python ignores exceptions, and the worker trained on: the agent's
+    shutdown waited the full 30 s for its SIGKILL (seen once in 5 runs: worker SIGKILLed, SIGTERM
+    to the agent's group 0.5 s after the restart: 36.7 s instead of ~2 s). Now the inherited
+    handler ends the process by the signal (default action), whatever code it runs."""
+    script = tmp_path / "fork.py"
+    script.write_text(textwrap.dedent(INHERITED))
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["signal", str(int(signal.SIGTERM))], (res.stdout, res.stderr[-2000:])

@@ -235,11 +235,14 @@ def install_signal_once() -> None:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
 
-    torch_handler, orig_shutdown = api._terminate_process_handler, LocalElasticAgent._shutdown
+    torch_handler, orig_shutdown, agent = api._terminate_process_handler, LocalElasticAgent._shutdown, os.getpid()
     seen: list[int] = []
     stopping: list[bool] = []  # not empty while the agent stops its workers
 
     def handler(signum: int, frame: Any) -> None:
+        if os.getpid() != agent:  # a forked worker inherited it: die of the signal (torch's raise, in
+            signal.signal(signum, signal.SIG_DFL)  # fork's at-fork hooks, was swallowed: 30 s to SIGKILL)
+            return os.kill(os.getpid(), signum)
         if not (seen and stopping):
             seen.append(signum)
             torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
