@@ -209,3 +209,29 @@ def test_a_forked_worker_dies_of_a_stop_signal_its_inherited_handler_got(tmp_pat
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=_env())
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["signal", str(int(signal.SIGTERM))], (res.stdout, res.stderr[-2000:])
+
+
+@pytest.mark.parametrize(("code", "traceback_kept"), [(143, False), (130, False), (1, True), (-9, True)])
+def test_the_agent_logs_a_workers_stop_exit_without_a_traceback(code: int, traceback_kept: bool) -> None:
+    """Before: with ``--run-path`` torch's agent logged a worker's exit 143 (it saved on SIGTERM and
+    stopped, a preemption) with the ``ProcessExitedException`` traceback of its ``join``, at ERROR,
+    like a crash. Now a stop code keeps the line, at INFO, without it; a crash keeps both."""
+    import logging
+
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from trainguard.elastic.launcher import _PreformatExceptions
+
+    try:
+        raise ProcessExitedException(f"process 0 terminated with exit code {code}", error_index=0, error_pid=1,
+                                     exit_code=code)
+    except ProcessExitedException:
+        info = sys.exc_info()
+    record = logging.LogRecord("torch.distributed.elastic.multiprocessing.api", logging.ERROR, __file__, 1,
+                               "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)",
+                               (code, 0, 1, "run_script_path", "fork"), info)
+    assert _PreformatExceptions().filter(record)
+    text = logging.Formatter().format(record)
+    assert text.startswith(f"failed (exitcode: {code})")
+    assert ("Traceback" in text) is traceback_kept, text
+    assert record.levelno == (logging.ERROR if traceback_kept else logging.INFO)

@@ -49,6 +49,7 @@ from .stops import (
     exit_cause,
     first_failure,
     no_restart,
+    quiet_stop,
     root_failure,
     stop_code,
     stop_file,
@@ -192,6 +193,7 @@ class _PreformatExceptions(logging.Filter):
     _fmt = logging.Formatter()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        quiet_stop(record)  # a worker that saved on a stop signal and exited 143: no traceback
         if record.exc_info:
             if not record.exc_text:
                 record.exc_text = self._fmt.formatException(record.exc_info)

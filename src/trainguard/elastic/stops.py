@@ -161,3 +161,11 @@ def root_failure(pc: Any, error: Exception) -> Exception:
             return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
                                           error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
     return error
+
+
+def quiet_stop(record: Any) -> None:
+    """Agent, the log filter of :mod:`.launcher` (torch's loggers): torch logs a worker's exit with
+    the ``ProcessExitedException`` traceback of its ``join``, as for a crash; for a worker that
+    exited 128 + a stop signal (it saved and stopped, a preemption) the line stays, at INFO, without it."""
+    if str(record.msg).startswith("failed (exitcode: ") and record.args and record.args[0] in STOP_CODES:
+        record.exc_info, record.exc_text, record.levelno, record.levelname = None, None, 20, "INFO"
