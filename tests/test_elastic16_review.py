@@ -235,3 +235,66 @@ def test_the_agent_logs_a_workers_stop_exit_without_a_traceback(code: int, trace
     assert text.startswith(f"failed (exitcode: {code})")
     assert ("Traceback" in text) is traceback_kept, text
     assert record.levelno == (logging.ERROR if traceback_kept else logging.INFO)
+
+
+# Trains to step 8 with an all-reduce per step, saving every 2; on the first attempt global rank 1
+# (the worker of the other node) sends itself SIGTERM at step 5: a signal to one node's workers.
+TWO_NODES = """\
+    import os, signal, sys
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+
+    out = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = torch.nn.Linear(4, 4)
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(2)) as mgr:
+        step = mgr.restore({"model": model}) or 0
+        while step < 8 and not mgr.should_stop:
+            step += 1
+            dist.all_reduce(torch.zeros(1))
+            if step == 5 and rank == 1 and not os.path.exists(os.path.join(out, "signalled")):
+                open(os.path.join(out, "signalled"), "w").close()
+                os.kill(os.getpid(), signal.SIGTERM)
+            mgr.save(step, {"model": model}, force=step == 8)
+    print(f"rank {rank} ended at step {step}", flush=True)
+    sys.exit(mgr.exit_code)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_two_nodes_sigterm_to_one_nodes_worker_ends_both_agents_with_143(tmp_path: Path) -> None:
+    """Two agents (--nnodes 2, c10d on a store this test hosts, 1 worker each). Before: both workers
+    saved and stopped at the same step, node 0's worker (rank 0: the job's c10d store) exited 143
+    and its agent 143, but rank 1, still reading the last save's commit, failed (the store had gone
+    with rank 0's process): exit 1, a restart into the closed rendezvous, and its agent exited 1
+    (2 of 2 runs). Now both agents exit 143, nothing restarted, the stop step is the newest checkpoint."""
+    import torch.distributed as dist
+
+    import trainguard as tg
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TWO_NODES))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "two",
+           "--rdzv-conf", "is_host=false,last_call_timeout=5", "--start-method", "fork", "--run-path",
+           "--run-dir", str(run_dir), str(script), str(tmp_path)]
+    logs = [tmp_path / f"agent{i}.log" for i in range(2)]
+    procs = []
+    try:
+        for log in logs:
+            with open(log, "wb") as f:
+                procs.append(subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True))
+    finally:
+        codes = _wait_all(procs, logs, 120)
+    text = "\n=====\n".join(x.read_text(errors="replace")[-3000:] for x in logs)
+    assert codes == [143, 143], text
+    ends = sorted(int(line.rsplit(" ", 1)[1]) for line in text.splitlines() if " ended at step " in line)
+    assert len(ends) == 2 and ends[0] == ends[1] and 5 <= ends[0] < 8, text
+    assert tg.CheckpointManager(run_dir).latest_step() == ends[0]
+    events = (run_dir / "events.jsonl").read_text()
+    assert '"restart"' not in events and events.count('"preempted": true') == 2, text
+    assert "Traceback" not in text, text
