@@ -238,9 +238,8 @@ class CheckpointManager:
         storage = self.storage
         if self.ram:
             storage, target = self.ram.target(step)
-        # A step restore found unusable, or one an earlier run left after the step restore() returned
-        # (this run resumed behind it): replaced. Without restore() nothing is known of the directory's
-        # timeline, and an existing step is refused (StepExistsError), as by tg.save.
+        # A step restore found unusable, or one an earlier run left after the step restore() returned (this run resumed
+        # behind it): replaced. Without restore() nothing is known of the timeline: an existing step is refused, as by tg.save.
         replace = step in self._rejected or (self._restored is not None and step not in self._own)
         durable = self.storage.join(self._root, layout.step_dir(step))
         if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename):
@@ -278,10 +277,8 @@ class CheckpointManager:
         except Exception as e:  # not a wait cut short (Ctrl-C): that leaves it for the next save/wait/close
             self._pending = None
             err = e if isinstance(e, CheckpointError) else CheckpointError(f"background save of step {self._pending_step} failed: {e}")
-            if not seen and err is e:
-                raise
             if not seen:
-                raise err from e
+                raise err from (e.__cause__ if err is e else e)  # a CheckpointError as itself, its cause kept
             self.events.emit("save_failed", step=self._pending_step, error=str(err)[:2000], collected=True)
             return log.warning("trainguard: save of step %s failed (collected by handle.result()): %s", self._pending_step, err)
         self._pending = None
@@ -325,8 +322,7 @@ class CheckpointManager:
             self._report_failure(e, step=getattr(self, "_pending_step", None))
 
     def _apply_retention(self, newest: int) -> None:
-        # Runs after `newest` is committed (never before), on rank 0, while holding the lock.
-        # The new checkpoint is safe whatever happens here: a failure is reported, not raised.
+        # After `newest` is committed (never before), on rank 0, holding the lock; a failure is reported, not raised.
         try:
             retain(self, newest)
         except Exception as e:
@@ -382,8 +378,7 @@ class CheckpointManager:
             if self.ram:
                 self.ram.restored(step, tier, on_durable=self._apply_retention)
             return step
-        if skipped:
-            # Never a silent fresh start over a state that the failed loads partly overwrote.
+        if skipped:  # never a silent fresh start over a state that the failed loads partly overwrote
             none = CheckpointError(
                 f"restore: none of the {len(skipped)} checkpoint(s) in {self.root} could be loaded (newest first):\n"
                 + "\n".join(skipped)

@@ -31,15 +31,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import signal
 import sys
 import time
 import uuid
-from typing import Any, NoReturn
+from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
+from .args import seconds as _seconds
+from .args import usage_error as _usage_error
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead
 from .stops import (
@@ -98,21 +99,6 @@ For several agents use --rdzv-conf is_host=false with a store that outlives them
 """
 
 
-def _seconds(minimum: float, strict: bool) -> Any:
-    """An argparse ``type`` for a finite number of seconds above ``minimum`` (``strict``) or at
-    least it: a bad value fails in the parser, not in every worker at its first heartbeat
-    (``--hang-timeout 0``) or as a hang declared at once (``--hang-floor 0``, auto timeout 0 s)."""
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            v = math.nan
-        if not math.isfinite(v) or v < minimum or (strict and v == minimum):
-            raise argparse.ArgumentTypeError(f"{text!r}: give seconds {'>' if strict else '>='} {minimum:g}")
-        return v
-    return parse
-
-
 def build_parser() -> argparse.ArgumentParser:
     """torchrun's parser plus trainguard's options (``--fault``, ``--run-dir``, watchdog)."""
     from torch.distributed.run import get_args_parser
@@ -143,13 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30)")
     p.error = _usage_error  # type: ignore[method-assign]
     return p
-
-
-def _usage_error(message: str) -> NoReturn:
-    """The parser's error: one ``error:`` line, exit 2, as every ``trainguard`` command's (argparse
-    printed its usage, 15 lines of torchrun's options, before ``trainguard run: error: ...``)."""
-    print(f"error: {message} (see `trainguard run --help`)", file=sys.stderr)
-    sys.exit(2)
 
 
 def prepare(args: argparse.Namespace) -> None:
