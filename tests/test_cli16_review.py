@@ -272,3 +272,16 @@ def test_open_stopped_by_an_unreadable_step_says_which_and_how_to_start_from_the
     shutil.move(str(bad), str(tmp_path / "aside"))  # what the error says to do
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1)) as mgr:
         assert mgr.restore({"m": torch.nn.Linear(2, 2)}) == 3
+
+
+def test_a_long_path_is_printed_on_one_line_when_piped(tmp_path):
+    """rich wraps piped output at 80 columns: ``export``'s "wrote 2 tensors to <path>" broke a
+    path longer than that in two lines (a script reading the path got half of it; test_cli14's
+    check failed whenever pytest's temp path was long enough)."""
+    ckpt = tmp_path / "c"
+    tg.save(ckpt, {"model": torch.nn.Linear(2, 2)})
+    out = tmp_path / ("d" * 90)
+    out.mkdir()
+    r = _run("export", ckpt, "--to", out / "w.pt")
+    assert r.exit_code == 0, r.output
+    assert f"wrote 2 tensors to {out / 'w.pt'}\n" in r.output, r.output

@@ -66,7 +66,13 @@ class CommandError(click.ClickException):
 
 class PipeConsole(Console):
     """rich's console for the commands' output, except that a closed pipe (``| head``) silences
-    the rest instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict."""
+    the rest instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict.
+    Lines are not wrapped (``soft_wrap``): piped output is 80 columns wide to rich, which broke a
+    long path in two (``wrote 2 tensors to /long/.../w.p`` and ``t``); tables still fit the width."""
+
+    def __init__(self, **kw: Any) -> None:
+        kw.setdefault("soft_wrap", True)
+        super().__init__(**kw)
 
     def on_broken_pipe(self) -> None:
         """rich calls it when a write to stdout fails with EPIPE."""
