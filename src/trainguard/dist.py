@@ -83,7 +83,7 @@ class DistContext:
         """The first ``claim`` made under ``tag`` by any rank; one process: its own."""
         return claim
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
         pass
 
     def mark(self) -> Any:
@@ -162,7 +162,7 @@ def _stop_heartbeats() -> None:
     daemon thread still inside a C++ store call during finalization can abort the process
     ("terminate called without an active exception", seen once in an example's exit)."""
     for ctx in list(_CACHE.values()):
-        ctx.close()
+        ctx.close(wait=2.0)  # and the store's thread, with its background deletes
         hb = getattr(ctx, "_hb", None)
         if hb is not None:
             hb.join(timeout=2.0)
@@ -222,9 +222,9 @@ class StoreDistContext(DistContext):
                 return  # the store is gone (job ending); nothing to report to
             self._stop.wait(HEARTBEAT_EVERY)
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
         self._stop.set()
-        self.store.close()
+        self.store.close(wait)
 
     # -- collectives -------------------------------------------------------------------------
     # Each public collective turns a store that stopped answering (its host died: rank 0 with

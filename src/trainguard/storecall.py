@@ -99,13 +99,16 @@ class BoundedStore:
         except Exception:
             pass  # the store is going away: nothing left to clean
 
-    def close(self) -> None:
+    def close(self, wait: float = 0.0) -> None:
         """Let the worker end once it has run what is queued and deleted what was discarded
-        (a later call starts another)."""
+        (a later call starts another); with ``wait``, join it for at most that many seconds
+        (``dist``'s exit hook: a delete still inside the C++ store during finalization aborted the process)."""
         with self._lock:
-            if self._worker is not None:
+            worker, self._worker = self._worker, None
+            if worker is not None:
                 self._calls.put(_STOP)
-                self._worker = None
+        if worker is not None and wait > 0:
+            worker.join(wait)
 
     def _work(self) -> None:
         while True:
