@@ -159,7 +159,8 @@ def start_async_save(
             return handle
         except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
             with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
-                if job.began:  # it runs: it releases them
+                if job.began:  # it runs: it releases them; a manager collects its handle (CheckpointManager._save_now)
+                    e.save_handle = handle  # type: ignore[attr-defined]
                     raise
                 job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
             ctx.hand_off(False)  # this rank left the save: the others fail it at once
@@ -170,10 +171,9 @@ def start_async_save(
 
 
 def _failed(e: RankFailureError, step: int | None, managed: bool, target: str) -> SaveHandle:
-    """This rank failed the capture round while other ranks captured (a lazy module still
-    uninitialized here, a rollback's set-aside failing on rank 0): their save threads fail their
-    handles with this same error, so this rank's save fails in its handle too, raised at the same
-    next call on every rank. Raising it here put this rank's saves one call ahead of theirs."""
+    """This rank failed the capture round while other ranks captured (a lazy module uninitialized here, a
+    rollback's set-aside failing on rank 0): their save threads fail their handles with this error, so this
+    rank's save fails in its handle too, raised at the same next call on every rank (not one call ahead)."""
     global _UNCOLLECTED
     h = SaveHandle(step, target)
     h.set_error(e)

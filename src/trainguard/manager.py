@@ -31,7 +31,7 @@ from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
 from .permanent import check_manager_args, config_errors, from_medium, is_permanent, mark, open_error
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
-from .retention import DONE, remove_replaced, restore_candidates, retain, set_aside, unrestored_error
+from .retention import DONE, apply_retention, remove_replaced, restore_candidates, set_aside, unrestored_error
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
@@ -141,8 +141,7 @@ class CheckpointManager:
 
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None:
-            self.close()
-            return
+            return self.close()
         try:  # the block's own exception goes on: a failed last save is logged, not raised over it
             self._failing = True  # no closing round: the others may wait for this rank elsewhere
             self.close(keep_ram_tier=True)
@@ -258,6 +257,13 @@ class CheckpointManager:
         except CheckpointError as e:
             self._report_failure(unrestored_error(e, step, self._restored), step=step)
             return None
+        except BaseException as e:  # a Ctrl-C after the save's thread started (async_save.py): it commits; collect it
+            if (started := getattr(e, "save_handle", None)) is not None:
+                self._track(started, step, t0, mark)
+            raise
+        return self._track(handle, step, t0, mark)
+
+    def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any) -> SaveHandle:
         handle.stall_s = time.monotonic() - t0
         handle.owned = True  # its error is reported by this manager, not by another's next save
         if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
@@ -322,13 +328,7 @@ class CheckpointManager:
             self._report_failure(e, step=getattr(self, "_pending_step", None))
 
     def _apply_retention(self, newest: int) -> None:
-        # After `newest` is committed (never before), on rank 0, holding the lock; a failure is reported, not raised.
-        try:
-            retain(self, newest)
-        except Exception as e:
-            log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
-            self.events.emit("retention_failed", step=newest, error=str(e)[:2000])
-            warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=2)
+        apply_retention(self, newest)  # after `newest` is committed, on rank 0, holding the lock (retention.py)
 
     # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:

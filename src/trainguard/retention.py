@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from . import layout
@@ -30,6 +31,17 @@ if TYPE_CHECKING:
     from .manager import CheckpointManager
 
 log = logging.getLogger("trainguard")
+
+
+def apply_retention(mgr: CheckpointManager, newest: int) -> None:
+    """``CheckpointManager._apply_retention``: ``retain``, after ``newest`` is committed (never
+    before), on rank 0, holding the lock; a failure is logged, emitted and warned, not raised."""
+    try:
+        retain(mgr, newest)
+    except Exception as e:
+        log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
+        mgr.events.emit("retention_failed", step=newest, error=str(e)[:2000])
+        warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=3)
 
 
 def retain(mgr: CheckpointManager, newest: int) -> None:
