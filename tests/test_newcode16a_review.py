@@ -51,3 +51,70 @@ def test_a_managed_async_save_whose_call_a_late_ctrl_c_ended_is_still_the_manage
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("step")) for e in events if e["event"].startswith("save")] == [("save", 1), ("save", 2)]
     assert tg.CheckpointManager(tmp_path).latest_step() == 2
+
+
+# The agent: trainguard run's main, with an at-fork hook that sends it SIGTERM while it forks its
+# worker (once torch's agent handler is installed): the handler's SignalException is raised inside
+# the hook, where Python ignores it ("Exception ignored in: <function hook>").
+AGENT = """\
+    import os, signal, sys
+    fired = []
+
+    def hook():
+        h = signal.getsignal(signal.SIGTERM)
+        if not fired and getattr(h, "__name__", "") == "handler":  # the agent's handler (install_signal_once)
+            fired.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs here, inside the hook
+                pass
+
+    os.register_at_fork(after_in_parent=hook)
+    from trainguard.elastic.launcher import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+WORKER = """\
+    import os, sys, time
+    import torch
+    import trainguard as tg
+
+    out = sys.argv[1]
+    mgr = tg.CheckpointManager(os.path.join(out, "ck"), save=tg.EveryNSteps(10**6))
+    state, t0, step = {"w": torch.zeros(4)}, time.monotonic(), 0
+    with mgr:
+        while time.monotonic() - t0 < 20:  # bounded: the run a lost SIGTERM lets go on
+            step += 1
+            mgr.save(step, state)
+            if mgr.should_stop:
+                break
+            time.sleep(0.01)
+    open(os.path.join(out, "stopped" if mgr.should_stop else "finished"), "w").write(str(step))
+    sys.exit(mgr.exit_code)
+"""
+
+
+def test_a_sigterm_the_agent_got_while_forking_a_worker_still_stops_the_job(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_elastic16_review import _env, _wait_all
+
+    # Before: the agent's SignalException was swallowed in fork's at-fork hook; the agent and its
+    # worker trained on (the worker ran its whole loop, 'finished', agent exit 0): a scheduler's
+    # SIGTERM then SIGKILL lost everything since the last save. Now the agent's next monitor round
+    # raises it again: the worker gets SIGTERM, saves, and the agent exits 143.
+    (tmp_path / "agent.py").write_text(textwrap.dedent(AGENT))
+    (tmp_path / "train.py").write_text(textwrap.dedent(WORKER))
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(
+            [sys.executable, str(tmp_path / "agent.py"), "--nproc-per-node", "1", "--start-method", "fork",
+             "--run-path", "--run-dir", str(tmp_path / "run"), str(tmp_path / "train.py"), str(tmp_path)],
+            stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True,
+        )
+        codes = _wait_all([p], [log], timeout=60)
+    text = log.read_text(errors="replace")
+    assert "Exception ignored" in text, text[-3000:]  # the hook did swallow the first raise
+    assert codes == [143], text[-3000:]
+    assert (tmp_path / "stopped").exists() and not (tmp_path / "finished").exists(), text[-3000:]

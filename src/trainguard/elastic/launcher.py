@@ -209,16 +209,19 @@ def preload(args: argparse.Namespace) -> None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard"])
 
 
-def install_signal_once() -> None:
+def install_signal_once() -> Any:
     """Agent (:func:`install_agent_hooks`): a stop signal while the agent stops its workers for an
     earlier one is reported, not raised (torch's handler: a 2nd cut the wait for the workers' save,
-    a 3rd ended the agent mid-save). The wait stays bounded: ``--shutdown-timeout``, then SIGKILL."""
+    a 3rd ended the agent mid-save). The wait stays bounded: ``--shutdown-timeout``, then SIGKILL.
+    Returns ``raise_lost``, for the agent's monitor and rendezvous hooks: it raises again a signal's
+    ``SignalException`` that Python swallowed (raised in fork's at-fork hooks while the agent forked a worker)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing import api
 
     torch_handler, orig_shutdown, agent = api._terminate_process_handler, LocalElasticAgent._shutdown, os.getpid()
     seen: list[int] = []
     stopping: list[bool] = []  # not empty while the agent stops its workers
+    lost: list[int] = []  # a signal whose raise may have been swallowed
 
     def handler(signum: int, frame: Any) -> None:
         if os.getpid() != agent:  # a forked worker inherited it: die of the signal (torch's raise, in
@@ -226,6 +229,7 @@ def install_signal_once() -> None:
             return os.kill(os.getpid(), signum)
         if not (seen and stopping):
             seen.append(signum)
+            lost.append(signum)  # until raise_lost: torch's run() acting on the raise never returns to it
             torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
         print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
               "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
@@ -237,8 +241,13 @@ def install_signal_once() -> None:
         finally:
             stopping.pop()
 
+    def raise_lost() -> None:
+        if lost:
+            torch_handler(lost.pop(), None)
+
     api._terminate_process_handler = handler
     LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
+    return raise_lost
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -250,7 +259,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
-    install_signal_once()
+    raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
     orig_restart = SimpleElasticAgent._restart_workers
@@ -260,12 +269,14 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
         orig_rdzv(self, wg)
+        raise_lost()
         clear(os.environ.get(STOP_FILE_ENV))  # workers start next: a stop the restart's SIGTERM caused is forgotten
         world = wg.workers[0].world_size if wg.workers else None
         events.emit("rendezvous", world_size=world, nodes=wg.group_world_size, node_rank=wg.group_rank,
                     seconds=round(time.time() - t0, 3))
 
     def _monitor(self: Any, wg: Any) -> Any:
+        raise_lost()  # a stop signal the agent received while it forked the workers: it stops them now
         result = orig_monitor(self, wg)
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             if stop_code(None, [f.exitcode for f in result.failures.values()]) is not None:
