@@ -118,3 +118,45 @@ def test_a_sigterm_the_agent_got_while_forking_a_worker_still_stops_the_job(tmp_
     assert "Exception ignored" in text, text[-3000:]  # the hook did swallow the first raise
     assert codes == [143], text[-3000:]
     assert (tmp_path / "stopped").exists() and not (tmp_path / "finished").exists(), text[-3000:]
+
+
+# Rank 1 returns at once (torch's worker wrapper then sleeps in the "workers finished" event's
+# wait()); rank 0 fails once rank 1 has returned.
+RETURNS_THEN_PEER_FAILS = """\
+    import os, sys, time
+    out, rank = sys.argv[1], int(os.environ["RANK"])
+    if rank == 1:
+        open(os.path.join(out, "returned"), "w").write("1")
+        sys.exit(0)
+    for _ in range(1000):  # bounded: 10 s
+        if os.path.exists(os.path.join(out, "returned")):
+            break
+        time.sleep(0.01)
+    time.sleep(0.5)  # rank 1 is asleep in the event's wait() by now
+    sys.exit(1)
+"""
+
+
+def test_the_agent_ends_when_a_worker_fails_after_another_returned(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    from test_elastic16_review import _env, _wait_all
+
+    # Before: torch's join SIGTERMed rank 1 while it slept in the finished event's wait() (with
+    # fork, since 3c23de1 its inherited handler ends it by SIG_DFL; with spawn always), then the
+    # agent's _close hook called finished.set(), which waits for every sleeper to wake
+    # (multiprocessing.Condition.notify): the dead one never did and the agent hung for good.
+    (tmp_path / "w.py").write_text(textwrap.dedent(RETURNS_THEN_PEER_FAILS))
+    log = tmp_path / "log"
+    with open(log, "w") as f:
+        p = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from trainguard.elastic.launcher import main; sys.exit(main(sys.argv[1:]))",
+             "--nproc-per-node", "2", "--max-restarts", "0", "--run-path", "--start-method", "fork",
+             "--run-dir", str(tmp_path / "run"), str(tmp_path / "w.py"), str(tmp_path)],
+            stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True,
+        )
+        codes = _wait_all([p], [log], timeout=30)
+    assert codes == [1], log.read_text(errors="replace")[-3000:]
+    assert '"failure"' in (tmp_path / "run" / "events.jsonl").read_text()

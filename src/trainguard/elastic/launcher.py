@@ -42,7 +42,7 @@ from ..events import EVENTS_FILE, EventLog
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
 from .faults import parse_fault
-from .reap import close_done, end_trees, expose_dead
+from .reap import close_done, end_trees, expose_dead, set_finished
 from .stops import (
     STOP_FILE_ENV,
     agent_result,
@@ -319,7 +319,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         # (30 s on SIGTERM to the agent, --stop-timeout on a membership restart).
         finished = getattr(self, "_worker_finished_event", None)
         if finished is not None:
-            finished.set()
+            set_finished(finished, FAIL_GRACE)  # reap.py: bounded (a waiter killed before it hung the agent)
         pids = [p.pid for p in self._pc.processes] if self._pc else []
         orig_close(self, death_sig, timeout)
         end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)

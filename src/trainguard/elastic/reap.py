@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 from typing import Any
 
 
@@ -71,3 +72,17 @@ def end_trees(pids: list[int]) -> None:
                 continue
         with contextlib.suppress(OSError):
             os.killpg(pid, signal.SIGKILL)
+
+
+def set_finished(event: Any, wait: float) -> None:
+    """Agent, in its ``MultiprocessContext._close`` hook: set torch's "workers finished" event (a
+    ``multiprocessing.Event``), waiting at most ``wait`` s. Its ``set()`` waits until every process
+    sleeping in ``wait()`` has woken (``multiprocessing.Condition.notify``): a worker whose function
+    returned sleeps there, and one killed there (SIGTERMed or SIGKILLed after a peer failed) never
+    wakes: the agent hung for good in ``set()``. It runs in a thread; after ``wait`` the agent goes on
+    (torch closes the workers twice on a failure: the second close does not wait again)."""
+    if getattr(event, "_tg_setter", None) is not None:
+        return
+    event._tg_setter = setter = threading.Thread(target=event.set, name="trainguard-finished", daemon=True)
+    setter.start()
+    setter.join(wait)
