@@ -153,8 +153,26 @@ def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
 def _text_file(call: ast.Call) -> bool:
     """Whether ``call`` names a text or image file, no checkpoint: litgpt's
     ``parser.save(config, checkpoint_dir / "hyperparameters.yaml")``, ``x.save(out / "config.json")``."""
-    return any(isinstance(x, ast.Constant) and isinstance(x.value, str) and x.value.lower().endswith(_TEXT_FILES)
-               for a in [*call.args, *(k.value for k in call.keywords)] for x in ast.walk(a))
+    return any((_path_end(a) or "").lower().endswith(_TEXT_FILES) for a in [*call.args, *(k.value for k in call.keywords)])
+
+
+def _path_end(x: ast.expr) -> str | None:
+    """``_text_file``: the last literal text of an argument that is a path (``"a.yaml"``,
+    ``f"{d}/a.yaml"``, ``d / "a.yaml"``, ``os.path.join(d, "a.yaml")``, ``"{}/a.yaml".format(d)``,
+    ``"%s/a.yaml" % d``, ``str(d / "a.yaml")``);
+    None for anything else: a string inside a dict or list saved (``metadata={"config": "7b.yaml"}``,
+    ``torch.save({"cfg": "a.yaml", ...}, path)``) names no file written."""
+    if isinstance(x, ast.Constant):
+        return x.value if isinstance(x.value, str) else None
+    if isinstance(x, ast.JoinedStr):
+        return _path_end(x.values[-1]) if x.values else None
+    if isinstance(x, ast.BinOp) and isinstance(x.op, (ast.Div, ast.Add, ast.Mod)):
+        return _path_end(x.left if isinstance(x.op, ast.Mod) else x.right)
+    if isinstance(x, ast.Call) and isinstance(x.func, ast.Attribute) and x.func.attr == "format":
+        return _path_end(x.func.value)
+    if isinstance(x, ast.Call) and _callee(x) in ("join", "Path", "PurePath", "str", "fspath") and x.args:
+        return _path_end(x.args[-1])
+    return None
 
 
 def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[str] = frozenset()) -> frozenset[str]:
