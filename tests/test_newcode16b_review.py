@@ -32,3 +32,54 @@ def test_a_text_file_named_inside_the_saved_state_does_not_hide_a_rank0_save(src
     0:`` (a collective save every other rank never joins: a hang) was reported 'ok'."""
     f = single_rank([], Settings(source=src))
     assert f is not None and f.severity == severity, (src, f)
+
+
+# ----------------------------------------------------------------------------- convert: torchtitan-like DCP
+
+
+def test_a_scalar_saved_beside_a_top_level_model_is_no_model_key(tmp_path) -> None:
+    """A DCP save laid out as torchtitan's (the model's keys at the top level, the optimizer
+    flattened) plus a top-level ``step`` and ``loss_scale``: the import put those two into the
+    ``model`` entry (every top-level key was taken for the model's), so ``tg.load(..., {"model": m,
+    "step": ...})`` failed ('missing from the checkpoint: step; ... not in the state: model/step').
+    They are entries of their own again, as before the torchtitan import; a root buffer of the
+    model (torchtitan llama's persistent ``freqs_cis``) stays the model's."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    import trainguard as tg
+    from test_memory16_review import _titan_model, _titan_step
+    from trainguard.convert import convert
+
+    def build() -> torch.nn.Module:  # torchtitan's llama: a persistent freqs_cis buffer at the root
+        m = _titan_model()
+        m.register_buffer("freqs_cis", torch.arange(12.0).reshape(3, 4), persistent=True)
+        return m
+
+    m = build()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    _titan_step(m, opt)
+    states = {**get_model_state_dict(m), "step": torch.tensor(7), "loss_scale": torch.tensor(2.0),
+              "optimizer": get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))}
+    dcp.save(states, storage_writer=dcp.FileSystemWriter(str(tmp_path / "titan")), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the DCP-is-a-pickle warning
+        convert(tmp_path / "titan", tmp_path / "tg")
+    m2 = build()
+    with torch.no_grad():
+        for p in m2.state_dict().values():
+            p.zero_()
+    opt2 = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    state = {"model": m2, "optimizer": opt2, "step": torch.tensor(0), "loss_scale": torch.tensor(0.0)}
+    tg.load(tmp_path / "tg", state)
+    assert state["step"].item() == 7 and state["loss_scale"].item() == 2.0
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
+    assert all(torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
+               for p, q in zip(m.parameters(), m2.parameters(), strict=True))

@@ -54,7 +54,8 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
 
     dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
-    model_keys = _titan_model_keys(paths) if split else set()
+    dims = {k: len(md.size) if isinstance(md, TensorStorageMetadata) else -1 for k, md in meta.state_dict_metadata.items()}
+    model_keys = _titan_model_keys(paths, dims) if split else set()
     state: dict[str, Any] = {}
     for fqn, v in flat.items():
         if not isinstance(v, torch.Tensor):
@@ -111,12 +112,16 @@ def _unflat_optimizer(v: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": [_lists(g, "") for g in groups.values()]}
 
 
-def _titan_model_keys(paths: dict[str, Any]) -> set[str]:
+def _titan_model_keys(paths: dict[str, Any], dims: dict[str, int]) -> set[str]:
     """The model keys of a torchtitan checkpoint, which saves the model's state_dict at the top
     level (``layers.0.attention.wq.weight``, DCP records it flat) beside ``optimizer``,
     ``lr_scheduler``, ``dataloader``, ``train_state``: these go into one entry (``--entry``,
     default ``model``) instead of an entry per first name. Recognised by the flattened optimizer
-    beside them, whose parameter names are all among those top-level keys; else empty."""
+    beside them, whose parameter names are all among those top-level keys; else empty. A top-level
+    key with no dot that names no parameter and is no tensor of one or more dimensions (``dims``:
+    each key's, -1 for a non-tensor) is no model key: ``step`` or ``loss_scale`` saved beside the
+    model stays an entry of its own, as without a flattened optimizer; torchtitan's persistent
+    ``freqs_cis`` buffer is the model's."""
     top = {fqn for fqn, keys in paths.items() if isinstance(keys, tuple) and len(keys) == 1}
     params = {
         keys[1].split(".", 1)[1].rsplit(".", 1)[0]
@@ -124,7 +129,7 @@ def _titan_model_keys(paths: dict[str, Any]) -> set[str]:
         if isinstance(keys, tuple) and len(keys) == 2 and type(keys[1]) is str
         and keys[1].startswith(_FLAT_OPTIM) and "." in keys[1][6:]
     }
-    return top if params and params <= top else set()
+    return {k for k in top if "." in k or k in params or dims.get(k, -1) > 0} if params and params <= top else set()
 
 
 _SCALARS = (int, float, bool, str, type(None))
