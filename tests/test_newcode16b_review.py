@@ -83,3 +83,26 @@ def test_a_scalar_saved_beside_a_top_level_model_is_no_model_key(tmp_path) -> No
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values(), strict=True))
     assert all(torch.equal(opt.state[p]["exp_avg"], opt2.state[q]["exp_avg"])
                for p, q in zip(m.parameters(), m2.parameters(), strict=True))
+
+
+# ----------------------------------------------------------------------------- doctor: `or` with one process
+
+
+@pytest.mark.parametrize(("test", "severity"), [
+    # every part but the rank test holds only when there is one process: still rank 0's save
+    ("not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0", "error"),
+    ("not torch.distributed.is_available() or dist.get_rank() == 0", "error"),
+    ("not utils.is_dist_avail_and_initialized() or dist.get_rank() == 0", "error"),  # DETR's, MAE's utils
+    ("not is_dist_avail_and_initialized() or get_rank() == 0", "error"),
+    # another condition lets every rank in: no rank-0 save (11e05c6)
+    ("not torch.cuda.is_available() or rank == 0", "ok"),  # a CPU run of many ranks
+    ("rank == 0 or args.save_all_ranks", "ok"),
+])
+def test_dist_unavailable_or_rank0_is_still_a_rank0_test(test: str, severity: str) -> None:
+    """11e05c6 made a rank-0 test or-ed with another condition no rank-0 test, except where the
+    other condition holds only in a single process; ``not dist.is_available()`` and DETR/MAE's
+    ``not is_dist_avail_and_initialized()`` were not among those, so the common ``if not
+    dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0: mgr.save(...)`` (a
+    collective save only rank 0 makes: a hang) became 'ok'; it was an error before."""
+    f = single_rank([], Settings(source=f"import torch\nimport torch.distributed as dist\nif {test}:\n    mgr.save(step, state)\n"))
+    assert f is not None and f.severity == severity, (test, f)

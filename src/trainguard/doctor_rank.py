@@ -275,11 +275,14 @@ def _rank_zero(test: ast.expr, aliases: frozenset[str] = frozenset(), flags: fro
 def _one_process(x: ast.expr, aliases: frozenset[str]) -> bool:
     """``_rank_zero``: whether ``x`` holds only when there is a single process, so ``x or rank == 0``
     is still a rank-0 test: ``not dist.is_initialized()``, ``not args.distributed`` (``ddp``,
-    ``multiprocessing_distributed``), a world size of 1, ``args.local_rank == -1``."""
+    ``multiprocessing_distributed``), ``not dist.is_available()``, ``not is_dist_avail_and_initialized()``
+    (DETR's, MAE's utils), a world size of 1, ``args.local_rank == -1``."""
     if isinstance(x, ast.UnaryOp) and isinstance(x.op, ast.Not):
         f = x.operand.func if isinstance(x.operand, ast.Call) else x.operand
         name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
-        return re.search(r"distributed|is_initialized|(^|_)ddp($|_)", name.lower()) is not None
+        if name == "is_available":  # torch.distributed's, not torch.cuda's: a CPU run may have many ranks
+            return isinstance(f, ast.Attribute) and "dist" in ast.unparse(f.value).lower()
+        return re.search(r"distributed|is_initialized|dist_avail|(^|_)ddp($|_)", name.lower()) is not None
     if not (isinstance(x, ast.Compare) and len(x.ops) == 1 and type(n := _literal(x.comparators[0])) is int):
         return False
     op, left = x.ops[0], x.left.func if isinstance(x.left, ast.Call) else x.left
