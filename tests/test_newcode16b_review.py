@@ -106,3 +106,23 @@ def test_dist_unavailable_or_rank0_is_still_a_rank0_test(test: str, severity: st
     collective save only rank 0 makes: a hang) became 'ok'; it was an error before."""
     f = single_rank([], Settings(source=f"import torch\nimport torch.distributed as dist\nif {test}:\n    mgr.save(step, state)\n"))
     assert f is not None and f.severity == severity, (test, f)
+
+
+# ----------------------------------------------------------------------------- doctor: imports read once
+
+
+@pytest.mark.parametrize("first", ["", "import utils\n"])
+def test_a_module_imported_through_another_first_is_still_followed_from_the_script(tmp_path, first: str) -> None:
+    """The doctor read each project module once (8ec016e) and kept the result of the first read:
+    ``ckpt`` reached first through ``utils`` (two imports deep, its own imports not followed) then
+    stood for the script's own ``import ckpt`` too, so ``ckpt.save_all`` -> ``iohelp.write_all`` ->
+    ``mgr.save`` under ``if rank == 0:`` was found without ``import utils`` and missed with it."""
+    files = {"utils.py": "import ckpt\ndef log(x):\n    print(x)\n",
+             "ckpt.py": "from iohelp import write_all\ndef save_all(mgr, step, state):\n    write_all(mgr, step, state)\n",
+             "iohelp.py": "def write_all(mgr, step, state):\n    mgr.save(step, state)\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    src = f"{first}import ckpt\nif rank == 0:\n    ckpt.save_all(mgr, step, state)\n"
+    (tmp_path / "train.py").write_text(src)
+    f = single_rank([], Settings(source=src, path=str(tmp_path / "train.py")))
+    assert f is not None and f.severity == "error" and "save_all" in f.message, f

@@ -25,12 +25,14 @@ _MAX_BYTES = 2_000_000
 
 class Reads:
     """What one :func:`imported` call, and those it leads to, share: the files left to read, the results
-    of those read (a module many others import is read once), and ``needle``: a module whose imports are
+    of those read (a module many others import is read once at each depth: one reached first through
+    another module, its own imports not followed, is read again when the script imports it itself),
+    and ``needle``: a module whose imports are
     not followed (the deepest) and whose text lacks it is not parsed (``"save"``: it has no save helper)."""
 
     def __init__(self, needle: str = "") -> None:
         self.left, self.needle = _MAX_FILES, needle
-        self.done: dict[Path, Any] = {}
+        self.done: dict[tuple[Path, int], Any] = {}  # (file, depth read at): its analysis
         self.roots: list[Path] = []  # where an absolute import is looked up: the script's folder and those above
 
 
@@ -96,8 +98,8 @@ def _read(f: Path | None, analyse: Analyse[V], depth: int, reads: Reads) -> dict
     parse, or the file budget is spent."""
     if f is None:
         return None
-    if f in reads.done:
-        return reads.done[f]
+    if (f, depth) in reads.done:
+        return reads.done[f, depth]
     if reads.left <= 0:
         return None
     reads.left -= 1
@@ -109,5 +111,5 @@ def _read(f: Path | None, analyse: Analyse[V], depth: int, reads: Reads) -> dict
                 ast.parse(text, filename=str(f)), f, depth + 1, reads)
     except (OSError, SyntaxError, ValueError, RecursionError):
         pass
-    reads.done[f] = out
+    reads.done[f, depth] = out
     return out
