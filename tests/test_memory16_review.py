@@ -4,22 +4,11 @@ of the process doing the work (tracemalloc does not see tensor memory)."""
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
+from test_memory_review import _peak_rss_extra
+
 from dist_helper import run_ranks
-
-
-def _peak_rss_extra(fn: Any) -> int:
-    """Peak RSS growth during ``fn()``: VmHWM reset to the current RSS first (``clear_refs`` 5)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5\n")
-    with open("/proc/self/statm", "rb") as f:
-        base = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    fn()
-    with open("/proc/self/status", "rb") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith(b"VmHWM:"))
-    return hwm - base
 
 
 def _mlp(layers: int = 4, width: int = 2048, fsdp: bool = True) -> Any:
