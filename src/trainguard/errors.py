@@ -212,10 +212,15 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
 
     outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
                "permanent": is_permanent(e), "medium": from_medium(e)}
-    outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
+    try:
+        outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
+    except CheckpointError:  # the exchange failed (rank 0 exited 78 first, its store with it): this rank's own
+        if e is not None and is_permanent(e):  # error no restart fixes stays its error (exit 78 on every node)
+            raise e from e.__cause__
+        raise
     try:
         if e is not None:
-            raise e
+            raise e from e.__cause__
         raise_failures(f"load of {target}", outcomes, ctx)
     except CheckpointError as x:
         x.retry_older = all(o.get("data") for o in outcomes if o.get("error"))  # type: ignore[attr-defined]

@@ -46,20 +46,15 @@ def mark(e: E) -> E:
     return e
 
 
-STORE_LOST = "the c10d store stopped answering"  # dist.py's failure when the store's host (rank 0) is gone
-
-
 def is_permanent(e: BaseException | None) -> bool:
-    """Whether ``e``, or an error it was raised ``from`` (``__cause__``), is marked permanent; for a
-    lost store (:data:`STORE_LOST`) also the error it was raised while handling (``__context__``):
-    a rank whose own restore failed for good and then lost rank 0's store in the next round (rank 0
-    had exited 78 first, on another node) exited 1 and its agent restarted it (exit 1, not 78)."""
+    """Whether ``e``, or an error it was raised ``from`` (``__cause__``), is marked permanent. Not
+    the error it was raised while handling (``__context__``): a script that caught a permanent error
+    and retried in its ``except`` block is in no permanent failure if that retry loses the store."""
     seen = 0
     while e is not None and seen < 20:
         if getattr(e, "_trainguard_permanent", False) or (isinstance(e, CheckpointError) and e.permanent):
             return True
-        lost = STORE_LOST in str(e)  # raised from the store's own error, itself raised while handling
-        e, seen = (e.__cause__ or e).__context__ if lost else e.__cause__, seen + 1
+        e, seen = e.__cause__, seen + 1
     return False
 
 
