@@ -42,7 +42,7 @@ def test_first_fsdp2_load_into_a_fresh_adam_peaks_near_its_state(tmp_path) -> No
     """2 gloo ranks, FSDP2 MLP (4 x 2048x2048 fp32: Adam state 64 MiB per rank), loaded into a
     fresh Adam on each rank (saved from one process, unsharded). Creating the state to read the shards into was one ``step()``
     with a zero gradient of every parameter: the gradients and foreach Adam's temporaries next
-    to the new state made a peak of 1.9-2.1x the state; now ~1.1x (state plus one batch)."""
+    to the new state made a peak of 1.9-2.2x the state; now 1.4-1.6x here (state, one batch, read buffers)."""
     import torch
 
     import trainguard as tg
@@ -58,7 +58,9 @@ def test_first_fsdp2_load_into_a_fresh_adam_peaks_near_its_state(tmp_path) -> No
         rows = slice(r.rank * 1024, (r.rank + 1) * 1024)  # FSDP2 shards dim 0
         want = [opt.state[p]["exp_avg_sq"][rows].double().sum().item() for p in m.parameters()]
         assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(sums, want, strict=True)), (sums, want)
-        assert extra < 1.5 * adam, f"rank {r.rank}: peak extra RSS {extra >> 20} MiB for {adam >> 20} MiB of Adam state"
+        # Measured here: 91-92 MiB on a quiet machine, 102 MiB once in a fresh clone's CI run (read buffers and
+        # one batch's gradient and temporaries on top of the 64 MiB of new state); 142 MiB before the batching.
+        assert extra < 1.75 * adam, f"rank {r.rank}: peak extra RSS {extra >> 20} MiB for {adam >> 20} MiB of Adam state"
 
 
 def _anon() -> int:
