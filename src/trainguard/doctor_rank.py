@@ -43,19 +43,14 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases, flags)) is not None:
             branch, other = (node.body, node.orelse) if zero else (node.orelse, node.body)  # `if rank != 0: ... else: save()`
-            also = {_callee(c) for c in _calls(None, names, ast.Module(body=other, type_ignores=[]))}
-            calls += [c for c in _calls(None, names, ast.Module(body=branch, type_ignores=[]))
-                      if _callee(c) not in also]  # metaseq: `if rank == 0 and profile: train() else: train()`
+            calls += _only_here(branch, [other], names)  # metaseq: `if rank == 0 and profile: train() else: train()`
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
                 "rank_zero" in ast.unparse(d) for d in node.decorator_list):
             calls += _calls(None, names, node)
         elif isinstance(node, ast.Match) and _mentions_rank(node.subject, aliases):  # match rank: case 0: save()
             for case in node.cases:
                 if _zero_pattern(case.pattern):
-                    also = {_callee(c) for o in node.cases if o is not case
-                            for c in _calls(None, names, ast.Module(body=o.body, type_ignores=[]))}
-                    calls += [c for c in _calls(None, names, ast.Module(body=case.body, type_ignores=[]))
-                              if _callee(c) not in also]
+                    calls += _only_here(case.body, [o.body for o in node.cases if o is not case], names)
         for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
             calls += _after_exit(block, names, aliases, flags) if isinstance(block, list) else []
     objs = _rank0_objects(tree, aliases, flags)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
@@ -94,9 +89,15 @@ def _after_exit(block: list[ast.stmt], names: set[str], aliases: frozenset[str],
     for i, st in enumerate(block):
         if isinstance(st, ast.If) and not st.orelse and st.body and isinstance(
                 st.body[-1], (ast.Return, ast.Continue, ast.Break, ast.Raise)) and _rank_zero(st.test, aliases, flags) is False:
-            also = {_callee(c) for c in _calls(None, names, ast.Module(body=st.body, type_ignores=[]))}
-            return [c for c in _calls(None, names, ast.Module(body=block[i + 1:], type_ignores=[])) if _callee(c) not in also]
+            return _only_here(block[i + 1:], [st.body], names)
     return []
+
+
+def _only_here(body: list[ast.stmt], others: list[list[ast.stmt]], names: set[str]) -> list[ast.Call]:
+    """The calls of ``names`` in ``body`` whose callee none of the ``others`` blocks calls (a save
+    made on every path is no rank-0 save)."""
+    also = {_callee(c) for o in others for c in _calls(None, names, ast.Module(body=o, type_ignores=[]))}
+    return [c for c in _calls(None, names, ast.Module(body=body, type_ignores=[])) if _callee(c) not in also]
 
 
 def _save_receiver(call: ast.Call, helpers: dict[str, str | None], mods: frozenset[str] = frozenset()) -> str | None:
