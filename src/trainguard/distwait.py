@@ -16,7 +16,6 @@ rank 0 (the coordinator) judges them, the others judge only rank 0, whose verdic
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -175,10 +174,8 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
     read the commit failed ("the c10d store stopped answering"; across nodes: the other node's
     agent restarted into a closed rendezvous and exited 1 where this one exited 143). Bounded by
     ``min(timeout, CLOSE_WAIT)``; a rank that does not come (it died, it trains on) is logged.
-    Rank 0 then deletes the finished rounds' keys before it returns, not in the background: a
-    delete still running in the store's thread when the script exited right after (the examples'
-    ``destroy_process_group()``) aborted the process ("terminate called without an active
-    exception", exit -6; 5 of 6 runs of test_examples' torchrun case)."""
+    The round's keys are deleted in the store's thread; ``dist``'s exit hook joins it (a delete
+    still running at exit aborted rank 0 in 5 of 6 runs of test_examples' torchrun case)."""
     import logging
 
     from .dist import default_timeout
@@ -191,7 +188,3 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
         ctx.gather("close", None, timeout=bound)
     except CheckpointError as e:
         logging.getLogger("trainguard").info("trainguard: close() did not meet every rank: %s", e)
-    drain = getattr(ctx.store, "drain", None)
-    if ctx.rank == 0 and drain is not None:
-        with contextlib.suppress(Exception):  # bounded by the store's own bound; a store gone: nothing to delete
-            drain()
