@@ -50,10 +50,7 @@ def _print_json(value: Any, flat_below: int = 0) -> None:
     """``--json``'s output, indented by one space a level; with ``flat_below`` (``inspect``: 4,
     each tensor) every value that deep on one line: json's indenting encoder is pure Python (11 s
     for 100,000 tensors), and so is ``_plain`` (``inspect`` applies it to the metadata only)."""
-    try:
-        click.echo("".join(_json_text(value if flat_below else _plain(value), flat_below or 1 << 30)))
-    except BrokenPipeError:  # `| head`: verify --json still exits with its verdict
-        stdout_gone()
+    _write("".join(_json_text(value if flat_below else _plain(value), flat_below or 1 << 30)))
 
 
 _ONE_LINE = json.JSONEncoder(separators=(", ", ": "), allow_nan=False)  # no indent: json's C encoder
@@ -166,10 +163,10 @@ def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
 
 
 def _write(text: str) -> None:
-    """``inspect``'s lines, written at once after the header (rich's console wrote it already)."""
+    """``inspect``'s lines (after the header rich's console wrote) and ``--json``'s text, at once."""
     try:
         click.echo(text)
-    except BrokenPipeError:  # `| head`
+    except BrokenPipeError:  # `| head`: verify --json still exits with its verdict
         stdout_gone()
 
 
