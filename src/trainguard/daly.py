@@ -65,6 +65,10 @@ class DalyInterval(SavePolicy):
         self.next_step: int | None = None  # anchored at the first step seen (a resumed run starts late)
         self.reason = f"initial: {self.interval_steps} steps until a save has been measured"
         self.events: Any = None  # set by the manager: an EventLog or None
+        # Set by trainguard's manager, which reports each save's duration up to its commit: a
+        # measurement, never capped. Another caller that only notices a commit at its next save
+        # leaves it False: its duration is then an upper bound (see on_saved).
+        self.exact_durations = False
         self._stalls: deque[float] = deque(maxlen=window)
         self._durations: deque[float] = deque(maxlen=window)
         self._step_times: deque[float] = deque(maxlen=8 * window)
@@ -108,11 +112,13 @@ class DalyInterval(SavePolicy):
 
         A manager may notice that an async save finished only when it starts the next one;
         then ``duration_s`` spans the whole gap between the two saves and is only an upper
-        bound, so it is capped at that gap (it must not ratchet the interval up).
+        bound, so it is capped at that gap (it must not ratchet the interval up). Not with
+        ``exact_durations`` (trainguard's manager): a save that outlasted the gap did so, and
+        capping it kept the interval below one save's duration, each save waiting for the last.
         """
         stall, duration = max(0.0, float(stall_s)), max(float(stall_s), float(duration_s))
         step_time = self.measurements()["step_time_s"]
-        if self._decided is not None and self._decided > step and step_time:
+        if not self.exact_durations and self._decided is not None and self._decided > step and step_time:
             duration = min(duration, (self._decided - step) * step_time)
         self._stalls.append(stall)
         self._durations.append(duration)

@@ -53,6 +53,7 @@ class SaveHandle:
         self.hook_wait_s = 0.0
         self.wait_staged_s = 0.0
         self.duration_s = 0.0
+        self.prev_wait_s = 0.0  # set by the manager: how long its save() waited for the previous save to commit
         self.finished_at: float | None = None  # time.monotonic() when committed or failed
         self.bytes = 0
         # Host staging (async saves): bytes copied in the call (buffers, RNG, plain tensors, whole),

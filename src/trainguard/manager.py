@@ -79,8 +79,7 @@ class CheckpointManager:
         # Its own rounds (two threads' managers), named by the root's last part (another node may mount it elsewhere).
         self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
-        if getattr(self.save_policy, "events", "absent") is None:
-            self.save_policy.events = self.events  # type: ignore[attr-defined]
+        policies.attach(self.save_policy, self.events)  # its event log; durations end at the commit
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
@@ -216,10 +215,12 @@ class CheckpointManager:
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
         t0 = time.monotonic()
         values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
+        prev = self._pending
         try:
-            self._finish_pending()  # one save in flight: the wait counts as stall
+            self._finish_pending()  # one save in flight: the wait counts as stall (not as the policy's: report_saved)
         except CheckpointError as e:
             self._report_failure(e, step=self._pending_step)
+        waited = max(0.0, (prev.finished_at or t0) - t0) if prev is not None else 0.0
         if step == self.last_saved_step and step not in self._rejected:
             # Saved already (a forced save at the end after the policy's, a loop restarted at the
             # restored step): that checkpoint holds this step.
@@ -259,12 +260,12 @@ class CheckpointManager:
             return None
         except BaseException as e:  # a Ctrl-C after the save's thread started (async_save.py): it commits; collect it
             if (started := getattr(e, "save_handle", None)) is not None:
-                self._track(started, step, t0, mark)
+                self._track(started, step, t0, mark, waited)
             raise
-        return self._track(handle, step, t0, mark)
+        return self._track(handle, step, t0, mark, waited)
 
-    def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any) -> SaveHandle:
-        handle.stall_s = time.monotonic() - t0
+    def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any, waited: float) -> SaveHandle:
+        handle.stall_s, handle.prev_wait_s = time.monotonic() - t0, waited
         handle.owned = True  # its error is reported by this manager, not by another's next save
         if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
             handle.after_commit(lambda m: self.ram.committed(m.step, on_durable=self._apply_retention))  # type: ignore[union-attr]
@@ -304,14 +305,7 @@ class CheckpointManager:
             self._apply_retention(manifest.step)
         if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
             stall += time.monotonic() - r0
-        self.save_policy.on_saved(manifest.step, stall, h.duration_s)
-        self.events.emit(
-            "save", step=manifest.step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
-            stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6), stall_wait_s=round(h.wait_staged_s, 6),
-            bytes=manifest.total_bytes, async_save=self.async_save,
-            # wall time of the commit (async saves are logged when collected, at the next call)
-            committed_t=round(time.time() - (time.monotonic() - (h.finished_at or time.monotonic())), 6),
-        )
+        policies.report_saved(self, h, manifest.step, stall, manifest.total_bytes)  # to the policy and the event log
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
         self.events.emit("save_failed", step=step, error=str(e)[:2000])

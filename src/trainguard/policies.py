@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import signal
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -237,6 +238,33 @@ class KeepUnion(RetentionPolicy):
 
     def __repr__(self) -> str:
         return " | ".join(repr(p) for p in self.policies)
+
+
+def attach(policy: SavePolicy, events: Any) -> None:
+    """The manager's constructor: gives the save policy its event log (where it has an unset ``events``) and
+    says the durations it will report end at the commit (``exact_durations``: not an upper bound to cap)."""
+    if getattr(policy, "events", "absent") is None:
+        policy.events = events  # type: ignore[attr-defined]
+    if hasattr(policy, "exact_durations"):
+        policy.exact_durations = True  # type: ignore[attr-defined]
+
+
+def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int) -> None:
+    """The manager's ``_finish_pending``, once the save of ``step`` committed: tells its save policy what the
+    save cost and logs the ``save`` event. ``stall`` counts every second training was blocked for it, the
+    wait for the previous save (``h.prev_wait_s``) included; the policy gets the save's own stall and
+    duration, without that wait: it is the cost of saving more often than a save takes, which the
+    policy's interval must fix, not grow with (DalyInterval's floor)."""
+    own = min(h.prev_wait_s, stall, h.duration_s)
+    manager.save_policy.on_saved(step, stall - own, h.duration_s - own)
+    finished = h.finished_at if h.finished_at is not None else time.monotonic()
+    manager.events.emit(
+        "save", step=step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
+        stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6), stall_wait_s=round(h.wait_staged_s, 6),
+        stall_prev_s=round(h.prev_wait_s, 6), bytes=total_bytes, async_save=manager.async_save,
+        # wall time of the commit (async saves are logged when collected, at the next call)
+        committed_t=round(time.time() - (time.monotonic() - finished), 6),
+    )
 
 
 def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:
