@@ -80,3 +80,22 @@ def test_async_save_longer_than_the_interval_sets_the_floor_at_once_in_a_real_ma
     stalls = {e["step"]: e["stall_s"] for e in read_events(tmp_path / "ck") if e["event"] == "save"}
     assert stalls[saved[1]] > WRITE_S / 2  # the one save that did wait (logged: training was blocked)
     assert all(stalls[s] < WRITE_S / 2 for s in saved[2:] if s in stalls), stalls
+
+
+BASE = "--nodes 256 --node-failures-per-day 0.0065 --save-stall 30s --restart 10m"
+
+
+def test_plan_cli_says_error_not_traceback_for_numbers_it_cannot_count_in_steps() -> None:
+    """A step time so short that an interval is not a finite number of steps, and an `--every` step
+    count too large for a float: `error:` with exit 2, naming the option. Before: an OverflowError
+    traceback, exit 1 (from Plan.steps and from parse_every)."""
+    import shlex
+
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import plan_cmd
+
+    for extra, option in (("--step-time 1e-320", "--step-time"), ("--step-time 1e-320 --every 5", "--step-time"),
+                          ("--step-time 2s --every " + "9" * 5000, "--every"), ("--step-time 2s --every ²", "--every"), ("--every 1e400", "--every 1e400: an interval must be a finite")):
+        res = CliRunner().invoke(plan_cmd, shlex.split(f"{BASE} {extra} --json"))
+        assert res.exit_code == 2 and option in res.output, (extra, res.output)

@@ -288,6 +288,9 @@ def make_plan(
     m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
     young, daly, opt = young_interval(stall_s, m), daly_interval(stall_s, m), optimal_interval(stall_s, m)
     gpus = nodes * gpus_per_node
+    longest = max([young, daly, opt, *(intervals or {}).values()])
+    if step_time_s is not None and not math.isfinite(longest / step_time_s):  # Plan.steps would overflow
+        raise ValueError(f"step_time_s={step_time_s!r}: too short to count {format_duration(longest)} of compute in steps")
 
     def row(label: str, tau: float) -> IntervalRow:
         e = efficiency(tau, stall_s, restart_s, m)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -95,19 +96,22 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
     """``"500,1000"`` (steps; needs a step time) or ``"10m,1h"`` (compute time) -> {label: seconds}."""
     out: dict[str, float] = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
-        if item.isdigit():
-            if int(item) == 0:
+        if item.isascii() and item.isdigit():  # not "²": isdigit() says yes, int() refuses it
+            if not item.strip("0"):
                 raise click.UsageError("--every 0: an interval must be at least 1 step (or a duration > 0)")
             if step_time is None:
                 raise click.UsageError(f"--every {item} is in steps: give --step-time too (or write e.g. 30m)")
-            out[f"every {int(item)} steps"] = int(item) * step_time
+            seconds = int(item) * step_time if len(item) < 300 else math.inf  # 1e308 steps: float's limit
+            if not seconds < math.inf:
+                raise click.UsageError(f"--every {item[:20]}...: too many steps to compute with")
+            out[f"every {int(item)} steps"] = seconds
         else:
             try:
                 out[f"every {item}"] = parse_duration(item)
             except ValueError as e:
                 raise click.UsageError(f"--every: {e}") from None
-            if not out[f"every {item}"] > 0:
-                raise click.UsageError(f"--every {item}: an interval must be a duration > 0")
+            if not 0 < out[f"every {item}"] < math.inf:  # 1e400 reads as inf
+                raise click.UsageError(f"--every {item}: an interval must be a finite duration > 0")
     return out
 
 
