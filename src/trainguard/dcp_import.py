@@ -109,7 +109,57 @@ def _unflat_optimizer(v: dict[str, Any]) -> dict[str, Any]:
     for fqn, values in per_param.items():
         g = groups.setdefault(repr(sorted(values.items())), {**values, "params": []})
         g["params"].append(fqn)
-    return {"state": state, "param_groups": [_lists(g, "") for g in groups.values()]}
+    return {"state": state, "param_groups": [_lists(g, "") for g in groups.values()], BY_VALUES: True}
+
+
+BY_VALUES = "param_groups_by_values"  # marks an optimizer entry whose groups are its parameters' values
+
+
+def regroup(saved_groups: list[Any], names: list[str], sizes: list[int]) -> list[Any]:
+    """``OptimizerAdapter`` (``check_saved``, ``load_state_dict``), for an optimizer entry marked
+    ``BY_VALUES`` (:func:`_unflat_optimizer`): the flat form keeps each parameter's group values,
+    not its groups, so two groups with equal values (decay and no-decay groups before their
+    ``weight_decay`` differs) were imported as one. The saved groups made the optimizer's, as
+    torch's ``set_optimizer_state_dict`` matches a flat state: each current group (``sizes``: their
+    lengths, ``names``: their parameters in order, spelt as in the checkpoint) takes the values of
+    the saved group that holds its parameters. A current group whose parameters were saved with
+    different values is refused; other parameters than the checkpoint's: returned as is, for
+    ``_match_groups`` to name the differences."""
+    where = {n: i for i, g in enumerate(saved_groups) for n in g["params"]}
+    if set(where) != set(names) or len(names) != sum(sizes) or 0 in sizes:
+        return saved_groups
+    out, pos = [], 0
+    for gi, size in enumerate(sizes):
+        cur, pos = names[pos : pos + size], pos + size
+        found = sorted({where[n] for n in cur})
+        if len(found) > 1:
+            from .permanent import mark
+
+            a, b = (next(n for n in cur if where[n] == i) for i in found[:2])
+            raise mark(CheckpointError(
+                f"parameter group {gi} holds parameters saved with different group values ({a!r}: "
+                f"{_values(saved_groups[found[0]])}, {b!r}: {_values(saved_groups[found[1]])}); build the "
+                "optimizer with the same groups as when it was saved"
+            ))
+        out.append({**saved_groups[found[0]], "params": cur})
+    return out
+
+
+def saved_groups(adapter: Any, saved: Any, warn: bool) -> Any:
+    """``OptimizerAdapter``: the ``param_groups`` of the saved optimizer entry ``saved`` (a
+    skeleton or the state read), those of an entry marked ``BY_VALUES`` made ``adapter``'s
+    optimizer's by :func:`regroup`."""
+    groups = saved.get("param_groups") if isinstance(saved, dict) else None
+    if not isinstance(saved, dict) or saved.get(BY_VALUES) is not True or not isinstance(groups, list):
+        return groups
+    if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
+        return groups
+    names = adapter._saved_names(adapter._index_names(warn), {n for g in groups for n in g["params"]})
+    return regroup(groups, names, [len(g["params"]) for g in adapter.optimizer.param_groups])
+
+
+def _values(group: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in group.items() if k not in ("params", "param_names"))[:300]
 
 
 def _titan_model_keys(paths: dict[str, Any], dims: dict[str, int]) -> set[str]:

@@ -272,6 +272,7 @@ class OptimizerAdapter:
         class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
         on) and other parameter groups. The class is not checked for checkpoints from before it
         was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
+        from .dcp_import import saved_groups
         from .errors import CheckpointError
         from .permanent import mark  # each refusal: the same at every restart
 
@@ -282,15 +283,15 @@ class OptimizerAdapter:
                 f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
                 "the state and load with strict=False)"
             ))
-        groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
-        if isinstance(groups, list) and all(
-            isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
-            for g in groups
-        ):
-            try:
+        try:
+            groups = saved_groups(self, skeleton, warn=False)  # an imported flat optimizer's: regrouped
+            if isinstance(groups, list) and all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
+                for g in groups
+            ):
                 self._match_groups(groups, warn=False)  # load_state_dict warns
-            except CheckpointError as e:
-                raise mark(CheckpointError(f"entry {key!r}: {e}")) from None
+        except CheckpointError as e:
+            raise mark(CheckpointError(f"entry {key!r}: {e}")) from None
 
     def _match_groups(self, saved_groups: list[Any], warn: bool = True) -> list[list[str]]:
         """The names of each current group's parameters, spelt as in the checkpoint; raises
@@ -320,7 +321,8 @@ class OptimizerAdapter:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
-        saved_groups = state_dict["param_groups"]
+        from .dcp_import import saved_groups as regrouped
+        saved_groups = regrouped(self, state_dict, warn=False)  # _match_groups warns
         if all(type(i) is int for g in saved_groups for i in g["params"]):
             # torch's own form, keyed by index (a torch.save file imported by ``convert``):
             # torch matches it to the parameters by position.

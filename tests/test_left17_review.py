@@ -1,0 +1,88 @@
+"""Review of session 17's "left alone" list: what broke, reproduced, and fixed."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_memory16_review import _titan_model, _titan_step
+from trainguard.convert import convert
+from trainguard.errors import CheckpointError
+
+# ----------------------------------------------------------------------------- torchtitan DCP: equal groups
+
+
+def _titan_dcp(tmp_path: Path, groups: Any) -> tuple[Any, Any]:
+    """A torchtitan-like DCP checkpoint (model keys at the top level, the optimizer flattened by
+    ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)``) of a model trained two steps
+    with the AdamW that ``groups(model)`` builds, converted into ``tmp_path / "tg"``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    m = _titan_model()
+    opt = groups(m)
+    for _ in range(2):
+        _titan_step(m, opt)
+    flat = get_optimizer_state_dict(m, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group; DCP's metadata is a pickle
+        dcp.save({**get_model_state_dict(m), "optimizer": flat}, storage_writer=dcp.FileSystemWriter(str(tmp_path / "t")), no_dist=True)
+        convert(tmp_path / "t", tmp_path / "tg")
+    return m, opt
+
+
+def _two_equal_groups(m: Any) -> Any:
+    decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+    return torch.optim.AdamW([{"params": decay}, {"params": rest}], lr=1e-2, weight_decay=0.1)
+
+
+def test_torchtitan_optimizer_with_two_equal_groups_loads_into_its_two_groups(tmp_path) -> None:
+    """The flat form keeps each parameter's group values, not the groups: two groups with equal
+    values (decay/no-decay before the no-decay group's weight_decay is set) were imported as one,
+    and loading into the same 2-group AdamW was refused ("the checkpoint has 1 parameter
+    group(s), the optimizer 2"). DCP's own set_optimizer_state_dict matches them by parameter;
+    now the load does too, and the next step is bit-identical."""
+    m, opt = _titan_dcp(tmp_path, _two_equal_groups)
+    m2 = _titan_model()
+    opt2 = _two_equal_groups(m2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tg.load(tmp_path / "tg", {"model": m2, "optimizer": opt2})
+    assert [len(g["params"]) for g in opt2.param_groups] == [len(g["params"]) for g in opt.param_groups]
+    for p, q in zip(m.parameters(), m2.parameters(), strict=True):
+        assert all(torch.equal(opt.state[p][k], opt2.state[q][k]) for k in opt.state[p])
+    opt.param_groups[1]["weight_decay"] = opt2.param_groups[1]["weight_decay"] = 0.0  # the groups are distinct again
+    _titan_step(m, opt)
+    _titan_step(m2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), m2.parameters(), strict=True))
+
+
+def test_torchtitan_optimizer_groups_of_other_values_still_refuse_a_merged_group(tmp_path) -> None:
+    """A real mismatch stays refused, naming what differs: groups saved with different values
+    (weight_decay 0.1 and 0.0) into an optimizer that puts those parameters in one group."""
+
+    def distinct(m: Any) -> Any:
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+        rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}], lr=1e-2, weight_decay=0.1)
+
+    _titan_dcp(tmp_path, distinct)
+    m2 = _titan_model()
+    merged = torch.optim.AdamW([{"params": list(m2.parameters())[:3]}, {"params": list(m2.parameters())[3:]}], lr=1e-2)
+    with warnings.catch_warnings(), pytest.raises(CheckpointError, match="different group values.*weight_decay"):
+        warnings.simplefilter("ignore")
+        tg.load(tmp_path / "tg", {"model": m2, "optimizer": merged})
+    one = torch.optim.AdamW(m2.parameters(), lr=1e-2)
+    with warnings.catch_warnings(), pytest.raises(CheckpointError, match="entry 'optimizer'.*different group values"):
+        warnings.simplefilter("ignore")
+        tg.load(tmp_path / "tg", {"model": m2, "optimizer": one})
