@@ -86,3 +86,34 @@ def test_torchtitan_optimizer_groups_of_other_values_still_refuse_a_merged_group
     with warnings.catch_warnings(), pytest.raises(CheckpointError, match="entry 'optimizer'.*different group values"):
         warnings.simplefilter("ignore")
         tg.load(tmp_path / "tg", {"model": m2, "optimizer": one})
+
+
+# ----------------------------------------------------------------------------- mismatched operations: who is where
+
+
+def _early_close(rank: int, world: int, root: str) -> Any:
+    """Rank 0's loop ends a step early and closes its manager; rank 1 calls save (its "decide")."""
+    from dist_helper import attempt
+
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(100), timeout=20).open()  # signals: a "decide" round
+    if rank == 0:
+        mgr.close()
+        return {"type": None}
+    out = attempt(lambda: mgr.save(1, {"x": torch.zeros(2)}))
+    mgr.__dict__["_failing"] = True  # no closing round: rank 0 is gone
+    mgr.close()
+    return out
+
+
+def test_a_rank_in_another_operation_is_told_where_the_others_are(tmp_path) -> None:
+    """Rank 0 closed its manager while rank 1 called save: rank 1 was told "close: rank(s) [1]
+    are in ['decide'] instead of 'close'", naming itself as the one elsewhere. Now the message
+    says which ranks called which operation, from any rank's point of view."""
+    from dist_helper import run_ranks
+
+    r = run_ranks(_early_close, 2, str(tmp_path / "ck"), timeout=60)
+    out = r[1].value
+    assert out["type"] == "RankFailureError", out
+    msg = out["msg"]
+    assert "rank(s) [1] are in" not in msg, msg
+    assert "rank 0 called 'close'" in msg and "rank 1 called 'decide'" in msg, msg

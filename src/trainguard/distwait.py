@@ -68,7 +68,7 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
         now = time.monotonic()
         _check_left(ctx, missing, tag)
         if ctx.rank == 0:  # the coordinator judges; the others wait for its verdict
-            _check_elsewhere(ctx, list(missing), tag)
+            _check_elsewhere(ctx, list(missing), tag, ranks)
         dead = []
         for r in missing:
             beat = int(ctx.store.add(f"{ctx.prefix}/hb/{r}", 0))
@@ -141,16 +141,32 @@ def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
         )
 
 
-def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
-    """Rank 0: raise at once when a missing rank waits in another collective of the same round."""
+# The public call each collective's tag belongs to, for the message of a mismatch (_check_elsewhere).
+CALLS = {"decide": "CheckpointManager.save", "open": "CheckpointManager.open", "close": "CheckpointManager.close",
+         "candidates": "CheckpointManager.restore", "begin": "save", "written": "save", "commit": "save",
+         "load": "load", "loaded": "load"}
+
+
+def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int]) -> None:
+    """Rank 0: raise at once when a missing rank waits in another collective of the same round.
+    The message goes to the ranks of both collectives (those in the other read it as their
+    verdict): it says which ranks called which, not who is "instead" where."""
     wrong = {}
     for r, (op, rnd, other, *_why) in _where(ctx, missing).items():
         if (op, rnd) == (ctx._op, ctx._round) and other not in (tag, LEFT):
             wrong[r] = other
     if wrong:
+        here = sorted({ctx.rank, *(r for r in awaited if r not in missing)})
+        by: dict[str, list[int]] = {tag: here}
+        for r, w in sorted(wrong.items()):
+            by.setdefault(w, []).append(r)
+        said = "; ".join(
+            f"{_ranks(rs)} called {t!r}" + (f" ({CALLS[t]})" if t in CALLS else "") for t, rs in by.items()
+        )
         e = failure(
-            f"{tag}: rank(s) {sorted(wrong)} are in {sorted(set(wrong.values()))} instead of {tag!r}: ranks "
-            "called different trainguard operations (e.g. save on some ranks, load on others)",
+            f"{tag}: the ranks called different trainguard operations in the same round: {said}. Every rank must make "
+            "the same trainguard calls in the same order (e.g. not save on some ranks and load on others, nor close() "
+            "on a rank whose loop ended while the others still save: run the same number of steps on every rank)",
             {r: f"called {w!r} while rank {ctx.rank} called {tag!r}" for r, w in wrong.items()},
         )
         # The ranks waiting in the other collective get the same verdict instead of a timeout; its keys
@@ -161,6 +177,10 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str) -> None:
             ctx.store.set(f"{base}/all", record)
             ctx._fences += [(at, f"{base}/{k}") for k in ["all", *(r for r, w in wrong.items() if w == other)]]
         raise e
+
+
+def _ranks(rs: list[int]) -> str:
+    return f"rank {rs[0]}" if len(rs) == 1 else f"ranks {rs[:16]}" + (f" and {len(rs) - 16} more" if len(rs) > 16 else "")
 
 
 CLOSE_WAIT = 60.0  # seconds: the most rank 0's close() waits for the other ranks to arrive (closing_round)
