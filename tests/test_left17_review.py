@@ -117,3 +117,37 @@ def test_a_rank_in_another_operation_is_told_where_the_others_are(tmp_path) -> N
     msg = out["msg"]
     assert "rank(s) [1] are in" not in msg, msg
     assert "rank 0 called 'close'" in msg and "rank 1 called 'decide'" in msg, msg
+
+
+# ----------------------------------------------------------------------------- a permanent save error, then the store lost
+
+
+class _LostStore:
+    """A rank's context whose exchange fails as when rank 0's process (the c10d store's host)
+    has exited: what rank 1 sees after rank 0 read its error and exited 78."""
+
+    is_distributed, rank, world_size = True, 1, 2
+
+    def all_gather(self, tag: str, *a: Any, **k: Any) -> Any:
+        from trainguard.errors import failure
+
+        raise failure(f"{tag}: the c10d store stopped answering (DistNetworkError: Connection reset by peer); "
+                      "the process hosting it (rank 0, or the launcher) died or hangs", {0: "unreachable"})
+
+
+def test_a_save_refused_for_good_stays_permanent_when_the_store_is_lost() -> None:
+    """Rank 1's save was refused for good (a value that cannot be saved: UnsupportedValueError,
+    exit 78 at every restart); it told the other ranks in the save's "begin" round, rank 0 read it
+    and exited 78, and its process hosted the store: rank 1's exchange failed with "the c10d store
+    stopped answering", which is no permanent error, and it exited 1 (its agent restarts). Now, as
+    for a load's error (errors.agree_load), its own error no restart fixes is what it raises. A
+    transient error of its own (a bug, an OSError) still lets the lost store through."""
+    from trainguard.api import _collective_capture
+    from trainguard.errors import RankFailureError
+
+    with pytest.raises(tg.UnsupportedValueError) as e:
+        _collective_capture({"x": torch.zeros(2), "bad": object()}, _LostStore(), "sharded", None)  # type: ignore[arg-type]
+    assert tg.exit_code_for(e.value) == 78
+    with pytest.raises(RankFailureError, match="stopped answering") as f:
+        _collective_capture({"x": torch.zeros(2)}, _LostStore(), "sharded", None, preflight=OSError(5, "EIO"))  # type: ignore[arg-type]
+    assert tg.exit_code_for(f.value) == 1

@@ -40,7 +40,7 @@ from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .permanent import is_permanent
+from .permanent import is_permanent, keeps_own
 from .planner import check_cover, layout_file
 from .storage import Storage, for_path
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
@@ -149,7 +149,8 @@ def _collective_capture(
         # Tell the other ranks before raising, so they fail now instead of at the timeout.
         if ctx.is_distributed:
             # Every rank, this one included, raises the same RankFailureError.
-            begin = ctx.all_gather("begin", {"error": traceback.format_exc(), "permanent": is_permanent(e)}, timeout=timeout)
+            with keeps_own(e):  # the exchange lost (rank 0 read e, exited 78): e no restart fixes is raised
+                begin = ctx.all_gather("begin", {"error": traceback.format_exc(), "permanent": is_permanent(e)}, timeout=timeout)
             try:
                 raise_failures("save", begin, ctx)
             except RankFailureError as f:  # ranks that captured met it in persist_and_commit's begin round

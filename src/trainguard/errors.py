@@ -208,16 +208,12 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
     raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
     failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
     that does not fit)."""
-    from .permanent import from_medium, is_permanent
+    from .permanent import from_medium, is_permanent, keeps_own
 
     outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
                "permanent": is_permanent(e), "medium": from_medium(e)}
-    try:
+    with keeps_own(e):  # the exchange failed (rank 0 exited 78 first, its store with it): e stays its error
         outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
-    except CheckpointError:  # the exchange failed (rank 0 exited 78 first, its store with it): this rank's own
-        if e is not None and is_permanent(e):  # error no restart fixes stays its error (exit 78 on every node)
-            raise e from e.__cause__
-        raise
     try:
         if e is not None:
             raise e from e.__cause__

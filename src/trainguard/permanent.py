@@ -79,6 +79,21 @@ def from_medium(e: BaseException | None) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def keeps_own(e: BaseException | None) -> Iterator[None]:
+    """Around a round that tells the other ranks this rank's error ``e`` (``errors.agree_load``,
+    ``api._collective_capture``): when that exchange fails (rank 0 read ``e``, exited 78 and took
+    the c10d store its process hosts along), an ``e`` no restart fixes is raised instead of the
+    lost store's error, so that this rank exits 78 too (else 1: its node's agent restarted into a
+    closed rendezvous). Any other ``e``: the exchange's failure goes through."""
+    try:
+        yield
+    except CheckpointError:
+        if e is not None and is_permanent(e):
+            raise e from e.__cause__
+        raise
+
+
 def mark_refusal(cause: BaseException, err: E) -> E:
     """``loader.load``: ``err``, an entry's ``load_state_dict`` refusing the saved state with
     ``cause``, marked unless ``cause`` is a RuntimeError (an out-of-memory, a device's error)."""
