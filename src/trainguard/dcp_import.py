@@ -149,8 +149,10 @@ def saved_groups(adapter: Any, saved: Any, warn: bool) -> Any:
     """``OptimizerAdapter``: the ``param_groups`` of the saved optimizer entry ``saved`` (a
     skeleton or the state read), those of an entry marked ``BY_VALUES`` made ``adapter``'s
     optimizer's by :func:`regroup`."""
-    groups = saved.get("param_groups") if isinstance(saved, dict) else None
-    if not isinstance(saved, dict) or saved.get(BY_VALUES) is not True or not isinstance(groups, list):
+    from collections.abc import Mapping
+
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(saved, Mapping) or saved.get(BY_VALUES) is not True or not isinstance(groups, list):
         return groups
     if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups):
         return groups

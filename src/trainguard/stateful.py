@@ -322,7 +322,7 @@ class OptimizerAdapter:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
         from .dcp_import import saved_groups as regrouped
-        saved_groups = regrouped(self, state_dict, warn=False)  # _match_groups warns
+        saved_groups = regrouped(self, state_dict, warn=False) or state_dict["param_groups"]  # _match_groups warns
         if all(type(i) is int for g in saved_groups for i in g["params"]):
             # torch's own form, keyed by index (a torch.save file imported by ``convert``):
             # torch matches it to the parameters by position.
