@@ -90,6 +90,7 @@ class RamTier:
         self._error: BaseException | None = None
         self.persisted: int | None = None
         self._committed: int | None = None  # the step committed() last started to persist
+        self._passed: set[int] = set()  # RAM copies newer than the step restore() returned: not needed
 
     # --------------------------------------------------------------- lifecycle
     def open(self, timeout: float | None = None) -> None:
@@ -134,9 +135,13 @@ class RamTier:
 
     def make_room(self) -> None:
         """Rank 0, before a save into RAM: a RAM tier too small for two checkpoints drops the
-        copies already on disk first (else every later save fails for want of room)."""
+        copies it no longer needs first (else every later save fails for want of room): the one
+        copied to disk, and those ``restored`` went back behind (a rollback's abandoned step, a
+        RAM-only copy that failed to load). Before, only the copy this process had copied to
+        disk counted: after a restart whose ``restore`` did not load the RAM copy, that copy
+        stayed, and every save of the run failed with ENOSPC."""
         steps = list_steps(self.storage, self.dir)
-        done = [s for s in steps if s.step == self.persisted]
+        done = [s for s in steps if s.step == self.persisted or s.step in self._passed]
         need = sum(_tree_bytes(s.path) for s in steps)
         if done and shutil.disk_usage(self.dir).free < need * 1.05 + (16 << 20):
             for s in done:
@@ -192,7 +197,7 @@ class RamTier:
         collects the save: the second call does nothing."""
         if self.ctx.rank != 0 or self._committed == step:
             return
-        self._committed = step
+        self._committed, self._passed = step, set()  # the older RAM copies go now
         for s in list_steps(self.storage, self.dir):
             if s.step != step:
                 self.storage.remove_tree(s.path)
@@ -265,9 +270,11 @@ class RamTier:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
         RAM tier: make sure that step reaches the durable tier. Restored from the durable tier: a
         RAM copy of the same step was tried first and found unusable; it is removed (the durable
-        copy is good)."""
+        copy is good). RAM copies of newer steps (unusable, or behind a rollback) stay until the
+        next save commits, but ``make_room`` may drop them for room."""
         if self.ctx.rank != 0:
             return
+        self._passed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}  # make_room may drop them
         if tier == "ram":
             self._start(step, on_durable)
             return
