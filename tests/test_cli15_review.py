@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import trainguard as tg
 from trainguard.cli import main
+from trainguard.tiers import ram_dir
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "src")
 
@@ -115,6 +116,9 @@ def _ram_only_step_2(tmp_path):
         m.save(s, {"model": {"w": torch.full((8,), float(s))}})
     m.close(keep_ram_tier=True)
     LocalStorage().remove_tree(str(run / "step-000000002"))
+    # ... and the RAM tier's record that step 2 reached disk, which a copy cut short never writes
+    # (with it, restore discards the RAM copy as one removed from the run directory since).
+    os.remove(os.path.join(ram_dir(str(run), str(base)), ".trainguard-on-disk"))
     return base, run
 
 

@@ -67,3 +67,56 @@ def test_a_ram_copy_that_failed_to_reach_disk_is_not_dropped_for_room(tmp_path, 
         assert _steps(ram) == [3]  # kept: not on disk
         with pytest.raises(tg.CheckpointError, match="disk full"):
             mgr.close(keep_ram_tier=True)
+
+
+def _run(root: str, base: str, restore_at: int | None, saves: dict[int, float], *, persist: bool = True) -> float:
+    """One incarnation of the job on the node whose RAM tier is under ``base``: restore (at or
+    before ``restore_at``), save ``saves`` (step: fill value), then die keeping its RAM tier
+    (``persist=False``: killed before the last save's copy to disk). Returns the fill restored."""
+    m = _model(-1.0)
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(3), ram_tier=base,
+                               handle_signals=False).open()
+    mgr.restore({"model": m}, step=restore_at)
+    for step, fill in saves.items():
+        if not persist and step == max(saves):
+            mgr.ram.persist = lambda s: (_ for _ in ()).throw(OSError(5, "killed"))  # type: ignore[method-assign]
+        mgr.save(step, {"model": _model(fill)})
+    try:
+        mgr.close(keep_ram_tier=True)
+    except tg.CheckpointError:
+        assert not persist
+    return float(m.weight.detach()[0, 0])
+
+
+@pytest.mark.parametrize("node_b_saves", [{30: -30.0}, {25: -25.0}, {}])
+def test_a_ram_copy_the_run_directory_went_past_on_another_node_is_not_restored(tmp_path, node_b_saves):
+    """Node A saved steps 10, 20, 30 and died; the job, requeued on node B, rolled back to step 20
+    (a loss spike) and saved step 30 again, or step 25 (A's step 30, abandoned, is then removed
+    from disk), or the user deleted step 30 by hand (no save); requeued on A again, the restart
+    must resume from the run directory's timeline. Before, A's RAM copy of step 30 was restored:
+    over B's step 30, or past B's step 25 and the step 20 the user went back to."""
+    root, node_a, node_b = str(tmp_path / "run"), str(tmp_path / "shmA"), str(tmp_path / "shmB")
+    os.makedirs(node_a)
+    os.makedirs(node_b)
+    _run(root, node_a, None, {10: 10.0, 20: 20.0, 30: 30.0})
+    if node_b_saves:
+        assert _run(root, node_b, 20, node_b_saves) == 20.0
+    else:
+        shutil.rmtree(os.path.join(root, "step-000000030"))
+    newest = max(node_b_saves, default=20)
+    assert _steps(ram_dir(root, node_a)) == [30] and _steps(root)[-1] == newest
+    assert _run(root, node_a, None, {}) == node_b_saves.get(newest, 20.0)  # before: 30.0, A's abandoned step 30
+    assert _steps(ram_dir(root, node_a)) == []  # discarded
+
+
+def test_a_ram_copy_saved_again_after_a_rollback_is_still_restored(tmp_path):
+    """The limit of the rule above: after a rollback on this node, this run saves step 3 again
+    (its old copy on disk is removed first) and is killed before the copy to disk; the new RAM
+    copy of step 3 is the newest checkpoint and is restored, not taken for the old one."""
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    _run(root, base, None, {1: 1.0, 2: 2.0, 3: 3.0})
+    _run(root, base, 2, {3: 33.0}, persist=False)
+    assert _steps(root) == [1, 2]
+    assert _run(root, base, None, {}) == 33.0
+    assert _steps(root) == [1, 2, 3]  # restored from RAM, copied to disk

@@ -43,6 +43,7 @@ log = logging.getLogger("trainguard")
 
 DEFAULT_BASE = "/dev/shm"
 RUN_ID = ".trainguard-run-id"  # in the durable root and in its RAM tier: which run they belong to
+ON_DISK = ".trainguard-on-disk"  # in the RAM tier: the RAM copy last found or copied on disk (name, manifest hash)
 PIECE = 64 << 20
 
 
@@ -212,6 +213,7 @@ class RamTier:
                 if self.persist(step):
                     self.events.emit("ram_persist", step=step, seconds=round(time.monotonic() - t0, 6))
                 self.persisted = step
+                self._mark_on_disk(step)
                 on_durable(step)
             except BaseException as e:  # surfaced at close(); the next save retries with a newer step
                 log.warning("trainguard: copying step %d from the RAM tier to %s failed: %s", step, self.durable_root, e)
@@ -255,9 +257,12 @@ class RamTier:
 
     # --------------------------------------------------------------- restore
     def candidates(self, durable_steps: list[int]) -> list[tuple[int, str, str]]:
-        """Rank 0: ``(step, path, tier)`` to try, newest step first, RAM copy before durable."""
-        ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
+        """Rank 0: ``(step, path, tier)`` to try, newest step first, RAM copy before durable.
+        A RAM copy the run directory no longer stands behind is discarded first (``_stale``)."""
         durable = set(durable_steps)  # not the list: a look-up per step made this O(steps**2)
+        ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
+        for step in [s for s in ram if self._stale(s, ram[s], s in durable)]:
+            self.storage.remove_tree(ram.pop(step))
         out = []
         for step in sorted(set(ram) | durable, reverse=True):
             if step in ram:
@@ -265,6 +270,46 @@ class RamTier:
             if step in durable:
                 out.append((step, location(self.durable, self.durable.join(self.durable_root, layout.step_dir(step))), "durable"))
         return out
+
+    def _stale(self, step: int, path: str, on_disk: bool) -> bool:
+        """``candidates``: whether the RAM copy of ``step`` at ``path`` is another timeline's. It
+        is when the run directory holds ``step`` with another manifest (written since by a run on
+        another node: the copy to disk never replaces a step, so both are the same bytes
+        otherwise), or no longer holds it though it reached disk (``ON_DISK``): a run elsewhere
+        went back behind it (``restore(step=N)``, retention of the abandoned timeline) or the user
+        deleted it. Before, the RAM copy was restored over the run directory's checkpoints: a
+        rollback done on another node was undone when the job came back to this one."""
+        name = layout.step_dir(step)
+        try:
+            if on_disk:
+                mine = self.storage.read_bytes(os.path.join(path, layout.MANIFEST), MAX_MANIFEST_BYTES)
+                theirs = self.durable.read_bytes(self.durable.join(self.durable_root, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+                why = "the run directory holds another checkpoint of that step" if mine != theirs else ""
+            else:
+                marker = os.path.join(self.dir, ON_DISK)
+                gone = os.path.exists(marker) and self.storage.read_bytes(marker, 128) == self._on_disk_mark(step)
+                why = "it reached the run directory and was removed from it since" if gone else ""
+        except (OSError, CheckpointError):  # unreadable: restore tries it and says why
+            return False
+        if why:
+            log.warning("trainguard: the RAM tier's copy of %s is discarded: %s", name, why)
+            self.events.emit("ram_discard", steps=[name], reason=why)
+        return bool(why)
+
+    def _mark_on_disk(self, step: int) -> None:
+        """The persist thread, once ``step`` is on disk: record it in ``ON_DISK`` (best effort:
+        without it a RAM copy removed from disk later is still restored, as before)."""
+        try:
+            self.storage.write_atomic(os.path.join(self.dir, ON_DISK), self._on_disk_mark(step))
+        except (OSError, CheckpointError) as e:
+            log.warning("trainguard: could not record in the RAM tier that step %d is on disk: %s", step, e)
+
+    def _on_disk_mark(self, step: int) -> bytes:
+        """``ON_DISK``'s content for the RAM copy of ``step``: its name and its manifest's hash (a
+        later RAM copy of the same step, saved after a rollback, is not taken for it)."""
+        name = layout.step_dir(step)
+        raw = self.storage.read_bytes(os.path.join(self.dir, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+        return f"{name} {hashlib.sha1(raw).hexdigest()}".encode()
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None]) -> None:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
