@@ -120,3 +120,33 @@ def test_a_ram_copy_saved_again_after_a_rollback_is_still_restored(tmp_path):
     assert _steps(root) == [1, 2]
     assert _run(root, base, None, {}) == 33.0
     assert _steps(root) == [1, 2, 3]  # restored from RAM, copied to disk
+
+
+class _Select(tg.RetentionPolicy):
+    reads_metadata = False
+
+    def __init__(self, select) -> None:  # noqa: ANN001
+        self._select = select
+
+    def select(self, checkpoints):  # noqa: ANN001, ANN201
+        return self._select(checkpoints)
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda cps: {str(c.step) for c in cps},  # steps parsed from directory names, left as strings
+    lambda cps: set(torch.tensor([c.step for c in cps])),  # 0-d tensors: hashed by identity
+])
+def test_a_retention_policy_returning_anything_but_steps_deletes_nothing(tmp_path, wrong):
+    """A user policy meant to keep everything returns its steps as strings (or tensors). Before, no
+    step matched and retention deleted every checkpoint but the newest; now it fails, warns and
+    keeps them all (as for a policy that raises)."""
+    root = str(tmp_path / "run")
+    with pytest.warns(UserWarning, match="retention after step 2 failed.*must return the steps"):
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=_Select(wrong), handle_signals=False) as mgr:
+            for step in (1, 2, 3):
+                mgr.save(step, {"model": _model(float(step))})
+    assert _steps(root) == [1, 2, 3]  # before: [3]
+    ok = _Select(lambda cps: {float(c.step) for c in cps if c.step != 1})  # numbers of any kind still count
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=ok, handle_signals=False) as mgr:
+        mgr.save(4, {"model": _model(4.0)})
+    assert _steps(root) == [2, 3, 4]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import secrets
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -69,7 +70,7 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     steps = [s for s in steps if s not in abandoned]
     facts = mgr.keep.reads_metadata  # else no manifest is read (KeepLatest, KeepEvery: steps alone)
     infos = [CheckpointInfo(s.step, *(_facts(mgr, s) if facts else (0.0, {}))) for s in steps if s.step not in mgr._rejected]
-    keep = set(mgr.keep.select(infos)) | {newest}
+    keep = _steps_kept(mgr.keep, infos) | {newest}
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
         log.warning(
@@ -92,6 +93,19 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             mgr.storage.remove_tree(s.path)
             _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
+
+
+def _steps_kept(policy: Any, infos: list[CheckpointInfo]) -> set[int]:
+    """``retain``: ``policy.select(infos)`` as a set of steps. Anything but numbers in it (the
+    steps as strings, say ``"20"`` parsed from a directory name) raises, so that retention fails
+    and keeps everything (``apply_retention``): before, no step matched, and every checkpoint but
+    the newest was deleted."""
+    keep = set(policy.select(infos))
+    wrong = [k for k in keep if isinstance(k, bool) or not isinstance(k, numbers.Real)]
+    if wrong:
+        raise TypeError(f"{policy!r}.select() returned {sorted(map(repr, wrong))[:5]}: it must return the steps "
+                        "(ints) to keep, e.g. {c.step for c in checkpoints if ...}")
+    return keep
 
 
 DONE = "-"  # mgr._aside once set_aside found nothing to set aside, or what it set aside was deleted
