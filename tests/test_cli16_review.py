@@ -5,6 +5,7 @@ help texts, hostile manifests (block sizes, duplicate keys), a step whose ``stat
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from click.testing import CliRunner
 
 import trainguard as tg
 from trainguard.cli import main
+from trainguard.tiers import ram_dir
 
 
 def _run(*args, **kw):
@@ -144,6 +146,9 @@ def test_verify_of_a_run_without_steps_names_a_ram_copy(tmp_path):
 
     root, shm = _ram_run(tmp_path)
     shutil.rmtree(root / "step-000000001")
+    # ... and the RAM tier's record that step 1 reached disk, which a copy cut short never writes
+    # (with it, the RAM copy is one removed from the run directory since: a restart discards it).
+    os.remove(os.path.join(ram_dir(str(root), str(shm)), ".trainguard-on-disk"))
     r = _run("verify", root, "--ram-tier", shm, terminal_width=400)
     assert r.exit_code == 2 and r.output.startswith("error: ") and "holds a valid copy of step 1" in r.output, r.output
 

@@ -150,3 +150,22 @@ def test_a_retention_policy_returning_anything_but_steps_deletes_nothing(tmp_pat
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=ok, handle_signals=False) as mgr:
         mgr.save(4, {"model": _model(4.0)})
     assert _steps(root) == [2, 3, 4]
+
+
+def test_ls_and_verify_do_not_offer_a_stale_ram_copy_as_a_resume_point(tmp_path):
+    """``trainguard ls`` said of the RAM copy that the restart discards (step 30, deleted from the
+    run directory by hand after it reached it) "in RAM only: a restart on this node resumes from
+    them", and ``verify`` of a run directory without a valid checkpoint named it too."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    _run(root, base, None, {30: 30.0})
+    shutil.rmtree(os.path.join(root, "step-000000030"))
+    for args in (["ls", root], ["verify", root]):
+        r = CliRunner().invoke(main, [*args, "--ram-tier", base])
+        assert "in RAM only" not in r.output and "holds a valid copy" not in r.output, r.output
+    assert "stale in RAM" in CliRunner().invoke(main, ["ls", root, "--ram-tier", base]).output
+    assert _run(root, base, None, {}) == -1.0  # what they say: nothing to resume from (a fresh start)

@@ -272,28 +272,11 @@ class RamTier:
         return out
 
     def _stale(self, step: int, path: str, on_disk: bool) -> bool:
-        """``candidates``: whether the RAM copy of ``step`` at ``path`` is another timeline's. It
-        is when the run directory holds ``step`` with another manifest (written since by a run on
-        another node: the copy to disk never replaces a step, so both are the same bytes
-        otherwise), or no longer holds it though it reached disk (``ON_DISK``): a run elsewhere
-        went back behind it (``restore(step=N)``, retention of the abandoned timeline) or the user
-        deleted it. Before, the RAM copy was restored over the run directory's checkpoints: a
-        rollback done on another node was undone when the job came back to this one."""
-        name = layout.step_dir(step)
-        try:
-            if on_disk:
-                mine = self.storage.read_bytes(os.path.join(path, layout.MANIFEST), MAX_MANIFEST_BYTES)
-                theirs = self.durable.read_bytes(self.durable.join(self.durable_root, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
-                why = "the run directory holds another checkpoint of that step" if mine != theirs else ""
-            else:
-                marker = os.path.join(self.dir, ON_DISK)
-                gone = os.path.exists(marker) and self.storage.read_bytes(marker, 128) == self._on_disk_mark(step)
-                why = "it reached the run directory and was removed from it since" if gone else ""
-        except (OSError, CheckpointError):  # unreadable: restore tries it and says why
-            return False
+        """``candidates``: ``stale_reason`` of the RAM copy of ``step``, logged and emitted."""
+        why = stale_reason(self.dir, self.durable, self.durable_root, step, on_disk)
         if why:
-            log.warning("trainguard: the RAM tier's copy of %s is discarded: %s", name, why)
-            self.events.emit("ram_discard", steps=[name], reason=why)
+            log.warning("trainguard: the RAM tier's copy of %s is discarded: %s", layout.step_dir(step), why)
+            self.events.emit("ram_discard", steps=[layout.step_dir(step)], reason=why)
         return bool(why)
 
     def _mark_on_disk(self, step: int) -> None:
@@ -305,11 +288,7 @@ class RamTier:
             log.warning("trainguard: could not record in the RAM tier that step %d is on disk: %s", step, e)
 
     def _on_disk_mark(self, step: int) -> bytes:
-        """``ON_DISK``'s content for the RAM copy of ``step``: its name and its manifest's hash (a
-        later RAM copy of the same step, saved after a rollback, is not taken for it)."""
-        name = layout.step_dir(step)
-        raw = self.storage.read_bytes(os.path.join(self.dir, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
-        return f"{name} {hashlib.sha1(raw).hexdigest()}".encode()
+        return on_disk_mark(self.dir, step)
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None]) -> None:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
@@ -328,6 +307,36 @@ class RamTier:
         if os.path.exists(bad):
             self.storage.remove_tree(bad)
             self.events.emit("ram_discard", steps=[layout.step_dir(step)])
+
+
+def on_disk_mark(ram: str, step: int) -> bytes:
+    """``ON_DISK``'s content for the RAM copy of ``step`` in the RAM tier ``ram``: its name and
+    its manifest's hash (a later RAM copy of the same step, saved after a rollback, differs)."""
+    name = layout.step_dir(step)
+    raw = LocalStorage().read_bytes(os.path.join(ram, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+    return f"{name} {hashlib.sha1(raw).hexdigest()}".encode()
+
+
+def stale_reason(ram: str, durable: Storage, durable_root: str, step: int, on_disk: bool) -> str:
+    """Why the RAM copy of ``step`` in the RAM tier ``ram`` is another timeline's, or ``""``.
+    ``RamTier.candidates`` discards such a copy; ``trainguard ls``/``verify`` do not offer it.
+    It is when the run directory holds ``step`` (``on_disk``) with another manifest (written since
+    by a run on another node: the copy to disk never replaces a step, so both are the same bytes
+    otherwise), or no longer holds it though it reached disk (``ON_DISK``): a run elsewhere went
+    back behind it (``restore(step=N)``, retention of the abandoned timeline) or the user deleted
+    it. Before, the RAM copy was restored over the run directory's checkpoints: a rollback done
+    on another node was undone when the job came back to this one. ``""`` when unreadable."""
+    name, local = layout.step_dir(step), LocalStorage()
+    try:
+        if on_disk:
+            mine = local.read_bytes(os.path.join(ram, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+            theirs = durable.read_bytes(durable.join(durable_root, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+            return "the run directory holds another checkpoint of that step" if mine != theirs else ""
+        marker = os.path.join(ram, ON_DISK)
+        gone = os.path.exists(marker) and local.read_bytes(marker, 128) == on_disk_mark(ram, step)
+        return "it reached the run directory and was removed from it since" if gone else ""
+    except (OSError, CheckpointError):  # unreadable: restore tries it and says why
+        return ""
 
 
 def _tree_bytes(path: str) -> int:

@@ -22,7 +22,7 @@ from ..gcpause import gc_paused
 from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
 from ..layout import MANIFEST
 from ..storage import for_path
-from ..tiers import DEFAULT_BASE, ram_copies
+from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
 from . import PipeConsole, printable, stdout_gone
 
 console = PipeConsole()
@@ -104,13 +104,25 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
         console.print("no checkpoints")
     if ram:
         on_disk = {r.step for r in rows if r.status == "valid"}
-        only = [r.step for r in ram if r.status == "valid" and r.step not in on_disk]
+        stale = _stale(run_dir, ram_dir, ram, rows)
+        only = [r.step for r in ram if r.status == "valid" and r.step not in on_disk and r.step not in stale]
         console.print(_table(f"RAM tier of this node: {_shown(ram_dir)} (a restart here tries these first)", ram))
         if only:
             console.print(f"[yellow]in RAM only[/]: step(s) {', '.join(map(str, only))} not (yet) valid in the run "
                           "directory: a restart on this node resumes from them, one on another node cannot")
+        for step, why in stale.items():
+            console.print(f"[yellow]stale in RAM[/]: step {step}: {why}; a restart discards it")
     for note in set_aside(run_dir):  # not listed (restore does not see them now), but may come back
         console.print(f"[yellow]not listed[/]: {_shown(note)}")
+
+
+def _stale(run_dir: str, ram_dir: str, ram: list[Any], rows: list[Any]) -> dict[int, str]:
+    """``ls`` and ``verify``: the RAM copies (``ram``, ``list_checkpoints``'s rows of ``ram_dir``)
+    that the next manager's restore discards (``tiers.stale_reason``), by step, with why."""
+    storage, root = for_path(run_dir)
+    on_disk = {r.step for r in rows if r.status not in ("incomplete", "deleted")}
+    found = {r.step: stale_reason(ram_dir, storage, root, r.step, r.step in on_disk) for r in ram}
+    return {step: why for step, why in found.items() if why}
 
 
 def _table(title: str, rows: list[Any]) -> Table:
@@ -279,7 +291,9 @@ def _in_ram(run_dir: str, base: str) -> str | None:
     ``ram_tier=`` restores on this node (``RamTier.candidates``); None when there is none."""
     try:
         here = ram_copies(run_dir, base)
-        steps = [r.step for r in list_checkpoints(here, verify_data=True) if r.status == "valid"] if here else []
+        ram = list_checkpoints(here, verify_data=True) if here else []
+        stale = _stale(run_dir, here, ram, list_checkpoints(run_dir)) if here else {}
+        steps = [r.step for r in ram if r.status == "valid" and r.step not in stale]
     except (CheckpointError, OSError):  # no RAM tier to speak of: the verdict stays the run directory's
         return None
     if not steps:
