@@ -169,3 +169,19 @@ def test_ls_and_verify_do_not_offer_a_stale_ram_copy_as_a_resume_point(tmp_path)
         assert "in RAM only" not in r.output and "holds a valid copy" not in r.output, r.output
     assert "stale in RAM" in CliRunner().invoke(main, ["ls", root, "--ram-tier", base]).output
     assert _run(root, base, None, {}) == -1.0  # what they say: nothing to resume from (a fresh start)
+
+
+def test_a_good_ram_copy_is_restored_over_its_step_whose_manifest_rotted_on_disk(tmp_path):
+    """The limit of the rule that discards a RAM copy whose step the run directory holds with
+    another manifest: a manifest that differs because it is corrupt on disk (a flipped byte) is no
+    other run's checkpoint; the good RAM copy of that step is restored, not step 2."""
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    _run(root, base, None, {1: 1.0, 2: 2.0, 3: 3.0})
+    path = os.path.join(root, "step-000000003", "manifest.json")
+    with open(path, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 1]))
+    assert _run(root, base, None, {}) == 3.0

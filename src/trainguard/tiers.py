@@ -36,7 +36,7 @@ from . import layout
 from .commit import clean_debris, list_steps
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
-from .manifest import MAX_MANIFEST_BYTES, parse
+from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
 from .storage import LocalStorage, Storage
 
 log = logging.getLogger("trainguard")
@@ -325,12 +325,15 @@ def stale_reason(ram: str, durable: Storage, durable_root: str, step: int, on_di
     otherwise), or no longer holds it though it reached disk (``ON_DISK``): a run elsewhere went
     back behind it (``restore(step=N)``, retention of the abandoned timeline) or the user deleted
     it. Before, the RAM copy was restored over the run directory's checkpoints: a rollback done
-    on another node was undone when the job came back to this one. ``""`` when unreadable."""
+    on another node was undone when the job came back to this one. ``""`` when unreadable, or
+    when the run directory's manifest is corrupt (the RAM copy is then the good one)."""
     name, local = layout.step_dir(step), LocalStorage()
     try:
         if on_disk:
             mine = local.read_bytes(os.path.join(ram, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
             theirs = durable.read_bytes(durable.join(durable_root, name, layout.MANIFEST), MAX_MANIFEST_BYTES)
+            if mine != theirs:
+                verified_body(theirs)  # a manifest corrupt on disk is no other run's checkpoint: raises, ""
             return "the run directory holds another checkpoint of that step" if mine != theirs else ""
         marker = os.path.join(ram, ON_DISK)
         gone = os.path.exists(marker) and local.read_bytes(marker, 128) == on_disk_mark(ram, step)
