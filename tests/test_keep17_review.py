@@ -185,3 +185,28 @@ def test_a_good_ram_copy_is_restored_over_its_step_whose_manifest_rotted_on_disk
         f.seek(100)
         f.write(bytes([b[0] ^ 1]))
     assert _run(root, base, None, {}) == 3.0
+
+
+def _two_rank_job(rank: int, world: int, root: str, base: str, at: int | None, saves: list) -> tuple:
+    """A 2-rank incarnation (async saves through the RAM tier under ``base``) that restores, saves
+    ``saves`` and dies keeping its RAM tier; returns (step restored, value restored)."""
+    w = {"w": torch.full((7,), -1.0)}
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=base, async_save=True,
+                               handle_signals=False, timeout=30).open()
+    got = mgr.restore({"model": w}, step=at)
+    for step, v in saves:
+        mgr.save(step, {"model": {"w": torch.full((7,), float(v))}})
+    mgr.close(keep_ram_tier=True)
+    return got, float(w["w"][0])
+
+
+def test_two_ranks_async_a_rollback_on_another_node_is_not_undone_by_this_nodes_ram_copy(tmp_path):
+    """The node-B rollback above with 2 gloo ranks and async saves: every rank restores B's step 3."""
+    from dist_helper import run_ranks
+
+    root, node_a, node_b = str(tmp_path / "run"), str(tmp_path / "shmA"), str(tmp_path / "shmB")
+    os.makedirs(node_a)
+    os.makedirs(node_b)
+    run_ranks(_two_rank_job, 2, root, node_a, None, [(1, 1), (2, 2), (3, 3)], timeout=60)
+    assert [r.value for r in run_ranks(_two_rank_job, 2, root, node_b, 2, [(3, -3)], timeout=60)] == [(2, 2.0)] * 2
+    assert [r.value for r in run_ranks(_two_rank_job, 2, root, node_a, None, [], timeout=60)] == [(3, -3.0)] * 2
