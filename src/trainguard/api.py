@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, layout
+from . import __version__, layout, split
 from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, commit_dir, occupied, rank_files
 from .dist import DistContext, check_timeout, one_operation
@@ -59,6 +59,7 @@ def save(
     timeout: float | None = None,
     max_staging_bytes: int | None = None,
     stage_in_background: bool = False,
+    split_state: bool = False,
 ) -> Any:
     """Save ``state`` into the checkpoint directory ``path`` (every rank calls it).
 
@@ -68,19 +69,21 @@ def save(
     leaf that is neither a tensor nor JSON, ``RankFailureError`` when any rank failed.
     ``stage_in_background=True`` (with ``async_``): the call copies nothing; the caller must
     call ``handle.wait_staged()`` before mutating any tensor of ``state`` (docs/async.md).
+    ``split_state=True`` (every rank): ranks may hold different tensors, e.g. pipeline stages (``split.py``).
     """
     if layout not in ("sharded", "full"):
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
     if stage_in_background and not async_:
         raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
     check_timeout(timeout)
+    split.refuse_full(split_state, layout)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata={metadata!r}: pass a dict of JSON values, e.g. metadata={{'lr': 3e-4}}")
     storage, target = for_path(path)
     handle = start_save(
         storage, target, state, DistContext.current(),
         async_=async_, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,
-        max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
+        max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background, split_state=split_state,
     )
     return handle if async_ else handle.result()
 
@@ -101,6 +104,7 @@ def start_save(
     stage_in_background: bool = False,
     preflight: Exception | None = None,
     managed: bool = False,
+    split_state: bool = False,
 ) -> SaveHandle:
     """Start a save on every rank; sync saves return an already completed handle. ``managed``: a
     ``CheckpointManager``'s save (an uncollected error of a direct async ``tg.save`` is not its own).
@@ -119,10 +123,10 @@ def start_save(
             return start_async_save(
                 storage, target, state, ctx.channel("async-save", follow=True), layout=layout, metadata=metadata, overwrite=overwrite,
                 timeout=timeout, step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
-                preflight=preflight, managed=managed,
+                preflight=preflight, managed=managed, split_state=split_state,
             )
     with gc_paused():
-        snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
+        snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
         manifest = persist_and_commit(
             storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
         )
@@ -132,7 +136,7 @@ def start_save(
 
 def _collective_capture(
     state: Mapping[str, Any], ctx: DistContext, layout_kind: str, timeout: float | None,
-    metadata: Mapping[str, Any] | None = None, preflight: Exception | None = None,
+    metadata: Mapping[str, Any] | None = None, preflight: Exception | None = None, split_state: bool = False,
 ) -> Snapshot:
     """Phase 1 on every rank (sync and async saves): check ``metadata`` and capture ``state``. A
     rank that fails here (or brings a ``preflight`` error) tells the others in the "begin" round,
@@ -143,7 +147,7 @@ def _collective_capture(
         # Checked here, before a byte is written; saved as copied now (an async manifest comes later).
         meta = decode_json(encode_json(metadata), "metadata") if metadata else {}
         snap = capture(state, ctx=ctx, layout_kind=layout_kind)
-        snap.metadata = meta
+        snap.metadata, snap.split = meta, split_state
         return snap
     except Exception as e:
         # Tell the other ranks before raising, so they fail now instead of at the timeout.
@@ -187,7 +191,7 @@ def persist_and_commit(
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
     if step is None:
         step = layout_mod.parse_step(name) or 0
-    hello: dict[str, Any] = {"sig": snap.entry_sig, "step": step, "name": name, "own": own, "error": None}
+    hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "step": step, "name": name, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
@@ -206,7 +210,7 @@ def persist_and_commit(
     try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early
         fault("begin", ctx.rank)
         storage.makedirs(work)
-        report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage)
+        report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage, [b["sig"] for b in begin])
         fault("written", ctx.rank)
     except Exception as e:
         report, write_error = {"error": describe_error(e)}, e
@@ -224,7 +228,7 @@ def persist_and_commit(
     if ctx.rank == 0 and written is not None:
         try:
             raise_failures("save", written, ctx)
-            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step)
+            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step, [b["sig"] for b in begin])
             check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
             claim_commit(ctx, save_id)
@@ -277,20 +281,13 @@ def _check_begin(begin: list[Any], ctx: DistContext) -> None:
                 f"save: ranks disagree on the {key}: {got}; every rank must save the same {key}{also}",
                 {r: f"called save with {key} {got[r]}, rank 0 with {got[0]}" for r in off},
             )
-    sigs = {r: b["sig"] for r, b in enumerate(begin)}
-    bad = [r for r, s in sigs.items() if s != sigs[0]]
-    if bad:
-        raise RankFailureError(
-            f"save: rank(s) {bad} passed a different set of entries/tensors than rank 0; every rank must "
-            "save the same state keys with the same tensor names, shapes and dtypes (and the same tied tensors)",
-            {r: "state differs from rank 0's" for r in bad},
-        )
+    split.check_flags([bool(b.get("split")) for b in begin], [b["sig"] for b in begin])
 
 
 def _write_rank(
-    storage: Storage, work: str, snap: Snapshot, ctx: DistContext, base_loads: list[int], stage: Any
+    storage: Storage, work: str, snap: Snapshot, ctx: DistContext, base_loads: list[int], stage: Any, sigs: list[str]
 ) -> dict[str, Any]:
-    mine = my_chunks(snap, ctx, base_loads)
+    mine = my_chunks(snap, ctx, base_loads, split.groups(sigs)[sigs[ctx.rank]] if snap.split else None)
     fname = layout_mod.data_file(ctx.rank)
     if stage is None and has_device_chunks(mine):
         stage = host_batches  # sync, device chunks: through a bounded host buffer, batch by batch
@@ -322,7 +319,7 @@ def _write_rank(
     local_objects = {k: snap.objects[k] for k in snap.rank_local}
     return {
         "error": None, "file": fname, "size": size, "files": files, "chunks": chunks, "index": index,
-        "objects": local_objects,
+        "objects": local_objects, "split": split.leader_report(snap, sigs, ctx.rank),
     }
 
 
@@ -346,8 +343,11 @@ def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int],
     return sums
 
 def _build_manifest(
-    snap: Snapshot, written: list[Any], ctx: DistContext, layout: str, metadata: Mapping[str, Any] | None, step: int
+    snap: Snapshot, written: list[Any], ctx: DistContext, layout: str, metadata: Mapping[str, Any] | None, step: int,
+    sigs: list[str],
 ) -> Manifest:
+    if snap.split:  # an entry that several stages hold: committed once (split.py)
+        split.dedupe(written, sigs)
     tensors: dict[str, TensorEntry] = {
         lf.path: TensorEntry(lf.dtype, list(lf.shape), [], lf.regular, lf.alias)
         for lf in snap.leaves if lf.regular is not None or lf.alias is not None
@@ -370,16 +370,17 @@ def _build_manifest(
     for w in written:
         for path, dtype, shape, *_ in w["chunks"]:
             tensors.setdefault(path, TensorEntry(dtype, shape, []))
-    for e in tensors.values():
-        e.chunks.sort(key=lambda c: (c.offsets, c.file))
-    check_cover(tensors)  # no commit that no load would accept
-    resolve_aliases(tensors, "save")  # an alias shares its target's chunks, as manifest.validate gives them
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():
         if key in snap.rank_local:
             objects[key] = {"ranks": [w["objects"][key] for w in written]}
         else:
             objects[key] = {"skeleton": skel}
+    split.add_reported(tensors, objects, written, TensorEntry)  # other stages' skeletons and chunkless tensors
+    for e in tensors.values():
+        e.chunks.sort(key=lambda c: (c.offsets, c.file))
+    check_cover(tensors)  # no commit that no load would accept
+    resolve_aliases(tensors, "save")  # an alias shares its target's chunks, as manifest.validate gives them
     return Manifest(
         step=step or 0,
         world_size=ctx.world_size,

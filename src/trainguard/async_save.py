@@ -91,7 +91,7 @@ def start_async_save(
     storage: Storage, target: str, state: Mapping[str, Any], ctx: DistContext, *, layout: str = "sharded",
     metadata: Mapping[str, Any] | None = None, overwrite: bool = False, timeout: float | None = None,
     step: int | None = None, max_staging_bytes: int | None = None, stage_in_background: bool = False,
-    preflight: Exception | None = None, managed: bool = False,
+    preflight: Exception | None = None, managed: bool = False, split_state: bool = False,
 ) -> SaveHandle:
     """Start an async save on this rank (every rank calls it, same order); returns its handle.
 
@@ -107,7 +107,7 @@ def start_async_save(
     with ctx.operation(eager=True):  # the whole save, its thread's rounds too (dist.StoreDistContext.operation)
         with gc_paused():
             try:
-                snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight)
+                snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
             except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
                 if not getattr(e, "captured_elsewhere", False):
                     raise

@@ -53,6 +53,7 @@ class Snapshot:
     leaves: list[Leaf]
     entry_sig: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
+    split: bool = False  # split_state=True: ranks may hold different entries (split.py)
 
 
 def _check_key(key: Any) -> str:
@@ -232,17 +233,20 @@ def _may_overlap(t: torch.Tensor) -> bool:
     return False
 
 
-def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int]) -> list[tuple[Leaf, Box]]:
+def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: list[int] | None = None) -> list[tuple[Leaf, Box]]:
     """The chunks this rank writes: its shards, its rank-local tensors, and its balanced share
-    of the replicated tensors (the same deterministic assignment on every rank)."""
+    of the replicated tensors (the same deterministic assignment on every rank). ``group``: with
+    ``split_state``, the ranks holding the same entries as this one, which share its replicated tensors."""
     if ctx.world_size == 1:  # everything is this rank's, whole (what the balancing below gives)
         mine = [(lf, lf.box) for lf in snap.leaves if lf.kind == "replicated" or lf.writer]
         mine.sort(key=lambda c: (c[0].path, c[1].offsets))
         return mine
+    ranks = group if group is not None else list(range(ctx.world_size))
     by_path = {lf.path: lf for lf in snap.leaves}
     rep = sorted((lf for lf in snap.leaves if lf.kind == "replicated"), key=lambda lf: lf.path)
     items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
-    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, ctx.world_size, base_loads) if r == ctx.rank]
+    me, loads = ranks.index(ctx.rank), [base_loads[r] for r in ranks]
+    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, len(ranks), loads) if r == me]
     mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
     # In path order (the balancing above goes by size): the file holds the tensors in this
     # order, the manifest lists them so, and a load plans them so, reading each file front to back.

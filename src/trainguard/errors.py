@@ -61,6 +61,8 @@ class StateMismatchError(CheckpointError, KeyError):
             parts.append(f"shape/dtype differ ({len(mismatched)}): {_short(mismatched)}")
         msg = "state does not match the checkpoint: " + "; ".join(parts)
         msg += ". Pass strict=False to load what matches, or only=[...] to load a subset."
+        if unexpected and not missing and not mismatched:
+            msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True."
         super().__init__(msg)
 
     def __str__(self) -> str:  # KeyError would quote the message

@@ -264,3 +264,18 @@ def loads_json(data: bytes) -> Any:
     non-finite floats are ``{"$float": ...}``), and one in a skeleton could not be written back
     (``consolidate``); nor is a key twice in one object (:func:`unique_keys`)."""
     return json.loads(data, parse_constant=_no_constant, object_pairs_hook=unique_keys)
+
+
+def same_values(loaded: Any, current: Any) -> bool:
+    """``loader._load``: whether a read-only state already holds what was loaded (a tensor loaded in place, an equal
+    value), compared leaf by leaf: ``==`` on a structure would take ``True`` for ``1`` and a new
+    one-element tensor (another dtype or shape) for the state's, and drop what was loaded."""
+    if loaded is current:
+        return True
+    if type(loaded) is not type(current) or isinstance(loaded, torch.Tensor):
+        return False
+    if isinstance(loaded, dict):
+        return loaded.keys() == current.keys() and all(same_values(v, current[k]) for k, v in loaded.items())
+    if isinstance(loaded, (list, tuple)):
+        return len(loaded) == len(current) and all(same_values(a, b) for a, b in zip(loaded, current, strict=True))
+    return bool(loaded == current) or (loaded != loaded and current != current)  # JSON leaves; nan holds nan

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
+from . import split
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
 from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
-from .flatten import flatten, keep_types, single_tensor, tensor_refs, unflatten
+from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
@@ -40,6 +41,7 @@ def load(
     only: Iterable[str] | None = None,
     verify: bool = True,
     timeout: float | None = None,
+    split_state: bool = False,
 ) -> Manifest:
     """Load the checkpoint at ``path`` into ``state`` in place (every rank calls it).
 
@@ -48,6 +50,7 @@ def load(
     ``only=["model"]`` loads a subset of the entries. Checksums of every byte read are
     verified unless ``verify=False``. All ranks succeed or all raise. An async save in flight
     first finishes copying the state it saves (``async_save.wait_staging_in_flight``).
+    ``split_state=True``: each rank takes only the tensors its state holds (pipeline stages: ``split.py``).
     """
     check_timeout(timeout)
     ctx = DistContext.current()
@@ -57,15 +60,17 @@ def load(
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
 
-    def plan_round(e: Exception | None = None) -> None:  # _load's, before it writes into the state
+    def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
         agree_load(ctx, "load", target, e, timeout)
         agreed[0] = True
+        if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
+            split.check_taken(ctx, manifest, taken, timeout)
 
     try:
         with gc_paused():
             manifest = read_manifest(storage, target)
-            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round)
+            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state)
     except Exception as exc:
         e = unreadable(exc, target)  # an I/O error reading it: a CorruptCheckpointError (restore tries an older one)
         if not ctx.is_distributed:
@@ -90,6 +95,7 @@ def _load(
     only: Iterable[str] | None,
     verify: bool,
     plan_round: Any = None,
+    split_state: bool = False,
 ) -> None:
     check_state(state)
     if isinstance(only, (str, bytes)):
@@ -101,7 +107,7 @@ def _load(
             f"only= names entries that are not in the state: {unknown}; the state has {sorted(state)[:20]}"
         )
     missing_keys = [k for k in keys if k not in manifest.objects]
-    unexpected_keys = [k for k in manifest.objects if k not in state] if only is None else []
+    unexpected_keys = [k for k in manifest.objects if k not in state] if only is None and not split_state else []
     names, other_names = param_name_map(state), {}
     plans = []  # (key, adapter, skeleton, {path: dest tensor}, tensor paths of the skeleton)
     missing: list[str] = list(missing_keys)
@@ -131,6 +137,9 @@ def _load(
             continue
         if isinstance(obj, OptimizerAdapter):
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
+            if split_state:  # the other stages' parameters stay theirs (split.py)
+                mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
+                skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine)])
             obj.check_saved(skel, key)
             # A fresh optimizer of DTensor params has no state to read shards into: create it.
             ensure_optimizer_state(obj.optimizer)
@@ -138,6 +147,8 @@ def _load(
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
         cur = obj.state_dict() if has_state(obj) else value
+        if split_state and src_rank is None and not isinstance(obj, OptimizerAdapter):
+            skel = split.prune(skel, cur)  # the tensors of other ranks' stages stay theirs
         if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
             current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
         _, dest = flatten(cur, prefix)
@@ -192,7 +203,7 @@ def _load(
             stacklevel=3,
         )
     if ctx.is_distributed:  # the "load" round: nothing read into the state before every rank found that its state fits
-        plan_round()
+        plan_round(taken={p for *_, refs in plans for p in refs} if split_state and strict and only is None else None)
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
     # Regular tensors read into a live shard allocate nothing: their files are checked below,
@@ -284,7 +295,7 @@ def _load(
                 obj.load_state_dict(value)
             elif isinstance(state, MutableMapping):
                 state[key] = value
-            elif not _same(value, state[key]):
+            elif not same_values(value, state[key]):
                 raise CheckpointError(
                     f"entry {key!r}: the state is a read-only {type(state).__name__}, and this entry is replaced "
                     "on load (a JSON value, or a tensor whose shape or dtype changed); pass a dict"
@@ -304,21 +315,6 @@ def _expanded(t: torch.Tensor) -> bool:
     """Whether elements of ``t`` share memory (``expand()``: a stride of 0 along a dimension of size > 1)."""
     st = t.stride() if t.layout == torch.strided else ()  # 0.3 us a tensor: the 10,000-tensor path calls it
     return 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape, strict=True))
-
-
-def _same(loaded: Any, current: Any) -> bool:
-    """Whether a read-only state already holds what was loaded (a tensor loaded in place, an equal
-    value), compared leaf by leaf: ``==`` on a structure would take ``True`` for ``1`` and a new
-    one-element tensor (another dtype or shape) for the state's, and drop what was loaded."""
-    if loaded is current:
-        return True
-    if type(loaded) is not type(current) or isinstance(loaded, torch.Tensor):
-        return False
-    if isinstance(loaded, dict):
-        return loaded.keys() == current.keys() and all(_same(v, current[k]) for k, v in loaded.items())
-    if isinstance(loaded, (list, tuple)):
-        return len(loaded) == len(current) and all(_same(a, b) for a, b in zip(loaded, current, strict=True))
-    return bool(loaded == current) or (loaded != loaded and current != current)  # JSON leaves; nan holds nan
 
 
 # Planning while reading pays off for large tensors; with thousands of small ones the planning

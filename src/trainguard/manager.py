@@ -48,7 +48,8 @@ class CheckpointManager:
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a :class:`RetentionPolicy`
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
-    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``.
+    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``;
+    ``split_state``: ranks hold different tensors, e.g. pipeline stages (``split.py``).
     """
 
     def __init__(
@@ -65,17 +66,17 @@ class CheckpointManager:
         max_staging_bytes: int | None = None,
         ram_tier: bool | str = False,
         stage_in_background: bool = False,
+        split_state: bool = False,
     ) -> None:
         with config_errors():  # a bad argument: no restart fixes it (exit 78 under `trainguard run`)
-            check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background)
+            check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background, split_state)
         self.root = os.fspath(root)
         self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)
         self.keep = keep if keep is not None else KeepLatest(3)
-        self.async_save, self.layout, self.on_error = async_save, layout, on_error
-        self.handle_signals, self.timeout = handle_signals, timeout
-        self.max_staging_bytes = max_staging_bytes  # async staging memory cap (docs/async.md)
-        self.stage_in_background = stage_in_background  # no copy in save(): wait_staged() before mutating
+        self.async_save, self.layout, self.on_error, self.handle_signals = async_save, layout, on_error, handle_signals
+        self.timeout, self.max_staging_bytes, self.stage_in_background = timeout, max_staging_bytes, stage_in_background
+        self.split_state = split_state
         # Its own rounds (two threads' managers), named by the root's last part (another node may mount it elsewhere).
         self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
@@ -251,9 +252,8 @@ class CheckpointManager:
             handle = start_save(
                 storage, target, state, self.ctx,
                 async_=self.async_save, layout=self.layout, metadata=meta, timeout=self.timeout, step=step,
-                max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background,
-                overwrite=replace and storage.atomic_rename, preflight=self.ram.preflight(step, bad) if self.ram else bad,
-                managed=True,
+                max_staging_bytes=self.max_staging_bytes, stage_in_background=self.stage_in_background, split_state=self.split_state,
+                overwrite=replace and storage.atomic_rename, preflight=self.ram.preflight(step, bad) if self.ram else bad, managed=True,
             )
         except CheckpointError as e:
             self._report_failure(unrestored_error(e, step, self._restored), step=step)
@@ -347,7 +347,7 @@ class CheckpointManager:
         medium = False  # a skip for a medium's error: finding nothing usable is then no permanent failure
         for step, path, tier in candidates:
             try:
-                m = load(path, state, strict=strict, timeout=self.timeout)
+                m = load(path, state, strict=strict, timeout=self.timeout, split_state=self.split_state)
             except CheckpointError as e:
                 if not is_data_error(e):
                     raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either

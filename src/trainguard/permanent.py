@@ -193,10 +193,12 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
 
 
 def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout: float | None,
-                       max_staging_bytes: int | None, async_save: bool, stage_in_background: bool) -> None:
+                       max_staging_bytes: int | None, async_save: bool, stage_in_background: bool,
+                       split_state: bool = False) -> None:
     """``CheckpointManager.__init__`` (inside :func:`config_errors`): its arguments, before any I/O."""
     from .dist import check_timeout
     from .policies import RetentionPolicy, SavePolicy
+    from .split import refuse_full
 
     if stage_in_background and not async_save:
         raise ValueError("stage_in_background=True needs async_save=True")
@@ -204,6 +206,7 @@ def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout
         raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
     if layout not in ("sharded", "full"):
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
+    refuse_full(split_state, layout)
     check_timeout(timeout)
     if on_error not in ("raise", "warn"):
         raise ValueError(f"on_error={on_error!r}: use 'raise' or 'warn'")

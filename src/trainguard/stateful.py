@@ -313,9 +313,11 @@ class OptimizerAdapter:
             pos += len(cur["params"])
             if set(saved["params"]) != set(cur_names):
                 diff = sorted(set(saved["params"]) ^ set(cur_names))
+                part = set(cur_names) < set(saved["params"])  # a pipeline stage's optimizer, loaded without split_state
                 raise mark(CheckpointError(
                     f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
+                    + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
                 ))
         return out
 

@@ -1,0 +1,225 @@
+"""Split states: ranks that hold different parts of the state (``split_state=True``).
+
+Pipeline parallelism gives each stage's ranks their own layers (torchtitan keeps the full
+model's names: stage 0 holds ``layers.0-3``, stage 1 ``layers.4-7``); expert parallelism gives
+ranks different experts. By default a save refuses ranks whose entries differ (a rank that
+built another model by mistake is caught at the first save); with ``split_state=True`` on every
+rank, the checkpoint holds the union:
+
+- ranks with the same entries (the same ``Snapshot.entry_sig``) form a *group* (a stage); the
+  group's replicated tensors are spread over its ranks (``capture.my_chunks``), DTensors are
+  written by their owners as always;
+- an entry that several groups hold (a buffer every stage keeps, a counter) is written by each
+  group and committed once, from the group of the lowest rank; the other groups' bytes must be
+  equal (same checksums), or the save fails naming the entry and the ranks;
+- rank 0 merges the entries' skeletons (:func:`merge`): dicts are united, and an optimizer's
+  parameter groups by position, their ``params`` lists joined (the other hyperparameters must
+  be equal).
+
+A load with ``split_state=True`` reads into each rank the entries its state holds
+(:func:`prune`): a module takes its own tensors, an optimizer its own parameters' state and
+its groups restricted to them. Loading a split checkpoint into one unsplit state (the whole
+model on one rank, ``trainguard consolidate``) needs no flag: the union is an ordinary checkpoint.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import CheckpointError, RankFailureError, UnsupportedValueError
+from .flatten import single_tensor, tensor_refs
+
+
+def groups(sigs: list[str]) -> dict[str, list[int]]:
+    """Each distinct entry signature -> the ranks that passed it, in rank order."""
+    out: dict[str, list[int]] = {}
+    for r, s in enumerate(sigs):
+        out.setdefault(s, []).append(r)
+    return out
+
+
+def check_flags(flags: list[bool], sigs: list[str]) -> None:
+    """``api._check_begin``, every rank: all ranks passed the same ``split_state``, and without
+    it the same entries (the error says what to pass when ranks differ on purpose)."""
+    if len(set(flags)) > 1:
+        on = [r for r, f in enumerate(flags) if f]
+        raise RankFailureError(
+            f"save: rank(s) {on} passed split_state=True and the others not; pass the same on every rank",
+            {r: f"split_state={flags[r]}, rank 0's {flags[0]}" for r in range(len(flags)) if flags[r] != flags[0]},
+        )
+    if flags and flags[0]:
+        return
+    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+    if bad:
+        raise RankFailureError(
+            f"save: rank(s) {bad} passed a different set of entries/tensors than rank 0; every rank must "
+            "save the same state keys with the same tensor names, shapes and dtypes (and the same tied tensors). "
+            "If ranks hold different parts of the model on purpose (pipeline stages, experts), pass "
+            "split_state=True to every save and load (docs/distributed.md)",
+            {r: "state differs from rank 0's" for r in bad},
+        )
+
+
+def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | None:
+    """``api._write_rank``: what rank 0 cannot know of this rank's group: its entries' skeletons
+    and the tensors that have no chunk to report (aliases, empty tensors). Sent by the first
+    rank of each group other than rank 0's; None from every other rank."""
+    if not getattr(snap, "split", False) or sigs[rank] == sigs[0] or groups(sigs)[sigs[rank]][0] != rank:
+        return None
+    return {
+        "skeletons": {k: v for k, v in snap.objects.items() if k not in snap.rank_local},
+        "leaves": [[lf.path, lf.dtype, list(lf.shape), lf.alias] for lf in snap.leaves if lf.kind != "local"],
+    }
+
+
+def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
+    """Rank 0, before the manifest is built: keep each path's chunks from one group only (that
+    of its lowest writing rank), after checking that every other group wrote the same bytes
+    (block checksums) for the same boxes. Modifies the reports' chunk lists in place."""
+    gid = {r: g[0] for g in groups(sigs).values() for r in g}
+    owner: dict[str, int] = {}  # path -> its group (the group's first rank)
+    kind: dict[str, tuple[int, str, list[int]]] = {}  # path -> (first writer, dtype, shape)
+    for r, w in enumerate(written):
+        for c in w["chunks"]:
+            owner.setdefault(c[0], gid[r])
+            first = kind.setdefault(c[0], (r, c[1], list(c[2])))
+            if first[1:] != (c[1], list(c[2])):
+                raise UnsupportedValueError(
+                    f"split_state: tensor {c[0]!r} is {first[1]}{first[2]} on rank {first[0]} and {c[1]}{list(c[2])} on "
+                    f"rank {r}; a tensor that several stages hold must have the same shape and dtype on each"
+                )
+    kept: dict[tuple[Any, ...], tuple[int, Any]] = {}  # (path, offsets, sizes) -> (writer, block checksums)
+    dropped: list[tuple[int, Any]] = []
+    for r, w in enumerate(written):
+        mine = []
+        for c in w["chunks"]:
+            if owner[c[0]] == gid[r]:
+                kept[(c[0], tuple(c[3]), tuple(c[4]))] = (r, c[7])
+                mine.append(c)
+            else:
+                dropped.append((r, c))
+        w["chunks"] = mine
+    for r, c in dropped:
+        k = kept.get((c[0], tuple(c[3]), tuple(c[4])))
+        if k is not None and k[1] != c[7]:
+            raise UnsupportedValueError(
+                f"split_state: tensor {c[0]!r} is held by rank {k[0]} and rank {r} (different stages) with different "
+                "values; give each stage's copy its own name, or make the entry rank-local (trainguard_rank_local = True)"
+            )
+
+
+def add_reported(tensors: dict[str, Any], objects: dict[str, Any], written: list[dict[str, Any]], entry: Any) -> None:
+    """Rank 0, in ``api._build_manifest``: the other groups' skeletons merged into ``objects``,
+    and their tensors without chunks (aliases, empty tensors) added to ``tensors``."""
+    for r, w in enumerate(written):
+        rep = w.get("split")
+        if not rep:
+            continue
+        for path, dtype, shape, alias in rep["leaves"]:
+            tensors.setdefault(path, entry(dtype, shape, [], None, alias))
+        for key, skel in rep["skeletons"].items():
+            mine = (objects.get(key) or {}).get("skeleton")
+            objects[key] = {"skeleton": merge(mine, skel, key, r) if mine is not None else skel}
+
+
+def merge(into: Any, other: Any, where: str, rank: int) -> Any:
+    """Rank 0: the union of two skeletons of one entry (rank 0's ``into``, the first rank of
+    another group's ``other``). Dicts are united key by key; lists of equal length merged
+    element by element, except an optimizer's ``params`` (joined); other values must be equal."""
+    if type(into) is dict and type(other) is dict and single_tensor(into) is None and single_tensor(other) is None:
+        out = dict(into)
+        for k, v in other.items():
+            out[k] = merge(into[k], v, f"{where}/{k}", rank) if k in into else v
+        return out
+    if type(into) is list and type(other) is list:
+        if where.endswith(("/params", "/param_names")) and all(type(n) is str for n in [*into, *other]):
+            if where.endswith("/params") and set(into) & set(other):
+                raise UnsupportedValueError(
+                    f"split_state: {where}: parameter(s) {sorted(set(into) & set(other))[:4]} are in the optimizer of "
+                    f"rank 0's stage and of rank {rank}'s; each parameter must belong to one stage's optimizer"
+                )
+            return into + other
+        if len(into) == len(other):
+            return [merge(a, b, f"{where}/{i}", rank) for i, (a, b) in enumerate(zip(into, other, strict=True))]
+    if into == other:
+        return into
+    raise UnsupportedValueError(
+        f"split_state: {where} differs between rank 0 ({_short(into)}) and rank {rank} ({_short(other)}); a value "
+        "that each stage holds must be the same on every rank (or rank-local: trainguard_rank_local = True)"
+    )
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def prune(skel: Any, current: Any) -> Any:
+    """A load with ``split_state=True`` (``loader._load``, every rank): an entry's skeleton with
+    only the keys of ``current``, the entry's own state (a module's ``state_dict()``, a dict):
+    the other stages' tensors are left to the ranks that hold them."""
+    if type(skel) is not dict or single_tensor(skel) is not None or not isinstance(current, dict):
+        return skel
+    if any(type(k) is not str or k.startswith("$") for k in skel):  # an encoded dict or tuple: not pruned
+        return skel
+    return {k: v for k, v in skel.items() if k in current}
+
+
+def prune_optimizer(skel: Any, names: Iterable[str]) -> Any:
+    """As :func:`prune`, for an optimizer's entry: its ``state`` and its groups' ``params``
+    restricted to ``names``, the optimizer's own parameters (both spellings: ``stateful``)."""
+    if type(skel) is not dict:
+        return skel
+    have = set(names)
+    out = dict(skel)
+    if type(skel.get("state")) is dict:
+        out["state"] = {n: s for n, s in skel["state"].items() if n in have}
+    if type(skel.get("param_groups")) is list:
+        out["param_groups"] = [_group(g, have) for g in skel["param_groups"]]
+    return out
+
+
+def _group(g: Any, have: set[str]) -> Any:
+    if type(g) is not dict or type(g.get("params")) is not list:
+        return g
+    keep = [i for i, n in enumerate(g["params"]) if n in have]
+    out = {**g, "params": [g["params"][i] for i in keep]}
+    if type(g.get("param_names")) is list and len(g["param_names"]) == len(g["params"]):
+        out["param_names"] = [g["param_names"][i] for i in keep]
+    return out
+
+
+def refuse_full(split: bool, layout: str) -> None:
+    """``api.save``: a full layout is written by rank 0 alone, which does not hold other stages' tensors."""
+    if split and layout == "full":
+        raise CheckpointError(
+            "split_state=True with layout='full': rank 0 writes a full checkpoint alone and does not hold the other "
+            "ranks' tensors; save sharded (the default) and make a full copy offline with `trainguard consolidate`"
+        )
+
+
+def check_taken(ctx: Any, manifest: Any, taken: set[str], timeout: float | None) -> None:
+    """A strict load with ``split_state=True`` (``loader.load``, every rank, after the "load"
+    round agreed that every rank's state fits): every tensor of the checkpoint's entries
+    (rank-local ones aside) is read by some rank, so a stage built without some of the saved
+    layers does not load silently. Rank 0 gathers one bit per tensor from each rank and
+    broadcasts the tensors that no rank takes; every rank then raises."""
+    from .permanent import mark
+
+    expected = [p for obj in manifest.objects.values() if "skeleton" in obj for p in tensor_refs(obj["skeleton"])]
+    bits = sum(1 << i for i, p in enumerate(expected) if p in taken)
+    got = ctx.gather("split-taken", base64.b64encode(bits.to_bytes((len(expected) + 7) // 8, "little")).decode(), timeout=timeout)
+    untaken = None
+    if got is not None:
+        union = 0
+        for g in got:
+            union |= int.from_bytes(base64.b64decode(g), "little")
+        untaken = [p for i, p in enumerate(expected) if not union >> i & 1]
+    untaken = ctx.broadcast("split-untaken", untaken, timeout=timeout)
+    if untaken:
+        raise mark(CheckpointError(
+            f"split_state: no rank's state holds {len(untaken)} tensor(s) of the checkpoint: {untaken[:8]}; build the "
+            "stages with every layer the checkpoint has, or pass strict=False (or only=[...]) to load part of it"
+        ))
