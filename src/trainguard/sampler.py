@@ -235,8 +235,27 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         self.epoch = 0
         self.position = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling, e.g. into a DataLoader worker: the copy keeps the rank and world size of the
+        process that pickled it. A worker started by ``spawn``/``forkserver`` has no process
+        group, and would otherwise read the stream as rank 0 of 1 on every rank."""
+        state = dict(self.__dict__)
+        try:
+            state["_pickled_rank_world"] = _rank_world(self._rank, self._world)
+        except ValueError:
+            pass  # an invalid explicit pair: __iter__ raises it where it is used
+        return state
+
+    def _rank_world_here(self) -> tuple[int, int]:
+        """``__iter__``'s rank and world size: in a DataLoader worker, those of the process that
+        sent the worker its copy (see ``__getstate__``); else explicit ones or torch.distributed's."""
+        pickled = self.__dict__.get("_pickled_rank_world")
+        if pickled is not None and torch.utils.data.get_worker_info() is not None:
+            return pickled
+        return _rank_world(self._rank, self._world)
+
     def __iter__(self) -> Iterator[Any]:
-        rank, world = _rank_world(self._rank, self._world)
+        rank, world = self._rank_world_here()
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 1:
             raise ValueError(
