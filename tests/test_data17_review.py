@@ -29,3 +29,19 @@ def test_iterable_in_a_spawned_worker_keeps_the_process_group_rank():
     # the fix it read the stream as rank 0 of 1 on every rank: each rank yielded all 9 items.
     a, b = (r.value for r in run_ranks(spawned_worker_ranks, 2, "spawn", timeout=90))
     assert a == [0, 2, 4, 6, 8] and b == [1, 3, 5, 7, 8], (a, b)
+
+
+def test_doctor_warns_about_a_loader_that_hands_out_batches_out_of_order():
+    # DataLoader(in_order=False): batches come out as workers finish them, while advance(n)
+    # records a prefix of the sampler's order as consumed (reproduced: uninterrupted
+    # [[2, 3], [6, 7], [0, 1], ...], saved after [2, 3] at position 2, resumed reading [2, 3, 4, ...]:
+    # 2 and 3 twice, 0 and 1 never). Before the fix the doctor said nothing about it.
+    from trainguard.doctor import Settings, check
+
+    def order(src: str) -> list:
+        return [f for f in check({}, Settings(source=src)) if f.check == "data order"]
+
+    (f,) = order("loader = DataLoader(ds, sampler=s, num_workers=4, in_order=False)\n")
+    assert f.severity == "warning" and "line 1" in f.message and "in_order=True" in f.fix
+    assert order("loader = DataLoader(ds, sampler=s, in_order=True)\n") == []
+    assert order("loader = DataLoader(ds, sampler=s)\n") == []

@@ -1,7 +1,7 @@
 """The doctor's checks that read the training script's source (:mod:`trainguard.doctor` runs them).
 
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
-``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=``, a save that only
+``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=`` or with ``in_order=False``, a save that only
 rank 0 reaches (:mod:`trainguard.doctor_rank`), a global seed set after the restore
 (:mod:`trainguard.doctor_rng`). Each check returns ``None`` when there is no source to read (or it
 does not parse).
@@ -38,7 +38,7 @@ def check_source(settings: Settings) -> list[Finding]:
     for a script without a ``trainguard_state()`` hook."""
     from .doctor_signals import worker_signals
 
-    checks = (staging, loader_generator, single_rank, reseed, worker_signals)
+    checks = (staging, loader_generator, loader_order, single_rank, reseed, worker_signals)
     return [f for c in checks if (f := c([], settings)) is not None]
 
 
@@ -108,6 +108,24 @@ def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
                    "generator; a resumed run draws it at another point of that stream, so dropout and every later "
                    "draw differ from the uninterrupted run", "DataLoader(..., generator=torch.Generator()); for "
                    "augmentation drawn in workers see tg.SeededDataset (docs/data.md)")
+
+
+def loader_order(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """docs/data.md: ``DataLoader(in_order=False)`` hands batches out in the order its workers finish
+    them, while ``ResumableSampler.advance(n)`` records a *prefix* of the sampler's order as consumed:
+    a resume re-reads batches that were consumed and never reads some that were not."""
+    if (tree := _tree(s)) is None:
+        return None
+    off = [(c, k) for c in _calls(None, {"DataLoader"}, tree) for k in c.keywords
+           if k.arg == "in_order" and not (isinstance(k.value, ast.Constant) and k.value.value is True)]
+    if not off:
+        return None
+    c, k = off[0]
+    return Finding("data order", "warning", f"DataLoader(..., in_order={ast.unparse(k.value)}) (line {c.lineno}): "
+                   "batches may come out of the order the sampler yielded them, but a checkpoint records the "
+                   "data position as a count of samples from the start of that order; a resume then reads some "
+                   "consumed batches again and never reads others that were not", "leave in_order=True (the "
+                   "default) with tg.ResumableSampler")
 
 
 def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
