@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch.utils.data import DataLoader
 
 from trainguard.sampler import ResumableIterable
@@ -45,3 +46,47 @@ def test_doctor_warns_about_a_loader_that_hands_out_batches_out_of_order():
     assert f.severity == "warning" and "line 1" in f.message and "in_order=True" in f.fix
     assert order("loader = DataLoader(ds, sampler=s, in_order=True)\n") == []
     assert order("loader = DataLoader(ds, sampler=s)\n") == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_restore_under_a_live_loader_iterator_is_refused_and_a_new_iterator_resumes(tmp_path, workers):
+    # A rollback inside the loop (mgr.restore(state, step=N), docs/checkpoints.md) moved the
+    # sampler's position back, but the live DataLoader iterator kept yielding from the old place:
+    # reproduced with 16 samples, batch 2: rolled back to position 4 after reading [8, 9], the loop
+    # went on with [10, 11] while advance() counted from 4; the checkpoint of the next step said 6.
+    import trainguard as tg
+    from trainguard.sampler import ResumableSampler
+
+    s = ResumableSampler(32, seed=5, rank=0, world_size=1)
+    loader = DataLoader(range(32), batch_size=2, sampler=s, num_workers=workers, generator=torch.Generator())
+    it = iter(loader)
+    for step in range(1, 6):
+        s.advance(len(next(it)))
+        if step == 2:
+            tg.save(str(tmp_path / "step-2"), {"data": s})
+    tg.load(str(tmp_path / "step-2"), {"data": s})  # back to position 4
+    with pytest.raises(RuntimeError, match="restored while a DataLoader iterator"):
+        next(it)
+    del it
+    assert next(iter(loader)).tolist() == s.order()[4:6]  # a new iterator: the restored position
+    # A load that leaves the position where it is (a restore before any batch) keeps the iterator.
+    fresh = iter(loader)
+    first = next(fresh)
+    tg.load(str(tmp_path / "step-2"), {"data": s})
+    assert first.tolist() == s.order()[4:6] and next(fresh).tolist() == s.order()[6:8]
+
+
+def test_a_rollback_after_the_last_batch_is_refused_where_the_loop_would_end_the_epoch(tmp_path):
+    # Without the check the exhausted iterator ended the loop, next_epoch() followed, and the
+    # rest of the epoch from the restored position was never read.
+    import trainguard as tg
+    from trainguard.sampler import ResumableSampler
+
+    s = ResumableSampler(8, rank=0, world_size=1)
+    tg.save(str(tmp_path / "start"), {"data": s})
+    it = iter(DataLoader(range(8), batch_size=2, sampler=s))
+    for _ in range(4):
+        s.advance(len(next(it)))
+    tg.load(str(tmp_path / "start"), {"data": s})
+    with pytest.raises(RuntimeError, match="restored while a DataLoader iterator"):
+        next(it)

@@ -47,6 +47,8 @@ import torch
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import mark
 
+_END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
+
 
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
@@ -81,6 +83,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     ``with_epoch=True`` yields ``(index, epoch)`` pairs instead of indices, for
     :class:`trainguard.SeededDataset` (random augmentation that a resume reproduces).
     """
+
+    _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
 
     def __init__(
         self,
@@ -150,10 +154,25 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         # Global indices past the end wrap to the epoch's beginning: the tail padding (< W in all).
         first_pad = start + len(mine) * world  # type: ignore[arg-type]  # a range or a list
         pad = [(g - n) % n for g in range(first_pad, stop, world)]
-        out = itertools.chain(mine, pad if perm is None else perm[pad].tolist())
+        out: Iterator[Any] = itertools.chain(mine, pad if perm is None else perm[pad].tolist())
         if self.with_epoch:  # the key of tg.SeededDataset: its random draws depend on (seed, epoch, index)
-            return ((i, epoch) for i in out)
-        return out
+            out = ((i, epoch) for i in out)
+        return self._until_restored(out, self._restores)
+
+    def _until_restored(self, out: Iterator[Any], restores: int) -> Iterator[Any]:
+        """``__iter__``'s indices, refused once :meth:`load_state_dict` moved the position under them
+        (a rollback with ``mgr.restore(state, step=N)`` inside the loop): they continue the old
+        position, and every later ``advance`` and checkpoint would count from the restored one."""
+        for x in itertools.chain(out, [_END]):  # checked at the end too: the loop would end the epoch
+            if self._restores != restores:
+                raise RuntimeError(
+                    "ResumableSampler: its state was restored while a DataLoader iterator was reading it; that "
+                    "iterator continues from the position before the restore. Leave the loop and iterate the "
+                    "loader again: the new iterator starts at the restored position (docs/data.md)"
+                )
+            if x is _END:
+                return
+            yield x
 
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])
@@ -203,6 +222,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             raise CorruptCheckpointError(
                 f"ResumableSampler: saved position {position} (epoch {epoch}) is outside 0..{self.num_samples}"
             )
+        if (int(state_dict["seed"]), epoch, position) != (self.seed, self.epoch, self.position):
+            self._restores += 1  # a live iterator of the old position is stale (_until_restored)
         self.seed, self.epoch, self.position = int(state_dict["seed"]), epoch, position
 
 
