@@ -90,3 +90,21 @@ def test_a_rollback_after_the_last_batch_is_refused_where_the_loop_would_end_the
     tg.load(str(tmp_path / "start"), {"data": s})
     with pytest.raises(RuntimeError, match="restored while a DataLoader iterator"):
         next(it)
+
+
+def test_an_iterable_restored_under_its_live_iterator_is_refused():
+    # num_workers=0: before the fix the generator went on from where it was (the rollback's
+    # position was ignored until the next epoch) while advance() counted from the restored one.
+    it = ResumableIterable(_nine, rank=0, world_size=1)
+    live = iter(DataLoader(it, batch_size=2))
+    for _ in range(3):
+        it.advance(len(next(live)))
+    it.load_state_dict({"epoch": 0, "position": 2})
+    with pytest.raises(RuntimeError, match="restored while a DataLoader iterator"):
+        next(live)
+    assert [x for b in DataLoader(it, batch_size=2) for x in b.tolist()] == list(range(2, 9))
+    # A load that keeps the position keeps the iterator.
+    again = iter(DataLoader(it, batch_size=2))
+    assert next(again).tolist() == [2, 3]
+    it.load_state_dict({"epoch": 0, "position": 2})
+    assert next(again).tolist() == [4, 5]

@@ -248,6 +248,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     process's position or epoch: its second epoch is refused with a ValueError.
     """
 
+    _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
+
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None) -> None:
         self.make_iter = make_iter
@@ -296,15 +298,28 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                 )
             self._worker_iterated = True
         group: list[Any] = []
+        restores, position = self._restores, self.position  # a worker's copy: never restored
         for i, item in enumerate(self.make_iter(self.epoch)):
-            if i < self.position:
+            if i < position:
                 continue
             group.append(item)
             if len(group) == world:
+                self._check_not_restored(restores)
                 yield group[rank]
                 group = []
+        self._check_not_restored(restores)  # where the loop would end the epoch
         if group and not self.drop_last:
             yield group[rank % len(group)]  # the partial last group, wrapped: same count everywhere
+
+    def _check_not_restored(self, restores: int) -> None:
+        """``__iter__`` (``num_workers=0``): refuse to go on reading after :meth:`load_state_dict`
+        moved the position (a rollback inside the loop; see ``ResumableSampler._until_restored``)."""
+        if self._restores != restores:
+            raise RuntimeError(
+                "ResumableIterable: its state was restored while a DataLoader iterator was reading it; that "
+                "iterator continues from the position before the restore. Leave the loop and iterate the "
+                "loader again: the new iterator starts at the restored position (docs/data.md)"
+            )
 
     def advance(self, n: int) -> None:
         """Record that *this rank* consumed ``n`` more items; every rank calls it with the same
@@ -327,4 +342,6 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if position < 0 or epoch < 0:
             raise CorruptCheckpointError(f"ResumableIterable: saved position {position} (epoch {epoch}) is negative")
+        if (epoch, position) != (self.epoch, self.position):
+            self._restores += 1  # a live iterator of the old position is stale (_check_not_restored)
         self.epoch, self.position = epoch, position
