@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from trainguard.sampler import ResumableIterable
+import trainguard as tg
+from trainguard.sampler import ResumableIterable, ResumableSampler
 
-from dist_helper import run_ranks
+from dist_helper import attempt, run_ranks
 
 
 def _nine(epoch: int):
@@ -54,9 +55,6 @@ def test_a_restore_under_a_live_loader_iterator_is_refused_and_a_new_iterator_re
     # sampler's position back, but the live DataLoader iterator kept yielding from the old place:
     # reproduced with 16 samples, batch 2: rolled back to position 4 after reading [8, 9], the loop
     # went on with [10, 11] while advance() counted from 4; the checkpoint of the next step said 6.
-    import trainguard as tg
-    from trainguard.sampler import ResumableSampler
-
     s = ResumableSampler(32, seed=5, rank=0, world_size=1)
     loader = DataLoader(range(32), batch_size=2, sampler=s, num_workers=workers, generator=torch.Generator())
     it = iter(loader)
@@ -79,9 +77,6 @@ def test_a_restore_under_a_live_loader_iterator_is_refused_and_a_new_iterator_re
 def test_a_rollback_after_the_last_batch_is_refused_where_the_loop_would_end_the_epoch(tmp_path):
     # Without the check the exhausted iterator ended the loop, next_epoch() followed, and the
     # rest of the epoch from the restored position was never read.
-    import trainguard as tg
-    from trainguard.sampler import ResumableSampler
-
     s = ResumableSampler(8, rank=0, world_size=1)
     tg.save(str(tmp_path / "start"), {"data": s})
     it = iter(DataLoader(range(8), batch_size=2, sampler=s))
@@ -108,3 +103,24 @@ def test_an_iterable_restored_under_its_live_iterator_is_refused():
     assert next(again).tolist() == [2, 3]
     it.load_state_dict({"epoch": 0, "position": 2})
     assert next(again).tolist() == [4, 5]
+
+
+def diverged_save(rank: int, world: int, path: str) -> dict:
+    """Rank 1 misses one advance() (a step it skipped, or advance() under ``if rank == 0``)."""
+    s = ResumableSampler(40, seed=1)
+    for step in range(3):
+        if not (rank == 1 and step == 1):
+            s.advance(2)
+    return {"save": attempt(lambda: tg.save(path, {"data": s})), "position": s.position}
+
+
+@pytest.mark.timeout(120)
+def test_a_save_refuses_sampler_positions_that_differ_between_ranks(tmp_path):
+    # Before the fix the save succeeded on both ranks and recorded rank 0's position (12) as the
+    # position of every rank, though rank 1 had read from 8 (its next batches overlap rank 0's):
+    # the divergence was silent, in the run and in every resume.
+    a, b = (r.value for r in run_ranks(diverged_save, 2, str(tmp_path / "step-3"), timeout=90))
+    assert (a["position"], b["position"]) == (12, 8)
+    for got in (a["save"], b["save"]):
+        assert got["type"] == "RankFailureError" and got["ranks"] == [1], got
+        assert "'data'" in got["msg"] and "advance" in got["msg"], got["msg"]

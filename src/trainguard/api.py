@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import __version__, layout, split
-from .capture import Leaf, Snapshot, _check_key, capture, chunk_view, my_chunks  # noqa: F401
+from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, commit_dir, occupied, rank_files
 from .dist import DistContext, check_timeout, one_operation
 from .errors import (
@@ -191,7 +191,7 @@ def persist_and_commit(
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
     if step is None:
         step = layout_mod.parse_step(name) or 0
-    hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "step": step, "name": name, "own": own, "error": None}
+    hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own, "error": None}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
@@ -282,6 +282,7 @@ def _check_begin(begin: list[Any], ctx: DistContext) -> None:
                 {r: f"called save with {key} {got[r]}, rank 0 with {got[0]}" for r in off},
             )
     split.check_flags([bool(b.get("split")) for b in begin], [b["sig"] for b in begin])
+    check_data_positions(begin)
 
 
 def _write_rank(

@@ -20,11 +20,13 @@ from torch.nn.parameter import UninitializedTensorMixin
 from .dist import DistContext
 from .dtensor import is_dtensor, regular_dim, shard_of
 from .errors import (
+    RankFailureError,
     UnsupportedValueError,
 )
 from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
+from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
 
@@ -54,6 +56,7 @@ class Snapshot:
     entry_sig: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
     split: bool = False  # split_state=True: ranks may hold different entries (split.py)
+    data_positions: dict[str, Any] = field(default_factory=dict)  # shared samplers' states: check_data_positions
 
 
 def _check_key(key: Any) -> str:
@@ -80,6 +83,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     # capture ends, so no address is reused by a later temporary. 0.3-0.5 us a tensor (bench/tie_cost.py).
     seen: dict[int, Any] = {}
     ties: list[tuple[str, str]] = []  # (alias, target)
+    data_positions: dict[str, Any] = {}
     for key, value in state.items():
         _check_key(key)
         obj = adapt(value, names)
@@ -89,6 +93,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             rank_local.append(key)
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
+        if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
+            data_positions[key] = skel  # global: every rank must hold the same (check_data_positions)
         for path, t in tensors.items():
             ptr = 0  # the address of a plain tensor of a shared entry; 0: none, or not checked
             if not local and type(t) in PLAIN:
@@ -111,7 +117,26 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local"), sorted(ties)]
         ).encode()
     ).hexdigest()
-    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig)
+    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, data_positions=data_positions)
+
+
+def check_data_positions(begin: list[Any]) -> None:
+    """``api._check_begin``, on every rank with the same ``begin`` round: a shared
+    ``ResumableSampler``/``ResumableIterable`` entry must hold the same state on every rank. The
+    checkpoint keeps rank 0's as everyone's, so ranks that advanced differently (a rank that missed
+    an ``advance``, or called it with another ``n``) would resume silently misaligned."""
+    for key, first in (begin[0].get("data") or {}).items():
+        # Ranks without the entry (other pipeline stages, split_state=True) are not compared.
+        off = {r: got for r, b in enumerate(begin) if key in (b.get("data") or {}) and (got := b["data"][key]) != first}
+        if off:
+            others = ", ".join(f"rank {r} has {v}" for r, v in sorted(off.items()))
+            raise RankFailureError(
+                f"save: entry {key!r} (a data position, global) differs between ranks: rank 0 has {first}, {others}. "
+                "Every rank must call advance(n) once per step with the same n (what it consumed, len(batch)); "
+                "the checkpoint would keep rank 0's position for all. A sampler of each rank's own (its own "
+                "shard or seed) needs trainguard_rank_local = True (docs/distributed.md)",
+                {r: f"entry {key!r} is {v}, rank 0's is {first}" for r, v in off.items()},
+            )
 
 
 def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:
