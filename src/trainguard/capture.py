@@ -132,7 +132,8 @@ def check_data_positions(begin: list[Any]) -> None:
             others = ", ".join(f"rank {r} has {v}" for r, v in sorted(off.items()))
             raise RankFailureError(
                 f"save: entry {key!r} (a data position, global) differs between ranks: rank 0 has {first}, {others}. "
-                "Every rank must call advance(n) once per step with the same n (what it consumed, len(batch)); "
+                "Every rank must call advance(n) once per step with the same n (what it consumed, len(batch)), "
+                "a rank that reads no data (a later pipeline stage) too; "
                 "the checkpoint would keep rank 0's position for all. A sampler of each rank's own (its own "
                 "shard or seed) needs trainguard_rank_local = True (docs/distributed.md)",
                 {r: f"entry {key!r} is {v}, rank 0's is {first}" for r, v in off.items()},
