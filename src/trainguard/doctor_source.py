@@ -1,10 +1,10 @@
 """The doctor's checks that read the training script's source (:mod:`trainguard.doctor` runs them).
 
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
-``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=`` or with ``in_order=False``, a save that only
-rank 0 reaches (:mod:`trainguard.doctor_rank`), a global seed set after the restore
-(:mod:`trainguard.doctor_rng`). Each check returns ``None`` when there is no source to read (or it
-does not parse).
+``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=`` or with
+``in_order=False``, a save that only rank 0 reaches (:mod:`trainguard.doctor_rank`), a global
+seed set after the restore (:mod:`trainguard.doctor_rng`). Each check returns ``None`` when
+there is no source to read (or it does not parse).
 """
 
 from __future__ import annotations
