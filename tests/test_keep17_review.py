@@ -32,7 +32,8 @@ def test_a_ram_tier_with_room_for_one_drops_the_copy_restore_went_behind(tmp_pat
     seen: list[list[int]] = []  # committed RAM steps when each save starts writing its data
     monkeypatch.setattr(streams, "fault", lambda point, rank: seen.append(_steps(ram)) if point == "write_begin" else None)
     free = shutil.disk_usage(base)
-    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: free._replace(free=4096))  # room for none beside it
+    # room for none beside it: 4096 bytes free while the RAM tier holds a copy, else its real free space
+    monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: free._replace(free=4096 if _steps(ram) else free.free))
     m = _model(0.0)
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=base,
                               handle_signals=False) as mgr:

@@ -156,7 +156,9 @@ def test_ram_tier_short_of_room_drops_the_copy_already_on_disk_before_the_next_s
         mgr.save(2, {"model": _model(2.0)})
         assert seen == [[], [1]]  # room enough: the RAM copy of step 1 stays while step 2 is written
         free = shutil.disk_usage(base)
-        monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: free._replace(free=4096))
+        # no room beside a copy: 4096 bytes free while the RAM tier holds one, else its real free space
+        monkeypatch.setattr(tiers.shutil, "disk_usage",
+                            lambda p: free._replace(free=4096 if _steps(ram_dir(root, base)) else free.free))
         mgr.save(3, {"model": _model(3.0)})
         assert seen[-1] == []  # step 2 was on disk already: dropped from RAM first
         assert _steps(ram_dir(root, base)) == [3]

@@ -238,7 +238,7 @@ class CheckpointManager:
         self._metrics[step] = values
         storage = self.storage
         if self.ram:
-            storage, target = self.ram.target(step)
+            storage, target = self.ram.target(step, self.timeout)  # the run directory when RAM has no room
         # A step restore found unusable, or one an earlier run left after the step restore() returned (this run resumed
         # behind it): replaced. Without restore() nothing is known of the timeline: an existing step is refused, as by tg.save.
         replace = step in self._rejected or (self._restored is not None and step not in self._own)
@@ -256,6 +256,8 @@ class CheckpointManager:
                 overwrite=replace and storage.atomic_rename, preflight=self.ram.preflight(step, bad) if self.ram else bad, managed=True,
             )
         except CheckpointError as e:
+            if self.ram and not self.async_save and self.ram.no_room(step, e):  # every rank: the same error, answer
+                return self._save_now(step, state, metrics)  # again, straight to the run directory (RamTier.target)
             self._report_failure(unrestored_error(e, step, self._restored), step=step)
             return None
         except BaseException as e:  # a Ctrl-C after the save's thread started (async_save.py): it commits; collect it
@@ -268,7 +270,7 @@ class CheckpointManager:
         handle.stall_s, handle.prev_wait_s = time.monotonic() - t0, waited
         handle.owned = True  # its error is reported by this manager, not by another's next save
         if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
-            handle.after_commit(lambda m: self.ram.committed(m.step, on_durable=self._apply_retention))  # type: ignore[union-attr]
+            handle.after_commit(lambda m: self.ram.committed(m.step, self._apply_retention, m.total_bytes))  # type: ignore[union-attr]
         self._pending, self._pending_step, self._pending_t0, self._pending_mark = handle, step, t0, mark
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
@@ -300,7 +302,7 @@ class CheckpointManager:
         stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
         r0 = time.monotonic()
         if self.ram:
-            self.ram.committed(manifest.step, on_durable=self._apply_retention)
+            self.ram.committed(manifest.step, self._apply_retention, manifest.total_bytes)
         elif self.ctx.rank == 0:
             self._apply_retention(manifest.step)
         if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
@@ -309,6 +311,8 @@ class CheckpointManager:
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
         self.events.emit("save_failed", step=step, error=str(e)[:2000])
+        if self.ram:  # a save into RAM that found no room there: the next ones go to the run directory
+            self.ram.no_room(step, e)
         if self.on_error == "raise":
             raise e
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
@@ -370,7 +374,7 @@ class CheckpointManager:
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
-                self.ram.restored(step, tier, on_durable=self._apply_retention)
+                self.ram.restored(step, tier, self._apply_retention, m.total_bytes)
             return step
         if skipped:  # never a silent fresh start over a state that the failed loads partly overwrote
             none = CheckpointError(

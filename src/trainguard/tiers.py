@@ -37,6 +37,7 @@ from .commit import clean_debris, list_steps
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
+from .ramroom import goes_durable, ran_out
 from .storage import LocalStorage, Storage
 
 log = logging.getLogger("trainguard")
@@ -92,6 +93,13 @@ class RamTier:
         self.persisted: int | None = None
         self._committed: int | None = None  # the step committed() last started to persist
         self._passed: set[int] = set()  # RAM copies newer than the step restore() returned: not needed
+        # Room (ramroom.py): the last checkpoint's bytes, the free space a save into RAM ran out of, the free
+        # space before this save, the step target() sent straight to the run directory.
+        self.need: int | None = None
+        self._short: int = 0
+        self._free: int | None = None
+        self._bypass: int | None = None
+        self._force: int | None = None  # the step no_room() sends to the run directory whatever the free space
 
     # --------------------------------------------------------------- lifecycle
     def open(self, timeout: float | None = None) -> None:
@@ -166,13 +174,28 @@ class RamTier:
             raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
 
     # --------------------------------------------------------------- save
-    def target(self, step: int) -> tuple[Storage, str]:
+    def target(self, step: int, timeout: float | None = None) -> tuple[Storage, str]:
         """Every rank, before a save: where it goes. Rank 0 first waits for the previous persist
-        (one in flight; the wait counts as stall)."""
+        (one in flight; the wait counts as stall). Straight to the run directory when the RAM tier
+        has no room for it (``ramroom.goes_durable``, agreed by every rank within ``timeout``)."""
         if self.ctx.rank == 0:
             self.wait()
             self.make_room()
+        self._bypass = step if goes_durable(self, step, timeout) else None
+        if self._bypass is not None:
+            return self.durable, self.durable.join(self.durable_root, layout.step_dir(step))
         return self.storage, os.path.join(self.dir, layout.step_dir(step))
+
+    def no_room(self, step: int | None, e: BaseException) -> bool:
+        """Every rank, when the manager's save of ``step`` failed with ``e`` (the same on every rank:
+        the commit round's outcome): whether it was a save into RAM that ran out of room there (on
+        any rank). Rank 0 then sends this step's retry (a sync save, ``CheckpointManager._save_now``)
+        and the next saves to the run directory until the RAM tier has more room than it had then."""
+        if step is None or step == self._bypass or not ran_out(e, self.dir):
+            return False
+        if self.ctx.rank == 0:
+            self._short, self._force = max(self._short, self._free or 0), step
+        return True
 
     def preflight(self, step: int, bad: Exception | None) -> Exception | None:
         """Every rank, when the manager starts a save of ``step`` into RAM (after it removed a
@@ -180,7 +203,7 @@ class RamTier:
         caller's) first. On rank 0, a ``StepExistsError`` when the durable tier already holds a
         committed ``step``: ``persist`` would find it there and skip the copy, so the new save
         would never reach disk (the same refusal as a save without the RAM tier)."""
-        if bad is not None or self.ctx.rank != 0:
+        if bad is not None or self.ctx.rank != 0 or self._bypass == step:  # bypass: the save itself checks
             return bad
         final = self.durable.join(self.durable_root, layout.step_dir(step))
         try:  # an error of the stat (EIO, EACCES) fails this save on every rank, not rank 0 alone and bare
@@ -191,9 +214,10 @@ class RamTier:
             return StepExistsError(f"{location(self.durable, final)} already holds a committed checkpoint")
         return None
 
-    def committed(self, step: int, on_durable: Callable[[int], None]) -> None:
-        """Rank 0, after ``step`` committed in RAM: drop older RAM copies, then copy ``step`` to
-        the durable tier in the background and call ``on_durable(step)`` (retention) after.
+    def committed(self, step: int, on_durable: Callable[[int], None], nbytes: int | None = None) -> None:
+        """Rank 0, after ``step`` (``nbytes`` of data) committed in RAM: drop older RAM copies, then
+        copy ``step`` to the durable tier in the background and call ``on_durable(step)`` (retention)
+        after. Committed in the run directory (``target`` found no room): retention at once.
         An async save calls it from its thread at the commit and the manager again when it
         collects the save: the second call does nothing."""
         if self.ctx.rank != 0 or self._committed == step:
@@ -202,6 +226,11 @@ class RamTier:
         for s in list_steps(self.storage, self.dir):
             if s.step != step:
                 self.storage.remove_tree(s.path)
+        if self._bypass == step:  # on disk already; the next save tries RAM again if it has room
+            self.need = nbytes if nbytes is not None else self.need
+            on_durable(step)
+            return
+        self.need, self._short = _tree_bytes(os.path.join(self.dir, layout.step_dir(step))), 0
         self._start(step, on_durable)
 
     def _start(self, step: int, on_durable: Callable[[int], None]) -> None:
@@ -290,7 +319,7 @@ class RamTier:
     def _on_disk_mark(self, step: int) -> bytes:
         return on_disk_mark(self.dir, step)
 
-    def restored(self, step: int, tier: str, on_durable: Callable[[int], None]) -> None:
+    def restored(self, step: int, tier: str, on_durable: Callable[[int], None], nbytes: int | None = None) -> None:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
         RAM tier: make sure that step reaches the durable tier. Restored from the durable tier: a
         RAM copy of the same step was tried first and found unusable; it is removed (the durable
@@ -298,6 +327,7 @@ class RamTier:
         next save commits, but ``make_room`` may drop them for room."""
         if self.ctx.rank != 0:
             return
+        self.need = nbytes if nbytes is not None else self.need  # the size the next save's room is checked against
         self._passed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}  # make_room may drop them
         if tier == "ram":
             self._start(step, on_durable)

@@ -1,0 +1,60 @@
+"""Room in the RAM tier (``tiers.RamTier``): whether a save fits there, else it goes straight to
+the run directory.
+
+Called by ``RamTier.target`` on every rank before each save (rank 0 decides, every rank gets its
+decision through one broadcast, so that all ranks write the same checkpoint), and by
+``RamTier.failed`` on rank 0 when a save into RAM failed. Before, a RAM tier smaller than one
+checkpoint (a small ``--shm-size``, a ``/dev/shm`` filled by NCCL or DataLoader workers) failed
+every save with ENOSPC: with ``on_error="warn"`` the run trained on with no checkpoint on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from typing import Any
+
+from . import layout
+
+log = logging.getLogger("trainguard")
+
+SLACK = 256 << 10  # manifest, index files, block rounding beyond the data's bytes
+
+
+def room_needed(need: int | None, short: int) -> int:
+    """Free bytes the RAM tier must have for the next save: the last checkpoint's ``need`` (bytes)
+    with a margin, and more than ``short`` (the free space a save into RAM ran out of)."""
+    return max(need + need // 100 + SLACK if need else 0, short + 1 if short else 0)
+
+
+def goes_durable(tier: Any, step: int, timeout: float | None) -> bool:
+    """Every rank, in ``RamTier.target`` after rank 0 made room: whether the save of ``step``
+    skips the RAM tier. Rank 0 compares the RAM directory's free space with ``room_needed``
+    and says so (event ``ram_no_room`` each time, a warning when the previous save went to RAM);
+    the other ranks receive its answer."""
+    durable = False
+    if tier.ctx.rank == 0:
+        try:
+            free = shutil.disk_usage(tier.dir).free
+        except OSError as e:  # cannot tell: the save tries RAM, as before
+            log.warning("trainguard: cannot read the free space of the RAM tier %s: %s", tier.dir, e)
+            free = None
+        tier._free = free
+        want = room_needed(tier.need, tier._short)
+        durable = (free is not None and want > free) or tier._force == step  # the retry of a save that ran out
+        if durable and tier._bypass is None:  # _bypass: still the previous save's
+            log.warning("trainguard: the RAM tier %s has %d bytes free, a checkpoint needs about %d: %s is saved "
+                        "straight to %s, and so are the next saves until it has room", tier.dir, free, want,
+                        layout.step_dir(step), tier.durable_root)
+        if durable:
+            tier.events.emit("ram_no_room", step=step, free=free, need=want)
+    if tier.ctx.is_distributed:
+        durable = bool(tier.ctx.broadcast("ram_room", durable, timeout=timeout))
+    return durable
+
+
+def ran_out(e: BaseException, ram: str) -> bool:
+    """``RamTier.failed``: whether the save error ``e`` (any rank's: a ``RankFailureError`` carries
+    each failed rank's traceback as text) is a lack of room in the RAM directory ``ram``."""
+    texts = [str(e)] + [str(t) for t in getattr(e, "failures", {}).values()]
+    return any(ram in t and "no space left" in t.lower() for t in texts)

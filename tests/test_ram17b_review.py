@@ -1,0 +1,130 @@
+"""The RAM tier and retention when things go wrong (review 17b): a RAM tier with no room for a
+checkpoint, a kept checkpoint whose manifest cannot be read, ``ls --json`` and stale RAM copies."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import uuid
+import warnings
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_storage_ram import _steps
+from trainguard.tiers import ram_dir
+
+
+def _big(fill: float) -> torch.nn.Module:
+    m = torch.nn.Linear(600, 500)  # 1.2 MB of data
+    with torch.no_grad():
+        for p in m.parameters():
+            p.fill_(fill)
+    return m
+
+
+def _events(root: str, kind: str) -> list[dict]:
+    with open(os.path.join(root, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e.get("event") == kind]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MB tmpfs (root only: mount), unmounted after the test."""
+    base = str(tmp_path / f"shm-{uuid.uuid4().hex[:8]}")
+    os.makedirs(base)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", base], capture_output=True, timeout=30).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield base
+    finally:
+        subprocess.run(["umount", "-l", base], capture_output=True, timeout=30)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_ram_tier_without_room_saves_to_the_run_directory_and_uses_ram_again_when_room_returns(tmp_path, small_tmpfs,
+                                                                                                  async_save):
+    """A tmpfs that other users (NCCL, DataLoader workers) left with less room than a checkpoint.
+    Before, every save failed with ENOSPC: with on_error="warn" the run trained on and nothing
+    ever reached the run directory."""
+    root, base = str(tmp_path / "run"), small_tmpfs
+    junk = os.path.join(base, "junk")
+    with open(junk, "wb") as f:
+        f.write(b"\0" * (3 << 20))  # 1 MB free: less than one checkpoint
+    with warnings.catch_warnings(record=True) as caught, tg.CheckpointManager(
+            root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), ram_tier=base, async_save=async_save,
+            on_error="warn", handle_signals=False) as mgr:
+        warnings.simplefilter("always")
+        for step in (1, 2):
+            mgr.save(step, {"model": _big(float(step))})
+        mgr.wait()
+        assert _steps(ram_dir(root, base)) == []
+        os.remove(junk)  # room again: the next save goes to RAM
+        mgr.save(3, {"model": _big(3.0)})
+        mgr.wait()
+        assert _steps(ram_dir(root, base)) == [3]
+        mgr.ram.wait()
+        # sync: step 1's RAM save ran out of room and was saved again to the run directory at once;
+        # async: step 1's failure is known when step 2 is saved, which goes to the run directory
+        assert _steps(root) == ([1, 2, 3] if not async_save else [2, 3])
+        assert len([w for w in caught if "failed" in str(w.message)]) == (0 if not async_save else 1)
+    assert [e["step"] for e in _events(root, "ram_no_room")] == ([1, 2] if not async_save else [2])
+    m = _big(0.0)
+    with tg.CheckpointManager(root, handle_signals=False) as mgr:
+        assert mgr.restore({"model": m}) == 3 and torch.all(m.weight == 3)
+    for step in (1, 2) if not async_save else (2,):
+        m = _big(0.0)
+        tg.load(os.path.join(root, f"step-{step:09d}"), {"model": m})
+        assert torch.all(m.weight == step)
+
+
+def test_after_a_restart_the_size_restored_decides_the_first_save(tmp_path, small_tmpfs):
+    """A restarted run knows the checkpoint's size from the step it restored: its first save does not
+    try a RAM tier that has no room for it (and fail, raising with on_error="raise")."""
+    root, base = str(tmp_path / "run"), small_tmpfs
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": _big(1.0)})
+    with open(os.path.join(base, "junk"), "wb") as f:
+        f.write(b"\0" * (3 << 20))
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
+        assert mgr.restore({"model": _big(0.0)}) == 1
+        mgr.save(2, {"model": _big(2.0)})
+    assert _steps(root) == [1, 2]
+    assert [e["step"] for e in _events(root, "save_failed")] == []
+    assert [e["step"] for e in _events(root, "ram_no_room")] == [2]
+
+
+def _two_ranks_short_of_room(rank: int, world: int, root: str, base: str) -> list:
+    """Sync saves of a replicated 1.2 MB model through a RAM tier with 1 MB free, then with room."""
+    out = []
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), ram_tier=base,
+                              handle_signals=False, timeout=30) as mgr:
+        for step in (1, 2, 3):
+            if step == 3 and rank == 0:
+                os.remove(os.path.join(base, "junk"))
+            h = mgr.save(step, {"model": _big(float(step))})
+            out.append((step, h is not None, mgr.last_saved_step))
+        mgr.ram.wait()
+        out.append(_steps(ram_dir(root, base)) if rank == 0 else None)
+    return out
+
+
+def test_two_ranks_take_the_same_path_when_the_ram_tier_has_no_room(tmp_path, small_tmpfs):
+    """With 2 gloo ranks: the rank that did not run out of room in RAM learns it from the save's
+    failure record; both save the step again to the run directory (rank 0's decision, broadcast),
+    then use the RAM tier again once it has room."""
+    from dist_helper import run_ranks
+
+    root, base = str(tmp_path / "run"), small_tmpfs
+    with open(os.path.join(base, "junk"), "wb") as f:
+        f.write(b"\0" * (3 << 20))
+    res = [r.value for r in run_ranks(_two_ranks_short_of_room, 2, root, base, timeout=90)]
+    assert res[0][:3] == res[1][:3] == [(1, True, 1), (2, True, 2), (3, True, 3)]
+    assert res[0][3] == [3]  # step 3 went through RAM
+    assert _steps(root) == [1, 2, 3]
+    assert [e["step"] for e in _events(root, "ram_no_room")] == [1, 2]
+    m = _big(0.0)
+    tg.load(os.path.join(root, "step-000000001"), {"model": m})
+    assert torch.all(m.weight == 1)
