@@ -128,3 +128,35 @@ def test_two_ranks_take_the_same_path_when_the_ram_tier_has_no_room(tmp_path, sm
     m = _big(0.0)
     tg.load(os.path.join(root, "step-000000001"), {"model": m})
     assert torch.all(m.weight == 1)
+
+
+def test_a_kept_checkpoint_whose_manifest_cannot_be_read_is_kept_and_retention_goes_on(tmp_path, monkeypatch):
+    """KeepBest reads the kept checkpoints' manifests at the first retention after a restart. An
+    EIO reading one of them failed every later retention: nothing was deleted, the disk filled up.
+    Now that checkpoint is kept (event ``retention_unreadable``) and the policy decides over the rest."""
+    import errno
+
+    from trainguard.storage import LocalStorage
+
+    root = str(tmp_path / "run")
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepBest("loss", n=2), handle_signals=False) as mgr:
+        for step, loss in [(1, 5.0), (2, 1.0), (3, 2.0)]:
+            mgr.save(step, {"model": torch.nn.Linear(4, 2)}, metrics={"loss": loss})
+    assert _steps(root) == [2, 3]
+    read = LocalStorage.read_bytes
+
+    def eio(self, path, *a, **k):
+        if path.endswith(os.path.join("step-000000002", "manifest.json")):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return read(self, path, *a, **k)
+
+    monkeypatch.setattr(LocalStorage, "read_bytes", eio)
+    with warnings.catch_warnings(record=True) as caught, tg.CheckpointManager(
+            root, save=tg.EveryNSteps(1), keep=tg.KeepBest("loss", n=2), handle_signals=False) as mgr:
+        warnings.simplefilter("always")
+        for step, loss in [(4, 3.0), (5, 4.0), (6, 0.5)]:
+            mgr.save(step, {"model": torch.nn.Linear(4, 2)}, metrics={"loss": loss})
+    assert _steps(root) == [2, 3, 6]  # before: [2, 3, 4, 5, 6], every retention failed
+    assert not [w for w in caught if "retention" in str(w.message)]
+    assert {e["step"] for e in _events(root, "retention_unreadable")} == {2}
+    assert _events(root, "retention_failed") == []

@@ -69,8 +69,14 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
         )
     steps = [s for s in steps if s not in abandoned]
     facts = mgr.keep.reads_metadata  # else no manifest is read (KeepLatest, KeepEvery: steps alone)
-    infos = [CheckpointInfo(s.step, *(_facts(mgr, s) if facts else (0.0, {}))) for s in steps if s.step not in mgr._rejected]
-    keep = _steps_kept(mgr.keep, infos) | {newest}
+    infos, unread = [], set()  # unread: kept, their manifest could not be read (_info)
+    for s in (s for s in steps if s.step not in mgr._rejected):
+        info = _info(mgr, s, facts)
+        if info is None:
+            unread.add(s.step)
+        else:
+            infos.append(info)
+    keep = _steps_kept(mgr.keep, infos) | {newest} | unread
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
         log.warning(
@@ -179,6 +185,22 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
     if mgr.ram:
         return mgr.ram.candidates(steps)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
+
+
+def _info(mgr: CheckpointManager, s: Any, facts: bool) -> CheckpointInfo | None:
+    """``retain``: what the policy is told of step ``s`` (``facts``: its manifest's, ``_facts``), or
+    None when its manifest could not be read (an OSError: EIO, EACCES). That checkpoint is kept and
+    the policy decides over the others, with a warning and an event naming it. Before, the error
+    failed the whole retention, at every later save too: nothing was deleted and the disk filled up."""
+    if not facts:
+        return CheckpointInfo(s.step, 0.0, {})
+    try:
+        return CheckpointInfo(s.step, *_facts(mgr, s))
+    except OSError as e:  # not cached: the next retention reads it again
+        log.warning("trainguard: retention keeps %s, whose manifest could not be read (%s); it decides over the "
+                    "other checkpoints", s.path, e)
+        mgr.events.emit("retention_unreadable", step=s.step, error=str(e)[:2000])
+        return None
 
 
 def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
