@@ -160,3 +160,29 @@ def test_a_kept_checkpoint_whose_manifest_cannot_be_read_is_kept_and_retention_g
     assert not [w for w in caught if "retention" in str(w.message)]
     assert {e["step"] for e in _events(root, "retention_unreadable")} == {2}
     assert _events(root, "retention_failed") == []
+
+
+def test_ls_json_says_which_ram_copies_a_restart_discards(tmp_path):
+    """``ls --json`` listed a RAM copy the next restore discards (``tiers.stale_reason``) as a plain
+    ``"tier": "ram"`` row; only the table said "stale in RAM". Every row now has ``"stale"``."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from test_keep17_review import _run
+    from trainguard.cli import main
+
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    _run(root, base, None, {10: 10.0, 30: 30.0})
+    shutil.rmtree(os.path.join(root, "step-000000030"))  # reached the run directory, deleted since: stale
+
+    def rows() -> list[tuple]:
+        r = CliRunner().invoke(main, ["ls", root, "--ram-tier", base, "--json"])
+        assert r.exit_code == 0, r.output
+        return [(x["tier"], x["step"], x["status"], x["stale"]) for x in json.loads(r.output)]
+
+    assert rows() == [("durable", 10, "valid", None),
+                      ("ram", 30, "valid", "it reached the run directory and was removed from it since")]
+    _run(root, base, None, {20: 20.0}, persist=False)  # restores 10, discards 30; 20 is in RAM only
+    assert rows() == [("durable", 10, "valid", None), ("ram", 20, "valid", None)]

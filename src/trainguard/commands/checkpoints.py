@@ -94,9 +94,12 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
     ram_dir = ram_copies(run_dir, ram_base)
     ram = list_checkpoints(ram_dir, verify_data=verify_data) if ram_dir else []
-    if as_json:  # the RAM copies after the run directory's steps, "tier" telling them apart
+    stale = _stale(run_dir, ram_dir, ram, rows) if ram_dir and ram else {}
+    if as_json:  # the RAM copies after the run directory's steps, "tier" telling them apart; "stale": why a
+        # restart discards that RAM copy (as the table's "stale in RAM"), null for every other row
         _print_json([{"step": r.step, "name": r.name, "path": r.path, "status": r.status, "created": r.created,
-                      "bytes": r.size, "entries": r.entries, "detail": r.detail, "tier": tier}
+                      "bytes": r.size, "entries": r.entries, "detail": r.detail, "tier": tier,
+                      "stale": stale.get(r.step) if tier == "ram" else None}
                      for tier, rs in (("durable", rows), ("ram", ram)) for r in rs])
         return
     console.print(_table(_shown(run_dir), rows))
@@ -104,7 +107,6 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
         console.print("no checkpoints")
     if ram:
         on_disk = {r.step for r in rows if r.status == "valid"}
-        stale = _stale(run_dir, ram_dir, ram, rows)
         only = [r.step for r in ram if r.status == "valid" and r.step not in on_disk and r.step not in stale]
         console.print(_table(f"RAM tier of this node: {_shown(ram_dir)} (a restart here tries these first)", ram))
         if only:
