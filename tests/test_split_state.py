@@ -266,3 +266,20 @@ def test_a_checkpoint_tensor_that_no_stage_holds_fails_the_load(tmp_path):
         msg, untouched = r.value
         assert "no rank's state holds" in msg and "layers.2.weight" in msg, msg
         assert untouched  # refused before a byte was read into any stage
+
+
+def _sampler_on_stage0(rank: int, world: int, root: str) -> str:
+    state: dict = {"model": stage(SPLITS[world][rank])}
+    if rank == 0:  # only the first stage reads data here
+        sampler = tg.ResumableSampler(20, seed=3)
+        sampler.advance(4)
+        state["data"] = sampler
+    tg.save(f"{root}/step-1", state, split_state=True)
+    return "saved"
+
+
+def test_a_sampler_that_one_stage_holds_is_saved_with_its_position(tmp_path):
+    assert [r.value for r in run_ranks(_sampler_on_stage0, 2, str(tmp_path), timeout=90)] == ["saved", "saved"]
+    sampler = tg.ResumableSampler(20, seed=0, rank=0, world_size=2)
+    tg.load(tmp_path / "step-1", {"data": sampler}, only=["data"])
+    assert (sampler.seed, sampler.position) == (3, 8)  # 4 samples on each of 2 ranks
