@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -125,3 +126,24 @@ def test_a_sampler_state_and_an_iterable_state_are_not_taken_for_each_other():
         sampler.load_state_dict(stream.state_dict())
     stream.load_state_dict({"epoch": 1, "position": 4})  # its own kind still loads
     assert stream.state_dict() == {"epoch": 1, "position": 4}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_read_without_advance_warns_at_the_next_epoch(num_workers):
+    from torch.utils.data import DataLoader
+
+    def run(advance: bool) -> list:
+        s = ResumableSampler(12, seed=1, rank=0, world_size=1)
+        loader = DataLoader(list(range(12)), batch_size=4, sampler=s, num_workers=num_workers)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _epoch in range(2):  # without advance: warned at the first epoch's end, not again
+                for batch in loader:
+                    if advance:
+                        s.advance(len(batch))
+                s.next_epoch() if _epoch == 0 else s.set_epoch(2)
+        return [str(w.message) for w in seen if "advance" in str(w.message)]
+
+    assert run(advance=True) == []
+    msgs = run(advance=False)
+    assert len(msgs) == 1 and "epoch 0" in msgs[0] and "stayed at 0" in msgs[0]

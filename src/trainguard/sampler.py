@@ -39,6 +39,7 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
 
@@ -157,9 +158,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         out: Iterator[Any] = itertools.chain(mine, pad if perm is None else perm[pad].tolist())
         if self.with_epoch:  # the key of tg.SeededDataset: its random draws depend on (seed, epoch, index)
             out = ((i, epoch) for i in out)
-        return self._until_restored(out, self._restores)
+        return self._until_restored(out, self._restores, (epoch, self.position))
 
-    def _until_restored(self, out: Iterator[Any], restores: int) -> Iterator[Any]:
+    def _until_restored(self, out: Iterator[Any], restores: int, began: tuple[int, int] = (-1, -1)) -> Iterator[Any]:
         """``__iter__``'s indices, refused once :meth:`load_state_dict` moved the position under them
         (a rollback with ``mgr.restore(state, step=N)`` inside the loop): they continue the old
         position, and every later ``advance`` and checkpoint would count from the restored one."""
@@ -171,8 +172,24 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     "loader again: the new iterator starts at the restored position (docs/data.md)"
                 )
             if x is _END:
+                self._ran_out = began  # (epoch, position) this iterator started at: _check_advanced
                 return
             yield x
+
+    def _check_advanced(self) -> None:
+        """``next_epoch``/``set_epoch``: warn (once) when an iterator read this epoch to its end
+        and the position never moved from where it started: ``advance`` is not being called (a
+        loop converted from ``DistributedSampler``), so every checkpoint resumes at that position
+        and a restart reads the epoch again."""
+        if getattr(self, "_ran_out", None) == (self.epoch, self.position) and not self.epoch_done:
+            if not getattr(self, "_warned_advance", False):
+                self._warned_advance = True
+                warnings.warn(
+                    f"ResumableSampler: a DataLoader iterator read epoch {self.epoch} to its end but the position "
+                    f"stayed at {self.position}: advance(n) was not called, so a checkpoint resumes at that position "
+                    "and reads the epoch again. Call sampler.advance(len(batch)) after each training step (docs/data.md)",
+                    RuntimeWarning, stacklevel=3,
+                )
 
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])
@@ -192,6 +209,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def next_epoch(self) -> None:
         """Start the next epoch at position 0."""
+        self._check_advanced()
         self.epoch += 1
         self.position = 0
 
@@ -201,6 +219,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if int(epoch) < 0:
             raise ValueError(f"set_epoch({epoch!r}): epochs count from 0")
         if epoch != self.epoch:
+            self._check_advanced()
             self.epoch, self.position = int(epoch), 0
 
     def state_dict(self) -> dict[str, Any]:
