@@ -18,7 +18,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from .dist import DistContext
-from .dtensor import is_dtensor, regular_dim, shard_of
+from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
 from .errors import (
     RankFailureError,
     UnsupportedValueError,
@@ -44,6 +44,7 @@ class Leaf:
     writer: bool = True
     regular: Regular | None = None  # Shard(d) over all ranks: saved in format 2's compact form
     alias: str | None = None  # kind "alias": the path of the leaf holding the bytes (never written)
+    peers: tuple[int, ...] | None = None  # a DTensor on a mesh slice: the ranks that may hold its box (dtensor.split_peers)
 
 
 @dataclass
@@ -67,11 +68,12 @@ def _check_key(key: Any) -> str:
     return key
 
 
-def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "sharded") -> Snapshot:
+def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "sharded", split: bool = False) -> Snapshot:
     """Take the state apart into JSON skeletons and tensor leaves (every rank, synchronously).
 
     Tensors are referenced, not copied (non-contiguous ones excepted); async saving copies them
-    in its stage phase.
+    in its stage phase. ``split`` (``split_state=True``, from ``api._collective_capture``): a
+    DTensor on a mesh slice may be this rank's to write (``my_chunks`` decides, knowing the groups).
     """
     check_state(state)
     names = param_name_map(state)
@@ -108,6 +110,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 ties.append((path, first.path))
                 continue
             lf = _leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size)
+            if split and lf.peers is not None:
+                lf.writer = True  # a candidate: staged by an async save, narrowed by my_chunks
             leaves.append(lf)
             if ptr:
                 remember(seen, ptr, t, lf)
@@ -117,7 +121,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local"), sorted(ties)]
         ).encode()
     ).hexdigest()
-    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, data_positions=data_positions)
+    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions)
 
 
 def check_data_positions(begin: list[Any]) -> None:
@@ -188,7 +192,8 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         regular = Regular(d, world)
         if regular.part_box(shape, rank) != box:  # torch changed its chunking: stay explicit
             regular = None
-    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer, regular)
+    peers = split_peers(t) if dt and kind == "sharded" else None
+    return Leaf(path, data.detach(), DTYPE_NAMES[data.dtype], shape, box, kind, writer, regular, peers=peers)
 
 
 def _refuse_kind(path: str, t: torch.Tensor) -> None:
@@ -273,7 +278,12 @@ def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: li
     items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
     me, loads = ranks.index(ctx.rank), [base_loads[r] for r in ranks]
     mine = [(by_path[p], b) for p, b, r in assign_replicated(items, len(ranks), loads) if r == me]
-    mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
+    if group is None:
+        mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
+    else:  # a DTensor on a mesh slice: written by the first of its peers that hold this rank's entries
+        ours = set(group)
+        mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer
+                 and (lf.peers is None or min(p for p in lf.peers if p in ours) == ctx.rank)]
     # In path order (the balancing above goes by size): the file holds the tensors in this
     # order, the manifest lists them so, and a load plans them so, reading each file front to back.
     mine.sort(key=lambda c: (c[0].path, c[1].offsets))

@@ -48,7 +48,7 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
     return t.to_local(), tuple(t.shape), tuple(offsets), writer and first_replica(mesh)
 
 
-_FIRST: dict[int, tuple[Any, bool]] = {}
+_FIRST: dict[int, tuple[Any, bool, tuple[int, ...] | None]] = {}
 
 
 def first_replica(mesh: Any) -> bool:
@@ -60,20 +60,44 @@ def first_replica(mesh: Any) -> bool:
 
     ``shard_of`` asks, for every DTensor leaf; answers are kept per mesh object.
     """
+    return _slice_info(mesh)[0]
+
+
+def split_peers(t: Any) -> tuple[int, ...] | None:
+    """``capture._leaf``, for a DTensor leaf: when its mesh is a slice of a larger mesh and its
+    placements make this rank a writer of its box, the ranks that hold the same box along the
+    dims the slice does not span (this rank included); None otherwise. ``first_replica`` takes
+    them all for replicas; with ``split_state`` they are only where they hold the same entries
+    (pipeline stages on ``mesh["dp"]`` of a pp x dp mesh are not replicas of each other), so
+    ``capture.my_chunks`` picks the writer among those of this rank's group."""
+    from torch.distributed.tensor import Replicate
+
+    peers = _slice_info(t.device_mesh)[1]
+    coord = t.device_mesh.get_coordinate()
+    if peers is None or coord is None:
+        return None
+    if any(c != 0 for c, p in zip(coord, t.placements, strict=False) if isinstance(p, Replicate)):
+        return None
+    return peers
+
+
+def _slice_info(mesh: Any) -> tuple[bool, tuple[int, ...] | None]:
+    """``first_replica``'s answer and ``split_peers``' ranks for ``mesh``, kept per mesh object."""
     hit = _FIRST.get(id(mesh))
     if hit is not None and hit[0] is mesh:
-        return hit[1]
+        return hit[1], hit[2]
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    answer = True
+    answer, peers = True, None
     if root is not mesh and (coord := root.get_coordinate()) is not None:
         ranks = root.mesh
         where = [(ranks == r).nonzero()[0].tolist() for r in mesh.mesh.flatten().tolist()]
         fixed = [d for d in range(ranks.dim()) if len({w[d] for w in where}) == 1]
         answer = all(coord[d] == 0 for d in fixed)
+        peers = tuple(sorted(ranks[tuple(slice(None) if d in fixed else coord[d] for d in range(ranks.dim()))].flatten().tolist()))
     if len(_FIRST) > 4096:
         _FIRST.clear()
-    _FIRST[id(mesh)] = (mesh, answer)
-    return answer
+    _FIRST[id(mesh)] = (mesh, answer, peers)
+    return answer, peers
 
 
 def strided_offsets(

@@ -1,0 +1,102 @@
+"""Review of ``split_state=True`` against what pipeline/expert-parallel jobs do (docs/distributed.md,
+"Pipeline stages and experts"): PP x FSDP2 on a pp x dp mesh, other splits and the whole model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+from dist_helper import run_ranks
+
+N_LAYERS = 4
+ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
+
+
+def full_model() -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.layers = nn.ModuleDict({str(i): nn.Linear(6, 6) for i in range(N_LAYERS)})
+    m.register_buffer("freqs", torch.arange(6.0))
+    return m
+
+
+def stage(layers: list[int]) -> nn.Module:
+    m = full_model()
+    for i in range(N_LAYERS):
+        if i not in layers:
+            del m.layers[str(i)]
+    return m
+
+
+def train_step(m: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    for name, layer in m.layers.items():
+        g = torch.Generator().manual_seed(seed * 100 + int(name))
+        layer(torch.randn(3, 6, generator=g)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def _pp_fsdp(rank: int, world: int, root: str, pp: int, save: bool, async_: bool) -> dict[str, torch.Tensor]:
+    """``pp`` stages, each stage's layers ``fully_shard``ed over its ``mesh["dp"]`` (torchtitan's layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dp = world // pp
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    per = N_LAYERS // pp
+    s = rank // dp
+    m = stage(list(range(s * per, (s + 1) * per)))
+    for layer in m.layers.values():
+        fully_shard(layer, mesh=mesh["dp"])
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    state = {"model": m, "optim": opt}
+    if save:
+        for k in range(2):
+            train_step(m, opt, k)
+        h = tg.save(f"{root}/step-000000002", state, split_state=True, async_=async_)
+        if async_:
+            h.result()
+    else:
+        tg.load(f"{root}/step-000000002", state, split_state=True)
+    train_step(m, opt, 2)
+    return {n: _whole(p) for n, p in m.named_parameters()}
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    m = full_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    for k in range(3):
+        train_step(m, opt, k)
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def _union(results: list) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        out.update(r.value)
+    return out
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_pp_by_fsdp2_on_dp_submeshes_saves_and_reloads(tmp_path, async_):
+    """Stage 1's ranks have pp coordinate 1: the mesh-slice rule took them for replicas of stage
+    0 and wrote none of their DTensors (the save failed 'the ranks wrote 0 elements of its 36')."""
+    ref = _reference()
+    saved = run_ranks(_pp_fsdp, 4, str(tmp_path), 2, True, async_, timeout=120, env=ENV)
+    assert _union(saved).keys() == ref.keys()
+    if not async_:  # one rank per stage (FSDP over 1 rank) continues bit for bit (4 ranks x 2 stages held up too)
+        got = _union(run_ranks(_pp_fsdp, 2, str(tmp_path), 2, False, False, timeout=120, env=ENV))
+        assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    # The whole model and one AdamW on one process, with no flag.
+    m = full_model()
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    tg.load(tmp_path / "step-000000002", {"model": m, "optim": opt})
+    train_step(m, opt, 2)
+    assert all(torch.equal(p.detach(), ref[n]) for n, p in m.named_parameters())
