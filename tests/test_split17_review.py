@@ -100,3 +100,72 @@ def test_pp_by_fsdp2_on_dp_submeshes_saves_and_reloads(tmp_path, async_):
     tg.load(tmp_path / "step-000000002", {"model": m, "optim": opt})
     train_step(m, opt, 2)
     assert all(torch.equal(p.detach(), ref[n]) for n, p in m.named_parameters())
+
+
+N_EXPERTS = 4
+
+
+def moe(experts: list[int]) -> nn.Module:
+    """A shared block every rank holds and the experts ``experts`` (expert parallelism)."""
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.shared = nn.Linear(6, 6)
+    m.experts = nn.ModuleDict({str(e): nn.Linear(6, 6) for e in range(N_EXPERTS)})
+    for e in range(N_EXPERTS):
+        if e not in experts:
+            del m.experts[str(e)]
+    return m
+
+
+def moe_step(m: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    for name, ex in m.experts.items():
+        g = torch.Generator().manual_seed(seed * 100 + int(name))
+        ex(torch.randn(3, 6, generator=g)).pow(2).sum().backward()
+    for p in m.shared.parameters():  # as after the all-reduce: the same on every rank
+        p.grad = torch.full_like(p, 0.5 + seed)
+    opt.step()
+    opt.zero_grad()
+
+
+def _ep(rank: int, world: int, root: str, save: bool) -> dict[str, torch.Tensor]:
+    per = N_EXPERTS // world
+    m = moe(list(range(rank * per, (rank + 1) * per)))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)  # the shared block's parameters are in every rank's optimizer
+    if save:
+        for k in range(2):
+            moe_step(m, opt, k)
+        tg.save(f"{root}/step-000000002", {"model": m, "optim": opt}, split_state=True)
+    else:
+        tg.load(f"{root}/step-000000002", {"model": m, "optim": opt}, split_state=True)
+    moe_step(m, opt, 2)
+    return {n: p.detach().clone() for n, p in m.named_parameters()}
+
+
+def test_expert_parallel_shared_block_in_every_optimizer_4_to_2_and_whole(tmp_path):
+    """Every expert-parallel rank's optimizer holds the shared block: the merge refused it ('each
+    parameter must belong to one stage's optimizer'), so no EP run could save."""
+    m = moe(list(range(N_EXPERTS)))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    for k in range(3):
+        moe_step(m, opt, k)
+    ref = {n: p.detach().clone() for n, p in m.named_parameters()}
+    run_ranks(_ep, 4, str(tmp_path), True, timeout=120, env=ENV)
+    got = _union(run_ranks(_ep, 2, str(tmp_path), False, timeout=120, env=ENV))  # two experts a rank now
+    assert got.keys() == ref.keys() and all(torch.equal(got[k], ref[k]) for k in ref)
+    m = moe(list(range(N_EXPERTS)))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    tg.load(tmp_path / "step-000000002", {"model": m, "optim": opt})
+    assert len(opt.param_groups[0]["params"]) == 2 + 2 * N_EXPERTS  # the shared block's parameters once
+    moe_step(m, opt, 2)
+    assert all(torch.equal(p.detach(), ref[n]) for n, p in m.named_parameters())
+
+
+def test_a_parameter_in_another_group_on_another_stage_is_refused():
+    from trainguard.split import merge
+
+    a = {"param_groups": [{"params": ["w", "x"], "lr": 1.0}, {"params": [], "lr": 2.0}]}
+    b = {"param_groups": [{"params": ["y"], "lr": 1.0}, {"params": ["w"], "lr": 2.0}]}
+    with pytest.raises(tg.UnsupportedValueError, match="'w' is in group 0 .* group 1"):
+        merge(a, b, "optim", 1)
+    b["param_groups"][1]["params"] = ["z"]
+    assert [g["params"] for g in merge(a, b, "optim", 1)["param_groups"]] == [["w", "x", "y"], ["z"]]

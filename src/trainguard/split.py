@@ -127,28 +127,55 @@ def add_reported(tensors: dict[str, Any], objects: dict[str, Any], written: list
 def merge(into: Any, other: Any, where: str, rank: int) -> Any:
     """Rank 0: the union of two skeletons of one entry (rank 0's ``into``, the first rank of
     another group's ``other``). Dicts are united key by key; lists of equal length merged
-    element by element, except an optimizer's ``params`` (joined); other values must be equal."""
+    element by element, except an optimizer group's ``params`` (united: :func:`_join_params`);
+    other values must be equal."""
     if type(into) is dict and type(other) is dict and single_tensor(into) is None and single_tensor(other) is None:
-        out = dict(into)
+        out, joined = dict(into), _join_params(into, other)
         for k, v in other.items():
-            out[k] = merge(into[k], v, f"{where}/{k}", rank) if k in into else v
+            out[k] = joined[k] if k in joined else merge(into[k], v, f"{where}/{k}", rank) if k in into else v
         return out
-    if type(into) is list and type(other) is list:
-        if where.endswith(("/params", "/param_names")) and all(type(n) is str for n in [*into, *other]):
-            if where.endswith("/params") and set(into) & set(other):
-                raise UnsupportedValueError(
-                    f"split_state: {where}: parameter(s) {sorted(set(into) & set(other))[:4]} are in the optimizer of "
-                    f"rank 0's stage and of rank {rank}'s; each parameter must belong to one stage's optimizer"
-                )
-            return into + other
-        if len(into) == len(other):
-            return [merge(a, b, f"{where}/{i}", rank) for i, (a, b) in enumerate(zip(into, other, strict=True))]
+    if type(into) is list and type(other) is list and len(into) == len(other):
+        out = [merge(a, b, f"{where}/{i}", rank) for i, (a, b) in enumerate(zip(into, other, strict=True))]
+        if where.endswith("/param_groups"):
+            _one_group_each(out, where, rank)
+        return out
     if into == other:
         return into
     raise UnsupportedValueError(
         f"split_state: {where} differs between rank 0 ({_short(into)}) and rank {rank} ({_short(other)}); a value "
         "that each stage holds must be the same on every rank (or rank-local: trainguard_rank_local = True)"
     )
+
+
+def _join_params(into: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+    """``merge``, for an optimizer's parameter group (a dict whose ``params`` are names): its
+    ``params`` (and ``param_names``, kept beside them) united, ``into``'s first. A parameter that
+    both stages' optimizers hold (the shared layers of expert-parallel ranks, a tied embedding of
+    the first and last stage) is listed once: its state tensors, saved by both, are committed
+    once and checked to be equal (:func:`dedupe`). Empty for any other dict."""
+    a, b = into.get("params"), other.get("params")
+    if type(a) is not list or type(b) is not list or not all(type(n) is str for n in [*a, *b]):
+        return {}
+    have = set(a)
+    keep = [i for i, n in enumerate(b) if n not in have]
+    out: dict[str, Any] = {"params": a + [b[i] for i in keep]}
+    na, nb = into.get("param_names"), other.get("param_names")
+    if type(na) is list and type(nb) is list and len(na) == len(a) and len(nb) == len(b):
+        out["param_names"] = na + [nb[i] for i in keep]
+    return out
+
+
+def _one_group_each(groups: list[Any], where: str, rank: int) -> None:
+    """``merge``, after joining an optimizer's groups by position: a parameter that two stages'
+    optimizers hold must be in the same group on each (else the union lists it twice)."""
+    seen: dict[str, int] = {}
+    for i, g in enumerate(groups):
+        for n in g.get("params", []) if type(g) is dict and type(g.get("params")) is list else []:
+            if seen.setdefault(n, i) != i:
+                raise UnsupportedValueError(
+                    f"split_state: {where}: parameter {n!r} is in group {seen[n]} of one stage's optimizer and in group "
+                    f"{i} of another's (rank 0's or rank {rank}'s); a parameter several stages hold must be in the same group on each"
+                )
 
 
 def _short(v: Any) -> str:
