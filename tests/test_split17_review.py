@@ -169,3 +169,30 @@ def test_a_parameter_in_another_group_on_another_stage_is_refused():
         merge(a, b, "optim", 1)
     b["param_groups"][1]["params"] = ["z"]
     assert [g["params"] for g in merge(a, b, "optim", 1)["param_groups"]] == [["w", "x", "y"], ["z"]]
+
+
+class _RankLocal(tg.StateDict):
+    trainguard_rank_local = True
+
+
+def _one_stage_local(rank: int, world: int, root: str, save: bool) -> tuple[dict, bool]:
+    """Each stage has a rank-local entry of its own (e.g. a data loader's position that only
+    the first stage keeps): ``dl0`` on rank 0 only, ``dl1`` on rank 1 only."""
+    m = stage([[0, 1], [2, 3]][rank])
+    dl = _RankLocal(pos=100 + rank, t=torch.full((2,), float(rank + 1))) if save else _RankLocal()
+    state = {"model": m, f"dl{rank}": dl}
+    if save:
+        tg.save(f"{root}/step-000000001", state, split_state=True)
+    else:
+        tg.load(f"{root}/step-000000001", state, split_state=True)
+    return dict(dl), "t" in dl and torch.equal(dl["t"], torch.full((2,), float(rank + 1)))
+
+
+def test_a_rank_local_entry_that_one_stage_holds_is_saved_and_restored(tmp_path):
+    """rank 0's own rank-local entry failed the save with a bare KeyError ('dl0', collecting
+    every rank's copy); another stage's was dropped from the manifest without a word (found
+    only at the load: 'missing from the checkpoint: dl1')."""
+    run_ranks(_one_stage_local, 2, str(tmp_path), True, timeout=90, env=ENV)
+    out = run_ranks(_one_stage_local, 2, str(tmp_path), False, timeout=90, env=ENV)
+    assert [r.value[0]["pos"] for r in out] == [100, 101]
+    assert all(r.value[1] for r in out)

@@ -374,7 +374,7 @@ def _build_manifest(
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():
         if key in snap.rank_local:
-            objects[key] = {"ranks": [w["objects"][key] for w in written]}
+            objects[key] = {"ranks": [w["objects"].get(key) for w in written]}  # None: a stage without it
         else:
             objects[key] = {"skeleton": skel}
     split.add_reported(tensors, objects, written, TensorEntry)  # other stages' skeletons and chunkless tensors

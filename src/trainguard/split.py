@@ -112,7 +112,13 @@ def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
 
 def add_reported(tensors: dict[str, Any], objects: dict[str, Any], written: list[dict[str, Any]], entry: Any) -> None:
     """Rank 0, in ``api._build_manifest``: the other groups' skeletons merged into ``objects``,
-    and their tensors without chunks (aliases, empty tensors) added to ``tensors``."""
+    and their tensors without chunks (aliases, empty tensors) added to ``tensors``; rank-local
+    entries that rank 0 does not hold (a data loader's state on the first stage only) get their
+    per-rank list too (None for the ranks without it), as rank 0's own have in ``_build_manifest``."""
+    for w in written:
+        for key in w.get("objects") or {}:
+            if key not in objects:
+                objects[key] = {"ranks": [(w2.get("objects") or {}).get(key) for w2 in written]}
     for r, w in enumerate(written):
         rep = w.get("split")
         if not rep:
