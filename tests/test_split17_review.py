@@ -214,3 +214,22 @@ def test_a_counter_dict_is_loaded_whole_with_split_state(tmp_path):
     run_ranks(_progress, 2, str(tmp_path), True, timeout=90, env=ENV)
     out = run_ranks(_progress, 2, str(tmp_path), False, timeout=90, env=ENV)
     assert [r.value for r in out] == [{"step": 2, "tokens": 123}] * 2
+
+
+def test_stages_with_different_optimizer_groups_are_told_what_differs():
+    """A stage without no-decay parameters built one group where the others built two: the
+    error showed both group lists cut at 80 characters (identical to the eye) and suggested
+    making the optimizer rank-local."""
+    from trainguard.split import merge
+
+    g = {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False, "params": ["a"]}
+    two = {"param_groups": [g, {**g, "weight_decay": 0.0, "params": ["b"]}]}
+    one = {"param_groups": [{**g, "params": ["c"]}]}
+    with pytest.raises(tg.UnsupportedValueError, match=r"rank 0's stage has 2 parameter group\(s\), rank 1's 1.*may be empty"):
+        merge(two, one, "optim", 1)
+    other_lr = {"param_groups": [{**g, "params": ["c"], "lr": 0.02}, {**g, "weight_decay": 0.0, "params": []}]}
+    with pytest.raises(tg.UnsupportedValueError, match=r"optim/param_groups/0/lr is 0.01 on rank 0's stage and 0.02") as e:
+        merge(two, other_lr, "optim", 1)
+    assert "rank-local" not in str(e.value)
+    assert [x["params"] for x in merge(two, {"param_groups": [{**g, "params": ["c"]}, {**g, "weight_decay": 0.0, "params": []}]},
+                                       "optim", 1)["param_groups"]] == [["a", "c"], ["b"]]

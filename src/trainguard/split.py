@@ -147,9 +147,23 @@ def merge(into: Any, other: Any, where: str, rank: int) -> Any:
         return out
     if into == other:
         return into
+    if where.endswith("/param_groups") and type(into) is list and type(other) is list:
+        raise UnsupportedValueError(
+            f"split_state: {where}: rank 0's stage has {len(into)} parameter group(s), rank {rank}'s {len(other)}; groups "
+            "are joined by position, so build every stage's optimizer with the same groups in the same order (a group "
+            "may be empty: {'params': [], ...} where a stage has no such parameters)"
+        )
+    if "/param_groups/" in where:
+        raise UnsupportedValueError(
+            f"split_state: {where} is {_short(into)} on rank 0's stage and {_short(other)} on rank {rank}'s; groups are "
+            "joined by position and each hyperparameter must be the same on every stage (per-stage values are not supported)"
+        )
+    if type(into) is list and type(other) is list:
+        into, other = f"{len(into)} items: {_short(into)}", f"{len(other)} items: {_short(other)}"
     raise UnsupportedValueError(
-        f"split_state: {where} differs between rank 0 ({_short(into)}) and rank {rank} ({_short(other)}); a value "
-        "that each stage holds must be the same on every rank (or rank-local: trainguard_rank_local = True)"
+        f"split_state: {where} differs between rank 0 ({into if type(into) is str else _short(into)}) and rank {rank} "
+        f"({other if type(other) is str else _short(other)}); a value that each stage holds must be the same on every "
+        "rank (or rank-local: trainguard_rank_local = True)"
     )
 
 
