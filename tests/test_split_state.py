@@ -283,3 +283,33 @@ def test_a_sampler_that_one_stage_holds_is_saved_with_its_position(tmp_path):
     sampler = tg.ResumableSampler(20, seed=0, rank=0, world_size=2)
     tg.load(tmp_path / "step-1", {"data": sampler}, only=["data"])
     assert (sampler.seed, sampler.position) == (3, 8)  # 4 samples on each of 2 ranks
+
+
+class _Extra(nn.Linear):
+    """A layer with extra state (as TransformerEngine's FP8 layers keep their scaling metadata)."""
+
+    def get_extra_state(self) -> dict:
+        return {"amax": float(self.weight.abs().max())}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.loaded_extra = state
+
+
+def _extra_stage(rank: int, world: int, root: str, layers: list[list[int]], load: bool) -> list:
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.layers = nn.ModuleDict({str(i): _Extra(4, 4) for i in range(N_LAYERS)})
+    for i in range(N_LAYERS):
+        if i not in layers[rank]:
+            del m.layers[str(i)]
+    if load:
+        tg.load(f"{root}/step-1", {"model": m}, split_state=True)
+        return sorted(k for k, layer in m.layers.items() if hasattr(layer, "loaded_extra"))
+    tg.save(f"{root}/step-1", {"model": m}, split_state=True)
+    return []
+
+
+def test_module_extra_state_goes_to_the_stage_that_holds_the_module(tmp_path):
+    run_ranks(_extra_stage, 2, str(tmp_path), [[0, 1], [2, 3]], False, timeout=90)
+    out = run_ranks(_extra_stage, 2, str(tmp_path), [[0], [1, 2, 3]], True, timeout=90)
+    assert [r.value for r in out] == [["0"], ["1", "2", "3"]]

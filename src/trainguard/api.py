@@ -147,7 +147,7 @@ def _collective_capture(
         # Checked here, before a byte is written; saved as copied now (an async manifest comes later).
         meta = decode_json(encode_json(metadata), "metadata") if metadata else {}
         snap = capture(state, ctx=ctx, layout_kind=layout_kind, split=split_state)
-        snap.metadata, snap.split = meta, split_state
+        snap.metadata = meta
         return snap
     except Exception as e:
         # Tell the other ranks before raising, so they fail now instead of at the timeout.

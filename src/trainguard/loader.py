@@ -148,7 +148,7 @@ def _load(
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
         cur = obj.state_dict() if has_state(obj) else value
         if split_state and src_rank is None and not isinstance(obj, OptimizerAdapter):
-            skel = split.prune(skel, cur)  # the tensors of other ranks' stages stay theirs
+            skel = split.prune(skel, cur, isinstance(obj, ModuleAdapter))  # other ranks' stages' tensors stay theirs
         if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
             current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
         _, dest = flatten(cur, prefix)

@@ -203,17 +203,18 @@ def _short(v: Any) -> str:
     return s if len(s) <= 80 else s[:77] + "..."
 
 
-def prune(skel: Any, current: Any) -> Any:
+def prune(skel: Any, current: Any, module: bool = False) -> Any:
     """A load with ``split_state=True`` (``loader._load``, every rank): an entry's skeleton with
     only the keys of ``current``, the entry's own state (a module's ``state_dict()``, a dict):
     the other stages' tensors are left to the ranks that hold them. A key without tensors (a
     step counter, a config value) is kept: it is every stage's, and a dict that the load fills
-    (``tg.StateDict()``) gets it as without the flag."""
+    (``tg.StateDict()``) gets it as without the flag. Not in a ``module``'s: a key of its state
+    dict without tensors is a submodule's extra state, which only the stage holding it takes."""
     if type(skel) is not dict or single_tensor(skel) is not None or not isinstance(current, dict):
         return skel
     if any(type(k) is not str or k.startswith("$") for k in skel):  # an encoded dict or tuple: not pruned
         return skel
-    return {k: v for k, v in skel.items() if k in current or not tensor_refs(v)}
+    return {k: v for k, v in skel.items() if k in current or not module and not tensor_refs(v)}
 
 
 def prune_optimizer(skel: Any, names: Iterable[str]) -> Any:
