@@ -348,7 +348,7 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
     if "skeleton" in obj:
         return obj["skeleton"], None
     ranks = obj["ranks"]
-    if ctx.rank < len(ranks):
+    if ctx.rank < len(ranks) and ranks[ctx.rank] is not None:  # None: saved by a stage without it (split_state)
         if len(ranks) != ctx.world_size:
             warnings.warn(
                 f"{key}: saved by {len(ranks)} ranks, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
@@ -360,7 +360,9 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
         _reseed(value, ctx.rank, manifest.step)
         warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} ranks); re-seeded", stacklevel=4)
         return None, None
-    src = ctx.rank % len(ranks)
+    src = split.saved_slot(ranks, ctx.rank)
+    if src is None:
+        raise CorruptCheckpointError(f"rank-local entry {key!r} lists no rank's state", entry=key)
     warnings.warn(f"{key}: no saved state for rank {ctx.rank}; taking saved rank {src}'s", stacklevel=4)
     return ranks[src], src
 

@@ -241,6 +241,17 @@ def _group(g: Any, have: set[str]) -> Any:
     return out
 
 
+def saved_slot(ranks: list[Any], rank: int) -> int | None:
+    """``loader._skeleton_for``, for a rank-local entry whose saved slot for ``rank`` is missing
+    (the world grew) or None (saved by a stage without the entry, ``split_state``) and whose
+    object cannot re-seed: the saved rank whose copy ``rank`` takes, ``rank % W`` over the W
+    saved ranks that hold one (every saved rank, without ``split_state``). None if none does."""
+    if rank < len(ranks) and ranks[rank] is not None:
+        return rank
+    held = [i for i, s in enumerate(ranks) if s is not None]
+    return held[rank % len(held)] if held else None
+
+
 def refuse_full(split: bool, layout: str) -> None:
     """``api.save``: a full layout is written by rank 0 alone, which does not hold other stages' tensors."""
     if split and layout == "full":
