@@ -77,3 +77,63 @@ def test_saved_slot_rule():
     assert saved_slot(["a", "b"], 1) == 1 and saved_slot(["a", "b"], 3) == 1
     assert saved_slot(["a", None, "c"], 1) == 2 and saved_slot(["a", None, "c"], 4) == 0
     assert saved_slot([None, None], 0) is None
+
+
+def _sharded_differently(rank: int, world: int, root: str, differ: bool) -> str:
+    """A ``shared`` layer on both stages of a pp x dp mesh: ``fully_shard``ed over stage 0's
+    ``mesh["dp"]`` (two row boxes), plain on stage 1 (one whole box), different values on
+    stage 1 when ``differ``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    m = stage([[0, 1], [2, 3]][rank // 2])
+    m.shared = nn.Linear(6, 6)
+    if rank >= 2 and differ:
+        with torch.no_grad():
+            m.shared.weight.add_(1.0)
+    if rank < 2:
+        fully_shard(m.shared, mesh=mesh["dp"])
+    try:
+        tg.save(f"{root}/step-1", {"model": m}, split_state=True)
+    except tg.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_tensor_that_stages_shard_differently_is_not_committed_unchecked(tmp_path):
+    """Block checksums were compared only for equal boxes: stage 0's two row shards and stage
+    1's whole tensor were never compared, and the save kept stage 0's values without a word."""
+    out = run_ranks(_sharded_differently, 4, str(tmp_path), True, timeout=120, env=ENV)
+    for r in out:
+        assert "shared.weight" in r.value and "differently" in r.value, r.value
+    assert not (tmp_path / "step-1").exists()
+
+
+def _big_shared(rank: int, world: int, root: str, differ: bool) -> str:
+    """A plain ``shared`` tensor above the row-split size on both stages: stage 0 has two
+    ranks (its replicas spread the tensor's rows), stage 1 one (which wrote it whole)."""
+    from trainguard import planner
+
+    planner.row_split.__defaults__ = (64,)  # a 6x6 float32 tensor (144 bytes) is split into rows of 64 bytes
+    m = stage([[0, 1], [0, 1], [2, 3]][rank])
+    m.register_buffer("shared", torch.arange(36.0).reshape(6, 6) + (rank == 2 and differ))
+    try:
+        tg.save(f"{root}/step-1", {"model": m}, split_state=True)
+    except tg.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.parametrize("differ", [False, True])
+def test_a_large_replicated_tensor_in_stages_of_different_sizes_is_compared(tmp_path, differ):
+    """A group of one rank wrote a replicated tensor whole, a group of two in row ranges: the
+    boxes differed and the values were never compared. Rows are now the same in every group."""
+    out = run_ranks(_big_shared, 3, str(tmp_path), differ, timeout=120, env=ENV)
+    for r in out:
+        assert ("shared" in r.value and "different values" in r.value) if differ else r.value == "saved", r.value
+    if not differ:
+        m = full_model()
+        m.register_buffer("shared", torch.zeros(6, 6))
+        tg.load(tmp_path / "step-1", {"model": m})
+        assert torch.equal(m.shared, torch.arange(36.0).reshape(6, 6))

@@ -277,7 +277,7 @@ def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: li
     rep = sorted((lf for lf in snap.leaves if lf.kind == "replicated"), key=lambda lf: lf.path)
     items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
     me, loads = ranks.index(ctx.rank), [base_loads[r] for r in ranks]
-    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, len(ranks), loads) if r == me]
+    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, len(ranks), loads, group is not None) if r == me]
     if group is None:
         mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
     else:  # a DTensor on a mesh slice: written by the first of its peers that hold this rank's entries

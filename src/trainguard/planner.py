@@ -95,20 +95,21 @@ class ReplicatedItem:
 
 
 def assign_replicated(
-    items: Sequence[ReplicatedItem], world_size: int, base_load: Sequence[int] | None = None
+    items: Sequence[ReplicatedItem], world_size: int, base_load: Sequence[int] | None = None, rows: bool = False
 ) -> list[tuple[str, Box, int]]:
     """Deterministically spread replicated tensors over ranks so each writes ~1/N of the bytes.
 
     Every rank calls this with the same ``items`` (same names, shapes, order-independent) and
     gets the same answer, so no communication is needed beyond agreeing on the item set.
     ``base_load[r]`` is what rank r already writes (its own shards). Returns
-    ``(path, box, writer_rank)`` for every piece; with one rank nothing is split.
+    ``(path, box, writer_rank)`` for every piece; with one rank nothing is split, unless
+    ``rows`` (``split_state``: every group writes a tensor they share in the same boxes).
     """
     loads = [(int(base_load[r]) if base_load else 0, r) for r in range(world_size)]
     heapq.heapify(loads)
     pieces: list[tuple[int, str, Box]] = []
     for it in items:
-        boxes = row_split(it.shape, it.itemsize) if world_size > 1 else [full_box(it.shape)]
+        boxes = row_split(it.shape, it.itemsize) if world_size > 1 or rows else [full_box(it.shape)]
         for b in boxes:
             pieces.append((b.numel * it.itemsize, it.path, b))
     pieces.sort(key=lambda p: (-p[0], p[1], p[2].offsets))

@@ -77,7 +77,9 @@ def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | Non
 def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
     """Rank 0, before the manifest is built: keep each path's chunks from one group only (that
     of its lowest writing rank), after checking that every other group wrote the same bytes
-    (block checksums) for the same boxes. Modifies the reports' chunk lists in place."""
+    (block checksums) for the same boxes; a group that wrote other boxes (a tensor sharded
+    differently) is refused (:func:`_refuse_overlap`). Replicated tensors are written in the
+    same row boxes by every group (``capture.my_chunks``). Modifies the reports' chunk lists in place."""
     gid = {r: g[0] for g in groups(sigs).values() for r in g}
     owner: dict[str, int] = {}  # path -> its group (the group's first rank)
     kind: dict[str, tuple[int, str, list[int]]] = {}  # path -> (first writer, dtype, shape)
@@ -91,22 +93,41 @@ def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
                     f"rank {r}; a tensor that several stages hold must have the same shape and dtype on each"
                 )
     kept: dict[tuple[Any, ...], tuple[int, Any]] = {}  # (path, offsets, sizes) -> (writer, block checksums)
+    boxes: dict[str, list[tuple[int, list[int], list[int]]]] = {}  # path -> its kept chunks' (writer, offsets, sizes)
     dropped: list[tuple[int, Any]] = []
     for r, w in enumerate(written):
         mine = []
         for c in w["chunks"]:
             if owner[c[0]] == gid[r]:
                 kept[(c[0], tuple(c[3]), tuple(c[4]))] = (r, c[7])
+                boxes.setdefault(c[0], []).append((r, c[3], c[4]))
                 mine.append(c)
             else:
                 dropped.append((r, c))
         w["chunks"] = mine
     for r, c in dropped:
         k = kept.get((c[0], tuple(c[3]), tuple(c[4])))
-        if k is not None and k[1] != c[7]:
+        if k is None:  # another box: block checksums (from each chunk's start) cannot be compared
+            _refuse_overlap(c, r, boxes.get(c[0], []))
+        elif k[1] != c[7]:
             raise UnsupportedValueError(
                 f"split_state: tensor {c[0]!r} is held by rank {k[0]} and rank {r} (different stages) with different "
                 "values; give each stage's copy its own name, or make the entry rank-local (trainguard_rank_local = True)"
+            )
+
+
+def _refuse_overlap(c: list[Any], rank: int, kept: list[tuple[int, list[int], list[int]]]) -> None:
+    """``dedupe``: a chunk of another group whose box is none of the committed chunks' boxes
+    (the stages shard the tensor differently: FSDP over meshes of other sizes, a DTensor on one
+    stage and a plain tensor on another) fails the save if it overlaps one of them, since its
+    values cannot be checked against theirs (an empty chunk overlaps nothing)."""
+    for w, offs, sizes in kept:
+        if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(offs, sizes, c[3], c[4], strict=True)):
+            raise UnsupportedValueError(
+                f"split_state: tensor {c[0]!r} is held by rank {w} and rank {rank} (different stages) sharded differently "
+                f"(offsets {list(offs)} sizes {list(sizes)}, and {list(c[3])} {list(c[4])}), so their values cannot be "
+                "compared; shard it the same way on every stage that holds it (the same mesh size and placements), give "
+                "each stage's copy its own name, or make the entry rank-local (trainguard_rank_local = True)"
             )
 
 
