@@ -137,3 +137,43 @@ def test_a_large_replicated_tensor_in_stages_of_different_sizes_is_compared(tmp_
         m.register_buffer("shared", torch.zeros(6, 6))
         tg.load(tmp_path / "step-1", {"model": m})
         assert torch.equal(m.shared, torch.arange(36.0).reshape(6, 6))
+
+
+def _skel(names: list[str], lr: float = 0.01, groups: int = 1) -> dict:
+    state = {n: {"exp_avg": {"$t": f"optim/state/{n}/exp_avg"}} for n in names}
+    pgs = [{"lr": lr, "betas": [0.9, 0.999], "params": names if i == 0 else []} for i in range(groups)]
+    return {"model": {n: {"$t": f"model/{n}"} for n in names}, "optim": {"state": state, "param_groups": pgs}}
+
+
+def _reports(*skels: dict) -> list[dict]:
+    return [{"chunks": [], "objects": {}, "split": None}] + [
+        {"chunks": [], "objects": {}, "split": {"skeletons": s, "leaves": []}} for s in skels
+    ]
+
+
+def test_many_groups_merge_in_place_without_touching_the_inputs():
+    """The merge of many groups' skeletons is done in place (linear in the reports, not in
+    groups x union): rank 0's skeleton and the reports are left as they were, parameters that
+    several groups hold are listed once, and the checks still see every group's parameters."""
+    import copy
+
+    from trainguard.split import add_reported
+
+    mine = _skel(["s", "a0"])
+    others = [_skel(["s", f"a{g}"]) for g in range(1, 5)]
+    before = copy.deepcopy((mine, others))
+    objects = {k: {"skeleton": v} for k, v in mine.items()}
+    add_reported({}, objects, _reports(*others), None)
+    assert (mine, others) == before
+    union = ["s", "a0", "a1", "a2", "a3", "a4"]
+    assert objects["optim"]["skeleton"]["param_groups"][0]["params"] == union
+    assert list(objects["model"]["skeleton"]) == list(objects["optim"]["skeleton"]["state"]) == union
+    # The fourth group holds a0 (rank 0's group 0) in its group 1; the third another lr.
+    late = _skel(["s", "b"], groups=2)
+    late["optim"]["param_groups"][1]["params"] = ["a0"]
+    objects = {k: {"skeleton": v} for k, v in _skel(["s", "a0"], groups=2).items()}
+    with pytest.raises(tg.UnsupportedValueError, match="'a0' is in group 0 .* group 1 .*rank 3's"):
+        add_reported({}, objects, _reports(_skel(["c"], groups=2), _skel(["d"], groups=2), late), None)
+    objects = {k: {"skeleton": v} for k, v in mine.items()}
+    with pytest.raises(tg.UnsupportedValueError, match="param_groups/0/lr is 0.01 on rank 0's stage and 0.02 on rank 3's"):
+        add_reported({}, objects, _reports(others[0], others[1], _skel(["e"], lr=0.02)), None)
