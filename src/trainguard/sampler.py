@@ -180,8 +180,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """``next_epoch``/``set_epoch``: warn (once) when an iterator read this epoch to its end
         and the position never moved from where it started: ``advance`` is not being called (a
         loop converted from ``DistributedSampler``), so every checkpoint resumes at that position
-        and a restart reads the epoch again."""
-        if getattr(self, "_ran_out", None) == (self.epoch, self.position) and not self.epoch_done:
+        and a restart reads the epoch again. Only from the epoch's start: a position past it was
+        moved by ``advance`` (restored from a checkpoint), and an iterator from there may rightly
+        yield no batch (``DataLoader(drop_last=True)`` dropping the few samples left)."""
+        if getattr(self, "_ran_out", None) == (self.epoch, 0) == (self.epoch, self.position) and not self.epoch_done:
             if not getattr(self, "_warned_advance", False):
                 self._warned_advance = True
                 warnings.warn(

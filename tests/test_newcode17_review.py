@@ -1,0 +1,55 @@
+"""Review of the day's new code other than split_state (review newcode17): the sampler's
+advance() warning, the live-iterator refusal, the data position check, the RAM tier's room."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from torch.utils.data import DataLoader
+
+import trainguard as tg
+
+
+def _advance_warnings(fn) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fn()
+    return [str(w.message) for w in seen if "advance(n) was not called" in str(w.message)]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resume_into_the_last_partial_batch_skipped_by_drop_last_does_not_warn(num_workers):
+    """A DataLoader(drop_last=True) resumed from a checkpoint taken after the epoch's last full
+    batch: the sampler yields the few samples left, the loader drops them as a partial batch, and
+    the loop rightly advances nothing. next_epoch() warned "advance(n) was not called" (a loop
+    that calls it); the warning is for a position that stays at the epoch's start."""
+    s = tg.ResumableSampler(10, seed=0, rank=0, world_size=1)
+    s.load_state_dict({"epoch": 0, "position": 8, "seed": 0, "num_samples": 10, "shuffle": True})
+    loader = DataLoader(list(range(10)), batch_size=4, sampler=s, drop_last=True, num_workers=num_workers)
+    seen: list[int] = []
+
+    def loop() -> None:
+        for _epoch in range(2):
+            for x in loader:
+                seen.extend(x.tolist())
+                s.advance(len(x))
+            s.next_epoch()
+
+    assert _advance_warnings(loop) == []
+    assert len(seen) == 8 and s.epoch == 2  # epoch 0: nothing left in full batches; epoch 1: two batches
+
+
+def test_an_epoch_read_from_its_start_without_advance_still_warns():
+    """The case the warning is for, with drop_last=True too: a loop that never calls advance()."""
+    s = tg.ResumableSampler(10, seed=0, rank=0, world_size=1)
+    loader = DataLoader(list(range(10)), batch_size=4, sampler=s, drop_last=True)
+
+    def loop() -> None:
+        for _epoch in range(2):
+            for _x in loader:
+                pass
+            s.next_epoch()
+
+    msgs = _advance_warnings(loop)
+    assert len(msgs) == 1 and "epoch 0" in msgs[0]
