@@ -53,3 +53,27 @@ def test_an_epoch_read_from_its_start_without_advance_still_warns():
 
     msgs = _advance_warnings(loop)
     assert len(msgs) == 1 and "epoch 0" in msgs[0]
+
+
+def _eight(epoch: int) -> range:
+    """A module-level stream (pickled to the ranks): 8 items per epoch."""
+    return range(8)
+
+
+def forked_worker_items(rank: int, world: int, ds: tg.ResumableIterable) -> dict[int, list[int]]:
+    """``ds`` came pickled from the launcher (as with ``mp.spawn(train, args=(ds,))``): read it
+    in the main process and through one forked DataLoader worker."""
+    return {nw: [int(x) for x in DataLoader(ds, batch_size=None, num_workers=nw,
+                                            multiprocessing_context="fork" if nw else None)] for nw in (0, 1)}
+
+
+def test_an_iterable_pickled_before_the_process_group_reads_its_rank_share_in_a_forked_worker():
+    """``ResumableIterable.__getstate__`` (3a38023) records the pickling process's rank and world
+    size for spawned workers. A launcher that pickles the dataset to its ranks has no group: its
+    (0, 1) travelled along, and a forked worker (which has its rank's group) used it: every rank
+    read the whole stream. The group of the worker's own process comes first now."""
+    from dist_helper import run_ranks
+
+    a, b = (r.value for r in run_ranks(forked_worker_items, 2, tg.ResumableIterable(_eight), timeout=90))
+    assert a == {0: [0, 2, 4, 6], 1: [0, 2, 4, 6]}
+    assert b == {0: [1, 3, 5, 7], 1: [1, 3, 5, 7]}

@@ -64,6 +64,13 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return rank, world_size
 
 
+def _has_group() -> bool:
+    """Whether this process has a torch.distributed process group (a forked worker has its parent's)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _consumed(n: Any) -> int:
     """``advance(n)``'s count: an int >= 0 (a negative count would move the position back)."""
     return nonneg_int(n, f"advance({n!r}): pass the number of items this rank consumed, an int >= 0 (e.g. len(batch))")
@@ -291,10 +298,12 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         return state
 
     def _rank_world_here(self) -> tuple[int, int]:
-        """``__iter__``'s rank and world size: in a DataLoader worker, those of the process that
-        sent the worker its copy (see ``__getstate__``); else explicit ones or torch.distributed's."""
+        """``__iter__``'s rank and world size: explicit ones or torch.distributed's; in a DataLoader
+        worker without a process group (spawn/forkserver), those of the process that sent the
+        worker its copy (see ``__getstate__``). A forked worker has its parent's group: a pair
+        pickled earlier (a launcher sending the dataset to its ranks, before any group) is stale."""
         pickled = self.__dict__.get("_pickled_rank_world")
-        if pickled is not None and torch.utils.data.get_worker_info() is not None:
+        if pickled is not None and torch.utils.data.get_worker_info() is not None and not _has_group():
             return pickled
         return _rank_world(self._rank, self._world)
 
