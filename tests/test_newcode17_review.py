@@ -77,3 +77,37 @@ def test_an_iterable_pickled_before_the_process_group_reads_its_rank_share_in_a_
     a, b = (r.value for r in run_ranks(forked_worker_items, 2, tg.ResumableIterable(_eight), timeout=90))
     assert a == {0: [0, 2, 4, 6], 1: [0, 2, 4, 6]}
     assert b == {0: [1, 3, 5, 7], 1: [1, 3, 5, 7]}
+
+
+def test_a_failed_ram_room_round_is_a_failed_save_under_on_error_warn(tmp_path, monkeypatch):
+    """``RamTier.target`` agrees in a round ("ram_room", 8151362) whether the save goes to RAM. With
+    2 gloo ranks and rank 0 held in the previous step's copy to disk past the timeout, that round
+    failed with a RankFailureError that ``save()`` raised on every rank despite on_error="warn"
+    (before, the same wait failed the save's "begin" round: a warning, training went on). Here the
+    round's failure is injected in one process; the next save goes through."""
+    import os
+
+    from trainguard import tiers
+    from trainguard.errors import RankFailureError
+
+    def lost(tier, step, timeout):
+        raise RankFailureError("ram_room: rank(s) [0] did not arrive within 18 s", {0: "did not call ram_room"})
+
+    real = tiers.goes_durable
+    monkeypatch.setattr(tiers, "goes_durable", lost)
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    model = tg.StateDict(step=0)
+    with warnings.catch_warnings(record=True) as seen, tg.CheckpointManager(
+            root, save=tg.EveryNSteps(1), ram_tier=base, on_error="warn", handle_signals=False) as mgr:
+        warnings.simplefilter("always")
+        assert mgr.save(1, {"progress": model}) is None
+        monkeypatch.setattr(tiers, "goes_durable", real)
+        assert mgr.save(2, {"progress": model}) is not None
+    assert [str(w.message)[:40] for w in seen if "ram_room" in str(w.message)] == ["save of step 1 failed (on_error='warn'):"]
+    assert sorted(os.listdir(root)) == [".lock", ".trainguard-run-id", "events.jsonl", "step-000000002"]
+    with pytest.raises(RankFailureError), tg.CheckpointManager(  # on_error="raise": raised, as before
+            root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
+        mgr.restore({"progress": model})
+        monkeypatch.setattr(tiers, "goes_durable", lost)
+        mgr.save(3, {"progress": model})

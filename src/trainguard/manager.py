@@ -236,9 +236,11 @@ class CheckpointManager:
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": values}
         self._metrics[step] = values
-        storage = self.storage
-        if self.ram:
-            storage, target = self.ram.target(step, self.timeout)  # the run directory when RAM has no room
+        try:  # RAM tier: the run directory when it has no room; its round ("ram_room") failing fails the save (on_error)
+            storage, target = self.ram.target(step, self.timeout) if self.ram else (self.storage, target)
+        except CheckpointError as e:
+            self._report_failure(e, step=step)
+            return None
         # A step restore found unusable, or one an earlier run left after the step restore() returned (this run resumed
         # behind it): replaced. Without restore() nothing is known of the timeline: an existing step is refused, as by tg.save.
         replace = step in self._rejected or (self._restored is not None and step not in self._own)
