@@ -124,3 +124,28 @@ def test_a_save_refuses_sampler_positions_that_differ_between_ranks(tmp_path):
     for got in (a["save"], b["save"]):
         assert got["type"] == "RankFailureError" and got["ranks"] == [1], got
         assert "'data'" in got["msg"] and "advance" in got["msg"], got["msg"]
+
+
+def stage_save(rank: int, world: int, path: str, reader: int) -> dict:
+    """Only rank ``reader`` reads batches (the first stage of a pipeline); the other rank holds
+    the same sampler in its state and never iterates nor advances it (a middle stage)."""
+    s = ResumableSampler(40, seed=1)
+    if rank == reader:
+        for batch in torch.utils.data.DataLoader(list(range(40)), batch_size=2, sampler=s):
+            s.advance(len(batch))
+            if s.position >= 12:
+                break
+    return {"save": attempt(lambda: tg.save(path, {"data": s})), "position": s.position}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_reads_its_sampler_is_not_compared_unless_it_is_rank_0(tmp_path):
+    a, b = (r.value for r in run_ranks(stage_save, 2, str(tmp_path / "step-1"), 0, timeout=90))
+    assert (a["position"], b["position"]) == (12, 0) and a["save"] == b["save"] == {"type": None}, (a, b)
+    restored = ResumableSampler(40, seed=0, rank=0, world_size=2)
+    tg.load(tmp_path / "step-1", {"data": restored})
+    assert (restored.seed, restored.position) == (1, 12)  # the reading rank's
+    # Rank 0 never read, rank 1 did: the checkpoint would keep rank 0's stale position.
+    a, b = (r.value for r in run_ranks(stage_save, 2, str(tmp_path / "step-2"), 1, timeout=90))
+    for got in (a["save"], b["save"]):
+        assert got["type"] == "RankFailureError" and got["ranks"] == [1], got

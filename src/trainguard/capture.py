@@ -96,7 +96,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
         skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
         objects[key] = skel
         if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
-            data_positions[key] = skel  # global: every rank must hold the same (check_data_positions)
+            # Global: every rank that reads data must hold the same (check_data_positions).
+            data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
         for path, t in tensors.items():
             ptr = 0  # the address of a plain tensor of a shared entry; 0: none, or not checked
             if not local and type(t) in PLAIN:
@@ -128,16 +129,20 @@ def check_data_positions(begin: list[Any]) -> None:
     """``api._check_begin``, on every rank with the same ``begin`` round: a shared
     ``ResumableSampler``/``ResumableIterable`` entry must hold the same state on every rank. The
     checkpoint keeps rank 0's as everyone's, so ranks that advanced differently (a rank that missed
-    an ``advance``, or called it with another ``n``) would resume silently misaligned."""
-    for key, first in (begin[0].get("data") or {}).items():
-        # Ranks without the entry (other pipeline stages, split_state=True) are not compared.
-        off = {r: got for r, b in enumerate(begin) if key in (b.get("data") or {}) and (got := b["data"][key]) != first}
+    an ``advance``, or called it with another ``n``) would resume silently misaligned. Not
+    compared: ranks without the entry (other stages, ``split_state``) and, but for rank 0 whose
+    state the checkpoint keeps, ranks that never iterated nor advanced it (``reads_data``: a middle
+    pipeline stage that holds the loader and reads no batch)."""
+    for key, (first, _) in (begin[0].get("data") or {}).items():
+        held = [(r, b["data"][key]) for r, b in enumerate(begin) if key in (b.get("data") or {})]
+        off = {r: got for r, (got, reads) in held if (reads or r == 0) and got != first}
         if off:
             others = ", ".join(f"rank {r} has {v}" for r, v in sorted(off.items()))
             raise RankFailureError(
                 f"save: entry {key!r} (a data position, global) differs between ranks: rank 0 has {first}, {others}. "
                 "Every rank must call advance(n) once per step with the same n (what it consumed, len(batch)), "
-                "a rank that reads no data (a later pipeline stage) too; "
+                "(a rank that never iterates nor advances its copy, such as a pipeline stage reading no batch, is not "
+                "compared, unless it is rank 0); "
                 "the checkpoint would keep rank 0's position for all. A sampler of each rank's own (its own "
                 "shard or seed) needs trainguard_rank_local = True (docs/distributed.md)",
                 {r: f"entry {key!r} is {v}, rank 0's is {first}" for r, v in off.items()},

@@ -93,6 +93,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     """
 
     _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
+    reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
     def __init__(
         self,
@@ -152,6 +153,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return remaining // world if self.drop_last else -(-remaining // world)
 
     def __iter__(self) -> Iterator[Any]:
+        self.reads_data = True  # this rank reads data (capture.check_data_positions compares it)
         # Only this rank's share of the order becomes Python ints (1/W of the epoch): the whole
         # order as a list costs ~36 bytes a sample on every rank (36 GB for 10**9 samples).
         rank, world = self.rank_world
@@ -208,7 +210,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``,
         capped at ``num_samples``: tail padding is not counted as consumed data."""
         _, world = self.rank_world
-        self.position = min(self.position + _consumed(n) * world, self.num_samples)
+        self.position, self.reads_data = min(self.position + _consumed(n) * world, self.num_samples), True
 
     @property
     def epoch_done(self) -> bool:
@@ -277,6 +279,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     """
 
     _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
+    reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None) -> None:
@@ -308,6 +311,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         return _rank_world(self._rank, self._world)
 
     def __iter__(self) -> Iterator[Any]:
+        self.reads_data = True  # in this process (a worker's copy marks its own)
         rank, world = self._rank_world_here()
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 1:
@@ -356,6 +360,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         ``n``, so the position moves by ``n * world_size`` (padding of the last group included:
         the stream's length is not known in advance)."""
         self.position += _consumed(n) * _rank_world(self._rank, self._world)[1]
+        self.reads_data = True
 
     def next_epoch(self) -> None:
         """Every rank, after the last batch of an epoch: start the next one at position 0."""
