@@ -286,6 +286,7 @@ def test_module_paused_and_suspend_act_on_the_process_watchdog(monkeypatch):
     assert not wd._paused
 
 
+@pytest.mark.slow  # suite time (~12 s: it must outlast the hang floor); in `make test-slow`
 @pytest.mark.timeout(120)
 def test_work_after_close_longer_than_the_hang_floor_is_no_hang(tmp_path):
     # Evaluation after training (CheckpointManager closed, no more heartbeats) for longer than the

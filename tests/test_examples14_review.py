@@ -36,6 +36,7 @@ def test_doctor_checks_every_examples_state_through_its_hook(script, tmp_path, m
     assert not (tmp_path / "ckpts").exists()  # the doctor made no run directory
 
 
+@pytest.mark.slow  # suite time (~13 s); test_docs runs the README loop, test_examples the plain loop's SIGKILL resume
 def test_readme_training_loop_resumes_bit_identically_after_sigkill(tmp_path):
     """README's "Use it" loop (30 steps, a save every 10): SIGKILLed as step 20's save begins and
     restarted in a process seeded otherwise, its step-20 checkpoint equals the straight run's."""

@@ -84,7 +84,7 @@ def _union(results: list) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("async_", [False, True])
+@pytest.mark.parametrize("async_", [False, pytest.param(True, marks=pytest.mark.slow)])  # suite time: async in the slow run
 def test_pp_by_fsdp2_on_dp_submeshes_saves_and_reloads(tmp_path, async_):
     """Stage 1's ranks have pp coordinate 1: the mesh-slice rule took them for replicas of stage
     0 and wrote none of their DTensors (the save failed 'the ranks wrote 0 elements of its 36')."""
