@@ -1,8 +1,9 @@
 """Room in the RAM tier (``tiers.RamTier``): whether a save fits there, else it goes straight to
 the run directory.
 
-Called by ``RamTier.target`` on every rank before each save (rank 0 decides, every rank gets its
-decision through one broadcast, so that all ranks write the same checkpoint), and by
+Called by ``RamTier.target`` on every rank before each save (rank 0 makes room and decides, every
+rank gets its decision, or rank 0's error, through one broadcast, so that all ranks write the same
+checkpoint), and by
 ``RamTier.failed`` on rank 0 when a save into RAM failed. Before, a RAM tier smaller than one
 checkpoint (a small ``--shm-size``, a ``/dev/shm`` filled by NCCL or DataLoader workers) failed
 every save with ENOSPC: with ``on_error="warn"`` the run trained on with no checkpoint on disk.
@@ -15,6 +16,7 @@ import shutil
 from typing import Any
 
 from . import layout
+from .errors import CheckpointError
 
 log = logging.getLogger("trainguard")
 
@@ -28,28 +30,46 @@ def room_needed(need: int | None, short: int) -> int:
 
 
 def goes_durable(tier: Any, step: int, timeout: float | None) -> bool:
-    """Every rank, in ``RamTier.target`` after rank 0 made room: whether the save of ``step``
-    skips the RAM tier. Rank 0 compares the RAM directory's free space with ``room_needed``
-    and says so (event ``ram_no_room`` each time, a warning when the previous save went to RAM);
-    the other ranks receive its answer."""
-    durable = False
+    """Every rank, in ``RamTier.target``: whether the save of ``step`` skips the RAM tier. Rank 0
+    waits for the previous copy to disk and makes room (``RamTier.make_room``), compares the RAM
+    directory's free space with ``room_needed`` and says so (event ``ram_no_room`` each time, a
+    warning when the previous save went to RAM); the other ranks receive its answer. When rank 0
+    fails there (an OSError removing a copy), it sends its error instead of the answer, in the
+    same round: every rank raises a ``CheckpointError`` naming it (the manager reports it per
+    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round."""
+    durable: bool | dict[str, str] = False
+    err: Exception | None = None
     if tier.ctx.rank == 0:
         try:
-            free = shutil.disk_usage(tier.dir).free
-        except OSError as e:  # cannot tell: the save tries RAM, as before
-            log.warning("trainguard: cannot read the free space of the RAM tier %s: %s", tier.dir, e)
-            free = None
-        tier._free = free
-        want = room_needed(tier.need, tier._short)
-        durable = (free is not None and want > free) or tier._force == step  # the retry of a save that ran out
-        if durable and tier._bypass is None:  # _bypass: still the previous save's
-            log.warning("trainguard: the RAM tier %s has %d bytes free, a checkpoint needs about %d: %s is saved "
-                        "straight to %s, and so are the next saves until it has room", tier.dir, free, want,
-                        layout.step_dir(step), tier.durable_root)
-        if durable:
-            tier.events.emit("ram_no_room", step=step, free=free, need=want)
+            tier.wait()
+            tier.make_room()
+            durable = _decide(tier, step)
+        except Exception as e:  # any of rank 0's: every rank fails this save with it
+            err, durable = e, {"error": f"{type(e).__name__}: {e}"}
     if tier.ctx.is_distributed:
-        durable = bool(tier.ctx.broadcast("ram_room", durable, timeout=timeout))
+        durable = tier.ctx.broadcast("ram_room", durable, timeout=timeout)
+    if isinstance(durable, dict):
+        raise CheckpointError(f"RAM tier: rank 0 could not prepare the save of {layout.step_dir(step)} in "
+                              f"{tier.dir}: {durable['error']}") from err
+    return bool(durable)
+
+
+def _decide(tier: Any, step: int) -> bool:
+    """Rank 0, ``goes_durable``: whether the RAM tier lacks room for ``step`` (or it is the retry of a save that ran out)."""
+    try:
+        free = shutil.disk_usage(tier.dir).free
+    except OSError as e:  # cannot tell: the save tries RAM, as before
+        log.warning("trainguard: cannot read the free space of the RAM tier %s: %s", tier.dir, e)
+        free = None
+    tier._free = free
+    want = room_needed(tier.need, tier._short)
+    durable = (free is not None and want > free) or tier._force == step  # the retry of a save that ran out
+    if durable and tier._bypass is None:  # _bypass: still the previous save's
+        log.warning("trainguard: the RAM tier %s has %d bytes free, a checkpoint needs about %d: %s is saved "
+                    "straight to %s, and so are the next saves until it has room", tier.dir, free, want,
+                    layout.step_dir(step), tier.durable_root)
+    if durable:
+        tier.events.emit("ram_no_room", step=step, free=free, need=want)
     return durable
 
 

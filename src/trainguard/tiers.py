@@ -176,11 +176,9 @@ class RamTier:
     # --------------------------------------------------------------- save
     def target(self, step: int, timeout: float | None = None) -> tuple[Storage, str]:
         """Every rank, before a save: where it goes. Rank 0 first waits for the previous persist
-        (one in flight; the wait counts as stall). Straight to the run directory when the RAM tier
-        has no room for it (``ramroom.goes_durable``, agreed by every rank within ``timeout``)."""
-        if self.ctx.rank == 0:
-            self.wait()
-            self.make_room()
+        (one in flight; the wait counts as stall) and makes room (``ramroom.goes_durable``, agreed
+        by every rank within ``timeout``, rank 0's error raised on every rank). Straight to the run
+        directory when the RAM tier has no room for it."""
         self._bypass = step if goes_durable(self, step, timeout) else None
         if self._bypass is not None:
             return self.durable, self.durable.join(self.durable_root, layout.step_dir(step))

@@ -1,0 +1,93 @@
+"""Review small17: a failure on rank 0 before the RAM tier's "ram_room" round, the stall of a sync
+save retried to disk after its RAM attempt ran out of room, and a load with ``split_state=True``
+on some ranks only."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+import warnings
+
+import trainguard as tg
+
+from dist_helper import run_ranks
+
+
+def _events(root: str, kind: str) -> list[dict]:
+    with open(os.path.join(root, "events.jsonl")) as f:
+        return [e for e in map(json.loads, f) if e.get("event") == kind]
+
+
+# ------------------------------------------------------------------ 1. rank 0 fails before "ram_room"
+def _make_room_fails_on_rank_0(rank: int, world: int, root: str, base: str, on_error: str) -> list:
+    from trainguard.tiers import RamTier
+
+    real = RamTier.make_room
+    calls = []
+
+    def make_room(self) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "injected make_room failure", self.dir)
+        real(self)
+
+    if rank == 0:
+        RamTier.make_room = make_room  # this process only
+    out: list = []
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as seen, tg.CheckpointManager(
+            root, save=tg.EveryNSteps(1), ram_tier=base, on_error=on_error, handle_signals=False, timeout=20) as mgr:
+        warnings.simplefilter("always")
+        try:
+            out.append(mgr.save(1, {"progress": tg.StateDict(step=1)}) is not None)
+        except Exception as e:  # the test looks at what each rank got
+            out.append(f"{type(e).__name__}: {e}")
+        out.append(time.monotonic() - t0 < 15)  # not the round's timeout (20 s): rank 0's error came at once
+        out.append(any("injected make_room failure" in str(w.message) for w in seen))
+        out.append(mgr.save(2, {"progress": tg.StateDict(step=2)}) is not None)
+    return out
+
+
+def test_make_room_failing_on_rank_0_fails_the_save_on_every_rank_at_once(tmp_path):
+    """Before, rank 0 raised the bare OSError out of ``save()`` (on_error="warn" or not) and rank 1
+    waited in the "ram_room" broadcast until the manager's timeout. Now rank 0 broadcasts the error
+    instead of its answer: every rank fails the save with a CheckpointError naming it, reported
+    per ``on_error`` (a warning here), and the next save goes through."""
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    res = run_ranks(_make_room_fails_on_rank_0, 2, root, base, "warn", timeout=90, check=False)
+    assert [r.error for r in res] == [None, None], [r.error for r in res]
+    assert [r.value for r in res] == [[False, True, True, True]] * 2
+    failed = _events(root, "save_failed")
+    assert [e["step"] for e in failed] == [1, 1]
+    assert all("injected make_room failure" in e["error"] for e in failed)
+    assert sorted(s for s in os.listdir(root) if s.startswith("step-")) == ["step-000000002"]
+
+
+def test_make_room_failing_on_rank_0_raises_a_checkpoint_error_on_every_rank(tmp_path):
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    res = run_ranks(_make_room_fails_on_rank_0, 2, root, base, "raise", timeout=90, check=False)
+    assert [r.error for r in res] == [None, None], [r.error for r in res]
+    for r in res:
+        first, fast = r.value[:2]
+        assert first.startswith("CheckpointError: ") and "injected make_room failure" in first and "rank 0" in first, first
+        assert fast
+
+
+def test_make_room_failing_in_one_process_is_reported_per_on_error(tmp_path, monkeypatch):
+    from trainguard.tiers import RamTier
+
+    def make_room(self) -> None:
+        raise OSError(errno.EIO, "injected make_room failure", self.dir)
+
+    monkeypatch.setattr(RamTier, "make_room", make_room)
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    with warnings.catch_warnings(record=True) as seen, tg.CheckpointManager(
+            root, save=tg.EveryNSteps(1), ram_tier=base, on_error="warn", handle_signals=False) as mgr:
+        warnings.simplefilter("always")
+        assert mgr.save(1, {"progress": tg.StateDict(step=1)}) is None
+    assert any("injected make_room failure" in str(w.message) for w in seen)
