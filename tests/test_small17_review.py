@@ -8,7 +8,10 @@ import errno
 import json
 import os
 import time
+import types
 import warnings
+
+import torch
 
 import trainguard as tg
 
@@ -91,3 +94,44 @@ def test_make_room_failing_in_one_process_is_reported_per_on_error(tmp_path, mon
         warnings.simplefilter("always")
         assert mgr.save(1, {"progress": tg.StateDict(step=1)}) is None
     assert any("injected make_room failure" in str(w.message) for w in seen)
+
+
+# ------------------------------------------------------------------ 2. the stall of a retried sync save
+def test_a_sync_save_retried_to_disk_reports_the_failed_ram_attempt_in_its_stall(tmp_path, monkeypatch):
+    """A sync save whose RAM attempt ran out of room is saved again to the run directory at once
+    (``_save_now`` calls itself). Before, the retry started a new clock: the time training spent
+    on the failed attempt was missing from the stall and duration the save policy and the ``save``
+    event got. A fake clock jumps 1000 s during the failed attempt."""
+    from trainguard import api, handle, manager, policies
+    from trainguard.errors import DiskFullError
+    from trainguard.tiers import ram_dir
+
+    offset = [0.0]
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0], time=time.time)
+    for mod in (manager, handle, policies):
+        monkeypatch.setattr(mod, "time", clock)
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    ram = ram_dir(root, base)
+    real = api.write_streams
+
+    def write_streams(storage, work, *a, **k):  # a sync save's data files
+        if str(work).startswith(ram) and not offset[0]:
+            offset[0] = 1000.0  # the failed attempt took 1000 s
+            raise DiskFullError(errno.ENOSPC, f"No space left on device: {work}")
+        return real(storage, work, *a, **k)
+
+    monkeypatch.setattr(api, "write_streams", write_streams)
+    seen = []
+
+    class Policy(tg.EveryNSteps):
+        def on_saved(self, step, stall, duration):
+            seen.append((step, stall, duration))
+            super().on_saved(step, stall, duration)
+
+    with tg.CheckpointManager(root, save=Policy(1), ram_tier=base, handle_signals=False) as mgr:
+        assert mgr.save(1, {"model": torch.nn.Linear(4, 4)}) is not None
+    assert [e["step"] for e in _events(root, "ram_no_room")] == [1]
+    (ev,) = _events(root, "save")
+    assert ev["step"] == 1 and ev["stall_s"] >= 1000 and ev["duration_s"] >= 1000, ev
+    assert seen and seen[0][0] == 1 and seen[0][1] >= 1000 and seen[0][2] >= 1000, seen

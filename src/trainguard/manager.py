@@ -213,8 +213,8 @@ class CheckpointManager:
     def _needs_agreement(self) -> bool:
         return not isinstance(self.save_policy, EveryNSteps)
 
-    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None) -> SaveHandle | None:
-        t0 = time.monotonic()
+    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None, t0: float | None = None) -> SaveHandle | None:
+        t0 = time.monotonic() if t0 is None else t0  # a retry to disk (below): the failed RAM attempt is stall too
         values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
         prev = self._pending
         try:
@@ -259,7 +259,7 @@ class CheckpointManager:
             )
         except CheckpointError as e:
             if self.ram and not self.async_save and self.ram.no_room(step, e):  # every rank: the same error, answer
-                return self._save_now(step, state, metrics)  # again, straight to the run directory (RamTier.target)
+                return self._save_now(step, state, metrics, t0)  # again, straight to the run directory (RamTier.target)
             self._report_failure(unrestored_error(e, step, self._restored), step=step)
             return None
         except BaseException as e:  # a Ctrl-C after the save's thread started (async_save.py): it commits; collect it
