@@ -135,3 +135,53 @@ def test_a_sync_save_retried_to_disk_reports_the_failed_ram_attempt_in_its_stall
     (ev,) = _events(root, "save")
     assert ev["step"] == 1 and ev["stall_s"] >= 1000 and ev["duration_s"] >= 1000, ev
     assert seen and seen[0][0] == 1 and seen[0][1] >= 1000 and seen[0][2] >= 1000, seen
+
+
+# ------------------------------------------------------------------ 3. split_state on some ranks only
+def _split_on_rank_0_only(rank: int, world: int, path: str) -> str:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    tg.save(path, {"model": model}, timeout=20)
+    t0 = time.monotonic()
+    try:
+        tg.load(path, {"model": model}, split_state=rank == 0, timeout=20)
+    except tg.CheckpointError as e:
+        return f"{time.monotonic() - t0 < 15} {type(e).__name__}: {e}"
+    return "loaded"
+
+
+def test_a_load_with_split_state_on_some_ranks_only_says_so_on_every_rank(tmp_path):
+    """Before, rank 0 went to the "split-taken" gather of ``split.check_taken`` and rank 1 to the
+    "loaded" round: both failed with "ranks called different trainguard operations", which does not
+    say what to change. The "load" round now carries each rank's flag: every rank raises one error
+    naming split_state."""
+    res = run_ranks(_split_on_rank_0_only, 2, str(tmp_path / "ck"), timeout=90, check=False)
+    assert [r.error for r in res] == [None, None], [r.error for r in res]
+    for r in res:
+        assert r.value.startswith("True CheckpointError: "), r.value
+        assert "split_state=True" in r.value and "rank(s) [0]" in r.value, r.value
+        assert "different trainguard operations" not in r.value, r.value
+
+
+def _stages_restored_with_split_state_on_rank_1_only(rank: int, world: int, root: str) -> str:
+    torch.manual_seed(rank)
+    stage = torch.nn.ModuleDict({f"layer{rank}": torch.nn.Linear(4, 4)})  # each rank its own layer
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), split_state=True, handle_signals=False, timeout=20) as mgr:
+        mgr.save(1, {"model": stage})
+    try:
+        with tg.CheckpointManager(root, split_state=rank == 1, handle_signals=False, timeout=20) as mgr:
+            mgr.restore({"model": stage})
+    except tg.CheckpointError as e:
+        return f"{e.permanent} {type(e).__name__}: {e}"
+    return "restored"
+
+
+def test_pipeline_stages_restored_with_split_state_on_some_ranks_only_say_so_on_every_rank(tmp_path):
+    """Stages whose rank 0 forgot the flag: rank 0's state does not fit (StateMismatchError) and rank 1
+    went on. Every rank now raises the same error naming split_state, permanent (no restart fixes it),
+    and ``restore`` does not try an older checkpoint for it."""
+    res = run_ranks(_stages_restored_with_split_state_on_rank_1_only, 2, str(tmp_path / "run"), timeout=90, check=False)
+    assert [r.error for r in res] == [None, None], [r.error for r in res]
+    assert res[0].value == res[1].value, [r.value for r in res]
+    assert res[0].value.startswith("True CheckpointError: load: rank(s) [1] passed split_state=True"), res[0].value
+    assert not _events(str(tmp_path / "run"), "restore_skip")

@@ -62,7 +62,7 @@ def load(
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
-        agree_load(ctx, "load", target, e, timeout)
+        agree_load(ctx, "load", target, e, timeout, split=split_state)  # ranks that differ in split_state: all raise
         agreed[0] = True
         if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
             split.check_taken(ctx, manifest, taken, timeout)

@@ -62,6 +62,21 @@ def check_flags(flags: list[bool], sigs: list[str]) -> None:
         )
 
 
+def load_flags_differ(flags: list[bool]) -> CheckpointError | None:
+    """``errors.agree_load``, the "load" round, every rank: the error when ranks passed different
+    ``split_state`` to a load. Before, a flag on some ranks only sent them to ``check_taken``'s
+    round and the others elsewhere: "ranks called different trainguard operations" on every rank."""
+    if len(set(flags)) < 2:
+        return None
+    from .permanent import mark
+
+    return mark(CheckpointError(
+        f"load: rank(s) {[r for r, f in enumerate(flags) if f]} passed split_state=True and rank(s) "
+        f"{[r for r, f in enumerate(flags) if not f]} did not; pass the same on every rank (split_state=True on every "
+        "rank when ranks hold different parts of the model: pipeline stages, experts)"
+    ))
+
+
 def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | None:
     """``api._write_rank``: what rank 0 cannot know of this rank's group: its entries' skeletons
     and the tensors that have no chunk to report (aliases, empty tensors). Sent by the first
