@@ -4,7 +4,7 @@ the run directory.
 Called by ``RamTier.target`` on every rank before each save (rank 0 makes room and decides, every
 rank gets its decision, or rank 0's error, through one broadcast, so that all ranks write the same
 checkpoint), and by
-``RamTier.failed`` on rank 0 when a save into RAM failed. Before, a RAM tier smaller than one
+``RamTier.no_room`` when a save into RAM failed. Before, a RAM tier smaller than one
 checkpoint (a small ``--shm-size``, a ``/dev/shm`` filled by NCCL or DataLoader workers) failed
 every save with ENOSPC: with ``on_error="warn"`` the run trained on with no checkpoint on disk.
 """
@@ -74,7 +74,7 @@ def _decide(tier: Any, step: int) -> bool:
 
 
 def ran_out(e: BaseException, ram: str) -> bool:
-    """``RamTier.failed``: whether the save error ``e`` (any rank's: a ``RankFailureError`` carries
+    """``RamTier.no_room`` (every rank): whether the save error ``e`` (any rank's: a ``RankFailureError`` carries
     each failed rank's traceback as text) is a lack of room in the RAM directory ``ram``."""
     texts = [str(e)] + [str(t) for t in getattr(e, "failures", {}).values()]
     return any(ram in t and "no space left" in t.lower() for t in texts)
