@@ -8,35 +8,11 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from test_split_state import N_LAYERS, full_model, stage, train_step  # the same stages as the feature's tests
 
 from dist_helper import run_ranks
 
-N_LAYERS = 4
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
-
-
-def full_model() -> nn.Module:
-    torch.manual_seed(0)
-    m = nn.Module()
-    m.layers = nn.ModuleDict({str(i): nn.Linear(6, 6) for i in range(N_LAYERS)})
-    m.register_buffer("freqs", torch.arange(6.0))
-    return m
-
-
-def stage(layers: list[int]) -> nn.Module:
-    m = full_model()
-    for i in range(N_LAYERS):
-        if i not in layers:
-            del m.layers[str(i)]
-    return m
-
-
-def train_step(m: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
-    for name, layer in m.layers.items():
-        g = torch.Generator().manual_seed(seed * 100 + int(name))
-        layer(torch.randn(3, 6, generator=g)).pow(2).sum().backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

@@ -11,26 +11,11 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from test_split_state import full_model, stage  # the same stages as the feature's tests
 
 from dist_helper import run_ranks
 
-N_LAYERS = 4
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
-
-
-def full_model() -> nn.Module:
-    torch.manual_seed(0)
-    m = nn.Module()
-    m.layers = nn.ModuleDict({str(i): nn.Linear(6, 6) for i in range(N_LAYERS)})
-    return m
-
-
-def stage(layers: list[int]) -> nn.Module:
-    m = full_model()
-    for i in range(N_LAYERS):
-        if i not in layers:
-            del m.layers[str(i)]
-    return m
 
 
 class _RankLocal(tg.StateDict):
