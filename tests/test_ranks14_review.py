@@ -53,8 +53,8 @@ def _restore_with_error_on_one_rank(rank: int, world: int, root: str, kind: str,
     return {"outcome": outcome, "step": got.get("step"), "progress": st["progress"]["step"], "same": same, "next": nxt}
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-@pytest.mark.parametrize("call", ["open", "preadv"])
+@pytest.mark.parametrize(("kind", "call"), [("ddp", "open"), ("fsdp", "preadv"), pytest.param("ddp", "preadv", marks=pytest.mark.slow),
+                                           pytest.param("fsdp", "open", marks=pytest.mark.slow)])  # suite time: 2 of 4 in the slow run
 def test_an_io_error_on_one_rank_falls_back_to_the_same_older_step_on_every_rank(tmp_path, kind, call):
     res = run_ranks(_restore_with_error_on_one_rank, 2, str(tmp_path), kind, errno.EIO, call, timeout=60, env=ENV)
     vals = [r.value for r in res]
@@ -188,8 +188,8 @@ def _overwrite_fails_on_rank_0(rank: int, world: int, root: str, kind: str, call
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
-@pytest.mark.parametrize("call", ["rename", "fsync"])
+@pytest.mark.parametrize(("kind", "call"), [("ddp", "rename"), ("fsdp", "fsync"), pytest.param("ddp", "fsync", marks=pytest.mark.slow),
+                                           pytest.param("fsdp", "rename", marks=pytest.mark.slow)])  # suite time: 2 of 4 in the slow run
 def test_an_overwrite_failing_between_its_renames_on_rank_0_puts_the_previous_back_on_every_rank(tmp_path, kind, call):
     res = run_ranks(_overwrite_fails_on_rank_0, 2, str(tmp_path), kind, call, timeout=60, env=ENV)
     vals = [r.value for r in res]
@@ -300,7 +300,8 @@ def _second_thread_on_rank_0(rank: int, world: int, root: str, what: str) -> dic
     return {"first": first, "intruder": intr.got, "next": nxt, "restored": step, "progress": st["progress"]["step"]}
 
 
-@pytest.mark.parametrize("what", ["save", "restore", "wait", "close"])
+@pytest.mark.parametrize("what", ["save", "restore", pytest.param("wait", marks=pytest.mark.slow),
+                                  pytest.param("close", marks=pytest.mark.slow)])  # suite time: 2 of 4 in the slow run
 def test_a_second_thread_inside_a_ranks_manager_is_refused_and_the_ranks_go_on(tmp_path, what):
     res = run_ranks(_second_thread_on_rank_0, 2, str(tmp_path), what, timeout=60, env=ENV)
     vals = [r.value for r in res]
@@ -476,6 +477,7 @@ def _mgr_restore_big(rank: int, world: int, root: str) -> dict:
     return {"step": step, "same": all(torch.equal(got[n], want[n]) for n in got)}
 
 
+@pytest.mark.slow  # suite time (~10 s); test_a_byte_flipped_in_a_scratch_end_block_on_3_ranks keeps a 3-rank end-block case
 def test_a_corrupt_end_block_only_two_of_three_ranks_read_falls_back_on_every_rank(tmp_path):
     """Step 2 (saved on 2 ranks) has a byte flipped in a block ranks 0 and 1 read on 3 ranks;
     rank 2 reads its share of step 2 fine. Every rank restores step 1, whole, and saves on."""
