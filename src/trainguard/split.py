@@ -81,7 +81,7 @@ def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | Non
     """``api._write_rank``: what rank 0 cannot know of this rank's group: its entries' skeletons
     and the tensors that have no chunk to report (aliases, empty tensors). Sent by the first
     rank of each group other than rank 0's; None from every other rank."""
-    if not getattr(snap, "split", False) or sigs[rank] == sigs[0] or groups(sigs)[sigs[rank]][0] != rank:
+    if not snap.split or sigs[rank] == sigs[0] or groups(sigs)[sigs[rank]][0] != rank:
         return None
     return {
         "skeletons": {k: v for k, v in snap.objects.items() if k not in snap.rank_local},

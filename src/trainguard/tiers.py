@@ -310,12 +310,9 @@ class RamTier:
         """The persist thread, once ``step`` is on disk: record it in ``ON_DISK`` (best effort:
         without it a RAM copy removed from disk later is still restored, as before)."""
         try:
-            self.storage.write_atomic(os.path.join(self.dir, ON_DISK), self._on_disk_mark(step))
+            self.storage.write_atomic(os.path.join(self.dir, ON_DISK), on_disk_mark(self.dir, step))
         except (OSError, CheckpointError) as e:
             log.warning("trainguard: could not record in the RAM tier that step %d is on disk: %s", step, e)
-
-    def _on_disk_mark(self, step: int) -> bytes:
-        return on_disk_mark(self.dir, step)
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None], nbytes: int | None = None) -> None:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
