@@ -111,14 +111,19 @@ def _two_threads(rank: int, world: int, root: str) -> dict:
     import threading
 
     out: dict = {}
+    made = threading.Lock()  # _state seeds torch's global generator: two threads building at once mixed their draws
+
+    def state(seed: int) -> dict:
+        with made:
+            return _state(seed)
 
     def manager(name: str, then_direct: bool) -> None:
         mgr = tg.CheckpointManager(f"{root}/{name}", save=tg.EveryNSteps(1), handle_signals=False, timeout=15).open()
-        res = [_outcome(lambda: mgr.restore(_state(0)))]
-        res += [_outcome(lambda s=s: mgr.save(s, _state(s))) for s in (1, 2, 3)]
+        res = [_outcome(lambda: mgr.restore(state(0)))]
+        res += [_outcome(lambda s=s: mgr.save(s, state(s))) for s in (1, 2, 3)]
         res.append(_outcome(mgr.close))
         if then_direct:  # tg.save in this thread while the main thread's manager saves
-            res += [_outcome(lambda s=s: tg.save(f"{root}/direct/{s}", _state(s), timeout=15)) for s in (1, 2, 3)]
+            res += [_outcome(lambda s=s: tg.save(f"{root}/direct/{s}", state(s), timeout=15)) for s in (1, 2, 3)]
         out[name] = [r["type"] for r in res]
 
     other = threading.Thread(target=manager, args=("b", True))
