@@ -26,6 +26,7 @@ from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
+from .names import alias_saved_paths, canonical_optimizer
 from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
@@ -136,6 +137,7 @@ def _load(
         if skel is None:
             continue
         if isinstance(obj, OptimizerAdapter):
+            skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
             if split_state:  # the other stages' parameters stay theirs (split.py)
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
@@ -152,6 +154,8 @@ def _load(
         if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
             current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
         _, dest = flatten(cur, prefix)
+        if isinstance(obj, OptimizerAdapter):
+            dest = alias_saved_paths(tensor_refs(skel), dest)
         refs = tensor_refs(skel)
         for p in refs:
             if p not in manifest.tensors:

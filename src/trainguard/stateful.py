@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .errors import CorruptCheckpointError, UnsupportedValueError
+from .names import canonical_key
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
 
@@ -71,13 +72,8 @@ class RNGState:
         algo, keys, pos, has_gauss, cached = np.random.get_state()
         sd: dict[str, Any] = {
             "python": random.getstate(),
-            "numpy": {
-                "algo": str(algo),
-                "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "cached_gaussian": float(cached),
-            },
+            "numpy": {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
             "torch_cpu": torch.get_rng_state(),
         }
         if torch.cuda.is_available():
@@ -151,12 +147,6 @@ def unwrap_module(module: nn.Module) -> nn.Module:
             return module
 
 
-def _canonical_key(key: str) -> str:
-    # A compiled submodule inside the model shows up as "..._orig_mod.<name>".
-    parts = [p for p in key.split(".") if p != "_orig_mod"]
-    return ".".join(parts)
-
-
 _EXTRA = re.compile(r"[/.]_extra_state(/|$)")
 
 
@@ -167,10 +157,10 @@ class ModuleAdapter:
         self.module = unwrap_module(module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {_canonical_key(k): v for k, v in self.module.state_dict().items()}
+        return {canonical_key(k): v for k, v in self.module.state_dict().items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        actual = {_canonical_key(k): k for k in self.module.state_dict()}
+        actual = {canonical_key(k): k for k in self.module.state_dict()}
         if state_dict and not any(k in actual for k in state_dict) and all("module." + k in actual for k in state_dict):
             state_dict = {"module." + k: v for k, v in state_dict.items()}  # see unwrapped_names
         mapped = {actual.get(k, k): v for k, v in state_dict.items()}
@@ -187,7 +177,7 @@ class ModuleAdapter:
         a tied name missing when another of its names is in the checkpoint (safetensors keeps one)."""
         groups: dict[int, list[str]] = {}
         for n, t in [*self.module.named_parameters(remove_duplicate=False), *self.module.named_buffers(remove_duplicate=False)]:
-            groups.setdefault(id(t), []).append(_canonical_key(n))
+            groups.setdefault(id(t), []).append(canonical_key(n))
         return {n: names for names in groups.values() if len(names) > 1 for n in names}
 
     @staticmethod
@@ -212,7 +202,7 @@ class ModuleAdapter:
         return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
     def param_names(self) -> dict[int, str]:
-        return {id(p): _canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        return {id(p): canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
 
 class OptimizerAdapter:

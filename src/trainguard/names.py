@@ -1,0 +1,64 @@
+"""Parameter names without the wrapper modules torch inserts between a module and its parent:
+``torch.compile`` (``_orig_mod``), activation checkpointing and CPU offload (``checkpoint_wrapper``,
+``offload_wrapper``: ``_checkpoint_wrapped_module``) and FSDP1 (``_fsdp_wrapped_module``).
+
+A module's ``state_dict()`` leaves them out (their hooks strip them), ``named_parameters()`` does
+not. ``stateful.ModuleAdapter`` names parameters without them, so an optimizer's state is keyed
+alike whether or not a run wraps its layers: a run resumed with activation checkpointing turned on
+or off loads its optimizer. Checkpoints written before (trainguard 0.x of sessions ≤ 17 kept
+``_checkpoint_wrapped_module`` in optimizer names) still load: ``loader._load`` passes their
+optimizer skeletons through :func:`canonical_optimizer` and :func:`alias_saved_paths`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def canonical_key(key: str) -> str:
+    """A dotted name (``layers.0._checkpoint_wrapped_module.attn.weight``) without wrapper parts."""
+    return ".".join(p for p in key.split(".") if p not in WRAPPERS) if _wrapped(key) else key
+
+
+def _wrapped(name: Any) -> bool:
+    return type(name) is str and any(w in name for w in WRAPPERS)
+
+
+def canonical_optimizer(skel: Any) -> Any:
+    """``loader._load``, every rank, for an optimizer entry's saved skeleton: its ``state`` keys
+    and its groups' ``params`` without wrapper parts. The same object when no name holds one
+    (every checkpoint written since names dropped them); a new one otherwise (the manifest's
+    objects are not changed)."""
+    if type(skel) is not dict:
+        return skel
+    state, groups = skel.get("state"), skel.get("param_groups")
+    groups = groups if type(groups) is list else []
+    names = [*(state if type(state) is dict else ()),
+             *(n for g in groups if type(g) is dict and type(g.get("params")) is list for n in g["params"])]
+    if not any(_wrapped(n) for n in names):
+        return skel
+    out = dict(skel)
+    if type(state) is dict:
+        out["state"] = {canonical_key(k) if type(k) is str else k: v for k, v in state.items()}
+    if groups:
+        out["param_groups"] = [
+            {**g, "params": [canonical_key(n) if type(n) is str else n for n in g["params"]]}
+            if type(g) is dict and type(g.get("params")) is list else g
+            for g in groups
+        ]
+    return out
+
+
+def alias_saved_paths(refs: list[str], dest: dict[str, Any]) -> dict[str, Any]:
+    """``loader._load``, after :func:`canonical_optimizer`: ``dest`` (tensor path -> the state's
+    tensor, named without wrappers) with each saved path that holds a wrapper part (``refs``)
+    pointing to the tensor of its canonical path, so such a tensor is read in place (a DTensor
+    shard too) rather than into a new one."""
+    for p in refs:
+        if _wrapped(p) and p not in dest:
+            c = "/".join(canonical_key(s) for s in p.split("/"))
+            if c in dest:
+                dest[p] = dest[c]
+    return dest
