@@ -99,3 +99,15 @@ def test_plan_cli_says_error_not_traceback_for_numbers_it_cannot_count_in_steps(
                           ("--step-time 2s --every " + "9" * 5000, "--every"), ("--step-time 2s --every ²", "--every"), ("--every 1e400", "--every 1e400: an interval must be a finite")):
         res = CliRunner().invoke(plan_cmd, shlex.split(f"{BASE} {extra} --json"))
         assert res.exit_code == 2 and option in res.output, (extra, res.output)
+
+
+def test_a_failure_rate_too_small_for_a_float_names_its_own_option() -> None:
+    """``--node-failures-per-day 1e-320``: a node MTBF past a float. Before: "--node-mtbf inf must
+    be a finite number > 0", an option the user never gave."""
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import plan_cmd
+
+    res = CliRunner().invoke(plan_cmd, ["--nodes", "4", "--node-failures-per-day", "1e-320", "--save-stall", "30s", "--restart", "10m"])
+    assert res.exit_code == 2 and "--node-failures-per-day 1e-320 is too small" in res.output, res.output
+    assert "--node-mtbf" not in res.output

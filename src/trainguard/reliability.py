@@ -71,6 +71,8 @@ def job_mtbf(*, nodes: int, node_failures_per_day: float | None = None, node_mtb
         if not 0 < node_failures_per_day < math.inf:
             raise ValueError(f"node_failures_per_day={node_failures_per_day!r} must be a finite number > 0")
         node_mtbf_s = DAY / node_failures_per_day
+        if node_mtbf_s == math.inf:  # 1e-320 failures a day: a node MTBF past a float
+            raise ValueError(f"node_failures_per_day={node_failures_per_day!r} is too small: a node would never fail")
     if not 0 < node_mtbf_s < math.inf:
         raise ValueError(f"node_mtbf_s={node_mtbf_s!r} must be a finite number > 0")
     return float(node_mtbf_s) / nodes
