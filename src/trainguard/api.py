@@ -361,16 +361,15 @@ def _build_manifest(
                 files[fname] = size
         if w.get("index"):
             indexes[w["index"][0]] = (w["index"][1], w["index"][2])
-        for path, dtype, shape, offs, sizes, off, length, sums, *fname in w["chunks"]:
-            e = tensors.setdefault(path, TensorEntry(dtype, shape, []))
-            if length:  # an empty chunk (empty tensor or shard) names a file that may hold nothing
-                e.chunks.append(Chunk(offs, sizes, fname[0] if fname else w["file"], off, length, sums))
+        for c in w["chunks"]:  # [path, dtype, shape, offsets, sizes, byte offset, length, sums, file]
+            e = tensors.get(c[0])
+            if e is None:  # every reported path gets an entry, chunkless ones too
+                e = tensors[c[0]] = TensorEntry(c[1], c[2], [])
+            if c[6]:  # an empty chunk (empty tensor or shard) names a file that may hold nothing
+                e.chunks.append(Chunk(c[3], c[4], c[8] if len(c) > 8 else w["file"], c[5], c[6], c[7]))
     for lf in snap.leaves:  # zero-size tensors have no chunks but must exist
-        if lf.kind != "local":
-            tensors.setdefault(lf.path, TensorEntry(lf.dtype, list(lf.shape), []))
-    for w in written:
-        for path, dtype, shape, *_ in w["chunks"]:
-            tensors.setdefault(path, TensorEntry(dtype, shape, []))
+        if lf.kind != "local" and lf.path not in tensors:
+            tensors[lf.path] = TensorEntry(lf.dtype, list(lf.shape), [])
     objects: dict[str, Any] = {}
     for key, skel in snap.objects.items():
         if key in snap.rank_local:
@@ -379,7 +378,8 @@ def _build_manifest(
             objects[key] = {"skeleton": skel}
     split.add_reported(tensors, objects, written, TensorEntry)  # other stages' skeletons and chunkless tensors
     for e in tensors.values():
-        e.chunks.sort(key=lambda c: (c.offsets, c.file))
+        if len(e.chunks) > 1:
+            e.chunks.sort(key=lambda c: (c.offsets, c.file))
     check_cover(tensors)  # no commit that no load would accept
     resolve_aliases(tensors, "save")  # an alias shares its target's chunks, as manifest.validate gives them
     return Manifest(
