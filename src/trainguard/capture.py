@@ -151,6 +151,15 @@ def check_data_positions(begin: list[Any]) -> None:
 
 def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int = 0, world: int = 1) -> Leaf:
     full = layout_kind == "full" and not local
+    if type(t) in PLAIN and not full and not t.is_nested and t.layout is torch.strided and t.dtype in DTYPE_NAMES:
+        # The common case (10,000 small tensors): a dense, contiguous, non-empty plain tensor that
+        # every check below passes, as they would find; anything else takes them (they may raise).
+        shape = tuple(t.shape)  # after is_nested: a nested tensor has no shape
+        if (not t.is_quantized and not t.is_meta and not t.is_conj() and not t.is_neg() and t.is_contiguous()
+                and len(shape) <= MAX_NDIM and 0 < t.nbytes <= MAX_TENSOR_BYTES):
+            dtype = DTYPE_NAMES[t.dtype]
+            kind = "local" if local else "replicated"
+            return Leaf(path, t.detach(), dtype, shape, Box((0,) * len(shape), shape), kind)
     dt = is_dtensor(t)
     if dt and full:
         if t.device_mesh.get_coordinate() is None:  # full_tensor() would give this rank a (0,) tensor
