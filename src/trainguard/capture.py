@@ -88,16 +88,21 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     data_positions: dict[str, Any] = {}
     for key, value in state.items():
         _check_key(key)
-        obj = adapt(value, names)
-        sd = obj.state_dict() if has_state(obj) else obj
         local = is_rank_local(value)
-        if local:
-            rank_local.append(key)
-        skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
-        objects[key] = skel
-        if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
-            # Global: every rank that reads data must hold the same (check_data_positions).
-            data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
+        if type(value) in PLAIN and not local and not has_state(value):
+            # An entry that is one shared tensor (a flat dict of 10,000): what adapt() and
+            # flatten() give it, without their calls and type checks.
+            objects[key], tensors = {"$t": key}, {key: value}
+        else:
+            obj = adapt(value, names)
+            sd = obj.state_dict() if has_state(obj) else obj
+            if local:
+                rank_local.append(key)
+            skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
+            objects[key] = skel
+            if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
+                # Global: every rank that reads data must hold the same (check_data_positions).
+                data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
         for path, t in tensors.items():
             ptr = 0  # the address of a plain tensor of a shared entry; 0: none, or not checked
             if not local and type(t) in PLAIN:
