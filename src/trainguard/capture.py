@@ -312,6 +312,6 @@ def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: li
 def chunk_view(leaf: Leaf, box: Box) -> torch.Tensor:
     """The contiguous CPU-side tensor holding ``box`` of ``leaf`` (a row range or the whole)."""
     t = leaf.tensor
-    if box != leaf.box:  # a dim-0 row range of a replicated tensor
+    if box is not leaf.box and box != leaf.box:  # a dim-0 row range of a replicated tensor (no __eq__ call per whole tensor)
         t = t[box.offsets[0] : box.offsets[0] + box.sizes[0]]
     return t

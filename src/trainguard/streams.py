@@ -39,11 +39,13 @@ def split_streams(mine: list[tuple[Leaf, Any]], lengths: list[int]) -> list[int]
     out = [0] * len(mine)
     if sum(lengths) < TWO_FILES_FROM or len(mine) < 2:
         return out
-    loads = [sum(n for (lf, _b), n in zip(mine, lengths) if lf.regular is not None), 0]
-    for i in sorted(range(len(mine)), key=lambda i: -lengths[i]):
-        if mine[i][0].regular is None:
-            out[i] = 0 if loads[0] <= loads[1] else 1
-            loads[out[i]] += lengths[i]
+    explicit = [lf.regular is None for lf, _b in mine]
+    loads = [sum(n for n, e in zip(lengths, explicit) if not e), 0]
+    # Largest first, ties in chunk order (a stable sort, reverse included: as by -length).
+    for i in sorted(range(len(mine)), key=lengths.__getitem__, reverse=True):
+        if explicit[i]:
+            out[i] = g = 0 if loads[0] <= loads[1] else 1
+            loads[g] += lengths[i]
     return out
 
 
@@ -56,7 +58,8 @@ def write_streams(
     groups = sorted(set(streams)) or [0]
     offsets: list[int] = [0] * len(cpu)
     sums: list[list[str]] = [[] for _ in cpu]
-    names = [layout_mod.data_file(rank, g) for g in streams]
+    by_group = {g: layout_mod.data_file(rank, g) for g in groups}
+    names = [by_group[g] for g in streams]
     files: dict[str, int] = {}
     jobs = []
     for g in groups:
@@ -65,7 +68,7 @@ def write_streams(
         offs, size = layout_file([len(cpu[i]) for i in idx], phases=phases)
         for i, o in zip(idx, offs):
             offsets[i] = o
-        name = layout_mod.data_file(rank, g)
+        name = by_group[g]
         files[name] = size
         jobs.append((idx, name, [WriteChunk(cpu[i], o) for i, o in zip(idx, offs)], size))
 
