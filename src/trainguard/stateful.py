@@ -205,6 +205,11 @@ class ModuleAdapter:
         return {id(p): canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
 
+# The keys of an optimizer entry that OptimizerAdapter writes itself (dcp_import.BY_VALUES marks an
+# imported one's groups); any other top-level key of optimizer.state_dict() is saved and given back.
+_OWN_KEYS = frozenset({"state", "param_groups", "class", "param_groups_by_values"})
+
+
 class OptimizerAdapter:
     """Optimizer state keyed by parameter *name* instead of integer index.
 
@@ -250,7 +255,8 @@ class OptimizerAdapter:
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         names = self._index_names()
-        return {
+        return {  # with a wrapper's own top-level values (PostLocalSGDOptimizer's averager "step"), as torch.save keeps them
+            **{k: v for k, v in sd.items() if k not in _OWN_KEYS},
             "state": {names[i]: s for i, s in sd["state"].items()},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
             "class": optimizer_class(self.optimizer),
@@ -334,9 +340,10 @@ class OptimizerAdapter:
                 by_name = dict(zip(saved["params"], given, strict=True))
                 group["param_names"] = [by_name[n] for n in cur_names]
             groups.append(group)
-        self.optimizer.load_state_dict(
-            {"state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups}
-        )
+        self.optimizer.load_state_dict({
+            **{k: v for k, v in state_dict.items() if k not in _OWN_KEYS},  # a wrapper's own values
+            "state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups,
+        })
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
