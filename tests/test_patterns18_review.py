@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -58,3 +59,48 @@ def test_post_local_sgd_optimizer_keeps_its_averager_step(tmp_path) -> None:
         assert (saved, loaded) == (3, 3), r.value
         assert not any("step counter" in w for w in caught), caught
         assert same
+
+
+def _zero_rank(rank: int, world: int, root: str) -> tuple[str, str, bool, bool]:
+    import os
+
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def build(seed: int, zero: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        if zero:
+            return m, ZeroRedundancyOptimizer(m.parameters(), optimizer_class=torch.optim.AdamW, lr=0.05)
+        return m, torch.optim.AdamW(m.parameters(), lr=0.05)
+
+    m, o = build(0, zero=True)
+    _local_sgd_step(m, o, 0)
+    with pytest.raises(tg.CheckpointError) as saving:
+        tg.save(f"{root}/step-1", {"model": m, "optim": o})
+    m1, o1 = build(0, zero=False)
+    _local_sgd_step(m1, o1, 0)
+    tg.save(f"{root}/plain", {"model": m1, "optim": o1})
+    before = [p.clone() for p in m.parameters()]
+    with pytest.raises(tg.CheckpointError) as loading:
+        tg.load(f"{root}/plain", {"model": m, "optim": o})
+    untouched = all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    return str(saving.value), str(loading.value), untouched, os.path.exists(f"{root}/step-1")
+
+
+def test_zero_redundancy_optimizer_is_refused_saying_what_to_use(tmp_path) -> None:
+    """``ZeroRedundancyOptimizer.state_dict()`` raises on a rank that did not gather the state with
+    ``consolidate_state_dict(to=...)``, which gathers it on one rank only: a save failed on every
+    rank with torch's "Optimizer state has not been consolidated on this rank. Please call
+    `consolidate_state_dict(to=1)`", which no call order fixes, and a load the same way from
+    inside the loader. Both are refused before anything is written or read, naming the entry and
+    what shards optimizer state in a way trainguard saves (FSDP2)."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_zero_rank, 2, str(tmp_path), timeout=60)
+    for r in res:
+        assert r.ok, r.error
+        saving, loading, untouched, committed = r.value
+        for msg in (saving, loading):
+            assert "entry 'optim'" in msg and "ZeroRedundancyOptimizer" in msg and "fully_shard" in msg, msg
+        assert "saves every rank's state" in saving and "cannot load it" in loading
+        assert untouched and not committed

@@ -29,6 +29,7 @@ from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
+from .zero import refuse_partitioned
 
 
 @dataclass
@@ -95,6 +96,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             objects[key], tensors = {"$t": key}, {key: value}
         else:
             obj = adapt(value, names)
+            if isinstance(value, torch.optim.Optimizer):
+                refuse_partitioned(value, key, saving=True)  # ZeroRedundancyOptimizer: its state_dict() raises on most ranks
             sd = obj.state_dict() if has_state(obj) else obj
             if local:
                 rank_local.append(key)

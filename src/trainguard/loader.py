@@ -31,6 +31,7 @@ from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
 from .storage import Storage, for_path
+from .zero import refuse_partitioned
 
 
 @one_operation
@@ -137,6 +138,7 @@ def _load(
         if skel is None:
             continue
         if isinstance(obj, OptimizerAdapter):
+            refuse_partitioned(obj.optimizer, key, saving=False)  # ZeroRedundancyOptimizer: before its state_dict() raises
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
             if split_state:  # the other stages' parameters stay theirs (split.py)
