@@ -104,3 +104,32 @@ def test_zero_redundancy_optimizer_is_refused_saying_what_to_use(tmp_path) -> No
             assert "entry 'optim'" in msg and "ZeroRedundancyOptimizer" in msg and "fully_shard" in msg, msg
         assert "saves every rank's state" in saving and "cannot load it" in loading
         assert untouched and not committed
+
+
+def test_param_names_name_the_current_parameters_after_activation_checkpointing_was_toggled(tmp_path) -> None:
+    """An optimizer built from ``named_parameters()`` keeps ``param_names`` in its groups. Saved
+    with ``checkpoint_wrapper`` on a layer and resumed without it, the load put the saved names
+    (``0._checkpoint_wrapped_module.weight``) into the resumed optimizer, which names no parameter of
+    its model (``dict(model.named_parameters())[name]`` raised KeyError), and every later
+    checkpoint kept them. The optimizer's own names stay; the order follows its parameters."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def build(wrap: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        if wrap:
+            m[0] = checkpoint_wrapper(m[0])
+        return m, torch.optim.AdamW(m.named_parameters(), lr=0.05)
+
+    for saved, resumed in ((True, False), (False, True)):
+        m, o = build(saved)
+        _local_sgd_step(m, o, 0)
+        tg.save(tmp_path / f"{saved}", {"model": m, "optim": o})
+        m2, o2 = build(resumed)
+        params = dict(m2.named_parameters())
+        o2.param_groups[0]["params"].reverse()  # another order than at save time
+        o2.param_groups[0]["param_names"].reverse()
+        tg.load(tmp_path / f"{saved}", {"model": m2, "optim": o2})
+        group = o2.param_groups[0]
+        assert [params[n] for n in group["param_names"]] == group["params"]
+        assert all(int(o2.state[p]["step"]) == 1 for p in group["params"])

@@ -329,14 +329,17 @@ class OptimizerAdapter:
         per_group = self._match_groups(saved_groups)
         index = {n: i for i, n in enumerate(n for names in per_group for n in names)}
         groups = []
-        for saved, cur_names in zip(saved_groups, per_group, strict=True):
-            # torch matches saved to current parameters by position: give the current order,
-            # and the same order to the names of an optimizer built from named_parameters()
-            # (torch takes the saved "param_names" over the current ones).
+        for saved, cur_names, cur in zip(saved_groups, per_group, self.optimizer.param_groups, strict=True):
+            # torch matches saved to current parameters by position: give the current order, and
+            # (torch takes the saved "param_names" over the current ones) the current group's own
+            # names (checkpoint_wrapper turned on or off since the save names them otherwise), else
+            # the saved ones in the same order (an optimizer built from named_parameters()).
             ids = [index[n] for n in cur_names]
             group = {**saved, "params": _Ids(ids) if len(ids) > 16 else ids}  # a short list scans faster
-            given = saved.get("param_names")
-            if isinstance(given, list) and len(given) == len(saved["params"]):
+            given, own = saved.get("param_names"), cur.get("param_names")
+            if isinstance(own, list) and len(own) == len(cur["params"]):
+                group["param_names"] = list(own)
+            elif isinstance(given, list) and len(given) == len(saved["params"]):
                 by_name = dict(zip(saved["params"], given, strict=True))
                 group["param_names"] = [by_name[n] for n in cur_names]
             groups.append(group)
