@@ -87,6 +87,49 @@ def _zero_rank(rank: int, world: int, root: str) -> tuple[str, str, bool, bool]:
     return str(saving.value), str(loading.value), untouched, os.path.exists(f"{root}/step-1")
 
 
+def _local_phase_rank(rank: int, world: int, root: str) -> tuple[str, bool]:
+    """Past the averager's warm-up (2 steps) each rank trains on its own batches, as under DDP's
+    post_localSGD_hook: the replicas differ between averagings (every 2 steps)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    def build(seed: int, local: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        o = PostLocalSGDOptimizer(torch.optim.AdamW(m.parameters(), lr=0.05), PeriodicModelAverager(period=2, warmup_steps=2))
+        if local:
+            m.trainguard_rank_local = o.trainguard_rank_local = True
+        return m, o
+
+    m, o = build(0, local=False)
+    for i in range(4):
+        _local_sgd_step(m, o, 10 * i + rank)
+    with pytest.raises(tg.CheckpointError) as refused:
+        tg.save(f"{root}/mixed", {"model": m, "optim": o})
+    m.trainguard_rank_local = o.trainguard_rank_local = True  # what the message says to do
+    tg.save(f"{root}/step-4", {"model": m, "optim": o})
+    m2, o2 = build(7, local=True)
+    tg.load(f"{root}/step-4", {"model": m2, "optim": o2})
+    want = [_local_sgd_step(m, o, 10 * i + rank) for i in range(4, 7)]
+    return str(refused.value), want == [_local_sgd_step(m2, o2, 10 * i + rank) for i in range(4, 7)]
+
+
+def test_local_sgd_past_warm_up_is_refused_unless_its_entries_are_rank_local(tmp_path) -> None:
+    """After the warm-up a PostLocalSGDOptimizer's ranks hold different parameters and moments,
+    while a model or optimizer entry is saved once for all ranks, each tensor from one of them:
+    every rank resumed with the same mix of the ranks' values, and its next losses differed from
+    the run's without a restart, silently. Refused, naming both entries; marked rank-local,
+    each rank resumes its own state bit for bit."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_local_phase_rank, 2, str(tmp_path), timeout=60)
+    for r in res:
+        assert r.ok, r.error
+        refused, same = r.value
+        assert "PostLocalSGDOptimizer past its averager's warm-up" in refused and "['optim', 'model']" in refused, refused
+        assert same
+
+
 def test_zero_redundancy_optimizer_is_refused_saying_what_to_use(tmp_path) -> None:
     """``ZeroRedundancyOptimizer.state_dict()`` raises on a rank that did not gather the state with
     ``consolidate_state_dict(to=...)``, which gathers it on one rank only: a save failed on every

@@ -29,7 +29,7 @@ from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
-from .zero import refuse_partitioned
+from .zero import refuse_diverged, refuse_partitioned
 
 
 @dataclass
@@ -98,6 +98,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             obj = adapt(value, names)
             if isinstance(value, torch.optim.Optimizer):
                 refuse_partitioned(value, key, saving=True)  # ZeroRedundancyOptimizer: its state_dict() raises on most ranks
+                refuse_diverged(value, key, state, ctx.world_size)  # local SGD: entries that are not rank-local would be mixed
             sd = obj.state_dict() if has_state(obj) else obj
             if local:
                 rank_local.append(key)

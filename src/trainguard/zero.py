@@ -5,19 +5,31 @@ alone. trainguard calls ``state_dict()`` on every rank (a save) and ``load_state
 rank (a load), so such an entry failed deep inside torch ("Optimizer state has not been
 consolidated on this rank") on every rank. ``capture.capture`` (save) and ``loader._load`` (load)
 call :func:`refuse_partitioned` for each optimizer entry first, which says what to use instead.
+
+``PostLocalSGDOptimizer`` past its averager's warm-up: each rank steps on its own gradients
+between averagings, so its parameters and optimizer state differ from the other ranks', and
+an entry that is not rank-local is saved once for all ranks (``planner.assign_replicated``: each
+tensor from one rank): every rank resumed with one mix of them, silently. ``capture.capture``
+calls :func:`refuse_diverged` on multi-rank saves, which says to mark those entries rank-local.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from .errors import UnsupportedValueError
+from .stateful import is_rank_local
+
+
+def _is(optimizer: Any, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("torch.distributed") for c in type(optimizer).__mro__)
 
 
 def _partitioned(optimizer: Any) -> bool:
     for _ in range(8):  # a wrapper that keeps the real optimizer in .optimizer (Accelerate's)
-        if any(c.__name__ == "ZeroRedundancyOptimizer" and c.__module__.startswith("torch.distributed")
-               for c in type(optimizer).__mro__):
+        if _is(optimizer, "ZeroRedundancyOptimizer"):
             return True
         optimizer = getattr(optimizer, "optimizer", None)
         if optimizer is None:
@@ -39,3 +51,27 @@ def refuse_partitioned(optimizer: Any, key: str, saving: bool) -> None:
         "the optimizer over model.parameters(): trainguard saves each rank's shards and reshards them on load), or "
         "build the optimizer without ZeroRedundancyOptimizer (optimizer_class(model.parameters(), ...))"
     )
+
+
+def refuse_diverged(optimizer: Any, key: str, state: Any, world: int) -> None:
+    """``capture.capture``, for optimizer entry ``key`` of a save on ``world`` ranks: raise
+    ``UnsupportedValueError`` when it is a ``PostLocalSGDOptimizer`` past its averager's warm-up
+    and it, or a module entry of ``state`` holding its parameters, is not rank-local."""
+    avg = getattr(optimizer, "averager", None)
+    if world < 2 or not _is(optimizer, "PostLocalSGDOptimizer"):
+        return
+    step, warm = getattr(avg, "step", 0), getattr(avg, "warmup_steps", 0)
+    if not (type(step) is int and type(warm) is int and step > warm):
+        return
+    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    shared = [k for k, v in state.items() if isinstance(v, torch.nn.Module) and not is_rank_local(v)
+              and any(id(p) in mine for p in v.parameters())]
+    shared = shared if is_rank_local(optimizer) else [key, *shared]
+    if shared:
+        raise UnsupportedValueError(
+            f"entry {key!r}: a PostLocalSGDOptimizer past its averager's warm-up (step {step}, warmup_steps {warm}): "
+            "each rank steps on its own gradients between averagings, so its parameters and optimizer state differ "
+            "from the other ranks', and an entry that is not rank-local is saved once for all ranks (every rank would "
+            f"resume with one mix of them). Mark {shared} rank-local: set trainguard_rank_local = True on the model "
+            "and on the optimizer (each rank saves its own; the run resumes at the same world size)"
+        )
