@@ -25,6 +25,7 @@ from .errors import (
 )
 from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
+from .names import frozen_names
 from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
@@ -58,6 +59,7 @@ class Snapshot:
     entry_sig: str = ""
     metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
     split: bool = False  # split_state=True: ranks may hold different entries (split.py)
+    frozen: dict[str, list[str]] = field(default_factory=dict)  # module entry -> its frozen parameters (names.py)
     data_positions: dict[str, Any] = field(default_factory=dict)  # shared samplers' states: check_data_positions
 
 
@@ -87,6 +89,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     seen: dict[int, Any] = {}
     ties: list[tuple[str, str]] = []  # (alias, target)
     data_positions: dict[str, Any] = {}
+    frozen: dict[str, list[str]] = {}
     for key, value in state.items():
         _check_key(key)
         local = is_rank_local(value)
@@ -104,6 +107,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 rank_local.append(key)
             skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
             objects[key] = skel
+            if isinstance(value, torch.nn.Module) and not local and not split:
+                frozen[key] = frozen_names(value)
             if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
                 # Global: every rank that reads data must hold the same (check_data_positions).
                 data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
@@ -131,7 +136,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local"), sorted(ties)]
         ).encode()
     ).hexdigest()
-    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions)
+    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions, frozen=frozen)
 
 
 def check_data_positions(begin: list[Any]) -> None:

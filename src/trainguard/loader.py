@@ -26,7 +26,7 @@ from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
-from .names import alias_saved_paths, canonical_optimizer
+from .names import alias_saved_paths, canonical_optimizer, check_frozen
 from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
@@ -202,6 +202,7 @@ def _load(
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
+    check_frozen(manifest, {p[0]: state[p[0]] for p in plans})  # requires_grad changed since the save: warn
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no memory) keep their current "

@@ -62,3 +62,47 @@ def alias_saved_paths(refs: list[str], dest: dict[str, Any]) -> dict[str, Any]:
             if c in dest:
                 dest[p] = dest[c]
     return dest
+
+
+def frozen_names(module: Any) -> list[str]:
+    """``capture.capture`` (every rank, each module entry of a save that is not rank-local nor
+    ``split_state``) and :func:`check_frozen`: the names of ``module``'s parameters with
+    ``requires_grad=False``, as its optimizer state names them, sorted; saved beside the entry's
+    skeleton as ``"frozen"``."""
+    from .stateful import unwrap_module
+
+    return sorted({canonical_key(n) for n, p in unwrap_module(module).named_parameters() if not p.requires_grad})
+
+
+def check_frozen(manifest: Any, state: Any) -> None:
+    """``loader._load``, every rank, after the load was planned: warn when a module entry's
+    parameters were frozen (``requires_grad=False``) at save time and are trainable now, or the
+    reverse. Only for a resume (the state holds an optimizer too: a fine-tuning that loads the
+    weights alone may freeze others on purpose) and checkpoints that recorded it. A checkpoint
+    restores values, not ``requires_grad``: a loop that unfreezes a backbone at ``step == K`` and
+    resumes past K trains on with it frozen, silently (torch does not save the flag either)."""
+    import warnings
+
+    import torch
+
+    if not any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
+        return
+    for key, value in state.items():
+        saved = (manifest.objects.get(key) or {}).get("frozen") if isinstance(value, torch.nn.Module) else None
+        if type(saved) is not list:
+            continue
+        from .stateful import unwrap_module
+
+        params = {canonical_key(n) for n, _ in unwrap_module(value).named_parameters()}
+        was, now = set(saved) & params, set(frozen_names(value))
+        thawed, froze = sorted(was - now), sorted(now - was)
+        if thawed or froze:
+            parts = [f"{len(v)} {what}: {v[:6]}" for v, what in ((thawed, "were frozen then and are trainable now"),
+                                                                 (froze, "were trainable then and are frozen now")) if v]
+            warnings.warn(
+                f"entry {key!r}: parameters that differ in requires_grad from the checkpoint of step {manifest.step}: "
+                f"{'; '.join(parts)}. A checkpoint restores values, not requires_grad: if your loop freezes or "
+                "unfreezes parameters at some step, apply that again on resume (e.g. `if step >= unfreeze_step`); "
+                "ignore this if the change is on purpose",
+                stacklevel=5,  # the caller of tg.load (check_frozen, _load, load, dist's wrapper)
+            )
