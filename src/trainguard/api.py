@@ -19,14 +19,22 @@ from typing import Any
 
 import torch
 
-from . import __version__, layout, split
+from . import __version__, layout, split, splitplan
 from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
-from .commit import LazyManifest, abandon_commit, check_shared, claim_commit, commit_dir, occupied, rank_files
+from .commit import (
+    LazyManifest,
+    abandon_commit,
+    check_begin,
+    check_shared,
+    claim_commit,
+    commit_dir,
+    occupied,
+    rank_files,
+)
 from .dist import DistContext, check_timeout, one_operation
 from .errors import (
     CheckpointError,
     RankFailureError,
-    StepExistsError,
     describe_error,
     failure_record,
     from_record,
@@ -202,15 +210,16 @@ def persist_and_commit(
                     f"save of {target} failed: cannot look into {target}: {type(e).__name__}: {e}") from e
             hello["error"] = describe_error(e)  # in the begin round: every rank raises it, none waits for rank 0
     begin = ctx.all_gather("begin", hello, timeout=timeout)
-    _check_begin(begin, ctx)
-    save_id = begin[0]["id"]
+    check_begin(begin, ctx)
+    sigs, save_id = [b["sig"] for b in begin], begin[0]["id"]
+    hashed = splitplan.owners(ctx, snap, sigs, timeout)  # split_state: tensors another group writes, hashed here
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
     report: dict[str, Any] = {"error": None}
     write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
     try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early
         fault("begin", ctx.rank)
         storage.makedirs(work)
-        report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage, [b["sig"] for b in begin])
+        report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage, sigs, hashed)
         fault("written", ctx.rank)
     except Exception as e:
         report, write_error = {"error": describe_error(e)}, e
@@ -228,7 +237,7 @@ def persist_and_commit(
     if ctx.rank == 0 and written is not None:
         try:
             raise_failures("save", written, ctx)
-            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step, [b["sig"] for b in begin])
+            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step, sigs)
             check_shared(storage, work, written)
             fault("before_manifest", ctx.rank)
             claim_commit(ctx, save_id)
@@ -268,40 +277,25 @@ def persist_and_commit(
 
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file
 
-def _check_begin(begin: list[Any], ctx: DistContext) -> None:
-    raise_failures("save", begin, ctx)
-    if begin[0].get("exists"):
-        raise StepExistsError(begin[0]["exists"])
-    if begin[0].get("refused"):
-        raise CheckpointError(begin[0]["refused"])
-    for key, also in (("step", ""), ("name", " (the path's last part: not made from each rank's clock or rank)")):
-        got = {r: b.get(key) for r, b in enumerate(begin)}  # a name differing: rank 0 looked for the others' files
-        if off := [r for r, s in got.items() if s != got[0]]:  # in its own temp directory ("not on shared storage")
-            raise RankFailureError(
-                f"save: ranks disagree on the {key}: {got}; every rank must save the same {key}{also}",
-                {r: f"called save with {key} {got[r]}, rank 0 with {got[0]}" for r in off},
-            )
-    split.check_flags([bool(b.get("split")) for b in begin], [b["sig"] for b in begin])
-    check_data_positions(begin)
-
-
 def _write_rank(
-    storage: Storage, work: str, snap: Snapshot, ctx: DistContext, base_loads: list[int], stage: Any, sigs: list[str]
+    storage: Storage, work: str, snap: Snapshot, ctx: DistContext, base_loads: list[int], stage: Any, sigs: list[str],
+    hashed: set[str],
 ) -> dict[str, Any]:
     mine = my_chunks(snap, ctx, base_loads, split.groups(sigs)[sigs[ctx.rank]] if snap.split else None)
-    fname = layout_mod.data_file(ctx.rank)
+    fname, skip = layout_mod.data_file(ctx.rank), splitplan.Hashed(mine, hashed, DEFAULT_BLOCK)  # skip: hashed, not written
     if stage is None and has_device_chunks(mine):
         stage = host_batches  # sync, device chunks: through a bounded host buffer, batch by batch
     if stage is None:  # sync: write straight from the tensors' memory
         cpu = [tensor_bytes(chunk_view(lf, b)) for lf, b in mine]
-        lengths = [len(v) for v in cpu]
-        streams = split_streams(mine, lengths)
-        offsets, sums, names, files = write_streams(storage, work, ctx.rank, cpu, streams, DEFAULT_BLOCK)
+        lengths, keep = [len(v) for v in cpu], skip.keep()
+        streams = split_streams([mine[i] for i in keep], [lengths[i] for i in keep])
+        got = write_streams(storage, work, ctx.rank, [cpu[i] for i in keep], streams, DEFAULT_BLOCK)
+        offsets, sums, names, files = skip.spread(keep, got, cpu)  # the skipped chunks hashed, no file
     else:  # async, or device chunks: host copies or live CPU tensors, batch by batch, one file
         lengths, (phases, batches) = [chunk_view(lf, b).nbytes for lf, b in mine], stage(mine)
-        offsets, size = layout_file(lengths, phases=phases)
-        sums = _write_staged(storage, storage.join(work, fname), batches, offsets, size, ctx.rank)
-        names, files = [fname] * len(mine), {fname: size}
+        offsets, size = layout_file([0 if s else n for n, s in zip(lengths, skip.skip)], phases=phases)
+        sums = skip.fill(_write_staged(storage, storage.join(work, fname), batches, offsets, size, ctx.rank, skip))
+        names, files = [None if s else fname for s in skip.skip], {fname: size}
     chunks = [
         [lf.path, lf.dtype, list(lf.shape), list(b.offsets), list(b.sizes), o, n, s, f]
         for (lf, b), n, o, s, f in zip(mine, lengths, offsets, sums, names)
@@ -324,14 +318,18 @@ def _write_rank(
     }
 
 
-def _write_staged(storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int) -> list[list[str]]:
-    """Write the async path's batches of ``(chunk index, byte offset in the chunk, host tensor)``;
-    returns each chunk's block checksums (a split chunk's pieces start on block boundaries)."""
+def _write_staged(
+    storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int, skip: splitplan.Hashed
+) -> list[list[str]]:
+    """Write the async path's batches of ``(chunk index, byte offset in the chunk, host tensor)``, but
+    for the chunks ``skip`` hashes (``splitplan.Hashed``); returns each chunk's block checksums (a
+    split chunk's pieces start on block boundaries)."""
     order: list[int] = []
 
     def chunks() -> Any:
         try:
             for batch in batches:
+                batch = skip.take(batch, tensor_bytes)  # hashed before the next batch reuses the buffer
                 order.extend(i for i, _, _ in batch)
                 yield [WriteChunk(tensor_bytes(t), offsets[i] + start) for i, start, t in batch]
         finally:

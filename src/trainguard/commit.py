@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout
+from .capture import check_data_positions
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -26,10 +27,12 @@ from .errors import (
     failure_record,
     from_record,
     is_media_error,
+    raise_failures,
 )
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock  # noqa: F401  (the manager imports it from here)
+from .split import check_flags
 from .storage import Storage
 
 
@@ -351,3 +354,22 @@ def _put_back(storage: Storage, old: str, final: str) -> None:
             storage.rename_dir(old, final)
     except OSError as e:
         warnings.warn(f"could not move the previous checkpoint {old} back to {final}: {e}", stacklevel=2)
+
+
+def check_begin(begin: list[Any], ctx: DistContext) -> None:
+    """``api.persist_and_commit``, every rank, on the "begin" round's answers (rank 0's with
+    :func:`occupied`'s): raise on every rank what one rank failed or what the ranks disagree on."""
+    raise_failures("save", begin, ctx)
+    if begin[0].get("exists"):
+        raise StepExistsError(begin[0]["exists"])
+    if begin[0].get("refused"):
+        raise CheckpointError(begin[0]["refused"])
+    for key, also in (("step", ""), ("name", " (the path's last part: not made from each rank's clock or rank)")):
+        got = {r: b.get(key) for r, b in enumerate(begin)}  # a name differing: rank 0 looked for the others' files
+        if off := [r for r, s in got.items() if s != got[0]]:  # in its own temp directory ("not on shared storage")
+            raise RankFailureError(
+                f"save: ranks disagree on the {key}: {got}; every rank must save the same {key}{also}",
+                {r: f"called save with {key} {got[r]}, rank 0 with {got[0]}" for r in off},
+            )
+    check_flags([bool(b.get("split")) for b in begin], [b["sig"] for b in begin])
+    check_data_positions(begin)

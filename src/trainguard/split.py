@@ -9,9 +9,11 @@ rank, the checkpoint holds the union:
 - ranks with the same entries (the same ``Snapshot.entry_sig``) form a *group* (a stage); the
   group's replicated tensors are spread over its ranks (``capture.my_chunks``), DTensors are
   written by their owners as always;
-- an entry that several groups hold (a buffer every stage keeps, a counter) is written by each
-  group and committed once, from the group of the lowest rank; the other groups' bytes must be
-  equal (same checksums), or the save fails naming the entry and the ranks;
+- a tensor that several groups hold (a buffer every stage keeps; with expert parallelism on
+  plain tensors, the shared block) is written by one group, chosen before the writes to balance
+  the groups' bytes (``splitplan.owners``); the other groups compute the block checksums of the
+  same chunks in memory, without writing them, and those must be equal (:func:`dedupe`), or the
+  save fails naming the tensor and the ranks. The data files hold one copy;
 - rank 0 merges the entries' skeletons (:class:`Merger`): dicts are united, and an optimizer's
   parameter groups by position, their ``params`` lists joined (the other hyperparameters must
   be equal).
@@ -90,17 +92,20 @@ def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | Non
 
 
 def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
-    """Rank 0, before the manifest is built: keep each path's chunks from one group only (that
-    of its lowest writing rank), after checking that every other group wrote the same bytes
-    (block checksums) for the same boxes; a group that wrote other boxes (a tensor sharded
-    differently) is refused (:func:`_refuse_overlap`). Replicated tensors are written in the
-    same row boxes by every group (``capture.my_chunks``). Modifies the reports' chunk lists in place."""
+    """Rank 0, before the manifest is built: keep each path's chunks from one group only (the
+    group that wrote them, ``splitplan.owners``; else that of its lowest writing rank), after
+    checking that every other group hashed (or wrote) the same bytes (block checksums) for the
+    same boxes; a group with other boxes (a tensor sharded differently) is refused
+    (:func:`_refuse_overlap`). Replicated tensors are in the same row boxes in every group
+    (``capture.my_chunks``). Chunks hashed and not written (no file) are never kept. Modifies
+    the reports' chunk lists in place."""
     gid = {r: g[0] for g in groups(sigs).values() for r in g}
     owner: dict[str, int] = {}  # path -> its group (the group's first rank)
     kind: dict[str, tuple[int, str, list[int]]] = {}  # path -> (first writer, dtype, shape)
     for r, w in enumerate(written):
         for c in w["chunks"]:
-            owner.setdefault(c[0], gid[r])
+            if len(c) < 9 or c[8] is not None:  # written, not only hashed
+                owner.setdefault(c[0], gid[r])
             first = kind.setdefault(c[0], (r, c[1], list(c[2])))
             if first[1:] != (c[1], list(c[2])):
                 raise UnsupportedValueError(
@@ -113,37 +118,49 @@ def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
     for r, w in enumerate(written):
         mine = []
         for c in w["chunks"]:
-            if owner[c[0]] == gid[r]:
+            if owner.get(c[0]) == gid[r] and (len(c) < 9 or c[8] is not None):
                 kept[(c[0], tuple(c[3]), tuple(c[4]))] = (r, c[7])
                 boxes.setdefault(c[0], []).append((r, c[3], c[4]))
                 mine.append(c)
             else:
                 dropped.append((r, c))
         w["chunks"] = mine
+    bad: dict[str, str] = {}  # path -> why it is refused (the first chunk found), every such tensor named
     for r, c in dropped:
         k = kept.get((c[0], tuple(c[3]), tuple(c[4])))
+        if c[0] not in owner:
+            raise CheckpointError(f"split_state: no rank wrote tensor {c[0]!r}, which rank {r} hashed (internal error)")
         if k is None:  # another box: block checksums (from each chunk's start) cannot be compared
-            _refuse_overlap(c, r, boxes.get(c[0], []))
+            why = _refuse_overlap(c, r, boxes.get(c[0], []))
         elif k[1] != c[7]:
-            raise UnsupportedValueError(
+            why = (
                 f"split_state: tensor {c[0]!r} is held by rank {k[0]} and rank {r} (different stages) with different "
                 "values; give each stage's copy its own name, or make the entry rank-local (trainguard_rank_local = True)"
             )
+        else:
+            continue
+        if why:
+            bad.setdefault(c[0], why)
+    if bad:  # the groups that write a tensor vary (balanced): the first found is any of them
+        first, *more = sorted(bad)
+        also = f" (also refused: {', '.join(map(repr, more[:8]))}{', ...' if len(more) > 8 else ''})" if more else ""
+        raise UnsupportedValueError(bad[first] + also)
 
 
-def _refuse_overlap(c: list[Any], rank: int, kept: list[tuple[int, list[int], list[int]]]) -> None:
+def _refuse_overlap(c: list[Any], rank: int, kept: list[tuple[int, list[int], list[int]]]) -> str | None:
     """``dedupe``: a chunk of another group whose box is none of the committed chunks' boxes
     (the stages shard the tensor differently: FSDP over meshes of other sizes, a DTensor on one
     stage and a plain tensor on another) fails the save if it overlaps one of them, since its
-    values cannot be checked against theirs (an empty chunk overlaps nothing)."""
+    values cannot be checked against theirs (an empty chunk overlaps nothing): the error, or None."""
     for w, offs, sizes in kept:
         if all(max(a, b) < min(a + m, b + n) for a, m, b, n in zip(offs, sizes, c[3], c[4], strict=True)):
-            raise UnsupportedValueError(
+            return (
                 f"split_state: tensor {c[0]!r} is held by rank {w} and rank {rank} (different stages) sharded differently "
                 f"(offsets {list(offs)} sizes {list(sizes)}, and {list(c[3])} {list(c[4])}), so their values cannot be "
                 "compared; shard it the same way on every stage that holds it (the same mesh size and placements), give "
                 "each stage's copy its own name, or make the entry rank-local (trainguard_rank_local = True)"
             )
+    return None
 
 
 def add_reported(tensors: dict[str, Any], objects: dict[str, Any], written: list[dict[str, Any]], entry: Any) -> None:
