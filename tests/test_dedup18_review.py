@@ -161,16 +161,16 @@ def test_a_shared_tensor_that_differs_is_still_refused_naming_it_and_the_ranks(t
     assert not (tmp_path / "step-1").exists()
 
 
-def _dies_in_the_round(rank: int, world: int, root: str, how: str) -> dict:
+def _dies_in_the_round(rank: int, world: int, root: str, how: str, who: int) -> dict:
     from trainguard import splitplan
 
     real = splitplan.proposal
 
     def proposal(snap):
-        if rank == 1 and how == "exit":
+        if rank == who and how == "exit":
             os._exit(17)  # dead in the new round: no report, no heartbeat
-        if rank == 1:
-            raise ValueError("no proposal on rank 1")
+        if rank == who:
+            raise ValueError(f"no proposal on rank {who}")
         return real(snap)
 
     splitplan.proposal = proposal
@@ -178,15 +178,17 @@ def _dies_in_the_round(rank: int, world: int, root: str, how: str) -> dict:
     return attempt(lambda: tg.save(f"{root}/step-1", {"model": m}, split_state=True, timeout=30))
 
 
-@pytest.mark.parametrize("how", ["exit", "raise"])
-def test_a_rank_that_dies_or_fails_in_the_owner_round_fails_the_save_on_every_rank(tmp_path, how):
-    out = run_ranks(_dies_in_the_round, WORLD, str(tmp_path), how, timeout=90, env=ENV, check=False)
-    alive = [r for r in out if r.rank != 1] if how == "exit" else out
-    assert out[1].exitcode == (17 if how == "exit" else 0)
+@pytest.mark.parametrize("how,who", [("exit", 1), ("exit", 0), ("raise", 1)])
+def test_a_rank_that_dies_or_fails_in_the_owner_round_fails_the_save_on_every_rank(tmp_path, how, who):
+    """Rank 1 dead: rank 0's gather names it and broadcasts the failure; rank 0 dead: the others,
+    waiting for its answer, name it (its heartbeat stopped)."""
+    out = run_ranks(_dies_in_the_round, WORLD, str(tmp_path), how, who, timeout=90, env=ENV, check=False)
+    alive = [r for r in out if r.rank != who] if how == "exit" else out
+    assert out[who].exitcode == (17 if how == "exit" else 0)
     for r in alive:
-        assert r.ok and r.value["type"] == "RankFailureError" and r.value["ranks"] == [1], (r.value, r.error)
+        assert r.ok and r.value["type"] == "RankFailureError" and r.value["ranks"] == [who], (r.value, r.error)
     if how == "raise":
-        assert all("no proposal on rank 1" in r.value["msg"] or "rank(s) [1]" in r.value["msg"] for r in alive)
+        assert all(f"no proposal on rank {who}" in r.value["msg"] or f"rank(s) [{who}]" in r.value["msg"] for r in alive)
     assert not [p.name for p in tmp_path.iterdir()]  # no checkpoint, no temp directory: the round comes first
 
 

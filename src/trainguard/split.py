@@ -241,8 +241,8 @@ class Merger:
         """``merge``, for an optimizer's parameter group (a dict whose ``params`` are names): its
         ``params`` (and ``param_names``, kept beside them) united, ``into``'s first. A parameter
         that both stages' optimizers hold (the shared layers of expert-parallel ranks, a tied
-        embedding of the first and last stage) is listed once: its state tensors, saved by both,
-        are committed once and checked to be equal (:func:`dedupe`). Empty for any other dict."""
+        embedding of the first and last stage) is listed once: its state tensors, held by both,
+        are written by one and checked to be equal (:func:`dedupe`). Empty for any other dict."""
         a, b = into.get("params"), other.get("params")
         if type(a) is not list or type(b) is not list or not set(map(type, b)) <= {str}:
             return {}
