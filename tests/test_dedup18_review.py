@@ -232,9 +232,10 @@ def test_owner_assignment_balances_bytes_per_rank_and_skips_what_cannot_be_compa
         bits = int.from_bytes(base64.b64decode(out.get(str(r), "")), "little")
         return {reports[r]["items"][i][0] for i in range(5) if bits >> i & 1}
 
-    # Bytes per rank: a and b to the group of two ranks (1005 a rank, not 1010 on rank 2 alone),
-    # then c to rank 2's group; d (shapes differ: refused by split.dedupe) and e (-1) written by both.
-    assert hashed(2) == {"a", "b"} and hashed(0) == {"c"}
+    # Bytes per rank so far (d: 10 each, 5 a rank in the group of two): a to group 0 (then 505 a
+    # rank), b to rank 2's (10), c to group 0 (505 < 1010); d (shapes differ: refused by
+    # split.dedupe) and e (-1) written by both.
+    assert hashed(0) == {"b"} and hashed(2) == {"a", "c"}
     assert decide(reports, sigs) == out  # deterministic
 
 

@@ -14,8 +14,8 @@ then compares every group's checksums as before and commits the writing group's 
 The round, only with ``split_state`` and two or more groups: the first rank of each group sends
 rank 0 its tensors' paths, dtypes, shapes and sizes (one gather: O(tensors of a group) per
 group, nothing from the other ranks); rank 0 assigns each tensor that two or more groups hold
-with the same dtype and shape to one of them, greedily, largest first, to the group whose
-bytes per rank stay lowest (as DCP's ``dedup_save_plans`` balances its write items; ties to
+with the same dtype and shape to one of them, greedily, largest first, to the group with the
+fewest bytes per rank so far (as DCP's ``dedup_save_plans`` balances its write items; ties to
 the lowest rank: the same answer for the same reports), and broadcasts, for each group that
 writes less than it holds, a bitmap over its sorted path list (base64). A rank that dies or
 fails in the round fails the save on every rank (rank 0 broadcasts the failure; a rank waiting
@@ -25,6 +25,7 @@ for rank 0 gives up after the timeout), before any file is created.
 from __future__ import annotations
 
 import base64
+import heapq
 from typing import Any
 
 from .capture import Snapshot
@@ -66,30 +67,42 @@ def decide(reports: list[Any], sigs: list[str]) -> dict[str, str]:
     """Rank 0: the bitmap (base64, little-endian, bit i for the i-th path of that group's
     report) of the tensors each group's ranks hash and do not write, by the group's first rank;
     groups that write all they hold are left out. ``reports``: the "split-owners" gather, a
-    proposal from each group's first rank (None from the others)."""
+    proposal from each group's first rank (None from the others). Each tensor held by two or
+    more groups with the same dtype and shape goes, largest first, to the holder with the fewest
+    bytes per rank so far (ties: the lowest rank), a lazy heap per set of holders. 64 groups of
+    6,096 tensors, 6,000 of them shared: 0.4 s (512 groups: 5.6 s, linear in the reports)."""
     size = {g[0]: len(g) for g in groups(sigs).values()}
-    held: dict[str, list[tuple[int, str, list[int], int]]] = {}
-    load = {r: 0 for r, rep in enumerate(reports) if rep and rep.get("items") is not None}
-    for r in load:
-        for path, dtype, shape, n in reports[r]["items"]:
-            held.setdefault(path, []).append((r, dtype, shape, n))
-    shared = []
-    for path, hs in held.items():
-        if len(hs) > 1 and min(h[3] for h in hs) >= 0 and len({(h[1], tuple(h[2])) for h in hs}) == 1:
-            shared.append((hs[0][3], path, [h[0] for h in hs]))
-        else:  # written by each holder (split.dedupe refuses a dtype or shape that differs)
-            for h in hs:
-                load[h[0]] += max(h[3], 0)
+    leaders = [r for r, rep in enumerate(reports) if rep and rep.get("items") is not None]
+    held: dict[str, list[int]] = {}
+    kind: dict[str, Any] = {}  # path -> [dtype, shape, bytes], or None: written by each holder
+    for r in leaders:
+        for item in reports[r]["items"]:
+            held.setdefault(item[0], []).append(r)
+            k = kind.setdefault(item[0], item[1:])
+            if k is not None and (k != item[1:] or item[3] < 0):
+                kind[item[0]] = None  # split.dedupe refuses a dtype or shape that differs
+    shared = {path for path, rs in held.items() if len(rs) > 1 and kind[path] is not None}
+    load = {r: sum(max(it[3], 0) for it in reports[r]["items"] if it[0] not in shared) for r in leaders}
+    heaps: dict[tuple[int, ...], list[tuple[float, int]]] = {}
     owner: dict[str, int] = {}
-    for n, path, rs in sorted(shared, key=lambda s: (-s[0], s[1])):
-        w = min(rs, key=lambda r: ((load[r] + n) / size[r], r))
-        load[w] += n
-        owner[path] = w
+    for neg, path, rs in sorted((-kind[p][2], p, tuple(held[p])) for p in shared):
+        h = heaps.get(rs)
+        if h is None:
+            h = heaps[rs] = [(load[r] / size[r], r) for r in rs]
+            heapq.heapify(h)
+        while (top := h[0])[0] != load[top[1]] / size[top[1]]:  # stale: another set's tensor went there
+            heapq.heapreplace(h, (load[top[1]] / size[top[1]], top[1]))
+        load[top[1]] -= neg
+        heapq.heapreplace(h, (load[top[1]] / size[top[1]], top[1]))
+        owner[path] = top[1]
     out = {}
-    for r in load:
-        bits = sum(1 << i for i, item in enumerate(reports[r]["items"]) if owner.get(item[0], r) != r)
-        if bits:
-            out[str(r)] = base64.b64encode(bits.to_bytes((bits.bit_length() + 7) // 8, "little")).decode()
+    for r in leaders:
+        bits = bytearray((len(reports[r]["items"]) + 7) // 8)
+        for i, item in enumerate(reports[r]["items"]):
+            if owner.get(item[0], r) != r:
+                bits[i >> 3] |= 1 << (i & 7)
+        if any(bits):
+            out[str(r)] = base64.b64encode(bytes(bits).rstrip(b"\0")).decode()
     return out
 
 
