@@ -33,9 +33,9 @@ def _rank(rank: int, world: int, root: str) -> None:
 
 
 def main() -> None:
-    from dist_helper import run_ranks
-
     from trainguard.manifest import Manifest
+
+    from dist_helper import run_ranks
 
     world = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     root = tempfile.mkdtemp(prefix="split-dedup-", dir=os.environ.get("TMPDIR"))
