@@ -70,7 +70,7 @@ def decide(reports: list[Any], sigs: list[str]) -> dict[str, str]:
     proposal from each group's first rank (None from the others). Each tensor held by two or
     more groups with the same dtype and shape goes, largest first, to the holder with the fewest
     bytes per rank so far (ties: the lowest rank), a lazy heap per set of holders. 64 groups of
-    6,096 tensors, 6,000 of them shared: 0.4 s (512 groups: 5.6 s, linear in the reports)."""
+    6,096 tensors, 6,000 of them shared: 0.4 s (512 groups: 3.8-5.6 s; bench/split_owner_scale.py)."""
     size = {g[0]: len(g) for g in groups(sigs).values()}
     leaders = [r for r, rep in enumerate(reports) if rep and rep.get("items") is not None]
     held: dict[str, list[int]] = {}
