@@ -55,19 +55,22 @@ def _state_of(m: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tenso
 def _save(rank: int, world: int, root: str, mode: str) -> dict[str, torch.Tensor]:
     """Each rank its own group; ``mode``: sync, async (staged copies), pieces (async with a 16 KiB
     staging buffer and block: every shared chunk staged and hashed in 4 pieces), zero-copy
-    (async, written and hashed from the live tensors)."""
-    from trainguard import api, async_save
+    (async, written and hashed from the live tensors), host-batches (sync, every chunk through the
+    bounded host buffer, as a GPU state's: ``streams.host_batches``)."""
+    from trainguard import api, async_save, streams
 
     if mode == "pieces":
         api.DEFAULT_BLOCK = async_save.DEFAULT_BLOCK = 16 << 10
     if mode == "zero-copy":
         os.environ["TRAINGUARD_ASYNC_ZERO_COPY"] = "1"
+    if mode == "host-batches":
+        streams.needs_host_copy = lambda t: True  # the seam: CPU tensors taken as a device's
     m = ep_model([rank])
     opt = torch.optim.AdamW(m.parameters(), lr=0.01)
     ep_step(m, opt, 1.0)
     saved = _state_of(m, opt)
     state = {"model": m, "optim": opt}
-    if mode == "sync":
+    if mode in ("sync", "host-batches"):
         tg.save(f"{root}/step-1", state, split_state=True)
         return saved
     h = tg.save(f"{root}/step-1", state, split_state=True, async_=True, max_staging_bytes=(16 << 10) if mode == "pieces" else None)
@@ -99,7 +102,7 @@ def _union(results) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "pieces", "zero-copy"])
+@pytest.mark.parametrize("mode", ["sync", "host-batches", "async", "pieces", "zero-copy"])
 def test_a_block_every_group_holds_is_written_once_and_loads_bit_identical(tmp_path, mode):
     from trainguard.manifest import Manifest
 
