@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from . import iterworkers
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import mark
 
@@ -272,18 +273,23 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     position by ``n * W`` items, padding included: a checkpoint taken in the padded end resumes
     with nothing left of the epoch on any rank.
 
-    Use it with ``num_workers`` 0 or 1: several DataLoader worker processes would each read the
-    whole stream and yield every item once per worker (refused with a ValueError). A worker
-    with ``persistent_workers=True`` keeps one copy of the dataset that never sees the main
-    process's position or epoch: its second epoch is refused with a ValueError.
+    ``num_workers > 1`` needs ``batch_size=`` (the DataLoader's): worker ``w`` of ``K`` yields
+    blocks ``w, w + K, ...`` of the rank's share cut into blocks of ``batch_size``, so the loader
+    yields the same batches as with 0 or 1 workers (:mod:`trainguard.iterworkers`); without it,
+    refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only.
+    A worker with ``persistent_workers=True`` keeps one copy of the dataset that never sees the
+    main process's position or epoch: its second epoch is refused with a ValueError.
     """
 
     _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
     reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None) -> None:
-        self.make_iter = make_iter
+                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
+                 transform: Callable[[Any], Any] | None = None) -> None:
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
+        self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
         self.drop_last = drop_last
         self._rank, self._world = rank, world_size
         self.epoch = 0
@@ -314,12 +320,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         self.reads_data = True  # in this process (a worker's copy marks its own)
         rank, world = self._rank_world_here()
         info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise ValueError(
-                f"ResumableIterable: DataLoader has num_workers={info.num_workers}; each worker would "
-                "read the whole stream and yield every item once per worker. Use num_workers=0 or 1"
-            )
         if info is not None:
+            iterworkers.check_workers(self.batch_size, info.num_workers)
             # Each DataLoader iterator gives a non-persistent worker a fresh copy of the dataset;
             # a persistent worker iterates its one copy again, which never saw advance(),
             # next_epoch() or load_state_dict() in the main process: it would replay its first epoch.
@@ -331,6 +333,13 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                     "Use persistent_workers=False"
                 )
             self._worker_iterated = True
+        items = self._rank_items(rank, world)
+        if info is not None and info.num_workers > 1:  # this worker's blocks only
+            items = iterworkers.worker_share(items, self.batch_size, info.id, info.num_workers)  # type: ignore[arg-type]
+        yield from items if self.transform is None else map(self.transform, items)
+
+    def _rank_items(self, rank: int, world: int) -> Iterator[Any]:
+        """``__iter__``: this rank's share of the stream from the position (item ``rank`` of each group)."""
         group: list[Any] = []
         restores, position = self._restores, self.position  # a worker's copy: never restored
         for i, item in enumerate(self.make_iter(self.epoch)):
