@@ -156,9 +156,9 @@ def _load(
         if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
             current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
         _, dest = flatten(cur, prefix)
-        if isinstance(obj, OptimizerAdapter):
-            dest = alias_saved_paths(tensor_refs(skel), dest)
         refs = tensor_refs(skel)
+        if isinstance(obj, OptimizerAdapter):
+            dest = alias_saved_paths(refs, dest)
         for p in refs:
             if p not in manifest.tensors:
                 raise CorruptCheckpointError(f"manifest references tensor {p!r} that it does not describe", entry=p)

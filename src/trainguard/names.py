@@ -5,9 +5,11 @@
 A module's ``state_dict()`` leaves them out (their hooks strip them), ``named_parameters()`` does
 not. ``stateful.ModuleAdapter`` names parameters without them, so an optimizer's state is keyed
 alike whether or not a run wraps its layers: a run resumed with activation checkpointing turned on
-or off loads its optimizer. Checkpoints written before (trainguard 0.x of sessions ≤ 17 kept
-``_checkpoint_wrapped_module`` in optimizer names) still load: ``loader._load`` passes their
-optimizer skeletons through :func:`canonical_optimizer` and :func:`alias_saved_paths`.
+or off loads its optimizer. Checkpoints written before this (their optimizer names kept
+``_checkpoint_wrapped_module``) still load: ``loader._load`` passes their optimizer skeletons
+through :func:`canonical_optimizer` and :func:`alias_saved_paths`.
+
+It also records and checks ``requires_grad`` (:func:`frozen_names`, :func:`check_frozen`).
 """
 
 from __future__ import annotations
