@@ -102,7 +102,8 @@ def _union(results) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["sync", "host-batches", "async", "pieces", "zero-copy"])
+@pytest.mark.parametrize("mode", ["sync", "async", *(pytest.param(m, marks=pytest.mark.slow)  # suite time: 3 modes in the slow run
+                                                     for m in ("host-batches", "pieces", "zero-copy"))])
 def test_a_block_every_group_holds_is_written_once_and_loads_bit_identical(tmp_path, mode):
     from trainguard.manifest import Manifest
 
@@ -181,7 +182,7 @@ def _dies_in_the_round(rank: int, world: int, root: str, how: str, who: int) -> 
     return attempt(lambda: tg.save(f"{root}/step-1", {"model": m}, split_state=True, timeout=30))
 
 
-@pytest.mark.parametrize("how,who", [("exit", 1), ("exit", 0), ("raise", 1)])
+@pytest.mark.parametrize("how,who", [pytest.param("exit", 1, marks=pytest.mark.slow), ("exit", 0), ("raise", 1)])  # suite time
 def test_a_rank_that_dies_or_fails_in_the_owner_round_fails_the_save_on_every_rank(tmp_path, how, who):
     """Rank 1 dead: rank 0's gather names it and broadcasts the failure; rank 0 dead: the others,
     waiting for its answer, name it (its heartbeat stopped)."""
