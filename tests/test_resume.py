@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import TESTS, run_py
@@ -17,6 +18,7 @@ def _run(tmp, name, *, root, stop, total=24, every=12):
     return torch.load(out + ".pt", weights_only=True), json.load(open(out + ".json"))
 
 
+@pytest.mark.slow  # suite time (~15 s): test_examples (plain loop) and test_demo resume in a new process bit-identically in make test
 def test_resume_in_new_process_is_bit_identical(tmp_path):
     straight, s_log = _run(tmp_path, "straight", root=tmp_path / "a", stop=24)
     first, f_log = _run(tmp_path, "first", root=tmp_path / "b", stop=12)
