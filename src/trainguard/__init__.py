@@ -37,6 +37,7 @@ from .policies import (  # noqa: E402
     RetentionPolicy,
     SavePolicy,
 )
+from .replicas import ReplicasDifferWarning  # noqa: E402
 from .sampler import ResumableIterable, ResumableSampler  # noqa: E402
 from .seeded import SeededDataset, ignore_stop_signals  # noqa: E402
 from .stateful import RNGState, StateDict, Stateful  # noqa: E402
@@ -77,6 +78,7 @@ __all__ = [
     "StateMismatchError",
     "StepExistsError",
     "UnsupportedValueError",
+    "ReplicasDifferWarning",
 ]
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)

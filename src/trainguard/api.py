@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, layout, split, splitplan
+from . import __version__, layout, replicas, split, splitplan
 from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
 from .commit import (
     LazyManifest,
@@ -199,7 +199,8 @@ def persist_and_commit(
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
     if step is None:
         step = layout_mod.parse_step(name) or 0
-    hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own, "error": None}
+    hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own,
+                             "error": None, "rep": replicas.hello(snap)}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
@@ -212,6 +213,7 @@ def persist_and_commit(
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     check_begin(begin, ctx)
     sigs, save_id = [b["sig"] for b in begin], begin[0]["id"]
+    replicas.compare(ctx, snap, begin, sigs, timeout, step)  # replicated tensors that differ: a warning (rank 0)
     hashed = splitplan.owners(ctx, snap, sigs, timeout)  # split_state: tensors another group writes, hashed here
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
     report: dict[str, Any] = {"error": None}

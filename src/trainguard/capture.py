@@ -26,7 +26,8 @@ from .errors import (
 from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names
-from .planner import Box, Regular, ReplicatedItem, assign_replicated, full_box
+from .planner import Box, Regular, full_box
+from .replicas import buffer_sources, digests, plan
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
@@ -47,6 +48,7 @@ class Leaf:
     regular: Regular | None = None  # Shard(d) over all ranks: saved in format 2's compact form
     alias: str | None = None  # kind "alias": the path of the leaf holding the bytes (never written)
     peers: tuple[int, ...] | None = None  # a DTensor on a mesh slice: the ranks that may hold its box (dtensor.split_peers)
+    source: int | None = None  # a replicated buffer DDP broadcasts from this rank: written by it (replicas.buffer_sources)
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Snapshot:
     split: bool = False  # split_state=True: ranks may hold different entries (split.py)
     frozen: dict[str, list[str]] = field(default_factory=dict)  # module entry -> its frozen parameters (names.py)
     data_positions: dict[str, Any] = field(default_factory=dict)  # shared samplers' states: check_data_positions
+    replicas: dict[str, Any] | None = None  # digests of the replicated leaves, taken at the call (replicas.py)
 
 
 def _check_key(key: Any) -> str:
@@ -90,6 +93,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ties: list[tuple[str, str]] = []  # (alias, target)
     data_positions: dict[str, Any] = {}
     frozen: dict[str, list[str]] = {}
+    sources: dict[int, int] = {}  # address of a buffer DDP syncs -> the rank it syncs from
     for key, value in state.items():
         _check_key(key)
         local = is_rank_local(value)
@@ -107,8 +111,10 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 rank_local.append(key)
             skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
             objects[key] = skel
-            if isinstance(value, torch.nn.Module) and not local and not split:
-                frozen[key] = frozen_names(value)
+            if isinstance(value, torch.nn.Module) and not local:
+                sources.update(buffer_sources(value) if ctx.world_size > 1 else {})
+                if not split:
+                    frozen[key] = frozen_names(value)
             if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
                 # Global: every rank that reads data must hold the same (check_data_positions).
                 data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
@@ -125,6 +131,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 ties.append((path, first.path))
                 continue
             lf = _leaf(path, t, local, layout_kind, ctx.rank, ctx.world_size)
+            if ptr and lf.kind == "replicated" and sources:
+                lf.source = sources.get(ptr)
             if split and lf.peers is not None:
                 lf.writer = True  # a candidate: staged by an async save, narrowed by my_chunks
             leaves.append(lf)
@@ -133,10 +141,12 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     # Ranks must agree on the ties too: which tensors each rank writes depends on them.
     sig = hashlib.sha1(
         json.dumps(
-            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim) for lf in leaves if lf.kind != "local"), sorted(ties)]
+            [sorted(state), sorted(rank_local), sorted((lf.path, lf.shape, lf.dtype, lf.regular and lf.regular.dim, lf.source) for lf in leaves if lf.kind != "local"), sorted(ties)]
         ).encode()
     ).hexdigest()
-    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions, frozen=frozen)
+    rep = digests(state, leaves, ctx.world_size, sig, layout_kind)  # compared in the begin round: replicas.compare
+    return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions,
+                    frozen=frozen, replicas=rep)
 
 
 def check_data_positions(begin: list[Any]) -> None:
@@ -301,11 +311,8 @@ def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: li
         mine.sort(key=lambda c: (c[0].path, c[1].offsets))
         return mine
     ranks = group if group is not None else list(range(ctx.world_size))
-    by_path = {lf.path: lf for lf in snap.leaves}
-    rep = sorted((lf for lf in snap.leaves if lf.kind == "replicated"), key=lambda lf: lf.path)
-    items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in rep]
     me, loads = ranks.index(ctx.rank), [base_loads[r] for r in ranks]
-    mine = [(by_path[p], b) for p, b, r in assign_replicated(items, len(ranks), loads, group is not None) if r == me]
+    mine = [(lf, b) for lf, b, r in plan(snap.leaves, ranks, loads, group is not None) if r == me]  # DDP's buffers: by its source
     if group is None:
         mine += [(lf, lf.box) for lf in snap.leaves if lf.kind != "replicated" and lf.writer]
     else:  # a DTensor on a mesh slice: written by the first of its peers that hold this rank's entries

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import replicas
 from .dist import DistContext
 from .errors import UnsupportedValueError
 
@@ -265,6 +266,8 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
         # wall time of the commit (async saves are logged when collected, at the next call)
         committed_t=round(time.time() - (time.monotonic() - finished), 6),
     )
+    if (found := replicas.take(step)) is not None:  # rank 0: replicated tensors that differed (replicas.py)
+        manager.events.emit("replicas_differ", step=step, **found)
 
 
 def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:

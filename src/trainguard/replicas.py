@@ -1,0 +1,186 @@
+"""Replicated tensors that are not equal on every rank.
+
+A plain tensor of a shared entry (DDP: parameters, buffers, optimizer state) is written from ONE
+rank (``planner.assign_replicated``) and every rank resumes with that copy. Where the ranks'
+copies differ (``DistributedDataParallel(broadcast_buffers=False)`` with BatchNorm, a buffer
+updated from each rank's own data, a rank that diverged through a bug) the resumed run is one
+silent mix, not the run that was saved. This module finds such tensors and warns.
+
+Order, on every rank of a multi-rank save:
+
+1. :func:`digests` (``capture.capture``, in the call: the state as at the call, before an async
+   save lets training go on): xxh3 of each replicated leaf's bytes: all of them on the first save
+   of each entry signature in this process, the module buffers alone (small) on the later ones.
+2. :func:`hello` goes into the "begin" round (``api.persist_and_commit``): one digest, no new round.
+3. :func:`compare` (``api.persist_and_commit``, after ``check_begin``): within each group of ranks
+   holding the same entries (``split.groups``: every rank without ``split_state``), digests that
+   differ start ONE more round, a gather of the per-tensor digests to rank 0, which warns (once
+   per process, ``ReplicasDifferWarning``) naming the tensors and ranks, and keeps the finding for
+   the manager's event log (:func:`take`, ``policies.report_saved``: a ``replicas_differ`` event).
+
+Not compared: rank-local entries, DTensors (each rank writes its own shard), ``layout="full"``
+(rank 0 writes everything), one process. The save itself goes on: a warning, not a refusal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .buffers import tensor_bytes
+from .errors import RankFailureError
+from .manifest import checksum
+from .planner import SPLIT_BYTES, Box, ReplicatedItem, assign_replicated
+from .split import groups
+from .stateful import is_rank_local
+
+log = logging.getLogger("trainguard")
+SHOWN = 8  # tensors named in the warning
+_SEEN: set[str] = set()  # entry signatures whose first save (every replicated tensor) this process made
+_FOUND: dict[int, dict[str, Any]] = {}  # step -> the finding, for the manager's event log (rank 0)
+_LOCK = threading.Lock()
+_warned = False
+
+
+class ReplicasDifferWarning(UserWarning):
+    """Tensors saved once for all ranks (replicated) differ between ranks; every rank resumes with one copy."""
+
+
+def buffer_sources(value: Any) -> dict[int, int]:
+    """``capture.capture``, each shared entry: for a ``DistributedDataParallel`` that syncs its buffers
+    (``broadcast_buffers``/``forward_sync_buffers``, the default), each buffer's address -> the global
+    rank DDP broadcasts it from before every forward (its process group's rank 0). That rank's copy is
+    the one the next step would use on every rank, so it is the one saved (:func:`plan`), and the
+    other ranks' copies (each updated by its own batch since) are not compared."""
+    ddp = getattr(value, "_orig_mod", value)  # torch.compile(ddp)
+    if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+        return {}
+    if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", False)):
+        return {}
+    try:
+        src = torch.distributed.get_global_rank(ddp.process_group, 0)
+    except Exception:  # a group torch cannot map: the default one's rank 0
+        src = 0
+    ignore = getattr(ddp, "parameters_to_ignore", ())
+    return {b.data_ptr(): src for n, b in ddp.module.named_buffers() if n not in ignore and b.nbytes <= SPLIT_BYTES}
+
+
+def plan(leaves: Sequence[Any], ranks: list[int], loads: list[int], rows: bool) -> list[tuple[Any, Box, int]]:
+    """``capture.my_chunks`` (every rank) and :func:`compare` (rank 0): ``(leaf, box, index in ranks)``
+    of every replicated piece: a leaf with a ``source`` in ``ranks`` whole by it, the others spread
+    by ``planner.assign_replicated`` over what is left (the same answer on every rank)."""
+    loads, out, free = list(loads), [], []
+    for lf in sorted((lf for lf in leaves if lf.kind == "replicated"), key=lambda lf: lf.path):
+        if lf.source is not None and lf.source in ranks:
+            i = ranks.index(lf.source)
+            out.append((lf, lf.box, i))
+            loads[i] += lf.tensor.nbytes
+        else:
+            free.append(lf)
+    by_path = {lf.path: lf for lf in free}
+    items = [ReplicatedItem(lf.path, lf.shape, lf.tensor.element_size()) for lf in free]
+    return out + [(by_path[p], b, i) for p, b, i in assign_replicated(items, len(ranks), loads, rows)]
+
+
+def digests(state: Mapping[str, Any], leaves: Sequence[Any], world: int, sig: str, layout_kind: str) -> dict[str, Any] | None:
+    """``capture.capture``, every rank, synchronously: ``{"scope", "digest", "sums"}`` for this save's
+    replicated leaves (``sums``: path -> xxh3 hex, in path order), or None when nothing is compared."""
+    if world < 2 or layout_kind != "sharded":
+        return None
+    with _LOCK:
+        first = sig not in _SEEN
+        _SEEN.add(sig)
+    rep = [lf for lf in leaves if lf.kind == "replicated" and lf.source is None]  # DDP's synced buffers: rank 0's saved
+    if not first:  # later saves: module buffers only (BatchNorm statistics), a few kB to MB
+        bufs = {b.data_ptr() for v in state.values() if isinstance(v, torch.nn.Module) and not is_rank_local(v)
+                for b in v.buffers()}
+        rep = [lf for lf in rep if lf.tensor.data_ptr() in bufs]
+    sums = {lf.path: checksum(tensor_bytes(lf.tensor if lf.tensor.device.type == "cpu" else lf.tensor.cpu()))
+            for lf in sorted(rep, key=lambda lf: lf.path)}
+    return {"scope": "all" if first else "buffers", "digest": checksum("".join(sums).encode() + "".join(sums.values()).encode()),
+            "sums": sums}
+
+
+def hello(snap: Any) -> list[str] | None:
+    """What this rank adds to the "begin" round: ``[scope, digest]``."""
+    d = getattr(snap, "replicas", None)
+    return None if d is None else [d["scope"], d["digest"]]
+
+
+def compare(ctx: Any, snap: Any, begin: list[Any], sigs: list[str], timeout: float | None, step: int) -> None:
+    """``api.persist_and_commit``, every rank, after ``check_begin``: warn on rank 0 when replicated
+    tensors differ within a group; the per-tensor round runs only then, on every rank."""
+    if not ctx.is_distributed:
+        return
+    bad = []
+    for ranks in groups(sigs).values():
+        got = [begin[r].get("rep") for r in ranks]
+        if len(ranks) > 1 and all(got) and len({g[0] for g in got}) == 1 and len({g[1] for g in got}) > 1:
+            bad.append(ranks)
+    if not bad:
+        return
+    mine = snap.replicas["sums"] if any(ctx.rank in g for g in bad) else None
+    try:
+        sums = ctx.gather("replicas", mine, timeout=timeout)
+    except RankFailureError as e:  # rank 0: a rank died; the "written" round reports it as usual
+        log.warning("trainguard: could not compare replicated tensors: %s", e)
+        return
+    if sums is not None:
+        _report(_differ(snap, begin, bad, sums), step)
+
+
+def _differ(snap: Any, begin: list[Any], bad: list[list[int]], sums: list[Any]) -> list[dict[str, Any]]:
+    """Rank 0: each differing tensor with its copies' ranks and the rank(s) whose copy is saved."""
+    out = []
+    for ranks in bad:
+        pieces = plan(snap.leaves, ranks, [begin[r]["own"] for r in ranks], snap.split)
+        for path in sums[ranks[0]]:
+            copies: dict[str, list[int]] = {}
+            for r in ranks:
+                copies.setdefault(sums[r].get(path, ""), []).append(r)
+            if len(copies) > 1:
+                kept = sorted({ranks[i] for lf, _b, i in pieces if lf.path == path})
+                out.append({"tensor": path, "copies": sorted(copies.values()), "kept": kept})
+    return out
+
+
+def _report(found: list[dict[str, Any]], step: int) -> None:
+    global _warned
+    if not found:
+        return
+    with _LOCK:
+        _FOUND[step] = {"tensors": found[:64], "count": len(found)}
+        while len(_FOUND) > 16:
+            del _FOUND[min(_FOUND)]
+        if _warned:
+            return
+        _warned = True
+    named = "; ".join(
+        f"{f['tensor']} (ranks {' | '.join(','.join(map(str, c)) for c in f['copies'])} hold different copies; "
+        f"the checkpoint keeps {'rank ' if len(f['kept']) == 1 else 'row ranges of ranks '}{','.join(map(str, f['kept']))}'s)"
+        for f in found[:SHOWN]
+    )
+    more = f" and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
+    msg = (
+        f"trainguard: save of step {step}: {len(found)} replicated tensor(s) differ between ranks: {named}{more}. "
+        "A tensor of a shared entry is saved from ONE rank and every rank resumes with that copy, so the resumed "
+        "run will not be the one that was saved. BatchNorm statistics: keep DDP's buffer sync (broadcast_buffers="
+        "True, the default) or use nn.SyncBatchNorm; state each rank keeps on purpose: set trainguard_rank_local = "
+        "True on its entry (each rank saves and resumes its own); parameters: a rank diverged (a missed all-reduce, "
+        "a rank-dependent update). Warned once per process (docs/distributed.md)."
+    )
+    try:
+        warnings.warn(msg, ReplicasDifferWarning, stacklevel=2)
+    except Warning:  # warnings turned into errors: the save goes on (every rank is mid-save), logged instead
+        log.error("%s", msg)
+
+
+def take(step: int) -> dict[str, Any] | None:
+    """``policies.report_saved`` (the manager, rank 0, once the save committed): the finding of ``step``, once."""
+    with _LOCK:
+        return _FOUND.pop(step, None)
