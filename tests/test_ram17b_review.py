@@ -66,15 +66,16 @@ def test_a_ram_tier_without_room_saves_to_the_run_directory_and_uses_ram_again_w
         mgr.wait()
         assert _steps(ram_dir(root, base)) == [3]
         mgr.ram.wait()
-        # sync: step 1's RAM save ran out of room and was saved again to the run directory at once;
-        # async: step 1's failure is known when step 2 is saved, which goes to the run directory
-        assert _steps(root) == ([1, 2, 3] if not async_save else [2, 3])
-        assert len([w for w in caught if "failed" in str(w.message)]) == (0 if not async_save else 1)
-    assert [e["step"] for e in _events(root, "ram_no_room")] == ([1, 2] if not async_save else [2])
+        # The first save's size is estimated from the state (no checkpoint yet): step 1 goes straight
+        # to the run directory, sync and async. Before, the async step 1 tried RAM and failed (known
+        # at step 2: steps [2, 3], one "failed" warning).
+        assert _steps(root) == [1, 2, 3]
+        assert [str(w.message) for w in caught if "failed" in str(w.message)] == []
+    assert [e["step"] for e in _events(root, "ram_no_room")] == [1, 2]
     m = _big(0.0)
     with tg.CheckpointManager(root, handle_signals=False) as mgr:
         assert mgr.restore({"model": m}) == 3 and torch.all(m.weight == 3)
-    for step in (1, 2) if not async_save else (2,):
+    for step in (1, 2):
         m = _big(0.0)
         tg.load(os.path.join(root, f"step-{step:09d}"), {"model": m})
         assert torch.all(m.weight == step)
@@ -186,3 +187,21 @@ def test_ls_json_says_which_ram_copies_a_restart_discards(tmp_path):
                       ("ram", 30, "valid", "it reached the run directory and was removed from it since")]
     _run(root, base, None, {20: 20.0}, persist=False)  # restores 10, discards 30; 20 is in RAM only
     assert rows() == [("durable", 10, "valid", None), ("ram", 20, "valid", None)]
+
+
+def test_the_first_saves_estimate_counts_each_tensor_once() -> None:
+    """ramroom.estimate: a module's parameters and buffers, an optimizer's state, plain tensors and
+    a dict's, each tensor once (a tied weight, the same tensor in two entries)."""
+    from trainguard.ramroom import estimate
+
+    m = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100, bias=False), torch.nn.BatchNorm1d(100))
+    m[1].weight = m[0].weight  # tied: 3,200 bytes once
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.tensor([1, 2])).sum().backward()
+    opt.step()  # exp_avg, exp_avg_sq per parameter, and a step tensor each
+    params = 100 * 8 * 4 + 2 * 100 * 4  # embedding (tied) + BatchNorm weight and bias
+    buffers = 2 * 100 * 4 + 8  # running mean and var, num_batches_tracked
+    adam = 2 * params + 3 * 4  # two moments + three float32 step tensors
+    extra = torch.zeros(10)
+    got = estimate({"model": m, "optim": opt, "x": extra, "d": {"x": extra, "y": torch.zeros(5, dtype=torch.int64)}, "n": 3})
+    assert got == params + buffers + adam + 40 + 40

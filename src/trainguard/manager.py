@@ -237,7 +237,7 @@ class CheckpointManager:
         meta = {"step": step, "metrics": values}
         self._metrics[step] = values
         try:  # RAM tier: the run directory when it has no room; its round ("ram_room") failing fails the save (on_error)
-            storage, target = self.ram.target(step, self.timeout) if self.ram else (self.storage, target)
+            storage, target = self.ram.target(step, self.timeout, state) if self.ram else (self.storage, target)
         except CheckpointError as e:
             self._report_failure(e, step=step)
             return None

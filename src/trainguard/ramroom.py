@@ -12,7 +12,9 @@ every save with ENOSPC: with ``on_error="warn"`` the run trained on with no chec
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 from . import layout
@@ -29,20 +31,24 @@ def room_needed(need: int | None, short: int) -> int:
     return max(need + need // 100 + SLACK if need else 0, short + 1 if short else 0)
 
 
-def goes_durable(tier: Any, step: int, timeout: float | None) -> bool:
+def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str, Any] | None = None) -> bool:
     """Every rank, in ``RamTier.target``: whether the save of ``step`` skips the RAM tier. Rank 0
     waits for the previous copy to disk and makes room (``RamTier.make_room``), compares the RAM
     directory's free space with ``room_needed`` and says so (event ``ram_no_room`` each time, a
     warning when the previous save went to RAM); the other ranks receive its answer. When rank 0
     fails there (an OSError removing a copy), it sends its error instead of the answer, in the
     same round: every rank raises a ``CheckpointError`` naming it (the manager reports it per
-    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round."""
+    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round.
+    ``state``: the state being saved; before a run's first save (no checkpoint size known yet)
+    rank 0 takes :func:`estimate` of it as the size."""
     durable: bool | dict[str, str] = False
     err: Exception | None = None
     if tier.ctx.rank == 0:
         try:
             tier.wait()
             tier.make_room()
+            if tier.need is None and state is not None:
+                tier.need = estimate(state)  # replaced by the real size once a checkpoint is in RAM or on disk
             durable = _decide(tier, step)
         except Exception as e:  # any of rank 0's: every rank fails this save with it
             err, durable = e, {"error": f"{type(e).__name__}: {e}"}
@@ -78,3 +84,31 @@ def ran_out(e: BaseException, ram: str) -> bool:
     each failed rank's traceback as text) is a lack of room in the RAM directory ``ram``."""
     texts = [str(e)] + [str(t) for t in getattr(e, "failures", {}).values()]
     return any(ram in t and "no space left" in t.lower() for t in texts)
+
+
+def estimate(state: Mapping[str, Any]) -> int:
+    """Rank 0, ``goes_durable``, before a run's first save: about what this node's ranks write, an
+    upper bound rather than less. Plain tensors (replicated: the node's ranks write at most one
+    copy together) count once, a DTensor's local shard once per rank of the node
+    (``LOCAL_WORLD_SIZE``). Modules' parameters and buffers, optimizers' state, tensors of the
+    state or of a dict in it; each tensor once. Before, a first async save into a RAM tier with
+    less room failed (its error known at the next save) instead of going to the run directory."""
+    import torch
+
+    from .dtensor import is_dtensor
+
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    seen: set[int] = set()
+    total = 0
+    for v in state.values():
+        if isinstance(v, torch.nn.Module):
+            ts: Any = [*v.parameters(), *v.buffers()]
+        elif isinstance(v, torch.optim.Optimizer):
+            ts = [t for s in v.state.values() for t in s.values()]
+        else:
+            ts = [v] if isinstance(v, torch.Tensor) else list(v.values()) if isinstance(v, dict) else []
+        for t in ts:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                total += t.to_local().nbytes * local if is_dtensor(t) else t.nbytes
+    return total

@@ -174,12 +174,12 @@ class RamTier:
             raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
 
     # --------------------------------------------------------------- save
-    def target(self, step: int, timeout: float | None = None) -> tuple[Storage, str]:
+    def target(self, step: int, timeout: float | None = None, state: Any = None) -> tuple[Storage, str]:
         """Every rank, before a save: where it goes. Rank 0 first waits for the previous persist
         (one in flight; the wait counts as stall) and makes room (``ramroom.goes_durable``, agreed
         by every rank within ``timeout``, rank 0's error raised on every rank). Straight to the run
         directory when the RAM tier has no room for it."""
-        self._bypass = step if goes_durable(self, step, timeout) else None
+        self._bypass = step if goes_durable(self, step, timeout, state) else None  # state: the first save's size
         if self._bypass is not None:
             return self.durable, self.durable.join(self.durable_root, layout.step_dir(step))
         return self.storage, os.path.join(self.dir, layout.step_dir(step))
