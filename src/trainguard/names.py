@@ -90,13 +90,17 @@ def check_frozen(manifest: Any, state: Any) -> None:
     if not any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
         return
     for key, value in state.items():
-        saved = (manifest.objects.get(key) or {}).get("frozen") if isinstance(value, torch.nn.Module) else None
+        entry = manifest.objects.get(key) or {}
+        saved = entry.get("frozen") if isinstance(value, torch.nn.Module) else None
         if type(saved) is not list:
             continue
         from .stateful import unwrap_module
 
         params = {canonical_key(n) for n, _ in unwrap_module(value).named_parameters()}
-        was, now = set(saved) & params, set(frozen_names(value))
+        # Only the parameters the checkpoint holds (its skeleton, by the same names): one added
+        # since the save (a strict=False load) had no requires_grad then to differ from.
+        held = set(entry["skeleton"]) if type(entry.get("skeleton")) is dict else params
+        was, now = set(saved) & params, set(frozen_names(value)) & (held | set(saved))
         thawed, froze = sorted(was - now), sorted(now - was)
         if thawed or froze:
             parts = [f"{len(v)} {what}: {v[:6]}" for v, what in ((thawed, "were frozen then and are trainable now"),
