@@ -27,14 +27,20 @@ def _is(optimizer: Any, name: str) -> bool:
     return any(c.__name__ == name and c.__module__.startswith("torch.distributed") for c in type(optimizer).__mro__)
 
 
-def _partitioned(optimizer: Any) -> bool:
-    for _ in range(8):  # a wrapper that keeps the real optimizer in .optimizer (Accelerate's)
-        if _is(optimizer, "ZeroRedundancyOptimizer"):
-            return True
+def _inner(optimizer: Any, name: str) -> Any:
+    """``optimizer`` or the optimizer it wraps (in ``.optimizer``, Accelerate's wrapper, up to 8
+    deep) that is torch.distributed's class ``name``; None if none is."""
+    for _ in range(8):
+        if _is(optimizer, name):
+            return optimizer
         optimizer = getattr(optimizer, "optimizer", None)
         if optimizer is None:
-            return False
-    return False
+            return None
+    return None
+
+
+def _partitioned(optimizer: Any) -> bool:
+    return _inner(optimizer, "ZeroRedundancyOptimizer") is not None
 
 
 def refuse_partitioned(optimizer: Any, key: str, saving: bool) -> None:
@@ -56,14 +62,16 @@ def refuse_partitioned(optimizer: Any, key: str, saving: bool) -> None:
 def refuse_diverged(optimizer: Any, key: str, state: Any, world: int) -> None:
     """``capture.capture``, for optimizer entry ``key`` of a save on ``world`` ranks: raise
     ``UnsupportedValueError`` when it is a ``PostLocalSGDOptimizer`` past its averager's warm-up
-    and it, or a module entry of ``state`` holding its parameters, is not rank-local."""
-    avg = getattr(optimizer, "averager", None)
-    if world < 2 or not _is(optimizer, "PostLocalSGDOptimizer"):
+    (or wraps one, as :func:`refuse_partitioned` looks through) and it, or a module entry of
+    ``state`` holding its parameters, is not rank-local."""
+    local_sgd = _inner(optimizer, "PostLocalSGDOptimizer") if world > 1 else None
+    if local_sgd is None:
         return
+    avg = getattr(local_sgd, "averager", None)
     step, warm = getattr(avg, "step", 0), getattr(avg, "warmup_steps", 0)
     if not (type(step) is int and type(warm) is int and step > warm):
         return
-    mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    mine = {id(p) for g in local_sgd.param_groups for p in g["params"]}
     shared = [k for k, v in state.items() if isinstance(v, torch.nn.Module) and not is_rank_local(v)
               and any(id(p) in mine for p in v.parameters())]
     shared = shared if is_rank_local(optimizer) else [key, *shared]
