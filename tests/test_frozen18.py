@@ -106,3 +106,20 @@ def test_a_checkpoint_without_the_record_is_not_warned(wrap) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tg.load(data / "ac_wrapped" / "step-000000003", {"model": m, "optim": o})
+
+
+def test_a_damaged_record_is_ignored(tmp_path) -> None:
+    """A "frozen" value that is not a list of names (the manifest does not validate it) skips the
+    check instead of failing the load with a TypeError (newcode18's find)."""
+    import xxhash
+
+    m, o = _build()
+    tg.save(tmp_path / "step-000000001", {"model": m, "optim": o})
+    path = tmp_path / "step-000000001" / "manifest.json"
+    raw = json.loads(path.read_text())
+    raw["manifest"]["objects"]["model"]["frozen"] = [[1]]
+    body = json.dumps(raw["manifest"], separators=(",", ":"))
+    path.write_text(f'{{"checksum":"{xxhash.xxh3_64_hexdigest(body.encode())}","manifest":{body}}}\n')
+    m2, o2 = _build()
+    tg.load(tmp_path / "step-000000001", {"model": m2, "optim": o2})
+    assert torch.equal(m2[2].weight, m[2].weight)

@@ -92,7 +92,7 @@ def check_frozen(manifest: Any, state: Any) -> None:
     for key, value in state.items():
         entry = manifest.objects.get(key) or {}
         saved = entry.get("frozen") if isinstance(value, torch.nn.Module) else None
-        if type(saved) is not list:
+        if type(saved) is not list or not all(type(n) is str for n in saved):  # absent (older), or damaged: no check
             continue
         from .stateful import unwrap_module
 
