@@ -90,7 +90,7 @@ def test_a_failed_ram_room_round_is_a_failed_save_under_on_error_warn(tmp_path, 
     from trainguard import tiers
     from trainguard.errors import RankFailureError
 
-    def lost(tier, step, timeout):
+    def lost(tier, step, timeout, state=None):  # goes_durable's signature (state: the first save's size)
         raise RankFailureError("ram_room: rank(s) [0] did not arrive within 18 s", {0: "did not call ram_room"})
 
     real = tiers.goes_durable
