@@ -51,8 +51,13 @@ def _expected(n: int, rank: int, world: int, batch: int, position: int = 0, epoc
     return [b for b in out if len(b) == batch] if loader_drop_last else out
 
 
+# Workers are forked: the start method is not what these tests check (spawn/forkserver workers: test_data17_review),
+# and a forkserver default left by other tests in the same pytest process re-imports torch per worker (seconds each).
+FORK = {"multiprocessing_context": "fork"}
+
+
 def _batches(it: ResumableIterable, batch: int, workers: int, **kw) -> list[list[int]]:
-    return [b.tolist() for b in DataLoader(it, batch_size=batch, num_workers=workers, **kw)]
+    return [b.tolist() for b in DataLoader(it, batch_size=batch, num_workers=workers, **(FORK if workers else {}), **kw)]
 
 
 @pytest.mark.parametrize(("workers", "n", "world", "batch", "position"), [
@@ -84,7 +89,7 @@ def test_drop_last_of_the_wrapper_and_of_the_loader_with_workers():
 def _run(it: ResumableIterable, batch: int, workers: int, stop: int | None = None) -> list[list[int]]:
     """The training loop: each batch consumed is advanced; ``stop``: leave after that many."""
     seen = []
-    for b in DataLoader(it, batch_size=batch, num_workers=workers):
+    for b in DataLoader(it, batch_size=batch, num_workers=workers, **(FORK if workers else {})):
         seen.append(b.tolist())
         it.advance(len(b))
         if len(seen) == stop:
@@ -118,7 +123,7 @@ def test_refusals_without_or_with_a_wrong_batch_size_and_with_persistent_workers
     it = ResumableIterable(_make(12), rank=0, world_size=1, batch_size=3)
     with pytest.raises(ValueError, match="batches hold 2 items"):  # the loader's batch_size differs
         _batches(it, 2, 2)
-    loader = DataLoader(it, batch_size=3, num_workers=2, persistent_workers=True)
+    loader = DataLoader(it, batch_size=3, num_workers=2, persistent_workers=True, **FORK)
     assert [b.tolist() for b in loader] == _expected(12, 0, 1, 3)
     it.advance(12)
     it.next_epoch()
