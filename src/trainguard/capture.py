@@ -27,7 +27,7 @@ from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names
 from .planner import Box, Regular, full_box
-from .replicas import buffer_sources, digests, plan
+from .replicas import digests, plan, state_buffer_sources
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
@@ -93,7 +93,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ties: list[tuple[str, str]] = []  # (alias, target)
     data_positions: dict[str, Any] = {}
     frozen: dict[str, list[str]] = {}
-    sources: dict[int, int] = {}  # address of a buffer DDP syncs -> the rank it syncs from
+    # address of a buffer DDP syncs (and of the state's other module buffers then) -> the rank saving it
+    sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
     for key, value in state.items():
         _check_key(key)
         local = is_rank_local(value)
@@ -112,7 +113,6 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
             objects[key] = skel
             if isinstance(value, torch.nn.Module) and not local:
-                sources.update(buffer_sources(value) if ctx.world_size > 1 else {})
                 if not split:
                     frozen[key] = frozen_names(value)
             if not local and isinstance(value, (ResumableSampler, ResumableIterable)):

@@ -70,6 +70,30 @@ def buffer_sources(value: Any) -> dict[int, int]:
     return {b.data_ptr(): src for n, b in ddp.module.named_buffers() if n not in ignore and b.nbytes <= SPLIT_BYTES}
 
 
+def state_buffer_sources(state: Mapping[str, Any]) -> dict[int, int]:
+    """``capture.capture``, once per multi-rank save, before it reads the entries: buffer address -> the
+    rank whose copy is saved. DDP's synced buffers come from the rank DDP broadcasts them from
+    (:func:`buffer_sources`). When those all come from one rank, the buffers of the state's other shared
+    module entries come from it too: an EMA (``AveragedModel(use_buffers=True)``, timm's ``ModelEma``)
+    copies or averages the trained module's buffers after each step, when each rank's BatchNorm statistics
+    have moved with its own batch, so its copies differ on every rank like DDP's own; saved balanced over
+    the ranks they were one mix (rank 1's ``running_mean``, rank 0's ``running_var``) that no rank held.
+    Rank 0's EMA is then the one that resumes bit-identically. These buffers are not compared either."""
+    out: dict[int, int] = {}
+    for value in state.values():
+        if isinstance(value, torch.nn.Module) and not is_rank_local(value):
+            out.update(buffer_sources(value))
+    if len(set(out.values())) != 1:
+        return out
+    src = next(iter(out.values()))
+    for value in state.values():
+        if isinstance(value, torch.nn.Module) and not is_rank_local(value):
+            for b in value.buffers():
+                if b.nbytes and b.nbytes <= SPLIT_BYTES:
+                    out.setdefault(b.data_ptr(), src)
+    return out
+
+
 def plan(leaves: Sequence[Any], ranks: list[int], loads: list[int], rows: bool) -> list[tuple[Any, Box, int]]:
     """``capture.my_chunks`` (every rank) and :func:`compare` (rank 0): ``(leaf, box, index in ranks)``
     of every replicated piece: a leaf with a ``source`` in ``ranks`` whole by it, the others spread
