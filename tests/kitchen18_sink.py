@@ -62,6 +62,9 @@ def train(rank: int, world: int, root: str, steps: int, stop_after: int | None, 
 
     net = make_model(opts)
     model = DDP(net) if world > 1 or opts.get("ddp1", True) else net
+    ddp = model
+    if opts.get("compile", False):
+        model = torch.compile(model)  # torch.compile(DDP(net)): trainguard unwraps both
     decay = [p for n, p in net.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in net.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3)
@@ -110,7 +113,7 @@ def train(rank: int, world: int, root: str, steps: int, stop_after: int | None, 
             total, idx = 0.0, []
             for micro in range(accum):
                 x, y, i = next(it)
-                ctx = model.no_sync() if (micro < accum - 1 and isinstance(model, DDP)) else _null()
+                ctx = ddp.no_sync() if (micro < accum - 1 and isinstance(ddp, DDP)) else _null()
                 with ctx:
                     with torch.autocast("cpu", dtype=getattr(torch, opts.get("dtype", "bfloat16")), enabled=amp):
                         out = model(x)

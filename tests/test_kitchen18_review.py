@@ -82,7 +82,9 @@ def _same(a, b, path: str, out: list[str]) -> None:
     {"async": True},                                   # EMA shared: rank 0's resumes, rank 1's drifts
     {"async": False, "ema_local": True, "val_every": 5},  # the save right after a validation pass
     {"async": True, "no_train_after_val": True, "val_every": 5, "ema": False},  # the save in eval mode
-], ids=["async", "sync-ema-local-val-at-save", "save-in-eval-mode"])
+    {"async": True, "compile": True, "ema_local": True},  # torch.compile(DDP(net)): ~15 s to compile a rank
+    {"async": True, "dtype": "float16", "ema_local": True},  # float16 autocast: the GradScaler scales for real
+], ids=["async", "sync-ema-local-val-at-save", "save-in-eval-mode", "compile", "float16"])
 def test_kitchen_sink_ddp_loop_resumes_bit_identically(tmp_path, opts):
     import kitchen18_sink as ks
 
