@@ -17,6 +17,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 import trainguard as tg
 
 DATA = Path(__file__).parent / "data"
+_spec = importlib.util.spec_from_file_location("make_ac_wrapped", DATA / "make_ac_wrapped.py")
+_made = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_made)
+_step = _made.step  # one training step, as the fixture tests/data/ac_wrapped was made with
 
 
 def _build(wrap, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -25,15 +29,6 @@ def _build(wrap, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
     if wrap is not None:
         m[0] = wrap(m[0])
     return m, torch.optim.AdamW(m.parameters(), lr=0.05, weight_decay=0.1)
-
-
-def _step(m: nn.Module, o: torch.optim.Optimizer, i: int) -> float:
-    g = torch.Generator().manual_seed(100 + i)
-    loss = m(torch.randn(5, 6, generator=g)).square().mean()
-    o.zero_grad()
-    loss.backward()
-    o.step()
-    return loss.item()
 
 
 @pytest.mark.parametrize(
@@ -72,10 +67,7 @@ def test_checkpoint_saved_with_wrapper_names_still_loads(wrap) -> None:
     """tests/data/ac_wrapped: written by the code before names.py, whose optimizer names held
     ``_checkpoint_wrapped_module``; it loads in place into the model with or without the wrapper,
     and the next steps are those of the saved run."""
-    spec = importlib.util.spec_from_file_location("make_ac_wrapped", DATA / "make_ac_wrapped.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    build, step = mod.build, mod.step
+    build, step = _made.build, _made.step
     src, _ = build(True)
     src_o = torch.optim.AdamW(src.parameters(), lr=0.05, weight_decay=0.1)
     for i in range(3):
