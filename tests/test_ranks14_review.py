@@ -243,7 +243,7 @@ def _fork_during_async_save(rank: int, world: int, root: str, kind: str) -> dict
     return out
 
 
-@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp"])  # suite time: ddp in the slow run
+@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp", marks=pytest.mark.slow)])  # suite time (~10-20 s each)
 def test_a_rank_forking_while_its_async_save_is_in_flight(tmp_path, kind):
     """DataLoader workers forked over 2 epochs and an eval process forked while the rank's async
     save is in flight: the workers deliver every sample, the child loads alone, the parent's save
@@ -431,7 +431,7 @@ def _flip(root: Path, name: str, block: int, row: int) -> tuple[str, int]:
     return c.file, c.offset + pos
 
 
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 3])  # suite time: 1 rank in the slow run
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])  # suite time: test_dist_fsdp reshards 1-2-3-1
 def test_fsdp2_rows_and_columns_saved_on_2_ranks_load_on_1_and_3(tmp_path, world):
     run_ranks(_reshard_save, 2, str(tmp_path), timeout=60, env=ENV)
     for verify in (True, False):
@@ -440,7 +440,7 @@ def test_fsdp2_rows_and_columns_saved_on_2_ranks_load_on_1_and_3(tmp_path, world
         assert [r.value["diff"] for r in res] == [{"0.weight": 0, "1.weight": 0}] * world
 
 
-@pytest.mark.parametrize(("name", "block", "row"), [("0.weight", 1, 1100), pytest.param("0.weight", 0, 10, marks=pytest.mark.slow),
+@pytest.mark.parametrize(("name", "block", "row"), [pytest.param("0.weight", 1, 1100, marks=pytest.mark.slow), pytest.param("0.weight", 0, 10, marks=pytest.mark.slow),
                                                     pytest.param("1.weight", 1, 600, marks=pytest.mark.slow)])  # suite time
 def test_a_byte_flipped_in_a_scratch_end_block_on_3_ranks(tmp_path, name, block, row):
     """Rows 0-2047 of the 4096-row weight are rank 0's part of the save (blocks 0 and 1 of its
