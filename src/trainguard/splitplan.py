@@ -192,7 +192,10 @@ class Hashed:
     def spread(self, keep: list[int], got: tuple[list[int], list[list[str]], list[str], dict[str, int]], cpu: list[memoryview]) -> Any:
         """The sync path: ``write_streams``' answer for the chunks ``keep`` spread over all of
         ``mine``, the skipped chunks hashed from ``cpu`` (their memory: training is blocked), and
-        named with no file (``split.dedupe`` drops them)."""
+        named with no file (``split.dedupe`` drops them). Nothing skipped (every unsplit save):
+        ``got`` as it is, no per-chunk copy on the save path."""
+        if len(keep) == len(self.skip):
+            return got
         offsets, sums, names, files = [0] * len(self.skip), [[] for _ in self.skip], [None] * len(self.skip), got[3]
         for j, i in enumerate(keep):
             offsets[i], sums[i], names[i] = got[0][j], got[1][j], got[2][j]
