@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
+from .commhooks import warn_unsaved
 from .dist import DistContext
 from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
 from .errors import (
@@ -95,6 +96,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     frozen: dict[str, list[str]] = {}
     # address of a buffer DDP syncs (and of the state's other module buffers then) -> the rank saving it
     sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
+    if ctx.world_size > 1:
+        warn_unsaved(state, ctx.rank)  # a DDP comm hook (PowerSGD) whose state is not in the state
     for key, value in state.items():
         _check_key(key)
         local = is_rank_local(value)

@@ -1,5 +1,5 @@
-"""What can be saved: the ``Stateful`` protocol, plain progress values, RNG state, and the
-adapters that turn modules and optimizers into name-keyed state dicts.
+"""What can be saved: the ``Stateful`` protocol, plain progress values, RNG state, the adapters
+that turn modules and optimizers into name-keyed state dicts (DDP comm hooks' states: commhooks.py).
 
 ``api.save``/``api.load`` call :func:`adapt` once per top-level entry of the user's state, on
 every rank, before flattening. Nothing here knows about files or torch.distributed.
@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .names import canonical_key
 
@@ -130,8 +131,8 @@ def check_state(state: Any) -> None:
 
 
 def is_rank_local(obj: Any) -> bool:
-    """True for entries each rank saves separately (RNG, per-rank iterators)."""
-    return bool(getattr(obj, "trainguard_rank_local", False))
+    """True for entries each rank saves separately (RNG, per-rank iterators, PowerSGD's error feedback)."""
+    return bool(getattr(obj, "trainguard_rank_local", False)) or hook_kind(obj) == POWER_SGD
 
 
 def unwrap_module(module: nn.Module) -> nn.Module:
@@ -205,8 +206,7 @@ class ModuleAdapter:
         return {id(p): canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
 
 
-# The keys of an optimizer entry that OptimizerAdapter writes itself (dcp_import.BY_VALUES marks an
-# imported one's groups); any other top-level key of optimizer.state_dict() is saved and given back.
+# Keys OptimizerAdapter writes itself (dcp_import.BY_VALUES: imported groups); others of state_dict() are kept.
 _OWN_KEYS = frozenset({"state", "param_groups", "class", "param_groups_by_values"})
 
 
@@ -393,7 +393,7 @@ def adapt(value: Any, names: Mapping[int, str]) -> Any:
         return ModuleAdapter(value)
     if isinstance(value, torch.optim.Optimizer):
         return OptimizerAdapter(value, names)
-    return value
+    return HookStateAdapter(value) if hook_kind(value) else value  # a DDP comm hook's state (PowerSGD)
 
 
 def has_state(value: Any) -> bool:

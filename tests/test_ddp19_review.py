@@ -1,0 +1,139 @@
+"""DistributedDataParallel features that carry state, saved and resumed on real gloo ranks
+(127.0.0.1): the steps after a resume must equal the run that went on, bit for bit, on every rank."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+from dist_helper import run_ranks
+
+
+def _steps(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
+    for s in steps:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * s + rank)) * (1 + rank)  # each rank's own data
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+
+
+def _powersgd(local: bool = False):
+    """DDP over one 32x32 weight (its bucket's layout is the same before and after DDP rebuilds its
+    buckets: docs/distributed.md) with PowerSGD from step 2, error feedback and warm start."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    torch.manual_seed(0)
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(32, 32, bias=False))
+    hs = P.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    ddp.register_comm_hook(hs, P.powerSGD_hook)
+    return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9), hs
+
+
+def _powersgd_rank(rank: int, world: int, root: str, async_: bool) -> dict:
+    import logging
+
+    logging.getLogger("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook").setLevel(logging.ERROR)
+    a, oa, _ = _powersgd()
+    _steps(a, oa, range(7), rank)
+    out: dict = {}
+    for put in (True, False):
+        b, ob, hb = _powersgd()
+        _steps(b, ob, range(4), rank)
+        state = {"model": b, "optim": ob, **({"powersgd": hb} if put else {})}
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            h = tg.save(f"{root}/{put}/step-000000004", state, async_=async_)
+            if async_:
+                h.result()
+        c, oc, hc = _powersgd()
+        tg.load(f"{root}/{put}/step-000000004", {"model": c, "optim": oc, **({"powersgd": hc} if put else {})})
+        _steps(c, oc, range(4, 7), rank)
+        out[put] = {"same": torch.equal(a.module.weight, c.module.weight), "iter": hc.iter,
+                    "warned": [str(x.message) for x in w if "communication hook" in str(x.message)]}
+    return out
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_powersgd_state_in_the_state_resumes_bit_identically(tmp_path: Path, async_: bool) -> None:
+    """``powerSGD_hook``'s state (step counter, error feedback, warm-start P/Q, the generator seeding Q)
+    lives outside the module. Before, a ``PowerSGDState`` entry was refused (no pickle) and without it a
+    resumed run repeated the warm-up and lost the error feedback: its weights differed from the run that
+    went on. Now it is saved (rank-local: each rank's error feedback is its own) and the resume is exact;
+    a save of a DDP whose PowerSGD state is not in the state warns, naming the fix."""
+    res = run_ranks(_powersgd_rank, 2, str(tmp_path), async_, timeout=90)
+    for r in res:
+        kept, lost = r.value[True], r.value[False]
+        assert kept["same"] and kept["iter"] == 7 and kept["warned"] == [], kept
+        assert not lost["same"] and lost["iter"] == 3, lost  # the warm-up again: 2 steps of plain all-reduce
+    (msg,) = res[0].value[False]["warned"]
+    assert "'model'" in msg and "powerSGD_hook" in msg and "PowerSGDState" in msg and 'state["comm_hook"]' in msg, msg
+    assert res[1].value[False]["warned"] == []  # rank 0 warns
+
+
+def _local_sgd_rank(rank: int, world: int, root: str) -> dict:
+    """``post_localSGD_hook`` without gradient all-reduce after step 3: each rank trains on its own
+    from then on (model and optimizer rank-local, docs/distributed.md); the hook's ``iter`` decides
+    when that starts."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as L
+
+    sub, _ = dist.new_subgroups(group_size=world)
+
+    def build():
+        torch.manual_seed(0)
+        net = nn.Linear(32, 4)
+        ddp = nn.parallel.DistributedDataParallel(net)
+        hs = L.PostLocalSGDState(process_group=None, subgroup=sub, start_localSGD_iter=3, post_local_gradient_allreduce=False)
+        ddp.register_comm_hook(hs, L.post_localSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ddp.trainguard_rank_local = opt.trainguard_rank_local = True
+        return ddp, opt, hs
+
+    a, oa, _ = build()
+    _steps(a, oa, range(6), rank)
+    b, ob, hb = build()
+    _steps(b, ob, range(2), rank)
+    tg.save(f"{root}/step-000000002", {"model": b, "optim": ob, "hook": hb})
+    c, oc, hc = build()
+    tg.load(f"{root}/step-000000002", {"model": c, "optim": oc, "hook": hc})
+    loaded = hc.iter
+    _steps(c, oc, range(2, 6), rank)
+    return {"same": all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters())), "loaded": loaded}
+
+
+def test_post_local_sgd_hook_state_iter_survives(tmp_path: Path) -> None:
+    res = run_ranks(_local_sgd_rank, 2, str(tmp_path), timeout=90)
+    for r in res:
+        assert r.value == {"same": True, "loaded": 2}, r.value  # before: refused (no pickle); fresh, iter 0 all-reduced on
+
+
+def _fp16_rank(rank: int, world: int, root: str) -> bool:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as D
+
+    def build():
+        torch.manual_seed(0)
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4)))
+        ddp.register_comm_hook(None, D.fp16_compress_hook)
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01)
+
+    a, oa = build()
+    _steps(a, oa, range(6), rank)
+    b, ob = build()
+    _steps(b, ob, range(3), rank)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a stateless hook: nothing to warn about
+        tg.save(f"{root}/step-000000003", {"model": b, "optim": ob})
+    c, oc = build()
+    tg.load(f"{root}/step-000000003", {"model": c, "optim": oc})
+    _steps(c, oc, range(3, 6), rank)
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_stateless_fp16_compress_hook_resumes_bit_identically(tmp_path: Path) -> None:
+    assert [r.value for r in run_ranks(_fp16_rank, 2, str(tmp_path), timeout=90)] == [True, True]
