@@ -173,3 +173,49 @@ def test_three_ranks_resume_bit_identically_with_find_unused_parameters(tmp_path
         w.simplefilter("ignore")
         res = run_ranks(_three_rank, 3, str(tmp_path), True, timeout=120)
     assert [r.value for r in res] == [True, True, True]
+
+
+def _subgroup_rank(rank: int, world: int, root: str) -> dict:
+    """4 ranks, DDP over [0, 1] and over [2, 3], each group its own replica (its own seed)."""
+    import os
+
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    g = rank // 2
+
+    def build():
+        torch.manual_seed(10 + g)
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), process_group=groups[g])
+        return ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    a, oa = build()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    a(x).square().mean().backward()
+    oa.step()
+    with pytest.raises(tg.CheckpointError) as refused:
+        tg.save(f"{root}/shared/step-000000001", {"model": a, "optim": oa})
+    written = os.path.exists(f"{root}/shared/step-000000001")
+    names = {f"model{g}": a, f"optim{g}": oa}  # what the message says: each group's own names
+    tg.save(f"{root}/named/step-000000001", names, split_state=True)
+    c, oc = build()
+    with torch.no_grad():
+        for p in c.parameters():
+            p.add_(1)
+    tg.load(f"{root}/named/step-000000001", {f"model{g}": c, f"optim{g}": oc}, split_state=True)
+    return {"msg": str(refused.value), "written": written,
+            "own": all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))}
+
+
+def test_ddp_over_a_subgroup_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """Two DDP groups of 2 ranks on a 4-rank world, each training its own replica under the same entry
+    name: the shared entry was saved once for all ranks, every rank resumed with group 0's biases and
+    group 1's weights (warned only because they already differed at the first save). Refused before
+    anything is written, naming the group and the fix; with each group's own names and split_state=True
+    every group resumes its own replica."""
+    res = run_ranks(_subgroup_rank, 4, str(tmp_path), timeout=120)
+    for r in res:
+        v = r.value
+        assert not v["written"] and v["own"], v
+        assert "entry 'model'" in v["msg"] and ("[0, 1]" if r.rank < 2 else "[2, 3]") in v["msg"], v["msg"]
+        assert "split_state=True" in v["msg"] and "trainguard_rank_local" in v["msg"], v["msg"]

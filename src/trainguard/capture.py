@@ -28,7 +28,7 @@ from .flatten import flatten
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names
 from .planner import Box, Regular, full_box
-from .replicas import digests, plan, state_buffer_sources
+from .replicas import digests, plan, refuse_subgroup_ddp, state_buffer_sources
 from .sampler import ResumableIterable, ResumableSampler
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
@@ -98,6 +98,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
     if ctx.world_size > 1:
         warn_unsaved(state, ctx.rank)  # a DDP comm hook (PowerSGD) whose state is not in the state
+        if not split:
+            refuse_subgroup_ddp(state, ctx.world_size)  # DDP over a subgroup: the other ranks hold other replicas
     for key, value in state.items():
         _check_key(key)
         local = is_rank_local(value)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from .buffers import tensor_bytes
+from .dtensor import is_dtensor
 from .errors import RankFailureError
 from .manifest import checksum
 from .planner import SPLIT_BYTES, Box, ReplicatedItem, assign_replicated
@@ -68,6 +69,36 @@ def buffer_sources(value: Any) -> dict[int, int]:
         src = 0
     ignore = getattr(ddp, "parameters_to_ignore", ())
     return {b.data_ptr(): src for n, b in ddp.module.named_buffers() if n not in ignore and b.nbytes <= SPLIT_BYTES}
+
+
+def refuse_subgroup_ddp(state: Mapping[str, Any], world: int) -> None:
+    """``capture.capture``, every rank of a multi-rank save without ``split_state``, before anything is
+    written: raise ``UnsupportedValueError`` for a shared entry whose ``DistributedDataParallel`` syncs
+    over a process group of fewer ranks than the world while its parameters are plain tensors (DDP over
+    a subgroup: 2 groups of 2 ranks on 4, each its own replica; Megatron-style tensor parallelism over
+    plain tensors). The other ranks hold other values under the same names, and a shared entry is saved
+    once for all ranks: every rank resumed with one mix of them (4 ranks, 2 groups: group 0's biases,
+    group 1's weights), warned only when the values already differed at the first save."""
+    for key, value in state.items():
+        ddp = getattr(value, "_orig_mod", value)  # torch.compile(ddp)
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or is_rank_local(value):
+            continue
+        try:
+            ranks = torch.distributed.get_process_group_ranks(ddp.process_group)
+        except Exception:  # a group torch cannot map: not judged
+            continue
+        if len(ranks) >= world or any(is_dtensor(p) for p in ddp.parameters()):
+            continue  # the whole world, or DTensor parameters (tensor parallel: each shard is its owner's)
+        from .errors import UnsupportedValueError
+
+        raise UnsupportedValueError(
+            f"entry {key!r}: its DistributedDataParallel syncs over a process group of ranks {sorted(ranks)}, not all "
+            f"{world} ranks, so the other ranks hold other values under the same names (another replica, other shards), "
+            "and a shared entry is saved once for all ranks: every rank would resume with one mix of them. Give each "
+            "group's entries their own names (state[f\"model{group}\"] = ddp, likewise its optimizer) and pass "
+            "split_state=True to every save and load, or set trainguard_rank_local = True on the model and optimizer "
+            "entries (each rank saves its own; the run resumes at the same world size)"
+        )
 
 
 def state_buffer_sources(state: Mapping[str, Any]) -> dict[int, int]:
