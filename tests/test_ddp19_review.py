@@ -219,3 +219,46 @@ def test_ddp_over_a_subgroup_is_refused_naming_the_fix(tmp_path: Path) -> None:
         assert not v["written"] and v["own"], v
         assert "entry 'model'" in v["msg"] and ("[0, 1]" if r.rank < 2 else "[2, 3]") in v["msg"], v["msg"]
         assert "split_state=True" in v["msg"] and "trainguard_rank_local" in v["msg"], v["msg"]
+
+
+def _join_rank(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.algorithms.join import Join
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    ddp = nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    seen = {}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        with Join([ddp]):
+            for s in range(2 + 2 * rank):  # uneven: rank 0 has 2 batches, rank 1 has 4
+                x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * s + rank)) * (1 + rank)
+                opt.zero_grad()
+                ddp(x).square().mean().backward()
+                opt.step()
+                if s == 0:  # every rank still has a batch: this save succeeds
+                    tg.save(f"{root}/inside/step-000000000", {"model": ddp, "optim": opt})
+        seen["inside"] = [str(x.message) for x in w if "Join" in str(x.message)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tg.save(f"{root}/after/step-000000001", {"model": ddp, "optim": opt})  # after the block: every rank
+        seen["after"] = [str(x.message) for x in w if "Join" in str(x.message)]
+    mine = {k: v.clone() for k, v in net.state_dict().items()}
+    torch.manual_seed(1)
+    back = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    tg.load(f"{root}/after/step-000000001", {"model": back}, only=["model"])
+    seen["differ"] = [k for k, v in back.state_dict().items() if not torch.equal(v, mine[k])]
+    return seen
+
+
+def test_save_inside_a_join_context_warns_and_after_it_holds_the_synced_model(tmp_path: Path) -> None:
+    """DDP with uneven inputs under ``Join``: a save inside the context at a step where a rank has
+    joined waits for it until the timeout (that rank is in Join's exit); the save warns, naming where to
+    save instead. After the block every rank holds the model Join synced (from the last joiner), and the
+    checkpoint is that model on every rank, buffers included."""
+    res = run_ranks(_join_rank, 2, str(tmp_path), timeout=90)
+    for r in res:
+        (msg,) = r.value["inside"]
+        assert "after the `with Join(...)` block" in msg and "'model'" in msg, msg
+        assert r.value["after"] == [] and r.value["differ"] == [], r.value
