@@ -10,7 +10,10 @@ Order, on every rank of a multi-rank save:
 
 1. :func:`digests` (``capture.capture``, in the call: the state as at the call, before an async
    save lets training go on): xxh3 of each replicated leaf's bytes: all of them on the first save
-   of each entry signature in this process, the module buffers alone (small) on the later ones.
+   of each entry signature in this process; on the later ones the module buffers (small) and the
+   first ``SAMPLE_BYTES`` of ``WINDOW`` other leaves, a window that moves on at each save (in path
+   order, round the end): a rank whose parameters diverged later (a skipped step) is caught within
+   ``ceil(leaves / WINDOW)`` saves, at a cost that does not grow with the model.
 2. :func:`hello` goes into the "begin" round (``api.persist_and_commit``): one digest, no new round.
 3. :func:`compare` (``api.persist_and_commit``, after ``check_begin``): within each group of ranks
    holding the same entries (``split.groups``: every rank without ``split_state``), digests that
@@ -42,7 +45,8 @@ from .stateful import is_rank_local
 
 log = logging.getLogger("trainguard")
 SHOWN = 8  # tensors named in the warning
-_SEEN: set[str] = set()  # entry signatures whose first save (every replicated tensor) this process made
+_SEEN: dict[str, int] = {}  # entry signature -> how many saves of it this process made (the first: every tensor)
+WINDOW, SAMPLE_BYTES = 64, 4096  # later saves: the head of this many other replicated leaves, moving on each save
 _FOUND: dict[int, dict[str, Any]] = {}  # step -> the finding, for the manager's event log (rank 0)
 _LOCK = threading.Lock()
 _warned = False
@@ -148,17 +152,27 @@ def digests(state: Mapping[str, Any], leaves: Sequence[Any], world: int, sig: st
     if world < 2 or layout_kind != "sharded":
         return None
     with _LOCK:
-        first = sig not in _SEEN
-        _SEEN.add(sig)
-    rep = [lf for lf in leaves if lf.kind == "replicated" and lf.source is None]  # DDP's synced buffers: rank 0's saved
-    if not first:  # later saves: module buffers only (BatchNorm statistics), a few kB to MB
+        count = _SEEN.get(sig, 0)
+        _SEEN[sig] = count + 1
+    rep = sorted((lf for lf in leaves if lf.kind == "replicated" and lf.source is None), key=lambda lf: lf.path)  # DDP's synced buffers: rank 0's saved
+    scope, heads = "all", set()
+    if count:  # later saves: module buffers (BatchNorm statistics, a few kB to MB) and a window of the others' heads
         bufs = {b.data_ptr() for v in state.values() if isinstance(v, torch.nn.Module) and not is_rank_local(v)
                 for b in v.buffers()}
-        rep = [lf for lf in rep if lf.tensor.data_ptr() in bufs]
-    sums = {lf.path: checksum(tensor_bytes(lf.tensor if lf.tensor.device.type == "cpu" else lf.tensor.cpu()))
-            for lf in sorted(rep, key=lambda lf: lf.path)}
-    return {"scope": "all" if first else "buffers", "digest": checksum("".join(sums).encode() + "".join(sums.values()).encode()),
-            "sums": sums}
+        other = [lf for lf in rep if lf.tensor.data_ptr() not in bufs]
+        start = (count - 1) * WINDOW % len(other) if other else 0
+        window = (other + other)[start : start + min(WINDOW, len(other))]
+        heads = {lf.path for lf in window}
+        rep = sorted([lf for lf in rep if lf.tensor.data_ptr() in bufs] + window, key=lambda lf: lf.path)
+        scope = f"buffers+{start}"  # ranks compare only the same window (the same number of saves)
+
+    def head(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1)[: max(1, SAMPLE_BYTES // t.element_size())]
+
+    sums = {lf.path: checksum(tensor_bytes((head(t) if lf.path in heads else t) if (t := lf.tensor).device.type == "cpu"
+                                           else (head(t) if lf.path in heads else t).cpu()))
+            for lf in rep}
+    return {"scope": scope, "digest": checksum("".join(sums).encode() + "".join(sums.values()).encode()), "sums": sums}
 
 
 def hello(snap: Any) -> list[str] | None:
