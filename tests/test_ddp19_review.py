@@ -221,29 +221,33 @@ def test_ddp_over_a_subgroup_is_refused_naming_the_fix(tmp_path: Path) -> None:
         assert "split_state=True" in v["msg"] and "trainguard_rank_local" in v["msg"], v["msg"]
 
 
-def _join_rank(rank: int, world: int, root: str) -> dict:
+def _join_rank(rank: int, world: int, root: str, every_step: bool) -> dict:
     from torch.distributed.algorithms.join import Join
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
     ddp = nn.parallel.DistributedDataParallel(net)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    seen = {}
+    seen: dict = {"errors": []}
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         with Join([ddp]):
-            for s in range(2 + 2 * rank):  # uneven: rank 0 has 2 batches, rank 1 has 4
+            for s in range(3 - 2 * rank):  # uneven: rank 0 has 3 batches, rank 1 has 1
                 x = torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * s + rank)) * (1 + rank)
                 opt.zero_grad()
                 ddp(x).square().mean().backward()
                 opt.step()
-                if s == 0:  # every rank still has a batch: this save succeeds
-                    tg.save(f"{root}/inside/step-000000000", {"model": ddp, "optim": opt})
-        seen["inside"] = [str(x.message) for x in w if "Join" in str(x.message)]
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
+                if s > 0 and not every_step:
+                    continue
+                try:  # step 0: every rank has a batch, the save succeeds; step 1: rank 1 has joined
+                    tg.save(f"{root}/inside/step-{s:09d}", {"model": ddp, "optim": opt}, timeout=4)
+                except tg.RankFailureError as e:
+                    seen["errors"].append(str(e))
+                    return seen  # the ranks' save calls are out of step now (docs/distributed.md)
+        if every_step:  # rank 1: its save calls are out of step with rank 0's failed one
+            return seen
         tg.save(f"{root}/after/step-000000001", {"model": ddp, "optim": opt})  # after the block: every rank
-        seen["after"] = [str(x.message) for x in w if "Join" in str(x.message)]
+        seen["warned"] = [str(x.message) for x in w if "Join" in str(x.message)]
     mine = {k: v.clone() for k, v in net.state_dict().items()}
     torch.manual_seed(1)
     back = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
@@ -252,16 +256,23 @@ def _join_rank(rank: int, world: int, root: str) -> dict:
     return seen
 
 
-def test_save_inside_a_join_context_warns_and_after_it_holds_the_synced_model(tmp_path: Path) -> None:
+def test_a_save_inside_join_that_a_joined_rank_never_reaches_says_why_and_after_it_holds_the_synced_model(
+    tmp_path: Path,
+) -> None:
     """DDP with uneven inputs under ``Join``: a save inside the context at a step where a rank has
-    joined waits for it until the timeout (that rank is in Join's exit); the save warns, naming where to
-    save instead. After the block every rank holds the model Join synced (from the last joiner), and the
-    checkpoint is that model on every rank, buffers included."""
-    res = run_ranks(_join_rank, 2, str(tmp_path), timeout=90)
-    for r in res:
-        (msg,) = r.value["inside"]
-        assert "after the `with Join(...)` block" in msg and "'model'" in msg, msg
-        assert r.value["after"] == [] and r.value["differ"] == [], r.value
+    joined waits for it until the timeout (that rank is in Join's exit). Its error names the Join and
+    where to save instead (torch does not mark the block's end, so the save itself cannot tell inside
+    from after and must not warn: a save after the block is right). After the block every rank holds
+    the model Join synced (from the last joiner), and the checkpoint is that model, buffers included."""
+    res = run_ranks(_join_rank, 2, str(tmp_path / "a"), False, timeout=90)
+    for r in res:  # a save inside while every rank has a batch, and one after the block
+        assert r.value["errors"] == [] and r.value["warned"] == [] and r.value["differ"] == [], r.value
+    res = run_ranks(_join_rank, 2, str(tmp_path / "b"), True, timeout=90)  # a save at every step inside
+    (msg,) = res[0].value["errors"]
+    assert "did not arrive" in msg and "under torch's Join" in msg and "Save after the block" in msg, msg
+    assert res[1].value["errors"] == []  # rank 1 joined after step 0's save and never came to step 1's
+    assert (tmp_path / "b" / "inside" / "step-000000000").is_dir()
+    assert not (tmp_path / "b" / "inside" / "step-000000001").exists()
 
 
 def _skipped_step_rank(rank: int, world: int, root: str) -> dict:

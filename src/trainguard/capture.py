@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
+from . import ddpjoin
 from .commhooks import warn_unsaved
-from .ddpjoin import warn_inside_join
 from .dist import DistContext
 from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
 from .errors import (
@@ -99,7 +99,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
     if ctx.world_size > 1:
         warn_unsaved(state, ctx.rank)  # a DDP comm hook (PowerSGD) whose state is not in the state
-        warn_inside_join(state)  # DDP with uneven inputs: a rank that joined never reaches this save
+        ddpjoin.note(state)  # DDP under Join: a rank that joined never reaches this save (a timeout's hint)
         if not split:
             refuse_subgroup_ddp(state, ctx.world_size)  # DDP over a subgroup: the other ranks hold other replicas
     for key, value in state.items():

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any
 
+from . import ddpjoin
 from .errors import failure, failure_record
 from .permanent import mark
 
@@ -94,7 +95,7 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
         if now > deadline:
             raise failure(
                 f"{tag}: rank(s) {late} did not arrive within {timeout:.0f} s. Every rank must call "
-                "save/load with the same step and state (e.g. not under `if rank == 0:`)",
+                "save/load with the same step and state (e.g. not under `if rank == 0:`)." + ddpjoin.hint(),
                 {r: f"did not call {tag} within {timeout:.0f} s" for r in late},
             )
 
