@@ -117,7 +117,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             sd = obj.state_dict() if has_state(obj) else obj
             if local:
                 rank_local.append(key)
-            skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key)
+            deques = not isinstance(value, (torch.optim.Optimizer, torch.nn.Module))  # loaded back as deques
+            skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key, deques=deques)
             objects[key] = skel
             if isinstance(value, torch.nn.Module) and not local:
                 if not split:

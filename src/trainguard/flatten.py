@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,8 +40,13 @@ def _plain_key(k: object) -> bool:
     return type(k) is str and not k.startswith("$")
 
 
-def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Return ``(skeleton, tensors)`` for one state value rooted at ``prefix``."""
+def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return ``(skeleton, tensors)`` for one state value rooted at ``prefix``.
+
+    A ``collections.deque`` is stored as a list (:func:`keep_types` gives it back, with the
+    destination's ``maxlen``, to a load in place that finds one there). ``deques=False``
+    (``capture.capture``, an optimizer or module entry: their ``load_state_dict`` rebuilds what it
+    is given and would keep a list, without ``maxlen``) refuses it."""
     if isinstance(value, torch.Tensor):  # a state that is a flat dict of tensors: one call per tensor
         return {"$t": prefix}, {prefix: value}
     tensors: dict[str, torch.Tensor] = {}
@@ -82,7 +87,7 @@ def flatten(value: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return {"$dict": pairs}
         if type(v) is tuple:
             return {"$tuple": [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]}
-        if type(v) is list:
+        if type(v) is list or type(v) is deque and deques:
             return [enc(x, f"{path}/{i}", depth + 1) for i, x in enumerate(v)]
         if callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None)):
             # A module, optimizer or scheduler inside an entry ({"models": {"gen": G}}): only
@@ -172,7 +177,8 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
 def keep_types(loaded: Any, current: Any) -> Any:
     """``loaded`` (what :func:`unflatten` built) with each dict that ``current`` holds at the
     same place as a ``Counter``, ``OrderedDict`` or ``defaultdict`` made one again (with its
-    ``default_factory``). A skeleton stores every dict as a dict; ``loader._load`` calls this
+    ``default_factory``), each list as a ``deque`` (with its ``maxlen``) and each float as a
+    ``numpy.float64``. A skeleton stores every dict as a dict; ``loader._load`` calls this
     with the destination's own ``state_dict()`` (or value), so a load in place keeps its types:
     a ``MultiStepLR``'s milestones are a ``Counter``, and ``SequentialLR`` needs its
     ``.elements()`` at its switch. Dicts and lists are changed in place (they are fresh)."""
@@ -184,6 +190,10 @@ def keep_types(loaded: Any, current: Any) -> Any:
         if typ is defaultdict:
             return defaultdict(current.default_factory, loaded)
         return typ(loaded) if typ in (Counter, OrderedDict) else loaded
+    if type(loaded) is float:  # a user scheduler's attribute set from numpy (flatten stores a float)
+        return type(current)(loaded) if type(current).__module__ == "numpy" and isinstance(current, float) else loaded
+    if type(loaded) is list and type(current) is deque:  # a user scheduler's window of recent values
+        return deque(loaded, maxlen=current.maxlen)
     if type(loaded) in (list, tuple) and type(current) is type(loaded):
         new = [keep_types(v, c) for v, c in zip(loaded, current)]
         if any(w is not v for w, v in zip(new, loaded)):

@@ -1,0 +1,111 @@
+"""Optimizers, schedulers and scalers of real training code across a save and a resume
+(session 19's review): the state after the load equals the saved one, Python types included,
+and the next steps are bit-identical to the run that was not interrupted."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+_S = torch.optim.lr_scheduler
+
+
+def _same(a, b, path: str = "") -> list[str]:
+    """Where ``a`` and ``b`` differ, compared recursively with their types (int is not float,
+    a float is not a tensor, a deque is not a list)."""
+    if type(a) is not type(b):
+        return [f"{path}: {type(a).__name__} vs {type(b).__name__}"]
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [f"{path}: tensors differ"]
+    if isinstance(a, dict):
+        if list(a) != list(b):
+            return [f"{path}: keys {list(a)} vs {list(b)}"]
+        return [d for k in a for d in _same(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple, collections.deque)):
+        if len(a) != len(b) or getattr(a, "maxlen", None) != getattr(b, "maxlen", None):
+            return [f"{path}: {a!r} vs {b!r}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f"{path}/{i}")]
+    if callable(a):
+        return []
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
+class _Window(_S.LRScheduler):
+    """A user's scheduler that keeps a window of recent values (a deque) and a factor from numpy."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.window: collections.deque = collections.deque(maxlen=3)
+        self.decay = np.float64(0.9)
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        self.window.append(self.last_epoch * 0.5)
+        scale = self.decay ** (sum(self.window) / len(self.window))
+        return [g["initial_lr"] * scale for g in self.optimizer.param_groups]
+
+
+def _window_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return {"model": model, "optim": opt, "sched": _Window(opt), "rng": tg.RNGState()}
+
+
+def _window_step(st: dict) -> None:
+    st["optim"].zero_grad()
+    st["model"](torch.randn(5, 6)).square().mean().backward()
+    st["optim"].step()
+    st["sched"].step()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_scheduler_keeping_a_deque_and_a_numpy_float_resumes_with_both(tmp_path, async_save) -> None:
+    """A user scheduler subclass whose attributes (all of its ``__dict__`` is its state_dict) hold a
+    ``collections.deque(maxlen=3)``: the first save raised UnsupportedValueError. It is stored as a
+    list and loaded back as a deque with the fresh scheduler's maxlen; a numpy.float64 attribute,
+    stored as a float, comes back as a numpy.float64."""
+    ref = _window_state(0)
+    for _ in range(8):
+        _window_step(ref)
+    run = _window_state(0)
+    for _ in range(4):
+        _window_step(run)
+    saved = copy.deepcopy(run["sched"].state_dict())
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=async_save) as mgr:
+        mgr.save(4, run)
+    new = _window_state(1)
+    assert _same(saved, new["sched"].state_dict())  # differs before the load
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1)) as mgr:
+        assert mgr.restore(new) == 4
+    assert _same(saved, new["sched"].state_dict()) == []
+    assert type(new["sched"].window) is collections.deque and new["sched"].window.maxlen == 3
+    assert type(new["sched"].decay) is np.float64
+    for _ in range(4):
+        _window_step(new)
+    assert _same(ref["sched"].state_dict(), new["sched"].state_dict()) == []
+    assert _same(ref["optim"].state_dict(), new["optim"].state_dict()) == []
+    assert all(torch.equal(a, b) for a, b in zip(ref["model"].parameters(), new["model"].parameters()))
+
+
+def test_a_deque_loaded_into_nothing_is_a_list_and_one_in_an_optimizer_is_refused(tmp_path) -> None:
+    """Where no deque waits at the place (a load into nothing) the value is a list; an optimizer's
+    state is rebuilt by torch's ``load_state_dict``, which would keep a list without its maxlen:
+    a deque there is refused at save time, naming it, before anything is written."""
+    tg.save(tmp_path / "a", {"extra": {"hist": collections.deque([1, 2.5], maxlen=4)}})
+    out = {"extra": None}
+    tg.load(tmp_path / "a", out)
+    assert out["extra"] == {"hist": [1, 2.5]} and type(out["extra"]["hist"]) is list
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["hist"] = collections.deque([1.0], maxlen=2)
+    with pytest.raises(tg.UnsupportedValueError, match="optim/state/weight/hist: value of type collections.deque"):
+        tg.save(tmp_path / "b", {"model": model, "optim": opt})
+    assert not (tmp_path / "b").exists()
