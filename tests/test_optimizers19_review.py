@@ -109,3 +109,35 @@ def test_a_deque_loaded_into_nothing_is_a_list_and_one_in_an_optimizer_is_refuse
     with pytest.raises(tg.UnsupportedValueError, match="optim/state/weight/hist: value of type collections.deque"):
         tg.save(tmp_path / "b", {"model": model, "optim": opt})
     assert not (tmp_path / "b").exists()
+
+
+class _Config:
+    warmup = 3
+
+
+class _WarmupFromConfig:
+    """An lr_lambda object that keeps its configuration object: LambdaLR.state_dict() saves its __dict__."""
+
+    def __init__(self, cfg: object) -> None:
+        self.cfg = cfg
+
+    def __call__(self, epoch: int) -> float:
+        return min(1.0, (epoch + 1) / getattr(self.cfg, "warmup", 3))
+
+
+@pytest.mark.parametrize("held", ["config", "optimizer"])
+def test_a_lambda_object_holding_an_object_is_refused_saying_what_to_change_in_it(tmp_path, held) -> None:
+    """LambdaLR saves every attribute of an lr_lambda that is an object. One that held its config
+    object was refused with advice that does not apply to an attribute ("wrap other objects in a
+    class with state_dict()"), one that held the optimizer with "give it its own key, e.g.
+    state['sched.lr_lambdas.0.cfg']"; the error now says what to change in the lambda or the
+    scheduler, and nothing is written."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = _S.LambdaLR(opt, _WarmupFromConfig(_Config() if held == "config" else opt))
+    with pytest.raises(tg.UnsupportedValueError) as e:
+        tg.save(tmp_path / "step-1", {"model": model, "optim": opt, "sched": sched})
+    msg = str(e.value)
+    assert msg.startswith("sched/lr_lambdas/0/cfg: ") and "self.warmup = cfg.warmup" in msg and "functools.partial" in msg
+    assert "wrap other objects" not in msg and "its own key" not in msg
+    assert not (tmp_path / "step-1").exists()

@@ -118,7 +118,13 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             if local:
                 rank_local.append(key)
             deques = not isinstance(value, (torch.optim.Optimizer, torch.nn.Module))  # loaded back as deques
-            skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key, deques=deques)
+            try:
+                skel, tensors = flatten(sd, f"{key}@{ctx.rank}" if local else key, deques=deques)
+            except UnsupportedValueError as e:  # a scheduler's attribute: what to change is in the scheduler
+                what = str(e).split(";")[0]
+                if isinstance(value, torch.optim.lr_scheduler.LRScheduler) and "cannot be saved" in what:
+                    e.args = (what + SCHEDULER_HINT,)
+                raise
             objects[key] = skel
             if isinstance(value, torch.nn.Module) and not local:
                 if not split:
@@ -155,6 +161,18 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     rep = digests(state, leaves, ctx.world_size, sig, layout_kind)  # compared in the begin round: replicas.compare
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions,
                     frozen=frozen, replicas=rep)
+
+
+# ``capture``: what to do about a value refused in a scheduler's state, after its path and type (flatten's
+# own hints, "wrap it in a class with state_dict()", "give it its own key", do not apply to an attribute).
+SCHEDULER_HINT = (
+    ": a scheduler's state_dict() holds all of its attributes but its optimizer, and LambdaLR's, MultiplicativeLR's "
+    "and CyclicLR's also those of an lr_lambda or scale_fn that is an object (not a function): keep such attributes "
+    "tensors or JSON values (float(x) for a numpy number; self.warmup = cfg.warmup, not self.cfg = cfg; no reference to "
+    "the optimizer or model), pass a function or a functools.partial instead (torch saves no attribute of a function, "
+    "nor a partial's arguments), or override the scheduler's "
+    "state_dict()/load_state_dict() to leave that attribute out"
+)
 
 
 def check_data_positions(begin: list[Any]) -> None:
