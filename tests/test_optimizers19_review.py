@@ -141,3 +141,89 @@ def test_a_lambda_object_holding_an_object_is_refused_saying_what_to_change_in_i
     assert msg.startswith("sched/lr_lambdas/0/cfg: ") and "self.warmup = cfg.warmup" in msg and "functools.partial" in msg
     assert "wrap other objects" not in msg and "its own key" not in msg
     assert not (tmp_path / "step-1").exists()
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.backbone(x)))
+
+
+_UNFREEZE = 3
+
+
+def _unfreezing_state(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = _Backbone()
+    model.backbone.requires_grad_(False)
+    # user keys in the group: a name, a list holding a None, a None, a nested dict with a tuple
+    head = {"params": model.head.parameters(), "name": "head", "extra": [1, 2.5, None], "none": None, "nested": {"b": (1, 2)}}
+    opt = torch.optim.AdamW([head], lr=1e-2)
+    return {"model": model, "optim": opt, "rng": tg.RNGState()}
+
+
+def _unfreeze(st: dict) -> None:
+    st["model"].backbone.requires_grad_(True)
+    st["optim"].add_param_group({"params": st["model"].backbone.parameters(), "lr": 1e-3, "name": "backbone"})
+
+
+def _unfreezing_step(st: dict, step: int) -> None:
+    if step == _UNFREEZE:
+        _unfreeze(st)
+    st["optim"].zero_grad()
+    st["model"](torch.randn(5, 6)).square().mean().backward()
+    st["optim"].step()
+
+
+def test_a_group_added_during_training_must_be_added_before_the_load_and_the_refusal_says_so(tmp_path) -> None:
+    """Progressive unfreezing: ``add_param_group`` at step 3, a save at step 5. A resumed process
+    that builds the optimizer as at the start of the run was refused with "the checkpoint has 2
+    parameter group(s), the optimizer 1; build the optimizer with the same groups", naming neither
+    the group nor add_param_group; it now names the group's parameters and its "name", and says to
+    add it again before the load. Doing so (``mgr.latest_step()`` tells whether to) resumes
+    bit-identically, with the groups' user keys as saved."""
+    ref = _unfreezing_state(0)
+    for k in range(8):
+        _unfreezing_step(ref, k)
+    run = _unfreezing_state(0)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5)) as mgr:
+        for k in range(6):
+            _unfreezing_step(run, k)
+            mgr.save(k, run)
+    saved = copy.deepcopy(run["optim"].state_dict())
+    forgot = _unfreezing_state(1)
+    before = copy.deepcopy(forgot["model"].state_dict())
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5)) as mgr:
+        with pytest.raises(tg.CheckpointError) as e:
+            mgr.restore(forgot)
+    msg = str(e.value)
+    assert "the checkpoint has 2 parameter group(s), the optimizer 1" in msg
+    assert "group 1 ('backbone') holds ['backbone.weight', 'backbone.bias']" in msg and "add_param_group" in msg
+    assert _same(before, forgot["model"].state_dict()) == []  # refused before anything was read
+    new = _unfreezing_state(1)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(5)) as mgr:
+        if (mgr.latest_step() or -1) >= _UNFREEZE:
+            _unfreeze(new)
+        assert mgr.restore(new) == 5
+    assert _same(saved, new["optim"].state_dict()) == []
+    for k in range(6, 8):
+        _unfreezing_step(new, k)
+    assert _same(ref["optim"].state_dict(), new["optim"].state_dict()) == []
+    assert _same(ref["model"].state_dict(), new["model"].state_dict()) == []
+
+
+def test_an_optimizer_with_a_group_the_checkpoint_has_not_yet_is_refused_naming_it(tmp_path) -> None:
+    """The reverse: the resumed optimizer already holds the group the run adds later than the
+    checkpoint's step."""
+    run = _unfreezing_state(0)
+    for k in range(2):
+        _unfreezing_step(run, k)
+    tg.save(tmp_path / "step-1", run)
+    new = _unfreezing_state(1)
+    _unfreeze(new)
+    with pytest.raises(tg.CheckpointError, match=r"the optimizer's group 1 \('backbone'\) holds \['backbone.weight', "
+                       r"'backbone.bias'\], which no group of the checkpoint holds; .*added after the load, at that step"):
+        tg.load(tmp_path / "step-1", new)

@@ -294,15 +294,13 @@ class OptimizerAdapter:
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
         from .errors import CheckpointError
+        from .optim_groups import count_mismatch
         from .permanent import mark
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
-        if len(saved_groups) != len(cur_groups):
-            raise mark(CheckpointError(
-                f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer "
-                f"{len(cur_groups)}; build the optimizer with the same groups as when it was saved"
-            ))
+        if len(saved_groups) != len(cur_groups):  # which groups differ, and add_param_group's part in it
+            raise mark(CheckpointError(count_mismatch(saved_groups, names, cur_groups)))
         out, pos = [], 0
         for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
             out.append(cur_names := names[pos : pos + len(cur["params"])])

@@ -1,0 +1,52 @@
+"""What an optimizer entry's refusal says when the checkpoint holds another number of parameter
+groups than the optimizer: which groups differ, by their parameters' names (and their ``"name"``
+key, when the user set one), and what to change. A group added during training with
+``optimizer.add_param_group()`` (progressive unfreezing of a backbone) is the usual cause: the
+resumed process builds the optimizer as at the start of the run, and must add that group again
+before the load. ``stateful.OptimizerAdapter._match_groups`` (every rank, before anything is read
+into the state) calls :func:`count_mismatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+SHOWN = 4  # parameter names shown per group
+
+
+def _describe(index: int, names: Sequence[str], group: Mapping[str, Any]) -> str:
+    label = group.get("name")
+    named = f" ({label!r})" if type(label) is str else ""
+    more = f" and {len(names) - SHOWN} more" if len(names) > SHOWN else ""
+    return f"group {index}{named} holds {list(names[:SHOWN])}{more}"
+
+
+def count_mismatch(saved_groups: Sequence[Mapping[str, Any]], names: Sequence[str], groups: Sequence[Mapping[str, Any]]) -> str:
+    """The message for ``saved_groups`` (the checkpoint's, parameters by name) against the
+    optimizer's ``groups``, whose parameters are named ``names`` (flat, in group order)."""
+    cur, pos = [], 0
+    for g in groups:
+        cur.append(list(names[pos : pos + len(g["params"])]))
+        pos += len(g["params"])
+    saved_sets, cur_sets = [set(g["params"]) for g in saved_groups], [set(c) for c in cur]
+    parts = [f"the checkpoint has {len(saved_groups)} parameter group(s), the optimizer {len(groups)}"]
+    only_saved = [_describe(i, g["params"], g) for i, g in enumerate(saved_groups) if saved_sets[i] not in cur_sets]
+    only_cur = [_describe(i, c, g) for i, (c, g) in enumerate(zip(cur, groups)) if cur_sets[i] not in saved_sets]
+    if only_saved:
+        parts.append(f"the checkpoint's {'; '.join(only_saved[:3])}, which no group of the optimizer holds")
+    if only_cur:
+        parts.append(f"the optimizer's {'; '.join(only_cur[:3])}, which no group of the checkpoint holds")
+    if len(saved_groups) > len(groups):
+        parts.append(
+            "a group added during training with optimizer.add_param_group() (unfreezing a backbone) must be added "
+            "again, with the same parameters and in the same order, before the load (with a CheckpointManager: "
+            "`if (mgr.latest_step() or -1) >= unfreeze_step: optimizer.add_param_group(...)` before `mgr.restore(state)`); "
+            "build the optimizer with the same groups as when it was saved"
+        )
+    else:
+        parts.append(
+            "build the optimizer with the same groups as when it was saved (a group that the run adds with "
+            "optimizer.add_param_group() at a later step than this checkpoint's is added after the load, at that step)"
+        )
+    return "; ".join(parts)
