@@ -227,3 +227,49 @@ def test_an_optimizer_with_a_group_the_checkpoint_has_not_yet_is_refused_naming_
     with pytest.raises(tg.CheckpointError, match=r"the optimizer's group 1 \('backbone'\) holds \['backbone.weight', "
                        r"'backbone.bias'\], which no group of the checkpoint holds; .*added after the load, at that step"):
         tg.load(tmp_path / "step-1", new)
+
+
+def _sched_state(seed: int, make) -> dict:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return {"model": model, "optim": opt, "sched": make(opt)}
+
+
+@pytest.mark.parametrize("saved,resumed", [
+    (lambda o: _S.OneCycleLR(o, max_lr=0.1, total_steps=20), lambda o: _S.CosineAnnealingLR(o, T_max=20)),
+    (lambda o: _S.ReduceLROnPlateau(o, mode="max"), lambda o: _S.StepLR(o, 5)),
+    (lambda o: _S.SequentialLR(o, [_S.LinearLR(o, 0.1, total_iters=2), _S.ExponentialLR(o, 0.9)], [2]),
+     lambda o: _S.SequentialLR(o, [_S.LinearLR(o, 0.1, total_iters=2), _S.CosineAnnealingLR(o, 10)], [2])),
+])
+def test_a_scheduler_of_another_class_is_refused_before_anything_is_read(tmp_path, saved, resumed) -> None:
+    """A scheduler's load_state_dict is ``__dict__.update``: a OneCycleLR's state loaded into a
+    CosineAnnealingLR without a word, which then annealed from OneCycleLR's base_lrs (max_lr / 25).
+    The class is now saved beside the entry and another one refused, naming both, before the
+    model or the optimizer is read; the same class loads."""
+    run = _sched_state(0, saved)
+    for _ in range(3):
+        run["optim"].step()
+        run["sched"].step(1.0) if isinstance(run["sched"], _S.ReduceLROnPlateau) else run["sched"].step()
+    tg.save(tmp_path / "step-3", run)
+    new = _sched_state(1, resumed)
+    before = copy.deepcopy({"model": new["model"].state_dict(), "sched": new["sched"].state_dict()})
+    with pytest.raises(tg.CheckpointError, match=r"entry 'sched': the checkpoint holds the state of a \S+ scheduler, "
+                       r"the state's scheduler is a \S+; .*Build a \S+ as at save time"):
+        tg.load(tmp_path / "step-3", new)
+    assert _same(before, {"model": new["model"].state_dict(), "sched": new["sched"].state_dict()}) == []
+    same = _sched_state(1, saved)
+    tg.load(tmp_path / "step-3", same)
+    assert _same(run["sched"].state_dict(), same["sched"].state_dict()) == []
+
+
+def test_the_frozen_warning_still_names_the_callers_line(tmp_path) -> None:
+    """The requires_grad check runs one call deeper now (schedclass.check_entries): its warning
+    must still point at the caller of tg.load."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tg.save(tmp_path / "a", {"model": model, "optim": opt})
+    model.weight.requires_grad_(False)
+    with pytest.warns(UserWarning, match="differ in requires_grad") as caught:
+        tg.load(tmp_path / "a", {"model": model, "optim": opt})
+    assert caught[0].filename == __file__

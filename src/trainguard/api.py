@@ -375,7 +375,7 @@ def _build_manifest(
         if key in snap.rank_local:
             objects[key] = {"ranks": [w["objects"].get(key) for w in written]}  # None: a stage without it
         else:
-            objects[key] = {"skeleton": skel, **({"frozen": snap.frozen[key]} if key in snap.frozen else {})}
+            objects[key] = {"skeleton": skel, **snap.beside(key)}  # "frozen", "class"
     split.add_reported(tensors, objects, written, TensorEntry)  # other stages' skeletons and chunkless tensors
     for e in tensors.values():
         if len(e.chunks) > 1:

@@ -31,6 +31,7 @@ from .names import frozen_names
 from .planner import Box, Regular, full_box
 from .replicas import digests, plan, refuse_subgroup_ddp, state_buffer_sources
 from .sampler import ResumableIterable, ResumableSampler
+from .schedclass import scheduler_class
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
 from .zero import refuse_diverged, refuse_partitioned
@@ -64,6 +65,12 @@ class Snapshot:
     metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
     split: bool = False  # split_state=True: ranks may hold different entries (split.py)
     frozen: dict[str, list[str]] = field(default_factory=dict)  # module entry -> its frozen parameters (names.py)
+    classes: dict[str, str] = field(default_factory=dict)  # scheduler entry -> its class (schedclass.py)
+
+    def beside(self, key: str) -> dict[str, Any]:
+        """``api``: what the manifest keeps beside entry ``key``'s skeleton ("frozen", "class")."""
+        return {**({"frozen": self.frozen[key]} if key in self.frozen else {}),
+                **({"class": self.classes[key]} if key in self.classes else {})}
     data_positions: dict[str, Any] = field(default_factory=dict)  # shared samplers' states: check_data_positions
     replicas: dict[str, Any] | None = None  # digests of the replicated leaves, taken at the call (replicas.py)
 
@@ -95,6 +102,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ties: list[tuple[str, str]] = []  # (alias, target)
     data_positions: dict[str, Any] = {}
     frozen: dict[str, list[str]] = {}
+    classes: dict[str, str] = {}
     # address of a buffer DDP syncs (and of the state's other module buffers then) -> the rank saving it
     sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
     if ctx.world_size > 1:
@@ -126,6 +134,8 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                     e.args = (what + SCHEDULER_HINT,)
                 raise
             objects[key] = skel
+            if (cls := scheduler_class(value)) is not None:
+                classes[key] = cls  # refused on load by a scheduler of another class
             if isinstance(value, torch.nn.Module) and not local:
                 if not split:
                     frozen[key] = frozen_names(value)
@@ -160,7 +170,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ).hexdigest()
     rep = digests(state, leaves, ctx.world_size, sig, layout_kind)  # compared in the begin round: replicas.compare
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions,
-                    frozen=frozen, replicas=rep)
+                    frozen=frozen, classes=classes, replicas=rep)
 
 
 # ``capture``: what to do about a value refused in a scheduler's state, after its path and type (flatten's

@@ -26,9 +26,10 @@ from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
-from .names import alias_saved_paths, canonical_optimizer, check_frozen
+from .names import alias_saved_paths, canonical_optimizer
 from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
+from .schedclass import check_entries
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
 from .storage import Storage, for_path
 from .zero import refuse_partitioned
@@ -202,7 +203,7 @@ def _load(
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
-    check_frozen(manifest, {p[0]: state[p[0]] for p in plans})  # requires_grad changed since the save: warn
+    check_entries(manifest, {p[0]: state[p[0]] for p in plans})  # a scheduler's class; requires_grad changed: warn
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no memory) keep their current "
@@ -229,7 +230,6 @@ def _load(
     check_file_sizes(storage, directory, manifest, wanted)
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
-
     want = {p: dest for _key, _obj, _skel, dest, refs in plans for p in refs if p not in bad}
     # In the manifest's order, which is the order the tensors were written in (file order).
     order = [p for p in manifest.tensors if p in want]

@@ -77,7 +77,7 @@ def frozen_names(module: Any) -> list[str]:
 
 
 def check_frozen(manifest: Any, state: Any) -> None:
-    """``loader._load``, every rank, after the load was planned: warn when a module entry's
+    """``loader._load`` (through ``schedclass.check_entries``), every rank, after the load was planned: warn when a module entry's
     parameters were frozen (``requires_grad=False``) at save time and are trainable now, or the
     reverse. Only for a resume (the state holds an optimizer too: a fine-tuning that loads the
     weights alone may freeze others on purpose) and checkpoints that recorded it. A checkpoint
@@ -110,5 +110,5 @@ def check_frozen(manifest: Any, state: Any) -> None:
                 f"{'; '.join(parts)}. A checkpoint restores values, not requires_grad: if your loop freezes or "
                 "unfreezes parameters at some step, apply that again on resume (e.g. `if step >= unfreeze_step`); "
                 "ignore this if the change is on purpose",
-                stacklevel=5,  # the caller of tg.load (check_frozen, _load, load, dist's wrapper)
+                stacklevel=6,  # the caller of tg.load (check_frozen, schedclass.check_entries, _load, load, dist's wrapper)
             )
