@@ -273,3 +273,205 @@ def test_the_frozen_warning_still_names_the_callers_line(tmp_path) -> None:
     with pytest.warns(UserWarning, match="differ in requires_grad") as caught:
         tg.load(tmp_path / "a", {"model": model, "optim": opt})
     assert caught[0].filename == __file__
+
+
+class _Sparse(nn.Module):
+    """A sparse embedding and dense layers; ``late`` gets its first gradient at step 6."""
+
+    def __init__(self, sparse: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, 6, sparse=sparse)
+        self.fc1, self.fc2, self.late = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(3, 3)
+
+    def forward(self, idx: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.fc2(torch.tanh(self.fc1(self.emb(idx))))
+        return self.late(h) if step >= 6 else h
+
+
+class _Scale:
+    """A CyclicLR scale_fn that is an object: CyclicLR saves its __dict__."""
+
+    def __init__(self) -> None:
+        self.base, self.calls = 0.7, 0
+
+    def __call__(self, x: float) -> float:
+        self.calls += 1
+        return self.base**x
+
+
+class _Warm:
+    """A LambdaLR lr_lambda that is an object with counters."""
+
+    def __init__(self) -> None:
+        self.n, self.calls, self.hist = 4, 0, [0.5]
+
+    def __call__(self, epoch: int) -> float:
+        self.calls += 1
+        return min(1.0, (epoch + 1) / self.n)
+
+
+_ZOO19 = {
+    "lbfgs": (lambda m: torch.optim.LBFGS(m.parameters(), lr=1, history_size=3, max_iter=4, line_search_fn="strong_wolfe"), None),
+    "asgd-poly": (lambda m: torch.optim.ASGD(m.parameters(), lr=1e-2, t0=2), lambda o: _S.PolynomialLR(o, total_iters=6, power=2.0)),
+    "nadam-plateau-max": (lambda m: torch.optim.NAdam(m.parameters(), lr=1e-2, decoupled_weight_decay=True, weight_decay=0.1),
+                          lambda o: _S.ReduceLROnPlateau(o, mode="max", patience=0, cooldown=1, factor=0.5)),
+    "amsgrad-warm-restarts": (lambda m: torch.optim.Adam(m.parameters(), lr=1e-2, amsgrad=True),
+                              lambda o: _S.CosineAnnealingWarmRestarts(o, T_0=2, T_mult=2)),
+    "nesterov-cyclic-object": (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+                               lambda o: _S.CyclicLR(o, 1e-3, 1e-1, step_size_up=3, scale_fn=_Scale(), scale_mode="cycle")),
+    "sparse-adam-adamw-lambda-object": (None, lambda o: _S.LambdaLR(o, _Warm())),
+}
+
+
+def _zoo19_state(name: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = _Sparse(sparse=name.startswith("sparse"))
+    make_opt, make_sched = _ZOO19[name]
+    st: dict = {"model": model, "rng": tg.RNGState()}
+    if make_opt is None:  # SparseAdam for the embedding, AdamW for the rest: two optimizer entries
+        st["sparse"] = torch.optim.SparseAdam(list(model.emb.parameters()), lr=1e-2)
+        st["optim"] = torch.optim.AdamW([p for n, p in model.named_parameters() if not n.startswith("emb")], lr=1e-2)
+    else:
+        st["optim"] = make_opt(model)
+    if make_sched is not None:
+        st["sched"] = make_sched(st["optim"])
+    # the overflows at steps 1 and 2 skip those steps and halve the scale twice
+    st["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3, backoff_factor=0.5)
+    return st
+
+
+def _zoo19_step(st: dict, k: int) -> None:
+    model, opt, scaler = st["model"], st["optim"], st["scaler"]
+    idx = torch.randint(0, 20, (7,))
+    opts = [o for o in (st.get("sparse"), opt) if o is not None]
+    if isinstance(opt, torch.optim.LBFGS):
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(idx, k).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+    else:
+        for o in opts:
+            o.zero_grad()
+        loss = model(idx, k).square().mean()
+        scaler.scale(loss * float("inf") if k in (1, 2) else loss).backward()
+        for o in opts:
+            scaler.step(o)
+        scaler.update()
+    sched = st.get("sched")
+    if isinstance(sched, _S.ReduceLROnPlateau):
+        sched.step([1.0, 0.5, 0.7, 0.9, 0.3, 0.2, 0.4, 0.6, 0.8, 0.1][k])
+    elif isinstance(sched, _S.CosineAnnealingWarmRestarts):
+        for j in range(3):
+            sched.step(k + (j + 1) / 3)  # fractional epochs: three iterations per step
+    elif sched is not None:
+        sched.step()
+
+
+def _entries(st: dict) -> dict:
+    return {k: copy.deepcopy(v.state_dict()) for k, v in st.items() if k != "rng"}
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("name", sorted(_ZOO19))
+def test_optimizers_schedulers_and_scaler_resume_with_their_types_and_bit_identically(tmp_path, name, async_save) -> None:
+    """LBFGS (lists of tensors, ints, floats), SparseAdam beside AdamW over a parameter that gets
+    its first gradient after the save, ASGD, NAdam, amsgrad, nesterov momentum; ReduceLROnPlateau
+    in mode max, warm restarts stepped by fractional epochs, CyclicLR and LambdaLR with callable
+    objects; a GradScaler that skipped steps on inf gradients. What held in session 19's review:
+    the state after the load equals the saved one, types included, and 4 more steps equal the run
+    that was not interrupted."""
+    ref = _zoo19_state(name, 0)
+    for k in range(10):
+        _zoo19_step(ref, k)
+    run = _zoo19_state(name, 0)
+    for k in range(6):
+        _zoo19_step(run, k)
+    saved = _entries(run)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=async_save) as mgr:
+        mgr.save(6, run)
+    new = _zoo19_state(name, 1)
+    assert _same(saved, _entries(new))
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1)) as mgr:
+        assert mgr.restore(new) == 6
+    assert _same(saved, _entries(new)) == []
+    for k in range(6, 10):
+        _zoo19_step(new, k)
+    assert _same(_entries(ref), _entries(new)) == []
+
+
+def _ddp_state(kind: str, seed: int) -> dict:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(seed)
+    net = _Sparse(sparse=kind == "sparse")
+    model = DistributedDataParallel(net)
+    st: dict = {"model": model, "rng": tg.RNGState()}
+    if kind == "lbfgs":
+        st["optim"] = torch.optim.LBFGS(model.parameters(), lr=0.5, history_size=2, max_iter=2)
+    else:
+        st["sparse"] = torch.optim.SparseAdam(list(net.emb.parameters()), lr=1e-2)
+        st["optim"] = torch.optim.AdamW([p for n, p in net.named_parameters() if not n.startswith("emb")], lr=1e-2)
+        st["scaler"] = ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    return st
+
+
+def _ddp_step(st: dict, k: int, rank: int) -> None:
+    model, opt = st["model"], st["optim"]
+    idx = torch.randint(0, 20, (7,), generator=torch.Generator().manual_seed(1000 * rank + k))  # each rank its batch
+    if isinstance(opt, torch.optim.LBFGS):
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(idx, 6).square().mean()
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        return
+    scaler = st["scaler"]
+    for o in (st["sparse"], opt):
+        o.zero_grad()
+    loss = model(idx, 6).square().mean()
+    scaler.scale(loss * float("inf") if k == 1 else loss).backward()
+    for o in (st["sparse"], opt):
+        scaler.step(o)
+    scaler.update()
+
+
+def _ddp_rank(rank: int, world: int, root: str, kind: str) -> tuple[list[str], list[str]]:
+    ref = _ddp_state(kind, 0)
+    for k in range(6):
+        _ddp_step(ref, k, rank)
+    run = _ddp_state(kind, 0)
+    for k in range(3):
+        _ddp_step(run, k, rank)
+    saved = _entries(run)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=kind == "sparse") as mgr:
+        mgr.save(3, run)
+    new = _ddp_state(kind, 1)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1)) as mgr:
+        assert mgr.restore(new) == 3
+    after_load = _same(saved, _entries(new))
+    for k in range(3, 6):
+        _ddp_step(new, k, rank)
+    return after_load, _same(_entries(ref), _entries(new))
+
+
+@pytest.mark.parametrize("kind", ["lbfgs", "sparse"])
+def test_lbfgs_and_sparse_adam_under_ddp_resume_bit_identically_on_both_ranks(tmp_path, kind) -> None:
+    """2 gloo ranks, DDP: LBFGS (its state on one parameter, lists of tensors), and SparseAdam for a
+    sparse embedding beside AdamW with a ShardedGradScaler that skipped a step, saved async: each
+    rank writes part of the shared entries and loads all of them. LBFGS keeps each rank's own
+    loss in ``prev_loss`` (a float; DDP averages gradients, not losses): the checkpoint holds rank 0's
+    for both, as for every JSON value of a shared entry, and LBFGS overwrites it before it reads it."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_ddp_rank, 2, str(tmp_path), kind, timeout=120)
+    for r in res:
+        after_load, after_steps = r.value
+        expected = [] if kind == "sparse" or r.rank == 0 else ["/optim/state/0/prev_loss: "]
+        assert [d[: len(e)] for d, e in zip(after_load, expected)] == expected and len(after_load) == len(expected), (r.rank, after_load)
+        assert after_steps == [], (r.rank, after_steps)
