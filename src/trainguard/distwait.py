@@ -196,7 +196,14 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
     agent restarted into a closed rendezvous and exited 1 where this one exited 143). Bounded by
     ``min(timeout, CLOSE_WAIT)``; a rank that does not come (it died, it trains on) is logged.
     The round's keys are deleted in the store's thread; ``dist``'s exit hook joins it (a delete
-    still running at exit aborted rank 0 in 5 of 6 runs of test_examples' torchrun case)."""
+    still running at exit aborted rank 0 in 5 of 6 runs of test_examples' torchrun case).
+    Once every rank is here, rank 0 also deletes the keys of this round and of the rounds before it,
+    the manager's async-save channel's (its last save, whose commit every rank waited for) included:
+    a channel's last rounds are otherwise deleted only by a later round of that channel, which a
+    closed manager never runs, and a process that made one manager after another (a loop of trials,
+    each in its own directory) left 4 keys per manager in the job's store (13 with async saves). Each rank
+    deletes its own ``at`` key of these channels too."""
+    import contextlib
     import logging
 
     from .dist import default_timeout
@@ -207,5 +214,11 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
     bound = min(default_timeout() if timeout is None else timeout, CLOSE_WAIT)
     try:
         ctx.gather("close", None, timeout=bound)
+        for ch in (ctx, *getattr(ctx, "_channels", {}).values()):
+            ch.forget(ch.mark())  # rank 0 alone has rounds to forget
+            # Where this rank was: a rank without one reads as "not there yet", as in a new channel. Deleted by
+            # its own rank (in order with that rank's later calls: a manager of the same name made next).
+            with contextlib.suppress(Exception):  # rank 0, the store's host, may have left already
+                ch.store.delete_key(f"{ch.chan}/at/{ch.rank}")
     except CheckpointError as e:
         logging.getLogger("trainguard").info("trainguard: close() did not meet every rank: %s", e)
