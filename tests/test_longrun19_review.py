@@ -40,3 +40,39 @@ def test_managers_made_one_after_another_leave_no_store_keys(tmp_path, async_sav
     res = run_ranks(_trials, 2, str(tmp_path), async_save, 6, timeout=120)
     counts = res[0].value
     assert counts[-1] <= counts[1], counts
+
+
+def test_ram_tier_copy_survives_a_view_of_its_mapping_held_elsewhere(tmp_path, monkeypatch):
+    # Seen in a 300-save run with ram_tier=True: the training thread walked gc.get_objects() (a memory
+    # profiler does) while the RAM tier copied step 100 to the run directory; the list held a slice of the
+    # mapping's view, mmap.close() raised "cannot close exported pointers exist" after every byte was
+    # written, and the step never reached the run directory. The writer below keeps such a slice.
+    from trainguard import tiers
+    from trainguard.storage import for_path
+
+    monkeypatch.setattr(tiers, "PIECE", 1 << 16)  # several pieces of a small file
+    src = tmp_path / "data-00000.bin"
+    payload = os.urandom(3 * tiers.PIECE + 123)
+    src.write_bytes(payload)
+    storage, root = for_path(str(tmp_path / "out"))
+    storage.makedirs(root)
+    held = []
+    real_open = storage.open_write
+
+    def open_write(path):
+        w = real_open(path)
+        pwrite = w.pwrite
+
+        def keeping(data, offset):
+            held.append(data[:1])  # someone else's reference to part of the view
+            return pwrite(data, offset)
+
+        w.pwrite = keeping
+        return w
+
+    storage.open_write = open_write
+    dst = storage.join(root, "data-00000.bin")
+    tiers._copy(str(src), storage, dst, len(payload))
+    with open(dst, "rb") as f:
+        assert f.read() == payload
+    assert held

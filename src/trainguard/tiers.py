@@ -19,6 +19,7 @@ deletes and lists; the others only write their own data files into the RAM direc
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import mmap
@@ -376,19 +377,22 @@ def _copy(src: str, d: Storage, dst: str, size: int) -> None:
     w = d.open_write(dst)
     try:
         if size:
-            with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            with open(src, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            view = memoryview(mm)
+            pieces = [view[o : min(o + PIECE, size)] for o in range(0, size, PIECE)]
+            try:
                 if len(mm) < size:
                     raise CheckpointError(f"{src}: {len(mm)} bytes, the manifest says {size}")
-                view = memoryview(mm)
-                pieces = [view[o : min(o + PIECE, size)] for o in range(0, size, PIECE)]
-                try:
-                    with ThreadPoolExecutor(2, thread_name_prefix="trainguard-ram-copy") as ex:
-                        for fu in [ex.submit(w.pwrite, p, i * PIECE) for i, p in enumerate(pieces)]:
-                            fu.result()
-                finally:
-                    for p in pieces:
-                        p.release()
-                    view.release()
+                with ThreadPoolExecutor(2, thread_name_prefix="trainguard-ram-copy") as ex:
+                    for fu in [ex.submit(w.pwrite, p, i * PIECE) for i, p in enumerate(pieces)]:
+                        fu.result()
+            finally:
+                for p in pieces:
+                    p.release()
+                view.release()
+                with contextlib.suppress(BufferError):  # a slice held elsewhere (a gc.get_objects() list): unmapped
+                    mm.close()  # when it goes; every byte was written, the copy did not fail
         w.finish(size)
     except BaseException:
         w.abort()
