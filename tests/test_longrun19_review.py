@@ -16,6 +16,7 @@ def _trials(rank: int, world: int, root: str, async_save: bool, n: int) -> list[
     import torch.distributed as dist
 
     import trainguard as tg
+    from trainguard.dist import DistContext
 
     store = dist.distributed_c10d._get_default_store()
     model = torch.nn.Linear(8, 2)
@@ -27,7 +28,8 @@ def _trials(rank: int, world: int, root: str, async_save: bool, n: int) -> list[
             mgr.restore(state)
             for step in range(1, 4):
                 mgr.save(step, state)
-        dist.barrier()  # every rank's close() is over (and its deletes: each rank's store calls run in order)
+        DistContext.current().store.drain()  # rank 0's deletes run in the background: wait for them
+        dist.barrier()  # every rank's close() is over
         counts.append(store.num_keys())
         dist.barrier()
     return counts
@@ -76,3 +78,36 @@ def test_ram_tier_copy_survives_a_view_of_its_mapping_held_elsewhere(tmp_path, m
     with open(dst, "rb") as f:
         assert f.read() == payload
     assert held
+
+
+def _rare_saves(rank: int, world: int, root: str, steps: int) -> list[int]:
+    """A distributed manager whose policy does not save in ``steps`` steps (saving on preemption only);
+    the job's store key count every 10 steps."""
+    import torch
+    import torch.distributed as dist
+
+    import trainguard as tg
+    from trainguard import distwait
+    from trainguard.dist import DistContext
+
+    distwait.TRIM_EVERY = 16  # looks sooner; the same code path
+    store = dist.distributed_c10d._get_default_store()
+    state = {"model": torch.nn.Linear(4, 2), "progress": tg.StateDict(step=0)}
+    counts = []
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(10**9), timeout=60) as mgr:
+        for step in range(1, steps + 1):
+            assert mgr.save(step, state) is None
+            if step % 10 == 0:
+                DistContext.current().store.drain()  # rank 0's deletes run in the background: wait for them
+                dist.barrier()
+                counts.append(store.num_keys())
+                dist.barrier()
+    return counts
+
+
+def test_a_run_that_rarely_saves_keeps_no_store_key_per_step(tmp_path):
+    # Before: each step's "decide" broadcast left its key in the job's c10d store until the next
+    # committed save (507 keys after 499 steps of EveryNSteps(500); for good when no save came).
+    res = run_ranks(_rare_saves, 2, str(tmp_path), 200, timeout=120)
+    counts = res[0].value
+    assert max(counts[5:]) <= counts[1] + 16, counts

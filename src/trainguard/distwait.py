@@ -222,3 +222,20 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
                 ch.store.delete_key(f"{ch.chan}/at/{ch.rank}")
     except CheckpointError as e:
         logging.getLogger("trainguard").info("trainguard: close() did not meet every rank: %s", e)
+
+
+TRIM_EVERY = 256  # operations between rank 0's looks at where the other ranks are (forget_passed)
+
+
+def forget_passed(ctx: Any) -> None:
+    """Rank 0, in ``policies.decide`` (each ``CheckpointManager.save`` of a multi-rank run, after its
+    "decide" broadcast): every ``TRIM_EVERY`` operations, delete the keys of the operations every other
+    rank is past, as their ``at`` keys say (one ``multi_get``). A broadcast's key was deleted only by a
+    later gather (the next save's commit): a run that saved rarely kept one key per training step in the
+    job's store until then (507 after 499 steps of ``EveryNSteps(500)``), and one that never saved
+    (``EveryNSteps`` of a huge n, saving on preemption only) or whose saves all failed, for the whole run."""
+    if ctx.rank != 0 or not ctx.is_distributed or ctx._op % TRIM_EVERY:
+        return
+    where = _where(ctx, list(range(1, ctx.world_size)))
+    if len(where) == ctx.world_size - 1:  # a rank that never entered a round of ctx: nothing is known
+        ctx.forget((min(op for op, *_ in where.values()) - 1, 1 << 62))

@@ -28,6 +28,7 @@ from typing import Any
 
 from . import replicas
 from .dist import DistContext
+from .distwait import forget_passed
 from .errors import UnsupportedValueError
 
 
@@ -286,6 +287,10 @@ def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -
         except Exception:  # a store that stopped answering: the broadcast below says so, on every rank
             pass
     out = ctx.broadcast("decide", [bool(want), preempt], timeout=timeout)
+    try:
+        forget_passed(ctx)  # rank 0: the keys of the decisions every rank has read
+    except Exception:  # a store that stopped answering: the next round says so
+        pass
     return bool(out[0]), bool(out[1])
 
 
