@@ -15,8 +15,7 @@ parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
 appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
 pieces fetched concurrently (``fs.cat_ranges``).
 
-Credentials and endpoints: the filesystem's usual configuration (S3: the boto chain, e.g.
-``AWS_ENDPOINT_URL``; fsspec's ``FSSPEC_S3_ENDPOINT_URL``). See docs/storage.md.
+Credentials, endpoints: the filesystem's (S3: the boto chain, ``AWS_ENDPOINT_URL``). Each call is bounded (``_bounded``).
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any, TypeVar
 
 from .. import layout
 from ..errors import CheckpointError, CorruptCheckpointError
+from ._bounded import Bounded, store_timeout
 
 log = logging.getLogger("trainguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -76,9 +76,9 @@ class FsspecStorage:
     def __init__(self, fs: Any, *, part_size: int = PART_SIZE) -> None:
         if part_size < (5 << 20):
             raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
-        self.fs = fs
-        self.part_size = part_size
         self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
+        self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
+        self.part_size = part_size
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
@@ -103,7 +103,7 @@ class FsspecStorage:
         return "/".join([head.rstrip("/"), *(p.strip("/") for p in rest)]) if rest else head
 
     def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
+        self.io.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[str]:
         """Names directly under ``path`` that hold at least one object. One flat listing: a
@@ -119,7 +119,7 @@ class FsspecStorage:
         self._fresh(path)
         base = path.rstrip("/") + "/"
         try:
-            keys = self.fs.find(path, withdirs=False)
+            keys = self.io.find(path, withdirs=False)
         except (FileNotFoundError, NotADirectoryError):
             return {}
         out: dict[str, bool] = {}
@@ -137,20 +137,20 @@ class FsspecStorage:
     @_remote
     def exists(self, path: str) -> bool:
         self._fresh(path)
-        return bool(self.fs.exists(path))
+        return bool(self.io.exists(path))
 
     @_remote
     def size(self, path: str) -> int:
         self._fresh(path)
-        return int(self.fs.size(path))
+        return int(self.io.size(path))
 
     @_remote
     def read_bytes(self, path: str, limit: int) -> bytes:
-        return bytes(self.fs.cat_file(path, start=0, end=limit + 1))
+        return bytes(self.io.cat_file(path, start=0, end=limit + 1))
 
     def write_atomic(self, path: str, data: bytes) -> None:
         # A single PUT: the object appears whole or not at all.
-        self.fs.pipe_file(path, bytes(data))
+        self.io.pipe_file(path, bytes(data))
 
     def rename_dir(self, src: str, dst: str) -> None:
         raise CheckpointError(
@@ -164,11 +164,11 @@ class FsspecStorage:
         # Best effort, like the local backend: a failure leaves debris that is cleaned later.
         try:
             try:
-                self.fs.rm_file(marker)
+                self.io.rm_file(marker)
             except FileNotFoundError:
                 pass
             self._fresh(path)
-            self.fs.rm(path, recursive=True)
+            self.io.rm(path, recursive=True)
         except FileNotFoundError:
             pass
         except Exception as e:
@@ -182,14 +182,14 @@ class FsspecStorage:
         return _PartWriter(self, path)
 
     def open_read(self, path: str) -> _RangeReader:
-        return _RangeReader(self.fs, path)
+        return _RangeReader(self.io, path)
 
 
 class _PartWriter:
     """Assembles pwrite'd bytes into fixed-size parts and uploads complete parts in parallel."""
 
     def __init__(self, storage: FsspecStorage, path: str) -> None:
-        self.fs, self.path, self.P = storage.fs, path, storage.part_size
+        self.fs, self.path, self.P = storage.io, path, storage.part_size
         self._lock = threading.Lock()
         self._bufs: dict[int, bytearray] = {}
         self._filled: dict[int, int] = {}

@@ -1,0 +1,125 @@
+"""Review of checkpoints on a real S3 server (SeaweedFS, ``tests/test_storage_s3.py``'s fixture)
+under a cluster's faults: each test reproduces a bug found there."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import uuid
+
+import pytest
+import torch
+
+import trainguard as tg
+
+pytest.importorskip("s3fs")
+from test_storage_s3 import weed  # noqa: E402,F401  (the session's server; skips without `weed`)
+from trainguard.storage import fsspec as tgfs  # noqa: E402
+
+BOUND = 120  # a thread still in save after this long is hung (the fixed code answers within ~4 x 3 s)
+
+
+def _small(v: float) -> dict:
+    return {"model": {"w": torch.full((1000,), float(v))}}
+
+
+def _in_thread(fn, *args):
+    """``fn(*args)`` on a daemon thread, waited for at most BOUND s: (finished, its result or exception)."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["r"] = fn(*args)
+        except BaseException as e:  # handed to the test
+            box["r"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(BOUND)
+    return not t.is_alive(), box.get("r")
+
+
+class _Freezer:
+    """``freeze()`` SIGSTOPs the session's server (a hung endpoint: connections accepted, never
+    answered), ``thaw()`` SIGCONTs it (also at the end of the test, whatever happens)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.stopped = pid, False
+
+    def freeze(self) -> None:
+        os.kill(self.pid, signal.SIGSTOP)  # by PID: the server the fixture started
+        self.stopped = True
+
+    def thaw(self) -> None:
+        if self.stopped:
+            os.kill(self.pid, signal.SIGCONT)
+            self.stopped = False
+
+
+@pytest.fixture
+def frozen(weed):  # noqa: F811
+    f = _Freezer(weed.proc.pid)
+    try:
+        yield f
+    finally:
+        f.thaw()
+
+
+def test_a_sync_save_against_a_hung_endpoint_fails_within_the_store_bound(frozen, monkeypatch):
+    # The endpoint hangs (frozen server): a sync save blocked the training thread for as long as
+    # s3fs's 5 tries of botocore's attempts of 15 s took (417 s measured with the defaults), and a
+    # PUT never returned at all. Each call is now bounded by TRAINGUARD_STORE_TIMEOUT.
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "3")
+    url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        frozen.freeze()
+        done, got = _in_thread(mgr.save, 2, _small(2))
+        frozen.thaw()  # before asserting: the manager's exit waits for what is still in flight
+        assert done, f"save(2) against a frozen endpoint still blocked after {BOUND} s"
+        assert isinstance(got, tg.CheckpointError) and "TRAINGUARD_STORE_TIMEOUT" in str(got), repr(got)
+    dest = _small(0)
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        assert mgr.restore(dest) == 1
+
+
+def test_an_async_save_whose_endpoint_hangs_mid_upload_reports_and_the_previous_one_restores(frozen, monkeypatch):
+    # The server hangs after the first part of step 2 went up: the async save's upload never
+    # returned (> 400 s even with botocore's timeouts at 1 s), so handle.result(), the next save
+    # and close() waited for good. It now fails with the bound's error; step 1 is restored.
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "3")
+    url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+    big = {"model": {"w": torch.arange(12 << 20, dtype=torch.float32)}}  # 48 MB: parts of 32 MiB
+    orig = tgfs._S3Upload.part
+
+    def part(self, k, data):
+        orig(self, k, data)
+        if arm:
+            arm.clear()
+            frozen.freeze()
+
+    arm: list = []
+    monkeypatch.setattr(tgfs._S3Upload, "part", part)
+    mgr = tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False,
+                               async_save=True, on_error="warn")
+    with mgr:
+        mgr.save(1, _small(1))
+        mgr.wait()
+        arm.append(1)
+        handle = mgr.save(2, big)
+        done, got = _in_thread(handle.result)
+        frozen.thaw()  # before asserting: the manager's exit waits for the save in flight
+        assert done, f"the async save's result() still blocked after {BOUND} s of a frozen endpoint"
+        assert isinstance(got, tg.CheckpointError) and "TRAINGUARD_STORE_TIMEOUT" in str(got), repr(got)
+    dest = {"model": {"w": torch.zeros(1000)}}
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:  # the broken step 2 is ignored
+        assert mgr.restore(dest) == 1
+    assert torch.equal(dest["model"]["w"], _small(1)["model"]["w"])
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon", "inf"])
+def test_a_wrong_store_timeout_is_refused_naming_the_variable(monkeypatch, value):
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", value)
+    with pytest.raises(ValueError, match="TRAINGUARD_STORE_TIMEOUT"):
+        tg.storage.for_path("memory://objstore19-timeout")
