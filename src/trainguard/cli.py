@@ -19,11 +19,7 @@ from typing import Any
 import click
 
 from .commands import CommandError, printable, stdout_gone
-from .errors import CheckpointError
-
-# Packages whose exceptions (not OSErrors) say an object store could not be used: botocore's
-# EndpointConnectionError, NoCredentialsError, ...; their tracebacks say nothing more to an operator.
-_STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "azure", "adlfs"})
+from .errors import CheckpointError, is_store_client_error
 
 
 class _Group(click.Group):
@@ -58,7 +54,7 @@ class _Group(click.Group):
             click.echo(f"error: {_os_error(e)}", err=True)
             sys.exit(2)
         except Exception as e:  # an object store's client: unreachable endpoint, no credentials
-            if type(e).__module__.split(".")[0] not in _STORE_CLIENTS:
+            if not is_store_client_error(e):
                 raise
             _store_failed(e)
 

@@ -150,6 +150,17 @@ def is_media_error(e: BaseException) -> bool:
     return isinstance(e, OSError) and e.errno in MEDIA_ERRNOS and not getattr(e, "remote", False)
 
 
+# Packages whose exceptions (not OSErrors) say an object store could not be used: botocore's
+# EndpointConnectionError, NoCredentialsError, ...; their tracebacks say nothing more to an operator.
+STORE_CLIENTS = frozenset({"botocore", "aiobotocore", "s3fs", "gcsfs", "google", "aiohttp", "azure", "adlfs"})
+
+
+def is_store_client_error(e: BaseException) -> bool:
+    """Whether ``e`` comes from an object store's client library (:data:`STORE_CLIENTS`): the CLI's one
+    ``error:`` line (``cli._Group``), and ``permanent.open_error`` (a manager's ``open`` on rank 0)."""
+    return type(e).__module__.split(".")[0] in STORE_CLIENTS
+
+
 def unreadable(e: Exception, target: str) -> Exception:
     """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``.
 

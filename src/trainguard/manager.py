@@ -114,7 +114,7 @@ class CheckpointManager:
                     if removed:
                         log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)
                         self.events.emit("debris", removed=removed)
-                except (CheckpointError, OSError) as e:  # e.g. root is a file: tell the other ranks, not hang them
+                except Exception as e:  # root is a file, a store unreachable: tell the other ranks (open_error raises others)
                     exc = open_error(e, self.root)
                     err = [str(exc), is_permanent(exc)]
             err = self.ctx.broadcast("open", err, timeout=self.timeout)

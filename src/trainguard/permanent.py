@@ -31,7 +31,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from . import layout
-from .errors import CheckpointError, is_media_error
+from .errors import CheckpointError, is_media_error, is_store_client_error
 
 PERMANENT_EXIT = 78  # sysexits.h EX_CONFIG: not 1 (any crash), 75/76 (hang, orphan), 128 + n (signals)
 E = TypeVar("E", bound=BaseException)
@@ -219,9 +219,18 @@ def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout
 def open_error(e: Exception, root: str) -> CheckpointError:
     """``CheckpointManager.open`` on rank 0: its error ``e`` as the ``CheckpointError`` every rank
     raises. A file where the directory should be, or no permission: permanent (a lock held by
-    another live job is already marked by ``RunLock``); any other OSError (EIO, ENOSPC, ESTALE) not."""
+    another live job is already marked by ``RunLock``); any other OSError (EIO, ENOSPC, ESTALE) not.
+    An object store's client error (an unreachable endpoint: botocore's EndpointConnectionError,
+    not an OSError) too, not permanent; any other exception is raised as it is."""
     if isinstance(e, CheckpointError):
         return e
+    if not isinstance(e, OSError):
+        if not is_store_client_error(e):
+            raise e
+        err = CheckpointError(f"cannot open {root}: the object store cannot be used ({type(e).__name__}: {e}): check "
+                              "its endpoint (e.g. AWS_ENDPOINT_URL) and credentials, then start again (docs/storage.md)")
+        err.__cause__ = e
+        return err
     path_given = isinstance(e, (FileExistsError, NotADirectoryError))
     step = _step_of_manifest(getattr(e, "filename", None))
     if step is not None:  # clean_debris cannot tell a committed checkpoint from a crashed save's debris
