@@ -146,3 +146,26 @@ def test_open_against_an_unreachable_endpoint_is_a_checkpoint_error_saying_what_
             tg.CheckpointManager(f"s3://tgtest/{uuid.uuid4().hex[:10]}", handle_signals=False).open()
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_a_save_whose_objects_another_job_removed_fails_instead_of_committing(weed, monkeypatch):  # noqa: F811
+    # Two jobs on one prefix (no run lock on object stores): job B's manager opens while job A's
+    # save of step 2 is uploaded but not committed, and removes step 2 as a crashed save's debris.
+    # A then wrote its manifest over nothing: the save returned, `ls` listed step 2, and only the
+    # next restart found "data file is missing" and fell back. A's save now fails and says why.
+    url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+    orig = tgfs._S3Upload.complete
+
+    def complete(self, nparts, size):
+        orig(self, nparts, size)
+        if "step-000000002/" in self.key:  # A's data object is up; job B starts on the same prefix
+            tg.CheckpointManager(url, handle_signals=False).open().close()
+
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        monkeypatch.setattr(tgfs._S3Upload, "complete", complete)
+        with pytest.raises(tg.CheckpointError, match=r"another job using the same run directory removed it"):
+            mgr.save(2, _small(2))
+        monkeypatch.setattr(tgfs._S3Upload, "complete", orig)
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        assert mgr.latest_step() == 1

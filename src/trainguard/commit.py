@@ -115,14 +115,23 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
     listing may be stale on NFS). A run directory on node-local disks in a multi-node job, or a
     relative path resolved in different working directories, would otherwise commit checkpoints
     whose other ranks' files are somewhere else: every save "succeeds" and none can be loaded.
-    At most 9 ranks are looked at, whatever the world size (a handful of stats per save)."""
+    At most 9 ranks are looked at, whatever the world size (a handful of stats per save).
+    On an object store (writes in place, no run lock) rank 0's own files too: a manager opened on
+    the same prefix by another job removes a save's objects as a crashed save's debris, and the
+    manifest written over them committed a checkpoint with its data gone (the save "succeeded")."""
     world = len(written)
-    for r in sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
+    for r in [0] * (not storage.atomic_rename) + sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
         w = written[r]
         names = [f for f, size in rank_files(w).items() if size]
         names += [w["index"][0]] if w.get("index") else []
         for fname in names:
             if not storage.exists(storage.join(work, fname)):
+                if r == 0:
+                    raise CheckpointError(
+                        f"{fname}, uploaded by rank 0 into {work} in this save, is gone before its manifest was "
+                        "written: another job using the same run directory removed it (a CheckpointManager opening "
+                        "there deletes steps without a manifest). Object stores have no run lock: give each job "
+                        "its own prefix")
                 raise CheckpointError(
                     f"rank {r} wrote and fsynced {fname} into {work}, but rank 0 does not find it there: "
                     "the run directory must be on storage every rank shares (a parallel or network "
