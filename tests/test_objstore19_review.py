@@ -169,3 +169,26 @@ def test_a_save_whose_objects_another_job_removed_fails_instead_of_committing(we
         monkeypatch.setattr(tgfs._S3Upload, "complete", orig)
     with tg.CheckpointManager(url, handle_signals=False) as mgr:
         assert mgr.latest_step() == 1
+
+
+def test_a_missing_bucket_is_refused_not_created(weed):  # noqa: F811
+    # s3fs's makedirs creates a missing bucket: a typo in the bucket name made a new bucket and every
+    # save "succeeded" into it, where the run with the right name finds nothing to resume from.
+    import s3fs
+
+    from trainguard.permanent import is_permanent
+
+    bucket = f"typo-{uuid.uuid4().hex[:8]}"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    with pytest.raises(tg.CheckpointError, match=rf"s3://{bucket} does not exist.*Create it first") as e:
+        with tg.CheckpointManager(f"s3://{bucket}/run1"):
+            pass
+    assert is_permanent(e.value)  # a restart does not create it (exit 78 under trainguard's handlers)
+    with pytest.raises(tg.CheckpointError, match="does not exist"):
+        tg.save(f"s3://{bucket}/run1/step-000000001", _small(1.0))
+    assert not fs.exists(bucket)
+    fs.mkdir(bucket)  # created by its owner: saves go on
+    tg.save(f"s3://{bucket}/run1/step-000000001", _small(2.0))
+    back = _small(0.0)
+    tg.load(f"s3://{bucket}/run1/step-000000001", back)
+    assert torch.equal(back["model"]["w"], _small(2.0)["model"]["w"])

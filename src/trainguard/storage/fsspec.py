@@ -13,7 +13,7 @@ are all there is uploaded at once on a small thread pool (S3: one ``upload_part`
 parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
 ``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
 appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
-pieces fetched concurrently (``fs.cat_ranges``).
+pieces fetched concurrently (``fs.cat_ranges``). A missing S3 bucket is refused (``_bucket``).
 
 Credentials, endpoints: the filesystem's (S3: the boto chain, ``AWS_ENDPOINT_URL``). Each call is bounded (``_bounded``).
 """
@@ -31,12 +31,12 @@ from typing import Any, TypeVar
 from .. import layout
 from ..errors import CheckpointError, CorruptCheckpointError
 from ._bounded import Bounded, store_timeout
+from ._bucket import need_bucket
 
 log = logging.getLogger("trainguard")
 F = TypeVar("F", bound=Callable[..., Any])
 
-PART_SIZE = 32 << 20  # upload part; S3 allows 10,000 parts: files up to 320 GB per rank
-READ_PIECE = 16 << 20  # ranged GETs above this are split and fetched concurrently
+PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (S3: 10,000 parts, files up to 320 GB); ranged GETs above: split
 UPLOAD_THREADS = 4  # parts uploaded at once per open file
 MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
 
@@ -78,7 +78,7 @@ class FsspecStorage:
             raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
         self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
         self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
-        self.part_size = part_size
+        self.part_size, self._buckets = part_size, set()  # buckets found to exist (_bucket.need_bucket)
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
@@ -93,7 +93,6 @@ class FsspecStorage:
             ) from e
         return cls(fs), path.rstrip("/") or path
 
-    # ---------------------------------------------------------------- metadata
     def _fresh(self, path: str) -> None:
         # Listings are cached by fsspec; another process (or rank) may have written since.
         self.fs.invalidate_cache(path)
@@ -103,6 +102,8 @@ class FsspecStorage:
         return "/".join([head.rstrip("/"), *(p.strip("/") for p in rest)]) if rest else head
 
     def makedirs(self, path: str) -> None:
+        if self._s3:
+            need_bucket(self.io, path, self._buckets)
         self.io.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[str]:
@@ -296,9 +297,7 @@ class _S3Upload:
             self._small = bytes(data)  # maybe the whole file: one PUT at complete()
             return
         uid = self._upload_id()
-        r = self.fs.call_s3(
-            "upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data
-        )
+        r = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data)
         with self._lock:
             self._etags[k] = r["ETag"]
 
