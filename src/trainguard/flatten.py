@@ -193,7 +193,8 @@ def keep_types(loaded: Any, current: Any) -> Any:
     if type(loaded) is float:  # a user scheduler's attribute set from numpy (flatten stores a float)
         return type(current)(loaded) if type(current).__module__ == "numpy" and isinstance(current, float) else loaded
     if type(loaded) is list and type(current) is deque:  # a user scheduler's window of recent values
-        return deque(loaded, maxlen=current.maxlen)
+        # Its elements too, where the destination holds one at the same place (a deque of deques).
+        return deque([*(keep_types(v, c) for v, c in zip(loaded, current)), *loaded[len(current):]], maxlen=current.maxlen)
     if type(loaded) in (list, tuple) and type(current) is type(loaded):
         new = [keep_types(v, c) for v, c in zip(loaded, current)]
         if any(w is not v for w, v in zip(new, loaded)):
