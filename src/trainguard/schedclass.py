@@ -6,7 +6,8 @@ class loads without a word and leaves a mix of both (a ``OneCycleLR``'s ``base_l
 ``max_lr / div_factor``, in a ``CosineAnnealingLR``, which then anneals from there: an lr 25 times
 too small, silently; a ``CosineAnnealingLR`` of another ``T_max`` is not a mismatch, the saved one
 wins as torch's does). ``capture.capture`` records :func:`scheduler_class` for each ``LRScheduler``
-entry that is not rank-local (``api`` keeps it beside a shared entry's skeleton only) (``ReduceLROnPlateau`` included; ``SequentialLR`` and
+entry that is not rank-local (``api`` keeps it beside a shared entry's skeleton only; ``split.add_reported``
+that of the group whose values the merged skeleton holds, rank 0's first) (``ReduceLROnPlateau`` included; ``SequentialLR`` and
 ``ChainedScheduler`` with their schedulers' classes); ``loader._load`` calls :func:`check_entries`
 on every rank before anything is read. Checkpoints from before the record are not checked.
 """

@@ -87,6 +87,7 @@ def leader_report(snap: Any, sigs: list[str], rank: int) -> dict[str, Any] | Non
         return None
     return {
         "skeletons": {k: v for k, v in snap.objects.items() if k not in snap.rank_local},
+        "classes": getattr(snap, "classes", {}),  # scheduler entries' classes (schedclass.py)
         "leaves": [[lf.path, lf.dtype, list(lf.shape), lf.alias] for lf in snap.leaves if lf.kind != "local"],
     }
 
@@ -180,8 +181,10 @@ def add_reported(tensors: dict[str, Any], objects: dict[str, Any], written: list
         for path, dtype, shape, alias in rep["leaves"]:
             tensors.setdefault(path, entry(dtype, shape, [], None, alias))
         for key, skel in rep["skeletons"].items():
-            mine = (objects.get(key) or {}).get("skeleton")
-            objects[key] = {"skeleton": merger.merge(mine, skel, key, r) if mine is not None else skel}
+            mine = (had := objects.get(key) or {}).get("skeleton")
+            c = had.get("class", (rep.get("classes") or {}).get(key))  # a scheduler's (schedclass.py): whose values won
+            objects[key] = {"skeleton": merger.merge(mine, skel, key, r) if mine is not None else skel,
+                            **({"class": c} if type(c) is str else {})}
 
 
 def merge(into: Any, other: Any, where: str, rank: int) -> Any:
