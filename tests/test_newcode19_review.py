@@ -7,8 +7,10 @@ from collections import Counter, deque
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import CosineAnnealingLR, OneCycleLR
 
 import trainguard as tg
 from trainguard.commit import read_manifest
@@ -90,3 +92,48 @@ def test_split_state_keeps_scheduler_class(tmp_path: Path) -> None:
     res = run_ranks(_split_sched_rank, 2, str(tmp_path / "mixed"), "mixed", timeout=90)
     assert all(r.value.startswith("refused: ") for r in res), [r.value for r in res]
     assert res[1].value.startswith("refused: entry 'sched'")
+
+
+def _whole_world_group_rank(rank: int, world: int, root: str) -> list:
+    """DDP over dist.new_group(every rank): another group object for the whole world, not a subgroup."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(nn.Linear(4, 4), process_group=dist.new_group(list(range(world))))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    ddp(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    tg.save(f"{root}/c", {"model": ddp, "optim": opt})
+    fresh = nn.Linear(4, 4)
+    tg.load(f"{root}/c", {"model": fresh}, only=["model"])
+    return [torch.equal(a, b) for a, b in zip(fresh.parameters(), ddp.module.parameters())]
+
+
+def test_ddp_over_a_new_group_of_every_rank_is_saved(tmp_path: Path) -> None:
+    res = run_ranks(_whole_world_group_rank, 2, str(tmp_path), timeout=90)
+    assert [r.value for r in res] == [[True, True], [True, True]]
+
+
+def test_deques_in_plain_entries_and_scheduler_left_out(tmp_path: Path) -> None:
+    """A deque of tensors in a dict entry and a deque entry come back as deques with their maxlen;
+    a scheduler of another class left out of the state with strict=False loads the rest, as the
+    refusal's message says."""
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = OneCycleLR(opt, max_lr=1.0, total_steps=10)
+    opt.step()
+    sched.step()
+    tg.save(tmp_path / "c", {"m": m, "o": opt, "s": sched, "d": {"q": deque([torch.arange(3)], maxlen=7)},
+                             "top": deque([1, 2], maxlen=3)})
+    m2 = nn.Linear(2, 2)
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    other = CosineAnnealingLR(opt2, T_max=10)
+    state = {"m": m2, "o": opt2, "s": other, "d": {"q": deque(maxlen=7)}, "top": deque(maxlen=3)}
+    with pytest.raises(CheckpointError, match="OneCycleLR scheduler"):
+        tg.load(tmp_path / "c", state, strict=False)
+    del state["s"]
+    tg.load(tmp_path / "c", state, strict=False)
+    assert type(state["d"]["q"]) is deque and state["d"]["q"].maxlen == 7 and torch.equal(state["d"]["q"][0], torch.arange(3))
+    assert state["top"] == deque([1, 2]) and state["top"].maxlen == 3
+    assert other.base_lrs == [0.1] and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
