@@ -137,3 +137,33 @@ def test_deques_in_plain_entries_and_scheduler_left_out(tmp_path: Path) -> None:
     assert type(state["d"]["q"]) is deque and state["d"]["q"].maxlen == 7 and torch.equal(state["d"]["q"][0], torch.arange(3))
     assert state["top"] == deque([1, 2]) and state["top"].maxlen == 3
     assert other.base_lrs == [0.1] and opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+
+
+def _window_rank(rank: int, world: int, root: str, diverge: bool) -> bool:
+    """40 Linear layers (80 replicated tensors, more than one window) under a CheckpointManager with
+    on_error="warn"; the save of step 1 fails because rank 0's metrics are refused before its capture
+    (rank 1 captured: the ranks' counts of saves are one apart from then on); from step 3 on rank 1's
+    last weight differs. Returns whether the run's event log holds a replicas_differ event."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(40)))
+    with tg.CheckpointManager(root, on_error="warn", save=tg.EveryNSteps(1)) as mgr:
+        for step in range(8):
+            if step == 3 and rank == 1 and diverge:
+                with torch.no_grad():
+                    model[39].weight.add_(1.0)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                mgr.save(step, {"model": model}, metrics={"loss": "nan?"} if step == 1 and rank == 0 else None)
+    return "replicas_differ" in (Path(root) / "events.jsonl").read_text()
+
+
+def test_replica_window_realigns_after_ranks_counted_saves_differently(tmp_path: Path) -> None:
+    """The window's place came from each process's own count of saves: after a save that failed on one
+    rank before its capture, the ranks hashed other windows at every save, compared nothing, and a
+    tensor that diverged later was never reported. Fails before the fix."""
+    res = run_ranks(_window_rank, 2, str(tmp_path / "a"), True, timeout=120)
+    assert [r.value for r in res] == [True, True]
+    res = run_ranks(_window_rank, 2, str(tmp_path / "b"), False, timeout=120)  # nothing differs: nothing found
+    assert [r.value for r in res] == [False, False]

@@ -13,7 +13,8 @@ Order, on every rank of a multi-rank save:
    of each entry signature in this process; on the later ones the module buffers (small) and the
    first ``SAMPLE_BYTES`` of ``WINDOW`` other leaves, a window that moves on at each save (in path
    order, round the end): a rank whose parameters diverged later (a skipped step) is caught within
-   ``ceil(leaves / WINDOW)`` saves, at a cost that does not grow with the model.
+   ``ceil(leaves / WINDOW)`` saves, at a cost that does not grow with the model. Ranks whose counts
+   of saves differ hash other windows: :func:`compare` then aligns the counts (``_align``).
 2. :func:`hello` goes into the "begin" round (``api.persist_and_commit``): one digest, no new round.
 3. :func:`compare` (``api.persist_and_commit``, after ``check_begin``): within each group of ranks
    holding the same entries (``split.groups``: every rank without ``split_state``), digests that
@@ -172,13 +173,14 @@ def digests(state: Mapping[str, Any], leaves: Sequence[Any], world: int, sig: st
     sums = {lf.path: checksum(tensor_bytes((head(t) if lf.path in heads else t) if (t := lf.tensor).device.type == "cpu"
                                            else (head(t) if lf.path in heads else t).cpu()))
             for lf in rep}
-    return {"scope": scope, "digest": checksum("".join(sums).encode() + "".join(sums.values()).encode()), "sums": sums}
+    return {"scope": scope, "digest": checksum("".join(sums).encode() + "".join(sums.values()).encode()), "sums": sums,
+            "count": count + 1, "sig": sig}
 
 
 def hello(snap: Any) -> list[str] | None:
     """What this rank adds to the "begin" round: ``[scope, digest]``."""
     d = getattr(snap, "replicas", None)
-    return None if d is None else [d["scope"], d["digest"]]
+    return None if d is None else [d["scope"], d["digest"], d["count"]]
 
 
 def compare(ctx: Any, snap: Any, begin: list[Any], sigs: list[str], timeout: float | None, step: int) -> None:
@@ -189,6 +191,8 @@ def compare(ctx: Any, snap: Any, begin: list[Any], sigs: list[str], timeout: flo
     bad = []
     for ranks in groups(sigs).values():
         got = [begin[r].get("rep") for r in ranks]
+        if ctx.rank in ranks and all(got) and len({g[0] for g in got}) > 1:
+            _align(snap, max(g[-1] for g in got))
         if len(ranks) > 1 and all(got) and len({g[0] for g in got}) == 1 and len({g[1] for g in got}) > 1:
             bad.append(ranks)
     if not bad:
@@ -201,6 +205,16 @@ def compare(ctx: Any, snap: Any, begin: list[Any], sigs: list[str], timeout: flo
         return
     if sums is not None:
         _report(_differ(snap, begin, bad, sums), step)
+
+
+def _align(snap: Any, count: int) -> None:
+    """``compare``, each rank of a group whose ranks hashed other windows (their counts of saves of this
+    signature differ: a save that failed on some ranks before their capture, a process that saved it
+    before): take the group's highest count, so that their next save hashes the same window."""
+    d = snap.replicas
+    if type(count) is int and d is not None:
+        with _LOCK:
+            _SEEN[d["sig"]] = max(_SEEN.get(d["sig"], 0), count)
 
 
 def _differ(snap: Any, begin: list[Any], bad: list[list[int]], sums: list[Any]) -> list[dict[str, Any]]:
