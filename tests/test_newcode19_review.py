@@ -167,3 +167,27 @@ def test_replica_window_realigns_after_ranks_counted_saves_differently(tmp_path:
     assert [r.value for r in res] == [True, True]
     res = run_ranks(_window_rank, 2, str(tmp_path / "b"), False, timeout=120)  # nothing differs: nothing found
     assert [r.value for r in res] == [False, False]
+
+
+class _LoggedCosine(CosineAnnealingLR):
+    """What a run may turn its scheduler into between a save and a resume (to log its lr)."""
+
+
+def test_scheduler_subclass_of_the_saved_class_loads(tmp_path: Path) -> None:
+    """A CosineAnnealingLR's state loads into a subclass of it (it did before the class record; the
+    record refused it as another class); a OneCycleLR's is still refused by it."""
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = CosineAnnealingLR(opt, T_max=10)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    tg.save(tmp_path / "c", {"m": m, "o": opt, "s": sched})
+    opt2 = torch.optim.SGD(m.parameters(), lr=0.1)
+    sub = _LoggedCosine(opt2, T_max=10)
+    tg.load(tmp_path / "c", {"m": m, "o": opt2, "s": sub})
+    assert sub.last_epoch == 3 and sub.get_last_lr() == sched.get_last_lr()
+    opt3 = torch.optim.SGD(m.parameters(), lr=0.1)
+    tg.save(tmp_path / "one", {"m": m, "o": opt3, "s": OneCycleLR(opt3, max_lr=1.0, total_steps=10)})
+    with pytest.raises(CheckpointError, match="OneCycleLR scheduler"):
+        tg.load(tmp_path / "one", {"m": m, "o": opt3, "s": _LoggedCosine(opt3, T_max=10)})

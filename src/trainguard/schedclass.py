@@ -9,7 +9,8 @@ wins as torch's does). ``capture.capture`` records :func:`scheduler_class` for e
 entry that is not rank-local (``api`` keeps it beside a shared entry's skeleton only; ``split.add_reported``
 that of the group whose values the merged skeleton holds, rank 0's first) (``ReduceLROnPlateau`` included; ``SequentialLR`` and
 ``ChainedScheduler`` with their schedulers' classes); ``loader._load`` calls :func:`check_entries`
-on every rank before anything is read. Checkpoints from before the record are not checked.
+on every rank before anything is read (a subclass of the saved class is accepted). Checkpoints from
+before the record are not checked.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
     for key, value in state.items():
         saved = (manifest.objects.get(key) or {}).get("class")
         cur = scheduler_class(value)
-        if type(saved) is str and cur is not None and saved != cur:
+        # A subclass of the saved class (a scheduler the run now subclasses to log or tune it) has its
+        # attributes and more: loaded, as before the record (the reverse cannot be told from the name).
+        bases = {c.__qualname__ for c in type(value).__mro__[1:] if issubclass(c, LRScheduler) and c is not LRScheduler}
+        if type(saved) is str and cur is not None and saved != cur and saved not in bases:
             raise mark(CheckpointError(
                 f"entry {key!r}: the checkpoint holds the state of a {saved} scheduler, the state's scheduler is a "
                 f"{cur}; its load_state_dict() would take the saved attributes (base_lrs, last_epoch...) into a scheduler "
