@@ -244,7 +244,8 @@ def test_a_short_scatter_read_falls_back_to_reads_op_by_op(tmp_path: Path, monke
 
 
 class _Probe:
-    """A stand-in piece that records which thread ran it and waits (bounded) at a barrier."""
+    """A stand-in piece that records which thread ran it and waits at a barrier, bounded by the
+    barrier's own timeout."""
 
     def __init__(self, barrier: threading.Barrier | None, seen: list[int]) -> None:
         self.barrier, self.seen = barrier, seen
@@ -252,14 +253,14 @@ class _Probe:
     def run(self) -> None:
         self.seen.append(threading.get_ident())
         if self.barrier is not None:
-            self.barrier.wait(timeout=10)  # BrokenBarrierError unless 3 threads run at once
+            self.barrier.wait()  # BrokenBarrierError unless 3 threads run at once (within its timeout)
 
 
 def test_run_adds_the_extra_thread_only_while_it_is_wanted() -> None:
     """Three threads meet at a 3-party barrier only if the extra one runs beside the two; with
     ``want_extra`` false the extra thread stops after its first piece."""
     seen: list[int] = []
-    barrier = threading.Barrier(3)
+    barrier = threading.Barrier(3, timeout=10)
     reads.run([_Probe(barrier, seen) for _ in range(3)], 2, extra=1, want_extra=lambda: True)
     assert len(set(seen)) == 3
     with pytest.raises(threading.BrokenBarrierError):
