@@ -6,8 +6,9 @@ process on a free port, runs ``fn(rank, world, *args)`` and sends back its retur
 traceback. Ranks still running at ``timeout`` are killed by PID (SIGKILL) and reported as
 timed out; a rank that died reports its exit code (-9 for SIGKILL). Nothing is left running.
 
-Processes come from a *forkserver* that imported torch once, so a group of 2 ranks starts in
-about a second instead of re-importing torch in every rank. ``fn`` must be a module-level
+Processes come from a *forkserver* that imported torch (with torch._dynamo, which building an
+optimizer imports), trainguard and pytest once, so a group of 2 ranks starts in about a second
+instead of re-importing them in every rank. ``fn`` must be a module-level
 function of an importable module (a test module is fine).
 """
 
@@ -32,7 +33,10 @@ def _context() -> Any:
     global _MP
     if _MP is None:
         _MP = mp.get_context("forkserver")
-        _MP.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+        # What nearly every rank imports anyway, once here instead of in every rank: torch._dynamo
+        # (the first optimizer built imports it, with torch.distributed.tensor/fsdp, sympy: seconds
+        # of CPU per rank), trainguard and pytest (test modules import them).
+        _MP.set_forkserver_preload(["torch", "torch.distributed", "numpy", "torch._dynamo", "trainguard", "pytest"])
     return _MP
 
 
