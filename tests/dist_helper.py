@@ -36,7 +36,7 @@ def _context() -> Any:
         # What nearly every rank imports anyway, once here instead of in every rank: torch._dynamo
         # (the first optimizer built imports it, with torch.distributed.tensor/fsdp, sympy: seconds
         # of CPU per rank), trainguard and pytest (test modules import them).
-        _MP.set_forkserver_preload(["torch", "torch.distributed", "numpy", "torch._dynamo", "trainguard", "pytest"])
+        _MP.set_forkserver_preload(["torch", "torch.distributed", "numpy", "numpy.random", "torch._dynamo", "trainguard", "pytest"])
     return _MP
 
 
