@@ -11,16 +11,9 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from test_replicas18_review import _train  # each rank's own data
 
 from dist_helper import run_ranks
-
-
-def _steps(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
-    for s in steps:
-        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(100 * s + rank)) * (1 + rank)  # each rank's own data
-        opt.zero_grad()
-        ddp(x).square().mean().backward()
-        opt.step()
 
 
 def _powersgd(local: bool = False):
@@ -40,11 +33,11 @@ def _powersgd_rank(rank: int, world: int, root: str, async_: bool) -> dict:
 
     logging.getLogger("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook").setLevel(logging.ERROR)
     a, oa, _ = _powersgd()
-    _steps(a, oa, range(7), rank)
+    _train(a, oa, range(7), rank, 32)
     out: dict = {}
     for put in (True, False):
         b, ob, hb = _powersgd()
-        _steps(b, ob, range(4), rank)
+        _train(b, ob, range(4), rank, 32)
         state = {"model": b, "optim": ob, **({"powersgd": hb} if put else {})}
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
@@ -53,7 +46,7 @@ def _powersgd_rank(rank: int, world: int, root: str, async_: bool) -> dict:
                 h.result()
         c, oc, hc = _powersgd()
         tg.load(f"{root}/{put}/step-000000004", {"model": c, "optim": oc, **({"powersgd": hc} if put else {})})
-        _steps(c, oc, range(4, 7), rank)
+        _train(c, oc, range(4, 7), rank, 32)
         out[put] = {"same": torch.equal(a.module.weight, c.module.weight), "iter": hc.iter,
                     "warned": [str(x.message) for x in w if "communication hook" in str(x.message)]}
     return out
@@ -96,14 +89,14 @@ def _local_sgd_rank(rank: int, world: int, root: str) -> dict:
         return ddp, opt, hs
 
     a, oa, _ = build()
-    _steps(a, oa, range(6), rank)
+    _train(a, oa, range(6), rank, 32)
     b, ob, hb = build()
-    _steps(b, ob, range(2), rank)
+    _train(b, ob, range(2), rank, 32)
     tg.save(f"{root}/step-000000002", {"model": b, "optim": ob, "hook": hb})
     c, oc, hc = build()
     tg.load(f"{root}/step-000000002", {"model": c, "optim": oc, "hook": hc})
     loaded = hc.iter
-    _steps(c, oc, range(2, 6), rank)
+    _train(c, oc, range(2, 6), rank, 32)
     return {"same": all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters())), "loaded": loaded}
 
 
@@ -123,15 +116,15 @@ def _fp16_rank(rank: int, world: int, root: str) -> bool:
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01)
 
     a, oa = build()
-    _steps(a, oa, range(6), rank)
+    _train(a, oa, range(6), rank, 32)
     b, ob = build()
-    _steps(b, ob, range(3), rank)
+    _train(b, ob, range(3), rank, 32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a stateless hook: nothing to warn about
         tg.save(f"{root}/step-000000003", {"model": b, "optim": ob})
     c, oc = build()
     tg.load(f"{root}/step-000000003", {"model": c, "optim": oc})
-    _steps(c, oc, range(3, 6), rank)
+    _train(c, oc, range(3, 6), rank, 32)
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
 
 
@@ -150,15 +143,15 @@ def _three_rank(rank: int, world: int, root: str, unused: bool) -> bool:
         return ddp, torch.optim.AdamW(ddp.parameters(), lr=0.01)
 
     a, oa = build()
-    _steps(a, oa, range(6), rank)
+    _train(a, oa, range(6), rank, 32)
     b, ob = build()
-    _steps(b, ob, range(3), rank)
+    _train(b, ob, range(3), rank, 32)
     with tg.CheckpointManager(f"{root}/{unused}", save=tg.EveryNSteps(1)) as mgr:
         mgr.save(3, {"model": b, "optim": ob})
     c, oc = build()
     with tg.CheckpointManager(f"{root}/{unused}", save=tg.EveryNSteps(1)) as mgr:
         assert mgr.restore({"model": c, "optim": oc}) == 3
-    _steps(c, oc, range(3, 6), rank)
+    _train(c, oc, range(3, 6), rank, 32)
     return all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
 
 

@@ -31,9 +31,9 @@ def _ddp(model: nn.Module, sync_buffers: bool) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, **off)
 
 
-def _train(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int) -> None:
+def _train(ddp: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, width: int = 8) -> None:
     for s in steps:
-        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * s + rank)) * (1 + rank)  # each rank's own data
+        x = torch.randn(8, width, generator=torch.Generator().manual_seed(100 * s + rank)) * (1 + rank)  # each rank's own data
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
