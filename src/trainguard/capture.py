@@ -26,6 +26,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .flatten import flatten
+from .fsdp1 import refuse_unsupported
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names
 from .planner import Box, Regular, full_box
@@ -34,7 +35,7 @@ from .sampler import ResumableIterable, ResumableSampler
 from .schedclass import scheduler_class
 from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
 from .tied import PLAIN, remember, same_view
-from .zero import refuse_diverged, refuse_partitioned
+from .zero import refuse_diverged
 
 
 @dataclass
@@ -118,9 +119,9 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             # flatten() give it, without their calls and type checks.
             objects[key], tensors = {"$t": key}, {key: value}
         else:
+            refuse_unsupported(value, key, state, saving=True)  # ZeroRedundancyOptimizer, FSDP1's sharded optimizer...
             obj = adapt(value, names)
             if isinstance(value, torch.optim.Optimizer):
-                refuse_partitioned(value, key, saving=True)  # ZeroRedundancyOptimizer: its state_dict() raises on most ranks
                 refuse_diverged(value, key, state, ctx.world_size)  # local SGD: entries that are not rank-local would be mixed
             sd = obj.state_dict() if has_state(obj) else obj
             if local:

@@ -22,6 +22,7 @@ from .dist import DistContext, check_timeout, one_operation
 from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
+from .fsdp1 import refuse_unsupported
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
@@ -32,7 +33,6 @@ from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
 from .storage import Storage, for_path
-from .zero import refuse_partitioned
 
 
 @one_operation
@@ -134,12 +134,12 @@ def _load(
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
             continue
+        refuse_unsupported(value, key, state, saving=False)  # ZeroRedundancyOptimizer, FSDP1's sharded optimizer...
         obj = adapt(value, names)
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue
         if isinstance(obj, OptimizerAdapter):
-            refuse_partitioned(obj.optimizer, key, saving=False)  # ZeroRedundancyOptimizer: before its state_dict() raises
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
             if split_state:  # the other stages' parameters stay theirs (split.py)

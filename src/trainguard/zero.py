@@ -4,7 +4,7 @@ its ``state_dict()`` raises until ``consolidate_state_dict(to=r)`` gathered it o
 alone. trainguard calls ``state_dict()`` on every rank (a save) and ``load_state_dict`` on every
 rank (a load), so such an entry failed deep inside torch ("Optimizer state has not been
 consolidated on this rank") on every rank. ``capture.capture`` (save) and ``loader._load`` (load)
-call :func:`refuse_partitioned` for each optimizer entry first, which says what to use instead.
+call :func:`refuse_partitioned` for each optimizer entry first (through ``fsdp1.refuse_unsupported``), which says what to use instead.
 
 ``PostLocalSGDOptimizer`` past its averager's warm-up: each rank steps on its own gradients
 between averagings, so its parameters and optimizer state differ from the other ranks', and
