@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from torch import nn
 
@@ -49,8 +48,8 @@ def _full(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
-def _sharded_optimizer(rank: int, world: int, root: str, uop: bool) -> dict:
-    m, o = _fsdp1(0, uop)
+def _sharded_optimizer(rank: int, world: int, root: str) -> dict:
+    m, o = _fsdp1(0, True)
     for s in range(2):
         _step(m, o, s)
     saved = attempt(lambda: tg.save(f"{root}/fsdp1", {"model": m, "optim": o}))
@@ -64,21 +63,103 @@ def _sharded_optimizer(rank: int, world: int, root: str, uop: bool) -> dict:
     loaded = attempt(lambda: tg.load(f"{root}/plain", {"model": m, "optim": o}))
     untouched = all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters(), strict=True)) and all(
         torch.equal(v, o.state[p][k]) for p in o.state for k, v in state_before[id(p)].items())
-    return {"saved": saved, "loaded": loaded, "untouched": untouched}
+    # use_orig_params=False without its model in the state: refused, naming the model.
+    fm, fo = _fsdp1(0, False)
+    _step(fm, fo, 0)
+    alone = attempt(lambda: tg.save(f"{root}/alone", {"optim": fo}))
+    return {"saved": saved, "loaded": loaded, "untouched": untouched, "alone": alone}
 
 
-@pytest.mark.parametrize("uop", [False, True])
-def test_sharded_fsdp1_optimizer_is_refused_before_anything_is_written(tmp_path: Path, uop: bool) -> None:
-    results = run_ranks(_sharded_optimizer, 2, str(tmp_path), uop, timeout=90)
+def test_sharded_fsdp1_optimizer_that_cannot_be_saved_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """use_orig_params=True, sharded: saved before as ranks that differ, advising split_state=True."""
+    results = run_ranks(_sharded_optimizer, 2, str(tmp_path), timeout=90)
     for r in results:
         for what in ("saved", "loaded"):
             out = r.value[what]
             assert out["type"] in ("RankFailureError", "UnsupportedValueError"), (what, out)
             assert "FullyShardedDataParallel (FSDP1)" in out["msg"] and "fully_shard" in out["msg"], (what, out["msg"])
-            assert f"use_orig_params={uop}" in out["msg"] and "FULL_SHARD" in out["msg"]
+            assert "use_orig_params=True" in out["msg"] and "FULL_SHARD" in out["msg"]
+            assert "use_orig_params=False" in out["msg"] and "split_state" not in out["msg"].strip().splitlines()[-1]
         assert r.value["untouched"]  # the load refused before it read anything into the model
-    assert not (tmp_path / "fsdp1").exists()
-    assert not any(p.name.startswith(".") or "fsdp1" in p.name for p in tmp_path.iterdir() if p.name != "plain")
+        alone = r.value["alone"]
+        assert alone["type"] in ("RankFailureError", "UnsupportedValueError") and "'model': fsdp_model" in alone["msg"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+
+
+def _flat_run(rank: int, world: int, root: str) -> dict:
+    """use_orig_params=False, FULL_SHARD per Linear: an async save at step 2, training goes on to step 4."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    m, o = _fsdp1(0, False)
+    state = {"model": m, "optim": o, "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(2), async_save=True) as mgr:
+        for s in range(5):
+            _step(m, o, s)
+            state["progress"]["step"] = s
+            if s == 2:
+                at2 = {"p": _full(m), "o": FSDP.optim_state_dict(m, o)["state"]}
+                at2["o"] = {k: {n: v.clone() for n, v in st.items()} for k, st in at2["o"].items()}
+            mgr.save(s, state)
+        mgr.wait()
+    return {"at2": at2, "end": _full(m)}
+
+
+def _flat_resume(rank: int, world: int, root: str) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    m, o = _fsdp1(1, False)
+    state = {"model": m, "optim": o, "progress": tg.StateDict(step=0)}
+    before = _full(m)
+    got = tg.load(f"{root}/step-000000002", state)
+    loaded = {"p": _full(m), "o": FSDP.optim_state_dict(m, o)["state"]}
+    for s in range(state["progress"]["step"] + 1, 5):
+        _step(m, o, s)
+    out = {"before": before, "loaded": loaded, "end": _full(m), "shapes": {k: e.shape for k, e in got.tensors.items()}}
+    if world == 2:  # migration: into FSDP2 and its optimizer
+        from torch.distributed.fsdp import fully_shard
+
+        from dist_helper import full_state
+
+        torch.manual_seed(3)
+        two = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+        for layer in (two[0], two[2]):
+            fully_shard(layer)
+        fully_shard(two)
+        opt2 = torch.optim.Adam(two.parameters(), lr=1e-2)
+        tg.load(f"{root}/step-000000002", {"model": two, "optim": opt2}, only=["model", "optim"])
+        out["fsdp2"] = full_state(two, opt2)
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        _same(v, b[k]) if isinstance(v, dict) else torch.equal(v, b[k]) for k, v in a.items())
+
+
+def test_fsdp1_flat_parameter_optimizer_resumes_bit_identically_and_reshards(tmp_path: Path) -> None:
+    """use_orig_params=False, FULL_SHARD: saved through FSDP.optim_state_dict as whole tensors by
+    name (was: one rank's flat shard for all, with a warning); resumed on 2 ranks the next steps
+    are bit-identical; loads on 3 ranks, into FSDP2 + Adam, and into a plain model + Adam in one process."""
+    ref = run_ranks(_flat_run, 2, str(tmp_path), timeout=90)[0].value
+    for world in (2, 3):
+        for r in run_ranks(_flat_resume, world, str(tmp_path), timeout=90):
+            v = r.value
+            assert v["shapes"]["optim/state/0.weight/exp_avg"] == [16, 8]  # by name, whole
+            assert not _same(v["before"], ref["at2"]["p"])
+            assert _same(v["loaded"]["p"], ref["at2"]["p"]) and _same(v["loaded"]["o"], ref["at2"]["o"]), world
+            if world == 2:  # on 3 ranks the gradients are averaged over 3: other roundings
+                assert _same(v["end"], ref["end"])
+                f2 = v["fsdp2"]
+                assert _same({k[2:]: t for k, t in f2.items() if k.startswith("p/")}, ref["at2"]["p"])
+                assert all(torch.equal(t, ref["at2"]["o"][k.split("/")[1]][k.split("/")[2]])
+                           for k, t in f2.items() if k.startswith("o/")) and len(f2) == 4 + 12
+    torch.manual_seed(9)
+    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    opt = torch.optim.Adam(plain.parameters(), lr=1e-2)
+    tg.load(tmp_path / "step-000000002", {"model": plain, "optim": opt}, only=["model", "optim"])
+    names = dict(zip((id(p) for p in plain.parameters()), (n for n, _ in plain.named_parameters()), strict=True))
+    assert _same({names[id(p)]: dict(s) for p, s in opt.state.items()}, ref["at2"]["o"])
+    assert _same(plain.state_dict(), ref["at2"]["p"])
 
 
 def _state_dict_types(rank: int, world: int, root: str) -> dict:

@@ -119,8 +119,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             # flatten() give it, without their calls and type checks.
             objects[key], tensors = {"$t": key}, {key: value}
         else:
-            refuse_unsupported(value, key, state, saving=True)  # ZeroRedundancyOptimizer, FSDP1's sharded optimizer...
-            obj = adapt(value, names)
+            obj = refuse_unsupported(value, key, state, saving=True) or adapt(value, names)  # ZeRO, FSDP1 (fsdp1.py)
             if isinstance(value, torch.optim.Optimizer):
                 refuse_diverged(value, key, state, ctx.world_size)  # local SGD: entries that are not rank-local would be mixed
             sd = obj.state_dict() if has_state(obj) else obj

@@ -11,12 +11,16 @@ name from one rank, so ``use_orig_params=False`` saved one rank's shards for eve
 warning, then a resume that was not the run saved) and ``True`` was refused as ranks whose
 state differs, with the advice to pass ``split_state=True``, which does not apply.
 
-``capture.capture`` (save) and ``loader._load`` (load) call :func:`refuse_unsupported` for each entry,
-on every rank, before anything is written or read: a sharded FSDP1 optimizer, and an FSDP1
-model under a ``state_dict_type`` other than a full one on every rank (``SHARDED_STATE_DICT``:
-ShardedTensors; ``LOCAL_STATE_DICT``: flat shards; ``rank0_only=True``: nothing on the other
-ranks) are refused with what to change. Nothing here imports torch.distributed.fsdp: a state
-holds FSDP1 only when the user imported it.
+``capture.capture`` (save) and ``loader._load`` (load) call :func:`refuse_unsupported` for each
+entry, on every rank, before anything is written or read. An optimizer over ``FlatParameter``
+parameters of a sharded FSDP1 model that is an entry of the same state gets :class:`FSDP1OptimizerAdapter`
+(torch's ``FSDP.optim_state_dict``: whole tensors by name, the format of a plain optimizer's).
+Refused with what to change: the same optimizer without its model in the state, a sharded
+``use_orig_params=True`` optimizer (torch 2.13's ``optim_state_dict_to_load`` did not give its
+state back, on 2 gloo CPU ranks), and an FSDP1 model under a ``state_dict_type`` other than a
+full one on every rank (``SHARDED_STATE_DICT``: ShardedTensors; ``LOCAL_STATE_DICT``: flat
+shards; ``rank0_only=True``: nothing on the other ranks). Nothing here imports
+torch.distributed.fsdp: a state holds FSDP1 only when the user imported it.
 """
 
 from __future__ import annotations
@@ -70,48 +74,65 @@ def _strategy(module: Any) -> str:
     return getattr(s, "name", None) or str(s)
 
 
-def refuse_unsupported(value: Any, key: str, state: Any, saving: bool) -> None:
+def refuse_unsupported(value: Any, key: str, state: Any, saving: bool) -> FSDP1OptimizerAdapter | None:
     """``capture.capture`` and ``loader._load``, every rank, for entry ``key`` of ``state``, before
-    anything is written or read: ``zero.refuse_partitioned`` for an optimizer, then :func:`refuse_fsdp1`."""
+    anything is written or read: ``zero.refuse_partitioned`` for an optimizer, then FSDP1's checks
+    (:func:`refuse_fsdp1`). Returns the adapter to use instead of ``stateful.adapt``'s for an
+    optimizer over a sharded FSDP1 model entry of ``state``; None for anything else."""
     if isinstance(value, torch.optim.Optimizer):
         refuse_partitioned(value, key, saving)  # ZeroRedundancyOptimizer: its state_dict() raises on most ranks
-    refuse_fsdp1(value, key, state, saving)
+    return refuse_fsdp1(value, key, state, saving)
 
 
-def refuse_fsdp1(value: Any, key: str, state: Any, saving: bool) -> None:
-    """For entry ``key`` of ``state`` (:func:`refuse_unsupported`): raise
-    ``UnsupportedValueError`` when ``value`` is an optimizer over parameters of a sharded FSDP1
-    model, or a module holding an FSDP1 module whose ``state_dict()`` would not give full tensors
-    on every rank. Nothing otherwise (and nothing is imported) when FSDP1 was never imported."""
+def refuse_fsdp1(value: Any, key: str, state: Any, saving: bool) -> FSDP1OptimizerAdapter | None:
+    """For entry ``key`` of ``state`` (:func:`refuse_unsupported`): an optimizer over parameters
+    of a sharded FSDP1 model gets a :class:`FSDP1OptimizerAdapter` when the model is one module
+    entry of ``state`` holding all its parameters, else ``UnsupportedValueError``; a module
+    holding an FSDP1 module whose ``state_dict()`` would not give full tensors on every rank
+    raises it too. Nothing (and nothing is imported) when FSDP1 was never imported."""
     if _FSDP_MODULE not in sys.modules:
-        return
+        return None
     verb = "save" if saving else "load"
     if isinstance(value, torch.optim.Optimizer):
-        _refuse_optimizer(value, key, state, verb)
-    elif isinstance(value, torch.nn.Module):
+        return _optimizer(value, key, state, verb)
+    if isinstance(value, torch.nn.Module):
         _refuse_module(value, key, verb)
+    return None
 
 
-def _refuse_optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str) -> None:
+def _optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str) -> FSDP1OptimizerAdapter | None:
     flat_cls = getattr(sys.modules.get(_FLAT_MODULE), "FlatParameter", ())
     sharded: dict[int, Any] = {}  # id(param) -> its FSDP1 module, for sharded flat parameters
     for sub, flat in _handles(state):
         if _sharded(flat):
             for p in [flat, *(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]:
                 sharded[id(p)] = sub
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            flat_param = bool(flat_cls) and isinstance(p, flat_cls)
-            if id(p) in sharded or (flat_param and _sharded(p)):
-                how = "False (one 1-D FlatParameter per wrapped module)" if flat_param else "True (1-D pieces of them)"
-                strategy = _strategy(sharded[id(p)]) if id(p) in sharded else "a sharded one"
-                raise UnsupportedValueError(
-                    f"entry {key!r}: the optimizer holds parameters of a FullyShardedDataParallel (FSDP1) model with "
-                    f"sharding strategy {strategy} and use_orig_params={how}: each rank's optimizer state covers only "
-                    "its own shard of FSDP1's flattened parameters, not whole tensors by name, and trainguard cannot "
-                    f"{verb} it (one rank's shard would be kept for all ranks). {USE_FSDP2}. Or use "
-                    "ShardingStrategy.NO_SHARD (or DDP), whose optimizer state is whole on every rank"
-                )
+    mine = [p for g in optimizer.param_groups for p in g["params"]]
+    hit = next((p for p in mine if id(p) in sharded or (flat_cls and isinstance(p, flat_cls) and _sharded(p))), None)
+    if hit is None:
+        return None
+    modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
+    ids = {id(p) for p in mine}
+    owners = [k for k, v in modules.items() if ids <= {id(p) for p in v.parameters()}]
+    orig = next((p for p in mine if id(p) in sharded and not (flat_cls and isinstance(p, flat_cls))), None)
+    if owners and orig is None:
+        return FSDP1OptimizerAdapter(optimizer, modules[owners[0]], f"{owners[0]}." if len(modules) > 1 else "")
+    strategy = _strategy(sharded[id(hit)]) if id(hit) in sharded else "a sharded one"
+    what = (
+        # torch 2.13, 2 gloo CPU ranks: FSDP.optim_state_dict_to_load of FSDP.optim_state_dict's own
+        # output did not give back the optimizer's state (exp_avg differed), so it is not used.
+        "use_orig_params=True: each rank's optimizer state covers only its own 1-D pieces of FSDP1's flattened "
+        "parameters, and torch's FSDP1 optimizer state API does not give it back on load. Build the model with "
+        "use_orig_params=False (its optimizer state is saved as whole tensors by name)"
+        if orig is not None else
+        "use_orig_params=False: each rank's optimizer state covers only its own shard of FSDP1's flat parameters, "
+        "which trainguard saves and loads only through the model: put the FSDP1 model that holds all of the "
+        f"optimizer's parameters in the same state (state = {{'model': fsdp_model, {key!r}: optimizer}})"
+    )
+    raise UnsupportedValueError(
+        f"entry {key!r}: the optimizer holds parameters of a FullyShardedDataParallel (FSDP1) model with sharding "
+        f"strategy {strategy} and {what}; trainguard cannot {verb} it as it is. Or: {USE_FSDP2}"
+    )
 
 
 def _refuse_module(module: torch.nn.Module, key: str, verb: str) -> None:
@@ -128,3 +149,47 @@ def _refuse_module(module: torch.nn.Module, key: str, verb: str) -> None:
                 "(torch's default FULL_STATE_DICT, rank0_only=False, is what trainguard takes; offload_to_cpu=True is "
                 f"fine), or {USE_FSDP2[0].lower()}{USE_FSDP2[1:]}"
             )
+
+
+class FSDP1OptimizerAdapter:
+    """An optimizer over a sharded FSDP1 model, saved as whole tensors by parameter name: torch's
+    ``FSDP.optim_state_dict`` (full, on every rank) keyed as ``stateful.OptimizerAdapter`` keys a
+    plain optimizer (so it loads into FSDP2 or a plain model, on any world size), and loaded
+    through ``FSDP.optim_state_dict_to_load``, which gives each rank its shard. Both calls are
+    collectives of the model's process group: every rank makes them, in the same order, in the
+    caller's thread (``capture.capture``, ``loader._load``)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, prefix: str) -> None:
+        self.optimizer, self.model, self.prefix = optimizer, model, prefix
+
+    def _named(self, fqn: Any) -> Any:
+        return self.prefix + fqn if type(fqn) is str else fqn
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        from .stateful import optimizer_class
+
+        osd = FSDP.optim_state_dict(self.model, self.optimizer)
+        # use_orig_params=True: torch's tensors may share memory (a load read into them in place got
+        # exp_avg_sq's values into exp_avg too): each gets its own.
+        own = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in osd["state"].items()}
+        return {
+            "state": {self._named(k): v for k, v in own.items()},
+            "param_groups": [{**g, "params": [self._named(n) for n in g["params"]]} for g in osd["param_groups"]],
+            "class": optimizer_class(self.optimizer),
+        }
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        n = len(self.prefix)
+
+        def fqn(name: Any) -> Any:
+            return name[n:] if type(name) is str and name.startswith(self.prefix) else name
+
+        osd = {
+            "state": {fqn(k): v for k, v in state_dict["state"].items()},
+            "param_groups": [{**g, "params": [fqn(x) for x in g["params"]]} for g in state_dict["param_groups"]],
+        }
+        self.optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, self.optimizer, osd))

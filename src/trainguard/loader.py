@@ -134,8 +134,7 @@ def _load(
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
             continue
-        refuse_unsupported(value, key, state, saving=False)  # ZeroRedundancyOptimizer, FSDP1's sharded optimizer...
-        obj = adapt(value, names)
+        obj = refuse_unsupported(value, key, state, saving=False) or adapt(value, names)  # ZeRO, FSDP1 (fsdp1.py)
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue
