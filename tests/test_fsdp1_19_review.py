@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -48,70 +49,66 @@ def _full(m: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in m.state_dict().items()}
 
 
-def _sharded_optimizer(rank: int, world: int, root: str) -> dict:
-    m, o = _fsdp1(0, True)
-    for s in range(2):
-        _step(m, o, s)
-    saved = attempt(lambda: tg.save(f"{root}/fsdp1", {"model": m, "optim": o}))
-    # A load into a sharded FSDP1 optimizer: from a checkpoint of the same model, unsharded.
-    plain = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
-    popt = torch.optim.Adam(plain.parameters(), lr=1e-2)
-    _step(plain, popt, 0)
-    tg.save(f"{root}/plain", {"model": plain, "optim": popt})
-    before = [p.detach().clone() for p in m.parameters()]
-    state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in o.state.items()}
-    loaded = attempt(lambda: tg.load(f"{root}/plain", {"model": m, "optim": o}))
-    untouched = all(torch.equal(a, b.detach()) for a, b in zip(before, m.parameters(), strict=True)) and all(
-        torch.equal(v, o.state[p][k]) for p in o.state for k, v in state_before[id(p)].items())
-    # use_orig_params=False without its model in the state: refused, naming the model.
-    fm, fo = _fsdp1(0, False)
-    _step(fm, fo, 0)
-    alone = attempt(lambda: tg.save(f"{root}/alone", {"optim": fo}))
-    return {"saved": saved, "loaded": loaded, "untouched": untouched, "alone": alone}
+def _optimizer_alone(rank: int, world: int, root: str, uop: bool) -> dict:
+    """A sharded FSDP1 optimizer in a state without its model: nothing to gather it through."""
+    m, o = _fsdp1(0, uop)
+    _step(m, o, 0)
+    saved = attempt(lambda: tg.save(f"{root}/alone", {"optim": o}))
+    tg.save(f"{root}/both", {"model": m, "optim": o})
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in o.state.items()}
+    _step(m, o, 1)
+    loaded = attempt(lambda: tg.load(f"{root}/both", {"optim": o}, only=["optim"]))
+    untouched = all(not torch.equal(v, o.state[p][k]) for p in o.state for k, v in before[id(p)].items() if k != "step")
+    return {"saved": saved, "loaded": loaded, "untouched": untouched}
 
 
-def test_sharded_fsdp1_optimizer_that_cannot_be_saved_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    """use_orig_params=True, sharded: saved before as ranks that differ, advising split_state=True."""
-    results = run_ranks(_sharded_optimizer, 2, str(tmp_path), timeout=90)
-    for r in results:
+@pytest.mark.parametrize("uop", [False, True])
+def test_sharded_fsdp1_optimizer_without_its_model_is_refused_before_anything_is_written(tmp_path: Path, uop: bool) -> None:
+    """Before: use_orig_params=False saved one rank's flat shard for all (a warning); True was
+    refused as ranks that differ, advising split_state=True."""
+    for r in run_ranks(_optimizer_alone, 2, str(tmp_path), uop, timeout=90):
         for what in ("saved", "loaded"):
             out = r.value[what]
             assert out["type"] in ("RankFailureError", "UnsupportedValueError"), (what, out)
-            assert "FullyShardedDataParallel (FSDP1)" in out["msg"] and "fully_shard" in out["msg"], (what, out["msg"])
-            assert "use_orig_params=True" in out["msg"] and "FULL_SHARD" in out["msg"]
-            assert "use_orig_params=False" in out["msg"] and "split_state" not in out["msg"].strip().splitlines()[-1]
-        assert r.value["untouched"]  # the load refused before it read anything into the model
-        alone = r.value["alone"]
-        assert alone["type"] in ("RankFailureError", "UnsupportedValueError") and "'model': fsdp_model" in alone["msg"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]
+            last = out["msg"].strip().splitlines()[-1]
+            assert "FullyShardedDataParallel (FSDP1)" in last and "'model': fsdp_model" in last and "fully_shard" in last
+            assert "split_state" not in last
+        assert r.value["untouched"]  # the refused load read nothing into the optimizer
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["both"]
 
 
-def _flat_run(rank: int, world: int, root: str) -> dict:
-    """use_orig_params=False, FULL_SHARD per Linear: an async save at step 2, training goes on to step 4."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _whole_optim(m: nn.Module, o: torch.optim.Optimizer) -> dict:
+    """The optimizer's state by name, whole on every rank (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    m, o = _fsdp1(0, False)
+    osd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True))
+    return {k: {n: v.clone() for n, v in st.items()} for k, st in osd["state"].items()}
+
+
+def _flat_run(rank: int, world: int, root: str, uop: bool) -> dict:
+    """FULL_SHARD per Linear: an async save at step 2, training goes on to step 4."""
+
+    m, o = _fsdp1(0, uop)
     state = {"model": m, "optim": o, "progress": tg.StateDict(step=0)}
     with tg.CheckpointManager(root, save=tg.EveryNSteps(2), async_save=True) as mgr:
         for s in range(5):
             _step(m, o, s)
             state["progress"]["step"] = s
             if s == 2:
-                at2 = {"p": _full(m), "o": FSDP.optim_state_dict(m, o)["state"]}
+                at2 = {"p": _full(m), "o": _whole_optim(m, o)}
                 at2["o"] = {k: {n: v.clone() for n, v in st.items()} for k, st in at2["o"].items()}
             mgr.save(s, state)
         mgr.wait()
     return {"at2": at2, "end": _full(m)}
 
 
-def _flat_resume(rank: int, world: int, root: str) -> dict:
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+def _flat_resume(rank: int, world: int, root: str, uop: bool) -> dict:
 
-    m, o = _fsdp1(1, False)
+    m, o = _fsdp1(1, uop)
     state = {"model": m, "optim": o, "progress": tg.StateDict(step=0)}
     before = _full(m)
     got = tg.load(f"{root}/step-000000002", state)
-    loaded = {"p": _full(m), "o": FSDP.optim_state_dict(m, o)["state"]}
+    loaded = {"p": _full(m), "o": _whole_optim(m, o)}
     for s in range(state["progress"]["step"] + 1, 5):
         _step(m, o, s)
     out = {"before": before, "loaded": loaded, "end": _full(m), "shapes": {k: e.shape for k, e in got.tensors.items()}}
@@ -136,13 +133,15 @@ def _same(a: dict, b: dict) -> bool:
         _same(v, b[k]) if isinstance(v, dict) else torch.equal(v, b[k]) for k, v in a.items())
 
 
-def test_fsdp1_flat_parameter_optimizer_resumes_bit_identically_and_reshards(tmp_path: Path) -> None:
-    """use_orig_params=False, FULL_SHARD: saved through FSDP.optim_state_dict as whole tensors by
-    name (was: one rank's flat shard for all, with a warning); resumed on 2 ranks the next steps
+@pytest.mark.parametrize("uop", [False, True])
+def test_sharded_fsdp1_optimizer_resumes_bit_identically_and_reshards(tmp_path: Path, uop: bool) -> None:
+    """FULL_SHARD: saved through torch.distributed.checkpoint's get_optimizer_state_dict as whole
+    tensors by name (was: use_orig_params=False one rank's flat shard for all, with a warning; True
+    refused as ranks that differ, advising split_state=True); resumed on 2 ranks the next steps
     are bit-identical; loads on 3 ranks, into FSDP2 + Adam, and into a plain model + Adam in one process."""
-    ref = run_ranks(_flat_run, 2, str(tmp_path), timeout=90)[0].value
+    ref = run_ranks(_flat_run, 2, str(tmp_path), uop, timeout=90)[0].value
     for world in (2, 3):
-        for r in run_ranks(_flat_resume, world, str(tmp_path), timeout=90):
+        for r in run_ranks(_flat_resume, world, str(tmp_path), uop, timeout=90):
             v = r.value
             assert v["shapes"]["optim/state/0.weight/exp_avg"] == [16, 8]  # by name, whole
             assert not _same(v["before"], ref["at2"]["p"])

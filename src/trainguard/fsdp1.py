@@ -12,15 +12,17 @@ warning, then a resume that was not the run saved) and ``True`` was refused as r
 state differs, with the advice to pass ``split_state=True``, which does not apply.
 
 ``capture.capture`` (save) and ``loader._load`` (load) call :func:`refuse_unsupported` for each
-entry, on every rank, before anything is written or read. An optimizer over ``FlatParameter``
-parameters of a sharded FSDP1 model that is an entry of the same state gets :class:`FSDP1OptimizerAdapter`
-(torch's ``FSDP.optim_state_dict``: whole tensors by name, the format of a plain optimizer's).
-Refused with what to change: the same optimizer without its model in the state, a sharded
-``use_orig_params=True`` optimizer (torch 2.13's ``optim_state_dict_to_load`` did not give its
-state back, on 2 gloo CPU ranks), and an FSDP1 model under a ``state_dict_type`` other than a
-full one on every rank (``SHARDED_STATE_DICT``: ShardedTensors; ``LOCAL_STATE_DICT``: flat
-shards; ``rank0_only=True``: nothing on the other ranks). Nothing here imports
-torch.distributed.fsdp: a state holds FSDP1 only when the user imported it.
+entry, on every rank, before anything is written or read. An optimizer over parameters of a
+sharded FSDP1 model that is an entry of the same state gets :class:`FSDP1OptimizerAdapter`
+(torch.distributed.checkpoint's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` with
+``full_state_dict=True``: whole tensors by name, the entries of a plain optimizer's). torch's
+older ``FSDP.optim_state_dict``/``optim_state_dict_to_load`` are not used: with
+``use_orig_params=True`` their round trip did not give the optimizer its ``exp_avg`` back (torch
+2.13, 2 gloo CPU ranks). Refused with what to change: such an optimizer without its model in the
+state, and an FSDP1 model under a ``state_dict_type`` other than a full one on every rank
+(``SHARDED_STATE_DICT``: ShardedTensors; ``LOCAL_STATE_DICT``: flat shards; ``rank0_only=True``:
+nothing on the other ranks). Nothing here imports torch.distributed.fsdp: a state holds FSDP1
+only when the user imported it.
 """
 
 from __future__ import annotations
@@ -103,35 +105,34 @@ def refuse_fsdp1(value: Any, key: str, state: Any, saving: bool) -> FSDP1Optimiz
 def _optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str) -> FSDP1OptimizerAdapter | None:
     flat_cls = getattr(sys.modules.get(_FLAT_MODULE), "FlatParameter", ())
     sharded: dict[int, Any] = {}  # id(param) -> its FSDP1 module, for sharded flat parameters
+    known: set[int] = set()  # every FSDP1 parameter of the state's modules
     for sub, flat in _handles(state):
-        if _sharded(flat):
-            for p in [flat, *(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]:
+        for p in [flat, *(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]:
+            known.add(id(p))
+            if _sharded(flat):
                 sharded[id(p)] = sub
     mine = [p for g in optimizer.param_groups for p in g["params"]]
-    hit = next((p for p in mine if id(p) in sharded or (flat_cls and isinstance(p, flat_cls) and _sharded(p))), None)
+
+    def fsdp1(p: Any) -> bool:  # sharded, or FSDP1's (it marks what it flattens) with no model here to tell
+        flat = bool(flat_cls) and isinstance(p, flat_cls)
+        return id(p) in sharded or (flat and _sharded(p)) or (
+            id(p) not in known and getattr(p, "_fsdp_flattened", False) and type(p) in (torch.Tensor, torch.nn.Parameter))
+
+    hit = next((p for p in mine if fsdp1(p)), None)
     if hit is None:
         return None
     modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
     ids = {id(p) for p in mine}
     owners = [k for k, v in modules.items() if ids <= {id(p) for p in v.parameters()}]
-    orig = next((p for p in mine if id(p) in sharded and not (flat_cls and isinstance(p, flat_cls))), None)
-    if owners and orig is None:
+    if owners:
         return FSDP1OptimizerAdapter(optimizer, modules[owners[0]], f"{owners[0]}." if len(modules) > 1 else "")
     strategy = _strategy(sharded[id(hit)]) if id(hit) in sharded else "a sharded one"
-    what = (
-        # torch 2.13, 2 gloo CPU ranks: FSDP.optim_state_dict_to_load of FSDP.optim_state_dict's own
-        # output did not give back the optimizer's state (exp_avg differed), so it is not used.
-        "use_orig_params=True: each rank's optimizer state covers only its own 1-D pieces of FSDP1's flattened "
-        "parameters, and torch's FSDP1 optimizer state API does not give it back on load. Build the model with "
-        "use_orig_params=False (its optimizer state is saved as whole tensors by name)"
-        if orig is not None else
-        "use_orig_params=False: each rank's optimizer state covers only its own shard of FSDP1's flat parameters, "
-        "which trainguard saves and loads only through the model: put the FSDP1 model that holds all of the "
-        f"optimizer's parameters in the same state (state = {{'model': fsdp_model, {key!r}: optimizer}})"
-    )
     raise UnsupportedValueError(
         f"entry {key!r}: the optimizer holds parameters of a FullyShardedDataParallel (FSDP1) model with sharding "
-        f"strategy {strategy} and {what}; trainguard cannot {verb} it as it is. Or: {USE_FSDP2}"
+        f"strategy {strategy}: each rank's optimizer state covers only its own shard of FSDP1's flattened parameters, "
+        f"which trainguard can {verb} only through the model (torch.distributed.checkpoint's get/set_optimizer_state_dict, "
+        "whole tensors by name): put the FSDP1 model that holds all of the optimizer's parameters in the same state "
+        f"(state = {{'model': fsdp_model, {key!r}: optimizer}}). Or: {USE_FSDP2}"
     )
 
 
@@ -152,10 +153,10 @@ def _refuse_module(module: torch.nn.Module, key: str, verb: str) -> None:
 
 
 class FSDP1OptimizerAdapter:
-    """An optimizer over a sharded FSDP1 model, saved as whole tensors by parameter name: torch's
-    ``FSDP.optim_state_dict`` (full, on every rank) keyed as ``stateful.OptimizerAdapter`` keys a
-    plain optimizer (so it loads into FSDP2 or a plain model, on any world size), and loaded
-    through ``FSDP.optim_state_dict_to_load``, which gives each rank its shard. Both calls are
+    """An optimizer over a sharded FSDP1 model, saved as whole tensors by parameter name
+    (``get_optimizer_state_dict``, full, on every rank) keyed as ``stateful.OptimizerAdapter`` keys
+    a plain optimizer (so it loads into FSDP2 or a plain model, on any world size), and loaded
+    through ``set_optimizer_state_dict``, which gives each rank its shard. Both calls are
     collectives of the model's process group: every rank makes them, in the same order, in the
     caller's thread (``capture.capture``, ``loader._load``)."""
 
@@ -166,22 +167,19 @@ class FSDP1OptimizerAdapter:
         return self.prefix + fqn if type(fqn) is str else fqn
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         from .stateful import optimizer_class
 
-        osd = FSDP.optim_state_dict(self.model, self.optimizer)
-        # use_orig_params=True: torch's tensors may share memory (a load read into them in place got
-        # exp_avg_sq's values into exp_avg too): each gets its own.
-        own = {k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in osd["state"].items()}
+        osd = get_optimizer_state_dict(self.model, self.optimizer, options=_full_options())
         return {
-            "state": {self._named(k): v for k, v in own.items()},
+            "state": {self._named(k): v for k, v in osd["state"].items()},
             "param_groups": [{**g, "params": [self._named(n) for n in g["params"]]} for g in osd["param_groups"]],
             "class": optimizer_class(self.optimizer),
         }
 
     def load_state_dict(self, state_dict: Any) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         n = len(self.prefix)
 
@@ -192,4 +190,11 @@ class FSDP1OptimizerAdapter:
             "state": {fqn(k): v for k, v in state_dict["state"].items()},
             "param_groups": [{**g, "params": [fqn(x) for x in g["params"]]} for g in state_dict["param_groups"]],
         }
-        self.optimizer.load_state_dict(FSDP.optim_state_dict_to_load(self.model, self.optimizer, osd))
+        set_optimizer_state_dict(self.model, self.optimizer, osd, options=_full_options())
+
+
+def _full_options() -> Any:
+    """Whole tensors on every rank, where they are (not rank 0's alone, which ``cpu_offload`` implies)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=False)
