@@ -59,7 +59,9 @@ def _optimizer_alone(rank: int, world: int, root: str, uop: bool) -> dict:
     _step(m, o, 1)
     loaded = attempt(lambda: tg.load(f"{root}/both", {"optim": o}, only=["optim"]))
     untouched = all(not torch.equal(v, o.state[p][k]) for p in o.state for k, v in before[id(p)].items() if k != "step")
-    return {"saved": saved, "loaded": loaded, "untouched": untouched}
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)  # another class: refused, as for plain optimizers
+    other = attempt(lambda: tg.load(f"{root}/both", {"model": m, "optim": sgd}))
+    return {"saved": saved, "loaded": loaded, "untouched": untouched, "other": other}
 
 
 @pytest.mark.parametrize("uop", [False, True])
@@ -74,6 +76,8 @@ def test_sharded_fsdp1_optimizer_without_its_model_is_refused_before_anything_is
             assert "FullyShardedDataParallel (FSDP1)" in last and "'model': fsdp_model" in last and "fully_shard" in last
             assert "split_state" not in last
         assert r.value["untouched"]  # the refused load read nothing into the optimizer
+        other = r.value["other"]
+        assert other["type"] is not None and "holds the state of a Adam optimizer" in other["msg"], other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["both"]
 
 

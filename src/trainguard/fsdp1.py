@@ -181,6 +181,17 @@ class FSDP1OptimizerAdapter:
     def load_state_dict(self, state_dict: Any) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        from .errors import CheckpointError
+        from .permanent import mark
+        from .stateful import optimizer_class
+
+        saved, cur = state_dict.get("class"), optimizer_class(self.optimizer)
+        if isinstance(saved, str) and saved != cur:  # as OptimizerAdapter.check_saved: torch would take it
+            raise mark(CheckpointError(
+                f"the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; build a "
+                f"{saved} as at save time (to start a new optimizer instead, leave this entry out of the state and "
+                "load with strict=False)"
+            ))
         n = len(self.prefix)
 
         def fqn(name: Any) -> Any:
