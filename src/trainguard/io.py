@@ -297,7 +297,7 @@ def read_targets(
 
     Called by ``loader._load``, ``export`` and ``consolidate``. Ops are cut into pieces that
     are checksummed right after they are read (:mod:`.reads`), when the reader allows pieces
-    (``piece_bytes``: local files); other readers read each op whole, then verify it.
+    (``piece_bytes``: local files, fsspec stores); a reader without it reads each op whole, then verifies it.
 
     ``targets`` may be a generator (the loader plans tensor by tensor), consumed by the read
     threads as they need work. ``check_file(name)``: called once per data file before it is

@@ -14,7 +14,6 @@ parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
 ``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
 appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
 pieces fetched concurrently (``fs.cat_ranges``). A missing S3 bucket is refused (``_bucket``).
-
 Credentials, endpoints: the filesystem's (S3: the boto chain, ``AWS_ENDPOINT_URL``). Each call is bounded (``_bounded``).
 """
 
@@ -363,7 +362,9 @@ class _StreamUpload:
 
 
 class _RangeReader:
-    """Ranged reads; a large range is split into pieces fetched concurrently."""
+    """Ranged reads, split into pieces fetched concurrently; ``io.read_targets`` reads ops in ``piece_bytes``."""
+
+    piece_bytes = 8 * READ_PIECE  # per read: GETs in flight, bytes held (a 4 GB tensor is not fetched whole)
 
     def __init__(self, fs: Any, path: str) -> None:
         self.fs, self.path = fs, path
