@@ -75,14 +75,14 @@ def load(
             manifest = read_manifest(storage, target)
             _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state)
     except Exception as exc:
-        e = unreadable(exc, target)  # an I/O error reading it: a CorruptCheckpointError (restore tries an older one)
+        exc = unreadable(exc, target)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
-            raise e from e.__cause__
+            raise exc from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
-            plan_round(e)
+            plan_round(exc)
         if not agreed[0]:  # the plan round raised, on every rank
             raise
-        agree_load(ctx, "loaded", target, e, timeout)
+        agree_load(ctx, "loaded", target, exc, timeout)
     if ctx.is_distributed:
         agree_load(ctx, "loaded", target, None, timeout)
     return manifest

@@ -358,7 +358,7 @@ class CheckpointManager:
                 if not is_data_error(e):
                     raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either
                 medium = medium or from_medium(e)
-                log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, e)
+                log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, str(e))
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
                 skipped.append(f"step {step} ({path}): {str(e)[:500]}")
