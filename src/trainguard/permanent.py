@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Iterator
@@ -238,11 +240,19 @@ def open_error(e: Exception, root: str) -> CheckpointError:
             f"cannot open {root}: whether {step} holds its manifest cannot be checked ({e}); the open removes step "
             "directories without one (crashed saves), so it stops: fix the storage or its permissions, or move "
             f"{step} out of {root} to start from the other checkpoints (`trainguard verify {root}` checks them)")
+    elif isinstance(e, PermissionError) or e.errno == errno.EROFS:
+        # A read-only copy (chmod -R a-w, a read-only mount): the manager writes its lock, removes crashed
+        # saves and saves; reading needs none of that, so say how to read it without a manager.
+        err = CheckpointError(
+            f"cannot open {root} ({e}): a CheckpointManager writes there (its .lock, the removal of crashed "
+            "saves, new checkpoints); make it writable, or copy it to a writable directory, or to only read "
+            f"this copy load one step without a manager: trainguard.load('{root}/step-N', state) (`trainguard "
+            f"ls {shlex.quote(root)}` lists the valid steps)")
     else:
         err = CheckpointError(f"cannot open {root} ({e}): " + (
             "pass a directory path" if path_given else "fix the storage or its permissions, then start again"))
     err.__cause__ = e
-    return mark(err) if path_given or isinstance(e, PermissionError) else err
+    return mark(err) if path_given or isinstance(e, PermissionError) or e.errno == errno.EROFS else err
 
 
 def _step_of_manifest(filename: Any) -> str | None:
