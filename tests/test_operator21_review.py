@@ -87,3 +87,31 @@ def test_read_only_mount_is_permanent() -> None:
     err = open_error(e, "/mnt/ro/run")
     assert is_permanent(err)
     assert "trainguard.load('/mnt/ro/run/step-N', state)" in str(err)
+
+
+def test_ls_says_a_hand_deleted_data_file_is_missing(tmp_path) -> None:
+    """`trainguard ls` (list_checkpoints without verify_data) said "size differs from the manifest"
+    for a data file deleted by hand; now "missing", as `trainguard verify` says, and a truncated
+    file gives both sizes. Restore falls back past both to the older step."""
+    from trainguard.inspect import list_checkpoints
+
+    run = tmp_path / "run ü"
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1)) as m:
+        for s in (1, 2, 3):
+            state["w"].fill_(s)
+            m.save(s, state)
+    os.remove(run / "step-000000003" / "data-00000.bin")
+    with open(run / "step-000000002" / "data-00000.bin", "r+b") as f:
+        f.truncate(8)
+    rows = {r.step: r for r in list_checkpoints(str(run))}
+    assert (rows[3].status, rows[3].detail) == ("corrupt", "data-00000.bin: missing")
+    assert (rows[2].status, rows[2].detail) == ("corrupt", "data-00000.bin: 8 bytes on disk, the manifest says 16")
+    assert rows[1].status == "valid"
+    r = subprocess.run([sys.executable, "-m", "trainguard.cli", "ls", str(run)], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, "PYTHONPATH": _SRC, "COLUMNS": "200"})
+    assert r.returncode == 0 and "data-00000.bin: missing" in r.stdout, r.stdout + r.stderr
+    st = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(run) as m:
+        assert m.restore(st) == 1
+    assert st["w"].tolist() == [1.0] * 4

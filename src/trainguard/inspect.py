@@ -202,8 +202,11 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                     _raise_unless_media(e)
                     status, detail = "corrupt", f"{f}: cannot be read: {e}"
                     break
+                if have is None:  # deleted by hand (or a copy that left it out): say so, as verify does
+                    status, detail = "corrupt", f"{f}: missing"
+                    break
                 if have != size:
-                    status, detail = "corrupt", f"{f}: size differs from the manifest"
+                    status, detail = "corrupt", f"{f}: {have} bytes on disk, the manifest says {size}"
                     break
         out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail)))
     return out
