@@ -115,3 +115,27 @@ def test_ls_says_a_hand_deleted_data_file_is_missing(tmp_path) -> None:
     with tg.CheckpointManager(run) as m:
         assert m.restore(st) == 1
     assert st["w"].tolist() == [1.0] * 4
+
+
+def test_copy_taken_mid_save_restores_newest_committed_step(tmp_path) -> None:
+    """cp -r of a run directory while a save is half-written (a step-N.tmp-<id> directory, and a
+    step directory whose data is there but whose manifest is not: an object store's in-place write
+    or a copy racing retention), its .lock copied too while the writer still holds the original:
+    the copy opens without LockedError, restores the newest committed step, never the half-written
+    ones, and drops them. (Already right; a regression guard.)"""
+    run = tmp_path / "run ü"
+    state = {"w": torch.zeros(4)}
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5)) as m:
+        for s in (1, 2):
+            state["w"].fill_(s)
+            m.save(s, state)
+        shutil.copytree(run / "step-000000002", run / "step-000000003.tmp-abc")
+        (run / "step-000000004").mkdir()
+        shutil.copy(run / "step-000000002" / "data-00000.bin", run / "step-000000004")
+        copy = tmp_path / "copy ü"
+        subprocess.run(["cp", "-r", str(run), str(copy)], check=True)  # the writer still holds run/.lock
+        st = {"w": torch.zeros(4)}
+        with tg.CheckpointManager(copy) as c:
+            assert c.restore(st) == 2
+        assert st["w"].tolist() == [2.0] * 4
+        assert sorted(p for p in os.listdir(copy) if p.startswith("step-")) == ["step-000000001", "step-000000002"]
