@@ -67,8 +67,7 @@ _LOCK = threading.Lock()
 STARTING = threading.RLock()  # held by api.start_save around start_async_save: two threads' saves in turn
 _INFLIGHT: _Job | None = None  # the one save in flight in this process
 _UNCOLLECTED: SaveHandle | None = None  # a direct tg.save's failed handle, for the next direct async save
-# Test seam: called by the save thread before its background copies (tests hold staging open).
-_before_background_stage: Any = None
+_before_background_stage: Any = None  # test seam: the save thread calls it before its background copies
 
 
 class _Job:
@@ -129,6 +128,7 @@ def start_async_save(
                     job.copies[id(lf)] = copy_into(slot, lf.tensor)
                     handle.staged_sync_bytes += lf.tensor.nbytes
                 job.later = {id(lf) for lf in later}
+                handle.watch([(lf.path, lf.tensor) for lf in later])  # changed before staged(): warned (handle.py)
                 job.storages = {storage_key(lf.tensor) for lf in later} - {None}
                 for lf in later:
                     if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:

@@ -63,6 +63,10 @@ class SaveHandle:
         self.staged_background_bytes = 0
         self.written_live_bytes = 0  # zero-copy: protected chunks written from the live tensors
         self.staging_batches = 0
+        # Async saves: (path, tensor, its version counter at the call) of what the save thread copies
+        # later (``watch``); ``set_staged`` lists the ones changed in place before then here.
+        self._watched: list[tuple[str, Any, int]] = []
+        self.modified_while_staging: list[str] = []
 
     def staged(self) -> bool:
         """True once the save no longer reads the live tensors."""
@@ -117,7 +121,29 @@ class SaveHandle:
         if t is not None and t is not threading.current_thread():
             t.join()
 
+    def watch(self, leaves: list[tuple[str, Any]]) -> None:
+        """Training thread, in the async save call (every rank, ``async_save.start_async_save``):
+        ``leaves`` are the (path, tensor) the save thread copies after the call returns. A tensor
+        changed in place before they are all copied (an EMA or clamp of the weights, a
+        ``load_state_dict``, Adam's moments reset: anything but ``step()``, which waits) bumps its
+        version counter; ``set_staged`` then warns, naming it. A write through ``.data`` bumps no
+        counter and goes unseen (docs/async.md)."""
+        self._watched = [(path, t, v) for path, t in leaves if (v := _version(t)) is not None]
+
     def set_staged(self) -> None:
+        """Save thread: the last tensor of the save is copied (or written); step() may run again."""
+        if not self._staged.is_set() and self._watched:
+            changed = [path for path, t, v in self._watched if _version(t) != v]
+            self._watched = []
+            if changed:
+                self.modified_while_staging = changed
+                log.warning(
+                    "trainguard: %d tensor(s) of the async save of step %s were changed in place after save() returned "
+                    "and before the save had copied them (%s): the checkpoint may hold the changed values, not those at "
+                    "the call. Call handle.wait_staged() before changing parameters or optimizer state outside "
+                    "optimizer.step() (EMA, clamping, load_state_dict, re-initialisation); see docs/async.md",
+                    len(changed), self.step, ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
+                )
         self._staged.set()
 
     def after_commit(self, cb: Callable[[Any], None]) -> None:
@@ -167,3 +193,11 @@ class SaveHandle:
         h = cls(step)
         h.set_result(value)
         return h
+
+
+def _version(t: Any) -> int | None:
+    """A tensor's in-place version counter; None for one that has none (an inference tensor)."""
+    try:
+        return int(t._version)
+    except (RuntimeError, AttributeError):
+        return None
