@@ -136,3 +136,17 @@ def test_an_lbfgs_closure_step_waits_for_the_copies_and_is_not_warned(tmp_path, 
     got = nn.Linear(32, 4)
     tg.load(tmp_path / "c", {"model": got}, only=["model"])
     assert torch.equal(got.weight, at_call)
+
+
+def test_the_manager_logs_a_modified_while_staging_event_for_such_a_save(tmp_path, gate):
+    import json
+
+    model, optim = _trained()
+    with tg.CheckpointManager(tmp_path / "run", async_save=True) as mgr:
+        h = mgr.save(1, {"model": model, "optim": optim}, force=True)
+        _ema(model, optim)
+        gate.set()
+    assert "model/0.weight" in h.modified_while_staging
+    with open(tmp_path / "run" / "events.jsonl") as f:
+        found = [e for e in map(json.loads, f) if e.get("event") == "modified_while_staging"]
+    assert len(found) == 1 and found[0]["step"] == 1 and "model/0.weight" in found[0]["tensors"]

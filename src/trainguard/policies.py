@@ -267,6 +267,8 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
         # wall time of the commit (async saves are logged when collected, at the next call)
         committed_t=round(time.time() - (time.monotonic() - finished), 6),
     )
+    if changed := getattr(h, "modified_while_staging", None):  # changed before the async save copied them (handle.py)
+        manager.events.emit("modified_while_staging", step=step, tensors=changed)
     if (found := replicas.take(step)) is not None:  # rank 0: replicated tensors that differed (replicas.py)
         manager.events.emit("replicas_differ", step=step, **found)
 
