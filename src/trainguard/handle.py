@@ -138,11 +138,11 @@ class SaveHandle:
             if changed:
                 self.modified_while_staging = changed
                 log.warning(
-                    "trainguard: %d tensor(s) of the async save of step %s were changed in place after save() returned "
+                    "trainguard: %d tensor(s) of the async save %s were changed in place after save() returned "
                     "and before the save had copied them (%s): the checkpoint may hold the changed values, not those at "
                     "the call. Call handle.wait_staged() before changing parameters or optimizer state outside "
                     "optimizer.step() (EMA, clamping, load_state_dict, re-initialisation); see docs/async.md",
-                    len(changed), self.step, ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
+                    len(changed), f"of step {self.step}" if self.step is not None else f"to {self.target}", ", ".join(changed[:5]) + (", ..." if len(changed) > 5 else ""),
                 )
         self._staged.set()
 
