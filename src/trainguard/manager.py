@@ -17,10 +17,10 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import layout, policies
+from . import layout, policies, retention
 from .api import load, start_save
 from .async_save import release_staging, use_staging
-from .commit import RunLock, clean_debris, list_steps
+from .commit import RunLock, clean_debris
 from .dist import DistContext
 from .distwait import closing_round
 from .elastic import stops, watchdog
@@ -390,9 +390,8 @@ class CheckpointManager:
         return None
 
     def latest_step(self) -> int | None:
-        """The newest committed step (manifest present; not verified). Any process; no collective."""
-        steps = [s.step for s in list_steps(self.storage, self._root) if s.status == "committed"]
-        return steps[-1] if steps else None
+        """The newest committed step (manifest present, in the run directory or the RAM tier; not verified). Any process; no collective."""
+        return retention.newest_step(self)  # the RAM tier's newest too
 
     def _require_open(self) -> None:
         if not self._opened:

@@ -26,7 +26,7 @@ from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .policies import CheckpointInfo
 from .storage import Storage
-from .tiers import location
+from .tiers import location, stale_reason
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -185,6 +185,23 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
     if mgr.ram:
         return mgr.ram.candidates(steps)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
+
+
+def newest_step(mgr: CheckpointManager) -> int | None:
+    """``CheckpointManager.latest_step``, any rank, no collective: the newest committed step, the RAM
+    tier's included. A save into the RAM tier is committed there (``wait()`` returns, ``restore``
+    resumes from it) while rank 0's background copy to the run directory may still run: listing the
+    run directory alone gave the step before (``None`` after the first save) until the copy ended.
+    A RAM copy that ``restore`` would discard (``tiers.stale_reason``) is not counted."""
+    steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+    newest = steps[-1] if steps else None
+    if mgr.ram:
+        durable = set(steps)
+        for s in reversed(list_steps(mgr.ram.storage, mgr.ram.dir)):
+            if s.status == "committed" and (newest is None or s.step > newest):
+                if not stale_reason(mgr.ram.dir, mgr.storage, mgr._root, s.step, s.step in durable):
+                    return s.step
+    return newest
 
 
 def _info(mgr: CheckpointManager, s: Any, facts: bool) -> CheckpointInfo | None:
