@@ -42,3 +42,40 @@ def test_latest_step_counts_the_ram_tier_copy_still_on_its_way_to_disk(tmp_path,
             go.set()  # close() waits for the copy
     with tg.CheckpointManager(root) as mgr:
         assert mgr.latest_step() == 2
+
+
+def _plateau_ranks(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    from trainguard.sharedvalues import SharedValuesDifferWarning
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=5)
+    state = {"model": model, "optim": opt, "sched": sched, "progress": tg.StateDict(step=0)}
+    out = []
+    for step, metric in ((1, 1.0 + rank), (2, 0.5)):  # each rank's own metric, then an all-reduced one
+        sched.step(metric)
+        state["progress"]["step"] = step
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            tg.save(f"{root}/step-{step}", state)
+        out.append([str(x.message) for x in w if issubclass(x.category, SharedValuesDifferWarning)])
+    return {"warned": out, "best": sched.best}
+
+
+def test_shared_json_values_that_differ_between_ranks_warn_once_per_save_naming_entry_and_ranks(tmp_path):
+    """ReduceLROnPlateau stepped with each rank's own metric: its best/num_bad_epochs differ between
+    ranks, the checkpoint keeps rank 0's and every rank resumed with it, without a word (only
+    replicated tensors were compared). Now rank 0 warns in that save, naming the entry and ranks."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_plateau_ranks, 2, str(tmp_path), timeout=60)
+    assert all(r.error is None and r.exitcode == 0 for r in res), [r.error for r in res]
+    first, second = res[0].value["warned"]
+    assert len(first) == 1, first
+    assert "'sched' (ranks 0 | 1 hold different values; the checkpoint keeps rank 0's)" in first[0]
+    assert "'model'" not in first[0] and "'optim'" not in first[0] and "'progress'" not in first[0]
+    assert second == []  # 0.5 everywhere: a new best on both, the values equal again
+    assert res[1].value["warned"] == [[], []]  # rank 0 alone warns

@@ -200,7 +200,7 @@ def persist_and_commit(
     if step is None:
         step = layout_mod.parse_step(name) or 0
     hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own,
-                             "error": None, "rep": replicas.hello(snap)}
+                             "error": None, "rep": replicas.hello(snap), "vals": replicas.values(snap, ctx.world_size)}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:

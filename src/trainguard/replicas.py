@@ -183,11 +183,22 @@ def hello(snap: Any) -> list[str] | None:
     return None if d is None else [d["scope"], d["digest"], d["count"]]
 
 
+def values(snap: Any, world: int) -> dict[str, str] | None:
+    """What this rank adds to the "begin" round for ``sharedvalues.compare``: a digest of each shared
+    entry's JSON skeleton (``sharedvalues.digests``; in the save's thread for an async save)."""
+    from .sharedvalues import digests as value_digests  # imports this module
+
+    return value_digests(snap.objects, [*snap.rank_local, *snap.data_positions], world)
+
+
 def compare(ctx: Any, snap: Any, begin: list[Any], sigs: list[str], timeout: float | None, step: int) -> None:
     """``api.persist_and_commit``, every rank, after ``check_begin``: warn on rank 0 when replicated
     tensors differ within a group; the per-tensor round runs only then, on every rank."""
     if not ctx.is_distributed:
         return
+    from .sharedvalues import compare as compare_values  # JSON values of shared entries (imports this module)
+
+    compare_values(ctx, begin, sigs, step)  # rank 0 warns, once per save
     bad = []
     for ranks in groups(sigs).values():
         got = [begin[r].get("rep") for r in ranks]
