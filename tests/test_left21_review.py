@@ -79,3 +79,30 @@ def test_shared_json_values_that_differ_between_ranks_warn_once_per_save_naming_
     assert "'model'" not in first[0] and "'optim'" not in first[0] and "'progress'" not in first[0]
     assert second == []  # 0.5 everywhere: a new best on both, the values equal again
     assert res[1].value["warned"] == [[], []]  # rank 0 alone warns
+
+
+def _growing_ranks(rank: int, world: int, root: str, n: int) -> dict:
+    from trainguard import replicas
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    history: list[float] = []
+    sizes = []
+    for i in range(n):
+        history.append(float(i))  # the state's signature (its tensors' shapes) changes at every save
+        tg.save(f"{root}/r{i}", {"model": model, "history": torch.tensor(history)})
+        sizes.append(len(replicas._SEEN))
+    return {"sizes": sizes, "bound": getattr(replicas, "SIGS", 64)}
+
+
+def test_replica_digest_counts_stay_bounded_when_the_signature_changes_at_every_save(tmp_path):
+    """replicas._SEEN (entry signature -> saves of it) gained one entry per save when the state's
+    signature changed at each save (a loss history saved as a growing tensor): 400 saves, 400
+    entries, about 185 B each (1.85 MB per 10,000 saves). Now the most recent ``SIGS`` are kept."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_growing_ranks, 2, str(tmp_path), 80, timeout=120)
+    assert all(r.error is None and r.exitcode == 0 for r in res), [r.error for r in res]
+    for r in res:
+        bound = r.value["bound"]
+        assert max(r.value["sizes"]) <= bound < 80, r.value["sizes"][-5:]

@@ -47,6 +47,8 @@ from .stateful import is_rank_local
 log = logging.getLogger("trainguard")
 SHOWN = 8  # tensors named in the warning
 _SEEN: dict[str, int] = {}  # entry signature -> how many saves of it this process made (the first: every tensor)
+SIGS = 64  # _SEEN keeps the most recently saved signatures: a state whose signature changes at each save
+# (a tensor of growing length: a loss history) added one entry per save, ~185 B, 1.85 MB per 10,000 saves
 WINDOW, SAMPLE_BYTES = 64, 4096  # later saves: the head of this many other replicated leaves, moving on each save
 _FOUND: dict[int, dict[str, Any]] = {}  # step -> the finding, for the manager's event log (rank 0)
 _LOCK = threading.Lock()
@@ -153,8 +155,10 @@ def digests(state: Mapping[str, Any], leaves: Sequence[Any], world: int, sig: st
     if world < 2 or layout_kind != "sharded":
         return None
     with _LOCK:
-        count = _SEEN.get(sig, 0)
-        _SEEN[sig] = count + 1
+        count = _SEEN.pop(sig, 0)
+        _SEEN[sig] = count + 1  # last: the most recently saved
+        while len(_SEEN) > SIGS:  # an evicted signature saved again is hashed whole, as a first save
+            del _SEEN[next(iter(_SEEN))]
     rep = sorted((lf for lf in leaves if lf.kind == "replicated" and lf.source is None), key=lambda lf: lf.path)  # DDP's synced buffers: rank 0's saved
     scope, heads = "all", set()
     if count:  # later saves: module buffers (BatchNorm statistics, a few kB to MB) and a window of the others' heads
