@@ -24,6 +24,7 @@ from .errors import (  # noqa: E402
     StepExistsError,
     UnsupportedValueError,
 )
+from .gradwatch import PendingGradientsWarning  # noqa: E402
 from .inspect import verify  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .permanent import PERMANENT_EXIT, exit_code_for, install_excepthook  # noqa: E402
@@ -79,6 +80,7 @@ __all__ = [
     "StepExistsError",
     "UnsupportedValueError",
     "ReplicasDifferWarning",
+    "PendingGradientsWarning",
 ]
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)

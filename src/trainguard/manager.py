@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import layout, policies, retention
+from . import gradwatch, layout, policies, retention
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -182,7 +182,6 @@ class CheckpointManager:
         self._preempt.set()
         policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 
-    # ------------------------------------------------------------------ save
     def save(
         self, step: int, state: Mapping[str, Any], *, force: bool = False, metrics: Mapping[str, float] | None = None,
     ) -> SaveHandle | None:
@@ -204,6 +203,7 @@ class CheckpointManager:
         if preempt:
             want = self.should_stop = True
             stops.note_stop(self, remote=True)
+        gradwatch.at_save(state, step, saving=want)  # warns of gradients a resume would not have (docs/checkpoints.md)
         if not want:
             return None
         self.ctx.rounds_follow()  # every rank saves: a Ctrl-C in the wait for the previous save leaves it (dist.py)
@@ -330,7 +330,6 @@ class CheckpointManager:
     def _apply_retention(self, newest: int) -> None:
         apply_retention(self, newest)  # after `newest` is committed, on rank 0, holding the lock (retention.py)
 
-    # ------------------------------------------------------------------ restore
     def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
         why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an async save in flight
@@ -342,6 +341,7 @@ class CheckpointManager:
         at = None if step is None else layout.check_step(step)
         with config_errors():
             check_state(state)  # on a fresh start too: not first found at the run's first resume
+        gradwatch.watch(state)  # from here on a save mid-accumulation is warned about (gradwatch.py)
         t0 = time.monotonic()
         candidates = self.ctx.broadcast("candidates", restore_candidates(self) if self.ctx.rank == 0 else None, timeout=self.timeout)
         if isinstance(candidates, dict):  # rank 0 could not list the run directory: every rank raises it
