@@ -96,6 +96,53 @@ def test_zero_grad_first_loop_saving_every_step_is_not_warned(tmp_path):
     assert [w for w in caught if issubclass(w.category, tg.PendingGradientsWarning)] == []
 
 
+class _Wrapped(torch.optim.Optimizer):
+    """Like accelerate's AcceleratedOptimizer: an Optimizer subclass that skips its __init__ (torch
+    never patches its step(), the step hooks run for the inner optimizer only)."""
+
+    def __init__(self, inner: torch.optim.Optimizer) -> None:
+        self.inner = inner
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd) -> None:
+        self.inner.load_state_dict(sd)
+
+    def step(self, closure=None) -> None:
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none)
+
+
+def test_wrapped_optimizer_stepped_before_the_save_is_not_warned(tmp_path):
+    # Before this case was handled: a warning at every save after the first (the wrapper's own
+    # tracker never cleared, the step post-hook saw only the inner optimizer).
+    model = nn.Linear(2, 1)
+    opt = _Wrapped(torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(str(tmp_path), save=tg.EveryNSteps(1), keep=tg.KeepLatest(2)) as mgr:
+            for step in range(3):
+                opt.zero_grad()
+                model(torch.randn(3, 2)).sum().backward()
+                opt.step()
+                mgr.save(step, {"model": model, "optim": opt})
+            model(torch.randn(3, 2)).sum().backward()
+            mgr.save(3, {"model": model, "optim": opt})  # this one is before the step
+    warned = [str(w.message) for w in caught if issubclass(w.category, tg.PendingGradientsWarning)]
+    assert len(warned) == 1 and "save of step 3" in warned[0], warned
+
+
 class _Aug(torch.utils.data.Dataset):
     def __init__(self, n: int) -> None:
         self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,8 @@ window again without the gradients of its earlier micro-batches, so it does not 
 bit-identically. The manager (``CheckpointManager.restore`` and ``save``, every rank, on its own
 state) calls :func:`watch` on the optimizers of the state: from then on a hook on each of their
 parameters notes a gradient arriving (``register_post_accumulate_grad_hook``), torch's global step
-post-hook clears the note at that optimizer's ``step()``. :func:`check` (``save``, before the save
+post-hook clears the note at that optimizer's ``step()`` (or at the ``step()`` of an optimizer it
+wraps, accelerate's AcceleratedOptimizer, which torch's hooks never see). :func:`check` (``save``, before the save
 starts, every rank) warns when an optimizer's parameters still hold finite, non-zero gradients
 that arrived after its last ``step()``: those a resume would not have. A step the GradScaler
 skipped (inf/NaN gradients) is not warned about: the loop zeroes them anyway.
@@ -44,6 +45,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     t = _TRACKERS.get(optimizer)
     if t is not None:
         t.arrived.clear()
+    elif any(t.arrived for t in _TRACKERS.values()):  # an optimizer the state holds wrapped (accelerate's)
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for ref in _BY_PARAM.get(id(p), ()):
+                    if (w := ref()) is not None:
+                        w.arrived.discard(id(p))
 
 
 def _arrived(param: torch.Tensor) -> None:
