@@ -50,3 +50,26 @@ def count_mismatch(saved_groups: Sequence[Mapping[str, Any]], names: Sequence[st
             "optimizer.add_param_group() at a later step than this checkpoint's is added after the load, at that step)"
         )
     return "; ".join(parts)
+
+
+def unowned_hint(params: Sequence[Any], names: Mapping[int, str]) -> str:
+    """``stateful.OptimizerAdapter._match_groups`` (every rank, before anything is read), for a
+    group whose parameters differ from the checkpoint's: why, when some of ``params`` belong to no
+    module of the state (``names``: ``id(param) -> name``), else "". Such a parameter is named
+    ``param.<index>``, which no checkpoint saved with its model holds. The usual cause: the
+    optimizer was built on a model under ``torch.device("meta")`` before ``module.to_empty()``,
+    which gives the module new parameters (torch's own load then steps the stale meta tensors and
+    the model never trains)."""
+    lost = [p for p in params if id(p) not in names]
+    if not lost:
+        return ""
+    meta = sum(1 for p in lost if getattr(p, "is_meta", False))
+    why = (
+        f"{meta} of them on the meta device: the optimizer was built before module.to_empty(), which gives the "
+        "module new parameters; build the optimizer after to_empty()"
+        if meta
+        else "the module's parameters were replaced after the optimizer was built (module.to_empty(), "
+        "load_state_dict(assign=True), re-wrapping), or its module is not in the state; build the optimizer "
+        "from the parameters of the module in the state"
+    )
+    return f"; {len(lost)} of the optimizer's parameters (named param.<index>) belong to no module in the state ({why})"

@@ -1,0 +1,122 @@
+"""Unusual nn.Module kinds saved and restored (session 21 review, area "modules").
+
+Refusals that say what to do: an optimizer built on a meta-device model before
+``module.to_empty()`` (it holds the stale meta parameters), a pruned checkpoint loaded into an
+unpruned model and back, a parametrized one into a plain model and back. And resumes that must
+equal the uninterrupted run: parametrizations (spectral_norm's u/v buffers), prune's
+weight_orig/weight_mask, a ``torch.compile`` wrapper's ``_orig_mod.`` names either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+from torch.nn.utils.parametrizations import spectral_norm
+
+import trainguard as tg
+
+
+def _state_equal(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _step(m: nn.Module, o: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    o.zero_grad()
+    m(torch.randn(3, 4)).pow(2).sum().backward()
+    o.step()
+
+
+def test_optimizer_built_before_to_empty_is_refused_saying_why(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    o = torch.optim.Adam(m.parameters(), lr=0.01)
+    _step(m, o, 1)
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": m, "opt": o})
+
+    with torch.device("meta"):
+        m2 = nn.Linear(4, 4)
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.01)  # the mistake: before to_empty
+    m2.to_empty(device="cpu")
+    assert o2.param_groups[0]["params"][0] is not m2.weight  # to_empty gave the module new parameters
+    with pytest.raises(tg.CheckpointError) as ei:
+        tg.load(path, {"model": m2, "opt": o2})
+    msg = str(ei.value)
+    assert "2 of the optimizer's parameters" in msg and "meta device" in msg and "after to_empty()" in msg, msg
+
+    # Not on the meta device: the module's parameters replaced after the optimizer was built.
+    m3 = nn.Linear(4, 4)
+    o3 = torch.optim.Adam(m3.parameters(), lr=0.01)
+    m3.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+    with pytest.raises(tg.CheckpointError, match="belong to no module in the state .*replaced after the optimizer"):
+        tg.load(path, {"model": m3, "opt": o3})
+
+    # Built after to_empty: loads, and the next step equals the uninterrupted one.
+    with torch.device("meta"):
+        m4 = nn.Linear(4, 4)
+    m4.to_empty(device="cpu")
+    o4 = torch.optim.Adam(m4.parameters(), lr=0.01)
+    tg.load(path, {"model": m4, "opt": o4})
+    _step(m, o, 2)
+    _step(m4, o4, 2)
+    _state_equal(m, m4)
+
+
+def _pruned() -> nn.Sequential:
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    prune.l1_unstructured(m[0], "weight", amount=0.5)
+    return m
+
+
+@pytest.mark.parametrize("kind", ["spectral_norm", "prune"])
+def test_resume_of_parametrized_or_pruned_model_equals_uninterrupted(tmp_path: Path, kind: str) -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        m = nn.Sequential(spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 2)) if kind == "spectral_norm" else _pruned()
+        return m, torch.optim.Adam(m.parameters(), lr=0.05)
+
+    ref, ro = build()
+    for s in range(6):
+        _step(ref, ro, s)
+    m, o = build()
+    for s in range(3):
+        _step(m, o, s)
+    path = str(tmp_path / "step-000000003")
+    tg.save(path, {"model": m, "opt": o})
+    torch.manual_seed(9)  # another init: the load must overwrite all of it (u/v, mask)
+    m2, o2 = build()
+    for p in m2.parameters():
+        p.data.normal_()
+    tg.load(path, {"model": m2, "opt": o2})
+    for s in range(3, 6):
+        _step(m2, o2, s)
+    _state_equal(ref, m2)
+
+
+def test_compiled_and_plain_models_load_each_other(tmp_path: Path) -> None:
+    def build(compiled: bool) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        base = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        wrapped = torch.compile(base) if compiled else base  # never run: compiling takes ~20 s here
+        return base, wrapped, torch.optim.Adam(wrapped.parameters(), lr=0.05)
+
+    for save_compiled in (True, False):
+        base, wrapped, o = build(save_compiled)
+        assert any(k.startswith("_orig_mod.") for k in wrapped.state_dict()) == save_compiled
+        _step(base, o, 1)
+        path = str(tmp_path / f"c{int(save_compiled)}" / "step-000000001")
+        tg.save(path, {"model": wrapped, "opt": o})
+        base2, wrapped2, o2 = build(not save_compiled)
+        for p in base2.parameters():
+            p.data.zero_()
+        tg.load(path, {"model": wrapped2, "opt": o2})
+        _step(base, o, 2)
+        _step(base2, o2, 2)
+        _state_equal(base, base2)
