@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
-from torch.nn.utils.parametrizations import spectral_norm
+from torch.nn.utils.parametrizations import spectral_norm, weight_norm
 
 import trainguard as tg
 
@@ -73,6 +73,43 @@ def _pruned() -> nn.Sequential:
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     prune.l1_unstructured(m[0], "weight", amount=0.5)
     return m
+
+
+def test_pruned_checkpoint_and_plain_model_say_what_to_do(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = _pruned()
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": m})
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(tg.StateMismatchError, match=r"checkpoint's module was pruned .*prune\.identity.*\(model/0\.weight\)"):
+        tg.load(path, {"model": plain})
+    # What the message says works: the mask is restored, not the identity's ones.
+    prune.identity(plain[0], "weight")
+    tg.load(path, {"model": plain})
+    _state_equal(m, plain)
+    # (``.weight`` itself is recomputed from these at the next forward, as after torch's load_state_dict)
+    assert torch.equal(plain[0].weight_orig * plain[0].weight_mask, m[0].weight)
+    assert int((plain[0].weight_mask == 0).sum()) == 8
+
+    path2 = str(tmp_path / "b" / "step-000000001")
+    tg.save(path2, {"model": nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))})
+    with pytest.raises(tg.StateMismatchError, match=r"state's module is pruned .*load, then prune"):
+        tg.load(path2, {"model": _pruned()})
+
+
+def test_parametrized_checkpoint_and_plain_model_say_what_to_do(tmp_path: Path) -> None:
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": nn.Sequential(weight_norm(nn.Linear(4, 4)))})
+    with pytest.raises(tg.StateMismatchError, match=r"has a parametrization .*register the same one.*\(model/0\.weight\)"):
+        tg.load(path, {"model": nn.Sequential(nn.Linear(4, 4))})
+    path2 = str(tmp_path / "b" / "step-000000001")
+    tg.save(path2, {"model": nn.Sequential(nn.Linear(4, 4))})
+    with pytest.raises(tg.StateMismatchError, match=r"state's module has a parametrization .*load, then register"):
+        tg.load(path2, {"model": nn.Sequential(spectral_norm(nn.Linear(4, 4)))})
+    # A plain mismatch has no such hint.
+    with pytest.raises(tg.StateMismatchError) as ei:
+        tg.load(path2, {"model": nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))})
+    assert "prune" not in str(ei.value) and "parametriz" not in str(ei.value)
 
 
 @pytest.mark.parametrize("kind", ["spectral_norm", "prune"])

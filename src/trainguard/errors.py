@@ -63,10 +63,47 @@ class StateMismatchError(CheckpointError, KeyError):
         msg += ". Pass strict=False to load what matches, or only=[...] to load a subset."
         if unexpected and not missing and not mismatched:
             msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True."
-        super().__init__(msg)
+        super().__init__(msg + _wrapped_weight_hint(missing, unexpected))
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+def _wrapped_weight_hint(missing: list[str], unexpected: list[str]) -> str:
+    """``StateMismatchError``: what to do when a tensor is missing under its plain name and present
+    under the names that ``torch.nn.utils.prune`` (``weight_orig``, ``weight_mask``) or
+    ``torch.nn.utils.parametrize`` (``parametrizations.weight.original``) give it, on one side only."""
+    word = "parametrizations."
+
+    def kinds(plain: list[str], other: list[str]) -> list[str]:
+        names = set(other)  # a set: both lists may hold thousands of paths
+        par = {o[:i] + o[i + len(word) :].split(".")[0] for o in other if (i := o.find(word)) >= 0}
+        out = []
+        for p in plain:
+            if f"{p}_orig" in names and f"{p}_mask" in names:
+                out.append(f"prune:{p}")
+            elif p in par:
+                out.append(f"parametrize:{p}")
+        return out
+
+    saved, held = kinds(missing, unexpected), kinds(unexpected, missing)
+    hints = []
+    if any(k.startswith("prune:") for k in saved):
+        hints.append(
+            "the checkpoint's module was pruned (torch.nn.utils.prune: <name>_orig and <name>_mask) and the state's is "
+            "not: prune it the same way before the load (prune.identity(module, 'weight') makes the two tensors the "
+            "load fills, mask included), or call prune.remove() before saving"
+        )
+    if any(k.startswith("prune:") for k in held):
+        hints.append("the state's module is pruned (torch.nn.utils.prune) and the checkpoint's was not: load, then prune")
+    if any(k.startswith("parametrize:") for k in saved):
+        hints.append(
+            "the checkpoint's module has a parametrization (torch.nn.utils.parametrize: parametrizations.<name>.original) "
+            "and the state's has not: register the same one (orthogonal, weight_norm, spectral_norm...) before the load"
+        )
+    if any(k.startswith("parametrize:") for k in held):
+        hints.append("the state's module has a parametrization that the checkpoint's had not: load, then register it")
+    return (" " + "; ".join(hints) + " (" + ", ".join(k.split(":", 1)[1] for k in [*saved, *held][:4]) + ").") if hints else ""
 
 
 class UnsupportedValueError(CheckpointError, TypeError):
