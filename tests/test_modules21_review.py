@@ -8,6 +8,7 @@ weight_orig/weight_mask, a ``torch.compile`` wrapper's ``_orig_mod.`` names eith
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,58 @@ def test_compiled_and_plain_models_load_each_other(tmp_path: Path) -> None:
         _step(base, o, 2)
         _step(base2, o2, 2)
         _state_equal(base, base2)
+
+
+def _qat() -> nn.Module:
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    m.train()
+    m.qconfig = get_default_qat_qconfig("fbgemm")  # per-channel weight fake-quant
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        return prepare_qat(m)
+
+
+def test_qat_model_resumes_bit_identically(tmp_path: Path) -> None:
+    """A fresh prepare_qat model's per-channel observer buffers are empty (min_val: [0]) and its
+    FakeQuantize scale/zero_point hold one element; trained, they hold one per channel. torch's
+    load_state_dict resizes them; trainguard refused them as mismatched."""
+    ref = _qat()
+    ro = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for s in range(6):
+        _step(ref, ro, s)
+    m = _qat()
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for s in range(3):
+        _step(m, o, s)
+    assert m[0].weight_fake_quant.scale.shape == (4,)
+    path = str(tmp_path / "step-000000003")
+    tg.save(path, {"model": m, "opt": o})
+    m2 = _qat()
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1, momentum=0.9)
+    assert m2[0].weight_fake_quant.scale.shape == (1,)
+    assert m2[0].weight_fake_quant.activation_post_process.min_val.shape == (0,)
+    tg.load(path, {"model": m2, "opt": o2})
+    _state_equal(m, m2)
+    for s in range(3, 6):
+        _step(m2, o2, s)
+    _state_equal(ref, m2)
+
+    # An observer that is an entry of its own; and a real mismatch is still refused, before
+    # anything is read (another number of channels of a plain Linear).
+    from torch.ao.quantization import PerChannelMinMaxObserver
+
+    obs = PerChannelMinMaxObserver()
+    obs(torch.randn(5, 3))
+    tg.save(str(tmp_path / "o" / "step-000000001"), {"obs": obs})
+    fresh = PerChannelMinMaxObserver()
+    tg.load(str(tmp_path / "o" / "step-000000001"), {"obs": fresh})
+    assert torch.equal(fresh.min_val, obs.min_val) and fresh.min_val.shape == (5,)
+    other = _qat()
+    other[2] = nn.Linear(4, 3)
+    before = other[0].weight.detach().clone()
+    with pytest.raises(tg.StateMismatchError, match=r"model/2\.weight"):
+        tg.load(path, {"model": other, "opt": torch.optim.SGD(other.parameters(), lr=0.1)})
+    assert torch.equal(other[0].weight, before)

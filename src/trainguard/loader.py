@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import split
+from . import resizable, split
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
@@ -173,6 +173,7 @@ def _load(
             missing += [p for p in extra if p not in have and type(skel) is dict and p[len(head) :].split("/")[0] not in skel]
             missing += [p for p in dest if p not in have and not any(head + n in have for n in tied.get(p[len(head) :], ()))]
             unexpected += [p for p in refs if p not in dest and p not in extra]
+            resizable.drop_resized(obj.module, dest, head, manifest.tensors)  # QAT observers: resized by their load
         for p in refs:
             d = dest.get(p)
             if isinstance(d, UninitializedTensorMixin):  # a lazy module's: load_state_dict materializes it
