@@ -213,3 +213,31 @@ def test_qat_model_resumes_bit_identically(tmp_path: Path) -> None:
     with pytest.raises(tg.StateMismatchError, match=r"model/2\.weight"):
         tg.load(path, {"model": other, "opt": torch.optim.SGD(other.parameters(), lr=0.1)})
     assert torch.equal(other[0].weight, before)
+
+
+def _qat_ddp_rank(rank: int, world: int, root: str) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = DDP(_qat())
+        return m, torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def train(m: nn.Module, o: torch.optim.Optimizer, steps: range) -> None:
+        for s in steps:
+            _step(m, o, 10 * s + rank)
+
+    a, oa = build()
+    train(a, oa, range(3))
+    b, ob = build()
+    train(b, ob, range(2))
+    tg.save(f"{root}/step-000000002", {"model": b, "optim": ob})
+    c, oc = build()
+    tg.load(f"{root}/step-000000002", {"model": c, "optim": oc})
+    train(c, oc, range(2, 3))
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values(), strict=True))
+
+
+def test_qat_ddp_model_resumes_on_two_ranks(tmp_path: Path) -> None:
+    from dist_helper import run_ranks
+
+    assert [r.value for r in run_ranks(_qat_ddp_rank, 2, str(tmp_path), timeout=90)] == [True, True]
