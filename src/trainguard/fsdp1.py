@@ -178,20 +178,33 @@ class FSDP1OptimizerAdapter:
             "class": optimizer_class(self.optimizer),
         }
 
-    def load_state_dict(self, state_dict: Any) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
+    def check_saved(self, skeleton: Any, key: str | None) -> None:
+        """``loader._load``, every rank, before anything is read into the state (this check ran in
+        ``load_state_dict``, at the entry's turn: a refused load left the model entries before it
+        loaded): refuse the state of another optimizer class or another number of parameter groups."""
         from .errors import CheckpointError
         from .permanent import mark
         from .stateful import optimizer_class
 
-        saved, cur = state_dict.get("class"), optimizer_class(self.optimizer)
-        if isinstance(saved, str) and saved != cur:  # as OptimizerAdapter.check_saved: torch would take it
+        where = f"entry {key!r}: " if key is not None else ""
+        saved = skeleton.get("class") if isinstance(skeleton, dict) else None
+        if isinstance(saved, str) and saved != (cur := optimizer_class(self.optimizer)):
             raise mark(CheckpointError(
-                f"the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; build a "
-                f"{saved} as at save time (to start a new optimizer instead, leave this entry out of the state and "
-                "load with strict=False)"
+                f"{where}the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a "
+                f"{cur}; build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
+                "the state and load with strict=False)"
             ))
+        groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
+        if isinstance(groups, list) and len(groups) != len(self.optimizer.param_groups):
+            raise mark(CheckpointError(
+                f"{where}the checkpoint's optimizer has {len(groups)} parameter group(s), the state's "
+                f"{len(self.optimizer.param_groups)}; build the optimizer with the parameter groups of save time"
+            ))
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        self.check_saved(state_dict, None)  # loader._load checked it first; a direct caller gets it here
         n = len(self.prefix)
 
         def fqn(name: Any) -> Any:

@@ -22,7 +22,7 @@ from .dist import DistContext, check_timeout, one_operation
 from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
-from .fsdp1 import refuse_unsupported
+from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
@@ -138,6 +138,8 @@ def _load(
         skel, src_rank = _skeleton_for(manifest, key, value, ctx)
         if skel is None:
             continue
+        if isinstance(obj, FSDP1OptimizerAdapter):  # its class and groups, before anything is read (fsdp1.py)
+            obj.check_saved(skel, key)
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
@@ -145,8 +147,7 @@ def _load(
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
                 skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine)])
             obj.check_saved(skel, key)
-            # A fresh optimizer of DTensor params has no state to read shards into: create it.
-            ensure_optimizer_state(obj.optimizer)
+            ensure_optimizer_state(obj.optimizer)  # a fresh one (DTensor params) has no state to read into
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
