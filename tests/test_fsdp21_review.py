@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import nn
 
 import trainguard as tg
 from test_fsdp1_19_review import _fsdp1, _full, _step
@@ -51,3 +52,61 @@ def test_refused_sharded_fsdp1_optimizer_leaves_the_state_unchanged(tmp_path: Pa
         assert groups["type"] == "CheckpointError" and "1 parameter group(s), the state's 2" in groups["msg"], groups
         for v in (sgd, groups):
             assert v["differs"] and v["unchanged"], v
+
+
+def _fsdp2(seed: int, **kw: object) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """fully_shard per Linear and on the model, with ``kw`` (mp_policy, reshard_after_forward)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+    for layer in (m[0], m[2]):
+        fully_shard(layer, **kw)
+    fully_shard(m, **kw)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _eval_then_save(rank: int, world: int, root: str) -> dict:
+    """An eval forward before the save and before the load: with reshard_after_forward=False it
+    leaves the unsharded plain parameters registered in place of the optimizer's DTensors."""
+    import warnings
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from dist_helper import full_state
+
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16), "reshard_after_forward": False}
+    m, o = _fsdp2(0, **kw)
+    for s in range(2):
+        _step(m, o, s)
+    with torch.no_grad():
+        m(torch.randn(2, 8))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tg.save(f"{root}/c", {"model": m, "optim": o})
+    at = full_state(m, o)
+    _step(m, o, 2)
+    ref = full_state(m, o)
+    m2, o2 = _fsdp2(1, **kw)
+    _step(m2, o2, 9)
+    differs = not _same(full_state(m2, o2), at)
+    with torch.no_grad():
+        m2(torch.randn(2, 8))
+    got = attempt(lambda: tg.load(f"{root}/c", {"model": m2, "optim": o2}))
+    loaded = _same(full_state(m2, o2), at)
+    _step(m2, o2, 2)
+    return {"warned": [str(w.message)[:200] for w in seen], "got": got, "differs": differs, "loaded": loaded,
+            "resumed": _same(full_state(m2, o2), ref)}
+
+
+def test_fsdp2_unsharded_by_an_eval_forward_saves_its_optimizer_by_name(tmp_path: Path) -> None:
+    """FSDP2, MixedPrecisionPolicy(bf16), reshard_after_forward=False, per layer. Before: the save
+    after an eval forward keyed the optimizer by index with a warning ("6 optimizer parameter(s)
+    belong to no nn.Module"), and loading into a model built afresh was refused ("parameter group 0
+    holds other parameters than at save time")."""
+    for r in run_ranks(_eval_then_save, 2, str(tmp_path), timeout=90):
+        v = r.value
+        assert v["warned"] == [] and v["got"] == {"type": None}, v
+        assert v["differs"] and v["loaded"] and v["resumed"], v
+    manifest = "".join(p.read_text() for p in (tmp_path / "c").rglob("*.json"))
+    assert "optim/state/0.weight/exp_avg" in manifest and "optim/state/0/exp_avg" not in manifest

@@ -291,3 +291,20 @@ def _trim() -> None:
 
 
 _LIBC: Any = None
+
+
+def reshard_fsdp2(modules: Any) -> None:
+    """``stateful.param_name_map`` (``capture.capture`` on save, ``loader._load`` on load, every
+    rank; local, no collective): reshard every FSDP2 (``fully_shard``) module of ``modules``. With
+    ``reshard_after_forward=False`` a forward (an eval pass before the save) leaves the unsharded
+    plain parameters registered, not the DTensors the optimizer holds: its state was keyed by index
+    (a warning) and the checkpoint did not load into a model built afresh. ``state_dict()`` reshards too."""
+    import sys
+
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if fsdp_module is None:  # FSDP2 never imported: nothing to reshard
+        return
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, fsdp_module):
+                sub.reshard()

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
+from .dtensor import reshard_fsdp2
 from .errors import CorruptCheckpointError, UnsupportedValueError
 from .names import canonical_key
 
@@ -377,6 +378,7 @@ def param_name_map(state: Mapping[str, Any], *, other: bool = False) -> dict[int
     state holds one module and not when it holds several; ``loader._load`` gives it to each
     ``OptimizerAdapter`` for a checkpoint saved with another number of modules (an EMA added)."""
     modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    reshard_fsdp2(modules.values())  # an FSDP2 model left unsharded by a forward: the optimizer's DTensors
     prefixed = (len(modules) > 1) != other
     out: dict[int, str] = {}
     for key, mod in modules.items():
