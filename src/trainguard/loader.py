@@ -215,8 +215,7 @@ def _load(
         plan_round(taken={p for *_, refs in plans for p in refs} if split_state and strict and only is None else None)
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
-    # Regular tensors read into a live shard allocate nothing: their files are checked below,
-    # only those of the parts this rank reads.
+    # Regular tensors read into a live shard allocate nothing: their files are checked below (the parts this rank reads).
     src = ChunkSource.of(storage, directory, manifest)
     wanted: set[str] = set()
     for _k, _o, _s, d, refs in plans:

@@ -322,8 +322,7 @@ class OptimizerAdapter:
         from .dcp_import import saved_groups as regrouped
         saved_groups = regrouped(self, state_dict, warn=False) or state_dict["param_groups"]  # _match_groups warns
         if all(type(i) is int for g in saved_groups for i in g["params"]):
-            # torch's own form, keyed by index (a torch.save file imported by ``convert``):
-            # torch matches it to the parameters by position.
+            # torch's own form, keyed by index (a torch.save file imported by ``convert``): matched by position.
             self.optimizer.load_state_dict(dict(state_dict))
             return
         per_group = self._match_groups(saved_groups)
@@ -376,9 +375,9 @@ def param_name_map(state: Mapping[str, Any], *, other: bool = False) -> dict[int
     """``id(param) -> name`` over every module in the state (names prefixed by the entry key
     when the state holds more than one module). ``other``: the other spelling, prefixed when the
     state holds one module and not when it holds several; ``loader._load`` gives it to each
-    ``OptimizerAdapter`` for a checkpoint saved with another number of modules (an EMA added)."""
-    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
-    reshard_fsdp2(modules.values())  # an FSDP2 model left unsharded by a forward: the optimizer's DTensors
+    ``OptimizerAdapter`` for a checkpoint saved with another number of modules (an EMA added).
+    An FSDP2 model a forward left unsharded is resharded first (the optimizer holds its DTensors)."""
+    reshard_fsdp2((modules := {k: v for k, v in state.items() if isinstance(v, nn.Module)}).values())
     prefixed = (len(modules) > 1) != other
     out: dict[int, str] = {}
     for key, mod in modules.items():
