@@ -183,17 +183,11 @@ class FSDP1OptimizerAdapter:
         ``load_state_dict``, at the entry's turn: a refused load left the model entries before it
         loaded): refuse the state of another optimizer class or another number of parameter groups."""
         from .errors import CheckpointError
+        from .optim_groups import refuse_other_class
         from .permanent import mark
-        from .stateful import optimizer_class
 
         where = f"entry {key!r}: " if key is not None else ""
-        saved = skeleton.get("class") if isinstance(skeleton, dict) else None
-        if isinstance(saved, str) and saved != (cur := optimizer_class(self.optimizer)):
-            raise mark(CheckpointError(
-                f"{where}the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a "
-                f"{cur}; build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
-                "the state and load with strict=False)"
-            ))
+        refuse_other_class(self.optimizer, skeleton, where)
         groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
         if isinstance(groups, list) and len(groups) != len(self.optimizer.param_groups):
             raise mark(CheckpointError(

@@ -4,7 +4,8 @@ key, when the user set one), and what to change. A group added during training w
 ``optimizer.add_param_group()`` (progressive unfreezing of a backbone) is the usual cause: the
 resumed process builds the optimizer as at the start of the run, and must add that group again
 before the load. ``stateful.OptimizerAdapter._match_groups`` (every rank, before anything is read
-into the state) calls :func:`count_mismatch`.
+into the state) calls :func:`count_mismatch`; it and ``fsdp1.FSDP1OptimizerAdapter.check_saved`` call
+:func:`refuse_other_class`.
 """
 
 from __future__ import annotations
@@ -73,3 +74,22 @@ def unowned_hint(params: Sequence[Any], names: Mapping[int, str]) -> str:
         "from the parameters of the module in the state"
     )
     return f"; {len(lost)} of the optimizer's parameters (named param.<index>) belong to no module in the state ({why})"
+
+
+def refuse_other_class(optimizer: Any, skeleton: Any, where: str) -> None:
+    """Every rank, before anything is read (``OptimizerAdapter.check_saved``,
+    ``FSDP1OptimizerAdapter.check_saved``): a permanent ``CheckpointError`` when the checkpoint
+    holds another optimizer class's state (Adam's into SGD loaded, then failed at the first
+    ``step()``; into RAdam it trained on). ``where`` prefixes the message (``"entry 'optim': "``).
+    Checkpoints from before the class was saved hold none: not checked."""
+    from .errors import CheckpointError
+    from .permanent import mark  # each refusal: the same at every restart
+    from .stateful import optimizer_class
+
+    saved = skeleton.get("class") if isinstance(skeleton, dict) else None
+    if isinstance(saved, str) and saved != (cur := optimizer_class(optimizer)):
+        raise mark(CheckpointError(
+            f"{where}the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; "
+            f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
+            "the state and load with strict=False)"
+        ))

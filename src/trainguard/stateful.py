@@ -271,15 +271,10 @@ class OptimizerAdapter:
         was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
         from .dcp_import import saved_groups
         from .errors import CheckpointError
+        from .optim_groups import refuse_other_class
         from .permanent import mark  # each refusal: the same at every restart
 
-        saved = skeleton.get("class") if isinstance(skeleton, dict) else None
-        if isinstance(saved, str) and saved != (cur := optimizer_class(self.optimizer)):
-            raise mark(CheckpointError(
-                f"entry {key!r}: the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; "
-                f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
-                "the state and load with strict=False)"
-            ))
+        refuse_other_class(self.optimizer, skeleton, f"entry {key!r}: ")
         try:
             groups = saved_groups(self, skeleton, warn=False)  # an imported flat optimizer's: regrouped
             if isinstance(groups, list) and all(
