@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import gradwatch, layout, policies, retention
+from . import gradwatch, layout, policies, retention, runlock
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -216,6 +216,7 @@ class CheckpointManager:
     def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None, t0: float | None = None) -> SaveHandle | None:
         t0 = time.monotonic() if t0 is None else t0  # a retry to disk (below): the failed RAM attempt is stall too
         values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
+        bad = bad or runlock.lock_lost(self._lock)  # rank 0: the run directory's .lock removed or replaced (runlock.py)
         prev = self._pending
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall (not as the policy's: report_saved)
@@ -241,8 +242,7 @@ class CheckpointManager:
         except CheckpointError as e:
             self._report_failure(e, step=step)
             return None
-        # A step restore found unusable, or one an earlier run left after the step restore() returned (this run resumed
-        # behind it): replaced. Without restore() nothing is known of the timeline: an existing step is refused, as by tg.save.
+        # A step restore found unusable, or left by an earlier run after the restored step: replaced (without restore(): refused, as by tg.save).
         replace = step in self._rejected or (self._restored is not None and step not in self._own)
         durable = self.storage.join(self._root, layout.step_dir(step))
         if replace and self.ctx.rank == 0 and (self.ram or not self.storage.atomic_rename):

@@ -12,7 +12,7 @@ import time
 import warnings
 
 from . import layout
-from .errors import LockedError
+from .errors import CheckpointError, LockedError
 from .permanent import mark
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
@@ -82,6 +82,37 @@ class RunLock:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def lock_lost(lock: RunLock | None) -> CheckpointError | None:
+    """``CheckpointManager._save_now``, every rank, before each save: on the rank holding the lock
+    (rank 0), the error when ``<root>/.lock`` is no longer the file it locked: removed (``rm -rf``
+    of the run directory, which the save would silently recreate unlocked) or replaced by another
+    file (that a second job may hold). Raised in the save's first round (``preflight``), so every
+    rank fails before a byte is written and the committed checkpoints stay as they are. None where
+    nothing is held here (other ranks, object stores) or the lock is in place: one stat per save."""
+    if lock is None or lock.fd is None:
+        return None
+    try:
+        held = os.fstat(lock.fd)
+    except OSError:
+        return None  # the descriptor itself failed: nothing known about the path; release() reports nothing either
+    try:
+        now = os.stat(lock.path)
+        what = None if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) else "was replaced by another file"
+    except FileNotFoundError:
+        what = "was removed (the run directory deleted or moved?)"
+    except OSError as e:
+        what = f"cannot be checked ({type(e).__name__}: {e})"
+    if what is None:
+        return None
+    root = os.path.dirname(lock.path)
+    return CheckpointError(
+        f"the run directory's lock {lock.path} {what} while this job holds it: {root} is no longer locked "
+        "by this job, and another job could open it as a writer and delete this job's checkpoints. Nothing "
+        "was saved. Stop this job; make sure no other job writes to that directory; then restart it "
+        "(opening a CheckpointManager takes the lock again), or point it at a new directory"
+    )
 
 
 def _read_holder(fd: int) -> str:
