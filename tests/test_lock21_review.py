@@ -80,3 +80,20 @@ def test_run_directory_removed_fails_the_save_on_every_rank(tmp_path):
         assert "saved" not in r.value, (r.rank, r.value)
         assert ".lock was removed" in r.value["error"], (r.rank, r.value["error"])
         assert r.value["step2"] is False
+
+
+def test_lock_copied_from_a_live_run_is_not_called_stale(tmp_path):
+    """`cp -r` of a live run directory copies its .lock; a job opening the copy warned "taking over
+    a stale lock ... left by pid X" while pid X (this test process) was alive, writing the original.
+    Now the warning says the holder is alive and the lock file is a copy."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(str(run)) as mgr:
+        mgr.save(1, _state(1.0), force=True)
+        shutil.copytree(run, tmp_path / "copy")
+        code = ("import sys, warnings, trainguard as tg\nwith warnings.catch_warnings(record=True) as w:\n"
+                "    warnings.simplefilter('always'); tg.CheckpointManager(sys.argv[1]).open()\n"
+                "print('|'.join(str(x.message) for x in w))")
+        other = subprocess.run([sys.executable, "-c", code, str(tmp_path / "copy")], capture_output=True, text=True, timeout=60)
+    msg = other.stdout.strip()
+    assert f"pid {os.getpid()} " in msg, (msg, other.stderr[-2000:])
+    assert "stale" not in msg and "alive but does not hold this file" in msg and "cp -r" in msg, msg

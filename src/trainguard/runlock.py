@@ -63,7 +63,7 @@ class RunLock:
             raise (mark(locked) if _live_here(fd) else locked) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
-            warnings.warn(f"taking over a stale lock on {os.path.dirname(self.path)} left by {old}", stacklevel=4)
+            warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=4)
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
@@ -124,6 +124,16 @@ def _read_holder(fd: int) -> str:
         return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
     except (OSError, ValueError):
         return "unknown holder"
+
+
+def _taken_over(root: str, old: str, fd: int) -> str:
+    """``acquire``'s warning on taking over a lock that names another process. A holder alive on
+    this host that does not hold this file locks another one: a ``cp -r`` of a live run copied it."""
+    if not _live_here(fd):
+        return f"taking over a stale lock on {root} left by {old}"
+    return (f"taking over the lock on {root}: it names {old}, which is alive but does not hold this file: "
+            "a copy (cp -r of a live run directory?) of the lock that process holds on the original. Make sure it "
+            "does not write to this directory")
 
 
 def _live_here(fd: int) -> bool:
