@@ -97,3 +97,22 @@ def test_lock_copied_from_a_live_run_is_not_called_stale(tmp_path):
     msg = other.stdout.strip()
     assert f"pid {os.getpid()} " in msg, (msg, other.stderr[-2000:])
     assert "stale" not in msg and "alive but does not hold this file" in msg and "cp -r" in msg, msg
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tg.KeepLatest(1), lambda: tg.KeepEvery(0), lambda: tg.KeepBest("loss", n=0), lambda: tg.KeepBest("loss", mode="avg"),
+    lambda: tg.EveryNSteps(0), lambda: tg.EverySeconds(-1), lambda: tg.EverySeconds("x"),
+])
+def test_refused_policy_still_has_a_repr_in_a_traceback_with_locals(make):
+    """A refused KeepLatest(1): the half-built object in __init__'s frame had no ``n``, so its repr
+    raised AttributeError, and a traceback with locals (traceback's capture_locals, as unittest
+    --locals, rich or a crash reporter use) raised that instead of showing the ValueError."""
+    import traceback
+
+    with pytest.raises(ValueError) as info:
+        make()
+    text = "".join(traceback.TracebackException.from_exception(info.value, capture_locals=True).format())
+    assert str(info.value) in text
+    shown = [line.strip() for line in text.splitlines() if line.strip().startswith("self = ")]
+    name = str(info.value).split("(")[0]  # the refusal names the policy: "KeepLatest(1): keep at least 2 ..."
+    assert shown and shown[-1].startswith(f"self = {name}("), shown

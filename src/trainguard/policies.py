@@ -67,10 +67,9 @@ class EveryNSteps(SavePolicy):
     """Save when ``step % n == 0`` (and ``step > 0`` unless ``at_start=True``)."""
 
     def __init__(self, n: int, *, at_start: bool = False) -> None:
+        self.n, self.at_start = n, at_start  # before the checks: a refused one's repr (a traceback's locals) works
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
-        self.n = n
-        self.at_start = at_start
 
     def should_save(self, step: int, now: float) -> bool:
         if step == 0 and not self.at_start:
@@ -78,13 +77,14 @@ class EveryNSteps(SavePolicy):
         return step % self.n == 0
 
     def __repr__(self) -> str:
-        return f"EveryNSteps({self.n})"
+        return f"EveryNSteps({self.n!r})"
 
 
 class EverySeconds(SavePolicy):
     """Save when at least ``seconds`` of wall time passed since the last save (or the start)."""
 
     def __init__(self, seconds: float) -> None:
+        self.seconds = seconds  # as given until checked: a refused one's repr (a traceback's locals) works
         if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real) or not seconds > 0:
             raise ValueError(f"EverySeconds(seconds={seconds!r}): seconds must be a number > 0")
         self.seconds = float(seconds)
@@ -121,7 +121,7 @@ class EverySeconds(SavePolicy):
             self._last = None  # a save the policy did not ask for (forced): the clock restarts at the next step
 
     def __repr__(self) -> str:
-        return f"EverySeconds({self.seconds:g})"
+        return f"EverySeconds({self.seconds:g})" if isinstance(self.seconds, float) else f"EverySeconds({self.seconds!r})"
 
 
 class RetentionPolicy(ABC):
@@ -161,18 +161,18 @@ class KeepLatest(RetentionPolicy):
     reads_metadata = False
 
     def __init__(self, n: int) -> None:
+        self.n = n  # before the check: a refused one's repr (a traceback's locals) works
         if not isinstance(n, int) or n < 2:
             raise ValueError(
                 f"KeepLatest({n!r}): keep at least 2 checkpoints: the newest one may be incomplete "
                 "or corrupt when the job dies, and then the one before it is all you have"
             )
-        self.n = n
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in sorted(checkpoints, key=lambda c: c.step)[-self.n :]}
 
     def __repr__(self) -> str:
-        return f"KeepLatest({self.n})"
+        return f"KeepLatest({self.n!r})"
 
 
 class KeepEvery(RetentionPolicy):
@@ -181,15 +181,15 @@ class KeepEvery(RetentionPolicy):
     reads_metadata = False
 
     def __init__(self, k: int) -> None:
+        self.k = k  # before the check: a refused one's repr (a traceback's locals) works
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"KeepEvery({k!r}): k must be a positive number of steps")
-        self.k = k
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         return {c.step for c in checkpoints if c.step % self.k == 0}
 
     def __repr__(self) -> str:
-        return f"KeepEvery({self.k})"
+        return f"KeepEvery({self.k!r})"
 
 
 class KeepBest(RetentionPolicy):
@@ -200,13 +200,13 @@ class KeepBest(RetentionPolicy):
     """
 
     def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
+        self.metric, self.n, self.mode = metric, n, mode  # before the checks: a refused one's repr works
         if not isinstance(metric, str) or not metric:
             raise TypeError(f"KeepBest(metric={metric!r}): name the metric, a str key of mgr.save(..., metrics={{...}})")
         if mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode={mode!r}): mode must be 'min' or 'max'")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"KeepBest(n={n!r}): n must be a positive integer")
-        self.metric, self.n, self.mode = metric, n, mode
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         sign = 1.0 if self.mode == "min" else -1.0
@@ -222,7 +222,7 @@ class KeepBest(RetentionPolicy):
         return {c.step for c in sorted(checkpoints, key=key)[: self.n]}
 
     def __repr__(self) -> str:
-        return f"KeepBest({self.metric!r}, n={self.n}, mode={self.mode!r})"
+        return f"KeepBest({self.metric!r}, n={self.n!r}, mode={self.mode!r})"
 
 
 class KeepUnion(RetentionPolicy):
