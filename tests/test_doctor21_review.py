@@ -1,0 +1,96 @@
+"""Doctor review 21: a save between the micro-batches of one optimizer step (gradient accumulation)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from trainguard.doctor import Settings, check
+
+ACCUM = """
+import torch
+def main(model, opt, sched, loader, mgr, state, accum=4):
+    step = mgr.restore(state) or 0
+    for i, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.mse_loss(model(x), y) / accum
+        loss.backward()
+        step += 1
+        mgr.save(step, state)
+        if (i + 1) % accum == 0:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+"""
+
+NANOGPT_INNER = """
+def train(model, optimizer, scaler, get_batch, mgr, state, gradient_accumulation_steps):
+    for it in range(1000):
+        for micro_step in range(gradient_accumulation_steps):
+            loss = model(*get_batch())
+            scaler.scale(loss).backward()
+            mgr.save(it, state)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+"""
+
+
+def found(src: str) -> list:
+    return [f for f in check({}, Settings(source=textwrap.dedent(src))) if f.check == "save mid-accumulation"]
+
+
+def test_a_save_on_every_micro_batch_of_an_accumulating_loop_is_a_warning() -> None:
+    (f,) = found(ACCUM)
+    assert f.severity == "warning" and "line 9: mgr.save(step, state)" in f.message, f
+    assert "(i + 1) % accum == 0" in f.message and "line 10" in f.message and "optimizer.step()" in f.fix
+    # counted in optimizer steps but saved before the step's `if`: one micro-batch of the next step is in .grad
+    before = ACCUM.replace("        step += 1\n", "").replace("            opt.zero_grad()\n",
+                                                             "            opt.zero_grad()\n            step += 1\n")
+    (f,) = found(before)
+    assert f.severity == "warning" and "line 8: mgr.save(step, state)" in f.message, f
+    (f,) = found(NANOGPT_INNER)
+    assert f.severity == "warning" and "line 7: mgr.save(it, state)" in f.message
+    assert "(line 4)" in f.message and "(line 8)" in f.message, f
+
+
+def test_saves_after_the_optimizer_step_are_not_reported() -> None:
+    inside = ACCUM.replace("        mgr.save(step, state)\n", "").replace(
+        "            opt.zero_grad()\n", "            opt.zero_grad()\n            mgr.save(step, state)\n")
+    gated = ACCUM.replace("        mgr.save(step, state)\n", "        if (i + 1) % accum == 0:\n"
+                          "            mgr.save(step, state)\n")
+    skipped = ACCUM.replace("        if (i + 1) % accum == 0:\n", "        if (i + 1) % accum:\n            continue\n"
+                            "        if True:\n")  # the step and the save both run after the continue
+    # a step under a test that is no accumulation (a GradScaler or not), or every micro-batch's (DeepSpeed)
+    either = """
+    for x, y in loader:
+        loss = model(x, y)
+        loss.backward()
+        if scaler is not None:
+            scaler.step(opt)
+        else:
+            opt.step()
+        mgr.save(step, state)
+    """
+    engine = "for b in loader:\n    engine.backward(engine(b))\n    engine.step()\n    mgr.save(step, state)\n"
+    nanogpt = NANOGPT_INNER.replace("            mgr.save(it, state)\n", "").replace(
+        "        optimizer.zero_grad(set_to_none=True)\n",
+        "        optimizer.zero_grad(set_to_none=True)\n        mgr.save(it, state)\n")
+    # the step counted in optimizer steps, saved after the step's `if` on every micro-batch: saved once per step
+    counted = ACCUM.replace("        mgr.save(step, state)\n", "").replace("        step += 1\n", "").replace(
+        "            opt.zero_grad()\n", "            opt.zero_grad()\n            step += 1\n        mgr.save(step, state)\n")
+    for src in (inside, gated, skipped, either, engine, nanogpt, counted):
+        (f,) = found(src)
+        assert f.severity == "ok", (src, f)
+    assert found("mgr.save(1, state)\n") == []  # no training loop: nothing to judge
+
+
+def test_the_doctor_command_reports_it_for_a_script_without_the_hook(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(ACCUM))
+    r = subprocess.run([sys.executable, "-c", "import sys; from trainguard.cli import main; "
+                        "sys.argv = ['trainguard', 'doctor', sys.argv[1]]; sys.exit(main())", str(script)],
+                       capture_output=True, text=True, timeout=120, env={"PYTHONPATH": "src", "COLUMNS": "300",
+                                                                        "PATH": "/usr/bin:/bin"})
+    assert "save mid-accumulation" in r.stdout and "warning" in r.stdout, r.stdout + r.stderr
