@@ -94,3 +94,44 @@ def test_the_doctor_command_reports_it_for_a_script_without_the_hook(tmp_path: P
                        capture_output=True, text=True, timeout=120, env={"PYTHONPATH": "src", "COLUMNS": "300",
                                                                         "PATH": "/usr/bin:/bin"})
     assert "save mid-accumulation" in r.stdout and "warning" in r.stdout, r.stdout + r.stderr
+
+
+def _accumulate(root: Path, counted: bool, async_save: bool) -> tuple[list[int], int]:
+    """16 micro-batches in windows of 4, mgr.save on every micro-batch; ``counted``: the step counts
+    optimizer steps (the doctor's ok case), else micro-batches (its warning)."""
+    import warnings
+
+    import torch
+
+    import trainguard as tg
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    saved: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(str(root), save=tg.EveryNSteps(2), keep=tg.KeepLatest(8),
+                                  async_save=async_save) as mgr:
+            step = mgr.restore(state) or 0
+            for i in range(16):
+                model(torch.randn(4, 8)).sum().backward()
+                step += 0 if counted else 1
+                if (i + 1) % 4 == 0:
+                    opt.step()
+                    opt.zero_grad()
+                    step += 1 if counted else 0
+                if mgr.save(step, state) is not None:
+                    saved.append(step)
+    return saved, sum(issubclass(w.category, tg.PendingGradientsWarning) for w in caught)
+
+
+def test_a_step_counted_in_optimizer_steps_and_saved_every_micro_batch_is_not_warned(tmp_path: Path) -> None:
+    # The manager saves step 2 once, right after the optimizer step; the calls of the next window with
+    # step 2 save nothing, and used to warn of the window's gradients all the same (3 per saved step).
+    for async_save in (False, True):
+        saved, warned = _accumulate(tmp_path / f"counted{async_save}", counted=True, async_save=async_save)
+        assert saved == [2, 4] and warned == 0, (async_save, saved, warned)
+    saved, warned = _accumulate(tmp_path / "micro", counted=False, async_save=False)
+    assert saved == [2, 4, 6, 8, 10, 12, 14, 16] and warned == 4  # the saves at micro-batches 2, 6, 10, 14: still warned

@@ -137,3 +137,14 @@ def at_save(state: Mapping[str, Any], step: int, *, saving: bool) -> None:
     watch(state)
     if saving:
         check(state, step)
+
+
+def saved_already(mgr: Any, step: int) -> bool:
+    """``CheckpointManager.save`` on every rank: whether ``step`` is saved (or being saved in the
+    background) already, so this call saves nothing and leaves no gradients behind to warn of: a loop
+    that calls ``mgr.save(completed_steps, state)`` on every micro-batch, ``completed_steps`` counting
+    optimizer steps, saves at the step and skips the calls of the window that follows."""
+    if step in getattr(mgr, "_rejected", ()):
+        return False  # restore() found that checkpoint unusable: saved again
+    pending = getattr(mgr, "_pending", None) is not None and getattr(mgr, "_pending_step", None) == step
+    return pending or getattr(mgr, "last_saved_step", None) == step

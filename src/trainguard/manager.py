@@ -203,7 +203,7 @@ class CheckpointManager:
         if preempt:
             want = self.should_stop = True
             stops.note_stop(self, remote=True)
-        gradwatch.at_save(state, step, saving=want)  # warns of gradients a resume would not have (docs/checkpoints.md)
+        gradwatch.at_save(state, step, saving=want and not gradwatch.saved_already(self, step))  # docs/checkpoints.md
         if not want:
             return None
         self.ctx.rounds_follow()  # every rank saves: a Ctrl-C in the wait for the previous save leaves it (dist.py)
