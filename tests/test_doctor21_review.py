@@ -135,3 +135,53 @@ def test_a_step_counted_in_optimizer_steps_and_saved_every_micro_batch_is_not_wa
         assert saved == [2, 4] and warned == 0, (async_save, saved, warned)
     saved, warned = _accumulate(tmp_path / "micro", counted=False, async_save=False)
     assert saved == [2, 4, 6, 8, 10, 12, 14, 16] and warned == 4  # the saves at micro-batches 2, 6, 10, 14: still warned
+
+
+AUG = """
+import random
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Aug(Dataset):
+    def __init__(self, n):
+        self.x = torch.randn(n, 8)  # built in the main process, before the restore: no worker draw
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = self.x[i]
+        if random.random() < 0.5:
+            x = x.flip(0)
+        return x * float(np.random.uniform(0.9, 1.1))
+
+
+loader = DataLoader(Aug(64), batch_size=4, num_workers=2, generator=torch.Generator())
+"""
+
+
+def worker(src: str) -> list:
+    return [f for f in check({}, Settings(source=textwrap.dedent(src))) if f.check == "worker randomness"]
+
+
+def test_a_global_draw_in_a_datasets_getitem_read_by_workers_is_a_warning() -> None:
+    # Seen (bench): random.random() in __getitem__, 2 workers, the loader's own generator, a
+    # ResumableSampler restored at sample 8 of 16: sample 8 drew 0.808 resumed, 0.156 uninterrupted.
+    (f,) = worker(AUG)
+    assert f.severity == "warning" and "line 17: random.random() in Aug.__getitem__" in f.message, f
+    assert "SeededDataset" in f.fix
+    (f,) = worker(AUG.replace("DataLoader(Aug(64),", "DataLoader(tg.SeededDataset(Aug(64), seed=0),"))
+    assert f.severity == "ok", f
+
+
+def test_draws_a_resume_repeats_are_not_reported() -> None:
+    assert worker(AUG.replace("num_workers=2", "num_workers=0")) == []  # the main process: tg.RNGState holds them
+    own = (AUG.replace("random.random()", "random.Random(i).random()")
+              .replace("np.random.uniform(0.9, 1.1)", "np.random.default_rng(i).uniform(0.9, 1.1)"))
+    assert worker(own) == []  # a generator of the sample's own
+    torch_own = AUG.replace("random.random() < 0.5", "torch.rand(1, generator=torch.Generator().manual_seed(i)) < 0.5")
+    torch_own = torch_own.replace("float(np.random.uniform(0.9, 1.1))", "1.0")
+    assert worker(torch_own) == []
+    assert worker(torch_own.replace(", generator=torch.Generator().manual_seed(i))", ")"))[0].severity == "warning"

@@ -1,5 +1,5 @@
 """The doctor's "save mid-accumulation" check (``doctor.check`` and ``doctor_source.check_source``
-call it, through ``doctor_source.accumulation``, on the script's source): with gradient
+call it, through ``doctor_source.accum``, on the script's source): with gradient
 accumulation, a checkpoint saved between two optimizer steps holds the weights of the last step
 and a data position past the micro-batches whose gradients sit in ``.grad``, which no checkpoint
 holds: a resume drops their contribution to the next step.

@@ -38,7 +38,7 @@ def check_source(settings: Settings) -> list[Finding]:
     for a script without a ``trainguard_state()`` hook."""
     from .doctor_signals import worker_signals
 
-    checks = (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accumulation)
+    checks = (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment)
     return [f for c in checks if (f := c([], settings)) is not None]
 
 
@@ -135,11 +135,18 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     return check(leaves, s)
 
 
-def accumulation(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+def accum(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """The "save mid-accumulation" check (:func:`trainguard.doctor_accum.mid_accumulation`)."""
     from .doctor_accum import mid_accumulation
 
     return mid_accumulation(leaves, s)
+
+
+def augment(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "worker randomness" check (:func:`trainguard.doctor_augment.worker_draws`)."""
+    from .doctor_augment import worker_draws
+
+    return worker_draws(leaves, s)
 
 
 def _callee(call: ast.Call) -> str:
