@@ -112,12 +112,10 @@ def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
     if not isinstance(state, Mapping):
         raise TypeError(f"the state must be a dict of named objects, got {type(state).__name__}")
     leaves = list(_walk(state))
-    from .doctor_signals import worker_signals
-    from .doctor_source import accum, augment, loader_generator, loader_order, reseed, single_rank, staging
+    from .doctor_source import source_checks
 
     checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
-        _model, _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, staging, loader_generator,
-        loader_order, single_rank, reseed, worker_signals, accum, augment]
+        _model, _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, *source_checks()]
     return [f for c in checks if (f := c(leaves, settings)) is not None]
 
 

@@ -10,7 +10,7 @@ there is no source to read (or it does not parse).
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
@@ -36,10 +36,15 @@ def defines_hook(tree: ast.Module) -> bool:
 def check_source(settings: Settings) -> list[Finding]:
     """The checks that read only the script's source (no state): what ``trainguard doctor`` reports
     for a script without a ``trainguard_state()`` hook."""
+    return [f for c in source_checks() if (f := c([], settings)) is not None]
+
+
+def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding | None], ...]:
+    """The checks on the script's source, in report order: ``check_source`` runs them, and
+    ``doctor.check`` after its checks of the state."""
     from .doctor_signals import worker_signals
 
-    checks = (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment)
-    return [f for c in checks if (f := c([], settings)) is not None]
+    return (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment, restore_loop)
 
 
 def _tree(s: Settings) -> ast.Module | None:
@@ -147,6 +152,13 @@ def augment(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     from .doctor_augment import worker_draws
 
     return worker_draws(leaves, s)
+
+
+def restore_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "restore in loop" check (:func:`trainguard.doctor_restore.restore_in_loop`)."""
+    from .doctor_restore import restore_in_loop
+
+    return restore_in_loop(leaves, s)
 
 
 def _callee(call: ast.Call) -> str:

@@ -1,0 +1,79 @@
+"""Doctor review 22: a restore inside the training loop, a save inside accelerate's
+``accumulate()`` block, an optimizer or scheduler built after the restore."""
+
+from __future__ import annotations
+
+import textwrap
+
+from trainguard.doctor import Settings, check
+from trainguard.doctor_source import check_source
+
+IN_LOOP = """
+import torch
+import trainguard as tg
+
+def main():
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.AdamW(model.parameters())
+    state = {"model": model, "optim": opt, "rng": tg.RNGState()}
+    with tg.CheckpointManager("ckpts", save=tg.EveryNSteps(5)) as mgr:
+        for step in range(100):
+            mgr.restore(state)
+            loss = model(torch.randn(4, 8)).sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            mgr.save(step, state)
+"""
+
+
+def findings(src: str, name: str, hooked: bool = False) -> list:
+    s = Settings(source=textwrap.dedent(src))
+    return [f for f in (check({}, s) if hooked else check_source(s)) if f.check == name]
+
+
+def test_a_restore_on_every_pass_of_the_training_loop_is_a_warning() -> None:
+    # Seen (bench): 20 SGD steps, a save every 5, mgr.restore(state) at the top of each pass: the
+    # weights ended 9 updates from the start, not 20 (every pass put the last checkpoint back).
+    for hooked in (False, True):
+        (f,) = findings(IN_LOOP, "restore in loop", hooked)
+        assert f.severity == "warning" and "line 11: mgr.restore(state)" in f.message, f
+        assert "(line 10)" in f.message and "before the loop" in f.fix
+    # tg.load at the end of each epoch, the steps in an inner loop; a helper of the script that restores
+    epoch = """
+    def main(model, opt, loader, mgr, state):
+        step = 0
+        for epoch in range(10):
+            for x in loader:
+                model(x).sum().backward()
+                opt.step()
+                step += 1
+                mgr.save(step, state)
+            tg.load("ckpts", state)
+    """
+    (f,) = findings(epoch, "restore in loop")
+    assert f.severity == "warning" and "line 10: tg.load('ckpts', state)" in f.message and "(line 4)" in f.message, f
+    helper = IN_LOOP.replace("mgr.restore(state)", "resume(mgr, state)") + "\ndef resume(m, s):\n    return m.restore(s)\n"
+    (f,) = findings(helper, "restore in loop")
+    assert f.severity == "warning" and "line 11: resume(mgr, state)" in f.message, f
+
+
+def test_restores_that_run_once_or_on_purpose_are_not_reported() -> None:
+    before = IN_LOOP.replace("            mgr.restore(state)\n", "").replace(
+        "        for step in range(100):\n", "        start = mgr.restore(state)\n        for step in range(100):\n")
+    rollback = IN_LOOP.replace("            mgr.restore(state)\n", "").replace(
+        "            loss.backward()\n", "            if not torch.isfinite(loss):\n                mgr.restore(state)\n"
+        "                continue\n            loss.backward()\n")
+    retry = IN_LOOP.replace("        for step in range(100):\n", "        while True:\n").replace(
+        "            mgr.save(step, state)\n", "            mgr.save(step, state)\n            break\n")
+    per_run = IN_LOOP.replace('        for step in range(100):\n', '    for seed in range(3):\n').replace(
+        '    with tg.CheckpointManager("ckpts", save=tg.EveryNSteps(5)) as mgr:\n', '').replace(
+        "            mgr.restore(state)\n",
+        '        with tg.CheckpointManager(f"run-{seed}") as mgr:\n            mgr.restore(state)\n')
+    fresh = IN_LOOP.replace("mgr.restore(state)", "tg.load('ckpts', {'model': torch.nn.Linear(8, 1)})")
+    ema = IN_LOOP.replace("mgr.restore(state)", "ema.restore(model.parameters())")
+    evaluate = "for step in mgr.steps():\n    mgr.restore(state, step=step)\n    evaluate(model)\n"
+    for src in (before, rollback, retry, per_run, fresh, evaluate):
+        (f,) = findings(src, "restore in loop")
+        assert f.severity == "ok", (src, f)
+    assert findings(ema, "restore in loop") == []  # no checkpoint restore at all: nothing to judge
