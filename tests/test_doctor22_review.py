@@ -77,3 +77,44 @@ def test_restores_that_run_once_or_on_purpose_are_not_reported() -> None:
         (f,) = findings(src, "restore in loop")
         assert f.severity == "ok", (src, f)
     assert findings(ema, "restore in loop") == []  # no checkpoint restore at all: nothing to judge
+
+
+ACCEL = """
+from accelerate import Accelerator
+
+def main(model, optimizer, scheduler, loader, mgr, state, args):
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    step = mgr.restore(state) or 0
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            step += 1
+            mgr.save(step, state)
+"""
+
+
+def test_a_save_on_every_micro_batch_inside_accelerates_accumulate_is_a_warning() -> None:
+    # accelerate is not imported (nor needed): the script is read as text. Its optimizer.step() inside
+    # accumulate() steps only when accelerator.sync_gradients, so the save runs mid-window.
+    (f,) = findings(ACCEL, "save mid-accumulation")
+    assert f.severity == "warning" and "line 16: mgr.save(step, state)" in f.message, f
+    assert "accelerator.accumulate(model)" in f.message and "(line 9)" in f.message
+    after = ACCEL.replace("            mgr.save(step, state)\n", "        mgr.save(step, state)\n")  # after the block
+    (f,) = findings(after, "save mid-accumulation")
+    assert f.severity == "warning" and "line 16: mgr.save(step, state)" in f.message, f
+
+
+def test_saves_at_the_end_of_accelerates_window_are_not_reported() -> None:
+    gated = ACCEL.replace("            mgr.save(step, state)\n",
+                          "        if accelerator.sync_gradients:\n            mgr.save(step, state)\n")
+    counted = ACCEL.replace("            step += 1\n            mgr.save(step, state)\n",
+                            "        if accelerator.sync_gradients:\n            step += 1\n        mgr.save(step, state)\n")
+    single = ACCEL.replace("Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)", "Accelerator()")
+    for src in (gated, counted, single):
+        (f,) = findings(src, "save mid-accumulation")
+        assert f.severity == "ok", (src, f)

@@ -4,8 +4,9 @@ accumulation, a checkpoint saved between two optimizer steps holds the weights o
 and a data position past the micro-batches whose gradients sit in ``.grad``, which no checkpoint
 holds: a resume drops their contribution to the next step.
 
-Two shapes are read: a loop whose optimizer step is inside an accumulation test
-(``if (i + 1) % accum == 0:``, ``if accelerator.sync_gradients:``) and whose save is not inside
+Three shapes are read: a loop whose optimizer step is inside an accumulation test
+(``if (i + 1) % accum == 0:``, ``if accelerator.sync_gradients:``), or inside accelerate's
+``with accelerator.accumulate(model):`` (which skips the step but at a window's end), and whose save is not inside
 any ``if``, so it runs on every micro-batch (unless it follows that ``if`` and saves a step counted
 there, in optimizer steps: the manager saves each step once); and a save inside an inner micro-batch loop that calls
 ``backward()`` but not the optimizer's step, which the enclosing loop makes (nanoGPT's layout,
@@ -88,6 +89,25 @@ def _after_counted(save: ast.Call, step_if: ast.If) -> bool:
     return save.lineno > (step_if.end_lineno or step_if.lineno) and _name(arg) in counted - {None}
 
 
+def _accumulate_block(nodes: list[ast.AST], tree: ast.Module) -> ast.With | None:
+    """accelerate's ``with accelerator.accumulate(model):`` among a loop's nodes, unless every
+    ``Accelerator(...)`` of the script visibly accumulates over one micro-batch (no
+    ``gradient_accumulation_steps=``/``gradient_accumulation_plugin=``/``**kw``, or a literal 1):
+    then ``optimizer.step()`` inside it steps on every micro-batch."""
+    from .doctor_source import _callee
+
+    block = next((n for n in nodes if isinstance(n, (ast.With, ast.AsyncWith)) and any(
+        isinstance(i.context_expr, ast.Call) and _callee(i.context_expr) == "accumulate" for i in n.items)), None)
+    makers = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _callee(c) == "Accelerator"]
+
+    def one(c: ast.Call) -> bool:
+        kw = {k.arg: k.value for k in c.keywords}
+        n = kw.get("gradient_accumulation_steps")
+        return not c.args and None not in kw and "gradient_accumulation_plugin" not in kw and (
+            n is None or isinstance(n, ast.Constant) and n.value == 1)
+    return None if block is None or makers and all(one(c) for c in makers) else block  # type: ignore[return-value]
+
+
 def mid_accumulation(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning for a save that runs between the micro-batches of one optimizer step (module doc);
     ``None`` without source, or without a loop that both saves and accumulates."""
@@ -110,6 +130,12 @@ def mid_accumulation(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
             continue
         steps = [n for n in nodes if isinstance(n, ast.If) and _accum_test(n.test)
                  and any(_is_step(x) for x in ast.walk(n))]
+        if (window := _accumulate_block(nodes, tree)) is not None and not steps:
+            tests = [n for n in nodes if isinstance(n, ast.If) and _accum_test(n.test)]
+            hits += [(c, f"`with {ast.unparse(window.items[0].context_expr)}:` (line {window.lineno}) steps "
+                         "the optimizer only at the end of each accumulation window (accelerator.sync_gradients)")
+                     for c in saves if not any(_after_counted(c, n) for n in tests)]
+            continue
         if steps:
             hits += [(c, f"the optimizer steps only under `if {ast.unparse(steps[0].test)}:` (line "
                          f"{steps[0].lineno})") for c in saves if not _after_counted(c, steps[0])]
