@@ -118,3 +118,63 @@ def test_saves_at_the_end_of_accelerates_window_are_not_reported() -> None:
     for src in (gated, counted, single):
         (f,) = findings(src, "save mid-accumulation")
         assert f.severity == "ok", (src, f)
+
+
+LATE = """
+import torch
+import trainguard as tg
+
+def main(args):
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = {"model": model, "optim": opt, "rng": tg.RNGState()}
+    with tg.CheckpointManager("ckpts", save=tg.EveryNSteps(5)) as mgr:
+        start = mgr.restore(state)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+        state["sched"] = sched
+        model.load_state_dict(torch.load(args.pretrained))
+        first = 0 if start is None else start + 1
+        for step in range(first, 100):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            sched.step()
+            mgr.save(step, state)
+"""
+
+
+def test_an_optimizer_scheduler_or_file_load_after_the_restore_is_a_warning() -> None:
+    # Seen (bench): a resume at step 9 with model.load_state_dict(torch.load(pretrained)) after
+    # mgr.restore: bias back to the pretrained -0.0314 (saved: -0.1313); AdamW built after
+    # mgr.restore(state, strict=False): 0 Adam steps after the resume (10 saved).
+    for hooked in (False, True):
+        (f,) = findings(LATE, "after restore", hooked)
+        assert f.severity == "warning" and "line 11: the LR scheduler (torch.optim.lr_scheduler.Cosine" in f.message, f
+    (f,) = findings(LATE.replace("        state[\"sched\"] = sched\n", "").replace(
+        "torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", "None"), "after restore")
+    assert f.severity == "warning" and "line 12: model.load_state_dict(torch.load(args.pretrained))" in f.message, f
+    late_opt = LATE.replace('"optim": opt, ', "").replace("    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)\n", "")
+    late_opt = late_opt.replace("        sched = torch.optim", "        opt = torch.optim.AdamW(model.parameters())\n"
+                                "        state['optim'] = opt\n        sched = torch.optim")
+    (f,) = findings(late_opt, "after restore")
+    assert f.severity == "warning" and "line 10: the optimizer (torch.optim.AdamW)" in f.message, f
+
+
+def test_what_runs_before_the_restore_or_on_a_fresh_start_only_is_not_reported() -> None:
+    ordered = LATE.replace("        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)\n", "").replace(
+        "        state[\"sched\"] = sched\n", "").replace(
+        '    state = {"model"', '    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)\n'
+        '    state = {"sched": sched, "model"')
+    ordered = ordered.replace("        model.load_state_dict(torch.load(args.pretrained))\n", "").replace(
+        "        start = mgr.restore(state)\n", "        model.load_state_dict(torch.load(args.pretrained))\n"
+        "        start = mgr.restore(state)\n")
+    fresh = ordered.replace("        model.load_state_dict(torch.load(args.pretrained))\n", "").replace(
+        "        first = 0", "        if start is None:\n            model.load_state_dict(torch.load(args.pretrained))\n"
+        "        first = 0")
+    # an optimizer kept out of the state (the optimizer+scheduler check's), a copy into a target network
+    unsaved = ordered.replace("        first = 0", "        opt2 = torch.optim.SGD(model.parameters())\n"
+                              "        target.load_state_dict(model.state_dict())\n        first = 0")
+    warm = ordered.replace("start = mgr.restore(state)", "tg.load(args.init, {'model': model})").replace(
+        "        first = 0", "        opt2 = torch.optim.SGD(model.parameters())\n        first = 0")
+    for src in (ordered, fresh, unsaved, warm):
+        (f,) = findings(src, "after restore")
+        assert f.severity == "ok", (src, f)

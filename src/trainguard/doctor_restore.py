@@ -122,3 +122,127 @@ def restore_in_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | Non
                    "every step trained since it was saved (and a resume comes only after the first steps trained "
                    "from the initial weights)", "restore once, before the loop: start = mgr.restore(state), then "
                    "loop from start + 1")
+
+
+_SCHEDULE_MAKERS = {"get_scheduler", "get_linear_schedule_with_warmup", "get_cosine_schedule_with_warmup",
+                    "get_constant_schedule_with_warmup", "get_polynomial_decay_schedule_with_warmup"}  # transformers
+_FILE_LOADS = {"load", "load_file", "load_state_dict_from_url"}  # torch.load, safetensors, torch.hub
+
+
+def _made(c: ast.Call, optimizers: set[str]) -> str | None:
+    """``optimizer``/``LR scheduler`` when ``c`` builds one (``torch.optim.AdamW(...)``,
+    ``lr_scheduler.StepLR(...)``, transformers' ``get_scheduler(...)``), else ``None``."""
+    from .doctor_source import _callee, _receiver
+
+    name = _callee(c)
+    if name in optimizers:
+        return "optimizer"
+    if name in _SCHEDULE_MAKERS or _receiver(c) == "lr_scheduler" and name[:1].isupper():
+        return "LR scheduler"
+    return None
+
+
+def _from_file(arg: ast.AST | None, files: set[str]) -> bool:
+    """Whether a ``load_state_dict`` argument comes from a file: ``torch.load(...)``, a name assigned one,
+    or an item of it (``ckpt["model"]``)."""
+    from .doctor_source import _callee
+
+    while isinstance(arg, ast.Subscript):
+        arg = arg.value
+    return isinstance(arg, ast.Call) and _callee(arg) in _FILE_LOADS or isinstance(arg, ast.Name) and arg.id in files
+
+
+def _into_state(made: ast.Call, loads: list[ast.Call], nodes: list[ast.AST]) -> bool:
+    """Whether what ``made`` builds goes into a restored state (``state["optim"] = opt``, a dict
+    assigned to the state's name, ``state.update(...)``; for ``accelerator.load_state``, its
+    ``prepare(...)``/``register_for_checkpointing(...)``): one kept out of it is the optimizer+scheduler
+    check's finding, not this one."""
+    from .doctor_source import _callee, _receiver
+
+    states, accel = set(), False
+    for c in loads:
+        at = 1 if _callee(c) == "load" else 0
+        arg = c.args[at] if len(c.args) > at else next((k.value for k in c.keywords if k.arg == "state"), None)
+        states |= {arg.id} if isinstance(arg, ast.Name) else set()
+        accel = accel or _callee(c) == "load_state"
+
+    def stored(t: ast.AST) -> bool:
+        return isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name) and t.value.id in states
+    name = None
+    for n in nodes:
+        if isinstance(n, ast.Assign) and n.value is made:
+            if any(stored(t) for t in n.targets):
+                return True
+            name = next((t.id for t in n.targets if isinstance(t, ast.Name)), None)
+    if name is None:
+        return False
+
+    def uses(x: ast.AST) -> bool:
+        return any(isinstance(v, ast.Name) and v.id == name for v in ast.walk(x))
+    for n in nodes:
+        if isinstance(n, ast.Assign) and uses(n.value) and any(
+                stored(t) or isinstance(t, ast.Name) and t.id in states for t in n.targets):
+            return True
+        if isinstance(n, ast.Call) and uses(n) and (_callee(n) == "update" and _receiver(n) in states or accel and _callee(
+                n) in ("prepare", "register_for_checkpointing")):
+            return True
+    return False
+
+
+def after_restore(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """A warning for what, after ``mgr.restore(state)``/``accelerator.load_state(...)`` in the same
+    function, undoes it or escapes it: an optimizer or LR scheduler built after it (the restore could
+    not load into an object that did not exist: Adam's moments and the schedule restart on each
+    resume, or strict restores fail there), or a ``load_state_dict(torch.load(...))`` that overwrites
+    what it restored (pretrained weights loaded after the restore reset a fine-tune on each resume).
+    An optimizer or scheduler never put in the state is not reported here (the optimizer+scheduler
+    check's). Not reported on a fresh start only (``if start is None:``), nor when another restore follows
+    before any loop; ``tg.load(path, {...})`` of a literal dict (a warm start) restores no optimizer.
+    ``None`` without source or without a restore. Static: any rank, no I/O."""
+    from .doctor import Finding, _optimizer_names
+    from .doctor_rng import _fresh_branch, _put_back
+    from .doctor_source import _callee, _own_nodes, _tree
+
+    if (tree := _tree(s)) is None:
+        return None
+    optimizers, restored, hits = _optimizer_names(), False, []
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        nodes = list(_own_nodes(scope))
+        loads = [c for c in nodes if isinstance(c, ast.Call) and _is_checkpoint_restore(c)]
+        if not loads:
+            continue
+        restored = True
+        whole = [c for c in loads if not (_callee(c) == "load" and len(c.args) > 1 and isinstance(c.args[1], ast.Dict))]
+        loops = [n for n in nodes if isinstance(n, (ast.For, ast.AsyncFor, ast.While))]
+        looped = {id(x) for n in loops for x in ast.walk(n)}
+        results = {t.id for n in nodes if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+                   and n.value in loads for t in n.targets if isinstance(t, ast.Name)}
+        fresh = {id(x) for n in nodes if isinstance(n, ast.If) for b in _fresh_branch(n, results, loads)
+                 for x in ast.walk(b)}
+        files = {t.id for n in nodes if isinstance(n, ast.Assign) and _from_file(n.value, set())
+                 for t in n.targets if isinstance(t, ast.Name)}
+        for c in nodes:
+            if not isinstance(c, ast.Call) or id(c) in fresh:
+                continue
+            kind = _made(c, optimizers) if whole and c.lineno > min(x.lineno for x in whole) else None
+            kind = kind if kind is None or _into_state(c, whole, nodes) else None
+            if kind is None and c.lineno > min(x.lineno for x in loads) and _callee(c) == "load_state_dict" and \
+                    _from_file((c.args or [None])[0], files):
+                kind = "file's state"
+            if kind is not None and not _put_back(c, loads, loops, looped):
+                hits.append((c, kind))
+    if not restored:
+        return None
+    if not hits:
+        return Finding("after restore", "ok", "nothing built or loaded after the restore undoes it")
+    c, kind = min(hits, key=lambda h: h[0].lineno)
+    if kind == "file's state":
+        return Finding("after restore", "warning", f"line {c.lineno}: {ast.unparse(c)} after the restore "
+                       "overwrites what it just restored with that file's state on every resume (pretrained "
+                       "weights loaded after it restart a fine-tune from them)", "load it before "
+                       "mgr.restore(state), or only on a fresh start: if start is None: ...")
+    return Finding("after restore", "warning", f"line {c.lineno}: the {kind} ({ast.unparse(c.func)}) is built "
+                   "after the restore, which could not load into it: on each resume it starts afresh ("
+                   + ("Adam's moments, momentum" if kind == "optimizer" else "warmup and decay") + " from zero), or "
+                   "a strict restore fails on its saved entry", f"build the {kind} before mgr.restore(state) and "
+                   "put it in the state")

@@ -44,7 +44,8 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     ``doctor.check`` after its checks of the state."""
     from .doctor_signals import worker_signals
 
-    return (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment, restore_loop)
+    return (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment, restore_loop,
+            restore_after)
 
 
 def _tree(s: Settings) -> ast.Module | None:
@@ -159,6 +160,13 @@ def restore_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     from .doctor_restore import restore_in_loop
 
     return restore_in_loop(leaves, s)
+
+
+def restore_after(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "after restore" check (:func:`trainguard.doctor_restore.after_restore`)."""
+    from .doctor_restore import after_restore
+
+    return after_restore(leaves, s)
 
 
 def _callee(call: ast.Call) -> str:
