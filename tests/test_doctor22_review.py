@@ -76,7 +76,9 @@ def test_restores_that_run_once_or_on_purpose_are_not_reported() -> None:
     for src in (before, rollback, retry, per_run, fresh, evaluate):
         (f,) = findings(src, "restore in loop")
         assert f.severity == "ok", (src, f)
-    assert findings(ema, "restore in loop") == []  # no checkpoint restore at all: nothing to judge
+    timer = IN_LOOP.replace("mgr.restore(state)", "timer.restore()")  # no state: not a checkpoint's restore
+    for src in (ema, timer):
+        assert findings(src, "restore in loop") == [], src  # no checkpoint restore at all: nothing to judge
 
 
 ACCEL = """
@@ -157,6 +159,9 @@ def test_an_optimizer_scheduler_or_file_load_after_the_restore_is_a_warning() ->
                                 "        state['optim'] = opt\n        sched = torch.optim")
     (f,) = findings(late_opt, "after restore")
     assert f.severity == "warning" and "line 10: the optimizer (torch.optim.AdamW)" in f.message, f
+    bare = LATE.replace("torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", "OneCycleLR(opt, 0.1, 100)")
+    (f,) = findings(bare, "after restore")  # from torch.optim.lr_scheduler import OneCycleLR
+    assert f.severity == "warning" and "line 11: the LR scheduler (OneCycleLR)" in f.message, f
 
 
 def test_what_runs_before_the_restore_or_on_a_fresh_start_only_is_not_reported() -> None:

@@ -31,12 +31,13 @@ def _is_checkpoint_restore(c: ast.Call) -> bool:
     """A restore of a checkpoint: not an EMA's ``ema.restore(model.parameters())`` (torch_ema swaps
     the live weights back after an evaluation, inside the loop by design)."""
     from .doctor_rng import _is_restore
-    from .doctor_source import _receiver
+    from .doctor_source import _callee, _receiver
 
     who = (_receiver(c) or "").lower()
     params = any(isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and "param" in a.func.attr
                  for a in [*c.args, *(k.value for k in c.keywords)])
-    return _is_restore(c) and not ("ema" in who or "average" in who or "swa" in who or params)
+    bare = _callee(c) == "restore" and not (c.args or c.keywords)  # mgr.restore needs a state: a timer's, a context's
+    return _is_restore(c) and not ("ema" in who or "average" in who or "swa" in who or params or bare)
 
 
 def _level(loop: ast.AST) -> list[ast.AST]:
@@ -137,9 +138,18 @@ def _made(c: ast.Call, optimizers: set[str]) -> str | None:
     name = _callee(c)
     if name in optimizers:
         return "optimizer"
-    if name in _SCHEDULE_MAKERS or _receiver(c) == "lr_scheduler" and name[:1].isupper():
+    if name in _SCHEDULE_MAKERS or _receiver(c) == "lr_scheduler" and name[:1].isupper() or name in _schedulers():
         return "LR scheduler"
     return None
+
+
+def _schedulers() -> set[str]:
+    """torch's LR scheduler classes, for ``from torch.optim.lr_scheduler import OneCycleLR``."""
+    import torch
+
+    base = getattr(torch.optim.lr_scheduler, "LRScheduler", torch.optim.lr_scheduler._LRScheduler)
+    return {n for n, c in vars(torch.optim.lr_scheduler).items() if isinstance(c, type) and issubclass(c, base)
+            and c is not base and not n.startswith("_")}
 
 
 def _from_file(arg: ast.AST | None, files: set[str]) -> bool:
