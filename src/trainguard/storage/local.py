@@ -157,7 +157,7 @@ def _drop_cached(fd: int) -> None:
     ``finish`` when at least 90% of the file went direct: such a file is read cold anyway (under
     90% cached). Left there, those scattered pages made the page cache that a later read of the
     file fills costlier to load from: the 1 GB GPT + AdamW state read once, then loaded in place,
-    9 rounds interleaved in one process (``bench/.tmp/ab_drop.py`` of session 22): CPU per load
+    9 rounds interleaved in one process (session 22): CPU per load
     0.286 s with the pages left, 0.242 s dropped (0.76-0.91x round by round). Advice only."""
     with contextlib.suppress(OSError, AttributeError):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
