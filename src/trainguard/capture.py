@@ -20,6 +20,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 from . import ddpjoin
 from .commhooks import warn_unsaved
 from .dist import DistContext
+from .distwait import note_busy
 from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
 from .errors import (
     RankFailureError,
@@ -109,6 +110,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     if ctx.world_size > 1:
         warn_unsaved(state, ctx.rank)  # a DDP comm hook (PowerSGD) whose state is not in the state
         ddpjoin.note(state)  # DDP under Join: a rank that joined never reaches this save (a timeout's hint)
+        note_busy(ctx, "capturing its state for the save (state_dict() and hooks)")  # a timeout's message names it
         if not split:
             refuse_subgroup_ddp(state, ctx.world_size)  # DDP over a subgroup: the other ranks hold other replicas
     for key, value in state.items():

@@ -16,6 +16,7 @@ rank 0 (the coordinator) judges them, the others judge only rank 0, whose verdic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -27,10 +28,12 @@ from .permanent import mark
 
 LEFT = "(left)"  # the tag in a rank's "at" key once it raised out of an operation it had entered
 STARTED = "(started)"  # an async save's, set by the call that starts it (its thread's rounds come later)
+BUSY = "(busy)"  # the tag's start while a rank runs user code inside a call (note_busy): then what it does
 
 # Collectives that every rank reaches only after an earlier one of the same operation (all ranks
-# passed "begin"): a rank missing there is busy with the work in between, not absent.
-MIDWAY = {"written": "writing its data"}
+# passed "begin", "load"): a rank missing there is busy with the work in between, not absent.
+MIDWAY = {"written": "writing its data",
+          "loaded": "reading its data and loading it into its state (load_state_dict() and hooks)"}
 
 
 def default_timeout() -> float:
@@ -93,11 +96,39 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
                 {r: f"still {MIDWAY[tag]} after {timeout:.0f} s" for r in late},
             )
         if now > deadline:
+            _check_busy(ctx, late, tag, timeout)
             raise failure(
                 f"{tag}: rank(s) {late} did not arrive within {timeout:.0f} s. Every rank must call "
                 "save/load with the same step and state (e.g. not under `if rank == 0:`)." + ddpjoin.hint(),
                 {r: f"did not call {tag} within {timeout:.0f} s" for r in late},
             )
+
+
+def note_busy(ctx: Any, what: str) -> None:
+    """Every rank, inside a numbered trainguard call, before a step of its own that runs user code (``capture``:
+    ``state_dict()`` and hooks, before a save's "begin"): say so in its "at" key (one store call), so that a rank
+    still waiting for it at the timeout names it as stuck there (``_check_busy``), not as one that never called."""
+    if getattr(ctx, "_depth", 0) and not ctx._new_op:  # a StoreDistContext in a numbered operation
+        with contextlib.suppress(Exception):  # a store that stopped answering: the next round says so
+            ctx.store.set(f"{ctx.chan}/at/{ctx.rank}", json.dumps([ctx._op, ctx._round, f"{BUSY} {what}"]))
+
+
+def _check_busy(ctx: Any, late: list[int], tag: str, timeout: float) -> None:
+    """At the timeout: raise naming the late ranks that are inside this call, busy in their own step (note_busy)."""
+    busy = {r: other[len(BUSY) + 1:] for r, (op, _rnd, other, *_w) in _where(ctx, late).items()
+            if op == ctx._op and str(other).startswith(BUSY)}
+    if not busy:
+        return
+    absent = [r for r in late if r not in busy]
+    raise failure(
+        f"{tag}: rank(s) {sorted(busy)} called this trainguard operation but did not reach {tag!r} within {timeout:.0f} s: "
+        + "; ".join(f"rank {r} still {w}" for r, w in sorted(busy.items()))
+        + ". Its process is alive (its heartbeat beats): a state_dict()/load_state_dict() or hook that blocks (a lock, "
+        "a queue, a collective that only some ranks call) or takes longer than the timeout (`timeout=`, TRAINGUARD_TIMEOUT)"
+        + (f"; rank(s) {absent} did not arrive at all" if absent else ""),
+        {**{r: f"still {w} after {timeout:.0f} s" for r, w in busy.items()},
+         **{r: f"did not call {tag} within {timeout:.0f} s" for r in absent}},
+    )
 
 
 def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
@@ -154,7 +185,7 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int])
     verdict): it says which ranks called which, not who is "instead" where."""
     wrong = {}
     for r, (op, rnd, other, *_why) in _where(ctx, missing).items():
-        if (op, rnd) == (ctx._op, ctx._round) and other not in (tag, LEFT):
+        if (op, rnd) == (ctx._op, ctx._round) and other != tag and not str(other).startswith("("):  # LEFT, BUSY: no collective
             wrong[r] = other
     if wrong:
         here = sorted({ctx.rank, *(r for r in awaited if r not in missing)})

@@ -1,0 +1,107 @@
+"""A rank stuck inside a trainguard call (its own ``state_dict()`` or ``load_state_dict()`` blocks; its
+heartbeat beats) on real gloo ranks: the others' error at the timeout names it as stuck *there*, not as
+a rank that "did not arrive" / "must call save under `if rank == 0:`", and the ranks stay in step.
+
+The stuck rank waits on a file that rank 0 creates once its own call raised: the order is fixed by
+the test, not by timing (every wait is bounded by run_ranks' timeout)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+from dist_helper import attempt, run_ranks
+
+
+class _Blocking:
+    """A Stateful whose ``state_dict`` (``when="save"``) or ``load_state_dict`` (``"load"``) blocks
+    on rank 1, once armed, until ``release`` exists."""
+
+    def __init__(self, rank: int, when: str, release: str) -> None:
+        self.rank, self.when, self.release, self.armed, self.v = rank, when, release, False, torch.zeros(3)
+
+    def _block(self, when: str) -> None:
+        if self.armed and self.when == when and self.rank == 1:
+            self.armed = False
+            while not os.path.exists(self.release):  # bounded by run_ranks' timeout
+                threading.Event().wait(0.02)
+
+    def state_dict(self) -> dict:
+        self._block("save")
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self._block("load")
+        self.v.copy_(sd["v"])
+
+
+def _state(rank: int, when: str, root: str) -> dict:
+    torch.manual_seed(0)
+    return {"model": nn.Linear(4, 4), "hook": _Blocking(rank, when, f"{root}.release")}
+
+
+def _stuck_in_state_dict(rank: int, world: int, root: str, async_: bool) -> dict:
+    def save(step: int) -> Any:
+        h = tg.save(f"{root}/step-{step:09d}", state, timeout=2, async_=async_)
+        return h.result() if async_ else h
+
+    state = _state(rank, "save", root)
+    save(1)
+    state["hook"].armed = True
+    out = {"stuck": attempt(lambda: save(2))}
+    if rank == 0:
+        Path(f"{root}.release").touch()
+    out["next"] = attempt(lambda: save(3))
+    return out
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_rank_stuck_in_its_state_dict_is_named_as_stuck_there(tmp_path: Path, async_: bool) -> None:
+    root = tmp_path / "run"
+    root.mkdir()
+    res = run_ranks(_stuck_in_state_dict, 2, str(root), async_, timeout=60)
+    stuck = [r.value["stuck"] for r in res]
+    # Before: "begin: rank(s) [1] did not arrive within 2 s. Every rank must call save/load with the
+    # same step and state (e.g. not under `if rank == 0:`)", while rank 1 was inside save().
+    assert all(s["type"] == "RankFailureError" and s["ranks"] == [1] for s in stuck), stuck
+    assert stuck[0]["msg"] == stuck[1]["msg"], stuck
+    msg = stuck[0]["msg"]
+    assert "rank 1 still capturing its state for the save (state_dict() and hooks)" in msg, msg
+    assert "did not arrive" not in msg and "if rank == 0" not in msg, msg
+    assert [r.value["next"] for r in res] == [{"type": None}] * 2, [r.value for r in res]
+    assert sorted(p.name for p in root.iterdir()) == ["step-000000001", "step-000000003"]
+
+
+def _stuck_in_load_state_dict(rank: int, world: int, root: str) -> dict:
+    state = _state(rank, "load", root)
+    kw: dict[str, Any] = dict(save=tg.EveryNSteps(1), handle_signals=False, timeout=2)
+    with tg.CheckpointManager(root, **kw) as mgr:
+        mgr.save(1, state)
+    state["hook"].armed = True
+    with tg.CheckpointManager(root, **kw) as mgr:
+        out = {"stuck": attempt(lambda: mgr.restore(state))}
+        if rank == 0:
+            Path(f"{root}.release").touch()
+        out["again"] = mgr.restore(state)
+    return out
+
+
+def test_a_rank_stuck_in_its_load_state_dict_is_named_as_stuck_loading(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    res = run_ranks(_stuck_in_load_state_dict, 2, str(root), timeout=60)
+    stuck = [r.value["stuck"] for r in res]
+    # Before: "loaded: rank(s) [1] did not arrive within 2 s. Every rank must call save/load ...".
+    assert all(s["type"] == "RankFailureError" and s["ranks"] == [1] for s in stuck), stuck
+    assert stuck[0]["msg"] == stuck[1]["msg"], stuck
+    msg = stuck[0]["msg"]
+    assert "rank(s) [1] did not finish reading its data and loading it into its state" in msg, msg
+    assert "did not arrive" not in msg, msg
+    assert [r.value["again"] for r in res] == [1, 1]
