@@ -105,3 +105,39 @@ def test_a_rank_stuck_in_its_load_state_dict_is_named_as_stuck_loading(tmp_path:
     assert "rank(s) [1] did not finish reading its data and loading it into its state" in msg, msg
     assert "did not arrive" not in msg, msg
     assert [r.value["again"] for r in res] == [1, 1]
+
+
+def _rank1_loop_ends_early(rank: int, world: int, root: str, signals: bool) -> dict:
+    """Rank 1's loop ends a step early (uneven data): it closes its manager and goes on (evaluation:
+    here, waiting for rank 0's outcome); rank 0 saves step 3."""
+    kw: dict[str, Any] = dict(save=tg.EveryNSteps(1), handle_signals=signals, timeout=20)
+    saved: list[int] = []
+
+    def train() -> None:  # rank 0's failed save leaves the `with` with its error: no closing round
+        with tg.CheckpointManager(root, **kw) as mgr:
+            for step in range(1, 4 if rank == 0 else 3):
+                mgr.save(step, {"x": torch.full((2,), float(step))})
+                saved.append(step)
+
+    out = {"train": attempt(train), "saved": saved}
+    if rank == 0:
+        Path(f"{root}.done").touch()
+    else:
+        while not os.path.exists(f"{root}.done"):  # bounded by run_ranks' timeout
+            threading.Event().wait(0.02)
+    return out
+
+
+@pytest.mark.parametrize("signals", [False, True])
+def test_a_rank_that_closed_its_manager_while_rank_0_saves_fails_the_save_at_once(tmp_path: Path, signals: bool) -> None:
+    # Before: rank 1's close() returned at once (rank 0 collects "close") and deleted its "at" key,
+    # so rank 0's save of step 3 waited the whole timeout (600 s by default; 20 s here) and said
+    # "rank(s) [1] did not arrive ... (e.g. not under `if rank == 0:`)".
+    root = tmp_path / "run"
+    res = run_ranks(_rank1_loop_ends_early, 2, str(root), signals, timeout=60)
+    assert [r.value["saved"] for r in res] == [[1, 2], [1, 2]], [r.value for r in res]
+    assert res[1].value["train"] == {"type": None}, res[1].value
+    three = res[0].value["train"]
+    assert three["type"] == "RankFailureError" and three["ranks"] == [1], three
+    assert "rank 1 called 'close' (CheckpointManager.close)" in three["msg"], three
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-000000001", "step-000000002"]

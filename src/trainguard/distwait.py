@@ -183,10 +183,14 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int])
     """Rank 0: raise at once when a missing rank waits in another collective of the same round.
     The message goes to the ranks of both collectives (those in the other read it as their
     verdict): it says which ranks called which, not who is "instead" where."""
-    wrong = {}
-    for r, (op, rnd, other, *_why) in _where(ctx, missing).items():
+    wrong, where = {}, _where(ctx, missing)
+    for r, (op, rnd, other, *_why) in where.items():
         if (op, rnd) == (ctx._op, ctx._round) and other != tag and not str(other).startswith("("):  # LEFT, BUSY: no collective
             wrong[r] = other
+    if tag != "close":  # a rank past its close(): its "at" key deleted (closing_round), its "close" key still here
+        for r in [r for r in missing if r not in where][:16]:
+            if any(ctx.store.check([f"{ctx.chan}/r{ctx._op}.{n}/close/{r}"]) for n in range(1, ctx._round + 1)):
+                wrong[r] = "close"  # (in an earlier round of this call than rank 0's: a broadcast it did not wait in)
     if wrong:
         here = sorted({ctx.rank, *(r for r in awaited if r not in missing)})
         by: dict[str, list[int]] = {tag: here}
