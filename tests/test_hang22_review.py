@@ -107,10 +107,10 @@ def test_a_rank_stuck_in_its_load_state_dict_is_named_as_stuck_loading(tmp_path:
     assert [r.value["again"] for r in res] == [1, 1]
 
 
-def _rank1_loop_ends_early(rank: int, world: int, root: str, signals: bool) -> dict:
+def _rank1_loop_ends_early(rank: int, world: int, root: str, kind: str) -> dict:
     """Rank 1's loop ends a step early (uneven data): it closes its manager and goes on (evaluation:
     here, waiting for rank 0's outcome); rank 0 saves step 3."""
-    kw: dict[str, Any] = dict(save=tg.EveryNSteps(1), handle_signals=signals, timeout=20)
+    kw: dict[str, Any] = dict(save=tg.EveryNSteps(1), handle_signals=kind == "decide", async_save=kind == "async", timeout=20)
     saved: list[int] = []
 
     def train() -> None:  # rank 0's failed save leaves the `with` with its error: no closing round
@@ -128,14 +128,15 @@ def _rank1_loop_ends_early(rank: int, world: int, root: str, signals: bool) -> d
     return out
 
 
-@pytest.mark.parametrize("signals", [False, True])
-def test_a_rank_that_closed_its_manager_while_rank_0_saves_fails_the_save_at_once(tmp_path: Path, signals: bool) -> None:
+@pytest.mark.parametrize("kind", ["sync", "decide", "async"])  # decide: a per-step round first; async: the save's thread waits
+def test_a_rank_that_closed_its_manager_while_rank_0_saves_fails_the_save_at_once(tmp_path: Path, kind: str) -> None:
     # Before: rank 1's close() returned at once (rank 0 collects "close") and deleted its "at" key,
     # so rank 0's save of step 3 waited the whole timeout (600 s by default; 20 s here) and said
     # "rank(s) [1] did not arrive ... (e.g. not under `if rank == 0:`)".
     root = tmp_path / "run"
-    res = run_ranks(_rank1_loop_ends_early, 2, str(root), signals, timeout=60)
-    assert [r.value["saved"] for r in res] == [[1, 2], [1, 2]], [r.value for r in res]
+    res = run_ranks(_rank1_loop_ends_early, 2, str(root), kind, timeout=60)
+    started = [1, 2, 3] if kind == "async" else [1, 2]  # async: step 3's save fails in close()'s wait
+    assert [r.value["saved"] for r in res] == [started, [1, 2]], [r.value for r in res]
     assert res[1].value["train"] == {"type": None}, res[1].value
     three = res[0].value["train"]
     assert three["type"] == "RankFailureError" and three["ranks"] == [1], three

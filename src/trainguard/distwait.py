@@ -187,10 +187,12 @@ def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int])
     for r, (op, rnd, other, *_why) in where.items():
         if (op, rnd) == (ctx._op, ctx._round) and other != tag and not str(other).startswith("("):  # LEFT, BUSY: no collective
             wrong[r] = other
-    if tag != "close":  # a rank past its close(): its "at" key deleted (closing_round), its "close" key still here
+    if tag != "close":  # a rank past its close(): its "at" key deleted (closing_round), its "close" key still here,
+        parent = getattr(ctx, "_parent", None)  # in an earlier round of this call (a broadcast rank 0 did not wait in),
+        chans = [ctx.chan] + ([parent.chan] if parent is not None else [])  # or in the manager's (this: its async save's)
         for r in [r for r in missing if r not in where][:16]:
-            if any(ctx.store.check([f"{ctx.chan}/r{ctx._op}.{n}/close/{r}"]) for n in range(1, ctx._round + 1)):
-                wrong[r] = "close"  # (in an earlier round of this call than rank 0's: a broadcast it did not wait in)
+            if any(ctx.store.check([f"{c}/r{ctx._op}.{n}/close/{r}"]) for c in chans for n in range(1, max(ctx._round, 2) + 1)):
+                wrong[r] = "close"
     if wrong:
         here = sorted({ctx.rank, *(r for r in awaited if r not in missing)})
         by: dict[str, list[int]] = {tag: here}
