@@ -142,3 +142,19 @@ def test_a_rank_that_closed_its_manager_while_rank_0_saves_fails_the_save_at_onc
     assert three["type"] == "RankFailureError" and three["ranks"] == [1], three
     assert "rank 1 called 'close' (CheckpointManager.close)" in three["msg"], three
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-000000001", "step-000000002"]
+
+
+def _save_once(rank: int, world: int, root: str) -> dict:
+    return attempt(lambda: tg.save(f"{root}/step-000000001", {"x": torch.zeros(2)}))
+
+
+@pytest.mark.parametrize("env", [{"TRAINGUARD_TIMEOUT": "10m"}, {"TRAINGUARD_DEAD_AFTER": "-1"}])
+def test_a_timeout_setting_that_is_not_seconds_is_refused_naming_it(tmp_path: Path, env: dict) -> None:
+    # Before: "could not convert string to float: '10m'" (no variable named), and for
+    # TRAINGUARD_DEAD_AFTER=-1 "the c10d store stopped answering ... rank 0 died or hangs".
+    ((name, value),) = env.items()
+    res = run_ranks(_save_once, 2, str(tmp_path), timeout=60, env=env)
+    for r in res:
+        assert r.value["type"] == "ValueError" and f"{name}={value!r}" in r.value["msg"], r.value
+        assert "seconds > 0" in r.value["msg"], r.value
+    assert not list(tmp_path.iterdir())

@@ -36,9 +36,23 @@ MIDWAY = {"written": "writing its data",
           "loaded": "reading its data and loading it into its state (load_state_dict() and hooks)"}
 
 
+def _env_seconds(name: str, default: float) -> float:
+    """Environment variable ``name``: seconds, a finite number > 0 (unset or empty: ``default``); a ValueError
+    naming it otherwise (before: float()'s "could not convert string to float: '10m'", or for a value <= 0 a
+    store "that did not answer within -1 s", blaming rank 0)."""
+    raw = os.environ.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={raw!r}: set it to a number of seconds > 0 (default {default:g}), or unset it")
+    return value
+
+
 def default_timeout() -> float:
     """``TRAINGUARD_TIMEOUT`` (seconds, default 600): how long a collective waits for a rank."""
-    return float(os.environ.get("TRAINGUARD_TIMEOUT", "600"))
+    return _env_seconds("TRAINGUARD_TIMEOUT", 600.0)
 
 
 def check_timeout(timeout: Any) -> None:
@@ -50,7 +64,7 @@ def check_timeout(timeout: Any) -> None:
 def dead_after() -> float:
     """``TRAINGUARD_DEAD_AFTER`` (seconds, default 10): a rank whose heartbeat has not moved for
     this long is declared dead."""
-    return float(os.environ.get("TRAINGUARD_DEAD_AFTER", "10"))
+    return _env_seconds("TRAINGUARD_DEAD_AFTER", 10.0)
 
 
 def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: float) -> None:
