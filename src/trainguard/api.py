@@ -25,6 +25,7 @@ from .commit import (
     LazyManifest,
     abandon_commit,
     check_begin,
+    check_commit,
     check_shared,
     claim_commit,
     commit_dir,
@@ -248,8 +249,8 @@ def persist_and_commit(
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
         except RankFailureError as e:
             outcome = failure_record(e)
-        except Exception as e:
-            outcome = {"error": describe_error(e)}
+        except Exception as e:  # "permanent": every rank's error is (rank 0's run lock lost: runlock.check_owned)
+            outcome = {"error": describe_error(e), "permanent": is_permanent(e)}
             write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
         except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed); an
             if not ctx.is_distributed and storage.atomic_rename:  # object store's manifest IS the commit
@@ -270,8 +271,7 @@ def persist_and_commit(
         raise CheckpointError(f"save of {target} failed: {type(write_error).__name__}: {write_error}") from write_error
     if outcome.get("failures"):
         raise from_record(outcome)
-    if outcome.get("error"):
-        raise CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
+    check_commit(target, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)
     if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)
         return LazyManifest(storage, storage.join(parent, name), outcome["step"], outcome["total_bytes"])  # type: ignore[return-value]
     return manifest

@@ -31,7 +31,7 @@ from .errors import (
 )
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
-from .runlock import RunLock  # noqa: F401  (the manager imports it from here)
+from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .split import check_flags
 from .storage import Storage
 
@@ -126,6 +126,7 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
         names += [w["index"][0]] if w.get("index") else []
         for fname in names:
             if not storage.exists(storage.join(work, fname)):
+                check_owned(os.path.dirname(work))  # the run directory removed (rm -rf) since the save started
                 if r == 0:
                     raise CheckpointError(
                         f"{fname}, uploaded by rank 0 into {work} in this save, is gone before its manifest was "
@@ -323,10 +324,21 @@ def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureEr
     ) from e
 
 
+def check_commit(target: str, outcome: dict[str, Any]) -> None:
+    """``api.persist_and_commit``, every rank, on the "commit" round's ``outcome``: raise rank 0's
+    failed commit (its error as text), permanent when rank 0's error was (``runlock.check_owned``)."""
+    if outcome.get("error"):
+        err = CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
+        err.permanent = bool(outcome.get("permanent"))
+        raise err
+
+
 def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Manifest, overwrite: bool, save_id: str) -> None:
     """Rank 0, the last step of a save (``api.persist_and_commit``), only after every rank reported
     its data durable (fsynced): write the manifest into ``work``, then rename ``work`` to
-    ``parent/name`` (an existing checkpoint, with ``overwrite``, goes to ``<name>.old-<id>`` first)."""
+    ``parent/name`` (an existing checkpoint, with ``overwrite``, goes to ``<name>.old-<id>`` first).
+    First: ``parent`` is still locked by this process if it was (``runlock.check_owned``)."""
+    check_owned(parent)  # an async save's run directory removed, or its .lock replaced, since save() returned
     storage.write_atomic(storage.join(work, layout.MANIFEST), manifest.to_bytes())
     fault("after_manifest", 0)
     final = storage.join(parent, name)

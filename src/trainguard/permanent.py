@@ -3,7 +3,8 @@ for a requeue wrapper").
 
 A worker that fails with such an error (the script's state no longer fits the checkpoint, every
 checkpoint has bad bytes, the run directory is a file or not writable, another live job on this
-host holds its lock, a bad argument to trainguard) would fail the same way at every restart:
+host holds its lock, a bad argument to trainguard) would fail the same way at every restart (the
+run lock lost while the job ran, ``runlock.lock_lost``: a restart would hide an ``rm -rf``):
 ``trainguard run`` restarted it ``--max-restarts`` times and exited 1, and a requeue wrapper
 requeued it. trainguard marks those errors (:func:`mark`; ``permanent = True`` on the class of
 ``StateMismatchError``, ``UnsupportedValueError``, ``FormatVersionError``) and such a process

@@ -16,6 +16,7 @@ from .errors import CheckpointError, LockedError
 from .permanent import mark
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
+_OWNED: dict[str, RunLock] = {}  # run directory (absolute, and resolved) -> its lock held here: check_owned
 
 
 class RunLock:
@@ -46,6 +47,8 @@ class RunLock:
             raise
         self.fd, self._real = fd, real
         _HELD.add(real)
+        for key in {os.path.abspath(os.path.dirname(self.path)), os.path.dirname(real)}:
+            _OWNED[key] = self
 
     def _take(self, fd: int) -> None:
         """``acquire``: lock ``fd`` and write this process as the holder (the caller closes ``fd`` on error)."""
@@ -75,6 +78,8 @@ class RunLock:
             return
         fd, self.fd = self.fd, None
         _HELD.discard(self._real)
+        for key in [k for k, v in _OWNED.items() if v is self]:
+            del _OWNED[key]
         try:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
@@ -84,13 +89,30 @@ class RunLock:
                 os.close(fd)
 
 
+def check_owned(parent: str) -> None:
+    """``commit.commit_dir`` and ``tiers.RamTier.persist``, on rank 0, right before the manifest is
+    written (the commit): when this process holds the lock of ``parent`` (the run directory the
+    checkpoint goes into), raise :func:`lock_lost`'s error if the lock was lost since the save
+    started. An async save commits long after ``save()`` returned (its lock was checked then): an
+    ``rm -rf`` of the run directory meanwhile was recreated by the save's ``makedirs`` and the
+    commit landed there, unlocked. Raised here, the save fails (its temp directory is removed) and
+    the error reaches the other ranks in the save's own "commit" round. A stat per commit."""
+    if not _OWNED:
+        return
+    err = lock_lost(_OWNED.get(os.path.abspath(parent)) or _OWNED.get(os.path.realpath(parent)))
+    if err is not None:
+        raise err
+
+
 def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     """``CheckpointManager._save_now``, every rank, before each save: on the rank holding the lock
     (rank 0), the error when ``<root>/.lock`` is no longer the file it locked: removed (``rm -rf``
     of the run directory, which the save would silently recreate unlocked) or replaced by another
     file (that a second job may hold). Raised in the save's first round (``preflight``), so every
-    rank fails before a byte is written and the committed checkpoints stay as they are. None where
-    nothing is held here (other ranks, object stores) or the lock is in place: one stat per save."""
+    rank fails before a byte is written and the committed checkpoints stay as they are; checked
+    again at the commit (:func:`check_owned`). None where nothing is held here (other ranks, object
+    stores) or the lock is in place: one stat per save. Permanent: ``trainguard run`` restarted the
+    job into a fresh lock (after an ``rm -rf``: a silent fresh start from step 0); it now stops."""
     if lock is None or lock.fd is None:
         return None
     try:
@@ -107,12 +129,14 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     if what is None:
         return None
     root = os.path.dirname(lock.path)
-    return CheckpointError(
+    return mark(CheckpointError(
         f"the run directory's lock {lock.path} {what} while this job holds it: {root} is no longer locked "
         "by this job, and another job could open it as a writer and delete this job's checkpoints. Nothing "
-        "was saved. Stop this job; make sure no other job writes to that directory; then restart it "
-        "(opening a CheckpointManager takes the lock again), or point it at a new directory"
-    )
+        "was saved. Stop this job and find out what removed it (a deleted run directory took its checkpoints "
+        "along: a job started there again begins at step 0); make sure no other job writes to that directory, "
+        "then start the job again (opening a CheckpointManager takes the lock again), or point it at another "
+        "directory. `trainguard run` does not restart it (exit 78)"
+    ))
 
 
 def _read_holder(fd: int) -> str:
