@@ -58,13 +58,14 @@ def _steps(run: Path) -> list[str]:
     return sorted(p.name for p in run.iterdir() if p.name.startswith("step-")) if run.exists() else []
 
 
-@pytest.mark.parametrize("held", ["occupied", "check_shared"], ids=["before-writing", "before-commit"])
+@pytest.mark.parametrize("held", ["occupied", "_write_rank", "check_shared"], ids=["before-mkdir", "before-writing", "before-commit"])
 @pytest.mark.parametrize("how", ["rm -rf run", "rm run/.lock", "another .lock"])
 def test_async_save_whose_lock_is_lost_after_it_started_does_not_commit(tmp_path, how, held):
-    """Before: "rm run/.lock" and "another .lock" committed step 2 (wait() raised nothing); "rm -rf run" held before the
-    writes committed step 2 alone into a recreated, unlocked directory; held at the commit it
-    failed by chance (its temp directory was gone: a FileNotFoundError on the manifest). Now the
-    commit checks the lock: a permanent CheckpointError naming it at wait(), step 2 nowhere."""
+    """Before: "rm run/.lock" and "another .lock" committed step 2 (wait() raised nothing); "rm -rf
+    run" before the save's makedirs committed step 2 alone into a recreated, unlocked directory;
+    later it failed by chance (its temp directory gone: a FileNotFoundError of a data file or the
+    manifest, not permanent). Now the commit checks the lock, and a failed save names the lost
+    lock as its cause: a permanent CheckpointError at wait(), step 2 nowhere."""
     run = tmp_path / "run"
     mgr = tg.CheckpointManager(str(run), async_save=True, save=tg.EveryNSteps(1), handle_signals=False).open()
     try:
@@ -89,6 +90,42 @@ def test_async_save_whose_lock_is_lost_after_it_started_does_not_commit(tmp_path
         mgr.close()
     assert _steps(run) == ([] if how == "rm -rf run" else ["step-000000001"])
     assert not [p for p in (run.iterdir() if run.exists() else []) if ".tmp-" in p.name]  # no half-written save left
+
+
+@pytest.mark.parametrize("how", ["rm -rf run", "rm run/.lock"])
+def test_ram_tier_copy_whose_lock_is_lost_does_not_commit(tmp_path, monkeypatch, how):
+    """The RAM tier's background copy of step 2 to the run directory, held at its first file:
+    before, with "rm run/.lock" it committed step 2 there (close() raised nothing); with "rm -rf
+    run" close() raised the copy's FileNotFoundError (exit 1). Now close() raises the lost lock,
+    permanent, and the run directory holds no step 2."""
+    from trainguard import tiers
+
+    (tmp_path / "ram").mkdir()
+    run = tmp_path / "run"
+    mgr = tg.CheckpointManager(str(run), ram_tier=str(tmp_path / "ram"), save=tg.EveryNSteps(1), handle_signals=False).open()
+    try:
+        mgr.save(1, _state(1.0))
+        mgr.ram.wait()  # type: ignore[union-attr]
+        orig, at, go = tiers._copy, threading.Event(), threading.Event()
+
+        def held(*a, **k):
+            at.set()
+            assert go.wait(30), "never released"
+            return orig(*a, **k)
+
+        monkeypatch.setattr(tiers, "_copy", held)
+        try:
+            mgr.save(2, _state(2.0))
+            assert at.wait(30), "the copy to the run directory never started"
+            monkeypatch.setattr(tiers, "_copy", orig)
+            shutil.rmtree(run) if how == "rm -rf run" else os.remove(run / ".lock")
+        finally:
+            go.set()
+    finally:
+        with pytest.raises(tg.CheckpointError, match=r"\.lock was removed") as e:
+            mgr.close()
+    assert is_permanent(e.value), str(e.value)
+    assert _steps(run) == ([] if how == "rm -rf run" else ["step-000000001"])
 
 
 def _ranks_async(rank: int, world: int, root: str) -> dict:

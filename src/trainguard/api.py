@@ -25,13 +25,13 @@ from .commit import (
     LazyManifest,
     abandon_commit,
     check_begin,
-    check_commit,
     check_shared,
     claim_commit,
     commit_dir,
     occupied,
     rank_files,
 )
+from .commitfail import check_commit, discard
 from .dist import DistContext, check_timeout, one_operation
 from .errors import (
     CheckpointError,
@@ -256,8 +256,8 @@ def persist_and_commit(
             if not ctx.is_distributed and storage.atomic_rename:  # object store's manifest IS the commit
                 storage.remove_tree(work)
             raise
-    if ctx.rank == 0 and outcome.get("error"):
-        storage.remove_tree(work)
+    if ctx.rank == 0 and outcome.get("error"):  # the temp directory goes; a lost run lock is named as the cause
+        outcome, write_error = discard(storage, work, outcome, write_error)
     try:
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome

@@ -126,7 +126,6 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
         names += [w["index"][0]] if w.get("index") else []
         for fname in names:
             if not storage.exists(storage.join(work, fname)):
-                check_owned(os.path.dirname(work))  # the run directory removed (rm -rf) since the save started
                 if r == 0:
                     raise CheckpointError(
                         f"{fname}, uploaded by rank 0 into {work} in this save, is gone before its manifest was "
@@ -322,15 +321,6 @@ def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureEr
         f"(the manifest tells: a CheckpointManager resumes from it only if it is). {summary(e)}",
         {0: "stopped responding while committing"},
     ) from e
-
-
-def check_commit(target: str, outcome: dict[str, Any]) -> None:
-    """``api.persist_and_commit``, every rank, on the "commit" round's ``outcome``: raise rank 0's
-    failed commit (its error as text), permanent when rank 0's error was (``runlock.check_owned``)."""
-    if outcome.get("error"):
-        err = CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
-        err.permanent = bool(outcome.get("permanent"))
-        raise err
 
 
 def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Manifest, overwrite: bool, save_id: str) -> None:

@@ -34,7 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import layout
-from .commit import clean_debris, list_steps
+from .commit import check_owned, clean_debris, list_steps
+from .commitfail import discard_copy
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
@@ -274,13 +275,13 @@ class RamTier:
             for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
                 _copy(os.path.join(src, fname), d, d.join(work, fname), size)
             # Invariant: the manifest is copied only after every data file is durable.
+            check_owned(root)  # the run directory's lock lost since the save (runlock.py): no commit
             d.write_atomic(d.join(work, layout.MANIFEST), raw)
             if d.atomic_rename:
                 d.fsync_dir(work)
                 d.rename_dir(work, final)
-        except BaseException:
-            d.remove_tree(work)
-            raise
+        except BaseException as e:  # a lost run lock (an rm -rf mid-copy: ENOENT) is raised in its place
+            discard_copy(d, work, root, e)
         return True
 
     # --------------------------------------------------------------- restore

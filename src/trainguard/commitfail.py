@@ -1,0 +1,46 @@
+"""A save's failed commit, as every rank raises it (``api.persist_and_commit``): rank 0 names a
+lost run lock (``runlock.check_owned``) as the cause, and the "commit" round carries whether the
+error is permanent, so that every rank's process exits 78 under ``trainguard run`` (permanent.py)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NoReturn
+
+from .errors import CheckpointError, describe_error
+from .runlock import check_owned
+from .storage import Storage
+
+
+def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Exception | None) -> tuple[dict[str, Any], Exception | None]:
+    """``api.persist_and_commit``, rank 0, a save that failed (``outcome``, and ``error``, this
+    process's own, raised as itself by a single process): remove its temp directory ``work``.
+    When the run directory's lock was lost meanwhile (``runlock.check_owned``: an ``rm -rf`` while
+    the ranks wrote made their writes fail with ENOENT), that error, permanent, replaces both: the
+    write's error (not permanent) had ``trainguard run`` restart the job into an empty directory."""
+    storage.remove_tree(work)
+    try:
+        check_owned(os.path.dirname(work.rstrip("/")))
+    except CheckpointError as lost:
+        return {"error": describe_error(lost), "permanent": True}, lost
+    return outcome, error
+
+
+def check_commit(target: str, outcome: dict[str, Any]) -> None:
+    """``api.persist_and_commit``, every rank, on the "commit" round's ``outcome``: raise rank 0's
+    failed commit (its error as text), permanent when rank 0's error was (``runlock.check_owned``)."""
+    if outcome.get("error"):
+        err = CheckpointError(f"save of {target} failed at commit on rank 0:\n{outcome['error']}")
+        err.permanent = bool(outcome.get("permanent"))
+        raise err
+
+
+def discard_copy(storage: Storage, work: str, root: str, e: BaseException) -> NoReturn:
+    """``tiers.RamTier.persist`` (rank 0's background copy of a step to the run directory ``root``)
+    that failed with ``e``: remove its temp directory ``work``, then raise the lost run lock's
+    error (an ``rm -rf`` of ``root`` mid-copy made the copy fail with ENOENT) in place of ``e``,
+    else ``e``. Its error is raised by the manager's ``close`` (``RamTier.close``)."""
+    storage.remove_tree(work)
+    if isinstance(e, Exception):  # not a Ctrl-C
+        check_owned(root)
+    raise e
