@@ -83,7 +83,7 @@ def test_async_save_whose_lock_is_lost_after_it_started_does_not_commit(tmp_path
                 (run / ".lock").write_text('{"pid": 1, "host": "elsewhere", "since": 0}')
         finally:
             hold.go()
-        with pytest.raises(tg.CheckpointError, match=r"\.lock was (removed|replaced by another file).* while this job holds it") as e:
+        with pytest.raises(tg.CheckpointError, match=r"\.lock was (removed|replaced by another file) while this job held it") as e:
             mgr.wait()
         assert is_permanent(e.value) and tg.exit_code_for(e.value) == PERMANENT_EXIT
     finally:
@@ -206,3 +206,99 @@ def test_trainguard_run_does_not_restart_a_job_whose_run_directory_was_removed(t
     line = [x for x in text.splitlines() if x.startswith("trainguard run: rank(s)")]
     assert len(line) == 1 and "a restart will not fix" in line[0] and ".lock was removed" in line[0], text[-3000:]
     assert _steps(tmp_path / "run") == []
+
+
+def _another_job(lock: Path) -> tuple[str, int, int]:
+    """A forked process that tries to take ``lock`` as a second job's manager does (a POSIX lock on
+    a new descriptor, its holder info written); it holds what it got until the returned pipe's
+    write end is closed (bounded: 30 s). Returns ("took" or "busy", its pid, that write end)."""
+    import fcntl
+    import json
+    import select
+
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # only os calls here, then os._exit
+        try:
+            os.close(r1)
+            os.close(w2)
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": "other", "since": 0}).encode(), 0)
+                os.write(w1, b"took")
+            except OSError:
+                os.write(w1, b"busy")
+            select.select([r2], [], [], 30)
+        finally:
+            os._exit(0)
+    os.close(w1)
+    os.close(r2)
+    assert select.select([r1], [], [], 30)[0], "the other job never answered"
+    said = os.read(r1, 16).decode()
+    os.close(r1)
+    return said, pid, w2
+
+
+def _end(pid: int, w: int) -> None:
+    os.close(w)
+    os.waitpid(pid, 0)
+
+
+def test_lock_released_by_the_training_process_itself_is_caught_at_the_next_save(tmp_path):
+    """A POSIX lock goes when *any* descriptor of the file closes in the holding process: a
+    ``shutil.copytree`` of the run directory from the training script (a backup) released it, a
+    second job then took it and opened the directory as a writer, and the first job's next save
+    committed (the .lock was still the same file, so nothing noticed). Now that save fails,
+    permanent, naming the other holder; step 2 is not committed."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(str(run), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0), force=True)
+        shutil.copytree(run, tmp_path / "backup")  # opens and closes run/.lock in this process
+        said, pid, w = _another_job(run / ".lock")
+        try:
+            assert said == "took"  # what the copy did: no lock any more
+            with pytest.raises(tg.CheckpointError, match=r"\.lock was locked by another job \(pid \d+ on other") as e:
+                mgr.save(2, _state(2.0), force=True)
+            assert is_permanent(e.value)
+        finally:
+            _end(pid, w)
+    assert _steps(run) == ["step-000000001"]
+
+
+def test_lock_released_by_the_training_process_is_taken_again_when_nobody_took_it(tmp_path):
+    """Guard of the check above: released by an in-process copy with no other job around, the
+    next save takes the lock again (before: the directory stayed unlocked for the rest of the
+    run) and saves; another job then finds it locked."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(str(run), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0), force=True)
+        shutil.copytree(run, tmp_path / "backup")
+        mgr.save(2, _state(2.0), force=True)
+        said, pid, w = _another_job(run / ".lock")
+        _end(pid, w)
+        assert said == "busy"
+    assert _steps(run) == ["step-000000001", "step-000000002"]
+
+
+def test_close_in_a_forked_child_keeps_the_parents_lock_info(tmp_path):
+    """A child forked while the manager is open (os.fork in the script) that leaves its ``with``
+    block calls close(): it truncated the shared .lock, so a second job's LockedError named no
+    holder ("in use by another job ()") and was not permanent (restarted by trainguard run). Now
+    the child, which holds no lock, leaves the file alone."""
+    run = tmp_path / "run"
+    with tg.CheckpointManager(str(run), handle_signals=False) as mgr:
+        info = os.pread(mgr._lock.fd, 4096, 0)  # not open(): closing that descriptor would release the lock
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mgr.close()
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.pread(mgr._lock.fd, 4096, 0) == info and f'"pid": {os.getpid()}'.encode() in info
+        said, pid, w = _another_job(run / ".lock")
+        _end(pid, w)
+        assert said == "busy"

@@ -82,6 +82,9 @@ class RunLock:
             del _OWNED[key]
         try:
             with contextlib.suppress(OSError):
+                # Still this process's (taken again if lost, lock_lost): a job that took it since, or the
+                # parent of a forked child calling close(), keeps its holder info (the file is shared).
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 os.ftruncate(fd, 0)
                 fcntl.lockf(fd, fcntl.LOCK_UN)
         finally:
@@ -121,22 +124,42 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
         return None  # the descriptor itself failed: nothing known about the path; release() reports nothing either
     try:
         now = os.stat(lock.path)
-        what = None if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) else "was replaced by another file"
+        what = None if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) else "was replaced by another file while this job held it"
     except FileNotFoundError:
-        what = "was removed (the run directory deleted or moved?)"
-    except OSError as e:
+        what = "was removed while this job held it (the run directory deleted or moved?)"
+    except OSError as e:  # a medium's error (EIO, ESTALE): not permanent
         what = f"cannot be checked ({type(e).__name__}: {e})"
+    if what is None:
+        what = _taken(lock.fd)
     if what is None:
         return None
     root = os.path.dirname(lock.path)
-    return mark(CheckpointError(
-        f"the run directory's lock {lock.path} {what} while this job holds it: {root} is no longer locked "
+    err = CheckpointError(
+        f"the run directory's lock {lock.path} {what}: {root} is no longer locked "
         "by this job, and another job could open it as a writer and delete this job's checkpoints. Nothing "
         "was saved. Stop this job and find out what removed it (a deleted run directory took its checkpoints "
         "along: a job started there again begins at step 0); make sure no other job writes to that directory, "
         "then start the job again (opening a CheckpointManager takes the lock again), or point it at another "
         "directory. `trainguard run` does not restart it (exit 78)"
-    ))
+    )
+    return err if what.startswith("cannot") else mark(err)
+
+
+def _taken(fd: int) -> str | None:
+    """``lock_lost``, the lock file in place: None while this process holds its lock, else how it
+    lost it. A POSIX lock goes when *any* descriptor of the file closes in the holding process: a
+    ``shutil.copytree``, ``tar`` or checksum of the run directory from the training script released
+    it, and a second job opened the directory as a writer. Not taken since: this process takes it
+    again here (one fcntl per check)."""
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return None
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EAGAIN):
+            return None  # ENOLCK, EIO: nothing known (acquire raised it; here the lock may well be held)
+    return (f"was locked by another job ({_read_holder(fd) or 'unknown holder'}) after this process lost its lock "
+            "on it (closing any descriptor of that file in this process releases it: a shutil.copytree, tar "
+            "or checksum of the run directory from the training script?)")
 
 
 def _read_holder(fd: int) -> str:
