@@ -78,8 +78,9 @@ class RunLock:
             return
         fd, self.fd = self.fd, None
         _HELD.discard(self._real)
-        for key in [k for k, v in _OWNED.items() if v is self]:
-            del _OWNED[key]
+        for key, held in list(_OWNED.items()):  # list(): one step under the GIL (another thread's manager)
+            if held is self:
+                _OWNED.pop(key, None)
         try:
             with contextlib.suppress(OSError):
                 # Still this process's (taken again if lost, lock_lost): a job that took it since, or the
