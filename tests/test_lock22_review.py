@@ -205,6 +205,7 @@ def test_trainguard_run_does_not_restart_a_job_whose_run_directory_was_removed(t
     assert text.count("start at step") == 1 and "ended" not in text, text[-3000:]
     line = [x for x in text.splitlines() if x.startswith("trainguard run: rank(s)")]
     assert len(line) == 1 and "a restart will not fix" in line[0] and ".lock was removed" in line[0], text[-3000:]
+    assert "begins at step 0" in line[0] and "then start the job again" in line[0], line[0]  # what to do, not cut off
     assert _steps(tmp_path / "run") == []
 
 

@@ -138,10 +138,10 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     err = CheckpointError(
         f"the run directory's lock {lock.path} {what}: {root} is no longer locked "
         "by this job, and another job could open it as a writer and delete this job's checkpoints. Nothing "
-        "was saved. Stop this job and find out what removed it (a deleted run directory took its checkpoints "
+        "was saved.\nStop this job and find out what removed it (a deleted run directory took its checkpoints "
         "along: a job started there again begins at step 0); make sure no other job writes to that directory, "
-        "then start the job again (opening a CheckpointManager takes the lock again), or point it at another "
-        "directory. `trainguard run` does not restart it (exit 78)"
+        "then start the job again (it takes the lock again), or point it at another directory; `trainguard "
+        "run` does not restart it (exit 78)"
     )
     return err if what.startswith("cannot") else mark(err)
 
