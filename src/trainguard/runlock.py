@@ -95,12 +95,12 @@ class RunLock:
 
 def check_owned(parent: str) -> None:
     """``commit.commit_dir`` and ``tiers.RamTier.persist``, on rank 0, right before the manifest is
-    written (the commit): when this process holds the lock of ``parent`` (the run directory the
+    written (the commit), and ``commitfail`` after a failed one (to name the cause): when this process holds the lock of ``parent`` (the run directory the
     checkpoint goes into), raise :func:`lock_lost`'s error if the lock was lost since the save
     started. An async save commits long after ``save()`` returned (its lock was checked then): an
     ``rm -rf`` of the run directory meanwhile was recreated by the save's ``makedirs`` and the
     commit landed there, unlocked. Raised here, the save fails (its temp directory is removed) and
-    the error reaches the other ranks in the save's own "commit" round. A stat per commit."""
+    the error reaches the other ranks in the save's own "commit" round. A stat and a lockf per commit."""
     if not _OWNED:
         return
     err = lock_lost(_OWNED.get(os.path.abspath(parent)) or _OWNED.get(os.path.realpath(parent)))
@@ -115,7 +115,7 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     file (that a second job may hold). Raised in the save's first round (``preflight``), so every
     rank fails before a byte is written and the committed checkpoints stay as they are; checked
     again at the commit (:func:`check_owned`). None where nothing is held here (other ranks, object
-    stores) or the lock is in place: one stat per save. Permanent: ``trainguard run`` restarted the
+    stores) or the lock is in place: a stat and a lockf per save. Permanent: ``trainguard run`` restarted the
     job into a fresh lock (after an ``rm -rf``: a silent fresh start from step 0); it now stops."""
     if lock is None or lock.fd is None:
         return None
