@@ -95,12 +95,13 @@ class RunLock:
 
 def check_owned(parent: str) -> None:
     """``commit.commit_dir`` and ``tiers.RamTier.persist``, on rank 0, right before the manifest is
-    written (the commit), and ``commitfail`` after a failed one (to name the cause): when this process holds the lock of ``parent`` (the run directory the
-    checkpoint goes into), raise :func:`lock_lost`'s error if the lock was lost since the save
-    started. An async save commits long after ``save()`` returned (its lock was checked then): an
-    ``rm -rf`` of the run directory meanwhile was recreated by the save's ``makedirs`` and the
-    commit landed there, unlocked. Raised here, the save fails (its temp directory is removed) and
-    the error reaches the other ranks in the save's own "commit" round. A stat and a lockf per commit."""
+    written (the commit), and ``commitfail`` after a failed one (to name the cause): when this
+    process holds the lock of ``parent`` (the run directory the checkpoint goes into), raise
+    :func:`lock_lost`'s error if the lock was lost since the save started. An async save commits
+    long after ``save()`` returned (its lock was checked then): an ``rm -rf`` of the run directory
+    meanwhile was recreated by the save's ``makedirs`` and the commit landed there, unlocked.
+    Raised here, the save fails (its temp directory is removed) and the error reaches the other
+    ranks in the save's own "commit" round. A stat and a lockf per commit."""
     if not _OWNED:
         return
     err = lock_lost(_OWNED.get(os.path.abspath(parent)) or _OWNED.get(os.path.realpath(parent)))
@@ -115,8 +116,9 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     file (that a second job may hold). Raised in the save's first round (``preflight``), so every
     rank fails before a byte is written and the committed checkpoints stay as they are; checked
     again at the commit (:func:`check_owned`). None where nothing is held here (other ranks, object
-    stores) or the lock is in place: a stat and a lockf per save. Permanent: ``trainguard run`` restarted the
-    job into a fresh lock (after an ``rm -rf``: a silent fresh start from step 0); it now stops."""
+    stores) or the lock is in place: a stat and a lockf per save. Permanent (not a medium's error
+    on the stat): ``trainguard run`` restarted the job into a fresh lock (after an ``rm -rf``: a
+    silent fresh start from step 0); it now stops."""
     if lock is None or lock.fd is None:
         return None
     try:
@@ -125,7 +127,8 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
         return None  # the descriptor itself failed: nothing known about the path; release() reports nothing either
     try:
         now = os.stat(lock.path)
-        what = None if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) else "was replaced by another file while this job held it"
+        same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+        what = None if same else "was replaced by another file while this job held it"
     except FileNotFoundError:
         what = "was removed while this job held it (the run directory deleted or moved?)"
     except OSError as e:  # a medium's error (EIO, ESTALE): not permanent
