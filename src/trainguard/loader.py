@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import resizable, split
+from . import resizable, scalerstate, split
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
@@ -298,8 +298,8 @@ def _load(
         try:
             if isinstance(obj, ModuleAdapter):
                 obj.load_state_dict(value, strict=strict)
-            elif has_state(obj):
-                obj.load_state_dict(value)
+            elif has_state(obj):  # a GradScaler enabled since a save with it disabled: scalerstate.py
+                scalerstate.keeps_fresh(key, obj, value, strict) or obj.load_state_dict(value)
             elif isinstance(state, MutableMapping):
                 state[key] = value
             elif not same_values(value, state[key]):

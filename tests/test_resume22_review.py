@@ -1,0 +1,97 @@
+"""A run resumed after its configuration changed between runs (session 22 review, "resume").
+
+Run 1 saves in a child process (the first run of a job); run 2 is this process with the changed
+configuration, restoring from run 1's checkpoint with ``CheckpointManager.restore``. Each change
+either resumes as documented (docs/checkpoints.md, "Changing the configuration between runs")
+or is refused with an error that says what to change."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+
+ROOT = Path(__file__).resolve().parent.parent
+
+RUN1 = """
+import json, sys, torch, trainguard as tg
+for name, extra in json.loads(sys.argv[2]).items():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": optimizer}
+    exec(extra)
+    with tg.CheckpointManager(f"{sys.argv[1]}/{name}", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        for step in range(3):
+            optimizer.zero_grad()
+            model(torch.randn(5, 4)).square().mean().backward()
+            optimizer.step()
+            mgr.save(step, state)
+"""
+
+RUNS = {  # run 1 of each test: what its state holds beside the model and the Adam optimizer
+    "scaler_off": 'state["scaler"] = torch.amp.GradScaler("cpu", enabled=False)',
+    "scaler_on": 'state["scaler"] = torch.amp.GradScaler("cpu", init_scale=512.0)',
+}
+
+
+@pytest.fixture(scope="module")
+def run1(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Run 1 of every test, in one child process (a process start costs seconds on a loaded machine):
+    three steps each, a checkpoint at each, under ``<root>/<name>``."""
+    root = tmp_path_factory.mktemp("run1")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([sys.executable, "-c", RUN1, str(root), json.dumps(RUNS)], env=env, check=True, timeout=300)
+    return root
+
+
+def _model_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)  # other values than run 1's: a load that does not happen shows
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _restore(root: Path, state: dict, strict: bool = True) -> tuple[int | None, list[str]]:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1000), handle_signals=False) as mgr:
+            step = mgr.restore(state, strict=strict)
+    return step, [str(w.message) for w in got]
+
+
+def test_grad_scaler_enabled_since_a_save_with_it_disabled(run1: Path) -> None:
+    """Seen before: refused with strict=False too, "The source state dict is empty ... The object
+    must be built the same way as when it was saved": no way to turn mixed precision on."""
+    root = run1 / "scaler_off"
+    model, optim = _model_optim()
+    state = {"model": model, "optim": optim, "scaler": torch.amp.GradScaler("cpu", init_scale=1024.0)}
+    with pytest.raises(tg.CheckpointError) as e:
+        _restore(root, state)
+    assert "GradScaler was disabled" in str(e.value) and "strict=False" in str(e.value), str(e.value)
+    assert tg.exit_code_for(e.value) == 78  # the same at every restart
+
+    model, optim = _model_optim()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    step, warned = _restore(root, {"model": model, "optim": optim, "scaler": scaler}, strict=False)
+    assert step == 2 and scaler.get_scale() == 1024.0  # fresh, as built
+    assert optim.state and any("starts fresh" in w for w in warned), warned
+    ref = {"model": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))}
+    tg.load(root / "step-000000002", ref, only=["model"])
+    assert torch.equal(ref["model"][0].weight, model[0].weight)
+
+
+def test_grad_scaler_disabled_since_a_save_with_it_enabled(run1: Path) -> None:
+    """The reverse change is torch's: a disabled scaler ignores the saved scale (nothing to refuse)."""
+    root = run1 / "scaler_on"
+    model, optim = _model_optim()
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    step, _ = _restore(root, {"model": model, "optim": optim, "scaler": scaler})
+    assert step == 2 and not scaler.is_enabled() and scaler.state_dict() == {}
