@@ -40,6 +40,7 @@ for name, extra in json.loads(sys.argv[2]).items():
 RUNS = {  # run 1 of each test: what its state holds beside the model and the Adam optimizer
     "scaler_off": 'state["scaler"] = torch.amp.GradScaler("cpu", enabled=False)',
     "scaler_on": 'state["scaler"] = torch.amp.GradScaler("cpu", init_scale=512.0)',
+    "plain": "",
 }
 
 
@@ -95,3 +96,36 @@ def test_grad_scaler_disabled_since_a_save_with_it_enabled(run1: Path) -> None:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     step, _ = _restore(root, {"model": model, "optim": optim, "scaler": scaler})
     assert step == 2 and not scaler.is_enabled() and scaler.state_dict() == {}
+
+
+def test_model_built_in_another_dtype_says_what_strict_false_does(run1: Path) -> None:
+    """fp32 saved, bf16 built: the error said "Pass strict=False to load what matches", which
+    reads as if the bf16 tensors were left out; strict=False casts them (model and moments)."""
+    model, optim = _model_optim()
+    model.to(torch.bfloat16)
+    with pytest.raises(tg.StateMismatchError) as e:
+        _restore(run1 / "plain", {"model": model, "optim": optim})
+    assert "4 of the tensors differ in dtype only" in str(e.value), str(e.value)
+    assert "casts them into the state's dtype" in str(e.value)
+
+    step, _ = _restore(run1 / "plain", {"model": model, "optim": optim}, strict=False)
+    ref, _ = _model_optim()
+    tg.load(run1 / "plain" / "step-000000002", {"model": ref}, only=["model"])
+    assert step == 2 and model[0].weight.dtype == torch.bfloat16
+    assert torch.equal(model[0].weight, ref[0].weight.to(torch.bfloat16))  # cast, not left as built
+    assert optim.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
+
+
+def test_scheduler_added_since_the_save(run1: Path) -> None:
+    """A scheduler added in run 2: refused, saying that strict=False keeps it fresh; it then
+    starts from last_epoch 0 while the optimizer's lr is the checkpoint's."""
+    model, optim = _model_optim()
+    optim.param_groups[0]["lr"] = 0.05  # run 2's config: another lr, overridden by the checkpoint's
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    state = {"model": model, "optim": optim, "sched": sched}
+    with pytest.raises(tg.StateMismatchError) as e:
+        _restore(run1 / "plain", state)
+    assert "Entries the checkpoint lacks (sched: added since the save?) keep their fresh state" in str(e.value), str(e.value)
+    step, _ = _restore(run1 / "plain", state, strict=False)
+    assert step == 2 and sched.last_epoch == 0 and sched.base_lrs == [0.05]
+    assert optim.param_groups[0]["lr"] == 0.1  # the checkpoint's group values win (documented)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno as _errno
 import operator
+import re
 from typing import Any
 
 
@@ -60,13 +61,35 @@ class StateMismatchError(CheckpointError, KeyError):
         if mismatched:
             parts.append(f"shape/dtype differ ({len(mismatched)}): {_short(mismatched)}")
         msg = "state does not match the checkpoint: " + "; ".join(parts)
-        msg += ". Pass strict=False to load what matches, or only=[...] to load a subset."
+        msg += ". Pass strict=False to load what matches, or tg.load(..., only=[...]) to load a subset."
         if unexpected and not missing and not mismatched:
             msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True."
-        super().__init__(msg + _wrapped_weight_hint(missing, unexpected))
+        super().__init__(msg + _changed_config_hint(missing, unexpected, mismatched) + _wrapped_weight_hint(missing, unexpected))
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+_DTYPE_ONLY = re.compile(r"\(checkpoint (\w+)(\[[\d, ]*\]), state (\w+)(\[[\d, ]*\])\)$")
+
+
+def _changed_config_hint(missing: list[str], unexpected: list[str], mismatched: list[str]) -> str:
+    """``StateMismatchError``: what ``strict=False`` does with the differences a configuration
+    changed between runs leaves (docs/checkpoints.md, "Changing the configuration between runs"):
+    tensors of another dtype only (a model built in bf16, saved in fp32) are cast, not left as
+    they are, as "load what matches" reads; whole entries (no ``/`` in the name: an LR scheduler
+    or a GradScaler added or removed since the save) start fresh or are not read. "" otherwise."""
+    out = ""
+    cast = [m for m in mismatched if (d := _DTYPE_ONLY.search(m)) and d[1] != d[3] and d[2] == d[4]]
+    if cast:
+        out += (f" {len(cast)} of the tensors differ in dtype only (the model built in another dtype than at save "
+                "time?): strict=False reads them and casts them into the state's dtype.")
+    if added := [k for k in missing if "/" not in k]:
+        out += (f" Entries the checkpoint lacks ({_short(added)}: added since the save?) keep their fresh state with "
+                "strict=False.")
+    if gone := [k for k in unexpected if "/" not in k]:
+        out += f" Entries the state no longer holds ({_short(gone)}) are not read with strict=False."
+    return out
 
 
 def _wrapped_weight_hint(missing: list[str], unexpected: list[str]) -> str:
