@@ -41,6 +41,7 @@ RUNS = {  # run 1 of each test: what its state holds beside the model and the Ad
     "scaler_off": 'state["scaler"] = torch.amp.GradScaler("cpu", enabled=False)',
     "scaler_on": 'state["scaler"] = torch.amp.GradScaler("cpu", init_scale=512.0)',
     "plain": "",
+    "data": 'state["data"] = tg.ResumableSampler(32, seed=0); state["data"].advance(16)',
 }
 
 
@@ -129,3 +130,21 @@ def test_scheduler_added_since_the_save(run1: Path) -> None:
     step, _ = _restore(run1 / "plain", state, strict=False)
     assert step == 2 and sched.last_epoch == 0 and sched.base_lrs == [0.05]
     assert optim.param_groups[0]["lr"] == 0.1  # the checkpoint's group values win (documented)
+
+
+def test_dataset_grew_since_the_save_says_how_to_go_on(run1: Path) -> None:
+    """A dataset of 32 samples saved at sample 16 of epoch 0, 40 samples now: refused (as before),
+    and the message now names the saved epoch and the way to go on, which works as written."""
+    model, optim = _model_optim()
+    state = {"model": model, "optim": optim, "data": tg.ResumableSampler(40, seed=0)}
+    with pytest.raises(tg.CheckpointError) as e:
+        _restore(run1 / "data", state)
+    msg = str(e.value)
+    assert "saved at epoch 0, sample 16" in msg and "sampler.set_epoch(1)" in msg and "strict=False" in msg, msg
+    assert tg.exit_code_for(e.value) == 78
+
+    data = state.pop("data")  # what the message says
+    step, _ = _restore(run1 / "data", state, strict=False)
+    state["data"] = data
+    data.set_epoch(1)
+    assert step == 2 and optim.state and sorted(data) == list(range(40))  # the new dataset's whole epoch

@@ -243,10 +243,13 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             raise mark(CheckpointError(f"ResumableSampler: the saved state {sorted(state_dict)} is not a ResumableSampler's "
                                   "(a ResumableIterable's?): restore a sampler from a sampler's entry"))
         if int(state_dict["num_samples"]) != self.num_samples or bool(state_dict["shuffle"]) != self.shuffle:
+            e, p = state_dict.get("epoch"), state_dict.get("position")  # what to do: the epoch to go on at
+            nxt = e if p == 0 else e + 1 if isinstance(e, int) else "<the saved epoch + 1>"
             raise mark(CheckpointError(  # permanent: the same at every restart
                 f"ResumableSampler: checkpoint has num_samples={state_dict['num_samples']}, "
-                f"shuffle={state_dict['shuffle']}; this sampler has {self.num_samples}, {self.shuffle}. "
-                "Resume with the same dataset, or start a new run"
+                f"shuffle={state_dict['shuffle']}; this sampler has {self.num_samples}, {self.shuffle} (saved at epoch {e}, "
+                f"sample {p}). Resume with the same dataset, or go on with this one from the next epoch: restore with this "
+                f"entry out of the state and strict=False, then call sampler.set_epoch({nxt}) (docs/checkpoints.md)"
             ))
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if not 0 <= position <= self.num_samples or epoch < 0:
