@@ -148,3 +148,26 @@ def test_dataset_grew_since_the_save_says_how_to_go_on(run1: Path) -> None:
     state["data"] = data
     data.set_epoch(1)
     assert step == 2 and optim.state and sorted(data) == list(range(40))  # the new dataset's whole epoch
+
+
+def test_layer_frozen_since_the_save_with_an_optimizer_of_trainable_parameters(run1: Path) -> None:
+    """Layer 0 frozen in run 2 and the optimizer built from the trainable parameters only: refused
+    as before, now naming what the optimizer lacks and why; the advice (all parameters) resumes
+    with the frozen layer left as loaded."""
+    model, _ = _model_optim()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    optim = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(tg.CheckpointError) as e:
+        _restore(run1 / "plain", {"model": model, "optim": optim})
+    msg = str(e.value)
+    assert "holds ['0.weight', '0.bias'], which the optimizer's lacks" in msg and "frozen since the save" in msg, msg
+
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)  # what the message says
+    step, warned = _restore(run1 / "plain", {"model": model, "optim": optim})
+    assert step == 2 and any("trainable then and are frozen now" in w for w in warned), warned
+    frozen, head = model[0].weight.clone(), model[2].weight.clone()
+    optim.zero_grad()
+    model(torch.randn(5, 4)).square().mean().backward()
+    optim.step()
+    assert torch.equal(model[0].weight, frozen) and not torch.equal(model[2].weight, head)

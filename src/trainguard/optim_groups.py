@@ -53,6 +53,22 @@ def count_mismatch(saved_groups: Sequence[Mapping[str, Any]], names: Sequence[st
     return "; ".join(parts)
 
 
+def left_out_hint(saved: Sequence[str], current: Sequence[str]) -> str:
+    """``stateful.OptimizerAdapter._match_groups`` (every rank, before anything is read), for a
+    group whose parameters differ from the checkpoint's: the names the checkpoint's group holds
+    and the optimizer's lacks, and the usual reason, a layer frozen since the save and an optimizer
+    built from the trainable parameters only (``filter(lambda p: p.requires_grad, ...)``); "" when
+    the optimizer lacks none."""
+    lacks = [n for n in saved if n not in set(current)]
+    if not lacks:
+        return ""
+    return (f"; the checkpoint's group holds {lacks[:8]}{' ...' if len(lacks) > 8 else ''}, which the optimizer's lacks: "
+            "if they are frozen since the save (requires_grad=False) and the optimizer is built from the trainable "
+            "parameters only, build it from all of them as at save time (a frozen parameter gets no gradient, so the "
+            "optimizer does not step it), or leave the optimizer out of the state and restore with strict=False to "
+            "start it fresh")
+
+
 def unowned_hint(params: Sequence[Any], names: Mapping[int, str]) -> str:
     """``stateful.OptimizerAdapter._match_groups`` (every rank, before anything is read), for a
     group whose parameters differ from the checkpoint's: why, when some of ``params`` belong to no

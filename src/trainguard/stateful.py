@@ -290,7 +290,7 @@ class OptimizerAdapter:
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
         from .errors import CheckpointError
-        from .optim_groups import count_mismatch, unowned_hint
+        from .optim_groups import count_mismatch, left_out_hint, unowned_hint
         from .permanent import mark
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
@@ -308,7 +308,7 @@ class OptimizerAdapter:
                     f"parameter group {gi} holds other parameters than at save time "
                     f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
                     + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
-                    + unowned_hint(cur["params"], self.names)
+                    + left_out_hint(saved["params"], cur_names) + unowned_hint(cur["params"], self.names)
                 ))
         return out
 
