@@ -34,6 +34,8 @@ for name, extra in json.loads(sys.argv[2]).items():
             optimizer.zero_grad()
             model(torch.randn(5, 4)).square().mean().backward()
             optimizer.step()
+            if "sched" in state:
+                state["sched"].step()
             mgr.save(step, state)
 """
 
@@ -41,6 +43,7 @@ RUNS = {  # run 1 of each test: what its state holds beside the model and the Ad
     "scaler_off": 'state["scaler"] = torch.amp.GradScaler("cpu", enabled=False)',
     "scaler_on": 'state["scaler"] = torch.amp.GradScaler("cpu", init_scale=512.0)',
     "plain": "",
+    "cosine": 'state["sched"] = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)',
     "data": 'state["data"] = tg.ResumableSampler(32, seed=0); state["data"].advance(16)',
 }
 
@@ -171,3 +174,28 @@ def test_layer_frozen_since_the_save_with_an_optimizer_of_trainable_parameters(r
     model(torch.randn(5, 4)).square().mean().backward()
     optim.step()
     assert torch.equal(model[0].weight, frozen) and not torch.equal(model[2].weight, head)
+
+
+def test_scheduler_configuration_changed_since_the_save_is_warned(run1: Path) -> None:
+    """Training extended: CosineAnnealingLR(T_max=10) saved, T_max=40 built. The checkpoint's T_max
+    wins (torch's load_state_dict takes every attribute): before, silently, and the lr went back up
+    to the full lr by step 20. Now warned, naming both values; setting it after the restore works."""
+    def build(t_max: int) -> tuple[dict, torch.optim.lr_scheduler.CosineAnnealingLR]:
+        model, optim = _model_optim()
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(optim, T_max=t_max)
+        return {"model": model, "optim": optim, "sched": sched}, sched
+
+    state, sched = build(10)  # the same configuration: no word
+    step, warned = _restore(run1 / "cosine", state)
+    assert step == 2 and not [w for w in warned if "scheduler has" in w], warned
+
+    state, sched = build(40)
+    step, warned = _restore(run1 / "cosine", state)
+    assert step == 2 and sched.T_max == 10 and sched.last_epoch == 3  # the checkpoint's, as torch's load gives
+    hits = [w for w in warned if "the checkpoint's scheduler has T_max=10, this run built it with T_max=40" in w]
+    assert len(hits) == 1 and "sched.T_max = 40" in hits[0], warned
+    sched.T_max = 40  # what the warning says
+    for _ in range(3, 20):
+        state["optim"].step()
+        sched.step()
+    assert sched.get_last_lr()[0] < 0.1 * 0.9  # still annealing at step 20 (with T_max=10: back at 0.1)

@@ -38,6 +38,7 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
     from .errors import CheckpointError
     from .names import check_frozen
     from .permanent import mark
+    from .schedconfig import check_config
 
     for key, value in state.items():
         saved = (manifest.objects.get(key) or {}).get("class")
@@ -52,4 +53,6 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
                 f"of another kind, silently. Build a {saved} as at save time (to start the new scheduler instead, "
                 "leave this entry out of the state and load with strict=False)"
             ))
+        if cur is not None and key in manifest.objects:  # T_max, step_size... changed since the save: warned
+            check_config(key, value, manifest.objects[key].get("skeleton"))
     check_frozen(manifest, state)

@@ -1,0 +1,58 @@
+"""A learning-rate scheduler whose configuration changed between runs (``T_max``, ``step_size``,
+``total_steps``... or ``base_lrs`` through the optimizer's lr): warned about on load.
+
+A scheduler's ``load_state_dict`` is ``self.__dict__.update(state_dict)``: every saved attribute
+wins, its configuration included. A run resumed with ``CosineAnnealingLR(T_max=40)`` after a save
+with ``T_max=10`` (training extended) anneals to ``eta_min`` at step 10 and climbs back to the
+full lr by step 20, silently (seen). :func:`check_config` (called by ``schedclass.check_entries``:
+``loader._load``, every rank, before anything is read) compares the state's scheduler, as built
+for this run, with the saved attributes, and warns naming each one that differs and how to apply
+the new value. Compared: top-level attributes that are plain values or lists of them, but the
+progress a resume restores (``last_epoch``, ``ReduceLROnPlateau``'s ``best``...) and private ones.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+_PROGRESS = frozenset({"last_epoch", "best", "num_bad_epochs", "cooldown_counter", "mode_worse", "verbose", "T_cur", "T_i"})
+
+
+def _plain(v: Any) -> bool:
+    if isinstance(v, (list, tuple)):
+        return all(isinstance(x, (bool, int, float, str)) or x is None for x in v)
+    return isinstance(v, (bool, int, float, str)) or v is None
+
+
+def check_config(key: str, scheduler: Any, saved: Any) -> None:
+    """Warn when ``saved`` (the scheduler entry's skeleton in the checkpoint) holds configuration
+    values other than ``scheduler``'s own (the one this run built). Never raises: a scheduler
+    whose ``state_dict()`` fails here is left to the load."""
+    if not isinstance(saved, dict):
+        return
+    try:
+        cur = scheduler.state_dict()
+    except Exception:  # noqa: BLE001 - the load reports it
+        return
+    differ = [
+        (k, saved[k], cur[k]) for k in sorted(saved)
+        if not k.startswith("_") and k not in _PROGRESS and k in cur and _plain(saved[k]) and _plain(cur[k])
+        and _norm(saved[k]) != _norm(cur[k])
+    ]
+    if not differ:
+        return
+    was = ", ".join(f"{k}={s!r}" for k, s, _ in differ)
+    now = ", ".join(f"{k}={c!r}" for k, _, c in differ)
+    hint = "; base_lrs: set each param group's lr too" if any(k == "base_lrs" for k, *_ in differ) else ""
+    warnings.warn(
+        f"entry {key!r}: the checkpoint's scheduler has {was}, this run built it with {now}; the restore "
+        "takes the checkpoint's (a scheduler's load_state_dict takes every saved attribute, as torch's does). "
+        f"To use this run's, set them after the restore (e.g. sched.{differ[0][0]} = {differ[0][2]!r}{hint}); "
+        "ignore this if the change is not meant for this run (docs/checkpoints.md)",
+        stacklevel=6,  # the caller of tg.load (check_config, schedclass.check_entries, _load, load, dist's wrapper)
+    )
+
+
+def _norm(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
