@@ -77,7 +77,7 @@ def test_sharded_fsdp1_optimizer_without_its_model_is_refused_before_anything_is
             assert "split_state" not in last
         assert r.value["untouched"]  # the refused load read nothing into the optimizer
         other = r.value["other"]
-        assert other["type"] is not None and "holds the state of a Adam optimizer" in other["msg"], other
+        assert other["type"] is not None and "holds the state of an Adam optimizer" in other["msg"], other
     assert sorted(p.name for p in tmp_path.iterdir()) == ["both"]
 
 

@@ -47,7 +47,7 @@ def test_refused_sharded_fsdp1_optimizer_leaves_the_state_unchanged(tmp_path: Pa
     read: the error came with the model holding the checkpoint's parameters."""
     for r in run_ranks(_refused_fsdp1, 2, str(tmp_path), timeout=90):
         sgd, groups = r.value["sgd"], r.value["groups"]
-        assert sgd["type"] == "CheckpointError" and "holds the state of a Adam optimizer" in sgd["msg"], sgd
+        assert sgd["type"] == "CheckpointError" and "holds the state of an Adam optimizer" in sgd["msg"], sgd
         assert sgd["msg"].startswith("entry 'optim': ")
         assert groups["type"] == "CheckpointError" and "1 parameter group(s), the state's 2" in groups["msg"], groups
         for v in (sgd, groups):

@@ -92,6 +92,11 @@ def unowned_hint(params: Sequence[Any], names: Mapping[int, str]) -> str:
     return f"; {len(lost)} of the optimizer's parameters (named param.<index>) belong to no module in the state ({why})"
 
 
+def a(name: str) -> str:
+    """``name`` with its indefinite article, for messages: "an Adam", "a SGD" (by its first letter)."""
+    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+
+
 def refuse_other_class(optimizer: Any, skeleton: Any, where: str) -> None:
     """Every rank, before anything is read (``OptimizerAdapter.check_saved``,
     ``FSDP1OptimizerAdapter.check_saved``): a permanent ``CheckpointError`` when the checkpoint
@@ -105,7 +110,7 @@ def refuse_other_class(optimizer: Any, skeleton: Any, where: str) -> None:
     saved = skeleton.get("class") if isinstance(skeleton, dict) else None
     if isinstance(saved, str) and saved != (cur := optimizer_class(optimizer)):
         raise mark(CheckpointError(
-            f"{where}the checkpoint holds the state of a {saved} optimizer, the state's optimizer is a {cur}; "
-            f"build a {saved} as at save time (to start a new optimizer instead, leave this entry out of "
+            f"{where}the checkpoint holds the state of {a(saved)} optimizer, the state's optimizer is {a(cur)}; "
+            f"build {a(saved)} as at save time (to start a new optimizer instead, leave this entry out of "
             "the state and load with strict=False)"
         ))

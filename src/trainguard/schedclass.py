@@ -37,6 +37,7 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
     then :func:`names.check_frozen`."""
     from .errors import CheckpointError
     from .names import check_frozen
+    from .optim_groups import a
     from .permanent import mark
     from .schedconfig import check_config
 
@@ -48,9 +49,9 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
         bases = {c.__qualname__ for c in type(value).__mro__[1:] if issubclass(c, LRScheduler) and c is not LRScheduler}
         if type(saved) is str and cur is not None and saved != cur and saved not in bases:
             raise mark(CheckpointError(
-                f"entry {key!r}: the checkpoint holds the state of a {saved} scheduler, the state's scheduler is a "
-                f"{cur}; its load_state_dict() would take the saved attributes (base_lrs, last_epoch...) into a scheduler "
-                f"of another kind, silently. Build a {saved} as at save time (to start the new scheduler instead, "
+                f"entry {key!r}: the checkpoint holds the state of {a(saved)} scheduler, the state's scheduler is "
+                f"{a(cur)}; its load_state_dict() would take the saved attributes (base_lrs, last_epoch...) into a scheduler "
+                f"of another kind, silently. Build {a(saved)} as at save time (to start the new scheduler instead, "
                 "leave this entry out of the state and load with strict=False)"
             ))
         if cur is not None and key in manifest.objects:  # T_max, step_size... changed since the save: warned
