@@ -285,6 +285,8 @@ def make_plan(
         raise ValueError(f"restart_s={restart_s!r}: the restart time must be a finite number >= 0")
     if step_time_s is not None and not step_time_s > 0:
         raise ValueError(f"step_time_s={step_time_s!r} must be > 0")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+        raise ValueError(f"gpus_per_node={gpus_per_node!r}: the GPUs per node must be a positive integer (e.g. 8)")
     if intervals is not None and (not isinstance(intervals, Mapping) or not all(0 < v < math.inf for v in intervals.values())):
         raise ValueError(f"intervals={intervals!r}: map labels to compute seconds > 0, e.g. {{'500 steps': 1000.0}}")
     m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
