@@ -20,7 +20,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from ..reliability import Plan, format_duration, make_plan, parse_duration, plot_plan
+from ..reliability import Plan, efficiency, format_duration, make_plan, parse_duration, plot_plan
 from . import CommandError, PipeConsole
 
 
@@ -153,6 +153,27 @@ def _pct(p: float) -> str:
     return f"{100 * p:.1f}%" if p < 0.995 else f"{100 * p:.6g}%"
 
 
+def _hopeless(p: Plan) -> str:
+    """What ``trainguard plan`` prints when even the optimum wastes half the time or more: which of the
+    restart and the save stall is to blame, and what to change. The efficiency factorises exactly,
+    ``E = e^(-R/M) * E_0``: the restart alone keeps at most ``e^(-R/M)`` of the time (``E_0`` is the
+    efficiency with an instant restart), so each cause is named only where it costs more than 10 %."""
+    m = p.job_mtbf_s
+    keep_restart = math.exp(-p.restart_s / m)
+    keep_save = efficiency(p.optimal_interval_s, p.stall_s, 0.0, m)
+    causes, fixes = [], []
+    if keep_save < 0.9:
+        causes.append(f"saving (a {format_duration(p.stall_s)} stall) keeps {100 * keep_save:.2f}% even at the optimum")
+        fixes.append("cut the stall with async saves (only their blocking part counts) or a RAM tier (ram_tier=True)")
+    if keep_restart < 0.9:
+        causes.append(f"the restart ({format_duration(p.restart_s)}) alone keeps at most {100 * keep_restart:.2f}% "
+                      "(e^(-restart/MTBF): failures strike restarts too)")
+        fixes.append("shorten the restart (detect, reschedule and load faster)")
+    fixes.append("or run on fewer nodes")
+    return (f"Even at the optimum only {100 * p.efficiency_at_optimum:.2f}% of the time is useful with a job MTBF of "
+            f"{format_duration(m)}: {'; '.join(causes)}. To change it: {', '.join(fixes)}.")
+
+
 def _print_plan(p: Plan, plot: str | None) -> None:
     con = PipeConsole()
     t = Table(title="Failures", show_header=False)
@@ -179,11 +200,7 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     con.print("Efficiency = useful time / wall time, from the exact expected time "
               "M·e^(R/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006); see docs/planning.md.")
     if p.efficiency_at_optimum < HOPELESS:
-        verb = "exceed" if max(p.stall_s, p.restart_s) >= p.job_mtbf_s else "approach"
-        con.print(f"Even at the optimum only {100 * p.efficiency_at_optimum:.2f}% of the time is useful: the save "
-                  f"stall ({format_duration(p.stall_s)}) and restart ({format_duration(p.restart_s)}) {verb} the "
-                  f"job MTBF ({format_duration(p.job_mtbf_s)}). Cut the stall with async saves (only their blocking "
-                  "part counts) or a RAM tier (ram_tier=True), shorten the restart, or run on fewer nodes.")
+        con.print(_hopeless(p))
     if plot:
         con.print(f"plot written to {plot}")
 
