@@ -233,13 +233,16 @@ class Plan:
     efficiency_at_optimum: float
     lost_gpu_hours_per_day: float
     rows: list[IntervalRow] = field(default_factory=list)
+    # async saves: time from the end of the stall to the commit (save duration - stall). A failure
+    # before the commit rolls back one more interval; exactly, it adds to the restart (see make_plan)
+    commit_delay_s: float = 0.0
 
     def steps(self, seconds: float) -> int | None:
         """Compute time in training steps (at least 1), or None without a step time."""
         return None if self.step_time_s is None else max(1, round(seconds / self.step_time_s))
 
     def efficiency(self, interval_s: float) -> float:
-        return efficiency(interval_s, self.stall_s, self.restart_s, self.job_mtbf_s)
+        return efficiency(interval_s, self.stall_s, self.restart_s + self.commit_delay_s, self.job_mtbf_s)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of ``trainguard plan --json`` (floats rounded to 6 significant digits)."""
@@ -271,8 +274,16 @@ def make_plan(
     step_time_s: float | None = None,
     gpus_per_node: int = 8,
     intervals: dict[str, float] | None = None,
+    save_duration_s: float | None = None,
 ) -> Plan:
     """All planner figures. ``intervals`` maps a label (e.g. ``"500 steps"``) to compute seconds.
+
+    ``save_duration_s``: an async save's whole duration, from the call to the commit (``trainguard
+    report``'s "duration"); ``None`` (a sync save) is the stall. Its commit delay ``W = duration -
+    stall`` counts exactly as restart time: with ``W <= tau`` (one save in flight), one interval's
+    expected wall time is ``M e^{(R+W)/M} (e^{(tau+delta)/M} - 1)`` (a failure before the commit
+    rolls back to the previous checkpoint and needs ``tau + delta + W`` uninterrupted to commit
+    again), so the optimum is unchanged and every efficiency is ``e^{-W/M}`` lower.
 
     Called by ``trainguard plan`` and by users who pass ``plan=`` to :func:`trainguard.doctor`.
     """
@@ -289,7 +300,12 @@ def make_plan(
         raise ValueError(f"gpus_per_node={gpus_per_node!r}: the GPUs per node must be a positive integer (e.g. 8)")
     if intervals is not None and (not isinstance(intervals, Mapping) or not all(0 < v < math.inf for v in intervals.values())):
         raise ValueError(f"intervals={intervals!r}: map labels to compute seconds > 0, e.g. {{'500 steps': 1000.0}}")
+    if save_duration_s is not None and not stall_s <= save_duration_s < math.inf:
+        raise ValueError(f"save_duration_s={save_duration_s!r}: an async save's whole duration (call to commit) must "
+                         f"be finite seconds >= the stall ({format_duration(stall_s)})")
+    commit_delay = 0.0 if save_duration_s is None else float(save_duration_s) - stall_s
     m = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
+    restart_s, user_restart = restart_s + commit_delay, restart_s  # the efficiencies below count the delay
     young, daly, opt = young_interval(stall_s, m), daly_interval(stall_s, m), optimal_interval(stall_s, m)
     gpus = nodes * gpus_per_node
     longest = max([young, daly, opt, *(intervals or {}).values()])
@@ -307,7 +323,7 @@ def make_plan(
         gpus_per_node=gpus_per_node,
         node_mtbf_s=m * nodes,
         stall_s=stall_s,
-        restart_s=restart_s,
+        restart_s=user_restart,
         step_time_s=step_time_s,
         p_failure_day=p_failure(DAY, m),
         p_failure_week=p_failure(WEEK, m),
@@ -320,6 +336,7 @@ def make_plan(
         efficiency_at_optimum=efficiency(opt, stall_s, restart_s, m),
         lost_gpu_hours_per_day=(1.0 - e_daly) * gpus * 24.0,
         rows=[row(k, v) for k, v in (intervals or {}).items()],
+        commit_delay_s=commit_delay,
     )
 
 
@@ -338,7 +355,7 @@ def plot_plan(plan: Plan, path: str) -> None:
     fig = Figure(figsize=(7, 4.2))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    ax.plot(xs / 60, 100 * efficiency(xs, plan.stall_s, plan.restart_s, plan.job_mtbf_s), color="C0")
+    ax.plot(xs / 60, 100 * plan.efficiency(xs), color="C0")
     e = plan.efficiency_at_optimum
     ax.axvline(opt / 60, color="C1", ls="--", lw=1)
     ax.plot([opt / 60], [100 * e], "o", color="C1", label=f"optimum ({100 * e:.2f}%)")

@@ -60,13 +60,13 @@ def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], C
 
 def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: float | None, save_stall: float,
                 restart: float, step_time: float | None, gpus_per_node: int,
-                intervals: dict[str, float] | None = None) -> Plan:
+                intervals: dict[str, float] | None = None, save_duration: float | None = None) -> Plan:
     if (node_failures_per_day is None) == (node_mtbf is None):
         raise click.UsageError("give exactly one of --node-failures-per-day and --node-mtbf")
     try:
         return make_plan(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf,
                          stall_s=save_stall, restart_s=restart, step_time_s=step_time,
-                         gpus_per_node=gpus_per_node, intervals=intervals)
+                         gpus_per_node=gpus_per_node, intervals=intervals, save_duration_s=save_duration)
     except ValueError as e:
         raise click.UsageError(_as_options(str(e))) from None
     except OverflowError:
@@ -75,7 +75,8 @@ def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: floa
 
 # make_plan's parameter -> the option that sets it (durations are printed back as durations)
 _OPTIONS = {"node_failures_per_day": "--node-failures-per-day", "node_mtbf_s": "--node-mtbf",
-            "stall_s": "--save-stall", "restart_s": "--restart", "step_time_s": "--step-time", "nodes": "--nodes"}
+            "stall_s": "--save-stall", "restart_s": "--restart", "step_time_s": "--step-time", "nodes": "--nodes",
+            "save_duration_s": "--save-duration"}
 
 
 def _as_options(message: str) -> str:
@@ -118,18 +119,20 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
 @click.command("plan")
 @_failure_options(restart_required=True)
 @click.option("--every", "every", help="intervals to compare, steps or durations: 500,1000 or 10m,1h")
+@click.option("--save-duration", type=DURATION, help="async saves: one save's whole duration, call to commit "
+              "(trainguard report's duration), e.g. 5m; a failure before the commit loses one more interval")
 @click.option("--plot", type=click.Path(dir_okay=False), help="draw efficiency against interval to this PNG")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of tables")
 def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float | None, save_stall: float,
-             restart: float, step_time: float | None, gpus_per_node: int, every: str | None, plot: str | None,
-             as_json: bool) -> None:
+             restart: float, step_time: float | None, gpus_per_node: int, every: str | None,
+             save_duration: float | None, plot: str | None, as_json: bool) -> None:
     """How often to save: failure odds, Young's and Daly's intervals, efficiency, GPU-hours lost.
 
     Example: trainguard plan --nodes 256 --node-failures-per-day 0.0065 --save-stall 30s --restart 10m
     --step-time 2s --every 500,1000
     """
     p = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node,
-                    parse_every(every, step_time))
+                    parse_every(every, step_time), save_duration)
     if plot:
         try:
             plot_plan(p, plot)
@@ -159,16 +162,18 @@ def _hopeless(p: Plan) -> str:
     ``E = e^(-R/M) * E_0``: the restart alone keeps at most ``e^(-R/M)`` of the time (``E_0`` is the
     efficiency with an instant restart), so each cause is named only where it costs more than 10 %."""
     m = p.job_mtbf_s
-    keep_restart = math.exp(-p.restart_s / m)
+    keep_restart = math.exp(-(p.restart_s + p.commit_delay_s) / m)
     keep_save = efficiency(p.optimal_interval_s, p.stall_s, 0.0, m)
     causes, fixes = [], []
     if keep_save < 0.9:
         causes.append(f"saving (a {format_duration(p.stall_s)} stall) keeps {100 * keep_save:.2f}% even at the optimum")
         fixes.append("cut the stall with async saves (only their blocking part counts) or a RAM tier (ram_tier=True)")
     if keep_restart < 0.9:
-        causes.append(f"the restart ({format_duration(p.restart_s)}) alone keeps at most {100 * keep_restart:.2f}% "
-                      "(e^(-restart/MTBF): failures strike restarts too)")
-        fixes.append("shorten the restart (detect, reschedule and load faster)")
+        delay = f" plus the async commit delay ({format_duration(p.commit_delay_s)})" if p.commit_delay_s else ""
+        causes.append(f"the restart ({format_duration(p.restart_s)}){delay} alone keeps at most "
+                      f"{100 * keep_restart:.2f}% (e^(-restart/MTBF): failures strike restarts too)")
+        fixes.append("shorten the restart (detect, reschedule and load faster)"
+                     + (" and the background write" if p.commit_delay_s else ""))
     fixes.append("or run on fewer nodes")
     return (f"Even at the optimum only {100 * p.efficiency_at_optimum:.2f}% of the time is useful with a job MTBF of "
             f"{format_duration(m)}: {'; '.join(causes)}. To change it: {', '.join(fixes)}.")
@@ -184,7 +189,8 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     per_day = 86400 / p.job_mtbf_s
     t.add_row("expected failures per day", f"{per_day:,.0f}" if per_day >= 100 else f"{per_day:.3g}")
     con.print(t)
-    t = Table(title=f"Save interval (stall {format_duration(p.stall_s)}, restart {format_duration(p.restart_s)})")
+    delay = f", commit {format_duration(p.commit_delay_s)} after the stall" if p.commit_delay_s else ""
+    t = Table(title=f"Save interval (stall {format_duration(p.stall_s)}, restart {format_duration(p.restart_s)}{delay})")
     for col in ("interval", "compute between saves", "steps", "efficiency", "GPU-hours lost / day"):
         t.add_column(col, justify="left" if col == "interval" else "right")
     gpus = p.nodes * p.gpus_per_node * 24.0
@@ -197,8 +203,9 @@ def _print_plan(p: Plan, plot: str | None) -> None:
         t.add_row(label, format_duration(tau), "-" if steps is None else f"{steps:,}", f"{100 * e:.2f}%",
                   f"{(1 - e) * gpus:,.0f}")
     con.print(t)
+    rw, w = ("(R+W)", ", W the commit delay of an async save") if p.commit_delay_s else ("R", "")
     con.print("Efficiency = useful time / wall time, from the exact expected time "
-              "M·e^(R/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006); see docs/planning.md.")
+              f"M·e^({rw}/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006){w}; see docs/planning.md.")
     if p.efficiency_at_optimum < HOPELESS:
         con.print(_hopeless(p))
     if plot:
