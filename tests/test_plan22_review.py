@@ -106,3 +106,15 @@ def test_plan_cli_takes_the_save_duration_and_refuses_one_shorter_than_the_stall
     assert got["efficiency_at_optimum"] < plain["efficiency_at_optimum"] - 0.01
     res = CliRunner().invoke(plan_cmd, [*base, "--save-duration", "1s"])
     assert res.exit_code == 2 and "--save-duration 1s" in res.output and ">= the stall (5s)" in res.output, res.output
+
+
+def test_plan_cli_says_when_one_async_save_outlasts_the_optimum() -> None:
+    """A 1 h background write against an 8.6 min optimum: saving at the optimum would queue saves (each
+    waits for the last), so the plan gives the shortest interval that keeps one save in flight.
+    Before: nothing said so (no --save-duration at all)."""
+    line = _last_line("--nodes 64 --node-failures-per-day 0.05 --save-stall 5s --restart 10m --step-time 1s "
+                      "--save-duration 1h")
+    assert "One async save takes 1h, more than the optimum interval" in line, line
+    assert "no more often than every 59.9m of compute (3,595 steps)" in line, line
+    quiet = _last_line("--nodes 64 --node-failures-per-day 0.05 --save-stall 5s --restart 10m --save-duration 5m")
+    assert "One async save" not in quiet, quiet

@@ -206,6 +206,14 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     rw, w = ("(R+W)", ", W the commit delay of an async save") if p.commit_delay_s else ("R", "")
     con.print("Efficiency = useful time / wall time, from the exact expected time "
               f"M·e^({rw}/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006){w}; see docs/planning.md.")
+    if p.commit_delay_s > p.optimal_interval_s:  # the model needs one save in flight: W <= tau
+        floor = p.commit_delay_s + p.stall_s
+        steps = p.steps(p.commit_delay_s)
+        con.print(f"One async save takes {format_duration(floor)}, more than the optimum interval: a save "
+                  f"started sooner waits for the previous one (training stalls). Save no more often than every "
+                  f"{format_duration(p.commit_delay_s)} of compute" + (f" ({steps:,} steps)" if steps else "")
+                  + f" ({100 * p.efficiency(p.commit_delay_s):.2f}% efficiency; tg.DalyInterval does so), or make "
+                  "the background write faster; the efficiencies above for shorter intervals are optimistic.")
     if p.efficiency_at_optimum < HOPELESS:
         con.print(_hopeless(p))
     if plot:
