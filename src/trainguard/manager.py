@@ -29,6 +29,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
+from .ownsteps import OwnSteps
 from .permanent import check_manager_args, config_errors, from_medium, is_permanent, mark, open_error
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import DONE, apply_retention, remove_replaced, restore_candidates, set_aside, unrestored_error
@@ -91,7 +92,7 @@ class CheckpointManager:
         self._metrics: dict[int, dict[str, float]] = {}
         self._created: dict[int, float] = {}  # step -> its manifest's `created`, for retention policies (rank 0)
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
-        self._own: set[int] = set()  # steps this manager committed; any other one is an earlier run's (retention.py)
+        self._own = OwnSteps()  # steps this manager committed (the newest ones); any other one is an earlier run's (retention.py)
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
         self._warned_foreign, self._aside = False, ""  # warned of another run's newer checkpoints; retention.set_aside's token
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
@@ -228,15 +229,11 @@ class CheckpointManager:
             # restored step): that checkpoint holds this step.
             log.info("trainguard: step %d is already saved in %s; not saved again", step, self.root)
             return None
-        if self._restored is not None and step < self._restored and step not in self._own:
-            raise CheckpointError(
-                f"save(step={step}): restore() resumed this run from step {self._restored}; saving an older step would "
-                "replace checkpoints and remove the newer ones. Continue the loop from the restored step "
-                "(start = mgr.restore(state) or 0), or roll back on purpose with mgr.restore(state, step=...)"
-            )
+        self._own.check_save(step, self._restored)  # after restore(): a save behind it, or far behind this run's newest, is refused
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": values}
-        self._metrics[step] = values
+        if self.ctx.rank == 0:  # for rank 0's retention alone (retention._facts): elsewhere it grew by one entry a save
+            self._metrics[step] = values
         try:  # RAM tier: the run directory when it has no room; its round ("ram_room") failing fails the save (on_error)
             storage, target = self.ram.target(step, self.timeout, state) if self.ram else (self.storage, target)
         except CheckpointError as e:
@@ -313,6 +310,7 @@ class CheckpointManager:
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
         self.events.emit("save_failed", step=step, error=str(e)[:2000])
+        self._metrics.pop(step, None)  # not committed: a step on disk has its manifest's (retention._facts), none stays
         if self.ram:  # a save into RAM that found no room there: the next ones go to the run directory
             self.ram.no_room(step, e)
         if self.on_error == "raise":
@@ -372,7 +370,8 @@ class CheckpointManager:
                     "state. Restore a state without them, then add them fresh"
                 )
             self._aside = "" if self._aside == DONE else self._aside  # a token never committed stays (set_aside)
-            self.last_saved_step, self._restored, self._own = step, step, {s for s in self._own if s <= step}
+            self.last_saved_step, self._restored = step, step
+            self._own.roll_back(step)
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:

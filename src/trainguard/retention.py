@@ -57,7 +57,7 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     checkpoints, and the next restart would resume from them instead of from this run's newest.
     A manager that never restored knows nothing of them and keeps them (with a warning, once)."""
     steps = [s for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
-    foreign = [s for s in steps if s.step > newest and s.step not in mgr._own]
+    foreign = [s for s in steps if s.step > newest and s.step not in mgr._own and not mgr._own.unknown(s.step)]
     abandoned = foreign if mgr._restored is not None else []
     if foreign and not abandoned and not mgr._warned_foreign:
         mgr._warned_foreign = True
@@ -134,7 +134,8 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
         return None
     try:
         newer = [s for s in list_steps(mgr.storage, mgr._root)
-                 if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own and s.step != step]
+                 if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own
+                 and not mgr._own.unknown(s.step) and s.step != step]
         mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else DONE)
         if newer:
             log.warning("trainguard: setting aside the checkpoints of steps %s in %s, an abandoned timeline: this run went "
