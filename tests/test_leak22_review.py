@@ -88,3 +88,56 @@ def test_a_save_behind_forgotten_steps_without_restore_takes_them_for_no_other_r
             assert mgr.save(3, _state(3)) is not None
     assert "did not write" not in caplog.text
     assert _steps(tmp_path) == [2, 3, *range(4, 21, 2)]
+
+
+def _pending_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, tg.PendingGradientsWarning)]
+
+
+def test_watched_optimizers_add_no_hook_to_backward_and_the_warning_still_holds(tmp_path):
+    # Before: a Python post-accumulate-grad hook per parameter, called at every backward() (bench/gradwatch_cost.py).
+    import warnings
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = {"model": model, "optim": opt}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+            mgr.restore(st)
+            assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            mgr.save(1, st)  # after step(), grads still set: not warned
+            model(torch.randn(2, 4)).sum().backward()  # accumulates into the used grads (no zero_grad)
+            mgr.save(2, st)  # warned
+            opt.step()
+            opt.zero_grad(set_to_none=False)  # written (zeroed) after the step, but all zero: not warned
+            mgr.save(3, st)
+    warned = _pending_warnings(caught)
+    assert len(warned) == 1 and "save of step 2" in warned[0] and "4 parameter(s)" in warned[0], warned
+
+
+def test_a_gradient_set_by_hand_after_step_is_warned(tmp_path):
+    # Before: p.grad = ... (gradients computed with torch.autograd.grad, compressed, averaged by
+    # hand) ran no post-accumulate-grad hook, and a save before the step() that would use them
+    # was not warned about.
+    import warnings
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = {"model": model, "optim": opt}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+            mgr.restore(st)
+            for step in (1, 2):
+                loss = model(torch.randn(2, 4)).sum()
+                grads = torch.autograd.grad(loss, list(model.parameters()))
+                for p, g in zip(model.parameters(), grads):
+                    p.grad = g
+                if step == 1:
+                    opt.step()
+                mgr.save(step, st)
+    warned = _pending_warnings(caught)
+    assert len(warned) == 1 and "save of step 2" in warned[0] and "2 parameter(s)" in warned[0], warned

@@ -4,20 +4,22 @@ window, or between ``backward()`` and ``optimizer.step()``.
 Gradients (``.grad``) are not saved (docs/checkpoints.md). A resume from such a save starts the
 window again without the gradients of its earlier micro-batches, so it does not continue
 bit-identically. The manager (``CheckpointManager.restore`` and ``save``, every rank, on its own
-state) calls :func:`watch` on the optimizers of the state: from then on a hook on each of their
-parameters notes a gradient arriving (``register_post_accumulate_grad_hook``), torch's global step
-post-hook clears the note at that optimizer's ``step()`` (or at the ``step()`` of an optimizer it
-wraps, accelerate's AcceleratedOptimizer, which torch's hooks never see). :func:`check` (``save``, before the save
-starts, every rank) warns when an optimizer's parameters still hold finite, non-zero gradients
-that arrived after its last ``step()``: those a resume would not have. A step the GradScaler
-skipped (inf/NaN gradients) is not warned about: the loop zeroes them anyway.
+state) calls :func:`watch` on the optimizers of the state: from then on torch's global step
+post-hook records, at each ``step()`` of such an optimizer (or of an optimizer it wraps,
+accelerate's AcceleratedOptimizer, which torch's hooks never see), each parameter's gradient as it
+is then: the tensor (a weak reference) and its version counter, which every write into it bumps.
+:func:`check` (``save``, before the save starts, every rank) warns when an optimizer's parameters
+hold finite, non-zero gradients that are another tensor or were written since its last ``step()``:
+those a resume would not have. A step the GradScaler skipped (inf/NaN gradients) is not warned
+about: the loop zeroes them anyway. Nothing runs in ``backward()``: a Python hook per parameter,
+as before, cost 2-4 microseconds per parameter at every ``backward()`` (see ``_after_step``).
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -30,10 +32,10 @@ class PendingGradientsWarning(UserWarning):
 
 
 class _Tracker:
-    __slots__ = ("arrived", "__weakref__")
+    __slots__ = ("seen", "__weakref__")
 
     def __init__(self) -> None:
-        self.arrived: set[int] = set()  # id() of the parameters whose gradient arrived since the last step()
+        self.seen: dict[int, Any] = {}  # id(param) -> _stamp of its gradient at the last step() (or at watch())
 
 
 _TRACKERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Tracker] = weakref.WeakKeyDictionary()
@@ -41,23 +43,52 @@ _BY_PARAM: dict[int, list[weakref.ref[_Tracker]]] = {}  # id(param) -> trackers 
 _POST_HOOK: Any = None
 
 
+def _version(g: torch.Tensor) -> Any:
+    if type(g) is torch.Tensor:
+        return g._version
+    local = getattr(g, "_local_tensor", None)  # a DTensor's (FSDP2) gradient: written into its local shard too
+    return g._version if local is None else (g._version, local._version)
+
+
+def _stamp(p: torch.Tensor) -> Any:
+    g = p.grad
+    return None if g is None else (weakref.ref(g), _version(g))
+
+
+def _written(p: torch.Tensor, stamp: Any) -> bool:
+    """Whether ``p``'s gradient is another tensor than, or was written since, ``stamp``."""
+    g = p.grad
+    return g is not None and (stamp is None or stamp[0]() is not g or stamp[1] != _version(g))
+
+
+def _params(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if isinstance(p, torch.Tensor) and p.requires_grad:
+                yield p
+
+
+def _snapshot(optimizer: torch.optim.Optimizer) -> dict[int, Any]:
+    """``_stamp`` of each parameter of ``optimizer``, inlined: this runs at every ``step()``."""
+    seen, ref, plain = {}, weakref.ref, torch.Tensor
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            seen[id(p)] = None if g is None else (ref(g), g._version if type(g) is plain else _version(g))
+    return seen
+
+
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Torch's global step post-hook (any optimizer's ``step()``): record the gradients it used.
+    Once per step instead of once per parameter per ``backward()`` (bench/gradwatch_cost.py)."""
     t = _TRACKERS.get(optimizer)
     if t is not None:
-        t.arrived.clear()
-    elif any(t.arrived for t in _TRACKERS.values()):  # an optimizer the state holds wrapped (accelerate's)
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for ref in _BY_PARAM.get(id(p), ()):
-                    if (w := ref()) is not None:
-                        w.arrived.discard(id(p))
-
-
-def _arrived(param: torch.Tensor) -> None:
-    for ref in _BY_PARAM.get(id(param), ()):
-        t = ref()
-        if t is not None:
-            t.arrived.add(id(param))
+        t.seen = _snapshot(optimizer)
+    elif _BY_PARAM:  # an optimizer the state holds wrapped (accelerate's): its parameters' trackers
+        for p in _params(optimizer):
+            for ref in _BY_PARAM.get(id(p), ()):
+                if (w := ref()) is not None:
+                    w.seen[id(p)] = _stamp(p)
 
 
 def _forget(key: int) -> None:
@@ -69,8 +100,8 @@ def _optimizers(state: Mapping[str, Any]) -> list[torch.optim.Optimizer]:
 
 
 def watch(state: Mapping[str, Any]) -> None:
-    """Start noting gradient arrivals for the optimizers among ``state``'s values (once each).
-    Called by the manager's ``restore`` and ``save`` on every rank."""
+    """Start watching the optimizers among ``state``'s values (once each): their gradients as they
+    are now count as used. Called by the manager's ``restore`` and ``save`` on every rank."""
     global _POST_HOOK
     for opt in _optimizers(state):
         if opt in _TRACKERS:
@@ -79,30 +110,27 @@ def watch(state: Mapping[str, Any]) -> None:
             _POST_HOOK = register_optimizer_step_post_hook(_after_step)
         t = _TRACKERS[opt] = _Tracker()
         ref = weakref.ref(t)
-        for group in opt.param_groups:
-            for p in group["params"]:
-                if not isinstance(p, torch.Tensor) or not p.requires_grad:
-                    continue
-                refs = _BY_PARAM.get(id(p))
-                if refs is None:  # one hook per parameter, however many optimizers (managers) see it
-                    refs = _BY_PARAM[id(p)] = []
-                    p.register_post_accumulate_grad_hook(_arrived)
-                    weakref.finalize(p, _forget, id(p))
-                refs[:] = [r for r in refs if r() is not None] + [ref]
+        t.seen = _snapshot(opt)
+        for p in _params(opt):
+            refs = _BY_PARAM.get(id(p))
+            if refs is None:
+                refs = _BY_PARAM[id(p)] = []
+                weakref.finalize(p, _forget, id(p))
+            refs[:] = [r for r in refs if r() is not None] + [ref]
 
 
 def pending(optimizer: torch.optim.Optimizer) -> list[str]:
     """Names (``group[i]/param[j]``) of ``optimizer``'s parameters holding finite, non-zero
-    gradients that arrived after its last ``step()``; [] when none or when any is not finite."""
+    gradients written after its last ``step()``; [] when none or when any is not finite."""
     t = _TRACKERS.get(optimizer)
-    if t is None or not t.arrived:
+    if t is None:
         return []
     out = []
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
-            g = getattr(p, "grad", None)
-            if id(p) not in t.arrived or g is None:
+            if id(p) not in t.seen or not _written(p, t.seen[id(p)]):
                 continue
+            g = p.grad
             with torch.no_grad():
                 local = g.to_local() if hasattr(g, "to_local") else g
                 if not bool(torch.isfinite(local).all()):
