@@ -68,7 +68,7 @@ def test_after_restore_a_save_behind_the_forgotten_steps_is_refused_and_nothing_
             mgr.save(s, _state(s))
         assert 5 <= mgr._own.floor < 18  # steps 2..floor are forgotten
         # A loop gone far back: its own newer steps can no longer be told from an abandoned timeline's.
-        with pytest.raises(tg.CheckpointError, match=r"save\(step=5\): this run saved more than 2 newer steps"):
+        with pytest.raises(tg.CheckpointError, match=r"save\(step=5\): this run saved at least 2 newer steps"):
             mgr.save(5, _state(5))
         assert mgr.save(19, _state(19)) is not None  # within the remembered window: as before
     assert _steps(tmp_path) == sorted([1, *range(2, 21, 2), 19])

@@ -67,7 +67,7 @@ class OwnSteps:
             )
         if self.floor is not None and step <= self.floor:
             raise CheckpointError(
-                f"save(step={step}): this run saved more than {KEEP} newer steps since (up to step {max(self._steps, default=self.floor)}); "
+                f"save(step={step}): this run saved at least {KEEP} newer steps since (up to step {max(self._steps, default=self.floor)}); "
                 "saving a step that far back would replace checkpoints and remove the newer ones. Continue the loop "
                 "from the newest step, or roll back on purpose with mgr.restore(state, step=...)"
             )
