@@ -43,7 +43,8 @@ def _into_closed_pipe(*args: str) -> subprocess.CompletedProcess:
         os.close(w)
 
 
-@pytest.mark.parametrize("cmd", [["verify"], ["ls", "--json"], ["inspect"]])  # rich's output, and click's
+@pytest.mark.parametrize("cmd", [["verify"], ["ls", "--json"],  # rich's output, and click's
+                                 pytest.param(["inspect"], marks=pytest.mark.slow)])  # rich again: make test-slow
 def test_output_into_a_closed_pipe_exits_with_the_commands_own_code(tmp_path, cmd):
     _run_dir(tmp_path / "run")
     target = tmp_path / "run" / ("step-000000003" if cmd[0] == "inspect" else "")

@@ -88,7 +88,7 @@ def _agent(tmp_path: Path, how: str, *flags: str) -> list[str]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("how", ["return", "exit"])
+@pytest.mark.parametrize("how", [pytest.param("return", marks=pytest.mark.slow), "exit"])  # return: make test-slow
 def test_sigterm_to_the_workers_alone_is_a_preemption_for_trainguard_run(tmp_path: Path, how: str) -> None:
     """Before: a SIGTERM that reached the workers but not the agent made them save at step 3 (or 4) and
     return, and ``trainguard run`` exited 0, a finished job for any requeue wrapper: the run never

@@ -56,7 +56,8 @@ def _agent(tmp_path: Path, width: int, *flags: str) -> list[str]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("flags", [(), ("--start-method", "fork", "--run-path")], ids=["subprocess", "run-path"])
+@pytest.mark.parametrize("flags", [(), pytest.param(("--start-method", "fork", "--run-path"), marks=pytest.mark.slow)],
+                         ids=["subprocess", "run-path"])  # run-path: make test-slow
 def test_a_state_that_does_not_fit_ends_the_job_with_78_without_a_restart(tmp_path: Path, flags: tuple) -> None:
     """Before: exit 1 after 3 restarts (every attempt failed the same way). Now: 78 at once, an
     ``agent_exit`` with ``permanent: true``, and one line saying what to change."""
@@ -74,7 +75,7 @@ def test_a_state_that_does_not_fit_ends_the_job_with_78_without_a_restart(tmp_pa
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("kind", ["kill", "exception"])
+@pytest.mark.parametrize("kind", ["kill", pytest.param("exception", marks=pytest.mark.slow)])  # exception: make test-slow
 def test_a_transient_failure_is_still_restarted(tmp_path: Path, kind: str) -> None:
     """Guard: a worker SIGKILLed, or raising an error of its own (a drill's InjectedFault, through
     the --run-path runner), is no permanent failure: restarted once, the job ends 0."""
