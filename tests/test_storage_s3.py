@@ -51,6 +51,18 @@ def _free_ports(n: int) -> list[int]:
     return ports
 
 
+def _die_with_parent() -> None:
+    """In the server's child, before exec: SIGKILL it when the process that started it dies (Linux
+    PR_SET_PDEATHSIG), so a test run killed from outside (a CI timeout's SIGTERM skips the
+    fixture's teardown) leaves no server behind; elsewhere, nothing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 class Weed:
     """One ``weed server -s3`` process; ``kill()`` then ``start()`` reuses data dir and ports."""
 
@@ -84,7 +96,8 @@ class Weed:
             "-master.electionTimeout=1s", "-master.peers=none", "-master.telemetry=false",
         ]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_die_with_parent)
         deadline = time.monotonic() + timeout
         import s3fs
 
