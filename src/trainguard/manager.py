@@ -49,8 +49,8 @@ class CheckpointManager:
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a :class:`RetentionPolicy`
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
-    next save); ``handle_signals``: on SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``;
-    ``split_state``: ranks hold different tensors, e.g. pipeline stages (``split.py``).
+    next save; the run directory's lock lost is raised all the same, ``runlock.py``); ``handle_signals``: on
+    SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``; ``split_state``: ranks hold different tensors.
     """
 
     def __init__(
@@ -315,6 +315,8 @@ class CheckpointManager:
             self.ram.no_room(step, e)
         if self.on_error == "raise":
             raise e
+        if is_permanent(e) and runlock.LOST in str(e):  # every rank's alike (the rounds carry rank 0's text): each
+            raise e  # later save fails so, another job may write here; warned, the run trained on with no checkpoint
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
         warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
 

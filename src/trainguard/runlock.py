@@ -17,6 +17,7 @@ from .permanent import mark
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
 _OWNED: dict[str, RunLock] = {}  # run directory (absolute, and resolved) -> its lock held here: check_owned
+LOST = "is no longer locked by this job"  # in lock_lost's error, on every rank (the rounds carry its text): manager.py
 
 
 class RunLock:
@@ -139,8 +140,7 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
         return None
     root = os.path.dirname(lock.path)
     err = CheckpointError(
-        f"the run directory's lock {lock.path} {what}: {root} is no longer locked "
-        "by this job, and another job could open it as a writer and delete this job's checkpoints. Nothing "
+        f"the run directory's lock {lock.path} {what}: {root} {LOST}, and another job could open it as a writer and delete this job's checkpoints. Nothing "
         "was saved.\nStop this job and find out what removed it (a deleted run directory took its checkpoints "
         "along: a job started there again begins at step 0); make sure no other job writes to that directory, "
         "then start the job again (it takes the lock again), or point it at another directory; `trainguard "
