@@ -32,6 +32,7 @@ class RunLock:
         self.path = os.path.join(root, layout.LOCK)
         self.fd: int | None = None
         self._real = ""  # the lock file's real path while held (release does not resolve it again)
+        self._info = b""  # the holder record this process wrote: another job's, or none, there later (_taken)
 
     def acquire(self) -> None:
         real = os.path.realpath(self.path)
@@ -72,6 +73,7 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
         os.fsync(fd)
+        self._info = info
 
     def release(self) -> None:
         """Never raises: the holder info is advisory, and closing the descriptor releases the lock."""
@@ -135,7 +137,7 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     except OSError as e:  # a medium's error (EIO, ESTALE): not permanent
         what = f"cannot be checked ({type(e).__name__}: {e})"
     if what is None:
-        what = _taken(lock.fd)
+        what = _taken(lock)
     if what is None:
         return None
     root = os.path.dirname(lock.path)
@@ -149,21 +151,34 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
     return err if what.startswith("cannot") else mark(err)
 
 
-def _taken(fd: int) -> str | None:
+_HOW = ("(closing any descriptor of that file in this process releases it: a shutil.copytree, tar or checksum "
+        "of the run directory from the training script?)")
+
+
+def _taken(lock: RunLock) -> str | None:
     """``lock_lost``, the lock file in place: None while this process holds its lock, else how it
     lost it. A POSIX lock goes when *any* descriptor of the file closes in the holding process: a
     ``shutil.copytree``, ``tar`` or checksum of the run directory from the training script released
-    it, and a second job opened the directory as a writer. Not taken since: this process takes it
-    again here (one fcntl per check)."""
+    it, and a second job opened the directory as a writer. Free now: this process takes it again
+    here (one fcntl and one pread per check), unless the holder record is no longer the one it
+    wrote: another job held the lock meanwhile (its retention may have deleted checkpoints) and
+    ended (its ``release`` emptied the record) or died (its record is there)."""
+    fd = lock.fd
+    assert fd is not None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return None
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EAGAIN):
             return None  # ENOLCK, EIO: nothing known (acquire raised it; here the lock may well be held)
-    return (f"was locked by another job ({_read_holder(fd) or 'unknown holder'}) after this process lost its lock "
-            "on it (closing any descriptor of that file in this process releases it: a shutil.copytree, tar "
-            "or checksum of the run directory from the training script?)")
+        return f"was locked by another job ({_read_holder(fd) or 'unknown holder'}) after this process lost its lock on it {_HOW}"
+    try:
+        now = os.pread(fd, 4096, 0)
+    except OSError:
+        return None  # the medium's error: nothing known
+    if now == lock._info or not lock._info:
+        return None
+    return (f"was held by another job meanwhile ({_read_holder(fd) or 'it ended and released it'}) after this "
+            f"process lost its lock on it {_HOW}")
 
 
 def _read_holder(fd: int) -> str:
