@@ -26,6 +26,7 @@ from .errors import (  # noqa: E402
 )
 from .gradwatch import PendingGradientsWarning  # noqa: E402
 from .inspect import verify  # noqa: E402
+from .iostall import StuckWriteError  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
 from .permanent import PERMANENT_EXIT, exit_code_for, install_excepthook  # noqa: E402
 from .policies import (  # noqa: E402
@@ -78,6 +79,7 @@ __all__ = [
     "RankFailureError",
     "StateMismatchError",
     "StepExistsError",
+    "StuckWriteError",
     "UnsupportedValueError",
     "ReplicasDifferWarning",
     "PendingGradientsWarning",

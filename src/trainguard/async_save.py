@@ -14,8 +14,8 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
    and of any other over a tensor still to be copied, until the last is copied; the time it
    blocks goes to ``handle.hook_wait_s``, reported as stall by the manager.
 3. **persist + commit** (same thread, around step 2): ``api.persist_and_commit`` writes the staged
-   bytes and commits through the c10d store (never the training process group). Its error is stored
-   in the handle and surfaces on every rank at the next ``save()``/``wait()``/``close()``.
+   bytes (through ``iostall.watched``) and commits through the c10d store (never the training process
+   group). Its error is stored in the handle, raised on every rank at the next ``save``/``wait``/``close``.
 
 Contract: code that mutates parameters or optimizer state outside ``step()`` (EMA) calls
 ``handle.wait_staged()`` first; with ``stage_in_background=True``, before mutating any tensor.
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import iostall
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext
@@ -197,7 +198,7 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
             return
         job.began = True
     try:
-        manifest = persist_and_commit(storage, target, snap, ctx, stage=lambda mine: _stage(job, mine, ctx.rank), **kw)
+        manifest = persist_and_commit(iostall.watched(storage), target, snap, ctx, stage=lambda mine: _stage(job, mine, ctx.rank), **kw)
         outcome: tuple[Any, BaseException | None] = (manifest, None)
     except BaseException as e:  # surfaced by handle.result() at the next save/wait/close
         outcome = (None, e)
@@ -308,8 +309,7 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
             s.synchronize()
         h.staging_batches += 1
 
-    # set_staged: the last parameter/optimizer chunk is copied: step() may run
-    yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)
+    yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
 
 
 def wait_staging_in_flight() -> None:
@@ -362,9 +362,9 @@ def release_staging(owner: Any) -> None:
 def _drain_at_exit() -> None:
     """At interpreter exit, an async save still in flight is finished, not dropped: the last
     checkpoint of a script is often the one that matters. Runs before ``concurrent.futures``
-    shuts its executors down (the save's writers use them)."""
+    shuts its executors down (an fsspec store's uploads may use them)."""
     job = _INFLIGHT
-    if job is None or job.handle.done():
+    if job is None or job.handle.done() or job.handle.stuck:  # stuck in a write: StuckWriteError said so; not joined
         return
     h = job.handle
     log.warning("trainguard: the interpreter is exiting; waiting for the async save of step %s to finish", h.step)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from . import iostall
 from .errors import CheckpointError
 
 log = logging.getLogger("trainguard")
@@ -42,6 +43,7 @@ class SaveHandle:
         self._thread: threading.Thread | None = None
         self.observed = False  # result() was called: its error (if any) has been seen
         self.owned = False  # a CheckpointManager collects it (its error is the manager's to report)
+        self.stuck = False  # a storage call of its thread was found stuck (result_bounded)
         # Called with the manifest by the save thread once committed, before done() turns true
         # (the manager starts the RAM tier's copy to disk at once, not at the next save); set
         # it with after_commit(), which also runs it if the save committed before.
@@ -102,6 +104,21 @@ class SaveHandle:
         if self._error is not None:
             raise self._error
         return self._result
+
+    def result_bounded(self, limit: float, rank: int) -> Any:
+        """``CheckpointManager`` (training thread, every rank, at its next save/wait/close): ``result()``,
+        but a storage call of the save thread in flight for ``limit`` seconds raises ``StuckWriteError``
+        (``iostall.py``); the save stays in flight. Looks every ``limit / 4`` s (at most 5 s)."""
+        while True:
+            try:
+                return self.result(min(limit / 4, 5.0))
+            except TimeoutError:
+                if self._done.is_set():  # the save's own error
+                    raise
+            late = iostall.oldest()
+            if late is not None and late[0] >= limit and self._thread is not None:
+                self.stuck = True  # the interpreter's exit does not wait for it (async_save._drain_at_exit)
+                raise iostall.stuck_error(self.step, rank, late[0], late[1], limit)
 
     def exception(self) -> BaseException | None:
         return self._error if self._done.is_set() else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,9 +266,12 @@ def _run_parallel(
                 errors.append(e)
                 return
 
-    with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="trainguard-io") as ex:
-        for f in [ex.submit(worker) for _ in range(min(streams, len(jobs)))]:
-            f.result()
+    # Daemon threads, not a ThreadPoolExecutor's (joined at interpreter exit: one stuck in a write hung it, iostall.py).
+    threads = [threading.Thread(target=worker, name=f"trainguard-io-{k}", daemon=True) for k in range(min(streams, len(jobs)))]
+    try:
+        [t.start() for t in threads]
+    finally:  # a Ctrl-C (or no thread to start) here: the started ones finish their job first, as before
+        [t.join() for t in threads if t.ident is not None]
     if errors:
         raise errors[0]
 

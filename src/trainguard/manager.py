@@ -22,11 +22,12 @@ from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
 from .dist import DistContext
-from .distwait import closing_round
+from .distwait import closing_round, default_timeout
 from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
+from .iostall import StuckWriteError
 from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -280,10 +281,10 @@ class CheckpointManager:
         if h is None:
             return
         seen = h.observed  # the caller collected its error with handle.result(): recorded, not raised again
-        try:
-            manifest = h.result()
+        try:  # bounded: a storage call in flight for the timeout raises StuckWriteError (iostall.py)
+            manifest = h.result_bounded(self.timeout or default_timeout(), self.ctx.rank)
         except Exception as e:  # not a wait cut short (Ctrl-C): that leaves it for the next save/wait/close
-            self._pending = None
+            self._pending = h if isinstance(e, StuckWriteError) else None  # stuck: it stays in flight
             err = e if isinstance(e, CheckpointError) else CheckpointError(f"background save of step {self._pending_step} failed: {e}")
             if not seen:
                 raise err from (e.__cause__ if err is e else e)  # a CheckpointError as itself, its cause kept
@@ -313,10 +314,9 @@ class CheckpointManager:
         self._metrics.pop(step, None)  # not committed: a step on disk has its manifest's (retention._facts), none stays
         if self.ram:  # a save into RAM that found no room there: the next ones go to the run directory
             self.ram.no_room(step, e)
-        if self.on_error == "raise":
+        # Raised whatever on_error: a lost run lock (every rank's alike; another job may write there) or a stuck write.
+        if self.on_error == "raise" or (is_permanent(e) and runlock.LOST in str(e)) or isinstance(e, StuckWriteError):
             raise e
-        if is_permanent(e) and runlock.LOST in str(e):  # every rank's alike (the rounds carry rank 0's text): each
-            raise e  # later save fails so, another job may write here; warned, the run trained on with no checkpoint
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
         warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
 

@@ -1,0 +1,99 @@
+"""A write that never returns (session 24, ``iostall.py``): a stalled file system held an async
+save's thread in one ``pwrite`` for good, and the rank's next ``wait()``/``save()``/``close()``
+waited for it with no bound (the hang watchdog paused by the save); a process that gave up still
+hung at exit, joining the stuck writer. The stuck write is a real ``pwrite`` held by an event."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard import StuckWriteError
+from trainguard.storage import local
+
+
+def _state(v: float) -> dict:
+    m = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        m.weight.fill_(v)
+    return {"m": m}
+
+
+def _steps(run: Path) -> list[str]:
+    return sorted(p.name for p in run.iterdir() if p.name.startswith("step-") and ".tmp-" not in p.name)
+
+
+def test_stuck_write_is_raised_and_the_save_commits_once_it_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, gate = threading.Event(), threading.Event()
+    orig = local._LocalWriter.pwrite
+
+    def stuck(self, data, offset):
+        entered.set()
+        assert gate.wait(120), "never released"
+        return orig(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", stuck)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, on_error="warn", timeout=0.5) as mgr:
+        try:
+            mgr.save(1, _state(1.0))
+            assert entered.wait(60)
+            with pytest.raises(StuckWriteError, match=r"rank 0: the save of step 1 has been stuck for \d+ s in a write of "
+                               r"\d+ bytes at offset \d+ of .*step-000000001.*timeout, 0.5 s"):
+                mgr.wait()  # on_error="warn": raised all the same
+            with pytest.raises(StuckWriteError, match="save of step 1"):
+                mgr.save(2, _state(2.0))  # no second save starts while the first holds the staging memory
+            assert _steps(tmp_path) == []
+        finally:
+            monkeypatch.setattr(local._LocalWriter, "pwrite", orig)
+            gate.set()
+        mgr.wait()  # the same save, in flight all along, commits once its write returns
+        assert mgr.last_saved_step == 1
+        mgr.save(3, _state(3.0))
+    assert _steps(tmp_path) == ["step-000000001", "step-000000003"]
+    got = _state(0.0)
+    tg.load(tmp_path / "step-000000001", got)
+    assert torch.equal(got["m"].weight, torch.full((4, 4), 1.0))
+
+
+SCRIPT = textwrap.dedent("""
+    import sys, threading, torch, trainguard as tg
+    from trainguard.storage import local
+    orig, where = local._LocalWriter.pwrite, []
+
+    def stuck(self, data, offset):  # a write of a stream's thread (not the save thread itself) never returns
+        if threading.current_thread().name.startswith("trainguard-io"):
+            where.append(1)
+            threading.Event().wait()
+        return orig(self, data, offset)
+
+    local._LocalWriter.pwrite = stuck
+    state = {"a": torch.ones(1 << 20), "b": torch.ones(1 << 20), "c": torch.ones(1 << 20)}  # 4 MiB each: one write task each
+    mgr = tg.CheckpointManager(sys.argv[1], save=tg.EveryNSteps(1), async_save=True, timeout=1.0)
+    mgr.open()
+    mgr.save(1, state)
+    try:
+        mgr.wait()
+    except tg.CheckpointError as e:
+        print("STUCK" if where else "NOT-IN-A-STREAM", type(e).__name__, flush=True)
+        raise
+""")
+
+
+def test_process_exits_after_a_stuck_write(tmp_path: Path) -> None:
+    """The error goes up and the interpreter exits (rc 1) with a writer thread still in its write:
+    before, the exit joined the stuck ThreadPoolExecutor worker and the async save thread forever
+    (here: the subprocess timeout)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "run")], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "STUCK StuckWriteError" in p.stdout, (p.stdout, p.stderr[-3000:])
+    assert "has been stuck for" in p.stderr
+    assert _steps(tmp_path / "run") == []
