@@ -97,3 +97,45 @@ def test_process_exits_after_a_stuck_write(tmp_path: Path) -> None:
     assert "STUCK StuckWriteError" in p.stdout, (p.stdout, p.stderr[-3000:])
     assert "has been stuck for" in p.stderr
     assert _steps(tmp_path / "run") == []
+
+
+def _rank_with_a_stuck_write(rank: int, world: int, root: str) -> list[str]:
+    import threading as th
+
+    from trainguard.storage import local as loc
+
+    orig = loc._LocalWriter.pwrite
+
+    def stuck(self, data, offset):  # rank 1's writes of step 2 never return (its process ends with them)
+        if "step-000000002" in self.path:
+            th.Event().wait()
+        return orig(self, data, offset)
+
+    if rank == 1:
+        loc._LocalWriter.pwrite = stuck
+    seen = []
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, timeout=3.0, handle_signals=False)
+    mgr.open()
+    mgr.save(1, _state(1.0))
+    mgr.wait()
+    mgr.save(2, _state(2.0))
+    for call in (mgr.wait, mgr.close):
+        try:
+            call()
+            seen.append("returned")
+        except tg.CheckpointError as e:
+            seen.append(f"{type(e).__name__}: {str(e)[:300]}")
+    return seen
+
+
+def test_two_ranks_one_stuck_write_every_rank_raises(tmp_path: Path) -> None:
+    """Rank 1's write of step 2 never returns: rank 0 fails the save at its round's timeout and
+    rank 1 raises StuckWriteError at the same calls (before, rank 1's wait() never returned);
+    step 1 stays the newest checkpoint."""
+    from dist_helper import run_ranks
+
+    out = [r.value for r in run_ranks(_rank_with_a_stuck_write, 2, str(tmp_path), timeout=120)]
+    assert out[0][0].startswith("RankFailureError") and "rank(s) [1]" in out[0][0], out
+    assert out[1][0].startswith("StuckWriteError: rank 1: the save of step 2 has been stuck"), out
+    assert out[1][1].startswith("StuckWriteError"), out  # close() too: the save is still in flight
+    assert _steps(tmp_path) == ["step-000000001"]
