@@ -139,3 +139,38 @@ def test_two_ranks_one_stuck_write_every_rank_raises(tmp_path: Path) -> None:
     assert out[1][0].startswith("StuckWriteError: rank 1: the save of step 2 has been stuck"), out
     assert out[1][1].startswith("StuckWriteError"), out  # close() too: the save is still in flight
     assert _steps(tmp_path) == ["step-000000001"]
+
+
+def test_write_streams_have_stopped_when_a_ctrl_c_leaves_the_caller() -> None:
+    """The write streams are daemon threads (an exit does not join them); a Ctrl-C in the caller's
+    wait for them must still find none writing on when it propagates: the caller then closes the
+    file, and a descriptor number reused by another open would take a late write."""
+    import signal
+
+    from trainguard.streamjobs import run_parallel
+
+    ran: list[int] = []
+    main = threading.main_thread().ident
+    interrupted = threading.Event()
+
+    def on_sigint(signum, frame):  # the default handler's KeyboardInterrupt, noted for the jobs
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    def job(k: int):
+        def run() -> None:
+            ran.append(k)
+            if k == 0:
+                signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C, delivered to the caller's join
+            assert interrupted.wait(30)
+
+        return run
+
+    old = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_parallel([job(k) for k in range(50)], 2)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert not [t for t in threading.enumerate() if t.name.startswith("trainguard-io") and t.is_alive()]
+    assert 0 in ran and set(ran) <= {0, 1}  # each stream stopped after its current job (the second one: if it had started)

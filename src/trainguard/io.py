@@ -22,6 +22,7 @@ from .fdlimit import ensure_room
 from .manifest import checksum
 from .planner import PAGE, Box, ReadOp, in_range, row_major_strides
 from .storage.base import FileReader, Storage
+from .streamjobs import run_parallel
 
 PIECE = 64 << 20  # bytes per pwrite of a large chunk (a multiple of every block size we use)
 COALESCE = 16 << 20  # small chunks are gathered into buffers of this size, one write each
@@ -210,7 +211,7 @@ def write_batches(
             end = max((c.offset + c.length for c in batch), default=end)
             part = [[""] * (-(-c.length // block)) for c in batch]
             tasks = _tasks(batch, block)
-            _run_parallel([lambda t=t, b=batch, p=part: t(b, w, block, p) for t in tasks], streams, fault, "write_piece")
+            run_parallel([lambda t=t, b=batch, p=part: t(b, w, block, p) for t in tasks], streams, fault, "write_piece")
             sums += part
             total += sum(c.length for c in batch)
         if fault:
@@ -234,46 +235,6 @@ def _close(it: Iterator[Any]) -> None:
     close = getattr(it, "close", None)
     if close is not None:
         close()
-
-
-def _run_parallel(
-    jobs: Sequence[Callable[[], None]], streams: int, fault: Callable[[str], None] | None = None, point: str = ""
-) -> None:
-    if not jobs:
-        return
-    if streams <= 1 or len(jobs) == 1:
-        for j in jobs:
-            j()
-            if fault:
-                fault(point)
-        return
-    # A shared iterator (work stealing) keeps both streams busy whatever the size mix.
-    it = iter(jobs)
-    lock = threading.Lock()
-    errors: list[BaseException] = []
-
-    def worker() -> None:
-        while not errors:
-            with lock:
-                job = next(it, None)
-            if job is None:
-                return
-            try:
-                job()
-                if fault:
-                    fault(point)
-            except BaseException as e:  # re-raised in the caller's thread
-                errors.append(e)
-                return
-
-    # Daemon threads, not a ThreadPoolExecutor's (joined at interpreter exit: one stuck in a write hung it, iostall.py).
-    threads = [threading.Thread(target=worker, name=f"trainguard-io-{k}", daemon=True) for k in range(min(streams, len(jobs)))]
-    try:
-        [t.start() for t in threads]
-    finally:  # a Ctrl-C (or no thread to start) here: the started ones finish their job first, as before
-        [t.join() for t in threads if t.ident is not None]
-    if errors:
-        raise errors[0]
 
 
 @dataclass
