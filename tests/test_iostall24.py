@@ -174,3 +174,35 @@ def test_write_streams_have_stopped_when_a_ctrl_c_leaves_the_caller() -> None:
         signal.signal(signal.SIGINT, old)
     assert not [t for t in threading.enumerate() if t.name.startswith("trainguard-io") and t.is_alive()]
     assert 0 in ran and set(ran) <= {0, 1}  # each stream stopped after its current job (the second one: if it had started)
+
+
+def test_ram_tier_copy_to_disk_stuck_is_raised_at_the_next_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The RAM tier's copy of step 1 to the run directory is stuck in a write: the save of step 2
+    waited for it with no bound (rank 0, in the training thread). It raises StuckWriteError now,
+    with on_error="warn" too; the copy finishes once the write returns, and close() keeps it."""
+    root, base = tmp_path / "run", tmp_path / "shm"
+    base.mkdir()
+    entered, gate = threading.Event(), threading.Event()
+    orig = local._LocalWriter.pwrite
+
+    def stuck(self, data, offset):
+        if str(root) in self.path:  # the copy to disk, not the save into the RAM tier
+            entered.set()
+            assert gate.wait(120), "never released"
+        return orig(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", stuck)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), on_error="warn", timeout=0.5,
+                              handle_signals=False) as mgr:
+        try:
+            mgr.save(1, _state(1.0))
+            assert entered.wait(60)
+            with pytest.raises(StuckWriteError, match=r"copying step 1 from the RAM tier to .*run has been stuck for \d+ s "
+                               r"in a write of \d+ bytes"):
+                mgr.save(2, _state(2.0))
+        finally:
+            gate.set()
+    assert _steps(root) == ["step-000000001"]
+    got = _state(0.0)
+    tg.load(root / "step-000000001", got)
+    assert torch.equal(got["m"].weight, torch.full((4, 4), 1.0))

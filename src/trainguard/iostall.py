@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -113,15 +114,33 @@ class _Storage:
 
 
 def watched(storage: Any) -> Any:
-    """``async_save._run``: ``storage`` whose writing calls are recorded while in flight."""
+    """``async_save._run`` and ``tiers.RamTier.persist`` (their threads): ``storage`` whose writing
+    calls are recorded while in flight."""
     return _Storage(storage)
+
+
+def join_bounded(thread: threading.Thread, limit: float, what: str) -> None:
+    """``tiers.RamTier.wait`` (rank 0: the next copy to disk, ``restore``, ``close``): join the RAM
+    tier's copy thread; a storage call of it in flight for ``limit`` seconds raises
+    ``StuckWriteError`` (the thread stays, a daemon, and the caller's ``_thread`` with it)."""
+    while thread.is_alive():
+        thread.join(min(limit / 4, 5.0))
+        late = oldest()
+        if thread.is_alive() and late is not None and late[0] >= limit:
+            raise StuckWriteError(
+                f"{what} has been stuck for {late[0]:.0f} s in {late[1]} (the limit is the manager's timeout, "
+                f"{limit:g} s): {_WHY}"
+            )
+
+
+_WHY = ("the storage does not answer (a hung NFS server, a FUSE mount whose daemon died, a failing disk?). Check the "
+        "storage of this node; a restart elsewhere resumes from the newest committed checkpoint. Raise `timeout=` (or "
+        "TRAINGUARD_TIMEOUT) if single writes there are slow")
 
 
 def stuck_error(step: int | None, rank: int, seconds: float, what: str, timeout: float) -> StuckWriteError:
     return StuckWriteError(
         f"rank {rank}: the save of step {step} has been stuck for {seconds:.0f} s in {what} (the limit is the "
-        f"manager's timeout, {timeout:g} s): the storage does not answer (a hung NFS server, a FUSE mount whose "
-        "daemon died, a failing disk?). The save stays in flight and commits if the call returns; no other save "
-        "can start on this rank meanwhile. Check the storage of this node; a restart elsewhere resumes from the "
-        "newest committed checkpoint. Raise `timeout=` (or TRAINGUARD_TIMEOUT) if single writes there are slow"
+        f"manager's timeout, {timeout:g} s). The save stays in flight and commits if the call returns; no other save "
+        f"can start on this rank meanwhile. Cause: {_WHY}"
     )

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import layout
 from .errors import CheckpointError
+from .iostall import StuckWriteError
 
 log = logging.getLogger("trainguard")
 
@@ -50,13 +51,14 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
             if tier.need is None and state is not None:
                 tier.need = estimate(state)  # replaced by the real size once a checkpoint is in RAM or on disk
             durable = _decide(tier, step)
-        except Exception as e:  # any of rank 0's: every rank fails this save with it
-            err, durable = e, {"error": f"{type(e).__name__}: {e}"}
+        except Exception as e:  # any of rank 0's: every rank fails this save with it (a stuck copy as one: iostall)
+            err, durable = e, {"error": f"{type(e).__name__}: {e}", "stuck": isinstance(e, StuckWriteError)}
     if tier.ctx.is_distributed:
         durable = tier.ctx.broadcast("ram_room", durable, timeout=timeout)
     if isinstance(durable, dict):
-        raise CheckpointError(f"RAM tier: rank 0 could not prepare the save of {layout.step_dir(step)} in "
-                              f"{tier.dir}: {durable['error']}") from err
+        raise (StuckWriteError if durable.get("stuck") else CheckpointError)(
+            f"RAM tier: rank 0 could not prepare the save of {layout.step_dir(step)} in {tier.dir}: {durable['error']}"
+        ) from err
     return bool(durable)
 
 

@@ -30,17 +30,18 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import layout
+from . import iostall, layout
 from .commit import check_owned, clean_debris, list_steps
 from .commitfail import discard_copy
+from .distwait import default_timeout
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
 from .ramroom import goes_durable, ran_out
 from .storage import LocalStorage, Storage
+from .streamjobs import run_parallel
 
 log = logging.getLogger("trainguard")
 
@@ -58,8 +59,7 @@ def location(storage: Storage, path: str) -> str:
 
 def ram_dir(root: str, base: str = DEFAULT_BASE) -> str:
     """Where the RAM tier of the run ``root`` lives (the same for every restart of the job)."""
-    # os.fsencode: a run directory whose name is not UTF-8 (a surrogate-escaped byte) has a key too;
-    # the same bytes as .encode() for every UTF-8 name (RAM tiers written before keep their key)
+    # os.fsencode: a non-UTF-8 name (surrogate-escaped) has a key too; the same bytes as .encode() for UTF-8 names
     key = hashlib.sha1(os.fsencode(os.path.abspath(root)) if "://" not in root else root.encode()).hexdigest()[:16]
     return os.path.join(base, f"trainguard-ram-{os.getuid()}", key)
 
@@ -92,6 +92,7 @@ class RamTier:
         self.ctx, self.events = ctx, events
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.timeout: float | None = None  # the manager's (open): also wait()'s bound for a copy stuck in a write
         self.persisted: int | None = None
         self._committed: int | None = None  # the step committed() last started to persist
         self._passed: set[int] = set()  # RAM copies newer than the step restore() returned: not needed
@@ -107,6 +108,7 @@ class RamTier:
     def open(self, timeout: float | None = None) -> None:
         """Every rank: check that all ranks share this node (within the manager's ``timeout``);
         rank 0 cleans crashed RAM saves."""
+        self.timeout = timeout
         if self.ctx.is_distributed:
             hosts = self.ctx.all_gather("ram_host", socket.gethostname(), timeout=timeout)
             if len(set(hosts)) > 1:
@@ -255,13 +257,13 @@ class RamTier:
 
     def wait(self) -> None:
         t = self._thread
-        if t is not None:
-            t.join()
+        if t is not None:  # bounded: a write to the run directory stuck for the timeout raises StuckWriteError
+            iostall.join_bounded(t, self.timeout or default_timeout(), f"copying step {self._committed} from the RAM tier to {self.durable_root}")
             self._thread = None
 
     def persist(self, step: int) -> bool:
         """Copy RAM step ``step`` to the durable tier, manifest last. False if already there."""
-        d, root, name = self.durable, self.durable_root, layout.step_dir(step)
+        d, root, name = iostall.watched(self.durable), self.durable_root, layout.step_dir(step)
         src = os.path.join(self.dir, name)
         final = d.join(root, name)
         if d.exists(d.join(final, layout.MANIFEST)):
@@ -385,9 +387,7 @@ def _copy(src: str, d: Storage, dst: str, size: int) -> None:
             try:
                 if len(mm) < size:
                     raise CheckpointError(f"{src}: {len(mm)} bytes, the manifest says {size}")
-                with ThreadPoolExecutor(2, thread_name_prefix="trainguard-ram-copy") as ex:
-                    for fu in [ex.submit(w.pwrite, p, i * PIECE) for i, p in enumerate(pieces)]:
-                        fu.result()
+                run_parallel([lambda i=i, p=p: w.pwrite(p, i * PIECE) for i, p in enumerate(pieces)], 2)  # daemon threads
             finally:
                 for p in pieces:
                     p.release()
