@@ -10,7 +10,8 @@ Who calls what: ``async_save._run`` (the save thread, every rank) writes through
 process; ``SaveHandle.result_bounded`` (``CheckpointManager``'s wait for the save in flight,
 training thread) raises :class:`StuckWriteError` once one call has been in flight for the
 manager's ``timeout`` (``TRAINGUARD_TIMEOUT``, 600 s by default), the same bound every round of a
-save has. The thread cannot be stopped inside the kernel: it stays (a daemon, gone with the
+save has. The RAM tier's copy to the run directory (``tiers.RamTier``, rank 0) writes through
+:func:`watched` too, and its wait is bounded by :func:`join_bounded`. The thread cannot be stopped inside the kernel: it stays (a daemon, gone with the
 process), the save stays in flight (no new save reuses its staging memory), and it commits if the
 call ever returns. Two dict operations per call of a few MiB: nothing next to the write.
 """
