@@ -206,3 +206,24 @@ def test_ram_tier_copy_to_disk_stuck_is_raised_at_the_next_save(tmp_path: Path, 
     got = _state(0.0)
     tg.load(root / "step-000000001", got)
     assert torch.equal(got["m"].weight, torch.full((4, 4), 1.0))
+
+
+def test_a_forked_child_inherits_no_storage_call_in_flight(tmp_path: Path) -> None:
+    """A DataLoader worker forked while the parent's save thread is inside a write must not count
+    that write as its own (it never ends there): its own async save would be declared stuck."""
+    from trainguard import iostall
+
+    with iostall.inside("a write of the parent's"):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(w, b"none" if iostall.oldest() is None else b"some")
+            finally:
+                os._exit(0)
+        os.close(w)
+        got = os.read(r, 8)
+        os.close(r)
+        os.waitpid(pid, 0)
+        assert iostall.oldest() is not None  # the parent's own record stays
+    assert got == b"none"
