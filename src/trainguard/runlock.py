@@ -142,8 +142,8 @@ def lock_lost(lock: RunLock | None) -> CheckpointError | None:
         return None
     root = os.path.dirname(lock.path)
     err = CheckpointError(
-        f"the run directory's lock {lock.path} {what}: {root} {LOST}, and another job could open it as a writer and delete this job's checkpoints. Nothing "
-        "was saved.\nStop this job and find out what removed it (a deleted run directory took its checkpoints "
+        f"the run directory's lock {lock.path} {what}: {root} {LOST}, and another job could open it as a writer "
+        "and delete this job's checkpoints. Nothing was saved.\nStop this job and find out what removed it (a deleted run directory took its checkpoints "
         "along: a job started there again begins at step 0); make sure no other job writes to that directory, "
         "then start the job again (it takes the lock again), or point it at another directory; `trainguard "
         "run` does not restart it (exit 78)"
@@ -170,7 +170,8 @@ def _taken(lock: RunLock) -> str | None:
     except OSError as e:
         if e.errno not in (errno.EACCES, errno.EAGAIN):
             return None  # ENOLCK, EIO: nothing known (acquire raised it; here the lock may well be held)
-        return f"was locked by another job ({_read_holder(fd) or 'unknown holder'}) after this process lost its lock on it {_HOW}"
+        return (f"was locked by another job ({_read_holder(fd) or 'unknown holder'}) after this process lost its "
+                f"lock on it {_HOW}")
     try:
         now = os.pread(fd, 4096, 0)
     except OSError:

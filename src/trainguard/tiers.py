@@ -170,10 +170,8 @@ class RamTier:
         err, self._error = self._error, None
         if clean and err is None:
             self.storage.remove_tree(self.dir)
-            try:
+            with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.dir))  # the per-user dir, if no other run uses it
-            except OSError:
-                pass
         if err is not None:
             raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
 
@@ -258,7 +256,8 @@ class RamTier:
     def wait(self) -> None:
         t = self._thread
         if t is not None:  # bounded: a write to the run directory stuck for the timeout raises StuckWriteError
-            iostall.join_bounded(t, self.timeout or default_timeout(), f"copying step {self._committed} from the RAM tier to {self.durable_root}")
+            iostall.join_bounded(t, self.timeout or default_timeout(),
+                                 f"copying step {self._committed} from the RAM tier to {self.durable_root}")
             self._thread = None
 
     def persist(self, step: int) -> bool:
