@@ -227,3 +227,36 @@ def test_a_forked_child_inherits_no_storage_call_in_flight(tmp_path: Path) -> No
         os.waitpid(pid, 0)
         assert iostall.oldest() is not None  # the parent's own record stays
     assert got == b"none"
+
+
+@pytest.mark.parametrize("second", ["another manager", "a direct save"])
+def test_the_next_save_of_another_manager_or_a_direct_one_is_bounded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         second: str) -> None:
+    """One save in flight per process: a model manager's save stuck in a write held the next save of
+    an EMA manager (or a direct async tg.save) in its wait for the previous one, with no bound."""
+    entered, gate = threading.Event(), threading.Event()
+    orig = local._LocalWriter.pwrite
+
+    def stuck(self, data, offset):
+        if "model" in self.path:
+            entered.set()
+            assert gate.wait(120), "never released"
+        return orig(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", stuck)
+    model = tg.CheckpointManager(tmp_path / "model", save=tg.EveryNSteps(1), async_save=True, timeout=0.5,
+                                 handle_signals=False).open()
+    try:
+        model.save(1, _state(1.0))
+        assert entered.wait(60)
+        with pytest.raises(StuckWriteError, match=r"the async save of step 1 \(to .*model.*\) has been stuck"):
+            if second == "another manager":
+                with tg.CheckpointManager(tmp_path / "ema", save=tg.EveryNSteps(1), async_save=True, timeout=0.5,
+                                          on_error="warn", handle_signals=False) as ema:
+                    ema.save(1, _state(5.0))
+            else:
+                tg.save(tmp_path / "direct", _state(5.0), async_=True, timeout=0.5)
+    finally:
+        gate.set()
+        model.close()
+    assert _steps(tmp_path / "model") == ["step-000000001"]

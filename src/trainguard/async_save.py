@@ -39,7 +39,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from . import iostall
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
-from .dist import DistContext
+from .dist import DistContext, default_timeout
 from .errors import CheckpointError, RankFailureError
 from .gcpause import gc_paused
 from .handle import SaveHandle
@@ -103,7 +103,7 @@ def start_async_save(
     of the state (``step()`` of an optimizer in the state still waits by itself).
     """
     t0 = time.monotonic()
-    _finish_previous(managed)
+    _finish_previous(managed, timeout)
     with ctx.operation(eager=True):  # the whole save, its thread's rounds too (dist.StoreDistContext.operation)
         with gc_paused():
             try:
@@ -320,15 +320,15 @@ def wait_staging_in_flight() -> None:
         job.handle.wait_staged()
 
 
-def _finish_previous(managed: bool = False) -> None:
-    """One save in flight: wait for the previous one. The error of a direct ``tg.save`` nobody
-    observed is raised by the next direct async save; a manager's save (``managed``) logs it and
-    goes on, leaving it for that one (it raised it as its own failure, and skipped its step)."""
+def _finish_previous(managed: bool = False, timeout: float | None = None) -> None:
+    """One save in flight: wait for the previous one (a write of it stuck for ``timeout``: ``StuckWriteError``).
+    The error of a direct ``tg.save`` nobody observed is raised by the next direct async save; a manager's
+    save (``managed``) logs it and goes on, leaving it for that one (it raised it as its own failure)."""
     global _UNCOLLECTED
     with _LOCK:
         prev = _INFLIGHT
     if prev is not None:
-        prev.handle.join()
+        prev.handle.join(timeout or default_timeout())
         if prev.handle.exception() is not None and not prev.handle.observed and not prev.handle.owned:
             _UNCOLLECTED = prev.handle  # not a manager's save: that manager reports it
             if managed:

@@ -132,11 +132,19 @@ class SaveHandle:
     def attach_thread(self, thread: threading.Thread) -> None:
         self._thread = thread
 
-    def join(self) -> None:
-        """Wait for the save thread to exit (no-op for sync saves or from the thread itself)."""
+    def join(self, limit: float | None = None) -> None:
+        """Wait for the save thread to exit (no-op for sync saves or from the thread itself). With
+        ``limit`` (``async_save._finish_previous``: the next save of any manager, or a direct one),
+        a storage call of it in flight for ``limit`` seconds raises ``StuckWriteError`` (``iostall``)."""
         t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join()
+            if limit is None:
+                return t.join()
+            try:
+                iostall.join_bounded(t, limit, f"the async save of step {self.step} (to {self.target})")
+            except iostall.StuckWriteError:
+                self.stuck = True  # the interpreter's exit does not wait for it
+                raise
 
     def watch(self, leaves: list[tuple[str, Any]]) -> None:
         """Training thread, in the async save call (every rank, ``async_save.start_async_save``):
