@@ -315,12 +315,15 @@ class OptimizerAdapter:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
         from .dcp_import import saved_groups as regrouped
+        from .optim_hparams import warn_overridden
         saved_groups = regrouped(self, state_dict, warn=False) or state_dict["param_groups"]  # _match_groups warns
         if all(type(i) is int for g in saved_groups for i in g["params"]):
             # torch's own form, keyed by index (a torch.save file imported by ``convert``): matched by position.
+            warn_overridden(self.optimizer.param_groups, saved_groups)
             self.optimizer.load_state_dict(dict(state_dict))
             return
         per_group = self._match_groups(saved_groups)
+        warn_overridden(self.optimizer.param_groups, saved_groups)  # before torch replaces the script's values
         index = {n: i for i, n in enumerate(n for names in per_group for n in names)}
         groups = []
         for saved, cur_names, cur in zip(saved_groups, per_group, self.optimizer.param_groups, strict=True):
