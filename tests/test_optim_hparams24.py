@@ -11,7 +11,7 @@ import torch
 from torch.optim.lr_scheduler import OneCycleLR, StepLR
 
 import trainguard as tg
-from trainguard.optim_hparams import OptimizerSettingsWarning
+from trainguard import OptimizerSettingsWarning
 
 
 def _trained(opt_fn, sched_fn=None, steps: int = 5):

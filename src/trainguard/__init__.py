@@ -28,6 +28,7 @@ from .gradwatch import PendingGradientsWarning  # noqa: E402
 from .inspect import verify  # noqa: E402
 from .iostall import StuckWriteError  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
+from .optim_hparams import OptimizerSettingsWarning  # noqa: E402
 from .permanent import PERMANENT_EXIT, exit_code_for, install_excepthook  # noqa: E402
 from .policies import (  # noqa: E402
     EveryNSteps,
@@ -83,6 +84,7 @@ __all__ = [
     "UnsupportedValueError",
     "ReplicasDifferWarning",
     "PendingGradientsWarning",
+    "OptimizerSettingsWarning",
 ]
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)
