@@ -143,6 +143,25 @@ def _made(c: ast.Call, optimizers: set[str]) -> str | None:
     return None
 
 
+_FACTORIES = {"from_pretrained", "create_model", "build_model", "get_model", "make_model", "from_config"}  # timm, HF
+
+
+def _rebuilt(c: ast.Call, nodes: list[ast.AST]) -> bool:
+    """``after_restore``: whether ``c`` builds a new object into a name (``model = Net(cfg)``,
+    ``model = AutoModel.from_pretrained(...)``) rather than wrapping or moving the one it had
+    (``model = DDP(model)``, ``torch.compile(model)``, ``model.to(device)``): a class (a capitalised
+    callee) or a model factory, called with nothing of the assigned names' own. Whether that name
+    is in the restored state is ``_into_state``'s to say."""
+    from .doctor_source import _callee
+
+    name = _callee(c)
+    if not (name[:1].isupper() or name in _FACTORIES):
+        return False
+    targets = {t.id for n in nodes if isinstance(n, ast.Assign) and n.value is c for t in n.targets
+               if isinstance(t, ast.Name)}
+    return bool(targets) and not any(isinstance(v, ast.Name) and v.id in targets for v in ast.walk(c))
+
+
 def _schedulers() -> set[str]:
     """torch's LR scheduler classes, for ``from torch.optim.lr_scheduler import OneCycleLR``."""
     import torch
@@ -234,7 +253,8 @@ def after_restore(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         for c in nodes:
             if not isinstance(c, ast.Call) or id(c) in fresh:
                 continue
-            kind = _made(c, optimizers) if whole and c.lineno > min(x.lineno for x in whole) else None
+            after = whole and c.lineno > min(x.lineno for x in whole)
+            kind = (_made(c, optimizers) or ("object" if _rebuilt(c, nodes) else None)) if after else None
             kind = kind if kind is None or _into_state(c, whole, nodes) else None
             if kind is None and c.lineno > min(x.lineno for x in loads) and _callee(c) == "load_state_dict" and \
                     _from_file((c.args or [None])[0], files):
@@ -246,6 +266,12 @@ def after_restore(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if not hits:
         return Finding("after restore", "ok", "nothing built or loaded after the restore undoes it")
     c, kind = min(hits, key=lambda h: h[0].lineno)
+    if kind == "object":
+        return Finding("after restore", "warning", f"line {c.lineno}: {ast.unparse(c)} after the restore builds a new "
+                       "object in place of one the restore loaded (its name is in the restored state): training goes "
+                       "on with the new one, from fresh weights (or values) on each resume, while the restored one is "
+                       "left unused", "build it before mgr.restore(state) and put that object in the state; wrap it "
+                       "after the restore if needed (model = DDP(model), torch.compile(model))")
     if kind == "file's state":
         return Finding("after restore", "warning", f"line {c.lineno}: {ast.unparse(c)} after the restore "
                        "overwrites what it just restored with that file's state on every resume (pretrained "
