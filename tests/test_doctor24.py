@@ -92,3 +92,71 @@ def test_the_script_trains_fresh_weights_on_each_resume(tmp_path: Path) -> None:
     trained = bias(fixed, 0)  # steps 0..5, step 5 saved
     assert bias(rebuilt, 1) != trained  # resumed at step 5, nothing left to train: a fresh Net()'s bias
     assert bias(fixed, 1) == trained  # resumed: the restored weights
+
+
+ONE_FILE = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def main():
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DDP(torch.nn.Linear(4, 1))
+    for epoch in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+        torch.save(model.state_dict(), "ckpt.pt")
+"""
+
+
+def one_file(src: str) -> list:
+    s = Settings(source=textwrap.dedent(src))
+    return [f for f in check_source(s) if f.check == "one file, every rank"]
+
+
+def test_every_rank_saving_to_one_path_is_a_warning() -> None:
+    (f,) = one_file(ONE_FILE)
+    assert f.severity == "warning" and "line 13: torch.save(model.state_dict(), 'ckpt.pt') runs on every rank" in f.message
+    assert "if dist.get_rank() == 0" in f.fix
+    kw = ONE_FILE.replace('torch.save(model.state_dict(), "ckpt.pt")', 'torch.save(model.state_dict(), f=path)').replace(
+        '    rank = dist.get_rank()\n', '    rank = dist.get_rank()\n    path = "out/model.pt"\n')
+    (f,) = one_file(kw)
+    assert f.severity == "warning" and "f=path" in f.message, f
+
+
+@pytest.mark.parametrize("changes", [
+    [('        torch.save(', '        if rank == 0:\n            torch.save(')],
+    [('        torch.save(', '        if not dist.get_rank():\n            torch.save(')],
+    [('        torch.save(', '        if rank != 0:\n            continue\n        torch.save(')],
+    [('"ckpt.pt"', 'f"ckpt-{rank}.pt"')],
+    [('"ckpt.pt"', 'out'), ('    model = DDP', '    out = f"ckpts/{rank}.pt"\n    model = DDP')],  # a name made per rank
+    [('"ckpt.pt"', 'out'), ('    model = DDP', '    out = os.path.join("ckpts", f"r{dist.get_rank()}.pt")\n    model = DDP')],
+    [('        torch.save(model.state_dict(), "ckpt.pt")',  # a helper of the script called on rank 0 only
+      '        if rank == 0:\n            snapshot(model)\n\ndef snapshot(model):\n    torch.save(model.state_dict(), "ckpt.pt")')],
+])
+def test_a_guarded_or_per_rank_save_is_not_reported(changes: list[tuple[str, str]]) -> None:
+    src = ONE_FILE
+    for old, new in changes:
+        assert old in src
+        src = src.replace(old, new)
+    (f,) = one_file(src)
+    assert f.severity == "ok", (src, f)
+
+
+def test_a_script_that_starts_no_process_group_is_not_checked() -> None:
+    plain = ONE_FILE.replace('    dist.init_process_group("gloo")\n', "").replace("DDP(torch", "(torch")
+    assert one_file(plain) == []
+
+
+def test_a_save_on_the_first_gpus_process_of_a_spawned_script_is_not_reported() -> None:
+    """pytorch/examples' multigpu.py: mp.spawn passes the rank as ``gpu_id``; the save runs under
+    ``if self.gpu_id == 0 and epoch % self.save_every == 0:`` through a method of the trainer."""
+    src = ONE_FILE.replace('        torch.save(model.state_dict(), "ckpt.pt")',
+                           '        if gpu_id == 0 and epoch % 2 == 0:\n            save(model)\n\n'
+                           'def save(model):\n    torch.save(model.state_dict(), "ckpt.pt")')
+    assert "gpu_id == 0" in src
+    (f,) = one_file(src)
+    assert f.severity == "ok", f
+    (f,) = one_file(src.replace("gpu_id == 0", "gpu_id != 0"))  # every GPU's process but the first: still one path
+    assert f.severity == "warning", f

@@ -42,10 +42,11 @@ def check_source(settings: Settings) -> list[Finding]:
 def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding | None], ...]:
     """The checks on the script's source, in report order: ``check_source`` runs them, and
     ``doctor.check`` after its checks of the state."""
+    from .doctor_onefile import one_file
     from .doctor_signals import worker_signals
 
-    return (staging, loader_generator, loader_order, single_rank, reseed, worker_signals, accum, augment, restore_loop,
-            restore_after)
+    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, worker_signals, accum, augment,
+            restore_loop, restore_after)
 
 
 def _tree(s: Settings) -> ast.Module | None:
