@@ -88,3 +88,32 @@ def test_a_manager_restore_warns_on_every_rank_alike(tmp_path: Path) -> None:
         with pytest.warns(OptimizerSettingsWarning, match=r"group 0 eps: the script set 1e-06, the checkpoint has 1e-08"):
             assert mgr.restore({"model": m2, "optim": opt2}) == 5
     assert opt2.param_groups[0]["eps"] == 1e-8
+
+
+def _sequential(t_max: int, warmup: int):
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+
+    m = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    sched = SequentialLR(opt, [LinearLR(opt, 0.1, total_iters=warmup), CosineAnnealingLR(opt, T_max=t_max)],
+                         milestones=[warmup])
+    return {"model": m, "optim": opt, "sched": sched}
+
+
+def test_a_changed_phase_of_a_sequential_scheduler_is_warned(tmp_path: Path) -> None:
+    """SequentialLR keeps its milestones and chained schedulers in private/list attributes: a run
+    extended from T_max=10 to 40 (warmup 5 -> 8) resumed with the old schedule and no word."""
+    state = _sequential(10, 5)
+    for _ in range(3):
+        state["optim"].step()
+        state["sched"].step()
+    tg.save(tmp_path / "c", state)
+    longer = _sequential(40, 8)
+    with pytest.warns(UserWarning, match=r"_milestones=\[5\], _schedulers\[0\]\.total_iters=5, _schedulers\[1\]\.T_max=10, "
+                      r"this run built it with _milestones=\[8\], _schedulers\[0\]\.total_iters=8, _schedulers\[1\]\.T_max=40"):
+        tg.load(tmp_path / "c", longer)
+    assert longer["sched"]._schedulers[1].T_max == 10  # torch's rule: the checkpoint's
+    same = _sequential(10, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same schedule resumed: nothing to say
+        tg.load(tmp_path / "c", same)

@@ -8,7 +8,8 @@ full lr by step 20, silently (seen). :func:`check_config` (called by ``schedclas
 ``loader._load``, every rank, before anything is read) compares the state's scheduler, as built
 for this run, with the saved attributes, and warns naming each one that differs and how to apply
 the new value. Compared: top-level attributes that are plain values or lists of them, but the
-progress a resume restores (``last_epoch``, ``ReduceLROnPlateau``'s ``best``...) and private ones.
+progress a resume restores (``last_epoch``, ``ReduceLROnPlateau``'s ``best``...) and private ones;
+and those of the schedulers a ``SequentialLR`` or ``ChainedScheduler`` chains, with the milestones.
 """
 
 from __future__ import annotations
@@ -35,23 +36,41 @@ def check_config(key: str, scheduler: Any, saved: Any) -> None:
         cur = scheduler.state_dict()
     except Exception:  # noqa: BLE001 - the load reports it
         return
-    differ = [
-        (k, saved[k], cur[k]) for k in sorted(saved)
-        if not k.startswith("_") and k not in _PROGRESS and k in cur and _plain(saved[k]) and _plain(cur[k])
-        and _norm(saved[k]) != _norm(cur[k])
-    ]
+    differ = _differ(saved, cur, "")
     if not differ:
         return
     was = ", ".join(f"{k}={s!r}" for k, s, _ in differ)
     now = ", ".join(f"{k}={c!r}" for k, _, c in differ)
-    hint = "; base_lrs: set each param group's lr too" if any(k == "base_lrs" for k, *_ in differ) else ""
+    hint = "; base_lrs: set each param group's lr too" if any(k.endswith("base_lrs") for k, *_ in differ) else ""
+    k, _, c = next((d for d in differ if not d[0].startswith("len(")), (None, None, None))
+    how = f"set them after the restore (e.g. sched.{k} = {c!r}{hint})" if k else "build it with as many schedulers"
     warnings.warn(
         f"entry {key!r}: the checkpoint's scheduler has {was}, this run built it with {now}; the restore "
         "takes the checkpoint's (a scheduler's load_state_dict takes every saved attribute, as torch's does). "
-        f"To use this run's, set them after the restore (e.g. sched.{differ[0][0]} = {differ[0][2]!r}{hint}); "
+        f"To use this run's, {how}; "
         "ignore this if the change is not meant for this run (docs/checkpoints.md)",
         stacklevel=6,  # the caller of tg.load (check_config, schedclass.check_entries, _load, load, dist's wrapper)
     )
+
+
+def _differ(saved: dict[str, Any], cur: dict[str, Any], prefix: str) -> list[tuple[str, Any, Any]]:
+    """``(attribute, saved, this run's)`` for each configuration value that differs. A
+    ``SequentialLR``'s milestones and the configuration of the schedulers it (or a
+    ``ChainedScheduler``) chains are compared too: ``_schedulers[1].T_max`` (before, a longer
+    cosine phase after the warmup went unnoticed: the chained states are lists of dicts)."""
+    out = [
+        (prefix + k, saved[k], cur[k]) for k in sorted(saved)
+        if (not k.startswith("_") or k == "_milestones") and k not in _PROGRESS and k in cur and _plain(saved[k])
+        and _plain(cur[k]) and _norm(saved[k]) != _norm(cur[k])
+    ]
+    subs, mine = saved.get("_schedulers"), cur.get("_schedulers")
+    if isinstance(subs, list) and isinstance(mine, list):
+        if len(subs) != len(mine):
+            return [*out, (f"{prefix}len(_schedulers)", len(subs), len(mine))]
+        for i, (a, b) in enumerate(zip(subs, mine)):
+            if isinstance(a, dict) and isinstance(b, dict):
+                out += _differ(a, b, f"{prefix}_schedulers[{i}].")
+    return out
 
 
 def _norm(v: Any) -> Any:
