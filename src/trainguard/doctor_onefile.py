@@ -71,11 +71,12 @@ def _first_device(test: ast.expr) -> bool | None:
     None otherwise. Read only here: a save under it is no save of every rank."""
     parts = test.values if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And) else [test]
     for t in parts:
-        if isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq) and \
-                isinstance(t.comparators[0], ast.Constant) and t.comparators[0].value == 0 and type(t.comparators[0].value) is int:
-            name = t.left.id if isinstance(t.left, ast.Name) else t.left.attr if isinstance(t.left, ast.Attribute) else ""
-            if _DEVICE.search(name.lower()):
-                return True
+        if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)):
+            continue
+        n, left = t.comparators[0], t.left
+        name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
+        if isinstance(n, ast.Constant) and type(n.value) is int and n.value == 0 and _DEVICE.search(name.lower()):
+            return True
     return None
 
 

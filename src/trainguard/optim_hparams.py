@@ -1,8 +1,8 @@
 """The script's optimizer hyperparameters that a restore replaces (``stateful.OptimizerAdapter``).
 
 torch's ``Optimizer.load_state_dict`` takes every hyperparameter of each parameter group from the
-checkpoint: a run resumed after ``lr=3e-4`` became ``lr=1e-4`` in the script (or
-``weight_decay=0.1`` became ``0.05``) trains on with the old values, and nothing says so. That is
+checkpoint: a run resumed after ``weight_decay=0.1`` became ``0.05`` in the script (or the
+scheduler's peak ``lr=3e-4`` became ``1e-4``) trains on with the old values, and nothing says so. That is
 torch's rule and trainguard keeps it (a resumed run continues the saved one); it warns, once per
 load, naming each group, key, and both values, and says how to apply the script's value.
 
@@ -43,7 +43,7 @@ def _plain(v: Any) -> Any:
 
 
 def overridden(current: Sequence[Mapping[str, Any]], saved: Sequence[Mapping[str, Any]]) -> list[str]:
-    """``(group, key, script's value, checkpoint's value)`` lines for each compared key that differs."""
+    """One line (group, key, the script's value, the checkpoint's) for each compared key that differs."""
     out = []
     for gi, (cur, old) in enumerate(zip(current, saved)):
         cycled = "base_momentum" in cur or "base_momentum" in old
