@@ -54,6 +54,7 @@ def test_stuck_write_is_raised_and_the_save_commits_once_it_returns(tmp_path: Pa
         finally:
             monkeypatch.setattr(local._LocalWriter, "pwrite", orig)
             gate.set()
+        mgr.timeout = 120.0  # from here on no write is held: a slow fsync of a loaded machine is no stuck one
         mgr.wait()  # the same save, in flight all along, commits once its write returns
         assert mgr.last_saved_step == 1
         mgr.save(3, _state(3.0))
@@ -114,10 +115,11 @@ def _rank_with_a_stuck_write(rank: int, world: int, root: str) -> list[str]:
     if rank == 1:
         loc._LocalWriter.pwrite = stuck
     seen = []
-    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, timeout=3.0, handle_signals=False)
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, timeout=120.0, handle_signals=False)
     mgr.open()
     mgr.save(1, _state(1.0))
     mgr.wait()
+    mgr.timeout = 3.0  # step 2: rank 0's rounds and rank 1's wait give up after 3 s
     mgr.save(2, _state(2.0))
     for call in (mgr.wait, mgr.close):
         try:
@@ -202,6 +204,7 @@ def test_ram_tier_copy_to_disk_stuck_is_raised_at_the_next_save(tmp_path: Path, 
                 mgr.save(2, _state(2.0))
         finally:
             gate.set()
+            mgr.timeout = mgr.ram.timeout = 120.0  # close() waits for the released copy: no write is held now
     assert _steps(root) == ["step-000000001"]
     got = _state(0.0)
     tg.load(root / "step-000000001", got)
@@ -258,5 +261,6 @@ def test_the_next_save_of_another_manager_or_a_direct_one_is_bounded_too(tmp_pat
                 tg.save(tmp_path / "direct", _state(5.0), async_=True, timeout=0.5)
     finally:
         gate.set()
+        model.timeout = 120.0  # close() waits for the released save: no write is held now
         model.close()
     assert _steps(tmp_path / "model") == ["step-000000001"]
