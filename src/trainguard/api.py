@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from . import __version__, layout, replicas, split, splitplan
+from . import __version__, iostall, layout, replicas, split, splitplan
 from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
 from .commit import (
     LazyManifest,
@@ -136,9 +136,8 @@ def start_save(
             )
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
-        manifest = persist_and_commit(
-            storage, target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step
-        )
+        manifest = persist_and_commit(  # storage calls recorded: the watchdog ends a save stuck in one (iostall.py)
+            iostall.watched(storage), target, snap, ctx, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step)
         del snap  # freed now, by reference counts: not one more object for the pass that gc.enable() brings
     return SaveHandle.completed(manifest, manifest.step)
 

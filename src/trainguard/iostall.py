@@ -5,15 +5,18 @@ waited for that thread with no bound, with the hang watchdog paused by the save:
 silently until someone killed it (the other ranks failed the save at their round's timeout and
 went on, waiting for this rank in their next collective).
 
-Who calls what: ``async_save._run`` (the save thread, every rank) writes through
+Who calls what: ``async_save._run`` (the save thread, every rank) and a sync save write through
 :func:`watched`, which records each storage call in flight (start time, what, where) for the
 process; ``SaveHandle.result_bounded`` (``CheckpointManager``'s wait for the save in flight,
 training thread) raises :class:`StuckWriteError` once one call has been in flight for the
 manager's ``timeout`` (``TRAINGUARD_TIMEOUT``, 600 s by default), the same bound every round of a
 save has. The RAM tier's copy to the run directory (``tiers.RamTier``, rank 0) writes through
-:func:`watched` too, and its wait is bounded by :func:`join_bounded`. The thread cannot be stopped inside the kernel: it stays (a daemon, gone with the
-process), the save stays in flight (no new save reuses its staging memory), and it commits if the
-call ever returns. Two dict operations per call of a few MiB: nothing next to the write.
+:func:`watched` too, and its wait is bounded by :func:`join_bounded`. The thread cannot be
+stopped inside the kernel: it stays (a daemon, gone with the process), the save stays in flight
+(no new save reuses its staging memory), and it commits if the call ever returns. A sync save's
+call runs in the training thread itself: nothing there can raise; under ``trainguard run`` the
+hang watchdog (``elastic/watchdog.py``) ends the worker once such a call is in flight past the
+timeout and a grace. Two dict operations per call of a few MiB: nothing next to the write.
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ class _Writer:
 
 
 class _Storage:
-    """``storage`` with the calls of a save that write (``watched``); anything else is its own."""
+    """``storage`` with the calls of a save that write, list or remove (``watched``); anything else is its own."""
 
     def __init__(self, storage: Any) -> None:
         self._s = storage
@@ -101,6 +104,18 @@ class _Storage:
         with inside(f"writing {path}"):
             self._s.write_atomic(path, data)
 
+    def listdir(self, path: str) -> list[str]:
+        with inside(f"listing {path}"):
+            return self._s.listdir(path)
+
+    def exists(self, path: str) -> bool:
+        with inside(f"looking up {path}"):
+            return self._s.exists(path)
+
+    def remove_tree(self, path: str) -> None:
+        with inside(f"removing {path}"):
+            self._s.remove_tree(path)
+
     def makedirs(self, path: str) -> None:
         with inside(f"creating directory {path}"):
             self._s.makedirs(path)
@@ -115,8 +130,9 @@ class _Storage:
 
 
 def watched(storage: Any) -> Any:
-    """``async_save._run`` and ``tiers.RamTier.persist`` (their threads): ``storage`` whose writing
-    calls are recorded while in flight."""
+    """``async_save._run`` and ``tiers.RamTier.persist`` (their threads), ``api.start_save``'s sync
+    save (the caller's thread: ``elastic.watchdog`` ends a save stuck there): ``storage`` whose
+    writing calls are recorded while in flight."""
     return _Storage(storage)
 
 

@@ -209,7 +209,7 @@ class CheckpointManager:
         if not want:
             return None
         self.ctx.rounds_follow()  # every rank saves: a Ctrl-C in the wait for the previous save leaves it (dist.py)
-        with watchdog.paused():  # a save (a first one of a large state) may outlast the hang timeout
+        with watchdog.paused(self.timeout or default_timeout()):  # a save may outlast the hang timeout; a stuck write may not
             return self._save_now(step, state, metrics)
 
     def _needs_agreement(self) -> bool:

@@ -28,7 +28,12 @@ The watchdog is a daemon thread, started by the first heartbeat when ``TRAINGUAR
 
 No hang is declared while the watchdog is paused: :func:`paused` around each save and
 :func:`suspend` from ``CheckpointManager.close`` (both called by the manager); the orphan check
-goes on. The thread only reads a clock, ``os.getppid()`` or ``/proc/<agent pid>/stat``; gloo
+goes on. One exception: inside a save, a storage call (a write, fsync, rename, listing) that has
+not returned for the manager's ``timeout`` plus a grace (:func:`stuck_limit`) is a hang too (exit
+75, the stacks name the call). A *sync* save's write runs in the training thread, so nothing else
+could end it: a hung NFS server held the worker for good, its peers waiting in their next
+collective. An async save's stuck write is raised as ``StuckWriteError`` within the timeout by
+the manager's wait; the grace lets that come first. The thread only reads a clock, ``os.getppid()`` or ``/proc/<agent pid>/stat``; gloo
 waits release the GIL, so it runs while the main thread is blocked in a collective.
 """
 
@@ -48,6 +53,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from .. import iostall
 from ..events import EVENTS_FILE, EventLog
 from .faults import Fault, faults_from_env, maybe_fire, run_dir
 
@@ -121,6 +127,7 @@ class Watchdog:
         self.dump_dir = dump_dir
         self._last: float | None = None
         self._paused = False
+        self._stuck_after: float | None = None  # paused for a save: a storage call in flight longer is a hang
         self._step: int | None = None
         self._gaps: deque[float] = deque(maxlen=50)
         self._stop = threading.Event()
@@ -139,9 +146,10 @@ class Watchdog:
             self._gaps.append(now - self._last)
         self._last, self._step, self._paused = now, step, False
 
-    def pause(self) -> None:
-        """Stop timing (a save in progress, training over) until :meth:`resume` or the next beat."""
-        self._paused = True
+    def pause(self, stuck_after: float | None = None) -> None:
+        """Stop timing (a save in progress, training over) until :meth:`resume` or the next beat;
+        ``stuck_after``: a storage call in flight for longer still ends the worker (a save's pause)."""
+        self._paused, self._stuck_after = True, stuck_after
 
     def resume(self) -> None:
         """Time again from now; the paused time is no gap between steps."""
@@ -171,8 +179,11 @@ class Watchdog:
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.current_timeout():
                 self._on_hang(time.monotonic() - last)
+            limit = self._stuck_after
+            if self._paused and limit is not None and (late := iostall.oldest()) is not None and late[0] > limit:
+                self._on_hang(late[0], stuck=late[1])
 
-    def _on_hang(self, idle: float) -> None:
+    def _on_hang(self, idle: float, stuck: str | None = None) -> None:
         stacks = ""
         if self.dump_dir:
             path = os.path.join(self.dump_dir, f"hang-rank{self.events.rank}-{os.getpid()}.txt")
@@ -183,17 +194,19 @@ class Watchdog:
                     stacks = f.read()
             except OSError:
                 stacks = ""
-        print(
-            f"trainguard: no progress for {idle:.1f} s (timeout {self.current_timeout():.1f} s, last step "
-            f"{self._step}) on rank {self.events.rank}; Python stacks follow, then the worker exits",
-            file=sys.stderr,
-            flush=True,
-        )
+        if stuck:
+            what = (f"a save has been stuck for {idle:.1f} s in {stuck} (limit {self._stuck_after:.1f} s: the manager's "
+                    f"timeout and a grace; the storage does not answer), last step {self._step}")
+        else:
+            what = f"no progress for {idle:.1f} s (timeout {self.current_timeout():.1f} s, last step {self._step})"
+        print(f"trainguard: {what} on rank {self.events.rank}; Python stacks follow, then the worker exits",
+              file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         self.events.emit(
-            "hang", step=self._step, idle_s=round(idle, 3), timeout_s=round(self.current_timeout(), 3),
-            stacks=stacks[-20000:],
+            "hang", step=self._step, idle_s=round(idle, 3), stacks=stacks[-20000:],
+            **({"stuck_call": stuck, "timeout_s": round(self._stuck_after or 0.0, 3)} if stuck else
+               {"timeout_s": round(self.current_timeout(), 3)}),
         )
         os._exit(HANG_EXIT)
 
@@ -338,15 +351,23 @@ def heartbeat(step: int) -> None:
     _HEART.beat(step)
 
 
+def stuck_limit(timeout: float) -> float:
+    """Seconds a storage call of a save may stay in flight before the watchdog ends the worker:
+    the manager's ``timeout`` and a grace in which its own bound (``StuckWriteError``, polled every
+    ``min(timeout / 4, 5)`` s) and the other ranks' round timeouts come first."""
+    return timeout + min(timeout / 2, 30.0) + 5.0
+
+
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
+def paused(timeout: float | None = None) -> Iterator[None]:
     """No hang is declared inside (``CheckpointManager`` wraps each save in it: a first save of a
-    large state may outlast the timeout); timing restarts at its end."""
+    large state may outlast the timeout), except a storage call stuck for :func:`stuck_limit` of the
+    manager's ``timeout``; timing restarts at its end."""
     wd = _HEART.watchdog if _HEART is not None else None
     if wd is None:
         yield
         return
-    wd.pause()
+    wd.pause(stuck_limit(timeout) if timeout is not None else None)
     try:
         yield
     finally:
