@@ -33,8 +33,10 @@ not returned for the manager's ``timeout`` plus a grace (:func:`stuck_limit`) is
 75, the stacks name the call). A *sync* save's write runs in the training thread, so nothing else
 could end it: a hung NFS server held the worker for good, its peers waiting in their next
 collective. An async save's stuck write is raised as ``StuckWriteError`` within the timeout by
-the manager's wait; the grace lets that come first. The thread only reads a clock, ``os.getppid()`` or ``/proc/<agent pid>/stat``; gloo
-waits release the GIL, so it runs while the main thread is blocked in a collective.
+the manager's wait; the grace lets that come first. The thread only reads a clock,
+``os.getppid()``, ``/proc/<agent pid>/stat`` or the table of storage calls in flight
+(``iostall.oldest``); gloo waits release the GIL, so it runs while the main thread is blocked in
+a collective.
 """
 
 from __future__ import annotations
