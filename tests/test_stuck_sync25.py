@@ -80,3 +80,52 @@ def test_a_sync_save_that_returns_is_no_hang(tmp_path: Path) -> None:
     assert "save returned" in p.stdout
     assert not [e for e in events if e.get("event") == "hang"]
     assert (tmp_path / "ckpt" / "step-000000001" / "manifest.json").exists()
+
+
+def _rank_with_a_stuck_sync_write(rank: int, world: int, root: str) -> str:
+    import threading as th
+
+    import torch
+
+    import trainguard as tg
+    from trainguard.storage import local as loc
+
+    orig = loc._LocalWriter.pwrite
+
+    def stuck(self, data, offset):  # rank 1's writes of step 2 never return
+        if "step-000000002" in self.path:
+            th.Event().wait()
+        return orig(self, data, offset)
+
+    if rank == 1:
+        loc._LocalWriter.pwrite = stuck
+    state = {f"t{i}": torch.full((64, 64), float(i)) for i in range(8)}  # replicated: both ranks write a share
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=120.0, handle_signals=False).open()
+    mgr.save(1, state)
+    mgr.timeout = 3.0  # step 2: rank 0's rounds give up after 3 s, rank 1's watchdog after stuck_limit(3)
+    try:
+        mgr.save(2, state)
+        return "returned"
+    except tg.CheckpointError as e:
+        return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+@pytest.mark.timeout(180)
+def test_two_ranks_one_stuck_in_a_sync_write(tmp_path: Path) -> None:
+    """Rank 1's sync save of step 2 never returns from a write: rank 0 fails the save at its round's
+    timeout (naming rank 1), rank 1's watchdog ends it with the hang exit code once the limit is
+    past (before: rank 1 hung for good, and rank 0 would wait for it in its next collective);
+    step 1 stays the newest checkpoint."""
+    from dist_helper import run_ranks
+
+    rd = tmp_path / "rundir"
+    rd.mkdir()
+    env = {"TRAINGUARD_WATCHDOG": "1", "TRAINGUARD_RUN_DIR": str(rd)}
+    out = run_ranks(_rank_with_a_stuck_sync_write, 2, str(tmp_path / "run"), timeout=120, env=env, check=False)
+    assert out[0].exitcode == 0 and out[0].value.startswith("RankFailureError") and "[1]" in out[0].value, out[0]
+    assert out[1].exitcode == HANG_EXIT and not out[1].timed_out, out[1]
+    events = [json.loads(line) for line in (rd / EVENTS_FILE).read_text().splitlines()]
+    hang = [e for e in events if e.get("event") == "hang"]
+    assert [e["rank"] for e in hang] == [1] and "step-000000002" in hang[0]["stuck_call"], hang
+    steps = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-") and ".tmp-" not in p.name)
+    assert steps == ["step-000000001"]
