@@ -183,9 +183,9 @@ class Watchdog:
                 self._on_hang(time.monotonic() - last)
             limit = self._stuck_after
             if self._paused and limit is not None and (late := iostall.oldest()) is not None and late[0] > limit:
-                self._on_hang(late[0], stuck=late[1])
+                self._on_hang(late[0], stuck=late[1], limit=limit)
 
-    def _on_hang(self, idle: float, stuck: str | None = None) -> None:
+    def _on_hang(self, idle: float, stuck: str | None = None, limit: float = 0.0) -> None:
         stacks = ""
         if self.dump_dir:
             path = os.path.join(self.dump_dir, f"hang-rank{self.events.rank}-{os.getpid()}.txt")
@@ -197,7 +197,7 @@ class Watchdog:
             except OSError:
                 stacks = ""
         if stuck:
-            what = (f"a save has been stuck for {idle:.1f} s in {stuck} (limit {self._stuck_after:.1f} s: the manager's "
+            what = (f"a save has been stuck for {idle:.1f} s in {stuck} (limit {limit:.1f} s: the manager's "
                     f"timeout and a grace; the storage does not answer), last step {self._step}")
         else:
             what = f"no progress for {idle:.1f} s (timeout {self.current_timeout():.1f} s, last step {self._step})"
@@ -207,7 +207,7 @@ class Watchdog:
         sys.stderr.flush()
         self.events.emit(
             "hang", step=self._step, idle_s=round(idle, 3), stacks=stacks[-20000:],
-            **({"stuck_call": stuck, "timeout_s": round(self._stuck_after or 0.0, 3)} if stuck else
+            **({"stuck_call": stuck, "timeout_s": round(limit, 3)} if stuck else
                {"timeout_s": round(self.current_timeout(), 3)}),
         )
         os._exit(HANG_EXIT)
