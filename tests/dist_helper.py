@@ -134,6 +134,9 @@ def _child(
         dist.init_process_group(
             "gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
+        # Every rank's mesh is up before any runs fn: a rank whose fn ends at once (an argument refused)
+        # exited while a peer was still in connectFullMesh ("Connection closed by peer", CI of 2026-12-04).
+        dist.barrier()
         value = fn(rank, world, *args)
         payload = ("ok", value)
     except BaseException:
