@@ -132,7 +132,7 @@ class _Storage:
 def watched(storage: Any) -> Any:
     """``async_save._run`` and ``tiers.RamTier.persist`` (their threads), ``api.start_save``'s sync
     save (the caller's thread: ``elastic.watchdog`` ends a save stuck there): ``storage`` whose
-    writing calls are recorded while in flight."""
+    writing, listing and removing calls are recorded while in flight."""
     return _Storage(storage)
 
 
