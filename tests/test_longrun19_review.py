@@ -61,8 +61,8 @@ def test_ram_tier_copy_survives_a_view_of_its_mapping_held_elsewhere(tmp_path, m
     held = []
     real_open = storage.open_write
 
-    def open_write(path):
-        w = real_open(path)
+    def open_write(path, **kw):
+        w = real_open(path, **kw)
         pwrite = w.pwrite
 
         def keeping(data, offset):

@@ -151,6 +151,21 @@ def _small_task(idx: list[int]) -> Callable[..., None]:
     return run
 
 
+def open_writer(storage: Storage, path: str) -> Any:
+    """``storage.open_write(path)``, with O_DIRECT asked for where the storage offers it (local
+    files, ``storage.local``: a write whose memory address and file offset agree modulo a page
+    goes direct). Called by :func:`write_batches` and by the RAM tier's copy to disk (``tiers``)."""
+    return storage.open_write(path, direct=True) if getattr(storage, "direct_io", False) else storage.open_write(path)
+
+
+def reserve(w: Any, size: int) -> None:
+    """Allocate a new file's ``size`` bytes before writing, where its writer can (``reserve``: local
+    files written direct); a full disk is found here, before any byte is written."""
+    room = getattr(w, "reserve", None)
+    if room is not None:
+        room(size)
+
+
 def write_file(
     storage: Storage,
     path: str,
@@ -195,12 +210,10 @@ def write_batches(
     """
     sums: list[list[str]] = []
     total = 0
-    w = storage.open_write(path, direct=True) if getattr(storage, "direct_io", False) else storage.open_write(path)
+    w = open_writer(storage, path)
     it = iter(batches)
     try:
-        reserve = getattr(w, "reserve", None)
-        if reserve is not None:
-            reserve(size)
+        reserve(w, size)
         if fault:
             fault("write_begin")
         end = 0
