@@ -1,10 +1,11 @@
 """Offline consolidation: a sharded checkpoint becomes a full one (whole tensors, one file).
 
 ``consolidate(src, dst)`` runs in one process without a process group (the ``trainguard
-consolidate SRC DST`` command calls it). It streams tensor by tensor: each tensor is read
-whole from whatever chunks hold it (checksums verified), written at the next aligned offset
-of ``data-00000.bin`` with fresh block checksums, and dropped, so memory stays bounded by the
-largest tensor. Rank-local entries (RNG, per-rank iterators) are kept per saved rank, and
+consolidate SRC DST`` command calls it). It streams in batches of up to 256 MiB: each tensor
+is read whole from whatever chunks hold it (checksums verified; a batch's reads in parallel)
+into one reused buffer, then written at its aligned offset of ``data-00000.bin`` with fresh
+block checksums (``io.write_batches``: direct I/O on local disks), so memory stays bounded by
+the larger of 256 MiB and the largest tensor (the span of its batch in the file). Rank-local entries (RNG, per-rank iterators) are kept per saved rank, and
 aliases (format 3: a tie stored once) stay aliases of their target. The manifest is written
 last and the directory renamed into place, as in a save.
 """
@@ -14,18 +15,19 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from . import layout
+from .buffers import aligned_empty
 from .commit import check_file_sizes, commit_dir, occupied, read_manifest
 from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
-from .io import DEFAULT_BLOCK, ReadTarget, read_targets, tensor_bytes
-from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .planner import full_box, layout_file, plan_reads
+from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_batches
+from .manifest import Chunk, Manifest, TensorEntry
+from .planner import PAGE, full_box, layout_file, plan_reads
 from .storage import for_path
 from .tied import format_for, resolve_aliases
 
@@ -42,7 +44,7 @@ def consolidate(
     ``dst`` is a step directory (``.../step-000000700``) or any new directory. Raises
     ``StepExistsError`` when ``dst`` already holds a checkpoint (unless ``overwrite``),
     ``CorruptCheckpointError`` when a byte of ``src`` fails its checksum. ``progress(path,
-    nbytes)`` is called after each tensor. One process, no collective (run it offline, or on one rank).
+    nbytes)`` is called after each tensor is written. One process, no collective (run it offline, or on one rank).
     """
     try:
         return _consolidate(src, dst, overwrite, progress)
@@ -70,36 +72,37 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     save_id = uuid.uuid4().hex[:16]
     work = dstore.join(parent, layout.tmp_dir(name, save_id) if dstore.atomic_rename else name)
     fname = layout.data_file(0)
+    paths = [p for p, e in m.tensors.items() if e.alias is None]  # an alias gets its target's chunks below
+    sizes = [m.tensors[p].nbytes for p in paths]
+    offs, size = layout_file(sizes)
+    groups = _groups(offs, sizes)
     tensors: dict[str, TensorEntry] = {}
-    w = None
     try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
         dstore.makedirs(work)
-        w = dstore.open_write(dstore.join(work, fname))
-        pos = 0
-        for path, e in m.tensors.items():
-            if e.alias is not None:
-                continue  # given its target's chunks below: the bytes are written once
-            whole = _read_whole(sstore, sdir, source, path, e)
-            data = tensor_bytes(whole)
-            (off,), pos = layout_file([len(data)], pos)
-            chunks = []
-            if len(data):
-                w.pwrite(data, off)
-                sums = [checksum(data[b : b + DEFAULT_BLOCK]) for b in range(0, len(data), DEFAULT_BLOCK)]
-                chunks.append(Chunk([0] * len(e.shape), list(e.shape), fname, off, len(data), sums))
-            tensors[path] = TensorEntry(e.dtype, list(e.shape), chunks)
-            if progress:
-                progress(path, len(data))
-            del whole, data
-        w.finish(pos)
+        # One reused page-aligned buffer (new memory is slow to fault in), each tensor at its file
+        # offset's place in a page: io.write_batches writes its whole pages direct where it can.
+        scratch = aligned_empty(max((offs[g[-1]] + sizes[g[-1]] - offs[g[0]] // PAGE * PAGE for g in groups), default=0))
+
+        def batches() -> Iterator[list[WriteChunk]]:
+            for g in groups:
+                base = offs[g[0]] // PAGE * PAGE
+                reads = [_target(source, paths[i], m.tensors[paths[i]], scratch, offs[i] - base) for i in g]
+                read_targets(sstore, sdir, reads)  # the group's reads in parallel, checksums verified
+                yield [WriteChunk(tensor_bytes(t.dest), offs[i]) for t, i in zip(reads, g)]
+                if progress:  # written: write_batches asks for the next batch once this one is
+                    for i in g:
+                        progress(paths[i], sizes[i])
+
+        sums = write_batches(dstore, dstore.join(work, fname), batches(), size, block=DEFAULT_BLOCK)
+        for path, off, n, s in zip(paths, offs, sizes, sums, strict=True):
+            e = m.tensors[path]
+            tensors[path] = TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
         for path, e in m.tensors.items():
             if e.alias is not None:
                 tensors[path] = TensorEntry(e.dtype, list(e.shape), [], alias=e.alias)
         tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
         resolve_aliases(tensors, os.fspath(dst))  # each alias gets its target's new chunks
     except BaseException:
-        if w is not None:
-            w.abort()
         dstore.remove_tree(work)
         raise
     out = Manifest(
@@ -108,7 +111,7 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
         created=time.time(),
         layout="full",
         block_size=DEFAULT_BLOCK,
-        files={fname: pos},
+        files={fname: size},
         objects=m.objects,
         tensors=tensors,
         metadata={**m.metadata, "consolidated_from": {"path": os.fspath(src), "layout": m.layout, "created": m.created}},
@@ -124,15 +127,23 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     return out
 
 
-def _read_whole(storage: Any, directory: str, src: ChunkSource, path: str, e: TensorEntry) -> torch.Tensor:
-    t = torch.empty(e.shape, dtype=e.torch_dtype)
+GROUP = 256 << 20  # bytes read (in parallel) and then written per batch; a larger tensor is a batch alone
+
+
+def _groups(offs: list[int], sizes: list[int]) -> list[list[int]]:
+    """Consecutive tensors (indices) whose span in the file, from the page their first starts in,
+    is at most ``GROUP`` bytes (a tensor larger than that: alone)."""
+    groups: list[list[int]] = []
+    for i, (o, n) in enumerate(zip(offs, sizes)):
+        if groups and o + n - offs[groups[-1][0]] // PAGE * PAGE <= GROUP:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _target(src: ChunkSource, path: str, e: TensorEntry, scratch: torch.Tensor, at: int) -> ReadTarget:
+    """The read of tensor ``path`` whole into ``scratch`` from byte ``at`` (its chunks, whatever the saved sharding)."""
+    t = scratch[at : at + e.nbytes].view(e.torch_dtype).view(e.shape)
     box = full_box(e.shape)
-    ops = plan_reads(
-        plan_args(src.all_chunks(path, e)),
-        box,
-        e.torch_dtype.itemsize,
-        src.m.block_size,
-        True,
-    )
-    read_targets(storage, directory, [ReadTarget(path, t, box, ops)])
-    return t
+    return ReadTarget(path, t, box, plan_reads(plan_args(src.all_chunks(path, e)), box, e.torch_dtype.itemsize, src.m.block_size, True))
