@@ -2,7 +2,7 @@
 
 With ``CheckpointManager(root, ram_tier=True)`` every save goes first to
 ``/dev/shm/trainguard-ram-<uid>/<hash of root>/step-N`` (a normal trainguard checkpoint on
-tmpfs, written at memory speed), and rank 0 then copies it to the durable tier (``root``) in
+tmpfs, no disk involved), and rank 0 then copies it to the durable tier (``root``) in
 a background thread: data files first, ``manifest.json`` last, in a temp directory renamed
 into place (object stores: in place, the manifest is the marker). The RAM tier survives a
 worker process crash (torchrun restarts workers on the same node), so ``restore`` prefers
