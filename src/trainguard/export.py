@@ -1,6 +1,6 @@
 """Export a checkpoint's model weights to standard formats: a safetensors file, or a file that
 ``torch.load(weights_only=True)`` reads. Offline, one process, no process group; tensors are
-assembled from their chunks (whatever world size wrote them) one at a time.
+assembled from their chunks (whatever world size wrote them), read in parallel batches of 256 MiB.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .storage import Storage, for_path
 def iter_tensors(
     storage: Storage, directory: str, manifest: Manifest, prefix: str, *, verify: bool = True, share: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, one at a time
+    """Yield ``(name, whole tensor)`` for every tensor under ``prefix/``, in batches of about ``BATCH`` bytes
     (names without the prefix; an entry that is one tensor keeps its name). Rank-local entries (``key@rank``) are not included.
     ``share``: the names of a tie (format 3 alias) yield one tensor object, read once, as
     ``torch.load`` gives them and ``torch.save`` stores them (once); else each name gets its own
@@ -38,23 +38,34 @@ def iter_tensors(
     # Sizes on disk first, as a load checks them: a manifest cannot make this allocate more
     # than the files it points at really hold.
     check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
+    # Read in batches of about BATCH bytes, each batch's tensors in parallel (one read_targets call),
+    # then yielded in order: tensor by tensor, the reads of a 3 GB model took 2.9-4.8 s here.
+    ready: list[tuple[str, torch.Tensor]] = []
+    targets: list[ReadTarget] = []
+    size = 0
     for name, path, e in mine:
         holder = e.alias or path  # an alias may come first in path order: its target's bytes are the same
         if share and holder in read:
-            yield name, read[holder]
+            ready.append((name, read[holder]))  # read by now, or in this batch
             continue
         t = torch.empty(e.shape, dtype=e.torch_dtype)
-        ops = plan_reads(
-            plan_args(src.all_chunks(path, e)),
-            full_box(e.shape),
-            e.torch_dtype.itemsize,
-            manifest.block_size,
-            verify,
-        )
-        read_targets(storage, directory, [ReadTarget(path, t, full_box(e.shape), ops)])
+        box = full_box(e.shape)
+        ops = plan_reads(plan_args(src.all_chunks(path, e)), box, e.torch_dtype.itemsize, manifest.block_size, verify)
+        targets.append(ReadTarget(path, t, box, ops))
         if share:
             read[holder] = t
-        yield name, t
+        ready.append((name, t))
+        size += t.nbytes
+        if size >= BATCH:
+            read_targets(storage, directory, targets)
+            yield from ready
+            ready, targets, size = [], [], 0
+    if targets:
+        read_targets(storage, directory, targets)
+    yield from ready
+
+
+BATCH = 256 << 20  # iter_tensors: bytes read in parallel before they are yielded
 
 
 def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
