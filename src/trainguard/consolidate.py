@@ -5,9 +5,9 @@ consolidate SRC DST`` command calls it). It streams in batches of up to 256 MiB:
 is read whole from whatever chunks hold it (checksums verified; a batch's reads in parallel)
 into one reused buffer, then written at its aligned offset of ``data-00000.bin`` with fresh
 block checksums (``io.write_batches``: direct I/O on local disks), so memory stays bounded by
-the larger of 256 MiB and the largest tensor (the span of its batch in the file). Rank-local entries (RNG, per-rank iterators) are kept per saved rank, and
-aliases (format 3: a tie stored once) stay aliases of their target. The manifest is written
-last and the directory renamed into place, as in a save.
+the larger of 256 MiB and the largest tensor. Rank-local entries (RNG, per-rank iterators) are
+kept per saved rank, and aliases (format 3: a tie stored once) stay aliases of their target.
+The manifest is written last and the directory renamed into place, as in a save.
 """
 
 from __future__ import annotations
