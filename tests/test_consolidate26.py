@@ -33,10 +33,15 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
-def test_consolidate_in_batches_loads_bit_for_bit(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("files", [1, 2])
+def test_consolidate_in_batches_loads_bit_for_bit(tmp_path: Path, monkeypatch, files: int):
+    from trainguard import streams
+
     monkeypatch.setattr(cons, "GROUP", 1 << 20)
+    monkeypatch.setattr(streams, "TWO_FILES_FROM", 1 << 20 if files == 2 else 1 << 40)
     state = _state()
-    tg.save(tmp_path / "src", state)
+    m = tg.save(tmp_path / "src", state)
+    assert len(m.files) == files  # a batch reads from both data files of the source
     seen: list[tuple[str, int]] = []
     before = io.counters()["bytes_direct"]
     cons.consolidate(tmp_path / "src", tmp_path / "full", progress=lambda p, n: seen.append((p, n)))
