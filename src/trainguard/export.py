@@ -16,7 +16,7 @@ from .commit import check_file_sizes, read_manifest
 from .errors import CheckpointError
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
-from .manifest import Manifest
+from .manifest import Manifest, TensorEntry
 from .planner import full_box, plan_reads
 from .storage import Storage, for_path
 
@@ -29,12 +29,9 @@ def iter_tensors(
     ``share``: the names of a tie (format 3 alias) yield one tensor object, read once, as
     ``torch.load`` gives them and ``torch.save`` stores them (once); else each name gets its own
     copy (safetensors refuses tensors that share memory)."""
-    head = prefix.rstrip("/") + "/"
     src = ChunkSource.of(storage, directory, manifest)
     read: dict[str, torch.Tensor] = {}  # share: the tensor holding the bytes' path -> its tensor
-    # An entry that is one tensor is named after the entry; the others without the prefix.
-    mine = [(path if path == prefix else path[len(head) :], path, e) for path, e in manifest.tensors.items()
-            if path == prefix or path.startswith(head)]
+    mine = selected(manifest, prefix)
     # Sizes on disk first, as a load checks them: a manifest cannot make this allocate more
     # than the files it points at really hold.
     check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
@@ -68,6 +65,14 @@ def iter_tensors(
 BATCH = 256 << 20  # iter_tensors: bytes read in parallel before they are yielded
 
 
+def selected(manifest: Manifest, prefix: str) -> list[tuple[str, str, TensorEntry]]:
+    """``(name, manifest path, entry)`` of every tensor under ``prefix/``, in path order: an entry
+    that is one tensor is named after the entry, the others without the prefix."""
+    head = prefix.rstrip("/") + "/"
+    return [(path if path == prefix else path[len(head) :], path, e) for path, e in manifest.tensors.items()
+            if path == prefix or path.startswith(head)]
+
+
 def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
     """Write entry ``entry``'s tensors to ``to`` (``.safetensors`` or ``.pt``/``.pth``).
     Returns the number of tensors written. Called by ``trainguard export``; one process, no collective."""
@@ -78,22 +83,29 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
             f"{directory} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
         )
     out = os.fspath(to)
-    tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not out.endswith(".safetensors")))
-    if not tensors:
+    mine = selected(manifest, entry)
+    if not mine:
         raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
     check_destination(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    with foreign_errors(f"cannot write {out}"), replacing(out) as tmp:  # e.g. a dtype safetensors cannot store
-        if out.endswith(".safetensors"):
-            from safetensors.torch import save_file
+    meta, what = {"format": "pt", "source": "trainguard", "step": str(manifest.step)}, f"cannot write {out}"
+    safetensors = out.endswith(".safetensors")
+    with replacing(out) as tmp:  # reading errors are raised as they are (the CLI says what to do about them)
+        from . import stwrite  # streamed: one batch in memory (a dtype it has no name for: save_file)
 
-            save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard", "step": str(manifest.step)})
-        else:
-            torch.save(tensors, tmp)
-    return len(tensors)
+        if not (safetensors and stwrite.write(storage, directory, manifest, mine, tmp, meta, what)):
+            tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not safetensors))
+            with foreign_errors(what):  # e.g. a dtype safetensors cannot store
+                if safetensors:
+                    from safetensors.torch import save_file
+
+                    save_file(tensors, tmp, metadata=meta)
+                else:
+                    torch.save(tensors, tmp)
+    return len(mine)
 
 
 @contextlib.contextmanager
