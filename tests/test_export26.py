@@ -105,3 +105,19 @@ def test_a_dtype_safetensors_streaming_has_no_name_for_goes_through_save_file(tm
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """The bytes (float8 has no torch.equal; NaNs compare by bits)."""
     return t.reshape(-1).view(torch.uint8)
+
+
+def test_a_corrupt_byte_fails_the_streamed_export_and_leaves_no_file(tmp_path: Path):
+    from trainguard.errors import CorruptCheckpointError
+
+    model = _model()
+    m = tg.save(tmp_path / "ckpt", {"model": tg.StateDict(**model)})
+    c = m.tensors["model/b"].chunks[0]
+    with open(tmp_path / "ckpt" / c.file, "r+b") as f:
+        f.seek(c.offset + 100)
+        b = f.read(1)
+        f.seek(c.offset + 100)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptCheckpointError, match="model/b"):
+        exp.export(tmp_path / "ckpt", tmp_path / "w.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no file, no temporary left

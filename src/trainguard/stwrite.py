@@ -44,7 +44,7 @@ def header(mine: list[tuple[str, str, TensorEntry]], metadata: Mapping[str, str]
     doc: dict[str, Any] = {"__metadata__": dict(metadata)}
     offs, pos = [], 0
     for name, _path, e in mine:
-        if e.torch_dtype not in NAMES:
+        if e.torch_dtype not in NAMES or name == "__metadata__":  # save_file says why it cannot
             return None
         doc[name] = {"dtype": NAMES[e.torch_dtype], "shape": list(e.shape), "data_offsets": [pos, pos + e.nbytes]}
         offs.append(pos)
