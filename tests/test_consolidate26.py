@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import trainguard as tg
+from test_read_pieces import _flip  # tests/ is on sys.path under pytest
 from trainguard import consolidate as cons
 from trainguard import io
 from trainguard.errors import CorruptCheckpointError
@@ -76,13 +77,8 @@ def _layout(state: dict[str, torch.Tensor], stored: list[str]) -> tuple[list[int
 def test_a_corrupt_source_byte_fails_the_consolidation_and_leaves_nothing(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(cons, "GROUP", 1 << 20)
     state = _state()
-    m = tg.save(tmp_path / "src", state)
-    c = m.tensors["b"].chunks[0]
-    with open(tmp_path / "src" / c.file, "r+b") as f:
-        f.seek(c.offset + 1000)
-        byte = f.read(1)
-        f.seek(c.offset + 1000)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    tg.save(tmp_path / "src", state)
+    _flip(tmp_path / "src", "b", 1000)
     with pytest.raises(CorruptCheckpointError, match="b"):
         cons.consolidate(tmp_path / "src", tmp_path / "full")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]  # no temp directory, no result

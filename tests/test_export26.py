@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import trainguard as tg
+from test_read_pieces import _flip  # tests/ is on sys.path under pytest
 from trainguard import consolidate as cons
 from trainguard import export as exp
 from trainguard import stwrite
@@ -111,13 +112,8 @@ def test_a_corrupt_byte_fails_the_streamed_export_and_leaves_no_file(tmp_path: P
     from trainguard.errors import CorruptCheckpointError
 
     model = _model()
-    m = tg.save(tmp_path / "ckpt", {"model": tg.StateDict(**model)})
-    c = m.tensors["model/b"].chunks[0]
-    with open(tmp_path / "ckpt" / c.file, "r+b") as f:
-        f.seek(c.offset + 100)
-        b = f.read(1)
-        f.seek(c.offset + 100)
-        f.write(bytes([b[0] ^ 0x01]))
+    tg.save(tmp_path / "ckpt", {"model": tg.StateDict(**model)})
+    _flip(tmp_path / "ckpt", "model/b", 100)
     with pytest.raises(CorruptCheckpointError, match="model/b"):
         exp.export(tmp_path / "ckpt", tmp_path / "w.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no file, no temporary left
