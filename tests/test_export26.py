@@ -17,7 +17,6 @@ import trainguard as tg
 from test_read_pieces import _flip  # tests/ is on sys.path under pytest
 from trainguard import consolidate as cons
 from trainguard import export as exp
-from trainguard import stwrite
 
 
 def _model() -> dict[str, torch.Tensor]:
@@ -46,7 +45,7 @@ def test_export_in_batches_holds_every_tensor_and_the_tie(tmp_path: Path, monkey
         return real(storage, directory, targets, **kw)
 
     monkeypatch.setattr(exp, "read_targets", counting)
-    monkeypatch.setattr(stwrite, "read_targets", counting)
+    monkeypatch.setattr(cons, "read_targets", counting)  # .safetensors: consolidate.whole_batches reads
     model = _model()
     tg.save(tmp_path / "ckpt", {"model": tg.StateDict(**model)})
     out = tmp_path / f"weights{fmt}"

@@ -75,25 +75,18 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     paths = [p for p, e in m.tensors.items() if e.alias is None]  # an alias gets its target's chunks below
     sizes = [m.tensors[p].nbytes for p in paths]
     offs, size = layout_file(sizes)
-    groups = _groups(offs, sizes)
     tensors: dict[str, TensorEntry] = {}
     try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
         dstore.makedirs(work)
-        # One reused page-aligned buffer (new memory is slow to fault in), each tensor at its file
-        # offset's place in a page: io.write_batches writes its whole pages direct where it can.
-        scratch = aligned_empty(max((offs[g[-1]] + sizes[g[-1]] - offs[g[0]] // PAGE * PAGE for g in groups), default=0))
 
-        def batches() -> Iterator[list[WriteChunk]]:
-            for g in groups:
-                base = offs[g[0]] // PAGE * PAGE
-                reads = [_target(source, paths[i], m.tensors[paths[i]], scratch, offs[i] - base) for i in g]
-                read_targets(sstore, sdir, reads)  # the group's reads in parallel, checksums verified
-                yield [WriteChunk(tensor_bytes(t.dest), offs[i]) for t, i in zip(reads, g)]
-                if progress:  # written: write_batches asks for the next batch once this one is
-                    for i in g:
-                        progress(paths[i], sizes[i])
+        def written(done: list[int]) -> None:  # write_batches asks for the next batch once one is written
+            if progress:
+                for i in done:
+                    progress(paths[i], sizes[i])
 
-        sums = write_batches(dstore, dstore.join(work, fname), batches(), size, block=DEFAULT_BLOCK)
+        items = [(p, m.tensors[p]) for p in paths]
+        batches = whole_batches(sstore, sdir, source, items, offs, written=written)
+        sums = write_batches(dstore, dstore.join(work, fname), batches, size, block=DEFAULT_BLOCK)
         for path, off, n, s in zip(paths, offs, sizes, sums, strict=True):
             e = m.tensors[path]
             tensors[path] = TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
@@ -142,8 +135,39 @@ def _groups(offs: list[int], sizes: list[int]) -> list[list[int]]:
     return groups
 
 
-def _target(src: ChunkSource, path: str, e: TensorEntry, scratch: torch.Tensor, at: int) -> ReadTarget:
-    """The read of tensor ``path`` whole into ``scratch`` from byte ``at`` (its chunks, whatever the saved sharding)."""
-    t = scratch[at : at + e.nbytes].view(e.torch_dtype).view(e.shape)
+def whole_batches(
+    storage: Any, directory: str, src: ChunkSource, items: list[tuple[str, TensorEntry]], offs: list[int], *,
+    written: Callable[[list[int]], None] | None = None, failed: list[BaseException] | None = None,
+) -> Iterator[list[WriteChunk]]:
+    """Batches for ``io.write_batches`` of whole tensors ``items`` (``(manifest path, entry)``) at
+    file offsets ``offs`` (increasing): up to ``GROUP`` bytes of them read in parallel (checksums
+    verified) into one reused page-aligned buffer (new memory is slow to fault in), each at its file
+    offset's place in a page, so that their whole pages can be written direct. ``written(indices)``
+    once a batch is written; an error reading is also put in ``failed``. Used by ``consolidate``
+    and by the streamed safetensors export (``stwrite``)."""
+    sizes = [e.nbytes for _p, e in items]
+    groups = _groups(offs, sizes)
+    scratch = aligned_empty(max((offs[g[-1]] + sizes[g[-1]] - offs[g[0]] // PAGE * PAGE for g in groups), default=0))
+    for g in groups:
+        base = offs[g[0]] // PAGE * PAGE
+        reads = []
+        for i in g:
+            path, e = items[i]
+            at = offs[i] - base
+            reads.append(whole_read(src, path, e, scratch[at : at + e.nbytes].view(e.torch_dtype).view(e.shape)))
+        try:
+            read_targets(storage, directory, reads)
+        except BaseException as e:
+            if failed is not None:
+                failed.append(e)
+            raise
+        yield [WriteChunk(tensor_bytes(t.dest), offs[i]) for t, i in zip(reads, g)]
+        if written is not None:
+            written(g)
+
+
+def whole_read(src: ChunkSource, path: str, e: TensorEntry, dest: torch.Tensor, verify: bool = True) -> ReadTarget:
+    """The read of tensor ``path`` whole into ``dest`` from its chunks, whatever the saved sharding
+    (``whole_batches``; ``export.iter_tensors``)."""
     box = full_box(e.shape)
-    return ReadTarget(path, t, box, plan_reads(plan_args(src.all_chunks(path, e)), box, e.torch_dtype.itemsize, src.m.block_size, True))
+    return ReadTarget(path, dest, box, plan_reads(plan_args(src.all_chunks(path, e)), box, e.torch_dtype.itemsize, src.m.block_size, verify))

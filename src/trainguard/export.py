@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import torch
 
 from .commit import check_file_sizes, read_manifest
+from .consolidate import whole_read
 from .errors import CheckpointError
-from .index import ChunkSource, plan_args
+from .index import ChunkSource
 from .io import ReadTarget, read_targets
 from .manifest import Manifest, TensorEntry
-from .planner import full_box, plan_reads
 from .storage import Storage, for_path
 
 
@@ -46,9 +46,7 @@ def iter_tensors(
             ready.append((name, read[holder]))  # read by now, or in this batch
             continue
         t = torch.empty(e.shape, dtype=e.torch_dtype)
-        box = full_box(e.shape)
-        ops = plan_reads(plan_args(src.all_chunks(path, e)), box, e.torch_dtype.itemsize, manifest.block_size, verify)
-        targets.append(ReadTarget(path, t, box, ops))
+        targets.append(whole_read(src, path, e, t, verify))
         if share:
             read[holder] = t
         ready.append((name, t))

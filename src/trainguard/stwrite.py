@@ -19,14 +19,12 @@ from typing import Any
 
 import torch
 
-from .buffers import aligned_empty
 from .commit import check_file_sizes
-from .consolidate import _groups, _target
+from .consolidate import whole_batches
 from .errors import CheckpointError
 from .index import ChunkSource
-from .io import DEFAULT_BLOCK, WriteChunk, read_targets, tensor_bytes, write_batches
+from .io import DEFAULT_BLOCK, WriteChunk, write_batches
 from .manifest import Manifest, TensorEntry
-from .planner import PAGE
 from .storage import LocalStorage, Storage
 
 # torch dtype -> safetensors' name for it (the format's list; complex and quantized dtypes have none)
@@ -70,28 +68,17 @@ def write(
         return False
     head, rel = got
     offs = [len(head) + o for o in rel]  # in the file
-    sizes = [e.nbytes for _n, _p, e in mine]
-    groups = _groups(offs, sizes)
     src = ChunkSource.of(storage, directory, manifest)
     # Sizes on disk first, as a load checks them: no read past what the files hold.
     check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
-    scratch = aligned_empty(max((offs[g[-1]] + sizes[g[-1]] - offs[g[0]] // PAGE * PAGE for g in groups), default=0))
+    reading: list[BaseException] = []
 
     def batches() -> Iterator[list[WriteChunk]]:
         yield [WriteChunk(memoryview(head), 0)]
-        for g in groups:
-            base = offs[g[0]] // PAGE * PAGE  # each tensor at its file offset's place in a page: direct I/O
-            reads = [_target(src, mine[i][1], mine[i][2], scratch, offs[i] - base) for i in g]
-            try:
-                read_targets(storage, directory, reads)  # in parallel, checksums verified
-            except BaseException as e:
-                reading.append(e)
-                raise
-            yield [WriteChunk(tensor_bytes(t.dest), offs[i]) for t, i in zip(reads, g)]
+        yield from whole_batches(storage, directory, src, [(p, e) for _n, p, e in mine], offs, failed=reading)
 
-    reading: list[BaseException] = []
     try:
-        write_batches(LocalStorage(), path, batches(), len(head) + sum(sizes), block=DEFAULT_BLOCK)
+        write_batches(LocalStorage(), path, batches(), len(head) + sum(e.nbytes for _n, _p, e in mine), block=DEFAULT_BLOCK)
     except Exception as e:
         if isinstance(e, CheckpointError) or e in reading:  # a full disk says so itself
             raise
