@@ -33,6 +33,7 @@ lint: setup
 bench: setup
 	$(VPY) -m bench.run
 	$(VPY) -m bench.stall
+	$(VPY) -m bench.per_byte
 	$(VPY) -m bench.planner_scale
 	$(VPY) -m bench.ram_tier --size-gb 3
 

@@ -196,7 +196,9 @@ def _per_byte(doc: dict) -> list[str]:
     small = doc["states"]["small10k"]["info"].get("tensors", "many")
     large = doc["states"][pb["large_state"]]["info"].get("tensors", "few")
     return [f"## Per byte: {small} small tensors (`small10k`) vs {large} large ones (`{pb['large_state']}`)", "",
-            "GB/s = state bytes / steady median time; a ratio well below 1 is per-tensor overhead.", ""] + _table(
+            "GB/s = state bytes / steady median time; a ratio well below 1 is per-tensor overhead. The two "
+            "states run in separate processes minutes apart, so the machine's drift is in these ratios; "
+            "`python -m bench.per_byte` pairs trainguard's two saves round by round in one process.", ""] + _table(
         ["method", "op", f"GB/s `{pb['large_state']}`", "GB/s `small10k`", "small ÷ large"], body)
 
 

@@ -80,3 +80,21 @@ def test_direct_ab_smoke(tmp_path: Path) -> None:
         assert all(len(v) == 2 and all(x[0] > 0 for x in v) for v in res.values())
     assert os.environ.get("TRAINGUARD_DIRECT_IO") == before
     assert not (tmp_path / "ab").exists()
+
+
+def test_per_byte_smoke(tmp_path: Path) -> None:
+    """bench.per_byte (issue 6's small/large per-byte ratio, paired in one process): both states
+    saved every round in alternating order, the ratio taken round by round, nothing left behind."""
+    from bench import per_byte
+
+    out = tmp_path / "per_byte.json"
+    res = per_byte.main(["--scale", "0.002", "--n-small", "40", "--rounds", "2", "--out", str(out),
+                         "--tmp", str(tmp_path / "pb")])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    assert [r["order"] for r in res["rounds"]] == [["large", "small"], ["small", "large"], ["large", "small"]]
+    for r in res["rounds"]:
+        rate = {k: res["bytes"][k] / r["seconds"][k] / 1e9 for k in ("large", "small")}
+        assert r["ratio"] == rate["small"] / rate["large"] > 0
+    assert res["tensors"] == {"large": 408, "small": 40}
+    assert res["ratio"]["min"] <= res["ratio"]["median"] <= res["ratio"]["max"]
+    assert not (tmp_path / "pb").exists()
