@@ -129,7 +129,7 @@ def start_async_save(
                     job.copies[id(lf)] = copy_into(slot, lf.tensor)
                     handle.staged_sync_bytes += lf.tensor.nbytes
                 job.later = {id(lf) for lf in later}
-                handle.watch([(lf.path, lf.tensor) for lf in later])  # changed before staged(): warned (handle.py)
+                handle.watch(later)  # changed before staged(): warned (handle.py)
                 job.storages = {storage_key(lf.tensor) for lf in later} - {None}
                 for lf in later:
                     if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:

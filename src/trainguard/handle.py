@@ -67,7 +67,8 @@ class SaveHandle:
         self.staging_batches = 0
         # Async saves: (path, tensor, its version counter at the call) of what the save thread copies
         # later (``watch``); ``set_staged`` lists the ones changed in place before then here.
-        self._watched: list[tuple[str, Any, int]] = []
+        self._watched: list[Any] = []  # watch(): leaves, and their version counters at the call
+        self._versions: list[int | None] = []
         self.modified_while_staging: list[str] = []
 
     def staged(self) -> bool:
@@ -146,20 +147,23 @@ class SaveHandle:
                 self.stuck = True  # the interpreter's exit does not wait for it
                 raise
 
-    def watch(self, leaves: list[tuple[str, Any]]) -> None:
+    def watch(self, leaves: list[Any]) -> None:
         """Training thread, in the async save call (every rank, ``async_save.start_async_save``):
-        ``leaves`` are the (path, tensor) the save thread copies after the call returns. A tensor
-        changed in place before they are all copied (an EMA or clamp of the weights, a
-        ``load_state_dict``, Adam's moments reset: anything but ``step()``, which waits) bumps its
-        version counter; ``set_staged`` then warns, naming it. A write through ``.data`` bumps no
-        counter and goes unseen (docs/async.md)."""
-        self._watched = [(path, t, v) for path, t in leaves if (v := _version(t)) is not None]
+        ``leaves`` (``capture.Leaf``s: ``.path``, ``.tensor``) are what the save thread copies after
+        the call returns. A tensor changed in place before they are all copied (an EMA or clamp of
+        the weights, a ``load_state_dict``, Adam's moments reset: anything but ``step()``, which
+        waits) bumps its version counter; ``set_staged`` then warns, naming it. A write through
+        ``.data`` bumps no counter and goes unseen (docs/async.md). Kept as the leaves and a list
+        of ints, no object per tensor (planner.full_box says why)."""
+        self._watched = leaves
+        self._versions = [_version(lf.tensor) for lf in leaves]
 
     def set_staged(self) -> None:
         """Save thread: the last tensor of the save is copied (or written); step() may run again."""
         if not self._staged.is_set() and self._watched:
-            changed = [path for path, t, v in self._watched if _version(t) != v]
-            self._watched = []
+            changed = [lf.path for lf, v in zip(self._watched, self._versions, strict=True)
+                       if v is not None and _version(lf.tensor) != v]
+            self._watched, self._versions = [], []
             if changed:
                 self.modified_while_staging = changed
                 log.warning(

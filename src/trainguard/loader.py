@@ -266,7 +266,7 @@ def _load(
             ):
                 # A whole plain tensor stored in one chunk (validation: its box is the whole
                 # tensor), read in place: the general path below without its per-tensor calls.
-                c, box = e.chunks[0], Box((0,) * len(e.shape), tuple(e.shape))
+                c, box = e.chunks[0], full_box(e.shape)
                 loaded[p] = live
                 ops = [whole_read(box, c.file, c.offset, c.length, c.checksums, block, verify)] if c.length else []
                 yield ReadTarget(p, live, box, ops)

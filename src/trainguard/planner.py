@@ -16,9 +16,7 @@ from .cover import _sweep, check_cover, tiles  # noqa: F401 - their home was her
 
 # Chunks of at least this size start at a page boundary (O_DIRECT and mmap friendly);
 # smaller ones at 64 bytes, which keeps any dtype aligned when the file is mmapped.
-PAGE = 4096
-SMALL_ALIGN = 64
-PAGE_ALIGN_FROM = 1 << 20
+PAGE, SMALL_ALIGN, PAGE_ALIGN_FROM = 4096, 64, 1 << 20
 # Replicated tensors larger than this are split into row ranges so ranks can share the work.
 SPLIT_BYTES = 64 << 20
 SCRATCH_BYTES = 4 << 20  # a column shard's rows are read through scratch this much at a time
@@ -61,16 +59,24 @@ class Box:
 
 def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
     """Element strides of a contiguous (row-major) array of ``sizes``."""
-    out = []
-    acc = 1
+    out, acc = [], 1
     for s in reversed(sizes):
         out.append(acc)
         acc *= s
     return tuple(reversed(out))
 
 
+_FULL: dict[tuple[int, ...], Box] = {}  # shape -> its whole box, shared (a Box is immutable)
+
+
 def full_box(shape: Sequence[int]) -> Box:
-    return Box((0,) * len(shape), tuple(shape))
+    """A whole tensor's box, one object per shape (at most 65,536 kept): a new one per tensor kept
+    alive by an async save would count towards the interpreter's next full garbage collection."""
+    if (box := _FULL.get(key := tuple(shape))) is None:
+        box = _FULL[key] = Box((0,) * len(key), key)
+        if len(_FULL) > 65_536:
+            _FULL.clear()
+    return box
 
 
 def row_split(shape: Sequence[int], itemsize: int, max_bytes: int = SPLIT_BYTES) -> list[Box]:
