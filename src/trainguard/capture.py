@@ -221,11 +221,10 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
                 and len(shape) <= MAX_NDIM and 0 < t.nbytes <= MAX_TENSOR_BYTES):
             dtype = DTYPE_NAMES[t.dtype]
             kind = "local" if local else "replicated"
-            box = full_box(shape)
-            # No new tensor object where the tensor has no autograd to drop (optimizer state): fewer
-            # objects for the interpreter's garbage collector (planner.full_box).
-            data = t if type(t) is torch.Tensor and not t.requires_grad else t.detach()
-            return Leaf(path, data, dtype, box.sizes, box, kind)
+            box = full_box(shape)  # shared: fewer objects for the garbage collector (see there)
+            # A view of the memory as at the call, also for a tensor without autograd: an async
+            # save copies it later, and `t.data = other` meanwhile must not redirect that copy.
+            return Leaf(path, t.detach(), dtype, box.sizes, box, kind)
     dt = is_dtensor(t)
     if dt and full:
         if t.device_mesh.get_coordinate() is None:  # full_tensor() would give this rank a (0,) tensor
