@@ -10,9 +10,9 @@ process, minutes apart, and on this shared VM the same save drifts by a third ov
 holds both states and saves them back to back (durable ``tg.save``: the call, then fsync of every
 file, the directory and its parent, as ``bench.run`` does), the order swapped every round, and
 the ratio is taken round by round. Round 0 is reported apart. No raw limit is paired: tried
-(2026-12-04 09:58), ``raw_2`` took 3.2 s instead of 1.0 s for the large state whenever it ran
-second in a round (cause not looked into), and ``raw_d2`` took 1.4-1.7 s for the small state,
-more than trainguard's save; neither gave a stable per-byte figure for the disk.
+(2026-12-04 09:58), ``raw_2`` took 2.9-3.2 s for the large state when it ran second in a round
+against 1.0-1.3 s when first (cause not looked into), and ``raw_d2`` took 1.4-1.7 s for the small
+state, more than trainguard's save; neither gave a stable per-byte figure for the disk.
 Prints one line per round and writes a JSON file (default ``bench/results/per_byte.json``).
 Needs ~5 GB of RAM and disk at scale 1.
 """

@@ -65,9 +65,9 @@ class SaveHandle:
         self.staged_background_bytes = 0
         self.written_live_bytes = 0  # zero-copy: protected chunks written from the live tensors
         self.staging_batches = 0
-        # Async saves: (path, tensor, its version counter at the call) of what the save thread copies
-        # later (``watch``); ``set_staged`` lists the ones changed in place before then here.
-        self._watched: list[Any] = []  # watch(): leaves, and their version counters at the call
+        # Async saves: the leaves the save thread copies later and their tensors' version counters at
+        # the call (``watch``); ``set_staged`` lists the ones changed in place before then here.
+        self._watched: list[Any] = []
         self._versions: list[int | None] = []
         self.modified_while_staging: list[str] = []
 
