@@ -9,7 +9,9 @@ a detached view, a box, a (path, tensor) pair to watch, ...), and one of 12 save
 ran a full collection and took 165 ms against ~30 ms (2026-12-04). Now tensors of one shape share
 their box and the watch list holds no pair per tensor: 2.4 per tensor (a leaf and a view each; the
 view stays, so that ``t.data = other`` after the call cannot redirect the save's later copy).
-``test_async21_review`` checks that a tensor changed before ``staged()`` is still named.
+``test_async21_review`` checks that a tensor changed before ``staged()`` is still named. Also here:
+the call no longer works out the storage keys the pre-step hook needs only for an optimizer
+outside the state (``stage.StorageKeys``).
 """
 
 from __future__ import annotations
@@ -94,3 +96,23 @@ def test_an_async_save_in_flight_promotes_few_objects_per_tensor(tmp_path, monke
     tg.load(tmp_path / "a", fresh)
     assert all(torch.equal(a, b) for a, b in zip(fresh["model"].parameters(), state["model"].parameters(), strict=True))
 
+
+
+def test_storage_keys_are_worked_out_only_for_an_optimizer_outside_the_state(tmp_path, gate) -> None:
+    """The pre-step hook needs the memory of what the save still copies only when an optimizer
+    not in the state steps meanwhile; the call no longer works it out for every save. Such an
+    optimizer over other parameters steps at once; the state's own waits for the copies."""
+    from trainguard import async_save
+
+    state = _state(2)
+    other = torch.nn.Linear(4, 4)
+    side = torch.optim.SGD(other.parameters(), lr=0.1)
+    h = tg.save(tmp_path / "a", state, async_=True)
+    job = async_save._INFLIGHT
+    assert job is not None and job.handle is h and job.storages._keys is None  # nothing computed in the call
+    other(torch.randn(2, 4)).sum().backward()
+    side.step()  # not in the state, over nothing the save copies: no wait
+    assert not h.staged() and job.storages._keys  # asked now: the keys of the leaves still to copy
+    assert h.hook_wait_s == 0.0
+    gate.set()
+    h.result(timeout=60)

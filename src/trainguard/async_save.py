@@ -48,12 +48,12 @@ from .planner import PAGE, Box
 from .stage import (
     Batch,
     StagingPool,
+    StorageKeys,
     copy_into,
     default_pool,
     optimizer_writes,
     pack_batches,
     protected_tensors,
-    storage_key,
     tensor_key,
     trim_idle_pools,
     zero_copy_ok,
@@ -80,7 +80,7 @@ class _Job:
         self.optimizer_ids = {id(o) for o in optimizers}
         self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> host copy made in the call
         self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
-        self.storages: set[Any] = set()  # stage.storage_key of those leaves: a step() writing one waits
+        self.storages: StorageKeys | set[Any] = set()  # of those leaves' memory: a step() writing one waits
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
@@ -117,11 +117,9 @@ def start_async_save(
         pool = default_pool(max_staging_bytes)
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
-        if stage_in_background:
-            now, later = [], todo
-        else:
-            now = [lf for lf in todo if tensor_key(lf.tensor) not in protected]
-            later = [lf for lf in todo if tensor_key(lf.tensor) in protected]
+        now, later = [], todo if stage_in_background else []
+        for lf in () if stage_in_background else todo:  # one tensor_key each
+            (later if tensor_key(lf.tensor) in protected else now).append(lf)
         slots = pool.acquire([lf.tensor.nbytes for lf in now])
         try:
             try:
@@ -130,7 +128,7 @@ def start_async_save(
                     handle.staged_sync_bytes += lf.tensor.nbytes
                 job.later = {id(lf) for lf in later}
                 handle.watch(later)  # changed before staged(): warned (handle.py)
-                job.storages = {storage_key(lf.tensor) for lf in later} - {None}
+                job.storages = StorageKeys(later)
                 for lf in later:
                     if lf.tensor.is_cuda and lf.tensor.device.index not in job.cuda_events:
                         ev = torch.cuda.Event()

@@ -318,7 +318,22 @@ def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
     return (ptr, str(t.device)) if ptr else None
 
 
-def optimizer_writes(optimizer: torch.optim.Optimizer, storages: set[Any]) -> bool:
+class StorageKeys:
+    """``storage_key`` of the tensors of ``leaves`` (``.tensor``: views fixed at the save's call),
+    worked out at the first ``in``: ``async_save``'s pre-step hook asks only when an optimizer not
+    in the state steps while a save copies, so most saves never pay for it (2.3 ms for 1,904
+    tensors here, ~8% of the call)."""
+
+    def __init__(self, leaves: Sequence[Any]) -> None:
+        self._leaves, self._keys = leaves, None
+
+    def __contains__(self, key: Any) -> bool:
+        if self._keys is None:
+            self._keys = {storage_key(lf.tensor) for lf in self._leaves} - {None}
+        return key in self._keys
+
+
+def optimizer_writes(optimizer: torch.optim.Optimizer, storages: StorageKeys | set[Any]) -> bool:
     """Whether ``step()`` of ``optimizer`` writes into one of ``storages`` (its parameters and
     state tensors); ``async_save``'s pre-step hook asks it for optimizers not in the state."""
     for group in optimizer.param_groups:
