@@ -97,11 +97,11 @@ def test_an_async_save_in_flight_promotes_few_objects_per_tensor(tmp_path, monke
     assert all(torch.equal(a, b) for a, b in zip(fresh["model"].parameters(), state["model"].parameters(), strict=True))
 
 
-
 def test_storage_keys_are_worked_out_only_for_an_optimizer_outside_the_state(tmp_path, gate) -> None:
     """The pre-step hook needs the memory of what the save still copies only when an optimizer
     not in the state steps meanwhile; the call no longer works it out for every save. Such an
-    optimizer over other parameters steps at once; the state's own waits for the copies."""
+    optimizer over other parameters steps at once (that one over the state's parameters waits:
+    tests/test_mutate_review.py)."""
     from trainguard import async_save
 
     state = _state(2)
