@@ -80,7 +80,7 @@ class _Job:
         self.optimizer_ids = {id(o) for o in optimizers}
         self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> host copy made in the call
         self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
-        self.storages: StorageKeys | set[Any] = set()  # of those leaves' memory: a step() writing one waits
+        self.storages = StorageKeys(())  # of those leaves' memory: a step() writing one waits
         self.error: BaseException | None = None
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)

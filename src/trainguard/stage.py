@@ -333,7 +333,7 @@ class StorageKeys:
         return key in self._keys
 
 
-def optimizer_writes(optimizer: torch.optim.Optimizer, storages: StorageKeys | set[Any]) -> bool:
+def optimizer_writes(optimizer: torch.optim.Optimizer, storages: StorageKeys) -> bool:
     """Whether ``step()`` of ``optimizer`` writes into one of ``storages`` (its parameters and
     state tensors); ``async_save``'s pre-step hook asks it for optimizers not in the state."""
     for group in optimizer.param_groups:
