@@ -322,17 +322,17 @@ def _write_rank(
 def _write_staged(
     storage: Storage, path: str, batches: Any, offsets: list[int], size: int, rank: int, skip: splitplan.Hashed
 ) -> list[list[str]]:
-    """Write the async path's batches of ``(chunk index, byte offset in the chunk, host tensor, its
-    checksums or None)``, but for the chunks ``skip`` hashes (``splitplan.Hashed``); returns each
-    chunk's block checksums (a split chunk's pieces start on block boundaries)."""
+    """Write the async path's batches of ``(chunk index, byte offset in the chunk, host tensor)``, but
+    for the chunks ``skip`` hashes (``splitplan.Hashed``); returns each chunk's block checksums (a
+    split chunk's pieces start on block boundaries)."""
     order: list[int] = []
 
     def chunks() -> Any:
         try:
             for batch in batches:
                 batch = skip.take(batch, tensor_bytes)  # hashed before the next batch reuses the buffer
-                order.extend(item[0] for item in batch)
-                yield [WriteChunk(tensor_bytes(t), offsets[i] + start, sums) for i, start, t, sums in batch]
+                order.extend(i for i, _, _ in batch)
+                yield [WriteChunk(tensor_bytes(t), offsets[i] + start) for i, start, t in batch]
         finally:
             batches.close()  # stops staging (and releases a waiting step()) if writing failed
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import iostall, stage
+from . import iostall
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext, default_timeout
@@ -273,7 +273,7 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
     batch: Batch = []
     size = live = 0
     for k, (i, t, ready, _phase) in enumerate(todo):
-        batch.append((i, 0, as_bytes(t), None))
+        batch.append((i, 0, as_bytes(t)))
         size += t.nbytes
         live += 0 if ready else t.nbytes
         if size < ZERO_COPY_BATCH and k < len(todo) - 1:
@@ -298,11 +298,9 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
     buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in srcs if not ready], block=DEFAULT_BLOCK))
     h = job.handle
 
-    def copy(slot: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, list[str] | None]:
-        h.staged_background_bytes += src.numel()  # a device's copy is hashed by the writer, once it landed
-        if not src.is_cuda:
-            return stage.copy_hashing(slot, src, DEFAULT_BLOCK)
-        return copy_into(slot, src, streams.get(src.device.index)), None
+    def copy(slot: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        h.staged_background_bytes += src.numel()
+        return copy_into(slot, src, streams.get(src.device.index) if src.is_cuda else None)
 
     def flush() -> None:  # the batch's device copies are done before it is written
         for s in streams.values():

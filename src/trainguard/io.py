@@ -56,13 +56,10 @@ def _count(key: str, n: int) -> None:
 
 @dataclass
 class WriteChunk:
-    """One chunk to write: ``data`` (its bytes) at ``offset`` in the rank's file; ``sums``: its
-    checksums every ``block`` bytes (the block ``write_batches`` is given) when the producer
-    computed them while the bytes were in its cache (``stage.copy_hashing``), else None."""
+    """One chunk to write: ``data`` (its bytes) at ``offset`` in the rank's file."""
 
     data: memoryview
     offset: int
-    sums: list[str] | None = None
 
     @property
     def length(self) -> int:
@@ -128,8 +125,7 @@ def _big_task(i: int, start: int, n: int) -> Callable[..., None]:
         view = c.data[start : start + n]
         w.pwrite(view, c.offset + start)
         for b in range(0, n, block):
-            k = (start + b) // block
-            sums[i][k] = c.sums[k] if c.sums is not None else checksum(view[b : b + block])
+            sums[i][(start + b) // block] = checksum(view[b : b + block])
 
     return run
 
@@ -147,7 +143,7 @@ def _small_task(idx: list[int]) -> Callable[..., None]:
                 rel = c.offset - base
                 view[rel : rel + c.length] = c.data
                 if c.length:  # hash the copy: it is still in the cache
-                    sums[i][0] = c.sums[0] if c.sums is not None else checksum(view[rel : rel + c.length])
+                    sums[i][0] = checksum(view[rel : rel + c.length])
             w.pwrite(view[: end - base], base)
         finally:
             _POOL.put(buf)
@@ -227,9 +223,6 @@ def write_batches(
                 raise ValueError(f"write_batches: a batch starts at byte {lo}, before the previous one ended ({end})")
             end = max((c.offset + c.length for c in batch), default=end)
             part = [[""] * (-(-c.length // block)) for c in batch]
-            for c, p in zip(batch, part):
-                if c.sums is not None and len(c.sums) != len(p):
-                    raise ValueError(f"write_batches: a chunk of {c.length} bytes came with {len(c.sums)} checksums, not {len(p)}")
             tasks = _tasks(batch, block)
             run_parallel([lambda t=t, b=batch, p=part: t(b, w, block, p) for t in tasks], streams, fault, "write_piece")
             sums += part

@@ -160,27 +160,25 @@ class Hashed:
         """The indices (in ``mine``) of the chunks this rank writes."""
         return [i for i, s in enumerate(self.skip) if not s]
 
-    def piece(self, i: int, start: int, data: memoryview, known: list[str] | None = None) -> None:
+    def piece(self, i: int, start: int, data: memoryview) -> None:
         """Hash bytes ``start..`` of chunk ``i``: a whole chunk, or a piece starting on a block of
-        it (``stage.pack_batches`` splits a chunk so). Called before the bytes' buffer is reused.
-        ``known``: the piece's block checksums, computed as it was staged (then not hashed again)."""
+        it (``stage.pack_batches`` splits a chunk so). Called before the bytes' buffer is reused."""
         if start % self.block:
             raise CheckpointError(f"split_state: a piece of chunk {i} starts at byte {start}, inside a block (internal error)")
         sums = self.sums.setdefault(i, [])
         first = start // self.block
         sums += [""] * (first + -(-len(data) // self.block) - len(sums))
         for b in range(0, len(data), self.block):
-            s = known[b // self.block] if known is not None else checksum(data[b : b + self.block])
-            sums[first + b // self.block] = s
+            sums[first + b // self.block] = checksum(data[b : b + self.block])
 
-    def take(self, batch: list[tuple[int, int, Any, Any]], as_bytes: Any) -> list[tuple[int, int, Any, Any]]:
+    def take(self, batch: list[tuple[int, int, Any]], as_bytes: Any) -> list[tuple[int, int, Any]]:
         """The async path's batch (``api._write_staged``, save thread): the pieces of skipped
         chunks hashed now, from the staged bytes (or, zero-copy, the live tensor while ``step()``
-        still waits), unless staging hashed them; returns the pieces to write."""
+        still waits); returns the pieces to write."""
         out = []
         for item in batch:
             if self.skip[item[0]]:
-                self.piece(item[0], item[1], as_bytes(item[2]), item[3])
+                self.piece(item[0], item[1], as_bytes(item[2]))
             else:
                 out.append(item)
         return out

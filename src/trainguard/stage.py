@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from .buffers import aligned_empty, tensor_bytes
+from .buffers import aligned_empty
 from .dtensor import local_part
 from .errors import CheckpointError
-from .manifest import checksum
 from .planner import PAGE, PAGE_ALIGN_FROM
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
@@ -200,8 +199,7 @@ def trim_idle_pools() -> None:
             pool.trim()
 
 
-# (index of the chunk, byte offset in it, host bytes, their checksums every checksum block or None)
-Batch = list[tuple[int, int, torch.Tensor, "list[str] | None"]]
+Batch = list[tuple[int, int, torch.Tensor]]  # (index of the chunk, byte offset in it, host bytes)
 
 
 def pack_batches(
@@ -209,7 +207,7 @@ def pack_batches(
     buf: torch.Tensor,
     *,
     block: int,
-    copy: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, list[str] | None]],
+    copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     flush: Callable[[], None] = lambda: None,
     last: Callable[[], None] = lambda: None,
 ) -> Iterator[Batch]:
@@ -220,8 +218,7 @@ def pack_batches(
     piece)`` (returns the host bytes). Large chunks start on a page of ``buf`` (plus ``phase``:
     where the planner put them within a page of the file, so that they can go O_DIRECT), and
     a chunk larger than what is left is split into pieces that start on a checksum ``block`` of
-    their chunk. ``copy`` also returns the piece's checksums every ``block`` bytes when it
-    computed them (:func:`copy_hashing`), else None (the writer hashes it). When ``buf`` is full the batch is handed over (``flush()`` first), and
+    their chunk. When ``buf`` is full the batch is handed over (``flush()`` first), and
     ``buf`` is reused once the writer asks for the next. ``last()`` runs before the final
     batch is handed over. Used by the async save thread (``async_save._stage_background``)
     and by sync saves of device chunks (``streams.host_batches``)."""
@@ -231,7 +228,7 @@ def pack_batches(
     for i, src, ready, phase in items:
         n, start = src.numel(), 0
         if ready or n == 0:
-            batch.append((i, 0, src, None))
+            batch.append((i, 0, src))
             continue
         while start < n:
             pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
@@ -242,7 +239,7 @@ def pack_batches(
                 yield batch
                 batch, pos = [], 0
                 continue
-            batch.append((i, start, *copy(buf[pos : pos + piece], src[start : start + piece])))
+            batch.append((i, start, copy(buf[pos : pos + piece], src[start : start + piece])))
             pos, start = _round_up(pos + piece), start + piece
     flush()
     last()
@@ -264,21 +261,6 @@ def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = Non
     else:
         dst.copy_(src)
     return dst
-
-
-def copy_hashing(slot: torch.Tensor, src: torch.Tensor, block: int) -> tuple[torch.Tensor, list[str]]:
-    """Copy the CPU bytes ``src`` into the uint8 ``slot`` one checksum ``block`` at a time, hashing
-    each block right after its copy, while it is still in the cache; returns the slot and the
-    checksums, which ``io.write_batches`` then takes instead of hashing the bytes again (from
-    memory, after the whole buffer was copied). The async save thread's staging copy
-    (``async_save._stage_background``): 1 GiB copied then hashed took 0.151 s here, copied and
-    hashed block by block 0.115 s (2 threads, medians of 5)."""
-    out = tensor_bytes(slot)
-    sums = []
-    for b in range(0, src.numel(), block):
-        slot[b : b + block].copy_(src[b : b + block])
-        sums.append(checksum(out[b : b + block]))
-    return slot, sums
 
 
 def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:

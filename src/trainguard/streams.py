@@ -131,6 +131,6 @@ def _host_batches(items: list[tuple[int, torch.Tensor, bool, int]]) -> Iterator[
         pool.acquire([])
     try:
         buf = pool.buffer(pool.background_for([b.numel() for _i, b, ready, _p in items if not ready], block=DEFAULT_BLOCK))
-        yield from pack_batches(items, buf, block=DEFAULT_BLOCK, copy=lambda slot, src: (slot.copy_(src), None))
+        yield from pack_batches(items, buf, block=DEFAULT_BLOCK, copy=lambda slot, src: slot.copy_(src))
     finally:
         pool.release()
