@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
-from trainguard import async_save, faults
+from trainguard import async_save, faults, stagecopy
 from trainguard.events import read_events
 from trainguard.stage import StagingPool, default_pool
 
@@ -234,14 +234,14 @@ def test_disk_error_surfaces_and_previous_checkpoint_stays_valid(tmp_path, monke
 
 def test_staging_error_does_not_block_training(tmp_path, monkeypatch, copy_mode):
     state = make_state()
-    real = async_save.copy_into
+    real = stagecopy.copy_many  # the save thread's copies of CPU tensors into the staging buffer
 
-    def broken(slot, src, stream=None):
+    def broken(pairs, threads=2):
         if threading.current_thread().name.startswith("trainguard-async-save"):
             raise MemoryError("simulated: host memory exhausted")
-        return real(slot, src, stream)
+        return real(pairs, threads)
 
-    monkeypatch.setattr(async_save, "copy_into", broken)
+    monkeypatch.setattr(stagecopy, "copy_many", broken)
     h = tg.save(tmp_path / "a", state, async_=True)
     train_step(state)  # the hook returns: a failed staging releases waiters
     with pytest.raises(tg.CheckpointError, match="staging failed"):

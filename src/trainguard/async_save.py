@@ -46,18 +46,16 @@ from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import PAGE, Box
 from .stage import (
-    Batch,
     StagingPool,
     StorageKeys,
-    copy_into,
     default_pool,
     optimizer_writes,
-    pack_batches,
     protected_tensors,
     tensor_key,
     trim_idle_pools,
     zero_copy_ok,
 )
+from .stagecopy import Batch, BatchCopier, copy_into, pack_batches
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -289,22 +287,17 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
 
 
 def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
-    streams: dict[int, Any] = {}
-    for idx, ev in job.cuda_events.items():
-        s = torch.cuda.Stream(device=idx)
-        s.wait_event(ev)
-        streams[idx] = s
+    copier = BatchCopier(job.cuda_events)
     srcs = [(i, as_bytes(t), ready, phase) for i, t, ready, phase in todo]
     buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in srcs if not ready], block=DEFAULT_BLOCK))
     h = job.handle
 
     def copy(slot: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         h.staged_background_bytes += src.numel()
-        return copy_into(slot, src, streams.get(src.device.index) if src.is_cuda else None)
+        return copier.copy(slot, src)
 
-    def flush() -> None:  # the batch's device copies are done before it is written
-        for s in streams.values():
-            s.synchronize()
+    def flush() -> None:  # the batch's copies are done before it is written
+        copier.flush()
         h.staging_batches += 1
 
     yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run

@@ -162,7 +162,7 @@ class Hashed:
 
     def piece(self, i: int, start: int, data: memoryview) -> None:
         """Hash bytes ``start..`` of chunk ``i``: a whole chunk, or a piece starting on a block of
-        it (``stage.pack_batches`` splits a chunk so). Called before the bytes' buffer is reused."""
+        it (``stagecopy.pack_batches`` splits a chunk so). Called before the bytes' buffer is reused."""
         if start % self.block:
             raise CheckpointError(f"split_state: a piece of chunk {i} starts at byte {start}, inside a block (internal error)")
         sums = self.sums.setdefault(i, [])

@@ -9,7 +9,7 @@ Who calls what (``async_save``, every rank, one save holding the pool at a time)
 2. save thread, once the "begin" round fixed which chunks this rank writes:
    :meth:`StagingPool.background_bytes` sizes the buffer for the parameters/optimizer state
    (all of them, or what the cap leaves), :meth:`StagingPool.buffer` hands it out, and the
-   save thread stages into it batch after batch (copy, write, copy, ...).
+   save thread stages into it batch after batch (copy, write, copy, ...: ``stagecopy``).
 3. save thread, when the save is committed or failed: :meth:`StagingPool.release`.
 
 Why reuse: touching fresh memory costs 0.5-0.7 s per GiB on these machines and pinned
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -35,13 +35,13 @@ ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies s
 # Large slots start on a page, like large chunks in the file (planner.layout_file): written with O_DIRECT.
 
 
-def _round_up(n: int) -> int:
+def round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
 def slot_start(pos: int, nbytes: int) -> int:
     """Where a slot of ``nbytes`` goes at or after ``pos``: on a page if large, else 64-aligned."""
-    return -(-pos // PAGE) * PAGE if nbytes >= PAGE_ALIGN_FROM else _round_up(pos)
+    return -(-pos // PAGE) * PAGE if nbytes >= PAGE_ALIGN_FROM else round_up(pos)
 
 
 def slot_room(sizes: Sequence[int]) -> int:
@@ -49,7 +49,7 @@ def slot_room(sizes: Sequence[int]) -> int:
     end = 0
     for n in sizes:
         end = slot_start(end, n) + n
-    return _round_up(end)
+    return round_up(end)
 
 
 class StagingPool:
@@ -98,7 +98,7 @@ class StagingPool:
             end = 0
             for n in sizes:
                 offsets.append(slot_start(end, n))
-                end = _round_up(offsets[-1] + n)
+                end = round_up(offsets[-1] + n)
             self._grow("_sync", end)
             self._sync_used = end
             self._in_use = True
@@ -197,70 +197,6 @@ def trim_idle_pools() -> None:
     for pool in list(_DEFAULT.values()):
         if not pool.in_use:
             pool.trim()
-
-
-Batch = list[tuple[int, int, torch.Tensor]]  # (index of the chunk, byte offset in it, host bytes)
-
-
-def pack_batches(
-    items: Iterable[tuple[int, torch.Tensor, bool, int]],
-    buf: torch.Tensor,
-    *,
-    block: int,
-    copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    flush: Callable[[], None] = lambda: None,
-    last: Callable[[], None] = lambda: None,
-) -> Iterator[Batch]:
-    """Batches for ``io.write_batches`` (in file order), copying chunks into the reusable ``buf``.
-
-    ``items``: ``(index, uint8 source bytes, ready, page phase)``; a ``ready`` source (already
-    host memory) joins the batch as it is, the others are copied with ``copy(slot, source
-    piece)`` (returns the host bytes). Large chunks start on a page of ``buf`` (plus ``phase``:
-    where the planner put them within a page of the file, so that they can go O_DIRECT), and
-    a chunk larger than what is left is split into pieces that start on a checksum ``block`` of
-    their chunk. When ``buf`` is full the batch is handed over (``flush()`` first), and
-    ``buf`` is reused once the writer asks for the next. ``last()`` runs before the final
-    batch is handed over. Used by the async save thread (``async_save._stage_background``)
-    and by sync saves of device chunks (``streams.host_batches``)."""
-    room = buf.numel()
-    batch: Batch = []
-    pos = 0
-    for i, src, ready, phase in items:
-        n, start = src.numel(), 0
-        if ready or n == 0:
-            batch.append((i, 0, src))
-            continue
-        while start < n:
-            pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
-            free = max(room - pos, 0)
-            piece = n - start if n - start <= free else free // block * block
-            if piece == 0:  # the buffer is full: write it, then reuse it
-                flush()
-                yield batch
-                batch, pos = [], 0
-                continue
-            batch.append((i, start, copy(buf[pos : pos + piece], src[start : start + piece])))
-            pos, start = _round_up(pos + piece), start + piece
-    flush()
-    last()
-    yield batch
-
-
-def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = None) -> torch.Tensor:
-    """Copy ``src`` (contiguous, any device) into the uint8 ``slot``; returns the typed host view.
-
-    CPU sources copy synchronously (torch releases the GIL). CUDA sources copy non-blocking on
-    ``stream`` when given; the caller synchronizes that stream before reading the slot.
-    """
-    dst = slot.view(src.dtype).view(src.shape) if src.numel() else torch.empty(src.shape, dtype=src.dtype)
-    if src.numel() == 0:
-        return dst
-    if src.is_cuda and stream is not None:
-        with torch.cuda.stream(stream):  # type: ignore[arg-type]
-            dst.copy_(src, non_blocking=True)
-    else:
-        dst.copy_(src)
-    return dst
 
 
 def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:

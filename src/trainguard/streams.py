@@ -19,7 +19,8 @@ from .errors import CheckpointError
 from .faults import fault
 from .io import DEFAULT_BLOCK, WriteChunk, write_file
 from .planner import PAGE, PAGE_ALIGN_FROM, Box, layout_file
-from .stage import Batch, StagingPool, pack_batches
+from .stage import StagingPool
+from .stagecopy import Batch, pack_batches
 from .storage import Storage
 from .storage.local import page_phase
 
@@ -110,7 +111,7 @@ def has_device_chunks(mine: list[tuple[Leaf, Box]]) -> bool:
 def host_batches(mine: list[tuple[Leaf, Box]]) -> tuple[list[int | None], Iterator[Batch]]:
     """The ``stage`` of ``api.persist_and_commit`` for a sync save that holds device chunks
     (``api._write_rank``, calling thread): the page phase of each chunk's source and batches
-    of host bytes in file order (``stage.pack_batches``). CPU chunks are written from their
+    of host bytes in file order (``stagecopy.pack_batches``). CPU chunks are written from their
     own memory; device chunks go through this process's host pool, capped at ``HOST_BATCH``
     (a second sync save running meanwhile in another thread gets a pool of its own)."""
     views = [chunk_view(lf, box) for lf, box in mine]
