@@ -58,6 +58,18 @@ def test_copy_many_refuses_what_it_cannot_memmove() -> None:
         stagecopy.copy_many([(torch.zeros(64, dtype=torch.uint8), torch.empty(64, dtype=torch.uint8, device="meta"))])
 
 
+def test_copy_many_refuses_a_source_whose_memory_was_freed_after_it_was_queued() -> None:
+    """A storage resized to 0 after the copy was queued is refused, not read (``memmove``, and
+    torch's ``copy_`` used before, crashed the process on it: a segfault in torch 2.13 here)."""
+    base = torch.arange(1 << 16, dtype=torch.uint8)
+    src = base[4096:]
+    copier = stagecopy.BatchCopier({})
+    copier.copy(torch.zeros(src.numel(), dtype=torch.uint8), src)
+    base.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="freed or shrunk"):
+        copier.flush()
+
+
 def test_batch_copier_copies_cpu_sources_at_flush() -> None:
     copier = stagecopy.BatchCopier({})
     src = torch.arange(4096, dtype=torch.uint8)
