@@ -115,7 +115,7 @@ def copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int =
         cpu = dst.device.type == src.device.type == "cpu"
         if dst.nbytes != n or not (cpu and dst.is_contiguous() and src.is_contiguous()):
             raise ValueError(f"copy_many: cannot memmove {tuple(src.shape)} ({src.device}) into {tuple(dst.shape)} ({dst.device})")
-        if n and not all(_holds(t) for t in (src, dst)):  # else a crash (torch's copy_ too: a segfault here)
+        if n and not _holds(src):  # else a crash (torch's copy_ too: a segfault here); dst is the pool's
             raise ValueError(f"copy_many: the memory of a {tuple(src.shape)} tensor was freed or shrunk (storage resize_)")
         d, s = dst.data_ptr(), src.data_ptr()
         jobs += [partial(ctypes.memmove, d + o, s + o, min(COPY_PIECE, n - o)) for o in range(0, n, COPY_PIECE)]
