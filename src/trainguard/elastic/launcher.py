@@ -30,6 +30,7 @@ the same when the workers alone were signalled and stopped (docs/elastic.md, exi
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -42,7 +43,7 @@ from ..events import EVENTS_FILE, EventLog
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
 from .faults import parse_fault
-from .reap import close_done, end_trees, expose_dead, set_finished
+from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
     STOP_FILE_ENV,
     agent_result,
@@ -234,6 +235,7 @@ def install_signal_once() -> Any:
         print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
               "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
 
+    @functools.wraps(orig_shutdown)  # its signature: stop_bounded asks it whether torch's takes timeout
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
         stopping.append(True)
         try:
@@ -294,8 +296,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
                     reason="failure" if wg.state != WorkerState.HEALTHY else "membership")
         orig_restart(self, wg)
 
-    def _stop(self: Any, wg: Any) -> None:
-        self._shutdown(timeout=max(1, round(stop_timeout)))
+    def _stop(self: Any, wg: Any, *args: Any, **kwargs: Any) -> None:
+        stop_bounded(self, max(1, round(stop_timeout)), *args, **kwargs)  # reap.py: torch 2.11 too
 
     def _join(self: Any, timeout: float | None = None, grace_period: float | None = None) -> Any:
         # Fork/spawn: on a failure torch SIGTERMs the others and waits 30 s before SIGKILL; a worker
