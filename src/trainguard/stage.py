@@ -1,4 +1,4 @@
-"""Host staging buffers for async saves: one reusable pool per process, pinned when CUDA is present.
+"""Host staging buffers for async saves: one reusable pool per process, pinned once CUDA is in use.
 
 Who calls what (``async_save``, every rank, one save holding the pool at a time):
 
@@ -56,8 +56,9 @@ class StagingPool:
     """Two growing, reusable uint8 arenas: ``sync`` slots (copies made in the save call) and the
     ``background`` buffer (parameters and optimizer state, staged by the save thread).
 
-    ``pin``: page-locked memory (default: when CUDA is available; it is what makes
-    device-to-host copies asynchronous). ``max_bytes``: the most both arenas together should
+    ``pin``: page-locked memory, what makes device-to-host copies asynchronous (default: when
+    this process has initialised CUDA, checked at each allocation; a CPU-only process on a GPU
+    machine gets no CUDA context from a save, and what it forks can still run torch). ``max_bytes``: the most both arenas together should
     hold (None: no cap); only the sync slots may exceed it, plus at most one checksum block for
     the background buffer when the sync slots leave less. Thread-safe.
     """
@@ -66,13 +67,21 @@ class StagingPool:
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"max_staging_bytes={max_bytes}: pass a byte count >= 0, or None for no cap")
         self.max_bytes = max_bytes
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self._pin = pin
+        self._pinned: dict[str, bool] = {}  # arena -> allocated page-locked
         self._sync: torch.Tensor | None = None
         self._background: torch.Tensor | None = None
         self._sync_used = 0
         self._lock = threading.Lock()
         self._in_use = False
         self.allocations = 0  # how many times an arena was (re)allocated: constant in a steady state
+
+    @property
+    def pin(self) -> bool:
+        """Whether the next allocation is page-locked. Not when CUDA is merely available: page-locking
+        creates a CUDA context (~0.5 GB of device memory), and a process forked after that cannot run
+        torch's CPU optimizers (their CUDA-graph check fails there: seen on an H200, torch 2.11)."""
+        return torch.cuda.is_initialized() if self._pin is None else self._pin
 
     @property
     def capacity(self) -> int:
@@ -139,15 +148,18 @@ class StagingPool:
         return arena[:nbytes] if arena is not None else torch.empty(0, dtype=torch.uint8)
 
     def _grow(self, name: str, nbytes: int) -> None:
-        arena = getattr(self, name)
-        if nbytes <= (0 if arena is None else arena.numel()):
-            return  # reuse: the steady state allocates nothing
+        arena, pin = getattr(self, name), self.pin
+        size = 0 if arena is None else arena.numel()
+        if nbytes <= size and (arena is None or not pin or self._pinned[name]):
+            return  # reuse: the steady state allocates nothing (a pageable arena is made pinned once CUDA is in use)
+        nbytes = max(nbytes, size)
         del arena
         setattr(self, name, None)  # drop the old arena before allocating the new one (peak = new size)
-        if self.pin:  # page-locked allocations start on a page
+        if pin:  # page-locked allocations start on a page
             setattr(self, name, torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
         else:
             setattr(self, name, aligned_empty(nbytes, PAGE))
+        self._pinned[name] = pin
         self.allocations += 1
 
     def release(self) -> None:
