@@ -352,9 +352,10 @@ def test_a_torch_file_saved_from_a_wrapped_model_loads_into_plain_and_wrapped_mo
     for dest in (_make(4), torch.nn.DataParallel(_make(5))):
         dest_opt = torch.optim.Adam(dest.parameters(), lr=1e-2)
         tg.load(tmp_path / "ck", {"model": dest, "optimizer": dest_opt, "epoch": None})
-        for k, v in wrapped.state_dict().items():
-            assert torch.equal(dest.state_dict()[k if isinstance(dest, torch.nn.DataParallel) else k[7:]], v), k
-        assert torch.equal(dest_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        for k, v in wrapped.state_dict().items():  # .cpu(): with a GPU, DataParallel moved its module there
+            got = dest.state_dict()[k if isinstance(dest, torch.nn.DataParallel) else k[7:]]
+            assert torch.equal(got.cpu(), v.cpu()), k
+        assert torch.equal(dest_opt.state_dict()["state"][0]["exp_avg"].cpu(), opt.state_dict()["state"][0]["exp_avg"].cpu())
     compiled = {f"_orig_mod.{k}": v for k, v in model.state_dict().items()}
     torch.save(compiled, tmp_path / "compiled.bin")
     convert(tmp_path / "compiled.bin", tmp_path / "ck2")

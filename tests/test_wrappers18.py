@@ -80,7 +80,10 @@ def test_checkpoint_saved_with_wrapper_names_still_loads(wrap) -> None:
     tg.load(DATA / "ac_wrapped" / "step-000000003", {"model": m, "optim": o})
     assert len(o.state) == 4 and all(int(s["step"]) == 3 for s in o.state.values())
     assert [o.state[p]["exp_avg"].data_ptr() for p in m.parameters()] == ptrs
-    assert [step(m, o, i) for i in range(3, 5)] == expected
+    # Close, not equal: the fixture's steps 0-2 ran on the machine that made it, and another CPU or
+    # torch rounds differently in the last bits (an H200 host with torch 2.11: 0.025231520 vs
+    # 0.025231523). Optimizer state read under wrong names gives other losses altogether.
+    assert [step(m, o, i) for i in range(3, 5)] == pytest.approx(expected, rel=1e-5, abs=0)
 
 
 def _fsdp_rank(rank: int, world: int, root: str, wrap_save: bool, wrap_load: bool) -> list[float]:
