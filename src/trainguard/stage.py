@@ -56,11 +56,11 @@ class StagingPool:
     """Two growing, reusable uint8 arenas: ``sync`` slots (copies made in the save call) and the
     ``background`` buffer (parameters and optimizer state, staged by the save thread).
 
-    ``pin``: page-locked memory, what makes device-to-host copies asynchronous (default: when
-    this process has initialised CUDA, checked at each allocation; a CPU-only process on a GPU
-    machine gets no CUDA context from a save, and what it forks can still run torch). ``max_bytes``: the most both arenas together should
-    hold (None: no cap); only the sync slots may exceed it, plus at most one checksum block for
-    the background buffer when the sync slots leave less. Thread-safe.
+    ``pin``: page-locked memory, what makes device-to-host copies asynchronous (default: once
+    this process has initialised CUDA, checked at each allocation: see :attr:`pin`).
+    ``max_bytes``: the most both arenas together should hold (None: no cap); only the sync slots
+    may exceed it, plus at most one checksum block for the background buffer when the sync slots
+    leave less. Thread-safe.
     """
 
     def __init__(self, *, max_bytes: int | None = None, pin: bool | None = None) -> None:
@@ -79,8 +79,9 @@ class StagingPool:
     @property
     def pin(self) -> bool:
         """Whether the next allocation is page-locked. Not when CUDA is merely available: page-locking
-        creates a CUDA context (~0.5 GB of device memory), and a process forked after that cannot run
-        torch's CPU optimizers (their CUDA-graph check fails there: seen on an H200, torch 2.11)."""
+        creates a CUDA context (~0.5 GB of device memory) in a process that may train on the CPU,
+        and a process forked after that fails in torch's CPU ``optimizer.step()``, which asks for
+        the current CUDA stream (CUDA 'initialization error', seen on an H200 with torch 2.11)."""
         return torch.cuda.is_initialized() if self._pin is None else self._pin
 
     @property
@@ -151,7 +152,8 @@ class StagingPool:
         arena, pin = getattr(self, name), self.pin
         size = 0 if arena is None else arena.numel()
         if nbytes <= size and (arena is None or not pin or self._pinned[name]):
-            return  # reuse: the steady state allocates nothing (a pageable arena is made pinned once CUDA is in use)
+            return  # reuse: the steady state allocates nothing
+        # Here: a larger arena, or a pageable one to be made pinned (CUDA came into use), once.
         nbytes = max(nbytes, size)
         del arena
         setattr(self, name, None)  # drop the old arena before allocating the new one (peak = new size)

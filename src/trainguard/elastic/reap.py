@@ -91,12 +91,12 @@ def set_finished(event: Any, wait: float) -> None:
 def stop_bounded(agent: Any, timeout: int, *args: Any, **kwargs: Any) -> None:
     """Agent, in its ``_stop_workers`` hook (a restart, the end of a failed attempt): torch's
     ``_shutdown``, which SIGTERMs the workers, with SIGKILL ``timeout`` s later. ``args`` and
-    ``kwargs`` are what torch passed to ``_stop_workers`` (``is_restart`` in older torch).
+    ``kwargs``: what torch passed to ``_stop_workers`` besides the worker group, passed on.
 
-    torch 2.13's ``_shutdown`` takes ``timeout``. torch 2.11's does not (``TypeError``: every
-    restart ended the agent, seen on a GPU machine with that torch); it closes the workers with a
-    fixed 30 s. There the workers are closed here first, with ``timeout``, and torch's
-    ``_shutdown`` then finds them ended and stops the rest (watchdog, health check)."""
+    torch 2.13's ``_shutdown`` takes ``timeout``. torch 2.11's does not: passing it raised
+    ``TypeError`` and every restart ended the agent (seen on a GPU machine with that torch). With
+    such a torch the workers are closed here first, with ``timeout``; its ``_shutdown`` then
+    finds them ended and stops the rest (watchdog, health check)."""
     import inspect
 
     if "timeout" in inspect.signature(agent._shutdown).parameters:
