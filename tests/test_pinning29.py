@@ -1,7 +1,7 @@
 """The staging pool page-locks its arenas only once this process has initialised CUDA, not when
 CUDA is merely available. Seen on an H200 (torch 2.11): a CPU-trained process whose async save
 page-locked the pool had a CUDA context, and a process it forked then failed in torch's CPU
-``optimizer.step()`` (CUDA 'initialization error' from the optimizer's CUDA-graph check). Here
+``optimizer.step()`` (a CUDA error; torch's optimizer asks for the current CUDA stream). Here
 CUDA's presence is simulated (``torch.cuda.is_available`` patched): a page-locked allocation
 cannot be made on this CPU build of torch, so any attempt fails loudly."""
 

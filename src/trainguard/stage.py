@@ -81,7 +81,7 @@ class StagingPool:
         """Whether the next allocation is page-locked. Not when CUDA is merely available: page-locking
         creates a CUDA context (~0.5 GB of device memory) in a process that may train on the CPU,
         and a process forked after that fails in torch's CPU ``optimizer.step()``, which asks for
-        the current CUDA stream (CUDA 'initialization error', seen on an H200 with torch 2.11)."""
+        the current CUDA stream (a CUDA error, seen on an H200 with torch 2.11)."""
         return torch.cuda.is_initialized() if self._pin is None else self._pin
 
     @property
