@@ -75,3 +75,23 @@ def test_a_restart_works_with_an_agent_shutdown_that_takes_no_timeout(tmp_path):
     assert 7 in got["close_timeouts"]  # the workers were closed with --stop-timeout, not torch's 30 s
     events = [json.loads(x)["event"] for x in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
     assert "restart" in events and "failure" in events
+
+
+def test_one_node_without_an_endpoint_gets_c10d_on_a_free_port_whatever_the_torch(tmp_path, monkeypatch):
+    """``trainguard run --nproc-per-node 2 train.py`` on one node: a c10d store on a free port
+    (docs/elastic.md's table). torch 2.13's ``run()`` switches such a static rendezvous itself;
+    torch 2.11 kept it static on port 29500 (``EADDRINUSE`` was seen on the GPU machine when two
+    such agents ran at once). ``prepare`` now switches it, whatever the torch."""
+    import os
+
+    from trainguard.elastic.launcher import build_parser, prepare
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() writes the agent's environment
+    args = build_parser().parse_args(["--nproc-per-node", "2", "--run-dir", str(tmp_path), "x.py"])
+    prepare(args)
+    assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:0") and args.rdzv_id != "none"
+    assert "keep_alive_interval=1" in args.rdzv_conf  # trainguard's c10d defaults came with it
+    for given in (["--master-port", "29555"], ["--nnodes", "2"], ["--rdzv-endpoint", "10.0.0.1:29400"]):
+        a = build_parser().parse_args([*given, "--run-dir", str(tmp_path), "x.py"])
+        prepare(a)
+        assert a.rdzv_backend == "static", given  # a port, several nodes or an endpoint: as given

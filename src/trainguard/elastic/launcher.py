@@ -141,14 +141,12 @@ def prepare(args: argparse.Namespace) -> None:
     os.makedirs(run_dir, exist_ok=True)
     os.environ["TRAINGUARD_RUN_DIR"] = run_dir
     os.environ.setdefault("TRAINGUARD_JOB_ID", args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4()))
-    # The orphan check of the workers' watchdog: with forkserver their parent is the forkserver,
-    # not this process, so they check this pid (watchdog.agent_alive), not their parent's.
+    # The workers' orphan check (watchdog.agent_alive): this pid, not their parent's (the forkserver's).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
     os.environ[STOP_FILE_ENV] = stop_file(run_dir)  # workers that stop on a signal say so there (stops.py)
     if faults:
         os.environ["TRAINGUARD_FAULT"] = ";".join(f.spec() for f in faults)
-    # An async save in flight when a peer dies waits this long for it; the store default (10 s)
-    # made the survivor of a lost agent exit ~10 s late. Heartbeats come every 0.5 s.
+    # How long a save waits for a dead peer (store default 10 s: survivors exited ~10 s late); heartbeats 0.5 s.
     os.environ.setdefault("TRAINGUARD_DEAD_AFTER", str(DEAD_AFTER))
     if not args.no_watchdog:
         os.environ["TRAINGUARD_WATCHDOG"] = "1"
@@ -160,6 +158,9 @@ def prepare(args: argparse.Namespace) -> None:
         and str(args.nnodes).split(":")[-1] == "1"
     )
     if becomes_c10d:
+        if args.rdzv_backend == "static" and not args.standalone:  # torch 2.13 does this too; 2.11 stayed on :29500
+            args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+            args.rdzv_id = args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4())
         given = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
         merged = {**RDZV_DEFAULTS, **given}
         args.rdzv_conf = ",".join(f"{k}={v}" for k, v in merged.items())
