@@ -56,7 +56,9 @@ class StateDict(dict):
 
 class RNGState:
     """Every random generator a training step draws from: Python ``random``, NumPy's global
-    generator, torch CPU, and each CUDA device when CUDA is present.
+    generator, torch CPU, and each CUDA device once this process has initialised CUDA (before,
+    they hold only the seed ``torch.manual_seed`` queued, queued again by a restarted program;
+    reading them would give a CPU-trained process a CUDA context, which its forks cannot use).
 
     Rank-local: in a multi-rank save every rank stores its own; see ``docs/distributed.md`` for
     what happens when the world size changes (rank r takes saved rank r when it exists,
@@ -78,7 +80,7 @@ class RNGState:
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
             "torch_cpu": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
+        if torch.cuda.is_initialized():  # not is_available(): that would create the context (class docstring)
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         return sd
 
