@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import trainguard as tg
@@ -31,11 +32,12 @@ def build(shard: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model, sharded with FSDP2 over the default process group unless ``shard=False``, and Adam."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 4))
-    if shard:
+    if shard:  # on a CPU mesh, like the gloo group; without one fully_shard takes the accelerator's
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # on GPUs: "cuda", with "nccl"
         for layer in model:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 

@@ -178,6 +178,16 @@ def full_state(model: Any, opt: Any) -> dict[str, Any]:
     return out
 
 
+def cpu_mesh() -> Any:
+    """The 1-D CPU device mesh over the default group, for ``fully_shard(..., mesh=cpu_mesh())``
+    in these gloo tests. Without a mesh, fully_shard takes one on the accelerator
+    (``torch._C._get_accelerator()``): on a GPU machine both ranks' shards went to cuda:0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
 def small_model(kind: str, seed: int) -> Any:
     """A 3-layer MLP (its last layer 7 rows: uneven over 2 ranks), ``fully_shard``-ed per layer
     when ``kind == "fsdp"`` (inside a rank's process group), else plain (DDP-style replicated)."""
@@ -191,6 +201,6 @@ def small_model(kind: str, seed: int) -> Any:
 
         for layer in m:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(m)
+                fully_shard(layer, mesh=cpu_mesh())
+        fully_shard(m, mesh=cpu_mesh())
     return m

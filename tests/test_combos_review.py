@@ -12,7 +12,7 @@ import torch
 
 import trainguard as tg
 
-from dist_helper import run_ranks
+from dist_helper import cpu_mesh, run_ranks
 
 
 def test_two_managers_closed_in_open_order_keep_signals_working(tmp_path: Path) -> None:
@@ -81,8 +81,8 @@ def _fsdp_lm(tied: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
     torch.manual_seed(0)
     model = _TiedLM(tied)
-    fully_shard(model.mid)
-    fully_shard(model)
+    fully_shard(model.mid, mesh=cpu_mesh())
+    fully_shard(model, mesh=cpu_mesh())
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 

@@ -19,7 +19,7 @@ import trainguard as tg
 from trainguard import io as tg_io
 from trainguard.cli import main as cli
 
-from dist_helper import full_state, run_ranks
+from dist_helper import cpu_mesh, full_state, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
 
@@ -45,11 +45,11 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
 def sharded(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
-    model = make_model(seed)
+    model, mesh = make_model(seed), cpu_mesh()
     for layer in model:
         if isinstance(layer, nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2)
 
 

@@ -24,7 +24,7 @@ from trainguard.manifest import checksum, parse
 from trainguard.planner import Box, Regular
 from trainguard.storage import for_path
 
-from dist_helper import run_ranks
+from dist_helper import cpu_mesh, run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 from make_v2 import golden_extra, golden_model  # noqa: E402
@@ -159,7 +159,7 @@ def _fsdp_load(rank: int, world: int, src: str, dst: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     tg.load(src, {"model": model, "progress": tg.StateDict(), "extra": None})
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     tg.save(dst, {"model": model})

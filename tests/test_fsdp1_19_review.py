@@ -20,7 +20,7 @@ from torch import nn
 
 import trainguard as tg
 
-from dist_helper import attempt, run_ranks
+from dist_helper import attempt, cpu_mesh, run_ranks
 
 
 def _fsdp1(seed: int, uop: bool, strategy: str = "FULL_SHARD", wrap: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -124,8 +124,8 @@ def _flat_resume(rank: int, world: int, root: str, uop: bool) -> dict:
         torch.manual_seed(3)
         two = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
         for layer in (two[0], two[2]):
-            fully_shard(layer)
-        fully_shard(two)
+            fully_shard(layer, mesh=cpu_mesh())
+        fully_shard(two, mesh=cpu_mesh())
         opt2 = torch.optim.Adam(two.parameters(), lr=1e-2)
         tg.load(f"{root}/step-000000002", {"model": two, "optim": opt2}, only=["model", "optim"])
         out["fsdp2"] = full_state(two, opt2)
@@ -220,8 +220,8 @@ def _model_alone(rank: int, world: int, root: str) -> dict:
     torch.manual_seed(5)
     two = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
     for layer in (two[0], two[2]):
-        fully_shard(layer)
-    fully_shard(two)
+        fully_shard(layer, mesh=cpu_mesh())
+    fully_shard(two, mesh=cpu_mesh())
     tg.load(f"{root}/ck", {"model": two}, only=["model"])
     into_fsdp2 = all(torch.equal(p.full_tensor(), ref[n]) for n, p in two.named_parameters())
     return {"shapes": {k: e.shape for k, e in man.tensors.items()}, "differed": differed, "equal": equal,

@@ -15,7 +15,7 @@ from torch import nn
 import trainguard as tg
 from test_fsdp1_19_review import _fsdp1, _full, _step
 
-from dist_helper import attempt, run_ranks
+from dist_helper import attempt, cpu_mesh, run_ranks
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -55,9 +55,11 @@ def test_refused_sharded_fsdp1_optimizer_leaves_the_state_unchanged(tmp_path: Pa
 
 
 def _fsdp2(seed: int, **kw: object) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """fully_shard per Linear and on the model, with ``kw`` (mp_policy, reshard_after_forward)."""
+    """fully_shard per Linear and on the model, with ``kw`` (mp_policy, reshard_after_forward, mesh:
+    by default the CPU mesh over the default group)."""
     from torch.distributed.fsdp import fully_shard
 
+    kw.setdefault("mesh", cpu_mesh())
     torch.manual_seed(seed)
     m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
     for layer in (m[0], m[2]):

@@ -55,11 +55,13 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> No
 def _fsdp2(seed: int, lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
-    model = _make(seed)
+    from dist_helper import cpu_mesh
+
+    model, mesh = _make(seed), cpu_mesh()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model, torch.optim.Adam(model.parameters(), lr=lr)
 
 

@@ -20,9 +20,12 @@ def _mlp(layers: int = 4, width: int = 2048, fsdp: bool = True) -> Any:
     if fsdp:
         from torch.distributed.fsdp import fully_shard
 
+        from dist_helper import cpu_mesh
+
+        mesh = cpu_mesh()
         for layer in m:
-            fully_shard(layer)
-        fully_shard(m)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(m, mesh=mesh)
     return m
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import trainguard as tg
 
-from dist_helper import full_state, run_ranks
+from dist_helper import cpu_mesh, full_state, run_ranks
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "5"}
 
@@ -72,7 +72,7 @@ def load_1d_group(rank: int, world: int, root: str) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = make_model(2)
-    fully_shard(model)
+    fully_shard(model, mesh=cpu_mesh())
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     tg.load(f"{root}/sharded", {"model": model, "optim": opt})  # 2 x 2 -> 2 ranks, FSDP only
     return full_state(model, opt)

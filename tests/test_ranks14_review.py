@@ -15,7 +15,7 @@ from torch import nn
 import trainguard as tg
 from test_syscall_review import Inject
 
-from dist_helper import attempt, full_state, run_ranks
+from dist_helper import attempt, cpu_mesh, full_state, run_ranks
 from dist_helper import small_model as _model
 
 ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
@@ -385,9 +385,10 @@ def _big(seed: int) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard
 
-    fully_shard(m[0])
-    fully_shard(m[1], shard_placement_fn=lambda p: Shard(1))
-    fully_shard(m)
+    mesh = cpu_mesh()
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m[1], mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    fully_shard(m, mesh=mesh)
     return m
 
 

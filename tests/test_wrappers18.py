@@ -92,14 +92,16 @@ def _fsdp_rank(rank: int, world: int, root: str, wrap_save: bool, wrap_load: boo
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
+    from dist_helper import cpu_mesh
+
     def build(wrap: bool, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         m = nn.Sequential(nn.Linear(16, 30), nn.ReLU(), nn.Linear(30, 7))
         for i in (0, 2):
             if wrap:
                 m[i] = checkpoint_wrapper(m[i])
-            fully_shard(m[i])
-        fully_shard(m)
+            fully_shard(m[i], mesh=cpu_mesh())
+        fully_shard(m, mesh=cpu_mesh())
         return m, torch.optim.AdamW(m.parameters(), lr=0.05)
 
     def step(m: nn.Module, o: torch.optim.Optimizer, i: int) -> float:
