@@ -19,7 +19,9 @@ Each method's first save (buffer allocation, pinned memory) is made and timed ap
 timed run; the run ends with its last step (the last save's drain is reported apart).
 
 Reported per method: stall per save (median, max), end-to-end time and overhead vs ``none``
-(round by round), the cost per save (extra seconds of the run per save),
+(round by round), the cost per save (extra seconds of the run per save), the same two from the
+run's own steps (stalls plus what the steps that overlapped a save took beyond the run's quiet
+median: ``cost_from_steps_s``, ``overhead_from_steps``; free of the drift between two runs),
 the step-time slowdown while a save is in flight (CPU stolen by the background writer), and for
 ``tg_async`` the RSS after each save (growth over the run) and the staging pool's size.
 
@@ -293,6 +295,10 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         shutil.rmtree(p, ignore_errors=True)
     quiet = [t for t, f in step_times if not f] or [loop.base]
     busy = [t for t, f in step_times if f]
+    # The training time a save cost, from this run's own steps: its stall plus what the steps
+    # that overlapped it took beyond the run's quiet median (not comparing totals of two runs,
+    # which drift apart on a shared machine by as much as the effect itself).
+    lost = sum(stalls) + sum(t - statistics.median(quiet) for t in busy)
     out: dict[str, Any] = {
         "first_save": first,
         "saves": len(stalls),
@@ -305,6 +311,9 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         "stall_max_s": max(stalls) if stalls else 0.0,
         "step_quiet_median_s": statistics.median(quiet),
         "step_in_flight_median_s": statistics.median(busy) if busy else None,
+        "in_flight": [int(f) for _, f in step_times],
+        "cost_from_steps_s": lost / len(stalls) if stalls else 0.0,
+        "overhead_from_steps": lost / (len(step_times) * statistics.median(quiet)),
     }
     if rss:
         out["rss_after_saves_mb"] = [round(r / 2**20) for r in rss]
@@ -325,6 +334,8 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "stall_max_s": max(stalls) if stalls else 0.0,
         "step_quiet_median_s": statistics.median(r["step_quiet_median_s"] for r in runs),
         "step_in_flight_median_s": statistics.median(busy) if busy else None,
+        "cost_from_steps_s": statistics.median(r["cost_from_steps_s"] for r in runs),
+        "overhead_from_steps": statistics.median(r["overhead_from_steps"] for r in runs),
     }
     if "rss_after_saves_mb" in runs[0]:
         out["rss_after_saves_mb"] = [x for r in runs for x in r["rss_after_saves_mb"]]
@@ -460,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def _print(gb: float, r: dict[str, Any]) -> None:
     print(f"\n== {r['state_bytes'] / 1e9:.2f} GB state, step {r['base_step_s']:.3f} s (batch {r['batch']})")
     print(f"{'method':<14}{'stall med':>10}{'stall max':>10}{'total s':>9}{'overhead':>9}{'cost/save s':>12}"
-          f"{'step busy/quiet':>17}{'first save: stall, steps +s':>30}")
+          f"{'step busy/quiet':>17}{'from steps: cost/save, overhead':>33}{'first save: stall, steps +s':>30}")
     for k, v in r.items():
         if isinstance(v, dict) and "total_s" in v:
             busy = v["step_in_flight_median_s"]
@@ -469,7 +480,8 @@ def _print(gb: float, r: dict[str, Any]) -> None:
             first_s = f"{first['stall_s']:.3f}, {first['steps_extra_s']:+.3f}" if first else "-"
             cost = v.get("cost_per_save_s")
             print(f"{k:<14}{v['stall_median_s']:>10.4f}{v['stall_max_s']:>10.4f}{v['total_s']:>9.2f}"
-                  f"{v.get('overhead', 0.0):>9.1%}{'-' if cost is None else f'{cost:.3f}':>12}{ratio:>17}{first_s:>30}")
+                  f"{v.get('overhead', 0.0):>9.1%}{'-' if cost is None else f'{cost:.3f}':>12}{ratio:>17}"
+                  f"{v['cost_from_steps_s']:>24.3f} s{v['overhead_from_steps']:>7.1%}{first_s:>30}")
     if "tg_vs_dcp_stall" in r:
         print(f"tg_async stall / dcp_async stall = {r['tg_vs_dcp_stall']:.1%}")
     if "rss_after_saves_mb" in r.get("tg_async", {}):
