@@ -1,4 +1,4 @@
-"""``DalyInterval``: a save policy that measures the stall and the step time and saves at Daly's optimum.
+"""``DalyInterval``: a save policy that measures what a save costs and the step time and saves at Daly's optimum.
 
 The manager calls it like every :class:`~trainguard.policies.SavePolicy`, on every rank, in
 this order for each ``mgr.save(step, state)``: ``on_step`` -> ``should_save`` -> (after a save)
@@ -28,16 +28,21 @@ from typing import Any
 from .policies import SavePolicy
 from .reliability import daly_interval, format_duration, job_mtbf
 
+SAMPLES_PER_SAVE = 4096  # step-time samples kept per save until it is reported (its slowdown: DalyInterval._slowdown)
+
 
 class DalyInterval(SavePolicy):
-    """Save at Daly's optimal interval for the failure rate given and the stall measured.
+    """Save at Daly's optimal interval for the failure rate given and the save cost measured.
 
     ``tg.DalyInterval(node_failures_per_day=0.0065, nodes=256)`` (or ``node_mtbf_s=...``).
     Until the first save has been measured, saves every ``initial_steps`` steps. After each
-    save the interval becomes ``daly_interval(stall, job MTBF) / step_time`` steps, where stall,
-    duration and step time are medians of the last ``window`` measurements, clamped to
-    ``[min_steps, max_steps]``, and never shorter than one save's full duration (so a save never
-    starts while the previous one is in flight; this floor wins over ``max_steps``).
+    save the interval becomes ``daly_interval(stall + slowdown, job MTBF) / step_time`` steps,
+    clamped to ``[min_steps, max_steps]``, and never shorter than one save's full duration (so
+    a save never starts while the previous one is in flight; this floor wins over ``max_steps``).
+    ``slowdown`` is the training time the steps that began while a save was being written took
+    beyond the quiet steps' median (an async save's copy, checksum and write compete with
+    training for the CPU; on a GPU it is near zero). Stall, slowdown, duration and step time are
+    medians of the last ``window`` measurements.
     """
 
     needs_agreement = True
@@ -72,6 +77,10 @@ class DalyInterval(SavePolicy):
         self._stalls: deque[float] = deque(maxlen=window)
         self._durations: deque[float] = deque(maxlen=window)
         self._step_times: deque[float] = deque(maxlen=8 * window)
+        self._slowdowns: deque[float] = deque(maxlen=window)
+        self._quiet: deque[float] = deque(maxlen=8 * window)  # step times with no save in flight
+        # step -> (when should_save said yes to it, the step-time samples since: (start, s per step, steps))
+        self._pending: dict[int, tuple[float, list[tuple[float, float, int]]]] = {}
         self._last: tuple[int, float] | None = None  # (step, now) of the previous on_step
         self._decided: int | None = None  # the last step should_save said yes to
         self._prev: int | None = None  # the step of the previous on_step (never reset by a save)
@@ -85,8 +94,13 @@ class DalyInterval(SavePolicy):
         if self._prev is not None and step < self._prev:
             self.next_step, self._decided, self._last = None, None, None
         self._prev = step
-        if self._last is not None and step > self._last[0] and now >= self._last[1] and self._last[0] != self._decided:
-            self._step_times.append((now - self._last[1]) / (step - self._last[0]))
+        if self._last is not None and step > self._last[0] and now >= self._last[1]:
+            per_step = (now - self._last[1]) / (step - self._last[0])
+            if self._last[0] != self._decided:
+                self._step_times.append(per_step)
+                self._sample(self._last[1], per_step, step - self._last[0])
+            elif self._decided in self._pending:  # it spans the save's call: its save's slowdown only
+                self._pending[self._decided][1].append((self._last[1], per_step, step - self._last[0]))
         self._last = (step, now)
         self._anchor(step)
 
@@ -104,11 +118,16 @@ class DalyInterval(SavePolicy):
         if step < self.next_step:
             return False
         self._decided = step
+        if len(self._pending) >= 16:  # decided, never reported (failed saves): the oldest forgotten
+            del self._pending[min(self._pending)]
+        self._pending[step] = (now, [])
         self.next_step = step + self.interval_steps  # provisional until on_saved
         return True
 
-    def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        """Record the save's stall and duration, then choose the next interval.
+    def on_saved(self, step: int, stall_s: float, duration_s: float, *, waited_s: float = 0.0) -> None:
+        """Record the save's stall and duration, then choose the next interval. ``waited_s``: the
+        part of the save's call that waited for the previous save (trainguard's manager passes it;
+        the stall and duration come without it), which is not the save's own slowdown either.
 
         A manager may notice that an async save finished only when it starts the next one;
         then ``duration_s`` spans the whole gap between the two saves and is only an upper
@@ -122,8 +141,38 @@ class DalyInterval(SavePolicy):
             duration = min(duration, (self._decided - step) * step_time)
         self._stalls.append(stall)
         self._durations.append(duration)
-        self._last = None  # the next step-time sample may include this save's stall
+        self._slowdowns.append(self._slowdown(step, stall, max(0.0, float(waited_s)), duration))
+        if self._last is not None and self._last[0] == step != self._decided:  # a forced save at this step:
+            self._last = None  # the next sample holds its stall (a decided one's: see on_step)
         self._choose(step, self.measurements())
+
+    def _sample(self, start: float, per_step: float, steps: int) -> None:
+        """File a step-time sample: quiet when no save is decided and unreported, else kept with
+        each such save (at most ``SAMPLES_PER_SAVE``), to be sorted out by :meth:`_slowdown`."""
+        if not self._pending:
+            self._quiet.append(per_step)
+        for at, samples in self._pending.values():
+            if start >= at and len(samples) < SAMPLES_PER_SAVE:
+                samples.append((start, per_step, steps))
+
+    def _slowdown(self, step: int, stall: float, waited: float, duration: float) -> float:
+        """The training time that the steps which began while the save of ``step`` was in flight
+        (from its decision until ``waited + duration`` later, the one spanning its call included)
+        took beyond the quiet steps' median, less ``stall + waited`` (part of those steps: the call
+        with its wait for the previous save, the pre-step waits); the steps after it, up to the next decision, are quiet ones. 0 without a
+        decision (a forced save), for a sync save (reported before the next step), or without
+        quiet steps to compare with."""
+        at, samples = self._pending.pop(step, (None, []))
+        for k in [k for k in self._pending if k < step]:  # decided before it, never reported (failed)
+            del self._pending[k]
+        if at is None:
+            return 0.0
+        end, nxt = at + waited + duration, min((a for a, _ in self._pending.values()), default=math.inf)
+        self._quiet.extend(x for t, x, _n in samples if end <= t < nxt)
+        if not self._quiet:
+            return 0.0
+        base = statistics.median(self._quiet)
+        return max(0.0, sum((x - base) * n for t, x, n in samples if t < end) - stall - waited) if samples else 0.0
 
     # -- agreement across ranks ----------------------------------------------------------
     def measurements(self) -> dict[str, float | None]:
@@ -131,8 +180,10 @@ class DalyInterval(SavePolicy):
         broadcasts rank 0's decision every step); another caller may broadcast rank 0's and :meth:`agree`."""
         return {
             "stall_s": statistics.median(self._stalls) if self._stalls else None,
+            "slowdown_s": statistics.median(self._slowdowns) if self._slowdowns else None,
             "duration_s": statistics.median(self._durations) if self._durations else None,
-            "step_time_s": statistics.median(self._step_times) if self._step_times else None,
+            # the quiet steps' (with no save in flight): a save's slower steps are in its cost already
+            "step_time_s": statistics.median(self._quiet or self._step_times) if self._step_times else None,
         }
 
     def agree(self, step: int, values: dict[str, float | None]) -> None:
@@ -155,14 +206,18 @@ class DalyInterval(SavePolicy):
             rule = "waiting"
             self.reason = f"waiting for step-time measurements; keeping {self.interval_steps} steps"
         else:
-            tau = daly_interval(stall, self.mtbf_s)
+            slow = m.get("slowdown_s") or 0.0  # absent from the values of a caller that predates it
+            tau = daly_interval(stall + slow, self.mtbf_s)
             daly_steps = max(1, round(tau / step_time))
             floor_steps = max(1, math.ceil(duration / step_time))
             steps, rule = self._clamp(daly_steps), "daly"
             if steps != daly_steps:
                 rule = "min_steps" if steps > daly_steps else "max_steps"
+            cost = f"stall {format_duration(stall)}"
+            if slow > 0:
+                cost = f"save cost {format_duration(stall + slow)} ({cost} + {format_duration(slow)} of slower steps)"
             self.reason = (
-                f"Daly: stall {format_duration(stall)}, job MTBF {format_duration(self.mtbf_s)} -> "
+                f"Daly: {cost}, job MTBF {format_duration(self.mtbf_s)} -> "
                 f"save every {format_duration(tau)} of compute = {daly_steps} steps of {step_time:.3g}s"
             )
             if rule != "daly":

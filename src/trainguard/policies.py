@@ -17,6 +17,7 @@ steps that it did not write (an earlier run's, which this run went back behind a
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import signal
@@ -258,7 +259,9 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     duration, without that wait: it is the cost of saving more often than a save takes, which the
     policy's interval must fix, not grow with (DalyInterval's floor)."""
     own = min(h.prev_wait_s, stall, h.duration_s)
-    manager.save_policy.on_saved(step, stall - own, h.duration_s - own)
+    on_saved = manager.save_policy.on_saved  # DalyInterval's takes the wait apart; a policy of the user's may not
+    waited = {"waited_s": own} if "waited_s" in inspect.signature(on_saved).parameters else {}
+    on_saved(step, stall - own, h.duration_s - own, **waited)
     finished = h.finished_at if h.finished_at is not None else time.monotonic()
     manager.events.emit(
         "save", step=step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
