@@ -158,10 +158,10 @@ class DalyInterval(SavePolicy):
     def _slowdown(self, step: int, stall: float, waited: float, duration: float) -> float:
         """The training time that the steps which began while the save of ``step`` was in flight
         (from its decision until ``waited + duration`` later, the one spanning its call included)
-        took beyond the quiet steps' median, less ``stall + waited`` (part of those steps: the call
-        with its wait for the previous save, the pre-step waits); the steps after it, up to the next decision, are quiet ones. 0 without a
-        decision (a forced save), for a sync save (reported before the next step), or without
-        quiet steps to compare with."""
+        took beyond the quiet steps' median, less ``stall + waited`` (part of those steps: the
+        call with its wait for the previous save, the pre-step waits). The steps after it, up to
+        the next decision, are quiet ones. 0 without a decision (a forced save), for a sync save
+        (reported before the next step), or without quiet steps to compare with."""
         at, samples = self._pending.pop(step, (None, []))
         for k in [k for k in self._pending if k < step]:  # decided before it, never reported (failed)
             del self._pending[k]

@@ -80,7 +80,7 @@ class RNGState:
                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
             "torch_cpu": torch.get_rng_state(),
         }
-        if torch.cuda.is_initialized():  # not is_available(): that would create the context (class docstring)
+        if torch.cuda.is_initialized():  # not is_available(): reading them creates a CUDA context (class docstring)
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         return sd
 
