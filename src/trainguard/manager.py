@@ -224,7 +224,7 @@ class CheckpointManager:
             self._finish_pending()  # one save in flight: the wait counts as stall (not as the policy's: report_saved)
         except CheckpointError as e:
             self._report_failure(e, step=self._pending_step)
-        waited = max(0.0, (prev.finished_at or t0) - t0) if prev is not None else 0.0
+        waited = max(0.0, max(prev.finished_at or t0, prev.retained_at) - t0) if prev is not None else 0.0
         if step == self.last_saved_step and step not in self._rejected:
             # Saved already (a forced save at the end after the policy's, a loop restarted at the
             # restored step): that checkpoint holds this step.
@@ -269,8 +269,8 @@ class CheckpointManager:
     def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any, waited: float) -> SaveHandle:
         handle.stall_s, handle.prev_wait_s = time.monotonic() - t0, waited
         handle.owned = True  # its error is reported by this manager, not by another's next save
-        if self.ram and self.async_save:  # to disk as soon as it is in RAM (rank 0; again later: no-op)
-            handle.after_commit(lambda m: self.ram.committed(m.step, self._apply_retention, m.total_bytes))  # type: ignore[union-attr]
+        if self.async_save and self.ctx.rank == 0:  # at the commit, on the save thread: retention, or the RAM tier's copy
+            retention.at_commit(self, handle, time.monotonic)  # to disk (then retention; again later: no-op)
         self._pending, self._pending_step, self._pending_t0, self._pending_mark = handle, step, t0, mark
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
@@ -303,7 +303,7 @@ class CheckpointManager:
         r0 = time.monotonic()
         if self.ram:
             self.ram.committed(manifest.step, self._apply_retention, manifest.total_bytes)
-        elif self.ctx.rank == 0:
+        elif self.ctx.rank == 0 and h.retained_at < 0:  # not run at the commit (retention.retain_at_commit)
             self._apply_retention(manifest.step)
         if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
             stall += time.monotonic() - r0
