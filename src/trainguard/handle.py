@@ -56,7 +56,7 @@ class SaveHandle:
         self.wait_staged_s = 0.0
         self.duration_s = 0.0
         self.prev_wait_s = 0.0  # set by the manager: how long its save() waited for the previous save to commit
-        self.retained_at = -1.0  # the manager's clock when retention ended on the save thread (retention.retain_at_commit)
+        self.retained_at = -1.0  # the manager's clock when retention ended on the save thread (retention.at_commit)
         self.finished_at: float | None = None  # time.monotonic() when committed or failed
         self.bytes = 0
         # Host staging (async saves): bytes copied in the call (buffers, RNG, plain tensors, whole),

@@ -267,10 +267,10 @@ class CheckpointManager:
         return self._track(handle, step, t0, mark, waited)
 
     def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any, waited: float) -> SaveHandle:
+        if self.async_save and self.ctx.rank == 0:  # at the commit, on the save thread (here if committed already):
+            retention.at_commit(self, handle, time.monotonic)  # retention, or the RAM tier's copy to disk
         handle.stall_s, handle.prev_wait_s = time.monotonic() - t0, waited
         handle.owned = True  # its error is reported by this manager, not by another's next save
-        if self.async_save and self.ctx.rank == 0:  # at the commit, on the save thread: retention, or the RAM tier's copy
-            retention.at_commit(self, handle, time.monotonic)  # to disk (then retention; again later: no-op)
         self._pending, self._pending_step, self._pending_t0, self._pending_mark = handle, step, t0, mark
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close
             self._finish_pending()
@@ -303,7 +303,7 @@ class CheckpointManager:
         r0 = time.monotonic()
         if self.ram:
             self.ram.committed(manifest.step, self._apply_retention, manifest.total_bytes)
-        elif self.ctx.rank == 0 and h.retained_at < 0:  # not run at the commit (retention.retain_at_commit)
+        elif self.ctx.rank == 0 and h.retained_at < 0:  # not run at the commit (retention.at_commit)
             self._apply_retention(manifest.step)
         if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
             stall += time.monotonic() - r0
