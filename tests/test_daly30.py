@@ -121,3 +121,38 @@ def test_real_manager_measures_the_slowdown_of_async_saves(tmp_path, monkeypatch
     assert floor > round(daly_interval(STALL_S + 100.0, 625.0))  # still the binding rule
     assert policy.interval_steps == floor
     assert evs[-1]["slowdown_s"] == pytest.approx(100.0) and "of slower steps" in evs[-1]["reason"]
+
+
+def test_a_policy_without_waited_s_or_without_a_signature_still_gets_its_three_arguments(tmp_path) -> None:
+    """The manager passes ``waited_s`` only to an ``on_saved`` that takes it (a policy of the
+    user's written for the three arguments keeps working), and none to one whose signature
+    cannot be read."""
+    import torch
+
+    import trainguard as tg
+
+    got: list[tuple] = []
+
+    class Three(tg.EveryNSteps):
+        def on_saved(self, step, stall, duration):
+            got.append((step, "three"))
+
+    class NoSignature(tg.EveryNSteps):
+        on_saved = property(lambda self: _CallableWithoutSignature(got))
+
+    for policy in (Three(1), NoSignature(1)):
+        with tg.CheckpointManager(tmp_path / type(policy).__name__, save=policy, async_save=True) as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"model": torch.nn.Linear(2, 2)})
+    assert got == [(1, "three"), (2, "three"), (1, "nosig"), (2, "nosig")]
+
+
+class _CallableWithoutSignature:
+    __signature__ = "not a signature"  # inspect.signature raises TypeError on it
+
+    def __init__(self, got: list[tuple]) -> None:
+        self.got = got
+
+    def __call__(self, step, stall, duration, **kw):
+        assert not kw, kw
+        self.got.append((step, "nosig"))

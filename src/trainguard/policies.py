@@ -260,7 +260,10 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     policy's interval must fix, not grow with (DalyInterval's floor)."""
     own = min(h.prev_wait_s, stall, h.duration_s)
     on_saved = manager.save_policy.on_saved  # DalyInterval's takes the wait apart; a policy of the user's may not
-    waited = {"waited_s": own} if "waited_s" in inspect.signature(on_saved).parameters else {}
+    try:
+        waited = {"waited_s": own} if "waited_s" in inspect.signature(on_saved).parameters else {}
+    except (TypeError, ValueError):  # a callable without a signature (built in C): the three arguments only
+        waited = {}
     on_saved(step, stall - own, h.duration_s - own, **waited)
     finished = h.finished_at if h.finished_at is not None else time.monotonic()
     manager.events.emit(
