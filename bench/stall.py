@@ -293,12 +293,12 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
     drain = time.perf_counter() - t_drain
     for p in saves:
         shutil.rmtree(p, ignore_errors=True)
-    quiet = [t for t, f in step_times if not f] or [loop.base]
+    quiet_med = statistics.median([t for t, f in step_times if not f] or [loop.base])
     busy = [t for t, f in step_times if f]
     # The training time a save cost, from this run's own steps: its stall plus what the steps
     # that overlapped it took beyond the run's quiet median (not comparing totals of two runs,
     # which drift apart on a shared machine by as much as the effect itself).
-    lost = sum(stalls) + sum(t - statistics.median(quiet) for t in busy)
+    lost = sum(stalls) + sum(t - quiet_med for t in busy)
     out: dict[str, Any] = {
         "first_save": first,
         "saves": len(stalls),
@@ -309,11 +309,11 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         "stalls_s": stalls,
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         "stall_max_s": max(stalls) if stalls else 0.0,
-        "step_quiet_median_s": statistics.median(quiet),
+        "step_quiet_median_s": quiet_med,
         "step_in_flight_median_s": statistics.median(busy) if busy else None,
         "in_flight": [int(f) for _, f in step_times],
         "cost_from_steps_s": lost / len(stalls) if stalls else 0.0,
-        "overhead_from_steps": lost / (len(step_times) * statistics.median(quiet)),
+        "overhead_from_steps": lost / (len(step_times) * quiet_med),
     }
     if rss:
         out["rss_after_saves_mb"] = [round(r / 2**20) for r in rss]

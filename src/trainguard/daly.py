@@ -172,7 +172,7 @@ class DalyInterval(SavePolicy):
         if not self._quiet:
             return 0.0
         base = statistics.median(self._quiet)
-        return max(0.0, sum((x - base) * n for t, x, n in samples if t < end) - stall - waited) if samples else 0.0
+        return max(0.0, sum((x - base) * n for t, x, n in samples if t < end) - stall - waited)
 
     # -- agreement across ranks ----------------------------------------------------------
     def measurements(self) -> dict[str, float | None]:
