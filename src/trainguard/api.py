@@ -88,7 +88,7 @@ def save(
     split.refuse_full(split_state, layout)
     if metadata is not None and not isinstance(metadata, Mapping):
         raise TypeError(f"metadata={metadata!r}: pass a dict of JSON values, e.g. metadata={{'lr': 3e-4}}")
-    storage, target = for_path(path)
+    storage, target = for_path(path, follow_link=True)
     handle = start_save(
         storage, target, state, DistContext.current(),
         async_=async_, layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout,

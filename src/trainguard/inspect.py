@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import layout
 from .commit import list_steps, read_manifest
@@ -249,3 +251,14 @@ def describe(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of one checkpoint (for ``trainguard inspect``)."""
     storage, target = for_path(path)
     return read_manifest(storage, target)
+
+
+def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
+    """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
+    have written into: bytes are read in place, before the load can fail on a checksum.
+    ``CheckpointManager.restore`` calls it on every rank after a load it skipped."""
+    try:
+        m = read_manifest(*for_path(path))
+    except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
+        return {}  # no manifest could be read: nothing was read into the state
+    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import resizable, scalerstate, split
+from . import gaps, resizable, scalerstate, split
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
@@ -156,6 +156,7 @@ def _load(
             skel = split.prune(skel, cur, isinstance(obj, ModuleAdapter))  # other ranks' stages' tensors stay theirs
         if not isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
             current[key] = cur  # its dict types (a Counter, a defaultdict) are given back on load
+            missing += gaps.missing(obj, cur, skel, prefix)  # a key added since the save (gaps.py)
         _, dest = flatten(cur, prefix)
         refs = tensor_refs(skel)
         if isinstance(obj, OptimizerAdapter):
@@ -295,6 +296,7 @@ def _load(
             value = loaded.get(p, dest.get(p))
         else:
             value = keep_types(unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p))), current.get(key))
+            value = gaps.fill(obj, value, current.get(key))  # strict=False: such a key keeps its value
         try:
             if isinstance(obj, ModuleAdapter):
                 obj.load_state_dict(value, strict=strict)
@@ -388,13 +390,3 @@ def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False)
         return torch.empty(tuple(data.shape), dtype=e.torch_dtype), box, data
     return torch.empty(tuple(data.shape), dtype=data.dtype), box, data
 
-
-def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
-    """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
-    have written into: bytes are read in place, before the load can fail on a checksum.
-    ``CheckpointManager.restore`` calls it on every rank after a load it skipped."""
-    try:
-        m = read_manifest(*for_path(path))
-    except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
-        return {}  # no manifest could be read: nothing was read into the state
-    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}

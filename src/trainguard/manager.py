@@ -27,8 +27,8 @@ from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
+from .inspect import touched_tensors
 from .iostall import StuckWriteError
-from .loader import touched_tensors
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
 from .permanent import check_manager_args, config_errors, from_medium, is_permanent, mark, open_error

@@ -24,6 +24,44 @@ def canonical_key(key: str) -> str:
     return ".".join(p for p in key.split(".") if p not in WRAPPERS) if _wrapped(key) else key
 
 
+# torch's wrapper classes (module, class): their instances hold the wrapped module as a child
+# named in WRAPPERS. Looked up only in modules already imported: no instance exists otherwise.
+_WRAPPER_CLASSES = (
+    ("torch._dynamo.eval_frame", "OptimizedModule"),
+    ("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "ActivationWrapper"),
+    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
+)
+
+
+def is_torch_wrapper(module: Any, attr: str) -> bool:
+    """Whether ``module`` is one of torch's wrappers holding the wrapped module as ``attr``
+    (``torch.compile``'s ``OptimizedModule``, ``checkpoint_wrapper``, FSDP1), not a user's
+    module that happens to have a child of that name."""
+    import sys
+
+    if attr not in getattr(module, "_modules", {}):
+        return False
+    classes = [getattr(sys.modules.get(m), c, None) for m, c in _WRAPPER_CLASSES]
+    return isinstance(module, tuple(c for c in classes if isinstance(c, type)))
+
+
+def check_wrapper_names(module: Any) -> Any:
+    """``stateful.ModuleAdapter`` (every save and load of a module entry, every rank): ``module``,
+    refused when a user's module in it has a child named like a wrapper's (``_orig_mod``...):
+    parameter names drop such parts, so two different parameters could get one name."""
+    for name, mod in module.named_modules(remove_duplicate=False):
+        for attr in WRAPPERS & set(getattr(mod, "_modules", {})):
+            if not is_torch_wrapper(mod, attr):
+                from .errors import UnsupportedValueError
+
+                where = f"{name}.{attr}" if name else attr
+                raise UnsupportedValueError(
+                    f"module {type(mod).__name__} has a child named {attr!r} ({where!r}): trainguard removes that "
+                    f"name from parameter names, as torch's wrappers put it there ({', '.join(sorted(WRAPPERS))}). "
+                    "Rename the child.")
+    return module
+
+
 def _wrapped(name: Any) -> bool:
     return type(name) is str and any(w in name for w in WRAPPERS)
 

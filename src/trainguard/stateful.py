@@ -20,7 +20,7 @@ from torch import nn
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .dtensor import reshard_fsdp2
 from .errors import CorruptCheckpointError, UnsupportedValueError
-from .names import canonical_key
+from .names import canonical_key, check_wrapper_names, is_torch_wrapper
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
 
@@ -145,7 +145,7 @@ def unwrap_module(module: nn.Module) -> nn.Module:
     while True:
         if isinstance(module, (DistributedDataParallel, DataParallel)):
             module = module.module
-        elif isinstance(getattr(module, "_orig_mod", None), nn.Module):
+        elif is_torch_wrapper(module, "_orig_mod"):
             module = module._orig_mod
         else:
             return module
@@ -158,7 +158,7 @@ class ModuleAdapter:
     """Saves an ``nn.Module`` under wrapper-free names; loads into wrapped or unwrapped models."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = unwrap_module(module)
+        self.module = check_wrapper_names(unwrap_module(module))
 
     def state_dict(self) -> dict[str, Any]:
         return {canonical_key(k): v for k, v in self.module.state_dict().items()}

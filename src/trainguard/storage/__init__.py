@@ -11,8 +11,11 @@ from .local import LocalStorage
 __all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "for_path"]
 
 
-def for_path(path: str | os.PathLike[str]) -> tuple[Storage, str]:
-    """Return ``(storage, path inside it)`` for a local path or an fsspec URL (``s3://...``)."""
+def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tuple[Storage, str]:
+    """Return ``(storage, path inside it)`` for a local path or an fsspec URL (``s3://...``).
+    ``follow_link`` (``api.save``): a local path that is a symbolic link gives the path it points
+    to, so the checkpoint is written there (its commit renames directories: it would replace
+    the link itself, and leave the directory it points to as it was)."""
     p = os.fspath(path)
     if "://" in p and not p.startswith("file://"):
         from .fsspec import FsspecStorage  # optional dependency
@@ -20,4 +23,5 @@ def for_path(path: str | os.PathLike[str]) -> tuple[Storage, str]:
         return FsspecStorage.from_url(p)
     if p.startswith("file://"):
         p = p[len("file://") :]
-    return LocalStorage(), os.path.abspath(p)
+    p = os.path.abspath(p)
+    return LocalStorage(), os.path.realpath(p) if follow_link and os.path.islink(p) else p

@@ -1,0 +1,82 @@
+"""Found by an adversarial read of save/load (session 31): a user's child module named like a
+torch wrapper's, saving through a symbolic link, and keys added to a progress dict since the save."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+class _Top(nn.Module):  # a child named like torch.compile's, next to the parent's own parameter
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod = nn.Linear(2, 2)
+        self.scale = nn.Parameter(torch.randn(2))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self._orig_mod = nn.Linear(2, 2, bias=False)
+        self.weight = nn.Parameter(torch.randn(2, 2))
+
+
+@pytest.mark.parametrize("model,where", [(_Top, "'_orig_mod'"), (lambda: nn.Sequential(_Block()), "'0._orig_mod'")])
+def test_a_child_named_like_a_wrapper_is_refused_not_dropped(tmp_path, model, where):
+    m = model()
+    opt = torch.optim.Adam(m.parameters())
+    with pytest.raises(tg.UnsupportedValueError, match=f"child named '_orig_mod' \\({where}\\).*Rename the child"):
+        tg.save(tmp_path / "c", {"model": m, "optim": opt})
+    assert not (tmp_path / "c").exists()
+
+
+def test_compiled_and_checkpoint_wrapped_models_still_save_under_plain_names(tmp_path):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    m = nn.Sequential(checkpoint_wrapper(nn.Linear(3, 3)), nn.Linear(3, 1))
+    tg.save(tmp_path / "c", {"model": torch.compile(m)})
+    plain = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    assert not torch.equal(plain[0].weight, m[0]._checkpoint_wrapped_module.weight)
+    tg.load(tmp_path / "c", {"model": plain})
+    assert torch.equal(plain[0].weight, m[0]._checkpoint_wrapped_module.weight)
+    assert torch.equal(plain[1].bias, m[1].bias)
+
+
+def test_a_save_through_a_symbolic_link_writes_where_it_points(tmp_path):
+    (tmp_path / "big" / "latest").mkdir(parents=True)
+    os.symlink(tmp_path / "big" / "latest", tmp_path / "latest")
+    tg.save(tmp_path / "latest", {"t": torch.ones(3)})
+    assert os.path.islink(tmp_path / "latest")
+    got = {"t": torch.zeros(3)}
+    tg.load(tmp_path / "big" / "latest", got)
+    assert torch.equal(got["t"], torch.ones(3))
+    # overwrite through the link: the directory it points to holds the new values
+    tg.save(tmp_path / "latest", {"t": torch.full((3,), 7.0)}, overwrite=True)
+    assert os.path.islink(tmp_path / "latest")
+    tg.load(tmp_path / "big" / "latest", got)
+    assert torch.equal(got["t"], torch.full((3,), 7.0))
+    # a link to a directory that does not exist yet: created there
+    os.symlink(tmp_path / "big" / "later", tmp_path / "later")
+    tg.save(tmp_path / "later", {"t": torch.ones(1)})
+    assert os.path.islink(tmp_path / "later") and (tmp_path / "big" / "later" / "manifest.json").exists()
+
+
+def test_a_key_added_to_a_progress_dict_since_the_save(tmp_path):
+    tg.save(tmp_path / "c", {"progress": tg.StateDict(step=100), "ema": {"w": torch.ones(2), "cfg": {"decay": 0.9}}})
+    prog = tg.StateDict(step=0, tokens_seen=5)
+    ema = {"w": torch.zeros(2), "b": torch.full((2,), 3.0), "cfg": {"decay": 0.5, "warmup": 10}}
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(tmp_path / "c", {"progress": prog, "ema": ema})
+    assert set(e.value.missing) == {"progress/tokens_seen", "ema/b", "ema/cfg/warmup"}
+    assert dict(prog) == {"step": 0, "tokens_seen": 5} and torch.equal(ema["w"], torch.zeros(2))  # nothing loaded
+    state = {"progress": prog, "ema": ema}
+    tg.load(tmp_path / "c", state, strict=False)
+    assert dict(prog) == {"step": 100, "tokens_seen": 5}
+    assert torch.equal(state["ema"]["w"], torch.ones(2)) and torch.equal(state["ema"]["b"], torch.full((2,), 3.0))
+    assert state["ema"]["cfg"] == {"decay": 0.9, "warmup": 10}
