@@ -80,3 +80,42 @@ def test_a_key_added_to_a_progress_dict_since_the_save(tmp_path):
     assert dict(prog) == {"step": 100, "tokens_seen": 5}
     assert torch.equal(state["ema"]["w"], torch.ones(2)) and torch.equal(state["ema"]["b"], torch.full((2,), 3.0))
     assert state["ema"]["cfg"] == {"decay": 0.9, "warmup": 10}
+
+
+def _trained():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).square().sum().backward()
+        opt.step()
+    return model, opt
+
+
+def test_an_entry_that_is_part_of_another_loads_its_optimizer_in_any_order(tmp_path):
+    model, opt = _trained()
+    tg.save(tmp_path / "c", {"model": model, "head": model[1], "optim": opt})
+    torch.manual_seed(1)
+    m2 = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    o2 = torch.optim.Adam(m2.parameters(), lr=0.1)
+    tg.load(tmp_path / "c", {"head": m2[1], "model": m2, "optim": o2})  # the same entries, in another order
+    for p, q in zip(model.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(p, q)
+        assert torch.equal(opt.state[p]["exp_avg"], o2.state[q]["exp_avg"])
+
+
+def test_two_parameters_with_one_name_are_named_in_the_error(tmp_path):
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.param = nn.ParameterList([nn.Parameter(torch.randn(2))])
+
+    m, outside = M(), nn.Parameter(torch.randn(2))  # the outside one is named param.0 too
+    with pytest.warns(UserWarning, match="belong to no nn.Module"), pytest.raises(
+            tg.CheckpointError, match=r"two different optimizer parameters get the same name \['param.0'\]"):
+        tg.save(tmp_path / "a", {"model": m, "optim": torch.optim.Adam([outside, *m.parameters()])})
+    m1, m2 = nn.Sequential(), nn.Linear(2, 2)
+    m1.enc = nn.Linear(2, 2)
+    with pytest.raises(tg.CheckpointError, match=r"same name \['model.enc.bias', 'model.enc.weight'\].*entry key with a '.'"):
+        tg.save(tmp_path / "b", {"model": m1, "model.enc": m2, "optim": torch.optim.Adam([*m1.parameters(), *m2.parameters()])})

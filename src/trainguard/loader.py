@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import gaps, resizable, scalerstate, split
+from . import gaps, resizable, scalerstate, split, stateful
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
@@ -111,7 +111,7 @@ def _load(
         )
     missing_keys = [k for k in keys if k not in manifest.objects]
     unexpected_keys = [k for k in manifest.objects if k not in state] if only is None and not split_state else []
-    names, other_names = param_name_map(state), {}
+    names, other_names, choices = param_name_map(state), {}, {}
     plans = []  # (key, adapter, skeleton, {path: dest tensor}, tensor paths of the skeleton)
     missing: list[str] = list(missing_keys)
     unexpected: list[str] = list(unexpected_keys)
@@ -143,6 +143,7 @@ def _load(
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
+            obj.name_choices = choices = choices or stateful.param_name_choices(state)
             if split_state:  # the other stages' parameters stay theirs (split.py)
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
                 skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine)])

@@ -1,4 +1,4 @@
-"""What can be saved: the ``Stateful`` protocol, plain progress values, RNG state, the adapters
+"""What can be saved: the ``Stateful`` protocol, plain progress values, RNG state (rngstate.py), the adapters
 that turn modules and optimizers into name-keyed state dicts (DDP comm hooks' states: commhooks.py).
 
 ``api.save``/``api.load`` call :func:`adapt` once per top-level entry of the user's state, on
@@ -7,20 +7,19 @@ every rank, before flattening. Nothing here knows about files or torch.distribut
 
 from __future__ import annotations
 
-import random
 import re
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import nn
 
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .dtensor import reshard_fsdp2
-from .errors import CorruptCheckpointError, UnsupportedValueError
+from .errors import UnsupportedValueError
 from .names import canonical_key, check_wrapper_names, is_torch_wrapper
+from .rngstate import RNGState
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
 
@@ -52,77 +51,6 @@ class StateDict(dict):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self.clear()
         self.update(state_dict)
-
-
-class RNGState:
-    """Every random generator a training step draws from: Python ``random``, NumPy's global
-    generator, torch CPU, and each CUDA device once this process has initialised CUDA (before,
-    they hold only the seed ``torch.manual_seed`` queued, queued again by a restarted program;
-    reading them would give a CPU-trained process a CUDA context, which its forks cannot use).
-
-    Rank-local: in a multi-rank save every rank stores its own; see ``docs/distributed.md`` for
-    what happens when the world size changes (rank r takes saved rank r when it exists,
-    otherwise its generators are re-seeded deterministically from ``(reseed, rank, checkpoint step)``).
-    """
-
-    trainguard_rank_local = True
-
-    def __init__(self, *, reseed: int = 0) -> None:
-        if isinstance(reseed, bool) or not hasattr(reseed, "__index__"):
-            raise TypeError(f"RNGState(reseed={reseed!r}): pass an int seed (used when the world size grows)")
-        self.reseed = int(reseed)
-
-    def state_dict(self) -> dict[str, Any]:
-        algo, keys, pos, has_gauss, cached = np.random.get_state()
-        sd: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            "torch_cpu": torch.get_rng_state(),
-        }
-        if torch.cuda.is_initialized():  # not is_available(): reading them creates a CUDA context (class docstring)
-            sd["cuda"] = list(torch.cuda.get_rng_state_all())
-        return sd
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        try:
-            random.setstate(_as_python_rng(state_dict["python"]))
-            n = state_dict["numpy"]
-            np.random.set_state(
-                (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-            )
-            torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
-            # Saved by RNGState itself: a state that does not parse is a damaged checkpoint.
-            raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
-        cuda = state_dict.get("cuda")
-        if cuda and torch.cuda.is_available():
-            count = torch.cuda.device_count()
-            if len(cuda) != count:
-                warnings.warn(
-                    f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {count}; "
-                    f"restoring the first {min(len(cuda), count)}",
-                    stacklevel=2,
-                )
-            for i, s in enumerate(cuda[:count]):
-                torch.cuda.set_rng_state(s.to("cpu", torch.uint8), i)
-        elif cuda:
-            warnings.warn("checkpoint has CUDA RNG state but CUDA is not available; it is ignored", stacklevel=2)
-
-    def reseed_for_rank(self, rank: int, step: int = 0) -> None:
-        """Seed every generator deterministically from ``(reseed, rank, step)``; the loader calls it
-        on a rank that has no saved state (the world size grew), with the checkpoint's ``step``:
-        the same checkpoint gives the same streams, and a rank added again at a later growth draws
-        a new stream instead of replaying the one it had after the first growth."""
-        seed = int(np.random.SeedSequence([self.reseed % 2**63, int(rank), int(step) % 2**63]).generate_state(1)[0])
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
-
-
-def _as_python_rng(v: Any) -> tuple:
-    version, internal, gauss = v
-    return (int(version), tuple(int(x) for x in internal), gauss)
 
 
 def check_state(state: Any) -> None:
@@ -224,15 +152,21 @@ class OptimizerAdapter:
         self.optimizer = optimizer
         self.names = names
         self.other_names: Mapping[int, str] = {}  # param_name_map(other=True), set by loader._load
+        self.name_choices: Mapping[int, list[str]] = {}  # param_name_choices(state), set by loader._load
 
     def _saved_names(self, names: list[str], saved: set[str]) -> list[str]:
         """``names``, or their other spelling (``other_names``) when the checkpoint's are those:
-        saved from a state with one module, loaded into one with several, or back."""
+        saved from a state with one module, loaded into one with several, or back; or, for each
+        parameter, the one of its names (``name_choices``) that the checkpoint holds: a module
+        entry that is part of another (``{"model": m, "head": m[1]}``) listed in another order."""
         if set(names) == saved:
             return names
-        other = [self.other_names.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
-        if None not in other and len(set(other)) == len(other) and set(other) == saved:
-            return other  # type: ignore[return-value]
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        for other in ([self.other_names.get(id(p)) for p in params],
+                      [c[0] if len(c := [n for n in self.name_choices.get(id(p), ()) if n in saved]) == 1 else None
+                       for p in params]):
+            if None not in other and len(set(other)) == len(other) and set(other) == saved:
+                return other  # type: ignore[return-value]
         return names
 
     def _index_names(self, warn: bool = True) -> list[str]:
@@ -252,7 +186,15 @@ class OptimizerAdapter:
                 stacklevel=3,
             )
         if len(set(out)) != len(out):
-            raise ValueError("optimizer holds the same parameter twice; trainguard keys optimizer state by name")
+            params = [p for g in self.optimizer.param_groups for p in g["params"]]
+            if len({id(p) for p in params}) != len(params):
+                raise ValueError("optimizer holds the same parameter twice; trainguard keys optimizer state by name")
+            dup = sorted({n for n in out if out.count(n) > 1})
+            raise ValueError(
+                f"two different optimizer parameters get the same name {dup[:4]}: trainguard keys optimizer state by "
+                "name (the module's, prefixed by its entry's key when the state holds several modules; "
+                "'param.<index>' for one in no module of the state). Rename the entry or the module's attribute "
+                "(an entry key with a '.' can spell another's child), or put that parameter in a module of the state")
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -383,6 +325,18 @@ def param_name_map(state: Mapping[str, Any], *, other: bool = False) -> dict[int
     for key, mod in modules.items():
         for pid, name in ModuleAdapter(mod).param_names().items():
             out.setdefault(pid, f"{key}.{name}" if prefixed else name)
+    return out
+
+
+def param_name_choices(state: Mapping[str, Any]) -> dict[int, list[str]]:
+    """``id(param) -> every name it has`` over the state's module entries, prefixed by the entry's
+    key or not: ``loader._load`` gives it to each ``OptimizerAdapter`` for a checkpoint whose names
+    :func:`param_name_map` picked from other entries (the first in the state's order)."""
+    out: dict[int, list[str]] = {}
+    for key, mod in state.items():
+        if isinstance(mod, nn.Module):
+            for pid, name in ModuleAdapter(mod).param_names().items():
+                out.setdefault(pid, []).extend((f"{key}.{name}", name))
     return out
 
 
