@@ -119,3 +119,16 @@ def test_two_parameters_with_one_name_are_named_in_the_error(tmp_path):
     m1.enc = nn.Linear(2, 2)
     with pytest.raises(tg.CheckpointError, match=r"same name \['model.enc.bias', 'model.enc.weight'\].*entry key with a '.'"):
         tg.save(tmp_path / "b", {"model": m1, "model.enc": m2, "optim": torch.optim.Adam([*m1.parameters(), *m2.parameters()])})
+
+
+def test_a_name_too_long_for_the_temporary_directory_is_refused_first(tmp_path):
+    with pytest.raises(ValueError, match="is 240 bytes.*at most 234 bytes"):
+        tg.save(tmp_path / ("x" * 240), {"t": torch.ones(1)})
+    assert os.listdir(tmp_path) == []
+    tg.save(tmp_path / ("x" * 234), {"t": torch.ones(1)})
+
+
+def test_a_json_value_where_the_state_holds_a_tensor_is_named_as_such(tmp_path):
+    tg.save(tmp_path / "c", {"step": 3})
+    with pytest.raises(tg.StateMismatchError, match=r"step \(the state holds one tensor, the checkpoint a JSON value \(int\)\)"):
+        tg.load(tmp_path / "c", {"step": torch.tensor(0)})

@@ -121,7 +121,7 @@ def start_save(
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``.
     ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
     # A step a manifest cannot hold fails before a byte is written (tg.save takes it from the name, step-<n>).
-    layout_mod.check_step(step if step is not None else layout_mod.parse_step(os.path.basename(target.rstrip("/"))) or 0)
+    layout_mod.check_target(target, step)
     if async_:
         from .async_save import STARTING, start_async_save
 

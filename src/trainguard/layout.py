@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -54,6 +55,25 @@ def step_dir(step: int) -> str:
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     return f"step-{step:09d}"
+
+
+def check_target(target: str, step: int | None) -> None:
+    """``api.start_save``, every rank, before anything is written: the step (given, or named by
+    the directory: :func:`check_step`), and a name short enough for the temporary and the aside
+    names the save gives it (``<name>.tmp-<id>``, ``<name>.old-<id>``) on a filesystem whose
+    names hold 255 bytes."""
+    name = os.path.basename(target.rstrip("/"))
+    check_step(step if step is not None else parse_step(name) or 0)
+    if len(os.fsencode(name)) > NAME_MAX - 21:
+        from .permanent import config_errors
+
+        with config_errors():
+            raise ValueError(f"checkpoint name {name[:40]!r}... is {len(os.fsencode(name))} bytes: while it saves, "
+                             f"trainguard names it '<name>.tmp-<16 hex>' (21 bytes more), and a file name holds at "
+                             f"most {NAME_MAX} bytes; use a name of at most {NAME_MAX - 21} bytes")
+
+
+NAME_MAX = 255
 
 
 def tmp_dir(name: str, save_id: str) -> str:

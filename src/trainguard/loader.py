@@ -150,7 +150,8 @@ def _load(
             obj.check_saved(skel, key)
             ensure_optimizer_state(obj.optimizer)  # a fresh one (DTensor params) has no state to read into
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
-            mismatched.append(f"{key} (the state holds one tensor, the checkpoint a structure)")
+            mismatched.append(f"{key} (the state holds one tensor, the checkpoint "
+                              f"{'a structure' if isinstance(skel, (dict, list)) else f'a JSON value ({type(skel).__name__})'})")
         prefix = f"{key}@{src_rank}" if src_rank is not None else key
         cur = obj.state_dict() if has_state(obj) else value
         if split_state and src_rank is None and not isinstance(obj, OptimizerAdapter):
