@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from trainguard.consolidate import consolidate
 
 
 class _Top(nn.Module):  # a child named like torch.compile's, next to the parent's own parameter
@@ -132,3 +133,49 @@ def test_a_json_value_where_the_state_holds_a_tensor_is_named_as_such(tmp_path):
     tg.save(tmp_path / "c", {"step": 3})
     with pytest.raises(tg.StateMismatchError, match=r"step \(the state holds one tensor, the checkpoint a JSON value \(int\)\)"):
         tg.load(tmp_path / "c", {"step": torch.tensor(0)})
+
+
+def _steps(root) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and n[5:].isdigit())
+
+
+def test_a_step_directory_renamed_by_hand_is_not_restored_as_its_new_step(tmp_path):
+    run = tmp_path / "run"
+    state = {"w": torch.zeros(3), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+    os.rename(run / "step-000000002", run / "step-000000003")
+    with pytest.raises(tg.CorruptCheckpointError, match="named step 3 but holds the checkpoint of step 2.*step-000000002"):
+        tg.load(run / "step-000000003", {"w": torch.zeros(3), "progress": tg.StateDict(step=0)})
+    fresh = {"w": torch.zeros(3), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        assert mgr.restore(fresh) == 1  # not 3 with step 2's values
+    assert fresh["progress"]["step"] == 1 and torch.equal(fresh["w"], torch.ones(3))
+    with pytest.raises(tg.CheckpointError, match="named step 9, and .* is the checkpoint of step 1"):
+        consolidate(run / "step-000000001", tmp_path / "other" / "step-000000009")
+    assert not (tmp_path / "other" / "step-000000009").exists()
+
+
+@pytest.mark.parametrize("keep,losses,left", [
+    (lambda: tg.KeepBest("loss"), [3.0, 2.0, 1.0], [2, 3]),  # the newest is the best: the one before stays too
+    (lambda: tg.KeepBest("loss"), [1.0, 2.0, 3.0], [1, 3]),  # the best is older: it is the one before
+    (lambda: tg.KeepEvery(3), [1.0, 1.0, 1.0], [2, 3]),
+])
+def test_retention_always_keeps_a_checkpoint_before_the_newest(tmp_path, keep, losses, left):
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=keep(), handle_signals=False) as mgr:
+        for step, loss in enumerate(losses, 1):
+            mgr.save(step, {"w": torch.full((2,), float(step))}, metrics={"loss": loss})
+    assert _steps(tmp_path) == left
+
+
+def test_a_file_named_like_a_step_is_named_not_removed(tmp_path):
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+    (tmp_path / "step-000000004").write_text("an operator's note")
+    with pytest.warns(UserWarning, match="step-000000004 is a file, not a checkpoint directory"):
+        with tg.CheckpointManager(tmp_path, handle_signals=False):
+            pass
+    assert (tmp_path / "step-000000004").read_text() == "an operator's note"

@@ -30,7 +30,7 @@ def test_keep_best_ranks_infinite_metrics_last_in_either_mode(tmp_path, mode, ba
                               handle_signals=False) as mgr:
         for step, v in enumerate([bad, *good], 1):
             mgr.save(step, {"w": torch.zeros(2)}, metrics={"m": v})
-    assert _steps(tmp_path) == [4]
+    assert _steps(tmp_path) == [3, 4]  # and the one before the newest (retention.py: the newest is the best)
 
 
 def test_a_rollback_in_the_same_process_replaces_and_removes_this_managers_newer_steps(tmp_path):

@@ -37,8 +37,16 @@ from .storage import Storage
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
-    """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent."""
-    return parse(*manifest_bytes(storage, directory))
+    """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent,
+    ``CorruptCheckpointError`` if the directory is named ``step-N`` and the manifest is of another
+    step (a step directory renamed or copied by hand: a restore would go on from the wrong step)."""
+    m = parse(*manifest_bytes(storage, directory))
+    named = layout.parse_step(os.path.basename(directory.rstrip("/")))
+    if named is not None and named != m.step:
+        raise CorruptCheckpointError(
+            f"{directory} is named step {named} but holds the checkpoint of step {m.step} (renamed or copied by "
+            f"hand?): rename it {layout.step_dir(m.step)}, or to a name that is not a step's", file=layout.MANIFEST)
+    return m
 
 
 def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
@@ -219,7 +227,10 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
                 storage.remove_tree(path)
                 done.append(name)
     for s in list_steps(storage, root):
-        if s.status == "incomplete":
+        if s.status == "incomplete" and storage.atomic_rename and os.path.isfile(s.path):  # not a save's: left, and named
+            warnings.warn(f"{s.path} is a file, not a checkpoint directory: a save of step {s.step} will fail until "
+                          "it is moved away (it is not removed: trainguard did not write it)", stacklevel=2)
+        elif s.status == "incomplete":
             storage.remove_tree(s.path)
             done.append(s.name)
     return done + settle_aside(storage, root, names)

@@ -63,6 +63,9 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     check_file_sizes(sstore, sdir, m, {f for e in m.tensors.values() if e.alias is None for f in source.files(e)})
     parent, name = os.path.split(target.rstrip("/"))
     final = dstore.join(parent, name)
+    if (named := layout.parse_step(name)) is not None and named != m.step:  # a load would refuse it (commit.read_manifest)
+        raise CheckpointError(f"{final} is named step {named}, and {os.fspath(src)} is the checkpoint of step {m.step}: "
+                              f"name the copy {layout.step_dir(m.step)}, or a name that is not a step's")
     why = occupied(dstore, final, overwrite)
     if why.get("exists"):
         raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")

@@ -99,7 +99,10 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             unread.add(s.step)
         else:
             infos.append(info)
-    keep = _steps_kept(mgr.keep, infos) | {newest} | unread
+    kept, older = _steps_kept(mgr.keep, infos), {i.step for i in infos if i.step < newest}
+    # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
+    # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
+    keep = kept | {newest} | unread | ({max(older)} if older and not kept & older else set())
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
         log.warning(
