@@ -12,6 +12,8 @@ from torch import nn
 import trainguard as tg
 from trainguard.consolidate import consolidate
 
+from dist_helper import attempt, run_ranks
+
 
 class _Top(nn.Module):  # a child named like torch.compile's, next to the parent's own parameter
     def __init__(self) -> None:
@@ -179,3 +181,29 @@ def test_a_file_named_like_a_step_is_named_not_removed(tmp_path):
         with tg.CheckpointManager(tmp_path, handle_signals=False):
             pass
     assert (tmp_path / "step-000000004").read_text() == "an operator's note"
+
+
+def _load_another_step_per_rank(rank, world, root, via):
+    state = {"w": torch.zeros(3), "progress": tg.StateDict(step=-1)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False, timeout=30) as mgr:
+        for step in (1, 2):
+            state["w"].fill_(step)
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+        state["w"].zero_()
+        state["progress"]["step"] = -1
+        if via == "load":
+            out = attempt(lambda: tg.load(f"{root}/step-00000000{1 + rank}", state, timeout=30))
+        else:
+            out = attempt(lambda: mgr.restore(state, step=1 + rank))
+    return out, state["w"].tolist(), state["progress"]["step"]
+
+
+@pytest.mark.parametrize("via", ["load", "restore"])
+def test_ranks_that_read_different_checkpoints_all_raise_before_reading(tmp_path, via):
+    res = run_ranks(_load_another_step_per_rank, 2, str(tmp_path), via, timeout=90)
+    for r in res:
+        out, w, step = r.value
+        assert out["type"] == "CheckpointError", out
+        assert "ranks read different checkpoints (rank 0: step 1 saved at" in out["msg"] and "rank 1: step 2" in out["msg"]
+        assert w == [0.0, 0.0, 0.0] and step == -1  # nothing was read into the state

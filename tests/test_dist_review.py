@@ -18,7 +18,7 @@ ENV = {"TRAINGUARD_DEAD_AFTER": "3"}
 def listing_fails_on_rank0_group(rank: int, world: int, root: str) -> dict:
     state = {"w": torch.arange(6.0)}
     # Rank 0 alone looks at the target before the "begin" round; its listing fails (ENAMETOOLONG).
-    out = {"listing": attempt(lambda: tg.save(f"{root}/{'x' * 300}", state, timeout=20))}
+    out = {"listing": attempt(lambda: tg.save(f"{root}/{'x' * 300}/c", state, timeout=20))}  # a parent too long
     out["next"] = attempt(lambda: tg.save(f"{root}/step-000000004", state, timeout=20))  # the ranks are still in step
     return out
 

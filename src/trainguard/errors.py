@@ -277,21 +277,30 @@ def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
 
 
 def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: float | None,
-               split: bool | None = None) -> None:
+               split: bool | None = None, which: list[Any] | None = None) -> None:
     """A round of ``loader.load`` (every rank, same order; ``e``: this rank's failure, if any):
     raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
     failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
     that does not fit). ``split``: this rank's ``split_state`` (the "load" round): ranks that
-    passed different ones all raise the same error naming it (``split.load_flags_differ``)."""
+    passed different ones all raise the same error naming it (``split.load_flags_differ``).
+    ``which`` (the "load" round): ``[step, created]`` of the manifest this rank read: ranks that
+    read different checkpoints (another path, or ``restore(step=)``, on one rank) all raise."""
     from .permanent import from_medium, is_permanent, keeps_own
     from .split import load_flags_differ
 
     outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
-               "permanent": is_permanent(e), "medium": from_medium(e), "split": split}
+               "permanent": is_permanent(e), "medium": from_medium(e), "split": split, "which": which}
     with keeps_own(e):  # the exchange failed (rank 0 exited 78 first, its store with it): e stays its error
         outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
     if split is not None and (differ := load_flags_differ([bool(o.get("split")) for o in outcomes])):
         raise differ from e  # before any rank's own error: a stage loaded without the flag fails for want of it
+    if len(read := {r: o["which"] for r, o in enumerate(outcomes) if o.get("which") is not None}) > 1 and len(
+            {tuple(w) for w in read.values()}) > 1:
+        raise CheckpointError(
+            f"load of {target}: the ranks read different checkpoints ("
+            + ", ".join(f"rank {r}: step {w[0]} saved at {w[1]}" for r, w in sorted(read.items())[:8])
+            + "); nothing was read into the state. Every rank must load the same one: pass the same path to "
+            "tg.load, and the same step= (or none) to CheckpointManager.restore") from e
     try:
         if e is not None:
             raise e from e.__cause__

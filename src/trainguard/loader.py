@@ -62,10 +62,12 @@ def load(
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
+    manifest: Manifest | None = None
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
-        agree_load(ctx, "load", target, e, timeout, split=split_state)  # ranks that differ in split_state: all raise
+        which = None if manifest is None else [manifest.step, manifest.created]  # ranks that read another one: all raise
+        agree_load(ctx, "load", target, e, timeout, split=split_state, which=which)  # ... as ranks that differ in split_state
         agreed[0] = True
         if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
             split.check_taken(ctx, manifest, taken, timeout)
