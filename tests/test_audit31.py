@@ -207,3 +207,20 @@ def test_ranks_that_read_different_checkpoints_all_raise_before_reading(tmp_path
         assert out["type"] == "CheckpointError", out
         assert "ranks read different checkpoints (rank 0: step 1 saved at" in out["msg"] and "rank 1: step 2" in out["msg"]
         assert w == [0.0, 0.0, 0.0] and step == -1  # nothing was read into the state
+
+
+@pytest.mark.parametrize("steps", [(5, 3), (10, 20, 10)])
+def test_a_save_behind_this_managers_newest_step_is_refused(tmp_path, steps):
+    state = {"w": torch.zeros(2)}
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), handle_signals=False) as mgr:
+        assert mgr.restore(state) is None
+        for step in steps[:-1]:
+            state["w"].fill_(step)
+            mgr.save(step, state)
+        before = _steps(tmp_path)
+        state["w"].fill_(-1.0)
+        with pytest.raises(tg.CheckpointError, match=f"save\\(step={steps[-1]}\\): this manager saved step {max(steps)} already.*must grow"):
+            mgr.save(steps[-1], state)
+    assert _steps(tmp_path) == before
+    with tg.CheckpointManager(tmp_path, handle_signals=False) as mgr:
+        assert mgr.restore(state) == max(steps) and state["w"][0].item() == max(steps)

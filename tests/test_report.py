@@ -86,3 +86,11 @@ def test_an_event_written_after_a_zero_filled_tail_is_read(tmp_path):
     path.write_bytes(b'{"t": 1, "event": "step", "step": 4}\n' + b"\0" * 64 + b'{"t": 2, "event": "step", "step": 9}\n')
     assert [e["step"] for e in read_events(path)] == [4, 9]
     assert _lost_steps(path, 5) == 5  # steps 5..9 were done before the restart resumed at 5
+
+
+def test_a_run_whose_manager_logged_elsewhere_says_so():
+    # `trainguard run --run-dir D` with the manager's root elsewhere: D holds the agent's and the
+    # steps' events only; the zeros of "checkpoints" must not read as "no checkpoint was saved".
+    launcher_only = [e for e in _events() if e["event"] not in ("save", "restore", "first_step")]
+    assert "no save or restore logged here" in format_summary(summarize(launcher_only))
+    assert "no save or restore logged here" not in format_summary(summarize(_events()))

@@ -364,14 +364,14 @@ def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) ->
     if ctx.rank < len(ranks) and ranks[ctx.rank] is not None:  # None: saved by a stage without it (split_state)
         if len(ranks) != ctx.world_size:
             warnings.warn(
-                f"{key}: saved by {len(ranks)} ranks, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
+                f"{key}: saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
                 f"rank {ctx.rank}'s state",
                 stacklevel=4,
             )
         return ranks[ctx.rank], ctx.rank
     if hasattr(value, "reseed_for_rank"):
         _reseed(value, ctx.rank, manifest.step)
-        warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} ranks); re-seeded", stacklevel=4)
+        warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}); re-seeded", stacklevel=4)
         return None, None
     src = split.saved_slot(ranks, ctx.rank)
     if src is None:

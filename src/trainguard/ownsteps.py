@@ -8,8 +8,7 @@ the whole run (78 bytes a save: some 10,000 entries a week saving every minute).
 Every rank adds the same steps in the same order, so every rank forgets the same ones (the
 overwrite and refusal decisions of a save stay the same on all ranks). A forgotten step is never
 taken for another run's: retention neither deletes nor sets aside a step at or below ``floor``
-as abandoned (``unknown``), and after a ``restore`` a save at or below ``floor`` (behind ``KEEP``
-newer saves of this run) is refused like a save behind the restored step.
+as abandoned (``unknown``). A save behind the newest remembered step is refused (``check_save``).
 """
 
 from __future__ import annotations
@@ -54,20 +53,21 @@ class OwnSteps:
         return self.floor is not None and step <= self.floor and step not in self._steps
 
     def check_save(self, step: int, restored: int | None) -> None:
-        """Every rank, in ``CheckpointManager._save_now`` before anything is written: after a ``restore``
-        that returned ``restored``, a save older than it (not one of this manager's), or at or below
-        ``floor``, is refused (CheckpointError, the same on every rank)."""
-        if restored is None or step in self._steps:
-            return
-        if step < restored:
+        """Every rank, in ``CheckpointManager._save_now`` before anything is written (the same on every
+        rank): a save behind this manager's newest committed step is refused (a restart resumes from
+        the newest, and would skip it), and after a ``restore`` that returned ``restored``, a save
+        older than it. A rollback on purpose goes through ``restore(state, step=...)`` (``roll_back``)."""
+        newest = max(self._steps, default=None)
+        if newest is not None and step < newest:
+            raise CheckpointError(
+                f"save(step={step}): this manager saved step {newest} already; the steps given to save() must grow: "
+                f"a restart resumes from the newest checkpoint, step {newest}, and would skip what this save holds. "
+                "Pass the global training step (not a step within the epoch); to roll back on purpose, call "
+                "mgr.restore(state, step=...) first"
+            )
+        if restored is not None and step < restored and step not in self._steps:
             raise CheckpointError(
                 f"save(step={step}): restore() resumed this run from step {restored}; saving an older step would "
                 "replace checkpoints and remove the newer ones. Continue the loop from the restored step "
                 "(start = mgr.restore(state) or 0), or roll back on purpose with mgr.restore(state, step=...)"
-            )
-        if self.floor is not None and step <= self.floor:
-            raise CheckpointError(
-                f"save(step={step}): this run saved at least {KEEP} newer steps since (up to step {max(self._steps, default=self.floor)}); "
-                "saving a step that far back would replace checkpoints and remove the newer ones. Continue the loop "
-                "from the newest step, or roll back on purpose with mgr.restore(state, step=...)"
             )

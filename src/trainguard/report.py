@@ -132,6 +132,9 @@ def format_summary(s: dict[str, Any]) -> str:
         f"goodput            {_f(None if s['goodput'] is None else 100 * s['goodput'], '{:.1f}')} % "
         "(final step x median step time / wall time)",
     ]
+    if not s["saves"] and not any(r.get("restored_step") is not None for r in s["recoveries"]):
+        lines.append("note               no save or restore logged here: a CheckpointManager logs into its own root "
+                     "(CheckpointManager(root)/events.jsonl); make that root this directory, or run the report on it")
     return "\n".join(lines)
 
 
