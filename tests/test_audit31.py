@@ -224,3 +224,13 @@ def test_a_save_behind_this_managers_newest_step_is_refused(tmp_path, steps):
     assert _steps(tmp_path) == before
     with tg.CheckpointManager(tmp_path, handle_signals=False) as mgr:
         assert mgr.restore(state) == max(steps) and state["w"][0].item() == max(steps)
+
+
+def test_load_refuses_a_flag_that_is_not_a_bool_and_takes_a_bytes_path(tmp_path):
+    tg.save(os.fsencode(tmp_path / "c"), {"t": torch.ones(2)})
+    got = {"t": torch.zeros(2)}
+    for bad in ({"strict": "no"}, {"verify": "no"}):
+        with pytest.raises(TypeError, match="pass True or False"):
+            tg.load(tmp_path / "c", got, **bad)
+    tg.load(os.fsencode(tmp_path / "c"), got, strict=False)
+    assert torch.equal(got["t"], torch.ones(2))

@@ -56,6 +56,8 @@ def load(
     ``split_state=True``: each rank takes only the tensors its state holds (pipeline stages: ``split.py``).
     """
     check_timeout(timeout)
+    if strict not in (True, False) or verify not in (True, False):  # strict="no" is truthy: a strict load
+        raise TypeError(f"strict={strict!r}, verify={verify!r}: pass True or False")
     ctx = DistContext.current()
     storage, target = for_path(path)
     from .async_save import wait_staging_in_flight  # here: async_save imports api, which imports this

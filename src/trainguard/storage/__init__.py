@@ -16,7 +16,7 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
     ``follow_link`` (``api.save``): a local path that is a symbolic link gives the path it points
     to, so the checkpoint is written there (its commit renames directories: it would replace
     the link itself, and leave the directory it points to as it was)."""
-    p = os.fspath(path)
+    p = os.fsdecode(path)  # a bytes path too
     if "://" in p and not p.startswith("file://"):
         from .fsspec import FsspecStorage  # optional dependency
 
