@@ -4,6 +4,7 @@ torch wrapper's, saving through a symbolic link, and keys added to a progress di
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,77 @@ def test_load_refuses_a_flag_that_is_not_a_bool_and_takes_a_bytes_path(tmp_path)
             tg.load(tmp_path / "c", got, **bad)
     tg.load(os.fsencode(tmp_path / "c"), got, strict=False)
     assert torch.equal(got["t"], torch.ones(2))
+
+
+HUNG_UPLOAD = r"""
+import sys, threading
+import fsspec, torch
+from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+import trainguard as tg
+
+HANG = threading.Event()
+
+
+class HangFile(MemoryFile):
+    def write(self, data):
+        if HANG.is_set():
+            threading.Event().wait()  # an upload that never returns
+        return super().write(data)
+
+
+class HangFS(MemoryFileSystem):
+    protocol = ("hangmem",)
+    store = {}
+    pseudo_dirs = [""]
+
+    def _open(self, path, mode="rb", **kw):
+        f = super()._open(path, mode, **kw)
+        if "w" in mode:
+            f.__class__ = HangFile
+        return f
+
+
+fsspec.register_implementation("hangmem", HangFS, clobber=True)
+state = {"w": torch.ones(1000)}
+mgr = tg.CheckpointManager("hangmem://b/run", save=tg.EveryNSteps(1), async_save=True, timeout=3.0, handle_signals=False)
+mgr.open()
+mgr.save(1, state)
+mgr.wait()
+HANG.set()
+mgr.save(2, state)
+try:
+    mgr.close()
+except tg.CheckpointError as e:
+    print("RAISED", type(e).__name__, flush=True)
+    print([t.name for t in threading.enumerate()], flush=True)
+    sys.exit(3)
+"""
+
+
+def test_a_process_exits_with_an_object_store_upload_stuck(tmp_path):
+    # Before: the upload ran on a ThreadPoolExecutor's worker, which Python joins at exit: after
+    # StuckWriteError the interpreter never exited (here: the subprocess timeout).
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", HUNG_UPLOAD], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "RAISED StuckWriteError" in p.stdout and "trainguard-upload_0" in p.stdout, (p.stdout, p.stderr[-2000:])
+
+
+def test_max_staging_bytes_that_is_not_a_byte_count_is_named(tmp_path):
+    for bad in ("10", 1.5e6, True):
+        with pytest.raises(TypeError, match=r"max_staging_bytes=.*pass a byte count \(an int >= 0\)"):
+            tg.CheckpointManager(tmp_path / "m", async_save=True, max_staging_bytes=bad, handle_signals=False)
+    with pytest.raises(TypeError, match="pass a byte count"):
+        tg.save(tmp_path / "c", {"t": torch.ones(4)}, async_=True, max_staging_bytes="10")
+    tg.save(tmp_path / "c", {"t": torch.ones(4)}, async_=True, max_staging_bytes=10).result()  # an int: fine
+
+
+def test_an_object_store_checkpoint_that_exists_does_not_suggest_overwrite():
+    url = f"memory://audit31-{os.getpid()}/c"
+    tg.save(url, {"t": torch.ones(2)})
+    with pytest.raises(tg.StepExistsError, match="save to a new directory") as e:
+        tg.save(url, {"t": torch.ones(2)})
+    assert "overwrite=True" not in str(e.value)

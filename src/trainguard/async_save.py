@@ -358,11 +358,12 @@ def _drain_at_exit() -> None:
     if job is None or job.handle.done() or job.handle.stuck:  # stuck in a write: StuckWriteError said so; not joined
         return
     h = job.handle
-    log.warning("trainguard: the interpreter is exiting; waiting for the async save of step %s to finish", h.step)
+    what = f"of step {h.step}" if h.step is not None else f"to {h.target}"
+    log.warning("trainguard: the interpreter is exiting; waiting for the async save %s to finish", what)
     h.join()
     err = h.exception()
     if err is not None and not h.observed:  # printed: logging may be torn down by now
-        print(f"trainguard: the async save of step {h.step} failed: {err}", file=sys.stderr)
+        print(f"trainguard: the async save {what} failed: {err}", file=sys.stderr)
 
 
 # threading's own exit hooks run before its threads are joined and in reverse order of

@@ -293,7 +293,8 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
     if layout.MANIFEST not in names:
         return {}
     if not overwrite:
-        return {"exists": f"{final} already holds a committed checkpoint; pass overwrite=True to replace it"}
+        return {"exists": f"{final} already holds a committed checkpoint; " + (
+            "pass overwrite=True to replace it" if storage.atomic_rename else "save to a new directory (an object store cannot replace one)")}
     if not storage.atomic_rename:
         return {"refused": (
             f"{final} already holds a committed checkpoint and this storage cannot replace a directory "

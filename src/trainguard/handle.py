@@ -100,7 +100,7 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest; raises the save's error. Joins the save thread when done."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"save of step {self.step} not finished after {timeout} s")
+            raise TimeoutError(f"save {f'of step {self.step}' if self.step is not None else f'to {self.target}'} not finished after {timeout} s")
         self.join()
         self.observed = True
         if self._error is not None:

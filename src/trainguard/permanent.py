@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from . import layout
-from .errors import CheckpointError, is_media_error, is_store_client_error
+from .errors import CheckpointError, is_media_error, is_store_client_error, nonneg_int
 
 PERMANENT_EXIT = 78  # sysexits.h EX_CONFIG: not 1 (any crash), 75/76 (hang, orphan), 128 + n (signals)
 E = TypeVar("E", bound=BaseException)
@@ -205,8 +205,8 @@ def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout
 
     if stage_in_background and not async_save:
         raise ValueError("stage_in_background=True needs async_save=True")
-    if max_staging_bytes is not None and max_staging_bytes < 0:
-        raise ValueError(f"max_staging_bytes={max_staging_bytes!r}: pass a byte count >= 0, or None for no cap")
+    if max_staging_bytes is not None:  # an int >= 0 (a str, a float, True: a TypeError saying so)
+        nonneg_int(max_staging_bytes, f"max_staging_bytes={max_staging_bytes!r}: pass a byte count (an int >= 0), or None for no cap")
     if layout not in ("sharded", "full"):
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
     refuse_full(split_state, layout)

@@ -28,7 +28,7 @@ import torch
 
 from .buffers import aligned_empty
 from .dtensor import local_part
-from .errors import CheckpointError
+from .errors import CheckpointError, nonneg_int
 from .planner import PAGE, PAGE_ALIGN_FROM
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
@@ -64,8 +64,8 @@ class StagingPool:
     """
 
     def __init__(self, *, max_bytes: int | None = None, pin: bool | None = None) -> None:
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_staging_bytes={max_bytes}: pass a byte count >= 0, or None for no cap")
+        if max_bytes is not None:  # an int >= 0 (a str, a float, True: a TypeError saying so)
+            nonneg_int(max_bytes, f"max_staging_bytes={max_bytes!r}: pass a byte count (an int >= 0), or None for no cap")
         self.max_bytes = max_bytes
         self._pin = pin
         self._pinned: dict[str, bool] = {}  # arena -> allocated page-locked

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 
 def run_parallel(
@@ -53,3 +56,56 @@ def run_parallel(
         raise
     if errors:
         raise errors[0]
+
+
+class DaemonExecutor:
+    """``submit``/``shutdown`` of a ``ThreadPoolExecutor`` on daemon threads, for the object-store
+    uploads of ``storage/fsspec._PartWriter`` (the save's thread submits, its workers upload).
+    Python joins a ``ThreadPoolExecutor``'s workers at interpreter exit: one stuck in an upload (a
+    hung store) kept the process from exiting even after ``StuckWriteError`` said so (docs/async.md)."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._n, self._name = workers, name
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shut = False
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        f: Future[Any] = Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("DaemonExecutor: submit after shutdown")
+            self._q.put((f, fn))
+            if len(self._threads) < self._n:  # a thread per job up to the limit, as ThreadPoolExecutor
+                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+        return f
+
+    def _work(self) -> None:
+        while (item := self._q.get()) is not None:
+            f, fn = item
+            if f.set_running_or_notify_cancel():
+                try:
+                    f.set_result(fn())
+                except BaseException as e:  # the submitter's result() raises it
+                    f.set_exception(e)
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._shut:
+                self._shut = True
+                while cancel_futures:
+                    try:
+                        item = self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item[0].cancel()
+                for _ in self._threads:
+                    self._q.put(None)
+        if wait:
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()

@@ -24,11 +24,11 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from .. import layout
 from ..errors import CheckpointError, CorruptCheckpointError
+from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
 
@@ -195,8 +195,8 @@ class _PartWriter:
         self._filled: dict[int, int] = {}
         self._free: list[bytearray] = []
         self._slots = threading.BoundedSemaphore(MAX_BUFFERED_PARTS)
-        self._pool = ThreadPoolExecutor(UPLOAD_THREADS, thread_name_prefix="trainguard-upload")
-        self._futures: list[Future[Any]] = []
+        self._pool = DaemonExecutor(UPLOAD_THREADS, "trainguard-upload")  # not joined at exit: a hung upload
+        self._futures: list[Any] = []  # concurrent.futures.Future
         self._sent: set[int] = set()
         self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
 
