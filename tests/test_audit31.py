@@ -309,3 +309,13 @@ def test_an_object_store_checkpoint_that_exists_does_not_suggest_overwrite():
     with pytest.raises(tg.StepExistsError, match="save to a new directory") as e:
         tg.save(url, {"t": torch.ones(2)})
     assert "overwrite=True" not in str(e.value)
+
+
+def test_verify_names_a_stray_file_named_like_a_step(tmp_path):
+    import subprocess
+    import sys
+
+    tg.save(tmp_path / "step-000000001", {"w": torch.ones(2)})
+    (tmp_path / "step-000000004").write_text("an operator's note")
+    p = subprocess.run([sys.executable, "-m", "trainguard.cli", "verify", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert "a file, not a checkpoint directory" in p.stdout and "removes it when it next opens" not in p.stdout, p.stdout + p.stderr

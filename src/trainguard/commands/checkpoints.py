@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import os
 import sys
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
@@ -311,6 +312,9 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     errors, bytes checked. Status "valid", "corrupt", "incomplete", or "deleted" (it vanished while
     verified: a running job's retention deleted it); neither of the last two is corruption, and
     restore never reads a step without a manifest."""
+    if listed == "incomplete" and os.path.isfile(t):  # not a save's (commit.clean_debris leaves it, warning)
+        return "incomplete", step, ["a file, not a checkpoint directory: restore never reads it, the manager leaves it, "
+                                    f"and a save of step {step} fails until it is moved away"], 0
     if listed == "incomplete":
         return "incomplete", step, [f"no {MANIFEST}: a save in progress (object stores write in place) or one that crashed; "
                               "restore never reads it, and the manager removes it when it next opens"], 0
