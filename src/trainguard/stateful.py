@@ -156,6 +156,7 @@ class OptimizerAdapter:
         self.names = names
         self.other_names: Mapping[int, str] = {}  # param_name_map(other=True), set by loader._load
         self.name_choices: Mapping[int, list[str]] = {}  # param_name_choices(state), set by loader._load
+        self._warned = False  # one adapter per save or load: its warning once, not at each call
 
     def _saved_names(self, names: list[str], saved: set[str]) -> list[str]:
         """``names``, or their other spelling (``other_names``) when the checkpoint's are those:
@@ -182,7 +183,8 @@ class OptimizerAdapter:
                     unnamed += 1
                     name = f"param.{len(out)}"
                 out.append(name)
-        if unnamed and warn:
+        if unnamed and warn and not self._warned:
+            self._warned = True
             warnings.warn(
                 f"{unnamed} optimizer parameter(s) belong to no nn.Module in the saved state; they are "
                 "keyed by index, which breaks if parameters are re-ordered. Save the model in the same state.",
