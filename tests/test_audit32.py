@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 
 import trainguard as tg
+from trainguard.storage import local
 
 
 def test_unnamed_optimizer_param_warns_once_per_load(tmp_path: Path) -> None:
@@ -34,3 +42,102 @@ def test_unnamed_optimizer_param_warns_once_per_load(tmp_path: Path) -> None:
     assert len(ours) == 1, [str(w.message) for w in loaded]
     assert torch.equal(opt.state[extra]["exp_avg"], torch.full((3,), 0.1))  # loaded by index
     assert not torch.equal(extra, saved_extra)  # not an entry of the state: left as it is
+
+
+def _held_pwrite(monkeypatch: pytest.MonkeyPatch, where: str) -> tuple[threading.Event, threading.Event]:
+    """Every write into ``where`` waits for ``gate`` (a stalled file system); ``entered`` is set at the first."""
+    entered, gate = threading.Event(), threading.Event()
+    orig = local._LocalWriter.pwrite
+
+    def held(self, data, offset):
+        if where in self.path:
+            entered.set()
+            assert gate.wait(120), "never released"
+        return orig(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", held)
+    return entered, gate
+
+
+def test_step_during_a_capped_save_whose_write_is_stuck_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``max_staging_bytes`` the save thread copies, writes, copies...: a write stuck between
+    two copies held ``staged()`` back, and ``optimizer.step()`` (the pre-step hook) and
+    ``wait_staged()`` waited for it with no bound, so the training thread never reached the next
+    save/wait/close that raises ``StuckWriteError`` (with several ranks, the others then waited
+    in their next collective). Now they raise it after the manager's timeout; the save stays in
+    flight and commits once the write returns."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])  # 2 MiB of parameters
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 256)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt}
+    entered, gate = _held_pwrite(monkeypatch, "step-000000002")
+    mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, timeout=0.5,
+                               max_staging_bytes=1 << 20).open()
+    got: list[BaseException | None] = []
+    try:
+        mgr.save(1, state)
+        mgr.wait()
+        expect = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        h = mgr.save(2, state)
+        assert entered.wait(60)
+        assert not h.staged()  # the cap left chunks to copy after the held write
+
+        def step() -> None:
+            try:
+                opt.step()
+                got.append(None)
+            except BaseException as e:  # noqa: B902 - handed to the test's thread
+                got.append(e)
+
+        t = threading.Thread(target=step, daemon=True)
+        t.start()
+        t.join(60)
+        assert got and isinstance(got[0], tg.StuckWriteError), got  # before: still waiting (released below)
+        assert re.search(r"the save of step 2 has been stuck for \d+ s in a write of .*step-000000002", str(got[0]))
+        with pytest.raises(tg.StuckWriteError, match="save of step 2"):
+            h.wait_staged()
+    finally:
+        monkeypatch.undo()
+        gate.set()
+    mgr.timeout = 120.0
+    mgr.wait()  # the save, in flight all along, commits with the state at its call
+    mgr.close()
+    loaded = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    tg.load(tmp_path / "step-000000002", {"model": loaded}, strict=False)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in expect.items())
+
+
+_EXIT = textwrap.dedent("""
+    import sys, threading, torch, trainguard as tg
+    from trainguard.storage import local
+    orig = local._LocalWriter.pwrite
+
+    def held(self, data, offset):  # the writes of step 2 never return
+        if "step-000000002" in self.path:
+            threading.Event().wait()
+        return orig(self, data, offset)
+
+    local._LocalWriter.pwrite = held
+    state = {"a": torch.ones(1 << 20)}
+    mgr = tg.CheckpointManager(sys.argv[1], save=tg.EveryNSteps(1), async_save=True, timeout=1.0).open()
+    mgr.save(1, state)
+    mgr.wait()
+    mgr.save(2, state)
+    raise RuntimeError("training blew up")  # no close(), no wait(): the exit finds the save in flight
+""")
+
+
+def test_exit_with_a_stuck_async_save_in_flight_ends(tmp_path: Path) -> None:
+    """A training script that crashes while its manager's async save is held in a write: the exit
+    joined the save thread with no bound (the process never ended; here: the subprocess timeout).
+    Now it waits the save's timeout, says the save was not committed, and exits."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, "-c", _EXIT, str(tmp_path / "run")], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "training blew up" in p.stderr
+    assert re.search(r"the async save of step 2 was not committed: .*stuck for \d+ s", p.stderr), p.stderr[-3000:]
+    assert sorted(q.name for q in (tmp_path / "run").iterdir() if q.name.startswith("step-") and ".tmp-" not in q.name) == [
+        "step-000000001"]

@@ -112,6 +112,7 @@ def start_async_save(
                 return _failed(e, step, managed, target)
         protected, optimizers = protected_tensors(state)
         handle = SaveHandle(step, target)
+        handle.limit, handle.rank = timeout or default_timeout(), ctx.rank  # bounds its waits for staging
         pool = default_pool(max_staging_bytes)
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
@@ -360,7 +361,11 @@ def _drain_at_exit() -> None:
     h = job.handle
     what = f"of step {h.step}" if h.step is not None else f"to {h.target}"
     log.warning("trainguard: the interpreter is exiting; waiting for the async save %s to finish", what)
-    h.join()
+    try:
+        h.join(h.limit)  # a write stuck for the save's timeout: the exit goes on (the thread is a daemon)
+    except iostall.StuckWriteError as e:
+        print(f"trainguard: the async save {what} was not committed: {e}", file=sys.stderr)
+        return
     err = h.exception()
     if err is not None and not h.observed:  # printed: logging may be torn down by now
         print(f"trainguard: the async save {what} failed: {err}", file=sys.stderr)

@@ -44,6 +44,10 @@ class SaveHandle:
         self.observed = False  # result() was called: its error (if any) has been seen
         self.owned = False  # a CheckpointManager collects it (its error is the manager's to report)
         self.stuck = False  # a storage call of its thread was found stuck (result_bounded)
+        # Set by async_save.start_async_save: the save's timeout (the manager's) and this rank, which
+        # bound the waits for staging (block_until_staged) and the join at interpreter exit.
+        self.limit: float | None = None
+        self.rank = 0
         # Called with the manifest by the save thread once committed, before done() turns true
         # (the manager starts the RAM tier's copy to disk at once, not at the next save); set
         # it with after_commit(), which also runs it if the save committed before.
@@ -94,8 +98,22 @@ class SaveHandle:
             return True, 0.0
         self.waiting.set()
         t0 = time.monotonic()
-        ok = self._staged.wait(timeout)
-        return ok, time.monotonic() - t0
+        if self.limit is None:
+            return self._staged.wait(timeout), time.monotonic() - t0
+        # A staging cap (max_staging_bytes) copies, writes, copies...: a write stuck in between
+        # holds staged() back for good. Raise StuckWriteError (what the manager's next save, wait
+        # or close would say) rather than hold step() or a load silently (the other ranks then
+        # wait in their next collective); the save stays in flight.
+        end = None if timeout is None else t0 + timeout
+        every = min(self.limit / 4, 5.0)
+        while not self._staged.wait(every if end is None else max(0.0, min(every, end - time.monotonic()))):
+            late = iostall.oldest()
+            if late is not None and late[0] >= self.limit and not self._done.is_set():
+                self.stuck = True  # the interpreter's exit does not wait for it (async_save._drain_at_exit)
+                raise iostall.stuck_error(self.step, self.rank, late[0], late[1], self.limit)
+            if end is not None and time.monotonic() >= end:
+                return False, time.monotonic() - t0
+        return True, time.monotonic() - t0
 
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest; raises the save's error. Joins the save thread when done."""
