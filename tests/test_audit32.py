@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
@@ -141,3 +142,34 @@ def test_exit_with_a_stuck_async_save_in_flight_ends(tmp_path: Path) -> None:
     assert re.search(r"the async save of step 2 was not committed: .*stuck for \d+ s", p.stderr), p.stderr[-3000:]
     assert sorted(q.name for q in (tmp_path / "run").iterdir() if q.name.startswith("step-") and ".tmp-" not in q.name) == [
         "step-000000001"]
+
+
+@pytest.mark.parametrize("call", ["pwrite", "write"])
+def test_a_write_that_writes_nothing_fails_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """A write returning 0 (some FUSE file systems) made the local writer's loops spin for good;
+    now the save fails, naming the file, and the previous checkpoint stays."""
+    monkeypatch.setenv("TRAINGUARD_DIRECT_IO", "0")
+    state = {"w": torch.arange(4096.0)}
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, state)
+        real = getattr(os, call)
+        monkeypatch.setattr(local.os, call, lambda fd, data, *a: 0 if len(data) else real(fd, data, *a))
+        with pytest.raises(tg.CheckpointError, match=r"accepted no byte of a write .*step-000000002"):
+            mgr.save(2, {"w": torch.zeros(4096)})
+        monkeypatch.setattr(local.os, call, real)
+    got = {"w": torch.zeros(4096)}
+    tg.load(tmp_path / "step-000000001", got)
+    assert torch.equal(got["w"], state["w"]) and tg.CheckpointManager(tmp_path).latest_step() == 1
+
+
+def test_an_io_error_of_a_write_names_its_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.pwrite``/``os.fsync`` errors carry no file name: a failed save said only
+    "[Errno 5] Input/output error"."""
+    monkeypatch.setenv("TRAINGUARD_DIRECT_IO", "0")
+
+    def eio(*a: object) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(local.os, "pwrite", eio)
+    with pytest.raises(tg.CheckpointError, match=r"Input/output error: '.*c\.tmp-[^/']*/data-00000\.bin'"):
+        tg.save(tmp_path / "c", {"w": torch.arange(4096.0)})

@@ -321,11 +321,12 @@ def abandon_commit(ctx: DistContext, save_id: str, target: str, e: RankFailureEr
     """Any rank whose "commit" broadcast failed with ``e`` (another rank: rank 0 stopped responding
     or is too slow; rank 0: a rank had given up on it): forbid the commit (``claim_commit``) and
     raise ``e``; when rank 0 claimed it first, whether ``target`` got committed is unknown, and
-    the error says so. A store that stopped answering (the fence fails too): ``e`` as it is."""
+    the error says so; so it does when the store stopped answering (the fence fails too)."""
     try:
         first = ctx.fence(f"commit/{save_id}", failure_record(e))
-    except RankFailureError:
-        raise e from None  # the store itself stopped answering: nobody can claim anything
+    except RankFailureError:  # the store stopped answering: nothing can forbid a rank 0 that resumes to commit
+        raise failure(f"{summary(e)}. {target} may or may not be committed: rank 0 (the store's host, with env:// "
+                      "rendezvous) may still commit it if it resumes (the manifest tells)", e.failures) from None
     if first != _COMMITTING:
         raise e
     raise failure(

@@ -11,12 +11,29 @@ from ..errors import DiskFullError
 
 def disk_error(e: OSError, path: str, needed: int) -> OSError:
     """``e`` as a ``DiskFullError`` saying how much was needed and is free, when it is one (ENOSPC,
-    EDQUOT, EFBIG); ``e`` itself otherwise. Called on the rank whose write failed."""
-    if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+    EDQUOT; EFBIG: a file-size limit); otherwise ``e``, with ``path`` when it names no file. Called on
+    the rank whose write failed."""
+    if e.errno == errno.EFBIG:  # not space: a size limit
+        return DiskFullError(
+            e.errno,
+            f"file too large writing {path}: {needed} more bytes were needed here, past this process's file-size limit "
+            "(ulimit -f, RLIMIT_FSIZE) or the file system's largest file. Raise the limit, or save elsewhere",
+        )
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(os.path.dirname(path)).free
         return DiskFullError(
             e.errno,
             f"no space left writing {path}: {needed} more bytes were needed here, "
             f"{free} bytes are free. Free space, lower retention (keep=...), or save elsewhere",
         )
+    if e.filename is None:  # os.pwrite/os.fsync errors name no file: say which
+        return OSError(e.errno, e.strerror, path)
     return e
+
+
+def progress(written: int) -> int:
+    """``written``, the count a write returned, when it wrote something: a write that returns 0 (some
+    FUSE file systems) made the write loops of ``local.py`` spin for good."""
+    if written == 0:
+        raise OSError(errno.EIO, "the file system accepted no byte of a write (it returned 0)")
+    return written

@@ -20,6 +20,7 @@ from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported 
     page_phase,
 )
 from ._diskfull import disk_error as _disk_error
+from ._diskfull import progress as _progress
 from ._open import open_regular as _open_regular
 
 READ_PIECE = 4 << 20  # bytes per read call of a hot load: fits the L3 cache twice over (2 streams)
@@ -96,7 +97,7 @@ class _LocalWriter:
         done, n = 0, len(view)
         while done < n:
             try:
-                done += os.pwrite(self.fd, view[done:], offset + done)
+                done += _progress(os.pwrite(self.fd, view[done:], offset + done))
             except OSError as e:
                 raise _disk_error(e, self.path, n - done) from e
 
@@ -105,7 +106,7 @@ class _LocalWriter:
         done, n = 0, len(view)
         while done < n:
             try:
-                got = os.pwrite(self.dfd, view[done:], offset + done)  # type: ignore[arg-type]
+                got = _progress(os.pwrite(self.dfd, view[done:], offset + done))  # type: ignore[arg-type]
             except OSError as e:
                 if e.errno == errno.EINVAL and done == 0:
                     self.direct_ok = False  # refused (alignment rules of this device): buffered from now on
@@ -355,7 +356,7 @@ class LocalStorage:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view) :]
+                view = view[_progress(os.write(fd, view)) :]
             os.fsync(fd)
         except BaseException as e:  # an I/O error, or Ctrl-C: neither the descriptor nor the temp file left
             os.close(fd)
