@@ -173,3 +173,60 @@ def test_an_io_error_of_a_write_names_its_file(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(local.os, "pwrite", eio)
     with pytest.raises(tg.CheckpointError, match=r"Input/output error: '.*c\.tmp-[^/']*/data-00000\.bin'"):
         tg.save(tmp_path / "c", {"w": torch.arange(4096.0)})
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((3,), float(i))
+
+
+def _masked(samples: list[torch.Tensor]) -> torch.Tensor:
+    x = torch.stack(samples)
+    return x * (torch.rand(x.shape) > 0.5)  # drawn in the worker that collates the batch
+
+
+def test_collate_fn_draws_resume_identically_at_another_num_workers(tmp_path: Path) -> None:
+    """A ``collate_fn`` that draws ran with the worker's generators, whose state depended on the
+    batches that worker had collated since its iterator started: a resume mid-epoch masked
+    differently (the docs' recipe followed: ResumableSampler(with_epoch=True), SeededDataset)."""
+
+    def make(workers: int) -> tuple[tg.ResumableSampler, torch.utils.data.DataLoader]:
+        sampler = tg.ResumableSampler(24, seed=3, with_epoch=True)
+        loader = torch.utils.data.DataLoader(tg.SeededDataset(_Rows(), seed=5), batch_size=4, sampler=sampler,
+                                             num_workers=workers, collate_fn=_masked, generator=torch.Generator(),
+                                             persistent_workers=workers > 0)
+        return sampler, loader
+
+    sampler, loader = make(2)
+    straight = []
+    for x in loader:
+        straight.append(x)
+        sampler.advance(len(x))
+        if len(straight) == 3:
+            tg.save(tmp_path / "c", {"data": sampler})
+    for workers in (3, 1):
+        sampler, loader = make(workers)
+        tg.load(tmp_path / "c", {"data": sampler})
+        resumed = list(loader)
+        assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(straight[3:], resumed, strict=True)), workers
+    assert any(bool((x == 0).any()) and bool((x != 0).any()) for x in straight)  # the masks are random
+
+
+@pytest.mark.parametrize("argv", [["export", "{ck}", "--to", "{ck}/data-00000.bin"],
+                                  ["convert", "{ck}", "{ck}/manifest.json", "--to", "safetensors"]])
+def test_export_or_convert_into_a_checkpoint_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    """An output named like a checkpoint's own file, inside it, replaced that file (exit 0): the
+    checkpoint was destroyed. Now refused with exit 2, and the checkpoint verifies."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    ck = tmp_path / "step-000000001"
+    tg.save(ck, {"model": {"w": torch.arange(1000.0)}})
+    got = CliRunner().invoke(main, [a.format(ck=ck) for a in argv])
+    assert got.exit_code == 2, got.output
+    assert "is a trainguard checkpoint; writing a file into it could replace one of its own" in got.output
+    assert tg.verify(ck).ok

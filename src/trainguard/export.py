@@ -135,7 +135,8 @@ def replacing(out: str) -> Iterator[str]:
 
 def check_destination(out: str) -> None:
     """A file or directory is about to be written at ``out``: its parent must exist (``export``,
-    ``convert``; the libraries' own errors for it are tracebacks). An object store's URL is
+    ``convert``; the libraries' own errors for it are tracebacks), and not be a trainguard
+    checkpoint (``data-00000.bin`` there was overwritten, exit 0). An object store's URL is
     refused as such: safetensors and torch.save write local files (its "s3:" was taken for a local
     directory, "the directory /cwd/s3:/bucket does not exist")."""
     if "://" in out:
@@ -144,6 +145,9 @@ def check_destination(out: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
+    if os.path.exists(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten
+        raise CheckpointError(f"{out}: {parent} is a trainguard checkpoint; writing a file into it could replace "
+                              "one of its own and destroy it. Write the output outside the checkpoint's directory")
 
 
 @contextlib.contextmanager

@@ -48,6 +48,7 @@ import torch
 from . import iterworkers
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import mark
+from .seeded import seed_of, seeded_call
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
@@ -279,7 +280,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     ``num_workers > 1`` needs ``batch_size=`` (the DataLoader's): worker ``w`` of ``K`` yields
     blocks ``w, w + K, ...`` of the rank's share cut into blocks of ``batch_size``, so the loader
     yields the same batches as with 0 or 1 workers (:mod:`trainguard.iterworkers`); without it,
-    refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only.
+    refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only; ``seed=``
+    seeds the global generators from ``(seed, epoch, item index)`` around each call (see :func:`seeded_call`).
     A worker with ``persistent_workers=True`` keeps one copy of the dataset that never sees the
     main process's position or epoch: its second epoch is refused with a ValueError.
     """
@@ -289,10 +291,10 @@ class ResumableIterable(torch.utils.data.IterableDataset):
 
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
-                 transform: Callable[[Any], Any] | None = None) -> None:
+                 transform: Callable[[Any], Any] | None = None, seed: int | None = None) -> None:
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
-        self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
+        self.make_iter, self.batch_size, self.transform, self.seed = make_iter, batch_size, transform, seed
         self.drop_last = drop_last
         self._rank, self._world = rank, world_size
         self.epoch = 0
@@ -339,16 +341,19 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         items = self._rank_items(rank, world)
         if info is not None and info.num_workers > 1:  # this worker's blocks only
             items = iterworkers.worker_share(items, self.batch_size, info.id, info.num_workers)  # type: ignore[arg-type]
-        yield from items if self.transform is None else map(self.transform, items)
+        tf, seed = self.transform, self.seed
+        yield from (item if tf is None else tf(item) if seed is None else seeded_call(seed_of(seed, self.epoch, i), tf, item)
+                    for i, item in items)
 
     def _rank_items(self, rank: int, world: int) -> Iterator[Any]:
-        """``__iter__``: this rank's share of the stream from the position (item ``rank`` of each group)."""
+        """``__iter__``: this rank's share of the stream from the position (item ``rank`` of each
+        group), each as ``(its index in the stream, item)``."""
         group: list[Any] = []
         restores, position = self._restores, self.position  # a worker's copy: never restored
         for i, item in enumerate(self.make_iter(self.epoch)):
             if i < position:
                 continue
-            group.append(item)
+            group.append((i, item))
             if len(group) == world:
                 self._check_not_restored(restores)
                 yield group[rank]

@@ -21,17 +21,50 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 
+def seed_of(*words: int) -> int:
+    """A 64-bit seed from a few non-negative ints (``SeedSequence``: distinct tuples, unrelated seeds)."""
+    got = np.random.SeedSequence([int(w) % 2**64 for w in words]).generate_state(2, np.uint32)
+    return int(got[0]) | int(got[1]) << 32
+
+
+def seed_globals(seed: int) -> None:
+    """Seed Python ``random``, NumPy's global generator and torch's CPU generator from ``seed``."""
+    random.seed(seed)
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed every CUDA device too
+
+
+def seeded_call(seed: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with the global generators seeded from ``seed``, and their states before the
+    call restored after it."""
+    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    try:
+        seed_globals(seed)
+        return fn(*args)
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
+
+
 class SeededDataset(torch.utils.data.Dataset):
     """Wraps a map-style dataset; ``self[(index, epoch)]`` is ``dataset[index]`` computed with
     Python ``random``, NumPy's global generator and torch's CPU generator seeded from
     ``(seed, epoch, index)`` (the generators' previous states are restored afterwards, so the
-    caller's random stream is untouched when ``num_workers=0``)."""
+    caller's random stream is untouched when ``num_workers=0``).
+
+    In a DataLoader worker, the batch's ``collate_fn`` runs right after the batch's items
+    (``__getitems__``): the worker's generators are left seeded from ``(seed, epoch, first index
+    of the batch)`` for it, so random draws in a ``collate_fn`` (masking, mixing) resume too. In
+    the training process (``num_workers=0``) they draw from its own generators, which
+    ``tg.RNGState`` saves."""
 
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         self.dataset = dataset
@@ -42,8 +75,7 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def sample_seed(self, index: int, epoch: int) -> int:
         """The 64-bit seed of one sample of one epoch."""
-        words = np.random.SeedSequence([self.seed % 2**64, int(epoch), int(index)]).generate_state(2, np.uint32)
-        return int(words[0]) | int(words[1]) << 32
+        return seed_of(self.seed, epoch, index)
 
     def __getitem__(self, key: Any) -> Any:
         if not (isinstance(key, tuple) and len(key) == 2):
@@ -52,17 +84,15 @@ class SeededDataset(torch.utils.data.Dataset):
                 "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
             )
         index, epoch = key
-        seed = self.sample_seed(index, epoch)
-        saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        try:
-            random.seed(seed)
-            np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
-            torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed every CUDA device too
-            return self.dataset[index]
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.set_rng_state(saved[2])
+        return seeded_call(self.sample_seed(index, epoch), self.dataset.__getitem__, index)
+
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process)."""
+        items = [self[k] for k in keys]
+        if keys and torch.utils.data.get_worker_info() is not None:  # the next draws are collate_fn's
+            index, epoch = keys[0]
+            seed_globals(seed_of(self.seed, epoch, index, 1))  # 4 words: never a sample's seed
+        return items
 
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:
