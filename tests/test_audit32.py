@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import re
 import subprocess
 import sys
@@ -12,11 +13,14 @@ import threading
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import trainguard as tg
 from trainguard.storage import local
+
+from dist_helper import run_ranks
 
 
 def test_unnamed_optimizer_param_warns_once_per_load(tmp_path: Path) -> None:
@@ -230,3 +234,106 @@ def test_export_or_convert_into_a_checkpoint_is_refused(tmp_path: Path, argv: li
     assert got.exit_code == 2, got.output
     assert "is a trainguard checkpoint; writing a file into it could replace one of its own" in got.output
     assert tg.verify(ck).ok
+
+
+def _gens() -> dict:
+    return {"t": torch.Generator().manual_seed(1), "n": np.random.default_rng(2),
+            "m": np.random.Generator(np.random.MT19937(3)), "p": np.random.Generator(np.random.Philox(4)),
+            "s": np.random.Generator(np.random.SFC64(5)), "l": np.random.RandomState(6), "r": random.Random(7)}
+
+
+def _draw(g: dict) -> list:
+    return [torch.randn(3, generator=g["t"]).tolist(), g["n"].random(2).tolist(), g["m"].integers(0, 1 << 40, 2).tolist(),
+            g["p"].normal(size=2).tolist(), g["s"].random(2).tolist(), g["l"].randn(3).tolist(),
+            [g["r"].gauss(0, 1) for _ in range(3)]]
+
+
+def test_explicit_generators_resume_through_rngstate(tmp_path: Path) -> None:
+    """A loop drawing from its own generators resumed differently with no warning, and putting
+    one in the state got the generic "cannot be saved without pickle"."""
+    g = _gens()
+    _draw(g)
+    g["r"].gauss(0, 1)  # a cached Gaussian pending in random.Random and RandomState
+    g["l"].randn(1)
+    tg.save(tmp_path / "c", {"rng": tg.RNGState(generators=g)})
+    want = _draw(g)
+    h = _gens()
+    assert _draw(h) != want
+    tg.load(tmp_path / "c", {"rng": tg.RNGState(generators=h)})
+    assert _draw(h) == want
+
+    # A generator the checkpoint has no state for, or of another kind: refused before anything changes.
+    for bad in ({**_gens(), "extra": torch.Generator()}, {**_gens(), "t": random.Random(0)}):
+        torch.manual_seed(11)
+        kept = bad["n"].bit_generator.state
+        with pytest.raises(tg.CheckpointError, match="no state for generator|saved as a torch generator"):
+            tg.load(tmp_path / "c", {"rng": tg.RNGState(generators=bad)})
+        assert torch.equal(torch.get_rng_state(), torch.manual_seed(11).get_state())
+        assert bad["n"].bit_generator.state == kept
+
+    with pytest.raises(tg.UnsupportedValueError, match=r"tg.RNGState\(generators="):
+        tg.save(tmp_path / "d", {"noise": torch.Generator()})
+    loader = torch.utils.data.DataLoader(list(range(4)))
+    with pytest.raises(tg.UnsupportedValueError, match="tg.ResumableSampler"):
+        tg.save(tmp_path / "e", {"data": {"loader": loader}})
+    with pytest.raises(TypeError, match="supported are torch.Generator"):
+        tg.RNGState(generators={"x": object()})
+
+
+def test_explicit_generators_reseed_per_rank() -> None:
+    """A rank the checkpoint has no state for (the world grew) re-seeds them: by rank and step."""
+    a, b, c = _gens(), _gens(), _gens()
+    tg.RNGState(generators=a).reseed_for_rank(2, step=10)
+    tg.RNGState(generators=b).reseed_for_rank(2, step=10)
+    tg.RNGState(generators=c).reseed_for_rank(3, step=10)
+    da, db, dc = _draw(a), _draw(b), _draw(c)
+    assert da == db and all(x != y for x, y in zip(da, dc, strict=True))
+
+
+def test_set_epoch_back_from_a_restored_epoch_warns(tmp_path: Path) -> None:
+    """A DistributedSampler-style loop, ``for epoch in range(E): sampler.set_epoch(epoch)``,
+    restarted after a restore at epoch 1 moved the sampler back to epoch 0 silently: the run
+    trained those epochs again."""
+    sampler = tg.ResumableSampler(16, seed=0)
+    sampler.set_epoch(1)
+    sampler.advance(8)
+    tg.save(tmp_path / "c", {"data": sampler})
+    fresh = tg.ResumableSampler(16, seed=0)
+    tg.load(tmp_path / "c", {"data": fresh})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.set_epoch(1)  # the restored epoch: keeps its position, no warning
+    assert (fresh.epoch, fresh.position) == (1, 8)
+    with pytest.warns(UserWarning, match=r"set_epoch\(0\) moves back from epoch 1 \(sample 8"):
+        fresh.set_epoch(0)
+
+
+def _regroup(rank: int, world: int, root: str) -> dict:
+    import torch.distributed as dist
+
+    from trainguard import dist as tgdist
+
+    tg.save(f"{root}/a", {"w": torch.full((4,), 1.0)})
+    old = tgdist.DistContext.current()
+    dist.destroy_process_group()
+    new_rank = world - 1 - rank  # the ranks renumbered: the dangerous case of a stale context
+    dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", world), rank=new_rank, world_size=world)
+    # Python may give the new group the id() of the one just freed; make it so, as the cache saw it.
+    tgdist._CACHE[id(dist.group.WORLD)] = old
+    ctx = tgdist.DistContext.current()
+    got = {"w": torch.zeros(4)}
+    tg.load(f"{root}/a", got, timeout=30)
+    tg.save(f"{root}/b", {"w": torch.full((4,), 2.0), "rng": tg.RNGState()}, timeout=30)
+    return {"ctx_rank": ctx.rank, "rank": dist.get_rank(), "fresh": ctx is not old, "w": got["w"].tolist()}
+
+
+def test_a_process_group_made_again_gets_a_fresh_context(tmp_path: Path) -> None:
+    """trainguard's context of a process group was cached by ``id(group)``: a group made after
+    ``destroy_process_group`` can get the freed group's id, and the old context (its store, rank
+    and world size) was used: loads failed after a long wait naming a rank not in the group, or,
+    with the ranks renumbered, each rank would act as its old rank."""
+    res = run_ranks(_regroup, 2, str(tmp_path), timeout=120)
+    for r in res:
+        assert r.value["fresh"] and r.value["ctx_rank"] == r.value["rank"], r.value
+        assert r.value["w"] == [1.0] * 4
+    assert tg.verify(tmp_path / "b").ok

@@ -126,7 +126,8 @@ class DistContext:
             return _LOCAL.ctx  # type: ignore[no-any-return]
         pg = dist.group.WORLD
         with _MAKING:  # one context per group: two threads' first calls made two (generations apart)
-            ctx = _CACHE.get(id(pg))
+            # _PGS keeps the group: a new one made after destroy_process_group could get its freed id() (stale store)
+            ctx = _CACHE.get(id(pg)) if _PGS.get(id(pg)) is pg else None
             if ctx is None:
                 from torch.distributed.distributed_c10d import _get_default_store
 
@@ -134,7 +135,8 @@ class DistContext:
                 for old in _CACHE.values():
                     old.close()
                 _CACHE.clear()
-                _CACHE[id(pg)] = ctx
+                _PGS.clear()
+                _CACHE[id(pg)], _PGS[id(pg)] = ctx, pg
         return ctx
 
 
@@ -151,6 +153,7 @@ def one_operation(fn: F) -> F:
 
 _NULL = DistContext()
 _CACHE: dict[int, DistContext] = {}
+_PGS: dict[int, Any] = {}  # the group of each context of _CACHE
 _FORKED_CHILD = False  # forks.py: forked from a rank of an initialised group; not a rank itself
 _MAKING = threading.Lock()
 _LOCAL = threading.local()  # .ctx: the channel whose operation this thread is in (StoreDistContext.operation)

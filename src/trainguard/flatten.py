@@ -24,7 +24,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils.data.dataloader import _BaseDataLoaderIter as _LoaderIter
 
+from . import genstate
 from .errors import CorruptCheckpointError, UnsupportedValueError
 
 # Deepest nesting accepted when reading a skeleton back (hostile manifests).
@@ -97,7 +99,13 @@ def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[
                 "with state_dict()/load_state_dict() (modules, optimizers, schedulers...) are saved as top-level "
                 f"entries of the state only: give it its own key, e.g. state[{path.replace('/', '.')!r}]"
             )
-        if hasattr(v, "item") or hasattr(v, "tolist"):  # numpy scalars and number-likes: a common accident
+        if genstate.kind_of(v) is not None:  # torch.Generator, NumPy's, random.Random
+            hint = ("a random generator is saved by tg.RNGState(generators={'name': g}) (per rank, with the global "
+                    "ones; docs/checkpoints.md)")
+        elif isinstance(v, (torch.utils.data.DataLoader, torch.utils.data.Sampler, _LoaderIter)):
+            hint = ("a DataLoader's position is saved by its sampler: use tg.ResumableSampler (map-style datasets) or "
+                    "tg.ResumableIterable (iterable ones) and save that as an entry (docs/data.md)")
+        elif hasattr(v, "item") or hasattr(v, "tolist"):  # numpy scalars and number-likes: a common accident
             hint = "convert it with int()/float()/.tolist()"
         else:
             hint = (

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import genstate
 from .errors import CorruptCheckpointError
 
 
@@ -26,14 +27,19 @@ class RNGState:
     Rank-local: in a multi-rank save every rank stores its own; see ``docs/distributed.md`` for
     what happens when the world size changes (rank r takes saved rank r when it exists,
     otherwise its generators are re-seeded deterministically from ``(reseed, rank, checkpoint step)``).
+
+    ``generators={"name": g, ...}``: the explicit generators the loop draws from too, saved and
+    restored with the global ones (``torch.Generator``, CPU or CUDA; ``numpy.random.Generator``;
+    ``numpy.random.RandomState``; ``random.Random``), each under its name (``genstate.py``).
     """
 
     trainguard_rank_local = True
 
-    def __init__(self, *, reseed: int = 0) -> None:
+    def __init__(self, *, reseed: int = 0, generators: Mapping[str, Any] | None = None) -> None:
         if isinstance(reseed, bool) or not hasattr(reseed, "__index__"):
             raise TypeError(f"RNGState(reseed={reseed!r}): pass an int seed (used when the world size grows)")
         self.reseed = int(reseed)
+        self.generators = genstate.check_generators(generators)
 
     def state_dict(self) -> dict[str, Any]:
         algo, keys, pos, has_gauss, cached = np.random.get_state()
@@ -45,9 +51,12 @@ class RNGState:
         }
         if torch.cuda.is_initialized():  # not is_available(): reading them creates a CUDA context (class docstring)
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
+        if self.generators:
+            sd["generators"] = {name: genstate.state_of(g) for name, g in self.generators.items()}
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        genstate.check_saved(self.generators, state_dict.get("generators"))  # before anything changes
         try:
             random.setstate(_as_python_rng(state_dict["python"]))
             n = state_dict["numpy"]
@@ -55,6 +64,7 @@ class RNGState:
                 (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
             )
             torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
+            genstate.load(self.generators, state_dict.get("generators", {}))
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
             # Saved by RNGState itself: a state that does not parse is a damaged checkpoint.
             raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
@@ -81,6 +91,7 @@ class RNGState:
         random.seed(seed)
         np.random.seed(seed)
         torch.manual_seed(seed)
+        genstate.reseed(self.generators, seed)
 
 
 def _as_python_rng(v: Any) -> tuple:

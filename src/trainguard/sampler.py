@@ -97,17 +97,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
     reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
-    def __init__(
-        self,
-        data: Sized | int,
-        *,
-        seed: int = 0,
-        shuffle: bool = True,
-        drop_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        with_epoch: bool = False,
-    ) -> None:
+    def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 rank: int | None = None, world_size: int | None = None, with_epoch: bool = False) -> None:
         self.num_samples = data if isinstance(data, int) else len(data)
         self.with_epoch = with_epoch  # yield (index, epoch) pairs, for tg.SeededDataset
         if self.num_samples < 1:
@@ -231,6 +222,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         restored one) keeps its position."""
         if int(epoch) < 0:
             raise ValueError(f"set_epoch({epoch!r}): epochs count from 0")
+        if epoch < self.epoch:  # a loop `for epoch in range(E)` restarted from 0 after a restore: epochs again
+            warnings.warn(f"ResumableSampler.set_epoch({epoch}) moves back from epoch {self.epoch} (sample {self.position}, a "
+                          "restored position?): those epochs are trained again. Start the loop at sampler.epoch: "
+                          "for epoch in range(sampler.epoch, epochs)", stacklevel=2)
         if epoch != self.epoch:
             self._check_advanced()
             self.epoch, self.position = int(epoch), 0

@@ -1,0 +1,125 @@
+"""Explicit random generators of a training loop, saved by ``tg.RNGState(generators={...})``.
+
+A loop that draws from its own generator (``torch.randn(..., generator=g)``,
+``np.random.default_rng(0)``, ``random.Random(0)``) resumes bit-identically only if that
+generator's state is saved too: ``RNGState`` covers the global ones. ``RNGState.state_dict``
+(every rank) calls :func:`state_of` for each named generator, ``RNGState.load_state_dict``
+calls :func:`load` (every rank that has a saved state; first :func:`check_saved`, before any
+generator changes), ``RNGState.reseed_for_rank`` calls :func:`reseed` (a rank the checkpoint
+has no state for). States are tensors and JSON values: NumPy's arrays become lists with their
+dtype, so no pickle is involved.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError
+from .permanent import mark
+
+KINDS = {"torch": torch.Generator, "numpy": np.random.Generator, "numpy_legacy": np.random.RandomState,
+         "python": random.Random}
+
+
+def kind_of(g: Any) -> str | None:
+    """The kind of generator ``g`` is (a key of :data:`KINDS`), or None for anything else."""
+    return next((k for k, t in KINDS.items() if isinstance(g, t)), None)
+
+
+def check_generators(generators: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``RNGState(generators=...)``: a dict of str names to supported generators, else TypeError."""
+    if generators is None:
+        return {}
+    if not isinstance(generators, Mapping):
+        raise TypeError(f"RNGState(generators=...) takes a dict of names to generators, e.g. {{'noise': g}}; got "
+                        f"{type(generators).__name__}")
+    for name, g in generators.items():
+        if type(name) is not str or not name:
+            raise TypeError(f"RNGState(generators=...): name {name!r} must be a non-empty str")
+        if kind_of(g) is None:
+            raise TypeError(
+                f"RNGState(generators=...): {name!r} is a {type(g).__module__}.{type(g).__qualname__}; supported are "
+                "torch.Generator, numpy.random.Generator, numpy.random.RandomState and random.Random"
+            )
+    return dict(generators)
+
+
+def _plain(v: Any) -> Any:
+    """NumPy's state dict as JSON values: an array becomes ``{"dtype": ..., "values": [...]}``."""
+    if isinstance(v, np.ndarray):
+        return {"dtype": str(v.dtype), "values": v.tolist()}
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    return v.item() if isinstance(v, np.generic) else v
+
+
+def _numpy(v: Any) -> Any:
+    if isinstance(v, dict) and set(v) == {"dtype", "values"}:
+        return np.asarray(v["values"], dtype=v["dtype"])
+    return {k: _numpy(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+
+def state_of(g: Any) -> dict[str, Any]:
+    """The state of generator ``g``: ``{"kind": ..., "state": ...}``."""
+    kind = kind_of(g)
+    if kind == "torch":
+        state: Any = g.get_state()  # a uint8 CPU tensor, for a CUDA generator too
+    elif kind == "numpy":
+        state = _plain(g.bit_generator.state)
+    elif kind == "numpy_legacy":
+        state = _plain(g.get_state(legacy=False))
+    else:
+        state = g.getstate()
+    return {"kind": kind, "state": state}
+
+
+def check_saved(generators: Mapping[str, Any], saved: Any) -> None:
+    """Before a load changes anything: every generator has a saved state of its kind."""
+    saved = saved if isinstance(saved, Mapping) else {}
+    missing = [n for n in generators if n not in saved]
+    if missing:
+        raise mark(CheckpointError(
+            f"RNGState: the checkpoint holds no state for generator(s) {missing} (it has {sorted(saved)}): pass the "
+            "generators the run was saved with (RNGState(generators=...)); a generator added since: seed it yourself "
+            "and pass it to the RNGState of the next save"
+        ))
+    for name, g in generators.items():
+        got = saved[name].get("kind") if isinstance(saved[name], Mapping) else None
+        if got != kind_of(g):
+            raise mark(CheckpointError(f"RNGState: generator {name!r} was saved as a {got} generator and is a "
+                                       f"{kind_of(g)} one now; pass one of the saved kind"))
+
+
+def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Set each generator to its saved state (``check_saved`` passed)."""
+    for name, g in generators.items():
+        state, kind = saved[name]["state"], saved[name]["kind"]
+        if kind == "torch":
+            g.set_state(state.to("cpu", torch.uint8))
+        elif kind == "numpy":
+            g.bit_generator.state = _numpy(state)
+        elif kind == "numpy_legacy":
+            g.set_state(_numpy(state))
+        else:
+            version, internal, gauss = state
+            g.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def reseed(generators: Mapping[str, Any], seed: int) -> None:
+    """Seed each generator from ``seed`` and its position in ``generators``."""
+    for i, g in enumerate(generators.values()):
+        words = np.random.SeedSequence([seed % 2**64, i + 1]).generate_state(2, np.uint32)
+        s = int(words[0]) | int(words[1]) << 32
+        if isinstance(g, torch.Generator):
+            g.manual_seed(s)
+        elif isinstance(g, np.random.Generator):
+            g.bit_generator.state = type(g.bit_generator)(s).state
+        elif isinstance(g, np.random.RandomState):
+            g.seed(s & 0xFFFFFFFF)
+        else:
+            g.seed(s)
