@@ -337,3 +337,37 @@ def test_a_process_group_made_again_gets_a_fresh_context(tmp_path: Path) -> None
         assert r.value["fresh"] and r.value["ctx_rank"] == r.value["rank"], r.value
         assert r.value["w"] == [1.0] * 4
     assert tg.verify(tmp_path / "b").ok
+
+
+_SCRIPT = '''
+import torch, trainguard as tg
+print("config: lr=1e-3")                     # a script that prints as it is imported
+
+
+def trainguard_state():
+    print("building the state")
+    m = torch.nn.Linear(2, 2)
+    return {"model": m}, {"root": "ckpts", "save": tg.EveryNSteps(1)}
+'''
+
+
+def test_doctor_json_is_the_only_stdout_and_a_half_plan_is_named(tmp_path: Path) -> None:
+    """The script's prints went to stdout before the JSON (which then did not parse); given a
+    failure rate without --save-stall, the interval check was dropped without a word; a hook's
+    own error exited 1, as a finding that is an error does."""
+    import json
+
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "doctor", str(script), "--json"]
+    p = subprocess.run([*cmd, "--node-mtbf", "2d", "--nodes", "64"], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=tmp_path)
+    found = {f["check"]: f for f in json.loads(p.stdout)}
+    assert "config: lr=1e-3" in p.stderr and "building the state" in p.stderr
+    assert found["interval"]["severity"] == "info" and "--save-stall" in found["interval"]["message"]
+    p = subprocess.run([*cmd, "--save-stall", "30s"], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert "--node-mtbf" in {f["check"]: f for f in json.loads(p.stdout)}["interval"]["message"]
+    script.write_text("def trainguard_state():\n    raise RuntimeError('no GPU here')\n")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.startswith("error:") and "no GPU here" in p.stderr, p.stderr

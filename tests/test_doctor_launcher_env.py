@@ -32,6 +32,6 @@ def test_doctor_inside_a_launchers_environment_does_not_wait_for_ranks_that_neve
     # Before: still waiting for rank 1 when killed (the bound below).
     res = subprocess.run([sys.executable, "-c", "from trainguard.cli import main; main()", "doctor", str(script)],
                          env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 1, res
+    assert res.returncode == 2, res  # the hook's error: exit 2, not a finding's 1
     assert "RANK" in res.stderr and "create the process group in main()" in res.stderr, res.stderr
     assert "Traceback" not in res.stderr, res.stderr

@@ -43,7 +43,7 @@ def test_a_script_that_is_not_python3_is_a_clear_message(tmp_path: Path) -> None
     script = tmp_path / "old.py"
     script.write_text("import torch\nprint 'epoch', 1\n")  # a Python 2 training script
     res = CliRunner().invoke(doctor_cmd, [str(script)])
-    assert res.exit_code == 1 and "line 2" in res.output and "Traceback" not in res.output  # held before too
+    assert res.exit_code == 2 and "line 2" in res.output and "Traceback" not in res.output  # held before too
 
 
 # https://github.com/pytorch/examples/blob/main/mnist/main.py (excerpt): the loader's arguments are

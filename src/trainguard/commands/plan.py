@@ -7,6 +7,7 @@ Thin: the figures come from :mod:`trainguard.reliability`, the checks from
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import json
 import math
@@ -236,15 +237,15 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     imported: only its source is checked, and the exit code is 1. Give the failure rate and
     --save-stall (and --step-time) to also check the save interval against the optimum.
     """
-    from ..doctor import check, settings_from
+    from ..doctor import Finding, check, settings_from
     from ..doctor_source import check_source, defines_hook
 
     source = _source(Path(script))
     try:
         tree = ast.parse(source, filename=script)
     except SyntaxError as e:  # the import would fail the same way: say so without running anything
-        raise click.ClickException(f"{script} is not valid Python 3 (line {e.lineno}: {e.msg}): the doctor "
-                                   "reads and imports it as Python") from None
+        raise CommandError(f"{script} is not valid Python 3 (line {e.lineno}: {e.msg}): the doctor reads and "
+                           "imports it as Python") from None
     hooked = defines_hook(tree)
     state, manager = _load_hook(Path(script)) if hooked else ({}, None)
     plan = None
@@ -253,6 +254,11 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     amp_mode: str | bool | None = False if amp == "none" else amp
     settings = settings_from(manager, plan=plan, source=source, amp=amp_mode, path=script)
     findings = check(state, settings) if hooked else check_source(settings)
+    rate = node_failures_per_day is not None or node_mtbf is not None
+    if plan is None and (rate or save_stall is not None):  # one half of the plan's inputs: say what is missing
+        findings.append(Finding("interval", "info", "not checked: it needs " + (
+            "--save-stall (the seconds a save stops training)" if rate else
+            "the failure rate (--node-failures-per-day or --node-mtbf)") + " besides what was given"))
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings]))
     else:
@@ -264,10 +270,9 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
             t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
         PipeConsole().print(t)
     if not hooked:  # not imported: its module-level code (training, at times) never ran
-        raise click.ClickException(f"{script} defines no trainguard_state(), so it was not imported and only its "
-                                   "source was checked (above): add a trainguard_state() that returns the state "
-                                   "dict, or (state, manager), and keep training under `if __name__ == "
-                                   "\"__main__\":` to check the state too")
+        raise CommandError(f"{script} defines no trainguard_state(), so it was not imported and only its source was "
+                           "checked (above): add a trainguard_state() that returns the state dict, or (state, manager), "
+                           "and keep training under `if __name__ == \"__main__\":` to check the state too", exit_code=1)
     if any(f.severity == "error" for f in findings):
         sys.exit(1)
 
@@ -291,7 +296,7 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     ``trainguard_state()``."""
     spec = importlib.util.spec_from_file_location(f"_trainguard_doctor_{path.stem}", path)
     if spec is None or spec.loader is None:
-        raise click.ClickException(f"{path}: cannot import this file as Python")
+        raise CommandError(f"{path}: cannot import this file as Python")
     mod = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # so the script's own sibling imports work
@@ -301,23 +306,23 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     # ranks that never come; without them it fails at once, saying so.
     env = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
     try:
-        try:
-            spec.loader.exec_module(mod)
-        except SystemExit as e:
-            raise click.ClickException(f"{path} exited while being imported (SystemExit: {e.code}): the doctor "
-                                       "imports it, so keep argument parsing and training under "
-                                       "`if __name__ == \"__main__\":`") from None
-        hook = getattr(mod, "trainguard_state", None)
-        if not callable(hook):
-            raise click.ClickException(f"{path} defines no trainguard_state(): add one that returns the state "
-                                       "dict, or (state, manager)")
-        out = hook()
-    except click.ClickException:
+        with contextlib.redirect_stdout(sys.stderr):  # the script's prints: stdout holds the findings only (--json)
+            try:
+                spec.loader.exec_module(mod)
+            except SystemExit as e:
+                raise CommandError(f"{path} exited while being imported (SystemExit: {e.code}): the doctor imports it, "
+                                   "so keep argument parsing and training under `if __name__ == \"__main__\":`") from None
+            hook = getattr(mod, "trainguard_state", None)
+            if not callable(hook):
+                raise CommandError(f"{path} defines no trainguard_state(): add one that returns the state dict, or "
+                                   "(state, manager)")
+            out = hook()
+    except CommandError:
         raise
     except Exception as e:
         hint = (" (the doctor calls trainguard_state() in one process, without the launcher's "
                 f"{', '.join(sorted(env))}: create the process group in main(), not in the hook)") if env else ""
-        raise click.ClickException(f"{path}: {type(e).__name__}: {e}{hint}") from e
+        raise CommandError(f"{path}: {type(e).__name__}: {e}{hint}") from e
     finally:
         os.environ.update(env)
         sys.argv = argv
@@ -325,5 +330,5 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             sys.path.remove(folder)
     state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not isinstance(state, Mapping):
-        raise click.ClickException(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
+        raise CommandError(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
     return state, manager
