@@ -371,3 +371,26 @@ def test_doctor_json_is_the_only_stdout_and_a_half_plan_is_named(tmp_path: Path)
     script.write_text("def trainguard_state():\n    raise RuntimeError('no GPU here')\n")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.startswith("error:") and "no GPU here" in p.stderr, p.stderr
+
+
+def test_report_skips_event_lines_without_the_fields_of_their_kind(tmp_path: Path) -> None:
+    """A line with a string ``event`` and a numeric ``t`` but none of its kind's fields (another
+    tool's log) made ``trainguard report`` fail with a KeyError traceback; a NaN ``t`` made its
+    --json output invalid JSON."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    good = [{"event": "agent_start", "t": 1.0}, {"event": "step", "t": 2.0, "step": 1},
+            {"event": "step", "t": 3.0, "pid": 7, "step": 2}]
+    bad = ['{"event":"step","t":2.5}', '{"event":"failure","t":2.6}', '{"event":"restore","t":2.7,"rank":0}',
+           '{"event":"step","t":2.8,"pid":1,"step":"x"}', '{"event":"step","t":NaN,"pid":7,"step":3}',
+           '{"event":"save","t":2.9,"rank":0,"stall_s":"slow"}']
+    (tmp_path / "events.jsonl").write_text("\n".join([*(json.dumps(e) for e in good), *bad]) + "\n")
+    got = CliRunner().invoke(main, ["report", str(tmp_path), "--json"])
+    assert got.exit_code == 0, got.output
+    summary = json.loads(got.output)  # strict: no NaN
+    assert summary["final_step"] == 2 and summary["steps_run"] == 2 and summary["saves"] == 0
+    assert summary["failures"] == 1 and summary["recoveries"][0]["restored_step"] is None

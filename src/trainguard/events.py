@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -54,7 +55,8 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     """Yield the events of a JSONL log (``trainguard report``, tests). A line that is no event
     of :class:`EventLog` is skipped: a torn last line (a crash mid-write), undecodable bytes, or
     a line of another tool's log; NUL bytes before a line (a file system that zero-fills a tail
-    lost in a power loss: the next line is written after them) are dropped (not an object with a string ``event`` and a numeric ``t``)."""
+    lost in a power loss: the next line is written after them) are dropped (not an object with a string ``event``, a
+    finite ``t``, and the fields its kind has: ``_well_formed``)."""
     p = Path(path)
     if p.is_dir():
         p = p / EVENTS_FILE
@@ -69,6 +71,19 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 ev = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if (isinstance(ev, dict) and isinstance(ev.get("event"), str)
-                    and isinstance(ev.get("t"), (int, float)) and not isinstance(ev["t"], bool)):
+            if isinstance(ev, dict) and isinstance(ev.get("event"), str) and _well_formed(ev):
                 yield ev
+
+
+# Fields ``report.summarize`` computes with: ints each event of that kind has (else it is no
+# event of EventLog's: skipped, where it raised KeyError), and numbers some have.
+_INTS = {"step": ("step",), "fault": ("step",), "restore": ("step",)}
+_NUMBERS = ("t", "seconds", "stall_s", "duration_s", "lost_steps", "bytes")
+
+
+def _well_formed(ev: dict[str, Any]) -> bool:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+    return ("t" in ev and all(number(ev[k]) for k in _NUMBERS if k in ev and ev[k] is not None)
+            and all(type(ev.get(k)) is int for k in _INTS.get(ev["event"], ())))

@@ -69,7 +69,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
     wall = ev[-1]["t"] - start_t
     dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
-           if a["pid"] == b["pid"] and b["step"] == a["step"] + 1]
+           if a.get("pid") == b.get("pid") and b["step"] == a["step"] + 1]
     step_s = statistics.median(dts) if dts else None
     final = steps[-1]["step"] if steps else None
     stall = sum(s.get("stall_s", 0.0) for s in saves)
@@ -78,7 +78,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "events": len(ev),
         "wall_s": wall,
         "final_step": final,
-        "steps_run": len({(e["pid"], e["step"]) for e in steps}),
+        "steps_run": len({(e.get("pid"), e["step"]) for e in steps}),
         "step_s": step_s,
         "failures": len(failures),
         "recoveries": recoveries,
@@ -148,10 +148,10 @@ def plot_timeline(events: Iterable[dict[str, Any]], path: str | os.PathLike[str]
     ev = sorted(events, key=lambda e: e["t"])
     t0 = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"] if ev else 0.0)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    by_pid: dict[int, list[dict[str, Any]]] = {}
+    by_pid: dict[Any, list[dict[str, Any]]] = {}
     for e in ev:
         if e["event"] == "step":
-            by_pid.setdefault(e["pid"], []).append(e)
+            by_pid.setdefault(e.get("pid"), []).append(e)
     for i, pts in enumerate(by_pid.values()):
         ax.plot([p["t"] - t0 for p in pts], [p["step"] for p in pts], color="C0", lw=1.5,
                 label="training (rank 0)" if i == 0 else None)
