@@ -394,3 +394,29 @@ def test_report_skips_event_lines_without_the_fields_of_their_kind(tmp_path: Pat
     summary = json.loads(got.output)  # strict: no NaN
     assert summary["final_step"] == 2 and summary["steps_run"] == 2 and summary["saves"] == 0
     assert summary["failures"] == 1 and summary["recoveries"][0]["restored_step"] is None
+
+
+def test_export_messages_and_file_mode(tmp_path: Path) -> None:
+    """complex128 into safetensors said ``KeyError: torch.complex128``; a rank-local entry was said
+    to hold no tensors; a file written by safetensors' save_file was 0600 where a streamed export
+    was 0644 (readable by others or not, by the dtypes it held); a torch file named .safetensors
+    was written, which torch.load then refuses."""
+    from trainguard.convert import convert
+    from trainguard.export import export
+
+    ck = tmp_path / "step-000000001"
+    tg.save(ck, {"model": {"w": torch.randn(3), "z": torch.randn(3, dtype=torch.complex64)},
+                 "c": {"z": torch.randn(2, dtype=torch.complex128)}, "rng": tg.RNGState()})
+    with pytest.raises(tg.CheckpointError, match=r"safetensors has no type for torch.complex128; write a .pt file"):
+        export(ck, tmp_path / "c.safetensors", entry="c")
+    with pytest.raises(tg.CheckpointError, match="entry 'rng' .* is rank-local"):
+        export(ck, tmp_path / "r.pt", entry="rng")
+    with pytest.raises(tg.CheckpointError, match="name it .pt"):
+        convert(ck, tmp_path / "m.safetensors", dst_format="torch")
+    mask = os.umask(0o022)
+    try:
+        export(ck, tmp_path / "m.safetensors")  # complex64: through save_file
+        convert(ck, tmp_path / "n.safetensors")
+    finally:
+        os.umask(mask)
+    assert {oct((tmp_path / n).stat().st_mode & 0o777) for n in ("m.safetensors", "n.safetensors")} == {"0o644"}

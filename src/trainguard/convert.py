@@ -25,7 +25,7 @@ import torch
 
 from .commit import read_manifest
 from .errors import CheckpointError, StepExistsError
-from .export import check_destination, foreign_errors, iter_tensors, replacing
+from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing
 from .flatten import single_tensor, unflatten
 from .storage import for_path
 
@@ -94,6 +94,8 @@ def convert(
         raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
     if sf == "trainguard":
         check_destination(os.fspath(dst))
+        if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors
+            raise CheckpointError(f"{dst}: a torch.save file named .safetensors is refused by torch.load; name it .pt")
         if df == "dcp":
             _check_dcp_destination(os.fspath(dst))
             state, n = _read_entries(src, entry)
@@ -154,7 +156,7 @@ def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, share: b
         raise CheckpointError(f"{d} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
     tensors = dict(iter_tensors(storage, d, manifest, entry, share=share))
     if not tensors:
-        raise CheckpointError(f"{d}: entries {[entry]} hold no tensors to export")
+        raise CheckpointError(no_tensors(manifest, d, entry))
     return tensors
 
 

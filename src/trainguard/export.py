@@ -83,7 +83,7 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     out = os.fspath(to)
     mine = selected(manifest, entry)
     if not mine:
-        raise CheckpointError(f"entry {entry!r} of {directory} holds no tensors to export")
+        raise CheckpointError(no_tensors(manifest, directory, entry))
     check_destination(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
@@ -106,6 +106,14 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     return len(mine)
 
 
+def no_tensors(manifest: Manifest, directory: str, entry: str) -> str:
+    """The refusal of an export of an entry without tensors to write (``export``, ``convert``)."""
+    if "ranks" in manifest.objects.get(entry, {}):  # rank-local: each rank's own (RNG, a per-rank iterator)
+        return (f"entry {entry!r} of {directory} is rank-local (each rank saved its own, e.g. RNG state): its tensors "
+                "are not exported; export a model's entry (--entry NAME)")
+    return f"entry {entry!r} of {directory} holds no tensors to export"
+
+
 @contextlib.contextmanager
 def replacing(out: str) -> Iterator[str]:
     """A temporary file beside ``out`` to write into (``export``, ``convert`` to one file): once
@@ -116,6 +124,9 @@ def replacing(out: str) -> Iterator[str]:
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         yield tmp
+        mask = os.umask(0o22)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # as any file the user creates: safetensors' save_file makes it 0600
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -159,6 +170,8 @@ def foreign_errors(what: str) -> Iterator[None]:
     except CheckpointError:
         raise
     except Exception as e:
+        if isinstance(e, KeyError) and e.args and isinstance(e.args[0], torch.dtype):  # safetensors' dtype table
+            raise CheckpointError(f"{what}: safetensors has no type for {e.args[0]}; write a .pt file instead") from e
         raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
     except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
         if type(e).__name__ != "CheckpointException":
