@@ -420,3 +420,25 @@ def test_export_messages_and_file_mode(tmp_path: Path) -> None:
     finally:
         os.umask(mask)
     assert {oct((tmp_path / n).stat().st_mode & 0o777) for n in ("m.safetensors", "n.safetensors")} == {"0o644"}
+
+
+def _linked(rank: int, world: int, root: str) -> str:
+    run = f"{root}/run" if rank == 0 else f"{root}/run-link"  # one directory, two last names
+    try:
+        with tg.CheckpointManager(run, save=tg.EveryNSteps(1), timeout=3, handle_signals=False) as mgr:
+            mgr.save(1, {"w": torch.ones(2)})
+    except tg.CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_run_directory_reached_under_another_name_says_so(tmp_path: Path) -> None:
+    """A rank reaching the shared run directory through a link of another last name works in
+    another channel: both sides waited the timeout and said only that the other "did not arrive"
+    and to call with "the same step and state"."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run-link").symlink_to(tmp_path / "run")
+    res = run_ranks(_linked, 2, str(tmp_path), timeout=120)
+    msgs = [r.value for r in res]
+    assert "did not arrive" in msgs[0] and "same last name on every rank" in msgs[0], msgs
+    assert msgs[1] != "saved", msgs  # it waited for rank 0 in its own channel, then failed too

@@ -113,7 +113,10 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
             _check_busy(ctx, late, tag, timeout)
             raise failure(
                 f"{tag}: rank(s) {late} did not arrive within {timeout:.0f} s. Every rank must call "
-                "save/load with the same step and state (e.g. not under `if rank == 0:`)." + ddpjoin.hint(),
+                "save/load with the same step and state (e.g. not under `if rank == 0:`), through the same "
+                "channel: a CheckpointManager whose run directory has the same last name on every rank (not "
+                "reached through a link of another name), or a direct tg.save/tg.load on every rank (not "
+                "restore() on some and tg.load on others)." + ddpjoin.hint(),
                 {r: f"did not call {tag} within {timeout:.0f} s" for r in late},
             )
 
