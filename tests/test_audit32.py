@@ -438,7 +438,7 @@ def test_a_run_directory_reached_under_another_name_says_so(tmp_path: Path) -> N
     and to call with "the same step and state"."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run-link").symlink_to(tmp_path / "run")
-    res = run_ranks(_linked, 2, str(tmp_path), timeout=120)
+    res = run_ranks(_linked, 2, str(tmp_path), timeout=120, env={"TRAINGUARD_DEAD_AFTER": "3"})
     msgs = [r.value for r in res]
     assert "did not arrive" in msgs[0] and "same last name on every rank" in msgs[0], msgs
     assert msgs[1] != "saved", msgs  # it waited for rank 0 in its own channel, then failed too
