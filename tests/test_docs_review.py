@@ -36,7 +36,7 @@ def test_doctor_says_so_when_the_script_exits_while_imported(tmp_path: Path) -> 
     # a script that exits at import (sys.exit(3)) exited the doctor silently with the script's code
     script.write_text("import sys\nsys.exit(3)\n\ndef trainguard_state():\n    return {}\n")  # (no hook: not imported)
     res = CliRunner().invoke(doctor_cmd, [str(script)])
-    assert res.exit_code == 1 and "exited" in res.output and "__main__" in res.output, res.output
+    assert res.exit_code == 2 and "exited" in res.output and "__main__" in res.output, res.output
 
 
 def test_config_and_image_saves_under_rank_zero_are_not_checkpoint_errors() -> None:

@@ -124,9 +124,7 @@ def replacing(out: str) -> Iterator[str]:
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         yield tmp
-        mask = os.umask(0o22)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)  # as any file the user creates: safetensors' save_file makes it 0600
+        os.chmod(tmp, 0o666 & ~_umask())  # as any file the user creates: safetensors' save_file makes it 0600
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -142,6 +140,15 @@ def replacing(out: str) -> Iterator[str]:
         os.fsync(fd)  # the rename itself durable
     finally:
         os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (``os.umask`` sets it: a race with other threads)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o22)  # no /proc (not Linux, or before 4.7): set and restore at once
+    os.umask(mask)
+    return mask
 
 
 def check_destination(out: str) -> None:
