@@ -442,3 +442,55 @@ def test_a_run_directory_reached_under_another_name_says_so(tmp_path: Path) -> N
     msgs = [r.value for r in res]
     assert "did not arrive" in msgs[0] and "same last name on every rank" in msgs[0], msgs
     assert msgs[1] != "saved", msgs  # it waited for rank 0 in its own channel, then failed too
+
+
+def test_a_rollback_restored_from_the_ram_tier_removes_nothing_before_a_save(tmp_path: Path) -> None:
+    """A rollback (``restore(step=N)``) restored from the RAM tier ran retention once the step was
+    on disk, at restore time: the newer checkpoints of another node's run were deleted though no
+    save followed (without the RAM tier they stay until this run's first save commits)."""
+    root = tmp_path / "run"
+    kw = dict(save=tg.EveryNSteps(5), keep=tg.KeepLatest(3), handle_signals=False)
+
+    def st(v: float) -> dict:
+        return {"w": torch.full((64,), v), "p": tg.StateDict(step=0)}
+
+    try:  # this node, RAM tier; a crash keeps the RAM copy of 15 for a restart here
+        with tg.CheckpointManager(root, ram_tier=True, **kw) as mgr:
+            for s in (5, 10, 15):
+                mgr.save(s, st(float(s)))
+            raise RuntimeError("node lost")
+    except RuntimeError:
+        pass
+    with tg.CheckpointManager(root, **kw) as mgr:  # another node: no RAM copy there
+        assert mgr.restore(st(0.0)) == 15
+        for s in (20, 25):
+            mgr.save(s, st(float(s)))
+    try:
+        with tg.CheckpointManager(root, ram_tier=True, **kw) as mgr:  # back here: look at step 15
+            got = st(0.0)
+            assert mgr.restore(got, step=17) == 15 and torch.equal(got["w"], torch.full((64,), 15.0))
+            mgr.ram.wait()  # its copy to disk (already there) done
+            assert sorted(p.name for p in root.glob("step-*")) == [f"step-{s:09d}" for s in (15, 20, 25)]
+    finally:
+        tg.CheckpointManager(root, ram_tier=True, **kw).open().close()  # its RAM copies go with a clean close
+    assert tg.CheckpointManager(root).latest_step() == 25
+
+
+def test_the_ram_tier_of_a_run_reached_through_a_link_is_the_same(tmp_path: Path) -> None:
+    """The RAM tier was keyed by the run directory's absolute path, not its real one: a restart
+    through a symbolic link (the run lock resolves links) did not find the RAM-only newest step,
+    and its copy stayed in /dev/shm for good."""
+    from trainguard.tiers import ram_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    assert ram_dir(str(tmp_path / "link")) == ram_dir(str(tmp_path / "run")) != ram_dir(str(tmp_path / "other"))
+
+
+@pytest.mark.parametrize("make", [lambda: tg.EveryNSteps(True), lambda: tg.KeepEvery(True),
+                                  lambda: tg.KeepBest("loss", n=True), lambda: tg.KeepLatest(True)])
+def test_a_bool_is_no_count_of_steps_or_checkpoints(make) -> None:
+    """``EveryNSteps(True)``, ``KeepEvery(True)`` and ``KeepBest(n=True)`` were taken as 1, where a
+    step of True is refused."""
+    with pytest.raises(ValueError):
+        make()

@@ -377,7 +377,7 @@ class CheckpointManager:
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
             self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
             if self.ram:
-                self.ram.restored(step, tier, self._apply_retention, m.total_bytes)
+                self.ram.restored(step, tier, lambda _s: None, m.total_bytes)  # retention: at the first commit, not here
             return step
         if skipped:  # never a silent fresh start over a state that the failed loads partly overwrote
             none = CheckpointError(

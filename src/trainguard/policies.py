@@ -69,7 +69,7 @@ class EveryNSteps(SavePolicy):
 
     def __init__(self, n: int, *, at_start: bool = False) -> None:
         self.n, self.at_start = n, at_start  # before the checks: a refused one's repr (a traceback's locals) works
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
 
     def should_save(self, step: int, now: float) -> bool:
@@ -163,7 +163,7 @@ class KeepLatest(RetentionPolicy):
 
     def __init__(self, n: int) -> None:
         self.n = n  # before the check: a refused one's repr (a traceback's locals) works
-        if not isinstance(n, int) or n < 2:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
             raise ValueError(
                 f"KeepLatest({n!r}): keep at least 2 checkpoints: the newest one may be incomplete "
                 "or corrupt when the job dies, and then the one before it is all you have"
@@ -183,7 +183,7 @@ class KeepEvery(RetentionPolicy):
 
     def __init__(self, k: int) -> None:
         self.k = k  # before the check: a refused one's repr (a traceback's locals) works
-        if not isinstance(k, int) or k < 1:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"KeepEvery({k!r}): k must be a positive number of steps")
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -206,7 +206,7 @@ class KeepBest(RetentionPolicy):
             raise TypeError(f"KeepBest(metric={metric!r}): name the metric, a str key of mgr.save(..., metrics={{...}})")
         if mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode={mode!r}): mode must be 'min' or 'max'")
-        if not isinstance(n, int) or n < 1:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"KeepBest(n={n!r}): n must be a positive integer")
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:

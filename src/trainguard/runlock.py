@@ -198,9 +198,10 @@ def _taken_over(root: str, old: str, fd: int) -> str:
     this host that does not hold this file locks another one: a ``cp -r`` of a live run copied it."""
     if not _live_here(fd):
         return f"taking over a stale lock on {root} left by {old}"
-    return (f"taking over the lock on {root}: it names {old}, which is alive but does not hold this file: "
-            "a copy (cp -r of a live run directory?) of the lock that process holds on the original. Make sure it "
-            "does not write to this directory")
+    return (f"taking over the lock on {root}: it names {old}, which is alive but does not hold this file: a copy "
+            "of a live run directory (cp -r) holds a copy of its lock; or that process lost its lock (POSIX locks go "
+            "when the process closes any descriptor of the file, e.g. by copying the directory). Make sure it does not "
+            "write to this directory: if it is a manager, its next save refuses to")
 
 
 def _live_here(fd: int) -> bool:

@@ -59,9 +59,9 @@ def location(storage: Storage, path: str) -> str:
 
 
 def ram_dir(root: str, base: str = DEFAULT_BASE) -> str:
-    """Where the RAM tier of the run ``root`` lives (the same for every restart of the job)."""
+    """Where the RAM tier of the run ``root`` lives (the same for every restart of the job, whatever link leads to ``root``)."""
     # os.fsencode: a non-UTF-8 name (surrogate-escaped) has a key too; the same bytes as .encode() for UTF-8 names
-    key = hashlib.sha1(os.fsencode(os.path.abspath(root)) if "://" not in root else root.encode()).hexdigest()[:16]
+    key = hashlib.sha1(os.fsencode(os.path.realpath(root)) if "://" not in root else root.encode()).hexdigest()[:16]
     return os.path.join(base, f"trainguard-ram-{os.getuid()}", key)
 
 
