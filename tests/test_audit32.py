@@ -494,3 +494,20 @@ def test_a_bool_is_no_count_of_steps_or_checkpoints(make) -> None:
     step of True is refused."""
     with pytest.raises(ValueError):
         make()
+
+
+def test_doctor_reads_a_world_size_under_another_name() -> None:
+    """``world = dist.get_world_size()`` then ``if world == 1 or dist.get_rank() == 0: mgr.save(...)``
+    was reported ok (a world size is read from names holding ``world_size`` only), where the same
+    test spelled ``dist.get_world_size() == 1`` is an error."""
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    def rank_check(src: str) -> str:
+        found = check_source(Settings(source=src))
+        return next(f.severity for f in found if f.check == "all ranks save")
+
+    single = "import torch.distributed as dist\nif {} or dist.get_rank() == 0:\n    mgr.save(1, s)\n"
+    for alone in ("world == 1", "n_world == 1", "ws == 1", "nprocs == 1", "self.world < 2"):
+        assert rank_check(single.format(alone)) == "error", alone
+    assert rank_check(single.format("world_rank == 1")) == "ok"  # a rank, not a world size: the test is no rank-0 one

@@ -288,7 +288,8 @@ def _one_process(x: ast.expr, aliases: frozenset[str]) -> bool:
         return False
     op, left = x.ops[0], x.left.func if isinstance(x.left, ast.Call) else x.left
     name = left.id if isinstance(left, ast.Name) else left.attr if isinstance(left, ast.Attribute) else ""
-    if "world_size" in name.lower():
+    low = name.lower()  # world_size, get_world_size, and a name holding it: world, n_world, ws, nprocs, num_processes
+    if "world" in low and "rank" not in low or low in ("ws", "nprocs", "num_processes", "n_procs"):
         return isinstance(op, ast.Eq) and n == 1 or isinstance(op, ast.LtE) and n == 1 or isinstance(op, ast.Lt) and n == 2
     return _mentions_rank(x.left, aliases) and isinstance(op, ast.Eq) and n == -1
 
