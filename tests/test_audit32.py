@@ -511,3 +511,32 @@ def test_doctor_reads_a_world_size_under_another_name() -> None:
     for alone in ("world == 1", "n_world == 1", "ws == 1", "nprocs == 1", "self.world < 2"):
         assert rank_check(single.format(alone)) == "error", alone
     assert rank_check(single.format("world_rank == 1")) == "ok"  # a rank, not a world size: the test is no rank-0 one
+
+
+_LOADER = '''
+import random, torch
+import trainguard as tg
+from torch.utils.data import DataLoader
+{defs}
+loader = DataLoader({data}, batch_size=4, num_workers=2, {kw})
+'''
+
+
+@pytest.mark.parametrize(("defs", "data", "kw", "expect"), [
+    ("def mask(b):\n    x = torch.stack(b)\n    return x * (torch.rand(x.shape) > 0.3)", "ds", "collate_fn=mask", "warning"),
+    ("def mask(b):\n    return torch.stack(b) * random.random()", "tg.SeededDataset(ds)", "collate_fn=mask", "ok"),
+    ("def init(w):\n    import numpy as np\n    np.random.seed(torch.initial_seed() % 2**32)", "ds", "worker_init_fn=init", None),
+    ("def init(w):\n    global SCALE\n    SCALE = random.uniform(0, 1)", "tg.SeededDataset(ds)", "worker_init_fn=init", "warning"),
+    ("def noisy(i):\n    return i + torch.randn(1)", "tg.ResumableIterable(rows, batch_size=4, transform=noisy)", "", "warning"),
+    ("def noisy(i):\n    return i + torch.randn(1)", "tg.ResumableIterable(rows, batch_size=4, transform=noisy, seed=0)", "",
+     None),
+])
+def test_doctor_reports_draws_in_collate_worker_init_and_transform(defs: str, data: str, kw: str, expect) -> None:
+    """The worker randomness check looked at dataset classes only: draws in a worker loader's
+    collate_fn, worker_init_fn or a ResumableIterable's transform were reported ok."""
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    found = {f.check: f for f in check_source(Settings(source=_LOADER.format(defs=defs, data=data, kw=kw)))}
+    got = found.get("worker randomness")
+    assert (got.severity if got else None) == expect, got

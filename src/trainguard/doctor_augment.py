@@ -5,7 +5,9 @@ from a global generator (``random.random()``, ``np.random.rand()``, ``torch.rand
 each worker's generators from the loader's base seed and the worker id, so what a sample draws
 depends on which samples that worker read since its iterator started: after a resume mid-epoch
 the same sample is augmented differently (docs/data.md, "Draws in worker processes").
-``tg.SeededDataset`` draws from ``(seed, epoch, index)`` instead; a script that mentions it is ok.
+``tg.SeededDataset`` draws from ``(seed, epoch, index)`` instead (and seeds the batch's
+``collate_fn``); a script that mentions it is ok. Draws in a ``worker_init_fn`` and in a
+``ResumableIterable``'s ``transform`` without ``seed=`` are reported too.
 """
 
 from __future__ import annotations
@@ -42,24 +44,61 @@ def _global_draw(c: ast.Call) -> bool:
     return False
 
 
+def _draws(fn: ast.AST) -> list[ast.Call]:
+    return [c for c in ast.walk(fn) if isinstance(c, ast.Call) and _global_draw(c)]
+
+
+def _functions(tree: ast.Module, call: ast.Call, args: tuple[str, ...]) -> list[tuple[str, ast.AST]]:
+    """The functions of the script passed by name (or as a lambda) as keyword ``args`` of ``call``."""
+    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    out = []
+    for k in call.keywords:
+        if k.arg in args and isinstance(k.value, ast.Lambda):
+            out.append((k.arg, k.value))
+        elif k.arg in args and isinstance(k.value, ast.Name) and k.value.id in defs:
+            out.append((f"{k.arg} {k.value.id}", defs[k.value.id]))
+    return out
+
+
 def worker_draws(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    """A warning for global-generator draws in a dataset class's methods when a ``DataLoader`` of the
-    script may start workers and ``SeededDataset`` appears nowhere (module doc); ``ok`` with it;
-    ``None`` without source, such a loader or such a draw."""
+    """A warning for global-generator draws in a dataset class's methods, or a worker loader's
+    ``collate_fn``, when a ``DataLoader`` of the script may start workers and ``SeededDataset``
+    appears nowhere (module doc); ``ok`` with it. Always one for draws in a worker loader's
+    ``worker_init_fn`` (SeededDataset does not cover it) and in the ``transform=`` of a
+    ``ResumableIterable`` without ``seed=``. ``None`` without source, such a loader or such a draw."""
     from .doctor import Finding
     from .doctor_signals import _workers
     from .doctor_source import _calls, _tree
 
-    if (tree := _tree(s)) is None or not any(_workers(c, tree) for c in _calls(None, {"DataLoader"}, tree)):
+    if (tree := _tree(s)) is None:
         return None
+    loaders = [c for c in _calls(None, {"DataLoader"}, tree) if _workers(c, tree)]
+    if not loaders:  # no worker process: the draws are the training process's (RNGState)
+        return None
+    for call in _calls(None, {"ResumableIterable"}, tree):  # its transform runs in the workers: seed= seeds it
+        if not any(k.arg == "seed" for k in call.keywords):
+            for where, fn in _functions(tree, call, ("transform",)):
+                if draws := _draws(fn):
+                    return Finding("worker randomness", "warning", f"line {draws[0].lineno}: {ast.unparse(draws[0])} in "
+                                   f"{where} of a ResumableIterable without seed= draws from the global generator of "
+                                   "a DataLoader worker: after a resume the same items are transformed differently",
+                                   "pass ResumableIterable(..., seed=0): each item's transform is then seeded from "
+                                   "(seed, epoch, item index) (docs/data.md)")
+    for where, fn in (f for c in loaders for f in _functions(tree, c, ("worker_init_fn",))):
+        draws = [c for c in _draws(fn) if not (isinstance(c.func, ast.Attribute) and "seed" in c.func.attr)]
+        if draws:
+            return Finding("worker randomness", "warning", f"line {draws[0].lineno}: {ast.unparse(draws[0])} in {where} "
+                           "draws from a worker's generators, seeded from the loader's base seed, which a resumed "
+                           "process draws at another point: it draws differently after a resume",
+                           "derive what worker_init_fn draws from its worker_id alone, or draw it in the dataset")
     hits: list[tuple[ast.Call, str]] = []
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         methods = [m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
         bases = " ".join(ast.unparse(b) for b in cls.bases)
         if not ("Dataset" in bases or any(m.name == "__getitem__" for m in methods)):
             continue
-        hits += [(c, f"{cls.name}.{m.name}") for m in methods if m.name not in _SKIP
-                 for c in ast.walk(m) if isinstance(c, ast.Call) and _global_draw(c)]
+        hits += [(c, f"{cls.name}.{m.name}") for m in methods if m.name not in _SKIP for c in _draws(m)]
+    hits += [(c, where) for ld in loaders for where, fn in _functions(tree, ld, ("collate_fn",)) for c in _draws(fn)]
     if not hits:
         return None
     c, where = min(hits, key=lambda h: h[0].lineno)
