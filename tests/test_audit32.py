@@ -6,6 +6,7 @@ import errno
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -540,3 +541,19 @@ def test_doctor_reports_draws_in_collate_worker_init_and_transform(defs: str, da
     found = {f.check: f for f in check_source(Settings(source=_LOADER.format(defs=defs, data=data, kw=kw)))}
     got = found.get("worker randomness")
     assert (got.severity if got else None) == expect, got
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
+def test_sighup_and_sigquit_are_stop_signals_of_the_manager(tmp_path: Path, sig: signal.Signals) -> None:
+    """trainguard run's agent forwards SIGHUP and SIGQUIT to the workers as it got them (its exit
+    code table calls them stops after a save), but the manager handled SIGTERM/SIGINT only: a
+    worker died of them without its preemption save."""
+    before = signal.getsignal(sig)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1000), handle_signals=True) as mgr:
+        assert mgr.save(5, {"w": torch.ones(2)}) is None
+        os.kill(os.getpid(), sig)
+        h = mgr.save(6, {"w": torch.full((2,), 6.0)})
+        assert h is not None and h.done() and mgr.should_stop
+    assert mgr.exit_code == 128 + int(sig)
+    assert signal.getsignal(sig) == before  # given back at close()
+    assert tg.CheckpointManager(tmp_path).latest_step() == 6

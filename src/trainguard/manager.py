@@ -51,7 +51,7 @@ class CheckpointManager:
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
     next save; the run directory's lock lost is raised all the same, ``runlock.py``); ``handle_signals``: on
-    SIGTERM/SIGINT save at the next ``save()``, set ``should_stop``; ``split_state``: ranks hold different tensors.
+    SIGTERM/SIGINT/SIGHUP/SIGQUIT save at the next ``save()``, set ``should_stop``; ``split_state``: ranks hold different tensors.
     """
 
     def __init__(
@@ -130,7 +130,7 @@ class CheckpointManager:
                 self._lock.release()
             raise
         if self.handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # torchrun forwards each
                 self._old_handlers.setdefault(sig, signal.signal(sig, self._on_signal))  # the first: a close() in another thread left it
         self._opened = True
         if self.async_save:
