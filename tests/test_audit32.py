@@ -557,3 +557,50 @@ def test_sighup_and_sigquit_are_stop_signals_of_the_manager(tmp_path: Path, sig:
     assert mgr.exit_code == 128 + int(sig)
     assert signal.getsignal(sig) == before  # given back at close()
     assert tg.CheckpointManager(tmp_path).latest_step() == 6
+
+
+_FORKSERVER_WORKER = """\
+    import os, signal, sys
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pids = [None, None]
+    dist.all_gather_object(pids, os.getpid())
+    model = torch.nn.Linear(4, 4)
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(10**6)) as mgr:
+        step = mgr.restore({"model": model}) or 0
+        while step < 6 and not mgr.should_stop:
+            step += 1
+            dist.all_reduce(torch.zeros(1))
+            if step == 3 and rank == 1:  # a preemption signals every process of the job (Slurm)
+                server = os.getppid()  # the forkserver; its parent is the agent
+                agent = int(open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1])
+                for pid in (agent, server, *pids):
+                    os.kill(pid, signal.SIGTERM)
+            mgr.save(step, {"model": model})
+    print(f"rank {rank} ended at step {step} exit {mgr.exit_code}", flush=True)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_sigterm_to_every_process_with_a_forkserver_still_saves(tmp_path: Path) -> None:
+    """--start-method forkserver --run-path: a SIGTERM to every process killed the forkserver, whose
+    children then read as exited (code 255); torch's close waited for none, trainguard SIGKILLed
+    their process groups, and the workers died before their preemption save while the agent still
+    exited 143 (and a worker that did save reported 130: torch's parent-death SIGINT came last)."""
+    from test_elastic_edges import CLI
+    from test_exitcodes15_review import _run
+
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(_FORKSERVER_WORKER))
+    log = tmp_path / "agent.log"
+    rc = _run([*CLI, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--run-path", "--start-method",
+               "forkserver", str(train)], log)
+    text = log.read_text(errors="replace")
+    assert rc == 128 + signal.SIGTERM, text[-3000:]
+    ends = re.findall(r"rank \d ended at step (\d+) exit (\d+)", text)
+    assert len(ends) == 2 and len(set(ends)) == 1 and ends[0][1] == "143", text[-3000:]
+    assert tg.CheckpointManager(tmp_path / "run").latest_step() == int(ends[0][0]) in (3, 4)

@@ -87,7 +87,7 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
         self._old_handlers: dict[int, Any] = {}
-        self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's last stop signal
+        self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's first stop signal
         self.stopped_by: int | None = None  # the stop signal that ended the run (any rank's): exit_code
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
@@ -180,7 +180,7 @@ class CheckpointManager:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
-        self._signum = signum
+        self._signum = self._signum or signum  # the first (torch sets SIGINT as a dead parent's signal: a forkserver)
         self._preempt.set()
         policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 

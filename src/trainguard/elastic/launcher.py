@@ -43,7 +43,7 @@ from ..events import EVENTS_FILE, EventLog
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
 from .faults import parse_fault
-from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
+from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded, wait_orphans
 from .stops import (
     STOP_FILE_ENV,
     agent_result,
@@ -317,14 +317,14 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
             self._tg_ready = close_done(self, made)
 
     def _close(self: Any, death_sig: signal.Signals, timeout: int = 30) -> None:
-        # A worker whose function returned waits for this event, which torch sets only when all
-        # are done, never on close: a worker that saved on SIGTERM and returned waited for SIGKILL
-        # (30 s on SIGTERM to the agent, --stop-timeout on a membership restart).
+        # A returned worker waits for this event, which torch sets only when all are done (reap.set_finished says why).
         finished = getattr(self, "_worker_finished_event", None)
         if finished is not None:
             set_finished(finished, FAIL_GRACE)  # reap.py: bounded (a waiter killed before it hung the agent)
         pids = [p.pid for p in self._pc.processes] if self._pc else []
+        seen = {p.pid for p in self._pc.processes if p.is_alive()} if self._pc else set()  # torch signals these
         orig_close(self, death_sig, timeout)
+        wait_orphans(pids, seen, death_sig, timeout)  # reap.py: a dead forkserver's children, still saving
         end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)
 
     SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 
@@ -75,8 +76,10 @@ def end_trees(pids: list[int]) -> None:
 
 
 def set_finished(event: Any, wait: float) -> None:
-    """Agent, in its ``MultiprocessContext._close`` hook: set torch's "workers finished" event (a
-    ``multiprocessing.Event``), waiting at most ``wait`` s. Its ``set()`` waits until every process
+    """Agent, in its ``MultiprocessContext._close`` hook: set torch's "workers finished" event, which
+    a worker whose function returned waits for and torch sets only when all are done, never on
+    close (one that saved on SIGTERM and returned waited for SIGKILL: 30 s on SIGTERM to the agent,
+    --stop-timeout on a restart); waiting at most ``wait`` s. It is a ``multiprocessing.Event``: its ``set()`` waits until every process
     sleeping in ``wait()`` has woken (``multiprocessing.Condition.notify``): a worker whose function
     returned sleeps there, and one killed there (SIGTERMed or SIGKILLed after a peer failed) never
     wakes: the agent hung for good in ``set()``. It runs in a thread; after ``wait`` the agent goes on
@@ -106,3 +109,29 @@ def stop_bounded(agent: Any, timeout: int, *args: Any, **kwargs: Any) -> None:
     if pcontext is not None:
         pcontext.close(signal.SIGTERM, timeout)
     agent._shutdown(*args, **kwargs)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs (exists and is no zombie), from ``/proc``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_orphans(pids: list[int], signalled: set[int], sig: int, timeout: float) -> None:
+    """Agent, in its ``MultiprocessContext._close`` hook, after torch's close and before
+    :func:`end_trees`: workers ``pids`` that still run get ``sig`` (those torch had not signalled:
+    not in ``signalled``) and ``timeout`` s to end, their preemption save. With ``--start-method
+    forkserver`` a SIGTERM to every process of the job killed the forkserver: its children then
+    read as ended (code 255), torch's close waited for none, and ``end_trees`` SIGKILLed them mid-save."""
+    left = [pid for pid in pids if running(pid)]
+    for pid in left:
+        if pid not in signalled:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+    end = time.monotonic() + timeout
+    while left and time.monotonic() < end:  # bounded by timeout
+        time.sleep(0.05)
+        left = [pid for pid in left if running(pid)]
