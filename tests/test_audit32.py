@@ -604,3 +604,33 @@ def test_a_sigterm_to_every_process_with_a_forkserver_still_saves(tmp_path: Path
     ends = re.findall(r"rank \d ended at step (\d+) exit (\d+)", text)
     assert len(ends) == 2 and len(set(ends)) == 1 and ends[0][1] == "143", text[-3000:]
     assert tg.CheckpointManager(tmp_path / "run").latest_step() == int(ends[0][0]) in (3, 4)
+
+
+def test_a_failed_sync_after_the_commit_rename_is_no_failed_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rename of the temp directory is the commit; an I/O error of the directory sync after it
+    was reported as a failed save, while the checkpoint was in place and a restart loaded it.
+    Now the save succeeds with a warning that a power loss may undo it."""
+    real = local.LocalStorage.rename_dir
+
+    def rename_then_eio(self, src: str, dst: str) -> None:
+        real(self, src, dst)
+        if "step-000000002" in dst or dst.endswith("/c"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), os.path.dirname(dst))
+
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)})
+        monkeypatch.setattr(local.LocalStorage, "rename_dir", rename_then_eio)
+        with pytest.warns(UserWarning, match="step-000000002 is committed, but syncing its parent directory"):
+            assert mgr.save(2, {"w": torch.full((2,), 2.0)}) is not None
+        assert mgr.last_saved_step == 2
+        with pytest.warns(UserWarning, match="is committed, but syncing"):
+            tg.save(tmp_path / "c", {"w": torch.ones(2)})
+        with pytest.warns(UserWarning, match="is committed, but syncing"):
+            tg.save(tmp_path / "c", {"w": torch.full((2,), 3.0)}, overwrite=True)  # the old one set aside first
+        monkeypatch.undo()
+    got = {"w": torch.zeros(2)}
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        assert mgr.restore(got) == 2 and torch.equal(got["w"], torch.full((2,), 2.0))
+    tg.load(tmp_path / "c", got)
+    assert torch.equal(got["w"], torch.full((2,), 3.0))
+    assert not [p for p in tmp_path.iterdir() if ".old-" in p.name or ".tmp-" in p.name]

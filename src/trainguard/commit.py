@@ -17,6 +17,7 @@ from typing import Any
 
 from . import layout
 from .capture import check_data_positions
+from .commitfail import renamed_anyway
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -356,17 +357,17 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
         try:
             storage.rename_dir(final, old)
             storage.rename_dir(work, final)
-        except BaseException:
+        except BaseException as e:
             _put_back(storage, old, final)
-            raise
+            renamed_anyway(storage, work, final, e)  # raises e, unless only the sync after the rename failed
         storage.remove_tree(old)
     else:
         try:
             storage.rename_dir(work, final)
-        except OSError as e:  # lost a race: another save of this step renamed its directory first
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            raise StepExistsError(f"{final} was committed by someone else during this save") from e
+        except OSError as e:  # lost a race (EEXIST): another save of this step renamed its directory first
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise StepExistsError(f"{final} was committed by someone else during this save") from e
+            renamed_anyway(storage, work, final, e)
     fault("after_rename", 0)
 
 

@@ -5,8 +5,10 @@ error is permanent, so that every rank's process exits 78 under ``trainguard run
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, NoReturn
 
+from . import layout
 from .errors import CheckpointError, describe_error
 from .runlock import check_owned
 from .storage import Storage
@@ -44,3 +46,21 @@ def discard_copy(storage: Storage, work: str, root: str, e: BaseException) -> No
     if isinstance(e, Exception):  # not a Ctrl-C
         check_owned(root)
     raise e
+
+
+def renamed_anyway(storage: Storage, work: str, final: str, error: BaseException) -> None:
+    """``commit.commit_dir``, rank 0, when renaming ``work`` to ``final`` raised ``error``: raise it,
+    unless the rename itself happened and only the sync of the parent directory after it failed.
+    The checkpoint is then committed (every file of it fsynced, visible, loadable): warn that a
+    power loss may undo the rename (a restart then resumes from the previous checkpoint, as after
+    a save that failed) and return. Before, the save was reported failed while a restart loaded it."""
+    if not isinstance(error, OSError):
+        raise error
+    try:
+        renamed = not storage.exists(work) and storage.exists(storage.join(final, layout.MANIFEST))
+    except OSError:
+        renamed = False
+    if not renamed:
+        raise error
+    warnings.warn(f"{final} is committed, but syncing its parent directory after the rename failed ({error}): a power "
+                  "loss may undo the commit, and a restart then resumes from the previous checkpoint", stacklevel=3)
