@@ -25,6 +25,7 @@ from .errors import (  # noqa: E402
     UnsupportedValueError,
 )
 from .gradwatch import PendingGradientsWarning  # noqa: E402
+from .handle import SaveHandle  # noqa: E402
 from .inspect import verify  # noqa: E402
 from .iostall import StuckWriteError  # noqa: E402
 from .manager import CheckpointManager  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "load",
     "verify",
     "CheckpointManager",
+    "SaveHandle",
     "Stateful",
     "StateDict",
     "RNGState",
