@@ -634,3 +634,34 @@ def test_a_failed_sync_after_the_commit_rename_is_no_failed_save(tmp_path: Path,
     tg.load(tmp_path / "c", got)
     assert torch.equal(got["w"], torch.full((2,), 3.0))
     assert not [p for p in tmp_path.iterdir() if ".old-" in p.name or ".tmp-" in p.name]
+
+
+def test_a_failed_script_workers_peers_are_closed_after_the_grace_not_30_s() -> None:
+    """Script workers (torch's SubprocessContext, trainguard run without --run-path) were closed by
+    torch's _poll with a fixed 30 s once one failed: a peer that did not end on SIGTERM held the
+    restart 30 s (the docs say 1 s, SIGTERM, 1 s, SIGKILL). The hook gives that close the grace;
+    an exit after a stop signal's save, and the agent's own closes, keep their timeout."""
+    from types import SimpleNamespace
+
+    from trainguard.elastic.reap import bound_failure_close
+
+    class Context:  # torch's shape: _poll closes the workers with the default timeout
+        def __init__(self, codes: list[int]) -> None:
+            self._failures = {i: SimpleNamespace(exitcode=c) for i, c in enumerate(codes)}
+            self.waited: list[float] = []
+
+        def _poll(self) -> None:
+            self.close()
+
+        def close(self, death_sig: int = signal.SIGTERM, timeout: int = 30) -> None:
+            self._close(death_sig, timeout)
+
+        def _close(self, death_sig: int, timeout: int = 30) -> None:
+            self.waited.append(timeout)
+
+    bound_failure_close(Context, 1.0)
+    failed, preempted = Context([1]), Context([143, 143])
+    failed._poll()
+    preempted._poll()
+    failed.close()  # the agent's own close (a stop signal to it): its timeout
+    assert failed.waited == [1, 30] and preempted.waited == [30]

@@ -1,30 +1,28 @@
 """``trainguard run``: torch's elastic agent (``torch.distributed.run``) with trainguard's
 defaults, fault drills, hang watchdog and event log.
 
-Called once per node by the ``trainguard run`` command (:func:`main`); this process *is* the
-elastic agent, as ``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
+Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as
+``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
 
 * sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may
   connect to the dead attempt's gloo ports: recovery failed 3 times in 6 here);
 * adds ``last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3`` to the c10d
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
-* stops workers on a restart with SIGTERM and SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s,
-  per restart for a worker stuck in a collective), lets a worker that returned on that SIGTERM (a
-  preemption save) exit at once (torch: it waits for SIGKILL);
+* stops workers on a restart with SIGTERM, then SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s);
+  a worker that returned on that SIGTERM (a preemption save) exits at once (torch: waits for SIGKILL);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
-  and a fixed 30 s), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
-* preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with
-  ``fork``/``forkserver``, preloads ``torch._dynamo`` so restarted workers do not (:func:`preload`);
-* passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``,
-  ``_AGENT_PID`` (orphan check) and ``_STOP_FILE`` (:mod:`.stops`) to the workers;
+  and a fixed 30 s; script and ``--run-path`` workers), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
+* preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/
+  ``forkserver``, preloads ``torch._dynamo`` so restarted workers do not (:func:`preload`);
+* passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan
+  check) and ``_STOP_FILE`` (:mod:`.stops`) to the workers;
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
-On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and
-raises ``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit``
-and returns 128 + the signal (143 for SIGTERM), no traceback (torchrun: a traceback, exit 1);
-the same when the workers alone were signalled and stopped (docs/elastic.md, exit codes).
+On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises
+``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit`` and returns 128 +
+the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
 """
 
 from __future__ import annotations
@@ -40,10 +38,11 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
+from . import reap
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
 from .faults import parse_fault
-from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded, wait_orphans
+from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
     STOP_FILE_ENV,
     agent_result,
@@ -257,11 +256,12 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     """Wrap torch's agent methods (in this process) to log events and bound the stop wait."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, SubprocessContext
     from torch.multiprocessing.spawn import ProcessContext, ProcessException
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
+    reap.bound_failure_close(SubprocessContext, FAIL_GRACE)  # reap.py: a failed script worker's peers: 1 s, not 30
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
@@ -324,7 +324,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         pids = [p.pid for p in self._pc.processes] if self._pc else []
         seen = {p.pid for p in self._pc.processes if p.is_alive()} if self._pc else set()  # torch signals these
         orig_close(self, death_sig, timeout)
-        wait_orphans(pids, seen, death_sig, timeout)  # reap.py: a dead forkserver's children, still saving
+        reap.wait_orphans(pids, seen, death_sig, timeout)  # reap.py: a dead forkserver's children, still saving
         end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)
 
     SimpleElasticAgent._rendezvous = _rendezvous  # type: ignore[method-assign]

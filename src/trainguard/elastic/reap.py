@@ -135,3 +135,29 @@ def wait_orphans(pids: list[int], signalled: set[int], sig: int, timeout: float)
     while left and time.monotonic() < end:  # bounded by timeout
         time.sleep(0.05)
         left = [pid for pid in left if running(pid)]
+
+
+def bound_failure_close(context_cls: Any, grace: float) -> None:
+    """Agent (``launcher.install_agent_hooks``): torch's script workers (``SubprocessContext``; not
+    ``--run-path``) are closed by its ``_poll`` with a fixed 30 s once one failed, so a peer that
+    does not end on SIGTERM (stopped, in a C call, or saving on the signal while its collectives
+    wait for the dead peer) held the restart for 30 s. That close now waits ``grace`` s, as for
+    function workers; not when every failure is an exit after a stop signal's save (the others
+    may still be closing theirs), nor the agent's own closes (a stop signal to the agent)."""
+    from .stops import STOP_CODES
+
+    orig_poll, orig_close = context_cls._poll, context_cls._close
+
+    def _poll(self: Any) -> Any:
+        self._tg_polling = True
+        try:
+            return orig_poll(self)
+        finally:
+            self._tg_polling = False
+
+    def _close(self: Any, death_sig: Any, timeout: int = 30) -> None:
+        codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
+        failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
+        orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
+
+    context_cls._poll, context_cls._close = _poll, _close
