@@ -665,3 +665,25 @@ def test_a_failed_script_workers_peers_are_closed_after_the_grace_not_30_s() -> 
     preempted._poll()
     failed.close()  # the agent's own close (a stop signal to it): its timeout
     assert failed.waited == [1, 30] and preempted.waited == [30]
+
+
+def test_report_pairs_each_failure_with_its_own_attempt() -> None:
+    """A failure whose restart began fresh (no checkpoint yet) was given the next failure's restore
+    (a negative first-step time); a failure after the watchdog declared a hang timed its recovery
+    from the agent's failure event, 30 s after the hang, not from the hang."""
+    from trainguard.report import summarize
+
+    ev = [
+        {"event": "agent_start", "t": 0.0},
+        {"event": "failure", "t": 10.0, "rank": 1},  # before any checkpoint
+        {"event": "fresh_start", "t": 12.0, "rank": 0, "skipped": 0},
+        {"event": "first_step", "t": 13.0, "rank": 0, "step": 1, "lost_steps": 5},
+        {"event": "hang", "t": 30.0, "rank": 0, "step": 20},
+        {"event": "failure", "t": 60.0, "rank": 0},
+        {"event": "restore", "t": 63.0, "rank": 0, "step": 20, "seconds": 0.5},
+        {"event": "first_step", "t": 64.0, "rank": 0, "step": 21, "lost_steps": 0},
+    ]
+    one, two = summarize(ev)["recoveries"]
+    assert one["restored_step"] is None and "first_step_s" not in one and one["recover_s"] == 3.0
+    assert two["restored_step"] == 20 and two["detect_s"] == 30.0 and two["recover_s"] == 34.0
+    assert two["first_step_s"] == 1.0

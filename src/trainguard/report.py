@@ -6,7 +6,7 @@ Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure`
 ``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
 and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``).
 
-Recovery of failure *i*, split in four: **detect** (fault injected -> agent saw it; unknown
+Recovery of failure *i*, split in four: **detect** (fault injected, or a hang declared -> agent saw it; unknown
 for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
 rendezvous, new processes, imports, process group), **restore** (the manager's load), **first
 step** (restore done -> first training step finished).
@@ -23,11 +23,12 @@ from typing import Any
 from .events import read_events
 
 
-def _first_from(events: list[dict[str, Any]], times: list[float], t: float) -> dict[str, Any] | None:
-    """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``:
-    a bisection, not a scan from the start of the log per failure (O(failures x events))."""
+def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end: float = float("inf")) -> dict[str, Any] | None:
+    """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``
+    and before ``end`` (the next failure or agent start: a later attempt's restore is not this
+    failure's): a bisection, not a scan from the start of the log per failure (O(failures x events))."""
     i = bisect.bisect_left(times, t)
-    return events[i] if i < len(events) else None
+    return events[i] if i < len(events) and times[i] < end else None
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
@@ -38,24 +39,29 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     steps = [e for e in ev if e["event"] == "step"]
     saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
     failures = [e for e in ev if e["event"] in ("failure",)]
-    faults = [e for e in ev if e["event"] == "fault"]
-    restores = [e for e in ev if e["event"] == "restore" and e.get("rank") == 0]
+    faults = [e for e in ev if e["event"] in ("fault", "hang")]  # injected, or a hang the watchdog declared
+    # rank 0's restore, or its fresh start (a restart with no checkpoint: no restored step)
+    restores = [e for e in ev if e["event"] in ("restore", "fresh_start") and e.get("rank") == 0]
     firsts = [e for e in ev if e["event"] == "first_step"]
     fault_t, restore_t, first_t = ([e["t"] for e in x] for x in (faults, restores, firsts))
+    bounds = sorted([f["t"] for f in failures] + [e["t"] for e in ev if e["event"] == "agent_start"])
     recoveries = []
     prev_t = ev[0]["t"]
     for f in failures:
-        # The last fault in [prev_t, f["t"]], the first restore (rank 0) and first step from f["t"] on.
+        # The last fault in [prev_t, f["t"]], the first restore (rank 0) and first step from f["t"]
+        # on, before the next failure or agent start.
         i = bisect.bisect_right(fault_t, f["t"])
         fault = faults[i - 1] if i and fault_t[i - 1] >= prev_t else None
-        restore = _first_from(restores, restore_t, f["t"])
-        first = _first_from(firsts, first_t, f["t"])
+        end = next((b for b in bounds if b > f["t"]), float("inf"))
+        restore = _first_from(restores, restore_t, f["t"], end)
+        restore = restore if restore is None or restore["event"] == "restore" else None
+        first = _first_from(firsts, first_t, f["t"], end)
         rec: dict[str, Any] = {"t": f["t"], "rank": f.get("rank"), "cause": f.get("cause"),
                                "restored_step": restore["step"] if restore else None,
                                "lost_steps": first.get("lost_steps") if first else None}
         if fault:
             rec["detect_s"] = f["t"] - fault["t"]
-            rec["fault_step"] = fault["step"]
+            rec["fault_step"] = fault.get("step")
         if restore:
             start = restore["t"] - restore.get("seconds", 0.0)
             rec["restart_s"] = start - f["t"]
