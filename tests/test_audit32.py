@@ -559,30 +559,19 @@ def test_sighup_and_sigquit_are_stop_signals_of_the_manager(tmp_path: Path, sig:
     assert tg.CheckpointManager(tmp_path).latest_step() == 6
 
 
-_FORKSERVER_WORKER = """\
-    import os, signal, sys
-    import torch
-    import torch.distributed as dist
-    import trainguard as tg
+def _forkserver_worker() -> str:
+    """test_exitcodes15_review's worker, whose rank 1 signals every process of the job at step 3
+    (Slurm's preemption: the agent, the forkserver, both workers), not itself alone."""
+    from test_exitcodes15_review import WORKER
 
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    pids = [None, None]
-    dist.all_gather_object(pids, os.getpid())
-    model = torch.nn.Linear(4, 4)
-    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(10**6)) as mgr:
-        step = mgr.restore({"model": model}) or 0
-        while step < 6 and not mgr.should_stop:
-            step += 1
-            dist.all_reduce(torch.zeros(1))
-            if step == 3 and rank == 1:  # a preemption signals every process of the job (Slurm)
-                server = os.getppid()  # the forkserver; its parent is the agent
-                agent = int(open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[1])
-                for pid in (agent, server, *pids):
-                    os.kill(pid, signal.SIGTERM)
-            mgr.save(step, {"model": model})
-    print(f"rank {rank} ended at step {step} exit {mgr.exit_code}", flush=True)
-"""
+    return (WORKER.replace("    rank = dist.get_rank()\n", "    rank = dist.get_rank()\n    pids = [None, None]\n"
+                           "    dist.all_gather_object(pids, os.getpid())\n")
+            .replace("                os.kill(os.getpid(), signal.SIGTERM)\n",
+                     "                server = os.getppid()  # the forkserver; its parent is the agent\n"
+                     "                agent = int(open(f'/proc/{server}/stat').read().rsplit(')', 1)[1].split()[1])\n"
+                     "                for pid in (agent, server, *pids):\n"
+                     "                    os.kill(pid, signal.SIGTERM)\n")
+            .replace('ended at step {step} "', 'ended at step {step} exit {mgr.exit_code}"'))
 
 
 @pytest.mark.timeout(150)
@@ -595,10 +584,10 @@ def test_a_sigterm_to_every_process_with_a_forkserver_still_saves(tmp_path: Path
     from test_exitcodes15_review import _run
 
     train = tmp_path / "train.py"
-    train.write_text(textwrap.dedent(_FORKSERVER_WORKER))
+    train.write_text(textwrap.dedent(_forkserver_worker()))
     log = tmp_path / "agent.log"
     rc = _run([*CLI, "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"), "--run-path", "--start-method",
-               "forkserver", str(train)], log)
+               "forkserver", str(train), str(tmp_path), "return"], log)
     text = log.read_text(errors="replace")
     assert rc == 128 + signal.SIGTERM, text[-3000:]
     ends = re.findall(r"rank \d ended at step (\d+) exit (\d+)", text)
