@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -543,20 +544,30 @@ def test_doctor_reports_draws_in_collate_worker_init_and_transform(defs: str, da
     assert (got.severity if got else None) == expect, got
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGQUIT])
-def test_sighup_and_sigquit_are_stop_signals_of_the_manager(tmp_path: Path, sig: signal.Signals) -> None:
-    """trainguard run's agent forwards SIGHUP and SIGQUIT to the workers as it got them (its exit
-    code table calls them stops after a save), but the manager handled SIGTERM/SIGINT only: a
-    worker died of them without its preemption save."""
-    before = signal.getsignal(sig)
+def test_sighup_is_a_stop_signal_of_the_manager_unless_ignored(tmp_path: Path) -> None:
+    """trainguard run's agent forwards SIGHUP to the workers as it got it (its exit code table calls
+    it a stop after a save), but the manager handled SIGTERM/SIGINT only: a worker died of it
+    without its preemption save. A SIGHUP ignored (nohup) or handled by the program stays so, and
+    SIGQUIT is left alone (faulthandler's stack dumps)."""
+    before = signal.getsignal(signal.SIGHUP)
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1000), handle_signals=True) as mgr:
+        assert signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL
         assert mgr.save(5, {"w": torch.ones(2)}) is None
-        os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), signal.SIGHUP)
         h = mgr.save(6, {"w": torch.full((2,), 6.0)})
         assert h is not None and h.done() and mgr.should_stop
-    assert mgr.exit_code == 128 + int(sig)
-    assert signal.getsignal(sig) == before  # given back at close()
+    assert mgr.exit_code == 128 + int(signal.SIGHUP)
+    assert signal.getsignal(signal.SIGHUP) == before  # given back at close()
     assert tg.CheckpointManager(tmp_path).latest_step() == 6
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # nohup
+    try:
+        with tg.CheckpointManager(tmp_path / "nohup", handle_signals=True) as mgr:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGHUP)
+            mgr.save(1, {"w": torch.ones(2)})
+            assert not mgr.should_stop
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def _forkserver_worker() -> str:
@@ -676,3 +687,84 @@ def test_report_pairs_each_failure_with_its_own_attempt() -> None:
     assert one["restored_step"] is None and "first_step_s" not in one and one["recover_s"] == 3.0
     assert two["restored_step"] == 20 and two["detect_s"] == 30.0 and two["recover_s"] == 34.0
     assert two["first_step_s"] == 1.0
+    # Another node's agent of the same job reporting the same incident, or joining, bounds nothing;
+    # a new job's start does (its restore is not this failure's).
+    same = [{"event": "agent_start", "t": 0.0, "job_id": "a"}, {"event": "failure", "t": 10.0},
+            {"event": "failure", "t": 12.0}, {"event": "agent_start", "t": 13.0, "job_id": "a"},
+            {"event": "restore", "t": 20.0, "rank": 0, "step": 4}]
+    assert [r["restored_step"] for r in summarize(same)["recoveries"]] == [4, 4]
+    later = [*same[:2], {"event": "agent_start", "t": 15.0, "job_id": "b"}, same[-1]]
+    assert [r["restored_step"] for r in summarize(later)["recoveries"]] == [None]
+
+
+def test_another_saves_long_storage_call_is_not_this_saves_stuck_write() -> None:
+    """The stuck-write checks looked at the oldest storage call of the whole process: another
+    thread's sync save to another directory, slow but within its own limit, made a healthy async
+    save raise StuckWriteError from wait_staged()/step(), and its exit hook then dropped it."""
+    from trainguard import iostall
+    from trainguard.handle import SaveHandle
+
+    k = object()
+    iostall._OPEN[k] = (time.monotonic() - 100.0, "a write of 40 bytes at offset 0 of /x/B/step-000000001.tmp-ab/data-00000.bin")
+    try:
+        assert iostall.oldest() is not None and iostall.oldest("/x/B/step-000000001") is not None
+        assert iostall.oldest("/x/A/step-000000001") is None
+        h = SaveHandle(1, "/x/A/step-000000001")
+        h.limit = 0.2
+        assert h.block_until_staged(timeout=0.5)[0] is False  # before: StuckWriteError naming B's write
+        h.target = "/x/B/step-000000001"
+        with pytest.raises(tg.StuckWriteError, match="B/step-000000001.tmp-ab"):
+            h.block_until_staged(timeout=5)
+    finally:
+        iostall._OPEN.pop(k, None)
+
+
+def test_generators_review_cases(tmp_path: Path) -> None:
+    """Review of RNGState(generators=): a RandomState over PCG64 failed to re-seed on growth; a
+    random.Random subclass with state of its own saved but never loaded (reported as corrupt);
+    SystemRandom was taken and every save failed; a checkpoint saved before a generator was added
+    was refused even with strict=False, after other entries had been overwritten."""
+
+    class Mine(random.Random):
+        def __init__(self, seed: int) -> None:
+            self.extra = 7
+            super().__init__(seed)
+
+        def getstate(self):
+            return (super().getstate(), self.extra)
+
+        def setstate(self, state):
+            super().setstate(state[0])
+            self.extra = state[1]
+
+    legacy = np.random.RandomState(np.random.PCG64(1))
+    tg.RNGState(generators={"l": legacy}).reseed_for_rank(1, step=3)  # before: TypeError
+    a, b = Mine(1), Mine(2)
+    a.extra = 9
+    tg.save(tmp_path / "m", {"rng": tg.RNGState(generators={"r": a})})
+    want = [a.random() for _ in range(3)]
+    tg.load(tmp_path / "m", {"rng": tg.RNGState(generators={"r": b})})
+    assert [b.random() for _ in range(3)] == want and b.extra == 9
+    with pytest.raises(TypeError, match="not SystemRandom"):
+        tg.RNGState(generators={"s": random.SystemRandom()})
+
+    tg.save(tmp_path / "old", {"rng": tg.RNGState(), "x": torch.ones(2)})
+    g = torch.Generator().manual_seed(5)
+    kept = g.get_state()
+    x = torch.zeros(2)
+    with pytest.raises(tg.CheckpointError, match=r"no state for generator\(s\) \['g'\]"):
+        tg.load(tmp_path / "old", {"rng": tg.RNGState(generators={"g": g}), "x": x})
+    assert torch.equal(x, torch.zeros(2))  # refused before anything was read
+    with pytest.warns(UserWarning, match=r"no state for generator\(s\) \['g'\]; left as they are"):
+        tg.load(tmp_path / "old", {"rng": tg.RNGState(generators={"g": g}), "x": x}, strict=False)
+    assert torch.equal(x, torch.ones(2)) and torch.equal(g.get_state(), kept)
+
+
+def test_export_into_a_directory_with_another_tools_manifest_is_taken(tmp_path: Path) -> None:
+    """The guard against writing into a checkpoint took any file named manifest.json for one."""
+    from trainguard.export import export
+
+    tg.save(tmp_path / "c", {"model": {"w": torch.arange(4.0)}})
+    (tmp_path / "release").mkdir()
+    (tmp_path / "release" / "manifest.json").write_text('{"name": "my-model", "files": []}\n')
+    assert export(tmp_path / "c", tmp_path / "release" / "model.safetensors") == 1

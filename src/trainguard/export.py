@@ -142,6 +142,13 @@ def replacing(out: str) -> Iterator[str]:
         os.close(fd)
 
 
+def _is_trainguard(manifest: str) -> bool:
+    """Whether ``manifest`` is a trainguard manifest (its envelope's first bytes), not another tool's file."""
+    with contextlib.suppress(OSError), open(manifest, "rb") as f:
+        return f.read(13) == b'{"checksum":"'
+    return False
+
+
 def _umask() -> int:
     """The process's umask, read without setting it (``os.umask`` sets it: a race with other threads)."""
     with contextlib.suppress(OSError, ValueError, StopIteration), open("/proc/self/status") as f:
@@ -163,7 +170,7 @@ def check_destination(out: str) -> None:
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
-    if os.path.exists(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten
+    if _is_trainguard(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten
         raise CheckpointError(f"{out}: {parent} is a trainguard checkpoint; writing a file into it could replace "
                               "one of its own and destroy it. Write the output outside the checkpoint's directory")
 

@@ -41,10 +41,11 @@ def check_generators(generators: Mapping[str, Any] | None) -> dict[str, Any]:
     for name, g in generators.items():
         if type(name) is not str or not name:
             raise TypeError(f"RNGState(generators=...): name {name!r} must be a non-empty str")
-        if kind_of(g) is None:
+        if kind_of(g) is None or isinstance(g, random.SystemRandom):
             raise TypeError(
                 f"RNGState(generators=...): {name!r} is a {type(g).__module__}.{type(g).__qualname__}; supported are "
-                "torch.Generator, numpy.random.Generator, numpy.random.RandomState and random.Random"
+                "torch.Generator, numpy.random.Generator, numpy.random.RandomState and random.Random (not SystemRandom: "
+                "it has no state)"
             )
     return dict(generators)
 
@@ -78,26 +79,31 @@ def state_of(g: Any) -> dict[str, Any]:
     return {"kind": kind, "state": state}
 
 
-def check_saved(generators: Mapping[str, Any], saved: Any) -> None:
-    """Before a load changes anything: every generator has a saved state of its kind."""
+def check_saved(generators: Mapping[str, Any], saved: Any, strict: bool = True) -> list[str]:
+    """``loader._load`` (with the entry's skeleton, before anything is read) and ``RNGState.load_state_dict``:
+    every generator has a saved state of its kind. Returns the names the checkpoint has no state for,
+    which ``strict=False`` leaves as they are (a generator added to the run since); else refused."""
     saved = saved if isinstance(saved, Mapping) else {}
     missing = [n for n in generators if n not in saved]
-    if missing:
+    if missing and strict:
         raise mark(CheckpointError(
             f"RNGState: the checkpoint holds no state for generator(s) {missing} (it has {sorted(saved)}): pass the "
-            "generators the run was saved with (RNGState(generators=...)); a generator added since: seed it yourself "
-            "and pass it to the RNGState of the next save"
+            "generators the run was saved with (RNGState(generators=...)), or load with strict=False: a generator the "
+            "checkpoint has no state for (added since) is then left as it is"
         ))
     for name, g in generators.items():
-        got = saved[name].get("kind") if isinstance(saved[name], Mapping) else None
-        if got != kind_of(g):
+        got = saved[name].get("kind") if isinstance(saved.get(name), Mapping) else None
+        if name in saved and got != kind_of(g):
             raise mark(CheckpointError(f"RNGState: generator {name!r} was saved as a {got} generator and is a "
                                        f"{kind_of(g)} one now; pass one of the saved kind"))
+    return missing
 
 
 def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """Set each generator to its saved state (``check_saved`` passed)."""
+    """Set each generator the checkpoint has a state for to it (``check_saved`` passed)."""
     for name, g in generators.items():
+        if name not in saved:
+            continue
         state, kind = saved[name]["state"], saved[name]["kind"]
         if kind == "torch":
             g.set_state(state.to("cpu", torch.uint8))
@@ -105,9 +111,8 @@ def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
             g.bit_generator.state = _numpy(state)
         elif kind == "numpy_legacy":
             g.set_state(_numpy(state))
-        else:
-            version, internal, gauss = state
-            g.setstate((int(version), tuple(int(x) for x in internal), gauss))
+        else:  # what getstate() gave, tuples kept: a subclass's own state too
+            g.setstate(state)
 
 
 def reseed(generators: Mapping[str, Any], seed: int) -> None:
@@ -119,7 +124,8 @@ def reseed(generators: Mapping[str, Any], seed: int) -> None:
             g.manual_seed(s)
         elif isinstance(g, np.random.Generator):
             g.bit_generator.state = type(g.bit_generator)(s).state
-        elif isinstance(g, np.random.RandomState):
-            g.seed(s & 0xFFFFFFFF)
+        elif isinstance(g, np.random.RandomState):  # seed() takes an MT19937 one only
+            bits = g._bit_generator  # noqa: SLF001  (RandomState has no public accessor of it)
+            bits.state = type(bits)(s).state
         else:
             g.seed(s)

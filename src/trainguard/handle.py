@@ -107,7 +107,7 @@ class SaveHandle:
         end = None if timeout is None else t0 + timeout
         every = min(self.limit / 4, 5.0)
         while not self._staged.wait(every if end is None else max(0.0, min(every, end - time.monotonic()))):
-            late = iostall.oldest()
+            late = iostall.oldest(self.target)  # this save's calls only (another thread's save is not stuck here)
             if late is not None and late[0] >= self.limit and not self._done.is_set():
                 self.stuck = True  # the interpreter's exit does not wait for it (async_save._drain_at_exit)
                 raise iostall.stuck_error(self.step, self.rank, late[0], late[1], self.limit)
@@ -135,7 +135,7 @@ class SaveHandle:
             except TimeoutError:
                 if self._done.is_set():  # the save's own error
                     raise
-            late = iostall.oldest()
+            late = iostall.oldest(self.target)
             if late is not None and late[0] >= limit and self._thread is not None:
                 self.stuck = True  # the interpreter's exit does not wait for it (async_save._drain_at_exit)
                 raise iostall.stuck_error(self.step, rank, late[0], late[1], limit)
@@ -161,7 +161,7 @@ class SaveHandle:
             if limit is None:
                 return t.join()
             try:
-                iostall.join_bounded(t, limit, f"the async save of step {self.step} (to {self.target})")
+                iostall.join_bounded(t, limit, f"the async save of step {self.step} (to {self.target})", self.target)
             except iostall.StuckWriteError:
                 self.stuck = True  # the interpreter's exit does not wait for it
                 raise

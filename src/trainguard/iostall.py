@@ -52,9 +52,13 @@ def inside(what: str) -> Iterator[None]:
         _OPEN.pop(k, None)
 
 
-def oldest() -> tuple[float, str] | None:
-    """The oldest storage call in flight in this process: (seconds in it, what), or None."""
+def oldest(within: str = "") -> tuple[float, str] | None:
+    """The oldest storage call in flight in this process: (seconds in it, what), or None. With
+    ``within`` (a save's target path), only calls on it or on its temp or set-aside directories:
+    another thread's save, or the RAM tier's copy, is not this save's stuck write."""
     calls = list(_OPEN.values())  # a copy in one step: other threads add and remove meanwhile
+    if within:
+        calls = [c for c in calls if any(within + sep in c[1] or c[1].endswith(within) for sep in ("/", ".tmp-", ".old-"))]
     if not calls:
         return None
     t, what = min(calls)
@@ -136,13 +140,13 @@ def watched(storage: Any) -> Any:
     return _Storage(storage)
 
 
-def join_bounded(thread: threading.Thread, limit: float, what: str) -> None:
+def join_bounded(thread: threading.Thread, limit: float, what: str, within: str = "") -> None:
     """``tiers.RamTier.wait`` (rank 0: the next copy to disk, ``restore``, ``close``): join the RAM
     tier's copy thread; a storage call of it in flight for ``limit`` seconds raises
     ``StuckWriteError`` (the thread stays, a daemon, and the caller's ``_thread`` with it)."""
     while thread.is_alive():
         thread.join(min(limit / 4, 5.0))
-        late = oldest()
+        late = oldest(within)
         if thread.is_alive() and late is not None and late[0] >= limit:
             raise StuckWriteError(
                 f"{what} has been stuck for {late[0]:.0f} s in {late[1]} (the limit is the manager's timeout, "

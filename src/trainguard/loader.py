@@ -144,6 +144,8 @@ def _load(
             continue
         if isinstance(obj, FSDP1OptimizerAdapter):  # its class and groups, before anything is read (fsdp1.py)
             obj.check_saved(skel, key)
+        if callable(getattr(obj, "check_generators", None)):  # tg.RNGState's, before anything is read (genstate.py)
+            obj.check_generators(skel, strict)
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)

@@ -50,8 +50,8 @@ class CheckpointManager:
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a :class:`RetentionPolicy`
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
-    next save; the run directory's lock lost is raised all the same, ``runlock.py``); ``handle_signals``: on
-    SIGTERM/SIGINT/SIGHUP/SIGQUIT save at the next ``save()``, set ``should_stop``; ``split_state``: ranks hold different tensors.
+    next save; the run directory's lock lost is raised all the same, ``runlock.py``); ``handle_signals``: on SIGTERM,
+    SIGINT or SIGHUP (not if ignored or handled) save at the next ``save()``, set ``should_stop``; ``split_state``: see split.py.
     """
 
     def __init__(
@@ -85,8 +85,7 @@ class CheckpointManager:
         policies.attach(self.save_policy, self.events)  # its event log; durations end at the commit
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
-        self._preempt = threading.Event()
-        self._old_handlers: dict[int, Any] = {}
+        self._preempt, self._old_handlers = threading.Event(), {}  # the signal handlers open() replaced
         self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's first stop signal
         self.stopped_by: int | None = None  # the stop signal that ended the run (any rank's): exit_code
         self.last_saved_step: int | None = None
@@ -130,7 +129,8 @@ class CheckpointManager:
                 self._lock.release()
             raise
         if self.handle_signals and threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # torchrun forwards each
+            hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, self._on_signal) else []
+            for sig in (signal.SIGTERM, signal.SIGINT, *hup):  # SIGHUP (the agent forwards it) unless nohup'd or handled
                 self._old_handlers.setdefault(sig, signal.signal(sig, self._on_signal))  # the first: a close() in another thread left it
         self._opened = True
         if self.async_save:

@@ -25,8 +25,7 @@ from .events import read_events
 
 def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end: float = float("inf")) -> dict[str, Any] | None:
     """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``
-    and before ``end`` (the next failure or agent start: a later attempt's restore is not this
-    failure's): a bisection, not a scan from the start of the log per failure (O(failures x events))."""
+    and before ``end`` (the next job's start: a later job's restore is not this failure's): a bisection, not a scan from the start of the log per failure (O(failures x events))."""
     i = bisect.bisect_left(times, t)
     return events[i] if i < len(events) and times[i] < end else None
 
@@ -44,12 +43,16 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     restores = [e for e in ev if e["event"] in ("restore", "fresh_start") and e.get("rank") == 0]
     firsts = [e for e in ev if e["event"] == "first_step"]
     fault_t, restore_t, first_t = ([e["t"] for e in x] for x in (faults, restores, firsts))
-    bounds = sorted([f["t"] for f in failures] + [e["t"] for e in ev if e["event"] == "agent_start"])
+    jobs: dict[Any, float] = {}  # each job's first agent start: a later job's restore is not an earlier job's failure's
+    for e in ev:
+        if e["event"] == "agent_start":
+            jobs.setdefault(e.get("job_id"), e["t"])
+    bounds = sorted(jobs.values())
     recoveries = []
     prev_t = ev[0]["t"]
     for f in failures:
-        # The last fault in [prev_t, f["t"]], the first restore (rank 0) and first step from f["t"]
-        # on, before the next failure or agent start.
+        # The last fault in [prev_t, f["t"]], the first restore or fresh start (rank 0) and first step
+        # from f["t"] on, before the next job starts (another node's failure or agent of this job: no bound).
         i = bisect.bisect_right(fault_t, f["t"])
         fault = faults[i - 1] if i and fault_t[i - 1] >= prev_t else None
         end = next((b for b in bounds if b > f["t"]), float("inf"))

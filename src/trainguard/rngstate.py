@@ -55,8 +55,19 @@ class RNGState:
             sd["generators"] = {name: genstate.state_of(g) for name, g in self.generators.items()}
         return sd
 
+    def check_generators(self, skeleton: Any, strict: bool) -> None:
+        """``loader._load``, before anything of the load is read: the generators against the saved
+        entry (``genstate.check_saved``); with ``strict=False`` one it has no state for is warned
+        about and left as it is by the ``load_state_dict`` that follows."""
+        saved = skeleton.get("generators") if isinstance(skeleton, Mapping) else None
+        if missing := genstate.check_saved(self.generators, saved, strict):
+            warnings.warn(f"RNGState: the checkpoint holds no state for generator(s) {missing}; left as they are "
+                          "(strict=False)", stacklevel=4)
+        self._lenient = not strict
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        genstate.check_saved(self.generators, state_dict.get("generators"))  # before anything changes
+        strict, self._lenient = not getattr(self, "_lenient", False), False
+        genstate.check_saved(self.generators, state_dict.get("generators"), strict)  # before anything changes
         try:
             random.setstate(_as_python_rng(state_dict["python"]))
             n = state_dict["numpy"]

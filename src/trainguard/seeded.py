@@ -97,7 +97,7 @@ class SeededDataset(torch.utils.data.Dataset):
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:
     """A DataLoader ``worker_init_fn`` (or a call inside yours): this worker process ignores
-    SIGINT, SIGHUP and SIGQUIT, and SIGTERM unless its parent sent it, so that a stop signal sent to the whole process
+    SIGINT and SIGHUP, and SIGTERM unless its parent sent it, so that a stop signal sent to the whole process
     group reaches only the training process, whose ``CheckpointManager`` saves at its next
     ``save()`` and stops.
 
@@ -114,7 +114,7 @@ def ignore_stop_signals(worker_id: int | None = None) -> None:
     import threading
 
     del worker_id  # the worker_init_fn signature
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):  # stop signals the manager handles (its loader never sends them)
+    for sig in (signal.SIGINT, signal.SIGHUP):  # stop signals the manager handles (its loader never sends them)
         signal.signal(sig, signal.SIG_IGN)
     # The loader's process: the parent, but for multiprocessing_context="forkserver" (the forkserver's child).
     creator = multiprocessing.parent_process()
