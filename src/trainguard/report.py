@@ -6,8 +6,8 @@ Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure`
 ``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
 and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``).
 
-Recovery of failure *i*, split in four: **detect** (fault injected, or a hang declared -> agent saw it; unknown
-for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
+Recovery of failure *i*, split in four: **detect** (fault injected, or hang declared -> agent saw
+it; unknown for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
 rendezvous, new processes, imports, process group), **restore** (the manager's load), **first
 step** (restore done -> first training step finished).
 """
@@ -25,7 +25,8 @@ from .events import read_events
 
 def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end: float = float("inf")) -> dict[str, Any] | None:
     """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``
-    and before ``end`` (the next job's start: a later job's restore is not this failure's): a bisection, not a scan from the start of the log per failure (O(failures x events))."""
+    and before ``end`` (the next job's start: a later job's restore is not this failure's): a
+    bisection, not a scan from the start of the log per failure (O(failures x events))."""
     i = bisect.bisect_left(times, t)
     return events[i] if i < len(events) and times[i] < end else None
 
