@@ -80,9 +80,9 @@ def set_finished(event: Any, wait: float) -> None:
     a worker whose function returned waits for and torch sets only when all are done, never on
     close (one that saved on SIGTERM and returned waited for SIGKILL: 30 s on SIGTERM to the agent,
     --stop-timeout on a restart); waiting at most ``wait`` s. It is a ``multiprocessing.Event``:
-    its ``set()`` waits until every process sleeping in ``wait()`` has woken (``multiprocessing.Condition.notify``): a worker whose function
-    returned sleeps there, and one killed there (SIGTERMed or SIGKILLed after a peer failed) never
-    wakes: the agent hung for good in ``set()``. It runs in a thread; after ``wait`` the agent goes on
+    its ``set()`` waits until every process sleeping in ``wait()`` has woken
+    (``multiprocessing.Condition.notify``): a worker whose function returned sleeps there, and one
+    killed there (SIGTERMed or SIGKILLed after a peer failed) never wakes: the agent hung for good in ``set()``. It runs in a thread; after ``wait`` the agent goes on
     (torch closes the workers twice on a failure: the second close does not wait again)."""
     if getattr(event, "_tg_setter", None) is not None:
         return
