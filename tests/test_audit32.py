@@ -776,3 +776,16 @@ def test_export_into_a_directory_with_another_tools_manifest_is_taken(tmp_path: 
     (tmp_path / "release").mkdir()
     (tmp_path / "release" / "manifest.json").write_text('{"name": "my-model", "files": []}\n')
     assert export(tmp_path / "c", tmp_path / "release" / "model.safetensors") == 1
+
+
+def test_a_torch_generator_of_another_device_is_refused_by_name() -> None:
+    """A CPU generator's state loaded into a CUDA generator (or back) passed the kind check and
+    then failed in set_state, reported as a corrupt checkpoint (a restore skipped every one)."""
+    from trainguard import genstate
+
+    g = torch.Generator()
+    saved = {"g": genstate.state_of(g)}
+    assert saved["g"]["device"] == "cpu"
+    genstate.check_saved({"g": g}, saved)
+    with pytest.raises(tg.CheckpointError, match="'g' was saved on cuda and is on cpu now"):
+        genstate.check_saved({"g": g}, {"g": {**saved["g"], "device": "cuda"}})

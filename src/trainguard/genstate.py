@@ -76,7 +76,7 @@ def state_of(g: Any) -> dict[str, Any]:
         state = _plain(g.get_state(legacy=False))
     else:
         state = g.getstate()
-    return {"kind": kind, "state": state}
+    return {"kind": kind, "state": state, **({"device": g.device.type} if kind == "torch" else {})}
 
 
 def check_saved(generators: Mapping[str, Any], saved: Any, strict: bool = True) -> list[str]:
@@ -96,6 +96,10 @@ def check_saved(generators: Mapping[str, Any], saved: Any, strict: bool = True) 
         if name in saved and got != kind_of(g):
             raise mark(CheckpointError(f"RNGState: generator {name!r} was saved as a {got} generator and is a "
                                        f"{kind_of(g)} one now; pass one of the saved kind"))
+        device = saved[name].get("device") if got == "torch" else None  # a CPU state does not fit a CUDA generator
+        if device is not None and device != g.device.type:
+            raise mark(CheckpointError(f"RNGState: torch generator {name!r} was saved on {device} and is on "
+                                       f"{g.device.type} now; pass a generator of the saved device"))
     return missing
 
 
