@@ -21,6 +21,7 @@ import torch
 
 from .errors import CheckpointError
 from .permanent import mark
+from .seeded import seed_of
 
 KINDS = {"torch": torch.Generator, "numpy": np.random.Generator, "numpy_legacy": np.random.RandomState,
          "python": random.Random}
@@ -122,8 +123,7 @@ def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
 def reseed(generators: Mapping[str, Any], seed: int) -> None:
     """Seed each generator from ``seed`` and its position in ``generators``."""
     for i, g in enumerate(generators.values()):
-        words = np.random.SeedSequence([seed % 2**64, i + 1]).generate_state(2, np.uint32)
-        s = int(words[0]) | int(words[1]) << 32
+        s = seed_of(seed, i + 1)
         if isinstance(g, torch.Generator):
             g.manual_seed(s)
         elif isinstance(g, np.random.Generator):
