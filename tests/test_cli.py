@@ -102,6 +102,6 @@ def test_top_level_help_lists_every_command_with_its_whole_first_sentence():
     r = _run("--help")
     commands = r.output.split("Commands:", 1)[1]
     assert r.exit_code == 0 and "..." not in commands  # click cut them at the terminal width
-    for name in ("consolidate", "convert", "demo", "doctor", "export", "inspect", "ls", "plan", "report", "run", "verify"):
+    for name in ("bench", "consolidate", "convert", "demo", "doctor", "export", "inspect", "ls", "plan", "report", "run", "verify"):
         assert re.search(rf"^  {name} ", commands, re.M), name
     assert "into a full one at DST." in " ".join(commands.split())

@@ -1,0 +1,84 @@
+"""``trainguard bench DIR``: measure a checkpoint's save stall, save duration and load time on
+this machine and DIR's storage, for ``trainguard plan``. The figures come from
+:mod:`trainguard.selfbench`; this module parses options and prints a table or JSON."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from . import CommandError, PipeConsole
+
+_ROWS = (
+    ("raw_write_s", "limit: raw write+fsync"),
+    ("sync_save_s", "sync save (durable)"),
+    ("async_call_s", "async: the call"),
+    ("async_step_wait_s", "async: step() waits"),
+    ("async_stall_s", "async: stall, both"),
+    ("async_duration_s", "async: call to commit"),
+    ("load_cached_s", "load, files cached"),
+    ("load_cold_s", "load, files not cached"),
+    ("load_s", "load"),
+)
+
+
+@click.command("bench")
+@click.argument("directory")
+@click.option("--size", default="1GiB", show_default=True,
+              help="state size: fp32 weights + Adam's two moments, e.g. 500MB, 4GiB")
+@click.option("--rounds", type=click.IntRange(min=1, max=100), default=3, show_default=True,
+              help="rounds of every measurement; the first is shown apart")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="where the state lives (cuda: async saves stage into pinned host memory)")
+@click.option("--keep", is_flag=True, help="keep the last round's two checkpoints (their path is printed)")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
+def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_json: bool) -> None:
+    """Measure what a checkpoint costs here: save stall, save duration and load time of a
+    model + Adam state of --size in DIRECTORY (local or an fsspec URL), against the storage's
+    raw write speed, and print the `trainguard plan` options they give.
+
+    Example: trainguard bench /scratch/ckpts --size 4GiB
+    """
+    import torch
+
+    from .. import selfbench
+    from ..errors import CheckpointError
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise CommandError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    try:
+        nbytes = selfbench.parse_size(size)
+        selfbench.check_room(directory, nbytes, device)
+    except (selfbench.BenchError, OSError) as e:
+        raise CommandError(str(e)) from None
+    console = PipeConsole(stderr=as_json)
+
+    def progress(r: int, fig: dict[str, float]) -> None:
+        console.print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.3f}" for k, v in fig.items()))
+
+    try:
+        result = selfbench.run(directory, nbytes, rounds=rounds, device=device, keep=keep, progress=progress)
+    except (selfbench.BenchError, CheckpointError) as e:  # a load gave back other bytes; a save failed
+        raise CommandError(str(e), exit_code=1) from None
+    except PermissionError as e:
+        raise CommandError(f"cannot write in {directory}: {e}") from None
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=1))
+        return
+    gb = result.state_bytes / 1e9
+    summary = result.summary()
+    table = Table(title=f"{directory}: {gb:.2f} GB in {result.tensors} tensors on {device}, seconds")
+    for col in ("", "first round", "median [min-max]" if rounds > 1 else "", "GB/s"):
+        table.add_column(col)
+    for key, label in _ROWS:
+        if key in summary:
+            s = summary[key]
+            spread = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if rounds > 1 else ""
+            rate = f"{gb / s['median']:.2f}" if key in ("raw_write_s", "sync_save_s", "load_cached_s", "load_cold_s", "load_s") else ""
+            table.add_row(label, f"{s['first']:.3f}", spread, rate)
+    console.print(table)
+    console.print(f"for `trainguard plan`: {result.plan_flags()}")
+    if keep:
+        console.print(f"kept: {result.directory}/trainguard-bench-*/sync-{rounds - 1} and async-{rounds - 1}")

@@ -1,0 +1,265 @@
+"""``trainguard bench DIR``: what one checkpoint costs on this machine and this storage.
+
+The figures ``trainguard plan`` asks for (``--save-stall``, ``--save-duration``) depend on the
+disk or object store a job writes to, which no table in a README knows. :func:`run` measures
+them, in one process, for a model + Adam state of a given size: a sync save (durable), an async
+save (the time the call blocks, then how long ``optimizer.step()`` waits for the background copy
+when it comes right after the call, then the time until the commit), a load into the existing
+tensors from the page cache and, for local directories, with the files dropped from it, and the
+storage's own sequential write+fsync speed for the same bytes as the limit. Every load is
+checked: the loaded tensors must be bitwise what was saved, else :class:`BenchError`.
+
+Who calls what: ``trainguard bench`` (``commands/bench.py``) calls :func:`check_room`, then
+:func:`run`, in one process, without a process group (run it once per node, not under
+``torchrun``). Everything is written under a new directory ``DIR/trainguard-bench-<host>-<pid>``
+that :func:`run` removes at the end, also after an error or Ctrl-C (``keep=True`` leaves the last
+round's two checkpoints).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import shutil
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import xxhash
+
+from .storage import for_path
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+MIN_SIZE = 2**20
+FIGURES = ("raw_write_s", "sync_save_s", "async_call_s", "async_step_wait_s", "async_stall_s", "async_duration_s",
+           "load_cached_s", "load_cold_s", "load_s")
+
+
+class BenchError(Exception):
+    """The benchmark cannot run as asked (no room, bad size) or measured something wrong
+    (a load that did not give back the saved bytes)."""
+
+
+def parse_size(text: str) -> int:
+    """``"1GiB"``, ``"500MB"``, ``"3g"``, ``"1e9"`` -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if not m or m.group(2) not in _UNITS:
+        raise BenchError(f"cannot read {text!r} as a size: write e.g. 1GiB, 500MB or 2e9")
+    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n < MIN_SIZE:
+        raise BenchError(f"--size {text}: at least 1 MiB is needed to measure anything")
+    return n
+
+
+@dataclass
+class Bench:
+    """What :func:`run` measured: one dict of figures (seconds) per round, in order."""
+
+    directory: str
+    state_bytes: int
+    tensors: int
+    device: str
+    rounds: list[dict[str, float]] = field(default_factory=list)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per figure: the first round (buffers new, files created) and the median, min and max of
+        the others (of all rounds when there is only one)."""
+        out = {}
+        for name in FIGURES:
+            vals = [r[name] for r in self.rounds if name in r]
+            if not vals:
+                continue
+            rest = vals[1:] or vals
+            out[name] = {"first": vals[0], "median": statistics.median(rest), "min": min(rest), "max": max(rest)}
+        return out
+
+    def plan_flags(self) -> str:
+        """The ``trainguard plan`` options these figures give, async and sync."""
+        s = self.summary()
+        return (f"--save-stall {s['async_stall_s']['median']:.3g}s --save-duration "
+                f"{s['async_duration_s']['median']:.3g}s (async) or --save-stall {s['sync_save_s']['median']:.3g}s (sync)")
+
+    def as_json(self) -> dict[str, Any]:
+        return {"directory": self.directory, "state_bytes": self.state_bytes, "tensors": self.tensors,
+                "device": self.device, "rounds": self.rounds, "summary": self.summary(),
+                "plan_flags": self.plan_flags()}
+
+
+def build_state(size: int, device: str) -> tuple[dict[str, Any], torch.optim.Optimizer]:
+    """A stack of square linear layers whose fp32 weights and two Adam moments take about
+    ``size`` bytes (4 MiB weights from 48 MiB on), one Adam step taken so the moments exist."""
+    params = size // 12
+    width, layers = (1024, round(params / 1024**2)) if params >= 4 * 1024**2 else (max(8, int((params / 4) ** 0.5)), 4)
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers))).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+            p.grad = torch.randn(p.shape, generator=gen).mul_(1e-3).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt.step()
+    return {"model": model, "optim": opt, "progress": {"step": 1}}, opt
+
+
+def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The weights and moments, the tensors a load must give back bitwise."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(p.data)
+            out += [t for k, t in sorted(opt.state[p].items()) if k != "step"]
+    return out
+
+
+def check_room(directory: str, size: int, device: str) -> None:
+    """Refuse, saying what to change, when this machine lacks the memory (the state and the
+    async save's staging copy) or ``directory`` the space (two checkpoints) for ``size``."""
+    local = "://" not in directory or directory.startswith("file://")
+    if local and not os.path.isdir(directory.removeprefix("file://")):
+        raise BenchError(f"{directory} is not a directory: create it, or name the directory your checkpoints go to")
+    need = 2 * size + 256 * 2**20 if device == "cpu" else size + 256 * 2**20
+    avail = _mem_available()
+    if avail is not None and need > avail:
+        raise BenchError(f"--size {size / 1e9:.2f} GB needs about {need / 1e9:.1f} GB of free memory (the state and "
+                         f"the async save's staging copy); {avail / 1e9:.1f} GB is available: use a smaller --size")
+    if local:
+        free = shutil.disk_usage(directory.removeprefix("file://")).free
+        if 2 * size + 64 * 2**20 > free:
+            raise BenchError(f"{directory} has {free / 1e9:.2f} GB free; --size {size / 1e9:.2f} GB needs about "
+                             f"{2 * size / 1e9:.2f} GB (two checkpoints at once): use a smaller --size")
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _digests(tensors: list[torch.Tensor]) -> list[int]:
+    return [xxhash.xxh3_64_intdigest(t.detach().cpu().contiguous().view(torch.uint8).numpy()) for t in tensors]
+
+
+def _raw_write(directory: str, nbytes: int, sample: torch.Tensor) -> float:
+    """Seconds to write ``nbytes`` with fsync and nothing else: 2 threads, each its half of one
+    new file (``O_DIRECT`` where the file system takes it), from one page-aligned 32 MiB buffer
+    filled with ``sample``'s bytes (not zeros: some storage compresses) and written over and
+    over, so no memory is copied or faulted in while timed."""
+    piece = 32 * 2**20
+    buf = mmap.mmap(-1, piece)
+    data = sample.detach().reshape(-1).view(torch.uint8)[:piece].numpy().tobytes()
+    for off in range(0, piece, len(data)):
+        buf[off : off + len(data[: piece - off])] = data[: piece - off]
+    nbytes = -(-nbytes // 4096) * 4096
+    half = nbytes // 2 // 4096 * 4096
+    path = os.path.join(directory, "raw.bin")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:  # tmpfs and others refuse O_DIRECT at open
+        fd = os.open(path, flags, 0o600)
+    errors: list[BaseException] = []
+
+    def write(start: int, end: int) -> None:
+        try:
+            view = memoryview(buf)
+            while start < end:
+                start += os.pwrite(fd, view[: min(piece, end - start)], start)
+        except BaseException as e:  # raised by run() below
+            errors.append(e)
+
+    try:
+        t0 = time.monotonic()
+        threads = [threading.Thread(target=write, args=span) for span in ((0, half), (half, nbytes))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        os.fsync(fd)
+        return time.monotonic() - t0
+    finally:
+        os.close(fd)
+        os.remove(path)
+        buf.close()
+
+
+def _cache(directory: str, cached: bool) -> None:
+    """Read a checkpoint's files once, so that they are in the page cache (an ``O_DIRECT`` save
+    leaves them out of it), or drop them from it (written and fsynced: their pages are clean)."""
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            if not cached:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            while cached and os.read(fd, 64 * 2**20):
+                pass
+        finally:
+            os.close(fd)
+
+
+def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep: bool = False,
+        progress: Any = None) -> Bench:
+    """Measure ``rounds`` rounds in a new directory under ``directory`` (see the module's
+    docstring); ``progress(round_index, figures)`` is called after each round."""
+    import trainguard as tg
+
+    storage, root = for_path(directory)
+    local = type(storage).__name__ == "LocalStorage"
+    if local and not os.path.isdir(root):  # an object store's prefix exists once written to
+        raise BenchError(f"{directory} is not a directory: create it, or name the directory your checkpoints go to")
+    work = storage.join(root, f"trainguard-bench-{socket.gethostname()}-{os.getpid()}")
+    state, opt = build_state(size, device)
+    tensors = state_tensors(opt)
+    result = Bench(directory, sum(t.nbytes for t in tensors), len(tensors), device)
+    storage.makedirs(work)
+    try:
+        for r in range(rounds):
+            sync_ck, async_ck = storage.join(work, f"sync-{r}"), storage.join(work, f"async-{r}")
+            fig: dict[str, float] = {}
+            if local and device == "cpu":
+                fig["raw_write_s"] = _raw_write(work, result.state_bytes, tensors[0])
+            saved = _digests(tensors)
+            t0 = time.monotonic()
+            tg.save(sync_ck, state)
+            fig["sync_save_s"] = time.monotonic() - t0
+            t0 = time.monotonic()
+            handle = tg.save(async_ck, state, async_=True)
+            fig["async_call_s"] = time.monotonic() - t0
+            opt.step()  # training's next step: it waits for the copies of the weights and moments
+            fig["async_step_wait_s"] = handle.hook_wait_s
+            fig["async_stall_s"] = handle.call_s + handle.hook_wait_s
+            handle.result()
+            fig["async_duration_s"] = (handle.finished_at or time.monotonic()) - t0
+            for name in ("load_cached_s", "load_cold_s") if local else ("load_s",):
+                with torch.no_grad():
+                    for t in tensors:
+                        t.zero_()
+                _cache(sync_ck, name == "load_cached_s") if local else None
+                t0 = time.monotonic()
+                tg.load(sync_ck, state)
+                fig[name] = time.monotonic() - t0
+                if _digests(tensors) != saved:
+                    raise BenchError(f"the load of {sync_ck} did not give back the bytes saved: the storage returned "
+                                     "wrong data (run `trainguard verify` on it with --keep)")
+            result.rounds.append(fig)
+            if progress is not None:
+                progress(r, fig)
+            if not (keep and r == rounds - 1):
+                storage.remove_tree(sync_ck)
+                storage.remove_tree(async_ck)
+    finally:
+        if not keep:
+            storage.remove_tree(work)
+    return result

@@ -1,0 +1,119 @@
+"""``trainguard bench DIR``: the figures ``trainguard plan`` needs, measured on real files.
+
+Every run here writes real checkpoints (fsync'd) of a few MiB into a test directory; the figures'
+values are the machine's, so the tests check their presence, their relations and what they are
+used for (``trainguard plan`` accepts the printed options), not how fast they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard import selfbench
+from trainguard.cli import main as cli
+
+ASYNC = ("async_call_s", "async_step_wait_s", "async_stall_s", "async_duration_s")
+
+
+def _bench(*args: str):
+    return CliRunner().invoke(cli, ["bench", *args], catch_exceptions=False)
+
+
+def test_bench_json_measures_every_figure_and_leaves_nothing(tmp_path):
+    res = _bench(str(tmp_path), "--size", "4MiB", "--rounds", "2", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)  # the rounds' progress lines go to stderr with --json
+    assert out["device"] == "cpu" and out["state_bytes"] >= 4 * 2**20 * 0.9 and len(out["rounds"]) == 2
+    for fig in out["rounds"]:
+        assert set(fig) == set(selfbench.FIGURES) - {"load_s"}  # local and CPU: raw write, loads cached and not
+        assert all(v > 0 for v in fig.values())
+        assert fig["async_stall_s"] == pytest.approx(fig["async_step_wait_s"] + fig["async_call_s"], abs=5e-3)
+        assert fig["async_duration_s"] >= fig["async_stall_s"]
+    s = out["summary"]["sync_save_s"]
+    assert s["first"] == out["rounds"][0]["sync_save_s"] and s["median"] == out["rounds"][1]["sync_save_s"]
+    assert os.listdir(tmp_path) == []  # both checkpoints and the bench directory removed
+
+
+def test_printed_plan_options_are_accepted_by_plan(tmp_path):
+    res = _bench(str(tmp_path), "--size", "2MiB", "--rounds", "1")
+    assert res.exit_code == 0, res.output
+    assert "sync save (durable)" in res.output and "load, files not cached" in res.output
+    line = next(x for x in res.output.splitlines() if x.startswith("for `trainguard plan`: "))
+    flags = shlex.split(line.split(": ", 1)[1].split(" (async)")[0])
+    assert flags[0] == "--save-stall" and flags[2] == "--save-duration"
+    plan = CliRunner().invoke(cli, ["plan", "--nodes", "64", "--node-mtbf", "200d", "--restart", "5m", *flags, "--json"])
+    assert plan.exit_code == 0, plan.output
+    planned = json.loads(plan.output)
+    assert planned["stall_s"] == pytest.approx(float(flags[1].rstrip("s")))
+    assert planned["commit_delay_s"] == pytest.approx(float(flags[3].rstrip("s")) - planned["stall_s"])
+
+
+def test_keep_leaves_two_valid_checkpoints_holding_the_state(tmp_path):
+    res = _bench(str(tmp_path), "--size", "2MiB", "--rounds", "2", "--keep")
+    assert res.exit_code == 0, res.output
+    (work,) = tmp_path.iterdir()
+    assert work.name.startswith("trainguard-bench-") and sorted(p.name for p in work.iterdir()) == ["async-1", "sync-1"]
+    for ck in work.iterdir():
+        assert CliRunner().invoke(cli, ["verify", str(ck)]).exit_code == 0
+    _, opt = selfbench.build_state(2 * 2**20, "cpu")  # seeded: the state every round saves
+    for ck in ("sync-1", "async-1"):  # each round's loads undo the step taken after its async save
+        fresh, _ = selfbench.build_state(2 * 2**20, "cpu")
+        for t in selfbench.state_tensors(fresh["optim"]):
+            t.zero_()
+        tg.load(str(work / ck), fresh)
+        pairs = zip(selfbench.state_tensors(opt), selfbench.state_tensors(fresh["optim"]), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_load_that_does_not_restore_the_bytes_fails_and_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(tg, "load", lambda path, state, **kw: None)  # the tensors stay zeroed
+    res = CliRunner().invoke(cli, ["bench", str(tmp_path), "--size", "2MiB", "--rounds", "1"])
+    assert res.exit_code == 1
+    assert "did not give back the bytes saved" in res.output
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--size", "4x"], "cannot read '4x' as a size"),
+    (["--size", "100KB"], "at least 1 MiB"),
+    (["--size", "100TB"], "use a smaller --size"),
+])
+def test_bad_sizes_are_refused_saying_what_to_write(tmp_path, args, message):
+    res = _bench(str(tmp_path), *args)
+    assert res.exit_code == 2 and message in res.output
+    assert os.listdir(tmp_path) == []
+
+
+def test_missing_directory_and_missing_cuda_are_refused(tmp_path):
+    res = _bench(str(tmp_path / "nope"), "--size", "2MiB")
+    assert res.exit_code == 2 and "is not a directory: create it" in res.output
+    if not torch.cuda.is_available():
+        res = _bench(str(tmp_path), "--size", "2MiB", "--device", "cuda")
+        assert res.exit_code == 2 and "no CUDA device" in res.output
+
+
+def test_parse_size_units():
+    assert selfbench.parse_size("1GiB") == 2**30
+    assert selfbench.parse_size("500MB") == 500 * 10**6
+    assert selfbench.parse_size("2e9") == 2 * 10**9
+    assert selfbench.parse_size(" 3 g ") == 3 * 10**9
+
+
+def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "planning.md").read_text()
+    (cmd,) = [line[2:] for line in doc.splitlines() if line.startswith("$ trainguard bench ")]
+    args = shlex.split(cmd)[2:]
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / args[0]).mkdir()  # "the directory must exist"
+    res = _bench(*args)
+    assert res.exit_code == 0, res.output
+    assert "for `trainguard plan`: --save-stall " in res.output
+    assert os.listdir(tmp_path / args[0]) == []
