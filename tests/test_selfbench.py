@@ -117,3 +117,24 @@ def test_the_docs_example_runs_as_written(tmp_path, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "for `trainguard plan`: --save-stall " in res.output
     assert os.listdir(tmp_path / args[0]) == []
+
+
+def test_an_error_while_the_async_save_writes_waits_for_it_then_cleans_up(tmp_path, monkeypatch):
+    import threading
+
+    calls: list[dict] = []
+    adam_step = torch.optim.Adam.step
+
+    def step(self, closure=None):  # replaces Adam.step (and the pre-step hook with it): fails right after the call
+        if calls and calls[-1].get("async_"):
+            raise RuntimeError("the loop failed")
+        return adam_step(self, closure)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", step)
+    real_save = tg.save
+    monkeypatch.setattr(tg, "save", lambda *a, **kw: calls.append(kw) or real_save(*a, **kw))
+    with pytest.raises(RuntimeError, match="the loop failed"):
+        selfbench.run(str(tmp_path), 8 * 2**20, rounds=1)
+    assert [kw.get("async_") for kw in calls] == [None, True]  # it failed while the async save was in flight
+    assert os.listdir(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name == "trainguard-async-save"]

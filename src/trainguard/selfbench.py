@@ -224,6 +224,7 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
     tensors = state_tensors(opt)
     result = Bench(directory, sum(t.nbytes for t in tensors), len(tensors), device)
     storage.makedirs(work)
+    handle = None
     try:
         for r in range(rounds):
             sync_ck, async_ck = storage.join(work, f"sync-{r}"), storage.join(work, f"async-{r}")
@@ -260,6 +261,11 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
                 storage.remove_tree(sync_ck)
                 storage.remove_tree(async_ck)
     finally:
+        if handle is not None and not handle.done():  # an error or Ctrl-C while the async save writes
+            try:
+                handle.result(timeout=120)
+            except Exception:  # its own error: the one in flight is the error to report
+                pass
         if not keep:
             storage.remove_tree(work)
     return result
