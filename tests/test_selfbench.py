@@ -138,3 +138,32 @@ def test_an_error_while_the_async_save_writes_waits_for_it_then_cleans_up(tmp_pa
     assert [kw.get("async_") for kw in calls] == [None, True]  # it failed while the async save was in flight
     assert os.listdir(tmp_path) == []
     assert not [t for t in threading.enumerate() if t.name == "trainguard-async-save"]
+
+
+def test_under_torchrun_every_rank_saves_its_own_state_at_once(tmp_path):
+    """Two ranks under torchrun's elastic agent (gloo, 127.0.0.1): one table, from rank 0, of the
+    slower rank's figures; the kept checkpoint holds both ranks' layers (``split_state``), and one
+    process without a process group loads each rank's weights back from it."""
+    import socket
+
+    from conftest import run_py
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    r = run_py(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "trainguard.cli", "bench", str(tmp_path),
+                "--size", "2MiB", "--rounds", "1", "--keep", "--json"],
+               env={"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)  # rank 1 prints nothing
+    assert out["world"] == 2 and set(out["rounds"][0]) == set(selfbench.FIGURES) - {"load_s"}
+    (work,) = tmp_path.iterdir()
+    assert sorted(p.name for p in work.iterdir()) == ["async-0", "sync-0"]  # the raw files are gone
+    ranks = [selfbench.build_state(2 * 2**20, "cpu", rank)[0]["model"] for rank in (0, 1)]
+    both = torch.nn.ModuleDict({k: torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
+                                for m in ranks for k, layer in m.items()})
+    assert not any(torch.equal(both[k].weight, m[k].weight) for m in ranks for k in m)
+    tg.load(str(work / "sync-0"), {"model": both}, only=["model"])
+    assert len(both) == 8 and all(torch.equal(both[k].weight, m[k].weight) for m in ranks for k in m)

@@ -10,10 +10,11 @@ storage's own sequential write+fsync speed for the same bytes as the limit. Ever
 checked: the loaded tensors must be bitwise what was saved, else :class:`BenchError`.
 
 Who calls what: ``trainguard bench`` (``commands/bench.py``) calls :func:`check_room`, then
-:func:`run`, in one process, without a process group (run it once per node, not under
-``torchrun``). Everything is written under a new directory ``DIR/trainguard-bench-<host>-<pid>``
-that :func:`run` removes at the end, also after an error or Ctrl-C (``keep=True`` leaves the last
-round's two checkpoints).
+:func:`run`: in one process, or on every rank of a process group it creates under ``torchrun``
+(then each rank saves its own state at the same time as the others, and each figure is the
+slowest rank's). Everything is written under a new directory ``DIR/trainguard-bench-<host>-<pid>``
+(rank 0's host and pid) that :func:`run` removes at the end, also after an error or Ctrl-C
+(``keep=True`` leaves the last round's two checkpoints).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ class Bench:
     """What :func:`run` measured: one dict of figures (seconds) per round, in order."""
 
     directory: str
-    state_bytes: int
-    tensors: int
+    state_bytes: int  # one rank's
+    tensors: int  # one rank's
     device: str
-    rounds: list[dict[str, float]] = field(default_factory=list)
+    world: int = 1
+    rounds: list[dict[str, float]] = field(default_factory=list)  # the slowest rank's figures
 
     def summary(self) -> dict[str, dict[str, float]]:
         """Per figure: the first round (buffers new, files created) and the median, min and max of
@@ -87,17 +89,19 @@ class Bench:
 
     def as_json(self) -> dict[str, Any]:
         return {"directory": self.directory, "state_bytes": self.state_bytes, "tensors": self.tensors,
-                "device": self.device, "rounds": self.rounds, "summary": self.summary(),
+                "device": self.device, "world": self.world, "rounds": self.rounds, "summary": self.summary(),
                 "plan_flags": self.plan_flags()}
 
 
-def build_state(size: int, device: str) -> tuple[dict[str, Any], torch.optim.Optimizer]:
-    """A stack of square linear layers whose fp32 weights and two Adam moments take about
-    ``size`` bytes (4 MiB weights from 48 MiB on), one Adam step taken so the moments exist."""
+def build_state(size: int, device: str, rank: int = 0) -> tuple[dict[str, Any], torch.optim.Optimizer]:
+    """Square linear layers whose fp32 weights and two Adam moments take about ``size`` bytes
+    (4 MiB weights from 48 MiB on), one Adam step taken so the moments exist; ``rank``'s
+    layers are named apart from the other ranks' (``layer<rank>_<i>``) and filled apart."""
     params = size // 12
     width, layers = (1024, round(params / 1024**2)) if params >= 4 * 1024**2 else (max(8, int((params / 4) ** 0.5)), 4)
-    gen = torch.Generator().manual_seed(0)
-    model = torch.nn.Sequential(*(torch.nn.Linear(width, width, bias=False) for _ in range(layers))).to(device)
+    gen = torch.Generator().manual_seed(rank)
+    model = torch.nn.ModuleDict({f"layer{rank}_{i}": torch.nn.Linear(width, width, bias=False)
+                                 for i in range(layers)}).to(device)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen))
@@ -117,22 +121,25 @@ def state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return out
 
 
-def check_room(directory: str, size: int, device: str) -> None:
+def check_room(directory: str, size: int, device: str, local_ranks: int = 1, ranks: int = 1) -> None:
     """Refuse, saying what to change, when this machine lacks the memory (the state and the
-    async save's staging copy) or ``directory`` the space (two checkpoints) for ``size``."""
+    async save's staging copy, for each of its ``local_ranks``) or ``directory`` the space (two
+    checkpoints of every one of ``ranks``) for ``size``."""
     local = "://" not in directory or directory.startswith("file://")
     if local and not os.path.isdir(directory.removeprefix("file://")):
         raise BenchError(f"{directory} is not a directory: create it, or name the directory your checkpoints go to")
-    need = 2 * size + 256 * 2**20 if device == "cpu" else size + 256 * 2**20
+    need = local_ranks * (2 * size if device == "cpu" else size) + 256 * 2**20
     avail = _mem_available()
     if avail is not None and need > avail:
         raise BenchError(f"--size {size / 1e9:.2f} GB needs about {need / 1e9:.1f} GB of free memory (the state and "
-                         f"the async save's staging copy); {avail / 1e9:.1f} GB is available: use a smaller --size")
+                         f"the async save's staging copy, {local_ranks} rank(s) here); {avail / 1e9:.1f} GB is "
+                         "available: use a smaller --size")
     if local:
         free = shutil.disk_usage(directory.removeprefix("file://")).free
-        if 2 * size + 64 * 2**20 > free:
+        if 2 * ranks * size + 64 * 2**20 > free:
             raise BenchError(f"{directory} has {free / 1e9:.2f} GB free; --size {size / 1e9:.2f} GB needs about "
-                             f"{2 * size / 1e9:.2f} GB (two checkpoints at once): use a smaller --size")
+                             f"{2 * ranks * size / 1e9:.2f} GB (two checkpoints at once, {ranks} rank(s)): "
+                             "use a smaller --size")
 
 
 def _mem_available() -> int | None:
@@ -150,7 +157,7 @@ def _digests(tensors: list[torch.Tensor]) -> list[int]:
     return [xxhash.xxh3_64_intdigest(t.detach().cpu().contiguous().view(torch.uint8).numpy()) for t in tensors]
 
 
-def _raw_write(directory: str, nbytes: int, sample: torch.Tensor) -> float:
+def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> float:
     """Seconds to write ``nbytes`` with fsync and nothing else: 2 threads, each its half of one
     new file (``O_DIRECT`` where the file system takes it), from one page-aligned 32 MiB buffer
     filled with ``sample``'s bytes (not zeros: some storage compresses) and written over and
@@ -162,7 +169,7 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor) -> float:
         buf[off : off + len(data[: piece - off])] = data[: piece - off]
     nbytes = -(-nbytes // 4096) * 4096
     half = nbytes // 2 // 4096 * 4096
-    path = os.path.join(directory, "raw.bin")
+    path = os.path.join(directory, name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
         fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
@@ -212,60 +219,97 @@ def _cache(directory: str, cached: bool) -> None:
 def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep: bool = False,
         progress: Any = None) -> Bench:
     """Measure ``rounds`` rounds in a new directory under ``directory`` (see the module's
-    docstring); ``progress(round_index, figures)`` is called after each round."""
+    docstring); ``progress(round_index, figures)`` is called after each round, on rank 0.
+
+    In a process group (every rank calls it, ``trainguard bench`` under ``torchrun``), each rank
+    saves and loads its own ``size`` state at the same time as the others (``split_state``: its
+    layers have names of their own), and each figure is the slowest rank's."""
     import trainguard as tg
 
     storage, root = for_path(directory)
     local = type(storage).__name__ == "LocalStorage"
     if local and not os.path.isdir(root):  # an object store's prefix exists once written to
         raise BenchError(f"{directory} is not a directory: create it, or name the directory your checkpoints go to")
-    work = storage.join(root, f"trainguard-bench-{socket.gethostname()}-{os.getpid()}")
-    state, opt = build_state(size, device)
+    dist = torch.distributed
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    name = [f"trainguard-bench-{socket.gethostname()}-{os.getpid()}"]
+    if world > 1:
+        dist.broadcast_object_list(name, src=0)
+    work = storage.join(root, name[0])
+    kw = {"split_state": True} if world > 1 else {}
+    state, opt = build_state(size, device, rank)
     tensors = state_tensors(opt)
-    result = Bench(directory, sum(t.nbytes for t in tensors), len(tensors), device)
-    storage.makedirs(work)
-    handle = None
+    result = Bench(directory, sum(t.nbytes for t in tensors), len(tensors), device, world)
+    if rank == 0:
+        storage.makedirs(work)
+    handle, finished = None, False
     try:
         for r in range(rounds):
             sync_ck, async_ck = storage.join(work, f"sync-{r}"), storage.join(work, f"async-{r}")
             fig: dict[str, float] = {}
             if local and device == "cpu":
-                fig["raw_write_s"] = _raw_write(work, result.state_bytes, tensors[0])
+                _together(world)
+                fig["raw_write_s"] = _raw_write(work, result.state_bytes, tensors[0], f"raw-{rank}.bin")
             saved = _digests(tensors)
-            t0 = time.monotonic()
-            tg.save(sync_ck, state)
+            t0 = _together(world)
+            tg.save(sync_ck, state, **kw)
             fig["sync_save_s"] = time.monotonic() - t0
-            t0 = time.monotonic()
-            handle = tg.save(async_ck, state, async_=True)
+            t0 = _together(world)
+            handle = tg.save(async_ck, state, async_=True, **kw)
             fig["async_call_s"] = time.monotonic() - t0
             opt.step()  # training's next step: it waits for the copies of the weights and moments
             fig["async_step_wait_s"] = handle.hook_wait_s
             fig["async_stall_s"] = handle.call_s + handle.hook_wait_s
             handle.result()
             fig["async_duration_s"] = (handle.finished_at or time.monotonic()) - t0
-            for name in ("load_cached_s", "load_cold_s") if local else ("load_s",):
+            wrong = 0.0
+            for what in ("load_cached_s", "load_cold_s") if local else ("load_s",):
                 with torch.no_grad():
                     for t in tensors:
                         t.zero_()
-                _cache(sync_ck, name == "load_cached_s") if local else None
-                t0 = time.monotonic()
-                tg.load(sync_ck, state)
-                fig[name] = time.monotonic() - t0
-                if _digests(tensors) != saved:
-                    raise BenchError(f"the load of {sync_ck} did not give back the bytes saved: the storage returned "
-                                     "wrong data (run `trainguard verify` on it with --keep)")
+                _cache(sync_ck, what == "load_cached_s") if local else None
+                t0 = _together(world)
+                tg.load(sync_ck, state, **kw)
+                fig[what] = time.monotonic() - t0
+                wrong = wrong or float(_digests(tensors) != saved)
+            fig = _slowest(fig, world, wrong, sync_ck)
             result.rounds.append(fig)
-            if progress is not None:
+            if progress is not None and rank == 0:
                 progress(r, fig)
-            if not (keep and r == rounds - 1):
+            if not (keep and r == rounds - 1) and rank == 0:  # every rank has loaded: _slowest gathered
                 storage.remove_tree(sync_ck)
                 storage.remove_tree(async_ck)
+        finished = True
     finally:
         if handle is not None and not handle.done():  # an error or Ctrl-C while the async save writes
             try:
                 handle.result(timeout=120)
             except Exception:  # its own error: the one in flight is the error to report
                 pass
-        if not keep:
+        if finished:
+            _together(world)
+        if not keep and rank == 0:
             storage.remove_tree(work)
     return result
+
+
+def _together(world: int) -> float:
+    """Every rank starts a timed part at once: a barrier, then the clock."""
+    if world > 1:
+        torch.distributed.barrier()
+    return time.monotonic()
+
+
+def _slowest(fig: dict[str, float], world: int, wrong: float, path: str) -> dict[str, float]:
+    """Each figure of the slowest rank (one process: ``fig``); raises on every rank when a load
+    gave back other bytes than saved on any."""
+    figs = [fig]
+    if world > 1:
+        figs = [{} for _ in range(world)]
+        torch.distributed.all_gather_object(figs, {**fig, "_wrong": wrong})
+    bad = [r for r, f in enumerate(figs) if f.get("_wrong", wrong)]
+    if bad:
+        raise BenchError(f"the load of {path} did not give back the bytes saved"
+                         + (f" on rank(s) {bad}" if world > 1 else "")
+                         + ": the storage returned wrong data (run `trainguard verify` on it with --keep)")
+    return {k: max(f[k] for f in figs) for k in fig}

@@ -4,7 +4,9 @@ this machine and DIR's storage, for ``trainguard plan``. The figures come from
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 
 import click
 from rich.table import Table
@@ -39,7 +41,9 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
     model + Adam state of --size in DIRECTORY (local or an fsspec URL), against the storage's
     raw write speed, and print the `trainguard plan` options they give.
 
-    Example: trainguard bench /scratch/ckpts --size 4GiB
+    Example: trainguard bench /scratch/ckpts --size 4GiB. Under torchrun
+    (torchrun --nproc-per-node 8 $(which trainguard) bench DIR) every rank saves its own --size
+    state at the same time, as a job's ranks do.
     """
     import torch
 
@@ -48,12 +52,20 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
 
     if device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         nbytes = selfbench.parse_size(size)
-        selfbench.check_room(directory, nbytes, device)
+        selfbench.check_room(directory, nbytes, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world)
     except (selfbench.BenchError, OSError) as e:
         raise CommandError(str(e)) from None
-    console = PipeConsole(stderr=as_json)
+    dist = torch.distributed
+    own_group = world > 1 and not dist.is_initialized()
+    if own_group:  # under torchrun: every rank saves its own state at once
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+    rank = dist.get_rank() if world > 1 else 0
+    console = PipeConsole(stderr=as_json, quiet=rank != 0)
 
     def progress(r: int, fig: dict[str, float]) -> None:
         console.print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.3f}" for k, v in fig.items()))
@@ -64,19 +76,26 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
         raise CommandError(str(e), exit_code=1) from None
     except PermissionError as e:
         raise CommandError(f"cannot write in {directory}: {e}") from None
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+    if rank != 0:
+        return
     if as_json:
         click.echo(json.dumps(result.as_json(), indent=1))
         return
     gb = result.state_bytes / 1e9
+    total = gb * result.world  # the rates: every rank's bytes
     summary = result.summary()
-    table = Table(title=f"{directory}: {gb:.2f} GB in {result.tensors} tensors on {device}, seconds")
-    for col in ("", "first round", "median [min-max]" if rounds > 1 else "", "GB/s"):
+    ranks = f" on each of {result.world} ranks at once (the slowest rank's figures)" if result.world > 1 else ""
+    table = Table(title=f"{directory}: {gb:.2f} GB in {result.tensors} tensors on {device}{ranks}, seconds")
+    for col in ("", "first round", "median [min-max]" if rounds > 1 else "", "GB/s" + (" (all)" if result.world > 1 else "")):
         table.add_column(col)
     for key, label in _ROWS:
         if key in summary:
             s = summary[key]
             spread = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if rounds > 1 else ""
-            rate = f"{gb / s['median']:.2f}" if key in ("raw_write_s", "sync_save_s", "load_cached_s", "load_cold_s", "load_s") else ""
+            rate = f"{total / s['median']:.2f}" if key in ("raw_write_s", "sync_save_s", "load_cached_s", "load_cold_s", "load_s") else ""
             table.add_row(label, f"{s['first']:.3f}", spread, rate)
     console.print(table)
     console.print(f"for `trainguard plan`: {result.plan_flags()}")
