@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 import trainguard as tg
-from trainguard.loader import _reseed
+from trainguard.rankload import _reseed
 
 
 def _draws(reseed: int, rank: int, step: int) -> tuple:

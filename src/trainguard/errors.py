@@ -277,19 +277,23 @@ def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
 
 
 def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: float | None,
-               split: bool | None = None, which: list[Any] | None = None) -> None:
+               split: bool | None = None, which: list[Any] | None = None, only: Any = False) -> None:
     """A round of ``loader.load`` (every rank, same order; ``e``: this rank's failure, if any):
     raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
     failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
     that does not fit). ``split``: this rank's ``split_state`` (the "load" round): ranks that
     passed different ones all raise the same error naming it (``split.load_flags_differ``).
     ``which`` (the "load" round): ``[step, created]`` of the manifest this rank read: ranks that
-    read different checkpoints (another path, or ``restore(step=)``, on one rank) all raise."""
+    read different checkpoints (another path, or ``restore(step=)``, on one rank) all raise.
+    ``only`` (the "load" round): this rank's ``only=``, sorted (None: every entry): ranks that
+    passed different ones all raise (with FSDP2, one rank's optimizer left unloaded trained on
+    silently with the others' loaded)."""
     from .permanent import from_medium, is_permanent, keeps_own
     from .split import load_flags_differ
 
     outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
-               "permanent": is_permanent(e), "medium": from_medium(e), "split": split, "which": which}
+               "permanent": is_permanent(e), "medium": from_medium(e), "split": split, "which": which,
+               **({} if only is False else {"only": only})}
     with keeps_own(e):  # the exchange failed (rank 0 exited 78 first, its store with it): e stays its error
         outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
     if split is not None and (differ := load_flags_differ([bool(o.get("split")) for o in outcomes])):
@@ -301,6 +305,12 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
             + ", ".join(f"rank {r}: step {w[0]} saved at {w[1]}" for r, w in sorted(read.items())[:8])
             + "); nothing was read into the state. Every rank must load the same one: pass the same path to "
             "tg.load, and the same step= (or none) to CheckpointManager.restore") from e
+    if only is not False and not split and len({repr(o.get("only", only)) for o in outcomes}) > 1:
+        raise CheckpointError(
+            f"load of {target}: the ranks passed different only= ("
+            + ", ".join(f"rank {r}: {'every entry' if o.get('only') is None else o['only']}"
+                        for r, o in enumerate(outcomes[:8]))
+            + "); nothing was read into the state. Pass the same only= (or none) on every rank") from e
     try:
         if e is not None:
             raise e from e.__cause__

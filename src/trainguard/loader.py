@@ -5,7 +5,6 @@ all ranks succeed or all raise the same error."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -14,12 +13,12 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import gaps, resizable, scalerstate, split, stateful
+from . import gaps, optload, rankload, resizable, scalerstate, split, stateful
 from .aliases import shared_destinations
 from .buffers import in_place
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
-from .dtensor import ensure_optimizer_state, is_dtensor, shard_of
+from .dtensor import is_dtensor, shard_of
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
 from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
@@ -58,6 +57,8 @@ def load(
     check_timeout(timeout)
     if strict not in (True, False) or verify not in (True, False):  # strict="no" is truthy: a strict load
         raise TypeError(f"strict={strict!r}, verify={verify!r}: pass True or False")
+    if only is not None and not isinstance(only, (str, bytes)):
+        only = list(only)  # a generator: the plan round and _load both read it
     ctx = DistContext.current()
     storage, target = for_path(path)
     from .async_save import wait_staging_in_flight  # here: async_save imports api, which imports this
@@ -69,7 +70,8 @@ def load(
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
         which = None if manifest is None else [manifest.step, manifest.created]  # ranks that read another one: all raise
-        agree_load(ctx, "load", target, e, timeout, split=split_state, which=which)  # ... as ranks that differ in split_state
+        agree_load(ctx, "load", target, e, timeout, split=split_state, which=which,  # ... as ranks that differ in split_state
+                   only=None if only is None else sorted({str(k) for k in only}))
         agreed[0] = True
         if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
             split.check_taken(ctx, manifest, taken, timeout)
@@ -123,6 +125,7 @@ def _load(
     bad: dict[str, str] = {}  # path -> its line of ``mismatched``: not read (strict=False keeps its values)
     skip = set(missing_keys)
     current: dict[str, Any] = {}  # key -> the destination's own state_dict() (or value), for keep_types
+    later: list[Any] = []  # rankload: re-seeding a rank the checkpoint has no state for, once loaded
     for key in keys:
         if key in skip:
             continue
@@ -139,7 +142,7 @@ def _load(
                 plans.append((key, value, skel, {key: value}, [key]))
             continue
         obj = refuse_unsupported(value, key, state, saving=False) or adapt(value, names)  # ZeRO, FSDP1 (fsdp1.py)
-        skel, src_rank = _skeleton_for(manifest, key, value, ctx)
+        skel, src_rank = rankload.skeleton_for(manifest, key, value, ctx.rank, ctx.world_size, later)
         if skel is None:
             continue
         if isinstance(obj, FSDP1OptimizerAdapter):  # its class and groups, before anything is read (fsdp1.py)
@@ -154,7 +157,6 @@ def _load(
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
                 skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine)])
             obj.check_saved(skel, key)
-            ensure_optimizer_state(obj.optimizer)  # a fresh one (DTensor params) has no state to read into
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint "
                               f"{'a structure' if isinstance(skel, (dict, list)) else f'a JSON value ({type(skel).__name__})'})")
@@ -167,8 +169,8 @@ def _load(
             missing += gaps.missing(obj, cur, skel, prefix)  # a key added since the save (gaps.py)
         _, dest = flatten(cur, prefix)
         refs = tensor_refs(skel)
-        if isinstance(obj, OptimizerAdapter):
-            dest = alias_saved_paths(refs, dest)
+        if isinstance(obj, OptimizerAdapter):  # state it lacks: DTensor destinations, a parameter's new shape (optload.py)
+            optload.fill_destinations(obj, skel, dest := alias_saved_paths(refs, dest), manifest, mismatched, bad)
         for p in refs:
             if p not in manifest.tensors:
                 raise CorruptCheckpointError(f"manifest references tensor {p!r} that it does not describe", entry=p)
@@ -305,6 +307,8 @@ def _load(
         else:
             value = keep_types(unflatten(skel, lambda p, dest=dest: loaded.get(p, dest.get(p))), current.get(key))
             value = gaps.fill(obj, value, current.get(key))  # strict=False: such a key keeps its value
+            if bad and isinstance(obj, OptimizerAdapter):  # a parameter whose shape changed: its state afresh
+                value = optload.without_unread(obj, skel, value, dest, bad)
         try:
             if isinstance(obj, ModuleAdapter):
                 obj.load_state_dict(value, strict=strict)
@@ -326,6 +330,7 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             )) from e
+    rankload.run_deferred(later)
 
 
 def _expanded(t: torch.Tensor) -> bool:
@@ -347,41 +352,6 @@ def _sole_reader(ctx: DistContext) -> bool:
     measured with 2 DDP ranks: O_DIRECT 2.43 s, through the cache 1.49 s). torchrun's
     ``LOCAL_WORLD_SIZE`` says how many ranks share this machine; unknown counts as several."""
     return ctx.world_size == 1 or os.environ.get("LOCAL_WORLD_SIZE") == "1"
-
-
-def _reseed(value: Any, rank: int, step: int) -> None:
-    """``value.reseed_for_rank(rank, step=step)``; ``(rank)`` alone for an object of the user's
-    whose method takes no ``step`` (the protocol before steps were passed)."""
-    params = inspect.signature(value.reseed_for_rank).parameters
-    if "step" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        value.reseed_for_rank(rank, step=step)
-    else:
-        value.reseed_for_rank(rank)
-
-
-def _skeleton_for(manifest: Manifest, key: str, value: Any, ctx: DistContext) -> tuple[Any, int | None]:
-    """This rank's skeleton for entry ``key`` (rank-local entries: the rule in docs/distributed.md)."""
-    obj = manifest.objects[key]
-    if "skeleton" in obj:
-        return obj["skeleton"], None
-    ranks = obj["ranks"]
-    if ctx.rank < len(ranks) and ranks[ctx.rank] is not None:  # None: saved by a stage without it (split_state)
-        if len(ranks) != ctx.world_size:
-            warnings.warn(
-                f"{key}: saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}, loading on {ctx.world_size}; rank {ctx.rank} takes saved "
-                f"rank {ctx.rank}'s state",
-                stacklevel=4,
-            )
-        return ranks[ctx.rank], ctx.rank
-    if hasattr(value, "reseed_for_rank"):
-        _reseed(value, ctx.rank, manifest.step)
-        warnings.warn(f"{key}: no saved state for rank {ctx.rank} (saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}); re-seeded", stacklevel=4)
-        return None, None
-    src = split.saved_slot(ranks, ctx.rank)
-    if src is None:
-        raise CorruptCheckpointError(f"rank-local entry {key!r} lists no rank's state", entry=key)
-    warnings.warn(f"{key}: no saved state for rank {ctx.rank}; taking saved rank {src}'s", stacklevel=4)
-    return ranks[src], src
 
 
 def _destination(live: torch.Tensor | None, e: TensorEntry, stage: bool = False) -> tuple[torch.Tensor, Box, torch.Tensor | None]:

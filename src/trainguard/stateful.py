@@ -244,6 +244,14 @@ class OptimizerAdapter:
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
+        saved_names = [n for g in saved_groups for n in g["params"]]
+        if not any(id(p) in self.names for g in cur_groups for p in g["params"]) and not any(
+                n.startswith("param.") for n in saved_names):  # {"optim": o} alone: nothing names its parameters
+            raise mark(CheckpointError(
+                f"no module in the state holds this optimizer's parameters: trainguard keys optimizer state by "
+                f"parameter name, taken from the modules of the same state, and the checkpoint names them "
+                f"{saved_names[:6]}; put the model in the state too (state = {{'model': model, 'optim': optim}}; "
+                "only=['optim'] then loads the optimizer alone)"))
         if len(saved_groups) != len(cur_groups):  # which groups differ, and add_param_group's part in it
             raise mark(CheckpointError(count_mismatch(saved_groups, names, cur_groups)))
         out, pos = [], 0

@@ -1,0 +1,97 @@
+"""Loading an optimizer's per-parameter state where the live optimizer has no tensor to read into.
+
+A freshly built optimizer has no state; one built with other hyperparameters (SGD without
+momentum, Adam without ``amsgrad``) lacks some of it; one that has stepped while some parameters
+were frozen or had no gradient lacks theirs. ``loader._load`` reads such a saved tensor into a
+new one and hands it to ``optimizer.load_state_dict``. Two cases need more, and
+:func:`fill_destinations` (called by ``loader._load`` on every rank, for each optimizer entry,
+while it plans the load, before anything is read) handles them:
+
+- the parameter is a DTensor (FSDP2) and the saved tensor has its (global) shape: a new whole
+  tensor would put the full state on every rank, and the next ``step()`` fails mixing a plain
+  tensor with DTensors. The destination is a DTensor sharded like the parameter
+  (``torch.empty_like``), so each rank reads its shard (resharding as for any DTensor);
+- the saved tensor has the shape the parameter had at save time, and the parameter's shape has
+  changed since: it is listed as mismatched, like the module's tensor (a strict load refuses;
+  ``strict=False`` leaves that parameter without optimizer state, :func:`without_unread`, so its
+  next ``step()`` starts it afresh, instead of failing on the old shape).
+
+A parameter's state tensors of another shape than the parameter's (a factored second moment)
+are read as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .dcp_import import saved_groups
+from .dtensor import is_dtensor
+from .flatten import tensor_refs
+from .manifest import Manifest
+
+
+def owners(adapter: Any, skel: Any) -> dict[str, tuple[str, Any]]:
+    """Each tensor path of the saved optimizer entry ``skel`` (its per-parameter state) -> (the
+    parameter's name in the checkpoint, the live parameter). Empty for a skeleton of another
+    form (torch's own, keyed by index) or groups that do not match (``check_saved`` refused those)."""
+    state = skel.get("state") if isinstance(skel, dict) else None
+    groups = saved_groups(adapter, skel, warn=False)
+    if not isinstance(state, dict) or "$dict" in state or not isinstance(groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
+            for g in groups):
+        return {}
+    try:
+        per_group = adapter._match_groups(groups, warn=False)
+    except Exception:  # noqa: BLE001 - groups that differ: check_saved and load_state_dict say so
+        return {}
+    by_name = {n: p for names, g in zip(per_group, adapter.optimizer.param_groups, strict=True)
+               for n, p in zip(names, g["params"], strict=True)}
+    out: dict[str, tuple[str, Any]] = {}
+    for name, st in state.items():
+        if (p := by_name.get(name)) is not None:
+            for ref in tensor_refs(st):
+                out[ref] = (name, p)
+    return out
+
+
+def saved_param_shape(manifest: Manifest, name: str) -> list[int] | None:
+    """The shape parameter ``name`` (the optimizer's name for it) had at save time, from a module
+    entry of the checkpoint: ``<entry>/<name>``, or ``<entry>/<rest>`` for a name ``<entry>.<rest>``
+    (a state with several modules); None when no module entry holds it."""
+    for key in manifest.objects:
+        for path in (f"{key}/{name}", f"{key}/{name[len(key) + 1:]}" if name.startswith(key + ".") else None):
+            if path is not None and (e := manifest.tensors.get(path)) is not None:
+                return e.shape
+    return None
+
+
+def fill_destinations(adapter: Any, skel: Any, dest: dict[str, Any], manifest: Manifest,
+                      mismatched: list[str], bad: dict[str, str]) -> None:
+    """``loader._load``: the saved per-parameter tensors that have no destination in ``dest``
+    (tensor path -> the live state's tensor) get a DTensor one when their parameter is a DTensor,
+    or are added to ``mismatched`` and ``bad`` when their parameter's shape has changed since
+    the save (see the module's docstring)."""
+    for p, (name, param) in owners(adapter, skel).items():
+        e = manifest.tensors.get(p)
+        if dest.get(p) is not None or e is None or not e.shape:  # one to read into; a scalar ("step")
+            continue
+        if e.shape == list(param.shape):
+            if is_dtensor(param):
+                dest[p] = torch.empty_like(param.detach(), dtype=e.torch_dtype)
+        elif saved_param_shape(manifest, name) == e.shape:
+            bad[p] = (f"{p} (checkpoint {e.dtype}{e.shape}: the state of parameter {name!r}, whose shape is "
+                      f"{list(param.shape)} now)")
+            mismatched.append(bad[p])
+
+
+def without_unread(adapter: Any, skel: Any, value: Any, dest: dict[str, Any], bad: dict[str, str]) -> Any:
+    """``loader._load``, ``strict=False``: the optimizer entry's loaded ``value`` without the state
+    of each parameter that has a tensor in ``bad`` with nothing in its place (not read, no live
+    tensor kept): that parameter starts its state afresh at its next ``step()``."""
+    own = owners(adapter, skel)
+    drop = {own[p][0] for p in bad if p in own and dest.get(p) is None}
+    if not drop or not isinstance(value, dict) or not isinstance(value.get("state"), dict):
+        return value
+    return {**value, "state": {n: s for n, s in value["state"].items() if n not in drop}}

@@ -1,0 +1,64 @@
+"""Rank-local entries on load (``tg.RNGState()``, objects saved per rank): which saved rank's
+state each rank takes, by the rule in docs/distributed.md ("Rank-local state when the world size
+changes"). ``loader._load`` calls :func:`skeleton_for` on every rank for each such entry while it
+plans the load, and runs what it deferred (:func:`run_deferred`) once the load has succeeded."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from . import split
+from .errors import CorruptCheckpointError
+from .manifest import Manifest
+
+
+def _reseed(value: Any, rank: int, step: int) -> None:
+    """``value.reseed_for_rank(rank, step=step)``; ``(rank)`` alone for an object of the user's
+    whose method takes no ``step`` (the protocol before steps were passed)."""
+    params = inspect.signature(value.reseed_for_rank).parameters
+    if "step" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        value.reseed_for_rank(rank, step=step)
+    else:
+        value.reseed_for_rank(rank)
+
+
+def skeleton_for(manifest: Manifest, key: str, value: Any, rank: int, world: int,
+                 later: list[Callable[[], None]]) -> tuple[Any, int | None]:
+    """This rank's skeleton for entry ``key`` and the saved rank it comes from (None for an entry
+    saved once for all ranks). A rank the checkpoint has no state for whose object can re-seed
+    itself gets ``(None, None)``, and the re-seeding goes to ``later``: a load refused after this
+    (a state that does not fit, on this rank or another) leaves the object as it was."""
+    obj = manifest.objects[key]
+    if "skeleton" in obj:
+        return obj["skeleton"], None
+    ranks = obj["ranks"]
+    if rank < len(ranks) and ranks[rank] is not None:  # None: saved by a stage without it (split_state)
+        if len(ranks) != world:
+            warnings.warn(
+                f"{key}: saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}, loading on {world}; rank {rank} takes saved "
+                f"rank {rank}'s state",
+                stacklevel=4,
+            )
+        return ranks[rank], rank
+    if hasattr(value, "reseed_for_rank"):
+        def reseed() -> None:
+            _reseed(value, rank, manifest.step)
+            warnings.warn(f"{key}: no saved state for rank {rank} (saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}); "
+                          "re-seeded", stacklevel=5)  # one frame more: run_deferred
+
+        later.append(reseed)
+        return None, None
+    src = split.saved_slot(ranks, rank)
+    if src is None:
+        raise CorruptCheckpointError(f"rank-local entry {key!r} lists no rank's state", entry=key)
+    warnings.warn(f"{key}: no saved state for rank {rank}; taking saved rank {src}'s", stacklevel=4)
+    return ranks[src], src
+
+
+def run_deferred(later: list[Callable[[], None]]) -> None:
+    """``loader._load``, after every entry was loaded: the re-seeding :func:`skeleton_for` deferred."""
+    for f in later:
+        f()

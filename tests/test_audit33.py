@@ -1,0 +1,160 @@
+"""Session 33's audit of resharding loads: optimizer state the live optimizer has no tensor for,
+refused loads that changed the state, ``only=`` that differs between ranks.
+
+Multi-rank cases run real gloo process groups on 127.0.0.1 (``dist_helper.run_ranks``)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.errors import CheckpointError, StateMismatchError
+
+from dist_helper import cpu_mesh, run_ranks
+
+ENV = {"TRAINGUARD_DEAD_AFTER": "5"}
+
+
+def _fsdp(seed: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(5, 8), nn.Linear(8, 2))  # 8 rows: uneven over 3 ranks
+    mesh = cpu_mesh()
+    for layer in m:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    return m
+
+
+def _step(m: nn.Module, o: torch.optim.Optimizer) -> None:
+    o.zero_grad()
+    m(torch.ones(4, 5)).sum().backward()
+    o.step()
+
+
+def _save_fsdp(rank: int, world: int, root: str) -> dict:
+    """Adam and SGD with momentum, one step each, saved; returns their full state tensors."""
+    m = _fsdp(0)
+    adam = torch.optim.Adam(m[0].parameters(), lr=0.1, amsgrad=True)
+    sgd = torch.optim.SGD(m[1].parameters(), lr=0.1, momentum=0.9)
+    _step(m, adam)
+    sgd.step()
+    tg.save(f"{root}/step-000000001", {"model": m, "adam": adam, "sgd": sgd})
+    full = {f"adam/{k}": v.full_tensor() for k, v in adam.state[m[0].weight].items() if k != "step"}
+    full["sgd/momentum_buffer"] = sgd.state[m[1].weight]["momentum_buffer"].full_tensor()
+    return full
+
+
+def _load_fsdp(rank: int, world: int, root: str, saved: dict) -> str:
+    """Loaded into optimizers that lack state: Adam's weight frozen at load (the bias stepped, so
+    the optimizer has state for some parameters only) and built without amsgrad; SGD built
+    without momentum. Each such tensor must come back as a DTensor shard like its parameter,
+    with the saved values, and training must go on."""
+    m = _fsdp(1)
+    m[0].weight.requires_grad_(False)
+    adam = torch.optim.Adam(m[0].parameters(), lr=0.1)
+    sgd = torch.optim.SGD(m[1].parameters(), lr=0.1)
+    _step(m, adam)  # state for m[0].bias only
+    assert m[0].weight not in adam.state and m[0].bias in adam.state
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hyperparameters come from the checkpoint; frozen since the save
+        tg.load(f"{root}/step-000000001", {"model": m, "adam": adam, "sgd": sgd})
+    a, s = adam.state[m[0].weight], sgd.state[m[1].weight]
+    from torch.distributed.tensor import DTensor
+
+    for name, t, param in (("adam/exp_avg", a["exp_avg"], m[0].weight), ("adam/exp_avg_sq", a["exp_avg_sq"], m[0].weight),
+                           ("adam/max_exp_avg_sq", a["max_exp_avg_sq"], m[0].weight),
+                           ("sgd/momentum_buffer", s["momentum_buffer"], m[1].weight)):
+        assert isinstance(t, DTensor) and t.to_local().shape == param.to_local().shape, name
+        assert torch.equal(t.full_tensor(), saved[name]), name
+    m[0].weight.requires_grad_(True)  # the schedule unfreezes it
+    _step(m, adam)
+    sgd.step()
+    return "ok"
+
+
+def test_fsdp2_optimizer_state_without_a_live_tensor_is_loaded_as_shards(tmp_path):
+    (saved, _) = [r.value for r in run_ranks(_save_fsdp, 2, str(tmp_path), timeout=120, env=ENV)]
+    assert [r.value for r in run_ranks(_load_fsdp, 3, str(tmp_path), saved, timeout=120, env=ENV)] == ["ok"] * 3
+
+
+def _refused(rank: int, world: int, root: str) -> list:
+    """A strict load refused (an entry missing from the checkpoint) on a grown world: the fresh
+    FSDP2 optimizer gets no state and the new rank's RNG is not re-seeded."""
+    m = _fsdp(1)
+    adam = torch.optim.Adam(m.parameters(), lr=0.1)
+    if world == 2:
+        _step(m, adam)
+        tg.save(f"{root}/step-000000001", {"model": m, "optim": adam, "rng": tg.RNGState()})
+        return []
+    torch.manual_seed(100 + rank)
+    before = torch.get_rng_state()
+    with pytest.raises(StateMismatchError, match="extra"):
+        tg.load(f"{root}/step-000000001", {"model": m, "optim": adam, "rng": tg.RNGState(), "extra": {"n": 1}})
+    return [len(adam.state), torch.equal(before, torch.get_rng_state())]
+
+
+def test_a_refused_load_leaves_optimizer_and_rng_as_they_were(tmp_path):
+    run_ranks(_refused, 2, str(tmp_path), timeout=120, env=ENV)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = [r.value for r in run_ranks(_refused, 3, str(tmp_path), timeout=120, env=ENV)]
+    assert out == [[0, True]] * 3
+
+
+def test_strict_false_drops_the_optimizer_state_of_a_parameter_whose_shape_changed(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(7, 13), nn.Linear(13, 3))
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    m(torch.randn(2, 7)).sum().backward()
+    o.step()
+    tg.save(tmp_path / "ck", {"model": m, "optim": o})
+    grown = nn.Sequential(nn.Linear(7, 14), nn.Linear(14, 3))  # the first layer grew, the second's input too
+    o2 = torch.optim.Adam(grown.parameters(), lr=1e-2)
+    with pytest.raises(StateMismatchError) as refused:
+        tg.load(tmp_path / "ck", {"model": grown, "optim": o2})
+    assert "optim/state/0.weight/exp_avg" in str(refused.value) and "'0.weight', whose shape is [14, 7]" in str(refused.value)
+    assert not o2.state  # nothing loaded
+    with pytest.warns(UserWarning, match="strict=False") as caught:
+        tg.load(tmp_path / "ck", {"model": grown, "optim": o2}, strict=False)
+    text = " ".join(str(w.message) for w in caught)
+    assert "optim/state/0.weight/exp_avg_sq" in text and "optim/state/1.bias" not in text
+    # The changed parameters start their state afresh; the unchanged one (1.bias) has the saved state.
+    assert set(o2.state) == {grown[1].bias}
+    assert torch.equal(o2.state[grown[1].bias]["exp_avg"], o.state[m[1].bias]["exp_avg"])
+    grown(torch.randn(2, 7)).sum().backward()
+    o2.step()  # failed on the old shape before
+    assert o2.state[grown[0].weight]["exp_avg"].shape == (14, 7)
+
+
+def _only(rank: int, world: int, root: str) -> list:
+    torch.manual_seed(rank)
+    m = nn.Linear(3, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    tg.save(f"{root}/ck", {"model": m, "optim": o})
+    o2 = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(CheckpointError, match="the ranks passed different only="):
+        tg.load(f"{root}/ck", {"model": m, "optim": o2}, only=["model"] if rank == 0 else None)
+    return [len(o2.state)]
+
+
+def test_ranks_passing_different_only_all_raise_before_reading(tmp_path):
+    assert [r.value for r in run_ranks(_only, 2, str(tmp_path), timeout=120, env=ENV)] == [[0], [0]]
+
+
+def test_an_optimizer_without_its_model_in_the_state_says_so(tmp_path):
+    m = nn.Linear(4, 3)
+    o = torch.optim.Adam(m.parameters())
+    tg.save(tmp_path / "ck", {"model": m, "optim": o})
+    with pytest.raises(CheckpointError, match=r"no module in the state holds this optimizer's parameters.*"
+                                              r"\['weight', 'bias'\].*only=\['optim'\]"):
+        tg.load(tmp_path / "ck", {"optim": torch.optim.Adam(nn.Linear(4, 3).parameters())}, strict=False)
+    fresh = nn.Linear(4, 3)
+    tg.load(tmp_path / "ck", {"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}, only=["optim"])
