@@ -362,21 +362,30 @@ def test_a_502_of_a_real_s3_client_at_restart_is_raised_not_a_rollback(weed):
         assert mgr.restore({"model": dest}) == 3
 
 
-def test_bench_measures_an_object_store_and_removes_what_it_wrote(weed):
-    """``trainguard bench s3://...``: saves and a hot load on the real server; no raw write or
-    cache-dropped load there (they are local-file figures); nothing left under the prefix."""
+def test_bench_measures_an_object_store_and_removes_what_it_wrote(weed, tmp_path, monkeypatch):
+    """``trainguard bench s3://...``: saves and a load on the real server (the kept checkpoints
+    verify there; nothing is written under the working directory); no raw write or
+    cache-dropped load (local-file figures); without --keep nothing is left under the prefix."""
     from click.testing import CliRunner
 
     from trainguard.cli import main as cli
 
-    url = _url()
-    res = CliRunner().invoke(cli, ["bench", url, "--size", "2MiB", "--rounds", "1", "--json"], catch_exceptions=False)
-    assert res.exit_code == 0, res.output
-    (fig,) = json.loads(res.stdout)["rounds"]
-    assert set(fig) == {"sync_save_s", "async_call_s", "async_step_wait_s", "async_stall_s", "async_duration_s",
-                        "load_s"}
+    monkeypatch.chdir(tmp_path)
     import s3fs
 
     fs = s3fs.S3FileSystem()
-    fs.invalidate_cache()
-    assert fs.find(url[len("s3://") :]) == []
+    for keep in (["--keep"], []):
+        url = _url()
+        res = CliRunner().invoke(cli, ["bench", url, "--size", "2MiB", "--rounds", "1", "--json", *keep],
+                                 catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        (fig,) = json.loads(res.stdout)["rounds"]
+        assert set(fig) == {"sync_save_s", "async_call_s", "async_step_wait_s", "async_stall_s", "async_duration_s",
+                            "load_s"}
+        fs.invalidate_cache()
+        kept = sorted(p.rsplit("/", 2)[-2] for p in fs.find(url[len("s3://") :]) if p.endswith("manifest.json"))
+        assert kept == (["async-0", "sync-0"] if keep else [])
+        if keep:
+            (work,) = fs.ls(url[len("s3://") :])
+            assert CliRunner().invoke(cli, ["verify", f"s3://{work}/sync-0"]).exit_code == 0
+    assert list(tmp_path.iterdir()) == []

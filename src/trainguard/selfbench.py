@@ -236,6 +236,7 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
     if world > 1:
         dist.broadcast_object_list(name, src=0)
     work = storage.join(root, name[0])
+    url = (lambda p: p) if local else storage.url  # type: ignore[attr-defined]  # tg.save takes s3://..., not bucket/...
     kw = {"split_state": True} if world > 1 else {}
     state, opt = build_state(size, device, rank)
     tensors = state_tensors(opt)
@@ -245,7 +246,7 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
     handle, finished = None, False
     try:
         for r in range(rounds):
-            sync_ck, async_ck = storage.join(work, f"sync-{r}"), storage.join(work, f"async-{r}")
+            sync_ck, async_ck = (url(storage.join(work, f"{kind}-{r}")) for kind in ("sync", "async"))
             fig: dict[str, float] = {}
             if local and device == "cpu":
                 _together(world)
@@ -277,8 +278,8 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
             if progress is not None and rank == 0:
                 progress(r, fig)
             if not (keep and r == rounds - 1) and rank == 0:  # every rank has loaded: _slowest gathered
-                storage.remove_tree(sync_ck)
-                storage.remove_tree(async_ck)
+                storage.remove_tree(storage.join(work, f"sync-{r}"))
+                storage.remove_tree(storage.join(work, f"async-{r}"))
         finished = True
     finally:
         if handle is not None and not handle.done():  # an error or Ctrl-C while the async save writes
