@@ -10,13 +10,13 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
 * stops workers on a restart with SIGTERM, then SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s);
-  a worker that returned on that SIGTERM (a preemption save) exits at once (torch: waits for SIGKILL);
+  a worker that returned on that SIGTERM (a preemption save) exits at once (torch: waits for SIGKILL),
+  as does a ``--run-path`` worker whose script returned (torch: gloo open until all end, :func:`.reap.worker_wrap`);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s; script and ``--run-path`` workers), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
 * preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/
   ``forkserver``, preloads ``torch._dynamo`` so restarted workers do not (:func:`preload`);
-* passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan
-  check) and ``_STOP_FILE`` (:mod:`.stops`) to the workers;
+* passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan check), ``_STOP_FILE``;
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
@@ -261,7 +261,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
-    reap.bound_failure_close(SubprocessContext, FAIL_GRACE)  # reap.py: a failed script worker's peers: 1 s, not 30
+    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned()  # reap.py: failures in s, not 30-60
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers

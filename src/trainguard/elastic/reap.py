@@ -91,6 +91,52 @@ def set_finished(event: Any, wait: float) -> None:
     setter.join(wait)
 
 
+class _Returned:
+    """Stands in, in a ``--run-path`` worker, for torch's "workers finished" event (:func:`worker_wrap`)."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def worker_wrap(local_rank: int, fn: Any, *args: Any) -> Any:
+    """A function worker's body (``--run-path``): torch's ``_wrap`` (std redirects, error file, the
+    return value put on its queue), installed by :func:`exit_when_returned`, except that a worker
+    whose script returned then exits, as a script worker's process does. torch's ``_wrap`` waits
+    for an event the agent sets only when every worker is done, so a rank whose script returned
+    early (its loop ended at step 5, the others' at 20) kept its process, and with it its gloo
+    connections and, on rank 0, the job's c10d store: the other ranks blocked in DDP's all-reduce
+    until the hang watchdog (60 s floor), which named a rank hung (exit 75, either one). Script
+    workers: the peer fails in ~2.5 s (gloo: connection closed by peer). ``destroy_process_group``
+    after the script does not close them: once a DDP module was built, the gloo pairs outlive the
+    default group. ``run_script_path`` returns None (no CUDA tensor whose producer must live on)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    from ..permanent import run_script_path
+
+    torch_wrap = getattr(api, "_tg_torch_wrap", api._wrap)  # forked worker: the agent's patched module
+    if torch_wrap is worker_wrap:
+        raise RuntimeError("trainguard: torch's worker wrapper not found")
+    if fn is run_script_path:
+        import inspect
+
+        names = list(inspect.signature(torch_wrap).parameters)
+        if "queue_finished_reading_event" in names:  # (local_rank, fn, ...) in torch 2.x
+            i = names.index("queue_finished_reading_event") - 2
+            if 0 <= i < len(args):
+                args = (*args[:i], _Returned(), *args[i + 1:])
+    return torch_wrap(local_rank, fn, *args)
+
+
+def exit_when_returned() -> None:
+    """Agent (``launcher.install_agent_hooks``): torch's ``MultiprocessContext`` starts its workers
+    with :func:`worker_wrap`, not its ``_wrap`` (spawn and forkserver workers import it by name)."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    if api._wrap is not worker_wrap:
+        api._tg_torch_wrap = api._wrap  # type: ignore[attr-defined]
+        api._wrap = worker_wrap
+
+
 def stop_bounded(agent: Any, timeout: int, *args: Any, **kwargs: Any) -> None:
     """Agent, in its ``_stop_workers`` hook (a restart, the end of a failed attempt): torch's
     ``_shutdown``, which SIGTERMs the workers, with SIGKILL ``timeout`` s later. ``args`` and
