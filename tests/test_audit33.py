@@ -158,3 +158,63 @@ def test_an_optimizer_without_its_model_in_the_state_says_so(tmp_path):
         tg.load(tmp_path / "ck", {"optim": torch.optim.Adam(nn.Linear(4, 3).parameters())}, strict=False)
     fresh = nn.Linear(4, 3)
     tg.load(tmp_path / "ck", {"model": fresh, "optim": torch.optim.Adam(fresh.parameters())}, only=["optim"])
+
+
+# ---- state kinds (helper audit 1): freed storage, destinations without memory of their own, RNGState mismatch
+
+
+def _freed(n: int = 1024) -> torch.Tensor:
+    t = torch.randn(n)
+    t.untyped_storage().resize_(0)  # as FSDP1 does to unsharded parameters
+    return t
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_a_tensor_whose_memory_was_freed_is_refused_at_save_naming_it(tmp_path, async_):
+    m = nn.Linear(4, 4)
+    m.weight.data.untyped_storage().resize_(0)
+    with pytest.raises(tg.UnsupportedValueError, match=r"model/weight: the tensor's memory was freed"):
+        tg.save(tmp_path / "a", {"model": m}, async_=async_)  # sync: the heap's bytes were saved; async: a segfault
+    with pytest.raises(tg.UnsupportedValueError, match=r"x/w: the tensor's memory was freed"):
+        tg.save(tmp_path / "b", {"x": {"w": _freed()}}, async_=async_)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_destinations_without_dense_memory_of_their_own(tmp_path):
+    """A plain entry's freed, sparse, nested or overlapping destination is replaced by the loaded
+    tensor (it returned with nothing loaded, raised torch's words, or loaded overlapping values);
+    a module's is refused, naming it and why."""
+    x = torch.arange(9.0).reshape(3, 3)
+    tg.save(tmp_path / "c", {"s": {"a": x, "b": x, "c": x, "d": x}, "top": x.reshape(-1)[:5]})
+    dest = {"s": {"a": _freed(9).view(3, 3), "b": x.to_sparse(), "c": torch.zeros(5).unfold(0, 3, 1),
+                  "d": torch.nested.nested_tensor([torch.zeros(3)] * 3)}, "top": _freed(5)}
+    tg.load(tmp_path / "c", dest)
+    assert all(torch.equal(dest["s"][k], x) for k in "abcd") and torch.equal(dest["top"], x.reshape(-1)[:5])
+
+    class M(nn.Module):
+        def __init__(self, w: torch.Tensor) -> None:
+            super().__init__()
+            self.register_buffer("w", w)
+
+    tg.save(tmp_path / "m", {"model": M(torch.ones(3, 3))})
+    for w, why in ((torch.zeros(5).unfold(0, 3, 1), "elements share memory"), (_freed(9).view(3, 3), "has no memory")):
+        with pytest.raises(StateMismatchError, match=f"model/w \\(the state's tensor .*{why}"):
+            tg.load(tmp_path / "m", {"model": M(w)})
+
+
+def test_a_tensor_view_that_overlaps_is_not_taken_for_freed_memory():
+    from trainguard.buffers import holds
+
+    base = torch.zeros(5)
+    assert holds(base.unfold(0, 3, 1)) and holds(base[1:].t()) and not holds(_freed())
+    assert holds(torch.empty(0)) and holds(torch.zeros(3, 4).t())
+
+
+def test_an_rng_entry_saved_from_a_dict_is_a_state_that_does_not_fit_not_corruption(tmp_path):
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1)) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"model": nn.Linear(2, 2), "rng": {"seed": 1234, "epoch": step}})
+    with tg.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(CheckpointError, match=r"entry 'rng': the state's tg.RNGState\(\) meets .*\['epoch', 'seed'\]") as e:
+            mgr.restore({"model": nn.Linear(2, 2), "rng": tg.RNGState()})
+    assert e.value.permanent and not isinstance(e.value, tg.CorruptCheckpointError)  # before: every step "corrupt"

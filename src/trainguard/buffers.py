@@ -22,6 +22,32 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
 
 
+def holds(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage still holds all of its bytes (``storage.resize_(0)``, as FSDP's
+    freeing of unsharded parameters does, leaves a tensor pointing at nothing). Asked by
+    ``capture._leaf`` (refused at save), ``loader._load`` (a destination) and ``stagecopy``."""
+    st = t.untyped_storage()
+    if st.data_ptr() == 0 or not t.numel():
+        return st.data_ptr() != 0 or not t.numel()
+    # The last element's offset: a view whose elements overlap (unfold) spans less than its nbytes.
+    end = t.numel() if t.is_contiguous() else 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return st.nbytes() >= (t.storage_offset() + end) * t.element_size()
+
+
+def may_overlap(t: torch.Tensor) -> bool:
+    """(``capture._leaf``, ``loader._expanded``) Whether two elements of non-contiguous ``t`` may share memory (stride 0 of ``expand``,
+    ``as_strided``): its contiguous copy could be far larger than its memory. Dense layouts
+    (channels_last, transposes) and slices with gaps (``x[:, ::2]``) are not: with the
+    dimensions in stride order, each stride must pass the last offset the smaller ones reach
+    (``x[:, ::2]`` of a 5-wide ``x``: columns reach 4, rows step 5)."""
+    reach = 0  # the largest offset reached by the dimensions taken so far
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
 def in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether a load can read bytes of ``dtype`` straight into ``t``'s memory (``loader`` and
     ``aliases`` ask): a contiguous CPU tensor of that dtype whose memory holds its values as

@@ -18,6 +18,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from . import ddpjoin
+from .buffers import holds, may_overlap
 from .commhooks import warn_unsaved
 from .dist import DistContext
 from .distwait import note_busy
@@ -218,7 +219,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
         # every check below passes, as they would find; anything else takes them (they may raise).
         shape = tuple(t.shape)  # after is_nested: a nested tensor has no shape
         if (not t.is_quantized and not t.is_meta and not t.is_conj() and not t.is_neg() and t.is_contiguous()
-                and len(shape) <= MAX_NDIM and 0 < t.nbytes <= MAX_TENSOR_BYTES):
+                and len(shape) <= MAX_NDIM and 0 < t.nbytes <= MAX_TENSOR_BYTES and holds(t)):
             dtype = DTYPE_NAMES[t.dtype]
             kind = "local" if local else "replicated"
             box = full_box(shape)  # shared: fewer objects for the garbage collector (see there)
@@ -246,7 +247,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             f"{path}: tensor is a lazy conjugate/negative view (its memory does not hold its values); "
             "call .resolve_conj() / .resolve_neg() on it before saving"
         )
-    if not data.is_contiguous() and _may_overlap(data):
+    if not data.is_contiguous() and may_overlap(data):
         raise UnsupportedValueError(
             f"{path}: tensor's elements share memory (strides {tuple(data.stride())}: an expand()ed or "
             "as_strided view); save the tensor it was expanded from, or call .contiguous() on it "
@@ -308,6 +309,10 @@ def _refuse_kind(path: str, t: torch.Tensor) -> None:
             f"dtype {t.dtype} is not supported (stored dtypes: {', '.join(DTYPE_NAMES.values())}); "
             "convert it to one of them with .to(dtype)"
         )
+    elif t.nbytes and not holds(t):  # it saved the heap's bytes, or crashed an async save's copy
+        what = (f"the tensor's memory was freed or shrunk (its storage holds {t.untyped_storage().nbytes()} of its "
+                f"{t.nbytes} bytes: storage().resize_(), as FSDP1 does to unsharded parameters between forward and "
+                "backward); save when its module holds its values (after optimizer.step(), or FSDP1's state_dict())")
     if what:
         raise UnsupportedValueError(f"{path}: {what}")
 
@@ -327,20 +332,6 @@ def _check_shape(path: str, shape: tuple[int, ...], itemsize: int) -> None:
         nbytes *= max(s, 1)
     if nbytes > MAX_TENSOR_BYTES:
         raise UnsupportedValueError(f"{path}: tensor exceeds the limit of {MAX_TENSOR_BYTES} bytes; split it")
-
-
-def _may_overlap(t: torch.Tensor) -> bool:
-    """Whether two elements of non-contiguous ``t`` may share memory (stride 0 of ``expand``,
-    ``as_strided``): its contiguous copy could be far larger than its memory. Dense layouts
-    (channels_last, transposes) and slices with gaps (``x[:, ::2]``) are not: with the
-    dimensions in stride order, each stride must pass the last offset the smaller ones reach
-    (``x[:, ::2]`` of a 5-wide ``x``: columns reach 4, rows step 5)."""
-    reach = 0  # the largest offset reached by the dimensions taken so far
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
 
 
 def my_chunks(snap: Snapshot, ctx: DistContext, base_loads: list[int], group: list[int] | None = None) -> list[tuple[Leaf, Box]]:

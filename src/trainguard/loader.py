@@ -15,10 +15,10 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from . import gaps, optload, rankload, resizable, scalerstate, split, stateful
 from .aliases import shared_destinations
-from .buffers import in_place
+from .buffers import holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
-from .dtensor import is_dtensor, shard_of
+from .dtensor import is_dtensor, local_part, shard_of
 from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
 from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
@@ -136,7 +136,7 @@ def _load(
             # saved as such: what the general path below does, without its per-entry calls.
             # The manifest's validation checked that the tensor is described.
             e = manifest.tensors[key]
-            if list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or value.is_meta or _expanded(value):
+            if _unusable(value) or list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or _expanded(value):
                 plans.append((key, value, skel, {}, [key]))  # read into a new tensor
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
@@ -148,7 +148,11 @@ def _load(
         if isinstance(obj, FSDP1OptimizerAdapter):  # its class and groups, before anything is read (fsdp1.py)
             obj.check_saved(skel, key)
         if callable(getattr(obj, "check_generators", None)):  # tg.RNGState's, before anything is read (genstate.py)
-            obj.check_generators(skel, strict)
+            try:
+                obj.check_generators(skel, strict)
+            except CheckpointError as e:
+                e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
+                raise
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
@@ -192,18 +196,13 @@ def _load(
                 del dest[p]  # read into a new tensor (its shape and stride raise)
             elif d is not None:
                 e = manifest.tensors[p]
-                if d.is_meta and isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
-                    # No memory to read into: copy_ into it is a no-op, and the load looked done.
-                    bad[p] = (f"{p} (the state's tensor is on the meta device and holds no memory; "
-                              "call module.to_empty(device=...) before loading into it)")
+                if (why := _unusable(d) or _expanded(d)) and isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
+                    # No memory of its own to read into: copy_ into it is a no-op or fails half-way, after other
+                    # tensors were written, and the load looked done.
+                    bad[p] = f"{p} (the state's tensor {why})"
                     mismatched.append(bad[p])
-                elif _expanded(d):  # reading in place would fail half-way, after other tensors were written
-                    if isinstance(obj, (ModuleAdapter, OptimizerAdapter)):
-                        bad[p] = (f"{p} (the state's tensor is expanded: its elements share memory, a stride of 0, and "
-                                  "cannot take distinct values; give it memory of its own, e.g. with .clone())")
-                        mismatched.append(bad[p])
-                    else:
-                        del dest[p]  # read into a new tensor, as for another shape
+                elif why:
+                    del dest[p]  # read into a new tensor, as for another shape
                 elif list(d.shape) != e.shape or DTYPE_NAMES.get(d.dtype) != e.dtype or d.is_meta:
                     # A DTensor is never replaced: a full plain tensor would land on every rank.
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)) or is_dtensor(d):
@@ -333,10 +332,28 @@ def _load(
     rankload.run_deferred(later)
 
 
-def _expanded(t: torch.Tensor) -> bool:
-    """Whether elements of ``t`` share memory (``expand()``: a stride of 0 along a dimension of size > 1)."""
+def _expanded(t: torch.Tensor) -> str:
+    """Why ``t``'s elements share memory (``expand()``: a stride of 0 along a dimension of size > 1;
+    ``unfold``, ``as_strided``: strides that overlap), or ""."""
     st = t.stride() if t.layout == torch.strided else ()  # 0.3 us a tensor: the 10,000-tensor path calls it
-    return 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape, strict=True))
+    if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape, strict=True)) or (
+            st and not t.is_contiguous() and may_overlap(local_part(t))):
+        return (f"is expanded or a view whose elements overlap (strides {tuple(st)}: expand(), unfold(), as_strided()): "
+                "its elements share memory and cannot take distinct values; give it memory of its own, e.g. with .clone()")
+    return ""
+
+
+def _unusable(t: torch.Tensor) -> str:
+    """Why ``t`` holds no dense memory of its own that a load can read into (a meta, sparse or
+    nested tensor, or one whose storage was freed), or ""."""
+    if t.is_nested or t.layout is not torch.strided:
+        return f"is {'nested' if t.is_nested else str(t.layout)[6:]}, not a dense tensor a load can read into"
+    if t.is_meta:
+        return "is on the meta device and holds no memory; call module.to_empty(device=...) before loading into it"
+    if t.nbytes and not holds(local_part(t)):
+        return ("has no memory: its storage was freed or shrunk (storage().resize_(), as FSDP1 does to unsharded "
+                "parameters between forward and backward); load when the module holds its parameters")
+    return ""
 
 
 # Planning while reading pays off for large tensors; with thousands of small ones the planning

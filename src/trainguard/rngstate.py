@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from . import genstate
-from .errors import CorruptCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .permanent import mark
 
 
 class RNGState:
@@ -58,7 +59,14 @@ class RNGState:
     def check_generators(self, skeleton: Any, strict: bool) -> None:
         """``loader._load``, before anything of the load is read: the generators against the saved
         entry (``genstate.check_saved``); with ``strict=False`` one it has no state for is warned
-        about and left as it is by the ``load_state_dict`` that follows."""
+        about and left as it is by the ``load_state_dict`` that follows. An entry saved from
+        something else (a dict of seeds) is refused as a state that does not fit: no older
+        checkpoint would fit either (it read as a corrupt one, and a restore tried them all)."""
+        if skeleton is not None and not (isinstance(skeleton, Mapping) and {"python", "numpy", "torch_cpu"} <= set(skeleton)):
+            what = sorted(map(str, skeleton))[:8] if isinstance(skeleton, Mapping) else type(skeleton).__name__
+            raise mark(CheckpointError(
+                f"the state's tg.RNGState() meets a checkpoint entry saved from something else (it holds {what}, not the "
+                "python, numpy and torch_cpu states RNGState saves); load it into what saved it, or leave it out with only="))
         saved = skeleton.get("generators") if isinstance(skeleton, Mapping) else None
         if missing := genstate.check_saved(self.generators, saved, strict):
             warnings.warn(f"RNGState: the checkpoint holds no state for generator(s) {missing}; left as they are "

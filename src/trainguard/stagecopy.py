@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .buffers import holds
 from .planner import PAGE_ALIGN_FROM
 from .stage import round_up, slot_start
 from .streamjobs import run_parallel
@@ -115,18 +116,11 @@ def copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int =
         cpu = dst.device.type == src.device.type == "cpu"
         if dst.nbytes != n or not (cpu and dst.is_contiguous() and src.is_contiguous()):
             raise ValueError(f"copy_many: cannot memmove {tuple(src.shape)} ({src.device}) into {tuple(dst.shape)} ({dst.device})")
-        if n and not _holds(src):  # else a crash (torch's copy_ too: a segfault here); dst is the pool's
+        if n and not holds(src):  # else a crash (torch's copy_ too: a segfault here); dst is the pool's
             raise ValueError(f"copy_many: the memory of a {tuple(src.shape)} tensor was freed or shrunk (storage resize_)")
         d, s = dst.data_ptr(), src.data_ptr()
         jobs += [partial(ctypes.memmove, d + o, s + o, min(COPY_PIECE, n - o)) for o in range(0, n, COPY_PIECE)]
     run_parallel(jobs, threads)
-
-
-def _holds(t: torch.Tensor) -> bool:
-    """Whether ``t``'s storage still holds all of its bytes (``storage.resize_(0)``, as FSDP's
-    freeing of unsharded parameters does, leaves a tensor pointing at nothing)."""
-    st = t.untyped_storage()
-    return st.data_ptr() != 0 and st.nbytes() >= t.storage_offset() * t.element_size() + t.nbytes
 
 
 def copy_into(slot: torch.Tensor, src: torch.Tensor, stream: object | None = None) -> torch.Tensor:
