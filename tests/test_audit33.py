@@ -218,3 +218,41 @@ def test_an_rng_entry_saved_from_a_dict_is_a_state_that_does_not_fit_not_corrupt
         with pytest.raises(CheckpointError, match=r"entry 'rng': the state's tg.RNGState\(\) meets .*\['epoch', 'seed'\]") as e:
             mgr.restore({"model": nn.Linear(2, 2), "rng": tg.RNGState()})
     assert e.value.permanent and not isinstance(e.value, tg.CorruptCheckpointError)  # before: every step "corrupt"
+
+
+# ---- crash points and corruption (helper audit 3)
+
+
+def test_a_symlink_loop_in_place_of_a_checkpoint_file_is_corruption(tmp_path):
+    """Before: a bare OSError (ELOOP) from verify, and restore raised instead of taking step 1."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    for name in ("data-00000.bin", "manifest.json"):
+        run = tmp_path / name
+        with tg.CheckpointManager(run, save=tg.EveryNSteps(1)) as mgr:
+            for step in (1, 2):
+                mgr.save(step, {"w": torch.full((100,), float(step))})
+        f = run / "step-000000002" / name
+        f.unlink()
+        f.symlink_to(name + ".x")
+        (run / "step-000000002" / (name + ".x")).symlink_to(name)  # a -> a.x -> a
+        assert CliRunner().invoke(cli, ["verify", str(run)]).exit_code == 1
+        state = {"w": torch.zeros(100)}
+        with tg.CheckpointManager(run) as mgr:
+            assert mgr.restore(state) == 1 and state["w"][0] == 1
+
+
+def test_a_file_system_out_of_inodes_is_a_disk_full_error(tmp_path):
+    """ENOSPC creating the temp directory or a file (no inodes left) was a plain CheckpointError."""
+    from test_reliability_diskfull import small_fs
+
+    root = tmp_path / "fs"
+    with small_fs(root, "20m,nr_inodes=3") as mounted:  # the root, the run directory, its lock: nothing more
+        if not mounted:
+            pytest.skip("cannot mount a tmpfs here")
+        with tg.CheckpointManager(root / "run", save=tg.EveryNSteps(1), keep=tg.KeepLatest(2)) as mgr:
+            with pytest.raises(tg.DiskFullError, match="out of space or of inodes"):
+                mgr.save(1, {"w": torch.ones(10)})
+        assert sorted(p.name for p in (root / "run").iterdir()) == [".lock"]

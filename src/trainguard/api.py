@@ -52,6 +52,7 @@ from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .permanent import is_permanent, keeps_own
 from .planner import check_cover, layout_file
 from .storage import Storage, for_path
+from .storage._diskfull import save_failed
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
 from .tied import format_for, resolve_aliases
 
@@ -265,9 +266,7 @@ def persist_and_commit(
         # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
         storage.remove_tree(work)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
-        if isinstance(write_error, CheckpointError):
-            raise write_error  # a DiskFullError stays one
-        raise CheckpointError(f"save of {target} failed: {type(write_error).__name__}: {write_error}") from write_error
+        raise save_failed(write_error, target)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
     if outcome.get("failures"):
         raise from_record(outcome)
     check_commit(target, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)

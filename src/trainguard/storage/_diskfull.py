@@ -6,7 +6,7 @@ import errno
 import os
 import shutil
 
-from ..errors import DiskFullError
+from ..errors import CheckpointError, DiskFullError
 
 
 def disk_error(e: OSError, path: str, needed: int) -> OSError:
@@ -37,3 +37,20 @@ def progress(written: int) -> int:
     if written == 0:
         raise OSError(errno.EIO, "the file system accepted no byte of a write (it returned 0)")
     return written
+
+
+def save_failed(e: BaseException, target: str) -> BaseException:
+    """``api.persist_and_commit``, one process: the error a failed save raises for ``e``, its
+    cause. A ``CheckpointError`` (a ``DiskFullError`` of a write) is itself; ENOSPC or EDQUOT
+    elsewhere (creating the temp directory or a file: a file system out of inodes, or full between
+    two writes) becomes a ``DiskFullError`` too, as docs/reliability.md promises."""
+    if isinstance(e, CheckpointError):
+        return e
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        err: CheckpointError = DiskFullError(
+            e.errno, f"save of {target} failed: no space left on device creating {e.filename}: the file system is out "
+            "of space or of inodes (`df -h`, `df -i`). Free some, lower retention (keep=...), or save elsewhere")
+    else:
+        err = CheckpointError(f"save of {target} failed: {type(e).__name__}: {e}")
+    err.__cause__ = e
+    return err

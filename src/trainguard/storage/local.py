@@ -339,6 +339,9 @@ class LocalStorage:
             os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
             return False
+        except OSError as e:  # a symbolic link loop is there: opening it (O_NOFOLLOW) finds it corrupt, as any link
+            if e.errno != errno.ELOOP:
+                raise
         return True
 
     def size(self, path: str) -> int:
