@@ -256,3 +256,50 @@ def test_a_file_system_out_of_inodes_is_a_disk_full_error(tmp_path):
             with pytest.raises(tg.DiskFullError, match="out of space or of inodes"):
                 mgr.save(1, {"w": torch.ones(10)})
         assert sorted(p.name for p in (root / "run").iterdir()) == [".lock"]
+
+
+# ---- gradient-accumulation guard (helper audit 5)
+
+
+def _accumulate(tmp_path, overflow_at: int, save_at: int) -> list:
+    """Windows of 3 micro-batches under a GradScaler (zero_grad at each window's start), micro-batch
+    ``overflow_at`` overflowing, one save at micro-batch ``save_at``: the PendingGradientsWarnings."""
+    torch.manual_seed(0)
+    m = nn.Linear(8, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    state = {"model": m, "optim": opt, "scaler": scaler}
+    with warnings.catch_warnings(record=True) as caught, tg.CheckpointManager(tmp_path / f"run{overflow_at}-{save_at}",
+                                                                              handle_signals=False) as mgr:
+        warnings.simplefilter("always")
+        assert mgr.restore(state) is None  # the recipe: restore first (the optimizer is watched from here)
+        for k in range(6):
+            if k % 3 == 0:
+                opt.zero_grad()
+            loss = m(torch.randn(2, 8)).sum() / 3
+            scaler.scale(loss * (float("inf") if k == overflow_at else 1.0)).backward()
+            if k % 3 == 2:
+                scaler.step(opt)
+                scaler.update()
+            if k == save_at:
+                mgr.save(k, state, force=True)
+    return [w for w in caught if issubclass(w.category, tg.PendingGradientsWarning)]
+
+
+def test_a_save_mid_window_after_an_overflowed_micro_batch_is_warned_a_skipped_step_is_not(tmp_path):
+    assert len(_accumulate(tmp_path, overflow_at=3, save_at=4)) == 1  # mid-window: no warning before
+    assert _accumulate(tmp_path, overflow_at=1, save_at=2) == []  # the window's step was skipped: its gradients used
+    assert len(_accumulate(tmp_path, overflow_at=99, save_at=4)) == 1  # the plain mid-window case, as before
+
+
+def test_a_pending_sparse_gradient_is_warned_about_not_a_crash(tmp_path):
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = torch.optim.SparseAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        mgr.save(0, {"model": emb, "optim": opt}, force=True)  # watched from here: nothing pending
+        opt.step()
+        opt.zero_grad()
+        emb(torch.tensor([3])).sum().backward()
+        with pytest.warns(tg.PendingGradientsWarning):  # raised NotImplementedError (isfinite of a sparse tensor)
+            mgr.save(1, {"model": emb, "optim": opt}, force=True)

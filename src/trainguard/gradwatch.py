@@ -9,9 +9,9 @@ post-hook records, at each ``step()`` of such an optimizer (or of an optimizer i
 accelerate's AcceleratedOptimizer, which torch's hooks never see), each parameter's gradient as it
 is then: the tensor (a weak reference) and its version counter, which every write into it bumps.
 :func:`check` (``save``, before the save starts, every rank) warns when an optimizer's parameters
-hold finite, non-zero gradients that are another tensor or were written since its last ``step()``:
-those a resume would not have. A step the GradScaler skipped (inf/NaN gradients) is not warned
-about: the loop zeroes them anyway. Nothing runs in ``backward()``: a Python hook per parameter,
+hold non-zero gradients that are another tensor or were written since its last ``step()``:
+those a resume would not have. A step the GradScaler skipped (inf/NaN gradients) counts as a
+step (``GradScaler.step`` is wrapped to see it): the loop zeroes them anyway. Nothing runs in ``backward()``: a Python hook per parameter,
 as before, cost 2-4 microseconds per parameter at every ``backward()`` (see ``_after_step``).
 """
 
@@ -32,10 +32,11 @@ class PendingGradientsWarning(UserWarning):
 
 
 class _Tracker:
-    __slots__ = ("seen", "__weakref__")
+    __slots__ = ("seen", "scaled", "__weakref__")
 
     def __init__(self) -> None:
         self.seen: dict[int, Any] = {}  # id(param) -> _stamp of its gradient at the last step() (or at watch())
+        self.scaled = False  # stepped through a GradScaler: its skipped steps are seen (_scaler_step)
 
 
 _TRACKERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Tracker] = weakref.WeakKeyDictionary()
@@ -91,6 +92,20 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
                     w.seen[id(p)] = _stamp(p)
 
 
+def _scaler_step(orig: Any) -> Any:
+    """``torch.amp.GradScaler.step`` wrapped (once, by :func:`watch`): a step the scaler skips
+    (inf/NaN gradients) never calls the optimizer's ``step()`` nor its hooks, yet it used the
+    window's gradients as a step does (the loop zeroes them): they are recorded as used."""
+    def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(self, optimizer, *args, **kwargs)
+        if (t := _TRACKERS.get(optimizer)) is not None:
+            t.seen, t.scaled = _snapshot(optimizer), True
+        return out
+
+    step._trainguard = True  # type: ignore[attr-defined]
+    return step
+
+
 def _forget(key: int) -> None:
     _BY_PARAM.pop(key, None)  # the parameter is gone (its id may be reused)
 
@@ -108,6 +123,8 @@ def watch(state: Mapping[str, Any]) -> None:
             continue
         if _POST_HOOK is None:
             _POST_HOOK = register_optimizer_step_post_hook(_after_step)
+            if not getattr(torch.amp.GradScaler.step, "_trainguard", False):
+                torch.amp.GradScaler.step = _scaler_step(torch.amp.GradScaler.step)  # type: ignore[method-assign]
         t = _TRACKERS[opt] = _Tracker()
         ref = weakref.ref(t)
         t.seen = _snapshot(opt)
@@ -120,8 +137,10 @@ def watch(state: Mapping[str, Any]) -> None:
 
 
 def pending(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names (``group[i]/param[j]``) of ``optimizer``'s parameters holding finite, non-zero
-    gradients written after its last ``step()``; [] when none or when any is not finite."""
+    """Names (``group[i]/param[j]``) of ``optimizer``'s parameters holding non-zero gradients
+    written after its last ``step()`` (or a step its GradScaler skipped); [] when none, or when any
+    is not finite and no GradScaler stepped it (then its skipped step cannot be told from a window
+    whose micro-batch overflowed: taken for a skipped step, as before GradScaler steps were seen)."""
     t = _TRACKERS.get(optimizer)
     if t is None:
         return []
@@ -133,9 +152,13 @@ def pending(optimizer: torch.optim.Optimizer) -> list[str]:
             g = p.grad
             with torch.no_grad():
                 local = g.to_local() if hasattr(g, "to_local") else g
+                if local.layout is not torch.strided:  # a sparse embedding's: torch has no isfinite for it
+                    local = local._values() if local.is_sparse else local.values()
                 if not bool(torch.isfinite(local).all()):
-                    return []  # a step a GradScaler skipped: the loop zeroes them
-                if bool(local.any()):
+                    if not t.scaled:
+                        return []  # a step a GradScaler skipped: the loop zeroes them
+                    out.append(f"group[{gi}]/param[{pi}]")  # an overflowed micro-batch of the window
+                elif bool(local.any()):
                     out.append(f"group[{gi}]/param[{pi}]")
     return out
 
