@@ -303,3 +303,31 @@ def test_a_pending_sparse_gradient_is_warned_about_not_a_crash(tmp_path):
         emb(torch.tensor([3])).sum().backward()
         with pytest.warns(tg.PendingGradientsWarning):  # raised NotImplementedError (isfinite of a sparse tensor)
             mgr.save(1, {"model": emb, "optim": opt}, force=True)
+
+
+# ---- destinations that share memory (helper audit 1)
+
+
+def test_overlapping_destinations_are_filled_in_path_order(tmp_path):
+    x, y = torch.arange(10.0), torch.full((6,), -1.0)
+    tg.save(tmp_path / "c", {"s": {"a": x, "b": y, "c": x}})
+    base = torch.zeros(10)
+    tg.load(tmp_path / "c", {"s": {"a": base, "b": base[2:8], "c": base}})
+    assert torch.equal(base, x)  # c last: before, b's staged copy landed after c was skipped: [0, 1, -1 x 6, 8, 9]
+
+
+def test_an_untied_checkpoint_into_a_non_contiguous_tie_warns(tmp_path):
+    class LM(nn.Module):
+        def __init__(self, tie: bool) -> None:
+            super().__init__()
+            self.wte, self.head = nn.Embedding(6, 4), nn.Linear(4, 6, bias=False)
+            if tie:
+                self.wte.weight = nn.Parameter(torch.randn(4, 6).t())  # (6, 4), transposed: not read in place
+                self.head.weight = self.wte.weight
+
+    src = LM(tie=False)
+    tg.save(tmp_path / "c", {"model": src})
+    dst = LM(tie=True)
+    with pytest.warns(UserWarning, match="tied weights"):
+        tg.load(tmp_path / "c", {"model": dst})
+    assert torch.equal(dst.wte.weight, src.wte.weight)  # the later name's (model/wte.weight) in path order

@@ -96,17 +96,17 @@ def _settle(
         members.append((p, t, in_place(t, tensors[p].torch_dtype)))
     (first, ft, first_direct), copied = members[0], False
     for p, t, direct in members[1:]:
+        view = t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype and t.stride() == ft.stride()
+        same = view and _same_bytes(tensors[first], tensors[p], (src, first, p, live[p][p]) if src is not None else None)
+        if view and not same:  # one tensor under two names (a tie), other values in the checkpoint: the later wins
+            differ.append((first, p))
         if not direct:
             copied = True  # staged by the loader: copied in after the reads, in plan order
-            continue
-        same_view = first_direct and t.data_ptr() == ft.data_ptr() and t.shape == ft.shape and t.dtype == ft.dtype
-        same = same_view and _same_bytes(tensors[first], tensors[p], (src, first, p, live[p][p]) if src is not None else None)
-        if same and not copied:
+        elif same and first_direct and not copied:
             skip.add(p)
         else:
             stage.add(p)
-            if same_view and not same:
-                differ.append((first, p))
+            copied = True  # copied in after the reads: a later same view must be too, to keep plan order
 
 
 def _base(t: torch.Tensor) -> int:
