@@ -331,3 +331,43 @@ def test_an_untied_checkpoint_into_a_non_contiguous_tie_warns(tmp_path):
     with pytest.warns(UserWarning, match="tied weights"):
         tg.load(tmp_path / "c", {"model": dst})
     assert torch.equal(dst.wte.weight, src.wte.weight)  # the later name's (model/wte.weight) in path order
+
+
+def test_errors_name_the_entry_and_the_destination(tmp_path):
+    """An entry's state_dict() that raises, a class where its object was meant, a read-only
+    destination (blamed on the checkpoint's file: "Bad address"), a float4 tensor cast by
+    strict=False (no kernel: it failed after the reads)."""
+    import numpy as np
+
+    class Boom:
+        def state_dict(self):
+            raise ValueError("boom")
+
+        def load_state_dict(self, sd):
+            pass
+
+    with pytest.raises(CheckpointError, match="entry 'counter': its state_dict\\(\\) raised ValueError: boom"):
+        tg.save(tmp_path / "a", {"counter": Boom()})
+    tg.save(tmp_path / "c", {"x": {"w": torch.arange(8.0)}})
+    for call in (lambda: tg.save(tmp_path / "b", {"ema": nn.Linear}), lambda: tg.load(tmp_path / "c", {"ema": nn.Linear})):
+        with pytest.raises(tg.UnsupportedValueError, match=r"ema: the state holds the class Linear, not an object of it"):
+            call()
+    (tmp_path / "w.bin").write_bytes(bytes(32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: a non-writable array
+        dest = torch.from_numpy(np.memmap(tmp_path / "w.bin", dtype=np.float32, mode="r"))
+    with pytest.raises(CheckpointError, match="cannot be written: a tensor of the state on read-only memory"):
+        tg.load(tmp_path / "c", {"x": {"w": dest}})
+
+    class M(nn.Module):
+        def __init__(self, scales: torch.Tensor) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("scales", scales)
+
+    saved = M(torch.zeros(4, dtype=torch.uint8).view(torch.float4_e2m1fn_x2))
+    tg.save(tmp_path / "f", {"model": saved})
+    into = M(torch.ones(4))
+    with pytest.warns(UserWarning, match=r"model/scales \(checkpoint float4_e2m1fn_x2\[4\], state float32\[4\]\)"):
+        tg.load(tmp_path / "f", {"model": into}, strict=False)  # raised NotImplementedError after the reads
+    assert torch.equal(into.scales, torch.ones(4)) and torch.equal(into.lin.weight, saved.lin.weight)

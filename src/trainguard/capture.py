@@ -23,10 +23,7 @@ from .commhooks import warn_unsaved
 from .dist import DistContext
 from .distwait import note_busy
 from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
-from .errors import (
-    RankFailureError,
-    UnsupportedValueError,
-)
+from .errors import CheckpointError, RankFailureError, UnsupportedValueError
 from .flatten import flatten
 from .fsdp1 import refuse_unsupported
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
@@ -125,7 +122,12 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
             obj = refuse_unsupported(value, key, state, saving=True) or adapt(value, names)  # ZeRO, FSDP1 (fsdp1.py)
             if isinstance(value, torch.optim.Optimizer):
                 refuse_diverged(value, key, state, ctx.world_size)  # local SGD: entries that are not rank-local would be mixed
-            sd = obj.state_dict() if has_state(obj) else obj
+            try:
+                sd = obj.state_dict() if has_state(obj) else obj
+            except Exception as e:  # said which entry: "could not capture the state: boom" did not
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(f"entry {key!r}: its state_dict() raised {type(e).__name__}: {e}") from e
             if local:
                 rank_local.append(key)
             deques = not isinstance(value, (torch.optim.Optimizer, torch.nn.Module))  # loaded back as deques

@@ -235,6 +235,8 @@ def unreadable(e: Exception, target: str) -> Exception:
     err = (CorruptCheckpointError if media else CheckpointError)(
         f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. "
         + ("The storage failed reading it; `trainguard verify` says whether it can be read now" if media
+           else "The memory read into cannot be written: a tensor of the state on read-only memory (torch.from_numpy "
+           "of np.memmap(mode='r'), a read-only mmap); give it a writable tensor" if e.errno == _errno.EFAULT
            else "Fix the cause and start again; an older checkpoint is not tried for this error")
     )
     err.__cause__ = e

@@ -5,6 +5,7 @@ all ranks succeed or all raise the same error."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -207,8 +208,8 @@ def _load(
                     # A DTensor is never replaced: a full plain tensor would land on every rank.
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)) or is_dtensor(d):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
-                        if list(d.shape) != e.shape:  # else strict=False reads it, then copy_ casts it
-                            bad[p] = mismatched[-1]
+                        if list(d.shape) != e.shape or not _castable(e.torch_dtype, d.dtype):  # else strict=False
+                            bad[p] = mismatched[-1]  # reads it, then copy_ casts it (float4 has no cast: kept)
                     else:
                         del dest[p]
         plans.append((key, obj, skel, dest, refs))
@@ -217,7 +218,7 @@ def _load(
     check_entries(manifest, {p[0]: state[p[0]] for p in plans})  # a scheduler's class; requires_grad changed: warn
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
-            f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no memory) keep their current "
+            f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no cast, no memory) keep their current "
             f"values: {', '.join(bad.values())[:1500]}",
             stacklevel=3,
         )
@@ -341,6 +342,20 @@ def _expanded(t: torch.Tensor) -> str:
         return (f"is expanded or a view whose elements overlap (strides {tuple(st)}: expand(), unfold(), as_strided()): "
                 "its elements share memory and cannot take distinct values; give it memory of its own, e.g. with .clone()")
     return ""
+
+
+@functools.cache
+def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether ``copy_`` casts ``src`` into ``dst`` (no kernel for ``float4_e2m1fn_x2``; it failed
+    after the reads, other tensors of the state already overwritten)."""
+    try:
+        with warnings.catch_warnings():  # complex to real: "discards the imaginary part"
+            warnings.simplefilter("ignore")
+            torch.zeros(1, dtype=dst).copy_(torch.zeros(1, dtype=torch.uint8).view(src) if src.itemsize == 1 else
+                                            torch.zeros(1, dtype=src))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def _unusable(t: torch.Tensor) -> str:

@@ -59,6 +59,10 @@ def check_state(state: Any) -> None:
         raise UnsupportedValueError(
             f"state must be a dict of named entries, e.g. {{'model': model, 'optim': optimizer}}; got {type(state).__name__}"
         )
+    for key, value in state.items():  # a class where its object was meant: its state_dict() misses self
+        if isinstance(value, type) and callable(getattr(value, "state_dict", None)):
+            raise UnsupportedValueError(f"{key}: the state holds the class {value.__qualname__}, not an object of it; "
+                                        f"pass the object (e.g. state[{key!r}] = {value.__qualname__}(...))")
 
 
 def is_rank_local(obj: Any) -> bool:
