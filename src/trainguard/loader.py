@@ -137,7 +137,9 @@ def _load(
             # saved as such: what the general path below does, without its per-entry calls.
             # The manifest's validation checked that the tensor is described.
             e = manifest.tensors[key]
-            if _unusable(value) or list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype or _expanded(value):
+            if (value.is_nested or list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype
+                    or value.is_meta or value.layout is not torch.strided or _expanded(value)
+                    or not value.data_ptr() and value.nbytes):  # _unusable's, cheaper: freed (resize_(0)), not shrunk
                 plans.append((key, value, skel, {}, [key]))  # read into a new tensor
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
@@ -336,9 +338,10 @@ def _load(
 def _expanded(t: torch.Tensor) -> str:
     """Why ``t``'s elements share memory (``expand()``: a stride of 0 along a dimension of size > 1;
     ``unfold``, ``as_strided``: strides that overlap), or ""."""
-    st = t.stride() if t.layout == torch.strided else ()  # 0.3 us a tensor: the 10,000-tensor path calls it
-    if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape, strict=True)) or (
-            st and not t.is_contiguous() and may_overlap(local_part(t))):
+    if t.layout != torch.strided or t.is_contiguous():  # 0.1 us: the 10,000-tensor path calls it for each
+        return ""
+    st = t.stride()
+    if 0 in st and any(s == 0 and n > 1 for s, n in zip(st, t.shape, strict=True)) or may_overlap(local_part(t)):
         return (f"is expanded or a view whose elements overlap (strides {tuple(st)}: expand(), unfold(), as_strided()): "
                 "its elements share memory and cannot take distinct values; give it memory of its own, e.g. with .clone()")
     return ""
