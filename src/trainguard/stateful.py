@@ -249,10 +249,9 @@ class OptimizerAdapter:
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
         saved_names = [n for g in saved_groups for n in g["params"]]
-        if not any(id(p) in self.names for g in cur_groups for p in g["params"]) and not any(
-                n.startswith("param.") for n in saved_names):  # {"optim": o} alone: nothing names its parameters
+        if not self.names and not any(n.startswith("param.") for n in saved_names):  # {"optim": o}: no module names them
             raise mark(CheckpointError(
-                f"no module in the state holds this optimizer's parameters: trainguard keys optimizer state by "
+                f"the state holds no module to name this optimizer's parameters: trainguard keys optimizer state by "
                 f"parameter name, taken from the modules of the same state, and the checkpoint names them "
                 f"{saved_names[:6]}; put the model in the state too (state = {{'model': model, 'optim': optim}}; "
                 "only=['optim'] then loads the optimizer alone)"))
