@@ -371,3 +371,23 @@ def test_errors_name_the_entry_and_the_destination(tmp_path):
     with pytest.warns(UserWarning, match=r"model/scales \(checkpoint float4_e2m1fn_x2\[4\], state float32\[4\]\)"):
         tg.load(tmp_path / "f", {"model": into}, strict=False)  # raised NotImplementedError after the reads
     assert torch.equal(into.scales, torch.ones(4)) and torch.equal(into.lin.weight, saved.lin.weight)
+
+
+def test_optimizer_state_shared_on_save_loads_as_one_tensor_per_parameter(tmp_path):
+    """FSDP1 (use_orig_params=False) saves one flat step tensor for all its parameters: written as
+    aliases. Loaded into a fresh optimizer it became one tensor, which Adam stepped once per
+    parameter (steps 15 instead of 6 after 3 steps: the run diverged, silently)."""
+    m = nn.Linear(3, 2)
+    o = torch.optim.Adam(m.parameters())
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    o.state[m.bias]["step"] = o.state[m.weight]["step"]  # shared, as FSDP1's flat parameter's step
+    tg.save(tmp_path / "c", {"model": m, "optim": o})
+    m2 = nn.Linear(3, 2)
+    o2 = torch.optim.Adam(m2.parameters())
+    tg.load(tmp_path / "c", {"model": m2, "optim": o2})
+    w, b = o2.state[m2.weight]["step"], o2.state[m2.bias]["step"]
+    assert w is not b and w.data_ptr() != b.data_ptr() and float(w) == float(b) == 1.0
+    m2(torch.ones(1, 3)).sum().backward()
+    o2.step()
+    assert float(o2.state[m2.weight]["step"]) == float(o2.state[m2.bias]["step"]) == 2.0  # was 3.0

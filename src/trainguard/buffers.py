@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 
 from .planner import PAGE
@@ -48,6 +51,20 @@ def may_overlap(t: torch.Tensor) -> bool:
             return True
         reach += stride * (size - 1)
     return False
+
+
+@functools.cache
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """(``loader._load``, strict=False) Whether ``copy_`` casts ``src`` into ``dst`` (no kernel for ``float4_e2m1fn_x2``; it failed
+    after the reads, other tensors of the state already overwritten)."""
+    try:
+        with warnings.catch_warnings():  # complex to real: "discards the imaginary part"
+            warnings.simplefilter("ignore")
+            torch.zeros(1, dtype=dst).copy_(torch.zeros(1, dtype=torch.uint8).view(src) if src.itemsize == 1 else
+                                            torch.zeros(1, dtype=src))
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -5,7 +5,6 @@ all ranks succeed or all raise the same error."""
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
@@ -16,7 +15,7 @@ from torch.nn.parameter import UninitializedTensorMixin
 
 from . import gaps, optload, rankload, resizable, scalerstate, split, stateful
 from .aliases import shared_destinations
-from .buffers import holds, in_place, may_overlap
+from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
 from .dtensor import is_dtensor, local_part, shard_of
@@ -210,7 +209,7 @@ def _load(
                     # A DTensor is never replaced: a full plain tensor would land on every rank.
                     if isinstance(obj, (ModuleAdapter, OptimizerAdapter)) or is_dtensor(d):
                         mismatched.append(f"{p} (checkpoint {e.dtype}{e.shape}, state {str(d.dtype)[6:]}{list(d.shape)})")
-                        if list(d.shape) != e.shape or not _castable(e.torch_dtype, d.dtype):  # else strict=False
+                        if list(d.shape) != e.shape or not castable(e.torch_dtype, d.dtype):  # else strict=False
                             bad[p] = mismatched[-1]  # reads it, then copy_ casts it (float4 has no cast: kept)
                     else:
                         del dest[p]
@@ -299,8 +298,9 @@ def _load(
         check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
         direct=_sole_reader(ctx),
     )
-    for p, target in same:
-        loaded[p] = loaded[target]
+    own = {p for _k, o, _s, _d, refs in plans if isinstance(o, (OptimizerAdapter, FSDP1OptimizerAdapter)) for p in refs}
+    for p, target in same:  # an optimizer's state shared on save (FSDP1's flat step) is one per parameter in torch:
+        loaded[p] = loaded[target].clone() if p in own else loaded[target]  # Adam stepped a shared step once per parameter
     for staged, live in finish:
         live.detach().copy_(staged)  # a plain entry's Parameter: nothing detached it (state_dict() does for modules)
     for key, obj, skel, dest, _refs in plans:
@@ -345,20 +345,6 @@ def _expanded(t: torch.Tensor) -> str:
         return (f"is expanded or a view whose elements overlap (strides {tuple(st)}: expand(), unfold(), as_strided()): "
                 "its elements share memory and cannot take distinct values; give it memory of its own, e.g. with .clone()")
     return ""
-
-
-@functools.cache
-def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether ``copy_`` casts ``src`` into ``dst`` (no kernel for ``float4_e2m1fn_x2``; it failed
-    after the reads, other tensors of the state already overwritten)."""
-    try:
-        with warnings.catch_warnings():  # complex to real: "discards the imaginary part"
-            warnings.simplefilter("ignore")
-            torch.zeros(1, dtype=dst).copy_(torch.zeros(1, dtype=torch.uint8).view(src) if src.itemsize == 1 else
-                                            torch.zeros(1, dtype=src))
-    except (RuntimeError, NotImplementedError, TypeError):
-        return False
-    return True
 
 
 def _unusable(t: torch.Tensor) -> str:
