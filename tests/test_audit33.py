@@ -391,3 +391,31 @@ def test_optimizer_state_shared_on_save_loads_as_one_tensor_per_parameter(tmp_pa
     m2(torch.ones(1, 3)).sum().backward()
     o2.step()
     assert float(o2.state[m2.weight]["step"]) == float(o2.state[m2.bias]["step"]) == 2.0  # was 3.0
+
+
+_FORKED_SAVE = r'''
+import os, signal, sys, threading, torch, trainguard as tg
+from trainguard import io as tgio
+held, release = threading.Event(), threading.Event()
+def holder():  # as a writer thread inside io._POOL.get/put at the moment of the fork
+    with tgio._POOL._lock:
+        held.set()
+        release.wait()
+threading.Thread(target=holder, daemon=True).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    signal.alarm(20)  # a hung save ends the child, not the test
+    tg.save(sys.argv[1], {"q": tg.StateDict(**{f"t{i}": torch.randn(8) for i in range(50)})})  # small chunks: the pool
+    os._exit(0)
+release.set()
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+'''
+
+
+def test_a_child_forked_while_a_writer_held_the_buffer_pool_lock_can_save(tmp_path):
+    from conftest import run_py
+
+    r = run_py(["-c", _FORKED_SAVE, str(tmp_path / "ck")], timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr[-2000:])  # before: -14 (SIGALRM)
+    assert (tmp_path / "ck" / "manifest.json").exists()

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from . import async_save, dist, gcpause, io, iostall, stage
+from . import async_save, dist, gcpause, io, iostall, replicas, stage
 from .storage import _direct, local
 
 
@@ -33,6 +33,8 @@ def _after_fork_in_child() -> None:
     stage.forget_pools_in_child()
     gcpause.after_fork_in_child()  # a save or load of another thread paused the collector
     io._COUNTERS_LOCK, _direct._LOCK, local._LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+    io._POOL = io._BufferPool()  # its lock, held by a writer thread at the fork, hung the child's first save
+    replicas._LOCK, dist._MAKING = threading.Lock(), threading.Lock()
     iostall._OPEN.clear()  # the parent's storage calls in flight: none of this process's, never to end here
     _not_a_rank()
     if job is not None and not job.handle.done():
