@@ -419,3 +419,46 @@ def test_a_child_forked_while_a_writer_held_the_buffer_pool_lock_can_save(tmp_pa
     r = run_py(["-c", _FORKED_SAVE, str(tmp_path / "ck")], timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "0", (r.stdout, r.stderr[-2000:])  # before: -14 (SIGALRM)
     assert (tmp_path / "ck" / "manifest.json").exists()
+
+
+def test_a_plain_entry_on_shrunk_or_offset_freed_memory_is_replaced_on_load(tmp_path):
+    """The plain-entry fast path checked a freed storage by its data pointer alone: a shrunk
+    storage was read past its end (a segfault), a freed view at an offset raised "Bad address"."""
+    x = torch.arange(1000.0)
+    tg.save(tmp_path / "c", {"a": x, "b": x[:500]})
+    shrunk = torch.zeros(1000)
+    shrunk.untyped_storage().resize_(64)
+    base = torch.zeros(600)
+    view = base[100:]
+    base.untyped_storage().resize_(0)
+    dest = {"a": shrunk, "b": view}
+    tg.load(tmp_path / "c", dest)
+    assert torch.equal(dest["a"], x) and torch.equal(dest["b"], x[:500]) and dest["a"] is not shrunk
+
+
+def test_the_wrapped_grad_scaler_step_keeps_its_name_and_takes_optimizers_without_weakrefs(tmp_path):
+    class Slotted:  # an optimizer wrapper of __slots__ without __weakref__
+        __slots__ = ("optimizer",)
+
+        def __init__(self, opt):
+            self.optimizer = opt
+
+        def step(self, *a, **kw):
+            return self.optimizer.step(*a, **kw)
+
+        @property
+        def param_groups(self):
+            return self.optimizer.param_groups
+
+        @property
+        def state(self):
+            return self.optimizer.state
+
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        mgr.restore({"model": m, "optim": opt})  # watches: GradScaler.step wrapped
+    assert torch.amp.GradScaler.step.__name__ == "step" and torch.amp.GradScaler.step.__wrapped__
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    m(torch.ones(1, 2)).sum().backward()
+    scaler.step(Slotted(opt))  # TypeError: cannot create weak reference, before

@@ -17,6 +17,7 @@ as before, cost 2-4 microseconds per parameter at every ``backward()`` (see ``_a
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Iterable, Mapping
@@ -96,9 +97,14 @@ def _scaler_step(orig: Any) -> Any:
     """``torch.amp.GradScaler.step`` wrapped (once, by :func:`watch`): a step the scaler skips
     (inf/NaN gradients) never calls the optimizer's ``step()`` nor its hooks, yet it used the
     window's gradients as a step does (the loop zeroes them): they are recorded as used."""
+    @functools.wraps(orig)
     def step(self: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
         out = orig(self, optimizer, *args, **kwargs)
-        if (t := _TRACKERS.get(optimizer)) is not None:
+        try:
+            t = _TRACKERS.get(optimizer)
+        except TypeError:  # an optimizer wrapper that cannot be weakly referenced: never watched
+            t = None
+        if t is not None:
             t.seen, t.scaled = _snapshot(optimizer), True
         return out
 

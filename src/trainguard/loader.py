@@ -138,7 +138,7 @@ def _load(
             e = manifest.tensors[key]
             if (value.is_nested or list(value.shape) != e.shape or DTYPE_NAMES.get(value.dtype) != e.dtype
                     or value.is_meta or value.layout is not torch.strided or _expanded(value)
-                    or not value.data_ptr() and value.nbytes):  # _unusable's, cheaper: freed (resize_(0)), not shrunk
+                    or value.nbytes and not holds(value)):  # _unusable's, cheaper: freed or shrunk (a view too)
                 plans.append((key, value, skel, {}, [key]))  # read into a new tensor
             else:
                 plans.append((key, value, skel, {key: value}, [key]))
