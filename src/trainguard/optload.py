@@ -11,13 +11,17 @@ while it plans the load, before anything is read) handles them:
   tensor would put the full state on every rank, and the next ``step()`` fails mixing a plain
   tensor with DTensors. The destination is a DTensor sharded like the parameter
   (``torch.empty_like``), so each rank reads its shard (resharding as for any DTensor);
+- the parameter is a DTensor and the saved tensor has another shape (a factored second moment:
+  one value per row, ``[rows]``): a whole tensor fails the same way. The destination is a
+  DTensor on the parameter's mesh placed as the save held it, as far as the manifest tells
+  (:func:`saved_placements`: sharded along the dim its stored boxes split, else replicated);
 - the saved tensor has the shape the parameter had at save time, and the parameter's shape has
   changed since: it is listed as mismatched, like the module's tensor (a strict load refuses;
   ``strict=False`` leaves that parameter without optimizer state, :func:`without_unread`, so its
   next ``step()`` starts it afresh, instead of failing on the old shape).
 
-A parameter's state tensors of another shape than the parameter's (a factored second moment)
-are read as before.
+A scalar (Adam's ``step``) and the state of a plain (non-DTensor) parameter are read into new
+whole tensors.
 """
 
 from __future__ import annotations
@@ -84,6 +88,39 @@ def fill_destinations(adapter: Any, skel: Any, dest: dict[str, Any], manifest: M
             bad[p] = (f"{p} (checkpoint {e.dtype}{e.shape}: the state of parameter {name!r}, whose shape is "
                       f"{list(param.shape)} now)")
             mismatched.append(bad[p])
+        elif is_dtensor(param):
+            from torch.distributed.tensor import empty
+
+            dest[p] = empty(e.shape, dtype=e.torch_dtype, device_mesh=param.device_mesh,
+                            placements=saved_placements(e, param, manifest.world_size))
+
+
+def saved_placements(e: Any, param: Any, world_size: int) -> list[Any]:
+    """``fill_destinations``: placements on DTensor ``param``'s mesh for its saved state tensor
+    ``e`` (a manifest entry of another shape than the parameter's). Each mesh dim that shards the
+    parameter shards the state along the next tensor dim that the stored boxes split (a regular
+    entry's dim, or where the chunks do not span the whole tensor); a single whole box, saved by
+    several ranks, was replicated. A single box saved by one rank tells nothing: the state is
+    sharded along the parameter's dim where it has the parameter's size there, else replicated.
+    A mesh dim that replicates the parameter replicates its state."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if e.regular is not None:
+        dims = [e.regular.dim]
+    else:
+        dims = sorted({d for c in e.chunks for d, (n, full) in enumerate(zip(c.sizes, e.shape, strict=True)) if n < full})
+    out: list[Any] = []
+    for pl in param.placements:
+        d = getattr(pl, "dim", None)  # Shard and _StridedShard
+        if d is None:
+            out.append(Replicate())
+        elif dims:
+            out.append(Shard(dims.pop(0)))
+        elif world_size == 1 and d < len(e.shape) and e.shape[d] == param.shape[d]:
+            out.append(Shard(d))
+        else:
+            out.append(Replicate())
+    return out
 
 
 def without_unread(adapter: Any, skel: Any, value: Any, dest: dict[str, Any], bad: dict[str, str]) -> Any:
