@@ -104,3 +104,23 @@ def test_fsdp2_factored_optimizer_state_loads_sharded_and_resumes(tmp_path):
 def test_fsdp2_factored_state_saved_on_one_rank_loads_sharded_on_two(tmp_path):
     ref = run_ranks(_save, 1, str(tmp_path), timeout=120, env=ENV)[0].value
     run_ranks(_load, 2, str(tmp_path), 1, ref, timeout=120, env=ENV)
+
+
+def _only_forms(rank: int, world: int, root: str) -> list:
+    """Rank 0 passes no only=, rank 1 the list of every entry of its state: the same load."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    tg.save(f"{root}/ck", {"model": m, "optim": o})
+    saved = [t.clone() for t in m.state_dict().values()]
+    with torch.no_grad():
+        m.weight.add_(1.0)
+    tg.load(f"{root}/ck", {"model": m, "optim": o}, only=None if rank == 0 else ["optim", "model"])
+    return [torch.equal(a, b) for a, b in zip(saved, m.state_dict().values(), strict=True)]
+
+
+def test_only_none_and_the_list_of_every_entry_are_the_same_load(tmp_path):
+    # refused as different only= before
+    assert [r.value for r in run_ranks(_only_forms, 2, str(tmp_path), timeout=120, env=ENV)] == [[True, True]] * 2

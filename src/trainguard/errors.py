@@ -287,7 +287,8 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
     passed different ones all raise the same error naming it (``split.load_flags_differ``).
     ``which`` (the "load" round): ``[step, created]`` of the manifest this rank read: ranks that
     read different checkpoints (another path, or ``restore(step=)``, on one rank) all raise.
-    ``only`` (the "load" round): this rank's ``only=``, sorted (None: every entry): ranks that
+    ``only`` (the "load" round): this rank's ``only=``, sorted (None: every entry of its state, also
+    when it lists them all): ranks that
     passed different ones all raise (with FSDP2, one rank's optimizer left unloaded trained on
     silently with the others' loaded)."""
     from .permanent import from_medium, is_permanent, keeps_own

@@ -71,7 +71,7 @@ def load(
         agreed.append(False)
         which = None if manifest is None else [manifest.step, manifest.created]  # ranks that read another one: all raise
         agree_load(ctx, "load", target, e, timeout, split=split_state, which=which,  # ... as ranks that differ in split_state
-                   only=None if only is None else sorted({str(k) for k in only}))
+                   only=None if only is None or set(only) == set(state) else sorted({str(k) for k in only}))
         agreed[0] = True
         if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
             split.check_taken(ctx, manifest, taken, timeout)
