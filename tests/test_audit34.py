@@ -124,3 +124,19 @@ def _only_forms(rank: int, world: int, root: str) -> list:
 def test_only_none_and_the_list_of_every_entry_are_the_same_load(tmp_path):
     # refused as different only= before
     assert [r.value for r in run_ranks(_only_forms, 2, str(tmp_path), timeout=120, env=ENV)] == [[True, True]] * 2
+
+
+def test_verify_and_ls_of_a_checkpoint_moved_aside_by_a_cut_short_overwrite_name_it(tmp_path):
+    """An overwrite killed between its two renames leaves ``<name>.old-<id>`` and no ``<name>``;
+    tg.load named it, but ``trainguard verify``/``ls`` said only "no such directory"."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    tg.save(tmp_path / "final", {"model": {"w": torch.arange(10.0)}})
+    (tmp_path / "final").rename(tmp_path / "final.old-1a2b")
+    for cmd in ("verify", "ls"):
+        got = CliRunner().invoke(main, [cmd, str(tmp_path / "final")])
+        assert got.exit_code == 2, got.output
+        assert f"its previous checkpoint is {tmp_path / 'final.old-1a2b'}" in got.output, got.output
+    assert tg.verify(tmp_path / "final.old-1a2b").ok

@@ -55,7 +55,7 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     path = storage.join(directory, layout.MANIFEST)
     if not storage.exists(path):
         if not storage.exists(directory):
-            raise NotACheckpointError(f"{directory}: no such checkpoint directory{_moved_aside(storage, directory)}")
+            raise NotACheckpointError(f"{directory}: no such checkpoint directory{moved_aside(storage, directory)}")
         raise NotACheckpointError(_run_dir_named(storage, directory) or (
             f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
@@ -79,7 +79,7 @@ def _run_dir_named(storage: Storage, directory: str) -> str:
             f"ls {shlex.quote(url(directory) if callable(url) else directory)}` shows which are valid)") if n else ""
 
 
-def _moved_aside(storage: Storage, directory: str) -> str:
+def moved_aside(storage: Storage, directory: str) -> str:
     """For ``read_manifest``'s error: where an overwrite cut short between its two renames left
     ``directory``'s previous checkpoint (``<name>.old-<id>``, put back by the next manager's
     ``clean_debris``), or ``""``."""

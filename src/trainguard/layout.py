@@ -85,7 +85,7 @@ def old_dir(name: str, save_id: str) -> str:
 
 
 def is_old_of(entry: str, name: str) -> bool:
-    """Whether ``entry`` is ``old_dir(name, <id>)``: ``commit._moved_aside`` finds the checkpoint an
+    """Whether ``entry`` is ``old_dir(name, <id>)``: ``commit.moved_aside`` finds the checkpoint an
     overwrite of ``name`` cut short left aside."""
     return entry.startswith(f"{name}.old-") and re.fullmatch(r"[0-9a-f]{1,32}", entry[len(name) + 5:], re.ASCII) is not None
 
