@@ -32,13 +32,14 @@ def test_bench_json_measures_every_figure_and_leaves_nothing(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)  # the rounds' progress lines go to stderr with --json
     assert out["device"] == "cpu" and out["state_bytes"] >= 4 * 2**20 * 0.9 and len(out["rounds"]) == 2
-    for fig in out["rounds"]:
+    for fig in [out["first_round"], *out["rounds"]]:
         assert set(fig) == set(selfbench.FIGURES) - {"load_s"}  # local and CPU: raw write, loads cached and not
         assert all(v > 0 for v in fig.values())
         assert fig["async_stall_s"] == pytest.approx(fig["async_step_wait_s"] + fig["async_call_s"], abs=5e-3)
         assert fig["async_duration_s"] >= fig["async_stall_s"]
     s = out["summary"]["sync_save_s"]
-    assert s["first"] == out["rounds"][0]["sync_save_s"] and s["median"] == out["rounds"][1]["sync_save_s"]
+    assert s["first"] == out["first_round"]["sync_save_s"]
+    assert s["median"] == pytest.approx(sum(r["sync_save_s"] for r in out["rounds"]) / 2)
     assert os.listdir(tmp_path) == []  # both checkpoints and the bench directory removed
 
 
@@ -60,11 +61,14 @@ def test_keep_leaves_two_valid_checkpoints_holding_the_state(tmp_path):
     res = _bench(str(tmp_path), "--size", "2MiB", "--rounds", "2", "--keep")
     assert res.exit_code == 0, res.output
     (work,) = tmp_path.iterdir()
-    assert work.name.startswith("trainguard-bench-") and sorted(p.name for p in work.iterdir()) == ["async-1", "sync-1"]
+    assert work.name.startswith("trainguard-bench-") and sorted(p.name for p in work.iterdir()) == ["async-2", "sync-2"]
+    # the kept paths are printed as they are (they were a wildcard: trainguard-bench-*/sync-1 and async-1)
+    (line,) = [x for x in res.output.splitlines() if x.startswith("kept: ")]
+    assert line == f"kept: {work / 'sync-2'} and {work / 'async-2'}"
     for ck in work.iterdir():
         assert CliRunner().invoke(cli, ["verify", str(ck)]).exit_code == 0
     _, opt = selfbench.build_state(2 * 2**20, "cpu")  # seeded: the state every round saves
-    for ck in ("sync-1", "async-1"):  # each round's loads undo the step taken after its async save
+    for ck in ("sync-2", "async-2"):  # each round's loads undo the step taken after its async save
         fresh, _ = selfbench.build_state(2 * 2**20, "cpu")
         for t in selfbench.state_tensors(fresh["optim"]):
             t.zero_()
@@ -160,10 +164,128 @@ def test_under_torchrun_every_rank_saves_its_own_state_at_once(tmp_path):
     out = json.loads(r.stdout)  # rank 1 prints nothing
     assert out["world"] == 2 and set(out["rounds"][0]) == set(selfbench.FIGURES) - {"load_s"}
     (work,) = tmp_path.iterdir()
-    assert sorted(p.name for p in work.iterdir()) == ["async-0", "sync-0"]  # the raw files are gone
+    assert sorted(p.name for p in work.iterdir()) == ["async-1", "sync-1"]  # the raw files are gone
+    assert out["kept"] == [str(work / "sync-1"), str(work / "async-1")]
     ranks = [selfbench.build_state(2 * 2**20, "cpu", rank)[0]["model"] for rank in (0, 1)]
     both = torch.nn.ModuleDict({k: torch.nn.Linear(layer.in_features, layer.out_features, bias=False)
                                 for m in ranks for k, layer in m.items()})
     assert not any(torch.equal(both[k].weight, m[k].weight) for m in ranks for k in m)
-    tg.load(str(work / "sync-0"), {"model": both}, only=["model"])
+    tg.load(str(work / "sync-1"), {"model": both}, only=["model"])
     assert len(both) == 8 and all(torch.equal(both[k].weight, m[k].weight) for m in ranks for k in m)
+
+
+def _interrupt_raw_write(monkeypatch):
+    """Ctrl-C while the raw write's second writer is in its first ``pwrite``: SIGINT sent to the
+    main thread (as a terminal's Ctrl-C lands there, waiting in join()), that writer held in its
+    write until the main thread's handler has raised KeyboardInterrupt. No timing: events only."""
+    import signal
+    import threading
+
+    main, got, sent, real = threading.main_thread().ident, threading.Event(), [], os.pwrite
+
+    def pwrite(fd, data, offset):
+        if not sent and offset > 0 and "/raw-" in os.readlink(f"/proc/self/fd/{fd}"):
+            sent.append(fd)
+            signal.pthread_kill(main, signal.SIGINT)
+            assert got.wait(60)
+        return real(fd, data, offset)
+
+    def on_sigint(signum, frame):
+        got.set()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(selfbench, "_STOP_WAIT_S", 60.0, raising=False)
+    old = signal.signal(signal.SIGINT, on_sigint)
+    return lambda: signal.signal(signal.SIGINT, old)
+
+
+def _writers():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "trainguard-bench-raw-write"]
+
+
+def test_ctrl_c_during_the_raw_write_stops_the_writers_before_releasing_the_buffer(tmp_path, monkeypatch):
+    """It raised BufferError (the buffer closed under a writer) in place of the KeyboardInterrupt."""
+    fds = len(os.listdir("/proc/self/fd"))
+    restore = _interrupt_raw_write(monkeypatch)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            selfbench._raw_write(str(tmp_path), 8 * 2**20, torch.randn(1024), "raw-0.bin")
+    finally:
+        restore()
+    assert os.listdir(tmp_path) == [] and not _writers()
+    assert len(os.listdir("/proc/self/fd")) == fds  # the file closed once its writers stopped
+
+
+def test_ctrl_c_exits_130_and_removes_the_files_or_names_what_keep_left(tmp_path, monkeypatch):
+    restore = _interrupt_raw_write(monkeypatch)
+    try:
+        res = _bench(str(tmp_path), "--size", "8MiB", "--rounds", "1")
+    finally:
+        restore()
+    assert res.exit_code == 130 and "interrupted: its files are removed" in res.stderr
+    assert os.listdir(tmp_path) == [] and not _writers()
+    monkeypatch.undo()
+    real_load = tg.load
+
+    def load(path, state, **kw):  # Ctrl-C during the first round's second load: both checkpoints written
+        if load.calls:
+            raise KeyboardInterrupt
+        load.calls += 1
+        return real_load(path, state, **kw)
+
+    load.calls = 0
+    monkeypatch.setattr(tg, "load", load)
+    res = _bench(str(tmp_path), "--size", "2MiB", "--rounds", "1", "--keep")
+    assert res.exit_code == 130, res.output
+    (work,) = tmp_path.iterdir()
+    assert res.stderr.strip() == f"interrupted: left {work / 'async-0'}, {work / 'sync-0'}"
+
+
+def test_a_raw_write_error_is_raised_as_itself(tmp_path, monkeypatch):
+    """A full disk (or O_DIRECT refused at write) in a writer: its traceback kept the writer's view
+    of the buffer, whose close then raised BufferError in place of the OSError."""
+    import errno
+
+    def pwrite(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    with pytest.raises(OSError, match="No space left"):
+        selfbench._raw_write(str(tmp_path), 8 * 2**20, torch.randn(1024), "raw-0.bin")
+    assert os.listdir(tmp_path) == [] and not _writers()
+
+
+def test_one_round_gives_the_plan_options_of_a_measured_round_not_of_the_first(tmp_path, monkeypatch):
+    """--rounds 1 gave the options of the only round, the first (a new staging buffer faulted in):
+    now a first round comes before the measured ones, shown apart."""
+    saves: list[str] = []
+    real_save = tg.save
+    monkeypatch.setattr(tg, "save", lambda path, *a, **kw: saves.append(os.path.basename(path)) or real_save(path, *a, **kw))
+    res = _bench(str(tmp_path), "--size", "2MiB", "--rounds", "1", "--json")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert saves == ["sync-0", "async-0", "sync-1", "async-1"] and len(out["rounds"]) == 1
+    first, (measured,) = out["first_round"], out["rounds"]
+    assert set(first) == set(measured) and out["summary"]["async_stall_s"]["first"] == first["async_stall_s"]
+    assert out["plan_flags"] == (f"--save-stall {measured['async_stall_s']:.3g}s --save-duration "
+                                 f"{measured['async_duration_s']:.3g}s (async) or --save-stall "
+                                 f"{measured['sync_save_s']:.3g}s (sync)")
+    assert "first round (not in the medians): " in res.stderr and "round 1/1: " in res.stderr
+
+
+@pytest.mark.parametrize("size", ["1e400", "9" * 400, "-1GiB", "0", "0.5MiB", "nan", "inf", "1e-4GiB", "", "2e18"])
+def test_every_invalid_size_is_a_usage_error_saying_what_to_write(tmp_path, size):
+    """1e400 raised OverflowError (a traceback); each one is one `error:` line, exit 2."""
+    res = CliRunner().invoke(cli, ["bench", str(tmp_path), "--size", size])
+    assert res.exit_code == 2 and isinstance(res.exception, SystemExit), res.output
+    (line,) = res.stderr.splitlines()
+    assert line.startswith("error: Invalid value for '--size': ") and "e.g. " in line and "bench [OPTIONS] DIRECTORY" in line
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_size_beyond_the_free_memory_says_so(tmp_path):
+    res = _bench(str(tmp_path), "--size", "1e15")
+    assert res.exit_code == 2 and "of free memory" in res.stderr and "use a smaller --size" in res.stderr

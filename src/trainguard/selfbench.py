@@ -14,11 +14,14 @@ Who calls what: ``trainguard bench`` (``commands/bench.py``) calls :func:`check_
 (then each rank saves its own state at the same time as the others, and each figure is the
 slowest rank's). Everything is written under a new directory ``DIR/trainguard-bench-<host>-<pid>``
 (rank 0's host and pid) that :func:`run` removes at the end, also after an error or Ctrl-C
-(``keep=True`` leaves the last round's two checkpoints).
+(``keep=True`` leaves the last round's two checkpoints). A first round comes before the measured
+ones: shown apart, it pays for what only a job's first save does (a new staging buffer faulted
+in, new files), so that the medians and the ``plan`` options are a running job's.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -38,6 +41,7 @@ from .storage import for_path
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 MIN_SIZE = 2**20
+_STOP_WAIT_S = 30.0  # _raw_write's wait for its writers to stop after an error or Ctrl-C
 FIGURES = ("raw_write_s", "sync_save_s", "async_call_s", "async_step_wait_s", "async_stall_s", "async_duration_s",
            "load_cached_s", "load_cold_s", "load_s")
 
@@ -47,14 +51,29 @@ class BenchError(Exception):
     (a load that did not give back the saved bytes)."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run`, raised once it cleaned up: ``left`` names what is left in its
+    directory (on rank 0): with ``keep=True`` the interrupted round's checkpoints, as the
+    interruption left them; empty without it."""
+
+    def __init__(self, left: list[str]) -> None:
+        super().__init__()
+        self.left = left
+
+
 def parse_size(text: str) -> int:
-    """``"1GiB"``, ``"500MB"``, ``"3g"``, ``"1e9"`` -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    """``"1GiB"``, ``"500MB"``, ``"3g"``, ``"1e9"`` -> bytes (KB/MB/GB decimal, KiB/MiB/GiB binary);
+    :class:`BenchError` saying what to write for anything else (negative, nan, inf, ``1e400``)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not m or m.group(2) not in _UNITS:
-        raise BenchError(f"cannot read {text!r} as a size: write e.g. 1GiB, 500MB or 2e9")
-    n = int(float(m.group(1)) * _UNITS[m.group(2)])
+        raise BenchError(f"cannot read {text!r} as a size: write a positive size with its unit, e.g. 1GiB, "
+                         "500MB or 2e9")
+    value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(value) or value >= 2**60:  # 1e400 is inf: int() raised OverflowError
+        raise BenchError(f"{text!r} is far more memory than any machine has: write e.g. 1GiB, 500MB or 2e9")
+    n = int(value)
     if n < MIN_SIZE:
-        raise BenchError(f"--size {text}: at least 1 MiB is needed to measure anything")
+        raise BenchError(f"{text!r} is too small: at least 1 MiB is needed to measure anything, e.g. 64MiB")
     return n
 
 
@@ -67,18 +86,19 @@ class Bench:
     tensors: int  # one rank's
     device: str
     world: int = 1
-    rounds: list[dict[str, float]] = field(default_factory=list)  # the slowest rank's figures
+    rounds: list[dict[str, float]] = field(default_factory=list)  # measured: the slowest rank's figures
+    first: dict[str, float] = field(default_factory=dict)  # the first round, before them: not measured
+    kept: list[str] = field(default_factory=list)  # with keep=True: the last round's two checkpoints
 
     def summary(self) -> dict[str, dict[str, float]]:
-        """Per figure: the first round (buffers new, files created) and the median, min and max of
-        the others (of all rounds when there is only one)."""
+        """Per figure: the first round (buffers new, files created: a job's first save) and the
+        median, min and max of the measured rounds, which alone give :meth:`plan_flags`."""
         out = {}
         for name in FIGURES:
             vals = [r[name] for r in self.rounds if name in r]
-            if not vals:
-                continue
-            rest = vals[1:] or vals
-            out[name] = {"first": vals[0], "median": statistics.median(rest), "min": min(rest), "max": max(rest)}
+            if vals:
+                out[name] = {"first": self.first.get(name, math.nan), "median": statistics.median(vals),
+                             "min": min(vals), "max": max(vals)}
         return out
 
     def plan_flags(self) -> str:
@@ -89,8 +109,8 @@ class Bench:
 
     def as_json(self) -> dict[str, Any]:
         return {"directory": self.directory, "state_bytes": self.state_bytes, "tensors": self.tensors,
-                "device": self.device, "world": self.world, "rounds": self.rounds, "summary": self.summary(),
-                "plan_flags": self.plan_flags()}
+                "device": self.device, "world": self.world, "first_round": self.first, "rounds": self.rounds,
+                "summary": self.summary(), "plan_flags": self.plan_flags(), "kept": self.kept}
 
 
 def build_state(size: int, device: str, rank: int = 0) -> tuple[dict[str, Any], torch.optim.Optimizer]:
@@ -161,7 +181,13 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> 
     """Seconds to write ``nbytes`` with fsync and nothing else: 2 threads, each its half of one
     new file (``O_DIRECT`` where the file system takes it), from one page-aligned 32 MiB buffer
     filled with ``sample``'s bytes (not zeros: some storage compresses) and written over and
-    over, so no memory is copied or faulted in while timed."""
+    over, so no memory is copied or faulted in while timed.
+
+    On an error or Ctrl-C the writers stop after their current write (at most 32 MiB), waited
+    for up to ``_STOP_WAIT_S``, before the file is closed and removed and the buffer released:
+    closed under a writer, the buffer raised ``BufferError`` in place of the KeyboardInterrupt
+    and the descriptor could be reused for another file. A writer still busy after that leaves
+    both open (the process is ending; :func:`run` removes the file's directory)."""
     piece = 32 * 2**20
     buf = mmap.mmap(-1, piece)
     data = sample.detach().reshape(-1).view(torch.uint8)[:piece].numpy().tobytes()
@@ -176,19 +202,31 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> 
     except OSError:  # tmpfs and others refuse O_DIRECT at open
         fd = os.open(path, flags, 0o600)
     errors: list[BaseException] = []
+    stop = threading.Event()
+    live = threading.Condition()
+    writing = [0]  # writers counted before they start: each counts itself out when it ends
 
     def write(start: int, end: int) -> None:
         try:
-            view = memoryview(buf)
-            while start < end:
-                start += os.pwrite(fd, view[: min(piece, end - start)], start)
-        except BaseException as e:  # raised by run() below
+            with memoryview(buf) as view:  # released on any exit: an error's traceback kept them exported
+                while start < end and not stop.is_set():
+                    with view[: min(piece, end - start)] as part:
+                        start += os.pwrite(fd, part, start)
+        except BaseException as e:  # raised by the caller below
+            stop.set()
             errors.append(e)
+        finally:
+            with live:
+                writing[0] -= 1
+                live.notify_all()
 
+    threads = [threading.Thread(target=write, args=span, daemon=True, name="trainguard-bench-raw-write")
+               for span in ((0, half), (half, nbytes))]
     try:
         t0 = time.monotonic()
-        threads = [threading.Thread(target=write, args=span) for span in ((0, half), (half, nbytes))]
         for t in threads:
+            with live:
+                writing[0] += 1
             t.start()
         for t in threads:
             t.join()
@@ -197,9 +235,13 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> 
         os.fsync(fd)
         return time.monotonic() - t0
     finally:
-        os.close(fd)
-        os.remove(path)
-        buf.close()
+        stop.set()
+        with live:
+            stopped = live.wait_for(lambda: writing[0] == 0, timeout=_STOP_WAIT_S)
+        if stopped:
+            os.close(fd)
+            os.remove(path)
+            buf.close()
 
 
 def _cache(directory: str, cached: bool) -> None:
@@ -218,12 +260,16 @@ def _cache(directory: str, cached: bool) -> None:
 
 def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep: bool = False,
         progress: Any = None) -> Bench:
-    """Measure ``rounds`` rounds in a new directory under ``directory`` (see the module's
-    docstring); ``progress(round_index, figures)`` is called after each round, on rank 0.
+    """Measure a first round, then ``rounds`` rounds, in a new directory under ``directory`` (see
+    the module's docstring); ``progress(round_index, figures)`` is called after each round, on
+    rank 0 (index 0: the first round, 1 to ``rounds``: the measured ones). The first round pays
+    for what only a job's first save does (the staging buffer faulted in, files created): it is
+    kept apart (``Bench.first``), never in the medians nor in :meth:`Bench.plan_flags`.
 
     In a process group (every rank calls it, ``trainguard bench`` under ``torchrun``), each rank
     saves and loads its own ``size`` state at the same time as the others (``split_state``: its
-    layers have names of their own), and each figure is the slowest rank's."""
+    layers have names of their own), and each figure is the slowest rank's. A Ctrl-C raises
+    :class:`Interrupted` once the files are removed (with ``keep``: left, and named in it)."""
     import trainguard as tg
 
     storage, root = for_path(directory)
@@ -245,53 +291,68 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
         storage.makedirs(work)
     handle, finished = None, False
     try:
-        for r in range(rounds):
-            sync_ck, async_ck = (url(storage.join(work, f"{kind}-{r}")) for kind in ("sync", "async"))
-            fig: dict[str, float] = {}
-            if local and device == "cpu":
-                _together(world)
-                fig["raw_write_s"] = _raw_write(work, result.state_bytes, tensors[0], f"raw-{rank}.bin")
-            saved = _digests(tensors)
-            t0 = _together(world)
-            tg.save(sync_ck, state, **kw)
-            fig["sync_save_s"] = time.monotonic() - t0
-            t0 = _together(world)
-            handle = tg.save(async_ck, state, async_=True, **kw)
-            fig["async_call_s"] = time.monotonic() - t0
-            opt.step()  # training's next step: it waits for the copies of the weights and moments
-            fig["async_step_wait_s"] = handle.hook_wait_s
-            fig["async_stall_s"] = handle.call_s + handle.hook_wait_s
-            handle.result()
-            fig["async_duration_s"] = (handle.finished_at or time.monotonic()) - t0
-            wrong = 0.0
-            for what in ("load_cached_s", "load_cold_s") if local else ("load_s",):
-                with torch.no_grad():
-                    for t in tensors:
-                        t.zero_()
-                _cache(sync_ck, what == "load_cached_s") if local else None
+        try:
+            for r in range(rounds + 1):
+                sync_ck, async_ck = (url(storage.join(work, f"{kind}-{r}")) for kind in ("sync", "async"))
+                fig: dict[str, float] = {}
+                if local and device == "cpu":
+                    _together(world)
+                    fig["raw_write_s"] = _raw_write(work, result.state_bytes, tensors[0], f"raw-{rank}.bin")
+                saved = _digests(tensors)
                 t0 = _together(world)
-                tg.load(sync_ck, state, **kw)
-                fig[what] = time.monotonic() - t0
-                wrong = wrong or float(_digests(tensors) != saved)
-            fig = _slowest(fig, world, wrong, sync_ck)
-            result.rounds.append(fig)
-            if progress is not None and rank == 0:
-                progress(r, fig)
-            if not (keep and r == rounds - 1) and rank == 0:  # every rank has loaded: _slowest gathered
-                storage.remove_tree(storage.join(work, f"sync-{r}"))
-                storage.remove_tree(storage.join(work, f"async-{r}"))
-        finished = True
-    finally:
-        if handle is not None and not handle.done():  # an error or Ctrl-C while the async save writes
-            try:
-                handle.result(timeout=120)
-            except Exception:  # its own error: the one in flight is the error to report
-                pass
-        if finished:
-            _together(world)
-        if not keep and rank == 0:
-            storage.remove_tree(work)
+                tg.save(sync_ck, state, **kw)
+                fig["sync_save_s"] = time.monotonic() - t0
+                t0 = _together(world)
+                handle = tg.save(async_ck, state, async_=True, **kw)
+                fig["async_call_s"] = time.monotonic() - t0
+                opt.step()  # training's next step: it waits for the copies of the weights and moments
+                fig["async_step_wait_s"] = handle.hook_wait_s
+                fig["async_stall_s"] = handle.call_s + handle.hook_wait_s
+                handle.result()
+                fig["async_duration_s"] = (handle.finished_at or time.monotonic()) - t0
+                wrong = 0.0
+                for what in ("load_cached_s", "load_cold_s") if local else ("load_s",):
+                    with torch.no_grad():
+                        for t in tensors:
+                            t.zero_()
+                    _cache(sync_ck, what == "load_cached_s") if local else None
+                    t0 = _together(world)
+                    tg.load(sync_ck, state, **kw)
+                    fig[what] = time.monotonic() - t0
+                    wrong = wrong or float(_digests(tensors) != saved)
+                fig = _slowest(fig, world, wrong, sync_ck)
+                if r == 0:  # new staging buffer, files created: a job's first save only
+                    result.first = fig
+                else:
+                    result.rounds.append(fig)
+                if progress is not None and rank == 0:
+                    progress(r, fig)
+                if not (keep and r == rounds) and rank == 0:  # every rank has loaded: _slowest gathered
+                    storage.remove_tree(storage.join(work, f"sync-{r}"))
+                    storage.remove_tree(storage.join(work, f"async-{r}"))
+            result.kept = [sync_ck, async_ck] if keep else []
+            finished = True
+        finally:
+            if handle is not None and not handle.done():  # an error or Ctrl-C while the async save writes
+                try:
+                    handle.result(timeout=120)
+                except Exception:  # its own error: the one in flight is the error to report
+                    pass
+            if finished:
+                _together(world)
+            if rank == 0 and not (keep and storage.listdir(work)):  # kept: something to keep
+                storage.remove_tree(work)
+    except KeyboardInterrupt as e:  # after the cleanup above (unless a second Ctrl-C cut it short)
+        raise Interrupted(_left(storage, work, url) if rank == 0 else []) from e
     return result
+
+
+def _left(storage: Any, work: str, url: Any) -> list[str]:
+    """What :func:`run` leaves in ``work`` after a Ctrl-C: nothing, or what ``keep`` kept."""
+    try:
+        return [url(storage.join(work, n)) for n in storage.listdir(work)]
+    except Exception:  # an object store that does not answer: the directory, unlisted
+        return [url(work)]
 
 
 def _together(world: int) -> float:

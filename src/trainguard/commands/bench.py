@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 
 import click
 from rich.table import Table
@@ -28,15 +29,16 @@ _ROWS = (
 
 @click.command("bench")
 @click.argument("directory")
-@click.option("--size", default="1GiB", show_default=True,
+@click.option("--size", default="1GiB", show_default=True, callback=lambda ctx, param, text: _size(text),
               help="state size: fp32 weights + Adam's two moments, e.g. 500MB, 4GiB")
 @click.option("--rounds", type=click.IntRange(min=1, max=100), default=3, show_default=True,
-              help="rounds of every measurement; the first is shown apart")
+              help="measured rounds, after a first round that is shown apart (its new buffers and files "
+                   "are a job's first save only)")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="where the state lives (cuda: async saves stage into pinned host memory)")
-@click.option("--keep", is_flag=True, help="keep the last round's two checkpoints (their path is printed)")
+@click.option("--keep", is_flag=True, help="keep the last round's two checkpoints (their paths are printed)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object instead of the table")
-def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_json: bool) -> None:
+def bench(directory: str, size: int, rounds: int, device: str, keep: bool, as_json: bool) -> None:
     """Measure what a checkpoint costs here: save stall, save duration and load time of a
     model + Adam state of --size in DIRECTORY (local or an fsspec URL), against the storage's
     raw write speed, and print the `trainguard plan` options they give.
@@ -53,8 +55,8 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
     if device == "cuda" and not torch.cuda.is_available():
         raise CommandError("--device cuda: torch sees no CUDA device here; use --device cpu")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    nbytes = size
     try:
-        nbytes = selfbench.parse_size(size)
         selfbench.check_room(directory, nbytes, device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), world)
     except (selfbench.BenchError, OSError) as e:
         raise CommandError(str(e)) from None
@@ -68,7 +70,8 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
     console = PipeConsole(stderr=as_json, quiet=rank != 0)
 
     def progress(r: int, fig: dict[str, float]) -> None:
-        console.print(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v:.3f}" for k, v in fig.items()))
+        what = f"round {r}/{rounds}" if r else "first round (not in the medians)"
+        console.print(f"{what}: " + ", ".join(f"{k} {v:.3f}" for k, v in fig.items()))
 
     try:
         result = selfbench.run(directory, nbytes, rounds=rounds, device=device, keep=keep, progress=progress)
@@ -76,6 +79,11 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
         raise CommandError(str(e), exit_code=1) from None
     except PermissionError as e:
         raise CommandError(f"cannot write in {directory}: {e}") from None
+    except KeyboardInterrupt as e:  # Ctrl-C: selfbench.run cleaned up first (selfbench.Interrupted)
+        left = getattr(e, "left", [])
+        if rank == 0:
+            click.echo("interrupted: " + (f"left {', '.join(left)}" if left else "its files are removed"), err=True)
+        sys.exit(130)
     finally:
         if own_group:
             dist.destroy_process_group()
@@ -89,15 +97,26 @@ def bench(directory: str, size: str, rounds: int, device: str, keep: bool, as_js
     summary = result.summary()
     ranks = f" on each of {result.world} ranks at once (the slowest rank's figures)" if result.world > 1 else ""
     table = Table(title=f"{directory}: {gb:.2f} GB in {result.tensors} tensors on {device}{ranks}, seconds")
-    for col in ("", "first round", "median [min-max]" if rounds > 1 else "", "GB/s" + (" (all)" if result.world > 1 else "")):
+    for col in ("", "first round", "median [min-max]" if rounds > 1 else "measured",
+                "GB/s" + (" (all)" if result.world > 1 else "")):
         table.add_column(col)
     for key, label in _ROWS:
         if key in summary:
             s = summary[key]
-            spread = f"{s['median']:.3f} [{s['min']:.3f}-{s['max']:.3f}]" if rounds > 1 else ""
+            spread = f"{s['median']:.3f}" + (f" [{s['min']:.3f}-{s['max']:.3f}]" if rounds > 1 else "")
             rate = f"{total / s['median']:.2f}" if key in ("raw_write_s", "sync_save_s", "load_cached_s", "load_cold_s", "load_s") else ""
             table.add_row(label, f"{s['first']:.3f}", spread, rate)
     console.print(table)
     console.print(f"for `trainguard plan`: {result.plan_flags()}")
-    if keep:
-        console.print(f"kept: {result.directory}/trainguard-bench-*/sync-{rounds - 1} and async-{rounds - 1}")
+    if result.kept:
+        console.print("kept: " + " and ".join(result.kept))
+
+
+def _size(text: str) -> int:
+    """``--size``: bytes, or click's usage error (exit 2) saying what to write."""
+    from .. import selfbench
+
+    try:
+        return selfbench.parse_size(text)
+    except selfbench.BenchError as e:
+        raise click.BadParameter(str(e)) from None
