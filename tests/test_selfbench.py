@@ -289,3 +289,25 @@ def test_every_invalid_size_is_a_usage_error_saying_what_to_write(tmp_path, size
 def test_a_size_beyond_the_free_memory_says_so(tmp_path):
     res = _bench(str(tmp_path), "--size", "1e15")
     assert res.exit_code == 2 and "of free memory" in res.stderr and "use a smaller --size" in res.stderr
+
+
+def test_o_direct_refused_at_the_first_write_is_written_again_buffered(tmp_path, monkeypatch):
+    """Some devices take O_DIRECT at open and refuse the first write (EINVAL), as tg.save's own
+    writer knows (storage/local.py): the raw write failed, and with it the whole bench."""
+    import errno
+    import fcntl
+
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
+        calls.append(direct)
+        if direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    assert selfbench._raw_write(str(tmp_path), 8 * 2**20, torch.randn(1024), "raw-0.bin") > 0
+    if not any(calls):
+        pytest.skip("this file system refuses O_DIRECT at open: nothing refused at the first write")
+    assert calls.count(False) >= 2 and os.listdir(tmp_path) == [] and not _writers()

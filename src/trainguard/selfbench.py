@@ -21,6 +21,7 @@ in, new files), so that the medians and the ``plan`` options are a running job's
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -179,7 +180,8 @@ def _digests(tensors: list[torch.Tensor]) -> list[int]:
 
 def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> float:
     """Seconds to write ``nbytes`` with fsync and nothing else: 2 threads, each its half of one
-    new file (``O_DIRECT`` where the file system takes it), from one page-aligned 32 MiB buffer
+    new file (``O_DIRECT`` where the file system takes it: refused at the first write, it is
+    written again buffered, as ``tg.save`` does), from one page-aligned 32 MiB buffer
     filled with ``sample``'s bytes (not zeros: some storage compresses) and written over and
     over, so no memory is copied or faulted in while timed.
 
@@ -198,20 +200,27 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> 
     path = os.path.join(directory, name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     try:
-        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+        out = {"fd": os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600), "direct": hasattr(os, "O_DIRECT")}
     except OSError:  # tmpfs and others refuse O_DIRECT at open
-        fd = os.open(path, flags, 0o600)
+        out = {"fd": os.open(path, flags, 0o600), "direct": False}
     errors: list[BaseException] = []
-    stop = threading.Event()
+    stop, refused = threading.Event(), threading.Event()
     live = threading.Condition()
     writing = [0]  # writers counted before they start: each counts itself out when it ends
 
     def write(start: int, end: int) -> None:
         try:
+            first = start
             with memoryview(buf) as view:  # released on any exit: an error's traceback kept them exported
                 while start < end and not stop.is_set():
                     with view[: min(piece, end - start)] as part:
-                        start += os.pwrite(fd, part, start)
+                        try:
+                            start += os.pwrite(out["fd"], part, start)
+                        except OSError as e:  # some devices refuse O_DIRECT at the first write, as tg.save knows
+                            if not (e.errno == errno.EINVAL and out["direct"] and start == first):
+                                raise
+                            refused.set()
+                            stop.set()
         except BaseException as e:  # raised by the caller below
             stop.set()
             errors.append(e)
@@ -220,26 +229,32 @@ def _raw_write(directory: str, nbytes: int, sample: torch.Tensor, name: str) -> 
                 writing[0] -= 1
                 live.notify_all()
 
-    threads = [threading.Thread(target=write, args=span, daemon=True, name="trainguard-bench-raw-write")
-               for span in ((0, half), (half, nbytes))]
     try:
-        t0 = time.monotonic()
-        for t in threads:
+        while True:
+            t0 = time.monotonic()
+            for span in ((0, half), (half, nbytes)):
+                with live:
+                    writing[0] += 1
+                threading.Thread(target=write, args=span, daemon=True, name="trainguard-bench-raw-write").start()
             with live:
-                writing[0] += 1
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        os.fsync(fd)
+                live.wait_for(lambda: writing[0] == 0)
+            if errors:
+                raise errors[0]
+            if not refused.is_set():
+                break
+            os.close(out["fd"])  # again, buffered (the writers have ended)
+            out["direct"] = False
+            out["fd"] = os.open(path, os.O_WRONLY | os.O_TRUNC, 0o600)
+            refused.clear()
+            stop.clear()
+        os.fsync(out["fd"])
         return time.monotonic() - t0
     finally:
         stop.set()
         with live:
             stopped = live.wait_for(lambda: writing[0] == 0, timeout=_STOP_WAIT_S)
         if stopped:
-            os.close(fd)
+            os.close(out["fd"])
             os.remove(path)
             buf.close()
 
