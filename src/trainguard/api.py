@@ -37,6 +37,7 @@ from .errors import (
     CheckpointError,
     RankFailureError,
     describe_error,
+    error_text,
     failure_record,
     from_record,
     raise_failures,
@@ -209,7 +210,7 @@ def persist_and_commit(
         except Exception as e:  # a listing that failed (name too long, no permission, EIO, an object store's error)
             if not ctx.is_distributed:  # a CheckpointError: a manager's on_error="warn" applies to it
                 raise e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"save of {target} failed: cannot look into {target}: {type(e).__name__}: {e}") from e
+                    f"save of {target} failed: cannot look into {target}: {error_text(e)}") from e
             hello["error"] = describe_error(e)  # in the begin round: every rank raises it, none waits for rank 0
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     check_begin(begin, ctx)

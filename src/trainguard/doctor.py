@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from .reliability import Plan, format_duration
+from .storage import local_path
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
 _EPHEMERAL = {"tmpfs": "tmpfs (RAM): gone at reboot, and it eats host memory",
@@ -372,7 +373,7 @@ def filesystem_of(path: str, mounts: list[tuple[str, str]]) -> str | None:
 
 
 def _storage(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    if s.root is None or ("://" in s.root and not s.root.startswith("file://")):
+    if s.root is None or (root := local_path(s.root)) is None:
         return None
     text = s.mountinfo
     if text is None:
@@ -380,7 +381,7 @@ def _storage(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
             text = Path("/proc/self/mountinfo").read_text()
         except OSError:
             return None
-    path = str(Path(s.root.removeprefix("file://")).expanduser().resolve())
+    path = str(Path(root).expanduser().resolve())
     fs = filesystem_of(path, parse_mountinfo(text))
     if fs is None:
         return None

@@ -221,6 +221,18 @@ def is_store_client_error(e: BaseException) -> bool:
     return type(e).__module__.split(".")[0] in STORE_CLIENTS
 
 
+def store_unusable(e: BaseException) -> str:
+    """What an object store client's error ``e`` (:func:`is_store_client_error`) tells an
+    operator: ``permanent.open_error``, :func:`unreadable` (loads) and ``api.save``'s failure."""
+    return (f"the object store cannot be used ({type(e).__name__}: {e}): check its endpoint (e.g. AWS_ENDPOINT_URL) "
+            "and credentials, then start again (docs/storage.md)")
+
+
+def error_text(e: BaseException) -> str:
+    """``e`` for a message: :func:`store_unusable` for an object store client's error, else its type and text."""
+    return store_unusable(e) if is_store_client_error(e) else f"{type(e).__name__}: {e}"
+
+
 def unreadable(e: Exception, target: str) -> Exception:
     """``loader.load``'s error ``e`` on every rank: an ``OSError`` reading the checkpoint at ``target``.
 
@@ -228,7 +240,13 @@ def unreadable(e: Exception, target: str) -> Exception:
     tries an older checkpoint, as for bad bytes (before, it raised the bare OSError at every
     restart). Any other (EACCES, EMFILE, ESTALE, ENOMEM: the process or its setup, likely gone
     at the next try) a ``CheckpointError`` naming the checkpoint that ``restore`` raises: falling
-    back would make this run's first save remove the newer, good checkpoints. Anything else as it is."""
+    back would make this run's first save remove the newer, good checkpoints. An object store
+    client's error (not an OSError) a ``CheckpointError`` saying what to check. Anything else as it is."""
+    if is_store_client_error(e):  # botocore's EndpointConnectionError, NoCredentialsError: not OSErrors
+        err = CheckpointError(f"cannot read the checkpoint {target}: {store_unusable(e)}; an older checkpoint is not "
+                              "tried for this error")
+        err.__cause__ = e
+        return err
     if not isinstance(e, OSError) or isinstance(e, CheckpointError):
         return e
     media = is_media_error(e)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .storage import for_path
+from .storage import for_path, local_path
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -146,8 +146,8 @@ def check_room(directory: str, size: int, device: str, local_ranks: int = 1, ran
     """Refuse, saying what to change, when this machine lacks the memory (the state and the
     async save's staging copy, for each of its ``local_ranks``) or ``directory`` the space (two
     checkpoints of every one of ``ranks``) for ``size``."""
-    local = "://" not in directory or directory.startswith("file://")
-    if local and not os.path.isdir(directory.removeprefix("file://")):
+    local = local_path(directory)
+    if local is not None and not os.path.isdir(local):
         raise BenchError(f"{directory} is not a directory: create it, or name the directory your checkpoints go to")
     need = local_ranks * (2 * size if device == "cpu" else size) + 256 * 2**20
     avail = _mem_available()
@@ -155,8 +155,8 @@ def check_room(directory: str, size: int, device: str, local_ranks: int = 1, ran
         raise BenchError(f"--size {size / 1e9:.2f} GB needs about {need / 1e9:.1f} GB of free memory (the state and "
                          f"the async save's staging copy, {local_ranks} rank(s) here); {avail / 1e9:.1f} GB is "
                          "available: use a smaller --size")
-    if local:
-        free = shutil.disk_usage(directory.removeprefix("file://")).free
+    if local is not None:
+        free = shutil.disk_usage(local).free
         if 2 * ranks * size + 64 * 2**20 > free:
             raise BenchError(f"{directory} has {free / 1e9:.2f} GB free; --size {size / 1e9:.2f} GB needs about "
                              f"{2 * ranks * size / 1e9:.2f} GB (two checkpoints at once, {ranks} rank(s)): "

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import os
 
+from ._urls import file_url_path, is_file_url
 from .base import FileReader, FileWriter, Storage
 from .local import LocalStorage
 
-__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "for_path"]
+__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "for_path", "local_path"]
 
 
 def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tuple[Storage, str]:
@@ -17,11 +18,20 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
     to, so the checkpoint is written there (its commit renames directories: it would replace
     the link itself, and leave the directory it points to as it was)."""
     p = os.fsdecode(path)  # a bytes path too
-    if "://" in p and not p.startswith("file://"):
+    if is_file_url(p):
+        p = file_url_path(p)  # file:///x, file://localhost/x, file:/x
+    elif "://" in p:
         from .fsspec import FsspecStorage  # optional dependency
 
         return FsspecStorage.from_url(p)
-    if p.startswith("file://"):
-        p = p[len("file://") :]
     p = os.path.abspath(p)
     return LocalStorage(), os.path.realpath(p) if follow_link and os.path.islink(p) else p
+
+
+def local_path(path: str) -> str | None:
+    """The local path that ``path`` (a path or a ``file:`` URL) names, as given (not made
+    absolute), or None for an object-store URL: ``doctor`` and ``trainguard bench``, which look
+    at the disk under it."""
+    if is_file_url(path):
+        return file_url_path(path)
+    return None if "://" in path else path

@@ -31,6 +31,8 @@ from ..errors import CheckpointError, CorruptCheckpointError
 from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
+from ._remove import remove_prefix
+from ._urls import check_object_path, import_fsspec
 
 log = logging.getLogger("trainguard")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,16 +55,6 @@ def _remote(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
-def _import_fsspec() -> Any:
-    try:
-        import fsspec
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise CheckpointError(
-            "URLs such as s3://... need fsspec: pip install 'trainguard[fsspec]' (and s3fs for s3://, gcsfs for gs://)"
-        ) from e
-    return fsspec
-
-
 class FsspecStorage:
     """A :class:`~trainguard.storage.base.Storage` over any fsspec filesystem.
 
@@ -82,7 +74,7 @@ class FsspecStorage:
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
         """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``)."""
-        fsspec = _import_fsspec()
+        fsspec = import_fsspec()
         try:
             fs, path = fsspec.core.url_to_fs(url, **storage_options)
         except (ImportError, ValueError) as e:
@@ -90,7 +82,7 @@ class FsspecStorage:
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
                 "e.g. s3fs for s3://, gcsfs for gs://"
             ) from e
-        return cls(fs), path.rstrip("/") or path
+        return cls(fs), check_object_path(url, path)
 
     def _fresh(self, path: str) -> None:
         # Listings are cached by fsspec; another process (or rank) may have written since.
@@ -101,8 +93,8 @@ class FsspecStorage:
         return "/".join([head.rstrip("/"), *(p.strip("/") for p in rest)]) if rest else head
 
     def makedirs(self, path: str) -> None:
-        if self._s3:
-            need_bucket(self.io, path, self._buckets)
+        if self._s3:  # no directories to make; s3fs's makedirs would create a missing bucket (one it may not see)
+            return need_bucket(self.io, path, self._buckets)
         self.io.makedirs(path, exist_ok=True)
 
     def listdir(self, path: str) -> list[str]:
@@ -146,7 +138,12 @@ class FsspecStorage:
 
     @_remote
     def read_bytes(self, path: str, limit: int) -> bytes:
-        return bytes(self.io.cat_file(path, start=0, end=limit + 1))
+        try:
+            return bytes(self.io.cat_file(path, start=0, end=limit + 1))
+        except OSError:  # S3 answers a ranged GET of an empty object 416 (InvalidRange): it is empty, not unreadable
+            if self.io.size(path) == 0:
+                return b""
+            raise
 
     def write_atomic(self, path: str, data: bytes) -> None:
         # A single PUT: the object appears whole or not at all.
@@ -163,12 +160,8 @@ class FsspecStorage:
         # incomplete step (ignored by discovery), never a manifest pointing at missing data.
         # Best effort, like the local backend: a failure leaves debris that is cleaned later.
         try:
-            try:
-                self.io.rm_file(marker)
-            except FileNotFoundError:
-                pass
             self._fresh(path)
-            self.io.rm(path, recursive=True)
+            remove_prefix(self.io, self._s3, path, marker)  # exact keys: rm() would glob-expand [*?] in path
         except FileNotFoundError:
             pass
         except Exception as e:
@@ -395,6 +388,11 @@ class _RangeReader:
                 pos += len(piece)
         except FileNotFoundError:  # deleted since the load checked it (retention, an operator): bad bytes, as locally
             raise CorruptCheckpointError(f"{self.path}: data file is missing", file=self.path.rsplit("/", 1)[-1]) from None
+        except OSError as e:  # S3: 416 (InvalidRange) for a range that starts past the end: a truncated object
+            if offset + n <= (size := self.fs.size(self.path)):
+                raise
+            raise CorruptCheckpointError(f"{self.path}: truncated: wanted {n} bytes at offset {offset}, the object "
+                                         f"holds {size}", file=self.path.rsplit("/", 1)[-1]) from e
 
     def close(self) -> None:
         pass

@@ -1,0 +1,52 @@
+"""What ``storage.for_path`` (every process that opens a checkpoint path) accepts as a URL.
+
+- ``file:`` URLs are local paths in all their spellings: ``file:///x``, ``file://localhost/x``
+  and ``file:/x`` are ``/x`` (the last two were taken for relative paths under the working
+  directory, and the save landed there); ``file://otherhost/x`` is refused.
+- An object-store URL with an empty path segment (``s3://b/run//step``) is refused: servers
+  differ on it (SeaweedFS drops the empty segment, AWS keeps it in the key), so saves to such a
+  URL "succeeded" while nothing under the listed prefix could be found to restore from.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from ..errors import CheckpointError
+
+
+def import_fsspec() -> Any:
+    try:
+        import fsspec
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise CheckpointError(
+            "URLs such as s3://... need fsspec: pip install 'trainguard[fsspec]' (and s3fs for s3://, gcsfs for gs://)"
+        ) from e
+    return fsspec
+
+
+def is_file_url(p: str) -> bool:
+    return p[:5].lower() == "file:"
+
+
+def file_url_path(p: str) -> str:
+    """The local path of a ``file:`` URL; a ``CheckpointError`` for one naming another host."""
+    parts = urlsplit(p)
+    if parts.netloc not in ("", "localhost"):
+        raise CheckpointError(f"{p}: a file: URL of another host ({parts.netloc}); give a local path (or mount it)")
+    if not parts.path:
+        raise CheckpointError(f"{p}: a file: URL without a path; give file:///absolute/path or a path")
+    return parts.path
+
+
+def check_object_path(url: str, path: str) -> str:
+    """``path`` (inside the store, from fsspec) without a trailing ``/``; a ``CheckpointError``
+    when it holds an empty segment (``//``)."""
+    path = path.rstrip("/") or path
+    if "//" in path.lstrip("/"):
+        fixed = url.split("://", 1)[0] + "://" + "/".join(s for s in path.split("/") if s)
+        raise CheckpointError(
+            f"{url}: an empty path segment ('//'): object stores differ on it (one drops it, another keeps "
+            f"it in the key), so what is saved may not be found again. Write {fixed}")
+    return path
