@@ -41,13 +41,14 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     no lock, no collective (safe while a job saves into the same run directory).
     """
     storage, target = for_path(path)
+    named = layout.parse_step(os.path.basename(target.rstrip("/")))  # the step its name says, for an unreadable manifest
     try:
         manifest = read_manifest(storage, target)
     except CheckpointError as e:
-        return VerifyResult(target, False, [str(e)])
+        return VerifyResult(target, False, [str(e)], 0, named)
     except OSError as e:  # a medium's error (EIO): reported, not raised; EACCES and the like are raised
         _raise_unless_media(e)
-        return VerifyResult(target, False, [f"cannot read {target}/{layout.MANIFEST}: {type(e).__name__}: {e}"])
+        return VerifyResult(target, False, [f"cannot read {target}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
