@@ -125,6 +125,20 @@ def test_a_wrong_store_timeout_is_refused_naming_the_variable(monkeypatch, value
         tg.storage.for_path("memory://objstore19-timeout")
 
 
+def dead_endpoint(monkeypatch) -> None:
+    """Point s3fs at a closed port on 127.0.0.1 (refused at once), one try per call."""
+    import s3fs
+
+    from test_storage_s3 import _free_ports
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_ports(1)[0]}")
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
 def test_open_against_an_unreachable_endpoint_is_a_checkpoint_error_saying_what_to_check(monkeypatch):
     # A wrong AWS_ENDPOINT_URL (nothing listening): CheckpointManager.open raised botocore's bare
     # EndpointConnectionError on rank 0 (only OSErrors were turned into its CheckpointError) and,
@@ -132,14 +146,7 @@ def test_open_against_an_unreachable_endpoint_is_a_checkpoint_error_saying_what_
     # a Ctrl-C caught on that rank)". A wrong secret key already gave "cannot open ...: fix ...".
     import s3fs
 
-    from test_storage_s3 import _free_ports
-
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_ports(1)[0]}")  # closed: refused at once
-    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    s3fs.S3FileSystem.clear_instance_cache()
+    dead_endpoint(monkeypatch)
     try:
         with pytest.raises(tg.CheckpointError, match=r"cannot open s3://tgtest/\w+: the object store cannot be used "
                            r"\(EndpointConnectionError.*check its endpoint \(e\.g\. AWS_ENDPOINT_URL\)"):

@@ -93,7 +93,8 @@ def test_every_spelling_of_a_file_url_is_the_absolute_path(spell, tmp_path, monk
 
 # ---- on a real S3 server (SeaweedFS): tests/test_storage_s3.py's session fixture ----
 s3 = pytest.importorskip("s3fs")
-from test_storage_s3 import KEY, _free_ports, weed  # noqa: E402,F401  (the session's server; skips without `weed`)
+from test_objstore19_review import dead_endpoint  # noqa: E402
+from test_storage_s3 import KEY, weed  # noqa: E402,F401  (the session's server; skips without `weed`)
 
 
 def test_retention_of_a_run_named_like_a_glob_pattern_removes_only_its_own_steps_s3(weed):  # noqa: F811
@@ -128,12 +129,7 @@ def test_an_empty_object_is_a_corrupt_checkpoint_and_restore_falls_back(weed, wh
 def test_load_and_save_with_the_endpoint_down_say_what_to_check(monkeypatch):
     # Nothing listening on the endpoint: tg.load raised botocore's bare EndpointConnectionError
     # (the manager's open already said what to check).
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_ports(1)[0]}")  # closed: refused at once
-    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "1"}.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setattr(s3.S3FileSystem, "retries", 1)
-    s3.S3FileSystem.clear_instance_cache()
+    dead_endpoint(monkeypatch)
     hint = r"the object store cannot be used \(EndpointConnectionError.*check its endpoint \(e\.g\. AWS_ENDPOINT_URL\)"
     try:
         with pytest.raises(tg.CheckpointError, match=hint):
