@@ -4,8 +4,10 @@ fsspec's ``rm(path, recursive=True)`` expands ``path`` as a glob pattern first: 
 ``[...]`` in it match other names. A run directory named ``s3://ckpt/run[1]`` (or ``exp-?``)
 made retention's delete of ``run[1]/step-000000001`` remove ``run1/step-000000001``, another
 run's committed checkpoint, and left its own step as debris (found by an audit; on memory:// and
-SeaweedFS alike). So the keys are listed (``find``: a prefix listing, no pattern) and deleted one
-by one by exact name (S3: ``DeleteObjects`` in batches of 1,000 keys).
+SeaweedFS alike). So on S3 the keys are listed (``find``: a prefix listing, no pattern) and
+deleted by exact name with ``DeleteObjects`` (1,000 keys a request); on other filesystems a path
+without those characters is removed by ``rm`` as before (its batched deletes: gcsfs), one with
+them key by key.
 
 Callers: ``commit`` (retention, ``clean_debris``, a failed save's cleanup), ``tiers`` and
 ``consolidate``, through ``FsspecStorage.remove_tree`` on whichever rank removes the step (rank 0
@@ -15,6 +17,7 @@ data is gone).
 
 from __future__ import annotations
 
+from glob import has_magic  # what fsspec's rm and expand_path test: * ? [
 from typing import Any
 
 BATCH = 1000  # S3 DeleteObjects takes at most 1,000 keys
@@ -28,6 +31,9 @@ def remove_prefix(io: Any, s3: bool, path: str, marker: str) -> None:
         io.rm_file(marker)
     except FileNotFoundError:
         pass
+    if not s3 and not has_magic(path):
+        io.rm(path, recursive=True)  # no pattern to expand: the filesystem's own (batched) recursive delete
+        return
     base = path.rstrip("/") + "/"
     found = io.find(path, withdirs=True, detail=True)
     keys = sorted(k for k, info in found.items() if k.startswith(base) and info.get("type") != "directory")
