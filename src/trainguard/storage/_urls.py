@@ -42,11 +42,11 @@ def file_url_path(p: str) -> str:
 
 def check_object_path(url: str, path: str) -> str:
     """``path`` (inside the store, from fsspec) without a trailing ``/``; a ``CheckpointError``
-    when it holds an empty segment (``//``)."""
-    path = path.rstrip("/") or path
-    if "//" in path.lstrip("/"):
-        fixed = url.split("://", 1)[0] + "://" + "/".join(s for s in path.split("/") if s)
+    when ``url`` holds an empty segment (``//``) after its ``scheme://``."""
+    scheme, _, rest = url.partition("://")
+    if "//" in rest.strip("/"):
+        fixed = scheme + "://" + "/".join(s for s in rest.split("/") if s)
         raise CheckpointError(
             f"{url}: an empty path segment ('//'): object stores differ on it (one drops it, another keeps "
             f"it in the key), so what is saved may not be found again. Write {fixed}")
-    return path
+    return path.rstrip("/") or path
