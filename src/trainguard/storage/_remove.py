@@ -40,11 +40,9 @@ def remove_prefix(io: Any, s3: bool, path: str, marker: str) -> None:
     if s3:
         for i in range(0, len(keys), BATCH):
             _delete_objects(io, keys[i : i + BATCH])
-    else:
-        for k in keys:
-            io.rm_file(k)
-    if s3:
         return  # no directory entries to remove (s3fs's rmdir of a bucket's root would delete the bucket)
+    for k in keys:
+        io.rm_file(k)
     dirs = sorted((k for k, info in found.items() if info.get("type") == "directory" and k.startswith(base)),
                   key=len, reverse=True)  # deepest first
     for d in [*dirs, path]:

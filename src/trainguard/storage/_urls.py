@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from ..errors import CheckpointError
 
@@ -31,13 +30,18 @@ def is_file_url(p: str) -> bool:
 
 
 def file_url_path(p: str) -> str:
-    """The local path of a ``file:`` URL; a ``CheckpointError`` for one naming another host."""
-    parts = urlsplit(p)
-    if parts.netloc not in ("", "localhost"):
-        raise CheckpointError(f"{p}: a file: URL of another host ({parts.netloc}); give a local path (or mount it)")
-    if not parts.path:
+    """The local path of a ``file:`` URL, every character after the host kept as it is (``?`` and
+    ``#`` are part of a local name, not a query or a fragment); a ``CheckpointError`` for a URL
+    that names another host or no path."""
+    rest = p[5:]
+    if rest.startswith("//"):
+        host, sep, tail = rest[2:].partition("/")
+        if host not in ("", "localhost"):
+            raise CheckpointError(f"{p}: a file: URL of another host ({host}); give a local path (or mount it)")
+        rest = sep + tail
+    if not rest:
         raise CheckpointError(f"{p}: a file: URL without a path; give file:///absolute/path or a path")
-    return parts.path
+    return rest
 
 
 def check_object_path(url: str, path: str) -> str:
