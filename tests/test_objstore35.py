@@ -140,7 +140,7 @@ def test_load_and_save_with_the_endpoint_down_say_what_to_check(monkeypatch):
         s3.S3FileSystem.clear_instance_cache()
 
 
-def test_a_wrong_secret_key_is_told_to_check_the_credentials_not_to_make_a_directory_writable(weed, monkeypatch):  # noqa: F811
+def test_a_wrong_secret_key_is_told_to_check_the_credentials(weed, monkeypatch):  # noqa: F811
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     s3.S3FileSystem.clear_instance_cache()
@@ -148,5 +148,10 @@ def test_a_wrong_secret_key_is_told_to_check_the_credentials_not_to_make_a_direc
         with pytest.raises(tg.CheckpointError, match=r"the object store refused access.*credentials") as e:
             tg.CheckpointManager(f"s3://tgtest/{uuid.uuid4().hex[:8]}", handle_signals=False).open()
         assert "writable" not in str(e.value)
+        url = f"s3://tgtest/{uuid.uuid4().hex[:8]}/step-000000001"
+        with pytest.raises(tg.CheckpointError, match=r"save of .* failed: .*the object store refused access.*credentials"):
+            tg.save(url, _small(1))
+        with pytest.raises(tg.CheckpointError, match=r"cannot read the checkpoint .*refused access.*credentials"):
+            tg.load(url, _small(0))
     finally:
         s3.S3FileSystem.clear_instance_cache()

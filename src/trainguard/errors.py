@@ -228,8 +228,18 @@ def store_unusable(e: BaseException) -> str:
             "and credentials, then start again (docs/storage.md)")
 
 
+def store_refused(e: BaseException) -> str:
+    """What an object store's 403 (a ``PermissionError`` marked ``remote`` by ``FsspecStorage``) tells an operator."""
+    return (f"the object store refused access ({e}): check the credentials (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an expired session token) and that they may list, read, write and "
+            "delete objects under this prefix, then start again (docs/storage.md)")
+
+
 def error_text(e: BaseException) -> str:
-    """``e`` for a message: :func:`store_unusable` for an object store client's error, else its type and text."""
+    """``e`` for a message: :func:`store_unusable` for an object store client's error, :func:`store_refused`
+    for its 403, else its type and text."""
+    if isinstance(e, PermissionError) and getattr(e, "remote", False):
+        return store_refused(e)
     return store_unusable(e) if is_store_client_error(e) else f"{type(e).__name__}: {e}"
 
 
@@ -251,7 +261,7 @@ def unreadable(e: Exception, target: str) -> Exception:
         return e
     media = is_media_error(e)
     err = (CorruptCheckpointError if media else CheckpointError)(
-        f"cannot read the checkpoint {target}: {type(e).__name__}: {e}. "
+        f"cannot read the checkpoint {target}: {error_text(e)}. "
         + ("The storage failed reading it; `trainguard verify` says whether it can be read now" if media
            else "The memory read into cannot be written: a tensor of the state on read-only memory (torch.from_numpy "
            "of np.memmap(mode='r'), a read-only mmap); give it a writable tensor" if e.errno == _errno.EFAULT

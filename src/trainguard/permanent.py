@@ -34,7 +34,14 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from . import layout
-from .errors import CheckpointError, is_media_error, is_store_client_error, nonneg_int, store_unusable
+from .errors import (
+    CheckpointError,
+    is_media_error,
+    is_store_client_error,
+    nonneg_int,
+    store_refused,
+    store_unusable,
+)
 
 PERMANENT_EXIT = 78  # sysexits.h EX_CONFIG: not 1 (any crash), 75/76 (hang, orphan), 128 + n (signals)
 E = TypeVar("E", bound=BaseException)
@@ -241,10 +248,7 @@ def open_error(e: Exception, root: str) -> CheckpointError:
             "directories without one (crashed saves), so it stops: fix the storage or its permissions, or move "
             f"{step} out of {root} to start from the other checkpoints (`trainguard verify {root}` checks them)")
     elif isinstance(e, PermissionError) and "://" in root and not root.lower().startswith("file:"):
-        err = CheckpointError(  # an object store's 403: a wrong secret key, an expired token, a bucket policy
-            f"cannot open {root}: the object store refused access ({e}): check the credentials (AWS_ACCESS_KEY_ID and "
-            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an expired session token) and that they may list, read, write and "
-            "delete objects under this prefix, then start again (docs/storage.md)")
+        err = CheckpointError(f"cannot open {root}: {store_refused(e)}")  # a wrong secret key, a bucket policy
     elif isinstance(e, PermissionError) or e.errno == errno.EROFS:
         # A read-only copy (chmod -R a-w, a read-only mount): the manager writes its lock, removes crashed
         # saves and saves; reading needs none of that, so say how to read it without a manager.
