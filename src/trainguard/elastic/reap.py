@@ -189,9 +189,14 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     does not end on SIGTERM (stopped, in a C call, or saving on the signal while its collectives
     wait for the dead peer) held the restart for 30 s. That close now waits ``grace`` s, as for
     function workers; not when every failure is an exit after a stop signal's save (the others
-    may still be closing theirs), nor the agent's own closes (a stop signal to the agent)."""
+    may still be closing theirs), nor the agent's own closes (a stop signal to the agent). A stop
+    signal no longer reaches the DataLoader processes of a worker that handles it (:mod:`.spare`)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    from . import spare
     from .stops import STOP_CODES
 
+    spare.install(SubprocessHandler)  # a stop signal spares the worker's DataLoader processes (spare.py)
     orig_poll, orig_close = context_cls._poll, context_cls._close
 
     def _poll(self: Any) -> Any:
