@@ -26,6 +26,7 @@ import pytest
 import torch.distributed as dist
 
 from trainguard.events import read_events
+from trainguard.report import format_summary, summarize
 from trainguard.sampler import ResumableSampler
 
 CLI = [sys.executable, "-c", "from trainguard.cli import main; main()", "run"]
@@ -40,6 +41,7 @@ WORKER = textwrap.dedent(f"""
 
     torch.set_num_threads(1)
     rec, run_dir, hold_world = sys.argv[1], os.environ["TRAINGUARD_RUN_DIR"], int(sys.argv[2])
+    handle, every = sys.argv[3] == "1", int(sys.argv[4])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
@@ -52,7 +54,7 @@ WORKER = textwrap.dedent(f"""
     loader = DataLoader(list(range({N})), batch_size={BATCH}, sampler=sampler, num_workers=1,
                         generator=torch.Generator())
     state = {{"model": model, "optim": opt, "data": sampler, "progress": tg.StateDict(step=0)}}
-    with tg.CheckpointManager(run_dir, save=tg.EveryNSteps(100)) as mgr:
+    with tg.CheckpointManager(run_dir, save=tg.EveryNSteps(every), handle_signals=handle) as mgr:
         step = mgr.restore(state) or 0
         for x in loader:
             net(x.float()[:, None]).square().mean().backward()
@@ -90,9 +92,9 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float) -> None
         time.sleep(0.05)
 
 
-def _agent(run_dir: Path, script: Path, rec: Path, *rdzv: str, hold_world: int = 1) -> subprocess.Popen:
+def _agent(run_dir: Path, script: Path, rec: Path, *rdzv: str, signals: bool = True, every: int = 100) -> subprocess.Popen:
     cmd = [*CLI, "--nproc-per-node", "1", "--rdzv-backend", "c10d", *rdzv, "--run-dir", str(run_dir),
-           str(script), str(rec), str(hold_world)]
+           str(script), str(rec), "1", "1" if signals else "0", str(every)]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -162,3 +164,29 @@ def test_scale_up_commits_preemption_save_with_dataloader_workers(tmp_path):
     seen = [i for r in final.values() for i in r["idx"]]
     assert len(seen) == len(set(seen)) == BATCH * ((HOLD + 1) + 2 * (STEPS - HOLD - 1))
     assert sorted(seen) == sorted(ResumableSampler(N, seed=0).order(0)[: len(seen)])
+
+
+@pytest.mark.timeout(150)
+def test_report_counts_steps_lost_at_a_restart_for_a_joining_agent(tmp_path):
+    """Without a preemption save (handle_signals=False) the world-size-1 worker's step 3 is lost
+    when an agent joins (restored step 2): `trainguard report` counted lost steps of failures only
+    and said 0, which also hid the DataLoader bug above (the scale-up runs that lost steps read as
+    lossless)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script, rec, run_dir = tmp_path / "train.py", tmp_path / "rec.jsonl", tmp_path / "run"
+    script.write_text(WORKER)
+    rdzv = ("--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{store.port}", "--rdzv-id", "elastic35b",
+            "--rdzv-conf", "is_host=false,last_call_timeout=3")
+    agents = [_agent(run_dir, script, rec, *rdzv, signals=False, every=2)]
+    try:
+        _wait_for(Path(f"{rec}.held"), agents, 90)
+        agents.append(_agent(run_dir, script, rec, *rdzv, signals=False, every=2))
+    finally:
+        codes, out = _finish(agents, 100)
+    assert codes == [0, 0], out
+    summary = summarize(read_events(run_dir))
+    assert summary["membership_restarts"] == 1 and summary["failures"] == 0, summary
+    assert [e["step"] for e in read_events(run_dir) if e["event"] == "restore" and e["rank"] == 0] == [HOLD - 1]
+    assert summary["lost_steps"] == 1, summary  # was 0
+    assert summary["membership_lost_steps"] == 1, summary
+    assert "lost steps 1 (1 at restarts for joining agents)" in format_summary(summary)

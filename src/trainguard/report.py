@@ -76,6 +76,13 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             rec["recover_s"] = first["t"] - (fault["t"] if fault else f["t"])
         recoveries.append(rec)
         prev_t = f["t"]
+    # Steps lost at a restart for a joining agent (scale-up): those run after the checkpoint the group
+    # restored, e.g. without a preemption save (handle_signals=False, or its save did not happen).
+    joined_lost = 0
+    for r in (e for e in ev if e["event"] == "restart" and e.get("reason") == "membership"):
+        end = min([b for b in bounds if b > r["t"]] + [f["t"] for f in failures if f["t"] > r["t"]] + [float("inf")])
+        first = _first_from(firsts, first_t, r["t"], end)
+        joined_lost += (first.get("lost_steps") or 0) if first else 0
     start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
     wall = ev[-1]["t"] - start_t
     dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
@@ -92,7 +99,8 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "step_s": step_s,
         "failures": len(failures),
         "recoveries": recoveries,
-        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries),
+        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost,
+        "membership_lost_steps": joined_lost,
         "saves": len(saves),
         "save_stall_s": stall,
         "save_stall_mean_s": stall / len(saves) if saves else None,
@@ -126,7 +134,8 @@ def format_summary(s: dict[str, Any]) -> str:
         f"median step {_f(s['step_s'], '{:.4f}')} s",
         f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}"
         f" ({s.get('membership_restarts', 0)} restarts for joining agents)",
-        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}",
+        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}"
+        + (f" ({s['membership_lost_steps']} at restarts for joining agents)" if s.get("membership_lost_steps") else ""),
     ]
     for i, r in enumerate(s["recoveries"], 1):
         lines.append(
