@@ -190,3 +190,34 @@ def test_report_counts_steps_lost_at_a_restart_for_a_joining_agent(tmp_path):
     assert summary["lost_steps"] == 1, summary  # was 0
     assert summary["membership_lost_steps"] == 1, summary
     assert "lost steps 1 (1 at restarts for joining agents)" in format_summary(summary)
+
+
+FAILING = textwrap.dedent("""
+    import os, sys, time
+    import torch.distributed as dist
+    from trainguard.elastic import heartbeat
+
+    dist.init_process_group("gloo")
+    rank, release = dist.get_rank(), sys.argv[1]
+    for step in range(1, 4):
+        heartbeat(step)  # TRAINGUARD_FAULT: rank 1 raises InjectedFault at step 3 (exit 1)
+    deadline = time.monotonic() + 60  # rank 0: no collective, so it fails only by the agent's SIGTERM
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_failure_event_names_the_rank_that_raised_not_the_peer_the_agent_sigtermed(tmp_path):
+    """Script workers: rank 1 raises (exit 1); the agent SIGTERMs rank 0. The `failure` event (and
+    `trainguard report`'s recovery line) named rank 0, "killed by SIGTERM", as the cause."""
+    script, run_dir = tmp_path / "fail.py", tmp_path / "run"
+    script.write_text(FAILING)
+    cmd = [*CLI, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+           f"127.0.0.1:{_free_port()}", "--max-restarts", "0", "--fault", "step=3,rank=1,kind=exception",
+           "--run-dir", str(run_dir), str(script), str(tmp_path / "never")]
+    codes, out = _finish([subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)], 80)
+    assert codes == [1], out
+    failure = next(e for e in read_events(run_dir) if e["event"] == "failure")
+    assert failure["failures"] == {"0": "killed by SIGTERM", "1": "exit code 1"}, failure
+    assert (failure["rank"], failure["cause"]) == (1, "exit code 1"), failure  # was (0, "killed by SIGTERM")

@@ -128,9 +128,12 @@ def exit_cause(exitcode: int) -> str:
 
 def first_failure(failures: dict[int, Any]) -> int:
     """Agent: the rank that failed first, usually not exit 1 (peers failing in collectives) nor the
-    agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM)."""
+    agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM). Among the rest, an
+    exit 1 (a Python exception) comes before a rank the agent's own SIGTERM ended: script workers'
+    failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception."""
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
-    return min(special or failures)
+    raised = [r for r, f in failures.items() if f.exitcode == 1]
+    return min(special or raised or failures)
 
 
 def no_restart(failures: dict[int, Any]) -> bool:
