@@ -23,6 +23,7 @@ too. Which formula gives which number (see docs/planning.md):
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -64,31 +65,42 @@ def job_mtbf(*, nodes: int, node_failures_per_day: float | None = None, node_mtb
     """
     if (node_failures_per_day is None) == (node_mtbf_s is None):
         raise ValueError("give exactly one of node_failures_per_day and node_mtbf_s")
-    if not isinstance(nodes, int) or nodes < 1:
-        raise ValueError(f"nodes={nodes!r}: the node count must be a positive integer")
+    if isinstance(nodes, bool) or not isinstance(nodes, numbers.Integral) or nodes < 1:
+        raise ValueError(f"nodes={nodes!r}: the node count must be a positive integer (nodes, not GPUs)")
     if node_mtbf_s is None:
-        assert node_failures_per_day is not None
-        if not 0 < node_failures_per_day < math.inf:
+        f = node_failures_per_day
+        if isinstance(f, bool) or not isinstance(f, numbers.Real) or not 0 < f < math.inf:
             raise ValueError(f"node_failures_per_day={node_failures_per_day!r} must be a finite number > 0")
         node_mtbf_s = DAY / node_failures_per_day
         if node_mtbf_s == math.inf:  # 1e-320 failures a day: a node MTBF past a float
             raise ValueError(f"node_failures_per_day={node_failures_per_day!r} is too small: a node would never fail")
-    if not 0 < node_mtbf_s < math.inf:
-        raise ValueError(f"node_mtbf_s={node_mtbf_s!r} must be a finite number > 0")
-    return float(node_mtbf_s) / nodes
+    _need("node_mtbf_s", node_mtbf_s, "a node's mean time between failures", zero=False)
+    m = float(float(node_mtbf_s) / nodes) if nodes < 1e300 else 0.0  # 10**400 nodes: an OverflowError
+    if not m > 0:
+        raise ValueError(f"nodes={nodes if nodes < 1e300 else f'10^{len(str(nodes)) - 1}'}: the job MTBF "
+                         "(node MTBF / nodes) is too small to compute with")
+    return m
 
 
-def _check(mtbf_s: float, stall_s: float = 0.0) -> None:
-    """The public formulas' inputs: a job MTBF > 0 and a stall >= 0, both finite seconds."""
-    if not 0 < mtbf_s < math.inf:
-        raise ValueError(f"mtbf_s={mtbf_s!r}: the job's mean time between failures must be finite seconds > 0")
-    if not 0 <= stall_s < math.inf:
-        raise ValueError(f"stall_s={stall_s!r}: the time a save blocks training must be finite seconds >= 0")
+def _need(name: str, v: Any, what: str, *, zero: bool = True, finite: bool = True) -> None:
+    """A ValueError naming ``v`` unless a real number (not a bool or a string) >= 0 (> 0 without ``zero``), finite
+    unless ``finite`` is False."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (v >= 0 if zero else v > 0) or (finite and v == math.inf):
+        hint = " (a number, not a string: parse_duration('30s') reads one)" if isinstance(v, str) else ""
+        raise ValueError(f"{name}={v!r}: {what} must be {'finite ' * finite}seconds {'>=' if zero else '>'} 0{hint}")
+
+
+def _check(mtbf_s: float, stall_s: float = 0.0, restart_s: float = 0.0) -> None:
+    """The public formulas' inputs: a job MTBF > 0, a stall and a restart >= 0, all finite seconds."""
+    _need("mtbf_s", mtbf_s, "the job's mean time between failures", zero=False)
+    _need("stall_s", stall_s, "the time a save blocks training")
+    _need("restart_s", restart_s, "the time from a failure until training runs again")
 
 
 def p_failure(period_s: float, mtbf_s: float) -> float:
     """Probability of at least one failure of the job within ``period_s`` (exponential failures)."""
     _check(mtbf_s)
+    _need("period_s", period_s, "the time to give the odds for", finite=False)
     return -math.expm1(-period_s / mtbf_s)
 
 
@@ -112,15 +124,18 @@ def expected_wall_time(interval_s: Any, stall_s: float, restart_s: float, mtbf_s
 
     Works on floats and on numpy arrays of intervals.
     """
-    _check(mtbf_s, stall_s)
+    _check(mtbf_s, stall_s, restart_s)
+    tau = np.asarray(interval_s, dtype=float) if not isinstance(interval_s, (str, bool)) else np.nan
+    if not np.all((tau >= 0) & (tau < math.inf)):  # a negative one gave an efficiency above 1, nan a nan
+        raise ValueError(f"interval_s={interval_s!r}: the compute time between saves must be finite seconds >= 0")
     with np.errstate(over="ignore"):  # e^(huge) is inf: the job never gets through (efficiency 0)
-        return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((np.asarray(interval_s) + stall_s) / mtbf_s)
+        return mtbf_s * np.exp(restart_s / mtbf_s) * np.expm1((tau + stall_s) / mtbf_s)
 
 
 def efficiency(interval_s: Any, stall_s: float, restart_s: float, mtbf_s: float) -> Any:
     """Useful time / wall time in the long run when saving after every ``interval_s`` of compute."""
-    tau = np.asarray(interval_s, dtype=float)
-    out = tau / expected_wall_time(tau, stall_s, restart_s, mtbf_s)
+    wall = expected_wall_time(interval_s, stall_s, restart_s, mtbf_s)  # checks the inputs
+    out = np.asarray(interval_s, dtype=float) / wall
     return float(out) if out.ndim == 0 else out
 
 
@@ -171,13 +186,20 @@ def simulate(
     progress. Vectorised over jobs: one numpy pass per failure, so the loop runs about
     ``max failures per job`` times. ``work_s`` defaults to 50 MTBFs.
     """
-    if not (interval_s > 0 and mtbf_s > 0 and stall_s >= 0 and restart_s >= 0) or math.inf in (interval_s, mtbf_s):
-        raise ValueError("interval_s and mtbf_s must be finite numbers > 0, stall_s and restart_s >= 0")
+    _need("interval_s", interval_s, "the compute time between saves", zero=False)
+    _check(mtbf_s, stall_s, restart_s)  # an infinite stall or restart looped forever
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1 or (work_s is not None and not work_s > 0):
         raise ValueError(f"runs={runs!r}, work_s={work_s!r}: runs must be an int >= 1, work_s a number > 0 (or None)")
+    n_seg = max(1, math.ceil((50.0 * mtbf_s if work_s is None else work_s) / interval_s))
+    # one numpy pass per failure: E[failures per interval] = T(tau) / M. A hopeless case (a stall of
+    # 10 MTBFs: e^10 failures an interval) ran for hours; its efficiency is ~0 and efficiency() says so
+    fails_run = n_seg * float(expected_wall_time(interval_s, stall_s, restart_s, mtbf_s)) / mtbf_s
+    if not (fails_run <= 1e5 and fails_run * runs <= 1e8):
+        raise ValueError(f"simulate: about {fails_run:.3g} failures a run x {runs} runs are too many to walk (1e5 a run, "
+                         f"1e8 in all); efficiency() gives it exactly, {efficiency(interval_s, stall_s, restart_s, mtbf_s):.3g}: "
+                         "give a smaller work_s or fewer runs, or a case with fewer failures")
     rng = np.random.default_rng(seed)
     seg = interval_s + stall_s
-    n_seg = max(1, math.ceil((50.0 * mtbf_s if work_s is None else work_s) / interval_s))
     remaining = np.full(runs, n_seg, dtype=np.int64)
     wall = np.zeros(runs)
     fails = np.zeros(runs, dtype=np.int64)
@@ -287,6 +309,9 @@ def make_plan(
 
     Called by ``trainguard plan`` and by users who pass ``plan=`` to :func:`trainguard.doctor`.
     """
+    for name, v in (("stall_s", stall_s), ("restart_s", restart_s), ("step_time_s", step_time_s), ("save_duration_s", save_duration_s)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):  # "30s" raised a TypeError
+            raise ValueError(f"{name}={v!r}: must be a number of seconds{' (parse_duration reads a string)' * isinstance(v, str)}")
     if not 0 < stall_s < math.inf:
         raise ValueError(
             f"stall_s={stall_s!r}: the time a save blocks training must be a finite number > 0 "
@@ -294,8 +319,8 @@ def make_plan(
         )
     if not 0 <= restart_s < math.inf:
         raise ValueError(f"restart_s={restart_s!r}: the restart time must be a finite number >= 0")
-    if step_time_s is not None and not step_time_s > 0:
-        raise ValueError(f"step_time_s={step_time_s!r} must be > 0")
+    if step_time_s is not None and not 0 < step_time_s < math.inf:  # inf counted every interval as 1 step
+        raise ValueError(f"step_time_s={step_time_s!r} must be finite seconds > 0")
     if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise ValueError(f"gpus_per_node={gpus_per_node!r}: the GPUs per node must be a positive integer (e.g. 8)")
     if intervals is not None and (not isinstance(intervals, Mapping) or not all(0 < v < math.inf for v in intervals.values())):
