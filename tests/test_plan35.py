@@ -100,3 +100,17 @@ def test_an_infinite_step_time_is_refused() -> None:
     res = CliRunner().invoke(plan_cmd, "--node-failures-per-day 0.01 --save-stall 30s --restart 1m --step-time 1e400"
                              .split())
     assert res.exit_code == 2 and "--step-time inf" in res.output, res.output
+
+
+def test_python_dash_m_trainguard_runs_the_command() -> None:
+    """`python -m trainguard plan ...` said "No module named trainguard.__main__" (only `python -m
+    trainguard.cli` and the `trainguard` script worked): where the script is not on PATH, -m is the way."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainguard", "plan", "--node-failures-per-day", "0.0065",
+                          "--nodes", "256", "--save-stall", "30s", "--restart", "10m", "--json"],
+                         capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    assert '"daly_interval_s": 1745.1' in out.stdout
