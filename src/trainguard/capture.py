@@ -28,11 +28,12 @@ from .flatten import flatten
 from .fsdp1 import refuse_unsupported
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names
+from .optnames import param_name_map
 from .planner import Box, Regular, full_box
 from .replicas import digests, plan, refuse_subgroup_ddp, state_buffer_sources
 from .sampler import ResumableIterable, ResumableSampler
 from .schedclass import scheduler_class
-from .stateful import adapt, check_state, has_state, is_rank_local, param_name_map
+from .stateful import adapt, check_state, has_state, is_rank_local
 from .tied import PLAIN, remember, same_view
 from .zero import refuse_diverged
 

