@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import trainguard as tg
+from trainguard import capture
 from trainguard.names import canonical_key
 from trainguard.stateful import ModuleAdapter
 
@@ -155,3 +156,93 @@ def test_split_state_load_of_a_tied_model_keeps_the_tie_state(tmp_path):
     saved = _ostate(m, o)
     got = _resume(tmp_path / "ck", lambda m, o: {"model": m, "optim": o}, saved, split_state=True)
     assert _same(got, saved)
+
+
+# 2. A parameter several module entries hold is named by the largest.
+
+class Net(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def _net_train(m: Net, o: torch.optim.Optimizer, steps: int = 2, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        o.zero_grad()
+        m(torch.randn(6, 4, generator=g)).square().mean().backward()
+        o.step()
+
+
+def _net_resume(path, order: list[str], saved: dict, **kw) -> dict:
+    m = Net(1)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _net_train(m, o, 1, seed=5)
+    assert not _same(_ostate(m, o), saved)
+    parts = {"model": m, "head": m.head, "optim": o}
+    tg.load(path, {k: parts[k] for k in order}, **kw)
+    return _ostate(m, o)
+
+
+def test_parameter_of_several_module_entries_is_named_by_the_largest_whatever_the_order(tmp_path):
+    """Before: the first entry in the state's order named it (``head.weight`` with the head
+    listed first, ``model.head.weight`` with the model first)."""
+    keys = []
+    for i, order in enumerate((["model", "head", "optim"], ["head", "model", "optim"], ["optim", "head", "model"])):
+        m = Net(0)
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        _net_train(m, o)
+        parts = {"model": m, "head": m.head, "optim": o}
+        keys.append(_optim_keys(tg.save(tmp_path / f"ck{i}", {k: parts[k] for k in order})))
+        saved = _ostate(m, o)
+        for load_order in (order, order[::-1]):
+            assert _same(_net_resume(tmp_path / f"ck{i}", load_order, saved), saved)
+    assert keys == [{"model.body.weight", "model.body.bias", "model.head.weight", "model.head.bias"}] * 3
+
+
+def test_equal_entries_are_broken_by_key(tmp_path):
+    """Two entries of the same size holding the same parameters: the smaller key names them."""
+    m = nn.Linear(3, 2)
+    o = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 3)).sum().backward()
+    o.step()
+    for i, state in enumerate(({"b": m, "a": m, "optim": o}, {"a": m, "b": m, "optim": o})):
+        assert _optim_keys(tg.save(tmp_path / f"ck{i}", state)) == {"a.weight", "a.bias"}
+
+
+def test_checkpoint_named_by_the_first_entry_in_order_still_loads(tmp_path, monkeypatch):
+    """Written before session 35 with the head listed first (``head.weight``): loads in any order."""
+    m = Net(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _net_train(m, o)
+    with monkeypatch.context() as mp:
+        mp.setattr(capture, "param_name_map", _old_name_map)
+        man = tg.save(tmp_path / "old", {"head": m.head, "model": m, "optim": o})
+    assert _optim_keys(man) == {"model.body.weight", "model.body.bias", "head.weight", "head.bias"}
+    saved = _ostate(m, o)
+    for order in (["head", "model", "optim"], ["model", "head", "optim"]):
+        assert _same(_net_resume(tmp_path / "old", order, saved), saved)
+    # and into a state with the model alone (only=: the head entry is left out)
+    m2 = Net(1)
+    o2 = torch.optim.Adam(m2.parameters(), lr=1e-2)
+    tg.load(tmp_path / "old", {"model": m2, "optim": o2}, only=["model", "optim"])
+    assert _same(_ostate(m2, o2), saved)
+
+
+def test_split_state_load_in_another_order_keeps_the_state_named_by_the_other_entry(tmp_path, monkeypatch):
+    """``split_state=True`` prunes the saved optimizer to this rank's parameters by name: it kept
+    only the names the state's order gave, and dropped a checkpoint's state named by the other
+    entry (the head listed first at save time), then refused the groups."""
+    m = Net(0)
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    _net_train(m, o)
+    with monkeypatch.context() as mp:
+        mp.setattr(capture, "param_name_map", _old_name_map)
+        tg.save(tmp_path / "old", {"head": m.head, "model": m, "optim": o})
+    saved = _ostate(m, o)
+    assert _same(_net_resume(tmp_path / "old", ["model", "head", "optim"], saved, split_state=True), saved)
