@@ -246,3 +246,74 @@ def test_split_state_load_in_another_order_keeps_the_state_named_by_the_other_en
         tg.save(tmp_path / "old", {"head": m.head, "model": m, "optim": o})
     saved = _ostate(m, o)
     assert _same(_net_resume(tmp_path / "old", ["model", "head", "optim"], saved, split_state=True), saved)
+
+
+# 4. What a refusal of other parameter names says.
+
+class Renamed(nn.Module):
+    """``Net`` with its ``body`` renamed ``trunk``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+
+class Grown(Net):
+    """``Net`` with a layer added."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.extra = nn.Linear(3, 3)
+
+
+def _saved_net(path, groups=None) -> None:
+    m = Net(0)
+    o = torch.optim.Adam(groups(m) if groups else m.parameters(), lr=1e-2)
+    _net_train(m, o)
+    tg.save(path, {"model": m, "optim": o})
+
+
+def _refusal(path, m: nn.Module, params) -> str:
+    o = torch.optim.Adam(params, lr=1e-2)
+    with pytest.raises(tg.CheckpointError) as e:
+        tg.load(path, {"model": m, "optim": o}, only=["optim"])
+    assert not o.state  # refused before anything was read
+    return str(e.value)
+
+
+def test_refusal_of_renamed_parameters_lists_pairs(tmp_path):
+    """Before: 'holds other parameters than at save time (differences: [four names, sorted])' and the
+    advice for frozen layers."""
+    _saved_net(tmp_path / "ck")
+    m = Renamed()
+    msg = _refusal(tmp_path / "ck", m, m.parameters())
+    assert msg.startswith("entry 'optim': parameter group 0 holds other parameters than at save time"), msg
+    assert "2 of its 4 parameters have other names" in msg, msg
+    assert "'body.weight' -> 'trunk.weight', 'body.bias' -> 'trunk.bias'" in msg and "renamed since the save" in msg, msg
+    assert "frozen" not in msg, msg
+
+
+def test_refusal_of_added_and_removed_parameters_names_them(tmp_path):
+    _saved_net(tmp_path / "ck")
+    m = Grown()
+    msg = _refusal(tmp_path / "ck", m, m.parameters())
+    assert "holds 2 parameter(s) ['extra.weight', 'extra.bias'], which the checkpoint's lacks (added" in msg, msg
+    assert "which the optimizer's lacks" not in msg, msg
+    m = Net(0)
+    msg = _refusal(tmp_path / "ck", m, m.body.parameters())
+    assert "holds ['head.weight', 'head.bias'], which the optimizer's lacks (removed" in msg, msg
+    assert "which the checkpoint's lacks" not in msg and "frozen since the save" in msg, msg
+
+
+def test_refusal_of_the_same_groups_in_another_order_says_so(tmp_path):
+    """Before: the differences of group 0 (all four names) and the advice for frozen layers."""
+    _saved_net(tmp_path / "ck", lambda m: [{"params": m.body.parameters()}, {"params": m.head.parameters(), "lr": 0.1}])
+    m = Net(0)
+    msg = _refusal(tmp_path / "ck", m, [{"params": m.head.parameters(), "lr": 0.1}, {"params": m.body.parameters()}])
+    assert "the same parameter groups in another order (the checkpoint's group 0 is the optimizer's group 1; " \
+           "the checkpoint's group 1 is the optimizer's group 0)" in msg and "order of save time" in msg, msg
+    assert "frozen" not in msg, msg
+    m = Net(0)
+    msg = _refusal(tmp_path / "ck", m, [{"params": [m.body.weight]}, {"params": [m.body.bias, *m.head.parameters()]}])
+    assert "the same parameters, grouped otherwise: 'body.bias' (checkpoint group 0, optimizer group 1)" in msg, msg

@@ -62,11 +62,12 @@ def left_out_hint(saved: Sequence[str], current: Sequence[str]) -> str:
     lacks = [n for n in saved if n not in set(current)]
     if not lacks:
         return ""
-    return (f"; the checkpoint's group holds {lacks[:8]}{' ...' if len(lacks) > 8 else ''}, which the optimizer's lacks: "
+    return (f"; the checkpoint's group holds {lacks[:8]}{' ...' if len(lacks) > 8 else ''}, "
+            "which the optimizer's lacks (removed from the model since the save, or left out of the optimizer): "
             "if they are frozen since the save (requires_grad=False) and the optimizer is built from the trainable "
             "parameters only, build it from all of them as at save time (a frozen parameter gets no gradient, so the "
-            "optimizer does not step it), or leave the optimizer out of the state and restore with strict=False to "
-            "start it fresh")
+            "optimizer does not step it); else build the model and the optimizer as at save time, or leave the "
+            "optimizer out of the state and restore with strict=False to start it fresh")
 
 
 def unowned_hint(params: Sequence[Any], names: Mapping[int, str]) -> str:
@@ -114,3 +115,46 @@ def refuse_other_class(optimizer: Any, skeleton: Any, where: str) -> None:
             f"build {a(saved)} as at save time (to start a new optimizer instead, leave this entry out of "
             "the state and load with strict=False)"
         ))
+
+
+def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]]) -> str:
+    """``stateful.OptimizerAdapter._match_groups`` and ``fsdp1.FSDP1OptimizerAdapter.check_saved``
+    (every rank, before anything is read), for parameter group ``gi``, the first whose parameters
+    differ from the checkpoint's (the same number of groups): what happened and what to change.
+    ``current``: each optimizer group's parameter names, spelt as the checkpoint's would be.
+
+    - the same groups in another order (torch matches groups by position): which is which;
+    - the same parameters, grouped otherwise: which parameter moved between which groups;
+    - as many parameters, other names (a module attribute or an entry key renamed): a few pairs;
+    - parameters added or removed since the save: which (:func:`left_out_hint` for the removed ones)."""
+    saved_sets, cur_sets = [frozenset(g["params"]) for g in saved_groups], [frozenset(c) for c in current]
+    saved, cur = list(saved_groups[gi]["params"]), list(current[gi])
+    head = f"parameter group {gi} holds other parameters than at save time"
+    if sorted(map(sorted, saved_sets)) == sorted(map(sorted, cur_sets)):
+        pairs = [f"the checkpoint's group {i} is the optimizer's group {cur_sets.index(s)}"
+                 for i, s in enumerate(saved_sets) if cur_sets[i] != s]
+        return (f"{head}: the optimizer holds the same parameter groups in another order ({'; '.join(pairs[:SHOWN])}); "
+                "torch matches groups by position: build the parameter groups in the order of save time")
+    if frozenset().union(*saved_sets) == frozenset().union(*cur_sets):
+        where = {n: i for i, s in enumerate(saved_sets) for n in s}
+        now = {n: i for i, s in enumerate(cur_sets) for n in s}
+        moved = [f"{n!r} (checkpoint group {where[n]}, optimizer group {now[n]})"
+                 for n in (*saved, *cur) if where.get(n) != now.get(n)]
+        moved = list(dict.fromkeys(moved))
+        return (f"{head}: the same parameters, grouped otherwise: {', '.join(moved[:SHOWN])}"
+                f"{' ...' if len(moved) > SHOWN else ''}; build each group with the parameters it held at save time")
+    removed = [n for n in saved if n not in set(cur)]
+    added = [n for n in cur if n not in set(saved)]
+    if removed and len(removed) == len(added) and len(saved) == len(cur):
+        pairs = [f"{a!r} -> {b!r}" for a, b in zip(removed, added, strict=True)]
+        return (f"{head}: {len(pairs)} of its {len(cur)} parameters have other names (checkpoint -> optimizer, in "
+                f"group order): {', '.join(pairs[:SHOWN])}{' ...' if len(pairs) > SHOWN else ''}; a module attribute or "
+                "a module entry key of the state renamed since the save: give them their names of save time (the "
+                "optimizer's state is keyed by parameter name)")
+    out = head
+    if added:
+        out += (f"; the optimizer's group holds {len(added)} parameter(s) {added[:8]}{' ...' if len(added) > 8 else ''}, "
+                "which the checkpoint's lacks (added to the model since the save): build the optimizer over the "
+                "parameters of save time and add the new ones after the load (optimizer.add_param_group()), or leave "
+                "the optimizer out of the state and restore with strict=False to start it fresh")
+    return out + left_out_hint(saved, cur)

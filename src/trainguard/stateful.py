@@ -250,7 +250,7 @@ class OptimizerAdapter:
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
         from .errors import CheckpointError
-        from .optim_groups import count_mismatch, left_out_hint, unowned_hint
+        from .optim_groups import count_mismatch, other_params, unowned_hint
         from .permanent import mark
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
@@ -265,17 +265,16 @@ class OptimizerAdapter:
         if len(saved_groups) != len(cur_groups):  # which groups differ, and add_param_group's part in it
             raise mark(CheckpointError(count_mismatch(saved_groups, names, cur_groups)))
         out, pos = [], 0
-        for gi, (saved, cur) in enumerate(zip(saved_groups, cur_groups)):
-            out.append(cur_names := names[pos : pos + len(cur["params"])])
+        for cur in cur_groups:
+            out.append(names[pos : pos + len(cur["params"])])
             pos += len(cur["params"])
-            if set(saved["params"]) != set(cur_names):
-                diff = sorted(set(saved["params"]) ^ set(cur_names))
+        for gi, (saved, cur_names, cur) in enumerate(zip(saved_groups, out, cur_groups)):
+            if set(saved["params"]) != set(cur_names):  # renamed, added or removed, regrouped (optim_groups.py)
                 part = set(cur_names) < set(saved["params"])  # a pipeline stage's optimizer, loaded without split_state
                 raise mark(CheckpointError(
-                    f"parameter group {gi} holds other parameters than at save time "
-                    f"(differences: {diff[:8]}); build the optimizer with the same groups as when it was saved"
+                    other_params(gi, saved_groups, out)
                     + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
-                    + left_out_hint(saved["params"], cur_names) + unowned_hint(cur["params"], self.names)
+                    + unowned_hint(cur["params"], self.names)
                 ))
         return out
 
