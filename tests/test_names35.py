@@ -18,7 +18,7 @@ from trainguard import capture
 from trainguard.names import canonical_key
 from trainguard.stateful import ModuleAdapter
 
-from dist_helper import attempt, run_ranks  # noqa: F401 - the FSDP1 cases below
+from dist_helper import attempt, run_ranks
 
 
 class LM(nn.Module):
@@ -317,3 +317,87 @@ def test_refusal_of_the_same_groups_in_another_order_says_so(tmp_path):
     m = Net(0)
     msg = _refusal(tmp_path / "ck", m, [{"params": [m.body.weight]}, {"params": [m.body.bias, *m.head.parameters()]}])
     assert "the same parameters, grouped otherwise: 'body.bias' (checkpoint group 0, optimizer group 1)" in msg, msg
+
+
+# 3. FSDP1 with use_orig_params=False and unsharded flat parameters (NO_SHARD, or one rank).
+
+def _fsdp1(seed: int, strategy: str, names: tuple[str, str] = ("0", "2")) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from collections import OrderedDict
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(seed)
+    m = nn.Sequential(OrderedDict([(names[0], nn.Linear(8, 16)), ("1", nn.ReLU()), (names[1], nn.Linear(16, 5))]))
+    m = FSDP(m, use_orig_params=False, sharding_strategy=getattr(ShardingStrategy, strategy),
+             device_id=torch.device("cpu"), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _fsdp1_step(m: nn.Module, o: torch.optim.Optimizer, s: int) -> None:
+    g = torch.Generator().manual_seed(s)
+    o.zero_grad()
+    nn.functional.mse_loss(m(torch.randn(4, 8, generator=g)), torch.randn(4, 5, generator=g)).backward()
+    o.step()
+
+
+def _fsdp1_whole(m: nn.Module, o: torch.optim.Optimizer) -> dict:
+    """The model's parameters and the optimizer's state by name, whole on every rank (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(m, o, options=StateDictOptions(full_state_dict=True))
+    return {"p": {k: v.clone() for k, v in m.state_dict().items()},
+            "o": {k: {n: v.clone() for n, v in st.items()} for k, st in osd["state"].items()}}
+
+
+def _fsdp1_names(rank: int, world: int, root: str, strategy: str) -> dict:
+    m, o = _fsdp1(0, strategy)
+    for s in range(2):
+        _fsdp1_step(m, o, s)
+    man = tg.save(f"{root}/ck", {"model": m, "optim": o})
+    tg.save(f"{root}/ema", {"model": m, "ema": nn.Linear(2, 2), "optim": o})
+    saved = _fsdp1_whole(m, o)
+    out = {"keys": sorted(_optim_keys(man)), "loads": {}}
+    if strategy == "NO_SHARD" or world == 1:
+        with pytest.MonkeyPatch.context() as mp:  # written as before session 35: keyed by the flat parameters
+            mp.setattr(capture, "refuse_unsupported", lambda *a, **k: None)
+            out["old_keys"] = sorted(_optim_keys(tg.save(f"{root}/flat", {"model": m, "optim": o})))
+    for path, extra in (("ck", {}), ("ck", {"ema": nn.Linear(2, 2)}), ("ema", {}), ("flat", {})):
+        if path == "flat" and "old_keys" not in out:
+            continue
+        m2, o2 = _fsdp1(1, strategy)
+        _fsdp1_step(m2, o2, 7)
+        before = _fsdp1_whole(m2, o2)
+        r = attempt(lambda p=path, s={"model": m2, **extra, "optim": o2}: tg.load(f"{root}/{p}", s, only=["model", "optim"]))
+        out["loads"][f"{path}+{sorted(extra)}"] = (r, not _same(before, saved) and _same(_fsdp1_whole(m2, o2), saved))
+    m3, o3 = _fsdp1(1, strategy, names=("first", "second"))  # renamed since the save
+    _fsdp1_step(m3, o3, 7)
+    before = _fsdp1_whole(m3, o3)
+    out["renamed"] = attempt(lambda: tg.load(f"{root}/ck", {"model": m3, "optim": o3}))
+    out["untouched"] = _same(before, _fsdp1_whole(m3, o3))
+    return out
+
+
+@pytest.mark.parametrize(("world", "strategy"), [(1, "FULL_SHARD"), (2, "NO_SHARD"), (2, "FULL_SHARD")])
+def test_fsdp1_unsharded_flat_parameters_keyed_by_their_parameters_names(tmp_path, world, strategy):
+    """Before, unsharded (1 rank, NO_SHARD): the optimizer state was keyed by FSDP1's flat
+    parameters ('0._flat_param'), which load into nothing but the same FSDP1 wrapping (such
+    checkpoints still load). Sharded (FULL_SHARD on 2 ranks): a checkpoint saved with two module
+    entries (an EMA) was refused by torch's set_optimizer_state_dict at the entry's turn when
+    loaded into a state with the FSDP1 model alone, and a renamed model was refused there too,
+    after the model had loaded; now both are checked before anything is read."""
+    for r in run_ranks(_fsdp1_names, world, str(tmp_path), strategy, timeout=120):
+        v = r.value
+        assert v["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"], v["keys"]
+        assert v.get("old_keys", ["0._flat_param", "2._flat_param"]) == ["0._flat_param", "2._flat_param"], v["old_keys"]
+        for what, (res, same) in v["loads"].items():
+            assert res == {"type": None} and same, (what, res)
+        assert v["renamed"]["type"] in ("CheckpointError", "RankFailureError"), v["renamed"]
+        assert "'0.weight' -> 'first.weight'" in v["renamed"]["msg"] and "other names" in v["renamed"]["msg"], v["renamed"]
+        assert v["untouched"]  # refused before anything was read
+    if world == 1:  # the names load into a plain model and its optimizer
+        m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 5))
+        o = torch.optim.Adam(m.parameters(), lr=1e-2)
+        tg.load(tmp_path / "ck", {"model": m, "optim": o})
+        assert len(o.state) == 4

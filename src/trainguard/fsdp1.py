@@ -13,7 +13,12 @@ state differs, with the advice to pass ``split_state=True``, which does not appl
 
 ``capture.capture`` (save) and ``loader._load`` (load) call :func:`refuse_unsupported` for each
 entry, on every rank, before anything is written or read. An optimizer over parameters of a
-sharded FSDP1 model that is an entry of the same state gets :class:`FSDP1OptimizerAdapter`
+sharded FSDP1 model that is an entry of the same state gets :class:`FSDP1OptimizerAdapter`, and
+so does one over unsharded flat parameters (``use_orig_params=False`` with ``NO_SHARD`` or on one
+rank: its state was keyed by the flat parameters, ``0._flat_param``, which loaded into nothing but
+the same wrapping; such checkpoints still load, as they were saved). Its load takes the names of
+a state with one module entry or several (an EMA added or removed since the save), as
+``stateful.OptimizerAdapter`` does, and refuses other names before anything is read
 (torch.distributed.checkpoint's ``get_optimizer_state_dict``/``set_optimizer_state_dict`` with
 ``full_state_dict=True``: whole tensors by name, the entries of a plain optimizer's). torch's
 older ``FSDP.optim_state_dict``/``optim_state_dict_to_load`` are not used: with
@@ -119,13 +124,18 @@ def _optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str
             id(p) not in known and getattr(p, "_fsdp_flattened", False) and type(p) in (torch.Tensor, torch.nn.Parameter))
 
     hit = next((p for p in mine if fsdp1(p)), None)
-    if hit is None:
+    flats = {id(flat) for _, flat in _handles(state)}
+    flat = next((p for p in mine if id(p) in flats or bool(flat_cls) and isinstance(p, flat_cls)), None)
+    if hit is None and flat is None:
         return None
+    from .optnames import largest_owner
+
     modules = {k: v for k, v in state.items() if isinstance(v, torch.nn.Module)}
-    ids = {id(p) for p in mine}
-    owners = [k for k, v in modules.items() if ids <= {id(p) for p in v.parameters()}]
-    if owners:
-        return FSDP1OptimizerAdapter(optimizer, modules[owners[0]], f"{owners[0]}." if len(modules) > 1 else "")
+    owner = largest_owner(modules, {id(p) for p in mine})  # the entry param_name_map names them by
+    if owner is not None:  # also unsharded flat parameters (NO_SHARD, 1 rank): by their parameters' names
+        return FSDP1OptimizerAdapter(optimizer, modules[owner], f"{owner}." if len(modules) > 1 else "", owner, state)
+    if hit is None:  # unsharded, and no model to name them: keyed by index (stateful.OptimizerAdapter warns)
+        return None
     strategy = _strategy(sharded[id(hit)]) if id(hit) in sharded else "a sharded one"
     raise UnsupportedValueError(
         f"entry {key!r}: the optimizer holds parameters of a FullyShardedDataParallel (FSDP1) model with sharding "
@@ -160,8 +170,9 @@ class FSDP1OptimizerAdapter:
     collectives of the model's process group: every rank makes them, in the same order, in the
     caller's thread (``capture.capture``, ``loader._load``)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, prefix: str) -> None:
-        self.optimizer, self.model, self.prefix = optimizer, model, prefix
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, prefix: str, key: str = "",
+                 state: Any = None) -> None:
+        self.optimizer, self.model, self.prefix, self.key, self.state = optimizer, model, prefix, key, state
 
     def _named(self, fqn: Any) -> Any:
         return self.prefix + fqn if type(fqn) is str else fqn
@@ -187,6 +198,9 @@ class FSDP1OptimizerAdapter:
         from .permanent import mark
 
         where = f"entry {key!r}: " if key is not None else ""
+        if (flat := self._flat_names(skeleton)) is not None:
+            flat.check_saved(skeleton, key or "")
+            return
         refuse_other_class(self.optimizer, skeleton, where)
         groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
         if isinstance(groups, list) and len(groups) != len(self.optimizer.param_groups):
@@ -194,21 +208,102 @@ class FSDP1OptimizerAdapter:
                 f"{where}the checkpoint's optimizer has {len(groups)} parameter group(s), the state's "
                 f"{len(self.optimizer.param_groups)}; build the optimizer with the parameter groups of save time"
             ))
+        mine = self._group_fqns()
+        if mine is None or not isinstance(groups, list) or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), list) and all(type(n) is str for n in g["params"])
+                for g in groups):
+            return
+        fqn = self._fqn(skeleton)
+        saved = [{**g, "params": [fqn(n) for n in g["params"]]} for g in groups]
+        for gi, (g, cur) in enumerate(zip(saved, mine, strict=True)):
+            if set(g["params"]) != set(cur):  # set_optimizer_state_dict refused it at the entry's turn, or loaded part
+                from .optim_groups import other_params
+
+                raise mark(CheckpointError(where + other_params(gi, saved, mine)))
+
+    def _fqn(self, skeleton: Any) -> Any:
+        """The saved names -> the model's own (get_optimizer_state_dict's): without the prefix of this
+        state's spelling (the model's entry key, when the state holds several modules), or of the other
+        (saved from a state with several modules, loaded into one with this model alone), whichever
+        gives names the model has; an unprefixed name (saved from a state with one module) as it is."""
+        names = _saved_names(skeleton)
+        fqns = self._fqns()
+        for head in dict.fromkeys((self.prefix, "", f"{self.key}." if self.key else "")):
+            mapped = {n[len(head):] if head and n.startswith(head) else n for n in names}
+            if fqns is None or mapped <= fqns:
+                break
+        else:
+            head = self.prefix
+
+        def fqn(name: Any) -> Any:
+            return name[len(head):] if head and type(name) is str and name.startswith(head) else name
+
+        return fqn
+
+    def _param_fqns(self) -> dict[int, list[str]] | None:
+        """``id(param) -> the names get_optimizer_state_dict gives its state`` (several for a flat
+        parameter: those of the parameters it holds); None where torch's helper is not there."""
+        try:
+            from torch.distributed.checkpoint.state_dict import _get_fqns
+        except ImportError:  # pragma: no cover - a torch without it: names are not checked before the load
+            return None
+        out: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters():
+            order = list(getattr(p, "_fqns", None) or ())  # a flat parameter's, in its order: a rename's pairs line up
+
+            def pos(n: str, order: list[str] = order) -> tuple[int, str]:
+                return next((i for i, f in enumerate(order) if n == f or n.endswith("." + f)), len(order)), n
+
+            out.setdefault(id(p), []).extend(sorted(_get_fqns(self.model, name), key=pos))
+        return out
+
+    def _fqns(self) -> set[str] | None:
+        named = self._param_fqns()
+        return None if named is None else {n for names in named.values() for n in names}
+
+    def _group_fqns(self) -> list[list[str]] | None:
+        named = self._param_fqns()
+        if named is None or any(id(p) not in named for g in self.optimizer.param_groups for p in g["params"]):
+            return None
+        return [[n for p in g["params"] for n in named[id(p)]] for g in self.optimizer.param_groups]
+
+    def _flat_names(self, skeleton: Any) -> Any:
+        """A ``stateful.OptimizerAdapter`` for a checkpoint whose optimizer state is keyed by FSDP1's
+        flat parameters (``0._flat_param``: written before these were saved by their parameters' names,
+        with NO_SHARD or on one rank), which loads it as it was saved; None for any other."""
+        if self.state is None or not any(n == "_flat_param" or n.endswith("._flat_param") for n in _saved_names(skeleton)):
+            return None
+        from .optnames import param_name_choices, param_name_map
+        from .stateful import OptimizerAdapter
+
+        adapter = OptimizerAdapter(self.optimizer, param_name_map(self.state))
+        adapter.other_names, adapter.name_choices = param_name_map(self.state, other=True), param_name_choices(self.state)
+        return adapter
 
     def load_state_dict(self, state_dict: Any) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         self.check_saved(state_dict, None)  # loader._load checked it first; a direct caller gets it here
-        n = len(self.prefix)
-
-        def fqn(name: Any) -> Any:
-            return name[n:] if type(name) is str and name.startswith(self.prefix) else name
-
+        if (flat := self._flat_names(state_dict)) is not None:
+            flat.load_state_dict(state_dict)
+            return
+        fqn = self._fqn(state_dict)
         osd = {
             "state": {fqn(k): v for k, v in state_dict["state"].items()},
             "param_groups": [{**g, "params": [fqn(x) for x in g["params"]]} for g in state_dict["param_groups"]],
         }
         set_optimizer_state_dict(self.model, self.optimizer, osd, options=_full_options())
+
+
+def _saved_names(skeleton: Any) -> list[str]:
+    """The parameter names of a saved optimizer entry (its state's keys, its groups' params)."""
+    if not isinstance(skeleton, dict):
+        return []
+    state, groups = skeleton.get("state"), skeleton.get("param_groups")
+    names = [*(state if isinstance(state, dict) else ())]
+    for g in groups if isinstance(groups, list) else ():
+        names += g.get("params", []) if isinstance(g, dict) and isinstance(g.get("params"), list) else []
+    return [n for n in names if type(n) is str]
 
 
 def _full_options() -> Any:
