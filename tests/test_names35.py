@@ -153,9 +153,16 @@ def test_split_state_load_of_a_tied_model_keeps_the_tie_state(tmp_path):
     o = torch.optim.Adam(m.parameters(), lr=1e-2)
     _train(m, o)
     tg.save(tmp_path / "ck", {"model": m, "optim": o})
-    saved = _ostate(m, o)
-    got = _resume(tmp_path / "ck", lambda m, o: {"model": m, "optim": o}, saved, split_state=True)
-    assert _same(got, saved)
+    saved, weights = _ostate(m, o), {k: v.clone() for k, v in m.state_dict().items()}
+    loaded = {}
+
+    def state_of(m2, o2):
+        loaded["model"] = m2
+        return {"model": m2, "optim": o2}
+
+    got = _resume(tmp_path / "ck", state_of, saved, split_state=True)
+    assert _same(got, saved) and _same(dict(loaded["model"].state_dict()), weights)
+    assert loaded["model"].lm_head.weight is loaded["model"].wte.weight  # still one tensor
 
 
 # 2. A parameter several module entries hold is named by the largest.

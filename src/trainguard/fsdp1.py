@@ -199,7 +199,8 @@ class FSDP1OptimizerAdapter:
 
         where = f"entry {key!r}: " if key is not None else ""
         if (flat := self._flat_names(skeleton)) is not None:
-            flat.check_saved(skeleton, key or "")
+            if key is not None:  # else load_state_dict's own check (_match_groups) says it
+                flat.check_saved(skeleton, key)
             return
         refuse_other_class(self.optimizer, skeleton, where)
         groups = skeleton.get("param_groups") if isinstance(skeleton, dict) else None
