@@ -244,18 +244,19 @@ class FSDP1OptimizerAdapter:
     def _param_fqns(self) -> dict[int, list[str]] | None:
         """``id(param) -> the names get_optimizer_state_dict gives its state`` (several for a flat
         parameter: those of the parameters it holds); None where torch's helper is not there."""
-        try:
-            from torch.distributed.checkpoint.state_dict import _get_fqns
-        except ImportError:  # pragma: no cover - a torch without it: names are not checked before the load
-            return None
         out: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters():
-            order = list(getattr(p, "_fqns", None) or ())  # a flat parameter's, in its order: a rename's pairs line up
+        try:  # a private helper of torch's: where it is missing or fails, names are not checked before the load
+            from torch.distributed.checkpoint.state_dict import _get_fqns
 
-            def pos(n: str, order: list[str] = order) -> tuple[int, str]:
-                return next((i for i, f in enumerate(order) if n == f or n.endswith("." + f)), len(order)), n
+            for name, p in self.model.named_parameters():
+                order = list(getattr(p, "_fqns", None) or ())  # a flat parameter's, in its order: a rename's pairs line up
 
-            out.setdefault(id(p), []).extend(sorted(_get_fqns(self.model, name), key=pos))
+                def pos(n: str, order: list[str] = order) -> tuple[int, str]:
+                    return next((i for i, f in enumerate(order) if n == f or n.endswith("." + f)), len(order)), n
+
+                out.setdefault(id(p), []).extend(sorted(_get_fqns(self.model, name), key=pos))
+        except Exception:  # noqa: BLE001 - set_optimizer_state_dict checks the names at the entry's turn, as before
+            return None
         return out
 
     def _fqns(self) -> set[str] | None:
