@@ -13,6 +13,7 @@ from collections import defaultdict
 
 from .config import Config
 from .report_md import markdown
+from .targets import judge
 
 __all__ = ["build", "markdown"]
 
@@ -132,7 +133,7 @@ def build(cfg: Config, machine: dict, results: dict[str, dict], *, ratio_base: t
           argv: list[str], wall_s: float) -> dict:
     states = {name: summarize_state(raw, ratio_base) for name, raw in results.items()}
     described = next((raw["methods"] for raw in results.values() if "methods" in raw), {})
-    return {
+    doc = {
         "created": time.strftime("%Y-%m-%d %H:%M:%S %z"),
         "command": "python -m bench.run " + " ".join(argv),
         "config": {k: v for k, v in vars(cfg).items() if k != "tmp"},
@@ -143,3 +144,5 @@ def build(cfg: Config, machine: dict, results: dict[str, dict], *, ratio_base: t
         "states": states,
         "per_byte": per_byte(states),
     }
+    doc["targets"] = judge(doc)  # issue 6's, from this run alone (bench.targets adds bench.stall's)
+    return doc

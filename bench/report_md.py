@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from .targets import markdown as targets_md
+
 LIMIT_LABEL = "limit: best of raw_1 / raw_2 / raw_d2"
 
 
@@ -220,6 +222,11 @@ def markdown(doc: dict) -> str:
            f"`{doc['command']}` — scale {c['scale']}, {c['reps']} steady reps + 1 first, states "
            f"{', '.join(c['states'])}; {doc['wall_s']:.0f} s in all.", ""]
     out += [f"- note: {n}" for n in c.get("notes", [])] + ([""] if c.get("notes") else [])
+    if doc.get("targets"):
+        out += ["## Targets (issue 6)", "",
+                "Judged by `bench/targets.py` on this run's paired rounds (`python -m bench.targets` adds the "
+                "async targets of issue 4 from `bench.stall` and the paired per-byte run of `bench.per_byte`).",
+                ""] + targets_md(doc["targets"])
     out += _machine(doc) + _how(doc)
     for name, st in doc["states"].items():
         out += _state(doc, name, st)
