@@ -144,5 +144,8 @@ def build(cfg: Config, machine: dict, results: dict[str, dict], *, ratio_base: t
         "states": states,
         "per_byte": per_byte(states),
     }
-    doc["targets"] = judge(doc)  # issue 6's, from this run alone (bench.targets adds bench.stall's)
+    try:  # issue 6's, from this run alone (bench.targets adds bench.stall's)
+        doc["targets"] = judge(doc)
+    except Exception as e:  # a run's figures are worth more than its verdicts: never lose them to a bug here
+        doc["targets_error"] = f"{type(e).__name__}: {e}"
     return doc

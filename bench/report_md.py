@@ -227,6 +227,8 @@ def markdown(doc: dict) -> str:
                 "Judged by `bench/targets.py` on this run's paired rounds (`python -m bench.targets` adds the "
                 "async targets of issue 4 from `bench.stall` and the paired per-byte run of `bench.per_byte`).",
                 ""] + targets_md(doc["targets"])
+    if doc.get("targets_error"):
+        out += [f"**The targets could not be judged: {doc['targets_error']}** (`python -m bench.targets`).", ""]
     out += _machine(doc) + _how(doc)
     for name, st in doc["states"].items():
         out += _state(doc, name, st)

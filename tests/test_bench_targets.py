@@ -108,3 +108,16 @@ def test_latest_md_puts_the_verdicts_first() -> None:
     md = report_md.markdown(doc)
     assert md.index("## Targets (issue 6)") < md.index("## Machine")
     assert "| sync save: times faster than DCP's best | `gpt` | ≥ 1.25× | 3× | 3 of 3 | met |" in md
+
+
+def test_a_bug_in_judging_keeps_the_runs_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """report.build after a 40-minute run: an error in the verdicts is reported, not raised."""
+    from bench import report
+
+    def boom(doc: dict) -> list:
+        raise KeyError("bytes")
+
+    monkeypatch.setattr(report, "judge", boom)
+    cfg = type("Cfg", (), {})()
+    doc = report.build(cfg, {}, {}, ratio_base=("trainguard",), argv=[], wall_s=1.0)
+    assert "targets" not in doc and doc["targets_error"] == "KeyError: 'bytes'"
