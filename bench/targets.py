@@ -47,11 +47,13 @@ def _row(target: str, state: str, required: float, per_round: list[float], unit:
     if not per_round:
         return {"target": target, "state": state, "required": required, "median": None, "min": None,
                 "max": None, "rounds": "0 of 0", "met": None, "unit": unit, "note": note or "not measured"}
-    ok = [(x >= required) if higher_is_better else (x <= required) for x in per_round]
+    def meets(x: float) -> bool:
+        return x >= required if higher_is_better else x <= required
+
     med = statistics.median(per_round)
     return {"target": target, "state": state, "required": required, "median": med, "min": min(per_round),
-            "max": max(per_round), "rounds": f"{sum(ok)} of {len(ok)}",
-            "met": (med >= required) if higher_is_better else (med <= required), "unit": unit, "note": note}
+            "max": max(per_round), "rounds": f"{sum(map(meets, per_round))} of {len(per_round)}",
+            "met": meets(med), "unit": unit, "note": note}
 
 
 def _speedup(doc: dict, state: str, op: str, others: list[tuple[str, str]], tg_variant: str) -> list[float]:
@@ -85,22 +87,20 @@ def judge(doc: dict, stall: dict | None = None, per_byte: dict | None = None) ->
         _row("sync save: times faster than DCP's best", big, 1.25, _speedup(doc, big, "save", dcp_save, "")),
         _row("sync save: times faster than DCP's best", small, 3.0, _speedup(doc, small, "save", dcp_save, "")),
         _row("hot load in place: times faster than DCP's", big, 4.0, _speedup(doc, big, "load_hot", dcp_load, "tg.load")),
-        _row("hot load in place: speed ÷ safetensors load_file+copy_", big, 1.0,
-             _speedup(doc, big, "load_hot", [ST_COPY], "tg.load"), note="trainguard verifies checksums; it does not"),
-        _row("hot load in place: speed ÷ safetensors load_file+copy_", small, 1.0,
-             _speedup(doc, small, "load_hot", [ST_COPY], "tg.load"), note="trainguard verifies checksums; it does not"),
+        *(_row("hot load in place: speed ÷ safetensors load_file+copy_", state, 1.0,
+               _speedup(doc, state, "load_hot", [ST_COPY], "tg.load"), note="trainguard verifies checksums; it does not")
+          for state in (big, small)),
         _row("cold load in place: speed ÷ raw read limit", big, 0.85,
              _speedup(doc, big, "load_cold", [("limit", "")], "tg.load")),
     ]
+    per_byte_target = ("sync save per byte: 10,000 small ÷ large tensors", f"{small} vs {big}", 1 / 1.5)
     rates = {r["op"]: r for r in doc.get("per_byte", {}).get("rows", []) if r["method"] == "trainguard"}
     if "save" in rates:
-        out.append(_row("sync save per byte: 10,000 small ÷ large tensors", f"{small} vs {big}", 1 / 1.5,
-                        [rates["save"]["small_over_large"]],
+        out.append(_row(*per_byte_target, [rates["save"]["small_over_large"]],
                         note="medians of two processes minutes apart (not paired)"))
     paired = [r["ratio"] for r in (per_byte or {}).get("rounds", []) if r.get("round", 0) > 0]
     if paired:
-        out.append(_row("sync save per byte: 10,000 small ÷ large tensors", f"{small} vs {big}", 1 / 1.5,
-                        paired, note="`bench.per_byte`: paired round by round in one process"))
+        out.append(_row(*per_byte_target, paired, note="`bench.per_byte`: paired round by round in one process"))
     for state in (big, small):
         out.append(_row("sync save: peak extra memory, % of the state", state, 10.0, _peak(doc, state),
                         unit="%", higher_is_better=False, note="every round, the first included"))
