@@ -213,11 +213,22 @@ def trim_idle_pools() -> None:
             pool.trim()
 
 
-def tensor_key(t: torch.Tensor) -> tuple[int, int, str] | None:
-    """A tensor's memory: data pointer, size and device (None when empty)."""
-    if t.numel() == 0:
-        return None
-    return (t.data_ptr(), t.nbytes, str(t.device))
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # taken as they are by _own_key (no DTensor, no subclass)
+_NONE: Mapping[str, Any] = {}  # the state of a parameter the optimizer has none for
+
+
+def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
+    """A tensor's memory: data pointer, size and device (None when empty). The device as torch's
+    object, not its name: ``str(t.device)`` was half of the 1.4 ms ``protected_tensors`` took
+    over the 632 tensors of a 1 GB MLP + Adam (``async_save``'s call)."""
+    n = t.nbytes
+    return (t.data_ptr(), n, t.device) if n else None
+
+
+def _own_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
+    """``tensor_key`` of a parameter or optimizer state tensor, of its local shard for a DTensor;
+    a plain tensor or parameter as it is (the memory is the same without ``detach()``)."""
+    return tensor_key(t if type(t) in _PLAIN else local_part(t.detach()))
 
 
 def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.optim.Optimizer]]:
@@ -230,17 +241,18 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
     out: set[Any] = set()
     # Embeddings with max_norm renormalize the rows they look up in forward, outside step().
     renormed = {
-        tensor_key(local_part(m.weight.detach()))
+        _own_key(m.weight)
         for v in state.values() if isinstance(v, torch.nn.Module)
         for m in v.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
     }
     for opt in filter(_hooked, optimizers):
+        states = opt.state
         for group in opt.param_groups:
             for p in group["params"]:
-                out.add(tensor_key(local_part(p.detach())))
-                for v in opt.state.get(p, {}).values():
+                out.add(_own_key(p))
+                for v in states.get(p, _NONE).values():
                     if isinstance(v, torch.Tensor):
-                        out.add(tensor_key(local_part(v.detach())))
+                        out.add(_own_key(v))
     out.discard(None)
     return out - renormed, optimizers
 
