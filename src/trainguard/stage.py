@@ -30,6 +30,7 @@ from .buffers import aligned_empty
 from .dtensor import local_part
 from .errors import CheckpointError, nonneg_int
 from .planner import PAGE, PAGE_ALIGN_FROM
+from .tied import PLAIN
 
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
 # Large slots start on a page, like large chunks in the file (planner.layout_file): written with O_DIRECT.
@@ -213,10 +214,6 @@ def trim_idle_pools() -> None:
             pool.trim()
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # taken as they are by _own_key (no DTensor, no subclass)
-_NONE: Mapping[str, Any] = {}  # the state of a parameter the optimizer has none for
-
-
 def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
     """A tensor's memory: data pointer, size and device (None when empty). The device as torch's
     object, not its name: ``str(t.device)`` was half of the 1.4 ms ``protected_tensors`` took
@@ -228,7 +225,7 @@ def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
 def _own_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
     """``tensor_key`` of a parameter or optimizer state tensor, of its local shard for a DTensor;
     a plain tensor or parameter as it is (the memory is the same without ``detach()``)."""
-    return tensor_key(t if type(t) in _PLAIN else local_part(t.detach()))
+    return tensor_key(t if type(t) in PLAIN else local_part(t.detach()))
 
 
 def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.optim.Optimizer]]:
@@ -246,11 +243,10 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
         for m in v.modules() if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.max_norm is not None
     }
     for opt in filter(_hooked, optimizers):
-        states = opt.state
         for group in opt.param_groups:
             for p in group["params"]:
                 out.add(_own_key(p))
-                for v in states.get(p, _NONE).values():
+                for v in opt.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
                         out.add(_own_key(v))
     out.discard(None)
