@@ -36,12 +36,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import iostall
+from . import gcpause, iostall
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext, default_timeout
 from .errors import CheckpointError, RankFailureError
-from .gcpause import gc_paused
 from .handle import SaveHandle
 from .io import DEFAULT_BLOCK
 from .planner import PAGE, Box
@@ -55,7 +54,7 @@ from .stage import (
     trim_idle_pools,
     zero_copy_ok,
 )
-from .stagecopy import Batch, BatchCopier, copy_into, pack_batches
+from .stagecopy import Batch, BatchCopier, copy_into, drained, pack_batches
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -84,6 +83,14 @@ class _Job:
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
         self.began: bool | None = False  # its thread began (_run); None: cancelled before it did
 
+    def release(self) -> None:
+        """The save ended (its thread, ``_run``) or never got a thread (``start_async_save``): drop its
+        copies and leaves (staged by now: nothing asks), release the staging pool and the collector."""
+        self.copies.clear()
+        self.later, self.storages = set(), StorageKeys(())
+        self.pool.release()
+        gcpause.release(self.handle.gc_hold)
+
 
 def start_async_save(
     storage: Storage, target: str, state: Mapping[str, Any], ctx: DistContext, *, layout: str = "sharded",
@@ -102,17 +109,18 @@ def start_async_save(
     """
     t0 = time.monotonic()
     _finish_previous(managed, timeout)
-    with ctx.operation(eager=True):  # the whole save, its thread's rounds too (dist.StoreDistContext.operation)
-        with gc_paused():
-            try:
-                snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
-            except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
-                if not getattr(e, "captured_elsewhere", False):
-                    raise
-                return _failed(e, step, managed, target)
+    gcpause.expire()  # the collector waits until the save thread ends (gcpause.py); released here if none begins
+    with ctx.operation(eager=True), gcpause.held(gcpause.ASYNC_HOLD_S) as hold:  # its thread's rounds too (dist.py)
+        try:
+            snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
+        except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
+            if not getattr(e, "captured_elsewhere", False):
+                raise
+            gcpause.release(hold)
+            return _failed(e, step, managed, target)
         protected, optimizers = protected_tensors(state)
         handle = SaveHandle(step, target)
-        handle.limit, handle.rank = timeout or default_timeout(), ctx.rank  # bounds its waits for staging
+        handle.limit, handle.rank, handle.gc_hold = timeout or default_timeout(), ctx.rank, hold  # limit bounds its waits
         pool = default_pool(max_staging_bytes)
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
@@ -139,14 +147,14 @@ def start_async_save(
             _hook()
             handle.call_s = time.monotonic() - t0
             handle.bytes = sum(lf.tensor.nbytes for lf in todo)
-            thread = threading.Thread(
-                target=_run, args=(job, storage, target, snap, ctx),
+            thread = threading.Thread(  # the snapshot in a list _run empties: freed before the collector resumes
+                target=_run, args=(job, storage, target, [snap], ctx),
                 kwargs=dict(layout=layout, metadata=metadata, overwrite=overwrite, timeout=timeout, step=step),
                 name="trainguard-async-save", daemon=True,
             )
             handle.attach_thread(thread)
         except BaseException:  # e.g. KeyboardInterrupt in the copies: the pool must not stay held
-            _drop(job)
+            job.release()
             raise
         global _INFLIGHT
         with _LOCK:
@@ -162,7 +170,7 @@ def start_async_save(
                     raise
                 job.began = _INFLIGHT = None  # cancelled; the previous save is finished (_finish_previous)
             ctx.hand_off(False)  # this rank left the save: the others fail it at once
-            _drop(job)
+            job.release()
             if not isinstance(e, Exception):
                 raise
             raise CheckpointError(f"could not start the async save thread: {e}") from e
@@ -180,16 +188,11 @@ def _failed(e: RankFailureError, step: int | None, managed: bool, target: str) -
     return h
 
 
-def _drop(job: _Job) -> None:
-    """A save that never got its thread: release its copies and the staging pool."""
-    job.copies.clear()
-    job.pool.release()
-
-
-def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, **kw: Any) -> None:
-    """The save thread: persist and commit, staging this rank's chunks in between (after the
-    "begin" round, batch by batch as ``api._write_rank`` writes them); always releases the pool."""
+def _run(job: _Job, storage: Storage, target: str, boxed: list[Any], ctx: DistContext, **kw: Any) -> None:
+    """The save thread: persist and commit, staging this rank's chunks in between (after the "begin" round, batch by
+    batch as ``api._write_rank`` writes them); then ``job.release()`` (``boxed``: the snapshot, freed before it)."""
     handle = job.handle
+    snap = boxed.pop()
     with _LOCK:  # a Ctrl-C in thread.start() before this ran took the save out of flight (start_async_save)
         if job.began is None:
             return
@@ -199,8 +202,8 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
         outcome: tuple[Any, BaseException | None] = (manifest, None)
     except BaseException as e:  # surfaced by handle.result() at the next save/wait/close
         outcome = (None, e)
-    job.copies.clear()
-    job.pool.release()
+    del snap
+    job.release()
     if outcome[1] is None:
         handle.set_result(outcome[0])
         log.info(
@@ -211,10 +214,8 @@ def _run(job: _Job, storage: Storage, target: str, snap: Any, ctx: DistContext, 
         handle.set_error(outcome[1])
 
 
-Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, chunk, already a host copy, page phase)
-
-# Zero-copy writes' batch size; between two, the save thread copies the rest if step() waits.
-ZERO_COPY_BATCH = 256 << 20
+Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, the chunk's bytes (uint8), already a host copy, page phase)
+ZERO_COPY_BATCH = 256 << 20  # zero-copy writes' batch size; between two, the save thread copies the rest if step() waits
 def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int | None] | None, Iterator[Batch]]:
     """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's
     source (where ``planner.layout_file`` puts it within a page of the file, so that its pages
@@ -224,11 +225,11 @@ def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int
         for i, (lf, box) in enumerate(mine):
             copy = job.copies.get(id(lf))
             if copy is not None:
-                todo.append((i, chunk_view(replace(lf, tensor=copy), box), True, 0))
+                todo.append((i, as_bytes(chunk_view(replace(lf, tensor=copy), box)), True, 0))
             elif id(lf) in job.later:
                 t = chunk_view(lf, box)
                 phase = t.data_ptr() % PAGE if job.zero_copy and t.is_contiguous() and t.numel() else 0
-                todo.append((i, t, False, phase if phase % 64 == 0 else 0))
+                todo.append((i, as_bytes(t), False, phase if phase % 64 == 0 else 0))
             else:
                 raise CheckpointError(f"{lf.path}: chunk neither copied nor staged (internal error)")
     except Exception as e:  # raised from the batches, where the write path reports it
@@ -272,7 +273,7 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
     batch: Batch = []
     size = live = 0
     for k, (i, t, ready, _phase) in enumerate(todo):
-        batch.append((i, 0, as_bytes(t)))
+        batch.append((i, 0, t))
         size += t.nbytes
         live += 0 if ready else t.nbytes
         if size < ZERO_COPY_BATCH and k < len(todo) - 1:
@@ -289,8 +290,7 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
 
 def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
     copier = BatchCopier(job.cuda_events)
-    srcs = [(i, as_bytes(t), ready, phase) for i, t, ready, phase in todo]
-    buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in srcs if not ready], block=DEFAULT_BLOCK))
+    buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in todo if not ready], block=DEFAULT_BLOCK))
     h = job.handle
 
     def copy(slot: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -301,7 +301,7 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
         copier.flush()
         h.staging_batches += 1
 
-    yield from pack_batches(srcs, buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
+    yield from pack_batches(drained(todo), buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
 
 
 def wait_staging_in_flight() -> None:
@@ -382,6 +382,7 @@ def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> 
     training thread: while the save in flight has not copied its tensors yet, waits if the
     optimizer is one of the state's or steps a tensor the save thread still has to copy (an
     optimizer not in the state, or built after the save, over the same parameters)."""
+    gcpause.expire()  # the hold of a save still writing after gcpause.ASYNC_HOLD_S ends here
     job = _INFLIGHT
     if job is None or job.handle.staged():
         return

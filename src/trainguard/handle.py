@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import iostall
+from . import gcpause, iostall
 from .errors import CheckpointError
 
 log = logging.getLogger("trainguard")
@@ -48,6 +48,7 @@ class SaveHandle:
         # bound the waits for staging (block_until_staged) and the join at interpreter exit.
         self.limit: float | None = None
         self.rank = 0
+        self.gc_hold = 0  # gcpause.hold's token: the collector waits for the save thread (released when it ends or is stuck)
         # Called with the manifest by the save thread once committed, before done() turns true
         # (the manager starts the RAM tier's copy to disk at once, not at the next save); set
         # it with after_commit(), which also runs it if the save committed before.
@@ -137,7 +138,7 @@ class SaveHandle:
                     raise
             late = iostall.oldest(self.target)
             if late is not None and late[0] >= limit and self._thread is not None:
-                self.stuck = True  # the interpreter's exit does not wait for it (async_save._drain_at_exit)
+                self._found_stuck()
                 raise iostall.stuck_error(self.step, rank, late[0], late[1], limit)
 
     def exception(self) -> BaseException | None:
@@ -163,8 +164,14 @@ class SaveHandle:
             try:
                 iostall.join_bounded(t, limit, f"the async save of step {self.step} (to {self.target})", self.target)
             except iostall.StuckWriteError:
-                self.stuck = True  # the interpreter's exit does not wait for it
+                self._found_stuck()
                 raise
+
+    def _found_stuck(self) -> None:
+        """A storage call of the save thread is stuck: it may never end, so neither the interpreter's
+        exit (async_save._drain_at_exit) nor Python's collector (gcpause.hold) waits for it any more."""
+        self.stuck = True
+        gcpause.release(self.gc_hold)
 
     def watch(self, leaves: list[Any]) -> None:
         """Training thread, in the async save call (every rank, ``async_save.start_async_save``):

@@ -88,16 +88,21 @@ class _BufferPool:
 _POOL = _BufferPool()
 
 
-def _tasks(chunks: Sequence[WriteChunk], block: int) -> list[Callable[..., None]]:
-    """Split the chunks into independent write tasks of bounded size, in file order."""
-    tasks: list[Callable[..., None]] = []
+def _tasks(chunks: Sequence[WriteChunk], block: int) -> list[tuple[int, ...]]:
+    """Split the chunks into independent write tasks of bounded size, in file order: ``(0, i,
+    start, n)`` writes bytes ``start:start+n`` of chunk ``i`` from its memory, ``(1, i, j, ...)``
+    copies small chunks into one coalescing buffer and writes that. Tuples of ints, not closures:
+    an async save's tasks live while it writes (seconds), and tracked objects that survive that
+    long push CPython towards a full collection (a closure task was six; the collector stops
+    tracking a tuple of ints at its first look)."""
+    tasks: list[tuple[int, ...]] = []
     batch: list[int] = []
     batch_bytes = 0
 
     def flush() -> None:
         nonlocal batch, batch_bytes
         if batch:
-            tasks.append(_small_task(list(batch)))
+            tasks.append((1, *batch))
         batch, batch_bytes = [], 0
 
     order = sorted(range(len(chunks)), key=lambda i: chunks[i].offset)
@@ -108,7 +113,7 @@ def _tasks(chunks: Sequence[WriteChunk], block: int) -> list[Callable[..., None]
             flush()
             piece = max(block, PIECE // block * block)
             for start in range(0, c.length, piece):
-                tasks.append(_big_task(i, start, min(piece, c.length - start)))
+                tasks.append((0, i, start, min(piece, c.length - start)))
         else:
             span = c.offset + c.length - (chunks[batch[0]].offset if batch else c.offset)
             if batch and span > COALESCE:
@@ -119,36 +124,32 @@ def _tasks(chunks: Sequence[WriteChunk], block: int) -> list[Callable[..., None]
     return tasks
 
 
-def _big_task(i: int, start: int, n: int) -> Callable[..., None]:
-    def run(chunks: Sequence[WriteChunk], w, block: int, sums: list[list[str]]) -> None:
+def _run_task(task: tuple[int, ...], chunks: Sequence[WriteChunk], w: Any, block: int, sums: list[list[str]]) -> None:
+    """One task of :func:`_tasks`, on a write stream: write it and fill in its chunks' checksums."""
+    if task[0] == 0:
+        _, i, start, n = task
         c = chunks[i]
         view = c.data[start : start + n]
         w.pwrite(view, c.offset + start)
         for b in range(0, n, block):
             sums[i][(start + b) // block] = checksum(view[b : b + block])
-
-    return run
-
-
-def _small_task(idx: list[int]) -> Callable[..., None]:
-    def run(chunks: Sequence[WriteChunk], w, block: int, sums: list[list[str]]) -> None:
-        base = chunks[idx[0]].offset
-        end = chunks[idx[-1]].offset + chunks[idx[-1]].length
-        buf = _POOL.get()
-        try:
-            # Bytes sit at the same position modulo a page as in the file: whole pages can go direct.
-            view = buf[base % PAGE_ALIGN :]
-            for i in idx:
-                c = chunks[i]
-                rel = c.offset - base
-                view[rel : rel + c.length] = c.data
-                if c.length:  # hash the copy: it is still in the cache
-                    sums[i][0] = checksum(view[rel : rel + c.length])
-            w.pwrite(view[: end - base], base)
-        finally:
-            _POOL.put(buf)
-
-    return run
+        return
+    idx = task[1:]
+    base = chunks[idx[0]].offset
+    end = chunks[idx[-1]].offset + chunks[idx[-1]].length
+    buf = _POOL.get()
+    try:
+        # Bytes sit at the same position modulo a page as in the file: whole pages can go direct.
+        view = buf[base % PAGE_ALIGN :]
+        for i in idx:
+            c = chunks[i]
+            rel = c.offset - base
+            view[rel : rel + c.length] = c.data
+            if c.length:  # hash the copy: it is still in the cache
+                sums[i][0] = checksum(view[rel : rel + c.length])
+        w.pwrite(view[: end - base], base)
+    finally:
+        _POOL.put(buf)
 
 
 def open_writer(storage: Storage, path: str) -> Any:
@@ -223,8 +224,8 @@ def write_batches(
                 raise ValueError(f"write_batches: a batch starts at byte {lo}, before the previous one ended ({end})")
             end = max((c.offset + c.length for c in batch), default=end)
             part = [[""] * (-(-c.length // block)) for c in batch]
-            tasks = _tasks(batch, block)
-            run_parallel([lambda t=t, b=batch, p=part: t(b, w, block, p) for t in tasks], streams, fault, "write_piece")
+            run_parallel(_tasks(batch, block), streams, fault, "write_piece",
+                         run=lambda task, b=batch, p=part: _run_task(task, b, w, block, p))
             sums += part
             total += sum(c.length for c in batch)
         if fault:

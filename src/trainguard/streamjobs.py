@@ -10,16 +10,20 @@ from typing import Any
 
 
 def run_parallel(
-    jobs: Sequence[Callable[[], None]], streams: int, fault: Callable[[str], None] | None = None, point: str = ""
+    jobs: Sequence[Any], streams: int, fault: Callable[[str], None] | None = None, point: str = "",
+    run: Callable[[Any], None] | None = None,
 ) -> None:
     """``io.write_file``/``write_batches`` (the save's thread, any rank): run ``jobs`` on ``streams``
     threads that take them in turn from one iterator (work stealing keeps both busy whatever the
-    size mix), calling ``fault(point)`` after each; raise the first error once all have stopped."""
+    size mix), calling ``fault(point)`` after each; raise the first error once all have stopped.
+    A job is a callable taking no argument, or with ``run``, the argument of ``run(job)``
+    (``io.write_batches``' tasks are tuples of ints: no closure per task)."""
     if not jobs:
         return
+    call: Callable[[Any], None] = run if run is not None else _call
     if streams <= 1 or len(jobs) == 1:
         for j in jobs:
-            j()
+            call(j)
             if fault:
                 fault(point)
         return
@@ -34,7 +38,7 @@ def run_parallel(
             if job is None:
                 return
             try:
-                job()
+                call(job)
                 if fault:
                     fault(point)
             except BaseException as e:  # re-raised in the caller's thread
@@ -56,6 +60,10 @@ def run_parallel(
         raise
     if errors:
         raise errors[0]
+
+
+def _call(job: Callable[[], None]) -> None:
+    job()
 
 
 class DaemonExecutor:
