@@ -36,6 +36,7 @@ bench: setup
 	$(VPY) -m bench.per_byte
 	$(VPY) -m bench.planner_scale
 	$(VPY) -m bench.ram_tier --size-gb 3
+	$(VPY) -m bench.gc_full
 	# the verdicts on issues 6 and 4, from the three results above (README's targets table)
 	$(VPY) -m bench.targets bench/results/latest.json --stall bench/results/stall.json \
 		--per-byte bench/results/per_byte.json | tee bench/results/targets.md

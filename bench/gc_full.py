@@ -1,6 +1,6 @@
 """Full collections of Python's cyclic GC caused by async saves, with and without the hold.
 
-``python -m bench.gc_full [--saves 60] [--layers 79] [--width 512] [--out F]``
+``python -m bench.gc_full [--saves 60] [--layers 79] [--width 512] [--out F] [--tmp DIR]``
 
 An async save builds tracked objects per tensor (leaves, byte views, write records, manifest
 entries) that live through its write; with the collector running, young collections promote
@@ -34,7 +34,7 @@ from trainguard import gcpause
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run(saves: int, layers: int, width: int, save: bool) -> dict[str, Any]:
+def run(saves: int, layers: int, width: int, save: bool, where: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
     opt = torch.optim.Adam(model.parameters(), lr=1e-5)
@@ -56,7 +56,8 @@ def run(saves: int, layers: int, width: int, save: bool) -> dict[str, Any]:
             else:
                 full.append(time.perf_counter() - t0[0])
 
-    tmp = Path(tempfile.mkdtemp(dir=REPO / "bench"))
+    where.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=where))
     calls: list[float] = []
     h = None
     gc.collect()
@@ -92,13 +93,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--layers", type=int, default=79)  # 632 tensors, as bench.stall's 1 GB model
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "gc_full.json"))
+    p.add_argument("--tmp", default=str(REPO / "bench"), help="where the checkpoints go (removed after)")
     a = p.parse_args(argv)
     arms: dict[str, Any] = {}
     shipped = gcpause.ASYNC_HOLD_S
     for name, hold_s, save in (("hold", shipped, True), ("no hold", 0.0, True), ("no saves", shipped, False)):
         gcpause.ASYNC_HOLD_S = hold_s
         try:
-            arms[name] = run(a.saves, a.layers, a.width, save)
+            arms[name] = run(a.saves, a.layers, a.width, save, Path(a.tmp))
         finally:
             gcpause.ASYNC_HOLD_S = shipped
     out = {"when": time.strftime("%Y-%m-%d %H:%M:%S %z"), "args": vars(a), "arms": arms}

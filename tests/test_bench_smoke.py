@@ -101,3 +101,20 @@ def test_per_byte_smoke(tmp_path: Path) -> None:
     assert res["tensors"] == {"large": 408, "small": 40}
     assert res["ratio"]["min"] <= res["ratio"]["median"] <= res["ratio"]["max"]
     assert not (tmp_path / "pb").exists()
+
+
+def test_gc_full_smoke(tmp_path: Path) -> None:
+    """bench.gc_full (docs/async.md's full-collection counts): its three arms run, the hold's
+    setting is restored, the JSON holds what it returned, nothing is left behind."""
+    from bench import gc_full
+    from trainguard import gcpause
+
+    out = tmp_path / "gc.json"
+    res = gc_full.main(["--saves", "3", "--layers", "2", "--width", "16", "--out", str(out), "--tmp", str(tmp_path / "ck")])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+    arms = res["arms"]
+    assert list(arms) == ["hold", "no hold", "no saves"]
+    assert arms["hold"]["saves"] == arms["no hold"]["saves"] == 3 and arms["no saves"]["saves"] == 0
+    assert arms["hold"]["tensors"] == 16 and arms["hold"]["call_median_s"] > 0
+    assert gcpause.ASYNC_HOLD_S == 120.0 and not gcpause._held
+    assert list((tmp_path / "ck").iterdir()) == []
