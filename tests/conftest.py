@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -58,3 +59,23 @@ def filled_linear(fill: float) -> torch.nn.Module:
         for p in m.parameters():
             p.fill_(fill)
     return m
+
+
+def held_pwrite(monkeypatch: pytest.MonkeyPatch, where: str) -> tuple[Any, Any]:
+    """Every local write into ``where`` waits for ``gate`` (a stalled file system); ``entered`` is
+    set at the first. Returns ``(entered, gate)`` (threading.Event); the test sets ``gate``."""
+    import threading
+
+    from trainguard.storage import local
+
+    entered, gate = threading.Event(), threading.Event()
+    orig = local._LocalWriter.pwrite
+
+    def held(self, data, offset):
+        if where in self.path:
+            entered.set()
+            assert gate.wait(120), "never released"
+        return orig(self, data, offset)
+
+    monkeypatch.setattr(local._LocalWriter, "pwrite", held)
+    return entered, gate

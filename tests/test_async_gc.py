@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import gc
 import multiprocessing as mp
-import threading
 
 import pytest
 import torch
 
 import trainguard as tg
-from trainguard import async_save, gcpause
+from trainguard import gcpause
 from trainguard.errors import CheckpointError, UnsupportedValueError
+
+from conftest import held_pwrite
 
 
 @pytest.fixture(autouse=True)
@@ -34,20 +35,13 @@ def _state() -> dict:
     return {"model": model, "optim": optim}
 
 
-def _gated(monkeypatch) -> threading.Event:
-    gate = threading.Event()  # the save thread waits here before its background copies
-    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
-    return gate
-
-
 def _churn() -> list:
     """Tracked objects enough for dozens of young collections (threshold 700) with the collector on."""
     return [[i] for i in range(30_000)]
 
 
-def test_no_collection_runs_while_an_async_save_is_in_flight_and_the_collector_resumes_after(tmp_path, monkeypatch):
+def test_no_collection_runs_while_an_async_save_is_in_flight_and_the_collector_resumes_after(tmp_path, gate):
     state = _state()
-    gate = _gated(monkeypatch)
     runs: list[int] = []
 
     def seen(phase: str, info: dict) -> None:
@@ -70,12 +64,11 @@ def test_no_collection_runs_while_an_async_save_is_in_flight_and_the_collector_r
         gc.callbacks.remove(seen)
 
 
-def test_a_hold_past_its_time_ends_at_the_next_optimizer_step(tmp_path, monkeypatch):
+def test_a_hold_past_its_time_ends_at_the_next_optimizer_step(tmp_path, monkeypatch, gate):
     # A save stuck in a write must not keep the collector off: the optimizer pre-step hook ends
     # a hold older than gcpause.ASYNC_HOLD_S (0 here: expired at once).
     monkeypatch.setattr(gcpause, "ASYNC_HOLD_S", 0.0)
     state = _state()
-    gate = _gated(monkeypatch)
     h = tg.save(tmp_path / "c", state, async_=True)
     assert not gc.isenabled()
     other = torch.nn.Linear(2, 2)
@@ -114,9 +107,8 @@ def _report(q) -> None:
     q.put(gc.isenabled())
 
 
-def test_a_process_forked_during_the_save_runs_with_the_collector_on(tmp_path, monkeypatch):
+def test_a_process_forked_during_the_save_runs_with_the_collector_on(tmp_path, gate):
     state = _state()
-    gate = _gated(monkeypatch)
     h = tg.save(tmp_path / "c", state, async_=True)
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -150,17 +142,8 @@ def test_holds_nest_with_pauses_and_end_once():
 def test_a_save_found_stuck_in_a_write_releases_the_collector(tmp_path, monkeypatch):
     # Its thread may never end: once a wait says StuckWriteError, the collector runs again.
     from trainguard import StuckWriteError
-    from trainguard.storage import local
 
-    entered, gate = threading.Event(), threading.Event()
-    orig = local._LocalWriter.pwrite
-
-    def stuck(self, data, offset):
-        entered.set()
-        assert gate.wait(120), "never released"
-        return orig(self, data, offset)
-
-    monkeypatch.setattr(local._LocalWriter, "pwrite", stuck)
+    entered, release = held_pwrite(monkeypatch, str(tmp_path / "c"))
     try:
         state = _state()
         h = tg.save(tmp_path / "c", state, async_=True, timeout=0.5)
@@ -169,7 +152,6 @@ def test_a_save_found_stuck_in_a_write_releases_the_collector(tmp_path, monkeypa
             tg.save(tmp_path / "d", state, async_=True, timeout=0.5)  # waits for the previous save first
         assert gc.isenabled() and not h.done()
     finally:
-        monkeypatch.setattr(local._LocalWriter, "pwrite", orig)
-        gate.set()
+        release.set()
     h.join()
     assert gc.isenabled()

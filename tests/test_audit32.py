@@ -22,6 +22,7 @@ import torch
 import trainguard as tg
 from trainguard.storage import local
 
+from conftest import held_pwrite
 from dist_helper import run_ranks
 
 
@@ -51,21 +52,6 @@ def test_unnamed_optimizer_param_warns_once_per_load(tmp_path: Path) -> None:
     assert not torch.equal(extra, saved_extra)  # not an entry of the state: left as it is
 
 
-def _held_pwrite(monkeypatch: pytest.MonkeyPatch, where: str) -> tuple[threading.Event, threading.Event]:
-    """Every write into ``where`` waits for ``gate`` (a stalled file system); ``entered`` is set at the first."""
-    entered, gate = threading.Event(), threading.Event()
-    orig = local._LocalWriter.pwrite
-
-    def held(self, data, offset):
-        if where in self.path:
-            entered.set()
-            assert gate.wait(120), "never released"
-        return orig(self, data, offset)
-
-    monkeypatch.setattr(local._LocalWriter, "pwrite", held)
-    return entered, gate
-
-
 def test_step_during_a_capped_save_whose_write_is_stuck_raises(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``max_staging_bytes`` the save thread copies, writes, copies...: a write stuck between
     two copies held ``staged()`` back, and ``optimizer.step()`` (the pre-step hook) and
@@ -79,7 +65,7 @@ def test_step_during_a_capped_save_whose_write_is_stuck_raises(tmp_path: Path, m
     model(torch.randn(2, 256)).sum().backward()
     opt.step()
     state = {"model": model, "optim": opt}
-    entered, gate = _held_pwrite(monkeypatch, "step-000000002")
+    entered, gate = held_pwrite(monkeypatch, "step-000000002")
     mgr = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), async_save=True, timeout=0.5,
                                max_staging_bytes=1 << 20).open()
     got: list[BaseException | None] = []
