@@ -1,8 +1,9 @@
 """An async save keeps Python's cyclic collector paused from its call until its thread ends
 (gcpause.hold): the tracked objects it builds per tensor live through the write, and young
 collections meanwhile promoted them all to the oldest generation, which made CPython run a full
-collection (~130 ms here) every 7-20 saves (1,264 and 632 tensors: python -m bench.gc_full). The hold is bounded in time, ends
-in a forked child, and leaves a collector the user turned off turned off."""
+collection (~130 ms here) every 7-20 saves (1,264 and 632 tensors: python -m bench.gc_full).
+The hold is bounded in time, ends when a write is found stuck and in a forked child, and leaves
+a collector the user turned off turned off."""
 
 from __future__ import annotations
 
