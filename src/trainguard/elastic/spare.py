@@ -88,8 +88,15 @@ def install(handler_cls: Any) -> None:
     def close(self: Any, death_sig: Any = None) -> None:
         proc, sig = getattr(self, "proc", None), signal.SIGTERM if death_sig is None else death_sig
         if sig == signal.SIGKILL or proc is None or proc.poll() is not None:
-            return orig_close(self, death_sig)
-        signal_group(proc.pid, int(sig))
+            try:
+                return orig_close(self, death_sig)
+            except ProcessLookupError:
+                # The group is gone: its leader exited after torch's ``_close`` polled it (still
+                # running) and the poll() above reaped it. torch's killpg raised out of the agent,
+                # which ended with ``error: No such process`` (exit 2) instead of the workers' 143.
+                pass
+        else:
+            signal_group(proc.pid, int(sig))
         for stream in (getattr(self, "_stdout", None), getattr(self, "_stderr", None)):
             if stream:  # what torch's close does after its killpg
                 stream.close()
