@@ -82,6 +82,7 @@ class _Job:
         self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
         self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
         self.began: bool | None = False  # its thread began (_run); None: cancelled before it did
+        self.go = threading.Event()  # set once thread.start() returned: _run waits for it, not holding the GIL
 
     def release(self) -> None:
         """The save ended (its thread, ``_run``) or never got a thread (``start_async_save``): drop its
@@ -108,6 +109,16 @@ def start_async_save(
     of the state (``step()`` of an optimizer in the state still waits by itself).
     """
     t0 = time.monotonic()
+    handle = _start(t0, storage, target, state, ctx, layout, metadata, overwrite, timeout, step,
+                    max_staging_bytes, stage_in_background, preflight, managed, split_state)
+    handle.call_s = time.monotonic() - t0  # the whole call: its thread's start and the operation's end too
+    return handle
+
+
+def _start(t0: float, storage: Storage, target: str, state: Mapping[str, Any], ctx: DistContext, layout: str,
+           metadata: Mapping[str, Any] | None, overwrite: bool, timeout: float | None, step: int | None,
+           max_staging_bytes: int | None, stage_in_background: bool, preflight: Exception | None,
+           managed: bool, split_state: bool) -> SaveHandle:
     _finish_previous(managed, timeout)
     gcpause.expire()  # the collector waits until the save thread ends (gcpause.py); released here if none begins
     with ctx.operation(eager=True), gcpause.held(gcpause.ASYNC_HOLD_S) as hold:  # its thread's rounds too (dist.py)
@@ -145,7 +156,7 @@ def start_async_save(
                 job.error = e
             job.zero_copy = zero_copy_ok(storage, [lf.tensor for lf in later])
             _hook()
-            handle.call_s = time.monotonic() - t0
+            handle.call_s = time.monotonic() - t0  # so far: start_async_save sets the whole call's
             handle.bytes = sum(lf.tensor.nbytes for lf in todo)
             thread = threading.Thread(  # the snapshot in a list _run empties: freed before the collector resumes
                 target=_run, args=(job, storage, target, [snap], ctx),
@@ -161,7 +172,10 @@ def start_async_save(
             _INFLIGHT = job
         try:  # the thread runs the call's rounds: a Ctrl-C from here on leaves it running them, not LEFT (dist.py)
             ctx.hand_off(True)
-            thread.start()
+            try:
+                thread.start()
+            finally:  # the new thread held the GIL for up to a switch interval (5 ms) while this call waited
+                job.go.set()
             return handle
         except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
             with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides
@@ -192,6 +206,7 @@ def _run(job: _Job, storage: Storage, target: str, boxed: list[Any], ctx: DistCo
     """The save thread: persist and commit, staging this rank's chunks in between (after the "begin" round, batch by
     batch as ``api._write_rank`` writes them); then ``job.release()`` (``boxed``: the snapshot, freed before it)."""
     handle = job.handle
+    job.go.wait(60)  # until the training thread's start() returned: training goes on first
     snap = boxed.pop()
     with _LOCK:  # a Ctrl-C in thread.start() before this ran took the save out of flight (start_async_save)
         if job.began is None:

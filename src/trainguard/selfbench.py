@@ -322,7 +322,7 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
                 fig["async_call_s"] = time.monotonic() - t0
                 opt.step()  # training's next step: it waits for the copies of the weights and moments
                 fig["async_step_wait_s"] = handle.hook_wait_s
-                fig["async_stall_s"] = handle.call_s + handle.hook_wait_s
+                fig["async_stall_s"] = fig["async_call_s"] + handle.hook_wait_s  # the call as timed here: all of it
                 handle.result()
                 fig["async_duration_s"] = (handle.finished_at or time.monotonic()) - t0
                 wrong = 0.0
