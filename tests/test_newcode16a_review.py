@@ -23,6 +23,7 @@ def _ctrl_c_after_the_save_thread_started(monkeypatch) -> None:  # noqa: ANN001
         real(self)
         if self.name == "trainguard-async-save":
             monkeypatch.setattr(threading.Thread, "start", real)
+            asv._INFLIGHT.go.set()  # as start_async_save does once start() returned: the thread may begin
             while asv._INFLIGHT is not None and asv._INFLIGHT.began is False:  # until its thread owns the save
                 threading.Event().wait(0.001)
             raise KeyboardInterrupt  # after start(), before the call returns
