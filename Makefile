@@ -30,7 +30,7 @@ test: setup
 
 # The tests left out of `make test` for its run time (more seeds, layouts and world sizes; minutes).
 test-slow: setup
-	$(VPY) -m pytest -q -p no:cacheprovider -m slow -k "not soak" tests
+	$(VPY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadscope -m slow -k "not soak" tests
 
 lint: setup
 	$(VPY) -m ruff check src tests bench
