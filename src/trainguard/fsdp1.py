@@ -111,7 +111,8 @@ def _optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str
     flat_cls = getattr(sys.modules.get(_FLAT_MODULE), "FlatParameter", ())
     sharded: dict[int, Any] = {}  # id(param) -> its FSDP1 module, for sharded flat parameters
     known: set[int] = set()  # every FSDP1 parameter of the state's modules
-    for sub, flat in _handles(state):
+    handles = _handles(state)  # one walk of the modules (a save's call pays each)
+    for sub, flat in handles:
         for p in [flat, *(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]:
             known.add(id(p))
             if _sharded(flat):
@@ -124,7 +125,7 @@ def _optimizer(optimizer: torch.optim.Optimizer, key: str, state: Any, verb: str
             id(p) not in known and getattr(p, "_fsdp_flattened", False) and type(p) in (torch.Tensor, torch.nn.Parameter))
 
     hit = next((p for p in mine if fsdp1(p)), None)
-    flats = {id(flat) for _, flat in _handles(state)}
+    flats = {id(flat) for _, flat in handles}
     flat = next((p for p in mine if id(p) in flats or bool(flat_cls) and isinstance(p, flat_cls)), None)
     if hit is None and flat is None:
         return None
