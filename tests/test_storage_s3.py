@@ -63,6 +63,10 @@ def _die_with_parent() -> None:
         pass
 
 
+class WeedExited(RuntimeError):
+    """The server ended before it answered (e.g. a port another process took after ``_free_ports``)."""
+
+
 class Weed:
     """One ``weed server -s3`` process; ``kill()`` then ``start()`` reuses data dir and ports."""
 
@@ -103,7 +107,7 @@ class Weed:
 
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+                raise WeedExited(f"weed exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
                 fs = s3fs.S3FileSystem(skip_instance_cache=True)
                 fs.ls("", detail=False)  # list buckets: the S3 gateway, filer and master answer
@@ -124,15 +128,21 @@ class Weed:
 @pytest.fixture(scope="session")
 def weed(tmp_path_factory):
     base = tmp_path_factory.mktemp("weed")
-    server = Weed(base)
-    env = {
-        "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2",
-    }
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        server.start()
+        for attempt in range(3):  # a port probed free may be taken before weed binds it (pytest-xdist workers)
+            server = Weed(base / f"attempt-{attempt}")
+            env = {
+                "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2",
+            }
+            for k, v in env.items():
+                mp.setenv(k, v)
+            try:
+                server.start()
+                break
+            except WeedExited:
+                if attempt == 2:
+                    raise
         import s3fs
 
         s3fs.S3FileSystem.clear_instance_cache()
