@@ -11,12 +11,13 @@ returned, and ``call_s`` is the whole call. The clock here is a fake one: no tim
 from __future__ import annotations
 
 import threading
+import time
 import types
 
 import torch
 
 import trainguard as tg
-from trainguard import async_save
+from trainguard import api, async_save
 
 
 def _state() -> dict:
@@ -41,9 +42,9 @@ def test_call_s_counts_the_threads_start_and_the_thread_waits_until_start_return
                 seen_at_start.append(bool(boxed))  # _run has not taken it yet: it waits for go
 
     fake_threading = types.SimpleNamespace(**{**vars(threading), "Thread": SlowStart})
-    fake_time = types.SimpleNamespace(monotonic=lambda: clock[0])
+    fake_time = types.SimpleNamespace(**{**vars(time), "monotonic": lambda: clock[0]})  # api.start_save times the call
     monkeypatch.setattr(async_save, "threading", fake_threading)
-    monkeypatch.setattr(async_save, "time", fake_time)
+    monkeypatch.setattr(api, "time", fake_time)
     state = _state()
     want = {k: v.clone() for k, v in state["model"].state_dict().items()}
     h = tg.save(tmp_path / "c", state, async_=True)

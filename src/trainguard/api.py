@@ -130,12 +130,15 @@ def start_save(
         # Its own channel: the background commit's collectives may interleave with the training
         # thread's (the manager's "decide") in a different order on each rank. One start at a time
         # (async saves of two threads): the second waits for the first save, as a save in one thread does.
+        t0 = time.monotonic()
         with STARTING:
-            return start_async_save(
+            handle = start_async_save(
                 storage, target, state, ctx.channel("async-save", follow=True), layout=layout, metadata=metadata, overwrite=overwrite,
                 timeout=timeout, step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
                 preflight=preflight, managed=managed, split_state=split_state,
             )
+        handle.call_s = time.monotonic() - t0  # the whole call: its thread's start and the operation's end too
+        return handle
     with gc_paused():
         snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
         manifest = persist_and_commit(  # storage calls recorded: the watchdog ends a save stuck in one (iostall.py)

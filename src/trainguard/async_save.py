@@ -27,7 +27,6 @@ import atexit
 import logging
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
@@ -108,17 +107,6 @@ def start_async_save(
     rank's chunks), and the caller waits for ``handle.wait_staged()`` before mutating any tensor
     of the state (``step()`` of an optimizer in the state still waits by itself).
     """
-    t0 = time.monotonic()
-    handle = _start(t0, storage, target, state, ctx, layout, metadata, overwrite, timeout, step,
-                    max_staging_bytes, stage_in_background, preflight, managed, split_state)
-    handle.call_s = time.monotonic() - t0  # the whole call: its thread's start and the operation's end too
-    return handle
-
-
-def _start(t0: float, storage: Storage, target: str, state: Mapping[str, Any], ctx: DistContext, layout: str,
-           metadata: Mapping[str, Any] | None, overwrite: bool, timeout: float | None, step: int | None,
-           max_staging_bytes: int | None, stage_in_background: bool, preflight: Exception | None,
-           managed: bool, split_state: bool) -> SaveHandle:
     _finish_previous(managed, timeout)
     gcpause.expire()  # the collector waits until the save thread ends (gcpause.py); released here if none begins
     with ctx.operation(eager=True), gcpause.held(gcpause.ASYNC_HOLD_S) as hold:  # its thread's rounds too (dist.py)
@@ -156,7 +144,6 @@ def _start(t0: float, storage: Storage, target: str, state: Mapping[str, Any], c
                 job.error = e
             job.zero_copy = zero_copy_ok(storage, [lf.tensor for lf in later])
             _hook()
-            handle.call_s = time.monotonic() - t0  # so far: start_async_save sets the whole call's
             handle.bytes = sum(lf.tensor.nbytes for lf in todo)
             thread = threading.Thread(  # the snapshot in a list _run empties: freed before the collector resumes
                 target=_run, args=(job, storage, target, [snap], ctx),
