@@ -122,21 +122,19 @@ def start_save(
     ``max_staging_bytes`` caps the async path's host staging memory, ``stage_in_background``
     moves every copy to the save thread (docs/async.md); both only matter with ``async_``.
     ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
-    # A step a manifest cannot hold fails before a byte is written (tg.save takes it from the name, step-<n>).
-    layout_mod.check_target(target, step)
+    layout_mod.check_target(target, step)  # a step no manifest holds fails before a byte is written (tg.save: step-<n>)
     if async_:
         from .async_save import STARTING, start_async_save
 
-        # Its own channel: the background commit's collectives may interleave with the training
-        # thread's (the manager's "decide") in a different order on each rank. One start at a time
-        # (async saves of two threads): the second waits for the first save, as a save in one thread does.
+        # Its own channel: the background commit's collectives may interleave with the training thread's (the
+        # manager's "decide") in a different order on each rank. One start at a time (async saves of two
+        # threads): the second waits for the first save, as a save in one thread does.
         t0 = time.monotonic()
         with STARTING:
             handle = start_async_save(
                 storage, target, state, ctx.channel("async-save", follow=True), layout=layout, metadata=metadata, overwrite=overwrite,
                 timeout=timeout, step=step, max_staging_bytes=max_staging_bytes, stage_in_background=stage_in_background,
-                preflight=preflight, managed=managed, split_state=split_state,
-            )
+                preflight=preflight, managed=managed, split_state=split_state)
         handle.call_s = time.monotonic() - t0  # the whole call: its thread's start and the operation's end too
         return handle
     with gc_paused():
