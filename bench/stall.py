@@ -16,14 +16,16 @@ For each state size, in the same process on the same model and optimizer:
   on the CPU, pinned/shared memory are unavailable); stall also includes waiting for ``staging_completion`` before ``optimizer.step()``.
 
 Each method's first save (buffer allocation, pinned memory) is made and timed apart before its
-timed run; the run ends with its last step (the last save's drain is reported apart).
+timed run, after a full garbage collection (what the methods before left); the run ends with
+its last step (the last save's drain is reported apart).
 
-Reported per method: stall per save (median, max), end-to-end time and overhead vs ``none``
-(round by round), the cost per save (extra seconds of the run per save), the same two from the
-run's own steps (stalls plus what the steps that overlapped a save took beyond the run's quiet
-median: ``cost_from_steps_s``, ``overhead_from_steps``; free of the drift between two runs),
-the step-time slowdown while a save is in flight (CPU stolen by the background writer), and for
-``tg_async`` the RSS after each save (growth over the run) and the staging pool's size.
+Reported per method: stall per save (median, max; ``calls_s``: each one's part in the call),
+end-to-end time and overhead vs ``none`` (round by round), the cost per save (extra seconds of
+the run per save), the same two from the run's own steps (stalls plus what the steps that
+overlapped a save took beyond the run's quiet median: ``cost_from_steps_s``,
+``overhead_from_steps``; free of the drift between two runs), the step-time slowdown while a
+save is in flight (CPU stolen by the background writer), and for ``tg_async`` the RSS after each
+save (growth over the run) and the staging pool's size.
 
 ``--writers``: the thread-vs-process decision: one training loop while a *thread* writes and
 checksums a buffer, then while a separate *process* does the same; step slowdown and MB/s each.
@@ -38,6 +40,7 @@ development on a shared 2-core machine. Writes ``bench/results/stall.json``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import multiprocessing as mp
 import os
@@ -253,9 +256,13 @@ def first_save(m: Method, loop: Loop, every: int, tmp: Path) -> dict[str, Any]:
 def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) -> dict[str, Any]:
     """``steps`` training steps, a save after every ``every``-th; per-save stall and step times.
     The first save of each method is made and timed apart before (``first_save``)."""
+    # The garbage of the methods run before (DCP's staged copies in reference cycles) is freed now,
+    # not by a collection that happens to fall inside this method's save or step.
+    gc.collect()
     first = first_save(m, loop, every, tmp) if m is not None else None
     m = type(m)(m.model, m.opt) if m is not None else None  # no state carried over but the library's own
     stalls: list[float] = []
+    calls: list[float] = []  # each stall's part in the save call; the rest waited before step()
     step_times: list[tuple[float, bool]] = []
     rss: list[int] = []
     proc = psutil.Process()
@@ -278,6 +285,7 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         if m is not None and i % every == 0 and i < steps:  # no save after the last step: see below
             path = tmp / f"{m.name}-{i:06d}"
             stalls.append(m.save(path))
+            calls.append(stalls[-1])
             saves.append(path)
             t_book = time.perf_counter()
             if len(saves) > 2:  # keep the disk bounded; the oldest is committed by now
@@ -307,6 +315,7 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
         "housekeeping_s": book,
         "step_s": [round(t, 4) for t, _ in step_times],
         "stalls_s": stalls,
+        "calls_s": calls,  # an outlier stall: in the call, or waiting before step()?
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         "stall_max_s": max(stalls) if stalls else 0.0,
         "step_quiet_median_s": quiet_med,
@@ -330,6 +339,7 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "rounds": runs,
         "total_s": statistics.median(r["total_s"] for r in runs),
         "stalls_s": stalls,
+        "calls_s": [x for r in runs for x in r["calls_s"]],
         "stall_median_s": statistics.median(stalls) if stalls else 0.0,
         "stall_max_s": max(stalls) if stalls else 0.0,
         "step_quiet_median_s": statistics.median(r["step_quiet_median_s"] for r in runs),
