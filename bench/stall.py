@@ -19,13 +19,14 @@ Each method's first save (buffer allocation, pinned memory) is made and timed ap
 timed run, after a full garbage collection (what the methods before left); the run ends with
 its last step (the last save's drain is reported apart).
 
-Reported per method: stall per save (median, max; ``calls_s``: each one's part in the call),
-end-to-end time and overhead vs ``none`` (round by round), the cost per save (extra seconds of
-the run per save), the same two from the run's own steps (stalls plus what the steps that
-overlapped a save took beyond the run's quiet median: ``cost_from_steps_s``,
-``overhead_from_steps``; free of the drift between two runs), the step-time slowdown while a
-save is in flight (CPU stolen by the background writer), and for ``tg_async`` the RSS after each
-save (growth over the run) and the staging pool's size.
+Reported per method: stall per save (median, max; ``calls_s``: each one's part in the call,
+``wait_previous_s``: of that, its wait for the previous save), end-to-end time and overhead vs
+``none`` (round by round), the cost per save (extra seconds of the run per save), the same two
+from the run's own steps (stalls plus what the steps that overlapped a save took beyond the
+run's quiet median: ``cost_from_steps_s``, ``overhead_from_steps``; free of the drift between
+two runs), the step-time slowdown while a save is in flight (CPU stolen by the background
+writer), and for ``tg_async`` the RSS after each save (growth over the run) and the staging
+pool's size.
 
 ``--writers``: the thread-vs-process decision: one training loop while a *thread* writes and
 checksums a buffer, then while a separate *process* does the same; step slowdown and MB/s each.
@@ -125,6 +126,7 @@ class Method:
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.model, self.opt = model, opt
         self.prev: Any = None
+        self.prev_waits: list[float] = []  # part of each call spent waiting for the previous save (async methods)
 
     def save(self, path: Path) -> float:  # returns seconds blocked in the call
         raise NotImplementedError
@@ -153,7 +155,6 @@ class TgAsync(Method):
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         super().__init__(model, opt)
-        self.prev_waits: list[float] = []  # part of each call spent waiting for the previous save
 
     def save(self, path: Path) -> float:
         t0 = time.perf_counter()
@@ -198,6 +199,7 @@ class DcpAsync(Method):
 
         t0 = time.perf_counter()
         self.finish()  # one save in flight, like trainguard: the wait counts as stall
+        self.prev_waits.append(time.perf_counter() - t0)
         sd = _dcp_state(self.model, self.opt)
         if self.stager is None:
             self.prev = dcp.async_save(sd, checkpoint_id=str(path))
@@ -326,7 +328,7 @@ def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) 
     }
     if rss:
         out["rss_after_saves_mb"] = [round(r / 2**20) for r in rss]
-    if isinstance(m, TgAsync):
+    if m is not None and m.prev_waits:
         out["wait_previous_s"] = m.prev_waits
     return out
 
@@ -349,6 +351,7 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     if "rss_after_saves_mb" in runs[0]:
         out["rss_after_saves_mb"] = [x for r in runs for x in r["rss_after_saves_mb"]]
+    if "wait_previous_s" in runs[0]:
         out["wait_previous_s"] = [x for r in runs for x in r.get("wait_previous_s", [])]
     return out
 
@@ -497,7 +500,9 @@ def _print(gb: float, r: dict[str, Any]) -> None:
     if "rss_after_saves_mb" in r.get("tg_async", {}):
         t = r["tg_async"]
         print(f"tg_async RSS after each save (MB): {t['rss_after_saves_mb']}; pool {r['tg_pool']}")
-        print(f"tg_async: part of each stall spent waiting for the previous save: {[round(x, 3) for x in t['wait_previous_s']]}")
+    for k, v in r.items():
+        if isinstance(v, dict) and v.get("wait_previous_s"):
+            print(f"{k}: part of each stall spent waiting for the previous save: {[round(x, 3) for x in v['wait_previous_s']]}")
     if "writers" in r:
         print(f"writers: {json.dumps(r['writers'])}")
 
