@@ -153,9 +153,6 @@ class TgSync(Method):
 class TgAsync(Method):
     name = "tg_async"
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        super().__init__(model, opt)
-
     def save(self, path: Path) -> float:
         t0 = time.perf_counter()
         if self.prev is not None:
@@ -258,8 +255,8 @@ def first_save(m: Method, loop: Loop, every: int, tmp: Path) -> dict[str, Any]:
 def run_method(m: Method | None, loop: Loop, steps: int, every: int, tmp: Path) -> dict[str, Any]:
     """``steps`` training steps, a save after every ``every``-th; per-save stall and step times.
     The first save of each method is made and timed apart before (``first_save``)."""
-    # The garbage of the methods run before (DCP's staged copies in reference cycles) is freed now,
-    # not by a collection that happens to fall inside this method's save or step.
+    # Garbage the methods run before left is freed now, not by a collection that happens to fall
+    # inside this method's save or step.
     gc.collect()
     first = first_save(m, loop, every, tmp) if m is not None else None
     m = type(m)(m.model, m.opt) if m is not None else None  # no state carried over but the library's own
