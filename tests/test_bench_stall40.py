@@ -1,7 +1,7 @@
 """bench.stall's bookkeeping (a tiny model, a few steps; not its figures): each save's part in
 the call is kept beside its stall, and a method's run starts after a full garbage collection, so
-that garbage an earlier method left is not freed inside this one's save (the 0.235 s 3 GB stall
-of the 2026-12-05 run, docs/benchmarks.md)."""
+that garbage an earlier method left is not freed inside this one's save (see the 0.235 s 3 GB
+stall of the 2026-12-05 run in docs/benchmarks.md)."""
 
 from __future__ import annotations
 
