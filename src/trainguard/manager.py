@@ -285,7 +285,7 @@ class CheckpointManager:
             manifest = h.result_bounded(self.timeout or default_timeout(), self.ctx.rank)
         except Exception as e:  # not a wait cut short (Ctrl-C): that leaves it for the next save/wait/close
             self._pending = h if isinstance(e, StuckWriteError) else None  # stuck: it stays in flight
-            err = e if isinstance(e, CheckpointError) else CheckpointError(f"background save of step {self._pending_step} failed: {e}")
+            err = unrestored_error(e, self._pending_step, self._restored) if isinstance(e, CheckpointError) else CheckpointError(f"background save of step {self._pending_step} failed: {e}")
             if not seen:
                 raise err from (e.__cause__ if err is e else e)  # a CheckpointError as itself, its cause kept
             self.events.emit("save_failed", step=self._pending_step, error=str(err)[:2000], collected=True)

@@ -268,7 +268,8 @@ def _forget(mgr: CheckpointManager, step: int) -> None:
 
 
 def unrestored_error(e: CheckpointError, step: int, restored: int | None) -> CheckpointError:
-    """Called by ``CheckpointManager.save`` on every rank whose save failed with ``e``. A save of a
+    """Called by ``CheckpointManager.save`` on every rank whose save failed with ``e`` (an async save's
+    when ``_finish_pending`` collects it: its "begin" round ran on the save thread). A save of a
     step the run directory already holds, by a manager whose ``restore`` returned no step: say how
     to continue behind it (the ``StepExistsError`` itself names ``overwrite=True``, which a
     manager's ``save`` does not take). Any other error: ``e`` itself."""
