@@ -49,3 +49,34 @@ def test_run_usage_error_is_one_line_without_the_usage_and_the_others_with_their
     assert "--bogus" in run and "usage" not in run and "`trainguard run --help`" in run, run
     text = (Path(__file__).resolve().parent.parent / "docs" / "checkpoints.md").read_text()
     assert "the command's usage (not `trainguard run`'s" in " ".join(text.split())
+
+
+def test_store_timeout_bounds_an_async_clients_calls_but_not_its_file_objects(monkeypatch):
+    """docs/storage.md, "A hung endpoint": TRAINGUARD_STORE_TIMEOUT cuts each call of an async
+    filesystem (s3fs's call_s3 uploads, every read, list and delete), but the uploads to a store other
+    than S3 go through ``fs.open(path, "wb")``, which takes no bound (a hung one ends in StuckWriteError
+    at the manager's timeout instead). The docs claimed every call to gcsfs too."""
+    import asyncio
+
+    import fsspec
+    from fsspec.asyn import AsyncFileSystem
+
+    from trainguard.storage import for_path
+
+    class Client(AsyncFileSystem):  # as s3fs and gcsfs: async methods, sync wrappers fsspec makes
+        protocol = ("hunt41afs",)
+
+        async def _cat_file(self, path, start=None, end=None, **kw):
+            await asyncio.Event().wait()  # an endpoint that never answers
+
+        def _open(self, path, mode="rb", **kw):
+            raise NotImplementedError
+
+    fsspec.register_implementation("hunt41afs", Client, clobber=True)
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "0.5")
+    storage, _ = for_path("hunt41afs://b/run")
+    with pytest.raises(TimeoutError, match="did not answer cat_file.*TRAINGUARD_STORE_TIMEOUT"):
+        storage.io.cat_file("b/run/x")  # a read: cut after the bound
+    assert storage.io.open == storage.fs.open  # a file object (non-S3 uploads): the client's own, no bound
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "storage.md").read_text().split())
+    assert "Not cut by it: the uploads to a store other than S3" in text
