@@ -80,3 +80,28 @@ def test_store_timeout_bounds_an_async_clients_calls_but_not_its_file_objects(mo
     assert storage.io.open == storage.fs.open  # a file object (non-S3 uploads): the client's own, no bound
     text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "storage.md").read_text().split())
     assert "Not cut by it: the uploads to a store other than S3" in text
+
+
+def test_a_disk_full_reported_at_the_fsync_does_not_say_that_0_bytes_were_needed(tmp_path, monkeypatch):
+    """docs/reliability.md, "A full disk": the error says "no space left", what the failing write and
+    the whole data file needed and what is free. A file system that reports the lack of space at the
+    fsync (NFS does) made it say "0 more bytes were needed here"."""
+    import errno
+    import os
+
+    from trainguard.storage import local
+
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".bin"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(local.os, "fsync", fsync)
+    with pytest.raises(tg.DiskFullError) as caught:
+        tg.save(tmp_path / "c", {"w": torch.ones(1 << 20)})
+    text = str(caught.value)
+    assert "no space left" in text and "at the fsync" in text and "0 more bytes" not in text, text
+    assert "bytes are free" in text and "bytes in all" in text, text
+    assert not (tmp_path / "c").exists() and os.listdir(tmp_path) == []

@@ -12,18 +12,19 @@ from ..errors import CheckpointError, DiskFullError
 def disk_error(e: OSError, path: str, needed: int) -> OSError:
     """``e`` as a ``DiskFullError`` saying how much was needed and is free, when it is one (ENOSPC,
     EDQUOT; EFBIG: a file-size limit); otherwise ``e``, with ``path`` when it names no file. Called on
-    the rank whose write failed."""
+    the rank whose write failed. ``needed`` 0: the fsync failed (NFS reports a lack of space there)."""
+    here = f"{needed} more bytes were needed here" if needed else "the file system reported it at the fsync of the bytes written"
     if e.errno == errno.EFBIG:  # not space: a size limit
         return DiskFullError(
             e.errno,
-            f"file too large writing {path}: {needed} more bytes were needed here, past this process's file-size limit "
+            f"file too large writing {path}: {here}, past this process's file-size limit "
             "(ulimit -f, RLIMIT_FSIZE) or the file system's largest file. Raise the limit, or save elsewhere",
         )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(os.path.dirname(path)).free
         return DiskFullError(
             e.errno,
-            f"no space left writing {path}: {needed} more bytes were needed here, "
+            f"no space left writing {path}: {here}, "
             f"{free} bytes are free. Free space, lower retention (keep=...), or save elsewhere",
         )
     if e.filename is None:  # os.pwrite/os.fsync errors name no file: say which
