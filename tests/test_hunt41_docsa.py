@@ -105,3 +105,26 @@ def test_a_disk_full_reported_at_the_fsync_does_not_say_that_0_bytes_were_needed
     assert "no space left" in text and "at the fsync" in text and "0 more bytes" not in text, text
     assert "bytes are free" in text and "bytes in all" in text, text
     assert not (tmp_path / "c").exists() and os.listdir(tmp_path) == []
+
+
+def _save_a_step_held(rank: int, world: int, root: str) -> str:
+    """Each rank: an async manager with no restore() saves a step the run directory holds."""
+    state = {"w": torch.arange(4.0)}
+    try:
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+            mgr.save(2, state)
+            mgr.wait()
+    except tg.StepExistsError as e:
+        return str(e)
+    return "no error"
+
+
+def test_every_rank_of_an_async_save_of_a_step_held_says_to_restore(tmp_path):
+    from dist_helper import run_ranks
+
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(2, {"w": torch.arange(4.0)})
+    results = run_ranks(_save_a_step_held, 2, str(root), timeout=120)
+    for r in results:
+        assert "mgr.restore(state, step=...)" in r.value and "overwrite=True" not in r.value, r
