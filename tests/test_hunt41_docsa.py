@@ -128,3 +128,22 @@ def test_every_rank_of_an_async_save_of_a_step_held_says_to_restore(tmp_path):
     results = run_ranks(_save_a_step_held, 2, str(root), timeout=120)
     for r in results:
         assert "mgr.restore(state, step=...)" in r.value and "overwrite=True" not in r.value, r
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_managers_save_of_a_step_an_earlier_run_left_is_an_error_no_restart_fixes(tmp_path, async_save):
+    """A script that does not restore() meets the same held step at every restart of ``trainguard run``:
+    its StepExistsError exits 78 (not restarted), as docs/elastic.md lists; ``tg.save``'s own
+    StepExistsError (a caller may pass overwrite=True or another directory) stays a plain one."""
+    state = {"w": torch.arange(4.0)}
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(2, state)
+    with pytest.raises(tg.StepExistsError) as caught:
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=async_save, handle_signals=False) as mgr:
+            mgr.save(2, state)
+            mgr.wait()
+    assert tg.exit_code_for(caught.value) == 78
+    with pytest.raises(tg.StepExistsError) as direct:
+        tg.save(root / "step-000000002", state)
+    assert tg.exit_code_for(direct.value) == 1

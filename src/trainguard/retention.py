@@ -25,6 +25,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
+from .permanent import mark
 from .policies import CheckpointInfo
 from .storage import Storage
 from .tiers import location, stale_reason
@@ -272,15 +273,16 @@ def unrestored_error(e: CheckpointError, step: int, restored: int | None) -> Che
     when ``_finish_pending`` collects it: its "begin" round ran on the save thread). A save of a
     step the run directory already holds, by a manager whose ``restore`` returned no step: say how
     to continue behind it (the ``StepExistsError`` itself names ``overwrite=True``, which a
-    manager's ``save`` does not take). Any other error: ``e`` itself."""
+    manager's ``save`` does not take). Permanent (exit 78 under ``trainguard run``): a restarted
+    worker that does not restore meets the same step again. Any other error: ``e`` itself."""
     if restored is not None or not isinstance(e, StepExistsError):
         return e
-    return StepExistsError(
+    return mark(StepExistsError(
         f"save(step={step}): the run directory already holds a checkpoint of step {step}, from an earlier run, and "
         "this manager did not restore() from the directory. To continue this run behind that checkpoint (a "
         "rollback: its newer checkpoints are then removed at the first save), call mgr.restore(state, step=...) "
         "before the loop; to keep that run's checkpoints, save this one into a new directory"
-    )
+    ))
 
 
 def read_facts(storage: Storage, directory: str) -> tuple[float, dict[str, Any]]:
