@@ -3,6 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,3 +29,50 @@ def test_manager_save_of_a_state_that_is_no_mapping_is_a_permanent_bad_argument(
             assert tg.exit_code_for(err.value) == 78
         mgr.save(3, {"w": torch.ones(2)}, force=True)  # the manager goes on with a good state
         assert mgr.last_saved_step == 3
+
+
+_HOOKED = r"""
+import inspect, sys
+import torch.distributed.elastic.agent.server.api, torch.distributed.elastic.agent.server.local_elastic_agent
+import torch.distributed.elastic.multiprocessing.api
+import torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler
+import torch.multiprocessing.spawn
+names = ["torch.distributed.elastic.agent.server.api", "torch.distributed.elastic.agent.server.local_elastic_agent",
+         "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn",
+         "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler"]
+targets = {}
+for name in names:
+    m = sys.modules[name]
+    targets[name.rsplit(".", 1)[1]] = m
+    targets.update({n: o for n, o in vars(m).items() if inspect.isclass(o) and o.__module__ == name})
+before = {k: dict(vars(o)) for k, o in targets.items()}
+from trainguard.elastic.launcher import install_agent_hooks
+from trainguard.events import EventLog
+install_agent_hooks(EventLog(None), 5.0)
+for k, o in targets.items():
+    for n, v in vars(o).items():
+        if n in before[k] and before[k][n] is not v and not n.startswith(("_tg", "_trainguard")):
+            print(k, n)
+"""
+
+
+def test_known_limits_name_every_torch_internal_that_trainguard_run_replaces():
+    """docs/elastic.md, "Known limits", lists the torch internals ``trainguard run`` replaces (a torch
+    release renaming one breaks it). It said "four methods of LocalElasticAgent, ProcessContext.join
+    and MultiprocessContext._close (launcher.py)"; the agent also replaces LocalElasticAgent._shutdown
+    and _stop_workers, SubprocessContext._poll/_close (reap.py), SubprocessHandler.close (spare.py),
+    and the multiprocessing api's _wrap and _terminate_process_handler."""
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", _HOOKED], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert out.returncode == 0, out.stderr
+    replaced = [line.split() for line in out.stdout.splitlines()]
+    assert ["ProcessContext", "join"] in replaced and ["LocalElasticAgent", "_shutdown"] in replaced
+    text = (root / "docs" / "elastic.md").read_text()
+    start = text.index("- `trainguard run` wraps", text.index("## Known limits"))
+    item = " ".join(text[start:text.index("\n- ", start)].split())
+    for owner, attr in replaced:
+        assert attr in item, f"{owner}.{attr} is replaced by trainguard run but not named in Known limits"
+        assert owner in item or owner == "api", f"{owner} ({attr}) not named in Known limits"
+    for module in ("launcher.py", "reap.py", "spare.py"):
+        assert module in item
