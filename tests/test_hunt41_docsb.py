@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import trainguard as tg
+from trainguard.commit import read_manifest
+from trainguard.storage import for_path
 
 
 @pytest.mark.parametrize("bad", [[1], None, "abc"], ids=["list", "None", "str"])
@@ -76,3 +78,19 @@ def test_known_limits_name_every_torch_internal_that_trainguard_run_replaces():
         assert owner in item or owner == "api", f"{owner} ({attr}) not named in Known limits"
     for module in ("launcher.py", "reap.py", "spare.py"):
         assert module in item
+
+
+def test_ddp_example_spreads_the_replicated_state_over_the_ranks(tmp_path):
+    """examples/ddp_torchrun.py's docstring said "rank 0 writes the replicated weights once"; as
+    docs/distributed.md says, the replicated tensors are written once in total, spread over the
+    ranks: in its checkpoint rank 1's file holds some of the model and of SGD's momentum."""
+    from test_examples import EX, _torchrun
+
+    assert "rank 0\nwrites the replicated" not in (EX / "ddp_torchrun.py").read_text()
+    _torchrun("ddp_torchrun.py", "--dir", str(tmp_path / "a"), "--steps", "4")
+    storage, d = for_path(str(tmp_path / "a" / "step-000000003"))
+    m = read_manifest(storage, d)
+    files = {name: {c.file for c in t.chunks} for name, t in m.tensors.items() if not name.startswith("rng")}
+    assert all(len(f) == 1 for f in files.values())  # written once
+    by_file = {f: sorted(n for n, fs in files.items() if f in fs) for f in ("data-00000.bin", "data-00001.bin")}
+    assert all(by_file.values()), by_file  # by both ranks
