@@ -109,3 +109,23 @@ def test_consolidate_help_gives_the_batch_bound_not_the_largest_tensor(tmp_path)
     assert "bounded by the largest tensor" not in text and "up to 256 MiB" in text
     mib = 1 << 20
     assert cons._groups([i * mib for i in range(300)], [mib] * 300)[0] == list(range(256))
+
+
+def test_planner_scale_layouts_option_of_the_docs_adds_the_format1_row(monkeypatch):
+    """docs/distributed.md, "Scale": the option it gives to add the format 1 FSDP row runs that row
+    and the default ones. It said ``--layouts fsdp``, which replaces the defaults (fsdp alone)."""
+    import re
+
+    import bench.planner_scale as ps
+
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text().split())
+    option = re.search(r"`(--layouts [^`]+)` adds the format 1 FSDP row", text).group(1).split()
+    ran: list[str] = []
+    monkeypatch.setattr(ps, "run", lambda ranks, tensors, layout: ran.append(layout))
+    monkeypatch.setattr(sys, "argv", ["planner_scale"])
+    ps.main()
+    defaults = list(ran)
+    ran.clear()
+    monkeypatch.setattr(sys, "argv", ["planner_scale", *option])
+    ps.main()
+    assert ran == [*defaults, "fsdp"]
