@@ -129,3 +129,26 @@ def test_planner_scale_layouts_option_of_the_docs_adds_the_format1_row(monkeypat
     monkeypatch.setattr(sys, "argv", ["planner_scale", *option])
     ps.main()
     assert ran == [*defaults, "fsdp"]
+
+
+@pytest.mark.parametrize("flags", [[], ["-W", "error"]], ids=["default", "warnings-as-errors"])
+def test_a_permanent_error_exits_78_without_a_warning_even_when_warnings_are_errors(tmp_path, flags):
+    """docs/elastic.md: a worker of ``trainguard run`` dying of a permanent error prints the traceback
+    and the "exit 78" line, runs the atexit handlers, then exits 78. The hook's flush of open files
+    ran isinstance() on every object, which warned for a deprecated one (FutureWarning:
+    `torch.distributed.reduce_op` is deprecated: a stray line at every such exit); under ``python -W
+    error`` that warning raised out of the hook ("Error in sys.excepthook") and the process exited 1,
+    restarted by the agent like any crash."""
+    out = tmp_path / "metrics.txt"
+    script = ("import atexit, sys, torch.distributed, trainguard as tg\n"
+              "atexit.register(lambda: print('atexit ran'))\n"
+              "log = open(sys.argv[1], 'w')\nlog.write('kept')\n"
+              "raise tg.UnsupportedValueError('a value no restart fixes')\n")
+    env = {**os.environ, "TRAINGUARD_AGENT_PID": str(os.getpid()),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    p = subprocess.run([sys.executable, *flags, "-c", script, str(out)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 78, p.stderr[-2000:]
+    assert "a restart will not fix this error; exit 78" in p.stderr and "atexit ran" in p.stdout
+    assert "Warning" not in p.stderr and "Error in sys.excepthook" not in p.stderr, p.stderr[-2000:]
+    assert out.read_text() == "kept"
