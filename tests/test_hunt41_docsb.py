@@ -152,3 +152,19 @@ def test_a_permanent_error_exits_78_without_a_warning_even_when_warnings_are_err
     assert "a restart will not fix this error; exit 78" in p.stderr and "atexit ran" in p.stdout
     assert "Warning" not in p.stderr and "Error in sys.excepthook" not in p.stderr, p.stderr[-2000:]
     assert out.read_text() == "kept"
+
+
+def test_a_bad_fault_spec_exits_2_from_the_agent_and_78_from_the_workers(tmp_path):
+    """docs/elastic.md, "Errors a restart will not fix": it listed "a bad `--fault` spec" among the
+    errors that end a job with 78; ``trainguard run --fault`` validates its specs before starting
+    anything, a usage error (exit 2). The workers' 78 is for a bad ``TRAINGUARD_FAULT``."""
+    script = tmp_path / "train.py"
+    script.write_text("import trainguard.elastic as te\nte.heartbeat(0)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    base = [sys.executable, "-m", "trainguard", "run", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")]
+    p = subprocess.run([*base, "--fault", "rank=1", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("error: fault spec 'rank=1'"), p.stderr[-2000:]
+    assert not (tmp_path / "run" / "events.jsonl").exists()  # nothing started
+    text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "elastic.md").read_text().split())
+    assert "and a bad `--fault` spec." not in text
+    assert "a bad `--fault` is refused by `trainguard run` itself before any worker starts: one `error:` line and exit 2" in text
