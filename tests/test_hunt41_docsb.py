@@ -168,3 +168,26 @@ def test_a_bad_fault_spec_exits_2_from_the_agent_and_78_from_the_workers(tmp_pat
     text = " ".join((Path(__file__).resolve().parent.parent / "docs" / "elastic.md").read_text().split())
     assert "and a bad `--fault` spec." not in text
     assert "a bad `--fault` is refused by `trainguard run` itself before any worker starts: one `error:` line and exit 2" in text
+
+
+@pytest.mark.parametrize(("second", "says"), [
+    ("5", "returned (state, int): the second item must be a CheckpointManager or a dict of its settings"),
+    ('{"root": ROOT, "save": 5}', "save=5: pass a save policy such as tg.EveryNSteps(100)"),
+    ('{"root": ROOT, "keep": 3}', "keep=3: pass a retention policy such as tg.KeepLatest(3)"),
+], ids=["not-a-manager", "bad-save", "bad-keep"])
+def test_doctor_refuses_a_hook_whose_manager_is_unusable_in_one_line_exit_2(tmp_path, second, says):
+    """docs/planning.md: a script the doctor cannot use (a hook that raises or returns no dict) is one
+    ``error:`` line with exit code 2, apart from findings (1). A hook returning ``(state, 5)`` ended
+    in a TypeError traceback (exit 1), and a settings dict that CheckpointManager(**settings) refuses
+    (``keep=3``) was checked as fine ("retention ok: 3 keeps at least two recent checkpoints")."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text(f"import torch\nROOT = {str(tmp_path / 'run')!r}\n"
+                      f"def trainguard_state():\n    return {{'model': torch.nn.Linear(2, 2)}}, {second}\n")
+    r = CliRunner().invoke(main, ["doctor", str(script)])
+    assert r.exit_code == 2, (r.output, r.exception)
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {script}: ") and says in lines[0], r.output
