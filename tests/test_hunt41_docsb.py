@@ -191,3 +191,24 @@ def test_doctor_refuses_a_hook_whose_manager_is_unusable_in_one_line_exit_2(tmp_
     assert r.exit_code == 2, (r.output, r.exception)
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {script}: ") and says in lines[0], r.output
+
+
+def test_fsdp2_and_transformers_examples_save_on_sigterm_and_stop(tmp_path):
+    """docs/interop.md: the examples' tests check "that on SIGTERM each saves the step and exits";
+    tests/test_examples.py did so for plain_loop.py and ddp_torchrun.py only. fsdp2.py (SIGTERM to
+    rank 1 alone, in its 4th step: the ranks stop together, at that step or the next) and
+    hf_transformers.py (in its 3rd step) save and stop before their last step."""
+    from test_examples import EX, STOP, _torchrun
+
+    from conftest import run_py
+
+    out = _torchrun(str(STOP), "4", "fsdp2.py", "--dir", str(tmp_path / "f"), "--steps", "9", env={"STOP_RANK": "1"})
+    saved = sorted(p.name for p in (tmp_path / "f").glob("step-*"))
+    assert saved[-1] in ("step-000000004", "step-000000005"), (saved, out)
+    assert f"restored step {int(saved[-1][5:])} on 2 ranks: state equal = True" in out, out
+    pytest.importorskip("transformers", reason="transformers is not installed")
+    r = run_py([str(STOP), "2", str(EX / "hf_transformers.py"), "--dir", str(tmp_path / "h"), "--out",
+                str(tmp_path / "hf"), "--steps", "6"], timeout=240)
+    assert r.returncode == 0 and "stopped at step 2, saved step 2" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "h").glob("step-*")) == ["step-000000002"]
+    assert not (tmp_path / "hf").exists()  # stopped: no export
