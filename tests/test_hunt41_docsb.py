@@ -212,3 +212,24 @@ def test_fsdp2_and_transformers_examples_save_on_sigterm_and_stop(tmp_path):
     assert r.returncode == 0 and "stopped at step 2, saved step 2" in r.stdout, r.stdout + r.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "h").glob("step-*")) == ["step-000000002"]
     assert not (tmp_path / "hf").exists()  # stopped: no export
+
+
+@pytest.mark.parametrize("name", ["missing.pt", "a_directory.bin"])
+def test_convert_of_a_torch_file_it_cannot_open_says_so_not_that_it_refused_to_unpickle(tmp_path, name):
+    """docs/interop.md: a foreign file that cannot be read (missing, damaged) is one ``error:`` line,
+    exit 2. For a missing or unreadable ``.pt`` that line said "torch.load(weights_only=True) refused
+    it ([Errno 2] No such file or directory ...). trainguard does not unpickle arbitrary objects; if
+    you trust the file, re-save ... torch.load(..., weights_only=False)": advice about unpickling for a
+    file that is not there (a missing .safetensors says "cannot read ...: FileNotFoundError")."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    src = tmp_path / name
+    if name.startswith("a_directory"):
+        src.mkdir()
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "out" / "step-000000000")])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot read {src} as a torch.save file: "), r.output
+    assert "unpickle" not in r.output and "weights_only=False" not in r.output
