@@ -1,5 +1,6 @@
-"""DistributedDataParallel under torchrun: every rank calls the manager in the same order; rank 0
-writes the replicated weights once (the writes are balanced across ranks).
+"""DistributedDataParallel under torchrun: every rank calls the manager in the same order; the
+replicated weights and optimizer state are written once in total, spread over the ranks (each
+writes about 1/N of their bytes), and each rank writes its own RNG state.
 
     torchrun --nproc-per-node 2 examples/ddp_torchrun.py --dir ckpts/ddp --steps 10
     torchrun --nproc-per-node 2 examples/ddp_torchrun.py --dir ckpts/ddp --steps 20   # resumes

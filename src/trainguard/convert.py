@@ -255,6 +255,8 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
     if fmt == "torch":
         try:
             obj = _torch_load(p)
+        except OSError as e:  # missing, a directory, no permission: not a refusal to unpickle (as safetensors says it)
+            raise CheckpointError(f"cannot read {p} as a torch.save file: {type(e).__name__}: {e.strerror or e}") from e
         except Exception as e:
             why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln), "")
             why = why.split(" was not an allowed global")[0].replace("WeightsUnpickler error: ", "") or str(e)

@@ -184,9 +184,8 @@ class CheckpointManager:
         self._preempt.set()
         policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
 
-    def save(
-        self, step: int, state: Mapping[str, Any], *, force: bool = False, metrics: Mapping[str, float] | None = None,
-    ) -> SaveHandle | None:
+    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
+             metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Call once per training step on every rank; saves when the policy says so (or ``force``,
         or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
         self._require_open()
@@ -194,6 +193,7 @@ class CheckpointManager:
         if agree:  # every rank runs the "decide" round: numbered now, a Ctrl-C before it leaves the call (dist.py)
             self.ctx.rounds_follow()
         step = layout.check_step(step)
+        check_state(state)  # a state that is no mapping: refused as by tg.save (permanent), not gradwatch's AttributeError
         watchdog.heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)

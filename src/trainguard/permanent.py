@@ -141,13 +141,17 @@ def _finish(code: int) -> None:
     ``code``. ``os._exit``: Python's exit status after an uncaught exception is always 1."""
     import gc
     import io
+    import warnings
 
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
+    # isinstance() on every object warns for deprecated ones (torch.distributed.reduce_op: a FutureWarning
+    # line at every such exit), and under `python -W error` that warning raised: exit 1, not code.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
             with contextlib.suppress(BaseException):
-                if not obj.closed and obj.writable():
+                if isinstance(obj, io.IOBase) and not obj.closed and obj.writable():
                     obj.flush()
     os._exit(code)
 

@@ -1,7 +1,7 @@
 """``trainguard consolidate SRC DST``: a sharded checkpoint as one full checkpoint, offline.
 
-Thin: :func:`trainguard.consolidate.consolidate` does the work (no process group, one tensor
-in memory at a time).
+Thin: :func:`trainguard.consolidate.consolidate` does the work (no process group, one batch of
+tensors of up to 256 MiB in memory at a time).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
     """Turn the checkpoint SRC (saved by any number of ranks) into a full one at DST.
 
     DST holds whole tensors in one data file (layout "full"), loadable at any world size and
-    by tools that expect one tensor per chunk. Memory use is bounded by the largest tensor.
+    by tools that expect one tensor per chunk. Memory holds one batch of tensors at a time, up to
+    256 MiB (a larger tensor is a batch alone).
     """
 
     def show(path: str, nbytes: int) -> None:

@@ -331,4 +331,18 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not isinstance(state, Mapping):
         raise CommandError(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
+    if manager is not None and not isinstance(manager, Mapping) and not any(
+            hasattr(manager, a) for a in ("root", "save_policy", "keep")):  # what doctor.settings_from reads
+        raise CommandError(f"{path}: trainguard_state() returned (state, {type(manager).__name__}): the second item "
+                           "must be a CheckpointManager or a dict of its settings (root, save, keep, async_save)")
+    if isinstance(manager, Mapping):  # what CheckpointManager(**settings) would refuse: not checked as if fine
+        from ..permanent import check_manager_args
+
+        m = manager.get
+        try:
+            check_manager_args(m("save", m("save_policy")), m("keep"), m("layout", "sharded"), m("on_error", "raise"),
+                               m("timeout"), m("max_staging_bytes"), bool(m("async_save")),
+                               bool(m("stage_in_background")), bool(m("split_state")))
+        except (TypeError, ValueError) as e:
+            raise CommandError(f"{path}: the manager settings trainguard_state() returned: {e}") from None
     return state, manager
