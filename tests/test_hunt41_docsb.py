@@ -233,3 +233,36 @@ def test_convert_of_a_torch_file_it_cannot_open_says_so_not_that_it_refused_to_u
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: cannot read {src} as a torch.save file: "), r.output
     assert "unpickle" not in r.output and "weights_only=False" not in r.output
+
+
+def test_bench_stopped_by_sigterm_removes_its_files_and_exits_143(tmp_path, monkeypatch):
+    """``trainguard bench`` stopped by SIGTERM (``timeout``, a scheduler) left its directory behind (up
+    to twice --size: 17 GB at --size 4GiB): SIGTERM's default action skipped the cleanup that a Ctrl-C
+    gets. It now unwinds as a Ctrl-C does and exits 143; the caller's SIGTERM handler is put back."""
+    import signal
+
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    class Outside(Exception):
+        pass
+
+    def outer(signum, frame):  # before the fix, the bench installed none: this one raised in its run
+        raise Outside
+
+    real_load = tg.load
+
+    def load(path, state, **kw):  # SIGTERM in the first round's first load: both checkpoints written
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_load(path, state, **kw)
+
+    monkeypatch.setattr(tg, "load", load)
+    old = signal.signal(signal.SIGTERM, outer)
+    try:
+        res = CliRunner().invoke(cli, ["bench", str(tmp_path), "--size", "2MiB", "--rounds", "1"], catch_exceptions=False)
+        assert signal.getsignal(signal.SIGTERM) is outer
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert res.exit_code == 143 and res.stderr.strip() == "terminated: its files are removed", res.output
+    assert os.listdir(tmp_path) == []
