@@ -34,10 +34,18 @@ def seed_of(*words: int) -> int:
     return int(got[0]) | int(got[1]) << 32
 
 
+# NumPy's key gets this third word: ``random.seed(seed)`` seeds Python's MT19937 with ``init_by_array`` of
+# the seed's 32-bit words, which is what ``np.random.seed([lo, hi])`` does too, so both generators drew the
+# same numbers (``random.random() == np.random.rand()`` for every sample; torch seeds them apart in its
+# DataLoader workers, ``_generate_state``). Python's key never has a third word: every seed here is < 2**64.
+_NUMPY_KEY = 0x6E756D70
+
+
 def seed_globals(seed: int) -> None:
-    """Seed Python ``random``, NumPy's global generator and torch's CPU generator from ``seed``."""
+    """Seed Python ``random``, NumPy's global generator and torch's CPU generator from ``seed``, each to
+    its own stream (``seeded_call``, ``SeededDataset.__getitems__``)."""
     random.seed(seed)
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
+    np.random.seed([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, _NUMPY_KEY])
     torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed every CUDA device too
 
 
