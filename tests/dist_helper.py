@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import tempfile
 import time
 import traceback
@@ -102,6 +103,7 @@ def run_ranks(
                 res.error = payload
         results.append(res)
         p.close()
+    shutil.rmtree(out, ignore_errors=True)  # the ranks' result files: read above (it left one directory per call)
     del store
     if check and not all(r.ok for r in results):
         raise RanksFailed(describe(results))
