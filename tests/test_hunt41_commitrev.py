@@ -1,0 +1,62 @@
+"""Error and concurrency paths of the save/commit machinery (session 41's review of commit.py,
+async_save.py, handle.py, dist.py, api.py), each forced deterministically (Event gates, no sleeps)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import trainguard as tg
+from trainguard import async_save
+
+
+def test_a_save_that_commits_as_the_managers_wait_runs_out_is_not_reported_failed(tmp_path, monkeypatch):
+    """``SaveHandle.result_bounded`` waited with ``result(timeout)`` and took the TimeoutError of a wait that
+    ran out as the save's own error when the save was done by the time it looked: a save that committed just
+    as one of its 5 s waits ended was raised by ``mgr.wait()`` as "background save of step 1 failed: save of
+    step 1 not finished after 5.0 s", and the manager forgot it (``last_saved_step`` stayed None)."""
+    gate = threading.Event()
+    real = async_save.persist_and_commit
+
+    def gated(*args, **kwargs):
+        gate.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(async_save, "persist_and_commit", gated)
+
+    class RunsOutAsTheSaveEnds(threading.Event):
+        def wait(self, timeout=None):
+            if timeout is None or self.is_set():
+                return super().wait(timeout)
+            gate.set()  # the save thread finishes now ...
+            super().wait(30)
+            return False  # ... but this wait had run out first
+
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        h = mgr.save(1, {"w": torch.arange(4.0)})
+        h._done.__class__ = RunsOutAsTheSaveEnds
+        mgr.wait()
+        assert mgr.last_saved_step == 1
+        assert h.done() and h.exception() is None
+    assert (root / "step-000000001" / "manifest.json").exists()
+
+
+def test_a_saves_own_timeout_error_is_still_raised_by_the_managers_wait(tmp_path, monkeypatch):
+    """The other half of the above: a save that failed with a TimeoutError of its own (a socket's, an
+    object store's) is raised by ``mgr.wait()`` as that save's failure, not taken for a wait that ran out."""
+
+    def times_out(*args, **kwargs):
+        raise TimeoutError("the store did not answer (the save's own)")
+
+    monkeypatch.setattr(async_save, "persist_and_commit", times_out)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+        h = mgr.save(1, {"w": torch.arange(4.0)})
+        try:
+            mgr.wait()
+        except tg.CheckpointError as e:
+            assert "the save's own" in str(e), e
+        else:
+            raise AssertionError("the save's TimeoutError was not raised")
+        assert mgr.last_saved_step is None and isinstance(h.exception(), TimeoutError)
