@@ -60,3 +60,35 @@ def test_a_saves_own_timeout_error_is_still_raised_by_the_managers_wait(tmp_path
         else:
             raise AssertionError("the save's TimeoutError was not raised")
         assert mgr.last_saved_step is None and isinstance(h.exception(), TimeoutError)
+
+
+def test_a_ctrl_c_while_the_pool_hands_out_slots_does_not_leave_it_held(tmp_path, monkeypatch):
+    """``StagingPool.acquire`` marked the pool held before it built the slot list (one view per tensor
+    copied in the call), outside ``start_async_save``'s try that releases it: a Ctrl-C caught there left
+    the process's pool held for good, and every later async save failed with "the staging pool is held
+    by a save still in flight"."""
+    from trainguard import stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})  # this test's pools only
+
+    class CtrlCInEmpty:  # stage's torch: the Ctrl-C lands as acquire() makes the slot of an empty tensor
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *args, **kwargs):
+            if args and args[0] == 0:
+                raise KeyboardInterrupt
+            return torch.empty(*args, **kwargs)
+
+    state = {"a": torch.arange(4.0), "z": torch.empty(0)}
+    with monkeypatch.context() as m:
+        m.setattr(stage, "torch", CtrlCInEmpty())
+        try:
+            tg.save(tmp_path / "one", state, async_=True)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the Ctrl-C was not raised")
+    assert not stage.default_pool().in_use
+    tg.save(tmp_path / "two", state, async_=True).result()
+    assert (tmp_path / "two" / "manifest.json").exists()

@@ -111,13 +111,14 @@ class StagingPool:
                 offsets.append(slot_start(end, n))
                 end = round_up(offsets[-1] + n)
             self._grow("_sync", end)
+            arena = self._sync
+            slots = [  # before the pool is marked held: a Ctrl-C here (thousands of slots) left it held for good
+                arena[off : off + n] if n and arena is not None else torch.empty(0, dtype=torch.uint8)
+                for off, n in zip(offsets, sizes, strict=True)
+            ]
             self._sync_used = end
             self._in_use = True
-            arena = self._sync
-        return [
-            arena[off : off + n] if n and arena is not None else torch.empty(0, dtype=torch.uint8)
-            for off, n in zip(offsets, sizes, strict=True)
-        ]
+        return slots
 
     def background_bytes(self, need: int, largest: int, *, block: int) -> int:
         """Size of the background buffer for ``need`` bytes of chunks, the largest ``largest``.
