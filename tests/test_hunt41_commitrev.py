@@ -92,3 +92,49 @@ def test_a_ctrl_c_while_the_pool_hands_out_slots_does_not_leave_it_held(tmp_path
     assert not stage.default_pool().in_use
     tg.save(tmp_path / "two", state, async_=True).result()
     assert (tmp_path / "two" / "manifest.json").exists()
+
+
+def test_a_ctrl_c_as_the_save_goes_in_flight_does_not_leave_an_unstarted_save_there(tmp_path, monkeypatch):
+    """``start_async_save`` put its job in flight (``_INFLIGHT``) before the try that takes it out again
+    when no thread starts: a Ctrl-C as that ``with _LOCK:`` block exited (a call: Python looks at its signals
+    there) left a save that never runs in flight, its pool held: the caller's next ``optimizer.step()``
+    waited for its staging for good (the pre-step hook), and the next async save failed ("the staging pool
+    is held")."""
+    from trainguard import stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})  # this test's pools only
+    monkeypatch.setattr(async_save, "_INFLIGHT", None)  # put back after the test, whatever it left
+    real = async_save._LOCK
+
+    class CtrlCOnExit:
+        armed = True
+
+        def __enter__(self):
+            real.acquire()
+
+        def __exit__(self, *exc):
+            real.release()
+            job = async_save._INFLIGHT
+            if self.armed and job is not None and job.began is False:  # the new save's, not yet started
+                self.armed = False
+                raise KeyboardInterrupt
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    state = {"model": model, "optim": opt}
+    with monkeypatch.context() as m:
+        m.setattr(async_save, "_LOCK", CtrlCOnExit())
+        try:
+            tg.save(tmp_path / "one", state, async_=True)
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the Ctrl-C was not raised")
+    job = async_save._INFLIGHT
+    assert job is None or job.handle.staged(), "a save that never runs is in flight: optimizer.step() would wait for good"
+    assert not stage.default_pool().in_use
+    opt.step()
+    tg.save(tmp_path / "two", state, async_=True).result()
+    assert (tmp_path / "two" / "manifest.json").exists()
