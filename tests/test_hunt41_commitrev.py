@@ -138,3 +138,30 @@ def test_a_ctrl_c_as_the_save_goes_in_flight_does_not_leave_an_unstarted_save_th
     opt.step()
     tg.save(tmp_path / "two", state, async_=True).result()
     assert (tmp_path / "two" / "manifest.json").exists()
+
+
+def test_close_keeps_releasing_the_run_lock_when_another_threads_save_takes_the_pool(tmp_path, monkeypatch):
+    """``stage.trim_idle_pools`` (an async manager's ``close()``, last) looked at ``in_use`` and then called
+    ``trim()``, which raises for a held pool: a direct async ``tg.save`` of another thread taking the pool
+    in between made ``close()`` raise "cannot trim the staging pool while a save holds it" from its
+    ``finally``, before the run lock was released: the directory stayed locked by a closed manager."""
+    from trainguard import stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})  # this test's pools only
+    root = tmp_path / "run"
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False).open()
+    mgr.save(1, {"w": torch.arange(4.0)})
+    real = stage.StagingPool.trim
+
+    def trim(self):  # another thread's save takes the pool right after trim_idle_pools looked at it
+        t = threading.Thread(target=self.acquire, args=([],))
+        t.start()
+        t.join()
+        return real(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(stage.StagingPool, "trim", trim)
+        mgr.close()
+    assert mgr.latest_step() == 1
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as again:  # not locked any more
+        assert again.latest_step() == 1
