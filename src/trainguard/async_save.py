@@ -155,9 +155,9 @@ def start_async_save(
             job.release()
             raise
         global _INFLIGHT
-        with _LOCK:
-            _INFLIGHT = job
         try:  # the thread runs the call's rounds: a Ctrl-C from here on leaves it running them, not LEFT (dist.py)
+            with _LOCK:  # in the try: a Ctrl-C as this block exits left an unstarted save in flight (step() hung)
+                _INFLIGHT = job
             ctx.hand_off(True)
             try:
                 thread.start()

@@ -134,8 +134,8 @@ class SaveHandle:
             try:
                 return self.result(min(limit / 4, 5.0))
             except TimeoutError:
-                if self._done.is_set():  # the save's own error
-                    raise
+                if self._done.is_set():  # the save's own error, or it ended as the wait ran out: its outcome
+                    return self.result()  # (the wait's TimeoutError was raised as the save's: a committed save "failed")
             late = iostall.oldest(self.target)
             if late is not None and late[0] >= limit and self._thread is not None:
                 self._found_stuck()

@@ -19,6 +19,7 @@ of the same state; they grow only when the state grows. See ``docs/async.md``, "
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -111,13 +112,14 @@ class StagingPool:
                 offsets.append(slot_start(end, n))
                 end = round_up(offsets[-1] + n)
             self._grow("_sync", end)
+            arena = self._sync
+            slots = [  # before the pool is marked held: a Ctrl-C here (thousands of slots) left it held for good
+                arena[off : off + n] if n and arena is not None else torch.empty(0, dtype=torch.uint8)
+                for off, n in zip(offsets, sizes, strict=True)
+            ]
             self._sync_used = end
             self._in_use = True
-            arena = self._sync
-        return [
-            arena[off : off + n] if n and arena is not None else torch.empty(0, dtype=torch.uint8)
-            for off, n in zip(offsets, sizes, strict=True)
-        ]
+        return slots
 
     def background_bytes(self, need: int, largest: int, *, block: int) -> int:
         """Size of the background buffer for ``need`` bytes of chunks, the largest ``largest``.
@@ -208,9 +210,11 @@ def forget_pools_in_child() -> None:
 
 
 def trim_idle_pools() -> None:
-    """Free the arenas of every process-wide pool no save holds (``async_save.release_staging``)."""
+    """Free the arenas of every process-wide pool no save holds (``async_save.release_staging``). A pool
+    another thread's save takes meanwhile is kept: ``trim`` raised there, out of the manager's ``close()``,
+    whose run lock then stayed held (checked, then trimmed: the save could take it in between)."""
     for pool in list(_DEFAULT.values()):
-        if not pool.in_use:
+        with contextlib.suppress(CheckpointError):  # held (trim looks under the pool's lock)
             pool.trim()
 
 
