@@ -136,7 +136,7 @@ class SaveHandle:
             except TimeoutError:
                 if self._done.is_set():  # the save's own error, or it ended as the wait ran out: its outcome
                     return self.result()  # (the wait's TimeoutError was raised as the save's: a committed save "failed")
-            late = iostall.oldest(self.target)
+            late = iostall.oldest(self.target, self._thread.ident if self._thread is not None else None)
             if late is not None and late[0] >= limit and self._thread is not None:
                 self._found_stuck()
                 raise iostall.stuck_error(self.step, rank, late[0], late[1], limit)

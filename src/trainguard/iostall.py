@@ -30,7 +30,7 @@ from typing import Any
 
 from .errors import CheckpointError
 
-_OPEN: dict[int, tuple[float, str]] = {}  # call id -> (time.monotonic() at its start, what it does): any thread
+_OPEN: dict[int, tuple[float, str, int]] = {}  # call id -> (time.monotonic() at its start, what it does, its thread)
 _IDS = itertools.count()  # next() is one step under the GIL
 
 
@@ -45,23 +45,26 @@ class StuckWriteError(CheckpointError):
 def inside(what: str) -> Iterator[None]:
     """Record one storage call in flight while the block runs (any thread)."""
     k = next(_IDS)
-    _OPEN[k] = (time.monotonic(), what)
+    _OPEN[k] = (time.monotonic(), what, threading.get_ident())
     try:
         yield
     finally:
         _OPEN.pop(k, None)
 
 
-def oldest(within: str = "") -> tuple[float, str] | None:
+def oldest(within: str = "", thread: int | None = None) -> tuple[float, str] | None:
     """The oldest storage call in flight in this process: (seconds in it, what), or None. With
-    ``within`` (a save's target path), only calls on it or on its temp or set-aside directories:
-    another thread's save, or the RAM tier's copy, is not this save's stuck write."""
+    ``within`` (a save's target path), only calls on it or on its temp or set-aside directories, and
+    with ``thread`` (a save thread's ident) also any call of that thread (the retention it runs once
+    committed, on other steps' directories): another thread's save, or the RAM tier's copy, is not
+    this save's stuck write."""
     calls = list(_OPEN.values())  # a copy in one step: other threads add and remove meanwhile
-    if within:
-        calls = [c for c in calls if any(within + sep in c[1] or c[1].endswith(within) for sep in ("/", ".tmp-", ".old-"))]
+    if within or thread is not None:
+        calls = [c for c in calls if c[2] == thread
+                 or within and any(within + sep in c[1] or c[1].endswith(within) for sep in ("/", ".tmp-", ".old-"))]
     if not calls:
         return None
-    t, what = min(calls)
+    t, what, _thread = min(calls)
     return time.monotonic() - t, what
 
 
@@ -146,7 +149,7 @@ def join_bounded(thread: threading.Thread, limit: float, what: str, within: str 
     ``StuckWriteError`` (the thread stays, a daemon, and the caller's ``_thread`` with it)."""
     while thread.is_alive():
         thread.join(min(limit / 4, 5.0))
-        late = oldest(within)
+        late = oldest(within, thread.ident)
         if thread.is_alive() and late is not None and late[0] >= limit:
             raise StuckWriteError(
                 f"{what} has been stuck for {late[0]:.0f} s in {late[1]} (the limit is the manager's timeout, "
@@ -159,9 +162,15 @@ _WHY = ("the storage does not answer (a hung NFS server, a FUSE mount whose daem
         "TRAINGUARD_TIMEOUT) if single writes there are slow")
 
 
+# What ``retention.apply_retention`` records while it runs (on the save thread of an async save, once committed).
+RETENTION = "the retention after step"
+
+
 def stuck_error(step: int | None, rank: int, seconds: float, what: str, timeout: float) -> StuckWriteError:
+    after = ("The checkpoint of that step is committed; no other save can start on this rank until the call returns"
+             if what.startswith(RETENTION) else
+             "The save stays in flight and commits if the call returns; no other save can start on this rank meanwhile")
     return StuckWriteError(
         f"rank {rank}: the save of step {step} has been stuck for {seconds:.0f} s in {what} (the limit is the "
-        f"manager's timeout, {timeout:g} s). The save stays in flight and commits if the call returns; no other save "
-        f"can start on this rank meanwhile. Cause: {_WHY}"
+        f"manager's timeout, {timeout:g} s). {after}. Cause: {_WHY}"
     )

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import layout
+from . import iostall, layout
 from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError
 from .faults import fault
@@ -39,8 +39,9 @@ log = logging.getLogger("trainguard")
 def apply_retention(mgr: CheckpointManager, newest: int) -> None:
     """``CheckpointManager._apply_retention``: ``retain``, after ``newest`` is committed (never
     before), on rank 0, holding the lock; a failure is logged, emitted and warned, not raised."""
-    try:
-        retain(mgr, newest)
+    try:  # recorded as one storage call: stuck (a hung NFS), it holds the save thread (iostall.oldest's thread)
+        with iostall.inside(f"{iostall.RETENTION} {newest} (removing older checkpoints of {mgr.root})"):
+            retain(mgr, newest)
     except Exception as e:
         log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
         mgr.events.emit("retention_failed", step=newest, error=str(e)[:2000])
