@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 import trainguard as tg
@@ -48,4 +51,48 @@ def test_rollback_restore_and_wait_in_the_loop_are_not_timed_as_a_hang(tmp_path,
         assert mgr.restore(state) == 1
         assert ("load", True) in seen and all(p for _, p in seen), seen
         assert not wd._paused
-    assert wd._paused  # close() suspends until the next heartbeat; its own wait() does not resume the watchdog
+    assert wd._paused  # close() suspends until the next heartbeat; its own wait() does not resume it
+
+
+class _Proc:
+    def __init__(self, pid: int, exitcode: int) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+
+def test_the_rank_that_raised_first_is_the_failure_not_the_first_in_process_order(tmp_path, monkeypatch):
+    # `trainguard run --run-path --start-method fork --fault step=5,rank=1,kind=exception`: rank 1 raised,
+    # rank 0 then failed in its all_reduce (gloo: connection closed by peer), both exit 1, and torch's
+    # join reports the first in process order: the failure event named rank 0 (2 of 2 runs). Each
+    # --run-path worker now notes when its script raised; the agent names the first.
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from trainguard.elastic import stops
+
+    monkeypatch.setenv(stops.STOP_FILE_ENV, str(tmp_path / "stopped-agent"))
+    monkeypatch.setattr(stops.os, "getpid", lambda: 2001)
+    stops.note_raised()  # rank 1 (pid 2001): its own exception, first
+    monkeypatch.setattr(stops.os, "getpid", lambda: 2000)
+    stops.note_raised()  # rank 0 (pid 2000): its collective's error, after rank 1's process ended
+
+    class PC:
+        processes = [_Proc(2000, 1), _Proc(2001, 1)]
+
+    reported = ProcessExitedException("process 0 terminated with exit code 1", error_index=0, error_pid=2000,
+                                      exit_code=1)
+    cause = stops.root_failure(PC(), reported)
+    assert cause is not reported and cause.error_index == 1 and cause.error_pid == 2001
+    assert list(tmp_path.iterdir()) == []  # the notes are read once and removed
+    assert stops.root_failure(PC(), reported) is reported  # no notes (script workers): as torch says
+
+
+def test_run_path_worker_notes_its_exception(tmp_path, monkeypatch):
+    from trainguard import permanent
+    from trainguard.elastic import reap, stops
+
+    monkeypatch.setattr(reap, "own_session", lambda: None)  # not setsid() in the test process
+    monkeypatch.setenv(stops.STOP_FILE_ENV, str(tmp_path / "stopped-agent"))
+    script = tmp_path / "train.py"
+    script.write_text("raise RuntimeError('a bug of the script')\n")
+    with pytest.raises(RuntimeError, match="a bug"):
+        permanent.run_script_path(str(script))
+    assert stops.raised_at(os.getpid()) is not None

@@ -199,6 +199,9 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         runpy.run_path(training_script, run_name="__main__")
     except Exception as e:
         if not is_permanent(e):
+            from .elastic.stops import note_raised
+
+            note_raised()  # when: the agent names the rank that raised first (stops.root_failure)
             raise
         traceback.print_exc()
         _record(e)

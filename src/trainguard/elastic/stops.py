@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -157,13 +158,47 @@ def root_failure(pc: Any, error: Exception) -> Exception:
 
     reported = getattr(error, "error_index", None)
     procs = list(getattr(pc, "processes", []))
+    raised = {i: t for i, p in enumerate(procs) if p.exitcode == 1 and (t := raised_at(p.pid)) is not None}
     if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
         return error
     for i, proc in enumerate(procs):
         if proc.exitcode in OWN_EXITS:
             return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
                                           error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
+    # Several raised (exit 1): the first to raise, not the first in process order. Rank 1's exception
+    # ended its process, rank 0's collective then failed (exit 1): rank 0 was named (2 of 2 runs).
+    if reported in raised and (first := min(raised, key=raised.__getitem__)) != reported:
+        return ProcessExitedException(f"process {first} terminated with exit code 1",
+                                      error_index=first, error_pid=procs[first].pid, exit_code=1)
     return error
+
+
+def _raised_file(pid: int) -> str | None:
+    path = os.environ.get(STOP_FILE_ENV)
+    return f"{path}.raised-{pid}" if path else None
+
+
+def note_raised() -> None:
+    """A ``--run-path`` worker whose script raised (:func:`trainguard.permanent.run_script_path`), at
+    once: when, for the agent's :func:`root_failure` (a peer failing in its collective raises later)."""
+    path = _raised_file(os.getpid())
+    with contextlib.suppress(OSError):
+        if path:
+            with open(path, "w") as f:
+                f.write(str(time.time_ns()))
+
+
+def raised_at(pid: int) -> int | None:
+    """Agent (:func:`root_failure`): when worker ``pid`` noted its exception (:func:`note_raised`),
+    None if it did not; the note is removed."""
+    path = _raised_file(pid)
+    try:
+        with open(path or "") as f:
+            text = f.read().strip()
+        os.remove(path or "")
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def quiet_stop(record: Any) -> None:
