@@ -96,3 +96,31 @@ def test_run_path_worker_notes_its_exception(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="a bug"):
         permanent.run_script_path(str(script))
     assert stops.raised_at(os.getpid()) is not None
+
+
+class _Failure:
+    def __init__(self, pid: int, exitcode: int) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+
+def test_script_workers_failure_names_the_rank_that_raised_first(tmp_path, monkeypatch):
+    # Script workers, `--monitor-interval 2 --fault step=5,rank=1,kind=exception`: by the agent's poll
+    # both ranks had exited 1 (rank 0's all_reduce failed on rank 1's closed connection) and the
+    # failure event named rank 0. The workers' excepthook now notes when each raised.
+    from trainguard import permanent
+    from trainguard.elastic import stops
+
+    stop = tmp_path / "stopped-agent"
+    monkeypatch.setenv(stops.STOP_FILE_ENV, str(stop))
+    monkeypatch.setattr(permanent._hook, "previous", lambda *a: None, raising=False)
+    for pid in (3001, 3000):  # rank 1's exception first, then rank 0's
+        monkeypatch.setattr(stops.os, "getpid", lambda pid=pid: pid)
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError as e:
+            permanent._hook(RuntimeError, e, e.__traceback__)
+    assert stops.first_failure({0: _Failure(3000, 1), 1: _Failure(3001, 1)}) == 1
+    assert stops.first_failure({0: _Failure(3000, 1), 1: _Failure(3001, 1)}) == 0  # no notes: as before
+    stop.with_suffix(".raised-9").write_text("1")  # a note no failure read (a rank the agent SIGTERMed later)
+    stops.clear(str(stop))
+    assert list(tmp_path.iterdir()) == []  # removed before the workers (re)start

@@ -21,6 +21,7 @@ killing trainer processes), under ``trainguard run`` and, through ``mgr.exit_cod
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import sys
@@ -65,8 +66,9 @@ def stop_file(run_dir: str) -> str:
 def clear(path: str | None) -> None:
     """Agent, before it starts (or restarts) its workers: a stop they noted before is forgotten."""
     if path:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+        for note in [path, *glob.glob(glob.escape(path) + ".raised-*")]:  # and the workers' notes (note_raised)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(note)
 
 
 def stop_code(path: str | None, exitcodes: Iterable[int] = ()) -> int | None:
@@ -131,10 +133,12 @@ def first_failure(failures: dict[int, Any]) -> int:
     """Agent: the rank that failed first, usually not exit 1 (peers failing in collectives) nor the
     agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM). Among the rest, an
     exit 1 (a Python exception) comes before a rank the agent's own SIGTERM ended: script workers'
-    failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception."""
+    failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception. Of several
+    exits 1, the first to raise (:func:`note_raised`): a late poll saw rank 0's too, and named it."""
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
     raised = [r for r, f in failures.items() if f.exitcode == 1]
-    return min(special or raised or failures)
+    notes = {r: t for r in raised if (t := raised_at(getattr(failures[r], "pid", -1))) is not None}
+    return min(special or ([min(notes, key=notes.__getitem__)] if notes else raised) or failures)
 
 
 def no_restart(failures: dict[int, Any]) -> bool:
@@ -179,8 +183,9 @@ def _raised_file(pid: int) -> str | None:
 
 
 def note_raised() -> None:
-    """A ``--run-path`` worker whose script raised (:func:`trainguard.permanent.run_script_path`), at
-    once: when, for the agent's :func:`root_failure` (a peer failing in its collective raises later)."""
+    """A worker whose script raised (``--run-path``: :func:`trainguard.permanent.run_script_path`; a
+    script: the ``sys.excepthook`` of ``import trainguard``), at once: when, for the agent's
+    :func:`root_failure` and :func:`first_failure` (a peer failing in its collective raises later)."""
     path = _raised_file(os.getpid())
     with contextlib.suppress(OSError):
         if path:
