@@ -124,3 +124,31 @@ def test_script_workers_failure_names_the_rank_that_raised_first(tmp_path, monke
     stop.with_suffix(".raised-9").write_text("1")  # a note no failure read (a rank the agent SIGTERMed later)
     stops.clear(str(stop))
     assert list(tmp_path.iterdir()) == []  # removed before the workers (re)start
+
+
+def test_an_orphaned_worker_ends_its_dataloader_processes(monkeypatch):
+    # `trainguard run --fault step=10,rank=1,kind=agent` with DataLoader(num_workers=2): rank 0 exited
+    # orphaned (76, os._exit) and its 2 loader processes lived on after it and the agent (until torch's
+    # loader watchdog, ~5 s). The watchdog now SIGKILLs the worker's multiprocessing children first.
+    import multiprocessing
+    import time
+
+    from trainguard.elastic import reap
+
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
+    child.start()
+    try:
+        reap.end_children()
+        child.join(20)
+        assert child.exitcode == -9
+    finally:
+        if child.is_alive():
+            child.kill()
+
+    exits: list[int] = []
+    ended: list[bool] = []
+    wd = Watchdog(agent_pid=2**22 + 12345, check_every=0.01)  # no such process: the agent is gone
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: (exits.append(code), wd.stop()))
+    monkeypatch.setattr(watchdog, "end_children", lambda: ended.append(not exits))
+    wd._run()
+    assert exits == [watchdog.ORPHAN_EXIT] and ended == [True]  # the children first, then the exit

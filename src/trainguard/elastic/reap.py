@@ -75,6 +75,19 @@ def end_trees(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+def end_children() -> None:
+    """A worker's watchdog (:mod:`.watchdog`) as it exits orphaned (its agent died): SIGKILL its
+    ``multiprocessing`` children (DataLoader workers). ``os._exit`` skips the loader's shutdown, and
+    no agent is left to SIGKILL the worker's group (:func:`end_trees`): they lived on until torch's
+    loader watchdog saw their parent gone (~5 s), holding the job's stdout and stderr open."""
+    import multiprocessing
+
+    with contextlib.suppress(Exception):
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
+
+
 def set_finished(event: Any, wait: float) -> None:
     """Agent, in its ``MultiprocessContext._close`` hook: set torch's "workers finished" event, which
     a worker whose function returned waits for and torch sets only when all are done, never on

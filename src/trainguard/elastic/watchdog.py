@@ -57,8 +57,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import iostall
+from ..distwait import default_timeout
 from ..events import EVENTS_FILE, EventLog
 from .faults import Fault, faults_from_env, maybe_fire, run_dir
+from .reap import end_children
 
 HANG_EXIT = 75
 ORPHAN_EXIT = 76
@@ -178,6 +180,7 @@ class Watchdog:
                 agent = self.agent_pid if self.agent_pid is not None else self.parent_pid
                 self.events.emit("orphaned", parent_pid=self.parent_pid, agent_pid=agent)
                 print(f"trainguard: agent (pid {agent}) is gone; this worker exits", file=sys.stderr, flush=True)
+                end_children()  # its DataLoader processes: no agent is left to end them (they lived ~5 s on)
                 os._exit(ORPHAN_EXIT)
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.current_timeout():
@@ -378,14 +381,11 @@ def paused(timeout: float | None = None) -> Iterator[None]:
 
 
 def untimed(*names: str) -> Callable[[type], type]:
-    """Class decorator of ``CheckpointManager``: its methods ``names`` (``wait``, ``restore``) run
-    :func:`paused`, as a save does: a rollback's restore or a ``wait()`` for a large save in the loop,
-    after the first heartbeat, outlasting the hang timeout was declared a hang (exit 75)."""
+    """Class decorator of ``CheckpointManager``: methods ``names`` (``wait``, ``restore``) run :func:`paused`
+    as a save does (a rollback's restore in the loop outlasting the hang timeout was a hang, exit 75)."""
     def wrap(cls: type) -> type:
         for name in names:
             def untimed_call(self: Any, *args: Any, _method: Any = getattr(cls, name), **kwargs: Any) -> Any:
-                from ..distwait import default_timeout
-
                 with paused(self.timeout or default_timeout()):
                     return _method(self, *args, **kwargs)
             setattr(cls, name, functools.wraps(getattr(cls, name))(untimed_call))
