@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 
 import pytest
 import torch
@@ -152,3 +154,47 @@ def test_an_orphaned_worker_ends_its_dataloader_processes(monkeypatch):
     monkeypatch.setattr(watchdog, "end_children", lambda: ended.append(not exits))
     wd._run()
     assert exits == [watchdog.ORPHAN_EXIT] and ended == [True]  # the children first, then the exit
+
+
+def test_script_worker_close_ends_the_group_of_a_worker_that_had_exited(monkeypatch):
+    # Script workers, `--hang-timeout 2 --fault step=10,rank=1,kind=hang` with DataLoader(num_workers=2):
+    # both ranks exited 75 (os._exit) and the agent exited 1 with their 4 loader processes still
+    # running: torch's close signals only workers still running. Now what is left of each group goes.
+    import subprocess
+    import sys
+    import time
+
+    from trainguard.elastic import reap, spare
+
+    monkeypatch.setattr(spare, "install", lambda cls: None)  # torch's handler class stays as it is here
+    leader = subprocess.Popen(  # a worker that exited, its child (a loader process) left in its group
+        [sys.executable, "-c", "import os, time\nif os.fork() == 0:\n    time.sleep(120)\nelse:\n"
+         "    print(os.getpid() + 0, flush=True)\n    os._exit(75)\n"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert leader.wait(30) == 75
+    leader.stdout.close()
+    child = next(int(p) for p in os.listdir("/proc") if p.isdigit() and reap.running(int(p))
+                 and os.getpgid(int(p)) == leader.pid)
+
+    class Handler:
+        proc = leader
+
+    class Context:
+        subprocess_handlers = {0: Handler()}
+
+        def _poll(self):
+            return None
+
+        def _close(self, death_sig, timeout=30):  # torch's: the exited worker is not signalled
+            pass
+
+    reap.bound_failure_close(Context, 1.0)
+    try:
+        Context()._close(signal.SIGTERM, 1)
+        deadline = time.monotonic() + 10
+        while reap.running(child) and time.monotonic() < deadline:
+            os.sched_yield()
+        assert not reap.running(child)
+    finally:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)

@@ -223,5 +223,8 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
         codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
+        # torch signals only the groups of workers still running: those of a worker that had exited
+        # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.
+        end_trees([h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()])
 
     context_cls._poll, context_cls._close = _poll, _close
