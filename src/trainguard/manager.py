@@ -42,6 +42,7 @@ log = logging.getLogger("trainguard")
 
 
 @one_thread_at_a_time("open", "save", "wait", "restore", "close", rounds=("open", "restore"))
+@watchdog.untimed("wait", "restore")  # not timed by the hang watchdog, as a save is not (watchdog.py)
 class CheckpointManager:
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 
@@ -226,8 +227,7 @@ class CheckpointManager:
             self._report_failure(e, step=self._pending_step)
         waited = max(0.0, max(prev.finished_at or t0, prev.retained_at) - t0) if prev is not None else 0.0
         if step == self.last_saved_step and step not in self._rejected:
-            # Saved already (a forced save at the end after the policy's, a loop restarted at the
-            # restored step): that checkpoint holds this step.
+            # Saved already (a forced save after the policy's, a loop restarted at the restored step): kept.
             log.info("trainguard: step %d is already saved in %s; not saved again", step, self.root)
             return None
         self._own.check_save(step, self._restored)  # after restore(): a save behind it, or far behind this run's newest, is refused

@@ -167,6 +167,10 @@ def _record(e: BaseException) -> None:
 
 def _hook(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
     previous = getattr(_hook, "previous", sys.__excepthook__)
+    if not is_permanent(e):
+        from .elastic.stops import note_raised
+
+        note_raised()  # first: the agent names the rank that raised first (stops.first_failure)
     previous(kind, e, tb)
     if is_permanent(e):
         _record(e)
@@ -199,6 +203,9 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         runpy.run_path(training_script, run_name="__main__")
     except Exception as e:
         if not is_permanent(e):
+            from .elastic.stops import note_raised
+
+            note_raised()  # when: the agent names the rank that raised first (stops.root_failure)
             raise
         traceback.print_exc()
         _record(e)

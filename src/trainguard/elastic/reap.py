@@ -75,6 +75,19 @@ def end_trees(pids: list[int]) -> None:
             os.killpg(pid, signal.SIGKILL)
 
 
+def end_children() -> None:
+    """A worker's watchdog (:mod:`.watchdog`) as it exits orphaned (its agent died): SIGKILL its
+    ``multiprocessing`` children (DataLoader workers). ``os._exit`` skips the loader's shutdown, and
+    no agent is left to SIGKILL the worker's group (:func:`end_trees`): they lived on until torch's
+    loader watchdog saw their parent gone (~5 s), holding the job's stdout and stderr open."""
+    import multiprocessing
+
+    with contextlib.suppress(Exception):
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(Exception):
+                child.kill()
+
+
 def set_finished(event: Any, wait: float) -> None:
     """Agent, in its ``MultiprocessContext._close`` hook: set torch's "workers finished" event, which
     a worker whose function returned waits for and torch sets only when all are done, never on
@@ -210,5 +223,8 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
         codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
+        # torch signals only the groups of workers still running: those of a worker that had exited
+        # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.
+        end_trees([h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()])
 
     context_cls._poll, context_cls._close = _poll, _close

@@ -21,9 +21,11 @@ killing trainer processes), under ``trainguard run`` and, through ``mgr.exit_cod
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,8 +66,9 @@ def stop_file(run_dir: str) -> str:
 def clear(path: str | None) -> None:
     """Agent, before it starts (or restarts) its workers: a stop they noted before is forgotten."""
     if path:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+        for note in [path, *glob.glob(glob.escape(path) + ".raised-*")]:  # and the workers' notes (note_raised)
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(note)
 
 
 def stop_code(path: str | None, exitcodes: Iterable[int] = ()) -> int | None:
@@ -130,10 +133,12 @@ def first_failure(failures: dict[int, Any]) -> int:
     """Agent: the rank that failed first, usually not exit 1 (peers failing in collectives) nor the
     agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM). Among the rest, an
     exit 1 (a Python exception) comes before a rank the agent's own SIGTERM ended: script workers'
-    failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception."""
+    failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception. Of several
+    exits 1, the first to raise (:func:`note_raised`): a late poll saw rank 0's too, and named it."""
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
     raised = [r for r, f in failures.items() if f.exitcode == 1]
-    return min(special or raised or failures)
+    notes = {r: t for r in raised if (t := raised_at(getattr(failures[r], "pid", -1))) is not None}
+    return min(special or ([min(notes, key=notes.__getitem__)] if notes else raised) or failures)
 
 
 def no_restart(failures: dict[int, Any]) -> bool:
@@ -157,13 +162,48 @@ def root_failure(pc: Any, error: Exception) -> Exception:
 
     reported = getattr(error, "error_index", None)
     procs = list(getattr(pc, "processes", []))
+    raised = {i: t for i, p in enumerate(procs) if p.exitcode == 1 and (t := raised_at(p.pid)) is not None}
     if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
         return error
     for i, proc in enumerate(procs):
         if proc.exitcode in OWN_EXITS:
             return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
                                           error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
+    # Several raised (exit 1): the first to raise, not the first in process order. Rank 1's exception
+    # ended its process, rank 0's collective then failed (exit 1): rank 0 was named (2 of 2 runs).
+    if reported in raised and (first := min(raised, key=raised.__getitem__)) != reported:
+        return ProcessExitedException(f"process {first} terminated with exit code 1",
+                                      error_index=first, error_pid=procs[first].pid, exit_code=1)
     return error
+
+
+def _raised_file(pid: int) -> str | None:
+    path = os.environ.get(STOP_FILE_ENV)
+    return f"{path}.raised-{pid}" if path else None
+
+
+def note_raised() -> None:
+    """A worker whose script raised (``--run-path``: :func:`trainguard.permanent.run_script_path`; a
+    script: the ``sys.excepthook`` of ``import trainguard``), at once: when, for the agent's
+    :func:`root_failure` and :func:`first_failure` (a peer failing in its collective raises later)."""
+    path = _raised_file(os.getpid())
+    with contextlib.suppress(OSError):
+        if path:
+            with open(path, "w") as f:
+                f.write(str(time.time_ns()))
+
+
+def raised_at(pid: int) -> int | None:
+    """Agent (:func:`root_failure`): when worker ``pid`` noted its exception (:func:`note_raised`),
+    None if it did not; the note is removed."""
+    path = _raised_file(pid)
+    try:
+        with open(path or "") as f:
+            text = f.read().strip()
+        os.remove(path or "")
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def quiet_stop(record: Any) -> None:

@@ -26,23 +26,24 @@ The watchdog is a daemon thread, started by the first heartbeat when ``TRAINGUAR
   agent as long as any worker does, so the parent pid alone says nothing there. Without the
   variable (plain torchrun) the check is ``os.getppid()`` against the parent at arm time.
 
-No hang is declared while the watchdog is paused: :func:`paused` around each save and
-:func:`suspend` from ``CheckpointManager.close`` (both called by the manager); the orphan check
-goes on. One exception: inside a save, a storage call (a write, fsync, rename, listing) that has
-not returned for the manager's ``timeout`` plus a grace (:func:`stuck_limit`) is a hang too (exit
-75, the stacks name the call). A *sync* save's write runs in the training thread, so nothing else
-could end it: a hung NFS server held the worker for good, its peers waiting in their next
-collective. An async save's stuck write is raised as ``StuckWriteError`` within the timeout by
-the manager's wait; the grace lets that come first. The thread only reads a clock,
+No hang is declared while the watchdog is paused: :func:`paused` around each save, restore and wait
+(:func:`untimed`), :func:`suspend` from ``CheckpointManager.close`` (called by the manager); the
+orphan check goes on. One exception: inside a save, a storage call (a write, fsync, rename,
+listing) that has not returned for the manager's ``timeout`` plus a grace (:func:`stuck_limit`) is
+a hang too (exit 75, the stacks name the call). A *sync* save's write runs in the training thread,
+so nothing else could end it: a hung NFS server held the worker for good, its peers waiting in
+their next collective. An async save's stuck write is raised as ``StuckWriteError`` within the
+timeout by the manager's wait; the grace lets that come first. The thread only reads a clock,
 ``os.getppid()``, ``/proc/<agent pid>/stat`` or the table of storage calls in flight
-(``iostall.oldest``); gloo waits release the GIL, so it runs while the main thread is blocked in
-a collective.
+(``iostall.oldest``); gloo waits release the GIL, so it runs while the main thread is blocked in a
+collective.
 """
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import mmap
 import os
@@ -52,12 +53,14 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import iostall
+from ..distwait import default_timeout
 from ..events import EVENTS_FILE, EventLog
 from .faults import Fault, faults_from_env, maybe_fire, run_dir
+from .reap import end_children
 
 HANG_EXIT = 75
 ORPHAN_EXIT = 76
@@ -177,6 +180,7 @@ class Watchdog:
                 agent = self.agent_pid if self.agent_pid is not None else self.parent_pid
                 self.events.emit("orphaned", parent_pid=self.parent_pid, agent_pid=agent)
                 print(f"trainguard: agent (pid {agent}) is gone; this worker exits", file=sys.stderr, flush=True)
+                end_children()  # its DataLoader processes: no agent is left to end them (they lived ~5 s on)
                 os._exit(ORPHAN_EXIT)
             last = self._last
             if last is not None and not self._paused and time.monotonic() - last > self.current_timeout():
@@ -366,7 +370,7 @@ def paused(timeout: float | None = None) -> Iterator[None]:
     large state may outlast the timeout), except a storage call stuck for :func:`stuck_limit` of the
     manager's ``timeout``; timing restarts at its end."""
     wd = _HEART.watchdog if _HEART is not None else None
-    if wd is None:
+    if wd is None or wd._paused:  # paused already (restore's wait, close's suspend): stays so at the end
         yield
         return
     wd.pause(stuck_limit(timeout) if timeout is not None else None)
@@ -374,6 +378,19 @@ def paused(timeout: float | None = None) -> Iterator[None]:
         yield
     finally:
         wd.resume()
+
+
+def untimed(*names: str) -> Callable[[type], type]:
+    """Class decorator of ``CheckpointManager``: methods ``names`` (``wait``, ``restore``) run :func:`paused`
+    as a save does (a rollback's restore in the loop outlasting the hang timeout was a hang, exit 75)."""
+    def wrap(cls: type) -> type:
+        for name in names:
+            def untimed_call(self: Any, *args: Any, _method: Any = getattr(cls, name), **kwargs: Any) -> Any:
+                with paused(self.timeout or default_timeout()):
+                    return _method(self, *args, **kwargs)
+            setattr(cls, name, functools.wraps(getattr(cls, name))(untimed_call))
+        return cls
+    return wrap
 
 
 def suspend() -> None:
