@@ -699,7 +699,8 @@ def test_another_saves_long_storage_call_is_not_this_saves_stuck_write() -> None
     from trainguard.handle import SaveHandle
 
     k = object()
-    iostall._OPEN[k] = (time.monotonic() - 100.0, "a write of 40 bytes at offset 0 of /x/B/step-000000001.tmp-ab/data-00000.bin")
+    iostall._OPEN[k] = (time.monotonic() - 100.0, "a write of 40 bytes at offset 0 of /x/B/step-000000001.tmp-ab/data-00000.bin",
+                        0)  # another thread's call (0: no thread's ident)
     try:
         assert iostall.oldest() is not None and iostall.oldest("/x/B/step-000000001") is not None
         assert iostall.oldest("/x/A/step-000000001") is None
