@@ -317,15 +317,15 @@ class RamTier:
             log.warning("trainguard: could not record in the RAM tier that step %d is on disk: %s", step, e)
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None], nbytes: int | None = None) -> None:
-        """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
-        RAM tier: make sure that step reaches the durable tier. Restored from the durable tier: a
-        RAM copy of the same step was tried first and found unusable; it is removed (the durable
-        copy is good). RAM copies of newer steps (unusable, or behind a rollback) stay until the
-        next save commits, but ``make_room`` may drop them for room."""
+        """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. From the RAM tier: that
+        step reaches the durable tier. From the durable tier: the RAM copy of that step, tried first, was
+        unusable; it is removed. RAM copies of newer steps (unusable, or behind a rollback) stay until the
+        next save commits (``make_room`` may drop them). ``committed`` forgets its last step: a rollback
+        saves it again (before, that save was never copied to disk and a clean ``close`` lost it)."""
         if self.ctx.rank != 0:
             return
         self.need = nbytes if nbytes is not None else self.need  # the size the next save's room is checked against
-        self._passed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}  # make_room may drop them
+        self._passed, self._committed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}, None
         if tier == "ram":
             self._start(step, on_durable)
             return

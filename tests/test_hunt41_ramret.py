@@ -1,0 +1,47 @@
+"""Session 41's hunt in the RAM tier and retention policies (ramret): each test holds a
+behaviour that was wrong before."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step-") and "." not in n
+                  and (root / n / "manifest.json").exists())
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_step_saved_again_after_a_rollback_reaches_disk_through_the_ram_tier(tmp_path: Path, async_save: bool) -> None:
+    """Save steps 1..6 through the RAM tier, roll back to 5 with ``restore(step=5)``, save step 6
+    again: that save must be copied to the run directory. Before, ``RamTier.committed`` remembered
+    step 6 from the first timeline and took the new step 6's commit for the second call of an async
+    save: no copy to disk, no retention; the rollback had removed the old step 6 from disk, and the
+    clean ``close`` removed the RAM tier, so the new step 6 was lost (a restart resumed from 5)."""
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    t = torch.zeros(1)
+    kw = dict(save=tg.EveryNSteps(1), keep=tg.KeepLatest(5), ram_tier=str(shm), async_save=async_save)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tg.CheckpointManager(root, **kw) as mgr:
+            for s in range(1, 7):
+                t.fill_(s)
+                mgr.save(s, {"t": t})
+            assert mgr.restore({"t": t}, step=5) == 5
+            t.fill_(66)
+            mgr.save(6, {"t": t})
+            mgr.wait()
+        assert _steps(root) == [2, 3, 4, 5, 6]
+        got = torch.zeros(1)
+        tg.load(str(root / "step-000000006"), {"t": got})
+        assert got.item() == 66.0
+        with tg.CheckpointManager(root, **kw) as mgr:
+            assert mgr.restore({"t": got}) == 6 and got.item() == 66.0
