@@ -45,3 +45,42 @@ def test_a_step_saved_again_after_a_rollback_reaches_disk_through_the_ram_tier(t
         assert got.item() == 66.0
         with tg.CheckpointManager(root, **kw) as mgr:
             assert mgr.restore({"t": got}) == 6 and got.item() == 66.0
+
+
+def test_a_step_saved_again_after_a_rollback_whose_copy_failed_is_not_dropped_for_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Steps 1..3 through the RAM tier (3 copied to disk), ``restore(step=2)``, save step 3 again,
+    its copy to disk fails: that RAM copy is the only one of the new step 3 (the rollback removed
+    the old one from disk), and the next save's ``make_room`` must keep it, short of room or not.
+    Before, ``RamTier.persisted`` still named step 3 of the first timeline, and ``make_room`` took
+    the new copy for the one already on disk and removed it: the step was gone everywhere."""
+    from trainguard import tiers
+
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    t = torch.zeros(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=str(shm),
+                                   handle_signals=False).open()
+        for s in (1, 2, 3):
+            t.fill_(s)
+            mgr.save(s, {"t": t})
+        assert mgr.restore({"t": t}, step=2) == 2
+        monkeypatch.setattr(mgr.ram, "persist", lambda step: (_ for _ in ()).throw(OSError(28, "disk full")))
+        t.fill_(33)
+        mgr.save(3, {"t": t})
+        mgr.ram.wait()
+        monkeypatch.undo()
+        free = tiers.shutil.disk_usage(shm)
+        monkeypatch.setattr(tiers.shutil, "disk_usage", lambda p: free._replace(free=4096))
+        mgr.ram.make_room()
+        monkeypatch.undo()
+        ram = Path(tiers.ram_dir(str(root), str(shm)))
+        assert _steps(ram) == [3] and _steps(root) == [2]
+        with pytest.raises(tg.CheckpointError, match="disk full"):
+            mgr.close(keep_ram_tier=True)
+        got = torch.zeros(1)
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm), handle_signals=False) as again:
+            assert again.restore({"t": got}) == 3 and got.item() == 33.0

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import layout
+from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
 
@@ -79,6 +80,19 @@ def _decide(tier: Any, step: int) -> bool:
     if durable:
         tier.events.emit("ram_no_room", step=step, free=free, need=want)
     return durable
+
+
+def forget_after(tier: Any, step: int) -> None:
+    """``RamTier.restored`` (rank 0), once ``restore`` returned ``step``: the tier's memory of the steps
+    after it is of the timeline that restore went back behind (a rollback). Its RAM copies newer than
+    ``step`` become ``_passed`` (``make_room`` may drop them); ``_committed`` and a ``persisted`` newer
+    than ``step`` are forgotten: a save of such a step again is a new checkpoint. Before, ``committed``
+    took that save for an async save's second call and never copied it to disk (a clean ``close`` then
+    lost it), and ``make_room`` took it for the copy on disk and dropped it when its copy failed."""
+    tier._passed = {s.step for s in list_steps(tier.storage, tier.dir) if s.step > step}
+    tier._committed = None
+    if tier.persisted is not None and tier.persisted > step:
+        tier.persisted = None
 
 
 def ran_out(e: BaseException, ram: str) -> bool:

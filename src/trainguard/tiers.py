@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import goes_durable, ran_out
+from .ramroom import forget_after, goes_durable, ran_out
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -320,12 +320,12 @@ class RamTier:
         """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. From the RAM tier: that
         step reaches the durable tier. From the durable tier: the RAM copy of that step, tried first, was
         unusable; it is removed. RAM copies of newer steps (unusable, or behind a rollback) stay until the
-        next save commits (``make_room`` may drop them). ``committed`` forgets its last step: a rollback
-        saves it again (before, that save was never copied to disk and a clean ``close`` lost it)."""
+        next save commits (``make_room`` may drop them). What the tier remembers of the steps after
+        ``step`` is forgotten (``ramroom.forget_after``): a rollback saves them again."""
         if self.ctx.rank != 0:
             return
         self.need = nbytes if nbytes is not None else self.need  # the size the next save's room is checked against
-        self._passed, self._committed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}, None
+        forget_after(self, step)  # its _passed: the RAM copies newer than step, which make_room may drop
         if tier == "ram":
             self._start(step, on_durable)
             return
