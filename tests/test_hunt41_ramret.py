@@ -84,3 +84,40 @@ def test_a_step_saved_again_after_a_rollback_whose_copy_failed_is_not_dropped_fo
         got = torch.zeros(1)
         with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm), handle_signals=False) as again:
             assert again.restore({"t": got}) == 3 and got.item() == 33.0
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_old_ram_copy_that_cannot_be_removed_does_not_keep_the_new_step_off_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """Step 2 commits in the RAM tier, and removing step 1's RAM copy fails (EACCES): step 2 must
+    still be copied to the run directory (step 1's copy stays, with the event ``ram_remove_failed``).
+    Before, the error left ``RamTier.committed`` before the copy started: a sync save raised a bare
+    PermissionError through ``on_error="warn"``, an async one logged it and its second call did
+    nothing; step 2 was in RAM only, and the clean ``close()`` removed the RAM tier with it."""
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    t = torch.ones(1)
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(3), ram_tier=str(shm),
+                               async_save=async_save, on_error="warn", handle_signals=False).open()
+    mgr.save(1, {"t": t})
+    mgr.wait()
+    real = mgr.ram.storage.remove_tree
+
+    def refused(path: str) -> None:
+        if path.endswith("step-000000001"):
+            raise PermissionError(13, "Permission denied", path)
+        real(path)
+
+    monkeypatch.setattr(mgr.ram.storage, "remove_tree", refused)
+    t.fill_(2)
+    mgr.save(2, {"t": t})
+    mgr.wait()
+    monkeypatch.undo()
+    mgr.close()
+    assert _steps(root) == [1, 2] and not os.path.exists(mgr.ram.dir)
+    got = torch.zeros(1)
+    tg.load(str(root / "step-000000002"), {"t": got})
+    assert got.item() == 2.0
+    events = (root / "events.jsonl").read_text()
+    assert '"ram_remove_failed"' in events and '"ram_persist"' in events

@@ -82,6 +82,22 @@ def _decide(tier: Any, step: int) -> bool:
     return durable
 
 
+def drop_others(tier: Any, step: int) -> None:
+    """``RamTier.committed`` (rank 0), once ``step`` committed in the RAM tier (or in the run directory,
+    past it): every other RAM copy is removed. One that cannot be (an OSError: EACCES, EBUSY) stays, with
+    a warning and the event ``ram_remove_failed``; the next commit tries again. Before, the error left
+    ``committed`` before the copy of ``step`` to disk started (after an async save: logged, and its second
+    call did nothing; a sync save raised a bare OSError, whatever ``on_error``): ``step`` was only in RAM,
+    and a clean ``close()`` removed the RAM tier with it."""
+    for s in list_steps(tier.storage, tier.dir):
+        if s.step != step:
+            try:
+                tier.storage.remove_tree(s.path)
+            except OSError as e:
+                log.warning("trainguard: could not remove %s from the RAM tier (kept): %s", s.path, e)
+                tier.events.emit("ram_remove_failed", step=s.step, error=str(e)[:2000])
+
+
 def forget_after(tier: Any, step: int) -> None:
     """``RamTier.restored`` (rank 0), once ``restore`` returned ``step``: the tier's memory of the steps
     after it is of the timeline that restore went back behind (a rollback). Its RAM copies newer than

@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import forget_after, goes_durable, ran_out
+from .ramroom import drop_others, forget_after, goes_durable, ran_out
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -221,10 +221,8 @@ class RamTier:
         collects the save: the second call does nothing."""
         if self.ctx.rank != 0 or self._committed == step:
             return
-        self._committed, self._passed = step, set()  # the older RAM copies go now
-        for s in list_steps(self.storage, self.dir):
-            if s.step != step:
-                self.storage.remove_tree(s.path)
+        self._committed, self._passed = step, set()  # the older RAM copies go now (not failing this copy)
+        drop_others(self, step)
         if self._bypass == step:  # on disk already; the next save tries RAM again if it has room
             self.need = nbytes if nbytes is not None else self.need
             on_durable(step)
