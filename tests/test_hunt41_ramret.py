@@ -4,6 +4,7 @@ behaviour that was wrong before."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from pathlib import Path
 
@@ -121,3 +122,55 @@ def test_an_old_ram_copy_that_cannot_be_removed_does_not_keep_the_new_step_off_d
     assert got.item() == 2.0
     events = (root / "events.jsonl").read_text()
     assert '"ram_remove_failed"' in events and '"ram_persist"' in events
+
+
+class _Clock:
+    """``trainguard.api``'s ``time`` with a wall clock the test sets (the manifests' ``created``)."""
+
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
+
+
+def test_an_async_save_again_after_a_rollback_shows_retention_its_own_created_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Async saves through the RAM tier, a rollback to step 5, step 6 saved again: the retention
+    after its copy to disk must tell the policy the new step 6's ``created``, its manifest's.
+    Before, the RAM tier's commit callback did not record it (the one without a RAM tier does),
+    and the retention, which runs before the manager collects the save, gave the abandoned step 6's."""
+    from trainguard import api
+    from trainguard.retention import read_facts
+    from trainguard.storage import LocalStorage
+
+    seen: dict[int, float] = {}
+
+    class Spy(tg.RetentionPolicy):
+        def select(self, checkpoints):  # type: ignore[no-untyped-def]
+            seen.update({c.step: c.created for c in checkpoints})
+            return {c.step for c in checkpoints}
+
+    clock = _Clock()
+    monkeypatch.setattr(api, "time", clock)
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    t = torch.zeros(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=Spy(), ram_tier=str(shm), async_save=True) as mgr:
+            for s in range(1, 7):
+                mgr.save(s, {"t": t})
+            mgr.wait()
+            mgr.ram.wait()
+            assert seen[6] == 1_700_000_000.0
+            assert mgr.restore({"t": t}, step=5) == 5
+            clock.now = 1_800_000_000.0
+            mgr.save(6, {"t": t}).result()
+            mgr.ram.wait()  # the copy to disk and its retention, before the manager collects the save
+            assert read_facts(LocalStorage(), str(root / "step-000000006"))[0] == 1_800_000_000.0
+            assert seen[6] == 1_800_000_000.0
