@@ -174,3 +174,38 @@ def test_an_async_save_again_after_a_rollback_shows_retention_its_own_created_ti
             mgr.ram.wait()  # the copy to disk and its retention, before the manager collects the save
             assert read_facts(LocalStorage(), str(root / "step-000000006"))[0] == 1_800_000_000.0
             assert seen[6] == 1_800_000_000.0
+
+
+def test_a_stale_ram_copy_that_cannot_be_removed_does_not_fail_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 reached the run directory through the RAM tier and was deleted from it since: the RAM
+    copy is stale, and removing it fails (EACCES). ``restore`` must leave it out and resume from
+    step 1 of the run directory. Before, the bare PermissionError of the removal failed the
+    ``restore`` (on rank 0 alone: the other ranks waited for its list of candidates)."""
+    root, shm = tmp_path / "run", tmp_path / "shm"
+    shm.mkdir()
+    t = torch.zeros(1)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm), handle_signals=False) as mgr:
+        for s in (1, 2):
+            t.fill_(s)
+            mgr.save(s, {"t": t})
+        mgr.close(keep_ram_tier=True)
+    for f in (root / "step-000000002").iterdir():
+        f.unlink()
+    (root / "step-000000002").rmdir()
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm), handle_signals=False).open()
+    real = mgr.ram.storage.remove_tree
+
+    def refused(path: str) -> None:
+        if path.endswith("step-000000002"):
+            raise PermissionError(13, "Permission denied", path)
+        real(path)
+
+    monkeypatch.setattr(mgr.ram.storage, "remove_tree", refused)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert mgr.restore({"t": t}) == 1 and t.item() == 1.0
+    monkeypatch.undo()
+    assert '"ram_remove_failed"' in (root / "events.jsonl").read_text()
+    mgr.close()

@@ -91,11 +91,21 @@ def drop_others(tier: Any, step: int) -> None:
     and a clean ``close()`` removed the RAM tier with it."""
     for s in list_steps(tier.storage, tier.dir):
         if s.step != step:
-            try:
-                tier.storage.remove_tree(s.path)
-            except OSError as e:
-                log.warning("trainguard: could not remove %s from the RAM tier (kept): %s", s.path, e)
-                tier.events.emit("ram_remove_failed", step=s.step, error=str(e)[:2000])
+            drop_copy(tier, s.path)
+
+
+def drop_copy(tier: Any, path: str) -> None:
+    """Remove the RAM copy ``path`` of ``tier`` (rank 0): ``drop_others``, and ``RamTier.candidates``
+    and ``restored`` for a copy that ``restore`` must not use (stale, or found unusable). An OSError
+    leaves it there, with a warning and the event ``ram_remove_failed`` (a later commit removes it):
+    ``candidates`` leaves it out all the same. Before, a stale copy that could not be removed failed
+    the ``restore`` with a bare OSError on rank 0 (the other ranks waited in its broadcast), though
+    the run directory held usable checkpoints."""
+    try:
+        tier.storage.remove_tree(path)
+    except OSError as e:
+        log.warning("trainguard: could not remove %s from the RAM tier (kept): %s", path, e)
+        tier.events.emit("ram_remove_failed", step=layout.parse_step(os.path.basename(path)), error=str(e)[:2000])
 
 
 def forget_after(tier: Any, step: int) -> None:

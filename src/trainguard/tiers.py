@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import drop_others, forget_after, goes_durable, ran_out
+from .ramroom import drop_copy, drop_others, forget_after, goes_durable, ran_out
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -289,7 +289,7 @@ class RamTier:
         durable = set(durable_steps)  # not the list: a look-up per step made this O(steps**2)
         ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
         for step in [s for s in ram if self._stale(s, ram[s], s in durable)]:
-            self.storage.remove_tree(ram.pop(step))
+            drop_copy(self, ram.pop(step))  # not offered, whether or not it could be removed
         out = []
         for step in sorted(set(ram) | durable, reverse=True):
             if step in ram:
@@ -330,7 +330,7 @@ class RamTier:
         self.wait()
         bad = os.path.join(self.dir, layout.step_dir(step))
         if os.path.exists(bad):
-            self.storage.remove_tree(bad)
+            drop_copy(self, bad)
             self.events.emit("ram_discard", steps=[layout.step_dir(step)])
 
 
