@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import layout
+from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
 
@@ -79,6 +80,45 @@ def _decide(tier: Any, step: int) -> bool:
     if durable:
         tier.events.emit("ram_no_room", step=step, free=free, need=want)
     return durable
+
+
+def drop_others(tier: Any, step: int) -> None:
+    """``RamTier.committed`` (rank 0), once ``step`` committed in the RAM tier (or in the run directory,
+    past it): every other RAM copy is removed. One that cannot be (an OSError: EACCES, EBUSY) stays, with
+    a warning and the event ``ram_remove_failed``; the next commit tries again. Before, the error left
+    ``committed`` before the copy of ``step`` to disk started (after an async save: logged, and its second
+    call did nothing; a sync save raised a bare OSError, whatever ``on_error``): ``step`` was only in RAM,
+    and a clean ``close()`` removed the RAM tier with it."""
+    for s in list_steps(tier.storage, tier.dir):
+        if s.step != step:
+            drop_copy(tier, s.path)
+
+
+def drop_copy(tier: Any, path: str) -> None:
+    """Remove the RAM copy ``path`` of ``tier`` (rank 0): ``drop_others``, and ``RamTier.candidates``
+    and ``restored`` for a copy that ``restore`` must not use (stale, or found unusable). An OSError
+    leaves it there, with a warning and the event ``ram_remove_failed`` (a later commit removes it):
+    ``candidates`` leaves it out all the same. Before, a stale copy that could not be removed failed
+    the ``restore`` with a bare OSError on rank 0 (the other ranks waited in its broadcast), though
+    the run directory held usable checkpoints."""
+    try:
+        tier.storage.remove_tree(path)
+    except OSError as e:
+        log.warning("trainguard: could not remove %s from the RAM tier (kept): %s", path, e)
+        tier.events.emit("ram_remove_failed", step=layout.parse_step(os.path.basename(path)), error=str(e)[:2000])
+
+
+def forget_after(tier: Any, step: int) -> None:
+    """``RamTier.restored`` (rank 0), once ``restore`` returned ``step``: the tier's memory of the steps
+    after it is of the timeline that restore went back behind (a rollback). Its RAM copies newer than
+    ``step`` become ``_passed`` (``make_room`` may drop them); ``_committed`` and a ``persisted`` newer
+    than ``step`` are forgotten: a save of such a step again is a new checkpoint. Before, ``committed``
+    took that save for an async save's second call and never copied it to disk (a clean ``close`` then
+    lost it), and ``make_room`` took it for the copy on disk and dropped it when its copy failed."""
+    tier._passed = {s.step for s in list_steps(tier.storage, tier.dir) if s.step > step}
+    tier._committed = None
+    if tier.persisted is not None and tier.persisted > step:
+        tier.persisted = None
 
 
 def ran_out(e: BaseException, ram: str) -> bool:

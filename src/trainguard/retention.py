@@ -56,12 +56,13 @@ def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -
     (0.13-0.34 s for a 1 GB checkpoint on this machine; seconds on a parallel filesystem). A next
     ``save()`` that waits for it counts that as waiting for the previous save (``retained_at``, on
     the manager's ``clock``); ``_finish_pending`` then does not run it again."""
-    if mgr.ram:
-        handle.after_commit(lambda m: mgr.ram.committed(m.step, mgr._apply_retention, m.total_bytes))
-        return
 
     def run(m: Any) -> None:
-        mgr._created[m.step] = m.created  # what _finish_pending sets later, for the policy's facts
+        # What _finish_pending sets later, for the policy's facts: with the RAM tier too, whose copy's
+        # retention may run first (after a rollback the step's entry was the abandoned timeline's).
+        mgr._created[m.step] = m.created
+        if mgr.ram:
+            return mgr.ram.committed(m.step, mgr._apply_retention, m.total_bytes)
         try:
             apply_retention(mgr, m.step)
         finally:

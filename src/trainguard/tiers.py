@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import goes_durable, ran_out
+from .ramroom import drop_copy, drop_others, forget_after, goes_durable, ran_out
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -221,10 +221,8 @@ class RamTier:
         collects the save: the second call does nothing."""
         if self.ctx.rank != 0 or self._committed == step:
             return
-        self._committed, self._passed = step, set()  # the older RAM copies go now
-        for s in list_steps(self.storage, self.dir):
-            if s.step != step:
-                self.storage.remove_tree(s.path)
+        self._committed, self._passed = step, set()  # the older RAM copies go now (not failing this copy)
+        drop_others(self, step)
         if self._bypass == step:  # on disk already; the next save tries RAM again if it has room
             self.need = nbytes if nbytes is not None else self.need
             on_durable(step)
@@ -291,7 +289,7 @@ class RamTier:
         durable = set(durable_steps)  # not the list: a look-up per step made this O(steps**2)
         ram = {s.step: s.path for s in list_steps(self.storage, self.dir) if s.status == "committed"}
         for step in [s for s in ram if self._stale(s, ram[s], s in durable)]:
-            self.storage.remove_tree(ram.pop(step))
+            drop_copy(self, ram.pop(step))  # not offered, whether or not it could be removed
         out = []
         for step in sorted(set(ram) | durable, reverse=True):
             if step in ram:
@@ -317,22 +315,22 @@ class RamTier:
             log.warning("trainguard: could not record in the RAM tier that step %d is on disk: %s", step, e)
 
     def restored(self, step: int, tier: str, on_durable: Callable[[int], None], nbytes: int | None = None) -> None:
-        """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. Restored from the
-        RAM tier: make sure that step reaches the durable tier. Restored from the durable tier: a
-        RAM copy of the same step was tried first and found unusable; it is removed (the durable
-        copy is good). RAM copies of newer steps (unusable, or behind a rollback) stay until the
-        next save commits, but ``make_room`` may drop them for room."""
+        """Every rank, at the end of ``CheckpointManager.restore``; rank 0 acts. From the RAM tier: that
+        step reaches the durable tier. From the durable tier: the RAM copy of that step, tried first, was
+        unusable; it is removed. RAM copies of newer steps (unusable, or behind a rollback) stay until the
+        next save commits (``make_room`` may drop them). What the tier remembers of the steps after
+        ``step`` is forgotten (``ramroom.forget_after``): a rollback saves them again."""
         if self.ctx.rank != 0:
             return
         self.need = nbytes if nbytes is not None else self.need  # the size the next save's room is checked against
-        self._passed = {s.step for s in list_steps(self.storage, self.dir) if s.step > step}  # make_room may drop them
+        forget_after(self, step)  # its _passed: the RAM copies newer than step, which make_room may drop
         if tier == "ram":
             self._start(step, on_durable)
             return
         self.wait()
         bad = os.path.join(self.dir, layout.step_dir(step))
         if os.path.exists(bad):
-            self.storage.remove_tree(bad)
+            drop_copy(self, bad)
             self.events.emit("ram_discard", steps=[layout.step_dir(step)])
 
 
