@@ -173,8 +173,14 @@ def test_script_worker_close_ends_the_group_of_a_worker_that_had_exited(monkeypa
         start_new_session=True, stdout=subprocess.PIPE, text=True)
     assert leader.wait(30) == 75
     leader.stdout.close()
+    def group(pid: int) -> int | None:  # None for a process that ended meanwhile (other tests' processes)
+        try:
+            return os.getpgid(pid)
+        except ProcessLookupError:
+            return None
+
     child = next(int(p) for p in os.listdir("/proc") if p.isdigit() and reap.running(int(p))
-                 and os.getpgid(int(p)) == leader.pid)
+                 and group(int(p)) == leader.pid)
 
     class Handler:
         proc = leader
