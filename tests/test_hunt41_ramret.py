@@ -19,6 +19,18 @@ def _steps(root: Path) -> list[int]:
                   and (root / n / "manifest.json").exists())
 
 
+def _refuse_removing(monkeypatch, mgr: tg.CheckpointManager, name: str) -> None:
+    """The RAM tier's removal of its copy ``name`` fails with EACCES (others are removed)."""
+    real = mgr.ram.storage.remove_tree
+
+    def refused(path: str) -> None:
+        if path.endswith(name):
+            raise PermissionError(13, "Permission denied", path)
+        real(path)
+
+    monkeypatch.setattr(mgr.ram.storage, "remove_tree", refused)
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_step_saved_again_after_a_rollback_reaches_disk_through_the_ram_tier(tmp_path: Path, async_save: bool) -> None:
     """Save steps 1..6 through the RAM tier, roll back to 5 with ``restore(step=5)``, save step 6
@@ -103,14 +115,7 @@ def test_an_old_ram_copy_that_cannot_be_removed_does_not_keep_the_new_step_off_d
                                async_save=async_save, on_error="warn", handle_signals=False).open()
     mgr.save(1, {"t": t})
     mgr.wait()
-    real = mgr.ram.storage.remove_tree
-
-    def refused(path: str) -> None:
-        if path.endswith("step-000000001"):
-            raise PermissionError(13, "Permission denied", path)
-        real(path)
-
-    monkeypatch.setattr(mgr.ram.storage, "remove_tree", refused)
+    _refuse_removing(monkeypatch, mgr, "step-000000001")
     t.fill_(2)
     mgr.save(2, {"t": t})
     mgr.wait()
@@ -195,14 +200,7 @@ def test_a_stale_ram_copy_that_cannot_be_removed_does_not_fail_the_restore(
         f.unlink()
     (root / "step-000000002").rmdir()
     mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(shm), handle_signals=False).open()
-    real = mgr.ram.storage.remove_tree
-
-    def refused(path: str) -> None:
-        if path.endswith("step-000000002"):
-            raise PermissionError(13, "Permission denied", path)
-        real(path)
-
-    monkeypatch.setattr(mgr.ram.storage, "remove_tree", refused)
+    _refuse_removing(monkeypatch, mgr, "step-000000002")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert mgr.restore({"t": t}) == 1 and t.item() == 1.0
