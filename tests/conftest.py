@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,33 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
+_RUN_TMP = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's tmp_path plugin: its base directory stays where it was
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller (or a run without xdist) points ``TMPDIR`` at a directory of this run's own,
+    which every worker and child inherits: what torchrun's agents (``torchelastic_*``), the
+    SeaweedFS server (its sockets and logs, left when the fixture kills it), multiprocessing
+    (``pymp-*``) and pytest's ``tmp_path`` put in the temp directory goes there, and is removed
+    at the end of the run (they piled up in ``/tmp`` by the thousand over sessions)."""
+    if hasattr(config, "workerinput") or os.environ.get("TRAINGUARD_TESTS_TMPDIR"):
+        return  # an xdist worker: it inherited the controller's
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None and config.option.basetemp is None:
+        # Fixed in /tmp/pytest-of-<user> now: under this run's directory, tmp_path would be 17 characters longer
+        # and the AF_UNIX sockets that tests bind in it (multiprocessing's forkserver) too long.
+        factory.getbasetemp()
+    run_tmp = tempfile.mkdtemp(prefix="tg-tests-")
+    os.environ["TMPDIR"] = os.environ["TRAINGUARD_TESTS_TMPDIR"] = run_tmp
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.stash[_RUN_TMP] = run_tmp
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    run_tmp = config.stash.get(_RUN_TMP, None)
+    if run_tmp is not None:
+        shutil.rmtree(run_tmp, ignore_errors=True)
 
 
 def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

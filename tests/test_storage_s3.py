@@ -80,6 +80,7 @@ class Weed:
         self.log = base / "weed.log"
         self.ports = dict(zip(["master", "volume", "filer", "s3"], _free_ports(4)))
         self.proc: subprocess.Popen | None = None
+        self.grpc: list[int] = []  # the gRPC ports of the last start
 
     @property
     def endpoint(self) -> str:
@@ -89,7 +90,7 @@ class Weed:
         p = self.ports
         # grpc ports are explicit too (the default is port+10000, maybe taken); extra listeners and
         # telemetry off; a single master elects itself at once (a restart otherwise waits ~10 s).
-        grpc = _free_ports(4)
+        grpc = self.grpc = _free_ports(4)
         args = [
             WEED, "server", f"-dir={self.dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={p['master']}", f"-master.port.grpc={grpc[0]}",
@@ -98,6 +99,7 @@ class Weed:
             "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={grpc[3]}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.config={self.config}", "-master.volumeSizeLimitMB=256", "-volume.max=0", "-metricsPort=0",
             "-master.electionTimeout=1s", "-master.peers=none", "-master.telemetry=false",
+            f"-filer.localSocket={self.dir.parent / 'filer.sock'}", f"-s3.localSocket={self.dir.parent / 's3.sock'}",
         ]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -123,6 +125,10 @@ class Weed:
             os.kill(self.proc.pid, signal.SIGKILL)  # by PID: only the server this fixture started
             self.proc.wait(10)
         self.proc = None
+        # weed puts its gRPC servers' unix sockets in /tmp whatever TMPDIR says (no flag), and a killed one
+        # leaves them: they piled up by the thousand over the sessions' runs.
+        for kind, port in zip(["master", "volume", "filer", "s3"], self.grpc):
+            Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")
