@@ -39,7 +39,11 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     run_tmp = config.stash.get(_RUN_TMP, None)
     if run_tmp is not None:
-        shutil.rmtree(run_tmp, ignore_errors=True)
+        # At exit, after multiprocessing removed its own pymp-* directory in it (priority -100): removed now,
+        # that removal would print a FileNotFoundError traceback as the process exits.
+        from multiprocessing import util
+
+        util.Finalize(None, shutil.rmtree, args=(run_tmp,), kwargs={"ignore_errors": True}, exitpriority=-200)
 
 
 def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -11,6 +11,7 @@ every save with ENOSPC: with ``on_error="warn"`` the run trained on with no chec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -154,3 +155,40 @@ def estimate(state: Mapping[str, Any]) -> int:
                 seen.add(id(t))
                 total += t.to_local().nbytes * local if is_dtensor(t) else t.nbytes
     return total
+
+
+def opened(tier: Any, timeout: float | None) -> None:
+    """``RamTier.open``, every rank after the check that all share one node: rank 0 prepares the RAM
+    directory (``RamTier.prepare``: creates it, cleans crashed RAM saves, discards the copies of a run
+    directory deleted since) and sends its error, if any, to the others; every rank then raises a
+    ``CheckpointError`` naming it. Before, rank 0 raised the bare OSError (EACCES removing a stale copy)
+    and the other ranks went on to wait for it in the manager's next round."""
+    err = None
+    if tier.ctx.rank == 0:
+        try:
+            tier.prepare()
+        except Exception as e:  # OSError, a store's error reading the run directory's id
+            err = f"{type(e).__name__}: {e}"
+    if tier.ctx.is_distributed:
+        err = tier.ctx.broadcast("ram_open", err, timeout=timeout)
+    if err:
+        raise CheckpointError(
+            f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
+            "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
+        )
+
+
+def remove_tier(tier: Any) -> None:
+    """``RamTier.close(clean=True)``, rank 0, once its last copy reached the run directory: remove the RAM
+    tier. One that cannot be removed (EACCES, EBUSY) stays, with a warning that says where and the event
+    ``ram_remove_failed``: the job ended well and its checkpoints are on disk. Before, ``close()`` raised the
+    bare OSError."""
+    try:
+        tier.storage.remove_tree(tier.dir)
+    except OSError as e:
+        log.warning("trainguard: could not remove the RAM tier %s (it holds memory until removed: rm -rf it): %s",
+                    tier.dir, e)
+        tier.events.emit("ram_remove_failed", step=None, error=str(e)[:2000])
+        return
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(tier.dir))  # the per-user dir, if no other run uses it

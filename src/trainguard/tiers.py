@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import drop_copy, drop_others, forget_after, goes_durable, ran_out
+from .ramroom import drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -115,10 +115,13 @@ class RamTier:
                     f"ram_tier needs every rank on one node (ranks run on {sorted(set(hosts))}); "
                     "drop ram_tier=... for multi-node jobs"
                 )
-        if self.ctx.rank == 0:
-            os.makedirs(self.dir, exist_ok=True)
-            clean_debris(self.storage, self.dir)
-            self._check_run()
+        opened(self, timeout)
+
+    def prepare(self) -> None:
+        """``ramroom.opened``, rank 0: create the RAM directory, clean crashed RAM saves, check the run."""
+        os.makedirs(self.dir, exist_ok=True)
+        clean_debris(self.storage, self.dir)
+        self._check_run()
 
     def _check_run(self) -> None:
         """Rank 0, at open: the RAM tier belongs to this run directory, not to one deleted since
@@ -168,9 +171,7 @@ class RamTier:
         self.wait()
         err, self._error = self._error, None
         if clean and err is None:
-            self.storage.remove_tree(self.dir)
-            with contextlib.suppress(OSError):
-                os.rmdir(os.path.dirname(self.dir))  # the per-user dir, if no other run uses it
+            remove_tier(self)
         if err is not None:
             raise CheckpointError(f"RAM tier: copying to {self.durable_root} failed: {err}") from err
 
