@@ -53,7 +53,7 @@ from .stage import (
     trim_idle_pools,
     zero_copy_ok,
 )
-from .stagecopy import Batch, BatchCopier, copy_into, drained, pack_batches
+from .stagecopy import Batch, BatchCopier, copy_into, drained
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -303,7 +303,7 @@ def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
         copier.flush()
         h.staging_batches += 1
 
-    yield from pack_batches(drained(todo), buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
+    yield from copier.batches(drained(todo), buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
 
 
 def wait_staging_in_flight() -> None:

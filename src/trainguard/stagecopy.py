@@ -9,6 +9,7 @@ cannot wait with :func:`copy_into` (``async_save``, training thread).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
@@ -110,9 +111,34 @@ class BatchCopier:
 
     def flush(self) -> None:
         queued, self.queued = self.queued, []
-        copy_many(queued)
+        try:
+            copy_many(queued)
+        except BaseException:
+            self.settle()
+            raise
         for s in self.streams.values():
             s.synchronize()
+
+    def settle(self) -> None:
+        """On a failure: wait for the device copies already started, whose destination (the pool's
+        buffer) is released next and may be reused by the next save; their own errors are ignored
+        (the failure is raised). Before, a copy or writer failing partway through a batch left the
+        batch's non-blocking GPU copies writing into a released buffer."""
+        for s in self.streams.values():
+            with contextlib.suppress(Exception):
+                s.synchronize()
+
+    def batches(self, items: Iterable[tuple[int, torch.Tensor, bool, int]], buf: torch.Tensor, *, block: int,
+                copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], flush: Callable[[], None],
+                last: Callable[[], None]) -> Iterator[Batch]:
+        """``pack_batches`` whose copies go through this copier (``async_save._stage_background``):
+        whatever ends it early (a copy raising, the writer closing it after a failed write) first
+        waits for the device copies in flight (:meth:`settle`)."""
+        try:
+            yield from pack_batches(items, buf, block=block, copy=copy, flush=flush, last=last)
+        except BaseException:
+            self.settle()
+            raise
 
 
 def copy_many(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int = COPY_THREADS) -> None:
