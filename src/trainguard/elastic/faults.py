@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError
 from ..events import EVENTS_FILE, EventLog
+from . import reap
 
 KINDS = ("kill", "exit", "exception", "hang", "agent")
 ENV = "TRAINGUARD_FAULT"
@@ -148,6 +149,7 @@ def fire(f: Fault) -> None:
 
         agent = _agent_pid()  # under forkserver the parent is the forkserver, which would not end the agent
         os.kill(agent if agent is not None else os.getppid(), signal.SIGKILL)
+        reap.end_children()  # its DataLoader processes end with it, as on a lost node (they lived ~5 s on)
         os.kill(os.getpid(), signal.SIGKILL)
     elif f.kind == "hang":
         _injected_hang()
