@@ -163,19 +163,19 @@ def opened(tier: Any, timeout: float | None) -> None:
     directory deleted since) and sends its error, if any, to the others; every rank then raises a
     ``CheckpointError`` naming it. Before, rank 0 raised the bare OSError (EACCES removing a stale copy)
     and the other ranks went on to wait for it in the manager's next round."""
-    err = None
+    err, cause = None, None
     if tier.ctx.rank == 0:
         try:
             tier.prepare()
         except Exception as e:  # OSError, a store's error reading the run directory's id
-            err = f"{type(e).__name__}: {e}"
+            err, cause = f"{type(e).__name__}: {e}", e
     if tier.ctx.is_distributed:
         err = tier.ctx.broadcast("ram_open", err, timeout=timeout)
     if err:
         raise CheckpointError(
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
-        )
+        ) from cause
 
 
 def remove_tier(tier: Any) -> None:
