@@ -1,0 +1,43 @@
+"""Session 42's format fuzz (structured edits of real checkpoints, every consumer): what it found.
+
+- ``trainguard inspect`` of a checkpoint whose tensor name holds a lone surrogate (a state key
+  ``"w\\ud800"``, which ``tg.save`` writes as is) died with UnicodeEncodeError: ``printable``
+  escaped only surrogate-escaped bytes.
+- ``inspect``'s header printed the manifest's ``library``/``torch`` strings whole: rich's
+  highlighter is quadratic in an unbroken word (100,000 characters: minutes).
+- ``convert --to dcp`` of a manifest whose skeleton refers to another entry's tensor (valid for
+  ``manifest.validate``, loaded by ``tg.load``) raised a bare KeyError.
+- Retention read ``metadata["metrics"]`` of a checkpoint it did not write with ``dict()``: a
+  ``tg.save(..., metadata={"metrics": [...]})`` in the run directory failed every retention.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard.cli import main as cli_main
+from trainguard.commands import printable
+from trainguard.manifest import checksum
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    """Edit the manifest body of ``ckpt``, its checksum recomputed (only semantic checks see the edit)."""
+    body = json.loads((ckpt / "manifest.json").read_bytes())["manifest"]
+    edit(body)
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    (ckpt / "manifest.json").write_bytes(b'{"checksum":"' + checksum(raw).encode() + b'","manifest":' + raw + b"}\n")
+
+
+def test_inspect_shows_a_lone_surrogate_in_a_tensor_name(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-000000001"
+    tg.save(ckpt, {"m": {"w\ud800": torch.ones(2)}})
+    r = CliRunner().invoke(cli_main, ["inspect", str(ckpt)], catch_exceptions=True)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert r.exit_code == 0, r.output
+    assert "w\\ud800" in r.output
+    assert printable("a\ud800b\udc80") == "a\\ud800b\\x80"  # a surrogate-escaped byte stays \xNN
