@@ -41,3 +41,13 @@ def test_inspect_shows_a_lone_surrogate_in_a_tensor_name(tmp_path: Path) -> None
     assert r.exit_code == 0, r.output
     assert "w\\ud800" in r.output
     assert printable("a\ud800b\udc80") == "a\\ud800b\\x80"  # a surrogate-escaped byte stays \xNN
+
+
+def test_inspect_header_clips_a_huge_library_string(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-000000001"
+    tg.save(ckpt, {"w": torch.ones(2)})
+    _rewrite(ckpt, lambda b: b.update(library="x" * 3000))
+    r = CliRunner().invoke(cli_main, ["inspect", str(ckpt)], catch_exceptions=True)
+    assert r.exit_code == 0, r.output
+    header = r.output.splitlines()[0]
+    assert "(3000 characters)" in header and len(header) < 1000, header[:300]
