@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -51,3 +52,17 @@ def test_inspect_header_clips_a_huge_library_string(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     header = r.output.splitlines()[0]
     assert "(3000 characters)" in header and len(header) < 1000, header[:300]
+
+
+def test_convert_to_dcp_refuses_a_reference_to_another_entrys_tensor(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-000000001"
+    tg.save(ckpt, {"model": {"a": torch.ones(2), "b": torch.zeros(3)}, "plain": {"s": torch.tensor(2.0)}})
+    _rewrite(ckpt, lambda b: b["objects"]["model"]["skeleton"].update(a={"$t": "plain/s"}))
+    state = {"model": None}
+    tg.load(ckpt, state, strict=False)  # the manifest validates: a load takes the other entry's tensor
+    assert torch.equal(state["model"]["a"], torch.tensor(2.0))
+    r = CliRunner().invoke(cli_main, ["convert", str(ckpt), str(tmp_path / "dcp"), "--to", "dcp", "--entry", "*"],
+                           catch_exceptions=True)
+    assert isinstance(r.exception, SystemExit) and r.exit_code == 2, (repr(r.exception), r.output)
+    assert "refers to tensor 'plain/s', which is not one of its own" in r.output
+    assert not os.path.exists(tmp_path / "dcp")
