@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -66,3 +67,17 @@ def test_convert_to_dcp_refuses_a_reference_to_another_entrys_tensor(tmp_path: P
     assert isinstance(r.exception, SystemExit) and r.exit_code == 2, (repr(r.exception), r.output)
     assert "refers to tensor 'plain/s', which is not one of its own" in r.output
     assert not os.path.exists(tmp_path / "dcp")
+
+
+def test_retention_reads_metrics_that_are_not_a_dict_as_none(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    state = {"w": torch.ones(3)}
+    tg.save(run / "step-000000001", state, metadata={"metrics": [1, 2]})  # the user's own metadata
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepBest("loss", n=1)) as mgr:
+            assert mgr.restore(state) == 1
+            for step in (2, 3):
+                mgr.save(step, state, metrics={"loss": float(step)})
+    assert not [w for w in caught if "retention" in str(w.message)], [str(w.message) for w in caught]
+    assert sorted(os.listdir(run)) == [".lock", "events.jsonl", "step-000000002", "step-000000003"]
