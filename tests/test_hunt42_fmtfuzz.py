@@ -81,3 +81,19 @@ def test_retention_reads_metrics_that_are_not_a_dict_as_none(tmp_path: Path) -> 
                 mgr.save(step, state, metrics={"loss": float(step)})
     assert not [w for w in caught if "retention" in str(w.message)], [str(w.message) for w in caught]
     assert sorted(os.listdir(run)) == [".lock", "events.jsonl", "step-000000002", "step-000000003"]
+
+
+def test_skeleton_errors_quote_a_bounded_part_of_the_value(tmp_path: Path) -> None:
+    """A ``$float`` or ``$t`` marker holding 100,000 characters: the error (printed by verify, ls,
+    logged by restore) quotes the start of it, as every other manifest error does, not all of it."""
+    for n, edit in enumerate([lambda b: b["metadata"].update(x={"$float": "z" * 100_000}),
+                              lambda b: b["objects"]["p"]["skeleton"].update(w={"$t": [0] * 100_000})]):
+        ckpt = tmp_path / f"step-00000000{n}"
+        tg.save(ckpt, {"p": {"w": torch.ones(2)}})
+        _rewrite(ckpt, edit)
+        try:
+            tg.load(ckpt, {"p": None}, strict=False)
+        except tg.CorruptCheckpointError as e:
+            assert len(str(e)) < 500, len(str(e))
+        else:
+            raise AssertionError("the edited manifest loaded")
