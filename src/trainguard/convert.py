@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
-from .errors import CheckpointError, StepExistsError
+from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
 from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing
 from .flatten import single_tensor, unflatten
 from .storage import for_path
@@ -173,6 +173,21 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
             torch.save(tensors, tmp)
 
 
+def _own(tensors: dict[str, Any], d: str, entry: str) -> Any:
+    """``_read_entries``' lookup of a skeleton's tensor among the entry's own (``iter_tensors``): a
+    reference to another entry's tensor, which no save writes and ``manifest.validate`` lets pass
+    (the tensor exists), is a corrupt manifest, not the bare KeyError it was."""
+
+    def get(path: str) -> Any:
+        if path not in tensors:
+            raise CorruptCheckpointError(
+                f"{d}: entry {entry[:60]!r} refers to tensor {path[:80]!r}, which is not one of its own: the manifest "
+                "is corrupt or hand-edited", file="manifest.json", entry=path)
+        return tensors[path]
+
+    return get
+
+
 def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[str, Any], int]:
     """``convert`` to DCP: each entry (every one with ``entry=None``) as a load into nothing gives
     it, tensors and JSON values (an optimizer's ``state`` by parameter name and its
@@ -193,7 +208,7 @@ def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[
         one = single_tensor(obj["skeleton"]) is not None
         tensors = {e if one else f"{e}/{name}": t for name, t in iter_tensors(storage, d, manifest, e)}
         n += len(tensors)
-        state[e] = unflatten(obj["skeleton"], tensors.__getitem__)
+        state[e] = unflatten(obj["skeleton"], _own(tensors, d, e))
     if not n:
         raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
     return state, n

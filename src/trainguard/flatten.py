@@ -151,7 +151,7 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
                 (k, x), = s.items()
                 if k == "$t":
                     if type(x) is not str:
-                        raise CorruptCheckpointError(f"{where}: tensor reference {x!r} is not a string")
+                        raise CorruptCheckpointError(f"{where}: tensor reference {str(x)[:80]!r} is not a string")
                     return get_tensor(x)
                 if k == "$tuple":
                     if type(x) is not list:
@@ -159,7 +159,7 @@ def unflatten(skeleton: Any, get_tensor: Callable[[str], Any], *, where: str = "
                     return tuple(dec(y, depth + 1) for y in x)
                 if k == "$float":
                     if x not in ("nan", "inf", "-inf"):
-                        raise CorruptCheckpointError(f"{where}: bad $float {x!r}")
+                        raise CorruptCheckpointError(f"{where}: bad $float {str(x)[:40]!r}")  # cut, as every quoted value
                     return float(x)
                 if k == "$dict":
                     if type(x) is not list:

@@ -257,7 +257,11 @@ def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
     if s.step not in mgr._metrics or s.step not in mgr._created:
         try:
             created, metadata = read_facts(mgr.storage, s.path)  # not every tensor validated
-            mgr._metrics.setdefault(s.step, dict(metadata.get("metrics", {})))
+            # "metrics" is the manager's dict; a tg.save(..., metadata={"metrics": [...]}) in the run directory (or a
+            # hand edit) holds anything: no metrics, as for a checkpoint without them. dict() of it raised TypeError,
+            # which failed every later retention (nothing deleted: the disk filled up).
+            metrics = metadata.get("metrics")
+            mgr._metrics.setdefault(s.step, dict(metrics) if type(metrics) is dict else {})
             mgr._created[s.step] = created
         except CheckpointError:
             mgr._metrics.setdefault(s.step, {})

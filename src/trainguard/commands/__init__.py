@@ -14,9 +14,11 @@ from rich.console import Console
 def printable(s: Any) -> str:
     """A string from a checkpoint (a tensor name, a path) safe to print: control characters
     written as ``\\xNN``, so that an escape sequence in a name never reaches the terminal, and
-    bidirectional overrides as ``\\uNNNN`` (they reorder what a terminal shows), and a path's
-    byte that is not UTF-8 as ``\\xNN``."""
-    return re.sub(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\udc80-\udcff]", _escaped, str(s))
+    bidirectional overrides as ``\\uNNNN`` (they reorder what a terminal shows), a path's
+    byte that is not UTF-8 as ``\\xNN``, and any other lone surrogate (a state key ``"w\\ud800"``,
+    which the manifest's JSON holds as written) as ``\\uNNNN``: UTF-8 has no encoding for one, so
+    printing it raised UnicodeEncodeError (``inspect``'s traceback instead of its tree)."""
+    return re.sub(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]", _escaped, str(s))
 
 
 def _escaped(m: re.Match[str]) -> str:

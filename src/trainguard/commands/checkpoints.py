@@ -158,8 +158,8 @@ def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
         return
     console.print(
         f"[bold]{_shown(ckpt)}[/]  step {m.step}, world size {m.world_size}, layout {m.layout}, "
-        f"{_size(m.total_bytes)} in {len(m.files)} file(s), format v{m.format_version}, {_shown(m.library)}, "
-        f"torch {_shown(m.torch_version)}"
+        f"{_size(m.total_bytes)} in {len(m.files)} file(s), format v{m.format_version}, {_shown(_clip(m.library))}, "
+        f"torch {_shown(_clip(m.torch_version))}"
         + (f"; tensors matching {', '.join(map(_shown, globs))}" if globs else "")
     )
     # Plain lines drawn like rich's Tree: a Tree of 100,000 tensors took rich 40 s to render.
@@ -175,6 +175,13 @@ def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
         lines.append(f"no tensor matches {', '.join(map(printable, globs))}")
     if lines:
         _write("\n".join(lines))
+
+
+def _clip(s: str, n: int = 200) -> str:
+    """``inspect``'s header: a version string of the manifest (``library``, ``torch``: any length a
+    hand-edited one holds) cut to ``n`` characters. rich's highlighter takes time quadratic in an
+    unbroken word: a 100,000-character ``library`` kept ``inspect`` busy for minutes."""
+    return s if len(s) <= n else f"{s[:n]}... ({len(s)} characters)"
 
 
 def _write(text: str) -> None:
