@@ -97,3 +97,21 @@ def test_skeleton_errors_quote_a_bounded_part_of_the_value(tmp_path: Path) -> No
             assert len(str(e)) < 500, len(str(e))
         else:
             raise AssertionError("the edited manifest loaded")
+
+
+def test_a_rank_local_entry_with_a_skeleton_list_of_another_length_than_the_world_is_corrupt(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-000000001"
+    tg.save(ckpt, {"rng": tg.RNGState(), "w": torch.ones(2)})
+    tg.load(ckpt, {"rng": tg.RNGState()}, strict=False)  # as saved: loads
+
+    def two_ranks(body: dict) -> None:
+        assert len(body["objects"]["rng"]["ranks"]) == body["world_size"] == 1
+        body["objects"]["rng"]["ranks"].append(body["objects"]["rng"]["ranks"][0])
+
+    _rewrite(ckpt, two_ranks)
+    try:
+        tg.load(ckpt, {"rng": tg.RNGState()}, strict=False)
+    except tg.CheckpointError as e:
+        assert "object 'rng' is malformed" in str(e)
+    else:
+        raise AssertionError("a manifest whose rank-local entry lists 2 ranks in a world of 1 loaded")

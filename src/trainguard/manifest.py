@@ -253,7 +253,9 @@ def validate(raw: Any, where: str = "manifest.json") -> Manifest:
     check_regular_files(tensors, files, indexes, where)
     _check_file_ranges(tensors, where)
     for key, obj in objects.items():
-        if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and obj["ranks"])):
+        # A rank-local entry holds one skeleton per rank (None for a rank without it): a list of another length
+        # would give one rank another rank's state (a hand edit; no save writes it).
+        if type(obj) is not dict or not ("skeleton" in obj or (type(obj.get("ranks")) is list and len(obj["ranks"]) == world)):
             raise CorruptCheckpointError(f"{where}: object {key[:60]!r} is malformed", file=where)
         for skel in [obj["skeleton"]] if "skeleton" in obj else obj["ranks"]:
             if single_tensor(skel) in tensors:
