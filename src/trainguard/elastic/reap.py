@@ -206,7 +206,7 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     signal no longer reaches the DataLoader processes of a worker that handles it (:mod:`.spare`)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-    from . import spare
+    from . import spare, stops
     from .stops import STOP_CODES
 
     spare.install(SubprocessHandler)  # a stop signal spares the worker's DataLoader processes (spare.py)
@@ -222,6 +222,10 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     def _close(self: Any, death_sig: Any, timeout: int = 30) -> None:
         codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
+        if failed:  # the workers still running now are stopped by the agent: not the failure's cause
+            stops.AGENT_STOPPED.clear()
+            stops.AGENT_STOPPED.update(h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()
+                                       if h.proc.poll() is None)
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
         # torch signals only the groups of workers still running: those of a worker that had exited
         # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.

@@ -1,0 +1,36 @@
+"""Session 42's adoption hunt ("journey"): a new user's training scripts, written from the docs,
+run one process, 2 gloo ranks under torchrun / ``trainguard run``, and an elastic 2 -> 1 resume."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+BLAME = r'''
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda *a: None)  # as a CheckpointManager does: save at the next step
+rank = int(os.environ["RANK"])
+time.sleep(1.0)
+if rank == 1:
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(20)
+'''
+
+
+def test_failure_event_names_the_killed_rank_not_the_peer_the_agent_stopped(tmp_path):
+    """Script workers: rank 1 SIGKILLed, rank 0 handles SIGTERM (a manager's preemption save), so the
+    agent's close SIGKILLed it 1 s later. Both then read "killed by SIGKILL" and the ``failure`` event
+    (and ``trainguard report``) named rank 0, the lowest, while torch's own summary named rank 1."""
+    from trainguard.events import read_events
+
+    script = tmp_path / "blame.py"
+    script.write_text(BLAME)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
+           "--max-restarts", "0", "--run-dir", str(run_dir), str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr[-3000:]
+    failures = [e for e in read_events(run_dir) if e["event"] == "failure"]
+    assert len(failures) == 1, failures
+    assert failures[0]["failures"]["1"] == "killed by SIGKILL", failures
+    assert failures[0]["rank"] == 1, failures  # before: 0, the peer the agent SIGKILLed after its SIGTERM
