@@ -34,3 +34,28 @@ def test_failure_event_names_the_killed_rank_not_the_peer_the_agent_stopped(tmp_
     assert len(failures) == 1, failures
     assert failures[0]["failures"]["1"] == "killed by SIGKILL", failures
     assert failures[0]["rank"] == 1, failures  # before: 0, the peer the agent SIGKILLed after its SIGTERM
+
+
+def test_a_drill_that_fired_before_the_job_shrank_is_not_warned_about(tmp_path, monkeypatch):
+    """docs/elastic.md's 2 -> 1 drill (`--fault step=12,rank=1,kind=agent`): once rank 1's agent was
+    gone, the survivor's first heartbeat at world size 1 warned that the drill "does not fire while this
+    job has 1 rank(s) ...; name one of them with rank=", though it had fired. A drill not fired yet
+    still is warned about (it fires if the job grows to it)."""
+    import warnings
+
+    from trainguard.elastic import faults, watchdog
+
+    monkeypatch.setenv("TRAINGUARD_RUN_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job7")
+    monkeypatch.setenv("TRAINGUARD_FAULT", "step=12,rank=1,kind=agent;step=30,rank=1,kind=kill")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.delenv("TRAINGUARD_WATCHDOG", raising=False)
+    fired, pending = faults.faults_from_env()
+    assert faults.claim(fired)  # rank 1 fired it at world size 2: the marker it leaves
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watchdog._Heart()
+    said = [str(w.message) for w in caught if "fault drill" in str(w.message)]
+    assert said == [f"fault drill {pending.spec()!r} does not fire while this job has 1 rank(s) (0..0); "
+                    "name one of them with rank="], said
