@@ -6,33 +6,39 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 BLAME = r'''
-import os, signal, time
+import os, signal, sys, time
 signal.signal(signal.SIGTERM, lambda *a: None)  # as a CheckpointManager does: save at the next step
 rank = int(os.environ["RANK"])
 time.sleep(1.0)
 if rank == 1:
-    os.kill(os.getpid(), signal.SIGKILL)
+    if sys.argv[1] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError("a bug on rank 1")
 time.sleep(20)
 '''
 
 
-def test_failure_event_names_the_killed_rank_not_the_peer_the_agent_stopped(tmp_path):
-    """Script workers: rank 1 SIGKILLed, rank 0 handles SIGTERM (a manager's preemption save), so the
+@pytest.mark.parametrize("how, cause", [("kill", "killed by SIGKILL"), ("raise", "exit code 1")])
+def test_failure_event_names_the_failed_rank_not_the_peer_the_agent_stopped(tmp_path, how, cause):
+    """Script workers: rank 1 SIGKILLed (or raising), rank 0 handles SIGTERM (a manager's preemption save), so the
     agent's close SIGKILLed it 1 s later. Both then read "killed by SIGKILL" and the ``failure`` event
-    (and ``trainguard report``) named rank 0, the lowest, while torch's own summary named rank 1."""
+    (and ``trainguard report``) named rank 0, the lowest, while torch's own summary named rank 1; after
+    rank 1's exception, rank 0's SIGKILL (not an exit 1) was taken as the cause the same way."""
     from trainguard.events import read_events
 
     script = tmp_path / "blame.py"
     script.write_text(BLAME)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
-           "--max-restarts", "0", "--run-dir", str(run_dir), str(script)]
+           "--max-restarts", "0", "--run-dir", str(run_dir), str(script), how]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-3000:]
     failures = [e for e in read_events(run_dir) if e["event"] == "failure"]
     assert len(failures) == 1, failures
-    assert failures[0]["failures"]["1"] == "killed by SIGKILL", failures
+    assert failures[0]["failures"]["1"] == cause, failures
     assert failures[0]["rank"] == 1, failures  # before: 0, the peer the agent SIGKILLed after its SIGTERM
 
 
