@@ -65,3 +65,31 @@ def test_a_drill_that_fired_before_the_job_shrank_is_not_warned_about(tmp_path, 
     said = [str(w.message) for w in caught if "fault drill" in str(w.message)]
     assert said == [f"fault drill {pending.spec()!r} does not fire while this job has 1 rank(s) (0..0); "
                     "name one of them with rank="], said
+
+
+def test_stale_lock_warning_names_the_users_line_not_the_librarys(tmp_path):
+    """A run resumed after a SIGKILL warned ``.../trainguard/onethread.py:57: UserWarning: taking over a
+    stale lock ...`` (a fixed stacklevel counted without the manager's one-thread guard): the warning
+    now names the script's ``with tg.CheckpointManager(...)`` line, as warnings of a library should."""
+    import json
+    import socket
+    import warnings
+
+    import trainguard as tg
+
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / ".lock").write_text(json.dumps({"pid": 4_194_000, "host": socket.gethostname(), "since": 0}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with tg.CheckpointManager(str(root), handle_signals=False):  # the line the warning must name
+            pass
+    stale = [w for w in caught if "taking over a stale lock" in str(w.message)]
+    assert len(stale) == 1, [str(w.message) for w in caught]
+    assert (stale[0].filename, stale[0].lineno) == (__file__, _line_of("with tg.CheckpointManager(str(root)")), (
+        stale[0].filename, stale[0].lineno)
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
