@@ -93,3 +93,29 @@ def test_stale_lock_warning_names_the_users_line_not_the_librarys(tmp_path):
 def _line_of(text: str) -> int:
     with open(__file__) as f:
         return next(i for i, line in enumerate(f, 1) if text in line and "_line_of" not in line)
+
+
+THREADS = r'''
+import os, torch
+print("RANK", os.environ["RANK"], "threads", torch.get_num_threads(), "OMP", os.environ.get("OMP_NUM_THREADS"), flush=True)
+'''
+
+
+def test_a_forked_run_path_worker_runs_the_threads_omp_num_threads_asks_for(tmp_path):
+    """``trainguard run --start-method fork --run-path`` (the demo's launch): torchrun sets
+    OMP_NUM_THREADS=1 for its 2 workers, and script or spawned workers run 1 torch thread, but forked
+    ones kept the agent's thread count (2 here): a run's losses differed from step 3 on from the same
+    job launched with script workers, and the ranks oversubscribed the cores. (On a one-core machine the
+    agent has 1 thread too, and this passes either way.)"""
+    import os
+
+    script = tmp_path / "threads.py"
+    script.write_text(THREADS)
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
+           "--start-method", "fork", "--run-path", "--max-restarts", "0", "--run-dir", str(tmp_path / "run"),
+           str(script)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = sorted(line for line in p.stdout.splitlines() if line.startswith("RANK"))
+    assert lines == ["RANK 0 threads 1 OMP 1", "RANK 1 threads 1 OMP 1"], p.stdout

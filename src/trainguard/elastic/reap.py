@@ -64,6 +64,22 @@ def own_session() -> None:
         os.setsid()
 
 
+def threads_from_env() -> None:
+    """A ``--run-path`` worker, first (:func:`trainguard.permanent.run_script_path`): torch's intra-op
+    thread count as ``OMP_NUM_THREADS`` says (torchrun sets 1 for each of several workers), as a script
+    or spawned worker has it. A worker forked from the agent (``--start-method fork``, the demo's) kept
+    the thread count of the agent's torch, imported before: 2 threads per worker on this 2-core machine
+    with ``OMP_NUM_THREADS=1`` (plain torchrun too), so two ranks ran 4 threads on 2 cores, and the
+    same job's losses differed from step 3 on from those of its script workers (bit-identical resumes
+    need the same numerics as the run that saved)."""
+    import sys
+
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")  # forked from the agent, or from the forkserver: imported already
+    if torch is not None and n.isdigit() and int(n) > 0 and torch.get_num_threads() != int(n):
+        torch.set_num_threads(int(n))
+
+
 def end_trees(pids: list[int]) -> None:
     """Agent, after torch's ``MultiprocessContext._close`` stopped (or found dead) the workers
     ``pids``: SIGKILL whatever is left in their process groups (loader processes)."""
