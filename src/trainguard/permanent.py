@@ -195,9 +195,10 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     permanent one is reported here and becomes ``SystemExit(78)``."""
     import runpy
 
-    from .elastic.reap import own_session
+    from .elastic.reap import own_session, threads_from_env
 
     own_session()  # its DataLoader processes end with it (the agent's end_trees)
+    threads_from_env()  # a forked worker kept the agent's torch thread count, not OMP_NUM_THREADS's
     sys.argv = [training_script, *training_script_args]  # as torch's run_script_path
     try:
         runpy.run_path(training_script, run_name="__main__")

@@ -13,6 +13,7 @@ from typing import Any
 from . import split
 from .errors import CorruptCheckpointError
 from .manifest import Manifest
+from .userframe import user_stacklevel
 
 
 def _reseed(value: Any, rank: int, step: int) -> None:
@@ -40,21 +41,21 @@ def skeleton_for(manifest: Manifest, key: str, value: Any, rank: int, world: int
             warnings.warn(
                 f"{key}: saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}, loading on {world}; rank {rank} takes saved "
                 f"rank {rank}'s state",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         return ranks[rank], rank
     if hasattr(value, "reseed_for_rank"):
         def reseed() -> None:
             _reseed(value, rank, manifest.step)
             warnings.warn(f"{key}: no saved state for rank {rank} (saved by {len(ranks)} rank{'s' * (len(ranks) != 1)}); "
-                          "re-seeded", stacklevel=5)  # one frame more: run_deferred
+                          "re-seeded", stacklevel=user_stacklevel())
 
         later.append(reseed)
         return None, None
     src = split.saved_slot(ranks, rank)
     if src is None:
         raise CorruptCheckpointError(f"rank-local entry {key!r} lists no rank's state", entry=key)
-    warnings.warn(f"{key}: no saved state for rank {rank}; taking saved rank {src}'s", stacklevel=4)
+    warnings.warn(f"{key}: no saved state for rank {rank}; taking saved rank {src}'s", stacklevel=user_stacklevel())
     return ranks[src], src
 
 

@@ -14,6 +14,7 @@ import warnings
 from . import layout
 from .errors import CheckpointError, LockedError
 from .permanent import mark
+from .userframe import user_stacklevel
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
 _OWNED: dict[str, RunLock] = {}  # run directory (absolute, and resolved) -> its lock held here: check_owned
@@ -68,7 +69,7 @@ class RunLock:
             raise (mark(locked) if _live_here(fd) else locked) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
-            warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=4)
+            warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=user_stacklevel())
         info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)

@@ -124,6 +124,13 @@ def claim(fault: Fault) -> bool:
     return True
 
 
+def fired(fault: Fault) -> bool:
+    """Whether ``fault`` fired in this job already (its marker exists). The heartbeat's warning about a
+    drill naming a rank the job lacks is then moot: ``kind=agent`` on rank 1 of 2 shrank the job to 1
+    rank, and the survivor warned that the drill "does not fire" and to name another rank."""
+    return os.path.exists(_marker(fault))
+
+
 def maybe_fire(step: int, rank: int, faults: list[Fault]) -> None:
     """Fire every fault of this rank and step that has not fired in this job yet."""
     for f in faults:

@@ -64,6 +64,22 @@ def own_session() -> None:
         os.setsid()
 
 
+def threads_from_env() -> None:
+    """A ``--run-path`` worker, first (:func:`trainguard.permanent.run_script_path`): torch's intra-op
+    thread count as ``OMP_NUM_THREADS`` says (torchrun sets 1 for each of several workers), as a script
+    or spawned worker has it. A worker forked from the agent (``--start-method fork``, the demo's) kept
+    the thread count of the agent's torch, imported before: 2 threads per worker on this 2-core machine
+    with ``OMP_NUM_THREADS=1`` (plain torchrun too), so two ranks ran 4 threads on 2 cores, and the
+    same job's losses differed from step 3 on from those of its script workers (bit-identical resumes
+    need the same numerics as the run that saved)."""
+    import sys
+
+    n = os.environ.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")  # forked from the agent, or from the forkserver: imported already
+    if torch is not None and n.isdigit() and int(n) > 0 and torch.get_num_threads() != int(n):
+        torch.set_num_threads(int(n))
+
+
 def end_trees(pids: list[int]) -> None:
     """Agent, after torch's ``MultiprocessContext._close`` stopped (or found dead) the workers
     ``pids``: SIGKILL whatever is left in their process groups (loader processes)."""
@@ -206,7 +222,7 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     signal no longer reaches the DataLoader processes of a worker that handles it (:mod:`.spare`)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-    from . import spare
+    from . import spare, stops
     from .stops import STOP_CODES
 
     spare.install(SubprocessHandler)  # a stop signal spares the worker's DataLoader processes (spare.py)
@@ -222,6 +238,10 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     def _close(self: Any, death_sig: Any, timeout: int = 30) -> None:
         codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
+        if failed:  # the workers still running now are stopped by the agent: not the failure's cause
+            stops.AGENT_STOPPED.clear()
+            stops.AGENT_STOPPED.update(h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()
+                                       if h.proc.poll() is None)
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
         # torch signals only the groups of workers still running: those of a worker that had exited
         # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.

@@ -129,12 +129,21 @@ def exit_cause(exitcode: int) -> str:
     )
 
 
+AGENT_STOPPED: set[int] = set()  # pids of workers the agent's failure close found running (reap.py)
+
+
 def first_failure(failures: dict[int, Any]) -> int:
     """Agent: the rank that failed first, usually not exit 1 (peers failing in collectives) nor the
     agent's SIGTERM, nor a stop code (a peer that saved on the agent's SIGTERM). Among the rest, an
     exit 1 (a Python exception) comes before a rank the agent's own SIGTERM ended: script workers'
     failures list both, and the SIGTERMed peer (rank 0) was named for rank 1's exception. Of several
-    exits 1, the first to raise (:func:`note_raised`): a late poll saw rank 0's too, and named it."""
+    exits 1, the first to raise (:func:`note_raised`): a late poll saw rank 0's too, and named it.
+    A worker the agent stopped itself after the failure (:data:`AGENT_STOPPED`, noted by
+    ``reap.bound_failure_close``) is never the cause while another failed: a peer that ignored the
+    SIGTERM (a manager saving on it) was SIGKILLed 1 s later, read "killed by SIGKILL" like the rank
+    really SIGKILLed, and rank 0 was named for rank 1's kill."""
+    own = {r: f for r, f in failures.items() if getattr(f, "pid", None) not in AGENT_STOPPED}
+    failures = own or failures
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
     raised = [r for r, f in failures.items() if f.exitcode == 1]
     notes = {r: t for r in raised if (t := raised_at(getattr(failures[r], "pid", -1))) is not None}

@@ -59,7 +59,7 @@ from typing import Any
 from .. import iostall
 from ..distwait import default_timeout
 from ..events import EVENTS_FILE, EventLog
-from .faults import Fault, faults_from_env, maybe_fire, run_dir
+from .faults import Fault, faults_from_env, fired, maybe_fire, run_dir
 from .reap import end_children
 
 HANG_EXIT = 75
@@ -227,7 +227,7 @@ class _Heart:
         self.events = EventLog(os.path.join(rd, EVENTS_FILE) if rd else None, rank=self.rank)
         self.faults: list[Fault] = faults_from_env()
         for f in self.faults if self.rank == 0 else []:
-            if f.rank >= self.world_size:  # an elastic job may grow to it later: a warning, not an error
+            if f.rank >= self.world_size and not fired(f):  # a job may grow to it later: a warning, not an error
                 warnings.warn(f"fault drill {f.spec()!r} does not fire while this job has {self.world_size} "
                               f"rank(s) (0..{self.world_size - 1}); name one of them with rank=", stacklevel=3)
         self.first = True

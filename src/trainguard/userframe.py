@@ -1,0 +1,27 @@
+"""The ``stacklevel`` that makes a library warning name the user's line.
+
+``warnings.warn`` calls of trainguard that count a fixed ``stacklevel`` name a frame of the library
+whenever a wrapper sits between: the manager's one-thread guard (:mod:`trainguard.onethread`) and the
+operation wrapper of ``tg.save``/``tg.load`` (:func:`trainguard.dist.one_operation`) each add one. A
+run resumed after a SIGKILL warned ``.../trainguard/onethread.py:57: UserWarning: taking over a stale
+lock ...`` and, at another world size, ``.../trainguard/dist.py:149: UserWarning: rng: saved by 2
+ranks, loading on 1 ...``, with a line of the library under it instead of the script's
+``with tg.CheckpointManager(...)`` or ``mgr.restore(state)``. Called by :mod:`trainguard.runlock`
+and :mod:`trainguard.rankload` as ``warnings.warn(message, stacklevel=user_stacklevel())``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """For a ``warnings.warn`` call in trainguard: the ``stacklevel`` of the nearest caller outside the
+    package (1, the calling function itself, when every frame up is trainguard's: a thread of its own)."""
+    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn is level 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 1
