@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -96,7 +97,13 @@ class ModuleAdapter:
         return dict(zip(canonical_names(self.module, list(sd)), sd.values(), strict=True))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        keys = list(self.module.state_dict())
+        """``loader._load`` (every rank), with the values read from the checkpoint. The module's own
+        ``_metadata`` (each submodule's ``_version``) goes with them, as in the ``state_dict()`` that
+        ``torch.save`` keeps: without it a versioned ``_load_from_state_dict`` takes the values for
+        a pre-version checkpoint and "upgrades" them (a quantization observer reset its ``eps`` to
+        float32's, so its scale changed on resume)."""
+        current = self.module.state_dict()
+        keys = list(current)
         actual = dict(zip(canonical_names(self.module, keys), keys, strict=True))
         if state_dict and not any(k in actual for k in state_dict) and all("module." + k in actual for k in state_dict):
             state_dict = {"module." + k: v for k, v in state_dict.items()}  # see unwrapped_names
@@ -106,7 +113,11 @@ class ModuleAdapter:
                 have = next((actual[n] for n in names if n in actual and actual[n] in mapped), None)
                 if have is not None:
                     mapped[actual[name]] = mapped[have]
-        self.module.load_state_dict(mapped, strict=strict)
+        ordered = OrderedDict(mapped)
+        metadata = getattr(current, "_metadata", None)
+        if metadata is not None:
+            ordered._metadata = metadata  # type: ignore[attr-defined]
+        self.module.load_state_dict(ordered, strict=strict)
 
     def tied(self) -> dict[str, list[str]]:
         """Every name of a parameter or buffer the module holds under several names (a tie:
