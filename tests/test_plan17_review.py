@@ -49,8 +49,14 @@ def _virtual_clock(monkeypatch) -> list[float]:
         vt[0] = max(vt[0], self.finished_at or vt[0])  # blocked until the commit
         return out
 
+    real_done = SaveHandle.done
+
+    def done(self):  # committed once the training clock passed its (virtual) commit: the manager collects it then
+        return real_done(self) and (self.finished_at is None or vt[0] >= self.finished_at)
+
     monkeypatch.setattr(manager_mod, "start_save", start_save)
     monkeypatch.setattr(SaveHandle, "result", result)
+    monkeypatch.setattr(SaveHandle, "done", done)
     return vt
 
 

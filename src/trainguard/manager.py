@@ -78,8 +78,7 @@ class CheckpointManager:
         self.save_policy = save if save is not None else EveryNSteps(1000)
         self.keep = keep if keep is not None else KeepLatest(3)
         self.async_save, self.layout, self.on_error, self.handle_signals = async_save, layout, on_error, handle_signals
-        self.timeout, self.max_staging_bytes, self.stage_in_background = timeout, max_staging_bytes, stage_in_background
-        self.split_state = split_state
+        self.timeout, self.max_staging_bytes, self.stage_in_background, self.split_state = timeout, max_staging_bytes, stage_in_background, split_state
         # Its own rounds (two threads' managers), named by the root's last part (another node may mount it elsewhere).
         self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
@@ -97,8 +96,7 @@ class CheckpointManager:
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
         self._warned_foreign, self._aside = False, ""  # warned of another run's newer checkpoints; retention.set_aside's token
         # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
-        self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx,
-                           events=self.events) if ram_tier else None
+        self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events) if ram_tier else None
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
@@ -198,6 +196,8 @@ class CheckpointManager:
         watchdog.heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
         now = time.monotonic()
         self.save_policy.on_step(step, now)
+        if (done := self._pending) is not None and done.done() and done.exception() is None:
+            self._finish_pending()  # committed: the policy learns its cost now (DalyInterval), not at the next save's call
         want = force or self.save_policy.should_save(step, now)
         preempt = self._preempt.is_set()
         if agree:
