@@ -14,14 +14,20 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_THREADING = os.path.abspath(threading.__file__)  # a thread's bootstrap frames (Thread.run, _bootstrap_inner)
 
 
 def user_stacklevel() -> int:
     """For a ``warnings.warn`` call in trainguard: the ``stacklevel`` of the nearest caller outside the
-    package (1, the calling function itself, when every frame up is trainguard's: a thread of its own)."""
+    package (1, the calling function itself, when every frame up is trainguard's or a thread's bootstrap
+    in ``threading``: a thread whose target is trainguard's, such as ``Thread(target=mgr.open)``; that
+    warning named ``threading.py:982``, a line no user wrote)."""
     frame, level = sys._getframe(1), 1  # the function that calls warnings.warn is level 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
-    return level if frame is not None else 1
+    if frame is None or os.path.abspath(frame.f_code.co_filename) == _THREADING:
+        return 1
+    return level
