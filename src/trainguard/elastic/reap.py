@@ -238,8 +238,8 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     def _close(self: Any, death_sig: Any, timeout: int = 30) -> None:
         codes = [f.exitcode for f in getattr(self, "_failures", {}).values()]
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
+        stops.AGENT_STOPPED.clear()  # every close: no pid of an earlier round's workers stays (a pid may be reused)
         if failed:  # the workers still running now are stopped by the agent: not the failure's cause
-            stops.AGENT_STOPPED.clear()
             stops.AGENT_STOPPED.update(h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()
                                        if h.proc.poll() is None)
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
