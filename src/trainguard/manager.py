@@ -109,7 +109,7 @@ class CheckpointManager:
         try:  # a failed open (Ctrl-C during the debris cleanup too) leaves the directory unlocked
             if self.ctx.rank == 0:
                 try:
-                    self.storage.makedirs(self._root)
+                    layout.open_run_root(self.storage, self._root)  # not a checkpoint itself
                     if self._lock:
                         self._lock.acquire()
                     removed = clean_debris(self.storage, self._root)
