@@ -5,6 +5,10 @@ gets a clear error that says what to change, and nothing is lost.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,3 +34,56 @@ def test_a_manager_pointed_at_one_checkpoint_is_refused_and_leaves_it_untouched(
     assert sorted(os.listdir(step_dir)) == before  # no lock, no event log, nothing nested
     with tg.CheckpointManager(root, handle_signals=False) as mgr:  # the run directory is not locked by it
         assert mgr.restore({"model": nn.Linear(2, 2)}) == 7
+
+
+def _closed_in_another_thread(root: Path) -> tg.CheckpointManager:
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1)).open()  # the main thread: its handlers are set
+    mgr.save(1, {"model": nn.Linear(2, 2)})
+    t = threading.Thread(target=mgr.close)  # Python lets only the main thread set handlers: they stay
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    return mgr
+
+
+def test_ctrl_c_after_a_close_in_another_thread_raises_keyboard_interrupt_again(tmp_path: Path) -> None:
+    # Before: the closed manager's handler stayed installed and only set a flag nobody read, so every
+    # later Ctrl-C (and SIGTERM, below) was swallowed for the rest of the process.
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    mgr = _closed_in_another_thread(tmp_path / "run")
+    try:
+        with tg.CheckpointManager(tmp_path / "other", save=tg.EveryNSteps(1)) as other:  # opened over it: chained
+            signal.raise_signal(signal.SIGINT)  # the open manager's preemption, no KeyboardInterrupt
+            assert other.save(1, {"model": nn.Linear(2, 2)}) is not None and other.should_stop
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert {sig: signal.getsignal(sig) for sig in before} == before  # the handlers from before open() are back
+    finally:
+        for sig, h in before.items():
+            signal.signal(sig, h)
+    assert not mgr.should_stop
+
+
+_SIGTERM_AFTER_THREAD_CLOSE = """
+import signal, sys, threading
+sys.path.insert(0, sys.argv[2])
+import trainguard as tg
+from torch import nn
+mgr = tg.CheckpointManager(sys.argv[1], save=tg.EveryNSteps(1)).open()
+mgr.save(1, {"model": nn.Linear(2, 2)})
+t = threading.Thread(target=mgr.close)
+t.start()
+t.join()
+signal.raise_signal(signal.SIGTERM)
+print("still alive after SIGTERM")
+"""
+
+
+def test_sigterm_after_a_close_in_another_thread_ends_the_process(tmp_path: Path) -> None:
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_AFTER_THREAD_CLOSE, str(tmp_path / "run"), src],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == -signal.SIGTERM, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "still alive" not in r.stdout
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        assert mgr.latest_step() == 1

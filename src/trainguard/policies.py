@@ -317,6 +317,27 @@ def forget_decisions(ctx: DistContext, mark: int | None) -> None:
     ctx.forget(mark)
 
 
+def on_stop_signal(mgr: Any, signum: int, frame: Any) -> None:
+    """``CheckpointManager._on_signal``, the SIGTERM/SIGINT/SIGHUP handler its ``open()`` installs (Python
+    runs it in the main thread): only set a flag (a handler that blocks, e.g. in a collective, stalls
+    torchrun's shutdown) and tell a manager opened before it (:func:`chain_preemption`). A manager
+    closed in another thread (where Python refuses to set handlers) left it installed: it then puts
+    back the handlers its ``open()`` replaced and hands them the signal, as if it had been closed in
+    the main thread (Ctrl-C raises ``KeyboardInterrupt``, SIGTERM ends the process). Before, every
+    later SIGTERM and Ctrl-C set a flag that no open manager read: the process ignored them."""
+    if not mgr._opened and mgr._old_handlers and signal.getsignal(signum) == mgr._on_signal:
+        previous = mgr._old_handlers.get(signum)
+        unchain_handlers(mgr._on_signal, mgr._old_handlers)
+        if previous == signal.SIG_DFL:
+            signal.raise_signal(signum)  # its default action, now that the default is installed again
+        elif callable(previous):
+            previous(signum, frame)  # Python's default_int_handler raises KeyboardInterrupt here
+        return
+    mgr._signum = mgr._signum or signum  # the first (torch sets SIGINT as a dead parent's signal: a forkserver)
+    mgr._preempt.set()
+    chain_preemption(mgr._old_handlers.get(signum), signum, frame)
+
+
 def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
     """Called by a ``CheckpointManager``'s SIGTERM/SIGINT handler with the handler its ``open()``
     replaced: when that is another open manager's (two managers in one process, e.g. the model's
