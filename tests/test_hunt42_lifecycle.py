@@ -11,7 +11,9 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from torch import nn
 
 import trainguard as tg
@@ -87,3 +89,22 @@ def test_sigterm_after_a_close_in_another_thread_ends_the_process(tmp_path: Path
     assert "still alive" not in r.stdout
     with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
         assert mgr.latest_step() == 1
+
+
+def test_policies_take_numpy_and_tensor_ints_as_the_steps_do(tmp_path: Path) -> None:
+    # Before: EveryNSteps(np.int64(5)) raised "n must be a positive integer number of steps" for a positive
+    # integer (save() takes numpy and 0-d tensor steps), and so did KeepLatest, KeepEvery, KeepBest, DalyInterval.
+    every, keep = tg.EveryNSteps(np.int64(2)), tg.KeepLatest(np.int32(2)) | tg.KeepEvery(torch.tensor(4))
+    assert type(every.n) is int and repr(every) == "EveryNSteps(2)"
+    assert tg.KeepBest("loss", np.int64(2)).n == 2
+    daly = tg.DalyInterval(node_failures_per_day=1, initial_steps=np.int64(3), min_steps=np.int64(2), max_steps=np.int64(9))
+    assert (daly.interval_steps, daly.min_steps, daly.max_steps) == (3, 2, 9)
+    with tg.CheckpointManager(tmp_path, save=every, keep=keep, handle_signals=False) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, {"model": nn.Linear(2, 2)})
+    assert sorted(os.listdir(tmp_path)) == [".lock", "events.jsonl", "step-000000004", "step-000000006", "step-000000008"]
+    for bad in (True, 2.0, np.float64(2.0), "2"):  # still refused, saying what an n must be
+        with pytest.raises(ValueError, match="positive integer"):
+            tg.EveryNSteps(bad)
+    with pytest.raises(ValueError, match="at least 2"):
+        tg.KeepLatest(np.int64(1))
