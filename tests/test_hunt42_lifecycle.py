@@ -108,3 +108,33 @@ def test_policies_take_numpy_and_tensor_ints_as_the_steps_do(tmp_path: Path) -> 
             tg.EveryNSteps(bad)
     with pytest.raises(ValueError, match="at least 2"):
         tg.KeepLatest(np.int64(1))
+
+
+def test_sys_exit_0_inside_the_with_block_closes_as_a_clean_end(tmp_path: Path, monkeypatch) -> None:
+    # Before: SystemExit(0) was taken for a failure: the RAM tier's copy stayed in /dev/shm for good (a job that
+    # ends without a restart), no closing round ran, and a failed last save was only logged: the script exited 0.
+    from trainguard import api
+
+    root, base = tmp_path / "run", tmp_path / "shm"
+    base.mkdir()
+    with pytest.raises(SystemExit) as done:
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), async_save=True,
+                                  handle_signals=False) as mgr:
+            mgr.save(1, {"model": nn.Linear(2, 2)})
+            sys.exit(0)
+    assert done.value.code == 0 and mgr.latest_step() == 1
+    assert not os.path.exists(mgr.ram.dir)  # removed, as by a clean close()
+
+    def failing_write(*args, **kwargs):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(api, "write_batches", failing_write)
+    with pytest.raises(tg.CheckpointError, match="injected"):  # the failed last save, not a silent exit 0
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+            mgr.save(2, {"model": nn.Linear(2, 2)})
+            sys.exit()
+    with pytest.raises(SystemExit) as stopped:  # another exit code is a failure, as before: the block's exit goes on
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, handle_signals=False) as mgr:
+            mgr.save(3, {"model": nn.Linear(2, 2)})
+            sys.exit(143)
+    assert stopped.value.code == 143 and mgr.latest_step() == 1

@@ -143,7 +143,8 @@ class CheckpointManager:
         return self.open()
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
+        clean = isinstance(exc[1], SystemExit) and exc[1].code in (0, None)  # sys.exit(0) in the block: a clean end
+        if exc[0] is None or clean:
             return self.close()
         try:  # the block's own exception goes on: a failed last save is logged, not raised over it
             self._failing = True  # no closing round: the others may wait for this rank elsewhere
