@@ -36,6 +36,11 @@ def test_a_manager_pointed_at_one_checkpoint_is_refused_and_leaves_it_untouched(
     assert sorted(os.listdir(step_dir)) == before  # no lock, no event log, nothing nested
     with tg.CheckpointManager(root, handle_signals=False) as mgr:  # the run directory is not locked by it
         assert mgr.restore({"model": nn.Linear(2, 2)}) == 7
+    other = tmp_path / "outputs"  # a manifest.json of another tool is no checkpoint: the directory is a run directory
+    other.mkdir()
+    (other / "manifest.json").write_text('{"files": []}')
+    with tg.CheckpointManager(other, handle_signals=False) as mgr:
+        assert mgr.restore({"model": nn.Linear(2, 2)}) is None
 
 
 def _closed_in_another_thread(root: Path) -> tg.CheckpointManager:

@@ -79,9 +79,15 @@ def open_run_root(storage: Any, root: str) -> None:
     pointed at ``ckpts/run1/step-000000700``). There the manager put its lock and event log into
     that checkpoint, ``restore`` found no step directory in it and returned None (a fresh start over
     the checkpoint the run meant to resume from), and its saves nested ``step-N`` directories inside
-    it. Permanent: no restart fixes it."""
+    it. Permanent: no restart fixes it. A ``manifest.json`` of another tool (not ``{"checksum":"...``,
+    the start of every trainguard manifest), or one that cannot be read, is left alone."""
     storage.makedirs(root)
-    if storage.exists(storage.join(root, MANIFEST)):
+    path = storage.join(root, MANIFEST)
+    try:
+        ours = storage.exists(path) and storage.read_bytes(path, 31).startswith(b'{"checksum":"')
+    except OSError:
+        ours = False
+    if ours:
         from .errors import CheckpointError
         from .permanent import mark
 
