@@ -325,9 +325,10 @@ def on_stop_signal(mgr: Any, signum: int, frame: Any) -> None:
     back the handlers its ``open()`` replaced and hands them the signal, as if it had been closed in
     the main thread (Ctrl-C raises ``KeyboardInterrupt``, SIGTERM ends the process). Before, every
     later SIGTERM and Ctrl-C set a flag that no open manager read: the process ignored them."""
-    if not mgr._opened and mgr._old_handlers and signal.getsignal(signum) == mgr._on_signal:
-        previous = mgr._old_handlers.get(signum)
-        unchain_handlers(mgr._on_signal, mgr._old_handlers)
+    old = mgr._old_handlers  # a None in it (set outside Python) cannot be put back: the flag, as before
+    if not mgr._opened and old and None not in old.values() and signal.getsignal(signum) == mgr._on_signal:
+        previous = old.get(signum)
+        unchain_handlers(mgr._on_signal, old)
         if previous == signal.SIG_DFL:
             signal.raise_signal(signum)  # its default action, now that the default is installed again
         elif callable(previous):
