@@ -25,6 +25,7 @@ import statistics
 from collections import deque
 from typing import Any
 
+from .errors import whole
 from .policies import SavePolicy
 from .reliability import daly_interval, format_duration, job_mtbf
 
@@ -59,10 +60,11 @@ class DalyInterval(SavePolicy):
         window: int = 5,
     ) -> None:
         self.mtbf_s = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
+        initial_steps, min_steps, window, max_steps = (whole(v) for v in (initial_steps, min_steps, window, max_steps))
         for name, v in (("initial_steps", initial_steps), ("min_steps", min_steps), ("window", window)):
-            if not isinstance(v, int) or v < 1:
+            if type(v) is not int or v < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
                 raise ValueError(f"DalyInterval({name}={v!r}): must be a positive integer")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < min_steps):
+        if max_steps is not None and (type(max_steps) is not int or max_steps < min_steps):
             raise ValueError(f"DalyInterval(max_steps={max_steps!r}): must be an integer >= min_steps={min_steps}")
         self.nodes = nodes
         self.min_steps, self.max_steps = min_steps, max_steps

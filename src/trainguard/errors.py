@@ -271,6 +271,18 @@ def unreadable(e: Exception, target: str) -> Exception:
     return err
 
 
+def whole(value: Any) -> Any:
+    """A policy's count (``EveryNSteps(n)``, ``KeepLatest(n)``, ``DalyInterval(min_steps=...)``, policies.py,
+    daly.py) as a plain ``int`` when it is an integer of any kind (numpy, a 0-d tensor, as a step may be:
+    :func:`nonneg_int`), else ``value`` as given (a bool too), for the caller to refuse, saying why."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
+
+
 def nonneg_int(value: object, hint: str) -> int:
     """``value`` as an int >= 0 (Python, numpy and 0-d tensor ints; not bools): a TypeError for
     anything else, a ValueError for a negative one, each followed by ``hint``."""

@@ -73,6 +73,33 @@ def check_target(target: str, step: int | None) -> None:
                              f"most {NAME_MAX} bytes; use a name of at most {NAME_MAX - 21} bytes")
 
 
+def open_run_root(storage: Any, root: str) -> None:
+    """``CheckpointManager.open``, rank 0, before it takes the lock: create the run directory
+    ``root``, and refuse one that is itself a checkpoint (it holds ``manifest.json``: a manager
+    pointed at ``ckpts/run1/step-000000700``). There the manager put its lock and event log into
+    that checkpoint, ``restore`` found no step directory in it and returned None (a fresh start over
+    the checkpoint the run meant to resume from), and its saves nested ``step-N`` directories inside
+    it. Permanent: no restart fixes it. A ``manifest.json`` of another tool (not ``{"checksum":"...``,
+    the start of every trainguard manifest), or one that cannot be read, is left alone."""
+    storage.makedirs(root)
+    path = storage.join(root, MANIFEST)
+    try:
+        ours = storage.exists(path) and storage.read_bytes(path, 31).startswith(b'{"checksum":"')
+    except OSError:
+        ours = False
+    if ours:
+        from .errors import CheckpointError
+        from .permanent import mark
+
+        step = parse_step(os.path.basename(root.rstrip("/")))
+        raise mark(CheckpointError(
+            f"{root} is one checkpoint{'' if step is None else f' (step {step})'}, not a run directory: a "
+            f"CheckpointManager there would restore nothing and save inside it. Pass the run directory that holds "
+            f"it ({os.path.dirname(root.rstrip('/')) or '.'}), whose restore() resumes from its newest valid "
+            f"checkpoint; or load this one with tg.load({root!r}, state)"
+        ))
+
+
 NAME_MAX = 255
 
 

@@ -107,7 +107,7 @@ class CheckpointManager:
         try:  # a failed open (Ctrl-C during the debris cleanup too) leaves the directory unlocked
             if self.ctx.rank == 0:
                 try:
-                    self.storage.makedirs(self._root)
+                    layout.open_run_root(self.storage, self._root)  # not a checkpoint itself
                     if self._lock:
                         self._lock.acquire()
                     removed = clean_debris(self.storage, self._root)
@@ -127,11 +127,11 @@ class CheckpointManager:
             if self._lock:
                 self._lock.release()
             raise
+        self._opened = True  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal)
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, self._on_signal) else []
             for sig in (signal.SIGTERM, signal.SIGINT, *hup):  # SIGHUP (the agent forwards it) unless nohup'd or handled
                 self._old_handlers.setdefault(sig, signal.signal(sig, self._on_signal))  # the first: a close() in another thread left it
-        self._opened = True
         if self.async_save:
             use_staging(self)
         self.events.emit("manager_open", world_size=self.ctx.world_size, async_save=self.async_save)
@@ -141,7 +141,8 @@ class CheckpointManager:
         return self.open()
 
     def __exit__(self, *exc: Any) -> None:
-        if exc[0] is None:
+        clean = isinstance(exc[1], SystemExit) and exc[1].code in (0, None)  # sys.exit(0) in the block: a clean end
+        if exc[0] is None or clean:
             return self.close()
         try:  # the block's own exception goes on: a failed last save is logged, not raised over it
             self._failing = True  # no closing round: the others may wait for this rank elsewhere
@@ -178,10 +179,7 @@ class CheckpointManager:
         return 0 if self.stopped_by is None else 128 + self.stopped_by
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        # Only set a flag: a handler that blocks (e.g. in a collective) stalls torchrun's shutdown.
-        self._signum = self._signum or signum  # the first (torch sets SIGINT as a dead parent's signal: a forkserver)
-        self._preempt.set()
-        policies.chain_preemption(self._old_handlers.get(signum), signum, frame)  # a manager opened before this one
+        policies.on_stop_signal(self, signum, frame)  # only sets a flag (and tells a manager opened before this one)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, float] | None = None) -> SaveHandle | None:

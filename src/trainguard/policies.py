@@ -30,7 +30,7 @@ from typing import Any
 from . import replicas
 from .dist import DistContext
 from .distwait import forget_passed
-from .errors import UnsupportedValueError
+from .errors import UnsupportedValueError, whole
 
 
 @dataclass(frozen=True)
@@ -68,8 +68,8 @@ class EveryNSteps(SavePolicy):
     """Save when ``step % n == 0`` (and ``step > 0`` unless ``at_start=True``)."""
 
     def __init__(self, n: int, *, at_start: bool = False) -> None:
-        self.n, self.at_start = n, at_start  # before the checks: a refused one's repr (a traceback's locals) works
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        self.n, self.at_start = whole(n), at_start  # before the checks: a refused one's repr (a traceback's locals) works
+        if type(self.n) is not int or self.n < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
 
     def should_save(self, step: int, now: float) -> bool:
@@ -162,8 +162,8 @@ class KeepLatest(RetentionPolicy):
     reads_metadata = False
 
     def __init__(self, n: int) -> None:
-        self.n = n  # before the check: a refused one's repr (a traceback's locals) works
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+        self.n = whole(n)  # before the check: a refused one's repr (a traceback's locals) works
+        if type(self.n) is not int or self.n < 2:
             raise ValueError(
                 f"KeepLatest({n!r}): keep at least 2 checkpoints: the newest one may be incomplete "
                 "or corrupt when the job dies, and then the one before it is all you have"
@@ -182,8 +182,8 @@ class KeepEvery(RetentionPolicy):
     reads_metadata = False
 
     def __init__(self, k: int) -> None:
-        self.k = k  # before the check: a refused one's repr (a traceback's locals) works
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        self.k = whole(k)  # before the check: a refused one's repr (a traceback's locals) works
+        if type(self.k) is not int or self.k < 1:
             raise ValueError(f"KeepEvery({k!r}): k must be a positive number of steps")
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -201,12 +201,12 @@ class KeepBest(RetentionPolicy):
     """
 
     def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
-        self.metric, self.n, self.mode = metric, n, mode  # before the checks: a refused one's repr works
+        self.metric, self.n, self.mode = metric, whole(n), mode  # before the checks: a refused one's repr works
         if not isinstance(metric, str) or not metric:
             raise TypeError(f"KeepBest(metric={metric!r}): name the metric, a str key of mgr.save(..., metrics={{...}})")
         if mode not in ("min", "max"):
             raise ValueError(f"KeepBest(mode={mode!r}): mode must be 'min' or 'max'")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if type(self.n) is not int or self.n < 1:
             raise ValueError(f"KeepBest(n={n!r}): n must be a positive integer")
 
     def select(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -315,6 +315,28 @@ def forget_decisions(ctx: DistContext, mark: int | None) -> None:
     of a channel, and an async save gathers on its own channel: without this the main channel
     kept one store key per training step (and rank 0 one record) for the whole run."""
     ctx.forget(mark)
+
+
+def on_stop_signal(mgr: Any, signum: int, frame: Any) -> None:
+    """``CheckpointManager._on_signal``, the SIGTERM/SIGINT/SIGHUP handler its ``open()`` installs (Python
+    runs it in the main thread): only set a flag (a handler that blocks, e.g. in a collective, stalls
+    torchrun's shutdown) and tell a manager opened before it (:func:`chain_preemption`). A manager
+    closed in another thread (where Python refuses to set handlers) left it installed: it then puts
+    back the handlers its ``open()`` replaced and hands them the signal, as if it had been closed in
+    the main thread (Ctrl-C raises ``KeyboardInterrupt``, SIGTERM ends the process). Before, every
+    later SIGTERM and Ctrl-C set a flag that no open manager read: the process ignored them."""
+    old = mgr._old_handlers  # a None in it (set outside Python) cannot be put back: the flag, as before
+    if not mgr._opened and old and None not in old.values() and signal.getsignal(signum) == mgr._on_signal:
+        previous = old.get(signum)
+        unchain_handlers(mgr._on_signal, old)
+        if previous == signal.SIG_DFL:
+            signal.raise_signal(signum)  # its default action, now that the default is installed again
+        elif callable(previous):
+            previous(signum, frame)  # Python's default_int_handler raises KeyboardInterrupt here
+        return
+    mgr._signum = mgr._signum or signum  # the first (torch sets SIGINT as a dead parent's signal: a forkserver)
+    mgr._preempt.set()
+    chain_preemption(mgr._old_handlers.get(signum), signum, frame)
 
 
 def chain_preemption(previous: Any, signum: int, frame: Any) -> None:
