@@ -89,4 +89,6 @@ __all__ = [
     "OptimizerSettingsWarning",
 ]
 
+from . import exitdrain  # noqa: E402, F401  (the exit waits for a save in flight and a RAM tier's copy)
+
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)

@@ -23,7 +23,6 @@ Contract: code that mutates parameters or optimizer state outside ``step()`` (EM
 
 from __future__ import annotations
 
-import atexit
 import logging
 import sys
 import threading
@@ -356,7 +355,7 @@ def release_staging(owner: Any) -> None:
 def _drain_at_exit() -> None:
     """At interpreter exit, an async save still in flight is finished, not dropped: the last
     checkpoint of a script is often the one that matters. Runs before ``concurrent.futures``
-    shuts its executors down (an fsspec store's uploads may use them)."""
+    shuts its executors down (an fsspec store's uploads may use them): registered by ``exitdrain``."""
     job = _INFLIGHT
     if job is None or job.handle.done() or job.handle.stuck:  # stuck in a write: StuckWriteError said so; not joined
         return
@@ -371,12 +370,6 @@ def _drain_at_exit() -> None:
     err = h.exception()
     if err is not None and not h.observed:  # printed: logging may be torn down by now
         print(f"trainguard: the async save {what} failed: {err}", file=sys.stderr)
-
-
-# threading's own exit hooks run before its threads are joined and in reverse order of
-# registration: this one, registered after concurrent.futures', runs before it (atexit would
-# run after it, when no executor accepts work any more).
-getattr(threading, "_register_atexit", atexit.register)(_drain_at_exit)
 
 
 def _pre_step_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import shutil
+import sys
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,6 +28,7 @@ from .iostall import StuckWriteError
 log = logging.getLogger("trainguard")
 
 SLACK = 256 << 10  # manifest, index files, block rounding beyond the data's bytes
+COPYING: weakref.WeakSet[Any] = weakref.WeakSet()  # RAM tiers that started a copy to disk (drain_copies)
 
 
 def room_needed(need: int | None, short: int) -> int:
@@ -192,3 +195,23 @@ def remove_tier(tier: Any) -> None:
         return
     with contextlib.suppress(OSError):
         os.rmdir(os.path.dirname(tier.dir))  # the per-user dir, if no other run uses it
+
+
+def drain_copies() -> None:
+    """At interpreter exit (``exitdrain``, after the async save in flight, whose commit may start one):
+    wait for each RAM tier's copy to disk still running, bounded by its manager's timeout. A job that
+    ended without ``close()`` left its last checkpoint in RAM only (the copy's thread is a daemon): a
+    restart on another node started over. Its error, if any, is printed (logging may be torn down)."""
+    for tier in list(COPYING):
+        t = tier._thread
+        if t is None or not t.is_alive():
+            continue
+        print(f"trainguard: the interpreter is exiting; waiting for the RAM tier's copy of step {tier._committed} "
+              f"to {tier.durable_root}", file=sys.stderr)
+        try:
+            tier.wait()
+        except Exception as e:  # stuck for the timeout: the exit goes on (the thread is a daemon)
+            print(f"trainguard: the RAM tier's copy of step {tier._committed} did not finish: {e}", file=sys.stderr)
+            continue
+        if tier._error is not None:
+            print(f"trainguard: the RAM tier's copy of step {tier._committed} failed: {tier._error}", file=sys.stderr)

@@ -40,7 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
-from .ramroom import drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
+from .ramroom import COPYING, drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
 
@@ -249,6 +249,7 @@ class RamTier:
 
         self._error = None
         self._thread = threading.Thread(target=run, name="trainguard-ram-persist", daemon=True)
+        COPYING.add(self)  # the interpreter's exit waits for the copy (exitdrain.py)
         self._thread.start()
 
     def wait(self) -> None:
