@@ -388,13 +388,12 @@ def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
         raise UnsupportedValueError(f"metrics={metrics!r}: pass a dict of names to numbers, e.g. metrics={{'loss': 0.25}}")
     out: dict[str, float] = {}
     for k, v in (metrics or {}).items():
-        n = v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)  # a tensor, a numpy array or scalar
-        if hasattr(v, "item") and n == 1:
-            v = v.item()
-        if type(k) is not str or type(v) not in (int, float, bool):
+        if hasattr(v, "item") and (v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)) == 1 and not getattr(v, "is_meta", False):
+            v = v.item()  # a tensor, numpy array or scalar of one value (a meta tensor has none: refused below)
+        if type(k) is not str or not isinstance(v, numbers.Real):
             raise UnsupportedValueError(
                 f"metrics[{k!r}] = {v!r} ({type(v).__name__}): metrics map str names to numbers "
                 "(a one-element tensor is converted with .item())"
             )
-        out[k] = v
+        out[k] = v if type(v) in (int, float, bool) else float(v)  # np.longdouble (its .item() is itself), a Fraction
     return out
