@@ -110,6 +110,7 @@ class CheckpointManager:
                     layout.open_run_root(self.storage, self._root)  # not a checkpoint itself
                     if self._lock:
                         self._lock.acquire()
+                        runlock.release_when_gone(self, self._lock)  # dropped without close(): released when collected
                     removed = clean_debris(self.storage, self._root)
                     if removed:
                         log.warning("trainguard: removed debris of crashed saves in %s: %s", self.root, removed)

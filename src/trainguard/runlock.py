@@ -10,6 +10,7 @@ import os
 import socket
 import time
 import warnings
+import weakref
 
 from . import layout
 from .errors import CheckpointError, LockedError
@@ -40,7 +41,9 @@ class RunLock:
         if real in _HELD:
             raise mark(LockedError(
                 f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
-                "process; close it first or give each manager its own directory"
+                "process; close it first or give each manager its own directory (a manager opened without "
+                "`with` whose variable is gone, in a notebook: `import gc; [m.close() for m in gc.get_objects() "
+                "if isinstance(m, trainguard.CheckpointManager)]`)"
             ))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:  # any failure (an I/O error, Ctrl-C) closes the descriptor, and the lock goes with it
@@ -95,6 +98,23 @@ class RunLock:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+def release_when_gone(owner: object, lock: RunLock) -> None:
+    """``CheckpointManager.open``, rank 0, once it holds ``lock``: a manager dropped without ``close()``
+    (a notebook cell that reassigned its variable, ``handle_signals=False``) releases the lock when it
+    is collected, with a ResourceWarning. Before, the lock stayed held in this process for good: every
+    later manager of that directory got LockedError, and no manager was left to close. Not at exit:
+    the process's end releases it."""
+    weakref.finalize(owner, _release_dropped, lock).atexit = False
+
+
+def _release_dropped(lock: RunLock) -> None:
+    if lock.fd is not None:  # not closed
+        warnings.warn(f"a CheckpointManager of {os.path.dirname(lock.path)} was garbage-collected without "
+                      "close(): its lock is released (use `with CheckpointManager(...) as mgr:`)", ResourceWarning,
+                      stacklevel=2)
+        lock.release()
 
 
 def check_owned(parent: str) -> None:
