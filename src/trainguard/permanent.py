@@ -216,9 +216,9 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
 
 def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout: float | None,
                        max_staging_bytes: int | None, async_save: bool, stage_in_background: bool,
-                       split_state: bool = False, root: Any = "root") -> None:
+                       split_state: bool = False, root: Any = None) -> None:
     """``CheckpointManager.__init__`` (inside :func:`config_errors`): its arguments, before any I/O."""
-    if isinstance(root, (str, os.PathLike)) and not os.fspath(root):  # an unset variable: the manager wrote into the cwd
+    if isinstance(root, str) and not root:  # an unset variable: the manager wrote into the current directory
         raise ValueError("CheckpointManager(root=''): pass the run directory (a path or URL) to save into")
     from .dist import check_timeout
     from .policies import RetentionPolicy, SavePolicy
