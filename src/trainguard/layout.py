@@ -80,14 +80,11 @@ def open_run_root(storage: Any, root: str) -> None:
     that checkpoint, ``restore`` found no step directory in it and returned None (a fresh start over
     the checkpoint the run meant to resume from), and its saves nested ``step-N`` directories inside
     it. Permanent: no restart fixes it. A ``manifest.json`` of another tool (not ``{"checksum":"...``,
-    the start of every trainguard manifest), or one that cannot be read, is left alone."""
+    the start of every trainguard manifest) is left alone. An I/O error looking is raised: the manager's
+    open fails on every rank with it, as for any of rank 0's errors there."""
     storage.makedirs(root)
     path = storage.join(root, MANIFEST)
-    try:
-        ours = storage.exists(path) and storage.read_bytes(path, 31).startswith(b'{"checksum":"')
-    except OSError:
-        ours = False
-    if ours:
+    if storage.exists(path) and storage.read_bytes(path, 31).startswith(b'{"checksum":"'):
         from .errors import CheckpointError
         from .permanent import mark
 
