@@ -51,7 +51,7 @@ class CheckpointManager:
     ``save``: a :class:`SavePolicy` (default ``EveryNSteps(1000)``); ``keep``: a :class:`RetentionPolicy`
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
-    next save; the run directory's lock lost is raised all the same, ``runlock.py``); ``handle_signals``: on SIGTERM,
+    next save; a permanent error failing two saves in a row, or the run lock lost, is raised all the same); ``handle_signals``: on SIGTERM,
     SIGINT or SIGHUP (not if ignored or handled) save at the next ``save()``, set ``should_stop``; ``split_state``: see split.py.
     """
 
@@ -94,8 +94,8 @@ class CheckpointManager:
         self._rejected: set[int] = set()  # steps restore() found unusable: replaced when saved again
         self._own = OwnSteps()  # steps this manager committed (the newest ones); any other one is an earlier run's (retention.py)
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
-        self._warned_foreign, self._aside = False, ""  # warned of another run's newer checkpoints; retention.set_aside's token
-        # Optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
+        # Warned of another run's newer checkpoints; set_aside's token; the last save failed permanently (_report_failure); optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
+        self._warned_foreign, self._aside, self._failed_permanent = False, "", False
         self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events) if ram_tier else None
 
     # ------------------------------------------------------------------ lifecycle
@@ -193,8 +193,7 @@ class CheckpointManager:
         step = layout.check_step(step)
         check_state(state)  # a state that is no mapping: refused as by tg.save (permanent), not gradwatch's AttributeError
         watchdog.heartbeat(step)  # progress for `trainguard run`'s hang watchdog, and fault drills
-        now = time.monotonic()
-        self.save_policy.on_step(step, now)
+        self.save_policy.on_step(step, now := time.monotonic())
         if (done := self._pending) is not None and done.done() and done.exception() is None:
             self._finish_pending()  # committed: the policy learns its cost now (DalyInterval), not at the next save's call
         want = force or self.save_policy.should_save(step, now)
@@ -291,7 +290,7 @@ class CheckpointManager:
             return log.warning("trainguard: save of step %s failed (collected by handle.result()): %s", self._pending_step, err)
         self._pending = None
         h.duration_s = (h.finished_at or time.monotonic()) - self._pending_t0  # when it ended (collected later)
-        self.last_saved_step = manifest.step
+        self.last_saved_step, self._failed_permanent = manifest.step, False
         self._own.add(manifest.step)
         if self.ctx.rank == 0:  # a full manifest here (elsewhere a lazy one would read it)
             self._created[manifest.step] = manifest.created
@@ -313,8 +312,10 @@ class CheckpointManager:
         self._metrics.pop(step, None)  # not committed: a step on disk has its manifest's (retention._facts), none stays
         if self.ram:  # a save into RAM that found no room there: the next ones go to the run directory
             self.ram.no_room(step, e)
-        # Raised whatever on_error: a lost run lock (every rank's alike; another job may write there) or a stuck write.
-        if self.on_error == "raise" or (is_permanent(e) and runlock.LOST in str(e)) or isinstance(e, StuckWriteError):
+        # Raised whatever on_error: a stuck write; the run lock lost (another job may write there); a permanent error
+        # failing a second save in a row (a value no save can store; a metric refused once is passed anew). Every rank's alike.
+        again, self._failed_permanent = self._failed_permanent, is_permanent(e)
+        if self.on_error == "raise" or isinstance(e, StuckWriteError) or (is_permanent(e) and (again or runlock.LOST in str(e))):
             raise e
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
         warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
