@@ -27,7 +27,7 @@ from .errors import CheckpointError, RankFailureError, UnsupportedValueError
 from .flatten import flatten
 from .fsdp1 import refuse_unsupported
 from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
-from .names import frozen_names
+from .names import frozen_names, module_versions
 from .optnames import param_name_map
 from .planner import Box, Regular, full_box
 from .replicas import digests, plan, refuse_subgroup_ddp, state_buffer_sources
@@ -66,11 +66,12 @@ class Snapshot:
     metadata: dict[str, Any] = field(default_factory=dict)  # the save's, as at the call (api._collective_capture)
     split: bool = False  # split_state=True: ranks may hold different entries (split.py)
     frozen: dict[str, list[str]] = field(default_factory=dict)  # module entry -> its frozen parameters (names.py)
+    versions: dict[str, dict[str, int]] = field(default_factory=dict)  # module entry -> its modules' versions (names.py)
     classes: dict[str, str] = field(default_factory=dict)  # scheduler entry -> its class (schedclass.py)
 
     def beside(self, key: str) -> dict[str, Any]:
-        """``api``: what the manifest keeps beside entry ``key``'s skeleton ("frozen", "class")."""
-        return {**({"frozen": self.frozen[key]} if key in self.frozen else {}),
+        """``api``: what the manifest keeps beside entry ``key``'s skeleton ("frozen", "versions", "class")."""
+        return {**({"frozen": self.frozen[key], "versions": self.versions[key]} if key in self.frozen else {}),
                 **({"class": self.classes[key]} if key in self.classes else {})}
     data_positions: dict[str, Any] = field(default_factory=dict)  # shared samplers' states: check_data_positions
     replicas: dict[str, Any] | None = None  # digests of the replicated leaves, taken at the call (replicas.py)
@@ -103,6 +104,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ties: list[tuple[str, str]] = []  # (alias, target)
     data_positions: dict[str, Any] = {}
     frozen: dict[str, list[str]] = {}
+    versions: dict[str, dict[str, int]] = {}
     classes: dict[str, str] = {}
     # address of a buffer DDP syncs (and of the state's other module buffers then) -> the rank saving it
     sources = state_buffer_sources(state) if ctx.world_size > 1 else {}
@@ -144,7 +146,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 classes[key] = cls  # refused on load by a scheduler of another class
             if isinstance(value, torch.nn.Module) and not local:
                 if not split:
-                    frozen[key] = frozen_names(value)
+                    frozen[key], versions[key] = frozen_names(value), module_versions(value)
             if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
                 # Global: every rank that reads data must hold the same (check_data_positions).
                 data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]
@@ -177,7 +179,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     ).hexdigest() if ctx.world_size > 1 else ""
     rep = digests(state, leaves, ctx.world_size, sig, layout_kind)  # compared in the begin round: replicas.compare
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions,
-                    frozen=frozen, classes=classes, replicas=rep)
+                    frozen=frozen, versions=versions, classes=classes, replicas=rep)
 
 
 # ``capture``: what to do about a value refused in a scheduler's state, after its path and type (flatten's

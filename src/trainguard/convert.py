@@ -25,7 +25,7 @@ import torch
 
 from .commit import read_manifest
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
-from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing
+from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing, with_versions
 from .flatten import single_tensor, unflatten
 from .storage import for_path
 
@@ -157,7 +157,7 @@ def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, share: b
     tensors = dict(iter_tensors(storage, d, manifest, entry, share=share))
     if not tensors:
         raise CheckpointError(no_tensors(manifest, d, entry))
-    return tensors
+    return with_versions(tensors, manifest.objects[entry])
 
 
 def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: str) -> None:

@@ -5,10 +5,12 @@ assembled from their chunks (whatever world size wrote them), read in parallel b
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -102,8 +104,26 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
 
                     save_file(tensors, tmp, metadata=meta)
                 else:
-                    torch.save(tensors, tmp)
+                    torch.save(with_versions(tensors, manifest.objects[entry]), tmp)
     return len(mine)
+
+
+def with_versions(tensors: dict[str, Any], obj: Any) -> dict[str, Any]:
+    """``export`` and ``convert`` to a ``.pt`` file, an entry's tensors by name: as an ``OrderedDict``
+    with the ``_metadata`` a module's ``state_dict()`` has (each module's version, from the
+    entry's recorded ``"versions"``, ``names.module_versions``), so that ``load_state_dict`` of
+    the ``torch.load``ed file takes the values in the format they were saved in. ``tensors`` as
+    they are for an entry that recorded none (not a module, or an older checkpoint)."""
+    saved = obj.get("versions") if isinstance(obj, dict) else None
+    if type(saved) is not dict or not all(type(k) is str and type(v) is int for k, v in saved.items()):
+        return tensors
+    prefixes = {""} | set(saved)
+    for name in tensors:
+        parts = name.split(".")[:-1]
+        prefixes.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    out = collections.OrderedDict(tensors)
+    out._metadata = {p: {"version": saved.get(p, 1)} for p in sorted(prefixes)}  # type: ignore[attr-defined]
+    return out
 
 
 def no_tensors(manifest: Manifest, directory: str, entry: str) -> str:

@@ -315,7 +315,7 @@ def _load(
                 value = optload.without_unread(obj, skel, value, dest, bad)
         try:
             if isinstance(obj, ModuleAdapter):
-                obj.load_state_dict(value, strict=strict)
+                obj.load_state_dict(value, strict=strict, versions=manifest.objects[key].get("versions"))
             elif has_state(obj):  # a GradScaler enabled since a save with it disabled: scalerstate.py
                 scalerstate.keeps_fresh(key, obj, value, strict) or obj.load_state_dict(value)
             elif isinstance(state, MutableMapping):

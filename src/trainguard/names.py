@@ -9,7 +9,8 @@ or off loads its optimizer. Checkpoints written before this (their optimizer nam
 ``_checkpoint_wrapped_module``) still load: ``loader._load`` passes their optimizer skeletons
 through :func:`canonical_optimizer` and :func:`alias_saved_paths`.
 
-It also records and checks ``requires_grad`` (:func:`frozen_names`, :func:`check_frozen`).
+It also records and checks ``requires_grad`` (:func:`frozen_names`, :func:`check_frozen`), and
+records each submodule's format version (:func:`module_versions`, :func:`saved_metadata`).
 """
 
 from __future__ import annotations
@@ -161,3 +162,42 @@ def check_frozen(manifest: Any, state: Any) -> None:
                 "ignore this if the change is on purpose",
                 stacklevel=6,  # the caller of tg.load (check_frozen, schedclass.check_entries, _load, load, dist's wrapper)
             )
+
+
+def _wraps(mod: Any) -> bool:
+    return any(is_torch_wrapper(mod, attr) for attr in WRAPPERS & set(getattr(mod, "_modules", {})))
+
+
+def module_versions(module: Any) -> dict[str, int]:
+    """``capture.capture`` (every rank, each module entry of a save that is not rank-local nor
+    ``split_state``): each submodule's ``_version`` (the format of its own ``state_dict()``,
+    which ``torch.save`` keeps in the dict's ``_metadata``) that is not ``nn.Module``'s 1, by its
+    name without wrapper parts (``""``: the entry's module). Saved beside the entry's skeleton as
+    ``"versions"``; :func:`saved_metadata` hands them to the module's load."""
+    from .stateful import unwrap_module
+
+    out: dict[str, int] = {}
+    for name, mod in unwrap_module(module).named_modules(remove_duplicate=False):
+        v = getattr(mod, "_version", 1)
+        if v != 1 and type(v) is int and not _wraps(mod):
+            out[canonical_key(name)] = v
+    return out
+
+
+def saved_metadata(module: Any, current: Any, saved: Any) -> Any:
+    """``stateful.ModuleAdapter.load_state_dict`` (every rank, each module entry loaded): the
+    ``_metadata`` to load ``module`` (unwrapped) with: ``current`` (its own ``state_dict()``'s)
+    with each submodule's version as the checkpoint recorded it (``saved``, the entry's
+    ``"versions"``; a submodule not in it was at 1). A module whose version grew since the save
+    (a torch upgrade) then upgrades the saved values in its ``_load_from_state_dict``, as it does
+    for a ``torch.save``d state dict. ``current`` as it is when the checkpoint recorded none
+    (written before session 43, or damaged): the module's versions are taken for the saved ones."""
+    if type(saved) is not dict or not all(type(k) is str and type(v) is int for k, v in saved.items()):
+        return current
+    from collections import OrderedDict
+
+    out = OrderedDict((k, dict(v) if isinstance(v, dict) else v) for k, v in (current or {}).items())
+    for name, mod in module.named_modules(remove_duplicate=False):
+        if isinstance(out.get(name), dict) and not _wraps(mod):
+            out[name]["version"] = saved.get(canonical_key(name), 1)
+    return out

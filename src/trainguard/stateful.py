@@ -18,7 +18,7 @@ from torch import nn
 
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .errors import UnsupportedValueError
-from .names import canonical_key, canonical_names, is_torch_wrapper
+from .names import canonical_key, canonical_names, is_torch_wrapper, saved_metadata
 from .rngstate import RNGState
 
 __all__ = ["Stateful", "StateDict", "RNGState", "adapt", "unwrap_module", "is_rank_local"]
@@ -96,12 +96,13 @@ class ModuleAdapter:
         sd = self.module.state_dict()
         return dict(zip(canonical_names(self.module, list(sd)), sd.values(), strict=True))
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """``loader._load`` (every rank), with the values read from the checkpoint. The module's own
-        ``_metadata`` (each submodule's ``_version``) goes with them, as in the ``state_dict()`` that
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, versions: Any = None) -> None:
+        """``loader._load`` (every rank), with the values read from the checkpoint. A ``_metadata``
+        (each submodule's ``_version``) goes with them, as in the ``state_dict()`` that
         ``torch.save`` keeps: without it a versioned ``_load_from_state_dict`` takes the values for
         a pre-version checkpoint and "upgrades" them (a quantization observer reset its ``eps`` to
-        float32's, so its scale changed on resume)."""
+        float32's, so its scale changed on resume). ``versions``: the entry's recorded versions
+        (``names.saved_metadata``; None: the module's own)."""
         current = self.module.state_dict()
         keys = list(current)
         actual = dict(zip(canonical_names(self.module, keys), keys, strict=True))
@@ -114,7 +115,7 @@ class ModuleAdapter:
                 if have is not None:
                     mapped[actual[name]] = mapped[have]
         ordered = OrderedDict(mapped)
-        metadata = getattr(current, "_metadata", None)
+        metadata = saved_metadata(self.module, getattr(current, "_metadata", None), versions)
         if metadata is not None:
             ordered._metadata = metadata  # type: ignore[attr-defined]
         self.module.load_state_dict(ordered, strict=strict)
