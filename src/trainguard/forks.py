@@ -1,5 +1,5 @@
-"""What a forked child must not inherit from trainguard: the parent's async save in flight, and
-its place in the parent's process group.
+"""What a forked child must not inherit from trainguard: the parent's async save in flight, its
+place in the parent's process group, and the parent's open ``CheckpointManager`` (:func:`manager_call`).
 
 A process forked while an async save runs (DataLoader workers, forked at every epoch's
 ``iter()``; an eval or Hogwild process from ``multiprocessing`` with the fork start method) has
@@ -16,8 +16,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from typing import Any
 
-from . import async_save, dist, gcpause, io, iostall, replicas, stage
+from . import async_save, dist, gcpause, io, iostall, policies, replicas, stage
+from .errors import CheckpointError
 from .storage import _direct, local
 
 
@@ -53,6 +55,45 @@ def _not_a_rank() -> None:
     if dist._CACHE or (tdist is not None and tdist.is_available() and tdist.is_initialized()):
         dist._FORKED_CHILD = True
         dist._CACHE.clear()
+
+
+def manager_call(mgr: Any, name: str) -> bool:
+    """``onethread``'s guard, before each call ``name`` (open, save, wait, restore, close) of the
+    ``CheckpointManager`` ``mgr``: whether it was opened by another process, which forked this one
+    (``os.fork`` in the training script: a child that leaves the ``with`` block by ``sys.exit`` or an
+    exception). There ``close()`` lets go of this process's copies only (:func:`_let_go`) and this
+    returns True; the other calls raise a ``CheckpointError``: the manager's lock, save in flight,
+    RAM tier and event log are the parent's. Before, the child's ``close()`` waited for the parent's
+    save in flight and wrote a ``save_failed`` of it into the parent's events.jsonl and raised (the
+    child's ``sys.exit(0)`` exited 1); a save that had committed got its ``save`` event twice; and
+    with a RAM tier the child removed the parent's RAM directory, checkpoints not yet copied to disk
+    included. False (the call goes on) in the process that opened it, or when it is not open."""
+    opener = mgr.__dict__.get("_pid")
+    if opener is None or opener == os.getpid() or not mgr.__dict__.get("_opened"):
+        return False
+    if name == "close":
+        _let_go(mgr)
+        return True
+    raise CheckpointError(
+        f"CheckpointManager.{name}() in process {os.getpid()}: this manager was opened by process {opener}, which "
+        "forked this one; it saves, waits and restores in that process only (its lock, its save in flight, its event "
+        "log are there). Here, read a checkpoint with tg.load(path, state) (mgr.latest_step() names the newest step), "
+        "or open a manager of this process's own on another directory"
+    )
+
+
+def _let_go(mgr: Any) -> None:
+    """:func:`manager_call`'s ``close()`` in a forked child: this process's signal handlers back as
+    they were before the manager's ``open()``, its copy of the lock's descriptor closed (the parent's
+    lock and the file untouched), its staging memory free; nothing waited for, written or removed."""
+    mgr._opened = False
+    mgr.__dict__.pop("_failing", None)  # __exit__'s mark, which close() pops
+    if threading.current_thread() is threading.main_thread():
+        policies.unchain_handlers(mgr._on_signal, mgr._old_handlers)
+    if mgr._lock is not None:
+        mgr._lock.forget()
+    if mgr.async_save:
+        async_save.release_staging(mgr)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -128,7 +128,7 @@ class CheckpointManager:
             if self._lock:
                 self._lock.release()
             raise
-        self._opened = True  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal)
+        self._opened, self._pid = True, os.getpid()  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal); _pid: forks.manager_call
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, self._on_signal) else []
             for sig in (signal.SIGTERM, signal.SIGINT, *hup):  # SIGHUP (the agent forwards it) unless nohup'd or handled

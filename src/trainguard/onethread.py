@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from . import forks
 from .errors import CheckpointError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -41,6 +42,8 @@ def one_thread_at_a_time(*names: str, rounds: tuple[str, ...] = ()) -> Callable[
 def _guarded(method: F, eager: bool = False) -> F:
     @functools.wraps(method)
     def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if forks.manager_call(self, method.__name__):  # opened by the process that forked this one
+            return None
         me, owner = threading.get_ident(), None
         try:  # the mark is taken inside the try: a Ctrl-C after it still clears it
             with _GUARD:

@@ -81,13 +81,9 @@ class RunLock:
 
     def release(self) -> None:
         """Never raises: the holder info is advisory, and closing the descriptor releases the lock."""
-        if self.fd is None:
+        fd = self._unrecord()
+        if fd is None:
             return
-        fd, self.fd = self.fd, None
-        _HELD.discard(self._real)
-        for key, held in list(_OWNED.items()):  # list(): one step under the GIL (another thread's manager)
-            if held is self:
-                _OWNED.pop(key, None)
         try:
             with contextlib.suppress(OSError):
                 # Still this process's (taken again if lost, lock_lost): a job that took it since, or the
@@ -98,6 +94,26 @@ class RunLock:
         finally:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def forget(self) -> None:
+        """``forks.manager_call``, in a child forked while the manager was open (its ``close()``): close
+        this process's copy of the descriptor and forget the lock here. The child holds no lock (POSIX
+        locks are not inherited) and leaves the file alone: the parent's lock and holder info stay."""
+        fd = self._unrecord()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _unrecord(self) -> int | None:
+        """``release``/``forget``: the descriptor (None when not held), taken out of this process's records."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return None
+        _HELD.discard(self._real)
+        for key, held in list(_OWNED.items()):  # list(): one step under the GIL (another thread's manager)
+            if held is self:
+                _OWNED.pop(key, None)
+        return fd
 
 
 def release_when_gone(owner: object, lock: RunLock) -> None:

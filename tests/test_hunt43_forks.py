@@ -1,0 +1,86 @@
+"""Processes forked around a live ``CheckpointManager`` (hunt 43, "forks"): each scenario runs in
+a child interpreter bounded by a timeout (``conftest.run_py``); the processes it forks end with
+``sys.exit``/``os._exit`` and are reaped by pid."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from conftest import run_py
+
+# A child forked inside the parent's `with` block leaves it by sys.exit(0) (a worker done): its
+# exit status is written to the summary, with the parent's view after it.
+_MANAGER_IN_CHILD = """
+import json, os, sys, threading
+import torch
+import trainguard as tg
+from trainguard import async_save
+from trainguard.events import read_events
+root, ram = sys.argv[1], sys.argv[2]
+state = {"w": torch.ones(1000)}
+out = {}
+
+def child_leaves_the_block():
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # SystemExit unwinds the `with` block in the child: its __exit__ calls close()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+def child_saves(mgr):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            mgr.save(9, state, force=True)
+            code = 3
+        except tg.CheckpointError as e:
+            code = 0 if "forked this one" in str(e) else 4
+        except BaseException:
+            code = 5
+        os._exit(code)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+gate = threading.Event()
+with tg.CheckpointManager(root, save=tg.EveryNSteps(1), async_save=True, ram_tier=ram, handle_signals=False) as mgr:
+    mgr.save(1, state).join(60)  # committed (into RAM), not yet collected by the manager
+    mgr.ram.wait()  # its copy to the run directory is done
+    out["committed"] = child_leaves_the_block()
+    out["ram_after_committed"] = sorted(os.listdir(mgr.ram.dir))
+    async_save._before_background_stage = lambda: gate.wait(60)
+    h = mgr.save(2, state)  # in flight: held before its background copies
+    out["in_flight"] = child_leaves_the_block()
+    out["child_save"] = child_saves(mgr)
+    gate.set()
+    h.join(60)
+    mgr.ram.wait()
+    out["ram_before_close"] = sorted(os.listdir(mgr.ram.dir))
+out["steps"] = sorted(d for d in os.listdir(root) if d.startswith("step-"))
+out["events"] = [(e["pid"] == os.getpid(), e["event"], e.get("step")) for e in read_events(root)]
+print("OUT " + json.dumps(out))
+"""
+
+
+def test_a_forked_child_leaving_the_with_block_leaves_the_parents_manager_alone(tmp_path):
+    """``os.fork`` inside ``with CheckpointManager(...)``, the child ending with ``sys.exit(0)``:
+    its ``__exit__`` ran ``close()`` on its copy of the parent's manager. Before: with a save
+    committed but not yet collected, the child wrote that save's ``save`` event a second time and
+    removed the parent's RAM tier (``ram_tier``); with a save in flight, it wrote a ``save_failed``
+    of the parent's save into events.jsonl and exited 1 with a CheckpointError. A ``save()`` in the
+    child was refused as if another job held the lock, and logged ``save_failed``. Now the child's
+    ``close()`` touches nothing of the parent's, and its ``save()`` says the manager is the parent's."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(_MANAGER_IN_CHILD))
+    ram = tmp_path / "shm"
+    ram.mkdir()
+    r = run_py([str(script), str(tmp_path / "run"), str(ram)], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(next(line[4:] for line in r.stdout.splitlines() if line.startswith("OUT ")))
+    assert out["committed"] == 0 and out["in_flight"] == 0, (out, r.stderr[-3000:])
+    assert out["child_save"] == 0, out
+    assert "step-000000001" in out["ram_after_committed"], out  # the RAM tier: before, removed by the child
+    assert "step-000000002" in out["ram_before_close"], out
+    assert out["steps"] == ["step-000000001", "step-000000002"], out
+    assert all(mine for mine, _e, _s in out["events"]), out["events"]  # no line of a child's
+    saves = [s for _m, e, s in out["events"] if e == "save"]
+    assert saves == [1, 2], out["events"]
+    assert not [e for _m, e, _s in out["events"] if e == "save_failed"], out["events"]
