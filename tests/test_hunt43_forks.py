@@ -84,3 +84,56 @@ def test_a_forked_child_leaving_the_with_block_leaves_the_parents_manager_alone(
     saves = [s for _m, e, s in out["events"] if e == "save"]
     assert saves == [1, 2], out["events"]
     assert not [e for _m, e, _s in out["events"] if e == "save_failed"], out["events"]
+
+
+
+_TERMINATE = """
+import json, multiprocessing as mp, os, signal, sys
+import trainguard as tg
+
+def work(ready):
+    ready.set()
+    mp.Event().wait(60)  # bounded: the parent terminates it
+
+def sigint_kept():
+    os._exit(0 if getattr(signal.getsignal(signal.SIGINT), "__name__", "") == "_on_signal" else 1)
+
+def run(ctx, target, *args):
+    p = ctx.Process(target=target, args=args)
+    p.start()
+    if args:
+        assert args[0].wait(30)
+        p.terminate()
+    p.join(30)
+    if p.is_alive():
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    return p.exitcode
+
+if __name__ == "__main__":
+    ctx = mp.get_context("fork")
+    codes = {}
+    with tg.CheckpointManager(sys.argv[1]) as a:
+        codes["default"] = run(ctx, work, ctx.Event())
+        codes["sigint"] = run(ctx, sigint_kept)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(7))  # the script's own, before two managers
+    with tg.CheckpointManager(sys.argv[1]) as a, tg.CheckpointManager(sys.argv[2]) as b:
+        codes["chain"] = run(ctx, work, ctx.Event())
+        codes["parent"] = signal.getsignal(signal.SIGTERM) == b._on_signal
+    print("CODES " + json.dumps(codes))
+"""
+
+
+def test_terminate_stops_a_child_forked_while_a_manager_is_open(tmp_path):
+    """``multiprocessing``'s fork children inherited the manager's SIGTERM handler, which only sets a
+    flag on the (parent's) manager: ``Process.terminate()`` left the child running (and
+    ``Pool.terminate()`` hung). Now a forked child gets back the SIGTERM handler that the managers'
+    ``open()`` replaced, through their chain (SIG_DFL: killed by SIGTERM; the script's own: it ran);
+    SIGINT keeps the manager's handler (a Ctrl-C to the whole group spares DataLoader workers), and
+    the parent's handlers are unchanged."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(_TERMINATE))
+    r = run_py([str(script), str(tmp_path / "a"), str(tmp_path / "b")], timeout=150)
+    assert r.returncode == 0, r.stderr[-3000:]
+    codes = json.loads(next(line[6:] for line in r.stdout.splitlines() if line.startswith("CODES ")))
+    assert codes == {"default": -15, "sigint": 0, "chain": 7, "parent": True}, (codes, r.stderr[-3000:])

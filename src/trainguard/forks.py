@@ -13,7 +13,9 @@ the parent alone; the child writes and commits nothing of it. Registered by impo
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 from typing import Any
@@ -39,6 +41,7 @@ def _after_fork_in_child() -> None:
     replicas._LOCK, dist._MAKING = threading.Lock(), threading.Lock()
     iostall._OPEN.clear()  # the parent's storage calls in flight: none of this process's, never to end here
     _not_a_rank()
+    _sigterm_as_before()
     if job is not None and not job.handle.done():
         job.handle.forked_off(os.getppid())
 
@@ -55,6 +58,24 @@ def _not_a_rank() -> None:
     if dist._CACHE or (tdist is not None and tdist.is_available() and tdist.is_initialized()):
         dist._FORKED_CHILD = True
         dist._CACHE.clear()
+
+
+def _sigterm_as_before() -> None:
+    """In the child: SIGTERM's handler back to the one the parent's ``CheckpointManager.open()`` replaced
+    (through a chain of managers: the first one's). The manager's handler only sets a flag on the
+    parent's manager, which the child's copy never reads: a forked child (``multiprocessing``'s fork
+    start method, ``os.fork``) ignored SIGTERM, so ``Process.terminate()`` did not stop it and
+    ``Pool.terminate()`` hung. SIGINT and SIGHUP keep the manager's handler: a Ctrl-C or a closed
+    terminal reaches the whole process group, and a DataLoader worker that died of it would fail the
+    training process before its preemption save (torch's workers set SIGTERM's handler themselves)."""
+    handler, seen = signal.getsignal(signal.SIGTERM), set()
+    while (getattr(handler, "__name__", None) == "_on_signal" and id(owner := getattr(handler, "__self__", None)) not in seen
+           and isinstance(getattr(owner, "_old_handlers", None), dict) and signal.SIGTERM in owner._old_handlers):
+        seen.add(id(owner))
+        handler = owner._old_handlers[signal.SIGTERM]
+    if seen and handler is not None:  # None: set outside Python, cannot be put back
+        with contextlib.suppress(ValueError, OSError, TypeError):
+            signal.signal(signal.SIGTERM, handler)
 
 
 def manager_call(mgr: Any, name: str) -> bool:
