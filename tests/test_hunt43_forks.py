@@ -137,3 +137,38 @@ def test_terminate_stops_a_child_forked_while_a_manager_is_open(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     codes = json.loads(next(line[6:] for line in r.stdout.splitlines() if line.startswith("CODES ")))
     assert codes == {"default": -15, "sigint": 0, "chain": 7, "parent": True}, (codes, r.stderr[-3000:])
+
+
+_SAVE_FROM_A_THREAD_AT_EXIT = """
+import sys, threading
+import torch
+import trainguard as tg
+from trainguard import async_save
+
+def train():
+    threading.main_thread().join()  # the main thread has ended: the interpreter's exit has begun
+    async_save._before_background_stage = trainer.join  # written only once this thread has ended too
+    tg.save(sys.argv[1], {"w": torch.arange(1000.0)}, async_=True)
+
+trainer = threading.Thread(target=train)  # not a daemon: the exit joins it
+trainer.start()
+"""
+
+
+def test_an_async_save_started_by_a_thread_after_the_main_thread_ended_is_finished_at_exit(tmp_path):
+    """docs/async.md: at interpreter exit a save in flight is finished, not dropped. The exit hook
+    ran before the non-daemon threads were joined: a save that a training thread started after the
+    main thread had ended was killed with the interpreter (its save thread is a daemon), exit 0, only
+    a temp directory left. Now the hook runs again after they were joined."""
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(_SAVE_FROM_A_THREAD_AT_EXIT))
+    r = run_py([str(script), str(tmp_path / "last")], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (tmp_path / "last" / "manifest.json").exists(), (sorted(p.name for p in tmp_path.iterdir()), r.stderr[-3000:])
+    import torch
+
+    import trainguard as tg
+
+    got = {"w": torch.zeros(1000)}
+    tg.load(str(tmp_path / "last"), got)
+    assert torch.equal(got["w"], torch.arange(1000.0))
