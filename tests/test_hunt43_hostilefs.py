@@ -40,3 +40,62 @@ def test_dotdot_after_a_symlink_resolves_as_the_kernel_does(tmp_path):
     with tg.CheckpointManager(tmp_path / "lustre" / "run", handle_signals=False) as mgr:
         assert mgr.restore(fresh) == 1
     assert torch.equal(fresh["model"]["w"], torch.full((64,), 1.0))
+
+
+def _another_users_dir(base, monkeypatch):
+    """``base/trainguard-ram-<uid>`` made (mode 0777) by another user than the current one: chowned to
+    ``nobody`` as root, else the current user is made to look like another uid first."""
+    if os.getuid() != 0:  # pragma: no cover - CI runs as root
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+    path = base / f"trainguard-ram-{os.getuid()}"
+    path.mkdir()
+    os.chmod(path, 0o777)
+    if os.getuid() == 0:
+        os.chown(path, 65534, 65534)
+    return path
+
+
+def test_ram_tier_refuses_a_user_directory_made_by_another_user(tmp_path, monkeypatch):
+    """The RAM tier lives at ``<base>/trainguard-ram-<uid>``, a name known in advance in a directory every
+    user may write (``/dev/shm``). Another user who made it first (mode 0777) could read the job's RAM
+    copies and plant a newer step there: ``restore`` loaded it (it prefers the RAM tier) and copied it into
+    the run directory. Now the manager's open refuses such a directory and touches nothing in it."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    os.chmod(base, 0o1777)
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0))
+    user_dir = _another_users_dir(base, monkeypatch)
+    planted = user_dir / "planted"
+    tg.save(planted, _state(-1.0))
+    mgr = tg.CheckpointManager(run, save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False)
+    try:
+        mgr.open()
+    except tg.CheckpointError as e:
+        assert "not a directory of this user" in str(e) and str(user_dir) in str(e), e
+    else:
+        mgr.close()
+        raise AssertionError("a RAM tier directory of another user was used")
+    assert sorted(os.listdir(user_dir)) == ["planted"]  # nothing written or removed there
+    assert sorted(n for n in os.listdir(run) if n.startswith("step-")) == ["step-000000001"]
+
+
+def test_ram_tier_user_directory_is_private(tmp_path):
+    """Its checkpoints were readable by every user of the node (0755 directories, 0644 files under the
+    world-writable ``/dev/shm``); the per-user directory is now 0700, also one an earlier version made 0755."""
+    base = tmp_path / "shm"
+    base.mkdir()
+    user_dir = base / f"trainguard-ram-{os.getuid()}"
+    user_dir.mkdir(mode=0o755)
+    os.chmod(user_dir, 0o755)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False) as mgr:
+        mgr.save(1, _state(3.0))
+        assert os.stat(user_dir).st_mode & 0o777 == 0o700
+        mgr.close(keep_ram_tier=True)
+    assert os.stat(user_dir).st_mode & 0o777 == 0o700
+    fresh = _state(0.0)
+    with tg.CheckpointManager(tmp_path / "run", ram_tier=str(base), handle_signals=False) as mgr:
+        assert mgr.restore(fresh) == 1
+    assert torch.equal(fresh["model"]["w"], torch.full((64,), 3.0))
