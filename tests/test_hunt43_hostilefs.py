@@ -99,3 +99,46 @@ def test_ram_tier_user_directory_is_private(tmp_path):
     with tg.CheckpointManager(tmp_path / "run", ram_tier=str(base), handle_signals=False) as mgr:
         assert mgr.restore(fresh) == 1
     assert torch.equal(fresh["model"]["w"], torch.full((64,), 3.0))
+
+
+def test_ram_copy_of_a_deleted_run_that_cannot_be_removed_fails_open(tmp_path, monkeypatch):
+    """A RAM copy of a run directory deleted since (the user starts over) is removed at open. When its
+    removal is refused (EACCES unlinking its manifest: ``LocalStorage.remove_tree`` warns and goes on),
+    the open went on, wrote the new run's id into the RAM tier, and the copy became the new run's:
+    ``restore`` of the fresh run returned the deleted run's step (one that never reached disk) and copied
+    it into the new run directory. docs/storage.md promised that the open fails; now it does."""
+    import glob
+    import shutil
+
+    base, root = tmp_path / "shm", tmp_path / "run"
+    base.mkdir()
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False) as mgr:
+        mgr.save(3, _state(3.0))
+        mgr.close(keep_ram_tier=True)
+    (marker,) = glob.glob(str(base / "trainguard-ram-*" / "*" / ".trainguard-on-disk"))
+    os.unlink(marker)  # as if the job was killed before its copy of step 3 reached the run directory
+    shutil.rmtree(root)  # the user starts over
+    real_unlink = os.unlink
+
+    def refused(path, *a, **kw):
+        p = os.fsdecode(path)
+        if p.startswith(str(base)) and p.endswith(os.path.join("step-000000003", "manifest.json")):
+            raise PermissionError(13, "Permission denied", p)
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    fresh = _state(0.0)
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False)
+    try:
+        mgr.open()
+        got = mgr.restore(fresh)
+    except tg.CheckpointError as e:
+        assert "step-000000003" in str(e) and "could not be removed" in str(e), e
+    else:
+        mgr.close()
+        raise AssertionError(f"the new run restored {got} from the deleted run's RAM copy")
+    assert torch.equal(fresh["model"]["w"], torch.zeros(64))
+    assert not [n for n in os.listdir(root) if n.startswith("step-")]
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False) as mgr:
+        assert mgr.restore(fresh) is None  # removable now: discarded, a fresh start

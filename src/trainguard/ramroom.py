@@ -203,6 +203,22 @@ def private_dir(path: str) -> None:
         os.chmod(path, 0o700)
 
 
+def discard_stale(storage: Any, ram: str) -> None:
+    """``RamTier._check_run``, rank 0 at open: remove the RAM copies in ``ram`` of a run directory deleted
+    since (another run id). A copy whose manifest stays (its removal refused: EACCES, EIO; the storage's
+    ``remove_tree`` warns and goes on) raises a ``CheckpointError`` naming it, so that the open fails
+    before the RAM tier takes the new run's id: before, the copy was adopted with it, and the new run's
+    ``restore`` loaded the deleted run's checkpoint (one that never reached disk) and copied it into the
+    new run directory."""
+    for s in list_steps(storage, ram):
+        storage.remove_tree(s.path)
+    left = [s.name for s in list_steps(storage, ram) if s.status == "committed"]
+    if left:
+        raise CheckpointError(
+            f"{ram} holds {left} of a run directory deleted since (another run id), and they could not be removed: "
+            "a restore of this run would load them")
+
+
 def remove_tier(tier: Any) -> None:
     """``RamTier.close(clean=True)``, rank 0, once its last copy reached the run directory: remove the RAM
     tier. One that cannot be removed (EACCES, EBUSY) stays, with a warning that says where and the event
