@@ -142,3 +142,42 @@ def test_ram_copy_of_a_deleted_run_that_cannot_be_removed_fails_open(tmp_path, m
     monkeypatch.setattr(os, "unlink", real_unlink)
     with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=str(base), handle_signals=False) as mgr:
         assert mgr.restore(fresh) is None  # removable now: discarded, a fresh start
+
+
+def test_debris_that_cannot_be_removed_is_not_reported_removed(tmp_path, monkeypatch, caplog):
+    """A crashed save's temp directory whose files cannot be removed (a directory chmod 555 by another
+    user, an NFS ``.nfsXXXX`` file still open: EACCES, EBUSY) stayed, silently (``rmtree(ignore_errors=
+    True)``), while the open's warning and its ``debris`` event said it was removed, at every open."""
+    import json
+    import logging
+
+    root = tmp_path / "run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, _state(1.0))
+    debris = root / "step-000000002.tmp-0123456789abcdef"
+    debris.mkdir()
+    (debris / "data-00000.bin").write_bytes(b"x" * 100)
+    real_unlink = os.unlink
+
+    def busy(path, *a, **kw):
+        if os.fsdecode(path) in ("data-00000.bin", str(debris / "data-00000.bin")):
+            raise OSError(16, "Device or resource busy", os.fsdecode(path))
+        return real_unlink(path, *a, **kw)
+
+    monkeypatch.setattr(os, "unlink", busy)
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+            pass
+    assert debris.exists()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "removed debris" not in said, said
+    assert "could not remove" in said and str(debris) in said, said
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e.get("event") == "debris"], events
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+            pass
+    assert not debris.exists()  # left for the next cleanup, which removed it
+    assert "removed debris" in " ".join(r.getMessage() for r in caplog.records)

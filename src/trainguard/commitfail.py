@@ -64,3 +64,11 @@ def renamed_anyway(storage: Storage, work: str, final: str, error: BaseException
         raise error
     warnings.warn(f"{final} is committed, but syncing its parent directory after the rename failed ({error}): a power "
                   "loss may undo the commit, and a restart then resumes from the previous checkpoint", stacklevel=3)
+
+
+def removed(storage: Storage, path: str, name: str) -> list[str]:
+    """``commit.clean_debris``: remove the debris ``path``; ``[name]`` when it is gone, ``[]`` when part of
+    it stays on a local file system (``remove_tree`` warned why: a refused or busy entry). Before, the
+    open's warning and ``debris`` event listed such a directory as removed, open after open."""
+    storage.remove_tree(path)
+    return [name] if not storage.atomic_rename or not os.path.lexists(path) else []
