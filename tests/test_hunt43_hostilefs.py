@@ -278,3 +278,26 @@ def test_reserve_allocates_where_supported_without_posix_fallocate(tmp_path, mon
     assert os.stat(tmp_path / "f").st_size == 8 << 20
     assert os.stat(tmp_path / "f").st_blocks * 512 >= 8 << 20
     w.abort()
+
+
+def test_disk_full_through_fsspec_local_names_no_none(tmp_path):
+    """A save through fsspec (``local://`` here; any store whose file object writes to a disk) that runs out
+    of space raised "no space left on device creating None": its write error names no file."""
+    import subprocess
+
+    import pytest
+
+    pytest.importorskip("fsspec")
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(fs)],
+                                          capture_output=True, timeout=60).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        with pytest.raises(tg.DiskFullError) as ei:
+            tg.save(f"local://{fs}/ck", {"w": torch.zeros(2 << 20)})  # 8 MiB
+        msg = str(ei.value)
+        assert "no space left" in msg and "None" not in msg, msg
+        assert not os.path.exists(fs / "ck" / "manifest.json")
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], capture_output=True, timeout=60)
