@@ -301,3 +301,31 @@ def test_disk_full_through_fsspec_local_names_no_none(tmp_path):
         assert not os.path.exists(fs / "ck" / "manifest.json")
     finally:
         subprocess.run(["umount", "-l", str(fs)], capture_output=True, timeout=60)
+
+
+def test_save_to_a_mount_point_is_refused_before_writing(tmp_path):
+    """``tg.save("/ckpt", state)`` with a volume mounted at ``/ckpt`` (a container's, a Kubernetes PVC's) wrote
+    the whole checkpoint into ``/ckpt.tmp-<id>`` on the file system holding the mount point, then failed with
+    "OSError: [Errno 16] Device or resource busy" renaming the mount point. Now it is refused up front,
+    saying what to do; a manager whose run directory is the mount point is fine."""
+    import subprocess
+
+    import pytest
+
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(vol)],
+                                          capture_output=True, timeout=60).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        for overwrite in (False, True):
+            with pytest.raises(tg.CheckpointError, match="is a mount point") as ei:
+                tg.save(vol, _state(1.0), overwrite=overwrite)
+            assert "Device or resource busy" not in str(ei.value)
+            assert sorted(os.listdir(tmp_path)) == ["vol"] and os.listdir(vol) == []
+        tg.save(vol / "ckpt", _state(2.0))  # what the message says to do
+        with tg.CheckpointManager(vol, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+            mgr.save(1, _state(3.0))
+        assert tg.verify(vol / "step-000000001").ok and tg.verify(vol / "ckpt").ok
+    finally:
+        subprocess.run(["umount", "-l", str(vol)], capture_output=True, timeout=60)

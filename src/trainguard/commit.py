@@ -17,7 +17,7 @@ from typing import Any
 
 from . import layout
 from .capture import check_data_positions
-from .commitfail import removed, renamed_anyway
+from .commitfail import mount_point, removed, renamed_anyway
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -288,6 +288,8 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
+    if refused := mount_point(storage, final):  # the commit's renames fail there (EBUSY), after every byte was written
+        return refused
     if layout.MANIFEST not in names:
         return {}
     if not overwrite:
