@@ -17,7 +17,7 @@ from typing import Any
 
 from . import layout
 from .capture import check_data_positions
-from .commitfail import renamed_anyway
+from .commitfail import mount_point, removed, renamed_anyway
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -208,14 +208,13 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
     dir (an overwrite that crashed between its two renames) is moved back when its step is
     missing; an ``.abandoned-<token>`` one (``retention.set_aside``) is removed when the save
     that set it aside committed, else moved back. Rank 0 only, while holding the lock. Returns
-    the names removed or restored."""
-    done = []
+    the names removed or restored (not one that stays: ``commitfail.removed``)."""
+    done: list[str] = []
     names = storage.listdir(root)
     for name in names:
         path = storage.join(root, name)
         if layout.TMP_RE.match(name):
-            storage.remove_tree(path)
-            done.append(name)
+            done += removed(storage, path, name)
         elif m := layout.OLD_RE.match(name):
             final = storage.join(root, layout.step_dir(int(m.group(1))))
             if not storage.exists(storage.join(final, layout.MANIFEST)) and storage.exists(
@@ -225,15 +224,13 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
                 storage.rename_dir(path, final)
                 done.append(f"{name} -> {layout.step_dir(int(m.group(1)))}")
             else:
-                storage.remove_tree(path)
-                done.append(name)
+                done += removed(storage, path, name)
     for s in list_steps(storage, root):
         if s.status == "incomplete" and storage.atomic_rename and os.path.isfile(s.path):  # not a save's: left, and named
             warnings.warn(f"{s.path} is a file, not a checkpoint directory: a save of step {s.step} will fail until "
                           "it is moved away (it is not removed: trainguard did not write it)", stacklevel=2)
         elif s.status == "incomplete":
-            storage.remove_tree(s.path)
-            done.append(s.name)
+            done += removed(storage, s.path, s.name)
     return done + settle_aside(storage, root, names)
 
 
@@ -291,6 +288,8 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
+    if refused := mount_point(storage, final):  # the commit's renames fail there (EBUSY), after every byte was written
+        return refused
     if layout.MANIFEST not in names:
         return {}
     if not overwrite:

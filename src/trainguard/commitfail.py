@@ -64,3 +64,25 @@ def renamed_anyway(storage: Storage, work: str, final: str, error: BaseException
         raise error
     warnings.warn(f"{final} is committed, but syncing its parent directory after the rename failed ({error}): a power "
                   "loss may undo the commit, and a restart then resumes from the previous checkpoint", stacklevel=3)
+
+
+def removed(storage: Storage, path: str, name: str) -> list[str]:
+    """``commit.clean_debris``: remove the debris ``path``; ``[name]`` when it is gone, ``[]`` when part of
+    it stays on a local file system (``remove_tree`` warned why: a refused or busy entry). Before, the
+    open's warning and ``debris`` event listed such a directory as removed, open after open."""
+    storage.remove_tree(path)
+    return [name] if not storage.atomic_rename or not os.path.lexists(path) else []
+
+
+def mount_point(storage: Storage, final: str) -> dict[str, str]:
+    """``commit.occupied`` (rank 0, before a save): a refusal when ``final`` is a mount point (local storage),
+    else ``{}``. A save writes ``<final>.tmp-<id>`` beside it, on the file system that holds the mount point
+    (a container's root, maybe small or ephemeral), then renames it into place, which a mount point cannot be:
+    ``tg.save("/ckpt", state)`` with a volume mounted at ``/ckpt`` wrote the whole checkpoint there and
+    then failed with "Device or resource busy"."""
+    if not storage.atomic_rename or not os.path.ismount(final):
+        return {}
+    return {"refused": (
+        f"{final} is a mount point: a checkpoint is a directory that the save writes beside it and renames into "
+        f"place, and a mount point cannot be replaced. Save into a directory inside it ({os.path.join(final, 'ckpt')}), "
+        "or pass it to a CheckpointManager as its run directory")}

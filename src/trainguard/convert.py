@@ -27,7 +27,7 @@ from .commit import read_manifest
 from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
 from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing, with_versions
 from .flatten import single_tensor, unflatten
-from .storage import for_path
+from .storage import absolute, for_path
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
 INDEX = ".index.json"
@@ -232,7 +232,7 @@ def _write_dcp(state: dict[str, Any], out: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
-    head, name = os.path.split(os.path.abspath(out))
+    head, name = os.path.split(absolute(out))
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)

@@ -22,16 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .doctor_storage import storage_check as _storage
 from .reliability import Plan, format_duration
-from .storage import local_path
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
-_EPHEMERAL = {"tmpfs": "tmpfs (RAM): gone at reboot, and it eats host memory",
-              "ramfs": "ramfs (RAM): gone at reboot, and it eats host memory",
-              "overlay": "a container's writable overlay layer: gone when the container is removed",
-              "aufs": "a container's writable aufs layer: gone when the container is removed"}
-
-
 @dataclass(frozen=True)
 class Finding:
     """One check's verdict. ``severity`` is ``"error"``, ``"warning"``, ``"ok"``, or ``"info"``: the check
@@ -370,26 +364,6 @@ def filesystem_of(path: str, mounts: list[tuple[str, str]]) -> str | None:
             if best is None or len(mp) >= best[0]:
                 best = (len(mp), fs)
     return None if best is None else best[1]
-
-
-def _storage(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
-    if s.root is None or (root := local_path(s.root)) is None:
-        return None
-    text = s.mountinfo
-    if text is None:
-        try:
-            text = Path("/proc/self/mountinfo").read_text()
-        except OSError:
-            return None
-    path = str(Path(root).expanduser().resolve())
-    fs = filesystem_of(path, parse_mountinfo(text))
-    if fs is None:
-        return None
-    if fs in _EPHEMERAL:
-        return Finding("storage", "error", f"{s.root} is on {_EPHEMERAL[fs]}",
-                       "point the manager at persistent storage: a mounted volume, a parallel "
-                       "filesystem, or an object store (fsspec URL)")
-    return Finding("storage", "ok", f"{s.root} is on {fs}")
 
 
 def _async_pg(leaves: list[tuple[str, Any]], s: Settings) -> Finding:

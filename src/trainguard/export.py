@@ -20,7 +20,7 @@ from .errors import CheckpointError
 from .index import ChunkSource
 from .io import ReadTarget, read_targets
 from .manifest import Manifest, TensorEntry
-from .storage import Storage, for_path
+from .storage import Storage, absolute, for_path
 
 
 def iter_tensors(
@@ -140,7 +140,7 @@ def replacing(out: str) -> Iterator[str]:
     written it is fsynced and renamed over ``out``, so a reader finds the old file or the new one
     and a failed or interrupted write (a full disk, an unsupported dtype) leaves an earlier file
     at ``out`` as it was; on failure the temporary file is removed."""
-    head, name = os.path.split(os.path.abspath(out))
+    head, name = os.path.split(absolute(out))
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         yield tmp
@@ -187,7 +187,7 @@ def check_destination(out: str) -> None:
     if "://" in out:
         raise CheckpointError(f"{out}: a .safetensors/.pt/DCP output is written to a local path only; write it "
                               "there, then copy it to the object store (e.g. `aws s3 cp`)")
-    parent = os.path.dirname(os.path.abspath(out))
+    parent = os.path.dirname(absolute(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
     if _is_trainguard(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import shutil
+import stat
 import sys
 import weakref
 from collections.abc import Mapping
@@ -169,6 +170,7 @@ def opened(tier: Any, timeout: float | None) -> None:
     err, cause = None, None
     if tier.ctx.rank == 0:
         try:
+            private_dir(os.path.dirname(tier.dir))
             tier.prepare()
         except Exception as e:  # OSError, a store's error reading the run directory's id
             err, cause = f"{type(e).__name__}: {e}", e
@@ -179,6 +181,42 @@ def opened(tier: Any, timeout: float | None) -> None:
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
         ) from cause
+
+
+def private_dir(path: str) -> None:
+    """``opened``, rank 0, before ``RamTier.prepare``: the per-user directory ``trainguard-ram-<uid>``
+    under the RAM tier's base, created private (0700), refused (a ``CheckpointError``) when it is not a
+    directory of this user's, and made private when it is (one made by an earlier version: 0755). The
+    base (``/dev/shm``) is writable by every user and the name is known in advance: another local user
+    could create it first, read this job's checkpoints and put a step of theirs there, which ``restore``
+    preferred and copied into the run directory; with the default umask every user could read them."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = "is a symbolic link" if stat.S_ISLNK(st.st_mode) else (
+            "is not a directory" if not stat.S_ISDIR(st.st_mode) else f"is owned by uid {st.st_uid}")
+        raise CheckpointError(
+            f"{path} {what}, not a directory of this user (uid {os.getuid()}): another user may have made it to "
+            "read or replace this job's RAM copies, so it is not used; remove it (as its owner or root)")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def discard_stale(storage: Any, ram: str) -> None:
+    """``RamTier._check_run``, rank 0 at open: remove the RAM copies in ``ram`` of a run directory deleted
+    since (another run id). A copy whose manifest stays (its removal refused: EACCES, EIO; the storage's
+    ``remove_tree`` warns and goes on) raises a ``CheckpointError`` naming it, so that the open fails
+    before the RAM tier takes the new run's id: before, the copy was adopted with it, and the new run's
+    ``restore`` loaded the deleted run's checkpoint (one that never reached disk) and copied it into the
+    new run directory."""
+    for s in list_steps(storage, ram):
+        storage.remove_tree(s.path)
+    left = [s.name for s in list_steps(storage, ram) if s.status == "committed"]
+    if left:
+        raise CheckpointError(
+            f"{ram} holds {left} of a run directory deleted since (another run id), and they could not be removed: "
+            "a restore of this run would load them")
 
 
 def remove_tier(tier: Any) -> None:

@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from . import iostall, layout
+from . import iostall, layout, ramroom
 from .commit import check_owned, clean_debris, list_steps
 from .commitfail import discard_copy
 from .distwait import default_timeout
@@ -143,8 +143,7 @@ class RamTier:
             if stale:
                 log.warning("trainguard: the RAM tier %s held %s of a run directory since deleted: discarded", self.dir, stale)
                 self.events.emit("ram_discard", steps=stale)
-            for s in list_steps(self.storage, self.dir):
-                self.storage.remove_tree(s.path)
+            ramroom.discard_stale(self.storage, self.dir)  # raises when one stays: it would be this run's from now on
         if mine != rid:
             self.storage.write_atomic(own, rid.encode())
 

@@ -9,7 +9,7 @@ from ._urls import file_url_path, is_file_url
 from .base import FileReader, FileWriter, Storage
 from .local import LocalStorage
 
-__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "for_path", "local_path"]
+__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "absolute", "for_path", "local_path"]
 
 
 def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tuple[Storage, str]:
@@ -24,8 +24,24 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
         from .fsspec import FsspecStorage  # optional dependency
 
         return FsspecStorage.from_url(p)
-    p = os.path.abspath(p)
+    p = absolute(p)
     return LocalStorage(), os.path.realpath(p) if follow_link and os.path.islink(p) else p
+
+
+def absolute(path: str) -> str:
+    """``path`` made absolute as the kernel resolves it: the part up to its last ``..`` through
+    ``realpath`` (``link/..`` is the parent of the link's target), the rest as given (a final link
+    stays a link). ``os.path.abspath`` drops ``x/..`` by the letters: with ``x`` a symbolic link
+    (``$SCRATCH/../proj/ckpts`` with ``$SCRATCH`` a link to ``/lustre/...``) the checkpoints went to
+    another directory, maybe another file system, than ``ls``, ``cp`` or ``torch.save`` of the same
+    path use. Called by ``for_path`` (every local path a save, load, manager or command is given)
+    and by ``export``/``convert`` for their output."""
+    parts = path.split(os.sep)
+    if ".." not in parts:
+        return os.path.abspath(path)
+    last = len(parts) - 1 - parts[::-1].index("..")
+    head = os.sep.join(parts[: last + 1]) or os.sep
+    return os.path.abspath(os.path.join(os.path.realpath(head), *parts[last + 1 :]))
 
 
 def local_path(path: str) -> str | None:

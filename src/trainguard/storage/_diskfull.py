@@ -48,8 +48,10 @@ def save_failed(e: BaseException, target: str) -> BaseException:
     if isinstance(e, CheckpointError):
         return e
     if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        # No file named (an fsspec file object's write: local://, a FUSE-backed store; a directory's fsync): it said "creating None"
+        at = f"creating {e.filename}" if e.filename is not None else "writing its files"
         err: CheckpointError = DiskFullError(
-            e.errno, f"save of {target} failed: no space left on device creating {e.filename}: the file system is out "
+            e.errno, f"save of {target} failed: no space left on device {at}: the file system is out "
             "of space or of inodes (`df -h`, `df -i`). Free some, lower retention (keep=...), or save elsewhere")
     else:
         err = CheckpointError(f"save of {target} failed: {type(e).__name__}: {e}")

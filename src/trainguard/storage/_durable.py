@@ -59,5 +59,7 @@ def remove_tree(path: str) -> None:
         return
     try:  # ignore_errors does not cover a directory descriptor's close failing (EIO) in Python 3.11
         shutil.rmtree(path, ignore_errors=True)
+        if os.path.lexists(path):  # an entry refused (EACCES, EBUSY): once more, to say why (it was silent)
+            shutil.rmtree(path)
     except OSError as e:
         log.warning("trainguard: could not remove all of %s (left for the next cleanup): %s", path, e)

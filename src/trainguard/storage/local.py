@@ -8,7 +8,7 @@ import errno
 import os
 import threading
 
-from . import _durable, _pagecache
+from . import _durable, _fallocate, _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
     DIRECT_MIN,
@@ -77,11 +77,11 @@ class _LocalWriter:
         ``io.write_batches``), when writing direct: O_DIRECT writes allocate extent by extent
         as they come (3 GB in two files written in parallel: ~145 extents per file, against 12
         with delayed allocation), which makes the cold read of the file slower. A full disk is
-        found here, before any byte is written; a filesystem without fallocate is fine."""
+        found here; a filesystem without fallocate is skipped (no glibc emulation: _fallocate.py)."""
         if not self.direct_ok or size <= 0:
             return
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            _fallocate.allocate(self.fd, size)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise _disk_error(e, self.path, size) from e
