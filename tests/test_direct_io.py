@@ -81,10 +81,10 @@ def _refuse_o_direct(monkeypatch, call: str, *, at_open: bool) -> set[int]:
     real_open, real_call = os.open, getattr(os, call)
     direct_fds: set[int] = set()
 
-    def fake_open(path, flags, *a):
+    def fake_open(path, flags, *a, **kw):  # **kw: shutil.rmtree opens with dir_fd=
         if flags & os.O_DIRECT and at_open:
             raise OSError(errno.EINVAL, "Invalid argument")
-        fd = real_open(path, flags, *a)
+        fd = real_open(path, flags, *a, **kw)
         if flags & os.O_DIRECT:
             direct_fds.add(fd)
         return fd
