@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import gaps, optload, rankload, resizable, scalerstate, split
+from . import gaps, optload, prechecks, rankload, resizable, scalerstate, split
 from .aliases import shared_destinations
 from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
@@ -156,6 +156,7 @@ def _load(
             except CheckpointError as e:
                 e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
                 raise
+        prechecks.before_read(key, obj, skel, strict)  # a GradScaler, a sampler: refused before anything is read
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)

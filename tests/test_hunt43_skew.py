@@ -1,0 +1,117 @@
+"""Resuming after the code changed between save and load (hunt 43, "skew"): a refused load leaves
+the whole state as it was, and a ``strict=False`` load keeps a reshaped parameter's optimizer
+state whole."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import trainguard as tg
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def _snapshot(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = {n: t.detach().clone() for n, t in value.state_dict().items()}
+        elif isinstance(value, tg.RNGState):
+            out[key] = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
+        else:
+            out[key] = copy.deepcopy(value.state_dict())
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return bool(np.array_equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _saved(tmp_path, extra: dict) -> tuple[str, dict]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, optim, 2)
+    path = str(tmp_path / "step-000000002")
+    tg.save(path, {"model": model, "optim": optim, "rng": tg.RNGState(), "progress": tg.StateDict(step=2), **extra})
+    return path, _snapshot({"model": model})
+
+
+def _fresh_state(extra: dict, order: tuple[str, ...]) -> dict:
+    torch.manual_seed(1)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, optim, 3)
+    random.seed(123)
+    state = {"model": model, "optim": optim, "rng": tg.RNGState(), "progress": tg.StateDict(step=0), **extra}
+    return {k: state[k] for k in order}
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_gradscaler_enabled_since_save_refused_before_anything_is_read(tmp_path, first):
+    path, _ = _saved(tmp_path, {"scaler": torch.amp.GradScaler("cpu", enabled=False)})
+    order = ("model", "optim", "rng", "progress")
+    order = ("scaler", *order) if first else (*order, "scaler")
+    state = _fresh_state({"scaler": torch.amp.GradScaler("cpu", init_scale=1024.0)}, order)
+    before = _snapshot(state)
+    with pytest.raises(tg.CheckpointError, match="entry 'scaler'.*GradScaler was disabled"):
+        tg.load(path, state)
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []
+    # strict=False still loads the rest and keeps the fresh scaler, with a warning
+    with pytest.warns(UserWarning, match="starts fresh"):
+        tg.load(path, state, strict=False)
+    assert state["progress"]["step"] == 2 and state["scaler"].get_scale() == 1024.0
+
+
+def test_sampler_of_another_dataset_refused_before_anything_is_read(tmp_path):
+    sampler = tg.ResumableSampler(100, seed=1)
+    sampler.advance(10)
+    path, _ = _saved(tmp_path, {"data": sampler})
+    state = _fresh_state({"data": tg.ResumableSampler(120, seed=1)}, ("rng", "model", "optim", "progress", "data"))
+    before = _snapshot(state)
+    with pytest.raises(tg.CheckpointError, match="entry 'data': ResumableSampler: checkpoint has num_samples=100"):
+        tg.load(path, state)
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []
+
+
+def test_sampler_state_into_iterable_refused_before_anything_is_read(tmp_path):
+    path, _ = _saved(tmp_path, {"data": tg.ResumableSampler(100, seed=1)})
+    state = _fresh_state({"data": tg.ResumableIterable(lambda epoch: range(10))}, ("model", "optim", "progress", "data"))
+    before = _snapshot(state)
+    with pytest.raises(tg.CheckpointError, match="entry 'data': ResumableIterable: the saved state is a ResumableSampler"):
+        tg.load(path, state)
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []
+
+
+def test_manager_restore_refused_by_sampler_leaves_state_as_it_was(tmp_path):
+    sampler = tg.ResumableSampler(50)
+    _saved(tmp_path, {"data": sampler})
+    state = _fresh_state({"data": tg.ResumableSampler(60)}, ("model", "optim", "progress", "data"))
+    before = _snapshot(state)
+    with tg.CheckpointManager(str(tmp_path), save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match="num_samples=50"):
+            mgr.restore(state)
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []
