@@ -115,3 +115,42 @@ def test_manager_restore_refused_by_sampler_leaves_state_as_it_was(tmp_path):
             mgr.restore(state)
     after = _snapshot(state)
     assert [k for k in before if not _same(before[k], after[k])] == []
+
+
+def test_reshaped_parameter_keeps_its_optimizer_state_whole_with_strict_false(tmp_path):
+    class Net(nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.fc, self.head = nn.Linear(4, width), nn.Linear(width, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Net(2)
+    optim = torch.optim.AdamW(model.parameters())
+    _train(model, optim, 2)
+    path = str(tmp_path / "step-000000002")
+    tg.save(path, {"model": model, "optim": optim})
+    saved_bias = optim.state[model.head.bias]["exp_avg"].clone()
+
+    torch.manual_seed(1)
+    wide = Net(3)  # fc and head.weight reshaped; head.bias not
+    wopt = torch.optim.AdamW(wide.parameters())
+    _train(wide, wopt, 3)  # an optimizer that has state already
+    kept = {k: v.clone() for k, v in wopt.state[wide.fc.weight].items()}
+    with pytest.warns(UserWarning, match="keep their current values"):
+        tg.load(path, {"model": wide, "optim": wopt}, strict=False)
+    now = wopt.state[wide.fc.weight]
+    assert float(now["step"]) == 3.0  # was the checkpoint's 2 beside this run's moments
+    assert all(torch.equal(now[k], kept[k]) for k in kept)
+    assert torch.equal(wopt.state[wide.head.bias]["exp_avg"], saved_bias)
+    assert float(wopt.state[wide.head.bias]["step"]) == 2.0
+
+    fresh = Net(3)  # a fresh optimizer: no state for a reshaped parameter, the rest loaded
+    fopt = torch.optim.AdamW(fresh.parameters())
+    with pytest.warns(UserWarning, match="keep their current values"):
+        tg.load(path, {"model": fresh, "optim": fopt}, strict=False)
+    assert fresh.fc.weight not in fopt.state and fresh.head.bias in fopt.state
+    _train(fresh, fopt, 1)
+    assert float(fopt.state[fresh.fc.weight]["step"]) == 1.0 and float(fopt.state[fresh.head.bias]["step"]) == 3.0

@@ -216,6 +216,8 @@ def _load(
                             bad[p] = mismatched[-1]  # reads it, then copy_ casts it (float4 has no cast: kept)
                     else:
                         del dest[p]
+        if bad and isinstance(obj, OptimizerAdapter):  # a reshaped parameter's state: none of it read (optload.py)
+            optload.keep_whole(obj, skel, bad)
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
