@@ -154,3 +154,29 @@ def test_reshaped_parameter_keeps_its_optimizer_state_whole_with_strict_false(tm
     assert fresh.fc.weight not in fopt.state and fresh.head.bias in fopt.state
     _train(fresh, fopt, 1)
     assert float(fopt.state[fresh.fc.weight]["step"]) == 1.0 and float(fopt.state[fresh.head.bias]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("groups", ["fewer", "split"])
+def test_imported_index_keyed_optimizer_of_other_groups_refused_before_anything_is_read(tmp_path, groups):
+    from trainguard.convert import convert
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    optim = torch.optim.AdamW(model.parameters())
+    _train(model, optim, 2)
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, tmp_path / "w.pt")
+    path = str(tmp_path / "imported" / "step-000000000")
+    convert(str(tmp_path / "w.pt"), path)
+
+    torch.manual_seed(1)
+    live = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    params = list(live.parameters())
+    built = [{"params": params[:3]}] if groups == "fewer" else [{"params": params[:2]}, {"params": params[2:]}]
+    lopt = torch.optim.AdamW(built)
+    _train(live, lopt, 3)
+    state = {"model": live, "optim": lopt}
+    before = _snapshot(state)
+    with pytest.raises(tg.CheckpointError, match=r"entry 'optim': .*keyed by parameter position.*1 parameter group\(s\) of \[4\]"):
+        tg.load(path, state)
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []

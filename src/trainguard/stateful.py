@@ -239,10 +239,10 @@ class OptimizerAdapter:
         and the optimizer's moments loaded, the rest not): refuse the state of another optimizer
         class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
         on) and other parameter groups. The class is not checked for checkpoints from before it
-        was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
+        was saved; the groups of torch's own form (by index) by their sizes only (``optim_groups.index_groups``)."""
         from .dcp_import import saved_groups
         from .errors import CheckpointError
-        from .optim_groups import refuse_other_class
+        from .optim_groups import index_groups, refuse_other_class
         from .permanent import mark  # each refusal: the same at every restart
 
         refuse_other_class(self.optimizer, skeleton, f"entry {key!r}: ")
@@ -253,6 +253,10 @@ class OptimizerAdapter:
                 for g in groups
             ):
                 self._match_groups(groups, warn=False)  # load_state_dict warns
+            elif isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                  and all(type(i) is int for i in g["params"]) for g in groups):
+                if why := index_groups(groups, self.optimizer.param_groups):  # torch's form: by position
+                    raise CheckpointError(why)
         except CheckpointError as e:
             raise mark(CheckpointError(f"entry {key!r}: {e}")) from None
 
