@@ -180,3 +180,19 @@ def test_imported_index_keyed_optimizer_of_other_groups_refused_before_anything_
         tg.load(path, state)
     after = _snapshot(state)
     assert [k for k in before if not _same(before[k], after[k])] == []
+
+
+def test_powersgd_state_of_another_rank_refused_before_anything_is_read(tmp_path):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+
+    hs = P.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
+    hs.iter, hs.p_memory_dict, hs.q_memory_dict = 5, {0: torch.ones(4, 2)}, {0: torch.ones(2, 2)}
+    path, _ = _saved(tmp_path, {"comm": hs})
+    live = P.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    state = _fresh_state({"comm": live}, ("model", "optim", "rng", "progress", "comm"))
+    before = _snapshot({k: v for k, v in state.items() if k != "comm"})
+    with pytest.raises(tg.CheckpointError, match="entry 'comm': the PowerSGDState was saved with matrix_approximation_rank=2"):
+        tg.load(path, state)
+    after = _snapshot({k: v for k, v in state.items() if k != "comm"})
+    assert [k for k in before if not _same(before[k], after[k])] == []
+    assert live.iter == 0  # was set to the checkpoint's 5 before the refusal
