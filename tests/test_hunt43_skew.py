@@ -196,3 +196,27 @@ def test_powersgd_state_of_another_rank_refused_before_anything_is_read(tmp_path
     after = _snapshot({k: v for k, v in state.items() if k != "comm"})
     assert [k for k in before if not _same(before[k], after[k])] == []
     assert live.iter == 0  # was set to the checkpoint's 5 before the refusal
+
+
+def test_module_wrapped_in_a_new_container_named_in_the_strict_error(tmp_path):
+    torch.manual_seed(0)
+    inner = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    tg.save(str(tmp_path / "plain" / "step-000000001"), {"model": inner})
+    tg.save(str(tmp_path / "wrapped" / "step-000000001"), {"model": nn.Sequential(inner)})
+
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(str(tmp_path / "plain" / "step-000000001"), {"model": nn.Sequential(fresh)})
+    assert "each of the checkpoint's 4 tensors under '0.'" in str(e.value)
+    assert "strict=False would load none of them" in str(e.value)
+    assert sorted(e.value.missing) == ["model/0.0.bias", "model/0.0.weight", "model/0.2.bias", "model/0.2.weight"]
+    # the hint's advice works: the inner module loads
+    tg.load(str(tmp_path / "plain" / "step-000000001"), {"model": fresh})
+    assert torch.equal(fresh[0].weight, inner[0].weight)
+
+    with pytest.raises(tg.StateMismatchError, match=r"the checkpoint holds each of the state's 4 tensors under '0\.'"):
+        tg.load(str(tmp_path / "wrapped" / "step-000000001"), {"model": nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))})
+    # a plain rename is not taken for a wrapper
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(str(tmp_path / "plain" / "step-000000001"), {"model": nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))})
+    assert "new container" not in str(e.value) and "under '" not in str(e.value)
