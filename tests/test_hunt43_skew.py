@@ -220,3 +220,41 @@ def test_module_wrapped_in_a_new_container_named_in_the_strict_error(tmp_path):
     with pytest.raises(tg.StateMismatchError) as e:
         tg.load(str(tmp_path / "plain" / "step-000000001"), {"model": nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))})
     assert "new container" not in str(e.value) and "under '" not in str(e.value)
+
+
+def test_restore_falls_back_past_a_corrupt_checkpoint_holding_state_for_a_parameter_unfrozen_since(tmp_path):
+    """Step 1 saved with a frozen layer (no optimizer state for it), step 2 after unfreezing it; step 2 is
+    corrupt. The restart's fresh optimizer reads that layer's state into new tensors, never in place: the
+    fall back to step 1 was refused ("partly read from a newer checkpoint"), so the run could not resume."""
+    import glob
+    import warnings
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+        return model, torch.optim.AdamW(model.parameters())
+
+    root = str(tmp_path / "run")
+    model, optim = build()
+    model[0].weight.requires_grad_(False)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        _train(model, optim, 1)
+        mgr.save(1, {"model": model, "optim": optim})
+        step1 = _snapshot({"model": model, "optim": optim})
+        model[0].weight.requires_grad_(True)
+        _train(model, optim, 1)
+        mgr.save(2, {"model": model, "optim": optim})
+    data = sorted(glob.glob(root + "/step-000000002/data-*.bin"))[0]
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(data, "wb").write(bytes(raw))
+
+    model, optim = build()
+    model[0].weight.requires_grad_(False)  # the loop's freezing schedule, applied again on resume
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+            assert mgr.restore({"model": model, "optim": optim}) == 1
+    got = _snapshot({"model": model, "optim": optim})
+    assert _same(got["model"], step1["model"]) and _same(got["optim"], step1["optim"])
+    assert model[0].weight not in optim.state
