@@ -26,7 +26,8 @@ def _snapshot(state: dict) -> dict:
     out = {}
     for key, value in state.items():
         if isinstance(value, nn.Module):
-            out[key] = {n: t.detach().clone() for n, t in value.state_dict().items()}
+            out[key] = {n: t.detach().clone() if isinstance(t, torch.Tensor) else copy.deepcopy(t)
+                        for n, t in value.state_dict().items()}
         elif isinstance(value, tg.RNGState):
             out[key] = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state().clone())
         else:
@@ -258,3 +259,52 @@ def test_restore_falls_back_past_a_corrupt_checkpoint_holding_state_for_a_parame
     got = _snapshot({"model": model, "optim": optim})
     assert _same(got["model"], step1["model"]) and _same(got["optim"], step1["optim"])
     assert model[0].weight not in optim.state
+
+
+class _Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class _WithExtra(_Plain):
+    """A module that started (or stopped) keeping extra state between save and load."""
+
+    def __init__(self, v: int, tensor: bool) -> None:
+        super().__init__()
+        self.v, self.tensor = v, tensor
+
+    def get_extra_state(self) -> dict:
+        return {"v": self.v, "t": torch.full((2,), float(self.v))} if self.tensor else {"v": self.v}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.v = state["v"]
+
+
+@pytest.mark.parametrize("tensor", [False, True])
+@pytest.mark.parametrize("direction", ["added", "removed"])
+def test_extra_state_added_or_removed_since_the_save_refused_before_anything_is_read(tmp_path, direction, tensor):
+    torch.manual_seed(0)
+    saved = _WithExtra(5, tensor) if direction == "removed" else _Plain()
+    sopt = torch.optim.AdamW(saved.parameters())
+    _train(saved, sopt, 2)
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"progress": tg.StateDict(step=1), "model": saved, "optim": sopt})
+
+    torch.manual_seed(1)
+    live = _Plain() if direction == "removed" else _WithExtra(7, tensor)
+    lopt = torch.optim.AdamW(live.parameters())
+    _train(live, lopt, 3)
+    state = {"progress": tg.StateDict(step=0), "model": live, "optim": lopt}
+    before = _snapshot(state)
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(path, state)
+    assert (e.value.missing if direction == "added" else e.value.unexpected) == ["model/_extra_state"]
+    after = _snapshot(state)
+    assert [k for k in before if not _same(before[k], after[k])] == []
+    tg.load(path, state, strict=False)  # the rest loads; the extra state stays the module's
+    assert state["progress"]["step"] == 1 and torch.equal(live.fc.weight, saved.fc.weight)
+    assert getattr(live, "v", 7) == 7

@@ -191,7 +191,8 @@ def _load(
             for p in (extra := obj.extra_state_paths([*dest, *refs], prefix)):
                 dest.pop(p, None)  # set_extra_state takes what was saved, any shape: read into new tensors
             have, head, tied = set(refs), prefix + "/", obj.tied()  # a tie loads through any of its names
-            missing += [p for p in extra if p not in have and type(skel) is dict and p[len(head) :].split("/")[0] not in skel]
+            added, gone = obj.extra_state_diff(skel, cur)  # get_extra_state() added or removed since the save
+            missing, unexpected = missing + [head + k for k in added], unexpected + [head + k for k in gone]
             missing += [p for p in dest if p not in have and not any(head + n in have for n in tied.get(p[len(head) :], ()))]
             unexpected += [p for p in refs if p not in dest and p not in extra]
             resizable.drop_resized(obj.module, dest, head, manifest.tensors)  # QAT observers: resized by their load

@@ -149,6 +149,21 @@ class ModuleAdapter:
         are read into new tensors, and reported neither missing nor unexpected."""
         return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
+    @staticmethod
+    def extra_state_diff(skel: Any, current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """``loader._load`` (every rank, before anything is read): the extra-state keys
+        (``<submodule>._extra_state``, from ``get_extra_state()``) of the module's ``current``
+        state dict that the saved skeleton ``skel`` lacks, and those it holds that the module has
+        no more. Torch's strict ``load_state_dict`` refuses both, but only after the load had read
+        every tensor into the state; a value without tensors was not seen before it at all."""
+        if type(skel) is not dict:
+            return [], []
+        have = [k for k in current if _EXTRA.search("/" + k)]
+        saved = [k for k in skel if type(k) is str and _EXTRA.search("/" + k)]
+        if set(have) != set(saved) and {"module." + k for k in saved} == set(have):
+            return [], []  # imported without DDP's "module." prefix (unwrapped_names)
+        return [k for k in have if k not in skel], [k for k in saved if k not in current]
+
     def param_names(self) -> dict[int, str]:
         """``id(param) -> name``; a tie by its first name, under which ``capture`` writes the tensor (optnames.py)."""
         return {pid: names[0] for pid, names in self.param_all_names().items()}
