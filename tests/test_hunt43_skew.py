@@ -308,3 +308,23 @@ def test_extra_state_added_or_removed_since_the_save_refused_before_anything_is_
     tg.load(path, state, strict=False)  # the rest loads; the extra state stays the module's
     assert state["progress"]["step"] == 1 and torch.equal(live.fc.weight, saved.fc.weight)
     assert getattr(live, "v", 7) == 7
+
+
+def test_parameter_moved_between_groups_is_not_taken_for_a_pipeline_stage(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    optim = torch.optim.AdamW([{"params": [model[0].weight, model[0].bias]},
+                               {"params": [model[2].weight, model[2].bias], "lr": 0.01}])
+    _train(model, optim, 1)
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": model, "optim": optim})
+    moved = torch.optim.AdamW([{"params": [model[0].weight]},
+                               {"params": [model[0].bias, model[2].weight, model[2].bias], "lr": 0.01}])
+    with pytest.raises(tg.CheckpointError) as e:
+        tg.load(path, {"model": model, "optim": moved})
+    assert "grouped otherwise: '0.bias' (checkpoint group 0, optimizer group 1)" in str(e.value)
+    assert "split_state" not in str(e.value)
+    # a parameter really left out still gets the hint (one process cannot tell it from a stage)
+    fewer = torch.optim.AdamW([{"params": [model[0].weight]}, {"params": [model[2].weight, model[2].bias], "lr": 0.01}])
+    with pytest.raises(tg.CheckpointError, match="split_state=True"):
+        tg.load(path, {"model": model, "optim": fewer})

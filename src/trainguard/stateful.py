@@ -300,7 +300,8 @@ class OptimizerAdapter:
             pos += len(cur["params"])
         for gi, (saved, cur_names, cur) in enumerate(zip(saved_groups, out, cur_groups)):
             if set(saved["params"]) != set(cur_names):  # renamed, added or removed, regrouped (optim_groups.py)
-                part = set(cur_names) < set(saved["params"])  # a pipeline stage's optimizer, loaded without split_state
+                part = set(cur_names) < set(saved["params"]) and not set(saved_names) <= set(names)  # a pipeline stage's
+                # optimizer, loaded without split_state (not a parameter moved to another group: every one is here)
                 raise mark(CheckpointError(
                     other_params(gi, saved_groups, out)
                     + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
