@@ -328,3 +328,35 @@ def test_parameter_moved_between_groups_is_not_taken_for_a_pipeline_stage(tmp_pa
     fewer = torch.optim.AdamW([{"params": [model[0].weight]}, {"params": [model[2].weight, model[2].bias], "lr": 0.01}])
     with pytest.raises(tg.CheckpointError, match="split_state=True"):
         tg.load(path, {"model": model, "optim": fewer})
+
+
+def test_scheduler_added_since_the_save_warns_when_the_optimizer_takes_another_lr(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _train(model, optim, 1)
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": model, "optim": optim})
+
+    def resumed(start_factor: float):
+        m = nn.Linear(4, 2)
+        o = torch.optim.AdamW(m.parameters(), lr=0.1)
+        s = torch.optim.lr_scheduler.LinearLR(o, start_factor=start_factor, total_iters=4)  # a warmup added
+        return o, s, {"model": m, "optim": o, "sched": s}
+
+    optim2, sched, state = resumed(0.5)
+    with pytest.warns(UserWarning, match=r"scheduler entry 'sched' is not in the checkpoint.*\[0\.1\] in place of the \[0\.05\]"):
+        tg.load(path, state, strict=False)
+    for g, lr in zip(optim2.param_groups, sched.get_last_lr()):  # what the warning says to do
+        g["lr"] = lr
+    for _ in range(4):
+        optim2.step()
+        sched.step()
+    assert optim2.param_groups[0]["lr"] == pytest.approx(0.1)  # without it: 0.2, twice the peak
+
+    import warnings
+
+    _, _, state = resumed(1.0)  # a scheduler that leaves the lr as it is: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tg.load(path, state, strict=False)

@@ -222,7 +222,8 @@ def _load(
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
-    check_entries(manifest, {p[0]: state[p[0]] for p in plans})  # a scheduler's class; requires_grad changed: warn
+    check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
+                  {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no cast, no memory) keep their current "
