@@ -64,23 +64,30 @@ class HookStateAdapter:
         out["device"] = devices.pop() if len(devices) == 1 else "cpu"
         return out
 
-    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """``loader._load``, every rank holding the entry, after the bytes were read and verified."""
+    def check_saved_state(self, sd: Mapping[str, Any]) -> None:
+        """``load_state_dict``, and ``loader._load`` before anything is read (``prechecks.py``, with
+        None for the tensors): refuse another hook's state, or P and Q of another rank."""
         from .errors import CheckpointError
         from .permanent import mark
 
         if sd.get("kind") != self.kind:
             raise mark(CheckpointError(f"the checkpoint holds a {sd.get('kind')}'s state, the state's entry is a {self.kind}"))
+        if self.kind == LOCAL_SGD:
+            return
+        rank = int(sd["matrix_approximation_rank"])
+        if sd["p_memory_dict"] and rank != self.hs.matrix_approximation_rank:
+            raise mark(CheckpointError(
+                f"the PowerSGDState was saved with matrix_approximation_rank={rank} (its warm-start P and Q have that "
+                f"many columns), this one has {self.hs.matrix_approximation_rank}; build it with matrix_approximation_rank={rank}"
+            ))
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """``loader._load``, every rank holding the entry, after the bytes were read and verified."""
+        self.check_saved_state(sd)
         hs = self.hs
         hs.iter = int(sd["iter"])
         if self.kind == LOCAL_SGD:
             return
-        rank = int(sd["matrix_approximation_rank"])
-        if sd["p_memory_dict"] and rank != hs.matrix_approximation_rank:
-            raise mark(CheckpointError(
-                f"the PowerSGDState was saved with matrix_approximation_rank={rank} (its warm-start P and Q have that "
-                f"many columns), this one has {hs.matrix_approximation_rank}; build it with matrix_approximation_rank={rank}"
-            ))
         r = sd["rng"]
         hs.rng.set_state((r["algo"], np.asarray(r["keys"].numpy(), dtype=np.uint32), int(r["pos"]), int(r["has_gauss"]),
                           float(r["cached_gaussian"])))

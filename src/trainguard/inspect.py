@@ -265,3 +265,22 @@ def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]
     except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
         return {}  # no manifest could be read: nothing was read into the state
     return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}
+
+
+def not_overwritten(touched: Mapping[str, list[int]], manifest: Manifest, state: Mapping[str, Any]) -> list[str]:
+    """``CheckpointManager.restore`` (every rank), once an older checkpoint ``manifest`` loaded after
+    skipped ones: the ``touched`` tensors (``touched_tensors``) that this load did not overwrite, as
+    it holds none of that path and shape. An optimizer's per-parameter state that the older checkpoint
+    lacks is not one of them: its ``load_state_dict`` replaces the optimizer's whole state (a
+    parameter frozen or without gradients until after that step has none, and the restart was
+    refused: its fresh optimizer had read nothing in place)."""
+    import torch
+
+    def replaced(p: str) -> bool:
+        key, _, rest = p.partition("/")
+        return (rest.startswith("state/") and key in manifest.objects
+                and isinstance(state.get(key), torch.optim.Optimizer))
+
+    return sorted(p for p, shape in touched.items()
+                  if p not in manifest.tensors and not replaced(p)
+                  or p in manifest.tensors and manifest.tensors[p].shape != shape)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import gaps, optload, rankload, resizable, scalerstate, split
+from . import gaps, optload, prechecks, rankload, resizable, scalerstate, split
 from .aliases import shared_destinations
 from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
@@ -156,6 +156,7 @@ def _load(
             except CheckpointError as e:
                 e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
                 raise
+        prechecks.before_read(key, obj, skel, strict)  # a GradScaler, a sampler: refused before anything is read
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
             obj.other_names = other_names = other_names or param_name_map(state, other=True)
@@ -190,7 +191,8 @@ def _load(
             for p in (extra := obj.extra_state_paths([*dest, *refs], prefix)):
                 dest.pop(p, None)  # set_extra_state takes what was saved, any shape: read into new tensors
             have, head, tied = set(refs), prefix + "/", obj.tied()  # a tie loads through any of its names
-            missing += [p for p in extra if p not in have and type(skel) is dict and p[len(head) :].split("/")[0] not in skel]
+            added, gone = obj.extra_state_diff(skel, cur)  # get_extra_state() added or removed since the save
+            missing, unexpected = missing + [head + k for k in added], unexpected + [head + k for k in gone]
             missing += [p for p in dest if p not in have and not any(head + n in have for n in tied.get(p[len(head) :], ()))]
             unexpected += [p for p in refs if p not in dest and p not in extra]
             resizable.drop_resized(obj.module, dest, head, manifest.tensors)  # QAT observers: resized by their load
@@ -215,10 +217,13 @@ def _load(
                             bad[p] = mismatched[-1]  # reads it, then copy_ casts it (float4 has no cast: kept)
                     else:
                         del dest[p]
+        if bad and isinstance(obj, OptimizerAdapter):  # a reshaped parameter's state: none of it read (optload.py)
+            optload.keep_whole(obj, skel, bad)
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
         raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
-    check_entries(manifest, {p[0]: state[p[0]] for p in plans})  # a scheduler's class; requires_grad changed: warn
+    check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
+                  {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no cast, no memory) keep their current "

@@ -27,7 +27,7 @@ from .elastic import stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
-from .inspect import touched_tensors
+from .inspect import not_overwritten, touched_tensors
 from .iostall import StuckWriteError
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -364,7 +364,7 @@ class CheckpointManager:
                 skipped.append(f"step {step} ({path}): {str(e)[:500]}")
                 touched.update(touched_tensors(path, state))
                 continue
-            left = sorted(p for p, shape in touched.items() if p not in m.tensors or m.tensors[p].shape != shape)
+            left = not_overwritten(touched, m, state)
             if left:  # strict=False: the older checkpoint does not overwrite them
                 raise CheckpointError(
                     f"restore: tensors {left[:20]} were partly read from a newer checkpoint that is not usable, and "

@@ -158,3 +158,18 @@ def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Se
                 "parameters of save time and add the new ones after the load (optimizer.add_param_group()), or leave "
                 "the optimizer out of the state and restore with strict=False to start it fresh")
     return out + left_out_hint(saved, cur)
+
+
+def index_groups(saved_groups: Sequence[Mapping[str, Any]], groups: Sequence[Mapping[str, Any]]) -> str:
+    """``stateful.OptimizerAdapter.check_saved`` (every rank, before anything is read), for an
+    optimizer entry in torch's own form (parameters by index: a ``torch.save`` file imported by
+    ``convert``), which loads by position: why its groups cannot load into ``groups`` (another
+    number of groups, or of parameters in a group), or "". Torch's ``load_state_dict`` refuses
+    these too, but only once the load has read the other entries into the state."""
+    saved_n, cur_n = [len(g["params"]) for g in saved_groups], [len(g["params"]) for g in groups]
+    if saved_n == cur_n:
+        return ""
+    return (f"the checkpoint's optimizer state is keyed by parameter position (torch's own form, as imported from a "
+            f"torch.save file), with {len(saved_n)} parameter group(s) of {saved_n} parameters; the optimizer has "
+            f"{len(cur_n)} group(s) of {cur_n}: build the optimizer with the same groups, over the same parameters "
+            "in the same order, as the one that saved it (or leave it out of the state and load with strict=False)")

@@ -132,3 +132,17 @@ def without_unread(adapter: Any, skel: Any, value: Any, dest: dict[str, Any], ba
     if not drop or not isinstance(value, dict) or not isinstance(value.get("state"), dict):
         return value
     return {**value, "state": {n: s for n, s in value["state"].items() if n not in drop}}
+
+
+def keep_whole(adapter: Any, skel: Any, bad: dict[str, str]) -> None:
+    """``loader._load`` (every rank, for each optimizer entry, once its tensors are planned, before
+    anything is read): a parameter with a state tensor in ``bad`` (its shape changed since the save)
+    gets its other saved state tensors (Adam's ``step``) added to ``bad`` too, so none of them is
+    read: with ``strict=False`` an optimizer that has state for it keeps that state whole (before, it
+    kept its moments and took the checkpoint's ``step``: a bias correction for other moments), and one
+    that has none starts it afresh (:func:`without_unread`)."""
+    own = owners(adapter, skel)
+    reshaped = {own[p][0] for p in bad if p in own}
+    for p, (name, _param) in own.items():
+        if name in reshaped and p not in bad:
+            bad[p] = f"{p} (kept with the state of parameter {name!r}, whose shape changed)"

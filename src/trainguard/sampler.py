@@ -234,7 +234,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "num_samples": self.num_samples, "shuffle": self.shuffle}
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def check_saved_state(self, state_dict: dict[str, Any]) -> None:
+        """``load_state_dict``, and ``loader._load`` before anything is read (``prechecks.py``): refuse the
+        state of another dataset length or ``shuffle`` (a permanent ``CheckpointError``), or not a sampler's."""
         if "num_samples" not in state_dict:
             raise mark(CheckpointError(f"ResumableSampler: the saved state {sorted(state_dict)} is not a ResumableSampler's "
                                   "(a ResumableIterable's?): restore a sampler from a sampler's entry"))
@@ -247,6 +249,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"sample {p}). Resume with the same dataset, or go on with this one from the next epoch: restore with this "
                 f"entry out of the state and strict=False, then call sampler.set_epoch({nxt}) (docs/checkpoints.md)"
             ))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.check_saved_state(state_dict)
         position, epoch = int(state_dict["position"]), int(state_dict["epoch"])
         if not 0 <= position <= self.num_samples or epoch < 0:
             raise CorruptCheckpointError(

@@ -31,15 +31,16 @@ def scheduler_class(value: Any) -> str | None:
     return type(value).__qualname__
 
 
-def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
+def check_entries(manifest: Any, state: Mapping[str, Any], fresh: Mapping[str, Any] | None = None) -> None:
     """``loader._load`` (every rank, after the load was planned, before anything is read): refuse a
     scheduler entry of another class than the one saved (a ``CheckpointError`` no restart fixes),
-    then :func:`names.check_frozen`."""
+    then :func:`names.check_frozen`. ``fresh``: the entries the checkpoint lacks, which a
+    ``strict=False`` load keeps (a scheduler added since the save: ``schedconfig.warn_fresh``)."""
     from .errors import CheckpointError
     from .names import check_frozen
     from .optim_groups import a
     from .permanent import mark
-    from .schedconfig import check_config
+    from .schedconfig import check_config, warn_fresh
 
     for key, value in state.items():
         saved = (manifest.objects.get(key) or {}).get("class")
@@ -57,3 +58,5 @@ def check_entries(manifest: Any, state: Mapping[str, Any]) -> None:
         if cur is not None and key in manifest.objects:  # T_max, step_size... changed since the save: warned
             check_config(key, value, manifest.objects[key].get("skeleton"))
     check_frozen(manifest, state)
+    if fresh:
+        warn_fresh(manifest, state, fresh)

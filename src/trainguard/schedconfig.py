@@ -75,3 +75,31 @@ def _differ(saved: dict[str, Any], cur: dict[str, Any], prefix: str) -> list[tup
 
 def _norm(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
+
+
+def warn_fresh(manifest: Any, loaded: Any, fresh: Any) -> None:
+    """``schedclass.check_entries`` (``loader._load``, every rank, before anything is read; a load with
+    ``strict=False``, which keeps the entries ``fresh`` that the checkpoint lacks): warn when such an
+    entry is a scheduler added since the save whose optimizer, an entry of ``loaded``, takes the
+    checkpoint's learning rates in place of those the scheduler set when it was built. Torch's
+    schedulers scale the optimizer's current lr at each ``step()`` (a ``LinearLR`` warmup built with
+    ``start_factor=0.5`` over a saved lr of 0.1 climbed to 0.2, twice its peak, silently)."""
+    for key, sched in fresh.items():
+        opt = getattr(sched, "optimizer", None)
+        if not isinstance(getattr(sched, "base_lrs", None), list) or opt is None:
+            continue
+        okey = next((k for k, v in loaded.items() if v is opt or getattr(v, "optimizer", None) is opt), None)
+        skel = (manifest.objects.get(okey) or {}).get("skeleton") if okey is not None else None
+        groups = skel.get("param_groups") if isinstance(skel, dict) else None
+        if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+            continue
+        saved = [g.get("lr") if isinstance(g, dict) else None for g in groups]
+        now = [g.get("lr") for g in opt.param_groups]
+        if all(isinstance(x, (int, float)) for x in [*saved, *now]) and any(
+                abs(a - b) > 1e-12 * max(abs(a), abs(b)) for a, b in zip(saved, now)):
+            warnings.warn(
+                f"strict=False: scheduler entry {key!r} is not in the checkpoint and starts fresh, but optimizer "
+                f"{okey!r} takes the checkpoint's learning rates {saved[:4]} in place of the {now[:4]} this scheduler "
+                "set when it was built; its step() scales the optimizer's current lr, so its schedule now starts "
+                f"from the checkpoint's. To run it as built, set the lrs after the load: for g, lr in "
+                f"zip({okey}.param_groups, {key}.get_last_lr()): g['lr'] = lr", stacklevel=6)

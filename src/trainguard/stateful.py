@@ -150,6 +150,21 @@ class ModuleAdapter:
         are read into new tensors, and reported neither missing nor unexpected."""
         return {p for p in paths if "_extra_state" in p and _EXTRA.search(p, len(prefix))}
 
+    @staticmethod
+    def extra_state_diff(skel: Any, current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+        """``loader._load`` (every rank, before anything is read): the extra-state keys
+        (``<submodule>._extra_state``, from ``get_extra_state()``) of the module's ``current``
+        state dict that the saved skeleton ``skel`` lacks, and those it holds that the module has
+        no more. Torch's strict ``load_state_dict`` refuses both, but only after the load had read
+        every tensor into the state; a value without tensors was not seen before it at all."""
+        if type(skel) is not dict:
+            return [], []
+        have = [k for k in current if _EXTRA.search("/" + k)]
+        saved = [k for k in skel if type(k) is str and _EXTRA.search("/" + k)]
+        if set(have) != set(saved) and {"module." + k for k in saved} == set(have):
+            return [], []  # imported without DDP's "module." prefix (unwrapped_names)
+        return [k for k in have if k not in skel], [k for k in saved if k not in current]
+
     def param_names(self) -> dict[int, str]:
         """``id(param) -> name``; a tie by its first name, under which ``capture`` writes the tensor (optnames.py)."""
         return {pid: names[0] for pid, names in self.param_all_names().items()}
@@ -240,10 +255,10 @@ class OptimizerAdapter:
         and the optimizer's moments loaded, the rest not): refuse the state of another optimizer
         class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
         on) and other parameter groups. The class is not checked for checkpoints from before it
-        was saved, nor the groups for torch's own form (``load_state_dict`` checks them)."""
+        was saved; the groups of torch's own form (by index) by their sizes only (``optim_groups.index_groups``)."""
         from .dcp_import import saved_groups
         from .errors import CheckpointError
-        from .optim_groups import refuse_other_class
+        from .optim_groups import index_groups, refuse_other_class
         from .permanent import mark  # each refusal: the same at every restart
 
         refuse_other_class(self.optimizer, skeleton, f"entry {key!r}: ")
@@ -254,6 +269,10 @@ class OptimizerAdapter:
                 for g in groups
             ):
                 self._match_groups(groups, warn=False)  # load_state_dict warns
+            elif isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                  and all(type(i) is int for i in g["params"]) for g in groups):
+                if why := index_groups(groups, self.optimizer.param_groups):  # torch's form: by position
+                    raise CheckpointError(why)
         except CheckpointError as e:
             raise mark(CheckpointError(f"entry {key!r}: {e}")) from None
 
@@ -282,7 +301,8 @@ class OptimizerAdapter:
             pos += len(cur["params"])
         for gi, (saved, cur_names, cur) in enumerate(zip(saved_groups, out, cur_groups)):
             if set(saved["params"]) != set(cur_names):  # renamed, added or removed, regrouped (optim_groups.py)
-                part = set(cur_names) < set(saved["params"])  # a pipeline stage's optimizer, loaded without split_state
+                part = set(cur_names) < set(saved["params"]) and not set(saved_names) <= set(names)  # a pipeline stage's
+                # optimizer, loaded without split_state (not a parameter moved to another group: every one is here)
                 raise mark(CheckpointError(
                     other_params(gi, saved_groups, out)
                     + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
