@@ -1,0 +1,56 @@
+"""Unusual tensor values through the library's other paths (hunt 43, tensorpaths).
+
+- ``save(metrics=...)`` with a one-element tensor whose ``.item()`` fails (``float4_e2m1fn_x2``,
+  nested): ``mgr.save`` raised torch's bare ``NotImplementedError`` past the save's preflight, so
+  with several ranks the rank holding it left the save while the others waited in its first round
+  until the heartbeat timeout ("rank 1 stopped responding: the process died or hangs"), where the
+  docs promise a refusal on one rank fails the save on every rank at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.policies import metric_values
+
+from dist_helper import run_ranks
+
+
+def _float4_scalar() -> torch.Tensor:
+    return torch.tensor([0x12], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)
+
+
+@pytest.mark.parametrize("make", [_float4_scalar, lambda: torch.nested.nested_tensor([torch.ones(1)])], ids=["float4", "nested"])
+def test_a_metric_tensor_without_a_python_number_is_refused_naming_it(make) -> None:
+    with pytest.raises(tg.UnsupportedValueError, match=r"metrics\['loss'\].*\.item\(\) fails"):
+        metric_values({"loss": make()})
+
+
+def test_such_a_metric_fails_the_managers_save_and_keeps_the_previous(tmp_path: Path) -> None:
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": 0.5})
+        with pytest.raises(tg.UnsupportedValueError, match=r"metrics\['loss'\]"):
+            mgr.save(2, {"w": torch.zeros(2)}, metrics={"loss": _float4_scalar()})
+        assert mgr.latest_step() == 1
+
+
+def _one_rank_passes_a_float4_metric(rank: int, world: int, root: str) -> str:
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), timeout=60, handle_signals=False) as mgr:
+        try:
+            mgr.save(1, {"w": torch.ones(2)}, metrics={"loss": _float4_scalar() if rank == 1 else 1.0})
+        except Exception as e:  # noqa: BLE001  (the test compares what each rank raised)
+            return f"{type(e).__name__}: {e}"
+    return "saved"
+
+
+def test_a_metric_refused_on_one_rank_fails_the_save_on_every_rank_at_once(tmp_path: Path) -> None:
+    results = run_ranks(_one_rank_passes_a_float4_metric, 2, str(tmp_path / "run"), timeout=90)
+    said = [r.value for r in results]
+    # Before: rank 1 raised NotImplementedError, rank 0 waited out the heartbeat ("stopped responding").
+    assert all(s.startswith("RankFailureError") and "save failed on rank(s) [1]" in s for s in said), said
+    assert all("stopped responding" not in s for s in said), said
+    assert not any(p.name.startswith("step-") for p in (tmp_path / "run").iterdir())
