@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def _float4_scalar() -> torch.Tensor:
 
 
 @pytest.mark.parametrize("make", [_float4_scalar, lambda: torch.nested.nested_tensor([torch.ones(1)])], ids=["float4", "nested"])
-def test_a_metric_tensor_without_a_python_number_is_refused_naming_it(make) -> None:
+def test_a_metric_tensor_without_a_python_number_is_refused_naming_it(make: Callable[[], torch.Tensor]) -> None:
     with pytest.raises(tg.UnsupportedValueError, match=r"metrics\['loss'\].*\.item\(\) fails"):
         metric_values({"loss": make()})
 
