@@ -81,3 +81,29 @@ def test_a_tuple_of_tensors_survives_an_export_to_dcp_and_back(tmp_path: Path) -
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+# - A tensor named ``__metadata__`` (safetensors' header key) or with a name that is not UTF-8: an
+#   export to .safetensors exited 0 writing a file that safetensors cannot read ("duplicate field
+#   `__metadata__`", "unexpected end of hex escape"), replacing an earlier good export; convert
+#   wrote the same broken file for ``__metadata__`` (save_file does not refuse it).
+
+
+@pytest.mark.parametrize("name", ["__metadata__", "w\ud800"], ids=["metadata", "surrogate"])
+@pytest.mark.parametrize("how", ["export", "convert"])
+def test_a_tensor_name_safetensors_cannot_hold_is_refused_before_writing(tmp_path: Path, name: str, how: str) -> None:
+    from safetensors.torch import load_file
+
+    from trainguard.convert import convert
+    from trainguard.export import export
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "model.safetensors"
+    tg.save(ckpt, {"model": {name: torch.arange(3.0), "ok": torch.ones(2)}})
+    tg.save(tmp_path / "good", {"model": {"ok": torch.ones(2)}})
+    export(tmp_path / "good", out)  # an earlier export at the destination
+    write = export if how == "export" else convert
+    with pytest.raises(tg.CheckpointError, match="cannot be stored in a safetensors file"):
+        write(ckpt, out)
+    assert list(load_file(out)) == ["ok"]  # left as it was, and still readable
+    export(ckpt, tmp_path / "model.pt")  # a .pt file holds any str name
+    assert torch.equal(torch.load(tmp_path / "model.pt", weights_only=True)[name], torch.arange(3.0))
