@@ -166,6 +166,9 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
+        from .stwrite import refuse_names
+
+        refuse_names(tensors, out)
         with replacing(out) as tmp:  # an earlier file at out survives a failed write
             save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard"})
     else:

@@ -192,9 +192,13 @@ class _Refused:
 
 
 def _plain(v: Any) -> bool:
-    """Whether ``v`` is a JSON value trainguard saves (an object of another type is skipped)."""
+    """Whether ``v`` is a JSON value trainguard saves (an object of another type is skipped), or a dense
+    tensor inside one: DCP flattens lists, not tuples, so a tuple of tensors (which trainguard's own
+    export to DCP writes so) comes as one pickled value."""
     if v is None or type(v) in (bool, int, float, str):
         return True
+    if type(v) is torch.Tensor:
+        return v.layout is torch.strided and not (v.is_quantized or v.is_meta or v.is_nested)
     if type(v) in (list, tuple):
         return all(_plain(x) for x in v)
     if type(v) is dict:

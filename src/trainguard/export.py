@@ -93,6 +93,10 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
     meta, what = {"format": "pt", "source": "trainguard", "step": str(manifest.step)}, f"cannot write {out}"
     safetensors = out.endswith(".safetensors")
+    if safetensors:
+        from .stwrite import refuse_names
+
+        refuse_names((n for n, _p, _e in mine), out)
     with replacing(out) as tmp:  # reading errors are raised as they are (the CLI says what to do about them)
         from . import stwrite  # streamed: one batch in memory (a dtype it has no name for: save_file)
 

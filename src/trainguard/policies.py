@@ -23,14 +23,15 @@ import numbers
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import replicas
 from .dist import DistContext
 from .distwait import forget_passed
-from .errors import UnsupportedValueError, whole
+from .errors import whole
+from .metricvals import checked_metrics, metric_values  # noqa: F401  (manager.py, tests)
 
 
 @dataclass(frozen=True)
@@ -368,32 +369,3 @@ def unchain_handlers(mine: Any, old: dict[int, Any]) -> None:
         else:
             signal.signal(sig, previous)
     old.clear()
-
-
-def checked_metrics(metrics: Mapping[str, Any] | None) -> tuple[dict[str, float], UnsupportedValueError | None]:
-    """:func:`metric_values`, its refusal returned, not raised: ``CheckpointManager.save`` hands
-    it to the save's first round (``start_save(preflight=...)``), so that a value refused on
-    some ranks only fails the save on every rank at once instead of leaving the others waiting."""
-    try:
-        return metric_values(metrics), None
-    except UnsupportedValueError as e:
-        return {}, e
-
-
-def metric_values(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """``save(metrics=...)`` as stored: one-element tensors and numpy scalars become numbers
-    (``metrics={"loss": loss}`` is common); anything else that is not a number is refused here,
-    before a byte is written. nan and ±inf are kept (``KeepBest`` ranks them last)."""
-    if metrics is not None and not isinstance(metrics, Mapping):
-        raise UnsupportedValueError(f"metrics={metrics!r}: pass a dict of names to numbers, e.g. metrics={{'loss': 0.25}}")
-    out: dict[str, float] = {}
-    for k, v in (metrics or {}).items():
-        if hasattr(v, "item") and (v.numel() if hasattr(v, "numel") else getattr(v, "size", 1)) == 1 and not getattr(v, "is_meta", False):
-            v = v.item()  # a tensor, numpy array or scalar of one value (a meta tensor has none: refused below)
-        if type(k) is not str or not isinstance(v, numbers.Real):
-            raise UnsupportedValueError(
-                f"metrics[{k!r}] = {v!r} ({type(v).__name__}): metrics map str names to numbers "
-                "(a one-element tensor is converted with .item())"
-            )
-        out[k] = v if type(v) in (int, float, bool) else float(v)  # np.longdouble (its .item() is itself), a Fraction
-    return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -84,3 +84,21 @@ def write(
             raise
         raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
     return True
+
+
+def refuse_names(names: Iterable[str], out: str) -> None:
+    """Refuse, before anything is written, a tensor name that a safetensors file cannot hold
+    (``export.export`` and ``convert._write_foreign``, for a ``.safetensors`` destination):
+    ``__metadata__``, the header's own key (``save_file`` wrote it twice: a file that does not
+    load), and a str that is not UTF-8 (a lone surrogate: ``save_file`` raised UnicodeEncodeError
+    while the streamed header held a JSON escape that safetensors refuses to read)."""
+    for n in names:
+        try:
+            n.encode("utf-8")
+            why = "the name of the file's own metadata" if n == "__metadata__" else ""
+        except UnicodeEncodeError:
+            why = "not UTF-8: a lone surrogate"
+        if why:
+            raise CheckpointError(
+                f"{out}: tensor name {n[:80]!r} cannot be stored in a safetensors file ({why}); "
+                "export to a .pt file instead, or rename the tensor")
