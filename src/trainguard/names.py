@@ -165,7 +165,8 @@ def check_frozen(manifest: Any, state: Any) -> None:
 
 
 def _wraps(mod: Any) -> bool:
-    return any(is_torch_wrapper(mod, attr) for attr in WRAPPERS & set(getattr(mod, "_modules", {})))
+    # Not set(mod._modules): a torch.jit.script module's is an OrderedModuleDict, which has no __iter__ (KeyError: 0).
+    return any(is_torch_wrapper(mod, attr) for attr in WRAPPERS)
 
 
 def module_versions(module: Any) -> dict[str, int]:
