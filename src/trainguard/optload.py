@@ -26,6 +26,7 @@ whole tensors.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -146,3 +147,27 @@ def keep_whole(adapter: Any, skel: Any, bad: dict[str, str]) -> None:
     for p, (name, _param) in own.items():
         if name in reshaped and p not in bad:
             bad[p] = f"{p} (kept with the state of parameter {name!r}, whose shape changed)"
+
+
+def keep_scalar_dtypes(optimizer: Any, groups: list[dict[str, Any]], state: Mapping[Any, Any]) -> None:
+    """``stateful.OptimizerAdapter.load_state_dict`` (every rank, each optimizer entry), right after
+    ``optimizer.load_state_dict`` with the saved ``groups`` (their ``params``: the ids of ``state``'s
+    keys, in the live optimizer's parameter order) and per-parameter ``state``: each 0-dim
+    floating-point state tensor other than ``step`` back to its saved dtype. torch's load casts every
+    such tensor to its parameter's dtype, so NAdam's ``mu_product`` and ASGD's ``eta``/``mu`` (created
+    in float32 whatever the parameters are) became float64 or bfloat16 on resume, and a run of float64
+    parameters resumed with other numbers than the run that went on. Optimizers whose class overrides
+    ``load_state_dict`` are left as torch's own rules made them (their own rules)."""
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in groups for i in g["params"]]
+    for i, p in zip(ids, params):
+        saved, live = state.get(i), optimizer.state.get(p)
+        if not isinstance(saved, Mapping) or not isinstance(live, dict):
+            continue
+        for k, v in live.items():
+            s = saved.get(k)
+            if (k != "step" and isinstance(v, torch.Tensor) and isinstance(s, torch.Tensor) and v.dim() == 0
+                    and s.dim() == 0 and s.dtype != v.dtype and s.is_floating_point() and v.is_floating_point()):
+                live[k] = v.to(s.dtype)

@@ -314,12 +314,13 @@ class OptimizerAdapter:
         """Called by ``loader._load``, which puts the entry's name in front of a refusal."""
         from .dcp_import import saved_groups as regrouped
         from .optim_hparams import warn_overridden
+        from .optload import keep_scalar_dtypes
         saved_groups = regrouped(self, state_dict, warn=False) or state_dict["param_groups"]  # _match_groups warns
         if all(type(i) is int for g in saved_groups for i in g["params"]):
             # torch's own form, keyed by index (a torch.save file imported by ``convert``): matched by position.
             warn_overridden(self.optimizer.param_groups, saved_groups)
             self.optimizer.load_state_dict(dict(state_dict))
-            return
+            return keep_scalar_dtypes(self.optimizer, saved_groups, state_dict["state"])
         per_group = self._match_groups(saved_groups)
         warn_overridden(self.optimizer.param_groups, saved_groups)  # before torch replaces the script's values
         index = {n: i for i, n in enumerate(n for names in per_group for n in names)}
@@ -338,10 +339,12 @@ class OptimizerAdapter:
                 by_name = dict(zip(saved["params"], given, strict=True))
                 group["param_names"] = [by_name[n] for n in cur_names]
             groups.append(group)
+        by_id = {index[n]: s for n, s in state_dict["state"].items() if n in index}
         self.optimizer.load_state_dict({
             **{k: v for k, v in state_dict.items() if k not in _OWN_KEYS},  # a wrapper's own values
-            "state": {index[n]: s for n, s in state_dict["state"].items() if n in index}, "param_groups": groups,
+            "state": by_id, "param_groups": groups,
         })
+        keep_scalar_dtypes(self.optimizer, groups, by_id)  # NAdam's mu_product: not cast to the parameters' dtype
 
 
 def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
