@@ -115,3 +115,16 @@ def test_pt_files_carry_the_versions(tmp_path: Path, monkeypatch: pytest.MonkeyP
     m = _model()
     m.load_state_dict(sd)
     assert m[1].scale.item() == 0.25
+
+
+def test_a_submodule_added_since_the_save_keeps_its_own_version(tmp_path: Path) -> None:
+    """strict=False, an observer the checkpoint does not hold: no saved values to upgrade. Given
+    version 1 (not in the recorded versions), its _load_from_state_dict took the absent values for
+    a pre-version-3 state and reset its eps to float32's."""
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    torch.manual_seed(0)
+    tg.save(tmp_path / "ckpt", {"model": torch.nn.Sequential(torch.nn.Linear(2, 2))})
+    m = torch.nn.Sequential(torch.nn.Linear(2, 2), MinMaxObserver(eps=1e-3))
+    tg.load(tmp_path / "ckpt", {"model": m}, strict=False)  # the observer's tensors are missing: kept
+    assert m[1].eps.item() == pytest.approx(1e-3)

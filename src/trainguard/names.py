@@ -185,20 +185,27 @@ def module_versions(module: Any) -> dict[str, int]:
     return out
 
 
-def saved_metadata(module: Any, current: Any, saved: Any) -> Any:
+def saved_metadata(module: Any, current: Any, saved: Any, keys: Any = ()) -> Any:
     """``stateful.ModuleAdapter.load_state_dict`` (every rank, each module entry loaded): the
     ``_metadata`` to load ``module`` (unwrapped) with: ``current`` (its own ``state_dict()``'s)
     with each submodule's version as the checkpoint recorded it (``saved``, the entry's
     ``"versions"``; a submodule not in it was at 1). A module whose version grew since the save
     (a torch upgrade) then upgrades the saved values in its ``_load_from_state_dict``, as it does
-    for a ``torch.save``d state dict. ``current`` as it is when the checkpoint recorded none
-    (written before session 43, or damaged): the module's versions are taken for the saved ones."""
+    for a ``torch.save``d state dict. A submodule none of whose ``keys`` (the module's names of the
+    values loaded) the checkpoint holds keeps its current version: added since the save
+    (``strict=False``), it has no saved values to upgrade (a quantization observer given version 1
+    reset its ``eps``). ``current`` as it is when the checkpoint recorded none (written before
+    session 43, or damaged): the module's versions are taken for the saved ones."""
     if type(saved) is not dict or not all(type(k) is str and type(v) is int for k, v in saved.items()):
         return current
     from collections import OrderedDict
 
+    held = {""}
+    for k in keys:
+        parts = k.split(".")
+        held.update(".".join(parts[:i]) for i in range(1, len(parts)))
     out = OrderedDict((k, dict(v) if isinstance(v, dict) else v) for k, v in (current or {}).items())
     for name, mod in module.named_modules(remove_duplicate=False):
-        if isinstance(out.get(name), dict) and not _wraps(mod):
+        if name in held and isinstance(out.get(name), dict) and not _wraps(mod):
             out[name]["version"] = saved.get(canonical_key(name), 1)
     return out

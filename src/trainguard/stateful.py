@@ -115,7 +115,7 @@ class ModuleAdapter:
                 if have is not None:
                     mapped[actual[name]] = mapped[have]
         ordered = OrderedDict(mapped)
-        metadata = saved_metadata(self.module, getattr(current, "_metadata", None), versions)
+        metadata = saved_metadata(self.module, getattr(current, "_metadata", None), versions, mapped)
         if metadata is not None:
             ordered._metadata = metadata  # type: ignore[attr-defined]
         self.module.load_state_dict(ordered, strict=strict)
