@@ -146,7 +146,7 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
                 classes[key] = cls  # refused on load by a scheduler of another class
             if isinstance(value, torch.nn.Module) and not local:
                 if not split:
-                    frozen[key], versions[key] = frozen_names(value), module_versions(value)
+                    frozen[key], versions[key] = frozen_names(value), module_versions(value, getattr(obj, "metadata", None))
             if not local and isinstance(value, (ResumableSampler, ResumableIterable)):
                 # Global: every rank that reads data must hold the same (check_data_positions).
                 data_positions[key] = [skel, bool(getattr(value, "reads_data", True))]

@@ -91,9 +91,11 @@ class ModuleAdapter:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = unwrap_module(module)
+        self.metadata: Any = None  # the last state_dict()'s _metadata: capture's names.module_versions
 
     def state_dict(self) -> dict[str, Any]:
         sd = self.module.state_dict()
+        self.metadata = getattr(sd, "_metadata", None)
         return dict(zip(canonical_names(self.module, list(sd)), sd.values(), strict=True))
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, versions: Any = None) -> None:
