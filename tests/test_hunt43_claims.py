@@ -1,0 +1,87 @@
+"""Claims of docs/planning.md checked against `trainguard doctor` (hunt 43, "claims").
+
+"A script the doctor cannot use (..., one that exits or raises while imported, a hook that raises
+...) is a one-line `error:` with exit code 2, so a CI step tells it from a finding that is an
+error (1)." A hook that called ``sys.exit(0)`` ended the doctor with 0 and printed nothing (a CI
+step passed a script that was never checked), ``sys.exit("msg")`` with 1; a script that called
+``os._exit(0)`` while imported ended it with 0 too. Run in a subprocess: ``os._exit`` would end
+the test process itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+SCRIPTS = {
+    "hook_exit0": """
+        import sys
+
+        def trainguard_state():
+            sys.exit(0)
+        """,
+    "hook_exit_message": """
+        import sys
+
+        def trainguard_state():
+            sys.exit("config.yaml not found")
+        """,
+    "import_os_exit0": """
+        import os
+
+        def trainguard_state():
+            return {}
+
+        os._exit(0)
+        """,
+}
+
+
+def _doctor(script: Path) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "trainguard", "doctor", str(script)], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_doctor_script_that_exits_is_a_usage_error(tmp_path: Path, name: str) -> None:
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(SCRIPTS[name]))
+    res = _doctor(script)
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "exit" in last, res.stderr
+    assert res.stdout == ""  # no findings table: the state was never checked
+
+
+def test_doctor_hook_that_forks_a_child_still_works(tmp_path: Path) -> None:
+    """os._exit stays os._exit in a child the hook forks (multiprocessing ends its children with it)."""
+    script = tmp_path / "forks.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp
+
+        import torch
+
+        def work(q):
+            q.put(42)
+
+        def trainguard_state():
+            ctx = mp.get_context("fork")
+            q = ctx.Queue()
+            p = ctx.Process(target=work, args=(q,))
+            p.start()
+            got = q.get(timeout=60)
+            p.join(60)
+            assert p.exitcode == 0 and got == 42, (p.exitcode, got)
+            return {"model": torch.nn.Linear(2, 2)}
+        """))
+    res = _doctor(script)
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)  # a finding that is an error: data position
+    assert "data position" in res.stdout and "model weights saved" in res.stdout
