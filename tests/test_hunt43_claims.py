@@ -85,3 +85,24 @@ def test_doctor_hook_that_forks_a_child_still_works(tmp_path: Path) -> None:
     res = _doctor(script)
     assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)  # a finding that is an error: data position
     assert "data position" in res.stdout and "model weights saved" in res.stdout
+
+
+def test_a_malformed_store_timeout_is_one_error_line_exit_2(tmp_path: Path) -> None:
+    """docs/checkpoints.md: errors caused by input print one `error:` line and exit 2. A malformed
+    TRAINGUARD_STORE_TIMEOUT (docs/storage.md) gave a traceback of its ValueError and exit 1."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+               TRAINGUARD_STORE_TIMEOUT="abc")
+    res = subprocess.run([sys.executable, "-m", "trainguard", "ls", "memory://hunt43-claims"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stderr.strip().splitlines() == [
+        "error: TRAINGUARD_STORE_TIMEOUT='abc': set it to the seconds one object-store call may take "
+        "(a number > 0; default 600)"], res.stderr
+
+
+def test_a_malformed_store_timeout_is_still_a_value_error_in_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainguard.storage import for_path
+
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "0")
+    with pytest.raises(ValueError, match="TRAINGUARD_STORE_TIMEOUT='0'"):
+        for_path("memory://hunt43-claims")
