@@ -106,3 +106,26 @@ def test_a_malformed_store_timeout_is_still_a_value_error_in_python(monkeypatch:
     monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "0")
     with pytest.raises(ValueError, match="TRAINGUARD_STORE_TIMEOUT='0'"):
         for_path("memory://hunt43-claims")
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///run1"])
+def test_an_s3_url_without_a_bucket_is_one_error_line_exit_2(url: str) -> None:
+    """`trainguard ls s3://` (or `s3:///run1`) printed s3fs's traceback, "ValueError: Cannot traverse all
+    of S3", and exited 1; an input error is one `error:` line with exit 2 (docs/checkpoints.md)."""
+    pytest.importorskip("s3fs")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-m", "trainguard", "ls", url], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stderr.strip().splitlines() == [f"error: {url}: names no bucket; write s3://<bucket>/<run directory>"]
+
+
+def test_a_bucket_url_is_still_fine() -> None:
+    pytest.importorskip("s3fs")
+    from trainguard.errors import CheckpointError
+    from trainguard.storage import for_path
+
+    with pytest.raises(CheckpointError, match="names no bucket"):
+        for_path("s3:///run1")
+    _storage, path = for_path("s3://bucket/run1")
+    assert path == "bucket/run1"
