@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from .commands import CommandError, printable, stdout_gone
-from .errors import CheckpointError, is_store_client_error
+from .errors import CheckpointError, SettingError, is_store_client_error
 
 
 class _Group(click.Group):
@@ -42,7 +42,7 @@ class _Group(click.Group):
             name = ctx.invoked_subcommand  # the command being parsed: click's parser errors carry no context
             cmd = self.get_command(ctx, name) if name and e.ctx is None else None
             raise _usage(e, click.Context(cmd, info_name=name, parent=ctx) if cmd else ctx) from None
-        except CheckpointError as e:
+        except (CheckpointError, SettingError) as e:  # SettingError: a malformed TRAINGUARD_* variable, input too
             click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
             sys.exit(2)
         except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback

@@ -19,6 +19,11 @@ class CheckpointError(Exception):
     permanent: bool = False
 
 
+class SettingError(ValueError):
+    """An environment setting trainguard reads is malformed (``TRAINGUARD_STORE_TIMEOUT=abc``): a
+    ``ValueError`` in Python; the CLI (``cli._Group.invoke``) prints it as one ``error:`` line, exit 2."""
+
+
 class NotACheckpointError(CheckpointError, FileNotFoundError):
     """The path holds no committed checkpoint (no ``manifest.json``)."""
 

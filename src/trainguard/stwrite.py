@@ -27,7 +27,8 @@ from .io import DEFAULT_BLOCK, WriteChunk, write_batches
 from .manifest import Manifest, TensorEntry
 from .storage import LocalStorage, Storage
 
-# torch dtype -> safetensors' name for it (the format's list; complex and quantized dtypes have none)
+# torch dtype -> safetensors' name for it (not all: complex64 and the fnuz float8 types, which safetensors 0.8
+# names C64, F8_E4M3FNUZ, F8_E5M2FNUZ, go through save_file, as do dtypes safetensors has no name for)
 NAMES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",

@@ -291,6 +291,25 @@ _LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"}
 
 
+@contextlib.contextmanager
+def _os_exit_raises() -> Any:
+    """While ``_load_hook`` imports the script and calls its hook, ``os._exit(n)`` in this process
+    raises ``SystemExit("os._exit(n)")`` (reported as an exit, exit code 2) instead of ending the
+    doctor with ``n`` and no word; in a child forked meanwhile it still exits at once."""
+    real, pid = os._exit, os.getpid()
+
+    def _exit(code: int) -> None:
+        if os.getpid() != pid:
+            real(code)
+        raise SystemExit(f"os._exit({code})")
+
+    os._exit = _exit  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
     ``trainguard_state()``."""
@@ -306,7 +325,7 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     # ranks that never come; without them it fails at once, saying so.
     env = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # the script's prints: stdout holds the findings only (--json)
+        with contextlib.redirect_stdout(sys.stderr), _os_exit_raises():  # stdout: the findings only (--json)
             try:
                 spec.loader.exec_module(mod)
             except SystemExit as e:
@@ -316,7 +335,11 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             if not callable(hook):
                 raise CommandError(f"{path} defines no trainguard_state(): add one that returns the state dict, or "
                                    "(state, manager)")
-            out = hook()
+            try:
+                out = hook()
+            except SystemExit as e:  # sys.exit(0) there ended the doctor with 0 and no word: a CI step passed
+                raise CommandError(f"{path}: trainguard_state() exited (SystemExit: {e.code}) instead of returning "
+                                   "the state: keep argument parsing and exits out of it") from None
     except CommandError:
         raise
     except Exception as e:

@@ -20,6 +20,8 @@ import errno
 import os
 from typing import Any
 
+from ..errors import SettingError
+
 STORE_TIMEOUT_ENV = "TRAINGUARD_STORE_TIMEOUT"
 DEFAULT_STORE_TIMEOUT = 600.0  # above s3fs's own give-up time for a dead endpoint (~420 s): only hangs are cut
 
@@ -33,7 +35,7 @@ def store_timeout() -> float:
     except ValueError:
         value = -1.0
     if not value > 0 or value == float("inf"):
-        raise ValueError(f"{STORE_TIMEOUT_ENV}={raw!r}: set it to the seconds one object-store call may take "
+        raise SettingError(f"{STORE_TIMEOUT_ENV}={raw!r}: set it to the seconds one object-store call may take "
                          f"(a number > 0; default {DEFAULT_STORE_TIMEOUT:.0f})")
     return value
 

@@ -44,10 +44,17 @@ def file_url_path(p: str) -> str:
     return rest
 
 
+# Schemes whose first path segment is a bucket (container): an empty one is the whole store, or nothing.
+BUCKETED = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss"})
+
+
 def check_object_path(url: str, path: str) -> str:
     """``path`` (inside the store, from fsspec) without a trailing ``/``; a ``CheckpointError``
-    when ``url`` holds an empty segment (``//``) after its ``scheme://``."""
+    when ``url`` holds an empty segment (``//``) after its ``scheme://``, or names no bucket
+    (``s3://``, ``s3:///run``) on a store of buckets."""
     scheme, _, rest = url.partition("://")
+    if scheme.lower() in BUCKETED and not path.split("/")[0]:  # s3fs: "Cannot traverse all of S3", a traceback
+        raise CheckpointError(f"{url}: names no bucket; write {scheme}://<bucket>/<run directory>")
     if "//" in rest.strip("/"):
         fixed = scheme + "://" + "/".join(s for s in rest.split("/") if s)
         raise CheckpointError(
