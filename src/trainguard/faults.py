@@ -11,7 +11,9 @@ Points, in order: ``begin`` (after the ranks agreed to save), ``write_begin`` (d
 opened), ``write_piece`` (after each written piece), ``before_fsync``, ``written`` (data
 durable, before reporting), ``before_manifest`` (rank 0, all ranks reported),
 ``after_manifest`` (manifest durable in the temp dir), ``after_rename`` (committed),
-``before_retention``.
+``before_retention``. With ``ram_tier=``, also ``before_persist`` (rank 0's background copy of a
+step committed in RAM to the run directory, its temp directory made; not in ``POINTS``: a save
+without the RAM tier never passes it), after which ``before_retention`` follows that copy.
 """
 
 from __future__ import annotations

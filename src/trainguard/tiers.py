@@ -269,8 +269,8 @@ class RamTier:
         manifest = parse(raw, where=f"{src}/{layout.MANIFEST}")
         work = d.join(root, layout.tmp_dir(name, uuid.uuid4().hex[:16])) if d.atomic_rename else final
         d.makedirs(work)
-        fault("before_persist", 0)
-        try:
+        try:  # the fault point inside: a drill's raise here is cleaned up like a failed copy
+            fault("before_persist", 0)
             for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
                 _copy(os.path.join(src, fname), d, d.join(work, fname), size)
             # Invariant: the manifest is copied only after every data file is durable.
