@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 import trainguard as tg
+from test_versions43 import Inverted as _Inverted
 
 
 def _scripted(seed: int) -> torch.jit.ScriptModule:
@@ -31,22 +31,6 @@ def test_a_torch_jit_script_module_loads(tmp_path: Path) -> None:
     for name, value in src.state_dict().items():
         assert torch.equal(dst.state_dict()[name], value), name
     assert int(dst.state_dict()["1.num_batches_tracked"]) == 1
-
-
-class _Inverted(torch.nn.Module):
-    """Version 2 stores ``1 / scale``; an older state dict holds ``scale`` itself (as in test_versions43)."""
-
-    _version = 1
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.register_buffer("scale", torch.tensor([4.0]))
-
-    def _load_from_state_dict(self, sd: dict[str, Any], prefix: str, md: dict[str, Any], *args: Any) -> None:
-        version = md.get("version")
-        if (version is None or version < 2) and prefix + "scale" in sd:
-            sd[prefix + "scale"] = 1 / sd[prefix + "scale"]
-        super()._load_from_state_dict(sd, prefix, md, *args)
 
 
 def test_split_state_records_no_versions(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
