@@ -3,6 +3,7 @@ directories that are not a plain ext4 directory of the user's own."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -280,27 +281,37 @@ def test_reserve_allocates_where_supported_without_posix_fallocate(tmp_path, mon
     w.abort()
 
 
+@contextlib.contextmanager
+def _tmpfs(path, size: str):
+    """A tmpfs of ``size`` mounted at ``path`` (made) for the block; the test is skipped where mounting is not allowed."""
+    import subprocess
+
+    import pytest
+
+    path.mkdir()
+    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                                          capture_output=True, timeout=60).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=60)
+
+
 def test_disk_full_through_fsspec_local_names_no_none(tmp_path):
     """A save through fsspec (``local://`` here; any store whose file object writes to a disk) that runs out
     of space raised "no space left on device creating None": its write error names no file."""
-    import subprocess
 
     import pytest
 
     pytest.importorskip("fsspec")
     fs = tmp_path / "fs"
-    fs.mkdir()
-    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(fs)],
-                                          capture_output=True, timeout=60).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with _tmpfs(fs, "4m"):
         with pytest.raises(tg.DiskFullError) as ei:
             tg.save(f"local://{fs}/ck", {"w": torch.zeros(2 << 20)})  # 8 MiB
         msg = str(ei.value)
         assert "no space left" in msg and "None" not in msg, msg
         assert not os.path.exists(fs / "ck" / "manifest.json")
-    finally:
-        subprocess.run(["umount", "-l", str(fs)], capture_output=True, timeout=60)
 
 
 def test_save_to_a_mount_point_is_refused_before_writing(tmp_path):
@@ -308,16 +319,11 @@ def test_save_to_a_mount_point_is_refused_before_writing(tmp_path):
     the whole checkpoint into ``/ckpt.tmp-<id>`` on the file system holding the mount point, then failed with
     "OSError: [Errno 16] Device or resource busy" renaming the mount point. Now it is refused up front,
     saying what to do; a manager whose run directory is the mount point is fine."""
-    import subprocess
 
     import pytest
 
     vol = tmp_path / "vol"
-    vol.mkdir()
-    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(vol)],
-                                          capture_output=True, timeout=60).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with _tmpfs(vol, "16m"):
         for overwrite in (False, True):
             with pytest.raises(tg.CheckpointError, match="is a mount point") as ei:
                 tg.save(vol, _state(1.0), overwrite=overwrite)
@@ -327,5 +333,3 @@ def test_save_to_a_mount_point_is_refused_before_writing(tmp_path):
         with tg.CheckpointManager(vol, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
             mgr.save(1, _state(3.0))
         assert tg.verify(vol / "step-000000001").ok and tg.verify(vol / "ckpt").ok
-    finally:
-        subprocess.run(["umount", "-l", str(vol)], capture_output=True, timeout=60)

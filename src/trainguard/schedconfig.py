@@ -17,6 +17,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .userframe import user_stacklevel
+
 _PROGRESS = frozenset({"last_epoch", "best", "num_bad_epochs", "cooldown_counter", "mode_worse", "verbose", "T_cur", "T_i"})
 
 
@@ -102,4 +104,4 @@ def warn_fresh(manifest: Any, loaded: Any, fresh: Any) -> None:
                 f"{okey!r} takes the checkpoint's learning rates {saved[:4]} in place of the {now[:4]} this scheduler "
                 "set when it was built; its step() scales the optimizer's current lr, so its schedule now starts "
                 f"from the checkpoint's. To run it as built, set the lrs after the load: for g, lr in "
-                f"zip({okey}.param_groups, {key}.get_last_lr()): g['lr'] = lr", stacklevel=6)
+                f"zip({okey}.param_groups, {key}.get_last_lr()): g['lr'] = lr", stacklevel=user_stacklevel())
