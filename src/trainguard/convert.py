@@ -24,8 +24,16 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
-from .errors import CheckpointError, CorruptCheckpointError, StepExistsError
-from .export import check_destination, foreign_errors, iter_tensors, no_tensors, replacing, with_versions
+from .errors import CheckpointError, StepExistsError
+from .export import (
+    check_destination,
+    foreign_errors,
+    iter_tensors,
+    no_tensors,
+    own_tensor,
+    replacing,
+    torch_value,
+)
 from .flatten import single_tensor, unflatten
 from .storage import absolute, for_path
 
@@ -102,10 +110,10 @@ def convert(
             with foreign_errors(f"cannot write {dst} as {df}"):
                 _write_dcp(state, os.fspath(dst))
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
-        tensors = _read_trainguard(src, entry, share=df == "torch")
+        n, value = _read_trainguard(src, entry, torch_file=df == "torch")
         with foreign_errors(f"cannot write {dst} as {df}"):
-            _write_foreign(tensors, dst, df)
-        return {"from": sf, "to": df, "tensors": len(tensors), "skipped": []}
+            _write_foreign(value, dst, df)
+        return {"from": sf, "to": df, "tensors": n, "skipped": []}
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
@@ -145,23 +153,24 @@ def _count(v: Any) -> int:
     return sum(_count(x) for x in items)
 
 
-def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, share: bool = False) -> dict[str, Any]:
-    """The tensors of ``entry`` (``convert`` to one file); ``share``: a tie's names are one tensor
-    (``torch.save`` stores it once; safetensors refuses shared tensors)."""
+def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_file: bool = False) -> tuple[int, Any]:
+    """The number of tensors of ``entry`` and what ``convert`` writes of it to one file: its tensors
+    by name (safetensors), or for ``torch_file`` the value ``export.torch_value`` rebuilds, a tie's
+    names one tensor (``torch.save`` stores it once; safetensors refuses shared tensors)."""
     if entry is None:
         raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
     storage, d = for_path(src)
     manifest = read_manifest(storage, d)
     if entry not in manifest.objects:
         raise CheckpointError(f"{d} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
-    tensors = dict(iter_tensors(storage, d, manifest, entry, share=share))
+    tensors = dict(iter_tensors(storage, d, manifest, entry, share=torch_file))
     if not tensors:
         raise CheckpointError(no_tensors(manifest, d, entry))
-    return with_versions(tensors, manifest.objects[entry])
+    return len(tensors), torch_value(tensors, d, manifest, entry) if torch_file else tensors
 
 
-def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: str) -> None:
-    """One entry's tensors into a ``.safetensors`` or ``.pt`` file (``fmt``), replaced whole."""
+def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str) -> None:
+    """One entry into a ``.safetensors`` (its tensors by name) or ``.pt`` file (``fmt``), replaced whole."""
     out = os.fspath(dst)
     if fmt == "safetensors":
         from safetensors.torch import save_file
@@ -174,21 +183,6 @@ def _write_foreign(tensors: dict[str, Any], dst: str | os.PathLike[str], fmt: st
     else:
         with replacing(out) as tmp:
             torch.save(tensors, tmp)
-
-
-def _own(tensors: dict[str, Any], d: str, entry: str) -> Any:
-    """``_read_entries``' lookup of a skeleton's tensor among the entry's own (``iter_tensors``): a
-    reference to another entry's tensor, which no save writes and ``manifest.validate`` lets pass
-    (the tensor exists), is a corrupt manifest, not the bare KeyError it was."""
-
-    def get(path: str) -> Any:
-        if path not in tensors:
-            raise CorruptCheckpointError(
-                f"{d}: entry {entry[:60]!r} refers to tensor {path[:80]!r}, which is not one of its own: the manifest "
-                "is corrupt or hand-edited", file="manifest.json", entry=path)
-        return tensors[path]
-
-    return get
 
 
 def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[str, Any], int]:
@@ -211,7 +205,7 @@ def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[
         one = single_tensor(obj["skeleton"]) is not None
         tensors = {e if one else f"{e}/{name}": t for name, t in iter_tensors(storage, d, manifest, e)}
         n += len(tensors)
-        state[e] = unflatten(obj["skeleton"], _own(tensors, d, e))
+        state[e] = unflatten(obj["skeleton"], own_tensor(tensors, d, e))
     if not n:
         raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
     return state, n

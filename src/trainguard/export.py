@@ -16,7 +16,8 @@ import torch
 
 from .commit import check_file_sizes, read_manifest
 from .consolidate import whole_read
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
+from .flatten import single_tensor, unflatten
 from .index import ChunkSource
 from .io import ReadTarget, read_targets
 from .manifest import Manifest, TensorEntry
@@ -108,8 +109,40 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
 
                     save_file(tensors, tmp, metadata=meta)
                 else:
-                    torch.save(with_versions(tensors, manifest.objects[entry]), tmp)
+                    torch.save(torch_value(tensors, directory, manifest, entry), tmp)
     return len(mine)
+
+
+def torch_value(tensors: dict[str, Any], directory: str, manifest: Manifest, entry: str) -> Any:
+    """``export`` and ``convert`` to a ``.pt`` file: entry ``entry`` as ``torch.load`` should give it back,
+    from its tensors by name (``iter_tensors``). An entry saved as a dict (a module's
+    ``state_dict()``) is rebuilt from its skeleton, so that non-tensor values stay what they were:
+    a module's extra state ``{"n": 3, "t": tensor}`` is ``"0._extra_state"`` again, which
+    ``load_state_dict`` needs, not a tensor ``"0._extra_state/t"`` and nothing else. Other entries
+    (one tensor, a list, a rank-local entry) stay their tensors by name. Module versions are added
+    by :func:`with_versions`."""
+    obj = manifest.objects[entry]
+    skel = obj.get("skeleton") if isinstance(obj, dict) else None
+    if type(skel) is not dict or single_tensor(skel) is not None:
+        return with_versions(tensors, obj)
+    value = unflatten(skel, own_tensor({f"{entry}/{k}": t for k, t in tensors.items()}, directory, entry),
+                      where=f"{directory}: entry {entry[:60]!r}")
+    return with_versions(value, obj) if isinstance(value, dict) else tensors
+
+
+def own_tensor(tensors: dict[str, Any], d: str, entry: str) -> Any:
+    """The lookup of a skeleton's tensor among the entry's own (``iter_tensors``, by manifest path): a
+    reference to another entry's tensor, which no save writes and ``manifest.validate`` lets pass
+    (the tensor exists), is a corrupt manifest, not the bare KeyError it was."""
+
+    def get(path: str) -> Any:
+        if path not in tensors:
+            raise CorruptCheckpointError(
+                f"{d}: entry {entry[:60]!r} refers to tensor {path[:80]!r}, which is not one of its own: the manifest "
+                "is corrupt or hand-edited", file="manifest.json", entry=path)
+        return tensors[path]
+
+    return get
 
 
 def with_versions(tensors: dict[str, Any], obj: Any) -> dict[str, Any]:
