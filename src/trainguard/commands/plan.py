@@ -255,10 +255,12 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     settings = settings_from(manager, plan=plan, source=source, amp=amp_mode, path=script)
     findings = check(state, settings) if hooked else check_source(settings)
     rate = node_failures_per_day is not None or node_mtbf is not None
-    if plan is None and (rate or save_stall is not None):  # one half of the plan's inputs: say what is missing
-        findings.append(Finding("interval", "info", "not checked: it needs " + (
-            "--save-stall (the seconds a save stops training)" if rate else
-            "the failure rate (--node-failures-per-day or --node-mtbf)") + " besides what was given"))
+    if plan is None and (rate or save_stall is not None or step_time is not None or restart):
+        # some of the plan's inputs: say what is missing (--step-time or --restart alone said nothing)
+        missing = [m for m, ok in (("the failure rate (--node-failures-per-day or --node-mtbf)", rate),
+                                   ("--save-stall (the seconds a save stops training)", save_stall is not None)) if not ok]
+        findings.append(Finding("interval", "info", "not checked: it needs " + " and ".join(missing)
+                                + " besides what was given"))
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings]))
     else:
