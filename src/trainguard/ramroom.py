@@ -17,6 +17,7 @@ import os
 import shutil
 import stat
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -172,6 +173,7 @@ def opened(tier: Any, timeout: float | None) -> None:
         try:
             private_dir(os.path.dirname(tier.dir))
             tier.prepare()
+            check_medium(tier.dir, tier.durable_root)
         except Exception as e:  # OSError, a store's error reading the run directory's id
             err, cause = f"{type(e).__name__}: {e}", e
     if tier.ctx.is_distributed:
@@ -181,6 +183,29 @@ def opened(tier: Any, timeout: float | None) -> None:
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
         ) from cause
+
+
+def check_medium(ram: str, durable_root: str) -> None:
+    """``opened``, rank 0, once the RAM directory ``ram`` exists: warn when it is not on tmpfs (before,
+    any directory was taken without a word). On a disk, every save is written to disk twice (the
+    "RAM" copy and the run directory's); on ramfs, which reports 0 bytes free, ``ramroom`` sends every
+    save straight to the run directory, so the RAM tier does nothing. An unreadable
+    ``/proc/self/mountinfo``: no word."""
+    from .doctor import filesystem_of, parse_mountinfo  # here: doctor imports half the library
+
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            fs = filesystem_of(os.path.realpath(ram), parse_mountinfo(f.read()))
+    except OSError:
+        return
+    if fs in (None, "tmpfs"):
+        return
+    from .userframe import user_stacklevel
+
+    why = ("ramfs reports 0 bytes free, so every save would go straight to the run directory " + durable_root
+           if fs == "ramfs" else "its copies are written to that filesystem, not to memory, besides the run directory's")
+    warnings.warn(f"ram_tier: {ram} is on {fs}, not tmpfs: {why}. Pass ram_tier=True (/dev/shm) or a directory on "
+                  "a tmpfs", stacklevel=user_stacklevel())
 
 
 def private_dir(path: str) -> None:
