@@ -95,3 +95,16 @@ def test_safetensors_export_still_holds_tensors_by_name(tmp_path: Path) -> None:
     got = load_file(str(tmp_path / "m.safetensors"))
     assert sorted(got) == ["0._extra_state/hist", "0.lin.bias", "0.lin.weight", "2.bias", "2.weight"]
     assert torch.equal(got["0._extra_state/hist"], torch.arange(4.0))
+
+
+def test_a_bare_tensor_pt_file_imports_as_a_one_tensor_entry_and_exports_back(tmp_path: Path) -> None:
+    """``torch.save(tensor)`` imported: entry ``model`` is that tensor, so ``{"model": t}`` loads it
+    (before, the entry was a dict ``{"tensor": ...}`` that such a load refused as another structure)."""
+    src = torch.arange(6.0).reshape(2, 3)
+    torch.save(src, tmp_path / "t.pt")
+    assert convert(tmp_path / "t.pt", tmp_path / "c")["tensors"] == 1
+    dst = torch.zeros(2, 3)
+    tg.load(tmp_path / "c", {"model": dst})
+    assert torch.equal(dst, src)
+    export(tmp_path / "c", tmp_path / "back.pt")
+    assert torch.equal(torch.load(tmp_path / "back.pt", weights_only=True)["model"], src)

@@ -277,8 +277,8 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
                 "objects; if you trust the file, re-save what you need as tensors and plain containers, e.g. "
                 f"torch.save(torch.load({os.path.basename(p)!r}, weights_only=False)['model'], 'weights.pt')"
             ) from e
-        if isinstance(obj, torch.Tensor):
-            return {entry: {"tensor": obj}}, []
+        if isinstance(obj, torch.Tensor):  # torch.save(tensor): an entry that is one tensor, as it loads into
+            return {entry: obj}, []   # {"model": tensor} and exports back (before: a dict {"tensor": ...})
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"{p}: holds a {type(obj).__name__}; convert needs a dict (a state_dict)")
         if all(isinstance(v, torch.Tensor) for v in obj.values()):
