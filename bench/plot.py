@@ -82,6 +82,6 @@ def save_png(doc: dict, path: Path) -> None:
         _throughput(ax1, doc, name, st)
         _stall(ax2, doc, name, st)
     fig.suptitle(f"trainguard benchmark {doc['created']} (scale {doc['config']['scale']})")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / (5.5 * len(states))))  # a band on top for the suptitle
     fig.savefig(path, dpi=90)
     plt.close(fig)
