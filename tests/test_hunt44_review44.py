@@ -1,0 +1,124 @@
+"""Hunt 44, "review44": defects found reviewing the day's changes (export/convert to ``.pt`` of
+the entry as saved, bare-tensor imports, the RAM tier's medium check, doctor's interval inputs)
+and misusing the public API."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import trainguard as tg
+from trainguard.convert import convert
+from trainguard.export import export
+
+
+class _Counted(nn.Module):
+    """A module with an int extra state (a ``.pt`` of its state_dict has a non-tensor value)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.k = 0
+
+    def get_extra_state(self) -> Any:
+        return {"k": self.k, "seen": torch.full((2,), float(self.k))}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.k = state["k"]
+
+
+def _model(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(_Counted(), nn.Linear(3, 2))
+
+
+def _entries(d: Path) -> list[str]:
+    from trainguard.commit import read_manifest
+    from trainguard.storage import for_path
+
+    storage, directory = for_path(d)
+    return sorted(read_manifest(storage, directory).objects)
+
+
+def test_a_pt_export_of_a_module_with_extra_state_imports_back_as_one_entry(tmp_path: Path) -> None:
+    """``export`` to ``.pt`` now writes a module's extra state as its value (not only tensors), so the
+    file's dict is not all tensors; ``convert`` back made each key an entry of its own
+    (``0.lin.weight``, ``0._extra_state``, ...), which ``{"model": module}`` could not load."""
+    src = _model(0)
+    src[0].k = 7
+    tg.save(tmp_path / "c", {"model": src})
+    export(tmp_path / "c", tmp_path / "m.pt")
+    convert(tmp_path / "m.pt", tmp_path / "back")
+    assert _entries(tmp_path / "back") == ["model"]
+    dst = _model(1)
+    assert dst[0].k != 7 and not torch.equal(dst[1].weight, src[1].weight)
+    tg.load(tmp_path / "back", {"model": dst})
+    assert dst[0].k == 7
+    for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+    # A user's own torch.save(model.state_dict()) of such a model: one entry too.
+    torch.save(src.state_dict(), tmp_path / "own.pt")
+    convert(tmp_path / "own.pt", tmp_path / "own")
+    assert _entries(tmp_path / "own") == ["model"]
+
+
+def test_a_pt_export_of_an_optimizer_entry_imports_back_as_that_entry(tmp_path: Path) -> None:
+    """An optimizer entry exported to ``.pt`` is ``{"state", "param_groups"}``: imported as two entries
+    named ``state`` and ``param_groups`` before; now as the entry ``--entry`` names, which loads."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0123)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    tg.save(tmp_path / "c", {"model": model, "optim": opt})
+    export(tmp_path / "c", tmp_path / "o.pt", entry="optim")
+    convert(tmp_path / "o.pt", tmp_path / "back", entry="optim")
+    assert _entries(tmp_path / "back") == ["optim"]
+    opt2 = torch.optim.AdamW(model.parameters(), lr=0.5)
+    tg.load(tmp_path / "back", {"model": model, "optim": opt2}, only=["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.0123
+    assert torch.equal(opt2.state[model.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path) -> Iterator[Path]:
+    path.mkdir()
+    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
+                                          capture_output=True, timeout=60).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=60)
+
+
+def test_a_tmpfs_whose_mount_point_has_a_space_and_an_accent_is_taken_for_a_tmpfs(tmp_path: Path) -> None:
+    """``/proc/self/mountinfo`` writes a space as ``\\040`` and an accent as its UTF-8 bytes; the
+    parser decoded the line with ``unicode_escape``, which reads those bytes as Latin-1: the mount
+    point "données x" became "donnÃ©es x", matched nothing, and a path on that tmpfs took its
+    parent's filesystem. The RAM tier there warned "is on ext4, not tmpfs", and doctor said a run
+    directory there was fine ("is on ext4") instead of the error for a tmpfs."""
+    from trainguard.doctor import Settings, filesystem_of, parse_mountinfo
+    from trainguard.doctor_storage import storage_check
+
+    with _tmpfs(tmp_path / "données x") as base:
+        mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text(encoding="utf-8"))
+        assert filesystem_of(str(base / "run"), mounts) == "tmpfs"
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), ram_tier=str(base),
+                                      handle_signals=False) as mgr:
+                mgr.save(1, {"progress": tg.StateDict(step=1)})
+        assert [str(w.message) for w in seen if str(w.message).startswith("ram_tier: ")] == []
+        assert (tmp_path / "run" / "step-000000001" / "manifest.json").exists()
+        finding = storage_check([], Settings(root=str(base / "ckpts")))
+        assert finding is not None and finding.severity == "error" and "tmpfs" in finding.message, finding
