@@ -122,3 +122,55 @@ def test_a_tmpfs_whose_mount_point_has_a_space_and_an_accent_is_taken_for_a_tmpf
         assert (tmp_path / "run" / "step-000000001" / "manifest.json").exists()
         finding = storage_check([], Settings(root=str(base / "ckpts")))
         assert finding is not None and finding.severity == "error" and "tmpfs" in finding.message, finding
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"overwrite": "no"}, {"overwrite": "False"}, {"async_": "no"}, {"split_state": "no"},
+    {"overwrite": None}, {"max_staging_bytes": "1G"},
+])
+def test_save_refuses_a_flag_that_is_not_a_bool_before_touching_the_checkpoint(tmp_path: Path, kwargs: dict) -> None:
+    """A string is truthy: ``tg.save(path, state, overwrite="no")`` (a value read from a config or an
+    environment variable) replaced the checkpoint at ``path``; ``async_="no"`` returned a handle, not
+    the manifest. Now a TypeError naming the argument, before anything is written."""
+    model = nn.Linear(2, 2)
+    tg.save(tmp_path / "c", {"model": model})
+    before = _files(tmp_path / "c")
+    with pytest.raises(TypeError, match=f"{next(iter(kwargs))}=.*pass (True or False|a byte count)"):
+        tg.save(tmp_path / "c", {"model": nn.Linear(2, 2)}, **kwargs)
+    assert _files(tmp_path / "c") == before
+    with pytest.raises(TypeError):
+        tg.save(tmp_path / "new", {"model": model}, **kwargs)
+    assert not (tmp_path / "new").exists()
+    tg.save(tmp_path / "c", {"model": model}, overwrite=1)  # 0 and 1 are taken, as by tg.load's strict
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"async_save": "no"}, TypeError), ({"handle_signals": "no"}, TypeError), ({"split_state": "no"}, TypeError),
+    ({"ram_tier": 1}, TypeError), ({"ram_tier": ""}, ValueError),
+])
+def test_manager_refuses_a_flag_that_is_not_a_bool_at_construction(tmp_path: Path, kwargs: dict, error: type) -> None:
+    """``async_save="no"`` made the saves asynchronous, ``split_state="no"`` split them, ``ram_tier=""``
+    (an unset variable) turned the RAM tier off without a word and ``ram_tier=1`` failed in
+    ``os.fspath`` ("expected str, bytes or os.PathLike object, not int"): now each is refused at
+    construction, naming the argument and what to pass, and nothing is created."""
+    with pytest.raises(error, match=f"{next(iter(kwargs))}=.*pass True"):
+        tg.CheckpointManager(tmp_path / "run", **kwargs)
+    assert not (tmp_path / "run").exists()
+
+
+def test_doctor_refuses_manager_settings_that_the_manager_refuses(tmp_path: Path) -> None:
+    """``trainguard doctor`` on a script whose hook returns the manager's settings as a dict checked
+    them with ``bool(...)``: ``async_save="no"`` passed as if fine, though the manager refuses it."""
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import doctor_cmd
+
+    script = tmp_path / "train.py"
+    script.write_text("import trainguard as tg\n\ndef trainguard_state():\n"
+                      f"    return {{}}, {{'root': {str(tmp_path / 'r')!r}, 'async_save': 'no'}}\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script)])
+    assert res.exit_code == 2 and "async_save='no'" in res.output and "True or False" in res.output, res.output

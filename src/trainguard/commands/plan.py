@@ -366,8 +366,9 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
         m = manager.get
         try:
             check_manager_args(m("save", m("save_policy")), m("keep"), m("layout", "sharded"), m("on_error", "raise"),
-                               m("timeout"), m("max_staging_bytes"), bool(m("async_save")),
-                               bool(m("stage_in_background")), bool(m("split_state")))
+                               m("timeout"), m("max_staging_bytes"), m("async_save", False),
+                               m("stage_in_background", False), m("split_state", False), m("root"),
+                               m("handle_signals", True), m("ram_tier", False))
         except (TypeError, ValueError) as e:
             raise CommandError(f"{path}: the manager settings trainguard_state() returned: {e}") from None
     return state, manager
