@@ -174,3 +174,19 @@ def test_doctor_refuses_manager_settings_that_the_manager_refuses(tmp_path: Path
                       f"    return {{}}, {{'root': {str(tmp_path / 'r')!r}, 'async_save': 'no'}}\n")
     res = CliRunner().invoke(doctor_cmd, [str(script)])
     assert res.exit_code == 2 and "async_save='no'" in res.output and "True or False" in res.output, res.output
+
+
+def test_a_file_given_for_a_checkpoint_is_named_as_such(tmp_path: Path) -> None:
+    """``tg.load("ck/manifest.json", state)`` said "not a committed checkpoint (no manifest.json); it may
+    be a save that crashed or is still running": now that it is a file of the checkpoint ``ck``, and
+    to pass that directory (``tg.verify`` the same); a lone file is named a file, not a save."""
+    model = nn.Linear(2, 2)
+    tg.save(tmp_path / "ck", {"model": model})
+    for name in ("manifest.json", "data-00000.bin"):
+        with pytest.raises(tg.NotACheckpointError, match=f"is a file of the checkpoint {tmp_path / 'ck'}: pass"):
+            tg.load(tmp_path / "ck" / name, {"model": model})
+        res = tg.verify(tmp_path / "ck" / name)
+        assert not res.ok and "is a file of the checkpoint" in res.errors[0], res
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    with pytest.raises(tg.NotACheckpointError, match="is a file, not a checkpoint directory.*trainguard convert"):
+        tg.load(tmp_path / "w.pt", {"model": model})

@@ -72,8 +72,8 @@ def _run_dir_named(storage: Storage, directory: str) -> str:
     to ``trainguard inspect``/``export``/``consolidate``, ``tg.load``), what it is, else ``""``."""
     try:
         n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
-    except OSError:
-        return ""
+    except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint
+        return layout.file_given(storage, directory) if isinstance(e, NotADirectoryError) else ""
     url = getattr(storage, "url", None)  # tiers.location: what the operator typed (a URL on object stores)
     return (f"{directory} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
             f"ls {shlex.quote(url(directory) if callable(url) else directory)}` shows which are valid)") if n else ""

@@ -137,3 +137,14 @@ def own_file(name: str) -> bool:
     """Whether ``name`` is a file a checkpoint directory of ours may hold (``api`` refuses to
     save into, and so to delete, a directory holding anything else)."""
     return name == MANIFEST or bool(DATA_RE.match(name) or IDX_RE.match(name) or ATOMIC_TMP_RE.match(name))
+
+
+def file_given(storage: Any, path: str) -> str:
+    """``commit.read_manifest``'s error for a file given as a checkpoint (``tg.load``, ``tg.verify``,
+    ``trainguard inspect``...): before, "not a committed checkpoint (no manifest.json); it may be a
+    save that crashed or is still running", for the manifest itself too."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if parent and storage.exists(storage.join(parent, MANIFEST)):
+        return f"{path} is a file of the checkpoint {parent}: pass that directory"
+    return (f"{path} is a file, not a checkpoint directory: pass the directory that holds {MANIFEST} (a torch.save or "
+            "safetensors file is imported with `trainguard convert`)")
