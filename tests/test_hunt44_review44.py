@@ -70,6 +70,15 @@ def test_a_pt_export_of_a_module_with_extra_state_imports_back_as_one_entry(tmp_
     torch.save(src.state_dict(), tmp_path / "own.pt")
     convert(tmp_path / "own.pt", tmp_path / "own")
     assert _entries(tmp_path / "own") == ["model"]
+    # ... and of a wrapped one (DDP: every key "module."): the prefix goes, as for a model without extra state.
+    wrapper = nn.Module()
+    wrapper.module = src
+    torch.save(wrapper.state_dict(), tmp_path / "ddp.pt")
+    convert(tmp_path / "ddp.pt", tmp_path / "ddp")
+    assert _entries(tmp_path / "ddp") == ["model"]
+    dst = _model(2)
+    tg.load(tmp_path / "ddp", {"model": dst})
+    assert dst[0].k == 7 and torch.equal(dst[1].weight, src[1].weight)
 
 
 def test_a_pt_export_of_an_optimizer_entry_imports_back_as_that_entry(tmp_path: Path) -> None:

@@ -136,7 +136,8 @@ WRAPPERS = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 def _unwrapped(v: Any) -> Any:
     """A state_dict saved from a wrapped model (every key ``module.*`` or ``_orig_mod.*``) without
     the prefix, as trainguard saves a wrapped module: it then loads into plain or wrapped models."""
-    if not isinstance(v, Mapping) or not v or not all(isinstance(t, torch.Tensor) for t in v.values()):
+    if not isinstance(v, Mapping) or not v or not (all(isinstance(t, torch.Tensor) for t in v.values())
+                                                   or hasattr(v, "_metadata")):  # a module's, with extra state
         return v
     while True:
         prefix = next((p for p in WRAPPERS if all(isinstance(k, str) and k.startswith(p) for k in v)), None)
@@ -282,7 +283,7 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"{p}: holds a {type(obj).__name__}; convert needs a dict (a state_dict)")
         if all(isinstance(v, torch.Tensor) for v in obj.values()) or _one_state_dict(obj):
-            return {entry: dict(obj)}, []  # a plain state_dict
+            return {entry: obj if hasattr(obj, "_metadata") else dict(obj)}, []  # a plain state_dict (_unwrapped)
         if all(isinstance(k, str) and k and "/" not in k and "@" not in k for k in obj):
             return dict(obj), []  # {"model": ..., "optim": ...}: one entry each
         return {entry: dict(obj)}, []
