@@ -199,3 +199,26 @@ def test_a_file_given_for_a_checkpoint_is_named_as_such(tmp_path: Path) -> None:
     torch.save(model.state_dict(), tmp_path / "w.pt")
     with pytest.raises(tg.NotACheckpointError, match="is a file, not a checkpoint directory.*trainguard convert"):
         tg.load(tmp_path / "w.pt", {"model": model})
+
+
+def test_the_ram_tier_medium_warning_made_an_error_does_not_say_to_remove_a_directory(tmp_path: Path) -> None:
+    """Under ``-W error`` (pytest's ``filterwarnings = error``), the new "not tmpfs" warning of a RAM tier
+    on a disk was raised as "rank 0 could not prepare DIR: UserWarning: ... Remove that directory by
+    hand if it holds no copy you need": nothing failed to be prepared, and removing it fixes nothing.
+    Now the warning's own text, said to be a warning made an error."""
+    from trainguard.doctor import filesystem_of, parse_mountinfo
+
+    base = tmp_path / "disk"
+    base.mkdir()
+    if filesystem_of(os.path.realpath(base), parse_mountinfo(Path("/proc/self/mountinfo").read_text())) in (None, "tmpfs"):
+        pytest.skip(f"{tmp_path} is on a tmpfs")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(tg.CheckpointError) as info:
+            tg.CheckpointManager(tmp_path / "run", ram_tier=str(base), handle_signals=False).open()
+    msg = str(info.value)
+    assert "not tmpfs" in msg and "made an error by the warnings filter" in msg, msg
+    assert "could not prepare" not in msg and "Remove that directory" not in msg, msg
+    with pytest.warns(UserWarning, match="not tmpfs"), \
+            tg.CheckpointManager(tmp_path / "run", ram_tier=str(base), handle_signals=False):
+        pass  # the failed open left the run directory unlocked; a warning again without the filter
