@@ -222,3 +222,22 @@ def test_the_ram_tier_medium_warning_made_an_error_does_not_say_to_remove_a_dire
     with pytest.warns(UserWarning, match="not tmpfs"), \
             tg.CheckpointManager(tmp_path / "run", ram_tier=str(base), handle_signals=False):
         pass  # the failed open left the run directory unlocked; a warning again without the filter
+
+
+def test_doctor_given_only_the_node_count_says_what_the_interval_check_needs(tmp_path: Path) -> None:
+    """``trainguard doctor train.py --nodes 64`` (the job's size, the first input of the interval
+    check) left the check out without a word, as ``--step-time`` alone did before today."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import doctor_cmd
+
+    script = tmp_path / "train.py"
+    script.write_text("import trainguard.policies as pol\n\ndef trainguard_state():\n"
+                      "    return {}, {'root': '/tmp/r', 'save': pol.EveryNSteps(100)}\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--json", "--nodes", "64"])
+    assert res.exit_code in (0, 1), res.output
+    (f,) = [f for f in json.loads(res.output) if f["check"] == "interval"]
+    assert f["message"].startswith("not checked: it needs") and "failure rate" in f["message"], f
+    assert "--save-stall" in f["message"], f

@@ -255,8 +255,8 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     settings = settings_from(manager, plan=plan, source=source, amp=amp_mode, path=script)
     findings = check(state, settings) if hooked else check_source(settings)
     rate = node_failures_per_day is not None or node_mtbf is not None
-    if plan is None and (rate or save_stall is not None or step_time is not None or restart):
-        # some of the plan's inputs: say what is missing (--step-time or --restart alone said nothing)
+    if plan is None and (rate or save_stall is not None or step_time is not None or restart or nodes != 1):
+        # some of the plan's inputs: say what is missing (--step-time, --restart or --nodes alone said nothing)
         missing = [m for m, ok in (("the failure rate (--node-failures-per-day or --node-mtbf)", rate),
                                    ("--save-stall (the seconds a save stops training)", save_stall is not None)) if not ok]
         findings.append(Finding("interval", "info", "not checked: it needs " + " and ".join(missing)
