@@ -241,3 +241,12 @@ def test_doctor_given_only_the_node_count_says_what_the_interval_check_needs(tmp
     (f,) = [f for f in json.loads(res.output) if f["check"] == "interval"]
     assert f["message"].startswith("not checked: it needs") and "failure rate" in f["message"], f
     assert "--save-stall" in f["message"], f
+
+
+def test_load_refuses_a_split_state_that_is_not_a_bool(tmp_path: Path) -> None:
+    """``tg.load``'s ``strict`` and ``verify`` were checked (``strict="no"`` is truthy), its
+    ``split_state`` not: ``split_state="no"`` loaded as a pipeline stage's share."""
+    model = nn.Linear(2, 2)
+    tg.save(tmp_path / "c", {"model": model})
+    with pytest.raises(TypeError, match="split_state='no': pass True or False"):
+        tg.load(tmp_path / "c", {"model": model}, split_state="no")
