@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,6 +132,16 @@ def test_a_tmpfs_whose_mount_point_has_a_space_and_an_accent_is_taken_for_a_tmpf
         assert (tmp_path / "run" / "step-000000001" / "manifest.json").exists()
         finding = storage_check([], Settings(root=str(base / "ckpts")))
         assert finding is not None and finding.severity == "error" and "tmpfs" in finding.message, finding
+        # The doctor read mountinfo in the locale's codec: under LANG=C (no UTF-8 coercion) a
+        # traceback, UnicodeDecodeError, for a mount point named with an accent anywhere on the machine.
+        script = tmp_path / "train.py"
+        script.write_text("import trainguard as tg\n\ndef trainguard_state():\n"
+                          f"    return {{'p': tg.StateDict(step=0)}}, {{'root': {str(tmp_path / 'r')!r}}}\n")
+        env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+               "PYTHONPATH": os.pathsep.join(sys.path)}
+        res = subprocess.run([sys.executable, "-m", "trainguard", "doctor", "--json", str(script)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert "UnicodeDecodeError" not in res.stderr and res.returncode in (0, 1), res.stderr[-2000:]
 
 
 def _files(d: Path) -> dict[str, bytes]:
