@@ -261,3 +261,26 @@ def test_load_refuses_a_split_state_that_is_not_a_bool(tmp_path: Path) -> None:
     tg.save(tmp_path / "c", {"model": model})
     with pytest.raises(TypeError, match="split_state='no': pass True or False"):
         tg.load(tmp_path / "c", {"model": model}, split_state="no")
+
+
+def test_nothing_is_saved_inside_a_committed_checkpoint(tmp_path: Path) -> None:
+    """A ``CheckpointManager`` whose root lies inside a committed checkpoint (``run/step-1/eval``, or
+    deeper) opened and saved there, and ``tg.save(run/step-1/x)`` too: the run's retention (or an
+    overwrite) of ``step-1`` then deleted them with it. Now both are refused, naming the checkpoint,
+    before anything is written into it."""
+    model = nn.Linear(2, 2)
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        mgr.save(1, {"model": model})
+    step1 = run / "step-000000001"
+    before = _files(step1)
+    for root in (step1 / "eval", step1 / "a" / "b" / "eval"):
+        with pytest.raises(tg.CheckpointError, match=f"inside the checkpoint {step1}"):
+            tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False).open()
+    with pytest.raises(tg.CheckpointError, match=f"inside the checkpoint {step1}"):
+        tg.save(step1 / "x", {"model": model})
+    assert _files(step1) == before and sorted(p.name for p in step1.iterdir()) == ["data-00000.bin", "manifest.json"]
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) == 1
+        mgr.save(2, {"model": model})  # the run itself saves on as before
+    tg.save(tmp_path / "elsewhere" / "x", {"model": model})  # a plain directory's subdirectory: as before

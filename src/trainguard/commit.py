@@ -288,7 +288,7 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
-    if refused := mount_point(storage, final):  # the commit's renames fail there (EBUSY), after every byte was written
+    if refused := mount_point(storage, final) or layout.inside_checkpoint(storage, final):  # EBUSY at the commit; deleted with it
         return refused
     if layout.MANIFEST not in names:
         return {}
