@@ -250,9 +250,9 @@ def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout
         raise ValueError("CheckpointManager(root=''): pass the run directory (a path or URL) to save into")
     check_flags(async_save=async_save, stage_in_background=stage_in_background, split_state=split_state,
                 handle_signals=handle_signals)
-    if isinstance(ram_tier, (str, os.PathLike)) and not os.fspath(ram_tier):  # '' was taken for False: no RAM tier
-        raise ValueError("ram_tier='': pass True (/dev/shm), a directory on a tmpfs, or False")
-    if type(ram_tier) is not bool and not isinstance(ram_tier, (str, os.PathLike)):  # 1: os.fspath's TypeError
+    if ram_tier is not None and type(ram_tier) is not bool and not isinstance(ram_tier, (str, os.PathLike)):
+        # 1 failed in os.fspath ("expected str, bytes or os.PathLike object, not int"); None and '' (an unset
+        # variable) are off, as before
         raise TypeError(f"ram_tier={ram_tier!r}: pass True (/dev/shm), a directory on a tmpfs, or False")
     from .dist import check_timeout
     from .policies import RetentionPolicy, SavePolicy
