@@ -50,7 +50,7 @@ from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
 from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
-from .permanent import is_permanent, keeps_own
+from .permanent import check_save_args, is_permanent, keeps_own
 from .planner import check_cover, layout_file
 from .storage import Storage, for_path
 from .storage._diskfull import save_failed
@@ -84,12 +84,9 @@ def save(
     """
     if layout not in ("sharded", "full"):
         raise ValueError(f"layout={layout!r}: use 'sharded' (each rank writes its part) or 'full'")
-    if stage_in_background and not async_:
-        raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
+    check_save_args(async_, overwrite, stage_in_background, split_state, max_staging_bytes, metadata)
     check_timeout(timeout)
     split.refuse_full(split_state, layout)
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata={metadata!r}: pass a dict of JSON values, e.g. metadata={{'lr': 3e-4}}")
     storage, target = for_path(path, follow_link=True)
     handle = start_save(
         storage, target, state, DistContext.current(),

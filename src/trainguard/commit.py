@@ -72,8 +72,8 @@ def _run_dir_named(storage: Storage, directory: str) -> str:
     to ``trainguard inspect``/``export``/``consolidate``, ``tg.load``), what it is, else ``""``."""
     try:
         n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
-    except OSError:
-        return ""
+    except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint
+        return layout.file_given(storage, directory) if isinstance(e, NotADirectoryError) else ""
     url = getattr(storage, "url", None)  # tiers.location: what the operator typed (a URL on object stores)
     return (f"{directory} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
             f"ls {shlex.quote(url(directory) if callable(url) else directory)}` shows which are valid)") if n else ""
@@ -288,7 +288,7 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
-    if refused := mount_point(storage, final):  # the commit's renames fail there (EBUSY), after every byte was written
+    if refused := mount_point(storage, final) or layout.inside_checkpoint(storage, final):  # EBUSY at the commit; deleted with it
         return refused
     if layout.MANIFEST not in names:
         return {}

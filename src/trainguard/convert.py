@@ -136,7 +136,8 @@ WRAPPERS = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
 def _unwrapped(v: Any) -> Any:
     """A state_dict saved from a wrapped model (every key ``module.*`` or ``_orig_mod.*``) without
     the prefix, as trainguard saves a wrapped module: it then loads into plain or wrapped models."""
-    if not isinstance(v, Mapping) or not v or not all(isinstance(t, torch.Tensor) for t in v.values()):
+    if not isinstance(v, Mapping) or not v or not (all(isinstance(t, torch.Tensor) for t in v.values())
+                                                   or hasattr(v, "_metadata")):  # a module's, with extra state
         return v
     while True:
         prefix = next((p for p in WRAPPERS if all(isinstance(k, str) and k.startswith(p) for k in v)), None)
@@ -281,8 +282,8 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
             return {entry: obj}, []   # {"model": tensor} and exports back (before: a dict {"tensor": ...})
         if not isinstance(obj, Mapping):
             raise CheckpointError(f"{p}: holds a {type(obj).__name__}; convert needs a dict (a state_dict)")
-        if all(isinstance(v, torch.Tensor) for v in obj.values()):
-            return {entry: dict(obj)}, []  # a plain state_dict
+        if all(isinstance(v, torch.Tensor) for v in obj.values()) or _one_state_dict(obj):
+            return {entry: obj if hasattr(obj, "_metadata") else dict(obj)}, []  # a plain state_dict (_unwrapped)
         if all(isinstance(k, str) and k and "/" not in k and "@" not in k for k in obj):
             return dict(obj), []  # {"model": ..., "optim": ...}: one entry each
         return {entry: dict(obj)}, []
@@ -290,6 +291,16 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
 
     warnings.warn(DCP_WARNING, stacklevel=3)
     return read_dcp(p, entry, dcp_split)
+
+
+def _one_state_dict(obj: Mapping[Any, Any]) -> bool:
+    """``_read_foreign``: whether a ``torch.save`` file's dict is one state_dict, imported as one entry,
+    though not all its values are tensors: a module's (its ``_metadata``, which ``torch.load`` gives
+    back: a model with extra state, as ``export`` to ``.pt`` writes it) or an optimizer's
+    (a dict ``state`` and a list ``param_groups``, with trainguard's ``class`` in an export). Before,
+    each of its keys became an entry of its own (``0.weight``, ``0._extra_state``, ...; ``state``
+    and ``param_groups``), which ``{"model": module}`` or ``{"optim": optimizer}`` does not load."""
+    return hasattr(obj, "_metadata") or isinstance(obj.get("state"), Mapping) and isinstance(obj.get("param_groups"), list)
 
 
 def _torch_load(p: str) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -344,6 +345,9 @@ def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     return Finding("interval", "ok", f"within {FAR:g}x of the optimum: {detail}")
 
 
+_OCTAL = re.compile(r"\\([0-7]{3})")  # parse_mountinfo: an escaped character of a mount point
+
+
 def parse_mountinfo(text: str) -> list[tuple[str, str]]:
     """(mount point, filesystem type) per line of ``/proc/self/mountinfo``, in mount order."""
     out = []
@@ -351,8 +355,10 @@ def parse_mountinfo(text: str) -> list[tuple[str, str]]:
         left, sep, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
         if sep and len(fields) >= 5 and rfields:
-            mp = fields[4].encode().decode("unicode_escape") if "\\" in fields[4] else fields[4]
-            out.append((mp, rfields[0]))
+            # The kernel writes space, tab, newline and backslash as \ooo (octal); the rest of the path
+            # as it is (UTF-8): "unicode_escape" read its bytes as Latin-1, so a mount point named
+            # "/mnt/données x" was "/mnt/donnÃ©es x" and the path under it took its parent's filesystem.
+            out.append((_OCTAL.sub(lambda m: chr(int(m[1], 8)), fields[4]), rfields[0]))
     return out
 
 

@@ -28,7 +28,7 @@ def storage_check(leaves: list[tuple[str, Any]], s: Any) -> Any:
     text = s.mountinfo
     if text is None:
         try:
-            text = Path("/proc/self/mountinfo").read_text()
+            text = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace")  # paths are bytes: the locale's codec (ASCII under LANG=C) failed on "é"
         except OSError:
             return None
     path = str(Path(absolute(root)).resolve())

@@ -82,6 +82,11 @@ def open_run_root(storage: Any, root: str) -> None:
     it. Permanent: no restart fixes it. A ``manifest.json`` of another tool (not ``{"checksum":"...``,
     the start of every trainguard manifest) is left alone. An I/O error looking is raised: the manager's
     open fails on every rank with it, as for any of rank 0's errors there."""
+    if refused := inside_checkpoint(storage, root, every_level=True):
+        from .errors import CheckpointError
+        from .permanent import mark
+
+        raise mark(CheckpointError(refused["refused"]))
     storage.makedirs(root)
     path = storage.join(root, MANIFEST)
     if storage.exists(path) and storage.read_bytes(path, 31).startswith(b'{"checksum":"'):
@@ -137,3 +142,37 @@ def own_file(name: str) -> bool:
     """Whether ``name`` is a file a checkpoint directory of ours may hold (``api`` refuses to
     save into, and so to delete, a directory holding anything else)."""
     return name == MANIFEST or bool(DATA_RE.match(name) or IDX_RE.match(name) or ATOMIC_TMP_RE.match(name))
+
+
+def file_given(storage: Any, path: str) -> str:
+    """``commit.read_manifest``'s error for a file given as a checkpoint (``tg.load``, ``tg.verify``,
+    ``trainguard inspect``...): before, "not a committed checkpoint (no manifest.json); it may be a
+    save that crashed or is still running", for the manifest itself too."""
+    parent = os.path.dirname(path.rstrip("/"))
+    if parent and storage.exists(storage.join(parent, MANIFEST)):
+        return f"{path} is a file of the checkpoint {parent}: pass that directory"
+    return (f"{path} is a file, not a checkpoint directory: pass the directory that holds {MANIFEST} (a torch.save or "
+            "safetensors file is imported with `trainguard convert`)")
+
+
+def inside_checkpoint(storage: Any, path: str, *, every_level: bool = False) -> dict[str, str]:
+    """Why ``path`` may not be a save's directory (``commit.occupied``: its parent) or a manager's run
+    directory (:func:`open_run_root`, ``every_level``: every directory above it): it lies inside a
+    committed checkpoint (trainguard's ``manifest.json`` there). The run's retention or an
+    ``overwrite=True`` of that checkpoint deletes its directory whole, and what was saved inside it
+    with it: before, a ``CheckpointManager("ckpts/run/step-000000100/eval")`` opened and saved there.
+    ``{}`` when it may be."""
+    head = path.rstrip("/")
+    while (parent := os.path.dirname(head)) and parent != head:
+        manifest = storage.join(parent, MANIFEST)
+        try:  # a directory above that cannot be read (an object store's bucket root outside the user's prefix: 403)
+            found = storage.exists(manifest) and storage.read_bytes(manifest, 31).startswith(b'{"checksum":"')
+        except Exception:  # is left to the operations that need it: this check does not fail a save
+            return {}
+        if found:
+            return {"refused": f"{path} is inside the checkpoint {parent}, which is deleted whole by its run's retention "
+                               f"or an overwrite, and what is saved inside it with it: save outside that directory"}
+        if not every_level:
+            break
+        head = parent
+    return {}

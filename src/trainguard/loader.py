@@ -28,7 +28,7 @@ from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
-from .permanent import mark_refusal
+from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
@@ -56,8 +56,7 @@ def load(
     ``split_state=True``: each rank takes only the tensors its state holds (pipeline stages: ``split.py``).
     """
     check_timeout(timeout)
-    if strict not in (True, False) or verify not in (True, False):  # strict="no" is truthy: a strict load
-        raise TypeError(f"strict={strict!r}, verify={verify!r}: pass True or False")
+    check_flags(strict=strict, verify=verify, split_state=split_state)  # strict="no" is truthy: a strict load
     if only is not None and not isinstance(only, (str, bytes)):
         only = list(only)  # a generator: the plan round and _load both read it
     ctx = DistContext.current()

@@ -72,7 +72,7 @@ class CheckpointManager:
         split_state: bool = False,
     ) -> None:
         with config_errors():  # a bad argument: no restart fixes it (exit 78 under `trainguard run`)
-            check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background, split_state, root)
+            check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background, split_state, root, handle_signals, ram_tier)
         self.root = os.fspath(root)
         self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)

@@ -29,7 +29,7 @@ import os
 import shlex
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -214,12 +214,46 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         raise SystemExit(PERMANENT_EXIT) from e
 
 
+def check_flags(**flags: Any) -> None:
+    """The on/off arguments of ``tg.save`` and ``CheckpointManager``, before any I/O: True or False
+    (0, 1 and numpy bools too), as ``tg.load``'s ``strict``. A string is truthy: ``overwrite="no"``
+    (a value read from a config file or an environment variable) replaced an existing checkpoint,
+    ``async_="no"`` made the save asynchronous, ``split_state="no"`` split it."""
+
+    def flag(v: Any) -> bool:
+        numpy_scalar = type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()
+        return (type(v) in (bool, int) or numpy_scalar) and v in (True, False)
+
+    if bad := [f"{k}={v!r}" for k, v in flags.items() if not flag(v)]:
+        raise TypeError(f"{', '.join(bad)}: pass True or False")
+
+
+def check_save_args(async_: Any, overwrite: Any, stage_in_background: Any, split_state: Any,
+                    max_staging_bytes: Any, metadata: Any) -> None:
+    """``tg.save``: its arguments, before any I/O (``max_staging_bytes`` whether or not the save is
+    async, as ``CheckpointManager`` checks it: ``"1G"`` was taken without a word by a sync save)."""
+    check_flags(async_=async_, overwrite=overwrite, stage_in_background=stage_in_background, split_state=split_state)
+    if stage_in_background and not async_:
+        raise ValueError("stage_in_background=True needs async_=True (a sync save copies nothing: it writes from the tensors)")
+    if max_staging_bytes is not None:
+        nonneg_int(max_staging_bytes, f"max_staging_bytes={max_staging_bytes!r}: pass a byte count (an int >= 0), or None for no cap")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata={metadata!r}: pass a dict of JSON values, e.g. metadata={{'lr': 3e-4}}")
+
+
 def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout: float | None,
                        max_staging_bytes: int | None, async_save: bool, stage_in_background: bool,
-                       split_state: bool = False, root: Any = None) -> None:
+                       split_state: bool = False, root: Any = None, handle_signals: Any = True,
+                       ram_tier: Any = False) -> None:
     """``CheckpointManager.__init__`` (inside :func:`config_errors`): its arguments, before any I/O."""
     if isinstance(root, str) and not root:  # an unset variable: the manager wrote into the current directory
         raise ValueError("CheckpointManager(root=''): pass the run directory (a path or URL) to save into")
+    check_flags(async_save=async_save, stage_in_background=stage_in_background, split_state=split_state,
+                handle_signals=handle_signals)
+    if ram_tier is not None and type(ram_tier) is not bool and not isinstance(ram_tier, (str, os.PathLike)):
+        # 1 failed in os.fspath ("expected str, bytes or os.PathLike object, not int"); None and '' (an unset
+        # variable) are off, as before
+        raise TypeError(f"ram_tier={ram_tier!r}: pass True (/dev/shm), a directory on a tmpfs, or False")
     from .dist import check_timeout
     from .policies import RetentionPolicy, SavePolicy
     from .split import refuse_full

@@ -176,13 +176,20 @@ def opened(tier: Any, timeout: float | None) -> None:
             check_medium(tier.dir, tier.durable_root)
         except Exception as e:  # OSError, a store's error reading the run directory's id
             err, cause = f"{type(e).__name__}: {e}", e
+            if isinstance(e, Warning):  # check_medium's, an error by a warnings filter (-W error): nothing to remove
+                err = f"{WARNING_AS_ERROR}{e} (a warning, made an error by the warnings filter)"
     if tier.ctx.is_distributed:
         err = tier.ctx.broadcast("ram_open", err, timeout=timeout)
+    if err and err.startswith(WARNING_AS_ERROR):
+        raise CheckpointError(f"RAM tier: {err[len(WARNING_AS_ERROR):]}") from cause
     if err:
         raise CheckpointError(
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
         ) from cause
+
+
+WARNING_AS_ERROR = "warning:"  # opened: check_medium's warning raised as an error, sent to the other ranks
 
 
 def check_medium(ram: str, durable_root: str) -> None:

@@ -255,8 +255,8 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     settings = settings_from(manager, plan=plan, source=source, amp=amp_mode, path=script)
     findings = check(state, settings) if hooked else check_source(settings)
     rate = node_failures_per_day is not None or node_mtbf is not None
-    if plan is None and (rate or save_stall is not None or step_time is not None or restart):
-        # some of the plan's inputs: say what is missing (--step-time or --restart alone said nothing)
+    if plan is None and (rate or save_stall is not None or step_time is not None or restart or nodes != 1):
+        # some of the plan's inputs: say what is missing (--step-time, --restart or --nodes alone said nothing)
         missing = [m for m, ok in (("the failure rate (--node-failures-per-day or --node-mtbf)", rate),
                                    ("--save-stall (the seconds a save stops training)", save_stall is not None)) if not ok]
         findings.append(Finding("interval", "info", "not checked: it needs " + " and ".join(missing)
@@ -366,8 +366,9 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
         m = manager.get
         try:
             check_manager_args(m("save", m("save_policy")), m("keep"), m("layout", "sharded"), m("on_error", "raise"),
-                               m("timeout"), m("max_staging_bytes"), bool(m("async_save")),
-                               bool(m("stage_in_background")), bool(m("split_state")))
+                               m("timeout"), m("max_staging_bytes"), m("async_save", False),
+                               m("stage_in_background", False), m("split_state", False), m("root"),
+                               m("handle_signals", True), m("ram_tier", False))
         except (TypeError, ValueError) as e:
             raise CommandError(f"{path}: the manager settings trainguard_state() returned: {e}") from None
     return state, manager
