@@ -31,7 +31,7 @@ from .inspect import not_overwritten, touched_tensors
 from .iostall import StuckWriteError
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
-from .permanent import check_manager_args, config_errors, from_medium, is_permanent, mark, open_error
+from .permanent import check_manager_args, config_errors, flag, from_medium, is_permanent, mark, open_error
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import DONE, apply_retention, remove_replaced, restore_candidates, set_aside, unrestored_error
 from .stateful import check_state
@@ -154,6 +154,7 @@ class CheckpointManager:
     def close(self, *, keep_ram_tier: bool = False) -> None:
         """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``),
         release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
+        flag("keep_ram_tier", keep_ram_tier)
         failing = self.__dict__.pop("_failing", False)  # __exit__ with an exception: no closing round
         if not self._opened:
             return
@@ -196,7 +197,7 @@ class CheckpointManager:
         self.save_policy.on_step(step, now := time.monotonic())
         if (done := self._pending) is not None and done.done() and done.exception() is None:
             self._finish_pending()  # committed: the policy learns its cost now (DalyInterval), not at the next save's call
-        want = force or self.save_policy.should_save(step, now)
+        want = flag("force", force) or self.save_policy.should_save(step, now)
         preempt = self._preempt.is_set()
         if agree:
             # Rank 0 decides for time-based policies and preemption (any rank's), so all ranks agree.

@@ -228,6 +228,15 @@ def check_flags(**flags: Any) -> None:
         raise TypeError(f"{', '.join(bad)}: pass True or False")
 
 
+def flag(name: str, value: Any) -> bool:
+    """``CheckpointManager.save``'s ``force`` and ``close``'s ``keep_ram_tier``: the value when it is True
+    or False (:func:`check_flags`), else a ``TypeError`` (permanent) before anything is done:
+    ``keep_ram_tier="no"`` kept the RAM copies in ``/dev/shm``, ``force="no"`` saved."""
+    with config_errors():
+        check_flags(**{name: value})
+    return bool(value)
+
+
 def check_save_args(async_: Any, overwrite: Any, stage_in_background: Any, split_state: Any,
                     max_staging_bytes: Any, metadata: Any) -> None:
     """``tg.save``: its arguments, before any I/O (``max_staging_bytes`` whether or not the save is
