@@ -92,7 +92,11 @@ def _stat_eio_on_rank_0(rank: int, world: int, root: str, where: str) -> dict:
         for step in (1, 2):
             mgr.save(step, _state("ddp", step))
     out: dict = {}
-    inj = Inject({"stat": 1}, match="manifest.json") if rank == 0 else None
+    # The first stat of the manifest each phase itself reads (open: the run directory's own; retention:
+    # the oldest step's): a CheckpointManager's open and a save also ask whether a directory above is
+    # a checkpoint (layout.inside_checkpoint), a best-effort look whose errors are ignored.
+    match = {"open": f"{root}/manifest.json", "retention": "step-000000001/manifest.json"}.get(where, "manifest.json")
+    inj = Inject({"stat": 1}, match=match) if rank == 0 else None
     if where == "open":
         with inj or _nothing():
             out["first"] = attempt(lambda: mk().open().close())

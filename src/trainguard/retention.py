@@ -26,7 +26,7 @@ from .faults import fault
 from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
-from .policies import CheckpointInfo
+from .policies import CheckpointInfo, KeepBest
 from .storage import Storage
 from .tiers import location, stale_reason
 
@@ -102,6 +102,7 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             unread.add(s.step)
         else:
             infos.append(info)
+    _warn_no_metric(mgr, infos)
     kept, older = _steps_kept(mgr.keep, infos), {i.step for i in infos if i.step < newest}
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
@@ -128,6 +129,27 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             mgr.storage.remove_tree(s.path)
             _forget(mgr, s.step)
             mgr.events.emit("retention_delete", step=s.step)
+
+
+def _warn_no_metric(mgr: CheckpointManager, infos: list[CheckpointInfo]) -> None:
+    """``retain``, rank 0: log once per manager when a ``KeepBest`` of its retention ranks by a metric
+    that no checkpoint of the run directory holds (no ``mgr.save(..., metrics={...})`` passed it), once
+    there are more checkpoints than it keeps. Before, KeepBest then kept the newest ones, as it ranks
+    checkpoints without the metric, without a word. A run that passes the metric at its evaluation
+    steps only is warned at most once, before its first evaluation."""
+    policies, best = [mgr.keep], []
+    while policies:
+        p = policies.pop()
+        policies.extend(getattr(p, "policies", ()))
+        if isinstance(p, KeepBest) and len(infos) > p.n and not any(p.metric in i.metrics for i in infos):
+            best.append(p)
+    if best and not mgr.__dict__.get("_warned_no_metric"):
+        mgr._warned_no_metric = True  # type: ignore[attr-defined]
+        names = sorted({p.metric for p in best})
+        log.warning("trainguard: %r ranks checkpoints by %s, which none of the %d checkpoints in %s holds: until a "
+                    "save passes it, the newest ones are kept. Pass it when you have it: mgr.save(step, state, "
+                    "metrics={%s})", mgr.keep, ", ".join(names), len(infos), mgr.root,
+                    ", ".join(f"{n!r}: value" for n in names))
 
 
 def _steps_kept(policy: Any, infos: list[CheckpointInfo]) -> set[int]:
