@@ -41,9 +41,12 @@ class Rule:
 
 
 def _rst(s: socket.socket) -> None:
-    """Close ``s`` with a TCP RST (linger 0): the peer reads ECONNRESET, not a clean end."""
+    """Close ``s`` with a TCP RST (linger 0): the peer reads ECONNRESET, not a clean end. Shut for
+    reading first: the other thread of the connection blocked in ``recv`` on it returns, else its
+    syscall holds the socket open and nothing is sent at all (the peer waits)."""
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.shutdown(socket.SHUT_RD)
     except OSError:
         pass
     s.close()
@@ -296,3 +299,36 @@ def test_a_save_whose_part_uploads_hang_stops_at_the_first_part_that_times_out(p
         proxy.clear()
         assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1]  # step 2 removed, step 1 kept
     _restores(url, 1)
+
+
+# ---------------------------------------------------------------- reads
+
+def _hang_from(proxy: FaultProxy, first: Callable[[str, str], bool]) -> list[int]:
+    """From the first request ``first`` accepts on, every request hangs (the endpoint froze then);
+    returns a list that holds the index of that request in ``proxy.seen`` once it came."""
+    at: list[int] = []
+
+    def match(method: str, target: str) -> bool:
+        if not at and first(method, target):
+            at.append(len(proxy.seen) - 1)
+        return bool(at)
+
+    proxy.add(match, "stall")
+    return at
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "data-00000.bin"])
+def test_a_read_that_times_out_fails_with_that_call_not_a_second_wait_for_its_size(proxy, name):
+    # The endpoint hangs from a load's GET of the manifest (or of the data) on. That GET timed out
+    # after TRAINGUARD_STORE_TIMEOUT, and the reader then asked the hung endpoint for the object's
+    # size (its check for S3's 416 of an empty or truncated object): a second wait of the bound, and
+    # the error raised named size(), not the read that hung.
+    url = _url()
+    tg.save(f"{url}/step-000000001", _small(1))
+    at = _hang_from(proxy, lambda m, t: m == "GET" and t.endswith(f"/step-000000001/{name}"))
+    with pytest.raises(tg.CheckpointError, match=r"did not answer cat_file\(.*TRAINGUARD_STORE_TIMEOUT") as e:
+        done, got = _in_thread(tg.load, f"{url}/step-000000001", _small(0))
+        assert done, f"tg.load against a hung endpoint still running after {BOUND} s"
+        raise got
+    assert at and proxy.seen[at[0] + 1 :] == [], f"asked of the hung endpoint after the read timed out: {proxy.seen[at[0]:]}"
+    assert "an older checkpoint is not tried" in str(e.value)  # an endpoint's fault, not a corrupt checkpoint

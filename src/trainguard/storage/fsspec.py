@@ -143,8 +143,8 @@ class FsspecStorage:
     def read_bytes(self, path: str, limit: int) -> bytes:
         try:
             return bytes(self.io.cat_file(path, start=0, end=limit + 1))
-        except OSError:  # S3 answers a ranged GET of an empty object 416 (InvalidRange): it is empty, not unreadable
-            if self.io.size(path) == 0:
+        except OSError as e:  # S3 answers a ranged GET of an empty object 416 (InvalidRange): it is empty, not unreadable
+            if not isinstance(e, TimeoutError) and self.io.size(path) == 0:  # (a hung endpoint: no second wait)
                 return b""
             raise
 
@@ -317,8 +317,8 @@ class _RangeReader:
         except FileNotFoundError:  # deleted since the load checked it (retention, an operator): bad bytes, as locally
             raise CorruptCheckpointError(f"{self.path}: data file is missing", file=self.path.rsplit("/", 1)[-1]) from None
         except OSError as e:  # S3: 416 (InvalidRange) for a range that starts past the end: a truncated object
-            if offset + n <= (size := self.fs.size(self.path)):
-                raise
+            if isinstance(e, TimeoutError) or offset + n <= (size := self.fs.size(self.path)):
+                raise  # timed out: no size asked of a hung endpoint (a second wait of the bound, and its error raised)
             raise CorruptCheckpointError(f"{self.path}: truncated: wanted {n} bytes at offset {offset}, the object "
                                          f"holds {size}", file=self.path.rsplit("/", 1)[-1]) from e
 
