@@ -332,3 +332,20 @@ def test_a_read_that_times_out_fails_with_that_call_not_a_second_wait_for_its_si
         raise got
     assert at and proxy.seen[at[0] + 1 :] == [], f"asked of the hung endpoint after the read timed out: {proxy.seen[at[0]:]}"
     assert "an older checkpoint is not tried" in str(e.value)  # an endpoint's fault, not a corrupt checkpoint
+
+
+@pytest.mark.parametrize("fault", ["reset_download", "status"])
+def test_latest_step_whose_listing_fails_raises_a_checkpoint_error(proxy, fault):
+    # A connection reset while listing the run directory: mgr.latest_step() (docs/checkpoints.md calls it
+    # in the training loop) raised botocore's bare EndpointConnectionError, and a 503 the client's OSError,
+    # where the manager's open, save and restore raise a CheckpointError saying what failed.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        proxy.add(lambda m, t: m == "GET" and "list-type=2" in t, fault, arg=503 if fault == "status" else 0)
+        with pytest.raises(tg.CheckpointError, match=rf"latest_step: cannot list {url}: ") as e:
+            mgr.latest_step()
+        if fault == "reset_download":
+            assert "the object store cannot be used (EndpointConnectionError" in str(e.value)
+        proxy.clear()
+        assert mgr.latest_step() == 1
