@@ -153,13 +153,16 @@ class FaultProxy:
             out = "\r\n".join([lines[0], *kept, "Connection: close"]).encode("latin-1") + b"\r\n\r\n"
             upstream = self._track(socket.create_connection(("127.0.0.1", self.upstream), timeout=30))
             upstream.settimeout(None)
+            arg = rule.arg if rule else 0
+            if action == "reset_upload":
+                rest = rest[:arg]  # no more than arg bytes of its body reach the server
             upstream.sendall(out + rest)
-            up = threading.Thread(target=self._up, args=(client, upstream, action, rule.arg if rule else 0,
-                                                          len(rest)), name="netfault-proxy", daemon=True)
+            up = threading.Thread(target=self._up, args=(client, upstream, action, arg, len(rest)),
+                                  name="netfault-proxy", daemon=True)
             up.start()
-            self._down(client, upstream, action, rule.arg if rule else 0)
+            self._down(client, upstream, action, arg)
             up.join(30)
-        except OSError:
+        except Exception:  # a refused upstream, a peer gone; or a bug here: the client sees its connection end
             client.close()
 
     def _up(self, client: socket.socket, upstream: socket.socket, action: str, arg: int, sent: int) -> None:
@@ -173,6 +176,8 @@ class FaultProxy:
                 if not got:
                     upstream.shutdown(socket.SHUT_WR)
                     return
+                if action == "reset_upload":
+                    got = got[: arg - sent]
                 upstream.sendall(got)
                 sent += len(got)
         except OSError:
@@ -194,7 +199,7 @@ class FaultProxy:
                     client.sendall(interim + b"\r\n\r\n")
                 if b"HTTP/1.1 1".startswith(acc[:10]):
                     continue  # maybe the start of an interim answer: wait for more
-                if action == "lose_answer":
+                if action in ("lose_answer", "reset_upload"):  # (reset_upload: the server answered early)
                     _rst(client)
                     upstream.close()
                     return
@@ -226,6 +231,7 @@ def proxy(weed, monkeypatch):  # noqa: F811
     p = FaultProxy(weed.ports["s3"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
     monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "3")
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 2)  # s3fs's own tries of each call (5, with backoff)
     s3fs.S3FileSystem.clear_instance_cache()
     try:
         yield p
@@ -349,3 +355,31 @@ def test_latest_step_whose_listing_fails_raises_a_checkpoint_error(proxy, fault)
             assert "the object store cannot be used (EndpointConnectionError" in str(e.value)
         proxy.clear()
         assert mgr.latest_step() == 1
+
+
+# ---------------------------------------------------------------- saves that fail part-way
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_connection_reset_mid_upload_fails_the_save_saying_what_to_check(proxy, async_save):
+    # Every upload of step 2's data is reset part-way (the client's retries included). The save
+    # failed with "save of ... failed: EndpointConnectionError: Could not connect to the endpoint
+    # URL", where docs/storage.md promises tg.save's "the object store cannot be used (...): check its
+    # endpoint ... and credentials" (given when the save's first listing fails). Step 1 stays the
+    # newest, the next save commits, and no upload thread is left.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False,
+                              async_save=async_save) as mgr:
+        mgr.save(1, _small(1))
+        mgr.wait()
+        proxy.add(lambda m, t: m == "PUT" and "/step-000000002/data-" in t, "reset_upload", arg=1000)
+        with pytest.raises(tg.CheckpointError, match=r"save of .*step-000000002 failed: the object store cannot be "
+                           r"used \(EndpointConnectionError.*check its endpoint"):
+            mgr.save(2, _small(2))
+            mgr.wait()
+        proxy.clear()
+        assert mgr.latest_step() == 1
+        mgr.save(3, _small(3))
+        mgr.wait()
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1, 3]
+    assert not _upload_threads()
+    _restores(url, 3)
