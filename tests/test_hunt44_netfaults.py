@@ -383,3 +383,108 @@ def test_a_connection_reset_mid_upload_fails_the_save_saying_what_to_check(proxy
         assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1, 3]
     assert not _upload_threads()
     _restores(url, 3)
+
+
+def _manifest_put(method: str, target: str) -> bool:
+    return method == "PUT" and target.endswith("/step-000000002/manifest.json")
+
+
+@pytest.mark.parametrize("fault", ["status", "lose_answer"])
+def test_a_save_whose_commit_marker_put_fails_leaves_the_previous_checkpoint_newest(proxy, fault):
+    # The last PUT of a save, its manifest (the commit marker), answered 500 every time, or stored by
+    # the server every time while its answer is lost (the client sees a reset). The save fails; what
+    # the server did store is removed, so step 2 is not a checkpoint; step 1 restores; step 3 commits.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        proxy.add(_manifest_put, fault, arg=500)
+        with pytest.raises(tg.CheckpointError, match=r"save of .*step-000000002 failed") as e:
+            mgr.save(2, _small(2))
+        assert "TRAINGUARD_STORE_TIMEOUT" not in str(e.value)  # the fault itself, not a wait for an answer
+        assert sum(_manifest_put(m, t) for m, t in proxy.seen) >= 2  # the client's retries went through the proxy
+        proxy.clear()
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1]
+        mgr.save(3, _small(3))
+    _restores(url, 3)
+    dest = _small(0)
+    tg.load(f"{url}/step-000000001", dest)
+    assert torch.equal(dest["model"]["w"], _small(1)["model"]["w"])
+
+
+@pytest.mark.parametrize("fault", ["status", "reset_download"])
+def test_a_restore_whose_reads_fail_raises_instead_of_rolling_back(proxy, fault):
+    # The newest checkpoint's data GETs fail (a 500; a connection reset after 100 bytes of the answer,
+    # retries included): restore raises, it does not take the endpoint's fault for a corrupt checkpoint
+    # and resume from step 1 (whose first save would then delete step 2). With the fault gone, step 2.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        mgr.save(2, _small(2))
+    proxy.add(lambda m, t: m == "GET" and "/step-000000002/data-" in t, fault, arg=500 if fault == "status" else 100)
+    dest = _small(0)
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match=r"cannot read the checkpoint .*step-000000002.*an older "
+                           r"checkpoint is not tried"):
+            mgr.restore(dest)
+    proxy.clear()
+    _restores(url, 2)
+
+
+def test_retention_whose_listing_fails_deletes_nothing_and_catches_up(proxy):
+    # Once step 3 is committed, every listing answers 503: retention fails (a warning), deletes nothing,
+    # and the save stands; with the store answering again the next save's retention removes the old steps.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+        mgr.save(2, _small(2))
+        committed: list = []
+
+        def listing_after_commit(method: str, target: str) -> bool:
+            if method == "PUT" and target.endswith("/step-000000003/manifest.json"):
+                committed.append(1)
+            return bool(committed) and method == "GET" and "list-type=2" in target
+
+        proxy.add(listing_after_commit, "status", arg=503)
+        with pytest.warns(UserWarning, match=r"retention after step 3 failed; old checkpoints were kept"):
+            mgr.save(3, _small(3))
+        proxy.clear()
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1, 2, 3]
+        mgr.save(4, _small(4))
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [3, 4]
+    _restores(url, 4)
+
+
+def test_an_async_save_whose_server_is_killed_mid_upload_fails_and_the_restarted_server_takes_the_next(proxy, weed, monkeypatch):  # noqa: F811
+    # The server is SIGKILLed while an async save's parts go up (at the request for part 3); the save
+    # reports a CheckpointError; once the server is back the next save commits; restore gives it, and
+    # step 1 is still there. No upload thread is left.
+    monkeypatch.setattr(tgfs.FsspecStorage.__init__, "__kwdefaults__", {"part_size": 5 << 20})
+    url = _url()
+    killed: list = []
+
+    def kill_at_part_3(method: str, target: str) -> bool:
+        if _is_part(method, target) and "partNumber=3" in target and not killed:
+            killed.append(1)
+            weed.kill()
+        return False
+
+    try:
+        with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False,
+                                  async_save=True) as mgr:
+            mgr.save(1, _small(1))
+            mgr.wait()
+            proxy.add(kill_at_part_3, "pass")
+            mgr.save(2, {"model": {"w": torch.arange(6 << 20, dtype=torch.float32)}})  # 24 MB: 5 parts
+            with pytest.raises(tg.CheckpointError, match=r"save of .*step-000000002 failed: the object store cannot be used"):
+                mgr.wait()
+            assert killed and not _upload_threads()
+            weed.start()
+            s3fs.S3FileSystem.clear_instance_cache()
+            mgr.save(3, _small(3))
+            mgr.wait()
+    finally:
+        if weed.proc is None:  # the session's server is back for the tests after this one
+            weed.start()
+    _restores(url, 3)
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [1, 3]
