@@ -307,6 +307,26 @@ def test_a_save_whose_part_uploads_hang_stops_at_the_first_part_that_times_out(p
     _restores(url, 1)
 
 
+
+def test_a_multipart_upload_that_cannot_be_created_is_asked_for_once(proxy, monkeypatch):
+    # The endpoint hangs from the request that creates the multipart upload of step 2's data on. The
+    # first part's thread waited out the bound holding the upload's lock; each of the other 3 parts'
+    # threads then took the lock and asked again, one after another: 4 bounds before the save failed.
+    monkeypatch.setattr(tgfs.FsspecStorage.__init__, "__kwdefaults__", {"part_size": 5 << 20})
+    url = _url()
+    tg.save(f"{url}/step-000000001", _small(1))
+    at = _hang_from(proxy, lambda m, t: m == "POST" and t.endswith("/step-000000002/data-00000.bin?uploads"))
+    big = {"model": {"w": torch.arange(6 << 20, dtype=torch.float32)}}  # 24 MB: 5 parts
+    done, got = _in_thread(tg.save, f"{url}/step-000000002", big)
+    assert done, f"the save still running after {BOUND} s"
+    assert isinstance(got, tg.CheckpointError) and "create_multipart_upload" in str(got), repr(got)
+    creates = [t for m, t in proxy.seen[at[0]:] if m == "POST" and t.endswith("?uploads")]
+    assert len(creates) == 1, creates
+    assert not _upload_threads()
+    proxy.clear()
+    _restores(url, 1)
+
+
 # ---------------------------------------------------------------- reads
 
 def _hang_from(proxy: FaultProxy, first: Callable[[str, str], bool]) -> list[int]:

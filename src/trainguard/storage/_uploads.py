@@ -22,11 +22,18 @@ class _S3Upload:
         self._id: str | None = None
         self._etags: dict[int, str] = {}
         self._small: bytes | None = None
+        self._failed: BaseException | None = None  # create_multipart_upload's error: raised to every part
 
     def _upload_id(self) -> str:
         with self._lock:
+            if self._failed is not None:  # tried once: the other parts' threads waited on this lock for it, and
+                raise self._failed  # each tried again in turn (a hung endpoint: one bound each, one after another)
             if self._id is None:
-                self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+                try:
+                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+                except BaseException as e:
+                    self._failed = e
+                    raise
             return self._id
 
     def part(self, k: int, data: bytes | bytearray) -> None:
