@@ -230,7 +230,7 @@ class FaultProxy:
 def proxy(weed, monkeypatch):  # noqa: F811
     p = FaultProxy(weed.ports["s3"])
     monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
-    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "3")
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "60")  # a loaded machine's uploads pass; hangs: short_bound()
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 2)  # s3fs's own tries of each call (5, with backoff)
     s3fs.S3FileSystem.clear_instance_cache()
     try:
@@ -238,6 +238,11 @@ def proxy(weed, monkeypatch):  # noqa: F811
     finally:
         p.close()
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+def short_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on each store call of a storage built (a manager, a ``tg.save``) gives up after 3 s."""
+    monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "3")
 
 
 def _url() -> str:
@@ -290,8 +295,9 @@ def test_a_save_whose_part_uploads_hang_stops_at_the_first_part_that_times_out(p
     # The multipart upload was also aborted twice (two more bounds against a hung endpoint).
     monkeypatch.setattr(tgfs.FsspecStorage.__init__, "__kwdefaults__", {"part_size": 5 << 20})  # S3's smallest
     url = _url()
+    tg.save(f"{url}/step-000000001", _small(1))
+    short_bound(monkeypatch)
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
-        mgr.save(1, _small(1))
         proxy.add(_is_part, "stall")
         big = {"model": {"w": torch.arange(15 << 20, dtype=torch.float32)}}  # 60 MB: 12 parts of 5 MiB
         done, got = _in_thread(mgr.save, 2, big)
@@ -315,6 +321,7 @@ def test_a_multipart_upload_that_cannot_be_created_is_asked_for_once(proxy, monk
     monkeypatch.setattr(tgfs.FsspecStorage.__init__, "__kwdefaults__", {"part_size": 5 << 20})
     url = _url()
     tg.save(f"{url}/step-000000001", _small(1))
+    short_bound(monkeypatch)
     at = _hang_from(proxy, lambda m, t: m == "POST" and t.endswith("/step-000000002/data-00000.bin?uploads"))
     big = {"model": {"w": torch.arange(6 << 20, dtype=torch.float32)}}  # 24 MB: 5 parts
     done, got = _in_thread(tg.save, f"{url}/step-000000002", big)
@@ -344,13 +351,14 @@ def _hang_from(proxy: FaultProxy, first: Callable[[str, str], bool]) -> list[int
 
 
 @pytest.mark.parametrize("name", ["manifest.json", "data-00000.bin"])
-def test_a_read_that_times_out_fails_with_that_call_not_a_second_wait_for_its_size(proxy, name):
+def test_a_read_that_times_out_fails_with_that_call_not_a_second_wait_for_its_size(proxy, monkeypatch, name):
     # The endpoint hangs from a load's GET of the manifest (or of the data) on. That GET timed out
     # after TRAINGUARD_STORE_TIMEOUT, and the reader then asked the hung endpoint for the object's
     # size (its check for S3's 416 of an empty or truncated object): a second wait of the bound, and
     # the error raised named size(), not the read that hung.
     url = _url()
     tg.save(f"{url}/step-000000001", _small(1))
+    short_bound(monkeypatch)
     at = _hang_from(proxy, lambda m, t: m == "GET" and t.endswith(f"/step-000000001/{name}"))
     with pytest.raises(tg.CheckpointError, match=r"did not answer cat_file\(.*TRAINGUARD_STORE_TIMEOUT") as e:
         done, got = _in_thread(tg.load, f"{url}/step-000000001", _small(0))
