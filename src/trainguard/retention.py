@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import iostall, layout
 from .commit import list_steps, manifest_bytes, settle_aside
-from .errors import CheckpointError, StepExistsError
+from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
@@ -244,8 +244,14 @@ def newest_step(mgr: CheckpointManager) -> int | None:
     tier's included. A save into the RAM tier is committed there (``wait()`` returns, ``restore``
     resumes from it) while rank 0's background copy to the run directory may still run: listing the
     run directory alone gave the step before (``None`` after the first save) until the copy ended.
-    A RAM copy that ``restore`` would discard (``tiers.stale_reason``) is not counted."""
-    steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+    A RAM copy that ``restore`` would discard (``tiers.stale_reason``) is not counted. A listing that
+    fails (an object store's error: botocore's, not an OSError, raised bare before) is a ``CheckpointError``."""
+    try:
+        steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+    except Exception as e:
+        if not isinstance(e, OSError) and not is_store_client_error(e):
+            raise
+        raise CheckpointError(f"latest_step: cannot list {mgr.root}: {error_text(e)}") from e
     newest = steps[-1] if steps else None
     if mgr.ram:
         durable = set(steps)

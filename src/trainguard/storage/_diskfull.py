@@ -6,7 +6,7 @@ import errno
 import os
 import shutil
 
-from ..errors import CheckpointError, DiskFullError
+from ..errors import CheckpointError, DiskFullError, error_text
 
 
 def disk_error(e: OSError, path: str, needed: int) -> OSError:
@@ -54,6 +54,6 @@ def save_failed(e: BaseException, target: str) -> BaseException:
             e.errno, f"save of {target} failed: no space left on device {at}: the file system is out "
             "of space or of inodes (`df -h`, `df -i`). Free some, lower retention (keep=...), or save elsewhere")
     else:
-        err = CheckpointError(f"save of {target} failed: {type(e).__name__}: {e}")
+        err = CheckpointError(f"save of {target} failed: {error_text(e)}")  # an object store's: what to check
     err.__cause__ = e
     return err

@@ -12,8 +12,10 @@ from ``io.write_file``'s threads) copies bytes into the part's buffer; a part wh
 are all there is uploaded at once on a small thread pool (S3: one ``upload_part`` each, in
 parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
 ``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
-appears whole or not at all. Reads: ``readinto`` fetches byte ranges, large ones split into
-pieces fetched concurrently (``fs.cat_ranges``). A missing S3 bucket is refused (``_bucket``).
+appears whole or not at all. Once a part fails, no later part is sent and the next ``pwrite``
+(or ``finish``) raises its error: against a hung endpoint each part waited out the store's bound.
+Reads: ``readinto`` fetches byte ranges, large ones split into pieces fetched concurrently
+(``fs.cat_ranges``). A missing S3 bucket is refused (``_bucket``).
 Credentials, endpoints: the filesystem's (S3: the boto chain, ``AWS_ENDPOINT_URL``). Each call is bounded (``_bounded``).
 """
 
@@ -32,6 +34,7 @@ from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
 from ._remove import remove_prefix
+from ._uploads import _S3Upload, _StreamUpload
 from ._urls import check_object_path, import_fsspec
 
 log = logging.getLogger("trainguard")
@@ -140,8 +143,8 @@ class FsspecStorage:
     def read_bytes(self, path: str, limit: int) -> bytes:
         try:
             return bytes(self.io.cat_file(path, start=0, end=limit + 1))
-        except OSError:  # S3 answers a ranged GET of an empty object 416 (InvalidRange): it is empty, not unreadable
-            if self.io.size(path) == 0:
+        except OSError as e:  # S3 answers a ranged GET of an empty object 416 (InvalidRange): it is empty, not unreadable
+            if not isinstance(e, TimeoutError) and self.io.size(path) == 0:  # (a hung endpoint: no second wait)
                 return b""
             raise
 
@@ -191,6 +194,8 @@ class _PartWriter:
         self._pool = DaemonExecutor(UPLOAD_THREADS, "trainguard-upload")  # not joined at exit: a hung upload
         self._futures: list[Any] = []  # concurrent.futures.Future
         self._sent: set[int] = set()
+        self._error: BaseException | None = None  # the first part upload that failed: no later part goes up
+        self._aborted = False
         self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
 
     def _buffer(self, k: int) -> bytearray:
@@ -225,12 +230,19 @@ class _PartWriter:
 
     def _submit(self, k: int, buf: bytearray, length: int) -> None:
         self._slots.acquire()  # bounds the memory of parts waiting for upload
+        if self._error is not None:  # a part failed: the file cannot complete; the save fails now (pwrite, finish
+            self._slots.release()  # raise), not after every later part waited out the store's bound too
+            raise self._error
         self._sent.add(k)
 
         def run() -> None:
             try:
-                # A whole part goes up from its buffer as is (botocore takes a bytearray, no copy).
-                self._up.part(k, buf if length == len(buf) else bytes(memoryview(buf)[:length]))
+                if self._error is None:  # queued behind a part that failed: not sent
+                    # A whole part goes up from its buffer as is (botocore takes a bytearray, no copy).
+                    self._up.part(k, buf if length == len(buf) else bytes(memoryview(buf)[:length]))
+            except BaseException as e:
+                self._error = self._error or e
+                raise
             finally:
                 with self._lock:
                     if len(self._free) < 2:
@@ -261,97 +273,13 @@ class _PartWriter:
 
     def abort(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._aborted:  # finish() aborted, then its caller (io.write_batches): one abort request, one wait
+            return
+        self._aborted = True
         try:
             self._up.abort()
         except Exception:  # best effort: the incomplete step is cleaned at the next start
             pass
-
-
-class _S3Upload:
-    """S3 multipart upload through s3fs's ``call_s3`` (thread-safe: it runs on fsspec's loop)."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
-        self.bucket, self.key, _ = fs.split_path(path)
-        self._lock = threading.Lock()
-        self._id: str | None = None
-        self._etags: dict[int, str] = {}
-        self._small: bytes | None = None
-
-    def _upload_id(self) -> str:
-        with self._lock:
-            if self._id is None:
-                self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
-            return self._id
-
-    def part(self, k: int, data: bytes | bytearray) -> None:
-        if k == 0 and self._id is None and len(self._etags) == 0 and len(data) < PART_SIZE_MIN_MULTIPART:
-            self._small = bytes(data)  # maybe the whole file: one PUT at complete()
-            return
-        uid = self._upload_id()
-        r = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data)
-        with self._lock:
-            self._etags[k] = r["ETag"]
-
-    def complete(self, nparts: int, size: int) -> None:
-        if self._id is None:
-            self.fs.pipe_file(f"{self.bucket}/{self.key}", self._small or b"")
-            return
-        if self._small is not None:  # part 0 was held back but the file has more parts
-            self.part(0, self._small)
-            self._small = None
-        missing = [k for k in range(nparts) if k not in self._etags]
-        if missing:
-            raise CheckpointError(f"{self.key}: parts {missing} were never uploaded")
-        parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(nparts)]
-        self.fs.call_s3(
-            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
-            MultipartUpload={"Parts": parts},
-        )
-        self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
-
-    def abort(self) -> None:
-        if self._id is not None:
-            self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id)
-
-
-PART_SIZE_MIN_MULTIPART = 5 << 20  # a lone part below S3's minimum is sent as a plain PUT
-
-
-class _StreamUpload:
-    """Any fsspec filesystem: parts are written in order through ``fs.open(path, "wb")``; a
-    part completed early waits in memory for its predecessors. Nothing is visible before close."""
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path = fs, path
-        self._lock = threading.Lock()
-        self._next = 0
-        self._ready: dict[int, bytes] = {}
-        self._file: Any = None
-
-    def part(self, k: int, data: bytes | bytearray) -> None:
-        with self._lock:
-            self._ready[k] = bytes(data)
-            while self._next in self._ready:
-                if self._file is None:
-                    self._file = self.fs.open(self.path, "wb")
-                self._file.write(self._ready.pop(self._next))
-                self._next += 1
-
-    def complete(self, nparts: int, size: int) -> None:
-        with self._lock:
-            if self._next != nparts or self._ready:
-                raise CheckpointError(f"{self.path}: parts out of order at completion ({self._next} of {nparts})")
-            if self._file is None:
-                self.fs.pipe_file(self.path, b"")
-            else:
-                self._file.close()
-        self.fs.invalidate_cache(self.path)
-
-    def abort(self) -> None:
-        f, self._file = self._file, None
-        if f is not None and hasattr(f, "discard"):
-            f.discard()
 
 
 class _RangeReader:
@@ -389,8 +317,8 @@ class _RangeReader:
         except FileNotFoundError:  # deleted since the load checked it (retention, an operator): bad bytes, as locally
             raise CorruptCheckpointError(f"{self.path}: data file is missing", file=self.path.rsplit("/", 1)[-1]) from None
         except OSError as e:  # S3: 416 (InvalidRange) for a range that starts past the end: a truncated object
-            if offset + n <= (size := self.fs.size(self.path)):
-                raise
+            if isinstance(e, TimeoutError) or offset + n <= (size := self.fs.size(self.path)):
+                raise  # timed out: no size asked of a hung endpoint (a second wait of the bound, and its error raised)
             raise CorruptCheckpointError(f"{self.path}: truncated: wanted {n} bytes at offset {offset}, the object "
                                          f"holds {size}", file=self.path.rsplit("/", 1)[-1]) from e
 

@@ -1,0 +1,106 @@
+"""The uploads of ``fsspec._PartWriter`` (one per data file a rank writes to an object store):
+``_S3Upload`` sends each part as soon as it is complete (S3 multipart upload), ``_StreamUpload``
+streams them in order through the filesystem's file object (any other fsspec filesystem). Both are
+called from the writer's upload threads (``part``) and from the save's thread (``complete``, ``abort``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from ..errors import CheckpointError
+
+
+class _S3Upload:
+    """S3 multipart upload through s3fs's ``call_s3`` (thread-safe: it runs on fsspec's loop)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs = fs
+        self.bucket, self.key, _ = fs.split_path(path)
+        self._lock = threading.Lock()
+        self._id: str | None = None
+        self._etags: dict[int, str] = {}
+        self._small: bytes | None = None
+        self._failed: BaseException | None = None  # create_multipart_upload's error: raised to every part
+
+    def _upload_id(self) -> str:
+        with self._lock:
+            if self._failed is not None:  # tried once: the other parts' threads waited on this lock for it, and
+                raise self._failed  # each tried again in turn (a hung endpoint: one bound each, one after another)
+            if self._id is None:
+                try:
+                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+                except BaseException as e:
+                    self._failed = e
+                    raise
+            return self._id
+
+    def part(self, k: int, data: bytes | bytearray) -> None:
+        if k == 0 and self._id is None and len(self._etags) == 0 and len(data) < PART_SIZE_MIN_MULTIPART:
+            self._small = bytes(data)  # maybe the whole file: one PUT at complete()
+            return
+        uid = self._upload_id()
+        r = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data)
+        with self._lock:
+            self._etags[k] = r["ETag"]
+
+    def complete(self, nparts: int, size: int) -> None:
+        if self._id is None:
+            self.fs.pipe_file(f"{self.bucket}/{self.key}", self._small or b"")
+            return
+        if self._small is not None:  # part 0 was held back but the file has more parts
+            self.part(0, self._small)
+            self._small = None
+        missing = [k for k in range(nparts) if k not in self._etags]
+        if missing:
+            raise CheckpointError(f"{self.key}: parts {missing} were never uploaded")
+        parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(nparts)]
+        self.fs.call_s3(
+            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
+
+    def abort(self) -> None:
+        if self._id is not None:
+            self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id)
+
+
+PART_SIZE_MIN_MULTIPART = 5 << 20  # a lone part below S3's minimum is sent as a plain PUT
+
+
+class _StreamUpload:
+    """Any fsspec filesystem: parts are written in order through ``fs.open(path, "wb")``; a
+    part completed early waits in memory for its predecessors. Nothing is visible before close."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+        self._lock = threading.Lock()
+        self._next = 0
+        self._ready: dict[int, bytes] = {}
+        self._file: Any = None
+
+    def part(self, k: int, data: bytes | bytearray) -> None:
+        with self._lock:
+            self._ready[k] = bytes(data)
+            while self._next in self._ready:
+                if self._file is None:
+                    self._file = self.fs.open(self.path, "wb")
+                self._file.write(self._ready.pop(self._next))
+                self._next += 1
+
+    def complete(self, nparts: int, size: int) -> None:
+        with self._lock:
+            if self._next != nparts or self._ready:
+                raise CheckpointError(f"{self.path}: parts out of order at completion ({self._next} of {nparts})")
+            if self._file is None:
+                self.fs.pipe_file(self.path, b"")
+            else:
+                self._file.close()
+        self.fs.invalidate_cache(self.path)
+
+    def abort(self) -> None:
+        f, self._file = self._file, None
+        if f is not None and hasattr(f, "discard"):
+            f.discard()
