@@ -385,6 +385,21 @@ def test_latest_step_whose_listing_fails_raises_a_checkpoint_error(proxy, fault)
         assert mgr.latest_step() == 1
 
 
+def test_restore_whose_listing_fails_says_what_to_check(proxy):
+    # The same reset while restore lists the run directory: "restore: cannot list URL:
+    # EndpointConnectionError: ..." without the hint tg.save and latest_step give.
+    url = _url()
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        mgr.save(1, _small(1))
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as mgr:
+        proxy.add(lambda m, t: m == "GET" and "list-type=2" in t, "reset_download", arg=0)
+        with pytest.raises(tg.CheckpointError, match=rf"restore: cannot list {url}: ") as e:
+            mgr.restore(_small(0))
+        assert "the object store cannot be used (EndpointConnectionError" in str(e.value)
+        proxy.clear()
+        assert mgr.restore(_small(0)) == 1
+
+
 # ---------------------------------------------------------------- saves that fail part-way
 
 @pytest.mark.parametrize("async_save", [False, True])

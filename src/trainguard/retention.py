@@ -233,7 +233,7 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
             settle_aside(mgr.storage, mgr._root, mgr.storage.listdir(mgr._root), only=token)
         steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
     except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
-        return {"error": f"{type(e).__name__}: {e}"}
+        return {"error": error_text(e)}  # an object store's: what to check
     if mgr.ram:
         return mgr.ram.candidates(steps)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
