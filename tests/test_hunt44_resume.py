@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainguard.doctor import Finding, Settings
 from trainguard.doctor_source import check_source
@@ -98,3 +99,62 @@ def test_doctor_cli_on_a_real_script(tmp_path: Path) -> None:
     found = [f for f in json.loads(r.stdout) if f["check"] == "own generators"]
     assert [f["severity"] for f in found] == ["warning"], r.stdout + r.stderr
 
+
+
+EMA_LOOP = """
+import torch
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+import trainguard as tg
+
+ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999))
+state = {"model": model, "optim": opt, "rng": tg.RNGState()%s}
+with tg.CheckpointManager("ckpts", save=tg.EveryNSteps(4)) as mgr:
+    start = mgr.restore(state)
+    for step in range(0 if start is None else start + 1, 100):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        ema.update_parameters(model)
+        mgr.save(step, state)
+"""
+
+
+def _ema(src: str, state: dict | None = None) -> list[Finding]:
+    from trainguard.doctor import check
+
+    return [f for f in check(state or {}, Settings(source=src)) if f.check == "ema"]
+
+
+def test_doctor_reports_an_ema_updated_in_the_loop_and_not_saved() -> None:
+    # Seen: an AveragedModel left out of the state, resumed after a SIGKILL at step 6 (saved at 4):
+    # every tensor equal to the uninterrupted run's but the EMA's.
+    (f,) = _ema(EMA_LOOP % "")
+    assert f.severity == "warning" and "AveragedModel `ema` (line 6)" in f.message, f
+    assert f.fix == 'add state["ema"] = ema'
+    (f,) = _ema(EMA_LOOP % ', "ema": ema')
+    assert f.severity == "ok", f
+    timm = """
+from timm.utils import ModelEmaV2
+model_ema = ModelEmaV2(model, decay=0.9998)
+def train_one_epoch():
+    for x in loader:
+        loss(x).backward()
+        opt.step()
+        model_ema.update(model)
+for epoch in range(10):
+    train_one_epoch()
+    mgr.save(epoch, {"model": model, "optim": opt})
+"""
+    (f,) = _ema(timm)
+    assert f.severity == "warning" and "ModelEmaV2 `model_ema`" in f.message, f
+
+
+def test_doctor_ema_check_reads_the_hooks_state() -> None:
+    from torch.optim.swa_utils import AveragedModel
+
+    model = torch.nn.Linear(2, 2)
+    src = EMA_LOOP % ', "ema": ema'  # the source names it; the state the hook returned does not hold it
+    (f,) = _ema(src, {"model": model})
+    assert f.severity == "warning", f
+    (f,) = _ema(EMA_LOOP % "", {"model": model, "ema": AveragedModel(model)})
+    assert f.severity == "ok", f
+    assert _ema("from torch.optim.swa_utils import AveragedModel\nema = AveragedModel(model)\n") == []  # never updated

@@ -4,7 +4,8 @@ Static, on the script's text only (``Settings.source``): ``stage_in_background=T
 ``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=`` or with
 ``in_order=False``, a save that only rank 0 reaches (:mod:`trainguard.doctor_rank`), a global
 seed set after the restore (:mod:`trainguard.doctor_rng`), a generator object of the script drawn
-from at each step but not saved (:mod:`trainguard.doctor_gens`). Each check returns ``None`` when
+from at each step but not saved (:mod:`trainguard.doctor_gens`), a weight average (EMA) updated in
+the loop but not saved (:mod:`trainguard.doctor_ema`). Each check returns ``None`` when
 there is no source to read (or it does not parse).
 """
 
@@ -46,7 +47,7 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     from .doctor_onefile import one_file
     from .doctor_signals import worker_signals
 
-    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, worker_signals,
+    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
             accum, augment, restore_loop, restore_after)
 
 
@@ -162,6 +163,13 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
     from .doctor_gens import own_generators as check
 
     return check(leaves, s)
+
+
+def ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "ema" check (:func:`trainguard.doctor_ema.unsaved_ema`)."""
+    from .doctor_ema import unsaved_ema
+
+    return unsaved_ema(leaves, s)
 
 
 def restore_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
