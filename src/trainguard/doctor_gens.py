@@ -9,8 +9,9 @@ after a SIGKILL at step 6 from step 4: losses differed from step 5 on).
 
 Draws that count: ``generator=<it>`` in a call, or a draw method of it (``rng.integers(...)``),
 inside a training loop (one that calls ``backward()``, an optimizer's ``step()`` or a save), inside a
-function of the script called by name in such a loop, or in a ``forward``/``__getitem__``/``__iter__``
-method. Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
+function of the script called by name in such a loop, or in a ``forward`` method (not a dataset's
+``__getitem__``: with DataLoader workers each worker draws from a copy, never advanced in the training
+process). Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
 or re-seeded (``manual_seed``/``seed``) inside a loop or in the function that draws (the same numbers
 on every pass or call)."""
 
@@ -28,7 +29,7 @@ _DRAWS = {  # methods of numpy's Generator/RandomState and Python's Random that 
     "random_sample", "random_integers", "sample", "randrange", "gauss", "normalvariate", "getrandbits", "bytes",
     "randbytes", "multinomial", "dirichlet", "geometric", "laplace", "logistic", "lognormal", "bernoulli",
 }
-_METHODS = {"forward", "__getitem__", "__getitems__", "__iter__"}  # run at every step or sample
+_METHODS = {"forward"}  # runs at every step (a dataset's __getitem__ may run in workers: "worker randomness")
 _RESEED = {"manual_seed", "seed"}
 _NOT_DRAWS = {"DataLoader", "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler", "random_split"}
 
