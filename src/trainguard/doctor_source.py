@@ -3,7 +3,9 @@
 Static, on the script's text only (``Settings.source``): ``stage_in_background=True`` with no
 ``wait_staged()`` anywhere, a ``DataLoader`` without its own ``generator=`` or with
 ``in_order=False``, a save that only rank 0 reaches (:mod:`trainguard.doctor_rank`), a global
-seed set after the restore (:mod:`trainguard.doctor_rng`). Each check returns ``None`` when
+seed set after the restore (:mod:`trainguard.doctor_rng`), a generator object of the script drawn
+from at each step but not saved (:mod:`trainguard.doctor_gens`), a weight average (EMA) updated in
+the loop but not saved (:mod:`trainguard.doctor_ema`). Each check returns ``None`` when
 there is no source to read (or it does not parse).
 """
 
@@ -45,8 +47,8 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     from .doctor_onefile import one_file
     from .doctor_signals import worker_signals
 
-    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, worker_signals, accum, augment,
-            restore_loop, restore_after)
+    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
+            accum, augment, restore_loop, restore_after)
 
 
 def _tree(s: Settings) -> ast.Module | None:
@@ -154,6 +156,20 @@ def augment(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     from .doctor_augment import worker_draws
 
     return worker_draws(leaves, s)
+
+
+def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "own generators" check (:func:`trainguard.doctor_gens.own_generators`)."""
+    from .doctor_gens import own_generators as check
+
+    return check(leaves, s)
+
+
+def ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """The "ema" check (:func:`trainguard.doctor_ema.unsaved_ema`)."""
+    from .doctor_ema import unsaved_ema
+
+    return unsaved_ema(leaves, s)
 
 
 def restore_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:

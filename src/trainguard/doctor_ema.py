@@ -1,0 +1,81 @@
+"""The doctor's "ema" check (``doctor.check`` and ``doctor_source.check_source`` call it, through
+``doctor_source.ema``, on the script's source): a weight average of the script (torch's
+``AveragedModel``, torch_ema's ``ExponentialMovingAverage``, timm's ``ModelEma*``, ema_pytorch's
+``EMA``, diffusers' ``EMAModel``) updated in a training loop but not in the state. A restarted
+process builds it again from the weights it restored, so the average of the steps before the
+restart is lost, silently (seen: an ``AveragedModel`` EMA left out of the state, resumed after a
+SIGKILL, ended with other weights than the uninterrupted run's, every other tensor equal).
+
+With the state (a ``trainguard_state()`` hook) an average is saved when an object of its class is in
+the state; from the source alone, when its name is a value of a dict, of ``state[...] = ``, or an
+argument of a call that builds the state (``tg.StateDict(ema=ema)``, ``state.update(ema=ema)``)."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .doctor import Finding, Settings
+
+_MAKERS = {"AveragedModel", "ExponentialMovingAverage", "ModelEma", "ModelEmaV2", "ModelEmaV3", "EMA", "EMAModel"}
+_UPDATES = {"update_parameters", "update", "step"}
+
+
+def _used_as_value(tree: ast.Module, name: str) -> bool:
+    """``name`` (or ``self.name``) put into a dict, a subscript or a call's argument list that is no update of it."""
+    def hit(v: ast.AST | None) -> bool:
+        return v is not None and (isinstance(v, ast.Name) and v.id == name or isinstance(v, ast.Attribute) and v.attr == name)
+
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Dict) and any(hit(v) for v in n.values):
+            return True
+        if isinstance(n, ast.Assign) and hit(n.value) and any(isinstance(t, ast.Subscript) for t in n.targets):
+            return True
+        if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and hit(n.func.value)) \
+                and any(hit(a) for a in [*n.args, *(k.value for k in n.keywords)]):
+            return True
+    return False
+
+
+def unsaved_ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """A warning for a weight average updated in a training loop and not saved (module doc); ``ok``
+    when saved; ``None`` without source or without such an average. Static, plus the state's classes."""
+    from .doctor import Finding
+    from .doctor_gens import _ref
+    from .doctor_restore import _savers, _trains
+    from .doctor_source import _callee, _tree
+
+    if (tree := _tree(s)) is None:
+        return None
+    made: dict[str, tuple[str, int]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (kind := _callee(n.value)) in _MAKERS:
+            for t in n.targets:
+                if (name := _ref(t)) is not None:
+                    made.setdefault(name, (kind, n.lineno))
+    if not made:
+        return None
+    savers = _savers(tree)
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
+    defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
+    updated: dict[str, ast.Call] = {}
+    for scope in loops + [f for name, f in defs.items() if name in called]:
+        for c in ast.walk(scope):
+            if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in _UPDATES \
+                    and (name := _ref(c.func.value)) in made:
+                updated.setdefault(name, c)
+    if not updated:
+        return None
+    classes = {k.__name__ for _, x in leaves for k in type(x).__mro__}
+    unsaved = [n for n in updated
+               if not (made[n][0] in classes if leaves else _used_as_value(tree, n))]
+    if not unsaved:
+        return Finding("ema", "ok", f"the weight average is saved ({', '.join(sorted(updated))})")
+    name = unsaved[0]
+    kind, line = made[name]
+    return Finding("ema", "warning", f"{kind} `{name}` (line {line}) is updated at each step (line "
+                   f"{updated[name].lineno}: {ast.unparse(updated[name])[:80]}) but is not in the state: a restarted "
+                   "process builds it again from the restored weights, so the average of every step before the "
+                   "restart is lost", f'add state["{name}"] = {name}')

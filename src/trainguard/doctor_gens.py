@@ -1,0 +1,131 @@
+"""The doctor's "own generators" check (``doctor.check`` and ``doctor_source.check_source`` call it,
+through ``doctor_source.own_generators``, on the script's source): a generator object of the script
+(``torch.Generator()``, ``np.random.default_rng(...)``, ``np.random.RandomState(...)``,
+``random.Random(...)``) that the training draws from, and that ``tg.RNGState(generators=...)`` does
+not name. ``tg.RNGState()`` saves the global generators only; such an object is built again from its
+seed by a restarted process, so a resumed run draws what the uninterrupted run drew at its start, and
+every later draw differs, silently (seen: a noise term drawn with ``generator=`` in the loop, resumed
+after a SIGKILL at step 6 from step 4: losses differed from step 5 on).
+
+Draws that count: ``generator=<it>`` in a call, or a draw method of it (``rng.integers(...)``),
+inside a training loop (one that calls ``backward()``, an optimizer's ``step()`` or a save), inside a
+function of the script called by name in such a loop, or in a ``forward`` method (not a dataset's
+``__getitem__``: with DataLoader workers each worker draws from a copy, never advanced in the training
+process). Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
+or re-seeded (``manual_seed``/``seed``) inside a loop or in the function that draws (the same numbers
+on every pass or call)."""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .doctor import Finding, Settings
+
+_DRAWS = {  # methods of numpy's Generator/RandomState and Python's Random that draw
+    "random", "integers", "normal", "uniform", "choice", "choices", "permutation", "permuted", "shuffle",
+    "standard_normal", "binomial", "poisson", "exponential", "beta", "gamma", "rand", "randn", "randint",
+    "random_sample", "random_integers", "sample", "randrange", "gauss", "normalvariate", "getrandbits", "bytes",
+    "randbytes", "multinomial", "dirichlet", "geometric", "laplace", "logistic", "lognormal", "bernoulli",
+}
+_METHODS = {"forward"}  # runs at every step (a dataset's __getitem__ may run in workers: "worker randomness")
+_RESEED = {"manual_seed", "seed"}
+_NOT_DRAWS = {"DataLoader", "RandomSampler", "SubsetRandomSampler", "WeightedRandomSampler", "random_split"}
+
+
+def _maker(c: ast.AST) -> str | None:
+    """``torch.Generator`` for ``torch.Generator()`` (also ``torch.Generator().manual_seed(0)``), etc."""
+    if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in _RESEED:
+        return _maker(c.func.value)
+    if not (isinstance(c, ast.Call) and isinstance(c.func, (ast.Attribute, ast.Name))):
+        return None
+    name = ast.unparse(c.func)
+    last = name.rsplit(".", 1)[-1]
+    if name in ("torch.Generator", "random.Random") or last in ("default_rng", "RandomState") \
+            or name.endswith("random.Generator"):
+        return name
+    return None
+
+
+def _ref(x: ast.AST) -> str | None:
+    """The name a generator is bound to: ``g`` for ``g``, ``gen`` for ``self.gen``."""
+    return x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else None
+
+
+def _draws(scope: ast.AST, names: set[str]) -> list[tuple[str, ast.Call]]:
+    from .doctor_source import _callee
+
+    out = []
+    for c in ast.walk(scope):
+        if not isinstance(c, ast.Call) or _callee(c) in _NOT_DRAWS:
+            continue
+        for k in c.keywords:
+            if k.arg == "generator" and (n := _ref(k.value)) in names:
+                out.append((n, c))
+        if isinstance(c.func, ast.Attribute) and c.func.attr in _DRAWS and (n := _ref(c.func.value)) in names:
+            out.append((n, c))
+    return out
+
+
+def _reseeded(scope: ast.AST, name: str) -> bool:
+    """``name`` made or re-seeded in ``scope``: the same draws on each pass."""
+    for n in ast.walk(scope):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in _RESEED \
+                and _ref(n.func.value) == name:
+            return True
+        if isinstance(n, ast.Assign) and _maker(n.value) and any(_ref(t) == name for t in n.targets):
+            return True
+    return False
+
+
+def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """A warning for a generator of the script drawn from at every step and not saved (module doc);
+    ``ok`` when every such generator is named in ``RNGState(generators=...)``; ``None`` without source
+    or without such a draw. Static: any rank, no I/O."""
+    from .doctor import Finding
+    from .doctor_restore import _savers, _trains
+    from .doctor_source import _callee, _tree
+
+    if (tree := _tree(s)) is None:
+        return None
+    made = {}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None and (kind := _maker(n.value)):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                if (name := _ref(t)) is not None:
+                    made.setdefault(name, (kind, n.lineno))
+    if not made:
+        return None
+    saved: set[str] = set()
+    for c in ast.walk(tree):
+        if isinstance(c, ast.Call) and _callee(c) == "RNGState":
+            for k in c.keywords:
+                if k.arg == "generators":
+                    if not isinstance(k.value, ast.Dict):  # built out of sight: may name any of them
+                        return None
+                    saved |= {r for v in k.value.values for x in ast.walk(v) if (r := _ref(x)) is not None}
+    savers = _savers(tree)
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
+    defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
+    scopes = loops + [f for name, f in defs.items() if name in called or name in _METHODS]
+    hits: dict[str, ast.Call] = {}
+    for scope in scopes:
+        for name, call in _draws(scope, set(made)):
+            if not _reseeded(scope, name):
+                hits.setdefault(name, call)
+    if not hits:
+        return None
+    unsaved = {n: c for n, c in hits.items() if n not in saved}
+    if not unsaved:
+        return Finding("own generators", "ok", f"the generators drawn from at each step are saved "
+                       f"(RNGState(generators=...)): {', '.join(sorted(hits))}")
+    name, call = next(iter(unsaved.items()))
+    kind, line = made[name]
+    more = f" (and {', '.join(sorted(unsaved)[1:])})" if len(unsaved) > 1 else ""
+    return Finding("own generators", "warning", f"{kind}() `{name}` (line {line}) is drawn from at each step "
+                   f"(line {call.lineno}: {ast.unparse(call)[:80]}){more} but is not saved: tg.RNGState() saves the "
+                   "global generators only, so a restarted process builds it again from its seed and a resumed run "
+                   "draws what the uninterrupted run drew at its start", f"tg.RNGState(generators={{'{name}': "
+                   f"{name}}}) in the state (docs/checkpoints.md)")
