@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,71 @@ def test_the_other_agents_restart_after_a_worker_failure_is_no_joining_agent(tmp
     assert summary["membership_restarts"] == 0, summary  # was 1
     assert summary["lost_steps"] == 2 and summary["membership_lost_steps"] == 0, summary  # was 4 and 2
     assert "(0 restarts for joining agents)" in format_summary(summary)
+
+
+# World size 1: commits step 3, then holds (bounded) until the agent's SIGTERM (an agent joined);
+# the step in progress then takes 3 s (a long training step), and save(4) commits the preemption
+# save. World size 2: restores and trains to step 6.
+HELD = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+
+    torch.set_num_threads(1)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        dist.init_process_group("gloo")
+    model = torch.nn.Linear(2, 2)
+    net = torch.nn.parallel.DistributedDataParallel(model) if world > 1 else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    state = {"model": model, "optim": opt, "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(3), async_save=False) as mgr:
+        step = mgr.restore(state) or 0
+        while step < 6 and not mgr.should_stop:
+            net(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            step += 1
+            state["progress"]["step"] = step
+            if step == 4 and world == 1:
+                time.sleep(3)  # the step the stop signal came in: longer than --stop-timeout
+            mgr.save(step, state)
+            if step == 3 and world == 1:
+                Path(sys.argv[1]).touch()
+                deadline = time.monotonic() + 60
+                while not mgr._preempt.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+    if world > 1:
+        dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(150)
+def test_a_membership_restart_waits_for_the_preemption_save_of_a_step_longer_than_the_stop_timeout(
+        tmp_path: Path) -> None:
+    """An agent joins a world-size-1 job whose steps take longer than --stop-timeout (1 s here,
+    5 s by default). The worker answers the agent's SIGTERM by finishing its step (3 s) and
+    committing a preemption save of step 4. Before, the agent SIGKILLed it --stop-timeout after
+    the SIGTERM, mid-step: nothing was saved and the group at world size 2 restored step 3."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    script, run_dir, held = tmp_path / "train.py", tmp_path / "run", tmp_path / "held"
+    script.write_text(HELD)
+    args = ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"127.0.0.1:{store.port}", "--rdzv-id", "hunt44held", "--rdzv-conf", "is_host=false,last_call_timeout=3",
+            "--stop-timeout", "1", "--start-method", "fork", "--run-path", "--run-dir", str(run_dir), str(script),
+            str(held)]
+    agents = [subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)]
+    try:
+        deadline = time.monotonic() + 90
+        while not held.exists():
+            assert time.monotonic() < deadline and agents[0].poll() is None, "the worker never held"
+            time.sleep(0.05)
+        agents.append(subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    finally:
+        codes, out = _finish(agents, 120)
+    assert codes == [0, 0], out
+    events = list(read_events(run_dir))
+    assert [e["reason"] for e in events if e["event"] == "restart"] == ["membership"], out
+    assert [e["step"] for e in events if e["event"] == "save" and e["rank"] == 0] == [3, 4, 6], out  # 4: was missing
+    assert [e["step"] for e in events if e["event"] == "restore" and e["rank"] == 0] == [4], out  # was 3
