@@ -199,3 +199,23 @@ def test_a_membership_restart_waits_for_the_preemption_save_of_a_step_longer_tha
     assert [e["reason"] for e in events if e["event"] == "restart"] == ["membership"], out
     assert [e["step"] for e in events if e["event"] == "save" and e["rank"] == 0] == [3, 4, 6], out  # 4: was missing
     assert [e["step"] for e in events if e["event"] == "restore" and e["rank"] == 0] == [4], out  # was 3
+
+
+@pytest.mark.timeout(120)
+def test_steps_lost_when_the_whole_job_died_and_was_started_again_are_reported(tmp_path: Path) -> None:
+    """A one-node job loses its agent at step 7 (the drill kills the agent, then the worker: every
+    process of the job); it is started again with the same --rdzv-id, restores step 5 and finishes.
+    Its first step logged 2 lost steps, but no failure or restart event led to it, and `trainguard
+    report` said "failures 0, lost steps 0" (a requeue after a node failure read as lossless)."""
+    script, run_dir = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(WORKER)
+    args = ["--nproc-per-node", "1", "--rdzv-id", "hunt44requeue", "--start-method", "fork", "--run-path",
+            "--run-dir", str(run_dir), "--fault", "step=7,rank=0,kind=agent", str(script), "-"]
+    code, out = _run(args, 50)
+    assert code == -9, out  # the agent was SIGKILLed
+    code, out = _run(args, 50)  # the requeue: the drill fired once for this job already
+    assert code == 0, out
+    summary = summarize(read_events(run_dir))
+    assert summary["failures"] == 0 and summary["final_step"] == 10 and summary["steps_run"] == 12, summary
+    assert summary["lost_steps"] == 2 and summary["resubmit_lost_steps"] == 2, summary  # was 0
+    assert "lost steps 2 (2 at starts of the whole job again)" in format_summary(summary)

@@ -96,6 +96,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         joined_lost += (first.get("lost_steps") or 0) if first else 0
         if first is not None:
             claimed.add(id(first))
+    # Lost at a start no failure or membership restart of this log led to: the whole job had died (every
+    # agent: a requeue after a node failure, a lost one-node job) and was started again.
+    resubmit_lost = sum(e.get("lost_steps") or 0 for e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
     wall = ev[-1]["t"] - start_t
     dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
@@ -112,8 +115,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "step_s": step_s,
         "failures": len(failures),
         "recoveries": recoveries,
-        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost,
+        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost + resubmit_lost,
         "membership_lost_steps": joined_lost,
+        "resubmit_lost_steps": resubmit_lost,
         "saves": len(saves),
         "save_stall_s": stall,
         "save_stall_mean_s": stall / len(saves) if saves else None,
@@ -138,6 +142,13 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _apart(s: dict[str, Any]) -> str:
+    """``format_summary``: the lost steps counted apart from those of failures, if any."""
+    parts = [f"{s['membership_lost_steps']} at restarts for joining agents"] if s.get("membership_lost_steps") else []
+    parts += [f"{s['resubmit_lost_steps']} at starts of the whole job again"] if s.get("resubmit_lost_steps") else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The text ``trainguard report`` prints."""
     if not s.get("events"):
@@ -147,8 +158,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"median step {_f(s['step_s'], '{:.4f}')} s",
         f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}"
         f" ({s.get('membership_restarts', 0)} restarts for joining agents)",
-        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}"
-        + (f" ({s['membership_lost_steps']} at restarts for joining agents)" if s.get("membership_lost_steps") else ""),
+        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}" + _apart(s),
     ]
     for i, r in enumerate(s["recoveries"], 1):
         lines.append(
