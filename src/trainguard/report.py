@@ -51,6 +51,10 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     bounds = sorted(jobs.values())
     recoveries = []
     prev_t = ev[0]["t"]
+    # A first step's lost_steps counts once: one incident logs several failures and restarts before the
+    # group trains again (a restart killed in its restore fails again; the other agent of a dead worker
+    # restarts for "membership"), and each found the same first step (its steps were counted twice).
+    claimed: set[int] = set()
     for f in failures:
         # The last fault in [prev_t, f["t"]], the first restore or fresh start (rank 0) and first step
         # from f["t"] on, before the next job starts (another node's failure or agent of this job: no bound).
@@ -62,7 +66,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         first = _first_from(firsts, first_t, f["t"], end)
         rec: dict[str, Any] = {"t": f["t"], "rank": f.get("rank"), "cause": f.get("cause"),
                                "restored_step": restore["step"] if restore else None,
-                               "lost_steps": first.get("lost_steps") if first else None}
+                               "lost_steps": None if first is None else 0 if id(first) in claimed else first.get("lost_steps")}
+        if first is not None:
+            claimed.add(id(first))
         if fault:
             rec["detect_s"] = f["t"] - fault["t"]
             rec["fault_step"] = fault.get("step")
@@ -78,11 +84,21 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         prev_t = f["t"]
     # Steps lost at a restart for a joining agent (scale-up): those run after the checkpoint the group
     # restored, e.g. without a preemption save (handle_signals=False, or its save did not happen).
-    joined_lost = 0
+    # A membership restart whose first step a failure's recovery reached is part of that recovery (the
+    # other agent of a failed worker saw the failed one's agent waiting), not a restart for a joining agent.
+    joined_lost = joined = 0
     for r in (e for e in ev if e["event"] == "restart" and e.get("reason") == "membership"):
         end = min([b for b in bounds if b > r["t"]] + [f["t"] for f in failures if f["t"] > r["t"]] + [float("inf")])
         first = _first_from(firsts, first_t, r["t"], end)
+        if first is not None and id(first) in claimed:
+            continue
+        joined += 1
         joined_lost += (first.get("lost_steps") or 0) if first else 0
+        if first is not None:
+            claimed.add(id(first))
+    # Lost at a start no failure or membership restart of this log led to: the whole job had died (every
+    # agent: a requeue after a node failure, a lost one-node job) and was started again.
+    resubmit_lost = sum(e.get("lost_steps") or 0 for e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
     wall = ev[-1]["t"] - start_t
     dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
@@ -99,8 +115,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
         "step_s": step_s,
         "failures": len(failures),
         "recoveries": recoveries,
-        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost,
+        "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost + resubmit_lost,
         "membership_lost_steps": joined_lost,
+        "resubmit_lost_steps": resubmit_lost,
         "saves": len(saves),
         "save_stall_s": stall,
         "save_stall_mean_s": stall / len(saves) if saves else None,
@@ -113,7 +130,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
                         if e["event"] == "rendezvous" and e.get("node_rank", 0) == 0],
         "hangs": sum(1 for e in ev if e["event"] == "hang"),
         # Group restarts because an agent joined (scale-up), not because a worker failed.
-        "membership_restarts": sum(1 for e in ev if e["event"] == "restart" and e.get("reason") == "membership"),
+        "membership_restarts": joined,
     }
 
 
@@ -125,6 +142,13 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _apart(s: dict[str, Any]) -> str:
+    """``format_summary``: the lost steps counted apart from those of failures, if any."""
+    parts = [f"{s['membership_lost_steps']} at restarts for joining agents"] if s.get("membership_lost_steps") else []
+    parts += [f"{s['resubmit_lost_steps']} at starts of the whole job again"] if s.get("resubmit_lost_steps") else []
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The text ``trainguard report`` prints."""
     if not s.get("events"):
@@ -134,8 +158,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"median step {_f(s['step_s'], '{:.4f}')} s",
         f"world sizes        {', '.join(f'{w} at {t:.1f}s' for t, w in s['world_sizes']) or '-'}"
         f" ({s.get('membership_restarts', 0)} restarts for joining agents)",
-        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}"
-        + (f" ({s['membership_lost_steps']} at restarts for joining agents)" if s.get("membership_lost_steps") else ""),
+        f"failures           {s['failures']} (hangs detected: {s['hangs']}), lost steps {s['lost_steps']}" + _apart(s),
     ]
     for i, r in enumerate(s["recoveries"], 1):
         lines.append(

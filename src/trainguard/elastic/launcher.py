@@ -9,7 +9,7 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
 * adds ``last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3`` to the c10d
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
-* stops workers on a restart with SIGTERM, then SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s);
+* stops workers on a restart with SIGTERM, then SIGKILL after ``--stop-timeout`` (5 s; torch: 30 s; a membership restart: ``--shutdown-timeout`` when longer);
   a worker that returned on that SIGTERM (a preemption save) exits at once (torch: waits for SIGKILL),
   as does a ``--run-path`` worker whose script returned (torch: gloo open until all end, :func:`.reap.worker_wrap`);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch imports it lazily in the first optimizer and in its log formatter: ~1-2 s "
                         "in every restarted worker otherwise)")
     g.add_argument("--stop-timeout", type=_seconds(0, strict=False), default=5.0, metavar="S",
-                   help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30)")
+                   help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30; "
+                        "a membership restart waits --shutdown-timeout for their preemption save when longer)")
     p.error = _usage_error  # type: ignore[method-assign]
     return p
 
@@ -293,9 +294,10 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         return result
 
     def _restart(self: Any, wg: Any) -> None:
-        events.emit("restart", remaining_restarts=self._remaining_restarts,
-                    reason="failure" if wg.state != WorkerState.HEALTHY else "membership")
+        self._tg_membership = wg.state == WorkerState.HEALTHY  # reap.stop_bounded: healthy workers save on the signal
+        events.emit("restart", remaining_restarts=self._remaining_restarts, reason="membership" if self._tg_membership else "failure")
         orig_restart(self, wg)
+        self._tg_membership = False
 
     def _stop(self: Any, wg: Any, *args: Any, **kwargs: Any) -> None:
         stop_bounded(self, max(1, round(stop_timeout)), *args, **kwargs)  # reap.py: torch 2.11 too
@@ -358,8 +360,7 @@ def main(argv: list[str]) -> int:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker per node (or auto, cpu, gpu)")
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         # Otherwise every worker fails to open it, and the agent restarts them --max-restarts times.
-        print(f"error: {args.training_script}: no such file; give the path of the training script "
-              "(-m NAME for a module)", file=sys.stderr)
+        print(f"error: {args.training_script}: no such file; give the path of the training script (-m NAME for a module)", file=sys.stderr)
         return 2
     try:
         prepare(args)
@@ -382,8 +383,7 @@ def main(argv: list[str]) -> int:
             signal.signal(s, signal.SIG_IGN)
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}",
-                  file=sys.stderr)
+            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)

@@ -174,9 +174,17 @@ def stop_bounded(agent: Any, timeout: int, *args: Any, **kwargs: Any) -> None:
     torch 2.13's ``_shutdown`` takes ``timeout``. torch 2.11's does not: passing it raised
     ``TypeError`` and every restart ended the agent (seen on a GPU machine with that torch). With
     such a torch the workers are closed here first, with ``timeout``; its ``_shutdown`` then
-    finds them ended and stops the rest (watchdog, health check)."""
+    finds them ended and stops the rest (watchdog, health check).
+
+    A membership restart (an agent joined or left; the launcher's ``_restart`` hook sets
+    ``_tg_membership``) stops healthy workers, which finish their step and commit a preemption save
+    (``handle_signals``): they get torch's shutdown timeout (``--shutdown-timeout``, 30 s), as on a
+    SIGTERM to the agent, when it is longer. ``timeout`` (``--stop-timeout``, 5 s) SIGKILLed a worker
+    whose step and save took longer, and the restart resumed from the last periodic checkpoint."""
     import inspect
 
+    if getattr(agent, "_tg_membership", False):
+        timeout = max(timeout, int(getattr(agent, "_shutdown_timeout", timeout) or timeout))
     if "timeout" in inspect.signature(agent._shutdown).parameters:
         agent._shutdown(*args, timeout=timeout, **kwargs)
         return
