@@ -23,7 +23,7 @@ from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
 from .dist import DistContext
 from .distwait import closing_round, default_timeout
-from .elastic import stops, watchdog
+from .elastic import sharedstore, stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
@@ -108,6 +108,7 @@ class CheckpointManager:
             if self.ctx.rank == 0:
                 try:
                     layout.open_run_root(self.storage, self._root)  # not a checkpoint itself
+                    sharedstore.warn_shared_store()  # plain torchrun: its restarts may hang (elastic/sharedstore.py)
                     if self._lock:
                         self._lock.acquire()
                         runlock.release_when_gone(self, self._lock)  # dropped without close(): released when collected
