@@ -36,14 +36,14 @@ class Saver:
 
     def __init__(self, mode: str, root: Path) -> None:
         self.mode, self.root = mode, root
-        self.mgr = None
+        self.mgr, self.last = None, None
         if mode == "manager":
             self.mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1000), keep=tg.KeepLatest(10), async_save=True,
                                             handle_signals=False).open()
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         if self.mgr is None:
-            tg.save(self.path(step), state, async_=True)  # awaited by the next save, or by close()
+            self.last = tg.save(self.path(step), state, async_=True)  # awaited by the next async save, or by close()
         else:
             assert self.mgr.save(step, state, force=True) is not None
 
@@ -52,7 +52,7 @@ class Saver:
 
     def close(self) -> None:
         if self.mgr is None:
-            tg.save(self.root / "last", {"x": torch.zeros(1)})  # a sync save waits for the async one in flight
+            self.last.result()
         else:
             self.mgr.close()
 

@@ -48,7 +48,6 @@ from .stage import (
     default_pool,
     optimizer_writes,
     protected_tensors,
-    tensor_key,
     trim_idle_pools,
     zero_copy_ok,
 )
@@ -124,8 +123,8 @@ def start_async_save(
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
         now, later = [], todo if stage_in_background else []
-        for lf in () if stage_in_background else todo:  # one tensor_key each
-            (later if tensor_key(lf.tensor) in protected else now).append(lf)
+        for lf in () if stage_in_background else todo:  # tensor_key(t) in protected (None, of an empty tensor, never is)
+            (later if (n := (t := lf.tensor).nbytes) and (t.data_ptr(), n, t.device) in protected else now).append(lf)
         slots = pool.acquire([lf.tensor.nbytes for lf in now])
         try:
             try:

@@ -250,10 +250,11 @@ def protected_tensors(state: Mapping[str, Any]) -> tuple[set[Any], list[torch.op
     for opt in filter(_hooked, optimizers):
         for group in opt.param_groups:
             for p in group["params"]:
-                out.add(_own_key(p))
+                # _own_key(p), spelt out for a plain tensor (two calls fewer per tensor of the save's call)
+                out.add((p.data_ptr(), n, p.device) if type(p) in PLAIN and (n := p.nbytes) else _own_key(p))
                 for v in opt.state.get(p, {}).values():
                     if isinstance(v, torch.Tensor):
-                        out.add(_own_key(v))
+                        out.add((v.data_ptr(), n, v.device) if type(v) in PLAIN and (n := v.nbytes) else _own_key(v))
     out.discard(None)
     return out - renormed, optimizers
 
