@@ -210,28 +210,32 @@ def test_plain_values_are_read_at_each_call(tmp_path, mode) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_keys_added_removed_reordered_and_another_state_object(tmp_path, mode) -> None:
     a, b = _mlp(1), _mlp(2)
+    state = {"a": a, "b": b}
     s = Saver(mode, tmp_path)
-    s.save(1, {"a": a, "b": b})
-    s.save(2, {"b": a, "a": b})  # the same objects under swapped keys, in another dict
-    b.add_module("3", nn.Linear(3, 2))  # a submodule added
+    s.save(1, state)
+    ref_a1, ref_b1 = copy.deepcopy(a.state_dict()), copy.deepcopy(b.state_dict())
+    b.add_module("3", nn.Linear(3, 2))  # a submodule added (the same state object, keys and entries)
     del a[2].bias  # a parameter removed (no registration hook sees a delattr)
-    s.save(3, {"a": a, "b": b, "c": tg.StateDict(n=3)})
+    s.save(2, state)
+    s.save(3, {"b": a, "a": b, "c": tg.StateDict(n=3)})  # the same objects under swapped keys, in another dict
     s.close()
-    assert set(s.manifest(1)["objects"]) == {"a", "b"} and set(s.manifest(3)["objects"]) == {"a", "b", "c"}
+    assert set(s.manifest(2)["objects"]) == {"a", "b"} and set(s.manifest(3)["objects"]) == {"a", "b", "c"}
     one = {"a": _mlp(7), "b": _mlp(8)}
     tg.load(s.path(1), one)
-    assert torch.equal(one["a"][0].weight, _mlp(1)[0].weight) and torch.equal(one["b"][0].weight, _mlp(2)[0].weight)
-    two = {"a": _mlp(7), "b": _mlp(8)}
-    tg.load(s.path(2), two)
-    assert torch.equal(two["a"][0].weight, _mlp(2)[0].weight) and torch.equal(two["b"][0].weight, _mlp(1)[0].weight)
+    assert _same(one["a"].state_dict(), ref_a1) and _same(one["b"].state_dict(), ref_b1)
+    with pytest.raises(tg.CheckpointError):  # the first checkpoint holds neither the added submodule nor its values
+        tg.load(s.path(1), {"a": a, "b": b})
+    a2, b2 = _mlp(7), _mlp(8)
+    del a2[2].bias
+    b2.add_module("3", nn.Linear(3, 2))
+    tg.load(s.path(2), {"a": a2, "b": b2})
+    assert _same(a2.state_dict(), a.state_dict()) and _same(b2.state_dict(), b.state_dict())
     a3, b3 = _mlp(7), _mlp(8)
     del a3[2].bias
     b3.add_module("3", nn.Linear(3, 2))
-    got = {"a": a3, "b": b3, "c": tg.StateDict()}
+    got = {"a": b3, "b": a3, "c": tg.StateDict()}
     tg.load(s.path(3), got)
     assert _same(a3.state_dict(), a.state_dict()) and _same(b3.state_dict(), b.state_dict()) and got["c"] == {"n": 3}
-    with pytest.raises(tg.CheckpointError):  # the 2-module checkpoint does not hold the added submodule
-        tg.load(s.path(2), {"a": _mlp(7), "b": b3})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -322,3 +326,17 @@ def test_walks_are_shared_within_a_block_only_and_per_thread() -> None:
         t.join()
         assert seen == [3]  # another thread (a load meanwhile) walks afresh
     assert len(walks.modules(m)) == 3 and walks.modules(m) is not first  # the next call walks afresh
+
+
+def test_an_inference_tensor_among_watched_ones_is_saved(tmp_path) -> None:
+    """``handle.watch`` reads each version counter in one pass; an inference tensor has none (it
+    raises): the pass falls back to one tensor at a time, None for it, and the save goes on."""
+    with torch.inference_mode():
+        frozen = torch.arange(4.0)
+    plain = torch.arange(3.0)
+    h = tg.save(tmp_path / "c", {"a": frozen, "b": plain}, async_=True, stage_in_background=True)
+    h.wait_staged()
+    h.result()
+    got = {"a": torch.zeros(4), "b": torch.zeros(3)}
+    tg.load(tmp_path / "c", got)
+    assert torch.equal(got["a"], torch.arange(4.0)) and torch.equal(got["b"], plain)
