@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import gcpause, iostall
+from . import gcpause, iostall, walks
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
 from .buffers import as_bytes
 from .dist import DistContext, default_timeout
@@ -48,7 +48,6 @@ from .stage import (
     default_pool,
     optimizer_writes,
     protected_tensors,
-    tensor_key,
     trim_idle_pools,
     zero_copy_ok,
 )
@@ -109,22 +108,23 @@ def start_async_save(
     _finish_previous(managed, timeout)
     gcpause.expire()  # the collector waits until the save thread ends (gcpause.py); released here if none begins
     with ctx.operation(eager=True), gcpause.held(gcpause.ASYNC_HOLD_S) as hold:  # its thread's rounds too (dist.py)
-        try:
-            snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
-        except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
-            if not getattr(e, "captured_elsewhere", False):
-                raise
-            gcpause.release(hold)
-            return _failed(e, step, managed, target)
-        protected, optimizers = protected_tensors(state)
+        with walks.shared():  # the capture and protected_tensors walk each module once (walks.py)
+            try:
+                snap = _collective_capture(state, ctx, layout, timeout, metadata, preflight, split_state)
+            except RankFailureError as e:  # raised here while the ranks that captured fail in their handles
+                if not getattr(e, "captured_elsewhere", False):
+                    raise
+                gcpause.release(hold)
+                return _failed(e, step, managed, target)
+            protected, optimizers = protected_tensors(state)
         handle = SaveHandle(step, target)
         handle.limit, handle.rank, handle.gc_hold = timeout or default_timeout(), ctx.rank, hold  # limit bounds its waits
         pool = default_pool(max_staging_bytes)
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
         now, later = [], todo if stage_in_background else []
-        for lf in () if stage_in_background else todo:  # one tensor_key each
-            (later if tensor_key(lf.tensor) in protected else now).append(lf)
+        for lf in () if stage_in_background else todo:  # tensor_key(t) in protected (None, of an empty tensor, never is)
+            (later if (n := (t := lf.tensor).nbytes) and (t.data_ptr(), n, t.device) in protected else now).append(lf)
         slots = pool.acquire([lf.tensor.nbytes for lf in now])
         try:
             try:

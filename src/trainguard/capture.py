@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
-from . import ddpjoin
+from . import ddpjoin, walks
 from .buffers import holds, may_overlap
 from .commhooks import warn_unsaved
 from .dist import DistContext
@@ -92,6 +92,11 @@ def capture(state: Mapping[str, Any], *, ctx: DistContext, layout_kind: str = "s
     in its stage phase. ``split`` (``split_state=True``, from ``api._collective_capture``): a
     DTensor on a mesh slice may be this rank's to write (``my_chunks`` decides, knowing the groups).
     """
+    with walks.shared():  # each module walked once for the checks below (walks.py)
+        return _capture(state, ctx, layout_kind, split)
+
+
+def _capture(state: Mapping[str, Any], ctx: DistContext, layout_kind: str, split: bool) -> Snapshot:
     check_state(state)
     names = param_name_map(state)
     objects: dict[str, Any] = {}

@@ -218,7 +218,9 @@ def reshard_fsdp2(modules: Any) -> None:
     fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if fsdp_module is None:  # FSDP2 never imported: nothing to reshard
         return
+    from .walks import modules as walk
+
     for module in modules:
-        for sub in module.modules():
+        for sub in walk(module):  # the save call's one walk of the module (walks.py)
             if isinstance(sub, fsdp_module):
                 sub.reshard()

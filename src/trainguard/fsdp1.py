@@ -66,10 +66,12 @@ def _handles(state: Any) -> list[tuple[Any, Any]]:
     fsdp = _fsdp_class()
     if fsdp is None:
         return []
+    from .walks import modules
+
     out = []
     for value in state.values():
         if isinstance(value, torch.nn.Module):
-            for sub in value.modules():
+            for sub in modules(value):  # the save call's one walk of the module (walks.py)
                 handle = getattr(sub, "_handle", None) if isinstance(sub, fsdp) else None
                 if handle is not None and getattr(handle, "flat_param", None) is not None:
                     out.append((sub, handle.flat_param))

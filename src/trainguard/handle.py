@@ -182,7 +182,10 @@ class SaveHandle:
         ``.data`` bumps no counter and goes unseen (docs/async.md). Kept as the leaves and a list
         of ints, no object per tensor (planner.full_box says why)."""
         self._watched = leaves
-        self._versions = [_version(lf.tensor) for lf in leaves]
+        try:  # one attribute read each, no Python call per tensor
+            self._versions = [lf.tensor._version for lf in leaves]
+        except (RuntimeError, AttributeError):  # an inference tensor has no counter: None for it
+            self._versions = [_version(lf.tensor) for lf in leaves]
 
     def set_staged(self) -> None:
         """Save thread: the last tensor of the save is copied (or written); step() may run again."""

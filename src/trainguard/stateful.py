@@ -173,7 +173,9 @@ class ModuleAdapter:
 
     def param_all_names(self) -> dict[int, list[str]]:
         """``id(param) -> its names`` in the module's order (several for a tie)."""
-        named = list(self.module.named_parameters(remove_duplicate=False))
+        from .walks import named_parameters
+
+        named = named_parameters(self.module)  # the save call's one walk of the module (walks.py)
         out: dict[int, list[str]] = {}
         for (_, p), c in zip(named, canonical_names(self.module, [n for n, _ in named]), strict=True):
             out.setdefault(id(p), []).append(c)
