@@ -49,3 +49,27 @@ def test_doctor_ema_of_another_object_in_the_dict_is_still_reported(tmp_path: Pa
     r = run_py(["-m", "trainguard", "doctor", str(script), "--json"])
     found = [f for f in json.loads(r.stdout) if f["check"] == "ema"]
     assert [f["severity"] for f in found] == ["warning"], r.stdout + r.stderr
+
+
+def test_a_one_value_tensor_is_taken_as_an_on_off_argument(tmp_path: Path) -> None:
+    """Before session 44 ``overwrite=val_loss < best`` (a tensor(True)) replaced the checkpoint; the
+    new bool check refused it with 'pass True or False' (numpy's np.True_ passed)."""
+    import torch
+
+    import trainguard as tg
+
+    m = torch.nn.Linear(2, 2)
+    path = str(tmp_path / "best")
+    tg.save(path, {"model": m}, overwrite=torch.tensor(False), async_=torch.tensor(False))
+    with torch.no_grad():
+        m.weight.fill_(3.0)
+    tg.save(path, {"model": m}, overwrite=torch.tensor(2.0) > torch.tensor(1.0))
+    back = torch.nn.Linear(2, 2)
+    tg.load(path, {"model": back}, strict=torch.tensor(True))
+    assert torch.equal(back.weight, torch.full((2, 2), 3.0))
+    with tg.CheckpointManager(str(tmp_path / "run"), async_save=torch.tensor(True)) as mgr:
+        mgr.save(1, {"model": m}, force=torch.tensor(True))
+    assert (tmp_path / "run" / "step-000000001" / "manifest.json").exists()
+    for bad in (torch.tensor([True, False]), torch.tensor(2), "no"):
+        with pytest.raises(TypeError, match="pass True or False"):
+            tg.save(str(tmp_path / "other"), {"model": m}, overwrite=bad)
