@@ -73,3 +73,34 @@ def test_a_one_value_tensor_is_taken_as_an_on_off_argument(tmp_path: Path) -> No
     for bad in (torch.tensor([True, False]), torch.tensor(2), "no"):
         with pytest.raises(TypeError, match="pass True or False"):
             tg.save(str(tmp_path / "other"), {"model": m}, overwrite=bad)
+
+
+def test_a_manager_save_does_not_look_for_a_checkpoint_above_its_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check that a save's directory is not inside a checkpoint asked the store for the run
+    directory's manifest.json at every manager save (one more HEAD each on S3), though the manager
+    checked every directory above its root at open. A spy counts the real calls; tg.save still looks."""
+    import torch
+
+    import trainguard as tg
+    from trainguard.storage.fsspec import FsspecStorage
+
+    asked: list[str] = []
+    real = FsspecStorage.exists
+
+    def exists(self: FsspecStorage, path: str) -> bool:
+        asked.append(path)
+        return real(self, path)
+
+    monkeypatch.setattr(FsspecStorage, "exists", exists)
+    m = torch.nn.Linear(4, 4)
+    root = "memory://review44b-bkt/proj/run"
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(0, {"model": m})
+        asked.clear()
+        for s in (1, 2, 3):
+            mgr.save(s, {"model": m})
+        assert [p for p in asked if p.endswith("/run/manifest.json")] == []
+    asked.clear()
+    tg.save("memory://review44b-bkt/proj/other/best", {"model": m})
+    assert [p for p in asked if p.endswith("/other/manifest.json")] != []
+    assert mgr.latest_step() == 3
