@@ -139,3 +139,45 @@ def test_doctor_own_generator_saved_by_hand_is_ok(tmp_path: Path) -> None:
     r = run_py(["-m", "trainguard", "doctor", str(script), "--json"])
     found = [f for f in json.loads(r.stdout) if f["check"] == "own generators"]
     assert [f["severity"] for f in found] == ["warning"] and "`rng`" in found[0]["message"], r.stdout + r.stderr
+
+
+RESEEDED_PER_STEP = """
+import torch
+import trainguard as tg
+
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator()
+
+
+def train_step(x):
+    x = x + 0.1 * torch.randn(x.shape, generator=g)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+state = {"model": model, "optimizer": opt}
+with tg.CheckpointManager("ckpt") as mgr:
+    start = mgr.restore(state) or 0
+    for epoch in range(start // 10, 3):
+        EPOCH
+        for step in range(10):
+            STEP
+            train_step(torch.randn(8, 4))
+            mgr.save(epoch * 10 + step, state)
+"""
+
+
+def test_doctor_own_generator_reseeded_at_each_step_before_the_function_that_draws(tmp_path: Path) -> None:
+    """Before: g.manual_seed(seed + step) in the step loop, drawn from in train_step(), was warned
+    'is drawn from at each step ... but is not saved' (the pattern that makes a resume draw the same)."""
+    script = tmp_path / "train.py"
+    script.write_text(RESEEDED_PER_STEP.replace("EPOCH", "pass").replace("STEP", "g.manual_seed(1234 + epoch * 10 + step)"))
+    r = run_py(["-m", "trainguard", "doctor", str(script), "--json"])
+    assert [f for f in json.loads(r.stdout) if f["check"] == "own generators"] == [], r.stdout + r.stderr
+    # re-seeded once an epoch only: a resume mid-epoch draws other numbers: still reported
+    script.write_text(RESEEDED_PER_STEP.replace("EPOCH", "g.manual_seed(1234 + epoch)").replace("STEP", "pass"))
+    r = run_py(["-m", "trainguard", "doctor", str(script), "--json"])
+    found = [f for f in json.loads(r.stdout) if f["check"] == "own generators"]
+    assert [f["severity"] for f in found] == ["warning"], r.stdout + r.stderr

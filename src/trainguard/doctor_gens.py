@@ -14,7 +14,7 @@ function of the script called by name in such a loop, or in a ``forward`` method
 process). Saved: named in ``RNGState(generators=...)``, or its state put into a dict or ``state[...] = ``
 by hand (``g.get_state()``, ``rng.bit_generator.state``). Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
 or re-seeded (``manual_seed``/``seed``) inside a loop or in the function that draws (the same numbers
-on every pass or call)."""
+on every pass or call), or re-seeded in the step loop before a function or ``forward`` that draws."""
 
 from __future__ import annotations
 
@@ -132,10 +132,14 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
     defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
     scopes = loops + [f for name, f in defs.items() if name in called or name in _METHODS]
+    # re-seeded at every step (in a training loop that holds no other: not an epoch loop), before the
+    # function or forward that draws: g.manual_seed(seed + step); train_step(x) (warned before)
+    inner = [lp for lp in loops if not any(o is not lp and o in loops for o in ast.walk(lp))]
+    stepped = {name for name in made if any(_reseeded(lp, name) for lp in inner)}
     hits: dict[str, ast.Call] = {}
     for scope in scopes:
         for name, call in _draws(scope, set(made)):
-            if not _reseeded(scope, name):
+            if name not in stepped and not _reseeded(scope, name):
                 hits.setdefault(name, call)
     if not hits:
         return None
