@@ -197,14 +197,13 @@ def persist_and_commit(
     """
     parent, name = os.path.split(target.rstrip("/"))
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
-    if step is None:
-        step = layout_mod.parse_step(name) or 0
+    managed, step = step is not None, layout_mod.parse_step(name) or 0 if step is None else step  # step: a manager's save
     hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own,
                              "error": None, "rep": replicas.hello(snap), "vals": replicas.values(snap, ctx.world_size)}
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
-            hello.update(occupied(storage, storage.join(parent, name), overwrite))
+            hello.update(occupied(storage, storage.join(parent, name), overwrite, above=not managed))  # its root: checked at open
         except Exception as e:  # a listing that failed (name too long, no permission, EIO, an object store's error)
             if not ctx.is_distributed:  # a CheckpointError: a manager's on_error="warn" applies to it
                 raise e if isinstance(e, CheckpointError) else CheckpointError(

@@ -271,11 +271,12 @@ def _carries(storage: Storage, root: str, token: str) -> bool:
     return False
 
 
-def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
+def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = True) -> dict[str, str]:
     """Rank 0, before a save: why ``final`` may not receive it (``{}``: it may). A committed
     checkpoint is replaced only with ``overwrite`` (and only where the storage can rename a
     directory: in place, a failed save would destroy it); a directory holding anything but a
-    checkpoint's own files is never saved into (the commit would delete what it holds)."""
+    checkpoint's own files is never saved into (the commit would delete what it holds). ``above``: whether
+    its parent may be a checkpoint (not a manager's root, checked at open: one more HEAD per save on a store)."""
     try:
         names = storage.listdir(final)
     except NotADirectoryError:
@@ -288,7 +289,7 @@ def occupied(storage: Storage, final: str, overwrite: bool) -> dict[str, str]:
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
-    if refused := mount_point(storage, final) or layout.inside_checkpoint(storage, final):  # EBUSY at the commit; deleted with it
+    if refused := mount_point(storage, final) or above and layout.inside_checkpoint(storage, final):  # EBUSY at the commit; deleted with it
         return refused
     if layout.MANIFEST not in names:
         return {}

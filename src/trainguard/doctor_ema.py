@@ -23,14 +23,21 @@ _UPDATES = {"update_parameters", "update", "step"}
 
 
 def _used_as_value(tree: ast.Module, name: str) -> bool:
-    """``name`` (or ``self.name``) put into a dict, a subscript or a call's argument list that is no update of it."""
+    """``name`` (or ``self.name``) put into a dict, a subscript or a call's argument list that is no update of it;
+    into a dict or a subscript, also what it holds (``{"ema": ema.state_dict()}``, ``state["ema"] = model_ema.module``:
+    reported as not saved before)."""
     def hit(v: ast.AST | None) -> bool:
         return v is not None and (isinstance(v, ast.Name) and v.id == name or isinstance(v, ast.Attribute) and v.attr == name)
 
+    def part(v: ast.AST | None) -> bool:  # ``ema``, or what it holds: ``ema.state_dict()``, timm's ``model_ema.module``
+        while not hit(v) and isinstance(v, (ast.Attribute, ast.Call)):
+            v = v.func if isinstance(v, ast.Call) else v.value
+        return hit(v)
+
     for n in ast.walk(tree):
-        if isinstance(n, ast.Dict) and any(hit(v) for v in n.values):
+        if isinstance(n, ast.Dict) and any(part(v) for v in n.values):
             return True
-        if isinstance(n, ast.Assign) and hit(n.value) and any(isinstance(t, ast.Subscript) for t in n.targets):
+        if isinstance(n, ast.Assign) and part(n.value) and any(isinstance(t, ast.Subscript) for t in n.targets):
             return True
         if isinstance(n, ast.Call) and not (isinstance(n.func, ast.Attribute) and hit(n.func.value)) \
                 and any(hit(a) for a in [*n.args, *(k.value for k in n.keywords)]):

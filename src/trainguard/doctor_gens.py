@@ -11,9 +11,10 @@ Draws that count: ``generator=<it>`` in a call, or a draw method of it (``rng.in
 inside a training loop (one that calls ``backward()``, an optimizer's ``step()`` or a save), inside a
 function of the script called by name in such a loop, or in a ``forward`` method (not a dataset's
 ``__getitem__``: with DataLoader workers each worker draws from a copy, never advanced in the training
-process). Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
+process). Saved: named in ``RNGState(generators=...)``, or its state put into a dict or ``state[...] = ``
+by hand (``g.get_state()``, ``rng.bit_generator.state``). Not counted: a ``DataLoader(generator=...)`` (the "data randomness" check's), a generator made
 or re-seeded (``manual_seed``/``seed``) inside a loop or in the function that draws (the same numbers
-on every pass or call)."""
+on every pass or call), or re-seeded in the step loop before a function or ``forward`` that draws."""
 
 from __future__ import annotations
 
@@ -79,6 +80,26 @@ def _reseeded(scope: ast.AST, name: str) -> bool:
     return False
 
 
+_STATES = {"get_state", "getstate"}  # torch.Generator's and RandomState's, random.Random's
+
+
+def _states_saved(tree: ast.AST, names: set[str]) -> set[str]:
+    """The generators whose state is put into a dict or ``state[...] = `` by hand: ``g.get_state()``,
+    ``rng.bit_generator.state``, ``r.getstate()`` (restored with ``set_state``/``setstate``: reported as
+    not saved before)."""
+    def gen(v: ast.AST) -> str | None:
+        if isinstance(v, ast.Call) and isinstance(v.func, ast.Attribute) and v.func.attr in _STATES:
+            return _ref(v.func.value)
+        if isinstance(v, ast.Attribute) and v.attr == "state" and isinstance(v.value, ast.Attribute) \
+                and v.value.attr == "bit_generator":
+            return _ref(v.value.value)
+        return None
+
+    values = [v for n in ast.walk(tree) if isinstance(n, ast.Dict) for v in n.values if v is not None]
+    values += [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Subscript) for t in n.targets)]
+    return {r for v in values if (r := gen(v)) in names}
+
+
 def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning for a generator of the script drawn from at every step and not saved (module doc);
     ``ok`` when every such generator is named in ``RNGState(generators=...)``; ``None`` without source
@@ -105,22 +126,27 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
                     if not isinstance(k.value, ast.Dict):  # built out of sight: may name any of them
                         return None
                     saved |= {r for v in k.value.values for x in ast.walk(v) if (r := _ref(x)) is not None}
+    saved |= _states_saved(tree, set(made))
     savers = _savers(tree)
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
     defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
     scopes = loops + [f for name, f in defs.items() if name in called or name in _METHODS]
+    # re-seeded at every step (in a training loop that holds no other: not an epoch loop), before the
+    # function or forward that draws: g.manual_seed(seed + step); train_step(x) (warned before)
+    inner = [lp for lp in loops if not any(o is not lp and o in loops for o in ast.walk(lp))]
+    stepped = {name for name in made if any(_reseeded(lp, name) for lp in inner)}
     hits: dict[str, ast.Call] = {}
     for scope in scopes:
         for name, call in _draws(scope, set(made)):
-            if not _reseeded(scope, name):
+            if name not in stepped and not _reseeded(scope, name):
                 hits.setdefault(name, call)
     if not hits:
         return None
     unsaved = {n: c for n, c in hits.items() if n not in saved}
     if not unsaved:
         return Finding("own generators", "ok", f"the generators drawn from at each step are saved "
-                       f"(RNGState(generators=...)): {', '.join(sorted(hits))}")
+                       f"(RNGState(generators=...), or their state by hand): {', '.join(sorted(hits))}")
     name, call = next(iter(unsaved.items()))
     kind, line = made[name]
     more = f" (and {', '.join(sorted(unsaved)[1:])})" if len(unsaved) > 1 else ""

@@ -216,13 +216,16 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
 
 def check_flags(**flags: Any) -> None:
     """The on/off arguments of ``tg.save`` and ``CheckpointManager``, before any I/O: True or False
-    (0, 1 and numpy bools too), as ``tg.load``'s ``strict``. A string is truthy: ``overwrite="no"``
+    (0, 1, numpy bools and one-value tensors too: ``torch.tensor(True)``, as before the check), as ``tg.load``'s ``strict``. A string is truthy: ``overwrite="no"``
     (a value read from a config file or an environment variable) replaced an existing checkpoint,
     ``async_="no"`` made the save asynchronous, ``split_state="no"`` split it."""
 
+    from torch import is_tensor
+
     def flag(v: Any) -> bool:
-        numpy_scalar = type(v).__module__ == "numpy" and getattr(v, "shape", None) == ()
-        return (type(v) in (bool, int) or numpy_scalar) and v in (True, False)
+        # a numpy scalar, or a one-value tensor (``overwrite=val_loss < best``: tensor(True))
+        scalar = type(v).__module__ == "numpy" and getattr(v, "shape", None) == () or is_tensor(v) and v.numel() == 1
+        return (type(v) in (bool, int) or scalar) and bool(v in (True, False))
 
     if bad := [f"{k}={v!r}" for k, v in flags.items() if not flag(v)]:
         raise TypeError(f"{', '.join(bad)}: pass True or False")
