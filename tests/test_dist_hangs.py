@@ -80,10 +80,10 @@ def stopped_in_begin(rank: int, world: int, root: str) -> dict:
 
     real = api.occupied
 
-    def occupied(*args: Any) -> Any:  # rank 0 only, inside the "begin" round, before it publishes
+    def occupied(*args: Any, **kwargs: Any) -> Any:  # rank 0 only, inside the "begin" round, before it publishes
         api.occupied = real
         signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
-        return real(*args)
+        return real(*args, **kwargs)
 
     def stop() -> None:
         if rank == 0:

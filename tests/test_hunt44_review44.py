@@ -4,12 +4,10 @@ and misusing the public API."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import trainguard as tg
+from test_hunt43_hostilefs import _tmpfs
 from trainguard.convert import convert
 from trainguard.export import export
 
@@ -99,18 +98,6 @@ def test_a_pt_export_of_an_optimizer_entry_imports_back_as_that_entry(tmp_path: 
     assert torch.equal(opt2.state[model.weight]["exp_avg"], opt.state[model.weight]["exp_avg"])
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path) -> Iterator[Path]:
-    path.mkdir()
-    if os.getuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(path)],
-                                          capture_output=True, timeout=60).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=60)
-
-
 def test_a_tmpfs_whose_mount_point_has_a_space_and_an_accent_is_taken_for_a_tmpfs(tmp_path: Path) -> None:
     """``/proc/self/mountinfo`` writes a space as ``\\040`` and an accent as its UTF-8 bytes; the
     parser decoded the line with ``unicode_escape``, which reads those bytes as Latin-1: the mount
@@ -120,7 +107,7 @@ def test_a_tmpfs_whose_mount_point_has_a_space_and_an_accent_is_taken_for_a_tmpf
     from trainguard.doctor import Settings, filesystem_of, parse_mountinfo
     from trainguard.doctor_storage import storage_check
 
-    with _tmpfs(tmp_path / "données x") as base:
+    with _tmpfs(tmp_path / "données x", "16m") as base:
         mounts = parse_mountinfo(Path("/proc/self/mountinfo").read_text(encoding="utf-8"))
         assert filesystem_of(str(base / "run"), mounts) == "tmpfs"
         with warnings.catch_warnings(record=True) as seen:
