@@ -79,8 +79,7 @@ class CheckpointManager:
         self.keep = keep if keep is not None else KeepLatest(3)
         self.async_save, self.layout, self.on_error, self.handle_signals = async_save, layout, on_error, handle_signals
         self.timeout, self.max_staging_bytes, self.stage_in_background, self.split_state = timeout, max_staging_bytes, stage_in_background, split_state
-        # Its own rounds (two threads' managers), named by the root's last part (another node may mount it elsewhere).
-        self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")
+        self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")  # own rounds, named by the root's last part (another node may mount it elsewhere)
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
         policies.attach(self.save_policy, self.events)  # its event log; durations end at the commit
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
@@ -98,7 +97,6 @@ class CheckpointManager:
         self._warned_foreign, self._aside, self._failed_permanent = False, "", False
         self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events) if ram_tier else None
 
-    # ------------------------------------------------------------------ lifecycle
     def open(self) -> CheckpointManager:
         """Every rank, first: rank 0 takes the lock and cleans debris, then the ranks agree."""
         if self._opened:
