@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from test_elastic_scale import _finish  # agents waited for, killed past the timeout
 from trainguard.events import read_events
 from trainguard.report import format_summary, summarize
 
@@ -74,15 +75,6 @@ def _run(args: list[str], timeout: float) -> tuple[int, str]:
     return p.returncode, out.decode(errors="replace")[-4000:]
 
 
-def _finish(agents: list[subprocess.Popen], timeout: float) -> tuple[list[int], str]:
-    try:
-        outs = [a.communicate(timeout=timeout)[0].decode(errors="replace") for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                a.kill()
-                a.wait()
-    return [a.returncode for a in agents], "\n=====\n".join(o[-3000:] for o in outs)
 
 
 @pytest.mark.timeout(120)

@@ -15,7 +15,6 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ import torch
 import trainguard as tg
 
 s3fs = pytest.importorskip("s3fs")
+from test_objstore19_review import _in_thread  # noqa: E402  (fn on a daemon thread, bounded: 120 s there too)
 from test_storage_s3 import weed  # noqa: E402,F401  (the session's server; skips without `weed`)
 from trainguard.commit import list_steps  # noqa: E402
 from trainguard.storage import fsspec as tgfs  # noqa: E402
@@ -253,20 +253,6 @@ def _small(v: float) -> dict:
     return {"model": {"w": torch.full((1000,), float(v))}}
 
 
-def _in_thread(fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
-    """``fn(*args)`` on a daemon thread, waited for at most BOUND s: (finished, its result or exception)."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["r"] = fn(*args)
-        except BaseException as e:  # handed to the test
-            box["r"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(BOUND)
-    return not t.is_alive(), box.get("r")
 
 
 def _is_part(method: str, target: str) -> bool:
