@@ -17,7 +17,7 @@ from typing import Any
 
 from . import layout
 from .capture import check_data_positions
-from .commitfail import mount_point, removed, renamed_anyway
+from .commitfail import removed, renamed_anyway, unsafe_target
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -289,7 +289,7 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
-    if refused := mount_point(storage, final) or above and layout.inside_checkpoint(storage, final):  # EBUSY at the commit; deleted with it
+    if refused := unsafe_target(storage, final, above):  # EBUSY at the commit; deleted with it; a live run's step
         return refused
     if layout.MANIFEST not in names:
         return {}

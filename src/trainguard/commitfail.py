@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 from . import layout
 from .errors import CheckpointError, describe_error
-from .runlock import check_owned
+from .runlock import check_owned, holder_of
 from .storage import Storage
 
 
@@ -86,3 +86,21 @@ def mount_point(storage: Storage, final: str) -> dict[str, str]:
         f"{final} is a mount point: a checkpoint is a directory that the save writes beside it and renames into "
         f"place, and a mount point cannot be replaced. Save into a directory inside it ({os.path.join(final, 'ckpt')}), "
         "or pass it to a CheckpointManager as its run directory")}
+
+
+def unsafe_target(storage: Storage, final: str, above: bool) -> dict[str, str]:
+    """``commit.occupied`` (rank 0, before a save): a refusal when ``final`` is a mount point
+    (:func:`mount_point`), or, for a save not made by a manager (``above``), lies inside a committed
+    checkpoint (``layout.inside_checkpoint``) or is a step directory of a run that a live
+    ``CheckpointManager`` holds (``runlock.holder_of``: its retention deletes that directory, its own
+    save of that step replaces it; ``tg.save("run/step-000000100", state, overwrite=True)`` replaced
+    a live run's checkpoint behind its lock). Else ``{}``."""
+    if refused := mount_point(storage, final) or above and layout.inside_checkpoint(storage, final):
+        return refused
+    root, name = os.path.split(final.rstrip("/"))
+    if not above or not storage.atomic_rename or layout.parse_step(name) is None or not (holder := holder_of(root)):
+        return {}
+    return {"refused": (
+        f"{final} is a step directory of the run {root}, which a CheckpointManager holds ({holder}): its retention "
+        "deletes such directories and its own save of that step replaces it. Save through that manager "
+        "(mgr.save(step, state, force=True)), or to a path outside its run directory")}

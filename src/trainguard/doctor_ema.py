@@ -7,8 +7,9 @@ restart is lost, silently (seen: an ``AveragedModel`` EMA left out of the state,
 SIGKILL, ended with other weights than the uninterrupted run's, every other tensor equal).
 
 With the state (a ``trainguard_state()`` hook) an average is saved when an object of its class is in
-the state; from the source alone, when its name is a value of a dict, of ``state[...] = ``, or an
-argument of a call that builds the state (``tg.StateDict(ema=ema)``, ``state.update(ema=ema)``)."""
+the state, or a key named like it (``{"ema": ema.module}``: timm's and torch's averaged module);
+from the source alone, when its name is a value of a dict, of ``state[...] = ``, or an argument
+of a call that builds the state (``tg.StateDict(ema=ema)``, ``state.update(ema=ema)``)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def _used_as_value(tree: ast.Module, name: str) -> bool:
     return False
 
 
+def _named(leaves: list[tuple[str, Any]], name: str) -> bool:
+    """A key of the state named like the average (its variable's name, or a word ``ema``, ``swa``,
+    ``averaged`` of it): what a hook returns as ``{"ema": ema.module}`` or ``{"model_ema": ema.state_dict()}``,
+    where the average's own class is not in the state."""
+    words = {"ema", "swa", "averaged", "average"}
+    for p, _ in leaves:
+        key = p.rsplit("/", 1)[-1].lower()
+        if key == name.lower() or words & set(key.split("_")):
+            return True
+    return False
+
+
 def unsaved_ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning for a weight average updated in a training loop and not saved (module doc); ``ok``
     when saved; ``None`` without source or without such an average. Static, plus the state's classes."""
@@ -77,7 +90,7 @@ def unsaved_ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None
     classes = {k.__name__ for _, x in leaves for k in type(x).__mro__}
     unsaved = [n for n in updated
-               if not (made[n][0] in classes if leaves else _used_as_value(tree, n))]
+               if not (made[n][0] in classes or _named(leaves, n) if leaves else _used_as_value(tree, n))]
     if not unsaved:
         return Finding("ema", "ok", f"the weight average is saved ({', '.join(sorted(updated))})")
     name = unsaved[0]

@@ -248,7 +248,26 @@ def error_text(e: BaseException) -> str:
     for its 403, else its type and text."""
     if isinstance(e, PermissionError) and getattr(e, "remote", False):
         return store_refused(e)
-    return store_unusable(e) if is_store_client_error(e) else f"{type(e).__name__}: {e}"
+    if is_store_client_error(e):
+        return store_unusable(e)
+    if (answer := http_answer(e)) is not None:  # s3fs's OSError for a 500: "[Errno 121] We encountered an internal error"
+        return f"{type(e).__name__}: the object store answered {answer}: {e.strerror or e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def http_answer(e: BaseException) -> str | None:
+    """``"HTTP 500 (InternalError)"`` for an error an object store's answer caused (s3fs turns a
+    botocore ``ClientError`` into an ``OSError`` whose errno tells little: 121 ``EREMOTEIO`` for a
+    500, ``EBUSY`` for a 503), found on ``e`` or its causes; None for any other error."""
+    for _ in range(5):
+        response = getattr(e, "response", None)
+        if isinstance(response, dict) and (status := response.get("ResponseMetadata", {}).get("HTTPStatusCode")):
+            code = response.get("Error", {}).get("Code")
+            return f"HTTP {status}" + (f" ({code})" if code and str(code) != str(status) else "")
+        if e.__cause__ is None:
+            return None
+        e = e.__cause__
+    return None
 
 
 def unreadable(e: Exception, target: str) -> Exception:

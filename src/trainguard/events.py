@@ -26,10 +26,13 @@ class EventLog:
 
     The log is a record, not part of a checkpoint: a line that cannot be written (a full disk,
     a read-only or removed directory) is dropped with one warning per log, and the caller (a
-    save that succeeded, a restore) goes on."""
+    save that succeeded, a restore) goes on. The log creates its directory for its first line (the
+    elastic agent's log, before any worker opened the run directory), not after: a run directory
+    removed while the job runs (``rm -rf``) was created again, empty, by the next event."""
 
     def __init__(self, path: str | os.PathLike[str] | None, *, rank: int = 0) -> None:
         self.path = None if path is None else Path(path)
+        self._wrote = False  # a line was written: the directory is not created again
         self.rank = rank
         self._warned = False
 
@@ -38,10 +41,12 @@ class EventLog:
         if self.path is not None:
             line = (json.dumps(rec, default=str) + "\n").encode()
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if not self._wrote:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
                 try:
                     os.write(fd, line)
+                    self._wrote = True
                 finally:
                     os.close(fd)
             except OSError as e:

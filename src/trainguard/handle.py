@@ -20,6 +20,13 @@ from .errors import CheckpointError
 log = logging.getLogger("trainguard")
 
 
+def _seconds(timeout: Any, call: str) -> None:
+    """``result``/``wait_staged``'s ``timeout``: seconds >= 0 or None (``"5"`` failed inside ``threading``
+    with "'<' not supported between instances of 'str' and 'int'")."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+        raise TypeError(f"{call}(timeout={timeout!r}): pass seconds (a number >= 0), or None to wait until it is done")
+
+
 class SaveHandle:
     """Progress of one save: ``staged()`` (training may mutate the state again), ``done()``
     (committed or failed), ``result(timeout)`` (the manifest, or the save's error raised).
@@ -88,6 +95,7 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``.
         Tells a zero-copy save that someone waits: it copies what it has not written yet."""
+        _seconds(timeout, "wait_staged")
         ok, waited = self.block_until_staged(timeout)
         self.wait_staged_s += waited
         return ok
@@ -118,6 +126,7 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest; raises the save's error. Joins the save thread when done."""
+        _seconds(timeout, "result")
         if not self._done.wait(timeout):
             raise TimeoutError(f"save {f'of step {self.step}' if self.step is not None else f'to {self.target}'} not finished after {timeout} s")
         self.join()

@@ -214,20 +214,27 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
         raise SystemExit(PERMANENT_EXIT) from e
 
 
-def check_flags(**flags: Any) -> None:
-    """The on/off arguments of ``tg.save`` and ``CheckpointManager``, before any I/O: True or False
-    (0, 1, numpy bools and one-value tensors too: ``torch.tensor(True)``, as before the check), as ``tg.load``'s ``strict``. A string is truthy: ``overwrite="no"``
-    (a value read from a config file or an environment variable) replaced an existing checkpoint,
-    ``async_="no"`` made the save asynchronous, ``split_state="no"`` split it."""
-
+def is_flag(v: Any) -> bool:
+    """True or False, 0 or 1, a numpy bool or integer scalar, or a one-value bool or integer tensor
+    (``overwrite=val_loss < best``: ``tensor(True)``). Not a float (``1.0``, ``tensor(1.0)``,
+    ``np.float64(1.0)``: refused alike) nor a string."""
     from torch import is_tensor
 
-    def flag(v: Any) -> bool:
-        # a numpy scalar, or a one-value tensor (``overwrite=val_loss < best``: tensor(True))
-        scalar = type(v).__module__ == "numpy" and getattr(v, "shape", None) == () or is_tensor(v) and v.numel() == 1
-        return (type(v) in (bool, int) or scalar) and bool(v in (True, False))
+    if is_tensor(v):
+        ok = v.numel() == 1 and not (v.is_floating_point() or v.is_complex())
+    elif type(v).__module__ == "numpy":
+        ok = getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in ("b", "i", "u")
+    else:
+        ok = type(v) in (bool, int)
+    return ok and bool(v in (True, False))
 
-    if bad := [f"{k}={v!r}" for k, v in flags.items() if not flag(v)]:
+
+def check_flags(**flags: Any) -> None:
+    """The on/off arguments of ``tg.save`` and ``CheckpointManager``, before any I/O: what
+    :func:`is_flag` takes, as ``tg.load``'s ``strict``. A string is truthy: ``overwrite="no"``
+    (a value read from a config file or an environment variable) replaced an existing checkpoint,
+    ``async_="no"`` made the save asynchronous, ``split_state="no"`` split it."""
+    if bad := [f"{k}={v!r}" for k, v in flags.items() if not is_flag(v)]:
         raise TypeError(f"{', '.join(bad)}: pass True or False")
 
 
@@ -262,7 +269,9 @@ def check_manager_args(save: Any, keep: Any, layout: str, on_error: str, timeout
         raise ValueError("CheckpointManager(root=''): pass the run directory (a path or URL) to save into")
     check_flags(async_save=async_save, stage_in_background=stage_in_background, split_state=split_state,
                 handle_signals=handle_signals)
-    if ram_tier is not None and type(ram_tier) is not bool and not isinstance(ram_tier, (str, os.PathLike)):
+    bool_like = is_flag(ram_tier) and str(getattr(ram_tier, "dtype", "bool")) in ("bool", "torch.bool") \
+        and type(ram_tier) is not int  # True, np.True_, tensor(True); not 1 (a size? a count?)
+    if ram_tier is not None and not bool_like and not isinstance(ram_tier, (str, os.PathLike)):
         # 1 failed in os.fspath ("expected str, bytes or os.PathLike object, not int"); None and '' (an unset
         # variable) are off, as before
         raise TypeError(f"ram_tier={ram_tier!r}: pass True (/dev/shm), a directory on a tmpfs, or False")

@@ -165,7 +165,7 @@ def estimate(state: Mapping[str, Any]) -> int:
 def opened(tier: Any, timeout: float | None) -> None:
     """``RamTier.open``, every rank after the check that all share one node: rank 0 prepares the RAM
     directory (``RamTier.prepare``: creates it, cleans crashed RAM saves, discards the copies of a run
-    directory deleted since) and sends its error, if any, to the others; every rank then raises a
+    directory deleted since; :func:`left_behind`) and sends its error, if any, to the others; every rank then raises a
     ``CheckpointError`` naming it. Before, rank 0 raised the bare OSError (EACCES removing a stale copy)
     and the other ranks went on to wait for it in the manager's next round."""
     err, cause = None, None
@@ -173,6 +173,7 @@ def opened(tier: Any, timeout: float | None) -> None:
         try:
             private_dir(os.path.dirname(tier.dir))
             tier.prepare()
+            left_behind(tier)
             check_medium(tier.dir, tier.durable_root)
         except Exception as e:  # OSError, a store's error reading the run directory's id
             err, cause = f"{type(e).__name__}: {e}", e
@@ -187,6 +188,38 @@ def opened(tier: Any, timeout: float | None) -> None:
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
         ) from cause
+
+
+def left_behind(tier: Any) -> None:
+    """``opened``, rank 0, once ``RamTier.prepare`` wrote the run's id into the RAM directory: log
+    the other RAM directories of this user that hold checkpoints of the same run (the same id), with the
+    event ``ram_left_behind``. The RAM directory is named by the run directory's real path: a run moved
+    (``mv run run2``) and resumed from its new path left its RAM copies under the old name, holding
+    memory until the node restarts, and nothing said so. They are not removed: a copy of the run
+    directory (``cp -r``, which copies the id) may be a live job of this node. One listing of the
+    user's RAM directories per open."""
+    from .tiers import RUN_ID, _tree_bytes
+
+    def run_id(d: str) -> bytes | None:
+        try:
+            with open(os.path.join(d, RUN_ID), "rb") as f:
+                return f.read(64)
+        except OSError:
+            return None
+
+    base, mine = os.path.dirname(tier.dir), run_id(tier.dir)
+    try:
+        others = sorted(e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False) and e.path != tier.dir)
+    except OSError:
+        return
+    for d in others:
+        if mine is None or run_id(d) != mine or not (steps := list_steps(tier.storage, d)):
+            continue
+        mb = sum(_tree_bytes(s.path) for s in steps) / 1e6
+        log.warning("trainguard: %s also holds RAM copies of this run (%s, %.0f MB of memory), saved under the run "
+                    "directory's earlier path (moved, or copied with its %s); they are not used. If no job of this "
+                    "node runs from that path, remove them: rm -rf %s", d, ", ".join(s.name for s in steps), mb, RUN_ID, d)
+        tier.events.emit("ram_left_behind", path=d, steps=[s.step for s in steps], mb=round(mb, 1))
 
 
 WARNING_AS_ERROR = "warning:"  # opened: check_medium's warning raised as an error, sent to the other ranks

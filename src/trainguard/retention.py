@@ -115,20 +115,28 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
             ", ".join(str(s.step) for s in abandoned), mgr.root, newest,
         )
     for s in abandoned:
-        mgr.storage.remove_tree(s.path)
-        _forget(mgr, s.step)
-        mgr.events.emit("retention_delete", step=s.step, abandoned_by=newest)
+        _delete(mgr, s.path, s.step, abandoned_by=newest)
     for name in mgr.storage.listdir(mgr._root) if mgr._aside not in ("", DONE) else []:  # set aside for this save
         if (m := layout.ASIDE_RE.match(name)) and m.group(2) == mgr._aside:
-            mgr.storage.remove_tree(mgr.storage.join(mgr._root, name))
-            _forget(mgr, int(m.group(1)))
-            mgr.events.emit("retention_delete", step=int(m.group(1)), abandoned_by=newest)
+            _delete(mgr, mgr.storage.join(mgr._root, name), int(m.group(1)), abandoned_by=newest)
     mgr._aside = DONE if mgr._aside else ""
     for s in steps:
         if s.step not in keep and s.step < newest:
-            mgr.storage.remove_tree(s.path)
-            _forget(mgr, s.step)
-            mgr.events.emit("retention_delete", step=s.step)
+            _delete(mgr, s.path, s.step)
+
+
+def _delete(mgr: CheckpointManager, path: str, step: int, **extra: Any) -> None:
+    """``retain``, rank 0: remove one checkpoint and record it. ``remove_tree`` never raises (it logs
+    what it could not remove, left for the next cleanup), so the event follows what is there after it:
+    ``retention_delete`` once the manifest is gone (no longer a checkpoint), else ``retention_kept``
+    with the path: before, ``retention_delete`` was emitted for a step an object store refused to delete
+    (a 403, a persistent 500), which ``trainguard ls`` still listed. One more stat (a HEAD) per delete."""
+    mgr.storage.remove_tree(path)
+    if mgr.storage.exists(mgr.storage.join(path, layout.MANIFEST)):
+        mgr.events.emit("retention_kept", step=step, path=path, why="could not be removed (see the log); left for the next cleanup", **extra)
+        return
+    _forget(mgr, step)
+    mgr.events.emit("retention_delete", step=step, **extra)
 
 
 def _warn_no_metric(mgr: CheckpointManager, infos: list[CheckpointInfo]) -> None:

@@ -8,6 +8,8 @@ import fcntl
 import json
 import os
 import socket
+import struct
+import sys
 import time
 import warnings
 import weakref
@@ -147,6 +149,32 @@ def check_owned(parent: str) -> None:
     err = lock_lost(_OWNED.get(os.path.abspath(parent)) or _OWNED.get(os.path.realpath(parent)))
     if err is not None:
         raise err
+
+
+def holder_of(root: str) -> str | None:
+    """Who holds ``root``'s run lock now (the holder it recorded), or None: no lock file, no live
+    holder, or no way to tell (not Linux). ``commitfail.unsafe_target``, before a plain ``tg.save``
+    into a step directory of a run. ``F_GETLK`` tests without taking the lock (a shared lock taken
+    to test would make a manager starting then fail as "in use by another job"); a lock of this
+    process is known from ``_HELD`` without opening the file (closing any descriptor of it would
+    drop this process's lock)."""
+    path = os.path.join(root, layout.LOCK)
+    if os.path.realpath(path) in _HELD:
+        return f"pid {os.getpid()}: a CheckpointManager of this process"
+    if sys.platform != "linux":
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        probe = struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock, 64-bit Linux
+        held = struct.unpack("@hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0] != fcntl.F_UNLCK
+        return (_read_holder(fd) or "unknown holder") if held else None
+    except OSError:  # a file system without locks (ENOLCK): nothing to tell
+        return None
+    finally:
+        os.close(fd)
 
 
 def lock_lost(lock: RunLock | None) -> CheckpointError | None:

@@ -47,7 +47,7 @@ import torch
 
 from . import iterworkers
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
-from .permanent import mark
+from .permanent import check_flags, mark
 from .seeded import seed_of, seeded_call
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
@@ -99,13 +99,13 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, with_epoch: bool = False) -> None:
+        check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
         self.num_samples = data if isinstance(data, int) else len(data)
-        self.with_epoch = with_epoch  # yield (index, epoch) pairs, for tg.SeededDataset
+        self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset
         if self.num_samples < 1:
             raise ValueError("ResumableSampler: the dataset is empty")
         self.seed = int(seed)
-        self.shuffle = shuffle
-        self.drop_last = drop_last
+        self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         if rank is not None and world_size is not None:
             _rank_world(rank, world_size)  # both given: a wrong pair fails here, not at the first __iter__
         self._rank, self._world = rank, world_size
@@ -294,8 +294,9 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                  transform: Callable[[Any], Any] | None = None, seed: int | None = None) -> None:
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
+        check_flags(drop_last=drop_last)
         self.make_iter, self.batch_size, self.transform, self.seed = make_iter, batch_size, transform, seed
-        self.drop_last = drop_last
+        self.drop_last = bool(drop_last)
         self._rank, self._world = rank, world_size
         self.epoch = 0
         self.position = 0

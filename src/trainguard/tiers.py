@@ -84,7 +84,7 @@ class RamTier:
     """The RAM tier of one manager. ``spec`` is ``True`` (``/dev/shm``) or a base directory."""
 
     def __init__(self, spec: bool | str, *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any) -> None:
-        base = DEFAULT_BASE if spec is True else os.fspath(spec)
+        base = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else DEFAULT_BASE  # True, 1, np.True_
         if not os.path.isdir(base):
             raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
         self.storage = LocalStorage()

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .. import layout
-from ..errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, error_text
 from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
@@ -168,7 +168,7 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         except Exception as e:
-            log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, e)
+            log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, error_text(e))
         self._fresh(path)
 
     def fsync_dir(self, path: str) -> None:
