@@ -199,3 +199,24 @@ def test_ram_copies_left_under_a_moved_run_directorys_old_path_are_named_at_open
         assert "also holds RAM copies" not in caplog.text
     finally:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def test_convert_of_a_legacy_pt_torch_cannot_read_gives_no_unpickling_advice(tmp_path) -> None:
+    """Before: 'torch.load(weights_only=True) refused it ... if you trust the file, ...
+    torch.load(..., weights_only=False)', which fails the same way for a float8 tensor in torch's
+    legacy format. A legacy file of float32 tensors still converts."""
+    from trainguard.convert import convert
+
+    src = tmp_path / "old.pt"
+    torch.save({"w": torch.zeros(4, dtype=torch.float8_e4m3fn)}, src, _use_new_zipfile_serialization=False)
+    with pytest.raises(AttributeError):
+        torch.load(src, weights_only=False)  # what the old advice said to do
+    with pytest.raises(tg.CheckpointError, match=r"legacy format .*with or without weights_only") as e:
+        convert(src, tmp_path / "out")
+    assert "weights_only=False" not in str(e.value) and not (tmp_path / "out").exists()
+    w = torch.arange(6, dtype=torch.float32)
+    torch.save({"w": w}, tmp_path / "old32.pt", _use_new_zipfile_serialization=False)
+    convert(tmp_path / "old32.pt", tmp_path / "out32")
+    got = {"model": {"w": torch.zeros(6)}}
+    tg.load(tmp_path / "out32", got)
+    assert torch.equal(got["model"]["w"], w)

@@ -257,6 +257,15 @@ def _contiguous(v: Any) -> Any:
     return v
 
 
+def _legacy_unreadable(p: str, e: Exception) -> bool:
+    """``_read_foreign``: ``torch.load`` of a legacy (non-zip) file failed in torch's own storage code, not
+    for an unsafe global: a float8/uint16-64/complex32 tensor of that format ("type object
+    'torch.storage.UntypedStorage' has no attribute 'dtype'"), which ``weights_only=False`` fails alike."""
+    import zipfile
+
+    return isinstance(e, AttributeError) and "UntypedStorage" in str(e) and not zipfile.is_zipfile(p)
+
+
 def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: bool = True) -> tuple[dict[str, Any], list[str]]:
     p = os.fspath(src)
     if p.endswith(INDEX) and fmt in ("safetensors", "torch"):
@@ -271,6 +280,11 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
         except OSError as e:  # missing, a directory, no permission: not a refusal to unpickle (as safetensors says it)
             raise CheckpointError(f"cannot read {p} as a torch.save file: {type(e).__name__}: {e.strerror or e}") from e
         except Exception as e:
+            if _legacy_unreadable(p, e):  # weights_only=False fails the same: no advice to unpickle
+                raise CheckpointError(
+                    f"{p} is in torch's legacy format (torch.save(..., _use_new_zipfile_serialization=False)), which "
+                    f"this torch cannot read back for some dtypes (float8, uint16-64, complex32: {e}), with or without "
+                    "weights_only. Save those tensors again from the process that has them, in the default format") from e
             why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln), "")
             why = why.split(" was not an allowed global")[0].replace("WeightsUnpickler error: ", "") or str(e)
             raise CheckpointError(
