@@ -14,6 +14,7 @@ of a call that builds the state (``tg.StateDict(ema=ema)``, ``state.update(ema=e
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -49,11 +50,21 @@ def _used_as_value(tree: ast.Module, name: str) -> bool:
 def _named(leaves: list[tuple[str, Any]], name: str) -> bool:
     """A key of the state named like the average (its variable's name, or a word ``ema``, ``swa``,
     ``averaged`` of it): what a hook returns as ``{"ema": ema.module}`` or ``{"model_ema": ema.state_dict()}``,
-    where the average's own class is not in the state."""
+    where the average's own class is not in the state. Only a key holding weights (a module, a tensor,
+    a mapping of them): ``ema_decay=0.999``, ``swa_start=10`` or ``average_loss`` in the state made
+    the check say the average was saved (c64c550)."""
+    import torch
+
+    def weights(x: Any) -> bool:  # a module, a tensor, or a state_dict of tensors: not ``ema_decay=0.999``
+        if isinstance(x, Mapping):
+            return any(isinstance(v, (torch.nn.Module, torch.Tensor)) or isinstance(v, Mapping) and weights(v)
+                       for v in x.values())
+        return isinstance(x, (torch.nn.Module, torch.Tensor))
+
     words = {"ema", "swa", "averaged", "average"}
-    for p, _ in leaves:
+    for p, x in leaves:
         key = p.rsplit("/", 1)[-1].lower()
-        if key == name.lower() or words & set(key.split("_")):
+        if (key == name.lower() or words & set(key.split("_"))) and weights(x):
             return True
     return False
 

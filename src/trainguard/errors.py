@@ -251,7 +251,8 @@ def error_text(e: BaseException) -> str:
     if is_store_client_error(e):
         return store_unusable(e)
     if (answer := http_answer(e)) is not None:  # s3fs's OSError for a 500: "[Errno 121] We encountered an internal error"
-        return f"{type(e).__name__}: the object store answered {answer}: {e.strerror or e}"
+        # strerror: an OSError's text without its errno; another error (raised from the store's) has none
+        return f"{type(e).__name__}: the object store answered {answer}: {getattr(e, 'strerror', None) or e}"
     return f"{type(e).__name__}: {e}"
 
 

@@ -9,6 +9,7 @@ exactly once each at most; the optimizer pre-step hook adds to ``hook_wait_s``.
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -20,11 +21,16 @@ from .errors import CheckpointError
 log = logging.getLogger("trainguard")
 
 
-def _seconds(timeout: Any, call: str) -> None:
+def _seconds(timeout: Any, call: str) -> float | None:
     """``result``/``wait_staged``'s ``timeout``: seconds >= 0 or None (``"5"`` failed inside ``threading``
-    with "'<' not supported between instances of 'str' and 'int'")."""
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0):
+    with "'<' not supported between instances of 'str' and 'int'"), as a float; any real number
+    (``np.int64(5)``, refused by c64c550, waited before it); ``math.inf`` and what ``threading`` cannot
+    wait for (past ``threading.TIMEOUT_MAX``: "OverflowError: timestamp out of range") wait like None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not timeout >= 0:
         raise TypeError(f"{call}(timeout={timeout!r}): pass seconds (a number >= 0), or None to wait until it is done")
+    return None if timeout >= threading.TIMEOUT_MAX else float(timeout)
 
 
 class SaveHandle:
@@ -95,7 +101,7 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until ``staged()``; call it before mutating parameters outside ``optimizer.step()``.
         Tells a zero-copy save that someone waits: it copies what it has not written yet."""
-        _seconds(timeout, "wait_staged")
+        timeout = _seconds(timeout, "wait_staged")
         ok, waited = self.block_until_staged(timeout)
         self.wait_staged_s += waited
         return ok
@@ -126,7 +132,7 @@ class SaveHandle:
 
     def result(self, timeout: float | None = None) -> Any:
         """The committed manifest; raises the save's error. Joins the save thread when done."""
-        _seconds(timeout, "result")
+        timeout = _seconds(timeout, "result")
         if not self._done.wait(timeout):
             raise TimeoutError(f"save {f'of step {self.step}' if self.step is not None else f'to {self.target}'} not finished after {timeout} s")
         self.join()

@@ -212,10 +212,19 @@ def left_behind(tier: Any) -> None:
         others = sorted(e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False) and e.path != tier.dir)
     except OSError:
         return
+    def size(path: str) -> int:  # gone since the listing (a live copy's retention), a dangling link: 0
+        try:
+            return _tree_bytes(path)
+        except OSError:
+            return 0
+
     for d in others:
-        if mine is None or run_id(d) != mine or not (steps := list_steps(tier.storage, d)):
+        try:  # a log line: what cannot be read here does not fail the open (it raised out of it before)
+            if mine is None or run_id(d) != mine or not (steps := list_steps(tier.storage, d)):
+                continue
+        except OSError:
             continue
-        mb = sum(_tree_bytes(s.path) for s in steps) / 1e6
+        mb = sum(size(s.path) for s in steps) / 1e6
         log.warning("trainguard: %s also holds RAM copies of this run (%s, %.0f MB of memory), saved under the run "
                     "directory's earlier path (moved, or copied with its %s); they are not used. If no job of this "
                     "node runs from that path, remove them: rm -rf %s", d, ", ".join(s.name for s in steps), mb, RUN_ID, d)

@@ -130,10 +130,16 @@ def _delete(mgr: CheckpointManager, path: str, step: int, **extra: Any) -> None:
     what it could not remove, left for the next cleanup), so the event follows what is there after it:
     ``retention_delete`` once the manifest is gone (no longer a checkpoint), else ``retention_kept``
     with the path: before, ``retention_delete`` was emitted for a step an object store refused to delete
-    (a 403, a persistent 500), which ``trainguard ls`` still listed. One more stat (a HEAD) per delete."""
+    (a 403, a persistent 500), which ``trainguard ls`` still listed. One more stat (a HEAD) per delete; when
+    that stat fails too, the step is recorded as kept and retention goes on with the next one."""
     mgr.storage.remove_tree(path)
-    if mgr.storage.exists(mgr.storage.join(path, layout.MANIFEST)):
-        mgr.events.emit("retention_kept", step=step, path=path, why="could not be removed (see the log); left for the next cleanup", **extra)
+    try:  # an error here (a 500 to the HEAD too) ended the whole retention, every time: no later step was deleted
+        kept = mgr.storage.exists(mgr.storage.join(path, layout.MANIFEST))
+        why = "could not be removed (see the log); left for the next cleanup"
+    except Exception as e:  # what the store answers for the manifest then: not known to be gone, so kept
+        kept, why = True, f"could not tell whether it was removed ({error_text(e)}); left for the next cleanup"
+    if kept:
+        mgr.events.emit("retention_kept", step=step, path=path, why=why, **extra)
         return
     _forget(mgr, step)
     mgr.events.emit("retention_delete", step=step, **extra)

@@ -159,7 +159,7 @@ def holder_of(root: str) -> str | None:
     process is known from ``_HELD`` without opening the file (closing any descriptor of it would
     drop this process's lock)."""
     path = os.path.join(root, layout.LOCK)
-    if os.path.realpath(path) in _HELD:
+    if os.path.realpath(path) in _HELD or _held_here(path):
         return f"pid {os.getpid()}: a CheckpointManager of this process"
     if sys.platform != "linux":
         return None
@@ -175,6 +175,22 @@ def holder_of(root: str) -> str | None:
         return None
     finally:
         os.close(fd)
+
+
+def _held_here(path: str) -> bool:
+    """``holder_of``: whether ``path`` is the file of a lock this process holds, by its inode: the same
+    run directory through another path (a bind mount, a second mount of the same NFS export) resolves to
+    another real path, and opening and closing the file there dropped this process's lock (c64c550)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    for lock in list(_OWNED.values()):  # list(): another thread's manager may open or close meanwhile
+        fd = lock.fd
+        with contextlib.suppress(OSError):
+            if fd is not None and os.path.samestat(os.fstat(fd), st):
+                return True
+    return False
 
 
 def lock_lost(lock: RunLock | None) -> CheckpointError | None:
