@@ -85,6 +85,6 @@ def test_relative_links_and_anchors_resolve(doc):
 
 def test_the_checker_sees_the_links():
     found = {t for d in DOCS for _, t in links(d)}
-    assert "docs/benchmarks.md#the-run-of-2026-12-05-slow-disk" in found and "checkpoints.md#direct-io" in found
+    assert "docs/benchmarks.md#the-async-runs" in found and "checkpoints.md#direct-io" in found
     assert "data.md#randomness-in-the-data-pipeline" in found
     assert "#benchmarks" in found and "../SECURITY.md" in found
