@@ -56,6 +56,9 @@ def _closed_in_another_thread(root: Path) -> tg.CheckpointManager:
 def test_ctrl_c_after_a_close_in_another_thread_raises_keyboard_interrupt_again(tmp_path: Path) -> None:
     # Before: the closed manager's handler stayed installed and only set a flag nobody read, so every
     # later Ctrl-C (and SIGTERM, below) was swallowed for the rest of the process.
+    # Ctrl-C as in an interactive Python (a test run started in the background with `&` inherits
+    # SIGINT ignored, which no handler of the manager's changes: then no KeyboardInterrupt at all)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     mgr = _closed_in_another_thread(tmp_path / "run")
     try:
@@ -68,6 +71,7 @@ def test_ctrl_c_after_a_close_in_another_thread_raises_keyboard_interrupt_again(
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
+        signal.signal(signal.SIGINT, inherited)
     assert not mgr.should_stop
 
 
