@@ -1,0 +1,73 @@
+"""Session 45's hunt through the `trainguard` command line: each test runs the command in a real
+process on real files and fails on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    return subprocess.run([sys.executable, "-m", "trainguard", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _run_dir(tmp_path: Path, extra: list[dict] | None = None) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    ev = [{"t": 100.0 + s, "event": "step", "rank": 0, "pid": 7, "step": s} for s in range(12)]
+    ev.append({"t": 110.5, "event": "save", "rank": 0, "pid": 7, "step": 10, "stall_s": 0.1, "duration_s": 0.4, "bytes": 64})
+    lines = [json.dumps(e) for e in ev + (extra or [])]
+    (run / "events.jsonl").write_text("\n".join(lines) + "\n")
+    return run
+
+
+def test_report_json_with_plot_keeps_stdout_json(tmp_path: Path) -> None:
+    """`report --json --plot P` printed "timeline written to P" on stdout after the JSON: a script's
+    json.loads(stdout) failed. The line goes to stderr with --json; the plot is written."""
+    run = _run_dir(tmp_path)
+    res = _cli("report", str(run), "--json", "--plot", str(tmp_path / "t.png"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["final_step"] == 11
+    assert "timeline written to" in res.stderr
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_report_plot_unknown_suffix_is_one_error_line_before_the_summary(tmp_path: Path) -> None:
+    """`report RUN --plot timeline.txt` printed the summary, then matplotlib's ValueError as a
+    traceback (exit 1). Now one `error:` line naming the suffixes it can write, exit 2, nothing on
+    stdout; a missing directory is refused the same way, before the summary."""
+    run = _run_dir(tmp_path)
+    res = _cli("report", str(run), "--plot", str(tmp_path / "timeline.txt"), cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("error: ") and ".png" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert res.stdout == "" and not (tmp_path / "timeline.txt").exists()
+    res = _cli("report", str(run), "--plot", str(tmp_path / "nodir" / "t.png"), cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == "" and "does not exist" in res.stderr
+
+
+def test_report_plot_without_suffix_names_the_file_written(tmp_path: Path) -> None:
+    """`--plot timeline` (no suffix): matplotlib writes timeline.png; the command said it wrote
+    `timeline`, a file that does not exist."""
+    run = _run_dir(tmp_path)
+    res = _cli("report", str(run), "--plot", "timeline", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    said = res.stdout.strip().splitlines()[-1].removeprefix("timeline written to ")
+    assert (tmp_path / said).is_file()
+
+
+def test_report_plot_of_a_save_event_without_step(tmp_path: Path) -> None:
+    """A `save` line without an int `step` (another tool's log, a hand-edited line) raised KeyError
+    in the timeline plot (a traceback): read_events skips it, as it does such `step`/`restore` lines."""
+    run = _run_dir(tmp_path, [{"t": 111.0, "event": "save", "rank": 0, "pid": 7},
+                              {"t": 111.5, "event": "save", "rank": 0, "pid": 7, "step": "x"},
+                              {"t": 111.7, "event": "save", "rank": 0, "pid": 7, "step": 11, "committed_t": "soon"}])
+    res = _cli("report", str(run), "--plot", str(tmp_path / "t.png"), cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "1 saves" in res.stdout and (tmp_path / "t.png").is_file()
