@@ -71,3 +71,39 @@ def test_report_plot_of_a_save_event_without_step(tmp_path: Path) -> None:
     res = _cli("report", str(run), "--plot", str(tmp_path / "t.png"), cwd=tmp_path)
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     assert "1 saves" in res.stdout and (tmp_path / "t.png").is_file()
+
+
+def test_consolidate_sigterm_removes_its_temporary_directory(tmp_path: Path) -> None:
+    """SIGTERM (`timeout`, `kill PID`, a scheduler's stop) mid-consolidate ended the process at
+    once (Python's default) and left DST's `NAME.tmp-<id>` directory with a whole data file in it:
+    a checkpoint's worth of disk, never cleaned. It is now unwound as a Ctrl-C is: the temporary
+    directory is removed, exit 143, one `terminated:` line. No timing: the progress lines fill the
+    stdout pipe the test does not read, so the command is blocked mid-consolidation when signalled."""
+    import signal
+
+    import torch
+
+    import trainguard as tg
+
+    src = tmp_path / "run" / "step-000000004"
+    tg.save(src, {"model": {f"block{i:04d}.attention.query_key_value.weight_with_a_long_name": torch.full((4,), float(i))
+                            for i in range(3000)}})
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.Popen([sys.executable, "-m", "trainguard", "consolidate", str(src), str(out / "c")],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip()  # the first tensor is written
+        assert [p.name for p in out.iterdir()][0].startswith("c.tmp-")  # blocked on the full pipe, mid-write
+        proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert b"terminated:" in err and b"Traceback" not in err
+    assert list(out.iterdir()) == []
+    res = _cli("verify", str(src), cwd=tmp_path)  # the source untouched
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -24,7 +24,7 @@ from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside,
 from ..layout import MANIFEST
 from ..storage import for_path
 from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
-from . import PipeConsole, printable, stdout_gone
+from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
 
 console = PipeConsole()
 
@@ -348,5 +348,6 @@ def export_cmd(ckpt: str, to: str, entry: str) -> None:
     """Export model weights as a safetensors file or a torch.load(weights_only=True) file."""
     from ..export import export
 
-    n = export(ckpt, to, entry=entry)
+    with terminated_as_interrupt(to):  # `timeout`/kill: the temporary file beside --to is removed
+        n = export(ckpt, to, entry=entry)
     console.print(f"wrote {n} tensors to {_shown(to)}")
