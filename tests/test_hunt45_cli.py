@@ -107,3 +107,19 @@ def test_consolidate_sigterm_removes_its_temporary_directory(tmp_path: Path) -> 
     assert list(out.iterdir()) == []
     res = _cli("verify", str(src), cwd=tmp_path)  # the source untouched
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_convert_between_two_trainguard_directories_says_what_to_change(tmp_path: Path) -> None:
+    """`convert ckpts/run1/step-000000007 out` (DST without a file suffix: a trainguard directory)
+    said "convert trainguard -> trainguard: one side must be a trainguard checkpoint": both are.
+    Now it says to name DST .safetensors/.pt or to use consolidate; nothing is written."""
+    import torch
+
+    import trainguard as tg
+
+    src = tmp_path / "run" / "step-000000007"
+    tg.save(src, {"model": {"w": torch.ones(3)}})
+    res = _cli("convert", str(src), "weights", cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == ""
+    assert ".safetensors" in res.stderr and "trainguard consolidate" in res.stderr, res.stderr
+    assert not (tmp_path / "weights").exists()

@@ -99,7 +99,10 @@ def convert(
         if f not in FORMATS:
             raise CheckpointError(f"unknown format {f!r}; use one of {', '.join(FORMATS)}")
     if (sf == "trainguard") == (df == "trainguard"):
-        raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
+        raise CheckpointError(f"convert {sf} -> {df}: " + (  # the same words for both said nothing to change
+            f"{dst} names a trainguard directory too; name it .safetensors or .pt (or pass --to dcp), or copy a "
+            "checkpoint with `trainguard consolidate SRC DST`" if sf == "trainguard" else
+            "one side must be a trainguard checkpoint: convert into a trainguard directory first, then from it"))
     if sf == "trainguard":
         check_destination(os.fspath(dst))
         if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors
