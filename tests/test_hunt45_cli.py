@@ -123,3 +123,15 @@ def test_convert_between_two_trainguard_directories_says_what_to_change(tmp_path
     assert res.returncode == 2 and res.stdout == ""
     assert ".safetensors" in res.stderr and "trainguard consolidate" in res.stderr, res.stderr
     assert not (tmp_path / "weights").exists()
+
+
+def test_doctor_of_a_binary_file_names_no_line_none(tmp_path: Path) -> None:
+    """`doctor model.bin` (a file with NUL bytes, passed by mistake) said "(line None: source code
+    string cannot contain null bytes)"; the line is left out when Python gives none."""
+    (tmp_path / "weights.bin").write_bytes(b"\x00\x01binary\x00")
+    res = _cli("doctor", "weights.bin", cwd=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: weights.bin is not valid Python 3")
+    assert "None" not in res.stderr and "null bytes" in res.stderr, res.stderr
+    (tmp_path / "bad.py").write_text("x = 1\ndef f(:\n")
+    res = _cli("doctor", "bad.py", cwd=tmp_path)
+    assert res.returncode == 2 and "line 2" in res.stderr, res.stderr
