@@ -135,3 +135,27 @@ def test_doctor_of_a_binary_file_names_no_line_none(tmp_path: Path) -> None:
     (tmp_path / "bad.py").write_text("x = 1\ndef f(:\n")
     res = _cli("doctor", "bad.py", cwd=tmp_path)
     assert res.returncode == 2 and "line 2" in res.stderr, res.stderr
+
+
+def test_export_and_convert_take_file_urls_as_inspect_does(tmp_path: Path) -> None:
+    """`inspect`/`consolidate` take `file:///abs/path`; `export --to file:///x.pt` and `convert ...
+    file:///x.safetensors` refused it as "an object store's URL", and `convert file:///x.safetensors
+    DST` said the existing file did not exist. A file: URL is now the local file, on either side."""
+    import torch
+
+    import trainguard as tg
+
+    src = tmp_path / "run" / "step-000000002"
+    tg.save(src, {"model": {"w": torch.arange(6.0)}})
+    res = _cli("export", f"file://{src}", "--to", f"file://{tmp_path}/w.pt", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.arange(6.0))
+    res = _cli("convert", str(src), f"file://{tmp_path}/w.safetensors", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    res = _cli("convert", f"file://{tmp_path}/w.safetensors", str(tmp_path / "imp"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    state = {"model": {"w": torch.zeros(6)}}
+    tg.load(tmp_path / "imp", state)
+    assert torch.equal(state["model"]["w"], torch.arange(6.0))
+    res = _cli("export", str(src), "--to", "s3://bucket/w.pt", cwd=tmp_path)  # an object store: still refused
+    assert res.returncode == 2 and "local path only" in res.stderr

@@ -29,6 +29,7 @@ from .export import (
     check_destination,
     foreign_errors,
     iter_tensors,
+    local_file,
     no_tensors,
     own_tensor,
     replacing,
@@ -93,6 +94,7 @@ def convert(
     cannot be read or written raises ``CheckpointError``. One process, outside any process group
     (an import ends in :func:`trainguard.save`, a collective when torch.distributed is initialised).
     """
+    src, dst = local_file(src), local_file(dst)  # file:///x.safetensors as the local file, on either side
     sf = src_format or detect(src)
     df = dst_format or target_format(dst)
     for f in (sf, df):

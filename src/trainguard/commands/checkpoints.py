@@ -341,7 +341,7 @@ def _deleted(path: str) -> bool:
 @click.command("export")
 @click.argument("ckpt")
 @click.option("--to", "to", required=True, metavar="FILE",
-              help="Output file on a local (or mounted) file system, not an object store's URL: NAME.safetensors, "
+              help="Output file on a local (or mounted) file system (a path or file:///PATH), not an object store's URL: NAME.safetensors, "
                    "or NAME.pt/.pth/.bin (torch.save); its directory must exist, an existing file is replaced.")
 @click.option("--entry", default="model", show_default=True, help="Which entry of the state to export.")
 def export_cmd(ckpt: str, to: str, entry: str) -> None:
