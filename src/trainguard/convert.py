@@ -29,6 +29,7 @@ from .export import (
     check_destination,
     foreign_errors,
     iter_tensors,
+    local_file,
     no_tensors,
     own_tensor,
     replacing,
@@ -93,13 +94,17 @@ def convert(
     cannot be read or written raises ``CheckpointError``. One process, outside any process group
     (an import ends in :func:`trainguard.save`, a collective when torch.distributed is initialised).
     """
+    src, dst = local_file(src), local_file(dst)  # file:///x.safetensors as the local file, on either side
     sf = src_format or detect(src)
     df = dst_format or target_format(dst)
     for f in (sf, df):
         if f not in FORMATS:
             raise CheckpointError(f"unknown format {f!r}; use one of {', '.join(FORMATS)}")
     if (sf == "trainguard") == (df == "trainguard"):
-        raise CheckpointError(f"convert {sf} -> {df}: one side must be a trainguard checkpoint")
+        raise CheckpointError(f"convert {sf} -> {df}: " + (  # the same words for both said nothing to change
+            f"{dst} names a trainguard directory too; name it .safetensors or .pt (or pass --to dcp), or copy a "
+            "checkpoint with `trainguard consolidate SRC DST`" if sf == "trainguard" else
+            "one side must be a trainguard checkpoint: convert into a trainguard directory first, then from it"))
     if sf == "trainguard":
         check_destination(os.fspath(dst))
         if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors

@@ -82,8 +82,8 @@ def read_events(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
 
 # Fields ``report.summarize`` computes with: ints each event of that kind has (else it is no
 # event of EventLog's: skipped, where it raised KeyError), and numbers some have.
-_INTS = {"step": ("step",), "fault": ("step",), "restore": ("step",)}
-_NUMBERS = ("t", "seconds", "stall_s", "duration_s", "lost_steps", "bytes")
+_INTS = {"step": ("step",), "fault": ("step",), "restore": ("step",), "save": ("step",)}  # save: plot_timeline
+_NUMBERS = ("t", "seconds", "stall_s", "duration_s", "lost_steps", "bytes", "committed_t")
 
 
 def _well_formed(ev: dict[str, Any]) -> bool:

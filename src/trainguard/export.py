@@ -22,6 +22,7 @@ from .index import ChunkSource
 from .io import ReadTarget, read_targets
 from .manifest import Manifest, TensorEntry
 from .storage import Storage, absolute, for_path
+from .storage._urls import file_url_path, is_file_url
 
 
 def iter_tensors(
@@ -83,7 +84,7 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(
             f"{directory} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
         )
-    out = os.fspath(to)
+    out = local_file(to)
     mine = selected(manifest, entry)
     if not mine:
         raise CheckpointError(no_tensors(manifest, directory, entry))
@@ -213,6 +214,14 @@ def _umask() -> int:
     mask = os.umask(0o22)  # no /proc (not Linux, or before 4.7): set and restore at once
     os.umask(mask)
     return mask
+
+
+def local_file(path: str | os.PathLike[str]) -> str:
+    """``path``, or the local path of a ``file:`` URL (``file:///x/model.pt``), which ``inspect`` and
+    ``consolidate`` take: ``export``/``convert`` refused it as an object store's URL (output) or
+    found no such file (input). Another URL is left as it is (``check_destination`` refuses it)."""
+    p = os.fsdecode(path)
+    return file_url_path(p) if is_file_url(p) else p
 
 
 def check_destination(out: str) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -80,3 +84,32 @@ class PipeConsole(Console):
         """rich calls it when a write to stdout fails with EPIPE."""
         self.quiet = True
         stdout_gone()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM while a command writes (``timeout``, a scheduler's stop, ``kill PID``): unwound as a
+    Ctrl-C is, so the library's cleanup (``except BaseException``) removes the temporary file or
+    directory; Python's default for SIGTERM ended the process at once and left it behind."""
+
+
+@contextlib.contextmanager
+def terminated_as_interrupt(what: str) -> Iterator[None]:
+    """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
+    thread: the first SIGTERM raises :class:`Terminated` (a second one ends the process at once),
+    and the command exits 143 with one line on stderr once the partial output is removed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    except Terminated:
+        click.echo(f"terminated: {printable(what)} was not written (its partial output is removed)", err=True)
+        sys.exit(143)
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)

@@ -24,7 +24,7 @@ from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside,
 from ..layout import MANIFEST
 from ..storage import for_path
 from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
-from . import PipeConsole, printable, stdout_gone
+from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
 
 console = PipeConsole()
 
@@ -341,12 +341,13 @@ def _deleted(path: str) -> bool:
 @click.command("export")
 @click.argument("ckpt")
 @click.option("--to", "to", required=True, metavar="FILE",
-              help="Output file on a local (or mounted) file system, not an object store's URL: NAME.safetensors, "
+              help="Output file on a local (or mounted) file system (a path or file:///PATH), not an object store's URL: NAME.safetensors, "
                    "or NAME.pt/.pth/.bin (torch.save); its directory must exist, an existing file is replaced.")
 @click.option("--entry", default="model", show_default=True, help="Which entry of the state to export.")
 def export_cmd(ckpt: str, to: str, entry: str) -> None:
     """Export model weights as a safetensors file or a torch.load(weights_only=True) file."""
     from ..export import export
 
-    n = export(ckpt, to, entry=entry)
+    with terminated_as_interrupt(to):  # `timeout`/kill: the temporary file beside --to is removed
+        n = export(ckpt, to, entry=entry)
     console.print(f"wrote {n} tensors to {_shown(to)}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import click
 
 from ..consolidate import consolidate as _consolidate
-from . import echo, printable
+from . import echo, printable, terminated_as_interrupt
 
 
 @click.command("consolidate")
@@ -29,5 +29,6 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
         if not quiet:
             echo(f"  {printable(path)}  {nbytes} B")  # `| head`: the consolidation goes on
 
-    m = _consolidate(src, dst, overwrite=overwrite, progress=show)
+    with terminated_as_interrupt(dst):  # `timeout`/kill: DST's temporary directory is removed
+        m = _consolidate(src, dst, overwrite=overwrite, progress=show)
     click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {printable(dst)}")

@@ -34,8 +34,9 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
       trainguard convert hf_model/model.safetensors.index.json ckpts/imported/step-000000000
     """
     from ..convert import convert
+    from . import terminated_as_interrupt
 
-    with warnings.catch_warnings(record=True) as caught:
+    with terminated_as_interrupt(dst), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = convert(src, dst, src_format=src_format, dst_format=dst_format,
                       entry=None if entry == "*" else (entry or "model"), dcp_split=entry is None)

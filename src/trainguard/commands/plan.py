@@ -244,7 +244,8 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     try:
         tree = ast.parse(source, filename=script)
     except SyntaxError as e:  # the import would fail the same way: say so without running anything
-        raise CommandError(f"{script} is not valid Python 3 (line {e.lineno}: {e.msg}): the doctor reads and "
+        where = f"line {e.lineno}: " if e.lineno else ""  # NUL bytes (a binary file): no line, it said "line None"
+        raise CommandError(f"{script} is not valid Python 3 ({where}{e.msg}): the doctor reads and "
                            "imports it as Python") from None
     hooked = defines_hook(tree)
     state, manager = _load_hook(Path(script)) if hooked else ({}, None)

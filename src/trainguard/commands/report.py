@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 
 import click
 
-from . import CommandError
+from . import CommandError, printable
 
 
 @click.command("report")
@@ -18,6 +19,8 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
     """Summarize the event log of a `trainguard run` directory."""
     from .. import report as rep
 
+    if plot:
+        plot = _check_plot(plot)
     events = rep.load(run_dir)
     if not events:
         raise CommandError(f"no events in {run_dir}: was it the --run-dir of `trainguard run`?")
@@ -25,4 +28,21 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:
         rep.plot_timeline(events, plot, title=run_dir)
-        click.echo(f"timeline written to {plot}")
+        click.echo(f"timeline written to {printable(plot)}", err=as_json)  # --json: stdout holds the JSON only
+
+
+def _check_plot(plot: str) -> str:
+    """The file --plot ``plot`` writes (matplotlib adds ``.png`` to a name without a suffix: the
+    command said it wrote ``NAME``). Refuses a suffix matplotlib cannot write (ValueError: a
+    traceback) and a directory that does not exist, before the summary is printed, not after it."""
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    suffix = os.path.splitext(plot)[1].lstrip(".").lower()
+    if suffix and suffix not in kinds:
+        raise CommandError(f"--plot {printable(plot)}: matplotlib cannot write .{printable(suffix)} files; "
+                           f"name it .png (or one of .{', .'.join(sorted(kinds))})")
+    head = os.path.dirname(plot)
+    if head and not os.path.isdir(head):
+        raise CommandError(f"--plot {printable(plot)}: the directory {printable(head)} does not exist; create it first")
+    return plot if suffix else f"{plot}.png"
