@@ -43,7 +43,8 @@ def test_flags_take_bools_and_integers_of_numpy_and_torch_and_refuse_floats_alik
     """Before: ``torch.tensor(1.0)`` and ``np.float64(1.0)`` were taken as flags where ``1.0`` was not."""
     for ok in (True, False, 0, 1, np.True_, np.int64(1), torch.tensor(True), torch.tensor([0])):
         assert is_flag(ok), ok
-    for bad in (1.0, torch.tensor(1.0), np.float64(1.0), "no", 2, torch.tensor([True, False]), None):
+    for bad in (1.0, torch.tensor(1.0), np.float64(1.0), "no", 2, torch.tensor([True, False]), None,
+                torch.tensor(True, device="meta")):  # meta: "Tensor.item() cannot be called on meta tensors" before
         assert not is_flag(bad), bad
     m = torch.nn.Linear(2, 2)
     with pytest.raises(TypeError, match=r"overwrite=tensor\(1\.\).*pass True or False"):

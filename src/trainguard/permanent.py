@@ -221,7 +221,7 @@ def is_flag(v: Any) -> bool:
     from torch import is_tensor
 
     if is_tensor(v):
-        ok = v.numel() == 1 and not (v.is_floating_point() or v.is_complex())
+        ok = v.numel() == 1 and not (v.is_floating_point() or v.is_complex() or v.is_meta)  # meta: no value to read
     elif type(v).__module__ == "numpy":
         ok = getattr(v, "shape", None) == () and getattr(getattr(v, "dtype", None), "kind", "") in ("b", "i", "u")
     else:
