@@ -1,0 +1,62 @@
+"""Session 45's review of the afternoon's merge (d5abb74): each test runs real processes on real
+files and fails on that merge's code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import trainguard as tg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **extra}
+
+
+def _consolidate_terminated_at(point: str, src: Path, dst: Path, *flags: str) -> tuple[int, str]:
+    """`trainguard consolidate SRC DST` stopped (SIGSTOP to itself) at the fault point ``point``,
+    sent a SIGTERM there, then continued: the signal is handled right after that point."""
+    env = _env(TRAINGUARD_CRASH_AT=point, TRAINGUARD_CRASH_KIND="stop")
+    p = subprocess.Popen([sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst), *flags], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped at the point (or ended)
+        assert os.WIFSTOPPED(status), f"consolidate ended before {point}: {status}"
+        os.kill(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signal.SIGCONT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err
+
+
+def test_consolidate_sigterm_after_the_rename_does_not_say_not_written(tmp_path: Path) -> None:
+    """A SIGTERM handled after consolidate renamed DST into place (`after_rename`: the last step of
+    the commit) said "terminated: DST was not written (its partial output is removed)", exit 143,
+    while DST was whole and loadable: a rerun was then refused ("already holds a checkpoint").
+    Now it says DST was written. A SIGTERM before the rename, with --overwrite of an earlier DST,
+    still says "not written", and the earlier DST is left as it was."""
+    src = tmp_path / "ck" / "step-000000003"
+    tg.save(str(src), {"model": tg.StateDict(w=torch.arange(1000.0))})
+    dst = tmp_path / "full"
+    rc, err = _consolidate_terminated_at("after_rename", src, dst)
+    assert rc == 143, err
+    assert "was not written" not in err and "was written whole" in err, err
+    got = {"model": tg.StateDict(w=torch.zeros(1000))}
+    tg.load(str(dst), got)
+    assert torch.equal(got["model"]["w"], torch.arange(1000.0))
+    before = json.loads((dst / "manifest.json").read_bytes())
+    rc, err = _consolidate_terminated_at("after_manifest", src, dst, "--overwrite")
+    assert rc == 143 and "was not written" in err, err
+    assert json.loads((dst / "manifest.json").read_bytes()) == before  # the earlier DST, as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "full"]  # no temporary directory left
