@@ -60,3 +60,49 @@ def test_consolidate_sigterm_after_the_rename_does_not_say_not_written(tmp_path:
     assert rc == 143 and "was not written" in err, err
     assert json.loads((dst / "manifest.json").read_bytes()) == before  # the earlier DST, as it was
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "full"]  # no temporary directory left
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    ev = [{"t": 100.0 + s, "event": "step", "rank": 0, "pid": 7, "step": s} for s in range(12)]
+    ev.append({"t": 110.5, "event": "save", "rank": 0, "pid": 7, "step": 10, "stall_s": 0.1, "duration_s": 0.4, "bytes": 64})
+    (run / "events.jsonl").write_text("\n".join(json.dumps(e) for e in ev) + "\n")
+    return run
+
+
+def _report(tmp_path: Path, *args: str, pre: str = "pass") -> subprocess.CompletedProcess[str]:
+    code = f"import sys; {pre}; from trainguard.cli import main; sys.argv[0] = 'trainguard'; main()"
+    return subprocess.run([sys.executable, "-c", code, "report", *args], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_report_plot_without_matplotlib_is_one_error_line(tmp_path: Path) -> None:
+    """matplotlib is no dependency of trainguard (the dev extra only). `report RUN --plot t.png` in an
+    environment without it was a ModuleNotFoundError traceback (exit 1), since session 45 before the
+    summary; `plan --plot` said "--plot needs matplotlib: pip install matplotlib". Now report says so
+    too (exit 2). The environment without matplotlib: its import blocked (sys.modules entry None)."""
+    run = _run_dir(tmp_path)
+    res = _report(tmp_path, str(run), "--plot", "t.png", pre="sys.modules['matplotlib'] = None")
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip() == "error: --plot needs matplotlib: pip install matplotlib"
+    assert res.stdout == "" and not (tmp_path / "t.png").exists()
+
+
+def test_report_plot_pgf_without_latex_is_refused_before_the_summary(tmp_path: Path) -> None:
+    """`--plot t.pgf` passed the suffix check (.pgf was even offered in its list of suffixes), then,
+    after the summary, matplotlib's pgf backend raised RuntimeError "'xelatex' not found" (a
+    traceback, exit 1). Where the TeX program is missing it is now one error line before the summary."""
+    import shutil
+
+    import matplotlib
+
+    run = _run_dir(tmp_path)
+    res = _report(tmp_path, str(run), "--plot", "t.pgf")
+    if shutil.which(matplotlib.rcParams["pgf.texsystem"]) is not None:  # LaTeX here: the .pgf is written
+        assert res.returncode == 0 and (tmp_path / "t.pgf").stat().st_size > 0, res.stderr
+        return
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("error: --plot t.pgf: a .pgf file needs") and res.stdout == ""
+    res = _report(tmp_path, str(run), "--plot", "t.v2")
+    assert res.returncode == 2 and ".pdf" in res.stderr and ".pgf" not in res.stderr, res.stderr
