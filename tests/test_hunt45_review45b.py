@@ -139,3 +139,32 @@ def test_convert_to_dcp_sigterm_is_terminated_not_a_dcp_error(tmp_path: Path) ->
     assert p.returncode == 143, err
     assert err.startswith("terminated: ") and "was not written" in err and "RuntimeError" not in err, err
     assert sorted(d.name for d in tmp_path.iterdir()) == ["ck"]
+
+
+def test_consolidate_with_sigterm_ignored_by_its_parent_goes_on(tmp_path: Path) -> None:
+    """A command started with SIGTERM ignored (`trap '' TERM` in the script that runs it, a launcher
+    that keeps its children through its own shutdown) ignored it before session 45; the SIGTERM
+    handler of consolidate/convert/export replaced the inherited SIG_IGN, and a SIGTERM then ended
+    it: exit 143, DST not written. An ignored SIGTERM stays ignored (as Python leaves an ignored
+    SIGINT): the consolidation completes."""
+    src = tmp_path / "ck" / "step-000000003"
+    tg.save(str(src), {"model": tg.StateDict(w=torch.arange(1000.0))})
+    dst = tmp_path / "full"
+    env = _env(TRAINGUARD_CRASH_AT="after_manifest", TRAINGUARD_CRASH_KIND="stop")
+    p = subprocess.Popen([sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # inherited by exec
+    try:
+        _, status = os.waitpid(p.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        os.kill(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signal.SIGCONT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0 and "consolidated 1 tensors" in out, err
+    got = {"model": tg.StateDict(w=torch.zeros(1000))}
+    tg.load(str(dst), got)
+    assert torch.equal(got["model"]["w"], torch.arange(1000.0))

@@ -97,7 +97,9 @@ def terminated_as_interrupt(what: str) -> Iterator[None]:
     """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
     thread: the first SIGTERM raises :class:`Terminated` (a second one ends the process at once),
     and the command exits 143 with one line on stderr once the partial output is removed."""
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        # SIG_IGN: inherited from a parent that keeps its children running through a SIGTERM (`trap '' TERM`,
+        # a launcher's own shutdown), as Python leaves an ignored SIGINT ignored; the command ended exit 143
         yield
         return
 
