@@ -96,10 +96,12 @@ class Terminated(KeyboardInterrupt):
 def terminated_as_interrupt(what: str) -> Iterator[None]:
     """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
     thread: the first SIGTERM raises :class:`Terminated` (a second one ends the process at once),
-    and the command exits 143 with one line on stderr once the partial output is removed."""
+    and the command exits 143 with one line on stderr once the partial output is removed (or saying
+    ``what`` was written whole, when the signal came after its rename into place). A SIGTERM the
+    process inherited ignored stays ignored."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         # SIG_IGN: inherited from a parent that keeps its children running through a SIGTERM (`trap '' TERM`,
-        # a launcher's own shutdown), as Python leaves an ignored SIGINT ignored; the command ended exit 143
+        # a launcher's own shutdown), as Python leaves an ignored SIGINT ignored (it ended the command, exit 143)
         yield
         return
 
