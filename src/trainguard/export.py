@@ -249,14 +249,36 @@ def foreign_errors(what: str) -> Iterator[None]:
         yield
     except CheckpointError:
         raise
-    except Exception as e:
-        if isinstance(e, KeyError) and e.args and isinstance(e.args[0], torch.dtype):  # safetensors' dtype table
-            raise CheckpointError(f"{what}: safetensors has no type for {e.args[0]}; write a .pt file instead") from e
-        raise CheckpointError(f"{what}: {type(e).__name__}: {e}") from e
-    except BaseException as e:  # DCP's CheckpointException is a BaseException, not an Exception
-        if type(e).__name__ != "CheckpointException":
-            raise
-        raise CheckpointError(f"{what}: {_dcp_cause(e)}") from e
+    except BaseException as e:
+        if (ki := _interrupt(e)) is not None:  # a Ctrl-C/SIGTERM inside DCP or torch.save: the writer's own
+            raise ki from None  # error on the way out ("unexpected pos 704 vs 598") is not the cause
+        if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
+            raise  # SystemExit, GeneratorExit
+        raise _foreign_error(what, e) from e
+
+
+def _interrupt(e: BaseException | None, depth: int = 0) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (Ctrl-C, or the commands' SIGTERM) that ``e`` is or was raised while
+    handling: in its ``__cause__``/``__context__`` chain, or in those of a DCP ``CheckpointException``'s
+    failures (DCP turns every rank's exception, an interrupt too, into one). Before, a SIGTERM during
+    ``convert --to dcp`` was "error: cannot write DST as dcp: RuntimeError: ... unexpected pos", exit 2."""
+    while e is not None and depth < 50:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        for f in (getattr(e, "failures", None) or {}).values() if type(e).__name__ == "CheckpointException" else ():
+            if (ki := _interrupt(f[0] if isinstance(f, tuple) and f else f, depth + 1)) is not None:
+                return ki
+        e, depth = e.__cause__ or e.__context__, depth + 1
+    return None
+
+
+def _foreign_error(what: str, e: BaseException) -> CheckpointError:
+    """``foreign_errors``: ``e`` (an Exception, or DCP's CheckpointException) as one CheckpointError."""
+    if isinstance(e, KeyError) and e.args and isinstance(e.args[0], torch.dtype):  # safetensors' dtype table
+        return CheckpointError(f"{what}: safetensors has no type for {e.args[0]}; write a .pt file instead")
+    if isinstance(e, Exception):
+        return CheckpointError(f"{what}: {type(e).__name__}: {e}")
+    return CheckpointError(f"{what}: {_dcp_cause(e)}")  # DCP's CheckpointException is a BaseException
 
 
 def _dcp_cause(e: BaseException) -> str:

@@ -96,8 +96,12 @@ class Terminated(KeyboardInterrupt):
 def terminated_as_interrupt(what: str) -> Iterator[None]:
     """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
     thread: the first SIGTERM raises :class:`Terminated` (a second one ends the process at once),
-    and the command exits 143 with one line on stderr once the partial output is removed."""
-    if threading.current_thread() is not threading.main_thread():
+    and the command exits 143 with one line on stderr once the partial output is removed (or saying
+    ``what`` was written whole, when the signal came after its rename into place). A SIGTERM the
+    process inherited ignored stays ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        # SIG_IGN: inherited from a parent that keeps its children running through a SIGTERM (`trap '' TERM`,
+        # a launcher's own shutdown), as Python leaves an ignored SIGINT ignored (it ended the command, exit 143)
         yield
         return
 
@@ -105,11 +109,32 @@ def terminated_as_interrupt(what: str) -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise Terminated
 
+    before = _identity(what)
     old = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     except Terminated:
-        click.echo(f"terminated: {printable(what)} was not written (its partial output is removed)", err=True)
+        # A SIGTERM after the rename into place (the parent's fsync, the return): the output is whole.
+        # It said "was not written" of a complete DST (a rerun without --overwrite was then refused).
+        done = (now := _identity(what)) is not None and now != before
+        click.echo(f"terminated: {printable(what)} " + ("was written whole before the signal (it is complete)"
+                   if done else "was not written (its partial output is removed)"), err=True)
         sys.exit(143)
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
+def _identity(what: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of the local file or directory ``what`` (a path or ``file:`` URL), ``None``
+    when there is none (or ``what`` is an object store's URL): :func:`terminated_as_interrupt` tells
+    an output renamed into place (a new inode) from an earlier one left as it was."""
+    from ..storage._urls import file_url_path, is_file_url
+
+    try:
+        p = file_url_path(what) if is_file_url(what) else what
+        if "://" in p:
+            return None
+        st = os.stat(p)
+    except Exception:  # OSError; a file: URL of another host (CheckpointError): not known
+        return None
+    return st.st_dev, st.st_ino

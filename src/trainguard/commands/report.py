@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import click
 
@@ -35,10 +36,20 @@ def _check_plot(plot: str) -> str:
     """The file --plot ``plot`` writes (matplotlib adds ``.png`` to a name without a suffix: the
     command said it wrote ``NAME``). Refuses a suffix matplotlib cannot write (ValueError: a
     traceback) and a directory that does not exist, before the summary is printed, not after it."""
-    from matplotlib.figure import Figure
+    try:
+        import matplotlib
+        from matplotlib.figure import Figure
+    except ImportError:  # not a dependency of trainguard (the dev extra): a traceback, before the summary
+        raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
 
-    kinds = Figure().canvas.get_supported_filetypes()
+    kinds = dict(Figure().canvas.get_supported_filetypes())
+    tex = matplotlib.rcParams["pgf.texsystem"]
+    if shutil.which(tex) is None:  # .pgf runs it to lay out text: RuntimeError "'xelatex' not found", a traceback
+        kinds.pop("pgf", None)    # after the summary (and offered below as a suffix it writes)
     suffix = os.path.splitext(plot)[1].lstrip(".").lower()
+    if suffix == "pgf" and suffix not in kinds:
+        raise CommandError(f"--plot {printable(plot)}: a .pgf file needs {printable(tex)} (LaTeX), which is not "
+                           "installed; name it .pdf or .svg")
     if suffix and suffix not in kinds:
         raise CommandError(f"--plot {printable(plot)}: matplotlib cannot write .{printable(suffix)} files; "
                            f"name it .png (or one of .{', .'.join(sorted(kinds))})")
