@@ -60,8 +60,8 @@ def test_ctrl_c_after_a_close_in_another_thread_raises_keyboard_interrupt_again(
     # SIGINT ignored, which no handler of the manager's changes: then no KeyboardInterrupt at all)
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    mgr = _closed_in_another_thread(tmp_path / "run")
     try:
+        mgr = _closed_in_another_thread(tmp_path / "run")
         with tg.CheckpointManager(tmp_path / "other", save=tg.EveryNSteps(1)) as other:  # opened over it: chained
             signal.raise_signal(signal.SIGINT)  # the open manager's preemption, no KeyboardInterrupt
             assert other.save(1, {"model": nn.Linear(2, 2)}) is not None and other.should_stop
@@ -71,7 +71,8 @@ def test_ctrl_c_after_a_close_in_another_thread_raises_keyboard_interrupt_again(
     finally:
         for sig, h in before.items():
             signal.signal(sig, h)
-        signal.signal(signal.SIGINT, inherited)
+        if inherited is not None:  # None: set outside Python, cannot be put back
+            signal.signal(signal.SIGINT, inherited)
     assert not mgr.should_stop
 
 

@@ -108,29 +108,42 @@ def test_report_plot_pgf_without_latex_is_refused_before_the_summary(tmp_path: P
     assert res.returncode == 2 and ".pdf" in res.stderr and ".pgf" not in res.stderr, res.stderr
 
 
+STOP_IN_DCP_WRITE = """
+import os, signal, sys
+import torch.distributed.checkpoint.filesystem as fs
+write = fs._write_item
+
+def stopped_after_one(*args, **kwargs):  # DCP's data file begun: stop here, the test sends SIGTERM
+    out = write(*args, **kwargs)
+    fs._write_item = write
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return out
+
+fs._write_item = stopped_after_one
+from trainguard.cli import main
+sys.argv[0] = "trainguard"
+main(prog_name="trainguard")
+"""
+
+
 def test_convert_to_dcp_sigterm_is_terminated_not_a_dcp_error(tmp_path: Path) -> None:
-    """A SIGTERM while `convert SRC DST --to dcp` wrote (DCP's data file begun): DCP turns every
+    """A SIGTERM while `convert SRC DST --to dcp` wrote (DCP's first item written): DCP turns every
     exception, the interrupt too, into its CheckpointException, and the zip writer torch.save was in
     failed on the way out; foreign_errors reported that: "error: cannot write DST as dcp:
     RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598", exit 2.
     Now the interrupt is raised as it is: "terminated: DST was not written", exit 143, no temporary
-    directory left. The signal is sent once the data file in DCP's temporary directory has bytes."""
+    directory left. The child stops itself (SIGSTOP) after DCP's first item; the SIGTERM is handled
+    when it continues."""
     src = tmp_path / "ck" / "step-000000001"
-    tg.save(str(src), {"model": tg.StateDict(**{f"w{i:02d}": torch.full((1 << 20,), float(i)) for i in range(24)})})
+    tg.save(str(src), {"model": tg.StateDict(**{f"w{i:02d}": torch.full((1 << 16,), float(i)) for i in range(24)})})
     dst = tmp_path / "out_dcp"
-    p = subprocess.Popen([sys.executable, "-m", "trainguard", "convert", str(src), str(dst), "--to", "dcp"],
+    p = subprocess.Popen([sys.executable, "-c", STOP_IN_DCP_WRITE, "convert", str(src), str(dst), "--to", "dcp"],
                          env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        while p.poll() is None:  # until DCP writes its data file (beside DST: .out_dcp.tmp-<id>/__0_0.distcp)
-            try:
-                tmps = [d for d in tmp_path.iterdir() if d.name.startswith(".out_dcp.tmp-")]
-                begun = any(f.stat().st_size > 0 for d in tmps for f in d.iterdir() if f.suffix == ".distcp")
-            except FileNotFoundError:  # renamed or removed meanwhile: the command ended (asserted below)
-                begun = False
-            if begun:
-                os.kill(p.pid, signal.SIGTERM)
-                break
-            os.sched_yield()
+        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped in DCP's write (or ended)
+        assert os.WIFSTOPPED(status), f"convert ended before DCP wrote: {status}"
+        os.kill(p.pid, signal.SIGTERM)
+        os.kill(p.pid, signal.SIGCONT)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
