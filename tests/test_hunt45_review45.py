@@ -13,6 +13,7 @@ import torch
 
 import trainguard as tg
 from test_hunt44_resume import EMA_LOOP
+from test_left45 import ram_copy_kept
 from trainguard.doctor import Finding, Settings, check
 from trainguard.errors import error_text
 
@@ -75,12 +76,7 @@ def test_ram_tier_open_is_not_failed_by_a_step_of_another_ram_directory_it_canno
     the steps it could measure, and the open goes on."""
     from trainguard.tiers import ram_dir
 
-    m = torch.nn.Linear(2, 2)
-    with tg.CheckpointManager(tmp_path / "a", ram_tier=True, handle_signals=False) as mgr:
-        mgr.save(1, {"model": m}, force=True)
-        mgr.wait()
-        old = mgr.ram.dir
-        mgr.close(keep_ram_tier=True)
+    old = ram_copy_kept(tmp_path / "a")
     try:
         os.symlink(os.path.join(old, "gone"), os.path.join(old, "step-000000002"))
         shutil.move(tmp_path / "a", tmp_path / "b")

@@ -11,6 +11,7 @@ import trainguard as tg
 
 pytest.importorskip("s3fs")
 from test_hunt44_netfaults import _restores, _small, _url, proxy  # noqa: E402,F401  (the fixture)
+from test_left45_store import recorded  # noqa: E402
 from test_storage_s3 import weed  # noqa: E402,F401  (the session's server; skips without `weed`)
 from trainguard.commit import list_steps  # noqa: E402
 
@@ -22,10 +23,8 @@ def test_retention_goes_on_past_a_step_whose_every_request_the_store_fails(proxy
     directory grew by one checkpoint per save (``retention_failed`` at each). Now step 2 is recorded as
     ``retention_kept`` and the steps after it are deleted as the policy says."""
     url = _url()
-    events: list[dict] = []
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
-        emit = mgr.events.emit
-        mgr.events.emit = lambda event, **f: events.append({"event": event, **f}) or emit(event, **f)  # type: ignore[method-assign]
+        events = recorded(mgr)
         for step in (1, 2, 3):
             mgr.save(step, _small(step))
         proxy.add(lambda method, target: "/step-000000002" in target, "status", arg=500)

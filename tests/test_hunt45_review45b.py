@@ -21,23 +21,29 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]), **extra}
 
 
-def _consolidate_terminated_at(point: str, src: Path, dst: Path, *flags: str) -> tuple[int, str]:
-    """`trainguard consolidate SRC DST` stopped (SIGSTOP to itself) at the fault point ``point``,
-    sent a SIGTERM there, then continued: the signal is handled right after that point."""
-    env = _env(TRAINGUARD_CRASH_AT=point, TRAINGUARD_CRASH_KIND="stop")
-    p = subprocess.Popen([sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst), *flags], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _terminated_when_stopped(argv: list[str], env: dict[str, str], **popen: object) -> tuple[int, str, str]:
+    """Run ``argv`` until it stops itself (SIGSTOP: a fault point of ``TRAINGUARD_CRASH_KIND=stop``,
+    or the test's own), send it a SIGTERM there, then continue it: the signal is handled right after
+    that point. (returncode, stdout, stderr)."""
+    p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     try:
-        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped at the point (or ended)
-        assert os.WIFSTOPPED(status), f"consolidate ended before {point}: {status}"
+        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped (or ended)
+        assert os.WIFSTOPPED(status), f"{argv[2:4]} ended before it stopped: {status}"
         os.kill(p.pid, signal.SIGTERM)
         os.kill(p.pid, signal.SIGCONT)
-        _, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
-    return p.returncode, err
+    return p.returncode, out, err
+
+
+def _consolidate_terminated_at(point: str, src: Path, dst: Path, *flags: str) -> tuple[int, str]:
+    """`trainguard consolidate SRC DST` stopped at the fault point ``point``, sent a SIGTERM there."""
+    env = _env(TRAINGUARD_CRASH_AT=point, TRAINGUARD_CRASH_KIND="stop")
+    rc, _, err = _terminated_when_stopped([sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst), *flags], env)
+    return rc, err
 
 
 def test_consolidate_sigterm_after_the_rename_does_not_say_not_written(tmp_path: Path) -> None:
@@ -137,19 +143,9 @@ def test_convert_to_dcp_sigterm_is_terminated_not_a_dcp_error(tmp_path: Path) ->
     src = tmp_path / "ck" / "step-000000001"
     tg.save(str(src), {"model": tg.StateDict(**{f"w{i:02d}": torch.full((1 << 16,), float(i)) for i in range(24)})})
     dst = tmp_path / "out_dcp"
-    p = subprocess.Popen([sys.executable, "-c", STOP_IN_DCP_WRITE, "convert", str(src), str(dst), "--to", "dcp"],
-                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped in DCP's write (or ended)
-        assert os.WIFSTOPPED(status), f"convert ended before DCP wrote: {status}"
-        os.kill(p.pid, signal.SIGTERM)
-        os.kill(p.pid, signal.SIGCONT)
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 143, err
+    rc, _, err = _terminated_when_stopped(
+        [sys.executable, "-c", STOP_IN_DCP_WRITE, "convert", str(src), str(dst), "--to", "dcp"], _env())
+    assert rc == 143, err
     assert err.startswith("terminated: ") and "was not written" in err and "RuntimeError" not in err, err
     assert sorted(d.name for d in tmp_path.iterdir()) == ["ck"]
 
@@ -164,20 +160,10 @@ def test_consolidate_with_sigterm_ignored_by_its_parent_goes_on(tmp_path: Path) 
     tg.save(str(src), {"model": tg.StateDict(w=torch.arange(1000.0))})
     dst = tmp_path / "full"
     env = _env(TRAINGUARD_CRASH_AT="after_manifest", TRAINGUARD_CRASH_KIND="stop")
-    p = subprocess.Popen([sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # inherited by exec
-    try:
-        _, status = os.waitpid(p.pid, os.WUNTRACED)
-        assert os.WIFSTOPPED(status), status
-        os.kill(p.pid, signal.SIGTERM)
-        os.kill(p.pid, signal.SIGCONT)
-        out, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 0 and "consolidated 1 tensors" in out, err
+    rc, out, err = _terminated_when_stopped(
+        [sys.executable, "-m", "trainguard", "consolidate", str(src), str(dst)], env,
+        preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))  # inherited by exec
+    assert rc == 0 and "consolidated 1 tensors" in out, err
     got = {"model": tg.StateDict(w=torch.zeros(1000))}
     tg.load(str(dst), got)
     assert torch.equal(got["model"]["w"], torch.arange(1000.0))

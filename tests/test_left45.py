@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,6 +169,15 @@ def test_the_event_log_creates_its_directory_once_not_after_it_was_removed(tmp_p
     assert "cannot write the event log" in caplog.text
 
 
+def ram_copy_kept(run: Path) -> str:
+    """A RAM-tier manager of ``run`` that saved step 1 and closed keeping its RAM copy: that copy's directory."""
+    with tg.CheckpointManager(run, ram_tier=True, handle_signals=False) as mgr:
+        mgr.save(1, {"model": torch.nn.Linear(2, 2)}, force=True)
+        mgr.wait()
+        mgr.close(keep_ram_tier=True)
+    return mgr.ram.dir
+
+
 def test_ram_copies_left_under_a_moved_run_directorys_old_path_are_named_at_open(tmp_path, caplog) -> None:
     """Before: a run moved (``mv a b``) and resumed from ``b`` left the RAM copies made for ``a`` in
     /dev/shm without a word (the RAM directory is named by the run directory's real path). Now the
@@ -177,12 +187,7 @@ def test_ram_copies_left_under_a_moved_run_directorys_old_path_are_named_at_open
 
     from trainguard.tiers import ram_dir
 
-    m = torch.nn.Linear(2, 2)
-    with tg.CheckpointManager(tmp_path / "a", ram_tier=True, handle_signals=False) as mgr:
-        mgr.save(1, {"model": m}, force=True)
-        mgr.wait()
-        old = mgr.ram.dir
-        mgr.close(keep_ram_tier=True)
+    old = ram_copy_kept(tmp_path / "a")
     assert os.path.isdir(os.path.join(old, "step-000000001"))
     shutil.move(tmp_path / "a", tmp_path / "b")
     try:

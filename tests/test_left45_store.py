@@ -15,15 +15,21 @@ from test_storage_s3 import weed  # noqa: E402,F401  (the session's server; skip
 from trainguard.commit import list_steps  # noqa: E402
 
 
+def recorded(mgr: tg.CheckpointManager) -> list[dict]:
+    """The events ``mgr`` emits from here on (an object store's run has no events.jsonl), as dicts."""
+    events: list[dict] = []
+    emit = mgr.events.emit
+    mgr.events.emit = lambda event, **f: events.append({"event": event, **f}) or emit(event, **f)  # type: ignore[method-assign]
+    return events
+
+
 def test_retention_whose_delete_the_store_refuses_records_no_delete_and_catches_up(proxy, caplog):  # noqa: F811
     """Before: ``retention_delete`` was emitted for a step every DELETE of which was answered 500
     (it stayed, listed by ``trainguard ls``), and the log said ``[Errno 121] ...``; now the event is
     ``retention_kept``, the log names the HTTP answer, and the next retention removes it."""
     url = _url()
-    events: list[dict] = []
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
-        emit = mgr.events.emit
-        mgr.events.emit = lambda event, **f: events.append({"event": event, **f}) or emit(event, **f)  # type: ignore[method-assign]
+        events = recorded(mgr)
         for step in (1, 2, 3):
             mgr.save(step, _small(step))
         assert [s.step for s in list_steps(mgr.storage, mgr._root)] == [2, 3]
