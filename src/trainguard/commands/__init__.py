@@ -128,10 +128,10 @@ def _identity(what: str) -> tuple[int, int] | None:
     """``(device, inode)`` of the local file or directory ``what`` (a path or ``file:`` URL), ``None``
     when there is none (or ``what`` is an object store's URL): :func:`terminated_as_interrupt` tells
     an output renamed into place (a new inode) from an earlier one left as it was."""
-    from ..storage._urls import file_url_path, is_file_url
+    from ..export import local_file  # a file: URL as the path it names, as the commands read it
 
     try:
-        p = file_url_path(what) if is_file_url(what) else what
+        p = local_file(what)
         if "://" in p:
             return None
         st = os.stat(p)
