@@ -106,7 +106,7 @@ def test_ls_says_a_hand_deleted_data_file_is_missing(tmp_path) -> None:
         f.truncate(8)
     rows = {r.step: r for r in list_checkpoints(str(run))}
     assert (rows[3].status, rows[3].detail) == ("corrupt", "data-00000.bin: missing")
-    assert (rows[2].status, rows[2].detail) == ("corrupt", "data-00000.bin: 8 bytes on disk, the manifest says 16")
+    assert (rows[2].status, rows[2].detail) == ("corrupt", "data-00000.bin: 8 bytes on disk, the manifest says 16 (truncated or replaced)")
     assert rows[1].status == "valid"
     r = subprocess.run([sys.executable, "-m", "trainguard.cli", "ls", str(run)], capture_output=True, text=True,
                        timeout=60, env={**os.environ, "PYTHONPATH": _SRC, "COLUMNS": "200"})

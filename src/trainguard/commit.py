@@ -17,7 +17,7 @@ from typing import Any
 
 from . import layout
 from .capture import check_data_positions
-from .commitfail import removed, renamed_anyway, unsafe_target
+from .commitfail import removed, renamed_anyway, under_a_file, unsafe_target, wrong_size
 from .dist import DistContext, failure, summary
 from .errors import (
     CheckpointError,
@@ -106,9 +106,7 @@ def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, neede
             raise CorruptCheckpointError(f"{p}: data file is missing", file=f)
         actual = storage.size(p)
         if actual != manifest.files[f]:
-            raise CorruptCheckpointError(
-                f"{p}: {actual} bytes on disk, the manifest says {manifest.files[f]} (truncated or replaced)", file=f
-            )
+            raise CorruptCheckpointError(f"{p}: {wrong_size(storage, p, actual, manifest.files[f])}", file=f)
 
 
 def rank_files(report: dict[str, Any]) -> dict[str, int]:
@@ -280,7 +278,7 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     try:
         names = storage.listdir(final)
     except NotADirectoryError:
-        return {"refused": f"{final} is a file, not a directory; save the checkpoint to a directory path"}
+        return under_a_file(storage, final)
     foreign = [n for n in names if not layout.own_file(n)]
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

@@ -104,3 +104,29 @@ def unsafe_target(storage: Storage, final: str, above: bool) -> dict[str, str]:
         f"{final} is a step directory of the run {root}, which a CheckpointManager holds ({holder}): its retention "
         "deletes such directories and its own save of that step replaces it. Save through that manager "
         "(mgr.save(step, state, force=True)), or to a path outside its run directory")}
+
+
+def under_a_file(storage: Storage, final: str) -> dict[str, str]:
+    """``commit.occupied``, rank 0, when listing ``final`` said "not a directory": the refusal,
+    naming the file that is in the way, ``final`` itself or the nearest existing ancestor
+    (``consolidate ck afile/sub`` named ``afile/sub`` before, which does not exist)."""
+    path = final.rstrip("/") or final
+    while not storage.exists(path):
+        parent = os.path.dirname(path)
+        if parent in ("", path) or parent.endswith(":/"):
+            path = final
+            break
+        path = parent
+    where = "" if path == final else f" (the checkpoint's path {final} is under it)"
+    return {"refused": f"{path} is a file, not a directory{where}; save the checkpoint to a directory path"}
+
+
+def wrong_size(storage: Storage, path: str, have: int, want: int) -> str:
+    """What a data file of the wrong size is, for ``commit.check_file_sizes`` and ``inspect``'s
+    ``verify`` and ``list_checkpoints`` (a lookup, on that failure only): a directory standing in
+    for the file read as "4096 bytes" before."""
+    try:
+        storage.listdir(path)
+    except OSError:
+        return f"{have} bytes on disk, the manifest says {want} (truncated or replaced)"
+    return f"a directory, not a data file of {want} bytes (replaced)"

@@ -94,6 +94,8 @@ def convert(
     cannot be read or written raises ``CheckpointError``. One process, outside any process group
     (an import ends in :func:`trainguard.save`, a collective when torch.distributed is initialised).
     """
+    if entry == "":  # it read as "model" on import (``entry or "model"``) and as a missing entry on export
+        raise CheckpointError("entry '' names no entry: pass an entry's name (the default is model)")
     src, dst = local_file(src), local_file(dst)  # file:///x.safetensors as the local file, on either side
     sf = src_format or detect(src)
     df = dst_format or target_format(dst)
@@ -120,7 +122,7 @@ def convert(
             _write_foreign(value, dst, df)
         return {"from": sf, "to": df, "tensors": n, "skipped": []}
     with foreign_errors(f"cannot read {src} as {sf}"):
-        state, skipped = _read_foreign(src, sf, entry or "model", dcp_split)
+        state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
     state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else _unwrapped(v) for k, v in state.items()}
     from .api import save

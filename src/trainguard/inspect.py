@@ -13,6 +13,7 @@ from typing import Any
 
 from . import layout
 from .commit import list_steps, read_manifest
+from .commitfail import wrong_size
 from .errors import CheckpointError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
@@ -61,7 +62,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         if have is None:
             errors.append(f"{fname}: missing")
         elif have != size:
-            errors.append(f"{fname}: {have} bytes, manifest says {size}")
+            errors.append(f"{fname}: {wrong_size(storage, storage.join(target, fname), have, size)}")
     if errors:
         return VerifyResult(target, False, errors, 0, manifest.step)
     try:
@@ -211,7 +212,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                     status, detail = "corrupt", f"{f}: missing"
                     break
                 if have != size:
-                    status, detail = "corrupt", f"{f}: {have} bytes on disk, the manifest says {size}"
+                    status, detail = "corrupt", f"{f}: {wrong_size(storage, storage.join(s.path, f), have, size)}"
                     break
         out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail)))
     return out

@@ -39,7 +39,7 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
     with terminated_as_interrupt(dst), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = convert(src, dst, src_format=src_format, dst_format=dst_format,
-                      entry=None if entry == "*" else (entry or "model"), dcp_split=entry is None)
+                      entry=None if entry == "*" else ("model" if entry is None else entry), dcp_split=entry is None)
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")

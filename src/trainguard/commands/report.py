@@ -47,6 +47,9 @@ def _check_plot(plot: str) -> str:
     if shutil.which(tex) is None:  # .pgf runs it to lay out text: RuntimeError "'xelatex' not found", a traceback
         kinds.pop("pgf", None)    # after the summary (and offered below as a suffix it writes)
     suffix = os.path.splitext(plot)[1].lstrip(".").lower()
+    if plot.endswith("."):  # matplotlib wrote "out." as "out..png"
+        raise CommandError(f"--plot {printable(plot)}: the name ends with a dot and no suffix; name it "
+                           f"{printable(plot)}png (or .svg, .pdf)")
     if suffix == "pgf" and suffix not in kinds:
         raise CommandError(f"--plot {printable(plot)}: a .pgf file needs {printable(tex)} (LaTeX), which is not "
                            "installed; name it .pdf or .svg")

@@ -1,0 +1,90 @@
+"""Session 45's leftovers, fixed in session 46: each test runs the library or the command in a
+real process on real files and fails on the code before its fix (3dac339)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_hunt45_cli import _cli, _run_dir
+from trainguard.inspect import list_checkpoints
+
+
+def _ckpt(path: Path) -> dict[str, torch.Tensor]:
+    weights = {"w": torch.arange(400.0 * 400).reshape(400, 400)}
+    tg.save(path, {"model": weights})
+    return weights
+
+
+def test_saving_under_a_file_names_the_file_in_the_way(tmp_path: Path) -> None:
+    """`consolidate ck afile/sub` said "afile/sub is a file", a path that does not exist; the file
+    in the way is `afile`. Both the command and tg.save name it; nothing is written."""
+    _ckpt(tmp_path / "ck")
+    (tmp_path / "afile").write_text("user data\n")
+    res = _cli("consolidate", "ck", "afile/sub", cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert f"{tmp_path / 'afile'} is a file, not a directory" in res.stderr
+    assert f"{tmp_path / 'afile' / 'sub'} is a file" not in res.stderr
+    with pytest.raises(tg.CheckpointError, match=r"afile is a file, not a directory \(the checkpoint's path .*afile/a/b is under"):
+        tg.save(tmp_path / "afile" / "a" / "b", {"w": torch.zeros(2)})
+    assert (tmp_path / "afile").read_text() == "user data\n"
+    with pytest.raises(tg.CheckpointError, match=r"afile is a file, not a directory; save"):  # the file itself
+        tg.save(tmp_path / "afile", {"w": torch.zeros(2)})
+
+
+def test_a_directory_in_place_of_a_data_file_is_called_one(tmp_path: Path) -> None:
+    """A data file replaced by a directory read as "4096 bytes, manifest says 640000" in verify,
+    `ls` and load (the directory's st_size). Each now says it is a directory."""
+    run = tmp_path / "run"
+    ck = run / "step-000000005"
+    weights = _ckpt(ck)
+    (ck / "data-00000.bin").unlink()
+    (ck / "data-00000.bin").mkdir()
+    res = _cli("verify", str(ck), cwd=tmp_path)
+    assert res.returncode == 1 and "data-00000.bin: a directory, not a data file of 640000 bytes" in res.stdout, res
+    assert "4096" not in res.stdout
+    [row] = list_checkpoints(str(run))
+    assert row.status == "corrupt" and "a directory, not a data file" in row.detail
+    target = {"model": {"w": torch.zeros_like(weights["w"])}}
+    with pytest.raises(tg.CorruptCheckpointError, match="a directory, not a data file of 640000 bytes"):
+        tg.load(ck, target)
+    assert not target["model"]["w"].any()
+
+
+def test_a_truncated_data_file_still_reads_as_one(tmp_path: Path) -> None:
+    """The other side of the test above: a short regular file keeps its byte counts."""
+    ck = tmp_path / "ck"
+    _ckpt(ck)
+    with open(ck / "data-00000.bin", "r+b") as f:
+        f.truncate(100)
+    res = _cli("verify", str(ck), cwd=tmp_path)
+    assert res.returncode == 1 and "100 bytes on disk, the manifest says 640000 (truncated or replaced)" in res.stdout
+
+
+def test_convert_entry_empty_is_refused_both_ways(tmp_path: Path) -> None:
+    """`convert --entry ''` exported the `model` entry and imported into `model`, where `export
+    --entry ''` is an error: '' is no entry's name, refused before anything is written."""
+    _ckpt(tmp_path / "ck")
+    ok = _cli("convert", "ck", "w.safetensors", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    for src, dst in (("ck", "out.safetensors"), ("w.safetensors", "imported")):
+        res = _cli("convert", src, dst, "--entry", "", cwd=tmp_path)
+        assert res.returncode == 2 and "entry '' names no entry" in res.stderr, res
+        assert not (tmp_path / dst).exists()
+    res = _cli("convert", "w.safetensors", "named", "--entry", "ema", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "named" / "manifest.json").read_text())["manifest"]["objects"].keys() == {"ema"}
+
+
+def test_report_plot_to_a_name_ending_in_a_dot_is_refused(tmp_path: Path) -> None:
+    """`report --plot out.` wrote `out..png` (matplotlib's default suffix after the dot). Now one
+    `error:` line saying what to name, before the summary; nothing is written."""
+    run = _run_dir(tmp_path)
+    res = _cli("report", str(run), "--plot", "out.", cwd=tmp_path)
+    assert res.returncode == 2 and res.stdout == "", res
+    assert res.stderr.startswith("error: --plot out.: the name ends with a dot") and len(res.stderr.splitlines()) == 1
+    assert "out.png" in res.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
