@@ -13,6 +13,8 @@ import trainguard as tg
 from test_hunt45_cli import _cli, _run_dir
 from trainguard.inspect import list_checkpoints
 
+from conftest import run_py
+
 
 def _ckpt(path: Path) -> dict[str, torch.Tensor]:
     weights = {"w": torch.arange(400.0 * 400).reshape(400, 400)}
@@ -88,3 +90,34 @@ def test_report_plot_to_a_name_ending_in_a_dot_is_refused(tmp_path: Path) -> Non
     assert res.returncode == 2 and res.stdout == "", res
     assert res.stderr.startswith("error: --plot out.: the name ends with a dot") and len(res.stderr.splitlines()) == 1
     assert "out.png" in res.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+FIFO_SCRIPT = r"""
+import os, sys, torch, trainguard as tg
+from trainguard.tiers import RUN_ID, ram_dir
+run, what = sys.argv[1], sys.argv[2]
+if what == "lock":  # a plain save into a run's step directory looks for the run's lock holder
+    os.mkdir(run)
+    os.mkfifo(os.path.join(run, ".lock"))
+    tg.save(os.path.join(run, "step-000000100"), {"w": torch.ones(2)})
+else:  # a RAM-tier manager's open reads the run ids of this user's other RAM directories
+    other = os.path.join(os.path.dirname(ram_dir(run)), "fifo-" + os.path.basename(run))
+    os.makedirs(other)
+    os.mkfifo(os.path.join(other, RUN_ID))
+    try:
+        with tg.CheckpointManager(run, ram_tier=True, handle_signals=False) as mgr:
+            mgr.save(1, {"w": torch.ones(2)}, force=True)
+    finally:
+        os.unlink(os.path.join(other, RUN_ID))
+        os.rmdir(other)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("what", ["lock", "ram"])
+def test_a_fifo_in_place_of_a_lock_or_run_id_file_does_not_hang(tmp_path: Path, what: str) -> None:
+    """A FIFO named `.lock` (a plain save into `run/step-N` tests the run's lock) or
+    `.trainguard-run-id` in another RAM directory of this user (a RAM-tier manager's open reads
+    them) blocked the open until a writer came: forever. They are opened without waiting now."""
+    res = run_py(["-c", FIFO_SCRIPT, str(tmp_path / f"run-{what}"), what], timeout=60)
+    assert res.returncode == 0 and res.stdout.strip().endswith("done"), res

@@ -201,8 +201,8 @@ def left_behind(tier: Any) -> None:
     from .tiers import RUN_ID, _tree_bytes
 
     def run_id(d: str) -> bytes | None:
-        try:
-            with open(os.path.join(d, RUN_ID), "rb") as f:
+        try:  # O_NONBLOCK: a FIFO of that name returns at once instead of waiting for a writer
+            with open(os.open(os.path.join(d, RUN_ID), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
                 return f.read(64)
         except OSError:
             return None

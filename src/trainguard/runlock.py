@@ -164,7 +164,7 @@ def holder_of(root: str) -> str | None:
     if sys.platform != "linux":
         return None
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO: no wait for a writer
     except OSError:
         return None
     try:
