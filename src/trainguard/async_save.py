@@ -125,6 +125,7 @@ def start_async_save(
         now, later = [], todo if stage_in_background else []
         for lf in () if stage_in_background else todo:  # tensor_key(t) in protected (None, of an empty tensor, never is)
             (later if (n := (t := lf.tensor).nbytes) and (t.data_ptr(), n, t.device) in protected else now).append(lf)
+        now, later, short = pool.fit_sync(now, later)  # short: they did not fit in memory, the call waits for staged()
         slots = pool.acquire([lf.tensor.nbytes for lf in now])
         try:
             try:
@@ -162,6 +163,8 @@ def start_async_save(
                 thread.start()
             finally:  # the new thread held the GIL for up to a switch interval (5 ms) while this call waited
                 job.go.set()
+            if short:  # the save thread stages what the call could not copy, in batches that fit: wait here
+                handle.block_until_staged()
             return handle
         except BaseException as e:  # no thread ("can't start new thread", Ctrl-C): nothing would release the pool or step()
             with _LOCK:  # the OS thread may exist and run later (Ctrl-C while start() waited for it): _run decides

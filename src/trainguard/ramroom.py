@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from . import layout
+from . import layout, memroom
 from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
@@ -76,8 +76,9 @@ def _decide(tier: Any, step: int) -> bool:
     except OSError as e:  # cannot tell: the save tries RAM, as before
         log.warning("trainguard: cannot read the free space of the RAM tier %s: %s", tier.dir, e)
         free = None
-    tier._free = free
     want = room_needed(tier.need, tier._short)
+    free = _in_memory(tier, free, want)
+    tier._free = free
     durable = (free is not None and want > free) or tier._force == step  # the retry of a save that ran out
     if durable and tier._bypass is None:  # _bypass: still the previous save's
         log.warning("trainguard: the RAM tier %s has %d bytes free, a checkpoint needs about %d: %s is saved "
@@ -86,6 +87,25 @@ def _decide(tier: Any, step: int) -> bool:
     if durable:
         tier.events.emit("ram_no_room", step=step, free=free, need=want)
     return durable
+
+
+def _in_memory(tier: Any, free: int | None, want: int) -> int | None:
+    """``_decide``: the RAM directory's ``free`` bytes, or less when the memory this job can still use
+    (``memroom.room``: MemAvailable, the memory cgroup's limit) is less: tmpfs pages are charged to
+    the cgroup, and a copy past its limit had the OOM killer end the job. Rank 0's node stands for
+    every node; each holds its ranks' share (``LOCAL_WORLD_SIZE`` of ``world_size``)."""
+    room = memroom.room()
+    if room is None:
+        return free
+    world = max(tier.ctx.world_size, 1)
+    local = min(memroom.local_ranks(), world)
+    whole = room * world // local  # this node's room, in bytes of the whole checkpoint
+    if whole < want and (free is None or whole < free):
+        log.warning("trainguard: a RAM-tier copy of about %d bytes (this node's share: %d) would take more memory "
+                    "than this job can still use (%d bytes: host MemAvailable and memory cgroup limits, less the "
+                    "training step's own peak); the save goes to the run directory", want, want * local // world, room)
+        return whole
+    return free
 
 
 def drop_others(tier: Any, step: int) -> None:

@@ -20,6 +20,7 @@ of the same state; they grow only when the state grows. See ``docs/async.md``, "
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from . import memroom
 from .buffers import aligned_empty
 from .dtensor import local_part
 from .errors import CheckpointError, nonneg_int
@@ -34,6 +36,17 @@ from .planner import PAGE, PAGE_ALIGN_FROM
 from .tied import PLAIN
 from .walks import modules
 
+ROOM_SOURCES = "host MemAvailable and memory cgroup limits, less the training step's own peak"
+
+
+def memory_room() -> int | None:
+    """:func:`memroom.room`, this rank's share of it: ranks on one host (``LOCAL_WORLD_SIZE``, set by
+    torchrun) allocate their pools at the same time. None: cannot tell."""
+    free = memroom.room()
+    return None if free is None else free // memroom.local_ranks()
+
+
+log = logging.getLogger("trainguard")
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
 # Large slots start on a page, like large chunks in the file (planner.layout_file): written with O_DIRECT.
 
@@ -78,6 +91,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._in_use = False
         self.allocations = 0  # how many times an arena was (re)allocated: constant in a steady state
+        self._short: tuple[int, int] | None = None  # (wanted, given) when memory last capped the background buffer
 
     @property
     def pin(self) -> bool:
@@ -130,12 +144,48 @@ class StagingPool:
         block), but at least ``min(largest, block)`` so that every chunk can be staged.
         """
         if self.max_bytes is None or need == 0:
-            return need
+            return self._in_memory(need, largest, block)
         room = max(self.max_bytes - self._sync_used, 0)
         if room >= block:
             room = room // block * block
         room = max(room, min(largest, block))
-        return min(room, need)
+        return self._in_memory(min(room, need), largest, block)
+
+    def _in_memory(self, size: int, largest: int, block: int) -> int:
+        """:meth:`background_bytes`: ``size``, or less when growing the buffer to it would take more
+        memory than this process can still use (:func:`memory_room`): then the buffer is what fits,
+        and the save stages in batches as under a cap (a warning each time the figures change)."""
+        have = 0 if self._background is None else self._background.numel()
+        free = memory_room() if size > have else None
+        if free is None or size - have <= free:
+            return size
+        fits = min(max((have + free) // block * block, min(largest, block)), size)
+        if self._short != (size, fits):
+            self._short = (size, fits)
+            log.warning("trainguard: async save: a staging buffer for all %s of parameters and optimizer state "
+                        "would take more memory than this process can still use (%s: %s); it stages them in "
+                        "batches of %s instead, and optimizer.step() waits until the last batch is copied. Pass "
+                        "max_staging_bytes to choose the batch size, or give the job more memory",
+                        memroom.describe(size), memroom.describe(free), ROOM_SOURCES, memroom.describe(fits))
+        return fits
+
+    def fit_sync(self, now: list[Any], later: list[Any]) -> tuple[list[Any], list[Any], bool]:
+        """``async_save.start_async_save``, training thread, before :meth:`acquire`: the leaves to copy
+        in the call (``now``) and those the save thread stages (``later``), and whether the call must
+        wait for ``staged()``. When the copies in the call do not fit in the memory this process can
+        still use (:func:`memory_room`; a save of a model without its optimizer copies every weight
+        in the call), none is made there: the save thread stages every leaf in batches that fit and
+        the call waits until the last is copied, the stall of a sync save instead of the OOM killer."""
+        sizes = [lf.tensor.nbytes for lf in now]
+        grow = slot_room(sizes) - (0 if self._sync is None else self._sync.numel())
+        free = memory_room() if grow > 0 else None
+        if free is None or grow <= free:
+            return now, later, False
+        log.warning("trainguard: async save: copying %s of tensors in the save call would take more memory than "
+                    "this process can still use (%s: %s); the save thread stages them in batches that fit and "
+                    "the call waits until they are copied (the stall of a synchronous save)",
+                    memroom.describe(sum(sizes)), memroom.describe(free), ROOM_SOURCES)
+        return [], later + now, True
 
     def background_for(self, sizes: Sequence[int], *, block: int) -> int:
         """:meth:`background_bytes` for chunks of these sizes, laid out by :func:`pack_batches`
