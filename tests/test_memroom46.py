@@ -46,6 +46,7 @@ if with_optim:  # training goes on: the next step waits until the last batch is 
     opt.step()
 h.result(timeout=300)
 print("saved", h.staging_batches, h.staged_sync_bytes, flush=True)
+tg.save(path + "-again", state, async_=True).result(timeout=300)  # the same shortage: no second warning
 with torch.no_grad():
     for p in model.parameters():
         p.zero_()
@@ -112,7 +113,7 @@ def test_async_save_near_a_memory_limit_stages_in_batches_instead_of_being_kille
     assert int(batches) > 1, out
     if not with_optim:  # every weight is copied in the call by default: none could be here
         assert int(sync_bytes) == 0 and "the save thread stages them in batches that fit" in err, err[-3000:]
-    assert "take more memory than this process can still use" in err, err[-3000:]
+    assert err.count("take more memory than this process can still use") == 1, err[-3000:]
     assert out.strip().endswith("equal True"), out
 
 
@@ -166,6 +167,6 @@ def test_a_ram_tier_copy_past_the_memory_limit_goes_to_the_run_directory(tmp_pat
 
         shutil.rmtree(ram_dir(str(run)), ignore_errors=True)  # what a killed child left in /dev/shm
     assert child.returncode == 0, f"exit {child.returncode} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
-    assert "would take more memory than this job can still use" in err and "goes to the run directory" in err, err[-3000:]
+    assert "in the memory this job can still use" in err and "is saved straight to" in err, err[-3000:]
     assert (run / "step-000000001" / "manifest.json").is_file()
     assert out.strip().endswith("restored 1 True"), out

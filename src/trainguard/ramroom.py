@@ -77,35 +77,33 @@ def _decide(tier: Any, step: int) -> bool:
         log.warning("trainguard: cannot read the free space of the RAM tier %s: %s", tier.dir, e)
         free = None
     want = room_needed(tier.need, tier._short)
-    free = _in_memory(tier, free, want)
+    free, memory = _in_memory(tier, free, want)
     tier._free = free
     durable = (free is not None and want > free) or tier._force == step  # the retry of a save that ran out
     if durable and tier._bypass is None:  # _bypass: still the previous save's
-        log.warning("trainguard: the RAM tier %s has %d bytes free, a checkpoint needs about %d: %s is saved "
-                    "straight to %s, and so are the next saves until it has room", tier.dir, free, want,
+        log.warning("trainguard: the RAM tier %s has %d bytes free%s, a checkpoint needs about %d: %s is saved "
+                    "straight to %s, and so are the next saves until it has room", tier.dir, free, memory, want,
                     layout.step_dir(step), tier.durable_root)
     if durable:
         tier.events.emit("ram_no_room", step=step, free=free, need=want)
     return durable
 
 
-def _in_memory(tier: Any, free: int | None, want: int) -> int | None:
+def _in_memory(tier: Any, free: int | None, want: int) -> tuple[int | None, str]:
     """``_decide``: the RAM directory's ``free`` bytes, or less when the memory this job can still use
-    (``memroom.room``: MemAvailable, the memory cgroup's limit) is less: tmpfs pages are charged to
-    the cgroup, and a copy past its limit had the OOM killer end the job. Rank 0's node stands for
-    every node; each holds its ranks' share (``LOCAL_WORLD_SIZE`` of ``world_size``)."""
+    (``memroom.room``: MemAvailable, the memory cgroup's limit) is less, and the words saying so:
+    tmpfs pages are charged to the cgroup, and a copy past its limit had the OOM killer end the job.
+    Rank 0's node stands for every node; each holds its ranks' share (``LOCAL_WORLD_SIZE`` of
+    ``world_size``): the room is scaled to bytes of the whole checkpoint."""
     room = memroom.room()
     if room is None:
-        return free
+        return free, ""
     world = max(tier.ctx.world_size, 1)
-    local = min(memroom.local_ranks(), world)
-    whole = room * world // local  # this node's room, in bytes of the whole checkpoint
+    whole = room * world // min(memroom.local_ranks(), world)
     if whole < want and (free is None or whole < free):
-        log.warning("trainguard: a RAM-tier copy of about %d bytes (this node's share: %d) would take more memory "
-                    "than this job can still use (%d bytes: host MemAvailable and memory cgroup limits, less the "
-                    "training step's own peak); the save goes to the run directory", want, want * local // world, room)
-        return whole
-    return free
+        return whole, (" in the memory this job can still use (host MemAvailable and memory cgroup limits, less "
+                       "the training step's own peak; tmpfs pages count against them)")
+    return free, ""
 
 
 def drop_others(tier: Any, step: int) -> None:

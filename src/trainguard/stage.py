@@ -92,6 +92,7 @@ class StagingPool:
         self._in_use = False
         self.allocations = 0  # how many times an arena was (re)allocated: constant in a steady state
         self._short: tuple[int, int] | None = None  # (wanted, given) when memory last capped the background buffer
+        self._short_sync = 0  # the call's copies (bytes) that last did not fit in memory (fit_sync)
 
     @property
     def pin(self) -> bool:
@@ -181,10 +182,12 @@ class StagingPool:
         free = memory_room() if grow > 0 else None
         if free is None or grow <= free:
             return now, later, False
-        log.warning("trainguard: async save: copying %s of tensors in the save call would take more memory than "
-                    "this process can still use (%s: %s); the save thread stages them in batches that fit and "
-                    "the call waits until they are copied (the stall of a synchronous save)",
-                    memroom.describe(sum(sizes)), memroom.describe(free), ROOM_SOURCES)
+        if self._short_sync != sum(sizes):  # once, not at every save of a steady state
+            self._short_sync = sum(sizes)
+            log.warning("trainguard: async save: copying %s of tensors in the save call would take more memory than "
+                        "this process can still use (%s: %s); the save thread stages them in batches that fit and "
+                        "the call waits until they are copied (the stall of a synchronous save)",
+                        memroom.describe(sum(sizes)), memroom.describe(free), ROOM_SOURCES)
         return [], later + now, True
 
     def background_for(self, sizes: Sequence[int], *, block: int) -> int:
