@@ -113,7 +113,8 @@ def test_async_save_near_a_memory_limit_stages_in_batches_instead_of_being_kille
     assert int(batches) > 1, out
     if not with_optim:  # every weight is copied in the call by default: none could be here
         assert int(sync_bytes) == 0 and "the save thread stages them in batches that fit" in err, err[-3000:]
-    assert err.count("take more memory than this process can still use") == 1, err[-3000:]
+    assert err.count("a staging buffer for all") == 1, err[-3000:]  # once, though the second save was short too
+    assert err.count("copying 128 MiB of tensors in the save call") == (0 if with_optim else 1), err[-3000:]
     assert out.strip().endswith("equal True"), out
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 
 MARGIN = 256 << 20  # kept free beyond the step's own peak: allocator slack, page tables, the save's small buffers
+SMALL = 16 << 20  # growth the margin covers without a look: a few RNG states and buffers are copied in the call as before
 _V1_ROOT = "/sys/fs/cgroup/memory"
 _V2_ROOT = "/sys/fs/cgroup"
 _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as 2^63 rounded down to a page

@@ -157,14 +157,14 @@ class StagingPool:
         memory than this process can still use (:func:`memory_room`): then the buffer is what fits,
         and the save stages in batches as under a cap (a warning each time the figures change)."""
         have = 0 if self._background is None else self._background.numel()
-        free = memory_room() if size > have else None
+        free = memory_room() if size - have > memroom.SMALL else None
         if free is None or size - have <= free:
             return size
         fits = min(max((have + free) // block * block, min(largest, block)), size)
         if self._short != (size, fits):
             self._short = (size, fits)
-            log.warning("trainguard: async save: a staging buffer for all %s of parameters and optimizer state "
-                        "would take more memory than this process can still use (%s: %s); it stages them in "
+            log.warning("trainguard: async save: a staging buffer for all %s the save thread stages (parameters, "
+                        "optimizer state) would take more memory than this process can still use (%s: %s); it stages them in "
                         "batches of %s instead, and optimizer.step() waits until the last batch is copied. Pass "
                         "max_staging_bytes to choose the batch size, or give the job more memory",
                         memroom.describe(size), memroom.describe(free), ROOM_SOURCES, memroom.describe(fits))
@@ -179,7 +179,7 @@ class StagingPool:
         the call waits until the last is copied, the stall of a sync save instead of the OOM killer."""
         sizes = [lf.tensor.nbytes for lf in now]
         grow = slot_room(sizes) - (0 if self._sync is None else self._sync.numel())
-        free = memory_room() if grow > 0 else None
+        free = memory_room() if grow > memroom.SMALL else None
         if free is None or grow <= free:
             return now, later, False
         if self._short_sync != sum(sizes):  # once, not at every save of a steady state
