@@ -66,3 +66,28 @@ def test_an_older_ram_tier_of_another_run_under_the_links_path_is_neither_used_n
         assert mgr.restore({"model": model}) == 2
         assert torch.equal(model.weight, torch.full((2, 3), 2.0))
     assert os.path.exists(os.path.join(old, "step-000000004", "manifest.json"))
+
+
+def test_a_restore_without_ram_tier_says_that_the_ram_tier_holds_newer_steps(tmp_path: Path, caplog) -> None:
+    """A run saved with ``ram_tier=True`` (/dev/shm) crashed after step 4 reached RAM only; the
+    restart (an upgrade, a changed launch script) opens the manager without ``ram_tier``."""
+    import shutil
+
+    root = str(tmp_path / "run")
+    tg.save(os.path.join(root, "step-000000002"), {"model": _model(2.0)})
+    here = ram_dir(root)
+    try:
+        tg.save(os.path.join(here, "step-000000004"), {"model": _model(4.0)})
+        for d in (root, here):
+            Path(d, RUN_ID).write_text("0123456789abcdef0123456789abcdef")
+        model = _model(0.0)
+        with tg.CheckpointManager(root, handle_signals=False) as mgr, caplog.at_level("WARNING", "trainguard"):
+            assert mgr.restore({"model": model}) == 2
+        assert '"ram_unused"' in Path(root, "events.jsonl").read_text()  # before: no word
+        assert any("holds steps [4]" in r.message and "ram_tier=True" in r.message for r in caplog.records)
+        assert os.path.exists(os.path.join(here, "step-000000004", "manifest.json"))  # kept for that restart
+        with tg.CheckpointManager(root, ram_tier=True, handle_signals=False) as mgr:
+            assert mgr.restore({"model": model}) == 4
+        assert torch.equal(model.weight, torch.full((2, 3), 4.0))
+    finally:
+        shutil.rmtree(here, ignore_errors=True)

@@ -12,7 +12,6 @@ every save with ENOSPC: with ``on_error="warn"`` the run trained on with no chec
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -27,6 +26,7 @@ from . import layout
 from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
+from .ramleft import adopt_legacy
 
 log = logging.getLogger("trainguard")
 
@@ -173,7 +173,7 @@ def opened(tier: Any, timeout: float | None) -> None:
     if tier.ctx.rank == 0:
         try:
             private_dir(os.path.dirname(tier.dir))
-            adopt_legacy(tier)
+            adopt_legacy(tier)  # before prepare: a run upgraded from before 2026-12-04 (ramleft.py)
             tier.prepare()
             left_behind(tier)
             check_medium(tier.dir, tier.durable_root)
@@ -190,49 +190,6 @@ def opened(tier: Any, timeout: float | None) -> None:
             f"RAM tier: rank 0 could not prepare {tier.dir}: {err}. Remove that directory by hand if it holds no "
             "copy you need (`trainguard ls RUN` on this node lists them), or pass another ram_tier=..."
         ) from cause
-
-
-def legacy_dir(ram: str, root: str) -> str | None:
-    """The RAM directory that trainguard before 2026-12-04 (b0beff4) gave the run ``root`` (a local path)
-    next to ``ram``, the one it has now: named by ``root``'s absolute path, not its real path. None where
-    both are the same (no link on the way) or for a URL."""
-    if "://" in root:
-        return None
-    old = os.path.join(os.path.dirname(ram), hashlib.sha1(os.fsencode(os.path.abspath(root))).hexdigest()[:16])
-    return None if old == ram else old
-
-
-def adopt_legacy(tier: Any) -> None:
-    """``opened``, rank 0, before ``RamTier.prepare``: a run reached through a link (``ckpts -> /scratch/u``)
-    whose RAM tier an older trainguard wrote has it under ``legacy_dir``; it is renamed to ``tier.dir``
-    (event ``ram_adopted``) when ``tier.dir`` holds no checkpoint yet and the old directory carries the run
-    directory's id (or none: trainguard before 2026-12-01 wrote no id; the older code used it as this run's).
-    Before, an upgrade in the middle of a run ignored it: ``restore`` went back to the newest step on disk,
-    losing the newest ones, saved in RAM only before the crash, and the copies held memory until removed
-    by hand (``left_behind`` named them as "moved")."""
-    from .tiers import RUN_ID, location
-
-    old = legacy_dir(tier.dir, location(tier.durable, tier.durable_root))
-    if old is None or os.path.islink(old) or not os.path.isdir(old) or not list_steps(tier.storage, old):
-        return
-    if os.path.isdir(tier.dir) and list_steps(tier.storage, tier.dir):
-        return  # this code's own RAM copies: the old ones are left_behind's
-    marker = tier.durable.join(tier.durable_root, RUN_ID)
-    theirs = tier.durable.read_bytes(marker, 64) if tier.durable.exists(marker) else None
-    try:
-        with open(os.path.join(old, RUN_ID), "rb") as f:
-            mine: bytes | None = f.read(64)
-    except FileNotFoundError:
-        mine = None
-    if mine is not None and mine != theirs:
-        return  # another run's (the link leads elsewhere now): left to the code that wrote it
-    if os.path.isdir(tier.dir):
-        tier.storage.remove_tree(tier.dir)  # no checkpoint in it: ids, markers, debris
-    os.rename(old, tier.dir)
-    steps = [s.name for s in list_steps(tier.storage, tier.dir)]
-    log.warning("trainguard: the RAM tier of %s was under %s (its name before trainguard 2026-12-04, from the path "
-                "given, not the real one); moved to %s, its copies %s are used", tier.durable_root, old, tier.dir, steps)
-    tier.events.emit("ram_adopted", path=old, steps=steps)
 
 
 def left_behind(tier: Any) -> None:
