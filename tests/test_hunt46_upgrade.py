@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 import trainguard as tg
-from trainguard.tiers import RUN_ID, ram_dir
+from trainguard.tiers import RUN_ID, ram_copies, ram_dir
 
 
 def _model(fill: float) -> torch.nn.Module:
@@ -45,6 +45,8 @@ def test_a_ram_tier_an_older_version_named_by_the_links_path_is_resumed_from_and
     for run_id in ("0123456789abcdef0123456789abcdef", None):  # 485ec94 wrote an id, 57eb3d9 none
         root, base, old = _old_ram_tier(tmp_path / (run_id or "noid"), run_id)
         assert ram_dir(root, base) != old  # the new name: the run directory's real path
+        if run_id is not None:  # `trainguard ls` lists the copies the next open resumes from (before: none)
+            assert ram_copies(root, base) == old
         model = _model(0.0)
         with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
             assert mgr.restore({"model": model}) == 4  # before: 2, the steps saved in RAM only were lost

@@ -26,6 +26,16 @@ def legacy_dir(ram: str, root: str) -> str | None:
     return None if old == ram else old
 
 
+def found_dir(root: str, base: str) -> str:
+    """``tiers.ram_copies`` (``trainguard ls``, ``verify``): the RAM directory of the run ``root`` under ``base``,
+    or, where that does not exist, the one an older version named (``legacy_dir``), which the next open adopts."""
+    from .tiers import ram_dir
+
+    here = ram_dir(root, base)
+    old = legacy_dir(here, root)
+    return old if old is not None and not os.path.isdir(here) and os.path.isdir(old) else here
+
+
 def adopt_legacy(tier: Any) -> None:
     """``opened``, rank 0, before ``RamTier.prepare``: a run reached through a link (``ckpts -> /scratch/u``)
     whose RAM tier an older trainguard wrote has it under ``legacy_dir``; it is renamed to ``tier.dir``

@@ -40,6 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
+from .ramleft import found_dir
 from .ramroom import COPYING, drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
@@ -72,7 +73,7 @@ def ram_copies(root: str, base: str = DEFAULT_BASE) -> str | None:
     from .storage import for_path
 
     storage, r = for_path(root)
-    here = ram_dir(location(storage, r), base)
+    here = found_dir(location(storage, r), base)  # an older version's name for it too (ramleft.py)
     mine, marker = os.path.join(here, RUN_ID), storage.join(r, RUN_ID)
     if not os.path.isfile(mine) or not storage.exists(marker):
         return None
