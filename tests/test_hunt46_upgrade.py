@@ -93,3 +93,18 @@ def test_a_restore_without_ram_tier_says_that_the_ram_tier_holds_newer_steps(tmp
         assert torch.equal(model.weight, torch.full((2, 3), 4.0))
     finally:
         shutil.rmtree(here, ignore_errors=True)
+
+
+def test_a_ram_copy_written_before_run_ids_is_not_restored_into_a_run_directory_started_over(tmp_path: Path) -> None:
+    """trainguard before 2026-12-01 (57eb3d9) wrote no run id: its RAM copy of step 4 stays in the RAM tier
+    after a crash, and the user removes the run directory to start over, with the new version."""
+    root, base = str(tmp_path / "run"), str(tmp_path / "shm")
+    os.makedirs(base)
+    tg.save(os.path.join(ram_dir(root, base), "step-000000004"), {"model": _model(4.0)})  # no RUN_ID anywhere
+    model = _model(0.0)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), ram_tier=base, handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) is None  # before: 4, the deleted run's state
+        assert torch.equal(model.weight, torch.zeros(2, 3))
+        assert mgr.save(1, {"model": model}) is not None
+    assert '"ram_discard"' in Path(root, "events.jsonl").read_text()
+    assert sorted(p.name for p in Path(root).glob("step-*")) == ["step-000000001"]

@@ -26,6 +26,25 @@ def legacy_dir(ram: str, root: str) -> str | None:
     return None if old == ram else old
 
 
+def run_id(path: str) -> str | None:
+    """``RamTier._check_run``: the run id in the file ``path`` (a RAM tier's ``RUN_ID``), None without one."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def unclaimed(ram_storage: Any, ram: str, durable: Any, root: str) -> bool:
+    """``RamTier._check_run``, rank 0: whether the RAM tier ``ram``, which holds no run id (written by trainguard
+    before 2026-12-01), is a deleted run directory's, when the run directory ``root`` has no id either: it holds
+    RAM copies and ``root`` no committed checkpoint, the run directory removed to start over. Before, a new
+    version's restore loaded that deleted run's newest RAM copy into the new run (the id's check cannot
+    tell without ids). It may also be an old run whose first save crashed before its copy to disk: that one
+    copy is discarded too (with the warning and event ``ram_discard``), as for a run directory deleted since."""
+    return bool(list_steps(ram_storage, ram)) and not any(s.status == "committed" for s in list_steps(durable, root))
+
+
 def found_dir(root: str, base: str) -> str:
     """``tiers.ram_copies`` (``trainguard ls``, ``verify``): the RAM directory of the run ``root`` under ``base``,
     or, where that does not exist, the one an older version named (``legacy_dir``), which the next open adopts."""
