@@ -26,6 +26,7 @@ from . import layout, memroom
 from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
+from .ramleft import adopt_legacy
 
 log = logging.getLogger("trainguard")
 
@@ -190,6 +191,7 @@ def opened(tier: Any, timeout: float | None) -> None:
     if tier.ctx.rank == 0:
         try:
             private_dir(os.path.dirname(tier.dir))
+            adopt_legacy(tier)  # before prepare: a run upgraded from before 2026-12-04 (ramleft.py)
             tier.prepare()
             left_behind(tier)
             check_medium(tier.dir, tier.durable_root)

@@ -27,6 +27,7 @@ from .flatten import decode_json, unique_keys
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
+from .ramleft import unused_copies
 from .storage import Storage
 from .tiers import location, stale_reason
 
@@ -250,6 +251,7 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
         return {"error": error_text(e)}  # an object store's: what to check
     if mgr.ram:
         return mgr.ram.candidates(steps)
+    unused_copies(mgr, steps)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
 
 

@@ -40,6 +40,7 @@ from .errors import CheckpointError, StepExistsError
 from .faults import fault
 from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
+from .ramleft import found_dir, run_id, unclaimed
 from .ramroom import COPYING, drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
 from .storage import LocalStorage, Storage
 from .streamjobs import run_parallel
@@ -72,7 +73,7 @@ def ram_copies(root: str, base: str = DEFAULT_BASE) -> str | None:
     from .storage import for_path
 
     storage, r = for_path(root)
-    here = ram_dir(location(storage, r), base)
+    here = found_dir(location(storage, r), base)  # an older version's name for it too (ramleft.py)
     mine, marker = os.path.join(here, RUN_ID), storage.join(r, RUN_ID)
     if not os.path.isfile(mine) or not storage.exists(marker):
         return None
@@ -128,17 +129,13 @@ class RamTier:
         (a user who removed the run to start over must not get its old RAM copy back). Both
         hold the same random id: the durable root's ``RUN_ID`` file, written at the first open."""
         d, marker = self.durable, self.durable.join(self.durable_root, RUN_ID)
-        if d.exists(marker):
-            rid = d.read_bytes(marker, 64).decode(errors="replace")
-        else:
-            rid = uuid.uuid4().hex
+        fresh = not d.exists(marker)  # a new run directory (or one of a trainguard before run ids, 2026-12-01)
+        rid = uuid.uuid4().hex if fresh else d.read_bytes(marker, 64).decode(errors="replace")
+        if fresh:
             d.write_atomic(marker, rid.encode())
         own = os.path.join(self.dir, RUN_ID)
-        mine = None
-        if os.path.exists(own):
-            with open(own) as f:
-                mine = f.read()
-        if mine is not None and mine != rid:
+        mine = run_id(own)  # None: no id, a RAM tier new or written before run ids (ramleft.unclaimed)
+        if mine != rid and (mine is not None or (fresh and unclaimed(self.storage, self.dir, d, self.durable_root))):
             stale = [s.name for s in list_steps(self.storage, self.dir)]
             if stale:
                 log.warning("trainguard: the RAM tier %s held %s of a run directory since deleted: discarded", self.dir, stale)
