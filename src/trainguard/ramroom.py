@@ -191,7 +191,10 @@ def opened(tier: Any, timeout: float | None) -> None:
     if tier.ctx.rank == 0:
         try:
             private_dir(os.path.dirname(tier.dir))
-            adopt_legacy(tier)  # before prepare: a run upgraded from before 2026-12-04 (ramleft.py)
+            try:  # before prepare: a run upgraded from before 2026-12-04 (ramleft.py); best effort
+                adopt_legacy(tier)
+            except OSError as e:  # an unreadable older directory: the open goes on without it, as before
+                log.warning("trainguard: cannot look at an older RAM directory of %s: %s", tier.durable_root, e)
             tier.prepare()
             left_behind(tier)
             check_medium(tier.dir, tier.durable_root)
