@@ -176,10 +176,10 @@ class StepDir:
     status: str  # "committed" (manifest present, not yet verified), "incomplete" (, "unreadable": media_ok)
 
 
-def list_steps(storage: Storage, root: str, *, media_ok: bool = False) -> list[StepDir]:
-    """Step directories under ``root``, oldest first; temp and old directories are not listed.
-    Whether each holds its manifest comes with the listing where the storage can say
-    (``listdir_marked``: object stores, one listing instead of a request per step directory).
+def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: set[str] | frozenset[str] = frozenset()) -> list[StepDir]:
+    """Step directories under ``root``, oldest first; temp and old directories are not listed. Whether each holds its
+    manifest comes with the listing where the storage can say (``listdir_marked``: object stores, one listing instead
+    of a request per step directory); else a stat, but for the names in ``known`` (``retention.committed``: seen).
     ``media_ok`` (``inspect.list_checkpoints``): a step whose manifest's stat fails with a medium's
     error (EIO) is listed with status "unreadable" instead of raising (open and restore raise)."""
     out = []
@@ -191,7 +191,7 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False) -> list[S
             continue
         path = storage.join(root, name)
         try:
-            has_manifest = has_manifest if marked else storage.exists(storage.join(path, layout.MANIFEST))
+            has_manifest = has_manifest if marked else name in known or storage.exists(storage.join(path, layout.MANIFEST))
         except OSError as e:
             if not media_ok or not is_media_error(e):
                 raise
