@@ -10,6 +10,7 @@ set, once the process has built its model, to its usage plus half of what full s
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import uuid
@@ -55,26 +56,27 @@ print("equal", digest() == before, flush=True)
 """
 
 
-def _cgroup(tmp_name: str) -> tuple[Path, str, str, str] | None:
+KINDS = (  # (hierarchy, limit file, usage file, inactive page cache key in memory.stat)
+    (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),  # v1
+    (Path("/sys/fs/cgroup"), "memory.max", "memory.current", "inactive_file"),  # v2
+)
+
+
+def _cgroup() -> tuple[Path, str, str, str] | None:
     """A new memory cgroup this test may limit: (dir, limit file, usage file, inactive key), or None."""
     if os.geteuid() != 0:
         return None
-    v1 = Path("/sys/fs/cgroup/memory")
-    if (v1 / "memory.limit_in_bytes").exists():
-        d = v1 / tmp_name
+    for root, limit_file, usage_file, inactive_key in KINDS:
+        if not (root / (limit_file if root.name == "memory" else "cgroup.subtree_control")).exists():
+            continue
+        if root.name != "memory" and "memory" not in (root / "cgroup.subtree_control").read_text():
+            continue
+        d = root / f"trainguard-test-{uuid.uuid4().hex[:8]}"
         try:
             d.mkdir()
         except OSError:
             return None
-        return d, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"
-    v2 = Path("/sys/fs/cgroup")
-    if "memory" in (v2 / "cgroup.subtree_control").read_text() if (v2 / "cgroup.subtree_control").exists() else False:
-        d = v2 / tmp_name
-        try:
-            d.mkdir()
-        except OSError:
-            return None
-        return d, "memory.max", "memory.current", "inactive_file"
+        return d, limit_file, usage_file, inactive_key
     return None
 
 
@@ -84,31 +86,41 @@ def _working_set(d: Path, usage_file: str, inactive_key: str) -> int:
     return usage - int(stat.get(inactive_key, 0))
 
 
-@pytest.mark.parametrize("with_optim", [True, False], ids=["model+adam", "model-only"])
-def test_async_save_near_a_memory_limit_stages_in_batches_instead_of_being_killed(tmp_path: Path, with_optim: bool) -> None:
-    group = _cgroup(f"trainguard-test-{uuid.uuid4().hex[:8]}")
+def _run_limited(script: str, args: list[str], above: int, cleanup: tuple[str, ...] = ()) -> tuple[str, str]:
+    """Run ``script`` in a new memory cgroup (joined before Python starts: all it allocates is charged
+    there); once it prints "ready", limit the cgroup to its working set plus ``above`` bytes and send
+    "go". Asserts that it exited 0 (-9: the OOM killer); returns (stdout, stderr). ``cleanup``:
+    directories a killed child leaves."""
+    group = _cgroup()
     if group is None:
         pytest.skip("needs root and a memory cgroup this test can create")
     d, limit_file, usage_file, inactive_key = group
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     env.pop("LOCAL_WORLD_SIZE", None)
-    child = subprocess.Popen(  # joins the cgroup before Python starts: everything it allocates is charged there
-        ["bash", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" -c "$1" "$2" "$3"', sys.executable, CHILD,
-         str(tmp_path / "ck"), "1" if with_optim else "0"],
+    child = subprocess.Popen(
+        ["bash", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" -c "$@"', sys.executable, script, *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )
     try:
-        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout is not None
         assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.stderr else ""
-        staged = (3 if with_optim else 1) * (128 << 20)  # what a whole staging pool takes
-        (d / limit_file).write_text(str(_working_set(d, usage_file, inactive_key) + staged // 2))
+        (d / limit_file).write_text(str(_working_set(d, usage_file, inactive_key) + above))
         out, err = child.communicate("go\n", timeout=600)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(30)
         d.rmdir()
+        for path in cleanup:
+            shutil.rmtree(path, ignore_errors=True)
     assert child.returncode == 0, f"exit {child.returncode} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
+    return out, err
+
+
+@pytest.mark.parametrize("with_optim", [True, False], ids=["model+adam", "model-only"])
+def test_async_save_near_a_memory_limit_stages_in_batches_instead_of_being_killed(tmp_path: Path, with_optim: bool) -> None:
+    staged = (3 if with_optim else 1) * (128 << 20)  # what a whole staging pool takes
+    out, err = _run_limited(CHILD, [str(tmp_path / "ck"), "1" if with_optim else "0"], staged // 2)
     batches, sync_bytes = out.split("saved")[1].split()[:2]
     assert int(batches) > 1, out
     if not with_optim:  # every weight is copied in the call by default: none could be here
@@ -143,31 +155,8 @@ def test_a_ram_tier_copy_past_the_memory_limit_goes_to_the_run_directory(tmp_pat
     had the OOM killer end the job; it is now saved straight to the run directory, with a warning."""
     from trainguard.tiers import ram_dir
 
-    group = _cgroup(f"trainguard-test-{uuid.uuid4().hex[:8]}")
-    if group is None:
-        pytest.skip("needs root and a memory cgroup this test can create")
-    d, limit_file, usage_file, inactive_key = group
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("LOCAL_WORLD_SIZE", None)
-    child = subprocess.Popen(
-        ["bash", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" -c "$1" "$2"', sys.executable, RAM_CHILD, str(run)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.stderr else ""
-        (d / limit_file).write_text(str(_working_set(d, usage_file, inactive_key) + (64 << 20)))
-        out, err = child.communicate("go\n", timeout=600)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(30)
-        d.rmdir()
-        import shutil
-
-        shutil.rmtree(ram_dir(str(run)), ignore_errors=True)  # what a killed child left in /dev/shm
-    assert child.returncode == 0, f"exit {child.returncode} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
+    out, err = _run_limited(RAM_CHILD, [str(run)], 64 << 20, cleanup=(ram_dir(str(run)),))
     assert "in the memory this job can still use" in err and "is saved straight to" in err, err[-3000:]
     assert (run / "step-000000001" / "manifest.json").is_file()
     assert out.strip().endswith("restored 1 True"), out
