@@ -121,3 +121,19 @@ def test_a_fifo_in_place_of_a_lock_or_run_id_file_does_not_hang(tmp_path: Path, 
     them) blocked the open until a writer came: forever. They are opened without waiting now."""
     res = run_py(["-c", FIFO_SCRIPT, str(tmp_path / f"run-{what}"), what], timeout=60)
     assert res.returncode == 0 and res.stdout.strip().endswith("done"), res
+
+
+def test_trainguard_run_leaves_the_scripts_own_arguments_alone(tmp_path: Path) -> None:
+    """`trainguard run ... train.py --log x --master` failed with "ambiguous option: --log could match
+    --log-dir, --log_dir, ..." (argparse matched the script's arguments against torchrun's options as
+    abbreviations; torchrun does the same). The worker now gets them as given; a launcher option
+    that is not one still fails as before."""
+    script = tmp_path / "train.py"
+    script.write_text("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n")
+    given = ["--log", "x", "--master", "--max", "3", "--nnodes", "5"]
+    base = ["run", "--standalone", "--nproc-per-node", "1", "--run-dir", str(tmp_path / "run")]
+    res = _cli(*base, str(script), str(tmp_path / "argv.json"), *given, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "argv.json").read_text()) == given
+    res = _cli(*base, "--bogus", str(script), cwd=tmp_path)
+    assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr, res.stderr[-3000:]

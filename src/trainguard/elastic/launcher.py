@@ -14,8 +14,7 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
   as does a ``--run-path`` worker whose script returned (torch: gloo open until all end, :func:`.reap.worker_wrap`);
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s; script and ``--run-path`` workers), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
-* preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/
-  ``forkserver``, preloads ``torch._dynamo`` so restarted workers do not (:func:`preload`);
+* preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/``forkserver``, preloads it so restarted workers do not (:func:`preload`);
 * passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan check), ``_STOP_FILE``;
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
@@ -39,6 +38,7 @@ from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
 from . import reap
+from .args import parse as args_parse
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
 from .faults import parse_fault
@@ -355,7 +355,7 @@ def main(argv: list[str]) -> int:
     from ..permanent import run_script_path
 
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = args_parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
     if str(args.nproc_per_node).lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
         parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker per node (or auto, cpu, gpu)")
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
