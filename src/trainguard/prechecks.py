@@ -14,14 +14,39 @@ several ranks the load's first round then raises on every rank with the state as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
 from .flatten import unflatten
+from .optim_groups import a
+from .permanent import mark
 from .sampler import ResumableIterable
 from .scalerstate import keeps_fresh
+from .stateful import has_state
+
+
+def copy_of_object(key: str, value: Any, skel: Any, entry: Mapping[str, Any]) -> None:
+    """``loader._load``, every rank, before anything is read: refuse a non-empty plain dict as the
+    destination of an entry saved from an optimizer or an LR scheduler (its ``"class"``). Such a dict is
+    a copy, ``optimizer.state_dict()`` in the state as a ``torch.save`` script writes it: the load
+    filled the copy and left the optimizer (and the scheduler) as it was, silently (seen: a resume
+    with Adam's moments and the lr schedule back at their start). An empty dict (``{"optim": {}}``)
+    still takes the saved values as plain data."""
+    if not isinstance(value, Mapping) or not value or has_state(value):
+        return
+    opt = skel.get("class") if isinstance(skel, dict) and "param_groups" in skel and "state" in skel else None
+    sched = entry.get("class")
+    kind, name = ("optimizer", opt) if type(opt) is str else ("scheduler", sched) if type(sched) is str else ("", None)
+    if name is None:
+        return
+    raise mark(CheckpointError(
+        f"entry {key!r}: the checkpoint holds the state of {a(name)} {kind}, saved from the {kind} itself; the state holds "
+        f"a plain dict ({kind}.state_dict()'s copy?), and loading into a copy leaves the {kind} as it is, silently. Put "
+        f"the {kind} itself in the state: {{{key!r}: {kind}}} (to read the saved values as plain data, load into an "
+        f"empty dict: {{{key!r}: {{}}}})"))
 
 
 def before_read(key: str, obj: Any, skel: Any, strict: bool) -> None:

@@ -1,0 +1,65 @@
+"""Session 46's hunt for a user's ordinary mistakes with the Python API (helper "misuse")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optim = torch.optim.Adam(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+    for _ in range(3):
+        optim.zero_grad()
+        model(torch.randn(3, 4)).sum().backward()
+        optim.step()
+        sched.step()
+    return model, optim, sched
+
+
+def test_an_optimizers_or_schedulers_state_dict_copy_in_the_state_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    # `{"optim": optimizer.state_dict()}` (a torch.save habit) filled the copy and left the optimizer and the
+    # scheduler at their start, without a word: a resume with Adam's moments and the lr schedule reset.
+    model, optim, sched = _trained()
+    tg.save(tmp_path / "ck", {"model": model, "optim": optim, "sched": sched})
+    fresh = torch.nn.Linear(4, 2)
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    fsched = torch.optim.lr_scheduler.StepLR(fopt, step_size=1, gamma=0.5)
+    before = fresh.weight.detach().clone()
+    with pytest.raises(tg.CheckpointError, match=r"entry 'optim'.*Adam optimizer.*\{'optim': optimizer\}"):
+        tg.load(tmp_path / "ck", {"model": fresh, "optim": fopt.state_dict(), "sched": fsched})
+    assert torch.equal(fresh.weight, before)  # refused before anything was read
+    with pytest.raises(tg.CheckpointError, match=r"entry 'sched'.*StepLR scheduler.*\{'sched': scheduler\}"):
+        tg.load(tmp_path / "ck", {"model": fresh, "optim": fopt, "sched": fsched.state_dict()}, strict=False)
+    assert torch.equal(fresh.weight, before) and not fopt.state and fsched.last_epoch == 0
+    # The objects themselves load; an empty dict still takes the saved values as plain data.
+    tg.load(tmp_path / "ck", {"model": fresh, "optim": fopt, "sched": fsched})
+    assert torch.equal(fopt.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])
+    assert (fsched.last_epoch, fopt.param_groups[0]["lr"]) == (3, optim.param_groups[0]["lr"])
+    plain: dict = {"optim": {}, "sched": {}}
+    tg.load(tmp_path / "ck", plain, only=["optim", "sched"])
+    assert plain["sched"]["last_epoch"] == 3 and set(plain["optim"]["state"]) == {"weight", "bias"}
+    # A state saved from the copies (index-keyed, no class) loads into copies as before.
+    tg.save(tmp_path / "sd", {"optim": optim.state_dict(), "sched": sched.state_dict()})
+    copies = {"optim": fopt.state_dict(), "sched": fsched.state_dict()}
+    tg.load(tmp_path / "sd", copies)
+    assert copies["sched"]["last_epoch"] == 3
+
+
+def test_a_managers_restore_into_a_state_dict_copy_raises_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    model, optim, sched = _trained()
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1)) as mgr:
+        mgr.save(3, {"model": model, "optim": optim, "sched": sched})
+    fresh = torch.nn.Linear(4, 2)
+    fopt = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    with tg.CheckpointManager(tmp_path / "run") as mgr:
+        with pytest.raises(tg.CheckpointError, match="optimizer.state_dict"):
+            mgr.restore({"model": fresh.state_dict(), "optim": fopt.state_dict()})
+        assert mgr.restore({"model": fresh, "optim": fopt, "sched": torch.optim.lr_scheduler.StepLR(fopt, 1, gamma=0.5)}) == 3
+    assert torch.equal(fopt.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])
