@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -63,3 +64,25 @@ def test_a_managers_restore_into_a_state_dict_copy_raises_and_keeps_the_checkpoi
             mgr.restore({"model": fresh.state_dict(), "optim": fopt.state_dict()})
         assert mgr.restore({"model": fresh, "optim": fopt, "sched": torch.optim.lr_scheduler.StepLR(fopt, 1, gamma=0.5)}) == 3
     assert torch.equal(fopt.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])
+
+
+def test_a_path_starting_with_a_tilde_is_refused_not_made_in_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    # "~/ckpts" is expanded by no one: tg.save and the manager made ./~/ckpts, silently, and a restart from
+    # another working directory found no checkpoint there and started afresh.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    state = {"model": torch.nn.Linear(2, 2)}
+    with pytest.raises(tg.CheckpointError, match=r"expanduser\('~/ckpts/a'\)") as e:
+        tg.save("~/ckpts/a", state)
+    assert str(home / "ckpts" / "a") in str(e.value) and str(work / "~" / "ckpts" / "a") in str(e.value)
+    with pytest.raises(tg.CheckpointError, match="does not expand"):
+        tg.CheckpointManager("~/ckpts", save=tg.EveryNSteps(1), handle_signals=False)
+    with pytest.raises(tg.CheckpointError, match="does not expand"):
+        tg.load("~/ckpts/a", state)
+    assert os.listdir(work) == [] and os.listdir(home) == []
+    tg.save(os.path.expanduser("~/ckpts/a"), state)  # what the message says to pass
+    tg.save("./~/b", state)  # and a directory really called '~'
+    assert (home / "ckpts" / "a" / "manifest.json").is_file() and (work / "~" / "b" / "manifest.json").is_file()
