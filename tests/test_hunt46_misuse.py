@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -86,3 +88,42 @@ def test_a_path_starting_with_a_tilde_is_refused_not_made_in_the_working_directo
     tg.save(os.path.expanduser("~/ckpts/a"), state)  # what the message says to pass
     tg.save("./~/b", state)  # and a directory really called '~'
     assert (home / "ckpts" / "a" / "manifest.json").is_file() and (work / "~" / "b" / "manifest.json").is_file()
+
+
+def _epoch_warnings(count: Any, *, loader_drop_last: bool = False, restored_at: int = 0, world: int = 1) -> tuple[int, list[str]]:
+    """One epoch through a DataLoader of batches of 8 over 100 samples, ``advance(count(x))`` after each
+    batch, then ``next_epoch()``: the position at the epoch's end and the warnings."""
+    ds = torch.utils.data.TensorDataset(torch.arange(100))
+    sampler = tg.ResumableSampler(ds, seed=0, rank=0, world_size=world)
+    sampler.position = restored_at
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, sampler=sampler, drop_last=loader_drop_last)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for (x,) in loader:
+            sampler.advance(count(x))
+        position = sampler.position
+        sampler.next_epoch()
+    return position, [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+
+
+def test_advance_counting_steps_or_a_dict_batchs_keys_is_warned_at_the_epochs_end() -> None:
+    # advance(1) per step, advance(len(batch)) of a dict batch: the position ended the epoch at 13 (or 26) of
+    # 100, silently, and a checkpoint mid-epoch kept a position short of what was trained on (its resume reads
+    # those samples again).
+    pos, msgs = _epoch_warnings(lambda x: 1)
+    assert pos == 13 and len(msgs) == 1 and "counted 13 sample(s) in 13 call(s)" in msgs[0] and "not 1 per step" in msgs[0]
+    pos, msgs = _epoch_warnings(lambda x: len({"input_ids": x, "labels": x}))
+    assert pos == 26 and len(msgs) == 1 and "dict batch" in msgs[0]
+    pos, msgs = _epoch_warnings(lambda x: 1, restored_at=40)  # from a restored position too
+    assert pos == 48 and len(msgs) == 1 and "from 40 to 48" in msgs[0]
+    # Counted right: nothing, also with the loader's partial last batch dropped (4 short of the end),
+    # from a restored position, and on 2 ranks (each rank's own samples).
+    assert _epoch_warnings(len) == (100, [])
+    assert _epoch_warnings(len, loader_drop_last=True) == (96, [])
+    assert _epoch_warnings(len, restored_at=40) == (100, [])
+    assert _epoch_warnings(len, world=2) == (100, [])
+    pos, msgs = _epoch_warnings(lambda x: len(x) // 2, world=2)
+    assert pos == 50 and len(msgs) == 1
+    # advance never called: the warning of before.
+    pos, msgs = _epoch_warnings(lambda x: 0)
+    assert pos == 0 and len(msgs) == 1 and "advance(n) was not called" in msgs[0]
