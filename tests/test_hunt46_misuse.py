@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from pathlib import Path
@@ -127,3 +128,27 @@ def test_advance_counting_steps_or_a_dict_batchs_keys_is_warned_at_the_epochs_en
     # advance never called: the warning of before.
     pos, msgs = _epoch_warnings(lambda x: 0)
     assert pos == 0 and len(msgs) == 1 and "advance(n) was not called" in msgs[0]
+
+
+def test_a_fresh_start_one_level_above_a_run_is_warned_about_naming_the_run(tmp_path: Path, caplog) -> None:
+    # CheckpointManager("ckpts") for a run saved by CheckpointManager("ckpts/run1"): restore() found nothing
+    # and started afresh without a word, beside the run it should have resumed.
+    model = torch.nn.Linear(2, 2)
+    with tg.CheckpointManager(tmp_path / "ckpts" / "run1", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) is None
+        mgr.save(1, {"model": model})
+        mgr.save(2, {"model": model})
+    (tmp_path / "ckpts" / "notes").mkdir()  # a directory of the user's: not a run
+    caplog.set_level(logging.WARNING, logger="trainguard")
+    with tg.CheckpointManager(tmp_path / "ckpts", handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) is None
+    said = [r.getMessage() for r in caplog.records if "starts this run afresh" in r.getMessage()]
+    assert len(said) == 1 and "'run1' (newest step 2)" in said[0], said
+    assert f"CheckpointManager({str(tmp_path / 'ckpts' / 'run1')!r})" in said[0] and "notes" not in said[0]
+    assert sorted(os.listdir(tmp_path / "ckpts" / "run1")) == [".lock", "events.jsonl", "step-000000001", "step-000000002"]
+    caplog.clear()  # a fresh start where no run lies below: nothing
+    with tg.CheckpointManager(tmp_path / "other", handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) is None
+    with tg.CheckpointManager(tmp_path / "ckpts" / "run1", handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) == 2
+    assert not [r for r in caplog.records if "afresh" in r.getMessage()]

@@ -24,6 +24,7 @@ from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .flatten import decode_json, unique_keys
+from .freshhint import nested_runs
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -250,6 +251,8 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
         return {"error": error_text(e)}  # an object store's: what to check
     if mgr.ram:
         return mgr.ram.candidates(steps)
+    if not steps:  # a fresh start: the run one level down? (freshhint.py)
+        nested_runs(mgr)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
 
 
