@@ -152,3 +152,26 @@ def test_a_fresh_start_one_level_above_a_run_is_warned_about_naming_the_run(tmp_
     with tg.CheckpointManager(tmp_path / "ckpts" / "run1", handle_signals=False) as mgr:
         assert mgr.restore({"model": model}) == 2
     assert not [r for r in caplog.records if "afresh" in r.getMessage()]
+
+
+def test_a_restore_whose_newest_checkpoint_lacks_an_entry_names_the_older_one_that_holds_it(tmp_path: Path) -> None:
+    # A last save of the weights alone: the restart's restore said "Pass strict=False", which starts the
+    # optimizer afresh, and not that the checkpoint before held it.
+    model = torch.nn.Linear(2, 2)
+    optim = torch.optim.Adam(model.parameters())
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(5), handle_signals=False) as mgr:
+        mgr.restore({"model": model, "optim": optim})
+        for step in range(1, 11):
+            optim.zero_grad()
+            model(torch.randn(2, 2)).sum().backward()
+            optim.step()
+            mgr.save(step, {"model": model, "optim": optim})
+        mgr.save(11, {"model": model}, force=True)
+    fresh = torch.nn.Linear(2, 2)
+    fopt = torch.optim.Adam(fresh.parameters())
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        with pytest.raises(tg.StateMismatchError, match=r"step 10 holds optim.*mgr.restore\(state, step=10\)") as e:
+            mgr.restore({"model": fresh, "optim": fopt})
+        assert e.value.missing == ["optim"] and not fopt.state
+        assert mgr.restore({"model": fresh, "optim": fopt}, step=10) == 10
+    assert torch.equal(fopt.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])

@@ -47,3 +47,30 @@ def nested_runs(mgr: Any) -> None:
             "a run's checkpoints. To resume that run, pass its directory: CheckpointManager(%r)",
             mgr.root, " and ".join(f"{n!r} (newest step {s})" for n, s in found[:5]), os.path.join(mgr.root, found[0][0]),
         )
+
+
+def older_holds(e: BaseException, candidates: list[tuple[int, str, str]], step: int) -> BaseException:
+    """``CheckpointManager.restore`` (every rank, the same candidates): ``e``, the newest checkpoint's
+    ``StateMismatchError``, told which older checkpoint holds the whole entries it lacks. A save that left
+    an entry out of its state (a last ``mgr.save(step, {"model": model}, force=True)`` of the weights
+    alone) made the next restore fail with "Pass strict=False", which starts the optimizer afresh
+    while the checkpoint before held it. Reads at most 8 older manifests; ``e`` unchanged otherwise."""
+    from .commit import read_manifest
+    from .errors import StateMismatchError
+    from .storage import for_path
+
+    whole = [k for k in getattr(e, "missing", ()) if "/" not in k] if isinstance(e, StateMismatchError) else []
+    if not whole or not e.args or not isinstance(e.args[0], str):
+        return e
+    for older, path, _tier in [c for c in candidates if c[0] < step][:8]:
+        try:
+            held = read_manifest(*for_path(path)).objects
+        except Exception:  # unreadable: the next older one
+            continue
+        if all(k in held for k in whole):
+            e.args = (e.args[0] + f" The checkpoint of step {older} holds {', '.join(whole)}: a save since then left "
+                      f"{'it' if len(whole) == 1 else 'them'} out of its state (a last save of the weights alone?). To "
+                      f"resume with {'it' if len(whole) == 1 else 'them'}, restore that one: mgr.restore(state, "
+                      f"step={older}); strict=False here starts {', '.join(whole)} afresh", *e.args[1:])
+            break
+    return e

@@ -356,7 +356,7 @@ class CheckpointManager:
                 m = load(path, state, strict=strict, timeout=self.timeout, split_state=self.split_state)
             except CheckpointError as e:
                 if not is_data_error(e):
-                    raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either
+                    raise retention.older_holds(e, candidates, step) from e.__cause__  # the state does not fit
                 medium = medium or from_medium(e)
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, str(e))
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
