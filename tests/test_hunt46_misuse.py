@@ -175,3 +175,20 @@ def test_a_restore_whose_newest_checkpoint_lacks_an_entry_names_the_older_one_th
         assert e.value.missing == ["optim"] and not fopt.state
         assert mgr.restore({"model": fresh, "optim": fopt}, step=10) == 10
     assert torch.equal(fopt.state[fresh.weight]["exp_avg"], optim.state[model.weight]["exp_avg"])
+
+
+def test_a_samplers_or_seeded_datasets_seed_or_size_of_the_wrong_type_is_named() -> None:
+    # seed=args.seed left None: int()'s "argument must be a string, a bytes-like object or a real number, not
+    # 'NoneType'"; a float count: len()'s "object of type 'float' has no len()". Neither named the argument.
+    ds = torch.utils.data.TensorDataset(torch.arange(10))
+    with pytest.raises(TypeError, match=r"ResumableSampler\(seed=None\): pass an int seed"):
+        tg.ResumableSampler(ds, seed=None)
+    with pytest.raises(TypeError, match=r"SeededDataset\(seed='x'\): pass an int seed"):
+        tg.SeededDataset(ds, seed="x")
+    for data in (10.0, None):
+        with pytest.raises(TypeError, match=r"ResumableSampler\((10.0|None)\): pass the dataset .* or its number of samples"):
+            tg.ResumableSampler(data, rank=0, world_size=1)
+    import numpy as np
+
+    assert tg.ResumableSampler(np.int64(10), seed=np.int64(3), rank=0, world_size=1).num_samples == 10
+    assert tg.ResumableSampler(ds, seed=3, rank=0, world_size=1).order() == tg.ResumableSampler(10, seed=3).order()

@@ -39,6 +39,7 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
@@ -49,7 +50,7 @@ from . import iterworkers
 from .advancecheck import check_advanced, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import check_flags, mark
-from .seeded import seed_of, seeded_call
+from .seeded import seed_int, seed_of, seeded_call
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
@@ -101,11 +102,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, with_epoch: bool = False) -> None:
         check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
-        self.num_samples = data if isinstance(data, int) else len(data)
+        try:  # numpy's int too; None or a float: said so, not len()'s "object of type 'float' has no len()"
+            self.num_samples = len(data) if isinstance(data, Sized) else operator.index(data)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"ResumableSampler({data!r:.80}): pass the dataset (with a len()) or its number of samples, an int") from None
         self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset
         if self.num_samples < 1:
             raise ValueError("ResumableSampler: the dataset is empty")
-        self.seed = int(seed)
+        self.seed = seed_int(seed, "ResumableSampler")
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         if rank is not None and world_size is not None:
             _rank_world(rank, world_size)  # both given: a wrong pair fails here, not at the first __iter__
