@@ -192,3 +192,18 @@ def test_a_samplers_or_seeded_datasets_seed_or_size_of_the_wrong_type_is_named()
 
     assert tg.ResumableSampler(np.int64(10), seed=np.int64(3), rank=0, world_size=1).num_samples == 10
     assert tg.ResumableSampler(ds, seed=3, rank=0, world_size=1).order() == tg.ResumableSampler(10, seed=3).order()
+
+
+def test_an_empty_only_is_refused_not_a_load_of_nothing(tmp_path: Path) -> None:
+    # only=[k for k in state if k.startswith("modle")]: [] loaded nothing and returned the manifest as if done.
+    model = torch.nn.Linear(2, 2)
+    tg.save(tmp_path / "ck", {"model": model})
+    fresh = torch.nn.Linear(2, 2)
+    before = fresh.weight.detach().clone()
+    for empty in ([], (), iter([])):
+        with pytest.raises(tg.CheckpointError, match=r"only=\[\] names no entry.*only=None for all"):
+            tg.load(tmp_path / "ck", {"model": fresh}, only=empty)
+    assert torch.equal(fresh.weight, before)
+    tg.load(tmp_path / "ck", {"model": fresh}, only=["model"])
+    assert torch.equal(fresh.weight, model.weight)
+    tg.load(tmp_path / "ck", {}, strict=False)  # an empty state without only= is no mistake of only=
