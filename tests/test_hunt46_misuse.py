@@ -207,3 +207,32 @@ def test_an_empty_only_is_refused_not_a_load_of_nothing(tmp_path: Path) -> None:
     tg.load(tmp_path / "ck", {"model": fresh}, only=["model"])
     assert torch.equal(fresh.weight, model.weight)
     tg.load(tmp_path / "ck", {}, strict=False)  # an empty state without only= is no mistake of only=
+
+
+_SCRIPT = """import torch
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.AdamW(model.parameters())
+noise = torch.Generator()
+for step in range(10):
+    x = torch.randn(2, 2, generator=noise)
+    opt.step()
+"""
+
+
+def test_doctor_given_the_scripts_path_as_source_checks_the_script(tmp_path: Path, monkeypatch) -> None:
+    # source="train.py" was parsed as a one-line program: the static checks found nothing in it (the
+    # optimizer missing from the state, the loop's own generator), a silent all-clear.
+    (tmp_path / "train.py").write_text(_SCRIPT)
+    monkeypatch.chdir(tmp_path)
+    state = {"model": torch.nn.Linear(2, 2)}
+
+    def flagged(source: Any) -> set[str]:
+        return {f.check for f in tg.doctor(state, source=source) if f.severity != "ok"}
+
+    want = flagged(_SCRIPT)
+    assert {"optimizer+scheduler", "own generators"} <= want
+    assert flagged("train.py") == flagged(str(tmp_path / "train.py")) == want
+    with pytest.raises(FileNotFoundError, match=r"source='nope.py': no such file"):
+        tg.doctor(state, source="nope.py")
+    with pytest.raises(TypeError, match=r"source=1: pass the training script's text or its path"):
+        tg.doctor(state, source=1)  # type: ignore[arg-type]
