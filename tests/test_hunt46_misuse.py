@@ -236,3 +236,13 @@ def test_doctor_given_the_scripts_path_as_source_checks_the_script(tmp_path: Pat
         tg.doctor(state, source="nope.py")
     with pytest.raises(TypeError, match=r"source=1: pass the training script's text or its path"):
         tg.doctor(state, source=1)  # type: ignore[arg-type]
+
+
+def test_a_path_of_the_wrong_type_is_named_as_the_checkpoint_path(tmp_path: Path) -> None:
+    # CheckpointManager(args.ckpt_dir) with the option unset: os.fspath's "expected str, bytes or os.PathLike
+    # object, not NoneType" named no argument.
+    for call in (lambda: tg.CheckpointManager(None), lambda: tg.save(None, {"t": torch.zeros(1)}),  # type: ignore[arg-type]
+                 lambda: tg.load(None, {}), lambda: tg.verify(3)):  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"checkpoint path (None|3): pass a directory path"):
+            call()
+    assert tg.save(os.fsencode(tmp_path / "b"), {"t": torch.zeros(1)}).step == 0  # bytes paths still work

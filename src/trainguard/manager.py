@@ -73,8 +73,8 @@ class CheckpointManager:
     ) -> None:
         with config_errors():  # a bad argument: no restart fixes it (exit 78 under `trainguard run`)
             check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background, split_state, root, handle_signals, ram_tier)
+        self.storage, self._root = for_path(root)  # first: a root of the wrong type (None) raises naming it
         self.root = os.fspath(root)
-        self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)
         self.keep = keep if keep is not None else KeepLatest(3)
         self.async_save, self.layout, self.on_error, self.handle_signals = async_save, layout, on_error, handle_signals

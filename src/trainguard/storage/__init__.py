@@ -17,6 +17,8 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
     ``follow_link`` (``api.save``): a local path that is a symbolic link gives the path it points
     to, so the checkpoint is written there (its commit renames directories: it would replace
     the link itself, and leave the directory it points to as it was)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # an unset `args.ckpt_dir`: os.fspath's message named no argument
+        raise TypeError(f"checkpoint path {path!r}: pass a directory path (a str or os.PathLike) or a URL such as s3://bucket/run")
     p = os.fsdecode(path)  # a bytes path too
     if is_file_url(p):
         p = file_url_path(p)  # file:///x, file://localhost/x, file:/x
