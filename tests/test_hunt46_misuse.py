@@ -246,3 +246,23 @@ def test_a_path_of_the_wrong_type_is_named_as_the_checkpoint_path(tmp_path: Path
         with pytest.raises(TypeError, match=r"checkpoint path (None|3): pass a directory path"):
             call()
     assert tg.save(os.fsencode(tmp_path / "b"), {"t": torch.zeros(1)}).step == 0  # bytes paths still work
+
+
+class _SaveOnly:
+    def state_dict(self) -> dict:
+        return {"x": 1}
+
+
+class _LoadOnly:
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def test_an_object_with_half_of_the_state_dict_protocol_is_told_what_it_lacks(tmp_path: Path) -> None:
+    # An object with state_dict() and no load_state_dict() was told to "wrap other objects in a class with
+    # state_dict()/load_state_dict()": it has one of them, and the message did not say which is missing.
+    with pytest.raises(tg.UnsupportedValueError, match=r"it has state_dict\(\) but no load_state_dict\(\) method"):
+        tg.save(tmp_path / "a", {"counter": _SaveOnly()})
+    with pytest.raises(tg.UnsupportedValueError, match=r"it has load_state_dict\(\) but no state_dict\(\) method"):
+        tg.save(tmp_path / "b", {"counter": _LoadOnly()})
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
