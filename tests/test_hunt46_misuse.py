@@ -266,3 +266,19 @@ def test_an_object_with_half_of_the_state_dict_protocol_is_told_what_it_lacks(tm
     with pytest.raises(tg.UnsupportedValueError, match=r"it has load_state_dict\(\) but no state_dict\(\) method"):
         tg.save(tmp_path / "b", {"counter": _LoadOnly()})
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_generator_the_checkpoint_holds_and_the_rngstate_does_not_name_is_warned_about(tmp_path: Path) -> None:
+    # A resume script that builds tg.RNGState() without the loop's generator: the checkpoint's state of it was
+    # left out without a word, and the resumed run drew from it as after a fresh start.
+    noise = torch.Generator().manual_seed(5)
+    torch.randn(3, generator=noise)
+    tg.save(tmp_path / "ck", {"rng": tg.RNGState(generators={"noise": noise})})
+    with pytest.warns(UserWarning, match=r"generator\(s\) \['noise'\], which this RNGState does not name") as seen:
+        tg.load(tmp_path / "ck", {"rng": tg.RNGState()})
+    assert [w.filename for w in seen if "does not name" in str(w.message)] == [__file__]  # the caller's line
+    again = torch.Generator().manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tg.load(tmp_path / "ck", {"rng": tg.RNGState(generators={"noise": again})})
+    assert torch.equal(torch.randn(3, generator=again), torch.randn(3, generator=noise))
