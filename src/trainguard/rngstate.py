@@ -71,7 +71,7 @@ class RNGState:
         saved = skeleton.get("generators") if isinstance(skeleton, Mapping) else None
         if missing := genstate.check_saved(self.generators, saved, strict):
             warnings.warn(f"RNGState: the checkpoint holds no state for generator(s) {missing}; left as they are "
-                          "(strict=False)", stacklevel=4)
+                          "(strict=False)", stacklevel=user_stacklevel())  # 4 named dist.py's wrapper
         if extra := sorted(set(saved) - set(self.generators)) if isinstance(saved, Mapping) else []:
             # A resume script that builds its RNGState without them: they went on from their seed, silently.
             warnings.warn(f"RNGState: the checkpoint holds the state of generator(s) {extra}, which this RNGState does "
