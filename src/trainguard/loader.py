@@ -157,7 +157,7 @@ def _load(
             except CheckpointError as e:
                 e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
                 raise
-        prechecks.copy_of_object(key, value, skel, manifest.objects[key])  # optimizer.state_dict() for the optimizer
+        prechecks.copy_of_object(key, value, skel, manifest)  # optimizer.state_dict() for the optimizer
         prechecks.before_read(key, obj, skel, strict)  # a GradScaler, a sampler: refused before anything is read
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)
