@@ -247,12 +247,12 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
             token, mgr._aside = mgr._aside, ""
             settle_aside(mgr.storage, mgr._root, mgr.storage.listdir(mgr._root), only=token)
         steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+        if not steps and not mgr.ram:  # a fresh start: the run one level down? (freshhint.py; never raises)
+            nested_runs(mgr)
     except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
         return {"error": error_text(e)}  # an object store's: what to check
     if mgr.ram:
         return mgr.ram.candidates(steps)
-    if not steps:  # a fresh start: the run one level down? (freshhint.py)
-        nested_runs(mgr)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
 
 
