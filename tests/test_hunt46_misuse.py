@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -307,3 +308,27 @@ def test_a_modules_entry_loaded_into_a_state_dict_copy_that_cannot_take_it_in_pl
     plain: dict = {"model": {}}
     tg.load(tmp_path / "ck", plain)
     assert torch.equal(plain["model"]["weight"], model.weight)
+
+
+def test_a_stateful_save_policy_shared_by_two_open_managers_is_refused(tmp_path: Path) -> None:
+    # save=pol for a model's and an EMA's manager: one clock, and the second manager, asked after the first had
+    # saved, never saved (its run directory held no checkpoint after 29 steps of EverySeconds(0.05)).
+    model = torch.nn.Linear(2, 2)
+    every = tg.EverySeconds(1800)
+    with tg.CheckpointManager(tmp_path / "a", save=every, handle_signals=False) as first:
+        with pytest.raises(ValueError, match=r"save=EverySeconds\(1800\) is already the save policy of the open "
+                                             rf"CheckpointManager of {re.escape(str(tmp_path / 'a'))}.*its own"):
+            tg.CheckpointManager(tmp_path / "b", save=every, handle_signals=False)
+        daly = tg.DalyInterval(node_mtbf_s=3600.0)
+        with tg.CheckpointManager(tmp_path / "c", save=daly, handle_signals=False):
+            with pytest.raises(ValueError, match="already the save policy"):
+                tg.CheckpointManager(tmp_path / "d", save=daly, handle_signals=False)
+        steps = tg.EveryNSteps(2)  # no state of its own: shared as before
+        with tg.CheckpointManager(tmp_path / "e", save=steps, handle_signals=False) as e, \
+                tg.CheckpointManager(tmp_path / "f", save=steps, handle_signals=False) as f:
+            e.save(2, {"model": model})
+            f.save(2, {"model": model})
+        assert first.latest_step() is None and e.latest_step() == f.latest_step() == 2
+    with tg.CheckpointManager(tmp_path / "b", save=every, handle_signals=False):  # the first one closed: reused
+        pass
+    assert not (tmp_path / "b" / "step-000000001").exists()

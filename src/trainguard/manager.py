@@ -81,7 +81,7 @@ class CheckpointManager:
         self.timeout, self.max_staging_bytes, self.stage_in_background, self.split_state = timeout, max_staging_bytes, stage_in_background, split_state
         self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")  # own rounds, named by the root's last part (another node may mount it elsewhere)
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
-        policies.attach(self.save_policy, self.events)  # its event log; durations end at the commit
+        policies.attach(self.save_policy, self.events, self)  # event log, exact durations; shared: refused
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
         self._preempt, self._old_handlers = threading.Event(), {}  # the signal handlers open() replaced
