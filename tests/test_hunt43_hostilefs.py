@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 import torch
 
 import trainguard as tg
@@ -185,8 +186,7 @@ def test_debris_that_cannot_be_removed_is_not_reported_removed(tmp_path, monkeyp
 
 
 def test_doctor_judges_the_directory_the_manager_writes_to_not_an_expanded_home(tmp_path, monkeypatch):
-    """``CheckpointManager("~/ckpts")`` writes to ``./~/ckpts`` (``~`` is not expanded, as by
-    ``torch.save``), but ``doctor`` expanded it and judged the home directory's file system: "ok, on
+    """``CheckpointManager("~/ckpts")`` wrote to ``./~/ckpts`` (``~`` is not expanded; refused since session 46), but ``doctor`` expanded it and judged the home directory's file system: "ok, on
     ext4" for checkpoints that went to a tmpfs or a container's overlay under the working directory."""
     from trainguard.doctor import Settings, check
 
@@ -199,9 +199,9 @@ def test_doctor_judges_the_directory_the_manager_writes_to_not_an_expanded_home(
               f"2 1 0:2 / {home} rw - lustre fs rw\n"
               f"3 1 0:3 / {work} rw - tmpfs tmpfs rw\n")
     state = {"model": torch.nn.Linear(2, 2)}
-    with tg.CheckpointManager("~/ckpts", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
-        mgr.save(1, state)
-    assert (work / "~" / "ckpts" / "step-000000001").is_dir()  # where the manager wrote
+    with pytest.raises(tg.CheckpointError, match="does not expand"):  # session 46: refused, it wrote to ./~/ckpts
+        tg.CheckpointManager("~/ckpts", save=tg.EveryNSteps(1), handle_signals=False)
+    assert not (work / "~").exists()
     (f,) = [f for f in check(state, Settings(root="~/ckpts", mountinfo=mounts)) if f.check == "storage"]
     assert f.severity == "error" and "tmpfs" in f.message and str(work / "~" / "ckpts") in f.message, f
     assert "expanduser" in f.fix
@@ -209,7 +209,7 @@ def test_doctor_judges_the_directory_the_manager_writes_to_not_an_expanded_home(
     assert f.severity == "ok" and "lustre" in f.message
     mounts_ok = mounts.replace("- tmpfs tmpfs", "- ext4 /dev/vdb")
     (f,) = [f for f in check(state, Settings(root="~/ckpts", mountinfo=mounts_ok)) if f.check == "storage"]
-    assert f.severity == "warning" and "does not expand" in f.message, f
+    assert f.severity == "error" and "does not expand" in f.message, f  # the manager refuses it (session 46)
 
 
 def _mount_ext2(img, mnt) -> bool:

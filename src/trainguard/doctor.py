@@ -59,7 +59,8 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
            source: str | None = "auto", amp: str | bool | None = None) -> list[Finding]:
     """Check ``state`` and ``manager`` (a CheckpointManager or a mapping of its settings).
 
-    ``source="auto"`` reads the ``__main__`` script, if there is one, for the static checks;
+    ``source="auto"`` reads the ``__main__`` script, if there is one, for the static checks (``source``: the
+    script's text, or the path of a ``.py`` file);
     ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
     Any process or rank, once the state (and manager) exist; no collective, no I/O but reads.
     """
@@ -67,7 +68,15 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
         raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
     if amp not in (None, True, False, "float16", "bfloat16"):
         raise ValueError(f"amp={amp!r}: use 'float16' (or True), 'bfloat16', False, or None to detect")
+    if source is not None and not isinstance(source, str):
+        raise TypeError(f"source={source!r}: pass the training script's text or its path, 'auto' (the __main__ script) or None")
     main_file = (getattr(sys.modules.get("__main__"), "__file__", None) or "") if source == "auto" else ""
+    if source not in (None, "auto") and "\n" not in source and source.strip().endswith(".py"):
+        # A path ("train.py"), not the script's text: parsed as Python, it was a one-line program, and the
+        # static checks found nothing in it (an optimizer missing from the state, own generators: not reported).
+        if not os.path.isfile(main_file := source.strip()):
+            raise FileNotFoundError(f"source={source!r}: no such file; pass the training script's text or its path")
+        source = Path(main_file).read_text(encoding="utf-8", errors="replace")
     if source == "auto":  # its imports of the project's own modules are read too (path=)
         source = Path(main_file).read_text(encoding="utf-8", errors="replace") if main_file.endswith(".py") \
             and os.path.isfile(main_file) else None

@@ -38,9 +38,9 @@ def storage_check(leaves: list[tuple[str, Any]], s: Any) -> Any:
         return None
     on = f"is on {_EPHEMERAL.get(fs, fs)}" if fs else "is there"
     if tilde:
-        return Finding("storage", "error" if fs in _EPHEMERAL else "warning",
-                       f"{s.root} is not under your home directory: trainguard does not expand '~', it writes "
-                       f"to {absolute(root)}, which {on}", f"pass os.path.expanduser({s.root!r})")
+        return Finding("storage", "error",  # refused by the manager (storage.refuse_tilde)
+                       f"{s.root} is not under your home directory: trainguard does not expand '~' and refuses "
+                       f"the path, which names {absolute(root)} ({on})", f"pass os.path.expanduser({s.root!r})")
     if fs in _EPHEMERAL:
         return Finding("storage", "error", f"{s.root} {on}",
                        "point the manager at persistent storage: a mounted volume, a parallel "

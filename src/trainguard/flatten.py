@@ -106,6 +106,12 @@ def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[
         elif isinstance(v, (torch.utils.data.DataLoader, torch.utils.data.Sampler, _LoaderIter)):
             hint = ("a DataLoader's position is saved by its sampler: use tg.ResumableSampler (map-style datasets) or "
                     "tg.ResumableIterable (iterable ones) and save that as an entry (docs/data.md)")
+        elif (has := [m for m in ("state_dict", "load_state_dict") if callable(getattr(v, m, None))]) or \
+                any(hasattr(type(v), m) for m in ("state_dict", "load_state_dict")):  # half the protocol, or a property
+            lacks = [f"{m}()" for m in ("state_dict", "load_state_dict") if m not in has]
+            hint = (f"it has {' and '.join(f'{m}()' for m in has) or 'state_dict/load_state_dict, not as methods'} but "
+                    f"no {' or '.join(lacks)} method: an object saved by trainguard needs both (its load calls "
+                    "load_state_dict with what state_dict() returned)")
         elif hasattr(v, "item") or hasattr(v, "tolist"):  # numpy scalars and number-likes: a common accident
             hint = "convert it with int()/float()/.tolist()"
         else:

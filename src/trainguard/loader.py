@@ -110,6 +110,8 @@ def _load(
     if isinstance(only, (str, bytes)):
         raise TypeError(f"only={only!r}: pass a list of entry names, e.g. only=[{only!r}]")
     keys = list(state) if only is None else list(only)
+    if only is not None and not keys:  # an `only=[k for k in state if ...]` that matched nothing: a no-op that looked done
+        raise CheckpointError("only=[] names no entry, so nothing would be loaded: pass the entries' names, or only=None for all")
     unknown = [k for k in keys if k not in state]
     if unknown:
         raise CheckpointError(
@@ -155,6 +157,7 @@ def _load(
             except CheckpointError as e:
                 e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
                 raise
+        prechecks.copy_of_object(key, value, skel, manifest)  # optimizer.state_dict() for the optimizer
         prechecks.before_read(key, obj, skel, strict)  # a GradScaler, a sampler: refused before anything is read
         if isinstance(obj, OptimizerAdapter):
             skel = canonical_optimizer(skel)  # saved with activation checkpointing's names (names.py)

@@ -73,15 +73,15 @@ class CheckpointManager:
     ) -> None:
         with config_errors():  # a bad argument: no restart fixes it (exit 78 under `trainguard run`)
             check_manager_args(save, keep, layout, on_error, timeout, max_staging_bytes, async_save, stage_in_background, split_state, root, handle_signals, ram_tier)
+        self.storage, self._root = for_path(root)  # first: a root of the wrong type (None) raises naming it
         self.root = os.fspath(root)
-        self.storage, self._root = for_path(self.root)
         self.save_policy = save if save is not None else EveryNSteps(1000)
         self.keep = keep if keep is not None else KeepLatest(3)
         self.async_save, self.layout, self.on_error, self.handle_signals = async_save, layout, on_error, handle_signals
         self.timeout, self.max_staging_bytes, self.stage_in_background, self.split_state = timeout, max_staging_bytes, stage_in_background, split_state
         self.ctx = DistContext.current().channel(f"manager:{os.path.basename(self._root.rstrip('/'))}")  # own rounds, named by the root's last part (another node may mount it elsewhere)
         self.events = EventLog(os.path.join(self._root, EVENTS_FILE) if self.storage.atomic_rename else None, rank=self.ctx.rank)
-        policies.attach(self.save_policy, self.events)  # its event log; durations end at the commit
+        policies.attach(self.save_policy, self.events, self)  # event log, exact durations; shared: refused
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
         self._preempt, self._old_handlers = threading.Event(), {}  # the signal handlers open() replaced
@@ -356,7 +356,7 @@ class CheckpointManager:
                 m = load(path, state, strict=strict, timeout=self.timeout, split_state=self.split_state)
             except CheckpointError as e:
                 if not is_data_error(e):
-                    raise  # the state does not fit (or a rank's did): an older checkpoint will not fit either
+                    raise retention.older_holds(e, candidates, step) from e.__cause__  # the state does not fit
                 medium = medium or from_medium(e)
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, str(e))
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])

@@ -22,6 +22,7 @@ import math
 import numbers
 import signal
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -244,9 +245,23 @@ class KeepUnion(RetentionPolicy):
         return " | ".join(repr(p) for p in self.policies)
 
 
-def attach(policy: SavePolicy, events: Any) -> None:
+def attach(policy: SavePolicy, events: Any, manager: Any = None) -> None:
     """The manager's constructor: gives the save policy its event log (where it has an unset ``events``) and
-    says the durations it will report end at the commit (``exact_durations``: not an upper bound to cap)."""
+    says the durations it will report end at the commit (``exact_durations``: not an upper bound to cap).
+    A policy with state (its own ``on_step``/``on_saved``: ``EverySeconds``, ``DalyInterval``) that an open
+    manager already uses is refused: the two ran on one clock, and the second manager, asked after the
+    first saved, never saved (seen: ``save=pol`` for a model's and an EMA's manager, the EMA's run empty)."""
+    stateful = type(policy).on_step is not SavePolicy.on_step or type(policy).on_saved is not SavePolicy.on_saved
+    other = getattr(policy, "_trainguard_manager", lambda: None)() if manager is not None and stateful else None
+    if other is not None and other is not manager and getattr(other, "_opened", False):
+        raise ValueError(f"save={policy!r} is already the save policy of the open CheckpointManager of {other.root}: a "
+                         "policy keeps its manager's timing, and two managers sharing one saved on each other's clock "
+                         f"(one saved nothing). Give each manager its own: save={policy!r} for each")
+    if manager is not None and stateful:
+        try:
+            policy._trainguard_manager = weakref.ref(manager)  # type: ignore[attr-defined]
+        except (AttributeError, TypeError):  # __slots__, a frozen dataclass: not checked
+            pass
     if getattr(policy, "events", "absent") is None:
         policy.events = events  # type: ignore[attr-defined]
     if hasattr(policy, "exact_durations"):

@@ -14,14 +14,58 @@ several ranks the load's first round then raises on every rank with the state as
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
-from .flatten import unflatten
+from .flatten import flatten, unflatten
+from .manifest import DTYPE_NAMES
+from .optim_groups import a
+from .permanent import mark
 from .sampler import ResumableIterable
 from .scalerstate import keeps_fresh
+from .stateful import has_state
+
+
+def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
+    """``loader._load``, every rank, before anything is read: refuse a non-empty plain dict as the
+    destination of an entry saved from an optimizer or an LR scheduler (its ``"class"``). Such a dict is
+    a copy, ``optimizer.state_dict()`` in the state as a ``torch.save`` script writes it: the load
+    filled the copy and left the optimizer (and the scheduler) as it was, silently (seen: a resume
+    with Adam's moments and the lr schedule back at their start). An empty dict (``{"optim": {}}``)
+    still takes the saved values as plain data. A module's entry (``"frozen"`` beside it) loads into
+    ``model.state_dict()`` in place, its tensors being the module's; one of another shape or dtype, or
+    on the meta device, was replaced in the copy and the module kept its values: refused too."""
+    entry = manifest.objects[key]
+    if not isinstance(value, Mapping) or not value or has_state(value):
+        return
+    opt = skel.get("class") if isinstance(skel, dict) and "param_groups" in skel and "state" in skel else None
+    sched = entry.get("class")
+    kind, name = ("optimizer", opt) if type(opt) is str else ("scheduler", sched) if type(sched) is str else ("", None)
+    if name is not None:
+        raise mark(CheckpointError(
+            f"entry {key!r}: the checkpoint holds the state of {a(name)} {kind}, saved from the {kind} itself; the state "
+            f"holds a plain dict ({kind}.state_dict()'s copy?), and loading into a copy leaves the {kind} as it is, "
+            f"silently. Put the {kind} itself in the state: {{{key!r}: {kind}}} (to read the saved values as plain "
+            f"data, load into an empty dict: {{{key!r}: {{}}}})"))
+    if "frozen" not in entry:
+        return
+    try:
+        _, dest = flatten(value, key)
+    except Exception:  # not tensors alone: not a state_dict() copy; the load says what does not fit
+        return
+    differ = [f"{p} (checkpoint {e.dtype}{e.shape}, state {'meta ' if t.is_meta else ''}{str(t.dtype)[6:]}{list(t.shape)})"
+              for p, t in dest.items() if (e := manifest.tensors.get(p)) is not None
+              and (t.is_meta or list(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype)]
+    if differ:
+        raise mark(CheckpointError(
+            f"entry {key!r}: the checkpoint holds a module's state; the state holds a plain dict (model.state_dict()'s "
+            f"copy?) whose tensors {', '.join(differ[:5])} differ from the saved ones: a load would replace them in the "
+            f"copy and leave the module as it is, silently. Put the module itself in the state: {{{key!r}: model}} "
+            f"(a strict load then lists what differs; strict=False casts another dtype), or load into an empty dict, "
+            f"{{{key!r}: {{}}}}, for the saved tensors as new ones"))
 
 
 def before_read(key: str, obj: Any, skel: Any, strict: bool) -> None:

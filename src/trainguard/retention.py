@@ -24,6 +24,7 @@ from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .flatten import decode_json, unique_keys
+from .freshhint import nested_runs, older_holds  # noqa: F401  (older_holds: manager.restore's)
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -262,6 +263,8 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
             token, mgr._aside = mgr._aside, ""
             settle_aside(mgr.storage, mgr._root, mgr.storage.listdir(mgr._root), only=token)
         steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+        if not steps and not mgr.ram:  # a fresh start: the run one level down? (freshhint.py; never raises)
+            nested_runs(mgr)
     except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
         return {"error": error_text(e)}  # an object store's: what to check
     if mgr.ram:

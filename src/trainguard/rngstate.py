@@ -17,6 +17,7 @@ import torch
 from . import genstate
 from .errors import CheckpointError, CorruptCheckpointError
 from .permanent import mark
+from .userframe import user_stacklevel
 
 
 class RNGState:
@@ -70,7 +71,13 @@ class RNGState:
         saved = skeleton.get("generators") if isinstance(skeleton, Mapping) else None
         if missing := genstate.check_saved(self.generators, saved, strict):
             warnings.warn(f"RNGState: the checkpoint holds no state for generator(s) {missing}; left as they are "
-                          "(strict=False)", stacklevel=4)
+                          "(strict=False)", stacklevel=user_stacklevel())  # 4 named dist.py's wrapper
+        if extra := sorted(set(saved) - set(self.generators)) if isinstance(saved, Mapping) else []:
+            # A resume script that builds its RNGState without them: they went on from their seed, silently.
+            warnings.warn(f"RNGState: the checkpoint holds the state of generator(s) {extra}, which this RNGState does "
+                          "not name: they are not restored and draw as after a fresh start. Pass them as at save time "
+                          f"(RNGState(generators={{{extra[0]!r}: g, ...}})), or ignore this if they were dropped on purpose",
+                          stacklevel=user_stacklevel())
         self._lenient = not strict
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

@@ -39,6 +39,7 @@ gives each rank ``R // W`` samples and skips the last ``R % W`` of the epoch.
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
 from typing import Any
@@ -46,9 +47,10 @@ from typing import Any
 import torch
 
 from . import iterworkers
+from .advancecheck import check_advanced, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import check_flags, mark
-from .seeded import seed_of, seeded_call
+from .seeded import seed_int, seed_of, seeded_call
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
@@ -100,11 +102,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  rank: int | None = None, world_size: int | None = None, with_epoch: bool = False) -> None:
         check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
-        self.num_samples = data if isinstance(data, int) else len(data)
+        try:  # numpy's int too; None or a float: said so, not len()'s "object of type 'float' has no len()"
+            self.num_samples = len(data) if isinstance(data, Sized) else operator.index(data)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(f"ResumableSampler({data!r:.80}): pass the dataset (with a len()) or its number of samples, an int") from None
         self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset
         if self.num_samples < 1:
             raise ValueError("ResumableSampler: the dataset is empty")
-        self.seed = int(seed)
+        self.seed = seed_int(seed, "ResumableSampler")
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         if rank is not None and world_size is not None:
             _rank_world(rank, world_size)  # both given: a wrong pair fails here, not at the first __iter__
@@ -166,6 +171,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """``__iter__``'s indices, refused once :meth:`load_state_dict` moved the position under them
         (a rollback with ``mgr.restore(state, step=N)`` inside the loop): they continue the old
         position, and every later ``advance`` and checkpoint would count from the restored one."""
+        note_iter(self)  # advance()'s calls from here: advancecheck.py
         for x in itertools.chain(out, [_END]):  # checked at the end too: the loop would end the epoch
             if self._restores != restores:
                 raise RuntimeError(
@@ -179,21 +185,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             yield x
 
     def _check_advanced(self) -> None:
-        """``next_epoch``/``set_epoch``: warn (once) when an iterator read this epoch to its end
-        and the position never moved from where it started: ``advance`` is not being called (a
-        loop converted from ``DistributedSampler``), so every checkpoint resumes at that position
-        and a restart reads the epoch again. Only from the epoch's start: a position past it was
-        moved by ``advance`` (restored from a checkpoint), and an iterator from there may rightly
-        yield no batch (``DataLoader(drop_last=True)`` dropping the few samples left)."""
-        if getattr(self, "_ran_out", None) == (self.epoch, 0) == (self.epoch, self.position) and not self.epoch_done:
-            if not getattr(self, "_warned_advance", False):
-                self._warned_advance = True
-                warnings.warn(
-                    f"ResumableSampler: a DataLoader iterator read epoch {self.epoch} to its end but the position "
-                    f"stayed at {self.position}: advance(n) was not called, so a checkpoint resumes at that position "
-                    "and reads the epoch again. Call sampler.advance(len(batch)) after each training step (docs/data.md)",
-                    RuntimeWarning, stacklevel=3,
-                )
+        """``next_epoch``/``set_epoch``: warn when advance() did not count the epoch's samples (advancecheck.py)."""
+        check_advanced(self)
 
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])
@@ -203,7 +196,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``,
         capped at ``num_samples``: tail padding is not counted as consumed data."""
         _, world = self.rank_world
-        self.position, self.reads_data = min(self.position + _consumed(n) * world, self.num_samples), True
+        self.position, self.reads_data = min(self.position + (k := _consumed(n)) * world, self.num_samples), True
+        note_advance(self, k)
 
     @property
     def epoch_done(self) -> bool:

@@ -28,6 +28,16 @@ import numpy as np
 import torch
 
 
+def seed_int(seed: Any, who: str) -> int:
+    """``ResumableSampler``/``SeededDataset``: ``int(seed)``, or a TypeError that names the argument (``seed=None``,
+    an unset ``args.seed``: int()'s "argument must be a string ... not 'NoneType'" before)."""
+    try:
+        return int(seed)
+    except (TypeError, ValueError):
+        raise TypeError(f"{who}(seed={seed!r}): pass an int seed, the same on every rank and at every restart "
+                        "(e.g. seed=0)") from None
+
+
 def seed_of(*words: int) -> int:
     """A 64-bit seed from a few non-negative ints (``SeedSequence``: distinct tuples, unrelated seeds)."""
     got = np.random.SeedSequence([int(w) % 2**64 for w in words]).generate_state(2, np.uint32)
@@ -76,7 +86,7 @@ class SeededDataset(torch.utils.data.Dataset):
 
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         self.dataset = dataset
-        self.seed = int(seed)
+        self.seed = seed_int(seed, "SeededDataset")
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -17,6 +17,8 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
     ``follow_link`` (``api.save``): a local path that is a symbolic link gives the path it points
     to, so the checkpoint is written there (its commit renames directories: it would replace
     the link itself, and leave the directory it points to as it was)."""
+    if not isinstance(path, (str, bytes, os.PathLike)):  # an unset `args.ckpt_dir`: os.fspath's message named no argument
+        raise TypeError(f"checkpoint path {path!r}: pass a directory path (a str or os.PathLike) or a URL such as s3://bucket/run")
     p = os.fsdecode(path)  # a bytes path too
     if is_file_url(p):
         p = file_url_path(p)  # file:///x, file://localhost/x, file:/x
@@ -24,8 +26,24 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
         from .fsspec import FsspecStorage  # optional dependency
 
         return FsspecStorage.from_url(p)
+    if p.split(os.sep, 1)[0].startswith("~"):
+        refuse_tilde(p)
     p = absolute(p)
     return LocalStorage(), os.path.realpath(p) if follow_link and os.path.islink(p) else p
+
+
+def refuse_tilde(path: str) -> None:
+    """``for_path``: a local path whose first part starts with ``~`` (``"~/ckpts"``). Nothing expands it
+    (no shell between the script and the call; ``open()`` does not either), so the save made a directory
+    named ``~`` in the working directory, silently, and a restart from another directory found no
+    checkpoint and started afresh. Refused, naming both directories (a permanent error)."""
+    from ..errors import CheckpointError
+    from ..permanent import mark
+
+    raise mark(CheckpointError(
+        f"{path!r} starts with '~', which trainguard does not expand (no more than open() does): it names "
+        f"{absolute(path)}, a directory called '~' in the working directory, not {os.path.expanduser(path)}. "
+        f"Pass os.path.expanduser({path!r}) for the home directory's, or {os.path.join('.', path)!r} for that one"))
 
 
 def absolute(path: str) -> str:

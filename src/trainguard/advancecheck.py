@@ -1,0 +1,62 @@
+"""``ResumableSampler``'s check, at ``next_epoch``/``set_epoch``, that ``advance(n)`` counted the
+samples the epoch's iterator gave this rank.
+
+The position is what a checkpoint keeps; it moves only by ``advance``. A DataLoader iterator that
+read the epoch to its end has had every sample trained on, so the position should then be at the
+epoch's end, or short of it by less than one batch (``DataLoader(drop_last=True)`` drops a
+partial last batch). Two mistakes leave it short by more, silently, and a resume mid-epoch then
+reads again what was trained on:
+
+- ``advance`` never called (a loop converted from ``DistributedSampler``): the position stays
+  where the iterator began (warned from the epoch's start only: from a restored position an
+  iterator may rightly yield no batch at all);
+- ``advance`` called with another count than the samples: ``advance(1)`` each step (batches, not
+  samples), ``advance(len(batch))`` of a dict batch (its number of keys: a Hugging Face
+  collator's). Seen: 13 of 100 samples counted for a full epoch of batches of 8; a checkpoint
+  at step 5 kept position 5 instead of 40.
+
+:func:`note_advance` (``advance``) counts the calls and samples since the iterator began
+(``note_iter``, when it yields its first index); :func:`check_advanced` warns once per sampler.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+
+def note_iter(sampler: Any) -> None:
+    """A sampler iterator's first index: count ``advance`` calls from here."""
+    sampler._advanced = [0, 0]  # calls, samples per rank
+
+
+def note_advance(sampler: Any, n: int) -> None:
+    counts = sampler.__dict__.get("_advanced")
+    if counts is not None:
+        counts[0] += 1
+        counts[1] += n
+
+
+def check_advanced(sampler: Any) -> None:
+    """``next_epoch``/``set_epoch`` (before the epoch changes): warn (``RuntimeWarning``, once per
+    sampler) when an iterator read this epoch to its end and the position is short of the end by
+    a batch or more: by ``advance``'s own mean count times the world size."""
+    began = sampler.__dict__.get("_ran_out")  # (epoch, position) of the iterator that ran out
+    if began is None or began[0] != sampler.epoch or sampler.epoch_done or sampler.__dict__.get("_warned_advance"):
+        return
+    _, world = sampler.rank_world
+    calls, samples = sampler.__dict__.get("_advanced") or (0, 0)
+    if began[1] == 0 == sampler.position:
+        what = (f"the position stayed at {sampler.position}: advance(n) was not called, so a checkpoint resumes at that "
+                "position and reads the epoch again")
+    elif calls and sampler._end(world) - sampler.position >= max(1, samples // calls) * world:
+        what = (f"advance() counted {samples} sample(s) in {calls} call(s) (the position went from {began[1]} to "
+                f"{sampler.position} of {sampler.num_samples}): advance(n) takes the samples this rank consumed, not 1 "
+                "per step nor len() of a dict batch (its number of keys), else a checkpoint mid-epoch resumes at a "
+                "position short of what was trained on and reads those samples again")
+    else:
+        return
+    sampler._warned_advance = True
+    warnings.warn(f"ResumableSampler: a DataLoader iterator read epoch {sampler.epoch} to its end but {what}. Call "
+                  "sampler.advance(len(x)) with x the batch's tensor after each training step (docs/data.md)",
+                  RuntimeWarning, stacklevel=4)
