@@ -137,3 +137,24 @@ def test_trainguard_run_leaves_the_scripts_own_arguments_alone(tmp_path: Path) -
     assert json.loads((tmp_path / "argv.json").read_text()) == given
     res = _cli(*base, "--bogus", str(script), cwd=tmp_path)
     assert res.returncode == 2 and "unrecognized arguments: --bogus" in res.stderr, res.stderr[-3000:]
+
+
+def test_restore_at_a_step_retention_deleted_names_the_steps_held(tmp_path: Path) -> None:
+    """`restore(state, step=11)` after KeepLatest(2) kept 12 and 13 said only "holds no checkpoint at or
+    before step 11"; it now names the steps the run holds. A step that is held still restores."""
+    model = torch.nn.Linear(2, 2)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        for step in range(10, 14):
+            mgr.save(step, {"model": model})
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match=r"at or before step 11; it holds step\(s\) 12, 13: pass one"):
+            mgr.restore({"model": model}, step=11)
+        assert mgr.restore({"model": model}, step=12) == 12
+
+
+def test_exit_code_for_something_not_an_exception_says_what_to_pass() -> None:
+    """`tg.exit_code_for(str(e))` raised a bare AttributeError from inside; now a TypeError saying to
+    pass the exception itself."""
+    with pytest.raises(TypeError, match=r"exit_code_for\('boom'\): pass the exception itself"):
+        tg.exit_code_for("boom")  # type: ignore[arg-type]
+    assert tg.exit_code_for(ValueError("boom")) == 1 and tg.exit_code_for(None) == 0

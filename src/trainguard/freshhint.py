@@ -74,3 +74,20 @@ def older_holds(e: BaseException, candidates: list[tuple[int, str, str]], step: 
                       f"step={older}); strict=False here starts {', '.join(whole)} afresh", *e.args[1:])
             break
     return e
+
+
+def at_or_before(candidates: list[tuple[int, str, str]], at: int | None, root: str) -> list[tuple[int, str, str]]:
+    """``CheckpointManager.restore(step=at)``, every rank: the candidates at or before ``at`` (all of them
+    for None, or none to choose from). When the run holds checkpoints, all of them newer (retention deleted
+    ``at``'s), a ``CheckpointError`` naming the steps it holds: it named none, and the user had to list them."""
+    from .errors import CheckpointError
+
+    if at is None or not candidates:
+        return candidates
+    older = [c for c in candidates if c[0] <= at]
+    if not older:
+        held = sorted({c[0] for c in candidates})
+        shown = ", ".join(map(str, held[:8])) + (f" ... {held[-1]}" if len(held) > 8 else "")
+        raise CheckpointError(f"restore(step={at}): {root} holds no checkpoint at or before step {at}; it holds "
+                              f"step(s) {shown}: pass one of them, or step=None for the newest")
+    return older

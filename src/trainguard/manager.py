@@ -346,8 +346,7 @@ class CheckpointManager:
         candidates = self.ctx.broadcast("candidates", restore_candidates(self) if self.ctx.rank == 0 else None, timeout=self.timeout)
         if isinstance(candidates, dict):  # rank 0 could not list the run directory: every rank raises it
             raise CheckpointError(f"restore: cannot list {self.root}: {candidates['error']}")
-        if at is not None and candidates and not (candidates := [c for c in candidates if c[0] <= at]):
-            raise CheckpointError(f"restore(step={at}): {self.root} holds no checkpoint at or before step {at}")
+        candidates = retention.at_or_before(candidates, at, self.root)  # none at or before: an error naming those held
         skipped: list[str] = []
         touched: dict[str, list[int]] = {}  # tensors a skipped checkpoint may have written into, their shapes
         medium = False  # a skip for a medium's error: finding nothing usable is then no permanent failure

@@ -73,6 +73,9 @@ def exit_code_for(e: BaseException | None) -> int:
     (0 for no error). Plain ``python``: ``except Exception as e: ...; sys.exit(tg.exit_code_for(e))``."""
     if e is None:
         return 0
+    if not isinstance(e, BaseException):  # exit_code_for(str(e)): is_permanent's AttributeError before
+        raise TypeError(f"exit_code_for({e!r:.80}): pass the exception itself (or None), e.g. `except Exception as e: "
+                        "sys.exit(tg.exit_code_for(e))`")
     if isinstance(e, SystemExit):
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     return PERMANENT_EXIT if is_permanent(e) else 1

@@ -24,7 +24,7 @@ from .commit import list_steps, manifest_bytes, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .flatten import decode_json, unique_keys
-from .freshhint import nested_runs, older_holds  # noqa: F401  (older_holds: manager.restore's)
+from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
