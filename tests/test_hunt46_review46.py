@@ -1,0 +1,82 @@
+"""review46: the memory bounds of 4df5287 (memroom) in real memory cgroups.
+
+Each test runs a real training process inside a real memory cgroup (v1 or v2, created here and
+removed after) whose limit is set once the process has built its model.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from test_memroom46 import _cgroup, _working_set
+
+from conftest import ROOT, TESTS
+
+RAM_ASYNC_CHILD = r"""
+import sys, torch, trainguard as tg
+from torch import nn
+torch.manual_seed(0)
+run = sys.argv[1]
+model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(24)])  # 384 MiB of weights
+want = next(model.parameters()).detach().clone()
+with tg.CheckpointManager(run, ram_tier=True, async_save=True, handle_signals=False) as mgr:
+    print("ready", flush=True)
+    assert sys.stdin.readline().strip() == "go"
+    mgr.save(1, {"model": model}, force=True)
+    mgr.wait()
+with torch.no_grad():
+    for p in model.parameters():
+        p.zero_()
+with tg.CheckpointManager(run, handle_signals=False) as mgr:
+    print("restored", mgr.restore({"model": model}), torch.equal(next(model.parameters()), want), flush=True)
+"""
+
+
+def _run_in_cgroup(script: str, args: list[str], room_mib: int) -> tuple[int, str, str]:
+    """Run ``script`` in a new memory cgroup; once it prints "ready", limit the cgroup to its working set
+    plus ``room_mib``; return (exit status, stdout, stderr)."""
+    group = _cgroup(f"trainguard-test-{uuid.uuid4().hex[:8]}")
+    if group is None:
+        pytest.skip("needs root and a memory cgroup this test can create")
+    d, limit_file, usage_file, inactive_key = group
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("LOCAL_WORLD_SIZE", None)
+    child = subprocess.Popen(
+        ["bash", "-c", f'echo $$ > {d}/cgroup.procs && exec "$0" -c "$@"', sys.executable, script, *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready", child.stderr.read() if child.stderr else ""
+        (d / limit_file).write_text(str(_working_set(d, usage_file, inactive_key) + (room_mib << 20)))
+        out, err = child.communicate("go\n", timeout=600)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(30)
+        d.rmdir()
+    return child.returncode, out, err
+
+
+def test_a_first_async_save_into_the_ram_tier_counts_its_staging_pool_too(tmp_path: Path) -> None:
+    """The staging pool (384 MiB, the call's copies) and the RAM-tier copy (384 MiB of tmpfs pages, charged to
+    the cgroup) each fit in the 400 MiB memroom counts (656 MiB above the job's use, less its 256 MiB margin),
+    both together do not: before, both were allowed and the OOM killer ended the job (-9) in the first save."""
+    from trainguard.tiers import ram_dir
+
+    run = tmp_path / "run"
+    try:
+        rc, out, err = _run_in_cgroup(RAM_ASYNC_CHILD, [str(run)], 656)
+    finally:
+        shutil.rmtree(ram_dir(str(run)), ignore_errors=True)  # what a killed child left in /dev/shm
+    assert rc == 0, f"exit {rc} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
+    assert "an async save's staging buffers); the save goes to the run directory" in err, err[-3000:]
+    assert (run / "step-000000001" / "manifest.json").is_file()
+    assert out.strip().endswith("restored 1 True"), out
