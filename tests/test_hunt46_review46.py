@@ -80,3 +80,45 @@ def test_a_first_async_save_into_the_ram_tier_counts_its_staging_pool_too(tmp_pa
     assert "an async save's staging buffers); the save goes to the run directory" in err, err[-3000:]
     assert (run / "step-000000001" / "manifest.json").is_file()
     assert out.strip().endswith("restored 1 True"), out
+
+
+CACHE_CHILD = r"""
+import os, sys, torch, trainguard as tg
+from torch import nn
+torch.manual_seed(0)
+torch.set_num_threads(1)
+work = sys.argv[1]
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 128 MiB of weights
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+model(torch.randn(4, 2048)).square().mean().backward()
+opt.step()
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "go"
+data = os.path.join(work, "dataset.bin")  # a dataset of 900 MiB, read three times: active page cache
+with open(data, "wb") as f:
+    for _ in range(900):
+        f.write(b"x" * (1 << 20))
+for _ in range(3):
+    with open(data, "rb") as f:
+        while f.read(1 << 20):
+            pass
+line = next(l for l in open("/proc/self/cgroup").read().splitlines() if ":memory:" in l or l.startswith("0::"))
+d = os.path.join("/sys/fs/cgroup/memory" if ":memory:" in line else "/sys/fs/cgroup", line.split(":", 2)[2].lstrip("/"))
+stat = dict(l.split() for l in open(os.path.join(d, "memory.stat")))
+print("active_file", int(stat.get("total_active_file", stat.get("active_file", 0))) >> 20, flush=True)
+h = tg.save(os.path.join(work, "ck"), {"model": model, "optim": opt}, async_=True)
+h.result(timeout=300)
+print("batches", h.staging_batches, flush=True)
+"""
+
+
+def test_active_page_cache_counts_as_room(tmp_path: Path) -> None:
+    """A job 1 GiB under its limit that read a 900 MiB file three times (its page cache active, reclaimed by
+    the kernel before any OOM kill): the 384 MiB staging pool of model + Adam fits. Before, only inactive
+    file pages counted as room: memroom saw 0 bytes and the save staged in 4 MiB batches (113)."""
+    rc, out, err = _run_in_cgroup(CACHE_CHILD, [str(tmp_path)], 1024)
+    assert rc == 0, f"exit {rc} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
+    active = int(out.split("active_file")[1].split()[0])
+    assert active >= 600, out  # the case this test is about: most of the page cache active
+    assert "take more memory than this process can still use" not in err, err[-3000:]
+    assert int(out.split("batches")[1].split()[0]) == 1, out

@@ -10,9 +10,11 @@ whole staging pool anyway and the job was OOM-killed (SIGKILL: no error, no chec
 previous one intact but the run dead); a RAM-tier copy could do the same. See docs/async.md,
 "Memory: the staging pool and its cap".
 
-A cgroup's usage counts the page cache its processes read and wrote; the inactive file pages
-(``inactive_file`` in ``memory.stat``) are reclaimed before the OOM killer runs, so they count as
-room, as the kubelet's "working set" does. What a training step allocates and frees again
+A cgroup's usage counts the page cache its processes read and wrote; its file pages, inactive and
+active (``inactive_file``, ``active_file`` in ``memory.stat``), are reclaimed before the OOM killer
+runs, so they count as room. Before, only the inactive ones did (the kubelet's "working set"): a
+job that had read its dataset twice (active page cache) staged its saves in 4 MiB batches with
+2 GB to spare (tests/test_hunt46_review46.py). What a training step allocates and frees again
 (activations, gradients of a CPU model) is not in use between steps, when a save is called: the
 process's peak RSS less its current RSS (``VmHWM - VmRSS``) is kept free for it.
 """
@@ -70,7 +72,7 @@ def _meminfo(path: str, key: str) -> int | None:
 
 def _cgroup_rooms() -> list[int]:
     """Room under each memory limit of this process's cgroup and its ancestors (a child's limit
-    may be looser than its parent's): limit - (usage - inactive file pages)."""
+    may be looser than its parent's): limit - (usage - file pages)."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
@@ -79,14 +81,14 @@ def _cgroup_rooms() -> list[int]:
     for line in lines:  # "4:memory:/path" (v1) wins over "0::/path" (v2) when both are there (a hybrid host)
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if "memory" in controllers.split(","):
-            return _rooms(_V1_ROOT, path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            return _rooms(_V1_ROOT, path, "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file"))
     for line in lines:
         if line.startswith("0::"):
-            return _rooms(_V2_ROOT, line[3:], "memory.max", "memory.current", "inactive_file")
+            return _rooms(_V2_ROOT, line[3:], "memory.max", "memory.current", ("inactive_file", "active_file"))
     return []
 
 
-def _rooms(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[int]:
+def _rooms(root: str, path: str, limit_file: str, usage_file: str, file_keys: tuple[str, ...]) -> list[int]:
     """``_cgroup_rooms`` in one hierarchy mounted at ``root``: from the process's cgroup up to the
     root. Inside a cgroup namespace the path may not exist under ``root`` (the mount is the
     process's own cgroup then): the levels that do exist are read."""
@@ -100,8 +102,8 @@ def _rooms(root: str, path: str, limit_file: str, usage_file: str, inactive_key:
         usage = _number(os.path.join(d, usage_file))
         if usage is None:
             continue
-        inactive = _stat(os.path.join(d, "memory.stat"), inactive_key) or 0
-        out.append(max(limit - max(usage - inactive, 0), 0))
+        cache = sum(_stat(os.path.join(d, "memory.stat"), key) or 0 for key in file_keys)  # reclaimable
+        out.append(max(limit - max(usage - cache, 0), 0))
     return out
 
 
