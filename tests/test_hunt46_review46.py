@@ -6,10 +6,13 @@ removed after) whose limit is set once the process has built its model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -61,6 +64,13 @@ def _run_in_cgroup(script: str, args: list[str], room_mib: int) -> tuple[int, st
         if child.poll() is None:
             child.kill()
             child.wait(30)
+        for pid in (d / "cgroup.procs").read_text().split():  # what the child started (ranks), this test's own cgroup
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for _ in range(100):  # gone from the cgroup once reaped
+            if not (d / "cgroup.procs").read_text().split():
+                break
+            time.sleep(0.1)
         d.rmdir()
     return child.returncode, out, err
 
@@ -122,3 +132,65 @@ def test_active_page_cache_counts_as_room(tmp_path: Path) -> None:
     assert active >= 600, out  # the case this test is about: most of the page cache active
     assert "take more memory than this process can still use" not in err, err[-3000:]
     assert int(out.split("batches")[1].split()[0]) == 1, out
+
+
+RANK = r"""
+import os, sys, torch, trainguard as tg
+import torch.distributed as dist
+from torch import nn
+rank, work, port = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.manual_seed(0)
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 128 MiB of weights
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+def step():
+    act = torch.ones(600 << 20, dtype=torch.uint8)  # the step's activations: 600 MiB, freed at its end
+    model(torch.randn(4, 2048)).square().mean().backward()
+    opt.step()
+    del act
+step()
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "go"
+h = tg.save(os.path.join(work, "ck"), {"model": model, "optim": opt}, async_=True)
+h.result(timeout=300)
+for _ in range(3):
+    step()
+    dist.barrier()
+print("steps done", flush=True)
+dist.destroy_process_group()
+"""
+
+TWO_RANKS = r"""
+import os, subprocess, sys
+rank_script, work, port = sys.argv[1], sys.argv[2], sys.argv[3]
+env = {**os.environ, "LOCAL_WORLD_SIZE": "2"}
+ps = [subprocess.Popen([sys.executable, "-c", rank_script, str(r), work, port], stdin=subprocess.PIPE,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for r in range(2)]
+for p in ps:
+    assert p.stdout.readline().strip() == "ready"
+print("ready", flush=True)
+sys.stdin.readline()
+for p in ps:  # both first: rank 0 alone would wait for rank 1 in the save's rounds
+    p.stdin.write("go\n")
+    p.stdin.flush()
+outs = [p.communicate(timeout=300)[0] for p in ps]
+for r, (p, out) in enumerate(zip(ps, outs)):
+    print(f"rank {r} exit {p.returncode}", out[-1500:], flush=True)
+"""
+
+
+def test_two_ranks_on_one_host_each_keep_their_steps_peak(tmp_path: Path) -> None:
+    """Two ranks under one cgroup (LOCAL_WORLD_SIZE=2), each step taking 600 MiB and giving it back, 1350 MiB
+    above their use: training alone fits (2 x 600). Before, memroom kept one rank's peak free for both
+    (1350 - 600 - 256 MiB, halved): each allocated its 192 MiB staging buffer, and the next step had the OOM
+    killer end a rank (-9). Now each rank's peak is kept: the saves stage in batches and the steps go on."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rc, out, err = _run_in_cgroup(TWO_RANKS, [RANK, str(tmp_path), str(port)], 1350)
+    assert rc == 0, f"exit {rc}\n{out}\n{err[-3000:]}"
+    assert "rank 0 exit 0" in out and "rank 1 exit 0" in out, f"(-9: the OOM killer)\n{out}"
+    assert out.count("steps done") == 2, out
