@@ -194,3 +194,32 @@ def test_two_ranks_on_one_host_each_keep_their_steps_peak(tmp_path: Path) -> Non
     assert rc == 0, f"exit {rc}\n{out}\n{err[-3000:]}"
     assert "rank 0 exit 0" in out and "rank 1 exit 0" in out, f"(-9: the OOM killer)\n{out}"
     assert out.count("steps done") == 2, out
+
+
+OWN_FIFO = r"""
+import os, sys, torch, trainguard as tg
+from trainguard.tiers import RUN_ID, ram_dir
+run = sys.argv[1]
+own = ram_dir(run)
+os.makedirs(own)
+os.mkfifo(os.path.join(own, RUN_ID))
+try:
+    with tg.CheckpointManager(run, ram_tier=True, handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(2)}, force=True)
+        mgr.wait()
+        print("regular", os.path.isfile(os.path.join(own, RUN_ID)), flush=True)
+finally:
+    import shutil
+    shutil.rmtree(own, ignore_errors=True)
+print("done")
+"""
+
+
+def test_a_fifo_as_the_ram_tiers_own_run_id_does_not_hang(tmp_path: Path) -> None:
+    """d132d54 opened a FIFO named `.trainguard-run-id` in *another* RAM directory without waiting; the
+    manager's own RAM directory's (``RamTier._check_run``) was still opened blocking: the open hung forever.
+    Now it reads as no run id: the RAM tier is this run's from then on, the FIFO replaced by the id file."""
+    from conftest import run_py
+
+    res = run_py(["-c", OWN_FIFO, str(tmp_path / "run")], timeout=60)
+    assert res.returncode == 0 and res.stdout.strip().endswith("regular True\ndone"), res

@@ -137,7 +137,7 @@ class RamTier:
         own = os.path.join(self.dir, RUN_ID)
         mine = None
         if os.path.exists(own):
-            with open(own) as f:
+            with open(os.open(own, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:  # a FIFO: no wait for a writer (replaced below)
                 mine = f.read()
         if mine is not None and mine != rid:
             stale = [s.name for s in list_steps(self.storage, self.dir)]
