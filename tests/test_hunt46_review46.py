@@ -223,3 +223,28 @@ def test_a_fifo_as_the_ram_tiers_own_run_id_does_not_hang(tmp_path: Path) -> Non
 
     res = run_py(["-c", OWN_FIFO, str(tmp_path / "run")], timeout=60)
     assert res.returncode == 0 and res.stdout.strip().endswith("regular True\ndone"), res
+
+
+def test_a_truncated_object_in_an_object_store_is_not_called_a_directory() -> None:
+    """ed7628d named a directory standing in for a data file: it asks the storage to list the file's path.
+    An fsspec store (memory://, s3://) lists a file's path as no names, without an error: every truncated
+    data file there was reported as "a directory, not a data file" (verify, load)."""
+    import fsspec
+    import torch
+
+    import trainguard as tg
+    from trainguard.errors import CorruptCheckpointError
+    from trainguard.inspect import verify
+
+    ck = f"memory://review46-{uuid.uuid4().hex[:8]}/ck"
+    fs = fsspec.filesystem("memory")
+    try:
+        tg.save(ck, {"w": torch.arange(1000.0)})
+        (data,) = [f for f in fs.find(ck) if f.endswith(".bin")]
+        fs.pipe(data, fs.cat(data)[:-100])  # truncated: 100 bytes short
+        (err,) = verify(ck).errors
+        assert err == "data-00000.bin: 3900 bytes on disk, the manifest says 4000 (truncated or replaced)", err
+        with pytest.raises(CorruptCheckpointError, match="3900 bytes on disk"):
+            tg.load(ck, {"w": torch.zeros(1000)})
+    finally:
+        fs.rm(ck.split("/ck")[0], recursive=True)
