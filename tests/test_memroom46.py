@@ -9,10 +9,13 @@ set, once the process has built its model, to its usage plus half of what full s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -86,11 +89,11 @@ def _working_set(d: Path, usage_file: str, inactive_key: str) -> int:
     return usage - int(stat.get(inactive_key, 0))
 
 
-def _run_limited(script: str, args: list[str], above: int, cleanup: tuple[str, ...] = ()) -> tuple[str, str]:
+def run_in_cgroup(script: str, args: list[str], above: int, cleanup: tuple[str, ...] = ()) -> tuple[int, str, str]:
     """Run ``script`` in a new memory cgroup (joined before Python starts: all it allocates is charged
     there); once it prints "ready", limit the cgroup to its working set plus ``above`` bytes and send
-    "go". Asserts that it exited 0 (-9: the OOM killer); returns (stdout, stderr). ``cleanup``:
-    directories a killed child leaves."""
+    "go". Returns (exit status, stdout, stderr). Whatever the child started is killed, by pid, and the
+    cgroup removed; ``cleanup``: directories a killed child leaves."""
     group = _cgroup()
     if group is None:
         pytest.skip("needs root and a memory cgroup this test can create")
@@ -110,10 +113,23 @@ def _run_limited(script: str, args: list[str], above: int, cleanup: tuple[str, .
         if child.poll() is None:
             child.kill()
             child.wait(30)
+        for pid in (d / "cgroup.procs").read_text().split():  # what the child started (ranks): this cgroup's only
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for _ in range(100):  # bounded: gone from the cgroup once reaped
+            if not (d / "cgroup.procs").read_text().split():
+                break
+            time.sleep(0.1)
         d.rmdir()
         for path in cleanup:
             shutil.rmtree(path, ignore_errors=True)
-    assert child.returncode == 0, f"exit {child.returncode} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
+    return child.returncode, out, err
+
+
+def _run_limited(script: str, args: list[str], above: int, cleanup: tuple[str, ...] = ()) -> tuple[str, str]:
+    """:func:`run_in_cgroup`, asserting that the child exited 0 (-9: the OOM killer); (stdout, stderr)."""
+    rc, out, err = run_in_cgroup(script, args, above, cleanup)
+    assert rc == 0, f"exit {rc} (-9: the OOM killer)\n{out}\n{err[-3000:]}"
     return out, err
 
 

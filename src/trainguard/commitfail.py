@@ -124,9 +124,12 @@ def under_a_file(storage: Storage, final: str) -> dict[str, str]:
 def wrong_size(storage: Storage, path: str, have: int, want: int) -> str:
     """What a data file of the wrong size is, for ``commit.check_file_sizes`` and ``inspect``'s
     ``verify`` and ``list_checkpoints`` (a lookup, on that failure only): a directory standing in
-    for the file read as "4096 bytes" before."""
+    for the file read as "4096 bytes" before. An object store lists a file as no names, without an
+    error (a directory there holds objects): a truncated object read as "a directory" (ed7628d)."""
     try:
-        storage.listdir(path)
+        names = storage.listdir(path)
     except OSError:
+        names = None
+    if names is None or not (names or storage.atomic_rename):
         return f"{have} bytes on disk, the manifest says {want} (truncated or replaced)"
     return f"a directory, not a data file of {want} bytes (replaced)"

@@ -10,9 +10,11 @@ whole staging pool anyway and the job was OOM-killed (SIGKILL: no error, no chec
 previous one intact but the run dead); a RAM-tier copy could do the same. See docs/async.md,
 "Memory: the staging pool and its cap".
 
-A cgroup's usage counts the page cache its processes read and wrote; the inactive file pages
-(``inactive_file`` in ``memory.stat``) are reclaimed before the OOM killer runs, so they count as
-room, as the kubelet's "working set" does. What a training step allocates and frees again
+A cgroup's usage counts the page cache its processes read and wrote; its file pages, inactive and
+active (``inactive_file``, ``active_file`` in ``memory.stat``), are reclaimed before the OOM killer
+runs, so they count as room. Before, only the inactive ones did (the kubelet's "working set"): a
+job that had read its dataset twice (active page cache) staged its saves in 4 MiB batches with
+2 GB to spare (tests/test_hunt46_review46.py). What a training step allocates and frees again
 (activations, gradients of a CPU model) is not in use between steps, when a save is called: the
 process's peak RSS less its current RSS (``VmHWM - VmRSS``) is kept free for it.
 """
@@ -29,8 +31,9 @@ _UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as 2^63 rounded down to a pa
 
 
 def room() -> int | None:
-    """Bytes this process can still allocate and touch without a risk of the OOM killer, or None
-    when it cannot tell (not Linux, or nothing readable). Cheap: a few small files in /proc and
+    """Bytes this process and the other ranks of its host (:func:`local_ranks`: their shares) can
+    still allocate and touch without a risk of the OOM killer, or None when it cannot tell (not
+    Linux, or nothing readable). Cheap: a few small files in /proc and
     /sys, read when an arena would grow (not at every save of a steady state)."""
     avail = _meminfo("/proc/meminfo", "MemAvailable")
     for limit_room in _cgroup_rooms():
@@ -40,7 +43,9 @@ def room() -> int | None:
     status = "/proc/self/status"
     peak, now = _meminfo(status, "VmHWM"), _meminfo(status, "VmRSS")
     transient = max(peak - now, 0) if peak is not None and now is not None else 0
-    return max(avail - transient - MARGIN, 0)
+    # Every rank of the host runs the same step: each needs its peak back. Before, one rank's was kept for
+    # all, and 2 ranks under one cgroup were OOM-killed in the step after a save (tests/test_hunt46_review46.py).
+    return max(avail - transient * local_ranks() - MARGIN, 0)
 
 
 def local_ranks() -> int:
@@ -71,7 +76,7 @@ def _meminfo(path: str, key: str) -> int | None:
 
 def _cgroup_rooms() -> list[int]:
     """Room under each memory limit of this process's cgroup and its ancestors (a child's limit
-    may be looser than its parent's): limit - (usage - inactive file pages)."""
+    may be looser than its parent's): limit - (usage - file pages)."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
@@ -80,14 +85,14 @@ def _cgroup_rooms() -> list[int]:
     for line in lines:  # "4:memory:/path" (v1) wins over "0::/path" (v2) when both are there (a hybrid host)
         hid, controllers, path = (line.split(":", 2) + ["", ""])[:3]
         if "memory" in controllers.split(","):
-            return _rooms(_V1_ROOT, path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+            return _rooms(_V1_ROOT, path, "memory.limit_in_bytes", "memory.usage_in_bytes", ("total_inactive_file", "total_active_file"))
     for line in lines:
         if line.startswith("0::"):
-            return _rooms(_V2_ROOT, line[3:], "memory.max", "memory.current", "inactive_file")
+            return _rooms(_V2_ROOT, line[3:], "memory.max", "memory.current", ("inactive_file", "active_file"))
     return []
 
 
-def _rooms(root: str, path: str, limit_file: str, usage_file: str, inactive_key: str) -> list[int]:
+def _rooms(root: str, path: str, limit_file: str, usage_file: str, file_keys: tuple[str, ...]) -> list[int]:
     """``_cgroup_rooms`` in one hierarchy mounted at ``root``: from the process's cgroup up to the
     root. Inside a cgroup namespace the path may not exist under ``root`` (the mount is the
     process's own cgroup then): the levels that do exist are read."""
@@ -101,8 +106,8 @@ def _rooms(root: str, path: str, limit_file: str, usage_file: str, inactive_key:
         usage = _number(os.path.join(d, usage_file))
         if usage is None:
             continue
-        inactive = _stat(os.path.join(d, "memory.stat"), inactive_key) or 0
-        out.append(max(limit - max(usage - inactive, 0), 0))
+        cache = sum(_stat(os.path.join(d, "memory.stat"), key) or 0 for key in file_keys)  # reclaimable
+        out.append(max(limit - max(usage - cache, 0), 0))
     return out
 
 

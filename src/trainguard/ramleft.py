@@ -28,8 +28,8 @@ def legacy_dir(ram: str, root: str) -> str | None:
 
 def run_id(path: str) -> str | None:
     """``RamTier._check_run``: the run id in the file ``path`` (a RAM tier's ``RUN_ID``), None without one."""
-    try:
-        with open(path) as f:
+    try:  # O_NONBLOCK: a FIFO of that name reads as an empty id at once instead of waiting for a writer
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
             return f.read()
     except FileNotFoundError:
         return None

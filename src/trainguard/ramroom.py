@@ -100,11 +100,28 @@ def _in_memory(tier: Any, free: int | None, want: int) -> tuple[int | None, str]
     if room is None:
         return free, ""
     world = max(tier.ctx.world_size, 1)
-    whole = room * world // min(memroom.local_ranks(), world)
+    local = min(memroom.local_ranks(), world)
+    room = max(room - _staging_growth(tier, want * local // world, local), 0)
+    whole = room * world // local  # this node's room, in bytes of the whole checkpoint
     if whole < want and (free is None or whole < free):
         return whole, (" in the memory this job can still use (host MemAvailable and memory cgroup limits, less "
-                       "the training step's own peak; tmpfs pages count against them)")
+                       "the training step's own peak and an async save's staging buffers; tmpfs pages count "
+                       "against them)")
     return free, ""
+
+
+def _staging_growth(tier: Any, share: int, local: int) -> int:
+    """``_in_memory``: what the staging pools of an async save (one per rank of the node) still take from the
+    same memory before its RAM copy is written (0 for a sync save, or once the pools hold the state): each
+    rank stages about its part of the node's ``share``, up to ``max_staging_bytes``. Before, each fit alone,
+    both did not, and the OOM killer ended the job during the first async save into the RAM tier."""
+    async_save, cap = getattr(tier, "staging", (False, None))
+    if not async_save:
+        return 0
+    from .stage import pool_capacity  # torch: imported by the save anyway
+
+    per_rank = share // local if cap is None else min(share // local, cap)
+    return max(per_rank - pool_capacity(cap), 0) * local
 
 
 def drop_others(tier: Any, step: int) -> None:

@@ -250,6 +250,12 @@ def default_pool(max_bytes: int | None = None) -> StagingPool:
     return pool
 
 
+def pool_capacity(max_bytes: int | None) -> int:
+    """Bytes the process-wide pool for this cap holds now (0: none yet); ``ramroom`` asks it."""
+    pool = _DEFAULT.get((max_bytes, None))
+    return 0 if pool is None else pool.capacity
+
+
 _FORKED_OFF: list[StagingPool] = []  # a forked child's inherited pools: kept, never used there
 
 

@@ -84,7 +84,7 @@ def ram_copies(root: str, base: str = DEFAULT_BASE) -> str | None:
 class RamTier:
     """The RAM tier of one manager. ``spec`` is ``True`` (``/dev/shm``) or a base directory."""
 
-    def __init__(self, spec: bool | str, *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any) -> None:
+    def __init__(self, spec: bool | str, *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any, staging: tuple[bool, int | None] = (False, None)) -> None:
         base = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else DEFAULT_BASE  # True, 1, np.True_
         if not os.path.isdir(base):
             raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
@@ -92,6 +92,7 @@ class RamTier:
         self.dir = ram_dir(location(durable, durable_root), base)  # one spelling per run: file://, "run/", ...
         self.durable, self.durable_root = durable, durable_root
         self.ctx, self.events = ctx, events
+        self.staging = staging  # the manager's (async_save, max_staging_bytes): its pools grow from the memory a RAM copy takes (ramroom._in_memory)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self.timeout: float | None = None  # the manager's (open): also wait()'s bound for a copy stuck in a write
