@@ -132,20 +132,21 @@ def test_an_orphaned_worker_ends_its_dataloader_processes(monkeypatch):
     # `trainguard run --fault step=10,rank=1,kind=agent` with DataLoader(num_workers=2): rank 0 exited
     # orphaned (76, os._exit) and its 2 loader processes lived on after it and the agent (until torch's
     # loader watchdog, ~5 s). The watchdog now SIGKILLs the worker's multiprocessing children first.
-    import multiprocessing
-    import time
+    # In a process of its own: end_children() SIGKILLs every multiprocessing child of its process, and in
+    # the pytest worker that included DataLoader workers another test had left alive, whose SIGCHLD
+    # handler then failed this test ("DataLoader worker (pid ...) is killed by signal: Killed").
+    from conftest import run_py
 
-    from trainguard.elastic import reap
-
-    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,), daemon=True)
-    child.start()
-    try:
-        reap.end_children()
-        child.join(20)
-        assert child.exitcode == -9
-    finally:
-        if child.is_alive():
-            child.kill()
+    res = run_py(["-c", (
+        "import multiprocessing, time\n"
+        "from trainguard.elastic import reap\n"
+        "child = multiprocessing.get_context('fork').Process(target=time.sleep, args=(120,), daemon=True)\n"
+        "child.start()\n"
+        "reap.end_children()\n"
+        "child.join(20)\n"
+        "print('exit', child.exitcode)\n"
+    )], timeout=60)
+    assert res.returncode == 0 and res.stdout.split() == ["exit", "-9"], res
 
     exits: list[int] = []
     ended: list[bool] = []
