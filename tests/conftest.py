@@ -55,6 +55,21 @@ def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float
 
 
 @pytest.fixture
+def loader_workers_ended():
+    """Module-level autouse in tests whose DataLoader iterators with worker processes end in an exception
+    (refusals): the exception's traceback holds the iterator in a reference cycle, and its workers stayed
+    alive in the pytest worker until the cyclic collector ran, where a later test that SIGKILLs every
+    multiprocessing child of its process (test_hunt41_elasticrev) had torch's SIGCHLD handler fail it.
+    Collected here, after each test: the iterators shut their workers down."""
+    import gc
+    import multiprocessing
+
+    yield
+    gc.collect()
+    assert not multiprocessing.active_children(), "DataLoader worker processes outlived the test"
+
+
+@pytest.fixture
 def run_child():
     return run_py
 

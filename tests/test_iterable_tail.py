@@ -17,6 +17,8 @@ from trainguard.sampler import ResumableIterable
 
 from dist_helper import run_ranks
 
+pytestmark = pytest.mark.usefixtures("loader_workers_ended")  # conftest: their refusals' iterators, collected
+
 
 def _stream(n: int):
     return lambda epoch: iter(range(100 * epoch, 100 * epoch + n))

@@ -28,7 +28,8 @@ from trainguard.sampler import ResumableIterable
 
 from dist_helper import run_ranks
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning"),
+              pytest.mark.usefixtures("loader_workers_ended")]  # conftest: their refusals' iterators, collected
 DOC = Path(__file__).resolve().parents[1] / "docs" / "data.md"
 
 
