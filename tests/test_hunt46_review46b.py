@@ -35,3 +35,24 @@ def test_a_capped_epoch_read_ahead_by_worker_processes_is_not_called_a_wrong_adv
 def test_advance_one_per_step_is_still_warned_about(num_workers: int) -> None:
     out = _epochs(num_workers=num_workers, steps=13, per_step=1)
     assert len(out) == 1 and "counted 13 sample(s) in 13 call(s)" in out[0]
+
+
+def test_a_meta_models_state_dict_is_a_template_for_load_state_dict_assign(tmp_path) -> None:
+    # Large-model loading: build on the meta device, load into its state_dict(), then
+    # load_state_dict(assign=True). Worked before 6fb5719 (the meta tensors are replaced, as
+    # docs/checkpoints.md says); 6fb5719 refused it as "model.state_dict()'s copy".
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    tg.save(tmp_path / "ck", {"model": src})
+    with torch.device("meta"):
+        big = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    with pytest.raises((RuntimeError, NotImplementedError)):  # a module left on meta is no silent mistake
+        big(torch.ones(1, 3)).tolist()
+    state = {"model": big.state_dict()}
+    tg.load(tmp_path / "ck", state)
+    big.load_state_dict(state["model"], assign=True)
+    assert all(torch.equal(a, b) for a, b in zip(big.state_dict().values(), src.state_dict().values(), strict=True))
+    # a bf16 copy is still refused: the module would keep its values, silently
+    half = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    with pytest.raises(tg.CheckpointError, match=r"entry 'model': the checkpoint holds a module's state.*bfloat16"):
+        tg.load(tmp_path / "ck", {"model": half.state_dict()})

@@ -36,8 +36,8 @@ def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
     filled the copy and left the optimizer (and the scheduler) as it was, silently (seen: a resume
     with Adam's moments and the lr schedule back at their start). An empty dict (``{"optim": {}}``)
     still takes the saved values as plain data. A module's entry (``"frozen"`` beside it) loads into
-    ``model.state_dict()`` in place, its tensors being the module's; one of another shape or dtype, or
-    on the meta device, was replaced in the copy and the module kept its values: refused too."""
+    ``model.state_dict()`` in place, its tensors being the module's; one of another shape or dtype was
+    replaced in the copy and the module kept its values: refused too (not a meta model's, a template)."""
     entry = manifest.objects[key]
     if not isinstance(value, Mapping) or not value or has_state(value):
         return
@@ -56,9 +56,11 @@ def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
         _, dest = flatten(value, key)
     except Exception:  # not tensors alone: not a state_dict() copy; the load says what does not fit
         return
+    # Not for meta tensors alone: a meta model's state_dict() is the template of the load that `load_state_dict(sd,
+    # assign=True)` then takes (its tensors replaced, as documented); a module left on meta fails at its first use.
     differ = [f"{p} (checkpoint {e.dtype}{e.shape}, state {'meta ' if t.is_meta else ''}{str(t.dtype)[6:]}{list(t.shape)})"
               for p, t in dest.items() if (e := manifest.tensors.get(p)) is not None
-              and (t.is_meta or list(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype)]
+              and (list(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype)]
     if differ:
         raise mark(CheckpointError(
             f"entry {key!r}: the checkpoint holds a module's state; the state holds a plain dict (model.state_dict()'s "
