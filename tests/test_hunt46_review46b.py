@@ -56,3 +56,31 @@ def test_a_meta_models_state_dict_is_a_template_for_load_state_dict_assign(tmp_p
     half = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
     with pytest.raises(tg.CheckpointError, match=r"entry 'model': the checkpoint holds a module's state.*bfloat16"):
         tg.load(tmp_path / "ck", {"model": half.state_dict()})
+
+
+def test_dcps_get_state_dict_pattern_loads_an_optimizer_saved_from_the_optimizer(tmp_path) -> None:
+    # docs/interop.md's FSDP2 pattern: get_state_dict(model, optim), load into it, set_state_dict. Its optimizer
+    # dict names parameters ("0.weight"); ae5da69 refused it as optimizer.state_dict()'s copy (worked before).
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        o = torch.optim.Adam(m.parameters(), lr=0.1)
+        m(torch.randn(5, 3)).sum().backward()
+        o.step()
+        o.zero_grad()
+        return m, o
+
+    torch.manual_seed(0)
+    model, optim = build()
+    tg.save(tmp_path / "ck", {"model": model, "optim": optim})
+    m2, o2 = build()
+    msd, osd = get_state_dict(m2, o2)
+    state = {"model": msd, "optim": osd}
+    tg.load(tmp_path / "ck", state)
+    set_state_dict(m2, o2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert torch.equal(o2.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(m2[0].weight, model[0].weight)
+    # optimizer.state_dict()'s copy (parameters by position) is still refused
+    with pytest.raises(tg.CheckpointError, match=r"entry 'optim': the checkpoint holds the state of an Adam optimizer"):
+        tg.load(tmp_path / "ck", {"model": m2, "optim": torch.optim.Adam(m2.parameters()).state_dict()})
