@@ -36,8 +36,10 @@ def batches_ahead() -> int:
     reading it keeps ahead of the loop (``prefetch_factor * num_workers``), 0 for any other reader.
     Those read the sampler to its end while the loop was that many batches short of it: a loop that
     stopped there (a steps-per-epoch cap) had counted right and was warned about."""
-    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
-
+    try:  # torch's private class: a torch without it counts no batches ahead (the check as before)
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    except ImportError:
+        return 0
     f = sys._getframe(1)
     for _ in range(8):  # the sampler's generator, a BatchSampler's, _try_put_index
         if f is None:
