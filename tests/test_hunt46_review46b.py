@@ -84,3 +84,17 @@ def test_dcps_get_state_dict_pattern_loads_an_optimizer_saved_from_the_optimizer
     # optimizer.state_dict()'s copy (parameters by position) is still refused
     with pytest.raises(tg.CheckpointError, match=r"entry 'optim': the checkpoint holds the state of an Adam optimizer"):
         tg.load(tmp_path / "ck", {"model": m2, "optim": torch.optim.Adam(m2.parameters()).state_dict()})
+
+
+def test_a_stateful_policy_shared_by_two_managers_built_before_either_opened_is_refused_at_open(tmp_path) -> None:
+    # b57e835 checked at the constructor only: `a, b = CM(.., save=pol), CM(.., save=pol); with a, b:` passed,
+    # and the second manager saved once in 30 steps of EverySeconds(0.05) (its clock was the first's).
+    pol = tg.EverySeconds(0.05)
+    a = tg.CheckpointManager(tmp_path / "model", save=pol)
+    b = tg.CheckpointManager(tmp_path / "ema", save=pol)
+    with pytest.raises(ValueError, match=r"already the save policy of the open CheckpointManager of .*model"):
+        with a, b:
+            pass
+    assert not a._opened and not b._opened
+    with tg.CheckpointManager(tmp_path / "ema", save=pol) as c:  # a closed manager's policy is reused
+        assert c._opened
