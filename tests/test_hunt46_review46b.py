@@ -98,3 +98,12 @@ def test_a_stateful_policy_shared_by_two_managers_built_before_either_opened_is_
     assert not a._opened and not b._opened
     with tg.CheckpointManager(tmp_path / "ema", save=pol) as c:  # a closed manager's policy is reused
         assert c._opened
+
+
+def test_a_tilde_paths_refusal_names_the_directory_it_would_make(tmp_path, monkeypatch) -> None:
+    # '~x/ck' names a directory '~x' in the working directory; the refusal said "a directory called '~'".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(tg.CheckpointError, match=r"in a directory called '~x' in the working directory"):
+        tg.save("~x/ck", {"x": torch.ones(2)})
+    tg.save("./~x/ck", {"x": torch.ones(2)})  # reached as ./~x: taken, as the refusal says
+    assert (tmp_path / "~x" / "ck").is_dir()
