@@ -21,6 +21,7 @@ reads again what was trained on:
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -28,6 +29,26 @@ from typing import Any
 def note_iter(sampler: Any) -> None:
     """A sampler iterator's first index: count ``advance`` calls from here."""
     sampler._advanced = [0, 0]  # calls, samples per rank
+
+
+def batches_ahead() -> int:
+    """``ResumableSampler``'s iterator as it runs out: the batches a multi-process DataLoader iterator
+    reading it keeps ahead of the loop (``prefetch_factor * num_workers``), 0 for any other reader.
+    Those read the sampler to its end while the loop was that many batches short of it: a loop that
+    stopped there (a steps-per-epoch cap) had counted right and was warned about."""
+    try:  # torch's private class: a torch without it counts no batches ahead (the check as before)
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+    except ImportError:
+        return 0
+    f = sys._getframe(1)
+    for _ in range(8):  # the sampler's generator, a BatchSampler's, _try_put_index
+        if f is None:
+            break
+        it = f.f_locals.get("self")
+        if isinstance(it, _MultiProcessingDataLoaderIter):
+            return int(getattr(it, "_prefetch_factor", 0) or 0) * int(getattr(it, "_num_workers", 0) or 0)
+        f = f.f_back
+    return 0
 
 
 def note_advance(sampler: Any, n: int) -> None:
@@ -40,8 +61,9 @@ def note_advance(sampler: Any, n: int) -> None:
 def check_advanced(sampler: Any) -> None:
     """``next_epoch``/``set_epoch`` (before the epoch changes): warn (``RuntimeWarning``, once per
     sampler) when an iterator read this epoch to its end and the position is short of the end by
-    a batch or more: by ``advance``'s own mean count times the world size."""
-    began = sampler.__dict__.get("_ran_out")  # (epoch, position) of the iterator that ran out
+    a batch or more: by ``advance``'s own mean count times the world size (times one more than the
+    batches a DataLoader's worker processes had read ahead of the loop: :func:`batches_ahead`)."""
+    began = sampler.__dict__.get("_ran_out")  # (epoch, position, batches ahead) of the iterator that ran out
     if began is None or began[0] != sampler.epoch or sampler.epoch_done or sampler.__dict__.get("_warned_advance"):
         return
     _, world = sampler.rank_world
@@ -49,7 +71,7 @@ def check_advanced(sampler: Any) -> None:
     if began[1] == 0 == sampler.position:
         what = (f"the position stayed at {sampler.position}: advance(n) was not called, so a checkpoint resumes at that "
                 "position and reads the epoch again")
-    elif calls and sampler._end(world) - sampler.position >= max(1, samples // calls) * world:
+    elif calls and sampler._end(world) - sampler.position >= max(1, samples // calls) * world * (1 + began[2]):
         what = (f"advance() counted {samples} sample(s) in {calls} call(s) (the position went from {began[1]} to "
                 f"{sampler.position} of {sampler.num_samples}): advance(n) takes the samples this rank consumed, not 1 "
                 "per step nor len() of a dict batch (its number of keys), else a checkpoint mid-epoch resumes at a "

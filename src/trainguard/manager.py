@@ -101,6 +101,7 @@ class CheckpointManager:
         """Every rank, first: rank 0 takes the lock and cleans debris, then the ranks agree."""
         if self._opened:
             return self
+        policies.attach(self.save_policy, self.events, self)  # again: one built with the same policy may have opened since
         err, exc = None, None
         try:  # a failed open (Ctrl-C during the debris cleanup too) leaves the directory unlocked
             if self.ctx.rank == 0:

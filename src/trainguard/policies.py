@@ -246,11 +246,13 @@ class KeepUnion(RetentionPolicy):
 
 
 def attach(policy: SavePolicy, events: Any, manager: Any = None) -> None:
-    """The manager's constructor: gives the save policy its event log (where it has an unset ``events``) and
+    """The manager's constructor and ``open``: gives the save policy its event log (where it has an unset ``events``) and
     says the durations it will report end at the commit (``exact_durations``: not an upper bound to cap).
     A policy with state (its own ``on_step``/``on_saved``: ``EverySeconds``, ``DalyInterval``) that an open
     manager already uses is refused: the two ran on one clock, and the second manager, asked after the
-    first saved, never saved (seen: ``save=pol`` for a model's and an EMA's manager, the EMA's run empty)."""
+    first saved, never saved (seen: ``save=pol`` for a model's and an EMA's manager, the EMA's run empty). At
+    ``open`` too: two managers built before either opened (``a, b = CM(.., save=pol), CM(.., save=pol)``;
+    ``with a, b:``) passed the constructor's check, and ``b`` saved once in 30 steps."""
     stateful = type(policy).on_step is not SavePolicy.on_step or type(policy).on_saved is not SavePolicy.on_saved
     other = getattr(policy, "_trainguard_manager", lambda: None)() if manager is not None and stateful else None
     if other is not None and other is not manager and getattr(other, "_opened", False):

@@ -35,16 +35,16 @@ def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
     a copy, ``optimizer.state_dict()`` in the state as a ``torch.save`` script writes it: the load
     filled the copy and left the optimizer (and the scheduler) as it was, silently (seen: a resume
     with Adam's moments and the lr schedule back at their start). An empty dict (``{"optim": {}}``)
-    still takes the saved values as plain data. A module's entry (``"frozen"`` beside it) loads into
-    ``model.state_dict()`` in place, its tensors being the module's; one of another shape or dtype, or
-    on the meta device, was replaced in the copy and the module kept its values: refused too."""
+    still takes the saved values as plain data, as does ``get_state_dict``'s (parameters by name:
+    :func:`_by_name`). A module's entry (``"frozen"`` beside it) loads into ``model.state_dict()`` in place, its tensors being the module's; one of another shape or dtype was
+    replaced in the copy and the module kept its values: refused too (not a meta model's, a template)."""
     entry = manifest.objects[key]
     if not isinstance(value, Mapping) or not value or has_state(value):
         return
     opt = skel.get("class") if isinstance(skel, dict) and "param_groups" in skel and "state" in skel else None
     sched = entry.get("class")
     kind, name = ("optimizer", opt) if type(opt) is str else ("scheduler", sched) if type(sched) is str else ("", None)
-    if name is not None:
+    if name is not None and not (kind == "optimizer" and _by_name(value)):
         raise mark(CheckpointError(
             f"entry {key!r}: the checkpoint holds the state of {a(name)} {kind}, saved from the {kind} itself; the state "
             f"holds a plain dict ({kind}.state_dict()'s copy?), and loading into a copy leaves the {kind} as it is, "
@@ -56,9 +56,11 @@ def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
         _, dest = flatten(value, key)
     except Exception:  # not tensors alone: not a state_dict() copy; the load says what does not fit
         return
+    # Not for meta tensors alone: a meta model's state_dict() is the template of the load that `load_state_dict(sd,
+    # assign=True)` then takes (its tensors replaced, as documented); a module left on meta fails at its first use.
     differ = [f"{p} (checkpoint {e.dtype}{e.shape}, state {'meta ' if t.is_meta else ''}{str(t.dtype)[6:]}{list(t.shape)})"
               for p, t in dest.items() if (e := manifest.tensors.get(p)) is not None
-              and (t.is_meta or list(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype)]
+              and (list(t.shape) != e.shape or DTYPE_NAMES.get(t.dtype) != e.dtype)]
     if differ:
         raise mark(CheckpointError(
             f"entry {key!r}: the checkpoint holds a module's state; the state holds a plain dict (model.state_dict()'s "
@@ -66,6 +68,15 @@ def copy_of_object(key: str, value: Any, skel: Any, manifest: Any) -> None:
             f"copy and leave the module as it is, silently. Put the module itself in the state: {{{key!r}: model}} "
             f"(a strict load then lists what differs; strict=False casts another dtype), or load into an empty dict, "
             f"{{{key!r}: {{}}}}, for the saved tensors as new ones"))
+
+
+def _by_name(value: Mapping[str, Any]) -> bool:
+    """``copy_of_object``: an optimizer state dict whose groups name their parameters (``"0.weight"``), as
+    ``get_state_dict``/``get_optimizer_state_dict`` give it: the destination of DCP's documented pattern (load,
+    then ``set_state_dict``), not ``optimizer.state_dict()``'s copy, whose groups hold ints."""
+    groups = value.get("param_groups")
+    params = [p for g in groups if isinstance(g, Mapping) for p in g.get("params") or ()] if isinstance(groups, list) else []
+    return bool(params) and all(isinstance(p, str) for p in params)
 
 
 def before_read(key: str, obj: Any, skel: Any, strict: bool) -> None:

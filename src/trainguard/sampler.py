@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from . import iterworkers
-from .advancecheck import check_advanced, note_advance, note_iter
+from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
 from .permanent import check_flags, mark
 from .seeded import seed_int, seed_of, seeded_call
@@ -180,7 +180,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     "loader again: the new iterator starts at the restored position (docs/data.md)"
                 )
             if x is _END:
-                self._ran_out = began  # (epoch, position) this iterator started at: _check_advanced
+                self._ran_out = (*began, batches_ahead())  # (epoch, position) it started at: _check_advanced
                 return
             yield x
 

@@ -42,7 +42,8 @@ def refuse_tilde(path: str) -> None:
 
     raise mark(CheckpointError(
         f"{path!r} starts with '~', which trainguard does not expand (no more than open() does): it names "
-        f"{absolute(path)}, a directory called '~' in the working directory, not {os.path.expanduser(path)}. "
+        f"{absolute(path)}, in a directory called {path.split(os.sep, 1)[0]!r} in the working directory, not "
+        f"{os.path.expanduser(path)}. "
         f"Pass os.path.expanduser({path!r}) for the home directory's, or {os.path.join('.', path)!r} for that one"))
 
 
