@@ -11,26 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from test_memroom46 import _run_limited
-
-RAM_ASYNC_CHILD = r"""
-import sys, torch, trainguard as tg
-from torch import nn
-torch.manual_seed(0)
-run = sys.argv[1]
-model = nn.Sequential(*[nn.Linear(2048, 2048, bias=False) for _ in range(24)])  # 384 MiB of weights
-want = next(model.parameters()).detach().clone()
-with tg.CheckpointManager(run, ram_tier=True, async_save=True, handle_signals=False) as mgr:
-    print("ready", flush=True)
-    assert sys.stdin.readline().strip() == "go"
-    mgr.save(1, {"model": model}, force=True)
-    mgr.wait()
-with torch.no_grad():
-    for p in model.parameters():
-        p.zero_()
-with tg.CheckpointManager(run, handle_signals=False) as mgr:
-    print("restored", mgr.restore({"model": model}), torch.equal(next(model.parameters()), want), flush=True)
-"""
+from test_memroom46 import RAM_CHILD, _run_limited
 
 
 def test_a_first_async_save_into_the_ram_tier_counts_its_staging_pool_too(tmp_path: Path) -> None:
@@ -40,7 +21,7 @@ def test_a_first_async_save_into_the_ram_tier_counts_its_staging_pool_too(tmp_pa
     from trainguard.tiers import ram_dir
 
     run = tmp_path / "run"
-    out, err = _run_limited(RAM_ASYNC_CHILD, [str(run)], 656 << 20, cleanup=(ram_dir(str(run)),))
+    out, err = _run_limited(RAM_CHILD, [str(run), "24", "1"], 656 << 20, cleanup=(ram_dir(str(run)),))  # 384 MiB, async
     assert "an async save's staging buffers; tmpfs pages count against them), a checkpoint needs" in err, err[-3000:]
     assert "is saved straight to" in err, err[-3000:]
     assert (run / "step-000000001" / "manifest.json").is_file()

@@ -150,10 +150,10 @@ RAM_CHILD = r"""
 import sys, torch, trainguard as tg
 from torch import nn
 torch.manual_seed(0)
-run = sys.argv[1]
-model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 128 MiB of weights
+run, layers, async_save = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(layers)])  # 16 MiB of weights each
 want = [p.detach().clone() for p in model.parameters()][:1]  # one layer kept to compare (16 MiB)
-with tg.CheckpointManager(run, ram_tier=True, handle_signals=False) as mgr:
+with tg.CheckpointManager(run, ram_tier=True, async_save=async_save, handle_signals=False) as mgr:
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     mgr.save(1, {"model": model}, force=True)
@@ -172,7 +172,7 @@ def test_a_ram_tier_copy_past_the_memory_limit_goes_to_the_run_directory(tmp_pat
     from trainguard.tiers import ram_dir
 
     run = tmp_path / "run"
-    out, err = _run_limited(RAM_CHILD, [str(run)], 64 << 20, cleanup=(ram_dir(str(run)),))
+    out, err = _run_limited(RAM_CHILD, [str(run), "8", "0"], 64 << 20, cleanup=(ram_dir(str(run)),))  # 128 MiB, sync
     assert "in the memory this job can still use" in err and "is saved straight to" in err, err[-3000:]
     assert (run / "step-000000001" / "manifest.json").is_file()
     assert out.strip().endswith("restored 1 True"), out
