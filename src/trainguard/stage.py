@@ -36,6 +36,7 @@ from .planner import PAGE, PAGE_ALIGN_FROM
 from .tied import PLAIN
 from .walks import modules
 
+log = logging.getLogger("trainguard")
 ROOM_SOURCES = "host MemAvailable and memory cgroup limits, less the training step's own peak"
 
 
@@ -46,7 +47,6 @@ def memory_room() -> int | None:
     return None if free is None else free // memroom.local_ranks()
 
 
-log = logging.getLogger("trainguard")
 ALIGN = 64  # slot alignment in bytes: every dtype can view a slot, and copies stay vector-aligned
 # Large slots start on a page, like large chunks in the file (planner.layout_file): written with O_DIRECT.
 
