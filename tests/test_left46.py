@@ -158,3 +158,30 @@ def test_exit_code_for_something_not_an_exception_says_what_to_pass() -> None:
     with pytest.raises(TypeError, match=r"exit_code_for\('boom'\): pass the exception itself"):
         tg.exit_code_for("boom")  # type: ignore[arg-type]
     assert tg.exit_code_for(ValueError("boom")) == 1 and tg.exit_code_for(None) == 0
+
+
+def test_the_one_level_up_hint_looks_past_an_unreadable_subdirectory(tmp_path: Path, caplog, monkeypatch) -> None:
+    """freshhint.nested_runs (a fresh start in a directory whose subdirectory holds a run) gave up at the
+    first subdirectory it could not list, saying nothing of the run beside it; now that one is skipped.
+    (Listings fail here by a stand-in: this machine runs the tests as root, which reads any mode.)"""
+    import logging
+
+    import trainguard.commit as commit
+
+    model = torch.nn.Linear(2, 2)
+    with tg.CheckpointManager(tmp_path / "ckpts" / "run1", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": model})
+    (tmp_path / "ckpts" / "aaa-locked").mkdir()  # before or after run1 in the listing: either stopped the hint
+    real = commit.list_steps
+
+    def list_steps(storage, root, **kw):  # type: ignore[no-untyped-def]
+        if root.endswith("aaa-locked"):
+            raise PermissionError(13, "Permission denied", root)
+        return real(storage, root, **kw)
+
+    monkeypatch.setattr(commit, "list_steps", list_steps)
+    caplog.set_level(logging.WARNING, logger="trainguard")
+    with tg.CheckpointManager(tmp_path / "ckpts", handle_signals=False) as mgr:
+        assert mgr.restore({"model": model}) is None
+    said = [r.getMessage() for r in caplog.records if "starts this run afresh" in r.getMessage()]
+    assert len(said) == 1 and "'run1' (newest step 1)" in said[0], said

@@ -33,14 +33,15 @@ def nested_runs(mgr: Any) -> None:
     found: list[tuple[str, int]] = []
     try:
         names = [n for n in mgr.storage.listdir(mgr._root) if not n.startswith(".") and layout.parse_step(n) is None]
-        for name in names[:_MAX_LOOKED]:
-            path = os.path.join(mgr._root, name)
-            if os.path.isdir(path):
-                steps = [s.step for s in list_steps(mgr.storage, path) if s.status == "committed"]
-                if steps:
-                    found.append((name, max(steps)))
-    except Exception:  # a hint: an unreadable subdirectory is no reason to fail the restore
+    except Exception:  # a hint: an unreadable run directory is no reason to fail the restore
         return
+    for name in [n for n in names if os.path.isdir(os.path.join(mgr._root, n))][:_MAX_LOOKED]:  # files not counted
+        try:
+            steps = [s.step for s in list_steps(mgr.storage, os.path.join(mgr._root, name)) if s.status == "committed"]
+        except Exception:  # this one unreadable: the others are still looked into (one stopped them all before)
+            continue
+        if steps:
+            found.append((name, max(steps)))
     if found:
         log.warning(
             "trainguard: %s holds no checkpoint, and restore() starts this run afresh; but its subdirectory %s holds "
