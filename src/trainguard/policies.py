@@ -258,7 +258,8 @@ def attach(policy: SavePolicy, events: Any, manager: Any = None) -> None:
     if other is not None and other is not manager and getattr(other, "_opened", False):
         raise ValueError(f"save={policy!r} is already the save policy of the open CheckpointManager of {other.root}: a "
                          "policy keeps its manager's timing, and two managers sharing one saved on each other's clock "
-                         f"(one saved nothing). Give each manager its own: save={policy!r} for each")
+                         f"(one saved nothing). Give each manager its own: save={policy!r} for each; or close() that "
+                         "manager first (one opened without `with` and dropped stays open until closed)")
     if manager is not None and stateful:
         try:
             policy._trainguard_manager = weakref.ref(manager)  # type: ignore[attr-defined]
