@@ -26,13 +26,21 @@ def legacy_dir(ram: str, root: str) -> str | None:
     return None if old == ram else old
 
 
-def run_id(path: str) -> str | None:
-    """``RamTier._check_run``: the run id in the file ``path`` (a RAM tier's ``RUN_ID``), None without one."""
-    try:  # O_NONBLOCK: a FIFO of that name reads as an empty id at once instead of waiting for a writer
-        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)) as f:
-            return f.read()
+def read_id(path: str) -> bytes | None:
+    """The run id in the file ``path`` (a RAM tier's ``RUN_ID``: its first 64 bytes), None without one;
+    another ``OSError`` is raised. ``run_id``, ``adopt_legacy`` and ``ramroom.left_behind`` read it so.
+    O_NONBLOCK: a FIFO of that name reads as an empty id at once instead of waiting for a writer."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            return f.read(64)
     except FileNotFoundError:
         return None
+
+
+def run_id(path: str) -> str | None:
+    """``RamTier._check_run``: :func:`read_id` as text, as the run directory's id is compared."""
+    raw = read_id(path)
+    return None if raw is None else raw.decode(errors="replace")
 
 
 def unclaimed(ram_storage: Any, ram: str, durable: Any, root: str) -> bool:
@@ -72,11 +80,7 @@ def adopt_legacy(tier: Any) -> None:
         return  # this code's own RAM copies: the old ones are left_behind's
     marker = tier.durable.join(tier.durable_root, RUN_ID)
     theirs = tier.durable.read_bytes(marker, 64) if tier.durable.exists(marker) else None
-    try:
-        with open(os.path.join(old, RUN_ID), "rb") as f:
-            mine: bytes | None = f.read(64)
-    except FileNotFoundError:
-        mine = None
+    mine = read_id(os.path.join(old, RUN_ID))  # a FIFO there blocked the open before
     if mine is not None and mine != theirs:
         return  # another run's (the link leads elsewhere now): left to the code that wrote it
     if os.path.isdir(tier.dir):

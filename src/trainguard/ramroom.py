@@ -26,7 +26,7 @@ from . import layout, memroom
 from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
-from .ramleft import adopt_legacy
+from .ramleft import adopt_legacy, read_id
 
 log = logging.getLogger("trainguard")
 
@@ -241,10 +241,9 @@ def left_behind(tier: Any) -> None:
     from .tiers import RUN_ID, _tree_bytes
 
     def run_id(d: str) -> bytes | None:
-        try:  # O_NONBLOCK: a FIFO of that name returns at once instead of waiting for a writer
-            with open(os.open(os.path.join(d, RUN_ID), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
-                return f.read(64)
-        except OSError:
+        try:
+            return read_id(os.path.join(d, RUN_ID))
+        except OSError:  # unreadable: passed over
             return None
 
     base, mine = os.path.dirname(tier.dir), run_id(tier.dir)
