@@ -157,6 +157,8 @@ class SaveHandle:
                 raise iostall.stuck_error(self.step, rank, late[0], late[1], limit)
 
     def exception(self) -> BaseException | None:
+        """The save's error once it is done (``None`` while in flight or after a success); the
+        caller's thread, any time, without waiting or raising (``result()`` raises it)."""
         return self._error if self._done.is_set() else None
 
     @property
@@ -166,6 +168,7 @@ class SaveHandle:
 
     # -- completion, called by whoever runs the save
     def attach_thread(self, thread: threading.Thread) -> None:
+        """Internal: ``async_save`` hands over the save thread it started, for ``join``."""
         self._thread = thread
 
     def join(self, limit: float | None = None) -> None:
@@ -236,6 +239,8 @@ class SaveHandle:
             log.warning("trainguard: after the commit of step %s: %s", self.step, e)
 
     def set_result(self, value: Any) -> None:
+        """Internal: the save thread (sync saves: the caller) marks the save committed, then runs
+        ``on_commit`` (the manager's bookkeeping) once."""
         self._result = value
         self.finished_at = time.monotonic()
         self._staged.set()
@@ -247,6 +252,8 @@ class SaveHandle:
         self._done.set()
 
     def set_error(self, error: BaseException) -> None:
+        """Internal: the save thread (or ``async_save._failed``, ``forked_off``) records the failure
+        that ``result()``/``wait()`` raise and the next ``save()``/``close()`` reports."""
         self._error = error
         self.finished_at = time.monotonic()
         self._staged.set()

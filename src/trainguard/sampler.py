@@ -289,7 +289,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
         check_flags(drop_last=drop_last)
-        self.make_iter, self.batch_size, self.transform, self.seed = make_iter, batch_size, transform, seed
+        self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
+        self.seed = None if seed is None else seed_int(seed, "ResumableIterable")
         self.drop_last = bool(drop_last)
         self._rank, self._world = rank, world_size
         self.epoch = 0

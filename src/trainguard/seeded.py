@@ -20,6 +20,7 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Callable
 from typing import Any
@@ -32,10 +33,20 @@ def seed_int(seed: Any, who: str) -> int:
     """``ResumableSampler``/``SeededDataset``: ``int(seed)``, or a TypeError that names the argument (``seed=None``,
     an unset ``args.seed``: int()'s "argument must be a string ... not 'NoneType'" before)."""
     try:
-        return int(seed)
-    except (TypeError, ValueError):
-        raise TypeError(f"{who}(seed={seed!r}): pass an int seed, the same on every rank and at every restart "
-                        "(e.g. seed=0)") from None
+        return operator.index(seed)  # an int, NumPy's or a tensor's (an integer dtype)
+    except TypeError:
+        pass
+    try:
+        got = int(seed)
+        # int() truncates: seed=1.7 and seed=1.2 gave one order, as two runs "with different seeds" (an int
+        # string, "7" from argv, and a whole float, 3.0 from a config, are what they say).
+        whole = isinstance(seed, str) or float(seed) == got
+    except (TypeError, ValueError, OverflowError):
+        whole = False
+    if not whole:
+        raise TypeError(f"{who}(seed={seed!r}): pass an int seed (a whole number, not truncated), the same on every "
+                        "rank and at every restart (e.g. seed=0)") from None
+    return got
 
 
 def seed_of(*words: int) -> int:
