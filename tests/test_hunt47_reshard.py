@@ -140,3 +140,51 @@ def test_the_whole_matrix(tmp_path: Path) -> None:
     """W in 1-4 x W' in 1-4 x sync, async, full, split_state, a 256-byte staging cap, background
     staging, CheckpointManager, with a RAM tier (about 4 minutes on 2 cores)."""
     assert sw.sweep(str(tmp_path), save_worlds=(1, 2, 3, 4)) == []
+
+
+class _PerRank(nn.Module):
+    """A rank-local module whose buffer's size depends on the rank (a per-rank cache, an error feedback)."""
+
+    trainguard_rank_local = True
+
+    def __init__(self, rank: int, value: float) -> None:
+        super().__init__()
+        self.register_buffer("b", torch.full((rank + 1,), value))
+
+
+class _Reseeds(_PerRank):
+    def reseed_for_rank(self, rank: int, step: int) -> None:
+        self.b.fill_(-1.0)
+
+
+def _per_rank_group(rank: int, world: int, root: str, save: bool, cls_name: str) -> dict[str, Any]:
+    cls = {"plain": _PerRank, "reseeds": _Reseeds}[cls_name]
+    state = {"cache": cls(rank, 100.0 + rank if save else 0.0), "progress": tg.StateDict(step=3 if save else 0)}
+    if save:
+        tg.save(f"{root}/per-rank", state)
+        return {}
+    try:
+        tg.load(f"{root}/per-rank", state)
+        err = None
+    except tg.CheckpointError as e:
+        err = str(e)
+    return {"err": err, "b": state["cache"].b.tolist(), "step": state["progress"]["step"]}
+
+
+def test_a_rank_local_entry_the_grown_world_cannot_take_says_what_to_change(tmp_path: Path) -> None:
+    """Saved on 2 ranks, loaded on 3: rank 2 takes saved rank 0's copy (docs/distributed.md), whose
+    buffer has 1 element for its 3. Every rank refuses before anything is read, and the message says
+    why (no saved state for rank 2, it took rank 0's) and what to change, not only "strict=False"
+    (which leaves rank 2's entry as built). Then the same with a reseed_for_rank method: loads."""
+    root = str(tmp_path)
+    run_ranks(_per_rank_group, 2, root, True, "plain", timeout=120, env=sw.ENV)
+    out = [r.value for r in run_ranks(_per_rank_group, 3, root, False, "plain", timeout=120, env=sw.ENV)]
+    for rank, v in enumerate(out):
+        assert v["b"] == [0.0] * (rank + 1) and v["step"] == 0  # nothing loaded on any rank
+        assert "cache@0/b (checkpoint float32[1], state float32[3])" in v["err"]
+        assert "Rank 2 has no saved state of the rank-local entry 'cache' (saved by 2 ranks) and took saved rank 0's" in v["err"]
+        assert "resume on 2 ranks" in v["err"] and "reseed_for_rank(rank, step)" in v["err"]
+    run_ranks(_per_rank_group, 2, str(tmp_path / "r"), True, "reseeds", timeout=120, env=sw.ENV)
+    out = [r.value for r in run_ranks(_per_rank_group, 3, str(tmp_path / "r"), False, "reseeds", timeout=120, env=sw.ENV)]
+    assert [v["err"] for v in out] == [None] * 3
+    assert [v["b"] for v in out] == [[100.0], [101.0, 101.0], [-1.0] * 3] and {v["step"] for v in out} == {3}
