@@ -19,7 +19,7 @@ from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
 from .dtensor import is_dtensor, local_part, shard_of
-from .errors import CheckpointError, CorruptCheckpointError, StateMismatchError, agree_load, unreadable
+from .errors import CheckpointError, CorruptCheckpointError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
 from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
 from .gcpause import gc_paused
@@ -223,7 +223,7 @@ def _load(
             optload.keep_whole(obj, skel, bad)
         plans.append((key, obj, skel, dest, refs))
     if strict and (missing or unexpected or mismatched):
-        raise StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
+        raise rankload.mismatch_error(missing, unexpected, mismatched, manifest, ctx.rank)
     check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
                   {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import split
-from .errors import CorruptCheckpointError
+from .errors import CorruptCheckpointError, StateMismatchError
 from .manifest import Manifest
 from .userframe import user_stacklevel
 
@@ -63,3 +63,25 @@ def run_deferred(later: list[Callable[[], None]]) -> None:
     """``loader._load``, after every entry was loaded: the re-seeding :func:`skeleton_for` deferred."""
     for f in later:
         f()
+
+
+def mismatch_error(missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,
+                   rank: int) -> StateMismatchError:
+    """``loader._load``'s strict refusal; when a rank-local entry that this rank took from another
+    saved rank (the world grew: ``key@src/...``, src != rank) is among the differences, it says so
+    and what to change: strict=False alone would leave that entry as built, with a warning."""
+    err = StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
+    borrowed = {}  # entry -> the saved rank whose state this rank took
+    for line in mismatched:
+        key, at, rest = line.partition("@")
+        src = rest.split("/", 1)[0]
+        if at and src.isdigit() and int(src) != rank and "ranks" in manifest.objects.get(key, {}):
+            borrowed[key] = int(src)
+    for key, src in borrowed.items():
+        n = len(manifest.objects[key]["ranks"])
+        err.args = (err.args[0] + (
+            f" Rank {rank} has no saved state of the rank-local entry {key!r} (saved by {n} rank{'s' * (n != 1)}) and took "
+            f"saved rank {src}'s, whose tensors do not fit its own: resume on {n} rank{'s' * (n != 1)}, give the entry a "
+            f"reseed_for_rank(rank, step) method (a rank without saved state then starts it afresh), or leave it out "
+            f"of the load (only=[...] without {key!r})."),)
+    return err
