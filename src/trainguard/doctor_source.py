@@ -45,10 +45,11 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     """The checks on the script's source, in report order: ``check_source`` runs them, and
     ``doctor.check`` after its checks of the state."""
     from .doctor_onefile import one_file
+    from .doctor_persist import pass_seeding
     from .doctor_signals import worker_signals
 
     return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
-            accum, augment, restore_loop, restore_after)
+            accum, augment, pass_seeding, restore_loop, restore_after)
 
 
 def _tree(s: Settings) -> ast.Module | None:
