@@ -6,7 +6,9 @@ DDP over gloo, bf16 autocast + ``GradScaler("cpu")``, gradient accumulation over
 dropout, 2 persistent DataLoader workers per rank over ``tg.ResumableSampler`` +
 ``tg.SeededDataset`` with NumPy and Python ``random`` augmentation, async saves, several epochs.
 Each rank appends one JSON line per completed step to ``OUT_DIR/log-RANK`` (loss bits, indices);
-rank 0 writes the final state to ``OUT_DIR/final.pt``.
+rank 0 writes the final state to ``OUT_DIR/final.pt``. ``opts["term_agent_at"]``: rank 0 sends SIGTERM to
+``trainguard run``'s agent after that step (a preemption); the loop stops at ``mgr.should_stop`` and exits
+with ``mgr.exit_code``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import struct
 import sys
 
@@ -98,12 +101,20 @@ def main() -> None:
                 logf.write(json.dumps({"step": step, "loss": bits, "idx": idx.tolist(), "epoch": sampler.epoch,
                                        "lr": opt.param_groups[0]["lr"], "scale": scaler.get_scale()}) + "\n")
                 logf.flush()
+                if rank == 0 and step == opts.get("term_agent_at"):  # a preemption: SIGTERM to the agent
+                    os.kill(int(os.environ["TRAINGUARD_AGENT_PID"]), signal.SIGTERM)
                 mgr.save(step, state)
-                if step + 1 >= steps:
+                if step + 1 >= steps or mgr.should_stop:  # a stop signal: saved at this step
                     break
             else:
                 sampler.next_epoch()
+                continue
+            if mgr.should_stop:
+                break
         mgr.wait()
+    if mgr.should_stop:
+        dist.destroy_process_group()
+        sys.exit(mgr.exit_code)  # 143 after a SIGTERM's save: a requeue wrapper starts the job again
     if rank == 0:
         final = {f"model.{k}": v for k, v in net.state_dict().items()}
         final.update({f"ema.{k}": v for k, v in ema.state_dict().items()})

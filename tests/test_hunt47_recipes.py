@@ -169,27 +169,47 @@ def test_recipe_killed_in_an_async_save_resumes_bit_identically(tmp_path: Path, 
             shutil.rmtree(shm, ignore_errors=True)
 
 
+def _launch(tmp: Path, name: str, opts: dict, *flags: str, rc: int = 0) -> list[dict]:
+    """``trainguard run`` of the DDP recipe on 2 ranks into ``tmp/name``; the run directory's events."""
+    out = tmp / name
+    out.mkdir(exist_ok=True)
+    cmd = [sys.executable, "-W", "ignore", "-m", "trainguard", "run", "--nproc-per-node", "2",
+           "--run-dir", str(tmp / f"run-{name}"), *flags, DDP_RECIPE, str(out), json.dumps(opts)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent / "src")]))
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == rc, p.stderr[-3000:]
+    return [json.loads(x) for x in (tmp / f"run-{name}" / "events.jsonl").read_text().splitlines()]
+
+
+def _assert_ddp_identical(tmp: Path, ref: str, other: str, steps: int) -> None:
+    for rank in (0, 1):
+        a, b = _steps(tmp / ref / f"log-{rank}"), _steps(tmp / other / f"log-{rank}")
+        assert a == b and sorted(a) == list(range(steps))
+    fa = torch.load(tmp / ref / "final.pt", weights_only=False)
+    fb = torch.load(tmp / other / "final.pt", weights_only=False)
+    assert not _same(fa, fb), _same(fa, fb)[:10]
+
+
 @pytest.mark.slow
 def test_ddp_recipe_under_trainguard_run_with_a_rank_killed_resumes_bit_identically(tmp_path: Path) -> None:
-    def launch(name: str, *fault: str) -> None:
-        out = tmp_path / name
-        out.mkdir()
-        cmd = [sys.executable, "-W", "ignore", "-m", "trainguard", "run", "--nproc-per-node", "2",
-               "--run-dir", str(tmp_path / f"run-{name}"), *fault, DDP_RECIPE, str(out), "{}"]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent / "src")]))
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
-        assert p.returncode == 0, p.stderr[-3000:]
-
-    launch("ref")
-    launch("k", "--fault", "step=12,rank=1,kind=kill")
-    events = [json.loads(x) for x in (tmp_path / "run-k" / "events.jsonl").read_text().splitlines()]
+    _launch(tmp_path, "ref", {})
+    events = _launch(tmp_path, "k", {}, "--fault", "step=12,rank=1,kind=kill")
     assert [e["step"] for e in events if e["event"] == "restore" and e.get("rank") == 0] == [10]
-    for rank in (0, 1):
-        a, b = _steps(tmp_path / "ref" / f"log-{rank}"), _steps(tmp_path / "k" / f"log-{rank}")
-        assert a == b and sorted(a) == list(range(16))
-    fa = torch.load(tmp_path / "ref" / "final.pt", weights_only=False)
-    fb = torch.load(tmp_path / "k" / "final.pt", weights_only=False)
-    assert not _same(fa, fb), _same(fa, fb)[:10]
+    _assert_ddp_identical(tmp_path, "ref", "k", 16)
+
+
+@pytest.mark.slow
+def test_ddp_recipe_preempted_by_sigterm_to_the_agent_and_requeued_resumes_bit_identically(tmp_path: Path) -> None:
+    """SIGTERM to ``trainguard run``'s agent after step 6 (no periodic save in the run): the ranks save
+    at the step they agree on and exit 143; the job started again resumes there."""
+    opts = {"every": 1000, "steps": 20}
+    _launch(tmp_path, "ref", opts)
+    events = _launch(tmp_path, "p", {**opts, "term_agent_at": 6}, rc=143)
+    (saved,) = {e["step"] for e in events if e["event"] == "save"}
+    assert 6 <= saved < 19
+    events = _launch(tmp_path, "p", opts)
+    assert [e["step"] for e in events if e["event"] == "restore" and e.get("rank") == 0] == [saved]
+    _assert_ddp_identical(tmp_path, "ref", "p", 20)
 
 
 # A validation pass with random augmentation in persistent DataLoader workers, resumed after a SIGKILL.
