@@ -295,3 +295,42 @@ def test_validation_pass_with_persistent_workers_resumes_only_the_documented_way
 def test_doctor_pass_seeding_check(src: str, warned: bool) -> None:
     found = [f for f in check_source(Settings(source=src)) if f.check == "pass seeding"]
     assert [f.severity for f in found] == (["warning"] if warned else [])
+
+
+PLATEAU = """
+import torch
+import trainguard as tg
+plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+with tg.CheckpointManager("ckpts") as mgr:
+    start = mgr.restore(state)
+    for epoch in range(10):
+        %s
+        for x in loader:
+            loss = model(x).sum()
+            %s
+            mgr.save(step, state)
+        plateau.step(%s)
+"""
+
+
+@pytest.mark.parametrize("parts,warned", [
+    (("total = 0.0", "total += loss.item()", "total / len(loader)"), True),
+    (("progress['total'] = 0.0", "progress['total'] += loss.item()", "progress['total']"), False),  # in the state
+    (("total = 0.0", "total = loss.item()", "total"), False),                     # the last loss: nothing summed
+    (("val = 0.0", "pass", "evaluate(model)"), False),
+])
+def test_doctor_loop_accumulator_check(parts: tuple[str, str, str], warned: bool) -> None:
+    found = [f for f in check_source(Settings(source=PLATEAU % parts)) if f.check == "loop accumulator"]
+    assert [f.severity for f in found] == (["warning"] if warned else [])
+    if warned:
+        assert "total += loss.item()" in found[0].message and "tg.StateDict(step=0, total=0.0)" in found[0].fix
+
+
+def test_doctor_loop_accumulator_on_the_recipe() -> None:
+    """recipe47.py keeps its epoch loss in the state; the same loop with a local sum is reported."""
+    src = Path(RECIPE).read_text()
+    assert not [f for f in check_source(Settings(source=src)) if f.check == "loop accumulator"]
+    local = src.replace('progress["epoch_loss"] += ', "epoch_loss += ").replace(
+        'plateau.step(progress["epoch_loss"])', "plateau.step(epoch_loss)")
+    (f,) = [f for f in check_source(Settings(source=local)) if f.check == "loop accumulator"]
+    assert f.severity == "warning" and "plateau.step(epoch_loss)" in f.message
