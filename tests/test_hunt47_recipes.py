@@ -102,7 +102,8 @@ def _kill_and_resume(tmp: Path, name: str, opts: dict, kill: dict, env: dict[str
 
 
 @pytest.mark.parametrize("opts,kills", [
-    ({}, [13, 21]),                                      # 21: the epoch's running loss crosses the resume
+    ({}, [21]),                                          # the epoch's running loss crosses the resume
+    pytest.param({}, [13], marks=pytest.mark.slow),
     ({"addgroup": True, "amp_dtype": "bfloat16"}, [8]),  # add_param_group at step 6, resumed after it
     pytest.param({"onecycle": True, "workers": 0, "async": False, "every": 3}, [7], marks=pytest.mark.slow),
 ])
@@ -254,7 +255,8 @@ VAL = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("way,same", [("fresh", True), ("seeded", True), ("persistent", False)])
+@pytest.mark.parametrize("way,same", [pytest.param("fresh", True, marks=pytest.mark.slow), ("seeded", True),
+                                      ("persistent", False)])
 def test_validation_pass_with_persistent_workers_resumes_only_the_documented_way(tmp_path: Path, way: str,
                                                                                  same: bool) -> None:
     script = tmp_path / "val.py"
