@@ -5,7 +5,9 @@ Static, on the script's text only (``Settings.source``): ``stage_in_background=T
 ``in_order=False``, a save that only rank 0 reaches (:mod:`trainguard.doctor_rank`), a global
 seed set after the restore (:mod:`trainguard.doctor_rng`), a generator object of the script drawn
 from at each step but not saved (:mod:`trainguard.doctor_gens`), a weight average (EMA) updated in
-the loop but not saved (:mod:`trainguard.doctor_ema`). Each check returns ``None`` when
+the loop but not saved (:mod:`trainguard.doctor_ema`), a persistent-worker loader seeded at each pass
+(:mod:`trainguard.doctor_persist`), a ``ReduceLROnPlateau`` fed a sum kept in a loop variable
+(:mod:`trainguard.doctor_accvar`). Each check returns ``None`` when
 there is no source to read (or it does not parse).
 """
 
@@ -44,11 +46,13 @@ def check_source(settings: Settings) -> list[Finding]:
 def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding | None], ...]:
     """The checks on the script's source, in report order: ``check_source`` runs them, and
     ``doctor.check`` after its checks of the state."""
+    from .doctor_accvar import loop_accumulator
     from .doctor_onefile import one_file
+    from .doctor_persist import pass_seeding
     from .doctor_signals import worker_signals
 
     return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
-            accum, augment, restore_loop, restore_after)
+            accum, augment, pass_seeding, loop_accumulator, restore_loop, restore_after)
 
 
 def _tree(s: Settings) -> ast.Module | None:

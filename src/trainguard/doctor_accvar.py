@@ -1,0 +1,66 @@
+"""The doctor's "loop accumulator" check (``doctor.check`` and ``doctor_source.check_source`` call it,
+on the script's source): a ``ReduceLROnPlateau`` stepped with a value the loop sums in a variable of
+its own (``epoch_loss += loss.item()`` ... ``plateau.step(epoch_loss)``).
+
+A checkpoint holds the state, not the loop's variables: a resume in the middle of an epoch starts
+the sum again, so the plateau is fed the rest of the epoch alone and may set another learning rate
+than the uninterrupted run did (seen: a critic's lr 0.0125 against 0.00625 from the step after a
+resume at step 20 on, every tensor of the checkpoint restored exactly). Kept in the state
+(``progress = tg.StateDict(step=0, epoch_loss=0.0)``, ``progress["epoch_loss"] += ...``) it
+resumes (docs/checkpoints.md, "What is saved").
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .doctor import Finding, Settings
+
+
+def _plateaus(tree: ast.Module) -> set[str]:
+    """The names (``plateau``, ``self.plateau`` as ``plateau``) bound to a ``ReduceLROnPlateau(...)``."""
+    out = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and "ReduceLROnPlateau" in ast.unparse(n.value.func):
+            for t in n.targets:
+                if isinstance(t, ast.Name):
+                    out.add(t.id)
+                elif isinstance(t, ast.Attribute):
+                    out.add(t.attr)
+    return out
+
+
+def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """A warning when a ``ReduceLROnPlateau``'s ``step()`` reads a plain variable that the script sums
+    (``+=``, ``-=``) inside a loop, in a script that opens a ``CheckpointManager`` (module doc);
+    ``None`` otherwise."""
+    from .doctor import Finding
+    from .doctor_persist import _in_loops
+    from .doctor_source import _tree
+
+    if (tree := _tree(s)) is None or "CheckpointManager" not in (s.source or "") or not (names := _plateaus(tree)):
+        return None
+    looped = _in_loops(tree)
+    sums = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and id(n) in looped:
+            sums.setdefault(n.target.id, n)
+    for c in ast.walk(tree):
+        if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "step"):
+            continue
+        owner = c.func.value
+        if not (isinstance(owner, ast.Name) and owner.id in names or isinstance(owner, ast.Attribute) and owner.attr in names):
+            continue
+        read = [x.id for a in [*c.args, *(k.value for k in c.keywords)] for x in ast.walk(a)
+                if isinstance(x, ast.Name) and x.id in sums]
+        if read:
+            acc = sums[read[0]]
+            return Finding("loop accumulator", "warning", f"line {acc.lineno}: {ast.unparse(acc)} sums in a variable "
+                           f"of the loop, and line {c.lineno}: {ast.unparse(c)} reads it: a checkpoint does not hold "
+                           f"it, so a resume in the middle of an epoch starts `{read[0]}` again and the plateau "
+                           "decides on part of the epoch, setting another lr than the uninterrupted run",
+                           f"keep it in the state: progress = tg.StateDict(step=0, {read[0]}=0.0) in the state, "
+                           f"progress[\"{read[0]}\"] += ..., reset there at the epoch's end (docs/checkpoints.md)")
+    return None
