@@ -25,3 +25,44 @@ def test_whole_seeds_still_taken():
         assert list(tg.ResumableSampler(50, seed=seed)) == order
     assert tg.ResumableSampler(50, seed=2**64 + 1).seed == 2**64 + 1  # no float round trip
     assert tg.ResumableIterable(lambda epoch: iter(range(3)), seed=np.int64(3)).seed == 3
+
+
+VALIDATION_PLATEAU = """
+import torch, trainguard as tg
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+state = {"model": model, "optim": opt, "plateau": plateau}
+with tg.CheckpointManager("ck", handle_signals=False) as mgr:
+    step = 0
+    for epoch in range(3):
+        for x in [torch.randn(4, 2)] * 5:
+            opt.zero_grad()
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            %s
+            step += 1
+            mgr.save(step, state)
+        val_loss = 0.0
+        with torch.no_grad():
+            for x in [torch.randn(4, 2)] * 3:
+                val_loss += model(x).sum().item()
+        plateau.step(%s)
+"""
+
+
+@pytest.mark.parametrize("train_line,arg,warned", [
+    ("pass", "val_loss", False),                # the usual plateau: a validation pass, summed between two saves
+    ("train_loss += loss.item()", "train_loss", True),   # summed across saves: a resume restarts it
+])
+def test_doctor_loop_accumulator_tells_a_validation_pass_from_a_training_sum(train_line: str, arg: str, warned: bool) -> None:
+    # The "loop accumulator" check (merged from hunt47 recipes) warned on the validation pass as well:
+    # the most common ReduceLROnPlateau loop, where no checkpoint can fall inside the sum.
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    found = [f for f in check_source(Settings(source=VALIDATION_PLATEAU % (train_line, arg))) if f.check == "loop accumulator"]
+    assert len(found) == warned
+    if warned:
+        assert "train_loss += loss.item()" in found[0].message

@@ -32,20 +32,33 @@ def _plateaus(tree: ast.Module) -> set[str]:
     return out
 
 
+def _trained(tree: ast.Module) -> set[int]:
+    """The ids of the nodes whose innermost loop trains or saves (a ``backward()`` or ``save()`` call in it):
+    a sum there spans steps a checkpoint may fall between. A validation pass's ``val_loss += ...`` (its
+    loop has neither) completes between two saves, and the plateau reading it resumes as it ran."""
+    innermost: dict[int, ast.AST] = {}
+    for loop in ast.walk(tree):  # breadth first: an inner loop comes after the loops around it, and wins
+        if isinstance(loop, (ast.For, ast.While)):
+            for n in (n for stmt in loop.body for n in ast.walk(stmt)):
+                innermost[id(n)] = loop
+    training = {id(loop) for loop in set(innermost.values()) if any(
+        isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("backward", "save")
+        for c in ast.walk(loop))}
+    return {n for n, loop in innermost.items() if id(loop) in training}
+
+
 def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning when a ``ReduceLROnPlateau``'s ``step()`` reads a plain variable that the script sums
     (``+=``, ``-=``) inside a loop, in a script that opens a ``CheckpointManager`` (module doc);
     ``None`` otherwise."""
     from .doctor import Finding
-    from .doctor_persist import _in_loops
     from .doctor_source import _tree
 
     if (tree := _tree(s)) is None or "CheckpointManager" not in (s.source or "") or not (names := _plateaus(tree)):
         return None
-    looped = _in_loops(tree)
-    sums = {}
+    sums, trained = {}, _trained(tree)
     for n in ast.walk(tree):
-        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and id(n) in looped:
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and id(n) in trained:
             sums.setdefault(n.target.id, n)
     for c in ast.walk(tree):
         if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "step"):
