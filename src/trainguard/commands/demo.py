@@ -8,6 +8,8 @@ import click
 
 from . import CommandError, echo
 
+DEFAULT_PLOT = "trainguard-demo-timeline.png"
+
 
 @click.command("demo")
 @click.option("--steps", type=click.IntRange(min=1), default=1000, show_default=True, help="training steps of each run")
@@ -16,7 +18,8 @@ from . import CommandError, echo
               help="async checkpoint every N steps")
 @click.option("--size", type=click.Choice(["demo", "tiny"]), default="demo", show_default=True,
               help="model size (demo: ~3.3M parameters; tiny: for tests)")
-@click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")
+@click.option("--plot", default=DEFAULT_PLOT, show_default=True,
+              help="timeline PNG (needs matplotlib; without it the default one is left out); '' for none")
 @click.option("--keep", is_flag=True, help="keep the run directories (printed) instead of removing them")
 @click.option("--spawn", is_flag=True,
               help="workers are new interpreters running the script (`trainguard run --start-method spawn`), "
@@ -29,7 +32,15 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
     under `trainguard run`, then compare: lost steps, recovery time, save stall, goodput, and
     whether the final weights are bit-identical."""
     from ..demo.driver import run_demo
+    from .report import _check_plot
 
+    if plot == DEFAULT_PLOT and not _has_matplotlib():
+        # matplotlib is not a dependency: the default timeline had ended a run that went well in a
+        # ModuleNotFoundError traceback (exit 1), after the minutes of training
+        echo(f"(no timeline: matplotlib is not installed; `pip install matplotlib` draws {DEFAULT_PLOT})")
+        plot = ""
+    elif plot:  # asked for: refused before the training, not after it (report --plot's checks)
+        plot = _check_plot(plot)
     try:
         out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
                        keep=keep, spawn=spawn, start_method=start_method, echo=echo)
@@ -38,3 +49,11 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
     except RuntimeError as e:  # a training run failed: the demo ran and failed, as a non-identical result
         raise CommandError(str(e), exit_code=1) from e
     sys.exit(0 if out["identical"] else 1)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
