@@ -19,9 +19,11 @@ from __future__ import annotations
 import email
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -81,6 +83,63 @@ def test_demo_without_matplotlib_runs_to_its_verdict_and_leaves_the_default_time
     assert "matplotlib is not installed" in p.stdout and "pip install matplotlib" in p.stdout
     left = [f.name for f in tmp_path.iterdir() if f.name.endswith(".png") or f.name.startswith("trainguard")]
     assert left == []  # no timeline written (the cwd), the demo's run directories removed (TMPDIR)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (from /proc): the demo's agent and the agent's workers."""
+    children: dict[int, list[int]] = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_demo_terminated_stops_its_runs_and_removes_their_directories(tmp_path):
+    """``kill PID`` of the demo (SIGTERM: ``timeout``, a scheduler's stop) ended the demo alone: its
+    ``trainguard run`` agent and the agent's 2 workers trained on (parent 1), and the demo's
+    temporary directory stayed. Now the agent is sent SIGTERM (it stops its workers), the
+    directory is removed and the demo exits 143."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path))
+    demo = subprocess.Popen([sys.executable, "-m", "trainguard", "demo", "--size", "tiny", "--steps", "100000",
+                             "--fault-step", "99999", "--save-every", "1000", "--plot", ""],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("step 100 loss" in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's kill run did not reach step 100"
+            time.sleep(0.05)
+        below = _descendants(demo.pid)
+        assert len(below) >= 3  # the agent and its 2 workers
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=180)
+        assert demo.returncode == 143, err[-3000:]
+        assert "terminated: the demo's runs were stopped and their directories removed" in err
+        assert [p for p in below if _alive(p)] == []
+        assert list(tmp_path.glob("trainguard-demo-*")) == []
+    finally:
+        below |= _descendants(demo.pid) if demo.poll() is None else set()  # a failure before the scan
+        for pid in [demo.pid, *below]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait(timeout=60)
 
 
 def test_demo_plot_asked_for_without_matplotlib_is_refused_before_training(tmp_path):
