@@ -142,6 +142,20 @@ def test_demo_terminated_stops_its_runs_and_removes_their_directories(tmp_path):
         demo.wait(timeout=60)
 
 
+def test_demo_training_saves_no_values_that_differ_between_ranks(tmp_path):
+    """The demo's worker script saved each rank's own loss in its shared ``progress`` entry: every
+    save of its runs warned SharedValuesDifferWarning ("the checkpoint keeps rank 0's") in the
+    logs the demo keeps (``--keep``) or shows when a run fails."""
+    train = ROOT / "src" / "trainguard" / "demo" / "train.py"
+    p = _cli("from trainguard.cli import main; main()", "run", "--nproc-per-node", "2", "--run-dir",
+             str(tmp_path / "run"), str(train), "--steps", "4", "--save-every", "2", "--size", "tiny",
+             "--corpus-bytes", "20000", cwd=tmp_path, timeout=180)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert "SharedValuesDifferWarning" not in out and "differ between ranks" not in out, out[-3000:]
+    assert sorted(d.name for d in (tmp_path / "run").glob("step-*")) == ["step-000000002", "step-000000004"]
+
+
 def test_demo_plot_asked_for_without_matplotlib_is_refused_before_training(tmp_path):
     p = _cli(NO_MATPLOTLIB, "demo", "--size", "tiny", "--steps", "6", "--fault-step", "3",
              "--plot", str(tmp_path / "t.png"), cwd=tmp_path, timeout=240)
