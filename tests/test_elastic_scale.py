@@ -137,7 +137,7 @@ def test_world_size_2_1_2_completes_with_exact_coverage(tmp_path):
     implied = BATCH * sum(world_of.values())
     assert implied == len(seen) == BATCH * (60 - (last_w1 - r))
     state = {"model": TinyGPT(GPTConfig.named("tiny")), "data": ResumableSampler(len(seen) + 10**5, seed=0),
-             "progress": tg.StateDict(step=0, loss=0.0)}
+             "progress": tg.StateDict(step=0)}
     state["data"].num_samples = len(Windows(stdlib_corpus(2_000_000), GPTConfig.named("tiny").context))
     before = {k: v.clone() for k, v in state["model"].state_dict().items()}
     tg.load(os.path.join(run_dir, layout.step_dir(30)), state, only=["model", "data", "progress"])

@@ -21,6 +21,11 @@ import click
 from .commands import CommandError, printable, stdout_gone
 from .errors import CheckpointError, SettingError, is_store_client_error
 
+# click 8.2's error for a group called without a command (the help, exit 2). click 8.1 (which
+# pyproject allows) has no such class: there the help exits 0 through click's Exit, and naming the
+# class in an ``except`` raised AttributeError for every error and exit (``--help`` included).
+_NO_ARGS_HELP: type[Exception] | tuple[()] = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
 
 class _Group(click.Group):
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
@@ -28,7 +33,7 @@ class _Group(click.Group):
         """click's, for the options before the command (``trainguard --bogus``): a usage error as one line."""
         try:
             return super().make_context(info_name, args, parent, **extra)
-        except click.exceptions.NoArgsIsHelpError:  # `trainguard` alone: the help, as click shows it
+        except _NO_ARGS_HELP:  # `trainguard` alone: the help, as click shows it
             raise
         except click.UsageError as e:
             raise _usage(e) from None
@@ -36,7 +41,7 @@ class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # type: ignore[override]
         try:
             return super().invoke(ctx)
-        except click.exceptions.NoArgsIsHelpError:
+        except _NO_ARGS_HELP:
             raise
         except click.UsageError as e:  # a command's options and arguments (unknown, missing, out of range)
             name = ctx.invoked_subcommand  # the command being parsed: click's parser errors carry no context

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import click
 
-from . import CommandError, echo
+from . import CommandError, Terminated, echo
+
+DEFAULT_PLOT = "trainguard-demo-timeline.png"
 
 
 @click.command("demo")
@@ -16,7 +22,8 @@ from . import CommandError, echo
               help="async checkpoint every N steps")
 @click.option("--size", type=click.Choice(["demo", "tiny"]), default="demo", show_default=True,
               help="model size (demo: ~3.3M parameters; tiny: for tests)")
-@click.option("--plot", default="trainguard-demo-timeline.png", show_default=True, help="timeline PNG")
+@click.option("--plot", default=DEFAULT_PLOT, show_default=True,
+              help="timeline PNG (needs matplotlib; without it the default one is left out); '' for none")
 @click.option("--keep", is_flag=True, help="keep the run directories (printed) instead of removing them")
 @click.option("--spawn", is_flag=True,
               help="workers are new interpreters running the script (`trainguard run --start-method spawn`), "
@@ -29,12 +36,53 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
     under `trainguard run`, then compare: lost steps, recovery time, save stall, goodput, and
     whether the final weights are bit-identical."""
     from ..demo.driver import run_demo
+    from .report import _check_plot
 
+    if plot == DEFAULT_PLOT and not _has_matplotlib():
+        # matplotlib is not a dependency: the default timeline had ended a run that went well in a
+        # ModuleNotFoundError traceback (exit 1), after the minutes of training
+        echo(f"(no timeline: matplotlib is not installed; `pip install matplotlib` draws {DEFAULT_PLOT})")
+        plot = ""
+    elif plot:  # asked for: refused before the training, not after it (report --plot's checks)
+        plot = _check_plot(plot)
     try:
-        out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
-                       keep=keep, spawn=spawn, start_method=start_method, echo=echo)
+        with _terminated_stops_the_runs():
+            out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
+                           keep=keep, spawn=spawn, start_method=start_method, echo=echo)
+    except Terminated:
+        click.echo("terminated: the demo's runs were stopped and their directories removed", err=True)
+        sys.exit(143)
     except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
         raise CommandError(str(e)) from e
     except RuntimeError as e:  # a training run failed: the demo ran and failed, as a non-identical result
         raise CommandError(str(e), exit_code=1) from e
     sys.exit(0 if out["identical"] else 1)
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _terminated_stops_the_runs() -> Iterator[None]:
+    """SIGTERM (``kill PID``, ``timeout``, a scheduler's stop) raises :class:`Terminated` in the
+    main thread, so that the run in progress is stopped (``demo.driver.stop``) and the run
+    directories are removed, as on Ctrl-C. Python's default ended the demo alone. A SIGTERM the
+    process inherited ignored stays ignored."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the demo at once
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)

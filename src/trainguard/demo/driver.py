@@ -38,10 +38,28 @@ def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str |
         cmd += ["--fault", fault]
     cmd += [TRAIN_PY, "--steps", str(steps), "--save-every", str(save_every), "--size", size]
     with open(log_path, "wb") as log:
+        agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            return subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            return agent.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            stop(agent)
             return 124
+        except BaseException:  # Ctrl-C, or the command's SIGTERM (Terminated): the agent's workers go too
+            stop(agent)
+            raise
+
+
+def stop(agent: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """End ``trainguard run`` as a scheduler does: SIGTERM, on which the agent stops its workers,
+    then SIGKILL after ``grace_s``. subprocess.run SIGKILLed it at once (its timeout, Ctrl-C), and
+    a SIGTERM to the demo ended the demo alone: the agent and its workers trained on, orphaned,
+    in the run directory the demo had left behind."""
+    agent.terminate()
+    try:
+        agent.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
 
 
 def final_weights(run_dir: str, step: int, size: str) -> dict[str, torch.Tensor]:

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     data = Windows(stdlib_corpus(args.corpus_bytes), cfg.context)
     sampler = ResumableSampler(len(data), seed=args.seed)
     torch.manual_seed(args.seed * 1000 + 1 + rank)  # each rank's own dropout stream
-    progress = tg.StateDict(step=0, loss=0.0)
+    progress = tg.StateDict(step=0)  # values equal on every rank: a shared entry (each rank's loss was not)
     state = {"model": model, "optim": opt, "data": sampler, "rng": tg.RNGState(reseed=args.seed),
              "progress": progress}
     policy = tg.EveryNSteps(args.save_every)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             sampler.advance(len(x))
             step += 1
-            progress.update(step=step, loss=loss.item())
+            progress.update(step=step)
             if args.record:
                 _record(args.record, step, rank, world, idx)
             if mgr.save(step, state) is not None:
