@@ -9,10 +9,14 @@ state (the local shards' bytes), the checkpoint's data bytes, its peak extra RSS
 reset through ``/proc/self/clear_refs`` just before) and the wall time. ``KIND``:
 
 - ``fsdp``: ``N`` (default 8) square fp32 ``Linear`` layers of ``SIZE`` (default 2048), each
-  ``fully_shard``-ed, and their Adam after one step (N=8, 2048: 384 MiB in all);
+  ``fully_shard``-ed, and their Adam after one step (N=8, 2048: 384 MiB in all; ``fresh=1`` in
+  the environment: loaded into an Adam without state, whose state the load creates);
 - ``dt``: ``N`` DTensors of ``SIZE`` x 64 fp32 (default 2,000 x 64), alternately ``Shard(0)``
   and ``Shard(1)`` on a 1-D mesh (the planning cost per tensor: ``profile=1`` in the
-  environment prints rank 0's cProfile of the load, top 25 by cumulative time).
+  environment prints rank 0's cProfile of the load, top 25 by cumulative time; ``profile=tottime``
+  by own time);
+- ``col``/``row``: ``N`` (default 4) DTensors of ``SIZE`` x ``SIZE`` (default 4096) fp32, ``Shard(1)``
+  (column shards: resharded, read through scratch) or ``Shard(0)``.
 
 The save is skipped when ``ROOT/KIND-W-N-SIZE`` exists. Example: ``python -m bench.reshard_cost
 /tmp/rc fsdp 4 3``. Compare with another commit with ``PYTHONPATH=<its worktree>/src``.
@@ -55,15 +59,18 @@ def _state(kind: str, n: int, size: int, world: int, seed: int) -> dict[str, Any
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.Adam(model.parameters())
-        model(torch.ones(2, size)).sum().backward()
-        opt.step()
+        if seed == 0 or not os.environ.get("fresh"):  # fresh=1: load into an Adam without state
+            model(torch.ones(2, size)).sum().backward()
+            opt.step()
         return {"model": model, "optim": opt}
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (world,))
     g = torch.Generator().manual_seed(seed)
-    d = {f"t{i}": distribute_tensor(torch.randn(size, 64, generator=g), mesh, [Shard(i % 2)]) for i in range(n)}
+    cols, dim = (64, None) if kind == "dt" else (size, 1 if kind == "col" else 0)
+    d = {f"t{i}": distribute_tensor(torch.randn(size, cols, generator=g), mesh, [Shard(i % 2 if dim is None else dim)])
+         for i in range(n)}
     return {"w": tg.StateDict(d)}
 
 
@@ -160,8 +167,8 @@ def _spawn(world: int, *args: Any) -> None:
 
 def main() -> None:
     root, kind, w, w2 = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    n = int(sys.argv[5]) if len(sys.argv) > 5 else (8 if kind == "fsdp" else 2000)
-    size = int(sys.argv[6]) if len(sys.argv) > 6 else (2048 if kind == "fsdp" else 64)
+    n = int(sys.argv[5]) if len(sys.argv) > 5 else {"fsdp": 8, "dt": 2000}.get(kind, 4)
+    size = int(sys.argv[6]) if len(sys.argv) > 6 else {"fsdp": 2048, "dt": 64}.get(kind, 4096)
     d = os.path.join(root, f"{kind}-{w}-{n}-{size}" + ("-mgr" if os.environ.get("mode") == "mgr" else ""))
     if not os.path.exists(d):
         os.makedirs(d)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import reads
-from .buffers import PAGE_ALIGN, aligned_empty, tensor_bytes
+from .buffers import PAGE_ALIGN, aligned_empty, mapped_empty, tensor_bytes
 from .errors import DiskFullError
 from .fdlimit import ensure_room
 from .manifest import checksum
@@ -331,10 +331,16 @@ def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview |
     return reads.split(reader, scratch.get, op, t.path, size, lambda: _scatter(scratch.release(), t, op))
 
 
+MAPPED_SCRATCH = 1 << 20
+
+
 class _Scratch:
     """An indirect op's scratch buffer, allocated by its first piece to run and dropped once its
     elements are copied out (not every op of a resharding load at once); it starts at the op's
-    file offset modulo a page (``phase``): a cold read can fill its whole pages with O_DIRECT."""
+    file offset modulo a page (``phase``): a cold read can fill its whole pages with O_DIRECT.
+    One of ``MAPPED_SCRATCH`` or more is in a mapping of its own (``buffers.mapped_empty``),
+    returned to the system when dropped, not a hole in the malloc heap between the tensors the
+    load creates."""
 
     def __init__(self, n: int, phase: int = 0) -> None:
         self.n, self.phase = n, phase
@@ -345,7 +351,8 @@ class _Scratch:
     def get(self) -> memoryview:
         with self.lock:
             if self.mv is None:
-                self.t = aligned_empty(self.n, PAGE, self.phase)
+                big = self.n >= MAPPED_SCRATCH  # a small one's hole is small: malloc is cheaper
+                self.t = mapped_empty(self.n, self.phase) if big else aligned_empty(self.n, PAGE, self.phase)
                 self.mv = tensor_bytes(self.t)
             return self.mv
 
