@@ -1,11 +1,12 @@
 """hunt47 reshardcost: what a resharded load costs per rank (bench/reshard_cost.py measures it).
 
 A load on another number of ranks reads the parts of saved chunks that a rank's shard meets
-through scratch buffers (a checksum block at either end of a row range). Those came from the
-malloc heap: glibc's dynamic mmap threshold put them there after the first one was freed, and the
-heap holes they left between the optimizer state tensors that a fresh optimizer's load creates
-stayed in the process (2 -> 3 gloo ranks, 8 fp32 layers of 2048², fresh Adam: 119-175 MiB of peak
-extra RSS for 85 MiB of new state per rank; 90 MiB after, each scratch buffer in its own mapping).
+through scratch buffers (a checksum block at either end of a row range, a column shard's
+windows). Those came from the malloc heap: glibc's dynamic mmap threshold put them there after
+the first one was freed, and the heap holes they left between the optimizer state tensors that a
+fresh optimizer's load creates stayed in the process (2 -> 3 gloo ranks, 8 fp32 layers of 2048²,
+fresh Adam: 119-175 MiB of peak extra RSS for 85 MiB of new state per rank; ~90 MiB after, the
+buffers in mappings of their own, reused within the load: ``buffers.ScratchPool``).
 """
 
 from __future__ import annotations
