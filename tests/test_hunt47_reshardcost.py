@@ -82,3 +82,23 @@ def test_fresh_adam_resharded_2_to_3_peak_rss_is_its_new_state_plus_a_few_scratc
     for v in loaded:
         assert 80 < v["state"] < 90
         assert v["peak"] <= v["state"] + 24, loaded
+
+
+def test_scratch_pool_reuses_its_mappings_keeps_at_most_keep_and_places_the_phase() -> None:
+    """A buffer handed back is the next one taken when it is large enough (no new mapping, no
+    page faults); a larger request maps a new one; at most ``keep`` are kept; each view starts
+    ``phase`` bytes past a page and is writable."""
+    from trainguard.buffers import ScratchPool
+
+    pool = ScratchPool(keep=1)
+    base, view = pool.take(3 << 20, 192)
+    assert view.numel() == 3 << 20 and view.data_ptr() % 4096 == 192
+    view.fill_(7)
+    pool.give(base)
+    again, v2 = pool.take(1000, 64)
+    assert again is base and v2.data_ptr() % 4096 == 64
+    big, _ = pool.take(8 << 20)
+    assert big is not base and big.numel() >= 8 << 20
+    pool.give(again)
+    pool.give(big)
+    assert pool.free == [again]
