@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from . import reads
-from .buffers import PAGE_ALIGN, aligned_empty, tensor_bytes
+from .buffers import PAGE_ALIGN, ScratchPool, aligned_empty, tensor_bytes
 from .errors import DiskFullError
 from .fdlimit import ensure_room
 from .manifest import checksum
@@ -284,6 +284,7 @@ def read_targets(
     total = 0
 
     small = reads.SmallOps()  # small ops: read in groups
+    pool = ScratchPool(streams + COLD_DIRECT_EXTRA + 1)  # a partial block's or window's scratch
 
     def pieces() -> Iterator[reads.Piece | reads.ScatterPiece]:
         nonlocal total
@@ -301,7 +302,7 @@ def read_targets(
                     r = readers[op.file] = storage.open_read(storage.join(directory, op.file), **kw)
                 total += op.length
                 grouped = small.take(r, t.path, op, dest)
-                yield from _op_pieces(r, t, op, dest) if grouped is None else grouped
+                yield from _op_pieces(r, t, op, dest, pool) if grouped is None else grouped
         yield from small.rest()
 
     def reading_direct() -> bool:
@@ -320,24 +321,26 @@ def read_targets(
     return total
 
 
-def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview | None) -> list[reads.Piece]:
+def _op_pieces(reader: FileReader, t: ReadTarget, op: ReadOp, dest: memoryview | None, pool: ScratchPool) -> list[reads.Piece]:
     """The pieces of one op: direct ops read into the destination's bytes; indirect ones into a
     scratch buffer whose elements are copied into place once its last piece is verified."""
     size = getattr(reader, "piece_bytes", None)
     if op.dest_byte is not None:
         assert dest is not None
         return reads.split(reader, dest[op.dest_byte : op.dest_byte + op.length], op, t.path, size)
-    scratch = _Scratch(op.length, op.offset % PAGE)
-    return reads.split(reader, scratch.get, op, t.path, size, lambda: _scatter(scratch.release(), t, op))
+    scratch = _Scratch(op.length, op.offset % PAGE, pool)
+    return reads.split(reader, scratch.get, op, t.path, size, lambda: scratch.done(lambda s: _scatter(s, t, op)))
 
 
 class _Scratch:
-    """An indirect op's scratch buffer, allocated by its first piece to run and dropped once its
+    """An indirect op's scratch buffer, taken by its first piece to run and handed back once its
     elements are copied out (not every op of a resharding load at once); it starts at the op's
-    file offset modulo a page (``phase``): a cold read can fill its whole pages with O_DIRECT."""
+    file offset modulo a page (``phase``): a cold read can fill its whole pages with O_DIRECT.
+    From ``pool`` (``buffers.ScratchPool``): mappings reused, not holes in the malloc heap."""
 
-    def __init__(self, n: int, phase: int = 0) -> None:
-        self.n, self.phase = n, phase
+    def __init__(self, n: int, phase: int, pool: ScratchPool) -> None:
+        self.n, self.phase, self.pool = n, phase, pool
+        self.base: torch.Tensor | None = None
         self.t: torch.Tensor | None = None
         self.mv: memoryview | None = None
         self.lock = threading.Lock()
@@ -345,15 +348,20 @@ class _Scratch:
     def get(self) -> memoryview:
         with self.lock:
             if self.mv is None:
-                self.t = aligned_empty(self.n, PAGE, self.phase)
+                self.base, self.t = self.pool.take(self.n, self.phase)
                 self.mv = tensor_bytes(self.t)
             return self.mv
 
-    def release(self) -> torch.Tensor:
+    def done(self, use: Callable[[torch.Tensor], None]) -> None:
+        """``use(buffer)``, then the buffer back to the pool (after the op's last piece)."""
         with self.lock:
-            t, self.t, self.mv = self.t, None, None
-        assert t is not None
-        return t
+            base, t, self.base, self.t, self.mv = self.base, self.t, None, None, None
+        assert base is not None and t is not None
+        try:
+            use(t)
+        finally:
+            del t
+            self.pool.give(base)
 
 
 def _scatter(scratch: torch.Tensor, t: ReadTarget, op: ReadOp) -> None:
