@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import socket
 import struct
@@ -13,6 +14,7 @@ import sys
 import time
 import warnings
 import weakref
+from typing import Any
 
 from . import layout
 from .errors import CheckpointError, LockedError
@@ -21,6 +23,7 @@ from .userframe import user_stacklevel
 
 _HELD: set[str] = set()  # lock paths held by this process (POSIX locks do not conflict within one)
 _OWNED: dict[str, RunLock] = {}  # run directory (absolute, and resolved) -> its lock held here: check_owned
+log = logging.getLogger("trainguard")
 LOST = "is no longer locked by this job"  # in lock_lost's error, on every rank (the rounds carry its text): manager.py
 
 
@@ -74,8 +77,12 @@ class RunLock:
             raise (mark(locked) if _live_here(fd) else locked) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
-            warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=user_stacklevel())
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode()
+            if _earlier_attempt(fd):  # torchrun's agent restarted this job's workers: expected, not a warning
+                log.info("trainguard: taking over the lock on %s from this job's previous attempt (%s)",
+                         os.path.dirname(self.path), old)
+            else:
+                warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=user_stacklevel())
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), **_attempt()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
         os.fsync(fd)
@@ -283,6 +290,30 @@ def _taken_over(root: str, old: str, fd: int) -> str:
             "of a live run directory (cp -r) holds a copy of its lock; or that process lost its lock (POSIX locks go "
             "when the process closes any descriptor of the file, e.g. by copying the directory). Make sure it does not "
             "write to this directory: if it is a manager, its next save refuses to")
+
+
+def _attempt() -> dict[str, Any]:
+    """This process's elastic attempt (under torchrun's agent): the rendezvous id and the restart count."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    try:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", ""))
+    except ValueError:
+        return {}
+    return {"run": run, "restart": restart} if run and run != "none" else {}
+
+
+def _earlier_attempt(fd: int) -> bool:
+    """Whether the stale lock's holder was an earlier attempt of this job: the same rendezvous id and
+    a lower restart count (the agent restarted the workers after a failure, which left the lock).
+    A requeued job (a new agent: its count starts at 0 again) or another job is warned about."""
+    now = _attempt()
+    if not now or _live_here(fd):
+        return False
+    try:
+        d = json.loads(os.pread(fd, 4096, 0))
+        return d.get("run") == now["run"] and isinstance(d.get("restart"), int) and d["restart"] < now["restart"]
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _live_here(fd: int) -> bool:
