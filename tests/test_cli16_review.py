@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -74,10 +75,10 @@ def test_inspect_text_and_json_of_every_tensor_one_line_each(tmp_path):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["ls", "--bogus", "x"], "No such option '--bogus'"),
+    (["ls", "--bogus", "x"], "No such option:? '?--bogus"),  # click 8.1 words it "No such option: --bogus"
     (["ls"], "Missing argument 'RUN_DIR'"),
     (["lss"], "No such command 'lss'"),
-    (["--bogus"], "No such option '--bogus'"),
+    (["--bogus"], "No such option:? '?--bogus"),
     (["inspect", "x", "--filter"], "Option '--filter' requires an argument"),
     (["demo", "--steps", "0"], "0 is not in the range"),
 ])
@@ -88,7 +89,7 @@ def test_usage_errors_are_one_error_line_exit_2(args, says):
     r = CliRunner().invoke(main, args, prog_name="trainguard")
     lines = r.output.strip().splitlines()
     assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
-    assert says in lines[0] and "--help`" in lines[0] and "Traceback" not in r.output, r.output
+    assert re.search(says, lines[0]) and "--help`" in lines[0] and "Traceback" not in r.output, r.output
     if args[0] in ("ls", "inspect"):
         assert f"usage: trainguard {args[0]} [OPTIONS]" in lines[0], r.output
     r = CliRunner().invoke(main, [args[0] if not args[0].startswith("--") and args[0] != "lss" else "ls", "--help"], prog_name="trainguard")
