@@ -71,14 +71,18 @@ def _has_matplotlib() -> bool:
 def _terminated_stops_the_runs() -> Iterator[None]:
     """SIGTERM (``kill PID``, ``timeout``, a scheduler's stop) raises :class:`Terminated` in the
     main thread, so that the run in progress is stopped (``demo.driver.stop``) and the run
-    directories are removed, as on Ctrl-C. Python's default ended the demo alone. A SIGTERM the
-    process inherited ignored stays ignored."""
+    directories are removed, as on Ctrl-C. Python's default ended the demo alone. Further
+    SIGTERMs are ignored until the demo exits (stop() is bounded: SIGKILL after 60 s). A SIGTERM
+    the process inherited ignored stays ignored."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
 
     def on_term(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the demo at once
+        # A second one is ignored: SIG_DFL ended the demo at once, and one that came before the
+        # agent was sent its SIGTERM (Popen.wait waits 0.25 s for the child on a KeyboardInterrupt,
+        # which Terminated is, before stop() runs) left the agent and its workers training on.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
     old = signal.signal(signal.SIGTERM, on_term)

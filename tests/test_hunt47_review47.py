@@ -1,0 +1,67 @@
+"""Review of session 47's merged changes (review47).
+
+``trainguard demo``'s SIGTERM handling (b114b94): the first SIGTERM raised ``Terminated`` and set
+SIGTERM back to its default, "a second one ends the demo at once". ``Terminated`` is a
+``KeyboardInterrupt``, on which ``Popen.wait`` waits 0.25 s more for the child before re-raising,
+so for that time the agent had not been sent its SIGTERM: a second SIGTERM then ended the demo
+(exit -15) and its agent and 2 workers trained on, orphaned, in the run directory left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from test_hunt47_install import _alive, _descendants
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether ``pid`` has a handler of its own for SIGTERM (``SigCgt`` in /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path))
+    demo = subprocess.Popen([sys.executable, "-m", "trainguard", "demo", "--size", "tiny", "--steps", "100000",
+                             "--fault-step", "99999", "--save-every", "1000", "--plot", ""],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    below: set[int] = set()
+    try:
+        deadline = time.monotonic() + 180
+        while not any("step 100 loss" in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's kill run did not reach step 100"
+            time.sleep(0.05)
+        below = _descendants(demo.pid)
+        assert len(below) >= 3  # the agent and its 2 workers
+        assert _catches_sigterm(demo.pid)
+        demo.send_signal(signal.SIGTERM)
+        while _catches_sigterm(demo.pid) and demo.poll() is None:  # until the demo's handler has run
+            pass
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGTERM)  # the second, as the demo unwinds from the first
+        _, err = demo.communicate(timeout=180)
+        assert demo.returncode == 143, err[-3000:]
+        assert "terminated: the demo's runs were stopped and their directories removed" in err
+        assert "Traceback" not in err
+        deadline = time.monotonic() + 60  # the agent stops its workers within seconds of its SIGTERM
+        while any(_alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in below if _alive(p)] == []
+        assert list(tmp_path.glob("trainguard-demo-*")) == []
+    finally:
+        below |= _descendants(demo.pid) if demo.poll() is None else set()
+        for pid in [demo.pid, *below]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait(timeout=60)
