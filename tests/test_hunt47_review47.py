@@ -65,3 +65,64 @@ def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
         demo.wait(timeout=60)
+
+
+EPOCH_SAVES = """
+import sys
+import torch, trainguard as tg
+torch.manual_seed(0)
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+batches = [torch.randn(4, 2) for _ in range(5)]
+progress = tg.StateDict(epoch=-1)
+state = {"model": model, "optim": opt, "plateau": plateau, "progress": progress}
+with tg.CheckpointManager(sys.argv[1], handle_signals=False) as mgr:
+    mgr.restore(state)
+    for epoch in range(progress["epoch"] + 1, 6):
+        train_loss = 0.0
+        for i, x in enumerate(batches):
+            if epoch == int(sys.argv[2]) and i == 2:
+                import os; os._exit(9)  # killed in the middle of an epoch
+            opt.zero_grad()
+            loss = (model(x) ** 2).mean()
+            loss.backward()
+            opt.step()
+            train_loss += loss.item()
+        plateau.step(train_loss)
+        progress["epoch"] = epoch
+        mgr.save(epoch, state)
+print(opt.param_groups[0]["lr"], *model.weight.flatten().tolist(), *model.bias.tolist())
+"""
+
+
+def test_doctor_loop_accumulator_quiet_on_an_epoch_sum_saved_after_the_epoch(tmp_path):
+    """A training sum over the batches of an epoch, read by the plateau and saved after the epoch
+    (``mgr.save`` in the epoch loop, outside the batch loop) ends between two saves: a resume
+    starts at an epoch's beginning, as the sum does, and ends as the uninterrupted run (checked
+    here by a kill in the middle of an epoch). The check warned on it (its innermost loop calls
+    ``backward()``)."""
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    found = [f for f in check_source(Settings(source=EPOCH_SAVES)) if f.check == "loop accumulator"]
+    assert found == []
+    script = tmp_path / "train.py"
+    script.write_text(EPOCH_SAVES)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+
+    def run(ckpt: str, kill_epoch: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, str(script), str(tmp_path / ckpt), str(kill_epoch)], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    straight = run("a", -1)
+    assert straight.returncode == 0, straight.stderr
+    killed = run("b", 3)
+    assert killed.returncode == 9, killed.stderr
+    resumed = run("b", -1)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout == straight.stdout
+    # the same script keeps the warning when it saves inside the batch loop, where a save splits the sum
+    per_step = EPOCH_SAVES.replace("            train_loss += loss.item()\n",
+                                   "            train_loss += loss.item()\n            mgr.save(epoch * 5 + i, state)\n")
+    assert [f.check for f in check_source(Settings(source=per_step))].count("loop accumulator") == 1
