@@ -31,17 +31,33 @@ def _catches_sigterm(pid: int) -> bool:
     return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
-def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path):
+def _demo_at_step_100(tmp_path: Path, *extra: str) -> subprocess.Popen:
+    """``trainguard demo`` (tiny, long) once its first run's log shows step 100."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path))
     demo = subprocess.Popen([sys.executable, "-m", "trainguard", "demo", "--size", "tiny", "--steps", "100000",
-                             "--fault-step", "99999", "--save-every", "1000", "--plot", ""],
+                             "--fault-step", "99999", "--save-every", "1000", "--plot", "", *extra],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not any("step 100 loss" in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
+        if demo.poll() is not None or time.monotonic() > deadline:
+            demo.kill()
+            raise AssertionError(f"the demo's kill run did not reach step 100: {demo.communicate()[1][-3000:]}")
+        time.sleep(0.05)
+    return demo
+
+
+def _end(demo: subprocess.Popen, below: set[int]) -> None:
+    below |= _descendants(demo.pid) if demo.poll() is None else set()  # a failure before the scan
+    for pid in [demo.pid, *below]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    demo.wait(timeout=60)
+
+
+def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path):
+    demo = _demo_at_step_100(tmp_path)
     below: set[int] = set()
     try:
-        deadline = time.monotonic() + 180
-        while not any("step 100 loss" in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
-            assert demo.poll() is None and time.monotonic() < deadline, "the demo's kill run did not reach step 100"
-            time.sleep(0.05)
         below = _descendants(demo.pid)
         assert len(below) >= 3  # the agent and its 2 workers
         assert _catches_sigterm(demo.pid)
@@ -60,11 +76,24 @@ def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path
         assert [p for p in below if _alive(p)] == []
         assert list(tmp_path.glob("trainguard-demo-*")) == []
     finally:
-        below |= _descendants(demo.pid) if demo.poll() is None else set()
-        for pid in [demo.pid, *below]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        demo.wait(timeout=60)
+        _end(demo, below)
+
+
+def test_demo_keep_terminated_says_its_directories_are_kept(tmp_path):
+    """``demo --keep`` stopped by SIGTERM keeps its run directories (as printed on stdout), and said
+    on stderr that they were removed."""
+    demo = _demo_at_step_100(tmp_path, "--keep")
+    below = _descendants(demo.pid)
+    try:
+        demo.send_signal(signal.SIGTERM)
+        out, err = demo.communicate(timeout=180)
+        assert demo.returncode == 143, err[-3000:]
+        kept = list(tmp_path.glob("trainguard-demo-*"))
+        assert len(kept) == 1 and f"run directories kept in {kept[0]}" in out
+        assert "terminated: the demo's runs were stopped" in err
+        assert "removed" not in err
+    finally:
+        _end(demo, below)
 
 
 EPOCH_SAVES = """

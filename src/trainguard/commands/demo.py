@@ -49,8 +49,9 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
         with _terminated_stops_the_runs():
             out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
                            keep=keep, spawn=spawn, start_method=start_method, echo=echo)
-    except Terminated:
-        click.echo("terminated: the demo's runs were stopped and their directories removed", err=True)
+    except Terminated:  # --keep: the directories stay (run_demo printed where); it said "removed" of them
+        click.echo("terminated: the demo's runs were stopped" + ("" if keep else " and their directories removed"),
+                   err=True)
         sys.exit(143)
     except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
         raise CommandError(str(e)) from e
