@@ -32,18 +32,27 @@ def _plateaus(tree: ast.Module) -> set[str]:
     return out
 
 
+def _calls(node: ast.AST, attr: str) -> bool:
+    """Whether ``node`` holds a call of a method named ``attr`` (``mgr.save(...)``, ``loss.backward()``)."""
+    return any(isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == attr
+               for c in ast.walk(node))
+
+
 def _trained(tree: ast.Module) -> set[int]:
-    """The ids of the nodes whose innermost loop trains or saves (a ``backward()`` or ``save()`` call in it):
-    a sum there spans steps a checkpoint may fall between. A validation pass's ``val_loss += ...`` (its
-    loop has neither) completes between two saves, and the plateau reading it resumes as it ran."""
+    """The ids of the nodes whose innermost loop saves (a ``save()`` call in it, at any depth): a sum there
+    spans steps a checkpoint may fall between. Where the script shows no ``save()`` call (a helper of its
+    own saves), a loop that trains (``backward()``) counts. A validation pass's ``val_loss += ...``, and an
+    epoch's training sum in a script that saves after the epoch (``mgr.save(epoch, state)`` in the epoch
+    loop, around the batch loop), complete between two saves: the plateau reading them resumes as it ran
+    (both were warned; the second from 3f74471 on)."""
     innermost: dict[int, ast.AST] = {}
     for loop in ast.walk(tree):  # breadth first: an inner loop comes after the loops around it, and wins
         if isinstance(loop, (ast.For, ast.While)):
             for n in (n for stmt in loop.body for n in ast.walk(stmt)):
                 innermost[id(n)] = loop
-    training = {id(loop) for loop in set(innermost.values()) if any(
-        isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("backward", "save")
-        for c in ast.walk(loop))}
+    saves = _calls(tree, "save")
+    training = {id(loop) for loop in set(innermost.values())
+                if _calls(loop, "save") or not saves and _calls(loop, "backward")}
     return {n for n, loop in innermost.items() if id(loop) in training}
 
 

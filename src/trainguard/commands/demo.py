@@ -49,8 +49,9 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
         with _terminated_stops_the_runs():
             out = run_demo(steps=steps, fault_step=fault_step, save_every=save_every, size=size, plot=plot,
                            keep=keep, spawn=spawn, start_method=start_method, echo=echo)
-    except Terminated:
-        click.echo("terminated: the demo's runs were stopped and their directories removed", err=True)
+    except Terminated:  # --keep: the directories stay (run_demo printed where); it said "removed" of them
+        click.echo("terminated: the demo's runs were stopped" + ("" if keep else " and their directories removed"),
+                   err=True)
         sys.exit(143)
     except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
         raise CommandError(str(e)) from e
@@ -71,14 +72,18 @@ def _has_matplotlib() -> bool:
 def _terminated_stops_the_runs() -> Iterator[None]:
     """SIGTERM (``kill PID``, ``timeout``, a scheduler's stop) raises :class:`Terminated` in the
     main thread, so that the run in progress is stopped (``demo.driver.stop``) and the run
-    directories are removed, as on Ctrl-C. Python's default ended the demo alone. A SIGTERM the
-    process inherited ignored stays ignored."""
+    directories are removed, as on Ctrl-C. Python's default ended the demo alone. Further
+    SIGTERMs are ignored until the demo exits (stop() is bounded: SIGKILL after 60 s). A SIGTERM
+    the process inherited ignored stays ignored."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
         yield
         return
 
     def on_term(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second one ends the demo at once
+        # A second one is ignored: SIG_DFL ended the demo at once, and one that came before the
+        # agent was sent its SIGTERM (Popen.wait waits 0.25 s for the child on a KeyboardInterrupt,
+        # which Terminated is, before stop() runs) left the agent and its workers training on.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Terminated
 
     old = signal.signal(signal.SIGTERM, on_term)
