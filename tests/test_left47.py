@@ -106,3 +106,21 @@ def test_stale_lock_of_this_jobs_previous_attempt_is_not_warned_about(tmp_path, 
     assert [line.startswith("WARN") for line in stale] == [True] if warned else stale == [], again.stdout
     if not warned:
         assert "previous attempt" in again.stdout and f"pid {os.getpid()}" not in again.stdout
+
+
+@pytest.mark.parametrize("train_line,before_step,arg", [
+    ("train_loss += loss.item()", "avg = train_loss / 5", "avg"),                     # the usual shape: an average
+    ("train_loss = train_loss + loss.item()", "pass", "train_loss"),                  # summed without +=
+    ("train_loss += loss.item()", "avg = train_loss / 5\n        m = {'v': avg}", "m['v']"),  # two steps away
+])
+def test_doctor_loop_accumulator_follows_what_the_plateau_reads(train_line: str, before_step: str, arg: str) -> None:
+    # review47 found these shapes unreported by the check as merged: an average of the sum, x = x + ...
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    src = VALIDATION_PLATEAU % (train_line, arg)
+    src = src.replace("        plateau.step(", f"        {before_step}\n        plateau.step(")
+    (found,) = [f for f in check_source(Settings(source=src)) if f.check == "loop accumulator"]
+    assert "train_loss" in found.message and "tg.StateDict(step=0, train_loss=0.0)" in found.fix
+    annotated = src.replace("plateau = torch.optim", "plateau: torch.optim.lr_scheduler.ReduceLROnPlateau = torch.optim")
+    assert [f.check for f in check_source(Settings(source=annotated)) if f.check == "loop accumulator"] == ["loop accumulator"]

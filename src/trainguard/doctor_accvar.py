@@ -23,8 +23,9 @@ def _plateaus(tree: ast.Module) -> set[str]:
     """The names (``plateau``, ``self.plateau`` as ``plateau``) bound to a ``ReduceLROnPlateau(...)``."""
     out = set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and "ReduceLROnPlateau" in ast.unparse(n.value.func):
-            for t in n.targets:
+        if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Call) \
+                and "ReduceLROnPlateau" in ast.unparse(n.value.func):
+            for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
                 if isinstance(t, ast.Name):
                     out.add(t.id)
                 elif isinstance(t, ast.Attribute):
@@ -56,6 +57,16 @@ def _trained(tree: ast.Module) -> set[int]:
     return {n for n, loop in innermost.items() if id(loop) in training}
 
 
+def _one_name(n: ast.AST) -> bool:
+    """An assignment to one plain name (``x = ...``)."""
+    return isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.targets[0], ast.Name)
+
+
+def _reads(node: ast.AST) -> set[str]:
+    """The plain names ``node`` reads."""
+    return {x.id for x in ast.walk(node) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
+
+
 def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning when a ``ReduceLROnPlateau``'s ``step()`` reads a plain variable that the script sums
     (``+=``, ``-=``) inside a loop, in a script that opens a ``CheckpointManager`` (module doc);
@@ -65,10 +76,19 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
 
     if (tree := _tree(s)) is None or "CheckpointManager" not in (s.source or "") or not (names := _plateaus(tree)):
         return None
-    sums, trained = {}, _trained(tree)
+    sums: dict[str, ast.AST] = {}  # a summed name -> its sum (``x += ...``, ``x = x + ...``)
+    trained = _trained(tree)
     for n in ast.walk(tree):
-        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name) and id(n) in trained:
+        if id(n) not in trained:
+            continue
+        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
             sums.setdefault(n.target.id, n)
+        elif _one_name(n) and isinstance(n.value, ast.BinOp) and n.targets[0].id in _reads(n.value):
+            sums.setdefault(n.targets[0].id, n)
+    for _ in range(3):  # names computed from a sum (``avg = running / len(loader)``), three assignments deep
+        for n in ast.walk(tree):
+            if _one_name(n) and n.targets[0].id not in sums and (got := _reads(n.value) & sums.keys()):
+                sums[n.targets[0].id] = sums[min(got)]
     for c in ast.walk(tree):
         if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "step"):
             continue
@@ -79,10 +99,11 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
                 if isinstance(x, ast.Name) and x.id in sums]
         if read:
             acc = sums[read[0]]
+            var = ast.unparse(acc.target if isinstance(acc, ast.AugAssign) else acc.targets[0])  # type: ignore[attr-defined]
             return Finding("loop accumulator", "warning", f"line {acc.lineno}: {ast.unparse(acc)} sums in a variable "
                            f"of the loop, and line {c.lineno}: {ast.unparse(c)} reads it: a checkpoint does not hold "
-                           f"it, so a resume in the middle of an epoch starts `{read[0]}` again and the plateau "
+                           f"it, so a resume in the middle of an epoch starts `{var}` again and the plateau "
                            "decides on part of the epoch, setting another lr than the uninterrupted run",
-                           f"keep it in the state: progress = tg.StateDict(step=0, {read[0]}=0.0) in the state, "
-                           f"progress[\"{read[0]}\"] += ..., reset there at the epoch's end (docs/checkpoints.md)")
+                           f"keep it in the state: progress = tg.StateDict(step=0, {var}=0.0) in the state, "
+                           f"progress[\"{var}\"] += ..., reset there at the epoch's end (docs/checkpoints.md)")
     return None
