@@ -155,3 +155,23 @@ def test_doctor_loop_accumulator_quiet_on_an_epoch_sum_saved_after_the_epoch(tmp
     per_step = EPOCH_SAVES.replace("            train_loss += loss.item()\n",
                                    "            train_loss += loss.item()\n            mgr.save(epoch * 5 + i, state)\n")
     assert [f.check for f in check_source(Settings(source=per_step))].count("loop accumulator") == 1
+
+
+def test_demo_interrupted_exits_130_and_stops_its_runs(tmp_path):
+    """Ctrl-C (SIGINT) on the demo stopped its runs and removed them, then exited 1 with click's
+    "Aborted!": the code of a demo that ran and failed. Now 130, with one line saying what was done."""
+    demo = _demo_at_step_100(tmp_path)
+    below = _descendants(demo.pid)
+    try:
+        demo.send_signal(signal.SIGINT)
+        _, err = demo.communicate(timeout=180)
+        assert demo.returncode == 130, err[-3000:]
+        assert "interrupted: the demo's runs were stopped and their directories removed" in err
+        assert "Traceback" not in err and "Aborted" not in err
+        deadline = time.monotonic() + 60  # the agent stops its workers within seconds of its SIGTERM
+        while any(_alive(p) for p in below) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in below if _alive(p)] == []
+        assert list(tmp_path.glob("trainguard-demo-*")) == []
+    finally:
+        _end(demo, below)

@@ -84,7 +84,8 @@ def pass_seeding(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                            f"`{name}` (line {call.lineno}), whose workers persist (persistent_workers="
                            f"{ast.unparse(persistent)}): they were seeded once, when they started, so the seed reaches "
                            "the shuffle order but not what the dataset draws in them; after a resume the first pass "
-                           "draws what the uninterrupted run's first pass drew, and its metrics differ",
+                           "draws what the uninterrupted run's first pass drew: random augmentation in the dataset then differs "
+                           "from the uninterrupted run's (nothing differs where the dataset draws no random numbers)",
                            "persistent_workers=False for a loader seeded at each pass, or wrap its dataset in "
                            "tg.SeededDataset(ds, seed=0) read through tg.ResumableSampler(len(ds), seed=0, "
                            "with_epoch=True) never advanced: every pass then draws the same (docs/data.md)")

@@ -53,6 +53,10 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
         click.echo("terminated: the demo's runs were stopped" + ("" if keep else " and their directories removed"),
                    err=True)
         sys.exit(143)
+    except KeyboardInterrupt:  # Ctrl-C: run_demo stopped its runs first; click's "Aborted!" exited 1, a failed demo's code
+        click.echo("interrupted: the demo's runs were stopped" + ("" if keep else " and their directories removed"),
+                   err=True)
+        sys.exit(130)
     except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
         raise CommandError(str(e)) from e
     except RuntimeError as e:  # a training run failed: the demo ran and failed, as a non-identical result
