@@ -124,3 +124,43 @@ def test_doctor_loop_accumulator_follows_what_the_plateau_reads(train_line: str,
     assert "train_loss" in found.message and "tg.StateDict(step=0, train_loss=0.0)" in found.fix
     annotated = src.replace("plateau = torch.optim", "plateau: torch.optim.lr_scheduler.ReduceLROnPlateau = torch.optim")
     assert [f.check for f in check_source(Settings(source=annotated)) if f.check == "loop accumulator"] == ["loop accumulator"]
+
+
+DEMO_CLEANUP = r"""
+import os, shutil, signal, sys
+from trainguard.demo import driver
+
+class Terminated(Exception):
+    pass
+
+def on_term(signum, frame):
+    raise Terminated
+
+signal.signal(signal.SIGTERM, on_term)
+work = sys.argv[1]
+real = shutil.rmtree
+
+def rmtree_signalled(path, ignore_errors=False):  # the signal arrives as the removal starts
+    os.kill(os.getpid(), signal.SIGTERM)
+    real(path, ignore_errors=ignore_errors)
+
+driver.shutil.rmtree = rmtree_signalled
+try:
+    driver._remove_unsignalled(work)
+except Terminated:
+    print("terminated after the removal:", not os.path.exists(work))
+"""
+
+
+def test_demo_cleanup_finishes_before_a_stop_signal_is_taken(tmp_path) -> None:
+    # review47: a SIGTERM during the demo's final rmtree interrupted it, leaving part of the run
+    # directories under "their directories removed". The signal waits until the removal is done
+    # (checked to fail with the plain rmtree of 672d2d1 in its place).
+    from conftest import run_py
+
+    work = tmp_path / "trainguard-demo-x"
+    for i in range(50):
+        (work / f"d{i}").mkdir(parents=True)
+        (work / f"d{i}" / "f").write_text("x")
+    res = run_py(["-c", DEMO_CLEANUP, str(work)], timeout=60)
+    assert res.stdout.strip() == "terminated after the removal: True", res

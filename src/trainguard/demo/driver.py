@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -125,5 +127,23 @@ def run_demo(*, steps: int = 1000, fault_step: int = 743, save_every: int = 100,
         if keep:
             echo(f"run directories kept in {work}")
         else:
-            shutil.rmtree(work, ignore_errors=True)
+            _remove_unsignalled(work)
     return out
+
+
+def _remove_unsignalled(work: str) -> None:
+    """``run_demo``'s removal of its directory with SIGINT and SIGTERM held back until it is done: a
+    signal in the middle interrupted ``rmtree`` and left part of the directory under the command's
+    "directories removed" (review47). The first one that came is raised again once the removal is
+    complete. Held by handlers, not a signal mask: torch's threads would take a process's signal."""
+    got: list[int] = []
+    old: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        shutil.rmtree(work, ignore_errors=True)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
