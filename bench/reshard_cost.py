@@ -31,13 +31,7 @@ import time
 import warnings
 from typing import Any
 
-
-def _status(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from bench.optim_load_rss import _status  # MiB of a /proc/self/status field
 
 
 def _rchar() -> int:

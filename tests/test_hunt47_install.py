@@ -135,11 +135,16 @@ def test_demo_terminated_stops_its_runs_and_removes_their_directories(tmp_path):
         assert [p for p in below if _alive(p)] == []
         assert list(tmp_path.glob("trainguard-demo-*")) == []
     finally:
-        below |= _descendants(demo.pid) if demo.poll() is None else set()  # a failure before the scan
-        for pid in [demo.pid, *below]:
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        demo.wait(timeout=60)
+        _end(demo, below)
+
+
+def _end(demo: subprocess.Popen, below: set[int]) -> None:
+    """SIGKILL what is left of a demo and the processes found below it (a failure before the scan: found now)."""
+    below |= _descendants(demo.pid) if demo.poll() is None else set()
+    for pid in [demo.pid, *below]:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    demo.wait(timeout=60)
 
 
 def test_demo_training_saves_no_values_that_differ_between_ranks(tmp_path):

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_hunt47_install import _alive, _descendants
+from test_hunt47_install import _alive, _descendants, _end
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,12 +46,18 @@ def _demo_at_step_100(tmp_path: Path, *extra: str) -> subprocess.Popen:
     return demo
 
 
-def _end(demo: subprocess.Popen, below: set[int]) -> None:
-    below |= _descendants(demo.pid) if demo.poll() is None else set()  # a failure before the scan
-    for pid in [demo.pid, *below]:
-        if _alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    demo.wait(timeout=60)
+def _stopped_and_removed(demo: subprocess.Popen, below: set[int], tmp_path: Path, code: int, line: str) -> None:
+    """Wait for the demo; assert its exit ``code``, the stderr ``line``, no traceback, every process
+    that was below it gone (the agent stops its workers within seconds of its SIGTERM) and its
+    directories removed."""
+    _, err = demo.communicate(timeout=180)
+    assert demo.returncode == code, err[-3000:]
+    assert line in err and "Traceback" not in err and "Aborted" not in err, err[-3000:]
+    deadline = time.monotonic() + 60
+    while any(_alive(p) for p in below) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [p for p in below if _alive(p)] == []
+    assert list(tmp_path.glob("trainguard-demo-*")) == []
 
 
 def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path):
@@ -66,15 +72,8 @@ def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path
             pass
         if demo.poll() is None:
             demo.send_signal(signal.SIGTERM)  # the second, as the demo unwinds from the first
-        _, err = demo.communicate(timeout=180)
-        assert demo.returncode == 143, err[-3000:]
-        assert "terminated: the demo's runs were stopped and their directories removed" in err
-        assert "Traceback" not in err
-        deadline = time.monotonic() + 60  # the agent stops its workers within seconds of its SIGTERM
-        while any(_alive(p) for p in below) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in below if _alive(p)] == []
-        assert list(tmp_path.glob("trainguard-demo-*")) == []
+        _stopped_and_removed(demo, below, tmp_path, 143,
+                             "terminated: the demo's runs were stopped and their directories removed")
     finally:
         _end(demo, below)
 
@@ -164,14 +163,7 @@ def test_demo_interrupted_exits_130_and_stops_its_runs(tmp_path):
     below = _descendants(demo.pid)
     try:
         demo.send_signal(signal.SIGINT)
-        _, err = demo.communicate(timeout=180)
-        assert demo.returncode == 130, err[-3000:]
-        assert "interrupted: the demo's runs were stopped and their directories removed" in err
-        assert "Traceback" not in err and "Aborted" not in err
-        deadline = time.monotonic() + 60  # the agent stops its workers within seconds of its SIGTERM
-        while any(_alive(p) for p in below) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [p for p in below if _alive(p)] == []
-        assert list(tmp_path.glob("trainguard-demo-*")) == []
+        _stopped_and_removed(demo, below, tmp_path, 130,
+                             "interrupted: the demo's runs were stopped and their directories removed")
     finally:
         _end(demo, below)
