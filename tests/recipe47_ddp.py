@@ -28,20 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import trainguard as tg
-
-
-class Aug(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(5)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = self.x.sum(1, keepdim=True)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        x = self.x[i] * float(np.random.uniform(0.9, 1.1)) + 0.01 * random.random()
-        return x, self.y[i], i
+from recipe47 import Aug  # the single-process recipe's dataset (this script's directory is on sys.path)
 
 
 def main() -> None:
