@@ -67,6 +67,29 @@ def _reads(node: ast.AST) -> set[str]:
     return {x.id for x in ast.walk(node) if isinstance(x, ast.Name) and isinstance(x.ctx, ast.Load)}
 
 
+def _target(n: ast.AST) -> str | None:
+    """The plain name an assignment binds (``x += ...``, ``x = ...``); None otherwise."""
+    if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+        return n.target.id
+    return n.targets[0].id if _one_name(n) else None  # type: ignore[attr-defined]
+
+
+def _loop_targets(tree: ast.Module) -> set[tuple[int, str]]:
+    """(node id, name) for each node in a ``for`` loop's body and each name that loop binds: there
+    ``x = x + noise`` changes this iteration's batch (``for x, y in loader``), it sums nothing."""
+    return {(id(n), t.id) for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.AsyncFor))
+            for t in ast.walk(loop.target) if isinstance(t, ast.Name) for stmt in loop.body for n in ast.walk(stmt)}
+
+
+def _save_steps(tree: ast.Module) -> set[str]:
+    """The names a ``save()`` call reads for its step (``mgr.save(global_step, state)``): the step
+    counter (``global_step += 1``), which the checkpoint holds (``restore()`` returns it), not a sum
+    (``torch.save(obj, path)``: no step)."""
+    return {x for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+            and c.func.attr == "save" and ast.unparse(c.func.value) != "torch" for a in [*c.args[:1], *(k.value for k in c.keywords if k.arg == "step")]
+            for x in _reads(a)}
+
+
 def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """A warning when a ``ReduceLROnPlateau``'s ``step()`` reads a plain variable that the script sums
     (``+=``, ``-=``) inside a loop, in a script that opens a ``CheckpointManager`` (module doc);
@@ -77,9 +100,9 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
     if (tree := _tree(s)) is None or "CheckpointManager" not in (s.source or "") or not (names := _plateaus(tree)):
         return None
     sums: dict[str, ast.AST] = {}  # a summed name -> its sum (``x += ...``, ``x = x + ...``)
-    trained = _trained(tree)
+    trained, rebound, steps = _trained(tree), _loop_targets(tree), _save_steps(tree)
     for n in ast.walk(tree):
-        if id(n) not in trained:
+        if id(n) not in trained or _target(n) in steps or (id(n), _target(n)) in rebound:
             continue
         if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
             sums.setdefault(n.target.id, n)
