@@ -305,7 +305,8 @@ def _attempt() -> dict[str, Any]:
 def _earlier_attempt(fd: int) -> bool:
     """Whether the stale lock's holder was an earlier attempt of this job: the same rendezvous id and
     a lower restart count (the agent restarted the workers after a failure, which left the lock).
-    A requeued job (a new agent: its count starts at 0 again) or another job is warned about."""
+    A requeued job (a new agent: its count starts at 0 again) or another job is warned about; not one
+    requeued under the same ``--rdzv-id`` whose attempt 0 failed before it took the lock (review47b)."""
     now = _attempt()
     if not now or _live_here(fd):
         return False
