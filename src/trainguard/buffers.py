@@ -116,6 +116,8 @@ class ScratchPool:
         return base, base[phase:need]
 
     def give(self, base: torch.Tensor) -> None:
+        """``io._Scratch.done``, once the op's last piece is copied out: ``base`` kept for the next
+        op (past ``keep`` it is dropped, and unmapped with its last view)."""
         with self.lock:
             if len(self.free) < self.keep:
                 self.free.append(base)
