@@ -36,7 +36,10 @@ def _demo_at_step_100(tmp_path: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TMPDIR=str(tmp_path))
     demo = subprocess.Popen([sys.executable, "-m", "trainguard", "demo", "--size", "tiny", "--steps", "100000",
                              "--fault-step", "99999", "--save-every", "1000", "--plot", "", *extra],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # SIGINT as in a terminal: a pytest-xdist worker ignores it, and a child inheriting
+                            # SIG_IGN gets no KeyboardInterrupt from Python (the Ctrl-C test waited out its timeout)
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 180
     while not any("step 100 loss" in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
         if demo.poll() is not None or time.monotonic() > deadline:
