@@ -92,6 +92,32 @@ class Terminated(KeyboardInterrupt):
     directory; Python's default for SIGTERM ended the process at once and left it behind."""
 
 
+NOT_INSTALLED = object()  # raise_terminated_on_sigterm: no handler set, none to put back
+
+
+def raise_terminated_on_sigterm(then: Any = signal.SIG_DFL) -> Any:
+    """On the main thread: the first SIGTERM raises :class:`Terminated` and leaves SIGTERM at ``then``
+    (``SIG_DFL``: a second one ends the process at once; ``SIG_IGN``: the next are ignored). Returns the
+    handler to put back with :func:`restore_sigterm`; ``NOT_INSTALLED`` off the main thread, or where the
+    process inherited SIGTERM ignored, which stays so (`trap '' TERM`, a launcher's own shutdown, as
+    Python leaves an ignored SIGINT ignored: it ended the command, exit 143). ``terminated_as_interrupt``
+    and ``demo`` call it."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        return NOT_INSTALLED
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, then)
+        raise Terminated
+
+    return signal.signal(signal.SIGTERM, on_term)
+
+
+def restore_sigterm(old: Any) -> None:
+    """Put back the handler :func:`raise_terminated_on_sigterm` replaced (``None``: one not set from Python)."""
+    if old is not NOT_INSTALLED:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+
+
 @contextlib.contextmanager
 def terminated_as_interrupt(what: str) -> Iterator[None]:
     """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
@@ -99,18 +125,11 @@ def terminated_as_interrupt(what: str) -> Iterator[None]:
     and the command exits 143 with one line on stderr once the partial output is removed (or saying
     ``what`` was written whole, when the signal came after its rename into place). A SIGTERM the
     process inherited ignored stays ignored."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-        # SIG_IGN: inherited from a parent that keeps its children running through a SIGTERM (`trap '' TERM`,
-        # a launcher's own shutdown), as Python leaves an ignored SIGINT ignored (it ended the command, exit 143)
+    before = _identity(what)
+    old = raise_terminated_on_sigterm()
+    if old is NOT_INSTALLED:
         yield
         return
-
-    def on_term(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise Terminated
-
-    before = _identity(what)
-    old = signal.signal(signal.SIGTERM, on_term)
     try:
         yield
     except Terminated:
@@ -121,7 +140,7 @@ def terminated_as_interrupt(what: str) -> Iterator[None]:
                    if done else "was not written (its partial output is removed)"), err=True)
         sys.exit(143)
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+        restore_sigterm(old)
 
 
 def _identity(what: str) -> tuple[int, int] | None:

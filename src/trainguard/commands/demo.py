@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
-import threading
 from collections.abc import Iterator
 
 import click
 
-from . import CommandError, Terminated, echo
+from . import CommandError, Terminated, echo, raise_terminated_on_sigterm, restore_sigterm
 
 DEFAULT_PLOT = "trainguard-demo-timeline.png"
 
@@ -77,21 +76,12 @@ def _terminated_stops_the_runs() -> Iterator[None]:
     """SIGTERM (``kill PID``, ``timeout``, a scheduler's stop) raises :class:`Terminated` in the
     main thread, so that the run in progress is stopped (``demo.driver.stop``) and the run
     directories are removed, as on Ctrl-C. Python's default ended the demo alone. Further
-    SIGTERMs are ignored until the demo exits (stop() is bounded: SIGKILL after 60 s). A SIGTERM
-    the process inherited ignored stays ignored."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
-        yield
-        return
-
-    def on_term(signum: int, frame: object) -> None:
-        # A second one is ignored: SIG_DFL ended the demo at once, and one that came before the
-        # agent was sent its SIGTERM (Popen.wait waits 0.25 s for the child on a KeyboardInterrupt,
-        # which Terminated is, before stop() runs) left the agent and its workers training on.
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Terminated
-
-    old = signal.signal(signal.SIGTERM, on_term)
+    SIGTERMs are ignored until the demo exits (stop() is bounded: SIGKILL after 60 s): SIG_DFL
+    ended the demo at once, and one that came before the agent was sent its SIGTERM (Popen.wait
+    waits 0.25 s for the child on a KeyboardInterrupt, which Terminated is, before stop() runs)
+    left the agent and its workers training on. A SIGTERM the process inherited ignored stays ignored."""
+    old = raise_terminated_on_sigterm(then=signal.SIG_IGN)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if old is None else old)
+        restore_sigterm(old)
