@@ -7,14 +7,19 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import signal
 import sys
-import threading
 
 import click
 from rich.table import Table
 
-from . import CommandError, PipeConsole
+from . import (
+    NOT_INSTALLED,
+    CommandError,
+    PipeConsole,
+    Terminated,
+    raise_terminated_on_sigterm,
+    restore_sigterm,
+)
 
 _ROWS = (
     ("raw_write_s", "limit: raw write+fsync"),
@@ -75,9 +80,9 @@ def bench(directory: str, size: int, rounds: int, device: str, keep: bool, as_js
         what = f"round {r}/{rounds}" if r else "first round (not in the medians)"
         console.print(f"{what}: " + ", ".join(f"{k} {v:.3f}" for k, v in fig.items()))
 
-    old_term: object = _NOT_MAIN
+    old_term: object = NOT_INSTALLED
     try:
-        old_term = _stop_on_sigterm()
+        old_term = raise_terminated_on_sigterm()
         result = selfbench.run(directory, nbytes, rounds=rounds, device=device, keep=keep, progress=progress)
     except (selfbench.BenchError, CheckpointError) as e:  # a load gave back other bytes; a save failed
         raise CommandError(str(e), exit_code=1) from None
@@ -85,14 +90,13 @@ def bench(directory: str, size: int, rounds: int, device: str, keep: bool, as_js
         raise CommandError(f"cannot write in {directory}: {e}") from None
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: selfbench.run cleaned up first (selfbench.Interrupted)
         left = getattr(e, "left", [])
-        term = isinstance(e, _Terminated) or isinstance(e.__cause__, _Terminated)
+        term = isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)
         if rank == 0:
             click.echo(("terminated" if term else "interrupted") + ": "
                        + (f"left {', '.join(left)}" if left else "its files are removed"), err=True)
         sys.exit(143 if term else 130)
     finally:
-        if old_term is not _NOT_MAIN:  # None: a handler not set from Python (the default here)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if old_term is None else old_term)  # type: ignore[arg-type]
+        restore_sigterm(old_term)
         if own_group:
             dist.destroy_process_group()
     if rank != 0:
@@ -118,28 +122,6 @@ def bench(directory: str, size: int, rounds: int, device: str, keep: bool, as_js
     console.print(f"for `trainguard plan`: {result.plan_flags()}")
     if result.kept:
         console.print("kept: " + " and ".join(result.kept))
-
-
-_NOT_MAIN = object()  # _stop_on_sigterm off the main thread: no handler to put back
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM during the run (a scheduler's stop, ``timeout``): unwound as a Ctrl-C is, so the
-    bench's directory (up to twice --size, plus the raw file) is removed before the exit (143)."""
-
-
-def _stop_on_sigterm() -> object:
-    """``bench``, on the main thread before ``selfbench.run``: the first SIGTERM raises
-    :class:`_Terminated` there (a second one ends the process at once, as a second Ctrl-C cuts the
-    cleanup short). Returns the handler to put back, ``_NOT_MAIN`` when not on the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return _NOT_MAIN
-
-    def on_term(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise _Terminated
-
-    return signal.signal(signal.SIGTERM, on_term)
 
 
 def _size(text: str) -> int:
