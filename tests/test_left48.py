@@ -37,3 +37,42 @@ def test_bench_keeps_an_inherited_ignored_sigterm_and_finishes(tmp_path, monkeyp
     assert res.exit_code == 0, res.output
     assert '"sync_save_s"' in res.stdout
     assert os.listdir(tmp_path) == []
+
+
+def test_a_manager_save_that_drops_an_entry_is_warned_at_the_save(tmp_path):
+    """A save that left out an entry its manager's earlier saves held (a last save of the weights
+    alone) was found only at the resume, after the crash: restore() refused the newest checkpoint.
+    The save itself now warns, once per drop, naming the entry and the step that last held it; an
+    entry added later, or saves that go on without it, are not warned of."""
+    import warnings
+
+    import torch
+
+    from trainguard.entrydrop import DroppedEntryWarning
+
+    model, ema = torch.nn.Linear(2, 2), tg.StateDict(decay=0.9)
+
+    def saves(mgr, step, state):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            mgr.save(step, state)
+        return [w for w in got if issubclass(w.category, DroppedEntryWarning)]
+
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10)) as mgr:
+        assert saves(mgr, 10, {"model": model}) == []
+        assert saves(mgr, 20, {"model": model, "ema": ema}) == []  # added: not warned
+        dropped = saves(mgr, 30, {"model": model})
+        assert len(dropped) == 1, dropped
+        text = str(dropped[0].message)
+        assert "step 30" in text and "'ema' (last saved at step 20)" in text, text
+        assert dropped[0].filename == __file__  # points at the caller's save()
+        assert saves(mgr, 40, {"model": model}) == []  # once per drop
+        assert saves(mgr, 50, {"model": model, "ema": ema}) == []
+        assert "'ema' (last saved at step 50)" in str(saves(mgr, 60, {"model": model})[0].message)
+    with tg.CheckpointManager(tmp_path) as mgr:  # what the warning foretells
+        try:
+            mgr.restore({"model": model, "ema": ema})
+        except tg.CheckpointError as e:
+            assert "step 50 holds ema" in str(e), e
+        else:
+            raise AssertionError("restore took a checkpoint without the entry")

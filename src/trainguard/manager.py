@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import gradwatch, layout, policies, retention, runlock
+from . import entrydrop, gradwatch, layout, policies, retention, runlock
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -185,8 +185,7 @@ class CheckpointManager:
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
-        """Call once per training step on every rank; saves when the policy says so (or ``force``,
-        or after SIGTERM/SIGINT). Returns the save's handle, or None when nothing was saved."""
+        """Call once per training step on every rank; saves when the policy says so (or ``force``, or after SIGTERM/SIGINT). Returns its handle, or None."""
         self._require_open()
         agree = self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals)
         if agree:  # every rank runs the "decide" round: numbered now, a Ctrl-C before it leaves the call (dist.py)
@@ -208,6 +207,7 @@ class CheckpointManager:
         gradwatch.at_save(state, step, saving=want and not gradwatch.saved_already(self, step))  # docs/checkpoints.md
         if not want:
             return None
+        entrydrop.check(self, state, step)  # an entry earlier saves held: warned of now, not at the resume
         self.ctx.rounds_follow()  # every rank saves: a Ctrl-C in the wait for the previous save leaves it (dist.py)
         with watchdog.paused(self.timeout or default_timeout()):  # a save may outlast the hang timeout; a stuck write may not
             return self._save_now(step, state, metrics)
