@@ -48,15 +48,13 @@ def test_a_manager_save_that_drops_an_entry_is_warned_at_the_save(tmp_path):
 
     import torch
 
-    from trainguard.entrydrop import DroppedEntryWarning
-
     model, ema = torch.nn.Linear(2, 2), tg.StateDict(decay=0.9)
 
     def saves(mgr, step, state):
         with warnings.catch_warnings(record=True) as got:
             warnings.simplefilter("always")
             mgr.save(step, state)
-        return [w for w in got if issubclass(w.category, DroppedEntryWarning)]
+        return [w for w in got if issubclass(w.category, tg.DroppedEntryWarning)]
 
     with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(10)) as mgr:
         assert saves(mgr, 10, {"model": model}) == []

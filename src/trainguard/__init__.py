@@ -12,6 +12,7 @@ from .api import load, save  # noqa: E402
 from .daly import DalyInterval  # noqa: E402
 from .doctor import Finding  # noqa: E402
 from .doctor import doctor as doctor  # noqa: E402
+from .entrydrop import DroppedEntryWarning  # noqa: E402
 from .errors import (  # noqa: E402
     CheckpointError,
     CorruptCheckpointError,
@@ -87,6 +88,7 @@ __all__ = [
     "ReplicasDifferWarning",
     "PendingGradientsWarning",
     "OptimizerSettingsWarning",
+    "DroppedEntryWarning",
 ]
 
 from . import exitdrain  # noqa: E402, F401  (the exit waits for a save in flight and a RAM tier's copy)
