@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from trainguard.demo import driver
 from trainguard.elastic.reap import running
 
@@ -48,3 +50,47 @@ def test_demo_stop_kills_the_agents_workers_with_it():
         agent.wait(timeout=30)
         agent.stdout.close()
 
+
+LIST_PLATEAU = """
+import torch, trainguard as tg
+model = torch.nn.Linear(2, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+state = {"model": model, "optim": opt, "plateau": plateau}
+with tg.CheckpointManager("ck", handle_signals=False) as mgr:
+    step = 0
+    for epoch in range(3):
+        losses = []
+        for x in [torch.randn(4, 2)] * 5:
+            opt.zero_grad()
+            loss = model(x).sum()
+            loss.backward()
+            opt.step()
+            %s
+            step += 1
+            mgr.save(step, state)
+        val = []
+        with torch.no_grad():
+            for x in [torch.randn(4, 2)] * 3:
+                val.append(model(x).sum().item())
+        plateau.step(%s)
+"""
+
+
+@pytest.mark.parametrize("train_line,arg,warned", [
+    ("losses.append(loss.item())", "sum(losses) / len(losses)", True),   # a list across saves: a resume empties it
+    ("losses.extend([loss.item()])", "max(losses)", True),
+    ("losses.append(loss.item())", "sum(val) / len(val)", False),        # the plateau reads the validation pass's list
+    ("pass", "sum(val) / len(val)", False),
+    ("losses.append(loss.item())", "0.5", False),                       # the list is never fed to the plateau
+])
+def test_doctor_loop_accumulator_sees_a_list_of_losses(train_line: str, arg: str, warned: bool) -> None:
+    # The check warned on `epoch_loss += loss.item()` ... `plateau.step(epoch_loss / n)` but not on the
+    # same sum kept as a list, `losses.append(loss.item())` ... `plateau.step(sum(losses) / len(losses))`.
+    from trainguard.doctor import Settings
+    from trainguard.doctor_source import check_source
+
+    found = [f for f in check_source(Settings(source=LIST_PLATEAU % (train_line, arg))) if f.check == "loop accumulator"]
+    assert len(found) == warned
+    if warned:
+        assert train_line in found[0].message and "losses_sum" in found[0].fix
