@@ -7,11 +7,16 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
+import trainguard as tg
 from trainguard.demo import driver
 from trainguard.elastic.reap import running
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # An "agent" that does not end on SIGTERM (as a SIGSTOPped or hung one), with a worker leading a
 # session of its own (as trainguard run's --run-path workers do) and that worker's own child (a
@@ -94,3 +99,42 @@ def test_doctor_loop_accumulator_sees_a_list_of_losses(train_line: str, arg: str
     assert len(found) == warned
     if warned:
         assert train_line in found[0].message and "losses_sum" in found[0].fix
+
+
+def _interrupted_at(point: str, argv: list[str], tmp_path: Path) -> tuple[int, str]:
+    """``argv`` (a trainguard command) stopped at the fault point ``point``, sent a SIGINT (Ctrl-C)
+    there, then continued. (returncode, stderr)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)]),
+           "TRAINGUARD_CRASH_AT": point, "TRAINGUARD_CRASH_KIND": "stop"}
+    p = subprocess.Popen([sys.executable, "-m", "trainguard", *argv], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # xdist workers ignore it
+    try:
+        _, status = os.waitpid(p.pid, os.WUNTRACED)  # blocks until it stopped (or ended)
+        assert os.WIFSTOPPED(status), f"{argv} ended before it stopped: {status}"
+        os.kill(p.pid, signal.SIGINT)
+        os.kill(p.pid, signal.SIGCONT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err
+
+
+def test_convert_ctrl_c_after_the_rename_says_the_output_is_complete(tmp_path: Path) -> None:
+    # A Ctrl-C handled once convert had renamed DST into place ended in click's "Aborted!", exit 1,
+    # without the "converted" line, although DST was complete and loadable. Now it says DST was
+    # written whole (exit 130); before the rename it says DST was not written, and none is left.
+    torch.save({"w": torch.arange(1000.0)}, tmp_path / "w.pt")
+    rc, err = _interrupted_at("after_rename", ["convert", "w.pt", "out/step-000000000"], tmp_path)
+    assert rc == 130, err
+    assert "interrupted: out/step-000000000 was written whole before the signal" in err and "Aborted" not in err, err
+    got = {"model": tg.StateDict(w=torch.zeros(1000))}
+    tg.load(str(tmp_path / "out" / "step-000000000"), got)
+    assert torch.equal(got["model"]["w"], torch.arange(1000.0))
+    rc, err = _interrupted_at("after_manifest", ["convert", "w.pt", "other/step-000000000"], tmp_path)
+    assert rc == 130 and "interrupted: other/step-000000000 was not written" in err, err
+    assert not (tmp_path / "other" / "step-000000000").exists()
+    assert [p.name for p in (tmp_path / "other").iterdir()] == []  # no temporary directory left
+
