@@ -3,6 +3,7 @@ to fail on the code before its fix."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -138,3 +139,22 @@ def test_convert_ctrl_c_after_the_rename_says_the_output_is_complete(tmp_path: P
     assert not (tmp_path / "other" / "step-000000000").exists()
     assert [p.name for p in (tmp_path / "other").iterdir()] == []  # no temporary directory left
 
+
+@pytest.mark.parametrize("bad", [[1e308, -1e308], [1e308]])
+def test_report_refuses_timestamps_no_run_has(tmp_path: Path, bad: list[float]) -> None:
+    # A garbled event log whose t are finite (read_events takes them) but +-1e308 printed "wall time inf s"
+    # (--json: "Infinity", no JSON), and 1e308 among ordinary times a wall time of 309 digits, exit 0.
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    ev = [{"t": 100.0 + s, "event": "step", "rank": 0, "pid": 7, "step": s} for s in range(5)]
+    ev += [{"t": t, "event": "step", "rank": 0, "pid": 7, "step": 5 + i} for i, t in enumerate(bad)]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))
+    for args in ([], ["--json"]):
+        res = CliRunner().invoke(main, ["report", *args, str(tmp_path)])
+        assert res.exit_code == 2, res.output
+        assert "timestamps in" in res.output and "are invalid" in res.output and "inf" not in res.output, res.output
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev[:5]))  # the ordinary part
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code == 0 and "wall time          4.00 s" in res.output, res.output
