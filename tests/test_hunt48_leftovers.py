@@ -8,6 +8,8 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,3 +160,51 @@ def test_report_refuses_timestamps_no_run_has(tmp_path: Path, bad: list[float]) 
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev[:5]))  # the ordinary part
     res = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert res.exit_code == 0 and "wall time          4.00 s" in res.output, res.output
+
+
+def _epoch(sampler: tg.ResumableSampler, count: Callable[[int], int], num_workers: int = 0) -> list[str]:
+    """One epoch of a DataLoader over 100 samples (batches of 10) reading ``sampler``, each batch
+    advanced by ``count(len(x))``; the ResumableSampler warnings it gave."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    loader = DataLoader(TensorDataset(torch.arange(100.0)), batch_size=10, sampler=sampler, num_workers=num_workers)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for (x,) in loader:
+            sampler.advance(count(len(x)))
+        sampler.next_epoch()
+    return [str(w.message) for w in seen if "ResumableSampler" in str(w.message)]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sampler_warns_when_advance_counts_more_than_the_iterator_gave(world: int) -> None:
+    # advance() capped an over-count at the epoch's end silently: advance(len(x) * 2) reached position 100
+    # at step 5 of 10, a checkpoint there resumed with the epoch done and its last 50 samples never read.
+    over = _epoch(tg.ResumableSampler(100, rank=0, world_size=world), lambda n: 2 * n)
+    assert len(over) == 1 and "advance() counted 20 sample(s) in 1 call(s)" in over[0], over
+    assert "more than the 10 it gave this rank" in over[0] and "not the global batch" in over[0], over
+    # Counted right: nothing, also with worker processes that read ahead, and from a restored position
+    assert _epoch(tg.ResumableSampler(100, rank=0, world_size=world), lambda n: n) == []
+    assert _epoch(tg.ResumableSampler(100, rank=0, world_size=world), lambda n: n, num_workers=2) == []
+    s = tg.ResumableSampler(100, rank=0, world_size=world)
+    s.advance(30 // world)  # a fresh sampler skips data: no iterator began
+    s.load_state_dict({**s.state_dict(), "position": 40})
+    assert _epoch(s, lambda n: n) == []
+
+
+def test_sampler_skipping_data_after_a_rollback_is_no_over_count() -> None:
+    # docs/data.md: after a rollback inside the loop, advance(n) skips the spike's data before the next
+    # iterator: not counted against the iterator that was reading.
+    s = tg.ResumableSampler(100, world_size=1, rank=0)
+    it = iter(s)
+    for _ in range(20):
+        next(it)
+    s.advance(20)
+    saved = s.state_dict()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        s.load_state_dict({**saved, "position": 10})  # the rollback
+        s.advance(30)  # skip the spike's data
+        s.next_epoch()
+        s.advance(50)  # a new epoch's skip before its iterator
+    assert [str(w.message) for w in seen if "advance() counted" in str(w.message)] == []
