@@ -128,7 +128,7 @@ def _interrupted_at(point: str, argv: list[str], tmp_path: Path) -> tuple[int, s
 def test_convert_ctrl_c_after_the_rename_says_the_output_is_complete(tmp_path: Path) -> None:
     # A Ctrl-C handled once convert had renamed DST into place ended in click's "Aborted!", exit 1,
     # without the "converted" line, although DST was complete and loadable. Now it says DST was
-    # written whole (exit 130); before the rename it says DST was not written, and none is left.
+    # written whole (exit 130).
     torch.save({"w": torch.arange(1000.0)}, tmp_path / "w.pt")
     rc, err = _interrupted_at("after_rename", ["convert", "w.pt", "out/step-000000000"], tmp_path)
     assert rc == 130, err
@@ -136,6 +136,11 @@ def test_convert_ctrl_c_after_the_rename_says_the_output_is_complete(tmp_path: P
     got = {"model": tg.StateDict(w=torch.zeros(1000))}
     tg.load(str(tmp_path / "out" / "step-000000000"), got)
     assert torch.equal(got["model"]["w"], torch.arange(1000.0))
+
+
+def test_convert_ctrl_c_before_the_rename_says_the_output_was_not_written(tmp_path: Path) -> None:
+    # Before the rename: DST was not written (it was "Aborted!", exit 1), and no temporary directory is left.
+    torch.save({"w": torch.arange(1000.0)}, tmp_path / "w.pt")
     rc, err = _interrupted_at("after_manifest", ["convert", "w.pt", "other/step-000000000"], tmp_path)
     assert rc == 130 and "interrupted: other/step-000000000 was not written" in err, err
     assert not (tmp_path / "other" / "step-000000000").exists()
