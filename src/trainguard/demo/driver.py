@@ -70,9 +70,12 @@ def stop(agent: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
         # moment after the demo had removed it and said "removed" (a tmp step dir with a data file).
         tree = descendants(agent.pid)
         agent.kill()
-        for pid in tree:
+        for pid in tree:  # a worker leads its own group: killpg also takes a loader forked since the scan
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
         agent.wait()
         end = time.monotonic() + 30.0
         while (tree := [pid for pid in tree if running(pid)]) and time.monotonic() < end:  # bounded: 30 s
