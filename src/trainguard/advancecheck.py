@@ -26,9 +26,11 @@ import warnings
 from typing import Any
 
 
-def note_iter(sampler: Any) -> None:
-    """A sampler iterator's first index: count ``advance`` calls from here."""
-    sampler._advanced = [0, 0]  # calls, samples per rank
+def note_iter(sampler: Any) -> list[int]:
+    """A sampler iterator's first index: count ``advance`` calls from here. Returns the counts: the
+    iterator adds each index it yields to ``[2]``."""
+    sampler._advanced = counts = [0, 0, 0, sampler.epoch, sampler._restores]  # calls, samples per rank, yielded
+    return counts
 
 
 def batches_ahead() -> int:
@@ -52,10 +54,27 @@ def batches_ahead() -> int:
 
 
 def note_advance(sampler: Any, n: int) -> None:
+    """``advance(n)``: count it; warn (``RuntimeWarning``, once per sampler) when the samples counted
+    since the epoch's iterator began pass those it gave this rank (indices a DataLoader's workers
+    read ahead count as given: they only make it more). ``advance`` caps the position at the epoch's
+    end, so an over-count (the global batch, ``len(x) * world``) reached the end silently mid-epoch:
+    a checkpoint then resumed past samples never trained on, and the epoch's last ones were skipped.
+    Not after a restore or an epoch change since that iterator began (``advance(n)`` there skips
+    data on purpose: a rollback past a loss spike)."""
     counts = sampler.__dict__.get("_advanced")
-    if counts is not None:
-        counts[0] += 1
-        counts[1] += n
+    if counts is None:
+        return
+    counts[0] += 1
+    counts[1] += n
+    if counts[1] > counts[2] and counts[3:] == [sampler.epoch, sampler._restores] \
+            and not sampler.__dict__.get("_warned_over"):
+        sampler._warned_over = True
+        warnings.warn(f"ResumableSampler: advance() counted {counts[1]} sample(s) in {counts[0]} call(s) since epoch "
+                      f"{sampler.epoch}'s iterator began, more than the {counts[2]} it gave this rank: advance(n) takes "
+                      "the samples this rank consumed, len(x) of this rank's batch, not the global batch (times the "
+                      "world size), else the position passes what was trained on and a checkpoint resumes past "
+                      "samples never trained on (the epoch's last ones are skipped) (docs/data.md)",
+                      RuntimeWarning, stacklevel=3)
 
 
 def check_advanced(sampler: Any) -> None:
@@ -67,7 +86,7 @@ def check_advanced(sampler: Any) -> None:
     if began is None or began[0] != sampler.epoch or sampler.epoch_done or sampler.__dict__.get("_warned_advance"):
         return
     _, world = sampler.rank_world
-    calls, samples = sampler.__dict__.get("_advanced") or (0, 0)
+    calls, samples = (sampler.__dict__.get("_advanced") or (0, 0))[:2]
     if began[1] == 0 == sampler.position:
         what = (f"the position stayed at {sampler.position}: advance(n) was not called, so a checkpoint resumes at that "
                 "position and reads the epoch again")

@@ -1,6 +1,7 @@
 """The doctor's "loop accumulator" check (``doctor.check`` and ``doctor_source.check_source`` call it,
 on the script's source): a ``ReduceLROnPlateau`` stepped with a value the loop sums in a variable of
-its own (``epoch_loss += loss.item()`` ... ``plateau.step(epoch_loss)``).
+its own (``epoch_loss += loss.item()`` ... ``plateau.step(epoch_loss)``), or gathers in a list of its own
+(``losses.append(loss.item())`` ... ``plateau.step(sum(losses) / len(losses))``).
 
 A checkpoint holds the state, not the loop's variables: a resume in the middle of an epoch starts
 the sum again, so the plateau is fed the rest of the epoch alone and may set another learning rate
@@ -74,6 +75,15 @@ def _target(n: ast.AST) -> str | None:
     return n.targets[0].id if _one_name(n) else None  # type: ignore[attr-defined]
 
 
+def _gathered(n: ast.AST) -> str | None:
+    """The plain name a statement gathers values in (``losses.append(loss.item())``, ``.extend(...)``,
+    ``.insert(...)``); None otherwise."""
+    if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call) and isinstance(f := n.value.func, ast.Attribute) \
+            and f.attr in ("append", "extend", "insert") and isinstance(f.value, ast.Name):
+        return f.value.id
+    return None
+
+
 def _loop_targets(tree: ast.Module) -> set[tuple[int, str]]:
     """(node id, name) for each node in a ``for`` loop's body and each name that loop binds: there
     ``x = x + noise`` changes this iteration's batch (``for x, y in loader``), it sums nothing."""
@@ -102,9 +112,12 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
     sums: dict[str, ast.AST] = {}  # a summed name -> its sum (``x += ...``, ``x = x + ...``)
     trained, rebound, steps = _trained(tree), _loop_targets(tree), _save_steps(tree)
     for n in ast.walk(tree):
-        if id(n) not in trained or _target(n) in steps or (id(n), _target(n)) in rebound:
+        name = _target(n) or _gathered(n)
+        if id(n) not in trained or name in steps or (id(n), name) in rebound:
             continue
-        if isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
+        if (listed := _gathered(n)) is not None:  # a list of the epoch's losses, averaged for the plateau: a sum too
+            sums.setdefault(listed, n)
+        elif isinstance(n, ast.AugAssign) and isinstance(n.target, ast.Name):
             sums.setdefault(n.target.id, n)
         elif _one_name(n) and isinstance(n.value, ast.BinOp) and n.targets[0].id in _reads(n.value):
             sums.setdefault(n.targets[0].id, n)
@@ -122,6 +135,8 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
                 if isinstance(x, ast.Name) and x.id in sums]
         if read:
             acc = sums[read[0]]
+            if (var := _gathered(acc)) is not None:
+                return _gathered_finding(acc, c, var)
             var = ast.unparse(acc.target if isinstance(acc, ast.AugAssign) else acc.targets[0])  # type: ignore[attr-defined]
             return Finding("loop accumulator", "warning", f"line {acc.lineno}: {ast.unparse(acc)} sums in a variable "
                            f"of the loop, and line {c.lineno}: {ast.unparse(c)} reads it: a checkpoint does not hold "
@@ -130,3 +145,16 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
                            f"keep it in the state: progress = tg.StateDict(step=0, {var}=0.0) in the state, "
                            f"progress[\"{var}\"] += ..., reset there at the epoch's end (docs/checkpoints.md)")
     return None
+
+
+def _gathered_finding(acc: ast.AST, c: ast.Call, var: str) -> Finding:
+    """:func:`loop_accumulator`'s warning for a list the loop gathers (``losses.append(...)``)."""
+    from .doctor import Finding
+
+    return Finding("loop accumulator", "warning", f"line {acc.lineno}: {ast.unparse(acc)} gathers values in a list "
+                   f"of the loop, and line {c.lineno}: {ast.unparse(c)} reads it: a checkpoint does not hold it, so a "
+                   f"resume in the middle of an epoch starts `{var}` empty and the plateau decides on part of the "
+                   "epoch, setting another lr than the uninterrupted run",
+                   f"keep a sum and a count in the state instead: progress = tg.StateDict(step=0, {var}_sum=0.0, "
+                   f"{var}_n=0) in the state, progress[\"{var}_sum\"] += ...; progress[\"{var}_n\"] += 1, "
+                   f"step the plateau with their ratio and reset both at the epoch's end (docs/checkpoints.md)")

@@ -171,7 +171,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """``__iter__``'s indices, refused once :meth:`load_state_dict` moved the position under them
         (a rollback with ``mgr.restore(state, step=N)`` inside the loop): they continue the old
         position, and every later ``advance`` and checkpoint would count from the restored one."""
-        note_iter(self)  # advance()'s calls from here: advancecheck.py
+        counts = note_iter(self)  # advance()'s calls from here, and the indices yielded: advancecheck.py
         for x in itertools.chain(out, [_END]):  # checked at the end too: the loop would end the epoch
             if self._restores != restores:
                 raise RuntimeError(
@@ -182,6 +182,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             if x is _END:
                 self._ran_out = (*began, batches_ahead())  # (epoch, position) it started at: _check_advanced
                 return
+            counts[2] += 1
             yield x
 
     def _check_advanced(self) -> None:

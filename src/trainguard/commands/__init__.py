@@ -123,22 +123,22 @@ def terminated_as_interrupt(what: str) -> Iterator[None]:
     """Around a command that writes ``what`` (``consolidate``, ``convert``, ``export``), on the main
     thread: the first SIGTERM raises :class:`Terminated` (a second one ends the process at once),
     and the command exits 143 with one line on stderr once the partial output is removed (or saying
-    ``what`` was written whole, when the signal came after its rename into place). A SIGTERM the
-    process inherited ignored stays ignored."""
+    ``what`` was written whole, when the signal came after its rename into place); a Ctrl-C
+    (SIGINT) likewise, exit 130. A SIGTERM the process inherited ignored stays ignored."""
     before = _identity(what)
     old = raise_terminated_on_sigterm()
-    if old is NOT_INSTALLED:
-        yield
-        return
     try:
         yield
-    except Terminated:
-        # A SIGTERM after the rename into place (the parent's fsync, the return): the output is whole.
-        # It said "was not written" of a complete DST (a rerun without --overwrite was then refused).
+    except KeyboardInterrupt as e:  # Terminated (SIGTERM) or Ctrl-C
+        # A signal after the rename into place (the parent's fsync, the return): the output is whole.
+        # It said "was not written" of a complete DST (a rerun without --overwrite was then refused);
+        # Ctrl-C there ended in click's "Aborted!", exit 1, and no word that DST was complete.
+        term = isinstance(e, Terminated)
         done = (now := _identity(what)) is not None and now != before
-        click.echo(f"terminated: {printable(what)} " + ("was written whole before the signal (it is complete)"
-                   if done else "was not written (its partial output is removed)"), err=True)
-        sys.exit(143)
+        click.echo(f"{'terminated' if term else 'interrupted'}: {printable(what)} "
+                   + ("was written whole before the signal (it is complete)" if done
+                      else "was not written (its partial output is removed)"), err=True)
+        sys.exit(143 if term else 130)
     finally:
         restore_sigterm(old)
 

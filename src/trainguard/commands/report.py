@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 
 import click
 
 from . import CommandError, printable
+
+MAX_SPAN_S = 1e10  # seconds (317 years): more between an event log's first and last event is no run's
 
 
 @click.command("report")
@@ -25,6 +28,13 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
     events = rep.load(run_dir)
     if not events:
         raise CommandError(f"no events in {run_dir}: was it the --run-dir of `trainguard run`?")
+    first, last = min(e["t"] for e in events), max(e["t"] for e in events)
+    # Each t is finite (read_events), their span need not be: +-1e308 printed "wall time inf s" (--json:
+    # Infinity), and 1e308 among times of today a wall time of 309 digits. t is a Unix time (time.time()).
+    if not math.isfinite(last - first) or last - first > MAX_SPAN_S:
+        raise CommandError(f"the events' timestamps in {printable(run_dir)} are invalid: they run from {first:g} to "
+                           f"{last:g} (a garbled event log?); remove the events whose \"t\" is no Unix time from "
+                           "its events.jsonl")
     summary = rep.summarize(events)
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:

@@ -7,6 +7,7 @@ timeline PNG of the run with the fault is written to ``plot``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +23,7 @@ import torch
 
 from .. import layout
 from ..api import load
+from ..elastic.reap import running
 from ..report import load as load_events
 from ..report import plot_timeline, summarize
 from .model import GPTConfig, TinyGPT
@@ -53,15 +56,46 @@ def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str |
 
 def stop(agent: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
     """End ``trainguard run`` as a scheduler does: SIGTERM, on which the agent stops its workers,
-    then SIGKILL after ``grace_s``. subprocess.run SIGKILLed it at once (its timeout, Ctrl-C), and
+    then SIGKILL after ``grace_s``, to the agent and every process below it (its workers, their
+    DataLoader processes), all gone when this returns. subprocess.run SIGKILLed it at once (its timeout, Ctrl-C), and
     a SIGTERM to the demo ended the demo alone: the agent and its workers trained on, orphaned,
     in the run directory the demo had left behind."""
     agent.terminate()
     try:
         agent.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
+        # the agent did not stop its workers (stopped, hung): they and their DataLoader processes are
+        # killed with it, and gone before the caller removes the run directory. Killed alone, the
+        # agent left its workers (each leads a session of its own) saving into the directory for a
+        # moment after the demo had removed it and said "removed" (a tmp step dir with a data file).
+        tree = descendants(agent.pid)
         agent.kill()
+        for pid in tree:  # a worker leads its own group: killpg also takes a loader forked since the scan
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
         agent.wait()
+        end = time.monotonic() + 30.0
+        while (tree := [pid for pid in tree if running(pid)]) and time.monotonic() < end:  # bounded: 30 s
+            time.sleep(0.02)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children, theirs, ...), from ``/proc/*/stat``; [] without ``/proc``."""
+    parent: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError), open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier and p not in found]
+        found += kids
+        frontier = kids
+    return found
 
 
 def final_weights(run_dir: str, step: int, size: str) -> dict[str, torch.Tensor]:
