@@ -54,3 +54,36 @@ def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespac
     except _Abbreviated:
         extra = ["?"]
     return args if not extra else parser.parse_args(argv)
+
+
+def check(args: argparse.Namespace) -> None:
+    """``launcher.main``, before the run directory is made and anything is logged: refuse, with
+    :func:`usage_error`, the values torchrun refuses only later (a traceback from its
+    ``config_from_args``, after ``agent_start`` was logged: ``--nnodes 2:1``, ``--max-restarts -1``,
+    ``--nproc-per-node foo``), and an ``--rdzv-conf`` item torchrun refuses (no ``=value``, an empty
+    key: ``join_timeout:900``), which :func:`.launcher.prepare`'s merge of trainguard's c10d defaults
+    dropped without a word (the job ran with torch's default instead)."""
+    from torch.distributed.run import determine_local_world_size
+
+    n = str(args.nproc_per_node)
+    if n.lstrip("-").isdigit() and int(n) < 1:
+        usage_error(f"--nproc-per-node {n}: give at least 1 worker per node (or auto, cpu, gpu)")
+    try:
+        determine_local_world_size(n)
+    except ValueError as e:
+        usage_error(f"--nproc-per-node {n}: {e} (give a number of workers per node, or auto, cpu, gpu)")
+    parts = str(args.nnodes).split(":")
+    try:
+        if len(parts) > 2:
+            raise ValueError(args.nnodes)
+        lo, hi = int(parts[0]), int(parts[-1])  # "N" is N:N
+    except ValueError:
+        usage_error(f"--nnodes {args.nnodes}: give a number of nodes, or MIN:MAX (e.g. 1:4)")
+    if not 0 < lo <= hi:
+        usage_error(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX nodes")
+    if args.max_restarts < 0:
+        usage_error(f"--max-restarts {args.max_restarts}: give a number of restarts >= 0")
+    for item in args.rdzv_conf.strip().split(",") if args.rdzv_conf.strip() else ():
+        key, _, value = item.partition("=")
+        if not key.strip() or not value.strip():
+            usage_error(f"--rdzv-conf {args.rdzv_conf}: cannot read {item!r}; write KEY=VALUE,KEY=VALUE")

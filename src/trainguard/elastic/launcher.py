@@ -38,6 +38,7 @@ from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
 from . import reap
+from .args import check as args_check
 from .args import parse as args_parse
 from .args import seconds as _seconds
 from .args import usage_error as _usage_error
@@ -356,8 +357,7 @@ def main(argv: list[str]) -> int:
 
     parser = build_parser()
     args = args_parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
-    if str(args.nproc_per_node).lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
-        parser.error(f"--nproc-per-node {args.nproc_per_node}: give at least 1 worker per node (or auto, cpu, gpu)")
+    args_check(args)  # what torchrun refuses only after the run directory and agent_start, and --rdzv-conf's items
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         # Otherwise every worker fails to open it, and the agent restarts them --max-restarts times.
         print(f"error: {args.training_script}: no such file; give the path of the training script (-m NAME for a module)", file=sys.stderr)

@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..permanent import PERMANENT_EXIT, headline
+from . import hangnote
 from .faults import EXIT_CODE as FAULT_EXIT
 from .watchdog import HANG_EXIT, ORPHAN_EXIT
 
@@ -66,7 +67,7 @@ def stop_file(run_dir: str) -> str:
 def clear(path: str | None) -> None:
     """Agent, before it starts (or restarts) its workers: a stop they noted before is forgotten."""
     if path:
-        for note in [path, *glob.glob(glob.escape(path) + ".raised-*")]:  # and the workers' notes (note_raised)
+        for note in [path, *glob.glob(glob.escape(path) + ".raised-*"), *glob.glob(glob.escape(path) + ".hang-*")]:  # and the workers' notes (note_raised, hangnote)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(note)
 
@@ -141,9 +142,16 @@ def first_failure(failures: dict[int, Any]) -> int:
     A worker the agent stopped itself after the failure (:data:`AGENT_STOPPED`, noted by
     ``reap.bound_failure_close``) is never the cause while another failed: a peer that ignored the
     SIGTERM (a manager saving on it) was SIGKILLed 1 s later, read "killed by SIGKILL" like the rank
-    really SIGKILLed, and rank 0 was named for rank 1's kill."""
-    own = {r: f for r, f in failures.items() if getattr(f, "pid", None) not in AGENT_STOPPED}
-    failures = own or failures
+    really SIGKILLed, and rank 0 was named for rank 1's kill. A rank whose watchdog found it hung while
+    blocked in a collective (:mod:`.hangnote`) is not the cause while another failed: rank 0, waiting in
+    all_reduce, was named for rank 1's hang."""
+    waited = hangnote.waiting(failures)  # hung while blocked in a collective: waiting for another rank
+    rest = {r: f for r, f in failures.items() if r not in waited}
+    if waited and rest:  # that rank is among the others, a rank the agent stopped (its watchdog came later) too
+        failures = rest
+    else:
+        own = {r: f for r, f in failures.items() if getattr(f, "pid", None) not in AGENT_STOPPED}
+        failures = own or failures
     special = [r for r, f in failures.items() if f.exitcode not in (1, -signal.SIGTERM, *STOP_CODES)]
     raised = [r for r, f in failures.items() if f.exitcode == 1]
     notes = {r: t for r in raised if (t := raised_at(getattr(failures[r], "pid", -1))) is not None}
@@ -166,16 +174,25 @@ def root_failure(pc: Any, error: Exception) -> Exception:
     finds among those ready, in process order: when rank 1's watchdog ended it (exit 75) and rank
     0 then failed in its broken collective (exit 1) before the agent looked, rank 0 was reported
     and the hang was recorded as "exit code 1". A worker that ended with one of trainguard's own
-    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it."""
+    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it; not a
+    hung one that waited in a collective (:mod:`.hangnote`) while another failed."""
     from torch.multiprocessing.spawn import ProcessExitedException
 
     reported = getattr(error, "error_index", None)
     procs = list(getattr(pc, "processes", []))
     raised = {i: t for i, p in enumerate(procs) if p.exitcode == 1 and (t := raised_at(p.pid)) is not None}
-    if reported is None or not 0 <= reported < len(procs) or procs[reported].exitcode in OWN_EXITS:
+    if reported is None or not 0 <= reported < len(procs):
+        return error
+    waited = hangnote.waiting(dict(enumerate(procs)))  # hung while blocked in a collective: not the cause
+    others = [i for i, p in enumerate(procs) if i not in waited and p.exitcode not in (0, None)]
+    if reported in waited and others:  # it waited for one of these: a hung one, else the one torch stopped
+        i = next((i for i in others if procs[i].exitcode in OWN_EXITS), others[0])
+        return ProcessExitedException(f"process {i} terminated with exit code {procs[i].exitcode}",
+                                      error_index=i, error_pid=procs[i].pid, exit_code=procs[i].exitcode)
+    if procs[reported].exitcode in OWN_EXITS:
         return error
     for i, proc in enumerate(procs):
-        if proc.exitcode in OWN_EXITS:
+        if proc.exitcode in OWN_EXITS and i not in waited:
             return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
                                           error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
     # Several raised (exit 1): the first to raise, not the first in process order. Rank 1's exception

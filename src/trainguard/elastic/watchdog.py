@@ -59,10 +59,11 @@ from typing import Any
 from .. import iostall
 from ..distwait import default_timeout
 from ..events import EVENTS_FILE, EventLog
+from . import hangnote
 from .faults import Fault, faults_from_env, fired, maybe_fire, run_dir
 from .reap import end_children
 
-HANG_EXIT = 75
+HANG_EXIT = hangnote.HANG_EXIT  # exit code of a worker the watchdog ended as hung
 ORPHAN_EXIT = 76
 AGENT_PID_ENV = "TRAINGUARD_AGENT_PID"  # set by ``launcher.prepare`` for its workers
 
@@ -209,8 +210,9 @@ class Watchdog:
               file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
+        waiting = hangnote.record()  # blocked in a collective (a peer hangs): the agent names another rank
         self.events.emit(
-            "hang", step=self._step, idle_s=round(idle, 3), stacks=stacks[-20000:],
+            "hang", step=self._step, idle_s=round(idle, 3), stacks=stacks[-20000:], waiting_in=waiting,
             **({"stuck_call": stuck, "timeout_s": round(limit, 3)} if stuck else
                {"timeout_s": round(self.current_timeout(), 3)}),
         )
@@ -237,10 +239,8 @@ class _Heart:
             self.watchdog = Watchdog(
                 timeout=float(t) if t else None,
                 floor=float(os.environ.get("TRAINGUARD_HANG_FLOOR", "60")),
-                parent_pid=os.getppid(),
-                agent_pid=_agent_pid(),
-                events=self.events,
-                dump_dir=rd,
+                parent_pid=os.getppid(), agent_pid=_agent_pid(),
+                events=self.events, dump_dir=rd,
             ).start()
 
     def beat(self, step: int) -> None:
