@@ -74,3 +74,37 @@ def test_a_manager_save_that_drops_an_entry_is_warned_at_the_save(tmp_path):
             assert "step 50 holds ema" in str(e), e
         else:
             raise AssertionError("restore took a checkpoint without the entry")
+
+
+def test_plan_without_restart_is_a_usage_error_not_a_traceback():
+    """``trainguard plan`` without ``--restart``, which --help marks [required], ended in a
+    ``TypeError`` traceback from ``make_plan``: click 8.3+ takes the explicit ``default=None`` the
+    option had as a value, so its required check never fired. Now click's usage error, exit 2."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    res = CliRunner().invoke(cli, ["plan", "--nodes", "8", "--node-mtbf", "30d", "--save-stall", "5s"])
+    assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+    assert "Missing option '--restart'" in res.output
+    ok = CliRunner().invoke(cli, ["plan", "--nodes", "8", "--node-mtbf", "30d", "--save-stall", "5s", "--restart", "5m"])
+    assert ok.exit_code == 0, ok.output
+    # doctor's copy of the options keeps --restart optional (0 when not given)
+    assert CliRunner().invoke(cli, ["doctor", "--help"]).output.count("(default 0)") == 1
+
+
+def test_plan_every_refuses_a_bare_number_that_is_no_whole_number_of_steps():
+    """``--every 1000`` is 1000 steps, but ``--every 1e3`` was read as 1000 seconds and ``--every 1.5``
+    as 1.5 seconds: the same kind of input in two units, chosen by how the number was written. A
+    bare number must now be a whole number of steps; a duration carries its unit."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    base = ["plan", "--nodes", "8", "--node-mtbf", "30d", "--save-stall", "5s", "--restart", "5m", "--step-time", "2s"]
+    for bare in ("1e3", "1.5", "2000.0"):
+        res = CliRunner().invoke(cli, [*base, "--every", bare])
+        assert res.exit_code == 2 and "steps are a whole number" in res.output, (bare, res.output)
+    res = CliRunner().invoke(cli, [*base, "--every", "1000,1.5s,10m", "--json"])
+    assert res.exit_code == 0, res.output
+    assert {"every 1000 steps", "every 1.5s", "every 10m"} <= set(res.output.replace('"', "\n").split("\n")), res.output

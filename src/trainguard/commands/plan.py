@@ -46,7 +46,9 @@ def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], C
             click.option("--node-mtbf", type=DURATION, help="or a node's mean time between failures, e.g. 400d"),
             click.option("--save-stall", type=DURATION, required=restart_required,
                          help="time training is blocked per save (async: the blocking part), e.g. 30s"),
-            click.option("--restart", type=DURATION, required=restart_required, default=None if restart_required else 0.0,
+            # No default when required: click 8.3+ takes an explicit default=None as a value, and no --restart
+            # ended in make_plan's TypeError traceback instead of "Missing option".
+            click.option("--restart", type=DURATION, required=restart_required, **({} if restart_required else {"default": 0.0}),
                          help="time from a failure until training runs again, e.g. 10m"
                               + ("" if restart_required else " (default 0)")),
             click.option("--step-time", type=DURATION, help="time per training step, e.g. 2s, to express intervals in steps"),
@@ -108,6 +110,9 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
                 raise click.UsageError(f"--every {item[:20]}...: too many steps to compute with")
             out[f"every {int(item)} steps"] = seconds
         else:
+            if _unitless(item):  # 1000 is steps: 1e3 or 1.5 read as seconds was the other unit for the same number
+                raise click.UsageError(f"--every {item}: steps are a whole number (1000), a duration has its unit "
+                                       "(1.5s, 10m, 2h)")
             try:
                 out[f"every {item}"] = parse_duration(item)
             except ValueError as e:
@@ -115,6 +120,14 @@ def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
             if not 0 < out[f"every {item}"] < math.inf:  # 1e400 reads as inf
                 raise click.UsageError(f"--every {item}: an interval must be a finite duration > 0")
     return out
+
+
+def _unitless(item: str) -> bool:
+    try:
+        float(item)
+    except ValueError:
+        return False
+    return True
 
 
 @click.command("plan")
