@@ -108,3 +108,20 @@ def test_plan_every_refuses_a_bare_number_that_is_no_whole_number_of_steps():
     res = CliRunner().invoke(cli, [*base, "--every", "1000,1.5s,10m", "--json"])
     assert res.exit_code == 0, res.output
     assert {"every 1000 steps", "every 1.5s", "every 10m"} <= set(res.output.replace('"', "\n").split("\n")), res.output
+
+
+def test_run_with_nnodes_written_with_a_leading_zero_gets_the_c10d_defaults(tmp_path, monkeypatch):
+    """``--nnodes 1:01`` is one node at most, as torch reads it (``int``), and torch moves such a
+    static rendezvous to c10d; ``launcher.prepare`` compared the text with "1" and so left out
+    trainguard's keep-alive defaults for it (review48c's list). ``args.check`` now writes the
+    counts back as numbers."""
+    from trainguard.elastic.args import check
+    from trainguard.elastic.launcher import build_parser, prepare
+
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # prepare() writes the agent's environment
+    for nnodes in ("1:01", "01", "1"):
+        args = build_parser().parse_args(["--nnodes", nnodes, "--run-dir", str(tmp_path / nnodes), "x.py"])
+        check(args)
+        prepare(args)
+        assert args.rdzv_backend == "c10d", (nnodes, args.rdzv_backend)
+        assert "keep_alive_interval=1" in args.rdzv_conf, (nnodes, args.rdzv_conf)

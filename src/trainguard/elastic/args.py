@@ -81,6 +81,7 @@ def check(args: argparse.Namespace) -> None:
         usage_error(f"--nnodes {args.nnodes}: give a number of nodes, or MIN:MAX (e.g. 1:4)")
     if not 0 < lo <= hi:
         usage_error(f"--nnodes {args.nnodes}: need 0 < MIN <= MAX nodes")
+    args.nnodes = f"{lo}:{hi}" if len(parts) == 2 else str(lo)  # as numbers: launcher.prepare reads "1:01" as 1 node max too
     if args.max_restarts < 0:
         usage_error(f"--max-restarts {args.max_restarts}: give a number of restarts >= 0")
     for item in args.rdzv_conf.strip().split(",") if args.rdzv_conf.strip() else ():
