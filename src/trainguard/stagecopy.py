@@ -54,9 +54,13 @@ def pack_batches(
             batch.append((i, 0, src))
             continue
         while start < n:
-            pos = min(slot_start(pos, n) + (phase if n >= PAGE_ALIGN_FROM else 0), room)
-            free = max(room - pos, 0)
-            piece = n - start if n - start <= free else free // block * block
+            lead = phase if n >= PAGE_ALIGN_FROM else 0
+            if pos == 0 and lead and _piece(room - lead, n - start, block) == 0:
+                # An empty buffer too small for the phase and a piece (a cap of one block, a zero-copy save's
+                # rest): no phase, the piece goes buffered. Else: empty batches for good, staged() never set.
+                lead = 0
+            pos = min(slot_start(pos, n) + lead, room)
+            piece = _piece(room - pos, n - start, block)
             if piece == 0:  # the buffer is full: write it, then reuse it
                 flush()
                 yield batch
@@ -67,6 +71,12 @@ def pack_batches(
     flush()
     last()
     yield batch
+
+
+def _piece(free: int, left: int, block: int) -> int:
+    """``pack_batches``: the bytes of a chunk (``left`` of it still to copy) that fit in ``free``
+    bytes of the buffer: all that is left, else whole checksum blocks (0: none fits)."""
+    return left if left <= free else max(free, 0) // block * block
 
 
 def drained(items: list[Any]) -> Iterator[Any]:
