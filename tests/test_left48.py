@@ -125,3 +125,19 @@ def test_run_with_nnodes_written_with_a_leading_zero_gets_the_c10d_defaults(tmp_
         prepare(args)
         assert args.rdzv_backend == "c10d", (nnodes, args.rdzv_backend)
         assert "keep_alive_interval=1" in args.rdzv_conf, (nnodes, args.rdzv_conf)
+
+
+def test_disk_full_error_of_a_directory_removed_meanwhile_is_still_a_disk_full_error(tmp_path):
+    """``disk_error`` read the free space of the failed file's directory to say how much is free;
+    when that directory was gone by then (removed by an operator or a cleanup while the save ran
+    out of space), its FileNotFoundError replaced the ENOSPC (review48a's list)."""
+    import errno
+
+    from trainguard.storage._diskfull import disk_error
+
+    gone = tmp_path / "removed" / "data-00000.bin"
+    err = disk_error(OSError(errno.ENOSPC, "No space left on device"), str(gone), 4096)
+    assert isinstance(err, tg.DiskFullError), err
+    assert "4096 more bytes were needed" in str(err) and "could not be read" in str(err), err
+    here = disk_error(OSError(errno.ENOSPC, "No space left on device"), str(tmp_path / "f.bin"), 1)
+    assert "bytes are free" in str(here), here

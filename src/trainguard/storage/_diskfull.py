@@ -21,11 +21,14 @@ def disk_error(e: OSError, path: str, needed: int) -> OSError:
             "(ulimit -f, RLIMIT_FSIZE) or the file system's largest file. Raise the limit, or save elsewhere",
         )
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        free = shutil.disk_usage(os.path.dirname(path)).free
+        try:
+            free = f"{shutil.disk_usage(os.path.dirname(path)).free} bytes are free"
+        except OSError:  # the directory removed meanwhile: its FileNotFoundError replaced the ENOSPC
+            free = "the free space could not be read"
         return DiskFullError(
             e.errno,
             f"no space left writing {path}: {here}, "
-            f"{free} bytes are free. Free space, lower retention (keep=...), or save elsewhere",
+            f"{free}. Free space, lower retention (keep=...), or save elsewhere",
         )
     if e.filename is None:  # os.pwrite/os.fsync errors name no file: say which
         return OSError(e.errno, e.strerror, path)
