@@ -28,6 +28,7 @@ from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
+from .partread import loaded_round, partly_read
 from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
@@ -65,7 +66,7 @@ def load(
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
-    manifest: Manifest | None = None
+    manifest, wrote = None, []  # wrote: [True] once this process wrote into the state (partread.py)
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
@@ -79,19 +80,19 @@ def load(
     try:
         with gc_paused():
             manifest = read_manifest(storage, target)
-            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state)
+            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state, wrote)
     except Exception as exc:
         exc = unreadable(exc, target)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
-            raise exc from exc.__cause__
+            raise partly_read(exc, bool(wrote)) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
             plan_round(exc)
         if not agreed[0]:  # the plan round raised, on every rank
             raise
-        agree_load(ctx, "loaded", target, exc, timeout)
+        loaded_round(ctx, target, exc, timeout)  # past the plan round: every rank may have read into its state
     if ctx.is_distributed:
-        agree_load(ctx, "loaded", target, None, timeout)
-    return manifest
+        loaded_round(ctx, target, None, timeout)
+    return manifest  # type: ignore[return-value]
 
 
 def _load(
@@ -103,8 +104,9 @@ def _load(
     strict: bool,
     only: Iterable[str] | None,
     verify: bool,
-    plan_round: Any = None,
-    split_state: bool = False,
+    plan_round: Any,
+    split_state: bool,
+    wrote: list[bool],
 ) -> None:
     check_state(state)
     if isinstance(only, (str, bytes)):
@@ -256,12 +258,8 @@ def _load(
     order = [p for p in manifest.tensors if p in want]
     skip, stage, differ = shared_destinations(order, want, manifest.tensors, src)  # tied weights, overlapping views
     if differ:
-        warnings.warn(
-            "one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
-            f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}",
-            stacklevel=3,
-        )
-
+        warnings.warn("one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
+                      f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}", stacklevel=3)
     block = manifest.block_size
     same: list[tuple[str, str]] = []  # (alias, path read for its bytes), both into new tensors: one tensor, as torch.load gives
     first: dict[str, str] = {}  # a tie's target not read into a new tensor -> its alias that is, shared by the others
@@ -300,6 +298,7 @@ def _load(
             yield ReadTarget(p, t, box, ops)
 
     # The files of live regular shards were not checked above: each is checked when first opened.
+    wrote += [True] * any(want[p].get(p) is not None for p in order)  # read in place from here on
     read_targets(
         storage,
         directory,
@@ -341,6 +340,7 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             )) from e
+        wrote.append(True)  # this entry is loaded: one after it that fails leaves it so
     rankload.run_deferred(later)
 
 

@@ -1,0 +1,120 @@
+"""Session 48's fresh-eyes review of the load / resume path (helper review48b): what it found.
+
+- A load that failed after it had begun writing into the state (a checksum mismatch in a tensor
+  late in the files, an entry's ``load_state_dict`` refusing after the entries before it were
+  loaded, a peer rank's bad bytes) raised an error that said nothing of the state it left behind:
+  the model already held the checkpoint's weights while the error read like a refusal. It now says
+  so (``partread.py``); errors raised before anything was written do not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from tests.dist_helper import run_ranks
+
+PARTLY = "the state may hold part of the checkpoint's values"
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+
+
+def _flip(ckpt: Path, tensor: str) -> None:
+    """Flip one byte of ``tensor``'s stored bytes (its first chunk)."""
+    body = json.loads((ckpt / "manifest.json").read_bytes())["manifest"]
+    _o, _s, fname, off, _n, _sums = body["tensors"][tensor]["chunks"][0]
+    with open(ckpt / fname, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _saved(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
+    ckpt = tmp_path / "step-000000001"
+    m = _model(0)
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    tg.save(ckpt, {"model": m, "optim": opt})
+    return ckpt, m
+
+
+def test_a_checksum_mismatch_after_in_place_reads_says_the_state_is_partly_loaded(tmp_path: Path) -> None:
+    ckpt, saved = _saved(tmp_path)
+    _flip(ckpt, "optim/state/1.weight/step")  # the last tensor in the file: the model is read before it
+    m = _model(1)
+    before = m[0].weight.detach().clone()
+    with pytest.raises(tg.CorruptCheckpointError, match="checksum mismatch in tensor 'optim/state/1.weight/step'") as ei:
+        tg.load(ckpt, {"model": m, "optim": torch.optim.Adam(m.parameters())})
+    assert not torch.equal(m[0].weight, before)  # what the message must admit: the model holds the checkpoint's
+    assert torch.equal(m[0].weight, saved[0].weight)
+    assert PARTLY in str(ei.value), str(ei.value)
+
+
+def test_an_error_before_anything_is_read_is_not_marked(tmp_path: Path) -> None:
+    ckpt, _ = _saved(tmp_path)
+    os.unlink(ckpt / "data-00000.bin")
+    m = _model(1)
+    before = m[0].weight.detach().clone()
+    with pytest.raises(tg.CorruptCheckpointError, match="data file is missing") as ei:
+        tg.load(ckpt, {"model": m, "optim": torch.optim.Adam(m.parameters())})
+    assert torch.equal(m[0].weight, before)
+    assert PARTLY not in str(ei.value)
+    with pytest.raises(tg.StateMismatchError) as ei2:  # refused before a byte is read
+        tg.load(tmp_path / "step-000000001", {"model": torch.nn.Linear(3, 3)})
+    assert PARTLY not in str(ei2.value)
+
+
+class _Refuses:
+    """An entry whose ``load_state_dict`` refuses what was saved (loaded after the model)."""
+
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        raise ValueError("n must be 2 here")
+
+
+def test_an_entry_refusing_after_the_model_was_loaded_says_so(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step-000000001"
+    saved = _model(0)
+    tg.save(ckpt, {"model": saved, "obj": _Refuses()})
+    m = _model(1)
+    with pytest.raises(tg.CheckpointError, match="entry 'obj': its load_state_dict\\(\\) refused") as ei:
+        tg.load(ckpt, {"model": m, "obj": _Refuses()})
+    assert torch.equal(m[1].weight, saved[1].weight)
+    assert PARTLY in str(ei.value), str(ei.value)
+
+
+def _ranks_peer_corrupt(rank: int, world: int, root: str) -> tuple[str, bool]:
+    import torch.distributed as dist
+
+    ckpt = Path(root) / "step-000000001"
+    tg.save(ckpt, {"model": _model(0), "rng": tg.RNGState()})
+    dist.barrier()
+    if rank == 0:
+        _flip(ckpt, "rng@1/torch_cpu")  # rank 1's own RNG state: only rank 1 reads it
+    dist.barrier()
+    m = _model(1)
+    try:
+        tg.load(ckpt, {"model": m, "rng": tg.RNGState()})
+    except tg.CheckpointError as e:
+        return str(e), torch.equal(m[0].weight, _model(0)[0].weight)
+    return "", False
+
+
+def test_a_peer_ranks_bad_bytes_say_the_state_is_partly_loaded_on_every_rank(tmp_path: Path) -> None:
+    results = run_ranks(_ranks_peer_corrupt, 2, str(tmp_path), timeout=120)
+    (msg0, loaded0), (msg1, _) = (r.value for r in results)
+    assert "rng@1/torch_cpu" in msg0 and "rng@1/torch_cpu" in msg1, (msg0, msg1)
+    assert loaded0  # rank 0 read all of its own: its model holds the checkpoint's weights
+    assert PARTLY in msg0 and PARTLY in msg1, (msg0, msg1)
