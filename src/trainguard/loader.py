@@ -32,7 +32,7 @@ from .partread import loaded_round, partly_read
 from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
-from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
+from .stateful import ModuleAdapter, OptimizerAdapter, RNGState, adapt, check_state, has_state
 from .storage import Storage, for_path
 
 
@@ -298,14 +298,11 @@ def _load(
             yield ReadTarget(p, t, box, ops)
 
     # The files of live regular shards were not checked above: each is checked when first opened.
-    wrote += [True] * any(want[p].get(p) is not None for p in order)  # read in place from here on
-    read_targets(
-        storage,
-        directory,
-        targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
-        check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
-        direct=_sole_reader(ctx),
-    )
+    wrote += [True] * any(d.get(p) is not None and p in want for _k, o, _s, d, refs in plans  # read in place from here on
+                          if not isinstance(o, RNGState) for p in refs)  # (not an RNGState: into its state_dict()'s copies)
+    read_targets(storage, directory, targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
+                 check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
+                 direct=_sole_reader(ctx))
     own = {p for _k, o, _s, _d, refs in plans if isinstance(o, (OptimizerAdapter, FSDP1OptimizerAdapter)) for p in refs}
     for p, target in same:  # an optimizer's state shared on save (FSDP1's flat step) is one per parameter in torch:
         loaded[p] = loaded[target].clone() if p in own else loaded[target]  # Adam stepped a shared step once per parameter
