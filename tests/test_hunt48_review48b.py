@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.dist_helper import run_ranks
 
 import trainguard as tg
-from tests.dist_helper import run_ranks
 
 PARTLY = "the state may hold part of the checkpoint's values"
 
@@ -118,3 +118,33 @@ def test_a_peer_ranks_bad_bytes_say_the_state_is_partly_loaded_on_every_rank(tmp
     assert "rng@1/torch_cpu" in msg0 and "rng@1/torch_cpu" in msg1, (msg0, msg1)
     assert loaded0  # rank 0 read all of its own: its model holds the checkpoint's weights
     assert PARTLY in msg0 and PARTLY in msg1, (msg0, msg1)
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    """Edit the manifest body of ``ckpt``, its checksum recomputed (a hand edit: only semantic checks see it)."""
+    from trainguard.manifest import checksum
+
+    body = json.loads((ckpt / "manifest.json").read_bytes())["manifest"]
+    edit(body)
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    (ckpt / "manifest.json").write_bytes(b'{"checksum":"' + checksum(raw).encode() + b'","manifest":' + raw + b"}\n")
+
+
+def test_an_rng_state_word_out_of_range_is_a_corrupt_checkpoint_and_restore_falls_back(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = tmp_path / "run"
+    tg.save(run / "step-000000001", {"rng": tg.RNGState(), "progress": tg.StateDict(step=1)})
+    tg.save(run / "step-000000002", {"rng": tg.RNGState(), "progress": tg.StateDict(step=2)})
+    words = lambda b: b["objects"]["rng"]["ranks"][0]["python"]["$tuple"][1]["$tuple"]  # noqa: E731
+    _rewrite(run / "step-000000002", lambda b: words(b).__setitem__(5, -1))  # random.setstate: OverflowError
+    with pytest.raises(tg.CorruptCheckpointError, match="RNGState: the saved RNG state is malformed \\(OverflowError") as ei:
+        tg.load(run / "step-000000002", {"rng": tg.RNGState()}, only=["rng"])
+    assert PARTLY not in str(ei.value)  # read into the copies its state_dict() gave: nothing of the state changed
+    _rewrite(run / "step-000000002", lambda b: words(b).__setitem__(5, 2**70))
+    with pytest.raises(tg.CorruptCheckpointError, match="malformed \\(OverflowError"):
+        tg.load(run / "step-000000002", {"rng": tg.RNGState()}, only=["rng"])
+    progress = tg.StateDict(step=0)
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        assert mgr.restore({"rng": tg.RNGState(), "progress": progress}) == 1  # before: the bare OverflowError
+    assert progress["step"] == 1
+    assert "checkpoint of step 2 is not usable" in caplog.text
