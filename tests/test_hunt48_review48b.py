@@ -95,12 +95,17 @@ def test_an_entry_refusing_after_the_model_was_loaded_says_so(tmp_path: Path) ->
     assert PARTLY in str(ei.value), str(ei.value)
 
 
-def _ranks_peer_corrupt(rank: int, world: int, root: str) -> tuple[str, bool]:
+def _ranks_peer_corrupt(rank: int, world: int, root: str) -> tuple[str, bool, str]:
     import torch.distributed as dist
 
     ckpt = Path(root) / "step-000000001"
     tg.save(ckpt, {"model": _model(0), "rng": tg.RNGState()})
     dist.barrier()
+    try:  # split_state: no rank holds layer 1, refused on every rank before anything is read
+        tg.load(ckpt, {"model": torch.nn.Sequential(torch.nn.Linear(16, 16))}, split_state=True)
+        untaken = ""
+    except tg.CheckpointError as e:
+        untaken = str(e)
     if rank == 0:
         _flip(ckpt, "rng@1/torch_cpu")  # rank 1's own RNG state: only rank 1 reads it
     dist.barrier()
@@ -108,16 +113,18 @@ def _ranks_peer_corrupt(rank: int, world: int, root: str) -> tuple[str, bool]:
     try:
         tg.load(ckpt, {"model": m, "rng": tg.RNGState()})
     except tg.CheckpointError as e:
-        return str(e), torch.equal(m[0].weight, _model(0)[0].weight)
-    return "", False
+        return str(e), torch.equal(m[0].weight, _model(0)[0].weight), untaken
+    return "", False, untaken
 
 
 def test_a_peer_ranks_bad_bytes_say_the_state_is_partly_loaded_on_every_rank(tmp_path: Path) -> None:
     results = run_ranks(_ranks_peer_corrupt, 2, str(tmp_path), timeout=120)
-    (msg0, loaded0), (msg1, _) = (r.value for r in results)
+    (msg0, loaded0, untaken0), (msg1, _, untaken1) = (r.value for r in results)
     assert "rng@1/torch_cpu" in msg0 and "rng@1/torch_cpu" in msg1, (msg0, msg1)
     assert loaded0  # rank 0 read all of its own: its model holds the checkpoint's weights
     assert PARTLY in msg0 and PARTLY in msg1, (msg0, msg1)
+    for untaken in (untaken0, untaken1):  # refused after the first round, before any rank read: not marked
+        assert "no rank's state holds 2 tensor(s)" in untaken and PARTLY not in untaken, untaken
 
 
 def _rewrite(ckpt: Path, edit) -> None:

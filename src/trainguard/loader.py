@@ -66,7 +66,7 @@ def load(
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
-    manifest, wrote = None, []  # wrote: [True] once this process wrote into the state (partread.py)
+    manifest, wrote = None, []  # wrote (partread.py): [False] once every rank passed the plan round, True once this process wrote
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
@@ -84,12 +84,12 @@ def load(
     except Exception as exc:
         exc = unreadable(exc, target)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
-            raise partly_read(exc, bool(wrote)) from exc.__cause__
+            raise partly_read(exc, any(wrote)) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
             plan_round(exc)
         if not agreed[0]:  # the plan round raised, on every rank
             raise
-        loaded_round(ctx, target, exc, timeout)  # past the plan round: every rank may have read into its state
+        loaded_round(ctx, target, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
     if ctx.is_distributed:
         loaded_round(ctx, target, None, timeout)
     return manifest  # type: ignore[return-value]
@@ -236,6 +236,7 @@ def _load(
         )
     if ctx.is_distributed:  # the "load" round: nothing read into the state before every rank found that its state fits
         plan_round(taken={p for *_, refs in plans for p in refs} if split_state and strict and only is None else None)
+        wrote.append(False)  # every rank passed the plan round (split_state's check too): the others read from here on
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
     # Regular tensors read into a live shard allocate nothing: their files are checked below (the parts this rank reads).

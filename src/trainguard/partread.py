@@ -33,11 +33,13 @@ def partly_read(e: BaseException, wrote: bool) -> BaseException:
     return e
 
 
-def loaded_round(ctx: Any, target: str, e: Exception | None, timeout: float | None) -> None:
-    """``loader.load``'s "loaded" round (every rank, after the plan round passed on every rank):
-    ``errors.agree_load``, its error marked by :func:`partly_read`."""
+def loaded_round(ctx: Any, target: str, e: Exception | None, timeout: float | None, past: bool = True) -> None:
+    """``loader.load``'s "loaded" round (every rank, after the first round passed on every rank):
+    ``errors.agree_load``, its error marked by :func:`partly_read` when ``past``: every rank passed
+    the whole plan round, ``split_state``'s check of the tensors no rank takes included (that check
+    raises on every rank alike, before any reads), so every rank may have read into its state."""
     try:
         agree_load(ctx, "loaded", target, e, timeout)
     except CheckpointError as x:
-        partly_read(x, True)
+        partly_read(x, past)
         raise
