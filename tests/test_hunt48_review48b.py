@@ -5,6 +5,12 @@
   loaded, a peer rank's bad bytes) raised an error that said nothing of the state it left behind:
   the model already held the checkpoint's weights while the error read like a refusal. It now says
   so (``partread.py``); errors raised before anything was written do not.
+- A hand-edited RNG state word out of range (random.setstate's OverflowError) escaped ``tg.load``
+  and ``restore`` bare, instead of a ``CorruptCheckpointError`` (restore then falls back).
+- ``restore`` refused to fall back past a skipped checkpoint whose load had written nothing (a
+  missing data file) when the older one lacked a tensor of it, and past any corrupt checkpoint
+  saved by more ranks than the older one and the restore ("tensors ['rng@1/...'] were partly read
+  from a newer checkpoint"): no rank had read them.
 """
 
 from __future__ import annotations
@@ -155,3 +161,56 @@ def test_an_rng_state_word_out_of_range_is_a_corrupt_checkpoint_and_restore_fall
         assert mgr.restore({"rng": tg.RNGState(), "progress": progress}) == 1  # before: the bare OverflowError
     assert progress["step"] == 1
     assert "checkpoint of step 2 is not usable" in caplog.text
+
+
+def _newest_two(run: Path) -> None:
+    """Step 1 without the entry "extra", step 2 with it (a tensor the older checkpoint lacks)."""
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": _model(0), "progress": tg.StateDict(step=1)})
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        state = {"model": _model(0), "progress": tg.StateDict(step=0), "extra": tg.StateDict(w=torch.ones(3))}
+        assert mgr.restore(state, strict=False) == 1
+        state["progress"]["step"] = 2
+        mgr.save(2, state)
+
+
+def test_restore_falls_back_past_a_checkpoint_that_failed_before_anything_was_read(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _newest_two(run)
+    os.unlink(run / "step-000000002" / "data-00000.bin")  # refused before a byte is read
+    extra, progress = tg.StateDict(w=torch.zeros(3)), tg.StateDict(step=0)
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:  # before: "tensors ['extra/w'] were partly read"
+        assert mgr.restore({"model": _model(1), "progress": progress, "extra": extra}, strict=False) == 1
+    assert progress["step"] == 1 and torch.equal(extra["w"], torch.zeros(3))  # never read: as it was
+
+
+def test_restore_still_refuses_tensors_a_skipped_load_did_write(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _newest_two(run)
+    _flip(run / "step-000000002", "model/1.weight")  # extra/w, earlier in the file, is read before it
+    extra = tg.StateDict(w=torch.zeros(3))
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match="tensors \\['extra/w'\\] were partly read from a newer checkpoint"):
+            mgr.restore({"model": _model(1), "progress": tg.StateDict(step=0), "extra": extra}, strict=False)
+    assert torch.equal(extra["w"], torch.ones(3))  # what it refuses to hide
+
+
+def _save_step2_on_two_ranks(rank: int, world: int, run: str) -> None:
+    state = {"model": _model(0), "rng": tg.RNGState(), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        assert mgr.restore(state) == 1
+        state["progress"]["step"] = 2
+        mgr.save(2, state)
+
+
+def test_restore_on_one_rank_falls_back_past_a_corrupt_checkpoint_saved_by_two(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": _model(0), "rng": tg.RNGState(), "progress": tg.StateDict(step=1)})
+    run_ranks(_save_step2_on_two_ranks, 2, str(run), timeout=120)  # the run grew to 2 ranks
+    _flip(run / "step-000000002", "model/0.weight")  # read by rank 0 here
+    progress = tg.StateDict(step=0)
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:  # back on 1 rank
+        # before: "tensors ['rng@1/numpy/keys', 'rng@1/torch_cpu'] were partly read", which no rank had read
+        assert mgr.restore({"model": _model(1), "rng": tg.RNGState(), "progress": progress}) == 1
+    assert progress["step"] == 1

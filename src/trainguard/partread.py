@@ -7,8 +7,10 @@ staging copy), verifying each block's checksum as it is read, and then calls eac
 loaded: before, the error (``checksum mismatch in tensor ...: the checkpoint is corrupt``) said
 nothing of it, and a script that caught it and trained on, or loaded only a subset afterwards,
 trained on a mix of two states. Errors raised before anything was written (a refused state, a
-missing or truncated data file) are not marked. ``CheckpointManager.restore`` tracks such tensors
-itself (``inspect.touched_tensors``).
+missing or truncated data file) are not marked. Every error of ``load`` that passed here carries
+``partly_loaded`` (True or False; alike on every rank, see :func:`loaded_round`): after a failed
+load ``CheckpointManager.restore`` counts the tensors the checkpoint would have written
+(``inspect.touched_tensors``) only when it is True.
 
 Who calls: ``loader.load`` on every rank. One process: :func:`partly_read` with whether this
 process wrote into the state. Several: :func:`loaded_round`, the "loaded" round that follows the
@@ -27,9 +29,11 @@ PARTLY = (" The load had begun writing into the state (tensors are read in place
 
 
 def partly_read(e: BaseException, wrote: bool) -> BaseException:
-    """``e`` with :data:`PARTLY` added to its message when ``wrote`` (the same object, returned)."""
-    if wrote and isinstance(e, CheckpointError) and e.args and isinstance(e.args[0], str) and PARTLY not in e.args[0]:
-        e.args = (e.args[0] + PARTLY, *e.args[1:])
+    """``e`` with :data:`PARTLY` added to its message when ``wrote``, and ``partly_loaded = wrote`` (the same object, returned)."""
+    if isinstance(e, CheckpointError):
+        e.partly_loaded = wrote or getattr(e, "partly_loaded", False)  # type: ignore[attr-defined]
+        if wrote and e.args and isinstance(e.args[0], str) and PARTLY not in e.args[0]:
+            e.args = (e.args[0] + PARTLY, *e.args[1:])
     return e
 
 
