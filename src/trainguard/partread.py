@@ -6,11 +6,12 @@ staging copy), verifying each block's checksum as it is read, and then calls eac
 ``load_state_dict`` refusing after the entries before it were loaded, leaves the state partly
 loaded: before, the error (``checksum mismatch in tensor ...: the checkpoint is corrupt``) said
 nothing of it, and a script that caught it and trained on, or loaded only a subset afterwards,
-trained on a mix of two states. Errors raised before anything was written (a refused state, a
-missing or truncated data file) are not marked. Every error of ``load`` that passed here carries
-``partly_loaded`` (True or False; alike on every rank, see :func:`loaded_round`): after a failed
-load ``CheckpointManager.restore`` counts the tensors the checkpoint would have written
-(``inspect.touched_tensors``) only when it is True.
+trained on a mix of two states. Errors raised before anything was written (a refused state; in
+one process a missing or truncated data file too) are not marked. With several ranks the data
+files are checked after the plan round, when the other ranks may be reading: marked. Every error
+of ``load`` that passed here carries ``partly_loaded`` (True or False; alike on every rank, see
+:func:`loaded_round`): after a failed load ``CheckpointManager.restore`` counts the tensors the
+checkpoint would have written (``inspect.touched_tensors``) only when it is not False.
 
 Who calls: ``loader.load`` on every rank. One process: :func:`partly_read` with whether this
 process wrote into the state. Several: :func:`loaded_round`, the "loaded" round that follows the
