@@ -66,7 +66,8 @@ def load(
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
-    manifest, wrote = None, []  # wrote (partread.py): [False] once every rank passed the plan round, True once this process wrote
+    manifest: Manifest | None = None
+    wrote: list[bool] = []  # partread.py: [False] once every rank passed the plan round, [True] once this process wrote
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
@@ -92,7 +93,7 @@ def load(
         loaded_round(ctx, target, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
     if ctx.is_distributed:
         loaded_round(ctx, target, None, timeout)
-    return manifest  # type: ignore[return-value]
+    return manifest
 
 
 def _load(
