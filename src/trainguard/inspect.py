@@ -257,10 +257,15 @@ def describe(path: str | os.PathLike[str]) -> Manifest:
     return read_manifest(storage, target)
 
 
-def touched_tensors(path: str, state: Mapping[str, Any]) -> dict[str, list[int]]:
+def touched_tensors(path: str, state: Mapping[str, Any], error: BaseException | None = None) -> dict[str, list[int]]:
     """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
     have written into: bytes are read in place, before the load can fail on a checksum.
-    ``CheckpointManager.restore`` calls it on every rank after a load it skipped."""
+    ``CheckpointManager.restore`` calls it on every rank after a load it skipped, with the load's
+    ``error``: none when that load failed before it wrote anything (``partly_loaded`` False, the same
+    on every rank: partread.py), e.g. for a missing data file. Before, those counted too, and an older
+    checkpoint that lacked one of them was refused ("partly read from a newer checkpoint")."""
+    if error is not None and not getattr(error, "partly_loaded", True):
+        return {}
     try:
         m = read_manifest(*for_path(path))
     except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
@@ -282,6 +287,19 @@ def not_overwritten(touched: Mapping[str, list[int]], manifest: Manifest, state:
         return (rest.startswith("state/") and key in manifest.objects
                 and isinstance(state.get(key), torch.optim.Optimizer))
 
-    return sorted(p for p, shape in touched.items()
-                  if p not in manifest.tensors and not replaced(p)
-                  or p in manifest.tensors and manifest.tensors[p].shape != shape)
+    def local(p: str, shape: list[int]) -> tuple[str, str, tuple[int, ...]] | None:
+        head, _, rest = p.partition("/")
+        return (head.split("@")[0], rest, tuple(shape)) if "@" in head else None
+
+    # A rank-local entry's tensors (``rng@3/torch_cpu``) by the part after the saved rank: a rank reads one
+    # saved rank's of them (rankload.py), and the older checkpoint's load gives it some rank's too (or re-seeds
+    # it). Before, each saved rank's path had to be in it: a run that grew to 2 ranks at its newest checkpoint
+    # could not fall back past it on 1 (no ``rng@1`` in the older one), although no rank had read ``rng@1``.
+    held = {k for p, e in manifest.tensors.items() if (k := local(p, e.shape)) is not None}
+
+    def kept(p: str, shape: list[int]) -> bool:
+        if (k := local(p, shape)) is not None:
+            return k not in held
+        return p not in manifest.tensors and not replaced(p) or p in manifest.tensors and manifest.tensors[p].shape != shape
+
+    return sorted(p for p, shape in touched.items() if kept(p, shape))

@@ -28,10 +28,11 @@ from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
+from .partread import loaded_round, partly_read
 from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
-from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
+from .stateful import ModuleAdapter, OptimizerAdapter, RNGState, adapt, check_state, has_state
 from .storage import Storage, for_path
 
 
@@ -66,6 +67,7 @@ def load(
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
     manifest: Manifest | None = None
+    wrote: list[bool] = []  # partread.py: [False] once every rank passed the plan round, [True] once this process wrote
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
@@ -79,18 +81,18 @@ def load(
     try:
         with gc_paused():
             manifest = read_manifest(storage, target)
-            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state)
+            _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state, wrote)
     except Exception as exc:
         exc = unreadable(exc, target)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
-            raise exc from exc.__cause__
+            raise partly_read(exc, any(wrote)) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
             plan_round(exc)
         if not agreed[0]:  # the plan round raised, on every rank
             raise
-        agree_load(ctx, "loaded", target, exc, timeout)
+        loaded_round(ctx, target, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
     if ctx.is_distributed:
-        agree_load(ctx, "loaded", target, None, timeout)
+        loaded_round(ctx, target, None, timeout)
     return manifest
 
 
@@ -103,8 +105,9 @@ def _load(
     strict: bool,
     only: Iterable[str] | None,
     verify: bool,
-    plan_round: Any = None,
-    split_state: bool = False,
+    plan_round: Any,
+    split_state: bool,
+    wrote: list[bool],
 ) -> None:
     check_state(state)
     if isinstance(only, (str, bytes)):
@@ -234,6 +237,7 @@ def _load(
         )
     if ctx.is_distributed:  # the "load" round: nothing read into the state before every rank found that its state fits
         plan_round(taken={p for *_, refs in plans for p in refs} if split_state and strict and only is None else None)
+        wrote.append(False)  # every rank passed the plan round (split_state's check too): the others read from here on
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make
     # this rank allocate more than the files it points at really hold.
     # Regular tensors read into a live shard allocate nothing: their files are checked below (the parts this rank reads).
@@ -256,12 +260,8 @@ def _load(
     order = [p for p in manifest.tensors if p in want]
     skip, stage, differ = shared_destinations(order, want, manifest.tensors, src)  # tied weights, overlapping views
     if differ:
-        warnings.warn(
-            "one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
-            f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}",
-            stacklevel=3,
-        )
-
+        warnings.warn("one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
+                      f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}", stacklevel=3)
     block = manifest.block_size
     same: list[tuple[str, str]] = []  # (alias, path read for its bytes), both into new tensors: one tensor, as torch.load gives
     first: dict[str, str] = {}  # a tie's target not read into a new tensor -> its alias that is, shared by the others
@@ -300,13 +300,11 @@ def _load(
             yield ReadTarget(p, t, box, ops)
 
     # The files of live regular shards were not checked above: each is checked when first opened.
-    read_targets(
-        storage,
-        directory,
-        targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
-        check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
-        direct=_sole_reader(ctx),
-    )
+    wrote += [True] * any(d.get(p) is not None and p in want for _k, o, _s, d, refs in plans  # read in place from here on
+                          if not isinstance(o, RNGState) for p in refs)  # (not an RNGState: into its state_dict()'s copies)
+    read_targets(storage, directory, targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
+                 check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
+                 direct=_sole_reader(ctx))
     own = {p for _k, o, _s, _d, refs in plans if isinstance(o, (OptimizerAdapter, FSDP1OptimizerAdapter)) for p in refs}
     for p, target in same:  # an optimizer's state shared on save (FSDP1's flat step) is one per parameter in torch:
         loaded[p] = loaded[target].clone() if p in own else loaded[target]  # Adam stepped a shared step once per parameter
@@ -341,6 +339,7 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             )) from e
+        wrote.append(True)  # this entry is loaded: one after it that fails leaves it so
     rankload.run_deferred(later)
 
 

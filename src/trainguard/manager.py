@@ -362,7 +362,7 @@ class CheckpointManager:
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
                 skipped.append(f"step {step} ({path}): {str(e)[:500]}")
-                touched.update(touched_tensors(path, state))
+                touched.update(touched_tensors(path, state, e))
                 continue
             left = not_overwritten(touched, m, state)
             if left:  # strict=False: the older checkpoint does not overwrite them

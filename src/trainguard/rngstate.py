@@ -91,8 +91,9 @@ class RNGState:
             )
             torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
             genstate.load(self.generators, state_dict.get("generators", {}))
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError) as e:
-            # Saved by RNGState itself: a state that does not parse is a damaged checkpoint.
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
+            # Saved by RNGState itself: a state that does not parse is a damaged checkpoint (a word of the python
+            # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError).
             raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
