@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 import trainguard as tg
 
@@ -46,3 +48,55 @@ def test_numpy_generator_that_spawned_more_keeps_its_count_and_warns(tmp_path):
     with pytest.warns(UserWarning, match=r"'data' has spawned 3 children .* the checkpoint's 1"):
         tg.load(tmp_path / "ck", {"rng": tg.RNGState(generators={"data": rng})})
     assert rng.bit_generator.seed_seq.n_children_spawned == 3
+
+
+class _CountingOptimizer(torch.optim.Optimizer):
+    """The pattern of several public optimizers (Sophia-style Hessian refreshes): a global counter kept
+    in ``self.state`` under a key that is no parameter, beside each parameter's state."""
+
+    def __init__(self, params, lr: float = 0.1, period: int = 3) -> None:
+        super().__init__(params, {"lr": lr, "period": period})
+
+    @torch.no_grad()
+    def step(self, closure=None):  # noqa: ANN001, ANN201 - torch's signature
+        self.state["global_step"] = self.state.get("global_step", 0) + 1
+        refresh = self.state["global_step"] % self.param_groups[0]["period"] == 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if "h" not in st or refresh:
+                    st["h"] = p.grad.abs() + 1
+                p.sub_(g["lr"] * p.grad / st["h"])
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int) -> None:
+    for i in range(start, start + steps):
+        opt.zero_grad()
+        model(torch.full((2, 3), float(i))).pow(2).sum().backward()
+        opt.step()
+
+
+def _built() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    return model, _CountingOptimizer(model.parameters())
+
+
+def test_optimizer_state_under_a_key_that_is_no_parameter_saves_and_resumes(tmp_path):
+    """torch's ``state_dict()`` keeps a key of ``optimizer.state`` that is no parameter as it is, and
+    its ``load_state_dict()`` puts it back; trainguard's save raised ``TypeError: list indices must be
+    integers or slices, not str`` (looking the key up as a parameter index): no checkpoint at all."""
+    straight, sopt = _built()
+    _train(straight, sopt, 0, 8)
+
+    model, opt = _built()
+    _train(model, opt, 0, 4)
+    tg.save(tmp_path / "ck", {"model": model, "optim": opt})
+
+    resumed, ropt = _built()
+    tg.load(tmp_path / "ck", {"model": resumed, "optim": ropt})
+    assert ropt.state["global_step"] == 4
+    assert torch.equal(ropt.state[resumed.weight]["h"], opt.state[model.weight]["h"])
+    _train(resumed, ropt, 4, 4)
+    assert ropt.state["global_step"] == 8
+    assert torch.equal(resumed.weight, straight.weight) and torch.equal(resumed.bias, straight.bias)
