@@ -100,3 +100,22 @@ def test_optimizer_state_under_a_key_that_is_no_parameter_saves_and_resumes(tmp_
     _train(resumed, ropt, 4, 4)
     assert ropt.state["global_step"] == 8
     assert torch.equal(resumed.weight, straight.weight) and torch.equal(resumed.bias, straight.bias)
+
+
+@pytest.mark.parametrize("value,says", [
+    (torch.device("cpu"), "str(x) for a torch.device"),
+    (np.float32(0.1), "float(x) for a numpy number"),
+    ({"a", "b"}, "keep other objects out of the param groups"),
+])
+def test_param_group_value_refusal_says_what_fits_a_param_group(tmp_path, value, says):
+    """A key a script adds to a param group is saved with the optimizer; one that is no JSON value is
+    refused naming its path. The old hint said to wrap it in a class with state_dict()/load_state_dict()
+    or (a module) to give it its own key of the state: neither can apply inside a param group (the
+    wrapped object is refused there in turn)."""
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD([{"params": model.parameters(), "extra": value}], lr=0.1)
+    with pytest.raises(tg.UnsupportedValueError) as e:
+        tg.save(tmp_path / "ck", {"model": model, "optim": opt})
+    assert str(e.value).startswith("optim/param_groups/0/extra: ")
+    assert says in str(e.value) and "wrap other objects" not in str(e.value)
+    assert not (tmp_path / "ck").exists()
