@@ -119,3 +119,45 @@ def test_param_group_value_refusal_says_what_fits_a_param_group(tmp_path, value,
     assert str(e.value).startswith("optim/param_groups/0/extra: ")
     assert says in str(e.value) and "wrap other objects" not in str(e.value)
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.fixture
+def global_bit_generator():
+    """Gives the test NumPy's global bit generator to replace, and puts the original back."""
+    original = np.random.get_bit_generator()
+    yield
+    np.random.set_bit_generator(original)
+
+
+def test_numpy_global_functions_on_another_bit_generator_resume_exactly(tmp_path, global_bit_generator):
+    """``np.random.set_bit_generator(PCG64(...))`` (NumPy 1.25+) makes ``np.random.get_state()`` a dict;
+    ``RNGState``'s save unpacked it as MT19937's tuple and failed ("too many values to unpack"): a
+    script doing so could not save at all."""
+    np.random.set_bit_generator(np.random.PCG64(0))
+    np.random.normal(size=3)
+    tg.save(tmp_path / "ck", {"rng": tg.RNGState()})
+    expected = np.random.normal(size=4).tolist()
+
+    np.random.set_bit_generator(np.random.PCG64(123))  # a restarted script, drawn elsewhere since
+    np.random.normal(size=2)
+    tg.load(tmp_path / "ck", {"rng": tg.RNGState()})
+    assert np.random.normal(size=4).tolist() == expected
+
+
+@pytest.mark.parametrize("saved_kind,load_kind", [("PCG64", "MT19937"), ("MT19937", "Philox")])
+def test_numpy_global_bit_generator_of_another_kind_is_refused_before_anything_changes(
+        tmp_path, global_bit_generator, saved_kind, load_kind):
+    """A load whose global NumPy generator is of another kind than the saved one (``set_bit_generator``
+    called at save time and not at load, or the reverse) says which call to make, and changes no
+    generator (it read as a corrupt checkpoint, or, the reverse, as MT19937's state set into another)."""
+    import random
+
+    np.random.set_bit_generator(getattr(np.random, saved_kind)(0))
+    tg.save(tmp_path / "ck", {"rng": tg.RNGState()})
+    np.random.set_bit_generator(getattr(np.random, load_kind)(1))
+    random.seed(7)
+    before = random.getstate()
+    with pytest.raises(tg.CheckpointError, match=rf"was a {saved_kind} at save time .* is a {load_kind} now; "
+                                                 rf"call np.random.set_bit_generator\(np.random.{saved_kind}\(\)\)"):
+        tg.load(tmp_path / "ck", {"rng": tg.RNGState()})
+    assert random.getstate() == before
