@@ -145,6 +145,8 @@ def _capture(state: Mapping[str, Any], ctx: DistContext, layout_kind: str, split
                 what = str(e).split(";")[0]
                 if isinstance(value, torch.optim.lr_scheduler.LRScheduler) and "cannot be saved" in what:
                     e.args = (what + SCHEDULER_HINT,)
+                elif isinstance(value, torch.optim.Optimizer) and "cannot be saved" in what:
+                    e.args = (what + OPTIMIZER_HINT,)
                 raise
             objects[key] = skel
             if (cls := scheduler_class(value)) is not None:
@@ -185,6 +187,16 @@ def _capture(state: Mapping[str, Any], ctx: DistContext, layout_kind: str, split
     rep = digests(state, leaves, ctx.world_size, sig, layout_kind)  # compared in the begin round: replicas.compare
     return Snapshot(objects=objects, rank_local=rank_local, leaves=leaves, entry_sig=sig, split=split, data_positions=data_positions,
                     frozen=frozen, versions=versions, classes=classes, replicas=rep)
+
+
+# ``capture``: what to do about a value refused in an optimizer's state (a key added to a param group, or its
+# lr set from numpy): flatten's "wrap it in a class with state_dict()" and "give it its own key" cannot apply there.
+OPTIMIZER_HINT = (
+    ": an optimizer's state_dict() holds every key of each param group (lr, betas... and any key the script adds to "
+    "a group, such as a 'name') and each parameter's state: keep them tensors or JSON values (float(x) for a numpy "
+    "number, str(x) for a torch.device), or keep other objects out of the param groups (in a dict of the script's own, "
+    "keyed by the group's index or 'name')"
+)
 
 
 # ``capture``: what to do about a value refused in a scheduler's state, after its path and type (flatten's

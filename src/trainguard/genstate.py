@@ -51,19 +51,19 @@ def check_generators(generators: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(generators)
 
 
-def _plain(v: Any) -> Any:
+def to_plain(v: Any) -> Any:
     """NumPy's state dict as JSON values: an array becomes ``{"dtype": ..., "values": [...]}``."""
     if isinstance(v, np.ndarray):
         return {"dtype": str(v.dtype), "values": v.tolist()}
     if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: to_plain(x) for k, x in v.items()}
     return v.item() if isinstance(v, np.generic) else v
 
 
-def _numpy(v: Any) -> Any:
+def from_plain(v: Any) -> Any:
     if isinstance(v, dict) and set(v) == {"dtype", "values"}:
         return np.asarray(v["values"], dtype=v["dtype"])
-    return {k: _numpy(x) for k, x in v.items()} if isinstance(v, dict) else v
+    return {k: from_plain(x) for k, x in v.items()} if isinstance(v, dict) else v
 
 
 def state_of(g: Any) -> dict[str, Any]:
@@ -72,12 +72,43 @@ def state_of(g: Any) -> dict[str, Any]:
     if kind == "torch":
         state: Any = g.get_state()  # a uint8 CPU tensor, for a CUDA generator too
     elif kind == "numpy":
-        state = _plain(g.bit_generator.state)
+        state = to_plain(g.bit_generator.state)
+        if (n := _spawned(g)) is not None:  # not in bit_generator.state: see _spawned
+            return {"kind": kind, "state": state, "spawned": n}
     elif kind == "numpy_legacy":
-        state = _plain(g.get_state(legacy=False))
+        state = to_plain(g.get_state(legacy=False))
     else:
         state = g.getstate()
     return {"kind": kind, "state": state, **({"device": g.device.type} if kind == "torch" else {})}
+
+
+def _spawned(g: np.random.Generator) -> int | None:
+    """How many children ``g.spawn()`` (``bit_generator.seed_seq.spawn()``) has made: NumPy's way to
+    split a generator into independent streams (a worker's or an epoch's). The count lives in the
+    generator's ``SeedSequence``, not in ``bit_generator.state``: a load that restored the state only
+    left it at the rebuilt generator's 0, so the resumed run's ``spawn()`` handed out the streams its
+    first epochs had drawn again, silently. None for a generator without one."""
+    n = getattr(getattr(g.bit_generator, "seed_seq", None), "n_children_spawned", None)
+    return n if type(n) is int else None
+
+
+def _respawn(name: str, g: np.random.Generator, saved: Any) -> None:
+    """``load``: bring ``g``'s spawn count (:func:`_spawned`) up to the ``saved`` one, by spawning
+    the children it lacks (the count is read-only and only grows); a generator that has spawned
+    more already (a reload in the same process) keeps its count, with a warning. ``saved`` None:
+    a checkpoint from before the count was saved."""
+    have = _spawned(g)
+    if type(saved) is not int or have is None or have == saved:
+        return
+    if have < saved:
+        g.bit_generator.seed_seq.spawn(saved - have)
+        return
+    import warnings
+
+    warnings.warn(f"RNGState: numpy generator {name!r} has spawned {have} children (spawn()), the checkpoint's "
+                  f"{saved}: the count cannot go back, so its next spawn() does not give the saved run's next child; "
+                  "pass a generator built afresh from the same seed (np.random.default_rng(seed)) to the load",
+                  stacklevel=2)
 
 
 def check_saved(generators: Mapping[str, Any], saved: Any, strict: bool = True) -> list[str]:
@@ -113,9 +144,10 @@ def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
         if kind == "torch":
             g.set_state(state.to("cpu", torch.uint8))
         elif kind == "numpy":
-            g.bit_generator.state = _numpy(state)
+            g.bit_generator.state = from_plain(state)
+            _respawn(name, g, saved[name].get("spawned"))
         elif kind == "numpy_legacy":
-            g.set_state(_numpy(state))
+            g.set_state(from_plain(state))
         else:  # what getstate() gave, tuples kept: a subclass's own state too
             g.setstate(state)
 

@@ -44,13 +44,7 @@ class RNGState:
         self.generators = genstate.check_generators(generators)
 
     def state_dict(self) -> dict[str, Any]:
-        algo, keys, pos, has_gauss, cached = np.random.get_state()
-        sd: dict[str, Any] = {
-            "python": random.getstate(),
-            "numpy": {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-            "torch_cpu": torch.get_rng_state(),
-        }
+        sd: dict[str, Any] = {"python": random.getstate(), "numpy": _numpy_global(), "torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_initialized():  # not is_available(): reading them creates a CUDA context (class docstring)
             sd["cuda"] = list(torch.cuda.get_rng_state_all())
         if self.generators:
@@ -68,6 +62,8 @@ class RNGState:
             raise mark(CheckpointError(
                 f"the state's tg.RNGState() meets a checkpoint entry saved from something else (it holds {what}, not the "
                 "python, numpy and torch_cpu states RNGState saves); load it into what saved it, or leave it out with only="))
+        if why := _other_numpy_kind(skeleton.get("numpy") if isinstance(skeleton, Mapping) else None):
+            raise mark(CheckpointError(why))
         saved = skeleton.get("generators") if isinstance(skeleton, Mapping) else None
         if missing := genstate.check_saved(self.generators, saved, strict):
             warnings.warn(f"RNGState: the checkpoint holds no state for generator(s) {missing}; left as they are "
@@ -83,12 +79,17 @@ class RNGState:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         strict, self._lenient = not getattr(self, "_lenient", False), False
         genstate.check_saved(self.generators, state_dict.get("generators"), strict)  # before anything changes
+        if why := _other_numpy_kind(state_dict.get("numpy")):
+            raise mark(CheckpointError(why))
         try:
             random.setstate(_as_python_rng(state_dict["python"]))
             n = state_dict["numpy"]
-            np.random.set_state(
-                (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-            )
+            if "bit_generator" in n:  # saved from another bit generator than MT19937 (_numpy_global)
+                np.random.set_state(genstate.from_plain(n["bit_generator"]))
+            else:
+                np.random.set_state(
+                    (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+                )
             torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
             genstate.load(self.generators, state_dict.get("generators", {}))
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
@@ -119,6 +120,37 @@ class RNGState:
         np.random.seed(seed)
         torch.manual_seed(seed)
         genstate.reseed(self.generators, seed)
+
+
+def _numpy_global() -> dict[str, Any]:
+    """NumPy's global generator (``np.random.normal()``...): MT19937's legacy tuple as before, or, when the
+    script made the global functions draw from another bit generator (``np.random.set_bit_generator(PCG64())``,
+    NumPy 1.25+), whose ``get_state()`` is then a dict, that state under ``"bit_generator"`` (before,
+    unpacking it as the tuple failed the save: "too many values to unpack")."""
+    if _global_kind() != "MT19937":  # get_state() would warn, then give the dict of legacy=False
+        return {"bit_generator": genstate.to_plain(np.random.get_state(legacy=False))}
+    algo, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _global_kind() -> str:
+    """The class name of the bit generator behind NumPy's global functions (``np.random.set_bit_generator``)."""
+    get = getattr(np.random, "get_bit_generator", None)  # NumPy 1.25+; before, the global one is MT19937
+    return type(get()).__name__ if get is not None else "MT19937"
+
+
+def _other_numpy_kind(saved: Any) -> str | None:
+    """Why NumPy's global generator cannot take the ``saved`` state (the bit generators differ: a script
+    that calls ``np.random.set_bit_generator()`` at save time and not at load, or the reverse), else None."""
+    if not isinstance(saved, Mapping):
+        return None
+    inner = saved.get("bit_generator")
+    was = inner.get("bit_generator") if isinstance(inner, Mapping) else "MT19937"
+    if was == (now := _global_kind()):
+        return None
+    return (f"RNGState: NumPy's global generator was a {was} at save time (np.random.set_bit_generator) and is a {now} "
+            f"now; call np.random.set_bit_generator(np.random.{was}()) before the load, as the saved run did")
 
 
 def _as_python_rng(v: Any) -> tuple:

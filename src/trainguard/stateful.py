@@ -183,7 +183,7 @@ class ModuleAdapter:
 
 
 # Keys OptimizerAdapter writes itself (dcp_import.BY_VALUES: imported groups); others of state_dict() are kept.
-_OWN_KEYS = frozenset({"state", "param_groups", "class", "param_groups_by_values"})
+_OWN_KEYS = frozenset({"state", "param_groups", "class", "param_groups_by_values", "state_by_key"})
 
 
 class OptimizerAdapter:
@@ -247,11 +247,16 @@ class OptimizerAdapter:
     def state_dict(self) -> dict[str, Any]:
         sd = self.optimizer.state_dict()
         names = self._index_names()
+        # torch keys a parameter's state by its index and keeps any other key of optimizer.state as it is (an
+        # optimizer's own counter, self.state["global_step"]): those go under "state_by_key", which no parameter
+        # name can collide with; before, names[key] raised TypeError and the optimizer could not be saved.
+        by_key = {k: s for k, s in sd["state"].items() if type(k) is not int}
         return {  # with a wrapper's own top-level values (PostLocalSGDOptimizer's averager "step"), as torch.save keeps them
             **{k: v for k, v in sd.items() if k not in _OWN_KEYS},
-            "state": {names[i]: s for i, s in sd["state"].items()},
+            "state": {names[i]: s for i, s in sd["state"].items() if type(i) is int},
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]],
             "class": optimizer_class(self.optimizer),
+            **({"state_by_key": by_key} if by_key else {}),
         }
 
     def check_saved(self, skeleton: Any, key: str) -> None:
@@ -344,9 +349,10 @@ class OptimizerAdapter:
                 group["param_names"] = [by_name[n] for n in cur_names]
             groups.append(group)
         by_id = {index[n]: s for n, s in state_dict["state"].items() if n in index}
+        by_key = state_dict.get("state_by_key")  # torch's load keeps a key that is no parameter's id as it is
         self.optimizer.load_state_dict({
             **{k: v for k, v in state_dict.items() if k not in _OWN_KEYS},  # a wrapper's own values
-            "state": by_id, "param_groups": groups,
+            "state": {**by_id, **by_key} if isinstance(by_key, Mapping) else by_id, "param_groups": groups,
         })
         keep_scalar_dtypes(self.optimizer, groups, by_id)  # NAdam's mu_product: not cast to the parameters' dtype
 
