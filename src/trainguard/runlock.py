@@ -40,6 +40,7 @@ class RunLock:
         self.fd: int | None = None
         self._real = ""  # the lock file's real path while held (release does not resolve it again)
         self._info = b""  # the holder record this process wrote: another job's, or none, there later (_taken)
+        self.gone: weakref.finalize | None = None  # release_when_gone's: one per lock, however often its manager opens
 
     def acquire(self) -> None:
         real = os.path.realpath(self.path)
@@ -130,8 +131,12 @@ def release_when_gone(owner: object, lock: RunLock) -> None:
     (a notebook cell that reassigned its variable, ``handle_signals=False``) releases the lock when it
     is collected, with a ResourceWarning. Before, the lock stayed held in this process for good: every
     later manager of that directory got LockedError, and no manager was left to close. Not at exit:
-    the process's end releases it."""
-    weakref.finalize(owner, _release_dropped, lock).atexit = False
+    the process's end releases it. Once per lock: a manager opened again after ``close()`` (the same
+    object in another ``with`` block) registered one more finalizer at every open, each kept until the
+    manager was collected (``tests/test_hunt48_soak.py``)."""
+    if lock.gone is None or not lock.gone.alive:
+        lock.gone = weakref.finalize(owner, _release_dropped, lock)
+        lock.gone.atexit = False
 
 
 def _release_dropped(lock: RunLock) -> None:
