@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import reads
+from . import reads, writegaps
 from .buffers import PAGE_ALIGN, ScratchPool, aligned_empty, tensor_bytes
 from .errors import DiskFullError
 from .fdlimit import ensure_room
@@ -217,14 +217,16 @@ def write_batches(
         reserve(w, size)
         if fault:
             fault("write_begin")
-        end = 0
+        end = written = 0
         for batch in it:
             lo = min((c.offset for c in batch), default=end)
             if lo < end:
                 raise ValueError(f"write_batches: a batch starts at byte {lo}, before the previous one ended ({end})")
             end = max((c.offset + c.length for c in batch), default=end)
             part = [[""] * (-(-c.length // block)) for c in batch]
-            run_parallel(_tasks(batch, block), streams, fault, "write_piece",
+            tasks = _tasks(batch, block)
+            written = writegaps.declare(w, tasks, batch, written)  # an object store's parts with a gap: sent, not held
+            run_parallel(tasks, streams, fault, "write_piece",
                          run=lambda task, b=batch, p=part: _run_task(task, b, w, block, p))
             sums += part
             total += sum(c.length for c in batch)

@@ -11,7 +11,8 @@ Writes: each rank's data file is cut into parts of ``part_size`` bytes. ``pwrite
 from ``io.write_file``'s threads) copies bytes into the part's buffer; a part whose bytes
 are all there is uploaded at once on a small thread pool (S3: one ``upload_part`` each, in
 parallel; other filesystems: streamed in order through ``fs.open(path, "wb")``).
-``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
+``hole`` counts a gap between chunks as written zeros (``io.write_batches``, ``writegaps``: a part
+with a gap was held until ``finish``). ``finish(size)`` uploads the rest (holes are zeros) and completes the upload; the object
 appears whole or not at all. Once a part fails, no later part is sent and the next ``pwrite``
 (or ``finish``) raises its error: against a hung endpoint each part waited out the store's bound.
 Reads: ``readinto`` fetches byte ranges, large ones split into pieces fetched concurrently
@@ -194,6 +195,7 @@ class _PartWriter:
         self._pool = DaemonExecutor(UPLOAD_THREADS, "trainguard-upload")  # not joined at exit: a hung upload
         self._futures: list[Any] = []  # concurrent.futures.Future
         self._sent: set[int] = set()
+        self._gaps: dict[int, int] = {}  # bytes of holes (``hole``) in parts that have no buffer yet
         self._error: BaseException | None = None  # the first part upload that failed: no later part goes up
         self._aborted = False
         self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
@@ -208,17 +210,33 @@ class _PartWriter:
                 else:
                     buf = bytearray(self.P)
                 self._bufs[k] = buf
-                self._filled[k] = 0
+                self._filled[k] = self._gaps.pop(k, 0)
             return buf
 
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        pos, n = 0, len(view)
+        self._fill(offset, len(view), view)
+
+    def hole(self, offset: int, length: int) -> None:
+        """Bytes ``offset:offset+length`` are never written (``io.write_batches``: a gap between chunks,
+        ``writegaps``): they count as written, zeros, so a part with a gap is sent once its data is there
+        (before, it was held in memory until ``finish``: the whole file, when no chunk filled whole pages)."""
+        self._fill(offset, length, None)
+
+    def _fill(self, offset: int, n: int, view: memoryview | None) -> None:
+        pos = 0
         while pos < n:
             k, start = divmod(offset + pos, self.P)
             take = min(self.P - start, n - pos)
-            buf = self._buffer(k)
-            buf[start : start + take] = view[pos : pos + take]  # disjoint ranges: no lock needed
+            if view is None:  # a hole: counted now, its part's buffer made (zeroed) by the part's first write
+                with self._lock:
+                    if k not in self._bufs and self._gaps.get(k, 0) + take < self.P:
+                        self._gaps[k] = self._gaps.get(k, 0) + take
+                        pos += take
+                        continue
+            buf = self._buffer(k)  # zeroed: a hole's bytes are zeros already
+            if view is not None:
+                buf[start : start + take] = view[pos : pos + take]  # disjoint ranges: no lock needed
             with self._lock:
                 self._filled[k] += take
                 full = self._filled[k] == self.P
