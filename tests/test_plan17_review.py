@@ -102,7 +102,8 @@ def test_plan_cli_says_error_not_traceback_for_numbers_it_cannot_count_in_steps(
     from trainguard.commands.plan import plan_cmd
 
     for extra, option in (("--step-time 1e-320", "--step-time"), ("--step-time 1e-320 --every 5", "--step-time"),
-                          ("--step-time 2s --every " + "9" * 5000, "--every"), ("--step-time 2s --every ²", "--every"), ("--every 1e400", "--every 1e400: an interval must be a finite")):
+                          ("--step-time 2s --every " + "9" * 5000, "--every"), ("--step-time 2s --every ²", "--every"), ("--every 1e400s", "--every 1e400s: an interval must be a finite"),
+                          ("--every 1e400", "--every 1e400: steps are a whole number")):  # a bare number: steps (test_left48)
         res = CliRunner().invoke(plan_cmd, shlex.split(f"{BASE} {extra} --json"))
         assert res.exit_code == 2 and option in res.output, (extra, res.output)
 
