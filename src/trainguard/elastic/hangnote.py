@@ -56,16 +56,21 @@ def record() -> str | None:
     return call
 
 
-def waited(pid: int) -> bool:
-    """Agent: whether hung worker ``pid`` was blocked in a collective (its note says so); the note is removed."""
-    path = _note(pid)
+def take(path: str | None) -> str | None:
+    """Agent: the text of a worker's note file at ``path`` (stripped), the file removed; None without one.
+    The hang notes here and ``stops.raised_at``'s notes of an exception are read so."""
     try:
         with open(path or "") as f:
             text = f.read().strip()
         os.remove(path or "")
     except OSError:
-        return False
-    return bool(text)
+        return None
+    return text
+
+
+def waited(pid: int) -> bool:
+    """Agent: whether hung worker ``pid`` was blocked in a collective (its note says so); the note is removed."""
+    return bool(take(_note(pid)))
 
 
 def waiting(workers: dict[int, Any]) -> set[int]:

@@ -222,14 +222,8 @@ def note_raised() -> None:
 def raised_at(pid: int) -> int | None:
     """Agent (:func:`root_failure`): when worker ``pid`` noted its exception (:func:`note_raised`),
     None if it did not; the note is removed."""
-    path = _raised_file(pid)
-    try:
-        with open(path or "") as f:
-            text = f.read().strip()
-        os.remove(path or "")
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
+    text = hangnote.take(_raised_file(pid))
+    return int(text) if text is not None and text.isdigit() else None
 
 
 def quiet_stop(record: Any) -> None:
