@@ -1,0 +1,80 @@
+"""Session 48, helper racefix: `trainguard verify` (and `ls`) of a run directory whose job's retention
+deletes the checkpoints the command listed while it checks them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard import inspect as inspect_mod
+from trainguard import layout
+from trainguard.cli import main
+from trainguard.commands import checkpoints as commands_mod
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _state(s: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((16,), float(s))}
+
+
+def test_verify_lists_again_when_retention_deleted_every_listed_checkpoint(tmp_path, monkeypatch):
+    """The job saves steps 3 and 4 (KeepLatest(2) deletes 1 and 2) right after verify listed 1 and 2:
+    before, verify printed both DELETED, "no committed checkpoint verified", exit 1, although 3 and 4
+    were valid. Now it lists again and verifies them."""
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+        saved = []
+        nxt = [3]
+
+        def verify_while_the_job_saves(path):
+            if not saved:  # the job's next two saves, and their retention, between the listing and the checks
+                saved.append(True)
+                s = nxt[0]
+                m.save(s, _state(s))
+                m.save(s + 1, _state(s + 1))
+                m.wait()
+                nxt[0] += 4
+                assert sorted(p.name for p in tmp_path.glob("step-*")) == [layout.step_dir(s), layout.step_dir(s + 1)]
+            return inspect_mod.verify(path)
+
+        monkeypatch.setattr(commands_mod, "verify", verify_while_the_job_saves)
+        r = _run("verify", tmp_path, "--json")
+        assert r.exit_code == 0, r.output
+        assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [
+            (1, "deleted"), (2, "deleted"), (3, "valid"), (4, "valid")]
+        saved.clear()
+        m.save(5, _state(5))
+        m.save(6, _state(6))  # 5 and 6 are listed next, and deleted (saves 7 and 8) before they are checked
+        r = _run("verify", tmp_path)
+        assert r.exit_code == 0, r.output
+        assert r.output.count("DELETED") == 2 and r.output.count("OK") == 2, r.output
+        assert layout.step_dir(8) in r.output and "no committed checkpoint verified" not in r.output
+
+
+def test_a_step_listed_half_deleted_and_gone_when_checked_is_deleted_not_incomplete(tmp_path, monkeypatch):
+    """Retention removes a checkpoint's manifest first: verify listed step 1 without one (as a crashed
+    save) and it was gone when checked. Before, it printed INCOMPLETE, "a save in progress ... or one
+    that crashed"; it is DELETED, as one deleted after it was listed with its manifest."""
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepAll(), handle_signals=False) as m:
+        for s in (1, 2):
+            m.save(s, _state(s))
+    (tmp_path / layout.step_dir(1) / layout.MANIFEST).unlink()  # retention's delete, half done
+    real = commands_mod.list_checkpoints
+
+    def listed_then_deleted(path, **kw):
+        rows = real(path, **kw)
+        shutil.rmtree(tmp_path / layout.step_dir(1), ignore_errors=True)  # retention's delete, finished
+        return rows
+
+    monkeypatch.setattr(commands_mod, "list_checkpoints", listed_then_deleted)
+    r = _run("verify", tmp_path, "--json")
+    assert r.exit_code == 0, r.output
+    assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [(1, "deleted"), (2, "valid")]
