@@ -78,3 +78,52 @@ def test_a_step_listed_half_deleted_and_gone_when_checked_is_deleted_not_incompl
     r = _run("verify", tmp_path, "--json")
     assert r.exit_code == 0, r.output
     assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [(1, "deleted"), (2, "valid")]
+
+
+def test_ls_verify_lists_again_when_retention_deleted_every_listed_checkpoint(tmp_path, monkeypatch):
+    """`ls --verify` (list_checkpoints(verify_data=True)) checks each listed step's bytes; the job's
+    saves 3 and 4 deleted steps 1 and 2 meanwhile. Before, every row was "deleted" and no row "valid"
+    (docs' `max(step of valid rows)` recipe raised); now the newer steps are listed and checked too."""
+    real = inspect_mod.verify
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+
+        def verify_while_the_job_saves(path):
+            if m.last_saved_step == 2:
+                m.save(3, _state(3))
+                m.save(4, _state(4))
+                m.wait()
+            return real(path)
+
+        monkeypatch.setattr(inspect_mod, "verify", verify_while_the_job_saves)
+        r = _run("ls", tmp_path, "--json", "--verify")
+        assert r.exit_code == 0, r.output
+        assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [
+            (1, "deleted"), (2, "deleted"), (3, "valid"), (4, "valid")]
+        rows = inspect_mod.list_checkpoints(tmp_path, verify_data=True)  # the library function, as ls calls it
+        assert [(x.step, x.status) for x in rows] == [(3, "valid"), (4, "valid")]
+
+
+def test_latest_step_lists_again_when_retention_deleted_every_listed_step(tmp_path, monkeypatch):
+    """latest_step() lists the step directories, then looks for each one's manifest; the job's saves 3
+    and 4 deleted steps 1 and 2 in between. Before, it answered None on a run with two checkpoints."""
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as m:
+        m.save(1, _state(1))
+        m.save(2, _state(2))
+        watcher = tg.CheckpointManager(tmp_path, handle_signals=False)  # a monitor's: not opened, any process
+        assert watcher.storage is not m.storage
+        real = watcher.storage.listdir
+
+        def listed_while_the_job_saves(path):
+            names = real(path)
+            if m.last_saved_step == 2:
+                m.save(3, _state(3))
+                m.save(4, _state(4))
+                m.wait()
+            return names
+
+        monkeypatch.setattr(watcher.storage, "listdir", listed_while_the_job_saves)
+        assert watcher.latest_step() == 4
+        (tmp_path / layout.step_dir(9)).mkdir()  # a crashed save's debris, newest: listed twice, not counted
+        assert watcher.latest_step() == 4
