@@ -127,3 +127,25 @@ def test_latest_step_lists_again_when_retention_deleted_every_listed_step(tmp_pa
         assert watcher.latest_step() == 4
         (tmp_path / layout.step_dir(9)).mkdir()  # a crashed save's debris, newest: listed twice, not counted
         assert watcher.latest_step() == 4
+
+
+def test_a_closed_async_manager_is_garbage_collected(tmp_path):
+    """The process's last async save stays referenced after close() (async_save._INFLIGHT, for the
+    next save's wait and the exit drain); its handle kept the commit callback, whose closure held the
+    manager (retention.at_commit): a closed manager, its event log and policies, were never freed."""
+    import gc
+    import weakref
+
+    from trainguard import async_save
+
+    m = tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), async_save=True,
+                             handle_signals=False)
+    with m:
+        for s in (1, 2, 3):
+            m.save(s, _state(s))
+    assert async_save._INFLIGHT is not None and async_save._INFLIGHT.handle.done()
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [layout.step_dir(2), layout.step_dir(3)]  # retention ran
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None
