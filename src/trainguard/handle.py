@@ -227,8 +227,9 @@ class SaveHandle:
         on the save thread, or now if the save thread committed it already (it may win the race
         to here); exactly once either way, never for a failed save."""
         with self._commit_lock:
-            self.on_commit = cb
             now = self._committed
+            if not now and not self._done.is_set():  # set_error clears it after _done.set(), under this lock
+                self.on_commit = cb  # kept until the commit (or failure) only: it holds the manager (retention.at_commit)
         if now:
             self._run_commit_callback(cb, self._result)
 
@@ -246,7 +247,9 @@ class SaveHandle:
         self._staged.set()
         with self._commit_lock:
             self._committed = True
-            cb = self.on_commit
+            # Dropped: the process's last async save stays referenced (async_save._INFLIGHT) after close(),
+            # and through this callback so did its closed CheckpointManager, never garbage-collected.
+            cb, self.on_commit = self.on_commit, None
         if cb is not None:
             self._run_commit_callback(cb, value)
         self._done.set()
@@ -258,6 +261,8 @@ class SaveHandle:
         self.finished_at = time.monotonic()
         self._staged.set()
         self._done.set()
+        with self._commit_lock:  # never runs for a failed save: not kept (it holds the manager, set_result)
+            self.on_commit = None
 
     def forked_off(self, parent: int) -> None:
         """In a process forked while this save was in flight (``async_save``'s at-fork hook): the

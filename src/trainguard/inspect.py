@@ -23,6 +23,8 @@ from .tied import aliases_of
 from .tiers import location
 
 _READ = 64 << 20
+_DELETED = "removed while it was listed (a running job's retention deletes old checkpoints)"
+_RELISTS = 3  # list_checkpoints: how many times more a run directory is listed when steps vanished while read
 
 
 @dataclass
@@ -180,42 +182,53 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
                 f"{root} is a checkpoint, not a run directory: `trainguard inspect {root}` shows it, "
                 "`trainguard ls` (list_checkpoints) takes the directory that holds the step-* directories"
             )
-    out = []
-    for s in steps:
-        addr = location(storage, s.path)  # what for_path maps back (a URL on object stores)
-        if s.status == "incomplete":
-            out.append(StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}"))
-            continue
-        try:  # a medium's error (EIO) on one step is that step's verdict, as verify's, not the listing's end
-            m = read_manifest(storage, s.path)  # of an "unreadable" step (its stat's EIO) too: that error again
-        except CheckpointError as e:
-            out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, "corrupt", detail=str(e))))
-            continue
-        except OSError as e:
-            _raise_unless_media(e)
-            out.append(StepInfo(s.step, s.name, addr, "corrupt", detail=f"cannot read its {layout.MANIFEST}: {e}"))
-            continue
-        status, detail = "valid", ""
-        if verify_data:
-            v = verify(addr)
-            if not v.ok:
-                status, detail = "corrupt", "; ".join(v.errors[:3])
-        else:
-            for f, size in {**m.files, **{k: v[0] for k, v in m.indexes.items()}}.items():
-                try:
-                    have = _size_of(storage, storage.join(s.path, f))
-                except OSError as e:
-                    _raise_unless_media(e)
-                    status, detail = "corrupt", f"{f}: cannot be read: {e}"
-                    break
-                if have is None:  # deleted by hand (or a copy that left it out): say so, as verify does
-                    status, detail = "corrupt", f"{f}: missing"
-                    break
-                if have != size:
-                    status, detail = "corrupt", f"{f}: {wrong_size(storage, storage.join(s.path, f), have, size)}"
-                    break
-        out.append(_bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail)))
-    return out
+    rows: dict[str, StepInfo] = {}
+    for _ in range(1 + _RELISTS):
+        fresh = [_row(storage, s, verify_data) for s in steps if s.name not in rows or rows[s.name].status == "incomplete"]
+        rows.update((x.name, x) for x in fresh)
+        if not any(x.status == "deleted" for x in fresh):
+            break
+        # Retention deleted steps listed here while they were read (``verify_data``: checked): the job committed
+        # newer ones since. Before, a job with KeepLatest(2) saving fast left ``ls --verify`` no valid row.
+        steps = list_steps(storage, r, media_ok=True)
+        for gone in rows.keys() - {s.name for s in steps}:  # listed without a manifest: half deleted then
+            if rows[gone].status == "incomplete":
+                rows[gone].status, rows[gone].detail = "deleted", _DELETED
+    return sorted(rows.values(), key=lambda x: x.step)
+
+
+def _row(storage: Storage, s: Any, verify_data: bool) -> StepInfo:
+    """``list_checkpoints``' row of step directory ``s`` (``commit.list_steps``')."""
+    addr = location(storage, s.path)  # what for_path maps back (a URL on object stores)
+    if s.status == "incomplete":
+        return StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}")
+    try:  # a medium's error (EIO) on one step is that step's verdict, as verify's, not the listing's end
+        m = read_manifest(storage, s.path)  # of an "unreadable" step (its stat's EIO) too: that error again
+    except CheckpointError as e:
+        return _bad(storage, s.path, StepInfo(s.step, s.name, addr, "corrupt", detail=str(e)))
+    except OSError as e:
+        _raise_unless_media(e)
+        return StepInfo(s.step, s.name, addr, "corrupt", detail=f"cannot read its {layout.MANIFEST}: {e}")
+    status, detail = "valid", ""
+    if verify_data:
+        v = verify(addr)
+        if not v.ok:
+            status, detail = "corrupt", "; ".join(v.errors[:3])
+    else:
+        for f, size in {**m.files, **{k: v[0] for k, v in m.indexes.items()}}.items():
+            try:
+                have = _size_of(storage, storage.join(s.path, f))
+            except OSError as e:
+                _raise_unless_media(e)
+                status, detail = "corrupt", f"{f}: cannot be read: {e}"
+                break
+            if have is None:  # deleted by hand (or a copy that left it out): say so, as verify does
+                status, detail = "corrupt", f"{f}: missing"
+                break
+            if have != size:
+                status, detail = "corrupt", f"{f}: {wrong_size(storage, storage.join(s.path, f), have, size)}"
+                break
+    return _bad(storage, s.path, StepInfo(s.step, s.name, addr, status, m.created, m.total_bytes, len(m.objects), detail))
 
 
 def _bad(storage: Storage, directory: str, row: StepInfo) -> StepInfo:
@@ -223,7 +236,7 @@ def _bad(storage: Storage, directory: str, row: StepInfo) -> StepInfo:
     deleted it while it was listed (``deleted_while_read``), the same step marked "deleted": not
     corruption, and restore never reads it."""
     if row.status == "corrupt" and deleted_while_read(storage, directory):
-        row.status, row.detail = "deleted", "removed while it was listed (a running job's retention deletes old checkpoints)"
+        row.status, row.detail = "deleted", _DELETED
     return row
 
 

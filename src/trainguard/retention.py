@@ -29,6 +29,7 @@ from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
 from .ramleft import unused_copies
+from .relist import committed_steps
 from .storage import Storage
 from .tiers import location, stale_reason
 
@@ -262,7 +263,7 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
             # sets aside again what is newer than the step restored now.
             token, mgr._aside = mgr._aside, ""
             settle_aside(mgr.storage, mgr._root, mgr.storage.listdir(mgr._root), only=token)
-        steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+        steps = committed_steps(mgr.storage, mgr._root)  # listed again if retention deleted what it listed
         if not steps and not mgr.ram:  # a fresh start: the run one level down? (freshhint.py; never raises)
             nested_runs(mgr)
     except Exception as e:  # the broadcast carries it: the other ranks are waiting in it
@@ -281,7 +282,7 @@ def newest_step(mgr: CheckpointManager) -> int | None:
     A RAM copy that ``restore`` would discard (``tiers.stale_reason``) is not counted. A listing that
     fails (an object store's error: botocore's, not an OSError, raised bare before) is a ``CheckpointError``."""
     try:
-        steps = [s.step for s in list_steps(mgr.storage, mgr._root) if s.status == "committed"]
+        steps = committed_steps(mgr.storage, mgr._root)  # listed again if retention deleted what it listed
     except Exception as e:
         if not isinstance(e, OSError) and not is_store_client_error(e):
             raise

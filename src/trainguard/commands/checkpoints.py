@@ -27,6 +27,7 @@ from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
 from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
 
 console = PipeConsole()
+_RELISTS = 3  # verify_cmd: how many times more a run directory is listed when checkpoints vanished while checked
 
 
 def _plain(v: Any) -> Any:
@@ -268,21 +269,32 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
         if not is_media_error(e):
             raise
         targets = [(one, "committed", None)]
-    ok, out, verified = True, [], 0
-    for t, listed, step in targets:
-        status, step, errors, checked = _check(t, listed, step)
-        ok &= status in ("valid", "incomplete", "deleted")
-        verified += status == "valid"
-        if as_json:
-            out.append({"path": t, "step": step, "ok": status == "valid", "status": status, "bytes_checked": checked,
-                        "errors": errors})
-        elif status == "valid":
-            console.print(f"[green]OK[/]      {_shown(t)}  ({_size(checked)} checked)")
-        else:
-            console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(status, "[yellow]DELETED[/]")
-                          + f" {_shown(t)}")
-            for e in errors[:20]:
-                console.print(f"        {_shown(e)}")
+    ok, out, verified, done = True, [], 0, {}
+    for _ in range(1 + _RELISTS):
+        vanished = False
+        for t, listed, step in targets:
+            if t in done and (done[t] != "incomplete" or listed == "incomplete"):
+                continue  # checked at an earlier listing (a save in progress then, committed now, is checked again)
+            status, step, errors, checked = _check(t, listed, step)
+            done[t], vanished = status, vanished or status == "deleted"
+            ok &= status in ("valid", "incomplete", "deleted")
+            verified += status == "valid"
+            if as_json:
+                out.append({"path": t, "step": step, "ok": status == "valid", "status": status,
+                            "bytes_checked": checked, "errors": errors})
+            elif status == "valid":
+                console.print(f"[green]OK[/]      {_shown(t)}  ({_size(checked)} checked)")
+            else:
+                console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(
+                    status, "[yellow]DELETED[/]") + f" {_shown(t)}")
+                for e in errors[:20]:
+                    console.print(f"        {_shown(e)}")
+        if not (run_dir and vanished):
+            break
+        # Retention deleted checkpoints it listed while they were checked: the job committed newer ones since
+        # (KeepLatest keeps the newest). Before, the verdict was about the deleted ones only: every step
+        # DELETED, "no committed checkpoint verified", exit 1, on a live run that had valid ones.
+        targets = [(r.path, r.status, r.step) for r in list_checkpoints(path)]
     if as_json:
         _print_json(out)
     if not as_json:
@@ -322,6 +334,8 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     if listed == "incomplete" and os.path.isfile(t):  # not a save's (commit.clean_debris leaves it, warning)
         return "incomplete", step, ["a file, not a checkpoint directory: restore never reads it, the manager leaves it, "
                                     f"and a save of step {step} fails until it is moved away"], 0
+    if listed == "incomplete" and _gone(t):  # retention deleting it had removed its manifest when it was listed
+        return "deleted", step, ["removed while it was checked (a running job's retention deletes old checkpoints)"], 0
     if listed == "incomplete":
         return "incomplete", step, [f"no {MANIFEST}: a save in progress (object stores write in place) or one that crashed; "
                               "restore never reads it, and the manager removes it when it next opens"], 0
@@ -329,6 +343,15 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     if res is None or (not res.ok and _deleted(t)):
         return "deleted", step, ["removed while it was checked (a running job's retention deletes old checkpoints)"], 0
     return "valid" if res.ok else "corrupt", res.step, res.errors, res.bytes_checked
+
+
+def _gone(path: str) -> bool:
+    """Whether step directory ``path``, listed without a manifest, is not there any more."""
+    storage, p = for_path(path)
+    try:
+        return not storage.exists(p)
+    except OSError:
+        return False
 
 
 def _deleted(path: str) -> bool:
