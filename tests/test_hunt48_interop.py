@@ -1,0 +1,47 @@
+"""Session 48, interop hunt: conversions between trainguard checkpoints and torch.save,
+safetensors and DCP, each found by a real run."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard.cli import main
+
+
+def _model_and_adam(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def test_convert_dcp_import_with_entry_star_gives_every_entry(tmp_path):
+    # Before: `--entry '*'` (every entry, as the docs' export to DCP spells it) on a DCP import put
+    # every key, unsplit, into one entry `model` ('model.0.weight', 'optim.state.0.weight.step', ...)
+    # and skipped the optimizer's param_groups: {"model": m, "optim": o} did not load it.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = _model_and_adam(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = str(tmp_path / "ck" / "step-000000000")
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "dcp"), out, "--entry", "*"])
+    assert res.exit_code == 0, res.output
+    assert "skipped" not in res.output  # param_groups are imported, not skipped
+    fresh, fopt = _model_and_adam(1)
+    assert not torch.equal(fresh[0].weight, model[0].weight)
+    tg.load(out, {"model": fresh, "optim": fopt})
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert torch.equal(p, q), name
+        assert torch.equal(fopt.state[q]["exp_avg"], opt.state[p]["exp_avg"]), name
+    assert fopt.param_groups[0]["lr"] == 0.01
