@@ -45,3 +45,42 @@ def test_convert_dcp_import_with_entry_star_gives_every_entry(tmp_path):
         assert torch.equal(p, q), name
         assert torch.equal(fopt.state[q]["exp_avg"], opt.state[p]["exp_avg"]), name
     assert fopt.param_groups[0]["lr"] == 0.01
+
+
+class _Counted(torch.nn.Linear):
+    """A layer with extra state: a count and a tensor (DCP flattens it into two keys)."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.n, self.t = 0, torch.zeros(2)
+
+    def get_extra_state(self) -> dict:
+        return {"n": self.n, "t": self.t}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.n, self.t = state["n"], state["t"]
+
+
+def test_a_dcp_of_a_bare_state_dict_imported_into_one_entry_keeps_extra_state(tmp_path):
+    # Before: importing it whole (`--entry model`, dcp_split=False, as the docs say for a bare
+    # model.state_dict()) skipped every non-tensor value as "neither tensors nor JSON values": the
+    # count 7 was lost, the tensor became a flat key '0._extra_state.t', and the strict load into
+    # the model refused the checkpoint ("missing from the checkpoint: model/0._extra_state").
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Counted(), torch.nn.ReLU())
+    model[0].n, model[0].t = 7, torch.tensor([1.5, -2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    out = str(tmp_path / "ck" / "step-000000000")
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "dcp"), out, "--entry", "model"])
+    assert res.exit_code == 0, res.output
+    assert "skipped" not in res.output
+    torch.manual_seed(1)
+    fresh = torch.nn.Sequential(_Counted(), torch.nn.ReLU())
+    assert not torch.equal(fresh[0].weight, model[0].weight)
+    tg.load(out, {"model": fresh})  # strict
+    assert torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[0].bias, model[0].bias)
+    assert fresh[0].n == 7 and torch.equal(fresh[0].t, torch.tensor([1.5, -2.0]))
