@@ -84,3 +84,25 @@ def test_a_dcp_of_a_bare_state_dict_imported_into_one_entry_keeps_extra_state(tm
     tg.load(out, {"model": fresh})  # strict
     assert torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[0].bias, model[0].bias)
     assert fresh[0].n == 7 and torch.equal(fresh[0].t, torch.tensor([1.5, -2.0]))
+
+
+def test_a_torch_file_of_a_whole_pickled_model_is_refused_with_advice_that_works(tmp_path, monkeypatch):
+    # Before: the refusal of torch.save(model) advised
+    # torch.save(torch.load('model.pt', weights_only=False)['model'], 'weights.pt'), which raises
+    # TypeError ('Linear' object is not subscriptable) for a whole model; its state_dict() is what to save.
+    import re
+
+    model = torch.nn.Linear(3, 2)
+    torch.save(model, tmp_path / "model.pt")
+    res = CliRunner().invoke(main, ["convert", str(tmp_path / "model.pt"), str(tmp_path / "ck")])
+    assert res.exit_code == 2
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    assert "torch.nn.modules.linear.Linear" in res.output and not (tmp_path / "ck").exists()
+    advice = re.search(r"e\.g\. (torch\.save\(.*\))$", res.output.strip()).group(1)
+    monkeypatch.chdir(tmp_path)
+    eval(advice, {"torch": torch})  # our own file: what the message tells a user who trusts it to run
+    res = CliRunner().invoke(main, ["convert", "weights.pt", str(tmp_path / "ck")])
+    assert res.exit_code == 0, res.output
+    fresh = torch.nn.Linear(3, 2)
+    tg.load(tmp_path / "ck", {"model": fresh})
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
