@@ -318,7 +318,8 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
 
 def _pickled_object(p: str) -> bool:
     """Whether the ``torch.save`` file ``p`` holds one object of a class at its top level (``torch.save(model)``),
-    not a container: its pickle's first opcode after the protocol is a class (read, never executed)."""
+    not a container: its pickle's first opcode after the protocol (and a class's name) is a class (read, never
+    executed); an empty dict, a list, ... first: False."""
     import pickletools
     import zipfile
 
@@ -326,12 +327,12 @@ def _pickled_object(p: str) -> bool:
         with zipfile.ZipFile(p) as z:
             name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
             with z.open(name) as f:
-                ops = pickletools.genops(f)
-                op = next(ops)[0]
-                op = next(ops)[0] if op.name == "PROTO" else op
-                return op.name in ("GLOBAL", "STACK_GLOBAL")
+                for _i, (op, _arg, _pos) in zip(range(8), pickletools.genops(f)):  # protocol 2: GLOBAL; 4: two
+                    if op.name not in ("PROTO", "FRAME", "SHORT_BINUNICODE", "BINUNICODE", "MEMOIZE", "BINPUT"):
+                        return op.name in ("GLOBAL", "STACK_GLOBAL")  # strings, then STACK_GLOBAL
     except Exception:  # not a zip, no data.pkl, a damaged pickle: the generic advice
         return False
+    return False
 
 
 def _one_state_dict(obj: Mapping[Any, Any]) -> bool:
