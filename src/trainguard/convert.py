@@ -294,10 +294,12 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
                     "weights_only. Save those tensors again from the process that has them, in the default format") from e
             why = next((ln.strip() for ln in str(e).splitlines() if "Unsupported global" in ln), "")
             why = why.split(" was not an allowed global")[0].replace("WeightsUnpickler error: ", "") or str(e)
+            # A whole pickled object (torch.save(model)): ['model'] of it fails; its state_dict() is the advice.
+            get = ".state_dict()" if _pickled_object(p) else "['model']"
             raise CheckpointError(
                 f"{p}: torch.load(weights_only=True) refused it ({why}). trainguard does not unpickle arbitrary "
                 "objects; if you trust the file, re-save what you need as tensors and plain containers, e.g. "
-                f"torch.save(torch.load({os.path.basename(p)!r}, weights_only=False)['model'], 'weights.pt')"
+                f"torch.save(torch.load({os.path.basename(p)!r}, weights_only=False){get}, 'weights.pt')"
             ) from e
         if isinstance(obj, torch.Tensor):  # torch.save(tensor): an entry that is one tensor, as it loads into
             return {entry: obj}, []   # {"model": tensor} and exports back (before: a dict {"tensor": ...})
@@ -312,6 +314,25 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
 
     warnings.warn(DCP_WARNING, stacklevel=3)
     return read_dcp(p, entry, dcp_split)
+
+
+def _pickled_object(p: str) -> bool:
+    """Whether the ``torch.save`` file ``p`` holds one object of a class at its top level (``torch.save(model)``),
+    not a container: its pickle's first opcode after the protocol (and a class's name) is a class (read, never
+    executed); an empty dict, a list, ... first: False."""
+    import pickletools
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(p) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+            with z.open(name) as f:
+                for _i, (op, _arg, _pos) in zip(range(8), pickletools.genops(f)):  # protocol 2: GLOBAL; 4: two
+                    if op.name not in ("PROTO", "FRAME", "SHORT_BINUNICODE", "BINUNICODE", "MEMOIZE", "BINPUT"):
+                        return op.name in ("GLOBAL", "STACK_GLOBAL")  # strings, then STACK_GLOBAL
+    except Exception:  # not a zip, no data.pkl, a damaged pickle: the generic advice
+        return False
+    return False
 
 
 def _one_state_dict(obj: Mapping[Any, Any]) -> bool:

@@ -24,8 +24,9 @@ from .errors import CheckpointError
 
 def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
     """``(state, skipped)`` of the DCP directory ``path``. ``split``: each key's first path
-    element is its entry (keys that cannot name one go into ``entry``); without it, every
-    tensor goes into ``entry`` under its full key (a DCP of a bare ``model.state_dict()``)."""
+    element is its entry (keys that cannot name one go into ``entry``); without it, every key
+    goes into ``entry``, nested as DCP recorded it (a DCP of a bare ``model.state_dict()``: its
+    keys as they are, JSON values such as a module's extra state included)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -36,7 +37,7 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
     for fqn, md in meta.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        elif split and isinstance(md, BytesStorageMetadata):
+        elif isinstance(md, BytesStorageMetadata):  # unsplit too: a bare state_dict's extra state (session 48)
             flat[fqn] = io.BytesIO()
         else:
             skipped.append(fqn)
@@ -64,10 +65,15 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
                 skipped.append(fqn)  # a pickled object (bytes, a class): not imported
                 continue
         keys = paths.get(fqn)
+        if not split:  # every key in ``entry``, nested as DCP recorded it: a bare state_dict's keys as they are,
+            # a module's extra state {"n": 7} (DCP: "0._extra_state.n") "0._extra_state" again, as it loads
+            whole = keys if isinstance(keys, tuple) and keys and type(keys[0]) is str else (fqn,)
+            _put(state.setdefault(entry, {}), whole, v, fqn, path)
+            continue
         if not isinstance(keys, tuple) or len(keys) < 2 or type(keys[0]) is not str:
             keys = tuple(fqn.split(".", 1))  # a flat key (a bare state_dict's): split at its first dot
         head = keys[0]
-        if fqn in model_keys or not split or not head or "/" in head or "@" in head or head.startswith("$"):
+        if fqn in model_keys or not head or "/" in head or "@" in head or head.startswith("$"):
             state.setdefault(entry, {})[fqn] = v
         elif len(keys) == 1:
             if head in state:

@@ -21,7 +21,8 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
 @click.option(
     "--entry", default=None,
     help="Entry to export, or the entry an imported flat file becomes (default: model). '*' with --to dcp: "
-    "every entry. Importing DCP: given, every key goes into it; else each key's first name is its entry.",
+    "every entry. Importing DCP: a name puts every key into that entry; without one (or with '*') each key's "
+    "first name is its entry.",
 )
 def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
     """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP. Examples:
@@ -39,7 +40,8 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
     with terminated_as_interrupt(dst), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         res = convert(src, dst, src_format=src_format, dst_format=dst_format,
-                      entry=None if entry == "*" else ("model" if entry is None else entry), dcp_split=entry is None)
+                      entry=None if entry == "*" else ("model" if entry is None else entry),
+                      dcp_split=entry in (None, "*"))  # '*' importing DCP: every entry, split as by default
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
     click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")
