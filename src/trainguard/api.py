@@ -52,7 +52,7 @@ from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .permanent import check_save_args, is_permanent, keeps_own
 from .planner import check_cover, layout_file
-from .storage import Storage, for_path
+from .storage import Storage, for_path, location
 from .storage._diskfull import save_failed
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
 from .tied import format_for, resolve_aliases
@@ -196,6 +196,7 @@ def persist_and_commit(
     the tensors themselves. Safe on a background thread: it talks to other ranks via the store.
     """
     parent, name = os.path.split(target.rstrip("/"))
+    shown = location(storage, target)  # in errors: s3://bucket/run/step-N, not bucket/run/step-N (a local path, as read)
     own = sum(lf.tensor.nbytes for lf in snap.leaves if lf.kind != "replicated" and lf.writer)
     managed, step = step is not None, layout_mod.parse_step(name) or 0 if step is None else step  # step: a manager's save
     hello: dict[str, Any] = {"sig": snap.entry_sig, "split": snap.split, "data": snap.data_positions, "step": step, "name": name, "own": own,
@@ -207,7 +208,7 @@ def persist_and_commit(
         except Exception as e:  # a listing that failed (name too long, no permission, EIO, an object store's error)
             if not ctx.is_distributed:  # a CheckpointError: a manager's on_error="warn" applies to it
                 raise e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"save of {target} failed: cannot look into {target}: {error_text(e)}") from e
+                    f"save of {shown} failed: cannot look into {shown}: {error_text(e)}") from e
             hello["error"] = describe_error(e)  # in the begin round: every rank raises it, none waits for rank 0
     begin = ctx.all_gather("begin", hello, timeout=timeout)
     check_begin(begin, ctx)
@@ -259,15 +260,15 @@ def persist_and_commit(
     try:
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
-        abandon_commit(ctx, save_id, target, e)
+        abandon_commit(ctx, save_id, shown, e)
     if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
         # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
         storage.remove_tree(work)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
-        raise save_failed(write_error, target)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
+        raise save_failed(write_error, shown)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
     if outcome.get("failures"):
         raise from_record(outcome)
-    check_commit(target, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)
+    check_commit(shown, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)
     if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)
         return LazyManifest(storage, storage.join(parent, name), outcome["step"], outcome["total_bytes"])  # type: ignore[return-value]
     return manifest

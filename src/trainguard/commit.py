@@ -34,7 +34,7 @@ from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .split import check_flags
-from .storage import Storage
+from .storage import Storage, location
 
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
@@ -55,16 +55,16 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     path = storage.join(directory, layout.MANIFEST)
     if not storage.exists(path):
         if not storage.exists(directory):
-            raise NotACheckpointError(f"{directory}: no such checkpoint directory{moved_aside(storage, directory)}")
+            raise NotACheckpointError(f"{location(storage, directory)}: no such checkpoint directory{moved_aside(storage, directory)}")
         raise NotACheckpointError(_run_dir_named(storage, directory) or (
-            f"{directory} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
+            f"{location(storage, directory)} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
         ))
     try:
         data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError:  # deleted since the lookup above (retention, an operator; an object store's read)
-        raise NotACheckpointError(f"{directory}: its {layout.MANIFEST} was deleted while it was read") from None
-    return data, f"{directory}/{layout.MANIFEST}"
+        raise NotACheckpointError(f"{location(storage, directory)}: its {layout.MANIFEST} was deleted while it was read") from None
+    return data, f"{location(storage, directory)}/{layout.MANIFEST}"
 
 
 def _run_dir_named(storage: Storage, directory: str) -> str:
@@ -74,9 +74,9 @@ def _run_dir_named(storage: Storage, directory: str) -> str:
         n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
     except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint
         return layout.file_given(storage, directory) if isinstance(e, NotADirectoryError) else ""
-    url = getattr(storage, "url", None)  # tiers.location: what the operator typed (a URL on object stores)
-    return (f"{directory} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
-            f"ls {shlex.quote(url(directory) if callable(url) else directory)}` shows which are valid)") if n else ""
+    shown = location(storage, directory)  # what the operator typed (a URL on object stores)
+    return (f"{shown} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
+            f"ls {shlex.quote(shown)}` shows which are valid)") if n else ""
 
 
 def moved_aside(storage: Storage, directory: str) -> str:
@@ -91,9 +91,9 @@ def moved_aside(storage: Storage, directory: str) -> str:
         return ""
     if old is None:
         return ""
-    back = (f"open a CheckpointManager on {parent}, which puts it back" if layout.STEP_RE.match(name)
-            else f"rename it back to {directory}")
-    return f" (an overwrite of it was cut short: its previous checkpoint is {old}; load that path, or {back})"
+    back = (f"open a CheckpointManager on {location(storage, parent)}, which puts it back" if layout.STEP_RE.match(name)
+            else f"rename it back to {location(storage, directory)}")
+    return f" (an overwrite of it was cut short: its previous checkpoint is {location(storage, old)}; load that path, or {back})"
 
 
 def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, needed: set[str]) -> None:
@@ -103,10 +103,10 @@ def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, neede
     for f in sorted(needed):
         p = storage.join(directory, f)
         if not storage.exists(p):
-            raise CorruptCheckpointError(f"{p}: data file is missing", file=f)
+            raise CorruptCheckpointError(f"{location(storage, p)}: data file is missing", file=f)
         actual = storage.size(p)
         if actual != manifest.files[f]:
-            raise CorruptCheckpointError(f"{p}: {wrong_size(storage, p, actual, manifest.files[f])}", file=f)
+            raise CorruptCheckpointError(f"{location(storage, p)}: {wrong_size(storage, p, actual, manifest.files[f])}", file=f)
 
 
 def rank_files(report: dict[str, Any]) -> dict[str, int]:

@@ -51,7 +51,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         return VerifyResult(target, False, [str(e)], 0, named)
     except OSError as e:  # a medium's error (EIO): reported, not raised; EACCES and the like are raised
         _raise_unless_media(e)
-        return VerifyResult(target, False, [f"cannot read {target}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
+        return VerifyResult(target, False, [f"cannot read {location(storage, target)}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
@@ -73,7 +73,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         errors.append(str(e))
     except OSError as e:  # a medium's error opening a data file
         _raise_unless_media(e)
-        errors.append(f"cannot read a data file of {target}: {type(e).__name__}: {e}")
+        errors.append(f"cannot read a data file of {location(storage, target)}: {type(e).__name__}: {e}")
     return VerifyResult(target, not errors, errors, total, manifest.step)
 
 

@@ -33,7 +33,7 @@ from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
 from .stateful import ModuleAdapter, OptimizerAdapter, RNGState, adapt, check_state, has_state
-from .storage import Storage, for_path
+from .storage import Storage, for_path, location
 
 
 @one_operation
@@ -62,6 +62,7 @@ def load(
         only = list(only)  # a generator: the plan round and _load both read it
     ctx = DistContext.current()
     storage, target = for_path(path)
+    shown = location(storage, target)  # in errors: s3://bucket/run/step-N, not bucket/run/step-N
     from .async_save import wait_staging_in_flight  # here: async_save imports api, which imports this
 
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
@@ -72,7 +73,7 @@ def load(
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
         which = None if manifest is None else [manifest.step, manifest.created]  # ranks that read another one: all raise
-        agree_load(ctx, "load", target, e, timeout, split=split_state, which=which,  # ... as ranks that differ in split_state
+        agree_load(ctx, "load", shown, e, timeout, split=split_state, which=which,  # ... as ranks that differ in split_state
                    only=None if only is None or set(only) == set(state) else sorted({str(k) for k in only}))
         agreed[0] = True
         if taken is not None:  # split_state: every tensor of the checkpoint goes to some rank
@@ -83,16 +84,16 @@ def load(
             manifest = read_manifest(storage, target)
             _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state, wrote)
     except Exception as exc:
-        exc = unreadable(exc, target)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
+        exc = unreadable(exc, shown)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
             raise partly_read(exc, any(wrote)) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
             plan_round(exc)
         if not agreed[0]:  # the plan round raised, on every rank
             raise
-        loaded_round(ctx, target, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
+        loaded_round(ctx, shown, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
     if ctx.is_distributed:
-        loaded_round(ctx, target, None, timeout)
+        loaded_round(ctx, shown, None, timeout)
     return manifest
 
 

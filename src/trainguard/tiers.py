@@ -42,7 +42,7 @@ from .io import open_writer, reserve
 from .manifest import MAX_MANIFEST_BYTES, parse, verified_body
 from .ramleft import found_dir, run_id, unclaimed
 from .ramroom import COPYING, drop_copy, drop_others, forget_after, goes_durable, opened, ran_out, remove_tier
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, Storage, location
 from .streamjobs import run_parallel
 
 log = logging.getLogger("trainguard")
@@ -51,12 +51,6 @@ DEFAULT_BASE = "/dev/shm"
 RUN_ID = ".trainguard-run-id"  # in the durable root and in its RAM tier: which run they belong to
 ON_DISK = ".trainguard-on-disk"  # in the RAM tier: the RAM copy last found or copied on disk (name, manifest hash)
 PIECE = 64 << 20
-
-
-def location(storage: Storage, path: str) -> str:
-    """A string that ``storage.for_path`` maps back to ``path`` on ``storage`` (URLs for fsspec)."""
-    url = getattr(storage, "url", None)
-    return url(path) if callable(url) else path
 
 
 def ram_dir(root: str, base: str = DEFAULT_BASE) -> str:

@@ -9,7 +9,7 @@ from ._urls import file_url_path, is_file_url
 from .base import FileReader, FileWriter, Storage
 from .local import LocalStorage
 
-__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "absolute", "for_path", "local_path"]
+__all__ = ["Storage", "FileReader", "FileWriter", "LocalStorage", "absolute", "for_path", "local_path", "location"]
 
 
 def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tuple[Storage, str]:
@@ -30,6 +30,14 @@ def for_path(path: str | os.PathLike[str], *, follow_link: bool = False) -> tupl
         refuse_tilde(p)
     p = absolute(p)
     return LocalStorage(), os.path.realpath(p) if follow_link and os.path.islink(p) else p
+
+
+def location(storage: Storage, path: str) -> str:
+    """``path`` (in ``storage``'s own namespace, from ``for_path``) as the user wrote it: a string that
+    ``for_path`` maps back to it (a URL, ``s3://bucket/run``, on an object store, whose namespace drops
+    the scheme). Paths in messages go through it: ``bucket/run`` reads as a local relative path."""
+    url = getattr(storage, "url", None)
+    return url(path) if callable(url) else path
 
 
 def refuse_tilde(path: str) -> None:
