@@ -37,7 +37,7 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
     for fqn, md in meta.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        elif isinstance(md, BytesStorageMetadata):  # unsplit too: a bare state_dict's extra state (session 48)
+        elif isinstance(md, BytesStorageMetadata):  # unsplit too: a bare state_dict's extra state
             flat[fqn] = io.BytesIO()
         else:
             skipped.append(fqn)
