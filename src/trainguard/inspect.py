@@ -29,6 +29,8 @@ _RELISTS = 3  # list_checkpoints: how many times more a run directory is listed 
 
 @dataclass
 class VerifyResult:
+    """``verify``'s verdict. ``path``: the checkpoint as given (a URL on an object store), for ``load``."""
+
     path: str
     ok: bool
     errors: list[str] = field(default_factory=list)
@@ -44,14 +46,15 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     no lock, no collective (safe while a job saves into the same run directory).
     """
     storage, target = for_path(path)
+    shown = location(storage, target)  # the result's path: a URL on an object store (its key reads as a local path)
     named = layout.parse_step(os.path.basename(target.rstrip("/")))  # the step its name says, for an unreadable manifest
     try:
         manifest = read_manifest(storage, target)
     except CheckpointError as e:
-        return VerifyResult(target, False, [str(e)], 0, named)
+        return VerifyResult(shown, False, [str(e)], 0, named)
     except OSError as e:  # a medium's error (EIO): reported, not raised; EACCES and the like are raised
         _raise_unless_media(e)
-        return VerifyResult(target, False, [f"cannot read {location(storage, target)}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
+        return VerifyResult(shown, False, [f"cannot read {shown}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
     errors: list[str] = []
     total = 0
     for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
@@ -66,15 +69,15 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         elif have != size:
             errors.append(f"{fname}: {wrong_size(storage, storage.join(target, fname), have, size)}")
     if errors:
-        return VerifyResult(target, False, errors, 0, manifest.step)
+        return VerifyResult(shown, False, errors, 0, manifest.step)
     try:
         total = _check_chunks(storage, target, manifest, errors)
     except CheckpointError as e:  # e.g. a data file that is a symlink or not a regular file
         errors.append(str(e))
     except OSError as e:  # a medium's error opening a data file
         _raise_unless_media(e)
-        errors.append(f"cannot read a data file of {location(storage, target)}: {type(e).__name__}: {e}")
-    return VerifyResult(target, not errors, errors, total, manifest.step)
+        errors.append(f"cannot read a data file of {shown}: {type(e).__name__}: {e}")
+    return VerifyResult(shown, not errors, errors, total, manifest.step)
 
 
 def _raise_unless_media(e: OSError) -> None:
