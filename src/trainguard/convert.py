@@ -36,7 +36,7 @@ from .export import (
     torch_value,
 )
 from .flatten import single_tensor, unflatten
-from .storage import absolute, for_path
+from .storage import absolute, for_path, location
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
 INDEX = ".index.json"
@@ -111,6 +111,9 @@ def convert(
         check_destination(os.fspath(dst))
         if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors
             raise CheckpointError(f"{dst}: a torch.save file named .safetensors is refused by torch.load; name it .pt")
+        if df == "safetensors" and target_format(dst) == "torch":  # torch.load, pytorch_model.bin's reader, refuses it
+            raise CheckpointError(f"{dst}: a safetensors file named {os.path.splitext(os.fspath(dst))[1]} is refused by "
+                                  "torch.load; name it .safetensors, or drop --to safetensors for a torch.save file")
         if df == "dcp":
             _check_dcp_destination(os.fspath(dst))
             state, n = _read_entries(src, entry)
@@ -170,11 +173,11 @@ def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_fi
     storage, d = for_path(src)
     manifest = read_manifest(storage, d)
     if entry not in manifest.objects:
-        raise CheckpointError(f"{d} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
+        raise CheckpointError(f"{location(storage, d)} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
     tensors = dict(iter_tensors(storage, d, manifest, entry, share=torch_file))
     if not tensors:
-        raise CheckpointError(no_tensors(manifest, d, entry))
-    return len(tensors), torch_value(tensors, d, manifest, entry) if torch_file else tensors
+        raise CheckpointError(no_tensors(manifest, location(storage, d), entry))
+    return len(tensors), torch_value(tensors, location(storage, d), manifest, entry) if torch_file else tensors
 
 
 def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str) -> None:
@@ -206,16 +209,16 @@ def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[
     n = 0
     for e in entries:
         if e not in manifest.objects:
-            raise CheckpointError(f"{d} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
+            raise CheckpointError(f"{location(storage, d)} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
         obj = manifest.objects[e]
         if "skeleton" not in obj:
             continue  # rank-local (RNG state of each rank): not part of a model's DCP checkpoint
         one = single_tensor(obj["skeleton"]) is not None
         tensors = {e if one else f"{e}/{name}": t for name, t in iter_tensors(storage, d, manifest, e)}
         n += len(tensors)
-        state[e] = unflatten(obj["skeleton"], own_tensor(tensors, d, e))
+        state[e] = unflatten(obj["skeleton"], own_tensor(tensors, location(storage, d), e))
     if not n:
-        raise CheckpointError(f"{d}: entries {entries} hold no tensors to export")
+        raise CheckpointError(f"{location(storage, d)}: entries {entries} hold no tensors to export")
     return state, n
 
 
