@@ -45,7 +45,7 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     named = layout.parse_step(os.path.basename(directory.rstrip("/")))
     if named is not None and named != m.step:
         raise CorruptCheckpointError(
-            f"{directory} is named step {named} but holds the checkpoint of step {m.step} (renamed or copied by "
+            f"{location(storage, directory)} is named step {named} but holds the checkpoint of step {m.step} (renamed or copied by "
             f"hand?): rename it {layout.step_dir(m.step)}, or to a name that is not a step's", file=layout.MANIFEST)
     return m
 

@@ -21,7 +21,7 @@ from .flatten import single_tensor, unflatten
 from .index import ChunkSource
 from .io import ReadTarget, read_targets
 from .manifest import Manifest, TensorEntry
-from .storage import Storage, absolute, for_path
+from .storage import Storage, absolute, for_path, location
 from .storage._urls import file_url_path, is_file_url
 
 
@@ -82,12 +82,12 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
     manifest = read_manifest(storage, directory)
     if entry not in manifest.objects:
         raise CheckpointError(
-            f"{directory} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
+            f"{location(storage, directory)} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME"
         )
     out = local_file(to)
     mine = selected(manifest, entry)
     if not mine:
-        raise CheckpointError(no_tensors(manifest, directory, entry))
+        raise CheckpointError(no_tensors(manifest, location(storage, directory), entry))
     check_destination(out)
     if os.path.isdir(out):
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
@@ -110,7 +110,7 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
 
                     save_file(tensors, tmp, metadata=meta)
                 else:
-                    torch.save(torch_value(tensors, directory, manifest, entry), tmp)
+                    torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
     return len(mine)
 
 
