@@ -62,3 +62,31 @@ def test_fsdp1_optimizer_state_keyed_by_no_parameter_survives_a_resume(tmp_path:
     """Before: ``global_step`` was None after the load (dropped by set_optimizer_state_dict)."""
     for r in run_ranks(_own_counter, 2, str(tmp_path), strategy, uop, timeout=120):
         assert r.value == {"fsdp1": 3, "plain": 3, "moments": 4}, (r.rank, r.value)
+
+
+def _dict_order(rank: int, world: int, root: str) -> dict:
+    import warnings
+
+    from trainguard.sharedvalues import SharedValuesDifferWarning
+
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"]  # under torchrun, {t: 0 for t in set(tokens)} orders them per process
+    order = tokens if rank == 0 else tokens[::-1]
+    out = {}
+    for name, counts in (("same", {t: len(t) for t in order}), ("other", {t: len(t) + rank for t in order})):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            tg.save(f"{root}/{name}", {"counts": counts, "step": tg.StateDict(step=3)})
+        out[name] = [str(x.message) for x in w if issubclass(x.category, SharedValuesDifferWarning)]
+    back = {"counts": {t: 0 for t in order}, "step": tg.StateDict(step=0)}
+    tg.load(f"{root}/same", back)  # a plain dict entry is replaced by the saved one
+    out["back"] = back["counts"] == {t: len(t) for t in tokens}
+    return out
+
+
+def test_equal_dicts_filled_in_another_order_on_each_rank_are_not_warned_as_differing(tmp_path: Path) -> None:
+    """Before: rank 0 warned SharedValuesDifferWarning for 'counts' (json.dumps kept each rank's key
+    order). A dict whose values differ is still warned."""
+    res = run_ranks(_dict_order, 2, str(tmp_path), timeout=60)
+    assert res[0].value["same"] == [], res[0].value["same"]
+    assert len(res[0].value["other"]) == 1 and "'counts'" in res[0].value["other"][0]
+    assert all(r.value["back"] for r in res)
