@@ -186,10 +186,16 @@ class FSDP1OptimizerAdapter:
         from .stateful import optimizer_class
 
         osd = get_optimizer_state_dict(self.model, self.optimizer, options=_full_options())
+        params = {n for g in osd["param_groups"] for n in g["params"]}
+        # an entry of optimizer.state that is no parameter's (a custom optimizer's own counter,
+        # self.state["global_step"]) goes under "state_by_key", as stateful.OptimizerAdapter saves it:
+        # set_optimizer_state_dict drops such a key (torch 2.13), so load_state_dict puts it back itself
+        by_key = {k: v for k, v in osd["state"].items() if k not in params}
         return {
-            "state": {self._named(k): v for k, v in osd["state"].items()},
+            "state": {self._named(k): v for k, v in osd["state"].items() if k in params},
             "param_groups": [{**g, "params": [self._named(n) for n in g["params"]]} for g in osd["param_groups"]],
             "class": optimizer_class(self.optimizer),
+            **({"state_by_key": by_key} if by_key else {}),
         }
 
     def check_saved(self, skeleton: Any, key: str | None) -> None:
@@ -293,11 +299,15 @@ class FSDP1OptimizerAdapter:
             flat.load_state_dict(state_dict)
             return
         fqn = self._fqn(state_dict)
-        osd = {
-            "state": {fqn(k): v for k, v in state_dict["state"].items()},
-            "param_groups": [{**g, "params": [fqn(x) for x in g["params"]]} for g in state_dict["param_groups"]],
-        }
+        groups = [{**g, "params": [fqn(x) for x in g["params"]]} for g in state_dict["param_groups"]]
+        params = {n for g in groups for n in g["params"]}
+        state = {fqn(k): v for k, v in state_dict["state"].items()}
+        saved_by_key = state_dict.get("state_by_key")  # no parameter's: set_optimizer_state_dict would drop it
+        by_key = {**{k: v for k, v in state.items() if k not in params},  # saved in "state" before session 48
+                  **(saved_by_key if isinstance(saved_by_key, dict) else {})}
+        osd = {"state": {k: v for k, v in state.items() if k in params}, "param_groups": groups}
         set_optimizer_state_dict(self.model, self.optimizer, osd, options=_full_options())
+        self.optimizer.state.update(by_key)
 
 
 def _saved_names(skeleton: Any) -> list[str]:

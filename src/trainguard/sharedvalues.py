@@ -12,6 +12,7 @@ Order, on every rank of a multi-rank save:
 
 1. :func:`digests` (``replicas.values``, building the hello, in the save's thread): a short xxh3
    of each shared entry's skeleton, for entries whose skeleton is more than one tensor (a plain tensor entry holds no JSON value).
+   Dict keys are sorted first (:func:`_dumps`): equal dicts filled in another order are equal.
    Not digested: rank-local entries, data positions (``capture.check_data_positions`` refuses
    those that differ), one process.
 2. The digests ride in the "begin" round (``api.persist_and_commit``'s hello, ``"vals"``): no
@@ -54,11 +55,22 @@ def digests(objects: Mapping[str, Any], skip: Iterable[str], world: int) -> dict
         if key in skip or (type(skel) is dict and len(skel) == 1 and "$t" in skel):
             continue
         try:
-            raw = json.dumps(skel, separators=(",", ":"), default=repr).encode()
+            raw = _dumps(skel)
         except (TypeError, ValueError):  # not JSON (a skeleton flatten never makes): not compared
             continue
         out[key] = checksum(raw)[:12]
     return out
+
+
+def _dumps(skel: Any) -> bytes:
+    """The skeleton's JSON with each dict's keys sorted: dicts equal on every rank but filled in
+    another order (``{t: 0 for t in set_of_strings}``, whose order follows each process's own
+    string-hash seed under torchrun) digest the same; before, they were warned as differing. Keys
+    that do not sort (ints and strings in one dict): in their order."""
+    try:
+        return json.dumps(skel, separators=(",", ":"), default=repr, sort_keys=True).encode()
+    except TypeError:
+        return json.dumps(skel, separators=(",", ":"), default=repr).encode()
 
 
 def compare(ctx: Any, begin: list[Any], sigs: list[str], step: int) -> list[dict[str, Any]]:
