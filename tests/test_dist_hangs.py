@@ -221,7 +221,7 @@ def stopped_in_restore(rank: int, world: int, root: str) -> dict:
 
     from torch.distributed.distributed_c10d import _get_default_store
 
-    import trainguard.retention as retention  # restore_candidates lists the run directory
+    import trainguard.relist as retention  # restore_candidates lists the run directory (relist.committed_steps)
 
     store = _get_default_store()
     if rank == 0:

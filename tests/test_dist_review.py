@@ -153,7 +153,7 @@ def test_regular_tensors_beside_a_second_stream_file_load(tmp_path: Path) -> Non
 
 
 def listing_fails_in_restore_group(rank: int, world: int, root: str) -> dict:
-    from trainguard import manager, retention
+    from trainguard import manager, relist, retention
 
     state = {"w": torch.arange(4.0)}
     with tg.CheckpointManager(f"{root}/run", save=tg.EveryNSteps(1), timeout=20, handle_signals=False) as mgr:
@@ -162,7 +162,7 @@ def listing_fails_in_restore_group(rank: int, world: int, root: str) -> dict:
         def refused(*args, **kwargs):
             raise PermissionError(13, "Permission denied")
 
-        retention.list_steps = manager.list_steps = refused
+        retention.list_steps = manager.list_steps = relist.list_steps = refused  # relist: restore's listing
     with tg.CheckpointManager(f"{root}/run", timeout=20, handle_signals=False) as mgr:
         return attempt(lambda: mgr.restore(state))
 
