@@ -188,6 +188,10 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
     if lost:
         return Finding(name, "error", f"the scheduler at {lost[0]} drives an optimizer that is not in the state",
                        "save the optimizer the scheduler was built with")
+    from .doctor_optcover import uncovered
+
+    if opts and (miss := uncovered(leaves, s)) is not None:
+        return miss
     if opts and not scheds:
         return Finding(name, "warning", f"the optimizer ({opts[0][0]}) is saved without an LR scheduler: "
                        "a resume restarts warmup/decay from the beginning",

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
+from .doctor_passloader import pass_only
 from .doctor_rng import reseed
 
 
@@ -106,6 +107,12 @@ def loader_generator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
 
     resolved = [(c, keys(c)) for c in loaders]
     bare = [c for c, ks in resolved if ks is not None and "generator" not in ks]
+    passes = [c for c in bare if pass_only(tree, c)]
+    bare = [c for c in bare if c not in passes]
+    if not bare and passes:
+        return Finding("data randomness", "ok", f"the DataLoader (line {passes[0].lineno}) without generator= is "
+                       "only iterated in passes that neither save nor train: each pass starts its iterator at the "
+                       "same point of the global stream, which tg.RNGState saves")
     if not bare:
         own = [c for c, ks in resolved if ks is not None]
         if own:
