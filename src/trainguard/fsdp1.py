@@ -303,7 +303,7 @@ class FSDP1OptimizerAdapter:
         params = {n for g in groups for n in g["params"]}
         state = {fqn(k): v for k, v in state_dict["state"].items()}
         saved_by_key = state_dict.get("state_by_key")  # no parameter's: set_optimizer_state_dict would drop it
-        by_key = {**{k: v for k, v in state.items() if k not in params},  # saved in "state" before session 48
+        by_key = {**{k: v for k, v in state.items() if k not in params},  # saved in "state" by earlier versions
                   **(saved_by_key if isinstance(saved_by_key, dict) else {})}
         osd = {"state": {k: v for k, v in state.items() if k in params}, "param_groups": groups}
         set_optimizer_state_dict(self.model, self.optimizer, osd, options=_full_options())
