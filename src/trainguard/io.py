@@ -218,6 +218,7 @@ def write_batches(
         if fault:
             fault("write_begin")
         end = written = 0
+        gaps = hasattr(w, "hole")  # writegaps.declare: writers that take holes (object stores)
         for batch in it:
             lo = min((c.offset for c in batch), default=end)
             if lo < end:
@@ -225,7 +226,8 @@ def write_batches(
             end = max((c.offset + c.length for c in batch), default=end)
             part = [[""] * (-(-c.length // block)) for c in batch]
             tasks = _tasks(batch, block)
-            written = writegaps.declare(w, tasks, batch, written)  # an object store's parts with a gap: sent, not held
+            if gaps:  # an object store's parts with a gap: sent, not held (local files: nothing to tell, no work)
+                written = writegaps.declare(w, tasks, batch, written)
             run_parallel(tasks, streams, fault, "write_piece",
                          run=lambda task, b=batch, p=part: _run_task(task, b, w, block, p))
             sums += part
