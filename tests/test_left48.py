@@ -78,7 +78,7 @@ def test_a_manager_save_that_drops_an_entry_is_warned_at_the_save(tmp_path):
 
 def test_plan_without_restart_is_a_usage_error_not_a_traceback():
     """``trainguard plan`` without ``--restart``, which --help marks [required], ended in a
-    ``TypeError`` traceback from ``make_plan``: click 8.3+ takes the explicit ``default=None`` the
+    ``TypeError`` traceback from ``make_plan``: click 8.5 (tested here) takes the explicit ``default=None`` the
     option had as a value, so its required check never fired. Now click's usage error, exit 2."""
     from click.testing import CliRunner
 

@@ -46,7 +46,7 @@ def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], C
             click.option("--node-mtbf", type=DURATION, help="or a node's mean time between failures, e.g. 400d"),
             click.option("--save-stall", type=DURATION, required=restart_required,
                          help="time training is blocked per save (async: the blocking part), e.g. 30s"),
-            # No default when required: click 8.3+ takes an explicit default=None as a value, and no --restart
+            # No default when required: click 8.5 (tested here) takes an explicit default=None as a value, and no --restart
             # ended in make_plan's TypeError traceback instead of "Missing option".
             click.option("--restart", type=DURATION, required=restart_required, **({} if restart_required else {"default": 0.0}),
                          help="time from a failure until training runs again, e.g. 10m"
