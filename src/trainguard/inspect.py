@@ -278,15 +278,18 @@ def touched_tensors(path: str, state: Mapping[str, Any], error: BaseException | 
     have written into: bytes are read in place, before the load can fail on a checksum.
     ``CheckpointManager.restore`` calls it on every rank after a load it skipped, with the load's
     ``error``: none when that load failed before it wrote anything (``partly_loaded`` False, the same
-    on every rank: partread.py), e.g. for a missing data file. Before, those counted too, and an older
-    checkpoint that lacked one of them was refused ("partly read from a newer checkpoint")."""
+    on every rank: partread.py), e.g. for a missing data file; else those of the entries it names
+    (``touched_entries``, every rank's union; None or absent: every entry). Before, those counted too,
+    and an older checkpoint that lacked one of them was refused ("partly read from a newer checkpoint")."""
     if error is not None and not getattr(error, "partly_loaded", True):
         return {}
+    keys = getattr(error, "touched_entries", None)
+    wrote = state if keys is None else set(keys)
     try:
         m = read_manifest(*for_path(path))
     except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
         return {}  # no manifest could be read: nothing was read into the state
-    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}
+    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in wrote}
 
 
 def not_overwritten(touched: Mapping[str, list[int]], manifest: Manifest, state: Mapping[str, Any]) -> list[str]:
