@@ -144,3 +144,40 @@ def test_restore_strict_false_without_an_optimizer_removed_since_loads_the_rest(
     assert torch.equal(m2[1].weight, m[1].weight)
     assert all(torch.equal(o1.state[a]["exp_avg"], p1.state[b]["exp_avg"])
                for a, b in zip(m[0].parameters(), m2[0].parameters(), strict=True))
+
+
+def _rewrite(ckpt: Path, edit) -> None:
+    """Edit the manifest body of ``ckpt``, its checksum recomputed (a hand edit: only semantic checks see it)."""
+    from trainguard.manifest import checksum
+
+    body = json.loads((ckpt / "manifest.json").read_bytes())["manifest"]
+    edit(body)
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    (ckpt / "manifest.json").write_bytes(b'{"checksum":"' + checksum(raw).encode() + b'","manifest":' + raw + b"}\n")
+
+
+def test_restore_refuses_a_sampler_that_a_skipped_load_set_and_the_older_checkpoint_lacks(tmp_path: Path) -> None:
+    """The sampler's load_state_dict ran before the RNG entry's refused its (malformed) state; step 1,
+    saved before the sampler was added, does not set it back: restore(strict=False) returned step 1 with
+    the sampler at step 2's position (40 samples on), silently. (Before, a state whose tensors step 1
+    lacked was refused, but only for those tensors: the sampler has none.)"""
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": m, "progress": tg.StateDict(step=1), "rng": tg.RNGState()})
+        data = tg.ResumableSampler(100, seed=0)
+        data.advance(40)
+        mgr.save(2, {"model": m, "progress": tg.StateDict(step=2), "data": data, "rng": tg.RNGState()})
+    words = lambda b: b["objects"]["rng"]["ranks"][0]["python"]["$tuple"][1]["$tuple"]  # noqa: E731
+    _rewrite(run / "step-000000002", lambda b: words(b).__setitem__(5, -1))  # random.setstate: OverflowError
+    fresh = tg.ResumableSampler(100, seed=0)
+    state = {"model": torch.nn.Linear(4, 4), "progress": tg.StateDict(step=0), "data": fresh, "rng": tg.RNGState()}
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match=r"entries \['data'\] \(no tensors.*step 1 does not hold them;"):
+            mgr.restore(state, strict=False)  # before: returned 1
+        assert fresh.position == 40  # what it refuses to hide
+        fresh.load_state_dict(tg.ResumableSampler(100, seed=0).state_dict())
+        del state["data"]  # what the error says to do: restore without it ...
+        assert mgr.restore(state, strict=False) == 1
+    assert state["progress"]["step"] == 1 and fresh.position == 0  # ... then add it fresh
