@@ -181,3 +181,27 @@ def test_restore_refuses_a_sampler_that_a_skipped_load_set_and_the_older_checkpo
         del state["data"]  # what the error says to do: restore without it ...
         assert mgr.restore(state, strict=False) == 1
     assert state["progress"]["step"] == 1 and fresh.position == 0  # ... then add it fresh
+
+
+def test_a_malformed_rng_state_leaves_every_generator_as_it_was_and_restore_falls_back(tmp_path: Path) -> None:
+    """NumPy's part of the saved state does not parse after Python's was set: before, Python's generator kept
+    the corrupt checkpoint's state (restore counted the whole entry as read, and refused to fall back to step 1,
+    which lacks it, with strict=False)."""
+    import random
+
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"model": _model(0), "progress": tg.StateDict(step=1)})
+        random.seed(1234)
+        mgr.save(2, {"model": _model(0), "progress": tg.StateDict(step=2), "rng": tg.RNGState()})
+    _rewrite(run / "step-000000002", lambda b: b["objects"]["rng"]["ranks"][0]["numpy"].__setitem__("pos", 2**70))
+    random.seed(99)
+    python_before = random.getstate()
+    state = {"model": _model(1), "progress": tg.StateDict(step=0), "rng": tg.RNGState()}
+    with pytest.raises(tg.CorruptCheckpointError, match="saved RNG state is malformed") as ei:
+        tg.load(run / "step-000000002", state)
+    assert random.getstate() == python_before  # before: step 2's Python state
+    assert PARTLY in str(ei.value)  # the model was read in place before the RNG entry's turn
+    with tg.CheckpointManager(run, handle_signals=False) as mgr:
+        assert mgr.restore(state, strict=False) == 1  # before: "tensors ['rng@0/numpy/keys', ...] were partly read"
+    assert random.getstate() == python_before and state["progress"]["step"] == 1  # not in step 1: as it was
