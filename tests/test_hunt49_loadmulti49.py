@@ -110,7 +110,8 @@ def _saved_with_opt2_added(run: Path) -> tuple[torch.nn.Module, torch.optim.Opti
     return m, o1, o2
 
 
-def test_restore_strict_false_falls_back_past_a_corrupt_checkpoint_of_an_optimizer_added_since(tmp_path: Path) -> None:
+def test_restore_strict_false_falls_back_past_a_corrupt_checkpoint_of_an_optimizer_added_since(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
     saved, _, _ = _saved_with_opt2_added(run)
     m, o1, o2 = _build(1)
@@ -119,6 +120,8 @@ def test_restore_strict_false_falls_back_past_a_corrupt_checkpoint_of_an_optimiz
         # before: "tensors ['opt2/state/1.bias/momentum_buffer', ...] were partly read from a newer checkpoint"
         assert mgr.restore({"model": m, "opt1": o1, "opt2": o2, "progress": progress}, strict=False) == 1
     assert progress["step"] == 1 and len(o1.state) == 2 and len(o2.state) == 0  # opt2 fresh: step 1 lacks it
+    # before: nothing said that opt2 was left as it was
+    assert "checkpoint of step 1 holds no state for entries ['opt2'] (left as they are)" in caplog.text
     step1 = _build(2)[0]
     tg.load(run / "step-000000001", {"model": step1}, only=["model"])
     assert torch.equal(m[0].weight, step1[0].weight) and not torch.equal(m[0].weight, saved[0].weight)  # step 1's
@@ -132,7 +135,8 @@ def test_restore_still_refuses_an_optimizer_with_state_that_a_skipped_load_read_
             mgr.restore({"model": m, "opt1": o1, "opt2": o2, "progress": tg.StateDict(step=0)}, strict=False)
 
 
-def test_restore_strict_false_without_an_optimizer_removed_since_loads_the_rest(tmp_path: Path) -> None:
+def test_restore_strict_false_without_an_optimizer_removed_since_loads_the_rest(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     run = tmp_path / "run"
     m, o1, o2 = _build(0)
     with tg.CheckpointManager(run, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
@@ -142,6 +146,7 @@ def test_restore_strict_false_without_an_optimizer_removed_since_loads_the_rest(
     with tg.CheckpointManager(run, handle_signals=False) as mgr:
         assert mgr.restore({"model": m2, "opt1": p1, "progress": tg.StateDict(step=0)}, strict=False) == 1
     assert torch.equal(m2[1].weight, m[1].weight)
+    assert "checkpoint of step 1 holds entries ['opt2'] that the state lacks (not read)" in caplog.text
     assert all(torch.equal(o1.state[a]["exp_avg"], p1.state[b]["exp_avg"])
                for a, b in zip(m[0].parameters(), m2[0].parameters(), strict=True))
 

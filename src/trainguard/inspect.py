@@ -344,3 +344,15 @@ def partly_read_refusal(left: list[str], touched: Mapping[str, list[int] | None]
         f"of step {step} does not hold them{' with that shape' * bool(tensors)}; they hold no consistent state. Restore a "
         "state without them, then add them fresh"
     )
+
+
+def unmatched_entries(state: Mapping[str, Any], manifest: Manifest, split_state: bool = False) -> str:
+    """``CheckpointManager.restore(strict=False)`` (rank 0, once a checkpoint loaded): a line naming the
+    state's entries that the checkpoint holds no state for (left as they were: an optimizer or scheduler
+    added since the save) and, without ``split_state``, the checkpoint's entries the state lacks (not
+    read), or "" when there are none. Before, ``strict=False`` left them so without a word."""
+    fresh = [k for k in state if k not in manifest.objects]
+    unread = [] if split_state else [k for k in manifest.objects if k not in state]
+    parts = [f"holds no state for entries {fresh[:20]} (left as they are)"] * bool(fresh)
+    parts += [f"holds entries {unread[:20]} that the state lacks (not read)"] * bool(unread)
+    return f"restore(strict=False): the checkpoint of step {manifest.step} " + " and ".join(parts) if parts else ""

@@ -27,7 +27,7 @@ from .elastic import sharedstore, stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
-from .inspect import not_overwritten, partly_read_refusal, touched_tensors
+from .inspect import not_overwritten, partly_read_refusal, touched_tensors, unmatched_entries
 from .iostall import StuckWriteError
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -367,6 +367,8 @@ class CheckpointManager:
             left = not_overwritten(touched, m, state)
             if left:  # strict=False: the older checkpoint does not overwrite them
                 raise partly_read_refusal(left, touched, step)
+            if not strict and self.ctx.rank == 0 and (line := unmatched_entries(state, m, self.split_state)):
+                log.warning("trainguard: %s", line)  # an optimizer added since the save: said, not silent
             self._aside = "" if self._aside == DONE else self._aside  # a token never committed stays (set_aside)
             self.last_saved_step, self._restored = step, step
             self._own.roll_back(step)
