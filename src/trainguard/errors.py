@@ -347,7 +347,8 @@ def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:
 
 
 def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: float | None,
-               split: bool | None = None, which: list[Any] | None = None, only: Any = False) -> None:
+               split: bool | None = None, which: list[Any] | None = None, only: Any = False,
+               touched: list[str] | None = None) -> None:
     """A round of ``loader.load`` (every rank, same order; ``e``: this rank's failure, if any):
     raise on every rank when any failed, its own error on a failing rank. ``retry_older``: every
     failing rank found bad bytes (``restore`` then tries an older checkpoint, not after a state
@@ -358,13 +359,14 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
     ``only`` (the "load" round): this rank's ``only=``, sorted (None: every entry of its state, also
     when it lists them all): ranks that
     passed different ones all raise (with FSDP2, one rank's optimizer left unloaded trained on
-    silently with the others' loaded)."""
+    silently with the others' loaded). ``touched`` (the "loaded" round): the entries this rank wrote
+    into; their union over the ranks goes on the error raised, ``gathered_touched`` (partread.py)."""
     from .permanent import from_medium, is_permanent, keeps_own
     from .split import load_flags_differ
 
     outcome = {"error": None if e is None else describe_error(e), "data": e is None or is_data_error(e),
                "permanent": is_permanent(e), "medium": from_medium(e), "split": split, "which": which,
-               **({} if only is False else {"only": only})}
+               **({} if only is False else {"only": only}), **({} if touched is None else {"touched": touched})}
     with keeps_own(e):  # the exchange failed (rank 0 exited 78 first, its store with it): e stays its error
         outcomes = ctx.all_gather(tag, outcome, timeout=timeout)
     if split is not None and (differ := load_flags_differ([bool(o.get("split")) for o in outcomes])):
@@ -392,4 +394,5 @@ def agree_load(ctx: Any, tag: str, target: str, e: Exception | None, timeout: fl
         # a peer's medium error makes a restore that finds nothing usable no permanent failure.
         x.permanent = x.permanent or any(o.get("permanent") for o in outcomes)
         x.medium = any(o.get("medium") for o in outcomes)  # type: ignore[attr-defined]
+        x.gathered_touched = None if touched is None else {k for o in outcomes for k in o.get("touched") or ()}  # type: ignore[attr-defined]
         raise

@@ -273,26 +273,36 @@ def describe(path: str | os.PathLike[str]) -> Manifest:
     return read_manifest(storage, target)
 
 
-def touched_tensors(path: str, state: Mapping[str, Any], error: BaseException | None = None) -> dict[str, list[int]]:
+def touched_tensors(path: str, state: Mapping[str, Any], error: BaseException | None = None) -> dict[str, list[int] | None]:
     """The tensors (path -> shape) of ``state``'s entries that a failed load of ``path`` may
-    have written into: bytes are read in place, before the load can fail on a checksum.
+    have written into: bytes are read in place, before the load can fail on a checksum. Each such
+    entry that holds no tensor in the checkpoint (a ``ResumableSampler``, a progress dict: its
+    ``load_state_dict`` had run) is there by its key, with ``None``.
     ``CheckpointManager.restore`` calls it on every rank after a load it skipped, with the load's
     ``error``: none when that load failed before it wrote anything (``partly_loaded`` False, the same
-    on every rank: partread.py), e.g. for a missing data file. Before, those counted too, and an older
-    checkpoint that lacked one of them was refused ("partly read from a newer checkpoint")."""
+    on every rank: partread.py), e.g. for a missing data file; else those of the entries it names
+    (``touched_entries``, every rank's union; None or absent: every entry). Before, those counted too,
+    and an older checkpoint that lacked one of them was refused ("partly read from a newer checkpoint")."""
     if error is not None and not getattr(error, "partly_loaded", True):
         return {}
+    keys = getattr(error, "touched_entries", None)
+    wrote = state if keys is None else set(keys)
     try:
         m = read_manifest(*for_path(path))
     except (CheckpointError, OSError):  # OSError: a medium's error (EIO) again, as at the load it ends
         return {}  # no manifest could be read: nothing was read into the state
-    return {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in state}
+    out: dict[str, list[int] | None] = {p: e.shape for p, e in m.tensors.items() if p.split("/")[0].split("@")[0] in wrote}
+    heads = {p.split("/")[0].split("@")[0] for p in out}
+    out.update((k, None) for k in wrote if k in state and k in m.objects and k not in heads)  # its JSON values only
+    return out
 
 
-def not_overwritten(touched: Mapping[str, list[int]], manifest: Manifest, state: Mapping[str, Any]) -> list[str]:
+def not_overwritten(touched: Mapping[str, list[int] | None], manifest: Manifest, state: Mapping[str, Any]) -> list[str]:
     """``CheckpointManager.restore`` (every rank), once an older checkpoint ``manifest`` loaded after
     skipped ones: the ``touched`` tensors (``touched_tensors``) that this load did not overwrite, as
-    it holds none of that path and shape. An optimizer's per-parameter state that the older checkpoint
+    it holds none of that path and shape, and the touched entries without tensors that it does not
+    hold (``strict=False``: a sampler added since it was saved kept the newer checkpoint's position,
+    and restore returned the older step, silently). An optimizer's per-parameter state that the older checkpoint
     lacks is not one of them: its ``load_state_dict`` replaces the optimizer's whole state (a
     parameter frozen or without gradients until after that step has none, and the restart was
     refused: its fresh optimizer had read nothing in place)."""
@@ -313,9 +323,36 @@ def not_overwritten(touched: Mapping[str, list[int]], manifest: Manifest, state:
     # could not fall back past it on 1 (no ``rng@1`` in the older one), although no rank had read ``rng@1``.
     held = {k for p, e in manifest.tensors.items() if (k := local(p, e.shape)) is not None}
 
-    def kept(p: str, shape: list[int]) -> bool:
+    def kept(p: str, shape: list[int] | None) -> bool:
+        if shape is None:  # an entry without tensors (touched_tensors)
+            return p not in manifest.objects
         if (k := local(p, shape)) is not None:
             return k not in held
         return p not in manifest.tensors and not replaced(p) or p in manifest.tensors and manifest.tensors[p].shape != shape
 
     return sorted(p for p, shape in touched.items() if kept(p, shape))
+
+
+def partly_read_refusal(left: list[str], touched: Mapping[str, list[int] | None], step: int) -> CheckpointError:
+    """``CheckpointManager.restore``'s error when the older checkpoint of ``step`` that loaded does not
+    overwrite ``left`` (``not_overwritten``): tensors, and entries without tensors (``None`` in ``touched``)."""
+    tensors, entries = [p for p in left if touched.get(p) is not None], [p for p in left if touched.get(p) is None]
+    what = [f"tensors {tensors[:20]}"] * bool(tensors)
+    what += [f"entries {entries[:20]} (no tensors: their load_state_dict() had run)"] * bool(entries)
+    return CheckpointError(
+        f"restore: {' and '.join(what)} were partly read from a newer checkpoint that is not usable, and the checkpoint "
+        f"of step {step} does not hold them{' with that shape' * bool(tensors)}; they hold no consistent state. Restore a "
+        "state without them, then add them fresh"
+    )
+
+
+def unmatched_entries(state: Mapping[str, Any], manifest: Manifest, split_state: bool = False) -> str:
+    """``CheckpointManager.restore(strict=False)`` (rank 0, once a checkpoint loaded): a line naming the
+    state's entries that the checkpoint holds no state for (left as they were: an optimizer or scheduler
+    added since the save) and, without ``split_state``, the checkpoint's entries the state lacks (not
+    read), or "" when there are none. Before, ``strict=False`` left them so without a word."""
+    fresh = [k for k in state if k not in manifest.objects]
+    unread = [] if split_state else [k for k in manifest.objects if k not in state]
+    parts = [f"holds no state for entries {fresh[:20]} (left as they are)"] * bool(fresh)
+    parts += [f"holds entries {unread[:20]} that the state lacks (not read)"] * bool(unread)
+    return f"restore(strict=False): the checkpoint of step {manifest.step} " + " and ".join(parts) if parts else ""

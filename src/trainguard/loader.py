@@ -28,11 +28,11 @@ from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
-from .partread import loaded_round, partly_read
+from .partread import in_place_entries, loaded_round, partly_read
 from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
-from .stateful import ModuleAdapter, OptimizerAdapter, RNGState, adapt, check_state, has_state
+from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
 from .storage import Storage, for_path, location
 
 
@@ -68,7 +68,7 @@ def load(
     wait_staging_in_flight()  # an async save still copying the state would save what this loads
     agreed: list[bool] = []  # [False] once this rank joined the first round ("load"), [True] once every rank passed it
     manifest: Manifest | None = None
-    wrote: list[bool] = []  # partread.py: [False] once every rank passed the plan round, [True] once this process wrote
+    wrote: list[Any] = []  # partread.py: [False] once every rank passed the plan round, then each entry this rank wrote into
 
     def plan_round(e: Exception | None = None, taken: set[str] | None = None) -> None:  # _load's, before it writes
         agreed.append(False)
@@ -86,12 +86,12 @@ def load(
     except Exception as exc:
         exc = unreadable(exc, shown)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
         if not ctx.is_distributed:
-            raise partly_read(exc, any(wrote)) from exc.__cause__
+            raise partly_read(exc, wrote) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round
-            plan_round(exc)
+            plan_round(partly_read(exc, ()))  # raises it (or the ranks' disagreement): no rank read anything
         if not agreed[0]:  # the plan round raised, on every rank
-            raise
-        loaded_round(ctx, shown, exc, timeout, bool(wrote))  # past the plan round: every rank may have read into its state
+            raise partly_read(exc, ()) from exc.__cause__
+        loaded_round(ctx, shown, exc, timeout, wrote)  # past the plan round: marked with the entries any rank wrote into
     if ctx.is_distributed:
         loaded_round(ctx, shown, None, timeout)
     return manifest
@@ -301,8 +301,7 @@ def _load(
             yield ReadTarget(p, t, box, ops)
 
     # The files of live regular shards were not checked above: each is checked when first opened.
-    wrote += [True] * any(d.get(p) is not None and p in want for _k, o, _s, d, refs in plans  # read in place from here on
-                          if not isinstance(o, RNGState) for p in refs)  # (not an RNGState: into its state_dict()'s copies)
+    wrote += in_place_entries(plans, want)  # read in place from here on (partread.py)
     read_targets(storage, directory, targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
                  check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
                  direct=_sole_reader(ctx))
@@ -340,7 +339,7 @@ def _load(
                 f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
             )) from e
-        wrote.append(True)  # this entry is loaded: one after it that fails leaves it so
+        wrote.append(key)  # this entry is loaded: one after it that fails leaves it so
     rankload.run_deferred(later)
 
 

@@ -27,7 +27,7 @@ from .elastic import sharedstore, stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
-from .inspect import not_overwritten, touched_tensors
+from .inspect import not_overwritten, partly_read_refusal, touched_tensors, unmatched_entries
 from .iostall import StuckWriteError
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -349,7 +349,7 @@ class CheckpointManager:
             raise CheckpointError(f"restore: cannot list {self.root}: {candidates['error']}")
         candidates = retention.at_or_before(candidates, at, self.root)  # none at or before: an error naming those held
         skipped: list[str] = []
-        touched: dict[str, list[int]] = {}  # tensors a skipped checkpoint may have written into, their shapes
+        touched: dict[str, list[int] | None] = {}  # tensors a skipped checkpoint may have written into, their shapes
         medium = False  # a skip for a medium's error: finding nothing usable is then no permanent failure
         for step, path, tier in candidates:
             try:
@@ -366,11 +366,9 @@ class CheckpointManager:
                 continue
             left = not_overwritten(touched, m, state)
             if left:  # strict=False: the older checkpoint does not overwrite them
-                raise CheckpointError(
-                    f"restore: tensors {left[:20]} were partly read from a newer checkpoint that is not usable, and "
-                    f"the checkpoint of step {step} does not hold them with that shape; they hold no consistent "
-                    "state. Restore a state without them, then add them fresh"
-                )
+                raise partly_read_refusal(left, touched, step)
+            if not strict and self.ctx.rank == 0 and (line := unmatched_entries(state, m, self.split_state)):
+                log.warning("trainguard: %s", line)  # an optimizer added since the save: said, not silent
             self._aside = "" if self._aside == DONE else self._aside  # a token never committed stays (set_aside)
             self.last_saved_step, self._restored = step, step
             self._own.roll_back(step)

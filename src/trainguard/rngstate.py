@@ -81,20 +81,15 @@ class RNGState:
         genstate.check_saved(self.generators, state_dict.get("generators"), strict)  # before anything changes
         if why := _other_numpy_kind(state_dict.get("numpy")):
             raise mark(CheckpointError(why))
+        before = self.state_dict()  # all or nothing: a saved state that does not parse leaves every generator as it was
         try:
-            random.setstate(_as_python_rng(state_dict["python"]))
-            n = state_dict["numpy"]
-            if "bit_generator" in n:  # saved from another bit generator than MT19937 (_numpy_global)
-                np.random.set_state(genstate.from_plain(n["bit_generator"]))
-            else:
-                np.random.set_state(
-                    (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-                )
-            torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
-            genstate.load(self.generators, state_dict.get("generators", {}))
+            self._set(state_dict)
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
             # Saved by RNGState itself: a state that does not parse is a damaged checkpoint (a word of the python
-            # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError).
+            # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError). The generators
+            # set before it are put back: restore's fallback counts this entry as not loaded (partread.py), and
+            # an older checkpoint without it (strict=False) left Python's generator at the newer one's state.
+            self._set(before)
             raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
@@ -109,6 +104,17 @@ class RNGState:
                 torch.cuda.set_rng_state(s.to("cpu", torch.uint8), i)
         elif cuda:
             warnings.warn("checkpoint has CUDA RNG state but CUDA is not available; it is ignored", stacklevel=2)
+
+    def _set(self, state_dict: Mapping[str, Any]) -> None:
+        """``load_state_dict``: Python's, NumPy's global, torch's CPU and the named generators (not CUDA's)."""
+        random.setstate(_as_python_rng(state_dict["python"]))
+        n = state_dict["numpy"]
+        if "bit_generator" in n:  # saved from another bit generator than MT19937 (_numpy_global)
+            np.random.set_state(genstate.from_plain(n["bit_generator"]))
+        else:
+            np.random.set_state((n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
+        genstate.load(self.generators, state_dict.get("generators", {}))
 
     def reseed_for_rank(self, rank: int, step: int = 0) -> None:
         """Seed every generator deterministically from ``(reseed, rank, step)``; the loader calls it
