@@ -56,11 +56,11 @@ class Settings:
 
 
 def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None = None,
-           source: str | None = "auto", amp: str | bool | None = None) -> list[Finding]:
+           source: str | os.PathLike[str] | None = "auto", amp: str | bool | None = None) -> list[Finding]:
     """Check ``state`` and ``manager`` (a CheckpointManager or a mapping of its settings).
 
     ``source="auto"`` reads the ``__main__`` script, if there is one, for the static checks (``source``: the
-    script's text, or the path of a ``.py`` file);
+    script's text, the path of a ``.py`` file, or a ``pathlib.Path`` of the script, any name);
     ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
     Any process or rank, once the state (and manager) exist; no collective, no I/O but reads.
     """
@@ -68,13 +68,16 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
         raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
     if amp not in (None, True, False, "float16", "bfloat16"):
         raise ValueError(f"amp={amp!r}: use 'float16' (or True), 'bfloat16', False, or None to detect")
+    # A pathlib.Path (Path(__file__)): the script's path, whatever its name; it was refused ("pass ... its path").
+    path_given = isinstance(source, os.PathLike) and isinstance(os.fspath(source), str)
+    source = os.fspath(source) if isinstance(source, os.PathLike) and path_given else source
     if source is not None and not isinstance(source, str):
         raise TypeError(f"source={source!r}: pass the training script's text or its path, 'auto' (the __main__ script) or None")
-    main_file = (getattr(sys.modules.get("__main__"), "__file__", None) or "") if source == "auto" else ""
-    if source not in (None, "auto") and "\n" not in source and source.strip().endswith(".py"):
+    main_file = (getattr(sys.modules.get("__main__"), "__file__", None) or "") if source == "auto" and not path_given else ""
+    if source is not None and (path_given or source != "auto" and "\n" not in source and source.strip().endswith(".py")):
         # A path ("train.py"), not the script's text: parsed as Python, it was a one-line program, and the
         # static checks found nothing in it (an optimizer missing from the state, own generators: not reported).
-        if not os.path.isfile(main_file := source.strip()):
+        if not os.path.isfile(main_file := source if path_given else source.strip()):
             raise FileNotFoundError(f"source={source!r}: no such file; pass the training script's text or its path")
         source = Path(main_file).read_text(encoding="utf-8", errors="replace")
     if source == "auto":  # its imports of the project's own modules are read too (path=)

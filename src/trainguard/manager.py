@@ -29,6 +29,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .inspect import not_overwritten, partly_read_refusal, touched_tensors, unmatched_entries
 from .iostall import StuckWriteError
+from .metricvals import MetricValue
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
 from .permanent import check_manager_args, config_errors, flag, from_medium, is_permanent, mark, open_error
@@ -67,7 +68,7 @@ class CheckpointManager:
         handle_signals: bool = True,
         timeout: float | None = None,
         max_staging_bytes: int | None = None,
-        ram_tier: bool | str = False,
+        ram_tier: bool | str | os.PathLike[str] | None = False,
         stage_in_background: bool = False,
         split_state: bool = False,
     ) -> None:
@@ -184,7 +185,7 @@ class CheckpointManager:
         policies.on_stop_signal(self, signum, frame)  # only sets a flag (and tells a manager opened before this one)
 
     def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
-             metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
+             metrics: Mapping[str, MetricValue] | None = None) -> SaveHandle | None:
         """Call once per training step on every rank; saves when the policy says so (or ``force``, or after SIGTERM/SIGINT). Returns its handle, or None."""
         self._require_open()
         agree = self.ctx.is_distributed and (self._needs_agreement() or self.handle_signals)
@@ -215,7 +216,7 @@ class CheckpointManager:
     def _needs_agreement(self) -> bool:
         return not isinstance(self.save_policy, EveryNSteps)
 
-    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, float] | None, t0: float | None = None) -> SaveHandle | None:
+    def _save_now(self, step: int, state: Mapping[str, Any], metrics: Mapping[str, MetricValue] | None, t0: float | None = None) -> SaveHandle | None:
         t0 = time.monotonic() if t0 is None else t0  # a retry to disk (below): the failed RAM attempt is stall too
         values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
         bad = bad or runlock.lock_lost(self._lock)  # rank 0: the run directory's .lock removed or replaced (runlock.py)

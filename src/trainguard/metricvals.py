@@ -11,7 +11,15 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+import torch
+
 from .errors import UnsupportedValueError
+
+# A value ``CheckpointManager.save(metrics=...)`` takes (its hint): a number, or a tensor, numpy array or
+# numpy scalar of one value (``metrics={"loss": loss}``). The hint said float: a type-checked script got an
+# error for that documented call.
+MetricValue = float | torch.Tensor | np.ndarray | np.generic
 
 
 def checked_metrics(metrics: Mapping[str, Any] | None) -> tuple[dict[str, float], UnsupportedValueError | None]:

@@ -78,7 +78,7 @@ def ram_copies(root: str, base: str = DEFAULT_BASE) -> str | None:
 class RamTier:
     """The RAM tier of one manager. ``spec`` is ``True`` (``/dev/shm``) or a base directory."""
 
-    def __init__(self, spec: bool | str, *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any, staging: tuple[bool, int | None] = (False, None)) -> None:
+    def __init__(self, spec: bool | str | os.PathLike[str], *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any, staging: tuple[bool, int | None] = (False, None)) -> None:
         base = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else DEFAULT_BASE  # True, 1, np.True_
         if not os.path.isdir(base):
             raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
