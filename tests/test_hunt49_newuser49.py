@@ -63,3 +63,81 @@ def test_a_killed_ranks_loader_processes_no_longer_keep_its_peers_blocked(tmp_pa
     # script's SIG_IGN is no CheckpointManager's handler, which spare.py spares them for), and
     # torch's SIGCHLD handler raises that first when the collective returns to Python.
     assert any(w in (tmp_path / "peer-error.txt").read_text() for w in ("Connection", "Read error", "DataLoader"))
+
+
+DOCTOR_SCRIPT = '''
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import trainguard as tg
+
+train_ds = TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+val_ds = TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+
+
+def trainguard_state():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = tg.ResumableSampler(len(train_ds), seed=0)
+    state = {"model": model, "optim": optimizer, "data": sampler, "rng": tg.RNGState(),
+             "progress": tg.StateDict(step=-1)}
+    return state, {"root": ROOT, "save": tg.EveryNSteps(10), "keep": tg.KeepLatest(2)}
+
+
+def train_step(model, optimizer, x, y):
+    optimizer.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def main():
+    state, settings = trainguard_state()
+    model, optimizer, sampler = state["model"], state["optim"], state["data"]
+    train_loader = DataLoader(train_ds, batch_size=8, sampler=sampler, generator=torch.Generator())
+    val_loader = DataLoader(val_ds, batch_size=8)
+    with tg.CheckpointManager(**settings) as mgr:
+        start = mgr.restore(state)
+        step = -1 if start is None else start
+        for x, y in train_loader:
+            step += 1
+            train_step(model, optimizer, x, y)
+            sampler.advance(len(x))
+            if step % 4 == 3:
+                model.eval()
+                with torch.no_grad():
+                    PASS
+                model.train()
+            mgr.save(step, state)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("val_pass, severity", [
+    ("vl = sum(F.mse_loss(model(x), y).item() for x, y in val_loader) / len(val_loader)", "ok"),
+    ("vl = [F.mse_loss(model(x), y).item() for i, (x, y) in enumerate(val_loader)]", "ok"),
+    ("vl = [train_step(model, optimizer, x, y) for x, y in val_loader]", "warning"),  # trains: still reported
+])
+def test_doctor_takes_a_validation_pass_written_as_a_comprehension_for_a_pass(tmp_path, val_pass, severity):
+    """A validation loader without ``generator=`` iterated in a generator expression (this session's
+    GPT script: ``sum(F.cross_entropy(...).item() for _, xy in val_loader) / len(val_loader)``) was
+    reported by "data randomness" as a training loader ("once after a restore ... dropout and every
+    later draw differ"), though docs/data.md says such a loader resumes and the doctor does not
+    report it, and the script resumed bit-identically (validation losses too). Only ``for`` loops
+    were recognised as passes."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import doctor_cmd
+
+    script = tmp_path / "train.py"
+    script.write_text(DOCTOR_SCRIPT.replace("ROOT", repr(str(tmp_path / "ckpts"))).replace("PASS", val_pass))
+    res = CliRunner().invoke(doctor_cmd, [str(script), "--json"])
+    assert res.exit_code == 0, res.output
+    found = [f for f in json.loads(res.output) if f["check"] == "data randomness"]
+    assert len(found) == 1 and found[0]["severity"] == severity, found
