@@ -141,3 +141,41 @@ def test_doctor_takes_a_validation_pass_written_as_a_comprehension_for_a_pass(tm
     assert res.exit_code == 0, res.output
     found = [f for f in json.loads(res.output) if f["check"] == "data randomness"]
     assert len(found) == 1 and found[0]["severity"] == severity, found
+
+
+def test_inspect_shows_each_entrys_plain_values(tmp_path):
+    """Checking where a resume goes on, ``trainguard inspect`` of the GPT run's checkpoint showed
+    ``data`` and ``progress`` as bare names (their values are no tensors): the sampler's epoch and
+    position, the step, the scheduler's ``last_epoch`` were in ``manifest.json`` only. Now the text
+    shows them beside the entry's name and ``--json`` under the entry's ``values``."""
+    import json
+
+    import torch
+    from click.testing import CliRunner
+
+    import trainguard as tg
+    from trainguard.commands.checkpoints import inspect_cmd
+
+    sampler = tg.ResumableSampler(512, seed=0)
+    sampler.advance(64)
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3)
+    path = str(tmp_path / "step-000000007")
+    tg.save(path, {"model": model, "optim": opt, "sched": sched, "data": sampler, "progress": tg.StateDict(step=7),
+                   "tokens": 12.5})
+    res = CliRunner().invoke(inspect_cmd, [path])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert any(ln.endswith("data  epoch=0, position=64, seed=0, num_samples=512, shuffle=True") for ln in lines), res.output
+    assert any(ln.endswith("progress  step=7") for ln in lines), res.output
+    assert any(ln.endswith("tokens  12.5") for ln in lines), res.output
+    assert any("sched  step_size=3" in ln for ln in lines), res.output
+    assert any(ln.endswith("model") for ln in lines), res.output  # tensors only: no values shown
+    d = json.loads(CliRunner().invoke(inspect_cmd, [path, "--json"]).output)["entries"]
+    assert d["data"]["values"] == {"epoch": 0, "position": 64, "seed": 0, "num_samples": 512, "shuffle": True}
+    assert d["progress"]["values"] == {"step": 7} and d["tokens"]["values"] == 12.5
+    assert d["optim"]["values"]["param_groups"][0]["lr"] == 0.5 and "values" not in d["model"]
+    # --filter shows tensors only, as before
+    out = CliRunner().invoke(inspect_cmd, [path, "--filter", "model/*"]).output
+    assert "position" not in out and "weight" in out, out
