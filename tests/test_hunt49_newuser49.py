@@ -179,3 +179,22 @@ def test_inspect_shows_each_entrys_plain_values(tmp_path):
     # --filter shows tensors only, as before
     out = CliRunner().invoke(inspect_cmd, [path, "--filter", "model/*"]).output
     assert "position" not in out and "weight" in out, out
+
+
+def test_a_partly_loaded_corrupt_checkpoints_message_reads_as_two_sentences(tmp_path):
+    """``restore`` falling back past the GPT run's corrupted newest checkpoint warned "...: the
+    checkpoint is corrupt The load had begun writing into the state ...": the note on a partial
+    load was glued to the error without a full stop."""
+    import torch
+
+    import trainguard as tg
+
+    path = tmp_path / "step-000000001"
+    tg.save(str(path), {"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)})
+    data = next(p for p in sorted(path.iterdir()) if p.name.endswith(".bin"))
+    raw = bytearray(data.read_bytes())
+    raw[-100] ^= 0xFF  # the last tensor's bytes: the first ones were read into the state already
+    data.write_bytes(bytes(raw))
+    with pytest.raises(tg.CorruptCheckpointError) as e:
+        tg.load(str(path), {"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)})
+    assert "the checkpoint is corrupt. The load had begun writing into the state" in str(e.value), str(e.value)

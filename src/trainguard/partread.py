@@ -34,7 +34,8 @@ def partly_read(e: BaseException, wrote: bool) -> BaseException:
     if isinstance(e, CheckpointError):
         e.partly_loaded = wrote or getattr(e, "partly_loaded", False)  # type: ignore[attr-defined]
         if wrote and e.args and isinstance(e.args[0], str) and PARTLY not in e.args[0]:
-            e.args = (e.args[0] + PARTLY, *e.args[1:])
+            end = "" if e.args[0].rstrip().endswith((".", "!", "?")) else "."  # "... is corrupt. The load ..."
+            e.args = (e.args[0].rstrip() + end + PARTLY, *e.args[1:])
     return e
 
 
