@@ -64,7 +64,8 @@ def test_inspect_text_and_json_of_every_tensor_one_line_each(tmp_path):
                                   "│   ├── layers.0.bias  float32 (2,)  8 B  (1 chunk(s))",
                                   "│   ├── layers.1.weight  float32 (2, 2)  16 B  (1 chunk(s))",
                                   "│   └── layers.1.bias  float32 (2,)  8 B  (1 chunk(s))"], out
-    assert out[i + 5] == "└── progress" and out[i + 6].startswith("    └── lr  float32 (1,)")
+    # Its plain values beside it since session 49 (commands/values.py)
+    assert out[i + 5] == "└── progress  step=1" and out[i + 6].startswith("    └── lr  float32 (1,)")
     text = _run("inspect", ck, "--json").output
     line = next(ln for ln in text.splitlines() if '"layers.0.bias"' in ln)
     assert json.loads("{" + line.strip().rstrip(",") + "}") == {"layers.0.bias": {"dtype": "float32", "shape": [2], "bytes": 8, "chunks": 1}}

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPLAINED = {"data position", "optimizer+scheduler"}
 
 
-@pytest.mark.parametrize("script", ["plain_loop.py", "ddp_torchrun.py", "fsdp2.py", "hf_transformers.py"])
+@pytest.mark.parametrize("script", ["plain_loop.py", "ddp_torchrun.py", "fsdp2.py", "hf_transformers.py", "ddp_gpt.py"])
 def test_doctor_checks_every_examples_state_through_its_hook(script, tmp_path, monkeypatch):
     if script == "hf_transformers.py":
         pytest.importorskip("transformers", reason="transformers is not installed")

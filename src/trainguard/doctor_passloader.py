@@ -6,7 +6,8 @@ starts its iterator right after the restore, where the uninterrupted run started
 start. A validation loader whose passes hold no save and no training (``for x, y in val_loader``
 with neither ``save``/``backward``/``step`` in its body, nor a call to a function of the script
 that has one) starts each iterator at the same point of the global stream in both runs, and
-``tg.RNGState`` saves that stream: a resume stays bit-identical (not with ``persistent_workers=``
+``tg.RNGState`` saves that stream: a resume stays bit-identical (a comprehension or generator
+expression over the loader, ``sum(... for x, y in val_loader)``, is such a pass too) (not with ``persistent_workers=``
 anything but a literal false value, nor ``**kwargs``: persistent workers are seeded once, at the
 process's first pass, and a resumed process makes that pass later in the stream) (a val loader without
 ``generator=``, a dropout model, resumed mid-epoch: same weights and validation losses as the
@@ -65,6 +66,12 @@ def _pass_uses(scope: ast.AST, name: str, up: dict[ast.AST, ast.AST], defs: dict
             node, parent = parent, up.get(parent)
         if isinstance(parent, ast.For) and parent.iter is node:
             if _trains(parent.body, trainers):
+                return False
+            continue
+        if isinstance(parent, ast.comprehension) and parent.iter is node:
+            # sum(loss(model(x), y).item() for x, y in val_loader): the whole expression is the pass
+            # (before, such a pass was not recognised, and the loader reported as a training one)
+            if _trains([up[parent]], trainers):  # type: ignore[list-item]
                 return False
             continue
         if isinstance(parent, ast.Call) and _name(parent.func) == "len":

@@ -49,7 +49,8 @@ def partly_read(e: BaseException, wrote: Iterable[Any] | None) -> BaseException:
         e.touched_entries = None if keys is None else sorted(keys)  # type: ignore[attr-defined]
         e.partly_loaded = keys is None or bool(keys)  # type: ignore[attr-defined]
         if e.partly_loaded and e.args and isinstance(e.args[0], str) and PARTLY not in e.args[0]:
-            e.args = (e.args[0] + PARTLY, *e.args[1:])
+            end = "" if e.args[0].rstrip().endswith((".", "!", "?")) else "."  # "... is corrupt. The load ..."
+            e.args = (e.args[0].rstrip() + end + PARTLY, *e.args[1:])
     return e
 
 

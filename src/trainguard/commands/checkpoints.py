@@ -25,6 +25,7 @@ from ..layout import MANIFEST
 from ..storage import for_path
 from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
 from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
+from .values import entry_values, shown
 
 console = PipeConsole()
 _RELISTS = 3  # verify_cmd: how many times more a run directory is listed when checkpoints vanished while checked
@@ -165,10 +166,11 @@ def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
     )
     # Plain lines drawn like rich's Tree: a Tree of 100,000 tensors took rich 40 s to render.
     bold = (lambda s: s) if not console.is_terminal or console.no_color else Style.parse("bold cyan").render
-    lines = []
+    lines, values = [], ({} if globs else entry_values(m))  # values.py: positions, counters, a scheduler's state
     for i, (key, per_rank, tensors) in enumerate(entries):
         last = i == len(entries) - 1
-        lines.append(("└── " if last else "├── ") + bold(printable(key)) + ("  (per rank)" if per_rank else ""))
+        lines.append(("└── " if last else "├── ") + bold(printable(key)) + ("  (per rank)" if per_rank else "")
+                     + (f"  {printable(shown(values[key]))}" if key in values else ""))
         stem = "    " if last else "│   "
         lines.extend(f"{stem}{'└── ' if j == len(tensors) - 1 else '├── '}{printable(name)}  {e.dtype} "
                      f"{tuple(e.shape)}  {_size(e.nbytes)}  ({printable(_stored(e))})" for j, (name, e) in enumerate(tensors))
@@ -219,14 +221,17 @@ def _entries(m: Any, globs: tuple[str, ...] = ()) -> list[tuple[str, bool, list[
 
 def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str, Any]]]]) -> dict[str, Any]:
     """``inspect --json``: the manifest's facts and, per entry of ``found`` (``_entries``), its
-    tensors (dtype, shape, bytes, how they are split); the metadata as saved (nan/inf as strings)."""
+    tensors (dtype, shape, bytes, how they are split) and, where it has some, its plain ``values``
+    (values.py); the metadata as saved (nan/inf as strings)."""
     def split(e: Any) -> dict[str, Any]:
         if e.alias is not None:
             return {"alias": e.alias}
         return {"parts": e.regular.parts, "dim": e.regular.dim} if e.regular else {"chunks": len(e.chunks)}
 
+    values = entry_values(m)
     entries = {key: {"per_rank": per_rank, "tensors": {name: {"dtype": e.dtype, "shape": list(e.shape), "bytes": e.nbytes,
-                                                                **split(e)} for name, e in tensors}}
+                                                                **split(e)} for name, e in tensors},
+                     **({"values": _plain(values[key])} if key in values else {})}
                for key, per_rank, tensors in found}
     return {"path": ckpt, "step": m.step, "world_size": m.world_size, "layout": m.layout, "created": m.created,
             "bytes": m.total_bytes, "files": dict(m.files), "format_version": m.format_version, "library": m.library,

@@ -14,6 +14,14 @@ pid only, so a SIGKILLed worker's loader processes (reparented to pid 1) lived o
 had exited, holding its stdout open. Each such worker now leads a session of its own
 (:func:`own_session`, as torch starts a script worker: ``start_new_session=True``), and after
 torch closed the workers the agent SIGKILLs what is left of each worker's group (:func:`end_trees`).
+
+Those loader processes, forked after ``init_process_group``, also hold copies of the worker's gloo
+sockets: its peers' collectives saw no closed connection while they lived, and waited, blocked,
+for the agent's SIGKILL after the failure grace (1 s; torch's loader watchdog, ~5 s, without
+``trainguard run``): a kill's "detect" took 1.1-1.3 s instead of 0.3 s (a small GPT with 2 loader
+workers per rank). So as soon as the agent sees a worker failed (:func:`expose_dead` for
+``--run-path`` workers, :func:`bound_failure_close` for script workers) it SIGKILLs what is left
+of that worker's group, and the peers' collectives fail at once: they exit with their own error.
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ def expose_dead(pc: Any) -> list[int]:
     for :func:`close_done` after the ``join``."""
     made = []
     for sentinel, index in list(pc.sentinels.items()):
-        if pc.processes[index].exitcode is None:  # alive (poll: waitpid WNOHANG)
+        if (code := pc.processes[index].exitcode) is None:  # alive (poll: waitpid WNOHANG)
             continue
+        if code != 0:  # failed: its loader processes hold its gloo sockets too (module docstring)
+            end_trees([pc.processes[index].pid])
         r, w = os.pipe()
         os.close(w)  # read end at EOF: ready for multiprocessing.connection.wait
         del pc.sentinels[sentinel]
@@ -248,8 +258,9 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
         failed = getattr(self, "_tg_polling", False) and codes and not all(c in STOP_CODES for c in codes)
         stops.AGENT_STOPPED.clear()  # every close: no pid of an earlier round's workers stays (a pid may be reused)
         if failed:  # the workers still running now are stopped by the agent: not the failure's cause
-            stops.AGENT_STOPPED.update(h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()
-                                       if h.proc.poll() is None)
+            handlers = list(getattr(self, "subprocess_handlers", {}).values())
+            stops.AGENT_STOPPED.update(h.proc.pid for h in handlers if h.proc.poll() is None)
+            end_trees([h.proc.pid for h in handlers if h.proc.poll() is not None])  # end_dead: peers fail at once
         orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
         # torch signals only the groups of workers still running: those of a worker that had exited
         # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.
