@@ -81,21 +81,21 @@ class RNGState:
         genstate.check_saved(self.generators, state_dict.get("generators"), strict)  # before anything changes
         if why := _other_numpy_kind(state_dict.get("numpy")):
             raise mark(CheckpointError(why))
-        try:
-            random.setstate(_as_python_rng(state_dict["python"]))
-            n = state_dict["numpy"]
-            if "bit_generator" in n:  # saved from another bit generator than MT19937 (_numpy_global)
-                np.random.set_state(genstate.from_plain(n["bit_generator"]))
-            else:
-                np.random.set_state(
-                    (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-                )
-            torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
-            genstate.load(self.generators, state_dict.get("generators", {}))
+        try:  # every state parsed and tried on a fresh generator first: one that fails leaves all as they were
+            python = _as_python_rng(state_dict["python"])
+            random.Random().setstate(python)
+            numpy = _numpy_parsed(state_dict["numpy"])
+            cpu = state_dict["torch_cpu"].to("cpu", torch.uint8)
+            torch.Generator().set_state(cpu)
+            generators = genstate.parse(self.generators, state_dict.get("generators", {}))
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
             # Saved by RNGState itself: a state that does not parse is a damaged checkpoint (a word of the python
             # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError).
             raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        genstate.load(generators)
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             count = torch.cuda.device_count()
@@ -132,6 +132,18 @@ def _numpy_global() -> dict[str, Any]:
     algo, keys, pos, has_gauss, cached = np.random.get_state()
     return {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _numpy_parsed(n: Mapping[str, Any]) -> Any:
+    """The saved state of NumPy's global generator (``_numpy_global``) as ``np.random.set_state`` takes it,
+    tried on a fresh bit generator of the global one's kind (``_other_numpy_kind`` passed): a bad one raises here."""
+    if "bit_generator" in n:  # saved from another bit generator than MT19937
+        state = genstate.from_plain(n["bit_generator"])
+        type(np.random.get_bit_generator())().state = state  # get_bit_generator: NumPy 1.25+, which saved this
+        return state
+    state = (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.RandomState().set_state(state)
+    return state
 
 
 def _global_kind() -> str:

@@ -1,0 +1,50 @@
+"""Session 49, helper leftovers49: small defects the session-48 reviews saw and left alone.
+
+``RNGState.load_state_dict`` is all-or-nothing (every state parsed and tried before any generator changes)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import trainguard as tg
+from trainguard.errors import CorruptCheckpointError
+
+
+def _numpy_bad(sd: dict) -> dict:
+    """``sd`` with NumPy's global state damaged (a pos past a C long: set_state raises OverflowError)."""
+    return {**sd, "numpy": {**sd["numpy"], "pos": 2**70}}
+
+
+def test_rngstate_load_that_fails_on_the_numpy_state_changes_no_generator():
+    rng = tg.RNGState()
+    bad = _numpy_bad(rng.state_dict())
+    random.seed(123)
+    np.random.seed(5)
+    torch.manual_seed(9)
+    before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    with pytest.raises(CorruptCheckpointError, match="malformed"):
+        rng.load_state_dict(bad)
+    assert random.getstate() == before[0], "the python RNG was set before the numpy state failed to parse"
+    assert np.array_equal(np.random.get_state()[1], before[1])
+    assert torch.equal(torch.get_rng_state(), before[2])
+
+
+def test_rngstate_load_that_fails_on_a_generator_changes_none_of_them():
+    py, npg, tg_ = random.Random(1), np.random.default_rng(2), torch.Generator().manual_seed(3)
+    rng = tg.RNGState(generators={"a_py": py, "b_np": npg, "c_torch": tg_})
+    sd = rng.state_dict()
+    sd["generators"]["c_torch"] = {**sd["generators"]["c_torch"], "state": torch.zeros(3, dtype=torch.uint8)}
+    random.seed(7)
+    py.seed(8)
+    npg.bit_generator.state = np.random.default_rng(9).bit_generator.state
+    tg_.manual_seed(10)
+    want = random.getstate(), py.getstate(), npg.bit_generator.state, tg_.get_state()
+    with pytest.raises(CorruptCheckpointError, match="malformed"):
+        rng.load_state_dict(sd)
+    assert random.getstate() == want[0] and py.getstate() == want[1]
+    assert npg.bit_generator.state == want[2]
+    assert torch.equal(tg_.get_state(), want[3])
