@@ -48,3 +48,17 @@ def test_rngstate_load_that_fails_on_a_generator_changes_none_of_them():
     assert random.getstate() == want[0] and py.getstate() == want[1]
     assert npg.bit_generator.state == want[2]
     assert torch.equal(tg_.get_state(), want[3])
+
+
+def _children_after_reseed(rank: int) -> list[float]:
+    """What a rank the world size grew by draws from ``spawn()`` of the generator its script built (one seed
+    on every rank), after the loader re-seeded it."""
+    g = np.random.default_rng(0)
+    tg.RNGState(generators={"g": g}).reseed_for_rank(rank, step=10)
+    return [c.random() for c in g.spawn(2)]
+
+
+def test_reseed_for_rank_reseeds_a_numpy_generators_spawned_children():
+    two, three = _children_after_reseed(2), _children_after_reseed(3)
+    assert not set(two) & set(three), "the new ranks' spawn() children are the same streams"
+    assert _children_after_reseed(2) == two, "not reproducible from the same checkpoint"

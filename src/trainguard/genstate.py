@@ -181,9 +181,30 @@ def reseed(generators: Mapping[str, Any], seed: int) -> None:
         if isinstance(g, torch.Generator):
             g.manual_seed(s)
         elif isinstance(g, np.random.Generator):
-            g.bit_generator.state = type(g.bit_generator)(s).state
+            _reseed_numpy(g.bit_generator, s)
         elif isinstance(g, np.random.RandomState):  # seed() takes an MT19937 one only
             bits = g._bit_generator  # noqa: SLF001  (RandomState has no public accessor of it)
             bits.state = type(bits)(s).state
         else:
             g.seed(s)
+
+
+def _reseed_numpy(bits: Any, seed: int) -> None:
+    """``reseed``: ``bits`` (a ``numpy.random.Generator``'s bit generator) as ``type(bits)(seed)`` would be,
+    its ``SeedSequence`` too: ``Generator.spawn()`` derives its children from that, not from the state, so
+    with the state alone the ranks a growth added (each with the generator its script built, from one seed)
+    handed out the same children. ``__setstate__((state, seed_seq))`` is how NumPy 2.0+ unpickles a bit
+    generator; before 2.0 it takes the state only, which is then all that changes (warned about)."""
+    seq = np.random.SeedSequence(seed)
+    state = type(bits)(seq).state
+    try:
+        bits.__setstate__((state, seq))
+    except (TypeError, ValueError):  # NumPy < 2.0: __setstate__(state) only
+        bits.state = state
+    if getattr(bits, "seed_seq", seq) is not seq:
+        import warnings
+
+        warnings.warn(f"RNGState: this NumPy ({np.__version__}) cannot re-seed a numpy Generator's SeedSequence, so on "
+                      "the ranks the world size grew by its spawn() gives the same children on each; NumPy 2.0+ "
+                      "re-seeds it, or derive the children from the rank (np.random.default_rng([seed, rank]))",
+                      stacklevel=3)
