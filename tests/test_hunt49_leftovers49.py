@@ -1,10 +1,14 @@
 """Session 49, helper leftovers49: small defects the session-48 reviews saw and left alone.
 
-``RNGState.load_state_dict`` is all-or-nothing (every state parsed and tried before any generator changes)."""
+``RNGState.load_state_dict`` is all-or-nothing (every state parsed and tried before any generator changes);
+``reseed_for_rank`` re-seeds a numpy Generator's SeedSequence (its ``spawn()`` children); a NaN hyperparameter
+the checkpoint holds too is not warned about as changed."""
 
 from __future__ import annotations
 
 import random
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -62,3 +66,23 @@ def test_reseed_for_rank_reseeds_a_numpy_generators_spawned_children():
     two, three = _children_after_reseed(2), _children_after_reseed(3)
     assert not set(two) & set(three), "the new ranks' spawn() children are the same streams"
     assert _children_after_reseed(2) == two, "not reproducible from the same checkpoint"
+
+
+def _nan_optim() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    m = torch.nn.Linear(2, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.1)
+    opt.param_groups[0].update(betas=(0.9, float("nan")), weight_decay=float("nan"))  # Adam() refuses a NaN beta
+    return m, opt
+
+
+def test_a_nan_hyperparameter_the_checkpoint_holds_too_is_not_warned_about(tmp_path: Path):
+    m, opt = _nan_optim()
+    tg.save(tmp_path / "step-000000001", {"model": m, "optim": opt})
+    m, opt = _nan_optim()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tg.load(tmp_path / "step-000000001", {"model": m, "optim": opt})
+    assert [str(w.message) for w in seen if "nan" in str(w.message)] == []
+    opt.param_groups[0]["weight_decay"] = 0.1  # a real change is still warned about
+    with pytest.warns(UserWarning, match="weight_decay: the script set 0.1, the checkpoint has nan"):
+        tg.load(tmp_path / "step-000000001", {"model": m, "optim": opt})
