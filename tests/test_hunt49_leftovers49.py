@@ -86,3 +86,27 @@ def test_a_nan_hyperparameter_the_checkpoint_holds_too_is_not_warned_about(tmp_p
     opt.param_groups[0]["weight_decay"] = 0.1  # a real change is still warned about
     with pytest.warns(UserWarning, match="weight_decay: the script set 0.1, the checkpoint has nan"):
         tg.load(tmp_path / "step-000000001", {"model": m, "optim": opt})
+
+
+def _signed_zero_ranks(rank: int, world: int, root: str) -> list[str]:
+    from trainguard.sharedvalues import SharedValuesDifferWarning
+
+    model = torch.nn.Linear(2, 2)
+    # -0.0 on rank 0 and 0.0 on rank 1 (a loss or metric rounded to zero from either side): equal values.
+    state = {"model": model, "progress": tg.StateDict(step=1, best=-0.0 if rank == 0 else 0.0, hist=[0.0, -0.0 * rank])}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        tg.save(f"{root}/step-000000001", state)
+        state["progress"]["best"] = 1.0 + rank  # a real difference is still warned about
+        tg.save(f"{root}/step-000000002", state)
+    return [str(w.message) for w in seen if issubclass(w.category, SharedValuesDifferWarning)]
+
+
+def test_shared_values_minus_zero_and_zero_on_two_ranks_are_not_warned_as_differing(tmp_path: Path):
+    from dist_helper import run_ranks
+
+    res = run_ranks(_signed_zero_ranks, 2, str(tmp_path), timeout=60)
+    assert all(r.ok for r in res), [r.error for r in res]
+    warned = res[0].value
+    assert len(warned) == 1 and "save of step 2" in warned[0], warned
+    assert res[1].value == []
