@@ -2,10 +2,12 @@
 
 ``RNGState.load_state_dict`` is all-or-nothing (every state parsed and tried before any generator changes);
 ``reseed_for_rank`` re-seeds a numpy Generator's SeedSequence (its ``spawn()`` children); a NaN hyperparameter
-the checkpoint holds too is not warned about as changed."""
+the checkpoint holds too is not warned about as changed; -0.0 and 0.0 as a shared value on two ranks are not
+warned as differing; an Enum in the state is refused with what to save instead."""
 
 from __future__ import annotations
 
+import enum
 import random
 import warnings
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 import trainguard as tg
-from trainguard.errors import CorruptCheckpointError
+from trainguard.errors import CorruptCheckpointError, UnsupportedValueError
 
 
 def _numpy_bad(sd: dict) -> dict:
@@ -110,3 +112,16 @@ def test_shared_values_minus_zero_and_zero_on_two_ranks_are_not_warned_as_differ
     warned = res[0].value
     assert len(warned) == 1 and "save of step 2" in warned[0], warned
     assert res[1].value == []
+
+
+class _Phase(enum.Enum):
+    WARMUP = 1
+    MAIN = 2
+
+
+@pytest.mark.parametrize("value", [{"phase": _Phase.MAIN}, {"by_phase": {_Phase.MAIN: 3}}])
+def test_an_enum_in_the_state_is_refused_saying_to_save_its_value_or_name(tmp_path: Path, value: dict):
+    with pytest.raises(UnsupportedValueError) as e:
+        tg.save(tmp_path / "step-000000001", {"progress": tg.StateDict(step=1, **value)})
+    assert "save its .value (2) or .name ('MAIN')" in str(e.value) and "_Phase(value) or _Phase[name]" in str(e.value)
+    assert not (tmp_path / "step-000000001").exists()
