@@ -3,7 +3,8 @@
 ``RNGState.load_state_dict`` is all-or-nothing (every state parsed and tried before any generator changes);
 ``reseed_for_rank`` re-seeds a numpy Generator's SeedSequence (its ``spawn()`` children); a NaN hyperparameter
 the checkpoint holds too is not warned about as changed; -0.0 and 0.0 as a shared value on two ranks are not
-warned as differing; an Enum in the state is refused with what to save instead."""
+warned as differing; an Enum in the state is refused with what to save instead; ``trainguard convert`` of a source without tensors
+is refused (exit 2, nothing written)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 import trainguard as tg
+from trainguard.cli import main as cli
 from trainguard.errors import CorruptCheckpointError, UnsupportedValueError
 
 
@@ -125,3 +128,23 @@ def test_an_enum_in_the_state_is_refused_saying_to_save_its_value_or_name(tmp_pa
         tg.save(tmp_path / "step-000000001", {"progress": tg.StateDict(step=1, **value)})
     assert "save its .value (2) or .name ('MAIN')" in str(e.value) and "_Phase(value) or _Phase[name]" in str(e.value)
     assert not (tmp_path / "step-000000001").exists()
+
+
+@pytest.mark.parametrize(("saved", "found"), [({}, "nothing but empty containers"),
+                                              ({"step": 5, "lr": 0.1}, "step: int, lr: float"),
+                                              ({"model": {}, "optim": {"state": {}, "param_groups": []}}, "nothing but")])
+def test_convert_of_a_source_without_tensors_is_refused_and_writes_nothing(tmp_path: Path, saved: dict, found: str):
+    torch.save(saved, tmp_path / "w.pt")
+    out = tmp_path / "run" / "step-000000000"
+    res = CliRunner().invoke(cli, ["convert", str(tmp_path / "w.pt"), str(out)])
+    assert res.exit_code == 2, res.output
+    assert "the torch file holds no tensors (found: " + found in res.output
+    assert not out.exists() and not out.parent.exists()
+
+
+def test_convert_of_an_empty_safetensors_file_is_refused(tmp_path: Path):
+    from safetensors.torch import save_file
+
+    save_file({}, tmp_path / "w.safetensors")
+    res = CliRunner().invoke(cli, ["convert", str(tmp_path / "w.safetensors"), str(tmp_path / "run" / "step-000000000")])
+    assert res.exit_code == 2 and "the safetensors file holds no tensors" in res.output, res.output
