@@ -4,7 +4,8 @@
 ``reseed_for_rank`` re-seeds a numpy Generator's SeedSequence (its ``spawn()`` children); a NaN hyperparameter
 the checkpoint holds too is not warned about as changed; -0.0 and 0.0 as a shared value on two ranks are not
 warned as differing; an Enum in the state is refused with what to save instead; ``trainguard convert`` of a source without tensors
-is refused (exit 2, nothing written)."""
+is refused (exit 2, nothing written); a checksum mismatch names the checkpoint (directory or URL, step) and
+the file, not the file alone."""
 
 from __future__ import annotations
 
@@ -148,3 +149,45 @@ def test_convert_of_an_empty_safetensors_file_is_refused(tmp_path: Path):
     save_file({}, tmp_path / "w.safetensors")
     res = CliRunner().invoke(cli, ["convert", str(tmp_path / "w.safetensors"), str(tmp_path / "run" / "step-000000000")])
     assert res.exit_code == 2 and "the safetensors file holds no tensors" in res.output, res.output
+
+
+def _flip_a_data_byte(step_dir: Path) -> None:
+    data = step_dir / "data-00000.bin"
+    raw = bytearray(data.read_bytes())
+    raw[20] ^= 0xFF
+    data.write_bytes(bytes(raw))
+
+
+def test_a_checksum_mismatch_names_the_checkpoint_its_step_and_the_file(tmp_path: Path):
+    run = tmp_path / "run"
+    with tg.CheckpointManager(run) as mgr:
+        mgr.save(5, {"model": torch.nn.Linear(16, 16)}, force=True)
+    _flip_a_data_byte(run / "step-000000005")
+    with pytest.raises(CorruptCheckpointError) as e:
+        tg.load(run / "step-000000005", {"model": torch.nn.Linear(16, 16)})
+    # before: "data-00000.bin: checksum mismatch ... the checkpoint is corrupt The load had begun ..."
+    assert str(e.value).startswith(f"{run}/step-000000005/data-00000.bin (checkpoint of step 5): checksum mismatch "
+                                   "in tensor 'model/bias'"), str(e.value)
+    assert "corrupt. The load had begun" in str(e.value)
+    with tg.CheckpointManager(run) as mgr, pytest.raises(tg.CheckpointError) as e:
+        mgr.restore({"model": torch.nn.Linear(16, 16)})
+    assert f"\nstep 5 ({run}/step-000000005): {run}/step-000000005/data-00000.bin (checkpoint of step 5)" in str(e.value)
+
+
+def _load_corrupt_ranks(rank: int, world: int, root: str) -> str:
+    try:
+        tg.load(f"{root}/step-000000007", {"model": torch.nn.Linear(16, 16)})
+    except CorruptCheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_checksum_mismatch_in_a_two_rank_load_names_the_checkpoint_on_every_rank(tmp_path: Path):
+    from dist_helper import run_ranks
+
+    tg.save(tmp_path / "step-000000007", {"model": torch.nn.Linear(16, 16)})
+    _flip_a_data_byte(tmp_path / "step-000000007")
+    res = run_ranks(_load_corrupt_ranks, 2, str(tmp_path), timeout=60)
+    assert all(r.ok for r in res), [r.error for r in res]
+    for r in res:
+        assert f"{tmp_path}/step-000000007/data-00000.bin (checkpoint of step 7): checksum mismatch" in r.value, r.value
