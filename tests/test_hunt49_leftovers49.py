@@ -227,3 +227,19 @@ def test_closed_managers_channels_go_away_in_a_sweep(tmp_path: Path, trials: int
         assert r.value["live"] == 0 and r.value["objects"] <= 2, r.value
         assert r.value["restored"] == 1 and r.value["chan"].endswith("/manager:trial-1#1"), r.value
     assert (tmp_path / "trial-1" / "step-000000002" / "manifest.json").exists()
+
+
+def test_a_closed_async_manager_keeps_no_reference_to_its_last_save(tmp_path: Path):
+    """The last save's handle (and through it the save's manifest: 290,000 objects, 34 MiB for 10,000 Adam
+    parameters) stayed referenced by the process after close(), until the next async save."""
+    import gc
+    import weakref
+
+    model = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(50)])
+    with tg.CheckpointManager(tmp_path, async_save=True) as mgr:
+        handle = mgr.save(1, {"model": model}, force=True)
+    assert handle is not None and handle.done() and handle.result().step == 1
+    gone = weakref.ref(handle)
+    del handle, mgr
+    gc.collect()
+    assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
