@@ -5,10 +5,12 @@
 the checkpoint holds too is not warned about as changed; -0.0 and 0.0 as a shared value on two ranks are not
 warned as differing; an Enum in the state is refused with what to save instead; ``trainguard convert`` of a source without tensors
 is refused (exit 2, nothing written); a checksum mismatch names the checkpoint (directory or URL, step) and
-the file, not the file alone; a closed CheckpointManager's channel leaves the process's context."""
+the file, not the file alone; a closed CheckpointManager's channel leaves the process's context, and a closed
+async manager the process's reference to its last save; a demo whose agent is SIGKILLed leaves no directory."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import random
 import warnings
@@ -243,3 +245,59 @@ def test_a_closed_async_manager_keeps_no_reference_to_its_last_save(tmp_path: Pa
     del handle, mgr
     gc.collect()
     assert gone() is None, [type(r).__name__ for r in gc.get_referrers(gone())]
+
+
+def _below(pid: int) -> list[int]:
+    """The processes below ``pid``, children first (from /proc)."""
+    import os
+
+    parent = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        kids = [p for p, pp in parent.items() if pp == todo[0]]
+        out += kids
+        todo = todo[1:] + kids
+    return out
+
+
+def test_demo_whose_agent_is_sigkilled_leaves_no_directory_and_no_process(tmp_path: Path):
+    """torch's agent makes a ``torchelastic_*`` directory in the temp directory when given no ``--log-dir``
+    and never removes it: every demo left two, a SIGKILLed agent's too. Now the demo gives its agents a
+    log directory inside its own, removed with it. And the SIGKILLed agent's orphaned workers wrote their
+    "orphaned" event after the demo had removed its directory, making ``trainguard-demo-*/kill`` again
+    (2 of 3 tries): the demo now ends them before it removes it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from trainguard.elastic.reap import running
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), TMPDIR=str(tmp_path))
+    demo = subprocess.Popen([sys.executable, "-m", "trainguard", "demo", "--size", "tiny", "--steps", "100000",
+                             "--fault-step", "99999", "--save-every", "1000", "--plot", ""],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    below: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any(" loss " in f.read_text(errors="replace") for f in tmp_path.glob("trainguard-demo-*/kill.log")):
+            assert demo.poll() is None and time.monotonic() < deadline, "the demo's first run did not train"
+            time.sleep(0.05)
+        below = _below(demo.pid)
+        os.kill(below[0], signal.SIGKILL)  # the agent: the demo's one child
+        out, _ = demo.communicate(timeout=120)
+        assert demo.returncode == 1 and "exit code -9" in out, out[-2000:]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("torchelastic_", "trainguard-demo-"))) == []
+        assert [p for p in below if running(p)] == []
+    finally:
+        for pid in [demo.pid, *below]:  # what is left (a failed assert): by PID
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        demo.wait(timeout=60)
