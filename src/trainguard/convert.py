@@ -128,6 +128,10 @@ def convert(
         state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
     state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else _unwrapped(v) for k, v in state.items()}
+    if not _count(state):  # it wrote a checkpoint of no tensors and said "converted 0 tensors" (DCP's import refuses)
+        found = ", ".join(_leaves(state)[:8]) or "nothing but empty containers"
+        raise CheckpointError(f"{src}: the {sf} file holds no tensors (found: {found}); nothing written. Pass the file "
+                              "that holds the weights (a state_dict of tensors)")
     from .api import save
 
     try:
@@ -154,6 +158,14 @@ def _unwrapped(v: Any) -> Any:
         if prefix is None or any(k == prefix for k in v):
             return v
         v = {k[len(prefix):]: t for k, t in v.items()}
+
+
+def _leaves(v: Any, path: str = "") -> list[str]:
+    """``path: type`` of each value in an imported state (``convert``'s refusal of one without tensors)."""
+    items = v.items() if isinstance(v, Mapping) else enumerate(v) if isinstance(v, (list, tuple)) else None
+    if items is None:
+        return [f"{path or 'the value'}: {type(v).__name__}"]
+    return [x for k, y in items for x in _leaves(y, f"{path}/{k}" if path else str(k))]
 
 
 def _count(v: Any) -> int:

@@ -193,7 +193,7 @@ class StoreDistContext(DistContext):
         self._depth, self._new_op, self._in_op, self._parent, self._base = 0, False, False, None, self  # operation(); channel()
         self._keys: dict[tuple[int, int], tuple[str, bool, bool]] = {}  # rank 0: (op, round) -> (tag, "/all" key, per-rank keys)
         self._fences: list[tuple[tuple[int, int], str]] = []  # rank 0: ((op, round), fence key) claimed in that round, or other key (distwait)
-        self._channels: dict[str, StoreDistContext] = {}
+        self._channels: dict[str, StoreDistContext | int] = {}  # an int: how often that name's was dropped (distwait.drop_channel)
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, name="trainguard-heartbeat", daemon=True)
         self._hb.start()
@@ -208,11 +208,11 @@ class StoreDistContext(DistContext):
         """
         home = self if follow else self._base
         ch = home._channels.get(name)
-        if ch is None:
-            ch = object.__new__(StoreDistContext)
+        if not isinstance(ch, StoreDistContext):  # none yet, or dropped n times: named apart from those (its keys)
+            n, ch = ch or 0, object.__new__(StoreDistContext)
             ch.__dict__.update(home.__dict__)
-            ch._parent, ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = self if follow else None, f"{home.chan}/{name}", 0, 0, {}, {}, []
-            ch._depth, ch._new_op, ch._in_op = 0, False, False
+            ch._parent, ch.chan, ch._op, ch._round, ch._channels, ch._keys, ch._fences = self if follow else None, f"{home.chan}/{name}{f'#{n}' if n else ''}", 0, 0, {}, {}, []
+            ch._depth, ch._new_op, ch._in_op, ch._dropped = 0, False, False, n
             home._channels[name] = ch
         return ch
 

@@ -278,6 +278,25 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
         logging.getLogger("trainguard").info("trainguard: close() did not meet every rank: %s", e)
 
 
+def drop_channel(ctx: Any) -> None:
+    """``CheckpointManager.close()``, every rank, first (an unopened manager's, a failing one's too): drop
+    the manager's channel from its context's (``StoreDistContext.channel``), where it stayed for the process's life: a
+    process that made one manager per trial (a hyperparameter sweep, each in its own directory) kept a
+    channel, with its async-save channel, per directory (200 trials: 301 contexts). What stays is the
+    count of drops of that name: a manager of the same name made next gets a new channel, whose store
+    keys are named apart (``#n``) from any the closed one left (a close that did not meet every rank),
+    and every rank counts alike (each closes and makes its managers in the same order). The closed
+    manager goes on with its own reference (its closing round); a manager of the same name still open keeps
+    the channel it shares."""
+    home = getattr(ctx, "_base", None)
+    chans = getattr(home, "_channels", None)
+    if home is None or home is ctx or getattr(ctx, "_parent", None) is not None or not isinstance(chans, dict):
+        return  # one process (no channels), or not a manager's channel
+    for name, ch in list(chans.items()):
+        if ch is ctx:
+            chans[name] = ctx._dropped + 1
+
+
 TRIM_EVERY = 256  # operations between rank 0's looks at where the other ranks are (forget_passed)
 
 

@@ -17,6 +17,7 @@ tensor nor JSON raises :class:`UnsupportedValueError` naming its path, at save t
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -40,6 +41,14 @@ _INT_BOUND = 10**MAX_INT_DIGITS
 
 def _plain_key(k: object) -> bool:
     return type(k) is str and not k.startswith("$")
+
+
+def _enum_hint(v: enum.Enum) -> str:
+    """What to save in place of enum member ``v``: its value or name, and how to get the member back."""
+    cls = type(v).__qualname__
+    return (f"save its .value ({repr(v.value)[:40]}) or .name ({v.name!r}) and turn it back into the member after "
+            f"the load ({cls}(value) or {cls}[name]): an Enum is not saved itself, as loading it would import "
+            "its class by name (what pickle does)")
 
 
 def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -82,7 +91,7 @@ def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[
                 if type(k) not in (str, int):
                     raise UnsupportedValueError(
                         f"{path}: dict key {k!r} of type {type(k).__name__} is not supported; "
-                        "use str or int keys"
+                        f"use str or int keys{'; ' + _enum_hint(k) if isinstance(k, enum.Enum) else ''}"
                     )
                 if type(k) is int:
                     _check_int(k, path)
@@ -112,6 +121,8 @@ def flatten(value: Any, prefix: str, *, deques: bool = True) -> tuple[Any, dict[
             hint = (f"it has {' and '.join(f'{m}()' for m in has) or 'state_dict/load_state_dict, not as methods'} but "
                     f"no {' or '.join(lacks)} method: an object saved by trainguard needs both (its load calls "
                     "load_state_dict with what state_dict() returned)")
+        elif isinstance(v, enum.Enum):  # rebuilding it on load would import its class by name: what pickle does
+            hint = _enum_hint(v)
         elif hasattr(v, "item") or hasattr(v, "tolist"):  # numpy scalars and number-likes: a common accident
             hint = "convert it with int()/float()/.tolist()"
         else:

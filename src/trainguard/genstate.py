@@ -4,8 +4,8 @@ A loop that draws from its own generator (``torch.randn(..., generator=g)``,
 ``np.random.default_rng(0)``, ``random.Random(0)``) resumes bit-identically only if that
 generator's state is saved too: ``RNGState`` covers the global ones. ``RNGState.state_dict``
 (every rank) calls :func:`state_of` for each named generator, ``RNGState.load_state_dict``
-calls :func:`load` (every rank that has a saved state; first :func:`check_saved`, before any
-generator changes), ``RNGState.reseed_for_rank`` calls :func:`reseed` (a rank the checkpoint
+calls :func:`check_saved` and :func:`parse` (every rank that has a saved state; before any
+generator changes), then :func:`load`, ``RNGState.reseed_for_rank`` calls :func:`reseed` (a rank the checkpoint
 has no state for). States are tensors and JSON values: NumPy's arrays become lists with their
 dtype, so no pickle is involved.
 """
@@ -135,19 +135,41 @@ def check_saved(generators: Mapping[str, Any], saved: Any, strict: bool = True) 
     return missing
 
 
-def load(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """Set each generator the checkpoint has a state for to it (``check_saved`` passed)."""
+def parse(generators: Mapping[str, Any], saved: Mapping[str, Any]) -> list[tuple[str, Any, str, Any, Any]]:
+    """``RNGState.load_state_dict``, before any generator changes (``check_saved`` passed): each saved state
+    the generators will take, as ``(name, g, kind, state, spawned)``, each tried on a fresh generator of
+    ``g``'s kind first, so a state that does not parse raises (TypeError, ValueError, RuntimeError...)
+    here, while every generator, the global ones too, is still as it was."""
+    out = []
     for name, g in generators.items():
         if name not in saved:
             continue
         state, kind = saved[name]["state"], saved[name]["kind"]
         if kind == "torch":
-            g.set_state(state.to("cpu", torch.uint8))
+            state = state.to("cpu", torch.uint8)
+            torch.Generator(device=g.device).set_state(state)
         elif kind == "numpy":
-            g.bit_generator.state = from_plain(state)
-            _respawn(name, g, saved[name].get("spawned"))
+            state = from_plain(state)
+            type(g.bit_generator)().state = state
         elif kind == "numpy_legacy":
-            g.set_state(from_plain(state))
+            state = from_plain(state)
+            np.random.RandomState(type(g._bit_generator)()).set_state(state)  # noqa: SLF001  (see reseed)
+        elif type(g).setstate is random.Random.setstate:  # a subclass with its own state is not tried first
+            random.Random().setstate(state)
+        out.append((name, g, kind, state, saved[name].get("spawned")))
+    return out
+
+
+def load(parsed: list[tuple[str, Any, str, Any, Any]]) -> None:
+    """Set each generator to its state as :func:`parse` gave it."""
+    for name, g, kind, state, spawned in parsed:
+        if kind == "torch":
+            g.set_state(state)
+        elif kind == "numpy":
+            g.bit_generator.state = state
+            _respawn(name, g, spawned)
+        elif kind == "numpy_legacy":
+            g.set_state(state)
         else:  # what getstate() gave, tuples kept: a subclass's own state too
             g.setstate(state)
 
@@ -159,9 +181,30 @@ def reseed(generators: Mapping[str, Any], seed: int) -> None:
         if isinstance(g, torch.Generator):
             g.manual_seed(s)
         elif isinstance(g, np.random.Generator):
-            g.bit_generator.state = type(g.bit_generator)(s).state
+            _reseed_numpy(g.bit_generator, s)
         elif isinstance(g, np.random.RandomState):  # seed() takes an MT19937 one only
             bits = g._bit_generator  # noqa: SLF001  (RandomState has no public accessor of it)
             bits.state = type(bits)(s).state
         else:
             g.seed(s)
+
+
+def _reseed_numpy(bits: Any, seed: int) -> None:
+    """``reseed``: ``bits`` (a ``numpy.random.Generator``'s bit generator) as ``type(bits)(seed)`` would be,
+    its ``SeedSequence`` too: ``Generator.spawn()`` derives its children from that, not from the state, so
+    with the state alone the ranks a growth added (each with the generator its script built, from one seed)
+    handed out the same children. ``__setstate__((state, seed_seq))`` is how NumPy 2.0+ unpickles a bit
+    generator; before 2.0 it takes the state only, which is then all that changes (warned about)."""
+    seq = np.random.SeedSequence(seed)
+    state = type(bits)(seq).state
+    try:
+        bits.__setstate__((state, seq))
+    except (TypeError, ValueError):  # NumPy < 2.0: __setstate__(state) only
+        bits.state = state
+    if getattr(bits, "seed_seq", seq) is not seq:
+        import warnings
+
+        warnings.warn(f"RNGState: this NumPy ({np.__version__}) cannot re-seed a numpy Generator's SeedSequence, so on "
+                      "the ranks the world size grew by its spawn() gives the same children on each; NumPy 2.0+ "
+                      "re-seeds it, or derive the children from the rank (np.random.default_rng([seed, rank]))",
+                      stacklevel=3)

@@ -28,7 +28,7 @@ from .io import ReadTarget, read_targets
 from .manifest import DTYPE_NAMES, Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
-from .partread import in_place_entries, loaded_round, partly_read
+from .partread import in_checkpoint, in_place_entries, loaded_round, partly_read
 from .permanent import check_flags, mark_refusal
 from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
@@ -84,7 +84,7 @@ def load(
             manifest = read_manifest(storage, target)
             _load(storage, target, manifest, state, ctx, strict, only, verify, plan_round, split_state, wrote)
     except Exception as exc:
-        exc = unreadable(exc, shown)  # I/O error: CorruptCheckpointError; rebound, so no cycle holds _load's tensors
+        exc = in_checkpoint(unreadable(exc, shown), shown, manifest)  # rebound: no cycle holds _load's tensors
         if not ctx.is_distributed:
             raise partly_read(exc, wrote) from exc.__cause__
         if not agreed:  # refused before its reads were planned: the other ranks wait in the plan round

@@ -22,7 +22,7 @@ from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
 from .dist import DistContext
-from .distwait import closing_round, default_timeout
+from .distwait import closing_round, default_timeout, drop_channel
 from .elastic import sharedstore, stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
@@ -153,9 +153,9 @@ class CheckpointManager:
             log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
 
     def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``),
-        release the lock and the async staging memory. The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
+        """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``), release the lock, the async staging memory and the manager's channel (``distwait.drop_channel``). The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
         flag("keep_ram_tier", keep_ram_tier)
+        drop_channel(self.ctx)  # from the process's channels (one per trial of a sweep stayed): self.ctx goes on
         failing = self.__dict__.pop("_failing", False)  # __exit__ with an exception: no closing round
         if not self._opened:
             return

@@ -42,6 +42,15 @@ def _plain(v: Any) -> Any:
     return v
 
 
+def same(a: Any, b: Any) -> bool:
+    """``a == b`` for a hyperparameter (a plain value, or a tuple/list of them), but NaN equals NaN: a
+    value the script set to ``float("nan")`` and the checkpoint holds as NaN is not a change (before,
+    ``!=`` warned about it on every load)."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)
+
+
 def overridden(current: Sequence[Mapping[str, Any]], saved: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line (group, key, the script's value, the checkpoint's) for each compared key that differs."""
     out = []
@@ -51,7 +60,7 @@ def overridden(current: Sequence[Mapping[str, Any]], saved: Sequence[Mapping[str
             if key not in cur or key not in old or (cycled and key in CYCLED):
                 continue
             a, b = _plain(cur[key]), _plain(old[key])
-            if a != b:
+            if not same(a, b):
                 out.append(f"group {gi} {key}: the script set {a!r}, the checkpoint has {b!r}")
     return out
 

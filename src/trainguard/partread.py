@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import CheckpointError, agree_load
+from .errors import CheckpointError, CorruptCheckpointError, agree_load
 from .stateful import OptimizerAdapter, RNGState
 
 PARTLY = (" The load had begun writing into the state (tensors are read in place, entries loaded in turn): "
@@ -51,6 +51,25 @@ def partly_read(e: BaseException, wrote: Iterable[Any] | None) -> BaseException:
         if e.partly_loaded and e.args and isinstance(e.args[0], str) and PARTLY not in e.args[0]:
             end = "" if e.args[0].rstrip().endswith((".", "!", "?")) else "."  # "... is corrupt. The load ..."
             e.args = (e.args[0].rstrip() + end + PARTLY, *e.args[1:])
+    return e
+
+
+def in_checkpoint(e: BaseException, shown: str, manifest: Any) -> BaseException:
+    """``loader.load``, every rank, on its error ``e`` before it is exchanged: a ``CorruptCheckpointError``
+    whose message does not name the checkpoint ``shown`` (its directory or URL) names it, with the step
+    when the manifest was read: a data or index file's (``data-00000.bin: checksum mismatch ...``, which
+    is all ``tg.load`` said) as ``<shown>/data-00000.bin (checkpoint of step 5): ...``; any other (a
+    malformed RNG state) after ``checkpoint <shown> (step 5): ``. The same object, returned."""
+    msg = e.args[0] if isinstance(e, CorruptCheckpointError) and e.args and isinstance(e.args[0], str) else None
+    if msg is None or shown in msg:
+        return e
+    step = getattr(manifest, "step", None)
+    of = "" if step is None else f" (checkpoint of step {step})"
+    if e.file and "/" not in e.file and msg.startswith(f"{e.file}:"):
+        msg = f"{shown.rstrip('/')}/{e.file}{of}{msg[len(e.file):]}"
+    else:
+        msg = f"checkpoint {shown}{'' if step is None else f' (step {step})'}: {msg}"
+    e.args = (msg, *e.args[1:])
     return e
 
 

@@ -81,16 +81,23 @@ class RNGState:
         genstate.check_saved(self.generators, state_dict.get("generators"), strict)  # before anything changes
         if why := _other_numpy_kind(state_dict.get("numpy")):
             raise mark(CheckpointError(why))
-        before = self.state_dict()  # all or nothing: a saved state that does not parse leaves every generator as it was
-        try:
-            self._set(state_dict)
+        try:  # every state parsed and tried on a fresh generator first: one that fails leaves all as they were
+            python = _as_python_rng(state_dict["python"])
+            random.Random().setstate(python)
+            numpy = _numpy_parsed(state_dict["numpy"])
+            cpu = state_dict["torch_cpu"].to("cpu", torch.uint8)
+            torch.Generator().set_state(cpu)
+            generators = genstate.parse(self.generators, state_dict.get("generators", {}))
         except (TypeError, ValueError, KeyError, AttributeError, IndexError, RuntimeError, OverflowError) as e:
             # Saved by RNGState itself: a state that does not parse is a damaged checkpoint (a word of the python
-            # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError). The generators
-            # set before it are put back: restore's fallback counts this entry as not loaded (partread.py), and
-            # an older checkpoint without it (strict=False) left Python's generator at the newer one's state.
-            self._set(before)
+            # state below 0 or past an unsigned long, a numpy pos past a C long: OverflowError). Nothing was set:
+            # restore's fallback counts this entry as not loaded (partread.py), and an older checkpoint without
+            # it (strict=False) would otherwise leave Python's generator at the newer one's state.
             raise CorruptCheckpointError(f"RNGState: the saved RNG state is malformed ({type(e).__name__}: {e})") from e
+        random.setstate(python)
+        np.random.set_state(numpy)
+        torch.set_rng_state(cpu)
+        genstate.load(generators)
         cuda = state_dict.get("cuda")
         if cuda and torch.cuda.is_available():
             count = torch.cuda.device_count()
@@ -104,17 +111,6 @@ class RNGState:
                 torch.cuda.set_rng_state(s.to("cpu", torch.uint8), i)
         elif cuda:
             warnings.warn("checkpoint has CUDA RNG state but CUDA is not available; it is ignored", stacklevel=2)
-
-    def _set(self, state_dict: Mapping[str, Any]) -> None:
-        """``load_state_dict``: Python's, NumPy's global, torch's CPU and the named generators (not CUDA's)."""
-        random.setstate(_as_python_rng(state_dict["python"]))
-        n = state_dict["numpy"]
-        if "bit_generator" in n:  # saved from another bit generator than MT19937 (_numpy_global)
-            np.random.set_state(genstate.from_plain(n["bit_generator"]))
-        else:
-            np.random.set_state((n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-        torch.set_rng_state(state_dict["torch_cpu"].to("cpu", torch.uint8))
-        genstate.load(self.generators, state_dict.get("generators", {}))
 
     def reseed_for_rank(self, rank: int, step: int = 0) -> None:
         """Seed every generator deterministically from ``(reseed, rank, step)``; the loader calls it
@@ -138,6 +134,18 @@ def _numpy_global() -> dict[str, Any]:
     algo, keys, pos, has_gauss, cached = np.random.get_state()
     return {"algo": str(algo), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
             "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def _numpy_parsed(n: Mapping[str, Any]) -> Any:
+    """The saved state of NumPy's global generator (``_numpy_global``) as ``np.random.set_state`` takes it,
+    tried on a fresh bit generator of the global one's kind (``_other_numpy_kind`` passed): a bad one raises here."""
+    if "bit_generator" in n:  # saved from another bit generator than MT19937
+        state = genstate.from_plain(n["bit_generator"])
+        type(np.random.get_bit_generator())().state = state  # get_bit_generator: NumPy 1.25+, which saved this
+        return state
+    state = (n["algo"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    np.random.RandomState().set_state(state)
+    return state
 
 
 def _global_kind() -> str:

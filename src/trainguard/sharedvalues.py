@@ -12,7 +12,8 @@ Order, on every rank of a multi-rank save:
 
 1. :func:`digests` (``replicas.values``, building the hello, in the save's thread): a short xxh3
    of each shared entry's skeleton, for entries whose skeleton is more than one tensor (a plain tensor entry holds no JSON value).
-   Dict keys are sorted first (:func:`_dumps`): equal dicts filled in another order are equal.
+   Dict keys are sorted first (:func:`_dumps`): equal dicts filled in another order are equal, and
+   -0.0 is digested as 0.0 (equal values: a metric rounded to zero from either side).
    Not digested: rank-local entries, data positions (``capture.check_data_positions`` refuses
    those that differ), one process.
 2. The digests ride in the "begin" round (``api.persist_and_commit``'s hello, ``"vals"``): no
@@ -67,10 +68,26 @@ def _dumps(skel: Any) -> bytes:
     another order (``{t: 0 for t in set_of_strings}``, whose order follows each process's own
     string-hash seed under torchrun) digest the same; before, they were warned as differing. Keys
     that do not sort (ints and strings in one dict): in their order."""
+    raw = _json(skel)
+    # -0.0 and 0.0 are equal values (a metric rounded to zero from either side): digested as 0.0. JSON writes
+    # -0.0 as "-0.0" only, so a skeleton without that text (nearly all) is walked no further.
+    return _json(_unsigned_zeros(skel)) if b"-0.0" in raw else raw
+
+
+def _json(skel: Any) -> bytes:
     try:
         return json.dumps(skel, separators=(",", ":"), default=repr, sort_keys=True).encode()
     except TypeError:
         return json.dumps(skel, separators=(",", ":"), default=repr).encode()
+
+
+def _unsigned_zeros(v: Any) -> Any:
+    """``v`` with each float -0.0 in it (in dicts and lists, as a skeleton holds them) as 0.0."""
+    if type(v) is float:
+        return 0.0 if v == 0.0 else v
+    if type(v) is dict:
+        return {k: _unsigned_zeros(x) for k, x in v.items()}
+    return [_unsigned_zeros(x) for x in v] if type(v) in (list, tuple) else v
 
 
 def compare(ctx: Any, begin: list[Any], sigs: list[str], step: int) -> list[dict[str, Any]]:

@@ -24,6 +24,7 @@ import torch
 from .. import layout
 from ..api import load
 from ..elastic.reap import running
+from ..elastic.watchdog import _proc_stat, agent_alive
 from ..report import load as load_events
 from ..report import plot_timeline, summarize
 from .model import GPTConfig, TinyGPT
@@ -35,9 +36,13 @@ def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str |
            timeout: float, log_path: str, spawn: bool = False, start_method: str = "fork") -> int:
     """One job: ``trainguard run`` with 2 workers on this machine. Returns its exit code.
     ``start_method``: fork or forkserver (with ``--run-path``); ``spawn=True``: new interpreters
-    running the script (torchrun's default for a script)."""
+    running the script (torchrun's default for a script). The agent's log directory (``--log-dir``:
+    its workers' error files) is ``log_path`` without its extension plus ``-agent``, beside the log, in
+    the demo's directory and removed with it: without one, torch's agent made a ``torchelastic_*``
+    directory in the system's temp directory, which it never removes (two left by every demo, a
+    SIGKILLed agent's included)."""
     cmd = [sys.executable, "-c", "from trainguard.cli import main; main()", "run", "--nproc-per-node", "2",
-           "--max-restarts", "3", "--run-dir", run_dir]
+           "--max-restarts", "3", "--run-dir", run_dir, "--log-dir", os.path.splitext(log_path)[0] + "-agent"]
     cmd += ["--start-method", "spawn"] if spawn else ["--start-method", start_method, "--run-path"]
     if fault:
         cmd += ["--fault", fault]
@@ -45,13 +50,40 @@ def launch(run_dir: str, *, steps: int, save_every: int, size: str, fault: str |
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            return agent.wait(timeout=timeout)
+            return _wait(agent, timeout)
         except subprocess.TimeoutExpired:
             stop(agent)
             return 124
         except BaseException:  # Ctrl-C, or the command's SIGTERM (Terminated): the agent's workers go too
             stop(agent)
             raise
+
+
+def _wait(agent: subprocess.Popen[bytes], timeout: float) -> int:
+    """``agent.wait(timeout)``, noting the processes below the agent every second. An agent that died by
+    a signal (a ``kill -9``, the OOM killer) leaves its workers, which exit at their orphan check, but
+    write their "orphaned" event first: into the run directory that the demo had removed by then (it
+    was there again, ``kill/events.jsonl``, in 2 of 3 tries). Those still running (the same start time:
+    not a reused pid) are SIGKILLed, and gone (at most 30 s) when this returns."""
+    below: dict[int, int] = {}  # pid -> start time
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            rc = agent.wait(timeout=max(0.0, min(1.0, end - time.monotonic())))
+            break
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= end:
+                raise
+            below.update((p, st[1]) for p in descendants(agent.pid) if (st := _proc_stat(p)) is not None)
+    if rc < 0:
+        left = [p for p, start in below.items() if agent_alive(p, start)]
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        until = time.monotonic() + 30.0
+        while (left := [p for p in left if agent_alive(p, below[p])]) and time.monotonic() < until:  # bounded
+            time.sleep(0.02)
+    return rc
 
 
 def stop(agent: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
