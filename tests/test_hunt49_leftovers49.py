@@ -294,6 +294,9 @@ def test_demo_whose_agent_is_sigkilled_leaves_no_directory_and_no_process(tmp_pa
         os.kill(below[0], signal.SIGKILL)  # the agent: the demo's one child
         out, _ = demo.communicate(timeout=120)
         assert demo.returncode == 1 and "exit code -9" in out, out[-2000:]
+        # the log's tail is shown line by line under the error, not as one line with \x0a escapes (session 49)
+        err = out[out.index("error: the kill run failed"):]
+        assert "\\x0a" not in err and len(err.splitlines()) > 2, err[-2000:]
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(("torchelastic_", "trainguard-demo-"))) == []
         assert [p for p in below if running(p)] == []
     finally:

@@ -59,15 +59,20 @@ class CommandError(click.ClickException):
     and exit code 2 (an input the command cannot use: a run directory without events, a demo's
     out-of-range steps), or ``exit_code`` (1: the command ran and what it checked failed).
     click's ClickException printed ``Error:`` and exited 1, the code ``verify`` gives a corrupt run.
-    Raised by the commands; click's ``main`` shows it and exits."""
+    Raised by the commands; click's ``main`` shows it and exits. ``detail``: lines shown under it,
+    each made printable on its own (a failed run's log tail; in the message its newlines were
+    written as ``\x0a``, the whole tail on one line)."""
 
-    def __init__(self, message: str, exit_code: int = 2) -> None:
+    def __init__(self, message: str, exit_code: int = 2, detail: str = "") -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.detail = detail
 
     def show(self, file: Any = None) -> None:
         """click's ``main`` calls it before exiting with ``exit_code``."""
         click.echo(f"error: {printable(self.format_message())}", err=True, file=file)
+        for line in self.detail.splitlines():
+            click.echo(f"  {printable(line)}", err=True, file=file)
 
 
 class PipeConsole(Console):

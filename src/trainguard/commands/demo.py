@@ -59,7 +59,8 @@ def demo(steps: int, fault_step: int, save_every: int, size: str, plot: str, kee
     except ValueError as e:  # out-of-range options (--fault-step beyond --steps): a usage error
         raise CommandError(str(e)) from e
     except RuntimeError as e:  # a training run failed: the demo ran and failed, as a non-identical result
-        raise CommandError(str(e), exit_code=1) from e
+        head, _, tail = str(e).partition("\n")  # "the kill run failed (...); its log ends with:", then the log's lines
+        raise CommandError(head, exit_code=1, detail=tail) from e
     sys.exit(0 if out["identical"] else 1)
 
 

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
             if step == args.hold_at and world == args.hold_world:
                 _hold(mgr, args, step, world)
             if rank == 0 and step % 100 == 0:
-                print(f"step {step} loss {float(loss):.3f}", flush=True)
+                print(f"step {step} loss {loss.item():.3f}", flush=True)
         if saved != step:
             mgr.save(step, state, force=True)  # the final weights are always in a checkpoint
         mgr.wait()
