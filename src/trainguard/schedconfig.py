@@ -17,6 +17,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from .errors import CheckpointError
+from .flatten import unflatten
+from .optim_hparams import same
 from .userframe import user_stacklevel
 
 _PROGRESS = frozenset({"last_epoch", "best", "num_bad_epochs", "cooldown_counter", "mode_worse", "verbose", "T_cur", "T_i"})
@@ -61,9 +64,9 @@ def _differ(saved: dict[str, Any], cur: dict[str, Any], prefix: str) -> list[tup
     ``ChainedScheduler``) chains are compared too: ``_schedulers[1].T_max`` (before, a longer
     cosine phase after the warmup went unnoticed: the chained states are lists of dicts)."""
     out = [
-        (prefix + k, saved[k], cur[k]) for k in sorted(saved)
-        if (not k.startswith("_") or k == "_milestones") and k not in _PROGRESS and k in cur and _plain(saved[k])
-        and _plain(cur[k]) and _norm(saved[k]) != _norm(cur[k])
+        (prefix + k, _decoded(saved[k]), cur[k]) for k in sorted(saved)
+        if (not k.startswith("_") or k == "_milestones") and k not in _PROGRESS and k in cur
+        and _plain(_decoded(saved[k])) and _plain(cur[k]) and not same(_decoded(saved[k]), cur[k])
     ]
     subs, mine = saved.get("_schedulers"), cur.get("_schedulers")
     if isinstance(subs, list) and isinstance(mine, list):
@@ -75,8 +78,21 @@ def _differ(saved: dict[str, Any], cur: dict[str, Any], prefix: str) -> list[tup
     return out
 
 
-def _norm(v: Any) -> Any:
-    return list(v) if isinstance(v, tuple) else v
+def _decoded(v: Any) -> Any:
+    """A saved configuration value as the script holds it: the skeleton writes a non-finite float as
+    ``{"$float": "nan"}`` and a tuple as ``{"$tuple": [...]}``, which were skipped as not plain, so a
+    ``gamma`` changed from NaN to 0.5 (or a tuple of milestones) was never compared. ``same``
+    (optim_hparams) then takes NaN as equal to NaN and a tuple as equal to a list of the same items."""
+    if isinstance(v, dict) and len(v) == 1 and next(iter(v)) in ("$float", "$tuple"):
+        try:
+            return unflatten(v, _no_tensor, where="scheduler configuration")
+        except (CheckpointError, TypeError, ValueError):  # a damaged value: left to the load, not compared
+            return v
+    return [_decoded(x) for x in v] if isinstance(v, list) else v
+
+
+def _no_tensor(path: str) -> Any:
+    raise CheckpointError(f"a tensor reference ({path[:60]!r}) in a configuration value")
 
 
 def warn_fresh(manifest: Any, loaded: Any, fresh: Any) -> None:
