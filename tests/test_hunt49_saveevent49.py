@@ -1,0 +1,88 @@
+"""Hunt 49 (saveevent49): an async save's ``save`` event is written when it commits, not when the next
+``save()`` collects it (a process killed in between left a committed checkpoint out of the log)."""
+
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+
+import trainguard as tg
+from trainguard.events import read_events
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    import trainguard as tg
+    root = sys.argv[1]
+    model = torch.nn.Linear(64, 64)
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), async_save=True,
+                               handle_signals=False).open()
+    mgr.save(1, {"model": model})
+    mgr.save(2, {"model": model})
+    h = mgr.save(3, {"model": model})
+    end = time.monotonic() + 60
+    while not h.done() and time.monotonic() < end:  # committed (the manifest is durable); no save(), wait() nor close()
+        time.sleep(0.01)
+    print("committed" if h.done() else "timeout", flush=True)
+    time.sleep(120)  # SIGKILLed by the test
+""")
+
+
+def _read_line(proc: subprocess.Popen, timeout: float) -> str:
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        return proc.stdout.readline() if sel.select(timeout) else ""
+    finally:
+        sel.close()
+
+
+def test_async_save_committed_just_before_a_kill_is_in_the_event_log(tmp_path):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = _read_line(proc, 60)
+        assert line.strip() == "committed", line
+        os.kill(proc.pid, signal.SIGKILL)  # right after the commit, before another save()
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        proc.stdout.close()
+    assert (tmp_path / "step-000000003").is_dir()  # committed
+    saves = [e for e in read_events(tmp_path) if e["event"] == "save"]
+    assert sorted(e["step"] for e in saves) == [1, 2, 3], saves
+    s2 = next(e for e in saves if e["step"] == 3)
+    assert s2["bytes"] > 0 and s2["async_save"] is True and s2["duration_s"] >= 0 and s2["committed_t"] > 0
+    assert s2["stall_s"] >= s2["stall_call_s"] >= 0
+
+
+def test_async_saves_are_logged_exactly_once_with_their_stall(tmp_path):
+    model = torch.nn.Linear(16, 16)
+    with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(2), keep=tg.KeepLatest(2), async_save=True,
+                              handle_signals=False) as mgr:
+        for step in range(1, 9):
+            mgr.save(step, {"model": model})
+            if step == 4:
+                mgr.wait()
+    saves = [e for e in read_events(tmp_path) if e["event"] == "save"]
+    assert sorted(e["step"] for e in saves) == [2, 4, 6, 8], saves
+    for e in saves:
+        parts = e["stall_call_s"] + e["stall_hook_s"] + e["stall_wait_s"]
+        assert abs(e["stall_s"] - parts) < 1e-5, e  # async: the call and the waits for staging, nothing else
+        assert e["stall_prev_s"] <= e["stall_call_s"] + 1e-6 and e["duration_s"] >= e["stall_call_s"] - 1e-6, e
+    events = list(read_events(tmp_path))
+    deletes = [i for i, e in enumerate(events) if e["event"] == "retention_delete"]
+    assert deletes
+    for i in deletes:  # the save whose retention deleted it is logged before the delete (a kill between keeps it)
+        by = events[i]["step"] + 4  # KeepLatest(2) of saves every 2 steps: the commit of step d + 4 deletes step d
+        assert any(e["event"] == "save" and e["step"] == by for e in events[:i]), events
