@@ -86,3 +86,23 @@ def test_async_saves_are_logged_exactly_once_with_their_stall(tmp_path):
     for i in deletes:  # the save whose retention deleted it is logged before the delete (a kill between keeps it)
         by = events[i]["step"] + 4  # KeepLatest(2) of saves every 2 steps: the commit of step d + 4 deletes step d
         assert any(e["event"] == "save" and e["step"] == by for e in events[:i]), events
+
+
+def test_export_and_convert_write_the_same_safetensors_metadata_and_tensors(tmp_path):
+    from safetensors import safe_open
+
+    from trainguard.convert import convert
+    from trainguard.export import export
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    ckpt = tmp_path / "run" / "step-000000007"
+    tg.save(ckpt, {"model": model})
+    export(ckpt, tmp_path / "e.safetensors")
+    convert(ckpt, tmp_path / "c.safetensors")
+    got = {}
+    for name in ("e", "c"):
+        with safe_open(str(tmp_path / f"{name}.safetensors"), "pt") as f:
+            got[name] = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    assert got["e"][0] == got["c"][0] == {"format": "pt", "source": "trainguard", "step": "7"}, got
+    assert got["e"][1].keys() == got["c"][1].keys() == model.state_dict().keys()
+    assert all(torch.equal(got["e"][1][k], got["c"][1][k]) for k in got["e"][1])
