@@ -106,3 +106,33 @@ def test_export_and_convert_write_the_same_safetensors_metadata_and_tensors(tmp_
     assert got["e"][0] == got["c"][0] == {"format": "pt", "source": "trainguard", "step": "7"}, got
     assert got["e"][1].keys() == got["c"][1].keys() == model.state_dict().keys()
     assert all(torch.equal(got["e"][1][k], got["c"][1][k]) for k in got["e"][1])
+
+
+_PLAN = ["--nodes", "4", "--node-failures-per-day", "0.01", "--save-stall", "30s", "--restart", "10m", "--step-time", "2s"]
+
+
+def test_plan_and_doctor_count_node_hours_for_nodes_without_gpus(tmp_path):
+    """A CPU-only job: ``--gpus-per-node 0`` (refused before) says node-hours, never GPU-hours."""
+    import json
+
+    from click.testing import CliRunner
+
+    from trainguard.commands.plan import doctor_cmd, plan_cmd
+
+    res = CliRunner().invoke(plan_cmd, [*_PLAN, "--every", "500", "--gpus-per-node", "0"])
+    assert res.exit_code == 0, res.output
+    assert "node-hours" in res.output, res.output  # the column's header (rich wraps it)
+    assert "GPU-hours" not in res.output, res.output
+    res = CliRunner().invoke(plan_cmd, [*_PLAN, "--gpus-per-node", "0", "--json"])
+    out = json.loads(res.output)
+    assert out["gpus_per_node"] == 0 and out["lost_gpu_hours_per_day"] == 0
+    assert abs(out["lost_node_hours_per_day"] - (1 - out["efficiency_at_daly"]) * 4 * 24) < 1e-3, out
+    default = CliRunner().invoke(plan_cmd, _PLAN)  # not given: the figures say what they assume
+    assert default.exit_code == 0 and "GPU-hours assume 8 GPUs per node" in default.output, default.output
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nimport trainguard as tg\n\ndef trainguard_state():\n"
+                      "    m = torch.nn.Linear(2, 2)\n"
+                      "    return {'model': m}, {'root': 'ckpt', 'save': tg.EveryNSteps(50000), 'keep': tg.KeepLatest(2)}\n")
+    res = CliRunner().invoke(doctor_cmd, [str(script), *_PLAN, "--gpus-per-node", "0", "--json"])
+    interval = next(f for f in json.loads(res.stdout.splitlines()[0]) if f["check"] == "interval")
+    assert "node-hours/day more lost" in interval["message"] and "GPU" not in interval["message"], interval
