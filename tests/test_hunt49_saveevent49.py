@@ -136,3 +136,22 @@ def test_plan_and_doctor_count_node_hours_for_nodes_without_gpus(tmp_path):
     res = CliRunner().invoke(doctor_cmd, [str(script), *_PLAN, "--gpus-per-node", "0", "--json"])
     interval = next(f for f in json.loads(res.stdout.splitlines()[0]) if f["check"] == "interval")
     assert "node-hours/day more lost" in interval["message"] and "GPU" not in interval["message"], interval
+
+
+def test_convert_to_and_from_dcp_warns_nothing_of_torch_single_process(tmp_path):
+    """convert is one process by design (no_dist=True): torch's "torch.distributed is disabled, unavailable
+    or uninitialized, assuming the intent is to save/load in a single process" was printed (the CLI shows
+    every warning as a `warning:` line: seen with `trainguard convert CKPT out --to dcp --entry '*'`)."""
+    import warnings
+
+    from trainguard.convert import DCP_WARNING, convert
+
+    ckpt = tmp_path / "run" / "step-000000003"
+    tg.save(ckpt, {"model": torch.nn.Linear(4, 4)})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert convert(ckpt, tmp_path / "dcp", dst_format="dcp", entry=None)["tensors"] == 2
+        assert convert(tmp_path / "dcp", tmp_path / "back" / "step-000000000")["tensors"] == 2
+    said = [str(w.message) for w in seen]
+    assert not [m for m in said if "torch.distributed is" in m], said
+    assert DCP_WARNING in said  # trainguard's own warning (DCP metadata is a pickle) stays

@@ -243,10 +243,13 @@ def _write_dcp(state: dict[str, Any], out: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
+    from .dcp_import import single_process
+
     head, name = os.path.split(absolute(out))
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        with single_process():  # no_dist: without torch's warning that it assumes one process
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
         os.rename(tmp, out)  # over an empty directory too
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
