@@ -155,3 +155,24 @@ def test_convert_to_and_from_dcp_warns_nothing_of_torch_single_process(tmp_path)
     said = [str(w.message) for w in seen]
     assert not [m for m in said if "torch.distributed is" in m], said
     assert DCP_WARNING in said  # trainguard's own warning (DCP metadata is a pickle) stays
+
+
+def test_the_agents_exit_78_line_says_how_the_other_ranks_ended(capsys):
+    """A 3-rank start whose restore was refused (trainguard run --nproc-per-node 3, Linear(4, 5) over a
+    Linear(4, 4) checkpoint): ranks 0 and 2 exited 78, torch's agent SIGTERMed rank 1 on its way there; the
+    line named "rank(s) [0, 2]" and nothing of rank 1. The failures as torch's agent hands them over."""
+    from types import SimpleNamespace
+
+    from trainguard.elastic.stops import PERMANENT_EXIT, agent_result
+    from trainguard.events import EventLog
+
+    failures = {0: SimpleNamespace(exitcode=PERMANENT_EXIT, message="StateMismatchError: shapes differ"),
+                1: SimpleNamespace(exitcode=-signal.SIGTERM, message=""),
+                2: SimpleNamespace(exitcode=PERMANENT_EXIT, message="")}
+    assert agent_result(EventLog(None), failures) == PERMANENT_EXIT
+    line = capsys.readouterr().err
+    assert "rank(s) [0, 2] failed with an error a restart will not fix (exit 78)" in line, line
+    assert "rank 1 killed by SIGTERM (the agent stops the other workers once one failed)" in line, line
+    assert "not restarted: StateMismatchError: shapes differ" in line, line
+    agent_result(EventLog(None), {0: failures[0]})  # alone: as before
+    assert "rank 1" not in capsys.readouterr().err
