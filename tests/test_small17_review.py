@@ -102,13 +102,13 @@ def test_a_sync_save_retried_to_disk_reports_the_failed_ram_attempt_in_its_stall
     (``_save_now`` calls itself). Before, the retry started a new clock: the time training spent
     on the failed attempt was missing from the stall and duration the save policy and the ``save``
     event got. A fake clock jumps 1000 s during the failed attempt."""
-    from trainguard import api, handle, manager, policies
+    from trainguard import api, handle, manager, saveevent
     from trainguard.errors import DiskFullError
     from trainguard.tiers import ram_dir
 
     offset = [0.0]
     clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0], time=time.time)
-    for mod in (manager, handle, policies):
+    for mod in (manager, handle, saveevent):  # saveevent: the save event (was policies)
         monkeypatch.setattr(mod, "time", clock)
     root, base = str(tmp_path / "run"), str(tmp_path / "shm")
     os.makedirs(base)

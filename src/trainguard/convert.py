@@ -27,6 +27,7 @@ from .commit import read_manifest
 from .errors import CheckpointError, StepExistsError
 from .export import (
     check_destination,
+    file_metadata,
     foreign_errors,
     iter_tensors,
     local_file,
@@ -120,9 +121,9 @@ def convert(
             with foreign_errors(f"cannot write {dst} as {df}"):
                 _write_dcp(state, os.fspath(dst))
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
-        n, value = _read_trainguard(src, entry, torch_file=df == "torch")
+        n, value, meta = _read_trainguard(src, entry, torch_file=df == "torch")
         with foreign_errors(f"cannot write {dst} as {df}"):
-            _write_foreign(value, dst, df)
+            _write_foreign(value, dst, df, meta)
         return {"from": sf, "to": df, "tensors": n, "skipped": []}
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split)
@@ -176,10 +177,11 @@ def _count(v: Any) -> int:
     return sum(_count(x) for x in items)
 
 
-def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_file: bool = False) -> tuple[int, Any]:
+def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_file: bool = False) -> tuple[int, Any, dict[str, str]]:
     """The number of tensors of ``entry`` and what ``convert`` writes of it to one file: its tensors
     by name (safetensors), or for ``torch_file`` the value ``export.torch_value`` rebuilds, a tie's
-    names one tensor (``torch.save`` stores it once; safetensors refuses shared tensors)."""
+    names one tensor (``torch.save`` stores it once; safetensors refuses shared tensors); and the
+    safetensors metadata ``export`` writes (``export.file_metadata``)."""
     if entry is None:
         raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
     storage, d = for_path(src)
@@ -189,10 +191,11 @@ def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_fi
     tensors = dict(iter_tensors(storage, d, manifest, entry, share=torch_file))
     if not tensors:
         raise CheckpointError(no_tensors(manifest, location(storage, d), entry))
-    return len(tensors), torch_value(tensors, location(storage, d), manifest, entry) if torch_file else tensors
+    value = torch_value(tensors, location(storage, d), manifest, entry) if torch_file else tensors
+    return len(tensors), value, file_metadata(manifest)
 
 
-def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str) -> None:
+def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str, meta: dict[str, str]) -> None:
     """One entry into a ``.safetensors`` (its tensors by name) or ``.pt`` file (``fmt``), replaced whole."""
     out = os.fspath(dst)
     if fmt == "safetensors":
@@ -202,7 +205,7 @@ def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str) -> None:
 
         refuse_names(tensors, out)
         with replacing(out) as tmp:  # an earlier file at out survives a failed write
-            save_file(tensors, tmp, metadata={"format": "pt", "source": "trainguard"})
+            save_file(tensors, tmp, metadata=meta)
     else:
         with replacing(out) as tmp:
             torch.save(tensors, tmp)
@@ -252,10 +255,13 @@ def _write_dcp(state: dict[str, Any], out: str) -> None:
 
     import torch.distributed.checkpoint as dcp
 
+    from .dcp_import import single_process
+
     head, name = os.path.split(absolute(out))
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+        with single_process():  # no_dist: without torch's warning that it assumes one process
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
         os.rename(tmp, out)  # over an empty directory too
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -14,12 +14,26 @@ other object is skipped and listed.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .errors import CheckpointError
+
+
+@contextlib.contextmanager
+def single_process() -> Iterator[None]:
+    """``convert``'s ``dcp.save`` (``_write_dcp``) and ``dcp.load`` (:func:`read_dcp`), which pass
+    ``no_dist=True`` (one process by design): without torch's warning that it assumes one process
+    ("torch.distributed is disabled, unavailable or uninitialized, ..."), printed to the user as a
+    ``warning:`` line on every DCP conversion, about nothing to change. Other warnings still show."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
@@ -53,7 +67,8 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
             except Exception:
                 values[fqn] = _Refused
 
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
+    with single_process():  # no_dist: torch's "assuming ... a single process" warning is no news here
+        dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     dims = {k: len(md.size) if isinstance(md, TensorStorageMetadata) else -1 for k, md in meta.state_dict_metadata.items()}
     model_keys = _titan_model_keys(paths, dims) if split else set()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import losthours
 from .doctor_storage import storage_check as _storage
 from .reliability import Plan, format_duration
 
@@ -347,11 +348,11 @@ def _interval(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     steps = plan.steps(opt)
     best = f"{format_duration(opt)}" + (f" = {steps} steps" if steps else "")
     e_cur, e_opt = plan.efficiency(cur), plan.efficiency(opt)
-    gpus = plan.nodes * plan.gpus_per_node * 24.0
+    gpus, unit = losthours.per_day(plan)  # node-hours for nodes without GPUs
     detail = (f"saving {what}; for a {format_duration(plan.stall_s)} stall, a job MTBF of "
               f"{format_duration(plan.job_mtbf_s)} and a {format_duration(plan.restart_s)} restart the optimum "
               f"is {best}: efficiency {100 * e_cur:.2f}% vs "
-              f"{100 * e_opt:.2f}%, {(e_opt - e_cur) * gpus:,.0f} GPU-hours/day more lost")
+              f"{100 * e_opt:.2f}%, {(e_opt - e_cur) * gpus:,.0f} {unit}/day more lost")
     fix = (f"save every {best}" + (f": tg.EveryNSteps({steps})" if steps else "")
            + ", or use tg.DalyInterval(node_failures_per_day=..., nodes=...)")
     if ratio > FAR:

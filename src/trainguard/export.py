@@ -93,7 +93,7 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    meta, what = {"format": "pt", "source": "trainguard", "step": str(manifest.step)}, f"cannot write {out}"
+    meta, what = file_metadata(manifest), f"cannot write {out}"
     safetensors = out.endswith(".safetensors")
     if safetensors:
         from .stwrite import refuse_names
@@ -112,6 +112,13 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
                 else:
                     torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
     return len(mine)
+
+
+def file_metadata(manifest: Manifest) -> dict[str, str]:
+    """The metadata of a ``.safetensors`` file written from a trainguard checkpoint, by ``export`` and
+    ``convert`` alike (before, convert's lacked ``step``): ``format`` (``pt``: what ``transformers``
+    loads), ``source`` and the checkpoint's ``step``, as strings (safetensors keeps str values only)."""
+    return {"format": "pt", "source": "trainguard", "step": str(manifest.step)}
 
 
 def torch_value(tensors: dict[str, Any], directory: str, manifest: Manifest, entry: str) -> Any:

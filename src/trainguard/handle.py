@@ -62,12 +62,13 @@ class SaveHandle:
         self.limit: float | None = None
         self.rank = 0
         self.gc_hold = 0  # gcpause.hold's token: the collector waits for the save thread (released when it ends or is stuck)
-        # Called with the manifest by the save thread once committed, before done() turns true
-        # (the manager starts the RAM tier's copy to disk at once, not at the next save); set
-        # it with after_commit(), which also runs it if the save committed before.
-        self.on_commit: Callable[[Any], None] | None = None
+        # Called with the manifest by the save thread once committed, before done() turns true, in
+        # order (the manager's save event, then its retention or the RAM tier's copy to disk: at once,
+        # not at the next save); added with after_commit(), which also runs one if the save committed before.
+        self.on_commit: list[Callable[[Any], None]] = []
         self._commit_lock = threading.Lock()
         self._committed = False
+        self.logged = False  # its save event is written (saveevent.at_commit): the manager does not log it again
         self.stall_s = 0.0
         self.call_s = 0.0
         self.hook_wait_s = 0.0
@@ -222,14 +223,17 @@ class SaveHandle:
                 )
         self._staged.set()
 
-    def after_commit(self, cb: Callable[[Any], None]) -> None:
+    def after_commit(self, cb: Callable[[Any], None], *, first: bool = False) -> None:
         """Training thread, right after the save call: run ``cb(manifest)`` once the save commits,
         on the save thread, or now if the save thread committed it already (it may win the race
-        to here); exactly once either way, never for a failed save."""
+        to here); exactly once either way, never for a failed save. Callbacks run in the order
+        added; ``first``: before those added earlier (``saveevent.at_commit``: the save event is
+        written before retention deletes, a process killed in between still logged the save)."""
         with self._commit_lock:
             now = self._committed
             if not now and not self._done.is_set():  # set_error clears it after _done.set(), under this lock
-                self.on_commit = cb  # kept until the commit (or failure) only: it holds the manager (retention.at_commit)
+                # kept until the commit (or failure) only: it holds the manager (retention.at_commit)
+                self.on_commit.insert(0 if first else len(self.on_commit), cb)
         if now:
             self._run_commit_callback(cb, self._result)
 
@@ -249,8 +253,8 @@ class SaveHandle:
             self._committed = True
             # Dropped: the process's last async save stays referenced (async_save._INFLIGHT) after close(),
             # and through this callback so did its closed CheckpointManager, never garbage-collected.
-            cb, self.on_commit = self.on_commit, None
-        if cb is not None:
+            cbs, self.on_commit = self.on_commit, []
+        for cb in cbs:
             self._run_commit_callback(cb, value)
         self._done.set()
 
@@ -262,7 +266,7 @@ class SaveHandle:
         self._staged.set()
         self._done.set()
         with self._commit_lock:  # never runs for a failed save: not kept (it holds the manager, set_result)
-            self.on_commit = None
+            self.on_commit = []
 
     def forked_off(self, parent: int) -> None:
         """In a process forked while this save was in flight (``async_save``'s at-fork hook): the

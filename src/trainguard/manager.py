@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from . import entrydrop, gradwatch, layout, policies, retention, runlock
+from . import entrydrop, gradwatch, layout, policies, retention, runlock, saveevent
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -270,6 +270,7 @@ class CheckpointManager:
         if self.async_save and self.ctx.rank == 0:  # at the commit, on the save thread (here if committed already):
             retention.at_commit(self, handle, time.monotonic)  # retention, or the RAM tier's copy to disk
         handle.stall_s, handle.prev_wait_s = time.monotonic() - t0, waited
+        saveevent.at_commit(self, handle, step, t0)  # async, every rank: its save event as it commits, before retention
         handle.owned = True  # its error is reported by this manager, not by another's next save
         self._pending, self._pending_step, self._pending_t0, self._pending_mark = handle, step, t0, mark
         if not self.async_save:  # an async save that already failed reports at the next save/wait/close

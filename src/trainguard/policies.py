@@ -21,14 +21,13 @@ import inspect
 import math
 import numbers
 import signal
-import time
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import replicas
+from . import saveevent
 from .dist import DistContext
 from .distwait import forget_passed
 from .errors import whole
@@ -276,7 +275,7 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     save cost and logs the ``save`` event. ``stall`` counts every second training was blocked for it, the
     wait for the previous save (``h.prev_wait_s``) included; the policy gets the save's own stall and
     duration, without that wait: it is the cost of saving more often than a save takes, which the
-    policy's interval must fix, not grow with (DalyInterval's floor)."""
+    policy's interval must fix, not grow with (DalyInterval's floor). The event: ``saveevent.py``."""
     own = min(h.prev_wait_s, stall, h.duration_s)
     on_saved = manager.save_policy.on_saved  # DalyInterval's takes the wait apart; a policy of the user's may not
     try:
@@ -284,18 +283,8 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     except (TypeError, ValueError):  # a callable without a signature (built in C): the three arguments only
         waited = {}
     on_saved(step, stall - own, h.duration_s - own, **waited)
-    finished = h.finished_at if h.finished_at is not None else time.monotonic()
-    manager.events.emit(
-        "save", step=step, stall_s=round(stall, 6), duration_s=round(h.duration_s, 6),
-        stall_call_s=round(h.stall_s, 6), stall_hook_s=round(h.hook_wait_s, 6), stall_wait_s=round(h.wait_staged_s, 6),
-        stall_prev_s=round(h.prev_wait_s, 6), bytes=total_bytes, async_save=manager.async_save,
-        # wall time of the commit (async saves are logged when collected, at the next call)
-        committed_t=round(time.time() - (time.monotonic() - finished), 6),
-    )
-    if changed := getattr(h, "modified_while_staging", None):  # changed before the async save copied them (handle.py)
-        manager.events.emit("modified_while_staging", step=step, tensors=changed)
-    if (found := replicas.take(step)) is not None:  # rank 0: replicated tensors that differed (replicas.py)
-        manager.events.emit("replicas_differ", step=step, **found)
+    if not getattr(h, "logged", False):  # an async save is logged as it commits (saveevent.at_commit)
+        saveevent.emit(manager.events, h, step, stall, h.duration_s, total_bytes, async_save=manager.async_save)
 
 
 def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -> tuple[bool, bool]:

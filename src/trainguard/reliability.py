@@ -321,8 +321,8 @@ def make_plan(
         raise ValueError(f"restart_s={restart_s!r}: the restart time must be a finite number >= 0")
     if step_time_s is not None and not 0 < step_time_s < math.inf:  # inf counted every interval as 1 step
         raise ValueError(f"step_time_s={step_time_s!r} must be finite seconds > 0")
-    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node={gpus_per_node!r}: the GPUs per node must be a positive integer (e.g. 8)")
+    if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 0:  # 0: CPU nodes (losthours.py)
+        raise ValueError(f"gpus_per_node={gpus_per_node!r}: the GPUs per node must be an integer >= 0 (e.g. 8; 0: no GPUs)")
     if intervals is not None and (not isinstance(intervals, Mapping) or not all(0 < v < math.inf for v in intervals.values())):
         raise ValueError(f"intervals={intervals!r}: map labels to compute seconds > 0, e.g. {{'500 steps': 1000.0}}")
     if save_duration_s is not None and not stall_s <= save_duration_s < math.inf:

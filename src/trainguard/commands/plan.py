@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 from rich.table import Table
 
+from .. import losthours
 from ..reliability import Plan, efficiency, format_duration, make_plan, parse_duration, plot_plan
 from . import CommandError, PipeConsole
 
@@ -52,8 +54,8 @@ def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], C
                          help="time from a failure until training runs again, e.g. 10m"
                               + ("" if restart_required else " (default 0)")),
             click.option("--step-time", type=DURATION, help="time per training step, e.g. 2s, to express intervals in steps"),
-            click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
-                         help="for the GPU-hours lost"),
+            click.option("--gpus-per-node", type=click.IntRange(min=0), default=8, show_default=True,
+                         help="for the GPU-hours lost; 0: nodes without GPUs (node-hours lost)"),
         ]
         for opt in reversed(opts):
             f = opt(f)
@@ -154,11 +156,11 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
             raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
         try:
-            click.echo(json.dumps(p.to_dict(), allow_nan=False))
+            click.echo(json.dumps(losthours.with_node_hours(p.to_dict(), p), allow_nan=False))
         except ValueError:
             raise click.UsageError("the inputs are out of range: the plan's figures overflow") from None
         return
-    _print_plan(p, plot)
+    _print_plan(p, plot, click.get_current_context().get_parameter_source("gpus_per_node") != ParameterSource.DEFAULT)
 
 
 HOPELESS = 0.5  # below this efficiency at the optimum, plan says what to change instead of the interval
@@ -193,7 +195,7 @@ def _hopeless(p: Plan) -> str:
             f"{format_duration(m)}: {'; '.join(causes)}. To change it: {', '.join(fixes)}.")
 
 
-def _print_plan(p: Plan, plot: str | None) -> None:
+def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
     con = PipeConsole()
     t = Table(title="Failures", show_header=False)
     t.add_row("job MTBF", f"{format_duration(p.job_mtbf_s)} (node MTBF {format_duration(p.node_mtbf_s)} "
@@ -205,9 +207,9 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     con.print(t)
     delay = f", commit {format_duration(p.commit_delay_s)} after the stall" if p.commit_delay_s else ""
     t = Table(title=f"Save interval (stall {format_duration(p.stall_s)}, restart {format_duration(p.restart_s)}{delay})")
-    for col in ("interval", "compute between saves", "steps", "efficiency", "GPU-hours lost / day"):
+    gpus, unit = losthours.per_day(p)  # node-hours for nodes without GPUs (--gpus-per-node 0)
+    for col in ("interval", "compute between saves", "steps", "efficiency", f"{unit} lost / day"):
         t.add_column(col, justify="left" if col == "interval" else "right")
-    gpus = p.nodes * p.gpus_per_node * 24.0
     rows = [("Young (first order)", p.young_interval_s, p.efficiency_at_young),
             ("Daly (estimate)", p.daly_interval_s, p.efficiency_at_daly),
             ("optimum (exact)", p.optimal_interval_s, p.efficiency_at_optimum)]
@@ -220,6 +222,8 @@ def _print_plan(p: Plan, plot: str | None) -> None:
     rw, w = ("(R+W)", ", W the commit delay of an async save") if p.commit_delay_s else ("R", "")
     con.print("Efficiency = useful time / wall time, from the exact expected time "
               f"M·e^({rw}/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006){w}; see docs/planning.md.")
+    if note := losthours.assumed_note(gpus_given, p):
+        con.print(note)
     if p.commit_delay_s > p.optimal_interval_s:  # the model needs one save in flight: W <= tau
         floor = p.commit_delay_s + p.stall_s
         steps = p.steps(p.commit_delay_s)

@@ -104,8 +104,8 @@ def agent_result(events: Any, failures: dict[int, Any]) -> int | None:
         message = "" if message.startswith(("To enable traceback", "Signal")) else message
         events.emit("agent_exit", ok=False, permanent=True, ranks=permanent, error=message[-2000:])
         said = f": {headline(message).rstrip('.')}" if message.strip() else ""
-        print(f"trainguard run: rank(s) {permanent} failed with an error a restart will not fix (exit {PERMANENT_EXIT}); "
-              f"not restarted{said}. Fix it (see the worker's error above), then start again", file=sys.stderr)
+        print(f"trainguard run: rank(s) {permanent} failed with an error a restart will not fix (exit {PERMANENT_EXIT})"
+              f"{_others(failures)}; not restarted{said}. Fix it (see the worker's error above), then start again", file=sys.stderr)
         return PERMANENT_EXIT
     if code is not None:
         name = signal.Signals(code - 128).name
@@ -113,6 +113,18 @@ def agent_result(events: Any, failures: dict[int, Any]) -> int | None:
         print(f"trainguard run: the workers were stopped by {name} (preemption: they saved and exited); "
               f"exit {code}: requeue the job to resume", file=sys.stderr)
     return code
+
+
+def _others(failures: dict[int, Any]) -> str:
+    """:func:`agent_result`'s line: how the group's other failed workers ended. torch's agent stops the
+    rest of the group (SIGTERM) as soon as it sees one worker fail: a rank on its way to the same exit
+    78 (a 3-rank restore refused on every rank) is then "killed by SIGTERM", and the line named two
+    ranks of three without a word of the third (session 49)."""
+    rest = sorted((r, f.exitcode) for r, f in failures.items() if f.exitcode != PERMANENT_EXIT)
+    if not rest:
+        return ""
+    stopped = " (the agent stops the other workers once one failed)" if any(c == -signal.SIGTERM for _r, c in rest) else ""
+    return "; " + ", ".join(f"rank {r} {exit_cause(c)}" for r, c in rest) + stopped
 
 
 def exit_cause(exitcode: int) -> str:
