@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .commit import read_manifest
+from .dcp_export import check_dcp_destination, write_dcp
 from .errors import CheckpointError, StepExistsError
 from .export import (
     check_destination,
@@ -37,7 +38,7 @@ from .export import (
     torch_value,
 )
 from .flatten import single_tensor, unflatten
-from .storage import absolute, for_path, location
+from .storage import for_path, location
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
 INDEX = ".index.json"
@@ -116,10 +117,10 @@ def convert(
             raise CheckpointError(f"{dst}: a safetensors file named {os.path.splitext(os.fspath(dst))[1]} is refused by "
                                   "torch.load; name it .safetensors, or drop --to safetensors for a torch.save file")
         if df == "dcp":
-            _check_dcp_destination(os.fspath(dst))
+            check_dcp_destination(os.fspath(dst))
             state, n = _read_entries(src, entry)
             with foreign_errors(f"cannot write {dst} as {df}"):
-                _write_dcp(state, os.fspath(dst))
+                write_dcp(state, os.fspath(dst))
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
         n, value, meta = _read_trainguard(src, entry, torch_file=df == "torch")
         with foreign_errors(f"cannot write {dst} as {df}"):
@@ -235,42 +236,6 @@ def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[
     if not n:
         raise CheckpointError(f"{location(storage, d)}: entries {entries} hold no tensors to export")
     return state, n
-
-
-def _check_dcp_destination(out: str) -> None:
-    """A DCP directory is written only where nothing is: its files would overwrite (or mix with)
-    a DCP or trainguard checkpoint's in place."""
-    if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
-        raise CheckpointError(
-            f"{out} already exists and is not an empty directory; convert writes a DCP checkpoint into a new "
-            "directory only. Remove it or pick another name"
-        )
-
-
-def _write_dcp(state: dict[str, Any], out: str) -> None:
-    """``dcp.save`` (one process, no process group) into a directory beside ``out``, renamed into
-    place once complete: a failed write leaves nothing at ``out``."""
-    import shutil
-    import uuid
-
-    import torch.distributed.checkpoint as dcp
-
-    from .dcp_import import single_process
-
-    head, name = os.path.split(absolute(out))
-    tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        with single_process():  # no_dist: without torch's warning that it assumes one process
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-        os.rename(tmp, out)  # over an empty directory too
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fd = os.open(head, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _contiguous(v: Any) -> Any:

@@ -27,7 +27,7 @@ from .errors import CheckpointError
 
 @contextlib.contextmanager
 def single_process() -> Iterator[None]:
-    """``convert``'s ``dcp.save`` (``_write_dcp``) and ``dcp.load`` (:func:`read_dcp`), which pass
+    """``convert``'s ``dcp.save`` (``dcp_export.write_dcp``) and ``dcp.load`` (:func:`read_dcp`), which pass
     ``no_dist=True`` (one process by design): without torch's warning that it assumes one process
     ("torch.distributed is disabled, unavailable or uninitialized, ..."), printed to the user as a
     ``warning:`` line on every DCP conversion, about nothing to change. Other warnings still show."""
