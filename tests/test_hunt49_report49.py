@@ -201,3 +201,18 @@ def test_a_line_with_an_int_no_float_holds_is_skipped_not_a_traceback(tmp_path):
     res = CliRunner().invoke(main, ["report", "--json", str(tmp_path)])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["events"] == 2
+
+
+def test_numbers_a_line_gives_as_null_are_read_as_missing(tmp_path):
+    """read_events lets a number be null (a line another tool wrote); a save's null stall and a
+    restore's null seconds ended the report in a TypeError traceback (int + None, float - None)."""
+    (tmp_path / "events.jsonl").write_text(
+        _line(T0, "agent_start", -1, 7, job_id="j") + _line(T0 + 1, "step", 0, 1, step=1, world_size=1)
+        + _line(T0 + 2, "save", 0, 1, step=1, stall_s=None, duration_s=None, committed_t=None)
+        + _line(T0 + 3, "failure", -1, 7, rank=0, cause="killed by SIGKILL")
+        + _line(T0 + 9, "restore", 0, 2, step=1, seconds=None) + _line(T0 + 10, "step", 0, 2, step=2, world_size=1))
+    res = CliRunner().invoke(main, ["report", "--json", str(tmp_path), "--plot", str(tmp_path / "t.png")])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["saves"] == 1 and s["save_stall_s"] == 0.0 and s["save_duration_mean_s"] == 0.0
+    assert s["recoveries"][0]["restore_s"] == 0.0 and s["recoveries"][0]["restart_s"] == pytest.approx(6.0)

@@ -93,9 +93,9 @@ def summary(tally: Tally) -> dict[str, Any]:
             rec["detect_s"] = f["t"] - fault["t"]
             rec["fault_step"] = fault.get("step")
         if restore:
-            start = restore["t"] - restore.get("seconds", 0.0)
-            rec["restart_s"] = start - f["t"]
-            rec["restore_s"] = restore.get("seconds", 0.0)
+            seconds = _given(restore, "seconds")
+            rec["restart_s"] = restore["t"] - seconds - f["t"]
+            rec["restore_s"] = seconds
         if first:
             if restore:
                 rec["first_step_s"] = first["t"] - restore["t"]
@@ -149,6 +149,13 @@ def summary(tally: Tally) -> dict[str, Any]:
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": joined,
     }
+
+
+def _given(e: dict[str, Any], key: str) -> Any:
+    """``e[key]``, 0.0 when it is missing or null (read_events lets a number be null: a line another
+    tool wrote; ``restore["t"] - None`` was a TypeError traceback from ``trainguard report``)."""
+    v = e.get(key)
+    return 0.0 if v is None else v
 
 
 def load(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:

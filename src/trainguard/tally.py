@@ -182,8 +182,9 @@ class Tally:
             self.step(key, seq, e.get("pid"), e["step"])
         elif kind == "save":
             if e.get("rank") == 0:
-                self.save(key, seq, e.get("stall_s", 0.0), e.get("duration_s", 0.0), e.get("bytes"),
-                          e.get("committed_t", key), e.get("step"))
+                stall, duration, committed = (e.get(k) for k in ("stall_s", "duration_s", "committed_t"))
+                self.save(key, seq, 0.0 if stall is None else stall, 0.0 if duration is None else duration,
+                          e.get("bytes"), key if committed is None else committed, e.get("step"))
         elif (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
               or (kind == "restart" and e.get("reason") == "membership")
               or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
