@@ -1,7 +1,9 @@
 """Summary and timeline of a run's event log (``<run dir>/events.jsonl``).
 
-:func:`summarize` is pure (events in, numbers out); ``trainguard report RUN_DIR`` prints it
-and ``--plot timeline.png`` draws steps over wall time with saves, failures and restores.
+:func:`summarize` is pure (events in, numbers out); ``trainguard report RUN_DIR`` prints the same
+numbers of a log read once with bounded memory (:func:`tally_log`: a :class:`~trainguard.tally.Tally`
+of it, then :func:`summary`), and ``--plot timeline.png`` draws steps over wall time with saves,
+failures and restores (:func:`plot_tally`).
 Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure``,
 ``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
 and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``).
@@ -20,7 +22,10 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
+from . import eventscan
+from . import tally as tally_mod
 from .events import read_events
+from .tally import Tally, Unordered
 
 
 def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end: float = float("inf")) -> dict[str, Any] | None:
@@ -32,25 +37,40 @@ def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end:
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Failures, lost work, recovery times, checkpoint overhead and goodput of one run."""
-    ev = sorted(events, key=lambda e: e.get("t", 0.0))
-    if not ev:
+    """Failures, lost work, recovery times, checkpoint overhead and goodput of one run: of ``events``
+    in any order (sorted by time here). ``trainguard report`` reads a log with :func:`tally_log`."""
+    tally = Tally(window=None)
+    for e in events:
+        tally.add(e)
+    return summary(tally.finish())
+
+
+def tally_log(run_dir: str | os.PathLike[str], *, timeline: bool = False) -> Tally:
+    """The :class:`~trainguard.tally.Tally` of the log in ``run_dir`` (or at that path), read once with
+    bounded memory; read again keeping every step and save in memory when their times go back by
+    more than the tally's window (a clock set back: :class:`~trainguard.tally.Unordered`)."""
+    try:
+        return eventscan.feed(run_dir, Tally(tally_mod.WINDOW, timeline=timeline)).finish()
+    except Unordered:
+        return eventscan.feed(run_dir, Tally(window=None, timeline=timeline)).finish()
+
+
+def summary(tally: Tally) -> dict[str, Any]:
+    """:func:`summarize`'s numbers from a finished tally (the events sorted by time, stably)."""
+    if not tally.events:
         return {"events": 0}
-    steps = [e for e in ev if e["event"] == "step"]
-    saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
-    failures = [e for e in ev if e["event"] in ("failure",)]
-    faults = [e for e in ev if e["event"] in ("fault", "hang")]  # injected, or a hang the watchdog declared
+    failures = tally.of("failure")
+    faults = tally.of("fault", "hang")  # injected, or a hang the watchdog declared
     # rank 0's restore, or its fresh start (a restart with no checkpoint: no restored step)
-    restores = [e for e in ev if e["event"] in ("restore", "fresh_start") and e.get("rank") == 0]
-    firsts = [e for e in ev if e["event"] == "first_step"]
+    restores = tally.of("restore", "fresh_start")
+    firsts = tally.of("first_step")
     fault_t, restore_t, first_t = ([e["t"] for e in x] for x in (faults, restores, firsts))
     jobs: dict[Any, float] = {}  # each job's first agent start: a later job's restore is not an earlier job's failure's
-    for e in ev:
-        if e["event"] == "agent_start":
-            jobs.setdefault(e.get("job_id"), e["t"])
+    for e in tally.of("agent_start"):
+        jobs.setdefault(e.get("job_id"), e["t"])
     bounds = sorted(jobs.values())
     recoveries = []
-    prev_t = ev[0]["t"]
+    prev_t = tally.first
     # A first step's lost_steps counts once: one incident logs several failures and restarts before the
     # group trains again (a restart killed in its restore fails again; the other agent of a dead worker
     # restarts for "membership"), and each found the same first step (its steps were counted twice).
@@ -73,9 +93,9 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
             rec["detect_s"] = f["t"] - fault["t"]
             rec["fault_step"] = fault.get("step")
         if restore:
-            start = restore["t"] - restore.get("seconds", 0.0)
-            rec["restart_s"] = start - f["t"]
-            rec["restore_s"] = restore.get("seconds", 0.0)
+            seconds = _given(restore, "seconds")
+            rec["restart_s"] = restore["t"] - seconds - f["t"]
+            rec["restore_s"] = seconds
         if first:
             if restore:
                 rec["first_step_s"] = first["t"] - restore["t"]
@@ -87,7 +107,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     # A membership restart whose first step a failure's recovery reached is part of that recovery (the
     # other agent of a failed worker saw the failed one's agent waiting), not a restart for a joining agent.
     joined_lost = joined = 0
-    for r in (e for e in ev if e["event"] == "restart" and e.get("reason") == "membership"):
+    for r in tally.of("restart"):  # those with reason "membership" (the tally keeps no other)
         end = min([b for b in bounds if b > r["t"]] + [f["t"] for f in failures if f["t"] > r["t"]] + [float("inf")])
         first = _first_from(firsts, first_t, r["t"], end)
         if first is not None and id(first) in claimed:
@@ -99,39 +119,43 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     # Lost at a start no failure or membership restart of this log led to: the whole job had died (every
     # agent: a requeue after a node failure, a lost one-node job) and was started again.
     resubmit_lost = sum(e.get("lost_steps") or 0 for e in firsts if id(e) not in claimed)
-    start_t = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"])
-    wall = ev[-1]["t"] - start_t
-    dts = [b["t"] - a["t"] for a, b in zip(steps, steps[1:])
-           if a.get("pid") == b.get("pid") and b["step"] == a["step"] + 1]
-    step_s = statistics.median(dts) if dts else None
-    final = steps[-1]["step"] if steps else None
-    stall = sum(s.get("stall_s", 0.0) for s in saves)
+    start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
+    wall = tally.last - start_t
+    step_s = tally.median_step()  # of the time between consecutive steps of one process
+    final = tally.final
+    stall, saves = tally.stall, tally.saves
     useful = (final or 0) * step_s if step_s else None
     return {
-        "events": len(ev),
+        "events": tally.events,
         "wall_s": wall,
         "final_step": final,
-        "steps_run": len({(e.get("pid"), e["step"]) for e in steps}),
+        "steps_run": tally.runs.count,  # distinct (pid, step)
         "step_s": step_s,
         "failures": len(failures),
         "recoveries": recoveries,
         "lost_steps": sum(r["lost_steps"] or 0 for r in recoveries) + joined_lost + resubmit_lost,
         "membership_lost_steps": joined_lost,
         "resubmit_lost_steps": resubmit_lost,
-        "saves": len(saves),
+        "saves": saves,
         "save_stall_s": stall,
-        "save_stall_mean_s": stall / len(saves) if saves else None,
-        "save_duration_mean_s": statistics.mean(s.get("duration_s", 0.0) for s in saves) if saves else None,
-        "save_bytes": saves[-1].get("bytes") if saves else None,
+        "save_stall_mean_s": stall / saves if saves else None,
+        "save_duration_mean_s": statistics.mean(tally.durations) if saves else None,
+        "save_bytes": tally.save_bytes,
         "checkpoint_overhead": stall / wall if wall > 0 else None,
         "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
         # Every agent logs each rendezvous round: count node 0's (logs without node_rank: all).
-        "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in ev
-                        if e["event"] == "rendezvous" and e.get("node_rank", 0) == 0],
-        "hangs": sum(1 for e in ev if e["event"] == "hang"),
+        "world_sizes": [(round(e["t"] - start_t, 3), e.get("world_size")) for e in tally.of("rendezvous")],
+        "hangs": len(tally.of("hang")),
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": joined,
     }
+
+
+def _given(e: dict[str, Any], key: str) -> Any:
+    """``e[key]``, 0.0 when it is missing or null (read_events lets a number be null: a line another
+    tool wrote; ``restore["t"] - None`` was a TypeError traceback from ``trainguard report``)."""
+    v = e.get(key)
+    return 0.0 if v is None else v
 
 
 def load(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -182,27 +206,32 @@ def format_summary(s: dict[str, Any]) -> str:
 
 def plot_timeline(events: Iterable[dict[str, Any]], path: str | os.PathLike[str], *, title: str = "") -> None:
     """Steps over wall time (one line per worker process), saves, failures and restores."""
+    tally = Tally(window=None, timeline=True)
+    for e in events:
+        tally.add(e)
+    plot_tally(tally.finish(), path, title=title)
+
+
+def plot_tally(tally: Tally, path: str | os.PathLike[str], *, title: str = "") -> None:
+    """:func:`plot_timeline` of a finished tally made with ``timeline=True``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ev = sorted(events, key=lambda e: e["t"])
-    t0 = next((e["t"] for e in ev if e["event"] == "agent_start"), ev[0]["t"] if ev else 0.0)
+    assert tally.points is not None, "plot_tally needs a Tally(timeline=True)"
+    t0 = next((e["t"] for e in tally.of("agent_start")), 0.0 if tally.first is None else tally.first)
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    by_pid: dict[Any, list[dict[str, Any]]] = {}
-    for e in ev:
-        if e["event"] == "step":
-            by_pid.setdefault(e.get("pid"), []).append(e)
-    for i, pts in enumerate(by_pid.values()):
-        ax.plot([p["t"] - t0 for p in pts], [p["step"] for p in pts], color="C0", lw=1.5,
-                label="training (rank 0)" if i == 0 else None)
-    saves = [e for e in ev if e["event"] == "save" and e.get("rank") == 0]
-    ax.scatter([e.get("committed_t", e["t"]) - t0 for e in saves], [e["step"] for e in saves], marker="|", s=120, color="C2",
-               label="checkpoint committed")
-    for i, e in enumerate(x for x in ev if x["event"] == "failure"):
+    for i, (ts, steps) in enumerate(tally.points.values()):
+        if any(b < a for a, b in zip(ts, ts[1:])):  # a process's steps out of time order (a clock set back)
+            order = sorted(range(len(ts)), key=ts.__getitem__)
+            ts, steps = [ts[k] for k in order], [steps[k] for k in order]
+        ax.plot([t - t0 for t in ts], steps, color="C0", lw=1.5, label="training (rank 0)" if i == 0 else None)
+    ax.scatter([c - t0 for c, _ in tally.save_points], [s for _, s in tally.save_points], marker="|", s=120,
+               color="C2", label="checkpoint committed")
+    for i, e in enumerate(tally.of("failure")):
         ax.axvline(e["t"] - t0, color="C3", ls="--", label="failure detected" if i == 0 else None)
-    restores = [e for e in ev if e["event"] == "restore" and e.get("rank") == 0]
+    restores = tally.of("restore")  # rank 0's
     ax.scatter([e["t"] - t0 for e in restores], [e["step"] for e in restores], marker="o", color="C1",
                zorder=3, label="restored")
     ax.set_xlabel("wall time (s)")

@@ -25,20 +25,20 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
 
     if plot:
         plot = _check_plot(plot)
-    events = rep.load(run_dir)
-    if not events:
+    tally = rep.tally_log(run_dir, timeline=bool(plot))  # read once, as it is now (a live run appends on)
+    if not tally.events:
         raise CommandError(f"no events in {run_dir}: was it the --run-dir of `trainguard run`?")
-    first, last = min(e["t"] for e in events), max(e["t"] for e in events)
+    first, last = tally.first, tally.last  # the least and the greatest t
     # Each t is finite (read_events), their span need not be: +-1e308 printed "wall time inf s" (--json:
     # Infinity), and 1e308 among times of today a wall time of 309 digits. t is a Unix time (time.time()).
-    if not math.isfinite(last - first) or last - first > MAX_SPAN_S:
+    if last - first > MAX_SPAN_S or not math.isfinite(last - first):  # this order: ints up to 2 ** 1023 (events.py)
         raise CommandError(f"the events' timestamps in {printable(run_dir)} are invalid: they run from {first:g} to "
                            f"{last:g} (a garbled event log?); remove the events whose \"t\" is no Unix time from "
                            "its events.jsonl")
-    summary = rep.summarize(events)
+    summary = rep.summary(tally)
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:
-        rep.plot_timeline(events, plot, title=run_dir)
+        rep.plot_tally(tally, plot, title=run_dir)
         click.echo(f"timeline written to {printable(plot)}", err=as_json)  # --json: stdout holds the JSON only
 
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import functools
-import json
 import mmap
 import os
 import re
@@ -59,6 +58,7 @@ from typing import Any
 from .. import iostall
 from ..distwait import default_timeout
 from ..events import EVENTS_FILE, EventLog
+from ..events import event_at as _event_at
 from . import hangnote
 from .faults import Fault, faults_from_env, fired, maybe_fire, run_dir
 from .reap import end_children
@@ -294,18 +294,6 @@ def _lost_steps(path: os.PathLike[str] | str, step: int, job: str | None = None)
 
 
 _AGENT_START = re.compile(rb'"event":\s*"agent_start"')
-
-
-def _event_at(buf: Any, pos: int) -> tuple[int, int, dict[str, Any] | None]:
-    """The line of ``buf`` holding byte ``pos``: its start, its end, its event (None: torn or not an object)."""
-    a = buf.rfind(b"\n", 0, pos) + 1
-    b = buf.find(b"\n", pos)
-    b = len(buf) if b < 0 else b
-    try:
-        ev = json.loads(buf[a:b].lstrip(b"\0"))  # NULs: a power loss's zero-filled tail before it
-    except ValueError:
-        return a, b, None
-    return a, b, ev if isinstance(ev, dict) else None
 
 
 def _last_step(buf: Any, job: str | None) -> Any:
