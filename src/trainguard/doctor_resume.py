@@ -1,0 +1,283 @@
+"""The doctor's "resume start" check (``doctor_source.source_checks`` runs it on the script's source):
+a restore whose result, the step it restored, never reaches the training loop that follows it.
+
+``mgr.restore(state)`` puts the weights, the optimizer and the counters of the state back, but the
+loop's own counter is the script's: ``mgr.restore(state)`` then ``for step in range(0, N):`` trains
+from step 0 again on the restored weights after each resume, and the manager refuses the first save
+behind the restored step (``CheckpointError``), after that work is done and lost (seen: resumed at
+step 50, the loop trained steps 0-25 again and ``save(step=25)`` raised).
+
+Read per function (and the module), for each training loop (one that saves) that follows a restore
+(``mgr.restore(...)``, ``tg.load(path, state)``, ``accelerator.load_state(...)``, or a function of the
+script that calls one) in it. What "reaches" the loop is followed through assignments: the restore's
+result (``start = mgr.restore(state)``, ``step = mgr.restore(state) or 0``,
+``if (r := mgr.restore(state)) is not None:``), what the restore was given (the state, names of
+objects put in it: ``progress["step"]``, ``train_state.step``, ``self.step`` of a trainer saved as
+``{"train_state": self}``, a sampler's ``sampler.epoch``), and the manager's ``last_saved_step``.
+The loop is resumed when such a value is in its header (``range(start + 1, N)``, ``while
+progress["step"] < N``, a loader built from the state), in an ``if`` of it that skips (``if step <
+resume_step: continue``), or in the step it gives ``mgr.save``. It is reported (an error) only
+when, besides, it visibly starts over: a ``range``/``count`` from a literal (or a name assigned
+only literals), a ``while`` on such a counter that the loop increments (or an attribute of an object
+built in the function, ``TrainState()``), or a save step that is such a counter. A start the text
+does not show (a parameter, ``args.start``, a function's result) is not reported.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .doctor import Finding, Settings
+
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+_WRAPS = {"enumerate", "tqdm", "iter", "zip", "list", "islice", "trange"}
+_COUNTS = {"range", "trange", "count"}
+
+
+def _chain(n: ast.AST) -> str | None:
+    """``a`` for a name, ``a.b.c`` for an attribute chain on a name, else None."""
+    if isinstance(n, ast.Name):
+        return n.id
+    if isinstance(n, ast.Attribute):
+        base = _chain(n.value)
+        return None if base is None else f"{base}.{n.attr}"
+    return None
+
+
+def _chains(node: ast.AST | None) -> set[str]:
+    """Every name and attribute chain read in ``node`` (``a.b.c`` gives ``a.b.c``, ``a.b`` and ``a``)."""
+    return {c for x in ast.walk(node) if (c := _chain(x)) is not None} if node is not None else set()
+
+
+def _targets(t: ast.AST) -> Iterator[ast.AST]:
+    if isinstance(t, (ast.Tuple, ast.List)):
+        for e in t.elts:
+            yield from _targets(e)
+    elif isinstance(t, ast.Starred):
+        yield from _targets(t.value)
+    else:
+        yield t
+
+
+def _pairs(n: ast.AST) -> Iterator[tuple[ast.AST, ast.AST | None]]:
+    """(target, value) of an assignment, tuples paired item by item (``a, b = x, Y()``); None: unpacked from one value."""
+    if not isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) or n.value is None:
+        return
+    for t in (n.targets if isinstance(n, ast.Assign) else [n.target]):
+        todo: list[tuple[ast.AST, ast.AST | None]] = [(t, n.value)]
+        while todo:
+            t, v = todo.pop()
+            if isinstance(t, (ast.Tuple, ast.List)):
+                same = isinstance(v, (ast.Tuple, ast.List)) and len(v.elts) == len(t.elts) and not any(
+                    isinstance(e, ast.Starred) for e in [*t.elts, *v.elts])
+                todo += [(e, v.elts[i] if same else None) for i, e in enumerate(t.elts)]  # type: ignore[union-attr]
+            elif isinstance(t, ast.Starred):
+                todo.append((t.value, None))
+            else:
+                yield t, v
+
+
+class _Taint:
+    """What in one scope carries restored information (module doc), followed to a fixed point."""
+
+    def __init__(self, nodes: list[ast.AST], restores: list[ast.Call]) -> None:
+        from .doctor_source import _callee, _receiver
+
+        self.calls = {id(r) for r in restores}
+        self.first = min(r.lineno for r in restores)
+        self.names: set[str] = set()
+        for r in restores:
+            for a in [*r.args, *(k.value for k in r.keywords)]:
+                self.names |= {c for c in [_chain(a)] if c} if not isinstance(a, ast.Dict) else set()
+                if isinstance(a, ast.Dict):  # tg.load(path, {"progress": progress}): the dict's objects
+                    self.names |= {c for v in a.values if (c := _chain(v))}
+            if (who := _chain(r.func.value) if isinstance(r.func, ast.Attribute) else None) is not None:
+                self.names |= {f"{who}.last_saved_step", f"{who}.latest_step"}
+        while True:
+            before = len(self.names)
+            for n in nodes:
+                self._flow(n, _callee, _receiver)
+            if len(self.names) == before:
+                return
+
+    def __call__(self, node: ast.AST | None) -> bool:
+        return node is not None and (bool(_chains(node) & self.names) or any(id(x) in self.calls for x in ast.walk(node)))
+
+    def _flow(self, n: ast.AST, callee: Any, receiver: Any) -> None:
+        if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and n.value is not None:
+            for t, v in _pairs(n):
+                if self(n.value if v is None else v) and (c := _chain(t)):
+                    self.names.add(c)
+                if n.lineno < self.first and self(t) and v is not None:
+                    self._into(v)  # before the restore, state = {"progress": progress}: restored in place
+        elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)) and self(n.iter):
+            self.names |= {c for x in _targets(n.target) if (c := _chain(x))}
+        elif isinstance(n, ast.withitem) and n.optional_vars is not None and self(n.context_expr):
+            self.names |= {c for x in _targets(n.optional_vars) if (c := _chain(x))}
+        elif isinstance(n, ast.Call) and callee(n) in ("update", "setdefault") and isinstance(n.func, ast.Attribute) \
+                and n.lineno < self.first and self(n.func.value):
+            for a in [*n.args, *(k.value for k in n.keywords)]:
+                self._into(a)
+
+    def _into(self, value: ast.AST) -> None:
+        """The objects a value put into the state names: ``progress`` of ``{"progress": progress}``."""
+        if isinstance(value, ast.Dict):
+            parts: list[ast.AST] = list(value.values)
+        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+            parts = [k.value for k in value.keywords]
+        else:
+            parts = [value]
+        self.names |= {c for v in parts if (c := _chain(v))}
+
+
+def _fresh(value: ast.AST | None) -> bool:
+    """A value that is the same at every start: a literal, or a class built from literals (``TrainState()``)."""
+    if value is None:
+        return True
+    if isinstance(value, ast.Constant):
+        return isinstance(value.value, (int, float)) and not isinstance(value.value, bool)
+    if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub):
+        return _fresh(value.operand)
+    if isinstance(value, ast.Call):
+        from .doctor_source import _callee
+
+        name = _callee(value)
+        return (name[:1].isupper() or name == "dict") and all(_fresh(a) for a in [*value.args, *(k.value for k in value.keywords)])
+    return False
+
+
+def _assigned(nodes: list[ast.AST], chain: str, before: int) -> list[ast.AST | None]:
+    """The values assigned to ``chain`` in the scope's statements before line ``before`` (None: not a plain value)."""
+    return [v for n in nodes if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.lineno < before
+            for t, v in _pairs(n) if _chain(t) == chain]
+
+
+def _counter(nodes: list[ast.AST], loop: ast.AST, chain: str) -> ast.AST | None:
+    """The literal that ``chain`` is set to before ``loop`` (``step = 0``, or ``TrainState()`` for
+    ``ts.step`` of ``ts = TrainState()``) when the loop moves it (``step += 1``), else None."""
+    if not any(isinstance(x, ast.AugAssign) and _chain(x.target) == chain for x in ast.walk(loop)):
+        return None
+    for c in [chain, chain.rsplit(".", 1)[0]] if "." in chain else [chain]:
+        values = _assigned(nodes, c, loop.lineno)  # type: ignore[attr-defined]
+        if values:
+            return values[-1] if all(_fresh(v) for v in values) else None
+    return None
+
+
+def _header(loop: ast.AST, nodes: list[ast.AST]) -> str | None:
+    """The start that the loop's header shows to be always the same (``range(N)``), or None."""
+    if isinstance(loop, (ast.For, ast.AsyncFor)):
+        from .doctor_source import _callee
+
+        it = loop.iter
+        while isinstance(it, ast.Call) and _callee(it) in _WRAPS - {"trange"} and it.args:
+            it = it.args[0]
+        if not (isinstance(it, ast.Call) and _callee(it) in _COUNTS):
+            return None
+        start = it.args[0] if len(it.args) >= (1 if _callee(it) == "count" else 2) else None
+        if _fresh(start) or isinstance(start, ast.Name) and (vs := _assigned(nodes, start.id, loop.lineno)) and all(
+                _fresh(v) for v in vs):
+            from .doctor_datapos import _target
+
+            return f"for {_target(loop.target)} in {ast.unparse(loop.iter)}"
+        return None
+    if isinstance(loop, ast.While):
+        for c in sorted(_chains(loop.test)):
+            if (v := _counter(nodes, loop, c)) is not None:
+                return f"while {ast.unparse(loop.test)} ({c} from {ast.unparse(v)})"
+    return None
+
+
+def _saves(loop: ast.AST, managers: set[str], savers: set[str]) -> tuple[bool, list[ast.AST], list[ast.AST], bool]:
+    """Whether the loop saves; what its saves are given (the step of a ``save(step, ...)``, every
+    argument of a function of the script that saves); the steps given to the restoring managers;
+    whether it saves through another manager too."""
+    from .doctor_accum import _is_save
+    from .doctor_source import _callee
+
+    calls = [c for c in ast.walk(loop) if isinstance(c, ast.Call)]
+    mine = [c for c in calls if _callee(c) in savers]
+    given = [a for c in mine for a in [*c.args, *(k.value for k in c.keywords)]]
+    steps = [(c, c.args[0] if c.args else next((k.value for k in c.keywords if k.arg == "step"), None)) for c in calls
+             if _is_save(c) and _callee(c) in ("save", "async_save") and c not in mine]
+    given += [x for _, x in steps if x is not None]
+    own = [c for c, _ in steps if isinstance(c.func, ast.Attribute) and _chain(c.func.value) in managers]
+    return (bool(mine) or any(_is_save(c) for c in calls), given, [x for c, x in steps if c in own and x is not None],
+            len(own) < len(steps))
+
+
+def _skips(loop: ast.AST, taint: _Taint) -> bool:
+    """An ``if`` on restored information that skips a pass: ``if step < resume_step: continue``."""
+    return any(isinstance(x, ast.If) and taint(x.test) and any(isinstance(y, ast.Continue) for y in ast.walk(x))
+               for x in ast.walk(loop))
+
+
+def _restarted_step(step: ast.AST, loop: ast.AST, nodes: list[ast.AST]) -> bool:
+    """A save step that starts over: a counter set to a literal before the loop, or a loop's own index
+    over a ``range`` from a literal."""
+    c = _chain(step)
+    if c is None:
+        return False
+    if _counter(nodes, loop, c) is not None:
+        return True
+    return any(isinstance(x, (ast.For, ast.AsyncFor)) and _chain(x.target) == c and _header(x, nodes) is not None
+               for x in ast.walk(loop))
+
+
+def resume_start(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
+    """An error for a training loop that starts over after a restore (module doc); ``None`` without
+    source or without a restore, else ``ok``. Static: any rank, no I/O."""
+    from .doctor import Finding
+    from .doctor_restore import _is_checkpoint_restore, _savers
+    from .doctor_rng import _helpers
+    from .doctor_source import _callee, _own_nodes, _receiver, _tree
+
+    if (tree := _tree(s)) is None:
+        return None
+    _, restorers = _helpers(tree)
+    savers = _savers(tree) - restorers
+    hits: list[tuple[ast.AST, ast.Call, str]] = []
+    seen = False
+    asserted = {id(x) for n in ast.walk(tree) if isinstance(n, ast.Assert) for x in ast.walk(n)}
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        nodes = list(_own_nodes(scope))
+        restores = [c for c in nodes if isinstance(c, ast.Call) and (_is_checkpoint_restore(c) and not (
+            _callee(c) == "load" and len(c.args) > 1 and isinstance(c.args[1], ast.Dict))  # tg.load(p, {...}): a warm start
+            or _callee(c) in restorers and _receiver(c) in (None, "self", "cls"))]
+        if not restores:
+            continue
+        seen = True
+        if any(id(r) in asserted or any(k.arg == "step" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+                                        for k in r.keywords) for r in restores):
+            continue  # assert mgr.restore(state) is None, a rollback to a step it names: the script knows the start
+        taint = _Taint(nodes, restores)
+        guarded = {id(x) for n in nodes if isinstance(n, ast.If) and taint(n.test) for x in ast.walk(n)}  # if start is None:
+        managers = {w for r in restores if isinstance(r.func, ast.Attribute) and (w := _chain(r.func.value))}
+        first = min(r.lineno for r in restores)
+        loops = [n for n in nodes if isinstance(n, _LOOPS) and n.lineno > first]
+        inner = {id(x) for n in loops for x in ast.walk(n) if x is not n}
+        for loop in (n for n in loops if id(n) not in inner and id(n) not in guarded):
+            saves, given, steps, others = _saves(loop, managers, savers)
+            if not saves or _skips(loop, taint) or any(taint(x) for x in given) or managers and others and not steps:
+                continue  # others only: saves through another manager than the one restored (a warm start)
+            head = loop.iter if isinstance(loop, (ast.For, ast.AsyncFor)) else loop.test  # type: ignore[attr-defined]
+            why = None if taint(head) or (h := _header(loop, nodes)) is None else f"starts at the same step on every run: {h}"
+            if why is None and (late := [x for x in steps if _restarted_step(x, loop, nodes)]):  # save(1) after step 50
+                why = f"gives the manager a step that starts over on every run: save({ast.unparse(late[0])}, ...)"
+            if why is not None:
+                hits.append((loop, min(restores, key=lambda r: r.lineno), why))
+    if not seen:
+        return None
+    if not hits:
+        return Finding("resume start", "ok", "the training loop starts from what the restore returned or restored")
+    loop, r, why = min(hits, key=lambda h: h[0].lineno)  # type: ignore[attr-defined]
+    return Finding("resume start", "error", f"line {loop.lineno}: the training loop {why}, whatever "  # type: ignore[attr-defined]
+                   f"{ast.unparse(r)} (line {r.lineno}) restored: neither the step it returns nor a counter of the "
+                   "state sets where the loop starts, so a resumed run trains from the first step again on the "
+                   "restored weights, and the manager refuses its first save behind the restored step "
+                   "(CheckpointError) after that work is done", "start from the restored step: start = "
+                   "mgr.restore(state), then for step in range(0 if start is None else start + 1, N) (or loop on a "
+                   "counter kept in the state: while progress[\"step\"] < N)")
