@@ -13,8 +13,6 @@ Found and fixed:
   ``ExponentialLR``, which only multiplies the restored learning rate: measured exact);
 - ``bad_epochs`` (any name containing "epoch", "sample" or "batch") was taken for a data counter;
 - ``tg.ResumableIterable`` in the state was "no sampler or data loader with a state_dict" (a warning);
-- a validation loader iterated in a comprehension (``sum(... for x, y in val_loader)``) was reported
-  for its missing ``generator=``, as a ``for`` loop over it is not;
 - a state with only a counter (or a StateDict) and a save inside the loop over a plain ``DataLoader``
   (a ``DistributedSampler``, mid-epoch) was a warning; the resume trains the epoch's first batches
   again (seen: ``save(step=8)`` refused after a resume at step 9): now an error.
@@ -358,6 +356,32 @@ def test_a_data_counter_is_a_number(value: object) -> None:
     (f,) = [f for f in check({"model": torch.nn.Linear(2, 1), "p": {"epoch_tag": value}}, Settings())
             if f.check == "data position"]
     assert f.severity == "error", f
+
+
+EPOCHS = ("for epoch in range(start, 9):\n    for i, (x, y) in enumerate(loader):\n        loss.backward()\n"
+          "        %s\n")
+
+
+@pytest.mark.parametrize(("loader", "save", "severity"), [
+    ("DataLoader(ds, batch_size=8, sampler=DistributedSampler(ds))", "mgr.save(step, state)", "error"),
+    ("DataLoader(ds, batch_size=8, shuffle=True)", "mgr.save(step, state)", "error"),
+    ("DataLoader(ds, batch_size=8, shuffle=True)", "if i == len(loader) - 1:\n            mgr.save(epoch, state)", "warning"),
+    ("DataLoader(ds, batch_size=8, shuffle=True)", "if i < skip:\n            continue\n        mgr.save(step, state)", "warning"),
+    ("DataLoader(ds, batch_size=8, batch_sampler=MyOrder(ds))", "mgr.save(step, state)", "warning"),  # may keep it
+    ("DataLoader(ds, 8, False, my_sampler)", "mgr.save(step, state)", "warning"),  # a sampler not read
+    ("DataLoader(ds, **loader_kwargs)", "mgr.save(step, state)", "warning"),
+])
+def test_a_save_inside_the_loop_over_a_forgetful_loader_is_an_error(loader: str, save: str, severity: str) -> None:
+    """Only a counter (or a StateDict) for the data position: a warning, unless the script visibly saves
+    mid-epoch over a loader whose sampler keeps no position and skips nothing after a resume."""
+    import trainguard as tg
+
+    src = f"loader = {loader}\n" + EPOCHS % save
+    state = {"model": torch.nn.Linear(2, 1), "progress": tg.StateDict(step=0, epoch=0)}
+    (f,) = [f for f in check(state, Settings(source=src)) if f.check == "data position"]
+    assert f.severity == severity, (src, f)
+    assert ("saves inside its loop over a DataLoader (line 3: for i, (x, y) in enumerate(loader))" in f.message) == (
+        severity == "error"), f
 
 
 def test_readme_and_docs_code_blocks_get_no_error() -> None:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
+_TORCH_SAMPLERS = {"DistributedSampler", "RandomSampler", "SequentialSampler", "WeightedRandomSampler",
+                   "SubsetRandomSampler", "BatchSampler"}  # none keeps a position
 _UNITS = {"sample", "samples", "epoch", "epochs", "batch", "batches"}
 _WHERE = {"seen", "consumed", "done", "processed", "completed", "trained", "read", "passed", "finished", "elapsed",
           "idx", "index", "count", "counter", "cnt", "num", "n", "nb", "cur", "current", "curr", "global", "total",
@@ -96,7 +98,8 @@ def _target(t: ast.expr) -> str:
 
 
 def mid_epoch(source: str | None) -> ast.For | None:
-    """The first ``for`` loop over a ``DataLoader`` (one built in the call, or a name assigned one;
+    """The first ``for`` loop over a ``DataLoader`` whose sampler keeps no position (none given, or one
+    of torch's, ``DistributedSampler(...)``; built in the call, or a name assigned only such loaders;
     through ``enumerate``/``tqdm``/``zip``) whose body saves (``mgr.save``, or a function of the script
     that saves), not under an ``if`` on a ``len(...)`` (the epoch's last batch), in a function that
     skips no batches (no ``islice``, ``skip_first_batches``, nor an ``if ...: continue`` in the loop)."""
@@ -108,8 +111,24 @@ def mid_epoch(source: str | None) -> ast.For | None:
         tree = ast.parse(source or "")
     except SyntaxError:
         return None
-    loaders = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-               and _callee(n.value) == "DataLoader" for t in n.targets if isinstance(t, ast.Name)}
+    plain = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+             and _callee(n.value) in _TORCH_SAMPLERS for t in n.targets if isinstance(t, ast.Name)}
+
+    def forgets(c: ast.AST) -> bool:
+        """A DataLoader(...) whose sampler keeps no position: none given, or one of torch's."""
+        if not (isinstance(c, ast.Call) and _callee(c) == "DataLoader" and len(c.args) < 4):
+            return False  # a sampler given as the 4th argument: not read
+        given = [k.value for k in c.keywords if k.arg in ("sampler", "batch_sampler", None)]
+        return all(
+            isinstance(v, ast.Call) and _callee(v) in _TORCH_SAMPLERS or isinstance(v, ast.Name) and v.id in plain
+            or isinstance(v, ast.Constant) and v.value is None for v in given)
+    built: dict[str, list[ast.AST]] = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            for t in n.targets:
+                if isinstance(t, ast.Name):
+                    built.setdefault(t.id, []).append(n.value)
+    loaders = {name for name, values in built.items() if all(forgets(v) for v in values)}
     savers = _savers(tree)
     for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
@@ -119,7 +138,7 @@ def mid_epoch(source: str | None) -> ast.For | None:
             it = loop.iter
             while isinstance(it, ast.Call) and _callee(it) in ("enumerate", "tqdm", "zip") and it.args:
                 it = it.args[0]
-            if not (isinstance(it, ast.Call) and _callee(it) == "DataLoader" or isinstance(it, ast.Name) and it.id in loaders):
+            if not (forgets(it) or isinstance(it, ast.Name) and it.id in loaders):
                 continue
             if any(isinstance(x, ast.If) and any(isinstance(y, ast.Continue) for y in ast.walk(x)) for x in ast.walk(loop)):
                 continue

@@ -84,29 +84,27 @@ class _Taint:
     """What in one scope carries restored information (module doc), followed to a fixed point."""
 
     def __init__(self, nodes: list[ast.AST], restores: list[ast.Call]) -> None:
-        from .doctor_source import _callee, _receiver
-
         self.calls = {id(r) for r in restores}
         self.first = min(r.lineno for r in restores)
         self.names: set[str] = set()
-        for r in restores:
+        for r in restores:  # what it was given: the state (a dict's objects: restore({"progress": progress})), a path
             for a in [*r.args, *(k.value for k in r.keywords)]:
-                self.names |= {c for c in [_chain(a)] if c} if not isinstance(a, ast.Dict) else set()
-                if isinstance(a, ast.Dict):  # tg.load(path, {"progress": progress}): the dict's objects
-                    self.names |= {c for v in a.values if (c := _chain(v))}
-            if (who := _chain(r.func.value) if isinstance(r.func, ast.Attribute) else None) is not None:
+                self._into(a)
+            if isinstance(r.func, ast.Attribute) and (who := _chain(r.func.value)) is not None:
                 self.names |= {f"{who}.last_saved_step", f"{who}.latest_step"}
         while True:
             before = len(self.names)
             for n in nodes:
-                self._flow(n, _callee, _receiver)
+                self._flow(n)
             if len(self.names) == before:
                 return
 
     def __call__(self, node: ast.AST | None) -> bool:
         return node is not None and (bool(_chains(node) & self.names) or any(id(x) in self.calls for x in ast.walk(node)))
 
-    def _flow(self, n: ast.AST, callee: Any, receiver: Any) -> None:
+    def _flow(self, n: ast.AST) -> None:
+        from .doctor_source import _callee
+
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and n.value is not None:
             for t, v in _pairs(n):
                 if self(n.value if v is None else v) and (c := _chain(t)):
@@ -117,7 +115,7 @@ class _Taint:
             self.names |= {c for x in _targets(n.target) if (c := _chain(x))}
         elif isinstance(n, ast.withitem) and n.optional_vars is not None and self(n.context_expr):
             self.names |= {c for x in _targets(n.optional_vars) if (c := _chain(x))}
-        elif isinstance(n, ast.Call) and callee(n) in ("update", "setdefault") and isinstance(n.func, ast.Attribute) \
+        elif isinstance(n, ast.Call) and _callee(n) in ("update", "setdefault") and isinstance(n.func, ast.Attribute) \
                 and n.lineno < self.first and self(n.func.value):
             for a in [*n.args, *(k.value for k in n.keywords)]:
                 self._into(a)
