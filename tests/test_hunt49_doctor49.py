@@ -61,6 +61,14 @@ BROKEN = {
                                             '    torch.save(model.module.state_dict(), "final.pt")\n'
                                             "    dist.destroy_process_group()")],
                              {("one file, every rank", W)}, "torch.save(model.module.state_dict(), 'final.pt')"),
+    "ddp_steps__distsampler": ("ddp_steps", [("    sampler = tg.ResumableSampler(DATA, seed=0)\n", ""),
+                                             ('"data": sampler,\n             ', ''),
+                                             ('state["sched"], state["data"]', 'state["sched"], DistributedSampler(DATA, seed=0)'),
+                                             ("                sampler.advance(len(x))\n", ""),
+                                             ("sampler.next_epoch()", "sampler.set_epoch(sampler.epoch + 1)"),
+                                             ("DataLoader, TensorDataset", "DataLoader, DistributedSampler, TensorDataset")],
+                               {("data position", E)}, "unless progress (StateDict) holds it; but the script saves "
+                               "inside its loop over a DataLoader (line 42: for x, y in loader)"),
     "grad_accum__midaccum": ("grad_accum", [('                    global_step += 1\n'
                                              '                    state["meta"]["global_step"] = global_step\n'
                                              '                    mgr.save(global_step, state)',

@@ -105,16 +105,22 @@ def mid_epoch(source: str | None) -> ast.For | None:
     skips no batches (no ``islice``, ``skip_first_batches``, nor an ``if ...: continue`` in the loop)."""
     from .doctor_accum import _is_save
     from .doctor_restore import _savers
+    from .doctor_resume import _pairs
     from .doctor_source import _callee, _own_nodes
 
     try:
         tree = ast.parse(source or "")
     except SyntaxError:
         return None
-    plain = {t.id for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-             and _callee(n.value) in _TORCH_SAMPLERS for t in n.targets if isinstance(t, ast.Name)}
+    built: dict[str, list[ast.AST | None]] = {}  # what each name is assigned (tuples item by item; None: unpacked)
+    for n in ast.walk(tree):
+        for t, v in _pairs(n):
+            if isinstance(t, ast.Name):
+                built.setdefault(t.id, []).append(v)
+    plain = {name for name, values in built.items()
+             if all(isinstance(v, ast.Call) and _callee(v) in _TORCH_SAMPLERS for v in values)}
 
-    def forgets(c: ast.AST) -> bool:
+    def forgets(c: ast.AST | None) -> bool:
         """A DataLoader(...) whose sampler keeps no position: none given, or one of torch's."""
         if not (isinstance(c, ast.Call) and _callee(c) == "DataLoader" and len(c.args) < 4):
             return False  # a sampler given as the 4th argument: not read
@@ -122,12 +128,6 @@ def mid_epoch(source: str | None) -> ast.For | None:
         return all(
             isinstance(v, ast.Call) and _callee(v) in _TORCH_SAMPLERS or isinstance(v, ast.Name) and v.id in plain
             or isinstance(v, ast.Constant) and v.value is None for v in given)
-    built: dict[str, list[ast.AST]] = {}
-    for n in ast.walk(tree):
-        if isinstance(n, ast.Assign):
-            for t in n.targets:
-                if isinstance(t, ast.Name):
-                    built.setdefault(t.id, []).append(n.value)
     loaders = {name for name, values in built.items() if all(forgets(v) for v in values)}
     savers = _savers(tree)
     for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
