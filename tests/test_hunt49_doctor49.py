@@ -8,6 +8,8 @@ Found and fixed:
 - a restore whose result never reaches the training loop (``mgr.restore(state)`` then ``for step in
   range(N)``) was not reported; the resumed loop trains from step 0 on the restored weights and its first
   save behind the restored step raises CheckpointError: now the "resume start" error;
+- a loop resumed at the restored step + 1 that saves each step before training it (nanoGPT's order with
+  the README's ``start + 1``) never trains the saved step after a resume: now the "resume start" error too;
 - an LR scheduler the loop steps but the state leaves out was a warning, also when another one was saved
   (a GAN's ``schedD``: "ok"); its schedule restarts at each resume: now an error (a warning for an
   ``ExponentialLR``, which only multiplies the restored learning rate: measured exact);
@@ -84,6 +86,13 @@ BROKEN = {
                                      "        mgr.restore(state)\n        for step in range(args.steps):")],
                      {DP, ("resume start", E)}, "line 31: the training loop starts at the same step on every run: "
                      "for step in range(args.steps), whatever mgr.restore(state) (line 30) restored"),
+    "amp__savefirst": ("amp_scaler", [("            x = torch.randn(64, 32, device=DEVICE)",
+                                       '            state["step"]["step"] = step\n            mgr.save(step, state)\n'
+                                       "            x = torch.randn(64, 32, device=DEVICE)"),
+                                      ('            state["step"]["step"] = step\n            mgr.save(step, state)\n'
+                                       "            if mgr.should_stop:", "            if mgr.should_stop:")],
+                       {DP, ("resume start", E)}, "saves each step before training it (line 35: mgr.save(step, "
+                       "state), before line 40: scaler.scale(loss).backward()) and resumes at the restored step + 1"),
     "hf_style__ignored": ("hf_style", [("        restored = mgr.restore(state)\n        if restored is not None:\n"
                                         "            completed_steps = restored\n"
                                         "            starting_epoch = completed_steps // num_update_steps_per_epoch\n"
@@ -240,6 +249,10 @@ LOOP = "    loss.backward()\n    mgr.save(step, state)\n"
     HEAD + "def resume():\n    return mgr.restore(state)\nstart = resume()\nfor step in range(start or 0, 9):\n" + LOOP,
     HEAD + "mgr.restore(state)\nfor step in range(args.first, 100):\n" + LOOP,  # a start the text does not show
     HEAD + "mgr.restore(state)\nfor step in range(100):\n    loss.backward()\n",  # no save: no training run's loop
+    HEAD + "start = mgr.restore(state)\nfor step in range(start or 0, 100):\n    mgr.save(step, state)\n"
+    "    loss.backward()\n",  # nanoGPT's order: a save at the top of the step, resumed at that step
+    HEAD + "start = mgr.restore(state)\nfor step in range(0 if start is None else start + 1, 100):\n"
+    "    loss.backward()\n    opt.step()\n    mgr.save(step, state)\n",
     HEAD + "src.restore(state)\nfor step in range(100):\n    loss.backward()\n    dst.save(step, state)\n",  # warm start
 ])
 def test_resume_start_accepts_the_ways_a_loop_starts_from_the_restore(src: str) -> None:
@@ -253,6 +266,9 @@ def test_resume_start_accepts_the_ways_a_loop_starts_from_the_restore(src: str) 
      "    for x in loader:\n        loss.backward()\n        mgr.save(epoch, state)\n", "for epoch in range(args.epochs)"),
     (HEAD + "mgr.restore(state)\nstep = 0\nwhile True:\n    step += 1\n" + LOOP, "save(step, ...)"),
     (HEAD + "mgr.restore(state)\nfor step in itertools.count():\n" + LOOP, "itertools.count()"),
+    (HEAD + "start = mgr.restore(state)\nstep = 0 if start is None else start + 1\nwhile step < 9:\n"
+     "    if step % 3 == 0:\n        mgr.save(step, state)\n    loss.backward()\n    opt.step()\n    step += 1\n",
+     "saves each step before training it (line 7: mgr.save(step, state), before line 8: loss.backward())"),
     (HEAD + "def main():\n    mgr.restore(state)\n    for step in tqdm(range(9)):\n        loss.backward()\n"
      "        mgr.save(step, state)\n", "tqdm(range(9))"),
 ])

@@ -21,6 +21,12 @@ when, besides, it visibly starts over: a ``range``/``count`` from a literal (or 
 only literals), a ``while`` on such a counter that the loop increments (or an attribute of an object
 built in the function, ``TrainState()``), or a save step that is such a counter. A start the text
 does not show (a parameter, ``args.start``, a function's result) is not reported.
+
+Also an error: a loop that resumes at the restored step + 1 (``range(0 if start is None else start +
+1, N)``, a counter assigned ``start + 1``) but saves each step before training it (``mgr.save(step,
+state)`` above ``loss.backward()``/``optimizer.step()``, nanoGPT's order): the checkpoint of step s
+holds the state before step s, and the resume never trains step s (seen: resumed, the run's last
+checkpoint differed from the uninterrupted run's in every tensor).
 """
 
 from __future__ import annotations
@@ -225,6 +231,50 @@ def _restarted_step(step: ast.AST, loop: ast.AST, nodes: list[ast.AST]) -> bool:
                for x in ast.walk(loop))
 
 
+def _plus_one(expr: ast.AST | None, nodes: list[ast.AST], before: int, taint: _Taint) -> bool:
+    """Whether a loop's start is the restored step plus one (``start + 1``, ``0 if start is None else
+    start + 1``), in the expression or in what its name is assigned before the loop."""
+    if expr is None:
+        return False
+    values = [expr, *(v for v in _assigned(nodes, expr.id, before) if v is not None)] if isinstance(expr, ast.Name) else [expr]
+    return any(isinstance(b, ast.BinOp) and isinstance(b.op, ast.Add) and isinstance(b.right, ast.Constant)
+               and b.right.value == 1 and taint(b.left) for v in values for b in ast.walk(v))
+
+
+def _saved_before_trained(loop: ast.AST, nodes: list[ast.AST], managers: set[str], taint: _Taint) -> str | None:
+    """A loop that resumes at the restored step + 1 but saves each step before training it
+    (``mgr.save(step, state)`` above ``loss.backward()``): the checkpoint of step s holds the state
+    before step s trained, so a resume never trains step s."""
+    from .doctor_accum import _is_step
+    from .doctor_source import _callee
+
+    if isinstance(loop, (ast.For, ast.AsyncFor)):
+        it = loop.iter
+        while isinstance(it, ast.Call) and _callee(it) in _WRAPS - {"trange"} and it.args:
+            it = it.args[0]
+        if not (isinstance(it, ast.Call) and _callee(it) in _COUNTS and it.args):
+            return None
+        counter, start = _chain(loop.target), it.args[0] if len(it.args) >= (1 if _callee(it) == "count" else 2) else None
+    elif isinstance(loop, ast.While):
+        moved = [x for x in ast.walk(loop) if isinstance(x, ast.AugAssign) and _chain(x.target) in _chains(loop.test)]
+        counter = _chain(moved[0].target) if moved else None
+        start = ast.Name(id=counter, ctx=ast.Load()) if counter and "." not in counter else None
+    else:
+        return None
+    if counter is None or not _plus_one(start, nodes, loop.lineno, taint):  # type: ignore[attr-defined]
+        return None
+    calls = [c for c in ast.walk(loop) if isinstance(c, ast.Call)]
+    saves = [c for c in calls if _callee(c) == "save" and isinstance(c.func, ast.Attribute) and _chain(c.func.value)
+             in managers and (c.args[:1] or [None])[0] is not None and _chain(c.args[0]) == counter]
+    trains = [c for c in calls if _callee(c) == "backward" or _is_step(c)]
+    if saves and trains and min(c.lineno for c in saves) < min(c.lineno for c in trains):
+        first = min(saves, key=lambda c: c.lineno)
+        train = min(trains, key=lambda c: c.lineno)
+        return (f"saves each step before training it (line {first.lineno}: {ast.unparse(first)}, before line "
+                f"{train.lineno}: {ast.unparse(train)}) and resumes at the restored step + 1")
+    return None
+
+
 def resume_start(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """An error for a training loop that starts over after a restore (module doc); ``None`` without
     source or without a restore, else ``ok``. Static: any rank, no I/O."""
@@ -267,11 +317,20 @@ def resume_start(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                 why = f"gives the manager a step that starts over on every run: save({ast.unparse(late[0])}, ...)"
             if why is not None:
                 hits.append((loop, min(restores, key=lambda r: r.lineno), why))
+        for loop in (n for n in loops if id(n) not in guarded):  # (inner loops too: the step loop of an epoch loop)
+            if (why := _saved_before_trained(loop, nodes, managers, taint)) is not None:
+                hits.append((loop, min(restores, key=lambda r: r.lineno), why))
     if not seen:
         return None
     if not hits:
         return Finding("resume start", "ok", "the training loop starts from what the restore returned or restored")
     loop, r, why = min(hits, key=lambda h: h[0].lineno)  # type: ignore[attr-defined]
+    if why.startswith("saves each step before"):
+        return Finding("resume start", "error", f"line {loop.lineno}: the training loop {why} "  # type: ignore[attr-defined]
+                       f"that {ast.unparse(r)} (line {r.lineno}) returns: the checkpoint of step s holds the state "
+                       "before step s trained, so a resume from it goes on at s + 1 and step s is never trained "
+                       "(nor its batch drawn): the run is no longer the uninterrupted one", "save after the "
+                       "optimizer step, or resume at the restored step itself: range(0 if start is None else start, N)")
     return Finding("resume start", "error", f"line {loop.lineno}: the training loop {why}, whatever "  # type: ignore[attr-defined]
                    f"{ast.unparse(r)} (line {r.lineno}) restored: neither the step it returns nor a counter of the "
                    "state sets where the loop starts, so a resumed run trains from the first step again on the "
