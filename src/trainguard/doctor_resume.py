@@ -87,7 +87,9 @@ def _pairs(n: ast.AST) -> Iterator[tuple[ast.AST, ast.AST | None]]:
 
 
 class _Taint:
-    """What in one scope carries restored information (module doc), followed to a fixed point."""
+    """What in one scope carries restored information (module doc): the names that the restore's result,
+    what it was given and ``mgr.last_saved_step`` flow into through assignments (a worklist over the
+    scope's assignments, each read once)."""
 
     def __init__(self, nodes: list[ast.AST], restores: list[ast.Call]) -> None:
         self.calls = {id(r) for r in restores}
@@ -95,46 +97,57 @@ class _Taint:
         self.names: set[str] = set()
         for r in restores:  # what it was given: the state (a dict's objects: restore({"progress": progress})), a path
             for a in [*r.args, *(k.value for k in r.keywords)]:
-                self._into(a)
+                self.names |= _objects(a)
             if isinstance(r.func, ast.Attribute) and (who := _chain(r.func.value)) is not None:
                 self.names |= {f"{who}.last_saved_step", f"{who}.latest_step"}
-        while True:
-            before = len(self.names)
-            for n in nodes:
-                self._flow(n)
-            if len(self.names) == before:
-                return
+        edges = [e for n in nodes for e in self._edges(n)]
+        readers: dict[str, list[int]] = {}
+        for i, (reads, _, _) in enumerate(edges):
+            for c in reads:
+                readers.setdefault(c, []).append(i)
+        todo = [i for i, (reads, hit, _) in enumerate(edges) if hit or reads & self.names]
+        while todo:
+            for c in edges[todo.pop()][2] - self.names:
+                self.names.add(c)
+                todo += readers.get(c, [])
 
     def __call__(self, node: ast.AST | None) -> bool:
         return node is not None and (bool(_chains(node) & self.names) or any(id(x) in self.calls for x in ast.walk(node)))
 
-    def _flow(self, n: ast.AST) -> None:
+    def _edges(self, n: ast.AST) -> list[tuple[set[str], bool, set[str]]]:
+        """(what it reads, whether it holds the restore's call, what it then carries) for each flow of ``n``."""
         from .doctor_source import _callee
 
+        def hit(x: ast.AST) -> bool:
+            return any(id(y) in self.calls for y in ast.walk(x))
+        out = []
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and n.value is not None:
             for t, v in _pairs(n):
-                if self(n.value if v is None else v) and (c := _chain(t)):
-                    self.names.add(c)
-                if n.lineno < self.first and self(t) and v is not None:
-                    self._into(v)  # before the restore, state = {"progress": progress}: restored in place
-        elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)) and self(n.iter):
-            self.names |= {c for x in _targets(n.target) if (c := _chain(x))}
-        elif isinstance(n, ast.withitem) and n.optional_vars is not None and self(n.context_expr):
-            self.names |= {c for x in _targets(n.optional_vars) if (c := _chain(x))}
+                value = n.value if v is None else v
+                out.append((_chains(value), hit(value), {c for c in [_chain(t)] if c}))
+                if n.lineno < self.first and v is not None:  # before the restore, state = {"progress": progress}
+                    out.append((_chains(t), False, _objects(v)))  # restored in place
+        elif isinstance(n, (ast.For, ast.AsyncFor, ast.comprehension)):
+            out.append((_chains(n.iter), hit(n.iter), {c for x in _targets(n.target) if (c := _chain(x))}))
+        elif isinstance(n, ast.withitem) and n.optional_vars is not None:
+            out.append((_chains(n.context_expr), hit(n.context_expr),
+                        {c for x in _targets(n.optional_vars) if (c := _chain(x))}))
         elif isinstance(n, ast.Call) and _callee(n) in ("update", "setdefault") and isinstance(n.func, ast.Attribute) \
-                and n.lineno < self.first and self(n.func.value):
-            for a in [*n.args, *(k.value for k in n.keywords)]:
-                self._into(a)
+                and n.lineno < self.first:
+            out.append((_chains(n.func.value), False, {c for a in [*n.args, *(k.value for k in n.keywords)]
+                                                        for c in _objects(a)}))
+        return out
 
-    def _into(self, value: ast.AST) -> None:
-        """The objects a value put into the state names: ``progress`` of ``{"progress": progress}``."""
-        if isinstance(value, ast.Dict):
-            parts: list[ast.AST] = list(value.values)
-        elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
-            parts = [k.value for k in value.keywords]
-        else:
-            parts = [value]
-        self.names |= {c for v in parts if (c := _chain(v))}
+
+def _objects(value: ast.AST) -> set[str]:
+    """The objects a value put into the state names: ``progress`` of ``{"progress": progress}``."""
+    if isinstance(value, ast.Dict):
+        parts: list[ast.AST] = list(value.values)
+    elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "dict":
+        parts = [k.value for k in value.keywords]
+    else:
+        parts = [value]
+    return {c for v in parts if (c := _chain(v))}
 
 
 def _fresh(value: ast.AST | None) -> bool:
