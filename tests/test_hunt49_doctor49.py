@@ -342,6 +342,20 @@ SCHED = ("import torch\nimport trainguard as tg\n\ndef trainguard_state():\n"
          "%s            mgr.save(step, state)\n")
 
 
+def test_a_scheduler_held_by_an_object_of_the_state_is_no_error(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(SCHED.replace("    return {'model'", "    class Schedules:\n        def __init__(self, opt):\n"
+                                    "            self.all = [torch.optim.lr_scheduler.StepLR(opt, step_size=2)]\n\n"
+                                    "        def state_dict(self):\n            return {}\n\n"
+                                    "        def load_state_dict(self, sd):\n            pass\n\n"
+                                    "        def step(self):\n            for s in self.all:\n                s.step()\n"
+                                    "    return {'sched': Schedules(opt), 'model'") % (
+        "torch.optim.lr_scheduler.StepLR", "step_size=2", "            sched.step()\n"))
+    code, found = _doctor(script)
+    (f,) = [f for f in found if f["check"] == "optimizer+scheduler"]  # not the error: the state's Schedules holds it
+    assert f["severity"] == "warning" and "saved without an LR scheduler" in f["message"] and code == 0, f
+
+
 @pytest.mark.parametrize(("sched", "args", "stepped", "severity", "words"), [
     ("torch.optim.lr_scheduler.StepLR", "step_size=2", True, "error", "steps 1 LR scheduler(s) (sched, line 11: StepLR)"),
     ("torch.optim.lr_scheduler.StepLR", "step_size=2", False, "warning", "saved without an LR scheduler"),

@@ -59,6 +59,9 @@ def unsaved_scheduler(leaves: list[tuple[str, Any]], s: Settings) -> Finding | N
 
     opts = [(p, x) for p, x in leaves if _is_optimizer(x)]
     scheds = [x for _, x in leaves if _is_scheduler(x)]
+    # and those an object of the state holds (a container of the script's own with state_dict: Schedules(opt).s)
+    held = [v for _, x in leaves if not _is_scheduler(x) for v in (getattr(x, "__dict__", None) or {}).values()]
+    scheds += [v for v in [*held, *(w for v in held if isinstance(v, (list, tuple)) for w in v)] if _is_scheduler(v)]
     bare = [(p, o) for p, o in opts if not any(sc.optimizer is o for sc in scheds)]
     try:
         tree = ast.parse(s.source or "")
