@@ -121,6 +121,7 @@ def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
     if not isinstance(state, Mapping):
         raise TypeError(f"the state must be a dict of named objects, got {type(state).__name__}")
     leaves = list(_walk(state))
+    from .doctor_datapos import data_position as _data
     from .doctor_source import source_checks
 
     checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
@@ -192,9 +193,9 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
     if lost:
         return Finding(name, "error", f"the scheduler at {lost[0]} drives an optimizer that is not in the state",
                        "save the optimizer the scheduler was built with")
-    from .doctor_optcover import uncovered
+    from .doctor_optcover import uncovered, unsaved_scheduler
 
-    if opts and (miss := uncovered(leaves, s)) is not None:
+    if opts and (miss := uncovered(leaves, s) or unsaved_scheduler(leaves, s)) is not None:
         return miss
     if opts and not scheds:
         return Finding(name, "warning", f"the optimizer ({opts[0][0]}) is saved without an LR scheduler: "
@@ -224,25 +225,6 @@ def _rng(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
         return Finding("rng", "ok", f"RNG state saved ({hits[0]})")
     return Finding("rng", "warning", "no RNG state: after a resume dropout masks, augmentations and sampling "
                    "differ from an uninterrupted run", 'add state["rng"] = tg.RNGState() (python, numpy, torch, CUDA)')
-
-
-def _data(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
-    ok = [(p, x) for p, x in leaves if ("Sampler" in _name(x) or "DataLoader" in _name(x))
-          and callable(getattr(x, "state_dict", None))]
-    if ok:
-        return Finding("data position", "ok", f"data position saved ({ok[0][0]}: {_name(ok[0][1])})")
-    plain = [f"{p} is a {_name(x)}, which has no state_dict" for p, x in leaves
-             if "Sampler" in _name(x) or "DataLoader" in _name(x)]
-    counters = [p for p, _ in leaves if any(w in p.rsplit("/", 1)[-1].lower() for w in ("sample", "epoch", "batch"))]
-    why = "; ".join(plain) or "no sampler or data loader with a state_dict in the state"
-    fix = 'use tg.ResumableSampler (or torchdata\'s StatefulDataLoader) and add it: state["data"] = sampler'
-    if counters and not plain:
-        return Finding("data position", "warning", f"{why}; only a counter ({counters[0]}): a resume is exact "
-                       "only if your loader skips ahead by exactly that much", fix)
-    own = [] if plain else _own_stateful(leaves)
-    if own:  # a stateful object of the user's own (a resumable dataset/iterator) may well hold the position
-        return Finding("data position", "warning", f"{why}, unless {own[0][0]} ({_name(own[0][1])}) holds it", fix)
-    return Finding("data position", "error", f"{why}: a resume replays or skips data", fix)
 
 
 def _amp(leaves: list[tuple[str, Any]], s: Settings) -> Finding:

@@ -7,7 +7,8 @@ seed set after the restore (:mod:`trainguard.doctor_rng`), a generator object of
 from at each step but not saved (:mod:`trainguard.doctor_gens`), a weight average (EMA) updated in
 the loop but not saved (:mod:`trainguard.doctor_ema`), a persistent-worker loader seeded at each pass
 (:mod:`trainguard.doctor_persist`), a ``ReduceLROnPlateau`` fed a sum kept in a loop variable
-(:mod:`trainguard.doctor_accvar`). Each check returns ``None`` when
+(:mod:`trainguard.doctor_accvar`), a training loop that starts over after the restore
+(:mod:`trainguard.doctor_resume`). Each check returns ``None`` when
 there is no source to read (or it does not parse).
 """
 
@@ -50,10 +51,11 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     from .doctor_accvar import loop_accumulator
     from .doctor_onefile import one_file
     from .doctor_persist import pass_seeding
+    from .doctor_resume import resume_start
     from .doctor_signals import worker_signals
 
     return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
-            accum, augment, pass_seeding, loop_accumulator, restore_loop, restore_after)
+            accum, augment, pass_seeding, loop_accumulator, restore_loop, restore_after, resume_start)
 
 
 def _tree(s: Settings) -> ast.Module | None:
