@@ -199,13 +199,7 @@ class Tally:
 
     def step_line(self, t: float, pid: int, step: int) -> None:
         """:meth:`_seen` and :meth:`step` in one call (``eventscan.feed``'s lines read without json)."""
-        seq = self.events
-        self.events = seq + 1
-        if self.first is None or t < self.first:
-            self.first = t
-        if self.last is None or t >= self.last:
-            self.last = t
-        self.step(t, seq, pid, step)
+        self.step(t, self._seen(t), pid, step)
 
     def _take_step(self, t: Any, _seq: int, pid: Any, step: Any) -> None:
         p = self._prev
