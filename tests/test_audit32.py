@@ -306,8 +306,9 @@ def _regroup(rank: int, world: int, root: str) -> dict:
     dist.destroy_process_group()
     new_rank = world - 1 - rank  # the ranks renumbered: the dangerous case of a stale context
     dist.init_process_group("gloo", store=dist.FileStore(f"{root}/store", world), rank=new_rank, world_size=world)
-    # Python may give the new group the id() of the one just freed; make it so, as the cache saw it.
-    tgdist._CACHE[id(dist.group.WORLD)] = old
+    # The cache is keyed by id(store); make the new group's store find the old context there, as a
+    # freed id() given again would.
+    tgdist._CACHE[id(dist.distributed_c10d._get_default_store())] = old
     ctx = tgdist.DistContext.current()
     got = {"w": torch.zeros(4)}
     tg.load(f"{root}/a", got, timeout=30)

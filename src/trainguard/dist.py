@@ -124,19 +124,19 @@ class DistContext:
             return _NULL
         if getattr(_LOCAL, "ctx", None) is not None:  # in a manager's call: its channel (a restore's tg.load)
             return _LOCAL.ctx  # type: ignore[no-any-return]
-        pg = dist.group.WORLD
+        store = dist.distributed_c10d._get_default_store()
         with _MAKING:  # one context per group: two threads' first calls made two (generations apart)
-            # _PGS keeps the group: a new one made after destroy_process_group could get its freed id() (stale store)
-            ctx = _CACHE.get(id(pg)) if _PGS.get(id(pg)) is pg else None
-            if ctx is None:
-                from torch.distributed.distributed_c10d import _get_default_store
-
-                ctx = StoreDistContext(_get_default_store(), dist.get_rank(), dist.get_world_size())
+            # Keyed by the default group's store, which the context holds (its id() cannot be reused while it
+            # lives): a group made after destroy_process_group has a new store. Not by the group itself: a
+            # reference kept here would outlive destroy_process_group, and gloo's group then torn down during
+            # interpreter finalization aborted a rank ("terminate called without an active exception").
+            ctx = _CACHE.get(id(store))
+            if ctx is None or ctx.store.raw is not store:
+                ctx = StoreDistContext(store, dist.get_rank(), dist.get_world_size())
                 for old in _CACHE.values():
                     old.close()
                 _CACHE.clear()
-                _PGS.clear()
-                _CACHE[id(pg)], _PGS[id(pg)] = ctx, pg
+                _CACHE[id(store)] = ctx
         return ctx
 
 
@@ -152,8 +152,7 @@ def one_operation(fn: F) -> F:
 
 
 _NULL = DistContext()
-_CACHE: dict[int, DistContext] = {}
-_PGS: dict[int, Any] = {}  # the group of each context of _CACHE
+_CACHE: dict[int, StoreDistContext] = {}  # id(store) -> the context using that store (it keeps the store alive)
 _FORKED_CHILD = False  # forks.py: forked from a rank of an initialised group; not a rank itself
 _MAKING = threading.Lock()
 _LOCAL = threading.local()  # .ctx: the channel whose operation this thread is in (StoreDistContext.operation)
