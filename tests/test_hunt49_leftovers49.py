@@ -173,7 +173,7 @@ def test_a_checksum_mismatch_names_the_checkpoint_its_step_and_the_file(tmp_path
     assert "corrupt. The load had begun" in str(e.value)
     with tg.CheckpointManager(run) as mgr, pytest.raises(tg.CheckpointError) as e:
         mgr.restore({"model": torch.nn.Linear(16, 16)})
-    assert f"\nstep 5 ({run}/step-000000005): {run}/step-000000005/data-00000.bin (checkpoint of step 5)" in str(e.value)
+    assert f"\nstep 5: {run}/step-000000005/data-00000.bin: checksum mismatch " in str(e.value)  # each once (leftovers50)
 
 
 def _load_corrupt_ranks(rank: int, world: int, root: str) -> str:

@@ -1,5 +1,6 @@
 """The stall counts the retention deletes where the training thread runs them (rank 0): a sync
-save's inside its own save() call. An async save's run on its save thread once it commits
+save's inside its own save() call, logged in its save_retention event (after its save event, which
+is written at the commit: a kill during the deletes keeps it). An async save's run on its save thread once it commits
 (retention.at_commit); before, they ran inside the call that collected it (the next save), whose
 stall they were (0.13-0.34 s per 1 GB checkpoint here). A save() that has to wait for them counts
 that as waiting for the previous save (``stall_prev_s``), not as its own stall. On a parallel
@@ -44,5 +45,7 @@ def test_the_stall_counts_retention_deletes_where_the_training_thread_runs_them(
         assert deletes == [1, 2]
         if async_save:  # on the save thread: at most waited for, as for the previous save
             assert all(e["stall_s"] - e["stall_prev_s"] < 5.0 for e in events), events
-        else:  # inside the save() that committed the step
-            assert saves[3] >= 5.0 and saves[4] >= 5.0 and max(saves[1], saves[2]) < 5.0
+        else:  # inside the save() that committed the step: its save_retention event, after the save event
+            after = {e["step"]: e["stall_s"] for e in read_events(root) if e["event"] == "save_retention"}
+            assert after[3] >= 5.0 and after[4] >= 5.0 and max(after[1], after[2]) < 5.0
+            assert max(saves.values()) < 5.0  # the save event is written at the commit, before the deletes

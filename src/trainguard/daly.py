@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import Any
+from typing import Any, SupportsIndex
 
 from .errors import whole
 from .policies import SavePolicy
@@ -54,10 +54,10 @@ class DalyInterval(SavePolicy):
         node_failures_per_day: float | None = None,
         nodes: int = 1,
         node_mtbf_s: float | None = None,
-        initial_steps: int = 100,
-        min_steps: int = 1,
-        max_steps: int | None = None,
-        window: int = 5,
+        initial_steps: SupportsIndex = 100,
+        min_steps: SupportsIndex = 1,
+        max_steps: SupportsIndex | None = None,
+        window: SupportsIndex = 5,
     ) -> None:
         self.mtbf_s = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
         initial_steps, min_steps, window, max_steps = (whole(v) for v in (initial_steps, min_steps, window, max_steps))

@@ -49,12 +49,13 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
     """The checks on the script's source, in report order: ``check_source`` runs them, and
     ``doctor.check`` after its checks of the state."""
     from .doctor_accvar import loop_accumulator
+    from .doctor_importdraw import draw_before_seed
     from .doctor_onefile import one_file
     from .doctor_persist import pass_seeding
     from .doctor_resume import resume_start
     from .doctor_signals import worker_signals
 
-    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, own_generators, ema, worker_signals,
+    return (staging, loader_generator, loader_order, single_rank, one_file, reseed, draw_before_seed, own_generators, ema, worker_signals,
             accum, augment, pass_seeding, loop_accumulator, restore_loop, restore_after, resume_start)
 
 

@@ -15,9 +15,9 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, SupportsIndex
 
-from . import entrydrop, gradwatch, layout, policies, retention, runlock, saveevent
+from . import entrydrop, gradwatch, layout, partread, policies, retention, runlock, saveevent
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -184,7 +184,7 @@ class CheckpointManager:
     def _on_signal(self, signum: int, frame: Any) -> None:
         policies.on_stop_signal(self, signum, frame)  # only sets a flag (and tells a manager opened before this one)
 
-    def save(self, step: int, state: Mapping[str, Any], *, force: bool = False,
+    def save(self, step: SupportsIndex, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, MetricValue] | None = None) -> SaveHandle | None:
         """Call once per training step on every rank; saves when the policy says so (or ``force``, or after SIGTERM/SIGINT). Returns its handle, or None."""
         self._require_open()
@@ -301,13 +301,13 @@ class CheckpointManager:
         self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step + wait_staged() waits.
         stall = h.stall_s + h.hook_wait_s + h.wait_staged_s
+        saveevent.at_sync_commit(self, h, manifest.step, stall, manifest.total_bytes)  # before retention: a kill in it keeps it
         r0 = time.monotonic()
         if self.ram:
             self.ram.committed(manifest.step, self._apply_retention, manifest.total_bytes)
         elif self.ctx.rank == 0 and h.retained_at < 0:  # not run at the commit (retention.at_commit)
             self._apply_retention(manifest.step)
-        if not self.async_save:  # sync: save() returns after the retention deletes; training waited for them
-            stall += time.monotonic() - r0
+        stall += saveevent.retention_waited(self, manifest.step, time.monotonic() - r0)  # sync: training waited for it
         policies.report_saved(self, h, manifest.step, stall, manifest.total_bytes)  # to the policy and the event log
 
     def _report_failure(self, e: CheckpointError, step: int | None) -> None:
@@ -333,7 +333,7 @@ class CheckpointManager:
     def _apply_retention(self, newest: int) -> None:
         apply_retention(self, newest)  # after `newest` is committed, on rank 0, holding the lock (retention.py)
 
-    def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: int | None = None) -> int | None:
+    def restore(self, state: Mapping[str, Any], *, strict: bool = True, step: SupportsIndex | None = None) -> int | None:
         """Load the newest checkpoint that loads and verifies; fall back to older ones (logging
         why). Returns its step, or None on a fresh start. Every rank calls it; it first waits for an async save in flight
         (``wait``; and the RAM tier's copy to disk). ``step``: the newest at or before it (a rollback: the newer ones go when this run's first save commits)."""
@@ -363,7 +363,7 @@ class CheckpointManager:
                 log.warning("trainguard: checkpoint of step %d is not usable, trying an older one: %s", step, str(e))
                 self.events.emit("restore_skip", step=step, reason=str(e)[:2000])
                 self._rejected.add(step)
-                skipped.append(f"step {step} ({path}): {str(e)[:500]}")
+                skipped.append(partread.skip_line(step, path, e))  # names the step and the directory once
                 touched.update(touched_tensors(path, state, e))
                 continue
             left = not_overwritten(touched, m, state)

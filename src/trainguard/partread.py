@@ -97,3 +97,18 @@ def loaded_round(ctx: Any, target: str, e: Exception | None, timeout: float | No
     except CheckpointError as x:
         partly_read(x, getattr(x, "gathered_touched", None))
         raise
+
+
+def skip_line(step: int, path: str, e: BaseException, limit: int = 500) -> str:
+    """``CheckpointManager.restore`` (every rank), for a checkpoint it skipped: the line of ``restore: none
+    of the N checkpoint(s) ... could be loaded`` that says why, naming the step and the directory once.
+    :func:`in_checkpoint` made the message of a corrupt file ``<path>/data-00000.bin (checkpoint of step
+    5): ...``: the line is ``step 5: <path>/data-00000.bin: ...`` (was ``step 5 (<path>): <path>/data-00000.bin
+    (checkpoint of step 5): ...``); one that names the directory already, ``step 5: <message>``; any other,
+    ``step 5 (<path>): <message>``. :data:`PARTLY` is left out: the summary's last line says it once."""
+    msg = str(e).replace(PARTLY, "").replace(f" (checkpoint of step {step})", "", 1)
+    shown = f"checkpoint {path} (step {step}): "
+    if msg.startswith(shown):
+        msg = msg[len(shown):]
+    head = f"step {step}" if path.rstrip("/") + "/" in msg else f"step {step} ({path})"
+    return f"{head}: {msg[:limit]}"

@@ -25,7 +25,7 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, SupportsIndex
 
 from . import saveevent
 from .dist import DistContext
@@ -68,7 +68,7 @@ class SavePolicy(ABC):
 class EveryNSteps(SavePolicy):
     """Save when ``step % n == 0`` (and ``step > 0`` unless ``at_start=True``)."""
 
-    def __init__(self, n: int, *, at_start: bool = False) -> None:
+    def __init__(self, n: SupportsIndex, *, at_start: bool = False) -> None:
         self.n, self.at_start = whole(n), at_start  # before the checks: a refused one's repr (a traceback's locals) works
         if type(self.n) is not int or self.n < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
@@ -162,7 +162,7 @@ class KeepLatest(RetentionPolicy):
 
     reads_metadata = False
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: SupportsIndex) -> None:
         self.n = whole(n)  # before the check: a refused one's repr (a traceback's locals) works
         if type(self.n) is not int or self.n < 2:
             raise ValueError(
@@ -182,7 +182,7 @@ class KeepEvery(RetentionPolicy):
 
     reads_metadata = False
 
-    def __init__(self, k: int) -> None:
+    def __init__(self, k: SupportsIndex) -> None:
         self.k = whole(k)  # before the check: a refused one's repr (a traceback's locals) works
         if type(self.k) is not int or self.k < 1:
             raise ValueError(f"KeepEvery({k!r}): k must be a positive number of steps")
@@ -201,7 +201,7 @@ class KeepBest(RetentionPolicy):
     mode: a diverged run's, never its best), rank last, the newest first among them.
     """
 
-    def __init__(self, metric: str, n: int = 1, mode: str = "min") -> None:
+    def __init__(self, metric: str, n: SupportsIndex = 1, mode: str = "min") -> None:
         self.metric, self.n, self.mode = metric, whole(n), mode  # before the checks: a refused one's repr works
         if not isinstance(metric, str) or not metric:
             raise TypeError(f"KeepBest(metric={metric!r}): name the metric, a str key of mgr.save(..., metrics={{...}})")
@@ -283,7 +283,7 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     except (TypeError, ValueError):  # a callable without a signature (built in C): the three arguments only
         waited = {}
     on_saved(step, stall - own, h.duration_s - own, **waited)
-    if not getattr(h, "logged", False):  # an async save is logged as it commits (saveevent.at_commit)
+    if not getattr(h, "logged", False):  # logged as it commits (saveevent.at_commit, at_sync_commit)
         saveevent.emit(manager.events, h, step, stall, h.duration_s, total_bytes, async_save=manager.async_save)
 
 

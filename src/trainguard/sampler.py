@@ -42,13 +42,13 @@ import itertools
 import operator
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sized
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
-from . import iterworkers
+from . import iteradvance, iterworkers
 from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
-from .errors import CheckpointError, CorruptCheckpointError, nonneg_int
+from .errors import CheckpointError, CorruptCheckpointError, nonneg_int, whole
 from .permanent import check_flags, mark
 from .seeded import seed_int, seed_of, seeded_call
 
@@ -99,11 +99,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     _restores = 0  # load_state_dict calls that moved the position (per instance once one did)
     reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
-    def __init__(self, data: Sized | int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, with_epoch: bool = False) -> None:
+    def __init__(self, data: Sized | SupportsIndex, *, seed: SupportsIndex = 0, shuffle: bool = True, drop_last: bool = False,
+                 rank: SupportsIndex | None = None, world_size: SupportsIndex | None = None, with_epoch: bool = False) -> None:
         check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
         try:  # numpy's int too; None or a float: said so, not len()'s "object of type 'float' has no len()"
-            self.num_samples = len(data) if isinstance(data, Sized) else operator.index(data)  # type: ignore[call-overload]
+            self.num_samples = len(data) if isinstance(data, Sized) and getattr(data, "ndim", 1) else operator.index(data)  # type: ignore[call-overload]  # a 0-d tensor's int too
         except TypeError:
             raise TypeError(f"ResumableSampler({data!r:.80}): pass the dataset (with a len()) or its number of samples, an int") from None
         self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset
@@ -192,7 +192,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def __len__(self) -> int:
         return self._per_rank(self.rank_world[1])
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: SupportsIndex) -> None:
         """Record that *this rank* consumed ``n`` more samples; every rank calls it with the same
         ``n`` (lockstep data parallelism), so the global position moves by ``n * world_size``,
         capped at ``num_samples``: tail padding is not counted as consumed data."""
@@ -212,7 +212,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch += 1
         self.position = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: SupportsIndex) -> None:
         """DistributedSampler-compatible: a new epoch starts at 0; the current one (e.g. the
         restored one) keeps its position."""
         if int(epoch) < 0:
@@ -285,9 +285,10 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     reads_data = False  # set once iterated or advanced here: capture.check_data_positions compares it
 
     def __init__(self, make_iter: Callable[[int], Iterable[Any]], *, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None, batch_size: int | None = None,
-                 transform: Callable[[Any], Any] | None = None, seed: int | None = None) -> None:
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+                 rank: SupportsIndex | None = None, world_size: SupportsIndex | None = None,
+                 batch_size: SupportsIndex | None = None, transform: Callable[[Any], Any] | None = None,
+                 seed: SupportsIndex | None = None) -> None:
+        if batch_size is not None and (type(batch_size := whole(batch_size)) is not int or batch_size < 1):  # numpy's too
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
         check_flags(drop_last=drop_last)
         self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
@@ -335,7 +336,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                     "Use persistent_workers=False"
                 )
             self._worker_iterated = True
-        items = self._rank_items(rank, world)
+        items = iteradvance.counted(self, self._rank_items(rank, world))  # advance()'s check (iteradvance.py)
         if info is not None and info.num_workers > 1:  # this worker's blocks only
             items = iterworkers.worker_share(items, self.batch_size, info.id, info.num_workers)  # type: ignore[arg-type]
         tf, seed = self.transform, self.seed
@@ -369,15 +370,18 @@ class ResumableIterable(torch.utils.data.IterableDataset):
                 "loader again: the new iterator starts at the restored position (docs/data.md)"
             )
 
-    def advance(self, n: int) -> None:
+    def advance(self, n: SupportsIndex) -> None:
         """Record that *this rank* consumed ``n`` more items; every rank calls it with the same
         ``n``, so the position moves by ``n * world_size`` (padding of the last group included:
         the stream's length is not known in advance)."""
-        self.position += _consumed(n) * _rank_world(self._rank, self._world)[1]
+        self.position += (k := _consumed(n)) * _rank_world(self._rank, self._world)[1]
         self.reads_data = True
+        iteradvance.note_advance(self, k)  # more than the iterator gave: warned
 
     def next_epoch(self) -> None:
-        """Every rank, after the last batch of an epoch: start the next one at position 0."""
+        """Every rank, after the last batch of an epoch: start the next one at position 0 (warns when
+        ``advance`` counted fewer items than the epoch's iterator gave this rank: iteradvance.py)."""
+        iteradvance.check_epoch(self)
         self.epoch += 1
         self.position = 0
 

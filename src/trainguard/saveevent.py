@@ -1,7 +1,13 @@
 """The ``save`` event of the manager's event log, written once per committed save, on every rank.
 
-Sync saves: ``policies.report_saved`` writes it (``CheckpointManager._finish_pending``, in the save
-call, after the retention it waited for: its stall counts them). Async saves: :func:`at_commit`
+Sync saves: :func:`at_sync_commit` writes it (``CheckpointManager._finish_pending``, in the save
+call, once the save committed, before rank 0's retention deletes); the seconds the call then spent in
+that retention (with a RAM tier: handing the step to its copy to disk) follow in rank 0's
+``save_retention`` event (``step``, ``stall_s``), :func:`retention_waited`, which ``trainguard report``
+adds to the save stall, and the save policy receives with the save's stall. Before, the ``save``
+event was written after those deletes, its ``stall_s`` counting them: a process killed during them
+(a lost node, ``TRAINGUARD_CRASH_AT=before_retention``) left a committed checkpoint out of the log.
+Async saves: :func:`at_commit`
 writes it when the save commits, on the thread that commits (the save thread; the training thread
 when the save committed before ``CheckpointManager._track`` asked), before rank 0's retention of
 that commit runs (``retention.at_commit``). Before, an async save was logged only when the next
@@ -12,7 +18,7 @@ it (``handle.logged``): exactly once either way.
 
 Fields (both paths): ``stall_s`` = ``stall_call_s`` (the ``save()`` call, the wait for the previous
 save included, ``stall_prev_s``) + ``stall_hook_s`` (``optimizer.step()`` waiting for staging) +
-``stall_wait_s`` (``wait_staged()`` waits); a sync save adds the retention it waited for.
+``stall_wait_s`` (``wait_staged()`` waits); a sync save's retention is in its ``save_retention`` event.
 ``duration_s``: the call's start to the commit. Staging ends before the commit, so an async save's
 waits are all counted by then, but for one that a waiting thread, woken as staging ended, had not yet
 added when the save committed (microseconds against the save's writes and commit rounds).
@@ -44,6 +50,28 @@ def at_commit(mgr: Any, handle: Any, step: int, t0: float) -> None:
         handle.logged = True
 
     handle.after_commit(run, first=True)
+
+
+def at_sync_commit(mgr: Any, handle: Any, step: int, stall: float, total_bytes: int) -> None:
+    """``CheckpointManager._finish_pending`` of a sync save, every rank, once it committed and before
+    rank 0's retention runs: its ``save`` event (``stall`` through the commit), exactly once
+    (``handle.logged``: ``policies.report_saved`` writes nothing more). An async save: nothing here."""
+    if not mgr.async_save:
+        emit(mgr.events, handle, step, stall, handle.duration_s, total_bytes, async_save=False)
+        handle.logged = True
+
+
+def retention_waited(mgr: Any, step: int, seconds: float) -> float:
+    """``CheckpointManager._finish_pending``, after the retention (or RAM tier hand-off) that followed
+    the commit of ``step``, which took ``seconds``: the part of them the save's caller waited for, to
+    add to the stall the policy receives (0.0 for an async save: its retention ran on the save thread).
+    Rank 0 of a sync save logs it as ``save_retention``: after the ``save`` event, so a kill during the
+    deletes leaves that event in the log, and ``trainguard report`` counts the deletes as save stall."""
+    if mgr.async_save:
+        return 0.0
+    if mgr.ctx.rank == 0:
+        mgr.events.emit("save_retention", step=step, stall_s=round(seconds, 6))
+    return seconds
 
 
 def emit(events: Any, h: Any, step: int, stall: float, duration: float, total_bytes: int, *, async_save: bool) -> None:

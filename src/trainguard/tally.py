@@ -185,6 +185,9 @@ class Tally:
                 stall, duration, committed = (e.get(k) for k in ("stall_s", "duration_s", "committed_t"))
                 self.save(key, seq, 0.0 if stall is None else stall, 0.0 if duration is None else duration,
                           e.get("bytes"), key if committed is None else committed, e.get("step"))
+        elif kind == "save_retention":  # a sync save's retention after its commit (saveevent.retention_waited)
+            if e.get("rank") == 0 and e.get("stall_s") is not None:
+                self.stall += e["stall_s"]
         elif (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
               or (kind == "restart" and e.get("reason") == "membership")
               or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
