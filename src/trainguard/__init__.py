@@ -91,6 +91,8 @@ __all__ = [
     "DroppedEntryWarning",
 ]
 
-from . import exitdrain  # noqa: E402, F401  (the exit waits for a save in flight and a RAM tier's copy)
+# At exit: the save in flight and a RAM tier's copy are waited for (exitdrain); torch's defaults let go of a
+# destroyed process group (staledefaults).
+from . import exitdrain, staledefaults  # noqa: E402, F401
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)
