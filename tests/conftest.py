@@ -54,6 +54,60 @@ def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float
     return subprocess.run([sys.executable, *args], env=e, capture_output=True, text=True, timeout=timeout)
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct TCP ports on 127.0.0.1 that are free now, for a process the test starts to bind
+    (torchrun's ``--rdzv-endpoint``, ``MASTER_PORT``, a server's ports).
+
+    A port probed with ``bind(("127.0.0.1", 0))`` and closed comes from the kernel's ephemeral range,
+    from which every other socket of the machine takes its port too (a TCPStore or gloo listener bound
+    to port 0, each outgoing connection): between the probe and the child's bind, one of the ranks
+    other xdist workers run at the same moment could take it (EADDRINUSE in the child). Measured with
+    60 such sockets in between: 9 ports of 2000 taken. These ports are drawn at random (the OS's
+    random source: tests seed ``random``) from the ports below the ephemeral range, which the kernel
+    never hands out by itself, each bound once to check it is free; each xdist worker draws from
+    its own slice of them, so two workers never draw the same port."""
+    import random
+    import socket
+
+    lo, _ = _ephemeral_range()
+    first, last = 10000, lo - 1
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    if last - first < 1000 * max(count, 1):  # a machine whose ephemeral range starts low: the kernel's choice
+        first = last = 0
+    else:
+        span = (last - first + 1) // max(count, 1)
+        first, last = first + index * span, first + (index + 1) * span - 1
+    rand, ports = random.SystemRandom(), []
+    for _ in range(1000):
+        if len(ports) == n:
+            return ports
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", rand.randint(first, last) if last else 0))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): draw another
+            port = s.getsockname()[1]
+        if port not in ports:
+            ports.append(port)
+    raise RuntimeError(f"no {n} free ports in {first}..{last}")
+
+
+def free_port() -> int:
+    """One port of :func:`free_ports`."""
+    return free_ports(1)[0]
+
+
 @pytest.fixture
 def loader_workers_ended():
     """Module-level autouse in tests whose DataLoader iterators with worker processes end in an exception

@@ -7,9 +7,10 @@ variables: the hook fails at once, and the doctor says why and what to change.""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+
+from conftest import free_port
 
 HOOK = '''
 import torch
@@ -25,9 +26,7 @@ def trainguard_state():
 def test_doctor_inside_a_launchers_environment_does_not_wait_for_ranks_that_never_come(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(HOOK)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # Before: still waiting for rank 1 when killed (the bound below).
     res = subprocess.run([sys.executable, "-c", "from trainguard.cli import main; main()", "doctor", str(script)],

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,17 +16,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT / "src"), **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> list[int]:
@@ -94,7 +89,7 @@ def test_rank0_stays_in_close_until_every_rank_read_the_last_commit(tmp_path: Pa
     (exit 1): one agent exited 143, the other restarted into a closed rendezvous and exited 1."""
     script = tmp_path / "w.py"
     script.write_text(textwrap.dedent(LAST_SAVE))
-    port = str(_free_port())
+    port = str(free_port())
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     (tmp_path / "rank0.pid").write_text("0")  # rank 1 reads it only in the last save
     procs = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -28,6 +27,8 @@ import torch.distributed as dist
 from trainguard.events import read_events
 from trainguard.report import format_summary, summarize
 from trainguard.sampler import ResumableSampler
+
+from conftest import free_port
 
 CLI = [sys.executable, "-c", "from trainguard.cli import main; main()", "run"]
 N, BATCH, STEPS, HOLD = 40, 2, 8, 3
@@ -78,12 +79,6 @@ WORKER = textwrap.dedent(f"""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -122,7 +117,7 @@ def test_sigterm_to_agent_saves_with_dataloader_workers(tmp_path):
     process died of the group signal, the worker raised, nothing was saved, still exit 143)."""
     script, rec, run_dir = tmp_path / "train.py", tmp_path / "rec.jsonl", tmp_path / "run"
     script.write_text(WORKER)
-    agent = _agent(run_dir, script, rec, "--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}")
+    agent = _agent(run_dir, script, rec, "--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
     try:
         _wait_for(Path(f"{rec}.held"), [agent], 90)
         agent.send_signal(signal.SIGTERM)
@@ -214,7 +209,7 @@ def test_failure_event_names_the_rank_that_raised_not_the_peer_the_agent_sigterm
     script, run_dir = tmp_path / "fail.py", tmp_path / "run"
     script.write_text(FAILING)
     cmd = [*CLI, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{_free_port()}", "--max-restarts", "0", "--fault", "step=3,rank=1,kind=exception",
+           f"127.0.0.1:{free_port()}", "--max-restarts", "0", "--fault", "step=3,rank=1,kind=exception",
            "--run-dir", str(run_dir), str(script), str(tmp_path / "never")]
     codes, out = _finish([subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)], 80)
     assert codes == [1], out

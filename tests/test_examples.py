@@ -4,7 +4,6 @@ restarted ends with the same model and optimizer bytes as a run that never stopp
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from trainguard.commit import read_manifest
 from trainguard.export import iter_tensors
 from trainguard.storage import for_path
 
-from conftest import run_py
+from conftest import free_port, run_py
 
 EX = Path(__file__).resolve().parent.parent / "examples"
 STOP = Path(__file__).resolve().parent / "stop_at_step.py"
@@ -53,10 +52,7 @@ def _scripts(args: tuple[str, ...]) -> list[str]:
 
 
 def _torchrun(*args: str, env: dict[str, str] | None = None, ok: bool = True) -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     r = run_py(
         ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", *_scripts(args)],

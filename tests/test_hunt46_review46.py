@@ -121,11 +121,9 @@ def test_two_ranks_on_one_host_each_keep_their_steps_peak(tmp_path: Path) -> Non
     above their use: training alone fits (2 x 600). Before, memroom kept one rank's peak free for both
     (1450 - 600 - 256 MiB, halved): each allocated its 192 MiB staging buffer, and the next step had the OOM
     killer end a rank (-9). Now each rank's peak is kept: the saves stage in batches and the steps go on."""
-    import socket
+    from conftest import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out, err = _run_limited(TWO_RANKS, [RANK, str(tmp_path), str(port)], 1450 << 20)
     assert "rank 0 exit 0" in out and "rank 1 exit 0" in out, f"(-9: the OOM killer)\n{out}"
     assert out.count("steps done") == 2, out

@@ -326,7 +326,7 @@ def _ctrl_c_on_rank_1(rank: int, world: int, root: str, kind: str, managed: bool
     try:
         with inj:
             if managed:
-                mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=20).open()
+                mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False, timeout=60).open()
                 mgr.save(1, st)
                 mgr.close()
             else:
@@ -364,12 +364,12 @@ def test_ctrl_c_on_one_rank_during_a_sync_save(tmp_path, kind, managed, k):
     """Ctrl-C (KeyboardInterrupt) at rank 1's open of its data file, rank 1 then ending: rank 0
     fails with RankFailureError within the liveness bound, no temp directory is left, and the next
     run saves and loads (held up; the fix of 0137a7b covers one process)."""
-    res = run_ranks(_ctrl_c_on_rank_1, 2, str(tmp_path), kind, managed, k, timeout=60, env=ENV, check=False)
+    res = run_ranks(_ctrl_c_on_rank_1, 2, str(tmp_path), kind, managed, k, timeout=120, env=ENV, check=False)
     vals = [r.value for r in res]
     assert all(v is not None for v in vals), [r.error for r in res]
     assert vals[1]["hits"] == ["open"] and vals[1]["outcome"]["type"] == "KeyboardInterrupt", vals
     assert vals[0]["outcome"]["type"] == "RankFailureError", vals
-    assert vals[0]["seconds"] < 15, vals  # the liveness bound (3 s), not the 20 s timeout
+    assert vals[0]["seconds"] < 30, vals  # the liveness bound (3 s), not the 60 s timeout
     left = sorted(os.listdir(tmp_path))
     assert not [n for n in left if ".tmp-" in n or n.startswith("step-")], left
     res = run_ranks(_resume, 2, str(tmp_path), kind, managed, timeout=60, env=ENV)

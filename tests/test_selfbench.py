@@ -148,14 +148,9 @@ def test_under_torchrun_every_rank_saves_its_own_state_at_once(tmp_path):
     """Two ranks under torchrun's elastic agent (gloo, 127.0.0.1): one table, from rank 0, of the
     slower rank's figures; the kept checkpoint holds both ranks' layers (``split_state``), and one
     process without a process group loads each rank's weights back from it."""
-    import socket
+    from conftest import free_port, run_py
 
-    from conftest import run_py
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = free_port()
     r = run_py(["-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                 f"127.0.0.1:{port}", "--max-restarts", "0", "-m", "trainguard.cli", "bench", str(tmp_path),
                 "--size", "2MiB", "--rounds", "1", "--keep", "--json"],

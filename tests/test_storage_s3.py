@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,6 +29,7 @@ import trainguard as tg
 from trainguard.commit import list_steps
 
 from conftest import filled_linear as _filled_linear
+from conftest import free_ports as _free_ports
 from dist_helper import run_ranks
 
 pytest.importorskip("s3fs")
@@ -39,16 +39,6 @@ if not os.path.exists(WEED):
 
 KEY, SECRET = "tgkey", "tgsecret"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _die_with_parent() -> None:

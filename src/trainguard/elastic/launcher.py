@@ -4,8 +4,8 @@ defaults, fault drills, hang watchdog and event log.
 Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as
 ``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
 
-* sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may
-  connect to the dead attempt's gloo ports: recovery failed 3 times in 6 here);
+* sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may connect to the dead
+  attempt's gloo ports: recovery failed 3 times in 6 here), the workers' ``MASTER_PORT`` held for them (:mod:`.masterport`);
 * adds ``last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3`` to the c10d
   ``--rdzv-conf`` (scale-down in ~10 s instead of 46 s); values you pass win;
 * defaults ``--max-restarts`` to 3 (torchrun: 0);
@@ -37,7 +37,7 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
-from . import reap
+from . import masterport, reap
 from .args import check as args_check
 from .args import parse as args_parse
 from .args import seconds as _seconds
@@ -263,7 +263,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
-    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned()  # reap.py: failures in s, not 30-60
+    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold()  # reap.py, masterport.py
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
