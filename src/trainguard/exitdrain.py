@@ -1,7 +1,7 @@
 """What the interpreter's exit waits for, in this order: the async save in flight
 (``async_save._drain_at_exit``), then each RAM tier's copy to disk (``ramroom.drain_copies``), which
 that save's commit may have started; before the non-daemon threads are joined and again after.
-Imported by the package's ``__init__``, once.
+Imported by :mod:`.forks` (the package's first use, every manager, an async save), once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ def _at_exit() -> None:
 # threading's own exit hooks run before its threads are joined and in reverse order of
 # registration: this one, registered after concurrent.futures', runs before it (atexit would
 # run after it, when no executor accepts work any more).
-getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+try:
+    getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+except RuntimeError:  # first imported by a save started after the exit began (a thread's, after the main one
+    pass  # ended): threading refuses; the atexit call below runs once that thread is joined
 # Once more after the non-daemon threads were joined: a save (or RAM tier copy) that one of them
 # started after the first call (training in a thread while the main thread had ended) was
 # dropped with the exit, its checkpoint left a temp directory; a no-op when nothing is in flight.
