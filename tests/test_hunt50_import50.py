@@ -99,13 +99,20 @@ def test_commands_that_read_no_checkpoint_do_not_import_torch(tmp_path, args):
 
 @pytest.mark.parametrize("module", ["trainguard", "trainguard.cli"])
 def test_python_m_report_does_not_import_torch(tmp_path, module):
+    """``python -m trainguard report RUN``: its modules as -X importtime lists them, and (runpy, as -m
+    runs it) sys.modules after the command."""
     _run_dir(tmp_path)
     p = _py(["-X", "importtime", "-m", module, "report", "run", "--json"], tmp_path)
     assert p.returncode == 0, p.stderr
     assert "goodput" in json.loads(p.stdout)
     imported = {line.rsplit("|", 1)[-1].strip() for line in p.stderr.splitlines() if line.startswith("import time:")}
-    assert "trainguard.commands" in imported and "trainguard.report" in imported  # it ran
-    assert "torch" not in imported
+    assert "trainguard" in imported and "torch" not in imported
+    code = ("import runpy, sys\nsys.argv = ['trainguard', 'report', 'run']\ntry:\n"
+            f"    runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\nprint('torch' in sys.modules, 'trainguard.report' in sys.modules)")
+    p = _py(["-c", code], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "False True", p.stdout
 
 
 def test_the_commands_that_read_checkpoints_still_work(tmp_path):
@@ -165,6 +172,15 @@ def test_library_api_unchanged_and_torch_imported_at_first_use(tmp_path):
     assert p.stdout.strip().endswith("api ok")
 
 
+def test_submodules_as_attributes_before_the_first_use(tmp_path):
+    """``tg.inspect.describe``, ``tg.storage.for_path`` (tests do so): the eager import had bound them."""
+    code = ("import sys, trainguard as tg; assert callable(tg.storage.for_path) and 'torch' not in sys.modules; "
+            "assert [c.status for c in tg.inspect.list_checkpoints('.')] == []; assert not hasattr(tg, 'nope'); "
+            "print('ok')")
+    p = _py(["-c", code], tmp_path)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
 def test_tg_doctor_can_be_monkeypatched_and_put_back():
     import trainguard as tg
 
@@ -196,7 +212,7 @@ trace(os, "register_at_fork", "at_fork")
 how = sys.argv[1]
 if how == "package":
     import trainguard as tg
-    assert not [r for r in rec if r[1].startswith("trainguard")], rec
+    assert [r for r in rec if r[1].startswith("trainguard")] == [("threading_atexit", "trainguard.exitdrain")], rec
     tg.CheckpointManager
 elif how == "manager":
     from trainguard.manager import CheckpointManager
@@ -207,21 +223,22 @@ elif how == "api":
 mine = [r for r in rec if r[1].startswith("trainguard")]
 print(mine)
 print(rec.index(("threading_atexit", "concurrent.futures.thread")) < rec.index(("threading_atexit", "trainguard.exitdrain")))
-print(max(i for i, r in enumerate(rec) if r[1].startswith("torch")) < rec.index(mine[0]))
+print(max(i for i, r in enumerate(rec) if r[1].startswith("torch")) < rec.index(("atexit", "trainguard.exitdrain")))
 """
 
 
 @pytest.mark.parametrize("how", ["package", "manager", "api"])
 def test_hooks_registered_before_the_first_save_in_the_eager_order(tmp_path, how):
-    """As the eager ``__init__`` registered them: dist's exit hook, the at-fork reset, then the exit's
-    drain (threading's, after concurrent.futures': it runs before the executors shut down; atexit's,
-    after dist's: it runs before the heartbeats stop), all after torch's. ``manager``, ``api``: code
+    """The exit's drain: threading's hook at ``import trainguard`` (after concurrent.futures': it runs
+    before the executors shut down, and before the hooks a script registers after the import:
+    tests/test_ram_exit42.py), atexit's after dist's and torch's (it runs before the heartbeats stop);
+    the at-fork reset after dist's hook, as the eager ``__init__`` had them. ``manager``, ``api``: code
     that imports deep paths only (every manager; an async save)."""
     p = _py(["-c", _HOOKS, how], tmp_path)
     assert p.returncode == 0, p.stderr
     mine, after_executor, after_torch = p.stdout.strip().splitlines()
-    assert ast.literal_eval(mine) == [("atexit", "trainguard.dist"), ("at_fork", "trainguard.forks"),
-                                      ("threading_atexit", "trainguard.exitdrain"), ("atexit", "trainguard.exitdrain")]
+    assert ast.literal_eval(mine) == [("threading_atexit", "trainguard.exitdrain"), ("atexit", "trainguard.dist"),
+                                      ("at_fork", "trainguard.forks"), ("atexit", "trainguard.exitdrain")]
     assert after_executor == "True" and after_torch == "True"
 
 

@@ -7,10 +7,10 @@ a name of ``__all__`` (``tg.save``, ``from trainguard import CheckpointManager``
 not count) imports them all, in the order and with the process-wide hooks an eager import made
 (:func:`_boot`). So the ``trainguard`` command, a submodule of this package, runs its commands
 that need no tensor (``--help``, ``report``, ``plan``) without torch's ~2 s and ~200 MB.
-Hooks at import, before the first save: the excepthook of a ``trainguard run`` worker (here, at
-import); the at-fork reset (:mod:`.forks`) and the exit's drain of a save in flight
-(:mod:`.exitdrain`, imported by forks) in :func:`_boot`, and by ``onethread`` (every
-``CheckpointManager``) and an async ``save`` for code that imports deep paths only.
+Hooks: at import, the excepthook of a ``trainguard run`` worker and the exit's wait for a save
+in flight (:mod:`.exitdrain`'s threading hook, torch-free); before the first save, the at-fork
+reset (:mod:`.forks`) and the exit's second wait (after torch's and ``dist``'s atexit hooks), in
+:func:`_boot` and, for code that imports deep paths only, every ``CheckpointManager`` and async save.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import importlib as _importlib  # noqa: E402
+import importlib.util as _importlib_util  # noqa: E402
 import sys as _sys  # noqa: E402
 import types as _types  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
@@ -123,15 +124,15 @@ _BOOTED = False
 
 def _boot() -> None:
     """The package's eager import (the first use of a lazy name calls it): the at-fork reset first
-    (:mod:`.forks`, which registers the exit's drain, :mod:`.exitdrain`, after torch's and
-    ``dist``'s exit hooks: it runs before them), then every public module in the order the
+    (:mod:`.forks`, which registers the exit's second drain, :mod:`.exitdrain`, after torch's and
+    ``dist``'s atexit hooks: it runs before them), then every public module in the order the
     package's ``__init__`` imported them before it was lazy. No lock: two threads that get here
     at once import through the import system's locks and bind the same objects (a lock of ours,
     held across imports, could deadlock with a thread importing a submodule)."""
     global _BOOTED
     if _BOOTED:
         return
-    from . import forks  # noqa: F401  (the at-fork reset, and at its end exitdrain)
+    from . import forks  # noqa: F401  (the at-fork reset, and at its end exitdrain's atexit call)
 
     g = globals()
     for name, mod in _WHERE.items():
@@ -145,10 +146,14 @@ assert _LAZY | {"doctor"} == set(__all__) - set(globals()), "a name of __all__ t
 
 
 def __getattr__(name: str) -> Any:
-    """PEP 562: a public name not bound yet (``tg.save``): :func:`_boot`, then the name."""
+    """PEP 562: a public name not bound yet (``tg.save``): :func:`_boot`, then the name. A submodule
+    not imported yet (``tg.inspect.describe``, which the eager import had bound): imported, no boot
+    (``from . import losthours`` in a command asks for it here first)."""
     if name in _LAZY:
         _boot()
         return globals()[name]
+    if not name.startswith("__") and _importlib_util.find_spec(f"{__name__}.{name}") is not None:
+        return _importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -174,5 +179,7 @@ class _Package(_types.ModuleType):
 
 
 _sys.modules[__name__].__class__ = _Package
+
+from . import exitdrain  # noqa: E402, F401  (the exit waits for a save in flight: threading's hook, torch-free)
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)
