@@ -212,7 +212,8 @@ trace(os, "register_at_fork", "at_fork")
 how = sys.argv[1]
 if how == "package":
     import trainguard as tg
-    assert [r for r in rec if r[1].startswith("trainguard")] == [("threading_atexit", "trainguard.exitdrain")], rec
+    assert [r for r in rec if r[1].startswith("trainguard")] == [
+        ("threading_atexit", "trainguard.exitdrain"), ("atexit", "trainguard.staledefaults"), ("at_fork", "trainguard")], rec
     tg.CheckpointManager
 elif how == "manager":
     from trainguard.manager import CheckpointManager
@@ -237,7 +238,8 @@ def test_hooks_registered_before_the_first_save_in_the_eager_order(tmp_path, how
     p = _py(["-c", _HOOKS, how], tmp_path)
     assert p.returncode == 0, p.stderr
     mine, after_executor, after_torch = p.stdout.strip().splitlines()
-    assert ast.literal_eval(mine) == [("threading_atexit", "trainguard.exitdrain"), ("atexit", "trainguard.dist"),
+    assert ast.literal_eval(mine) == [("threading_atexit", "trainguard.exitdrain"), ("atexit", "trainguard.staledefaults"),
+                                      ("at_fork", "trainguard"), ("atexit", "trainguard.dist"),
                                       ("at_fork", "trainguard.forks"), ("atexit", "trainguard.exitdrain")]
     assert after_executor == "True" and after_torch == "True"
 

@@ -7,10 +7,11 @@ a name of ``__all__`` (``tg.save``, ``from trainguard import CheckpointManager``
 not count) imports them all, in the order and with the process-wide hooks an eager import made
 (:func:`_boot`). So the ``trainguard`` command, a submodule of this package, runs its commands
 that need no tensor (``--help``, ``report``, ``plan``) without torch's ~2 s and ~200 MB.
-Hooks: at import, the excepthook of a ``trainguard run`` worker and the exit's wait for a save
-in flight (:mod:`.exitdrain`'s threading hook, torch-free); before the first save, the at-fork
-reset (:mod:`.forks`) and the exit's second wait (after torch's and ``dist``'s atexit hooks), in
-:func:`_boot` and, for code that imports deep paths only, every ``CheckpointManager`` and async save.
+Hooks: at import, the excepthook of a ``trainguard run`` worker, the exit's wait for a save
+in flight (:mod:`.exitdrain`'s threading hook), :mod:`.staledefaults` and a fork hook that resets a
+child when only deep modules were imported (:func:`_fork_child`), all torch-free; before the first
+save, the at-fork reset (:mod:`.forks`) and the exit's second wait (after torch's and ``dist``'s atexit
+hooks), in :func:`_boot` and, for code that imports deep paths only, every ``CheckpointManager`` and async save.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 import importlib as _importlib  # noqa: E402
 import importlib.util as _importlib_util  # noqa: E402
+import os as _os  # noqa: E402
 import sys as _sys  # noqa: E402
 import types as _types  # noqa: E402
 from typing import TYPE_CHECKING, Any  # noqa: E402
@@ -183,5 +185,20 @@ _sys.modules[__name__].__class__ = _Package
 # At exit (both torch-free at import): the save in flight and a RAM tier's copy are waited for (exitdrain,
 # threading's hook); torch's defaults let go of a destroyed process group (staledefaults).
 from . import exitdrain, staledefaults  # noqa: E402, F401
+
+# The modules whose locks and pools forks._after_fork_in_child resets in a forked child.
+_FORK_RESET = ("async_save", "stage", "gcpause", "io", "storage._direct", "storage.local", "replicas", "dist", "iostall")
+
+
+def _fork_child() -> None:
+    """``os.register_at_fork(after_in_child=...)``, registered at import: a child forked after code imported
+    only deep modules (``from trainguard import io``: no public name used, so no :func:`_boot`, no
+    :mod:`.forks`) still gets the fork reset: its first save hung on a buffer pool lock a thread of the parent
+    held at the fork (``test_audit33``). When :mod:`.forks` was imported its own hook resets (this does nothing)."""
+    if f"{__name__}.forks" not in _sys.modules and any(f"{__name__}.{m}" in _sys.modules for m in _FORK_RESET):
+        _importlib.import_module(".forks", __name__)._after_fork_in_child()
+
+
+_os.register_at_fork(after_in_child=_fork_child)
 
 install_excepthook()  # a worker of `trainguard run`: an error no restart fixes exits 78 (permanent.py)
