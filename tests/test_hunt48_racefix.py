@@ -13,7 +13,6 @@ import trainguard as tg
 from trainguard import inspect as inspect_mod
 from trainguard import layout
 from trainguard.cli import main
-from trainguard.commands import checkpoints as commands_mod
 
 
 def _run(*args):
@@ -43,9 +42,10 @@ def test_verify_lists_again_when_retention_deleted_every_listed_checkpoint(tmp_p
                 m.wait()
                 nxt[0] += 4
                 assert sorted(p.name for p in tmp_path.glob("step-*")) == [layout.step_dir(s), layout.step_dir(s + 1)]
-            return inspect_mod.verify(path)
+            return real_verify(path)
 
-        monkeypatch.setattr(commands_mod, "verify", verify_while_the_job_saves)
+        real_verify = inspect_mod.verify  # the command imports it from there when it runs
+        monkeypatch.setattr(inspect_mod, "verify", verify_while_the_job_saves)
         r = _run("verify", tmp_path, "--json")
         assert r.exit_code == 0, r.output
         assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [
@@ -67,14 +67,14 @@ def test_a_step_listed_half_deleted_and_gone_when_checked_is_deleted_not_incompl
         for s in (1, 2):
             m.save(s, _state(s))
     (tmp_path / layout.step_dir(1) / layout.MANIFEST).unlink()  # retention's delete, half done
-    real = commands_mod.list_checkpoints
+    real = inspect_mod.list_checkpoints  # the command imports it from there when it runs
 
     def listed_then_deleted(path, **kw):
         rows = real(path, **kw)
         shutil.rmtree(tmp_path / layout.step_dir(1), ignore_errors=True)  # retention's delete, finished
         return rows
 
-    monkeypatch.setattr(commands_mod, "list_checkpoints", listed_then_deleted)
+    monkeypatch.setattr(inspect_mod, "list_checkpoints", listed_then_deleted)
     r = _run("verify", tmp_path, "--json")
     assert r.exit_code == 0, r.output
     assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [(1, "deleted"), (2, "valid")]

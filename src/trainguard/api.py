@@ -121,6 +121,7 @@ def start_save(
     ``preflight``: an error the caller found on this rank, raised in the first round (every rank fails)."""
     layout_mod.check_target(target, step)  # a step no manifest holds fails before a byte is written (tg.save: step-<n>)
     if async_:
+        from . import forks  # noqa: F401  (the at-fork reset and the exit's drain, for code that imports this module only)
         from .async_save import STARTING, start_async_save
 
         # Its own channel: the background commit's collectives may interleave with the training thread's (the

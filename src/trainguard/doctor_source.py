@@ -15,12 +15,24 @@ there is no source to read (or it does not parse).
 from __future__ import annotations
 
 import ast
+import importlib.util
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
 from .doctor_passloader import pass_only
 from .doctor_rng import reseed
+
+
+def read_source(path: Path) -> str:
+    """``trainguard doctor``'s script as Python reads it: its PEP 263 coding line, else UTF-8
+    (undecodable bytes replaced)."""
+    data = path.read_bytes()
+    try:
+        return importlib.util.decode_source(data)
+    except (SyntaxError, UnicodeDecodeError, LookupError):
+        return data.decode("utf-8", errors="replace")
 
 
 def defines_hook(tree: ast.Module) -> bool:

@@ -8,7 +8,8 @@ were its own: ``tg.load`` and ``optimizer.step()`` there waited forever for its 
 ``tg.save`` there found the staging pool held, and every DataLoader worker's exit (multiprocessing
 runs threading's exit hooks) warned that it waited for the save. The parent's save goes on in
 the parent alone; the child writes and commits nothing of it. Registered by importing this module
-(``trainguard/__init__.py``).
+(``trainguard/__init__.py``'s ``_boot``, at the package's first use; ``onethread``, for every
+``CheckpointManager``; an async ``api.start_save``), which also registers :mod:`.exitdrain`'s second call.
 """
 
 from __future__ import annotations
@@ -118,3 +119,9 @@ def _let_go(mgr: Any) -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+# The exit's drain of a save in flight after the threads were joined, wherever this reset is registered: the
+# package's first use (trainguard/__init__.py, _boot) and code that imports deep paths only (every manager).
+from .exitdrain import after_threads  # noqa: E402
+
+after_threads()

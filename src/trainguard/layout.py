@@ -35,6 +35,9 @@ IDX_RE = re.compile(r"^data-\d{5}\.idx\Z", re.ASCII)
 ATOMIC_TMP_RE = re.compile(r"^(manifest\.json|data-\d{5}\.idx)\.tmp-\d+\Z", re.ASCII)
 
 
+# Where a manager's ``ram_tier=True`` keeps its RAM copies (``tiers.DEFAULT_BASE``; ``ls``/``verify --ram-tier``).
+RAM_BASE = "/dev/shm"
+
 # The largest step a manifest holds (``manifest.validate`` refuses a larger one as corrupt).
 MAX_STEP = 1 << 62
 

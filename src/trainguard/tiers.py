@@ -47,7 +47,7 @@ from .streamjobs import run_parallel
 
 log = logging.getLogger("trainguard")
 
-DEFAULT_BASE = "/dev/shm"
+DEFAULT_BASE = layout.RAM_BASE
 RUN_ID = ".trainguard-run-id"  # in the durable root and in its RAM tier: which run they belong to
 ON_DISK = ".trainguard-on-disk"  # in the RAM tier: the RAM copy last found or copied on disk (name, manifest hash)
 PIECE = 64 << 20

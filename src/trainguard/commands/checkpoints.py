@@ -1,4 +1,7 @@
-"""``trainguard ls | inspect | verify | export``: read-only views and export (any process)."""
+"""``trainguard ls | inspect | verify | export``: read-only views and export (any process).
+
+The checkpoint modules (``inspect``, ``commit``, ``tiers``, ``flatten``) import torch: each command imports
+them when it runs, not ``trainguard --help``, ``report`` or ``plan`` (tests/test_hunt50_import50.py)."""
 
 from __future__ import annotations
 
@@ -16,14 +19,10 @@ from rich.markup import escape
 from rich.style import Style
 from rich.table import Table
 
-from ..commit import read_manifest
 from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, is_media_error
-from ..flatten import tensor_refs
 from ..gcpause import gc_paused
-from ..inspect import deleted_while_read, describe, list_checkpoints, set_aside, verify
-from ..layout import MANIFEST
+from ..layout import MANIFEST, RAM_BASE
 from ..storage import for_path
-from ..tiers import DEFAULT_BASE, ram_copies, stale_reason
 from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
 from .values import entry_values, shown
 
@@ -88,12 +87,15 @@ def _size(n: float) -> str:
 @click.argument("run_dir")
 @click.option("--verify", "verify_data", is_flag=True, help="Also check every data checksum (reads all bytes).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per step) instead of a table.")
-@click.option("--ram-tier", "ram_base", default=DEFAULT_BASE, show_default=True, metavar="DIR",
+@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR",
               help="Where the manager's ram_tier= keeps its RAM copies (node-local: run ls on the training node).")
 def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
     (valid / corrupt / incomplete; deleted: retention removed it while it was listed),
     and the copies this node's RAM tier holds, which a restart on this node tries first."""
+    from ..inspect import list_checkpoints, set_aside
+    from ..tiers import ram_copies
+
     rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
     ram_dir = ram_copies(run_dir, ram_base)
     ram = list_checkpoints(ram_dir, verify_data=verify_data) if ram_dir else []
@@ -124,6 +126,8 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
 def _stale(run_dir: str, ram_dir: str, ram: list[Any], rows: list[Any]) -> dict[int, str]:
     """``ls`` and ``verify``: the RAM copies (``ram``, ``list_checkpoints``'s rows of ``ram_dir``)
     that the next manager's restore discards (``tiers.stale_reason``), by step, with why."""
+    from ..tiers import stale_reason
+
     storage, root = for_path(run_dir)
     on_disk = {r.step for r in rows if r.status not in ("incomplete", "deleted")}
     found = {r.step: stale_reason(ram_dir, storage, root, r.step, r.step in on_disk) for r in ram}
@@ -152,6 +156,8 @@ def _table(title: str, rows: list[Any]) -> Table:
                    "'model/*.weight', '*layers.3.*'); repeat to show the tensors any of them matches.")
 def inspect_cmd(ckpt: str, as_json: bool, globs: tuple[str, ...]) -> None:
     """Show a checkpoint's entries as a tree: dtype, shape and bytes of every tensor."""
+    from ..inspect import describe
+
     with gc_paused():  # a manifest of 100,000 tensors is millions of small objects: half its parse was the GC
         m = describe(ckpt)
         entries = _entries(m, globs)
@@ -206,6 +212,8 @@ def _entries(m: Any, globs: tuple[str, ...] = ()) -> list[tuple[str, bool, list[
     """Each entry of the state: its key, whether it is saved per rank, its tensors (name in the
     entry, manifest entry); a per-rank entry shows rank 0's. With ``globs`` (``inspect --filter``)
     only the tensors whose ``KEY/NAME`` one of them matches, and only the entries holding one."""
+    from ..flatten import tensor_refs
+
     out = []
     for key, obj in m.objects.items():
         skel = obj.get("skeleton") if "skeleton" in obj else (obj["ranks"][0] if obj["ranks"] else {})
@@ -241,13 +249,16 @@ def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str,
 @click.command("verify")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
-@click.option("--ram-tier", "ram_base", default=DEFAULT_BASE, show_default=True, metavar="DIR",
+@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR",
               help="Where the manager's ram_tier= keeps its RAM copies: a run directory with no valid checkpoint "
                    "says whether this node's RAM tier holds one (which a restart here resumes from).")
 def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
     Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
     without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
+    from ..commit import read_manifest
+    from ..inspect import list_checkpoints, set_aside
+
     storage, p = for_path(path)
     run_dir = False
     url = getattr(storage, "url", None)  # an object store's key p ("bucket/run/step-N") is a local path to verify()
@@ -316,6 +327,9 @@ def _in_ram(run_dir: str, base: str) -> str | None:
     """``verify_cmd``'s note for a run directory without a valid checkpoint: the steps of this
     node's RAM tier of it (under ``base``) whose checksums all match, which a manager with
     ``ram_tier=`` restores on this node (``RamTier.candidates``); None when there is none."""
+    from ..inspect import list_checkpoints
+    from ..tiers import ram_copies
+
     try:
         here = ram_copies(run_dir, base)
         ram = list_checkpoints(here, verify_data=True) if here else []
@@ -336,6 +350,8 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     errors, bytes checked. Status "valid", "corrupt", "incomplete", or "deleted" (it vanished while
     verified: a running job's retention deleted it); neither of the last two is corruption, and
     restore never reads a step without a manifest."""
+    from ..inspect import verify
+
     if listed == "incomplete" and os.path.isfile(t):  # not a save's (commit.clean_debris leaves it, warning)
         return "incomplete", step, ["a file, not a checkpoint directory: restore never reads it, the manager leaves it, "
                                     f"and a save of step {step} fails until it is moved away"], 0
@@ -362,6 +378,8 @@ def _gone(path: str) -> bool:
 def _deleted(path: str) -> bool:
     """Whether checkpoint ``path`` lost its manifest while ``_check`` verified it: deletion removes
     the manifest first, so a checkpoint retention is still deleting counts (its directory is there)."""
+    from ..inspect import deleted_while_read
+
     storage, p = for_path(path)
     return deleted_while_read(storage, p)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import click
 
-from ..consolidate import consolidate as _consolidate
 from . import echo, printable, terminated_as_interrupt
 
 
@@ -24,6 +23,7 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
     by tools that expect one tensor per chunk. Memory holds one batch of tensors at a time, up to
     256 MiB (a larger tensor is a batch alone).
     """
+    from ..consolidate import consolidate as _consolidate  # torch: when the command runs, not at `--help`
 
     def show(path: str, nbytes: int) -> None:
         if not quiet:

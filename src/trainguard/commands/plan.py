@@ -1,7 +1,7 @@
 """``trainguard plan`` (how often to save) and ``trainguard doctor`` (common checkpointing mistakes).
 
-Thin: the figures come from :mod:`trainguard.reliability`, the checks from
-:mod:`trainguard.doctor`; this module parses options and prints rich tables or JSON.
+Thin: the figures come from :mod:`trainguard.reliability`, the checks from :mod:`trainguard.doctor`
+(both imported where used: not by `--help`); this module parses options and prints tables or JSON.
 """
 
 from __future__ import annotations
@@ -16,21 +16,24 @@ import re
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
 from rich.table import Table
 
 from .. import losthours
-from ..reliability import Plan, efficiency, format_duration, make_plan, parse_duration, plot_plan
 from . import CommandError, PipeConsole
+
+if TYPE_CHECKING:
+    from ..reliability import Plan
 
 
 class _Duration(click.ParamType):
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        from ..reliability import parse_duration
         try:
             return parse_duration(value)
         except ValueError as e:
@@ -68,6 +71,7 @@ def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: floa
                 intervals: dict[str, float] | None = None, save_duration: float | None = None) -> Plan:
     if (node_failures_per_day is None) == (node_mtbf is None):
         raise click.UsageError("give exactly one of --node-failures-per-day and --node-mtbf")
+    from ..reliability import make_plan
     try:
         return make_plan(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf,
                          stall_s=save_stall, restart_s=restart, step_time_s=step_time,
@@ -86,6 +90,7 @@ _OPTIONS = {"node_failures_per_day": "--node-failures-per-day", "node_mtbf_s": "
 
 def _as_options(message: str) -> str:
     """make_plan's ``stall_s=0.0: ...`` as the CLI says it: ``--save-stall 0s: ...``."""
+    from ..reliability import format_duration
     def option(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2)
         if name.endswith("_s"):
@@ -100,6 +105,7 @@ def _as_options(message: str) -> str:
 
 def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
     """``"500,1000"`` (steps; needs a step time) or ``"10m,1h"`` (compute time) -> {label: seconds}."""
+    from ..reliability import parse_duration
     out: dict[str, float] = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         if item.isascii() and item.isdigit():  # not "²": isdigit() says yes, int() refuses it
@@ -150,6 +156,7 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
     p = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node,
                     parse_every(every, step_time), save_duration)
     if plot:
+        from ..reliability import plot_plan
         try:
             plot_plan(p, plot)
         except ImportError:
@@ -177,6 +184,7 @@ def _hopeless(p: Plan) -> str:
     restart and the save stall is to blame, and what to change. The efficiency factorises exactly,
     ``E = e^(-R/M) * E_0``: the restart alone keeps at most ``e^(-R/M)`` of the time (``E_0`` is the
     efficiency with an instant restart), so each cause is named only where it costs more than 10 %."""
+    from ..reliability import efficiency, format_duration
     m = p.job_mtbf_s
     keep_restart = math.exp(-(p.restart_s + p.commit_delay_s) / m)
     keep_save = efficiency(p.optimal_interval_s, p.stall_s, 0.0, m)
@@ -196,6 +204,7 @@ def _hopeless(p: Plan) -> str:
 
 
 def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
+    from ..reliability import format_duration
     con = PipeConsole()
     t = Table(title="Failures", show_header=False)
     t.add_row("job MTBF", f"{format_duration(p.job_mtbf_s)} (node MTBF {format_duration(p.node_mtbf_s)} "
@@ -255,9 +264,9 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     --save-stall (and --step-time) to also check the save interval against the optimum.
     """
     from ..doctor import Finding, check, settings_from
-    from ..doctor_source import check_source, defines_hook
+    from ..doctor_source import check_source, defines_hook, read_source
 
-    source = _source(Path(script))
+    source = read_source(Path(script))
     try:
         tree = ast.parse(source, filename=script)
     except SyntaxError as e:  # the import would fail the same way: say so without running anything
@@ -295,15 +304,6 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
                            "and keep training under `if __name__ == \"__main__\":` to check the state too", exit_code=1)
     if any(f.severity == "error" for f in findings):
         sys.exit(1)
-
-
-def _source(path: Path) -> str:
-    """The script's text as Python reads it: its PEP 263 coding line, else UTF-8 (undecodable bytes replaced)."""
-    data = path.read_bytes()
-    try:
-        return importlib.util.decode_source(data)
-    except (SyntaxError, UnicodeDecodeError, LookupError):
-        return data.decode("utf-8", errors="replace")
 
 
 _LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",

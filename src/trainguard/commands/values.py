@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from ..flatten import unflatten
 
 _TENSOR = object()  # stands for each tensor while a skeleton is decoded
 CLIP = 200  # characters of an entry's values on inspect's text line
@@ -28,6 +27,8 @@ def entry_values(m: Any) -> dict[str, Any]:
     """Per entry of the manifest ``m`` (rank 0's copy of a per-rank one), the values of its skeleton
     that hold no tensor: a dict of the top-level keys whose value holds none, or the entry's
     value itself when it is a plain one. Entries without such values are left out."""
+    from ..flatten import unflatten  # torch: imported when inspect runs, not by `trainguard --help`
+
     out: dict[str, Any] = {}
     for key, obj in m.objects.items():
         skel = obj.get("skeleton") if "skeleton" in obj else (obj["ranks"][0] if obj["ranks"] else None)

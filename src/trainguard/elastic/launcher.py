@@ -197,19 +197,19 @@ def install_log_filter() -> None:
 
 
 def preload(args: argparse.Namespace) -> None:
-    """With ``--start-method fork``: import ``torch._dynamo`` in the agent, once, so that forked
-    workers inherit it. torch imports it lazily at the first optimizer construction
-    (``torch._disable_dynamo``); measured 1.1-1.7 s per restarted worker on this machine.
-    With ``forkserver``: the server (started once per agent, outliving restarts) preloads torch,
-    torch._dynamo and trainguard, so each new worker process starts without those imports."""
+    """Agent, once: with ``--start-method fork``, import ``torch._dynamo`` (torch imports it at the first optimizer:
+    1.1-1.7 s per restarted worker here) and the library (``import trainguard`` binds it at its first use), which
+    forked workers inherit; with ``forkserver``, the server (one per agent, outliving restarts) preloads them."""
     if args.no_preload:
         return
     if args.start_method == "fork":
         import torch._dynamo  # noqa: F401
+
+        __import__("trainguard")._boot()  # a worker reached its manager's SIGTERM handler late without (test_newcode16a)
     elif args.start_method == "forkserver":
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard"])
+        multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard.manager"])
 
 
 def install_signal_once() -> Any:
