@@ -247,3 +247,14 @@ def test_doctor_draw_check_is_quiet_on_the_example_and_fixture_scripts():
     assert len(scripts) >= 15
     flagged = [p.name for p in scripts if _draw_findings(p.read_text())]
     assert flagged == []
+
+
+def test_doctor_draw_check_reads_a_try_with_except_star_block_as_a_try_block():
+    # Session 51: a module-level `try: ... except* E:` (ast.TryStar, Python 3.11) was read whole, its
+    # handlers too, unlike a plain `try:` whose handlers (run only on an error) are not read.
+    src = "import torch\ntry:\n    perm = torch.randperm(10)\nexcept* ValueError:\n    pass\ntorch.manual_seed(0)\n"
+    (f,) = _draw_findings(src)
+    assert f.message.startswith("line 3: torch.randperm(10)"), f
+    handler = "import torch\ntry:\n    import numpy\nexcept{} ImportError:\n    x = torch.randn(3)\ntorch.manual_seed(0)\n"
+    assert _draw_findings(handler.format("")) == []
+    assert _draw_findings(handler.format("*")) == []

@@ -35,14 +35,15 @@ _RANDOM_DRAWS = {"random", "randint", "randrange", "choice", "choices", "sample"
 
 
 def _top(body: list[ast.stmt]) -> Iterator[ast.stmt]:
-    """The module's top-level statements in order, those inside top-level ``if``/``with``/``try`` too."""
+    """The module's top-level statements in order, those inside top-level ``if``/``with``/``try`` (and ``try``
+    with ``except*``) too."""
     for st in body:
         if isinstance(st, ast.If):
             yield from _top(st.body)
             yield from _top(st.orelse)
         elif isinstance(st, (ast.With, ast.AsyncWith)):
             yield from _top(st.body)
-        elif isinstance(st, ast.Try):
+        elif isinstance(st, (ast.Try, ast.TryStar)):  # try: and try/except* (3.11): not the handlers
             yield from _top([*st.body, *st.orelse, *st.finalbody])
         else:
             yield st
