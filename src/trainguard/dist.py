@@ -23,6 +23,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from .distpack import pack, published
 from .distwait import LEFT, STARTED, check_timeout, dead_after, default_timeout, wait_for  # noqa: F401 - imported from here
 from .errors import RankFailureError, failure, failure_record, from_record, summary  # noqa: F401 - failure, summary: imported from here too
 from .permanent import headline, is_permanent
@@ -303,7 +304,7 @@ class StoreDistContext(DistContext):
             except RankFailureError as e:
                 self._publish(f"{base}/all", failure_record(e))
                 raise
-            self._publish(f"{base}/all", {"value": values})
+            self._publish(f"{base}/all", {"packed": pack(values)})  # not O(world) bytes per rank (distpack)
             self.forget((self._op, self._round - 2))
             return values
         return self._await_root(f"{base}/all", tag, timeout)
@@ -366,7 +367,7 @@ class StoreDistContext(DistContext):
         out = json.loads(self.store.get(key))  # {"value": v} or rank 0's failure record
         if "error" in out:
             raise from_record(out)
-        return out["value"]
+        return published(out)
 
     def _wait_for(self, keys: list[str], ranks: list[int], tag: str, timeout: float | None) -> None:
         """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]`` (distwait.py)."""
