@@ -93,12 +93,23 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    meta, what = file_metadata(manifest), f"cannot write {out}"
     safetensors = out.endswith(".safetensors")
     if safetensors:
         from .stwrite import refuse_names
 
         refuse_names((n for n, _p, _e in mine), out)
+    write_file(storage, directory, manifest, entry, out, safetensors=safetensors)
+    return len(mine)
+
+
+def write_file(storage: Storage, directory: str, manifest: Manifest, entry: str, out: str, *, safetensors: bool) -> None:
+    """Entry ``entry`` into the local file ``out`` (``.safetensors`` or, not ``safetensors``, a
+    ``torch.save`` file), replaced whole (``replacing``). Called by ``export`` and by
+    ``convert.convert`` once they checked the entry and the destination. A safetensors file is
+    streamed (``stwrite``: one batch in memory; before session 51 ``convert`` held the entry); a
+    dtype it has no name for, and a ``.pt`` file, hold the entry (``save_file``, ``torch.save``)."""
+    mine = selected(manifest, entry)
+    meta, what = file_metadata(manifest), f"cannot write {out}"
     with replacing(out) as tmp:  # reading errors are raised as they are (the CLI says what to do about them)
         from . import stwrite  # streamed: one batch in memory (a dtype it has no name for: save_file)
 
@@ -111,7 +122,6 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
                     save_file(tensors, tmp, metadata=meta)
                 else:
                     torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
-    return len(mine)
 
 
 def file_metadata(manifest: Manifest) -> dict[str, str]:
