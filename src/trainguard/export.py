@@ -105,23 +105,32 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
 def write_file(storage: Storage, directory: str, manifest: Manifest, entry: str, out: str, *, safetensors: bool) -> None:
     """Entry ``entry`` into the local file ``out`` (``.safetensors`` or, not ``safetensors``, a
     ``torch.save`` file), replaced whole (``replacing``). Called by ``export`` and by
-    ``convert.convert`` once they checked the entry and the destination. A safetensors file is
-    streamed (``stwrite``: one batch in memory; before session 51 ``convert`` held the entry); a
-    dtype it has no name for, and a ``.pt`` file, hold the entry (``save_file``, ``torch.save``)."""
+    ``convert.convert`` once they checked the entry and the destination. Both are streamed, one batch
+    of up to 256 MiB in memory (``stwrite``, ``ptwrite``; before session 51 a ``.pt`` file, and
+    ``convert`` to either, held the entry); a dtype ``stwrite`` has no name for goes through
+    ``save_file``, which holds the entry."""
     mine = selected(manifest, entry)
     meta, what = file_metadata(manifest), f"cannot write {out}"
     with replacing(out) as tmp:  # reading errors are raised as they are (the CLI says what to do about them)
         from . import stwrite  # streamed: one batch in memory (a dtype it has no name for: save_file)
 
-        if not (safetensors and stwrite.write(storage, directory, manifest, mine, tmp, meta, what)):
-            tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not safetensors))
-            with foreign_errors(what):  # e.g. a dtype safetensors cannot store
-                if safetensors:
-                    from safetensors.torch import save_file
+        if safetensors and stwrite.write(storage, directory, manifest, mine, tmp, meta, what):
+            return
+        if not safetensors:  # streamed too: placeholders saved with skip_data, then the bytes written in place
+            from . import ptwrite
 
-                    save_file(tensors, tmp, metadata=meta)
-                else:
-                    torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
+            held, reads = ptwrite.placeholders(mine)
+            if ptwrite.write(storage, directory, manifest, torch_value(held, location(storage, directory), manifest, entry),
+                             reads, tmp, what):
+                return
+        tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not safetensors))
+        with foreign_errors(what):  # e.g. a dtype safetensors cannot store
+            if safetensors:
+                from safetensors.torch import save_file
+
+                save_file(tensors, tmp, metadata=meta)
+            else:
+                torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
 
 
 def file_metadata(manifest: Manifest) -> dict[str, str]:

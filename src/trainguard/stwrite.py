@@ -89,7 +89,7 @@ def write(
 
 def refuse_names(names: Iterable[str], out: str) -> None:
     """Refuse, before anything is written, a tensor name that a safetensors file cannot hold
-    (``export.export`` and ``convert._write_foreign``, for a ``.safetensors`` destination):
+    (``export.export`` and ``convert._stream_file``, for a ``.safetensors`` destination):
     ``__metadata__``, the header's own key (``save_file`` wrote it twice: a file that does not
     load), and a str that is not UTF-8 (a lone surrogate: ``save_file`` raised UnicodeEncodeError
     while the streamed header held a JSON escape that safetensors refuses to read)."""
