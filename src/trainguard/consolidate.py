@@ -4,8 +4,9 @@
 consolidate SRC DST`` command calls it). It streams in batches of up to 256 MiB: each tensor
 is read whole from whatever chunks hold it (checksums verified; a batch's reads in parallel)
 into one reused buffer, then written at its aligned offset of ``data-00000.bin`` with fresh
-block checksums (``io.write_batches``: direct I/O on local disks), so memory stays bounded by
-the larger of 256 MiB and the largest tensor. Rank-local entries (RNG, per-rank iterators) are
+block checksums (``io.write_batches``: direct I/O on local disks); a tensor larger than a batch
+is read and written in pieces of whole checksum blocks, so memory stays bounded by 256 MiB
+(before session 51: by the largest tensor, when larger). Rank-local entries (RNG, per-rank iterators) are
 kept per saved rank, and aliases (format 3: a tie stored once) stay aliases of their target.
 The manifest is written last and the directory renamed into place, as in a save.
 """
@@ -127,7 +128,7 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     return out
 
 
-GROUP = 256 << 20  # bytes read (in parallel) and then written per batch; a larger tensor is a batch alone
+GROUP = 256 << 20  # bytes read (in parallel) and then written per batch; a larger tensor in pieces (_pieces)
 
 
 def _groups(offs: list[int], sizes: list[int]) -> list[list[int]]:

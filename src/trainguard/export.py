@@ -1,6 +1,7 @@
 """Export a checkpoint's model weights to standard formats: a safetensors file, or a file that
 ``torch.load(weights_only=True)`` reads. Offline, one process, no process group; tensors are
 assembled from their chunks (whatever world size wrote them), read in parallel batches of 256 MiB.
+Both formats are streamed (``stwrite``, ``ptwrite``): one batch in memory, not the entry.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def write_file(storage: Storage, directory: str, manifest: Manifest, entry: str,
         if not safetensors:  # streamed too: placeholders saved with skip_data, then the bytes written in place
             from . import ptwrite
 
-            held, reads = ptwrite.placeholders(mine)
+            held, reads = ptwrite.placeholders(storage, directory, manifest, mine)
             if ptwrite.write(storage, directory, manifest, torch_value(held, location(storage, directory), manifest, entry),
                              reads, tmp, what):
                 return

@@ -31,9 +31,15 @@ from .manifest import Manifest, TensorEntry
 from .storage import Storage
 
 
-def placeholders(mine: list[tuple[str, str, TensorEntry]]) -> tuple[dict[str, torch.Tensor], dict[int, tuple[str, TensorEntry]]]:
+def placeholders(
+    storage: Storage, directory: str, manifest: Manifest, mine: list[tuple[str, str, TensorEntry]],
+) -> tuple[dict[str, torch.Tensor], dict[int, tuple[str, TensorEntry]]]:
     """An untouched tensor per name of ``mine`` (``(name, manifest path, entry)``), the names of a tie
-    one tensor (as ``iter_tensors(share=True)`` gives them), and what to read into each (by ``id``)."""
+    one tensor (as ``iter_tensors(share=True)`` gives them), and what to read into each (by ``id``).
+    The data files' sizes are checked first, as a load checks them: a manifest cannot make this
+    reserve more than the files it points at hold."""
+    src = ChunkSource.of(storage, directory, manifest)
+    check_file_sizes(storage, directory, manifest, {f for _n, _p, e in mine for f in src.files(e)})
     by_holder: dict[str, torch.Tensor] = {}
     reads: dict[int, tuple[str, TensorEntry]] = {}
     tensors: dict[str, torch.Tensor] = {}
@@ -70,8 +76,10 @@ def write(
 
     with foreign_errors(what), torch.serialization.skip_data():
         torch.save(value, path)
-    with foreign_errors(what):
+    try:  # each storage's offset in the file; a value weights_only refuses: saved as before, whole
         meta = torch.load(path, map_location="meta", weights_only=True)
+    except Exception:
+        return False
     ours, theirs = list(_leaves(value)), list(_leaves(meta))
     if len(ours) != len(theirs) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ours, theirs)):
         return False
@@ -83,8 +91,7 @@ def write(
         at[id(a)] = off
     order = sorted(at, key=at.__getitem__)
     items, offs = [reads[i] for i in order], [at[i] for i in order]
-    src = ChunkSource.of(storage, directory, manifest)
-    check_file_sizes(storage, directory, manifest, {f for _p, e in items for f in src.files(e)})
+    src = ChunkSource.of(storage, directory, manifest)  # file sizes: checked by placeholders()
     crcs = dict.fromkeys(offs, 0)
     starts = {o: o for o in offs}  # a piece's file offset -> its storage's
     fd = os.open(path, os.O_WRONLY)

@@ -1,6 +1,6 @@
 """An entry of a checkpoint streamed into one ``.safetensors`` file (``export.export``, offline,
 one process): the header comes from the manifest alone (names, dtypes, shapes, offsets), then the
-tensors are read in batches of up to 256 MiB (``consolidate.GROUP``, checksums verified) into one
+tensors are read in batches of up to 256 MiB (``consolidate.GROUP``, checksums verified; a larger tensor in pieces) into one
 reused buffer and written after it with ``io.write_batches`` (direct I/O on local disks). Memory
 holds one batch, not the model: safetensors' own ``save_file`` writes from a dict of every tensor.
 
