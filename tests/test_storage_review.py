@@ -89,6 +89,7 @@ def test_a_failed_export_or_convert_leaves_the_earlier_file_as_it_was(tmp_path, 
 
     import safetensors.torch
 
+    from trainguard import stwrite
     from trainguard.convert import convert
     from trainguard.export import export
 
@@ -106,6 +107,11 @@ def test_a_failed_export_or_convert_leaves_the_earlier_file_as_it_was(tmp_path, 
 
     monkeypatch.setattr(torch, "save", full_disk)
     monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+
+    def full_disk_streamed(storage, path, *args, **kwargs):  # convert to .safetensors streams (session 51)
+        return full_disk(None, path)
+
+    monkeypatch.setattr(stwrite, "write_batches", full_disk_streamed)
     with pytest.raises(tg.CheckpointError, match="No space left"):
         export(tmp_path / "ck", pt)
     with pytest.raises(tg.CheckpointError, match="No space left"):

@@ -4,18 +4,20 @@
 consolidate SRC DST`` command calls it). It streams in batches of up to 256 MiB: each tensor
 is read whole from whatever chunks hold it (checksums verified; a batch's reads in parallel)
 into one reused buffer, then written at its aligned offset of ``data-00000.bin`` with fresh
-block checksums (``io.write_batches``: direct I/O on local disks), so memory stays bounded by
-the larger of 256 MiB and the largest tensor. Rank-local entries (RNG, per-rank iterators) are
+block checksums (``io.write_batches``: direct I/O on local disks); a tensor larger than a batch
+is read and written in pieces of whole checksum blocks, so memory stays bounded by 256 MiB
+(before session 51: by the largest tensor, when larger). Rank-local entries (RNG, per-rank iterators) are
 kept per saved rank, and aliases (format 3: a tie stored once) stay aliases of their target.
 The manifest is written last and the directory renamed into place, as in a save.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +29,7 @@ from .errors import CheckpointError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_batches
 from .manifest import Chunk, Manifest, TensorEntry
-from .planner import PAGE, full_box, layout_file, plan_reads
+from .planner import PAGE, Box, full_box, layout_file, plan_reads
 from .storage import for_path
 from .tied import format_for, resolve_aliases
 
@@ -88,8 +90,11 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
                     progress(paths[i], sizes[i])
 
         items = [(p, m.tensors[p]) for p in paths]
-        batches = whole_batches(sstore, sdir, source, items, offs, written=written)
-        sums = write_batches(dstore, dstore.join(work, fname), batches, size, block=DEFAULT_BLOCK)
+        owners: list[int] = []  # the tensor of each chunk written: a large one's pieces give its checksums
+        batches = whole_batches(sstore, sdir, source, items, offs, written=written, owners=owners)
+        sums: list[list[str]] = [[] for _ in paths]
+        for i, s in zip(owners, write_batches(dstore, dstore.join(work, fname), batches, size, block=DEFAULT_BLOCK), strict=True):
+            sums[i] += s
         for path, off, n, s in zip(paths, offs, sizes, sums, strict=True):
             e = m.tensors[path]
             tensors[path] = TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
@@ -123,7 +128,7 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     return out
 
 
-GROUP = 256 << 20  # bytes read (in parallel) and then written per batch; a larger tensor is a batch alone
+GROUP = 256 << 20  # bytes read (in parallel) and then written per batch; a larger tensor in pieces (_pieces)
 
 
 def _groups(offs: list[int], sizes: list[int]) -> list[list[int]]:
@@ -138,35 +143,86 @@ def _groups(offs: list[int], sizes: list[int]) -> list[list[int]]:
     return groups
 
 
+def _pieces(sizes: list[int]) -> list[tuple[int, int, int]]:
+    """``(tensor index, byte start in it, length)``: each tensor whole, but one larger than ``GROUP``
+    in pieces of ``GROUP`` bytes rounded down to whole checksum blocks (``DEFAULT_BLOCK``: the
+    pieces' block checksums, concatenated, are the tensor's), so that memory holds one piece of it."""
+    step = max(GROUP // DEFAULT_BLOCK, 1) * DEFAULT_BLOCK
+    return [(i, at, min(step, n - at)) if n > GROUP else (i, 0, n)
+            for i, n in enumerate(sizes) for at in (range(0, n, step) if n > GROUP else (0,))]
+
+
+def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[Box, int]]:
+    """Elements ``[lo, hi)`` of a row-major tensor of ``shape`` as boxes, each contiguous in it, with
+    the element index each starts at (a partial row, whole rows, a partial row; recursively)."""
+    if lo >= hi:
+        return []
+    if not shape:
+        return [(Box((), ()), 0)]
+    inner, n = math.prod(shape[1:]), len(shape)
+    out: list[tuple[Box, int]] = []
+    if lo % inner:  # a partial first row
+        r, end = lo // inner, min(hi, (lo // inner + 1) * inner)
+        out += [(Box((r, *b.offsets), (1, *b.sizes)), r * inner + at) for b, at in flat_boxes(shape[1:], lo - r * inner, end - r * inner)]
+        lo = end
+    if hi // inner > lo // inner and lo < hi:  # whole rows
+        r0, r1 = lo // inner, hi // inner
+        out.append((Box((r0,) + (0,) * (n - 1), (r1 - r0, *shape[1:])), r0 * inner))
+        lo = r1 * inner
+    if lo < hi:  # a partial last row
+        r = lo // inner
+        out += [(Box((r, *b.offsets), (1, *b.sizes)), r * inner + at) for b, at in flat_boxes(shape[1:], 0, hi - r * inner)]
+    return out
+
+
 def whole_batches(
     storage: Any, directory: str, src: ChunkSource, items: list[tuple[str, TensorEntry]], offs: list[int], *,
     written: Callable[[list[int]], None] | None = None, failed: list[BaseException] | None = None,
+    owners: list[int] | None = None,
 ) -> Iterator[list[WriteChunk]]:
     """Batches for ``io.write_batches`` of whole tensors ``items`` (``(manifest path, entry)``) at
     file offsets ``offs`` (increasing): up to ``GROUP`` bytes of them read in parallel (checksums
     verified) into one reused page-aligned buffer (new memory is slow to fault in), each at its file
-    offset's place in a page, so that their whole pages can be written direct. ``written(indices)``
-    once a batch is written; an error reading is also put in ``failed``. Used by ``consolidate``
-    and by the streamed safetensors export (``stwrite``)."""
+    offset's place in a page, so that their whole pages can be written direct. A tensor larger than
+    ``GROUP`` comes in pieces of whole checksum blocks (``_pieces``), one batch each, each read as
+    the boxes of its elements (``flat_boxes``): memory holds ``GROUP`` bytes, not the largest
+    tensor (a 1 GiB tensor took 1 GiB more before session 51). ``owners`` gets the index of the
+    tensor of each chunk yielded (a tensor's checksums: its chunks' in order). ``written(indices)``
+    once a batch is written, naming the tensors it completed; an error reading is also put in
+    ``failed``. Used by ``consolidate`` and by the streamed safetensors export (``stwrite``)."""
     sizes = [e.nbytes for _p, e in items]
-    groups = _groups(offs, sizes)
-    scratch = aligned_empty(max((offs[g[-1]] + sizes[g[-1]] - offs[g[0]] // PAGE * PAGE for g in groups), default=0))
+    pieces = _pieces(sizes)
+    groups = _groups([offs[i] + at for i, at, _n in pieces], [n for _i, _at, n in pieces])
+    span = [(offs[pieces[g[-1]][0]] + pieces[g[-1]][1] + pieces[g[-1]][2]) - (offs[pieces[g[0]][0]] + pieces[g[0]][1]) // PAGE * PAGE
+            for g in groups]
+    scratch = aligned_empty(max(span, default=0))
     for g in groups:
-        base = offs[g[0]] // PAGE * PAGE
-        reads = []
-        for i in g:
+        base = (offs[pieces[g[0]][0]] + pieces[g[0]][1]) // PAGE * PAGE
+        reads, chunks = [], []
+        for i, start, n in (pieces[k] for k in g):
             path, e = items[i]
-            at = offs[i] - base
-            reads.append(whole_read(src, path, e, scratch[at : at + e.nbytes].view(e.torch_dtype).view(e.shape)))
+            at = offs[i] + start - base
+            if n == e.nbytes:
+                reads.append(whole_read(src, path, e, scratch[at : at + n].view(e.torch_dtype).view(e.shape)))
+            else:
+                size = e.torch_dtype.itemsize
+                for box, first in flat_boxes(e.shape, start // size, (start + n) // size):
+                    b = at + first * size - start
+                    dest = scratch[b : b + box.numel * size].view(e.torch_dtype).view(box.sizes)
+                    reads.append(ReadTarget(path, dest, box, plan_reads(plan_args(src.all_chunks(path, e)), box, size,
+                                                                        src.m.block_size, True)))
+            chunks.append(WriteChunk(tensor_bytes(scratch[at : at + n]), offs[i] + start))
+            if owners is not None:
+                owners.append(i)
         try:
             read_targets(storage, directory, reads)
         except BaseException as e:
             if failed is not None:
                 failed.append(e)
             raise
-        yield [WriteChunk(tensor_bytes(t.dest), offs[i]) for t, i in zip(reads, g)]
+        yield chunks
         if written is not None:
-            written(g)
+            written([i for i, start, n in (pieces[k] for k in g) if start + n == sizes[i]])
 
 
 def whole_read(src: ChunkSource, path: str, e: TensorEntry, dest: torch.Tensor, verify: bool = True) -> ReadTarget:

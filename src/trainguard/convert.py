@@ -28,14 +28,11 @@ from .dcp_export import check_dcp_destination, write_dcp
 from .errors import CheckpointError, StepExistsError
 from .export import (
     check_destination,
-    file_metadata,
     foreign_errors,
     iter_tensors,
     local_file,
     no_tensors,
     own_tensor,
-    replacing,
-    torch_value,
 )
 from .flatten import single_tensor, unflatten
 from .storage import for_path, location
@@ -122,10 +119,8 @@ def convert(
             with foreign_errors(f"cannot write {dst} as {df}"):
                 write_dcp(state, os.fspath(dst))
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
-        n, value, meta = _read_trainguard(src, entry, torch_file=df == "torch")
-        with foreign_errors(f"cannot write {dst} as {df}"):
-            _write_foreign(value, dst, df, meta)
-        return {"from": sf, "to": df, "tensors": n, "skipped": []}
+        # streamed, as `export` writes them: one batch in memory, not the entry
+        return {"from": sf, "to": df, "tensors": _stream_file(src, dst, entry, df == "safetensors"), "skipped": []}
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
@@ -178,38 +173,29 @@ def _count(v: Any) -> int:
     return sum(_count(x) for x in items)
 
 
-def _read_trainguard(src: str | os.PathLike[str], entry: str | None, *, torch_file: bool = False) -> tuple[int, Any, dict[str, str]]:
-    """The number of tensors of ``entry`` and what ``convert`` writes of it to one file: its tensors
-    by name (safetensors), or for ``torch_file`` the value ``export.torch_value`` rebuilds, a tie's
-    names one tensor (``torch.save`` stores it once; safetensors refuses shared tensors); and the
-    safetensors metadata ``export`` writes (``export.file_metadata``)."""
+def _stream_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], entry: str | None, safetensors: bool) -> int:
+    """``convert`` of entry ``entry`` to a ``.safetensors`` (``safetensors``) or ``torch.save`` file, as
+    ``export`` writes it (``export.write_file``: the tensors read in batches of up to 256 MiB, a
+    larger tensor in pieces, and written in place; a tie is one tensor in a ``.pt`` file, a tensor
+    per name in safetensors). Before session 51 the entry was read whole into memory and written by
+    ``save_file`` or ``torch.save`` (a 1.5 GB entry: peak RSS 1.7 GB). Returns the number of tensors."""
+    from .export import selected, write_file
+    from .stwrite import refuse_names
+
     if entry is None:
         raise CheckpointError("exporting every entry needs a DCP destination (--to dcp); name one entry with --entry")
     storage, d = for_path(src)
     manifest = read_manifest(storage, d)
     if entry not in manifest.objects:
         raise CheckpointError(f"{location(storage, d)} has no entry {entry!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
-    tensors = dict(iter_tensors(storage, d, manifest, entry, share=torch_file))
-    if not tensors:
+    mine = selected(manifest, entry)
+    if not mine:
         raise CheckpointError(no_tensors(manifest, location(storage, d), entry))
-    value = torch_value(tensors, location(storage, d), manifest, entry) if torch_file else tensors
-    return len(tensors), value, file_metadata(manifest)
-
-
-def _write_foreign(tensors: Any, dst: str | os.PathLike[str], fmt: str, meta: dict[str, str]) -> None:
-    """One entry into a ``.safetensors`` (its tensors by name) or ``.pt`` file (``fmt``), replaced whole."""
     out = os.fspath(dst)
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
-
-        from .stwrite import refuse_names
-
-        refuse_names(tensors, out)
-        with replacing(out) as tmp:  # an earlier file at out survives a failed write
-            save_file(tensors, tmp, metadata=meta)
-    else:
-        with replacing(out) as tmp:
-            torch.save(tensors, tmp)
+    if safetensors:
+        refuse_names((n for n, _p, _e in mine), out)
+    write_file(storage, d, manifest, entry, out, safetensors=safetensors)
+    return len(mine)
 
 
 def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[str, Any], int]:

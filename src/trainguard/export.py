@@ -1,6 +1,7 @@
 """Export a checkpoint's model weights to standard formats: a safetensors file, or a file that
 ``torch.load(weights_only=True)`` reads. Offline, one process, no process group; tensors are
 assembled from their chunks (whatever world size wrote them), read in parallel batches of 256 MiB.
+Both formats are streamed (``stwrite``, ``ptwrite``): one batch in memory, not the entry.
 """
 
 from __future__ import annotations
@@ -93,25 +94,44 @@ def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: s
         raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt")
     if not out.endswith((".safetensors", ".pt", ".pth", ".bin")):
         raise CheckpointError(f"{out}: unknown export format; use a .safetensors or .pt file name")
-    meta, what = file_metadata(manifest), f"cannot write {out}"
     safetensors = out.endswith(".safetensors")
     if safetensors:
         from .stwrite import refuse_names
 
         refuse_names((n for n, _p, _e in mine), out)
+    write_file(storage, directory, manifest, entry, out, safetensors=safetensors)
+    return len(mine)
+
+
+def write_file(storage: Storage, directory: str, manifest: Manifest, entry: str, out: str, *, safetensors: bool) -> None:
+    """Entry ``entry`` into the local file ``out`` (``.safetensors`` or, not ``safetensors``, a
+    ``torch.save`` file), replaced whole (``replacing``). Called by ``export`` and by
+    ``convert.convert`` once they checked the entry and the destination. Both are streamed, one batch
+    of up to 256 MiB in memory (``stwrite``, ``ptwrite``; before session 51 a ``.pt`` file, and
+    ``convert`` to either, held the entry); a dtype ``stwrite`` has no name for goes through
+    ``save_file``, which holds the entry."""
+    mine = selected(manifest, entry)
+    meta, what = file_metadata(manifest), f"cannot write {out}"
     with replacing(out) as tmp:  # reading errors are raised as they are (the CLI says what to do about them)
         from . import stwrite  # streamed: one batch in memory (a dtype it has no name for: save_file)
 
-        if not (safetensors and stwrite.write(storage, directory, manifest, mine, tmp, meta, what)):
-            tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not safetensors))
-            with foreign_errors(what):  # e.g. a dtype safetensors cannot store
-                if safetensors:
-                    from safetensors.torch import save_file
+        if safetensors and stwrite.write(storage, directory, manifest, mine, tmp, meta, what):
+            return
+        if not safetensors:  # streamed too: placeholders saved with skip_data, then the bytes written in place
+            from . import ptwrite
 
-                    save_file(tensors, tmp, metadata=meta)
-                else:
-                    torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
-    return len(mine)
+            held, reads = ptwrite.placeholders(storage, directory, manifest, mine)
+            if ptwrite.write(storage, directory, manifest, torch_value(held, location(storage, directory), manifest, entry),
+                             reads, tmp, what):
+                return
+        tensors = dict(iter_tensors(storage, directory, manifest, entry, share=not safetensors))
+        with foreign_errors(what):  # e.g. a dtype safetensors cannot store
+            if safetensors:
+                from safetensors.torch import save_file
+
+                save_file(tensors, tmp, metadata=meta)
+            else:
+                torch.save(torch_value(tensors, location(storage, directory), manifest, entry), tmp)
 
 
 def file_metadata(manifest: Manifest) -> dict[str, str]:

@@ -1,6 +1,6 @@
 """An entry of a checkpoint streamed into one ``.safetensors`` file (``export.export``, offline,
 one process): the header comes from the manifest alone (names, dtypes, shapes, offsets), then the
-tensors are read in batches of up to 256 MiB (``consolidate.GROUP``, checksums verified) into one
+tensors are read in batches of up to 256 MiB (``consolidate.GROUP``, checksums verified; a larger tensor in pieces) into one
 reused buffer and written after it with ``io.write_batches`` (direct I/O on local disks). Memory
 holds one batch, not the model: safetensors' own ``save_file`` writes from a dict of every tensor.
 
@@ -89,7 +89,7 @@ def write(
 
 def refuse_names(names: Iterable[str], out: str) -> None:
     """Refuse, before anything is written, a tensor name that a safetensors file cannot hold
-    (``export.export`` and ``convert._write_foreign``, for a ``.safetensors`` destination):
+    (``export.export`` and ``convert._stream_file``, for a ``.safetensors`` destination):
     ``__metadata__``, the header's own key (``save_file`` wrote it twice: a file that does not
     load), and a str that is not UTF-8 (a lone surrogate: ``save_file`` raised UnicodeEncodeError
     while the streamed header held a JSON escape that safetensors refuses to read)."""

@@ -1,7 +1,7 @@
 """``trainguard consolidate SRC DST``: a sharded checkpoint as one full checkpoint, offline.
 
 Thin: :func:`trainguard.consolidate.consolidate` does the work (no process group, one batch of
-tensors of up to 256 MiB in memory at a time).
+tensors of up to 256 MiB in memory at a time, a larger tensor in pieces).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
 
     DST holds whole tensors in one data file (layout "full"), loadable at any world size and
     by tools that expect one tensor per chunk. Memory holds one batch of tensors at a time, up to
-    256 MiB (a larger tensor is a batch alone).
+    256 MiB (a larger tensor is read and written in pieces of 256 MiB).
     """
     from ..consolidate import consolidate as _consolidate  # torch: when the command runs, not at `--help`
 
