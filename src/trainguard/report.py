@@ -40,7 +40,7 @@ def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Failures, lost work, recovery times, checkpoint overhead and goodput of one run: of ``events``
     in any order (sorted by time here). ``trainguard report`` reads a log with :func:`tally_log`."""
     tally = Tally(window=None)
-    for e in events:
+    for e in sorted(events, key=lambda e: e.get("t", 0.0)):  # no clock set back is seen in an unordered list
         tally.add(e)
     return summary(tally.finish())
 
@@ -120,10 +120,16 @@ def summary(tally: Tally) -> dict[str, Any]:
     # agent: a requeue after a node failure, a lost one-node job) and was started again.
     resubmit_lost = sum(e.get("lost_steps") or 0 for e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
-    wall = tally.last - start_t
+    final, last = tally.final, tally.last
+    if tally.set_back:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
+        final, last = tally.log_final, max(last, tally.tail + tally.set_back)
+    wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
-    final = tally.final
-    stall, saves = tally.stall, tally.saves
+    stall, logged = tally.stall, tally.saves
+    # A committed checkpoint rank 0 restored with no save event of its step: the process that committed
+    # it was killed before it logged the save (a kill right after the commit); one save more, its stall unknown.
+    unlogged = len({e["step"] for e in tally.of("restore")} - tally.saved_steps)
+    saves = logged + unlogged
     useful = (final or 0) * step_s if step_s else None
     return {
         "events": tally.events,
@@ -137,9 +143,10 @@ def summary(tally: Tally) -> dict[str, Any]:
         "membership_lost_steps": joined_lost,
         "resubmit_lost_steps": resubmit_lost,
         "saves": saves,
+        "saves_unlogged": unlogged,
         "save_stall_s": stall,
-        "save_stall_mean_s": stall / saves if saves else None,
-        "save_duration_mean_s": statistics.mean(tally.durations) if saves else None,
+        "save_stall_mean_s": stall / logged if logged else None,
+        "save_duration_mean_s": statistics.mean(tally.durations) if logged else None,
         "save_bytes": tally.save_bytes,
         "checkpoint_overhead": stall / wall if wall > 0 else None,
         "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
@@ -173,6 +180,12 @@ def _apart(s: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _unlogged(s: dict[str, Any]) -> str:
+    """``format_summary``: the saves counted from a restore of their checkpoint, if any."""
+    n = s.get("saves_unlogged")
+    return f" ({n} with no save event, known from its restore: killed at its commit)" if n else ""
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The text ``trainguard report`` prints."""
     if not s.get("events"):
@@ -191,7 +204,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{_f(r.get('restart_s'))} + restore {_f(r.get('restore_s'))} + first step {_f(r.get('first_step_s'))}"
         )
     lines += [
-        f"checkpoints        {s['saves']} saves, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
+        f"checkpoints        {s['saves']} saves{_unlogged(s)}, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
         f"({_f(s['save_stall_mean_s'], '{:.4f}')} s each), duration {_f(s['save_duration_mean_s'], '{:.3f}')} s, "
         f"{_f(s['save_bytes'], '{:,}')} bytes",
         f"checkpoint overhead {_f(None if s['checkpoint_overhead'] is None else 100 * s['checkpoint_overhead'])} % of wall time",
