@@ -194,3 +194,49 @@ def test_trainguard_run_of_2_ranks_killed_at_a_commit_reports_every_checkpoint(t
     s = rep.summary(rep.tally_log(run_dir))
     assert s["failures"] == 1 and [r["restored_step"] for r in s["recoveries"]] == [10], s
     assert s["saves"] == 4 and s["saves_unlogged"] == 1 and s["final_step"] == 20, s
+
+
+def _jl(t: float, event: str, who: int, pid: int, **fields: object) -> str:
+    """A line as EventLog writes it: ``rank`` ``who`` (-1: the agent's; its ``failure`` names the failed rank)."""
+    return json.dumps({"t": t, "event": event, "rank": who, "pid": pid, **fields}) + "\n"
+
+
+def _restart_log(back: float) -> str:
+    """Rank 0 (pid 100) trains steps 1-20, saved at 10, and is killed; the agent logs the failure; the
+    clock is set back by ``back`` s during the restart; pid 200 restores 10 and trains 11-30."""
+    t0, lines = 1_760_000_000.0, []
+    lines.append(_jl(t0, "agent_start", -1, 7, job_id="j"))
+    lines.append(_jl(t0 + 0.5, "first_step", 0, 100, step=1, world_size=1, lost_steps=0))
+    for s in range(1, 21):
+        lines.append(_jl(t0 + s, "step", 0, 100, step=s, world_size=1))
+        if s == 10:
+            lines.append(_jl(t0 + s + 0.1, "save", 0, 100, step=10, stall_s=0.1, duration_s=0.2, bytes=1, committed_t=t0 + s))
+    lines.append(_jl(t0 + 21, "failure", 0, 7, cause="killed by SIGKILL"))  # the agent's: rank is the failed rank
+    t = t0 + 21 - back
+    lines.append(_jl(t + 2, "restore", 0, 200, step=10, seconds=0.5))
+    lines.append(_jl(t + 3, "first_step", 0, 200, step=11, world_size=1, lost_steps=10))
+    lines += [_jl(t + 3 + i, "step", 0, 200, step=11 + i, world_size=1) for i in range(20)]
+    lines.append(_jl(t + 23, "agent_exit", -1, 7, ok=True))
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("back", [0.0, 3600.0])
+def test_a_clock_set_back_during_a_restart_keeps_its_recovery(tmp_path: Path, back: float) -> None:
+    """Set back 3,600 s between the agent's failure and the new worker's restore, the report said:
+    `final step 20`, wall time 21 s, `restored step None, lost None`, and the 10 lost steps counted as
+    lost `at starts of the whole job again`. The restore is paired with the failure logged before it;
+    durations across the step back are unknown (`-`), not -3,597 s."""
+    (tmp_path / "events.jsonl").write_text(_restart_log(back))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s == rep.summarize(list(read_events(tmp_path)))
+    assert s["final_step"] == 30 and s["failures"] == 1 and s["lost_steps"] == 10 and s["resubmit_lost_steps"] == 0, s
+    (r,) = s["recoveries"]
+    assert r["restored_step"] == 10 and r["lost_steps"] == 10 and r["restore_s"] == 0.5 and r["first_step_s"] == 1.0, r
+    if back:
+        assert r["restart_s"] is None and r["recover_s"] is None, r
+        assert 40.0 <= s["wall_s"] <= 44.0, s  # 44 s ran; the 3 s of the restart across the step back are not seen
+    else:
+        assert r["restart_s"] == pytest.approx(1.5) and r["recover_s"] == pytest.approx(3.0) and s["wall_s"] == 44.0, s
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert "restored step 10, lost 10" in res.output and "starts of the whole job" not in res.output

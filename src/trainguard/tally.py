@@ -14,8 +14,8 @@ hosts. ``step`` and rank 0's ``save`` events, which make most of the log, pass t
 raises :class:`Unordered` (:func:`report.tally_log` then reads the log again with no window,
 keeping those events in memory). ``window=None``: all are kept until :meth:`Tally.finish`.
 
-A clock set back (an NTP step) shows in the log's order as a process's ``step`` event earlier than its
-previous one by more than ``SET_BACK_MIN``: :attr:`Tally.set_back` sums those steps back, and ``report.summary`` then takes the
+A clock set back (an NTP step) shows in the log's order as a ``step`` event (rank 0's heartbeat: one
+process at a time) earlier than the previous one by more than ``SET_BACK_MIN``: :attr:`Tally.set_back` sums those steps back, and ``report.summary`` then takes the
 final step from the log's order (:attr:`Tally.log_final`) and adds them to the wall time. Before,
 the final step was the one logged latest by the clock: a run that ended before its clock caught up
 again reported the step it was at when the clock was set back, and a wall time short by the step.
@@ -173,7 +173,7 @@ class Tally:
         self.tail: Any = None  # t of the last event fed (the log's last line)
         self.log_final: Any = None  # step of the last step event fed (the log's order)
         self.set_back: Any = 0  # seconds a process's clock went back between two of its step events
-        self._pid_t: dict[Any, Any] = {}  # pid -> t of its last step event fed
+        self._step_t: Any = None  # t of the last step event fed
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -209,10 +209,10 @@ class Tally:
     def step(self, key: Any, seq: int, pid: Any, step: Any) -> None:
         """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`)."""
         self.runs.add(pid, step)
-        prev = self._pid_t.get(pid)
-        if prev is not None and key < prev - SET_BACK_MIN:  # one process's clock went back (an NTP step), in the log's order
+        prev = self._step_t
+        if prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
             self.set_back += prev - key
-        self._pid_t[pid] = key
+        self._step_t = key
         self.log_final = step
         if self.points is not None:
             self._point(pid, key, step)
@@ -256,15 +256,18 @@ class Tally:
         pts[1].append(step)
 
     def finish(self) -> Tally:
-        """Every step and save out of the window, in time order; the kept events sorted by time."""
+        """Every step and save out of the window, in time order; the kept events stay in the order fed (the log's)."""
         self._steps.drain()
         self._saves.drain()
-        self.kept.sort(key=lambda k: (k[0], k[1]))
         return self
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
-        """The kept events of ``kinds``, in time order (after :meth:`finish`)."""
+        """The kept events of ``kinds``, in the order fed (the log's)."""
         return [e for _k, _s, e in self.kept if e["event"] in kinds]
+
+    def at(self, *kinds: str) -> list[tuple[int, dict[str, Any]]]:
+        """``(seq, event)`` of the kept events of ``kinds``, in the order fed: ``seq`` their place in it."""
+        return [(q, e) for _k, q, e in self.kept if e["event"] in kinds]
 
     def median_step(self) -> Any:
         """``statistics.median`` of the step times, without a float object each: numpy's partition, in
