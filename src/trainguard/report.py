@@ -96,17 +96,18 @@ def summary(tally: Tally) -> dict[str, Any]:
                                "lost_steps": None if first is None else 0 if id(first) in claimed else first.get("lost_steps")}
         if first is not None:
             claimed.add(id(first))
+        seen = f["t"] - _given(f, "stop_s")  # the agent saw it; it logged it once it had stopped the other workers
         if fault:
-            rec["detect_s"] = _span(fault["t"], f["t"])
+            rec["detect_s"] = _span(fault["t"], seen)
             rec["fault_step"] = fault.get("step")
         if restore:
             seconds = _given(restore, "seconds")
-            rec["restart_s"] = _span(f["t"], restore["t"] - seconds)
+            rec["restart_s"] = _span(seen, restore["t"] - seconds)
             rec["restore_s"] = seconds
         if first:
             if restore:
                 rec["first_step_s"] = _span(restore["t"], first["t"])
-            rec["recover_s"] = _span(fault["t"] if fault else f["t"], first["t"])
+            rec["recover_s"] = _span(fault["t"] if fault else seen, first["t"])
         recoveries.append(rec)
         prev_q = fq
     # Steps lost at a restart for a joining agent (scale-up): those run after the checkpoint the group
