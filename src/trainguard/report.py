@@ -28,17 +28,20 @@ from .events import read_events
 from .tally import Tally, Unordered
 
 
-def _first_from(events: list[dict[str, Any]], times: list[float], t: float, end: float = float("inf")) -> dict[str, Any] | None:
-    """``summarize``: the first of ``events`` (in time order, ``times`` their times) at or after ``t``
-    and before ``end`` (the next job's start: a later job's restore is not this failure's): a
-    bisection, not a scan from the start of the log per failure (O(failures x events))."""
-    i = bisect.bisect_left(times, t)
-    return events[i] if i < len(events) and times[i] < end else None
+def _first_from(events: list[tuple[int, dict[str, Any]]], at: list[int], q: int, end: float = float("inf")) -> dict[str, Any] | None:
+    """``summary``: the first of ``events`` (``(seq, event)`` in the log's order, ``at`` their seqs) after
+    the event at ``q`` and before ``end`` (the next job's start: a later job's restore is not this
+    failure's): a bisection, not a scan from the start of the log per failure (O(failures x events))."""
+    i = bisect.bisect_right(at, q)
+    return events[i][1] if i < len(events) and at[i] < end else None
 
 
 def summarize(events: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Failures, lost work, recovery times, checkpoint overhead and goodput of one run: of ``events``
-    in any order (sorted by time here). ``trainguard report`` reads a log with :func:`tally_log`."""
+    in the log's order (as ``read_events`` yields them): a failure is paired with the restore and first
+    step logged after it, and a step logged earlier in time than the one before it is a clock set back
+    (``tally.py``); steps and saves are taken in time order. ``trainguard report`` reads a log with
+    :func:`tally_log`: the same numbers."""
     tally = Tally(window=None)
     for e in events:
         tally.add(e)
@@ -56,60 +59,65 @@ def tally_log(run_dir: str | os.PathLike[str], *, timeline: bool = False) -> Tal
 
 
 def summary(tally: Tally) -> dict[str, Any]:
-    """:func:`summarize`'s numbers from a finished tally (the events sorted by time, stably)."""
+    """:func:`summarize`'s numbers from a finished tally (steps and saves sorted by time, stably;
+    incidents in the order fed)."""
     if not tally.events:
         return {"events": 0}
-    failures = tally.of("failure")
-    faults = tally.of("fault", "hang")  # injected, or a hang the watchdog declared
+    # Incidents are paired in the log's order (a failure's restore is logged after it), not by their
+    # times: a clock set back during a restart put the restore before the failure (no recovery found).
+    failures = tally.at("failure")
+    faults = tally.at("fault", "hang")  # injected, or a hang the watchdog declared
     # rank 0's restore, or its fresh start (a restart with no checkpoint: no restored step)
-    restores = tally.of("restore", "fresh_start")
-    firsts = tally.of("first_step")
-    fault_t, restore_t, first_t = ([e["t"] for e in x] for x in (faults, restores, firsts))
-    jobs: dict[Any, float] = {}  # each job's first agent start: a later job's restore is not an earlier job's failure's
-    for e in tally.of("agent_start"):
-        jobs.setdefault(e.get("job_id"), e["t"])
+    restores = tally.at("restore", "fresh_start")
+    firsts = tally.at("first_step")
+    fault_q, restore_q, first_q = ([q for q, _ in x] for x in (faults, restores, firsts))
+    jobs: dict[Any, int] = {}  # each job's first agent start: a later job's restore is not an earlier job's failure's
+    for q, e in tally.at("agent_start"):
+        jobs.setdefault(e.get("job_id"), q)
     bounds = sorted(jobs.values())
     recoveries = []
-    prev_t = tally.first
+    prev_q = -1
     # A first step's lost_steps counts once: one incident logs several failures and restarts before the
     # group trains again (a restart killed in its restore fails again; the other agent of a dead worker
     # restarts for "membership"), and each found the same first step (its steps were counted twice).
     claimed: set[int] = set()
-    for f in failures:
-        # The last fault in [prev_t, f["t"]], the first restore or fresh start (rank 0) and first step
-        # from f["t"] on, before the next job starts (another node's failure or agent of this job: no bound).
-        i = bisect.bisect_right(fault_t, f["t"])
-        fault = faults[i - 1] if i and fault_t[i - 1] >= prev_t else None
-        end = next((b for b in bounds if b > f["t"]), float("inf"))
-        restore = _first_from(restores, restore_t, f["t"], end)
+    for fq, f in failures:
+        # The last fault after the previous failure and before this one, the first restore or fresh start
+        # (rank 0) and first step after it, before the next job starts (another node's failure or agent
+        # of this job: no bound).
+        i = bisect.bisect_right(fault_q, fq)
+        fault = faults[i - 1][1] if i and fault_q[i - 1] > prev_q else None
+        end = next((b for b in bounds if b > fq), float("inf"))
+        restore = _first_from(restores, restore_q, fq, end)
         restore = restore if restore is None or restore["event"] == "restore" else None
-        first = _first_from(firsts, first_t, f["t"], end)
+        first = _first_from(firsts, first_q, fq, end)
         rec: dict[str, Any] = {"t": f["t"], "rank": f.get("rank"), "cause": f.get("cause"),
                                "restored_step": restore["step"] if restore else None,
                                "lost_steps": None if first is None else 0 if id(first) in claimed else first.get("lost_steps")}
         if first is not None:
             claimed.add(id(first))
+        seen = f["t"] - _given(f, "stop_s")  # the agent saw it; it logged it once it had stopped the other workers
         if fault:
-            rec["detect_s"] = f["t"] - fault["t"]
+            rec["detect_s"] = _span(fault["t"], seen)
             rec["fault_step"] = fault.get("step")
         if restore:
             seconds = _given(restore, "seconds")
-            rec["restart_s"] = restore["t"] - seconds - f["t"]
+            rec["restart_s"] = _span(seen, restore["t"] - seconds)
             rec["restore_s"] = seconds
         if first:
             if restore:
-                rec["first_step_s"] = first["t"] - restore["t"]
-            rec["recover_s"] = first["t"] - (fault["t"] if fault else f["t"])
+                rec["first_step_s"] = _span(restore["t"], first["t"])
+            rec["recover_s"] = _span(fault["t"] if fault else seen, first["t"])
         recoveries.append(rec)
-        prev_t = f["t"]
+        prev_q = fq
     # Steps lost at a restart for a joining agent (scale-up): those run after the checkpoint the group
     # restored, e.g. without a preemption save (handle_signals=False, or its save did not happen).
     # A membership restart whose first step a failure's recovery reached is part of that recovery (the
     # other agent of a failed worker saw the failed one's agent waiting), not a restart for a joining agent.
     joined_lost = joined = 0
-    for r in tally.of("restart"):  # those with reason "membership" (the tally keeps no other)
-        end = min([b for b in bounds if b > r["t"]] + [f["t"] for f in failures if f["t"] > r["t"]] + [float("inf")])
-        first = _first_from(firsts, first_t, r["t"], end)
+    for rq, _r in tally.at("restart"):  # those with reason "membership" (the tally keeps no other)
+        end = min([b for b in bounds if b > rq] + [fq for fq, _ in failures if fq > rq] + [float("inf")])
+        first = _first_from(firsts, first_q, rq, end)
         if first is not None and id(first) in claimed:
             continue
         joined += 1
@@ -118,12 +126,18 @@ def summary(tally: Tally) -> dict[str, Any]:
             claimed.add(id(first))
     # Lost at a start no failure or membership restart of this log led to: the whole job had died (every
     # agent: a requeue after a node failure, a lost one-node job) and was started again.
-    resubmit_lost = sum(e.get("lost_steps") or 0 for e in firsts if id(e) not in claimed)
+    resubmit_lost = sum(e.get("lost_steps") or 0 for _, e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
-    wall = tally.last - start_t
+    final, last = tally.final, tally.last
+    if tally.set_back:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
+        final, last = tally.log_final, max(last, tally.tail + tally.set_back)
+    wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
-    final = tally.final
-    stall, saves = tally.stall, tally.saves
+    stall, logged = tally.stall, tally.saves
+    # A committed checkpoint rank 0 restored with no save event of its step: the process that committed
+    # it was killed before it logged the save (a kill right after the commit); one save more, its stall unknown.
+    unlogged = len({e["step"] for e in tally.of("restore")} - tally.saved_steps)
+    saves = logged + unlogged
     useful = (final or 0) * step_s if step_s else None
     return {
         "events": tally.events,
@@ -137,9 +151,10 @@ def summary(tally: Tally) -> dict[str, Any]:
         "membership_lost_steps": joined_lost,
         "resubmit_lost_steps": resubmit_lost,
         "saves": saves,
+        "saves_unlogged": unlogged,
         "save_stall_s": stall,
-        "save_stall_mean_s": stall / saves if saves else None,
-        "save_duration_mean_s": statistics.mean(tally.durations) if saves else None,
+        "save_stall_mean_s": stall / logged if logged else None,
+        "save_duration_mean_s": statistics.mean(tally.durations) if logged else None,
         "save_bytes": tally.save_bytes,
         "checkpoint_overhead": stall / wall if wall > 0 else None,
         "goodput": min(1.0, useful / wall) if useful and wall > 0 else None,
@@ -149,6 +164,12 @@ def summary(tally: Tally) -> dict[str, Any]:
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": joined,
     }
+
+
+def _span(a: Any, b: Any) -> Any:
+    """``b - a``, the seconds from one event to a later one; None (unknown, ``-``) when the clock went
+    back between them by more than ``tally.SET_BACK_MIN`` (a duration of -3597 s across an NTP step)."""
+    return None if b - a < -tally_mod.SET_BACK_MIN else b - a
 
 
 def _given(e: dict[str, Any], key: str) -> Any:
@@ -173,6 +194,12 @@ def _apart(s: dict[str, Any]) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
+def _unlogged(s: dict[str, Any]) -> str:
+    """``format_summary``: the saves counted from a restore of their checkpoint, if any."""
+    n = s.get("saves_unlogged")
+    return f" ({n} with no save event, known from its restore: killed at its commit)" if n else ""
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The text ``trainguard report`` prints."""
     if not s.get("events"):
@@ -191,7 +218,7 @@ def format_summary(s: dict[str, Any]) -> str:
             f"{_f(r.get('restart_s'))} + restore {_f(r.get('restore_s'))} + first step {_f(r.get('first_step_s'))}"
         )
     lines += [
-        f"checkpoints        {s['saves']} saves, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
+        f"checkpoints        {s['saves']} saves{_unlogged(s)}, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
         f"({_f(s['save_stall_mean_s'], '{:.4f}')} s each), duration {_f(s['save_duration_mean_s'], '{:.3f}')} s, "
         f"{_f(s['save_bytes'], '{:,}')} bytes",
         f"checkpoint overhead {_f(None if s['checkpoint_overhead'] is None else 100 * s['checkpoint_overhead'])} % of wall time",

@@ -13,6 +13,12 @@ hosts. ``step`` and rank 0's ``save`` events, which make most of the log, pass t
 ``window`` of them that puts them in time order; one earlier than one already taken out of it
 raises :class:`Unordered` (:func:`report.tally_log` then reads the log again with no window,
 keeping those events in memory). ``window=None``: all are kept until :meth:`Tally.finish`.
+
+A clock set back (an NTP step) shows in the log's order as a ``step`` event (rank 0's heartbeat: one
+process at a time) earlier than the previous one by more than ``SET_BACK_MIN``: :attr:`Tally.set_back` sums those steps back, and ``report.summary`` then takes the
+final step from the log's order (:attr:`Tally.log_final`) and adds them to the wall time. Before,
+the final step was the one logged latest by the clock: a run that ended before its clock caught up
+again reported the step it was at when the clock was set back, and a wall time short by the step.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from operator import itemgetter
 from typing import Any
 
 WINDOW = 4096  # steps (and saves) held to put them in time order: an hour at a step a second
+SET_BACK_MIN = 1.0  # seconds: a process's step going back by less changes a figure by less (chrony's makestep default)
 _KEPT = {"failure", "fault", "hang", "first_step", "agent_start"}  # every one; restarts, restores, rendezvous: some
 _I64 = 1 << 63
 
@@ -162,6 +169,11 @@ class Tally:
         self.save_bytes: Any = None
         self.points: dict[Any, tuple[Any, Any]] | None = {} if timeline else None  # pid -> (ts, steps), log order
         self.save_points: list[tuple[Any, Any]] = []  # rank 0's (committed_t, step), with timeline
+        self.saved_steps: set[Any] = set()  # steps of rank 0's save events (report: restores of others)
+        self.tail: Any = None  # t of the last event fed (the log's last line)
+        self.log_final: Any = None  # step of the last step event fed (the log's order)
+        self.set_back: Any = 0  # seconds a process's clock went back between two of its step events
+        self._step_t: Any = None  # t of the last step event fed
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -171,6 +183,7 @@ class Tally:
             self.first = key
         if self.last is None or key >= self.last:
             self.last = key
+        self.tail = key
         return seq
 
     def add(self, e: dict[str, Any]) -> None:
@@ -196,6 +209,11 @@ class Tally:
     def step(self, key: Any, seq: int, pid: Any, step: Any) -> None:
         """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`)."""
         self.runs.add(pid, step)
+        prev = self._step_t
+        if prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
+            self.set_back += prev - key
+        self._step_t = key
+        self.log_final = step
         if self.points is not None:
             self._point(pid, key, step)
         self._steps.put((key, seq, pid, step))
@@ -218,6 +236,7 @@ class Tally:
         """Rank 0's ``save`` event."""
         if self.points is not None:
             self.save_points.append((committed, step))
+        self.saved_steps.add(step)
         self._saves.put((key, seq, stall, duration, nbytes))
 
     def _take_save(self, _t: Any, _seq: int, stall: Any, duration: Any, nbytes: Any) -> None:
@@ -237,15 +256,18 @@ class Tally:
         pts[1].append(step)
 
     def finish(self) -> Tally:
-        """Every step and save out of the window, in time order; the kept events sorted by time."""
+        """Every step and save out of the window, in time order; the kept events stay in the order fed (the log's)."""
         self._steps.drain()
         self._saves.drain()
-        self.kept.sort(key=lambda k: (k[0], k[1]))
         return self
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:
-        """The kept events of ``kinds``, in time order (after :meth:`finish`)."""
+        """The kept events of ``kinds``, in the order fed (the log's)."""
         return [e for _k, _s, e in self.kept if e["event"] in kinds]
+
+    def at(self, *kinds: str) -> list[tuple[int, dict[str, Any]]]:
+        """``(seq, event)`` of the kept events of ``kinds``, in the order fed: ``seq`` their place in it."""
+        return [(q, e) for _k, q, e in self.kept if e["event"] in kinds]
 
     def median_step(self) -> Any:
         """``statistics.median`` of the step times, without a float object each: numpy's partition, in

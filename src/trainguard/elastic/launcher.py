@@ -282,13 +282,13 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     def _monitor(self: Any, wg: Any) -> Any:
         raise_lost()  # a stop signal the agent received while it forked the workers: it stops them now
-        result = orig_monitor(self, wg)
+        t0, result = time.time(), orig_monitor(self, wg)  # the poll that sees a failure stops the others, then returns
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             if stop_code(None, [f.exitcode for f in result.failures.values()]) is not None:
                 self._remaining_restarts = 0  # exited 128 + a stop signal after their save: a preemption, no failure
                 return result
             first = first_failure(result.failures)
-            events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode),
+            events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode), stop_s=round(time.time() - t0, 6),
                         failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()})
             if no_restart(result.failures):
                 self._remaining_restarts = 0  # exit 78: the same error at every restart (permanent.py)
