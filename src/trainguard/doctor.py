@@ -21,11 +21,15 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import losthours
 from .doctor_storage import storage_check as _storage
-from .reliability import Plan, format_duration
+from .doctor_torchfree import class_names
+from .durations import format_duration
+
+if TYPE_CHECKING:  # numpy: imported where a plan is given, not by `trainguard doctor` without one
+    from .reliability import Plan
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
     ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
     Any process or rank, once the state (and manager) exist; no collective, no I/O but reads.
     """
+    from .reliability import Plan
+
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
     if amp not in (None, True, False, "float16", "bfloat16"):
@@ -212,6 +218,12 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
 
 
 def _optimizer_names() -> set[str]:
+    """The names of torch.optim's optimizer classes (``AdamW``, ``SGD``...), whose calls the source checks
+    look for. Where torch is not imported (``trainguard doctor`` on a script without ``trainguard_state()``
+    reads its source only), the capitalized names of ``torch.optim.__all__`` but ``Optimizer``, read from
+    its source (the same set: tests/test_hunt51_cli51.py), which saves the command torch's ~2 s."""
+    if "torch" not in sys.modules and (names := class_names("optim/__init__.py", "Optimizer")) is not None:
+        return set(names)
     import torch
 
     return {n for n, c in vars(torch.optim).items()
