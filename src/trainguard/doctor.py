@@ -21,15 +21,12 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import losthours
 from .doctor_storage import storage_check as _storage
 from .doctor_torchfree import class_names
-from .durations import format_duration
-
-if TYPE_CHECKING:  # numpy: imported where a plan is given, not by `trainguard doctor` without one
-    from .reliability import Plan
+from .reliability import Plan, format_duration  # Plan: in the globals, for typing.get_type_hints(tg.doctor)
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
 @dataclass(frozen=True)
@@ -69,8 +66,6 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
     ``plan`` enables the interval check. Returns one :class:`Finding` per check that could run.
     Any process or rank, once the state (and manager) exist; no collective, no I/O but reads.
     """
-    from .reliability import Plan
-
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass trainguard.reliability.make_plan(...), or None")
     if amp not in (None, True, False, "float16", "bfloat16"):
