@@ -194,9 +194,14 @@ def _fork_child() -> None:
     """``os.register_at_fork(after_in_child=...)``, registered at import: a child forked after code imported
     only deep modules (``from trainguard import io``: no public name used, so no :func:`_boot`, no
     :mod:`.forks`) still gets the fork reset: its first save hung on a buffer pool lock a thread of the parent
-    held at the fork (``test_audit33``). When :mod:`.forks` was imported its own hook resets (this does nothing)."""
+    held at the fork (``test_audit33``). When :mod:`.forks` was imported its own hook resets (this does nothing).
+    Without torch imported (a process that only read checkpoints: ``trainguard.inspect``), only the torch-free
+    modules' reset (:mod:`.forkreset`): :mod:`.forks` would import torch in the child."""
     if f"{__name__}.forks" not in _sys.modules and any(f"{__name__}.{m}" in _sys.modules for m in _FORK_RESET):
-        _importlib.import_module(".forks", __name__)._after_fork_in_child()
+        if "torch" in _sys.modules:
+            _importlib.import_module(".forks", __name__)._after_fork_in_child()
+        else:  # no module of _FORK_RESET that imports torch is loaded
+            _importlib.import_module(".forkreset", __name__).after_fork_in_child()
 
 
 _os.register_at_fork(after_in_child=_fork_child)

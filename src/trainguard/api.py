@@ -21,17 +21,9 @@ import torch
 
 from . import __version__, iostall, layout, replicas, split, splitplan
 from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
-from .commit import (
-    LazyManifest,
-    abandon_commit,
-    check_begin,
-    check_shared,
-    claim_commit,
-    commit_dir,
-    occupied,
-    rank_files,
-)
+from .commit import LazyManifest, check_shared, commit_dir, occupied, rank_files
 from .commitfail import check_commit, discard
+from .commitfence import abandon_commit, check_begin, claim_commit
 from .dist import DistContext, check_timeout, one_operation
 from .errors import (
     CheckpointError,

@@ -23,10 +23,11 @@ from .commhooks import warn_unsaved
 from .dist import DistContext
 from .distwait import note_busy
 from .dtensor import is_dtensor, regular_dim, shard_of, split_peers
+from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError, RankFailureError, UnsupportedValueError
 from .flatten import flatten
 from .fsdp1 import refuse_unsupported
-from .manifest import DTYPE_NAMES, MAX_NDIM, MAX_TENSOR_BYTES
+from .manifest import MAX_NDIM, MAX_TENSOR_BYTES
 from .names import frozen_names, module_versions
 from .optnames import param_name_map
 from .planner import Box, Regular, full_box

@@ -25,7 +25,8 @@ from typing import Any
 
 from . import losthours
 from .doctor_storage import storage_check as _storage
-from .reliability import Plan, format_duration
+from .doctor_torchfree import class_names
+from .reliability import Plan, format_duration  # Plan: in the globals, for typing.get_type_hints(tg.doctor)
 
 FAR = 3.0  # an interval more than FAR times off the optimum is reported
 @dataclass(frozen=True)
@@ -212,6 +213,12 @@ def _optim_sched(leaves: list[tuple[str, Any]], s: Settings) -> Finding:
 
 
 def _optimizer_names() -> set[str]:
+    """The names of torch.optim's optimizer classes (``AdamW``, ``SGD``...), whose calls the source checks
+    look for. Where torch is not imported (``trainguard doctor`` on a script without ``trainguard_state()``
+    reads its source only), the capitalized names of ``torch.optim.__all__`` but ``Optimizer``, read from
+    its source (the same set: tests/test_hunt51_cli51.py), which saves the command torch's ~2 s."""
+    if "torch" not in sys.modules and (names := class_names("optim/__init__.py", "Optimizer")) is not None:
+        return set(names)
     import torch
 
     return {n for n, c in vars(torch.optim).items()

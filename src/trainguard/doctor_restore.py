@@ -18,7 +18,10 @@ mgr: mgr.restore(state)``, or ``tg.load(path, {"model": fresh})``).
 from __future__ import annotations
 
 import ast
+import sys
 from typing import TYPE_CHECKING, Any
+
+from .doctor_torchfree import class_names
 
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
@@ -163,7 +166,10 @@ def _rebuilt(c: ast.Call, nodes: list[ast.AST]) -> bool:
 
 
 def _schedulers() -> set[str]:
-    """torch's LR scheduler classes, for ``from torch.optim.lr_scheduler import OneCycleLR``."""
+    """torch's LR scheduler classes, for ``from torch.optim.lr_scheduler import OneCycleLR``; read from its
+    source where torch is not imported (``doctor_torchfree``: ``trainguard doctor`` on a script's source)."""
+    if "torch" not in sys.modules and (names := class_names("optim/lr_scheduler.py", "LRScheduler")) is not None:
+        return set(names)
     import torch
 
     base = getattr(torch.optim.lr_scheduler, "LRScheduler", torch.optim.lr_scheduler._LRScheduler)

@@ -21,9 +21,8 @@ import sys
 import threading
 from typing import Any
 
-from . import async_save, dist, gcpause, io, iostall, policies, replicas, stage
+from . import async_save, dist, forkreset, io, policies, replicas, stage
 from .errors import CheckpointError
-from .storage import _direct, local
 
 
 def _after_fork_in_child() -> None:
@@ -36,11 +35,10 @@ def _after_fork_in_child() -> None:
     async_save._INFLIGHT = async_save._UNCOLLECTED = None
     async_save._LOCK, async_save.STARTING = threading.Lock(), threading.RLock()
     stage.forget_pools_in_child()
-    gcpause.after_fork_in_child()  # a save or load of another thread paused the collector
-    io._COUNTERS_LOCK, _direct._LOCK, local._LOCK = threading.Lock(), threading.Lock(), threading.Lock()
+    forkreset.after_fork_in_child()  # gcpause, iostall, storage: what a torch-free reader imports
+    io._COUNTERS_LOCK = threading.Lock()
     io._POOL = io._BufferPool()  # its lock, held by a writer thread at the fork, hung the child's first save
     replicas._LOCK, dist._MAKING = threading.Lock(), threading.Lock()
-    iostall._OPEN.clear()  # the parent's storage calls in flight: none of this process's, never to end here
     _not_a_rank()
     _sigterm_as_before()
     if job is not None and not job.handle.done():

@@ -27,11 +27,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from .dtypenames import ITEMSIZE
 from .errors import CorruptCheckpointError, is_media_error
-from .flatten import loads_json
 from .layout import DATA_RE, IDX_RE, data_file, index_file
 from .manifest import Chunk, Manifest, TensorEntry, _int, _req, checksum
 from .planner import Box, Regular, overlapping
+from .skeleton import loads_json
 
 MAX_INDEX_BYTES = 1 << 30
 
@@ -80,7 +81,7 @@ def check_regular_files(
     claim = [0] * (need + 1)
     for e in tensors.values():
         if e.regular is not None and (k := e.regular.nonempty(e.shape)):
-            row = math.prod(e.shape) // e.shape[e.regular.dim] * e.torch_dtype.itemsize
+            row = math.prod(e.shape) // e.shape[e.regular.dim] * ITEMSIZE[e.dtype]
             full, last = e.regular.chunk(e.shape) * row, (e.shape[e.regular.dim] - (k - 1) * e.regular.chunk(e.shape)) * row
             claim[0] += full
             claim[k - 1] += last - full
@@ -141,7 +142,7 @@ def parse_index(data: bytes, part: int, m: Manifest, explicit: list[tuple[int, i
         if e is None or e.regular is None or part >= e.regular.parts:
             raise CorruptCheckpointError(f"{name}: tensor {str(path)[:80]!r} is not a regular tensor with a part {part}", file=name)
         box = e.regular.part_box(e.shape, part)
-        nbytes = box.numel * e.torch_dtype.itemsize
+        nbytes = box.numel * ITEMSIZE[e.dtype]
         if type(v) is not list or len(v) != 3:
             raise CorruptCheckpointError(f"{name}: entry of {path[:80]!r} is malformed", file=name, entry=path)
         off, length, sums = v

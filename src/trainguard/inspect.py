@@ -1,6 +1,8 @@
 """Read-only views of checkpoints: ``verify`` every checksum, list a run directory, describe
 entries. Safe to run while a job is saving into the same run directory (they never touch
 temp directories and take no lock). Used by the CLI and by tests; any process may call them.
+Imports no torch, nor does any module it imports (a function given a live state does, when called):
+``trainguard ls``, ``inspect`` and ``verify`` run without torch (tests/test_hunt51_cli51.py).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ from .errors import CheckpointError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
 from .manifest import Manifest, checksum
-from .storage import Storage, for_path
+from .storage import Storage, for_path, location
 from .tied import aliases_of
-from .tiers import location
 
 _READ = 64 << 20
 _DELETED = "removed while it was listed (a running job's retention deletes old checkpoints)"

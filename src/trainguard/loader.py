@@ -19,13 +19,14 @@ from .buffers import castable, holds, in_place, may_overlap
 from .commit import check_file_sizes, read_manifest
 from .dist import DistContext, check_timeout, one_operation
 from .dtensor import is_dtensor, local_part, shard_of
+from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError, CorruptCheckpointError, agree_load, unreadable
 from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
 from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
-from .manifest import DTYPE_NAMES, Manifest, TensorEntry
+from .manifest import Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
 from .partread import in_checkpoint, in_place_entries, loaded_round, partly_read

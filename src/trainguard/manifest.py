@@ -43,17 +43,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
-from .dtypes import DTYPE_NAMES, DTYPES  # noqa: F401 (re-exported: the stored dtypes)
+from .dtypenames import ITEMSIZE, stored
 from .errors import CorruptCheckpointError, FormatVersionError, UnsupportedValueError
-from .flatten import decode_json, encode_json, loads_json, single_tensor
 from .layout import DATA_RE, MAX_STEP
 from .planner import Regular, tiles
+from .skeleton import decode_json, loads_json, single_tensor, unflatten
 from .tied import parse_alias, resolve_aliases
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_VERSION = 1  # what a save writes with no regular tensor and no alias (``format_for``)
 SUPPORTED_VERSIONS = (1, 2, 3)
@@ -63,7 +65,6 @@ MAX_MANIFEST_BYTES = 1 << 30
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 48
 MAX_BLOCK = 1 << 30
-
 
 
 def checksum(data: Any) -> str:
@@ -103,11 +104,13 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        from .dtypes import DTYPES  # torch: a tensor is made or checked
+
         return DTYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.torch_dtype.itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     def to_json(self) -> dict[str, Any]:
         if self.alias is not None:
@@ -139,6 +142,7 @@ class Manifest:
         return sum(self.files.values())
 
     def to_bytes(self) -> bytes:
+        from .flatten import encode_json  # torch: a save's, not a manifest's readers' (trainguard ls, verify)
         extra: dict[str, Any] = {"indexes": {k: list(v) for k, v in self.indexes.items()}} if self.format_version >= 2 else {}
         body = json.dumps(
             {
@@ -286,12 +290,12 @@ def _tensor(path: str, t: Any, files: dict[str, int], block: int, where: str, ve
     if type(t) is not dict:
         raise CorruptCheckpointError(f"{_w(where, path)} is malformed", file=where, entry=path)
     dtype = t.get("dtype")
-    if type(dtype) is not str or dtype not in DTYPES:  # a list here would raise TypeError
+    if type(dtype) is not str or not stored(dtype):  # a list here would raise TypeError
         raise CorruptCheckpointError(f"{_w(where, path)}: unknown dtype {str(dtype)[:20]!r}", file=where, entry=path)
     shape = t.get("shape")
     if type(shape) is not list or len(shape) > MAX_NDIM:
         raise CorruptCheckpointError(f"{_w(where, path)}: bad shape", file=where, entry=path)
-    itemsize = DTYPES[dtype].itemsize
+    itemsize = ITEMSIZE[dtype]
     if block % itemsize:  # a resharding read's views of whole blocks failed in torch (a bare RuntimeError)
         raise CorruptCheckpointError(f"{_w(where, path)}: block_size {block} is not a multiple of its {dtype} item size "
                                      f"({itemsize}): the manifest is corrupt or hand-edited", file=where, entry=path)
@@ -387,8 +391,6 @@ def _check_file_ranges(tensors: dict[str, TensorEntry], where: str) -> None:
 
 def _check_skeleton(skel: Any, tensors: dict[str, TensorEntry], where: str) -> None:
     """The skeleton decodes (bounded depth, known markers) and references only described tensors."""
-    from .flatten import unflatten  # flatten does not import manifest; local to keep the layering obvious
-
     def known(p: str) -> None:
         if p not in tensors:
             raise CorruptCheckpointError(f"{where}: references tensor {p[:80]!r} that the manifest does not describe")

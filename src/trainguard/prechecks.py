@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError
 from .flatten import flatten, unflatten
-from .manifest import DTYPE_NAMES
 from .optim_groups import a
 from .permanent import mark
 from .sampler import ResumableIterable

@@ -54,9 +54,9 @@ def unclaimed(ram_storage: Any, ram: str, durable: Any, root: str) -> bool:
 
 
 def found_dir(root: str, base: str) -> str:
-    """``tiers.ram_copies`` (``trainguard ls``, ``verify``): the RAM directory of the run ``root`` under ``base``,
+    """``ramview.ram_copies`` (``trainguard ls``, ``verify``): the RAM directory of the run ``root`` under ``base``,
     or, where that does not exist, the one an older version named (``legacy_dir``), which the next open adopts."""
-    from .tiers import ram_dir
+    from .ramview import ram_dir
 
     here = ram_dir(root, base)
     old = legacy_dir(here, root)
@@ -71,7 +71,8 @@ def adopt_legacy(tier: Any) -> None:
     Before, an upgrade in the middle of a run ignored it: ``restore`` went back to the newest step on disk,
     losing the newest ones, saved in RAM only before the crash, and the copies held memory until removed
     by hand (``left_behind`` named them as "moved")."""
-    from .tiers import RUN_ID, location
+    from .ramview import RUN_ID
+    from .storage import location
 
     old = legacy_dir(tier.dir, location(tier.durable, tier.durable_root))
     if old is None or os.path.islink(old) or not os.path.isdir(old) or not list_steps(tier.storage, old):
@@ -95,13 +96,13 @@ def adopt_legacy(tier: Any) -> None:
 def unused_copies(mgr: Any, durable: list[int]) -> None:
     """``retention.restore_candidates``, rank 0, of a manager without ``ram_tier`` on a local run directory
     (``durable``: its committed steps): warn, with the event ``ram_unused``, when this node's default RAM
-    tier of the run (``/dev/shm``: ``tiers.ram_copies``, which checks the run's id) holds checkpoints newer
+    tier of the run (``/dev/shm``: ``ramview.ram_copies``, which checks the run's id) holds checkpoints newer
     than the run directory's newest, which a run with ``ram_tier=True`` saved and did not copy to disk before
     it ended (a crash, an upgrade). Before, restore went back to the step on disk without a word and the
     copies held memory until the node restarted. They are not removed: the next open with ``ram_tier=True``
     resumes from them. Nothing said when the RAM tier cannot be read."""
+    from .ramview import ram_copies, stale_reason
     from .storage import LocalStorage
-    from .tiers import ram_copies, stale_reason
 
     if not mgr.storage.atomic_rename:
         return

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .manifest import DTYPE_NAMES
+from .dtypes import DTYPE_NAMES
 from .names import canonical_key
 
 _ENDS = tuple(f"{sep}{b}" for b in ("min_val", "max_val", "scale", "zero_point") for sep in "./")

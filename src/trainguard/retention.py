@@ -279,7 +279,7 @@ def newest_step(mgr: CheckpointManager) -> int | None:
     tier's included. A save into the RAM tier is committed there (``wait()`` returns, ``restore``
     resumes from it) while rank 0's background copy to the run directory may still run: listing the
     run directory alone gave the step before (``None`` after the first save) until the copy ended.
-    A RAM copy that ``restore`` would discard (``tiers.stale_reason``) is not counted. A listing that
+    A RAM copy that ``restore`` would discard (``ramview.stale_reason``) is not counted. A listing that
     fails (an object store's error: botocore's, not an OSError, raised bare before) is a ``CheckpointError``."""
     try:
         steps = committed_steps(mgr.storage, mgr._root)  # listed again if retention deleted what it listed

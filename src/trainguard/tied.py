@@ -23,16 +23,25 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
-
 from .errors import CorruptCheckpointError
 
 if TYPE_CHECKING:
+    import torch
+
     from .manifest import TensorEntry
 
-PLAIN = (torch.Tensor, nn.Parameter)  # the types whose ties are detected (``type(t) in PLAIN``)
 MAX_PATH = 4096
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: ``PLAIN``, the types whose ties are detected (``type(t) in PLAIN``: ``capture``, ``stage``), is
+    torch's: bound at its first use, not when ``manifest`` imports this module without torch (``trainguard ls``)."""
+    if name == "PLAIN":
+        import torch
+
+        globals()["PLAIN"] = plain = (torch.Tensor, torch.nn.Parameter)
+        return plain
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _sig(t: torch.Tensor) -> tuple[Any, ...]:

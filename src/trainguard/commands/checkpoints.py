@@ -1,7 +1,7 @@
 """``trainguard ls | inspect | verify | export``: read-only views and export (any process).
 
-The checkpoint modules (``inspect``, ``commit``, ``tiers``, ``flatten``) import torch: each command imports
-them when it runs, not ``trainguard --help``, ``report`` or ``plan`` (tests/test_hunt50_import50.py)."""
+Each command imports the checkpoint modules when it runs (test_hunt50_import50.py); ``ls``, ``inspect`` and
+``verify`` read manifests and checksums without torch (test_hunt51_cli51.py), ``export`` writes tensors with it."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     (valid / corrupt / incomplete; deleted: retention removed it while it was listed),
     and the copies this node's RAM tier holds, which a restart on this node tries first."""
     from ..inspect import list_checkpoints, set_aside
-    from ..tiers import ram_copies
+    from ..ramview import ram_copies
 
     rows = list_checkpoints(run_dir, verify_data=verify_data)  # refuses a step directory, saying so
     ram_dir = ram_copies(run_dir, ram_base)
@@ -125,8 +125,8 @@ def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
 
 def _stale(run_dir: str, ram_dir: str, ram: list[Any], rows: list[Any]) -> dict[int, str]:
     """``ls`` and ``verify``: the RAM copies (``ram``, ``list_checkpoints``'s rows of ``ram_dir``)
-    that the next manager's restore discards (``tiers.stale_reason``), by step, with why."""
-    from ..tiers import stale_reason
+    that the next manager's restore discards (``ramview.stale_reason``), by step, with why."""
+    from ..ramview import stale_reason
 
     storage, root = for_path(run_dir)
     on_disk = {r.step for r in rows if r.status not in ("incomplete", "deleted")}
@@ -212,7 +212,7 @@ def _entries(m: Any, globs: tuple[str, ...] = ()) -> list[tuple[str, bool, list[
     """Each entry of the state: its key, whether it is saved per rank, its tensors (name in the
     entry, manifest entry); a per-rank entry shows rank 0's. With ``globs`` (``inspect --filter``)
     only the tensors whose ``KEY/NAME`` one of them matches, and only the entries holding one."""
-    from ..flatten import tensor_refs
+    from ..skeleton import tensor_refs
 
     out = []
     for key, obj in m.objects.items():
@@ -328,7 +328,7 @@ def _in_ram(run_dir: str, base: str) -> str | None:
     node's RAM tier of it (under ``base``) whose checksums all match, which a manager with
     ``ram_tier=`` restores on this node (``RamTier.candidates``); None when there is none."""
     from ..inspect import list_checkpoints
-    from ..tiers import ram_copies
+    from ..ramview import ram_copies
 
     try:
         here = ram_copies(run_dir, base)

@@ -1,7 +1,8 @@
 """``trainguard plan`` (how often to save) and ``trainguard doctor`` (common checkpointing mistakes).
 
-Thin: the figures come from :mod:`trainguard.reliability`, the checks from :mod:`trainguard.doctor`
-(both imported where used: not by `--help`); this module parses options and prints tables or JSON.
+Thin: the figures come from :mod:`trainguard.reliability` (numpy: :func:`_reliability`, at a command's
+first use of it), the checks from :mod:`trainguard.doctor` (imported by ``doctor``): ``--help`` imports
+neither. This module parses options (durations: :mod:`trainguard.durations`) and prints tables or JSON.
 """
 
 from __future__ import annotations
@@ -23,17 +24,25 @@ from click.core import ParameterSource
 from rich.table import Table
 
 from .. import losthours
+from ..durations import format_duration, parse_duration
 from . import CommandError, PipeConsole
 
 if TYPE_CHECKING:
     from ..reliability import Plan
 
 
+def _reliability() -> Any:
+    """:mod:`trainguard.reliability` (it imports numpy), imported at its first use by a command: ``trainguard
+    --help`` and ``plan --help`` import no numpy (tests/test_hunt50_import50.py)."""
+    from .. import reliability
+
+    return reliability
+
+
 class _Duration(click.ParamType):
     name = "duration"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        from ..reliability import parse_duration
         try:
             return parse_duration(value)
         except ValueError as e:
@@ -71,9 +80,8 @@ def _build_plan(nodes: int, node_failures_per_day: float | None, node_mtbf: floa
                 intervals: dict[str, float] | None = None, save_duration: float | None = None) -> Plan:
     if (node_failures_per_day is None) == (node_mtbf is None):
         raise click.UsageError("give exactly one of --node-failures-per-day and --node-mtbf")
-    from ..reliability import make_plan
     try:
-        return make_plan(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf,
+        return _reliability().make_plan(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf,
                          stall_s=save_stall, restart_s=restart, step_time_s=step_time,
                          gpus_per_node=gpus_per_node, intervals=intervals, save_duration_s=save_duration)
     except ValueError as e:
@@ -90,7 +98,6 @@ _OPTIONS = {"node_failures_per_day": "--node-failures-per-day", "node_mtbf_s": "
 
 def _as_options(message: str) -> str:
     """make_plan's ``stall_s=0.0: ...`` as the CLI says it: ``--save-stall 0s: ...``."""
-    from ..reliability import format_duration
     def option(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2)
         if name.endswith("_s"):
@@ -105,7 +112,6 @@ def _as_options(message: str) -> str:
 
 def parse_every(text: str | None, step_time: float | None) -> dict[str, float]:
     """``"500,1000"`` (steps; needs a step time) or ``"10m,1h"`` (compute time) -> {label: seconds}."""
-    from ..reliability import parse_duration
     out: dict[str, float] = {}
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         if item.isascii() and item.isdigit():  # not "²": isdigit() says yes, int() refuses it
@@ -156,9 +162,8 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
     p = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node,
                     parse_every(every, step_time), save_duration)
     if plot:
-        from ..reliability import plot_plan
         try:
-            plot_plan(p, plot)
+            _reliability().plot_plan(p, plot)
         except ImportError:
             raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
@@ -184,10 +189,9 @@ def _hopeless(p: Plan) -> str:
     restart and the save stall is to blame, and what to change. The efficiency factorises exactly,
     ``E = e^(-R/M) * E_0``: the restart alone keeps at most ``e^(-R/M)`` of the time (``E_0`` is the
     efficiency with an instant restart), so each cause is named only where it costs more than 10 %."""
-    from ..reliability import efficiency, format_duration
     m = p.job_mtbf_s
     keep_restart = math.exp(-(p.restart_s + p.commit_delay_s) / m)
-    keep_save = efficiency(p.optimal_interval_s, p.stall_s, 0.0, m)
+    keep_save = _reliability().efficiency(p.optimal_interval_s, p.stall_s, 0.0, m)
     causes, fixes = [], []
     if keep_save < 0.9:
         causes.append(f"saving (a {format_duration(p.stall_s)} stall) keeps {100 * keep_save:.2f}% even at the optimum")
@@ -204,7 +208,6 @@ def _hopeless(p: Plan) -> str:
 
 
 def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
-    from ..reliability import format_duration
     con = PipeConsole()
     t = Table(title="Failures", show_header=False)
     t.add_row("job MTBF", f"{format_duration(p.job_mtbf_s)} (node MTBF {format_duration(p.node_mtbf_s)} "

@@ -27,7 +27,7 @@ def entry_values(m: Any) -> dict[str, Any]:
     """Per entry of the manifest ``m`` (rank 0's copy of a per-rank one), the values of its skeleton
     that hold no tensor: a dict of the top-level keys whose value holds none, or the entry's
     value itself when it is a plain one. Entries without such values are left out."""
-    from ..flatten import unflatten  # torch: imported when inspect runs, not by `trainguard --help`
+    from ..skeleton import unflatten  # when inspect runs, not by `trainguard --help`
 
     out: dict[str, Any] = {}
     for key, obj in m.objects.items():
