@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from trainguard import report as rep
+from trainguard.cli import main
 from trainguard.distpack import pack, unpack
+from trainguard.events import read_events
 
 
 def _wire(values):
@@ -40,3 +50,76 @@ _value = st.recursive(_scalar, lambda c: st.lists(c, max_size=3) | st.tuples(c) 
                                          max_size=3), max_size=5))
 def test_distpack_property_json_text_equal(values):
     assert json.dumps(_wire(values)) == json.dumps(json.loads(json.dumps(values)))
+
+
+# -- report: a save counted from its restore -------------------------------------------------------
+
+TRAIN = textwrap.dedent("""
+    import sys
+    import torch
+    import trainguard as tg
+    torch.set_num_threads(1)
+    root, last = sys.argv[1], int(sys.argv[2])
+    state = {"w": torch.zeros(64), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(100)) as mgr:
+        step = mgr.restore(state) or 0
+        while step < last:
+            step += 1
+            state["w"].add_(1)
+            mgr.save(step, state)
+""")
+
+
+def _train(root: Path, last: int) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
+    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(root), str(last)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out = p.communicate(timeout=60)[0]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+
+
+def test_a_checkpoint_copied_into_a_new_run_is_no_save_killed_at_its_commit(tmp_path: Path) -> None:
+    """A run goes on from a checkpoint copied into a new run directory (its save was logged in the
+    other run's log): the new run made 2 saves. The report said 3 saves "(1 with no save event, known
+    from its restore: killed at its commit)" and, for the same log written by the code before that
+    count, a figure other than the 2 it reported then."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, 3)
+    b.mkdir()
+    (three,) = [p for p in a.glob("step-*") if p.name.endswith("3")]
+    shutil.copytree(three, b / three.name)
+    _train(b, 5)
+    assert [e["event"] for e in read_events(b) if e["event"] in ("restore", "fresh_start")] == ["restore"]
+    s = rep.summary(rep.tally_log(b))
+    assert s["saves"] == 2 and s["saves_unlogged"] == 0, s
+    res = CliRunner().invoke(main, ["report", str(b)])
+    assert res.exit_code == 0 and "2 saves, stall" in res.output, res.output
+
+
+def test_a_save_killed_at_its_commit_after_a_copied_checkpoint_still_counts(tmp_path: Path) -> None:
+    """The same new run, its process SIGKILLed right after the commit of step 4 (no save event): the
+    next process restores 4, saves 5. 4 and 5 are this log's saves; the copied 3 is not."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    _train(a, 3)
+    b.mkdir()
+    (three,) = [p for p in a.glob("step-*") if p.name.endswith("3")]
+    shutil.copytree(three, b / three.name)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "TRAINGUARD_CRASH_AT": "after_rename",
+           "TRAINGUARD_CRASH_KIND": "kill"}
+    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(b), "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == -9
+    _train(b, 5)
+    assert [e["step"] for e in read_events(b) if e["event"] == "restore"] == [3, 4]
+    s = rep.summary(rep.tally_log(b))
+    assert s["saves"] == 2 and s["saves_unlogged"] == 1, s
