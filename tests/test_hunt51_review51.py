@@ -123,3 +123,12 @@ def test_a_save_killed_at_its_commit_after_a_copied_checkpoint_still_counts(tmp_
     assert [e["step"] for e in read_events(b) if e["event"] == "restore"] == [3, 4]
     s = rep.summary(rep.tally_log(b))
     assert s["saves"] == 2 and s["saves_unlogged"] == 1, s
+
+
+def test_a_step_0_save_killed_at_its_commit_after_a_fresh_start_counts() -> None:
+    """A fresh start found no checkpoint: one of step 0 restored later was saved by this log's process."""
+    ev = [{"t": 1.0, "event": "fresh_start", "rank": 0, "pid": 1},
+          {"t": 5.0, "event": "restore", "rank": 0, "pid": 2, "step": 0, "seconds": 0.1},
+          {"t": 6.0, "event": "save", "rank": 0, "pid": 2, "step": 1, "stall_s": 0.1, "duration_s": 0.1}]
+    s = rep.summarize(ev)
+    assert s["saves"] == 2 and s["saves_unlogged"] == 1, s

@@ -168,12 +168,12 @@ def _restored_unlogged(starts: list[tuple[int, dict[str, Any]]], saved: set[Any]
     """``summary``: the steps of checkpoints rank 0 restored that have no save event in the log, saved
     by a process of this log: one killed right after the commit, before it logged the save (one save
     more, its stall unknown). Only a step above one an earlier start (``starts``: rank 0's restores
-    and fresh starts, step 0, in the log's order) began at: a checkpoint the log's first start restored
+    and fresh starts, which found none, in the log's order) began at: a checkpoint the log's first start restored
     was saved before the log (copied into a new run directory to go on from it, a log deleted), not
     by a process that was killed here (counted as a save killed at its commit before)."""
     low, out = None, set()
     for _q, e in starts:
-        step = e.get("step") if e["event"] == "restore" else 0
+        step = e.get("step") if e["event"] == "restore" else -1  # a fresh start found none: any later one was saved here
         if e["event"] == "restore" and step not in saved and low is not None and step > low:
             out.add(step)
         low = step if low is None or step < low else low
