@@ -25,16 +25,16 @@ _MISSING = object()
 def _column(cells: list[Any]) -> list[Any]:
     """``[distinct values as JSON text, [[index, run length], ...]]``; index -1: the field is absent there."""
     table: list[str] = []
-    seen: dict[str, int] = {}
+    seen: dict[Any, int] = {}
     runs: list[list[int]] = []
     for cell in cells:
         if cell is _MISSING:
             i = -1
-        else:  # by JSON text, not ==: True == 1 == 1.0 and 0.0 == -0.0 would merge values that differ
-            text = json.dumps(cell)
-            i = seen.setdefault(text, len(table))
+        else:  # by type and value or by JSON text, not ==: True == 1 == 1.0 and 0.0 == -0.0 would merge values that differ
+            key = (type(cell), cell) if type(cell) in (str, int, bool) or cell is None else json.dumps(cell)  # a float: its text
+            i = seen.setdefault(key, len(table))
             if i == len(table):
-                table.append(text)
+                table.append(json.dumps(cell))
         if runs and runs[-1][0] == i:
             runs[-1][1] += 1
         else:
@@ -59,12 +59,15 @@ def pack(values: list[Any]) -> dict[str, Any]:
 
     Dicts are packed as JSON reads them back (keys as strings: ``{1: x}`` from one rank and
     ``{"1": y}`` from another are one field, not two that the JSON text would merge into the last),
-    and each rank's key order is kept (column ``"order"``: one entry while the ranks agree)."""
+    and each rank's key order is kept (column ``"order"``, only where one differs from the fields' order)."""
     if values and all(isinstance(v, dict) for v in values):
-        values = json.loads(json.dumps(values))
+        if any(type(k) is not str for v in values for k in v):  # as JSON keys: strings (the last of equal ones)
+            values = json.loads(json.dumps(values))
         fields = list(dict.fromkeys(k for v in values for k in v))
-        return {"n": len(values), "fields": {k: _column([v.get(k, _MISSING) for v in values]) for k in fields},
-                "order": _column([list(v) for v in values])}
+        out = {"n": len(values), "fields": {k: _column([v.get(k, _MISSING) for v in values]) for k in fields}}
+        if any(list(v) != [k for k in fields if k in v] for v in values):  # not the fields' order: no bytes when it is
+            out["order"] = _column([list(v) for v in values])
+        return out
     return {"n": len(values), "col": _column(values)}
 
 
