@@ -30,8 +30,8 @@ def _column(cells: list[Any]) -> list[Any]:
     for cell in cells:
         if cell is _MISSING:
             i = -1
-        else:  # by type and value, not ==: True == 1 == 1.0 would merge values of different types
-            key = (type(cell), cell) if isinstance(cell, (str, int, float)) or cell is None else json.dumps(cell)
+        else:  # by type and value or by JSON text, not ==: True == 1 == 1.0 and 0.0 == -0.0 would merge values that differ
+            key = (type(cell), cell) if type(cell) in (str, int, bool) or cell is None else json.dumps(cell)  # a float: its text
             i = seen.setdefault(key, len(table))
             if i == len(table):
                 table.append(json.dumps(cell))
@@ -55,10 +55,19 @@ def _cells(col: list[Any]) -> list[Any]:
 
 
 def pack(values: list[Any]) -> dict[str, Any]:
-    """Rank 0: the ranks' JSON values, packed (dicts field by field, anything else as one column)."""
+    """Rank 0: the ranks' JSON values, packed (dicts field by field, anything else as one column).
+
+    Dicts are packed as JSON reads them back (keys as strings: ``{1: x}`` from one rank and
+    ``{"1": y}`` from another are one field, not two that the JSON text would merge into the last),
+    and each rank's key order is kept (column ``"order"``, only where one differs from the fields' order)."""
     if values and all(isinstance(v, dict) for v in values):
+        if any(type(k) is not str for v in values for k in v):  # as JSON keys: strings (the last of equal ones)
+            values = json.loads(json.dumps(values))
         fields = list(dict.fromkeys(k for v in values for k in v))
-        return {"n": len(values), "fields": {k: _column([v.get(k, _MISSING) for v in values]) for k in fields}}
+        out = {"n": len(values), "fields": {k: _column([v.get(k, _MISSING) for v in values]) for k in fields}}
+        if any(list(v) != [k for k in fields if k in v] for v in values):  # not the fields' order: no bytes when it is
+            out["order"] = _column([list(v) for v in values])
+        return out
     return {"n": len(values), "col": _column(values)}
 
 
@@ -71,6 +80,8 @@ def unpack(packed: dict[str, Any]) -> list[Any]:
         for d, cell in zip(out, _cells(col), strict=True):
             if cell is not _MISSING:
                 d[k] = cell
+    if "order" in packed:  # each rank's own key order (a dict's order shows in its JSON text, its repr)
+        out = [{k: d[k] for k in keys} for d, keys in zip(out, _cells(packed["order"]), strict=True)]
     return out
 
 

@@ -134,9 +134,7 @@ def summary(tally: Tally) -> dict[str, Any]:
     wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
     stall, logged = tally.stall, tally.saves
-    # A committed checkpoint rank 0 restored with no save event of its step: the process that committed
-    # it was killed before it logged the save (a kill right after the commit); one save more, its stall unknown.
-    unlogged = len({e["step"] for e in tally.of("restore")} - tally.saved_steps)
+    unlogged = len(_restored_unlogged(tally.at("restore", "fresh_start"), tally.saved_steps))
     saves = logged + unlogged
     useful = (final or 0) * step_s if step_s else None
     return {
@@ -164,6 +162,22 @@ def summary(tally: Tally) -> dict[str, Any]:
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": joined,
     }
+
+
+def _restored_unlogged(starts: list[tuple[int, dict[str, Any]]], saved: set[Any]) -> set[Any]:
+    """``summary``: the steps of checkpoints rank 0 restored that have no save event in the log, saved
+    by a process of this log: one killed right after the commit, before it logged the save (one save
+    more, its stall unknown). Only a step above one an earlier start (``starts``: rank 0's restores
+    and fresh starts, which found none, in the log's order) began at: a checkpoint the log's first start restored
+    was saved before the log (copied into a new run directory to go on from it, a log deleted), not
+    by a process that was killed here (counted as a save killed at its commit before)."""
+    low, out = None, set()
+    for _q, e in starts:
+        step = e.get("step") if e["event"] == "restore" else -1  # a fresh start found none: any later one was saved here
+        if e["event"] == "restore" and step not in saved and low is not None and step > low:
+            out.add(step)
+        low = step if low is None or step < low else low
+    return out
 
 
 def _span(a: Any, b: Any) -> Any:
