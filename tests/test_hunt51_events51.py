@@ -300,3 +300,52 @@ def test_the_time_the_agent_spends_stopping_the_other_workers_is_restart_not_det
     assert r["restart_s"] >= failure["stop_s"]  # the stop is part of the restart
     parts = r["detect_s"] + r["restart_s"] + r["restore_s"] + r["first_step_s"]
     assert parts == pytest.approx(r["recover_s"], abs=1e-6) and r["restored_step"] == 2, r
+
+
+class _TwoClocks(_Clock):
+    """A wall clock and a monotonic one (``time.monotonic``), which an NTP step does not move."""
+
+    mono = 500.0
+
+    def monotonic(self) -> float:
+        return self.mono
+
+
+@pytest.mark.parametrize("forward", [True, False])
+def test_a_clock_set_back_and_forward_again_keeps_the_wall_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                forward: bool) -> None:
+    """Session 51: 200 steps of a second logged by rank 0's heartbeat (the watchdog's ``step`` events, which
+    carry ``mono``), the clock set back 3,600 s at step 100 and (``forward``) forward again at step 150. The
+    set-back was added to the wall time while the step forward looked like a pause: 3,799 s reported for a run
+    of 200 s (11df3cc, before the set-back was counted: 200 s). Read by the report's fast path and by
+    ``summarize`` of the parsed events."""
+    from trainguard.elastic import watchdog as wd
+    from trainguard.elastic.faults import EVENTS_FILE
+
+    clock = _TwoClocks()
+    monkeypatch.setattr(events_mod, "time", clock)
+    monkeypatch.setattr(wd, "time", clock)
+    for k, v in {"TRAINGUARD_RUN_DIR": str(tmp_path), "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)  # what a worker of `trainguard run` has
+    for k in ("TRAINGUARD_FAULT", "TRAINGUARD_WATCHDOG"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(wd, "_HEART", None)  # built again from this environment at the first heartbeat
+    path = tmp_path / EVENTS_FILE
+    agent = EventLog(path, rank=-1)
+    agent.emit("agent_start", job_id="j")
+    for s in range(1, 201):
+        clock.now += 1.0
+        clock.mono += 1.0
+        if s == 100:
+            clock.now -= 3600.0
+        if s == 150 and forward:
+            clock.now += 3600.0
+        wd.heartbeat(s)  # rank 0's heartbeat: a first_step event, then a step event each call
+    clock.now += 1.0
+    agent.emit("agent_exit", ok=True)
+    monkeypatch.undo()
+    assert '"mono": ' in path.read_text().splitlines()[-2]
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s == rep.summarize(list(read_events(tmp_path)))
+    assert s["final_step"] == 200 and 199 <= s["wall_s"] <= 201, s
+    assert s["goodput"] == pytest.approx(1.0, abs=0.02), s

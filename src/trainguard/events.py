@@ -160,7 +160,7 @@ def event_at(buf: Any, pos: int) -> tuple[int, int, dict[str, Any] | None]:
 # event of EventLog's: skipped, where it raised KeyError), and numbers some have.
 _INTS = {"step": ("step",), "fault": ("step",), "restore": ("step",), "save": ("step",)}  # save: plot_timeline
 _MAX = 1 << 1023  # ints from 2 ** 1024 - 2 ** 970 on are past a float's range
-_NUMBERS = ("t", "seconds", "stall_s", "duration_s", "lost_steps", "bytes", "committed_t", "stop_s")
+_NUMBERS = ("t", "seconds", "stall_s", "duration_s", "lost_steps", "bytes", "committed_t", "stop_s", "mono")
 
 
 def _well_formed(ev: dict[str, Any]) -> bool:

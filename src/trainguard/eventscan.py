@@ -21,7 +21,7 @@ _T = rb"(-?(?:0|[1-9][0-9]{0,15})\.[0-9]{1,17})"  # time.time(): a float with a 
 _I = rb"(-?(?:0|[1-9][0-9]{0,17}))"  # an int (no leading zero: JSON)
 _N = rb"(-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,17})?(?:e-[0-9]{1,2})?)"  # round(x, 6): 0.0, 1e-06, 3, finite
 _STEP = re.compile(rb'\{"t": ' + _T + rb', "event": "step", "rank": ' + _I + rb', "pid": ' + _I + rb', "step": ' + _I
-                   + rb', "world_size": -?(?:0|[1-9][0-9]{0,17})\}\n?')
+                   + rb', "world_size": -?(?:0|[1-9][0-9]{0,17})(?:, "mono": ' + _T + rb')?\}\n?')
 _SAVE = re.compile(
     rb'\{"t": ' + _T + rb', "event": "save", "rank": ' + _I + rb', "pid": ' + _I + rb', "step": ' + _I
     + rb', "stall_s": ' + _N + rb', "duration_s": ' + _N + rb', "stall_call_s": ' + _N + rb', "stall_hook_s": ' + _N
@@ -40,7 +40,7 @@ def feed(path: str | os.PathLike[str], tally: Tally) -> Tally:
     for raw in log_lines(path):
         m = step_m(raw)
         if m is not None:
-            step(float(m[1]), int(m[3]), int(m[4]))
+            step(float(m[1]), int(m[3]), int(m[4]), None if m[5] is None else float(m[5]))
             continue
         m = save_m(raw)
         if m is not None:

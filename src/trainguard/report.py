@@ -129,7 +129,7 @@ def summary(tally: Tally) -> dict[str, Any]:
     resubmit_lost = sum(e.get("lost_steps") or 0 for _, e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
     final, last = tally.final, tally.last
-    if tally.set_back:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
+    if tally.set_back > 0:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
         final, last = tally.log_final, max(last, tally.tail + tally.set_back)
     wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process

@@ -15,7 +15,11 @@ raises :class:`Unordered` (:func:`report.tally_log` then reads the log again wit
 keeping those events in memory). ``window=None``: all are kept until :meth:`Tally.finish`.
 
 A clock set back (an NTP step) shows in the log's order as a ``step`` event (rank 0's heartbeat: one
-process at a time) earlier than the previous one by more than ``SET_BACK_MIN``: :attr:`Tally.set_back` sums those steps back, and ``report.summary`` then takes the
+process at a time) earlier than the previous one by more than ``SET_BACK_MIN``: :attr:`Tally.set_back` sums those steps back
+(since session 51, between two steps of one process, from the difference between their ``mono`` fields, the
+process's monotonic clock, and their ``t``: a step forward then takes back an earlier step back, which
+otherwise looks like a pause and doubled the wall time of a run whose clock was set back and forward again),
+and ``report.summary`` then takes the
 final step from the log's order (:attr:`Tally.log_final`) and adds them to the wall time. Before,
 the final step was the one logged latest by the clock: a run that ended before its clock caught up
 again reported the step it was at when the clock was set back, and a wall time short by the step.
@@ -172,8 +176,10 @@ class Tally:
         self.saved_steps: set[Any] = set()  # steps of rank 0's save events (report: restores of others)
         self.tail: Any = None  # t of the last event fed (the log's last line)
         self.log_final: Any = None  # step of the last step event fed (the log's order)
-        self.set_back: Any = 0  # seconds a process's clock went back between two of its step events
+        self.set_back: Any = 0  # seconds a process's clock went back between two of its step events (net)
         self._step_t: Any = None  # t of the last step event fed
+        self._step_mono: Any = None  # and its process's monotonic clock (``mono``; logs before session 51: none)
+        self._step_pid: Any = None  # and its pid
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -192,7 +198,7 @@ class Tally:
         seq = self._seen(key)
         kind = e["event"]
         if kind == "step":
-            self.step(key, seq, e.get("pid"), e["step"])
+            self.step(key, seq, e.get("pid"), e["step"], e.get("mono"))
         elif kind == "save":
             if e.get("rank") == 0:
                 stall, duration, committed = (e.get(k) for k in ("stall_s", "duration_s", "committed_t"))
@@ -206,21 +212,28 @@ class Tally:
               or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
             self.kept.append((key, seq, e))
 
-    def step(self, key: Any, seq: int, pid: Any, step: Any) -> None:
-        """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`)."""
+    def step(self, key: Any, seq: int, pid: Any, step: Any, mono: Any = None) -> None:
+        """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`;
+        ``mono``: its process's ``time.monotonic()``, where the event has one)."""
         self.runs.add(pid, step)
         prev = self._step_t
-        if prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
+        if prev is not None and mono is not None and self._step_mono is not None and pid == self._step_pid:
+            # One process's two steps: its monotonic clock, which no NTP step moves, timed the gap, so
+            # the wall clock's step either way is known; a step forward takes back an earlier step back.
+            back = (mono - self._step_mono) - (key - prev)
+            if abs(back) > SET_BACK_MIN:
+                self.set_back += back
+        elif prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
             self.set_back += prev - key
-        self._step_t = key
+        self._step_t, self._step_mono, self._step_pid = key, mono, pid
         self.log_final = step
         if self.points is not None:
             self._point(pid, key, step)
         self._steps.put((key, seq, pid, step))
 
-    def step_line(self, t: float, pid: int, step: int) -> None:
+    def step_line(self, t: float, pid: int, step: int, mono: float | None = None) -> None:
         """:meth:`_seen` and :meth:`step` in one call (``eventscan.feed``'s lines read without json)."""
-        self.step(t, self._seen(t), pid, step)
+        self.step(t, self._seen(t), pid, step, mono)
 
     def _take_step(self, t: Any, _seq: int, pid: Any, step: Any) -> None:
         p = self._prev

@@ -248,7 +248,8 @@ class _Heart:
             if self.first:
                 self.events.emit("first_step", step=step, world_size=self.world_size,
                                  lost_steps=_lost_steps(self.events.path, step, os.environ.get("TRAINGUARD_JOB_ID")))
-            self.events.emit("step", step=step, world_size=self.world_size)
+            # mono: the clock an NTP step does not move, so report tells a set-back from a pause (tally.py)
+            self.events.emit("step", step=step, world_size=self.world_size, mono=round(time.monotonic(), 6))
         self.first = False
         if self.watchdog is not None:
             self.watchdog.beat(step)
