@@ -185,3 +185,31 @@ def test_a_dcp_written_through_stream_transforms_is_refused_before_writing(tmp_p
         with pytest.raises(tg.CheckpointError, match="stream transforms.*dcp_to_torch_save"):
             convert(tmp_path / "dcp", tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def _shard1_save(rank: int, world: int, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    sd = {"w": torch.arange(37 * 50, dtype=torch.float32).reshape(37, 50), "v": torch.arange(7 * 6 * 5.0).reshape(7, 6, 5)}
+    dcp.save({"model": {k: distribute_tensor(t, mesh, [Shard(1)]) for k, t in sd.items()}}, checkpoint_id=path)
+
+
+def test_column_sharded_dcp_imports_in_pieces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks split along dim 1 (two ranks' ``Shard(1)``), read in batches of 1 KiB: each piece of a
+    tensor takes a strided part of each chunk."""
+    from trainguard import consolidate
+
+    from dist_helper import run_ranks
+
+    run_ranks(_shard1_save, 2, str(tmp_path / "dcp"), timeout=90)
+    monkeypatch.setattr(consolidate, "GROUP", 1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        convert(tmp_path / "dcp", tmp_path / "ck")
+    out: dict = {"model": None}
+    tg.load(tmp_path / "ck", out)
+    assert torch.equal(out["model"]["w"], torch.arange(37 * 50, dtype=torch.float32).reshape(37, 50))
+    assert torch.equal(out["model"]["v"], torch.arange(7 * 6 * 5.0).reshape(7, 6, 5))
