@@ -68,6 +68,56 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     if (named := layout.parse_step(name)) is not None and named != m.step:  # a load would refuse it (commit.read_manifest)
         raise CheckpointError(f"{final} is named step {named}, and {os.fspath(src)} is the checkpoint of step {m.step}: "
                               f"name the copy {layout.step_dir(m.step)}, or a name that is not a step's")
+    paths = [p for p, e in m.tensors.items() if e.alias is None]  # an alias gets its target's chunks below
+    items = [(p, m.tensors[p]) for p in paths]
+
+    def batches(offs: list[int], owners: list[int]) -> Iterator[list[WriteChunk]]:
+        def written(done: list[int]) -> None:  # write_batches asks for the next batch once one is written
+            if progress:
+                for i in done:
+                    progress(paths[i], items[i][1].nbytes)
+
+        return whole_batches(sstore, sdir, source, items, offs, written=written, owners=owners)
+
+    def manifest(tensors: dict[str, TensorEntry], files: dict[str, int]) -> Manifest:
+        for path, e in m.tensors.items():
+            if e.alias is not None:
+                tensors[path] = TensorEntry(e.dtype, list(e.shape), [], alias=e.alias)
+        tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
+        resolve_aliases(tensors, os.fspath(dst))  # each alias gets its target's new chunks
+        return Manifest(
+            step=m.step,
+            world_size=m.world_size,
+            created=time.time(),
+            layout="full",
+            block_size=DEFAULT_BLOCK,
+            files=files,
+            objects=m.objects,
+            tensors=tensors,
+            metadata={**m.metadata, "consolidated_from": {"path": os.fspath(src), "layout": m.layout, "created": m.created}},
+            library=m.library,
+            torch_version=m.torch_version,
+            format_version=format_for(tensors.values()),
+        )
+
+    return write_full(dstore, parent, name, items, batches, manifest, overwrite=overwrite)
+
+
+def write_full(
+    dstore: Any, parent: str, name: str, items: list[tuple[str, TensorEntry]],
+    batches: Callable[[list[int], list[int]], Iterator[list[WriteChunk]]],
+    manifest: Callable[[dict[str, TensorEntry], dict[str, int]], Manifest], *, overwrite: bool = False,
+) -> Manifest:
+    """Write tensors ``items`` (``(manifest path, entry)``, whole, in this order) into one data file of a new
+    checkpoint ``parent/name``, then commit it: ``consolidate``, and ``convert``'s import of a DCP
+    directory (``dcp_stream``). ``batches(offs, owners)`` gives ``io.write_batches``'s batches of
+    the tensors at file offsets ``offs`` (``whole_batches``), putting the index of each chunk's
+    tensor in ``owners``; ``manifest(tensors, files)`` makes the manifest from the written tensors'
+    entries (one chunk each) and the files. Written into a temporary directory (where the storage
+    renames), the manifest last, renamed into place (``commit.commit_dir``): a failure or Ctrl-C
+    leaves no temporary directory and nothing that looks like a checkpoint. Refuses a ``parent/name``
+    that holds a checkpoint (``StepExistsError``; unless ``overwrite``) or other files."""
+    final = dstore.join(parent, name)
     why = occupied(dstore, final, overwrite)
     if why.get("exists"):
         raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")
@@ -77,50 +127,18 @@ def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, i
     save_id = uuid.uuid4().hex[:16]
     work = dstore.join(parent, layout.tmp_dir(name, save_id) if dstore.atomic_rename else name)
     fname = layout.data_file(0)
-    paths = [p for p, e in m.tensors.items() if e.alias is None]  # an alias gets its target's chunks below
-    sizes = [m.tensors[p].nbytes for p in paths]
+    sizes = [e.nbytes for _p, e in items]
     offs, size = layout_file(sizes)
-    tensors: dict[str, TensorEntry] = {}
     try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
         dstore.makedirs(work)
-
-        def written(done: list[int]) -> None:  # write_batches asks for the next batch once one is written
-            if progress:
-                for i in done:
-                    progress(paths[i], sizes[i])
-
-        items = [(p, m.tensors[p]) for p in paths]
         owners: list[int] = []  # the tensor of each chunk written: a large one's pieces give its checksums
-        batches = whole_batches(sstore, sdir, source, items, offs, written=written, owners=owners)
-        sums: list[list[str]] = [[] for _ in paths]
-        for i, s in zip(owners, write_batches(dstore, dstore.join(work, fname), batches, size, block=DEFAULT_BLOCK), strict=True):
+        sums: list[list[str]] = [[] for _ in items]
+        for i, s in zip(owners, write_batches(dstore, dstore.join(work, fname), batches(offs, owners), size,
+                                               block=DEFAULT_BLOCK), strict=True):
             sums[i] += s
-        for path, off, n, s in zip(paths, offs, sizes, sums, strict=True):
-            e = m.tensors[path]
-            tensors[path] = TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
-        for path, e in m.tensors.items():
-            if e.alias is not None:
-                tensors[path] = TensorEntry(e.dtype, list(e.shape), [], alias=e.alias)
-        tensors = {p: tensors[p] for p in m.tensors}  # the source's order (sorted by path)
-        resolve_aliases(tensors, os.fspath(dst))  # each alias gets its target's new chunks
-    except BaseException:
-        dstore.remove_tree(work)
-        raise
-    out = Manifest(
-        step=m.step,
-        world_size=m.world_size,
-        created=time.time(),
-        layout="full",
-        block_size=DEFAULT_BLOCK,
-        files={fname: size},
-        objects=m.objects,
-        tensors=tensors,
-        metadata={**m.metadata, "consolidated_from": {"path": os.fspath(src), "layout": m.layout, "created": m.created}},
-        library=m.library,
-        torch_version=m.torch_version,
-        format_version=format_for(tensors.values()),
-    )
-    try:
+        tensors = {path: TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
+                   for (path, e), off, n, s in zip(items, offs, sizes, sums, strict=True)}
+        out = manifest(tensors, {fname: size})
         commit_dir(dstore, parent, name, work, out, overwrite, save_id)
     except BaseException:
         dstore.remove_tree(work)
@@ -178,7 +196,7 @@ def flat_boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[Box, int]]:
 def whole_batches(
     storage: Any, directory: str, src: ChunkSource, items: list[tuple[str, TensorEntry]], offs: list[int], *,
     written: Callable[[list[int]], None] | None = None, failed: list[BaseException] | None = None,
-    owners: list[int] | None = None,
+    owners: list[int] | None = None, read: Any = None,
 ) -> Iterator[list[WriteChunk]]:
     """Batches for ``io.write_batches`` of whole tensors ``items`` (``(manifest path, entry)``) at
     file offsets ``offs`` (increasing): up to ``GROUP`` bytes of them read in parallel (checksums
@@ -189,7 +207,10 @@ def whole_batches(
     tensor (a 1 GiB tensor took 1 GiB more before session 51). ``owners`` gets the index of the
     tensor of each chunk yielded (a tensor's checksums: its chunks' in order). ``written(indices)``
     once a batch is written, naming the tensors it completed; an error reading is also put in
-    ``failed``. Used by ``consolidate`` and by the streamed safetensors export (``stwrite``)."""
+    ``failed``. Used by ``consolidate`` and by the streamed safetensors export (``stwrite``). ``read``:
+    another source of the bytes (``dcp_stream``'s reader of a DCP directory, for ``convert``), with
+    ``plan(path, entry, box, dest)`` (what fills ``dest`` with the elements of ``box`` of the tensor)
+    and ``run(plans)`` (does a batch's); ``src`` is not used then."""
     sizes = [e.nbytes for _p, e in items]
     pieces = _pieces(sizes)
     groups = _groups([offs[i] + at for i, at, _n in pieces], [n for _i, _at, n in pieces])
@@ -203,19 +224,20 @@ def whole_batches(
             path, e = items[i]
             at = offs[i] + start - base
             if n == e.nbytes:
-                reads.append(whole_read(src, path, e, scratch[at : at + n].view(e.torch_dtype).view(e.shape)))
+                dest = scratch[at : at + n].view(e.torch_dtype).view(e.shape)
+                reads.append(whole_read(src, path, e, dest) if read is None else read.plan(path, e, full_box(e.shape), dest))
             else:
                 size = e.torch_dtype.itemsize
                 for box, first in flat_boxes(e.shape, start // size, (start + n) // size):
                     b = at + first * size - start
                     dest = scratch[b : b + box.numel * size].view(e.torch_dtype).view(box.sizes)
-                    reads.append(ReadTarget(path, dest, box, plan_reads(plan_args(src.all_chunks(path, e)), box, size,
-                                                                        src.m.block_size, True)))
+                    reads.append(read.plan(path, e, box, dest) if read is not None else ReadTarget(
+                        path, dest, box, plan_reads(plan_args(src.all_chunks(path, e)), box, size, src.m.block_size, True)))
             chunks.append(WriteChunk(tensor_bytes(scratch[at : at + n]), offs[i] + start))
             if owners is not None:
                 owners.append(i)
         try:
-            read_targets(storage, directory, reads)
+            read_targets(storage, directory, reads) if read is None else read.run(reads)
         except BaseException as e:
             if failed is not None:
                 failed.append(e)

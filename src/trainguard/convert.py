@@ -29,12 +29,9 @@ from .errors import CheckpointError, StepExistsError
 from .export import (
     check_destination,
     foreign_errors,
-    iter_tensors,
     local_file,
     no_tensors,
-    own_tensor,
 )
-from .flatten import single_tensor, unflatten
 from .storage import for_path, location
 
 FORMATS = ("trainguard", "torch", "safetensors", "dcp")
@@ -115,14 +112,17 @@ def convert(
                                   "torch.load; name it .safetensors, or drop --to safetensors for a torch.save file")
         if df == "dcp":
             check_dcp_destination(os.fspath(dst))
-            state, n = _read_entries(src, entry)
+            from .dcp_lazy import read_entries
+
+            state, n, source = read_entries(src, entry)
             with foreign_errors(f"cannot write {dst} as {df}"):
-                write_dcp(state, os.fspath(dst))
+                write_dcp(state, os.fspath(dst), source)
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
         # streamed, as `export` writes them: one batch in memory, not the entry
         return {"from": sf, "to": df, "tensors": _stream_file(src, dst, entry, df == "safetensors"), "skipped": []}
+    places: dict[int, Any] | None = {} if sf == "dcp" else None  # DCP: placeholders, the tensors streamed (dcp_stream)
     with foreign_errors(f"cannot read {src} as {sf}"):
-        state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split)
+        state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split, places)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).
     state = {k: v[k] if isinstance(v, Mapping) and list(v) == [k] else _unwrapped(v) for k, v in state.items()}
     if not _count(state):  # it wrote a checkpoint of no tensors and said "converted 0 tensors" (DCP's import refuses)
@@ -132,7 +132,13 @@ def convert(
     from .api import save
 
     try:
-        save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
+        if places is not None:
+            from .dcp_stream import save_dcp_import
+
+            with foreign_errors(f"cannot read {src} as {sf}"):
+                save_dcp_import(os.fspath(dst), state, places, os.fspath(src), places.pop("meta"))
+        else:
+            save(dst, _contiguous(state))  # torch.save keeps strides: transposed weights are common
     except StepExistsError:  # its "overwrite=True" is not an option of convert
         raise StepExistsError(
             f"{dst} already holds a committed checkpoint; convert does not replace one. Remove it or "
@@ -198,32 +204,6 @@ def _stream_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], entry
     return len(mine)
 
 
-def _read_entries(src: str | os.PathLike[str], entry: str | None) -> tuple[dict[str, Any], int]:
-    """``convert`` to DCP: each entry (every one with ``entry=None``) as a load into nothing gives
-    it, tensors and JSON values (an optimizer's ``state`` by parameter name and its
-    ``param_groups``), so that DCP flattens it into the keys it gives ``get_state_dict``'s output
-    (``optim.state.0.weight.exp_avg``, ``optim.param_groups.0.lr``). Rank-local entries are left
-    out. Returns the state and its number of tensors."""
-    storage, d = for_path(src)
-    manifest = read_manifest(storage, d)
-    entries = list(manifest.objects) if entry is None else [entry]
-    state: dict[str, Any] = {}
-    n = 0
-    for e in entries:
-        if e not in manifest.objects:
-            raise CheckpointError(f"{location(storage, d)} has no entry {e!r}; it has {sorted(manifest.objects)}. Pass --entry NAME")
-        obj = manifest.objects[e]
-        if "skeleton" not in obj:
-            continue  # rank-local (RNG state of each rank): not part of a model's DCP checkpoint
-        one = single_tensor(obj["skeleton"]) is not None
-        tensors = {e if one else f"{e}/{name}": t for name, t in iter_tensors(storage, d, manifest, e)}
-        n += len(tensors)
-        state[e] = unflatten(obj["skeleton"], own_tensor(tensors, location(storage, d), e))
-    if not n:
-        raise CheckpointError(f"{location(storage, d)}: entries {entries} hold no tensors to export")
-    return state, n
-
-
 def _contiguous(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         if v.is_nested or v.layout is not torch.strided or v.is_quantized or v.is_meta:
@@ -245,7 +225,8 @@ def _legacy_unreadable(p: str, e: Exception) -> bool:
     return isinstance(e, AttributeError) and "UntypedStorage" in str(e) and not zipfile.is_zipfile(p)
 
 
-def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: bool = True) -> tuple[dict[str, Any], list[str]]:
+def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: bool = True,
+                  places: dict[Any, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     p = os.fspath(src)
     if p.endswith(INDEX) and fmt in ("safetensors", "torch"):
         return {entry: _read_shards(p, fmt)}, []
@@ -285,7 +266,14 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
     from .dcp_import import read_dcp
 
     warnings.warn(DCP_WARNING, stacklevel=3)
-    return read_dcp(p, entry, dcp_split)
+    if places is not None:  # streamed (dcp_stream): checked before anything is read
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp_stream import refuse_transforms
+
+        places["meta"] = dcp.FileSystemReader(p).read_metadata()
+        refuse_transforms(p, places["meta"])
+    return read_dcp(p, entry, dcp_split, places)
 
 
 def _pickled_object(p: str) -> bool:

@@ -1,7 +1,7 @@
 """``trainguard convert ... --to dcp``: a trainguard checkpoint's entries written as a
 ``torch.distributed.checkpoint`` directory, one process, no process group. ``convert.convert``
 calls :func:`check_dcp_destination` before it reads the source, then :func:`write_dcp` with the
-state it read (``convert._read_entries``)."""
+state it read (``dcp_lazy.read_entries``)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ def check_dcp_destination(out: str) -> None:
         )
 
 
-def write_dcp(state: dict[str, Any], out: str) -> None:
+def write_dcp(state: dict[str, Any], out: str, source: Any = None) -> None:
     """``dcp.save`` (one process, no process group) into a directory beside ``out``, renamed into
-    place once complete: a failed write leaves nothing at ``out``."""
+    place once complete: a failed write leaves nothing at ``out``. ``source`` (``convert``: a
+    ``dcp_lazy.Source``): ``state``'s tensors are ``meta`` placeholders whose values it reads, item
+    by item as DCP writes them (``dcp_lazy``): memory holds about 256 MiB, not the state."""
     import shutil
     import uuid
 
@@ -35,7 +37,12 @@ def write_dcp(state: dict[str, Any], out: str) -> None:
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         with single_process():  # no_dist: without torch's warning that it assumes one process
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            if source is None:
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+            else:
+                from .dcp_lazy import LazyPlanner, writer
+
+                dcp.save(state, storage_writer=writer(tmp), planner=LazyPlanner(source), no_dist=True)
         os.rename(tmp, out)  # over an empty directory too
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

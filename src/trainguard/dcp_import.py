@@ -36,11 +36,13 @@ def single_process() -> Iterator[None]:
         yield
 
 
-def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any], list[str]]:
+def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
     """``(state, skipped)`` of the DCP directory ``path``. ``split``: each key's first path
     element is its entry (keys that cannot name one go into ``entry``); without it, every key
     goes into ``entry``, nested as DCP recorded it (a DCP of a bare ``model.state_dict()``: its
-    keys as they are, JSON values such as a module's extra state included)."""
+    keys as they are, JSON values such as a module's extra state included). ``places`` (``convert``'s
+    streamed import, ``dcp_stream``): the tensors are not read; each is a ``meta`` tensor of its
+    shape and dtype, and ``places[id(t)]`` is ``(its DCP key, t)``; the non-tensor values are read."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
@@ -50,7 +52,9 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
     skipped: list[str] = []
     for fqn, md in meta.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            flat[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype, device="meta" if places is not None else "cpu")
+            if places is not None:
+                places[id(flat[fqn])] = (fqn, flat[fqn])
         elif isinstance(md, BytesStorageMetadata):  # unsplit too: a bare state_dict's extra state
             flat[fqn] = io.BytesIO()
         else:
@@ -67,8 +71,10 @@ def read_dcp(path: str, entry: str, split: bool = True) -> tuple[dict[str, Any],
             except Exception:
                 values[fqn] = _Refused
 
-    with single_process():  # no_dist: torch's "assuming ... a single process" warning is no news here
-        dcp.load(flat, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
+    wanted = flat if places is None else {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
+    if wanted:
+        with single_process():  # no_dist: torch's "assuming ... a single process" warning is no news here
+            dcp.load(wanted, storage_reader=dcp.FileSystemReader(path), planner=Planner(flatten_state_dict=False), no_dist=True)
     paths = meta.planner_data if isinstance(meta.planner_data, dict) else {}
     dims = {k: len(md.size) if isinstance(md, TensorStorageMetadata) else -1 for k, md in meta.state_dict_metadata.items()}
     model_keys = _titan_model_keys(paths, dims) if split else set()
