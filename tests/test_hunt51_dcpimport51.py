@@ -9,11 +9,13 @@ output equals the source bit for bit, and a conversion that fails leaves nothing
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -169,22 +171,85 @@ def test_a_failing_export_leaves_no_dcp_directory(sources, tmp_path: Path) -> No
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def test_a_dcp_written_through_stream_transforms_is_refused_before_writing(tmp_path: Path) -> None:
-    import torch.distributed.checkpoint as dcp
+class _XorOut(io.RawIOBase):
+    def __init__(self, out: Any) -> None:
+        self.out = out
 
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        self.out.write(bytes(x ^ 0x5A for x in bytes(b)))
+        return len(b)
+
+
+class _XorIn(io.RawIOBase):
+    def __init__(self, src: Any) -> None:
+        self.src = src
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        got = self.src.read(len(b))
+        b[: len(got)] = bytes(x ^ 0x5A for x in got)
+        return len(got)
+
+
+def _xor_extension() -> type:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    class Xor(StreamTransformExtension):
+        """A stream transform (DCP's _extensions) whose bytes are no torch.save zip, as zstd's are not."""
+
+        @staticmethod
+        def registry_name() -> str:
+            return "stream.tg_xor"
+
+        @staticmethod
+        def from_descriptor(version: str) -> Xor:
+            return Xor()
+
+        def get_descriptor(self) -> str:
+            return f"{self.registry_name()}/1"
+
+        def transform_to(self, output: Any) -> Any:
+            return _XorOut(output)
+
+        def transform_from(self, input: Any) -> Any:
+            return io.BufferedReader(_XorIn(input))
+
+    return Xor
+
+
+def test_a_dcp_written_through_stream_transforms_is_read_whole_as_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Items written through a stream transform (zstd compression, or here a byte XOR registered as DCP's
+    extensions are) are no torch.save bytes to stream: that checkpoint is read by dcp.load, as every DCP import
+    was before session 51 (the streamed import refused it at first: a checkpoint that converted before did not)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import _extension
+
+    xor = _xor_extension()
+    registry_init = _extension.ExtensionRegistry.__init__
+
+    def with_xor(self: Any) -> None:
+        registry_init(self)
+        self.register(xor)
+
+    monkeypatch.setattr(_extension.ExtensionRegistry, "__init__", with_xor)
+    w = torch.arange(4 * 6, dtype=torch.float32).reshape(4, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"model": {"w": torch.ones(4)}}, storage_writer=dcp.FileSystemWriter(tmp_path / "dcp"), no_dist=True)
-    meta_path = tmp_path / "dcp" / ".metadata"
-    meta = pickle.loads(meta_path.read_bytes())
-    info = next(iter(meta.storage_data.values()))
-    info.transform_descriptors = ["stream.zstd/1"]  # as FileSystemWriter(_extensions=[ZStandard()]) records it
-    meta_path.write_bytes(pickle.dumps(meta))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(tg.CheckpointError, match="stream transforms.*dcp_to_torch_save"):
-            convert(tmp_path / "dcp", tmp_path / "imported")
-    assert not (tmp_path / "imported").exists()
+        dcp.save({"model": {"w": w, "b": torch.ones(3)}},
+                 storage_writer=dcp.FileSystemWriter(tmp_path / "dcp", _extensions=[xor()]), no_dist=True)
+        meta = pickle.loads((tmp_path / "dcp" / ".metadata").read_bytes())
+        assert any(info.transform_descriptors for info in meta.storage_data.values())
+        convert(tmp_path / "dcp", tmp_path / "imported")
+    got = tg.load(tmp_path / "imported", {"model": {"w": torch.zeros(4, 6), "b": torch.zeros(3)}})
+    assert got.step == 0
+    sd = {"model": {"w": torch.zeros(4, 6), "b": torch.zeros(3)}}
+    tg.load(tmp_path / "imported", sd)
+    assert torch.equal(sd["model"]["w"], w) and torch.equal(sd["model"]["b"], torch.ones(3))
 
 
 def _shard1_save(rank: int, world: int, path: str) -> None:

@@ -132,7 +132,7 @@ def convert(
     from .api import save
 
     try:
-        if places is not None:
+        if places:  # empty: a DCP of stream transforms, read whole (_read_foreign)
             from .dcp_stream import save_dcp_import
 
             with foreign_errors(f"cannot read {src} as {sf}"):
@@ -266,13 +266,15 @@ def _read_foreign(src: str | os.PathLike[str], fmt: str, entry: str, dcp_split: 
     from .dcp_import import read_dcp
 
     warnings.warn(DCP_WARNING, stacklevel=3)
-    if places is not None:  # streamed (dcp_stream): checked before anything is read
+    if places is not None:  # streamed (dcp_stream), unless its items went through stream transforms
         import torch.distributed.checkpoint as dcp
 
-        from .dcp_stream import refuse_transforms
+        from .dcp_stream import transformed
 
-        places["meta"] = dcp.FileSystemReader(p).read_metadata()
-        refuse_transforms(p, places["meta"])
+        places["meta"] = meta = dcp.FileSystemReader(p).read_metadata()
+        if transformed(meta):  # compressed: read by dcp.load, whole, as before session 51 (places emptied: no streaming)
+            places.clear()
+            return read_dcp(p, entry, dcp_split)
     return read_dcp(p, entry, dcp_split, places)
 
 

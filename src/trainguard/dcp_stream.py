@@ -12,7 +12,8 @@ each item of the metadata's ``storage_data`` is a byte range of a ``.distcp`` fi
 in the file is read from the zip's directory and the pickle's tensor record, which is parsed,
 never run. A chunk saved in another form (non-contiguous strides, a class other than a plain
 tensor) is read whole by ``torch.load(weights_only=True)``: correct, holding that chunk. Items
-written through stream transforms (DCP's ``_extensions``, e.g. compression) are refused.
+written through stream transforms (DCP's ``_extensions``, e.g. compression) are read by ``dcp.load``,
+whole, as before (``convert._read_foreign``).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ from typing import Any
 import torch
 
 from . import __version__, layout
+from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError, UnsupportedValueError
 from .flatten import flatten
 from .io import DEFAULT_BLOCK
-from .manifest import DTYPE_NAMES, Manifest, TensorEntry
+from .manifest import Manifest, TensorEntry
 from .planner import Box
 from .storage import for_path
 
@@ -88,17 +90,11 @@ def save_dcp_import(dst: str, state: Mapping[str, Any], places: dict[int, tuple[
         reader.close()
 
 
-def refuse_transforms(path: str, meta: Any) -> None:
-    """DCP items written through stream transforms (``FileSystemWriter(_extensions=...)``, e.g.
-    zstd compression) are not raw ``torch.save`` bytes: refused, before anything is written."""
-    for index, info in (meta.storage_data or {}).items():
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"{path}: item {getattr(index, 'fqn', index)!r} was written through DCP stream transforms "
-                f"{list(info.transform_descriptors)} (FileSystemWriter's _extensions, e.g. compression), which convert "
-                "does not read (it reads the .distcp files' bytes in batches). Make it one torch.save file first, which "
-                "holds the whole state in memory: python -c \"from torch.distributed.checkpoint.format_utils import "
-                f"dcp_to_torch_save as f; f('{path}', 'state.pt')\", then convert state.pt; or save it again without them")
+def transformed(meta: Any) -> bool:
+    """Whether any DCP item was written through stream transforms (``FileSystemWriter(_extensions=...)``,
+    e.g. zstd compression): not raw ``torch.save`` bytes, so ``convert`` reads that checkpoint with
+    ``dcp.load``, the whole state in memory (as every DCP import before session 51), not streamed."""
+    return any(getattr(info, "transform_descriptors", None) for info in (meta.storage_data or {}).values())
 
 
 class DcpReader:
