@@ -170,3 +170,22 @@ def test_a_rank_writes_once_per_round_of_a_save_and_a_load(tmp_path: Path) -> No
     # its answer; now one multi_set of both, "at" first. Every write of rank 1 enters a round.
     assert answers and all(w[0] == "multi_set" and "/at/" in w[1][0] for w in answers), writes
     assert len(writes) == len(rounds), writes
+
+
+def test_halving_is_exact_at_the_look_and_bounded_when_most_keys_are_missing() -> None:
+    class Keys:
+        def __init__(self, present: set[int]) -> None:
+            self.present, self.calls = present, 0
+
+        def check(self, keys: list[str]) -> bool:
+            self.calls += 1
+            return all(int(k) in self.present for k in keys)
+
+    pending = [(r, str(r)) for r in range(64)]
+    for present in (set(range(64)) - {37}, {5, 9}, set()):
+        store = Keys(present)
+        assert distwait._absent(store, pending) == [(r, k) for r, k in pending if r not in present]
+        assert store.calls <= 15 + 64, (present, store.calls)  # plain halving: up to 127 when all are missing
+        store = Keys(present)
+        some = distwait._absent(store, pending, exact=False)  # a poll's: a superset, in at most 2 x 7 + 1 calls
+        assert {r for r, _k in some} >= set(range(64)) - present and store.calls <= 15, (present, store.calls)

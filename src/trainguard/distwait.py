@@ -70,16 +70,24 @@ def dead_after() -> float:
 POLL_SHARE, POLL_MAX = 0.05, 1.0  # a wait's poll pause past 0.1 s: this share of the time waited, at most POLL_MAX s
 
 
-def _absent(store: Any, pending: list[tuple[int, str]], some: bool = False) -> list[tuple[int, str]]:
+def _absent(store: Any, pending: list[tuple[int, str]], some: bool = False, exact: bool = True,
+            budget: list[int] | None = None) -> list[tuple[int, str]]:
     """The ``(rank, key)`` of ``pending`` whose key is not set, found by halving: one ``check`` when all are
     set, about 2 x log2(n) for one missing of n (before: a ``check`` per key, n calls a second at rank 0).
-    ``some``: a ``check`` of them all just said that one is missing."""
-    if not some and store.check([k for _r, k in pending]):
-        return []
+    ``some``: a ``check`` of them all just said that one is missing. Halving stops after 2 x log2(n) + 1
+    calls (most missing: it would take up to 2n): the groups left are then checked key by key (``exact``),
+    or returned whole (a superset: the keys a poll names)."""
+    budget = [2 * len(pending).bit_length() + 1] if budget is None else budget
+    if budget[0] <= 0:
+        return [p for p in pending if not store.check([p[1]])] if exact else pending
+    if not some:
+        budget[0] -= 1
+        if store.check([k for _r, k in pending]):
+            return []
     if len(pending) == 1:
         return pending
     half = len(pending) // 2
-    return _absent(store, pending[:half]) + _absent(store, pending[half:])
+    return _absent(store, pending[:half], exact=exact, budget=budget) + _absent(store, pending[half:], exact=exact, budget=budget)
 
 
 def _beats(ctx: Any, ranks: list[int]) -> dict[int, int]:
@@ -114,7 +122,7 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
         if now < look_at:
             time.sleep(min(pause, look_at - now))
             if pause < 0.1 <= 2 * pause and len(pending) > 1:  # ~0.1 s in: poll the keys still missing from now on
-                pending = _absent(ctx.store, pending) or pending[-1:]  # none: the next poll says so
+                pending = _absent(ctx.store, pending, exact=False) or pending[-1:]  # none: the next poll says so
             pause = min(2 * pause, max(0.1, min(POLL_MAX, (now - start) * POLL_SHARE)))
             continue
         look_at = now + 1.0
