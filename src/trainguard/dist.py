@@ -284,20 +284,21 @@ class StoreDistContext(DistContext):
         op = max(self._op + 1, self._parent._op if self._parent is not None else 0)
         self._op, self._round, self._new_op, self._in_op = op, 0, False, True
 
-    def _enter(self, tag: str, *, all_key: bool, per_rank: bool) -> str:
+    def _enter(self, tag: str, *, all_key: bool, per_rank: bool, value: Any = None) -> str:
         if self._new_op:  # the call's first round: a new operation (see operation())
             self._next_op()
         self._round += 1
         if self.rank == 0:  # the keys this round creates, for forget()
             self._keys[(self._op, self._round)] = (tag, all_key, per_rank)
-        # Where this rank is now: lets the others tell "in another collective" or "left" from "not there yet".
-        self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, self._round, tag]))
-        return f"{self.chan}/r{self._op}.{self._round}/{tag}"
+        # Where this rank is now: lets the others tell "in another collective" or "left" from "not there yet";
+        # a gather's answer (per_rank) after it, in the same multi_set (one store call a round, not two).
+        at, base = (f"{self.chan}/at/{self.rank}", json.dumps([self._op, self._round, tag])), f"{self.chan}/r{self._op}.{self._round}/{tag}"
+        self.store.multi_set([at[0], f"{base}/{self.rank}"], [at[1], json.dumps(value)]) if per_rank else self.store.set(*at)
+        return base
 
     @_store_errors
     def all_gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any]:
-        base = self._enter(tag, all_key=True, per_rank=True)
-        self.store.set(f"{base}/{self.rank}", json.dumps(value))
+        base = self._enter(tag, all_key=True, per_rank=True, value=value)
         if self.rank == 0:
             try:
                 values = self._collect(base, tag, timeout)
@@ -311,8 +312,7 @@ class StoreDistContext(DistContext):
 
     @_store_errors
     def gather(self, tag: str, value: Any, *, timeout: float | None = None) -> list[Any] | None:
-        base = self._enter(tag, all_key=False, per_rank=True)
-        self.store.set(f"{base}/{self.rank}", json.dumps(value))
+        base = self._enter(tag, all_key=False, per_rank=True, value=value)
         if self.rank != 0:
             return None
         values = self._collect(base, tag, timeout)

@@ -67,30 +67,74 @@ def dead_after() -> float:
     return _env_seconds("TRAINGUARD_DEAD_AFTER", 10.0)
 
 
+POLL_SHARE, POLL_MAX = 0.05, 1.0  # a wait's poll pause past 0.1 s: this share of the time waited, at most POLL_MAX s
+
+
+def _absent(store: Any, pending: list[tuple[int, str]], some: bool = False, exact: bool = True,
+            budget: list[int] | None = None) -> list[tuple[int, str]]:
+    """The ``(rank, key)`` of ``pending`` whose key is not set, found by halving: one ``check`` when all are
+    set, about 2 x log2(n) for one missing of n (before: a ``check`` per key, n calls a second at rank 0).
+    ``some``: a ``check`` of them all just said that one is missing. Halving stops after 2 x log2(n) + 1
+    calls (most missing: it would take up to 2n): the groups left are then checked key by key (``exact``),
+    or returned whole (a superset: the keys a poll names)."""
+    budget = [2 * len(pending).bit_length() + 1] if budget is None else budget
+    if budget[0] <= 0:
+        return [p for p in pending if not store.check([p[1]])] if exact else pending
+    if not some:
+        budget[0] -= 1
+        if store.check([k for _r, k in pending]):
+            return []
+    if len(pending) == 1:
+        return pending
+    half = len(pending) // 2
+    return _absent(store, pending[:half], exact=exact, budget=budget) + _absent(store, pending[half:], exact=exact, budget=budget)
+
+
+def _beats(ctx: Any, ranks: list[int]) -> dict[int, int]:
+    """Each rank's heartbeat count (0: it never created its context): for more than 2 ranks one ``check`` and
+    one ``multi_get`` when every one has beaten (before: an ``add`` per rank), else an ``add`` each."""
+    keys = [f"{ctx.prefix}/hb/{r}" for r in ranks]
+    if len(ranks) > 2 and ctx.store.check(keys):
+        return {r: int(v) for r, v in zip(ranks, ctx.store.multi_get(keys), strict=True)}
+    return {r: int(ctx.store.add(k, 0)) for r, k in zip(ranks, keys, strict=True)}
+
+
 def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: float) -> None:
     """Wait until every key exists; ``ranks[i]`` is the rank that sets ``keys[i]`` (``ctx``: a
-    ``StoreDistContext``, in the round ``ctx._op``/``ctx._round`` it entered for ``tag``)."""
-    deadline = time.monotonic() + timeout
+    ``StoreDistContext``, in the round ``ctx._op``/``ctx._round`` it entered for ``tag``).
+
+    Polls name only the keys still missing as of ~0.1 s into the wait and of the last once-a-second look,
+    which find them by halving (``_absent``): a key, once set, stays until rank 0 deletes its round, two
+    rounds later, when every waiter has seen it (a failure record takes the place of an answer only where
+    there was none: ``compare_set``). The back-off starts at 2 ms, doubles to 0.1 s and, past 2 s of waiting, to a
+    twentieth of the time waited (at most 1 s): a wait ends at most 5% late, and a long one costs a waiting
+    rank ~4 store calls a second (its look), not ~17."""
+    start = time.monotonic()
+    deadline, look_at = start + timeout, start + 1.0
     seen: dict[int, tuple[int, float]] = {}
-    pause = 0.002  # doubled up to 0.1 s, not reset each second: 16-17 polls in every second of a wait, now 10
+    pending = list(zip(ranks, keys, strict=True))
+    pause = 0.002  # doubled up to 0.1 s, not reset each second; then grows with the time waited (POLL_SHARE)
     while True:
         # Poll with check() rather than a timed store.wait(), which logs a warning per timeout.
-        look_at = time.monotonic() + 1.0
-        while time.monotonic() < look_at:
-            if ctx.store.check(keys):
-                return
-            time.sleep(pause)
-            pause = min(2 * pause, 0.1)
-        missing = {r: k for r, k in zip(ranks, keys, strict=True) if not ctx.store.check([k])}
-        if not missing:
+        if ctx.store.check([k for _r, k in pending]):
             return
         now = time.monotonic()
-        _check_left(ctx, missing, tag)
+        if now < look_at:
+            time.sleep(min(pause, look_at - now))
+            if pause < 0.1 <= 2 * pause and len(pending) > 1:  # ~0.1 s in: poll the keys still missing from now on
+                pending = _absent(ctx.store, pending, exact=False) or pending[-1:]  # none: the next poll says so
+            pause = min(2 * pause, max(0.1, min(POLL_MAX, (now - start) * POLL_SHARE)))
+            continue
+        look_at = now + 1.0
+        pending = _absent(ctx.store, pending, some=True)  # the poll just now said some are missing
+        if not pending:
+            return
+        missing = dict(pending)
+        where = _check_left(ctx, missing, tag)
         if ctx.rank == 0:  # the coordinator judges; the others wait for its verdict
-            _check_elsewhere(ctx, list(missing), tag, ranks)
+            _check_elsewhere(ctx, list(missing), tag, ranks, where)
         dead = []
-        for r in missing:
-            beat = int(ctx.store.add(f"{ctx.prefix}/hb/{r}", 0))
+        for r, beat in _beats(ctx, list(missing)).items():
             last = seen.get(r)
             if last is None or last[0] != beat:
                 seen[r] = (beat, now)
@@ -152,16 +196,18 @@ def _check_busy(ctx: Any, late: list[int], tag: str, timeout: float) -> None:
 def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
     """The ``(operation, round, tag)`` each of ``ranks`` last entered (those that entered any)."""
     keys = [f"{ctx.chan}/at/{r}" for r in ranks]
-    if not ctx.store.check(keys):
-        keys = [k for k in keys if ctx.store.check([k])]
-        ranks = [r for r in ranks if f"{ctx.chan}/at/{r}" in keys]
+    if not ctx.store.check(keys):  # some never entered a round of this channel: the others, by halving
+        absent = {r for r, _k in _absent(ctx.store, list(zip(ranks, keys, strict=True)), some=True)}
+        ranks = [r for r in ranks if r not in absent]
+        keys = [f"{ctx.chan}/at/{r}" for r in ranks]
     if not keys:
         return {}
     return {r: tuple(json.loads(v)) for r, v in zip(ranks, ctx.store.multi_get(keys), strict=True)}  # type: ignore[misc]
 
 
-def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
-    """Raise at once when a rank whose key is awaited left this operation without writing it."""
+def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> dict[int, tuple[int, int, str]]:
+    """Raise at once when a rank whose key is awaited left this operation without writing it; else return
+    where the missing ranks are (``_where``, for ``_check_elsewhere``)."""
     gone, why, where = {}, {}, _where(ctx, list(missing))
     for r, (op, _rnd, other, *perm) in where.items():
         if op > ctx._op or (op == ctx._op and other == LEFT):
@@ -189,6 +235,7 @@ def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> None:
             {r: f"left the call before {tag!r}" + ("" if w == LEFT else f" ({w})" if w.startswith("never") else f" (now in {w!r})")
              for r, w in gone.items()},
         )
+    return where
 
 
 # The public call each collective's tag belongs to, for the message of a mismatch (_check_elsewhere).
@@ -197,11 +244,11 @@ CALLS = {"decide": "CheckpointManager.save", "open": "CheckpointManager.open", "
          "load": "load", "loaded": "load"}
 
 
-def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int]) -> None:
+def _check_elsewhere(ctx: Any, missing: list[int], tag: str, awaited: list[int], where: dict | None = None) -> None:
     """Rank 0: raise at once when a missing rank waits in another collective of the same round.
     The message goes to the ranks of both collectives (those in the other read it as their
     verdict): it says which ranks called which, not who is "instead" where."""
-    wrong, where = {}, _where(ctx, missing)
+    wrong, where = {}, _where(ctx, missing) if where is None else where  # wait_for: _check_left's, read just before
     for r, (op, rnd, other, *_why) in where.items():
         if (op, rnd) == (ctx._op, ctx._round) and other != tag and not str(other).startswith("("):  # LEFT, BUSY: no collective
             wrong[r] = other

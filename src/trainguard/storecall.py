@@ -140,6 +140,19 @@ class BoundedStore:
     def check(self, keys: list[str]) -> bool:
         return self._call("check", keys)
 
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        """One call setting ``keys`` in order (c10d's ``Store.multi_set``: TCPStore sends them in one request,
+        PrefixStore passes it on, the base class sets them one by one); a store object without it: ``set`` each."""
+        self._wait(_Call(self._multi_set, (keys, values)), "multi_set")
+
+    def _multi_set(self, keys: list[str], values: list[str]) -> None:
+        fn = getattr(self.raw, "multi_set", None)
+        if fn is not None:
+            return fn(keys, values)
+        for k, v in zip(keys, values, strict=True):
+            self.raw.set(k, v)
+        return None
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return self._call("multi_get", keys)
 
