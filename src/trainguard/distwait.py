@@ -67,7 +67,7 @@ def dead_after() -> float:
     return _env_seconds("TRAINGUARD_DEAD_AFTER", 10.0)
 
 
-POLL_SHARE, POLL_MAX = 0.05, 1.0  # a wait's poll pause past 0.1 s: this share of the time waited, at most POLL_MAX s
+POLL_SHARE, POLL_MAX = 0.02, 0.5  # a wait's poll pause: 0.1 s, or this share of the time waited when more, at most POLL_MAX s
 
 
 def _absent(store: Any, pending: list[tuple[int, str]], some: bool = False, exact: bool = True,
@@ -106,9 +106,9 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
     Polls name only the keys still missing as of ~0.1 s into the wait and of the last once-a-second look,
     which find them by halving (``_absent``): a key, once set, stays until rank 0 deletes its round, two
     rounds later, when every waiter has seen it (a failure record takes the place of an answer only where
-    there was none: ``compare_set``). The back-off starts at 2 ms, doubles to 0.1 s and, past 2 s of waiting, to a
-    twentieth of the time waited (at most 1 s): a wait ends at most 5% late, and a long one costs a waiting
-    rank ~4 store calls a second (its look), not ~17."""
+    there was none: ``compare_set``). The back-off starts at 2 ms, doubles to 0.1 s and, past 5 s of waiting, to a
+    fiftieth of the time waited (``POLL_SHARE``, at most ``POLL_MAX``: 0.5 s): a wait ends at most 2% and 0.5 s
+    late (a sync save's stall waits here), and a long one costs a waiting rank ~6 store calls a second, not ~17."""
     start = time.monotonic()
     deadline, look_at = start + timeout, start + 1.0
     seen: dict[int, tuple[int, float]] = {}
