@@ -32,6 +32,10 @@ import torch
 def seed_int(seed: Any, who: str) -> int:
     """``ResumableSampler``/``SeededDataset``: ``int(seed)``, or a TypeError that names the argument (``seed=None``,
     an unset ``args.seed``: int()'s "argument must be a string ... not 'NoneType'" before)."""
+    if isinstance(seed, bool | np.bool_) or (isinstance(seed, torch.Tensor) and seed.dtype == torch.bool):
+        # seed=True is an int to Python (1): a flag passed where the seed goes (``seed=args.shuffle``)
+        raise TypeError(f"{who}(seed={seed!r}): a bool is not a seed; pass an int seed, the same on every rank "
+                        "and at every restart (e.g. seed=0)")
     try:
         return operator.index(seed)  # an int, NumPy's or a tensor's (an integer dtype)
     except TypeError:
