@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from trainguard import report as rep
 from trainguard.events import read_events
 
 # A worker: 2 gloo ranks, an all-reduce a step (a peer's death fails it), a sync save every 2 steps.
@@ -145,3 +146,156 @@ def test_the_first_to_raise_is_reported_with_its_traceback(tmp_path: Path, monke
     finally:
         for p in pc.processes:
             p.join(5)
+
+
+# A worker saving every 5 steps (sync or async); the crash drill of the first attempt only.
+SAVER = textwrap.dedent("""
+    import os, sys
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        os.environ.pop("TRAINGUARD_CRASH_AT", None)  # the drill fires in the first attempt only
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    state = {"w": torch.zeros(1 << 12), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(5), keep=tg.KeepLatest(100),
+                              async_save=sys.argv[1] == "async") as mgr:
+        step = mgr.restore(state) or 0
+        while step < 15:
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            step += 1
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(180)
+def test_a_save_cut_short_by_the_agent_is_reported_as_interrupted(tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed in its save of step 10 (``TRAINGUARD_CRASH_AT=written``); rank 0 waits in that save for
+    its report, and the agent SIGKILLs it 2 s later, before it logs ``save_failed``. The report said `3 saves`
+    and nothing of the save of step 10 (no event but the next start's ``debris``); it now says it was
+    interrupted (rank 0's ``save_start`` with no end), in ``report --json`` too."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    script, run_dir = tmp_path / "train.py", tmp_path / "run"
+    script.write_text(SAVER)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TRAINGUARD_CRASH_AT": "written", "TRAINGUARD_CRASH_RANK": "1",
+           "TRAINGUARD_CRASH_KIND": "kill", "TRAINGUARD_CRASH_SKIP": "1"}
+    rc, out = _run([sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--max-restarts", "2",
+                    "--start-method", "fork", "--run-path", "--run-dir", str(run_dir), str(script), "sync"], env)
+    assert rc == 0, out[-4000:]
+    s = rep.summary(rep.tally_log(run_dir))
+    assert s == rep.summarize(list(read_events(run_dir)))  # the fast path and the parsed events agree
+    assert s["failures"] == 1 and s["saves"] == 3 and [r["restored_step"] for r in s["recoveries"]] == [5], s
+    assert (s["saves_failed"], s["saves_interrupted"]) == (0, 1), s
+    assert [(x["step"], x["how"]) for x in s["failed_saves"]] == [(10, "interrupted")], s
+    res = CliRunner().invoke(main, ["report", str(run_dir)])
+    assert res.exit_code == 0, res.output
+    assert "failed saves       1: 1 interrupted (step 10: " in res.output, res.output
+    res = CliRunner().invoke(main, ["report", "--json", str(run_dir)])
+    assert json.loads(res.output)["saves_interrupted"] == 1, res.output
+
+
+def _line(t: float, event: str, rank: int, pid: int, **fields: object) -> str:
+    return json.dumps({"t": t, "event": event, "rank": rank, "pid": pid, **fields}) + "\n"
+
+
+def _save(t: float, pid: int, step: int) -> str:
+    """A ``save`` line as ``saveevent.emit`` writes it (read by ``eventscan``'s fast path)."""
+    return _line(t, "save", 0, pid, step=step, stall_s=0.1, duration_s=0.2, stall_call_s=0.1, stall_hook_s=0.0,
+                 stall_wait_s=0.0, stall_prev_s=0.0, bytes=10, async_save=False, committed_t=t)
+
+
+def _job(starts: bool) -> str:
+    """pid 100 saves 5, begins 10 and is killed (the agent's failure); pid 200 restores 5, saves 10, begins 15 and
+    fails it with an error, saves 20, begins 25 (still in flight when the log ends). ``starts``: rank 0 logs its
+    save starts (since session 52)."""
+    t, out = 1_760_000_000.0, []
+
+    def start(t: float, pid: int, step: int) -> None:
+        if starts:
+            out.append(_line(t, "save_start", 0, pid, step=step, async_save=False))
+
+    out.append(_line(t, "agent_start", -1, 7, job_id="j"))
+    out.append(_line(t + 0.5, "fresh_start", 0, 100, skipped=0))
+    out.append(_line(t + 0.6, "first_step", 0, 100, step=1, world_size=2, lost_steps=0))
+    for s in range(1, 11):
+        out.append(_line(t + s, "step", 0, 100, step=s, world_size=2))
+        if s in (5, 10):
+            start(t + s + 0.01, 100, s)
+        if s == 5:
+            out.append(_save(t + s + 0.2, 100, 5))
+    out.append(_line(t + 13, "failure", 1, 7, cause="killed by SIGKILL", stop_s=2.0))
+    out.append(_line(t + 13.1, "restart", -1, 7, remaining_restarts=2, reason="failure"))
+    out.append(_line(t + 14, "restore", 0, 200, step=5, seconds=0.1))
+    out.append(_line(t + 14.2, "first_step", 0, 200, step=6, world_size=2, lost_steps=5))
+    for s in range(6, 26):
+        out.append(_line(t + 9 + s, "step", 0, 200, step=s, world_size=2))
+        if s in (10, 15, 20, 25):
+            start(t + 9 + s + 0.01, 200, s)
+        if s in (10, 20):
+            out.append(_save(t + 9 + s + 0.2, 200, s))
+        if s == 15:
+            out.append(_line(t + 9 + s + 0.2, "save_failed", 0, 200, step=15, error="no space left on device\nmore"))
+            out.append(_line(t + 9 + s + 0.2, "save_failed", 1, 201, step=15, error="no space left on device"))
+    return "".join(out)
+
+
+@pytest.mark.parametrize("starts", [True, False])
+def test_failed_and_interrupted_saves_of_a_log(tmp_path: Path, starts: bool) -> None:
+    """The save of step 10 begun and never ended by its killed process is interrupted; rank 0's ``save_failed``
+    of 15 is a failed save (rank 1's is not counted again); 25, in flight when the log ends, is neither. A log
+    without ``save_start`` events (written before them) reports its failed saves and no interrupted ones
+    (unknown: null); its other figures are the same either way (but for the times the extra lines add)."""
+    (tmp_path / "events.jsonl").write_text(_job(starts))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s == rep.summarize(list(read_events(tmp_path)))
+    assert s["saves"] == 3 and s["failures"] == 1 and s["final_step"] == 25, s
+    assert s["saves_failed"] == 1 and s["saves_interrupted"] == (1 if starts else None), s
+    want = [(10, "interrupted"), (15, "failed")] if starts else [(15, "failed")]
+    assert [(x["step"], x["how"]) for x in s["failed_saves"]] == want, s
+    text = rep.format_summary(s)
+    line = next(x for x in text.splitlines() if x.startswith("failed saves"))
+    assert "1 failed (step 15; the first: no space left on device)" in line, line
+    assert ("1 interrupted (step 10: " in line) == starts, line
+    (tmp_path / "events.jsonl").write_text(_job(not starts))
+    other = rep.summary(rep.tally_log(tmp_path))
+    same = ("final_step", "steps_run", "failures", "recoveries", "lost_steps", "saves", "saves_unlogged", "save_stall_s",
+            "saves_failed")
+    assert {k: s[k] for k in same} == {k: other[k] for k in same}
+
+
+def test_a_log_with_no_failed_save_reports_as_before(tmp_path: Path) -> None:
+    """Without a failed or interrupted save the text has no new line, and ``--json`` has its fields as before
+    plus the three new ones: 0, null (no save_start: a log from before them) and []."""
+    lines = [_line(1_760_000_000.0, "agent_start", -1, 7, job_id="j")]
+    lines += [_line(1_760_000_000.0 + s, "step", 0, 100, step=s, world_size=1) for s in range(1, 11)]
+    lines.append(_save(1_760_000_010.5, 100, 10))
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert (s["saves"], s["saves_failed"], s["saves_interrupted"], s["failed_saves"]) == (1, 0, None, []), s
+    assert "failed saves" not in rep.format_summary(s)
+    assert list(s)[-3:] == ["saves_failed", "saves_interrupted", "failed_saves"]  # after every field it had
+
+
+def test_a_save_that_committed_is_not_interrupted(tmp_path: Path) -> None:
+    """pid 100 begins the save of 10 and is killed right after its commit (no ``save`` event; pid 200 restores
+    10: a save, ``saves_unlogged``); pid 300 (another node's rank 0 in a shared log) logs its save of 20 after
+    the agent's failure: ended, not interrupted."""
+    t = 1_760_000_000.0
+    lines = [_line(t, "agent_start", -1, 7, job_id="j"), _line(t + 0.5, "fresh_start", 0, 100, skipped=0)]
+    lines += [_line(t + s, "step", 0, 100, step=s, world_size=1) for s in range(1, 11)]
+    lines += [_line(t + 5.1, "save_start", 0, 100, step=5), _save(t + 5.2, 100, 5)]
+    lines += [_line(t + 10.1, "save_start", 0, 100, step=10), _line(t + 12, "failure", 0, 7, cause="killed by SIGKILL")]
+    lines += [_line(t + 13, "restore", 0, 200, step=10, seconds=0.1)]
+    lines += [_line(t + 13 + s, "step", 0, 200, step=10 + s, world_size=1) for s in range(1, 11)]
+    lines += [_line(t + 23.1, "save_start", 0, 200, step=20), _line(t + 23.5, "failure", 1, 8, cause="exit code 1"),
+              _save(t + 23.6, 200, 20), _line(t + 24, "agent_exit", -1, 7, ok=True)]
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert (s["saves"], s["saves_unlogged"], s["saves_interrupted"], s["failed_saves"]) == (3, 1, 0, []), s

@@ -35,6 +35,8 @@ from collections import deque
 from operator import itemgetter
 from typing import Any
 
+from .saveends import ENDS_PROCESS, SaveEnds
+
 WINDOW = 4096  # steps (and saves) held to put them in time order: an hour at a step a second
 SET_BACK_MIN = 1.0  # seconds: a process's step going back by less changes a figure by less (chrony's makestep default)
 _KEPT = {"failure", "fault", "hang", "first_step", "agent_start"}  # every one; restarts, restores, rendezvous: some
@@ -180,6 +182,7 @@ class Tally:
         self._step_t: Any = None  # t of the last step event fed
         self._step_mono: Any = None  # and its process's monotonic clock (``mono``; logs before session 51: none)
         self._step_pid: Any = None  # and its pid
+        self.save_ends = SaveEnds()  # rank 0's saves begun and not ended, failed (saveends.py)
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -203,14 +206,22 @@ class Tally:
             if e.get("rank") == 0:
                 stall, duration, committed = (e.get(k) for k in ("stall_s", "duration_s", "committed_t"))
                 self.save(key, seq, 0.0 if stall is None else stall, 0.0 if duration is None else duration,
-                          e.get("bytes"), key if committed is None else committed, e.get("step"))
+                          e.get("bytes"), key if committed is None else committed, e.get("step"), e.get("pid"))
+        elif kind in ("save_start", "save_failed") and e.get("rank") == 0:
+            if kind == "save_start":
+                self.save_ends.start(key, e.get("pid"), e.get("step"))
+            else:
+                self.save_ends.failed_save(key, e.get("pid"), e.get("step"), e.get("error"))
         elif kind == "save_retention":  # a sync save's retention after its commit (saveevent.retention_waited)
             if e.get("rank") == 0 and e.get("stall_s") is not None:
                 self.stall += e["stall_s"]
-        elif (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
-              or (kind == "restart" and e.get("reason") == "membership")
-              or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
-            self.kept.append((key, seq, e))
+        else:
+            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start") and e.get("rank") == 0):
+                self.save_ends.process_ended(None if kind in ENDS_PROCESS else e.get("pid"))  # saveends.py
+            if (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
+                    or (kind == "restart" and e.get("reason") == "membership")
+                    or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
+                self.kept.append((key, seq, e))
 
     def step(self, key: Any, seq: int, pid: Any, step: Any, mono: Any = None) -> None:
         """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`;
@@ -245,8 +256,10 @@ class Tally:
         self._prev = (pid, step, t)
         self.final = step
 
-    def save(self, key: Any, seq: int, stall: Any, duration: Any, nbytes: Any, committed: Any, step: Any) -> None:
-        """Rank 0's ``save`` event."""
+    def save(self, key: Any, seq: int, stall: Any, duration: Any, nbytes: Any, committed: Any, step: Any,
+             pid: Any = None) -> None:
+        """Rank 0's ``save`` event (of process ``pid``)."""
+        self.save_ends.ended(pid, step)
         if self.points is not None:
             self.save_points.append((committed, step))
         self.saved_steps.add(step)
