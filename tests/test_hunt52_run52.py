@@ -72,6 +72,7 @@ def test_a_failed_worker_leaves_no_error_file_in_the_temp_directory(tmp_path: Pa
     events = list(read_events(run_dir))
     assert [e["rank"] for e in events if e["event"] == "failure"] == [1], events
     assert max(e["step"] for e in events if e["event"] == "step") == 6
+    assert all(isinstance(e.get("mono"), float) for e in events if e["rank"] == -1), events  # clockback.py
     left = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("pytorch-errorfile-", "torchelastic_")))
     assert left == [], left
     assert "InjectedFault: injected fault: step=3,rank=1,kind=exception" in out, out[-4000:]  # the agent logged it
@@ -299,3 +300,49 @@ def test_a_save_that_committed_is_not_interrupted(tmp_path: Path) -> None:
     (tmp_path / "events.jsonl").write_text("".join(lines))
     s = rep.summary(rep.tally_log(tmp_path))
     assert (s["saves"], s["saves_unlogged"], s["saves_interrupted"], s["failed_saves"]) == (3, 1, 0, []), s
+
+
+def _set_back_log(back: float, *, agent_mono: bool, later: float = 0.0) -> str:
+    """True time T from t0, every process on one host (one monotonic clock, ``mono`` = 500 + T): the agent starts
+    (T=0), pid 100 trains steps 1-20 (T=1..20), the agent logs the failure (21) and restart (21.1); the wall clock
+    is set back by ``back`` s at T=21.5; the agent's rendezvous (22), pid 200 restores step 10 (23) and trains
+    11-30 (T=24..43), the clock set back ``later`` s more at T=33.5 (between two of its steps); agent_exit (44).
+    ``agent_mono``: the agent's events carry ``mono`` (since session 52); the steps carry theirs."""
+    t0, lines = 1_760_000_000.0, []
+
+    def at(T: float) -> float:
+        return t0 + T - (back if T >= 21.5 else 0.0) - (later if T >= 33.5 else 0.0)
+
+    def agent(T: float, event: str, **fields: object) -> None:
+        lines.append(_line(at(T), event, -1, 7, **fields, **({"mono": 500 + T} if agent_mono else {})))
+
+    agent(0, "agent_start", job_id="j")
+    lines.append(_line(at(0.5), "first_step", 0, 100, step=1, world_size=1, lost_steps=0))
+    for s in range(1, 21):
+        lines.append(_line(at(s), "step", 0, 100, step=s, world_size=1, mono=500.0 + s))
+    agent(21, "failure", cause="killed by SIGKILL", stop_s=0.0)
+    agent(21.1, "restart", remaining_restarts=2, reason="failure")
+    agent(22, "rendezvous", world_size=1, nodes=1, node_rank=0, seconds=0.5)
+    lines.append(_line(at(23), "restore", 0, 200, step=10, seconds=0.5))
+    lines.append(_line(at(24), "first_step", 0, 200, step=11, world_size=1, lost_steps=10))
+    for i in range(20):
+        lines.append(_line(at(24 + i), "step", 0, 200, step=11 + i, world_size=1, mono=524.0 + i))
+    agent(44, "agent_exit", ok=True)
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("later", [0.0, 100.0])
+def test_a_clock_set_back_during_a_restart_keeps_the_restart_in_the_wall_time(tmp_path: Path, later: float) -> None:
+    """The clock set back 3,600 s during a restart: the steps' drop of ``t`` across the restart (new processes)
+    counted 3,596 s back, and the wall time missed the restart's 4 s (40 s reported for 44; session 51's test
+    says so). The agent's events now carry ``mono``: its failure/restart and rendezvous straddle the step back and
+    measure it exactly, 44 s. ``later``: a second step back within pid 200's steps (measured by their own
+    ``mono``) is not counted twice. Without the agent's ``mono`` (a log from before) the report is as before."""
+    for agent_mono, want in ((True, 44.0), (False, 40.0)):
+        (tmp_path / "events.jsonl").write_text(_set_back_log(3600.0, agent_mono=agent_mono, later=later))
+        s = rep.summary(rep.tally_log(tmp_path))
+        assert s == rep.summarize(list(read_events(tmp_path)))
+        assert s["wall_s"] == pytest.approx(want), (agent_mono, s)
+        assert s["final_step"] == 30 and s["failures"] == 1 and s["lost_steps"] == 10, s
+    (tmp_path / "events.jsonl").write_text(_set_back_log(0.0, agent_mono=True))  # no step back: as before
+    assert rep.summary(rep.tally_log(tmp_path))["wall_s"] == pytest.approx(44.0)

@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
         prepare(args)
     except OSError as e:  # the run directory: a file of that name, no permission, a read-only disk
         parser.error(f"--run-dir {args.run_dir}: cannot create the directory ({e.strerror or e})")
-    events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
+    events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1, mono=True)  # clockback.py
     install_agent_hooks(events, args.stop_timeout)
     torch_run.run_script_path = run_script_path  # --run-path workers: exit 78 on a permanent error
     install_log_filter()
