@@ -302,16 +302,19 @@ def test_a_save_that_committed_is_not_interrupted(tmp_path: Path) -> None:
     assert (s["saves"], s["saves_unlogged"], s["saves_interrupted"], s["failed_saves"]) == (3, 1, 0, []), s
 
 
-def _set_back_log(back: float, *, agent_mono: bool, later: float = 0.0) -> str:
+def _set_back_log(back: float, *, agent_mono: bool, later: float = 0.0, nodes: int = 1, requeue: bool = False) -> str:
     """True time T from t0, every process on one host (one monotonic clock, ``mono`` = 500 + T): the agent starts
     (T=0), pid 100 trains steps 1-20 (T=1..20), the agent logs the failure (21) and restart (21.1); the wall clock
     is set back by ``back`` s at T=21.5; the agent's rendezvous (22), pid 200 restores step 10 (23) and trains
     11-30 (T=24..43), the clock set back ``later`` s more at T=33.5 (between two of its steps); agent_exit (44).
-    ``agent_mono``: the agent's events carry ``mono`` (since session 52); the steps carry theirs."""
+    ``agent_mono``: the agent's events carry ``mono`` (since session 52); the steps carry theirs. ``nodes``: of the
+    rendezvous. ``requeue``: the job is started again on another host (T=50), by an agent of the same pid (7, as in
+    containers) whose monotonic clock is 10^6 s ahead and wall clock 100 s behind; it trains steps 31-35 (T=52..56)
+    and exits (57)."""
     t0, lines = 1_760_000_000.0, []
 
-    def at(T: float) -> float:
-        return t0 + T - (back if T >= 21.5 else 0.0) - (later if T >= 33.5 else 0.0)
+    def at(T: float) -> float:  # the requeue's host: its wall clock 100 s behind
+        return t0 + T - (back if T >= 21.5 else 0.0) - (later if T >= 33.5 else 0.0) - (100.0 if T >= 50 else 0.0)
 
     def agent(T: float, event: str, **fields: object) -> None:
         lines.append(_line(at(T), event, -1, 7, **fields, **({"mono": 500 + T} if agent_mono else {})))
@@ -322,12 +325,18 @@ def _set_back_log(back: float, *, agent_mono: bool, later: float = 0.0) -> str:
         lines.append(_line(at(s), "step", 0, 100, step=s, world_size=1, mono=500.0 + s))
     agent(21, "failure", cause="killed by SIGKILL", stop_s=0.0)
     agent(21.1, "restart", remaining_restarts=2, reason="failure")
-    agent(22, "rendezvous", world_size=1, nodes=1, node_rank=0, seconds=0.5)
+    agent(22, "rendezvous", world_size=1, nodes=nodes, node_rank=0, seconds=0.5)
     lines.append(_line(at(23), "restore", 0, 200, step=10, seconds=0.5))
     lines.append(_line(at(24), "first_step", 0, 200, step=11, world_size=1, lost_steps=10))
     for i in range(20):
         lines.append(_line(at(24 + i), "step", 0, 200, step=11 + i, world_size=1, mono=524.0 + i))
     agent(44, "agent_exit", ok=True)
+    if requeue:
+        lines.append(_line(at(50), "agent_start", -1, 7, job_id="j", **({"mono": 1e6 + 50} if agent_mono else {})))
+        lines.append(_line(at(51), "restore", 0, 300, step=30, seconds=0.5))
+        lines.append(_line(at(52), "first_step", 0, 300, step=31, world_size=1, lost_steps=0))
+        lines += [_line(at(52 + i), "step", 0, 300, step=31 + i, world_size=1, mono=1e6 + 52 + i) for i in range(5)]
+        lines.append(_line(at(57), "agent_exit", -1, 7, ok=True, **({"mono": 1e6 + 57} if agent_mono else {})))
     return "".join(lines)
 
 
@@ -346,3 +355,15 @@ def test_a_clock_set_back_during_a_restart_keeps_the_restart_in_the_wall_time(tm
         assert s["final_step"] == 30 and s["failures"] == 1 and s["lost_steps"] == 10, s
     (tmp_path / "events.jsonl").write_text(_set_back_log(0.0, agent_mono=True))  # no step back: as before
     assert rep.summary(rep.tally_log(tmp_path))["wall_s"] == pytest.approx(44.0)
+    # Agents of several nodes (a pid and a monotonic clock per host): the estimate stands, as before.
+    (tmp_path / "events.jsonl").write_text(_set_back_log(3600.0, agent_mono=True, nodes=2))
+    assert rep.summary(rep.tally_log(tmp_path))["wall_s"] == pytest.approx(40.0)
+    # A later agent of the same pid on another host: not paired with the first one's events (its agent_start); the
+    # requeue's step back of its host's clock is estimated as before, the restart's 4 s still added.
+    walls = []
+    for agent_mono in (True, False):
+        (tmp_path / "events.jsonl").write_text(_set_back_log(3600.0, agent_mono=agent_mono, requeue=True))
+        s = rep.summary(rep.tally_log(tmp_path))
+        assert s == rep.summarize(list(read_events(tmp_path))), s
+        walls.append(s["wall_s"])
+    assert walls[0] == pytest.approx(walls[1] + 4.0), walls

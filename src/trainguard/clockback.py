@@ -13,8 +13,9 @@ The agent is one process across restarts: since session 52 its events carry ``mo
 is sound: the agent's two consecutive events (one process) straddle exactly one step pair that was
 estimated (``t`` dropped, no ``mono`` to compare), and the agent's exact figure exceeds what the step
 pairs within its interval counted (the seconds of the restart the estimate missed). Where an agent
-interval holds several estimated pairs, or the agent's figure is not above the steps' (its host's
-clock is not rank 0's: another node), the estimate stands. Logs whose agent events carry no ``mono``
+interval holds several estimated pairs, or the agent's figure is not above the steps', the estimate
+stands; and in a log of several nodes (a ``rendezvous`` of ``nodes`` > 1: agents on other hosts, whose
+clocks are not rank 0's and whose pids, in containers, may be the same) it always does. Logs whose agent events carry no ``mono``
 (before session 52) report as before.
 
 Called by :class:`~trainguard.tally.Tally` only: :meth:`AgentBridge.agent` for each agent event with
@@ -36,12 +37,19 @@ class AgentBridge:
         self._last: dict[Any, tuple[int, float, float]] = {}  # agent pid -> (seq, t, mono) of its last event
         self.agent_backs: list[tuple[int, int, float]] = []  # (seq a, seq b, seconds back) of an agent's event pair
         self.step_backs: list[tuple[int, int, float, bool]] = []  # (seq a, seq b, seconds, estimated) of step pairs
+        self.several = False  # a rendezvous of several nodes: no correction
 
-    def agent(self, seq: int, pid: Any, t: Any, mono: Any) -> None:
-        """An agent's event (rank -1) with ``mono``, at ``seq`` in the log."""
-        if not (isinstance(t, (int, float)) and isinstance(mono, (int, float))):
+    def agent(self, seq: int, e: dict[str, Any]) -> None:
+        """An agent's event ``e`` (rank -1) with ``mono``, at ``seq`` in the log. Paired with the previous event
+        of its pid, not across an ``agent_start`` (a new agent: a pid of another host's, in a container, may be
+        the same). None at all once a rendezvous counted several nodes: agents of several hosts, whose pids may
+        be the same, and whose clocks are not rank 0's."""
+        t, mono, pid = e.get("t"), e.get("mono"), e.get("pid")
+        if e.get("event") == "rendezvous" and isinstance(e.get("nodes"), int) and e["nodes"] > 1:
+            self.several = True
+        if self.several or not (isinstance(t, (int, float)) and isinstance(mono, (int, float))):
             return
-        prev = self._last.get(pid)
+        prev = None if e.get("event") == "agent_start" else self._last.get(pid)
         self._last[pid] = (seq, t, mono)
         if prev is not None:
             back = (mono - prev[2]) - (t - prev[1])
@@ -56,6 +64,8 @@ class AgentBridge:
         """The seconds to add to the steps' ``set_back``: for each agent interval that straddles exactly one
         estimated step pair, the agent's figure less what the step pairs within it counted, when above 0."""
         total, used = 0.0, set()
+        if self.several:
+            return total
         for a, b, back in self.agent_backs:
             inside = [x for x in self.step_backs if x[0] < b and a < x[1]]  # pairs overlapping the interval
             guessed = [x for x in inside if x[3]]

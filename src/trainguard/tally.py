@@ -207,7 +207,7 @@ class Tally:
         seq = self._seen(key)
         kind = e["event"]
         if e.get("rank") == -1 and e.get("mono") is not None:  # the agent's, since session 52 (clockback.py)
-            self.bridge.agent(seq, e.get("pid"), key, e["mono"])
+            self.bridge.agent(seq, e)
         if kind == "step":
             self.step(key, seq, e.get("pid"), e["step"], e.get("mono"))
         elif kind == "save":
