@@ -30,14 +30,17 @@ class EventLog:
     elastic agent's log, before any worker opened the run directory), not after: a run directory
     removed while the job runs (``rm -rf``) was created again, empty, by the next event."""
 
-    def __init__(self, path: str | os.PathLike[str] | None, *, rank: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str] | None, *, rank: int = 0, mono: bool = False) -> None:
         self.path = None if path is None else Path(path)
         self._wrote = False  # a line was written: the directory is not created again
         self.rank = rank
+        self.mono = mono  # each event also carries time.monotonic() (the agent's: clockback.py)
         self._warned = False
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         rec = {"t": time.time(), "event": event, "rank": self.rank, "pid": os.getpid(), **fields}
+        if self.mono:
+            rec["mono"] = round(time.monotonic(), 6)
         if self.path is not None:
             line = (json.dumps(rec, default=str) + "\n").encode()
             try:

@@ -47,7 +47,7 @@ def feed(path: str | os.PathLike[str], tally: Tally) -> Tally:
             t = float(m[1])
             seq = seen(t)
             if int(m[2]) == 0:
-                tally.save(t, seq, _num(m[5]), _num(m[6]), int(m[11]), _num(m[12]), int(m[4]))
+                tally.save(t, seq, _num(m[5]), _num(m[6]), int(m[11]), _num(m[12]), int(m[4]), int(m[3]))
             continue
         for line in text_lines(raw):
             for ev in parse_line(line):

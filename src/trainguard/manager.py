@@ -233,8 +233,7 @@ class CheckpointManager:
         self._own.check_save(step, self._restored)  # after restore(): a save behind it, or far behind this run's newest, is refused
         target = self.storage.join(self._root, layout.step_dir(step))
         meta = {"step": step, "metrics": values}
-        if self.ctx.rank == 0:  # for rank 0's retention alone (retention._facts): elsewhere it grew by one entry a save
-            self._metrics[step] = values
+        saveevent.started(self, step, values)  # rank 0: its save_start event (trainguard report), the metrics for its retention
         try:  # RAM tier: the run directory when it has no room; its round ("ram_room") failing fails the save (on_error)
             storage, target = self.ram.target(step, self.timeout, state) if self.ram else (self.storage, target)
         except CheckpointError as e:

@@ -6,7 +6,8 @@ of it, then :func:`summary`), and ``--plot timeline.png`` draws steps over wall 
 failures and restores (:func:`plot_tally`).
 Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure``,
 ``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
-and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``).
+and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``; rank 0's
+``save_start``: the saves that never ended, :mod:`.saveends`).
 
 Recovery of failure *i*, split in four: **detect** (fault injected, or hang declared -> agent saw
 it; unknown for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
@@ -134,8 +135,13 @@ def summary(tally: Tally) -> dict[str, Any]:
     wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
     stall, logged = tally.stall, tally.saves
-    unlogged = len(_restored_unlogged(tally.at("restore", "fresh_start"), tally.saved_steps))
+    unlogged_steps = _restored_unlogged(tally.at("restore", "fresh_start"), tally.saved_steps)
+    unlogged = len(unlogged_steps)
     saves = logged + unlogged
+    ends = tally.save_ends  # saveends.py: a save killed after its commit, restored later, is a save, not interrupted
+    interrupted = [(t, step) for t, step in ends.interrupted() if step not in unlogged_steps]
+    ended_badly = sorted([{"t": t, "step": step, "how": "failed", "error": err} for t, step, err in ends.failed]
+                         + [{"t": t, "step": step, "how": "interrupted"} for t, step in interrupted], key=lambda x: x["t"])
     useful = (final or 0) * step_s if step_s else None
     return {
         "events": tally.events,
@@ -161,6 +167,11 @@ def summary(tally: Tally) -> dict[str, Any]:
         "hangs": len(tally.of("hang")),
         # Group restarts because an agent joined (scale-up), not because a worker failed.
         "membership_restarts": joined,
+        # Saves that did not commit (saveends.py): rank 0's save_failed events, and saves it began whose process
+        # ended before it logged either end (null: a log from before save_start events, interrupted ones unknown).
+        "saves_failed": len(ends.failed),
+        "saves_interrupted": len(interrupted) if ends.starts else None,
+        "failed_saves": ended_badly,
     }
 
 
@@ -214,6 +225,23 @@ def _unlogged(s: dict[str, Any]) -> str:
     return f" ({n} with no save event, known from its restore: killed at its commit)" if n else ""
 
 
+def _failed_saves(s: dict[str, Any]) -> list[str]:
+    """``format_summary``: the line of the saves that did not commit, if any (none: no line, as before)."""
+    failed, interrupted, listed = s.get("saves_failed") or 0, s.get("saves_interrupted") or 0, s.get("failed_saves") or []
+    if not failed and not interrupted:
+        return []
+
+    def steps(how: str) -> str:
+        these = [str(x["step"]) for x in listed if x["how"] == how]
+        return ("step " if len(these) == 1 else "steps ") + ", ".join(these[:10]) + (", ..." if len(these) > 10 else "")
+
+    parts = [f"{interrupted} interrupted ({steps('interrupted')}: begun, then its process ended before the save "
+             "committed or failed)"] if interrupted else []
+    first = next((x.get("error") or "" for x in listed if x["how"] == "failed"), "")
+    parts += [f"{failed} failed ({steps('failed')}; the first: {first.splitlines()[0][:160] if first else '-'})"] if failed else []
+    return [f"failed saves       {failed + interrupted}: {'; '.join(parts)}"]
+
+
 def format_summary(s: dict[str, Any]) -> str:
     """The text ``trainguard report`` prints."""
     if not s.get("events"):
@@ -235,6 +263,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"checkpoints        {s['saves']} saves{_unlogged(s)}, stall {_f(s['save_stall_s'], '{:.3f}')} s total "
         f"({_f(s['save_stall_mean_s'], '{:.4f}')} s each), duration {_f(s['save_duration_mean_s'], '{:.3f}')} s, "
         f"{_f(s['save_bytes'], '{:,}')} bytes",
+        *_failed_saves(s),
         f"checkpoint overhead {_f(None if s['checkpoint_overhead'] is None else 100 * s['checkpoint_overhead'])} % of wall time",
         f"goodput            {_f(None if s['goodput'] is None else 100 * s['goodput'], '{:.1f}')} % "
         "(final step x median step time / wall time)",

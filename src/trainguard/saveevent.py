@@ -1,4 +1,5 @@
-"""The ``save`` event of the manager's event log, written once per committed save, on every rank.
+"""The ``save`` event of the manager's event log, written once per committed save, on every rank, and rank
+0's ``save_start`` as each save begins (:func:`started`).
 
 Sync saves: :func:`at_sync_commit` writes it (``CheckpointManager._finish_pending``, in the save
 call, once the save committed, before rank 0's retention deletes); the seconds the call then spent in
@@ -32,6 +33,19 @@ import time
 from typing import Any
 
 from . import replicas
+
+
+def started(mgr: Any, step: int, values: Any) -> None:
+    """``CheckpointManager._save_now``, every rank, as the save of ``step`` begins (it passed the manager's
+    checks; its rounds and writes follow; a retry to the run directory after a RAM tier without room begins
+    again): rank 0 logs ``save_start`` and keeps the step's metrics ``values`` for its retention
+    (``retention._facts``; rank 0's alone: elsewhere they grew by one entry a save). Every save that begins
+    then ends in rank 0's ``save`` or ``save_failed`` event of that step, by the same process; one with
+    neither was cut short by the process's end (SIGKILLed by the agent while it waited for a dead peer,
+    which left no ``save_failed``): ``trainguard report`` counts it as interrupted (``tally.SaveEnds``)."""
+    if mgr.ctx.rank == 0:
+        mgr._metrics[step] = values
+        mgr.events.emit("save_start", step=step, async_save=mgr.async_save)
 
 
 def at_commit(mgr: Any, handle: Any, step: int, t0: float) -> None:

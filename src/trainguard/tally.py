@@ -22,7 +22,10 @@ otherwise looks like a pause and doubled the wall time of a run whose clock was 
 and ``report.summary`` then takes the
 final step from the log's order (:attr:`Tally.log_final`) and adds them to the wall time. Before,
 the final step was the one logged latest by the clock: a run that ended before its clock caught up
-again reported the step it was at when the clock was set back, and a wall time short by the step.
+again reported the step it was at when the clock was set back, and a wall time short by the step. Across a
+restart (the last step of one process, the first of the next: no common ``mono``) the step back is counted as
+the drop of ``t``, missing the restart's seconds; since session 52 the agent's events carry ``mono``, and
+:class:`~trainguard.clockback.AgentBridge` adds those seconds where its events straddle that step back.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ from bisect import bisect_right
 from collections import deque
 from operator import itemgetter
 from typing import Any
+
+from .clockback import AgentBridge
+from .saveends import ENDS_PROCESS, SaveEnds
 
 WINDOW = 4096  # steps (and saves) held to put them in time order: an hour at a step a second
 SET_BACK_MIN = 1.0  # seconds: a process's step going back by less changes a figure by less (chrony's makestep default)
@@ -180,6 +186,9 @@ class Tally:
         self._step_t: Any = None  # t of the last step event fed
         self._step_mono: Any = None  # and its process's monotonic clock (``mono``; logs before session 51: none)
         self._step_pid: Any = None  # and its pid
+        self.save_ends = SaveEnds()  # rank 0's saves begun and not ended, failed (saveends.py)
+        self.bridge = AgentBridge()  # the agent's mono across a restart (clockback.py)
+        self._step_seq: Any = None  # seq of the last step event fed
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -197,20 +206,30 @@ class Tally:
         key = e.get("t", 0.0)
         seq = self._seen(key)
         kind = e["event"]
+        if e.get("rank") == -1 and e.get("mono") is not None:  # the agent's, since session 52 (clockback.py)
+            self.bridge.agent(seq, e)
         if kind == "step":
             self.step(key, seq, e.get("pid"), e["step"], e.get("mono"))
         elif kind == "save":
             if e.get("rank") == 0:
                 stall, duration, committed = (e.get(k) for k in ("stall_s", "duration_s", "committed_t"))
                 self.save(key, seq, 0.0 if stall is None else stall, 0.0 if duration is None else duration,
-                          e.get("bytes"), key if committed is None else committed, e.get("step"))
+                          e.get("bytes"), key if committed is None else committed, e.get("step"), e.get("pid"))
+        elif kind in ("save_start", "save_failed") and e.get("rank") == 0:
+            if kind == "save_start":
+                self.save_ends.start(key, e.get("pid"), e.get("step"))
+            else:
+                self.save_ends.failed_save(key, e.get("pid"), e.get("step"), e.get("error"))
         elif kind == "save_retention":  # a sync save's retention after its commit (saveevent.retention_waited)
             if e.get("rank") == 0 and e.get("stall_s") is not None:
                 self.stall += e["stall_s"]
-        elif (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
-              or (kind == "restart" and e.get("reason") == "membership")
-              or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
-            self.kept.append((key, seq, e))
+        else:
+            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start") and e.get("rank") == 0):
+                self.save_ends.process_ended(None if kind in ENDS_PROCESS else e.get("pid"))  # saveends.py
+            if (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
+                    or (kind == "restart" and e.get("reason") == "membership")
+                    or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
+                self.kept.append((key, seq, e))
 
     def step(self, key: Any, seq: int, pid: Any, step: Any, mono: Any = None) -> None:
         """A ``step`` event at time ``key`` (its ``t``; ``seq``: its place in the log, from :meth:`_seen`;
@@ -223,9 +242,11 @@ class Tally:
             back = (mono - self._step_mono) - (key - prev)
             if abs(back) > SET_BACK_MIN:
                 self.set_back += back
+                self.bridge.step_back(self._step_seq, seq, back, False)
         elif prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
-            self.set_back += prev - key
-        self._step_t, self._step_mono, self._step_pid = key, mono, pid
+            self.set_back += prev - key  # as if no time passed between the two: a restart's seconds are missed
+            self.bridge.step_back(self._step_seq, seq, prev - key, True)
+        self._step_t, self._step_mono, self._step_pid, self._step_seq = key, mono, pid, seq
         self.log_final = step
         if self.points is not None:
             self._point(pid, key, step)
@@ -245,8 +266,10 @@ class Tally:
         self._prev = (pid, step, t)
         self.final = step
 
-    def save(self, key: Any, seq: int, stall: Any, duration: Any, nbytes: Any, committed: Any, step: Any) -> None:
-        """Rank 0's ``save`` event."""
+    def save(self, key: Any, seq: int, stall: Any, duration: Any, nbytes: Any, committed: Any, step: Any,
+             pid: Any = None) -> None:
+        """Rank 0's ``save`` event (of process ``pid``)."""
+        self.save_ends.ended(pid, step)
         if self.points is not None:
             self.save_points.append((committed, step))
         self.saved_steps.add(step)
@@ -272,6 +295,8 @@ class Tally:
         """Every step and save out of the window, in time order; the kept events stay in the order fed (the log's)."""
         self._steps.drain()
         self._saves.drain()
+        if self.set_back and (missed := self.bridge.correction()):  # a restart's seconds across a step back (clockback.py)
+            self.set_back += missed
         return self
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:

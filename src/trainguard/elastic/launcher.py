@@ -15,6 +15,7 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s; script and ``--run-path`` workers), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
 * preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/``forkserver``, preloads it so restarted workers do not (:func:`preload`);
+* defaults ``--log-dir`` to ``<run dir>/.trainguard/logs`` (torch: a ``torchelastic_*`` directory in the temp directory) and removes the workers' ``pytorch-errorfile-*`` files at each close (:mod:`.errfiles`);
 * passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan check), ``_STOP_FILE``;
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
@@ -37,11 +38,8 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
-from . import masterport, reap
-from .args import check as args_check
-from .args import parse as args_parse
-from .args import seconds as _seconds
-from .args import usage_error as _usage_error
+from . import args as cli_args
+from . import errfiles, masterport, reap
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -116,20 +114,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="fault drill 'step=N,rank=R,kind=kill|exit|exception|hang|agent', fires once "
                         "per job (repeatable; plain torchrun: TRAINGUARD_FAULT='spec;spec')")
-    g.add_argument("--hang-timeout", type=_seconds(0, strict=True), default=None, metavar="S",
+    g.add_argument("--hang-timeout", type=cli_args.seconds(0, strict=True), default=None, metavar="S",
                    help="seconds without a heartbeat before a worker is declared hung (default: "
                         "automatic, max(--hang-floor, 10 x the longest recent step))")
-    g.add_argument("--hang-floor", type=_seconds(0, strict=True), default=60.0, metavar="S",
+    g.add_argument("--hang-floor", type=cli_args.seconds(0, strict=True), default=60.0, metavar="S",
                    help="seconds: lower bound of the automatic hang timeout (default 60)")
     g.add_argument("--no-watchdog", action="store_true", help="disable the hang watchdog and orphan check")
     g.add_argument("--no-preload", action="store_true",
                    help="with --start-method fork, do not import torch._dynamo in the agent before forking "
                         "(torch imports it lazily in the first optimizer and in its log formatter: ~1-2 s "
                         "in every restarted worker otherwise)")
-    g.add_argument("--stop-timeout", type=_seconds(0, strict=False), default=5.0, metavar="S",
+    g.add_argument("--stop-timeout", type=cli_args.seconds(0, strict=False), default=5.0, metavar="S",
                    help="seconds: on a restart, SIGKILL workers this long after SIGTERM (default 5; torch: fixed 30; "
                         "a membership restart waits --shutdown-timeout for their preemption save when longer)")
-    p.error = _usage_error  # type: ignore[method-assign]
+    p.error = cli_args.usage_error  # type: ignore[method-assign]
     return p
 
 
@@ -141,6 +139,7 @@ def prepare(args: argparse.Namespace) -> None:
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     os.environ["TRAINGUARD_RUN_DIR"] = run_dir
+    errfiles.default_log_dir(args, run_dir)  # not a torchelastic_* directory in /tmp that nothing removes
     os.environ.setdefault("TRAINGUARD_JOB_ID", args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4()))
     # The workers' orphan check (watchdog.agent_alive): this pid, not their parent's (the forkserver's).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
@@ -264,6 +263,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
     reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold()  # reap.py, masterport.py
+    errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
@@ -356,8 +356,8 @@ def main(argv: list[str]) -> int:
     from ..permanent import run_script_path
 
     parser = build_parser()
-    args = args_parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
-    args_check(args)  # what torchrun refuses only after the run directory and agent_start, and --rdzv-conf's items
+    args = cli_args.parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
+    cli_args.check(args)  # what torchrun refuses only after the run directory and agent_start, and --rdzv-conf's items
     if not (args.module or args.no_python) and not os.path.isfile(args.training_script):
         # Otherwise every worker fails to open it, and the agent restarts them --max-restarts times.
         print(f"error: {args.training_script}: no such file; give the path of the training script (-m NAME for a module)", file=sys.stderr)
@@ -366,7 +366,7 @@ def main(argv: list[str]) -> int:
         prepare(args)
     except OSError as e:  # the run directory: a file of that name, no permission, a read-only disk
         parser.error(f"--run-dir {args.run_dir}: cannot create the directory ({e.strerror or e})")
-    events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1)
+    events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1, mono=True)  # clockback.py
     install_agent_hooks(events, args.stop_timeout)
     torch_run.run_script_path = run_script_path  # --run-path workers: exit 78 on a permanent error
     install_log_filter()

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..permanent import PERMANENT_EXIT, headline
-from . import hangnote
+from . import errfiles, hangnote
 from .faults import EXIT_CODE as FAULT_EXIT
 from .watchdog import HANG_EXIT, ORPHAN_EXIT
 
@@ -186,10 +186,8 @@ def root_failure(pc: Any, error: Exception) -> Exception:
     finds among those ready, in process order: when rank 1's watchdog ended it (exit 75) and rank
     0 then failed in its broken collective (exit 1) before the agent looked, rank 0 was reported
     and the hang was recorded as "exit code 1". A worker that ended with one of trainguard's own
-    exit codes (:data:`OWN_EXITS`) is the cause: a new ``ProcessExitedException`` names it; not a
-    hung one that waited in a collective (:mod:`.hangnote`) while another failed."""
-    from torch.multiprocessing.spawn import ProcessExitedException
-
+    exit codes (:data:`OWN_EXITS`) is the cause: a new exception names it (:func:`.errfiles.failure`: with the
+    traceback the worker wrote, if any); not a hung one that waited in a collective (:mod:`.hangnote`) while another failed."""
     reported = getattr(error, "error_index", None)
     procs = list(getattr(pc, "processes", []))
     raised = {i: t for i, p in enumerate(procs) if p.exitcode == 1 and (t := raised_at(p.pid)) is not None}
@@ -199,19 +197,16 @@ def root_failure(pc: Any, error: Exception) -> Exception:
     others = [i for i, p in enumerate(procs) if i not in waited and p.exitcode not in (0, None)]
     if reported in waited and others:  # it waited for one of these: a hung one, else the one torch stopped
         i = next((i for i in others if procs[i].exitcode in OWN_EXITS), others[0])
-        return ProcessExitedException(f"process {i} terminated with exit code {procs[i].exitcode}",
-                                      error_index=i, error_pid=procs[i].pid, exit_code=procs[i].exitcode)
+        return errfiles.failure(pc, i)
     if procs[reported].exitcode in OWN_EXITS:
         return error
     for i, proc in enumerate(procs):
         if proc.exitcode in OWN_EXITS and i not in waited:
-            return ProcessExitedException(f"process {i} terminated with exit code {proc.exitcode}",
-                                          error_index=i, error_pid=proc.pid, exit_code=proc.exitcode)
+            return errfiles.failure(pc, i)
     # Several raised (exit 1): the first to raise, not the first in process order. Rank 1's exception
     # ended its process, rank 0's collective then failed (exit 1): rank 0 was named (2 of 2 runs).
     if reported in raised and (first := min(raised, key=raised.__getitem__)) != reported:
-        return ProcessExitedException(f"process {first} terminated with exit code 1",
-                                      error_index=first, error_pid=procs[first].pid, exit_code=1)
+        return errfiles.failure(pc, first)  # with its traceback (errfiles.py): it was "exit code 1" alone
     return error
 
 
