@@ -198,10 +198,19 @@ def _fork_child() -> None:
     Without torch imported (a process that only read checkpoints: ``trainguard.inspect``), only the torch-free
     modules' reset (:mod:`.forkreset`): :mod:`.forks` would import torch in the child."""
     if f"{__name__}.forks" not in _sys.modules and any(f"{__name__}.{m}" in _sys.modules for m in _FORK_RESET):
-        if "torch" in _sys.modules:
+        if _imported("torch"):
             _importlib.import_module(".forks", __name__)._after_fork_in_child()
         else:  # no module of _FORK_RESET that imports torch is loaded
             _importlib.import_module(".forkreset", __name__).after_fork_in_child()
+
+
+def _imported(name: str) -> bool:
+    """Whether module ``name`` is imported whole (:func:`_fork_child`). A module another thread of the parent was
+    importing at the fork (a torch-free read's first float8/uint16 tensor imports torch in a reader thread) is in
+    ``sys.modules`` half-run, its import lock held for good in the child: importing :mod:`.forks` there (which
+    imports torch) hung the child in its fork hook, before it ran a line of its own."""
+    mod = _sys.modules.get(name)
+    return mod is not None and not getattr(getattr(mod, "__spec__", None), "_initializing", False)
 
 
 _os.register_at_fork(after_in_child=_fork_child)

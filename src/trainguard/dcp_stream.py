@@ -11,9 +11,10 @@ each item of the metadata's ``storage_data`` is a byte range of a ``.distcp`` fi
 ``torch.save`` of a tensor chunk (a zip whose storage is stored uncompressed); its storage's place
 in the file is read from the zip's directory and the pickle's tensor record, which is parsed,
 never run. A chunk saved in another form (non-contiguous strides, a class other than a plain
-tensor) is read whole by ``torch.load(weights_only=True)``: correct, holding that chunk. Items
-written through stream transforms (DCP's ``_extensions``, e.g. compression) are read by ``dcp.load``,
-whole, as before (``convert._read_foreign``).
+tensor, a conjugate or negative view: its bytes are not its values) is read whole by
+``torch.load(weights_only=True)``: correct, holding that chunk. Items written through stream
+transforms (DCP's ``_extensions``, e.g. compression) are read by ``dcp.load``, whole, as before
+(``convert._read_foreign``).
 """
 
 from __future__ import annotations
@@ -222,7 +223,7 @@ class _Record(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *_rest: ("tensor", storage, offset, tuple(size), tuple(stride))
+            return lambda storage, offset, size, stride, *rest: ("tensor", storage, offset, tuple(size), tuple(stride), rest[2:])
         if (module, name) == ("collections", "OrderedDict"):
             return dict
         if module == "torch" and name.endswith("Storage"):
@@ -249,7 +250,10 @@ def _head(fd: int, start: int, length: int, shape: list[int], dtype: torch.dtype
             rec = _Record(io.BytesIO(z.read(pkl))).load()
             if not (type(rec) is tuple and rec[0] == "tensor" and type(rec[1]) is tuple and len(rec[1]) >= 3):
                 return None
-            _tag, storage, offset, size, stride = rec
+            # bits the values are read through (``{'conj': True}``, ``{'neg': True}``): the bytes are not the values
+            _tag, storage, offset, size, stride, bits = rec
+            if any(bits):
+                return None
             size_of = dtype.itemsize
             contiguous = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
             if list(size) != shape or any(n > 1 and s != c for n, s, c in zip(size, stride, contiguous)):
