@@ -50,7 +50,8 @@ def test_a_managed_async_save_whose_call_a_late_ctrl_c_ended_is_still_the_manage
     assert mgr.save(2, _state(2)) is not None
     mgr.close()
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e.get("step")) for e in events if e["event"].startswith("save")] == [("save", 1), ("save", 2)]
+    assert [(e["event"], e.get("step")) for e in events if e["event"] == "save"] == [("save", 1), ("save", 2)]
+    assert [e["step"] for e in events if e["event"] == "save_start"] == [1, 2]  # the re-run's save(1) began none
     assert tg.CheckpointManager(tmp_path).latest_step() == 2
 
 
