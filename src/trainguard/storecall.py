@@ -14,6 +14,13 @@ until the server answers or its connection breaks; calls queued behind it that n
 for any more are dropped, not sent late. The heartbeat thread uses the raw store (``raw``): it
 may block there, but its rank must not stop beating because the store was slow.
 
+Once a caller gave up on a call (``StoreStalled``), the calls made while the worker is still inside
+the store call it was in (queued behind it: none can be answered first) raise at once, except
+``compare_set`` (a commit's fence: a host that resumes within its bound still sees the claim). Before, each waited the whole
+bound: a save on a frozen store host raised after 2 x ``TRAINGUARD_DEAD_AFTER`` (its wait's
+``check``, then the "left" mark of ``dist.operation``), 3 x where rank 0 hosted the store (the
+commit's fence too), and the manager's ``close()`` waited once more.
+
 Rank 0 deletes the keys of finished rounds with :meth:`BoundedStore.discard`: the worker
 deletes them one by one when no call is waiting, so the collectives never wait for the
 cleanup (``world_size + 1`` keys per round; ~30-110 us a delete on loopback here).
@@ -24,6 +31,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,6 +65,8 @@ class BoundedStore:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._discard: collections.deque[str] = collections.deque()  # keys to delete when idle
+        self._busy_since: float | None = None  # when the worker's store call in progress started (None: idle)
+        self._item, self._stuck = 0, -1  # the worker's calls begun; the one a caller gave up on (it is still in it)
 
     def _put(self, call: _Call) -> None:
         with self._lock:
@@ -68,9 +78,17 @@ class BoundedStore:
     def _call(self, name: str, *args: Any) -> Any:
         return self._wait(_Call(getattr(self.raw, name), args), name)
 
-    def _wait(self, call: _Call, name: str) -> Any:
+    def _wait(self, call: _Call, name: str, patient: bool = False) -> Any:
+        since = self._busy_since
+        if not patient and since is not None and self._stuck == self._item:
+            raise StoreStalled(  # queued behind a call that already stalled a caller: no wait
+                f"the store did not answer {name}: its previous call has not returned for "
+                f"{time.monotonic() - since:.0f} s (its host is frozen or unreachable)"
+            )
         self._put(call)
         if not call.done.wait(self.bound):
+            if self._busy_since is not None:
+                self._stuck = self._item  # the worker's call in progress: later calls need not wait for it
             call.dropped = True  # not sent at all if it is still queued
             raise StoreStalled(
                 f"the store did not answer {name} within {self.bound:.0f} s (its host is frozen or unreachable)"
@@ -94,10 +112,13 @@ class BoundedStore:
             self._delete_one()
 
     def _delete_one(self) -> None:
+        self._item, self._busy_since = self._item + 1, time.monotonic()
         try:
             self.raw.delete_key(self._discard.popleft())
         except Exception:
             pass  # the store is going away: nothing left to clean
+        finally:
+            self._busy_since = None
 
     def close(self, wait: float = 0.0) -> None:
         """Let the worker end once it has run what is queued and deleted what was discarded
@@ -122,10 +143,13 @@ class BoundedStore:
                 return
             if call is _WAKE or call.dropped:
                 continue
+            self._item, self._busy_since = self._item + 1, time.monotonic()
             try:
                 call.result = call.fn(*call.args)
             except BaseException as e:  # handed to the caller
                 call.error = e
+            finally:
+                self._busy_since = None
             call.done.set()
 
     def set(self, key: str, value: str) -> None:
@@ -157,7 +181,8 @@ class BoundedStore:
         return self._call("multi_get", keys)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", key, expected, desired)
+        """Waits its bound even behind a call the store has not answered (a commit's fence, ``dist.fence``)."""
+        return self._wait(_Call(self.raw.compare_set, (key, expected, desired)), "compare_set", patient=True)
 
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", key)
