@@ -87,3 +87,50 @@ def test_a_commit_fence_behind_a_stalled_call_still_waits_for_a_host_that_resume
     t.join(10)
     assert out == {"result": b"claim"}, out
     assert raw.sent == ["check", "compare_set"]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
+
+
+class _NeverStore:
+    """Rank 0's view of a round where rank 1 never comes (its heartbeat beats); no "at" keys."""
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k == "k/0" or "/hb/" in k for k in keys)
+
+    def add(self, key: str, n: int) -> int:
+        return 1
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [b"1" for _ in keys]
+
+
+class _Ctx:
+    dead_after, prefix, chan, _op, _round, _parent = 10.0, "p", "c", 1, 1, None
+
+    def __init__(self) -> None:
+        self.store, self.rank, self.world_size = _NeverStore(), 0, 2
+
+
+@pytest.mark.parametrize("timeout", [0.5, 2.5, 7.2])
+def test_a_timeout_raises_at_its_deadline_not_at_the_next_look(monkeypatch: pytest.MonkeyPatch, timeout: float) -> None:
+    """The timeout was only checked at the once-a-second looks: ``timeout=2.5`` raised after 3 s, ``0.5``
+    after 1 s (a simulated clock), and the message said "within 0 s" and "within 2 s". Now a look comes at the
+    deadline too, and the message gives the timeout as passed."""
+    from trainguard import distwait
+    from trainguard.errors import RankFailureError
+
+    clock = _Clock()
+    monkeypatch.setattr(distwait, "time", clock)
+    with pytest.raises(RankFailureError, match="did not arrive") as e:
+        distwait.wait_for(_Ctx(), ["k/0", "k/1"], [0, 1], "begin", timeout)
+    assert timeout <= clock.now <= timeout + 0.01, clock.now
+    assert f"did not arrive within {timeout:g} s" in str(e.value)  # was "within 0 s" for 0.5, "within 2 s" for 2.5
