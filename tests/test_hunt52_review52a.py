@@ -46,18 +46,23 @@ def _in_thread(fn):
     return t, out
 
 
-def test_calls_behind_a_stalled_one_fail_at_once_not_after_the_bound_each() -> None:
+def test_best_effort_calls_behind_a_stalled_one_fail_at_once_not_after_the_bound_each() -> None:
     """A store host frozen mid-round (SIGSTOP of the process hosting the TCPStore; 3 gloo ranks,
-    TRAINGUARD_DEAD_AFTER=3): a save raised after 6-9 s, 2-3 x the bound, and the manager's close()
-    waited 3 s more, as each later call (the "left" mark, the close round's multi_set) waited its own
-    whole bound behind the first, which the worker was still stuck in. Now they raise at once."""
+    TRAINGUARD_DEAD_AFTER=3): a save raised after 6 s, 2 x the bound, as the "left" mark of ``dist.operation``
+    waited its own whole bound behind the stalled ``check`` the worker was still in, and the manager's
+    close() waited 3 s more. Best-effort calls (``hasty``) now raise at once; they were never sent."""
     raw = _FrozenHost()
     store = BoundedStore(raw, 0.2)
     try:
         with pytest.raises(StoreStalled, match="did not answer check within"):
             store.check(["k"])
         store.bound = 60.0  # a later call that waited its bound would not end within the join below
-        t, out = _in_thread(lambda: store.set("at", "left"))
+
+        def left() -> None:
+            with store.hasty():
+                store.set("at", "left")
+
+        t, out = _in_thread(left)
         t.join(10)
         assert not t.is_alive(), "set() waited behind the stalled check"
         assert isinstance(out.get("error"), StoreStalled), out
@@ -67,17 +72,20 @@ def test_calls_behind_a_stalled_one_fail_at_once_not_after_the_bound_each() -> N
     assert raw.sent == ["check"]  # the set was never sent, not even once the host resumed
 
 
-def test_a_commit_fence_behind_a_stalled_call_still_waits_for_a_host_that_resumes() -> None:
-    """``compare_set`` (the commit's fence, ``commitfence.abandon_commit``) keeps its whole bound: a rank 0
-    that resumes within it sees the claim and commits nothing."""
+@pytest.mark.parametrize("call", ["set", "compare_set"])
+def test_other_calls_behind_a_stalled_one_still_wait_for_a_host_that_resumes(call: str) -> None:
+    """A save's own calls (the next save's first ``set``; ``compare_set``, the commit's fence) keep their whole
+    bound: a store host frozen for 5 s with TRAINGUARD_DEAD_AFTER=3 failed one save, and the next, made at once,
+    went on once the host resumed (failing them at once too failed that next save on every rank)."""
     raw = _FrozenHost()
     store = BoundedStore(raw, 0.2)
     try:
         with pytest.raises(StoreStalled):
             store.check(["k"])
         store.bound = 30.0
-        t, out = _in_thread(lambda: store.compare_set("fence", "", "claim"))
-        for _ in range(1000):  # bounded: until the fence is queued behind the stuck check
+        args = ("at", "x") if call == "set" else ("fence", "", "claim")
+        t, out = _in_thread(lambda: getattr(store, call)(*args))
+        for _ in range(1000):  # bounded: until the call is queued behind the stuck check
             if store._calls.qsize():
                 break
             threading.Event().wait(0.01)
@@ -85,8 +93,8 @@ def test_a_commit_fence_behind_a_stalled_call_still_waits_for_a_host_that_resume
     finally:
         raw.resume.set()
     t.join(10)
-    assert out == {"result": b"claim"}, out
-    assert raw.sent == ["check", "compare_set"]
+    assert out == {"result": b"claim" if call == "compare_set" else None}, out
+    assert raw.sent == ["check", call]
 
 
 class _Clock:

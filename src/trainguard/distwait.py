@@ -174,7 +174,7 @@ def note_busy(ctx: Any, what: str) -> None:
     ``state_dict()`` and hooks, before a save's "begin"): say so in its "at" key (one store call), so that a rank
     still waiting for it at the timeout names it as stuck there (``_check_busy``), not as one that never called."""
     if getattr(ctx, "_depth", 0) and not ctx._new_op:  # a StoreDistContext in a numbered operation
-        with contextlib.suppress(Exception):  # a store that stopped answering: the next round says so
+        with contextlib.suppress(Exception), ctx.store.hasty():  # a store that stopped answering: the next round says so
             ctx.store.set(f"{ctx.chan}/at/{ctx.rank}", json.dumps([ctx._op, ctx._round, f"{BUSY} {what}"]))
 
 
@@ -318,7 +318,8 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
         return
     bound = min(default_timeout() if timeout is None else timeout, CLOSE_WAIT)
     try:
-        ctx.gather("close", None, timeout=bound)
+        with ctx.store.hasty():  # behind a call the store never answered: at once, not after the bound (storecall)
+            ctx.gather("close", None, timeout=bound)
         for ch in (ctx, *getattr(ctx, "_channels", {}).values()):
             ch.forget(ch.mark())  # rank 0 alone has rounds to forget
             # Where this rank was: a rank without one reads as "not there yet", as in a new channel. Deleted by

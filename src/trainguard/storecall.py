@@ -14,12 +14,12 @@ until the server answers or its connection breaks; calls queued behind it that n
 for any more are dropped, not sent late. The heartbeat thread uses the raw store (``raw``): it
 may block there, but its rank must not stop beating because the store was slow.
 
-Once a caller gave up on a call (``StoreStalled``), the calls made while the worker is still inside
-the store call it was in (queued behind it: none can be answered first) raise at once, except
-``compare_set`` (a commit's fence: a host that resumes within its bound still sees the claim). Before, each waited the whole
-bound: a save on a frozen store host raised after 2 x ``TRAINGUARD_DEAD_AFTER`` (its wait's
-``check``, then the "left" mark of ``dist.operation``), 3 x where rank 0 hosted the store (the
-commit's fence too), and the manager's ``close()`` waited once more.
+Best-effort calls (:meth:`BoundedStore.hasty`: the "left" mark of a rank raising out of an operation,
+``note_busy``, ``CheckpointManager.close()``'s round) raise at once while the worker is still inside a call
+a caller gave up on (they are queued behind it: none can be answered first). Before, each waited the whole
+bound: a save on a frozen store host raised after 2 x ``TRAINGUARD_DEAD_AFTER`` (its wait's ``check``,
+then the "left" mark), and the manager's ``close()`` waited once more. Other calls still wait their bound
+(a host that resumes within it answers them: the next save goes on; a commit's fence sees the claim).
 
 Rank 0 deletes the keys of finished rounds with :meth:`BoundedStore.discard`: the worker
 deletes them one by one when no call is waiting, so the collectives never wait for the
@@ -29,10 +29,11 @@ cleanup (``world_size + 1`` keys per round; ~30-110 us a delete on loopback here
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -67,6 +68,7 @@ class BoundedStore:
         self._discard: collections.deque[str] = collections.deque()  # keys to delete when idle
         self._busy_since: float | None = None  # when the worker's store call in progress started (None: idle)
         self._item, self._stuck = 0, -1  # the worker's calls begun; the one a caller gave up on (it is still in it)
+        self._local = threading.local()  # .hasty: this thread is in hasty()
 
     def _put(self, call: _Call) -> None:
         with self._lock:
@@ -78,9 +80,19 @@ class BoundedStore:
     def _call(self, name: str, *args: Any) -> Any:
         return self._wait(_Call(getattr(self.raw, name), args), name)
 
-    def _wait(self, call: _Call, name: str, patient: bool = False) -> Any:
+    @contextlib.contextmanager
+    def hasty(self) -> Iterator[None]:
+        """This thread's calls in the block are best-effort: they raise ``StoreStalled`` at once, not after the
+        bound, while the worker is still in a call a caller gave up on (``dist.operation``'s "left" mark, ...)."""
+        was, self._local.hasty = getattr(self._local, "hasty", False), True
+        try:
+            yield
+        finally:
+            self._local.hasty = was
+
+    def _wait(self, call: _Call, name: str) -> Any:
         since = self._busy_since
-        if not patient and since is not None and self._stuck == self._item:
+        if getattr(self._local, "hasty", False) and since is not None and self._stuck == self._item:
             raise StoreStalled(  # queued behind a call that already stalled a caller: no wait
                 f"the store did not answer {name}: its previous call has not returned for "
                 f"{time.monotonic() - since:.0f} s (its host is frozen or unreachable)"
@@ -181,8 +193,7 @@ class BoundedStore:
         return self._call("multi_get", keys)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        """Waits its bound even behind a call the store has not answered (a commit's fence, ``dist.fence``)."""
-        return self._wait(_Call(self.raw.compare_set, (key, expected, desired)), "compare_set", patient=True)
+        return self._call("compare_set", key, expected, desired)
 
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", key)
