@@ -264,7 +264,7 @@ class StoreDistContext(DistContext):
             if why and self._new_op:  # not numbered yet (its first round to come): now, as the others' call is
                 self._next_op()
             if self._in_op:  # this rank entered the call's rounds: tell the others it left
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(Exception), self.store.hasty():  # not after the bound behind a stalled call
                     self.store.set(f"{self.chan}/at/{self.rank}", json.dumps([self._op, 0, LEFT, *why]))
             raise
         finally:

@@ -108,9 +108,12 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
     rounds later, when every waiter has seen it (a failure record takes the place of an answer only where
     there was none: ``compare_set``). The back-off starts at 2 ms, doubles to 0.1 s and, past 5 s of waiting, to a
     fiftieth of the time waited (``POLL_SHARE``, at most ``POLL_MAX``: 0.5 s): a wait ends at most 2% and 0.5 s
-    late (a sync save's stall waits here), and a long one costs a waiting rank ~6 store calls a second, not ~17."""
+    late (a sync save's stall waits here), and a long one costs a waiting rank ~6 store calls a second, not ~17.
+    The looks come once a second and at the ``timeout``, which raises there (before: at the first look past it,
+    up to 1 s late: ``timeout=2.5`` raised after 3 s, ``timeout=0.5`` after 1 s)."""
     start = time.monotonic()
-    deadline, look_at = start + timeout, start + 1.0
+    deadline = start + timeout
+    look_at = min(start + 1.0, deadline)  # a look at the deadline too: a timeout of 2.5 s raised at 3 s
     seen: dict[int, tuple[int, float]] = {}
     pending = list(zip(ranks, keys, strict=True))
     pause = 0.002  # doubled up to 0.1 s, not reset each second; then grows with the time waited (POLL_SHARE)
@@ -125,7 +128,7 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
                 pending = _absent(ctx.store, pending, exact=False) or pending[-1:]  # none: the next poll says so
             pause = min(2 * pause, max(0.1, min(POLL_MAX, (now - start) * POLL_SHARE)))
             continue
-        look_at = now + 1.0
+        look_at = min(now + 1.0, deadline)  # past the deadline: this look raises
         pending = _absent(ctx.store, pending, some=True)  # the poll just now said some are missing
         if not pending:
             return
@@ -148,21 +151,21 @@ def wait_for(ctx: Any, keys: list[str], ranks: list[int], tag: str, timeout: flo
                 {r: "process died or hung (no heartbeat)" for r in dead},
             )
         late = list(missing)
-        if now > deadline and tag in MIDWAY:  # every rank came to this save: these are stuck in it
+        if now >= deadline and tag in MIDWAY:  # every rank came to this save: these are stuck in it
             raise failure(
-                f"{tag}: rank(s) {late} did not finish {MIDWAY[tag]} within {timeout:.0f} s: still at it, "
+                f"{tag}: rank(s) {late} did not finish {MIDWAY[tag]} within {timeout:g} s: still at it, "
                 "or stuck (a stalled filesystem, or a hung process whose heartbeat still beats)",
-                {r: f"still {MIDWAY[tag]} after {timeout:.0f} s" for r in late},
+                {r: f"still {MIDWAY[tag]} after {timeout:g} s" for r in late},
             )
-        if now > deadline:
+        if now >= deadline:
             _check_busy(ctx, late, tag, timeout)
             raise failure(
-                f"{tag}: rank(s) {late} did not arrive within {timeout:.0f} s. Every rank must call "
+                f"{tag}: rank(s) {late} did not arrive within {timeout:g} s. Every rank must call "
                 "save/load with the same step and state (e.g. not under `if rank == 0:`), through the same "
                 "channel: a CheckpointManager whose run directory has the same last name on every rank (not "
                 "reached through a link of another name), or a direct tg.save/tg.load on every rank (not "
                 "restore() on some and tg.load on others)." + ddpjoin.hint(),
-                {r: f"did not call {tag} within {timeout:.0f} s" for r in late},
+                {r: f"did not call {tag} within {timeout:g} s" for r in late},
             )
 
 
@@ -171,7 +174,7 @@ def note_busy(ctx: Any, what: str) -> None:
     ``state_dict()`` and hooks, before a save's "begin"): say so in its "at" key (one store call), so that a rank
     still waiting for it at the timeout names it as stuck there (``_check_busy``), not as one that never called."""
     if getattr(ctx, "_depth", 0) and not ctx._new_op:  # a StoreDistContext in a numbered operation
-        with contextlib.suppress(Exception):  # a store that stopped answering: the next round says so
+        with contextlib.suppress(Exception), ctx.store.hasty():  # a store that stopped answering: the next round says so
             ctx.store.set(f"{ctx.chan}/at/{ctx.rank}", json.dumps([ctx._op, ctx._round, f"{BUSY} {what}"]))
 
 
@@ -183,13 +186,13 @@ def _check_busy(ctx: Any, late: list[int], tag: str, timeout: float) -> None:
         return
     absent = [r for r in late if r not in busy]
     raise failure(
-        f"{tag}: rank(s) {sorted(busy)} called this trainguard operation but did not reach {tag!r} within {timeout:.0f} s: "
+        f"{tag}: rank(s) {sorted(busy)} called this trainguard operation but did not reach {tag!r} within {timeout:g} s: "
         + "; ".join(f"rank {r} still {w}" for r, w in sorted(busy.items()))
         + ". Its process is alive (its heartbeat beats): a state_dict()/load_state_dict() or hook that blocks (a lock, "
         "a queue, a collective that only some ranks call) or takes longer than the timeout (`timeout=`, TRAINGUARD_TIMEOUT)"
         + (f"; rank(s) {absent} did not arrive at all" if absent else ""),
-        {**{r: f"still {w} after {timeout:.0f} s" for r, w in busy.items()},
-         **{r: f"did not call {tag} within {timeout:.0f} s" for r in absent}},
+        {**{r: f"still {w} after {timeout:g} s" for r, w in busy.items()},
+         **{r: f"did not call {tag} within {timeout:g} s" for r in absent}},
     )
 
 
@@ -315,7 +318,8 @@ def closing_round(ctx: Any, timeout: float | None) -> None:
         return
     bound = min(default_timeout() if timeout is None else timeout, CLOSE_WAIT)
     try:
-        ctx.gather("close", None, timeout=bound)
+        with ctx.store.hasty():  # behind a call the store never answered: at once, not after the bound (storecall)
+            ctx.gather("close", None, timeout=bound)
         for ch in (ctx, *getattr(ctx, "_channels", {}).values()):
             ch.forget(ch.mark())  # rank 0 alone has rounds to forget
             # Where this rank was: a rank without one reads as "not there yet", as in a new channel. Deleted by

@@ -14,6 +14,13 @@ until the server answers or its connection breaks; calls queued behind it that n
 for any more are dropped, not sent late. The heartbeat thread uses the raw store (``raw``): it
 may block there, but its rank must not stop beating because the store was slow.
 
+Best-effort calls (:meth:`BoundedStore.hasty`: the "left" mark of a rank raising out of an operation,
+``note_busy``, ``CheckpointManager.close()``'s round) raise at once while the worker is still inside a call
+a caller gave up on (they are queued behind it: none can be answered first). Before, each waited the whole
+bound: a save on a frozen store host raised after 2 x ``TRAINGUARD_DEAD_AFTER`` (its wait's ``check``,
+then the "left" mark), and the manager's ``close()`` waited once more. Other calls still wait their bound
+(a host that resumes within it answers them: the next save goes on; a commit's fence sees the claim).
+
 Rank 0 deletes the keys of finished rounds with :meth:`BoundedStore.discard`: the worker
 deletes them one by one when no call is waiting, so the collectives never wait for the
 cleanup (``world_size + 1`` keys per round; ~30-110 us a delete on loopback here).
@@ -22,9 +29,11 @@ cleanup (``world_size + 1`` keys per round; ~30-110 us a delete on loopback here
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 
@@ -57,6 +66,9 @@ class BoundedStore:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         self._discard: collections.deque[str] = collections.deque()  # keys to delete when idle
+        self._busy_since: float | None = None  # when the worker's store call in progress started (None: idle)
+        self._item, self._stuck = 0, -1  # the worker's calls begun; the one a caller gave up on (it is still in it)
+        self._local = threading.local()  # .hasty: this thread is in hasty()
 
     def _put(self, call: _Call) -> None:
         with self._lock:
@@ -68,9 +80,27 @@ class BoundedStore:
     def _call(self, name: str, *args: Any) -> Any:
         return self._wait(_Call(getattr(self.raw, name), args), name)
 
+    @contextlib.contextmanager
+    def hasty(self) -> Iterator[None]:
+        """This thread's calls in the block are best-effort: they raise ``StoreStalled`` at once, not after the
+        bound, while the worker is still in a call a caller gave up on (``dist.operation``'s "left" mark, ...)."""
+        was, self._local.hasty = getattr(self._local, "hasty", False), True
+        try:
+            yield
+        finally:
+            self._local.hasty = was
+
     def _wait(self, call: _Call, name: str) -> Any:
+        since = self._busy_since
+        if getattr(self._local, "hasty", False) and since is not None and self._stuck == self._item:
+            raise StoreStalled(  # queued behind a call that already stalled a caller: no wait
+                f"the store did not answer {name}: its previous call has not returned for "
+                f"{time.monotonic() - since:.0f} s (its host is frozen or unreachable)"
+            )
         self._put(call)
         if not call.done.wait(self.bound):
+            if self._busy_since is not None:
+                self._stuck = self._item  # the worker's call in progress: later calls need not wait for it
             call.dropped = True  # not sent at all if it is still queued
             raise StoreStalled(
                 f"the store did not answer {name} within {self.bound:.0f} s (its host is frozen or unreachable)"
@@ -94,10 +124,13 @@ class BoundedStore:
             self._delete_one()
 
     def _delete_one(self) -> None:
+        self._item, self._busy_since = self._item + 1, time.monotonic()
         try:
             self.raw.delete_key(self._discard.popleft())
         except Exception:
             pass  # the store is going away: nothing left to clean
+        finally:
+            self._busy_since = None
 
     def close(self, wait: float = 0.0) -> None:
         """Let the worker end once it has run what is queued and deleted what was discarded
@@ -122,10 +155,13 @@ class BoundedStore:
                 return
             if call is _WAKE or call.dropped:
                 continue
+            self._item, self._busy_since = self._item + 1, time.monotonic()
             try:
                 call.result = call.fn(*call.args)
             except BaseException as e:  # handed to the caller
                 call.error = e
+            finally:
+                self._busy_since = None
             call.done.set()
 
     def set(self, key: str, value: str) -> None:
