@@ -1,0 +1,114 @@
+"""Session-52 review (review52c) of run52's failed/interrupted saves in ``trainguard report``.
+
+Real ``trainguard run`` jobs (2 gloo ranks on 127.0.0.1, a crash point) and hand-made logs as
+``EventLog`` writes them. Every child is bounded by a timeout and killed by its pid."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trainguard import report as rep
+from trainguard.commands.report import report as report_cmd
+
+
+def _line(t: float, event: str, rank: int, pid: int, **fields: object) -> str:
+    return json.dumps({"t": t, "event": event, "rank": rank, "pid": pid, **fields}) + "\n"
+
+
+def _save(t: float, pid: int, step: int) -> str:
+    return _line(t, "save", 0, pid, step=step, stall_s=0.01, duration_s=0.01, stall_call_s=0.01, stall_hook_s=0.0,
+                 stall_wait_s=0.0, stall_prev_s=0.0, bytes=4000, async_save=False, committed_t=t)
+
+
+def _log(run: Path) -> None:
+    """pid 100 saves 2, begins 4, is killed after the commit of 4 (before its save event); the agent's
+    restarts are used up: nothing restores 4."""
+    t = 1_760_000_000.0
+    lines = [_line(t, "agent_start", -1, 7, job_id="j"), _line(t + 0.5, "fresh_start", 0, 100, skipped=0)]
+    lines += [_line(t + s, "step", 0, 100, step=s, world_size=2) for s in range(1, 5)]
+    lines += [_line(t + 2.1, "save_start", 0, 100, step=2, async_save=False), _save(t + 2.2, 100, 2)]
+    lines += [_line(t + 4.1, "save_start", 0, 100, step=4, async_save=False)]
+    lines += [_line(t + 5, "failure", 0, 7, cause="exit code 17"), _line(t + 5.1, "agent_exit", -1, 7, ok=False)]
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "events.jsonl").write_text("".join(lines))
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_an_interrupted_save_whose_checkpoint_committed_is_a_save(tmp_path: Path, committed: bool) -> None:
+    """The save of 4 was killed after its commit and nothing restored it: ``step-000000004/manifest.json``
+    is in the run directory. ``trainguard report`` said "1 interrupted (step 4: begun, then its process ended
+    before the save committed or failed)" and 1 save, with 2 checkpoints on disk; now 2 saves (1 with no save
+    event) and no interrupted one. Without the checkpoint on disk (or only its temp directory) it stays interrupted."""
+    run = tmp_path / "run"
+    _log(run)
+    (run / "step-000000002").mkdir()
+    (run / "step-000000002" / "manifest.json").write_text("{}")
+    if committed:
+        (run / "step-000000004").mkdir()
+        (run / "step-000000004" / "manifest.json").write_text("{}")
+    else:
+        (run / "step-000000004.tmp-0123456789abcdef").mkdir()
+    res = CliRunner().invoke(report_cmd, [str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output)
+    assert (s["saves"], s["saves_unlogged"], s["saves_interrupted"]) == ((2, 1, 0) if committed else (1, 0, 1)), s
+    text = CliRunner().invoke(report_cmd, [str(run)]).output
+    assert ("failed saves" in text) == (not committed), text
+    assert rep.summary(rep.tally_log(run))["saves_interrupted"] == 1  # events alone: no directory to look in
+
+
+WORKER = textwrap.dedent("""
+    import os
+    import torch
+    import torch.distributed as dist
+    import trainguard as tg
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    state = {"w": torch.zeros(8), "progress": tg.StateDict(step=0)}
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(2), keep=tg.KeepLatest(10),
+                              async_save=os.environ.get("W_ASYNC") == "1") as mgr:
+        step = mgr.restore(state) or 0
+        while step < 6:
+            step += 1
+            t = torch.ones(1)
+            dist.all_reduce(t)
+            state["progress"]["step"] = step
+            mgr.save(step, state)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("async_save", ["0", "1"])
+def test_a_job_killed_at_its_last_commit_reports_the_save(tmp_path: Path, async_save: str) -> None:
+    """A real job: rank 0 exits at ``after_rename`` of its second save (step 4, committed) and
+    ``--max-restarts 0`` ends the job. The report counted 1 save and step 4 "interrupted ... before the save
+    committed" while ``step-000000004`` was committed on disk; now its saves are the checkpoints on disk."""
+    run, script = tmp_path / "run", tmp_path / "train.py"
+    script.write_text(WORKER)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TRAINGUARD_CRASH_AT": "after_rename", "TRAINGUARD_CRASH_RANK": "0",
+           "TRAINGUARD_CRASH_SKIP": "1", "W_ASYNC": async_save}
+    cmd = [sys.executable, "-m", "trainguard.cli", "run", "--nproc-per-node", "2", "--max-restarts", "0",
+           "--run-dir", str(run), str(script)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out = p.communicate(timeout=120)[0].decode(errors="replace")
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0, out[-3000:]
+    on_disk = sorted(d.name for d in run.glob("step-*") if (d / "manifest.json").is_file())
+    assert on_disk == ["step-000000002", "step-000000004"], (on_disk, out[-3000:])
+    res = CliRunner().invoke(report_cmd, [str(run), "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.output)
+    assert (s["saves"], s["saves_interrupted"], s["saves_failed"]) == (2, 0, 0), s
