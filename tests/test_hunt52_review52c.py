@@ -112,3 +112,26 @@ def test_a_job_killed_at_its_last_commit_reports_the_save(tmp_path: Path, async_
     assert res.exit_code == 0, res.output
     s = json.loads(res.output)
     assert (s["saves"], s["saves_interrupted"], s["saves_failed"]) == (2, 0, 0), s
+
+
+def test_a_requeue_with_the_same_pid_on_another_host_is_no_clock_step(tmp_path: Path) -> None:
+    """Two jobs of 10 steps an hour apart in one run directory, each in a fresh container (agent pid 1, rank 0
+    pid 40 both times), the second on a host whose monotonic clock is 5,000,000 s (~58 days) ahead. The report
+    compared the two jobs' pid-40 steps by ``mono`` as one process's and reported a wall time of 4,999,010 s;
+    it is 3,610.5 s (the hour between the jobs included, as for any two jobs of a log)."""
+    t1, t2, lines = 1_760_000_000.0, 1_760_003_600.0, []
+    for t, base, steps in ((t1, 1_000.0, range(1, 11)), (t2, 5_000_000.0, range(11, 21))):
+        lines.append(_line(t, "agent_start", -1, 1, job_id="j", mono=base))
+        lines.append(_line(t + 0.2, "rendezvous", -1, 1, world_size=1, nodes=1, node_rank=0, seconds=0.2, mono=base + 0.2))
+        lines += [_line(t + i + 1, "step", 0, 40, step=s, world_size=1, mono=base + i + 1) for i, s in enumerate(steps)]
+        lines.append(_line(t + 10.5, "agent_exit", -1, 1, ok=True, mono=base + 10.5))
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s["wall_s"] == pytest.approx(3610.5) and s["final_step"] == 20, s
+    assert s == rep.summarize(rep.load(tmp_path))
+    # The clock set back 3,600 s between two steps of one process of the second job is still measured by mono.
+    lines[-2] = _line(t2 + 10 - 3600, "step", 0, 40, step=20, world_size=1, mono=5_000_010.0)
+    lines[-1] = _line(t2 + 10.5 - 3600, "agent_exit", -1, 1, ok=True, mono=5_000_010.5)
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s["wall_s"] == pytest.approx(3610.5) and s["final_step"] == 20, s

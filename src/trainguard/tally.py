@@ -224,6 +224,8 @@ class Tally:
             if e.get("rank") == 0 and e.get("stall_s") is not None:
                 self.stall += e["stall_s"]
         else:
+            if kind == "agent_start":  # a job (re)started: its rank 0 is a new process even with the last one's pid (a
+                self._step_pid = None  # requeued container on another host): its mono is not compared with that one's
             if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start") and e.get("rank") == 0):
                 self.save_ends.process_ended(None if kind in ENDS_PROCESS else e.get("pid"))  # saveends.py
             if (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
