@@ -135,3 +135,50 @@ def test_a_requeue_with_the_same_pid_on_another_host_is_no_clock_step(tmp_path: 
     (tmp_path / "events.jsonl").write_text("".join(lines))
     s = rep.summary(rep.tally_log(tmp_path))
     assert s["wall_s"] == pytest.approx(3610.5) and s["final_step"] == 20, s
+
+
+def _three_attempts(offsets: list[tuple[float, float]]) -> tuple[str, float]:
+    """A log of one agent (pid 1, ``mono``) and 3 attempts of 10 steps of a second (rank 0: pids 100-102, each with
+    its own ``mono``), 2 failures with restarts of 4 s; the wall clock's offset becomes ``o`` at true second ``at``
+    for each ``(at, o)``. Returns the log and the true seconds from ``agent_start`` to ``agent_exit``."""
+    tau, step, out = 0.0, 0, []
+
+    def line(event: str, rank: int, pid: int, mono: float, **fields: object) -> None:
+        off = ([o for at, o in offsets if tau >= at] or [0.0])[-1]
+        out.append(_line(1_760_000_000.0 + tau + off, event, rank, pid, mono=round(mono, 6), **fields))
+
+    line("agent_start", -1, 1, 5000 + tau, job_id="j")
+    for a in range(3):
+        tau += 0.2
+        line("rendezvous", -1, 1, 5000 + tau, world_size=1, nodes=1, node_rank=0, seconds=0.2)
+        tau += 1.0
+        for _ in range(10):
+            tau += 1.0
+            step += 1
+            line("step", 0, 100 + a, 100.0 * (a + 1) + tau, step=step, world_size=1)
+        if a < 2:
+            tau += 0.5
+            line("restart", -1, 1, 5000 + tau, remaining_restarts=3, reason="failure")
+            tau += 4.0
+    tau += 0.5
+    line("agent_exit", -1, 1, 5000 + tau, ok=True)
+    return "".join(out), tau
+
+
+@pytest.mark.parametrize(("forward", "later"), [(3600.0, 0.0), (1000.0, -2600.0)])
+def test_a_clock_set_forward_in_a_later_restart_takes_back_the_step_back(tmp_path: Path, forward: float,
+                                                                         later: float) -> None:
+    """The clock is set back 3,600 s during the first restart and forward ``forward`` s during the second. The
+    agent's ``mono`` measured both; the report counted the step back (and the first restart's seconds) but not the
+    step forward: a wall time of 3,643 s (1,043 s) for a job of 43, as if the clock had never come forward. Two steps
+    of one process already take a step forward from a step back (``tally.Tally.step``); now two agent events
+    around a restart do too (``clockback.AgentBridge``), where the restart's step pair is the only one between them."""
+    text, truth = _three_attempts([(13.0, -3600.0), (29.5, later)])
+    (tmp_path / "events.jsonl").write_text(text)
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s["wall_s"] == pytest.approx(truth, abs=0.01) and s["final_step"] == 30, (s["wall_s"], truth)
+    assert s == rep.summarize(rep.load(tmp_path))
+    # A step forward alone during a restart is wall time, as one between two steps of a process is (as before).
+    text, truth = _three_attempts([(13.0, 1000.0)])
+    (tmp_path / "events.jsonl").write_text(text)
+    assert rep.summary(rep.tally_log(tmp_path))["wall_s"] == pytest.approx(truth + 1000, abs=0.01)

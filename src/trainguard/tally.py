@@ -248,6 +248,8 @@ class Tally:
         elif prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
             self.set_back += prev - key  # as if no time passed between the two: a restart's seconds are missed
             self.bridge.step_back(self._step_seq, seq, prev - key, True)
+        elif prev is not None and pid != self._step_pid:  # another process's, t not back: a step forward unknown
+            self.bridge.crossing(self._step_seq, seq)
         self._step_t, self._step_mono, self._step_pid, self._step_seq = key, mono, pid, seq
         self.log_final = step
         if self.points is not None:
