@@ -182,3 +182,25 @@ def test_a_clock_set_forward_in_a_later_restart_takes_back_the_step_back(tmp_pat
     text, truth = _three_attempts([(13.0, 1000.0)])
     (tmp_path / "events.jsonl").write_text(text)
     assert rep.summary(rep.tally_log(tmp_path))["wall_s"] == pytest.approx(truth + 1000, abs=0.01)
+
+
+@pytest.mark.parametrize("pid2", [1, 2])
+def test_a_save_cut_short_in_a_container_run_again_with_the_same_pid_is_interrupted(tmp_path: Path, pid2: int) -> None:
+    """``python train.py`` as pid 1 of a container (no agent): killed while it saved step 10, run again (pid 1 again),
+    restores 5 and saves 12. The save of 10 was reported only when the second process had another pid: its
+    ``restore`` ended the open saves of every pid but its own. Its ``manager_open`` (a manager's close waits for its
+    saves, and one manager holds a root) now ends them all: 1 interrupted save with either pid."""
+    t, t2 = 1_760_000_000.0, 1_760_000_100.0
+    lines = [_line(t, "manager_open", 0, 1, world_size=1, async_save=False), _line(t + 0.1, "fresh_start", 0, 1, skipped=0)]
+    lines += [_line(t + s, "step", 0, 1, step=s, world_size=1) for s in range(1, 11)]
+    lines += [_line(t + 5.1, "save_start", 0, 1, step=5, async_save=False), _save(t + 5.2, 1, 5)]
+    lines += [_line(t + 10.1, "save_start", 0, 1, step=10, async_save=False)]
+    lines += [_line(t2, "manager_open", 0, pid2, world_size=1, async_save=False),
+              _line(t2 + 0.1, "restore", 0, pid2, step=5, seconds=0.1)]
+    lines += [_line(t2 + s - 5, "step", 0, pid2, step=s, world_size=1) for s in range(6, 13)]
+    lines += [_line(t2 + 7.1, "save_start", 0, pid2, step=12, async_save=False), _save(t2 + 7.2, pid2, 12)]
+    (tmp_path / "events.jsonl").write_text("".join(lines))
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert (s["saves"], s["saves_interrupted"]) == (2, 1), s
+    assert [(x["step"], x["how"]) for x in s["failed_saves"]] == [(10, "interrupted")], s
+    assert s == rep.summarize(rep.load(tmp_path))

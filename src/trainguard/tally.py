@@ -226,8 +226,8 @@ class Tally:
         else:
             if kind == "agent_start":  # a job (re)started: its rank 0 is a new process even with the last one's pid (a
                 self._step_pid = None  # requeued container on another host): its mono is not compared with that one's
-            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start") and e.get("rank") == 0):
-                self.save_ends.process_ended(None if kind in ENDS_PROCESS else e.get("pid"))  # saveends.py
+            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start", "manager_open") and e.get("rank") == 0):
+                self.save_ends.process_ended(e.get("pid") if kind in ("restore", "fresh_start") else None)  # saveends.py
             if (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
                     or (kind == "restart" and e.get("reason") == "membership")
                     or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
