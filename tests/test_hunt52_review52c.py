@@ -204,3 +204,20 @@ def test_a_save_cut_short_in_a_container_run_again_with_the_same_pid_is_interrup
     assert (s["saves"], s["saves_interrupted"]) == (2, 1), s
     assert [(x["step"], x["how"]) for x in s["failed_saves"]] == [(10, "interrupted")], s
     assert s == rep.summarize(rep.load(tmp_path))
+
+
+@pytest.mark.parametrize("offsets", [[(6.3, 1000.0), (9.3, 0.0)], [(6.3, 1000.0), (13.0, 0.0)],
+                                     [(6.3, 1000.0), (20.3, 500.0)]], ids=["in-one-process", "back-in-a-restart",
+                                                                          "back-half-later"])
+def test_a_clock_set_forward_then_back_reports_the_last_step_and_the_true_wall_time(tmp_path: Path,
+                                                                                     offsets: list[tuple[float, float]]) -> None:
+    """The clock is set forward 1,000 s during the first attempt and back 1,000 s (or 500 s, in the second attempt)
+    later: the steps' ``mono`` (and the agent's) measured both. The net set-back was not above 0, so the report took
+    the final step and the end from the greatest ``t``, those of the time the clock was ahead: ``final step 8`` (10,
+    13) of 30 and a wall time of 1,009 s (1,012 s, 1,020 s) for 43. Now the log's last step and its last ``t``
+    less the net step: 30 and 43 s."""
+    text, truth = _three_attempts(offsets)
+    (tmp_path / "events.jsonl").write_text(text)
+    s = rep.summary(rep.tally_log(tmp_path))
+    assert s["final_step"] == 30 and s["wall_s"] == pytest.approx(truth, abs=0.01), (s["final_step"], s["wall_s"], truth)
+    assert s == rep.summarize(rep.load(tmp_path))

@@ -131,8 +131,11 @@ def summary(tally: Tally, root: str | os.PathLike[str] | None = None) -> dict[st
     resubmit_lost = sum(e.get("lost_steps") or 0 for _, e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
     final, last = tally.final, tally.last
-    if tally.set_back > 0:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
-        final, last = tally.log_final, max(last, tally.tail + tally.set_back)
+    if tally.set_back > 0 or (tally.went_back and tally.went_forward):
+        # A clock set back (tally.py): the last step logged, the time the clock went back counted. Set forward too
+        # (measured: mono): the greatest t is of a time it was ahead, not the end (since review52c); a step forward
+        # alone stays wall time.
+        final, last = tally.log_final, tally.tail + tally.set_back if tally.went_forward else max(last, tally.tail + tally.set_back)
     wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
     stall, logged = tally.stall, tally.saves
