@@ -15,11 +15,15 @@ estimated (``t`` dropped, no ``mono`` to compare), and the agent's exact figure 
 pairs within its interval counted (the seconds of the restart the estimate missed). Where an agent
 interval holds several estimated pairs, or the agent's figure is not above the steps', the estimate
 stands; and in a log of several nodes (a ``rendezvous`` of ``nodes`` > 1: agents on other hosts, whose
-clocks are not rank 0's and whose pids, in containers, may be the same) it always does. Logs whose agent events carry no ``mono``
-(before session 52) report as before.
+clocks are not rank 0's and whose pids, in containers, may be the same) it always does. A clock set forward
+during a restart (the agent's figure below 0, no step pair counted in its interval, one pair of two processes whose
+``t`` did not go back: :meth:`AgentBridge.crossing`) is taken from the steps' set-back (since review52c), as a step
+forward between two steps of one process is: set back 3,600 s in one restart and forward in the next, a job of 43 s
+was reported as 3,643 s. Logs whose agent events carry no ``mono`` (before session 52) report as before.
 
 Called by :class:`~trainguard.tally.Tally` only: :meth:`AgentBridge.agent` for each agent event with
-``mono``, :meth:`AgentBridge.step_back` for each step pair it counts as set back, :meth:`AgentBridge.correction`
+``mono``, :meth:`AgentBridge.step_back` for each step pair it counts as set back, :meth:`AgentBridge.crossing`
+for each other step pair of two processes, :meth:`AgentBridge.correction`
 once, at :meth:`~trainguard.tally.Tally.finish`.
 """
 
@@ -38,6 +42,7 @@ class AgentBridge:
         self.agent_backs: list[tuple[int, int, float]] = []  # (seq a, seq b, seconds back) of an agent's event pair
         self.step_backs: list[tuple[int, int, float, bool]] = []  # (seq a, seq b, seconds, estimated) of step pairs
         self.several = False  # a rendezvous of several nodes: no correction
+        self.crossings: list[tuple[int, int]] = []  # (seq a, seq b) of step pairs of two processes whose t did not go back
 
     def agent(self, seq: int, e: dict[str, Any]) -> None:
         """An agent's event ``e`` (rank -1) with ``mono``, at ``seq`` in the log. Paired with the previous event
@@ -60,6 +65,10 @@ class AgentBridge:
         """A step pair the tally counted as a clock step of ``seconds`` (``estimated``: from ``t`` alone)."""
         self.step_backs.append((seq_a, seq_b, seconds, estimated))
 
+    def crossing(self, seq_a: int, seq_b: int) -> None:
+        """A step pair of two processes (a restart) whose ``t`` did not go back: not counted, a step forward in it unknown."""
+        self.crossings.append((seq_a, seq_b))
+
     def correction(self) -> float:
         """The seconds to add to the steps' ``set_back``: for each agent interval that straddles exactly one
         estimated step pair, the agent's figure less what the step pairs within it counted, when above 0."""
@@ -75,4 +84,8 @@ class AgentBridge:
             if missed > 0:  # the seconds between the estimated pair's two steps (the restart), which t did not show
                 total += missed
                 used.add(guessed[0])
+        for a, b, back in self.agent_backs:  # a clock set forward during a restart: it takes back a step back counted
+            if back < -SET_BACK_MIN and not any(x[0] < b and a < x[1] for x in self.step_backs):
+                if sum(1 for x in self.crossings if x[0] < b and a < x[1]) == 1:  # one restart's pair, nothing else
+                    total += back
         return total

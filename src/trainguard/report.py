@@ -59,9 +59,10 @@ def tally_log(run_dir: str | os.PathLike[str], *, timeline: bool = False) -> Tal
         return eventscan.feed(run_dir, Tally(window=None, timeline=timeline)).finish()
 
 
-def summary(tally: Tally) -> dict[str, Any]:
+def summary(tally: Tally, root: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """:func:`summarize`'s numbers from a finished tally (steps and saves sorted by time, stably;
-    incidents in the order fed)."""
+    incidents in the order fed). ``root``: the directory of the log (``trainguard report RUN_DIR``), where
+    an interrupted save's checkpoint may lie committed (:func:`_committed_on_disk`)."""
     if not tally.events:
         return {"events": 0}
     # Incidents are paired in the log's order (a failure's restore is logged after it), not by their
@@ -130,15 +131,19 @@ def summary(tally: Tally) -> dict[str, Any]:
     resubmit_lost = sum(e.get("lost_steps") or 0 for _, e in firsts if id(e) not in claimed)
     start_t = next((e["t"] for e in tally.of("agent_start")), tally.first)
     final, last = tally.final, tally.last
-    if tally.set_back > 0:  # a clock set back (tally.py): the last step logged, the time the clock went back counted
-        final, last = tally.log_final, max(last, tally.tail + tally.set_back)
+    if tally.set_back > 0 or (tally.went_back and tally.went_forward):
+        # A clock set back (tally.py): the last step logged, the time the clock went back counted. Set forward too
+        # (measured: mono): the greatest t is of a time it was ahead, not the end (since review52c); a step forward
+        # alone stays wall time.
+        final, last = tally.log_final, tally.tail + tally.set_back if tally.went_forward else max(last, tally.tail + tally.set_back)
     wall = last - start_t
     step_s = tally.median_step()  # of the time between consecutive steps of one process
     stall, logged = tally.stall, tally.saves
     unlogged_steps = _restored_unlogged(tally.at("restore", "fresh_start"), tally.saved_steps)
+    ends = tally.save_ends  # saveends.py: a save killed after its commit, restored later, is a save, not interrupted
+    unlogged_steps |= _committed_on_disk(root, ends.interrupted(), tally.saved_steps)  # or not restored (yet)
     unlogged = len(unlogged_steps)
     saves = logged + unlogged
-    ends = tally.save_ends  # saveends.py: a save killed after its commit, restored later, is a save, not interrupted
     interrupted = [(t, step) for t, step in ends.interrupted() if step not in unlogged_steps]
     ended_badly = sorted([{"t": t, "step": step, "how": "failed", "error": err} for t, step, err in ends.failed]
                          + [{"t": t, "step": step, "how": "interrupted"} for t, step in interrupted], key=lambda x: x["t"])
@@ -191,6 +196,25 @@ def _restored_unlogged(starts: list[tuple[int, dict[str, Any]]], saved: set[Any]
     return out
 
 
+def _committed_on_disk(root: Any, interrupted: list[tuple[Any, Any]], saved: set[Any]) -> set[Any]:
+    """``summary``: the steps of interrupted saves (``(t, step)``, :meth:`.saveends.SaveEnds.interrupted`) whose
+    checkpoint lies committed in ``root`` (its ``step-N/manifest.json``) and that no save event of the log
+    saved: killed after the commit, before the save event, and not restored since (the job's last save, its
+    restarts used up: ``TRAINGUARD_CRASH_AT=after_rename``). A save, as one a later start restored
+    (:func:`_restored_unlogged`); before, it was reported as interrupted "before the save committed" while its
+    checkpoint was on disk. ``root`` None (:func:`summarize`: events alone): none."""
+    if root is None:
+        return set()
+    from . import layout
+
+    out = set()
+    for _t, step in interrupted:
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0 and step not in saved:
+            if os.path.isfile(os.path.join(os.fspath(root), layout.step_dir(step), layout.MANIFEST)):
+                out.add(step)
+    return out
+
+
 def _span(a: Any, b: Any) -> Any:
     """``b - a``, the seconds from one event to a later one; None (unknown, ``-``) when the clock went
     back between them by more than ``tally.SET_BACK_MIN`` (a duration of -3597 s across an NTP step)."""
@@ -222,7 +246,7 @@ def _apart(s: dict[str, Any]) -> str:
 def _unlogged(s: dict[str, Any]) -> str:
     """``format_summary``: the saves counted from a restore of their checkpoint, if any."""
     n = s.get("saves_unlogged")
-    return f" ({n} with no save event, known from its restore: killed at its commit)" if n else ""
+    return f" ({n} with no save event, known from its restore or its checkpoint on disk: killed at its commit)" if n else ""
 
 
 def _failed_saves(s: dict[str, Any]) -> list[str]:

@@ -11,7 +11,10 @@ follows it anywhere in the log:
 
 * the agent's ``failure``, ``restart`` (the workers are stopped), ``agent_exit``, a later ``agent_start``
   (the job started again);
-* rank 0's ``restore`` or ``fresh_start`` by another process (its next start; plain ``python`` too).
+* rank 0's ``restore`` or ``fresh_start`` by another process (its next start; plain ``python`` too);
+* rank 0's ``manager_open`` by any process, its own pid too (since review52c): a manager's ``close`` waits for its
+  saves and the run lock admits one manager, so a save still open is of a process that ended, whose pid the next
+  one has (``python train.py`` as pid 1 of a container, run again: its interrupted saves were never counted).
 
 A save still in flight when the log ends (a live run) is neither. A save killed right after its commit
 (before its ``save`` event) whose checkpoint a later start restored is a save (``report._restored_unlogged``),

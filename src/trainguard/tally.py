@@ -183,6 +183,7 @@ class Tally:
         self.tail: Any = None  # t of the last event fed (the log's last line)
         self.log_final: Any = None  # step of the last step event fed (the log's order)
         self.set_back: Any = 0  # seconds a process's clock went back between two of its step events (net)
+        self.went_back = self.went_forward = False  # a step back counted, a step forward measured (mono): report.summary
         self._step_t: Any = None  # t of the last step event fed
         self._step_mono: Any = None  # and its process's monotonic clock (``mono``; logs before session 51: none)
         self._step_pid: Any = None  # and its pid
@@ -224,8 +225,10 @@ class Tally:
             if e.get("rank") == 0 and e.get("stall_s") is not None:
                 self.stall += e["stall_s"]
         else:
-            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start") and e.get("rank") == 0):
-                self.save_ends.process_ended(None if kind in ENDS_PROCESS else e.get("pid"))  # saveends.py
+            if kind == "agent_start":  # a job (re)started: its rank 0 is a new process even with the last one's pid (a
+                self._step_pid = None  # requeued container on another host): its mono is not compared with that one's
+            if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start", "manager_open") and e.get("rank") == 0):
+                self.save_ends.process_ended(e.get("pid") if kind in ("restore", "fresh_start") else None)  # saveends.py
             if (kind in _KEPT or (kind in ("restore", "fresh_start") and e.get("rank") == 0)
                     or (kind == "restart" and e.get("reason") == "membership")
                     or (kind == "rendezvous" and e.get("node_rank", 0) == 0)):
@@ -242,10 +245,14 @@ class Tally:
             back = (mono - self._step_mono) - (key - prev)
             if abs(back) > SET_BACK_MIN:
                 self.set_back += back
+                self.went_forward, self.went_back = self.went_forward or back < 0, self.went_back or back > 0
                 self.bridge.step_back(self._step_seq, seq, back, False)
         elif prev is not None and key < prev - SET_BACK_MIN:  # the clock went back (an NTP step), in the log's order
             self.set_back += prev - key  # as if no time passed between the two: a restart's seconds are missed
+            self.went_back = True
             self.bridge.step_back(self._step_seq, seq, prev - key, True)
+        elif prev is not None and pid != self._step_pid:  # another process's, t not back: a step forward unknown
+            self.bridge.crossing(self._step_seq, seq)
         self._step_t, self._step_mono, self._step_pid, self._step_seq = key, mono, pid, seq
         self.log_final = step
         if self.points is not None:
@@ -297,6 +304,7 @@ class Tally:
         self._saves.drain()
         if self.set_back and (missed := self.bridge.correction()):  # a restart's seconds across a step back (clockback.py)
             self.set_back += missed
+            self.went_forward = self.went_forward or missed < 0
         return self
 
     def of(self, *kinds: str) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
         raise CommandError(f"the events' timestamps in {printable(run_dir)} are invalid: they run from {first:g} to "
                            f"{last:g} (a garbled event log?); remove the events whose \"t\" is no Unix time from "
                            "its events.jsonl")
-    summary = rep.summary(tally)
+    summary = rep.summary(tally, root=run_dir)  # an interrupted save committed on disk is a save
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:
         rep.plot_tally(tally, plot, title=run_dir)
