@@ -12,8 +12,12 @@ removed by torch:
   and the agent's exit), after torch read the one it reads.
 * ``torchelastic_*/``: without ``--log-dir`` torch's agent makes its log directory there (each worker's
   ``error.json``, the traceback that ``ChildFailedError`` and ``agent_exit`` report, and the logs of
-  ``--redirects``/``--tee``). :func:`default_log_dir` makes it ``<run dir>/.trainguard/logs`` instead:
-  kept with the run's event log, where the files stay readable after the job.
+  ``--redirects``/``--tee``). :func:`default_log_dir` makes it a private ``trainguard-logs-*`` directory
+  in the temp directory instead, removed when the agent exits; with ``--redirects``/``--tee`` (the
+  workers' output is in it) torch's own, kept as before. Not in the run directory (session 52 tried
+  ``<run dir>/.trainguard/logs``): a run directory removed while the job ran took the workers'
+  ``error.json`` with it, and the agent no longer said why they failed ("the run directory's .lock was
+  removed"); and on a full checkpoint disk redirected output made the workers fail.
 
 The file also holds the traceback of a worker that :func:`.stops.root_failure` names instead of the one
 torch's ``join`` found first (several raised: the first to raise is the cause): :func:`failure` reads it, as
@@ -28,21 +32,29 @@ Called by :func:`.launcher.prepare` (:func:`default_log_dir`, once, before the a
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import io
 import os
 import pickle
+import shutil
+import tempfile
 from typing import Any
 
-LOG_SUBDIR = os.path.join(".trainguard", "logs")
+LOG_PREFIX = "trainguard-logs-"
 
 
-def default_log_dir(args: argparse.Namespace, run_dir: str) -> None:
-    """``--log-dir`` not given (or empty): ``<run_dir>/.trainguard/logs``, not a ``torchelastic_*``
-    directory in the temp directory that nothing removes. Torch makes one ``<run id>_*`` directory in it
-    per agent start (``attempt_N/<local rank>/`` below), so agents sharing the run directory do not mix."""
-    if not args.log_dir:
-        args.log_dir = os.path.join(run_dir, LOG_SUBDIR)
+def default_log_dir(args: argparse.Namespace) -> str | None:
+    """``--log-dir`` not given (or empty) and no ``--redirects``/``--tee``: a new ``trainguard-logs-*`` directory
+    in the temp directory, removed when this process (the agent) exits, not a ``torchelastic_*`` one that
+    nothing removes; its path (None: ``--log-dir`` given, or the workers' output goes to torch's own, kept)."""
+    if args.log_dir or str(getattr(args, "redirects", "0")) != "0" or str(getattr(args, "tee", "0")) != "0":
+        return None
+    args.log_dir = path = tempfile.mkdtemp(prefix=LOG_PREFIX)
+    agent = os.getpid()
+    # Only the agent removes it: a worker forked from it (--start-method fork) inherits atexit handlers.
+    atexit.register(lambda: os.getpid() == agent and shutil.rmtree(path, ignore_errors=True))
+    return path
 
 
 def drop(pc: Any) -> None:

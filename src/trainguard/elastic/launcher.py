@@ -15,7 +15,7 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
 * on a worker failure, gives the other workers 1 s, SIGTERM, 1 s, then SIGKILL (torch: SIGTERM
   and a fixed 30 s; script and ``--run-path`` workers), and sets ``TRAINGUARD_DEAD_AFTER=3`` for the workers (store default 10 s);
 * preformats tracebacks for torch's log formatter (it imports ``torch._dynamo``, ~2 s) and, with ``fork``/``forkserver``, preloads it so restarted workers do not (:func:`preload`);
-* defaults ``--log-dir`` to ``<run dir>/.trainguard/logs`` (torch: a ``torchelastic_*`` directory in the temp directory) and removes the workers' ``pytorch-errorfile-*`` files at each close (:mod:`.errfiles`);
+* defaults ``--log-dir`` to a temp directory removed at its exit (torch: a ``torchelastic_*`` directory kept in the temp directory) and removes the workers' ``pytorch-errorfile-*`` files at each close (:mod:`.errfiles`);
 * passes ``TRAINGUARD_RUN_DIR``, ``_WATCHDOG``, ``_HANG_TIMEOUT``, ``_FAULT``, ``_JOB_ID``, ``_AGENT_PID`` (orphan check), ``_STOP_FILE``;
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
@@ -139,7 +139,7 @@ def prepare(args: argparse.Namespace) -> None:
     run_dir = os.path.abspath(args.run_dir)
     os.makedirs(run_dir, exist_ok=True)
     os.environ["TRAINGUARD_RUN_DIR"] = run_dir
-    errfiles.default_log_dir(args, run_dir)  # not a torchelastic_* directory in /tmp that nothing removes
+    errfiles.default_log_dir(args)  # not a torchelastic_* directory in /tmp that nothing removes
     os.environ.setdefault("TRAINGUARD_JOB_ID", args.rdzv_id if args.rdzv_id != "none" else str(uuid.uuid4()))
     # The workers' orphan check (watchdog.agent_alive): this pid, not their parent's (the forkserver's).
     os.environ[AGENT_PID_ENV] = str(os.getpid())
