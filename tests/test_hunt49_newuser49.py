@@ -62,7 +62,8 @@ def test_a_killed_ranks_loader_processes_no_longer_keep_its_peers_blocked(tmp_pa
     # Script workers: the agent's SIGTERM to rank 0's group ends its loader processes too (this
     # script's SIG_IGN is no CheckpointManager's handler, which spare.py spares them for), and
     # torch's SIGCHLD handler raises that first when the collective returns to Python.
-    assert any(w in (tmp_path / "peer-error.txt").read_text() for w in ("Connection", "Read error", "DataLoader"))
+    got = (tmp_path / "peer-error.txt").read_text()
+    assert any(w in got for w in ("Connection", "Read error", "DataLoader")), got
 
 
 DOCTOR_SCRIPT = '''
