@@ -47,7 +47,8 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
     warning when the previous save went to RAM); the other ranks receive its answer. When rank 0
     fails there (an OSError removing a copy), it sends its error instead of the answer, in the
     same round: every rank raises a ``CheckpointError`` naming it (the manager reports it per
-    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round.
+    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round. So does
+    the previous copy's failure with ``on_error="raise"`` (``_copy_failed``), in its own words.
     ``state``: the state being saved; before a run's first save (no checkpoint size known yet)
     rank 0 takes :func:`estimate` of it as the size."""
     durable: bool | dict[str, str] = False
