@@ -22,7 +22,8 @@ def test_raise_at_before_persist_leaves_no_temp_dir_in_run_directory(tmp_path, m
     ram = tmp_path / "ram"
     ram.mkdir()
     root = tmp_path / "run"
-    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=str(ram)) as mgr:
+    # on_error="warn": the next save goes on (with "raise" it raises the failed copy: test_hunt52_review52d.py)
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), ram_tier=str(ram), on_error="warn") as mgr:
         mgr.save(1, _state(1))
         mgr.wait()
         mgr.ram.wait()

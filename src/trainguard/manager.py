@@ -96,7 +96,7 @@ class CheckpointManager:
         self._restored: int | None = None  # the step restore() returned: saving an older one is refused
         # Warned of another run's newer checkpoints; set_aside's token; the last save failed permanently (_report_failure); optional RAM tier (tiers.py): saves go to /dev/shm first, rank 0 copies them here.
         self._warned_foreign, self._aside, self._failed_permanent = False, "", False
-        self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events, staging=(async_save, max_staging_bytes)) if ram_tier else None
+        self.ram = RamTier(ram_tier, root=self.root, durable=self.storage, durable_root=self._root, ctx=self.ctx, events=self.events, staging=(async_save, max_staging_bytes), on_error=on_error) if ram_tier else None
 
     def open(self) -> CheckpointManager:
         """Every rank, first: rank 0 takes the lock and cleans debris, then the ranks agree."""

@@ -47,27 +47,49 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
     warning when the previous save went to RAM); the other ranks receive its answer. When rank 0
     fails there (an OSError removing a copy), it sends its error instead of the answer, in the
     same round: every rank raises a ``CheckpointError`` naming it (the manager reports it per
-    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round.
+    ``on_error``). Before, rank 0 raised the bare error and the others waited in the round. So does
+    the previous copy's failure with ``on_error="raise"`` (``_copy_failed``), in its own words.
     ``state``: the state being saved; before a run's first save (no checkpoint size known yet)
     rank 0 takes :func:`estimate` of it as the size."""
     durable: bool | dict[str, str] = False
     err: Exception | None = None
+    failed: CheckpointError | None = None
     if tier.ctx.rank == 0:
         try:
             tier.wait()
+            if (failed := _copy_failed(tier)) is not None:
+                raise failed
             tier.make_room()
             if tier.need is None and state is not None:
                 tier.need = estimate(state)  # replaced by the real size once a checkpoint is in RAM or on disk
             durable = _decide(tier, step)
         except Exception as e:  # any of rank 0's: every rank fails this save with it (a stuck copy as one: iostall)
             err, durable = e, {"error": f"{type(e).__name__}: {e}", "stuck": isinstance(e, StuckWriteError)}
+            durable["copy"] = str(e) if e is failed else ""
     if tier.ctx.is_distributed:
         durable = tier.ctx.broadcast("ram_room", durable, timeout=timeout)
+    if isinstance(durable, dict) and durable.get("copy"):  # rank 0's copy of the previous save to disk failed
+        raise CheckpointError(f"RAM tier: {durable['copy']}; the save of {layout.step_dir(step)} was not made. Make room "
+                              f"in the run directory {tier.durable_root} (or fix what failed): a restart on this node "
+                              "resumes from the RAM tier's copy and copies it again. With on_error='warn' the run "
+                              "goes on saving into RAM only, warned at each failed copy") from err
     if isinstance(durable, dict):
         raise (StuckWriteError if durable.get("stuck") else CheckpointError)(
             f"RAM tier: rank 0 could not prepare the save of {layout.step_dir(step)} in {tier.dir}: {durable['error']}"
         ) from err
     return bool(durable)
+
+
+def _copy_failed(tier: Any) -> CheckpointError | None:
+    """``goes_durable``, rank 0, once the previous copy to disk ended: with ``on_error="raise"``, its failure, as
+    this save's error on every rank (then forgotten: ``RamTier.close`` does not raise it again). Before, it was
+    only logged until ``close()``: a run directory out of space had every later copy fail while each ``save()``
+    returned, and the run went on for good with no checkpoint on disk (the RAM tier held the newest only)."""
+    e, step = tier._error, tier._failed_step
+    if e is None or tier.on_error != "raise" or not isinstance(e, Exception):
+        return None
+    tier._error = None
+    return CheckpointError(f"copying {layout.step_dir(step)} to {tier.durable_root} failed: {type(e).__name__}: {e}")
 
 
 def _decide(tier: Any, step: int) -> bool:

@@ -44,10 +44,14 @@ class RunLock:
 
     def acquire(self) -> None:
         real = os.path.realpath(self.path)
-        if real in _HELD:
+        # _held_here: the same directory through another path (a bind mount, a second mount of the same NFS
+        # export) resolves elsewhere; POSIX locks of one process do not conflict, so lockf took it again
+        # and each manager's retention deleted the other's checkpoints. Checked by inode, without opening.
+        if real in _HELD or _held_here(self.path):
+            via = "" if real in _HELD else " (the same directory, through another path: a bind mount or a second mount)"
             raise mark(LockedError(
                 f"{os.path.dirname(self.path)} is already used by another CheckpointManager in this "
-                "process; close it first or give each manager its own directory (a manager opened without "
+                f"process{via}; close it first or give each manager its own directory (a manager opened without "
                 "`with` whose variable is gone, in a notebook: `import gc; [m.close() for m in gc.get_objects() "
                 "if isinstance(m, trainguard.CheckpointManager)]`)"
             ))

@@ -53,7 +53,7 @@ PIECE = 64 << 20
 class RamTier:
     """The RAM tier of one manager. ``spec`` is ``True`` (``/dev/shm``) or a base directory."""
 
-    def __init__(self, spec: bool | str | os.PathLike[str], *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any, staging: tuple[bool, int | None] = (False, None)) -> None:
+    def __init__(self, spec: bool | str | os.PathLike[str], *, root: str, durable: Storage, durable_root: str, ctx: Any, events: Any, staging: tuple[bool, int | None] = (False, None), on_error: str = "raise") -> None:
         base = os.fspath(spec) if isinstance(spec, (str, os.PathLike)) else DEFAULT_BASE  # True, 1, np.True_
         if not os.path.isdir(base):
             raise CheckpointError(f"ram_tier: {base} is not a directory; pass ram_tier=True (/dev/shm) or an existing tmpfs dir")
@@ -64,6 +64,8 @@ class RamTier:
         self.staging = staging  # the manager's (async_save, max_staging_bytes): its pools grow from the memory a RAM copy takes (ramroom._in_memory)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._failed_step: int | None = None  # the step whose copy _error is of
+        self.on_error = on_error  # the manager's: "raise" raises a failed copy at the next save (ramroom.goes_durable)
         self.timeout: float | None = None  # the manager's (open): also wait()'s bound for a copy stuck in a write
         self.persisted: int | None = None
         self._committed: int | None = None  # the step committed() last started to persist
@@ -211,7 +213,7 @@ class RamTier:
             except BaseException as e:  # surfaced at close(); the next save retries with a newer step
                 log.warning("trainguard: copying step %d from the RAM tier to %s failed: %s", step, self.durable_root, e)
                 self.events.emit("ram_persist_failed", step=step, error=str(e)[:2000])
-                self._error = e
+                self._error, self._failed_step = e, step
 
         self._error = None
         self._thread = threading.Thread(target=run, name="trainguard-ram-persist", daemon=True)
