@@ -59,7 +59,7 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
             flat[fqn] = io.BytesIO()
         else:
             skipped.append(fqn)
-    if not any(isinstance(v, torch.Tensor) for v in flat.values()):
+    if not flat:
         raise CheckpointError(f"{path}: the DCP checkpoint holds no tensors")
     values: dict[str, Any] = {}
 
@@ -105,7 +105,23 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
             if not isinstance(node, dict):
                 raise CheckpointError(f"{path}: key {fqn!r} lies inside {head!r}, which is a value itself")
             _put(node, keys[1:], v, fqn, path)
+    if not any(_has_tensor(v) for v in state.values()):  # only pickled values, none of them holding a tensor
+        raise CheckpointError(
+            f"{path}: the DCP checkpoint holds no tensors"
+            + (f" that trainguard can read (pickled values skipped: {', '.join(skipped[:5])})" if skipped else "")
+        )
     return {k: _unflat_optimizer(v) if _is_flat_optimizer(v) else _lists(v, k) for k, v in state.items()}, skipped
+
+
+def _has_tensor(v: Any) -> bool:
+    """Whether ``v`` is a tensor or a (nested) dict/list/tuple holding one: a DCP saved with
+    ``DefaultSavePlanner(flatten_state_dict=False)`` pickles each top-level value whole, its
+    tensors inside."""
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        return any(_has_tensor(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_has_tensor(x) for x in v)
 
 
 _FLAT_OPTIM = ("state.", "param_groups.")
