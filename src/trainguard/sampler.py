@@ -103,7 +103,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                  rank: SupportsIndex | None = None, world_size: SupportsIndex | None = None, with_epoch: bool = False) -> None:
         check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
         try:  # numpy's int too; None or a float: said so, not len()'s "object of type 'float' has no len()"
-            self.num_samples = len(data) if isinstance(data, Sized) and getattr(data, "ndim", 1) else operator.index(data)  # type: ignore[call-overload]  # a 0-d tensor's int too
+            self.num_samples = len(data) if isinstance(data, Sized) and getattr(data, "ndim", 1) else operator.index(data)  # type: ignore[arg-type]  # a 0-d tensor's int too
         except TypeError:
             raise TypeError(f"ResumableSampler({data!r:.80}): pass the dataset (with a len()) or its number of samples, an int") from None
         self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset

@@ -266,7 +266,7 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     aside: list[str] = []
     try:
         read_manifest(storage, p)
-        targets = [(one, "committed", None)]
+        targets: list[tuple[str, str, int | None]] = [(one, "committed", None)]
     except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
         targets = [(one, "committed", None)]
     except NotACheckpointError:  # no manifest: a run directory
@@ -303,8 +303,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
             else:
                 console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(
                     status, "[yellow]DELETED[/]") + f" {_shown(t)}")
-                for e in errors[:20]:
-                    console.print(f"        {_shown(e)}")
+                for line in errors[:20]:
+                    console.print(f"        {_shown(line)}")
         if not (run_dir and vanished):
             break
         # Retention deleted checkpoints it listed while they were checked: the job committed newer ones since
