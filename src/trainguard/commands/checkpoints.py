@@ -285,7 +285,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
         if not is_media_error(e):
             raise
         targets = [(one, "committed", None)]
-    ok, out, verified, done = True, [], 0, {}
+    ok, out, verified = True, [], 0
+    done: dict[str, str] = {}  # checkpoint -> its status
     for _ in range(1 + _RELISTS):
         vanished = False
         for t, listed, step in targets:
