@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 
@@ -42,7 +43,7 @@ def batches_ahead() -> int:
         from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
     except ImportError:
         return 0
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     for _ in range(8):  # the sampler's generator, a BatchSampler's, _try_put_index
         if f is None:
             break

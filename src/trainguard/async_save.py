@@ -220,7 +220,7 @@ def _run(job: _Job, storage: Storage, target: str, boxed: list[Any], ctx: DistCo
 
 Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, the chunk's bytes (uint8), already a host copy, page phase)
 ZERO_COPY_BATCH = 256 << 20  # zero-copy writes' batch size; between two, the save thread copies the rest if step() waits
-def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int | None] | None, Iterator[Batch]]:
+def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int] | None, Iterator[Batch]]:
     """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's
     source (where ``planner.layout_file`` puts it within a page of the file, so that its pages
     can go O_DIRECT), and the batches (:func:`_batches`)."""

@@ -120,7 +120,7 @@ def convert(
             return {"from": sf, "to": df, "tensors": n, "skipped": []}
         # streamed, as `export` writes them: one batch in memory, not the entry
         return {"from": sf, "to": df, "tensors": _stream_file(src, dst, entry, df == "safetensors"), "skipped": []}
-    places: dict[int, Any] | None = {} if sf == "dcp" else None  # DCP: placeholders, the tensors streamed (dcp_stream)
+    places: dict[Any, Any] | None = {} if sf == "dcp" else None  # DCP: placeholders, the tensors streamed (dcp_stream)
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split, places)
     # A flat file holding only the entry's own name is a one-tensor entry (an export of one).

@@ -60,15 +60,16 @@ class DalyInterval(SavePolicy):
         window: SupportsIndex = 5,
     ) -> None:
         self.mtbf_s = job_mtbf(nodes=nodes, node_failures_per_day=node_failures_per_day, node_mtbf_s=node_mtbf_s)
-        initial_steps, min_steps, window, max_steps = (whole(v) for v in (initial_steps, min_steps, window, max_steps))
-        for name, v in (("initial_steps", initial_steps), ("min_steps", min_steps), ("window", window)):
+        first, lo, win, hi = (whole(v) for v in (initial_steps, min_steps, window, max_steps))  # ints from here on
+        for name, v in (("initial_steps", first), ("min_steps", lo), ("window", win)):
             if type(v) is not int or v < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
                 raise ValueError(f"DalyInterval({name}={v!r}): must be a positive integer")
-        if max_steps is not None and (type(max_steps) is not int or max_steps < min_steps):
-            raise ValueError(f"DalyInterval(max_steps={max_steps!r}): must be an integer >= min_steps={min_steps}")
+        if hi is not None and (type(hi) is not int or hi < lo):
+            raise ValueError(f"DalyInterval(max_steps={hi!r}): must be an integer >= min_steps={lo}")
         self.nodes = nodes
-        self.min_steps, self.max_steps = min_steps, max_steps
-        self.interval_steps = self._clamp(initial_steps)
+        self.min_steps: int = lo
+        self.max_steps: int | None = hi
+        self.interval_steps = self._clamp(first)
         self.next_step: int | None = None  # anchored at the first step seen (a resumed run starts late)
         self.reason = f"initial: {self.interval_steps} steps until a save has been measured"
         self.events: Any = None  # set by the manager: an EventLog or None
@@ -76,11 +77,11 @@ class DalyInterval(SavePolicy):
         # measurement, never capped. Another caller that only notices a commit at its next save
         # leaves it False: its duration is then an upper bound (see on_saved).
         self.exact_durations = False
-        self._stalls: deque[float] = deque(maxlen=window)
-        self._durations: deque[float] = deque(maxlen=window)
-        self._step_times: deque[float] = deque(maxlen=8 * window)
-        self._slowdowns: deque[float] = deque(maxlen=window)
-        self._quiet: deque[float] = deque(maxlen=8 * window)  # step times with no save in flight
+        self._stalls: deque[float] = deque(maxlen=win)
+        self._durations: deque[float] = deque(maxlen=win)
+        self._step_times: deque[float] = deque(maxlen=8 * win)
+        self._slowdowns: deque[float] = deque(maxlen=win)
+        self._quiet: deque[float] = deque(maxlen=8 * win)  # step times with no save in flight
         # step -> (when should_save said yes to it, the step-time samples since: (start, s per step, steps))
         self._pending: dict[int, tuple[float, list[tuple[float, float, int]]]] = {}
         self._last: tuple[int, float] | None = None  # (step, now) of the previous on_step

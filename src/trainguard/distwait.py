@@ -196,8 +196,9 @@ def _check_busy(ctx: Any, late: list[int], tag: str, timeout: float) -> None:
     )
 
 
-def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
-    """The ``(operation, round, tag)`` each of ``ranks`` last entered (those that entered any)."""
+def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[Any, ...]]:
+    """The ``(operation, round, tag)`` each of ``ranks`` last entered (those that entered any), and the
+    error of a rank that left it (``[op, round, LEFT, why]``)."""
     keys = [f"{ctx.chan}/at/{r}" for r in ranks]
     if not ctx.store.check(keys):  # some never entered a round of this channel: the others, by halving
         absent = {r for r, _k in _absent(ctx.store, list(zip(ranks, keys, strict=True)), some=True)}
@@ -205,13 +206,15 @@ def _where(ctx: Any, ranks: list[int]) -> dict[int, tuple[int, int, str]]:
         keys = [f"{ctx.chan}/at/{r}" for r in ranks]
     if not keys:
         return {}
-    return {r: tuple(json.loads(v)) for r, v in zip(ranks, ctx.store.multi_get(keys), strict=True)}  # type: ignore[misc]
+    return {r: tuple(json.loads(v)) for r, v in zip(ranks, ctx.store.multi_get(keys), strict=True)}
 
 
-def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> dict[int, tuple[int, int, str]]:
+def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> dict[int, tuple[Any, ...]]:
     """Raise at once when a rank whose key is awaited left this operation without writing it; else return
     where the missing ranks are (``_where``, for ``_check_elsewhere``)."""
-    gone, why, where = {}, {}, _where(ctx, list(missing))
+    gone: dict[int, str] = {}
+    why: dict[int, list[Any]] = {}
+    where = _where(ctx, list(missing))
     for r, (op, _rnd, other, *perm) in where.items():
         if op > ctx._op or (op == ctx._op and other == LEFT):
             gone[r], why[r] = other, perm
@@ -223,12 +226,12 @@ def _check_left(ctx: Any, missing: dict[int, str], tag: str) -> dict[int, tuple[
                 gone[r], why[r] = f"never started this save; now in {other!r}", perm
     # Read again: a rank may have written its key and then moved on since the first look.
     gone = {r: w for r, w in gone.items() if not ctx.store.check([missing[r]])}
-    perm = {r: why[r][0] for r in gone if why[r]}  # it raised an error no restart fixes (dist.operation): so is this
-    if perm:
+    fatal = {r: why[r][0] for r in gone if why[r]}  # it raised an error no restart fixes (dist.operation): so is this
+    if fatal:
         raise mark(failure(
-            f"{tag}: rank(s) {sorted(perm)} failed with an error that no restart fixes: "
-            + "; ".join(f"rank {r}: {m}" for r, m in sorted(perm.items())),
-            {r: f"left the call before {tag!r}: {m}" for r, m in perm.items()},
+            f"{tag}: rank(s) {sorted(fatal)} failed with an error that no restart fixes: "
+            + "; ".join(f"rank {r}: {m}" for r, m in sorted(fatal.items())),
+            {r: f"left the call before {tag!r}: {m}" for r, m in fatal.items()},
         ))
     if gone:
         raise failure(

@@ -51,7 +51,7 @@ def _draws(fn: ast.AST) -> list[ast.Call]:
 def _functions(tree: ast.Module, call: ast.Call, args: tuple[str, ...]) -> list[tuple[str, ast.AST]]:
     """The functions of the script passed by name (or as a lambda) as keyword ``args`` of ``call``."""
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    out = []
+    out: list[tuple[str, ast.AST]] = []
     for k in call.keywords:
         if k.arg in args and isinstance(k.value, ast.Lambda):
             out.append((k.arg, k.value))

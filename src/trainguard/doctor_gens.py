@@ -110,7 +110,7 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
 
     if (tree := _tree(s)) is None:
         return None
-    made = {}
+    made: dict[str, tuple[str, int]] = {}
     for n in ast.walk(tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None and (kind := _maker(n.value)):
             for t in n.targets if isinstance(n, ast.Assign) else [n.target]:

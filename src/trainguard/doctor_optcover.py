@@ -71,7 +71,7 @@ def unsaved_scheduler(leaves: list[tuple[str, Any]], s: Settings) -> Finding | N
         return None
     optimizers = _optimizer_names()
     up = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
-    built = {}  # name -> the call that builds it
+    built: dict[str, ast.Call] = {}  # name -> the call that builds it
     for c in ast.walk(tree):
         if isinstance(c, ast.Call) and _made(c, optimizers) == "LR scheduler" and isinstance(a := up.get(c), ast.Assign) \
                 and len(a.targets) == 1 and (name := _chain(a.targets[0])) is not None:

@@ -17,6 +17,7 @@ uninterrupted run). Before, such a loader was reported as well.
 from __future__ import annotations
 
 import ast
+from collections.abc import Mapping
 
 _TRAINS = {"save", "backward", "step", "restore", "load", "save_state", "load_state"}
 _WRAPS = {"enumerate", "tqdm", "iter", "zip"}
@@ -53,7 +54,7 @@ def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     return {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
 
 
-def _pass_uses(scope: ast.AST, name: str, up: dict[ast.AST, ast.AST], defs: dict[str, ast.AST],
+def _pass_uses(scope: ast.AST, name: str, up: dict[ast.AST, ast.AST], defs: Mapping[str, ast.AST],
                trainers: set[str], depth: int) -> bool | None:
     """Whether every read of ``name`` in ``scope`` is a pass (None: no read at all)."""
     uses = [n for n in ast.walk(scope) if isinstance(n, (ast.Name, ast.Attribute)) and _name(n) == name

@@ -72,11 +72,11 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                        "written, and a collective save waits forever for them", "call mgr.save(step, state) on "
                        "every rank; trainguard decides which rank writes what")
     if torch_saves := sorted({n for n, r in owner if r in exports}):
-        names = ", ".join(sorted({f"{r}.save" if r in _EXPORTS else f"{r}.{_callee(c)} ({r} is made on rank 0 only)"
+        said = ", ".join(sorted({f"{r}.save" if r in _EXPORTS else f"{r}.{_callee(c)} ({r} is made on rank 0 only)"
                                   for c, (_, r) in zip(calls, owner) if r in exports}))
-        if via := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers, mods) in _EXPORTS}):
-            names += f" (in {', '.join(via)})"
-        return Finding("all ranks save", "warning", f"{names} under a rank-0 condition (line "
+        if inner := sorted({_callee(c) for c in calls if _callee(c) in helpers and _save_receiver(c, helpers, mods) in _EXPORTS}):
+            said += f" (in {', '.join(inner)})"
+        return Finding("all ranks save", "warning", f"{said} under a rank-0 condition (line "
                        f"{', '.join(map(str, torch_saves))}): fine to export a replicated (DDP) model's weights, "
                        "but as a checkpoint it misses FSDP shards and every other rank's RNG and data position",
                        "checkpoint with mgr.save(step, state) on every rank; keep rank-0 torch.save for exports")
@@ -181,7 +181,8 @@ def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[s
     then ``if utils.is_primary(args): saver = utils.CheckpointSaver(...)``."""
     zero = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases, flags)
             for b in n.body for x in ast.walk(b)}
-    inside, other = set(), set()
+    inside: set[str] = set()
+    other: set[str] = set()
     for n in ast.walk(tree):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], ast.Name):
             if id(n) in zero and isinstance(n.value, ast.Call):  # not wandb.init(...) and the like

@@ -217,7 +217,7 @@ def _saves(loop: ast.AST, managers: set[str], savers: set[str]) -> tuple[bool, l
 
     calls = [c for c in ast.walk(loop) if isinstance(c, ast.Call)]
     mine = [c for c in calls if _callee(c) in savers]
-    given = [a for c in mine for a in [*c.args, *(k.value for k in c.keywords)]]
+    given: list[ast.AST] = [a for c in mine for a in [*c.args, *(k.value for k in c.keywords)]]
     steps = [(c, c.args[0] if c.args else next((k.value for k in c.keywords if k.arg == "step"), None)) for c in calls
              if _is_save(c) and _callee(c) in ("save", "async_save") and c not in mine]
     given += [x for _, x in steps if x is not None]

@@ -6,6 +6,7 @@ only (``if start is None:``)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -70,11 +71,11 @@ def _fresh_branch(n: ast.If, results: set[str], loads: list[ast.Call]) -> list[a
     return [n] if any(on(v) for v in ast.walk(t)) else []
 
 
-def _put_back(c: ast.Call, loads: list[ast.Call], loops: list[ast.AST], looped: set[int]) -> bool:
+def _put_back(c: ast.Call, loads: list[ast.Call], loops: Sequence[ast.stmt], looped: set[int]) -> bool:
     """``reseed``: whether another restore follows the seed ``c`` before any loop starts (and ``c`` is
     in none): examples/fsdp2.py rebuilds its state (seeding) after training, then restores into it."""
     after = [x.lineno for x in loads if x.lineno > c.lineno]
-    return id(c) not in looped and bool(after) and not any(c.lineno < n.lineno < min(after) for n in loops)  # type: ignore[attr-defined]
+    return id(c) not in looped and bool(after) and not any(c.lineno < n.lineno < min(after) for n in loops)
 
 
 def _is_seed(c: ast.Call) -> bool:

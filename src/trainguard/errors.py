@@ -315,7 +315,7 @@ def nonneg_int(value: object, hint: str) -> int:
     """``value`` as an int >= 0 (Python, numpy and 0-d tensor ints; not bools): a TypeError for
     anything else, a ValueError for a negative one, each followed by ``hint``."""
     try:
-        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[call-overload]
+        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         n = None
     if n is None or n < 0:

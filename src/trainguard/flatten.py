@@ -171,7 +171,7 @@ def keep_types(loaded: Any, current: Any) -> Any:
             if k in current and (w := keep_types(v, current[k])) is not v:
                 loaded[k] = w  # an existing key: no resize while iterating
         typ = type(current)
-        if typ is defaultdict:
+        if type(current) is defaultdict:
             return defaultdict(current.default_factory, loaded)
         return typ(loaded) if typ in (Counter, OrderedDict) else loaded
     if type(loaded) is float:  # a user scheduler's attribute set from numpy (flatten stores a float)

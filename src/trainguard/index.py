@@ -88,9 +88,9 @@ def check_regular_files(
             claim[k] -= last
     for e in tensors.values():
         for c in e.chunks if e.alias is None else ():  # an alias (format 3) claims no bytes of its own
-            if (i := _part_of(c.file)) is not None and i < need:
-                claim[i] += c.length
-                claim[i + 1] -= c.length
+            if (j := _part_of(c.file)) is not None and j < need:
+                claim[j] += c.length
+                claim[j + 1] -= c.length
     total = 0
     for i in range(need):
         total += claim[i]
@@ -130,8 +130,8 @@ def parse_index(data: bytes, part: int, m: Manifest, explicit: list[tuple[int, i
         raise CorruptCheckpointError(f"{name}: size or checksum differs from the manifest: the index is corrupt", file=name)
     try:
         raw = loads_json(data)  # a path twice: refused
-    except (ValueError, RecursionError) as e:
-        raise CorruptCheckpointError(f"{name}: invalid JSON: {e}", file=name) from None
+    except (ValueError, RecursionError) as err:
+        raise CorruptCheckpointError(f"{name}: invalid JSON: {err}", file=name) from None
     if type(raw) is not dict or raw.get("file") != fname or type(raw.get("tensors")) is not dict:
         raise CorruptCheckpointError(f"{name}: not the index of {fname}", file=name)
     fsize = m.files.get(fname, 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 
@@ -42,7 +43,7 @@ def _loader_batch_size() -> int | None:
     """The batch size of the DataLoader fetch that asked for the next item, found in the caller
     frames (torch's ``_IterableDatasetFetcher.fetch(possibly_batched_index)``); ``None`` when
     not recognised (another torch version, a custom fetcher): the check is then skipped."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(8):
         if frame is None:
             return None

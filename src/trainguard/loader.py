@@ -109,7 +109,7 @@ def _load(
     verify: bool,
     plan_round: Any,
     split_state: bool,
-    wrote: list[bool],
+    wrote: list[Any],
 ) -> None:
     check_state(state)
     if isinstance(only, (str, bytes)):
@@ -159,8 +159,8 @@ def _load(
         if callable(getattr(obj, "check_generators", None)):  # tg.RNGState's, before anything is read (genstate.py)
             try:
                 obj.check_generators(skel, strict)
-            except CheckpointError as e:
-                e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
+            except CheckpointError as err:
+                err.args = (f"entry {key!r}: {err.args[0]}", *err.args[1:])
                 raise
         prechecks.copy_of_object(key, value, skel, manifest)  # optimizer.state_dict() for the optimizer
         prechecks.before_read(key, obj, skel, strict)  # a GradScaler, a sampler: refused before anything is read
@@ -245,10 +245,10 @@ def _load(
     # Regular tensors read into a live shard allocate nothing: their files are checked below (the parts this rank reads).
     src = ChunkSource.of(storage, directory, manifest)
     wanted: set[str] = set()
-    for _k, _o, _s, d, refs in plans:
+    for _k, _o, _s, dst, refs in plans:
         for p in refs:
             e = manifest.tensors[p]
-            if p in bad or (e.regular is not None and d.get(p) is not None):
+            if p in bad or (e.regular is not None and dst.get(p) is not None):
                 continue
             if e.regular is None and len(e.chunks) == 1:
                 wanted.add(e.chunks[0].file)  # a set per tensor from src.files costs 1 us more
@@ -331,15 +331,15 @@ def _load(
                     f"entry {key!r}: the state is a read-only {type(state).__name__}, and this entry is replaced "
                     "on load (a JSON value, or a tensor whose shape or dtype changed); pass a dict"
                 )
-        except CheckpointError as e:  # from the object's own load_state_dict (a sampler's check): say which entry
-            if e.args and isinstance(e.args[0], str) and not e.args[0].startswith("entry "):
-                e.args = (f"entry {key!r}: {e.args[0]}", *e.args[1:])
+        except CheckpointError as err:  # from the object's own load_state_dict (a sampler's check): say which entry
+            if err.args and isinstance(err.args[0], str) and not err.args[0].startswith("entry "):
+                err.args = (f"entry {key!r}: {err.args[0]}", *err.args[1:])
             raise
-        except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as e:
-            raise mark_refusal(e, CheckpointError(
-                f"entry {key!r}: its load_state_dict() refused the saved state: {e}. The object must be built "
+        except (ValueError, RuntimeError, KeyError, TypeError, AttributeError, IndexError) as err:
+            raise mark_refusal(err, CheckpointError(
+                f"entry {key!r}: its load_state_dict() refused the saved state: {err}. The object must be built "
                 "the same way as when it was saved (same parameter groups, same configuration)"
-            )) from e
+            )) from err
         wrote.append(key)  # this entry is loaded: one after it that fails leaves it so
     rankload.run_deferred(later)
 

@@ -85,7 +85,8 @@ class CheckpointManager:
         policies.attach(self.save_policy, self.events, self)  # event log, exact durations; shared: refused
         self._lock = RunLock(self._root) if self.storage.atomic_rename else None
         self._pending: SaveHandle | None = None
-        self._preempt, self._old_handlers = threading.Event(), {}  # the signal handlers open() replaced
+        self._preempt = threading.Event()
+        self._old_handlers: dict[int, Any] = {}  # the signal handlers open() replaced
         self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's first stop signal
         self.stopped_by: int | None = None  # the stop signal that ended the run (any rank's): exit_code
         self.last_saved_step: int | None = None

@@ -252,6 +252,7 @@ def plan_reads(
             # Widened: the blocks wholly inside [b0, b1) go direct; only the end blocks via scratch.
             mid_lo = b0 if b0 == lo else align_up(b0, block_size)
             mid_hi = b1 if b1 == hi else b1 // block_size * block_size
+            spans: list[tuple[int, int, int | None, tuple[int, int, int] | None]]  # (a, b, dest byte, flat)
             if not contiguous or (lo, hi) == (b0, b1) or mid_lo >= mid_hi:
                 spans = [(lo, hi, d0 if contiguous and (lo, hi) == (b0, b1) else None, None)]
             else:  # the end blocks' bytes outside [b0, b1) are verified, not copied
@@ -260,7 +261,7 @@ def plan_reads(
                 if mid_hi < hi:
                     spans.append((mid_hi, hi, None, (0, d0 + mid_hi - b0, b1 - mid_hi)))
             for a, b, dest_byte, flat in spans:
-                checks = ()
+                checks: tuple[BlockCheck, ...] = ()
                 if verify:
                     checks = tuple(
                         BlockCheck(k * block_size - a, min(block_size, length - k * block_size), sums[k])

@@ -51,7 +51,7 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
     the previous copy's failure with ``on_error="raise"`` (``_copy_failed``), in its own words.
     ``state``: the state being saved; before a run's first save (no checkpoint size known yet)
     rank 0 takes :func:`estimate` of it as the size."""
-    durable: bool | dict[str, str] = False
+    durable: bool | dict[str, Any] = False
     err: Exception | None = None
     failed: CheckpointError | None = None
     if tier.ctx.rank == 0:

@@ -77,11 +77,11 @@ def mismatch_error(missing: list[str], unexpected: list[str], mismatched: list[s
         src = rest.split("/", 1)[0]
         if at and src.isdigit() and int(src) != rank and "ranks" in manifest.objects.get(key, {}):
             borrowed[key] = int(src)
-    for key, src in borrowed.items():
+    for key, took in borrowed.items():
         n = len(manifest.objects[key]["ranks"])
         err.args = (err.args[0] + (
             f" Rank {rank} has no saved state of the rank-local entry {key!r} (saved by {n} rank{'s' * (n != 1)}) and took "
-            f"saved rank {src}'s, whose tensors do not fit its own: resume on {n} rank{'s' * (n != 1)}, give the entry a "
+            f"saved rank {took}'s, whose tensors do not fit its own: resume on {n} rank{'s' * (n != 1)}, give the entry a "
             f"reseed_for_rank(rank, step) method (a rank without saved state then starts it afresh), or leave it out "
             f"of the load (only=[...] without {key!r})."),)
     return err

@@ -238,7 +238,8 @@ class Plan:
         """Compute time in training steps (at least 1), or None without a step time."""
         return None if self.step_time_s is None else max(1, round(seconds / self.step_time_s))
 
-    def efficiency(self, interval_s: float) -> float:
+    def efficiency(self, interval_s: Any) -> Any:
+        """:func:`efficiency` of this plan: a float for a float, an array for an array (``plot``'s curve)."""
         return efficiency(interval_s, self.stall_s, self.restart_s + self.commit_delay_s, self.job_mtbf_s)
 
     def to_dict(self) -> dict[str, Any]:

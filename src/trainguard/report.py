@@ -187,7 +187,8 @@ def _restored_unlogged(starts: list[tuple[int, dict[str, Any]]], saved: set[Any]
     and fresh starts, which found none, in the log's order) began at: a checkpoint the log's first start restored
     was saved before the log (copied into a new run directory to go on from it, a log deleted), not
     by a process that was killed here (counted as a save killed at its commit before)."""
-    low, out = None, set()
+    low: Any = None  # the lowest step an earlier start began at
+    out: set[Any] = set()
     for _q, e in starts:
         step = e.get("step") if e["event"] == "restore" else -1  # a fresh start found none: any later one was saved here
         if e["event"] == "restore" and step not in saved and low is not None and step > low:

@@ -55,17 +55,17 @@ from .seeded import seed_int, seed_of, seeded_call
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
 
-def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+def _rank_world(rank: SupportsIndex | None, world_size: SupportsIndex | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
             world_size = dist.get_world_size() if world_size is None else world_size
-    rank, world_size = (0 if rank is None else rank), (1 if world_size is None else world_size)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
-    return rank, world_size
+    r, w = whole(0 if rank is None else rank), whole(1 if world_size is None else world_size)  # numpy's, a 0-d tensor's: an int
+    if type(r) is not int or type(w) is not int or not 0 <= r < w:  # a numpy rank made the position numpy's: not saved
+        raise ValueError(f"rank={rank!r}, world_size={world_size!r}: need integers 0 <= rank < world_size")
+    return r, w
 
 
 def _has_group() -> bool:
@@ -103,7 +103,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                  rank: SupportsIndex | None = None, world_size: SupportsIndex | None = None, with_epoch: bool = False) -> None:
         check_flags(shuffle=shuffle, drop_last=drop_last, with_epoch=with_epoch)  # shuffle="no" was taken as True
         try:  # numpy's int too; None or a float: said so, not len()'s "object of type 'float' has no len()"
-            self.num_samples = len(data) if isinstance(data, Sized) and getattr(data, "ndim", 1) else operator.index(data)  # type: ignore[call-overload]  # a 0-d tensor's int too
+            self.num_samples = len(data) if isinstance(data, Sized) and getattr(data, "ndim", 1) else operator.index(data)  # type: ignore[arg-type]  # a 0-d tensor's int too
         except TypeError:
             raise TypeError(f"ResumableSampler({data!r:.80}): pass the dataset (with a len()) or its number of samples, an int") from None
         self.with_epoch = bool(with_epoch)  # yield (index, epoch) pairs, for tg.SeededDataset

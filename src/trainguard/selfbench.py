@@ -298,7 +298,7 @@ def run(directory: str, size: int, *, rounds: int = 3, device: str = "cpu", keep
         dist.broadcast_object_list(name, src=0)
     work = storage.join(root, name[0])
     url = (lambda p: p) if local else storage.url  # type: ignore[attr-defined]  # tg.save takes s3://..., not bucket/...
-    kw = {"split_state": True} if world > 1 else {}
+    kw: dict[str, Any] = {"split_state": True} if world > 1 else {}
     state, opt = build_state(size, device, rank)
     tensors = state_tensors(opt)
     result = Bench(directory, sum(t.nbytes for t in tensors), len(tensors), device, world)

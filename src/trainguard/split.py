@@ -143,9 +143,9 @@ def dedupe(written: list[dict[str, Any]], sigs: list[str]) -> None:
         if why:
             bad.setdefault(c[0], why)
     if bad:  # the groups that write a tensor vary (balanced): the first found is any of them
-        first, *more = sorted(bad)
+        head, *more = sorted(bad)
         also = f" (also refused: {', '.join(map(repr, more[:8]))}{', ...' if len(more) > 8 else ''})" if more else ""
-        raise UnsupportedValueError(bad[first] + also)
+        raise UnsupportedValueError(bad[head] + also)
 
 
 def _refuse_overlap(c: list[Any], rank: int, kept: list[tuple[int, list[int], list[int]]]) -> str | None:

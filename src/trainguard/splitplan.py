@@ -196,7 +196,9 @@ class Hashed:
         ``got`` as it is, no per-chunk copy on the save path."""
         if len(keep) == len(self.skip):
             return got
-        offsets, sums, names, files = [0] * len(self.skip), [[] for _ in self.skip], [None] * len(self.skip), got[3]
+        offsets, files = [0] * len(self.skip), got[3]
+        sums: list[list[str]] = [[] for _ in self.skip]
+        names: list[str | None] = [None] * len(self.skip)  # None: a skipped chunk, named with no file
         for j, i in enumerate(keep):
             offsets[i], sums[i], names[i] = got[0][j], got[1][j], got[2][j]
         for i, s in enumerate(self.skip):

@@ -348,7 +348,8 @@ class StorageKeys:
     tensors here, ~8% of the call)."""
 
     def __init__(self, leaves: Sequence[Any]) -> None:
-        self._leaves, self._keys = leaves, None
+        self._leaves = leaves
+        self._keys: set[Any] | None = None
 
     def __contains__(self, key: Any) -> bool:
         if self._keys is None:

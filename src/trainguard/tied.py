@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
     from .manifest import TensorEntry
 
+    PLAIN: tuple[type, ...]  # bound by __getattr__ below
+
 MAX_PATH = 4096
 
 

@@ -73,7 +73,8 @@ class RamTier:
         # Room (ramroom.py): the last checkpoint's bytes, the free space a save into RAM ran out of, the free
         # space before this save, the step target() sent straight to the run directory.
         self.need: int | None = None
-        self._short, self._free, self._bypass = 0, None, None  # int, int | None, int | None
+        self._short, self._free = 0, None  # int, int | None
+        self._bypass: int | None = None
         self._force: int | None = None  # the step no_room() sends to the run directory whatever the free space
 
     # --------------------------------------------------------------- lifecycle

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from types import FrameType
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _THREADING = os.path.abspath(threading.__file__)  # a thread's bootstrap frames (Thread.run, _bootstrap_inner)
@@ -25,7 +26,8 @@ def user_stacklevel() -> int:
     package (1, the calling function itself, when every frame up is trainguard's or a thread's bootstrap
     in ``threading``: a thread whose target is trainguard's, such as ``Thread(target=mgr.open)``; that
     warning named ``threading.py:982``, a line no user wrote)."""
-    frame, level = sys._getframe(1), 1  # the function that calls warnings.warn is level 1
+    frame: FrameType | None = sys._getframe(1)  # the function that calls warnings.warn is level 1
+    level = 1
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
         frame, level = frame.f_back, level + 1
     if frame is None or os.path.abspath(frame.f_code.co_filename) == _THREADING:

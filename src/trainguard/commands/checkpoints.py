@@ -266,7 +266,7 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     aside: list[str] = []
     try:
         read_manifest(storage, p)
-        targets = [(one, "committed", None)]
+        targets: list[tuple[str, str, int | None]] = [(one, "committed", None)]
     except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
         targets = [(one, "committed", None)]
     except NotACheckpointError:  # no manifest: a run directory
@@ -285,7 +285,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
         if not is_media_error(e):
             raise
         targets = [(one, "committed", None)]
-    ok, out, verified, done = True, [], 0, {}
+    ok, out, verified = True, [], 0
+    done: dict[str, str] = {}  # checkpoint -> its status
     for _ in range(1 + _RELISTS):
         vanished = False
         for t, listed, step in targets:
@@ -303,8 +304,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
             else:
                 console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(
                     status, "[yellow]DELETED[/]") + f" {_shown(t)}")
-                for e in errors[:20]:
-                    console.print(f"        {_shown(e)}")
+                for line in errors[:20]:
+                    console.print(f"        {_shown(line)}")
         if not (run_dir and vanished):
             break
         # Retention deleted checkpoints it listed while they were checked: the job committed newer ones since

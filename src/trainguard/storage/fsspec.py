@@ -73,7 +73,8 @@ class FsspecStorage:
             raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
         self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
         self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
-        self.part_size, self._buckets = part_size, set()  # buckets found to exist (_bucket.need_bucket)
+        self.part_size = part_size
+        self._buckets: set[str] = set()  # buckets found to exist (_bucket.need_bucket)
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
