@@ -199,7 +199,8 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
     dir (an overwrite that crashed between its two renames) is moved back when its step is
     missing; an ``.abandoned-<token>`` one (``retention.set_aside``) is removed when the save
     that set it aside committed, else moved back. Rank 0 only, while holding the lock. Returns
-    the names removed or restored (not one that stays: ``commitfail.removed``)."""
+    the names removed or restored (not one that stays: ``commitfail.removed``), and on S3 the keys of the
+    incomplete multipart uploads it aborted (``storage/_stale.py``)."""
     done: list[str] = []
     names = storage.listdir(root)
     for name in names:
@@ -222,7 +223,8 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
                           "it is moved away (it is not removed: trainguard did not write it)", stacklevel=2)
         elif s.status == "incomplete":
             done += removed(storage, s.path, s.name)
-    return done + settle_aside(storage, root, names)
+    uploads = getattr(storage, "abort_uploads", None)  # S3: a crashed save's multipart upload (no object: not listed)
+    return done + settle_aside(storage, root, names) + (uploads(root) if uploads else [])
 
 
 def settle_aside(storage: Storage, root: str, names: list[str], only: str | None = None) -> list[str]:

@@ -35,6 +35,7 @@ from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
 from ._remove import remove_prefix
+from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
 from ._urls import check_object_path, import_fsspec
 
@@ -174,6 +175,11 @@ class FsspecStorage:
 
     def fsync_dir(self, path: str) -> None:
         """Nothing to do: a completed PUT is durable."""
+
+    def abort_uploads(self, root: str) -> list[str]:
+        """``commit.clean_debris`` (rank 0, a manager's open): abort the multipart uploads crashed saves left in
+        ``root``'s step directories (S3; parts no listing shows, billed until aborted: ``_stale``)."""
+        return abort_uploads(self.io, root) if self._s3 else []
 
     def open_write(self, path: str) -> _PartWriter:
         return _PartWriter(self, path)

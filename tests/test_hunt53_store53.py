@@ -1,0 +1,127 @@
+"""Hunt 53 (store53): checkpoints on object stores, against the session's SeaweedFS server
+(tests/test_storage_s3.py's ``weed`` fixture; the module skips without the ``weed`` binary)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _url() -> str:
+    return f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+
+
+def _uploads(fs, key_prefix: str) -> list[str]:
+    bucket, _, prefix = key_prefix.partition("/")
+    out = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+    return sorted(u["Key"][len(prefix):] for u in out.get("Uploads") or [])
+
+
+def _start_upload(fs, key: str) -> None:
+    """A multipart upload with one 5 MiB part and no completion: what a save killed mid-upload leaves."""
+    bucket, _, k = key.partition("/")
+    uid = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=k)["UploadId"]
+    fs.call_s3("upload_part", Bucket=bucket, Key=k, UploadId=uid, PartNumber=1, Body=b"x" * (5 << 20))
+
+
+def test_open_aborts_the_multipart_uploads_crashed_saves_left(weed, caplog):  # noqa: F811
+    """A save killed mid-upload leaves an incomplete multipart upload (parts stored and billed, no object):
+    the next manager's open aborted nothing before (the debris cleanup deletes objects, and none is
+    listed). Now it aborts those in its step directories, and only those."""
+    import s3fs
+
+    url = _url()
+    key = url[len("s3://"):]
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(8)})
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    _start_upload(fs, f"{key}/step-000000002/data-00000.bin")  # the crashed save of step 2
+    _start_upload(fs, f"{key}/step-000000001/data-00001.bin")  # an older crash of a step saved again since
+    _start_upload(fs, f"{key}/notes/big.bin")  # not a checkpoint's: left alone
+    _start_upload(fs, f"{key}-other/step-000000002/data-00000.bin")  # another run whose name starts the same
+    assert len(_uploads(fs, f"{key}/")) == 3
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(url, handle_signals=False) as mgr:
+            dest = {"w": torch.zeros(8)}
+            assert mgr.restore(dest) == 1 and torch.equal(dest["w"], torch.ones(8))
+    assert _uploads(fs, f"{key}/") == ["notes/big.bin"]
+    assert _uploads(fs, f"{key}-other/") == ["step-000000002/data-00000.bin"]
+    assert "step-000000002/data-00000.bin (upload)" in caplog.text
+
+
+KILLED_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, torch
+    import trainguard as tg
+    from trainguard.storage import fsspec as tgfs
+
+    url = sys.argv[1]
+    orig = tgfs._S3Upload.part
+
+    def part(self, k, data):
+        orig(self, k, data)
+        if self._id is not None and STEP[0] == 2:  # a part of step 2's multipart upload is stored: killed here
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    STEP = [0]
+    tgfs._S3Upload.part = part
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(10 << 20)}}  # 40 MB: two parts of 32 MiB
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        for step in (1, 2):
+            STEP[0] = step
+            mgr.save(step, state)
+    """
+)
+
+
+@pytest.mark.slow
+def test_writer_killed_mid_multipart_upload_then_resume(weed, tmp_path):  # noqa: F811
+    """SIGKILL of the writer after a part of its data file went up: ``ls``/``verify`` show step 1 only,
+    a restart resumes from it, its open aborts the dead upload, and the next save commits."""
+    import s3fs
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    url = _url()
+    key = url[len("s3://"):]
+    script = tmp_path / "child.py"
+    script.write_text(KILLED_CHILD)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    child = subprocess.Popen([sys.executable, str(script), url], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait(10)
+    assert child.returncode == -signal.SIGKILL, err[-3000:]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert _uploads(fs, f"{key}/") == ["step-000000002/data-00000.bin"]
+    res = CliRunner().invoke(cli, ["verify", url])
+    assert res.exit_code == 0 and "step-000000001" in res.output and "step-000000002" not in res.output, res.output
+    torch.manual_seed(0)
+    want = torch.randn(10 << 20)
+    dest = {"model": {"w": torch.zeros(10 << 20)}}
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        assert mgr.restore(dest) == 1 and torch.equal(dest["model"]["w"], want)
+        assert _uploads(fs, f"{key}/") == []
+        mgr.save(2, dest)
+    res = CliRunner().invoke(cli, ["verify", url])
+    assert res.exit_code == 0 and res.output.count("OK") == 2, res.output
