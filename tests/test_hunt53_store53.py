@@ -125,3 +125,21 @@ def test_writer_killed_mid_multipart_upload_then_resume(weed, tmp_path):  # noqa
         mgr.save(2, dest)
     res = CliRunner().invoke(cli, ["verify", url])
     assert res.exit_code == 0 and res.output.count("OK") == 2, res.output
+
+
+def test_a_missing_bucket_is_named_by_load_ls_and_verify(weed):  # noqa: F811
+    """``trainguard ls``/``verify`` and ``tg.load`` of a URL whose bucket does not exist (a typo, the wrong
+    endpoint) said only "no such directory": one looks for the prefix. Now they name the bucket."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main as cli
+
+    bucket = f"nobucket-{uuid.uuid4().hex[:8]}"
+    for cmd in ("ls", "verify"):
+        res = CliRunner().invoke(cli, [cmd, f"s3://{bucket}/run1"])
+        assert res.exit_code == 2, res.output
+        assert f"the bucket s3://{bucket} does not exist: check the bucket's name" in res.output, res.output
+    with pytest.raises(tg.NotACheckpointError, match=f"the bucket s3://{bucket} does not exist"):
+        tg.load(f"s3://{bucket}/run1/step-000000001", {"w": torch.zeros(2)})
+    res = CliRunner().invoke(cli, ["ls", f"s3://tgtest/{uuid.uuid4().hex[:10]}"])  # the bucket is there: no hint
+    assert res.exit_code == 2 and "no such directory" in res.output and "bucket" not in res.output, res.output

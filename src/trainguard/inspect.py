@@ -169,9 +169,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     saying so (``describe``, ``trainguard inspect``, shows one) instead of listing nothing."""
     storage, r = for_path(root)
     if not storage.exists(r):
-        from .commit import moved_aside
+        from .commit import absent
 
-        raise NotACheckpointError(f"{root}: no such directory{moved_aside(storage, r)}")
+        raise NotACheckpointError(f"{root}: no such directory{absent(storage, r)}")
     try:
         steps = list_steps(storage, r, media_ok=True)
     except NotADirectoryError:

@@ -176,6 +176,20 @@ class FsspecStorage:
     def fsync_dir(self, path: str) -> None:
         """Nothing to do: a completed PUT is durable."""
 
+    def missing_bucket(self, path: str) -> str:
+        """For a "no such directory" error (``commit.absent``: ``tg.load``, ``trainguard ls``/``verify``): why, when
+        ``path``'s S3 bucket does not exist (they said only "no such directory": one looked for the prefix), else ``""``."""
+        try:
+            if self._s3:
+                need_bucket(self.io, path, self._buckets)
+        except CheckpointError:  # need_bucket's: no such bucket
+            bucket = path.strip("/").split("/", 1)[0]
+            return (f"the bucket s3://{bucket} does not exist: check the bucket's name in the URL, and the endpoint "
+                    "(AWS_ENDPOINT_URL) and account")
+        except Exception:  # noqa: BLE001 - only a hint: the error raised is the caller's
+            pass
+        return ""
+
     def abort_uploads(self, root: str) -> list[str]:
         """``commit.clean_debris`` (rank 0, a manager's open): abort the multipart uploads crashed saves left in
         ``root``'s step directories (S3; parts no listing shows, billed until aborted: ``_stale``)."""
