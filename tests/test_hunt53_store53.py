@@ -179,3 +179,70 @@ def test_ls_of_an_object_store_looks_at_step_directories_concurrently(monkeypatc
     rows = list_checkpoints(url)
     assert [(r.step, r.status) for r in rows] == [(1, "valid"), (2, "valid"), (3, "valid"), (4, "valid")]
     assert most[0] >= 2
+
+
+class _Http403:
+    status_code, headers, content, text = 403, {}, b"", ""
+
+
+def _refuse(ops: tuple[str, ...]):
+    """Make the process's s3fs client answer ``ops`` (e.g. ``PutObject``) with a 403 AccessDenied, as a
+    read-only key or a bucket policy does; returns the function that undoes it."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem()  # the instance trainguard's storage gets (fsspec's cache)
+    fs.connect()
+
+    def deny(params, **kwargs):
+        return _Http403(), {"Error": {"Code": "AccessDenied", "Message": "Access Denied."},
+                            "ResponseMetadata": {"HTTPStatusCode": 403}}
+
+    for op in ops:
+        fs.s3.meta.events.register(f"before-call.s3.{op}", deny)
+    return lambda: [fs.s3.meta.events.unregister(f"before-call.s3.{op}", deny) for op in ops]
+
+
+def test_a_save_refused_by_the_store_says_check_the_credentials(weed):  # noqa: F811
+    """A save whose writes the store refuses (403: a read-only key, a bucket policy) said "PermissionError:
+    the object store answered HTTP 403 (AccessDenied)", naming nothing to change; a read's 403 said "refused
+    access ...: check the credentials" (docs/storage.md promises it for saves too). Now a write's says so."""
+    url = _url()
+    undo = _refuse(("PutObject", "CreateMultipartUpload", "UploadPart"))
+    try:
+        for n in (16, 3 << 20):  # one PUT; a multipart upload (12 MiB: a part of 5 MiB or more goes up as one)
+            with pytest.raises(tg.CheckpointError, match=r"refused access \(Access Denied\.\): check the credentials"):
+                tg.save(f"{url}/step-00000000{1 if n == 16 else 2}", {"w": torch.zeros(n)})
+    finally:
+        undo()
+
+
+def test_debris_the_store_refuses_to_delete_is_not_reported_removed(weed, caplog):  # noqa: F811
+    """A manager's open whose delete of a crashed save's objects the store refused (a read-only key) logged
+    "removed debris of crashed saves ...: ['step-000000005']" (and the ``debris`` event) though it stayed;
+    now only the warning that it could not be removed. The next open with delete rights removes it."""
+    import s3fs
+
+    url = _url()
+    key = url[len("s3://"):]
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.ones(4)})
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.pipe_file(f"{key}/step-000000005/data-00000.bin", b"partial")  # a crashed save's object
+    undo = _refuse(("DeleteObject", "DeleteObjects"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            with tg.CheckpointManager(url, handle_signals=False) as mgr:
+                assert mgr.latest_step() == 1
+    finally:
+        undo()
+    assert "could not remove" in caplog.text and "check the credentials" in caplog.text
+    assert "removed debris" not in caplog.text
+    fs.invalidate_cache()
+    assert fs.exists(f"{key}/step-000000005/data-00000.bin")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(url, handle_signals=False) as mgr:
+            assert mgr.latest_step() == 1
+    assert "removed debris" in caplog.text and "step-000000005" in caplog.text
+    fs.invalidate_cache()
+    assert not fs.exists(f"{key}/step-000000005/data-00000.bin")

@@ -49,7 +49,9 @@ MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks
 
 def _remote(fn: F) -> F:
     """Marks the client's ``OSError`` ``remote``: its errno guesses an HTTP error's (s3fs: EIO for a 502,
-    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it)."""
+    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it); a 403 is told as
+    "refused access: check the credentials" (``errors.error_text``). Reads and writes (a save's 403 was told
+    as "PermissionError: the object store answered HTTP 403 (AccessDenied)", nothing to change named)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -150,6 +152,7 @@ class FsspecStorage:
                 return b""
             raise
 
+    @_remote  # its 403 says "check the credentials" (errors.error_text), as a read's
     def write_atomic(self, path: str, data: bytes) -> None:
         # A single PUT: the object appears whole or not at all.
         self.io.pipe_file(path, bytes(data))
@@ -170,6 +173,8 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         except Exception as e:
+            if isinstance(e, OSError):
+                e.remote = True  # type: ignore[attr-defined]  # a 403: "check the credentials" (error_text)
             log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, error_text(e))
         self._fresh(path)
 
@@ -233,10 +238,12 @@ class _PartWriter:
                 self._filled[k] = self._gaps.pop(k, 0)
             return buf
 
+    @_remote
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         self._fill(offset, len(view), view)
 
+    @_remote
     def hole(self, offset: int, length: int) -> None:
         """Bytes ``offset:offset+length`` are never written (``io.write_batches``: a gap between chunks,
         ``writegaps``): they count as written, zeros, so a part with a gap is sent once its data is there
@@ -289,6 +296,7 @@ class _PartWriter:
 
         self._futures.append(self._pool.submit(run))
 
+    @_remote
     def finish(self, size: int) -> None:
         try:
             last = -(-size // self.P)
