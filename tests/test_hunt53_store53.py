@@ -246,3 +246,29 @@ def test_debris_the_store_refuses_to_delete_is_not_reported_removed(weed, caplog
     assert "removed debris" in caplog.text and "step-000000005" in caplog.text
     fs.invalidate_cache()
     assert not fs.exists(f"{key}/step-000000005/data-00000.bin")
+
+
+def test_a_rank_file_of_more_than_s3s_part_limit_goes_up_in_larger_parts(weed, monkeypatch):  # noqa: F811
+    """S3 takes at most 10,000 parts in one multipart upload (SeaweedFS refuses part 10,001 too): a rank file
+    over 10,000 x 32 MiB (312.5 GiB) failed at part 10,001, after 312.5 GiB went up. Now a file that needs more
+    parts gets larger ones. Here the limit is lowered to 3 parts of 5 MiB for a 24 MiB file."""
+    from trainguard.storage import fsspec as tgfs
+
+    monkeypatch.setattr(tgfs, "MAX_PARTS", 3, raising=False)
+    monkeypatch.setattr(tgfs.FsspecStorage.__init__, "__kwdefaults__", {"part_size": 5 << 20})
+    parts: list[int] = []
+    orig = tgfs._S3Upload.part
+
+    def part(self, k, data):
+        parts.append(len(data))
+        return orig(self, k, data)
+
+    monkeypatch.setattr(tgfs._S3Upload, "part", part)
+    torch.manual_seed(3)
+    state = {"w": torch.randn(6 << 20)}  # 24 MiB
+    url = f"{_url()}/step-000000001"
+    tg.save(url, state)
+    assert len(parts) <= 3 and all(n % (1 << 20) == 0 for n in parts[:-1]), parts
+    dest = {"w": torch.zeros(6 << 20)}
+    tg.load(url, dest)
+    assert torch.equal(dest["w"], state["w"])

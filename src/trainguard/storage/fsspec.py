@@ -42,7 +42,8 @@ from ._urls import check_object_path, import_fsspec
 log = logging.getLogger("trainguard")
 F = TypeVar("F", bound=Callable[..., Any])
 
-PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (S3: 10,000 parts, files up to 320 GB); ranged GETs above: split
+PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (larger for a file of more than MAX_PARTS); ranged GETs above: split
+MAX_PARTS = 10_000  # S3's most parts of one multipart upload (part 10,001 is refused): 312.5 GiB of 32 MiB parts
 UPLOAD_THREADS = 4  # parts uploaded at once per open file
 MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
 
@@ -224,6 +225,12 @@ class _PartWriter:
         self._error: BaseException | None = None  # the first part upload that failed: no later part goes up
         self._aborted = False
         self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
+
+    def reserve(self, size: int) -> None:
+        """``io.reserve``, before the first write: a file of more than ``MAX_PARTS`` parts gets larger parts (S3),
+        a whole MiB each. Before, a rank file over 312.5 GiB failed at part 10,001, after 312.5 GiB went up."""
+        if isinstance(self._up, _S3Upload) and size > MAX_PARTS * self.P and not (self._sent or self._bufs or self._gaps):
+            self.P = -(-size // (MAX_PARTS << 20)) << 20
 
     def _buffer(self, k: int) -> bytearray:
         with self._lock:
