@@ -272,3 +272,22 @@ def test_a_rank_file_of_more_than_s3s_part_limit_goes_up_in_larger_parts(weed, m
     dest = {"w": torch.zeros(6 << 20)}
     tg.load(url, dest)
     assert torch.equal(dest["w"], state["w"])
+
+
+def test_a_url_scheme_in_capitals_is_the_same_store():
+    """URL schemes are case-insensitive: ``MEMORY://...`` (``S3://...``) was refused with "no fsspec filesystem
+    for this URL (Protocol not known: MEMORY). Install the package for the scheme", with the package installed."""
+    run = f"hunt53-scheme-{uuid.uuid4().hex[:8]}"
+    tg.save(f"MEMORY://{run}/step-000000001", {"w": torch.full((3,), 7.0)})
+    dest = {"w": torch.zeros(3)}
+    tg.load(f"memory://{run}/step-000000001", dest)
+    assert dest["w"].tolist() == [7.0, 7.0, 7.0]
+    assert tg.verify(f"Memory://{run}/step-000000001").ok
+
+
+def test_an_s3_url_in_capitals_is_the_same_store(weed):  # noqa: F811
+    url = _url()
+    tg.save(f"S3://{url[len('s3://'):]}/step-000000001", {"w": torch.full((3,), 5.0)})
+    dest = {"w": torch.zeros(3)}
+    tg.load(f"{url}/step-000000001", dest)
+    assert dest["w"].tolist() == [5.0, 5.0, 5.0]

@@ -83,8 +83,9 @@ class FsspecStorage:
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
         """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``)."""
         fsspec = import_fsspec()
-        try:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        scheme, sep, rest = url.partition("://")  # case-insensitive (RFC 3986); fsspec knows "s3", not "S3": its
+        try:  # "Protocol not known: S3" was told as "install the package for the scheme, e.g. s3fs"
+            fs, path = fsspec.core.url_to_fs(scheme.lower() + sep + rest, **storage_options)
         except (ImportError, ValueError) as e:
             raise CheckpointError(
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
