@@ -48,7 +48,7 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     path = storage.join(directory, layout.MANIFEST)
     if not storage.exists(path):
         if not storage.exists(directory):
-            raise NotACheckpointError(f"{location(storage, directory)}: no such checkpoint directory{moved_aside(storage, directory)}")
+            raise NotACheckpointError(f"{location(storage, directory)}: no such checkpoint directory{absent(storage, directory)}")
         raise NotACheckpointError(_run_dir_named(storage, directory) or (
             f"{location(storage, directory)} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
@@ -70,6 +70,13 @@ def _run_dir_named(storage: Storage, directory: str) -> str:
     shown = location(storage, directory)  # what the operator typed (a URL on object stores)
     return (f"{shown} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
             f"ls {shlex.quote(shown)}` shows which are valid)") if n else ""
+
+
+def absent(storage: Storage, directory: str) -> str:
+    """For a "no such directory" error (``tg.load``, ``trainguard ls``/``verify``): `` (<why>)`` when the object
+    store's bucket is missing (``FsspecStorage.missing_bucket``), else ``moved_aside``'s hint."""
+    why = getattr(storage, "missing_bucket", lambda _: "")(directory)
+    return f" ({why})" if why else moved_aside(storage, directory)
 
 
 def moved_aside(storage: Storage, directory: str) -> str:
@@ -199,7 +206,8 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
     dir (an overwrite that crashed between its two renames) is moved back when its step is
     missing; an ``.abandoned-<token>`` one (``retention.set_aside``) is removed when the save
     that set it aside committed, else moved back. Rank 0 only, while holding the lock. Returns
-    the names removed or restored (not one that stays: ``commitfail.removed``)."""
+    the names removed or restored (not one that stays: ``commitfail.removed``), and on S3 the keys of the
+    incomplete multipart uploads it aborted (``storage/_stale.py``)."""
     done: list[str] = []
     names = storage.listdir(root)
     for name in names:
@@ -222,7 +230,8 @@ def clean_debris(storage: Storage, root: str) -> list[str]:
                           "it is moved away (it is not removed: trainguard did not write it)", stacklevel=2)
         elif s.status == "incomplete":
             done += removed(storage, s.path, s.name)
-    return done + settle_aside(storage, root, names)
+    uploads = getattr(storage, "abort_uploads", None)  # S3: a crashed save's multipart upload (no object: not listed)
+    return done + settle_aside(storage, root, names) + (uploads(root) if uploads else [])
 
 
 def settle_aside(storage: Storage, root: str, names: list[str], only: str | None = None) -> list[str]:

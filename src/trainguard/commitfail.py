@@ -68,10 +68,16 @@ def renamed_anyway(storage: Storage, work: str, final: str, error: BaseException
 
 def removed(storage: Storage, path: str, name: str) -> list[str]:
     """``commit.clean_debris``: remove the debris ``path``; ``[name]`` when it is gone, ``[]`` when part of
-    it stays on a local file system (``remove_tree`` warned why: a refused or busy entry). Before, the
-    open's warning and ``debris`` event listed such a directory as removed, open after open."""
+    it stays (``remove_tree`` warned why: a refused or busy entry; an object store's 403 or outage). Before, the
+    open's warning and ``debris`` event listed such a directory as removed, open after open (on object stores
+    until hunt53: a read-only key's open said "removed debris ... ['step-000000005']", which stayed)."""
     storage.remove_tree(path)
-    return [name] if not storage.atomic_rename or not os.path.lexists(path) else []
+    if storage.atomic_rename:
+        return [] if os.path.lexists(path) else [name]
+    try:
+        return [] if storage.listdir(path) else [name]  # objects left (not exists(): SeaweedFS keeps a folder entry)
+    except OSError:
+        return []
 
 
 def mount_point(storage: Storage, final: str) -> dict[str, str]:

@@ -25,6 +25,7 @@ from .tied import aliases_of
 
 _READ = 64 << 20
 _DELETED = "removed while it was listed (a running job's retention deletes old checkpoints)"
+_ROW_THREADS = 16  # list_checkpoints on an object store: step directories looked at at once
 _RELISTS = 3  # list_checkpoints: how many times more a run directory is listed when steps vanished while read
 
 
@@ -169,9 +170,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     saying so (``describe``, ``trainguard inspect``, shows one) instead of listing nothing."""
     storage, r = for_path(root)
     if not storage.exists(r):
-        from .commit import moved_aside
+        from .commit import absent
 
-        raise NotACheckpointError(f"{root}: no such directory{moved_aside(storage, r)}")
+        raise NotACheckpointError(f"{root}: no such directory{absent(storage, r)}")
     try:
         steps = list_steps(storage, r, media_ok=True)
     except NotADirectoryError:
@@ -188,7 +189,7 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
             )
     rows: dict[str, StepInfo] = {}
     for _ in range(1 + _RELISTS):
-        fresh = [_row(storage, s, verify_data) for s in steps if s.name not in rows or rows[s.name].status == "incomplete"]
+        fresh = _rows(storage, [s for s in steps if s.name not in rows or rows[s.name].status == "incomplete"], verify_data)
         rows.update((x.name, x) for x in fresh)
         if not any(x.status == "deleted" for x in fresh):
             break
@@ -199,6 +200,20 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
             if rows[gone].status == "incomplete":
                 rows[gone].status, rows[gone].detail = "deleted", _DELETED
     return sorted(rows.values(), key=lambda x: x.step)
+
+
+def _rows(storage: Storage, steps: list[Any], verify_data: bool) -> list[StepInfo]:
+    """``_row`` of each of ``steps``; on an object store (no local files) ``_ROW_THREADS`` at a time, the
+    data not read (``verify_data``: one checkpoint's bytes at a time, as ``verify``). Each row is a few
+    requests (the manifest's HEAD and GET, a HEAD per data file): one after another, ``trainguard ls`` of
+    553 checkpoints took 61 s against an S3 endpoint 20 ms away, 10.7 s on loopback."""
+    if storage.atomic_rename or verify_data or len(steps) < 2:
+        return [_row(storage, s, verify_data) for s in steps]
+    from concurrent.futures import ThreadPoolExecutor
+
+    # each call is bounded (TRAINGUARD_STORE_TIMEOUT): no thread hangs the exit
+    with ThreadPoolExecutor(max_workers=min(_ROW_THREADS, len(steps)), thread_name_prefix="trainguard-ls") as ex:
+        return list(ex.map(lambda s: _row(storage, s, verify_data), steps))
 
 
 def _row(storage: Storage, s: Any, verify_data: bool) -> StepInfo:

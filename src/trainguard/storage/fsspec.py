@@ -35,20 +35,24 @@ from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
 from ._remove import remove_prefix
+from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
 from ._urls import check_object_path, import_fsspec
 
 log = logging.getLogger("trainguard")
 F = TypeVar("F", bound=Callable[..., Any])
 
-PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (S3: 10,000 parts, files up to 320 GB); ranged GETs above: split
+PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (larger for a file of more than MAX_PARTS); ranged GETs above: split
+MAX_PARTS = 10_000  # S3's most parts of one multipart upload (part 10,001 is refused): 312.5 GiB of 32 MiB parts
 UPLOAD_THREADS = 4  # parts uploaded at once per open file
 MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
 
 
 def _remote(fn: F) -> F:
     """Marks the client's ``OSError`` ``remote``: its errno guesses an HTTP error's (s3fs: EIO for a 502,
-    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it)."""
+    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it); a 403 is told as
+    "refused access: check the credentials" (``errors.error_text``). Reads and writes (a save's 403 was told
+    as "PermissionError: the object store answered HTTP 403 (AccessDenied)", nothing to change named)."""
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -80,8 +84,9 @@ class FsspecStorage:
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
         """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``)."""
         fsspec = import_fsspec()
-        try:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        scheme, sep, rest = url.partition("://")  # case-insensitive (RFC 3986); fsspec knows "s3", not "S3": its
+        try:  # "Protocol not known: S3" was told as "install the package for the scheme, e.g. s3fs"
+            fs, path = fsspec.core.url_to_fs(scheme.lower() + sep + rest, **storage_options)
         except (ImportError, ValueError) as e:
             raise CheckpointError(
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
@@ -150,6 +155,7 @@ class FsspecStorage:
                 return b""
             raise
 
+    @_remote  # its 403 says "check the credentials" (errors.error_text), as a read's
     def write_atomic(self, path: str, data: bytes) -> None:
         # A single PUT: the object appears whole or not at all.
         self.io.pipe_file(path, bytes(data))
@@ -170,11 +176,32 @@ class FsspecStorage:
         except FileNotFoundError:
             pass
         except Exception as e:
+            if isinstance(e, OSError):
+                e.remote = True  # type: ignore[attr-defined]  # a 403: "check the credentials" (error_text)
             log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, error_text(e))
         self._fresh(path)
 
     def fsync_dir(self, path: str) -> None:
         """Nothing to do: a completed PUT is durable."""
+
+    def missing_bucket(self, path: str) -> str:
+        """For a "no such directory" error (``commit.absent``: ``tg.load``, ``trainguard ls``/``verify``): why, when
+        ``path``'s S3 bucket does not exist (they said only "no such directory": one looked for the prefix), else ``""``."""
+        try:
+            if self._s3:
+                need_bucket(self.io, path, self._buckets)
+        except CheckpointError:  # need_bucket's: no such bucket
+            bucket = path.strip("/").split("/", 1)[0]
+            return (f"the bucket s3://{bucket} does not exist: check the bucket's name in the URL, and the endpoint "
+                    "(AWS_ENDPOINT_URL) and account")
+        except Exception:  # noqa: BLE001 - only a hint: the error raised is the caller's
+            pass
+        return ""
+
+    def abort_uploads(self, root: str) -> list[str]:
+        """``commit.clean_debris`` (rank 0, a manager's open): abort the multipart uploads crashed saves left in
+        ``root``'s step directories (S3; parts no listing shows, billed until aborted: ``_stale``)."""
+        return abort_uploads(self.io, root) if self._s3 else []
 
     def open_write(self, path: str) -> _PartWriter:
         return _PartWriter(self, path)
@@ -201,6 +228,12 @@ class _PartWriter:
         self._aborted = False
         self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
 
+    def reserve(self, size: int) -> None:
+        """``io.reserve``, before the first write: a file of more than ``MAX_PARTS`` parts gets larger parts (S3),
+        a whole MiB each. Before, a rank file over 312.5 GiB failed at part 10,001, after 312.5 GiB went up."""
+        if isinstance(self._up, _S3Upload) and size > MAX_PARTS * self.P and not (self._sent or self._bufs or self._gaps):
+            self.P = -(-size // (MAX_PARTS << 20)) << 20
+
     def _buffer(self, k: int) -> bytearray:
         with self._lock:
             buf = self._bufs.get(k)
@@ -214,10 +247,12 @@ class _PartWriter:
                 self._filled[k] = self._gaps.pop(k, 0)
             return buf
 
+    @_remote
     def pwrite(self, data: memoryview, offset: int) -> None:
         view = data.cast("B") if data.format != "B" or data.ndim != 1 else data
         self._fill(offset, len(view), view)
 
+    @_remote
     def hole(self, offset: int, length: int) -> None:
         """Bytes ``offset:offset+length`` are never written (``io.write_batches``: a gap between chunks,
         ``writegaps``): they count as written, zeros, so a part with a gap is sent once its data is there
@@ -270,6 +305,7 @@ class _PartWriter:
 
         self._futures.append(self._pool.submit(run))
 
+    @_remote
     def finish(self, size: int) -> None:
         try:
             last = -(-size // self.P)
