@@ -90,3 +90,43 @@ def test_resume_mid_epoch_with_own_generators(tmp_path, workers: int) -> None:
     assert len(resumed) == len(straight) - 2
     for k, (a, b) in enumerate(zip(straight[2:], resumed, strict=True)):
         assert torch.equal(a, b), f"batch {k + 2} differs after the resume"
+
+
+class _Decode:
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __call__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(self.rng.random())], dtype=torch.float64)
+
+
+def _closure_transform():
+    rng = random.Random(4)
+    inner = _Decode()  # its generator: one level down
+
+    def decode(i: int) -> torch.Tensor:
+        return torch.cat([inner(i), torch.tensor([rng.random()], dtype=torch.float64)])
+    return decode
+
+
+@pytest.mark.parametrize("kind", ["object", "closure"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_transform_with_own_generators_resumes(tmp_path, kind: str, workers: int) -> None:
+    def make():
+        tf = _Decode() if kind == "object" else _closure_transform()
+        data = tg.ResumableIterable(lambda epoch: iter(range(24)), batch_size=4, transform=tf, seed=0)
+        return data, DataLoader(data, batch_size=4, num_workers=workers)
+
+    data, loader = make()
+    straight = []
+    for x in loader:
+        straight.append(x)
+        data.advance(len(x))
+        if len(straight) == 2:
+            tg.save(str(tmp_path / "step-000000002"), {"data": data})
+    data, loader = make()
+    tg.load(str(tmp_path / "step-000000002"), {"data": data})
+    resumed = list(loader)
+    assert len(resumed) == len(straight) - 2
+    for k, (a, b) in enumerate(zip(straight[2:], resumed, strict=True)):
+        assert torch.equal(a, b), f"batch {k + 2} differs after the resume"

@@ -21,8 +21,10 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import inspect
 import operator
 import random
+import types
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -92,12 +94,24 @@ def seeded_call(seed: int, fn: Callable[..., Any], *args: Any) -> Any:
 def own_generators(obj: Any) -> list[tuple[str, Any]]:
     """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)``, or as attributes
     of its attributes (``self.transform.rng``), by path: ``random.Random``, NumPy's ``Generator`` and
-    ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the global ones."""
+    ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the global ones, and so does
+    ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable object's attributes, a
+    bound method's object's, a function's closure variables, and theirs)."""
     found: list[tuple[str, Any]] = []
-    for name, value in sorted(getattr(obj, "__dict__", {}).items()):
+    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
+        obj = obj.__self__
+    names = vars(obj) if hasattr(obj, "__dict__") and not inspect.isfunction(obj) else {}
+    if inspect.isfunction(obj) and obj.__closure__:  # a function's closure: what it draws from
+        names = {}
+        for n, c in zip(obj.__code__.co_freevars, obj.__closure__, strict=True):
+            try:
+                names[n] = c.cell_contents
+            except ValueError:  # an empty cell
+                pass
+    for name, value in sorted(names.items()):
         if _kind(value):
             found.append((name, value))
-        elif not isinstance(value, type) and not isinstance(value, torch.Tensor):
+        elif not isinstance(value, type | torch.Tensor | types.ModuleType):
             found += [(f"{name}.{k}", v) for k, v in sorted(getattr(value, "__dict__", {}).items()) if _kind(v)]
     return found
 
