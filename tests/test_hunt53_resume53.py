@@ -130,3 +130,43 @@ def test_iterable_transform_with_own_generators_resumes(tmp_path, kind: str, wor
     assert len(resumed) == len(straight) - 2
     for k, (a, b) in enumerate(zip(straight[2:], resumed, strict=True)):
         assert torch.equal(a, b), f"batch {k + 2} differs after the resume"
+
+
+_GLOBAL_RNG = np.random.default_rng(9)
+
+
+def _global_transform(i: int) -> torch.Tensor:  # draws from a module global of its own
+    return torch.tensor([float(i), float(_GLOBAL_RNG.random())], dtype=torch.float64)
+
+
+def test_iterable_transform_drawing_from_a_module_global_resumes(tmp_path) -> None:
+    def make():
+        data = tg.ResumableIterable(lambda epoch: iter(range(24)), batch_size=4, transform=_global_transform, seed=0)
+        return data, DataLoader(data, batch_size=4, num_workers=2)
+
+    data, loader = make()
+    straight = []
+    for x in loader:
+        straight.append(x)
+        data.advance(len(x))
+        if len(straight) == 2:
+            tg.save(str(tmp_path / "step-000000002"), {"data": data})
+    data, loader = make()
+    tg.load(str(tmp_path / "step-000000002"), {"data": data})
+    resumed = list(loader)
+    assert all(torch.equal(a, b) for a, b in zip(straight[2:], resumed, strict=True))
+
+
+class GlobalRng(Dataset):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), float(_GLOBAL_RNG.random())], dtype=torch.float64)
+
+
+def test_dataset_drawing_from_a_module_global_gets_per_sample_draws() -> None:
+    ds = tg.SeededDataset(GlobalRng(), seed=0)
+    first = ds[(5, 0)]
+    ds[(6, 0)]
+    assert torch.equal(first, ds[(5, 0)])

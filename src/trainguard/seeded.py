@@ -96,14 +96,14 @@ def own_generators(obj: Any) -> list[tuple[str, Any]]:
     of its attributes (``self.transform.rng``), by path: ``random.Random``, NumPy's ``Generator`` and
     ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the global ones, and so does
     ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable object's attributes, a
-    bound method's object's, a function's closure variables, and theirs)."""
+    bound method's object's, a function's closure variables and the module globals it names, and theirs)."""
     found: list[tuple[str, Any]] = []
     if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
         obj = obj.__self__
     names = vars(obj) if hasattr(obj, "__dict__") and not inspect.isfunction(obj) else {}
-    if inspect.isfunction(obj) and obj.__closure__:  # a function's closure: what it draws from
-        names = {}
-        for n, c in zip(obj.__code__.co_freevars, obj.__closure__, strict=True):
+    if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
+        names = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
+        for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
             try:
                 names[n] = c.cell_contents
             except ValueError:  # an empty cell
@@ -113,6 +113,17 @@ def own_generators(obj: Any) -> list[tuple[str, Any]]:
             found.append((name, value))
         elif not isinstance(value, type | torch.Tensor | types.ModuleType):
             found += [(f"{name}.{k}", v) for k, v in sorted(getattr(value, "__dict__", {}).items()) if _kind(v)]
+    return found
+
+
+def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
+    """``SeededDataset``: :func:`own_generators` of the dataset, and of its class's ``__getitem__`` (the module
+    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once."""
+    found, ids = [], set()
+    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)):
+        if id(g) not in ids:
+            ids.add(id(g))
+            found.append((path, g))
     return found
 
 
@@ -190,7 +201,7 @@ class SeededDataset(torch.utils.data.Dataset):
                 "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
             )
         index, epoch = key
-        return seeded_own(self.sample_seed(index, epoch), own_generators(self.dataset), self.dataset.__getitem__, index)
+        return seeded_own(self.sample_seed(index, epoch), dataset_generators(self.dataset), self.dataset.__getitem__, index)
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process)."""
