@@ -9,7 +9,8 @@ augmentation drawn in ``__getitem__`` would differ from the uninterrupted run's.
 
 ``SeededDataset`` makes every sample's draws a function of ``(seed, epoch, index)`` only: around
 each ``dataset[index]`` it seeds Python ``random``, NumPy's global generator and torch's CPU
-generator from that triple and restores them afterwards. The same sample of the same epoch is
+generator from that triple and restores them afterwards (and the dataset's own generators, kept as its
+attributes: :func:`own_generators`). The same sample of the same epoch is
 augmented the same way whatever the worker, the number of workers, or where the run resumed.
 The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(index, epoch)``::
 
@@ -20,8 +21,11 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import inspect
 import operator
 import random
+import types
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -87,11 +91,91 @@ def seeded_call(seed: int, fn: Callable[..., Any], *args: Any) -> Any:
         torch.set_rng_state(saved[2])
 
 
+def own_generators(obj: Any) -> list[tuple[str, Any]]:
+    """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)``, or as attributes
+    of its attributes (``self.transform.rng``), by path: ``random.Random``, NumPy's ``Generator`` and
+    ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the global ones, and so does
+    ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable object's attributes, a
+    bound method's object's, a function's closure variables and the module globals it names, and theirs)."""
+    found: list[tuple[str, Any]] = []
+    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
+        obj = obj.__self__
+    names = vars(obj) if hasattr(obj, "__dict__") and not inspect.isfunction(obj) else {}
+    if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
+        names = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
+        for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
+            try:
+                names[n] = c.cell_contents
+            except ValueError:  # an empty cell
+                pass
+    for name, value in sorted(names.items()):
+        if _kind(value):
+            found.append((name, value))
+        elif not isinstance(value, type | torch.Tensor | types.ModuleType):
+            found += [(f"{name}.{k}", v) for k, v in sorted(getattr(value, "__dict__", {}).items()) if _kind(v)]
+    return found
+
+
+def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
+    """``SeededDataset``: :func:`own_generators` of the dataset, and of its class's ``__getitem__`` (the module
+    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once."""
+    found, ids = [], set()
+    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)):
+        if id(g) not in ids:
+            ids.add(id(g))
+            found.append((path, g))
+    return found
+
+
+def _kind(g: Any) -> bool:
+    return isinstance(g, np.random.Generator | np.random.RandomState) or \
+        (isinstance(g, random.Random) and type(g).getstate is not random.SystemRandom.getstate) or \
+        (isinstance(g, torch.Generator) and g.device.type == "cpu")
+
+
+def seeded_own(seed: int, gens: list[tuple[str, Any]], fn: Callable[..., Any], *args: Any) -> Any:
+    """``seeded_call``, with the dataset's own generators ``gens`` (:func:`own_generators`) seeded too, each
+    from ``seed`` and its path, and put back afterwards."""
+    if not gens:
+        return seeded_call(seed, fn, *args)
+    saved = []
+    for path, g in gens:
+        s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
+        if isinstance(g, np.random.Generator):
+            saved.append(g.bit_generator.state)
+            g.bit_generator.state = type(g.bit_generator)(s).state
+        elif isinstance(g, np.random.RandomState):
+            saved.append(g.get_state())
+            g.seed([s & 0xFFFFFFFF, s >> 32])
+        elif isinstance(g, random.Random):
+            saved.append(g.getstate())
+            g.seed(s)
+        else:
+            saved.append(g.get_state())
+            g.manual_seed(s)
+    try:
+        return seeded_call(seed, fn, *args)
+    finally:
+        for (_, g), st in zip(gens, saved, strict=True):
+            if isinstance(g, np.random.Generator):
+                g.bit_generator.state = st
+            elif isinstance(g, np.random.RandomState | random.Random):
+                g.setstate(st) if isinstance(g, random.Random) else g.set_state(st)
+            else:
+                g.set_state(st)
+
+
 class SeededDataset(torch.utils.data.Dataset):
     """Wraps a map-style dataset; ``self[(index, epoch)]`` is ``dataset[index]`` computed with
     Python ``random``, NumPy's global generator and torch's CPU generator seeded from
     ``(seed, epoch, index)`` (the generators' previous states are restored afterwards, so the
-    caller's random stream is untouched when ``num_workers=0``).
+    caller's random stream is untouched when ``num_workers=0``), and so are the generators the
+    dataset keeps as attributes or attributes of its attributes (``self.rng =
+    np.random.default_rng(0)``, ``self.transform.rng``: :func:`own_generators`), each from that seed
+    and its attribute path. Before, those drew on from wherever the worker's copy (or, with
+    ``num_workers=0``, the training process's, which ``RNGState`` does not save) had got to: a resume
+    mid-epoch augmented differently, silently. Generators kept deeper (in a list of transforms) are not
+    found: draw from the global ones there.
 
     In a DataLoader worker, the batch's ``collate_fn`` runs right after the batch's items
     (``__getitems__``): the worker's generators are left seeded from ``(seed, epoch, first index
@@ -117,7 +201,7 @@ class SeededDataset(torch.utils.data.Dataset):
                 "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
             )
         index, epoch = key
-        return seeded_call(self.sample_seed(index, epoch), self.dataset.__getitem__, index)
+        return seeded_own(self.sample_seed(index, epoch), dataset_generators(self.dataset), self.dataset.__getitem__, index)
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process)."""
