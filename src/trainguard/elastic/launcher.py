@@ -1,8 +1,6 @@
-"""``trainguard run``: torch's elastic agent (``torch.distributed.run``) with trainguard's
-defaults, fault drills, hang watchdog and event log.
+"""``trainguard run``: torch's elastic agent (``torch.distributed.run``) with trainguard's defaults, fault drills, hang watchdog, event log.
 
-Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as
-``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
+Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as ``torchrun`` would be (its parser plus trainguard's options). Before the agent starts it:
 
 * sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may connect to the dead
   attempt's gloo ports: recovery failed 3 times in 6 here), the workers' ``MASTER_PORT`` held for them (:mod:`.masterport`);
@@ -20,9 +18,9 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
-On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises
-``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit`` and returns 128 +
-the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
+On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises ``SignalException``
+(once: :func:`install_signal_once`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
+and returns 128 + the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
 from . import args as cli_args
-from . import errfiles, masterport, reap
+from . import errfiles, keepalive, masterport, reap
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -262,7 +260,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
-    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold()  # reap.py, masterport.py
+    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold(), keepalive.install()  # their modules
     errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
@@ -384,6 +382,7 @@ def main(argv: list[str]) -> int:
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
             print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
+            keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
