@@ -45,6 +45,7 @@ from .stops import (
     agent_result,
     clear,
     exit_cause,
+    failure_detail,
     first_failure,
     no_restart,
     quiet_stop,
@@ -287,7 +288,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
                 return result
             first = first_failure(result.failures)
             events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode), stop_s=round(time.time() - t0, 6),
-                        failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()})
+                        failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()}, **failure_detail(result.failures[first]))
             if no_restart(result.failures):
                 self._remaining_restarts = 0  # exit 78: the same error at every restart (permanent.py)
         return result
