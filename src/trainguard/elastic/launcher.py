@@ -19,14 +19,13 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
 On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises ``SignalException``
-(once: :func:`install_signal_once`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
+(once: :func:`.agentsig.install_signal_once`, from the agent's start: :func:`.agentsig.install_early`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
 and returns 128 + the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from . import args as cli_args
 from . import errfiles, keepalive, masterport, reap
+from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -210,46 +210,7 @@ def preload(args: argparse.Namespace) -> None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard.manager"])
 
 
-def install_signal_once() -> Any:
-    """Agent (:func:`install_agent_hooks`): a stop signal while the agent stops its workers for an
-    earlier one is reported, not raised (torch's handler: a 2nd cut the wait for the workers' save,
-    a 3rd ended the agent mid-save). The wait stays bounded: ``--shutdown-timeout``, then SIGKILL.
-    Returns ``raise_lost``, for the agent's monitor and rendezvous hooks: it raises again a signal's
-    ``SignalException`` that Python swallowed (raised in fork's at-fork hooks while the agent forked a worker)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing import api
-
-    torch_handler, orig_shutdown, agent = api._terminate_process_handler, LocalElasticAgent._shutdown, os.getpid()
-    seen: list[int] = []
-    stopping: list[bool] = []  # not empty while the agent stops its workers
-    lost: list[int] = []  # a signal whose raise may have been swallowed
-
-    def handler(signum: int, frame: Any) -> None:
-        if os.getpid() != agent:  # a forked worker inherited it: die of the signal (torch's raise, in
-            signal.signal(signum, signal.SIG_DFL)  # fork's at-fork hooks, was swallowed: 30 s to SIGKILL)
-            return os.kill(os.getpid(), signum)
-        if not (seen and stopping):
-            seen.append(signum)
-            lost.append(signum)  # until raise_lost: torch's run() acting on the raise never returns to it
-            torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
-        print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
-              "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
-
-    @functools.wraps(orig_shutdown)  # its signature: stop_bounded asks it whether torch's takes timeout
-    def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
-        stopping.append(True)
-        try:
-            orig_shutdown(self, *args, **kwargs)
-        finally:
-            stopping.pop()
-
-    def raise_lost() -> None:
-        if lost:
-            torch_handler(lost.pop(), None)
-
-    api._terminate_process_handler = handler
-    LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
-    return raise_lost
+RENDEZVOUSED: list[bool] = []  # not empty once a rendezvous of this agent completed (its workers started next)
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -273,6 +234,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
         orig_rdzv(self, wg)
+        RENDEZVOUSED.append(True)  # main's message on a stop signal: workers were started
         raise_lost()
         clear(os.environ.get(STOP_FILE_ENV))  # workers start next: a stop the restart's SIGTERM caused is forgotten
         world = wg.workers[0].world_size if wg.workers else None
@@ -338,9 +300,6 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     LocalElasticAgent._trainguard_hooked = True  # type: ignore[attr-defined]
 
 
-AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agent turns into SignalException
-
-
 def main(argv: list[str]) -> int:
     """Run the agent for ``argv`` (torchrun flags, trainguard flags, script and its args); called
     by the ``trainguard run`` command, which exits with the result: 0 when the job succeeded, 1
@@ -374,6 +333,7 @@ def main(argv: list[str]) -> int:
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
     sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
     handlers = {s: signal.getsignal(s) for s in sigs}
+    install_early()  # agentsig.py: a signal during the first rendezvous ends the agent as one later does
     try:
         run(args)
     except SignalException as e:
@@ -382,7 +342,8 @@ def main(argv: list[str]) -> int:
             signal.signal(s, signal.SIG_IGN)
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
+            sent = f"the workers were sent {sig.name}" if RENDEZVOUSED else "in the rendezvous, before any worker started"
+            print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
             keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
         finally:
             for s, h in handlers.items():
