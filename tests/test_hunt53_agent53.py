@@ -277,3 +277,26 @@ def test_stop_signal_during_the_first_rendezvous_exits_128_plus_it_with_agent_ex
         assert not (tmp_path / "up0").exists()
     finally:
         _cleanup(agent, [])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_failed_job_says_how_many_restarts_it_had(tmp_path: Path, restarts: int) -> None:
+    """Before: "the job failed after its restarts" whatever the count, with ``--max-restarts 0`` too (none tried)."""
+    from trainguard.events import read_events
+
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(RAISING_WORKER))
+    run_dir = tmp_path / "run"
+    agent, log = _start_agent(tmp_path, "from trainguard.cli import main; main()", "--nproc-per-node", "2",
+                              "--max-restarts", str(restarts), "--run-dir", str(run_dir), str(train))
+    try:
+        rc = agent.wait(timeout=100)
+    finally:
+        _cleanup(agent, [])
+    text = log.read_text(errors="replace")
+    assert rc == 1, text[-3000:]
+    word = "restart" if restarts == 1 else "restarts"
+    assert f"the job failed after {restarts} {word} (--max-restarts {restarts})" in text, text[-2000:]
+    kinds = [e["event"] for e in read_events(run_dir / "events.jsonl")]
+    assert kinds.count("restart") == restarts and kinds.count("failure") == restarts + 1, kinds

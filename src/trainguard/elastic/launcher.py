@@ -211,6 +211,7 @@ def preload(args: argparse.Namespace) -> None:
 
 
 RENDEZVOUSED: list[bool] = []  # not empty once a rendezvous of this agent completed (its workers started next)
+RESTARTS: list[str] = []  # the reason of each restart of this agent's workers (main's message when the job failed)
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -257,7 +258,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     def _restart(self: Any, wg: Any) -> None:
         self._tg_membership = wg.state == WorkerState.HEALTHY  # reap.stop_bounded: healthy workers save on the signal
-        events.emit("restart", remaining_restarts=self._remaining_restarts, reason="membership" if self._tg_membership else "failure")
+        RESTARTS.append("membership" if self._tg_membership else "failure")
+        events.emit("restart", remaining_restarts=self._remaining_restarts, reason=RESTARTS[-1])
         orig_restart(self, wg)
         self._tg_membership = False
 
@@ -353,7 +355,9 @@ def main(argv: list[str]) -> int:
         if (code := agent_result(events, e.failures)) is not None:
             return code
         events.emit("agent_exit", ok=False, error=str(e)[-2000:])
-        print(f"trainguard run: the job failed after its restarts; see {events.path}", file=sys.stderr)
+        n = RESTARTS.count("failure")  # "after its restarts" with --max-restarts 0 said restarts had been tried
+        print(f"trainguard run: the job failed after {n} restart{'' if n == 1 else 's'} (--max-restarts {args.max_restarts}); "
+              f"see {events.path}", file=sys.stderr)
         return 1
     if (code := agent_result(events, {})) is not None:
         return code
