@@ -300,3 +300,48 @@ def test_a_failed_job_says_how_many_restarts_it_had(tmp_path: Path, restarts: in
     assert f"the job failed after {restarts} {word} (--max-restarts {restarts})" in text, text[-2000:]
     kinds = [e["event"] for e in read_events(run_dir / "events.jsonl")]
     assert kinds.count("restart") == restarts and kinds.count("failure") == restarts + 1, kinds
+
+
+SAVING_WORKER = """\
+    import os, sys, time
+    import torch
+    import trainguard as tg
+
+    model = torch.nn.Linear(4, 4)
+    deadline = time.monotonic() + 60
+    with tg.CheckpointManager(os.environ["TRAINGUARD_RUN_DIR"], save=tg.EveryNSteps(10**6)) as mgr:
+        step = 0
+        while not mgr.should_stop and time.monotonic() < deadline:
+            step += 1
+            time.sleep(0.02)
+            mgr.save(step, {"model": model})
+            if step == 1:
+                open(os.path.join(sys.argv[1], "armed"), "w").close()
+    print(f"worker stopped at step {step}", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_the_agent_leaves_no_stop_note_in_the_run_directory(tmp_path: Path) -> None:
+    """Before: a worker that saved and stopped on the agent's SIGTERM notes it in the agent's stop file
+    (``<run dir>/.trainguard/stopped-<host>-<agent pid>``); the agent read and removed it when the job ended
+    otherwise, but exited on the signal without: one file left in the run directory per preemption."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(SAVING_WORKER))
+    run_dir = tmp_path / "run"
+    agent, log = _start_agent(tmp_path, "from trainguard.cli import main; main()", "--nproc-per-node", "1",
+                              "--run-dir", str(run_dir), str(train), str(tmp_path))
+    tree: list[int] = []
+    try:
+        _wait_for(lambda: (tmp_path / "armed").exists(), 60, "the first step", agent, log)
+        tree = [c.pid for c in psutil.Process(agent.pid).children(recursive=True)]
+        agent.send_signal(signal.SIGTERM)
+        rc = agent.wait(timeout=60)
+        text = log.read_text(errors="replace")
+        assert rc == 128 + signal.SIGTERM and "worker stopped at step" in text, text[-3000:]
+        stopped = int(text.split("worker stopped at step")[1].split()[0])
+        assert tg.CheckpointManager(run_dir).latest_step() == stopped  # it saved on the signal
+        left = sorted(p.name for p in (run_dir / ".trainguard").iterdir() if p.name.startswith("stopped-"))
+        assert left == [], left
+    finally:
+        _cleanup(agent, tree)

@@ -347,6 +347,7 @@ def main(argv: list[str]) -> int:
             sent = f"the workers were sent {sig.name}" if RENDEZVOUSED else "in the rendezvous, before any worker started"
             print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
             keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
+            clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
