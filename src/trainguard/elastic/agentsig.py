@@ -1,7 +1,7 @@
-"""The agent's handler of stop signals (``trainguard run``): torch's, raised once, installed from the agent's start.
+"""The agent's handler of stop signals (``trainguard run``): torch's, raised once (moved from :mod:`.launcher`).
 
-Called by :func:`.launcher.install_agent_hooks` (:func:`install_signal_once`, once, in the agent) and
-:func:`.launcher.main` (:func:`install_early`, before torch's agent runs).
+Called by :func:`.launcher.install_agent_hooks` (:func:`install_signal_once`, once, in the agent); torch installs
+it as the agent's handler when it starts the first workers (``PContext.start``).
 """
 
 from __future__ import annotations
@@ -56,19 +56,3 @@ def install_signal_once() -> Any:
     LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
     return raise_lost
 
-
-def install_early() -> list[signal.Signals]:
-    """Agent (:func:`.launcher.main`), before torch's agent runs: the agent's handler (:func:`install_signal_once`)
-    for :data:`AGENT_SIGNALS` now. torch installs it only when it starts the first workers: a SIGTERM during the
-    first rendezvous (agents waiting for their peers, a job cancelled then) killed the agent by the signal's default
-    action (no ``agent_exit`` event, no message, its ``trainguard-logs-*`` directory left in the temp directory), and
-    a SIGINT ended it with a ``KeyboardInterrupt`` traceback. Now it raises ``SignalException`` there too: the agent
-    logs ``agent_exit`` and exits 128 + the signal. A signal this process ignores (``nohup``: SIGHUP) stays ignored.
-    Returns the signals handled."""
-    from torch.distributed.elastic.multiprocessing import api
-
-    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
-    for s in sigs:
-        if signal.getsignal(s) is not signal.SIG_IGN:
-            signal.signal(s, api._terminate_process_handler)
-    return sigs

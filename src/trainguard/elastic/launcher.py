@@ -19,7 +19,7 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
 On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises ``SignalException``
-(once: :func:`.agentsig.install_signal_once`, from the agent's start: :func:`.agentsig.install_early`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
+(once: :func:`.agentsig.install_signal_once`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
 and returns 128 + the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
 """
 
@@ -37,7 +37,7 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from . import args as cli_args
 from . import errfiles, keepalive, masterport, reap
-from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
+from .agentsig import AGENT_SIGNALS, install_signal_once
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -210,7 +210,6 @@ def preload(args: argparse.Namespace) -> None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard.manager"])
 
 
-RENDEZVOUSED: list[bool] = []  # not empty once a rendezvous of this agent completed (its workers started next)
 RESTARTS: list[str] = []  # the reason of each restart of this agent's workers (main's message when the job failed)
 
 
@@ -235,7 +234,6 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
         orig_rdzv(self, wg)
-        RENDEZVOUSED.append(True)  # main's message on a stop signal: workers were started
         raise_lost()
         clear(os.environ.get(STOP_FILE_ENV))  # workers start next: a stop the restart's SIGTERM caused is forgotten
         world = wg.workers[0].world_size if wg.workers else None
@@ -335,7 +333,6 @@ def main(argv: list[str]) -> int:
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
     sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
     handlers = {s: signal.getsignal(s) for s in sigs}
-    install_early()  # agentsig.py: a signal during the first rendezvous ends the agent as one later does
     try:
         run(args)
     except SignalException as e:
@@ -344,8 +341,7 @@ def main(argv: list[str]) -> int:
             signal.signal(s, signal.SIG_IGN)
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            sent = f"the workers were sent {sig.name}" if RENDEZVOUSED else "in the rendezvous, before any worker started"
-            print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
+            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
             keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
             clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         finally:
