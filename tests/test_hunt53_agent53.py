@@ -152,23 +152,33 @@ def test_a_call_after_close_keeps_one_worker_and_close_wait_joins_the_one_in_the
     later ``close(wait)`` joined the one that had ended while the other was still inside a store call (the
     exit hook's wait, meant to keep store calls out of the interpreter's finalization, did not wait)."""
     workers: list[int] = []
-    orig_work = BoundedStore._work
+    orig_work, orig_put = BoundedStore._work, BoundedStore._put
+    raw = _GatedStore()
+    set_queued = threading.Event()
 
     def work(self: BoundedStore) -> None:
         workers.append(threading.get_ident())
         orig_work(self)
 
+    def put(self: BoundedStore, call) -> None:
+        orig_put(self, call)
+        if call.fn == raw.set:
+            set_queued.set()
+
     monkeypatch.setattr(BoundedStore, "_work", work)
-    raw = _GatedStore()
+    monkeypatch.setattr(BoundedStore, "_put", put)
     bs = BoundedStore(raw, bound=20)
     got: list[bytes] = []
     first = threading.Thread(target=lambda: got.append(bs.get("a")), daemon=True)
     first.start()
     assert raw.entered.wait(10)  # the worker is inside the store's get
     bs.close()
-    bs.set("b", "1")  # after close(), while the stop is still queued behind the get in flight
+    later = threading.Thread(target=bs.set, args=("b", "1"), daemon=True)  # after close(), the stop still queued
+    later.start()
+    assert set_queued.wait(10)
     raw.gate.set()
     first.join(10)
+    later.join(10)
     assert got == [b""] and raw.data == {"b": b"1"}
     assert len(workers) == 1, f"{len(workers)} worker threads for one store"
     raw.gate.clear()
@@ -180,6 +190,7 @@ def test_a_call_after_close_keeps_one_worker_and_close_wait_joins_the_one_in_the
     assert raw.in_call == 0, "close(wait) returned while its worker was still inside a store call"
     assert not any(t.name == "trainguard-store" and t.is_alive() for t in threading.enumerate() if t.ident in workers)
     checker.join(10)
+    raw.gate.set()
     assert bs.get("b") == b"1"  # after the worker ended, a call starts one again
     bs.close(wait=5)
 
