@@ -160,12 +160,19 @@ def _finish(code: int) -> None:
 
 
 def _record(e: BaseException) -> None:
-    """torch's error file (``TORCHELASTIC_ERROR_FILE``): the agent's failure then has the message."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE") and isinstance(e, Exception):
-        with contextlib.suppress(Exception):
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    """torch's error file (``TORCHELASTIC_ERROR_FILE``, in torch's format) unless the worker wrote one (torch's
+    ``@record``): the agent's failure then has the message and traceback (its report, the ``failure`` event).
+    Not torch's ``ErrorHandler.record_exception``: in an excepthook its traceback was "NoneType: None"."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and isinstance(e, Exception) and not os.path.exists(path):
+        import json
+        import time
 
-            ErrorHandler().record_exception(e)
+        trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time()))}}}
+        with contextlib.suppress(Exception), open(path, "w") as f:
+            json.dump(data, f)
 
 
 def _hook(kind: type[BaseException], e: BaseException, tb: TracebackType | None) -> None:
@@ -175,8 +182,8 @@ def _hook(kind: type[BaseException], e: BaseException, tb: TracebackType | None)
 
         note_raised()  # first: the agent names the rank that raised first (stops.first_failure)
     previous(kind, e, tb)
+    _record(e)  # the agent's failure event and report carry the traceback (any error; a script worker wrote none)
     if is_permanent(e):
-        _record(e)
         say(e)
         _finish(PERMANENT_EXIT)
 

@@ -52,8 +52,7 @@ class _Call:
         self.dropped = False
 
 
-_WAKE = _Call(None, ())  # wakes the worker for keys to discard
-_STOP = _Call(None, ())  # close(): the worker ends once the queue and the keys to discard are done
+_WAKE = _Call(None, ())  # wakes the worker for keys to discard; a close()'s stop is another _Call(None, ())
 
 
 class BoundedStore:
@@ -64,7 +63,8 @@ class BoundedStore:
         self.bound = bound
         self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._worker: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # set by _put, cleared by the worker itself as it ends
+        self._stop_at: _Call | None = None  # the stop item of the last close(); a later call cancels it
         self._discard: collections.deque[str] = collections.deque()  # keys to delete when idle
         self._busy_since: float | None = None  # when the worker's store call in progress started (None: idle)
         self._item, self._stuck = 0, -1  # the worker's calls begun; the one a caller gave up on (it is still in it)
@@ -75,6 +75,7 @@ class BoundedStore:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="trainguard-store", daemon=True)
                 self._worker.start()
+            self._stop_at = None  # a call after close(): the worker stays for it (one worker per store, always)
             self._calls.put(call)
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -133,13 +134,17 @@ class BoundedStore:
             self._busy_since = None
 
     def close(self, wait: float = 0.0) -> None:
-        """Let the worker end once it has run what is queued and deleted what was discarded
-        (a later call starts another); with ``wait``, join it for at most that many seconds
-        (``dist``'s exit hook: a delete still inside the C++ store during finalization aborted the process)."""
+        """Let the worker end once it has run what is queued and deleted what was discarded; a later call
+        keeps it (or, once it ended, starts another: never two at once); with ``wait``, join it for at most
+        that many seconds (``dist``'s exit hook: a delete still inside the C++ store during finalization
+        aborted the process). Before, a call after ``close()`` started a second worker on the same queue
+        while the first was still in a store call: either took the stop, and ``close(wait)`` joined the one
+        that had ended while the other was still inside the store."""
         with self._lock:
-            worker, self._worker = self._worker, None
+            worker = self._worker
             if worker is not None:
-                self._calls.put(_STOP)
+                self._stop_at = stop = _Call(None, ())
+                self._calls.put(stop)
         if worker is not None and wait > 0:
             worker.join(wait)
 
@@ -150,9 +155,15 @@ class BoundedStore:
             except queue.Empty:  # nothing waiting: delete one discarded key, then look again
                 self._delete_one()
                 continue
-            if call is _STOP:
+            if call.fn is None and call is not _WAKE:  # a close()'s stop
+                if call is not self._stop_at:
+                    continue  # a call came after that close(), or a later close() queued its own
                 self._delete_discarded()
-                return
+                with self._lock:
+                    if call is self._stop_at:  # no call since: end (the next _put starts another)
+                        self._stop_at = self._worker = None
+                        return
+                continue
             if call is _WAKE or call.dropped:
                 continue
             self._item, self._busy_since = self._item + 1, time.monotonic()

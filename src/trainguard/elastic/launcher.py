@@ -1,8 +1,6 @@
-"""``trainguard run``: torch's elastic agent (``torch.distributed.run``) with trainguard's
-defaults, fault drills, hang watchdog and event log.
+"""``trainguard run``: torch's elastic agent (``torch.distributed.run``) with trainguard's defaults, fault drills, hang watchdog, event log.
 
-Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as
-``torchrun`` would be (torchrun's parser plus trainguard's options). Before the agent starts it:
+Called once per node by ``trainguard run`` (:func:`main`); this process *is* the elastic agent, as ``torchrun`` would be (its parser plus trainguard's options). Before the agent starts it:
 
 * sets ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (with torch's default, restarted workers may connect to the dead
   attempt's gloo ports: recovery failed 3 times in 6 here), the workers' ``MASTER_PORT`` held for them (:mod:`.masterport`);
@@ -20,15 +18,14 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
 * wraps the agent's rendezvous/monitor/restart methods *in this process only* to log events to
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
-On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises
-``SignalException`` (once: :func:`install_signal_once`); :func:`main` logs ``agent_exit`` and returns 128 +
-the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
+On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises ``SignalException``
+(once: :func:`.agentsig.install_signal_once`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
+and returns 128 + the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import signal
@@ -39,7 +36,8 @@ from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
 from . import args as cli_args
-from . import errfiles, masterport, reap
+from . import errfiles, keepalive, masterport, reap
+from .agentsig import AGENT_SIGNALS, install_signal_once
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -47,6 +45,7 @@ from .stops import (
     agent_result,
     clear,
     exit_cause,
+    failure_detail,
     first_failure,
     no_restart,
     quiet_stop,
@@ -211,46 +210,7 @@ def preload(args: argparse.Namespace) -> None:
         multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "torch.distributed", "trainguard.manager"])
 
 
-def install_signal_once() -> Any:
-    """Agent (:func:`install_agent_hooks`): a stop signal while the agent stops its workers for an
-    earlier one is reported, not raised (torch's handler: a 2nd cut the wait for the workers' save,
-    a 3rd ended the agent mid-save). The wait stays bounded: ``--shutdown-timeout``, then SIGKILL.
-    Returns ``raise_lost``, for the agent's monitor and rendezvous hooks: it raises again a signal's
-    ``SignalException`` that Python swallowed (raised in fork's at-fork hooks while the agent forked a worker)."""
-    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-    from torch.distributed.elastic.multiprocessing import api
-
-    torch_handler, orig_shutdown, agent = api._terminate_process_handler, LocalElasticAgent._shutdown, os.getpid()
-    seen: list[int] = []
-    stopping: list[bool] = []  # not empty while the agent stops its workers
-    lost: list[int] = []  # a signal whose raise may have been swallowed
-
-    def handler(signum: int, frame: Any) -> None:
-        if os.getpid() != agent:  # a forked worker inherited it: die of the signal (torch's raise, in
-            signal.signal(signum, signal.SIG_DFL)  # fork's at-fork hooks, was swallowed: 30 s to SIGKILL)
-            return os.kill(os.getpid(), signum)
-        if not (seen and stopping):
-            seen.append(signum)
-            lost.append(signum)  # until raise_lost: torch's run() acting on the raise never returns to it
-            torch_handler(signum, frame)  # raises SignalException: the agent stops its workers
-        print(f"trainguard run: {signal.Signals(signum).name} again; still waiting for the workers to stop "
-              "(their save), SIGKILL after the shutdown timeout", file=sys.stderr, flush=True)
-
-    @functools.wraps(orig_shutdown)  # its signature: stop_bounded asks it whether torch's takes timeout
-    def shutdown(self: Any, *args: Any, **kwargs: Any) -> None:
-        stopping.append(True)
-        try:
-            orig_shutdown(self, *args, **kwargs)
-        finally:
-            stopping.pop()
-
-    def raise_lost() -> None:
-        if lost:
-            torch_handler(lost.pop(), None)
-
-    api._terminate_process_handler = handler
-    LocalElasticAgent._shutdown = shutdown  # type: ignore[method-assign]
-    return raise_lost
+RESTARTS: list[str] = []  # the reason of each restart of this agent's workers (main's message when the job failed)
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -262,7 +222,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     if getattr(LocalElasticAgent, "_trainguard_hooked", False):
         return
-    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold()  # reap.py, masterport.py
+    reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold(), keepalive.install()  # their modules
     errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
@@ -289,14 +249,15 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
                 return result
             first = first_failure(result.failures)
             events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode), stop_s=round(time.time() - t0, 6),
-                        failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()})
+                        failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()}, **failure_detail(result.failures[first]))
             if no_restart(result.failures):
                 self._remaining_restarts = 0  # exit 78: the same error at every restart (permanent.py)
         return result
 
     def _restart(self: Any, wg: Any) -> None:
         self._tg_membership = wg.state == WorkerState.HEALTHY  # reap.stop_bounded: healthy workers save on the signal
-        events.emit("restart", remaining_restarts=self._remaining_restarts, reason="membership" if self._tg_membership else "failure")
+        RESTARTS.append("membership" if self._tg_membership else "failure")
+        events.emit("restart", remaining_restarts=self._remaining_restarts, reason=RESTARTS[-1])
         orig_restart(self, wg)
         self._tg_membership = False
 
@@ -337,9 +298,6 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     ProcessContext.join = _join  # type: ignore[method-assign]
     MultiprocessContext._close = _close  # type: ignore[method-assign]
     LocalElasticAgent._trainguard_hooked = True  # type: ignore[attr-defined]
-
-
-AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agent turns into SignalException
 
 
 def main(argv: list[str]) -> int:
@@ -384,6 +342,8 @@ def main(argv: list[str]) -> int:
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
             print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
+            keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
+            clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
@@ -392,7 +352,9 @@ def main(argv: list[str]) -> int:
         if (code := agent_result(events, e.failures)) is not None:
             return code
         events.emit("agent_exit", ok=False, error=str(e)[-2000:])
-        print(f"trainguard run: the job failed after its restarts; see {events.path}", file=sys.stderr)
+        n = RESTARTS.count("failure")  # "after its restarts" with --max-restarts 0 said restarts had been tried
+        print(f"trainguard run: the job failed after {n} restart{'' if n == 1 else 's'} (--max-restarts {args.max_restarts}); "
+              f"see {events.path}", file=sys.stderr)
         return 1
     if (code := agent_result(events, {})) is not None:
         return code

@@ -142,6 +142,27 @@ def exit_cause(exitcode: int) -> str:
     )
 
 
+TRACEBACK_MAX = 4096  # characters of a failed worker's traceback in the agent's failure event (its end)
+
+
+def failure_detail(failure: Any) -> dict[str, str]:
+    """Agent's monitor hook, for the ``failure`` event of rank ``failure`` (torch's ``ProcessFailure``):
+    ``{"traceback": ...}``, the last :data:`TRACEBACK_MAX` characters of the traceback the worker left in
+    torch's error file (``--run-path`` workers: torch's wrapper; script workers: the excepthook of ``import
+    trainguard``, or torch's ``@record``), else its message; ``{}`` when it left none (a kill, ``os._exit``,
+    ``sys.exit``, a script that never imported trainguard). Before, the event said "exit code 1" alone."""
+    message = getattr(failure, "message", None)
+    text = message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo")
+        text = extra.get("py_callstack") if isinstance(extra, dict) else None
+        if not isinstance(text, str) or text.strip() in ("", "NoneType: None"):
+            text = message.get("message")
+    if not isinstance(text, str) or not text.strip() or text.startswith(("To enable traceback", "Signal ")):
+        return {}
+    return {"traceback": text[-TRACEBACK_MAX:]}
+
+
 AGENT_STOPPED: set[int] = set()  # pids of workers the agent's failure close found running (reap.py)
 
 

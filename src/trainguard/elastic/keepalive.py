@@ -1,0 +1,56 @@
+"""The rendezvous keep-alive thread, stopped before the agent's interpreter exits on a stop signal.
+
+torch's c10d rendezvous handler (``DynamicRendezvousHandler``) sends a keep-alive heartbeat to the
+rendezvous store from a daemon thread (``RendezvousKeepAliveTimer_*``, every ``keep_alive_interval``
+s: ``trainguard run`` sets 1). ``launch_agent`` stops it in ``rdzv_handler.shutdown()``, except when the
+agent raises ``SignalException`` (a SIGTERM/SIGINT/... to the agent): torch then leaves the rendezvous
+open for the other nodes and the thread running, and its timer does not stop it at exit either
+(``atexit = False``). A heartbeat whose store call (C++, the GIL released) returned while the agent's
+interpreter was finalizing ended that thread with ``pthread_exit`` inside pybind11's GIL guard, and the
+C++ runtime aborted the agent: "terminate called without an active exception", exit -6 (SIGABRT)
+instead of 143 (1 run in 12 of SIGTERM to a 1-worker agent on a loaded 2-core machine).
+
+:func:`install` (``launcher.install_agent_hooks``, once, in the agent) tracks the handlers whose
+heartbeats started; :func:`stop` (``launcher.main``, on its way out) stops their threads and waits for a
+heartbeat in flight, bounded. The rendezvous itself is not closed (torch's choice on a signal stands).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+_HANDLERS: weakref.WeakSet[Any] = weakref.WeakSet()  # handlers whose keep-alive timer started (agent)
+
+
+def install() -> None:
+    """Agent, once: note each ``DynamicRendezvousHandler`` that starts its keep-alive heartbeats."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler as cls
+
+    orig = cls._start_heartbeats
+    if getattr(orig, "_tg_keepalive", False):
+        return
+
+    def start(self: Any) -> None:
+        _HANDLERS.add(self)
+        orig(self)
+
+    start._tg_keepalive = True  # type: ignore[attr-defined]
+    cls._start_heartbeats = start
+
+
+def stop(wait: float = 5.0) -> list[str]:
+    """Agent, before it returns its exit code: stop the keep-alive threads still running and join each for at
+    most ``wait`` s (a heartbeat in flight: a store call, milliseconds on a live store; the store's timeout on a
+    frozen one, then the process may still abort). Returns the names of those still alive after the wait."""
+    left = []
+    for handler in list(_HANDLERS):
+        timer = getattr(handler, "_keep_alive_timer", None)
+        ctx, thread = getattr(timer, "_ctx", None), getattr(timer, "_thread", None)
+        if ctx is None or thread is None:
+            continue
+        ctx.stop_event.set()  # what torch's timer.cancel() does, whose join is unbounded
+        thread.join(wait)
+        if thread.is_alive():
+            left.append(thread.name)
+    return left
