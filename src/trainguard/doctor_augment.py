@@ -48,6 +48,36 @@ def _draws(fn: ast.AST) -> list[ast.Call]:
     return [c for c in ast.walk(fn) if isinstance(c, ast.Call) and _global_draw(c)]
 
 
+_GEN_MAKERS = ("default_rng", "RandomState", "Random", "Generator")  # np.random's, random's, torch's
+_NO_DRAW = {"seed", "manual_seed", "initial_seed", "get_state", "set_state", "getstate", "setstate", "spawn",
+            "bit_generator", "jumped", "device"}
+
+
+def _makes_generator(v: ast.AST) -> bool:
+    """``np.random.default_rng(0)``, ``random.Random(1)``, ``torch.Generator().manual_seed(1)``."""
+    while isinstance(v, ast.Call):
+        if ast.unparse(v.func).rsplit(".", 1)[-1] in _GEN_MAKERS:
+            return True
+        v = v.func.value if isinstance(v.func, ast.Attribute) else v.func
+    return False
+
+
+def _own_draws(cls: ast.ClassDef) -> list[ast.Call]:
+    """Draws from a generator the dataset keeps as an attribute (``self.rng = np.random.default_rng(0)``, then
+    ``self.rng.random()`` or ``torch.rand(2, generator=self.g)``): each worker draws on from its copy, and
+    ``RNGState`` does not save it (with no workers either)."""
+    gens = {t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) and _makes_generator(n.value)
+            for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+    def own(v: ast.AST) -> bool:
+        return isinstance(v, ast.Attribute) and v.attr in gens and isinstance(v.value, ast.Name) and v.value.id == "self"
+
+    return [c for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name not in _SKIP
+            for c in ast.walk(m) if isinstance(c, ast.Call) and (
+                (isinstance(c.func, ast.Attribute) and own(c.func.value) and c.func.attr not in _NO_DRAW)
+                or any(k.arg == "generator" and own(k.value) for k in c.keywords))]
+
+
 def _functions(tree: ast.Module, call: ast.Call, args: tuple[str, ...]) -> list[tuple[str, ast.AST]]:
     """The functions of the script passed by name (or as a lambda) as keyword ``args`` of ``call``."""
     defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -92,19 +122,29 @@ def worker_draws(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
                            "process draws at another point: it draws differently after a resume",
                            "derive what worker_init_fn draws from its worker_id alone, or draw it in the dataset")
     hits: list[tuple[ast.Call, str]] = []
+    own: list[ast.Call] = []
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
         methods = [m for m in cls.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
         bases = " ".join(ast.unparse(b) for b in cls.bases)
         if not ("Dataset" in bases or any(m.name == "__getitem__" for m in methods)):
             continue
         hits += [(c, f"{cls.name}.{m.name}") for m in methods if m.name not in _SKIP for c in _draws(m)]
+        own += _own_draws(cls)
+        hits += [(c, f"{cls.name}.{m.name}") for m in methods for c in ast.walk(m) if c in own]
     hits += [(c, where) for ld in loaders for where, fn in _functions(tree, ld, ("collate_fn",)) for c in _draws(fn)]
     if not hits:
         return None
     c, where = min(hits, key=lambda h: h[0].lineno)
     if "SeededDataset" in (s.source or ""):
-        return Finding("worker randomness", "ok", f"{where} draws from a global generator (line {c.lineno}) and "
+        return Finding("worker randomness", "ok", f"{where} draws from a {'generator it keeps' if c in own else 'global generator'} (line {c.lineno}) and "
                        "the script uses tg.SeededDataset")
+    if c in own:
+        return Finding("worker randomness", "warning", f"line {c.lineno}: {ast.unparse(c)} in {where} draws from "
+                       "a generator the dataset keeps: each DataLoader worker draws on from its own copy of it, and "
+                       "no checkpoint holds it, so after a resume mid-epoch the same samples are augmented "
+                       "differently", "wrap the dataset: DataLoader(tg.SeededDataset(dataset, seed=0), "
+                       "sampler=tg.ResumableSampler(..., with_epoch=True), ...): it seeds the dataset's own "
+                       "generators per sample too (docs/data.md)")
     return Finding("worker randomness", "warning", f"line {c.lineno}: {ast.unparse(c)} in {where} draws from "
                    "the global generator of a DataLoader worker, which torch seeds from the loader's base seed and "
                    "the worker id: what a sample draws depends on the samples its worker read before, so after a "
