@@ -1,19 +1,40 @@
-"""Session 45's leftovers, fixed in session 46: each test runs the library or the command in a
-real process on real files and fails on the code before its fix (3dac339)."""
+"""Session 45's leftovers, fixed in session 46: each test runs the library or the command (in a
+process of its own, or in this one through click's CliRunner) on real files and fails on the code
+before its fix (3dac339)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import trainguard as tg
 from test_hunt45_cli import _cli, _run_dir
+from trainguard.cli import main
 from trainguard.inspect import list_checkpoints
 
 from conftest import run_py
+
+
+def _cli_here(monkeypatch: pytest.MonkeyPatch, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``_cli`` in this process (click's CliRunner, in ``cwd``): the same command, its exit status,
+    stdout and stderr, without a child that imports torch (about 2 s each). For a command's refusals
+    and conversions; what needs a process of its own (a launcher, a signal) stays with ``_cli``."""
+    try:
+        runner = CliRunner(mix_stderr=False)  # click 8.1: stderr apart from stdout
+    except TypeError:
+        runner = CliRunner()  # click 8.2: always apart
+    monkeypatch.chdir(cwd)
+    r = runner.invoke(main, list(args), prog_name="trainguard")
+    err = r.stderr
+    if r.exc_info is not None and not isinstance(r.exception, SystemExit):  # what Python prints before exit 1
+        err += "".join(traceback.format_exception(*r.exc_info))
+    return subprocess.CompletedProcess(["trainguard", *args], r.exit_code, r.stdout, err)
 
 
 def _ckpt(path: Path) -> dict[str, torch.Tensor]:
@@ -22,12 +43,12 @@ def _ckpt(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_saving_under_a_file_names_the_file_in_the_way(tmp_path: Path) -> None:
+def test_saving_under_a_file_names_the_file_in_the_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`consolidate ck afile/sub` said "afile/sub is a file", a path that does not exist; the file
     in the way is `afile`. Both the command and tg.save name it; nothing is written."""
     _ckpt(tmp_path / "ck")
     (tmp_path / "afile").write_text("user data\n")
-    res = _cli("consolidate", "ck", "afile/sub", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "consolidate", "ck", "afile/sub", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert f"{tmp_path / 'afile'} is a file, not a directory" in res.stderr
     assert f"{tmp_path / 'afile' / 'sub'} is a file" not in res.stderr
@@ -67,17 +88,17 @@ def test_a_truncated_data_file_still_reads_as_one(tmp_path: Path) -> None:
     assert res.returncode == 1 and "100 bytes on disk, the manifest says 640000 (truncated or replaced)" in res.stdout
 
 
-def test_convert_entry_empty_is_refused_both_ways(tmp_path: Path) -> None:
+def test_convert_entry_empty_is_refused_both_ways(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`convert --entry ''` exported the `model` entry and imported into `model`, where `export
     --entry ''` is an error: '' is no entry's name, refused before anything is written."""
     _ckpt(tmp_path / "ck")
-    ok = _cli("convert", "ck", "w.safetensors", cwd=tmp_path)
+    ok = _cli_here(monkeypatch, "convert", "ck", "w.safetensors", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     for src, dst in (("ck", "out.safetensors"), ("w.safetensors", "imported")):
-        res = _cli("convert", src, dst, "--entry", "", cwd=tmp_path)
+        res = _cli_here(monkeypatch, "convert", src, dst, "--entry", "", cwd=tmp_path)
         assert res.returncode == 2 and "entry '' names no entry" in res.stderr, res
         assert not (tmp_path / dst).exists()
-    res = _cli("convert", "w.safetensors", "named", "--entry", "ema", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "convert", "w.safetensors", "named", "--entry", "ema", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "named" / "manifest.json").read_text())["manifest"]["objects"].keys() == {"ema"}
 
