@@ -5,36 +5,16 @@ before its fix (3dac339)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
 
 import trainguard as tg
-from test_hunt45_cli import _cli, _run_dir
-from trainguard.cli import main
+from test_hunt45_cli import _cli, _cli_here, _run_dir
 from trainguard.inspect import list_checkpoints
 
 from conftest import run_py
-
-
-def _cli_here(monkeypatch: pytest.MonkeyPatch, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """``_cli`` in this process (click's CliRunner, in ``cwd``): the same command, its exit status,
-    stdout and stderr, without a child that imports torch (about 2 s each). For a command's refusals
-    and conversions; what needs a process of its own (a launcher, a signal) stays with ``_cli``."""
-    try:
-        runner = CliRunner(mix_stderr=False)  # click 8.1: stderr apart from stdout
-    except TypeError:
-        runner = CliRunner()  # click 8.2: always apart
-    monkeypatch.chdir(cwd)
-    r = runner.invoke(main, list(args), prog_name="trainguard")
-    err = r.stderr
-    if r.exc_info is not None and not isinstance(r.exception, SystemExit):  # what Python prints before exit 1
-        err += "".join(traceback.format_exception(*r.exc_info))
-    return subprocess.CompletedProcess(["trainguard", *args], r.exit_code, r.stdout, err)
 
 
 def _ckpt(path: Path) -> dict[str, torch.Tensor]:
