@@ -18,6 +18,7 @@ import os
 import runpy
 import signal
 import sys
+import threading
 import traceback
 
 import numpy  # noqa: F401
@@ -53,7 +54,8 @@ def _child(script: str, argv: list[str], env: dict[str, str | None], log: str) -
     except BaseException:
         traceback.print_exc()
         code = 1
-    atexit._run_exitfuncs()  # what the interpreter runs at a normal exit
+    threading._shutdown()  # type: ignore[attr-defined]  # what the interpreter runs at a normal exit, in its order:
+    atexit._run_exitfuncs()  # non-daemon threads joined (trainguard's exit drain hooks it), then atexit
     return code
 
 
