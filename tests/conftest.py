@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import json
 import os
+import selectors
 import shutil
 import subprocess
 import sys
@@ -52,6 +54,39 @@ def run_py(args: list[str], *, env: dict[str, str] | None = None, timeout: float
     e["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "src"), e.get("PYTHONPATH", "")])
     e.update(env or {})
     return subprocess.run([sys.executable, *args], env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def forked():
+    """``forked(script, *argv, env=None, log=PATH)``: the exit status of a child that ran ``script`` (a
+    file's path or ``python -c`` source) with ``argv``, like ``run_py``'s returncode, its stdout and
+    stderr in ``log``; ``env`` is added to its environment (a name given None: taken out). The child is forked by one ``forkserve.py`` process per test module that imported
+    torch and trainguard once (a fresh interpreter costs about 2 s of CPU each): for tests whose child
+    crashes or is killed mid-save and whose check is what the crash left on disk. A test that needs a
+    fresh interpreter (import-time behaviour, a launcher, a process tree) uses ``run_py``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    server = subprocess.Popen([sys.executable, str(TESTS / "forkserve.py")], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    sel = selectors.DefaultSelector()
+    sel.register(server.stdout, selectors.EVENT_READ)
+
+    def run(script: str | Path, *argv: Any, env: dict[str, str | None] | None = None, log: str | Path) -> int:
+        server.stdin.write(json.dumps([str(script), [str(a) for a in argv], env or {}, str(log)]) + "\n")
+        server.stdin.flush()
+        assert sel.select(timeout=150), "the forked child did not end in 150 s"
+        line = server.stdout.readline()
+        assert line, f"forkserve.py ended (status {server.poll()})"
+        return json.loads(line)
+
+    try:
+        yield run
+    finally:
+        sel.close()
+        server.kill()  # by its PID; each child it forked was waited for (or ended by its alarm)
+        server.wait(timeout=30)
+        server.stdin.close()
+        server.stdout.close()
 
 
 def _ephemeral_range() -> tuple[int, int]:

@@ -1,4 +1,6 @@
-"""A hard crash at each named point of the save path leaves the last good checkpoint."""
+"""A hard crash at each named point of the save path leaves the last good checkpoint.
+
+Each crash ends a process of its own, forked by ``conftest.forked`` (torch imported once)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import trainguard as tg
 from trainguard.faults import POINTS
 from trainguard.inspect import list_checkpoints
 
-from conftest import TESTS, run_py
+from conftest import TESTS
 from crashlib import state_for
 
 COMMITTED_AFTER = {"after_rename", "before_retention"}
@@ -27,10 +29,11 @@ def _assert_state(state, step):
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("point", POINTS)
-def test_crash_at_named_point_leaves_last_good_checkpoint(tmp_path, point, mode):
+def test_crash_at_named_point_leaves_last_good_checkpoint(tmp_path, forked, point, mode):
     root = tmp_path / "run"
-    r = run_py([str(TESTS / "crashlib.py"), str(root), point, "exit", mode], timeout=120)
-    assert r.returncode == 17, (r.returncode, r.stdout, r.stderr)
+    log = tmp_path / "child.log"
+    code = forked(TESTS / "crashlib.py", root, point, "exit", mode, log=log)
+    assert code == 17, (code, log.read_text())
     expect = 2 if point in COMMITTED_AFTER else 1
     rows = list_checkpoints(root)
     assert [x.step for x in rows if x.status == "valid"][-1] == expect

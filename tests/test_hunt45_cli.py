@@ -1,5 +1,6 @@
-"""Session 45's hunt through the `trainguard` command line: each test runs the command in a real
-process on real files and fails on the code before its fix."""
+"""Session 45's hunt through the `trainguard` command line: each test runs the command (in a
+process of its own, or in this one through click's CliRunner: ``_cli_here``) on real files and
+fails on the code before its fix."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from trainguard.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,6 +23,22 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     return subprocess.run([sys.executable, "-m", "trainguard", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=120)
+
+
+def _cli_here(monkeypatch: pytest.MonkeyPatch, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``_cli`` in this process (click's CliRunner, in ``cwd``): the same command, its exit status,
+    stdout and stderr, without a child that imports torch (about 2 s each). For a command's refusals
+    and conversions; what needs a process of its own (a launcher, a signal) stays with ``_cli``."""
+    try:
+        runner = CliRunner(mix_stderr=False)  # click 8.1: stderr apart from stdout
+    except TypeError:
+        runner = CliRunner()  # click 8.2: always apart
+    monkeypatch.chdir(cwd)
+    r = runner.invoke(main, list(args), prog_name="trainguard")
+    err = r.stderr
+    if r.exc_info is not None and not isinstance(r.exception, SystemExit):  # what Python prints before exit 1
+        err += "".join(traceback.format_exception(*r.exc_info))
+    return subprocess.CompletedProcess(["trainguard", *args], r.exit_code, r.stdout, err)
 
 
 def _run_dir(tmp_path: Path, extra: list[dict] | None = None) -> Path:
@@ -137,7 +160,7 @@ def test_doctor_of_a_binary_file_names_no_line_none(tmp_path: Path) -> None:
     assert res.returncode == 2 and "line 2" in res.stderr, res.stderr
 
 
-def test_export_and_convert_take_file_urls_as_inspect_does(tmp_path: Path) -> None:
+def test_export_and_convert_take_file_urls_as_inspect_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`inspect`/`consolidate` take `file:///abs/path`; `export --to file:///x.pt` and `convert ...
     file:///x.safetensors` refused it as "an object store's URL", and `convert file:///x.safetensors
     DST` said the existing file did not exist. A file: URL is now the local file, on either side."""
@@ -147,15 +170,15 @@ def test_export_and_convert_take_file_urls_as_inspect_does(tmp_path: Path) -> No
 
     src = tmp_path / "run" / "step-000000002"
     tg.save(src, {"model": {"w": torch.arange(6.0)}})
-    res = _cli("export", f"file://{src}", "--to", f"file://{tmp_path}/w.pt", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "export", f"file://{src}", "--to", f"file://{tmp_path}/w.pt", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert torch.equal(torch.load(tmp_path / "w.pt", weights_only=True)["w"], torch.arange(6.0))
-    res = _cli("convert", str(src), f"file://{tmp_path}/w.safetensors", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "convert", str(src), f"file://{tmp_path}/w.safetensors", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
-    res = _cli("convert", f"file://{tmp_path}/w.safetensors", str(tmp_path / "imp"), cwd=tmp_path)
+    res = _cli_here(monkeypatch, "convert", f"file://{tmp_path}/w.safetensors", str(tmp_path / "imp"), cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     state = {"model": {"w": torch.zeros(6)}}
     tg.load(tmp_path / "imp", state)
     assert torch.equal(state["model"]["w"], torch.arange(6.0))
-    res = _cli("export", str(src), "--to", "s3://bucket/w.pt", cwd=tmp_path)  # an object store: still refused
+    res = _cli_here(monkeypatch, "export", str(src), "--to", "s3://bucket/w.pt", cwd=tmp_path)  # an object store: still refused
     assert res.returncode == 2 and "local path only" in res.stderr

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,7 +34,7 @@ import torch
 from trainguard.doctor import Settings
 from trainguard.doctor_source import check_source
 
-from conftest import run_py
+from conftest import ROOT, TESTS, run_py
 
 HERE = Path(__file__).resolve().parent
 RECIPE = str(HERE / "recipe47.py")
@@ -65,9 +66,36 @@ def _same(a, b, path: str = "") -> list[str]:
     return [] if a == b or (a != a and b != b) else [path]
 
 
-def _recipe(tmp: Path, name: str, opts: dict, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return run_py(["-W", "ignore", RECIPE, str(tmp / f"run-{name}"), str(tmp / f"log-{name}"), str(tmp / f"out-{name}.pt"),
-                   json.dumps(opts)], env=env, timeout=120)
+def _run_killed(args: list[str], out: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``run_py`` for a child that SIGKILLs itself (or is killed by a crash point): it runs in a process
+    group of its own, and once it has died its DataLoader workers, orphaned, are SIGKILLed with the group,
+    as a scheduler's kill of the job would. (With ``run_py`` the test waited, pipes open, until the
+    workers' watchdog noticed the dead parent: about 5 s each.) Output goes to files, not pipes."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT / "src"), e.get("PYTHONPATH", "")])
+    e.update(env or {})
+    with open(f"{out}.stdout", "w+") as so, open(f"{out}.stderr", "w+") as se:
+        p = subprocess.Popen([sys.executable, *args], env=e, stdout=so, stderr=se, start_new_session=True)
+        try:
+            p.wait(timeout=120)
+        finally:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the group outlives its leader while a worker is alive
+            except ProcessLookupError:
+                pass
+            p.wait()
+        so.seek(0)
+        se.seek(0)
+        return subprocess.CompletedProcess(p.args, p.returncode, so.read(), se.read())
+
+
+def _recipe(tmp: Path, name: str, opts: dict, env: dict[str, str] | None = None,
+            killed: bool = False) -> subprocess.CompletedProcess:
+    args = ["-W", "ignore", RECIPE, str(tmp / f"run-{name}"), str(tmp / f"log-{name}"), str(tmp / f"out-{name}.pt"),
+            json.dumps(opts)]
+    if killed:
+        return _run_killed(args, tmp / f"proc-{name}", env=env)
+    return run_py(args, env=env, timeout=120)
 
 
 def _assert_identical(tmp: Path, ref: str, other: str) -> None:
@@ -95,7 +123,7 @@ def _link_ref(ref: Path, tmp: Path) -> None:
 
 
 def _kill_and_resume(tmp: Path, name: str, opts: dict, kill: dict, env: dict[str, str] | None = None) -> None:
-    first = _recipe(tmp, name, {**opts, **kill}, env=env)
+    first = _recipe(tmp, name, {**opts, **kill}, env=env, killed=True)
     assert first.returncode == -9, first.stderr[-3000:]  # SIGKILLed, between saves or mid-save
     second = _recipe(tmp, name, opts)
     assert second.returncode == 0, second.stderr[-3000:]
@@ -265,7 +293,8 @@ def test_validation_pass_with_persistent_workers_resumes_only_the_documented_way
     script.write_text(VAL)
 
     def run(name: str, kill: int) -> int:
-        p = run_py([str(script), str(tmp_path / f"run-{name}"), str(tmp_path / f"log-{name}"), str(kill), way])
+        args = [str(script), str(tmp_path / f"run-{name}"), str(tmp_path / f"log-{name}"), str(kill), way]
+        p = _run_killed(args, tmp_path / f"proc-{name}-{kill}") if kill >= 0 else run_py(args)
         return p.returncode
 
     assert run("ref", -1) == 0

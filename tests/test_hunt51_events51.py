@@ -38,17 +38,12 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def _child(args: list[str], env: dict[str, str], timeout: float = 60) -> int:
-    p = subprocess.Popen([sys.executable, "-c", TRAIN, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out = p.communicate(timeout=timeout)[0]
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    if p.returncode not in (0, -9):
-        raise AssertionError(out.decode(errors="replace")[-3000:])
-    return p.returncode
+def _child(forked, args: list[str], env: dict[str, str | None], log: Path) -> int:
+    """TRAIN in a process of its own, forked by ``conftest.forked`` (torch imported once); 0 or -9 (SIGKILL)."""
+    code = forked(TRAIN, *args, env=env, log=log)
+    if code not in (0, -9):
+        raise AssertionError(log.read_text(errors="replace")[-3000:])
+    return code
 
 
 def _steps_on_disk(root: Path) -> list[int]:
@@ -56,15 +51,16 @@ def _steps_on_disk(root: Path) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_save_killed_at_its_commit_is_counted_from_its_restore(tmp_path: Path, mode: str) -> None:
+def test_a_save_killed_at_its_commit_is_counted_from_its_restore(tmp_path: Path, forked, mode: str) -> None:
     """A process SIGKILLed right after its save of step 2 committed (``after_rename``: the checkpoint
     is there, its ``save`` event is not); the next process restores step 2 and saves step 3. Three
     checkpoints on disk, three saves; the report said 2 saves."""
     root = tmp_path / "run"
-    env = {**os.environ, "TRAINGUARD_CRASH_AT": "after_rename", "TRAINGUARD_CRASH_KIND": "kill", "TRAINGUARD_CRASH_SKIP": "1"}
-    assert _child([str(root), "5", mode], env) == -9  # killed at step 2's commit
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_CRASH")}
-    assert _child([str(root), "3", mode], env) == 0
+    env: dict[str, str | None] = {"TRAINGUARD_CRASH_AT": "after_rename", "TRAINGUARD_CRASH_KIND": "kill",
+                                  "TRAINGUARD_CRASH_SKIP": "1"}
+    assert _child(forked, [str(root), "5", mode], env, tmp_path / "killed.log") == -9  # killed at step 2's commit
+    env = {k: None for k in [*os.environ, *env] if k.startswith("TRAINGUARD_CRASH")}
+    assert _child(forked, [str(root), "3", mode], env, tmp_path / "resumed.log") == 0
     assert _steps_on_disk(root) == [1, 2, 3]
     events = list(read_events(root))
     assert [e["step"] for e in events if e["event"] == "save"] == [1, 3]  # step 2's process was killed first

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -70,30 +68,29 @@ TRAIN = textwrap.dedent("""
 """)
 
 
-def _train(root: Path, last: int) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}
-    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(root), str(last)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out = p.communicate(timeout=60)[0]
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == 0, out.decode(errors="replace")[-3000:]
+def _no_tg_env(**extra: str) -> dict[str, str | None]:
+    """``forked``'s ``env``: the TRAINGUARD_ variables of this process taken out, ``extra`` added."""
+    return {**{k: None for k in os.environ if k.startswith("TRAINGUARD_")}, **extra}
 
 
-def test_a_checkpoint_copied_into_a_new_run_is_no_save_killed_at_its_commit(tmp_path: Path) -> None:
+def _train(forked, root: Path, last: int) -> None:
+    """TRAIN in a process of its own (``conftest.forked``: a fork of a process that imported torch once)."""
+    log = root.parent / f"train-{root.name}-{last}.log"
+    code = forked(TRAIN, root, last, env=_no_tg_env(), log=log)
+    assert code == 0, log.read_text()[-3000:]
+
+
+def test_a_checkpoint_copied_into_a_new_run_is_no_save_killed_at_its_commit(tmp_path: Path, forked) -> None:
     """A run goes on from a checkpoint copied into a new run directory (its save was logged in the
     other run's log): the new run made 2 saves. The report said 3 saves "(1 with no save event, known
     from its restore: killed at its commit)" and, for the same log written by the code before that
     count, a figure other than the 2 it reported then."""
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(a, 3)
+    _train(forked, a, 3)
     b.mkdir()
     (three,) = [p for p in a.glob("step-*") if p.name.endswith("3")]
     shutil.copytree(three, b / three.name)
-    _train(b, 5)
+    _train(forked, b, 5)
     assert [e["event"] for e in read_events(b) if e["event"] in ("restore", "fresh_start")] == ["restore"]
     s = rep.summary(rep.tally_log(b))
     assert s["saves"] == 2 and s["saves_unlogged"] == 0, s
@@ -101,25 +98,18 @@ def test_a_checkpoint_copied_into_a_new_run_is_no_save_killed_at_its_commit(tmp_
     assert res.exit_code == 0 and "2 saves, stall" in res.output, res.output
 
 
-def test_a_save_killed_at_its_commit_after_a_copied_checkpoint_still_counts(tmp_path: Path) -> None:
+def test_a_save_killed_at_its_commit_after_a_copied_checkpoint_still_counts(tmp_path: Path, forked) -> None:
     """The same new run, its process SIGKILLed right after the commit of step 4 (no save event): the
     next process restores 4, saves 5. 4 and 5 are this log's saves; the copied 3 is not."""
     a, b = tmp_path / "a", tmp_path / "b"
-    _train(a, 3)
+    _train(forked, a, 3)
     b.mkdir()
     (three,) = [p for p in a.glob("step-*") if p.name.endswith("3")]
     shutil.copytree(three, b / three.name)
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRAINGUARD_")}, "TRAINGUARD_CRASH_AT": "after_rename",
-           "TRAINGUARD_CRASH_KIND": "kill"}
-    p = subprocess.Popen([sys.executable, "-c", TRAIN, str(b), "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        p.communicate(timeout=60)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    assert p.returncode == -9
-    _train(b, 5)
+    env = _no_tg_env(TRAINGUARD_CRASH_AT="after_rename", TRAINGUARD_CRASH_KIND="kill")
+    code = forked(TRAIN, b, 5, env=env, log=tmp_path / "killed.log")
+    assert code == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    _train(forked, b, 5)
     assert [e["step"] for e in read_events(b) if e["event"] == "restore"] == [3, 4]
     s = rep.summary(rep.tally_log(b))
     assert s["saves"] == 2 and s["saves_unlogged"] == 1, s

@@ -1,5 +1,6 @@
-"""Session 45's leftovers, fixed in session 46: each test runs the library or the command in a
-real process on real files and fails on the code before its fix (3dac339)."""
+"""Session 45's leftovers, fixed in session 46: each test runs the library or the command (in a
+process of its own, or in this one through click's CliRunner) on real files and fails on the code
+before its fix (3dac339)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 import trainguard as tg
-from test_hunt45_cli import _cli, _run_dir
+from test_hunt45_cli import _cli, _cli_here, _run_dir
 from trainguard.inspect import list_checkpoints
 
 from conftest import run_py
@@ -22,12 +23,12 @@ def _ckpt(path: Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def test_saving_under_a_file_names_the_file_in_the_way(tmp_path: Path) -> None:
+def test_saving_under_a_file_names_the_file_in_the_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`consolidate ck afile/sub` said "afile/sub is a file", a path that does not exist; the file
     in the way is `afile`. Both the command and tg.save name it; nothing is written."""
     _ckpt(tmp_path / "ck")
     (tmp_path / "afile").write_text("user data\n")
-    res = _cli("consolidate", "ck", "afile/sub", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "consolidate", "ck", "afile/sub", cwd=tmp_path)
     assert res.returncode == 2, res.stderr
     assert f"{tmp_path / 'afile'} is a file, not a directory" in res.stderr
     assert f"{tmp_path / 'afile' / 'sub'} is a file" not in res.stderr
@@ -67,17 +68,17 @@ def test_a_truncated_data_file_still_reads_as_one(tmp_path: Path) -> None:
     assert res.returncode == 1 and "100 bytes on disk, the manifest says 640000 (truncated or replaced)" in res.stdout
 
 
-def test_convert_entry_empty_is_refused_both_ways(tmp_path: Path) -> None:
+def test_convert_entry_empty_is_refused_both_ways(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`convert --entry ''` exported the `model` entry and imported into `model`, where `export
     --entry ''` is an error: '' is no entry's name, refused before anything is written."""
     _ckpt(tmp_path / "ck")
-    ok = _cli("convert", "ck", "w.safetensors", cwd=tmp_path)
+    ok = _cli_here(monkeypatch, "convert", "ck", "w.safetensors", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     for src, dst in (("ck", "out.safetensors"), ("w.safetensors", "imported")):
-        res = _cli("convert", src, dst, "--entry", "", cwd=tmp_path)
+        res = _cli_here(monkeypatch, "convert", src, dst, "--entry", "", cwd=tmp_path)
         assert res.returncode == 2 and "entry '' names no entry" in res.stderr, res
         assert not (tmp_path / dst).exists()
-    res = _cli("convert", "w.safetensors", "named", "--entry", "ema", cwd=tmp_path)
+    res = _cli_here(monkeypatch, "convert", "w.safetensors", "named", "--entry", "ema", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "named" / "manifest.json").read_text())["manifest"]["objects"].keys() == {"ema"}
 

@@ -6,9 +6,6 @@ before the commit, the earlier one (its newest step); after it, this run's (rete
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 import warnings
 
@@ -60,7 +57,7 @@ def _resume(root) -> tuple[int | None, float]:
     "point, resumed",
     [("begin", 5), ("before_manifest", 5), ("after_manifest", 5), ("after_rename", 3), ("before_retention", 3), ("none", 3)],
 )
-def test_a_crash_in_or_after_a_rollbacks_first_save_resumes_the_right_timeline(tmp_path, mode, point, resumed):
+def test_a_crash_in_or_after_a_rollbacks_first_save_resumes_the_right_timeline(tmp_path, forked, mode, point, resumed):
     """Before: the abandoned steps 4 and 5 were deleted only after step 3 committed (for an async
     save, when it was collected): a crash in between resumed from step 5, the timeline the
     operator had rolled back from."""
@@ -68,9 +65,9 @@ def test_a_crash_in_or_after_a_rollbacks_first_save_resumes_the_right_timeline(t
         pytest.skip("a sync save runs retention before it returns")
     root = tmp_path / "run"
     _first_run(root)
-    r = subprocess.run([sys.executable, "-c", CHILD, str(root), point, mode], capture_output=True, text=True,
-                       timeout=120, env={**os.environ, "TRAINGUARD_CRASH_KIND": "exit"})
-    assert r.returncode in (0, 17), r.stderr
+    log = tmp_path / "child.log"  # the child: forked by conftest.forked (torch imported once)
+    code = forked(CHILD, root, point, mode, env={"TRAINGUARD_CRASH_KIND": "exit"}, log=log)
+    assert code in (0, 17), (code, log.read_text())
     assert _resume(root) == (resumed, resumed * 10.0)
     # the next open cleaned up: the abandoned ones are gone or back, nothing is left aside
     want = ["step-000000001", "step-000000002", "step-000000003"] if resumed == 3 else [f"step-00000000{i}" for i in range(1, 6)]
