@@ -134,7 +134,11 @@ def headline(message: str) -> str:
 
 def say(e: BaseException, who: str = "trainguard") -> None:
     """One line on stderr naming the error and the exit code (its message says what to change)."""
-    print(f"{who}: {type(e).__name__}: {headline(str(e))}\n{who}: a restart will not fix this error; "
+    try:
+        text = str(e)
+    except Exception:  # its __str__ raised: the excepthook failed, and the process exited 1, not 78
+        text = "<exception str() failed>"
+    print(f"{who}: {type(e).__name__}: {headline(text)}\n{who}: a restart will not fix this error; "
           f"exit {PERMANENT_EXIT} (not restarted by trainguard run)", file=sys.stderr, flush=True)
 
 
@@ -159,19 +163,45 @@ def _finish(code: int) -> None:
     os._exit(code)
 
 
+ERROR_FILE_OWNER_ENV = "TRAINGUARD_ERROR_FILE_OWNER"  # "<pid>:<path>": the worker whose error file it is
+
+
+def claim_error_file() -> None:
+    """A worker of ``trainguard run`` (:func:`install_excepthook`, :func:`run_script_path`): note in its
+    environment that ``TORCHELASTIC_ERROR_FILE`` is this process's, so a process it starts (inheriting the
+    variable: ``subprocess.run([sys.executable, "eval.py"])``, a spawned child importing trainguard) does not
+    write it. A file of another agent (a ``trainguard run`` nested in the worker) is claimed again."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path and os.environ.get(ERROR_FILE_OWNER_ENV, "").partition(":")[2] != path:
+        os.environ[ERROR_FILE_OWNER_ENV] = f"{os.getpid()}:{path}"
+
+
+def _owns_error_file(path: str) -> bool:
+    pid, _, owned = os.environ.get(ERROR_FILE_OWNER_ENV, "").partition(":")
+    return owned != path or pid == str(os.getpid())
+
+
 def _record(e: BaseException) -> None:
     """torch's error file (``TORCHELASTIC_ERROR_FILE``, in torch's format) unless the worker wrote one (torch's
-    ``@record``): the agent's failure then has the message and traceback (its report, the ``failure`` event).
+    ``@record``) or this process is not the worker the agent gave it to (:func:`claim_error_file`; before, a
+    helper subprocess's error was the rank's failure in the ``failure`` event, and the rank's own was lost): the
+    agent's failure then has the message and traceback (its report, the ``failure`` event). Never raises (an
+    exception whose ``str()`` raised made the excepthook fail, and a permanent error exited 1, not 78).
     Not torch's ``ErrorHandler.record_exception``: in an excepthook its traceback was "NoneType: None"."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path and isinstance(e, Exception) and not os.path.exists(path):
-        import json
-        import time
+    if not (path and isinstance(e, Exception) and _owns_error_file(path)) or os.path.exists(path):
+        return
+    import json
+    import time
 
+    with contextlib.suppress(Exception):
         trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        data = {"message": {"message": f"{type(e).__name__}: {e}",
-                            "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time()))}}}
-        with contextlib.suppress(Exception), open(path, "w") as f:
+        try:
+            message = f"{type(e).__name__}: {e}"
+        except Exception:
+            message = trace.rstrip().rpartition("\n")[2]  # traceback's own last line: "X: <exception str() failed>"
+        data = {"message": {"message": message, "extraInfo": {"py_callstack": trace, "timestamp": str(int(time.time()))}}}
+        with open(path, "w") as f:
             json.dump(data, f)
 
 
@@ -195,6 +225,7 @@ def install_excepthook() -> None:
     agent = os.environ.get("TRAINGUARD_AGENT_PID", "")
     if not agent.isdigit() or int(agent) == os.getpid() or sys.excepthook is _hook:
         return
+    claim_error_file()  # its TORCHELASTIC_ERROR_FILE: not written by the processes it starts
     _hook.previous = sys.excepthook  # type: ignore[attr-defined]
     sys.excepthook = _hook
 
@@ -208,6 +239,7 @@ def run_script_path(training_script: str, *training_script_args: str) -> None:
     from .elastic.reap import own_session, threads_from_env
 
     own_session()  # its DataLoader processes end with it (the agent's end_trees)
+    claim_error_file()  # a forked worker did not run install_excepthook
     threads_from_env()  # a forked worker kept the agent's torch thread count, not OMP_NUM_THREADS's
     sys.argv = [training_script, *training_script_args]  # as torch's run_script_path
     try:
