@@ -29,6 +29,8 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .storage import Storage, location
 
+_UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
+
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
     """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent,
@@ -180,11 +182,18 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: se
     """Step directories under ``root``, oldest first; temp and old directories are not listed. Whether each holds its
     manifest comes with the listing where the storage can say (``listdir_marked``: object stores, one listing instead
     of a request per step directory); else a stat, but for the names in ``known`` (``retention.committed``: seen).
+    With ``known`` on an object store, the names come from a delimiter listing (``listdir_dirs``: one entry per step
+    directory) and only the others are stat'ed (at most ``_UNKNOWN_STATS``): the flat listing of every object
+    made a KeepAll run's saves slower and slower (0.17 s a save for the first 100 saves, 0.54 s at 400-500).
     ``media_ok`` (``inspect.list_checkpoints``): a step whose manifest's stat fails with a medium's
     error (EIO) is listed with status "unreadable" instead of raising (open and restore raise)."""
     out = []
-    marked = getattr(storage, "listdir_marked", None)
-    names = marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
+    marked, names = getattr(storage, "listdir_marked", None), None
+    if marked and known and hasattr(storage, "listdir_dirs"):  # retention: one delimiter listing, a stat (HEAD) each
+        listed = storage.listdir_dirs(root)  # for a name not known; many unknown names: the flat listing, as before
+        if sum(1 for n in listed if n not in known and layout.parse_step(n) is not None) <= _UNKNOWN_STATS:
+            names, marked = dict.fromkeys(listed), None
+    names = names if names is not None else marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
     for name, has_manifest in names.items():
         step = layout.parse_step(name)
         if step is None:
@@ -292,7 +301,7 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     if refused := unsafe_target(storage, final, above):  # EBUSY at the commit; deleted with it; a live run's step
         return refused
     if layout.MANIFEST not in names:
-        return {}
+        return _drop_leftovers(storage, final, names)
     if not overwrite:
         return {"exists": f"{final} already holds a committed checkpoint; " + (
             "pass overwrite=True to replace it" if storage.atomic_rename else "save to a new directory (an object store cannot replace one)")}
@@ -302,6 +311,18 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
             "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
             "path, or delete the old checkpoint first"
         )}
+    return {}
+
+
+def _drop_leftovers(storage: Storage, final: str, names: list[str]) -> dict[str, str]:
+    """``occupied``, rank 0, before the "begin" round (no rank writes yet): on an object store (writes in place),
+    the files a crashed save left in ``final`` are deleted, as a local save's rename replaces them. Before, they
+    stayed inside the new checkpoint (a 1-rank save over a 2-rank crash: data-00001.bin beside it, verify OK)."""
+    if names and not storage.atomic_rename:
+        storage.remove_tree(final)  # never raises: what it could not delete is looked for again
+        if left := storage.listdir(final):
+            return {"refused": f"{final} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
+                    "that could not be deleted (see the log): delete them, or save to a new path"}
     return {}
 
 
