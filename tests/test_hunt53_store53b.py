@@ -140,3 +140,47 @@ def test_rank_failure_text_leads_with_the_cause_not_tracebacks():
                                     "TimeoutError: [Errno 110] the object store did not answer _put_file within 10 s "
                                     "(TRAINGUARD_STORE_TIMEOUT)"], msg
     assert "Traceback" in info.value.failures[1] and "_hung_upload" in info.value.failures[1]
+
+
+def _async_save_against_a_frozen_store(rank: int, world: int, url: str, pid: int) -> str:
+    import signal
+
+    import torch.distributed as dist
+
+    try:
+        with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepAll(), async_save=True,
+                                  handle_signals=False) as mgr:
+            mgr.save(1, {"w": torch.ones(4)})
+            mgr.wait()
+            dist.barrier()
+            if rank == 0:
+                os.kill(pid, signal.SIGSTOP)  # by PID: the session's server (the parent SIGCONTs it whatever happens)
+            dist.barrier()
+            mgr.save(2, {"w": torch.ones(4)})
+            mgr.wait()
+        return ""
+    except RankFailureError as e:
+        return str(e)
+    finally:
+        if rank == 0:
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+def test_an_async_multi_rank_save_against_a_hung_store_names_the_cause_first(weed, monkeypatch):  # noqa: F811
+    """The repro: 2 gloo ranks, an async save with the server SIGSTOPped. The RankFailureError's text carried each
+    rank's client traceback (asyncio -> aiobotocore -> ...) before the readable "did not answer ... within 3 s"."""
+    import signal
+
+    from dist_helper import run_ranks
+
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    env["TRAINGUARD_STORE_TIMEOUT"] = "3"
+    try:
+        res = run_ranks(_async_save_against_a_frozen_store, 2, _url(), weed.proc.pid, timeout=120, env=env)
+    finally:
+        os.kill(weed.proc.pid, signal.SIGCONT)
+    for r in res:
+        text = r.value
+        assert "Traceback" not in text and "aiobotocore" not in text, text
+        assert "within 3 s (TRAINGUARD_STORE_TIMEOUT)" in text, text

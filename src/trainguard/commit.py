@@ -188,11 +188,8 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: se
     ``media_ok`` (``inspect.list_checkpoints``): a step whose manifest's stat fails with a medium's
     error (EIO) is listed with status "unreadable" instead of raising (open and restore raise)."""
     out = []
-    marked, names = getattr(storage, "listdir_marked", None), None
-    if marked and known and hasattr(storage, "listdir_dirs"):  # retention: one delimiter listing, a stat (HEAD) each
-        listed = storage.listdir_dirs(root)  # for a name not known; many unknown names: the flat listing, as before
-        if sum(1 for n in listed if n not in known and layout.parse_step(n) is not None) <= _UNKNOWN_STATS:
-            names, marked = dict.fromkeys(listed), None
+    marked = getattr(storage, "listdir_marked", None)
+    names = _by_heads(storage, root, known) if marked and known and hasattr(storage, "listdir_dirs") else None
     names = names if names is not None else marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
     for name, has_manifest in names.items():
         step = layout.parse_step(name)
@@ -208,6 +205,21 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: se
         status = "committed" if has_manifest else "incomplete" if has_manifest is not None else "unreadable"
         out.append(StepDir(step, name, path, status))
     return sorted(out, key=lambda s: s.step)
+
+
+def _by_heads(storage: Storage, root: str, known: set[str] | frozenset[str]) -> dict[str, bool] | None:
+    """``list_steps`` with ``known`` on an object store: the step directories of one delimiter listing, a HEAD of the
+    manifest of each not in ``known``; None (the flat listing, as before) for more than ``_UNKNOWN_STATS`` of them,
+    or when a HEAD fails (a step whose every request the store fails, a 500: retention goes on past it)."""
+    steps = [n for n in storage.listdir_dirs(root) if layout.parse_step(n) is not None]  # type: ignore[attr-defined]
+    if sum(n not in known for n in steps) > _UNKNOWN_STATS:
+        return None
+    try:
+        return {n: n in known or storage.exists(storage.join(root, n, layout.MANIFEST)) for n in steps}
+    except TimeoutError:  # a hung endpoint (TRAINGUARD_STORE_TIMEOUT): not a second wait of the bound
+        raise
+    except Exception:  # noqa: BLE001 - whatever the client raised (a 500 to a HEAD: botocore's HTTPClientError)
+        return None
 
 
 def clean_debris(storage: Storage, root: str) -> list[str]:
