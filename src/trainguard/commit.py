@@ -29,6 +29,8 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .storage import Storage, location
 
+_UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
+
 
 def read_manifest(storage: Storage, directory: str) -> Manifest:
     """Read and validate ``<directory>/manifest.json``; ``NotACheckpointError`` if it is absent,
@@ -180,11 +182,15 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: se
     """Step directories under ``root``, oldest first; temp and old directories are not listed. Whether each holds its
     manifest comes with the listing where the storage can say (``listdir_marked``: object stores, one listing instead
     of a request per step directory); else a stat, but for the names in ``known`` (``retention.committed``: seen).
+    With ``known`` on an object store, the names come from a delimiter listing (``listdir_dirs``: one entry per step
+    directory) and only the others are stat'ed (at most ``_UNKNOWN_STATS``): the flat listing of every object
+    made a KeepAll run's saves slower and slower (0.17 s a save for the first 100 saves, 0.54 s at 400-500).
     ``media_ok`` (``inspect.list_checkpoints``): a step whose manifest's stat fails with a medium's
     error (EIO) is listed with status "unreadable" instead of raising (open and restore raise)."""
     out = []
     marked = getattr(storage, "listdir_marked", None)
-    names = marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
+    names = _by_heads(storage, root, known) if marked and known and hasattr(storage, "listdir_dirs") else None
+    names = names if names is not None else marked(root, layout.MANIFEST) if marked else dict.fromkeys(storage.listdir(root))
     for name, has_manifest in names.items():
         step = layout.parse_step(name)
         if step is None:
@@ -199,6 +205,21 @@ def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: se
         status = "committed" if has_manifest else "incomplete" if has_manifest is not None else "unreadable"
         out.append(StepDir(step, name, path, status))
     return sorted(out, key=lambda s: s.step)
+
+
+def _by_heads(storage: Storage, root: str, known: set[str] | frozenset[str]) -> dict[str, bool] | None:
+    """``list_steps`` with ``known`` on an object store: the step directories of one delimiter listing, a HEAD of the
+    manifest of each not in ``known``; None (the flat listing, as before) for more than ``_UNKNOWN_STATS`` of them,
+    or when a HEAD fails (a step whose every request the store fails, a 500: retention goes on past it)."""
+    steps = [n for n in storage.listdir_dirs(root) if layout.parse_step(n) is not None]  # type: ignore[attr-defined]
+    if sum(n not in known for n in steps) > _UNKNOWN_STATS:
+        return None
+    try:
+        return {n: n in known or storage.exists(storage.join(root, n, layout.MANIFEST)) for n in steps}
+    except TimeoutError:  # a hung endpoint (TRAINGUARD_STORE_TIMEOUT): not a second wait of the bound
+        raise
+    except Exception:  # noqa: BLE001 - whatever the client raised (a 500 to a HEAD: botocore's HTTPClientError)
+        return None
 
 
 def clean_debris(storage: Storage, root: str) -> list[str]:
@@ -292,7 +313,7 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     if refused := unsafe_target(storage, final, above):  # EBUSY at the commit; deleted with it; a live run's step
         return refused
     if layout.MANIFEST not in names:
-        return {}
+        return _drop_leftovers(storage, final, names)
     if not overwrite:
         return {"exists": f"{final} already holds a committed checkpoint; " + (
             "pass overwrite=True to replace it" if storage.atomic_rename else "save to a new directory (an object store cannot replace one)")}
@@ -302,6 +323,18 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
             "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
             "path, or delete the old checkpoint first"
         )}
+    return {}
+
+
+def _drop_leftovers(storage: Storage, final: str, names: list[str]) -> dict[str, str]:
+    """``occupied``, rank 0, before the "begin" round (no rank writes yet): on an object store (writes in place),
+    the files a crashed save left in ``final`` are deleted, as a local save's rename replaces them. Before, they
+    stayed inside the new checkpoint (a 1-rank save over a 2-rank crash: data-00001.bin beside it, verify OK)."""
+    if names and not storage.atomic_rename:
+        storage.remove_tree(final)  # never raises: what it could not delete is looked for again
+        if left := storage.listdir(final):
+            return {"refused": f"{final} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
+                    "that could not be deleted (see the log): delete them, or save to a new path"}
     return {}
 
 

@@ -11,6 +11,8 @@ import operator
 import re
 from typing import Any
 
+from .errlines import readable, with_traceback
+
 
 class CheckpointError(Exception):
     """Base of every trainguard error. ``permanent``: no restart fixes it (``permanent.py``;
@@ -152,12 +154,15 @@ class LockedError(CheckpointError):
 
 
 class RankFailureError(CheckpointError):
-    """One or more ranks failed during a collective save/load; carries every failing rank's traceback."""
+    """Ranks failed in a collective save/load: its text gives each failing rank's error, without the traceback that
+    ``failures`` keeps (an object store's put asyncio and aiobotocore frames before the readable cause)."""
 
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         self.failures = dict(failures)
-        detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(self.failures.items()))
+        detail = "\n".join(f"--- rank {r} ---\n{readable(tb)}" for r, tb in sorted(self.failures.items()))
         super().__init__(f"{message}\n{detail}" if detail else message)
+
+
 
 
 def failure(message: str, failures: dict[int, str]) -> RankFailureError:
@@ -324,12 +329,8 @@ def nonneg_int(value: object, hint: str) -> int:
 
 
 def describe_error(e: BaseException) -> str:
-    """One rank's error as text for the others: the message for our errors, else a traceback."""
-    import traceback
-
-    if isinstance(e, CheckpointError):
-        return f"{type(e).__name__}: {e}"
-    return traceback.format_exc()
+    """One rank's error as text for the others: the message for our errors, else its ``error_text`` then traceback."""
+    return f"{type(e).__name__}: {e}" if isinstance(e, CheckpointError) else with_traceback(error_text(e), e)
 
 
 def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:

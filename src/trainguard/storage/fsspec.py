@@ -132,6 +132,18 @@ class FsspecStorage:
                     out[name] = out.get(name, False) or rest == marker
         return out
 
+    @_remote
+    def listdir_dirs(self, path: str) -> list[str]:
+        """Names directly under ``path`` from one delimiter listing (S3: ``ListObjectsV2`` with ``Delimiter="/"``,
+        one entry per step directory, not per object). ``commit.list_steps`` for retention (rank 0, each save), where
+        the manager knows which names hold a manifest: the flat listing (``listdir_marked``) took 0.24-0.29 s of a
+        0.35-0.39 s save with 1,100 objects. A name may be an emptied "directory" (a server's folder entry)."""
+        self._fresh(path)
+        try:
+            return sorted(str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.io.ls(path, detail=False))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
     def url(self, path: str) -> str:
         """The URL that ``storage.for_path`` maps back to ``path`` on this filesystem."""
         return str(self.fs.unstrip_protocol(path))
