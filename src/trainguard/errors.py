@@ -163,8 +163,6 @@ class RankFailureError(CheckpointError):
         super().__init__(f"{message}\n{detail}" if detail else message)
 
 
-
-
 def failure(message: str, failures: dict[int, str]) -> RankFailureError:
     """A ``RankFailureError`` that remembers its one-line ``message`` (see :func:`summary`), so it
     can be sent to the other ranks and raised there identically."""
