@@ -183,3 +183,27 @@ def test_generators_put_back_when_getitem_raises() -> None:
     with pytest.raises(KeyError):
         tg.SeededDataset(base, seed=0)[(1, 0)]
     assert (base.rng.bit_generator.state, base.py.getstate()) == before
+
+
+class _Own(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.rng = np.random.default_rng(n)
+        self.transform = _Shared()  # its generator two levels down from a Subset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.cat([self.transform(i), torch.tensor([float(self.rng.random())], dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("wrap", ["concat", "subset"])
+def test_wrapped_datasets_generators_found(wrap: str) -> None:
+    base = torch.utils.data.ConcatDataset([_Own(8), _Own(8)]) if wrap == "concat" else \
+        torch.utils.data.Subset(_Own(8), list(range(8)))
+    ds = tg.SeededDataset(base, seed=0)
+    first = ds[(5, 0)]
+    for k in range(4):  # other samples drew meanwhile
+        ds[(k, 0)]
+    assert torch.equal(first, ds[(5, 0)]), "the same sample of the same epoch drew differently"

@@ -146,9 +146,15 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
 
 def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
     """``SeededDataset``: :func:`own_generators` of the dataset, and of its class's ``__getitem__`` (the module
-    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once."""
+    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once; those
+    of the datasets a torch ``Subset`` or ``ConcatDataset`` wraps too, as of a dataset of their own (before,
+    a ``ConcatDataset``'s datasets' generators were not found: each sample drew differently every time)."""
     found, ids = [], set()
-    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)):
+    inner = [("dataset.", dataset.dataset)] if isinstance(dataset, torch.utils.data.Subset) else \
+        [(f"datasets.{i}.", d) for i, d in enumerate(dataset.datasets)] \
+        if isinstance(dataset, torch.utils.data.ConcatDataset) else []
+    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)) + \
+            [(f"{p}{q}", g) for p, d in inner for q, g in dataset_generators(d)]:
         if id(g) not in ids:
             ids.add(id(g))
             found.append((path, g))
