@@ -207,3 +207,25 @@ def test_wrapped_datasets_generators_found(wrap: str) -> None:
     for k in range(4):  # other samples drew meanwhile
         ds[(k, 0)]
     assert torch.equal(first, ds[(5, 0)]), "the same sample of the same epoch drew differently"
+
+
+class _Lazy:
+    """A transform that makes its generator on its first call (in the process that runs it)."""
+
+    def __init__(self) -> None:
+        self.rng = None
+
+    def __call__(self, i: int) -> torch.Tensor:
+        if self.rng is None:
+            self.rng = np.random.default_rng()  # fresh entropy: its first draw cannot be reproduced
+        return torch.tensor([float(i), float(self.rng.random())], dtype=torch.float64)
+
+
+def test_iterable_transform_generator_made_on_first_call_seeded_from_then_on() -> None:
+    def run() -> torch.Tensor:
+        data = tg.ResumableIterable(lambda epoch: iter(range(12)), batch_size=4, transform=_Lazy(), seed=0)
+        return torch.cat(list(DataLoader(data, batch_size=4, num_workers=0)))
+
+    a, b = run(), run()
+    assert len(a) == 12
+    assert torch.equal(a[1:], b[1:]), "items after the first drew from an unseeded generator"

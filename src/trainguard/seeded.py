@@ -199,6 +199,14 @@ def seeded_own(seed: int, gens: list[tuple[str, Any]], fn: Callable[..., Any], *
                 g.set_state(st)
 
 
+def seeded_transform(seed: int, transform: Callable[[Any], Any], item: Any) -> Any:
+    """``ResumableIterable(transform=, seed=).__iter__``, for each item: ``transform(item)`` under :func:`seeded_own`
+    with the transform's own generators looked up at each call (before, once per epoch: a generator the transform
+    made on its first call, ``if self.rng is None: self.rng = np.random.default_rng()``, or a module global rebound
+    meanwhile, was never seeded that epoch and drew differently at every run)."""
+    return seeded_own(seed, own_generators(transform), transform, item)
+
+
 class SeededDataset(torch.utils.data.Dataset):
     """Wraps a map-style dataset; ``self[(index, epoch)]`` is ``dataset[index]`` computed with
     Python ``random``, NumPy's global generator and torch's CPU generator seeded from
