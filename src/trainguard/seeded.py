@@ -161,10 +161,16 @@ def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
     return found
 
 
+_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.Generator)
+
+
 def _kind(g: Any) -> bool:
-    return isinstance(g, np.random.Generator | np.random.RandomState) or \
-        (isinstance(g, random.Random) and type(g).getstate is not random.SystemRandom.getstate) or \
-        (isinstance(g, torch.Generator) and g.device.type == "cpu")
+    """A generator ``seeded_own`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
+    if not isinstance(g, _GENERATORS):
+        return False
+    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
+        return type(g).getstate is not random.SystemRandom.getstate
+    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
 
 
 def seeded_own(seed: int, gens: list[tuple[str, Any]], fn: Callable[..., Any], *args: Any) -> Any:
