@@ -132,16 +132,23 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
         return got
     if isinstance(obj, functools.partial):
         return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except Exception:  # __slots__, or a C object without one
-        d = None
+    d = None
+    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+        try:
+            d = object.__getattribute__(obj, "__dict__")
+        except Exception:
+            pass
     got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
     if own_class and not isinstance(obj, type):  # class rng = np.random.default_rng(0), self.rng in __getitem__
-        for cls in reversed(type(obj).__mro__[:-1]):  # all but object; a subclass's name wins
-            got.update((k, v) for k, v in vars(cls).items() if _kind(v))
-        got.update((k, v) for k, v in (d.items() if isinstance(d, dict) else ()) if type(k) is str)  # instance wins
+        got = {**{k: getattr(type(obj), k) for k in _class_generators(type(obj))}, **got}  # the instance's wins
     return got
+
+
+@functools.lru_cache(maxsize=256)
+def _class_generators(cls: type) -> tuple[str, ...]:
+    """The names of the generators a class or its bases keep as class attributes (looked for once per class;
+    their values are read at each sample)."""
+    return tuple(sorted({k for c in cls.__mro__[:-1] for k, v in vars(c).items() if _kind(v)}))
 
 
 def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
