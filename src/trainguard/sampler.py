@@ -50,7 +50,7 @@ from . import iteradvance, iterworkers
 from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int, whole
 from .permanent import check_flags, mark
-from .seeded import own_generators, seed_int, seed_of, seeded_own
+from .seeded import seed_int, seed_of, seeded_transform
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
@@ -276,7 +276,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     blocks ``w, w + K, ...`` of the rank's share cut into blocks of ``batch_size``, so the loader
     yields the same batches as with 0 or 1 workers (:mod:`trainguard.iterworkers`); without it,
     refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only; ``seed=``
-    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call (see :func:`seeded_own`).
+    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call (see :func:`seeded_transform`).
     A worker with ``persistent_workers=True`` keeps one copy of the dataset that never sees the
     main process's position or epoch: its second epoch is refused with a ValueError.
     """
@@ -340,8 +340,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         if info is not None and info.num_workers > 1:  # this worker's blocks only
             items = iterworkers.worker_share(items, self.batch_size, info.id, info.num_workers)  # type: ignore[arg-type]
         tf, seed = self.transform, self.seed
-        gens = [] if tf is None or seed is None else own_generators(tf)  # the transform's own generators, seeded too
-        yield from (item if tf is None else tf(item) if seed is None else seeded_own(seed_of(seed, self.epoch, i), gens, tf, item) for i, item in items)
+        yield from (item if tf is None else tf(item) if seed is None else seeded_transform(seed_of(seed, self.epoch, i), tf, item) for i, item in items)
 
     def _rank_items(self, rank: int, world: int) -> Iterator[Any]:
         """``__iter__``: this rank's share of the stream from the position (item ``rank`` of each

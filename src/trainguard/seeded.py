@@ -21,6 +21,7 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 import random
@@ -92,77 +93,131 @@ def seeded_call(seed: int, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def own_generators(obj: Any) -> list[tuple[str, Any]]:
-    """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)``, or as attributes
-    of its attributes (``self.transform.rng``), by path: ``random.Random``, NumPy's ``Generator`` and
-    ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the global ones, and so does
-    ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable object's attributes, a
-    bound method's object's, a function's closure variables and the module globals it names, and theirs)."""
-    found: list[tuple[str, Any]] = []
+    """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)`` (or as a class
+    attribute), or as attributes of its attributes (``self.transform.rng``), by path, each once: ``random.Random``,
+    NumPy's ``Generator`` and ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the
+    global ones, and so does ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable
+    object's attributes, a bound method's object's, a function's closure variables and the module globals it
+    names, a ``functools.partial``'s function, arguments and keywords, and theirs). Attributes are read from the
+    objects' ``__dict__`` only: no property, ``__getattr__`` or descriptor runs."""
     if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
         obj = obj.__self__
-    names = vars(obj) if hasattr(obj, "__dict__") and not inspect.isfunction(obj) else {}
+    names = _members(obj, own_class=True)
+    if isinstance(obj, functools.partial):  # transform=functools.partial(augment, rng=rng): augment's too
+        names.update((f"func.{p}", g) for p, g in own_generators(obj.func))
+    found: list[tuple[str, Any]] = []
+    ids: set[int] = set()  # one generator reachable by two paths is seeded (and put back) once
+    for name, value in sorted(names.items()):
+        inner = [(name, value)] if _kind(value) else [] if isinstance(value, type | torch.Tensor | types.ModuleType) \
+            else [(f"{name}.{k}", v) for k, v in sorted(_members(value).items()) if _kind(v)]
+        for path, g in inner:
+            if id(g) not in ids:
+                ids.add(id(g))
+                found.append((path, g))
+    return found
+
+
+def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
+    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
+    a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
+    ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
+    arguments; ``own_class``: and the generators its class (or a base) keeps as class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
-        names = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
+        got = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
         for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
             try:
-                names[n] = c.cell_contents
+                got[n] = c.cell_contents
             except ValueError:  # an empty cell
                 pass
-    for name, value in sorted(names.items()):
-        if _kind(value):
-            found.append((name, value))
-        elif not isinstance(value, type | torch.Tensor | types.ModuleType):
-            found += [(f"{name}.{k}", v) for k, v in sorted(getattr(value, "__dict__", {}).items()) if _kind(v)]
-    return found
+        return got
+    if isinstance(obj, functools.partial):
+        return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
+    d = None
+    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+        try:
+            d = object.__getattribute__(obj, "__dict__")
+        except Exception:
+            pass
+    got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
+    if own_class and not isinstance(obj, type):  # class rng = np.random.default_rng(0), self.rng in __getitem__
+        got = {**{k: getattr(type(obj), k) for k in _class_generators(type(obj))}, **got}  # the instance's wins
+    return got
+
+
+@functools.lru_cache(maxsize=256)
+def _class_generators(cls: type) -> tuple[str, ...]:
+    """The names of the generators a class or its bases keep as class attributes (looked for once per class;
+    their values are read at each sample)."""
+    return tuple(sorted({k for c in cls.__mro__[:-1] for k, v in vars(c).items() if _kind(v)}))
 
 
 def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
     """``SeededDataset``: :func:`own_generators` of the dataset, and of its class's ``__getitem__`` (the module
-    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once."""
+    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once; those
+    of the datasets a torch ``Subset`` or ``ConcatDataset`` wraps too, as of a dataset of their own (before,
+    a ``ConcatDataset``'s datasets' generators were not found: each sample drew differently every time)."""
     found, ids = [], set()
-    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)):
+    inner = [("dataset.", dataset.dataset)] if isinstance(dataset, torch.utils.data.Subset) else \
+        [(f"datasets.{i}.", d) for i, d in enumerate(dataset.datasets)] \
+        if isinstance(dataset, torch.utils.data.ConcatDataset) else []
+    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)) + \
+            [(f"{p}{q}", g) for p, d in inner for q, g in dataset_generators(d)]:
         if id(g) not in ids:
             ids.add(id(g))
             found.append((path, g))
     return found
 
 
+_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.Generator)
+
+
 def _kind(g: Any) -> bool:
-    return isinstance(g, np.random.Generator | np.random.RandomState) or \
-        (isinstance(g, random.Random) and type(g).getstate is not random.SystemRandom.getstate) or \
-        (isinstance(g, torch.Generator) and g.device.type == "cpu")
+    """A generator ``seeded_own`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
+    if not isinstance(g, _GENERATORS):
+        return False
+    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
+        return type(g).getstate is not random.SystemRandom.getstate
+    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
 
 
 def seeded_own(seed: int, gens: list[tuple[str, Any]], fn: Callable[..., Any], *args: Any) -> Any:
     """``seeded_call``, with the dataset's own generators ``gens`` (:func:`own_generators`) seeded too, each
-    from ``seed`` and its path, and put back afterwards."""
+    from ``seed`` and its path, and put back afterwards (in reverse order, also when seeding one raised)."""
     if not gens:
         return seeded_call(seed, fn, *args)
-    saved = []
-    for path, g in gens:
-        s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
-        if isinstance(g, np.random.Generator):
-            saved.append(g.bit_generator.state)
-            g.bit_generator.state = type(g.bit_generator)(s).state
-        elif isinstance(g, np.random.RandomState):
-            saved.append(g.get_state())
-            g.seed([s & 0xFFFFFFFF, s >> 32])
-        elif isinstance(g, random.Random):
-            saved.append(g.getstate())
-            g.seed(s)
-        else:
-            saved.append(g.get_state())
-            g.manual_seed(s)
+    saved: list[tuple[Any, Any]] = []
     try:
+        for path, g in gens:
+            s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
+            if isinstance(g, np.random.Generator):
+                saved.append((g, g.bit_generator.state))
+                g.bit_generator.state = type(g.bit_generator)(s).state
+            elif isinstance(g, np.random.RandomState):
+                saved.append((g, g.get_state()))
+                g.seed([s & 0xFFFFFFFF, s >> 32])
+            elif isinstance(g, random.Random):
+                saved.append((g, g.getstate()))
+                g.seed(s)
+            else:
+                saved.append((g, g.get_state()))
+                g.manual_seed(s)
         return seeded_call(seed, fn, *args)
     finally:
-        for (_, g), st in zip(gens, saved, strict=True):
+        for g, st in reversed(saved):  # the same generator twice (by two paths): its first state wins
             if isinstance(g, np.random.Generator):
                 g.bit_generator.state = st
-            elif isinstance(g, np.random.RandomState | random.Random):
-                g.setstate(st) if isinstance(g, random.Random) else g.set_state(st)
+            elif isinstance(g, random.Random):
+                g.setstate(st)
             else:
                 g.set_state(st)
+
+
+def seeded_transform(seed: int, transform: Callable[[Any], Any], item: Any) -> Any:
+    """``ResumableIterable(transform=, seed=).__iter__``, for each item: ``transform(item)`` under :func:`seeded_own`
+    with the transform's own generators looked up at each call (before, once per epoch: a generator the transform
+    made on its first call, ``if self.rng is None: self.rng = np.random.default_rng()``, or a module global rebound
+    meanwhile, was never seeded that epoch and drew differently at every run)."""
+    return seeded_own(seed, own_generators(transform), transform, item)
 
 
 class SeededDataset(torch.utils.data.Dataset):
