@@ -55,3 +55,10 @@ def test_seeding_or_state_calls_on_the_own_generator_are_no_draw() -> None:
     src = OWN.replace("if torch.rand(1, generator=self.g) < 0.5:", "if self.g.initial_seed() > 0:")
     src = src.replace("float(self.rng.uniform(0.9, 1.1))", "float(self.rng.bit_generator.state['state']['state'] > 0)")
     assert _worker(src) == []
+
+
+def test_a_class_attribute_generator_is_seen_too() -> None:
+    src = OWN.replace("class Aug(Dataset):\n", "class Aug(Dataset):\n    rng = np.random.default_rng(0)\n\n")
+    src = src.replace("        self.rng = np.random.default_rng(0)\n", "").replace("if torch.rand(1, generator=self.g) < 0.5:", "if i % 2:")
+    (f,) = _worker(src)
+    assert f.severity == "warning" and "self.rng.uniform(0.9, 1.1)" in f.message, f

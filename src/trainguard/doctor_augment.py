@@ -68,6 +68,8 @@ def _own_draws(cls: ast.ClassDef) -> list[ast.Call]:
     ``RNGState`` does not save it (with no workers either)."""
     gens = {t.attr for n in ast.walk(cls) if isinstance(n, ast.Assign) and _makes_generator(n.value)
             for t in n.targets if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    gens |= {t.id for n in cls.body if isinstance(n, ast.Assign) and _makes_generator(n.value)  # a class attribute
+             for t in n.targets if isinstance(t, ast.Name)}
 
     def own(v: ast.AST) -> bool:
         return isinstance(v, ast.Attribute) and v.attr in gens and isinstance(v.value, ast.Name) and v.value.id == "self"
