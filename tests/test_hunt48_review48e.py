@@ -49,7 +49,9 @@ def test_parts_with_gaps_are_uploaded_as_written_not_held_until_finish(monkeypat
     finally:
         tracemalloc.stop()
     # At most MAX_BUFFERED_PARTS complete parts, the part being filled and 2 reusable buffers (old: all 20).
-    bound = (tgfs.MAX_BUFFERED_PARTS + 3) * PART
+    # + 1 MiB: small allocations of the module beside the part buffers (10 KB seen under load when every buffer
+    # was in use); one part buffer more is 5 MiB.
+    bound = (tgfs.MAX_BUFFERED_PARTS + 3) * PART + (1 << 20)
     assert held and held[0] <= bound, f"{held[0] >> 20} MiB of part buffers held after {size >> 20} MiB written"
     # The gaps are zeros, the data exact.
     got = storage.fs.cat_file(storage.join(root, "data-00000.bin"))
