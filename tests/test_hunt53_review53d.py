@@ -1,0 +1,49 @@
+"""Hunt 53 (review53d): hostile review of the object-store retention and cleanup merged in store53/store53b,
+against the session's SeaweedFS server (tests/test_storage_s3.py's ``weed`` fixture) and local disk."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
+from trainguard.inspect import list_checkpoints
+
+
+def _url() -> str:
+    return f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+
+
+def _fs():
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+def _drop_manifest(root: str, step: int) -> None:
+    name = f"step-{step:09d}/manifest.json"
+    if root.startswith("s3://"):
+        _fs().rm(f"{root[len('s3://'):]}/{name}")
+    else:
+        import os
+
+        os.remove(os.path.join(root, name))
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_a_step_whose_manifest_went_is_not_counted_among_those_kept(weed, tmp_path, where):  # noqa: F811
+    """KeepLatest(2): the newest kept checkpoint's manifest is deleted (by hand, by another process's cleanup) after
+    the manager's retention saw it. The next retention counted that broken step as one of the 2 it keeps (it did not
+    look again at names it had seen) and deleted the older good one: one valid checkpoint left of the 2 asked for.
+    Before store53 an object store's retention listed every object and saw it; local disk never looked again."""
+    url = _url() if where == "s3" else str(tmp_path / "run")
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        _drop_manifest(url, 3)
+        mgr.save(4, {"w": torch.ones(4)})
+    valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
+    assert valid == [2, 4], [(c.step, c.status) for c in list_checkpoints(url)]
