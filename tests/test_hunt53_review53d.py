@@ -27,19 +27,23 @@ def _drop_manifest(root: str, step: int) -> None:
     name = f"step-{step:09d}/manifest.json"
     if root.startswith("s3://"):
         _fs().rm(f"{root[len('s3://'):]}/{name}")
+    elif root.startswith("memory://"):
+        import fsspec
+
+        fsspec.filesystem("memory").rm(f"{root[len('memory://'):]}/{name}")
     else:
         import os
 
         os.remove(os.path.join(root, name))
 
 
-@pytest.mark.parametrize("where", ["s3", "local"])
+@pytest.mark.parametrize("where", ["s3", "local", "memory"])
 def test_a_step_whose_manifest_went_is_not_counted_among_those_kept(weed, tmp_path, where):  # noqa: F811
     """KeepLatest(2): the newest kept checkpoint's manifest is deleted (by hand, by another process's cleanup) after
     the manager's retention saw it. The next retention counted that broken step as one of the 2 it keeps (it did not
     look again at names it had seen) and deleted the older good one: one valid checkpoint left of the 2 asked for.
     Before store53 an object store's retention listed every object and saw it; local disk never looked again."""
-    url = _url() if where == "s3" else str(tmp_path / "run")
+    url = {"s3": _url(), "local": str(tmp_path / "run"), "memory": f"memory://r{uuid.uuid4().hex[:10]}"}[where]
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
         for step in (1, 2, 3):
             mgr.save(step, {"w": torch.full((4,), float(step))})
