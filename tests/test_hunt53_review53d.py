@@ -51,3 +51,18 @@ def test_a_step_whose_manifest_went_is_not_counted_among_those_kept(weed, tmp_pa
         mgr.save(4, {"w": torch.ones(4)})
     valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
     assert valid == [2, 4], [(c.step, c.status) for c in list_checkpoints(url)]
+
+
+@pytest.mark.parametrize("where", ["s3", "local"])
+def test_keepbest_does_not_count_a_best_step_whose_manifest_went(weed, tmp_path, where):  # noqa: F811
+    """KeepBest(2) by loss: the best step's manifest is deleted after a retention saw it. It kept its place among
+    the 2 best (its metric is remembered), and the next save deleted step 3, which it should keep."""
+    url = _url() if where == "s3" else str(tmp_path / "run")
+    keep = tg.KeepBest("loss", n=2, mode="min")
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=keep, handle_signals=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"w": torch.ones(4)}, metrics={"loss": float(step)})
+        _drop_manifest(url, 1)
+        mgr.save(4, {"w": torch.ones(4)}, metrics={"loss": 4.0})
+    valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
+    assert valid == [2, 3, 4], [(c.step, c.status) for c in list_checkpoints(url)]

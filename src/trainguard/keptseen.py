@@ -36,13 +36,15 @@ def committed(mgr: CheckpointManager) -> list[Any]:
 def kept_gone(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest: int) -> bool:
     """``retain``, before it deletes: whether a step it keeps (``keep``), listed as committed on trust
     (``committed``), no longer holds its manifest. Those are dropped from ``_seen``, so that ``retain``, run
-    again, looks at them (listed "incomplete": no place among those kept). Only when a step is to be deleted:
-    a stat (HEAD) per trusted kept step then (KeepLatest(n): n), none with KeepAll. A failed stat raises
-    (``apply_retention``: nothing deleted this time)."""
-    if not any(s.step not in keep and s.step < newest for s in steps):
+    again, looks at them (listed "incomplete": no place among those kept). Only when a step is to be deleted, and
+    only the kept steps that may stand in its place: newer than the oldest step deleted (a policy that reads
+    metadata, KeepBest: any). A stat (HEAD) each: KeepLatest(n) n-1, KeepEvery(k) none (its multiples are
+    older than what it deletes), KeepAll none. A failed stat raises (``apply_retention``: nothing deleted)."""
+    doomed = [s.step for s in steps if s.step not in keep and s.step < newest]
+    if not doomed:
         return False
-    trusted, st = mgr.__dict__.get("_trusted", set()), mgr.storage
-    gone = [s for s in steps if s.step in keep and s.step != newest and s.name in trusted
+    trusted, st, low = mgr.__dict__.get("_trusted", set()), mgr.storage, -1 if mgr.keep.reads_metadata else min(doomed)
+    gone = [s for s in steps if s.step in keep and low < s.step != newest and s.name in trusted
             and not st.exists(st.join(s.path, layout.MANIFEST))]
     for s in gone:
         mgr._seen.discard(s.name)
