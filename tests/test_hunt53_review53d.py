@@ -66,3 +66,19 @@ def test_keepbest_does_not_count_a_best_step_whose_manifest_went(weed, tmp_path,
         mgr.save(4, {"w": torch.ones(4)}, metrics={"loss": 4.0})
     valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
     assert valid == [2, 3, 4], [(c.step, c.status) for c in list_checkpoints(url)]
+
+
+def test_remove_tree_of_a_bucket_root_deletes_its_objects(weed, caplog):  # noqa: F811
+    """remove_tree of a whole bucket (a checkpoint saved at s3://bucket): the emptied-folder key appended to the
+    delete was "" there, which botocore refuses (ParamValidationError), so nothing was deleted, with a warning."""
+    from trainguard.storage.fsspec import FsspecStorage
+
+    fs = _fs()
+    bucket = f"tgroot{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    fs.pipe(f"{bucket}/data-00001.bin", b"x")
+    fs.pipe(f"{bucket}/data-00002.bin", b"y")
+    storage, path = FsspecStorage.from_url(f"s3://{bucket}")
+    storage.remove_tree(path)
+    assert storage.listdir(path) == [], caplog.text
+    assert fs.exists(bucket)  # the bucket itself stays
