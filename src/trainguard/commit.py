@@ -181,7 +181,7 @@ class StepDir:
 def list_steps(storage: Storage, root: str, *, media_ok: bool = False, known: set[str] | frozenset[str] = frozenset()) -> list[StepDir]:
     """Step directories under ``root``, oldest first; temp and old directories are not listed. Whether each holds its
     manifest comes with the listing where the storage can say (``listdir_marked``: object stores, one listing instead
-    of a request per step directory); else a stat, but for the names in ``known`` (``retention.committed``: seen).
+    of a request per step directory); else a stat, but for the names in ``known`` (``keptseen.committed``: seen).
     With ``known`` on an object store, the names come from a delimiter listing (``listdir_dirs``: one entry per step
     directory) and only the others are stat'ed (at most ``_UNKNOWN_STATS``): the flat listing of every object
     made a KeepAll run's saves slower and slower (0.17 s a save for the first 100 saves, 0.54 s at 400-500).

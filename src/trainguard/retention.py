@@ -25,6 +25,7 @@ from .errors import CheckpointError, StepExistsError, error_text, is_store_clien
 from .faults import fault
 from .flatten import decode_json, unique_keys
 from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
+from .keptseen import committed, kept_gone
 from .manifest import SUPPORTED_VERSIONS, parse, verified_body
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -74,7 +75,7 @@ def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -
     handle.after_commit(run)
 
 
-def retain(mgr: CheckpointManager, newest: int) -> None:
+def retain(mgr: CheckpointManager, newest: int, again: bool = True) -> None:
     """Delete the committed checkpoints of ``mgr``'s root that ``mgr.keep`` does not keep, older
     than ``newest`` (which is kept whatever the policy says). A step ``restore`` found unusable
     takes no place among those kept.
@@ -110,6 +111,8 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
     keep = kept | {newest} | unread | ({max(older)} if older and not kept & older else set())
+    if again and kept_gone(mgr, steps, keep, newest):  # a kept step lost its manifest since it was seen: list again
+        return retain(mgr, newest, again=False)
     fault("before_retention", mgr.ctx.rank)
     if abandoned:
         log.warning(
@@ -126,18 +129,6 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     for s in steps:
         if s.step not in keep and s.step < newest:
             _delete(mgr, s.path, s.step)
-
-
-def committed(mgr: CheckpointManager) -> list[Any]:
-    """``retain``: the run directory's committed checkpoints (``list_steps``), oldest first. A step directory's
-    manifest is stat'ed the first time a retention lists it, not at each: ``mgr``'s ``_seen`` holds the names seen
-    holding one (dropped once ``_delete`` removes one, when no longer listed, and by ``restore``). Before, every
-    save stat'ed each kept checkpoint's: per save O(kept) (KeepAll, 500 kept: 532 os.stat calls a save, now 8)."""
-    seen = mgr.__dict__.setdefault("_seen", set())
-    steps = [s for s in list_steps(mgr.storage, mgr._root, known=seen) if s.status == "committed"]
-    seen.clear()
-    seen.update(s.name for s in steps)
-    return steps
 
 
 def _delete(mgr: CheckpointManager, path: str, step: int, **extra: Any) -> None:

@@ -38,7 +38,9 @@ def remove_prefix(io: Any, s3: bool, path: str, marker: str) -> None:
     found = io.find(path, withdirs=True, detail=True)
     keys = sorted(k for k, info in found.items() if k.startswith(base) and info.get("type") != "directory")
     if s3:  # and the key ``<path>/``: SeaweedFS keeps an emptied folder, which a delimiter listing then shows
-        keys.append(base)  # (``FsspecStorage.listdir_dirs``: each deleted step looked for again); elsewhere a no-op
+        # (``FsspecStorage.listdir_dirs``: each deleted step looked for again); elsewhere a no-op. Not for a bucket's
+        # root: its key would be "", which botocore refuses (ParamValidationError): nothing of it was deleted.
+        keys += [base] if "/" in base.strip("/") else []
         for i in range(0, len(keys), BATCH):
             _delete_objects(io, keys[i : i + BATCH])
         return  # no directory entries to remove (s3fs's rmdir of a bucket's root would delete the bucket)
