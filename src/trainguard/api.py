@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -155,7 +154,7 @@ def _collective_capture(
         if ctx.is_distributed:
             # Every rank, this one included, raises the same RankFailureError.
             with keeps_own(e):  # the exchange lost (rank 0 read e, exited 78): e no restart fixes is raised
-                begin = ctx.all_gather("begin", {"error": traceback.format_exc(), "permanent": is_permanent(e)}, timeout=timeout)
+                begin = ctx.all_gather("begin", {"error": describe_error(e), "permanent": is_permanent(e)}, timeout=timeout)
             try:
                 raise_failures("save", begin, ctx)
             except RankFailureError as f:  # ranks that captured met it in persist_and_commit's begin round

@@ -18,8 +18,16 @@ def with_traceback(line: str, e: BaseException) -> str:
 
 
 def readable(text: str) -> str:
-    """``text`` (a rank's error) without its traceback; a bare traceback (``api``'s begin round): its last line."""
+    """``text`` (a rank's error) without its traceback; a bare traceback: its exception's text, every line of it
+    (what follows the last frame: a message of two lines lost its first, "... .lock was removed ...")."""
     head, tb, _ = text.partition(TRACEBACK)
     if not tb:
         return text
-    return head.strip() if head.strip() else text.strip().splitlines()[-1]
+    if head.strip():
+        return head.strip()
+    lines = text.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    i = frames[-1] + 1 if frames else 1
+    while i < len(lines) and lines[i].startswith("    "):  # the frame's source line and its ^^^ marks
+        i += 1
+    return "\n".join(lines[i:]).strip() or lines[-1]
