@@ -171,3 +171,48 @@ def test_keepevery_keeps_one_before_the_newest_when_its_kept_multiple_went(weed,
         mgr.save(12, {"w": torch.ones(4)})
     valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
     assert valid == [11, 12], [(c.step, c.status) for c in list_checkpoints(url)]
+
+
+def _save_with_a_file_removed(rank: int, world: int, url: str) -> dict:
+    """Every rank saves; rank 0, before it writes the manifest, removes the file of a rank whose upload finished, as
+    another job's manager opening on the prefix removes a save's objects (a step without a manifest: debris)."""
+    import trainguard.api as api
+    from trainguard.commit import rank_files
+
+    out: dict = {}
+    if rank == 0:
+        orig = api.check_shared
+
+        def removed_first(storage, work, written):
+            for r in range(2, world, 2):  # not rank 0, 1 or the last (rank 2 first)
+                if names := [f for f, size in rank_files(written[r]).items() if size]:
+                    storage.io.rm_file(storage.join(work, names[0]))
+                    out["removed"] = names[0]
+                    break
+            return orig(storage, work, written)
+
+        api.check_shared = removed_first
+    try:
+        tg.save(url, {f"t{i}": torch.ones(1024) for i in range(64)})
+    except tg.CheckpointError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.mark.slow
+def test_a_16_rank_save_whose_file_another_job_removed_does_not_commit(weed):  # noqa: F811
+    """A manager opened by another job on the prefix removes a live save's finished objects as debris (no run lock on
+    object stores). Rank 0 looked for the files of rank 0 and at most 9 other ranks before its manifest: with 16 ranks
+    one of rank 2 removed went unseen, the save "succeeded" and ``tg.load`` then found "data file is missing"."""
+    from dist_helper import run_ranks
+
+    url = _url() + "/ckpt"
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    res = run_ranks(_save_with_a_file_removed, 16, url, timeout=240, env=env)
+    first = res[0].value
+    assert first.get("removed", "").startswith("data-"), first
+    assert f"{first['removed']}, uploaded by rank " in first.get("error", ""), first
+    assert "another job using the same run directory removed it" in first["error"], first
+    assert all("error" in r.value for r in res), [r.value for r in res]
+    with pytest.raises(tg.CheckpointError, match="not a committed checkpoint|no such checkpoint"):
+        tg.load(url, {f"t{i}": torch.zeros(1024) for i in range(64)})
