@@ -13,8 +13,8 @@ its newest part, by the store's clock) for ``IDLE_BOUNDS`` store bounds (``TRAIN
 live writer, a part's upload included, ends within one). Before (store53), every one was aborted: another process's
 manager opened on the run (an eval job's restore, a restarted trainer while the old one's last save went on) failed
 the live save with "NoSuchUpload" (review54a). One left young is looked at again by ``recheck``, at the first
-retention (rank 0, after a save) once that much time has passed since the open: a restart right after a crash
-leaves its upload young at the open. Object stores have no run lock: the live save's finished objects in its step
+retention (rank 0, after a save) once that much time has passed since (and so on while one is left young): a
+restart right after a crash leaves its upload young at the open. Object stores have no run lock: the live save's finished objects in its step
 directory are still removed by the open as debris (docs/storage.md: give each job its own prefix).
 Best effort: a store that refuses the listing (a policy without ``s3:ListBucketMultipartUploads``) or
 an abort is warned about, and the open goes on.
@@ -81,7 +81,7 @@ def abort_uploads(storage: Any, root: str) -> list[str]:
 
 def recheck(storage: Any, root: str) -> list[str]:
     """``retention.apply_retention`` (rank 0, after a save): once ``IDLE_BOUNDS`` store bounds have passed since
-    ``abort_uploads`` left a young upload in ``root``, ``abort_uploads`` again (once); else nothing, no request."""
+    ``abort_uploads`` left a young upload in ``root``, ``abort_uploads`` again; else nothing, no request."""
     opened = getattr(storage, "_uploads_opened", {}).get(root)
     if opened is None or time.monotonic() - opened < IDLE_BOUNDS * storage.io._bound:
         return []
