@@ -92,17 +92,24 @@ def recheck(storage: Any, root: str) -> list[str]:
 def _idle(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:
     """Whether nothing of the upload (its creation, its newest part) is newer than ``limit`` seconds before ``now``
     (the store's clock). A part list only for an upload created before that (one request a page, 1,000 parts)."""
-    if not isinstance(initiated, datetime) or (now - initiated).total_seconds() < limit:
+    if _age(now, initiated) < limit:
         return False
     marker: dict[str, Any] = {}
     for _ in range(MAX_PAGES):
         page = io.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=upload_id, **marker)
-        if any((now - p["LastModified"]).total_seconds() < limit for p in page.get("Parts") or []):
+        if any(_age(now, p.get("LastModified")) < limit for p in page.get("Parts") or []):
             return False
         if not page.get("IsTruncated") or not page.get("NextPartNumberMarker"):
             break
         marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
     return True
+
+
+def _age(now: datetime, t: Any) -> float:
+    """Seconds from ``t`` (a time the store gave; naive: UTC) to ``now``; 0 (young: left) for no time."""
+    if not isinstance(t, datetime):
+        return 0.0
+    return (now - (t if t.tzinfo else t.replace(tzinfo=timezone.utc))).total_seconds()
 
 
 def _list(io: Any, bucket: str, prefix: str) -> tuple[list[tuple[str, str, Any]], datetime]:
@@ -126,6 +133,7 @@ def _list(io: Any, bucket: str, prefix: str) -> tuple[list[tuple[str, str, Any]]
 def _server_time(page: dict[str, Any]) -> datetime | None:
     """The ``Date`` of the store's answer (its clock, which its upload times use; this host's may differ)."""
     try:
-        return parsedate_to_datetime(page["ResponseMetadata"]["HTTPHeaders"]["date"])
+        now = parsedate_to_datetime(page["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
     except (KeyError, TypeError, ValueError):
         return None
