@@ -38,12 +38,16 @@ def _start_upload(fs, key: str) -> None:
     fs.call_s3("upload_part", Bucket=bucket, Key=k, UploadId=uid, PartNumber=1, Body=b"x" * (5 << 20))
 
 
-def test_open_aborts_the_multipart_uploads_crashed_saves_left(weed, caplog):  # noqa: F811
+def test_open_aborts_the_multipart_uploads_crashed_saves_left(weed, caplog, monkeypatch):  # noqa: F811
     """A save killed mid-upload leaves an incomplete multipart upload (parts stored and billed, no object):
     the next manager's open aborted nothing before (the debris cleanup deletes objects, and none is
-    listed). Now it aborts those in its step directories, and only those."""
+    listed). Now it aborts those in its step directories, and only those. (Only idle ones, since review54a:
+    a live save's is left; these uploads count as idle for long, as a crash's left since the day before.)"""
     import s3fs
 
+    from trainguard.storage import _stale
+
+    monkeypatch.setattr(_stale, "IDLE_BOUNDS", -1.0)
     url = _url()
     key = url[len("s3://"):]
     with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
@@ -119,7 +123,12 @@ def test_writer_killed_mid_multipart_upload_then_resume(weed, tmp_path):  # noqa
     torch.manual_seed(0)
     want = torch.randn(10 << 20)
     dest = {"model": {"w": torch.zeros(10 << 20)}}
-    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+    from trainguard.storage import _stale
+
+    with pytest.MonkeyPatch.context() as mp:  # the dead upload counts as idle for long (a live one stays: review54a)
+        mp.setattr(_stale, "IDLE_BOUNDS", -1.0)
+        mgr = tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False).open()
+    with mgr:
         assert mgr.restore(dest) == 1 and torch.equal(dest["model"]["w"], want)
         assert _uploads(fs, f"{key}/") == []
         mgr.save(2, dest)

@@ -38,14 +38,17 @@ def kept_gone(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest: 
     (``committed``), no longer holds its manifest. Those are dropped from ``_seen``, so that ``retain``, run
     again, looks at them (listed "incomplete": no place among those kept). Only when a step is to be deleted, and
     only the kept steps that may stand in its place: newer than the oldest step deleted (a policy that reads
-    metadata, KeepBest: any). A stat (HEAD) each: KeepLatest(n) n-1, KeepEvery(k) none (its multiples are
-    older than what it deletes), KeepAll none. A failed stat raises (``apply_retention``: nothing deleted)."""
+    metadata, KeepBest: any), and the newest kept one before ``newest`` (it is the "one before the newest" that
+    ``retain`` keeps whatever the policy chose: an older KeepEvery multiple gone, the step it deleted was the only
+    valid one before the newest; review54a). A stat (HEAD) each: KeepLatest(n) n-1, KeepEvery(k) one, KeepAll
+    none. A failed stat raises (``apply_retention``: nothing deleted)."""
     doomed = [s.step for s in steps if s.step not in keep and s.step < newest]
     if not doomed:
         return False
     trusted, st, low = mgr.__dict__.get("_trusted", set()), mgr.storage, -1 if mgr.keep.reads_metadata else min(doomed)
-    gone = [s for s in steps if s.step in keep and low < s.step != newest and s.name in trusted
-            and not st.exists(st.join(s.path, layout.MANIFEST))]
+    before = max((s.step for s in steps if s.step in keep and s.step < newest), default=None)
+    gone = [s for s in steps if s.step in keep and s.step != newest and (low < s.step or s.step == before)
+            and s.name in trusted and not st.exists(st.join(s.path, layout.MANIFEST))]
     for s in gone:
         mgr._seen.discard(s.name)
     return bool(gone)

@@ -32,6 +32,7 @@ from .policies import CheckpointInfo, KeepBest
 from .ramleft import unused_copies
 from .relist import committed_steps
 from .storage import Storage
+from .storage._stale import recheck
 from .tiers import location, stale_reason
 
 if TYPE_CHECKING:
@@ -46,6 +47,9 @@ def apply_retention(mgr: CheckpointManager, newest: int) -> None:
     try:  # recorded as one storage call: stuck (a hung NFS), it holds the save thread (iostall.oldest's thread)
         with iostall.inside(f"{iostall.RETENTION} {newest} (removing older checkpoints of {mgr.root})"):
             retain(mgr, newest)
+        if aborted := recheck(mgr.storage, mgr._root):  # S3 uploads the open left young (a live save's?), idle since
+            log.warning("trainguard: removed debris of crashed saves in %s: %s", mgr.root, aborted)
+            mgr.events.emit("debris", removed=aborted)
     except Exception as e:
         log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
         mgr.events.emit("retention_failed", step=newest, error=str(e)[:2000])

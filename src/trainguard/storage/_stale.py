@@ -7,10 +7,15 @@ them. Measured on SeaweedFS: a 34 MB model's save killed after its first part le
 under ``step-000000003/data-00000.bin``, still there after the next manager's open and every later
 save. Only a bucket lifecycle rule ever removed them.
 
-``commit.clean_debris`` (rank 0, at a manager's ``open``, before any save of that manager) calls it:
-every upload whose key lies in a step directory of the run directory (``step-N/`` or a save's
-``step-N.tmp-<id>/``) is aborted. No save of this run is in progress then; another job's would be, if
-two jobs shared the prefix, which docs/storage.md says not to do (that open removes its objects too).
+``commit.clean_debris`` (rank 0, at a manager's ``open``) calls it: an upload whose key lies in a step directory of
+the run directory (``step-N/`` or ``step-N.tmp-<id>/``) is aborted once it is *idle*: nothing of it (its creation,
+its newest part, by the store's clock) for ``IDLE_BOUNDS`` store bounds (``TRAINGUARD_STORE_TIMEOUT``: each call of a
+live writer, a part's upload included, ends within one). Before (store53), every one was aborted: another process's
+manager opened on the run (an eval job's restore, a restarted trainer while the old one's last save went on) failed
+the live save with "NoSuchUpload" (review54a). One left young is looked at again by ``recheck``, at the first
+retention (rank 0, after a save) once that much time has passed since (and so on while one is left young): a
+restart right after a crash leaves its upload young at the open. Object stores have no run lock: the live save's finished objects in its step
+directory are still removed by the open as debris (docs/storage.md: give each job its own prefix).
 Best effort: a store that refuses the listing (a policy without ``s3:ListBucketMultipartUploads``) or
 an abort is warned about, and the open goes on.
 """
@@ -18,6 +23,9 @@ an abort is warned about, and the open goes on.
 from __future__ import annotations
 
 import logging
+import time
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 from .. import layout
@@ -25,6 +33,7 @@ from ..errors import error_text
 
 log = logging.getLogger("trainguard")
 MAX_PAGES = 100  # 1,000 uploads a page; a server that says "truncated" without a marker is not asked forever
+IDLE_BOUNDS = 2.0  # store bounds an upload is idle before it counts as a dead save's (a part's call ends within one)
 
 
 def _in_step_dir(rel: str) -> bool:
@@ -32,23 +41,29 @@ def _in_step_dir(rel: str) -> bool:
     return bool(sep and rest) and (layout.parse_step(name) is not None or bool(layout.TMP_RE.match(name)))
 
 
-def abort_uploads(io: Any, root: str) -> list[str]:
-    """Abort the incomplete multipart uploads under ``root`` ("bucket/run1") whose key is in a step
-    directory; returns their keys relative to ``root`` ("step-000000003/data-00000.bin (upload)")."""
+def abort_uploads(storage: Any, root: str) -> list[str]:
+    """Abort the idle incomplete multipart uploads under ``root`` ("bucket/run1") whose key is in a step
+    directory; returns their keys relative to ``root`` ("step-000000003/data-00000.bin (upload)"). One not idle
+    yet is left, and ``recheck`` due for ``root``."""
+    io, limit = storage.io, IDLE_BOUNDS * storage.io._bound
     bucket, _, prefix = root.strip("/").partition("/")
     prefix = prefix + "/" if prefix else ""
     done: list[str] = []
     try:
-        uploads = _list(io, bucket, prefix)
+        uploads, now = _list(io, bucket, prefix)
     except Exception as e:  # noqa: BLE001 - best effort: the open goes on
         log.warning("trainguard: could not list the incomplete multipart uploads under s3://%s/%s (%s): those of "
                     "crashed saves stay (add a bucket lifecycle rule that aborts them)", bucket, prefix, error_text(e))
         return done
-    for key, upload_id in uploads:
+    young = []
+    for key, upload_id, initiated in uploads:
         rel = key[len(prefix):]
         if not _in_step_dir(rel):
             continue
         try:
+            if not _idle(io, bucket, key, upload_id, initiated, now, limit):
+                young.append(rel)  # maybe a live save's (another process's): looked at again later
+                continue
             io.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
         except FileNotFoundError:  # gone meanwhile (completed or aborted)
             continue
@@ -57,18 +72,68 @@ def abort_uploads(io: Any, root: str) -> list[str]:
                         error_text(e))
             continue
         done.append(f"{rel} (upload)")
+    if young:
+        log.info("trainguard: left %d incomplete upload(s) in s3://%s/%s, active within %.0f s (maybe a save in "
+                 "progress): %s", len(young), bucket, prefix, limit, young[:5])
+    storage.__dict__.setdefault("_uploads_opened", {})[root] = time.monotonic() if young else None
     return done
 
 
-def _list(io: Any, bucket: str, prefix: str) -> list[tuple[str, str]]:
-    out: list[tuple[str, str]] = []
+def recheck(storage: Any, root: str) -> list[str]:
+    """``retention.apply_retention`` (rank 0, after a save): once ``IDLE_BOUNDS`` store bounds have passed since
+    ``abort_uploads`` left a young upload in ``root``, ``abort_uploads`` again; else nothing, no request."""
+    opened = getattr(storage, "_uploads_opened", {}).get(root)
+    if opened is None or time.monotonic() - opened < IDLE_BOUNDS * storage.io._bound:
+        return []
+    storage._uploads_opened[root] = None
+    return abort_uploads(storage, root)
+
+
+def _idle(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:
+    """Whether nothing of the upload (its creation, its newest part) is newer than ``limit`` seconds before ``now``
+    (the store's clock). A part list only for an upload created before that (one request a page, 1,000 parts)."""
+    if _age(now, initiated) < limit:
+        return False
+    marker: dict[str, Any] = {}
+    for _ in range(MAX_PAGES):
+        page = io.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=upload_id, **marker)
+        if any(_age(now, p.get("LastModified")) < limit for p in page.get("Parts") or []):
+            return False
+        if not page.get("IsTruncated") or not page.get("NextPartNumberMarker"):
+            break
+        marker = {"PartNumberMarker": page["NextPartNumberMarker"]}
+    return True
+
+
+def _age(now: datetime, t: Any) -> float:
+    """Seconds from ``t`` (a time the store gave; naive: UTC) to ``now``; 0 (young: left) for no time."""
+    if not isinstance(t, datetime):
+        return 0.0
+    return (now - (t if t.tzinfo else t.replace(tzinfo=timezone.utc))).total_seconds()
+
+
+def _list(io: Any, bucket: str, prefix: str) -> tuple[list[tuple[str, str, Any]], datetime]:
+    """The uploads under ``prefix`` (key, upload id, creation time) and the store's clock (its answer's ``Date``)."""
+    out: list[tuple[str, str, Any]] = []
     markers: dict[str, str] = {}
+    now = None
     for _ in range(MAX_PAGES):
         page = io.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
-        got = [(u["Key"], u["UploadId"]) for u in page.get("Uploads") or [] if u.get("Key", "").startswith(prefix)]
+        now = now or _server_time(page)
+        got = [(u["Key"], u["UploadId"], u.get("Initiated")) for u in page.get("Uploads") or []
+               if u.get("Key", "").startswith(prefix)]
         out += got
         key, uid = page.get("NextKeyMarker"), page.get("NextUploadIdMarker")
         if not page.get("IsTruncated") or not got or not key:
             break
         markers = {"KeyMarker": key, **({"UploadIdMarker": uid} if uid else {})}
-    return out
+    return out, now or datetime.now(timezone.utc)
+
+
+def _server_time(page: dict[str, Any]) -> datetime | None:
+    """The ``Date`` of the store's answer (its clock, which its upload times use; this host's may differ)."""
+    try:
+        now = parsedate_to_datetime(page["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
+    except (KeyError, TypeError, ValueError):
+        return None

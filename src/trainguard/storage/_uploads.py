@@ -6,7 +6,10 @@ called from the writer's upload threads (``part``) and from the save's thread (`
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError
@@ -41,7 +44,8 @@ class _S3Upload:
             self._small = bytes(data)  # maybe the whole file: one PUT at complete()
             return
         uid = self._upload_id()
-        r = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data)
+        with self._aborted():
+            r = self.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.key, UploadId=uid, PartNumber=k + 1, Body=data)
         with self._lock:
             self._etags[k] = r["ETag"]
 
@@ -56,11 +60,23 @@ class _S3Upload:
         if missing:
             raise CheckpointError(f"{self.key}: parts {missing} were never uploaded")
         parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(nparts)]
-        self.fs.call_s3(
-            "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
-            MultipartUpload={"Parts": parts},
-        )
+        with self._aborted():
+            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
+                            MultipartUpload={"Parts": parts})
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
+
+    @contextlib.contextmanager
+    def _aborted(self) -> Iterator[None]:
+        """A 404 (NoSuchUpload) to a part or the completion: someone aborted this live upload. It said only "the
+        specified multipart upload does not exist" (review54a); now who may have and what to change."""
+        try:
+            yield
+        except FileNotFoundError as e:
+            raise FileNotFoundError(errno.ENOENT, (
+                f"the upload of {self.bucket}/{self.key} was aborted while this save was writing it: by a "
+                "CheckpointManager opened on this run directory by another job after this upload was idle for long "
+                "(object stores have no run lock: give each job its own prefix), or by a bucket lifecycle rule that "
+                "aborts incomplete uploads sooner than a save takes")) from e
 
     def abort(self) -> None:
         if self._id is not None:

@@ -211,9 +211,9 @@ class FsspecStorage:
         return ""
 
     def abort_uploads(self, root: str) -> list[str]:
-        """``commit.clean_debris`` (rank 0, a manager's open): abort the multipart uploads crashed saves left in
-        ``root``'s step directories (S3; parts no listing shows, billed until aborted: ``_stale``)."""
-        return abort_uploads(self.io, root) if self._s3 else []
+        """``commit.clean_debris`` (rank 0, a manager's open): abort the idle multipart uploads crashed saves left in
+        ``root``'s step directories (S3; parts no listing shows, billed until aborted; a live one stays: ``_stale``)."""
+        return abort_uploads(self, root) if self._s3 else []
 
     def open_write(self, path: str) -> _PartWriter:
         return _PartWriter(self, path)
