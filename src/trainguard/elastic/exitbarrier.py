@@ -112,9 +112,11 @@ def install(events: Any) -> None:
     """Agent, once (``launcher.install_agent_hooks``): torch's ``SimpleElasticAgent._exit_barrier`` is
     :func:`exit_barrier`."""
     from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.utils import store as store_util
 
-    if getattr(SimpleElasticAgent._exit_barrier, "_tg_barrier", False):
-        return
+    orig = SimpleElasticAgent._exit_barrier
+    if getattr(orig, "_tg_barrier", False) or not hasattr(store_util, "_barrier_nonblocking"):
+        return  # a torch without the barrier's parts: its own barrier
 
     def _exit_barrier(self: Any) -> None:
         exit_barrier(self, events)
