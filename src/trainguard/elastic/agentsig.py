@@ -91,7 +91,6 @@ def install_signal_once() -> Any:
     return raise_lost
 
 
-
 def install_early() -> list[signal.Signals]:
     """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the agent's handler (torch's
     ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for :data:`AGENT_SIGNALS` now. torch

@@ -10,10 +10,10 @@ SIGTERM there waited for the call (80 s and more seen; over 4 minutes in the exi
 at a pipe: Python's C-level handler writes each signal's number there at once, whatever the main thread does.
 A daemon thread reads it. For a stop signal it waits :data:`STUCK_AFTER` s for the agent's handler to run
 (:func:`.agentsig.install_signal_once`'s, which calls :func:`take` first); when it has not, the thread claims
-the exit and calls the launcher's ``on_stuck`` (it stops running workers with the signal, logs ``agent_exit``,
-removes the temp log directory, and ends the process with ``os._exit(128 + N)``). Whoever claims first owns the
-exit: a handler that runs after the thread claimed parks the main thread until the process ends (it must not act
-on the signal a second time, nor let the agent restart workers the thread is stopping).
+the exit and calls the launcher's ``on_stuck``, :func:`exit_stuck` (it stops running workers with the signal,
+logs ``agent_exit``, removes the temp log directory, and ends the process with ``os._exit(128 + N)``). Whoever
+claims first owns the exit: a handler that runs after the thread claimed parks the main thread until the process
+ends (it must not act on the signal a second time, nor let the agent restart workers the thread is stopping).
 
 A worker forked from the agent (``--start-method fork``) would inherit the wakeup fd and write its own signals
 into the agent's pipe: an at-fork hook turns it off in the child.
