@@ -238,3 +238,41 @@ def test_sigterm_during_the_failure_grace_logs_the_failure_and_exits_promptly(tm
         assert not list(tmp.iterdir()), list(tmp.iterdir())
     finally:
         _cleanup(agent)
+
+
+# A worker that handles SIGTERM itself and trains on: once it got one (<dir>/got), it runs 3 s more, then ends (0).
+TRAINS_ON_AFTER_SIGTERM = """\
+    import os, signal, sys, time
+    d = sys.argv[1]
+    got = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: got.append(time.monotonic()))
+    with open(os.path.join(d, "up0"), "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (got and time.monotonic() > got[0] + 3):
+        if got and not os.path.exists(os.path.join(d, "got")):
+            open(os.path.join(d, "got"), "w").close()
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(90)
+def test_a_forked_workers_own_signal_does_not_end_its_agent(tmp_path: Path) -> None:
+    """A worker forked from the agent (``--start-method fork``) inherits Python's wakeup fd, which the agent's signal
+    watcher reads: the worker's own handled SIGTERM would have read as one to the agent, whose handler never ran, and
+    the watcher would have ended the agent (143) 2 s later. The fork hook turns the fd off in the child: the worker
+    trains on and the job ends 0."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(TRAINS_ON_AFTER_SIGTERM))
+    run_dir = tmp_path / "run"
+    agent, log, _ = _agent(tmp_path, "A", "--nproc-per-node", "1", "--run-path", "--start-method", "fork",
+                           "--no-preload", "--no-watchdog", "--run-dir", str(run_dir), str(train), str(tmp_path))
+    try:
+        _wait_for(lambda: (tmp_path / "up0").exists() and (tmp_path / "up0").read_text(), 60, "the worker", agent, log)
+        os.kill(int((tmp_path / "up0").read_text()), signal.SIGTERM)
+        _wait_for(lambda: (tmp_path / "got").exists(), 30, "the worker's handler", agent, log)
+        rc = agent.wait(timeout=60)
+        assert rc == 0, (rc, log.read_text(errors="replace")[-3000:])
+        assert [e["ok"] for e in _exits(run_dir)] == [True]
+    finally:
+        _cleanup(agent)
