@@ -12,8 +12,8 @@ by a check every :data:`POLL` s (not a store wait with a short timeout: torch's 
 so the agent's signal handler runs between them. Each agent also sets a check-in key
 of its own rendezvous node before it counts itself in. Between waits, with a c10d (dynamic) rendezvous, it reads
 the rendezvous state: when every node of the round that has not checked in is gone (its keep-alive heartbeat
-stopped: ``keep_alive_interval * keep_alive_max_attempt``, 3 s under ``trainguard run``), nobody is left to wait
-for, and the barrier ends (an ``exit_barrier`` event with ``gone``: the count). A node that checked in and left
+stopped: ``keep_alive_interval * keep_alive_max_attempt``, 3 s under ``trainguard run``; then for :data:`CONFIRM`
+s more), nobody is left to wait for, and the barrier ends (an ``exit_barrier`` event with ``gone``: the count). A node that checked in and left
 (its agent finished) is not waited for either way.
 """
 
@@ -25,6 +25,8 @@ from typing import Any
 
 log = logging.getLogger("trainguard")
 POLL = 0.5  # s: between two checks of the barrier's key; a stop signal is acted on at once (the sleep is interrupted)
+CONFIRM = 2.0  # s: how long the nodes not checked in must stay without heartbeat (a peer's keep-alive thread starved
+# for a moment on a loaded machine comes back: ending the barrier then took the store from an agent still running)
 _IN = "trainguard_in/"  # the check-in key of a node, under torch's barrier prefix
 
 
@@ -69,6 +71,7 @@ def exit_barrier(agent: Any, events: Any) -> None:
             store.set(_TERMINAL_STATE_SYNC_ID + _IN + me, "1")
         last = store_util._barrier_nonblocking(store=store, world_size=wg.group_world_size,
                                                key_prefix=_TERMINAL_STATE_SYNC_ID)
+        gone_since: float | None = None
         while True:
             left = timeout - (time.monotonic() - start)
             if left <= 0:
@@ -78,7 +81,11 @@ def exit_barrier(agent: Any, events: Any) -> None:
                 return
             time.sleep(min(POLL, left))  # a stop signal interrupts it; a C++ wait logged 2 warnings per timeout
             gone = _gone(store, handler, nodes, me)
-            if gone:
+            if not gone:
+                gone_since = None
+                continue
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= CONFIRM:
                 waited = round(time.monotonic() - start, 3)
                 events.emit("exit_barrier", gone=len(gone), nodes=gone, waited_s=waited)
                 log.warning("trainguard: the exit barrier ends after %s s: the agent(s) %s left without finishing "
