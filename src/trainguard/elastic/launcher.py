@@ -89,7 +89,8 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
   orphan check on                       a worker whose agent died exits instead of training on
                                         (any start method: workers check the agent's pid)
   SIGTERM/SIGINT to the agent           workers get it too; the agent logs agent_exit and exits
-                                        128+signal (143), no traceback (torchrun: 1)
+                                        128+signal (143), no traceback (torchrun: 1); from its
+                                        start, and within 2 s when blocked in a store call
   ... or to the workers alone           workers that stopped on it: exit 128+signal, no restart
                                         (torchrun: 0, a finished job, or a restart)
   error a restart will not fix          a worker that exits 78 (state does not fit the checkpoint,
