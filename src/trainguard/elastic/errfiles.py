@@ -51,10 +51,21 @@ def default_log_dir(args: argparse.Namespace) -> str | None:
     if args.log_dir or str(getattr(args, "redirects", "0")) != "0" or str(getattr(args, "tee", "0")) != "0":
         return None
     args.log_dir = path = tempfile.mkdtemp(prefix=LOG_PREFIX)
-    agent = os.getpid()
-    # Only the agent removes it: a worker forked from it (--start-method fork) inherits atexit handlers.
-    atexit.register(lambda: os.getpid() == agent and shutil.rmtree(path, ignore_errors=True))
+    _MADE[:] = [(os.getpid(), path)]
+    atexit.register(remove_log_dir)
     return path
+
+
+_MADE: list[tuple[int, str]] = []  # (the agent's pid, the log directory default_log_dir made)
+
+
+def remove_log_dir() -> None:
+    """Agent, at its exit (atexit), or ``launcher``'s exit from the signal watcher (``os._exit`` skips atexit):
+    remove the directory :func:`default_log_dir` made. Only the agent does: a worker forked from it
+    (``--start-method fork``) inherits atexit handlers."""
+    for pid, path in _MADE:
+        if os.getpid() == pid:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def drop(pc: Any) -> None:

@@ -19,8 +19,11 @@ Called once per node by ``trainguard run`` (:func:`main`); this process *is* the
   ``<run dir>/events.jsonl`` and to end a job its workers stopped on a stop signal (:mod:`.stops`).
 
 On SIGTERM, SIGINT, SIGHUP or SIGQUIT torch's agent stops its workers with that signal and raises ``SignalException``
-(once: :func:`.agentsig.install_signal_once`); :func:`main` logs ``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`)
-and returns 128 + the signal (143 for SIGTERM; torchrun: a traceback, exit 1), as when the workers alone were stopped so.
+(once: :func:`.agentsig.install_signal_once`, from the agent's start: :func:`.agentsig.install_early`); :func:`main` logs
+``agent_exit``, stops the rendezvous keep-alive thread (:mod:`.keepalive`) and returns 128 + the signal (143 for SIGTERM;
+torchrun: a traceback, exit 1), as when the workers alone were stopped so. When the main thread is inside a C++ call that
+does not return on a signal (a store connect or wait), :mod:`.sigwatch` does the same from a thread (``exit_stuck``).
+torch's exit barrier is waited in short waits and ends when the agents it waits for are gone (:mod:`.exitbarrier`).
 """
 
 from __future__ import annotations
@@ -35,9 +38,9 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
+from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch
 from . import args as cli_args
-from . import errfiles, keepalive, masterport, reap
-from .agentsig import AGENT_SIGNALS, install_signal_once
+from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -86,7 +89,8 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
   orphan check on                       a worker whose agent died exits instead of training on
                                         (any start method: workers check the agent's pid)
   SIGTERM/SIGINT to the agent           workers get it too; the agent logs agent_exit and exits
-                                        128+signal (143), no traceback (torchrun: 1)
+                                        128+signal (143), no traceback (torchrun: 1); from its
+                                        start, and within 2 s when blocked in a store call
   ... or to the workers alone           workers that stopped on it: exit 128+signal, no restart
                                         (torchrun: 0, a finished job, or a restart)
   error a restart will not fix          a worker that exits 78 (state does not fit the checkpoint,
@@ -211,6 +215,7 @@ def preload(args: argparse.Namespace) -> None:
 
 
 RESTARTS: list[str] = []  # the reason of each restart of this agent's workers (main's message when the job failed)
+AGENT: list[Any] = []  # torch's agent, once its first rendezvous began; then True once a rendezvous completed
 
 
 def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
@@ -224,6 +229,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         return
     reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold(), keepalive.install()  # their modules
     errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
+    exitbarrier.install(events)  # exitbarrier.py: a signal acted on in the exit barrier; gone peers not waited for
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
@@ -233,7 +239,10 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
 
     def _rendezvous(self: Any, wg: Any) -> None:
         t0 = time.time()
+        AGENT[:1] = [self]  # exit_stuck: the workers to stop
         orig_rdzv(self, wg)
+        AGENT[1:] = [True]  # main's message on a stop signal: workers were started
+        self._tg_round = exitbarrier.round_nodes(wg.spec.rdzv_handler)  # the nodes its exit barrier waits for
         raise_lost()
         clear(os.environ.get(STOP_FILE_ENV))  # workers start next: a stop the restart's SIGTERM caused is forgotten
         world = wg.workers[0].world_size if wg.workers else None
@@ -246,12 +255,14 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             if stop_code(None, [f.exitcode for f in result.failures.values()]) is not None:
                 self._remaining_restarts = 0  # exited 128 + a stop signal after their save: a preemption, no failure
+                raise_lost()
                 return result
             first = first_failure(result.failures)
             events.emit("failure", rank=first, cause=exit_cause(result.failures[first].exitcode), stop_s=round(time.time() - t0, 6),
                         failures={str(r): exit_cause(f.exitcode) for r, f in result.failures.items()}, **failure_detail(result.failures[first]))
             if no_restart(result.failures):
                 self._remaining_restarts = 0  # exit 78: the same error at every restart (permanent.py)
+        raise_lost()  # a stop signal during the failure's close (agentsig.deferred): acted on now
         return result
 
     def _restart(self: Any, wg: Any) -> None:
@@ -271,7 +282,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         made = self.__dict__.setdefault("_tg_ready", [])  # reap.py: an ended worker seen at once
         made += expose_dead(self)
         try:
-            return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
+            with agentsig.deferred():  # a stop signal in the failure's grace: after the close and its failure event
+                return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
         except ProcessException as e:
             cause = root_failure(self, e)
             if cause is e:
@@ -328,12 +340,13 @@ def main(argv: list[str]) -> int:
     install_agent_hooks(events, args.stop_timeout)
     torch_run.run_script_path = run_script_path  # --run-path workers: exit 78 on a permanent error
     install_log_filter()
-    preload(args)
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
     sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
     handlers = {s: signal.getsignal(s) for s in sigs}
+    sigwatch.start(install_early(), lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
     try:
+        preload(args)
         run(args)
     except SignalException as e:
         sig = signal.Signals(e.sigval)
@@ -341,7 +354,8 @@ def main(argv: list[str]) -> int:
             signal.signal(s, signal.SIG_IGN)
         try:
             events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            print(f"trainguard run: stopped by {sig.name}; the workers were sent {sig.name}; see {events.path}", file=sys.stderr)
+            sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
+            print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
             keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
             clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         finally:

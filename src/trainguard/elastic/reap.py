@@ -240,7 +240,7 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
     signal no longer reaches the DataLoader processes of a worker that handles it (:mod:`.spare`)."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
-    from . import spare, stops
+    from . import agentsig, spare, stops
     from .stops import STOP_CODES
 
     spare.install(SubprocessHandler)  # a stop signal spares the worker's DataLoader processes (spare.py)
@@ -261,7 +261,8 @@ def bound_failure_close(context_cls: Any, grace: float) -> None:
             handlers = list(getattr(self, "subprocess_handlers", {}).values())
             stops.AGENT_STOPPED.update(h.proc.pid for h in handlers if h.proc.poll() is None)
             end_trees([h.proc.pid for h in handlers if h.proc.poll() is not None])  # end_dead: peers fail at once
-        orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
+        with agentsig.deferred(bool(failed)):  # a stop signal now: after this close and the failure event
+            orig_close(self, death_sig, min(timeout, max(1, round(grace))) if failed else timeout)
         # torch signals only the groups of workers still running: those of a worker that had exited
         # (a hang's or orphan's os._exit, a SIGKILL) kept their DataLoader processes after the agent.
         end_trees([h.proc.pid for h in getattr(self, "subprocess_handlers", {}).values()])
