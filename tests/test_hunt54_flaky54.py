@@ -12,6 +12,7 @@ that leaves a watchdog running. Checked here in a pytest process of its own, wit
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import textwrap
@@ -66,3 +67,54 @@ def test_a_hang_watchdog_left_running_fails_its_test_and_is_stopped(tmp_path):
         ''')
     assert re.search(r"ERROR \S*test_1_first.py::test_heart", out) and "watchdog thread(s) left running" in out, out
     assert re.search(r"PASSED \S*test_2_later.py::test_later", out), out
+
+
+# A worker of a forkserver job (its parent: the forkserver, which set torch's parent-death SIGINT): every
+# process got SIGTERM, the forkserver died of it, and the worker's main thread (in a gloo collective: here,
+# both signals blocked) handled SIGTERM and the parent-death SIGINT together. Python runs pending handlers
+# lowest number first: SIGINT's, then SIGTERM's; the manager kept the first, and exited 130, not 143.
+DEAD_PARENT = '''
+import ctypes, os, signal, sys, time
+import torch
+import trainguard as tg
+
+ready_r, ready_w = os.pipe()
+if os.fork():  # the forkserver: it dies once the worker is in its step, SIGTERMed
+    os.close(ready_w)
+    os.read(ready_r, 1)
+    os._exit(0)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})  # every thread: they come together
+ctypes.CDLL(None).prctl(1, int(signal.SIGINT))  # PR_SET_PDEATHSIG, as torch's worker wrapper sets it
+parent = os.getppid()
+with tg.CheckpointManager(sys.argv[1], save=tg.EveryNSteps(1000)) as mgr:
+    os.kill(os.getpid(), signal.SIGTERM)  # the preemption, first
+    os.write(ready_w, b"x")
+    deadline = time.monotonic() + 60
+    while signal.SIGINT not in signal.sigpending() and time.monotonic() < deadline:  # the parent's death
+        time.sleep(0.01)
+    print("pending", sorted(int(s) for s in signal.sigpending()), "parent gone", os.getppid() != parent, flush=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # the collective returned
+    mgr.save(1, {"w": torch.ones(2)})
+    stopped = mgr.should_stop
+print("stopped", stopped, "exit", mgr.exit_code, flush=True)
+'''
+
+
+def test_a_sigterm_handled_with_a_dead_forkservers_sigint_is_exit_143(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
+    script = tmp_path / "worker.py"
+    script.write_text(DEAD_PARENT)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)  # EOF: the worker (which holds stdout too) ended
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the worker, left in the session if the test failed
+    assert f"pending [{int(signal.SIGINT)}, {int(signal.SIGTERM)}] parent gone True" in out, out
+    assert "stopped True exit 143" in out, out  # 130 before: SIGINT's handler ran first
