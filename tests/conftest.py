@@ -158,6 +158,45 @@ def loader_workers_ended():
     assert not multiprocessing.active_children(), "DataLoader worker processes outlived the test"
 
 
+@pytest.fixture(autouse=True)
+def _nothing_leaks_into_later_tests():
+    """Every test: what it leaves in its pytest process does not reach the tests that run after it
+    there (an xdist worker runs whole modules one after the other, in an order that changes from run
+    to run, so a leak fails some other test now and then).
+
+    * ``os.environ`` is put back as it was before the test (a variable added, changed or removed
+      outside ``monkeypatch``). ``launcher.prepare`` run in the pytest process wrote the agent's
+      ``TRAINGUARD_WATCHDOG=1``, ``TRAINGUARD_AGENT_PID=<this process>``, ``TRAINGUARD_RUN_DIR``,
+      ``TRAINGUARD_DEAD_AFTER=3`` into it for every later test and every child they started.
+    * A hang watchdog thread (``trainguard-watchdog``) the test started and did not stop fails the
+      test, and is stopped: one that ``_Heart()`` started with that environment probed this process
+      (``os.kill(pid, 0)``) every 0.2 s for good, and ``test_fault_agent42``, which records this
+      process's kills, saw two more than its drill's (CI)."""
+    import threading
+
+    env = dict(os.environ)
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    now = dict(os.environ)
+    for k in now.keys() - env.keys():
+        if k != "PYTEST_CURRENT_TEST":
+            del os.environ[k]
+    for k, v in env.items():
+        if k != "PYTEST_CURRENT_TEST" and now.get(k) != v:
+            os.environ[k] = v
+    left = []
+    for t in threading.enumerate():
+        wd = getattr(getattr(t, "_target", None), "__self__", None)
+        if t.name != "trainguard-watchdog" or t.ident in before or wd is None:
+            continue
+        if not wd._stop.is_set():
+            left.append(t)
+        wd.stop()
+        t.join(10)  # it wakes within its check_every (0.2 s)
+    assert not left, (f"{len(left)} hang watchdog thread(s) left running by this test (Watchdog.start() without stop(), "
+                      "or _Heart() with TRAINGUARD_WATCHDOG=1 in the environment): stop them in the test")
+
+
 @pytest.fixture
 def run_child():
     return run_py

@@ -577,7 +577,11 @@ def _forkserver_worker() -> str:
                      "                agent = int(open(f'/proc/{server}/stat').read().rsplit(')', 1)[1].split()[1])\n"
                      "                for pid in (agent, server, *pids):\n"
                      "                    os.kill(pid, signal.SIGTERM)\n")
-            .replace('ended at step {step} "', 'ended at step {step} exit {mgr.exit_code}"'))
+            # Said before close(): after it, a SIGINT of the dead forkserver (torch's parent-death signal), which
+            # may come that late under load, raises KeyboardInterrupt at Python's default handler, and torch's
+            # worker wrapper ends the worker quietly (exit 0): the line after the `with` was not printed.
+            .replace('    print(f"rank {rank} ended at step {step} ", flush=True)\n',
+                     '        print(f"rank {rank} ended at step {step} exit {mgr.exit_code}", flush=True)\n'))
 
 
 @pytest.mark.timeout(150)

@@ -38,6 +38,7 @@ def test_a_fault_for_a_rank_the_job_does_not_have_is_a_warning_on_rank_0(monkeyp
     from trainguard.elastic.watchdog import _Heart
 
     monkeypatch.delenv("TRAINGUARD_RUN_DIR", raising=False)
+    monkeypatch.delenv("TRAINGUARD_WATCHDOG", raising=False)  # each _Heart() would start a watchdog thread, never stopped
     monkeypatch.setenv("TRAINGUARD_FAULT", "step=10,rank=5,kind=exit;step=3,rank=1,kind=exit")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

@@ -80,11 +80,15 @@ def test_a_failed_worker_leaves_no_error_file_in_the_temp_directory(tmp_path: Pa
     assert not (run_dir / ".trainguard" / "logs").exists()
 
 
-def test_a_given_log_dir_is_kept(tmp_path: Path) -> None:
+def test_a_given_log_dir_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--log-dir`` given: torch's agent uses it, as before (the default applies only without one)."""
     from trainguard.elastic import errfiles
     from trainguard.elastic.launcher import build_parser, prepare
 
+    # prepare() writes the agent's environment: TRAINGUARD_WATCHDOG=1 and TRAINGUARD_AGENT_PID=<this pytest
+    # worker> stayed in the xdist worker, and a later test's _Heart() started watchdog threads that probed
+    # this process (os.kill(pid, 0)) every 0.2 s for good (test_fault_agent42 saw their kills, CI).
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for given, want in ((["--log-dir", str(tmp_path / "mine")], str(tmp_path / "mine")),
                         (["--redirects", "3"], None), (["--tee", "1"], None)):  # the workers' output: torch's own, kept
         args = build_parser().parse_args(["--run-dir", str(tmp_path / "run"), *given, "train.py"])

@@ -87,7 +87,7 @@ class CheckpointManager:
         self._pending: SaveHandle | None = None
         self._preempt = threading.Event()
         self._old_handlers: dict[int, Any] = {}  # the signal handlers open() replaced
-        self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's first stop signal
+        self._opened, self.should_stop, self._signum = False, False, 0  # _signum: this process's stop signal (policies.on_stop_signal)
         self.stopped_by: int | None = None  # the stop signal that ended the run (any rank's): exit_code
         self.last_saved_step: int | None = None
         self._metrics: dict[int, dict[str, float]] = {}
@@ -130,7 +130,7 @@ class CheckpointManager:
             if self._lock:
                 self._lock.release()
             raise
-        self._opened, self._pid = True, os.getpid()  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal); _pid: forks.manager_call
+        self._opened, self._pid, self._ppid = True, os.getpid(), os.getppid()  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal); _pid: forks.manager_call; _ppid: a parent-death SIGINT
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, self._on_signal) else []
             for sig in (signal.SIGTERM, signal.SIGINT, *hup):  # SIGHUP (the agent forwards it) unless nohup'd or handled

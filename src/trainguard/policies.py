@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 import signal
 import weakref
 from abc import ABC, abstractmethod
@@ -342,7 +343,14 @@ def on_stop_signal(mgr: Any, signum: int, frame: Any) -> None:
         elif callable(previous):
             previous(signum, frame)  # Python's default_int_handler raises KeyboardInterrupt here
         return
-    mgr._signum = mgr._signum or signum  # the first (torch sets SIGINT as a dead parent's signal: a forkserver)
+    # The first stop signal, except torch's parent-death SIGINT (PR_SET_PDEATHSIG: a dead forkserver, or the agent
+    # of a forked worker, when this process's parent changed since open()): any other one wins over it, whichever
+    # came first. Python runs the handlers of signals pending together lowest number first (SIGINT before
+    # SIGTERM): a SIGTERM to every process of a forkserver job that came while the main thread waited in a
+    # collective was handled after the dead forkserver's SIGINT, and the worker's exit code was 130, not 143.
+    dead_parent = signum == signal.SIGINT and os.getppid() != getattr(mgr, "_ppid", os.getppid())
+    if not mgr._signum or (getattr(mgr, "_signum_dead_parent", False) and not dead_parent):
+        mgr._signum, mgr._signum_dead_parent = signum, dead_parent
     mgr._preempt.set()
     chain_preemption(mgr._old_handlers.get(signum), signum, frame)
 
