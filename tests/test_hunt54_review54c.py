@@ -72,3 +72,103 @@ def test_unflattened_dcp_of_dtensors_is_refused_saying_what_to_do(tmp_path: Path
     msg = str(ei.value)
     assert "'model'" in msg and "DTensor" in msg and "flatten_state_dict" in msg, msg
     assert not (tmp_path / "ck" / "step-000000001").exists()
+
+
+class _NoStr(Exception):
+    """An exception whose ``str()`` raises (a C extension's error with a broken ``__str__``)."""
+
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ of _NoStr failed")
+
+
+class _Broken:
+    def __init__(self, exc: BaseException | None) -> None:
+        self.exc = exc
+
+    def state_dict(self) -> dict:
+        if self.exc is not None:
+            raise self.exc
+        return {"n": 1}
+
+    def load_state_dict(self, sd: dict) -> None:
+        pass
+
+
+def _load_failing_on_rank1(rank: int, world: int, path: str) -> tuple[str, str]:
+    tg.save(path, {"w": torch.ones(3), "obj": _Broken(None)}, timeout=60)
+    state = {"w": torch.zeros(3), "obj": _Broken(None)}
+    if rank == 1:
+        state["obj"].load_state_dict = lambda sd: (_ for _ in ()).throw(_NoStr())  # type: ignore[method-assign]
+    try:
+        tg.load(path, state, timeout=60)
+    except Exception as e:
+        try:
+            return type(e).__name__, str(e)
+        except Exception:
+            return type(e).__name__, "<str() failed>"
+    return "", ""
+
+
+def test_a_rank_error_whose_str_raises_reaches_every_rank(tmp_path: Path) -> None:
+    """Rank 1's load_state_dict() raises an exception whose ``str()`` raises. ``describe_error``
+    (the text a rank sends the others) called ``str(e)`` unguarded: rank 1 raised the RuntimeError
+    of ``__str__`` from inside trainguard, and rank 0 said rank 1 "left this trainguard call before
+    'load' ... (an exception or a Ctrl-C caught on that rank)". Now rank 1 raises its own error and
+    rank 0 a RankFailureError naming rank 1's exception type."""
+    from dist_helper import run_ranks
+
+    res = run_ranks(_load_failing_on_rank1, 2, str(tmp_path / "ck"), timeout=120)
+    kind, text = res[1].value
+    assert kind != "RuntimeError", text
+    kind, text = res[0].value
+    assert kind == "RankFailureError" and "--- rank 1 ---" in text and "_NoStr" in text, text[:2000]
+    assert "left this trainguard call" not in text, text[:2000]
+
+
+def _traceback_of(e: BaseException) -> str:
+    from trainguard.errors import describe_error
+
+    try:
+        raise e
+    except BaseException as caught:
+        return describe_error(caught)
+
+
+def test_rank_failure_text_is_bounded_and_names_every_rank() -> None:
+    """64 ranks each failing with a 100 KB message (a different one each): the RankFailureError's text
+    held every one whole, 6.4 MB. Now each is cut in its middle (start and end kept, the whole in
+    ``failures``) and the text stays within tens of KB, every rank named."""
+    from trainguard.errors import failure
+
+    fails = {r: _traceback_of(ValueError(f"rank {r} could not write\n" + "x" * 100_000 + f"\nfix {r}: free disk")) for r in range(64)}
+    err = failure(f"save failed on rank(s) {list(range(64))}", fails)
+    text = str(err)
+    assert len(text) < 64_000, len(text)
+    for r in range(64):
+        assert f"--- rank {r} ---\nValueError: rank {r} could not write" in text
+        assert f"fix {r}: free disk" in text  # the end, where a message says what to change
+        assert err.failures[r] == fails[r]  # whole
+    assert "RankFailureError.failures[5]" in text
+
+
+def test_ranks_that_failed_alike_are_one_block() -> None:
+    """64 ranks with the same error (a full disk) repeated it 64 times; now once, under every rank number."""
+    from trainguard.errors import failure
+
+    same = _traceback_of(OSError(28, "No space left on device"))
+    fails = {r: same for r in range(64) if r != 40}
+    fails[40] = _traceback_of(ValueError("something else"))
+    text = str(failure("save failed", fails))
+    assert text.count("No space left on device") == 1, text
+    assert "--- ranks 0-39, 41-63 ---\nOSError: [Errno 28] No space left on device" in text, text
+    assert "--- rank 40 ---\nValueError: something else" in text, text
+
+
+def test_a_multiline_and_non_utf8_rank_error_reads_whole() -> None:
+    """Checked, sound before too (kept as a guard of the cut above): a short error of several lines,
+    with a lone surrogate (a non-UTF-8 file name), is shown whole."""
+    from trainguard.errors import failure
+
+    msg = "bad name b'\\xff' \udcff here\nsecond line: do this"
+    text = str(failure("load failed", {3: _traceback_of(ValueError(msg))}))
+    assert text == f"load failed\n--- rank 3 ---\nValueError: {msg}", text
