@@ -172,3 +172,155 @@ def test_a_multiline_and_non_utf8_rank_error_reads_whole() -> None:
     msg = "bad name b'\\xff' \udcff here\nsecond line: do this"
     text = str(failure("load failed", {3: _traceback_of(ValueError(msg))}))
     assert text == f"load failed\n--- rank 3 ---\nValueError: {msg}", text
+
+
+# --- trainguard doctor, "worker randomness" (doctor_augment) -------------------------------------------------
+
+DOC_HEAD = """
+import random
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+"""
+
+
+def _worker(body: str, loader: str = "loader = DataLoader(DS(64), batch_size=4, num_workers=2)\n") -> list:
+    import textwrap
+
+    from trainguard.doctor import Settings, check
+
+    src = DOC_HEAD + textwrap.dedent(body) + "\n" + loader
+    return [f for f in check({}, Settings(source=src)) if f.check == "worker randomness"]
+
+
+def test_a_generator_used_by_a_method_only_init_calls_is_not_reported() -> None:
+    """``__init__`` calls ``self._shuffle()``, which shuffles an index list once with the dataset's
+    generator, in the main process: it was reported as a per-sample draw in the workers."""
+    got = _worker("""
+    class DS(Dataset):
+        def __init__(self, n):
+            self.rng = np.random.default_rng(0)
+            self.idx = list(range(n))
+            self._shuffle()
+
+        def _shuffle(self):
+            self.rng.shuffle(self.idx)
+
+        def __len__(self):
+            return len(self.idx)
+
+        def __getitem__(self, i):
+            return self.idx[i]
+    """)
+    assert got == [], got
+
+
+def test_a_transform_objects_draws_are_reported() -> None:
+    """A transform class (``__call__``) the dataset is given draws from the global generator, or from
+    its own: the check looked at dataset classes only and said nothing."""
+    body = """
+    class Jitter:
+        def __init__(self):
+            self.rng = np.random.default_rng(0)
+
+        def __call__(self, x):
+            return x * self.rng.uniform(0.9, 1.1)
+
+    class Flip:
+        def __call__(self, x):
+            return -x if random.random() < 0.5 else x
+
+    class DS(Dataset):
+        def __init__(self, n, transform=None):
+            self.transform = transform
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return self.transform(float(i))
+    """
+    (f,) = _worker(body, "loader = DataLoader(DS(64, transform=Jitter()), batch_size=4, num_workers=2)\n")
+    assert f.severity == "warning" and "self.rng.uniform(0.9, 1.1) in Jitter.__call__" in f.message, f
+    assert "SeededDataset" in f.fix, f
+    (f,) = _worker(body, "flip = Flip()\nloader = DataLoader(DS(64, transform=flip), batch_size=4, num_workers=2)\n")
+    assert f.severity == "warning" and "random.random() in Flip.__call__" in f.message, f
+
+
+def test_a_helper_function_or_imported_draw_is_reported() -> None:
+    """A module-level helper the dataset calls draws from the global generator; and draws spelt
+    through imports (``from random import randint``, ``import numpy.random as npr``): none seen."""
+    (f,) = _worker("""
+    def jitter(x):
+        return x * np.random.uniform(0.9, 1.1)
+
+    class DS(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return jitter(float(i))
+    """)
+    assert f.severity == "warning" and "np.random.uniform(0.9, 1.1) in jitter" in f.message, f
+    (f,) = _worker("""
+    from random import randint
+    import numpy.random as npr
+
+    class DS(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return i + randint(0, 3) + npr.rand()
+    """)
+    assert f.severity == "warning" and "randint(0, 3) in DS.__getitem__" in f.message, f
+
+
+def test_an_unseeded_generator_made_per_sample_is_reported_even_with_seeded_dataset() -> None:
+    """``np.random.default_rng()`` made in ``__getitem__`` without a seed takes fresh OS entropy for
+    every sample: no resume (and no SeededDataset) draws the same again. It was not reported."""
+    body = """
+    import trainguard as tg
+
+    class DS(Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            rng = np.random.default_rng()
+            return i * rng.uniform(0.9, 1.1)
+    """
+    (f,) = _worker(body)
+    assert f.severity == "warning" and "np.random.default_rng() in DS.__getitem__" in f.message and "seed" in f.fix, f
+    (f,) = _worker(body, "loader = DataLoader(tg.SeededDataset(DS(64), seed=0), batch_size=4, num_workers=2)\n")
+    assert f.severity == "warning" and "np.random.default_rng()" in f.message, f
+
+
+def test_seeded_dataset_in_a_comment_is_not_its_use_and_annotated_generators_count() -> None:
+    (f,) = _worker("""
+    # TODO: wrap in SeededDataset
+    class DS(Dataset):
+        def __init__(self, n):
+            self.rng: np.random.Generator = np.random.default_rng(0)
+
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return i * self.rng.uniform()
+    """)
+    assert f.severity == "warning" and "self.rng.uniform() in DS.__getitem__" in f.message, f
+
+
+def test_doctor_cli_on_a_script_python_cannot_compile_says_so(tmp_path: Path) -> None:
+    """A 50,000-term expression: Python's parser gives up with a RecursionError (the script cannot run
+    either); ``trainguard doctor`` ended in that traceback, not in an error line."""
+    from click.testing import CliRunner
+
+    from trainguard.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("x = " + "+".join(["1"] * 50_000) + "\n")
+    r = CliRunner().invoke(main, ["doctor", str(script)])
+    assert r.exit_code != 0 and not isinstance(r.exception, RecursionError), r.output
+    assert "too deeply nested" in r.output and str(script) in r.output, r.output
