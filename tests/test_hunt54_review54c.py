@@ -324,3 +324,22 @@ def test_doctor_cli_on_a_script_python_cannot_compile_says_so(tmp_path: Path) ->
     r = CliRunner().invoke(main, ["doctor", str(script)])
     assert r.exit_code != 0 and not isinstance(r.exception, RecursionError), r.output
     assert "too deeply nested" in r.output and str(script) in r.output, r.output
+
+
+def test_a_function_called_to_build_the_datasets_input_is_not_worker_code() -> None:
+    """Guard of the above (sound before too): ``DS(load(64))`` runs ``load`` in the main process."""
+    got = _worker("""
+    def load(n):
+        return np.random.rand(n, 3)
+
+    class DS(Dataset):
+        def __init__(self, x):
+            self.x = x
+
+        def __len__(self):
+            return len(self.x)
+
+        def __getitem__(self, i):
+            return self.x[i]
+    """, "loader = DataLoader(DS(load(64)), batch_size=4, num_workers=2)\n")
+    assert got == [], got

@@ -6,8 +6,10 @@ each worker's generators from the loader's base seed and the worker id, so what 
 depends on which samples that worker read since its iterator started: after a resume mid-epoch
 the same sample is augmented differently (docs/data.md, "Draws in worker processes").
 ``tg.SeededDataset`` draws from ``(seed, epoch, index)`` instead (and seeds the batch's
-``collate_fn``); a script that mentions it is ok. Draws in a ``worker_init_fn`` and in a
-``ResumableIterable``'s ``transform`` without ``seed=`` are reported too.
+``collate_fn``); a script that uses it is ok. Draws in a ``worker_init_fn`` and in a
+``ResumableIterable``'s ``transform`` without ``seed=`` are reported too, and a generator made without
+a seed in worker code (SeededDataset or not). Which code runs in the workers, and which calls draw:
+``doctor_augscope`` (transform classes, the script's functions they call, imported names).
 """
 
 from __future__ import annotations

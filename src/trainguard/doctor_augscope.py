@@ -164,8 +164,12 @@ def worker_code(tree: ast.Module, loaders: list[ast.Call]) -> Iterator[tuple[str
             if isinstance(t, ast.Name):
                 made.setdefault(t.id, set()).update(_made(getattr(n, "value", None), classes))
     given: set[str] = set()  # names in the datasets' calls and the loaders' dataset arguments (and what made them)
+    passed: set[str] = set()  # those not called there: a function called there (DS(load(path))) runs in this process
     for place in [*calls, *(a for ld in loaders for a in [*ld.args[:1], *(k.value for k in ld.keywords if k.arg == "dataset")])]:
-        given |= {x for n in _walk_data(place) if isinstance(n, ast.Name) for x in (n.id, *made.get(n.id, ()))}
+        nodes = list(_walk_data(place))
+        called = {id(n.func) for n in nodes if isinstance(n, ast.Call)}
+        given |= {x for n in nodes if isinstance(n, ast.Name) for x in (n.id, *made.get(n.id, ()))}
+        passed |= {n.id for n in nodes if isinstance(n, ast.Name) and id(n) not in called}
     inside = {x for d in datasets for n in ast.walk(d) if isinstance(n, ast.Name) for x in (n.id, *made.get(n.id, ()))}
     transforms = [classes[k] for k in sorted(given | inside) if k in classes and classes[k] not in datasets
                   and any(m.name == "__call__" for m in _methods(classes[k]))]
@@ -175,7 +179,7 @@ def worker_code(tree: ast.Module, loaders: list[ast.Call]) -> Iterator[tuple[str
         for m in worker_methods(cls):
             yield f"{cls.name}.{m.name}", cls, m
             todo.append((f"{cls.name}.{m.name}", m, 0))
-    for k in sorted(given):
+    for k in sorted(passed):
         if k in funcs and k not in seen:
             seen.add(k)
             yield f"{k} (given to a dataset)", None, funcs[k]
