@@ -67,7 +67,7 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:  # DCP's own: weights_only=False
             fqn = read_item.dest_index.fqn
             try:
-                values[fqn] = torch.load(value, map_location="cpu", weights_only=True)
+                values[fqn] = _detached(torch.load(value, map_location="cpu", weights_only=True))
             except Exception:
                 values[fqn] = _Refused
 
@@ -82,6 +82,12 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
     for fqn, v in flat.items():
         if not isinstance(v, torch.Tensor):
             v = values.get(fqn, _Refused)
+            if _has_dtensor(v):  # pickled whole (flatten_state_dict=False): one rank's shards, the rest not saved
+                raise CheckpointError(
+                    f"{path}: DCP key {fqn!r} is a value pickled whole that holds DTensors (a DCP saved with "
+                    "DefaultSavePlanner(flatten_state_dict=False)): DCP kept one rank's copy of it, with that rank's "
+                    "shards only, so the full tensors are not in the checkpoint. Save it again with DCP's default "
+                    "planner (flatten_state_dict=True), which writes every rank's shards as DCP tensors")
             if v is _Refused or not _plain(v):
                 skipped.append(fqn)  # a pickled object (bytes, a class): not imported
                 continue
@@ -122,6 +128,28 @@ def _has_tensor(v: Any) -> bool:
     if isinstance(v, dict):
         return any(_has_tensor(x) for x in v.values())
     return isinstance(v, (list, tuple)) and any(_has_tensor(x) for x in v)
+
+
+def _detached(v: Any) -> Any:
+    """``Planner.load_bytes``: a pickled value with its ``nn.Parameter``s as plain tensors (a
+    ``state_dict(keep_vars=True)`` saved unflattened; before, the whole value was skipped as no plain
+    value). Only the containers ``_plain`` accepts are walked."""
+    if type(v) is torch.nn.Parameter:
+        return v.detach()
+    if type(v) in (list, tuple):
+        return type(v)(_detached(x) for x in v)
+    if type(v) is dict:
+        return {k: _detached(x) for k, x in v.items()}
+    return v
+
+
+def _has_dtensor(v: Any) -> bool:
+    """Whether the pickled value ``v`` is or holds (in dicts, lists, tuples) a ``DTensor``."""
+    if isinstance(v, torch.Tensor):
+        return type(v).__name__ == "DTensor" and type(v).__module__.startswith("torch.distributed")
+    if isinstance(v, dict):
+        return any(_has_dtensor(x) for x in v.values())
+    return isinstance(v, (list, tuple)) and any(_has_dtensor(x) for x in v)
 
 
 _FLAT_OPTIM = ("state.", "param_groups.")

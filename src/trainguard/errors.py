@@ -11,7 +11,7 @@ import operator
 import re
 from typing import Any
 
-from .errlines import readable, with_traceback
+from .errlines import described, rank_lines, with_traceback
 
 
 class CheckpointError(Exception):
@@ -159,7 +159,7 @@ class RankFailureError(CheckpointError):
 
     def __init__(self, message: str, failures: dict[int, str]) -> None:
         self.failures = dict(failures)
-        detail = "\n".join(f"--- rank {r} ---\n{readable(tb)}" for r, tb in sorted(self.failures.items()))
+        detail = rank_lines(self.failures)  # bounded: ranks that failed alike once, a long error cut in its middle
         super().__init__(f"{message}\n{detail}" if detail else message)
 
 
@@ -327,8 +327,9 @@ def nonneg_int(value: object, hint: str) -> int:
 
 
 def describe_error(e: BaseException) -> str:
-    """One rank's error as text for the others: the message for our errors, else its ``error_text`` then traceback."""
-    return f"{type(e).__name__}: {e}" if isinstance(e, CheckpointError) else with_traceback(error_text(e), e)
+    """One rank's error as text for the others: the message for our errors, else its ``error_text`` then traceback;
+    one whose ``str()`` raises by its type (that raise left the exchange: "rank(s) [1] left this trainguard call")."""
+    return described(e, lambda: f"{type(e).__name__}: {e}" if isinstance(e, CheckpointError) else with_traceback(error_text(e), e))
 
 
 def raise_failures(what: str, outcomes: list[Any], ctx: Any) -> None:

@@ -276,6 +276,9 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         where = f"line {e.lineno}: " if e.lineno else ""  # NUL bytes (a binary file): no line, it said "line None"
         raise CommandError(f"{script} is not valid Python 3 ({where}{e.msg}): the doctor reads and "
                            "imports it as Python") from None
+    except (RecursionError, MemoryError):  # a 50,000-term expression: Python cannot compile it either (a traceback before)
+        raise CommandError(f"{script} is too deeply nested for Python's parser (an expression of thousands of terms "
+                           "or levels; Python cannot compile it to run it either): build it in steps") from None
     hooked = defines_hook(tree)
     state, manager = _load_hook(Path(script)) if hooked else ({}, None)
     plan = None
