@@ -292,8 +292,8 @@ def settle_aside(storage: Storage, root: str, names: list[str], only: str | None
 def _carries(storage: Storage, root: str, token: str) -> bool:
     """``clean_debris``: whether a committed checkpoint of ``root`` carries ``aside: token`` in its
     metadata (the save that set the ``.abandoned-<token>`` directories aside committed). Only the
-    manifests' leading fields are read (``retention.read_facts``), newest step first."""
-    from .retention import read_facts  # retention imports this module
+    manifests' leading fields are read (``manifestfacts.read_facts``), newest step first."""
+    from .manifestfacts import read_facts  # it imports this module
 
     for s in reversed(list_steps(storage, root)):
         try:

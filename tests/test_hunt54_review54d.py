@@ -1,0 +1,51 @@
+"""Hunt 54 (review54d): hostile review of review54a's merge (idle-upload aborts, ``_all_listed``, ``kept_gone``),
+against the session's SeaweedFS server (tests/test_storage_s3.py's ``weed`` fixture; the S3 tests skip without the
+``weed`` binary), local disk and ``memory://``."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+
+import trainguard as tg
+from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
+from trainguard.inspect import list_checkpoints
+
+
+def _url() -> str:
+    return f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+
+
+def _drop_manifest(root: str, step: int) -> None:
+    name = f"step-{step:09d}/manifest.json"
+    if root.startswith("s3://"):
+        import s3fs
+
+        s3fs.S3FileSystem(skip_instance_cache=True).rm(f"{root[len('s3://'):]}/{name}")
+    elif root.startswith("memory://"):
+        import fsspec
+
+        fsspec.filesystem("memory").rm(f"{root[len('memory://'):]}/{name}")
+    else:
+        os.remove(os.path.join(root, name))
+
+
+@pytest.mark.parametrize("where", ["local", "memory", "s3"])
+def test_keepevery_keeps_one_before_the_newest_when_two_kept_multiples_went(weed, tmp_path, where):  # noqa: F811
+    """KeepEvery(10) keeps its multiples and one checkpoint before the newest; an older kept multiple counts as that
+    one. Steps 10 and 20 lose their manifests after a retention saw them (a bucket lifecycle rule expiring old
+    objects takes several at once). review54a's check HEADs the newest kept step before the newest (20: gone) and
+    lists again, but that second pass trusted step 10 without a look: it counted as the one before the newest and
+    step 21 was deleted, leaving one valid checkpoint where a manager opened afresh keeps 21 and 22."""
+    url = {"s3": _url(), "local": str(tmp_path / "run"), "memory": f"memory://r{uuid.uuid4().hex[:10]}"}[where]
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepEvery(10), handle_signals=False) as mgr:
+        for step in (10, 20, 21):
+            mgr.save(step, {"w": torch.full((4,), float(step))})
+        _drop_manifest(url, 10)
+        _drop_manifest(url, 20)
+        mgr.save(22, {"w": torch.ones(4)})
+    valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
+    assert valid == [21, 22], [(c.step, c.status) for c in list_checkpoints(url)]
