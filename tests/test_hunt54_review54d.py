@@ -49,3 +49,50 @@ def test_keepevery_keeps_one_before_the_newest_when_two_kept_multiples_went(weed
         mgr.save(22, {"w": torch.ones(4)})
     valid = [c.step for c in list_checkpoints(url) if c.status in ("valid", "committed")]
     assert valid == [21, 22], [(c.step, c.status) for c in list_checkpoints(url)]
+
+
+def test_a_bucket_deleted_during_a_save_is_not_told_as_an_aborted_upload(weed, monkeypatch):  # noqa: F811
+    """review54a words a 404 to a part or the completion as "the upload ... was aborted ... by a CheckpointManager
+    opened on this run directory by another job ..., or by a bucket lifecycle rule". The bucket deleted while the save
+    was uploading answers 404 too (NoSuchBucket), and the save said "HTTP 404 (NoSuchBucket): the upload of ... was
+    aborted while this save was writing it: by a CheckpointManager ...": a cause that did not happen, and a change
+    (own prefix, a lifecycle rule) that does not help."""
+    import threading
+
+    import s3fs
+
+    from trainguard.storage import fsspec as tgfs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    bucket = f"tg54d{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    gate, reached = threading.Event(), threading.Event()
+    orig = tgfs._S3Upload.part
+
+    def part(self, k, data):  # the save holds after its first part went up
+        orig(self, k, data)
+        if k == 0:
+            reached.set()
+            assert gate.wait(120)
+
+    monkeypatch.setattr(tgfs._S3Upload, "part", part)
+    out: dict = {}
+
+    def save() -> None:
+        try:
+            tg.save(f"s3://{bucket}/ckpt", {"w": torch.randn(10 << 20)})  # 40 MB: two parts of 32 MiB
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = str(e)
+        finally:
+            reached.set()
+
+    t = threading.Thread(target=save)
+    t.start()
+    try:
+        assert reached.wait(120), out
+        fs.call_s3("delete_bucket", Bucket=bucket)  # SeaweedFS deletes it with its objects and uploads
+    finally:
+        gate.set()
+        t.join(120)
+    assert f"the bucket {bucket} was deleted while this save was writing" in out["error"], out
+    assert "was aborted" not in out["error"], out
