@@ -96,3 +96,33 @@ def test_a_bucket_deleted_during_a_save_is_not_told_as_an_aborted_upload(weed, m
         t.join(120)
     assert f"the bucket {bucket} was deleted while this save was writing" in out["error"], out
     assert "was aborted" not in out["error"], out
+
+
+def _save_to_own_prefix(rank: int, world: int, url: str) -> dict:
+    """Each rank saves under a prefix of its own (a URL made from the host name): rank 1's file never reaches the
+    directory rank 0 commits."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.arange(4096.0), init_device_mesh("cpu", (world,)), [Shard(0)])  # a shard each
+    try:
+        tg.save(f"{url}/node{rank}/ckpt", {"w": w})
+    except tg.CheckpointError as e:
+        return {"error": str(e)}
+    return {}
+
+
+def test_a_rank_saving_to_another_prefix_is_not_told_as_another_jobs_removal(weed):  # noqa: F811
+    """On object stores rank 0 looks for every rank's files in one listing (review54a). A rank that saved to another
+    prefix (the begin round compares only the path's last part) failed the save with "data-00001.bin, uploaded by
+    rank 1 into <rank 0's directory> in this save, is gone before its manifest was written: another job using the
+    same run directory removed it ...": a place it was never uploaded to, and a cause that did not happen. Before
+    review54a it said the ranks must share the run directory; now both causes are named."""
+    from dist_helper import run_ranks
+
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    res = run_ranks(_save_to_own_prefix, 2, _url(), timeout=120, env=env)
+    err = res[0].value.get("error", "")
+    assert "data-00001.bin, uploaded by rank 1" in err, res[0].value
+    assert "rank 1 saved it elsewhere: every rank must pass the same URL" in err, err
+    assert all("error" in r.value for r in res), [r.value for r in res]

@@ -155,10 +155,11 @@ def _all_listed(storage: Storage, work: str, written: list[dict[str, Any]]) -> N
         names = [f for f, size in rank_files(w).items() if size] + ([w["index"][0]] if w.get("index") else [])
         if missing := [f for f in names if f not in listed and ("/" not in f or not storage.exists(storage.join(work, f)))]:
             raise CheckpointError(
-                f"{missing[0]}, uploaded by rank {r} into {work} in this save, is gone before its manifest was "
-                "written: another job using the same run directory removed it (a CheckpointManager opening "
-                "there deletes steps without a manifest). Object stores have no run lock: give each job "
-                "its own prefix")
+                f"{missing[0]}, uploaded by rank {r} in this save, is not in {work} "
+                "before its manifest was written: another job using the same run directory removed it (a "
+                "CheckpointManager opening there deletes steps without a manifest; object stores have no run lock: "
+                "give each job its own prefix)" + ("" if not r else f", or rank {r} saved it elsewhere: every rank "
+                "must pass the same URL, with the same endpoint and bucket (not a path made from the host name)"))
 
 
 class LazyManifest:
