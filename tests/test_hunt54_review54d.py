@@ -126,3 +126,63 @@ def test_a_rank_saving_to_another_prefix_is_not_told_as_another_jobs_removal(wee
     assert "data-00001.bin, uploaded by rank 1" in err, res[0].value
     assert "rank 1 saved it elsewhere: every rank must pass the same URL" in err, err
     assert all("error" in r.value for r in res), [r.value for r in res]
+
+
+def test_an_open_with_a_shorter_store_timeout_does_not_abort_a_live_saves_upload(weed, monkeypatch):  # noqa: F811
+    """review54a aborts an upload at a manager's open once nothing of it happened for twice the *opener's*
+    TRAINGUARD_STORE_TIMEOUT, as a live writer's every call ends within one. But the bound that holds a live
+    writer is the writer's own: an eval job run with TRAINGUARD_STORE_TIMEOUT=1 (fail fast) opened on the run while
+    the trainer (the default 600 s bound) had a part going up for a few seconds, and aborted the trainer's upload:
+    that save failed ("was aborted while this save was writing it"). The idle time is now at least twice the
+    default bound, whatever the opener's."""
+    import threading
+    from email.utils import parsedate_to_datetime
+
+    import s3fs
+
+    from trainguard.storage import fsspec as tgfs
+
+    url = _url()
+    gate, reached, ids = threading.Event(), threading.Event(), []
+    orig = tgfs._S3Upload.part
+
+    def part(self, k, data):  # the trainer's second part is slow: held until the eval job opened
+        if k == 1 and "step-000000002" in self.key:
+            ids.append((self.bucket, self.key, self._upload_id()))
+            reached.set()
+            assert gate.wait(120)
+        orig(self, k, data)
+
+    monkeypatch.setattr(tgfs._S3Upload, "part", part)
+    state = {"w": torch.randn(10 << 20)}  # 40 MB: two parts of 32 MiB
+    out: dict = {}
+
+    def trainer_save() -> None:
+        try:
+            out["ok"] = mgr.save(2, state)
+        except BaseException as e:  # noqa: BLE001
+            out["error"] = e
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+        mgr.save(1, state)
+        t = threading.Thread(target=trainer_save)
+        t.start()
+        try:
+            assert reached.wait(120), out
+            bucket, key, uid = ids[0]
+            for _ in range(600):  # the store's clock 3 s past the upload's last part (part 2 going up that long)
+                page = fs.call_s3("list_parts", Bucket=bucket, Key=key, UploadId=uid)
+                now = parsedate_to_datetime(page["ResponseMetadata"]["HTTPHeaders"]["date"])
+                if page.get("Parts") and (now - max(p["LastModified"] for p in page["Parts"])).total_seconds() >= 3:
+                    break
+                threading.Event().wait(0.1)
+            monkeypatch.setenv("TRAINGUARD_STORE_TIMEOUT", "1")  # the eval job's bound (read when its storage is built)
+            with tg.CheckpointManager(url, handle_signals=False):
+                pass
+            monkeypatch.delenv("TRAINGUARD_STORE_TIMEOUT")
+        finally:
+            gate.set()
+            t.join(120)
+    assert "error" not in out, out.get("error")
+    assert [(c.step, c.status) for c in list_checkpoints(url)] == [(1, "valid"), (2, "valid")]
