@@ -155,10 +155,11 @@ def _all_listed(storage: Storage, work: str, written: list[dict[str, Any]]) -> N
         names = [f for f, size in rank_files(w).items() if size] + ([w["index"][0]] if w.get("index") else [])
         if missing := [f for f in names if f not in listed and ("/" not in f or not storage.exists(storage.join(work, f)))]:
             raise CheckpointError(
-                f"{missing[0]}, uploaded by rank {r} into {work} in this save, is gone before its manifest was "
-                "written: another job using the same run directory removed it (a CheckpointManager opening "
-                "there deletes steps without a manifest). Object stores have no run lock: give each job "
-                "its own prefix")
+                f"{missing[0]}, uploaded by rank {r} in this save, is not in {work} "
+                "before its manifest was written: another job using the same run directory removed it (a "
+                "CheckpointManager opening there deletes steps without a manifest; object stores have no run lock: "
+                "give each job its own prefix)" + ("" if not r else f", or rank {r} saved it elsewhere: every rank "
+                "must pass the same URL, with the same endpoint and bucket (not a path made from the host name)"))
 
 
 class LazyManifest:
@@ -292,8 +293,8 @@ def settle_aside(storage: Storage, root: str, names: list[str], only: str | None
 def _carries(storage: Storage, root: str, token: str) -> bool:
     """``clean_debris``: whether a committed checkpoint of ``root`` carries ``aside: token`` in its
     metadata (the save that set the ``.abandoned-<token>`` directories aside committed). Only the
-    manifests' leading fields are read (``retention.read_facts``), newest step first."""
-    from .retention import read_facts  # retention imports this module
+    manifests' leading fields are read (``manifestfacts.read_facts``), newest step first."""
+    from .manifestfacts import read_facts  # it imports this module
 
     for s in reversed(list_steps(storage, root)):
         try:

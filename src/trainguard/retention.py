@@ -11,7 +11,6 @@ The policy (``policies.RetentionPolicy.select``) decides; this module lists and 
 
 from __future__ import annotations
 
-import json
 import logging
 import numbers
 import secrets
@@ -20,18 +19,16 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import iostall, layout
-from .commit import list_steps, manifest_bytes, settle_aside
+from .commit import list_steps, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
-from .flatten import decode_json, unique_keys
 from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
 from .keptseen import committed, kept_gone
-from .manifest import SUPPORTED_VERSIONS, parse, verified_body
+from .manifestfacts import read_facts
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
 from .ramleft import unused_copies
 from .relist import committed_steps
-from .storage import Storage
 from .storage._stale import recheck
 from .tiers import location, stale_reason
 
@@ -79,7 +76,7 @@ def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -
     handle.after_commit(run)
 
 
-def retain(mgr: CheckpointManager, newest: int, again: bool = True) -> None:
+def retain(mgr: CheckpointManager, newest: int) -> None:
     """Delete the committed checkpoints of ``mgr``'s root that ``mgr.keep`` does not keep, older
     than ``newest`` (which is kept whatever the policy says). A step ``restore`` found unusable
     takes no place among those kept.
@@ -89,7 +86,36 @@ def retain(mgr: CheckpointManager, newest: int, again: bool = True) -> None:
     (``restore`` found them unusable, or the operator rolled back with ``restore(state, step=N)``).
     Their timeline is abandoned: kept, they would hold ``KeepLatest`` slots in place of this run's
     checkpoints, and the next restart would resume from them instead of from this run's newest.
-    A manager that never restored knows nothing of them and keeps them (with a warning, once)."""
+    A manager that never restored knows nothing of them and keeps them (with a warning, once).
+
+    Listed again while ``kept_gone`` finds a kept step's manifest gone (each time one more: a kept step that then
+    stood in for it may be gone too, as when a lifecycle rule expired several; once, until review54d, and KeepEvery(10)
+    deleted step 21 on the trust of step 10, gone with 20), at most once per listed step."""
+    steps, abandoned, keep = _plan(mgr, newest)
+    for _ in range(len(steps)):  # a kept step lost its manifest since it was seen: list again
+        if not kept_gone(mgr, steps, keep, newest):
+            break
+        steps, abandoned, keep = _plan(mgr, newest)
+    fault("before_retention", mgr.ctx.rank)
+    if abandoned:
+        log.warning(
+            "trainguard: removing the checkpoints of steps %s in %s: this run saved step %d behind them, so "
+            "they belong to an earlier run's abandoned timeline (a restart must not resume from them)",
+            ", ".join(str(s.step) for s in abandoned), mgr.root, newest,
+        )
+    for s in abandoned:
+        _delete(mgr, s.path, s.step, abandoned_by=newest)
+    for name in mgr.storage.listdir(mgr._root) if mgr._aside not in ("", DONE) else []:  # set aside for this save
+        if (m := layout.ASIDE_RE.match(name)) and m.group(2) == mgr._aside:
+            _delete(mgr, mgr.storage.join(mgr._root, name), int(m.group(1)), abandoned_by=newest)
+    mgr._aside = DONE if mgr._aside else ""
+    for s in steps:
+        if s.step not in keep and s.step < newest:
+            _delete(mgr, s.path, s.step)
+
+
+def _plan(mgr: CheckpointManager, newest: int) -> tuple[list[Any], list[Any], set[int]]:
+    """``retain``'s one pass: the committed steps (but the abandoned ones), the abandoned ones, the steps kept."""
     steps = committed(mgr)
     foreign = [s for s in steps if s.step > newest and s.step not in mgr._own and not mgr._own.unknown(s.step)]
     abandoned = foreign if mgr._restored is not None else []
@@ -115,24 +141,7 @@ def retain(mgr: CheckpointManager, newest: int, again: bool = True) -> None:
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
     keep = kept | {newest} | unread | ({max(older)} if older and not kept & older else set())
-    if again and kept_gone(mgr, steps, keep, newest):  # a kept step lost its manifest since it was seen: list again
-        return retain(mgr, newest, again=False)
-    fault("before_retention", mgr.ctx.rank)
-    if abandoned:
-        log.warning(
-            "trainguard: removing the checkpoints of steps %s in %s: this run saved step %d behind them, so "
-            "they belong to an earlier run's abandoned timeline (a restart must not resume from them)",
-            ", ".join(str(s.step) for s in abandoned), mgr.root, newest,
-        )
-    for s in abandoned:
-        _delete(mgr, s.path, s.step, abandoned_by=newest)
-    for name in mgr.storage.listdir(mgr._root) if mgr._aside not in ("", DONE) else []:  # set aside for this save
-        if (m := layout.ASIDE_RE.match(name)) and m.group(2) == mgr._aside:
-            _delete(mgr, mgr.storage.join(mgr._root, name), int(m.group(1)), abandoned_by=newest)
-    mgr._aside = DONE if mgr._aside else ""
-    for s in steps:
-        if s.step not in keep and s.step < newest:
-            _delete(mgr, s.path, s.step)
+    return steps, abandoned, keep
 
 
 def _delete(mgr: CheckpointManager, path: str, step: int, **extra: Any) -> None:
@@ -347,48 +356,3 @@ def unrestored_error(e: CheckpointError, step: int, restored: int | None) -> Che
         "rollback: its newer checkpoints are then removed at the first save), call mgr.restore(state, step=...) "
         "before the loop; to keep that run's checkpoints, save this one into a new directory"
     ))
-
-
-def read_facts(storage: Storage, directory: str) -> tuple[float, dict[str, Any]]:
-    """``created`` and ``metadata`` of the checkpoint in ``directory``, for retention policies
-    (``_facts``, rank 0, for each kept checkpoint at the first retention after a
-    restart): the checksum is verified and the fields are checked as ``manifest.validate`` does,
-    but only the leading fields are decoded (``Manifest.to_bytes`` writes them before the files,
-    objects and tensors), not every tensor validated: a 100,000-tensor manifest took 1.5-3.7 s
-    to parse whole for these two values. A manifest laid out otherwise is parsed whole."""
-    data, where = manifest_bytes(storage, directory)
-    body = verified_body(data, where)
-    try:
-        head = _leading_fields(body.decode())
-    except (ValueError, IndexError, RecursionError):
-        head = {}
-    version, created, metadata = head.get("format_version"), head.get("created"), head.get("metadata")
-    if type(version) is not int or version not in SUPPORTED_VERSIONS or type(created) not in (int, float) or not (
-        0 <= created < 1e11 and type(metadata) is dict
-    ):
-        m = parse(data, where)  # says what is wrong, or reads a valid manifest laid out otherwise
-        return m.created, m.metadata
-    return float(created), decode_json(metadata, f"{where}: metadata")
-
-
-def _leading_fields(text: str) -> dict[str, Any]:
-    """``read_facts``: the fields of a manifest body up to ``metadata``, decoded one by one;
-    ValueError when it is laid out otherwise (a field repeated, or ``files`` first)."""
-    dec = json.JSONDecoder(parse_constant=_no_constant, object_pairs_hook=unique_keys)  # as manifest.parse
-    head: dict[str, Any] = {}
-    if not text.startswith("{"):
-        raise ValueError("not an object")
-    pos = 1
-    while "metadata" not in head:
-        key, pos = dec.raw_decode(text, pos)
-        if type(key) is not str or key in head or key in ("files", "objects", "tensors") or text[pos] != ":":
-            raise ValueError("not a leading field")
-        head[key], pos = dec.raw_decode(text, pos + 1)
-        if text[pos] != ",":
-            raise ValueError("metadata is not followed by other fields")
-        pos += 1
-    return head
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")  # as manifest.parse: NaN and Infinity are never written

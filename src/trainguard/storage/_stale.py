@@ -9,8 +9,8 @@ save. Only a bucket lifecycle rule ever removed them.
 
 ``commit.clean_debris`` (rank 0, at a manager's ``open``) calls it: an upload whose key lies in a step directory of
 the run directory (``step-N/`` or ``step-N.tmp-<id>/``) is aborted once it is *idle*: nothing of it (its creation,
-its newest part, by the store's clock) for ``IDLE_BOUNDS`` store bounds (``TRAINGUARD_STORE_TIMEOUT``: each call of a
-live writer, a part's upload included, ends within one). Before (store53), every one was aborted: another process's
+its newest part, by the store's clock) for ``IDLE_BOUNDS`` store bounds (``TRAINGUARD_STORE_TIMEOUT``, at least its
+default: each call of a live writer, a part's upload included, ends within the writer's, which may be the default). Before (store53), every one was aborted: another process's
 manager opened on the run (an eval job's restore, a restarted trainer while the old one's last save went on) failed
 the live save with "NoSuchUpload" (review54a). One left young is looked at again by ``recheck``, at the first
 retention (rank 0, after a save) once that much time has passed since (and so on while one is left young): a
@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import layout
 from ..errors import error_text
+from ._bounded import DEFAULT_STORE_TIMEOUT
 
 log = logging.getLogger("trainguard")
 MAX_PAGES = 100  # 1,000 uploads a page; a server that says "truncated" without a marker is not asked forever
@@ -45,7 +46,7 @@ def abort_uploads(storage: Any, root: str) -> list[str]:
     """Abort the idle incomplete multipart uploads under ``root`` ("bucket/run1") whose key is in a step
     directory; returns their keys relative to ``root`` ("step-000000003/data-00000.bin (upload)"). One not idle
     yet is left, and ``recheck`` due for ``root``."""
-    io, limit = storage.io, IDLE_BOUNDS * storage.io._bound
+    io, limit = storage.io, _idle_limit(storage)
     bucket, _, prefix = root.strip("/").partition("/")
     prefix = prefix + "/" if prefix else ""
     done: list[str] = []
@@ -83,10 +84,18 @@ def recheck(storage: Any, root: str) -> list[str]:
     """``retention.apply_retention`` (rank 0, after a save): once ``IDLE_BOUNDS`` store bounds have passed since
     ``abort_uploads`` left a young upload in ``root``, ``abort_uploads`` again; else nothing, no request."""
     opened = getattr(storage, "_uploads_opened", {}).get(root)
-    if opened is None or time.monotonic() - opened < IDLE_BOUNDS * storage.io._bound:
+    if opened is None or time.monotonic() - opened < _idle_limit(storage):
         return []
     storage._uploads_opened[root] = None
     return abort_uploads(storage, root)
+
+
+def _idle_limit(storage: Any) -> float:
+    """Seconds an upload must be idle to be aborted: ``IDLE_BOUNDS`` times this process's store bound, but at least
+    its default's. The bound that holds a live writer is the writer's, not the opener's: an eval job with
+    ``TRAINGUARD_STORE_TIMEOUT=1`` aborted a trainer's upload (default bound) whose part was going up for 3 s, and
+    that save failed (review54d). A writer whose bound is above the default is not covered (docs/storage.md)."""
+    return IDLE_BOUNDS * max(storage.io._bound, DEFAULT_STORE_TIMEOUT)
 
 
 def _idle(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:

@@ -68,10 +68,19 @@ class _S3Upload:
     @contextlib.contextmanager
     def _aborted(self) -> Iterator[None]:
         """A 404 (NoSuchUpload) to a part or the completion: someone aborted this live upload. It said only "the
-        specified multipart upload does not exist" (review54a); now who may have and what to change."""
+        specified multipart upload does not exist" (review54a); now who may have and what to change. Only that
+        code: a bucket deleted during the save (NoSuchBucket) was told as an aborted upload too, "HTTP 404
+        (NoSuchBucket): the upload ... was aborted ... by a CheckpointManager" (review54d); it is named as such."""
         try:
             yield
         except FileNotFoundError as e:
+            code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")  # s3fs keeps the ClientError
+            if code == "NoSuchBucket":
+                raise FileNotFoundError(errno.ENOENT, (
+                    f"the bucket {self.bucket} was deleted while "
+                    f"this save was writing {self.key}: create it again, or save to another bucket")) from e
+            if code not in (None, "NoSuchUpload"):
+                raise
             raise FileNotFoundError(errno.ENOENT, (
                 f"the upload of {self.bucket}/{self.key} was aborted while this save was writing it: by a "
                 "CheckpointManager opened on this run directory by another job after this upload was idle for long "
