@@ -149,11 +149,12 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
 
 def _all_listed(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
     """``check_shared`` on an object store: each rank's files (``rank_files``, index files) are in one listing of
-    ``work`` (a name with a "/": a HEAD), else the save fails before its manifest is written."""
+    ``work``, else the save fails before its manifest is written. A name the listing lacks (one with a "/"; a store
+    whose listings lag behind its writes) is looked for by a HEAD before the save fails: none in the usual case."""
     listed = set(storage.listdir(work))
     for r, w in enumerate(written):
         names = [f for f, size in rank_files(w).items() if size] + ([w["index"][0]] if w.get("index") else [])
-        if missing := [f for f in names if f not in listed and ("/" not in f or not storage.exists(storage.join(work, f)))]:
+        if missing := [f for f in names if f not in listed and not storage.exists(storage.join(work, f))]:
             raise CheckpointError(
                 f"{missing[0]}, uploaded by rank {r} in this save, is not in {work} "
                 "before its manifest was written: another job using the same run directory removed it (a "
