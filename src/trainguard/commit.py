@@ -27,6 +27,7 @@ from .errors import (
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
+from .samesave import check_objects, drop_listed
 from .storage import Storage, location
 
 _UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
@@ -128,6 +129,8 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
     On an object store (writes in place, no run lock) rank 0's own files too: a manager opened on
     the same prefix by another job removes a save's objects as a crashed save's debris, and the
     manifest written over them committed a checkpoint with its data gone (the save "succeeded")."""
+    if not storage.atomic_rename and hasattr(storage, "objects"):  # one listing: every rank's objects, as uploaded
+        return check_objects(storage, work, written)  # (samesave: another save of this step at once)
     world = len(written)
     for r in [0] * (not storage.atomic_rename) + sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
         w = written[r]
@@ -331,8 +334,10 @@ def _drop_leftovers(storage: Storage, final: str, names: list[str]) -> dict[str,
     the files a crashed save left in ``final`` are deleted, as a local save's rename replaces them. Before, they
     stayed inside the new checkpoint (a 1-rank save over a 2-rank crash: data-00001.bin beside it, verify OK)."""
     if names and not storage.atomic_rename:
-        storage.remove_tree(final)  # never raises: what it could not delete is looked for again
+        drop_listed(storage, final)  # never raises: what it could not delete is looked for again
         if left := storage.listdir(final):
+            if layout.MANIFEST in left:  # another save of this step committed meanwhile (samesave)
+                return {"exists": f"{final} was committed by another save while this one began; save to a new directory"}
             return {"refused": f"{final} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
                     "that could not be deleted (see the log): delete them, or save to a new path"}
     return {}
@@ -344,7 +349,9 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
     ``parent/name`` (an existing checkpoint, with ``overwrite``, goes to ``<name>.old-<id>`` first).
     First: ``parent`` is still locked by this process if it was (``runlock.check_owned``)."""
     check_owned(parent)  # an async save's run directory removed, or its .lock replaced, since save() returned
-    storage.write_atomic(storage.join(work, layout.MANIFEST), manifest.to_bytes())
+    # On an object store, only where no manifest is: another save of this step committed meanwhile (samesave).
+    (storage.write_atomic if storage.atomic_rename else getattr(storage, "write_new", storage.write_atomic))(
+        storage.join(work, layout.MANIFEST), manifest.to_bytes())
     fault("after_manifest", 0)
     final = storage.join(parent, name)
     if not storage.atomic_rename:

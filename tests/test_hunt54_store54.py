@@ -1,0 +1,145 @@
+"""Hunt 54 (store54): object stores, against the session's SeaweedFS server (tests/test_storage_s3.py's
+``weed`` fixture; the module skips without the ``weed`` binary)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+
+import pytest
+import torch
+
+import trainguard as tg
+from dist_helper import _context
+from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
+
+
+def _url() -> str:
+    return f"s3://tgtest/{uuid.uuid4().hex[:10]}"
+
+
+def _fs():
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+def _tensor(seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(3 << 20)  # 12 MB: a multipart upload of one part
+
+
+# --- 1. two plain tg.save calls of one S3 step at once (two processes) -------------------------------
+
+# (waits, sets) by (process, point): a process waits for the events named at a point, then sets those named.
+PLANS = {
+    # both find the step free; A's data, B's data, B's manifest, A's manifest. Before: both returned, and the step
+    # held A's manifest over B's data (verify: checksum mismatch).
+    "manifest_last": ({("A", "before_data"): ["B_free"], ("B", "before_data"): ["A_data"],
+                       ("A", "before_manifest"): ["B_manifest"]},
+                      {("B", "after_occupied"): ["B_free"], ("A", "after_data"): ["A_data"],
+                       ("B", "after_manifest"): ["B_manifest"]}),
+    # A commits; then B, which found the step free before A wrote, uploads over A's data. Before: both returned,
+    # A's committed checkpoint was replaced after its save returned.
+    "late_data": ({("A", "before_data"): ["B_free"], ("B", "before_data"): ["A_manifest"]},
+                  {("B", "after_occupied"): ["B_free"], ("A", "after_manifest"): ["A_manifest"]}),
+    # B starts while A's data is up and its manifest not yet: B takes A's objects for a crashed save's and deletes
+    # them. Before: both returned (A's checkpoint was B's data).
+    "leftovers": ({("B", "before_occupied"): ["A_data"], ("A", "before_manifest"): ["B_data"]},
+                  {("A", "after_data"): ["A_data"], ("B", "after_data"): ["B_data"]}),
+}
+
+
+def _saver(name: str, url: str, seed: int, plan: str, events: dict, out) -> None:
+    """One process's plain ``tg.save`` of ``url``, paused at the points ``PLANS[plan]`` names (bounded waits)."""
+    from trainguard import api
+    from trainguard.storage import _uploads
+
+    waits, sets = PLANS[plan]
+
+    def at(point: str) -> None:
+        for ev in waits.get((name, point), []):
+            events[ev].wait(60)  # bounded; the other process sets every event when it ends
+        for ev in sets.get((name, point), []):
+            events[ev].set()
+
+    def around(fn, before, after):
+        def call(*a, **k):
+            at(before)
+            try:
+                return fn(*a, **k)
+            finally:
+                at(after)
+        return call
+
+    api.occupied = around(api.occupied, "before_occupied", "after_occupied")
+    api.commit_dir = around(api.commit_dir, "before_manifest", "after_manifest")
+    _uploads._S3Upload.complete = around(_uploads._S3Upload.complete, "before_data", "after_data")
+    try:
+        tg.save(url, {"w": _tensor(seed)})
+        out.put((name, "ok"))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((name, f"{type(e).__name__}: {e}"))
+    finally:
+        for ev in events.values():
+            ev.set()
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_two_saves_of_one_s3_step_at_once_never_both_return(weed, plan):  # noqa: F811
+    """Two processes save the same step directory at once, their steps interleaved as ``plan`` says. Before, both
+    returned in each plan, and in ``manifest_last`` the step held one save's manifest over the other's data. Now at
+    most one returns; the other raises ``ConcurrentSaveError``; what is committed verifies and loads as the state
+    of the save that returned; with none returned, no manifest is there."""
+    ctx = _context()
+    url = _url() + "/step-000000001"
+    events = {n: ctx.Event() for n in ["A_free", "B_free", "A_data", "B_data", "A_manifest", "B_manifest"]}
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_saver, args=(n, url, seed, plan, events, out)) for n, seed in (("A", 1), ("B", 2))]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+    returned = [n for n, r in got.items() if r == "ok"]
+    assert len(returned) <= 1, got
+    for n, r in got.items():
+        if r != "ok":
+            assert r.startswith("ConcurrentSaveError: ") and "two saves" in r, got
+    res = tg.verify(url)
+    if returned:
+        assert res.ok, (got, res.errors)
+        dest = {"w": torch.zeros(3 << 20)}
+        tg.load(url, dest)
+        assert torch.equal(dest["w"], _tensor(1 if returned == ["A"] else 2)), got
+    else:
+        assert not _fs().exists(url[len("s3://"):] + "/manifest.json"), got
+
+
+def test_a_file_of_another_save_in_the_step_is_not_committed_with_it(weed, monkeypatch):  # noqa: F811
+    """Another save's object (its rank 1's data file) appears in the step while this 1-rank save writes. Before, the
+    manifest was written beside it: a step holding files of both saves that verified OK. Now the save fails with
+    ``ConcurrentSaveError`` naming it, leaves the other's object, and removes its own."""
+    from trainguard import api
+
+    url = _url() + "/step-000000001"
+    key = url[len("s3://"):]
+    fs = _fs()
+    check = api.check_shared
+
+    def planted(storage, work, written):
+        fs.pipe_file(f"{key}/data-00001.bin", b"another save's rank 1")
+        return check(storage, work, written)
+
+    monkeypatch.setattr(api, "check_shared", planted)
+    with pytest.raises(tg.CheckpointError, match="data-00001.bin, which this save did not write") as e:
+        tg.save(url, {"w": _tensor(3)})
+    assert type(e.value).__name__ == "ConcurrentSaveError"
+    fs.invalidate_cache()
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(key)) == ["data-00001.bin"]
