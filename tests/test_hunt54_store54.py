@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import trainguard as tg
-from dist_helper import _context
 from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
+
+from dist_helper import _context
 
 
 def _url() -> str:
@@ -109,7 +110,7 @@ def test_two_saves_of_one_s3_step_at_once_never_both_return(weed, plan):  # noqa
                 p.join(10)
     returned = [n for n, r in got.items() if r == "ok"]
     assert len(returned) <= 1, got
-    for n, r in got.items():
+    for r in got.values():
         if r != "ok":
             assert r.startswith("ConcurrentSaveError: ") and "two saves" in r, got
     res = tg.verify(url)
@@ -143,3 +144,28 @@ def test_a_file_of_another_save_in_the_step_is_not_committed_with_it(weed, monke
     assert type(e.value).__name__ == "ConcurrentSaveError"
     fs.invalidate_cache()
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(key)) == ["data-00001.bin"]
+
+
+# --- 2. tg.save to a bucket's root ------------------------------------------------------------------------------
+
+
+def test_a_plain_save_to_a_bucket_root_is_refused_and_writes_nothing(weed):  # noqa: F811
+    """``tg.save("s3://bucket", state)``: the save took the bucket's key prefix for "/bucket/" and found nothing
+    there, so a second save went in place over the committed checkpoint (both returned) and a failed one's objects
+    stayed. Now refused before a byte is written, saying to give a prefix; a manager's run directory may still be
+    the bucket's root."""
+    fs = _fs()
+    bucket = f"tgroot{uuid.uuid4().hex[:8]}"
+    fs.mkdir(bucket)
+    try:
+        for _ in range(2):
+            with pytest.raises(tg.CheckpointError, match=rf"s3://{bucket} is the root of a bucket: a checkpoint needs "
+                               rf"a prefix of its own. Save to s3://{bucket}/<name>"):
+                tg.save(f"s3://{bucket}", {"w": _tensor(4)})
+            fs.invalidate_cache()
+            assert fs.find(bucket) == []
+        with tg.CheckpointManager(f"s3://{bucket}", save=tg.EveryNSteps(1), handle_signals=False) as mgr:
+            mgr.save(1, {"w": _tensor(4)})
+        assert tg.verify(f"s3://{bucket}/step-000000001").ok
+    finally:
+        fs.rm(bucket, recursive=True)

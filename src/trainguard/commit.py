@@ -29,6 +29,7 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .samesave import check_objects, drop_listed
 from .storage import Storage, location
+from .storage._urls import bucket_root
 
 _UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
 
@@ -301,6 +302,8 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     directory: in place, a failed save would destroy it); a directory holding anything but a
     checkpoint's own files is never saved into (the commit would delete what it holds). ``above``: whether
     its parent may be a checkpoint (not a manager's root, checked at open: one more HEAD per save on a store)."""
+    if root := bucket_root(storage, final):  # s3://bucket itself
+        return {"refused": root}
     try:
         names = storage.listdir(final)
     except NotADirectoryError:

@@ -38,7 +38,7 @@ from ._remote import remote as _remote
 from ._remove import remove_keys, remove_prefix
 from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
-from ._urls import check_object_path, import_fsspec
+from ._urls import BUCKETED, check_object_path, import_fsspec
 
 log = logging.getLogger("trainguard")
 
@@ -56,6 +56,7 @@ class FsspecStorage:
     """
 
     atomic_rename = False
+    bucketed = False  # a path's first segment is a bucket (s3://, gs://): set by from_url
 
     def __init__(self, fs: Any, *, part_size: int = PART_SIZE) -> None:
         if part_size < (5 << 20):
@@ -79,7 +80,9 @@ class FsspecStorage:
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
                 "e.g. s3fs for s3://, gcsfs for gs://"
             ) from e
-        return cls(fs), check_object_path(url, path)
+        storage = cls(fs)
+        storage.bucketed = scheme.lower() in BUCKETED  # its root is a bucket's (``_urls.bucket_root``)
+        return storage, check_object_path(url, path)
 
     def _fresh(self, path: str) -> None:
         # Listings are cached by fsspec; another process (or rank) may have written since.
