@@ -49,6 +49,17 @@ def put_etag(data: bytes) -> str:
     return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
 
 
+def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> None:
+    """``etags[path] = etag`` (``FsspecStorage._etags``), the oldest dropped past ``keep``: a save's ranks take theirs
+    (``written_etag``); the RAM tier's copies and ``consolidate`` never do, and must not grow it for good."""
+    etags[path] = etag
+    while len(etags) > keep:
+        try:
+            etags.pop(next(iter(etags)))
+        except (RuntimeError, KeyError, StopIteration):  # another thread's insert or pop meanwhile: next time
+            break
+
+
 def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], expect: str,
            state: dict[str, bool]) -> str:
     """``call(**extra)`` (a ``PutObject`` or ``CompleteMultipartUpload``) with ``If-None-Match: *``; returns the

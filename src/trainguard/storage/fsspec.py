@@ -32,7 +32,7 @@ from ..errors import CheckpointError, error_text
 from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
-from ._exclusive import create, put_etag
+from ._exclusive import create, put_etag, remember
 from ._reads import READ_PIECE, _RangeReader  # noqa: F401  (READ_PIECE: tests)
 from ._remote import remote as _remote
 from ._remove import remove_keys, remove_prefix
@@ -171,8 +171,8 @@ class FsspecStorage:
             return self.write_atomic(path, data)
         bucket, key, _ = self.io.split_path(path)
         body = bytes(data)
-        self._etags[path] = create(self.io, bucket, key, lambda **kw: self.io.call_s3(
-            "put_object", Bucket=bucket, Key=key, Body=body, **kw), put_etag(body), self._exclusive)
+        remember(self._etags, path, create(self.io, bucket, key, lambda **kw: self.io.call_s3(
+            "put_object", Bucket=bucket, Key=key, Body=body, **kw), put_etag(body), self._exclusive))
         self._fresh(path)
 
     @_remote
@@ -335,7 +335,8 @@ class _PartWriter:
         def run() -> None:
             try:
                 if self._error is None:  # queued behind a part that failed: not sent
-                    # A whole part goes up from its buffer as is (botocore takes a bytearray, no copy).
+                    # A whole part goes up from its buffer as is (botocore takes a bytearray; aiohttp copies it twice
+                    # while it sends: its slice, then joined with the headers; docs/storage.md, memory).
                     self._up.part(k, buf if length == len(buf) else bytes(memoryview(buf)[:length]))
             except BaseException as e:
                 self._error = self._error or e
@@ -364,7 +365,7 @@ class _PartWriter:
                 f.result()
             self._up.complete(last, size)
             if isinstance(self._up, _S3Upload):
-                self._etags[self.path] = self._up.etag
+                remember(self._etags, self.path, self._up.etag)
         except BaseException:
             self.abort()
             raise
