@@ -91,7 +91,9 @@ def recheck(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
     """``api.persist_and_commit``, rank 0, right after its manifest went up (object stores): ``check_objects`` once
     more. A save of the same step that started meanwhile takes this save's objects for a crashed save's and deletes
     them (``commit.occupied``): in the moment between the check before the manifest and the manifest, the step
-    would commit another save's data. Then this save's manifest is deleted again and ``ConcurrentSaveError`` raised."""
+    would commit another save's data. Then this save's manifest is deleted again and ``ConcurrentSaveError`` raised.
+    A listing that fails (the store's error) leaves the save committed, with a warning: it must not fail (and
+    remove) a checkpoint whose manifest is up."""
     if storage.atomic_rename or not hasattr(storage, "objects"):
         return
     path = storage.join(work, layout.MANIFEST)
@@ -102,6 +104,9 @@ def recheck(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
         if storage.objects(work).get(layout.MANIFEST, (0, None))[1] == etag:  # type: ignore[attr-defined]
             storage.remove_objects([path])  # type: ignore[attr-defined]
         raise
+    except Exception as e:  # noqa: BLE001 - the listing failed (a 503): the save is committed, as before this check
+        log.warning("trainguard: %s is committed; listing it again after its manifest failed (%s): another save of "
+                    "the same step at the same time is not looked for", location(storage, work), error_text(e))
 
 
 def concurrent(outcome: dict[str, Any], error: BaseException | None) -> bool:
