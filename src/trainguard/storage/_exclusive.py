@@ -1,0 +1,89 @@
+"""Object-store writes that never replace an object another save wrote: S3 conditional writes.
+
+An object store has no directory rename, so a save writes its objects in place into ``step-N/``
+(``fsspec.FsspecStorage``). Two plain ``tg.save`` calls of the same step at once (two processes;
+no run lock on an object store) each found the step free, then uploaded over each other: both
+returned, and the step held one save's manifest over the other's data (``verify``: checksum
+mismatch), or a committed checkpoint's data was replaced after its save returned. Now each data
+object, index and manifest of a save is created with ``If-None-Match: *`` (``PutObject``,
+``CompleteMultipartUpload``): the store refuses (HTTP 412) an object that exists, and the save
+that comes second fails with ``ConcurrentSaveError`` instead of writing over the first.
+
+Callers: ``_uploads._S3Upload.complete`` (every rank, its data files) and
+``FsspecStorage.write_new`` (each rank's index file, rank 0's manifest). A store that does not
+implement the header (HTTP 501) is written to unconditionally, as before, once per storage.
+A 412 to a request the client retried after a lost answer (the first try created the object) is
+told apart by the object's ETag: this save's own object is not a conflict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import CheckpointError
+
+
+class ConcurrentSaveError(CheckpointError):
+    """Another save of the same step wrote into (or removed from) its directory during this save (object stores):
+    this save is abandoned; its own objects are removed, the other's left (``samesave``)."""
+
+
+def _answer(e: BaseException) -> tuple[str, int]:
+    """The S3 error code and HTTP status behind s3fs's translated ``OSError`` (its ``__cause__``)."""
+    for err in (e, e.__cause__, e.__context__):
+        resp = getattr(err, "response", None)
+        if isinstance(resp, dict):
+            return str(resp.get("Error", {}).get("Code", "")), int(resp.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+    return "", 0
+
+
+def multipart_etag(part_etags: list[str]) -> str:
+    """The ETag S3 gives the object a multipart upload of ``part_etags`` completes (md5 of the parts' md5s, ``-N``)."""
+    digest = hashlib.md5(b"".join(bytes.fromhex(t.strip('"')) for t in part_etags), usedforsecurity=False)
+    return f'"{digest.hexdigest()}-{len(part_etags)}"'
+
+
+def put_etag(data: bytes) -> str:
+    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+
+
+def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> None:
+    """``etags[path] = etag`` (``FsspecStorage._etags``), the oldest dropped past ``keep``: a save's ranks take theirs
+    (``written_etag``); the RAM tier's copies and ``consolidate`` never do, and must not grow it for good."""
+    etags[path] = etag
+    while len(etags) > keep:
+        try:
+            etags.pop(next(iter(etags)))
+        except (RuntimeError, KeyError, StopIteration):  # another thread's insert or pop meanwhile: next time
+            break
+
+
+def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], expect: str,
+           state: dict[str, bool]) -> str:
+    """``call(**extra)`` (a ``PutObject`` or ``CompleteMultipartUpload``) with ``If-None-Match: *``; returns the
+    new object's ETag. ``ConcurrentSaveError`` when ``s3://bucket/key`` exists and is not the object this call
+    made (``expect``: its ETag, the answer of a retry after a lost one). ``state["unconditional"]``: the store
+    answered 501 to the header once: written as before, without it."""
+    if state.get("unconditional"):
+        return str(call().get("ETag", ""))
+    try:
+        return str(call(IfNoneMatch="*").get("ETag", ""))
+    except OSError as e:
+        code, status = _answer(e)
+        if status == 501 or code == "NotImplemented":
+            state["unconditional"] = True
+            return str(call().get("ETag", ""))
+        if status != 412 and code != "PreconditionFailed":
+            raise
+    try:
+        have = str(fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag", ""))
+    except FileNotFoundError:
+        have = ""
+    if have and have == expect:  # ours: a retry of a request whose first try made it
+        return have
+    raise ConcurrentSaveError(
+        f"s3://{bucket}/{key} was written by another save while this save wrote it: two saves of the same step "
+        "directory ran at once (an object store has no lock). This save is abandoned and the other's objects are "
+        "left as they are; save each step once (one job per run directory), then check it with `trainguard verify`")
