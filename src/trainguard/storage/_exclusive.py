@@ -11,7 +11,9 @@ that comes second fails with ``ConcurrentSaveError`` instead of writing over the
 
 Callers: ``_uploads._S3Upload.complete`` (every rank, its data files) and
 ``FsspecStorage.write_new`` (each rank's index file, rank 0's manifest). A store that does not
-implement the header (HTTP 501) is written to unconditionally, as before, once per storage.
+implement the header (HTTP 501), or a client that does not know it (botocore before 1.35, with
+s3fs 2023.x-2024.6: ``ParamValidationError``, no request sent; every save failed with it), is
+written to unconditionally, as before, once per storage (a warning; the listing checks stay).
 A 412 to a request the client retried after a lost answer (the first try created the object) is
 told apart by the object's ETag: this save's own object is not a conflict.
 """
@@ -19,10 +21,13 @@ told apart by the object's ETag: this save's own object is not a conflict.
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError
+
+log = logging.getLogger("trainguard")
 
 
 class ConcurrentSaveError(CheckpointError):
@@ -60,6 +65,12 @@ def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> N
             break
 
 
+def _unknown_parameter(e: BaseException) -> bool:
+    """Whether ``e`` is botocore's refusal of ``IfNoneMatch`` as an unknown parameter (a client before 1.35):
+    raised before any request, as is (s3fs translates only the store's answers)."""
+    return type(e).__name__ == "ParamValidationError" and "IfNoneMatch" in str(e)
+
+
 def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], expect: str,
            state: dict[str, bool]) -> str:
     """``call(**extra)`` (a ``PutObject`` or ``CompleteMultipartUpload``) with ``If-None-Match: *``; returns the
@@ -70,7 +81,15 @@ def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], 
         return str(call().get("ETag", ""))
     try:
         return str(call(IfNoneMatch="*").get("ETag", ""))
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an old client's refusal of the parameter, else the store's OSError
+        if _unknown_parameter(e):
+            state["unconditional"] = True
+            log.warning("trainguard: this S3 client (botocore) does not know conditional writes (If-None-Match; "
+                        "botocore >= 1.35 does): objects are written unconditionally, and two saves of one step at "
+                        "once are found only by the listing before the manifest. Upgrade s3fs/botocore")
+            return str(call().get("ETag", ""))
+        if not isinstance(e, OSError):
+            raise
         code, status = _answer(e)
         if status == 501 or code == "NotImplemented":
             state["unconditional"] = True
