@@ -51,3 +51,68 @@ def test_a_save_with_a_botocore_that_predates_conditional_writes_succeeds(weed, 
     dest = {"w": torch.zeros_like(w)}
     tg.load(url, dest)
     assert torch.equal(dest["w"], w)
+
+
+def _fs():
+    import s3fs
+
+    return s3fs.S3FileSystem(skip_instance_cache=True)
+
+
+@pytest.mark.parametrize("client", ["new", "old"])
+@pytest.mark.parametrize("size", [1 << 10, 40 << 20], ids=["put", "multipart"])
+def test_a_save_that_loses_to_an_identical_one_leaves_the_committed_checkpoint_whole(weed, monkeypatch, size, client):  # noqa: F811
+    """Two saves of one step with the same bytes (a job launched twice with one seed; both save the initial weights):
+    B finds the step free, then A saves it whole (committed), then B writes. B's creates get 412, and the object there,
+    A's, has the ETag B's own would have (the same bytes: the same MD5), so B took it for its own (a retry whose first
+    try created it) and went on; its check before the manifest found A's manifest (``ConcurrentSaveError``) and
+    ``remove_own`` deleted the objects B "created" (listed with B's ETags): A's data and index. Before: A's committed
+    checkpoint lost its data file (verify: missing). Now B fails and A's checkpoint verifies and loads. ``old``: a
+    client without conditional writes (B writes the same bytes over A's; its removal must not take A's either)."""
+    from trainguard import api
+
+    if client == "old":
+        _old_botocore(monkeypatch)
+    url = _url() + "/step-000000000"
+    w = torch.arange(size // 4, dtype=torch.float32)
+    real = api.occupied
+    calls = []
+
+    def occupied_then_other_commits(*a, **k):
+        got = real(*a, **k)
+        if not calls:  # B's: the step is free; A saves the same bytes there, whole, before B writes
+            calls.append(1)
+            tg.save(url, {"w": w.clone()})
+        return got
+
+    monkeypatch.setattr(api, "occupied", occupied_then_other_commits)
+    with pytest.raises(tg.CheckpointError):
+        tg.save(url, {"w": w})  # B
+    res = tg.verify(url)
+    assert res.ok, res.errors
+    dest = {"w": torch.zeros_like(w)}
+    tg.load(url, dest)
+    assert torch.equal(dest["w"], w)
+
+
+def test_a_create_retried_after_a_lost_answer_is_taken_for_this_saves_own(weed, monkeypatch):  # noqa: F811
+    """Each create (PutObject, CompleteMultipartUpload) is sent twice, as a client retries after an answer lost on
+    the way back: the second gets 412, and the object (its metadata's token) is this call's own, no conflict."""
+    import s3fs
+
+    real = s3fs.S3FileSystem.call_s3
+    again: list[str] = []
+
+    def call(self, method, *a, **kw):  # noqa: ANN001
+        out = real(self, method, *a, **kw)
+        if method in ("put_object", "complete_multipart_upload") and "IfNoneMatch" in kw:
+            again.append(method)
+            return real(self, method, *a, **kw)  # the retry: 412, the first try having created the object
+        return out
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "call_s3", call)
+    url = _url() + "/ckpt"
+    state = {"w": torch.arange(10 << 20, dtype=torch.float32), "b": torch.ones(10)}
+    tg.save(url, state)
+    assert {"put_object", "complete_multipart_upload"} <= set(again)
+    assert tg.verify(url).ok

@@ -119,8 +119,11 @@ def concurrent(outcome: dict[str, Any], error: BaseException | None) -> bool:
 def remove_own(storage: Any, work: str, written: list[dict[str, Any]] | None) -> None:
     """``commitfail.discard`` (rank 0) of a save that met another save of its step: delete the objects its ranks
     created (listed with the ETag they reported), not the step: the other save's objects stay. Without the
-    ranks' reports (one never answered) or ETags (not S3), nothing: what is left is cleaned as any crashed save's."""
-    if not written:
+    ranks' reports (one never answered) or ETags (not S3), nothing: what is left is cleaned as any crashed save's.
+    Nothing either where the store took writes unconditionally (``FsspecStorage.unconditional``): there the other
+    save may have written the same bytes over this one's (one ETag), and committed them (review54f: two saves of
+    the same bytes, the one that lost deleted the committed checkpoint's data)."""
+    if not written or getattr(storage, "unconditional", False):  # written over: an ETag names bytes, not a save
         return
     have = storage.objects(work)
     mine = [storage.join(work, n) for n, (_r, _s, etag) in _ours(written).items()

@@ -15,13 +15,17 @@ implement the header (HTTP 501), or a client that does not know it (botocore bef
 s3fs 2023.x-2024.6: ``ParamValidationError``, no request sent; every save failed with it), is
 written to unconditionally, as before, once per storage (a warning; the listing checks stay).
 A 412 to a request the client retried after a lost answer (the first try created the object) is
-told apart by the object's ETag: this save's own object is not a conflict.
+told apart by a token of that create call in the object's metadata (``TOKEN``, ``new_token``):
+this save's own object is not a conflict. Not by its ETag (review54f): two saves of the same
+bytes (a job launched twice with one seed) make objects of one ETag, so the save that came
+second took the first's objects for its own, failed at the first's manifest, and deleted them
+(``samesave.remove_own``): the committed checkpoint lost its data.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -44,14 +48,13 @@ def _answer(e: BaseException) -> tuple[str, int]:
     return "", 0
 
 
-def multipart_etag(part_etags: list[str]) -> str:
-    """The ETag S3 gives the object a multipart upload of ``part_etags`` completes (md5 of the parts' md5s, ``-N``)."""
-    digest = hashlib.md5(b"".join(bytes.fromhex(t.strip('"')) for t in part_etags), usedforsecurity=False)
-    return f'"{digest.hexdigest()}-{len(part_etags)}"'
+TOKEN = "trainguard-create"  # the user metadata (x-amz-meta-trainguard-create) naming one create call
 
 
-def put_etag(data: bytes) -> str:
-    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+def new_token() -> dict[str, dict[str, str]]:
+    """The ``Metadata`` argument of one create (``PutObject``, or the ``CreateMultipartUpload`` of a multipart one):
+    a token no other call has; ``create`` finds it on the object after a 412."""
+    return {"Metadata": {TOKEN: uuid.uuid4().hex}}
 
 
 def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> None:
@@ -71,11 +74,12 @@ def _unknown_parameter(e: BaseException) -> bool:
     return type(e).__name__ == "ParamValidationError" and "IfNoneMatch" in str(e)
 
 
-def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], expect: str,
+def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], token: dict[str, dict[str, str]],
            state: dict[str, bool]) -> str:
     """``call(**extra)`` (a ``PutObject`` or ``CompleteMultipartUpload``) with ``If-None-Match: *``; returns the
     new object's ETag. ``ConcurrentSaveError`` when ``s3://bucket/key`` exists and is not the object this call
-    made (``expect``: its ETag, the answer of a retry after a lost one). ``state["unconditional"]``: the store
+    made (``token``: ``new_token()``, given to the call that created the object: a 412 to a retry after a lost
+answer, the object's metadata holds it). ``state["unconditional"]``: the store
     answered 501 to the header once: written as before, without it."""
     if state.get("unconditional"):
         return str(call().get("ETag", ""))
@@ -97,11 +101,11 @@ def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], 
         if status != 412 and code != "PreconditionFailed":
             raise
     try:
-        have = str(fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag", ""))
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
-        have = ""
-    if have and have == expect:  # ours: a retry of a request whose first try made it
-        return have
+        head = {}
+    if head and (head.get("Metadata") or {}).get(TOKEN) == token["Metadata"][TOKEN]:  # ours: a retry of a request
+        return str(head.get("ETag", ""))  # whose first try made it (the same bytes of another save: another token)
     raise ConcurrentSaveError(
         f"s3://{bucket}/{key} was written by another save while this save wrote it: two saves of the same step "
         "directory ran at once (an object store has no lock). This save is abandoned and the other's objects are "
