@@ -116,3 +116,26 @@ def test_a_create_retried_after_a_lost_answer_is_taken_for_this_saves_own(weed, 
     tg.save(url, state)
     assert {"put_object", "complete_multipart_upload"} <= set(again)
     assert tg.verify(url).ok
+
+
+def test_a_filesystem_whose_listing_gives_etags_commits_a_save(monkeypatch):
+    """An fsspec filesystem other than s3fs whose listing names each object's ``ETag`` (this one: memory:// made to,
+    as some stores' filesystems do): ``write_new`` records no ETag there (not S3), so the listing after the manifest
+    (``samesave.recheck``) found a manifest whose ETag was not this save's "", took it for another save's, and the
+    save failed with ``ConcurrentSaveError`` while its manifest stayed: every save failed, each one committed. Now a
+    manifest whose ETag this save does not know is its own there; the save returns."""
+    import fsspec
+
+    mem = type(fsspec.filesystem("memory"))
+    real = mem.find
+
+    def find(self, path, *a, **kw):  # noqa: ANN001
+        got = real(self, path, *a, **kw)
+        if kw.get("detail"):
+            return {k: {**v, "ETag": f'"{k}-{v.get("size")}"'} for k, v in got.items()}
+        return got
+
+    monkeypatch.setattr(mem, "find", find)
+    url = f"memory://r54f-{uuid.uuid4().hex[:8]}/ckpt"
+    tg.save(url, {"w": torch.ones(100)})
+    assert tg.verify(url).ok

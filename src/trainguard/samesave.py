@@ -63,7 +63,8 @@ def check_objects(storage: Any, work: str, written: list[dict[str, Any]], manife
     data or index file nor manifest that this save did not write (``manifest``: the ETag of its own, once written:
     ``recheck``). ``ConcurrentSaveError`` names what differs."""
     have, shown = storage.objects(work), location(storage, work)
-    if manifest is not None and have.get(layout.MANIFEST, (0, None))[1] == manifest:
+    # its own manifest; one whose ETag it does not know ("": not S3, a listing that gives ETags) too (review54f)
+    if manifest is not None and (not manifest or have.get(layout.MANIFEST, (0, None))[1] == manifest):
         del have[layout.MANIFEST]
     for name, (rank, size, etag) in sorted(_ours(written).items()):
         got = have.get(name)
@@ -103,7 +104,7 @@ def recheck(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
     try:
         check_objects(storage, work, written, etag)
     except ConcurrentSaveError:
-        if storage.objects(work).get(layout.MANIFEST, (0, None))[1] == etag:  # type: ignore[attr-defined]
+        if not etag or storage.objects(work).get(layout.MANIFEST, (0, None))[1] == etag:  # type: ignore[attr-defined]
             storage.remove_objects([path])  # type: ignore[attr-defined]
         raise
     except Exception as e:  # noqa: BLE001 - the listing failed (a 503): the save is committed, as before this check
