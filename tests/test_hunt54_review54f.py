@@ -139,3 +139,32 @@ def test_a_filesystem_whose_listing_gives_etags_commits_a_save(monkeypatch):
     url = f"memory://r54f-{uuid.uuid4().hex[:8]}/ckpt"
     tg.save(url, {"w": torch.ones(100)})
     assert tg.verify(url).ok
+
+
+def test_a_409_conditional_request_conflict_is_another_save_of_the_step():
+    """AWS answers 409 ``ConditionalRequestConflict`` to a conditional create when another write or delete of the key
+    runs at the same time (another save of the step). Before, it was raised as the store's error: the failed save's
+    cleanup (``commitfail.discard``) then removed the whole step, the other save's objects and manifest with it, as
+    for any failed save. Now it is a ``ConcurrentSaveError`` (only this save's own objects go), unless the object
+    there holds this create's token (then it is this call's, and the create succeeded)."""
+    from botocore.exceptions import ClientError
+
+    from trainguard.storage._exclusive import ConcurrentSaveError, create, new_token
+
+    def conflict(**kw):  # noqa: ANN003
+        err = ClientError({"Error": {"Code": "ConditionalRequestConflict", "Message": "A conflicting operation"},
+                           "ResponseMetadata": {"HTTPStatusCode": 409}}, "PutObject")
+        raise OSError(5, "A conflicting operation occurred") from err
+
+    class Store:
+        def __init__(self, meta: dict[str, str]) -> None:
+            self.meta = meta
+
+        def call_s3(self, method: str, **kw):  # noqa: ANN003
+            assert method == "head_object"
+            return {"ETag": '"e"', "Metadata": self.meta}
+
+    token = new_token()
+    with pytest.raises(ConcurrentSaveError):
+        create(Store({"trainguard-create": "another save's"}), "b", "k", conflict, token, {})
+    assert create(Store(dict(token["Metadata"])), "b", "k", conflict, token, {}) == '"e"'

@@ -98,7 +98,9 @@ answer, the object's metadata holds it). ``state["unconditional"]``: the store
         if status == 501 or code == "NotImplemented":
             state["unconditional"] = True
             return str(call().get("ETag", ""))
-        if status != 412 and code != "PreconditionFailed":
+        # 409 ConditionalRequestConflict (AWS): another conditional write or a delete of the key at the same time,
+        # a conflict as a 412 is; raised as the store's error, the save's cleanup removed the whole step (review54f)
+        if status not in (409, 412) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
             raise
     try:
         head = fs.call_s3("head_object", Bucket=bucket, Key=key)
