@@ -63,7 +63,8 @@ def check_objects(storage: Any, work: str, written: list[dict[str, Any]], manife
     data or index file nor manifest that this save did not write (``manifest``: the ETag of its own, once written:
     ``recheck``). ``ConcurrentSaveError`` names what differs."""
     have, shown = storage.objects(work), location(storage, work)
-    if manifest is not None and have.get(layout.MANIFEST, (0, None))[1] == manifest:
+    # its own manifest; one whose ETag it does not know ("": not S3, a listing that gives ETags) too (review54f)
+    if manifest is not None and (not manifest or have.get(layout.MANIFEST, (0, None))[1] == manifest):
         del have[layout.MANIFEST]
     for name, (rank, size, etag) in sorted(_ours(written).items()):
         got = have.get(name)
@@ -103,7 +104,7 @@ def recheck(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
     try:
         check_objects(storage, work, written, etag)
     except ConcurrentSaveError:
-        if storage.objects(work).get(layout.MANIFEST, (0, None))[1] == etag:  # type: ignore[attr-defined]
+        if not etag or storage.objects(work).get(layout.MANIFEST, (0, None))[1] == etag:  # type: ignore[attr-defined]
             storage.remove_objects([path])  # type: ignore[attr-defined]
         raise
     except Exception as e:  # noqa: BLE001 - the listing failed (a 503): the save is committed, as before this check
@@ -119,8 +120,11 @@ def concurrent(outcome: dict[str, Any], error: BaseException | None) -> bool:
 def remove_own(storage: Any, work: str, written: list[dict[str, Any]] | None) -> None:
     """``commitfail.discard`` (rank 0) of a save that met another save of its step: delete the objects its ranks
     created (listed with the ETag they reported), not the step: the other save's objects stay. Without the
-    ranks' reports (one never answered) or ETags (not S3), nothing: what is left is cleaned as any crashed save's."""
-    if not written:
+    ranks' reports (one never answered) or ETags (not S3), nothing: what is left is cleaned as any crashed save's.
+    Nothing either where the store took writes unconditionally (``FsspecStorage.unconditional``): there the other
+    save may have written the same bytes over this one's (one ETag), and committed them (review54f: two saves of
+    the same bytes, the one that lost deleted the committed checkpoint's data)."""
+    if not written or getattr(storage, "unconditional", False):  # written over: an ETag names bytes, not a save
         return
     have = storage.objects(work)
     mine = [storage.join(work, n) for n, (_r, _s, etag) in _ours(written).items()

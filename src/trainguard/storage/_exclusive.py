@@ -11,18 +11,27 @@ that comes second fails with ``ConcurrentSaveError`` instead of writing over the
 
 Callers: ``_uploads._S3Upload.complete`` (every rank, its data files) and
 ``FsspecStorage.write_new`` (each rank's index file, rank 0's manifest). A store that does not
-implement the header (HTTP 501) is written to unconditionally, as before, once per storage.
+implement the header (HTTP 501), or a client that does not know it (botocore before 1.35, with
+s3fs 2023.x-2024.6: ``ParamValidationError``, no request sent; every save failed with it), is
+written to unconditionally, as before, once per storage (a warning; the listing checks stay).
 A 412 to a request the client retried after a lost answer (the first try created the object) is
-told apart by the object's ETag: this save's own object is not a conflict.
+told apart by a token of that create call in the object's metadata (``TOKEN``, ``new_token``):
+this save's own object is not a conflict. Not by its ETag (review54f): two saves of the same
+bytes (a job launched twice with one seed) make objects of one ETag, so the save that came
+second took the first's objects for its own, failed at the first's manifest, and deleted them
+(``samesave.remove_own``): the committed checkpoint lost its data.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 from ..errors import CheckpointError
+
+log = logging.getLogger("trainguard")
 
 
 class ConcurrentSaveError(CheckpointError):
@@ -39,14 +48,13 @@ def _answer(e: BaseException) -> tuple[str, int]:
     return "", 0
 
 
-def multipart_etag(part_etags: list[str]) -> str:
-    """The ETag S3 gives the object a multipart upload of ``part_etags`` completes (md5 of the parts' md5s, ``-N``)."""
-    digest = hashlib.md5(b"".join(bytes.fromhex(t.strip('"')) for t in part_etags), usedforsecurity=False)
-    return f'"{digest.hexdigest()}-{len(part_etags)}"'
+TOKEN = "trainguard-create"  # the user metadata (x-amz-meta-trainguard-create) naming one create call
 
 
-def put_etag(data: bytes) -> str:
-    return f'"{hashlib.md5(data, usedforsecurity=False).hexdigest()}"'
+def new_token() -> dict[str, dict[str, str]]:
+    """The ``Metadata`` argument of one create (``PutObject``, or the ``CreateMultipartUpload`` of a multipart one):
+    a token no other call has; ``create`` finds it on the object after a 412."""
+    return {"Metadata": {TOKEN: uuid.uuid4().hex}}
 
 
 def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> None:
@@ -60,29 +68,46 @@ def remember(etags: dict[str, str], path: str, etag: str, keep: int = 4096) -> N
             break
 
 
-def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], expect: str,
+def _unknown_parameter(e: BaseException) -> bool:
+    """Whether ``e`` is botocore's refusal of ``IfNoneMatch`` as an unknown parameter (a client before 1.35):
+    raised before any request, as is (s3fs translates only the store's answers)."""
+    return type(e).__name__ == "ParamValidationError" and "IfNoneMatch" in str(e)
+
+
+def create(fs: Any, bucket: str, key: str, call: Callable[..., dict[str, Any]], token: dict[str, dict[str, str]],
            state: dict[str, bool]) -> str:
     """``call(**extra)`` (a ``PutObject`` or ``CompleteMultipartUpload``) with ``If-None-Match: *``; returns the
     new object's ETag. ``ConcurrentSaveError`` when ``s3://bucket/key`` exists and is not the object this call
-    made (``expect``: its ETag, the answer of a retry after a lost one). ``state["unconditional"]``: the store
+    made (``token``: ``new_token()``, given to the call that created the object: a 412 to a retry after a lost
+answer, the object's metadata holds it). ``state["unconditional"]``: the store
     answered 501 to the header once: written as before, without it."""
     if state.get("unconditional"):
         return str(call().get("ETag", ""))
     try:
         return str(call(IfNoneMatch="*").get("ETag", ""))
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - an old client's refusal of the parameter, else the store's OSError
+        if _unknown_parameter(e):
+            state["unconditional"] = True
+            log.warning("trainguard: this S3 client (botocore) does not know conditional writes (If-None-Match; "
+                        "botocore >= 1.35 does): objects are written unconditionally, and two saves of one step at "
+                        "once are found only by the listing before the manifest. Upgrade s3fs/botocore")
+            return str(call().get("ETag", ""))
+        if not isinstance(e, OSError):
+            raise
         code, status = _answer(e)
         if status == 501 or code == "NotImplemented":
             state["unconditional"] = True
             return str(call().get("ETag", ""))
-        if status != 412 and code != "PreconditionFailed":
+        # 409 ConditionalRequestConflict (AWS): another conditional write or a delete of the key at the same time,
+        # a conflict as a 412 is; raised as the store's error, the save's cleanup removed the whole step (review54f)
+        if status not in (409, 412) and code not in ("PreconditionFailed", "ConditionalRequestConflict"):
             raise
     try:
-        have = str(fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag", ""))
+        head = fs.call_s3("head_object", Bucket=bucket, Key=key)
     except FileNotFoundError:
-        have = ""
-    if have and have == expect:  # ours: a retry of a request whose first try made it
-        return have
+        head = {}
+    if head and (head.get("Metadata") or {}).get(TOKEN) == token["Metadata"][TOKEN]:  # ours: a retry of a request
+        return str(head.get("ETag", ""))  # whose first try made it (the same bytes of another save: another token)
     raise ConcurrentSaveError(
         f"s3://{bucket}/{key} was written by another save while this save wrote it: two saves of the same step "
         "directory ran at once (an object store has no lock). This save is abandoned and the other's objects are "

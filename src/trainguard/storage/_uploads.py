@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError
-from ._exclusive import create, multipart_etag, put_etag
+from ._exclusive import create, new_token
 
 
 class _S3Upload:
@@ -25,6 +25,7 @@ class _S3Upload:
     def __init__(self, fs: Any, path: str, state: dict[str, bool] | None = None) -> None:
         self.fs, self.state = fs, state if state is not None else {}
         self.etag = ""
+        self.token = new_token()  # in the object's metadata: a 412 to a retry of this upload's create is ours
         self.bucket, self.key, _ = fs.split_path(path)
         self._lock = threading.Lock()
         self._id: str | None = None
@@ -38,7 +39,8 @@ class _S3Upload:
                 raise self._failed  # each tried again in turn (a hung endpoint: one bound each, one after another)
             if self._id is None:
                 try:
-                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                                   **self.token)["UploadId"]
                 except BaseException as e:
                     self._failed = e
                     raise
@@ -58,7 +60,7 @@ class _S3Upload:
         if self._id is None:
             body = self._small or b""
             self.etag = create(self.fs, self.bucket, self.key, lambda **kw: self.fs.call_s3(
-                "put_object", Bucket=self.bucket, Key=self.key, Body=body, **kw), put_etag(body), self.state)
+                "put_object", Bucket=self.bucket, Key=self.key, Body=body, **self.token, **kw), self.token, self.state)
             self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
             return
         if self._small is not None:  # part 0 was held back but the file has more parts
@@ -71,7 +73,7 @@ class _S3Upload:
         with self._aborted():
             self.etag = create(self.fs, self.bucket, self.key, lambda **kw: self.fs.call_s3(
                 "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
-                MultipartUpload={"Parts": parts}, **kw), multipart_etag([p["ETag"] for p in parts]), self.state)
+                MultipartUpload={"Parts": parts}, **kw), self.token, self.state)
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
 
     @contextlib.contextmanager

@@ -32,7 +32,7 @@ from ..errors import CheckpointError, error_text
 from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
-from ._exclusive import create, put_etag, remember
+from ._exclusive import create, new_token, remember
 from ._reads import READ_PIECE, _RangeReader  # noqa: F401  (READ_PIECE: tests)
 from ._remote import remote as _remote
 from ._remove import remove_keys, remove_prefix
@@ -170,9 +170,9 @@ class FsspecStorage:
         if not self._s3:
             return self.write_atomic(path, data)
         bucket, key, _ = self.io.split_path(path)
-        body = bytes(data)
+        body, token = bytes(data), new_token()
         remember(self._etags, path, create(self.io, bucket, key, lambda **kw: self.io.call_s3(
-            "put_object", Bucket=bucket, Key=key, Body=body, **kw), put_etag(body), self._exclusive))
+            "put_object", Bucket=bucket, Key=key, Body=body, **token, **kw), token, self._exclusive))
         self._fresh(path)
 
     @_remote
@@ -194,6 +194,12 @@ class FsspecStorage:
         remove_keys(self.io, self._s3, paths)
         for p in paths:
             self._fresh(p)
+
+    @property
+    def unconditional(self) -> bool:
+        """Whether this storage's creates are written without ``If-None-Match`` (the store answered 501, or the
+        client does not know it: ``_exclusive.create``): ``samesave.remove_own`` then removes nothing."""
+        return bool(self._exclusive.get("unconditional"))
 
     def written_etag(self, path: str) -> str:
         """The ETag of the object this process created at ``path`` (``write_new``, a data file's upload), once:
