@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 
 from test_elastic_edges import _wait_for
@@ -94,3 +95,55 @@ def test_a_peer_whose_heartbeat_stalled_once_is_still_waited_for(tmp_path: Path)
         assert not [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "exit_barrier"]
     finally:
         _cleanup(a, *([b] if b is not None else []))
+
+
+# --run-path workers: each writes <dir>/done<rank> (its pid) and its script ends; rank 1's process then lingers
+# (a non-daemon thread, bounded: 60 s or <dir>/release), as a worker's teardown that does not end does.
+LINGERS_AFTER_RETURN = """\
+    import os, sys, threading, time
+    d = sys.argv[1]
+    if os.environ["RANK"] == "1":
+        def linger():
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not os.path.exists(os.path.join(d, "release")):
+                time.sleep(0.05)
+        threading.Thread(target=linger).start()
+    with open(os.path.join(d, "done" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_the_agent_waits_for_returned_workers_to_exit(tmp_path: Path) -> None:
+    """Before: agent54 deferred every stop signal that arrived inside ``ProcessContext.join`` (the launcher's hook, to
+    keep a failure's close whole), but torch also calls that join, unbounded, once every function worker returned,
+    until their processes exit. A worker whose process lingered after its script ended (a non-daemon thread, a
+    teardown that hangs) made the agent ignore SIGTERM until it exited (60 s here; forever for a hung one), silently.
+    Now only a failure's close defers the signal: the agent stops the workers and exits 143 at once."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(LINGERS_AFTER_RETURN))
+    run_dir = tmp_path / "run"
+    agent, log, tmp = _agent(tmp_path, "A", "--nproc-per-node", "2", "--run-path", "--run-dir", str(run_dir),
+                             str(train), str(tmp_path))
+    try:
+        done = [tmp_path / "done0", tmp_path / "done1"]
+        _wait_for(lambda: all(p.exists() and p.read_text() for p in done), 90, "both scripts ended", agent, log)
+        _wait_for(lambda: not psutil.pid_exists(int(done[0].read_text())) or _zombie(int(done[0].read_text())),
+                  30, "rank 0's process to exit", agent, log)
+        agent.send_signal(signal.SIGTERM)
+        try:
+            rc = agent.wait(timeout=20)  # before: 60 s (rank 1's linger), then 143
+        finally:
+            (tmp_path / "release").touch()
+        assert rc == 128 + signal.SIGTERM, (rc, log.read_text(errors="replace")[-3000:])
+        assert [e["signal"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit"] == ["SIGTERM"]
+    finally:
+        (tmp_path / "release").touch()
+        _cleanup(agent)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
