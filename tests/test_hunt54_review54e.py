@@ -147,3 +147,21 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_exit_barrier_keeps_torchs_own_when_its_barrier_key_is_gone(monkeypatch) -> None:
+    """Before: ``exitbarrier.install`` checked only ``store_util._barrier_nonblocking``; with a torch whose agent
+    module lacks ``_TERMINAL_STATE_SYNC_ID`` (renamed), its barrier replaced torch's and raised ``ImportError`` out of
+    ``_exit_barrier`` after the workers succeeded (read, not seen: this torch has the key; the agent would fail a
+    finished job). Now torch's barrier stays."""
+    from torch.distributed.elastic.agent.server import api
+
+    from trainguard.elastic import exitbarrier
+
+    monkeypatch.setattr(api.SimpleElasticAgent, "_exit_barrier", api.SimpleElasticAgent._exit_barrier)
+    orig = api.SimpleElasticAgent._exit_barrier
+    if getattr(orig, "_tg_barrier", False):
+        pytest.skip("trainguard's barrier already installed in this process")
+    monkeypatch.delattr(api, "_TERMINAL_STATE_SYNC_ID")
+    exitbarrier.install(events=None)
+    assert api.SimpleElasticAgent._exit_barrier is orig
