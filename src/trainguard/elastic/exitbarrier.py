@@ -118,15 +118,16 @@ def _gone(store: Any, handler: Any, nodes: list[str], me: str) -> list[str]:
 def install(events: Any) -> None:
     """Agent, once (``launcher.install_agent_hooks``): torch's ``SimpleElasticAgent._exit_barrier`` is
     :func:`exit_barrier`."""
-    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from torch.distributed.elastic.agent.server import api
     from torch.distributed.elastic.utils import store as store_util
 
-    orig = SimpleElasticAgent._exit_barrier
-    if getattr(orig, "_tg_barrier", False) or not hasattr(store_util, "_barrier_nonblocking"):
-        return  # a torch without the barrier's parts: its own barrier
+    orig = api.SimpleElasticAgent._exit_barrier
+    parts = hasattr(store_util, "_barrier_nonblocking") and hasattr(api, "_TERMINAL_STATE_SYNC_ID")
+    if getattr(orig, "_tg_barrier", False) or not parts:
+        return  # a torch without the barrier's parts (their import in exit_barrier would fail the job): its own barrier
 
     def _exit_barrier(self: Any) -> None:
         exit_barrier(self, events)
 
     _exit_barrier._tg_barrier = True  # type: ignore[attr-defined]
-    SimpleElasticAgent._exit_barrier = _exit_barrier  # type: ignore[method-assign]
+    api.SimpleElasticAgent._exit_barrier = _exit_barrier  # type: ignore[method-assign]

@@ -13,6 +13,13 @@ instead of 143 (1 run in 12 of SIGTERM to a 1-worker agent on a loaded 2-core ma
 :func:`install` (``launcher.install_agent_hooks``, once, in the agent) tracks the handlers whose
 heartbeats started; :func:`stop` (``launcher.main``, on its way out) stops their threads and waits for a
 heartbeat in flight, bounded. The rendezvous itself is not closed (torch's choice on a signal stands).
+
+:func:`install` also makes a live agent put back a heartbeat the rendezvous state lost (:func:`_readd_op`):
+torch's keep-alive op sends one only while the node's last heartbeat is still in the state, and any node's sync
+drops a heartbeat older than ``keep_alive_interval * keep_alive_max_attempt`` (3 s) and writes that state back
+with its own heartbeat. One stall of an agent's keep-alive thread past 3 s (a loaded or paused machine), at any
+time in the job, so ended its heartbeats for good: the other agents' exit barrier (:mod:`.exitbarrier`) then
+took it for gone while it still trained, the store's host left, and the job failed (RendezvousConnectionError).
 """
 
 from __future__ import annotations
@@ -37,6 +44,30 @@ def install() -> None:
 
     start._tg_keepalive = True  # type: ignore[attr-defined]
     cls._start_heartbeats = start
+    _readd_op()
+
+
+def _readd_op() -> None:
+    """Agent, once (:func:`install`): torch's keep-alive op (run by the keep-alive timer, only between a completed
+    rendezvous and the next one or the handler's shutdown) also sends a heartbeat when this node's was dropped
+    from the state (a stall past the expiry), unless the rendezvous is closed; torch's answers otherwise."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    op = getattr(dr, "_RendezvousKeepAliveOp", None)
+    action = getattr(getattr(dr, "_Action", None), "KEEP_ALIVE", None)
+    orig = op.__dict__.get("__call__") if isinstance(op, type) else None
+    if action is None or orig is None or getattr(orig, "_tg_readd", False):
+        return  # another torch: its own op (a dropped heartbeat then stays dropped)
+
+    def call(self: Any, ctx: Any, deadline: float) -> Any:
+        state = getattr(ctx, "state", None)
+        beats = getattr(state, "last_heartbeats", None)
+        if isinstance(beats, dict) and ctx.node not in beats and not getattr(state, "closed", False):
+            return action  # torch's _keep_alive sets it again; the next round of the op finishes
+        return orig(self, ctx, deadline)
+
+    call._tg_readd = True  # type: ignore[attr-defined]
+    op.__call__ = call
 
 
 def stop(wait: float = 5.0) -> list[str]:

@@ -282,7 +282,10 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         made = self.__dict__.setdefault("_tg_ready", [])  # reap.py: an ended worker seen at once
         made += expose_dead(self)
         try:
-            with agentsig.deferred():  # a stop signal in the failure's grace: after the close and its failure event
+            # A stop signal in a failure's grace: after the close and its failure event. Not in torch's unbounded
+            # join (timeout None: every worker returned, their processes not all ended): deferred there, a SIGTERM
+            # waited for a lingering worker process (60 s seen; forever for a hung teardown).
+            with agentsig.deferred(timeout is not None):
                 return orig_join(self, timeout, FAIL_GRACE if grace_period is None else grace_period)
         except ProcessException as e:
             cause = root_failure(self, e)
