@@ -57,26 +57,44 @@ def _function_members(fn: types.FunctionType) -> dict[str, Any]:
     return got
 
 
+def _user(c: type) -> bool:
+    return str(getattr(c, "__module__", "")).split(".")[0] not in _LIBRARY
+
+
 @functools.lru_cache(maxsize=256)
-def _class_layout(cls: type) -> tuple[tuple[str, ...], tuple[types.FunctionType, ...], tuple[types.FunctionType, ...]]:
+def _class_data(cls: type) -> tuple[str, ...]:
     """Looked at once per class: the names of its (and its bases') data class attributes (``rng =
-    np.random.default_rng(0)``, also ``rng = None`` filled in later: their values are read at each sample), the
-    functions its classes define (their module globals), and its ``__call__``/``forward`` (for a transform object
-    one level down). Classes of torch, NumPy and the standard library are skipped."""
-    data, methods, calls = set(), [], []
-    for c in cls.__mro__[:-1]:
-        if str(getattr(c, "__module__", "")).split(".")[0] in _LIBRARY:
-            continue
-        for k, v in vars(c).items():
-            f = v.__func__ if isinstance(v, staticmethod | classmethod) else v
-            if inspect.isfunction(f):
-                methods.append(f)
-                if k in ("__call__", "forward"):
-                    calls.append(f)
-            elif not (k.startswith("__") or isinstance(v, type | types.ModuleType | property) or callable(v)
-                      or hasattr(type(v), "__get__")):
-                data.add(k)
-    return tuple(sorted(data)), tuple(methods), tuple(calls)
+    np.random.default_rng(0)``, also ``rng = None`` filled in on first use: their values are read at each sample;
+    before, only those holding a generator when first looked at were remembered). Classes of torch, NumPy and the
+    standard library are skipped."""
+    return tuple(sorted({k for c in cls.__mro__[:-1] if _user(c) for k, v in vars(c).items()
+                         if not (k.startswith("__") or callable(v) or hasattr(type(v), "__get__")
+                                 or isinstance(v, type | types.ModuleType))}))
+
+
+@functools.lru_cache(maxsize=512)
+def _reachable(cls: type, entries: tuple[str, ...]) -> tuple[types.FunctionType, ...]:
+    """Looked at once per class: the functions its classes define that ``entries`` (``__getitem__``, ``__call__``)
+    may call by name, ``self.augment(x)``, and those they may call, and so on (their module globals are looked at:
+    a helper method drawing from ``RNG``). Classes of torch, NumPy and the standard library are skipped."""
+    funcs: dict[str, types.FunctionType] = {}
+    for c in reversed(cls.__mro__[:-1]):  # a subclass's method wins
+        if _user(c):
+            for k, v in vars(c).items():
+                f = v.__func__ if isinstance(v, staticmethod | classmethod) else v
+                if inspect.isfunction(f):
+                    funcs[k] = f
+    todo = [e for e in entries if e in funcs]
+    seen = set(todo)
+    while todo:
+        for n in _code_names(funcs[todo.pop()].__code__):
+            if n in funcs and n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return tuple(funcs[n] for n in sorted(seen))
+
+
+_ENTRIES = ("__call__", "__getitem__", "forward")
 
 
 def _class_value(cls: type, name: str) -> Any:
@@ -91,8 +109,8 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
     """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
     a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
     ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
-    arguments, the generators among the module globals its class's ``__call__``/``forward`` names;
-    ``own_class``: and its class's (or a base's) data class attributes."""
+    arguments; the generators its class keeps as class attributes and those among the module globals its class's
+    ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
         return _function_members(obj)
     if isinstance(obj, functools.partial):
@@ -106,30 +124,31 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
     got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
     if isinstance(obj, type):
         return got
-    data, _, calls = _class_layout(type(obj))
-    if own_class:  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
-        got = {**{k: _class_value(type(obj), k) for k in data}, **got}
-    else:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at the top of its module
-        for f in calls:
+    cls = type(obj)  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
+    got = {**{k: _class_value(cls, k) for k in _class_data(cls) if own_class or _kind(_class_value(cls, k))}, **got}
+    if not own_class:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at its module's top
+        for f in _reachable(cls, _ENTRIES):
             got.update((n, v) for n, v in _function_members(f).items() if _kind(v) and n not in got)
     return got
 
 
 def own_generators(obj: Any) -> list[tuple[str, Any]]:
     """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)`` (or as a class
-    attribute), or as attributes of its attributes (``self.transform.rng``), the module globals its class's methods
-    name (``RNG = np.random.default_rng(0)``, also through a helper method or a comprehension) and a transform
-    attribute's ``__call__`` names, by path, each once: ``random.Random``, NumPy's ``Generator`` and ``RandomState``,
+    attribute), or as attributes of its attributes (``self.transform.rng``), the module globals its ``__getitem__``
+    (or ``__call__``) and the methods it calls by name (``self.augment(x)``) name, also in a comprehension (``RNG =
+    np.random.default_rng(0)``, or one a module function they name uses) and those a transform attribute's
+    ``__call__`` names, by path, each once: ``random.Random``, NumPy's ``Generator`` and ``RandomState``,
     and CPU ``torch.Generator``. Likewise for a ``ResumableIterable`` transform (a callable object's, a bound
     method's object's, a function's closure variables and the module globals it names, a ``functools.partial``'s
     function, arguments and keywords, and theirs). Not found: generators in a list, dict or tuple, or deeper."""
-    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
-        obj = obj.__self__
+    entries = _ENTRIES
+    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object, from that method on
+        entries, obj = (*_ENTRIES, obj.__func__.__name__), obj.__self__
     groups = [_members(obj, own_class=True)]
     if isinstance(obj, functools.partial):  # transform=functools.partial(augment, rng=rng): augment's too
         groups[0].update((f"func.{p}", g) for p, g in own_generators(obj.func))
     elif not (inspect.isfunction(obj) or isinstance(obj, type | types.ModuleType)):
-        groups.append({n: v for f in _class_layout(type(obj))[1] for n, v in _function_members(f).items()})
+        groups.append({n: v for f in _reachable(type(obj), entries) for n, v in _function_members(f).items()})
     found: list[tuple[str, Any]] = []
     ids: set[int] = set()  # one generator reachable by two paths is seeded (and put back) once
     for names in groups:
