@@ -205,3 +205,67 @@ def test_global_generators_untouched_with_no_workers() -> None:
     batches = list(loader)
     assert streams() == expected
     assert len({tuple(r.tolist()) for b in batches for r in b}) == N
+
+
+class _Flip:
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, x: float) -> float:
+        return (x if self.rng.random() < 0.5 else -x) + float(self.rng.random())
+
+
+class _Compose:
+    def __init__(self, transforms: list) -> None:
+        self.transforms = transforms
+
+    def __call__(self, x: float) -> float:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class _Composed(Dataset):
+    """Generators kept deeper: in a Compose's list of transforms, in a list of generators, in a dict."""
+
+    def __init__(self) -> None:
+        self.transform = _Compose([_Flip(1), _Flip(2)])
+        self.rngs = [np.random.default_rng(3), np.random.default_rng(4)]
+        self.by_name = {"noise": torch.Generator().manual_seed(5)}
+        self.transform.transforms[0].rng.random(int(np.random.default_rng().integers(1, 9)))  # drew elsewhere
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), self.transform(float(i)), float(self.rngs[i % 2].random()),
+                             float(torch.rand(1, generator=self.by_name["noise"]))], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_generators_kept_deeper_resume(tmp_path, workers: int) -> None:
+    straight, resumed = _loop(_Composed, workers, tmp_path)
+    _assert_resumes(straight, resumed)
+    again, _ = _loop(_Composed, workers, tmp_path / "again")
+    assert all(torch.equal(a, b) for a, b in zip(straight, again, strict=True))
+
+
+def test_iterable_transform_compose_resumes(tmp_path) -> None:
+    def make():
+        tf = _Compose([_Flip(1), _Flip(2)])
+        tf.transforms[1].rng.random(int(np.random.default_rng().integers(1, 9)))  # drew elsewhere
+        data = tg.ResumableIterable(lambda epoch: iter(range(N)), batch_size=4,
+                                    transform=lambda i: torch.tensor([float(i), tf(float(i))], dtype=torch.float64),
+                                    seed=0)
+        return data, DataLoader(data, batch_size=4, num_workers=2)
+
+    data, loader = make()
+    straight = []
+    for x in loader:
+        straight.append(x)
+        data.advance(len(x))
+        if len(straight) == 2:
+            tg.save(str(tmp_path / "step-000000002"), {"data": data})
+    data, loader = make()
+    tg.load(str(tmp_path / "step-000000002"), {"data": data})
+    _assert_resumes(straight, list(loader))

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .deepgens import deep_paths, resolve
 from .owngens import dataset_generators, own_generators, run_seeded
 from .seedcore import restore_globals, save_globals, seed_globals, seed_int, seed_of, seeded_call
 
@@ -41,13 +42,29 @@ def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: 
     the transform made on its first call (``if self.rng is None: self.rng = np.random.default_rng()``) drew
     unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run)."""
     gens = own_generators(transform)
+    deep = deep_paths(transform, {id(g) for _, g in gens}, "ResumableIterable(transform=)")
+    gens = with_deep(gens, transform, deep)
     for i, item in items:
         saved = save_globals()
         try:
-            out, gens = run_seeded(seed_of(seed, epoch, i), gens, lambda: own_generators(transform), transform, item)
+            out, gens = run_seeded(seed_of(seed, epoch, i), gens, lambda: with_deep(own_generators(transform), transform, deep),
+                                   transform, item)
         finally:
             restore_globals(saved)
         yield out
+
+
+def with_deep(found: list[tuple[str, Any]], root: Any, deep: tuple) -> list[tuple[str, Any]]:
+    """``found`` (:func:`own_generators`, each sample) and the generators at the deeper paths remembered for ``root``
+    (``deepgens``: in a list, a dict, a ``Compose``'s transforms), each generator once."""
+    if not deep:
+        return found
+    ids, out = {id(g) for _, g in found}, list(found)
+    for path, g in resolve(root, deep):
+        if id(g) not in ids:
+            ids.add(id(g))
+            out.append((path, g))
+    return out
 
 
 class EpochKey(tuple):
@@ -104,6 +121,8 @@ class SeededDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         self.dataset = dataset
         self.seed = seed_int(seed, "SeededDataset")
+        # generators kept deeper (a list of them, a Compose's transforms): found once here, by path at each sample
+        self._deep = deep_paths(dataset, {id(g) for _, g in dataset_generators(dataset)}, "tg.SeededDataset")
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -127,6 +146,9 @@ class SeededDataset(torch.utils.data.Dataset):
             seed_globals(seed_of(self.seed, epoch, index, 1))  # 4 words: never a sample's seed
         return items
 
+    def _generators(self) -> list[tuple[str, Any]]:
+        return with_deep(dataset_generators(self.dataset), self.dataset, getattr(self, "_deep", ()))
+
     def _fetch(self, keys: list[Any], keep_globals: bool) -> list[Any]:
         """``dataset[index]`` for each key, each under :func:`run_seeded`: the dataset's own generators are looked up
         once before the first and again after each call (a generator made in ``__getitem__`` on first use is then
@@ -139,10 +161,10 @@ class SeededDataset(torch.utils.data.Dataset):
                 )
         saved = save_globals() if keep_globals else None
         try:
-            gens, items = dataset_generators(self.dataset), []
+            gens, items = self._generators(), []
             for index, epoch in keys:
-                item, gens = run_seeded(self.sample_seed(index, epoch), gens, lambda: dataset_generators(self.dataset),
-                                        self.dataset.__getitem__, index)
+                item, gens = run_seeded(self.sample_seed(index, epoch), gens, self._generators, self.dataset.__getitem__,
+                                        index)
                 items.append(item)
             return items
         finally:
