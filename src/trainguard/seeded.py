@@ -109,8 +109,9 @@ class SeededDataset(torch.utils.data.Dataset):
     np.random.default_rng(0)``, ``self.transform.rng``: :func:`own_generators`), each from that seed
     and its attribute path. Before, those drew on from wherever the worker's copy (or, with
     ``num_workers=0``, the training process's, which ``RNGState`` does not save) had got to: a resume
-    mid-epoch augmented differently, silently. Generators kept deeper (in a list of transforms) are not
-    found: draw from the global ones there.
+    mid-epoch augmented differently, silently. Generators kept deeper (in a list, a ``Compose``'s transforms)
+    are looked for once, here (``deepgens``), and followed by path at each sample. ``SeededDataset`` must be the
+    DataLoader's dataset (around a ``ConcatDataset``/``Subset``: :class:`EpochKey`).
 
     In a DataLoader worker, the batch's ``collate_fn`` runs right after the batch's items
     (``__getitems__``): the worker's generators are left seeded from ``(seed, epoch, first index
