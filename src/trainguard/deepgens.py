@@ -21,7 +21,7 @@ import torch
 from .owngens import _kind
 
 # ("a", attribute name), ("i", list or tuple index), ("k", dict key), and from a transform function: ("c", closure
-# variable), ("p", a functools.partial's argument index), ("w", its keyword)
+# variable), ("p", a functools.partial's argument index), ("w", its keyword), ("m", a bound method's object)
 Step = tuple[str, Any]
 _ATOMS = (str, bytes, bytearray, int, float, complex, type(None), torch.Tensor, np.ndarray, np.generic,
           types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, range)
@@ -54,6 +54,8 @@ def _cells(fn: types.FunctionType) -> dict[str, Any]:
 def _children(obj: Any) -> list[tuple[Step, Any]]:
     if isinstance(obj, types.FunctionType):  # the root only (a transform=): its closure variables
         return [(("c", k), v) for k, v in sorted(_cells(obj).items())]
+    if isinstance(obj, types.MethodType):  # the root only (transform=self.augment): its object
+        return [(("m", "self"), obj.__self__)]
     if isinstance(obj, functools.partial):
         return [(("p", i), v) for i, v in enumerate(obj.args)] + [(("w", k), v) for k, v in sorted(obj.keywords.items())]
     if isinstance(obj, list | tuple):
@@ -108,6 +110,8 @@ def resolve(root: Any, paths: tuple[tuple[Step, ...], ...]) -> list[tuple[str, A
         for kind, key in steps:
             if kind == "a":
                 obj = _attrs(obj).get(key, _MISSING)
+            elif kind == "m":
+                obj = obj.__self__ if isinstance(obj, types.MethodType) else _MISSING
             elif kind == "c":
                 obj = _cells(obj).get(key, _MISSING) if isinstance(obj, types.FunctionType) else _MISSING
             elif kind == "p":
