@@ -11,7 +11,11 @@ Seen before the fix, with real DataLoader loops (0 and 2 worker processes, resum
   comprehension of ``__getitem__``, or by a transform object's ``__call__`` was not found: every sample drew
   from wherever it had got to, and a resume differed from its first batch on;
 - a class attribute ``rng = None`` filled in on first use was never found (the class was looked at once, with
-  ``None`` there).
+  ``None`` there);
+- generators kept deeper, in a list or dict of them or in a ``Compose``'s transforms
+  (``self.transform.transforms[0].rng``), were not found (documented as such): every worker drew on from its copy;
+- a ``SeedSequence`` the dataset spawns from is not seedable: now a ``RuntimeWarning`` when ``SeededDataset`` is
+  built (was silent).
 """
 
 from __future__ import annotations
@@ -269,3 +273,19 @@ def test_iterable_transform_compose_resumes(tmp_path) -> None:
     data, loader = make()
     tg.load(str(tmp_path / "step-000000002"), {"data": data})
     _assert_resumes(straight, list(loader))
+
+
+class _Spawns(Dataset):
+    def __init__(self) -> None:
+        self.ss = np.random.SeedSequence(0)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(np.random.default_rng(self.ss.spawn(1)[0]).random())])
+
+
+def test_seed_sequence_kept_by_the_dataset_is_warned_about() -> None:
+    with pytest.warns(RuntimeWarning, match=r"ss is a numpy SeedSequence.*default_rng\(\[seed, index\]\)"):
+        tg.SeededDataset(_Spawns(), seed=0)
