@@ -73,10 +73,11 @@ def name(steps: tuple[Step, ...]) -> str:
     return ".".join(str(k) for _, k in steps)
 
 
-def deep_paths(root: Any, known: set[int], where: str) -> tuple[tuple[Step, ...], ...]:
+def deep_paths(root: Any, known: set[int], where: str | None) -> tuple[tuple[Step, ...], ...]:
     """The paths from ``root`` to the generators not in ``known`` (ids of those found each sample), breadth
     first (the shortest path to each, in a fixed order), at most ``_MAX_DEPTH`` objects down. A ``SeedSequence``
-    found on the way is warned about (``where`` names the object): its ``spawn()`` counter cannot be set back."""
+    found on the way is warned about (``where`` names the object; ``None``: not again): its ``spawn()`` counter
+    cannot be set back."""
     out: list[tuple[Step, ...]] = []
     seen, gens = {id(root)}, set(known)
     queue = collections.deque([(root, (), 0)])
@@ -90,7 +91,7 @@ def deep_paths(root: Any, known: set[int], where: str) -> tuple[tuple[Step, ...]
                 if id(value) not in gens:
                     gens.add(id(value))
                     out.append(path)
-            elif isinstance(value, np.random.SeedSequence):
+            elif isinstance(value, np.random.SeedSequence) and where is not None:
                 warnings.warn(f"{where}: {name(path)} is a numpy SeedSequence; its spawn() gives other seeds in each "
                               "worker and after a resume, and it cannot be seeded per sample: derive the sample's "
                               "generator from the index (np.random.default_rng([seed, index])) or draw from a "

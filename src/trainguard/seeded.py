@@ -21,6 +21,7 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -37,18 +38,19 @@ __all__ = ["EpochKey", "SeededDataset", "ignore_stop_signals", "own_generators",
 def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: Iterable[tuple[int, Any]]) -> Iterator[Any]:
     """``ResumableIterable(transform=, seed=).__iter__`` (in the process that iterates it: a DataLoader worker,
     or the training process): ``transform(item)`` for each ``(index, item)``, with the global generators and the
-    transform's own (:func:`own_generators`, looked up again after each call) seeded from ``(seed, epoch,
-    index)``, and all of them put back after each call (training code may run between two items). A generator
+    transform's own (:func:`own_generators`, looked up before each call: training code may run between two items
+    and rebind one) seeded from ``(seed, epoch, index)``, and all of them put back after each call. A generator
     the transform made on its first call (``if self.rng is None: self.rng = np.random.default_rng()``) drew
     unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run)."""
-    gens = own_generators(transform)
-    deep = deep_paths(transform, {id(g) for _, g in gens}, "ResumableIterable(transform=)")
-    gens = with_deep(gens, transform, deep)
+    deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, "ResumableIterable(transform=)")
+
+    def find() -> list[tuple[str, Any]]:
+        return with_deep(own_generators(transform), transform, deep)
+
     for i, item in items:
         saved = save_globals()
         try:
-            out, gens = run_seeded(seed_of(seed, epoch, i), gens, lambda: with_deep(own_generators(transform), transform, deep),
-                                   transform, item)
+            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find, transform, item)
         finally:
             restore_globals(saved)
         yield out
@@ -110,7 +112,7 @@ class SeededDataset(torch.utils.data.Dataset):
     and its attribute path. Before, those drew on from wherever the worker's copy (or, with
     ``num_workers=0``, the training process's, which ``RNGState`` does not save) had got to: a resume
     mid-epoch augmented differently, silently. Generators kept deeper (in a list, a ``Compose``'s transforms)
-    are looked for once, here (``deepgens``), and followed by path at each sample. ``SeededDataset`` must be the
+    are looked for at the first batch of each process (``deepgens``), and followed by path at each sample. ``SeededDataset`` must be the
     DataLoader's dataset (around a ``ConcatDataset``/``Subset``: :class:`EpochKey`).
 
     In a DataLoader worker, the batch's ``collate_fn`` runs right after the batch's items
@@ -122,8 +124,11 @@ class SeededDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         self.dataset = dataset
         self.seed = seed_int(seed, "SeededDataset")
-        # generators kept deeper (a list of them, a Compose's transforms): found once here, by path at each sample
+        # generators kept deeper (a list of them, a Compose's transforms): looked for here (a SeedSequence warned
+        # about where the dataset is built), and again at the first batch of each process (a transform set after
+        # this, a worker_init_fn's), then followed by path at each sample
         self._deep = deep_paths(dataset, {id(g) for _, g in dataset_generators(dataset)}, "tg.SeededDataset")
+        self._deep_pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -148,7 +153,7 @@ class SeededDataset(torch.utils.data.Dataset):
         return items
 
     def _generators(self) -> list[tuple[str, Any]]:
-        return with_deep(dataset_generators(self.dataset), self.dataset, getattr(self, "_deep", ()))
+        return with_deep(dataset_generators(self.dataset), self.dataset, self._deep)
 
     def _fetch(self, keys: list[Any], keep_globals: bool) -> list[Any]:
         """``dataset[index]`` for each key, each under :func:`run_seeded`: the dataset's own generators are looked up
@@ -160,6 +165,9 @@ class SeededDataset(torch.utils.data.Dataset):
                     f"SeededDataset got key {key!r}; it needs (index, epoch) keys: "
                     "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
                 )
+        if getattr(self, "_deep_pid", None) != os.getpid():
+            self._deep = deep_paths(self.dataset, {id(g) for _, g in dataset_generators(self.dataset)}, None)
+            self._deep_pid = os.getpid()
         saved = save_globals() if keep_globals else None
         try:
             gens, items = self._generators(), []
