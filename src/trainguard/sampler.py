@@ -276,7 +276,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     blocks ``w, w + K, ...`` of the rank's share cut into blocks of ``batch_size``, so the loader
     yields the same batches as with 0 or 1 workers (:mod:`trainguard.iterworkers`); without it,
     refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only; ``seed=``
-    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call (see :func:`seeded_transform`).
+    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call (see :func:`trainguard.seeded.seeded_items`).
     A worker with ``persistent_workers=True`` keeps one copy of the dataset that never sees the
     main process's position or epoch: its second epoch is refused with a ValueError.
     """
