@@ -21,203 +21,85 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
-import functools
-import inspect
-import operator
-import random
-import types
-import zlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 
+from .deepgens import deep_paths, resolve
+from .owngens import dataset_generators, own_generators, run_seeded
+from .seedcore import restore_globals, save_globals, seed_globals, seed_int, seed_of, seeded_call
 
-def seed_int(seed: Any, who: str) -> int:
-    """``ResumableSampler``/``SeededDataset``: ``int(seed)``, or a TypeError that names the argument (``seed=None``,
-    an unset ``args.seed``: int()'s "argument must be a string ... not 'NoneType'" before)."""
-    if isinstance(seed, bool | np.bool_) or (isinstance(seed, torch.Tensor) and seed.dtype == torch.bool):
-        # seed=True is an int to Python (1): a flag passed where the seed goes (``seed=args.shuffle``)
-        raise TypeError(f"{who}(seed={seed!r}): a bool is not a seed; pass an int seed, the same on every rank "
-                        "and at every restart (e.g. seed=0)")
-    try:
-        return operator.index(seed)  # an int, NumPy's or a tensor's (an integer dtype)
-    except TypeError:
-        pass
-    try:
-        got = int(seed)
-        # int() truncates: seed=1.7 and seed=1.2 gave one order, as two runs "with different seeds" (an int
-        # string, "7" from argv, and a whole float, 3.0 from a config, are what they say).
-        whole = isinstance(seed, str) or float(seed) == got
-    except (TypeError, ValueError, OverflowError):
-        whole = False
-    if not whole:
-        raise TypeError(f"{who}(seed={seed!r}): pass an int seed (a whole number, not truncated), the same on every "
-                        "rank and at every restart (e.g. seed=0)") from None
-    return got
+__all__ = ["EpochKey", "SeededDataset", "ignore_stop_signals", "own_generators", "seed_globals", "seed_int", "seed_of",
+           "seeded_call", "seeded_items"]
 
 
-def seed_of(*words: int) -> int:
-    """A 64-bit seed from a few non-negative ints (``SeedSequence``: distinct tuples, unrelated seeds)."""
-    got = np.random.SeedSequence([int(w) % 2**64 for w in words]).generate_state(2, np.uint32)
-    return int(got[0]) | int(got[1]) << 32
+def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: Iterable[tuple[int, Any]]) -> Iterator[Any]:
+    """``ResumableIterable(transform=, seed=).__iter__`` (in the process that iterates it: a DataLoader worker,
+    or the training process): ``transform(item)`` for each ``(index, item)``, with the global generators and the
+    transform's own (:func:`own_generators`, looked up before each call: training code may run between two items
+    and rebind one) seeded from ``(seed, epoch, index)``, and all of them put back after each call. A generator
+    the transform made on its first call (``if self.rng is None: self.rng = np.random.default_rng()``) drew
+    unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run)."""
+    deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, "ResumableIterable(transform=)")
 
+    def find() -> list[tuple[str, Any]]:
+        return with_deep(own_generators(transform), transform, deep)
 
-# NumPy's key gets this third word: ``random.seed(seed)`` seeds Python's MT19937 with ``init_by_array`` of
-# the seed's 32-bit words, which is what ``np.random.seed([lo, hi])`` does too, so both generators drew the
-# same numbers (``random.random() == np.random.rand()`` for every sample; torch seeds them apart in its
-# DataLoader workers, ``_generate_state``). Python's key never has a third word: every seed here is < 2**64.
-_NUMPY_KEY = 0x6E756D70
-
-
-def seed_globals(seed: int) -> None:
-    """Seed Python ``random``, NumPy's global generator and torch's CPU generator from ``seed``, each to
-    its own stream (``seeded_call``, ``SeededDataset.__getitems__``)."""
-    random.seed(seed)
-    np.random.seed([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, _NUMPY_KEY])
-    torch.default_generator.manual_seed(seed)  # CPU only: torch.manual_seed would reseed every CUDA device too
-
-
-def seeded_call(seed: int, fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)`` with the global generators seeded from ``seed``, and their states before the
-    call restored after it."""
-    saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    try:
-        seed_globals(seed)
-        return fn(*args)
-    finally:
-        random.setstate(saved[0])
-        np.random.set_state(saved[1])
-        torch.set_rng_state(saved[2])
-
-
-def own_generators(obj: Any) -> list[tuple[str, Any]]:
-    """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)`` (or as a class
-    attribute), or as attributes of its attributes (``self.transform.rng``), by path, each once: ``random.Random``,
-    NumPy's ``Generator`` and ``RandomState``, and CPU ``torch.Generator``. ``SeededDataset`` seeds them with the
-    global ones, and so does ``ResumableIterable(transform=, seed=)`` with those of its transform (a callable
-    object's attributes, a bound method's object's, a function's closure variables and the module globals it
-    names, a ``functools.partial``'s function, arguments and keywords, and theirs). Attributes are read from the
-    objects' ``__dict__`` only: no property, ``__getattr__`` or descriptor runs."""
-    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object
-        obj = obj.__self__
-    names = _members(obj, own_class=True)
-    if isinstance(obj, functools.partial):  # transform=functools.partial(augment, rng=rng): augment's too
-        names.update((f"func.{p}", g) for p, g in own_generators(obj.func))
-    found: list[tuple[str, Any]] = []
-    ids: set[int] = set()  # one generator reachable by two paths is seeded (and put back) once
-    for name, value in sorted(names.items()):
-        inner = [(name, value)] if _kind(value) else [] if isinstance(value, type | torch.Tensor | types.ModuleType) \
-            else [(f"{name}.{k}", v) for k, v in sorted(_members(value).items()) if _kind(v)]
-        for path, g in inner:
-            if id(g) not in ids:
-                ids.add(id(g))
-                found.append((path, g))
-    return found
-
-
-def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
-    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
-    a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
-    ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
-    arguments; ``own_class``: and the generators its class (or a base) keeps as class attributes."""
-    if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
-        got = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
-        for n, c in zip(obj.__code__.co_freevars, obj.__closure__ or (), strict=True):
-            try:
-                got[n] = c.cell_contents
-            except ValueError:  # an empty cell
-                pass
-        return got
-    if isinstance(obj, functools.partial):
-        return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
-    d = None
-    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+    for i, item in items:
+        saved = save_globals()
         try:
-            d = object.__getattribute__(obj, "__dict__")
-        except Exception:
-            pass
-    got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
-    if own_class and not isinstance(obj, type):  # class rng = np.random.default_rng(0), self.rng in __getitem__
-        got = {**{k: getattr(type(obj), k) for k in _class_generators(type(obj))}, **got}  # the instance's wins
-    return got
+            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find, transform, item)
+        finally:
+            restore_globals(saved)
+        yield out
 
 
-@functools.lru_cache(maxsize=256)
-def _class_generators(cls: type) -> tuple[str, ...]:
-    """The names of the generators a class or its bases keep as class attributes (looked for once per class;
-    their values are read at each sample)."""
-    return tuple(sorted({k for c in cls.__mro__[:-1] for k, v in vars(c).items() if _kind(v)}))
-
-
-def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
-    """``SeededDataset``: :func:`own_generators` of the dataset, and of its class's ``__getitem__`` (the module
-    globals it names: ``RNG = np.random.default_rng(0)`` at the top of the module), each generator once; those
-    of the datasets a torch ``Subset`` or ``ConcatDataset`` wraps too, as of a dataset of their own (before,
-    a ``ConcatDataset``'s datasets' generators were not found: each sample drew differently every time)."""
-    found, ids = [], set()
-    inner = [("dataset.", dataset.dataset)] if isinstance(dataset, torch.utils.data.Subset) else \
-        [(f"datasets.{i}.", d) for i, d in enumerate(dataset.datasets)] \
-        if isinstance(dataset, torch.utils.data.ConcatDataset) else []
-    for path, g in own_generators(dataset) + own_generators(getattr(type(dataset), "__getitem__", None)) + \
-            [(f"{p}{q}", g) for p, d in inner for q, g in dataset_generators(d)]:
+def with_deep(found: list[tuple[str, Any]], root: Any, deep: tuple) -> list[tuple[str, Any]]:
+    """``found`` (:func:`own_generators`, each sample) and the generators at the deeper paths remembered for ``root``
+    (``deepgens``: in a list, a dict, a ``Compose``'s transforms), each generator once."""
+    if not deep:
+        return found
+    ids, out = {id(g) for _, g in found}, list(found)
+    for path, g in resolve(root, deep):
         if id(g) not in ids:
             ids.add(id(g))
-            found.append((path, g))
-    return found
+            out.append((path, g))
+    return out
 
 
-_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.Generator)
+class EpochKey(tuple):
+    """The ``(index, epoch)`` key ``ResumableSampler(with_epoch=True)`` yields, for ``SeededDataset``. A torch
+    ``ConcatDataset`` or ``Subset`` that gets it (``ConcatDataset([tg.SeededDataset(a), tg.SeededDataset(b)])``)
+    compares it with an int or indexes a list with it: a ``TypeError`` saying to put ``SeededDataset`` outermost
+    (before: torch's ``'<' not supported between instances of 'tuple' and 'int'``)."""
 
+    __slots__ = ()
 
-def _kind(g: Any) -> bool:
-    """A generator ``seeded_own`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
-    if not isinstance(g, _GENERATORS):
-        return False
-    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
-        return type(g).getstate is not random.SystemRandom.getstate
-    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
+    def _refuse(self, other: Any = None) -> Any:
+        raise TypeError(
+            f"a dataset got the key {tuple(self)!r} (index, epoch) of tg.ResumableSampler(with_epoch=True) and used it "
+            "as an index: tg.SeededDataset must be the DataLoader's dataset, around the others. Write "
+            "tg.SeededDataset(ConcatDataset([a, b]), seed=0) (or tg.SeededDataset(Subset(ds, idx), seed=0)), not "
+            "ConcatDataset([tg.SeededDataset(a, seed=0), ...]): it seeds the generators of the datasets they wrap too")
 
+    def __lt__(self, other: Any) -> Any:
+        return self._refuse() if isinstance(other, int) else tuple.__lt__(self, other)
 
-def seeded_own(seed: int, gens: list[tuple[str, Any]], fn: Callable[..., Any], *args: Any) -> Any:
-    """``seeded_call``, with the dataset's own generators ``gens`` (:func:`own_generators`) seeded too, each
-    from ``seed`` and its path, and put back afterwards (in reverse order, also when seeding one raised)."""
-    if not gens:
-        return seeded_call(seed, fn, *args)
-    saved: list[tuple[Any, Any]] = []
-    try:
-        for path, g in gens:
-            s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
-            if isinstance(g, np.random.Generator):
-                saved.append((g, g.bit_generator.state))
-                g.bit_generator.state = type(g.bit_generator)(s).state
-            elif isinstance(g, np.random.RandomState):
-                saved.append((g, g.get_state()))
-                g.seed([s & 0xFFFFFFFF, s >> 32])
-            elif isinstance(g, random.Random):
-                saved.append((g, g.getstate()))
-                g.seed(s)
-            else:
-                saved.append((g, g.get_state()))
-                g.manual_seed(s)
-        return seeded_call(seed, fn, *args)
-    finally:
-        for g, st in reversed(saved):  # the same generator twice (by two paths): its first state wins
-            if isinstance(g, np.random.Generator):
-                g.bit_generator.state = st
-            elif isinstance(g, random.Random):
-                g.setstate(st)
-            else:
-                g.set_state(st)
+    def __le__(self, other: Any) -> Any:
+        return self._refuse() if isinstance(other, int) else tuple.__le__(self, other)
 
+    def __gt__(self, other: Any) -> Any:
+        return self._refuse() if isinstance(other, int) else tuple.__gt__(self, other)
 
-def seeded_transform(seed: int, transform: Callable[[Any], Any], item: Any) -> Any:
-    """``ResumableIterable(transform=, seed=).__iter__``, for each item: ``transform(item)`` under :func:`seeded_own`
-    with the transform's own generators looked up at each call (before, once per epoch: a generator the transform
-    made on its first call, ``if self.rng is None: self.rng = np.random.default_rng()``, or a module global rebound
-    meanwhile, was never seeded that epoch and drew differently at every run)."""
-    return seeded_own(seed, own_generators(transform), transform, item)
+    def __ge__(self, other: Any) -> Any:
+        return self._refuse() if isinstance(other, int) else tuple.__ge__(self, other)
+
+    __index__ = _refuse
+
+    def __reduce__(self) -> Any:
+        return EpochKey, (tuple(self),)
 
 
 class SeededDataset(torch.utils.data.Dataset):
@@ -229,8 +111,9 @@ class SeededDataset(torch.utils.data.Dataset):
     np.random.default_rng(0)``, ``self.transform.rng``: :func:`own_generators`), each from that seed
     and its attribute path. Before, those drew on from wherever the worker's copy (or, with
     ``num_workers=0``, the training process's, which ``RNGState`` does not save) had got to: a resume
-    mid-epoch augmented differently, silently. Generators kept deeper (in a list of transforms) are not
-    found: draw from the global ones there.
+    mid-epoch augmented differently, silently. Generators kept deeper (in a list, a ``Compose``'s transforms)
+    are looked for at the first batch of each process (``deepgens``), and followed by path at each sample. ``SeededDataset`` must be the
+    DataLoader's dataset (around a ``ConcatDataset``/``Subset``: :class:`EpochKey`).
 
     In a DataLoader worker, the batch's ``collate_fn`` runs right after the batch's items
     (``__getitems__``): the worker's generators are left seeded from ``(seed, epoch, first index
@@ -241,6 +124,11 @@ class SeededDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, *, seed: int = 0) -> None:
         self.dataset = dataset
         self.seed = seed_int(seed, "SeededDataset")
+        # generators kept deeper (a list of them, a Compose's transforms): looked for here (a SeedSequence warned
+        # about where the dataset is built), and again at the first batch of each process (a transform set after
+        # this, a worker_init_fn's), then followed by path at each sample
+        self._deep = deep_paths(dataset, {id(g) for _, g in dataset_generators(dataset)}, "tg.SeededDataset")
+        self._deep_pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -250,21 +138,47 @@ class SeededDataset(torch.utils.data.Dataset):
         return seed_of(self.seed, epoch, index)
 
     def __getitem__(self, key: Any) -> Any:
-        if not (isinstance(key, tuple) and len(key) == 2):
-            raise TypeError(
-                f"SeededDataset got key {key!r}; it needs (index, epoch) keys: "
-                "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
-            )
-        index, epoch = key
-        return seeded_own(self.sample_seed(index, epoch), dataset_generators(self.dataset), self.dataset.__getitem__, index)
+        return self._fetch([key], keep_globals=True)[0]
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
-        """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process)."""
-        items = [self[k] for k in keys]
-        if keys and torch.utils.data.get_worker_info() is not None:  # the next draws are collate_fn's
+        """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process). The global
+        generators are saved once for the batch and put back after it (~70 us a sample less than around each
+        sample: NumPy's state is slow to copy); in a DataLoader worker not at all, since they are seeded for the
+        batch's ``collate_fn`` right after it."""
+        worker = torch.utils.data.get_worker_info() is not None
+        items = self._fetch(keys, keep_globals=not worker)
+        if keys and worker:  # the next draws are collate_fn's
             index, epoch = keys[0]
             seed_globals(seed_of(self.seed, epoch, index, 1))  # 4 words: never a sample's seed
         return items
+
+    def _generators(self) -> list[tuple[str, Any]]:
+        return with_deep(dataset_generators(self.dataset), self.dataset, self._deep)
+
+    def _fetch(self, keys: list[Any], keep_globals: bool) -> list[Any]:
+        """``dataset[index]`` for each key, each under :func:`run_seeded`: the dataset's own generators are looked up
+        once before the first and again after each call (a generator made in ``__getitem__`` on first use is then
+        seeded, and that sample computed again). ``keep_globals``: the global generators are put back at the end."""
+        for key in keys:
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise TypeError(
+                    f"SeededDataset got key {key!r}; it needs (index, epoch) keys: "
+                    "use tg.ResumableSampler(..., with_epoch=True) as the DataLoader's sampler"
+                )
+        if getattr(self, "_deep_pid", None) != os.getpid():
+            self._deep = deep_paths(self.dataset, {id(g) for _, g in dataset_generators(self.dataset)}, None)
+            self._deep_pid = os.getpid()
+        saved = save_globals() if keep_globals else None
+        try:
+            gens, items = self._generators(), []
+            for index, epoch in keys:
+                item, gens = run_seeded(self.sample_seed(index, epoch), gens, self._generators, self.dataset.__getitem__,
+                                        index)
+                items.append(item)
+            return items
+        finally:
+            if saved is not None:
+                restore_globals(saved)
 
 
 def ignore_stop_signals(worker_id: int | None = None) -> None:

@@ -1,0 +1,226 @@
+"""The generators a dataset or a ``ResumableIterable`` transform keeps of its own, found and seeded around
+each sample (``seeded.SeededDataset`` and ``seeded.seeded_items`` call them, in the process that computes
+the sample: a DataLoader worker, or the training process with ``num_workers=0``).
+
+:func:`own_generators` finds them by path (``rng``, ``transform.rng``, ``RNG`` for a module global);
+:func:`run_seeded` seeds each from the sample's seed and its path, calls the dataset, puts them back, and
+looks again afterwards: a generator the call made (``if self.rng is None: self.rng = np.random.default_rng()``)
+drew from fresh entropy there, so the sample is computed once more with it seeded (once per process and
+generator). Attributes are read from ``__dict__`` only (no property, ``__getattr__`` or descriptor runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import random
+import types
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from .seedcore import seed_globals, seed_of
+
+_GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.Generator)
+# Classes whose methods' module globals are not looked at: torch's Dataset, typing.Generic, the standard library's
+_LIBRARY = frozenset({"torch", "numpy", "builtins", "typing", "abc", "random", "functools", "collections"})
+
+
+def _kind(g: Any) -> bool:
+    """A generator ``run_seeded`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
+    if not isinstance(g, _GENERATORS):
+        return False
+    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
+        return type(g).getstate is not random.SystemRandom.getstate
+    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
+
+
+@functools.lru_cache(maxsize=4096)
+def _code_names(code: types.CodeType) -> tuple[str, ...]:
+    """The global names a function's code (and the code nested in it: a comprehension, a lambda) may read."""
+    return tuple(sorted({*code.co_names, *(n for c in code.co_consts if isinstance(c, types.CodeType)
+                                           for n in _code_names(c))}))
+
+
+def _function_members(fn: types.FunctionType) -> dict[str, Any]:
+    """A function's module globals it names (also in its comprehensions) and its closure variables."""
+    g = fn.__globals__
+    got = {n: g[n] for n in _code_names(fn.__code__) if n in g}
+    for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            got[n] = c.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    return got
+
+
+def _user(c: type) -> bool:
+    return str(getattr(c, "__module__", "")).split(".")[0] not in _LIBRARY
+
+
+@functools.lru_cache(maxsize=256)
+def _class_data(cls: type) -> tuple[str, ...]:
+    """Looked at once per class: the names of its (and its bases') data class attributes (``rng =
+    np.random.default_rng(0)``, also ``rng = None`` filled in on first use: their values are read at each sample;
+    before, only those holding a generator when first looked at were remembered). Classes of torch, NumPy and the
+    standard library are skipped."""
+    return tuple(sorted({k for c in cls.__mro__[:-1] if _user(c) for k, v in vars(c).items()
+                         if not (k.startswith("__") or callable(v) or hasattr(type(v), "__get__")
+                                 or isinstance(v, type | types.ModuleType))}))
+
+
+@functools.lru_cache(maxsize=512)
+def _reachable(cls: type, entries: tuple[str, ...]) -> tuple[types.FunctionType, ...]:
+    """Looked at once per class: the functions its classes define that ``entries`` (``__getitem__``, ``__call__``)
+    may call by name, ``self.augment(x)``, and those they may call, and so on (their module globals are looked at:
+    a helper method drawing from ``RNG``). Classes of torch, NumPy and the standard library are skipped."""
+    funcs: dict[str, types.FunctionType] = {}
+    for c in reversed(cls.__mro__[:-1]):  # a subclass's method wins
+        if _user(c):
+            for k, v in vars(c).items():
+                f = v.__func__ if isinstance(v, staticmethod | classmethod) else v
+                if inspect.isfunction(f):
+                    funcs[k] = f
+    todo = [e for e in entries if e in funcs]
+    seen = set(todo)
+    while todo:
+        for n in _code_names(funcs[todo.pop()].__code__):
+            if n in funcs and n not in seen:
+                seen.add(n)
+                todo.append(n)
+    return tuple(funcs[n] for n in sorted(seen))
+
+
+_ENTRIES = ("__call__", "__getitem__", "forward")
+
+
+def _class_value(cls: type, name: str) -> Any:
+    for c in cls.__mro__:
+        d = vars(c)
+        if name in d:
+            return d[name]
+    return None
+
+
+def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
+    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
+    a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
+    ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
+    arguments; the generators its class keeps as class attributes and those among the module globals its class's
+    ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
+    if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
+        return _function_members(obj)
+    if isinstance(obj, functools.partial):
+        return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
+    d = None
+    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+        try:
+            d = object.__getattribute__(obj, "__dict__")
+        except Exception:
+            pass
+    got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
+    if isinstance(obj, type):
+        return got
+    cls = type(obj)  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
+    got = {**{k: _class_value(cls, k) for k in _class_data(cls) if own_class or _kind(_class_value(cls, k))}, **got}
+    if not own_class:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at its module's top
+        for f in _reachable(cls, _ENTRIES):
+            got.update((n, v) for n, v in _function_members(f).items() if _kind(v) and n not in got)
+    return got
+
+
+def own_generators(obj: Any) -> list[tuple[str, Any]]:
+    """The generators a dataset keeps as attributes, ``self.rng = np.random.default_rng(0)`` (or as a class
+    attribute), or as attributes of its attributes (``self.transform.rng``), the module globals its ``__getitem__``
+    (or ``__call__``) and the methods it calls by name (``self.augment(x)``) name, also in a comprehension (``RNG =
+    np.random.default_rng(0)``, or one a module function they name uses) and those a transform attribute's
+    ``__call__`` names, by path, each once: ``random.Random``, NumPy's ``Generator`` and ``RandomState``,
+    and CPU ``torch.Generator``. Likewise for a ``ResumableIterable`` transform (a callable object's, a bound
+    method's object's, a function's closure variables and the module globals it names, a ``functools.partial``'s
+    function, arguments and keywords, and theirs). Not found: generators in a list, dict or tuple, or deeper."""
+    entries = _ENTRIES
+    if inspect.ismethod(obj):  # a ResumableIterable's transform=: a bound method's object, from that method on
+        entries, obj = (*_ENTRIES, obj.__func__.__name__), obj.__self__
+    groups = [_members(obj, own_class=True)]
+    if isinstance(obj, functools.partial):  # transform=functools.partial(augment, rng=rng): augment's too
+        groups[0].update((f"func.{p}", g) for p, g in own_generators(obj.func))
+    elif not (inspect.isfunction(obj) or isinstance(obj, type | types.ModuleType)):
+        groups.append({n: v for f in _reachable(type(obj), entries) for n, v in _function_members(f).items()})
+    found: list[tuple[str, Any]] = []
+    ids: set[int] = set()  # one generator reachable by two paths is seeded (and put back) once
+    for names in groups:
+        for name, value in sorted(names.items()):
+            inner = [(name, value)] if _kind(value) else [] if isinstance(value, type | torch.Tensor | types.ModuleType) \
+                else [(f"{name}.{k}", v) for k, v in sorted(_members(value).items()) if _kind(v)]
+            for path, g in inner:
+                if id(g) not in ids:
+                    ids.add(id(g))
+                    found.append((path, g))
+    return found
+
+
+def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
+    """``SeededDataset``: :func:`own_generators` of the dataset, each generator once; those of the datasets a torch
+    ``Subset`` or ``ConcatDataset`` wraps too, as of a dataset of their own (before, a ``ConcatDataset``'s
+    datasets' generators were not found: each sample drew differently every time)."""
+    found, ids = [], set()
+    inner = [("dataset.", dataset.dataset)] if isinstance(dataset, torch.utils.data.Subset) else \
+        [(f"datasets.{i}.", d) for i, d in enumerate(dataset.datasets)] \
+        if isinstance(dataset, torch.utils.data.ConcatDataset) else []
+    for path, g in own_generators(dataset) + [(f"{p}{q}", g) for p, d in inner for q, g in dataset_generators(d)]:
+        if id(g) not in ids:
+            ids.add(id(g))
+            found.append((path, g))
+    return found
+
+
+def _seed_own(seed: int, gens: list[tuple[str, Any]], saved: list[tuple[Any, Any]]) -> None:
+    for path, g in gens:
+        s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
+        if isinstance(g, np.random.Generator):
+            saved.append((g, g.bit_generator.state))
+            g.bit_generator.state = type(g.bit_generator)(s).state
+        elif isinstance(g, np.random.RandomState):
+            saved.append((g, g.get_state()))
+            g.seed([s & 0xFFFFFFFF, s >> 32])
+        elif isinstance(g, random.Random):
+            saved.append((g, g.getstate()))
+            g.seed(s)
+        else:
+            saved.append((g, g.get_state()))
+            g.manual_seed(s)
+
+
+def _put_back(saved: list[tuple[Any, Any]]) -> None:
+    for g, st in reversed(saved):  # the same generator twice (by two paths): its first state wins
+        if isinstance(g, np.random.Generator):
+            g.bit_generator.state = st
+        elif isinstance(g, random.Random):
+            g.setstate(st)
+        else:
+            g.set_state(st)
+
+
+def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[tuple[str, Any]]],
+               fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, Any]]]:
+    """``fn(*args)`` with the global generators and the own generators ``gens`` seeded from ``seed`` (each own one
+    from ``seed`` and its path; put back afterwards, in reverse order, also when seeding or ``fn`` raised). The
+    global generators are left seeded: the caller saves and restores them (``SeededDataset`` once per batch).
+    Returns the result and the own generators found (``find()``) after the call, for the next sample: one whose
+    path is new drew unseeded in this call (made on first use), so ``fn`` runs again with it seeded."""
+    for _ in range(4):  # a generator made on first use, one more behind it: bounded
+        saved: list[tuple[Any, Any]] = []
+        try:
+            _seed_own(seed, gens, saved)
+            seed_globals(seed)
+            out = fn(*args)
+        finally:
+            _put_back(saved)
+        after = find()
+        if not {p for p, _ in after} - {p for p, _ in gens}:
+            return out, after
+        gens = after
+    return out, gens
