@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import losthours
+from .doctor_parse import walk
 from .doctor_storage import storage_check as _storage
 from .doctor_torchfree import class_names
 from .reliability import Plan, format_duration  # Plan: in the globals, for typing.get_type_hints(tg.doctor)
@@ -127,7 +128,13 @@ def check(state: Mapping[str, Any], settings: Settings) -> list[Finding]:
 
     checks: list[Callable[[list[tuple[str, Any]], Settings], Finding | None]] = [
         _model, _optim_sched, _rng, _data, _amp, _retention, _interval, _storage, _async_pg, *source_checks()]
-    return [f for c in checks if (f := c(leaves, settings)) is not None]
+    found = [f for c in checks if (f := c(leaves, settings)) is not None]
+    from .doctor_parse import unparsable
+
+    if why := unparsable(settings.source):  # the source checks skipped it: say so rather than pass it silently
+        found.append(Finding("script source", "info", f"the script's source was not checked: it does not parse ({why})",
+                             "pass the training script's text, as Python 3 parses it"))
+    return found
 
 
 def _walk(obj: Any, path: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
@@ -274,11 +281,11 @@ def _amp_detect(leaves: list[tuple[str, Any]], source: str | None) -> tuple[str 
 
 def _calls(source: str | None, names: set[str], tree: ast.AST | None = None) -> Iterator[ast.Call]:
     if tree is None:
-        try:
-            tree = ast.parse(source or "")
-        except SyntaxError:
+        from .doctor_parse import parse
+
+        if (tree := parse(source)) is None:
             return
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.Call):
             f = n.func
             if (isinstance(f, ast.Attribute) and f.attr in names) or (isinstance(f, ast.Name) and f.id in names):

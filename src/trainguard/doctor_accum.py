@@ -19,6 +19,8 @@ import ast
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -98,7 +100,7 @@ def _accumulate_block(nodes: list[ast.AST], tree: ast.Module) -> ast.With | None
 
     block = next((n for n in nodes if isinstance(n, (ast.With, ast.AsyncWith)) and any(
         isinstance(i.context_expr, ast.Call) and _callee(i.context_expr) == "accumulate" for i in n.items)), None)
-    makers = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _callee(c) == "Accelerator"]
+    makers = [c for c in walk(tree) if isinstance(c, ast.Call) and _callee(c) == "Accelerator"]
 
     def one(c: ast.Call) -> bool:
         kw = {k.arg: k.value for k in c.keywords}
@@ -118,7 +120,7 @@ def mid_accumulation(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
         return None
     hits: list[tuple[ast.Call, str]] = []
     checked = False
-    loops = [n for n in ast.walk(tree) if isinstance(n, _LOOPS)]
+    loops = [n for n in walk(tree) if isinstance(n, _LOOPS)]
     for loop in loops:
         nodes = list(_direct(loop))
         gated = {id(x) for n in nodes if isinstance(n, ast.If) for x in ast.walk(n) if x is not n}

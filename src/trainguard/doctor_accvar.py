@@ -16,6 +16,8 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 def _plateaus(tree: ast.Module) -> set[str]:
     """The names (``plateau``, ``self.plateau`` as ``plateau``) bound to a ``ReduceLROnPlateau(...)``."""
     out = set()
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, ast.Call) \
                 and "ReduceLROnPlateau" in ast.unparse(n.value.func):
             for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
@@ -48,7 +50,7 @@ def _trained(tree: ast.Module) -> set[int]:
     loop, around the batch loop), complete between two saves: the plateau reading them resumes as it ran
     (both were warned; the second from 3f74471 on)."""
     innermost: dict[int, ast.AST] = {}
-    for loop in ast.walk(tree):  # breadth first: an inner loop comes after the loops around it, and wins
+    for loop in walk(tree):  # breadth first: an inner loop comes after the loops around it, and wins
         if isinstance(loop, (ast.For, ast.While)):
             for n in (n for stmt in loop.body for n in ast.walk(stmt)):
                 innermost[id(n)] = loop
@@ -87,7 +89,7 @@ def _gathered(n: ast.AST) -> str | None:
 def _loop_targets(tree: ast.Module) -> set[tuple[int, str]]:
     """(node id, name) for each node in a ``for`` loop's body and each name that loop binds: there
     ``x = x + noise`` changes this iteration's batch (``for x, y in loader``), it sums nothing."""
-    return {(id(n), t.id) for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.AsyncFor))
+    return {(id(n), t.id) for loop in walk(tree) if isinstance(loop, (ast.For, ast.AsyncFor))
             for t in ast.walk(loop.target) if isinstance(t, ast.Name) for stmt in loop.body for n in ast.walk(stmt)}
 
 
@@ -95,7 +97,7 @@ def _save_steps(tree: ast.Module) -> set[str]:
     """The names a ``save()`` call reads for its step (``mgr.save(global_step, state)``): the step
     counter (``global_step += 1``), which the checkpoint holds (``restore()`` returns it), not a sum
     (``torch.save(obj, path)``: no step)."""
-    return {x for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+    return {x for c in walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
             and c.func.attr == "save" and ast.unparse(c.func.value) != "torch" for a in [*c.args[:1], *(k.value for k in c.keywords if k.arg == "step")]
             for x in _reads(a)}
 
@@ -111,7 +113,7 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
         return None
     sums: dict[str, ast.AST] = {}  # a summed name -> its sum (``x += ...``, ``x = x + ...``)
     trained, rebound, steps = _trained(tree), _loop_targets(tree), _save_steps(tree)
-    for n in ast.walk(tree):
+    for n in walk(tree):
         name = _target(n) or _gathered(n)
         if id(n) not in trained or name in steps or (id(n), name) in rebound:
             continue
@@ -122,10 +124,10 @@ def loop_accumulator(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
         elif _one_name(n) and isinstance(n.value, ast.BinOp) and n.targets[0].id in _reads(n.value):
             sums.setdefault(n.targets[0].id, n)
     for _ in range(3):  # names computed from a sum (``avg = running / len(loader)``), three assignments deep
-        for n in ast.walk(tree):
+        for n in walk(tree):
             if _one_name(n) and n.targets[0].id not in sums and (got := _reads(n.value) & sums.keys()):
                 sums[n.targets[0].id] = sums[min(got)]
-    for c in ast.walk(tree):
+    for c in walk(tree):
         if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr == "step"):
             continue
         owner = c.func.value

@@ -18,6 +18,7 @@ import ast
 from typing import TYPE_CHECKING, Any
 
 from .doctor_augscope import dataset_classes, global_draw, names, own_draws, unseeded, worker_code
+from .doctor_parse import walk
 
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
@@ -30,7 +31,7 @@ def _draws(fn: ast.AST, nm: Names) -> list[ast.Call]:
 
 def _functions(tree: ast.Module, call: ast.Call, args: tuple[str, ...]) -> list[tuple[str, ast.AST]]:
     """The functions of the script passed by name (or as a lambda) as keyword ``args`` of ``call``."""
-    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defs = {n.name: n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     out: list[tuple[str, ast.AST]] = []
     for k in call.keywords:
         if k.arg in args and isinstance(k.value, ast.Lambda):
@@ -98,7 +99,7 @@ def worker_draws(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None
     c, where = min(hits, key=lambda h: (h[0].lineno, h[0].col_offset))
     if any(isinstance(n, ast.Name) and n.id == "SeededDataset" or isinstance(n, ast.Attribute) and n.attr == "SeededDataset"
-           for n in ast.walk(tree)):  # used, not a comment's word
+           for n in walk(tree)):  # used, not a comment's word
         return Finding("worker randomness", "ok", f"{where} draws from a {'generator it keeps' if id(c) in own else 'global generator'} (line {c.lineno}) and "
                        "the script uses tg.SeededDataset")
     if id(c) in own:

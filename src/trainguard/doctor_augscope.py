@@ -20,6 +20,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Iterator
 
+from .doctor_parse import walk
+
 _PY = {"random", "uniform", "randint", "randrange", "choice", "choices", "shuffle", "sample", "gauss",
        "normalvariate", "lognormvariate", "betavariate", "gammavariate", "triangular", "expovariate", "vonmisesvariate",
        "paretovariate", "weibullvariate", "getrandbits", "randbytes", "binomialvariate"}
@@ -42,7 +44,7 @@ def names(tree: ast.Module) -> Names:
     ``from numpy import random as npr``; and ``from random import randint`` (a function by its name)."""
     mods = {"random": "random", "np": "numpy", "numpy": "numpy", "torch": "torch"}
     funcs: dict[str, tuple[str, str]] = {}
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.Import):
             for a in n.names:
                 if a.asname:
@@ -143,7 +145,7 @@ def worker_methods(cls: ast.ClassDef) -> list[ast.FunctionDef | ast.AsyncFunctio
 
 def dataset_classes(tree: ast.Module) -> list[ast.ClassDef]:
     out = []
-    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+    for cls in (n for n in walk(tree) if isinstance(n, ast.ClassDef)):
         bases = " ".join(ast.unparse(b) for b in cls.bases)
         if "Dataset" in bases or any(m.name == "__getitem__" for m in _methods(cls)):
             out.append(cls)
@@ -154,12 +156,12 @@ def worker_code(tree: ast.Module, loaders: list[ast.Call]) -> Iterator[tuple[str
     """``(where, its class or None, a function)`` of the script's worker code (module doc): each worker method of
     its datasets, then of its transform classes, then the functions those call or the datasets are given."""
     datasets = dataset_classes(tree)
-    classes = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    classes = {n.name: n for n in walk(tree) if isinstance(n, ast.ClassDef)}
     funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     named = {d.name for d in datasets}
-    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in named]
+    calls = [c for c in walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in named]
     made: dict[str, set[str]] = {}  # a variable of the script: the classes made in its value (flip = Flip())
-    for n in ast.walk(tree):
+    for n in walk(tree):
         for t in _assigns(n):
             if isinstance(t, ast.Name):
                 made.setdefault(t.id, set()).update(_made(getattr(n, "value", None), classes))

@@ -29,6 +29,8 @@ import ast
 import re
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -104,16 +106,15 @@ def mid_epoch(source: str | None) -> ast.For | None:
     that saves), not under an ``if`` on a ``len(...)`` (the epoch's last batch), in a function that
     skips no batches (no ``islice``, ``skip_first_batches``, nor an ``if ...: continue`` in the loop)."""
     from .doctor_accum import _is_save
+    from .doctor_parse import parse
     from .doctor_restore import _savers
     from .doctor_resume import _pairs
     from .doctor_source import _callee, _own_nodes
 
-    try:
-        tree = ast.parse(source or "")
-    except SyntaxError:
+    if (tree := parse(source)) is None:
         return None
     built: dict[str, list[ast.AST | None]] = {}  # what each name is assigned (tuples item by item; None: unpacked)
-    for n in ast.walk(tree):
+    for n in walk(tree):
         for t, v in _pairs(n):
             if isinstance(t, ast.Name):
                 built.setdefault(t.id, []).append(v)
@@ -130,7 +131,7 @@ def mid_epoch(source: str | None) -> ast.For | None:
             or isinstance(v, ast.Constant) and v.value is None for v in given)
     loaders = {name for name, values in built.items() if all(forgets(v) for v in values)}
     savers = _savers(tree)
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    for scope in [tree, *(n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
         if any(isinstance(c, ast.Call) and _callee(c) in ("islice", "skip_first_batches") for c in nodes):
             continue

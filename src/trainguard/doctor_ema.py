@@ -17,6 +17,8 @@ import ast
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -36,7 +38,7 @@ def _used_as_value(tree: ast.Module, name: str) -> bool:
             v = v.func if isinstance(v, ast.Call) else v.value
         return hit(v)
 
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.Dict) and any(part(v) for v in n.values):
             return True
         if isinstance(n, ast.Assign) and part(n.value) and any(isinstance(t, ast.Subscript) for t in n.targets):
@@ -80,7 +82,7 @@ def unsaved_ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     made: dict[str, tuple[str, int]] = {}
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and (kind := _callee(n.value)) in _MAKERS:
             for t in n.targets:
                 if (name := _ref(t)) is not None:
@@ -88,8 +90,8 @@ def unsaved_ema(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if not made:
         return None
     savers = _savers(tree)
-    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
-    defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    loops = [n for n in walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
+    defs = {f.name: f for f in walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
     updated: dict[str, ast.Call] = {}
     for scope in loops + [f for name, f in defs.items() if name in called]:

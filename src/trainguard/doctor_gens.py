@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -80,6 +82,28 @@ def _reseeded(scope: ast.AST, name: str) -> bool:
     return False
 
 
+def _passed_draws(loops: list[ast.AST], defs: dict[str, ast.AST], names: set[str]) -> list[tuple[str, ast.Call]]:
+    """Draws from a generator the training loop hands to a function of the script as an argument
+    (``add_noise(x, g)`` with ``def add_noise(x, gen): ... generator=gen``; missed before session 55):
+    (the generator's name, the draw) for each parameter bound to one of ``names`` that the function
+    draws from without making or re-seeding it."""
+    from .doctor_source import _callee
+
+    out = []
+    for c in (c for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)):
+        f = defs.get(_callee(c) or "")
+        if not isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        params = [a.arg for a in (*f.args.posonlyargs, *f.args.args)]
+        if isinstance(c.func, ast.Attribute) and params[:1] in (["self"], ["cls"]):
+            params = params[1:]  # obj.method(x, g): the first parameter is the object
+        bound = [*zip(params, c.args), *((k.arg, k.value) for k in c.keywords if k.arg)]
+        for param, arg in bound:
+            if (name := _ref(arg)) in names and not isinstance(arg, ast.Starred) and not _reseeded(f, param):
+                out += [(name, draw) for _, draw in _draws(f, {param})]
+    return out
+
+
 _STATES = {"get_state", "getstate"}  # torch.Generator's and RandomState's, random.Random's
 
 
@@ -95,8 +119,8 @@ def _states_saved(tree: ast.AST, names: set[str]) -> set[str]:
             return _ref(v.value.value)
         return None
 
-    values = [v for n in ast.walk(tree) if isinstance(n, ast.Dict) for v in n.values if v is not None]
-    values += [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Subscript) for t in n.targets)]
+    values = [v for n in walk(tree) if isinstance(n, ast.Dict) for v in n.values if v is not None]
+    values += [n.value for n in walk(tree) if isinstance(n, ast.Assign) and any(isinstance(t, ast.Subscript) for t in n.targets)]
     return {r for v in values if (r := gen(v)) in names}
 
 
@@ -111,7 +135,7 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
     if (tree := _tree(s)) is None:
         return None
     made: dict[str, tuple[str, int]] = {}
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None and (kind := _maker(n.value)):
             for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
                 if (name := _ref(t)) is not None:
@@ -119,7 +143,7 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
     if not made:
         return None
     saved: set[str] = set()
-    for c in ast.walk(tree):
+    for c in walk(tree):
         if isinstance(c, ast.Call) and _callee(c) == "RNGState":
             for k in c.keywords:
                 if k.arg == "generators":
@@ -128,8 +152,8 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
                     saved |= {r for v in k.value.values for x in ast.walk(v) if (r := _ref(x)) is not None}
     saved |= _states_saved(tree, set(made))
     savers = _savers(tree)
-    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
-    defs = {f.name: f for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    loops = [n for n in walk(tree) if isinstance(n, (ast.For, ast.AsyncFor, ast.While)) and _trains(n, savers)]
+    defs = {f.name: f for f in walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
     called = {_callee(c) for lp in loops for c in ast.walk(lp) if isinstance(c, ast.Call)}
     scopes = loops + [f for name, f in defs.items() if name in called or name in _METHODS]
     # re-seeded at every step (in a training loop that holds no other: not an epoch loop), before the
@@ -141,6 +165,8 @@ def own_generators(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None
         for name, call in _draws(scope, set(made)):
             if name not in stepped and not _reseeded(scope, name):
                 hits.setdefault(name, call)
+    for name, call in _passed_draws(loops, defs, set(made) - stepped):
+        hits.setdefault(name, call)
     if not hits:
         return None
     unsaved = {n: c for n, c in hits.items() if n not in saved}

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from .doctor_parse import walk
+
 V = TypeVar("V")
 _UP = 3  # folders above the script searched for an absolute import
 _DEPTH = 2  # imports of imports followed
@@ -55,7 +57,7 @@ def imported(tree: ast.Module, path: str | Path | None, analyse: Analyse[V], dep
     folder = Path(path).resolve().parent
     if not reads.roots:  # as Python runs the script: an absolute import never means a module's own sibling
         reads.roots = [folder, *list(folder.parents)[:_UP]]
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if (what := _read(_module(a.name, 0, folder, reads.roots), analyse, depth, reads)) is not None:

@@ -15,6 +15,8 @@ import ast
 import re
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -25,7 +27,7 @@ _DISTRIBUTED = {"init_process_group", "DistributedDataParallel", "DDP", "FullySh
 def _distributed(tree: ast.Module) -> bool:
     from .doctor_source import _callee
 
-    return any(isinstance(n, ast.Call) and _callee(n) in _DISTRIBUTED for n in ast.walk(tree))
+    return any(isinstance(n, ast.Call) and _callee(n) in _DISTRIBUTED for n in walk(tree))
 
 
 def _guarded(tree: ast.Module) -> set[int]:
@@ -37,7 +39,7 @@ def _guarded(tree: ast.Module) -> set[int]:
     aliases = _rank_aliases(tree)
     flags = _rank_flags(tree, aliases)
     blocks: list[list[ast.stmt]] = []
-    for node in ast.walk(tree):
+    for node in walk(tree):
         zero = _rank_zero(node.test, aliases, flags) if isinstance(node, ast.If) else None
         if isinstance(node, ast.If) and (zero is not None or (zero := _first_device(node.test)) is not None):
             blocks.append(node.body if zero else node.orelse)
@@ -52,9 +54,9 @@ def _guarded(tree: ast.Module) -> set[int]:
                     blocks.append(block[i + 1:])
                     break
     ids = {id(x) for b in blocks for st in b for x in ast.walk(st)}
-    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    funcs = [n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     for _ in range(3):  # helpers of helpers: pytorch/examples' `if self.gpu_id == 0: self._save_snapshot(epoch)`
-        calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in (None, "self", "cls")]
+        calls = [c for c in walk(tree) if isinstance(c, ast.Call) and _receiver(c) in (None, "self", "cls")]
         for f in funcs:
             mine = [c for c in calls if _name(c) == f.name]
             if mine and all(id(c) in ids for c in mine):
@@ -98,7 +100,7 @@ def _per_rank(path: ast.expr | None, tree: ast.Module) -> bool:
     if path is None or names_rank(path):
         return True
     if isinstance(path, ast.Name):  # `ckpt = f"...{rank}"`, `with open(f"...{rank}", "wb") as f:`
-        for n in ast.walk(tree):
+        for n in walk(tree):
             if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == path.id for t in n.targets):
                 if names_rank(n.value):
                     return True
@@ -117,7 +119,7 @@ def one_file(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None or not _distributed(tree):
         return None
     guarded = _guarded(tree)
-    hits = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _name(c) == "save" and _receiver(c) == "torch"
+    hits = [c for c in walk(tree) if isinstance(c, ast.Call) and _name(c) == "save" and _receiver(c) == "torch"
             and id(c) not in guarded and not _per_rank(c.args[1] if len(c.args) > 1 else next(
                 (k.value for k in c.keywords if k.arg == "f"), None), tree)]
     if not hits:

@@ -15,6 +15,7 @@ import ast
 from typing import Any
 
 from .doctor import Finding, Settings, _calls, _is_optimizer, _optimizer_names
+from .doctor_parse import parse, walk
 
 
 def uncovered(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
@@ -22,12 +23,10 @@ def uncovered(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     import torch
 
     opts = [x for _, x in leaves if _is_optimizer(x)]
-    try:
-        tree = ast.parse(s.source or "")
-    except SyntaxError:
+    if (tree := parse(s.source)) is None:
         return None
     built = list(_calls(None, _optimizer_names(), tree))
-    up = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    up = {c: p for p in walk(tree) for c in ast.iter_child_nodes(p)}
     names = {ast.unparse(a.targets[0]) for c in built if isinstance(a := up.get(c), ast.Assign) and len(a.targets) == 1}
     if not opts or len(names) <= len(opts):
         return None
@@ -63,22 +62,20 @@ def unsaved_scheduler(leaves: list[tuple[str, Any]], s: Settings) -> Finding | N
     held = [v for _, x in leaves if not _is_scheduler(x) for v in (getattr(x, "__dict__", None) or {}).values()]
     scheds += [v for v in [*held, *(w for v in held if isinstance(v, (list, tuple)) for w in v)] if _is_scheduler(v)]
     bare = [(p, o) for p, o in opts if not any(sc.optimizer is o for sc in scheds)]
-    try:
-        tree = ast.parse(s.source or "")
-    except SyntaxError:
+    if (tree := parse(s.source)) is None:
         return None
     if not bare:
         return None
     optimizers = _optimizer_names()
-    up = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    up = {c: p for p in walk(tree) for c in ast.iter_child_nodes(p)}
     built: dict[str, ast.Call] = {}  # name -> the call that builds it
-    for c in ast.walk(tree):
+    for c in walk(tree):
         if isinstance(c, ast.Call) and _made(c, optimizers) == "LR scheduler" and isinstance(a := up.get(c), ast.Assign) \
                 and len(a.targets) == 1 and (name := _chain(a.targets[0])) is not None:
             built.setdefault(name, c)
-    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call)]
+    calls = [c for c in walk(tree) if isinstance(c, ast.Call)]
     steppers = {}  # a function of the script -> its parameters that it steps
-    for f in ast.walk(tree):
+    for f in walk(tree):
         if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
             params = [a.arg for a in [*f.args.posonlyargs, *f.args.args]]
             steps = {_receiver(c) for c in ast.walk(f) if isinstance(c, ast.Call) and _callee(c) == "step"}

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from collections.abc import Mapping
 
+from .doctor_parse import walk
+
 _TRAINS = {"save", "backward", "step", "restore", "load", "save_state", "load_state"}
 _WRAPS = {"enumerate", "tqdm", "iter", "zip"}
 
@@ -33,7 +35,7 @@ def _name(node: ast.AST) -> str | None:
 
 def _trainers(tree: ast.Module) -> set[str]:
     """Names of the script's functions whose bodies (or functions they call) save, restore or train."""
-    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defs = {n.name: n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     out: set[str] = set()
     while True:
         more = {name for name, d in defs.items() if name not in out and _trains(d.body, out)}
@@ -51,7 +53,7 @@ def _trains(body: list[ast.stmt], trainers: set[str]) -> bool:
 
 
 def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
-    return {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
+    return {c: p for p in walk(tree) for c in ast.iter_child_nodes(p)}
 
 
 def _pass_uses(scope: ast.AST, name: str, up: dict[ast.AST, ast.AST], defs: Mapping[str, ast.AST],
@@ -106,5 +108,5 @@ def pass_only(tree: ast.Module, call: ast.Call) -> bool:
     name = _name(assign.targets[0])
     if name is None:
         return False
-    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    defs = {n.name: n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     return _pass_uses(tree, name, up, defs, _trainers(tree), 0) is True

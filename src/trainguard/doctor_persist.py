@@ -17,6 +17,8 @@ from __future__ import annotations
 import ast
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -28,7 +30,7 @@ def _on(v: ast.AST | None) -> bool:
 
 def _in_loops(tree: ast.Module) -> set[int]:
     """The ids of the nodes inside a ``for`` or ``while`` loop's body."""
-    return {id(n) for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.While))
+    return {id(n) for loop in walk(tree) if isinstance(loop, (ast.For, ast.While))
             for stmt in loop.body for n in ast.walk(stmt)}
 
 
@@ -40,7 +42,7 @@ def _seeded_names(tree: ast.Module, call: ast.Call, name: str) -> list[ast.Call]
     gname = gen.id if isinstance(gen, ast.Name) else None
     looped = _in_loops(tree)
     out = []
-    for c in ast.walk(tree):
+    for c in walk(tree):
         if not (isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute) and c.func.attr in ("manual_seed", "seed")):
             continue
         v = c.func.value
@@ -67,7 +69,7 @@ def pass_seeding(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
 
     if (tree := _tree(s)) is None:
         return None
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if not (isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(n.value, ast.Call)):
             continue
         call, t = n.value, n.targets[0]

@@ -15,6 +15,7 @@ from typing import Any
 
 from .doctor import Finding, Settings, _calls
 from .doctor_imports import Reads, imported
+from .doctor_parse import walk
 from .doctor_source import _callee, _is_none, _receiver, _tree
 
 _SAVE_CALLS = {"save", "save_checkpoint", "async_save", "save_state"}  # accelerate: accelerator.save_state(dir)
@@ -40,7 +41,7 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     helpers, aliases = _save_helpers(tree, known, mods), _rank_aliases(tree)
     flags = _rank_flags(tree, aliases)
     names = _SAVE_CALLS | set(helpers)
-    for node in ast.walk(tree):
+    for node in walk(tree):
         if isinstance(node, ast.If) and (zero := _rank_zero(node.test, aliases, flags)) is not None:
             branch, other = (node.body, node.orelse) if zero else (node.orelse, node.body)  # `if rank != 0: ... else: save()`
             calls += _only_here(branch, [other], names)  # metaseq: `if rank == 0 and profile: train() else: train()`
@@ -54,10 +55,10 @@ def single_rank(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
             calls += _after_exit(block, names, aliases, flags) if isinstance(block, list) else []
     objs = _rank0_objects(tree, aliases, flags)  # a saver made on rank 0 only: its saves are rank 0's wherever they are
-    calls += [c for c in ast.walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
+    calls += [c for c in walk(tree) if isinstance(c, ast.Call) and _receiver(c) in objs
               and _callee(c).startswith("save") and isinstance(c.func, ast.Attribute)
               and isinstance(c.func.value, ast.Name)]
-    own = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    own = {n.name for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     calls = [c for c in calls if not _text_file(c)]  # config.yaml, metrics.json
     calls = [c for c in calls if _callee(c) in _SAVE_CALLS or _callee(c) not in set(known) - own
              or _receiver(c) in (None, *mods)]  # an imported helper's name on another object: not that helper
@@ -127,7 +128,7 @@ def _save_helpers(tree: ast.Module, known: dict[str, str | None] | None = None,
     ``_save_snapshot`` -> ``torch`` for pytorch/examples' DDP tutorial, whose rank-0 branch calls
     ``self._save_snapshot(epoch)`` and that calls ``torch.save``. Helpers of helpers are followed,
     ``known`` ones (imported from the local modules ``mods``: ``doctor_imports``) included."""
-    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    funcs = [n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     found: dict[str, str | None] = dict(known or {})
     mine = (None, "self", "cls", *mods)
     called = {id(f): [(c, _callee(c)) for c in ast.walk(f) if isinstance(c, ast.Call)] for f in funcs}  # one walk
@@ -179,11 +180,11 @@ def _path_end(x: ast.expr) -> str | None:
 def _rank0_objects(tree: ast.Module, aliases: frozenset[str], flags: frozenset[str] = frozenset()) -> frozenset[str]:
     """Names bound to an object on rank 0 only, ``None`` elsewhere: timm's train.py, ``saver = None``
     then ``if utils.is_primary(args): saver = utils.CheckpointSaver(...)``."""
-    zero = {id(x) for n in ast.walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases, flags)
+    zero = {id(x) for n in walk(tree) if isinstance(n, ast.If) and _rank_zero(n.test, aliases, flags)
             for b in n.body for x in ast.walk(b)}
     inside: set[str] = set()
     other: set[str] = set()
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.Assign) and len(n.targets) == 1 and isinstance(t := n.targets[0], ast.Name):
             if id(n) in zero and isinstance(n.value, ast.Call):  # not wandb.init(...) and the like
                 root = next((x.id for x in ast.walk(n.value.func) if isinstance(x, ast.Name)), None)
@@ -206,7 +207,7 @@ def _rank_aliases(tree: ast.Module) -> frozenset[str]:
     """Names assigned a rank under another name: ``self.gpu_id = int(os.environ["LOCAL_RANK"])``,
     ``if (r := dist.get_rank()) == 0:``."""
     out = set()
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.NamedExpr) and _mentions_rank(n.value):
             out.add(n.target.id)
         elif isinstance(n, ast.Assign) and len(n.targets) == 1 and _mentions_rank(n.value):
@@ -219,7 +220,7 @@ def _rank_aliases(tree: ast.Module) -> frozenset[str]:
 def _rank_flags(tree: ast.Module, aliases: frozenset[str]) -> frozenset[str]:
     """Names assigned a rank-0 test (torchtune: ``self._is_rank_zero = self.rank == 0``), for ``single_rank``."""
     out = set()
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if not (isinstance(n, ast.NamedExpr) or isinstance(n, ast.Assign) and len(n.targets) == 1):
             continue
         t = n.target if isinstance(n, ast.NamedExpr) else n.targets[0]  # `if (is_main := rank == 0):`

@@ -21,6 +21,7 @@ import ast
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
 from .doctor_torchfree import class_names
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ def _savers(tree: ast.Module) -> set[str]:
     """The script's own functions that save (``save_checkpoint(step)`` calling ``mgr.save``)."""
     from .doctor_accum import _is_save
 
-    return {f.name for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+    return {f.name for f in walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
             and any(_is_save(c) for c in ast.walk(f))}
 
 
@@ -107,10 +108,10 @@ def restore_in_loop(leaves: list[tuple[str, Any]], s: Settings) -> Finding | Non
         return isinstance(c, ast.Call) and (_is_checkpoint_restore(c) or _callee(c) in restorers
                                             and _receiver(c) in (None, "self", "cls"))
 
-    if not any(restores(c) for c in ast.walk(tree)):
+    if not any(restores(c) for c in walk(tree)):
         return None
     hits: list[tuple[ast.Call, ast.AST]] = []
-    for loop in (n for n in ast.walk(tree) if isinstance(n, _LOOPS)):
+    for loop in (n for n in walk(tree) if isinstance(n, _LOOPS)):
         level = _level(loop)
         if any(isinstance(x, (ast.Break, ast.Return)) for x in level) or not _trains(loop, savers - restorers):
             continue
@@ -241,7 +242,7 @@ def after_restore(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     if (tree := _tree(s)) is None:
         return None
     optimizers, restored, hits = _optimizer_names(), False, []
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    for scope in [tree, *(n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
         loads = [c for c in nodes if isinstance(c, ast.Call) and _is_checkpoint_restore(c)]
         if not loads:

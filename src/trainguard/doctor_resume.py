@@ -35,6 +35,8 @@ import ast
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -302,8 +304,8 @@ def resume_start(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     savers = _savers(tree) - restorers
     hits: list[tuple[ast.AST, ast.Call, str]] = []
     seen = False
-    asserted = {id(x) for n in ast.walk(tree) if isinstance(n, ast.Assert) for x in ast.walk(n)}
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    asserted = {id(x) for n in walk(tree) if isinstance(n, ast.Assert) for x in ast.walk(n)}
+    for scope in [tree, *(n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
         restores = [c for c in nodes if isinstance(c, ast.Call) and (_is_checkpoint_restore(c) and not (
             _callee(c) == "load" and len(c.args) > 1 and isinstance(c.args[1], ast.Dict))  # tg.load(p, {...}): a warm start

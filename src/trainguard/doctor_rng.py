@@ -9,6 +9,8 @@ import ast
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .doctor_parse import walk
+
 if TYPE_CHECKING:
     from .doctor import Finding, Settings
 
@@ -29,7 +31,7 @@ def reseed(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
         return None  # no RNG state saved: the rng check says so
     restored, hits = False, []
     seeders, restorers = _helpers(tree)
-    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    for scope in [tree, *(n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
         nodes = list(_own_nodes(scope))
         loads = [c for c in nodes if isinstance(c, ast.Call) and (_is_restore(c) or _callee(c) in restorers
                                                                  and _receiver(c) in (None, "self", "cls"))]
@@ -98,7 +100,7 @@ def _helpers(tree: ast.Module) -> tuple[set[str], set[str]]:
     its own body is checked as any function is."""
     from .doctor_source import _callee, _own_nodes, _receiver
 
-    funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    funcs = [n for n in walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     calls = {id(f): [c for c in _own_nodes(f) if isinstance(c, ast.Call)] for f in funcs}
     seeders: set[str] = set()
     restorers: set[str] = set()

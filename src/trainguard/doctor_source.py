@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .doctor import Finding, Settings, _calls
+from .doctor_parse import walk
 from .doctor_passloader import pass_only
 from .doctor_rng import reseed
 
@@ -40,7 +41,7 @@ def defines_hook(tree: ast.Module) -> bool:
     ``from x import *``). ``trainguard doctor`` calls this before importing a script: one without
     the hook is not imported, so a script that trains at module level (nanoGPT's train.py) does not
     start training, load data or write checkpoints."""
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == "trainguard_state":
             return True
         if isinstance(n, ast.Name) and n.id == "trainguard_state" and isinstance(n.ctx, ast.Store):
@@ -74,17 +75,16 @@ def source_checks() -> tuple[Callable[[list[tuple[str, Any]], Settings], Finding
 def _tree(s: Settings) -> ast.Module | None:
     if s.source is None:
         return None
-    try:
-        return ast.parse(s.source)
-    except SyntaxError:
-        return None
+    from .doctor_parse import parse
+
+    return parse(s.source)
 
 
 def staging(leaves: list[tuple[str, Any]], s: Settings) -> Finding | None:
     """docs/async.md: with ``stage_in_background=True`` the caller must wait for ``handle.wait_staged()``."""
     if (tree := _tree(s)) is None:
         return None
-    on = [(n, k) for n in ast.walk(tree) if isinstance(n, ast.Call) for k in n.keywords
+    on = [(n, k) for n in walk(tree) if isinstance(n, ast.Call) for k in n.keywords
           if k.arg == "stage_in_background" and not (isinstance(k.value, ast.Constant) and not k.value.value)]
     if not on and not s.stage_in_background:
         return None
@@ -248,7 +248,7 @@ def _dict_keys(tree: ast.Module, node: ast.expr, depth: int = 0) -> set[str] | N
     if not isinstance(node, ast.Name):
         return None
     name, found, out = node.id, False, set()
-    for n in ast.walk(tree):
+    for n in walk(tree):
         if isinstance(n, ast.arg) and n.arg == name or isinstance(n, (ast.Global, ast.Nonlocal)) and name in n.names:
             return None  # a parameter: filled by the caller
         if isinstance(n, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
