@@ -320,7 +320,7 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         return {"refused": (
-            f"{final} already holds files that are not a checkpoint's ({shown}); saving there would "
+            f"{location(storage, final)} already holds files that are not a checkpoint's ({shown}); saving there would "
             "delete them. Save into a new or empty directory (a CheckpointManager's root holds "
             "step-NNNNNNNNN directories: pass one of those, or use the manager)"
         )}
@@ -329,11 +329,11 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     if layout.MANIFEST not in names:
         return _drop_leftovers(storage, final, names)
     if not overwrite:
-        return {"exists": f"{final} already holds a committed checkpoint; " + (
+        return {"exists": f"{location(storage, final)} already holds a committed checkpoint; " + (
             "pass overwrite=True to replace it" if storage.atomic_rename else "save to a new directory (an object store cannot replace one)")}
     if not storage.atomic_rename:
         return {"refused": (
-            f"{final} already holds a committed checkpoint and this storage cannot replace a directory "
+            f"{location(storage, final)} already holds a committed checkpoint and this storage cannot replace a directory "
             "atomically (object stores): a save that failed half-way would destroy it. Save to a new "
             "path, or delete the old checkpoint first"
         )}
