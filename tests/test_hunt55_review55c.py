@@ -8,11 +8,12 @@ import os
 import threading
 import uuid
 
+import pytest
 import torch
 
 import trainguard as tg
 from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
-from trainguard import api
+from trainguard import api, manager
 from trainguard.inspect import list_checkpoints
 
 from conftest import run_py
@@ -100,3 +101,50 @@ def test_a_crashed_saves_objects_left_young_at_open_go_at_a_later_retention(weed
     fs.invalidate_cache()
     assert not fs.exists(f"{key}/step-000000007/data-00000.bin")
     assert [c.step for c in list_checkpoints(url)] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("where", ["s3", "memory"])
+def test_a_restore_whose_checkpoints_a_live_trainer_deleted_meanwhile_loads_a_newer_one(weed, monkeypatch, where):  # noqa: F811
+    """An eval job's manager restores from a run directory on an object store (no run lock) that a trainer saves
+    into with ``KeepLatest(2)``: it lists steps 4 and 5, and while it reads step 5 the trainer saves 6 and 7, its
+    retention deleting 4 and 5. The restore found both "missing" and raised "none of the 2 checkpoint(s) ... could
+    be loaded" (permanent: exit 78 under ``trainguard run``) with steps 6 and 7 valid in the directory. It now lists
+    again once every listed checkpoint failed, and loads step 7."""
+    url = _url() if where == "s3" else f"memory://r55c{uuid.uuid4().hex[:10]}/run"
+    trainer = tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False).open()
+    for s in (4, 5):
+        trainer.save(s, {"w": torch.full((1000,), float(s))})
+    orig, calls = manager.load, []
+
+    def load(path, state, **kw):
+        calls.append(path.rstrip("/").rsplit("/", 1)[-1])
+        if len(calls) == 1:  # the trainer goes on while the eval job reads step 5
+            for s in (6, 7):
+                trainer.save(s, {"w": torch.full((1000,), float(s))})
+        return orig(path, state, **kw)
+
+    monkeypatch.setattr(manager, "load", load)
+    st = {"w": torch.zeros(1000)}
+    try:
+        with tg.CheckpointManager(url, handle_signals=False) as ev:
+            got = ev.restore(st)
+    finally:
+        trainer.close()
+    assert got == 7 and torch.equal(st["w"], torch.full((1000,), 7.0)), calls
+    assert calls == ["step-000000005", "step-000000004", "step-000000007"]
+
+
+def test_a_restore_of_only_corrupt_checkpoints_still_fails(tmp_path):
+    """What the listing again must not change: every checkpoint corrupt, nothing new listed: the error, as before."""
+    url = str(tmp_path / "run")
+    with tg.CheckpointManager(url, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"w": torch.full((1000,), float(s))})
+    for s in (1, 2):
+        data = tmp_path / "run" / f"step-{s:09d}" / "data-00000.bin"
+        raw = bytearray(data.read_bytes())
+        raw[100] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    with tg.CheckpointManager(url, handle_signals=False) as mgr:
+        with pytest.raises(tg.CheckpointError, match="none of the 2 checkpoint"):
+            mgr.restore({"w": torch.zeros(1000)})
