@@ -97,9 +97,12 @@ def recheck(storage: Any, root: str) -> list[str]:
     storage._uploads_opened[root] = None
     done = []
     for path in sorted(storage.__dict__.get("_dirs_left", {}).pop(root, set())):
-        if not storage.exists(storage.join(path, layout.MANIFEST)) and not active(storage, path):
-            storage.remove_tree(path)
-            done += [] if storage.listdir(path) else [path.rstrip("/").rsplit("/", 1)[-1]]
+        try:  # one the store fails on stays (the next open looks again); the uploads are still looked at
+            if not storage.exists(storage.join(path, layout.MANIFEST)) and not active(storage, path):
+                storage.remove_tree(path)
+                done += [] if storage.listdir(path) else [path.rstrip("/").rsplit("/", 1)[-1]]
+        except Exception as e:  # noqa: BLE001
+            log.warning("trainguard: could not remove %s, left by a crashed save (%s)", path, error_text(e))
     return done + abort_uploads(storage, root)
 
 
