@@ -225,11 +225,13 @@ def test_a_save_refused_by_the_store_says_check_the_credentials(weed):  # noqa: 
         undo()
 
 
-def test_debris_the_store_refuses_to_delete_is_not_reported_removed(weed, caplog):  # noqa: F811
+def test_debris_the_store_refuses_to_delete_is_not_reported_removed(weed, caplog, monkeypatch):  # noqa: F811
     """A manager's open whose delete of a crashed save's objects the store refused (a read-only key) logged
     "removed debris of crashed saves ...: ['step-000000005']" (and the ``debris`` event) though it stayed;
     now only the warning that it could not be removed. The next open with delete rights removes it."""
     import s3fs
+
+    from trainguard.storage import _stale
 
     url = _url()
     key = url[len("s3://"):]
@@ -237,6 +239,7 @@ def test_debris_the_store_refuses_to_delete_is_not_reported_removed(weed, caplog
         mgr.save(1, {"w": torch.ones(4)})
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.pipe_file(f"{key}/step-000000005/data-00000.bin", b"partial")  # a crashed save's object
+    monkeypatch.setattr(_stale, "IDLE_BOUNDS", -1.0)  # ... idle for long (a younger one is left: review55c)
     undo = _refuse(("DeleteObject", "DeleteObjects"))
     try:
         with caplog.at_level(logging.WARNING, logger="trainguard"):

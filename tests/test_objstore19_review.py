@@ -160,6 +160,11 @@ def test_a_save_whose_objects_another_job_removed_fails_instead_of_committing(we
     # save of step 2 is uploaded but not committed, and removes step 2 as a crashed save's debris.
     # A then wrote its manifest over nothing: the save returned, `ls` listed step 2, and only the
     # next restart found "data file is missing" and fell back. A's save now fails and says why.
+    # Since review55c an open leaves a step directory written to within the idle limit (maybe a live save's):
+    # here B's open comes as if A had been idle past it (IDLE_BOUNDS < 0), and A's file check still catches it.
+    from trainguard.storage import _stale
+
+    monkeypatch.setattr(_stale, "IDLE_BOUNDS", -1.0)
     url = f"s3://tgtest/{uuid.uuid4().hex[:10]}"
     orig = tgfs._S3Upload.complete
 

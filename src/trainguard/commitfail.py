@@ -12,6 +12,7 @@ from . import layout
 from .errors import CheckpointError, describe_error
 from .runlock import check_owned, holder_of
 from .storage import Storage
+from .storage._stale import active
 
 
 def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Exception | None) -> tuple[dict[str, Any], Exception | None]:
@@ -70,7 +71,11 @@ def removed(storage: Storage, path: str, name: str) -> list[str]:
     """``commit.clean_debris``: remove the debris ``path``; ``[name]`` when it is gone, ``[]`` when part of
     it stays (``remove_tree`` warned why: a refused or busy entry; an object store's 403 or outage). Before, the
     open's warning and ``debris`` event listed such a directory as removed, open after open (on object stores
-    until hunt53: a read-only key's open said "removed debris ... ['step-000000005']", which stayed)."""
+    until hunt53: a read-only key's open said "removed debris ... ['step-000000005']", which stayed).
+    On S3, a directory written to within the idle limit is left (``_stale.active``: maybe a live save's, another
+    process's; ``_stale.recheck`` looks again): ``[]``."""
+    if active(storage, path):
+        return []
     storage.remove_tree(path)
     if storage.atomic_rename:
         return [] if os.path.lexists(path) else [name]

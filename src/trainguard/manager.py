@@ -353,7 +353,7 @@ class CheckpointManager:
         skipped: list[str] = []
         touched: dict[str, list[int] | None] = {}  # tensors a skipped checkpoint may have written into, their shapes
         medium = False  # a skip for a medium's error: finding nothing usable is then no permanent failure
-        for step, path, tier in candidates:
+        for step, path, tier in retention.tries(self, candidates, at):  # listed again once all failed
             try:
                 m = load(path, state, strict=strict, timeout=self.timeout, split_state=self.split_state)
             except CheckpointError as e:

@@ -15,7 +15,7 @@ import logging
 import numbers
 import secrets
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import iostall, layout
@@ -276,6 +276,33 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
         return mgr.ram.candidates(steps)
     unused_copies(mgr, steps)
     return [(s, location(mgr.storage, mgr.storage.join(mgr._root, layout.step_dir(s))), "durable") for s in reversed(steps)]
+
+
+RELISTS = 3  # how many times ``tries`` lists the run directory again once every listed checkpoint failed
+
+
+def tries(mgr: CheckpointManager, candidates: list[Any], at: int | None) -> Iterator[tuple[int, str, str]]:
+    """``CheckpointManager.restore``, every rank, in the same order: the candidates to load (``restore_candidates``'
+    broadcast), newest first; once every one failed, rank 0 lists the run directory again (``restore_candidates``)
+    and broadcasts what was not tried (newer checkpoints committed meanwhile), at or before ``at``, up to
+    ``RELISTS`` times. A job that saves into the run directory while another process restores from it (an eval
+    job's manager on an object store, which has no run lock) deletes what that restore listed (``KeepLatest(2)``:
+    two saves during a long load): the restore found every listed checkpoint "missing" and raised "none of the 2
+    checkpoint(s) ... could be loaded" (a permanent error) while two newer valid ones were there (review55c).
+    A restore whose candidates all failed for their own bytes lists once more and finds nothing new."""
+    tried: set[tuple[int, str]] = set()
+    for n in range(RELISTS + 1):
+        if n:
+            listed = mgr.ctx.broadcast("candidates-again", restore_candidates(mgr) if mgr.ctx.rank == 0 else None,
+                                       timeout=mgr.timeout)
+            if isinstance(listed, dict):  # cannot list now: the restore's error says what failed to load
+                return
+            candidates = [c for c in listed if (c[0], c[1]) not in tried and (at is None or c[0] <= at)]
+        if not candidates:
+            return
+        for c in candidates:
+            tried.add((c[0], c[1]))
+            yield c
 
 
 def newest_step(mgr: CheckpointManager) -> int | None:

@@ -15,9 +15,14 @@ manager opened on the run (an eval job's restore, a restarted trainer while the 
 the live save with "NoSuchUpload" (review54a). One left young is looked at again by ``recheck``, at the first
 retention (rank 0, after a save) once that much time has passed since (and so on while one is left young): a
 restart right after a crash leaves its upload young at the open. Object stores have no run lock: the live save's finished objects in its step
-directory are still removed by the open as debris (docs/storage.md: give each job its own prefix).
+directory are left as well while active (``active``).
 Best effort: a store that refuses the listing (a policy without ``s3:ListBucketMultipartUploads``) or
 an abort is warned about, and the open goes on.
+
+``active`` is the same test for a step directory without a manifest (``commitfail.removed``, from ``clean_debris``):
+one with an object or an upload active within the idle limit may be a live save's (its finished rank files wait for
+the manifest while other ranks upload) and is left, for ``recheck``. Until review55c the open deleted such objects
+and the live save failed at its file check ("data-00000.bin, uploaded by rank 0 in this save, is not in ...").
 """
 
 from __future__ import annotations
@@ -76,18 +81,69 @@ def abort_uploads(storage: Any, root: str) -> list[str]:
     if young:
         log.info("trainguard: left %d incomplete upload(s) in s3://%s/%s, active within %.0f s (maybe a save in "
                  "progress): %s", len(young), bucket, prefix, limit, young[:5])
-    storage.__dict__.setdefault("_uploads_opened", {})[root] = time.monotonic() if young else None
+    left = storage.__dict__.get("_dirs_left", {}).get(root)  # step directories ``active`` left: looked at again too
+    storage.__dict__.setdefault("_uploads_opened", {})[root] = time.monotonic() if young or left else None
     return done
 
 
 def recheck(storage: Any, root: str) -> list[str]:
     """``retention.apply_retention`` (rank 0, after a save): once ``IDLE_BOUNDS`` store bounds have passed since
-    ``abort_uploads`` left a young upload in ``root``, ``abort_uploads`` again; else nothing, no request."""
+    ``abort_uploads`` left a young upload in ``root`` (or ``active`` a step directory without a manifest),
+    the step directories left that still have no manifest and are idle now are removed, and ``abort_uploads``
+    runs again; else nothing, no request."""
     opened = getattr(storage, "_uploads_opened", {}).get(root)
     if opened is None or time.monotonic() - opened < _idle_limit(storage):
         return []
     storage._uploads_opened[root] = None
-    return abort_uploads(storage, root)
+    done = []
+    for path in sorted(storage.__dict__.get("_dirs_left", {}).pop(root, set())):
+        try:  # one the store fails on stays (the next open looks again); the uploads are still looked at
+            if not storage.exists(storage.join(path, layout.MANIFEST)) and not active(storage, path):
+                storage.remove_tree(path)
+                done += [] if storage.listdir(path) else [path.rstrip("/").rsplit("/", 1)[-1]]
+        except Exception as e:  # noqa: BLE001
+            log.warning("trainguard: could not remove %s, left by a crashed save (%s)", path, error_text(e))
+    return done + abort_uploads(storage, root)
+
+
+def active(storage: Any, path: str) -> bool:
+    """``commitfail.removed`` (``commit.clean_debris``, rank 0 at a manager's open; ``recheck``): whether the S3 step
+    directory ``path`` ("bucket/run1/step-000000002", no manifest) has an object written or a multipart upload
+    active within the idle limit (``_idle_limit``, by the store's clock): a live save's, maybe another process's
+    (a save waits with its finished rank files until every rank uploaded). Such a directory is left and recorded
+    for ``recheck``. False on other stores (local disk has the run lock) and when the store cannot say (the
+    removal goes on, as before)."""
+    if not getattr(storage, "_s3", False):
+        return False
+    io, limit = storage.io, _idle_limit(storage)
+    bucket, _, key = path.strip("/").partition("/")
+    prefix, token, young = key.rstrip("/") + "/", {}, False
+    try:
+        for _ in range(MAX_PAGES):
+            page = io.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, **token)
+            now = _server_time(page) or datetime.now(timezone.utc)
+            if young := any(_age(now, o.get("LastModified")) < limit for o in page.get("Contents") or []):
+                break
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                break
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+        if not young:
+            uploads, now = _list(io, bucket, prefix)
+            young = any(_live(io, bucket, k, u, i, now, limit) for k, u, i in uploads)
+    except Exception:  # noqa: BLE001 - best effort: removed as before
+        return False
+    if young:
+        root = path.rstrip("/").rsplit("/", 1)[0]
+        storage.__dict__.setdefault("_dirs_left", {}).setdefault(root, set()).add(path)
+        log.info("trainguard: left %s (no manifest): written to within %.0f s, maybe a save in progress", path, limit)
+    return young
+
+
+def _live(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:
+    try:
+        return not _idle(io, bucket, key, upload_id, initiated, now, limit)
+    except FileNotFoundError:  # completed or aborted meanwhile
+        return False
 
 
 def _idle_limit(storage: Any) -> float:
