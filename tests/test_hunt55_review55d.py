@@ -13,7 +13,6 @@ state without the optimizer) got the bad advice alone. Now the error names the r
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 import trainguard as tg

@@ -53,10 +53,13 @@ def _parts(name: str) -> list[str]:
     return re.split(r"([./])", name)
 
 
-def _below(names: list[str], head: str) -> set[str]:
-    """What follows ``head`` in each of ``names`` that continues it with a separator or ends there."""
-    n = len(head)
-    return {x[n:] for x in names if x.startswith(head) and x[n : n + 1] in ("", ".", "/")}
+def _below(names: list[list[str]]) -> dict[str, set[str]]:
+    """For each path of components that starts some of ``names`` (cut by :func:`_parts`), what follows it in each."""
+    out: dict[str, set[str]] = {}
+    for cut in names:
+        for i in range(0, len(cut), 2):
+            out.setdefault("".join(cut[: i + 1]), set()).add("".join(cut[i + 1 :]))
+    return out
 
 
 def rename_hint(missing: list[str], unexpected: list[str]) -> str:
@@ -76,23 +79,23 @@ def rename_hint(missing: list[str], unexpected: list[str]) -> str:
         if not state or not saved:
             continue
         # the state's names by all but one component: a checkpoint name that differs from one in that component only
+        cut_state, cut_saved = [_parts(x) for x in state], [_parts(x) for x in saved]
         blanked: dict[tuple[int, str, str], set[str]] = {}
-        for sp in map(_parts, state):
+        for sp in cut_state:
             for i in range(0, len(sp), 2):
                 blanked.setdefault((i, "".join(sp[:i]), "".join(sp[i + 1:])), set()).add(sp[i])
         # (parent, old, new) -> the names below old in the checkpoint, below new in the state
         below: dict[tuple[str, str, str], set[str]] = {}
-        for cp in map(_parts, saved):
+        for cp in cut_saved:
             for i in range(0, len(cp), 2):
                 parent, rest = "".join(cp[:i]), "".join(cp[i + 1:])
                 for new in blanked.get((i, parent, rest), ()):
                     below.setdefault((parent, cp[i], new), set()).add(rest)
         whole = []
+        under_saved, under_state = _below(cut_saved), _below(cut_state)
         for (parent, old, new), paired in below.items():
-            prefix_old, prefix_new = parent + old, parent + new
-            all_saved, all_state = _below(saved, prefix_old), _below(state, prefix_new)
-            if paired == all_saved == all_state:
-                whole.append((parent, old, new, len(all_saved)))
+            if paired == under_saved[parent + old] == under_state[parent + new]:
+                whole.append((parent, old, new, len(paired)))
         olds, news = Counter((p, o) for p, o, _, _ in whole), Counter((p, n) for p, _, n, _ in whole)
         pairs = [w for w in whole if olds[w[0], w[1]] == 1 and news[w[0], w[2]] == 1]
         said = [f"'{p}{o}' -> '{p}{n}' ({k} tensor{'s' if k > 1 else ''})" for p, o, n, k in pairs]
@@ -104,9 +107,8 @@ def rename_hint(missing: list[str], unexpected: list[str]) -> str:
         said += [f"{', '.join(repr(p + o) for o in sorted(a))} -> {', '.join(repr(p + n) for n in sorted(b))} (in some order)"
                  for p, (a, b) in alike.items() if len(a) == len(b)]
         if said:
-            pairs = said
-            said = ", ".join(pairs[:4])
+            more = f", ... ({len(said)} in all)" if len(said) > 4 else ""
             out += (f" Entry {key!r}: the checkpoint's tensors look renamed in the state (checkpoint -> state, the same "
-                    f"names below each): {said}{', ...' if len(pairs) > 4 else ''}; strict=False would leave them as "
-                    "built, not loaded: give the modules (or parameters) their names of save time.")
+                    f"names below each): {', '.join(said[:4])}{more}; strict=False would leave them as built, not loaded: "
+                    "give the modules (or parameters) their names of save time.")
     return out
