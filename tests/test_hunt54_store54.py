@@ -53,8 +53,11 @@ PLANS = {
 }
 
 
-def _saver(name: str, url: str, seed: int, plan: str, events: dict, out) -> None:
-    """One process's plain ``tg.save`` of ``url``, paused at the points ``PLANS[plan]`` names (bounded waits)."""
+def _saver(name: str, url: str, seed: int, plan: str, events: dict, out, env: dict) -> None:
+    """One process's plain ``tg.save`` of ``url``, paused at the points ``PLANS[plan]`` names (bounded waits).
+    ``env``: the test's AWS_* variables. A forkserver child has the environment the forkserver started with (maybe
+    before the ``weed`` fixture set them, or with another server's): the save must go to the server the test reads."""
+    os.environ.update(env)
     from trainguard import api
     from trainguard.storage import _uploads
 
@@ -98,7 +101,8 @@ def test_two_saves_of_one_s3_step_at_once_never_both_return(weed, plan):  # noqa
     url = _url() + "/step-000000001"
     events = {n: ctx.Event() for n in ["A_free", "B_free", "A_data", "B_data", "A_manifest", "B_manifest"]}
     out = ctx.Queue()
-    procs = [ctx.Process(target=_saver, args=(n, url, seed, plan, events, out)) for n, seed in (("A", 1), ("B", 2))]
+    env = {k: os.environ[k] for k in os.environ if k.startswith("AWS_")}
+    procs = [ctx.Process(target=_saver, args=(n, url, seed, plan, events, out, env)) for n, seed in (("A", 1), ("B", 2))]
     for p in procs:
         p.start()
     try:
