@@ -49,12 +49,12 @@ def test_a_forkserver_child_talks_to_the_server_this_module_reads(weed):  # noqa
 
 def test_store54s_two_saves_pass_after_review54ds_two_rank_test_in_one_process():
     """The session-54 failure, in a pytest process of its own: review54d's another-prefix test, the test above and
-    store54's two-saves test (3 plans). Before, the test above and 2 of the 3 plans failed ("no such checkpoint
-    directory": save A had returned, its checkpoint on review54d's server)."""
+    store54's two-saves test in one of the 2 plans (of 3) that failed. Before, the test above and that plan failed
+    ("no such checkpoint directory": save A had returned, its checkpoint on review54d's server)."""
     ids = [
         f"{TESTS}/test_hunt54_review54d.py::test_a_rank_saving_to_another_prefix_is_not_told_as_another_jobs_removal",
         f"{TESTS}/test_hunt55_store55.py::test_a_forkserver_child_talks_to_the_server_this_module_reads",
-        f"{TESTS}/test_hunt54_store54.py::test_two_saves_of_one_s3_step_at_once_never_both_return",
+        f"{TESTS}/test_hunt54_store54.py::test_two_saves_of_one_s3_step_at_once_never_both_return[manifest_last]",
     ]
     base = tempfile.mkdtemp(prefix="tg55-")  # short: the server's unix sockets go in it (tmp_path's is too long)
     try:
@@ -63,4 +63,4 @@ def test_store54s_two_saves_pass_after_review54ds_two_rank_test_in_one_process()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = r.stdout + r.stderr
-    assert r.returncode == 0 and re.search(r"\b5 passed\b", out), out[-6000:]
+    assert r.returncode == 0 and re.search(r"\b3 passed\b", out), out[-6000:]
