@@ -31,6 +31,10 @@ _MP: Any = None
 
 
 def _context() -> Any:
+    """The forkserver context of this process (started at its first ``Process``). Its children get the environment
+    the forkserver had when it started, not the test's ``os.environ`` now: what a test set since (AWS_* of the
+    ``weed`` fixture, a monkeypatched variable) reaches them only when passed (``run_ranks(env=...)``, or an argument
+    the child applies)."""
     global _MP
     if _MP is None:
         _MP = mp.get_context("forkserver")

@@ -1,5 +1,5 @@
 """A store whose listings lag behind its writes (some S3-compatible servers, a caching proxy): the object-store
-check before the manifest (``commit._all_listed``, one listing of the step directory) looks for a name the
+check before the manifest (``samesave.check_objects``, one listing of the step directory) looks for a name the
 listing lacks with a HEAD before it fails the save; a file really gone still fails it."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from trainguard.storage.fsspec import FsspecStorage
 
 
 def _lagging(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = FsspecStorage.listdir
-    # the step's work directory lists empty (its objects not shown yet); everything else as it is
-    monkeypatch.setattr(FsspecStorage, "listdir", lambda self, p: [] if "step-" in p else real(self, p))
+    real = FsspecStorage.objects
+    # the step's directory lists without its data files (not shown yet); everything else as it is
+    monkeypatch.setattr(FsspecStorage, "objects", lambda self, p: {n: v for n, v in real(self, p).items()
+                                                                   if "step-" not in p or not n.endswith(".bin")})
 
 
 def test_a_listing_that_lags_does_not_fail_the_save(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -121,32 +121,62 @@ class Weed:
             Path(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock").unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
-def weed(tmp_path_factory):
-    base = tmp_path_factory.mktemp("weed")
-    with pytest.MonkeyPatch.context() as mp:
-        for attempt in range(3):  # a port probed free may be taken before weed binds it (pytest-xdist workers)
-            server = Weed(base / f"attempt-{attempt}")
-            env = {
-                "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2",
-            }
+# The one server of this pytest process (of each xdist worker), and how many ``weed`` fixtures hold it. pytest registers
+# a fixture imported into a test module (``from test_storage_s3 import weed``) as that module's own: a session
+# fixture per importing module, and each started a server of its own and moved AWS_ENDPOINT_URL to it. A child of
+# dist_helper's forkserver keeps the environment the forkserver started with, so after a second module's setup the
+# children a test started saved to the first module's server while the test read the second's (session 55:
+# tests/test_hunt54_store54.py after review54d's 2-rank test: "a save returned and nothing is stored").
+_SHARED: dict = {"server": None, "env": {}, "users": 0}
+
+
+def _start_server(base: Path) -> tuple[Weed, dict[str, str]]:
+    for attempt in range(3):  # a port probed free may be taken before weed binds it (pytest-xdist workers)
+        server = Weed(base / f"attempt-{attempt}")
+        env = {
+            "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2",
+        }
+        with pytest.MonkeyPatch.context() as mp:  # the readiness probe's clients find the server through it
             for k, v in env.items():
                 mp.setenv(k, v)
             try:
                 server.start()
-                break
+                return server, env
             except WeedExited:
                 if attempt == 2:
                     raise
-        import s3fs
+    raise AssertionError("unreachable")
 
+
+@pytest.fixture(scope="session")
+def weed(tmp_path_factory):
+    """The SeaweedFS server of this pytest process, its endpoint and credentials in ``os.environ`` (AWS_*) while
+    a test module that uses it runs. Every module that imports this fixture gets the same server (started by the
+    first, killed when the last lets go at the end of the session): one endpoint per process, so a child process
+    that inherited the environment earlier talks to the server the test reads."""
+    import s3fs
+
+    if _SHARED["server"] is None:
+        _SHARED["server"], _SHARED["env"] = _start_server(tmp_path_factory.mktemp("weed"))
         s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("tgtest")
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in _SHARED["env"].items():
+                mp.setenv(k, v)
+            s3fs.S3FileSystem(skip_instance_cache=True).mkdir("tgtest")
+    server = _SHARED["server"]
+    _SHARED["users"] += 1
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in _SHARED["env"].items():
+            mp.setenv(k, v)
+        s3fs.S3FileSystem.clear_instance_cache()
         try:
             yield server
         finally:
-            server.kill()
+            _SHARED["users"] -= 1
+            if _SHARED["users"] == 0:
+                server.kill()
+                _SHARED["server"] = None
             s3fs.S3FileSystem.clear_instance_cache()
 
 

@@ -43,6 +43,7 @@ from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .permanent import check_save_args, is_permanent, keeps_own
 from .planner import check_cover, layout_file
+from .samesave import recheck, written_etags
 from .storage import Storage, for_path, location
 from .storage._diskfull import save_failed
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
@@ -237,6 +238,7 @@ def persist_and_commit(
             claim_commit(ctx, save_id)
             # Invariant: the manifest is written only after every rank reported its data durable.
             commit_dir(storage, parent, name, work, manifest, overwrite, save_id)
+            recheck(storage, work, written)  # object stores: another save of this step since the check before
             outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
         except RankFailureError as e:
             outcome = failure_record(e)
@@ -248,7 +250,7 @@ def persist_and_commit(
                 storage.remove_tree(work)
             raise
     if ctx.rank == 0 and outcome.get("error"):  # the temp directory goes; a lost run lock is named as the cause
-        outcome, write_error = discard(storage, work, outcome, write_error)
+        outcome, write_error = discard(storage, work, outcome, write_error, written)
     try:
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
@@ -300,12 +302,13 @@ def _write_rank(
     if regular:
         data = encode_index(fname, regular)
         iname = layout_mod.index_file(ctx.rank)
-        storage.write_atomic(storage.join(work, iname), data)
+        getattr(storage, "write_new", storage.write_atomic)(storage.join(work, iname), data)  # S3: not over another save's
         index = [iname, len(data), checksum(data)]
     local_objects = {k: snap.objects[k] for k in snap.rank_local}
     return {
         "error": None, "file": fname, "size": size, "files": files, "chunks": chunks, "index": index,
         "objects": local_objects, "split": split.leader_report(snap, sigs, ctx.rank),
+        "etags": written_etags(storage, work, [*files, *(index[:1] if index else [])]),  # object stores: samesave
     }
 
 

@@ -27,7 +27,9 @@ from .errors import (
 from .faults import fault
 from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
+from .samesave import check_objects, drop_listed
 from .storage import Storage, location
+from .storage._urls import bucket_root
 
 _UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
 
@@ -128,11 +130,12 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
     On an object store (writes in place, no run lock) rank 0's own files too: a manager opened on
     the same prefix by another job removes a save's objects as a crashed save's debris, and the
     manifest written over them committed a checkpoint with its data gone (the save "succeeded"). There every rank's
-    files are looked for in one listing of ``work`` (a request per 1,000 objects): the sample let a 16-rank save
-    whose rank 2's file that open removed commit, and ``tg.load`` found it missing (review54a)."""
+    objects are looked for in one listing of ``work`` (a request per 1,000 objects; ``samesave.check_objects``): the
+    sample let a 16-rank save whose rank 2's file that open removed commit, and ``tg.load`` found it missing
+    (review54a)."""
+    if not storage.atomic_rename and hasattr(storage, "objects"):  # one listing: every rank's objects, as uploaded
+        return check_objects(storage, work, written)  # (samesave: another save of this step at once)
     world = len(written)
-    if not storage.atomic_rename:
-        return _all_listed(storage, work, written)
     for r in sorted({world - 1, *range(1, world, max(1, world // 8))} - {0}):
         w = written[r]
         names = [f for f, size in rank_files(w).items() if size]
@@ -145,22 +148,6 @@ def check_shared(storage: Storage, work: str, written: list[dict[str, Any]]) -> 
                     "filesystem, or an object store), not a node-local disk, and an absolute path "
                     "(a relative one is resolved in each rank's working directory)"
                 )
-
-
-def _all_listed(storage: Storage, work: str, written: list[dict[str, Any]]) -> None:
-    """``check_shared`` on an object store: each rank's files (``rank_files``, index files) are in one listing of
-    ``work``, else the save fails before its manifest is written. A name the listing lacks (one with a "/"; a store
-    whose listings lag behind its writes) is looked for by a HEAD before the save fails: none in the usual case."""
-    listed = set(storage.listdir(work))
-    for r, w in enumerate(written):
-        names = [f for f, size in rank_files(w).items() if size] + ([w["index"][0]] if w.get("index") else [])
-        if missing := [f for f in names if f not in listed and not storage.exists(storage.join(work, f))]:
-            raise CheckpointError(
-                f"{missing[0]}, uploaded by rank {r} in this save, is not in {work} "
-                "before its manifest was written: another job using the same run directory removed it (a "
-                "CheckpointManager opening there deletes steps without a manifest; object stores have no run lock: "
-                "give each job its own prefix)" + ("" if not r else f", or rank {r} saved it elsewhere: every rank "
-                "must pass the same URL, with the same endpoint and bucket (not a path made from the host name)"))
 
 
 class LazyManifest:
@@ -312,6 +299,8 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     directory: in place, a failed save would destroy it); a directory holding anything but a
     checkpoint's own files is never saved into (the commit would delete what it holds). ``above``: whether
     its parent may be a checkpoint (not a manager's root, checked at open: one more HEAD per save on a store)."""
+    if root := bucket_root(storage, final):  # s3://bucket itself
+        return {"refused": root}
     try:
         names = storage.listdir(final)
     except NotADirectoryError:
@@ -345,8 +334,10 @@ def _drop_leftovers(storage: Storage, final: str, names: list[str]) -> dict[str,
     the files a crashed save left in ``final`` are deleted, as a local save's rename replaces them. Before, they
     stayed inside the new checkpoint (a 1-rank save over a 2-rank crash: data-00001.bin beside it, verify OK)."""
     if names and not storage.atomic_rename:
-        storage.remove_tree(final)  # never raises: what it could not delete is looked for again
+        drop_listed(storage, final)  # never raises: what it could not delete is looked for again
         if left := storage.listdir(final):
+            if layout.MANIFEST in left:  # another save of this step committed meanwhile (samesave)
+                return {"exists": f"{final} was committed by another save while this one began; save to a new directory"}
             return {"refused": f"{final} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
                     "that could not be deleted (see the log): delete them, or save to a new path"}
     return {}
@@ -358,7 +349,9 @@ def commit_dir(storage: Storage, parent: str, name: str, work: str, manifest: Ma
     ``parent/name`` (an existing checkpoint, with ``overwrite``, goes to ``<name>.old-<id>`` first).
     First: ``parent`` is still locked by this process if it was (``runlock.check_owned``)."""
     check_owned(parent)  # an async save's run directory removed, or its .lock replaced, since save() returned
-    storage.write_atomic(storage.join(work, layout.MANIFEST), manifest.to_bytes())
+    # On an object store, only where no manifest is: another save of this step committed meanwhile (samesave).
+    (storage.write_atomic if storage.atomic_rename else getattr(storage, "write_new", storage.write_atomic))(
+        storage.join(work, layout.MANIFEST), manifest.to_bytes())
     fault("after_manifest", 0)
     final = storage.join(parent, name)
     if not storage.atomic_rename:

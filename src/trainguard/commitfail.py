@@ -11,17 +11,24 @@ from typing import Any, NoReturn
 from . import layout
 from .errors import CheckpointError, describe_error
 from .runlock import check_owned, holder_of
+from .samesave import concurrent, remove_own
 from .storage import Storage
 from .storage._stale import active
 
 
-def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Exception | None) -> tuple[dict[str, Any], Exception | None]:
+def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Exception | None,
+            written: list[Any] | None = None) -> tuple[dict[str, Any], Exception | None]:
     """``api.persist_and_commit``, rank 0, a save that failed (``outcome``, and ``error``, this
-    process's own, raised as itself by a single process): remove its temp directory ``work``.
+    process's own, raised as itself by a single process): remove its temp directory ``work``; on an
+    object store, where ``work`` is the step itself, only the objects its ranks (``written``: their
+    reports) created when it met another save of the step (``samesave.remove_own``: the other's stay).
     When the run directory's lock was lost meanwhile (``runlock.check_owned``: an ``rm -rf`` while
     the ranks wrote made their writes fail with ENOENT), that error, permanent, replaces both: the
     write's error (not permanent) had ``trainguard run`` restart the job into an empty directory."""
-    storage.remove_tree(work)
+    if not storage.atomic_rename and concurrent(outcome, error):
+        remove_own(storage, work, written)
+    else:
+        storage.remove_tree(work)
     try:
         check_owned(os.path.dirname(work.rstrip("/")))
     except CheckpointError as lost:

@@ -19,9 +19,10 @@ from .commitfail import wrong_size
 from .errors import CheckpointError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
-from .manifest import Manifest, checksum
+from .manifest import Manifest
 from .storage import Storage, for_path, location
 from .tied import aliases_of
+from .verifyread import check_chunks, each, one_chunk, prefetch
 
 _READ = 64 << 20
 _DELETED = "removed while it was listed (a running job's retention deletes old checkpoints)"
@@ -59,12 +60,14 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
         return VerifyResult(shown, False, [f"cannot read {shown}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
     errors: list[str] = []
     total = 0
-    for fname, size in {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}.items():
-        try:
-            have = _size_of(storage, storage.join(target, fname))
-        except OSError as e:  # EIO: reported, not raised
-            _raise_unless_media(e)
-            errors.append(f"{fname}: cannot be read: {type(e).__name__}: {e}")
+    files = {**manifest.files, **{k: v[0] for k, v in manifest.indexes.items()}}
+    # object stores: 8 at once (verifyread.each)
+    for (fname, size), have in zip(files.items(), each(storage, lambda f: _size_of(storage, storage.join(target, f)), files)):
+        if isinstance(have, BaseException):
+            if not isinstance(have, OSError):
+                raise have
+            _raise_unless_media(have)  # EIO: reported, not raised
+            errors.append(f"{fname}: cannot be read: {type(have).__name__}: {have}")
             continue
         if have is None:
             errors.append(f"{fname}: missing")
@@ -113,37 +116,25 @@ def deleted_while_read(storage: Storage, directory: str) -> bool:
 def _check_chunks(storage: Storage, directory: str, m: Manifest, errors: list[str]) -> int:
     # Format 2: every index is read and validated (size, checksum, fields) before any data.
     src = ChunkSource.of(storage, directory, m)
+    src._read = prefetch(storage, src._read, m.indexes)  # object stores: every index at once (verifyread)
     # Format 3: an alias has no bytes of its own; its target's are read once, an error names both.
     aka = {p: f"{p!r} (and its alias(es) {', '.join(map(repr, a))})" for p, a in aliases_of(m.tensors).items()}
     every = [(aka.get(path, repr(path)), c) for path, e in m.tensors.items() if e.alias is None for c in src.all_chunks(path, e)]
     # Whole blocks, but never more than the longest chunk: a small checkpoint (or a hostile
     # block_size) must not cost a 64 MiB-1 GiB zero-filled buffer per verify.
     longest = max((c.length for _p, c in every), default=0)
-    buf = bytearray(max(1, min(max(_READ // m.block_size, 1) * m.block_size, longest)))
-    view = memoryview(buf)
+    size = max(1, min(max(_READ // m.block_size, 1) * m.block_size, longest))
     total = 0
     readers = {}
     ensure_room(len(m.files))
     try:
         for f in m.files:  # opened one by one: a file that cannot be opened leaves none of them open
             readers[f] = storage.open_read(storage.join(directory, f))
+        if not storage.atomic_rename:  # an object store: several reads at once, the same results (verifyread)
+            return check_chunks(readers, every, m.block_size, size, errors, _raise_unless_media)
+        view = memoryview(bytearray(size))
         for path, c in every:
-            pos = 0
-            while pos < c.length:
-                n = min(len(buf), c.length - pos)
-                try:
-                    readers[c.file].readinto(view[:n], c.offset + pos)
-                except (CheckpointError, OSError) as ex:  # bad bytes, or a medium's error: reported, not raised
-                    if isinstance(ex, OSError) and not isinstance(ex, CheckpointError):
-                        _raise_unless_media(ex)
-                    errors.append(f"{c.file}: tensor {path}: {ex}")
-                    break
-                for b in range(0, n, m.block_size):
-                    idx = (pos + b) // m.block_size
-                    if checksum(view[b : min(b + m.block_size, n)]) != c.checksums[idx]:
-                        errors.append(f"{c.file}: checksum mismatch in tensor {path} (block {idx})")
-                pos += n
-                total += n
+            total += one_chunk(readers[c.file], path, c, view, m.block_size, errors, _raise_unless_media)
     finally:
         for r in readers.values():  # every one, even after a close that raised
             with contextlib.suppress(OSError):

@@ -64,3 +64,16 @@ def _delete_objects(io: Any, keys: list[str]) -> None:
         first = errors[0]
         raise OSError(f"could not delete {len(errors)} object(s) of s3://{bucket}, e.g. {first.get('Key')}: "
                       f"{first.get('Code')} {first.get('Message')}")
+
+
+def remove_keys(io: Any, s3: bool, keys: list[str]) -> None:
+    """Delete exactly ``keys`` ("bucket/run/step-N/data-00000.bin"; ``FsspecStorage.remove_objects``); one gone already is no error."""
+    if s3:
+        for i in range(0, len(keys), BATCH):
+            _delete_objects(io, keys[i : i + BATCH])
+        return
+    for k in keys:
+        try:
+            io.rm_file(k)
+        except FileNotFoundError:
+            pass

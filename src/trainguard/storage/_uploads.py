@@ -13,13 +13,19 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError
+from ._exclusive import create, new_token
 
 
 class _S3Upload:
-    """S3 multipart upload through s3fs's ``call_s3`` (thread-safe: it runs on fsspec's loop)."""
+    """S3 multipart upload through s3fs's ``call_s3`` (thread-safe: it runs on fsspec's loop). The object is
+    created only where none is (``_exclusive.create``: another save of the step wrote it meanwhile, an error);
+    ``etag``: its ETag once complete (``FsspecStorage.written_etag``). ``state``: the storage's ``_exclusive``
+    state (the store ignores conditional writes)."""
 
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
+    def __init__(self, fs: Any, path: str, state: dict[str, bool] | None = None) -> None:
+        self.fs, self.state = fs, state if state is not None else {}
+        self.etag = ""
+        self.token = new_token()  # in the object's metadata: a 412 to a retry of this upload's create is ours
         self.bucket, self.key, _ = fs.split_path(path)
         self._lock = threading.Lock()
         self._id: str | None = None
@@ -33,7 +39,8 @@ class _S3Upload:
                 raise self._failed  # each tried again in turn (a hung endpoint: one bound each, one after another)
             if self._id is None:
                 try:
-                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key)["UploadId"]
+                    self._id = self.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.key,
+                                                   **self.token)["UploadId"]
                 except BaseException as e:
                     self._failed = e
                     raise
@@ -51,7 +58,10 @@ class _S3Upload:
 
     def complete(self, nparts: int, size: int) -> None:
         if self._id is None:
-            self.fs.pipe_file(f"{self.bucket}/{self.key}", self._small or b"")
+            body = self._small or b""
+            self.etag = create(self.fs, self.bucket, self.key, lambda **kw: self.fs.call_s3(
+                "put_object", Bucket=self.bucket, Key=self.key, Body=body, **self.token, **kw), self.token, self.state)
+            self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
             return
         if self._small is not None:  # part 0 was held back but the file has more parts
             self.part(0, self._small)
@@ -61,8 +71,9 @@ class _S3Upload:
             raise CheckpointError(f"{self.key}: parts {missing} were never uploaded")
         parts = [{"PartNumber": k + 1, "ETag": self._etags[k]} for k in range(nparts)]
         with self._aborted():
-            self.fs.call_s3("complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
-                            MultipartUpload={"Parts": parts})
+            self.etag = create(self.fs, self.bucket, self.key, lambda **kw: self.fs.call_s3(
+                "complete_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=self._id,
+                MultipartUpload={"Parts": parts}, **kw), self.token, self.state)
         self.fs.invalidate_cache(f"{self.bucket}/{self.key}")
 
     @contextlib.contextmanager

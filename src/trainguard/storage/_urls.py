@@ -61,3 +61,17 @@ def check_object_path(url: str, path: str) -> str:
             f"{url}: an empty path segment ('//'): object stores differ on it (one drops it, another keeps "
             f"it in the key), so what is saved may not be found again. Write {fixed}")
     return path.rstrip("/") or path
+
+
+def bucket_root(storage: Any, path: str) -> str:
+    """``commit.occupied`` (rank 0, before a plain ``tg.save``, ``consolidate`` or a DCP import writes one checkpoint
+    into ``path``): why ``path`` may not hold one, when it is the root of a bucket (``s3://bucket``), else ``""``.
+    The checkpoint's files would lie among the bucket's other objects, and the save took the bucket's key prefix
+    for ``"/bucket/"``: it found nothing there, so a second save went in place over a committed checkpoint and a
+    failed one's objects were never removed. A ``CheckpointManager`` may use a bucket's root as its run directory
+    (its checkpoints are ``s3://bucket/step-N``)."""
+    if not getattr(storage, "bucketed", False) or "/" in path.strip("/"):
+        return ""
+    url = storage.url(path.strip("/"))
+    return (f"{url} is the root of a bucket: a checkpoint needs a prefix of its own. Save to {url}/<name> "
+            f"(e.g. {url}/ckpt-1); a CheckpointManager may use {url} as its run directory")

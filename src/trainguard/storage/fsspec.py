@@ -23,44 +23,29 @@ Credentials, endpoints: the filesystem's (S3: the boto chain, ``AWS_ENDPOINT_URL
 from __future__ import annotations
 
 import ctypes
-import functools
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from .. import layout
-from ..errors import CheckpointError, CorruptCheckpointError, error_text
+from ..errors import CheckpointError, error_text
 from ..streamjobs import DaemonExecutor
 from ._bounded import Bounded, store_timeout
 from ._bucket import need_bucket
-from ._remove import remove_prefix
+from ._exclusive import create, new_token, remember
+from ._reads import READ_PIECE, _RangeReader  # noqa: F401  (READ_PIECE: tests)
+from ._remote import remote as _remote
+from ._remove import remove_keys, remove_prefix
 from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
-from ._urls import check_object_path, import_fsspec
+from ._urls import BUCKETED, check_object_path, import_fsspec
 
 log = logging.getLogger("trainguard")
-F = TypeVar("F", bound=Callable[..., Any])
 
-PART_SIZE, READ_PIECE = 32 << 20, 16 << 20  # upload part (larger for a file of more than MAX_PARTS); ranged GETs above: split
+PART_SIZE = 32 << 20  # upload part (larger for a file of more than MAX_PARTS)
 MAX_PARTS = 10_000  # S3's most parts of one multipart upload (part 10,001 is refused): 312.5 GiB of 32 MiB parts
 UPLOAD_THREADS = 4  # parts uploaded at once per open file
 MAX_BUFFERED_PARTS = 8  # complete parts waiting for upload before pwrite blocks (bounds memory)
-
-
-def _remote(fn: F) -> F:
-    """Marks the client's ``OSError`` ``remote``: its errno guesses an HTTP error's (s3fs: EIO for a 502,
-    a 429), never a medium's (``errors.is_media_error``: restore does not fall back on it); a 403 is told as
-    "refused access: check the credentials" (``errors.error_text``). Reads and writes (a save's 403 was told
-    as "PermissionError: the object store answered HTTP 403 (AccessDenied)", nothing to change named)."""
-    @functools.wraps(fn)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except OSError as e:
-            e.remote = True  # type: ignore[attr-defined]
-            raise
-    return call  # type: ignore[return-value]
 
 
 class FsspecStorage:
@@ -71,6 +56,7 @@ class FsspecStorage:
     """
 
     atomic_rename = False
+    bucketed = False  # a path's first segment is a bucket (s3://, gs://): set by from_url
 
     def __init__(self, fs: Any, *, part_size: int = PART_SIZE) -> None:
         if part_size < (5 << 20):
@@ -79,6 +65,8 @@ class FsspecStorage:
         self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
         self.part_size = part_size
         self._buckets: set[str] = set()  # buckets found to exist (_bucket.need_bucket)
+        self._exclusive: dict[str, bool] = {}  # _exclusive.create's: the store answered 501 to If-None-Match
+        self._etags: dict[str, str] = {}  # written_etag: path -> ETag of the object this process created there
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
@@ -92,7 +80,9 @@ class FsspecStorage:
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
                 "e.g. s3fs for s3://, gcsfs for gs://"
             ) from e
-        return cls(fs), check_object_path(url, path)
+        storage = cls(fs)
+        storage.bucketed = scheme.lower() in BUCKETED  # its root is a bucket's (``_urls.bucket_root``)
+        return storage, check_object_path(url, path)
 
     def _fresh(self, path: str) -> None:
         # Listings are cached by fsspec; another process (or rank) may have written since.
@@ -172,6 +162,51 @@ class FsspecStorage:
         # A single PUT: the object appears whole or not at all.
         self.io.pipe_file(path, bytes(data))
 
+    @_remote
+    def write_new(self, path: str, data: bytes) -> None:
+        """``write_atomic``, but only where no object is (S3: ``If-None-Match``, ``_exclusive``): a save's
+        index files (each rank) and manifest (rank 0, ``commit.commit_dir``). ``ConcurrentSaveError`` when
+        another save of the step wrote ``path`` first; elsewhere (``memory://``, gcsfs) as ``write_atomic``."""
+        if not self._s3:
+            return self.write_atomic(path, data)
+        bucket, key, _ = self.io.split_path(path)
+        body, token = bytes(data), new_token()
+        remember(self._etags, path, create(self.io, bucket, key, lambda **kw: self.io.call_s3(
+            "put_object", Bucket=bucket, Key=key, Body=body, **token, **kw), token, self._exclusive))
+        self._fresh(path)
+
+    @_remote
+    def objects(self, path: str) -> dict[str, tuple[int, str]]:
+        """The objects directly under ``path`` from one flat listing: name -> (size, ETag; ``""`` where the
+        filesystem gives none). ``samesave`` (rank 0, before a save's manifest and after a failed one)."""
+        self._fresh(path)
+        base = path.rstrip("/") + "/"
+        try:
+            found = self.io.find(path, withdirs=False, detail=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return {k[len(base):]: (int(info.get("size") or 0), str(info.get("ETag") or ""))
+                for k, info in found.items() if k.startswith(base) and "/" not in k[len(base):] and k[len(base):]}
+
+    @_remote
+    def remove_objects(self, paths: list[str]) -> None:
+        """Delete exactly the objects ``paths`` (``samesave.remove_own``: a failed save's own, not the step's)."""
+        remove_keys(self.io, self._s3, paths)
+        for p in paths:
+            self._fresh(p)
+
+    @property
+    def unconditional(self) -> bool:
+        """Whether this storage's creates are written without ``If-None-Match`` (the store answered 501, or the
+        client does not know it: ``_exclusive.create``): ``samesave.remove_own`` then removes nothing."""
+        return bool(self._exclusive.get("unconditional"))
+
+    def written_etag(self, path: str) -> str:
+        """The ETag of the object this process created at ``path`` (``write_new``, a data file's upload), once:
+        ``api._write_rank`` reports it, and rank 0 finds the object is still that one before the manifest
+        (``samesave.check_objects``); ``""`` when unknown (not S3)."""
+        return self._etags.pop(path, "")
+
     def rename_dir(self, src: str, dst: str) -> None:
         raise CheckpointError(
             f"cannot rename {src} to {dst}: object stores have no directory rename (atomic_rename is False)"
@@ -238,7 +273,9 @@ class _PartWriter:
         self._gaps: dict[int, int] = {}  # bytes of holes (``hole``) in parts that have no buffer yet
         self._error: BaseException | None = None  # the first part upload that failed: no later part goes up
         self._aborted = False
-        self._up: _S3Upload | _StreamUpload = _S3Upload(self.fs, path) if storage._s3 else _StreamUpload(self.fs, path)
+        self._up: _S3Upload | _StreamUpload = (_S3Upload(self.fs, path, storage._exclusive) if storage._s3
+                                               else _StreamUpload(self.fs, path))
+        self._etags = storage._etags
 
     def reserve(self, size: int) -> None:
         """``io.reserve``, before the first write: a file of more than ``MAX_PARTS`` parts gets larger parts (S3),
@@ -304,7 +341,8 @@ class _PartWriter:
         def run() -> None:
             try:
                 if self._error is None:  # queued behind a part that failed: not sent
-                    # A whole part goes up from its buffer as is (botocore takes a bytearray, no copy).
+                    # A whole part goes up from its buffer as is (botocore takes a bytearray; aiohttp copies it twice
+                    # while it sends: its slice, then joined with the headers; docs/storage.md, memory).
                     self._up.part(k, buf if length == len(buf) else bytes(memoryview(buf)[:length]))
             except BaseException as e:
                 self._error = self._error or e
@@ -332,6 +370,8 @@ class _PartWriter:
             for f in self._futures:
                 f.result()
             self._up.complete(last, size)
+            if isinstance(self._up, _S3Upload):
+                remember(self._etags, self.path, self._up.etag)
         except BaseException:
             self.abort()
             raise
@@ -347,47 +387,3 @@ class _PartWriter:
             self._up.abort()
         except Exception:  # best effort: the incomplete step is cleaned at the next start
             pass
-
-
-class _RangeReader:
-    """Ranged reads, split into pieces fetched concurrently; ``io.read_targets`` reads ops in ``piece_bytes``."""
-
-    piece_bytes = 8 * READ_PIECE  # per read: GETs in flight, bytes held (a 4 GB tensor is not fetched whole)
-
-    def __init__(self, fs: Any, path: str) -> None:
-        self.fs, self.path = fs, path
-
-    @_remote
-    def readinto(self, buf: memoryview, offset: int) -> None:
-        view = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
-        n = len(view)
-        if n == 0:
-            return
-        starts = list(range(offset, offset + n, READ_PIECE))
-        ends = [min(s + READ_PIECE, offset + n) for s in starts]
-        try:
-            if len(starts) == 1:
-                pieces = [self.fs.cat_file(self.path, start=offset, end=offset + n)]
-            else:
-                pieces = self.fs.cat_ranges([self.path] * len(starts), starts, ends, on_error="raise")
-            pos = 0
-            for s, e, piece in zip(starts, ends, pieces):
-                if isinstance(piece, BaseException):
-                    raise piece
-                if len(piece) != e - s:
-                    raise CorruptCheckpointError(
-                        f"{self.path}: truncated: wanted {n} bytes at offset {offset}, got {pos + len(piece)}",
-                        file=self.path.rsplit("/", 1)[-1],
-                    )
-                view[pos : pos + len(piece)] = piece
-                pos += len(piece)
-        except FileNotFoundError:  # deleted since the load checked it (retention, an operator): bad bytes, as locally
-            raise CorruptCheckpointError(f"{self.path}: data file is missing", file=self.path.rsplit("/", 1)[-1]) from None
-        except OSError as e:  # S3: 416 (InvalidRange) for a range that starts past the end: a truncated object
-            if isinstance(e, TimeoutError) or offset + n <= (size := self.fs.size(self.path)):
-                raise  # timed out: no size asked of a hung endpoint (a second wait of the bound, and its error raised)
-            raise CorruptCheckpointError(f"{self.path}: truncated: wanted {n} bytes at offset {offset}, the object "
-                                         f"holds {size}", file=self.path.rsplit("/", 1)[-1]) from e
-
-    def close(self) -> None:
-        pass
