@@ -337,8 +337,8 @@ def _drop_leftovers(storage: Storage, final: str, names: list[str]) -> dict[str,
         drop_listed(storage, final)  # never raises: what it could not delete is looked for again
         if left := storage.listdir(final):
             if layout.MANIFEST in left:  # another save of this step committed meanwhile (samesave)
-                return {"exists": f"{final} was committed by another save while this one began; save to a new directory"}
-            return {"refused": f"{final} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
+                return {"exists": f"{location(storage, final)} was committed by another save while this one began; save to a new directory"}
+            return {"refused": f"{location(storage, final)} holds files an earlier save that did not complete left ({', '.join(left[:5])}) "
                     "that could not be deleted (see the log): delete them, or save to a new path"}
     return {}
 
