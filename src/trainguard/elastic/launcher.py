@@ -38,7 +38,7 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
-from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch
+from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch, storelost
 from . import args as cli_args
 from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
 from .faults import parse_fault
@@ -230,6 +230,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold(), keepalive.install()  # their modules
     errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
     exitbarrier.install(events)  # exitbarrier.py: a signal acted on in the exit barrier; gone peers not waited for
+    storelost.install(events)  # storelost.py: the store's host ended first: this agent's workers' end waited for
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers

@@ -1,0 +1,75 @@
+"""Session 55 hunt (review55a): a hostile review of ``trainguard run``'s agent (real agents, real workers, c10d on
+127.0.0.1)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from test_elastic_edges import _wait_for
+from test_hunt54_agent54 import _accepts, _agent, _cleanup, _free_port
+from trainguard.events import read_events
+
+# Node A's worker: exits 143 on SIGTERM (its preemption save done), after <dir>/stopA. Node B's worker: exits 143
+# (a stop decided by another rank) once <dir>/release-B exists: a process teardown slower than A's.
+HOST_PREEMPTED = """\
+    import os, signal, sys, time
+    d, name = sys.argv[1], sys.argv[2]
+    if name == "A":
+        signal.signal(signal.SIGTERM, lambda s, f: (open(os.path.join(d, "stopA"), "w").close(), os._exit(143)))
+    with open(os.path.join(d, "up-" + name), "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        if name == "B" and os.path.exists(os.path.join(d, "release-B")):
+            sys.exit(143)
+        time.sleep(0.05)
+"""
+
+
+def _two_agents(tmp_path: Path, script: str, rdzv_id: str) -> tuple[subprocess.Popen, Path, subprocess.Popen, Path, Path]:
+    """Agent A (the rendezvous store's host) and agent B, ``--nnodes 2``, one worker of ``script`` each, both up."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(script))
+    port, run_dir = _free_port(), tmp_path / "run"
+
+    def start(name: str) -> tuple[subprocess.Popen, Path, Path]:
+        return _agent(tmp_path, name, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id, "--run-dir", str(run_dir),
+                      str(train), str(tmp_path), name)
+
+    a, log_a, _ = start("A")
+    _wait_for(lambda: _accepts(port), 60, "agent A's rendezvous store", a, log_a)
+    b, log_b, _ = start("B")
+    _wait_for(lambda: (tmp_path / "up-A").exists() and (tmp_path / "up-B").exists(), 90, "both workers", b, log_b)
+    return a, log_a, b, log_b, run_dir
+
+
+@pytest.mark.timeout(150)
+def test_the_store_hosts_preemption_is_143_on_a_node_whose_workers_end_later(tmp_path: Path) -> None:
+    """Before: node A's agent (it hosts the c10d rendezvous store) SIGTERMed, a preemption of that node alone; its
+    worker saved and exited 143, and the agent exited 143, taking the store with it. Node B's worker (the ranks stop
+    together) was still ending (here released once A's agent had exited; a teardown 2 s slower than A's did it too):
+    B's agent failed its next store read at once (``RendezvousConnectionError`` traceback), SIGTERMed its worker and
+    exited 1, a crash to a requeue wrapper. Now B waits (bounded) for its worker's end: 143, a ``store_lost`` event."""
+    a, log_a, b, log_b, run_dir = _two_agents(tmp_path, HOST_PREEMPTED, "hunt55a1")
+    try:
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=60) == 128 + signal.SIGTERM, log_a.read_text(errors="replace")[-3000:]
+        _wait_for(lambda: any(e["event"] == "store_lost" and e["pid"] == b.pid
+                              for e in read_events(run_dir / "events.jsonl")) or b.poll() is not None,
+                  30, "agent B to notice the store's loss", None, log_b)
+        (tmp_path / "release-B").touch()
+        rc = b.wait(timeout=60)
+        text = log_b.read_text(errors="replace")
+        assert rc == 128 + signal.SIGTERM, (rc, text[-3000:])
+        assert "Traceback" not in text, text[-3000:]
+        exits = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit" and e["pid"] == b.pid]
+        assert [(e["signal"], e.get("preempted")) for e in exits] == [("SIGTERM", True)], exits
+    finally:
+        (tmp_path / "release-B").touch()
+        _cleanup(a, b)
