@@ -3,15 +3,17 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from test_elastic_edges import _wait_for
-from test_hunt54_agent54 import _accepts, _agent, _cleanup, _free_port
+from test_hunt54_agent54 import SRC, _accepts, _agent, _cleanup, _free_port
 from trainguard.events import read_events
 
 # Node A's worker: exits 143 on SIGTERM (its preemption save done), after <dir>/stopA. Node B's worker: exits 143
@@ -73,3 +75,53 @@ def test_the_store_hosts_preemption_is_143_on_a_node_whose_workers_end_later(tmp
     finally:
         (tmp_path / "release-B").touch()
         _cleanup(a, b)
+
+
+# A worker that notes how it found SIGHUP (<dir>/up: signal.getsignal's value, 1 = ignored), then waits for <dir>/go.
+NOTES_SIGHUP = """\
+    import os, signal, sys, time
+    d = sys.argv[1]
+    with open(os.path.join(d, "up"), "w") as f:
+        f.write(str(int(signal.getsignal(signal.SIGHUP))))
+    deadline = time.monotonic() + 90
+    while not os.path.exists(os.path.join(d, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+"""
+
+
+def _delivered(pid: int, sig: int) -> bool:
+    """Whether no ``sig`` is pending for process ``pid`` any more (the kernel delivered it)."""
+    with open(f"/proc/{pid}/status") as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd", "ShdPnd"))]
+    return not any(m & (1 << (sig - 1)) for m in masks)
+
+
+@pytest.mark.timeout(120)
+def test_a_nohup_agent_ignores_sighup_after_its_workers_started(tmp_path: Path) -> None:
+    """Before: ``nohup trainguard run ...`` ignored SIGHUP only until its workers started: torch's ``PContext.start``
+    installs its handler on every signal of its ``--signals-to-handle`` list (SIGHUP among them) whatever this
+    process ignores, and the workers, started with the handler in place, had SIGHUP at its default. A logout (the
+    shell's SIGHUP to its jobs) stopped the job: exit 129. Now an ignored SIGHUP stays ignored, in the workers too;
+    the job runs on and ends 0."""
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(NOTES_SIGHUP))
+    run_dir, tmp, log = tmp_path / "run", tmp_path / "tmp", tmp_path / "agent.log"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--nproc-per-node", "1", "--run-dir",
+                                  str(run_dir), str(train), str(tmp_path)], stdout=out, stderr=subprocess.STDOUT,
+                                 env=env, cwd=tmp_path, start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # nohup
+    try:
+        _wait_for(lambda: (tmp_path / "up").exists() and (tmp_path / "up").read_text(), 90, "the worker", agent, log)
+        assert int((tmp_path / "up").read_text()) == int(signal.SIG_IGN)  # before: 0, SIG_DFL
+        agent.send_signal(signal.SIGHUP)
+        _wait_for(lambda: _delivered(agent.pid, signal.SIGHUP), 10, "SIGHUP's delivery", agent, log)
+        (tmp_path / "go").touch()
+        rc = agent.wait(timeout=60)
+        assert rc == 0, (rc, log.read_text(errors="replace")[-3000:])
+        assert [e["ok"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit"] == [True]
+    finally:
+        (tmp_path / "go").touch()
+        _cleanup(agent)

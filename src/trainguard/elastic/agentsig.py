@@ -21,6 +21,7 @@ from typing import Any
 from . import sigwatch
 
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agent turns into SignalException
+TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torch's PContext.start: the signals it handles (default these)
 
 
 _DEFER: list[bool] = []  # not empty while the agent closes the workers of a failure (deferred)
@@ -91,17 +92,38 @@ def install_signal_once() -> Any:
     return raise_lost
 
 
-def install_early() -> list[signal.Signals]:
+def handled_names(args: Any) -> list[str]:
+    """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the signals its handler is to take
+    (torch's ``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP, SIGQUIT; an older torch: the variable
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``) less those this process ignores (``nohup``: SIGHUP), which are taken out of
+    ``args`` and of that variable: torch's ``PContext.start`` installs its handler on each one listed when it
+    starts the workers, and ``nohup trainguard run ... &`` then a logout (the shell's SIGHUP to its jobs) stopped
+    the job (exit 129). Left ignored, the workers inherit them ignored too."""
+    given = getattr(args, "signals_to_handle", None) or os.environ.get(TORCH_SIGNALS_ENV) or ",".join(AGENT_SIGNALS)
+    names = [n.strip() for n in str(given).split(",") if n.strip()]
+    ignored = [n for n in names if isinstance(getattr(signal, n, None), signal.Signals)
+               and signal.getsignal(getattr(signal, n)) is signal.SIG_IGN]
+    kept = [n for n in names if n not in ignored]
+    if ignored and kept:  # none kept: torch's own list (it warns at an empty one and handles none of them)
+        if getattr(args, "signals_to_handle", None):
+            args.signals_to_handle = ",".join(kept)
+        os.environ[TORCH_SIGNALS_ENV] = ",".join(kept)  # what torch's launch_agent sets from args (2.13)
+        return kept
+    return names
+
+
+def install_early(names: list[str] | None = None) -> list[signal.Signals]:
     """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the agent's handler (torch's
-    ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for :data:`AGENT_SIGNALS` now. torch
-    installs it only when it starts the first workers: a SIGTERM during the first rendezvous (agents waiting for
-    their peers, a job cancelled then) killed the agent by the signal's default action (no ``agent_exit``, its
-    ``trainguard-logs-*`` directory left), a SIGINT ended it with a ``KeyboardInterrupt`` traceback. A signal this
-    process ignores (``nohup``: SIGHUP) stays ignored. Returns the signals handled; :mod:`.sigwatch` covers a main
-    thread that cannot run the handler (inside a C++ call)."""
+    ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for those of :data:`AGENT_SIGNALS`
+    in ``names`` (:func:`handled_names`; default all of them) now. torch installs it only when it starts the first
+    workers: a SIGTERM during the first rendezvous (agents waiting for their peers, a job cancelled then) killed
+    the agent by the signal's default action (no ``agent_exit``, its ``trainguard-logs-*`` directory left), a
+    SIGINT ended it with a ``KeyboardInterrupt`` traceback. A signal this process ignores stays ignored. Returns the
+    signals handled; :mod:`.sigwatch` covers a main thread that cannot run the handler (inside a C++ call)."""
     from torch.distributed.elastic.multiprocessing import api
 
-    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
+    names = list(AGENT_SIGNALS) if names is None else names
+    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if n in names and hasattr(signal, n)]
     handled = [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
     for s in handled:
         signal.signal(s, api._terminate_process_handler)

@@ -348,7 +348,7 @@ def main(argv: list[str]) -> int:
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
     sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
     handlers = {s: signal.getsignal(s) for s in sigs}
-    sigwatch.start(install_early(), lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
+    sigwatch.start(install_early(agentsig.handled_names(args)), lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
     try:
         preload(args)
         run(args)
