@@ -125,3 +125,72 @@ def test_a_nohup_agent_ignores_sighup_after_its_workers_started(tmp_path: Path) 
     finally:
         (tmp_path / "go").touch()
         _cleanup(agent)
+
+
+# The agent, with a count of its open descriptors (after a full garbage collection) at each restart of its workers,
+# appended to <argv[1]>; the rest of argv is trainguard run's.
+COUNTING_AGENT = """\
+    import gc, os, sys
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    from trainguard.elastic import launcher
+    out, hooks = sys.argv[1], launcher.install_agent_hooks
+
+    def install(*args, **kwargs):
+        hooks(*args, **kwargs)
+        restart = SimpleElasticAgent._restart_workers
+
+        def counted(self, wg):
+            gc.collect()
+            with open(out, "a") as f:
+                f.write(f"{len(os.listdir('/proc/self/fd'))}\\n")
+            return restart(self, wg)
+
+        SimpleElasticAgent._restart_workers = counted
+
+    launcher.install_agent_hooks = install
+    sys.exit(launcher.main(sys.argv[2:]))
+"""
+
+# Both ranks fail (exit 1) together: rank 1 first, rank 0 as soon as it sees rank 1's note.
+FAIL_TOGETHER = """\
+    import os, sys, time
+    d = os.path.join(sys.argv[1], os.environ["TORCHELASTIC_RESTART_COUNT"])
+    os.makedirs(d, exist_ok=True)
+    if os.environ["RANK"] == "1":
+        open(os.path.join(d, "failed1"), "w").close()
+        sys.exit(1)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(d, "failed1")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(240)
+def test_the_agents_descriptors_do_not_grow_with_its_restarts(tmp_path: Path) -> None:
+    """Before: the agent's ``ProcessContext.join`` hook gives an ended ``--run-path`` worker a ready descriptor (a
+    pipe at EOF) in place of its sentinel; torch's ``join`` stops at the first failed worker it finds, and the other
+    ended worker's descriptor stayed in the context, which was dropped at the restart with it open: the agent's open
+    descriptors grew with its restarts (one per restart here: 28, 29, ..., 37). Now the context's close closes them:
+    the count at the last restart is at most the count at the second."""
+    agent_py, train = tmp_path / "agent.py", tmp_path / "train.py"
+    agent_py.write_text(textwrap.dedent(COUNTING_AGENT))
+    train.write_text(textwrap.dedent(FAIL_TOGETHER))
+    counts, tmp, log = tmp_path / "fds", tmp_path / "tmp", tmp_path / "agent.log"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, str(agent_py), str(counts), "--nproc-per-node", "2", "--run-path",
+                                  "--start-method", "fork", "--no-watchdog", "--monitor-interval", "0.5",
+                                  "--max-restarts", "10", "--run-dir", str(tmp_path / "run"), str(train),
+                                  str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                 start_new_session=True)
+    try:
+        rc = agent.wait(timeout=200)
+        text = log.read_text(errors="replace")
+        assert rc == 1, (rc, text[-3000:])
+        seen = [int(x) for x in counts.read_text().split()]
+        assert len(seen) == 10, (seen, text[-3000:])
+        assert seen[-1] <= seen[1], seen  # before: [28, 29, ..., 37]
+    finally:
+        _cleanup(agent)

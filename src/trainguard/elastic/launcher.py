@@ -304,6 +304,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         pids = [p.pid for p in self._pc.processes] if self._pc else []
         seen = {p.pid for p in self._pc.processes if p.is_alive()} if self._pc else set()  # torch signals these
         orig_close(self, death_sig, timeout)
+        if self._pc is not None:
+            reap.close_ready(self._pc)  # reap.py: the ready descriptors join left (one per failure leaked)
         reap.wait_orphans(pids, seen, death_sig, timeout)  # reap.py: a dead forkserver's children, still saving
         end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)
 
