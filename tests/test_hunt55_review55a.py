@@ -194,3 +194,53 @@ def test_the_agents_descriptors_do_not_grow_with_its_restarts(tmp_path: Path) ->
         assert seen[-1] <= seen[1], seen  # before: [28, 29, ..., 37]
     finally:
         _cleanup(agent)
+
+
+# The agent, with an exit hook (atexit, run after trainguard's own) that says so (<argv[1]>/exiting) and waits for
+# <argv[1]>/release (bounded): the interpreter's exit of a finished job, held open.
+SLOW_EXIT_AGENT = """\
+    import atexit, os, sys, time
+    from trainguard.elastic import launcher
+    d = sys.argv[1]
+
+    def slow_exit():
+        open(os.path.join(d, "exiting"), "w").close()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(d, "release")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    atexit.register(slow_exit)
+    sys.exit(launcher.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_after_the_jobs_end_keeps_its_exit_code(tmp_path: Path) -> None:
+    """Before: the agent's stop-signal handler stayed installed once the job had finished: a SIGTERM in the seconds
+    of the agent's exit (its atexit calls, the interpreter's teardown) raised ``SignalException`` there (a
+    traceback; seen in the temp log directory's removal, which it cut short and left the directory) or, once Python
+    had put the defaults back, killed the agent (-15). Now it is reported and the job's exit code (0) kept."""
+    agent_py, train = tmp_path / "agent.py", tmp_path / "train.py"
+    agent_py.write_text(textwrap.dedent(SLOW_EXIT_AGENT))
+    train.write_text("print('trained')\n")
+    tmp, log = tmp_path / "tmp", tmp_path / "agent.log"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, str(agent_py), str(tmp_path), "--nproc-per-node", "1",
+                                  "--run-dir", str(tmp_path / "run"), str(train)], stdout=out,
+                                 stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "exiting").exists(), 90, "the agent's exit", agent, log)
+        agent.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _delivered(agent.pid, signal.SIGTERM), 10, "SIGTERM's delivery", agent, log)
+        (tmp_path / "release").touch()
+        rc = agent.wait(timeout=60)
+        text = log.read_text(errors="replace")
+        assert rc == 0, (rc, text[-3000:])
+        assert "Traceback" not in text, text[-3000:]
+        assert "SIGTERM after the job's end" in text, text[-3000:]
+        assert not list(tmp.iterdir()), list(tmp.iterdir())
+    finally:
+        (tmp_path / "release").touch()
+        _cleanup(agent)

@@ -128,3 +128,26 @@ def install_early(names: list[str] | None = None) -> list[signal.Signals]:
     for s in handled:
         signal.signal(s, api._terminate_process_handler)
     return handled
+
+
+def after_result(code: int, sigs: list[signal.Signals]) -> None:
+    """Agent (:func:`.launcher.main`), main thread, once its exit code ``code`` is known (torch's agent returned
+    or raised, the event logged): a stop signal from then on, until the process ends, is only reported and the
+    exit code stays ``code``; a second one of the same kind ends the process by its default action. Before, the
+    handler of the run stayed installed on a finished job: a SIGTERM in the ~2 s of the interpreter's exit (its
+    atexit calls) raised ``SignalException`` there, a traceback, the temp log directory's removal cut short (the
+    directory left), or the agent died of the signal (-15) once Python had put the defaults back; after a stop
+    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way."""
+    seen: list[int] = []
+
+    def late(signum: int, frame: Any) -> None:
+        sigwatch.take()  # the main thread runs: the watcher thread does not end the process
+        if signum in seen:
+            signal.signal(signum, signal.SIG_DFL)
+            return signal.raise_signal(signum)
+        seen.append(signum)
+        print(f"trainguard run: {signal.Signals(signum).name} after the job's end; exiting with {code} "
+              "(again: by the signal)", file=sys.stderr, flush=True)
+
+    for s in sigs:
+        signal.signal(s, late)

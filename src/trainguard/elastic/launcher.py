@@ -325,9 +325,6 @@ def main(argv: list[str]) -> int:
     :mod:`trainguard.permanent`), 128 + the signal's number when the agent was stopped by a signal
     (its workers were sent the same signal by torch's agent first)."""
     import torch.distributed.run as torch_run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
 
     from ..permanent import run_script_path
 
@@ -348,25 +345,33 @@ def main(argv: list[str]) -> int:
     install_log_filter()
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
-    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
-    handlers = {s: signal.getsignal(s) for s in sigs}
-    sigwatch.start(install_early(agentsig.handled_names(args)), lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
+    handled = install_early(agentsig.handled_names(args))
+    sigwatch.start(handled, lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
+    code = _run_agent(args, events)
+    agentsig.after_result(code, handled)  # a stop signal from now on: reported, the exit code kept
+    return code
+
+
+def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
+    """:func:`main`, main thread: run torch's agent; its exit code, once ``agent_exit`` is logged."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     try:
         preload(args)
         run(args)
     except SignalException as e:
         sig = signal.Signals(e.sigval)
-        for s in sigs:  # torch's handler raises again on a second signal: no traceback while logging
-            signal.signal(s, signal.SIG_IGN)
-        try:
-            events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
-            print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
-            keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
-            clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for s in [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]:
+            if signal.getsignal(s) is api._terminate_process_handler:  # it raises again on a second signal:
+                signal.signal(s, signal.SIG_IGN)  # no traceback while logging (main's after_result then)
+        events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
+        sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
+        print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
+        keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
+        clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         return 128 + int(sig)
     except ChildFailedError as e:
         if (code := agent_result(events, e.failures)) is not None:
