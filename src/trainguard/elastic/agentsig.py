@@ -151,3 +151,17 @@ def after_result(code: int, sigs: list[signal.Signals]) -> None:
 
     for s in sigs:
         signal.signal(s, late)
+    _LATE[:] = sigs
+
+
+_LATE: list[signal.Signals] = []  # the signals after_result handles
+
+
+def ignore_late() -> None:
+    """Agent, the last of its atexit calls (registered by :func:`.launcher.main` before the others): the
+    signals :func:`after_result` handles are ignored for what is left of the exit (the interpreter puts a
+    Python handler's signal back to its default action, and torch's C++ teardown follows: a SIGTERM then
+    killed the agent, -15, in 1 of 3 tries 0.3 s after a finished job's ``agent_exit``)."""
+    for s in _LATE:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(s, signal.SIG_IGN)

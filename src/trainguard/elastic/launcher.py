@@ -29,6 +29,7 @@ torch's exit barrier is waited in short waits and ends when the agents it waits 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -328,6 +329,7 @@ def main(argv: list[str]) -> int:
 
     from ..permanent import run_script_path
 
+    atexit.register(agentsig.ignore_late)  # first registered, last run: after_result's signals ignored at the end
     parser = build_parser()
     args = cli_args.parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
     cli_args.check(args)  # what torchrun refuses only after the run directory and agent_start, and --rdzv-conf's items
