@@ -196,12 +196,12 @@ def test_the_agents_descriptors_do_not_grow_with_its_restarts(tmp_path: Path) ->
         _cleanup(agent)
 
 
-# The agent, with an exit hook (atexit, run after trainguard's own) that says so (<argv[1]>/exiting) and waits for
-# <argv[1]>/release (bounded): the interpreter's exit of a finished job, held open.
+# The agent, with an exit hook (atexit, registered as the agent's hooks are installed) that says so
+# (<argv[1]>/exiting) and waits for <argv[1]>/release (bounded): the interpreter's exit of a finished job, held open.
 SLOW_EXIT_AGENT = """\
     import atexit, os, sys, time
     from trainguard.elastic import launcher
-    d = sys.argv[1]
+    d, hooks = sys.argv[1], launcher.install_agent_hooks
 
     def slow_exit():
         open(os.path.join(d, "exiting"), "w").close()
@@ -209,7 +209,11 @@ SLOW_EXIT_AGENT = """\
         while not os.path.exists(os.path.join(d, "release")) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    atexit.register(slow_exit)
+    def install(*args, **kwargs):
+        atexit.register(slow_exit)
+        hooks(*args, **kwargs)
+
+    launcher.install_agent_hooks = install
     sys.exit(launcher.main(sys.argv[2:]))
 """
 
