@@ -21,6 +21,7 @@ from typing import Any
 from . import sigwatch
 
 AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # those torch's agent turns into SignalException
+TORCH_SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"  # torch's PContext.start: the signals it handles (default these)
 
 
 _DEFER: list[bool] = []  # not empty while the agent closes the workers of a failure (deferred)
@@ -91,18 +92,76 @@ def install_signal_once() -> Any:
     return raise_lost
 
 
-def install_early() -> list[signal.Signals]:
+def handled_names(args: Any) -> list[str]:
+    """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the signals its handler is to take
+    (torch's ``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP, SIGQUIT; an older torch: the variable
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``) less those this process ignores (``nohup``: SIGHUP), which are taken out of
+    ``args`` and of that variable: torch's ``PContext.start`` installs its handler on each one listed when it
+    starts the workers, and ``nohup trainguard run ... &`` then a logout (the shell's SIGHUP to its jobs) stopped
+    the job (exit 129). Left ignored, the workers inherit them ignored too."""
+    given = getattr(args, "signals_to_handle", None) or os.environ.get(TORCH_SIGNALS_ENV) or ",".join(AGENT_SIGNALS)
+    names = [n.strip() for n in str(given).split(",") if n.strip()]
+    ignored = [n for n in names if isinstance(getattr(signal, n, None), signal.Signals)
+               and signal.getsignal(getattr(signal, n)) is signal.SIG_IGN]
+    kept = [n for n in names if n not in ignored]
+    if ignored and kept:  # none kept: torch's own list (it warns at an empty one and handles none of them)
+        if getattr(args, "signals_to_handle", None):
+            args.signals_to_handle = ",".join(kept)
+        os.environ[TORCH_SIGNALS_ENV] = ",".join(kept)  # what torch's launch_agent sets from args (2.13)
+        return kept
+    return names
+
+
+def install_early(names: list[str] | None = None) -> list[signal.Signals]:
     """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the agent's handler (torch's
-    ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for :data:`AGENT_SIGNALS` now. torch
-    installs it only when it starts the first workers: a SIGTERM during the first rendezvous (agents waiting for
-    their peers, a job cancelled then) killed the agent by the signal's default action (no ``agent_exit``, its
-    ``trainguard-logs-*`` directory left), a SIGINT ended it with a ``KeyboardInterrupt`` traceback. A signal this
-    process ignores (``nohup``: SIGHUP) stays ignored. Returns the signals handled; :mod:`.sigwatch` covers a main
-    thread that cannot run the handler (inside a C++ call)."""
+    ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for those of :data:`AGENT_SIGNALS`
+    in ``names`` (:func:`handled_names`; default all of them) now. torch installs it only when it starts the first
+    workers: a SIGTERM during the first rendezvous (agents waiting for their peers, a job cancelled then) killed
+    the agent by the signal's default action (no ``agent_exit``, its ``trainguard-logs-*`` directory left), a
+    SIGINT ended it with a ``KeyboardInterrupt`` traceback. A signal this process ignores stays ignored. Returns the
+    signals handled; :mod:`.sigwatch` covers a main thread that cannot run the handler (inside a C++ call)."""
     from torch.distributed.elastic.multiprocessing import api
 
-    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
+    names = list(AGENT_SIGNALS) if names is None else names
+    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if n in names and hasattr(signal, n)]
     handled = [s for s in sigs if signal.getsignal(s) is not signal.SIG_IGN]
     for s in handled:
         signal.signal(s, api._terminate_process_handler)
     return handled
+
+
+def after_result(code: int, sigs: list[signal.Signals]) -> None:
+    """Agent (:func:`.launcher.main`), main thread, once its exit code ``code`` is known (torch's agent returned
+    or raised, the event logged): a stop signal from then on, until the process ends, is only reported and the
+    exit code stays ``code``; a second one of the same kind ends the process by its default action. Before, the
+    handler of the run stayed installed on a finished job: a SIGTERM in the ~2 s of the interpreter's exit (its
+    atexit calls) raised ``SignalException`` there, a traceback, the temp log directory's removal cut short (the
+    directory left), or the agent died of the signal (-15) once Python had put the defaults back; after a stop
+    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way."""
+    seen: list[int] = []
+
+    def late(signum: int, frame: Any) -> None:
+        sigwatch.take()  # the main thread runs: the watcher thread does not end the process
+        if signum in seen:
+            signal.signal(signum, signal.SIG_DFL)
+            return signal.raise_signal(signum)
+        seen.append(signum)
+        print(f"trainguard run: {signal.Signals(signum).name} after the job's end; exiting with {code} "
+              "(again: by the signal)", file=sys.stderr, flush=True)
+
+    for s in sigs:
+        signal.signal(s, late)
+    _LATE[:] = sigs
+
+
+_LATE: list[signal.Signals] = []  # the signals after_result handles
+
+
+def ignore_late() -> None:
+    """Agent, the last of its atexit calls (registered by :func:`.launcher.main` before the others): the
+    signals :func:`after_result` handles are ignored for what is left of the exit (the interpreter puts a
+    Python handler's signal back to its default action, and torch's C++ teardown follows: a SIGTERM then
+    killed the agent, -15, in 1 of 3 tries 0.3 s after a finished job's ``agent_exit``)."""
+    for s in _LATE:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(s, signal.SIG_IGN)

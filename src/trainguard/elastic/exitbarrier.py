@@ -63,6 +63,9 @@ def exit_barrier(agent: Any, events: Any) -> None:
     store, wg = agent._store, agent._worker_group
     handler, timeout = wg.spec.rdzv_handler, float(agent._exit_barrier_timeout)
     nodes, me = getattr(agent, "_tg_round", []), str(getattr(handler, "_this_node", ""))
+    if getattr(handler, "_tg_store_lost", None) is not None:  # storelost.py: its host agent ended; none to wait for
+        log.warning("trainguard: workers finished; the rendezvous store is gone (its host agent ended): no exit barrier")
+        return
     log.info("trainguard: workers finished; waiting at most %s s for the other agents", timeout)
     start = time.monotonic()
     agent._in_exit_barrier = True

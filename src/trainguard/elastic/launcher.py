@@ -29,6 +29,7 @@ torch's exit barrier is waited in short waits and ends when the agents it waits 
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging
 import os
 import signal
@@ -38,7 +39,7 @@ import uuid
 from typing import Any
 
 from ..events import EVENTS_FILE, EventLog
-from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch
+from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch, storelost
 from . import args as cli_args
 from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
 from .faults import parse_fault
@@ -230,6 +231,7 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
     reap.bound_failure_close(SubprocessContext, FAIL_GRACE), reap.exit_when_returned(), masterport.hold(), keepalive.install()  # their modules
     errfiles.install(MultiprocessContext)  # errfiles.py: no pytorch-errorfile-*.pickle left in /tmp
     exitbarrier.install(events)  # exitbarrier.py: a signal acted on in the exit barrier; gone peers not waited for
+    storelost.install(events)  # storelost.py: the store's host ended first: this agent's workers' end waited for
     raise_lost = install_signal_once()
     orig_rdzv = SimpleElasticAgent._rendezvous
     orig_monitor = LocalElasticAgent._monitor_workers
@@ -303,6 +305,8 @@ def install_agent_hooks(events: EventLog, stop_timeout: float) -> None:
         pids = [p.pid for p in self._pc.processes] if self._pc else []
         seen = {p.pid for p in self._pc.processes if p.is_alive()} if self._pc else set()  # torch signals these
         orig_close(self, death_sig, timeout)
+        if self._pc is not None:
+            reap.close_ready(self._pc)  # reap.py: the ready descriptors join left (one per failure leaked)
         reap.wait_orphans(pids, seen, death_sig, timeout)  # reap.py: a dead forkserver's children, still saving
         end_trees(pids)  # reap.py: their DataLoader processes too (a SIGKILLed worker's were left running)
 
@@ -322,12 +326,10 @@ def main(argv: list[str]) -> int:
     :mod:`trainguard.permanent`), 128 + the signal's number when the agent was stopped by a signal
     (its workers were sent the same signal by torch's agent first)."""
     import torch.distributed.run as torch_run
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
 
     from ..permanent import run_script_path
 
+    atexit.register(agentsig.ignore_late)  # first registered, last run: after_result's signals ignored at the end
     parser = build_parser()
     args = cli_args.parse(parser, argv)  # the script's own arguments are never read as abbreviated launcher options
     cli_args.check(args)  # what torchrun refuses only after the run directory and agent_start, and --rdzv-conf's items
@@ -345,25 +347,33 @@ def main(argv: list[str]) -> int:
     install_log_filter()
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
-    sigs = [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]
-    handlers = {s: signal.getsignal(s) for s in sigs}
-    sigwatch.start(install_early(), lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
+    handled = install_early(agentsig.handled_names(args))
+    sigwatch.start(handled, lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
+    code = _run_agent(args, events)
+    agentsig.after_result(code, handled)  # a stop signal from now on: reported, the exit code kept
+    return code
+
+
+def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
+    """:func:`main`, main thread: run torch's agent; its exit code, once ``agent_exit`` is logged."""
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
     try:
         preload(args)
         run(args)
     except SignalException as e:
         sig = signal.Signals(e.sigval)
-        for s in sigs:  # torch's handler raises again on a second signal: no traceback while logging
-            signal.signal(s, signal.SIG_IGN)
-        try:
-            events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
-            sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
-            print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
-            keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
-            clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
-        finally:
-            for s, h in handlers.items():
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for s in [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]:
+            if signal.getsignal(s) is api._terminate_process_handler:  # it raises again on a second signal:
+                signal.signal(s, signal.SIG_IGN)  # no traceback while logging (main's after_result then)
+        events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
+        sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
+        print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
+        keepalive.stop()  # torch leaves it running on a signal: a heartbeat ending at exit aborted the agent
+        clear(os.environ.get(STOP_FILE_ENV))  # the workers' stop notes: one stopped-<host>-<pid> was left per preemption
         return 128 + int(sig)
     except ChildFailedError as e:
         if (code := agent_result(events, e.failures)) is not None:
