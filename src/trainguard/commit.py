@@ -53,7 +53,7 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     if not storage.exists(path):
         if not storage.exists(directory):
             raise NotACheckpointError(f"{location(storage, directory)}: no such checkpoint directory{absent(storage, directory)}")
-        raise NotACheckpointError(_run_dir_named(storage, directory) or (
+        raise NotACheckpointError(run_dir_named(storage, directory) or (
             f"{location(storage, directory)} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
         ))
@@ -64,9 +64,9 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     return data, f"{location(storage, directory)}/{layout.MANIFEST}"
 
 
-def _run_dir_named(storage: Storage, directory: str) -> str:
+def run_dir_named(storage: Storage, directory: str) -> str:
     """For ``read_manifest``'s error: when ``directory`` holds step directories (a run directory given
-    to ``trainguard inspect``/``export``/``consolidate``, ``tg.load``), what it is, else ``""``."""
+    to ``trainguard inspect``/``export``/``consolidate``/``convert``, ``tg.load``), what it is, else ``""``."""
     try:
         n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
     except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint

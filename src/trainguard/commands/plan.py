@@ -25,7 +25,7 @@ from rich.table import Table
 
 from .. import losthours
 from ..durations import format_duration, parse_duration
-from . import CommandError, PipeConsole
+from . import CommandError, PipeConsole, plot_written
 
 if TYPE_CHECKING:
     from ..reliability import Plan
@@ -163,7 +163,8 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
                     parse_every(every, step_time), save_duration)
     if plot:
         try:
-            _reliability().plot_plan(p, plot)
+            with plot_written(plot):
+                _reliability().plot_plan(p, plot)
         except ImportError:
             raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
