@@ -133,3 +133,14 @@ def test_convert_and_export_into_a_read_only_directory(shared_dir: Path, out: st
         line = _one_error(_cli(*cmd, cwd=shared_dir, other_user=True))
         assert "may not write in" in line and "enforce fail" not in line and ".tmp-" not in line, (cmd, line)
     assert os.listdir(shared_dir / "ro") == []
+
+
+def test_import_and_consolidate_into_a_read_only_directory(shared_dir: Path) -> None:
+    """Before: "save of .../ro/imp failed: PermissionError: [Errno 13] Permission denied: '.../ro/imp.tmp-<id>'"
+    and "consolidate ... failed: PermissionError: ... 'ro/c2.tmp-<id>'": a temporary name, nothing to change."""
+    torch.save({"weight": torch.ones(2, 2)}, shared_dir / "w.pt")
+    (shared_dir / "w.pt").chmod(0o644)
+    for cmd in (["convert", "w.pt", "ro/imp"], ["consolidate", "run/step-000000001", "ro/c2"]):
+        line = _one_error(_cli(*cmd, cwd=shared_dir, other_user=True))
+        assert f"this user may not write in {shared_dir / 'ro'}" in line and ".tmp-" not in line, (cmd, line)
+    assert os.listdir(shared_dir / "ro") == []
