@@ -156,3 +156,12 @@ def test_plan_shows_a_small_job_s_lost_gpu_hours(tmp_path: Path) -> None:
     big = _cli("plan", "--nodes", "256", "--node-failures-per-day", "0.0065", "--save-stall", "30s", "--restart", "10m",
                cwd=tmp_path)
     assert "2,198" in big.stdout, big.stdout  # 100 and more: whole hours, with thousands separators, as before
+
+
+def test_run_dir_that_exists_but_is_read_only(shared_dir: Path) -> None:
+    """Before: `trainguard run --run-dir ro` of an existing directory this user may not write was
+    "--run-dir ro: cannot create the directory (Permission denied)": it is there; writing in it is what fails."""
+    (shared_dir / "train.py").write_text("")
+    (shared_dir / "train.py").chmod(0o644)
+    line = _one_error(_cli("run", "--nproc-per-node", "1", "--run-dir", "ro", "train.py", cwd=shared_dir, other_user=True))
+    assert "--run-dir ro: cannot write in the directory" in line and "write access" in line, line
