@@ -165,3 +165,19 @@ def test_run_dir_that_exists_but_is_read_only(shared_dir: Path) -> None:
     (shared_dir / "train.py").chmod(0o644)
     line = _one_error(_cli("run", "--nproc-per-node", "1", "--run-dir", "ro", "train.py", cwd=shared_dir, other_user=True))
     assert "--run-dir ro: cannot write in the directory" in line and "write access" in line, line
+
+
+def test_a_step_that_is_not_there_names_the_steps_that_are(tmp_path: Path) -> None:
+    """Before: `trainguard inspect run/step-000000099` (or export, consolidate, a step mistyped a digit
+    short) said "no such checkpoint directory" and nothing of the steps the run holds; convert told
+    the user to pass --from."""
+    for step in (3, 7):
+        tg.save(tmp_path / "run" / f"step-{step:09d}", {"model": torch.nn.Linear(2, 2)})
+    want = "holds step(s) 7, 3: `trainguard ls"
+    for cmd in (["inspect", "run/step-000000099"], ["inspect", "run/step-00000007"],
+                ["export", "run/step-000000099", "--to", "w.pt"], ["consolidate", "run/step-000000099", "out"],
+                ["convert", "run/step-000000099", "w.safetensors"]):
+        line = _one_error(_cli(*cmd, cwd=tmp_path))
+        assert want in line and "--from" not in line, (cmd, line)
+    with pytest.raises(tg.CheckpointError, match=r"holds step\(s\) 7, 3"):
+        tg.load(tmp_path / "run" / "step-000000005", {"model": torch.nn.Linear(2, 2)})

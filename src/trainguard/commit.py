@@ -80,7 +80,8 @@ def absent(storage: Storage, directory: str) -> str:
     """For a "no such directory" error (``tg.load``, ``trainguard ls``/``verify``): `` (<why>)`` when the object
     store's bucket is missing (``FsspecStorage.missing_bucket``), else ``moved_aside``'s hint."""
     why = getattr(storage, "missing_bucket", lambda _: "")(directory)
-    return f" ({why})" if why else moved_aside(storage, directory)
+    parent = location(storage, os.path.dirname(directory.rstrip("/")))  # a step mistyped: name the run's steps
+    return f" ({why})" if why else moved_aside(storage, directory) or layout.other_steps(storage, directory, parent)
 
 
 def moved_aside(storage: Storage, directory: str) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .commit import read_manifest, run_dir_named
+from .commit import absent, read_manifest, run_dir_named
 from .dcp_export import check_dcp_destination, write_dcp
 from .errors import CheckpointError, StepExistsError
 from .export import (
@@ -59,8 +59,8 @@ def detect(path: str | os.PathLike[str]) -> str:
     if os.path.isdir(p) and (indexes := sorted(n for n in os.listdir(p) if n.endswith(INDEX))):
         raise CheckpointError(f"{p}: a sharded Hugging Face checkpoint? Convert its index: {os.path.join(p, indexes[0])}")
     if not storage.exists(d):  # a typo: "pass --from" sent the user after a format flag for a path that is not there
-        raise CheckpointError(f"{p}: no such file or directory; check the path (a trainguard checkpoint is a step "
-                              "directory of a run, `trainguard ls RUN_DIR` lists them)")
+        raise CheckpointError(f"{p}: no such file or directory{absent(storage, d)}; check the path (a trainguard "
+                              "checkpoint is a step directory of a run, `trainguard ls RUN_DIR` lists them)")
     if run_dir := run_dir_named(storage, d):  # as inspect/export/consolidate say it; "pass --from" was no way out
         raise CheckpointError(run_dir)
     raise CheckpointError(
