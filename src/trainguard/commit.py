@@ -53,7 +53,7 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     if not storage.exists(path):
         if not storage.exists(directory):
             raise NotACheckpointError(f"{location(storage, directory)}: no such checkpoint directory{absent(storage, directory)}")
-        raise NotACheckpointError(_run_dir_named(storage, directory) or (
+        raise NotACheckpointError(run_dir_named(storage, directory) or (
             f"{location(storage, directory)} is not a committed checkpoint (no {layout.MANIFEST}); it may be a save that "
             "crashed or is still running. Pick a step directory that `trainguard ls` reports as valid"
         ))
@@ -64,9 +64,9 @@ def manifest_bytes(storage: Storage, directory: str) -> tuple[bytes, str]:
     return data, f"{location(storage, directory)}/{layout.MANIFEST}"
 
 
-def _run_dir_named(storage: Storage, directory: str) -> str:
+def run_dir_named(storage: Storage, directory: str) -> str:
     """For ``read_manifest``'s error: when ``directory`` holds step directories (a run directory given
-    to ``trainguard inspect``/``export``/``consolidate``, ``tg.load``), what it is, else ``""``."""
+    to ``trainguard inspect``/``export``/``consolidate``/``convert``, ``tg.load``), what it is, else ``""``."""
     try:
         n = sum(1 for name in storage.listdir(directory) if layout.STEP_RE.match(name))
     except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint
@@ -80,7 +80,8 @@ def absent(storage: Storage, directory: str) -> str:
     """For a "no such directory" error (``tg.load``, ``trainguard ls``/``verify``): `` (<why>)`` when the object
     store's bucket is missing (``FsspecStorage.missing_bucket``), else ``moved_aside``'s hint."""
     why = getattr(storage, "missing_bucket", lambda _: "")(directory)
-    return f" ({why})" if why else moved_aside(storage, directory)
+    parent = location(storage, os.path.dirname(directory.rstrip("/")))  # a step mistyped: name the run's steps
+    return f" ({why})" if why else moved_aside(storage, directory) or layout.other_steps(storage, directory, parent)
 
 
 def moved_aside(storage: Storage, directory: str) -> str:

@@ -31,6 +31,7 @@ from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_byte
 from .manifest import Chunk, Manifest, TensorEntry
 from .planner import PAGE, Box, full_box, layout_file, plan_reads
 from .storage import for_path
+from .storage._diskfull import write_refused
 from .tied import format_for, resolve_aliases
 
 
@@ -53,7 +54,8 @@ def consolidate(
     except OSError as e:  # an I/O error reading src or writing dst: one CheckpointError (the CLI prints one line)
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: {type(e).__name__}: {e}") from e
+        why = write_refused(e) or f"{type(e).__name__}: {e}"  # a read-only destination: what to change, not its temp name
+        raise CheckpointError(f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: {why}") from e
 
 
 def _consolidate(src: Any, dst: Any, overwrite: bool, progress: Callable[[str, int], None] | None) -> Manifest:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .commit import read_manifest
+from .commit import absent, read_manifest, run_dir_named
 from .dcp_export import check_dcp_destination, write_dcp
 from .errors import CheckpointError, StepExistsError
 from .export import (
@@ -43,7 +43,9 @@ DCP_WARNING = (
 
 
 def detect(path: str | os.PathLike[str]) -> str:
-    """The format of an existing checkpoint at ``path``, by its shape on disk."""
+    """The format of an existing checkpoint at ``path``, by its shape on disk (``convert`` without ``src_format``,
+    before anything is read or written). A path that is not there, or a run directory (``step-*`` directories,
+    no manifest of its own), is refused saying so: before, both were told to pass ``--from``."""
     p = os.fspath(path)
     if p.endswith(INDEX):  # Hugging Face shards: model.safetensors.index.json, pytorch_model.bin.index.json
         return target_format(p[: -len(INDEX)])
@@ -56,6 +58,11 @@ def detect(path: str | os.PathLike[str]) -> str:
         return "dcp"
     if os.path.isdir(p) and (indexes := sorted(n for n in os.listdir(p) if n.endswith(INDEX))):
         raise CheckpointError(f"{p}: a sharded Hugging Face checkpoint? Convert its index: {os.path.join(p, indexes[0])}")
+    if not storage.exists(d):  # a typo: "pass --from" sent the user after a format flag for a path that is not there
+        raise CheckpointError(f"{p}: no such file or directory{absent(storage, d)}; check the path (a trainguard "
+                              "checkpoint is a step directory of a run, `trainguard ls RUN_DIR` lists them)")
+    if run_dir := run_dir_named(storage, d):  # as inspect/export/consolidate say it; "pass --from" was no way out
+        raise CheckpointError(run_dir)
     raise CheckpointError(
         f"{p}: not a trainguard checkpoint (no manifest.json), DCP directory (no .metadata), "
         ".pt/.pth/.bin or .safetensors file (or *.index.json of their shards); pass the source format explicitly (--from)"

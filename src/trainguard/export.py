@@ -252,8 +252,9 @@ def local_file(path: str | os.PathLike[str]) -> str:
 
 
 def check_destination(out: str) -> None:
-    """A file or directory is about to be written at ``out``: its parent must exist (``export``,
-    ``convert``; the libraries' own errors for it are tracebacks), and not be a trainguard
+    """A file or directory is about to be written at ``out``: its parent must exist and be writable by
+    this user (``export``, ``convert``; the libraries' own errors for it are tracebacks, or torch.save's
+    "[enforce fail at inline_container.cc:747] ... Permission denied"), and not be a trainguard
     checkpoint (``data-00000.bin`` there was overwritten, exit 0). An object store's URL is
     refused as such: safetensors and torch.save write local files (its "s3:" was taken for a local
     directory, "the directory /cwd/s3:/bucket does not exist")."""
@@ -263,6 +264,9 @@ def check_destination(out: str) -> None:
     parent = os.path.dirname(absolute(out))
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK | os.X_OK):  # torch.save's own words were "[enforce fail at inline_container.cc]"
+        raise CheckpointError(f"{out}: this user may not write in {parent}; write the output to a directory you may "
+                              "write to (or give this user write access to it)")
     if _is_trainguard(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten
         raise CheckpointError(f"{out}: {parent} is a trainguard checkpoint; writing a file into it could replace "
                               "one of its own and destroy it. Write the output outside the checkpoint's directory")

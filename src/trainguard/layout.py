@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from typing import Any
 
 from .errors import nonneg_int
@@ -179,3 +180,23 @@ def inside_checkpoint(storage: Any, path: str, *, every_level: bool = False) -> 
             break
         head = parent
     return {}
+
+
+def other_steps(storage: Any, path: str, shown: str) -> str:
+    """For a "no such checkpoint directory" error (``commit.absent``: ``tg.load``, ``trainguard inspect``,
+    ``export``, ``consolidate``, ``convert``) of a step directory that is not there: `` (RUN holds step(s)
+    ...: `trainguard ls RUN` shows which are valid)`` naming the run directory's steps (the newest 6),
+    or ``""`` when ``path`` names no step or its parent holds none; ``shown``: the parent as the user
+    wrote it (an object store's URL). Before, a mistyped step number
+    (``step-00000070`` for ``step-000000700``, a step retention had deleted) said nothing of the ones there."""
+    parent, name = os.path.split(path.rstrip("/"))
+    if not name.startswith("step-") or not parent:  # a step's name, or one mistyped (step-00000070: a digit short)
+        return ""
+    try:
+        steps = sorted({s for n in storage.listdir(parent) if (s := parse_step(n)) is not None}, reverse=True)
+    except Exception:  # a parent that is not there or cannot be listed: the error stays as it was
+        return ""
+    if not steps:
+        return ""
+    listed = ", ".join(str(s) for s in steps[:6]) + (f" and {len(steps) - 6} older" if len(steps) > 6 else "")
+    return f" ({shown} holds step(s) {listed}: `trainguard ls {shlex.quote(shown)}` shows which are valid)"

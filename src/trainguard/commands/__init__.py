@@ -75,6 +75,33 @@ class CommandError(click.ClickException):
             click.echo(f"  {printable(line)}", err=True, file=file)
 
 
+def check_plot_target(plot: str) -> None:
+    """Before a command prints or trains (``report``, ``plan``, ``demo``): ``--plot``'s file can be
+    written, or :class:`CommandError` saying what to change. A directory this user may not write to
+    was told, after the summary, as "Permission denied (run the command as the user that wrote the
+    checkpoints, or give this one read access)" (``cli._os_error``'s words for reading a checkpoint);
+    one that does not exist as "No such file or directory"."""
+    head = os.path.dirname(plot) or "."
+    if not os.path.isdir(head):
+        raise CommandError(f"--plot {printable(plot)}: the directory {printable(head)} does not exist; create it first")
+    if not os.access(head, os.W_OK | os.X_OK) or (os.path.exists(plot) and not os.access(plot, os.W_OK)):
+        raise CommandError(f"--plot {printable(plot)}: this user may not write {'it' if os.path.exists(plot) else 'in ' + printable(head)}; "
+                           "name a file in a directory you may write to")
+
+
+@contextlib.contextmanager
+def plot_written(plot: str) -> Iterator[None]:
+    """Around the write of ``--plot``'s file (``report``, ``plan``): :func:`check_plot_target` first,
+    then an OSError of the write (the disk full, a permission changed since) is one ``error:`` line
+    naming the option, exit 2."""
+    check_plot_target(plot)
+    try:
+        yield
+    except OSError as e:
+        raise CommandError(f"--plot {printable(plot)}: cannot write it ({e.strerror or e}); name a file in a "
+                           "directory you may write to") from e
+
+
 class PipeConsole(Console):
     """rich's console for the commands' output, except that a closed pipe (``| head``) silences
     the rest instead of exiting 1 (rich's ``on_broken_pipe``): ``verify`` goes on to its verdict.

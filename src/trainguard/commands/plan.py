@@ -25,7 +25,7 @@ from rich.table import Table
 
 from .. import losthours
 from ..durations import format_duration, parse_duration
-from . import CommandError, PipeConsole
+from . import CommandError, PipeConsole, plot_written
 
 if TYPE_CHECKING:
     from ..reliability import Plan
@@ -163,7 +163,8 @@ def plan_cmd(nodes: int, node_failures_per_day: float | None, node_mtbf: float |
                     parse_every(every, step_time), save_duration)
     if plot:
         try:
-            _reliability().plot_plan(p, plot)
+            with plot_written(plot):
+                _reliability().plot_plan(p, plot)
         except ImportError:
             raise CommandError("--plot needs matplotlib: pip install matplotlib") from None
     if as_json:
@@ -228,8 +229,9 @@ def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
     rows += [(r.label, r.interval_s, r.efficiency) for r in p.rows]
     for label, tau, e in rows:
         steps = p.steps(tau)
+        lost = (1 - e) * gpus  # under 100: 3 digits, as failures per day (0.25 GPU-hours a day was shown as "0")
         t.add_row(label, format_duration(tau), "-" if steps is None else f"{steps:,}", f"{100 * e:.2f}%",
-                  f"{(1 - e) * gpus:,.0f}")
+                  f"{lost:,.0f}" if lost >= 100 else f"{lost:.3g}")
     con.print(t)
     rw, w = ("(R+W)", ", W the commit delay of an async save") if p.commit_delay_s else ("R", "")
     con.print("Efficiency = useful time / wall time, from the exact expected time "

@@ -9,7 +9,7 @@ import shutil
 
 import click
 
-from . import CommandError, printable
+from . import CommandError, check_plot_target, plot_written, printable
 
 MAX_SPAN_S = 1e10  # seconds (317 years): more between an event log's first and last event is no run's
 
@@ -38,7 +38,8 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
     summary = rep.summary(tally, root=run_dir)  # an interrupted save committed on disk is a save
     click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
     if plot:
-        rep.plot_tally(tally, plot, title=run_dir)
+        with plot_written(plot):
+            rep.plot_tally(tally, plot, title=run_dir)
         click.echo(f"timeline written to {printable(plot)}", err=as_json)  # --json: stdout holds the JSON only
 
 
@@ -66,7 +67,6 @@ def _check_plot(plot: str) -> str:
     if suffix and suffix not in kinds:
         raise CommandError(f"--plot {printable(plot)}: matplotlib cannot write .{printable(suffix)} files; "
                            f"name it .png (or one of .{', .'.join(sorted(kinds))})")
-    head = os.path.dirname(plot)
-    if head and not os.path.isdir(head):
-        raise CommandError(f"--plot {printable(plot)}: the directory {printable(head)} does not exist; create it first")
-    return plot if suffix else f"{plot}.png"
+    out = plot if suffix else f"{plot}.png"
+    check_plot_target(out)  # a directory that does not exist, or this user may not write to
+    return out

@@ -340,7 +340,10 @@ def main(argv: list[str]) -> int:
     try:
         prepare(args)
     except OSError as e:  # the run directory: a file of that name, no permission, a read-only disk
-        parser.error(f"--run-dir {args.run_dir}: cannot create the directory ({e.strerror or e})")
+        parser.error(f"--run-dir {args.run_dir}: " + (  # "cannot create the directory" of one there, or of a file
+            "cannot create the directory (a file has that name); name a directory, or a new one" if os.path.isfile(args.run_dir) else
+            f"cannot write in the directory ({e.strerror or e}); give this user write access to it, or name another"
+            if os.path.isdir(args.run_dir) else f"cannot create the directory ({e.strerror or e})"))
     events = EventLog(os.path.join(os.environ["TRAINGUARD_RUN_DIR"], EVENTS_FILE), rank=-1, mono=True)  # clockback.py
     install_agent_hooks(events, args.stop_timeout)
     torch_run.run_script_path = run_script_path  # --run-path workers: exit 78 on a permanent error

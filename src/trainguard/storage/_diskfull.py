@@ -1,4 +1,5 @@
-"""The error of a local write that ran out of space (``local._LocalWriter``, ``LocalStorage.write_atomic``)."""
+"""The error of a local write that ran out of space (``local._LocalWriter``, ``LocalStorage.write_atomic``),
+or that this user may not make (:func:`write_refused`)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,22 @@ def save_failed(e: BaseException, target: str) -> BaseException:
         err: CheckpointError = DiskFullError(
             e.errno, f"save of {target} failed: no space left on device {at}: the file system is out "
             "of space or of inodes (`df -h`, `df -i`). Free some, lower retention (keep=...), or save elsewhere")
+    elif (refused := write_refused(e)) is not None:
+        err = CheckpointError(f"save of {target} failed: {refused}")
     else:
         err = CheckpointError(f"save of {target} failed: {error_text(e)}")  # an object store's: what to check
     err.__cause__ = e
     return err
+
+
+def write_refused(e: BaseException) -> str | None:
+    """What a local ``PermissionError`` of a write (``e``: creating the save's temporary directory or a
+    file in it) tells the user, or ``None`` for any other error (an object store's 403, marked
+    ``remote``, has its own words: ``errors.store_refused``). ``save_failed`` (``tg.save``, ``convert``'s
+    import) and ``consolidate``: it was "PermissionError: [Errno 13] Permission denied: 'DST.tmp-<id>'",
+    a temporary name and nothing to change."""
+    if not isinstance(e, PermissionError) or getattr(e, "remote", False):
+        return None
+    where = os.path.dirname(os.fspath(e.filename)) if e.filename is not None else "the destination's directory"
+    return (f"this user may not write in {where} ({e.strerror or e}): save to a directory you may write to, "
+            "or give this user write access to it")

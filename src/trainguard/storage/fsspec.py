@@ -70,7 +70,9 @@ class FsspecStorage:
 
     @classmethod
     def from_url(cls, url: str, **storage_options: Any) -> tuple[FsspecStorage, str]:
-        """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``)."""
+        """``(storage, path inside it)`` for ``url`` (``"s3://bucket/run1"`` -> ``"bucket/run1"``). A scheme
+        without a filesystem, or a server that a filesystem connecting on construction (``ftp://``) cannot
+        reach, is a ``CheckpointError`` naming the URL (``storage.for_path``: every command and load)."""
         fsspec = import_fsspec()
         scheme, sep, rest = url.partition("://")  # case-insensitive (RFC 3986); fsspec knows "s3", not "S3": its
         try:  # "Protocol not known: S3" was told as "install the package for the scheme, e.g. s3fs"
@@ -79,6 +81,11 @@ class FsspecStorage:
             raise CheckpointError(
                 f"{url}: no fsspec filesystem for this URL ({e}). Install the package for the scheme, "
                 "e.g. s3fs for s3://, gcsfs for gs://"
+            ) from e
+        except OSError as e:  # ftp://, sftp://, hdfs:// connect here: "error: Name or service not known" named no URL
+            raise CheckpointError(
+                f"{url}: cannot reach the filesystem's server ({type(e).__name__}: {e.strerror or e}); check the host "
+                "name (and port) in the URL, and that the server answers from this machine"
             ) from e
         storage = cls(fs)
         storage.bucketed = scheme.lower() in BUCKETED  # its root is a bucket's (``_urls.bucket_root``)
