@@ -45,15 +45,62 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
                                            for n in _code_names(c))}))
 
 
-def _function_members(fn: types.FunctionType) -> dict[str, Any]:
-    """A function's module globals it names (also in its comprehensions) and its closure variables."""
-    g = fn.__globals__
-    got = {n: g[n] for n in _code_names(fn.__code__) if n in g}
+def closure_cells(fn: types.FunctionType) -> dict[str, Any]:
+    """A function's closure variables by name, the empty cells left out (``own_generators`` here, each sample, and
+    ``deepgens`` for a ``ResumableIterable`` transform function's closure)."""
+    got = {}
     for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
             got[n] = c.cell_contents
         except ValueError:  # an empty cell
             pass
+    return got
+
+
+def _function_members(fn: types.FunctionType) -> dict[str, Any]:
+    """A function's module globals it names (also in its comprehensions) and its closure variables."""
+    g = fn.__globals__
+    return {**{n: g[n] for n in _code_names(fn.__code__) if n in g}, **closure_cells(fn)}
+
+
+@functools.lru_cache(maxsize=256)
+def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Looked at once per class: the ``__slots__`` of its classes as ``(attribute name, member descriptor)`` (a
+    private ``__x`` under its mangled name, as ``__dict__`` would show it). ``@dataclass(slots=True)`` makes them."""
+    got = {}
+    for c in reversed(cls.__mro__):
+        names = vars(c).get("__slots__", ())
+        for n in (names,) if isinstance(names, str) else names if isinstance(names, tuple | list | dict) else ():
+            if not isinstance(n, str) or n in ("__dict__", "__weakref__"):
+                continue
+            if n.startswith("__") and not n.endswith("__"):
+                n = f"_{c.__name__.lstrip('_')}{n}"
+            d = vars(c).get(n)
+            if type(d) is types.MemberDescriptorType:
+                got[n] = d
+    return tuple(got.items())
+
+
+def instance_attrs(obj: Any) -> dict[str, Any]:
+    """An object's attributes, read without running any of its code: its ``__dict__`` (a ``__getattr__`` that makes
+    up attributes is never asked: a config object with ``__slots__`` answered ``None`` for ``__dict__``) and the
+    values in its ``__slots__`` (read through their member descriptors, C code; before, a generator kept in a slot,
+    ``@dataclass(slots=True) class Jitter: rng: np.random.Generator``, was never seeded: a resume drew differently).
+    ``own_generators`` here and ``deepgens`` (every sample) call it."""
+    got: dict[str, Any] = {}
+    cls = type(obj)
+    for n, d in _slots(cls):
+        try:
+            got[n] = d.__get__(obj, cls)
+        except AttributeError:  # a slot never set
+            pass
+    if cls.__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+        try:
+            dd = object.__getattribute__(obj, "__dict__")
+        except Exception:
+            dd = None
+        if isinstance(dd, dict):
+            got.update((k, v) for k, v in dd.items() if type(k) is str)
     return got
 
 
@@ -106,24 +153,17 @@ def _class_value(cls: type, name: str) -> Any:
 
 
 def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
-    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
-    a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
-    ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
+    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__`` and
+    ``__slots__``: :func:`instance_attrs`), with a function's closure variables and the module globals it names, a partial's
     arguments; the generators its class keeps as class attributes and those among the module globals its class's
     ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
         return _function_members(obj)
     if isinstance(obj, functools.partial):
         return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
-    d = None
-    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
-        try:
-            d = object.__getattribute__(obj, "__dict__")
-        except Exception:
-            pass
-    got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
     if isinstance(obj, type):
-        return got
+        return {}
+    got = instance_attrs(obj)
     cls = type(obj)  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
     got = {**{k: _class_value(cls, k) for k in _class_data(cls) if own_class or _kind(_class_value(cls, k))}, **got}
     if not own_class:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at its module's top
@@ -205,12 +245,15 @@ def _put_back(saved: list[tuple[Any, Any]]) -> None:
 
 
 def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[tuple[str, Any]]],
-               fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, Any]]]:
+               fn: Callable[..., Any], *args: Any,
+               again: Callable[[], tuple[Any, ...]] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
     """``fn(*args)`` with the global generators and the own generators ``gens`` seeded from ``seed`` (each own one
     from ``seed`` and its path; put back afterwards, in reverse order, also when seeding or ``fn`` raised). The
     global generators are left seeded: the caller saves and restores them (``SeededDataset`` once per batch).
     Returns the result and the own generators found (``find()``) after the call, for the next sample: one whose
-    path is new drew unseeded in this call (made on first use), so ``fn`` runs again with it seeded."""
+    path is new drew unseeded in this call (made on first use), so ``fn`` runs again with it seeded, on the
+    arguments ``again()`` gives (``seeded_items``: a copy of the item as it was before the first call, which a
+    transform may have changed in place), or on ``args`` again."""
     for _ in range(4):  # a generator made on first use, one more behind it: bounded
         saved: list[tuple[Any, Any]] = []
         try:
@@ -223,4 +266,6 @@ def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[t
         if not {p for p, _ in after} - {p for p, _ in gens}:
             return out, after
         gens = after
+        if again is not None:
+            args = again()
     return out, gens

@@ -21,7 +21,9 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,19 +43,46 @@ def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: 
     transform's own (:func:`own_generators`, looked up before each call: training code may run between two items
     and rebind one) seeded from ``(seed, epoch, index)``, and all of them put back after each call. A generator
     the transform made on its first call (``if self.rng is None: self.rng = np.random.default_rng()``) drew
-    unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run)."""
+    unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run),
+    from a copy of it taken before the first call (:func:`_kept`: the first item of each iterator, where such a
+    generator is made; before, a transform that changes its item in place, ``d["x"] = d["x"] + rng.random()``,
+    augmented it twice, and the first item after a resume differed from the uninterrupted run's)."""
     deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, "ResumableIterable(transform=)")
 
     def find() -> list[tuple[str, Any]]:
         return with_deep(own_generators(transform), transform, deep)
 
+    first = True
     for i, item in items:
         saved = save_globals()
         try:
-            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find, transform, item)
+            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find, transform, item,
+                                again=_kept(item, i) if first else None)
         finally:
             restore_globals(saved)
+        first = False
         yield out
+
+
+def _kept(item: Any, index: int) -> Callable[[], tuple[Any]]:
+    """``seeded_items``, before the first item's call: what ``run_seeded`` transforms again, should the call make a
+    generator: a deep copy of the item as it is now, copied again for each call. An item that cannot be copied (an
+    open file, a stream) is transformed again as the first call left it, with a ``RuntimeWarning``."""
+    try:
+        kept = copy.deepcopy(item)
+    except Exception as e:  # noqa: BLE001 - any item: a file object, a socket, a lock
+        why = f"{type(e).__name__}: {e}"
+
+        def as_left() -> tuple[Any]:
+            warnings.warn(
+                f"ResumableIterable(transform=): the transform made a generator on its first call (item {index}), so "
+                f"that item is transformed again with it seeded; the item could not be copied ({why}) and "
+                "is passed as the first call left it (a stream already read, a dict already changed): make "
+                "the transform's generator before the loop (in __init__, or as a module global)", RuntimeWarning,
+                stacklevel=2)
+            return (item,)
+        return as_left
+    return lambda: (copy.deepcopy(kept),)
 
 
 def with_deep(found: list[tuple[str, Any]], root: Any, deep: tuple) -> list[tuple[str, Any]]:
