@@ -6,6 +6,8 @@ bytes compared):
 - a generator kept in ``__slots__`` (``@dataclass(slots=True) class Jitter: rng: np.random.Generator``, as the
   dataset's attribute or in a list of transforms) was never found, ``__dict__`` only being read: it drew on from
   wherever it had got to, and the resume differed from its first batch on, with 0 and 2 DataLoader workers;
+- a NumPy ``Generator`` of the dataset whose ``spawn()`` a sample used drew children from a counter that
+  seeding cannot set (read-only): they differed in each worker and after a resume, silently; now a ``RuntimeWarning``;
 - a ``ResumableIterable`` transform that makes its generator on first use and changes its item in place
   (``d["x"] = d["x"] + self.rng.random()``) was run twice on the first item (the generator seeded the second
   time) but on the item the first call had already changed: the item was augmented twice, and the first item
@@ -149,3 +151,26 @@ def test_uncopyable_item_with_a_generator_made_on_first_call_is_warned_about() -
         t = _InPlace()
         t.rng = np.random.default_rng(0)
         list(seeded_items(0, 0, t, [(0, {"x": 1.0, "lock": threading.Lock()})]))
+
+
+class _Spawner(Dataset):
+    """Draws from a child of its own generator: ``spawn()`` counts its children, a counter seeding cannot set."""
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> float:
+        return i + self.rng.spawn(1)[0].random()
+
+
+def test_spawn_from_own_generator_is_warned_about() -> None:
+    ds = tg.SeededDataset(_Spawner(), seed=0)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        ds[(0, 0)]
+    assert any(issubclass(w.category, RuntimeWarning) and "spawn()" in str(w.message) for w in got)
+    # what it warns about: the same sample of a fresh copy (a resumed process) draws differently
+    assert tg.SeededDataset(_Spawner(), seed=0)[(1, 0)] != ds[(1, 0)]

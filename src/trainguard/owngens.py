@@ -15,6 +15,7 @@ import functools
 import inspect
 import random
 import types
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -244,6 +245,36 @@ def _put_back(saved: list[tuple[Any, Any]]) -> None:
             g.set_state(st)
 
 
+_SPAWN_WARNED: set[tuple[str, int]] = set()
+
+
+def _spawn_counts(gens: list[tuple[str, Any]]) -> list[tuple[str, Any, int]]:
+    """``run_seeded``, before each call: the spawn counter of each own NumPy ``Generator``'s ``SeedSequence``."""
+    got = []
+    for path, g in gens:
+        if isinstance(g, np.random.Generator):
+            ss = getattr(g.bit_generator, "seed_seq", None)
+            if isinstance(ss, np.random.SeedSequence):
+                got.append((path, ss, ss.n_children_spawned))
+    return got
+
+
+def _warn_spawned(spawns: list[tuple[str, Any, int]]) -> None:
+    """``run_seeded``, after each call: a ``RuntimeWarning`` (once per generator and process) for a NumPy ``Generator``
+    whose ``spawn()`` the call used. Seeding sets its bit generator's state, not its ``SeedSequence``'s spawn counter
+    (read-only), so the children differ with the samples this process computed before: in each worker, and after a
+    resume (before, silently)."""
+    for path, ss, n in spawns:
+        if ss.n_children_spawned != n and (path, id(ss)) not in _SPAWN_WARNED:
+            _SPAWN_WARNED.add((path, id(ss)))
+            warnings.warn(
+                f"tg.SeededDataset/ResumableIterable(transform=): {path} is a numpy Generator whose spawn() (or "
+                "bit_generator.seed_seq.spawn()) a sample used: its children come from a counter that cannot be "
+                "seeded, so they differ in each worker and after a resume. Make the sample's generator from the index "
+                "(np.random.default_rng([seed, index])) or draw from the generator itself", RuntimeWarning,
+                stacklevel=3)
+
+
 def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[tuple[str, Any]]],
                fn: Callable[..., Any], *args: Any,
                again: Callable[[], tuple[Any, ...]] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
@@ -256,12 +287,14 @@ def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[t
     transform may have changed in place), or on ``args`` again."""
     for _ in range(4):  # a generator made on first use, one more behind it: bounded
         saved: list[tuple[Any, Any]] = []
+        spawns = _spawn_counts(gens)
         try:
             _seed_own(seed, gens, saved)
             seed_globals(seed)
             out = fn(*args)
         finally:
             _put_back(saved)
+        _warn_spawned(spawns)
         after = find()
         if not {p for p, _ in after} - {p for p, _ in gens}:
             return out, after
