@@ -30,13 +30,26 @@ _GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.
 _LIBRARY = frozenset({"torch", "numpy", "builtins", "typing", "abc", "random", "functools", "collections"})
 
 
+# type -> 0: not a generator, 1: one, 2: a torch.Generator (its device decides). ``isinstance(x, torch.Generator)``
+# runs torch's metaclass ``__instancecheck__``, Python code (~3 us): on every attribute of every sample, it took
+# about as long as the rest of the lookup (review55b, profiled).
+_TYPE_KIND: dict[type, int] = {}
+
+
 def _kind(g: Any) -> bool:
-    """A generator ``run_seeded`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
-    if not isinstance(g, _GENERATORS):
-        return False
-    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
-        return type(g).getstate is not random.SystemRandom.getstate
-    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
+    """A generator ``run_seeded`` seeds (it runs on every attribute of every sample: by type, cached)."""
+    t = type(g)
+    k = _TYPE_KIND.get(t)
+    if k is None:
+        if not isinstance(g, _GENERATORS):
+            k = 0
+        elif isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
+            k = int(type(g).getstate is not random.SystemRandom.getstate)
+        else:
+            k = 2 if isinstance(g, torch.Generator) else 1
+        if t is g.__class__:  # not a weakref.proxy (whose __class__ is its referent's): decided by the type
+            _TYPE_KIND[t] = k
+    return k == 1 or (k == 2 and g.device.type == "cpu")  # a CUDA generator: not this process's CPU
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,7 +179,8 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
         return {}
     got = instance_attrs(obj)
     cls = type(obj)  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
-    got = {**{k: _class_value(cls, k) for k in _class_data(cls) if own_class or _kind(_class_value(cls, k))}, **got}
+    kept = ((k, _class_value(cls, k)) for k in _class_data(cls))  # each looked up once (was twice)
+    got = {**{k: v for k, v in kept if own_class or _kind(v)}, **got}
     if not own_class:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at its module's top
         for f in _reachable(cls, _ENTRIES):
             got.update((n, v) for n, v in _function_members(f).items() if _kind(v) and n not in got)
