@@ -16,9 +16,14 @@ bytes compared):
 
 from __future__ import annotations
 
+import os
+import pickle
+import subprocess
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,6 +34,8 @@ import trainguard as tg
 from trainguard.seeded import seeded_items
 
 N = 16
+SCRIPT = Path(__file__).with_name("seeded55_run.py")
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
 @dataclass(slots=True)
@@ -174,3 +181,24 @@ def test_spawn_from_own_generator_is_warned_about() -> None:
     assert any(issubclass(w.category, RuntimeWarning) and "spawn()" in str(w.message) for w in got)
     # what it warns about: the same sample of a fresh copy (a resumed process) draws differently
     assert tg.SeededDataset(_Spawner(), seed=0)[(1, 0)] != ds[(1, 0)]
+
+
+@pytest.mark.parametrize(("workers", "persistent", "prefetch", "stop"), [(0, 0, 2, 3), (2, 1, 4, 12)])
+def test_resumed_process_draws_every_batch_as_the_straight_run(tmp_path, workers, persistent, prefetch, stop) -> None:
+    """Straight run, a run saved at batch ``stop`` (batch 12: in the second epoch) and a new process resumed from
+    it: every batch's bytes equal (tests/seeded55_run.py: every kind of generator a dataset keeps)."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def run(out: Path, *extra: str) -> list[bytes]:
+        cmd = [sys.executable, str(SCRIPT), str(out), str(workers), str(persistent), str(prefetch), *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        with open(out, "rb") as f:
+            return pickle.load(f)
+
+    straight = run(tmp_path / "straight", "-1")
+    first = run(tmp_path / "first", str(stop))
+    rest = run(tmp_path / "rest", "-1", str(tmp_path / "first.ckpt"))
+    assert len(straight) == 20 and len(first) == stop
+    bad = [i for i, (a, b) in enumerate(zip(straight, first + rest, strict=True)) if a != b]
+    assert not bad, f"batches {bad} differ from the straight run's"
