@@ -6,6 +6,8 @@ bytes compared):
 - a generator kept in ``__slots__`` (``@dataclass(slots=True) class Jitter: rng: np.random.Generator``, as the
   dataset's attribute or in a list of transforms) was never found, ``__dict__`` only being read: it drew on from
   wherever it had got to, and the resume differed from its first batch on, with 0 and 2 DataLoader workers;
+- a generator behind a bound method the dataset keeps (``self.transform = aug.apply``, or in a list) was never
+  found: the resume differed, with 0 and 2 workers;
 - a NumPy ``Generator`` of the dataset whose ``spawn()`` a sample used drew children from a counter that
   seeding cannot set (read-only): they differed in each worker and after a resume, silently; now a ``RuntimeWarning``;
 - a ``ResumableIterable`` transform that makes its generator on first use and changes its item in place
@@ -104,6 +106,49 @@ def test_slotted_generator_is_seeded_and_put_back() -> None:
     a, b = seeded[(3, 0)], seeded[(3, 0)]
     assert torch.equal(a, b)
     assert ds.jitter.rng.bit_generator.state == before  # the caller's stream untouched
+
+
+
+class _Aug:
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(0)
+
+    def apply(self, x: float) -> float:
+        return x + self.rng.random()
+
+
+class _BoundMethods(Dataset):
+    """Transforms kept as bound methods: an attribute, and in a list."""
+
+    def __init__(self) -> None:
+        self.transform = _Aug().apply
+        self.ops = [_Aug().apply]
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> float:
+        return self.ops[0](self.transform(float(i)))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_generators_behind_bound_methods_resume(tmp_path, workers: int) -> None:
+    def make():
+        sampler = tg.ResumableSampler(N, seed=0, with_epoch=True)
+        return sampler, DataLoader(tg.SeededDataset(_BoundMethods(), seed=0), batch_size=4, sampler=sampler,
+                                   num_workers=workers, generator=torch.Generator())
+
+    sampler, loader = make()
+    straight = []
+    for x in loader:
+        straight.append(x)
+        sampler.advance(len(x))
+        if len(straight) == 2:
+            tg.save(str(tmp_path / "step-000000001"), {"data": sampler})
+    sampler, loader = make()
+    tg.load(str(tmp_path / "step-000000001"), {"data": sampler})
+    resumed = list(loader)
+    assert [x.numpy().tobytes() for x in straight[2:]] == [x.numpy().tobytes() for x in resumed]
 
 
 class _InPlace:

@@ -24,7 +24,7 @@ from .owngens import _kind, closure_cells, instance_attrs
 # variable), ("p", a functools.partial's argument index), ("w", its keyword), ("m", a bound method's object)
 Step = tuple[str, Any]
 _ATOMS = (str, bytes, bytearray, int, float, complex, type(None), torch.Tensor, np.ndarray, np.generic,
-          types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, range)
+          types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, range)
 _MAX_LEN = 256  # a container longer than this (the sample list, a vocabulary) is not looked into
 _MAX_DEPTH = 6
 _MAX_VISITS = 20000
@@ -34,7 +34,7 @@ _MISSING = object()
 def _children(obj: Any) -> list[tuple[Step, Any]]:
     if isinstance(obj, types.FunctionType):  # the root only (a transform=): its closure variables
         return [(("c", k), v) for k, v in sorted(closure_cells(obj).items())]
-    if isinstance(obj, types.MethodType):  # the root only (transform=self.augment): its object
+    if isinstance(obj, types.MethodType):  # transform=self.augment, [aug.apply]: its object
         return [(("m", "self"), obj.__self__)]
     if isinstance(obj, functools.partial):
         return [(("p", i), v) for i, v in enumerate(obj.args)] + [(("w", k), v) for k, v in sorted(obj.keywords.items())]

@@ -173,6 +173,9 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
     ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
         return _function_members(obj)
+    if inspect.ismethod(obj):  # self.transform = aug.apply: aug's attributes and what apply names (before: none)
+        return {**_function_members(obj.__func__), **_members(obj.__self__)} if inspect.isfunction(obj.__func__) \
+            else _members(obj.__self__)
     if isinstance(obj, functools.partial):
         return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
     if isinstance(obj, type):
