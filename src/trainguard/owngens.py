@@ -6,7 +6,8 @@ the sample: a DataLoader worker, or the training process with ``num_workers=0``)
 :func:`run_seeded` seeds each from the sample's seed and its path, calls the dataset, puts them back, and
 looks again afterwards: a generator the call made (``if self.rng is None: self.rng = np.random.default_rng()``)
 drew from fresh entropy there, so the sample is computed once more with it seeded (once per process and
-generator). Attributes are read from ``__dict__`` only (no property, ``__getattr__`` or descriptor runs).
+generator). Attributes are read from ``__dict__`` and ``__slots__`` only (no property, ``__getattr__`` or descriptor
+runs); a bound method kept as an attribute (``self.transform = aug.apply``) is looked into through its object.
 """
 
 from __future__ import annotations
