@@ -85,7 +85,7 @@ def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
     got = {}
     for c in reversed(cls.__mro__):
         names = vars(c).get("__slots__", ())
-        for n in (names,) if isinstance(names, str) else names if isinstance(names, tuple | list | dict) else ():
+        for n in (names,) if isinstance(names, str) else names if isinstance(names, tuple | list | dict | set | frozenset) else ():
             if not isinstance(n, str) or n in ("__dict__", "__weakref__"):
                 continue
             if n.startswith("__") and not n.endswith("__"):
