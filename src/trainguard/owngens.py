@@ -78,7 +78,9 @@ def _function_members(fn: types.FunctionType) -> dict[str, Any]:
     return {**{n: g[n] for n in _code_names(fn.__code__) if n in g}, **closure_cells(fn)}
 
 
-@functools.lru_cache(maxsize=256)
+_SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
 def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
     """Looked at once per class: the ``__slots__`` of its classes as ``(attribute name, member descriptor)`` (a
     private ``__x`` under its mangled name, as ``__dict__`` would show it). ``@dataclass(slots=True)`` makes them."""
@@ -104,18 +106,23 @@ def instance_attrs(obj: Any) -> dict[str, Any]:
     ``own_generators`` here and ``deepgens`` (every sample) call it."""
     got: dict[str, Any] = {}
     cls = type(obj)
-    for n, d in _slots(cls):
-        try:
-            got[n] = d.__get__(obj, cls)
-        except AttributeError:  # a slot never set
-            pass
     if cls.__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
         try:
             dd = object.__getattribute__(obj, "__dict__")
         except Exception:
             dd = None
         if isinstance(dd, dict):
-            got.update((k, v) for k, v in dd.items() if type(k) is str)
+            got = {k: v for k, v in dd.items() if type(k) is str}
+    slots = _SLOTS.get(cls)
+    if slots is None:  # a plain dict: this runs for every attribute of every sample (an lru_cache call cost more)
+        if len(_SLOTS) > 4096:  # classes made on the fly
+            _SLOTS.clear()
+        slots = _SLOTS[cls] = _slots(cls)
+    for n, d in slots:
+        try:
+            got[n] = d.__get__(obj, cls)
+        except AttributeError:  # a slot never set
+            pass
     return got
 
 
@@ -174,7 +181,7 @@ def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
     ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
         return _function_members(obj)
-    if inspect.ismethod(obj):  # self.transform = aug.apply: aug's attributes and what apply names (before: none)
+    if isinstance(obj, types.MethodType):  # self.transform = aug.apply: aug's attributes and what apply names (before: none)
         return {**_function_members(obj.__func__), **_members(obj.__self__)} if inspect.isfunction(obj.__func__) \
             else _members(obj.__self__)
     if isinstance(obj, functools.partial):
