@@ -8,6 +8,8 @@ bytes compared):
   wherever it had got to, and the resume differed from its first batch on, with 0 and 2 DataLoader workers;
 - a generator behind a bound method the dataset keeps (``self.transform = aug.apply``, or in a list) was never
   found: the resume differed, with 0 and 2 workers;
+- a transform in a ``Compose``'s list that makes its generator on first use (fork-safe) was never found (the deeper
+  paths were walked before the first sample only): never seeded, two straight runs and a resume differed;
 - a NumPy ``Generator`` of the dataset whose ``spawn()`` a sample used drew children from a counter that
   seeding cannot set (read-only): they differed in each worker and after a resume, silently; now a ``RuntimeWarning``;
 - a ``ResumableIterable`` transform that makes its generator on first use and changes its item in place
@@ -149,6 +151,80 @@ def test_generators_behind_bound_methods_resume(tmp_path, workers: int) -> None:
     tg.load(str(tmp_path / "step-000000001"), {"data": sampler})
     resumed = list(loader)
     assert [x.numpy().tobytes() for x in straight[2:]] == [x.numpy().tobytes() for x in resumed]
+
+
+
+class _Lazy:
+    """Makes its generator on first use (in each worker: fork-safe), kept in a Compose's list."""
+
+    def __init__(self) -> None:
+        self.rng = None
+
+    def __call__(self, x: float) -> float:
+        if self.rng is None:
+            self.rng = np.random.default_rng()
+        return x + self.rng.random()
+
+
+class _Compose:
+    def __init__(self, transforms: list) -> None:
+        self.transforms = transforms
+
+    def __call__(self, x: float) -> float:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+class _LazyDeep(Dataset):
+    def __init__(self) -> None:
+        self.transform = _Compose([_Lazy()])
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> float:
+        return self.transform(float(i))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_generator_made_on_first_use_in_a_compose_resumes(tmp_path, workers: int) -> None:
+    def make():
+        sampler = tg.ResumableSampler(N, seed=0, with_epoch=True)
+        return sampler, DataLoader(tg.SeededDataset(_LazyDeep(), seed=0), batch_size=4, sampler=sampler,
+                                   num_workers=workers, generator=torch.Generator())
+
+    sampler, loader = make()
+    straight = []
+    for x in loader:
+        straight.append(x.numpy().tobytes())
+        sampler.advance(len(x))
+        if len(straight) == 2:
+            tg.save(str(tmp_path / "step-000000001"), {"data": sampler})
+    again = [x.numpy().tobytes() for x in make()[1]]
+    assert again == straight  # two straight runs agree
+    sampler, loader = make()
+    tg.load(str(tmp_path / "step-000000001"), {"data": sampler})
+    assert [x.numpy().tobytes() for x in loader] == straight[2:]
+
+
+def test_iterable_transform_in_a_compose_made_on_first_call_resumes() -> None:
+    def run(state: dict | None = None, stop: int | None = None) -> tuple[list[float], dict | None]:
+        data = tg.ResumableIterable(lambda e: iter(range(N)), transform=_Compose([_Lazy()]), seed=0)
+        if state is not None:
+            data.load_state_dict(state)
+        out: list[float] = []
+        for x in data:
+            out.append(x)
+            data.advance(1)
+            if len(out) == stop:
+                return out, data.state_dict()
+        return out, None
+
+    straight, _ = run()
+    first, state = run(stop=5)
+    rest, _ = run(state=state)
+    assert first + rest == straight
 
 
 class _InPlace:
