@@ -3,7 +3,7 @@
 ``nn.Sequential`` holds (``self.transform.transforms[0].rng``). ``SeededDataset.__init__`` (in the training
 process, where it is built) and ``seeded.seeded_items`` (once per iterator, in the process that iterates)
 walk the object once with :func:`deep_paths`; at each sample :func:`resolve` follows the remembered paths
-again (a transform replaced meanwhile: its generator at that path is seeded), reading ``__dict__`` and list,
+again (a transform replaced meanwhile: its generator at that path is seeded), reading ``__dict__``, ``__slots__`` and list,
 tuple and dict items only (no code of the dataset runs). A generator that appears deeper only after the walk is
 not found."""
 
@@ -18,43 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from .owngens import _kind
+from .owngens import _kind, closure_cells, instance_attrs
 
 # ("a", attribute name), ("i", list or tuple index), ("k", dict key), and from a transform function: ("c", closure
 # variable), ("p", a functools.partial's argument index), ("w", its keyword), ("m", a bound method's object)
 Step = tuple[str, Any]
 _ATOMS = (str, bytes, bytearray, int, float, complex, type(None), torch.Tensor, np.ndarray, np.generic,
-          types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, range)
+          types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, range)
 _MAX_LEN = 256  # a container longer than this (the sample list, a vocabulary) is not looked into
 _MAX_DEPTH = 6
 _MAX_VISITS = 20000
 _MISSING = object()
 
 
-def _attrs(obj: Any) -> dict[str, Any]:
-    if not type(obj).__dictoffset__:
-        return {}
-    try:
-        d = object.__getattribute__(obj, "__dict__")
-    except Exception:
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
-def _cells(fn: types.FunctionType) -> dict[str, Any]:
-    got = {}
-    for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
-        try:
-            got[n] = c.cell_contents
-        except ValueError:  # an empty cell
-            pass
-    return got
-
-
 def _children(obj: Any) -> list[tuple[Step, Any]]:
     if isinstance(obj, types.FunctionType):  # the root only (a transform=): its closure variables
-        return [(("c", k), v) for k, v in sorted(_cells(obj).items())]
-    if isinstance(obj, types.MethodType):  # the root only (transform=self.augment): its object
+        return [(("c", k), v) for k, v in sorted(closure_cells(obj).items())]
+    if isinstance(obj, types.MethodType):  # transform=self.augment, [aug.apply]: its object
         return [(("m", "self"), obj.__self__)]
     if isinstance(obj, functools.partial):
         return [(("p", i), v) for i, v in enumerate(obj.args)] + [(("w", k), v) for k, v in sorted(obj.keywords.items())]
@@ -65,7 +45,7 @@ def _children(obj: Any) -> list[tuple[Step, Any]]:
             return []
         keys = [k for k in obj if type(k) in (str, int)]
         return [(("k", k), obj[k]) for k in sorted(keys, key=lambda k: (type(k) is str, k))]
-    return [(("a", k), v) for k, v in sorted(_attrs(obj).items()) if type(k) is str]
+    return [(("a", k), v) for k, v in sorted(instance_attrs(obj).items())]
 
 
 def name(steps: tuple[Step, ...]) -> str:
@@ -110,11 +90,11 @@ def resolve(root: Any, paths: tuple[tuple[Step, ...], ...]) -> list[tuple[str, A
         obj = root
         for kind, key in steps:
             if kind == "a":
-                obj = _attrs(obj).get(key, _MISSING)
+                obj = instance_attrs(obj).get(key, _MISSING)
             elif kind == "m":
                 obj = obj.__self__ if isinstance(obj, types.MethodType) else _MISSING
             elif kind == "c":
-                obj = _cells(obj).get(key, _MISSING) if isinstance(obj, types.FunctionType) else _MISSING
+                obj = closure_cells(obj).get(key, _MISSING) if isinstance(obj, types.FunctionType) else _MISSING
             elif kind == "p":
                 obj = obj.args[key] if isinstance(obj, functools.partial) and key < len(obj.args) else _MISSING
             elif kind == "w":

@@ -6,7 +6,8 @@ the sample: a DataLoader worker, or the training process with ``num_workers=0``)
 :func:`run_seeded` seeds each from the sample's seed and its path, calls the dataset, puts them back, and
 looks again afterwards: a generator the call made (``if self.rng is None: self.rng = np.random.default_rng()``)
 drew from fresh entropy there, so the sample is computed once more with it seeded (once per process and
-generator). Attributes are read from ``__dict__`` only (no property, ``__getattr__`` or descriptor runs).
+generator). Attributes are read from ``__dict__`` and ``__slots__`` only (no property, ``__getattr__`` or descriptor
+runs); a bound method kept as an attribute (``self.transform = aug.apply``) is looked into through its object.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import functools
 import inspect
 import random
 import types
+import warnings
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -29,13 +31,26 @@ _GENERATORS = (np.random.Generator, np.random.RandomState, random.Random, torch.
 _LIBRARY = frozenset({"torch", "numpy", "builtins", "typing", "abc", "random", "functools", "collections"})
 
 
+# type -> 0: not a generator, 1: one, 2: a torch.Generator (its device decides). ``isinstance(x, torch.Generator)``
+# runs torch's metaclass ``__instancecheck__``, Python code (~3 us): on every attribute of every sample, it took
+# about as long as the rest of the lookup (review55b, profiled).
+_TYPE_KIND: dict[type, int] = {}
+
+
 def _kind(g: Any) -> bool:
-    """A generator ``run_seeded`` seeds (a tuple ``isinstance`` first: it runs on every attribute of every sample)."""
-    if not isinstance(g, _GENERATORS):
-        return False
-    if isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
-        return type(g).getstate is not random.SystemRandom.getstate
-    return not isinstance(g, torch.Generator) or g.device.type == "cpu"  # a CUDA generator: not this process's CPU
+    """A generator ``run_seeded`` seeds (it runs on every attribute of every sample: by type, cached)."""
+    t = type(g)
+    k = _TYPE_KIND.get(t)
+    if k is None:
+        if not isinstance(g, _GENERATORS):
+            k = 0
+        elif isinstance(g, random.Random):  # not SystemRandom (the OS's entropy: no state)
+            k = int(type(g).getstate is not random.SystemRandom.getstate)
+        else:
+            k = 2 if isinstance(g, torch.Generator) else 1
+        if t is g.__class__:  # not a weakref.proxy (whose __class__ is its referent's): decided by the type
+            _TYPE_KIND[t] = k
+    return k == 1 or (k == 2 and g.device.type == "cpu")  # a CUDA generator: not this process's CPU
 
 
 @functools.lru_cache(maxsize=4096)
@@ -45,14 +60,68 @@ def _code_names(code: types.CodeType) -> tuple[str, ...]:
                                            for n in _code_names(c))}))
 
 
-def _function_members(fn: types.FunctionType) -> dict[str, Any]:
-    """A function's module globals it names (also in its comprehensions) and its closure variables."""
-    g = fn.__globals__
-    got = {n: g[n] for n in _code_names(fn.__code__) if n in g}
+def closure_cells(fn: types.FunctionType) -> dict[str, Any]:
+    """A function's closure variables by name, the empty cells left out (``own_generators`` here, each sample, and
+    ``deepgens`` for a ``ResumableIterable`` transform function's closure)."""
+    got = {}
     for n, c in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
         try:
             got[n] = c.cell_contents
         except ValueError:  # an empty cell
+            pass
+    return got
+
+
+def _function_members(fn: types.FunctionType) -> dict[str, Any]:
+    """A function's module globals it names (also in its comprehensions) and its closure variables."""
+    g = fn.__globals__
+    return {**{n: g[n] for n in _code_names(fn.__code__) if n in g}, **closure_cells(fn)}
+
+
+_SLOTS: dict[type, tuple[tuple[str, Any], ...]] = {}
+
+
+def _slots(cls: type) -> tuple[tuple[str, Any], ...]:
+    """Looked at once per class: the ``__slots__`` of its classes as ``(attribute name, member descriptor)`` (a
+    private ``__x`` under its mangled name, as ``__dict__`` would show it). ``@dataclass(slots=True)`` makes them."""
+    got = {}
+    for c in reversed(cls.__mro__):
+        names = vars(c).get("__slots__", ())
+        for n in (names,) if isinstance(names, str) else names if isinstance(names, tuple | list | dict | set | frozenset) else ():
+            if not isinstance(n, str) or n in ("__dict__", "__weakref__"):
+                continue
+            if n.startswith("__") and not n.endswith("__"):
+                n = f"_{c.__name__.lstrip('_')}{n}"
+            d = vars(c).get(n)
+            if type(d) is types.MemberDescriptorType:
+                got[n] = d
+    return tuple(got.items())
+
+
+def instance_attrs(obj: Any) -> dict[str, Any]:
+    """An object's attributes, read without running any of its code: its ``__dict__`` (a ``__getattr__`` that makes
+    up attributes is never asked: a config object with ``__slots__`` answered ``None`` for ``__dict__``) and the
+    values in its ``__slots__`` (read through their member descriptors, C code; before, a generator kept in a slot,
+    ``@dataclass(slots=True) class Jitter: rng: np.random.Generator``, was never seeded: a resume drew differently).
+    ``own_generators`` here and ``deepgens`` (every sample) call it."""
+    got: dict[str, Any] = {}
+    cls = type(obj)
+    if cls.__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
+        try:
+            dd = object.__getattribute__(obj, "__dict__")
+        except Exception:
+            dd = None
+        if isinstance(dd, dict):
+            got = {k: v for k, v in dd.items() if type(k) is str}
+    slots = _SLOTS.get(cls)
+    if slots is None:  # a plain dict: this runs for every attribute of every sample (an lru_cache call cost more)
+        if len(_SLOTS) > 4096:  # classes made on the fly
+            _SLOTS.clear()
+        slots = _SLOTS[cls] = _slots(cls)
+    for n, d in slots:
+        try:
+            got[n] = d.__get__(obj, cls)
+        except AttributeError:  # a slot never set
             pass
     return got
 
@@ -106,26 +175,23 @@ def _class_value(cls: type, name: str) -> Any:
 
 
 def _members(obj: Any, own_class: bool = False) -> dict[str, Any]:
-    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__``,
-    a ``__getattr__`` that makes up attributes is never asked: a config object with ``__slots__`` answered
-    ``None`` for ``__dict__``), with a function's closure variables and the module globals it names, a partial's
+    """``own_generators``: an object's attributes by name, read without running its code (its ``__dict__`` and
+    ``__slots__``: :func:`instance_attrs`), with a function's closure variables and the module globals it names, a partial's
     arguments; the generators its class keeps as class attributes and those among the module globals its class's
     ``__call__``/``forward`` (and the methods they call) name; ``own_class``: all its data class attributes."""
     if inspect.isfunction(obj):  # a function's globals it names and its closure: what it draws from
         return _function_members(obj)
+    if isinstance(obj, types.MethodType):  # self.transform = aug.apply: aug's attributes and what apply names (before: none)
+        return {**_function_members(obj.__func__), **_members(obj.__self__)} if inspect.isfunction(obj.__func__) \
+            else _members(obj.__self__)
     if isinstance(obj, functools.partial):
         return {**{f"args{i}": a for i, a in enumerate(obj.args)}, **obj.keywords}
-    d = None
-    if type(obj).__dictoffset__:  # not a list, a dict, an array, an object with __slots__ only: no exception to catch
-        try:
-            d = object.__getattribute__(obj, "__dict__")
-        except Exception:
-            pass
-    got = {k: v for k, v in d.items() if type(k) is str} if isinstance(d, dict) else {}
     if isinstance(obj, type):
-        return got
+        return {}
+    got = instance_attrs(obj)
     cls = type(obj)  # class rng = np.random.default_rng(0), self.rng in __getitem__: the instance's wins
-    got = {**{k: _class_value(cls, k) for k in _class_data(cls) if own_class or _kind(_class_value(cls, k))}, **got}
+    kept = ((k, _class_value(cls, k)) for k in _class_data(cls))  # each looked up once (was twice)
+    got = {**{k: v for k, v in kept if own_class or _kind(v)}, **got}
     if not own_class:  # a transform object's __call__ drawing from RNG = np.random.default_rng(0) at its module's top
         for f in _reachable(cls, _ENTRIES):
             got.update((n, v) for n, v in _function_members(f).items() if _kind(v) and n not in got)
@@ -204,23 +270,60 @@ def _put_back(saved: list[tuple[Any, Any]]) -> None:
             g.set_state(st)
 
 
+_SPAWN_WARNED: set[tuple[str, int]] = set()
+
+
+def _spawn_counts(gens: list[tuple[str, Any]]) -> list[tuple[str, Any, int]]:
+    """``run_seeded``, before each call: the spawn counter of each own NumPy ``Generator``'s ``SeedSequence``."""
+    got = []
+    for path, g in gens:
+        if isinstance(g, np.random.Generator):
+            ss = getattr(g.bit_generator, "seed_seq", None)
+            if isinstance(ss, np.random.SeedSequence):
+                got.append((path, ss, ss.n_children_spawned))
+    return got
+
+
+def _warn_spawned(spawns: list[tuple[str, Any, int]]) -> None:
+    """``run_seeded``, after each call: a ``RuntimeWarning`` (once per generator and process) for a NumPy ``Generator``
+    whose ``spawn()`` the call used. Seeding sets its bit generator's state, not its ``SeedSequence``'s spawn counter
+    (read-only), so the children differ with the samples this process computed before: in each worker, and after a
+    resume (before, silently)."""
+    for path, ss, n in spawns:
+        if ss.n_children_spawned != n and (path, id(ss)) not in _SPAWN_WARNED:
+            _SPAWN_WARNED.add((path, id(ss)))
+            warnings.warn(
+                f"tg.SeededDataset/ResumableIterable(transform=): {path} is a numpy Generator whose spawn() (or "
+                "bit_generator.seed_seq.spawn()) a sample used: its children come from a counter that cannot be "
+                "seeded, so they differ in each worker and after a resume. Make the sample's generator from the index "
+                "(np.random.default_rng([seed, index])) or draw from the generator itself", RuntimeWarning,
+                stacklevel=3)
+
+
 def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[tuple[str, Any]]],
-               fn: Callable[..., Any], *args: Any) -> tuple[Any, list[tuple[str, Any]]]:
+               fn: Callable[..., Any], *args: Any,
+               again: Callable[[], tuple[Any, ...]] | None = None) -> tuple[Any, list[tuple[str, Any]]]:
     """``fn(*args)`` with the global generators and the own generators ``gens`` seeded from ``seed`` (each own one
     from ``seed`` and its path; put back afterwards, in reverse order, also when seeding or ``fn`` raised). The
     global generators are left seeded: the caller saves and restores them (``SeededDataset`` once per batch).
     Returns the result and the own generators found (``find()``) after the call, for the next sample: one whose
-    path is new drew unseeded in this call (made on first use), so ``fn`` runs again with it seeded."""
+    path is new drew unseeded in this call (made on first use), so ``fn`` runs again with it seeded, on the
+    arguments ``again()`` gives (``seeded_items``: a copy of the item as it was before the first call, which a
+    transform may have changed in place), or on ``args`` again."""
     for _ in range(4):  # a generator made on first use, one more behind it: bounded
         saved: list[tuple[Any, Any]] = []
+        spawns = _spawn_counts(gens)
         try:
             _seed_own(seed, gens, saved)
             seed_globals(seed)
             out = fn(*args)
         finally:
             _put_back(saved)
+        _warn_spawned(spawns)
         after = find()
         if not {p for p, _ in after} - {p for p, _ in gens}:
             return out, after
         gens = after
+        if again is not None:
+            args = again()
     return out, gens

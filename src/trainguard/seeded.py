@@ -21,7 +21,9 @@ The keys come from ``ResumableSampler(..., with_epoch=True)``, which yields ``(i
 
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -41,19 +43,55 @@ def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: 
     transform's own (:func:`own_generators`, looked up before each call: training code may run between two items
     and rebind one) seeded from ``(seed, epoch, index)``, and all of them put back after each call. A generator
     the transform made on its first call (``if self.rng is None: self.rng = np.random.default_rng()``) drew
-    unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run)."""
+    unseeded there: that item is transformed once more with it seeded (before, its draws differed at every run),
+    from a copy of it taken before the first call (:func:`_kept`: the first item of each iterator, where such a
+    generator is made; before, a transform that changes its item in place, ``d["x"] = d["x"] + rng.random()``,
+    augmented it twice, and the first item after a resume differed from the uninterrupted run's)."""
     deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, "ResumableIterable(transform=)")
+
+    rewalk = [True]  # after the first item: a transform deeper in the object made its generator on first use
 
     def find() -> list[tuple[str, Any]]:
         return with_deep(own_generators(transform), transform, deep)
 
+    def find_after() -> list[tuple[str, Any]]:
+        nonlocal deep
+        if rewalk[0]:
+            rewalk[0] = False
+            deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, None)
+        return find()
+
+    first = True
     for i, item in items:
         saved = save_globals()
         try:
-            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find, transform, item)
+            out, _ = run_seeded(seed_of(seed, epoch, i), find(), find_after, transform, item,
+                                again=_kept(item, i) if first else None)
         finally:
             restore_globals(saved)
+        first = False
         yield out
+
+
+def _kept(item: Any, index: int) -> Callable[[], tuple[Any]]:
+    """``seeded_items``, before the first item's call: what ``run_seeded`` transforms again, should the call make a
+    generator: a deep copy of the item as it is now, copied again for each call. An item that cannot be copied (an
+    open file, a stream) is transformed again as the first call left it, with a ``RuntimeWarning``."""
+    try:
+        kept = copy.deepcopy(item)
+    except Exception as e:  # noqa: BLE001 - any item: a file object, a socket, a lock
+        why = f"{type(e).__name__}: {e}"
+
+        def as_left() -> tuple[Any]:
+            warnings.warn(
+                f"ResumableIterable(transform=): the transform made a generator on its first call (item {index}), so "
+                f"that item is transformed again with it seeded; the item could not be copied ({why}) and "
+                "is passed as the first call left it (a stream already read, a dict already changed): make "
+                "the transform's generator before the loop (in __init__, or as a module global)", RuntimeWarning,
+                stacklevel=2)
+            return (item,)
+        return as_left
+    return lambda: (copy.deepcopy(kept),)
 
 
 def with_deep(found: list[tuple[str, Any]], root: Any, deep: tuple) -> list[tuple[str, Any]]:
@@ -129,6 +167,7 @@ class SeededDataset(torch.utils.data.Dataset):
         # this, a worker_init_fn's), then followed by path at each sample
         self._deep = deep_paths(dataset, {id(g) for _, g in dataset_generators(dataset)}, "tg.SeededDataset")
         self._deep_pid: int | None = None
+        self._rewalk = False  # walk them again after the first sample of the process: _generators_after
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -155,6 +194,16 @@ class SeededDataset(torch.utils.data.Dataset):
     def _generators(self) -> list[tuple[str, Any]]:
         return with_deep(dataset_generators(self.dataset), self.dataset, self._deep)
 
+    def _generators_after(self) -> list[tuple[str, Any]]:
+        """``run_seeded``'s look after each call: after the first sample of each process the deeper paths are walked
+        again, so that a transform in a ``Compose`` that made its generator on first use (``if self.rng is None``)
+        is found there and that sample computed again with it seeded (before, it was never seeded: a resume
+        differed)."""
+        if getattr(self, "_rewalk", False):
+            self._rewalk = False
+            self._deep = deep_paths(self.dataset, {id(g) for _, g in dataset_generators(self.dataset)}, None)
+        return self._generators()
+
     def _fetch(self, keys: list[Any], keep_globals: bool) -> list[Any]:
         """``dataset[index]`` for each key, each under :func:`run_seeded`: the dataset's own generators are looked up
         once before the first and again after each call (a generator made in ``__getitem__`` on first use is then
@@ -168,11 +217,12 @@ class SeededDataset(torch.utils.data.Dataset):
         if getattr(self, "_deep_pid", None) != os.getpid():
             self._deep = deep_paths(self.dataset, {id(g) for _, g in dataset_generators(self.dataset)}, None)
             self._deep_pid = os.getpid()
+            self._rewalk = True
         saved = save_globals() if keep_globals else None
         try:
             gens, items = self._generators(), []
             for index, epoch in keys:
-                item, gens = run_seeded(self.sample_seed(index, epoch), gens, self._generators, self.dataset.__getitem__,
+                item, gens = run_seeded(self.sample_seed(index, epoch), gens, self._generators_after, self.dataset.__getitem__,
                                         index)
                 items.append(item)
             return items
