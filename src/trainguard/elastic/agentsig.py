@@ -137,7 +137,13 @@ def after_result(code: int, sigs: list[signal.Signals]) -> None:
     handler of the run stayed installed on a finished job: a SIGTERM in the ~2 s of the interpreter's exit (its
     atexit calls) raised ``SignalException`` there, a traceback, the temp log directory's removal cut short (the
     directory left), or the agent died of the signal (-15) once Python had put the defaults back; after a stop
-    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way."""
+    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way. The watcher
+    thread of :mod:`.sigwatch` stands down first (:func:`.sigwatch.take`: the main thread owns every stop from now
+    on): it ended the agent with 128 + the signal, and logged a second ``agent_exit``, when the signal came while
+    the main thread was inside a call that does not return on a signal for over 2 s of the exit (a finished or
+    failed job: 143 instead of 0 or 1, a requeue of a failed job; review55h). Such a signal is now handled when
+    that call returns."""
+    sigwatch.take()
     seen: list[int] = []
 
     def late(signum: int, frame: Any) -> None:

@@ -1,0 +1,73 @@
+"""Session 55 hunt (review55h): a hostile review of review55a's agent changes (storelost, handled_names,
+after_result, close_ready) with real agents and workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from test_elastic_edges import _wait_for
+from test_hunt54_agent54 import SRC, _cleanup
+from test_hunt55_review55a import _delivered
+from trainguard.events import read_events
+
+# The agent, with an exit hook (atexit, registered as the agent's hooks are installed) that says so
+# (<argv[1]>/exiting), then waits in one C call (libc's system(): it does not return on a signal) for
+# <argv[1]>/release and 4 s more: a finished job's exit held in C code (torch's teardown) past sigwatch's 2 s.
+C_EXIT_AGENT = """\
+    import atexit, ctypes, os, sys
+    from trainguard.elastic import launcher
+    d, hooks = sys.argv[1], launcher.install_agent_hooks
+
+    def slow_exit():
+        open(os.path.join(d, "exiting"), "w").close()
+        release = os.path.join(d, "release")
+        ctypes.CDLL(None).system(f"for i in $(seq 1200); do [ -e {release} ] && break; sleep 0.05; done; sleep 4".encode())
+
+    def install(*args, **kwargs):
+        atexit.register(slow_exit)
+        hooks(*args, **kwargs)
+
+    launcher.install_agent_hooks = install
+    sys.exit(launcher.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("code", [0, 1], ids=["finished", "failed"])
+def test_a_sigterm_in_a_c_call_of_the_exit_keeps_the_jobs_exit_code(tmp_path: Path, code: int) -> None:
+    """Before: after the job's result (``agent_exit`` logged), a SIGTERM while the agent's main thread was inside a
+    call that does not return on a signal for over 2 s of its exit was taken by sigwatch's watcher thread: a
+    second ``agent_exit`` (``signal: SIGTERM``) and exit 143, a failed job's 1 (and a permanent error's 78) turned
+    into a preemption to a requeue wrapper. Now the watcher stands down once the result is known: the job's exit
+    code, one ``agent_exit``, the signal reported."""
+    agent_py, train = tmp_path / "agent.py", tmp_path / "train.py"
+    agent_py.write_text(textwrap.dedent(C_EXIT_AGENT))
+    train.write_text(f"import sys\nsys.exit({code})\n")
+    tmp, log, run_dir = tmp_path / "tmp", tmp_path / "agent.log", tmp_path / "run"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, str(agent_py), str(tmp_path), "--nproc-per-node", "1",
+                                  "--max-restarts", "0", "--run-dir", str(run_dir), str(train)], stdout=out,
+                                 stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "exiting").exists(), 90, "the agent's exit", agent, log)
+        agent.send_signal(signal.SIGTERM)
+        _wait_for(lambda: _delivered(agent.pid, signal.SIGTERM), 10, "SIGTERM's delivery", agent, log)
+        (tmp_path / "release").touch()
+        rc = agent.wait(timeout=60)
+        text = log.read_text(errors="replace")
+        assert rc == code, (rc, text[-3000:])  # before: 143
+        exits = [(e["ok"], e.get("signal")) for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit"]
+        assert exits == [(code == 0, None)], exits  # before: a second one, (False, "SIGTERM")
+        assert f"SIGTERM after the job's end; exiting with {code}" in text, text[-3000:]
+    finally:
+        (tmp_path / "release").touch()
+        _cleanup(agent)
