@@ -71,3 +71,37 @@ def test_a_sigterm_in_a_c_call_of_the_exit_keeps_the_jobs_exit_code(tmp_path: Pa
     finally:
         (tmp_path / "release").touch()
         _cleanup(agent)
+
+
+@pytest.mark.timeout(120)
+def test_a_sigusr1_given_to_handle_after_the_jobs_end_is_reported(tmp_path: Path) -> None:
+    """Before: ``after_result`` covered SIGTERM, SIGINT, SIGHUP and SIGQUIT only. With ``--signals-to-handle
+    SIGTERM,SIGUSR1`` (torch's help suggests SIGUSR1 for Slurm), a SIGUSR1 in the agent's exit of a finished job
+    still met torch's handler: ``SignalException`` raised in the atexit call it came in (``Exception ignored in
+    atexit callback``, a traceback, that call cut short). Now it is reported as SIGTERM is, the exit code kept."""
+    from test_hunt55_review55a import SLOW_EXIT_AGENT
+
+    agent_py, train = tmp_path / "agent.py", tmp_path / "train.py"
+    agent_py.write_text(textwrap.dedent(SLOW_EXIT_AGENT))
+    train.write_text("print('trained')\n")
+    tmp, log, run_dir = tmp_path / "tmp", tmp_path / "agent.log", tmp_path / "run"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, str(agent_py), str(tmp_path), "--nproc-per-node", "1",
+                                  "--signals-to-handle", "SIGTERM,SIGUSR1", "--run-dir", str(run_dir), str(train)],
+                                 stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        _wait_for(lambda: (tmp_path / "exiting").exists(), 90, "the agent's exit", agent, log)
+        agent.send_signal(signal.SIGUSR1)
+        _wait_for(lambda: _delivered(agent.pid, signal.SIGUSR1), 10, "SIGUSR1's delivery", agent, log)
+        (tmp_path / "release").touch()
+        rc = agent.wait(timeout=60)
+        text = log.read_text(errors="replace")
+        assert rc == 0, (rc, text[-3000:])
+        assert "Traceback" not in text, text[-3000:]  # before: SignalException in the atexit call
+        assert "SIGUSR1 after the job's end; exiting with 0" in text, text[-3000:]
+        assert [e["ok"] for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit"] == [True]
+    finally:
+        (tmp_path / "release").touch()
+        _cleanup(agent)

@@ -112,6 +112,24 @@ def handled_names(args: Any) -> list[str]:
     return names
 
 
+def named(names: list[str]) -> list[signal.Signals]:
+    """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the signals of ``names``
+    (:func:`handled_names`) that torch's handler will take (``PContext.start``), those this process ignores left
+    out; not only :data:`AGENT_SIGNALS`: torch's ``--signals-to-handle`` suggests SIGUSR1 and SIGUSR2 for Slurm.
+    :func:`after_result` covers them all."""
+    sigs = [getattr(signal, n.strip(), None) for n in names]
+    return [s for s in dict.fromkeys(sigs) if isinstance(s, signal.Signals) and signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def torch_handled() -> list[signal.Signals]:
+    """The signals whose handler is now torch's (``api._terminate_process_handler``, as :func:`install_signal_once`
+    wrapped it): those of ``--signals-to-handle`` once torch's agent started workers."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    return [s for s in signal.valid_signals() if isinstance(s, signal.Signals)
+            and signal.getsignal(s) is api._terminate_process_handler]
+
+
 def install_early(names: list[str] | None = None) -> list[signal.Signals]:
     """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the agent's handler (torch's
     ``_terminate_process_handler``, as :func:`install_signal_once` wrapped it) for those of :data:`AGENT_SIGNALS`
