@@ -10,11 +10,12 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from test_elastic_edges import _wait_for
 from test_hunt54_agent54 import SRC, _cleanup
-from test_hunt55_review55a import _delivered
+from test_hunt55_review55a import _delivered, _two_agents
 from trainguard.events import read_events
 
 # The agent, with an exit hook (atexit, registered as the agent's hooks are installed) that says so
@@ -105,3 +106,45 @@ def test_a_sigusr1_given_to_handle_after_the_jobs_end_is_reported(tmp_path: Path
     finally:
         (tmp_path / "release").touch()
         _cleanup(agent)
+
+
+# Each node's worker: up-<name> (its pid), then idles (bounded); exits 1 once <dir>/fail-<name> exists.
+FAILS_ON_NOTE = """\
+    import os, sys, time
+    d, name = sys.argv[1], sys.argv[2]
+    with open(os.path.join(d, "up-" + name), "w") as f:
+        f.write(str(os.getpid()))
+    deadline = time.monotonic() + 100
+    while time.monotonic() < deadline:
+        if os.path.exists(os.path.join(d, "fail-" + name)):
+            sys.exit(1)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_node_whose_workers_fail_after_the_store_is_lost_logs_agent_exit(tmp_path: Path) -> None:
+    """Before: node A (its agent hosts the c10d rendezvous store) lost (agent and worker SIGKILLed); node B's agent
+    logged ``store_lost`` and waited for its worker, which then failed (exit 1): the restart's rendezvous failed on
+    the lost store, and B's agent ended with a ``RendezvousConnectionError`` traceback of 60 lines and exit 1, no
+    ``agent_exit`` in the run's events (the same after the 30 s grace with workers that do not end). Now: exit 1,
+    one ``agent_exit`` (``ok: false``, the error), one line that says so, no traceback."""
+    a, _, b, log_b, run_dir = _two_agents(tmp_path, FAILS_ON_NOTE, "hunt55h1")
+    try:
+        for pid in [c.pid for c in psutil.Process(a.pid).children(recursive=True)] + [a.pid]:
+            os.kill(pid, signal.SIGKILL)  # node A lost
+        a.wait(timeout=10)
+        _wait_for(lambda: any(e["event"] == "store_lost" and e["pid"] == b.pid
+                              for e in read_events(run_dir / "events.jsonl")) or b.poll() is not None,
+                  30, "agent B to notice the store's loss", None, log_b)
+        (tmp_path / "fail-B").touch()
+        rc = b.wait(timeout=90)
+        text = log_b.read_text(errors="replace")
+        assert rc == 1, (rc, text[-3000:])
+        exits = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "agent_exit" and e["pid"] == b.pid]
+        assert [e["ok"] for e in exits] == [False], (exits, text[-3000:])  # before: []
+        assert "Traceback" not in text, text[-3000:]
+        assert "trainguard run: the rendezvous failed" in text, text[-3000:]
+    finally:
+        (tmp_path / "fail-B").touch()
+        _cleanup(a, b)

@@ -360,6 +360,7 @@ def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
     """:func:`main`, main thread: run torch's agent; its exit code, once ``agent_exit`` is logged."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
     try:
@@ -382,6 +383,12 @@ def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
         n = RESTARTS.count("failure")  # "after its restarts" with --max-restarts 0 said restarts had been tried
         print(f"trainguard run: the job failed after {n} restart{'' if n == 1 else 's'} (--max-restarts {args.max_restarts}); "
               f"see {events.path}", file=sys.stderr)
+        return 1
+    except RendezvousError as e:  # the store gone (storelost.py's grace over, a restart into it), closed, a timeout
+        why = f"{type(e).__name__}: {e}" + (f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else "")
+        events.emit("agent_exit", ok=False, error=why[-2000:])  # before: a traceback, no agent_exit
+        print(f"trainguard run: the rendezvous failed; this node stopped (exit 1): {why}; see {events.path}",
+              file=sys.stderr)
         return 1
     if (code := agent_result(events, {})) is not None:
         return code
