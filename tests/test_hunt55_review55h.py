@@ -148,3 +148,37 @@ def test_a_node_whose_workers_fail_after_the_store_is_lost_logs_agent_exit(tmp_p
     finally:
         (tmp_path / "fail-B").touch()
         _cleanup(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_nohup_agent_given_only_sighup_to_handle_still_ignores_it(tmp_path: Path) -> None:
+    """Before: ``nohup trainguard run --signals-to-handle SIGHUP ...``: every signal given was ignored, and
+    ``handled_names`` then gave torch the list unchanged: torch installed its handler on SIGHUP when it started the
+    workers (which had SIGHUP at its default), and a logout's SIGHUP stopped the job (exit 129). Now torch gets an
+    empty list (no warning traceback for it): SIGHUP stays ignored, in the worker too; the job ends 0."""
+    from test_hunt55_review55a import NOTES_SIGHUP
+
+    train = tmp_path / "train.py"
+    train.write_text(textwrap.dedent(NOTES_SIGHUP))
+    run_dir, tmp, log = tmp_path / "run", tmp_path / "tmp", tmp_path / "agent.log"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC, "TMPDIR": str(tmp)}
+    with open(log, "wb") as out:
+        agent = subprocess.Popen([sys.executable, "-m", "trainguard", "run", "--nproc-per-node", "1",
+                                  "--signals-to-handle", "SIGHUP", "--run-dir", str(run_dir), str(train),
+                                  str(tmp_path)], stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                                 start_new_session=True,
+                                 preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # nohup
+    try:
+        _wait_for(lambda: (tmp_path / "up").exists() and (tmp_path / "up").read_text(), 90, "the worker", agent, log)
+        assert int((tmp_path / "up").read_text()) == int(signal.SIG_IGN)  # before: 0, SIG_DFL
+        agent.send_signal(signal.SIGHUP)
+        _wait_for(lambda: _delivered(agent.pid, signal.SIGHUP), 10, "SIGHUP's delivery", agent, log)
+        (tmp_path / "go").touch()
+        rc = agent.wait(timeout=60)
+        text = log.read_text(errors="replace")
+        assert rc == 0, (rc, text[-3000:])  # before: 129
+        assert "Traceback" not in text, text[-3000:]
+    finally:
+        (tmp_path / "go").touch()
+        _cleanup(agent)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -98,18 +99,26 @@ def handled_names(args: Any) -> list[str]:
     ``TORCHELASTIC_SIGNALS_TO_HANDLE``) less those this process ignores (``nohup``: SIGHUP), which are taken out of
     ``args`` and of that variable: torch's ``PContext.start`` installs its handler on each one listed when it
     starts the workers, and ``nohup trainguard run ... &`` then a logout (the shell's SIGHUP to its jobs) stopped
-    the job (exit 129). Left ignored, the workers inherit them ignored too."""
+    the job (exit 129). Left ignored, the workers inherit them ignored too. When every one given is ignored
+    (``nohup ... --signals-to-handle SIGHUP``) torch gets an empty list (before: the whole list, SIGHUP handled, the
+    logout's 129; review55h), and its warning for the empty name (a traceback) is left out."""
     given = getattr(args, "signals_to_handle", None) or os.environ.get(TORCH_SIGNALS_ENV) or ",".join(AGENT_SIGNALS)
     names = [n.strip() for n in str(given).split(",") if n.strip()]
     ignored = [n for n in names if isinstance(getattr(signal, n, None), signal.Signals)
                and signal.getsignal(getattr(signal, n)) is signal.SIG_IGN]
     kept = [n for n in names if n not in ignored]
-    if ignored and kept:  # none kept: torch's own list (it warns at an empty one and handles none of them)
+    if ignored:
         if getattr(args, "signals_to_handle", None):
             args.signals_to_handle = ",".join(kept)
         os.environ[TORCH_SIGNALS_ENV] = ",".join(kept)  # what torch's launch_agent sets from args (2.13)
+        if not kept:  # torch's PContext.start: "".split(",") is [""], which it warns about with a traceback
+            logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_empty_name)
         return kept
     return names
+
+
+def _no_empty_name(record: logging.LogRecord) -> bool:
+    return not (str(record.msg).startswith("Failed to register signal handler") and record.args == ("",))
 
 
 def named(names: list[str]) -> list[signal.Signals]:
