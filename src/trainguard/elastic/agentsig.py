@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import signal
 import sys
@@ -98,18 +99,44 @@ def handled_names(args: Any) -> list[str]:
     ``TORCHELASTIC_SIGNALS_TO_HANDLE``) less those this process ignores (``nohup``: SIGHUP), which are taken out of
     ``args`` and of that variable: torch's ``PContext.start`` installs its handler on each one listed when it
     starts the workers, and ``nohup trainguard run ... &`` then a logout (the shell's SIGHUP to its jobs) stopped
-    the job (exit 129). Left ignored, the workers inherit them ignored too."""
+    the job (exit 129). Left ignored, the workers inherit them ignored too. When every one given is ignored
+    (``nohup ... --signals-to-handle SIGHUP``) torch gets an empty list (before: the whole list, SIGHUP handled, the
+    logout's 129; review55h), and its warning for the empty name (a traceback) is left out."""
     given = getattr(args, "signals_to_handle", None) or os.environ.get(TORCH_SIGNALS_ENV) or ",".join(AGENT_SIGNALS)
     names = [n.strip() for n in str(given).split(",") if n.strip()]
     ignored = [n for n in names if isinstance(getattr(signal, n, None), signal.Signals)
                and signal.getsignal(getattr(signal, n)) is signal.SIG_IGN]
     kept = [n for n in names if n not in ignored]
-    if ignored and kept:  # none kept: torch's own list (it warns at an empty one and handles none of them)
+    if ignored:
         if getattr(args, "signals_to_handle", None):
             args.signals_to_handle = ",".join(kept)
         os.environ[TORCH_SIGNALS_ENV] = ",".join(kept)  # what torch's launch_agent sets from args (2.13)
+        if not kept:  # torch's PContext.start: "".split(",") is [""], which it warns about with a traceback
+            logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_no_empty_name)
         return kept
     return names
+
+
+def _no_empty_name(record: logging.LogRecord) -> bool:
+    return not (str(record.msg).startswith("Failed to register signal handler") and record.args == ("",))
+
+
+def named(names: list[str]) -> list[signal.Signals]:
+    """Agent (:func:`.launcher.main`), main thread, before torch's agent runs: the signals of ``names``
+    (:func:`handled_names`) that torch's handler will take (``PContext.start``), those this process ignores left
+    out; not only :data:`AGENT_SIGNALS`: torch's ``--signals-to-handle`` suggests SIGUSR1 and SIGUSR2 for Slurm.
+    :func:`after_result` covers them all."""
+    sigs = [getattr(signal, n.strip(), None) for n in names]
+    return [s for s in dict.fromkeys(sigs) if isinstance(s, signal.Signals) and signal.getsignal(s) is not signal.SIG_IGN]
+
+
+def torch_handled() -> list[signal.Signals]:
+    """The signals whose handler is now torch's (``api._terminate_process_handler``, as :func:`install_signal_once`
+    wrapped it): those of ``--signals-to-handle`` once torch's agent started workers."""
+    from torch.distributed.elastic.multiprocessing import api
+
+    return [s for s in signal.valid_signals() if isinstance(s, signal.Signals)
+            and signal.getsignal(s) is api._terminate_process_handler]
 
 
 def install_early(names: list[str] | None = None) -> list[signal.Signals]:
@@ -137,7 +164,13 @@ def after_result(code: int, sigs: list[signal.Signals]) -> None:
     handler of the run stayed installed on a finished job: a SIGTERM in the ~2 s of the interpreter's exit (its
     atexit calls) raised ``SignalException`` there, a traceback, the temp log directory's removal cut short (the
     directory left), or the agent died of the signal (-15) once Python had put the defaults back; after a stop
-    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way."""
+    signal the defaults were put back at once, and a repeated ``scancel`` killed the agent the same way. The watcher
+    thread of :mod:`.sigwatch` stands down first (:func:`.sigwatch.take`: the main thread owns every stop from now
+    on): it ended the agent with 128 + the signal, and logged a second ``agent_exit``, when the signal came while
+    the main thread was inside a call that does not return on a signal for over 2 s of the exit (a finished or
+    failed job: 143 instead of 0 or 1, a requeue of a failed job; review55h). Such a signal is now handled when
+    that call returns."""
+    sigwatch.take()
     seen: list[int] = []
 
     def late(signum: int, frame: Any) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 from ..events import EVENTS_FILE, EventLog
 from . import agentsig, errfiles, exitbarrier, keepalive, masterport, reap, sigwatch, storelost
 from . import args as cli_args
-from .agentsig import AGENT_SIGNALS, install_early, install_signal_once
+from .agentsig import install_early, install_signal_once
 from .faults import parse_fault
 from .reap import close_done, end_trees, expose_dead, set_finished, stop_bounded
 from .stops import (
@@ -350,18 +350,20 @@ def main(argv: list[str]) -> int:
     install_log_filter()
     events.emit("agent_start", argv=argv, nnodes=args.nnodes, nproc_per_node=args.nproc_per_node,
                 rdzv_conf=args.rdzv_conf, faults=args.fault, job_id=os.environ["TRAINGUARD_JOB_ID"])
-    handled = install_early(agentsig.handled_names(args))
+    names = agentsig.handled_names(args)
+    late = agentsig.named(names)  # before torch's handler is on them: SIGUSR1 too when given, not an ignored one
+    handled = install_early(names)
     sigwatch.start(handled, lambda n: sigwatch.exit_stuck(events, n, AGENT[0] if AGENT else None))
     code = _run_agent(args, events)
-    agentsig.after_result(code, handled)  # a stop signal from now on: reported, the exit code kept
+    agentsig.after_result(code, late)  # a stop signal from now on: reported, the exit code kept
     return code
 
 
 def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
     """:func:`main`, main thread: run torch's agent; its exit code, once ``agent_exit`` is logged."""
-    from torch.distributed.elastic.multiprocessing import api
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
     try:
@@ -369,9 +371,8 @@ def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
         run(args)
     except SignalException as e:
         sig = signal.Signals(e.sigval)
-        for s in [getattr(signal, n) for n in AGENT_SIGNALS if hasattr(signal, n)]:
-            if signal.getsignal(s) is api._terminate_process_handler:  # it raises again on a second signal:
-                signal.signal(s, signal.SIG_IGN)  # no traceback while logging (main's after_result then)
+        for s in agentsig.torch_handled():  # it raises again on a second signal (a SIGUSR1 given too):
+            signal.signal(s, signal.SIG_IGN)  # no traceback while logging (main's after_result then)
         events.emit("agent_exit", ok=False, signal=sig.name, error=str(e)[-2000:])
         sent = f"the workers were sent {sig.name}" if len(AGENT) > 1 else "in the rendezvous, before any worker started"
         print(f"trainguard run: stopped by {sig.name}; {sent}; see {events.path}", file=sys.stderr)
@@ -385,6 +386,12 @@ def _run_agent(args: argparse.Namespace, events: EventLog) -> int:
         n = RESTARTS.count("failure")  # "after its restarts" with --max-restarts 0 said restarts had been tried
         print(f"trainguard run: the job failed after {n} restart{'' if n == 1 else 's'} (--max-restarts {args.max_restarts}); "
               f"see {events.path}", file=sys.stderr)
+        return 1
+    except RendezvousError as e:  # the store gone (storelost.py's grace over, a restart into it), closed, a timeout
+        why = f"{type(e).__name__}: {e}" + (f" ({type(e.__cause__).__name__}: {e.__cause__})" if e.__cause__ else "")
+        events.emit("agent_exit", ok=False, error=why[-2000:])  # before: a traceback, no agent_exit
+        print(f"trainguard run: the rendezvous failed; this node stopped (exit 1): {why}; see {events.path}",
+              file=sys.stderr)
         return 1
     if (code := agent_result(events, {})) is not None:
         return code
