@@ -27,6 +27,7 @@ from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
 from .ramleft import adopt_legacy, read_id
+from .ramsize import estimate, estimated  # noqa: F401  (estimate: kept importable from here)
 
 log = logging.getLogger("trainguard")
 
@@ -49,8 +50,12 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
     same round: every rank raises a ``CheckpointError`` naming it (the manager reports it per
     ``on_error``). Before, rank 0 raised the bare error and the others waited in the round. So does
     the previous copy's failure with ``on_error="raise"`` (``_copy_failed``), in its own words.
-    ``state``: the state being saved; before a run's first save (no checkpoint size known yet)
-    rank 0 takes :func:`estimate` of it as the size."""
+    ``state``: the state being saved; rank 0 takes the larger of the last checkpoint's size and
+    :func:`estimate` of it (before a run's first save, the estimate alone). Before, the estimate was
+    taken before the first save only: a state that grew since (an optimizer added after the first
+    save, Adam's moments created by the first step) was written into a RAM tier without room for
+    it, and an async save then failed with ENOSPC (raised at the next call) instead of going to the
+    run directory."""
     durable: bool | dict[str, Any] = False
     err: Exception | None = None
     failed: CheckpointError | None = None
@@ -60,8 +65,8 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
             if (failed := _copy_failed(tier)) is not None:
                 raise failed
             tier.make_room()
-            if tier.need is None and state is not None:
-                tier.need = estimate(state)  # replaced by the real size once a checkpoint is in RAM or on disk
+            if state is not None:  # the state may have grown since the last checkpoint (an optimizer added)
+                tier.need = max(tier.need or 0, estimated(tier, state))  # the real size replaces it at the next commit
             durable = _decide(tier, step)
         except Exception as e:  # any of rank 0's: every rank fails this save with it (a stuck copy as one: iostall)
             err, durable = e, {"error": f"{type(e).__name__}: {e}", "stuck": isinstance(e, StuckWriteError)}
@@ -190,34 +195,6 @@ def ran_out(e: BaseException, ram: str) -> bool:
     each failed rank's traceback as text) is a lack of room in the RAM directory ``ram``."""
     texts = [str(e)] + [str(t) for t in getattr(e, "failures", {}).values()]
     return any(ram in t and "no space left" in t.lower() for t in texts)
-
-
-def estimate(state: Mapping[str, Any]) -> int:
-    """Rank 0, ``goes_durable``, before a run's first save: about what this node's ranks write, an
-    upper bound rather than less. Plain tensors (replicated: the node's ranks write at most one
-    copy together) count once, a DTensor's local shard once per rank of the node
-    (``LOCAL_WORLD_SIZE``). Modules' parameters and buffers, optimizers' state, tensors of the
-    state or of a dict in it; each tensor once. Before, a first async save into a RAM tier with
-    less room failed (its error known at the next save) instead of going to the run directory."""
-    import torch
-
-    from .dtensor import is_dtensor
-
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    seen: set[int] = set()
-    total = 0
-    for v in state.values():
-        if isinstance(v, torch.nn.Module):
-            ts: Any = [*v.parameters(), *v.buffers()]
-        elif isinstance(v, torch.optim.Optimizer):
-            ts = [t for s in v.state.values() for t in s.values()]
-        else:
-            ts = [v] if isinstance(v, torch.Tensor) else list(v.values()) if isinstance(v, dict) else []
-        for t in ts:
-            if isinstance(t, torch.Tensor) and id(t) not in seen:
-                seen.add(id(t))
-                total += t.to_local().nbytes * local if is_dtensor(t) else t.nbytes
-    return total
 
 
 def opened(tier: Any, timeout: float | None) -> None:
