@@ -81,3 +81,32 @@ def _load_equals(rank: int, world: int, url: str, seed: int) -> None:
     got = {"w": torch.zeros_like(want["w"])}
     tg.load(url, got)
     assert torch.equal(got["w"], want["w"])
+
+
+def test_verify_on_an_object_store_stops_reading_at_a_hung_endpoint(monkeypatch):
+    """``tg.verify`` of a checkpoint on an object store reads 8 windows at once (verifyread). A read that fails
+    with the store's ``TimeoutError`` (a hung endpoint: ``TRAINGUARD_STORE_TIMEOUT``) is raised, as the sequential
+    path raises it at once. Before, every queued window was still read first (the thread pool's exit waited for
+    them): one bound per 8 windows of 16 MiB (a 100 GB checkpoint: 800 bounds), and Ctrl-C went on the same way.
+    Now the reads not started are not: at most those in flight when the first failed."""
+    from trainguard import verifyread
+    from trainguard.storage import _reads
+
+    monkeypatch.setattr(verifyread, "WINDOW", 64 << 10)  # 64 windows from a 4 MiB checkpoint (16 MiB each, else)
+    monkeypatch.setattr(verifyread, "GAP", 0)
+    url = f"memory://review55g-{uuid.uuid4().hex[:8]}/ckpt"
+    tg.save(url, {f"t{i}": torch.randn(16 << 10) for i in range(64)})  # 64 tensors of 64 KiB
+    calls: list[int] = []
+
+    def hung(self, buf, offset):
+        calls.append(offset)
+        raise TimeoutError("the object store did not answer within 600 s (TRAINGUARD_STORE_TIMEOUT)")
+
+    monkeypatch.setattr(_reads._RangeReader, "readinto", hung)
+    try:
+        tg.verify(url)
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("verify did not raise the store's TimeoutError")
+    assert 1 <= len(calls) <= 2 * verifyread.THREADS, len(calls)
