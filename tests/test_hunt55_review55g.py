@@ -5,6 +5,7 @@ without the ``weed`` binary)."""
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 import torch
@@ -110,3 +111,79 @@ def test_verify_on_an_object_store_stops_reading_at_a_hung_endpoint(monkeypatch)
     else:
         raise AssertionError("verify did not raise the store's TimeoutError")
     assert 1 <= len(calls) <= 2 * verifyread.THREADS, len(calls)
+
+
+# (waits, sets) by (process, point), as tests/test_hunt54_store54.py's PLANS. Two saves of the same bytes (a job
+# launched twice with one seed): B starts while A's data is up and takes it for a crashed save's (deletes it), then
+# uploads its own, the same bytes (one ETag); A's check before its manifest finds its objects "unchanged" and
+# commits; B then finds A's manifest and fails.
+SAME_BYTES = ({("B", "before_occupied"): ["A_data"], ("A", "before_check"): ["B_data"],
+               ("B", "before_check"): ["A_manifest"]},
+              {("A", "after_data"): ["A_data"], ("B", "after_data"): ["B_data"], ("A", "after_manifest"): ["A_manifest"]})
+
+
+def _saver(name: str, url: str, events: dict, out, env: dict) -> None:
+    """One process's plain ``tg.save`` of ``url`` (the same state in both), paused at ``SAME_BYTES``'s points
+    (bounded waits; every event is set when it ends)."""
+    os.environ.update(env)
+    from trainguard import api
+    from trainguard.storage import _uploads
+
+    waits, sets = SAME_BYTES
+
+    def at(point: str) -> None:
+        for ev in waits.get((name, point), []):
+            events[ev].wait(60)
+        for ev in sets.get((name, point), []):
+            events[ev].set()
+
+    def around(fn, before, after):
+        def call(*a, **k):
+            at(before)
+            try:
+                return fn(*a, **k)
+            finally:
+                at(after)
+        return call
+
+    api.occupied = around(api.occupied, "before_occupied", "after_occupied")
+    api.check_shared = around(api.check_shared, "before_check", "after_check")
+    api.commit_dir = around(api.commit_dir, "before_manifest", "after_manifest")
+    _uploads._S3Upload.complete = around(_uploads._S3Upload.complete, "before_data", "after_data")
+    try:
+        tg.save(url, {"w": torch.arange(3 << 20, dtype=torch.float32)})  # 12 MB: a multipart upload
+        out.put((name, "ok"))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        out.put((name, f"{type(e).__name__}: {e}"))
+    finally:
+        for ev in events.values():
+            ev.set()
+
+
+def test_a_save_that_loses_to_one_of_the_same_bytes_leaves_its_data(weed):  # noqa: F811
+    """Two plain saves of one S3 step at once, of the same bytes. A committed (its check found the objects B
+    uploaded over its own, deleted as a crashed save's, with its sizes and ETags) and returned; B then met A's
+    manifest, failed, and removed "its own" objects, found by their ETags: the data A's committed manifest names.
+    A's checkpoint had no data ("data file is missing"; its save had returned). Now a failed save removes nothing
+    while the step holds a manifest it did not write: what is committed verifies."""
+    from dist_helper import _context
+
+    ctx = _context()
+    url = _url() + "/step-000000001"
+    events = {n: ctx.Event() for n in ["A_data", "B_data", "A_manifest"]}
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_saver, args=(n, url, events, out, _env())) for n in ("A", "B")]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(10)
+    assert [n for n, r in got.items() if r == "ok"] == ["A"], got
+    assert got["B"].startswith("ConcurrentSaveError"), got
+    report = tg.verify(url)
+    assert report.ok, (got, report.errors)
