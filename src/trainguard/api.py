@@ -257,7 +257,7 @@ def persist_and_commit(
         abandon_commit(ctx, save_id, shown, e)
     if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
         # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
-        discard_late(storage, work, outcome)  # not another save's step (object stores: samesave)
+        discard_late(storage, work, outcome, report)  # not another save's step (object stores: samesave)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
         raise save_failed(write_error, shown)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
     if outcome.get("failures"):
