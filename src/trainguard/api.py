@@ -21,7 +21,7 @@ import torch
 from . import __version__, iostall, layout, replicas, split, splitplan
 from .capture import Leaf, Snapshot, _check_key, capture, check_data_positions, chunk_view, my_chunks  # noqa: F401
 from .commit import LazyManifest, check_shared, commit_dir, occupied, rank_files
-from .commitfail import check_commit, discard
+from .commitfail import check_commit, discard, discard_late
 from .commitfence import abandon_commit, check_begin, claim_commit
 from .dist import DistContext, check_timeout, one_operation
 from .errors import (
@@ -257,7 +257,7 @@ def persist_and_commit(
         abandon_commit(ctx, save_id, shown, e)
     if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
         # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
-        storage.remove_tree(work)
+        discard_late(storage, work, outcome, report)  # not another save's step (object stores: samesave)
     if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
         raise save_failed(write_error, shown)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
     if outcome.get("failures"):

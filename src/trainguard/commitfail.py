@@ -36,6 +36,20 @@ def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Excepti
     return outcome, error
 
 
+def discard_late(storage: Storage, work: str, outcome: dict[str, Any], report: dict[str, Any]) -> None:
+    """``api.persist_and_commit``, a rank other than 0 that the "commit" round's ``outcome`` names among the failed
+    ones (maybe late: it (re)created the temp directory after rank 0's ``discard`` removed it): remove ``work``. Not
+    on an object store when the save met another save of its step (``samesave.concurrent``): there ``work`` is the
+    step itself and holds the other save's objects: only this rank's own (``report``: its "written" report, whose
+    objects a late rank created after rank 0's ``discard`` removed the others' own; ``samesave.remove_own``).
+    Before (review55g), such a rank removed the whole step, manifest first, after the commit round: a 2-rank save
+    that lost to another save of the step deleted the winner's committed checkpoint (whose save had returned)."""
+    if storage.atomic_rename or not concurrent(outcome, None):
+        storage.remove_tree(work)
+    else:
+        remove_own(storage, work, [report])
+
+
 def check_commit(target: str, outcome: dict[str, Any]) -> None:
     """``api.persist_and_commit``, every rank, on the "commit" round's ``outcome``: raise rank 0's
     failed commit (its error as text), permanent when rank 0's error was (``runlock.check_owned``)."""

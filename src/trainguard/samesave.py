@@ -123,10 +123,23 @@ def remove_own(storage: Any, work: str, written: list[dict[str, Any]] | None) ->
     ranks' reports (one never answered) or ETags (not S3), nothing: what is left is cleaned as any crashed save's.
     Nothing either where the store took writes unconditionally (``FsspecStorage.unconditional``): there the other
     save may have written the same bytes over this one's (one ETag), and committed them (review54f: two saves of
-    the same bytes, the one that lost deleted the committed checkpoint's data)."""
+    the same bytes, the one that lost deleted the committed checkpoint's data). Nor, while the step holds a
+    manifest (another save's, committed), an object that manifest names: where it holds the same bytes as this
+    save's own (one ETag), the other committed it. Before (review55g), a save that deleted the other's
+    objects as a crashed save's (``drop_listed``) and uploaded the same bytes saw the other commit over them
+    (its check found its sizes and ETags), failed at that manifest, and removed them: the committed checkpoint,
+    whose save had returned, had no data."""
     if not written or getattr(storage, "unconditional", False):  # written over: an ETag names bytes, not a save
         return
     have = storage.objects(work)
+    if layout.MANIFEST in have:  # another save's (``recheck`` deleted this one's): the objects it names stay
+        try:
+            from .commit import read_manifest  # it imports this module
+
+            m = read_manifest(storage, work)
+        except Exception:  # noqa: BLE001 - unreadable or gone meanwhile: nothing is removed
+            return
+        have = {n: v for n, v in have.items() if n not in m.files and n not in m.indexes}
     mine = [storage.join(work, n) for n, (_r, _s, etag) in _ours(written).items()
             if n in have and etag and have[n][1] == etag]
     if mine:
