@@ -137,6 +137,7 @@ def test_verify_of_a_run_names_a_valid_ram_copy_restore_would_use(tmp_path):
     assert "holds a valid copy of step 1" in " ".join(r.output.split()), r.output
     with tg.CheckpointManager(root, ram_tier=str(shm)) as mgr:  # what the note promises
         assert mgr.restore({"model": torch.nn.Linear(4, 2)}) == 1
+    (tmp_path / "elsewhere").mkdir()  # a RAM tier base holding no copy of this run (one not there: exit 2)
     r = _run("verify", root, "--ram-tier", tmp_path / "elsewhere")
     assert r.exit_code == 1 and "restore would find none to load" in r.output, r.output
 

@@ -89,6 +89,18 @@ def check_plot_target(plot: str) -> None:
                            "name a file in a directory you may write to")
 
 
+def ram_tier_given(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """click's callback of ``ls``'s and ``verify``'s ``--ram-tier``, as click parses them: a directory named on the
+    command line must exist (the default, /dev/shm, may be absent: not Linux). Before (review55e), a mistyped one
+    listed no RAM copies without a word, as if this node held none."""
+    from click.core import ParameterSource
+
+    if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE and not os.path.isdir(value):
+        raise click.BadParameter(f"{printable(value)}: no such directory; name the directory the manager's "
+                                 "ram_tier= keeps its copies in on this node (ram_tier=True: /dev/shm)")
+    return value
+
+
 @contextlib.contextmanager
 def plot_written(plot: str) -> Iterator[None]:
     """Around the write of ``--plot``'s file (``report``, ``plan``): :func:`check_plot_target` first,

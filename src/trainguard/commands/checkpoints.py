@@ -23,7 +23,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointErro
 from ..gcpause import gc_paused
 from ..layout import MANIFEST, RAM_BASE
 from ..storage import for_path
-from . import PipeConsole, printable, stdout_gone, terminated_as_interrupt
+from . import PipeConsole, printable, ram_tier_given, stdout_gone, terminated_as_interrupt
 from .values import entry_values, shown
 
 console = PipeConsole()
@@ -87,7 +87,7 @@ def _size(n: float) -> str:
 @click.argument("run_dir")
 @click.option("--verify", "verify_data", is_flag=True, help="Also check every data checksum (reads all bytes).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per step) instead of a table.")
-@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR",
+@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR", callback=ram_tier_given,
               help="Where the manager's ram_tier= keeps its RAM copies (node-local: run ls on the training node).")
 def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
@@ -249,7 +249,7 @@ def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str,
 @click.command("verify")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list (one object per checkpoint checked).")
-@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR",
+@click.option("--ram-tier", "ram_base", default=RAM_BASE, show_default=True, metavar="DIR", callback=ram_tier_given,
               help="Where the manager's ram_tier= keeps its RAM copies: a run directory with no valid checkpoint "
                    "says whether this node's RAM tier holds one (which a restart here resumes from).")
 def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
