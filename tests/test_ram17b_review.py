@@ -190,9 +190,9 @@ def test_ls_json_says_which_ram_copies_a_restart_discards(tmp_path):
 
 
 def test_the_first_saves_estimate_counts_each_tensor_once() -> None:
-    """ramroom.estimate: a module's parameters and buffers, an optimizer's state, plain tensors and
+    """ramsize.estimate: a module's parameters and buffers, an optimizer's state, plain tensors and
     a dict's, each tensor once (a tied weight, the same tensor in two entries)."""
-    from trainguard.ramroom import estimate
+    from trainguard.ramsize import estimate
 
     m = torch.nn.Sequential(torch.nn.Embedding(100, 8), torch.nn.Linear(8, 100, bias=False), torch.nn.BatchNorm1d(100))
     m[1].weight = m[0].weight  # tied: 3,200 bytes once

@@ -27,7 +27,7 @@ from .commit import list_steps
 from .errors import CheckpointError
 from .iostall import StuckWriteError
 from .ramleft import adopt_legacy, read_id
-from .ramsize import estimate, estimated  # noqa: F401  (estimate: kept importable from here)
+from .ramsize import estimated
 
 log = logging.getLogger("trainguard")
 
@@ -51,7 +51,7 @@ def goes_durable(tier: Any, step: int, timeout: float | None, state: Mapping[str
     ``on_error``). Before, rank 0 raised the bare error and the others waited in the round. So does
     the previous copy's failure with ``on_error="raise"`` (``_copy_failed``), in its own words.
     ``state``: the state being saved; rank 0 takes the larger of the last checkpoint's size and
-    :func:`estimate` of it (before a run's first save, the estimate alone). Before, the estimate was
+    :func:`.ramsize.estimate` of it (before a run's first save, the estimate alone). Before, the estimate was
     taken before the first save only: a state that grew since (an optimizer added after the first
     save, Adam's moments created by the first step) was written into a RAM tier without room for
     it, and an async save then failed with ENOSPC (raised at the next call) instead of going to the
