@@ -10,6 +10,8 @@ interpreter was finalizing ended that thread with ``pthread_exit`` inside pybind
 C++ runtime aborted the agent: "terminate called without an active exception", exit -6 (SIGABRT)
 instead of 143 (1 run in 12 of SIGTERM to a 1-worker agent on a loaded 2-core machine).
 
+:func:`install` also installs :mod:`.heartclock` (nodes whose wall clocks disagree).
+
 :func:`install` (``launcher.install_agent_hooks``, once, in the agent) tracks the handlers whose
 heartbeats started; :func:`stop` (``launcher.main``, on its way out) stops their threads and waits for a
 heartbeat in flight, bounded. The rendezvous itself is not closed (torch's choice on a signal stands).
@@ -26,6 +28,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any
+
+from . import heartclock
 
 _HANDLERS: weakref.WeakSet[Any] = weakref.WeakSet()  # handlers whose keep-alive timer started (agent)
 
@@ -45,6 +49,7 @@ def install() -> None:
     start._tg_keepalive = True  # type: ignore[attr-defined]
     cls._start_heartbeats = start
     _readd_op()
+    heartclock.install()  # heartclock.py: heartbeats judged by this agent's clock, not by the nodes' clocks
 
 
 def _readd_op() -> None:

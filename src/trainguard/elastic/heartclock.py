@@ -1,0 +1,92 @@
+"""Rendezvous heartbeats judged by this agent's own clock, so that nodes whose wall clocks disagree still meet.
+
+torch's c10d rendezvous keeps, for each node, the wall-clock time of its last keep-alive heartbeat, written by that
+node with its own clock (``datetime.now``), and every node, at each sync of the state, drops the nodes whose time is
+older than its own ``now - keep_alive_interval * keep_alive_max_attempt`` (``_BackendRendezvousStateHolder
+._sanitize``): 3 s under ``trainguard run`` (torch: 15 s). Nodes' clocks set more than that apart (a node without
+NTP, a VM whose clock drifted, a container host stepped back) broke the job; seen with one agent's rendezvous clock
+set 10 s off (``tests/test_s56_heartclock.py``):
+
+* the node behind was dropped as dead by the store's host at each of its syncs: the host formed the rendezvous and
+  ran the job alone, at world size 1 under ``--nnodes 2``, with exit 0 (half the nodes training, silently), and the
+  other agent exited 1 when the host's exit took the store;
+* the node ahead dropped the other one: the rendezvous completed with a world size its nodes did not agree on, and
+  the job hung.
+
+:func:`install` (``launcher.install_agent_hooks``, once, in the agent) wraps ``_sanitize``: a node counts as alive
+while its heartbeat's value changed within the expiry by this agent's monotonic clock (when this agent saw it change
+at a sync), whatever the time it holds, and as dead once its value stayed the same for the expiry, also when its
+time lies ahead. A heartbeat older than :data:`FAR` by this node's clock is judged by its time, as torch does (a
+node dead long before this agent started watching is dropped at once; a node first seen with an older heartbeat
+is dropped after the expiry). The exit barrier (:mod:`.exitbarrier`) reads the same sanitized state. Limits: clocks
+more than :data:`FAR` apart still fail; the last-call deadline of a ``--nnodes MIN:MAX`` rendezvous (set by one node,
+read by the others) still moves by the skew.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+FAR = 300.0  # s: a heartbeat whose time is this far behind this node's clock is judged by its time alone
+
+
+def install() -> None:
+    """Agent, once (before its first rendezvous): wrap torch's ``_BackendRendezvousStateHolder._sanitize`` (called
+    at the end of each state sync, from the agent's thread and its keep-alive thread under the handler's lock)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    holder = getattr(dr, "_BackendRendezvousStateHolder", None)
+    orig = holder.__dict__.get("_sanitize") if isinstance(holder, type) else None
+    if orig is None or getattr(orig, "_tg_heartclock", False):
+        return  # another torch: its own judgement
+
+    def _sanitize(self: Any) -> None:
+        state, settings = getattr(self, "_state", None), getattr(self, "_settings", None)
+        beats = getattr(state, "last_heartbeats", None)
+        try:
+            expiry = settings.keep_alive_interval * settings.keep_alive_max_attempt  # type: ignore[union-attr]
+        except (AttributeError, TypeError):
+            expiry = None
+        if not isinstance(beats, dict) or not isinstance(expiry, timedelta):
+            return orig(self)
+        put = judge(self.__dict__.setdefault("_tg_beats", {}), beats, dr.datetime.now(dr.timezone.utc), expiry)
+        try:
+            orig(self)
+        finally:
+            for node, beat in put.items():
+                if node in beats:
+                    beats[node] = beat  # the value read from the store: a state written back keeps it
+
+    _sanitize._tg_heartclock = True  # type: ignore[attr-defined]
+    holder._sanitize = _sanitize  # type: ignore[union-attr]
+
+
+def judge(seen: dict[Any, tuple[Any, float]], beats: dict[Any, Any], now: Any, expiry: timedelta,
+          mono: float | None = None) -> dict[Any, Any]:
+    """Called by the wrapped ``_sanitize`` before torch's: note when each node's heartbeat value was seen to change
+    (``seen``: node -> (value, monotonic time), kept on the state holder), and set in ``beats`` the time torch's
+    judgement by clocks should see: ``now`` for a node whose value changed within ``expiry`` (alive), a time past
+    the expiry for one whose value did not (dead). Returns the values replaced, for the caller to put back."""
+    mono = time.monotonic() if mono is None else mono
+    limit = expiry.total_seconds()
+    put: dict[Any, Any] = {}
+    for node, beat in list(beats.items()):
+        prev = seen.get(node)
+        if prev is None or prev[0] != beat:
+            seen[node] = prev = (beat, mono)
+        try:
+            behind = (now - beat).total_seconds()
+        except TypeError:
+            continue  # not a time torch wrote: torch's judgement
+        if behind > FAR:
+            continue
+        alive = mono - prev[1] < limit
+        if alive and behind > limit:
+            put[node], beats[node] = beat, now
+        elif not alive and behind <= limit:
+            put[node], beats[node] = beat, now - expiry - expiry
+    for node in [n for n in seen if n not in beats]:
+        del seen[node]
+    return put
