@@ -69,7 +69,8 @@ Defaults that differ from torchrun (each fixes a measured trap; override any of 
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  restarted workers get a fresh store (torch's shared one
                                         makes restarts fail on stale gloo ports)
   --rdzv-conf last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3
-                                        c10d: a lost agent is noticed in seconds (46 s otherwise)
+                                        c10d: a lost agent is noticed in seconds (46 s otherwise);
+                                        heartbeats judged by each agent's clock (nodes' clocks may differ)
   --max-restarts 3                      torchrun: 0
   --stop-timeout 5                      SIGKILL workers 5 s after SIGTERM on a restart (torch: 30 s);
                                         a worker that returned on SIGTERM (preemption save) exits
