@@ -87,6 +87,7 @@ def judge(seen: dict[Any, tuple[Any, float]], beats: dict[Any, Any], now: Any, e
             put[node], beats[node] = beat, now
         elif not alive and behind <= limit:
             put[node], beats[node] = beat, now - expiry - expiry
-    for node in [n for n in seen if n not in beats]:
-        del seen[node]
+    for node in list(seen):  # a copy taken under the GIL: another thread's sync may change ``seen``
+        if node not in beats:
+            seen.pop(node, None)
     return put
