@@ -76,8 +76,14 @@ def _events(run: Path, kind: str) -> list[dict]:
         return [e for e in map(json.loads, f) if e.get("event") == kind]
 
 
-@pytest.mark.parametrize("how", ["truncated", "missing", "grown"])
-def test_a_kept_checkpoint_with_a_damaged_data_file_takes_no_keeplatest_slot(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize("how", ["truncated", "missing", "grown", "truncated-threads"])
+def test_a_kept_checkpoint_with_a_damaged_data_file_takes_no_keeplatest_slot(
+        tmp_path: Path, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how.endswith("-threads"):  # the files stat'ed a few at once, as for a checkpoint of many ranks
+        import trainguard.keptseen
+
+        monkeypatch.setattr(trainguard.keptseen, "MANY_FILES", 1)
+        how = how.split("-")[0]
     run, state = tmp_path / "run", _state()
     with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepLatest(2), handle_signals=False) as mgr:
         for s in (3, 4):
@@ -108,6 +114,17 @@ def test_the_newest_checkpoint_damaged_keeps_two_older_ones(tmp_path: Path) -> N
         assert _steps(run) == [1, 2, 3, 4]
         mgr.save(5, state)
         assert _steps(run) == [4, 5]
+
+
+def test_keepbest_keeps_the_next_best_when_the_best_is_damaged(tmp_path: Path) -> None:
+    run, state = tmp_path / "run", _state()
+    with tg.CheckpointManager(run, save=tg.EveryNSteps(1), keep=tg.KeepBest("loss", 1), handle_signals=False) as mgr:
+        for s, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+            mgr.save(s, state, metrics={"loss": loss})
+        _damage(_step(run, 2), "truncated")
+        mgr.save(4, state, metrics={"loss": 5.0})
+        # Before: [2, 4], the best one kept though it does not load, the next best (3) deleted.
+        assert [s for s in _steps(run) if s != 4 and tg.verify(_step(run, s)).ok] == [3]
 
 
 def test_a_damaged_checkpoint_of_an_earlier_run_found_by_its_manifests_sizes(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ checkpoint truncated, grown or missing a data file took a ``KeepLatest`` slot, a
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from . import layout
@@ -101,8 +102,9 @@ def kept_damaged(mgr: CheckpointManager, steps: list[Any], keep: set[int], newes
         if (why := _wrong_files(mgr, s, sizes)) is None:
             continue
         found, damaged[s.step] = True, why
-        log.warning("trainguard: the checkpoint of step %d in %s is damaged (%s): retention keeps the older ones in its "
-                    "place; `trainguard verify %s` says what else is wrong", s.step, mgr.root, why, s.path)
+        log.warning("trainguard: the checkpoint of step %d in %s is damaged (%s), and a restore would skip it: "
+                    "retention does not count it among those it keeps, and keeps another in its place; `trainguard "
+                    "verify %s` says what else is wrong", s.step, mgr.root, why, s.path)
         mgr.events.emit("retention_damaged", step=s.step, why=why)
     return found
 
@@ -120,15 +122,22 @@ def _wrong_files(mgr: CheckpointManager, s: Any, sizes: dict[int, dict[str, int]
         except OSError as e:
             return f"its manifest cannot be read: {e}" if is_media_error(e) else None
         sizes[s.step] = {**m.files, **{k: v[0] for k, v in m.indexes.items()}}
-    for name, want in sizes[s.step].items():
-        try:
-            have = st.size(st.join(s.path, name))
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except OSError as e:
-            if is_media_error(e):
-                return f"{name} cannot be read: {e}"
-            return None
-        if have != want:
-            return f"{name} holds {have:,} bytes where its manifest says {want:,}"
-    return None
+    files = sizes[s.step]
+    if len(files) < MANY_FILES:
+        return next((why for why in (_wrong_size(st, s.path, n, w) for n, w in files.items()) if why != ""), None)
+    with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="trainguard-retention-stat") as pool:  # a round trip each
+        return next((why for why in pool.map(lambda f: _wrong_size(st, s.path, *f), files.items()) if why != ""), None)
+
+
+MANY_FILES, STAT_THREADS = 32, 16  # a checkpoint of MANY_FILES files or more (one a rank) is stat'ed 16 at once (NFS)
+
+
+def _wrong_size(st: Any, directory: str, name: str, want: int) -> str | None:
+    """``_wrong_files``: what is wrong with one file, "" when nothing is, None when the stat tells nothing (EACCES)."""
+    try:
+        have = st.size(st.join(directory, name))
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read: {e}" if is_media_error(e) else None
+    return f"{name} holds {have:,} bytes where its manifest says {want:,}" if have != want else ""
