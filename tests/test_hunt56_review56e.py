@@ -6,6 +6,8 @@
   5. Retention now compares the files' sizes of the checkpoints that stand in for those it deletes with their
   manifest's (a stat each, no byte read; ``keptseen.kept_damaged``): a damaged one takes no slot, and the older good
   one stays until enough newer sound ones exist.
+- The warning of the first save after such a restore, setting the skipped step aside, called it only "an abandoned
+  timeline" (a rollback's words); it now says restore found it unusable.
 - Checked and held up: ``restore`` skipping a corrupt newest checkpoint (a flipped byte, 1 and 2 ranks) names the
   step, the file and the tensor in its warning and its ``restore_skip`` event, and the run's saves after it keep
   the step it restored from until ``KeepLatest(2)`` holds two newer ones.
@@ -181,6 +183,9 @@ def test_two_ranks_restore_past_a_corrupt_newest_says_which_and_why_and_keeps_wh
     skip = [r for r in records if "step 4 is not usable" in r]
     assert skip and "data-00001.bin" in skip[0] and "local" in skip[0], records
     assert [(e["step"], "data-00001.bin" in e["reason"]) for e in _events(run, "restore_skip") if e["rank"] == 0] == [(4, True)]
+    # The first save sets step 4 aside (deleted at its commit): the warning says it is the one restore found unusable,
+    # not only "an abandoned timeline" (a rollback's words).
+    assert any("setting aside" in r and "restore found 4 unusable" in r for r in records), records
     # After 5: 3 (restored) and 5; step 5 then cut short: 6 keeps 3 (before: [5, 6], nothing before 6 loads);
     # 7: two sound ones newer than 3.
     assert listed == [[3, 5], [3, 5, 6], [6, 7]]

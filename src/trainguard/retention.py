@@ -223,10 +223,12 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
                  if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own
                  and not mgr._own.unknown(s.step) and s.step != step]
         mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else DONE)
-        if newer:
-            log.warning("trainguard: setting aside the checkpoints of steps %s in %s, an abandoned timeline: this run went "
-                        "back to step %s behind them; they are deleted when its next save commits",
-                        ", ".join(str(s.step) for s in newer), mgr.root, mgr._restored)
+        if newer:  # those restore skipped said so (step, why); named again here, it is their deletion
+            bad = ", ".join(str(s.step) for s in newer if s.step in mgr._rejected)
+            log.warning("trainguard: setting aside the checkpoints of steps %s in %s%s, an abandoned timeline: this run "
+                        "went back to step %s behind them; they are deleted when its next save commits",
+                        ", ".join(str(s.step) for s in newer), mgr.root,
+                        f" (restore found {bad} unusable: see its warning)" if bad else "", mgr._restored)
         for s in newer:
             mgr.storage.rename_dir(s.path, mgr.storage.join(mgr._root, layout.aside_dir(s.name, mgr._aside)))
     except OSError as e:
