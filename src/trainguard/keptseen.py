@@ -6,17 +6,25 @@ retention (``commit.list_steps(known=...)``: no stat, on an object store no HEAD
 still hold its manifest. Before, a kept checkpoint whose manifest went after a retention saw it (deleted by hand or
 by another process's cleanup, a lifecycle rule) was counted as one of ``KeepLatest(n)``'s n, and the older good
 one was deleted: KeepLatest(2) left one valid checkpoint (on object stores since store53, on local disk before).
+``kept_damaged`` is the same look at the data files (a stat each, against the sizes the manifest records): a kept
+checkpoint truncated, grown or missing a data file took a ``KeepLatest`` slot, and the older good one was deleted
+(review56e: ``KeepLatest(2)`` with step 4's data file cut short deleted step 3 at the save of step 5).
 """
 
 from __future__ import annotations
 
+import logging
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from . import layout
-from .commit import list_steps
+from .commit import list_steps, read_manifest
+from .errors import CheckpointError, NotACheckpointError, is_media_error
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
+
+log = logging.getLogger("trainguard")
 
 
 def committed(mgr: CheckpointManager) -> list[Any]:
@@ -42,13 +50,94 @@ def kept_gone(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest: 
     ``retain`` keeps whatever the policy chose: an older KeepEvery multiple gone, the step it deleted was the only
     valid one before the newest; review54a). A stat (HEAD) each: KeepLatest(n) n-1, KeepEvery(k) one, KeepAll
     none. A failed stat raises (``apply_retention``: nothing deleted)."""
-    doomed = [s.step for s in steps if s.step not in keep and s.step < newest]
-    if not doomed:
-        return False
-    trusted, st, low = mgr.__dict__.get("_trusted", set()), mgr.storage, -1 if mgr.keep.reads_metadata else min(doomed)
-    before = max((s.step for s in steps if s.step in keep and s.step < newest), default=None)
-    gone = [s for s in steps if s.step in keep and s.step != newest and (low < s.step or s.step == before)
-            and s.name in trusted and not st.exists(st.join(s.path, layout.MANIFEST))]
+    trusted, st = mgr.__dict__.get("_trusted", set()), mgr.storage
+    gone = [s for s in _stand_ins(mgr, steps, keep, newest) if s.step != newest and s.name in trusted
+            and not st.exists(st.join(s.path, layout.MANIFEST))]
     for s in gone:
         mgr._seen.discard(s.name)
     return bool(gone)
+
+
+def _stand_ins(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest: int) -> list[Any]:
+    """The kept steps that stand in place of those ``retain`` deletes (none when it deletes none): newer than the
+    oldest step deleted (a policy that reads metadata, KeepBest: any), and the newest kept one before ``newest``."""
+    doomed = [s.step for s in steps if s.step not in keep and s.step < newest]
+    if not doomed:
+        return []
+    low = -1 if mgr.keep.reads_metadata else min(doomed)
+    before = max((s.step for s in steps if s.step in keep and s.step < newest), default=None)
+    return [s for s in steps if s.step in keep and (low < s.step or s.step == before or s.step == newest)]
+
+
+SIZES_HELD = 16  # the newest kept steps whose files' sizes ``kept_damaged`` holds on to
+
+
+def remember_files(mgr: CheckpointManager, m: Any) -> None:
+    """Rank 0, at the commit of its save of ``m.step`` (``retention.committed_facts``): the sizes of the files its
+    manifest ``m`` records, which ``kept_damaged`` compares with the files' (no manifest read for its own saves)."""
+    mgr.__dict__.setdefault("_sizes", {})[m.step] = {**m.files, **{k: v[0] for k, v in m.indexes.items()}}
+
+
+def kept_damaged(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest: int) -> bool:
+    """``retain``, rank 0, after ``kept_gone``, before it deletes, on a local run directory (an object store's object
+    is whole or absent: a save's files there are not torn): whether a step that stands in place of one it deletes
+    (``_stand_ins``, ``newest`` too) holds a data or index file that is missing or not the size its manifest records
+    (cut short by a torn write the file system did not report, a copy or restore of the directory cut short, a file
+    removed by hand), or a manifest that does not read (its checksum). Such a step goes into ``mgr._damaged`` (step:
+    what is wrong; ``retention._plan`` then gives it no place among those kept, and keeps it while it is newer than
+    the oldest step kept), with a warning and a ``retention_damaged`` event; ``restore`` would skip it. A stat per
+    file of each step looked at (the sizes: the manager's own saves', else its manifest's, read once); bytes are not
+    read: a flipped bit is found by ``restore`` and ``trainguard verify`` only (docs/checkpoints.md, retention).
+    An error that does not say the checkpoint is bad (EACCES) tells nothing: the step counts as sound."""
+    sizes, damaged = mgr.__dict__.setdefault("_sizes", {}), mgr.__dict__.setdefault("_damaged", {})
+    looked = [s for s in _stand_ins(mgr, steps, keep, newest) if s.step not in damaged]
+    for step in set(sizes) - set(sorted(keep)[-SIZES_HELD:]):  # not every kept step's (KeepAll): read again if need be
+        del sizes[step]
+    for step in set(damaged) - {s.step for s in steps}:  # no longer listed (removed by hand)
+        del damaged[step]
+    if not mgr.storage.atomic_rename:
+        return False
+    found = False
+    for s in looked:
+        if (why := _wrong_files(mgr, s, sizes)) is None:
+            continue
+        found, damaged[s.step] = True, why
+        log.warning("trainguard: the checkpoint of step %d in %s is damaged (%s), and a restore would skip it: "
+                    "retention does not count it among those it keeps, and keeps another in its place; `trainguard "
+                    "verify %s` says what else is wrong", s.step, mgr.root, why, s.path)
+        mgr.events.emit("retention_damaged", step=s.step, why=why)
+    return found
+
+
+def _wrong_files(mgr: CheckpointManager, s: Any, sizes: dict[int, dict[str, int]]) -> str | None:
+    """``kept_damaged``: what is wrong with step ``s``'s files (missing, another size), or None."""
+    st = mgr.storage
+    if s.step not in sizes:
+        try:
+            m = read_manifest(st, s.path)
+        except NotACheckpointError:  # its manifest went meanwhile: kept_gone's, at the next look
+            return None
+        except CheckpointError as e:
+            return f"its manifest is corrupt: {e}"
+        except OSError as e:
+            return f"its manifest cannot be read: {e}" if is_media_error(e) else None
+        sizes[s.step] = {**m.files, **{k: v[0] for k, v in m.indexes.items()}}
+    files = sizes[s.step]
+    if len(files) < MANY_FILES:
+        return next((why for why in (_wrong_size(st, s.path, n, w) for n, w in files.items()) if why != ""), None)
+    with ThreadPoolExecutor(STAT_THREADS, thread_name_prefix="trainguard-retention-stat") as pool:  # a round trip each
+        return next((why for why in pool.map(lambda f: _wrong_size(st, s.path, *f), files.items()) if why != ""), None)
+
+
+MANY_FILES, STAT_THREADS = 32, 16  # a checkpoint of MANY_FILES files or more (one a rank) is stat'ed 16 at once (NFS)
+
+
+def _wrong_size(st: Any, directory: str, name: str, want: int) -> str | None:
+    """``_wrong_files``: what is wrong with one file, "" when nothing is, None when the stat tells nothing (EACCES)."""
+    try:
+        have = st.size(st.join(directory, name))
+    except FileNotFoundError:
+        return f"{name} is missing"
+    except OSError as e:
+        return f"{name} cannot be read: {e}" if is_media_error(e) else None
+    return f"{name} holds {have:,} bytes where its manifest says {want:,}" if have != want else ""

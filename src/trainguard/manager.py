@@ -296,7 +296,7 @@ class CheckpointManager:
         self.last_saved_step, self._failed_permanent = manifest.step, False
         self._own.add(manifest.step)
         if self.ctx.rank == 0:  # a full manifest here (elsewhere a lazy one would read it)
-            self._created[manifest.step] = manifest.created
+            retention.committed_facts(self, manifest)  # when saved, its files' sizes
             policies.forget_decisions(self.ctx, self._pending_mark)  # every rank read the decisions up to it
         self._rejected.discard(manifest.step)
         # Stall = the save() call (incl. waiting for the previous save) + optimizer pre-step + wait_staged() waits.

@@ -23,7 +23,7 @@ from .commit import list_steps, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
-from .keptseen import committed, kept_gone
+from .keptseen import committed, kept_damaged, kept_gone, remember_files
 from .manifestfacts import read_facts
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -65,7 +65,7 @@ def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -
     def run(m: Any) -> None:
         # What _finish_pending sets later, for the policy's facts: with the RAM tier too, whose copy's
         # retention may run first (after a rollback the step's entry was the abandoned timeline's).
-        mgr._created[m.step] = m.created
+        committed_facts(mgr, m)
         if mgr.ram:
             return mgr.ram.committed(m.step, mgr._apply_retention, m.total_bytes)
         try:
@@ -79,7 +79,7 @@ def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -
 def retain(mgr: CheckpointManager, newest: int) -> None:
     """Delete the committed checkpoints of ``mgr``'s root that ``mgr.keep`` does not keep, older
     than ``newest`` (which is kept whatever the policy says). A step ``restore`` found unusable
-    takes no place among those kept.
+    takes no place among those kept, nor does one whose files ``kept_damaged`` found cut short or missing.
 
     Checkpoints newer than ``newest`` that this manager did not write are deleted too, once its
     ``restore`` returned a step: an earlier run left them, and this run went back behind them
@@ -92,8 +92,8 @@ def retain(mgr: CheckpointManager, newest: int) -> None:
     stood in for it may be gone too, as when a lifecycle rule expired several; once, until review54d, and KeepEvery(10)
     deleted step 21 on the trust of step 10, gone with 20), at most once per listed step."""
     steps, abandoned, keep = _plan(mgr, newest)
-    for _ in range(len(steps)):  # a kept step lost its manifest since it was seen: list again
-        if not kept_gone(mgr, steps, keep, newest):
+    for _ in range(len(steps)):  # a kept step lost its manifest since it was seen, or its files are damaged: again
+        if not (kept_gone(mgr, steps, keep, newest) or kept_damaged(mgr, steps, keep, newest)):
             break
         steps, abandoned, keep = _plan(mgr, newest)
     fault("before_retention", mgr.ctx.rank)
@@ -130,7 +130,8 @@ def _plan(mgr: CheckpointManager, newest: int) -> tuple[list[Any], list[Any], se
     steps = [s for s in steps if s not in abandoned]
     facts = mgr.keep.reads_metadata  # else no manifest is read (KeepLatest, KeepEvery: steps alone)
     infos, unread = [], set()  # unread: kept, their manifest could not be read (_info)
-    for s in (s for s in steps if s.step not in mgr._rejected):
+    damaged = mgr.__dict__.get("_damaged", {})  # kept_damaged's: no place among those kept (nor is one rejected)
+    for s in (s for s in steps if s.step not in mgr._rejected and s.step not in damaged):
         info = _info(mgr, s, facts)
         if info is None:
             unread.add(s.step)
@@ -141,7 +142,7 @@ def _plan(mgr: CheckpointManager, newest: int) -> tuple[list[Any], list[Any], se
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
     keep = kept | {newest} | unread | ({max(older)} if older and not kept & older else set())
-    return steps, abandoned, keep
+    return steps, abandoned, keep | {s.step for s in steps if s.step in damaged and s.step > min(keep)}
 
 
 def _delete(mgr: CheckpointManager, path: str, step: int, **extra: Any) -> None:
@@ -222,10 +223,12 @@ def set_aside(mgr: CheckpointManager, step: int, meta: dict[str, Any]) -> Checkp
                  if s.status == "committed" and s.step > (mgr._restored or 0) and s.step not in mgr._own
                  and not mgr._own.unknown(s.step) and s.step != step]
         mgr._aside = mgr._aside or (secrets.token_hex(8) if newer else DONE)
-        if newer:
-            log.warning("trainguard: setting aside the checkpoints of steps %s in %s, an abandoned timeline: this run went "
-                        "back to step %s behind them; they are deleted when its next save commits",
-                        ", ".join(str(s.step) for s in newer), mgr.root, mgr._restored)
+        if newer:  # those restore skipped said so (step, why); named again here, it is their deletion
+            bad = ", ".join(str(s.step) for s in newer if s.step in mgr._rejected)
+            log.warning("trainguard: setting aside the checkpoints of steps %s in %s%s, an abandoned timeline: this run "
+                        "went back to step %s behind them; they are deleted when its next save commits",
+                        ", ".join(str(s.step) for s in newer), mgr.root,
+                        f" (restore found {bad} unusable: see its warning)" if bad else "", mgr._restored)
         for s in newer:
             mgr.storage.rename_dir(s.path, mgr.storage.join(mgr._root, layout.aside_dir(s.name, mgr._aside)))
     except OSError as e:
@@ -260,7 +263,8 @@ def restore_candidates(mgr: CheckpointManager) -> list[tuple[int, str, str]] | d
     ``set_aside`` moved away for a save that did not commit is put back first: before, a restore
     after that save failed did not see it (``restore()`` gave the earlier timeline's copy of the
     failed save's step, ``restore(step=5)`` that step too), where a restart resumes from it."""
-    mgr.__dict__.get("_seen", set()).clear()  # what retention saw before: a restore looks afresh
+    for seen in (mgr.__dict__.get("_seen", set()), mgr.__dict__.get("_damaged", {})):
+        seen.clear()  # what retention saw before: a restore looks afresh
     try:
         if mgr._aside not in ("", DONE):  # set aside for a save that failed (restore waited for it)
             # Back first: this restore sees what a restart would (commit.clean_debris); the next save
@@ -364,8 +368,15 @@ def _facts(mgr: CheckpointManager, s: Any) -> tuple[float, dict[str, float]]:
 
 
 def _forget(mgr: CheckpointManager, step: int) -> None:
-    mgr._metrics.pop(step, None)
-    mgr._created.pop(step, None)
+    for facts in (mgr._metrics, mgr._created, mgr.__dict__.get("_damaged", {}), mgr.__dict__.get("_sizes", {})):
+        facts.pop(step, None)
+
+
+def committed_facts(mgr: CheckpointManager, m: Any) -> None:
+    """Rank 0, at the commit of its save of step ``m.step`` (``at_commit``'s thread; ``_finish_pending``): what its
+    manifest ``m`` says that retention uses: when it was saved (the policy's facts), its files' sizes (``kept_damaged``)."""
+    mgr._created[m.step] = m.created
+    remember_files(mgr, m)
 
 
 def unrestored_error(e: CheckpointError, step: int, restored: int | None) -> CheckpointError:
