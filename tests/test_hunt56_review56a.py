@@ -176,3 +176,43 @@ def test_a_crashed_saves_step_is_still_removed_by_the_open():
     with tg.CheckpointManager(run, handle_signals=False) as mgr:
         assert mgr.latest_step() == 1
     assert not fsspec.filesystem("memory").exists(f"{run.split('://', 1)[1]}/step-000000002/data-00000.bin")
+
+
+@needs_weed
+def test_on_s3_a_save_whose_upload_fails_leaves_the_checkpoint_another_save_committed(weed, monkeypatch):  # noqa: F811
+    """Lead 1 on SeaweedFS: A's part upload fails (the store's 503) after B committed the step (B's objects, manifest
+    last, appear once A found the step free). Before, A's cleanup deleted B's manifest and objects; now B verifies
+    and loads."""
+    import s3fs
+
+    from trainguard import api
+    from trainguard.storage import _uploads
+
+    base = f"s3://tgtest/review56a-{uuid.uuid4().hex[:8]}"
+    src, url = f"{base}/a/step-000000001", f"{base}/b/step-000000001"
+    big = {"w": torch.randn(3 << 20, generator=torch.Generator().manual_seed(1))}  # 12 MiB: a multipart upload
+    tg.save(src, big)
+    orig = api.occupied
+
+    def then_committed(storage, final, overwrite, **kw):
+        why = orig(storage, final, overwrite, **kw)
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        for key in sorted(fs.find(src[5:]), key=lambda k: k.endswith("manifest.json")):
+            fs.copy(key, url[5:] + "/" + key.rsplit("/", 1)[1])
+        return why
+
+    def refused(self, k, data):
+        raise OSError("An error occurred (ServiceUnavailable) when calling the UploadPart operation: Please reduce "
+                      "your request rate")
+
+    monkeypatch.setattr(api, "occupied", then_committed)
+    monkeypatch.setattr(_uploads._S3Upload, "part", refused)
+    monkeypatch.setattr(_uploads, "PART_SIZE_MIN_MULTIPART", 0)  # every part goes through upload_part
+    with pytest.raises(tg.CheckpointError, match="ServiceUnavailable"):
+        tg.save(url, {"w": torch.zeros(3 << 20)})
+    monkeypatch.undo()
+    report = tg.verify(url)
+    assert report.ok, report.errors
+    got = {"w": torch.zeros(3 << 20)}
+    tg.load(url, got)
+    assert torch.equal(got["w"], big["w"])
