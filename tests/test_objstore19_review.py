@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 import uuid
 
 import pytest
@@ -50,6 +51,18 @@ class _Freezer:
     def freeze(self) -> None:
         os.kill(self.pid, signal.SIGSTOP)  # by PID: the server the fixture started
         self.stopped = True
+        # A SIGSTOP of a process that exited (a zombie) succeeds and freezes nothing: a test of a hung endpoint then
+        # saw its save commit (review56a). The server must be stopped now, else the test is not what it says.
+        for _ in range(500):  # bounded: the stop is delivered at once
+            with open(f"/proc/{self.pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+            if state in "Tt":
+                return
+            if state in "ZX":
+                break
+            time.sleep(0.01)
+        raise AssertionError(f"the session's SeaweedFS server (PID {self.pid}) is not running (state {state}): "
+                             "freezing it froze nothing")
 
     def thaw(self) -> None:
         if self.stopped:

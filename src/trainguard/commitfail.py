@@ -11,22 +11,26 @@ from typing import Any, NoReturn
 from . import layout
 from .errors import CheckpointError, describe_error
 from .runlock import check_owned, holder_of
-from .samesave import concurrent, remove_own
+from .samesave import concurrent, drop_failed, remove_own
 from .storage import Storage
-from .storage._stale import active
+from .storage._stale import active, drop_incomplete
 
 
 def discard(storage: Storage, work: str, outcome: dict[str, Any], error: Exception | None,
-            written: list[Any] | None = None) -> tuple[dict[str, Any], Exception | None]:
+            written: list[Any] | None = None, manifest: Any = None) -> tuple[dict[str, Any], Exception | None]:
     """``api.persist_and_commit``, rank 0, a save that failed (``outcome``, and ``error``, this
     process's own, raised as itself by a single process): remove its temp directory ``work``; on an
     object store, where ``work`` is the step itself, only the objects its ranks (``written``: their
-    reports) created when it met another save of the step (``samesave.remove_own``: the other's stay).
+    reports) created when it met another save of the step (``samesave.remove_own``: the other's stay); when it
+    failed otherwise, the step's objects but a manifest it did not write (``manifest``: the one it wrote, if any)
+    and what that manifest names (``samesave.drop_failed``: another save of the step committed meanwhile).
     When the run directory's lock was lost meanwhile (``runlock.check_owned``: an ``rm -rf`` while
     the ranks wrote made their writes fail with ENOENT), that error, permanent, replaces both: the
     write's error (not permanent) had ``trainguard run`` restart the job into an empty directory."""
     if not storage.atomic_rename and concurrent(outcome, error):
         remove_own(storage, work, written)
+    elif not storage.atomic_rename:
+        drop_failed(storage, work, manifest)
     else:
         storage.remove_tree(work)
     try:
@@ -43,9 +47,13 @@ def discard_late(storage: Storage, work: str, outcome: dict[str, Any], report: d
     step itself and holds the other save's objects: only this rank's own (``report``: its "written" report, whose
     objects a late rank created after rank 0's ``discard`` removed the others' own; ``samesave.remove_own``).
     Before (review55g), such a rank removed the whole step, manifest first, after the commit round: a 2-rank save
-    that lost to another save of the step deleted the winner's committed checkpoint (whose save had returned)."""
-    if storage.atomic_rename or not concurrent(outcome, None):
+    that lost to another save of the step deleted the winner's committed checkpoint (whose save had returned).
+    Otherwise on an object store ``samesave.drop_failed``: not a manifest (rank 0 wrote none: the save failed), nor
+    what it names (review56a: ``remove_tree`` deleted a checkpoint another save of the step committed meanwhile)."""
+    if storage.atomic_rename:
         storage.remove_tree(work)
+    elif not concurrent(outcome, None):
+        drop_failed(storage, work)
     else:
         remove_own(storage, work, [report])
 
@@ -94,9 +102,13 @@ def removed(storage: Storage, path: str, name: str) -> list[str]:
     open's warning and ``debris`` event listed such a directory as removed, open after open (on object stores
     until hunt53: a read-only key's open said "removed debris ... ['step-000000005']", which stayed).
     On S3, a directory written to within the idle limit is left (``_stale.active``: maybe a live save's, another
-    process's; ``_stale.recheck`` looks again): ``[]``."""
+    process's; ``_stale.recheck`` looks again): ``[]``. On an object store the objects of one listing go, not a
+    manifest (``_stale.drop_incomplete``: a save that committed the step since ``list_steps`` listed it keeps it)."""
     if active(storage, path):
         return []
+    if not storage.atomic_rename and hasattr(storage, "objects") and layout.parse_step(name) is not None:
+        # a step directory without a manifest, as listed: one that appeared since stays
+        return [name] if drop_incomplete(storage, path) else []
     storage.remove_tree(path)
     if storage.atomic_rename:
         return [] if os.path.lexists(path) else [name]

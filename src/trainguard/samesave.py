@@ -128,7 +128,8 @@ def remove_own(storage: Any, work: str, written: list[dict[str, Any]] | None) ->
     save's own (one ETag), the other committed it. Before (review55g), a save that deleted the other's
     objects as a crashed save's (``drop_listed``) and uploaded the same bytes saw the other commit over them
     (its check found its sizes and ETags), failed at that manifest, and removed them: the committed checkpoint,
-    whose save had returned, had no data."""
+    whose save had returned, had no data. Left open (no lock on an object store): such a save that commits between
+    this listing and the deletes; a manifest seen after them is warned about."""
     if not written or getattr(storage, "unconditional", False):  # written over: an ETag names bytes, not a save
         return
     have = storage.objects(work)
@@ -144,6 +145,60 @@ def remove_own(storage: Any, work: str, written: list[dict[str, Any]] | None) ->
             if n in have and etag and have[n][1] == etag]
     if mine:
         storage.remove_objects(mine)
+        if layout.MANIFEST not in have and layout.MANIFEST in storage.objects(work):  # (review56a) the moment
+            log.warning("trainguard: another save committed %s while this failed save removed its own objects: if "  # left
+                        "it wrote the same bytes (one ETag), its data may be gone: check it with `trainguard verify`",
+                        location(storage, work))
+
+
+def drop_failed(storage: Any, work: str, mine: Any = None) -> None:
+    """``commitfail.discard`` (rank 0) and ``discard_late`` (a rank named failed) of an object-store save that failed
+    for a reason of its own (an upload's error, a refused endpoint; not ``concurrent``): delete the objects of one
+    listing of ``work`` (the step itself), but never a manifest this save did not write (``mine``: the ``Manifest``
+    it wrote, or None), nor an object such a manifest names. Before (review56a), ``remove_tree`` deleted the whole
+    step, manifest first: a save of the same step that committed while this one wrote (no run lock on an object
+    store) lost its checkpoint, though its save had returned. Best effort, as ``remove_tree``: a failed request is
+    logged, and what is left is cleaned as a crashed save's (``commit.clean_debris``). A save that commits between
+    this listing and its deletes may still lose objects: see docs/storage.md (two saves of one step)."""
+    if not hasattr(storage, "objects"):
+        return storage.remove_tree(work)
+    try:
+        have, keep = storage.objects(work), {layout.MANIFEST}
+        if layout.MANIFEST in have:
+            keep = _committed_names(storage, work, mine)
+        names = [storage.join(work, n) for n in sorted(have) if n not in keep]
+        if keep == {layout.MANIFEST} and getattr(storage, "_s3", False):  # none committed: SeaweedFS's folder entry
+            names.append(work.rstrip("/") + "/")  # (deleting it leaves any object under it: measured)
+        if names:
+            storage.remove_objects(names)
+    except Exception as e:  # noqa: BLE001 - as remove_tree: left for the next cleanup
+        log.warning("trainguard: could not remove %s, left by a save that failed (%s): the next CheckpointManager "
+                    "open removes it", location(storage, work), error_text(e))
+
+
+def _committed_names(storage: Any, work: str, mine: Any) -> set[str]:
+    """``drop_failed``, where ``work`` holds a manifest: the names to leave. None when the manifest is this save's
+    own (``mine`` wrote those bytes: deleted, the commit marker first); else the manifest and what it names (another
+    save's commit), or, when it cannot be read, every name of the step (a manifest this save may not judge)."""
+    from .manifest import MAX_MANIFEST_BYTES, parse
+
+    path = storage.join(work, layout.MANIFEST)
+    try:
+        data = storage.read_bytes(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:  # deleted since the listing: nothing committed to leave
+        return set()
+    try:
+        ours = mine is not None and data == mine.to_bytes()
+    except Exception:  # noqa: BLE001 - a manifest too large to write (to_bytes refused it): not the one there
+        ours = False
+    if ours:
+        storage.remove_objects([path])
+        return {layout.MANIFEST}
+    try:
+        m = parse(data, location(storage, path))
+    except Exception:  # noqa: BLE001 - another's, unreadable: its step is left whole
+        return set(storage.objects(work))
+    return {layout.MANIFEST, *m.files, *m.indexes}
 
 
 def drop_listed(storage: Any, final: str) -> None:

@@ -99,8 +99,7 @@ def recheck(storage: Any, root: str) -> list[str]:
     for path in sorted(storage.__dict__.get("_dirs_left", {}).pop(root, set())):
         try:  # one the store fails on stays (the next open looks again); the uploads are still looked at
             if not storage.exists(storage.join(path, layout.MANIFEST)) and not active(storage, path):
-                storage.remove_tree(path)
-                done += [] if storage.listdir(path) else [path.rstrip("/").rsplit("/", 1)[-1]]
+                done += [path.rstrip("/").rsplit("/", 1)[-1]] if drop_incomplete(storage, path) else []
         except Exception as e:  # noqa: BLE001
             log.warning("trainguard: could not remove %s, left by a crashed save (%s)", path, error_text(e))
     return done + abort_uploads(storage, root)
@@ -137,6 +136,33 @@ def active(storage: Any, path: str) -> bool:
         storage.__dict__.setdefault("_dirs_left", {}).setdefault(root, set()).add(path)
         log.info("trainguard: left %s (no manifest): written to within %.0f s, maybe a save in progress", path, limit)
     return young
+
+
+def drop_incomplete(storage: Any, path: str) -> bool:
+    """``commitfail.removed`` (``commit.clean_debris``, rank 0 at a manager's open) and ``recheck`` (retention, rank
+    0), on an object store, once ``active`` found the step directory ``path`` idle: delete the objects of one listing
+    of it, unless that listing holds a manifest (a save committed it since the caller looked: left, as it is).
+    Returns whether ``path`` holds nothing now. Before (review56a), ``remove_tree`` came after ``active``'s requests
+    (listings of the objects, the uploads, their parts) and deleted ``manifest.json`` first, whatever it was: a
+    save of the step that committed while they ran (its rank 0 waited for a slow rank) lost its checkpoint, though
+    its save had returned. The listing and the deletes are the window left (an object store has no lock, and a
+    delete cannot be made conditional on another object's absence): a manifest that appears in it is kept and
+    warned about. Best effort, as ``remove_tree``: a failure is logged and the directory is left (False)."""
+    try:
+        have = storage.objects(path)
+        if layout.MANIFEST in have:
+            log.info("trainguard: left %s: a save committed it while it was looked at as a crashed save's", path)
+            return False
+        folder = [path.rstrip("/") + "/"] if getattr(storage, "_s3", False) else []  # SeaweedFS's folder entry
+        storage.remove_objects([storage.join(path, n) for n in sorted(have)] + folder)  # (its children stay)
+        left = storage.objects(path)
+    except Exception as e:  # noqa: BLE001 - as remove_tree: left for the next cleanup
+        log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, error_text(e))
+        return False
+    if layout.MANIFEST in left:
+        log.warning("trainguard: a save committed %s while its objects were removed as a crashed save's (no lock on "
+                    "an object store: give each job its own prefix): check it with `trainguard verify`", path)
+    return not left
 
 
 def _live(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:
