@@ -23,7 +23,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointErro
 from ..gcpause import gc_paused
 from ..layout import MANIFEST, RAM_BASE
 from ..storage import for_path
-from . import PipeConsole, printable, ram_tier_given, stdout_gone, terminated_as_interrupt
+from . import PipeConsole, counted, printable, ram_tier_given, stdout_gone, terminated_as_interrupt
 from .values import entry_values, shown
 
 console = PipeConsole()
@@ -397,4 +397,4 @@ def export_cmd(ckpt: str, to: str, entry: str) -> None:
 
     with terminated_as_interrupt(to):  # `timeout`/kill: the temporary file beside --to is removed
         n = export(ckpt, to, entry=entry)
-    console.print(f"wrote {n} tensors to {_shown(to)}")
+    console.print(f"wrote {counted(n, 'tensor')} to {_shown(to)}")

@@ -62,6 +62,7 @@ class FsspecStorage:
         if part_size < (5 << 20):
             raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
         self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
+        self._http = type(fs).__name__ == "HTTPFileSystem"  # exists(strict=True): an unreachable host raises
         self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
         self.part_size = part_size
         self._buckets: set[str] = set()  # buckets found to exist (_bucket.need_bucket)
@@ -147,8 +148,11 @@ class FsspecStorage:
 
     @_remote
     def exists(self, path: str) -> bool:
+        """Whether ``path`` is there. fsspec's HTTP filesystem answers False for a host it cannot reach (a DNS
+        error, a refused connection, a 500): every command then said "no such directory" of a server that was
+        down; with ``strict`` it raises those (the CLI's "the object store failed: ...") and a 404 is False."""
         self._fresh(path)
-        return bool(self.io.exists(path))
+        return bool(self.io.exists(path, strict=True) if self._http else self.io.exists(path))
 
     @_remote
     def size(self, path: str) -> int:

@@ -1,0 +1,120 @@
+"""Session 56's hostile review of the ``trainguard`` command line (review56d): the commands run on
+real checkpoints, broken ones too (a flipped byte, a truncated or missing data file), and on URLs of
+hosts that do not answer. Each test fails on the code before its fix."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import trainguard as tg
+from trainguard.cli import main
+
+
+def _run(*args: object) -> object:
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def _run_dir(root: Path, steps: tuple[int, ...] = (10, 20)) -> None:
+    for s in steps:
+        tg.save(root / f"step-{s:09d}", {"model": tg.StateDict(w=torch.arange(64.0) + s)})
+
+
+def _flip(step_dir: Path) -> None:
+    """One byte of the tensor's data flipped (its block's checksum fails)."""
+    data = step_dir / "data-00000.bin"
+    b = bytearray(data.read_bytes())
+    b[3] ^= 0xFF
+    data.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("cmd", ["export", "convert", "convert-dcp", "consolidate"])
+def test_a_corrupt_source_is_named_with_what_to_use_instead(tmp_path: Path, cmd: str) -> None:
+    """``export``/``convert``/``consolidate`` of a step whose block fails its checksum said only
+    ``error: data-00000.bin: checksum mismatch in tensor 'model/w' (bytes 0..256): the checkpoint is
+    corrupt``: which checkpoint of which run, and what to do, was the user's to find out. Now the
+    error names the step directory and its step, and the earlier steps with ``trainguard verify``.
+    ``convert --to dcp`` said "cannot write OUT as dcp: CorruptCheckpointError: ..." (the source's
+    fault told as the output's)."""
+    run = tmp_path / "run"
+    _run_dir(run)
+    bad = run / "step-000000020"
+    _flip(bad)
+    args = {"export": ("export", bad, "--to", tmp_path / "w.safetensors"),
+            "convert": ("convert", bad, tmp_path / "w.pt"),
+            "convert-dcp": ("convert", bad, tmp_path / "out_dcp", "--to", "dcp"),
+            "consolidate": ("consolidate", bad, tmp_path / "full")}[cmd]
+    r = _run(*args)
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert line.startswith("error: "), r.output
+    assert f"{bad}/data-00000.bin (checkpoint of step 20): checksum mismatch" in line, line
+    assert "holds step 10" in line and f"`trainguard verify {run}`" in line, line
+    assert "cannot write" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written beside it
+
+
+def test_a_truncated_data_file_says_which_earlier_steps_to_try(tmp_path: Path) -> None:
+    """A truncated data file was named with its path, and nothing to do: now the earlier steps follow."""
+    run = tmp_path / "run"
+    _run_dir(run, (10, 20, 30))
+    data = run / "step-000000030" / "data-00000.bin"
+    data.write_bytes(data.read_bytes()[:50])
+    r = _run("export", run / "step-000000030", "--to", tmp_path / "w.pt")
+    assert r.exit_code == 2, r.output
+    assert "truncated" in r.output and "holds steps 20, 10" in r.output, r.output
+
+
+@pytest.mark.parametrize("cmd", ["export", "convert", "consolidate"])
+def test_closing_lines_count_in_the_singular(tmp_path: Path, cmd: str) -> None:
+    """"converted 1 tensors", "wrote 1 tensors", "consolidated 1 tensors, ... (saved by 1 ranks)"."""
+    src = tmp_path / "step-000000001"
+    tg.save(src, {"model": tg.StateDict(w=torch.ones(3))})
+    args = {"export": ("export", src, "--to", tmp_path / "w.pt"),
+            "convert": ("convert", src, tmp_path / "w.safetensors"),
+            "consolidate": ("consolidate", src, tmp_path / "full", "-q")}[cmd]
+    r = _run(*args)
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "1 tensors" not in out and "1 ranks" not in out, out
+    assert {"export": "wrote 1 tensor to", "convert": "converted 1 tensor:",
+            "consolidate": "consolidated 1 tensor, "}[cmd] in out, out
+    if cmd == "consolidate":
+        assert "(saved by 1 rank)" in out, out
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("cmd", ["ls", "verify", "inspect", "export"])
+def test_an_unreachable_http_host_is_not_told_as_absence(tmp_path: Path, cmd: str) -> None:
+    """``trainguard ls http://HOST/run`` with HOST down (refused here; a DNS failure alike) said
+    "no such directory": fsspec's HTTP filesystem answers ``exists`` False for any client error, so a
+    server that is down read as a path mistyped. Now the error says the store could not be reached."""
+    pytest.importorskip("aiohttp")
+    url = f"http://127.0.0.1:{_closed_port()}/run"
+    args = {"ls": ("ls", url), "verify": ("verify", url), "inspect": ("inspect", url + "/step-000000010"),
+            "export": ("export", url + "/step-000000010", "--to", tmp_path / "w.pt")}[cmd]
+    r = _run(*args)
+    assert r.exit_code == 2, r.output
+    assert "no such" not in r.output, r.output
+    assert "Cannot connect to host 127.0.0.1" in r.output, r.output
+
+
+def test_convert_of_a_step_without_manifest_is_told_as_a_crashed_save(tmp_path: Path) -> None:
+    """``convert RUN/step-N OUT.pt`` of a step directory without ``manifest.json`` (a save that crashed
+    or is running) said "not a trainguard checkpoint ..., DCP directory ..., .pt ...; pass the source
+    format explicitly (--from)": no format flag helps. Now as ``export`` and ``inspect`` say it."""
+    run = tmp_path / "run"
+    _run_dir(run, (10,))
+    (run / "step-000000010" / "manifest.json").unlink()
+    r = _run("convert", run / "step-000000010", tmp_path / "w.pt")
+    assert r.exit_code == 2, r.output
+    assert "--from" not in r.output and "not a committed checkpoint" in r.output, r.output
