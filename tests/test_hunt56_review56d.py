@@ -16,7 +16,7 @@ from trainguard.cli import main
 
 
 def _run(*args: object) -> object:
-    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False, prog_name="trainguard")
 
 
 def _run_dir(root: Path, steps: tuple[int, ...] = (10, 20)) -> None:
@@ -118,3 +118,25 @@ def test_convert_of_a_step_without_manifest_is_told_as_a_crashed_save(tmp_path: 
     r = _run("convert", run / "step-000000010", tmp_path / "w.pt")
     assert r.exit_code == 2, r.output
     assert "--from" not in r.output and "not a committed checkpoint" in r.output, r.output
+
+
+@pytest.mark.parametrize("cmd", ["verify", "ls"])
+def test_ctrl_c_of_a_reading_command_exits_130_not_verify_s_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             cmd: str) -> None:
+    """Ctrl-C during ``verify`` (or ``ls --verify``) ended in click's "Aborted!", exit 1: ``verify``'s
+    code for a checkpoint that failed, so a script took the interrupted check for corruption. Now one
+    ``interrupted:`` line and 130, as ``convert``/``export``/``consolidate`` exit."""
+    import trainguard.inspect as tgi
+
+    run = tmp_path / "run"
+    _run_dir(run, (10,))
+
+    def interrupted(*a: object, **k: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tgi, "verify", interrupted)
+    monkeypatch.setattr(tgi, "list_checkpoints", interrupted) if cmd == "ls" else None
+    r = _run(*(("verify", run) if cmd == "verify" else ("ls", "--verify", run)))
+    assert r.exit_code == 130, r.output
+    assert f"interrupted: `trainguard {cmd}` stopped before it finished" in r.output, r.output
+    assert "Aborted" not in r.output, r.output
