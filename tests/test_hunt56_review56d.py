@@ -140,3 +140,24 @@ def test_ctrl_c_of_a_reading_command_exits_130_not_verify_s_1(tmp_path: Path, mo
     assert r.exit_code == 130, r.output
     assert f"interrupted: `trainguard {cmd}` stopped before it finished" in r.output, r.output
     assert "Aborted" not in r.output, r.output
+
+
+def test_convert_into_a_directory_named_like_a_file_names_the_destination(tmp_path: Path) -> None:
+    """``convert CKPT out.pt`` where ``out.pt`` is a directory said "error: .../.out.pt.tmp-<id>: Is a
+    directory": a temporary name the user never gave. Now as ``export`` says it."""
+    src = tmp_path / "step-000000001"
+    tg.save(src, {"model": tg.StateDict(w=torch.ones(3))})
+    (tmp_path / "out.pt").mkdir()
+    r = _run("convert", src, tmp_path / "out.pt")
+    assert r.exit_code == 2, r.output
+    assert f"{tmp_path / 'out.pt'} is a directory" in r.output and ".tmp-" not in r.output, r.output
+
+
+def test_a_run_directory_of_one_step_is_not_told_one_of_its_1_step_directories(tmp_path: Path) -> None:
+    """``inspect RUN`` of a run directory holding one step said "pass one of its 1 step directories
+    (`trainguard ls RUN` shows which are valid)"."""
+    run = tmp_path / "run"
+    _run_dir(run, (10,))
+    r = _run("inspect", run)
+    assert r.exit_code == 2, r.output
+    assert "pass its step directory" in r.output and "shows whether it is valid" in r.output, r.output

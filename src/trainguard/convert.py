@@ -221,6 +221,9 @@ def _stream_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], entry
     if not mine:
         raise CheckpointError(no_tensors(manifest, location(storage, d), entry))
     out = os.fspath(dst)
+    if os.path.isdir(out):  # as export says it; the error named the temporary file beside it ("Is a directory")
+        raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt (or --to dcp "
+                              "for a DCP directory)")
     if safetensors:
         refuse_names((n for n, _p, _e in mine), out)
     write_file(storage, d, manifest, entry, out, safetensors=safetensors)

@@ -253,9 +253,9 @@ def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str,
               help="Where the manager's ram_tier= keeps its RAM copies: a run directory with no valid checkpoint "
                    "says whether this node's RAM tier holds one (which a restart here resumes from).")
 def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
-    """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
-    Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
-    without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
+    """Check every checksum of a checkpoint, or of every checkpoint in a run directory. Exit code 0 only when every
+    committed checkpoint matches, and there is one (a step directory without a manifest, a save in progress or a
+    crashed one, is incomplete and does not count); 1 when one fails or none verifies; 2: PATH holds none, or is unreadable."""
     from ..commit import read_manifest
     from ..inspect import list_checkpoints, set_aside
 

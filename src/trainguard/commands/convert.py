@@ -25,7 +25,10 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
     "first name is its entry.",
 )
 def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
-    """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP. Examples:
+    """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP.
+
+    An existing .safetensors/.pt DST file is replaced (whole, when the new one is complete); a DST
+    directory that holds a checkpoint (trainguard, DCP) is refused. Examples:
 
     \b
       trainguard convert ckpts/run1/step-000000700 model.safetensors
