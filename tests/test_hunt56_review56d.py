@@ -161,3 +161,13 @@ def test_a_run_directory_of_one_step_is_not_told_one_of_its_1_step_directories(t
     r = _run("inspect", run)
     assert r.exit_code == 2, r.output
     assert "pass its step directory" in r.output and "shows whether it is valid" in r.output, r.output
+
+
+def test_verify_of_a_checkpoint_s_data_file_names_its_checkpoint(tmp_path: Path) -> None:
+    """``verify RUN/step-N/data-00000.bin`` said "is a file; pass a run directory (the one holding step-*
+    directories)", though verify takes the checkpoint the file belongs to (``inspect`` names it)."""
+    run = tmp_path / "run"
+    _run_dir(run, (10,))
+    r = _run("verify", run / "step-000000010" / "data-00000.bin")
+    assert r.exit_code == 2, r.output
+    assert f"is a file of the checkpoint {run / 'step-000000010'}: pass that directory" in r.output, r.output

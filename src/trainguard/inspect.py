@@ -167,7 +167,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     try:
         steps = list_steps(storage, r, media_ok=True)
     except NotADirectoryError:
-        raise NotACheckpointError(f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
+        inside = layout.file_given(storage, r)  # a checkpoint's own file (`verify .../data-00000.bin`): its directory
+        raise NotACheckpointError(inside if " is a file of the checkpoint " in inside else
+                                  f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
     if not steps:
         try:
             read_manifest(storage, r)
