@@ -171,3 +171,51 @@ def test_verify_of_a_checkpoint_s_data_file_names_its_checkpoint(tmp_path: Path)
     r = _run("verify", run / "step-000000010" / "data-00000.bin")
     assert r.exit_code == 2, r.output
     assert f"is a file of the checkpoint {run / 'step-000000010'}: pass that directory" in r.output, r.output
+
+
+@pytest.fixture
+def http_root(tmp_path: Path):
+    """An HTTP server on 127.0.0.1 serving ``tmp_path / "www"`` (read-only, as any plain web server); its URL."""
+    import functools
+    import http.server
+    import threading
+
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
+    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(timeout=30)
+
+
+@pytest.mark.parametrize("cmd", ["consolidate", "convert"])
+def test_writing_to_an_http_url_is_refused_as_read_only(tmp_path: Path, http_root: str, cmd: str) -> None:
+    """``consolidate CKPT http://HOST/x`` ended in fsspec's NotImplementedError traceback (exit 1), ``convert
+    w.pt http://HOST/x/step-000000001`` in "save of ... failed: NotImplementedError: " after a warning that it
+    "could not remove" the step: fsspec's HTTP filesystem cannot write. Now one line saying it is read-only."""
+    pytest.importorskip("aiohttp")
+    src = tmp_path / "step-000000001"
+    tg.save(src, {"model": tg.StateDict(w=torch.ones(3))})
+    torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
+    args = (("consolidate", src, f"{http_root}/full") if cmd == "consolidate" else
+            ("convert", tmp_path / "w.pt", f"{http_root}/imp/step-000000001"))
+    r = _run(*args)
+    assert r.exit_code == 2, r.output
+    assert "an http(s):// URL is read-only" in r.output and "NotImplementedError" not in r.output, r.output
+
+
+def test_an_http_run_directory_is_listed_and_a_missing_one_is_absent(tmp_path: Path, http_root: str) -> None:
+    """The strict ``exists`` of an HTTP URL still reads a served run directory, and a 404 is still absence."""
+    pytest.importorskip("aiohttp")
+    _run_dir(tmp_path / "www" / "run", (10,))
+    r = _run("verify", f"{http_root}/run")
+    assert r.exit_code == 0 and "OK" in r.output, r.output
+    r = _run("ls", f"{http_root}/nope")
+    assert r.exit_code == 2 and "no such directory" in r.output, r.output
