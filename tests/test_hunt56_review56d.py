@@ -219,3 +219,35 @@ def test_an_http_run_directory_is_listed_and_a_missing_one_is_absent(tmp_path: P
     assert r.exit_code == 0 and "OK" in r.output, r.output
     r = _run("ls", f"{http_root}/nope")
     assert r.exit_code == 2 and "no such directory" in r.output, r.output
+
+
+def _newer_format(step_dir: Path) -> None:
+    """The manifest rewritten as a later trainguard's (format_version 99), its checksum made to match."""
+    from trainguard.manifest import _PREFIX, checksum
+
+    p = step_dir / "manifest.json"
+    data = p.read_bytes()
+    head = len(_PREFIX) + 16
+    body = data[head + 13 : len(data) - 2]
+    old = b'"format_version":' + body.split(b'"format_version":', 1)[1].split(b",", 1)[0]
+    body = body.replace(old, b'"format_version":99', 1)
+    p.write_bytes(_PREFIX + checksum(body).encode() + b'","manifest":' + body + b"}\n")
+
+
+def test_a_checkpoint_of_a_newer_format_is_not_called_corrupt(tmp_path: Path) -> None:
+    """A step saved by a later trainguard (a manifest format this one cannot read) was listed by ``ls`` and
+    ``verify`` as ``corrupt``/``CORRUPT``: an operator cleaning up deletes corrupt checkpoints, and this one
+    is whole (the error's own words say "upgrade trainguard"). Now ``newer format``; verify still fails (1)."""
+    import json
+
+    run = tmp_path / "run"
+    _run_dir(run, (10, 20))
+    _newer_format(run / "step-000000020")
+    r = _run("ls", "--json", run)
+    assert r.exit_code == 0, r.output
+    assert [(x["step"], x["status"]) for x in json.loads(r.output)] == [(10, "valid"), (20, "newer format")]
+    r = _run("verify", run)
+    assert r.exit_code == 1, r.output
+    assert "NEWER FORMAT" in r.output and "CORRUPT" not in r.output and "upgrade trainguard" in r.output, r.output
+    r = _run("verify", "--json", run)
+    assert [x["status"] for x in json.loads(r.output)] == ["valid", "newer format"], r.output
