@@ -2,7 +2,8 @@
 
 Commands live in small modules under :mod:`trainguard.commands`; each exposes click commands
 that :func:`main` registers. click's usage errors (an unknown option, a missing argument, a value
-out of range) are one ``error:`` line with the command's usage, exit code 2. Errors derived from :class:`CheckpointError` are printed as one
+out of range) are one ``error:`` line with the command's usage, exit code 2; a Ctrl-C is one ``interrupted:``
+line, exit code 130 (click's "Aborted!" exited 1, ``verify``'s code for a corrupt checkpoint). Errors derived from :class:`CheckpointError` are printed as one
 clear line (exit code 2), never as a traceback from deep inside the library; so is an OSError (a
 file the user may not read, an I/O error), with what to do for a permission error, and an error of
 an object store's client library (an endpoint that does not answer, missing credentials).
@@ -47,6 +48,12 @@ class _Group(click.Group):
             name = ctx.invoked_subcommand  # the command being parsed: click's parser errors carry no context
             cmd = self.get_command(ctx, name) if name and e.ctx is None else None
             raise _usage(e, click.Context(cmd, info_name=name, parent=ctx) if cmd else ctx) from None
+        except KeyboardInterrupt:  # Ctrl-C in a command without its own handling (verify, ls, inspect, report, ...)
+            # click's "Aborted!" exited 1: verify's code for a corrupt checkpoint, so a script took a Ctrl-C
+            # (or a scheduler's SIGINT) for corruption. 130 as the writing commands (terminated_as_interrupt).
+            cmd = f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
+            click.echo(f"\ninterrupted: `{cmd}` stopped before it finished", err=True)
+            sys.exit(130)
         except (CheckpointError, SettingError) as e:  # SettingError: a malformed TRAINGUARD_* variable, input too
             click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
             sys.exit(2)

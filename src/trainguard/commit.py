@@ -72,8 +72,9 @@ def run_dir_named(storage: Storage, directory: str) -> str:
     except OSError as e:  # a file (NotADirectoryError): the manifest or a data file given for its checkpoint
         return layout.file_given(storage, directory) if isinstance(e, NotADirectoryError) else ""
     shown = location(storage, directory)  # what the operator typed (a URL on object stores)
-    return (f"{shown} is a run directory, not one checkpoint: pass one of its {n} step directories (`trainguard "
-            f"ls {shlex.quote(shown)}` shows which are valid)") if n else ""
+    which, valid = (f"one of its {n} step directories", "which are") if n > 1 else ("its step directory", "whether it is")
+    return (f"{shown} is a run directory, not one checkpoint: pass {which} (`trainguard "
+            f"ls {shlex.quote(shown)}` shows {valid} valid)") if n else ""  # "one of its 1 step directories" before
 
 
 def absent(storage: Storage, directory: str) -> str:

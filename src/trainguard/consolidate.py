@@ -49,8 +49,11 @@ def consolidate(
     ``CorruptCheckpointError`` when a byte of ``src`` fails its checksum. ``progress(path,
     nbytes)`` is called after each tensor is written. One process, no collective (run it offline, or on one rank).
     """
+    from .srcnamed import naming_source  # a corrupt src: named, with its earlier steps
+
     try:
-        return _consolidate(src, dst, overwrite, progress)
+        with naming_source(src):
+            return _consolidate(src, dst, overwrite, progress)
     except OSError as e:  # an I/O error reading src or writing dst: one CheckpointError (the CLI prints one line)
         if isinstance(e, CheckpointError):
             raise

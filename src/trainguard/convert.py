@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import layout
 from .commit import absent, read_manifest, run_dir_named
 from .dcp_export import check_dcp_destination, write_dcp
 from .errors import CheckpointError, StepExistsError
@@ -63,6 +64,8 @@ def detect(path: str | os.PathLike[str]) -> str:
                               "checkpoint is a step directory of a run, `trainguard ls RUN_DIR` lists them)")
     if run_dir := run_dir_named(storage, d):  # as inspect/export/consolidate say it; "pass --from" was no way out
         raise CheckpointError(run_dir)
+    if layout.parse_step(os.path.basename(d.rstrip("/"))) is not None:  # a save that crashed: "pass --from" misled
+        read_manifest(storage, d)  # its NotACheckpointError: "not a committed checkpoint ... pick a valid step"
     raise CheckpointError(
         f"{p}: not a trainguard checkpoint (no manifest.json), DCP directory (no .metadata), "
         ".pt/.pth/.bin or .safetensors file (or *.index.json of their shards); pass the source format explicitly (--from)"
@@ -111,22 +114,35 @@ def convert(
             "checkpoint with `trainguard consolidate SRC DST`" if sf == "trainguard" else
             "one side must be a trainguard checkpoint: convert into a trainguard directory first, then from it"))
     if sf == "trainguard":
-        check_destination(os.fspath(dst))
-        if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors
-            raise CheckpointError(f"{dst}: a torch.save file named .safetensors is refused by torch.load; name it .pt")
-        if df == "safetensors" and target_format(dst) == "torch":  # torch.load, pytorch_model.bin's reader, refuses it
-            raise CheckpointError(f"{dst}: a safetensors file named {os.path.splitext(os.fspath(dst))[1]} is refused by "
-                                  "torch.load; name it .safetensors, or drop --to safetensors for a torch.save file")
-        if df == "dcp":
-            check_dcp_destination(os.fspath(dst))
-            from .dcp_lazy import read_entries
+        from .srcnamed import naming_source  # a corrupt source: named, with its earlier steps
 
-            state, n, source = read_entries(src, entry)
-            with foreign_errors(f"cannot write {dst} as {df}"):
-                write_dcp(state, os.fspath(dst), source)
-            return {"from": sf, "to": df, "tensors": n, "skipped": []}
-        # streamed, as `export` writes them: one batch in memory, not the entry
-        return {"from": sf, "to": df, "tensors": _stream_file(src, dst, entry, df == "safetensors"), "skipped": []}
+        with naming_source(src):
+            return _export_to(src, dst, df, entry)
+    return _import(src, dst, sf, df, entry, dcp_split)
+
+
+def _export_to(src: str, dst: str, df: str, entry: str | None) -> dict[str, Any]:
+    """``convert`` from the trainguard checkpoint ``src`` to a ``df`` file or DCP directory ``dst``."""
+    check_destination(os.fspath(dst))
+    if df == "torch" and target_format(dst) == "safetensors":  # torch.load reads such a name as safetensors
+        raise CheckpointError(f"{dst}: a torch.save file named .safetensors is refused by torch.load; name it .pt")
+    if df == "safetensors" and target_format(dst) == "torch":  # torch.load, pytorch_model.bin's reader, refuses it
+        raise CheckpointError(f"{dst}: a safetensors file named {os.path.splitext(os.fspath(dst))[1]} is refused by "
+                              "torch.load; name it .safetensors, or drop --to safetensors for a torch.save file")
+    if df == "dcp":
+        check_dcp_destination(os.fspath(dst))
+        from .dcp_lazy import read_entries
+
+        state, n, source = read_entries(src, entry)
+        with foreign_errors(f"cannot write {dst} as {df}"):
+            write_dcp(state, os.fspath(dst), source)
+        return {"from": "trainguard", "to": df, "tensors": n, "skipped": []}
+    # streamed, as `export` writes them: one batch in memory, not the entry
+    return {"from": "trainguard", "to": df, "tensors": _stream_file(src, dst, entry, df == "safetensors"), "skipped": []}
+
+
+def _import(src: str, dst: str, sf: str, df: str, entry: str | None, dcp_split: bool) -> dict[str, Any]:
+    """``convert`` of the foreign ``sf`` checkpoint ``src`` into the trainguard checkpoint ``dst``."""
     places: dict[Any, Any] | None = {} if sf == "dcp" else None  # DCP: placeholders, the tensors streamed (dcp_stream)
     with foreign_errors(f"cannot read {src} as {sf}"):
         state, skipped = _read_foreign(src, sf, "model" if entry is None else entry, dcp_split, places)
@@ -205,6 +221,9 @@ def _stream_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], entry
     if not mine:
         raise CheckpointError(no_tensors(manifest, location(storage, d), entry))
     out = os.fspath(dst)
+    if os.path.isdir(out):  # as export says it; the error named the temporary file beside it ("Is a directory")
+        raise CheckpointError(f"{out} is a directory; pass a file name ending in .safetensors or .pt (or --to dcp "
+                              "for a DCP directory)")
     if safetensors:
         refuse_names((n for n, _p, _e in mine), out)
     write_file(storage, d, manifest, entry, out, safetensors=safetensors)

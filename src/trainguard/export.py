@@ -78,7 +78,15 @@ def selected(manifest: Manifest, prefix: str) -> list[tuple[str, str, TensorEntr
 
 def export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], *, entry: str = "model") -> int:
     """Write entry ``entry``'s tensors to ``to`` (``.safetensors`` or ``.pt``/``.pth``).
-    Returns the number of tensors written. Called by ``trainguard export``; one process, no collective."""
+    Returns the number of tensors written. Called by ``trainguard export``; one process, no collective.
+    A corrupt ``ckpt`` raises ``CorruptCheckpointError`` naming it and its earlier steps (``srcnamed``)."""
+    from .srcnamed import naming_source
+
+    with naming_source(ckpt):
+        return _export(ckpt, to, entry)
+
+
+def _export(ckpt: str | os.PathLike[str], to: str | os.PathLike[str], entry: str) -> int:
     storage, directory = for_path(ckpt)
     manifest = read_manifest(storage, directory)
     if entry not in manifest.objects:
@@ -283,21 +291,23 @@ def foreign_errors(what: str) -> Iterator[None]:
     except BaseException as e:
         if (ki := _interrupt(e)) is not None:  # a Ctrl-C/SIGTERM inside DCP or torch.save: the writer's own
             raise ki from None  # error on the way out ("unexpected pos 704 vs 598") is not the cause
+        if isinstance(bad := _interrupt(e, kind=CorruptCheckpointError), CorruptCheckpointError):
+            raise bad from None  # the source failed its checksum inside DCP's write: not "cannot write DST as dcp"
         if not isinstance(e, Exception) and type(e).__name__ != "CheckpointException":
             raise  # SystemExit, GeneratorExit
         raise _foreign_error(what, e) from e
 
 
-def _interrupt(e: BaseException | None, depth: int = 0) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (Ctrl-C, or the commands' SIGTERM) that ``e`` is or was raised while
-    handling: in its ``__cause__``/``__context__`` chain, or in those of a DCP ``CheckpointException``'s
-    failures (DCP turns every rank's exception, an interrupt too, into one). Before, a SIGTERM during
-    ``convert --to dcp`` was "error: cannot write DST as dcp: RuntimeError: ... unexpected pos", exit 2."""
+def _interrupt(e: BaseException | None, depth: int = 0, kind: type[BaseException] = KeyboardInterrupt) -> Any:
+    """The KeyboardInterrupt (Ctrl-C, or the commands' SIGTERM), or the exception of type ``kind``, that ``e``
+    is or was raised while handling: in its ``__cause__``/``__context__`` chain, or in those of a DCP
+    ``CheckpointException``'s failures (DCP turns every rank's exception, an interrupt too, into one). Before, a
+    SIGTERM during ``convert --to dcp`` was "error: cannot write DST as dcp: RuntimeError: ... unexpected pos", exit 2."""
     while e is not None and depth < 50:
-        if isinstance(e, KeyboardInterrupt):
+        if isinstance(e, kind):
             return e
         for f in (getattr(e, "failures", None) or {}).values() if type(e).__name__ == "CheckpointException" else ():
-            if (ki := _interrupt(f[0] if isinstance(f, tuple) and f else f, depth + 1)) is not None:
+            if (ki := _interrupt(f[0] if isinstance(f, tuple) and f else f, depth + 1, kind)) is not None:
                 return ki
         e, depth = e.__cause__ or e.__context__, depth + 1
     return None

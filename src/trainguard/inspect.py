@@ -16,7 +16,7 @@ from typing import Any
 from . import layout
 from .commit import list_steps, read_manifest
 from .commitfail import wrong_size
-from .errors import CheckpointError, NotACheckpointError, is_media_error
+from .errors import CheckpointError, FormatVersionError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
 from .manifest import Manifest
@@ -39,6 +39,7 @@ class VerifyResult:
     errors: list[str] = field(default_factory=list)
     bytes_checked: int = 0
     step: int | None = None
+    newer: bool = False  # the manifest is of a format this trainguard cannot read (FormatVersionError): not corruption
 
 
 def verify(path: str | os.PathLike[str]) -> VerifyResult:
@@ -54,7 +55,7 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
     try:
         manifest = read_manifest(storage, target)
     except CheckpointError as e:
-        return VerifyResult(shown, False, [str(e)], 0, named)
+        return VerifyResult(shown, False, [str(e)], 0, named, isinstance(e, FormatVersionError))
     except OSError as e:  # a medium's error (EIO): reported, not raised; EACCES and the like are raised
         _raise_unless_media(e)
         return VerifyResult(shown, False, [f"cannot read {shown}/{layout.MANIFEST}: {type(e).__name__}: {e}"], 0, named)
@@ -147,7 +148,7 @@ class StepInfo:
     step: int
     name: str
     path: str
-    status: str  # valid | corrupt | incomplete | deleted (while it was listed: retention)
+    status: str  # valid | corrupt | incomplete | deleted (while it was listed: retention) | newer format (FormatVersionError)
     created: float | None = None
     size: int = 0
     entries: int = 0
@@ -167,7 +168,9 @@ def list_checkpoints(root: str | os.PathLike[str], *, verify_data: bool = False)
     try:
         steps = list_steps(storage, r, media_ok=True)
     except NotADirectoryError:
-        raise NotACheckpointError(f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
+        inside = layout.file_given(storage, r)  # a checkpoint's own file (`verify .../data-00000.bin`): its directory
+        raise NotACheckpointError(inside if " is a file of the checkpoint " in inside else
+                                  f"{root} is a file; pass a run directory (the one holding step-* directories)") from None
     if not steps:
         try:
             read_manifest(storage, r)
@@ -214,8 +217,9 @@ def _row(storage: Storage, s: Any, verify_data: bool) -> StepInfo:
         return StepInfo(s.step, s.name, addr, "incomplete", detail=f"no {layout.MANIFEST}")
     try:  # a medium's error (EIO) on one step is that step's verdict, as verify's, not the listing's end
         m = read_manifest(storage, s.path)  # of an "unreadable" step (its stat's EIO) too: that error again
-    except CheckpointError as e:
-        return _bad(storage, s.path, StepInfo(s.step, s.name, addr, "corrupt", detail=str(e)))
+    except CheckpointError as e:  # a newer trainguard's manifest is not corruption: upgrade to read it (review56d)
+        status = "newer format" if isinstance(e, FormatVersionError) else "corrupt"
+        return _bad(storage, s.path, StepInfo(s.step, s.name, addr, status, detail=str(e)))
     except OSError as e:
         _raise_unless_media(e)
         return StepInfo(s.step, s.name, addr, "corrupt", detail=f"cannot read its {layout.MANIFEST}: {e}")

@@ -32,6 +32,12 @@ def _escaped(m: re.Match[str]) -> str:
     return f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}"
 
 
+def counted(n: int, noun: str) -> str:
+    """``"1 tensor"``, ``"2 tensors"``: the commands' closing lines (``export``, ``convert``, ``consolidate``)
+    said "converted 1 tensors" and "saved by 1 ranks"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def stdout_gone() -> None:
     """The reader of stdout went away (``trainguard verify RUN | head -1``): send the rest of the
     output to /dev/null, so that the command finishes its work and exits with its own code (verify's

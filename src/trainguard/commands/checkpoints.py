@@ -23,7 +23,7 @@ from ..errors import CheckpointError, CorruptCheckpointError, NotACheckpointErro
 from ..gcpause import gc_paused
 from ..layout import MANIFEST, RAM_BASE
 from ..storage import for_path
-from . import PipeConsole, printable, ram_tier_given, stdout_gone, terminated_as_interrupt
+from . import PipeConsole, counted, printable, ram_tier_given, stdout_gone, terminated_as_interrupt
 from .values import entry_values, shown
 
 console = PipeConsole()
@@ -91,7 +91,7 @@ def _size(n: float) -> str:
               help="Where the manager's ram_tier= keeps its RAM copies (node-local: run ls on the training node).")
 def ls(run_dir: str, verify_data: bool, as_json: bool, ram_base: str) -> None:
     """List the checkpoints of a run directory: step, time, size, entries, status
-    (valid / corrupt / incomplete; deleted: retention removed it while it was listed),
+    (valid / corrupt / incomplete / newer format; deleted: retention removed it while it was listed),
     and the copies this node's RAM tier holds, which a restart on this node tries first."""
     from ..inspect import list_checkpoints, set_aside
     from ..ramview import ram_copies
@@ -141,7 +141,7 @@ def _table(title: str, rows: list[Any]) -> Table:
         table.add_column(col)
     for r in rows:
         created = _dt.datetime.fromtimestamp(r.created).strftime("%Y-%m-%d %H:%M:%S") if r.created else "-"
-        style = {"valid": "green", "corrupt": "red", "incomplete": "yellow"}.get(r.status, "dim")  # deleted: dim
+        style = {"valid": "green", "corrupt": "red", "incomplete": "yellow", "newer format": "yellow"}.get(r.status, "dim")
         table.add_row(
             str(r.step), created, _size(r.size), str(r.entries), f"[{style}]{r.status}[/]", _shown(r.detail[:80])
         )
@@ -253,9 +253,9 @@ def _description(ckpt: str, m: Any, found: list[tuple[str, bool, list[tuple[str,
               help="Where the manager's ram_tier= keeps its RAM copies: a run directory with no valid checkpoint "
                    "says whether this node's RAM tier holds one (which a restart here resumes from).")
 def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
-    """Check every checksum of a checkpoint, or of every checkpoint in a run directory.
-    Exit code 0 only when every committed checkpoint matches, and there is one (a step directory
-    without a manifest, a save in progress or a crashed one, is listed as incomplete and does not count)."""
+    """Check every checksum of a checkpoint, or of every checkpoint in a run directory. Exit code 0 only when every
+    committed checkpoint matches, and there is one (a step directory without a manifest, a save in progress or a
+    crashed one, is incomplete and does not count); 1 when one fails or none verifies; 2: PATH holds none, or is unreadable."""
     from ..commit import read_manifest
     from ..inspect import list_checkpoints, set_aside
 
@@ -302,8 +302,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
             elif status == "valid":
                 console.print(f"[green]OK[/]      {_shown(t)}  ({_size(checked)} checked)")
             else:
-                console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]"}.get(
-                    status, "[yellow]DELETED[/]") + f" {_shown(t)}")
+                console.print({"corrupt": "[red]CORRUPT[/]", "incomplete": "[yellow]INCOMPLETE[/]", "newer format":
+                               "[yellow]NEWER FORMAT[/]"}.get(status, "[yellow]DELETED[/]") + f" {_shown(t)}")
                 for line in errors[:20]:
                     console.print(f"        {_shown(line)}")
         if not (run_dir and vanished):
@@ -348,9 +348,9 @@ def _in_ram(run_dir: str, base: str) -> str | None:
 def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list[str], int]:
     """``verify_cmd``'s verdict on one checkpoint ``t`` of step ``step`` that ``list_checkpoints``
     found ``listed`` ("incomplete": no manifest; anything else: verified here): status, step,
-    errors, bytes checked. Status "valid", "corrupt", "incomplete", or "deleted" (it vanished while
-    verified: a running job's retention deleted it); neither of the last two is corruption, and
-    restore never reads a step without a manifest."""
+    errors, bytes checked. Status "valid", "corrupt", "newer format" (a manifest this trainguard cannot read:
+    not corruption, it fails verify), "incomplete", or "deleted" (it vanished while verified: a running job's
+    retention deleted it); neither of the last two is corruption, and restore never reads a step without a manifest."""
     from ..inspect import verify
 
     if listed == "incomplete" and os.path.isfile(t):  # not a save's (commit.clean_debris leaves it, warning)
@@ -364,7 +364,7 @@ def _check(t: str, listed: str, step: int | None) -> tuple[str, int | None, list
     res = verify(t) if listed != "deleted" else None
     if res is None or (not res.ok and _deleted(t)):
         return "deleted", step, ["removed while it was checked (a running job's retention deletes old checkpoints)"], 0
-    return "valid" if res.ok else "corrupt", res.step, res.errors, res.bytes_checked
+    return "valid" if res.ok else "newer format" if res.newer else "corrupt", res.step, res.errors, res.bytes_checked
 
 
 def _gone(path: str) -> bool:
@@ -397,4 +397,4 @@ def export_cmd(ckpt: str, to: str, entry: str) -> None:
 
     with terminated_as_interrupt(to):  # `timeout`/kill: the temporary file beside --to is removed
         n = export(ckpt, to, entry=entry)
-    console.print(f"wrote {n} tensors to {_shown(to)}")
+    console.print(f"wrote {counted(n, 'tensor')} to {_shown(to)}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from . import echo, printable, terminated_as_interrupt
+from . import counted, echo, printable, terminated_as_interrupt
 
 
 @click.command("consolidate")
@@ -31,4 +31,5 @@ def consolidate(src: str, dst: str, overwrite: bool, quiet: bool) -> None:
 
     with terminated_as_interrupt(dst):  # `timeout`/kill: DST's temporary directory is removed
         m = _consolidate(src, dst, overwrite=overwrite, progress=show)
-    click.echo(f"consolidated {len(m.tensors)} tensors, {m.total_bytes} bytes (saved by {m.world_size} ranks) into {printable(dst)}")
+    click.echo(f"consolidated {counted(len(m.tensors), 'tensor')}, {counted(m.total_bytes, 'byte')} (saved by "
+               f"{counted(m.world_size, 'rank')}) into {printable(dst)}")

@@ -25,7 +25,10 @@ FORMATS = ["trainguard", "torch", "safetensors", "dcp"]
     "first name is its entry.",
 )
 def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | None, entry: str | None) -> None:
-    """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP. Examples:
+    """Convert a checkpoint between trainguard, torch.save (.pt), safetensors and DCP.
+
+    An existing .safetensors/.pt DST file is replaced (whole, when the new one is complete); a DST
+    directory that holds a checkpoint (trainguard, DCP) is refused. Examples:
 
     \b
       trainguard convert ckpts/run1/step-000000700 model.safetensors
@@ -35,7 +38,7 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
       trainguard convert hf_model/model.safetensors.index.json ckpts/imported/step-000000000
     """
     from ..convert import convert
-    from . import terminated_as_interrupt
+    from . import counted, printable, terminated_as_interrupt
 
     with terminated_as_interrupt(dst), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -44,6 +47,7 @@ def convert_cmd(src: str, dst: str, src_format: str | None, dst_format: str | No
                       dcp_split=entry in (None, "*"))  # '*' importing DCP: every entry, split as by default
     for w in caught:
         click.echo(f"warning: {w.message}", err=True)
-    click.echo(f"converted {res['tensors']} tensors: {res['from']} {src} -> {res['to']} {dst}")
+    click.echo(f"converted {counted(res['tensors'], 'tensor')}: {res['from']} {printable(src)} -> {res['to']} {printable(dst)}")
     if res["skipped"]:
-        click.echo(f"skipped {len(res['skipped'])} DCP entries that are neither tensors nor JSON values: {res['skipped'][:10]}", err=True)
+        n = len(res["skipped"])
+        click.echo(f"skipped {n} DCP {'entry that is' if n == 1 else 'entries that are'} neither tensors nor JSON values: {res['skipped'][:10]}", err=True)

@@ -75,3 +75,17 @@ def bucket_root(storage: Any, path: str) -> str:
     url = storage.url(path.strip("/"))
     return (f"{url} is the root of a bucket: a checkpoint needs a prefix of its own. Save to {url}/<name> "
             f"(e.g. {url}/ckpt-1); a CheckpointManager may use {url} as its run directory")
+
+
+def read_only(storage: Any, path: str) -> None:
+    """``FsspecStorage``'s check before a write (``makedirs``, ``write_atomic``, ``open_write``) to ``path``:
+    an ``http(s)://`` URL (``storage._http``) is refused, which fsspec's HTTP filesystem cannot write. A save,
+    ``consolidate`` or an import into one failed with "NotImplementedError: " and nothing else
+    (``consolidate``: a traceback, exit 1). Permanent: no restart fixes it."""
+    if not storage._http:
+        return
+    err = CheckpointError(f"{storage.url(path)}: an http(s):// URL is read-only (fsspec's HTTP filesystem cannot "
+                          "write); save to a local path or an object store's URL (s3://, gs://), and read from "
+                          "http(s):// only")
+    err.permanent = True
+    raise err

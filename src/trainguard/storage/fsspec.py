@@ -38,7 +38,7 @@ from ._remote import remote as _remote
 from ._remove import remove_keys, remove_prefix
 from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
-from ._urls import BUCKETED, check_object_path, import_fsspec
+from ._urls import BUCKETED, check_object_path, import_fsspec, read_only
 
 log = logging.getLogger("trainguard")
 
@@ -62,6 +62,7 @@ class FsspecStorage:
         if part_size < (5 << 20):
             raise ValueError(f"part_size={part_size}: S3 needs parts of at least 5 MiB")
         self._s3 = type(fs).__name__ == "S3FileSystem" and hasattr(fs, "call_s3")
+        self._http = type(fs).__name__ == "HTTPFileSystem"  # exists(strict=True): an unreachable host raises
         self.fs, self.io = fs, Bounded(fs, store_timeout())  # I/O through io: bounded, a hung endpoint must not hang the job
         self.part_size = part_size
         self._buckets: set[str] = set()  # buckets found to exist (_bucket.need_bucket)
@@ -100,6 +101,7 @@ class FsspecStorage:
         return "/".join([head.rstrip("/"), *(p.strip("/") for p in rest)]) if rest else head
 
     def makedirs(self, path: str) -> None:
+        read_only(self, path)
         if self._s3:  # no directories to make; s3fs's makedirs would create a missing bucket (one it may not see)
             return need_bucket(self.io, path, self._buckets)
         self.io.makedirs(path, exist_ok=True)
@@ -147,8 +149,9 @@ class FsspecStorage:
 
     @_remote
     def exists(self, path: str) -> bool:
+        """Whether ``path`` is there. HTTP: ``strict``, else a host it cannot reach (DNS, refused, a 500) read as absent."""
         self._fresh(path)
-        return bool(self.io.exists(path))
+        return bool(self.io.exists(path, strict=True) if self._http else self.io.exists(path))
 
     @_remote
     def size(self, path: str) -> int:
@@ -167,6 +170,7 @@ class FsspecStorage:
     @_remote  # its 403 says "check the credentials" (errors.error_text), as a read's
     def write_atomic(self, path: str, data: bytes) -> None:
         # A single PUT: the object appears whole or not at all.
+        read_only(self, path)
         self.io.pipe_file(path, bytes(data))
 
     @_remote
@@ -215,9 +219,7 @@ class FsspecStorage:
         return self._etags.pop(path, "")
 
     def rename_dir(self, src: str, dst: str) -> None:
-        raise CheckpointError(
-            f"cannot rename {src} to {dst}: object stores have no directory rename (atomic_rename is False)"
-        )
+        raise CheckpointError(f"cannot rename {src} to {dst}: object stores have no directory rename (atomic_rename is False)")
 
     def remove_tree(self, path: str) -> None:
         marker = self.join(path, layout.MANIFEST)
@@ -227,7 +229,7 @@ class FsspecStorage:
         try:
             self._fresh(path)
             remove_prefix(self.io, self._s3, path, marker)  # exact keys: rm() would glob-expand [*?] in path
-        except FileNotFoundError:
+        except (FileNotFoundError, NotImplementedError):  # NotImplementedError: http(s)://, read-only (read_only)
             pass
         except Exception as e:
             if isinstance(e, OSError):
@@ -258,6 +260,7 @@ class FsspecStorage:
         return abort_uploads(self, root) if self._s3 else []
 
     def open_write(self, path: str) -> _PartWriter:
+        read_only(self, path)
         return _PartWriter(self, path)
 
     def open_read(self, path: str) -> _RangeReader:
