@@ -244,8 +244,8 @@ def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
         con.print(f"One async save takes {format_duration(floor)}, more than the optimum interval: a save "
                   f"started sooner waits for the previous one (training stalls). Save no more often than every "
                   f"{format_duration(p.commit_delay_s)} of compute" + (f" ({steps:,} steps)" if steps else "")
-                  + f" ({100 * p.efficiency(p.commit_delay_s):.2f}% efficiency; tg.DalyInterval does so), or make "
-                  "the background write faster; the efficiencies above for shorter intervals are optimistic.")
+                  + f" ({100 * p.efficiency(p.commit_delay_s):.2f}% efficiency; tg.DalyInterval keeps to one whole save, "
+                  "its stall included), or make the background write faster; the efficiencies above for shorter intervals are optimistic.")
     if p.efficiency_at_optimum < HOPELESS:
         con.print(_hopeless(p))
     if plot:
