@@ -209,3 +209,23 @@ def test_a_new_run_and_an_unusable_log_measure_as_before(tmp_path) -> None:
         f.write('\n{"t": 4.0, "event": "interval", "rank": 0, "stall_s": 4.0, "duration_s": 9.0, "slowdown_s": 1.0}\n')
     p.seed_from_log(log)
     assert p.measurements() == {"stall_s": 4.0, "slowdown_s": 1.0, "duration_s": 9.0, "step_time_s": None}
+
+
+def test_plan_says_an_every_interval_shorter_than_an_async_saves_commit_delay_is_optimistic(tmp_path) -> None:
+    """With ``--save-duration`` the efficiency counts the commit delay ``W`` as restart time, which holds
+    only while one save is in flight (``W <= tau``). ``plan`` said so only when ``W`` passed the
+    optimum; an ``--every`` interval shorter than ``W`` was printed with its formula efficiency and
+    no word, though each of its saves waits for the previous one. The plot shades that range."""
+    args = ["plan", "--nodes", "256", "--node-failures-per-day", "0.0065", "--save-stall", "30s", "--restart", "10m",
+            "--step-time", "2s", "--save-duration", "10m"]
+    out = CliRunner().invoke(main, [*args, "--every", "200,1000"])
+    assert out.exit_code == 0, out.output
+    text = " ".join(out.output.split())
+    assert "more than the interval every 200 steps" in text and "optimistic" in text, text
+    assert "every 9.5m of compute (285 steps)" in text
+    quiet = CliRunner().invoke(main, [*args, "--every", "1000"])  # 1000 steps = 33 min > W: nothing to say
+    assert quiet.exit_code == 0 and "One async save takes" not in quiet.output
+    pytest.importorskip("matplotlib")
+    plot = tmp_path / "p.png"
+    assert CliRunner().invoke(main, [*args, "--every", "200", "--plot", str(plot)]).exit_code == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
