@@ -229,3 +229,42 @@ def test_plan_says_an_every_interval_shorter_than_an_async_saves_commit_delay_is
     plot = tmp_path / "p.png"
     assert CliRunner().invoke(main, [*args, "--every", "200", "--plot", str(plot)]).exit_code == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def drive_eval(policy: DalyInterval, n: int, *, slow_s: float) -> None:
+    """An async manager on a fake clock (stall 0.1 s, write 300 s, steps of 0.5 s, ``slow_s`` while a
+    write runs) whose loop also evaluates for 60 s every 1000 steps, saving or not."""
+    policy.exact_durations = True
+    clock, pending = 0.0, None
+    for step in range(n):
+        busy = pending is not None and clock < pending[2]
+        clock += (slow_s if busy else 0.5) + (60.0 if step % 1000 == 999 else 0.0)
+        policy.on_step(step, clock)
+        if pending and clock >= pending[2]:
+            policy.on_saved(pending[0], 0.1, pending[2] - pending[1])
+            pending = None
+        if policy.should_save(step, clock):
+            if pending:
+                waited = max(0.0, pending[2] - clock)
+                clock += waited
+                policy.on_saved(pending[0], 0.1, pending[2] - pending[1], waited_s=waited)
+            pending = (step, clock, clock + 0.1 + 300.0)
+            clock += 0.1
+
+
+def test_an_evaluation_inside_a_saves_write_is_not_the_saves_cost() -> None:
+    """A loop that evaluates for 60 s every 1000 steps (8 min) while an async save writes for 5 min:
+    most writes overlap an evaluation, whose minute counted whole as the save's slowdown. The
+    interval became Daly's for a 60 s save, 4917 steps (41 min), instead of the one-save floor,
+    601 steps (5 min): saved 8 times too rarely. A GPU job (steps keep their speed) now measures no
+    slowdown; a CPU-bound one still measures its slower steps (0.25 s each, ~400 of them), not the
+    evaluation."""
+    m = 86400 / (256 * 0.0065)
+    p = DalyInterval(node_failures_per_day=0.0065, nodes=256, initial_steps=100)
+    drive_eval(p, 100_000, slow_s=0.5)
+    assert p.measurements()["slowdown_s"] == 0.0
+    assert p.interval_steps == math.ceil(300.1 / 0.5) > round(daly_ref(0.1, m) / 0.5)
+    q = DalyInterval(node_failures_per_day=0.0065, nodes=256, initial_steps=100)
+    drive_eval(q, 100_000, slow_s=0.75)
+    assert q.measurements()["slowdown_s"] == pytest.approx(0.25 * 300 / 0.75, rel=0.03)
+    assert q.interval_steps == round(daly_ref(0.1 + q.measurements()["slowdown_s"], m) / 0.5)
