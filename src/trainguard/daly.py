@@ -21,15 +21,45 @@ choice of interval is then logged as an ``"interval"`` event with the reason.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections import deque
 from typing import Any, SupportsIndex
 
 from .errors import whole
+from .events import parse_line, text_lines
 from .policies import SavePolicy
 from .reliability import daly_interval, format_duration, job_mtbf
 
+RESUME_TAIL = 1 << 20  # bytes of the run's event log DalyInterval.seed_from_log reads for an earlier process's costs
 SAMPLES_PER_SAVE = 4096  # step-time samples kept per save until it is reported (its slowdown: DalyInterval._slowdown)
+
+
+TRIM = 0.1  # the slowest tenth of a save's steps is not its doing (an evaluation, a new epoch): see _excess
+
+
+def _excess(busy: list[tuple[float, float, int]], base: float, blocked: float) -> float:
+    """``DalyInterval._slowdown``: the training time the step-time samples ``busy`` (start, s per step,
+    steps; in time order) took beyond ``base`` per step, less ``blocked`` (the save's stall and wait, in
+    its first samples: the call, then the optimizer's pre-step waits), taken from them first. The
+    slowest ``TRIM`` of the steps then are left out and the rest's mean excess counts for every step:
+    a save's CPU work slows the steps it overlaps alike, while a step that is slow for its own reason
+    (the loop's evaluation, a new epoch's workers) is not the save's. Before, such a step counted
+    whole: an evaluation of 60 s every 1000 steps, inside most 600-step writes, made every save cost
+    a minute and saved 8 times too rarely."""
+    rows, left = [], blocked
+    for _t, x, n in busy:
+        e = (x - base) * n
+        take = min(max(e, 0.0), left)
+        left -= take
+        rows.append((e - take, n))
+    total = sum(n for _e, n in rows)
+    drop = int(TRIM * total)
+    rows.sort(key=lambda r: r[0] / r[1], reverse=True)
+    while rows and rows[0][1] <= drop:
+        drop -= rows.pop(0)[1]
+    kept = sum(n for _e, n in rows)
+    return max(0.0, sum(e for e, _n in rows) / kept * total) if kept else 0.0
 
 
 class DalyInterval(SavePolicy):
@@ -38,12 +68,18 @@ class DalyInterval(SavePolicy):
     ``tg.DalyInterval(node_failures_per_day=0.0065, nodes=256)`` (or ``node_mtbf_s=...``).
     Until the first save has been measured, saves every ``initial_steps`` steps. After each
     save the interval becomes ``daly_interval(stall + slowdown, job MTBF) / step_time`` steps,
-    clamped to ``[min_steps, max_steps]``, and never shorter than one save's full duration (so
-    a save never starts while the previous one is in flight; this floor wins over ``max_steps``).
+    clamped to ``[min_steps, max_steps]``, and for a save that commits after training resumed
+    (async) never shorter than one save's full duration (so a save never starts while the
+    previous one is in flight; this floor wins over ``max_steps``); a sync save has no such floor.
     ``slowdown`` is the training time the steps that began while a save was being written took
     beyond the quiet steps' median (an async save's copy, checksum and write compete with
     training for the CPU; on a GPU it is near zero). Stall, slowdown, duration and step time are
-    medians of the last ``window`` measurements.
+    medians of the last ``window`` measurements. The first save this policy measures (its
+    process's first: the staging buffer faulted in, the files created, a first round of
+    ``trainguard bench``) sets the interval alone and is dropped when the second is measured:
+    kept, it was half the median of two and set the second interval too (a 30 s first stall against
+    1 s after: 1258 steps for an optimum of 322). A resumed run's new process takes the costs its
+    run measured before from the event log (:meth:`seed_from_log`) and does not count its first.
     """
 
     needs_agreement = True
@@ -82,6 +118,8 @@ class DalyInterval(SavePolicy):
         self._step_times: deque[float] = deque(maxlen=8 * win)
         self._slowdowns: deque[float] = deque(maxlen=win)
         self._quiet: deque[float] = deque(maxlen=8 * win)  # step times with no save in flight
+        self._measured = 0  # saves reported to on_saved (the first one's costs count only until a second's)
+        self._seeded = False  # the save costs came from an earlier process's event log (seed_from_log)
         # step -> (when should_save said yes to it, the step-time samples since: (start, s per step, steps))
         self._pending: dict[int, tuple[float, list[tuple[float, float, int]]]] = {}
         self._last: tuple[int, float] | None = None  # (step, now) of the previous on_step
@@ -142,12 +180,52 @@ class DalyInterval(SavePolicy):
         step_time = self.measurements()["step_time_s"]
         if not self.exact_durations and self._decided is not None and self._decided > step and step_time:
             duration = min(duration, (self._decided - step) * step_time)
-        self._stalls.append(stall)
-        self._durations.append(duration)
-        self._slowdowns.append(self._slowdown(step, stall, max(0.0, float(waited_s)), duration))
+        slow = self._slowdown(step, stall, max(0.0, float(waited_s)), duration)
+        if self._measured == 1 and not self._seeded:  # the second save measured: the first's one-off costs
+            for d in (self._stalls, self._durations, self._slowdowns):  # (staging buffer faulted in, files
+                d.clear()  # created) go
+        if not (self._measured == 0 and self._seeded):  # with an earlier process's costs: the first not counted
+            self._stalls.append(stall)
+            self._durations.append(duration)
+            self._slowdowns.append(slow)
+        self._measured += 1
         if self._last is not None and self._last[0] == step != self._decided:  # a forced save at this step:
             self._last = None  # the next sample holds its stall (a decided one's: see on_step)
         self._choose(step, self.measurements())
+
+    def seed_from_log(self, log_path: str | os.PathLike[str]) -> None:
+        """``policies.attach`` (the manager's constructor and ``open``, every rank), with the run
+        directory's event log (file storage; an object store has none): a resumed run's new process
+        takes the save costs (stall, slowdown, duration) of the last ``interval`` event rank 0 of an
+        earlier process logged with measured values, as one measurement each. Its first save, which
+        pays one-off costs (the staging buffer faulted in), then counts for nothing: before, every
+        restart measured the costs anew from that save alone and saved too rarely until the next.
+        The step time is measured anew (another node count, another batch). Nothing when this policy
+        has measured a save already (an in-process restart keeps its own), or the log has no such event
+        in its last ``RESUME_TAIL`` bytes."""
+        if self._measured or self._seeded or self._stalls:
+            return
+        try:
+            with open(log_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(max(0, size - RESUME_TAIL))
+                lines = f.read(RESUME_TAIL).split(b"\n")[1 if size > RESUME_TAIL else 0:]  # a cut first line
+        except OSError:  # none yet (a new run), unreadable: measured as in a new run
+            return
+        for raw in reversed(lines):
+            for ev in reversed([e for t in text_lines(raw) for e in parse_line(t)]):
+                vals = [ev.get(k) for k in ("stall_s", "duration_s", "slowdown_s")]
+                if ev.get("event") != "interval" or ev.get("rank") != 0 or not all(
+                        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
+                        for v in vals[:2] + [vals[2] or 0.0]):
+                    continue
+                self._stalls.append(float(vals[0]))
+                self._durations.append(max(float(vals[0]), float(vals[1])))
+                self._slowdowns.append(float(vals[2] or 0.0))
+                self._seeded = True
+                self.reason += (f"; an earlier process of this run measured a save's stall {format_duration(vals[0])}, "
+                                f"duration {format_duration(vals[1])}: the interval after the first save counts them")
+                return
 
     def _sample(self, start: float, per_step: float, steps: int) -> None:
         """File a step-time sample: quiet when no save is decided and unreported, else kept with
@@ -174,8 +252,8 @@ class DalyInterval(SavePolicy):
         self._quiet.extend(x for t, x, _n in samples if end <= t < nxt)
         if not self._quiet:
             return 0.0
-        base = statistics.median(self._quiet)
-        return max(0.0, sum((x - base) * n for t, x, n in samples if t < end) - stall - waited)
+        busy = sorted((t, x, n) for t, x, n in samples if t < end)
+        return _excess(busy, statistics.median(self._quiet), stall + waited)
 
     # -- agreement across ranks ----------------------------------------------------------
     def measurements(self) -> dict[str, float | None]:
@@ -212,7 +290,9 @@ class DalyInterval(SavePolicy):
             slow = m.get("slowdown_s") or 0.0  # absent from the values of a caller that predates it
             tau = daly_interval(stall + slow, self.mtbf_s)
             daly_steps = max(1, round(tau / step_time))
-            floor_steps = max(1, math.ceil(duration / step_time))
+            # one save in flight: only a save that commits after its stall (async) can overlap the next; a sync
+            # save's duration is its stall, and a floor of it overrode Daly's M when the stall passed ~0.8 M
+            floor_steps = max(1, math.ceil(duration / step_time)) if duration > stall else 0
             steps, rule = self._clamp(daly_steps), "daly"
             if steps != daly_steps:
                 rule = "min_steps" if steps > daly_steps else "max_steps"

@@ -365,11 +365,15 @@ def plot_plan(plan: Plan, path: str) -> None:
     for i, r in enumerate(plan.rows):
         ax.plot([r.interval_s / 60], [100 * r.efficiency], "s", color=f"C{3 + i % 7}",
                 label=f"{r.label} ({100 * r.efficiency:.2f}%)")
+    if plan.commit_delay_s > lo:  # tau < W: a save waits for the previous one, which the curve does not count
+        ax.axvspan(lo / 60, min(plan.commit_delay_s, hi) / 60, color="0.85", label="saves overlap: optimistic")
     ax.set_xscale("log")
+    ax.set_xlim(lo / 60, hi / 60)
     ax.set_xlabel("compute time between saves (minutes)")
     ax.set_ylabel("efficiency: useful / wall time (%)")
+    delay = f", commit {format_duration(plan.commit_delay_s)} later" if plan.commit_delay_s else ""
     ax.set_title(f"{plan.nodes} nodes, job MTBF {format_duration(plan.job_mtbf_s)}, "
-                 f"stall {format_duration(plan.stall_s)}, restart {format_duration(plan.restart_s)}")
+                 f"stall {format_duration(plan.stall_s)}{delay}, restart {format_duration(plan.restart_s)}")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="lower center", fontsize=8)
     fig.tight_layout()

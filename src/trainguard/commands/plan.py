@@ -223,8 +223,7 @@ def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
     gpus, unit = losthours.per_day(p)  # node-hours for nodes without GPUs (--gpus-per-node 0)
     for col in ("interval", "compute between saves", "steps", "efficiency", f"{unit} lost / day"):
         t.add_column(col, justify="left" if col == "interval" else "right")
-    rows = [("Young (first order)", p.young_interval_s, p.efficiency_at_young),
-            ("Daly (estimate)", p.daly_interval_s, p.efficiency_at_daly),
+    rows = [("Young (first order)", p.young_interval_s, p.efficiency_at_young), ("Daly (estimate)", p.daly_interval_s, p.efficiency_at_daly),
             ("optimum (exact)", p.optimal_interval_s, p.efficiency_at_optimum)]
     rows += [(r.label, r.interval_s, r.efficiency) for r in p.rows]
     for label, tau, e in rows:
@@ -238,14 +237,15 @@ def _print_plan(p: Plan, plot: str | None, gpus_given: bool = True) -> None:
               f"M·e^({rw}/M)·(e^((τ+δ)/M) − 1) per interval τ (Daly 2006){w}; see docs/planning.md.")
     if note := losthours.assumed_note(gpus_given, p):
         con.print(note)
-    if p.commit_delay_s > p.optimal_interval_s:  # the model needs one save in flight: W <= tau
-        floor = p.commit_delay_s + p.stall_s
-        steps = p.steps(p.commit_delay_s)
-        con.print(f"One async save takes {format_duration(floor)}, more than the optimum interval: a save "
+    short = [label for label, tau, _e in rows[3:] if tau < p.commit_delay_s]  # an --every row: said nothing before
+    if p.commit_delay_s > p.optimal_interval_s or short:  # the model needs one save in flight: W <= tau
+        floor, steps = p.commit_delay_s + p.stall_s, p.steps(p.commit_delay_s)
+        what = "the optimum interval" if p.commit_delay_s > p.optimal_interval_s else "the interval " + ", ".join(short)
+        con.print(f"One async save takes {format_duration(floor)}, more than {what}: a save "
                   f"started sooner waits for the previous one (training stalls). Save no more often than every "
                   f"{format_duration(p.commit_delay_s)} of compute" + (f" ({steps:,} steps)" if steps else "")
-                  + f" ({100 * p.efficiency(p.commit_delay_s):.2f}% efficiency; tg.DalyInterval does so), or make "
-                  "the background write faster; the efficiencies above for shorter intervals are optimistic.")
+                  + f" ({100 * p.efficiency(p.commit_delay_s):.2f}% efficiency; tg.DalyInterval keeps to one whole save, "
+                  "its stall included), or make the background write faster; the efficiencies above for shorter intervals are optimistic.")
     if p.efficiency_at_optimum < HOPELESS:
         con.print(_hopeless(p))
     if plot:
