@@ -145,3 +145,33 @@ def test_torchs_own_readers_still_read_the_exported_dcp(tmp_path):
     whole = torch.load(tmp_path / "all.pt", weights_only=True)
     assert torch.equal(whole["model"]["bias"], model.bias.detach()) and whole["extra"]["b"] == 1
     assert "a" not in whole["extra"]  # torch's reader rebuilds what has items: the empty dicts' record is ignored
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self, tie: bool) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("saved_tied", [True, False])
+@pytest.mark.parametrize("ema", [False, True])
+def test_a_tie_made_or_undone_since_the_save_is_named_as_such_by_the_optimizers_refusal(tmp_path, saved_tied, ema):
+    # Before: "added to the model since the save" (saved tied, loaded untied) or "removed from the
+    # model since the save, or left out of the optimizer ... frozen" (the reverse).
+    path = tmp_path / "step-000000001"
+    model = _Tied(saved_tied)
+    optim = torch.optim.Adam(model.parameters())
+    model.head(model.emb(torch.tensor([1, 2]))).sum().backward()
+    optim.step()
+    extra = {"ema": torch.nn.Linear(2, 2)} if ema else {}  # two module entries: names prefixed by the entry's key
+    tg.save(path, {"model": model, **extra, "optim": optim})
+    other = _Tied(not saved_tied)
+    with pytest.raises(tg.CheckpointError) as e:
+        tg.load(path, {"model": other, **extra, "optim": torch.optim.Adam(other.parameters())})
+    msg = str(e.value)
+    pre = "model." if ema else ""
+    assert f"'{pre}head.weight' to '{pre}emb.weight'" in msg, msg
+    assert ("tie them again" if saved_tied else "build the model untied") in msg
+    assert "added to the model" not in msg and "removed from the model" not in msg

@@ -172,7 +172,7 @@ def _load(
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
                 skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine),
                                                     *(n for p in mine for n in choices.get(id(p), ()))])  # every name of a tie
-            obj.check_saved(skel, key, (ctx.world_size, manifest.world_size))
+            obj.check_saved(skel, key, manifest)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint "
                               f"{'a structure' if isinstance(skel, (dict, list)) else f'a JSON value ({type(skel).__name__})'})")

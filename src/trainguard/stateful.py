@@ -259,19 +259,19 @@ class OptimizerAdapter:
             **({"state_by_key": by_key} if by_key else {}),
         }
 
-    def check_saved(self, skeleton: Any, key: str, worlds: tuple[int, int] | None = None) -> None:
+    def check_saved(self, skeleton: Any, key: str, manifest: Any = None) -> None:
         """``loader._load``, before anything is read into the state (a refused load left the model
         and the optimizer's moments loaded, the rest not): refuse the state of another optimizer
         class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
         on) and other parameter groups. The class is not checked for checkpoints from before it
         was saved; the groups of torch's own form (by index) by their sizes only (``optim_groups.index_groups``).
-        ``worlds``: the loading and the saving world size (``rankload.split_hint``; None: this process group's)."""
+        ``manifest``: the checkpoint's, for what a refusal says (``optim_groups.ties``, ``optim_groups.worlds``)."""
         from .dcp_import import saved_groups
         from .errors import CheckpointError
         from .optim_groups import index_groups, refuse_other_class
         from .permanent import mark  # each refusal: the same at every restart
 
-        self._worlds = worlds
+        self._manifest = manifest
         refuse_other_class(self.optimizer, skeleton, f"entry {key!r}: ")
         try:
             groups = saved_groups(self, skeleton, warn=False)  # an imported flat optimizer's: regrouped
@@ -291,9 +291,8 @@ class OptimizerAdapter:
         """The names of each current group's parameters, spelt as in the checkpoint; raises
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
-        from .dist import DistContext
         from .errors import CheckpointError
-        from .optim_groups import count_mismatch, other_params, unowned_hint
+        from .optim_groups import count_mismatch, other_params, ties, unowned_hint, worlds
         from .permanent import mark
         from .rankload import split_hint
 
@@ -317,9 +316,8 @@ class OptimizerAdapter:
                 part = set(cur_names) < set(saved["params"]) and not set(saved_names) <= set(names)  # a pipeline stage's
                 # optimizer, loaded without split_state (not a parameter moved to another group: every one is here)
                 raise mark(CheckpointError(
-                    other_params(gi, saved_groups, out)
-                    + (split_hint(*(getattr(self, "_worlds", None) or (DistContext.current().world_size,) * 2),
-                                  sentence=False) if part else "")
+                    other_params(gi, saved_groups, out, ties(self))
+                    + (split_hint(*worlds(self), sentence=False) if part else "")
                     + unowned_hint(cur["params"], self.names)
                 ))
         return out
