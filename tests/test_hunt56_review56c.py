@@ -175,3 +175,18 @@ def test_a_tie_made_or_undone_since_the_save_is_named_as_such_by_the_optimizers_
     assert f"'{pre}head.weight' to '{pre}emb.weight'" in msg, msg
     assert ("tie them again" if saved_tied else "build the model untied") in msg
     assert "added to the model" not in msg and "removed from the model" not in msg
+
+
+def test_a_non_strict_load_names_the_module_tensors_it_leaves_alone(tmp_path):
+    path = tmp_path / "step-000000001"
+    tg.save(path, {"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)), "p": tg.StateDict(step=1)})
+    bigger = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Identity(), torch.nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"left as they are, which the checkpoint lacks: model/2\.weight, model/2\.bias"):
+        tg.load(path, {"model": bigger, "p": tg.StateDict(step=0, tokens=0)}, strict=False)
+    smaller = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"of the checkpoint's not read, which the state lacks: model/1\.weight"):
+        tg.load(path, {"model": smaller, "p": tg.StateDict(step=0)}, strict=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same modules: nothing to say
+        tg.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
+                       "p": tg.StateDict(step=0, tokens=0)}, strict=False)

@@ -227,8 +227,8 @@ def _load(
         if bad and isinstance(obj, OptimizerAdapter):  # a reshaped parameter's state: none of it read (optload.py)
             optload.keep_whole(obj, skel, bad)
         plans.append((key, obj, skel, dest, refs))
-    if strict and (missing or unexpected or mismatched):
-        raise rankload.mismatch_error(missing, unexpected, mismatched, manifest, ctx.rank, ctx.world_size)
+    rankload.refuse_or_report(strict, missing, unexpected, mismatched, manifest, ctx,  # strict=False: modules' left tensors warned
+                              {k for k, o, *_ in plans if isinstance(o, ModuleAdapter)})
     check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
                   {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")

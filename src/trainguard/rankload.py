@@ -85,6 +85,28 @@ def split_hint(world: int, saved_world: int, *, sentence: bool = True) -> str:
     return f" {text[0].upper()}{text[1:]}." if sentence else f"; {text}"
 
 
+def refuse_or_report(strict: bool, missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,
+                     ctx: Any, modules: set[str]) -> None:
+    """``loader._load``, every rank, once the state's fit is known and before anything is read: with
+    ``strict``, raise :func:`mismatch_error` when anything differs; without it, warn about the tensors of
+    the ``modules`` (entry keys) that the load leaves alone, the state's that the checkpoint lacks (left
+    as built: a layer added since the save, a model loaded from another architecture) and the
+    checkpoint's that the state lacks (not read), as torch's ``load_state_dict(strict=False)`` returns
+    them. Before session 56 ``tg.load(..., strict=False)`` said nothing of them (``restore`` named whole
+    entries only), and a model half at its initial values looked loaded. Tensors of another shape are
+    warned about by the loader (kept); entries and keys of plain dicts are not warned about here."""
+    if strict and (missing or unexpected or mismatched):
+        raise mismatch_error(missing, unexpected, mismatched, manifest, ctx.rank, ctx.world_size)
+    if strict:
+        return
+    fresh, unread = ([p for p in side if p.split("/", 1)[0] in modules and "/" in p] for side in (missing, unexpected))
+    if fresh or unread:
+        parts = [f"{len(fresh)} left as they are, which the checkpoint lacks: {', '.join(fresh[:20])}"] * bool(fresh)
+        parts += [f"{len(unread)} of the checkpoint's not read, which the state lacks: {', '.join(unread[:20])}"] * bool(unread)
+        warnings.warn(f"strict=False: module tensors {'; '.join(parts)}{' ...' * (len(fresh) > 20 or len(unread) > 20)}"
+                      " (a load with strict=True lists the differences with what to change)", stacklevel=user_stacklevel())
+
+
 def mismatch_error(missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,
                    rank: int, world: int = 1) -> StateMismatchError:
     """``loader._load``'s strict refusal; when a rank-local entry that this rank took from another
