@@ -190,3 +190,12 @@ def test_a_non_strict_load_names_the_module_tensors_it_leaves_alone(tmp_path):
         warnings.simplefilter("error")  # the same modules: nothing to say
         tg.load(path, {"model": torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)),
                        "p": tg.StateDict(step=0, tokens=0)}, strict=False)
+
+
+def test_an_entry_renamed_since_the_save_is_named_with_the_line_that_renames_it(tmp_path):
+    path = tmp_path / "step-000000001"
+    model = torch.nn.Linear(2, 2)
+    tg.save(path, {"model": model})
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(path, {"modle": model})
+    assert "state['model'] = state.pop('modle')" in str(e.value)
