@@ -37,8 +37,10 @@ def write_dcp(state: dict[str, Any], out: str, source: Any = None) -> None:
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
     try:
         with single_process():  # no_dist: without torch's warning that it assumes one process
+            from .dcp_empty import KeepEmptyPlanner  # its empty dicts too (DCP writes no item for them)
+
             if source is None:
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
+                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=KeepEmptyPlanner(), no_dist=True)
             else:
                 from .dcp_lazy import LazyPlanner, writer
 

@@ -47,6 +47,8 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    from .dcp_empty import empty_dicts
+
     meta = dcp.FileSystemReader(path).read_metadata()
     flat: dict[str, Any] = {}
     skipped: list[str] = []
@@ -79,24 +81,13 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
     dims = {k: len(md.size) if isinstance(md, TensorStorageMetadata) else -1 for k, md in meta.state_dict_metadata.items()}
     model_keys = _titan_model_keys(paths, dims) if split else set()
     state: dict[str, Any] = {}
-    for fqn, v in flat.items():
-        if not isinstance(v, torch.Tensor):
-            v = values.get(fqn, _Refused)
-            if _has_dtensor(v):  # pickled whole (flatten_state_dict=False): one rank's shards, the rest not saved
-                raise CheckpointError(
-                    f"{path}: DCP key {fqn!r} is a value pickled whole that holds DTensors (a DCP saved with "
-                    "DefaultSavePlanner(flatten_state_dict=False)): DCP kept one rank's copy of it, with that rank's "
-                    "shards only, so the full tensors are not in the checkpoint. Save it again with DCP's default "
-                    "planner (flatten_state_dict=True), which writes every rank's shards as DCP tensors")
-            if v is _Refused or not _plain(v):
-                skipped.append(fqn)  # a pickled object (bytes, a class): not imported
-                continue
-        keys = paths.get(fqn)
+
+    def place(fqn: str, keys: Any, v: Any) -> None:  # the value of DCP key ``fqn`` at its place in ``state``
         if not split:  # every key in ``entry``, nested as DCP recorded it: a bare state_dict's keys as they are,
             # a module's extra state {"n": 7} (DCP: "0._extra_state.n") "0._extra_state" again, as it loads
             whole = keys if isinstance(keys, tuple) and keys and type(keys[0]) is str else (fqn,)
             _put(state.setdefault(entry, {}), whole, v, fqn, path)
-            continue
+            return
         if not isinstance(keys, tuple) or len(keys) < 2 or type(keys[0]) is not str:
             keys = tuple(fqn.split(".", 1))  # a flat key (a bare state_dict's): split at its first dot
         head = keys[0]
@@ -111,6 +102,22 @@ def read_dcp(path: str, entry: str, split: bool = True, places: dict[int, Any] |
             if not isinstance(node, dict):
                 raise CheckpointError(f"{path}: key {fqn!r} lies inside {head!r}, which is a value itself")
             _put(node, keys[1:], v, fqn, path)
+
+    for fqn, v in flat.items():
+        if not isinstance(v, torch.Tensor):
+            v = values.get(fqn, _Refused)
+            if _has_dtensor(v):  # pickled whole (flatten_state_dict=False): one rank's shards, the rest not saved
+                raise CheckpointError(
+                    f"{path}: DCP key {fqn!r} is a value pickled whole that holds DTensors (a DCP saved with "
+                    "DefaultSavePlanner(flatten_state_dict=False)): DCP kept one rank's copy of it, with that rank's "
+                    "shards only, so the full tensors are not in the checkpoint. Save it again with DCP's default "
+                    "planner (flatten_state_dict=True), which writes every rank's shards as DCP tensors")
+            if v is _Refused or not _plain(v):
+                skipped.append(fqn)  # a pickled object (bytes, a class): not imported
+                continue
+        place(fqn, paths.get(fqn), v)
+    for fqn, keys in empty_dicts(meta, paths):  # recorded by trainguard's export (dcp_empty.py): DCP writes no item
+        place(fqn, keys, {})
     if not any(_has_tensor(v) for v in state.values()):  # only pickled values, none of them holding a tensor
         raise CheckpointError(
             f"{path}: the DCP checkpoint holds no tensors"

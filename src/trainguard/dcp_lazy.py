@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from .commit import check_file_sizes, read_manifest
 from .consolidate import GROUP as _GROUP
 from .consolidate import flat_boxes
+from .dcp_empty import KeepEmptyPlanner
 from .errors import CheckpointError
 from .export import own_tensor, selected
 from .flatten import single_tensor, unflatten
@@ -54,9 +54,9 @@ class Source:
     tensors: dict[int, tuple[str, TensorEntry, torch.Tensor]]
 
 
-class LazyPlanner(DefaultSavePlanner):
+class LazyPlanner(KeepEmptyPlanner):
     """DCP's default planner (it flattens the state as ``dcp.save`` does: the same keys and
-    ``planner_data``), whose tensor items are read from ``source`` when written, a tensor larger
+    ``planner_data``, with the state's empty dicts: ``dcp_empty``), whose tensor items are read from ``source`` when written, a tensor larger
     than ``GROUP`` bytes planned as chunks of at most that (``consolidate.flat_boxes``)."""
 
     def __init__(self, source: Source) -> None:

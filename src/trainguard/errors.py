@@ -56,6 +56,7 @@ class StateMismatchError(CheckpointError, KeyError):
         missing: list[str],
         unexpected: list[str],
         mismatched: list[str],
+        split: str | None = None,  # rankload.split_hint's, in place of the pipeline-stages sentence
     ) -> None:
         self.missing = missing
         self.unexpected = unexpected
@@ -70,11 +71,11 @@ class StateMismatchError(CheckpointError, KeyError):
         msg = "state does not match the checkpoint: " + "; ".join(parts)
         msg += ". Pass strict=False to load what matches, or tg.load(..., only=[...]) to load a subset."
         if unexpected and not missing and not mismatched:
-            msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True."
-        from .prefixhint import prefix_hint, rename_hint  # a module wrapped or renamed since the save
+            msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True." if split is None else split
+        from .prefixhint import entry_hint, prefix_hint, rename_hint  # wrapped or renamed since the save
 
         super().__init__(msg + _changed_config_hint(missing, unexpected, mismatched) + _wrapped_weight_hint(missing, unexpected)
-                         + prefix_hint(missing, unexpected) + rename_hint(missing, unexpected))
+                         + prefix_hint(missing, unexpected) + rename_hint(missing, unexpected) + entry_hint(missing, unexpected))
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])

@@ -213,3 +213,27 @@ def same_values(loaded: Any, current: Any) -> bool:
     if isinstance(loaded, (list, tuple)):
         return len(loaded) == len(current) and all(same_values(a, b) for a, b in zip(loaded, current, strict=True))
     return bool(loaded == current) or (loaded != loaded and current != current)  # JSON leaves; nan holds nan
+
+
+def refill(current: Any, loaded: Any) -> Any:
+    """``current`` given ``loaded``'s values in place where both are dicts (or lists, deques with the
+    same ``maxlen``), nested ones too, and returned; else ``loaded``. ``loader._load`` puts the result in
+    the state for a plain entry, and ``StateDict.load_state_dict`` fills itself with it: a script's own
+    reference to the entry's dict (``progress = {"step": 0}``, ``state = {"progress": progress}``)
+    sees the load, as a module's tensors do. Before session 56 the entry was replaced by a new dict,
+    and ``progress["step"]`` stayed 0 after a restore, silently. A tensor loaded in place is already
+    ``current``'s; one whose shape or dtype changed (read into a new tensor) replaces it, as documented."""
+    if loaded is current:
+        return current
+    if isinstance(current, dict) and isinstance(loaded, dict):
+        new = {k: refill(current[k], v) if k in current else v for k, v in loaded.items()}
+        current.clear()
+        current.update(new)
+        return current
+    if (type(current) is list and type(loaded) is list) or (
+            type(current) is deque and type(loaded) is deque and current.maxlen == loaded.maxlen):
+        new = [refill(c, v) for c, v in zip(current, loaded)] + list(loaded)[len(current):]
+        current.clear()
+        current.extend(new)
+        return current
+    return loaded

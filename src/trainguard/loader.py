@@ -21,7 +21,7 @@ from .dist import DistContext, check_timeout, one_operation
 from .dtensor import is_dtensor, local_part, shard_of
 from .dtypes import DTYPE_NAMES
 from .errors import CheckpointError, CorruptCheckpointError, agree_load, unreadable
-from .flatten import flatten, keep_types, same_values, single_tensor, tensor_refs, unflatten
+from .flatten import flatten, keep_types, refill, same_values, single_tensor, tensor_refs, unflatten
 from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
@@ -172,7 +172,7 @@ def _load(
                 mine = [p for g in obj.optimizer.param_groups for p in g["params"]]
                 skel = split.prune_optimizer(skel, [*obj._index_names(False), *(other_names.get(id(p)) for p in mine),
                                                     *(n for p in mine for n in choices.get(id(p), ()))])  # every name of a tie
-            obj.check_saved(skel, key)
+            obj.check_saved(skel, key, manifest)
         if strict and isinstance(value, torch.Tensor) and single_tensor(skel) is None:
             mismatched.append(f"{key} (the state holds one tensor, the checkpoint "
                               f"{'a structure' if isinstance(skel, (dict, list)) else f'a JSON value ({type(skel).__name__})'})")
@@ -227,8 +227,8 @@ def _load(
         if bad and isinstance(obj, OptimizerAdapter):  # a reshaped parameter's state: none of it read (optload.py)
             optload.keep_whole(obj, skel, bad)
         plans.append((key, obj, skel, dest, refs))
-    if strict and (missing or unexpected or mismatched):
-        raise rankload.mismatch_error(missing, unexpected, mismatched, manifest, ctx.rank)
+    rankload.refuse_or_report(strict, missing, unexpected, mismatched, manifest, ctx,  # strict=False: modules' left tensors warned
+                              {k for k, o, *_ in plans if isinstance(o, ModuleAdapter)})
     check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
                   {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")
@@ -325,8 +325,8 @@ def _load(
             elif has_state(obj):  # a GradScaler enabled since a save with it disabled: scalerstate.py
                 scalerstate.keeps_fresh(key, obj, value, strict) or obj.load_state_dict(value)
             elif isinstance(state, MutableMapping):
-                state[key] = value
-            elif not same_values(value, state[key]):
+                state[key] = refill(state[key], value)  # a dict entry filled in place: the script's references see it
+            elif not same_values(value := refill(state[key], value), state[key]):
                 raise CheckpointError(
                     f"entry {key!r}: the state is a read-only {type(state).__name__}, and this entry is replaced "
                     "on load (a JSON value, or a tensor whose shape or dtype changed); pass a dict"

@@ -117,7 +117,54 @@ def refuse_other_class(optimizer: Any, skeleton: Any, where: str) -> None:
         ))
 
 
-def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]]) -> str:
+def worlds(adapter: Any) -> tuple[int, int]:
+    """The loading and the saving world size of ``adapter``'s load (``rankload.split_hint``): the
+    manifest ``loader._load`` gave its ``check_saved``, or this process group's for both."""
+    from .dist import DistContext
+
+    world = DistContext.current().world_size
+    manifest = getattr(adapter, "_manifest", None)
+    return world, manifest.world_size if manifest is not None else world
+
+
+def ties(adapter: Any) -> tuple[dict[str, str], dict[str, str]]:
+    """``(saved, now)`` for :func:`other_params`: each parameter name that was a later name of a
+    tie at save time (``lm_head.weight`` IS ``wte.weight``: an alias in the manifest) -> its first
+    name, and each name that is another name of one of ``adapter``'s parameters now -> the name
+    the optimizer keys it by. Both spelt with and without the entry's key."""
+    saved: dict[str, str] = {}
+    manifest = getattr(adapter, "_manifest", None)
+    for p, e in (manifest.tensors.items() if manifest is not None else ()):
+        if e.alias is not None and "/" in p and "/" in e.alias:
+            (key, rest), (tkey, trest) = p.split("/", 1), e.alias.split("/", 1)
+            saved[rest], saved[f"{key}.{rest}"] = trest, f"{tkey}.{trest}"
+    now = {n: first for pid, names in adapter.name_choices.items() if (first := adapter.names.get(pid)) is not None
+           for n in names if n != first}
+    return saved, now
+
+
+def _tie_lines(added: list[str], removed: list[str], saved: list[str], tied: tuple[dict[str, str], dict[str, str]]) -> str:
+    """:func:`other_params`' lines for the parameters it would call added or removed that are a tie
+    changed since the save (the model tied or untied since then); "" when none is."""
+    was, now = tied
+    untied = [(n, was[n]) for n in added if was.get(n) in saved]
+    retied = [(n, now[n]) for n in removed if now.get(n) is not None]
+    out = ""
+    if untied:
+        n, first = untied[0]
+        out += (f"; tied at save time (one parameter, its state under the first name), two parameters in the state's "
+                f"model: {', '.join(f'{a!r} to {b!r}' for a, b in untied[:SHOWN])}: tie them again before the load, as "
+                f"at save time (module.{n} = module.{first}), or leave the optimizer out of the state and restore with "
+                "strict=False to start it fresh")
+    if retied:
+        out += (f"; two parameters at save time, tied in the state's model (one parameter): "
+                f"{', '.join(f'{a!r} to {b!r}' for a, b in retied[:SHOWN])}: build the model untied, as at save time, "
+                "or leave the optimizer out of the state and restore with strict=False to start it fresh")
+    return out
+
+
+def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Sequence[Sequence[str]],
+                 tied: tuple[dict[str, str], dict[str, str]] = ({}, {})) -> str:
     """``stateful.OptimizerAdapter._match_groups`` and ``fsdp1.FSDP1OptimizerAdapter.check_saved``
     (every rank, before anything is read), for parameter group ``gi``, the first whose parameters
     differ from the checkpoint's (the same number of groups): what happened and what to change.
@@ -126,6 +173,7 @@ def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Se
     - the same groups in another order (torch matches groups by position): which is which;
     - the same parameters, grouped otherwise: which parameter moved between which groups;
     - as many parameters, other names (a module attribute or an entry key renamed): a few pairs;
+    - a tie made or undone since the save (``tied``: :func:`ties`): which names;
     - parameters added or removed since the save: which (:func:`left_out_hint` for the removed ones)."""
     saved_sets, cur_sets = [frozenset(g["params"]) for g in saved_groups], [frozenset(c) for c in current]
     saved, cur = list(saved_groups[gi]["params"]), list(current[gi])
@@ -145,6 +193,8 @@ def other_params(gi: int, saved_groups: Sequence[Mapping[str, Any]], current: Se
                 f"{' ...' if len(moved) > SHOWN else ''}; build each group with the parameters it held at save time")
     removed = [n for n in saved if n not in set(cur)]
     added = [n for n in cur if n not in set(saved)]
+    if tie := _tie_lines(added, removed, saved, tied):  # before session 56: "added to the model", "removed from" it
+        return head + tie
     if removed and len(removed) == len(added) and len(saved) == len(cur):
         pairs = [f"{a!r} -> {b!r}" for a, b in zip(removed, added, strict=True)]
         return (f"{head}: {len(pairs)} of its {len(cur)} parameters have other names (checkpoint -> optimizer, in "

@@ -112,3 +112,15 @@ def rename_hint(missing: list[str], unexpected: list[str]) -> str:
                     f"names below each): {', '.join(said[:4])}{more}; strict=False would leave them as built, not loaded: "
                     "give the modules (or parameters) their names of save time.")
     return out
+
+
+def entry_hint(missing: list[str], unexpected: list[str]) -> str:
+    """" <hint>." when the state lacks exactly one of the checkpoint's entries and holds exactly one
+    the checkpoint lacks (``{"modle": model}``, an entry renamed since the save): strict=False would
+    leave the one fresh and not read the other; "" otherwise. Called by ``errors.StateMismatchError``."""
+    fresh, gone = [k for k in missing if "/" not in k], [k for k in unexpected if "/" not in k]
+    if len(fresh) != 1 or len(gone) != 1:
+        return ""
+    return (f" Entry {fresh[0]!r} is not in the checkpoint and its {gone[0]!r} is not in the state: if it was renamed since "
+            f"the save, give it its name of save time (state[{gone[0]!r}] = state.pop({fresh[0]!r})); strict=False would "
+            f"leave {fresh[0]!r} as built, not loaded.")

@@ -65,12 +65,56 @@ def run_deferred(later: list[Callable[[], None]]) -> None:
         f()
 
 
+def split_hint(world: int, saved_world: int, *, sentence: bool = True) -> str:
+    """What a strict load that finds the state holding part of the checkpoint (tensors or an
+    optimizer's parameters it lacks) says about ``split_state=True`` (``mismatch_error``; an
+    optimizer's ``OptimizerAdapter._match_groups``), ``world`` the loading world size and
+    ``saved_world`` the saving one (the manifest's): the flag is for ranks that each hold part of
+    the model (pipeline stages), so a one-process load of a checkpoint that one process saved gets
+    no such advice (its model lacks layers the saved one had: before session 56 it was told to pass
+    split_state=True, which would have loaded the part silently); one of a checkpoint saved by
+    several ranks is told what the flag does in one process. ``sentence``: a sentence of its own
+    (" ... ."), else a clause ("; ...")."""
+    if world > 1:
+        text = "ranks that each hold part of the model (pipeline stages) load with split_state=True"
+    elif saved_world > 1:
+        text = (f"the checkpoint was saved by {saved_world} ranks: to load into this one process the part of it that "
+                "its state holds (one pipeline stage's), pass split_state=True; else build the state as at save time")
+    else:
+        return ""
+    return f" {text[0].upper()}{text[1:]}." if sentence else f"; {text}"
+
+
+def refuse_or_report(strict: bool, missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,
+                     ctx: Any, modules: set[str]) -> None:
+    """``loader._load``, every rank, once the state's fit is known and before anything is read: with
+    ``strict``, raise :func:`mismatch_error` when anything differs; without it, warn about the tensors of
+    the ``modules`` (entry keys) that the load leaves alone, the state's that the checkpoint lacks (left
+    as built: a layer added since the save, a model loaded from another architecture) and the
+    checkpoint's that the state lacks (not read), as torch's ``load_state_dict(strict=False)`` returns
+    them. Before session 56 ``tg.load(..., strict=False)`` said nothing of them (``restore`` named whole
+    entries only), and a model half at its initial values looked loaded. Tensors of another shape are
+    warned about by the loader (kept); entries and keys of plain dicts are not warned about here."""
+    if strict and (missing or unexpected or mismatched):
+        raise mismatch_error(missing, unexpected, mismatched, manifest, ctx.rank, ctx.world_size)
+    if strict:
+        return
+    fresh, unread = ([p for p in side if p.split("/", 1)[0] in modules and "/" in p] for side in (missing, unexpected))
+    if fresh or unread:
+        parts = [f"{len(fresh)} left as they are, which the checkpoint lacks: {', '.join(fresh[:20])}"] * bool(fresh)
+        parts += [f"{len(unread)} of the checkpoint's not read, which the state lacks: {', '.join(unread[:20])}"] * bool(unread)
+        warnings.warn(f"strict=False: module tensors {'; '.join(parts)}{' ...' * (len(fresh) > 20 or len(unread) > 20)}"
+                      " (a load with strict=True lists the differences with what to change)", stacklevel=user_stacklevel())
+
+
 def mismatch_error(missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,
-                   rank: int) -> StateMismatchError:
+                   rank: int, world: int = 1) -> StateMismatchError:
     """``loader._load``'s strict refusal; when a rank-local entry that this rank took from another
     saved rank (the world grew: ``key@src/...``, src != rank) is among the differences, it says so
-    and what to change: strict=False alone would leave that entry as built, with a warning."""
-    err = StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched)
+    and what to change: strict=False alone would leave that entry as built, with a warning.
+    ``world``: the loading world size, for :func:`split_hint`."""
+    err = StateMismatchError(missing=missing, unexpected=unexpected, mismatched=mismatched,
+                             split=split_hint(world, manifest.world_size))
     borrowed = {}  # entry -> the saved rank whose state this rank took
     for line in mismatched:
         key, at, rest = line.partition("@")

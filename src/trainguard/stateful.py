@@ -18,6 +18,7 @@ from torch import nn
 
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .errors import UnsupportedValueError
+from .flatten import refill
 from .names import canonical_key, canonical_names, is_torch_wrapper, saved_metadata
 from .rngstate import RNGState
 
@@ -49,8 +50,7 @@ class StateDict(dict):
         return dict(self)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.clear()
-        self.update(state_dict)
+        refill(self, dict(state_dict))  # its nested dicts and lists in place too (flatten.refill)
 
 
 def check_state(state: Any) -> None:
@@ -259,17 +259,19 @@ class OptimizerAdapter:
             **({"state_by_key": by_key} if by_key else {}),
         }
 
-    def check_saved(self, skeleton: Any, key: str) -> None:
+    def check_saved(self, skeleton: Any, key: str, manifest: Any = None) -> None:
         """``loader._load``, before anything is read into the state (a refused load left the model
         and the optimizer's moments loaded, the rest not): refuse the state of another optimizer
         class (Adam's into SGD loaded, then failed at the first ``step()``; into RAdam it trained
         on) and other parameter groups. The class is not checked for checkpoints from before it
-        was saved; the groups of torch's own form (by index) by their sizes only (``optim_groups.index_groups``)."""
+        was saved; the groups of torch's own form (by index) by their sizes only (``optim_groups.index_groups``).
+        ``manifest``: the checkpoint's, for what a refusal says (``optim_groups.ties``, ``optim_groups.worlds``)."""
         from .dcp_import import saved_groups
         from .errors import CheckpointError
         from .optim_groups import index_groups, refuse_other_class
         from .permanent import mark  # each refusal: the same at every restart
 
+        self._manifest = manifest
         refuse_other_class(self.optimizer, skeleton, f"entry {key!r}: ")
         try:
             groups = saved_groups(self, skeleton, warn=False)  # an imported flat optimizer's: regrouped
@@ -290,8 +292,9 @@ class OptimizerAdapter:
         ``CheckpointError`` when the groups differ from the saved ones (their count, or which
         parameters each holds)."""
         from .errors import CheckpointError
-        from .optim_groups import count_mismatch, other_params, unowned_hint
+        from .optim_groups import count_mismatch, other_params, ties, unowned_hint, worlds
         from .permanent import mark
+        from .rankload import split_hint
 
         names = self._saved_names(self._index_names(warn), {n for g in saved_groups for n in g["params"]})
         cur_groups = self.optimizer.param_groups
@@ -313,8 +316,8 @@ class OptimizerAdapter:
                 part = set(cur_names) < set(saved["params"]) and not set(saved_names) <= set(names)  # a pipeline stage's
                 # optimizer, loaded without split_state (not a parameter moved to another group: every one is here)
                 raise mark(CheckpointError(
-                    other_params(gi, saved_groups, out)
-                    + ("; ranks that each hold part of the model (pipeline stages) load with split_state=True" if part else "")
+                    other_params(gi, saved_groups, out, ties(self))
+                    + (split_hint(*worlds(self), sentence=False) if part else "")
                     + unowned_hint(cur["params"], self.names)
                 ))
         return out
