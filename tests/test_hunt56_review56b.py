@@ -229,15 +229,12 @@ def _coll_global(xs: list[torch.Tensor]) -> torch.Tensor:
     return _stack(xs) + torch.rand(1, dtype=torch.float64) + float(np.random.rand())
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("collate", ["global", "object"])
-@pytest.mark.parametrize("transform", [True, False])
-def test_resumable_iterable_collate_fn_resumes(tmp_path, workers: int, collate: str, transform: bool) -> None:
+def _iterable_resume(tmp_path, workers: int, collate: str, transform: bool, bs: int = 4, stop: int = 3) -> None:
     def make():
         torch.manual_seed(0)
         np.random.seed(0)
-        data = tg.ResumableIterable(_records, batch_size=4, transform=_decode if transform else None, seed=0)
-        loader = DataLoader(data, batch_size=4, num_workers=workers, generator=torch.Generator(),
+        data = tg.ResumableIterable(_records, batch_size=bs, transform=_decode if transform else None, seed=0)
+        loader = DataLoader(data, batch_size=bs, num_workers=workers, generator=torch.Generator(),
                             collate_fn=_coll_global if collate == "global" else _Crop())
         return {"data": data, "rng": tg.RNGState()}, loader
 
@@ -246,7 +243,7 @@ def test_resumable_iterable_collate_fn_resumes(tmp_path, workers: int, collate: 
     for x in loader:
         straight.append(x.numpy().tobytes())
         state["data"].advance(len(x))
-        if len(straight) == 3:
+        if len(straight) == stop:
             tg.save(str(tmp_path / "step-000000003"), state)
     state, loader = make()
     tg.load(str(tmp_path / "step-000000003"), state)
@@ -254,4 +251,17 @@ def test_resumable_iterable_collate_fn_resumes(tmp_path, workers: int, collate: 
     for x in loader:
         resumed.append(x.numpy().tobytes())
         state["data"].advance(len(x))
-    _same(straight[3:], resumed, stop=3)
+    _same(straight[stop:], resumed, stop=stop)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("collate", ["global", "object"])
+@pytest.mark.parametrize("transform", [True, False])
+def test_resumable_iterable_collate_fn_resumes(tmp_path, workers: int, collate: str, transform: bool) -> None:
+    _iterable_resume(tmp_path, workers, collate, transform)
+
+
+def test_resumable_iterable_collate_fn_partial_last_batch_resumes(tmp_path) -> None:
+    # 40 items in batches of 6: the last batch (4 items) is collated after the stream's end; resumed at batch 5 of 7
+    # it is the first batch of its worker
+    _iterable_resume(tmp_path, 2, "global", True, bs=6, stop=5)

@@ -47,9 +47,15 @@ def caller_collate(dataset: Any) -> Any:
     return fetcher.collate_fn
 
 
-def stream_collate(dataset: Any) -> Any:
-    """``seeded.seeded_stream`` (a ``ResumableIterable``'s ``__iter__``, at each item): the ``collate_fn`` of torch's
-    iterable fetcher whose ``next()`` runs it (a few frames up: the generator frames of ``__iter__`` in between), or
+def draws_nothing(collate: Any) -> bool:
+    """torch's own ``default_collate``/``default_convert`` (or none): nothing to seed for it."""
+    return collate is None or any(collate is f for f in _TORCH_OWN)
+
+
+def stream_collate(dataset: Any) -> tuple[Any, int] | None:
+    """``seeded.seeded_stream`` (a ``ResumableIterable``'s ``__iter__``, at its first item): the ``collate_fn`` of
+    torch's iterable fetcher whose ``next()`` runs it (a few frames up: the generator frames of ``__iter__`` in
+    between) and the items it collates at a time (its batch size; 1 with ``DataLoader(batch_size=None)``), or
     ``None`` (iterated by other code)."""
     frame = sys._getframe(1)
     for _ in range(4):
@@ -57,9 +63,12 @@ def stream_collate(dataset: Any) -> Any:
         if frame is None:
             return None
         if frame.f_code is _FETCH_ITER:
-            fetcher = frame.f_locals.get("self")
-            ok = isinstance(fetcher, _IterableDatasetFetcher) and fetcher.dataset is dataset
-            return fetcher.collate_fn if ok else None
+            local = frame.f_locals
+            fetcher = local.get("self")
+            if not isinstance(fetcher, _IterableDatasetFetcher) or fetcher.dataset is not dataset:
+                return None
+            size = len(local.get("possibly_batched_index") or ()) if fetcher.auto_collation else 1
+            return (fetcher.collate_fn, size) if size else None
     return None
 
 
@@ -79,7 +88,7 @@ class CollateSeeder:
     def seed(self, collate: Any, seed: int) -> None:
         """Seed ``collate``'s own generators for the batch whose collate seed is ``seed`` (each from it and its path;
         the same generator reached by two paths once), leaving them seeded for the call that follows."""
-        if any(collate is f for f in _TORCH_OWN):
+        if draws_nothing(collate):
             return
         found = own_generators(collate)
         if self._key is None or self._key[0] != os.getpid() or self._key[1] is not collate:

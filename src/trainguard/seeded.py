@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .collategens import CollateSeeder, caller_collate, stream_collate
+from .collategens import CollateSeeder, caller_collate, draws_nothing, stream_collate
 from .deepgens import deep_paths, resolve
 from .owngens import dataset_generators, own_generators, run_seeded
 from .seedcore import restore_globals, save_globals, seed_globals, seed_int, seed_of, seeded_call
@@ -41,9 +41,10 @@ __all__ = ["EpochKey", "SeededDataset", "ignore_stop_signals", "own_generators",
 def seeded_stream(ds: Any, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
     """``ResumableIterable.__iter__`` (the process that iterates it: a DataLoader worker, or the training process):
     each ``(index, item)`` of this rank's (and worker's) share, transformed (:func:`seeded_items` with ``seed=``).
-    With ``seed=``, before each item is handed to torch's fetcher, the ``collate_fn`` that fetcher calls after the
-    batch's last item is seeded from ``(seed, epoch, that item's index)``: in a worker the global generators, and in
-    any process its own generators (``collategens``). Before, a ``collate_fn`` drawing from ``torch.rand`` in a
+    With ``seed=``, the ``collate_fn`` torch's fetcher calls after each batch's last item (found at the first item:
+    ``collategens.stream_collate``, with the fetcher's batch size) is seeded from ``(seed, epoch, that item's index)``
+    before the item is handed over (or, for a partial last batch, when the stream ends): in a worker the global
+    generators, and in any process its own generators. Before, a ``collate_fn`` drawing from ``torch.rand`` in a
     worker drew from wherever that worker's generators had got to, and a resume differed (review56b)."""
     tf, seed, epoch = ds.transform, ds.seed, ds.epoch
     if seed is None:
@@ -51,15 +52,26 @@ def seeded_stream(ds: Any, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
         return
     pairs = _seeded_pairs(seed, epoch, tf, items) if tf is not None else iter(items)
     worker = torch.utils.data.get_worker_info() is not None
-    seeder = CollateSeeder()
-    for i, out in pairs:
-        cseed = seed_of(seed, epoch, i, 1)  # 4 words: never an item's seed
+    seeder, k, last = CollateSeeder(), 0, 0
+    collate: Any = None
+    size = 0  # items per collate_fn call; 0: no fetcher found, or torch's own collate_fn (draws nothing)
+
+    def seed_collate(index: int) -> None:
+        cseed = seed_of(seed, epoch, index, 1)  # 4 words: never an item's seed
         if worker:
             seed_globals(cseed)
-        collate = stream_collate(ds)
-        if collate is not None:
-            seeder.seed(collate, cseed)
+        seeder.seed(collate, cseed)
+
+    for i, out in pairs:
+        if k == 0:
+            collate, size = stream_collate(ds) or (None, 0)
+            size = 0 if draws_nothing(collate) else size
+        k, last = k + 1, i
+        if size and k % size == 0:  # this batch's last item
+            seed_collate(i)
         yield out
+    if size and k % size:  # a partial last batch, collated after the StopIteration
+        seed_collate(last)
 
 
 def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: Iterable[tuple[int, Any]]) -> Iterator[Any]:
