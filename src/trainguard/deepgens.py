@@ -1,11 +1,13 @@
 """Generators kept deeper than ``owngens.own_generators`` looks at each sample: in a list, tuple or dict
-(``self.rngs = [np.random.default_rng(i) for i in range(2)]``), or in the transforms a ``Compose`` or an
+(``self.rngs = [np.random.default_rng(i) for i in range(2)]``, a ``collections.deque``, or behind a ``weakref.ref``),
+or in the transforms a ``Compose`` or an
 ``nn.Sequential`` holds (``self.transform.transforms[0].rng``). ``SeededDataset.__init__`` (in the training
 process, where it is built) and ``seeded.seeded_items`` (once per iterator, in the process that iterates)
 walk the object once with :func:`deep_paths`; at each sample :func:`resolve` follows the remembered paths
 again (a transform replaced meanwhile: its generator at that path is seeded), reading ``__dict__``, ``__slots__`` and list,
-tuple and dict items only (no code of the dataset runs). A generator that appears deeper only after the walk is
-not found."""
+tuple, deque and dict items only (no code of the dataset runs). A generator that appears deeper only after the walk is
+not found; generators in a ``set`` or ``frozenset`` are warned about (no order the same in every process to give each
+a seed of its own) and not seeded."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import collections
 import functools
 import types
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -20,8 +23,9 @@ import torch
 
 from .owngens import _kind, closure_cells, instance_attrs
 
-# ("a", attribute name), ("i", list or tuple index), ("k", dict key), and from a transform function: ("c", closure
-# variable), ("p", a functools.partial's argument index), ("w", its keyword), ("m", a bound method's object)
+# ("a", attribute name), ("i", list, tuple or deque index), ("k", dict key), ("r", a weakref.ref's referent), and from
+# a transform function: ("c", closure variable), ("p", a functools.partial's argument index), ("w", its keyword),
+# ("m", a bound method's object)
 Step = tuple[str, Any]
 _ATOMS = (str, bytes, bytearray, int, float, complex, type(None), torch.Tensor, np.ndarray, np.generic,
           types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, range)
@@ -38,8 +42,11 @@ def _children(obj: Any) -> list[tuple[Step, Any]]:
         return [(("m", "self"), obj.__self__)]
     if isinstance(obj, functools.partial):
         return [(("p", i), v) for i, v in enumerate(obj.args)] + [(("w", k), v) for k, v in sorted(obj.keywords.items())]
-    if isinstance(obj, list | tuple):
+    if isinstance(obj, list | tuple | collections.deque):  # a deque: as a list (before, never looked into)
         return [(("i", i), v) for i, v in enumerate(obj)] if len(obj) <= _MAX_LEN else []
+    if type(obj) is weakref.ref or type(obj) is weakref.WeakMethod:  # self.rng_ref = weakref.ref(g): its referent
+        got = obj()
+        return [] if got is None else [(("r", "ref"), got)]
     if isinstance(obj, dict):
         if len(obj) > _MAX_LEN:
             return []
@@ -71,6 +78,11 @@ def deep_paths(root: Any, known: set[int], where: str | None) -> tuple[tuple[Ste
                 if id(value) not in gens:
                     gens.add(id(value))
                     out.append(path)
+            elif isinstance(value, set | frozenset) and where is not None and any(_kind(v) for v in value):
+                warnings.warn(f"{where}: {name(path)} is a {type(value).__name__} of generators; a set has no order "
+                              "that is the same in every process, so its generators cannot each get a seed of their "
+                              "own and are not seeded: a resume draws differently. Keep them in a list or a dict, or "
+                              "as attributes", RuntimeWarning, stacklevel=3)
             elif isinstance(value, np.random.SeedSequence) and where is not None:
                 warnings.warn(f"{where}: {name(path)} is a numpy SeedSequence; its spawn() gives other seeds in each "
                               "worker and after a resume, and it cannot be seeded per sample: derive the sample's "
@@ -100,7 +112,10 @@ def resolve(root: Any, paths: tuple[tuple[Step, ...], ...]) -> list[tuple[str, A
             elif kind == "w":
                 obj = obj.keywords.get(key, _MISSING) if isinstance(obj, functools.partial) else _MISSING
             elif kind == "i":
-                obj = obj[key] if isinstance(obj, list | tuple) and key < len(obj) else _MISSING
+                obj = obj[key] if isinstance(obj, list | tuple | collections.deque) and key < len(obj) else _MISSING
+            elif kind == "r":
+                obj = obj() if type(obj) is weakref.ref or type(obj) is weakref.WeakMethod else _MISSING
+                obj = _MISSING if obj is None else obj
             else:
                 obj = dict.get(obj, key, _MISSING) if isinstance(obj, dict) else _MISSING
             if obj is _MISSING:

@@ -243,7 +243,9 @@ def dataset_generators(dataset: Any) -> list[tuple[str, Any]]:
     return found
 
 
-def _seed_own(seed: int, gens: list[tuple[str, Any]], saved: list[tuple[Any, Any]]) -> None:
+def seed_own(seed: int, gens: list[tuple[str, Any]], saved: list[tuple[Any, Any]]) -> None:
+    """Seed each ``(path, generator)`` from ``seed`` and its path, appending its state before to ``saved`` (for
+    :func:`_put_back`): ``run_seeded`` per sample, ``collategens.CollateSeeder`` per batch (nothing put back)."""
     for path, g in gens:
         s = seed_of(seed, zlib.crc32(path.encode()), 0, 0, 3)  # 5 words: never a sample's (3) nor a collate's (4)
         if isinstance(g, np.random.Generator):
@@ -314,7 +316,7 @@ def run_seeded(seed: int, gens: list[tuple[str, Any]], find: Callable[[], list[t
         saved: list[tuple[Any, Any]] = []
         spawns = _spawn_counts(gens)
         try:
-            _seed_own(seed, gens, saved)
+            seed_own(seed, gens, saved)
             seed_globals(seed)
             out = fn(*args)
         finally:

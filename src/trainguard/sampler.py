@@ -50,7 +50,7 @@ from . import iteradvance, iterworkers
 from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int, whole
 from .permanent import check_flags, mark
-from .seeded import EpochKey, seed_int, seeded_items
+from .seeded import EpochKey, seed_int, seeded_stream
 
 _END = object()  # the end of a sampler iterator's indices (ResumableSampler._until_restored)
 
@@ -276,7 +276,8 @@ class ResumableIterable(torch.utils.data.IterableDataset):
     blocks ``w, w + K, ...`` of the rank's share cut into blocks of ``batch_size``, so the loader
     yields the same batches as with 0 or 1 workers (:mod:`trainguard.iterworkers`); without it,
     refused (ValueError). ``transform`` runs on the items this rank (and worker) yields only; ``seed=``
-    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call (see :func:`trainguard.seeded.seeded_items`).
+    seeds the global generators and its own from ``(seed, epoch, item index)`` around each call, and the ``collate_fn``'s
+    after each item (see :func:`trainguard.seeded.seeded_stream`).
     A worker with ``persistent_workers=True`` keeps one copy of the dataset that never sees the
     main process's position or epoch: its second epoch is refused with a ValueError.
     """
@@ -339,9 +340,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         items = iteradvance.counted(self, self._rank_items(rank, world))  # advance()'s check (iteradvance.py)
         if info is not None and info.num_workers > 1:  # this worker's blocks only
             items = iterworkers.worker_share(items, self.batch_size, info.id, info.num_workers)  # type: ignore[arg-type]
-        tf, seed = self.transform, self.seed
-        yield from seeded_items(seed, self.epoch, tf, items) if tf is not None and seed is not None else \
-            (item if tf is None else tf(item) for _, item in items)
+        yield from seeded_stream(self, items)  # transform=, seed=: seeded.py
 
     def _rank_items(self, rank: int, world: int) -> Iterator[Any]:
         """``__iter__``: this rank's share of the stream from the position (item ``rank`` of each

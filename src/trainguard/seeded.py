@@ -29,12 +29,49 @@ from typing import Any
 
 import torch
 
+from .collategens import CollateSeeder, caller_collate, draws_nothing, stream_collate
 from .deepgens import deep_paths, resolve
 from .owngens import dataset_generators, own_generators, run_seeded
 from .seedcore import restore_globals, save_globals, seed_globals, seed_int, seed_of, seeded_call
 
 __all__ = ["EpochKey", "SeededDataset", "ignore_stop_signals", "own_generators", "seed_globals", "seed_int", "seed_of",
-           "seeded_call", "seeded_items"]
+           "seeded_call", "seeded_items", "seeded_stream"]
+
+
+def seeded_stream(ds: Any, items: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+    """``ResumableIterable.__iter__`` (the process that iterates it: a DataLoader worker, or the training process):
+    each ``(index, item)`` of this rank's (and worker's) share, transformed (:func:`seeded_items` with ``seed=``).
+    With ``seed=``, the ``collate_fn`` torch's fetcher calls after each batch's last item (found at the first item:
+    ``collategens.stream_collate``, with the fetcher's batch size) is seeded from ``(seed, epoch, that item's index)``
+    before the item is handed over (or, for a partial last batch, when the stream ends): in a worker the global
+    generators, and in any process its own generators. Before, a ``collate_fn`` drawing from ``torch.rand`` in a
+    worker drew from wherever that worker's generators had got to, and a resume differed (review56b)."""
+    tf, seed, epoch = ds.transform, ds.seed, ds.epoch
+    if seed is None:
+        yield from (item if tf is None else tf(item) for _, item in items)
+        return
+    pairs = _seeded_pairs(seed, epoch, tf, items) if tf is not None else iter(items)
+    worker = torch.utils.data.get_worker_info() is not None
+    seeder, k, last = CollateSeeder(), 0, 0
+    collate: Any = None
+    size = 0  # items per collate_fn call; 0: no fetcher found, or torch's own collate_fn (draws nothing)
+
+    def seed_collate(index: int) -> None:
+        cseed = seed_of(seed, epoch, index, 1)  # 4 words: never an item's seed
+        if worker:
+            seed_globals(cseed)
+        seeder.seed(collate, cseed)
+
+    for i, out in pairs:
+        if k == 0:
+            collate, size = stream_collate(ds) or (None, 0)
+            size = 0 if draws_nothing(collate) else size
+        k, last = k + 1, i
+        if size and k % size == 0:  # this batch's last item
+            seed_collate(i)
+        yield out
+    if size and k % size:  # a partial last batch, collated after the StopIteration
+        seed_collate(last)
 
 
 def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: Iterable[tuple[int, Any]]) -> Iterator[Any]:
@@ -47,6 +84,12 @@ def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: 
     from a copy of it taken before the first call (:func:`_kept`: the first item of each iterator, where such a
     generator is made; before, a transform that changes its item in place, ``d["x"] = d["x"] + rng.random()``,
     augmented it twice, and the first item after a resume differed from the uninterrupted run's)."""
+    return (out for _, out in _seeded_pairs(seed, epoch, transform, items))
+
+
+def _seeded_pairs(seed: int, epoch: int, transform: Callable[[Any], Any],
+                  items: Iterable[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    """:func:`seeded_items`, each transformed item with its index (:func:`seeded_stream` seeds the collate_fn from it)."""
     deep = deep_paths(transform, {id(g) for _, g in own_generators(transform)}, "ResumableIterable(transform=)")
 
     rewalk = [True]  # after the first item: a transform deeper in the object made its generator on first use
@@ -70,7 +113,7 @@ def seeded_items(seed: int, epoch: int, transform: Callable[[Any], Any], items: 
         finally:
             restore_globals(saved)
         first = False
-        yield out
+        yield i, out
 
 
 def _kept(item: Any, index: int) -> Callable[[], tuple[Any]]:
@@ -168,6 +211,7 @@ class SeededDataset(torch.utils.data.Dataset):
         self._deep = deep_paths(dataset, {id(g) for _, g in dataset_generators(dataset)}, "tg.SeededDataset")
         self._deep_pid: int | None = None
         self._rewalk = False  # walk them again after the first sample of the process: _generators_after
+        self._collate = CollateSeeder()  # the generators of the collate_fn that torch's fetcher calls next
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -177,19 +221,42 @@ class SeededDataset(torch.utils.data.Dataset):
         return seed_of(self.seed, epoch, index)
 
     def __getitem__(self, key: Any) -> Any:
-        return self._fetch([key], keep_globals=True)[0]
+        """``dataset[index]``, seeded; called by torch's fetcher only with ``DataLoader(batch_size=None)`` (no
+        auto-collation), and then seeded for its ``collate_fn`` as a batch of one is (:meth:`__getitems__`; before,
+        a ``collate_fn`` there drew from wherever the worker's generators had got to: a resume differed)."""
+        collate = caller_collate(self)
+        if collate is None:
+            return self._fetch([key], keep_globals=True)[0]
+        worker = torch.utils.data.get_worker_info() is not None
+        item = self._fetch([key], keep_globals=not worker)[0]
+        self._seed_collate(collate, key, worker)
+        return item
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """torch's fetcher, for one batch (then ``collate_fn`` on the result, in the same process). The global
         generators are saved once for the batch and put back after it (~70 us a sample less than around each
         sample: NumPy's state is slow to copy); in a DataLoader worker not at all, since they are seeded for the
         batch's ``collate_fn`` right after it."""
+        collate = caller_collate(self)
         worker = torch.utils.data.get_worker_info() is not None
         items = self._fetch(keys, keep_globals=not worker)
-        if keys and worker:  # the next draws are collate_fn's
-            index, epoch = keys[0]
-            seed_globals(seed_of(self.seed, epoch, index, 1))  # 4 words: never a sample's seed
+        if keys:  # the next draws are collate_fn's
+            self._seed_collate(collate, keys[0], worker)
         return items
+
+    def _seed_collate(self, collate: Any, key: tuple[int, int], worker: bool) -> None:
+        """After a batch's items, for the ``collate_fn`` torch calls next on them: in a worker the global
+        generators, and in any process that ``collate_fn``'s own generators (``collategens``), seeded from
+        ``(seed, epoch, first index of the batch)`` (with ``num_workers=0`` the global ones are the training
+        process's, which ``tg.RNGState`` saves)."""
+        index, epoch = key
+        seed = seed_of(self.seed, epoch, index, 1)  # 4 words: never a sample's seed
+        if worker:
+            seed_globals(seed)
+        if collate is not None:
+            if getattr(self, "_collate", None) is None:  # a subclass that did not call __init__
+                self._collate = CollateSeeder()
+            self._collate.seed(collate, seed)
 
     def _generators(self) -> list[tuple[str, Any]]:
         return with_deep(dataset_generators(self.dataset), self.dataset, self._deep)
