@@ -62,6 +62,18 @@ def _excess(busy: list[tuple[float, float, int]], base: float, blocked: float) -
     return max(0.0, sum(e for e, _n in rows) / kept * total) if kept else 0.0
 
 
+def _cost(v: object) -> float | None:
+    """``DalyInterval.seed_from_log``: a logged cost in seconds as a float, None where it is none (absent, a
+    bool, negative, NaN, infinite, an int too large for a float: a damaged line raised OverflowError)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:
+        return None
+    return x if 0.0 <= x < math.inf else None
+
+
 class DalyInterval(SavePolicy):
     """Save at Daly's optimal interval for the failure rate given and the save cost measured.
 
@@ -202,7 +214,10 @@ class DalyInterval(SavePolicy):
         restart measured the costs anew from that save alone and saved too rarely until the next.
         The step time is measured anew (another node count, another batch). Nothing when this policy
         has measured a save already (an in-process restart keeps its own), or the log has no such event
-        in its last ``RESUME_TAIL`` bytes."""
+        in its last ``RESUME_TAIL`` bytes. An event marked ``first_save`` (its process ended after one save:
+        those costs are its one-off ones, which a process drops of its own) or with a cost that is no finite
+        number is passed over for an earlier one (review56j: the first was a seed, kept beside the second
+        save; the second raised OverflowError out of the manager's constructor)."""
         if self._measured or self._seeded or self._stalls:
             return
         try:
@@ -214,17 +229,17 @@ class DalyInterval(SavePolicy):
             return
         for raw in reversed(lines):
             for ev in reversed([e for t in text_lines(raw) for e in parse_line(t)]):
-                vals = [ev.get(k) for k in ("stall_s", "duration_s", "slowdown_s")]
-                if ev.get("event") != "interval" or ev.get("rank") != 0 or not all(
-                        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-                        for v in vals[:2] + [vals[2] or 0.0]):
-                    continue
-                self._stalls.append(float(vals[0]))
-                self._durations.append(max(float(vals[0]), float(vals[1])))
-                self._slowdowns.append(float(vals[2] or 0.0))
+                stall, duration, slow = (_cost(ev.get(k)) for k in ("stall_s", "duration_s", "slowdown_s"))
+                slow = 0.0 if ev.get("slowdown_s") is None else slow  # absent from the events of a trainguard before it
+                if (ev.get("event") != "interval" or ev.get("rank") != 0 or stall is None or duration is None
+                        or slow is None or ev.get("first_save") is True):
+                    continue  # first_save: that process's first save's one-off costs alone (_choose), not the run's
+                self._stalls.append(stall)
+                self._durations.append(max(stall, duration))
+                self._slowdowns.append(slow)
                 self._seeded = True
-                self.reason += (f"; an earlier process of this run measured a save's stall {format_duration(vals[0])}, "
-                                f"duration {format_duration(vals[1])}: the interval after the first save counts them")
+                self.reason += (f"; an earlier process of this run measured a save's stall {format_duration(stall)}, "
+                                f"duration {format_duration(duration)}: the interval after the first save counts them")
                 return
 
     def _sample(self, start: float, per_step: float, steps: int) -> None:
@@ -311,8 +326,8 @@ class DalyInterval(SavePolicy):
             self.interval_steps = steps
         # counted from the newest save decided, which is later than ``step`` when on_saved came late
         self.next_step = max(step, self._decided or step) + self.interval_steps
-        if emit:
-            self._emit(step, rule=rule, **m)
+        if emit:  # first_save: these medians are this process's first save alone, its one-off costs (seed_from_log)
+            self._emit(step, rule=rule, **m, **({"first_save": True} if self._measured == 1 and not self._seeded else {}))
 
     def _emit(self, step: int, *, rule: str, **fields: Any) -> None:
         if self.events is not None:
