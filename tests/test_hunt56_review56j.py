@@ -136,3 +136,24 @@ def test_a_damaged_cost_in_the_log_is_no_seed_and_no_crash(tmp_path: Path) -> No
     assert p.measurements() == {"stall_s": 2.0, "slowdown_s": 0.5, "duration_s": 3.0, "step_time_s": None}
     with tg.CheckpointManager(tmp_path, save=DalyInterval(node_mtbf_s=1e6, nodes=1)):  # the constructor seeds
         pass
+
+
+def test_verify_of_one_step_directory_of_a_newer_format_is_its_row_exit_1(tmp_path: Path) -> None:
+    """review56d lists a later trainguard's step as ``newer format`` (verify: exit 1) in a run directory; the
+    same step given alone (``trainguard verify --json RUN/step-N``, what a script checking the step it is
+    about to load runs) ended in "error: ...: format_version 99 is not supported", exit 2 (the code for
+    "PATH holds no checkpoint or is unreadable") and ``--json`` printed no JSON. Now its row, exit 1."""
+    import json
+
+    from tests.test_hunt56_review56d import _newer_format, _run_dir
+
+    run = tmp_path / "run"
+    _run_dir(run, (10, 20))
+    _newer_format(run / "step-000000020")
+    r = _run("verify", "--json", run / "step-000000020")
+    assert r.exit_code == 1, r.output
+    [row] = json.loads(r.output)
+    assert (row["step"], row["status"], row["ok"]) == (20, "newer format", False)
+    assert "upgrade trainguard" in row["errors"][0]
+    r = _run("verify", run / "step-000000020")
+    assert r.exit_code == 1 and "NEWER FORMAT" in r.output and "CORRUPT" not in r.output, r.output
