@@ -157,3 +157,21 @@ def test_verify_of_one_step_directory_of_a_newer_format_is_its_row_exit_1(tmp_pa
     assert "upgrade trainguard" in row["errors"][0]
     r = _run("verify", run / "step-000000020")
     assert r.exit_code == 1 and "NEWER FORMAT" in r.output and "CORRUPT" not in r.output, r.output
+
+
+@pytest.mark.parametrize("stall, duration", [(float("nan"), 1.0), (1.0, float("nan")), (1.0, float("inf"))])
+def test_a_non_finite_save_cost_reported_by_a_callers_loop_is_refused(stall: float, duration: float) -> None:
+    """``DalyInterval`` driven by a loop of the user's own (``on_step``/``should_save``/``on_saved``): a NaN
+    stall passed ``max(0.0, nan)`` as 0 s, and since review56f (no floor for a save whose duration is not
+    above its stall) Daly's interval for 0 s, one step: a save at every step, silently (before, a ValueError
+    from ``ceil(nan)``). An infinite duration raised OverflowError from the floor. Now a ValueError naming
+    the value, and the interval is left as it was."""
+    from trainguard.daly import DalyInterval
+
+    p = DalyInterval(node_mtbf_s=1e5, nodes=1, initial_steps=5)
+    for s in range(6):
+        p.on_step(s, float(s))
+        if p.should_save(s, float(s)):
+            with pytest.raises(ValueError, match="must be finite seconds"):
+                p.on_saved(s, stall, duration)
+    assert p.interval_steps == 5

@@ -187,7 +187,13 @@ class DalyInterval(SavePolicy):
         bound, so it is capped at that gap (it must not ratchet the interval up). Not with
         ``exact_durations`` (trainguard's manager): a save that outlasted the gap did so, and
         capping it kept the interval below one save's duration, each save waiting for the last.
+        A NaN or infinite value (a caller of its own) is a ValueError: a NaN stall was read as 0 s and
+        saved at every step, an infinite duration raised OverflowError from the interval's floor.
         """
+        for name, v in (("stall_s", stall_s), ("duration_s", duration_s), ("waited_s", waited_s)):
+            if not math.isfinite(float(v)):  # NaN: max() kept 0 s, and Daly's 0 s saved at every step (review56j)
+                raise ValueError(f"DalyInterval.on_saved(step={step}, {name}={v!r}): must be finite seconds; measure "
+                                 "the save with time.monotonic() around it (a save not measured: do not report it)")
         stall, duration = max(0.0, float(stall_s)), max(float(stall_s), float(duration_s))
         step_time = self.measurements()["step_time_s"]
         if not self.exact_durations and self._decided is not None and self._decided > step and step_time:
