@@ -175,3 +175,35 @@ def test_a_non_finite_save_cost_reported_by_a_callers_loop_is_refused(stall: flo
             with pytest.raises(ValueError, match="must be finite seconds"):
                 p.on_saved(s, stall, duration)
     assert p.interval_steps == 5
+
+
+@pytest.mark.parametrize("after", ["steps", "ranks"])
+def test_a_resumed_process_finds_rank_0s_interval_event_before_the_logs_last_mib(tmp_path: Path, after: str) -> None:
+    """review56f's seed read the log's last 1 MiB only. Under ``trainguard run`` rank 0 logs a ``step`` event
+    (~110 bytes) at every step: a restart 12,000 steps after the last save (an interval of 20,000 steps of
+    0.1 s is 33 min) found no seed. Every rank logs an ``interval`` event per save (300-500 bytes): at 4,096
+    ranks, rank 0's written first, one save's events passed 1 MiB. Now the log is read back further
+    (up to ``RESUME_SCAN``) until rank 0's event."""
+    import json
+
+    from trainguard.daly import DalyInterval
+
+    log = tmp_path / "events.jsonl"
+    reason = "Daly: stall 2s, job MTBF 14.4h -> save every 33.3m of compute = 20000 steps of 0.1s"
+
+    def interval(rank: int, stall: float) -> str:
+        return json.dumps({"t": 1.0, "event": "interval", "rank": rank, "pid": 7, "step": 5000, "steps": 20000,
+                           "next_step": 25000, "rule": "daly", "reason": reason, "mtbf_s": 51923.1, "stall_s": stall,
+                           "slowdown_s": 0.5, "duration_s": 9.0, "step_time_s": 0.1}) + "\n"
+
+    with open(log, "w") as f:
+        f.write(interval(0, 2.0))
+        if after == "steps":
+            f.writelines(json.dumps({"t": 2.0 + i, "event": "step", "rank": 0, "pid": 7, "step": 5001 + i,
+                                     "world_size": 8, "mono": 100.0 + i}) + "\n" for i in range(12000))
+        else:
+            f.writelines(interval(r, 3.0) for r in range(1, 4096))
+    assert log.stat().st_size > 1 << 20
+    p = DalyInterval(node_mtbf_s=51923.1, nodes=1)
+    p.seed_from_log(log)
+    assert p.measurements() == {"stall_s": 2.0, "slowdown_s": 0.5, "duration_s": 9.0, "step_time_s": None}

@@ -269,7 +269,8 @@ def attach(policy: SavePolicy, events: Any, manager: Any = None) -> None:
         policy.events = events  # type: ignore[attr-defined]
     if hasattr(policy, "exact_durations"):
         policy.exact_durations = True  # type: ignore[attr-defined]
-    if manager is not None and getattr(events, "path", None) is not None and callable(getattr(policy, "seed_from_log", None)):
+    if (manager is not None and getattr(events, "path", None) is not None and callable(getattr(policy, "seed_from_log", None))
+            and getattr(getattr(manager, "ctx", None), "rank", 0) == 0):  # rank 0's decisions are broadcast (decide)
         policy.seed_from_log(events.path)  # DalyInterval: an earlier process's save costs (a resumed run)
 
 
