@@ -207,3 +207,26 @@ def test_a_resumed_process_finds_rank_0s_interval_event_before_the_logs_last_mib
     p = DalyInterval(node_mtbf_s=51923.1, nodes=1)
     p.seed_from_log(log)
     assert p.measurements() == {"stall_s": 2.0, "slowdown_s": 0.5, "duration_s": 9.0, "step_time_s": None}
+
+
+def test_a_new_run_in_a_directory_with_another_runs_log_is_not_seeded_from_it(tmp_path: Path) -> None:
+    """The manager seeded its ``DalyInterval`` from any ``events.jsonl`` in the run directory: one left by
+    another run whose checkpoints were deleted (``rm -rf run/step-*``, the directory's name reused for a new
+    experiment, another model) set the new run's first intervals from that run's save costs (100 s here),
+    and its own first save was dropped as one-off. Now only a run directory holding a step directory (a
+    run to resume) is one whose log is this run's."""
+    from trainguard.daly import DalyInterval
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text(
+        '{"t": 1.0, "event": "interval", "rank": 0, "stall_s": 100.0, "duration_s": 100.0, "slowdown_s": 0.0}\n')
+    fresh = DalyInterval(node_mtbf_s=1e6, nodes=1)
+    with tg.CheckpointManager(run, save=fresh):
+        pass
+    assert fresh.measurements()["stall_s"] is None
+    tg.save(run / "step-000000010", {"model": tg.StateDict(w=torch.ones(2))})  # a run to resume
+    resumed = DalyInterval(node_mtbf_s=1e6, nodes=1)
+    with tg.CheckpointManager(run, save=resumed):
+        pass
+    assert resumed.measurements()["stall_s"] == 100.0
