@@ -24,6 +24,7 @@ import math
 import os
 import statistics
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, SupportsIndex
 
 from .errors import whole
@@ -31,7 +32,9 @@ from .events import parse_line, text_lines
 from .policies import SavePolicy
 from .reliability import daly_interval, format_duration, job_mtbf
 
-RESUME_TAIL = 1 << 20  # bytes of the run's event log DalyInterval.seed_from_log reads for an earlier process's costs
+RESUME_TAIL = 1 << 20  # bytes of the run's event log DalyInterval.seed_from_log reads at a time, from its end back
+RESUME_SCAN = 64 << 20  # ... and at most: an earlier process's costs further back are not looked for
+_MARK = b'"event": "interval"'  # in each interval line EventLog writes (json.dumps escapes a quote inside a string)
 SAMPLES_PER_SAVE = 4096  # step-time samples kept per save until it is reported (its slowdown: DalyInterval._slowdown)
 
 
@@ -60,6 +63,39 @@ def _excess(busy: list[tuple[float, float, int]], base: float, blocked: float) -
         drop -= rows.pop(0)[1]
     kept = sum(n for _e, n in rows)
     return max(0.0, sum(e for e, _n in rows) / kept * total) if kept else 0.0
+
+
+def _interval_lines(log_path: str | os.PathLike[str]) -> Iterator[bytes]:
+    """``DalyInterval.seed_from_log``: the raw lines of the log at ``log_path`` that may be ``interval`` events,
+    newest first, read back from its end ``RESUME_TAIL`` bytes at a time, at most ``RESUME_SCAN`` bytes (a line
+    cut there is left out); none when it cannot be read (a new run: no log). Not the last ``RESUME_TAIL`` bytes
+    alone (review56j): under ``trainguard run`` rank 0 logs a ``step`` event (~110 bytes) every step, so a
+    restart more than ~9,500 steps after the last save found no seed, and every rank logs an ``interval``
+    event per save (~450 bytes): at 2,048 ranks one save's fill the last MiB, rank 0's anywhere in it."""
+    try:
+        with open(log_path, "rb") as f:
+            end = size = os.fstat(f.fileno()).st_size
+            carry = b""  # the start of the line the later chunk began inside of
+            while end > 0 and size - end < RESUME_SCAN:
+                start = max(0, end - RESUME_TAIL)
+                f.seek(start)
+                lines = (f.read(end - start) + carry).split(b"\n")
+                carry, end = (lines.pop(0) if start else b""), start
+                yield from (raw for raw in reversed(lines) if _MARK in raw)
+    except OSError:  # none yet (a new run), unreadable: measured as in a new run
+        return
+
+
+def _cost(v: object) -> float | None:
+    """``DalyInterval.seed_from_log``: a logged cost in seconds as a float, None where it is none (absent, a
+    bool, negative, NaN, infinite, an int too large for a float: a damaged line raised OverflowError)."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        x = float(v)
+    except OverflowError:
+        return None
+    return x if 0.0 <= x < math.inf else None
 
 
 class DalyInterval(SavePolicy):
@@ -175,7 +211,13 @@ class DalyInterval(SavePolicy):
         bound, so it is capped at that gap (it must not ratchet the interval up). Not with
         ``exact_durations`` (trainguard's manager): a save that outlasted the gap did so, and
         capping it kept the interval below one save's duration, each save waiting for the last.
+        A NaN or infinite value (a caller of its own) is a ValueError: a NaN stall was read as 0 s and
+        saved at every step, an infinite duration raised OverflowError from the interval's floor.
         """
+        for name, v in (("stall_s", stall_s), ("duration_s", duration_s), ("waited_s", waited_s)):
+            if not math.isfinite(float(v)):  # NaN: max() kept 0 s, and Daly's 0 s saved at every step (review56j)
+                raise ValueError(f"DalyInterval.on_saved(step={step}, {name}={v!r}): must be finite seconds; measure "
+                                 "the save with time.monotonic() around it (a save not measured: do not report it)")
         stall, duration = max(0.0, float(stall_s)), max(float(stall_s), float(duration_s))
         step_time = self.measurements()["step_time_s"]
         if not self.exact_durations and self._decided is not None and self._decided > step and step_time:
@@ -194,7 +236,7 @@ class DalyInterval(SavePolicy):
         self._choose(step, self.measurements())
 
     def seed_from_log(self, log_path: str | os.PathLike[str]) -> None:
-        """``policies.attach`` (the manager's constructor and ``open``, every rank), with the run
+        """``policies.attach`` (the manager's constructor and ``open``, rank 0: the others' decisions are not used), with the run
         directory's event log (file storage; an object store has none): a resumed run's new process
         takes the save costs (stall, slowdown, duration) of the last ``interval`` event rank 0 of an
         earlier process logged with measured values, as one measurement each. Its first save, which
@@ -202,29 +244,25 @@ class DalyInterval(SavePolicy):
         restart measured the costs anew from that save alone and saved too rarely until the next.
         The step time is measured anew (another node count, another batch). Nothing when this policy
         has measured a save already (an in-process restart keeps its own), or the log has no such event
-        in its last ``RESUME_TAIL`` bytes."""
+        in its last ``RESUME_SCAN`` bytes (:func:`_interval_lines`). An event marked ``first_save`` (its process ended after one save:
+        those costs are its one-off ones, which a process drops of its own) or with a cost that is no finite
+        number is passed over for an earlier one (review56j: the first was a seed, kept beside the second
+        save; the second raised OverflowError out of the manager's constructor)."""
         if self._measured or self._seeded or self._stalls:
             return
-        try:
-            with open(log_path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(max(0, size - RESUME_TAIL))
-                lines = f.read(RESUME_TAIL).split(b"\n")[1 if size > RESUME_TAIL else 0:]  # a cut first line
-        except OSError:  # none yet (a new run), unreadable: measured as in a new run
-            return
-        for raw in reversed(lines):
+        for raw in _interval_lines(log_path):
             for ev in reversed([e for t in text_lines(raw) for e in parse_line(t)]):
-                vals = [ev.get(k) for k in ("stall_s", "duration_s", "slowdown_s")]
-                if ev.get("event") != "interval" or ev.get("rank") != 0 or not all(
-                        isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf
-                        for v in vals[:2] + [vals[2] or 0.0]):
-                    continue
-                self._stalls.append(float(vals[0]))
-                self._durations.append(max(float(vals[0]), float(vals[1])))
-                self._slowdowns.append(float(vals[2] or 0.0))
+                stall, duration, slow = (_cost(ev.get(k)) for k in ("stall_s", "duration_s", "slowdown_s"))
+                slow = 0.0 if ev.get("slowdown_s") is None else slow  # absent from the events of a trainguard before it
+                if (ev.get("event") != "interval" or ev.get("rank") != 0 or stall is None or duration is None
+                        or slow is None or ev.get("first_save") is True):
+                    continue  # first_save: that process's first save's one-off costs alone (_choose), not the run's
+                self._stalls.append(stall)
+                self._durations.append(max(stall, duration))
+                self._slowdowns.append(slow)
                 self._seeded = True
-                self.reason += (f"; an earlier process of this run measured a save's stall {format_duration(vals[0])}, "
-                                f"duration {format_duration(vals[1])}: the interval after the first save counts them")
+                self.reason += (f"; an earlier process of this run measured a save's stall {format_duration(stall)}, "
+                                f"duration {format_duration(duration)}: the interval after the first save counts them")
                 return
 
     def _sample(self, start: float, per_step: float, steps: int) -> None:
@@ -311,8 +349,8 @@ class DalyInterval(SavePolicy):
             self.interval_steps = steps
         # counted from the newest save decided, which is later than ``step`` when on_saved came late
         self.next_step = max(step, self._decided or step) + self.interval_steps
-        if emit:
-            self._emit(step, rule=rule, **m)
+        if emit:  # first_save: these medians are this process's first save alone, its one-off costs (seed_from_log)
+            self._emit(step, rule=rule, **m, **({"first_save": True} if self._measured == 1 and not self._seeded else {}))
 
     def _emit(self, step: int, *, rule: str, **fields: Any) -> None:
         if self.events is not None:

@@ -269,8 +269,20 @@ def attach(policy: SavePolicy, events: Any, manager: Any = None) -> None:
         policy.events = events  # type: ignore[attr-defined]
     if hasattr(policy, "exact_durations"):
         policy.exact_durations = True  # type: ignore[attr-defined]
-    if manager is not None and getattr(events, "path", None) is not None and callable(getattr(policy, "seed_from_log", None)):
-        policy.seed_from_log(events.path)  # DalyInterval: an earlier process's save costs (a resumed run)
+    if (manager is not None and getattr(events, "path", None) is not None and callable(getattr(policy, "seed_from_log", None))
+            and getattr(getattr(manager, "ctx", None), "rank", 0) == 0 and _resumed(os.path.dirname(events.path))):
+        policy.seed_from_log(events.path)  # DalyInterval: an earlier process's save costs (rank 0's decisions: decide)
+
+
+def _resumed(run_dir: Any) -> bool:
+    """``attach``: whether ``run_dir`` holds a step directory (a run to resume), so that its event log is this run's:
+    in an emptied one (``rm -rf run/step-*``, the name reused by a new experiment) it was another's (review56j)."""
+    from .layout import STEP_RE
+    try:
+        with os.scandir(run_dir) as it:
+            return any(STEP_RE.match(e.name) for e in it)
+    except OSError:  # none yet (a new run), unreadable: measured as in a new run
+        return False
 
 
 def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int) -> None:

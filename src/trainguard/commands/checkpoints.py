@@ -257,6 +257,7 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     committed checkpoint matches, and there is one (a step directory without a manifest, a save in progress or a
     crashed one, is incomplete and does not count); 1 when one fails or none verifies; 2: PATH holds none, or is unreadable."""
     from ..commit import read_manifest
+    from ..errors import FormatVersionError
     from ..inspect import list_checkpoints, set_aside
 
     storage, p = for_path(path)
@@ -267,8 +268,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
     try:
         read_manifest(storage, p)
         targets: list[tuple[str, str, int | None]] = [(one, "committed", None)]
-    except CorruptCheckpointError:  # a manifest that is there and fails: verify reports this checkpoint corrupt
-        targets = [(one, "committed", None)]
+    except (CorruptCheckpointError, FormatVersionError):  # a manifest there that fails, or a later trainguard's:
+        targets = [(one, "committed", None)]  # this checkpoint's row, corrupt or newer format (exit 2 before review56j)
     except NotACheckpointError:  # no manifest: a run directory
         rows, aside, run_dir = list_checkpoints(path), set_aside(path), True  # aside: what the next manager may put back
         if not rows:
@@ -314,9 +315,8 @@ def verify_cmd(path: str, as_json: bool, ram_base: str) -> None:
         targets = [(r.path, r.status, r.step) for r in list_checkpoints(path)]
     if as_json:
         _print_json(out)
-    if not as_json:
-        for note in aside:  # as under ls's table: a step that is not checked here, but may come back
-            console.print(f"[yellow]not listed[/]: {_shown(note)}")
+    for note in [] if as_json else aside:  # as under ls's table: a step that is not checked here, but may come back
+        console.print(f"[yellow]not listed[/]: {_shown(note)}")
     if not verified and not as_json:
         ram = _in_ram(path, ram_base) if run_dir else None
         console.print("[red]no committed checkpoint verified[/]" + (f" in the run directory; {_shown(ram)}" if ram else

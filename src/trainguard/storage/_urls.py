@@ -89,3 +89,21 @@ def read_only(storage: Any, path: str) -> None:
                           "http(s):// only")
     err.permanent = True
     raise err
+
+
+def http_exists(io: Any, path: str) -> bool:
+    """``FsspecStorage.exists`` of an ``http(s)://`` URL (``io``: its bounded filesystem): fsspec's strict
+    ``exists``, so that a host that cannot be reached (DNS, a refused connection) or that fails (a 5xx) is
+    raised, not read as absence (review56d). Any other 4xx than 404 is absence too, as fsspec's non-strict
+    ``exists`` read it: a server that answers 403 for a missing object (S3 or GCS over https without the
+    right to list, a CDN) or for a directory it does not index (nginx) says the path is not there for this
+    client. With strict 4xx's, ``trainguard verify https://HOST/run`` of such a server failed ("the object
+    store failed: ClientResponseError: 403", exit 2) at its first probe, ``run/manifest.json`` (is the run
+    directory a checkpoint itself?), where it verified the run before session 56 (review56j)."""
+    try:
+        return bool(io.exists(path, strict=True))
+    except Exception as e:
+        status = getattr(e, "status", None)  # aiohttp's ClientResponseError: the host answered
+        if isinstance(status, int) and 400 <= status < 500:
+            return False
+        raise

@@ -38,7 +38,7 @@ from ._remote import remote as _remote
 from ._remove import remove_keys, remove_prefix
 from ._stale import abort_uploads
 from ._uploads import _S3Upload, _StreamUpload
-from ._urls import BUCKETED, check_object_path, import_fsspec, read_only
+from ._urls import BUCKETED, check_object_path, http_exists, import_fsspec, read_only
 
 log = logging.getLogger("trainguard")
 
@@ -149,9 +149,9 @@ class FsspecStorage:
 
     @_remote
     def exists(self, path: str) -> bool:
-        """Whether ``path`` is there. HTTP: ``strict``, else a host it cannot reach (DNS, refused, a 500) read as absent."""
+        """Whether ``path`` is there. HTTP: ``_urls.http_exists`` (a host it cannot reach, a 5xx: raised, not absence)."""
         self._fresh(path)
-        return bool(self.io.exists(path, strict=True) if self._http else self.io.exists(path))
+        return http_exists(self.io, path) if self._http else bool(self.io.exists(path))
 
     @_remote
     def size(self, path: str) -> int:
