@@ -31,15 +31,27 @@ _FETCH_ITER = _IterableDatasetFetcher.fetch.__code__
 _TORCH_OWN = (default_collate, default_convert)  # torch's collate functions draw nothing: not looked into
 
 
+_OWN_FRAMES = 4  # a subclass's __getitems__ calling super(), and its subclass's: the dataset's own methods skipped
+
+
 def caller_collate(dataset: Any) -> Any:
     """``SeededDataset.__getitems__``/``__getitem__``, first thing: the ``collate_fn`` of torch's fetcher that
-    called it (two frames up from here) for ``dataset`` (torch's ``default_collate`` too), or ``None`` when other
-    code called it (a dataset wrapping it, a test, ``ds[key]`` by hand)."""
+    called it (two frames up from here, or further up past methods of ``dataset`` itself: a subclass's
+    ``__getitems__`` that calls ``super().__getitems__(keys)``) for ``dataset`` (torch's ``default_collate`` too), or
+    ``None`` when other code called it (a dataset wrapping it, a test, ``ds[key]`` by hand). Before session 56
+    (review56k) only the frame two up was looked at: a subclass overriding ``__getitems__`` had its ``collate_fn``'s
+    generators never seeded, silently (a resume drew differently)."""
     try:
         frame = sys._getframe(2)
     except ValueError:  # called from the top of a thread: no fetcher
         return None
-    if frame.f_code is not _FETCH:
+    for _ in range(_OWN_FRAMES):
+        if frame.f_code is _FETCH:
+            break
+        if frame.f_back is None or frame.f_code.co_argcount < 1 or frame.f_locals.get(frame.f_code.co_varnames[0]) is not dataset:
+            return None  # not a method of the dataset: other code called it
+        frame = frame.f_back
+    else:
         return None
     fetcher = frame.f_locals.get("self")
     if not isinstance(fetcher, _MapDatasetFetcher) or fetcher.dataset is not dataset:

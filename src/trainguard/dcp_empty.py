@@ -41,7 +41,10 @@ class KeepEmptyPlanner(DefaultSavePlanner):
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         if self.flatten_state_dict:
             for p in empty_paths(state_dict):
-                self.mappings.setdefault(".".join(map(str, p)), p)  # a key a leaf holds too (dots in names): left out
+                key = ".".join(map(str, p))
+                while key in self.mappings:  # a leaf's key too (dots in names: {"x": {"y": {}}, "x.y": 5}): another
+                    key += "."  # key, holding no item either (before session 56, review56k: that empty dict was lost)
+                self.mappings[key] = p
 
 
 def empty_dicts(meta: Any, paths: Any) -> list[tuple[str, tuple[Any, ...]]]:
