@@ -115,3 +115,55 @@ def test_a_crashed_saves_directory_on_a_filesystem_with_directories_goes_at_open
     with tg.CheckpointManager(url, keep=tg.KeepLatest(2), handle_signals=False) as mgr:
         assert mgr.storage.listdir_dirs(mgr._root) == ["step-000000001"]
     assert [p.rsplit("/", 1)[1] for p in _fs().ls(root, detail=False)] == ["step-000000001"]
+
+
+def _debris_with_a_subdirectory(url: str, pipe) -> None:
+    with tg.CheckpointManager(url, keep=tg.KeepLatest(2), handle_signals=False) as mgr:
+        mgr.save(1, {"w": torch.arange(1000.0)}, force=True)
+    pipe("step-000000002/data-00000.bin", b"a crashed save's data")
+    pipe("step-000000002/sub/x.bin", b"an object in a subdirectory (a hand copy's)")
+
+
+def _opens_twice(url: str, caplog) -> list[str]:
+    import logging
+
+    said = []
+    for _ in range(2):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="trainguard"):
+            with tg.CheckpointManager(url, keep=tg.KeepLatest(2), handle_signals=False):
+                pass
+        said.append("removed debris" in caplog.text and "step-000000002" in caplog.text)
+    return said
+
+
+def test_a_crashed_saves_objects_in_a_subdirectory_go_at_open_on_memory(caplog):
+    """``_stale.drop_incomplete`` deleted the objects directly under the step directory (``objects``), not those
+    deeper (``remove_tree`` had): they stayed forever, and every open's warning said it removed the step."""
+    url = f"memory://review56i-{uuid.uuid4().hex[:8]}/run"
+    root = "/" + url.split("://", 1)[1]
+    _debris_with_a_subdirectory(url, lambda name, data: _fs().pipe(f"{root}/{name}", data))
+    assert _opens_twice(url, caplog) == [True, False]  # before: [True, True]
+    assert [k.rsplit("/", 2)[-2] for k in _fs().find(root)] == ["step-000000001", "step-000000001"]
+
+
+try:  # the session's SeaweedFS server (its module skips without `weed`): only the S3 test needs it
+    from test_storage_s3 import weed  # noqa: F401
+except pytest.skip.Exception:
+    weed = None
+
+
+@pytest.mark.skipif(weed is None, reason="SeaweedFS `weed` (or s3fs) not installed")
+def test_a_crashed_saves_objects_in_a_subdirectory_go_at_open_on_s3(weed, monkeypatch, caplog):  # noqa: F811
+    """As on ``memory://``, on SeaweedFS (the idle limit passed: ``IDLE_BOUNDS`` -1)."""
+    import s3fs
+
+    from trainguard.storage import _stale
+
+    monkeypatch.setattr(_stale, "IDLE_BOUNDS", -1.0)
+    key = f"tgtest/review56i-{uuid.uuid4().hex[:8]}/run"
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    _debris_with_a_subdirectory(f"s3://{key}", lambda name, data: fs.pipe_file(f"{key}/{name}", data))
+    assert _opens_twice(f"s3://{key}", caplog) == [True, False]
+    fs.invalidate_cache()
+    assert sorted(k.rsplit("/", 1)[1] for k in fs.find(key)) == ["data-00000.bin", "manifest.json"]
