@@ -8,7 +8,10 @@
 - review56a (a failed object-store save's cleanup deletes one listing's objects, ``samesave.drop_failed``;
   debris at open, ``_stale.drop_incomplete``): on a filesystem with directories (``memory://``; sftp, HDFS) the
   save's directory stayed, empty (``remove_tree`` had removed it): each retention's listing showed it ever after,
-  and the open's debris listing (objects only) never did. The emptied directory now goes too.
+  and the open's debris listing (objects only) never did. The emptied directory now goes too. And the debris
+  removal at open deleted only the objects directly under a crashed step directory: one deeper (``sub/x``) stayed,
+  and each open's warning said it removed the step again (memory:// and SeaweedFS). They go with the rest now.
+- ``KeepLatest(20)`` read the manifests of its 4 oldest kept steps at each save the same way.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import torch
 import trainguard as tg
 
 
-def test_retention_with_a_metadata_policy_reads_no_manifest_of_older_kept_steps_at_each_save(tmp_path, monkeypatch):
+@pytest.mark.parametrize("policy", ["best_or_every", "latest20"])
+def test_retention_reads_no_manifest_of_older_kept_steps_at_each_save(tmp_path, monkeypatch, policy):
     """``KeepBest(2) | KeepEvery(2)`` keeps every even step: past 16 kept steps, each save's retention read the
-    manifest of every kept step but the 16 newest (a full read and checksum each), at every save, forever."""
+    manifest of every kept step but the 16 newest (a full read and checksum each), at every save, forever;
+    ``KeepLatest(20)`` those of its 4 oldest (4 a save, 1.2 MB for a 2,000-tensor state: 0.4 s a save, 0.1 s now)."""
     from trainguard.storage.local import LocalStorage
 
     reads: list[str] = []
@@ -36,15 +41,15 @@ def test_retention_with_a_metadata_policy_reads_no_manifest_of_older_kept_steps_
 
     monkeypatch.setattr(LocalStorage, "read_bytes", counted)
     state = {"w": torch.arange(100.0)}
-    with tg.CheckpointManager(tmp_path / "run", keep=tg.KeepBest("loss", 2) | tg.KeepEvery(2),
-                              handle_signals=False) as mgr:
+    keep = tg.KeepBest("loss", 2) | tg.KeepEvery(2) if policy == "best_or_every" else tg.KeepLatest(20)
+    with tg.CheckpointManager(tmp_path / "run", keep=keep, handle_signals=False) as mgr:
         per_save = []
         for step in range(1, 49):
             reads.clear()
             mgr.save(step, state, force=True, metrics={"loss": float(step % 7)})
             per_save.append(len(reads))
     kept = sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("step-"))
-    assert len(kept) > 20, kept  # more kept than the sizes held: the case
+    assert len(kept) >= 20, kept  # more kept than the sizes held: the case
     assert max(per_save[-10:]) == 0, per_save  # before: 4-8 a save at steps 39-48, growing with the run
 
 
