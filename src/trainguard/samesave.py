@@ -167,10 +167,14 @@ def drop_failed(storage: Any, work: str, mine: Any = None) -> None:
         if layout.MANIFEST in have:
             keep = _committed_names(storage, work, mine)
         names = [storage.join(work, n) for n in sorted(have) if n not in keep]
-        if keep == {layout.MANIFEST} and getattr(storage, "_s3", False):  # none committed: SeaweedFS's folder entry
+        if keep <= {layout.MANIFEST} and getattr(storage, "_s3", False):  # none committed: SeaweedFS's folder entry
             names.append(work.rstrip("/") + "/")  # (deleting it leaves any object under it: measured)
         if names:
             storage.remove_objects(names)
+        if keep <= {layout.MANIFEST}:  # none committed: the directory too, where it is one (memory://, sftp)
+            from .storage._stale import drop_dir
+
+            drop_dir(storage, work)
     except Exception as e:  # noqa: BLE001 - as remove_tree: left for the next cleanup
         log.warning("trainguard: could not remove %s, left by a save that failed (%s): the next CheckpointManager "
                     "open removes it", location(storage, work), error_text(e))

@@ -154,8 +154,11 @@ def drop_incomplete(storage: Any, path: str) -> bool:
             log.info("trainguard: left %s: a save committed it while it was looked at as a crashed save's", path)
             return False
         folder = [path.rstrip("/") + "/"] if getattr(storage, "_s3", False) else []  # SeaweedFS's folder entry
-        storage.remove_objects([storage.join(path, n) for n in sorted(have)] + folder)  # (its children stay)
-        left = storage.objects(path)
+        # (its children stay); and objects in a "subdirectory" (a hand copy's), which remove_tree removed too
+        storage.remove_objects([storage.join(path, n) for n in sorted(have)] + _nested(storage, path) + folder)
+        left = storage.objects(path) or dict.fromkeys(_nested(storage, path))
+        if not left:
+            drop_dir(storage, path)
     except Exception as e:  # noqa: BLE001 - as remove_tree: left for the next cleanup
         log.warning("trainguard: could not remove %s (left for the next cleanup): %s", path, error_text(e))
         return False
@@ -163,6 +166,39 @@ def drop_incomplete(storage: Any, path: str) -> bool:
         log.warning("trainguard: a save committed %s while its objects were removed as a crashed save's (no lock on "
                     "an object store: give each job its own prefix): check it with `trainguard verify`", path)
     return not left
+
+
+def _nested(storage: Any, path: str) -> list[str]:
+    """``drop_incomplete``: the objects under ``path`` that ``objects`` (those directly under it) does not list. Before
+    (review56i), they stayed, and each open's warning said the step directory was removed (``listdir``'s flat listing
+    names it for them: debris again, open after open)."""
+    base = path.rstrip("/") + "/"
+    try:
+        keys = storage.io.find(path, withdirs=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(k for k in keys if k.startswith(base) and "/" in k[len(base):].rstrip("/"))
+
+
+def drop_dir(storage: Any, path: str) -> None:
+    """``drop_incomplete`` and ``samesave.drop_failed``, once the objects of the step directory ``path`` went: on a
+    filesystem with directories (``memory://``, sftp, HDFS; a save's ``makedirs`` made one) the directory itself, if
+    empty (``rmdir``: one a save wrote into since stays). S3's folder entry goes with the objects (the callers').
+    Before (review56i), a failed save's cleanup left the empty directory (``remove_tree`` had removed it): listed by
+    each retention's ``listdir_dirs`` ever after, never by the open's debris listing (objects only)."""
+    if getattr(storage, "_s3", False) or not hasattr(storage, "io"):
+        return
+    try:
+        found = storage.io.find(path, withdirs=True, detail=True)
+    except (OSError, NotImplementedError):
+        found = {}
+    base = path.rstrip("/") + "/"
+    for d in [*sorted((k for k, v in found.items() if v.get("type") == "directory" and k.startswith(base)),
+                      key=len, reverse=True), path]:  # the deepest first
+        try:
+            storage.io.rmdir(d)
+        except (OSError, NotImplementedError):  # not empty (written to since), gone, or a store without directories
+            pass
 
 
 def _live(io: Any, bucket: str, key: str, upload_id: str, initiated: Any, now: datetime, limit: float) -> bool:
