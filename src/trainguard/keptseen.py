@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from . import layout
-from .commit import list_steps, read_manifest
-from .errors import CheckpointError, NotACheckpointError, is_media_error
+from .commit import list_steps
+from .errors import CheckpointError, NotACheckpointError
+from .manifestfacts import read_sizes
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -93,7 +94,8 @@ def kept_damaged(mgr: CheckpointManager, steps: list[Any], keep: set[int], newes
     step a stand-in: older ones are not looked at), their sizes the manager's own saves', else its manifest's, read
     once and held (before, review56i, read again at every save past the 16 newest kept); bytes are not
     read: a flipped bit is found by ``restore`` and ``trainguard verify`` only (docs/checkpoints.md, retention).
-    An error that does not say the checkpoint is bad (EACCES) tells nothing: the step counts as sound."""
+    A read or stat that fails (EIO, EACCES, ESTALE) tells nothing: the step counts as sound (a transient EIO
+    made it damaged: deleted as such, or kept for good under KeepEvery; review56i)."""
     sizes, damaged = mgr.__dict__.setdefault("_sizes", {}), mgr.__dict__.setdefault("_damaged", {})
     ins = sorted((s for s in _stand_ins(mgr, steps, keep, newest) if s.step not in damaged), key=lambda s: -s.step)
     looked = ins[:SIZES_HELD]  # the newest (``newest``, the one before it first): their sizes are held, no manifest read
@@ -120,14 +122,13 @@ def _wrong_files(mgr: CheckpointManager, s: Any, sizes: dict[int, dict[str, int]
     st = mgr.storage
     if s.step not in sizes:
         try:
-            m = read_manifest(st, s.path)
+            sizes[s.step] = read_sizes(st, s.path)  # not each tensor validated
         except NotACheckpointError:  # its manifest went meanwhile: kept_gone's, at the next look
             return None
         except CheckpointError as e:
             return f"its manifest is corrupt: {e}"
-        except OSError as e:
-            return f"its manifest cannot be read: {e}" if is_media_error(e) else None
-        sizes[s.step] = {**m.files, **{k: v[0] for k, v in m.indexes.items()}}
+        except OSError:  # an EIO may pass (a retry, another node's mount): kept as sound, never deleted on it
+            return None
     files = sizes[s.step]
     if len(files) < MANY_FILES:
         return next((why for why in (_wrong_size(st, s.path, n, w) for n, w in files.items()) if why != ""), None)
@@ -144,6 +145,6 @@ def _wrong_size(st: Any, directory: str, name: str, want: int) -> str | None:
         have = st.size(st.join(directory, name))
     except FileNotFoundError:
         return f"{name} is missing"
-    except OSError as e:
-        return f"{name} cannot be read: {e}" if is_media_error(e) else None
+    except OSError:  # EIO, EACCES, ESTALE: tells nothing for sure; a transient one kept a step for good (review56i)
+        return None
     return f"{name} holds {have:,} bytes where its manifest says {want:,}" if have != want else ""
