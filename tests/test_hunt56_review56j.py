@@ -14,6 +14,7 @@ import torch
 from click.testing import CliRunner
 
 import trainguard as tg
+from test_hunt56_review56f import drive_async
 from trainguard.cli import main
 
 
@@ -74,28 +75,8 @@ def test_a_server_that_answers_403_for_a_missing_file_is_still_read(tmp_path: Pa
 
 
 def _drive_async(policy, steps: range, *, stall: list[float], write_s: float) -> list[int]:
-    """trainguard's async manager on a fake clock (1 s a step): the k-th save blocks ``stall[k]`` (the
-    last for the rest), commits ``write_s`` later and is reported at the first step after its commit, or by
-    the next save, which waits for it. The steps saved."""
-    policy.exact_durations = True
-    saved: list[int] = []
-    clock, pending = 0.0, None  # (step, call time, commit time, stall)
-    for step in steps:
-        clock += 1.0
-        policy.on_step(step, clock)
-        if pending and clock >= pending[2]:
-            policy.on_saved(pending[0], pending[3], pending[2] - pending[1])
-            pending = None
-        if policy.should_save(step, clock):
-            if pending:
-                waited = max(0.0, pending[2] - clock)
-                clock += waited
-                policy.on_saved(pending[0], pending[3], pending[2] - pending[1], waited_s=waited)
-            s = stall[min(len(saved), len(stall) - 1)]
-            pending = (step, clock, clock + s + write_s, s)
-            clock += s
-            saved.append(step)
-    return saved
+    """review56f's fake-clock async manager at 1 s a step (``drive_async``). The steps saved."""
+    return drive_async(policy, steps, step_s=1.0, stall=stall, write_s=write_s)
 
 
 def test_a_restart_after_one_save_does_not_seed_from_that_saves_one_off_cost(tmp_path: Path) -> None:
