@@ -7,7 +7,8 @@ failures and restores (:func:`plot_tally`).
 Events come from the agent (rank -1: ``agent_start``, ``rendezvous``, ``failure``,
 ``restart``, ``agent_exit``), from rank 0's heartbeat (``step``, ``first_step``, ``fault``)
 and from the manager on every rank (``save``, ``restore``, ``save_failed``, ``fresh_start``; rank 0's
-``save_start``: the saves that never ended, :mod:`.saveends`).
+``save_start``: the saves that never ended, :mod:`.saveends`); the events of things that went wrong besides
+(``restore_skip``, ``retention_damaged``, ``store_lost``...: :mod:`.problems`) get a line each.
 
 Recovery of failure *i*, split in four: **detect** (fault injected, or hang declared -> agent saw
 it; unknown for a real crash), **restart** (agent saw it -> restore began in the new workers: stop,
@@ -23,7 +24,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from . import eventscan
+from . import eventscan, problems
 from . import tally as tally_mod
 from .events import read_events
 from .tally import Tally, Unordered
@@ -177,6 +178,9 @@ def summary(tally: Tally, root: str | os.PathLike[str] | None = None) -> dict[st
         "saves_failed": len(ends.failed),
         "saves_interrupted": len(interrupted) if ends.starts else None,
         "failed_saves": ended_badly,
+        # Restores that skipped a checkpoint, damaged kept checkpoints, the store lost... (problems.py): once per
+        # event name and step, whichever ranks logged it.
+        "problems": tally.problems.listed(),
     }
 
 
@@ -292,6 +296,7 @@ def format_summary(s: dict[str, Any]) -> str:
         f"checkpoint overhead {_f(None if s['checkpoint_overhead'] is None else 100 * s['checkpoint_overhead'])} % of wall time",
         f"goodput            {_f(None if s['goodput'] is None else 100 * s['goodput'], '{:.1f}')} % "
         "(final step x median step time / wall time)",
+        *problems.lines(s),  # a restore that skipped a checkpoint, a damaged kept one, the store lost...: if any
     ]
     if not s["saves"] and not any(r.get("restored_step") is not None for r in s["recoveries"]):
         lines.append("note               no save or restore logged here: a CheckpointManager logs into its own root "

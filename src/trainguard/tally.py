@@ -39,6 +39,8 @@ from operator import itemgetter
 from typing import Any
 
 from .clockback import AgentBridge
+from .problems import KINDS as PROBLEM_KINDS
+from .problems import Problems
 from .saveends import ENDS_PROCESS, SaveEnds
 
 WINDOW = 4096  # steps (and saves) held to put them in time order: an hour at a step a second
@@ -190,6 +192,7 @@ class Tally:
         self.save_ends = SaveEnds()  # rank 0's saves begun and not ended, failed (saveends.py)
         self.bridge = AgentBridge()  # the agent's mono across a restart (clockback.py)
         self._step_seq: Any = None  # seq of the last step event fed
+        self.problems = Problems()  # restore_skip, retention_damaged, store_lost...: deduplicated (problems.py)
 
     def _seen(self, key: Any) -> int:
         """Counts an event at time ``key`` (its ``t``); its place in the log."""
@@ -225,6 +228,8 @@ class Tally:
             if e.get("rank") == 0 and e.get("stall_s") is not None:
                 self.stall += e["stall_s"]
         else:
+            if kind in PROBLEM_KINDS:
+                self.problems.add(e)
             if kind == "agent_start":  # a job (re)started: its rank 0 is a new process even with the last one's pid (a
                 self._step_pid = None  # requeued container on another host): its mono is not compared with that one's
             if kind in ENDS_PROCESS or (kind in ("restore", "fresh_start", "manager_open") and e.get("rank") == 0):
