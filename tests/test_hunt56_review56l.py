@@ -64,7 +64,7 @@ def test_report_names_skipped_restores_and_damaged_kept_checkpoints(tmp_path):
     skip = [ln for ln in lines if ln.startswith("restore skipped")]
     assert len(skip) == 1 and skip[0].startswith("restore skipped    2 checkpoints") and "steps 4, 3" in skip[0], res.output
     assert "rank 1: data-00000.bin cut short" in skip[0], res.output  # the last reason logged
-    damaged = [ln for ln in lines if ln.startswith("damaged kept       1 checkpoints")]
+    damaged = [ln for ln in lines if ln.startswith("damaged kept       1 checkpoint ")]
     assert len(damaged) == 1 and "step 3;" in damaged[0], res.output
     assert any(ln.startswith("store lost         1 ") and "RendezvousConnectionError: gone" in ln for ln in lines), res.output
 

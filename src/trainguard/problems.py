@@ -25,7 +25,7 @@ KINDS: dict[str, tuple[str, str, str]] = {
     "replicas_differ": ("replicas differ", "saves whose replicated tensors differed between ranks", "tensors"),
     "modified_while_staging": ("changed in save", "async saves whose tensors changed before they were copied", "tensors"),
     "store_lost": ("store lost", "times an agent found the rendezvous store gone", "error"),
-    "orphaned": ("orphaned workers", "workers that found their agent gone and exited", "agent_pid"),
+    "orphaned": ("orphaned workers", "workers that found the agent gone and exited", "agent_pid"),
     "exit_barrier": ("exit barrier", "times agents left without finishing", "nodes"),
 }
 
@@ -80,5 +80,16 @@ def lines(s: dict[str, Any]) -> list[str]:
         where = (("step " if len(steps) == 1 else "steps ") + ", ".join(steps[:10]) + (", ..." if len(steps) > 10 else "")
                  + "; ") if steps else ""
         at = f", step {last['step']}" if last["step"] is not None and len(steps) > 1 else ""
-        out.append(f"{label:<18} {n} {noun} ({where}the last{at}: {last.get('detail') or '-'})")
+        out.append(f"{label:<18} {n} {_one(noun) if n == 1 else noun} ({where}the last{at}: {last.get('detail') or '-'})")
     return out
+
+
+_SINGULAR = {"checkpoints": "checkpoint", "saves": "save", "steps": "step", "copies": "copy", "times": "time",
+             "workers": "worker"}
+
+
+def _one(noun: str) -> str:
+    """``lines``: ``noun`` (one of :data:`KINDS`') for a count of 1: its first plural word made singular."""
+    words = noun.split(" ")
+    i = next((i for i, w in enumerate(words) if w in _SINGULAR), None)
+    return noun if i is None else " ".join([*words[:i], _SINGULAR[words[i]], *words[i + 1:]])
