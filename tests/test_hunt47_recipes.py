@@ -229,7 +229,13 @@ def _assert_ddp_identical(tmp: Path, ref: str, other: str, steps: int) -> None:
 def test_ddp_recipe_under_trainguard_run_with_a_rank_killed_resumes_bit_identically(tmp_path: Path) -> None:
     _launch(tmp_path, "ref", {})
     events = _launch(tmp_path, "k", {}, "--fault", "step=12,rank=1,kind=kill")
-    assert [e["step"] for e in events if e["event"] == "restore" and e.get("rank") == 0] == [10]
+    restores = [i for i, e in enumerate(events) if e["event"] == "restore" and e.get("rank") == 0]
+    # The newest save committed before the kill: step 10's async save, or, when it had not committed by step 12
+    # (seen under the slow set's load, session 56), step 5's. An async save's ``save`` event is written when it is
+    # reported, after its commit: the restore is at or after the newest one logged.
+    logged = [e["step"] for e in events[:restores[0]] if e["event"] == "save" and e.get("rank") == 0]
+    assert len(restores) == 1 and events[restores[0]]["step"] in (5, 10), [events[i] for i in restores]
+    assert logged and events[restores[0]]["step"] >= logged[-1], logged
     _assert_ddp_identical(tmp_path, "ref", "k", 16)
 
 
