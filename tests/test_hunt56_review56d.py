@@ -4,7 +4,11 @@ hosts that do not answer. Each test fails on the code before its fix."""
 
 from __future__ import annotations
 
+import functools
+import http.server
 import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -173,18 +177,10 @@ def test_verify_of_a_checkpoint_s_data_file_names_its_checkpoint(tmp_path: Path)
     assert f"is a file of the checkpoint {run / 'step-000000010'}: pass that directory" in r.output, r.output
 
 
-@pytest.fixture
-def http_root(tmp_path: Path):
-    """An HTTP server on 127.0.0.1 serving ``tmp_path / "www"`` (read-only, as any plain web server); its URL."""
-    import functools
-    import http.server
-    import threading
-
-    www = tmp_path / "www"
-    www.mkdir()
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(www))
-    handler.log_message = lambda *a, **k: None  # type: ignore[attr-defined]
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serve(www: Path, handler: type) -> Iterator[str]:
+    """``www`` served on 127.0.0.1 by ``handler`` (a ``SimpleHTTPRequestHandler``) until the generator is
+    closed; yields its URL. The fixtures of this file and of test_hunt56_review56j."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(www)))
     t = threading.Thread(target=server.serve_forever, daemon=True)
     t.start()
     try:
@@ -193,6 +189,19 @@ def http_root(tmp_path: Path):
         server.shutdown()
         server.server_close()
         t.join(timeout=30)
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *a: object) -> None:
+        pass
+
+
+@pytest.fixture
+def http_root(tmp_path: Path):
+    """An HTTP server on 127.0.0.1 serving ``tmp_path / "www"`` (read-only, as any plain web server); its URL."""
+    www = tmp_path / "www"
+    www.mkdir()
+    yield from serve(www, _Quiet)
 
 
 @pytest.mark.parametrize("cmd", ["consolidate", "convert"])

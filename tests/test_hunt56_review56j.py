@@ -4,9 +4,7 @@ Each test fails on the code before its fix."""
 
 from __future__ import annotations
 
-import functools
 import http.server
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import torch
 from click.testing import CliRunner
 
 import trainguard as tg
+from test_hunt56_review56d import serve
 from test_hunt56_review56f import drive_async
 from trainguard.cli import main
 
@@ -46,15 +45,7 @@ def served(tmp_path: Path):
     """``tmp_path / "www"`` served on 127.0.0.1 by :class:`_Answers`; its URL."""
     www = tmp_path / "www"
     www.mkdir()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Answers, directory=str(www)))
-    t = threading.Thread(target=server.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        t.join(timeout=30)
+    yield from serve(www, _Answers)
 
 
 def test_a_server_that_answers_403_for_a_missing_file_is_still_read(tmp_path: Path, served: str) -> None:

@@ -17,34 +17,13 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import trainguard as tg
+from test_hunt56_review56b import N, _Crop, _Plain
 from trainguard.convert import convert
-
-N = 16
-
-
-class _Plain(Dataset):
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.full((2,), float(i), dtype=torch.float64)
-
-
-class _Crop:
-    """A random-crop collator with its own generator."""
-
-    def __init__(self) -> None:
-        self.rng = np.random.default_rng(7)
-
-    def __call__(self, xs: Any) -> torch.Tensor:
-        x = torch.stack(xs) if isinstance(xs, list) else xs
-        return x + float(self.rng.random())
 
 
 class _Logged(tg.SeededDataset):
