@@ -86,6 +86,8 @@ class _S3Upload:
             yield
         except FileNotFoundError as e:
             code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")  # s3fs keeps the ClientError
+            if code in (None, "NoSuchUpload") and self._bucket_gone():  # a bucket being deleted may drop its
+                code = "NoSuchBucket"  # uploads first: SeaweedFS answered NoSuchUpload (session 56, 1 run in ~10)
             if code == "NoSuchBucket":
                 raise FileNotFoundError(errno.ENOENT, (
                     f"the bucket {self.bucket} was deleted while "
@@ -97,6 +99,16 @@ class _S3Upload:
                 "CheckpointManager opened on this run directory by another job after this upload was idle for long "
                 "(object stores have no run lock: give each job its own prefix), or by a bucket lifecycle rule that "
                 "aborts incomplete uploads sooner than a save takes")) from e
+
+    def _bucket_gone(self) -> bool:
+        """``_aborted``: whether the bucket answers 404 now (deleted), False when it is there or the question fails."""
+        try:
+            self.fs.call_s3("head_bucket", Bucket=self.bucket)
+        except FileNotFoundError:
+            return True
+        except Exception:  # noqa: BLE001  (any other answer: not known to be gone; the upload's error stands)
+            return False
+        return False
 
     def abort(self) -> None:
         if self._id is not None:
