@@ -86,8 +86,9 @@ class _S3Upload:
             yield
         except FileNotFoundError as e:
             code = getattr(e.__cause__, "response", {}).get("Error", {}).get("Code")  # s3fs keeps the ClientError
-            if code in (None, "NoSuchUpload") and self._bucket_gone():  # a bucket being deleted may drop its
-                code = "NoSuchBucket"  # uploads first: SeaweedFS answered NoSuchUpload (session 56, 1 run in ~10)
+            if code in (None, "NoSuchUpload") and self._bucket_gone():  # a store may drop a deleted bucket's
+                code = "NoSuchBucket"  # uploads first (SeaweedFS, to a part sent during the delete: it then had the
+                # bucket again, so HEAD says 200 and the upload is told as aborted, session 57)
             if code == "NoSuchBucket":
                 raise FileNotFoundError(errno.ENOENT, (
                     f"the bucket {self.bucket} was deleted while "
