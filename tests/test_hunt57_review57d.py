@@ -1,5 +1,7 @@
 """Hostile review of async save (session 57, review57d): the staging pool of two async managers
-with different ``max_staging_bytes`` in one process (a model's and an EMA's).
+with different ``max_staging_bytes`` in one process (a model's and an EMA's); and the cases of
+"the checkpoint holds the state at the call" no other test covered (a compiled step or model, a
+param group added before the next step).
 
 Before, the process kept one pool and a save with another cap replaced it (``stage.default_pool``):
 each manager's save freed the other's arenas and allocated (and touched) its own again, every save
@@ -81,3 +83,54 @@ def test_a_cap_no_open_manager_uses_is_dropped(tmp_path, monkeypatch):
         mgr.save(2, state)
         mgr.wait()
     assert mgr.latest_step() == 2
+
+
+# The matrix of promise 1 (the checkpoint holds the state at the call) that no other test covered: the
+# step runs in another thread while the save thread's copies are held; it must block in the pre-step hook
+# (h.waiting set), and the checkpoint must hold the values at the call.
+def _held_step(h_box: list, step) -> None:
+    import threading
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    assert h_box[0].waiting.wait(30), "step() did not wait for the save's copies"
+    h_box[1].set()
+    t.join(60)
+    assert not t.is_alive()
+
+
+@pytest.mark.parametrize("case", ["compiled_step", "add_param_group", "compiled_model"])
+def test_step_after_save_waits_and_the_checkpoint_holds_the_call(tmp_path, monkeypatch, case):
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    step = torch.compile(optim.step, backend="eager") if case == "compiled_step" else optim.step
+    run = torch.compile(model, backend="eager") if case == "compiled_model" else model
+    run(torch.randn(4, 16)).sum().backward()
+    step()
+    state = {"model": run, "optim": optim}
+    at_call = {k: v.clone() for k, v in model.state_dict().items()}
+    moments = [s["exp_avg"].clone() for s in optim.state.values()]
+    gate = threading.Event()
+    monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+    h = tg.save(tmp_path / "a", state, async_=True)
+    extra = nn.Linear(16, 16)
+
+    def mutate() -> None:
+        if case == "add_param_group":
+            optim.add_param_group({"params": extra.parameters()})
+        run(torch.randn(4, 16)).sum().backward()  # BatchNorm's statistics too: copied in the call
+        step()
+
+    _held_step([h, gate], mutate)
+    h.result(timeout=60)
+    assert not torch.equal(model[0].weight, at_call["0.weight"])  # the step ran
+    fresh = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16))
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    tg.load(tmp_path / "a", {"model": torch.compile(fresh, backend="eager") if case == "compiled_model" else fresh,
+                              "optim": fresh_opt})
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, at_call[k]), k
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(fresh_opt.state.values(), moments, strict=True))
