@@ -134,3 +134,41 @@ def test_step_after_save_waits_and_the_checkpoint_holds_the_call(tmp_path, monke
     for k, v in fresh.state_dict().items():
         assert torch.equal(v, at_call[k]), k
     assert all(torch.equal(s["exp_avg"], m) for s, m in zip(fresh_opt.state.values(), moments, strict=True))
+
+
+def test_a_wait_for_another_managers_save_is_the_previous_saves_wait(tmp_path, monkeypatch):
+    """``stall_prev_s`` is the part of the call spent waiting for the previous save in flight; an EMA
+    manager's save is one (one save in flight per process). Before, only the manager's own previous
+    save counted: 0 here, and its DalyInterval took the whole wait as the save's own cost."""
+    import json
+    import threading
+
+    from trainguard.handle import SaveHandle
+
+    torch.manual_seed(0)
+    model, ema = nn.Linear(16, 16), nn.Linear(16, 16)
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    opts = dict(save=tg.EveryNSteps(1), async_save=True, handle_signals=False)
+    gate, joining = threading.Event(), threading.Event()
+    real_join = SaveHandle.join
+
+    def join(self, limit=None):
+        if threading.current_thread().name == "model-save":
+            joining.set()  # the model's save() waits for the EMA's save from here on
+        return real_join(self, limit)
+
+    monkeypatch.setattr(SaveHandle, "join", join)
+    with tg.CheckpointManager(tmp_path / "m", **opts) as a, tg.CheckpointManager(tmp_path / "e", **opts) as b:
+        a.save(1, {"model": model, "optim": optim})
+        a.wait()
+        monkeypatch.setattr(async_save, "_before_background_stage", lambda: gate.wait(60))
+        b.save(1, {"ema": ema})  # held until the model's save waits for it
+        t = threading.Thread(target=a.save, args=(2, {"model": model, "optim": optim}), name="model-save", daemon=True)
+        t.start()
+        assert joining.wait(60)
+        gate.set()
+        t.join(60)
+        assert not t.is_alive()
+    saves = [e for e in map(json.loads, (tmp_path / "m" / "events.jsonl").read_text().splitlines()) if e["event"] == "save"]
+    s2 = next(e for e in saves if e["step"] == 2)
+    assert 0 < s2["stall_prev_s"] <= s2["stall_call_s"], s2
