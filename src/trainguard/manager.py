@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
-from . import entrydrop, gradwatch, layout, partread, policies, retention, runlock, saveevent
+from . import async_save, entrydrop, gradwatch, layout, partread, policies, retention, runlock, saveevent
 from .api import load, start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
@@ -221,7 +221,7 @@ class CheckpointManager:
         t0 = time.monotonic() if t0 is None else t0  # a retry to disk (below): the failed RAM attempt is stall too
         values, bad = policies.checked_metrics(metrics)  # a refusal is raised in the save's first round, on every rank
         bad = bad or runlock.lock_lost(self._lock)  # rank 0: the run directory's .lock removed or replaced (runlock.py)
-        prev = self._pending
+        prev, live = self._pending, (getattr(async_save._INFLIGHT, "handle", None) if self.async_save else None)  # live: maybe another manager's (an EMA's): start_save waits for it, stall_prev_s too
         try:
             self._finish_pending()  # one save in flight: the wait counts as stall (not as the policy's: report_saved)
         except CheckpointError as e:
@@ -264,7 +264,7 @@ class CheckpointManager:
             if (started := getattr(e, "save_handle", None)) is not None:
                 self._track(started, step, t0, mark, waited)
             raise
-        return self._track(handle, step, t0, mark, waited)
+        return self._track(handle, step, t0, mark, waited if live is None else max(waited, max(live.finished_at or t0, live.retained_at) - t0))
 
     def _track(self, handle: SaveHandle, step: int, t0: float, mark: Any, waited: float) -> SaveHandle:
         if self.async_save and self.ctx.rank == 0:  # at the commit, on the save thread (here if committed already):

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -238,15 +239,22 @@ class StagingPool:
 _DEFAULT: dict[tuple[int | None, bool | None], StagingPool] = {}
 
 
-def default_pool(max_bytes: int | None = None) -> StagingPool:
-    """The process-wide pool for a given cap (one per distinct ``max_bytes``)."""
-    key = (max_bytes, None)
+def _cap(max_bytes: Any) -> int | None:  # a pool's key: a numpy int or 0-d tensor cap as its value
+    return None if max_bytes is None else operator.index(max_bytes)
+
+
+def default_pool(max_bytes: int | None = None, users: Iterable[Any] = ()) -> StagingPool:
+    """The process-wide pool for a cap (one per distinct ``max_bytes``), ``async_save``'s call. A new cap replaces
+    the pools of caps no open async manager of ``users`` has (``max_staging_bytes``): a model's and an EMA's manager
+    with different caps each keep theirs (before, each save freed the other's and allocated its own again)."""
+    key = (_cap(max_bytes), None)
     pool = _DEFAULT.get(key)
     if pool is None:
-        for k in list(_DEFAULT):  # a different cap replaces the old pool: never two arenas alive
-            if not _DEFAULT[k].in_use:
+        kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users}
+        for k in list(_DEFAULT):
+            if not _DEFAULT[k].in_use and k[0] not in kept:
                 del _DEFAULT[k]
-        pool = _DEFAULT[key] = StagingPool(max_bytes=max_bytes)
+        pool = _DEFAULT[key] = StagingPool(max_bytes=key[0])
     return pool
 
 
@@ -269,13 +277,15 @@ def forget_pools_in_child() -> None:
     _DEFAULT = {}
 
 
-def trim_idle_pools() -> None:
-    """Free the arenas of every process-wide pool no save holds (``async_save.release_staging``). A pool
-    another thread's save takes meanwhile is kept: ``trim`` raised there, out of the manager's ``close()``,
+def trim_idle_pools(users: Iterable[Any] = ()) -> None:
+    """Free the arenas of every process-wide pool no save holds and no open async manager of ``users`` saves with
+    (``async_save.release_staging``). A pool another thread's save takes meanwhile is kept: ``trim`` raised there, out of the manager's ``close()``,
     whose run lock then stayed held (checked, then trimmed: the save could take it in between)."""
-    for pool in list(_DEFAULT.values()):
+    kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users}
+    for key, pool in list(_DEFAULT.items()):
         with contextlib.suppress(CheckpointError):  # held (trim looks under the pool's lock)
-            pool.trim()
+            if key[0] not in kept:
+                pool.trim()
 
 
 def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.device] | None:
