@@ -26,6 +26,7 @@ from .fsdp1 import FSDP1OptimizerAdapter, refuse_unsupported
 from .gcpause import gc_paused
 from .index import ChunkSource, plan_args
 from .io import ReadTarget, read_targets
+from .loadfiles import check_needed
 from .manifest import Manifest, TensorEntry
 from .names import alias_saved_paths, canonical_optimizer
 from .optnames import param_name_choices, param_name_map
@@ -237,24 +238,13 @@ def _load(
             f"values: {', '.join(bad.values())[:1500]}",
             stacklevel=3,
         )
+    # Sizes on disk are checked before any destination is allocated: a manifest cannot make this rank allocate more
+    # than the files it points at really hold. Before the plan round: a rank missing a file fails it on every rank.
+    src = ChunkSource.of(storage, directory, manifest)
+    wanted = check_needed(storage, directory, manifest, src, plans, bad)
     if ctx.is_distributed:  # the "load" round: nothing read into the state before every rank found that its state fits
         plan_round(taken={p for *_, refs in plans for p in refs} if split_state and strict and only is None else None)
         wrote.append(False)  # every rank passed the plan round (split_state's check too): the others read from here on
-    # Sizes on disk are checked before any destination is allocated: a manifest cannot make
-    # this rank allocate more than the files it points at really hold.
-    # Regular tensors read into a live shard allocate nothing: their files are checked below (the parts this rank reads).
-    src = ChunkSource.of(storage, directory, manifest)
-    wanted: set[str] = set()
-    for _k, _o, _s, dst, refs in plans:
-        for p in refs:
-            e = manifest.tensors[p]
-            if p in bad or (e.regular is not None and dst.get(p) is not None):
-                continue
-            if e.regular is None and len(e.chunks) == 1:
-                wanted.add(e.chunks[0].file)  # a set per tensor from src.files costs 1 us more
-            else:
-                wanted |= src.files(e)
-    check_file_sizes(storage, directory, manifest, wanted)
     finish: list[tuple[torch.Tensor, torch.Tensor]] = []  # (staging cpu tensor, live destination)
     loaded: dict[str, torch.Tensor] = {}
     want = {p: dest for _key, _obj, _skel, dest, refs in plans for p in refs if p not in bad}
@@ -301,7 +291,7 @@ def _load(
             ops = plan_reads(plan_args(src.chunks(p, e, box)), box, e.torch_dtype.itemsize, manifest.block_size, verify)
             yield ReadTarget(p, t, box, ops)
 
-    # The files of live regular shards were not checked above: each is checked when first opened.
+    # Every file is checked above (check_needed); a file not in ``wanted`` is one planned no read of (checked if opened).
     wrote += in_place_entries(plans, want)  # read in place from here on (partread.py)
     read_targets(storage, directory, targets() if len(want) <= EAGER_PLAN_FROM else list(targets()),
                  check_file=lambda f: None if f in wanted else check_file_sizes(storage, directory, manifest, {f}),
