@@ -159,3 +159,15 @@ def test_damage_is_never_loaded_and_restore_falls_back(tmp_path: Path, how: str,
     assert "step 2 is not usable" in log
     events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "restore_skip"] == [2]
+
+
+def test_tg_load_of_a_damaged_step_says_what_to_load_instead(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    run = _run(tmp_path)
+    ck = run / "step-000000002"
+    os.truncate(ck / "data-00000.bin", 100)  # found before a byte is read: nothing else to say
+    with pytest.raises(tg.CorruptCheckpointError) as e:
+        tg.load(str(ck), _state())
+    assert str(ck / "data-00000.bin") in str(e.value)
+    assert f"use an earlier step that verifies ({run} holds step 1: `trainguard verify {run}` says which verify)" in str(e.value)
+    step, _fresh, log = _restore(run, caplog)  # restore falls back itself: its skip line has no such advice
+    assert step == 1 and "step 2 is not usable" in log and "use an earlier step" not in log
