@@ -39,7 +39,6 @@ from .gcpause import gc_paused
 from .handle import SaveHandle
 from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
-from .loader import load  # noqa: F401
 from .manifest import Chunk, Manifest, TensorEntry, checksum
 from .permanent import check_save_args, is_permanent, keeps_own
 from .planner import check_cover, layout_file
@@ -48,6 +47,7 @@ from .storage import Storage, for_path, location
 from .storage._diskfull import save_failed
 from .streams import has_device_chunks, host_batches, split_streams, write_streams
 from .tied import format_for, resolve_aliases
+from .userload import load  # noqa: F401  (tg.load: a damaged checkpoint's error says what to load instead)
 
 
 @one_operation

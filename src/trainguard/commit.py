@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import layout
-from .commitfail import removed, renamed_anyway, under_a_file, unsafe_target, wrong_size
+from .commitfail import removed, renamed_anyway, symlink_to, under_a_file, unsafe_target, wrong_size
 from .errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -109,7 +109,9 @@ def check_file_sizes(storage: Storage, directory: str, manifest: Manifest, neede
     for f in sorted(needed):
         p = storage.join(directory, f)
         if not storage.exists(p):
-            raise CorruptCheckpointError(f"{location(storage, p)}: data file is missing", file=f)
+            link = symlink_to(storage, p)  # a link whose target is gone: not "missing" (review57c)
+            what = "data file is missing" if link is None else f"a symbolic link to {link}, which is not there"
+            raise CorruptCheckpointError(f"{location(storage, p)}: {what}", file=f)
         actual = storage.size(p)
         if actual != manifest.files[f]:
             raise CorruptCheckpointError(f"{location(storage, p)}: {wrong_size(storage, p, actual, manifest.files[f])}", file=f)

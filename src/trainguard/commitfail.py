@@ -169,7 +169,14 @@ def wrong_size(storage: Storage, path: str, have: int, want: int) -> str:
     """What a data file of the wrong size is, for ``commit.check_file_sizes`` and ``inspect``'s
     ``verify`` and ``list_checkpoints`` (a lookup, on that failure only): a directory standing in
     for the file read as "4096 bytes" before. An object store lists a file as no names, without an
-    error (a directory there holds objects): a truncated object read as "a directory" (ed7628d)."""
+    error (a directory there holds objects): a truncated object read as "a directory" (ed7628d).
+    A symbolic link in a local checkpoint (``cp -rs``, DVC or git-annex put one in place of the file)
+    is said to be one: its own size read as "44 bytes on disk ... (truncated or replaced)" before
+    (review57c), where ``tg.load`` of an index that is a link said "is a symbolic link"."""
+    link = symlink_to(storage, path)
+    if link is not None:
+        return (f"a symbolic link (to {link}), not a data file of {want} bytes: checkpoint files must be regular files "
+                "inside the checkpoint; if the file it points to is this checkpoint's, put a copy of it in place of the link")
     try:
         names = storage.listdir(path)
     except OSError:
@@ -177,3 +184,16 @@ def wrong_size(storage: Storage, path: str, have: int, want: int) -> str:
     if names is None or not (names or storage.atomic_rename):
         return f"{have} bytes on disk, the manifest says {want} (truncated or replaced)"
     return f"a directory, not a data file of {want} bytes (replaced)"
+
+
+def symlink_to(storage: Storage, path: str) -> str | None:
+    """Where ``path`` points when it is a symbolic link on local storage (``wrong_size``, and
+    ``commit.check_file_sizes`` for a link whose target is gone); None otherwise (an object store has none)."""
+    from .storage.local import LocalStorage
+
+    if not isinstance(storage, LocalStorage):
+        return None
+    try:
+        return os.readlink(path)
+    except OSError:  # not a link (EINVAL), not there, or unreadable: the caller's words stand
+        return None

@@ -15,7 +15,7 @@ from typing import Any
 
 from . import layout
 from .commit import list_steps, read_manifest
-from .commitfail import wrong_size
+from .commitfail import symlink_to, wrong_size
 from .errors import CheckpointError, FormatVersionError, NotACheckpointError, is_media_error
 from .fdlimit import ensure_room
 from .index import ChunkSource
@@ -70,8 +70,9 @@ def verify(path: str | os.PathLike[str]) -> VerifyResult:
             _raise_unless_media(have)  # EIO: reported, not raised
             errors.append(f"{fname}: cannot be read: {type(have).__name__}: {have}")
             continue
-        if have is None:
-            errors.append(f"{fname}: missing")
+        if have is None:  # a link whose target is gone is said to be one, as tg.load says it (review57c)
+            link = symlink_to(storage, storage.join(target, fname))
+            errors.append(f"{fname}: missing" if link is None else f"{fname}: a symbolic link to {link}, which is not there")
         elif have != size:
             errors.append(f"{fname}: {wrong_size(storage, storage.join(target, fname), have, size)}")
     if errors:

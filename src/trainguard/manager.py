@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
 from . import async_save, entrydrop, gradwatch, layout, partread, policies, retention, runlock, saveevent
-from .api import load, start_save
+from .api import start_save
 from .async_save import release_staging, use_staging
 from .commit import RunLock, clean_debris
 from .dist import DistContext
@@ -29,6 +29,7 @@ from .events import EVENTS_FILE, EventLog
 from .handle import SaveHandle
 from .inspect import not_overwritten, partly_read_refusal, touched_tensors, unmatched_entries
 from .iostall import StuckWriteError
+from .loader import load  # not tg.load (userload.py): restore falls back to older steps itself
 from .metricvals import MetricValue
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -53,8 +54,7 @@ class CheckpointManager:
     (default ``KeepLatest(3)``); ``async_save``: write in the background (``stage_in_background``: with no
     copy in the call, see docs/async.md); ``on_error``: ``"raise"`` or ``"warn"`` (log, train on, retry at the
     next save; a permanent error failing two saves in a row, or the run lock lost, is raised all the same); ``handle_signals``: on SIGTERM,
-    SIGINT or SIGHUP (not if ignored or handled) save at the next ``save()``, set ``should_stop``; ``split_state``: see split.py.
-    """
+    SIGINT or SIGHUP (not if ignored or handled) save at the next ``save()``, set ``should_stop``; ``split_state``: see split.py."""
 
     def __init__(
         self,

@@ -44,9 +44,18 @@ def named(e: CorruptCheckpointError, src: str) -> CorruptCheckpointError:
     if msg is None or "trainguard verify" in msg:
         return e
     shown = src.rstrip("/") or src
-    step = layout.parse_step(os.path.basename(shown))
-    in_checkpoint(e, shown, _Step(step))
-    e.args = (f"{e.args[0].rstrip('. ')}; {_what_to_do(shown, step)}", *e.args[1:])
+    in_checkpoint(e, shown, _Step(layout.parse_step(os.path.basename(shown))))
+    return advised(e, shown)
+
+
+def advised(e: CorruptCheckpointError, src: str) -> CorruptCheckpointError:
+    """``e`` with what to do added (once): :func:`named` without naming the checkpoint again, for
+    ``tg.load`` (``userload.py``), whose errors name it already; the same object."""
+    msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
+    if msg is None or "trainguard verify" in msg:
+        return e
+    shown = src.rstrip("/") or src
+    e.args = (f"{msg.rstrip('. ')}; {_what_to_do(shown, layout.parse_step(os.path.basename(shown)))}", *e.args[1:])
     return e
 
 

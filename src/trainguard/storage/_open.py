@@ -30,7 +30,8 @@ def open_regular(path: str) -> int:
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ENOENT:
-            raise CorruptCheckpointError(f"{path}: data file is missing", file=os.path.basename(path)) from None
+            what = "index file" if path.endswith(".idx") else "data file"  # a rank's index: not "data file" (review57c)
+            raise CorruptCheckpointError(f"{path}: {what} is missing", file=os.path.basename(path)) from None
         if e.errno == errno.ELOOP:
             raise CorruptCheckpointError(
                 f"{path} is a symbolic link; checkpoint files must be regular files inside the checkpoint",
