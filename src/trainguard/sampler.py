@@ -47,7 +47,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from . import iteradvance, iterworkers
-from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
+from .advancecheck import batches_ahead, check_advanced, check_reread, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int, whole
 from .permanent import check_flags, mark
 from .seeded import EpochKey, seed_int, seeded_stream
@@ -152,6 +152,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[Any]:
         self.reads_data = True  # this rank reads data (capture.check_data_positions compares it)
+        check_reread(self)  # an epoch read to its end, iterated again: set_epoch/next_epoch forgotten (advancecheck.py)
         # Only this rank's share of the order becomes Python ints (1/W of the epoch): the whole
         # order as a list costs ~36 bytes a sample on every rank (36 GB for 10**9 samples).
         rank, world = self.rank_world
@@ -180,7 +181,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     "loader again: the new iterator starts at the restored position (docs/data.md)"
                 )
             if x is _END:
-                self._ran_out = (*began, batches_ahead())  # (epoch, position) it started at: _check_advanced
+                self._ran_out = (*began, batches_ahead(), restores, counts)  # _check_advanced, check_reread
                 return
             counts[2] += 1
             yield x
