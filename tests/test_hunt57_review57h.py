@@ -80,6 +80,13 @@ def test_right_loops_and_second_passes_with_data_left_are_not_warned(tmp_path):
                     r.advance(len(x))
                 r.next_epoch()
             assert seen == (r.order(0)[6:] if ckpt == "mid" else []) + r.order(1), ckpt
+        b = tg.ResumableSampler(ds, seed=0, rank=0, world_size=1)  # a loop that breaks before the partial last batch
+        loader = DataLoader(ds, batch_size=3, sampler=b, num_workers=2, prefetch_factor=2)  # the workers read all 4
+        for i, (x,) in enumerate(loader):
+            b.advance(len(x))
+            if i == 2:
+                break
+        assert [x.tolist() for (x,) in loader] == [b.order()[9:]]  # the rest, read again after the break: data
         v = tg.ResumableSampler(ds, seed=0, rank=0, world_size=1)  # a validation sampler, never advanced
         for _ in range(3):
             assert len([x for (x,) in DataLoader(ds, batch_size=5, sampler=v)]) == 2

@@ -109,20 +109,21 @@ def check_advanced(sampler: Any) -> None:
 def check_reread(sampler: Any) -> None:
     """``ResumableSampler.__iter__`` (every rank, each new iterator): warn (``RuntimeWarning``, once per
     sampler) when the iterator before this one read this epoch to its end, no restore or epoch change since,
-    and what it gave this rank was advanced but for less than a batch (``advance``'s last count; the rest a
-    ``DataLoader(drop_last=True)`` dropped): from the position there is no batch left to give. A loop that
+    and either all it gave this rank was advanced (nothing is left) or it gave less than a batch (``advance``'s
+    last count) and none was advanced (what ``DataLoader(drop_last=True)`` dropped, again). A loop that
     forgets ``set_epoch(epoch)``/``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0
     and then every further epoch on no data at all, silently (review57h). Not warned: the first iterator
     after a restore at an epoch's end (it rightly yields nothing), nor one after an iterator that stopped
-    early (``next(iter(loader))``, a loop that broke: it did not run out, or a batch or more of it is left)."""
+    early (``next(iter(loader))``, a loop that broke: it did not run out, or some of it is left to read)."""
     ran = sampler.__dict__.get("_ran_out")
     if ran is None or len(ran) < 5 or sampler.__dict__.get("_warned_reread"):
         return
     epoch, _, _, restores, counts = ran
     if counts is not sampler.__dict__.get("_advanced") or (epoch, restores) != (sampler.epoch, sampler._restores):
         return  # another iterator began since (it did not run out), or the epoch or position was set or restored
-    if counts[2] - counts[1] >= sampler.__dict__.get("_batch", 1):
-        return  # a batch or more of what it gave was not advanced: still to read
+    calls, advanced, gave = counts[:3]
+    if gave > advanced and (calls or gave >= sampler.__dict__.get("_batch", 1)):
+        return  # samples left to read (a loop that stopped early: a partial last batch is data too)
     sampler._warned_reread = True
     warnings.warn(f"ResumableSampler: a new iterator reads epoch {sampler.epoch} again from sample {sampler.position} of "
                   f"{sampler.num_samples}, after an iterator read it to its end: it has no batch left to give, and so has "

@@ -44,15 +44,16 @@ def counted(ds: Any, items: Iterator[Any]) -> Iterator[Any]:
 
 def check_reread(ds: Any) -> None:
     """:func:`counted`, as an iterator of this process begins: warn once (``RuntimeWarning``) when the iterator
-    before it read this epoch's stream to its end, no restore or epoch change since, and what it gave this rank
-    was advanced but for less than a batch (``advance``'s last count): the stream has no batch left from the
-    position. A loop that forgets ``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0
-    and then every further epoch on nothing, silently (review57h)."""
+    before it read this epoch's stream to its end, no restore or epoch change since, and either all it gave this
+    rank was advanced, or it gave less than a batch (``advance``'s last count) and none was advanced (what
+    ``DataLoader(drop_last=True)`` dropped, again): the stream has no batch left from the position. A loop
+    that forgets ``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0 and then every
+    further epoch on nothing, silently (review57h)."""
     counts = ds.__dict__.get("_ran_out")
     if counts is not ds.__dict__.get("_advanced") or not _same_epoch(ds, counts) or ds.__dict__.get("_warned_reread"):
         return  # none ran out, or another iterator gave items since, or the epoch or position was set or restored
-    if counts[2] - counts[1] >= ds.__dict__.get("_batch", 1):
-        return  # a batch or more was left unadvanced (a loop that stopped inside its last batch): still to read
+    if counts[2] > counts[1] and (counts[0] or counts[2] >= ds.__dict__.get("_batch", 1)):
+        return  # items left to read (a loop that stopped early: a partial last batch is data too)
     ds._warned_reread = True
     warnings.warn(f"ResumableIterable: a new iterator reads epoch {ds.epoch}'s stream again from item {ds.position}, "
                   "after an iterator read it to its end: it has no batch left to give, and so has every further epoch "
