@@ -55,6 +55,14 @@ def test_an_iterable_loop_without_next_epoch_is_warned_at_its_second_epoch():
     assert "next_epoch()" in msg
 
 
+@pytest.mark.parametrize("stream", [range(10), [1, 2, 3], iter(range(3))])
+def test_an_iterable_given_the_stream_itself_is_refused_saying_what_to_pass(stream):
+    # Before: built, then the first batch raised "'range' object is not callable" (in a worker with num_workers > 0).
+    with pytest.raises(TypeError, match=r"lambda epoch: iter\(dataset\)"):
+        tg.ResumableIterable(stream)
+    assert list(tg.ResumableIterable(lambda epoch: iter([7]), rank=0, world_size=1)) == [7]  # the function: read
+
+
 def test_right_loops_and_second_passes_with_data_left_are_not_warned(tmp_path):
     ds = TensorDataset(torch.arange(10))
     with warnings.catch_warnings(record=True) as caught:

@@ -70,9 +70,7 @@ def _rank_world(rank: SupportsIndex | None, world_size: SupportsIndex | None) ->
 
 def _has_group() -> bool:
     """Whether this process has a torch.distributed process group (a forked worker has its parent's)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    return torch.distributed.is_available() and torch.distributed.is_initialized()  # imported by torch
 
 
 def _consumed(n: Any) -> int:
@@ -293,6 +291,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         if batch_size is not None and (type(batch_size := whole(batch_size)) is not int or batch_size < 1):  # numpy's too
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
         check_flags(drop_last=drop_last)
+        iterworkers.check_make_iter(make_iter)  # a dataset or list itself: said so here, not at the first batch
         self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
         self.seed = None if seed is None else seed_int(seed, "ResumableIterable")
         self.drop_last = bool(drop_last)
