@@ -59,6 +59,7 @@ def _run_to_end(samplers: list[ResumableSampler], batch: int) -> list[list[int]]
     return [[i for b in bs for i in b] for bs in per_rank]
 
 
+@pytest.mark.filterwarnings("ignore:ResumableSampler. a new iterator reads epoch:RuntimeWarning")  # list(s) at the end, on purpose
 @pytest.mark.parametrize(
     ("n", "world", "batch"),
     [(9, 2, 4), (10, 3, 4), (7, 4, 2), (13, 3, 5), (101, 4, 8), (3, 5, 1), (11, 2, 11)],

@@ -62,6 +62,8 @@ def note_advance(sampler: Any, n: int) -> None:
     a checkpoint then resumed past samples never trained on, and the epoch's last ones were skipped.
     Not after a restore or an epoch change since that iterator began (``advance(n)`` there skips
     data on purpose: a rollback past a loss spike)."""
+    if n:
+        sampler._batch = n  # the last count: check_reread's batch
     counts = sampler.__dict__.get("_advanced")
     if counts is None:
         return
@@ -102,3 +104,29 @@ def check_advanced(sampler: Any) -> None:
     warnings.warn(f"ResumableSampler: a DataLoader iterator read epoch {sampler.epoch} to its end but {what}. Call "
                   "sampler.advance(len(x)) with x the batch's tensor after each training step (docs/data.md)",
                   RuntimeWarning, stacklevel=4)
+
+
+def check_reread(sampler: Any) -> None:
+    """``ResumableSampler.__iter__`` (every rank, each new iterator): warn (``RuntimeWarning``, once per
+    sampler) when the iterator before this one read this epoch to its end, no restore or epoch change since,
+    and either all it gave this rank was advanced (nothing is left) or it gave less than a batch (``advance``'s
+    last count) and none was advanced (what ``DataLoader(drop_last=True)`` dropped, again). A loop that
+    forgets ``set_epoch(epoch)``/``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0
+    and then every further epoch on no data at all, silently (review57h). Not warned: the first iterator
+    after a restore at an epoch's end (it rightly yields nothing), nor one after an iterator that stopped
+    early (``next(iter(loader))``, a loop that broke: it did not run out, or some of it is left to read)."""
+    ran = sampler.__dict__.get("_ran_out")
+    if ran is None or len(ran) < 5 or sampler.__dict__.get("_warned_reread"):
+        return
+    epoch, _, _, restores, counts = ran
+    if counts is not sampler.__dict__.get("_advanced") or (epoch, restores) != (sampler.epoch, sampler._restores):
+        return  # another iterator began since (it did not run out), or the epoch or position was set or restored
+    calls, advanced, gave = counts[:3]
+    if gave > advanced and (calls or gave >= sampler.__dict__.get("_batch", 1)):
+        return  # samples left to read (a loop that stopped early: a partial last batch is data too)
+    sampler._warned_reread = True
+    warnings.warn(f"ResumableSampler: a new iterator reads epoch {sampler.epoch} again from sample {sampler.position} of "
+                  f"{sampler.num_samples}, after an iterator read it to its end: it has no batch left to give, and so has "
+                  "every further epoch until the epoch changes (set_epoch/next_epoch forgotten?). Call "
+                  "sampler.set_epoch(epoch) at the start of each epoch (for epoch in range(sampler.epoch, epochs)), or "
+                  "sampler.next_epoch() after it (docs/data.md)", RuntimeWarning, stacklevel=3)

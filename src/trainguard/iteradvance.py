@@ -31,6 +31,7 @@ def counted(ds: Any, items: Iterator[Any]) -> Iterator[Any]:
     if torch.utils.data.get_worker_info() is not None:
         yield from items
         return
+    check_reread(ds)
     counts = None
     for pair in items:
         if counts is None:  # [advance calls, items they counted, items yielded, epoch, restores, position]
@@ -39,6 +40,25 @@ def counted(ds: Any, items: Iterator[Any]) -> Iterator[Any]:
         yield pair
     if counts is not None:
         ds._ran_out = counts
+
+
+def check_reread(ds: Any) -> None:
+    """:func:`counted`, as an iterator of this process begins: warn once (``RuntimeWarning``) when the iterator
+    before it read this epoch's stream to its end, no restore or epoch change since, and either all it gave this
+    rank was advanced, or it gave less than a batch (``advance``'s last count) and none was advanced (what
+    ``DataLoader(drop_last=True)`` dropped, again): the stream has no batch left from the position. A loop
+    that forgets ``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0 and then every
+    further epoch on nothing, silently (review57h)."""
+    counts = ds.__dict__.get("_ran_out")
+    if counts is not ds.__dict__.get("_advanced") or not _same_epoch(ds, counts) or ds.__dict__.get("_warned_reread"):
+        return  # none ran out, or another iterator gave items since, or the epoch or position was set or restored
+    if counts[2] > counts[1] and (counts[0] or counts[2] >= ds.__dict__.get("_batch", 1)):
+        return  # items left to read (a loop that stopped early: a partial last batch is data too)
+    ds._warned_reread = True
+    warnings.warn(f"ResumableIterable: a new iterator reads epoch {ds.epoch}'s stream again from item {ds.position}, "
+                  "after an iterator read it to its end: it has no batch left to give, and so has every further epoch "
+                  "until the epoch changes (next_epoch forgotten?). Call data.next_epoch() after each epoch's last "
+                  "batch (docs/data.md)", RuntimeWarning, stacklevel=4)
 
 
 def _same_epoch(ds: Any, counts: Any) -> bool:
@@ -50,6 +70,8 @@ def note_advance(ds: Any, n: int) -> None:
     """``advance(n)``: count it; warn when the items counted since the iterator began pass those it gave
     this rank (``advance(len(x) * world)``). Not after a restore or an epoch change since that iterator
     began, nor before any iterator (an ``advance(n)`` there skips data on purpose)."""
+    if n:
+        ds._batch = n  # the last count: check_reread's batch
     counts = ds.__dict__.get("_advanced")
     if not _same_epoch(ds, counts):
         return

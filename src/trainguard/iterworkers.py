@@ -16,7 +16,8 @@ the stream is read ``K`` times per rank; ``ResumableIterable(transform=...)`` ru
 items a worker keeps, which is where several workers gain.
 
 Who calls what: ``ResumableIterable.__iter__`` (in each worker process, once per DataLoader
-iterator) calls :func:`check_workers`, then wraps the rank's items in :func:`worker_share`.
+iterator) calls :func:`check_workers`, then wraps the rank's items in :func:`worker_share`;
+``ResumableIterable.__init__`` calls :func:`check_make_iter`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,18 @@ import sys
 from collections.abc import Iterable, Iterator
 from types import FrameType
 from typing import Any
+
+
+def check_make_iter(make_iter: Any) -> None:
+    """``ResumableIterable.__init__``: refuse a ``make_iter`` that is not callable (an ``IterableDataset``, a list or
+    a generator passed as the stream itself). Before, the first batch raised ``TypeError: 'X' object is not
+    callable`` (inside a DataLoader worker, after the workers started), not saying what to pass (review57h)."""
+    if not callable(make_iter):
+        raise TypeError(
+            f"ResumableIterable({make_iter!r:.60}): pass a function of the epoch that opens the stream anew, the same "
+            "order every time (e.g. ResumableIterable(lambda epoch: iter(dataset))), not the stream itself: a resume "
+            "reads it again from its start to skip what was consumed (docs/data.md)"
+        )
 
 
 def check_workers(batch_size: int | None, num_workers: int) -> None:

@@ -47,7 +47,7 @@ from typing import Any, SupportsIndex
 import torch
 
 from . import iteradvance, iterworkers
-from .advancecheck import batches_ahead, check_advanced, note_advance, note_iter
+from .advancecheck import batches_ahead, check_advanced, check_reread, note_advance, note_iter
 from .errors import CheckpointError, CorruptCheckpointError, nonneg_int, whole
 from .permanent import check_flags, mark
 from .seeded import EpochKey, seed_int, seeded_stream
@@ -70,9 +70,7 @@ def _rank_world(rank: SupportsIndex | None, world_size: SupportsIndex | None) ->
 
 def _has_group() -> bool:
     """Whether this process has a torch.distributed process group (a forked worker has its parent's)."""
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    return torch.distributed.is_available() and torch.distributed.is_initialized()  # imported by torch
 
 
 def _consumed(n: Any) -> int:
@@ -152,6 +150,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     def __iter__(self) -> Iterator[Any]:
         self.reads_data = True  # this rank reads data (capture.check_data_positions compares it)
+        check_reread(self)  # an epoch read to its end, iterated again: set_epoch/next_epoch forgotten (advancecheck.py)
         # Only this rank's share of the order becomes Python ints (1/W of the epoch): the whole
         # order as a list costs ~36 bytes a sample on every rank (36 GB for 10**9 samples).
         rank, world = self.rank_world
@@ -180,7 +179,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     "loader again: the new iterator starts at the restored position (docs/data.md)"
                 )
             if x is _END:
-                self._ran_out = (*began, batches_ahead())  # (epoch, position) it started at: _check_advanced
+                self._ran_out = (*began, batches_ahead(), restores, counts)  # _check_advanced, check_reread
                 return
             counts[2] += 1
             yield x
@@ -292,6 +291,7 @@ class ResumableIterable(torch.utils.data.IterableDataset):
         if batch_size is not None and (type(batch_size := whole(batch_size)) is not int or batch_size < 1):  # numpy's too
             raise ValueError(f"ResumableIterable(batch_size={batch_size!r}): the DataLoader's batch_size, an int >= 1")
         check_flags(drop_last=drop_last)
+        iterworkers.check_make_iter(make_iter)  # a dataset or list itself: said so here, not at the first batch
         self.make_iter, self.batch_size, self.transform = make_iter, batch_size, transform
         self.seed = None if seed is None else seed_int(seed, "ResumableIterable")
         self.drop_last = bool(drop_last)
