@@ -335,8 +335,13 @@ def remove_tier(tier: Any) -> None:
     """``RamTier.close(clean=True)``, rank 0, once its last copy reached the run directory: remove the RAM
     tier. One that cannot be removed (EACCES, EBUSY) stays, with a warning that says where and the event
     ``ram_remove_failed``: the job ended well and its checkpoints are on disk. Before, ``close()`` raised the
-    bare OSError."""
+    bare OSError. Each step directory goes first, by ``remove_tree`` (its manifest before its data): one
+    ``rmtree`` of the tier removed a step's data file before its manifest, and a kill in between left a
+    manifest alone in RAM that the next open's restore tried as a checkpoint (review57b)."""
     try:
+        with contextlib.suppress(FileNotFoundError):  # removed by hand already: nothing to do
+            for s in list_steps(tier.storage, tier.dir):
+                tier.storage.remove_tree(s.path)
         tier.storage.remove_tree(tier.dir)
     except OSError as e:
         log.warning("trainguard: could not remove the RAM tier %s (it holds memory until removed: rm -rf it): %s",
