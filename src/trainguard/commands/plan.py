@@ -354,6 +354,10 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     env = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
     try:
         with contextlib.redirect_stdout(sys.stderr), _os_exit_raises():  # stdout: the findings only (--json)
+            # Registered as an import would be: a module-level @dataclass (with `from __future__ import
+            # annotations`) looks its module up in sys.modules, and without it the import failed with
+            # "AttributeError: 'NoneType' object has no attribute '__dict__'" (exit 2).
+            sys.modules[spec.name] = mod
             try:
                 spec.loader.exec_module(mod)
             except SystemExit as e:
@@ -368,9 +372,11 @@ def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             except SystemExit as e:  # sys.exit(0) there ended the doctor with 0 and no word: a CI step passed
                 raise CommandError(f"{path}: trainguard_state() exited (SystemExit: {e.code}) instead of returning "
                                    "the state: keep argument parsing and exits out of it") from None
-    except CommandError:
-        raise
-    except Exception as e:
+    except BaseException as e:
+        if sys.modules.get(spec.name) is mod:  # a failed import leaves no module behind, as importlib's
+            del sys.modules[spec.name]
+        if isinstance(e, CommandError) or not isinstance(e, Exception):
+            raise
         hint = (" (the doctor calls trainguard_state() in one process, without the launcher's "
                 f"{', '.join(sorted(env))}: create the process group in main(), not in the hook)") if env else ""
         raise CommandError(f"{path}: {type(e).__name__}: {e}{hint}") from e
