@@ -98,3 +98,48 @@ def test_a_save_before_the_accumulation_guard_clause_is_reported():
 def test_a_save_after_the_accumulation_guard_clause_is_fine():
     f = _accum_finding("", "        mgr.save(step, state)\n")
     assert f is not None and f.severity == "ok", f
+
+
+def test_plan_agrees_with_young_daly_and_the_exact_optimum_computed_here():
+    # Independent of trainguard.reliability: M = node MTBF / nodes; Young sqrt(2 d M); Daly's estimate
+    # sqrt(2 d M) (1 + sqrt(d / 2M) / 3 + d / 18M) - d (d < 2M); the expected wall time of one interval
+    # tau, failures and restarts R included, M e^(R/M) (e^((tau + d)/M) - 1) (Daly 2006).
+    nodes, rate, d, r = 256, 0.0065, 30.0, 600.0
+    res = CliRunner().invoke(plan_cmd, ["--nodes", str(nodes), "--node-failures-per-day", str(rate), "--save-stall",
+                                        "30s", "--restart", "10m", "--step-time", "2s", "--every", "500", "--json"])
+    assert res.exit_code == 0, res.output
+    p = json.loads(res.output)
+    m = 86400 / (rate * nodes)
+    young = math.sqrt(2 * d * m)
+    daly = young * (1 + math.sqrt(d / (2 * m)) / 3 + d / (18 * m)) - d
+
+    def eff(tau):
+        return tau / (m * math.exp(r / m) * math.expm1((tau + d) / m))
+
+    lo, hi = 1.0, 10 * young  # golden-section search for the exact optimum of eff
+    for _ in range(200):
+        a, b = hi - (hi - lo) / 1.618033988749895, lo + (hi - lo) / 1.618033988749895
+        lo, hi = (lo, b) if eff(a) > eff(b) else (a, hi)
+    best = (lo + hi) / 2
+    assert math.isclose(p["job_mtbf_s"], m, rel_tol=1e-5)
+    assert math.isclose(p["p_failure_day"], -math.expm1(-86400 / m), rel_tol=1e-5)
+    assert math.isclose(p["young_interval_s"], young, rel_tol=1e-5)
+    assert math.isclose(p["daly_interval_s"], daly, rel_tol=1e-5)
+    assert math.isclose(p["optimal_interval_s"], best, rel_tol=1e-3)
+    assert math.isclose(p["efficiency_at_young"], eff(young), rel_tol=1e-5)
+    assert math.isclose(p["efficiency_at_optimum"], eff(best), rel_tol=1e-5)
+    assert p["intervals"][0]["interval_s"] == 1000.0 and math.isclose(p["intervals"][0]["efficiency"], eff(1000.0), rel_tol=1e-5)
+    assert math.isclose(p["lost_gpu_hours_per_day"], (1 - eff(best)) * nodes * 8 * 24, rel_tol=1e-4)
+
+
+def test_a_notebook_is_refused_saying_how_to_export_it(tmp_path):
+    # Its JSON parses as one Python dict: the source checks found nothing and said "ok" (exit 1 only for the
+    # missing hook), though no line of its code was read.
+    nb = tmp_path / "train.ipynb"
+    nb.write_text(json.dumps({"cells": [{"cell_type": "code", "metadata": {"collapsed": False}, "source": [
+        "import torch\n", "if dist.get_rank() == 0:\n", "    mgr.save(step, state)\n"]}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    res = _doctor(nb)
+    assert res.exit_code == 2, res.output
+    assert "notebook" in res.output and "nbconvert --to script" in res.output, res.output
+    assert '"ok"' not in res.output, res.output
