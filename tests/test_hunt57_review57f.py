@@ -143,3 +143,19 @@ def test_a_notebook_is_refused_saying_how_to_export_it(tmp_path):
     assert res.exit_code == 2, res.output
     assert "notebook" in res.output and "nbconvert --to script" in res.output, res.output
     assert '"ok"' not in res.output, res.output
+
+
+def test_tg_doctor_refuses_a_notebooks_path(tmp_path):
+    import pathlib
+
+    import pytest
+
+    import trainguard as tg
+
+    nb = tmp_path / "train.ipynb"
+    nb.write_text(json.dumps({"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    # Before: Path(...) read the JSON and parsed it as one dict; "train.ipynb" parsed as the expression
+    # `train.ipynb`: every static check passed on no code, silently.
+    for source in (pathlib.Path(nb), str(nb)):
+        with pytest.raises(ValueError, match="nbconvert"):
+            tg.doctor({}, source=source)
