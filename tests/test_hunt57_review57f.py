@@ -159,3 +159,19 @@ def test_tg_doctor_refuses_a_notebooks_path(tmp_path):
     for source in (pathlib.Path(nb), str(nb)):
         with pytest.raises(ValueError, match="nbconvert"):
             tg.doctor({}, source=source)
+
+
+def test_a_script_in_a_package_with_a_relative_import_is_imported(tmp_path):
+    # `torchrun -m proj.train` layouts: `from .config import LR` failed the import, exit 2, "ImportError:
+    # attempted relative import with no known parent package", with nothing checked.
+    pkg = tmp_path / "proj"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("LR = 0.1\n")
+    (pkg / "train.py").write_text(
+        "import torch\nfrom .config import LR\n\n\ndef trainguard_state():\n    m = torch.nn.Linear(2, 2)\n"
+        "    return {'model': m, 'optim': torch.optim.SGD(m.parameters(), lr=LR)}\n")
+    res = _doctor(pkg / "train.py")
+    assert "relative import" not in res.output, res.output
+    checks = {f["check"]: f["severity"] for f in json.loads(res.output[res.output.index("["):])}
+    assert checks["model"] == "ok", checks

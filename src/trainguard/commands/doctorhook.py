@@ -42,15 +42,31 @@ def _os_exit_raises() -> Any:
         os._exit = real
 
 
+def _package_of(path: Path) -> tuple[str, str]:
+    """The dotted package a script lies in (its folders with an ``__init__.py``, innermost last) and
+    the folder above the outermost; ``("", "")`` for a script outside any package."""
+    parts, d = [], path.resolve().parent
+    while (d / "__init__.py").is_file() and d.name.isidentifier() and d != d.parent:
+        parts.insert(0, d.name)
+        d = d.parent
+    return ".".join(parts), str(d) if parts else ""
+
+
 def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
     ``trainguard_state()``."""
-    spec = importlib.util.spec_from_file_location(f"_trainguard_doctor_{path.stem}", path)
+    package, top = _package_of(path)
+    # In a package (`torchrun -m proj.train`): imported as proj.train, so `from .config import LR` works;
+    # it failed with "ImportError: attempted relative import with no known parent package" (exit 2).
+    name = f"{package}.{path.stem}" if package else f"_trainguard_doctor_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise CommandError(f"{path}: cannot import this file as Python")
     mod = importlib.util.module_from_spec(spec)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # so the script's own sibling imports work
+    if package:
+        sys.path.insert(0, top)  # and its package's, as python -m from the folder above the package
     argv, sys.argv = sys.argv, [str(path)]  # argparse at module level sees the script's defaults, not ours
     # One process, whatever launched the doctor: a hook that creates its process group from a
     # launcher's RANK/WORLD_SIZE/MASTER_* (doctor run inside torchrun or an salloc) waited for
@@ -62,6 +78,8 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             # annotations`) looks its module up in sys.modules, and without it the import failed with
             # "AttributeError: 'NoneType' object has no attribute '__dict__'" (exit 2).
             sys.modules[spec.name] = mod
+            if package:
+                importlib.import_module(package)
             try:
                 spec.loader.exec_module(mod)
             except SystemExit as e:
@@ -87,8 +105,9 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     finally:
         os.environ.update(env)
         sys.argv = argv
-        if folder in sys.path:
-            sys.path.remove(folder)
+        for added in (folder, top) if package else (folder,):
+            if added in sys.path:
+                sys.path.remove(added)
     state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
     if not isinstance(state, Mapping):
         raise CommandError(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
