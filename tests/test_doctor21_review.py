@@ -60,8 +60,11 @@ def test_saves_after_the_optimizer_step_are_not_reported() -> None:
         "            opt.zero_grad()\n", "            opt.zero_grad()\n            mgr.save(step, state)\n")
     gated = ACCUM.replace("        mgr.save(step, state)\n", "        if (i + 1) % accum == 0:\n"
                           "            mgr.save(step, state)\n")
-    skipped = ACCUM.replace("        if (i + 1) % accum == 0:\n", "        if (i + 1) % accum:\n            continue\n"
-                            "        if True:\n")  # the step and the save both run after the continue
+    # the step and the save both run after the continue (the save stayed before it until session 57: a save on
+    # every micro-batch, which this asserted "ok"; tests/test_hunt57_review57f.py reports that one)
+    skipped = ACCUM.replace("        mgr.save(step, state)\n", "").replace(
+        "        if (i + 1) % accum == 0:\n", "        if (i + 1) % accum:\n            continue\n        if True:\n").replace(
+        "            opt.zero_grad()\n", "            opt.zero_grad()\n        mgr.save(step, state)\n")
     # a step under a test that is no accumulation (a GradScaler or not), or every micro-batch's (DeepSpeed)
     either = """
     for x, y in loader:

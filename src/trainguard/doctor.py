@@ -77,6 +77,8 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
     if source is not None and not isinstance(source, str):
         raise TypeError(f"source={source!r}: pass the training script's text or its path, 'auto' (the __main__ script) or None")
     main_file = (getattr(sys.modules.get("__main__"), "__file__", None) or "") if source == "auto" and not path_given else ""
+    if source is not None and str(source).strip().endswith(".ipynb") and "\n" not in str(source):  # JSON: parsed as a dict
+        raise ValueError(f"source={source!r} is a Jupyter notebook: export it (jupyter nbconvert --to script) and pass the .py")
     if source is not None and (path_given or source != "auto" and "\n" not in source and source.strip().endswith(".py")):
         # A path ("train.py"), not the script's text: parsed as Python, it was a one-line program, and the
         # static checks found nothing in it (an optimizer missing from the state, own generators: not reported).

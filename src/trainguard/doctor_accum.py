@@ -4,11 +4,12 @@ accumulation, a checkpoint saved between two optimizer steps holds the weights o
 and a data position past the micro-batches whose gradients sit in ``.grad``, which no checkpoint
 holds: a resume drops their contribution to the next step.
 
-Three shapes are read: a loop whose optimizer step is inside an accumulation test
+Four shapes are read: a loop whose optimizer step is inside an accumulation test
 (``if (i + 1) % accum == 0:``, ``if accelerator.sync_gradients:``), or inside accelerate's
 ``with accelerator.accumulate(model):`` (which skips the step but at a window's end), and whose save is not inside
 any ``if``, so it runs on every micro-batch (unless it follows that ``if`` and saves a step counted
-there, in optimizer steps: the manager saves each step once); and a save inside an inner micro-batch loop that calls
+there, in optimizer steps: the manager saves each step once); a loop that skips to its next micro-batch
+before the step (``if (i + 1) % accum != 0: continue``) and saves before that ``continue``; and a save inside an inner micro-batch loop that calls
 ``backward()`` but not the optimizer's step, which the enclosing loop makes (nanoGPT's layout,
 with the save moved one loop in). A save under any ``if`` of its loop is not reported.
 """
@@ -69,6 +70,20 @@ def _accum_test(t: ast.expr) -> bool:
         if "accum" in name.lower() or "sync_grad" in name.lower():
             return True
     return False
+
+
+def _skip_until_step(loop: ast.AST) -> ast.If | None:
+    """The guard clause of a loop that steps the optimizer after it: ``if (i + 1) % accum != 0:
+    continue`` among the loop's own statements, followed by one that calls the optimizer's step. A save
+    before it runs on every micro-batch; one after it, at optimizer steps only."""
+    body = loop.body  # type: ignore[attr-defined]
+    for k, stmt in enumerate(body):
+        if isinstance(stmt, ast.If) and _accum_test(stmt.test) and not stmt.orelse and \
+                all(isinstance(b, (ast.Continue, ast.Pass, ast.Expr)) for b in stmt.body) and \
+                any(isinstance(b, ast.Continue) for b in stmt.body) and \
+                any(_is_step(x) for later in body[k + 1:] for x in ast.walk(later)):
+            return stmt
+    return None
 
 
 def _has_backward(node: ast.AST) -> bool:
@@ -141,6 +156,10 @@ def mid_accumulation(leaves: list[tuple[str, Any]], s: Settings) -> Finding | No
         if steps:
             hits += [(c, f"the optimizer steps only under `if {ast.unparse(steps[0].test)}:` (line "
                          f"{steps[0].lineno})") for c in saves if not _after_counted(c, steps[0])]
+            continue
+        if (skip := _skip_until_step(loop)) is not None:  # `if (i + 1) % accum != 0: continue`, then the step
+            hits += [(c, f"the optimizer steps only past `if {ast.unparse(skip.test)}: continue` (line "
+                         f"{skip.lineno})") for c in saves if c.lineno < skip.lineno]
             continue
         if any(_is_step(x) for x in ast.walk(loop)):
             continue

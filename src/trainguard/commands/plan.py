@@ -8,14 +8,11 @@ neither. This module parses options (durations: :mod:`trainguard.durations`) and
 from __future__ import annotations
 
 import ast
-import contextlib
-import importlib.util
 import json
 import math
-import os
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -272,6 +269,11 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     from ..doctor_source import check_source, defines_hook, read_source
 
     source = read_source(Path(script))
+    if script.endswith(".ipynb") or source.lstrip().startswith("{") and '"cells"' in source:
+        # A notebook's JSON is one Python expression (a dict): it parsed, no check found a thing, and the
+        # table said "ok" about code it never read.
+        raise CommandError(f"{script} is a Jupyter notebook: the doctor reads Python scripts; export it with "
+                           f"`jupyter nbconvert --to script {script}` and run trainguard doctor on the .py file")
     try:
         tree = ast.parse(source, filename=script)
     except SyntaxError as e:  # the import would fail the same way: say so without running anything
@@ -282,7 +284,9 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
         raise CommandError(f"{script} is too deeply nested for Python's parser (an expression of thousands of terms "
                            "or levels; Python cannot compile it to run it either): build it in steps") from None
     hooked = defines_hook(tree)
-    state, manager = _load_hook(Path(script)) if hooked else ({}, None)
+    from .doctorhook import load_hook
+
+    state, manager = load_hook(Path(script)) if hooked else ({}, None)
     plan = None
     if save_stall is not None and (node_failures_per_day is not None or node_mtbf is not None):
         plan = _build_plan(nodes, node_failures_per_day, node_mtbf, save_stall, restart, step_time, gpus_per_node)
@@ -312,89 +316,3 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
                            "and keep training under `if __name__ == \"__main__\":` to check the state too", exit_code=1)
     if any(f.severity == "error" for f in findings):
         sys.exit(1)
-
-
-_LAUNCHER_ENV = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_LOCALID",
-                 "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"}
-
-
-@contextlib.contextmanager
-def _os_exit_raises() -> Any:
-    """While ``_load_hook`` imports the script and calls its hook, ``os._exit(n)`` in this process
-    raises ``SystemExit("os._exit(n)")`` (reported as an exit, exit code 2) instead of ending the
-    doctor with ``n`` and no word; in a child forked meanwhile it still exits at once."""
-    real, pid = os._exit, os.getpid()
-
-    def _exit(code: int) -> None:
-        if os.getpid() != pid:
-            real(code)
-        raise SystemExit(f"os._exit({code})")
-
-    os._exit = _exit  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        os._exit = real
-
-
-def _load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
-    """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
-    ``trainguard_state()``."""
-    spec = importlib.util.spec_from_file_location(f"_trainguard_doctor_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise CommandError(f"{path}: cannot import this file as Python")
-    mod = importlib.util.module_from_spec(spec)
-    folder = str(path.resolve().parent)
-    sys.path.insert(0, folder)  # so the script's own sibling imports work
-    argv, sys.argv = sys.argv, [str(path)]  # argparse at module level sees the script's defaults, not ours
-    # One process, whatever launched the doctor: a hook that creates its process group from a
-    # launcher's RANK/WORLD_SIZE/MASTER_* (doctor run inside torchrun or an salloc) waited for
-    # ranks that never come; without them it fails at once, saying so.
-    env = {k: os.environ.pop(k) for k in list(os.environ) if k in _LAUNCHER_ENV or k.startswith("TORCHELASTIC_")}
-    try:
-        with contextlib.redirect_stdout(sys.stderr), _os_exit_raises():  # stdout: the findings only (--json)
-            try:
-                spec.loader.exec_module(mod)
-            except SystemExit as e:
-                raise CommandError(f"{path} exited while being imported (SystemExit: {e.code}): the doctor imports it, "
-                                   "so keep argument parsing and training under `if __name__ == \"__main__\":`") from None
-            hook = getattr(mod, "trainguard_state", None)
-            if not callable(hook):
-                raise CommandError(f"{path} defines no trainguard_state(): add one that returns the state dict, or "
-                                   "(state, manager)")
-            try:
-                out = hook()
-            except SystemExit as e:  # sys.exit(0) there ended the doctor with 0 and no word: a CI step passed
-                raise CommandError(f"{path}: trainguard_state() exited (SystemExit: {e.code}) instead of returning "
-                                   "the state: keep argument parsing and exits out of it") from None
-    except CommandError:
-        raise
-    except Exception as e:
-        hint = (" (the doctor calls trainguard_state() in one process, without the launcher's "
-                f"{', '.join(sorted(env))}: create the process group in main(), not in the hook)") if env else ""
-        raise CommandError(f"{path}: {type(e).__name__}: {e}{hint}") from e
-    finally:
-        os.environ.update(env)
-        sys.argv = argv
-        if folder in sys.path:
-            sys.path.remove(folder)
-    state, manager = out if isinstance(out, tuple) and len(out) == 2 else (out, None)
-    if not isinstance(state, Mapping):
-        raise CommandError(f"{path}: trainguard_state() returned {type(state).__name__}, not a dict of state")
-    if manager is not None and not isinstance(manager, Mapping) and not any(
-            hasattr(manager, a) for a in ("root", "save_policy", "keep")):  # what doctor.settings_from reads
-        raise CommandError(f"{path}: trainguard_state() returned (state, {type(manager).__name__}): the second item "
-                           "must be a CheckpointManager or a dict of its settings (root, save, keep, async_save)")
-    if isinstance(manager, Mapping):  # what CheckpointManager(**settings) would refuse: not checked as if fine
-        from ..permanent import check_manager_args
-
-        m = manager.get
-        try:
-            check_manager_args(m("save", m("save_policy")), m("keep"), m("layout", "sharded"), m("on_error", "raise"),
-                               m("timeout"), m("max_staging_bytes"), m("async_save", False),
-                               m("stage_in_background", False), m("split_state", False), m("root"),
-                               m("handle_signals", True), m("ram_tier", False))
-        except (TypeError, ValueError) as e:
-            raise CommandError(f"{path}: the manager settings trainguard_state() returned: {e}") from None
-    return state, manager
