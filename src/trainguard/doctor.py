@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from . import losthours
-from .doctor_parse import walk
+from .doctor_parse import notebook, walk
 from .doctor_storage import storage_check as _storage
 from .doctor_torchfree import class_names
 from .reliability import Plan, format_duration  # Plan: in the globals, for typing.get_type_hints(tg.doctor)
@@ -88,6 +88,8 @@ def doctor(state: Mapping[str, Any], manager: Any = None, *, plan: Plan | None =
     if source == "auto":  # its imports of the project's own modules are read too (path=)
         source = Path(main_file).read_text(encoding="utf-8", errors="replace") if main_file.endswith(".py") \
             and os.path.isfile(main_file) else None
+    if source is not None and notebook(source):  # its JSON, as text or in a .py (the CLI refused that one; this said ok)
+        raise ValueError("source= holds a Jupyter notebook's JSON, not Python: export it (jupyter nbconvert --to script)")
     return check(state, settings_from(manager, plan=plan, source=source, amp=amp, path=(main_file or None) if source else None))
 
 

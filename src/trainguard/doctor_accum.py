@@ -74,13 +74,17 @@ def _accum_test(t: ast.expr) -> bool:
 
 def _skip_until_step(loop: ast.AST) -> ast.If | None:
     """The guard clause of a loop that steps the optimizer after it: ``if (i + 1) % accum != 0:
-    continue`` among the loop's own statements, followed by one that calls the optimizer's step. A save
-    before it runs on every micro-batch; one after it, at optimizer steps only."""
+    continue`` among the loop's own statements, after one that calls ``backward()`` and followed by one
+    that calls the optimizer's step. A save before it runs on every micro-batch; one after it, at
+    optimizer steps only. A guard before the backward skips a whole batch, not an optimizer step (``if i
+    % world_size != rank: continue``, ``if i < start % len(loader): continue``): reported as
+    accumulation until session 57's review57k, a warning on a script that steps on every batch it trains."""
     body = loop.body  # type: ignore[attr-defined]
     for k, stmt in enumerate(body):
         if isinstance(stmt, ast.If) and _accum_test(stmt.test) and not stmt.orelse and \
                 all(isinstance(b, (ast.Continue, ast.Pass, ast.Expr)) for b in stmt.body) and \
                 any(isinstance(b, ast.Continue) for b in stmt.body) and \
+                any(_has_backward(earlier) for earlier in body[:k]) and \
                 any(_is_step(x) for later in body[k + 1:] for x in ast.walk(later)):
             return stmt
     return None

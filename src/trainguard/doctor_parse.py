@@ -34,6 +34,12 @@ def parse(source: str | None) -> ast.Module | None:
     return tree if isinstance(tree, ast.Module) else None
 
 
+def notebook(source: str) -> bool:
+    """Whether ``source`` is a Jupyter notebook's JSON (``trainguard doctor`` and ``tg.doctor`` refuse it):
+    it parses as one Python dict, so every static check ran on no code and found nothing."""
+    return source.lstrip().startswith("{") and '"cells"' in source
+
+
 def unparsable(source: str | None) -> str | None:
     """Why ``source`` does not parse, or None if it does (or there is none)."""
     if source is None:

@@ -8,6 +8,7 @@ change; the doctor's own stdout holds the findings only.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.util
 import os
@@ -52,12 +53,49 @@ def _package_of(path: Path) -> tuple[str, str]:
     return ".".join(parts), str(d) if parts else ""
 
 
+# The top-level packages load_hook imported (a script with relative imports): a later call in the same
+# process (tests, a notebook) for another folder's package of that name drops them instead of reusing them.
+_LOADED: set[str] = set()
+
+
+def _relative(path: Path) -> bool:
+    """Whether the script has a relative import (``from .config import LR``): only then does it need its
+    package (``python -m proj.train``); run as ``python proj/train.py`` its ``__init__.py`` never runs."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+    except (SyntaxError, ValueError, RecursionError, OSError):
+        return False
+    return any(isinstance(n, ast.ImportFrom) and n.level for n in ast.walk(tree))
+
+
+def _free_package(path: Path, package: str, top: str) -> None:
+    """Make ``package`` importable from ``top``: a module of its top-level name already imported from
+    elsewhere was reused (the other folder's ``proj.cfg`` read instead of this one's) or shadowed it
+    (a package named ``json``: ``No module named 'json.cfg'``)."""
+    root = package.split(".")[0]
+    have = sys.modules.get(root)
+    if have is None or os.path.realpath(os.path.join(top, root)) in {
+            os.path.realpath(p) for p in getattr(have, "__path__", None) or []}:
+        return
+    if root in _LOADED:  # this doctor imported it for an earlier script: stale for this one
+        for k in [k for k in sys.modules if k == root or k.startswith(root + ".")]:
+            del sys.modules[k]
+        return
+    where = getattr(have, "__file__", None) or list(getattr(have, "__path__", None) or []) or "built in"
+    raise CommandError(f"{path} uses relative imports, so the doctor imports it as {package}.{path.stem}, but a "
+                       f"module named {root} is already imported in this process ({where}): rename the "
+                       f"package folder {os.path.join(top, root)}")
+
+
 def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     """Import ``path`` as a module (not as __main__, with no command-line arguments) and call its
     ``trainguard_state()``."""
     package, top = _package_of(path)
-    # In a package (`torchrun -m proj.train`): imported as proj.train, so `from .config import LR` works;
-    # it failed with "ImportError: attempted relative import with no known parent package" (exit 2).
+    # In a package (`torchrun -m proj.train`) with relative imports: imported as proj.train, so `from .config
+    # import LR` works; it failed with "ImportError: attempted relative import with no known parent package"
+    # (exit 2). Without relative imports, as before: the package's __init__.py is not run (`python
+    # proj/train.py` does not run it; one that raised or exited failed the doctor, session 57's review57k).
+    package, top = (package, top) if package and _relative(path) else ("", "")
     name = f"{package}.{path.stem}" if package else f"_trainguard_doctor_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
@@ -77,9 +115,20 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             # Registered as an import would be: a module-level @dataclass (with `from __future__ import
             # annotations`) looks its module up in sys.modules, and without it the import failed with
             # "AttributeError: 'NoneType' object has no attribute '__dict__'" (exit 2).
-            sys.modules[spec.name] = mod
             if package:
-                importlib.import_module(package)
+                _free_package(path, package, top)
+                _LOADED.add(package.split(".")[0])
+                try:
+                    importlib.import_module(package)
+                except SystemExit as e:  # sys.exit(3) there ended the doctor with 3 and no word
+                    raise CommandError(f"{path}: its package {package} exited while being imported (SystemExit: "
+                                       f"{e.code}): the doctor imports it, as `python -m {package}.{path.stem}` "
+                                       "does, for the script's relative imports; keep exits out of __init__.py") from None
+                except Exception as e:
+                    raise CommandError(f"{path}: importing its package {package} (as `python -m {package}."
+                                       f"{path.stem}` does, for the script's relative imports) raised "
+                                       f"{type(e).__name__}: {e}") from e
+            sys.modules[spec.name] = mod
             try:
                 spec.loader.exec_module(mod)
             except SystemExit as e:

@@ -269,7 +269,9 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
     from ..doctor_source import check_source, defines_hook, read_source
 
     source = read_source(Path(script))
-    if script.endswith(".ipynb") or source.lstrip().startswith("{") and '"cells"' in source:
+    from ..doctor_parse import notebook
+
+    if script.endswith(".ipynb") or notebook(source):
         # A notebook's JSON is one Python expression (a dict): it parsed, no check found a thing, and the
         # table said "ok" about code it never read.
         raise CommandError(f"{script} is a Jupyter notebook: the doctor reads Python scripts; export it with "
