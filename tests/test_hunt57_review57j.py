@@ -1,0 +1,100 @@
+"""review57j: hostile review of review57h's "set_epoch/next_epoch forgotten?" warning (false warnings)
+and of review57d's staging pools kept per cap."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainguard import ResumableIterable, ResumableSampler
+
+N, B = 40, 8
+
+
+def _reread_warnings(fn) -> int:
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        fn()
+    return sum("forgotten" in str(w.message) for w in got)
+
+
+def _epoch(loader, data) -> None:
+    for (x,) in loader:
+        data.advance(len(x))
+
+
+def test_a_retry_that_restores_the_latest_state_at_an_epochs_end_is_not_warned():
+    # A training loop retried in-process after an error (eval after epoch 0 failed): it restores the
+    # latest checkpoint, taken at epoch 0's end, equal to the sampler's state, and starts again at
+    # sampler.epoch. Epoch 0 rightly yields nothing, then set_epoch(1) moves on: no set_epoch forgotten.
+    ds = TensorDataset(torch.arange(N))
+    s = ResumableSampler(ds, seed=1)
+    loader = DataLoader(ds, batch_size=B, sampler=s)
+
+    def run() -> None:
+        s.set_epoch(0)
+        _epoch(loader, s)
+        s.load_state_dict(s.state_dict())  # the retry's restore: the same state
+        for epoch in range(s.epoch, 3):
+            s.set_epoch(epoch)
+            _epoch(loader, s)
+
+    assert _reread_warnings(run) == 0
+    assert s.epoch == 2 and s.position == N
+
+
+def test_hf_style_replay_of_trained_epochs_after_a_resume_at_an_epochs_end_is_not_warned():
+    # transformers' Trainer (< 4.3x) resumed at step k * steps_per_epoch begins an iteration of the
+    # loader for each trained epoch (`for _ in train_dataloader: break`), then set_epoch(k). The sampler,
+    # restored at epoch k-1's end, yields nothing in each: no epoch is lost, nothing to warn of.
+    ds = TensorDataset(torch.arange(N))
+    s = ResumableSampler(ds, seed=1)
+    s.load_state_dict({"epoch": 2, "position": N, "seed": 1, "num_samples": N, "shuffle": True})
+    loader = DataLoader(ds, batch_size=B, sampler=s)
+
+    def run() -> None:
+        for _ in range(3):
+            for _ in loader:
+                break
+        for epoch in range(3, 5):
+            s.set_epoch(epoch)
+            _epoch(loader, s)
+
+    assert _reread_warnings(run) == 0
+    assert s.epoch == 4 and s.position == N
+
+
+def test_iterable_restored_in_process_at_an_epochs_end_is_not_warned():
+    data = ResumableIterable(lambda epoch: iter(range(20)), rank=0, world_size=1)
+    loader = DataLoader(data, batch_size=4)
+
+    def run() -> None:
+        _epoch_it(loader, data)
+        data.load_state_dict(data.state_dict())  # a retry's restore of the latest (the same) state
+        _epoch_it(loader, data)  # nothing left of epoch 0, rightly
+        data.next_epoch()
+        _epoch_it(loader, data)
+
+    assert _reread_warnings(run) == 0
+    assert data.epoch == 1 and data.position == 20
+
+
+def _epoch_it(loader, data) -> None:
+    for x in loader:
+        data.advance(len(x))
+
+
+def test_a_forgotten_set_epoch_is_still_warned():
+    ds = TensorDataset(torch.arange(N))
+    s = ResumableSampler(ds, seed=1)
+    loader = DataLoader(ds, batch_size=B, sampler=s)
+    assert _reread_warnings(lambda: [_epoch(loader, s) for _ in range(3)]) == 1
+    s2 = ResumableSampler(ds, seed=1)  # after a restore mid-epoch too
+    s2.load_state_dict({"epoch": 0, "position": 16, "seed": 1, "num_samples": N, "shuffle": True})
+    loader2 = DataLoader(ds, batch_size=B, sampler=s2)
+    assert _reread_warnings(lambda: [_epoch(loader2, s2) for _ in range(3)]) == 1
+    data = ResumableIterable(lambda epoch: iter(range(20)), rank=0, world_size=1)
+    loader3 = DataLoader(data, batch_size=4)
+    assert _reread_warnings(lambda: [_epoch_it(loader3, data) for _ in range(3)]) == 1
