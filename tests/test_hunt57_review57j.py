@@ -98,3 +98,43 @@ def test_a_forgotten_set_epoch_is_still_warned():
     data = ResumableIterable(lambda epoch: iter(range(20)), rank=0, world_size=1)
     loader3 = DataLoader(data, batch_size=4)
     assert _reread_warnings(lambda: [_epoch_it(loader3, data) for _ in range(3)]) == 1
+
+
+def test_a_manager_closed_while_another_managers_save_is_in_flight_frees_its_pool_at_the_next_save(tmp_path, monkeypatch):
+    # A model manager (no cap) closes while the EMA manager's (capped) save is in flight: close() frees no pool
+    # then (a save is in flight). Before, the model's pool (its whole state's arena) stayed held while the EMA
+    # manager went on saving, until it closed too: its saves found their own cap's pool and dropped nothing.
+    import threading
+
+    import trainguard as tg
+    from trainguard import async_save, stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})
+    gate, real = threading.Event(), async_save._run
+
+    def held(job, storage, target, *a, **kw):
+        if "ema" in str(target):
+            assert gate.wait(60)
+        return real(job, storage, target, *a, **kw)
+
+    monkeypatch.setattr(async_save, "_run", held)
+    model, ema = {"w": torch.randn(1 << 20)}, {"e": torch.randn(1 << 10)}
+    opts = dict(save=tg.EveryNSteps(1), async_save=True, handle_signals=False)
+    a = tg.CheckpointManager(tmp_path / "model", **opts).open()
+    b = tg.CheckpointManager(tmp_path / "ema", max_staging_bytes=1 << 20, **opts).open()
+    try:
+        a.save(1, model)
+        a.wait()
+        assert stage.pool_capacity(None) >= 4 << 20
+        b.save(1, ema)  # in flight until the gate opens
+        a.close()
+        gate.set()
+        b.wait()
+        b.save(2, ema)
+        b.wait()
+        assert stage.pool_capacity(None) == 0  # the closed manager's arena is not held for the EMA's saves
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+    assert stage.pool_capacity(None) == 0 and stage.pool_capacity(1 << 20) == 0
