@@ -138,3 +138,18 @@ def test_a_manager_closed_while_another_managers_save_is_in_flight_frees_its_poo
         a.close()
         b.close()
     assert stage.pool_capacity(None) == 0 and stage.pool_capacity(1 << 20) == 0
+
+
+def test_the_pool_of_a_tensor_cap_is_found_by_that_cap(tmp_path, monkeypatch):
+    # default_pool keys a 0-d tensor (or numpy) cap by its value since review57d; pool_capacity (the RAM tier's room
+    # estimate, ramroom.py) looked it up by the tensor itself and always found none (0: the pool counted as free).
+    import trainguard as tg
+    from trainguard import stage
+
+    monkeypatch.setattr(stage, "_DEFAULT", {})
+    cap = torch.tensor(1 << 20)
+    with tg.CheckpointManager(tmp_path / "run", save=tg.EveryNSteps(1), async_save=True, handle_signals=False,
+                              max_staging_bytes=cap) as mgr:
+        mgr.save(1, {"w": torch.randn(1 << 16)})
+        mgr.wait()
+        assert stage.pool_capacity(cap) == stage.pool_capacity(1 << 20) > 0

@@ -260,7 +260,7 @@ def default_pool(max_bytes: int | None = None, users: Iterable[Any] = ()) -> Sta
 
 def pool_capacity(max_bytes: int | None) -> int:
     """Bytes the process-wide pool for this cap holds now (0: none yet); ``ramroom`` asks it."""
-    pool = _DEFAULT.get((max_bytes, None))
+    pool = _DEFAULT.get((_cap(max_bytes), None))  # the key default_pool made: a 0-d tensor cap as its value too
     return 0 if pool is None else pool.capacity
 
 
