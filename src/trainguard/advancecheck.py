@@ -116,12 +116,14 @@ def check_reread(sampler: Any) -> None:
     after a restore at an epoch's end (it rightly yields nothing), nor one after an iterator that stopped
     early (``next(iter(loader))``, a loop that broke: it did not run out, or some of it is left to read)."""
     ran = sampler.__dict__.get("_ran_out")
-    if ran is None or len(ran) < 5 or sampler.__dict__.get("_warned_reread"):
-        return
+    if ran is None or len(ran) < 5 or ran is sampler.__dict__.get("_loaded") or sampler.__dict__.get("_warned_reread"):
+        return  # restored since it ran out (the same state too: a retry that restored the latest checkpoint)
     epoch, _, _, restores, counts = ran
     if counts is not sampler.__dict__.get("_advanced") or (epoch, restores) != (sampler.epoch, sampler._restores):
         return  # another iterator began since (it did not run out), or the epoch or position was set or restored
     calls, advanced, gave = counts[:3]
+    if not gave:  # it began at the epoch's end (after a restore there; HF's replay of the trained epochs): it tells nothing
+        return
     if gave > advanced and (calls or gave >= sampler.__dict__.get("_batch", 1)):
         return  # samples left to read (a loop that stopped early: a partial last batch is data too)
     sampler._warned_reread = True

@@ -50,7 +50,8 @@ def check_reread(ds: Any) -> None:
     that forgets ``next_epoch()`` (``for epoch in range(E): for x in loader``) trained epoch 0 and then every
     further epoch on nothing, silently (review57h)."""
     counts = ds.__dict__.get("_ran_out")
-    if counts is not ds.__dict__.get("_advanced") or not _same_epoch(ds, counts) or ds.__dict__.get("_warned_reread"):
+    if counts is not ds.__dict__.get("_advanced") or not _same_epoch(ds, counts) or counts is ds.__dict__.get("_loaded") \
+            or ds.__dict__.get("_warned_reread"):
         return  # none ran out, or another iterator gave items since, or the epoch or position was set or restored
     if counts[2] > counts[1] and (counts[0] or counts[2] >= ds.__dict__.get("_batch", 1)):
         return  # items left to read (a loop that stopped early: a partial last batch is data too)

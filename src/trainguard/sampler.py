@@ -253,7 +253,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             )
         if (int(state_dict["seed"]), epoch, position) != (self.seed, self.epoch, self.position):
             self._restores += 1  # a live iterator of the old position is stale (_until_restored)
-        self.seed, self.epoch, self.position = int(state_dict["seed"]), epoch, position
+        self.seed, self.epoch, self.position, self._loaded = int(state_dict["seed"]), epoch, position, self.__dict__.get("_ran_out")
 
 
 class ResumableIterable(torch.utils.data.IterableDataset):
@@ -396,4 +396,4 @@ class ResumableIterable(torch.utils.data.IterableDataset):
             raise CorruptCheckpointError(f"ResumableIterable: saved position {position} (epoch {epoch}) is negative")
         if (epoch, position) != (self.epoch, self.position):
             self._restores += 1  # a live iterator of the old position is stale (_check_not_restored)
-        self.epoch, self.position = epoch, position
+        self.epoch, self.position, self._loaded = epoch, position, self.__dict__.get("_ran_out")  # check_reread: restored since

@@ -248,19 +248,19 @@ def default_pool(max_bytes: int | None = None, users: Iterable[Any] = ()) -> Sta
     the pools of caps no open async manager of ``users`` has (``max_staging_bytes``): a model's and an EMA's manager
     with different caps each keep theirs (before, each save freed the other's and allocated its own again)."""
     key = (_cap(max_bytes), None)
+    kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users} | {key[0]}
+    for k in list(_DEFAULT):  # at every save: a manager closed while another's save was in flight left its pool (review57j)
+        if not _DEFAULT[k].in_use and k[0] not in kept:
+            del _DEFAULT[k]
     pool = _DEFAULT.get(key)
     if pool is None:
-        kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users}
-        for k in list(_DEFAULT):
-            if not _DEFAULT[k].in_use and k[0] not in kept:
-                del _DEFAULT[k]
         pool = _DEFAULT[key] = StagingPool(max_bytes=key[0])
     return pool
 
 
 def pool_capacity(max_bytes: int | None) -> int:
     """Bytes the process-wide pool for this cap holds now (0: none yet); ``ramroom`` asks it."""
-    pool = _DEFAULT.get((max_bytes, None))
+    pool = _DEFAULT.get((_cap(max_bytes), None))  # the key default_pool made: a 0-d tensor cap as its value too
     return 0 if pool is None else pool.capacity
 
 
