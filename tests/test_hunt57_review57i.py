@@ -149,3 +149,25 @@ def test_the_advice_on_s3_makes_no_listing_of_every_object(weed, monkeypatch) ->
         tg.load(f"{url}/step-000000003", {"w": tg.StateDict(w=torch.zeros(4))})
     assert f"({url} holds steps 2, 1: `trainguard verify {url}` says which verify)" in str(e.value), str(e.value)
     assert flat == []  # before: one listing of every object of the run (a request per 1,000)
+
+
+def test_tg_load_warnings_name_the_callers_line(tmp_path: Path) -> None:
+    """review57c's wrapper (userload.py) put one more frame between ``tg.load`` and the warnings that counted
+    a fixed ``stacklevel``: a scheduler built with other settings was warned at ``userload.py:30`` instead
+    of the script's line; the strict=False warning of a tensor that cannot take the checkpoint's values
+    named ``dist.py`` (the operation wrapper) before that too."""
+    import warnings
+
+    from torch import nn
+
+    m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m.parameters(), lr=0.1), step_size=3)
+    tg.save(tmp_path / "step-000000001", {"model": m, "s": sched})
+    m2 = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 2))  # another shape: kept with strict=False
+    sched2 = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(m2.parameters(), lr=0.1), step_size=5)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        tg.load(tmp_path / "step-000000001", {"model": m2, "s": sched2}, strict=False)
+    got = {(str(x.message)[:20], os.path.basename(x.filename)) for x in w}
+    assert ("entry 's': the check", "test_hunt57_review57i.py") in got, got
+    assert ("strict=False: 1 tens", "test_hunt57_review57i.py") in got, got

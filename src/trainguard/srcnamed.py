@@ -74,7 +74,7 @@ def _what_to_do(shown: str, step: int | None) -> str:
     try:
         earlier, looked, rest = _earlier(run, step)
     except Exception:  # noqa: BLE001 - a listing that fails: the hint is a convenience, the error is the news
-        earlier, looked, rest = [], 0, 0
+        return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"  # not "no earlier step" (HTTP: no listing)
     q = shlex.quote(run)
     if not earlier:
         which = f"none of the {looked} newest earlier step directories" if rest else "no earlier step"
