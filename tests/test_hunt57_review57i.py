@@ -171,3 +171,13 @@ def test_tg_load_warnings_name_the_callers_line(tmp_path: Path) -> None:
     got = {(str(x.message)[:20], os.path.basename(x.filename)) for x in w}
     assert ("entry 's': the check", "test_hunt57_review57i.py") in got, got
     assert ("strict=False: 1 tens", "test_hunt57_review57i.py") in got, got
+
+
+def test_the_advice_for_a_step_given_relative_to_its_run_names_the_earlier_steps(tmp_path: Path, monkeypatch) -> None:
+    """``tg.load("step-000000002", ...)`` in the run directory said only ``trainguard verify step-000000002``."""
+    run = _run_of(tmp_path, 2)
+    os.truncate(run / "step-000000002" / "data-00000.bin", 3)
+    monkeypatch.chdir(run)
+    with pytest.raises(tg.CorruptCheckpointError) as e:
+        tg.load("step-000000002", {"w": tg.StateDict(w=torch.zeros(4))})
+    assert "use an earlier step that verifies (. holds step 1: `trainguard verify .` says which verify)" in str(e.value), str(e.value)

@@ -68,8 +68,8 @@ class _Step:
 
 def _what_to_do(shown: str, step: int | None) -> str:
     """The checkpoints to take instead: ``shown``'s run directory's newest earlier steps with a manifest."""
-    run = os.path.dirname(shown)
-    if step is None or not run:
+    run = os.path.dirname(shown) or "."  # "step-000000005" given in its run directory: the run is "."
+    if step is None:
         return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"
     try:
         earlier, looked, rest = _earlier(run, step)
