@@ -36,6 +36,7 @@ from .planner import Box, full_box, plan_reads, whole_read
 from .schedclass import check_entries
 from .stateful import ModuleAdapter, OptimizerAdapter, adapt, check_state, has_state
 from .storage import Storage, for_path, location
+from .userframe import user_stacklevel
 
 
 @one_operation
@@ -236,7 +237,7 @@ def _load(
         warnings.warn(
             f"strict=False: {len(bad)} tensor(s) that cannot take the checkpoint's values (another shape, no cast, no memory) keep their current "
             f"values: {', '.join(bad.values())[:1500]}",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     # Sizes on disk are checked before any destination is allocated: a manifest cannot make this rank allocate more
     # than the files it points at really hold. Before the plan round: a rank missing a file fails it on every rank.
@@ -253,7 +254,7 @@ def _load(
     skip, stage, differ = shared_destinations(order, want, manifest.tensors, src)  # tied weights, overlapping views
     if differ:
         warnings.warn("one tensor in the state (tied weights) holds different values under these names in the checkpoint; "
-                      f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}", stacklevel=3)
+                      f"it takes the second's: {', '.join(f'{a} / {b}' for a, b in differ)[:1500]}", stacklevel=user_stacklevel())
     block = manifest.block_size
     same: list[tuple[str, str]] = []  # (alias, path read for its bytes), both into new tensors: one tensor, as torch.load gives
     first: dict[str, str] = {}  # a tie's target not read into a new tensor -> its alias that is, shared by the others

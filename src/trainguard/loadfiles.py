@@ -54,15 +54,30 @@ def check_needed(storage: Storage, directory: str, manifest: Manifest, src: Chun
     try:
         check_file_sizes(storage, directory, manifest, wanted)
         for i in sorted(parts):
-            path = storage.join(directory, index_file(i))
-            if not storage.exists(path):
-                raise CorruptCheckpointError(f"{location(storage, path)}: index file is missing", file=index_file(i))
-            src.index(i)  # read and validated against the manifest now, not in the middle of the reads
+            read_index(storage, directory, src, i)
     except CorruptCheckpointError as err:
         if err.args and isinstance(err.args[0], str) and err.args[0].endswith(" is missing"):
             err.args = (err.args[0] + what_to_do(manifest), *err.args[1:])
         raise
     return wanted
+
+
+def read_index(storage: Storage, directory: str, src: ChunkSource, part: int) -> None:
+    """Index ``part`` read and validated against the manifest (kept in ``src`` for the reads), by
+    :func:`check_needed`. Its absence is found by the read itself: a lookup before it (review57a)
+    was one more request per part on every rank's every load on an object store (a HEAD of each
+    index, then its GET), and on local disk called an index that is a symbolic link to a file
+    gone "missing" where the read says it is a link. A missing one is told with ``location``'s
+    path (``s3://...``), as a missing data file is."""
+    try:
+        src.index(part)
+    except CorruptCheckpointError as err:
+        gone = isinstance(err.__cause__, (FileNotFoundError, NotADirectoryError)) or (
+            err.args and isinstance(err.args[0], str) and err.args[0].endswith("index file is missing"))
+        if not gone:
+            raise
+        path = storage.join(directory, index_file(part))
+        raise CorruptCheckpointError(f"{location(storage, path)}: index file is missing", file=index_file(part)) from None
 
 
 def what_to_do(manifest: Manifest) -> str:

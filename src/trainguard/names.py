@@ -154,6 +154,8 @@ def check_frozen(manifest: Any, state: Any) -> None:
 
     import torch
 
+    from .userframe import user_stacklevel
+
     if not any(isinstance(v, torch.optim.Optimizer) for v in state.values()):
         return
     for key, value in state.items():
@@ -177,7 +179,7 @@ def check_frozen(manifest: Any, state: Any) -> None:
                 f"{'; '.join(parts)}. A checkpoint restores values, not requires_grad: if your loop freezes or "
                 "unfreezes parameters at some step, apply that again on resume (e.g. `if step >= unfreeze_step`); "
                 "ignore this if the change is on purpose",
-                stacklevel=6,  # the caller of tg.load (check_frozen, schedclass.check_entries, _load, load, dist's wrapper)
+                stacklevel=user_stacklevel(),  # the caller of tg.load or restore (a fixed 6 named userload.py)
             )
 
 

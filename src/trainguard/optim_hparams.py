@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .userframe import user_stacklevel
+
 MATH = ("initial_lr", "weight_decay", "eps", "betas", "momentum", "dampening", "nesterov", "amsgrad", "maximize",
         "alpha", "centered", "rho", "lr_decay", "decoupled_weight_decay")
 CYCLED = ("betas", "momentum")  # moved by OneCycleLR/CyclicLR (cycle_momentum), which set base_momentum
@@ -79,5 +81,5 @@ def warn_overridden(current: Sequence[Mapping[str, Any]], saved: Sequence[Mappin
         "checkpoint's values. To use the script's, set them after restore, e.g. `for g in optimizer.param_groups: "
         "g['weight_decay'] = 0.05`; for the learning rate with a scheduler, set both g['lr'] and g['initial_lr'] and "
         "the scheduler's base_lrs",
-        OptimizerSettingsWarning, stacklevel=4,
+        OptimizerSettingsWarning, stacklevel=user_stacklevel(),
     )

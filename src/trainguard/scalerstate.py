@@ -20,6 +20,7 @@ import torch
 
 from .errors import CheckpointError
 from .permanent import mark
+from .userframe import user_stacklevel
 
 
 def keeps_fresh(key: str, obj: Any, saved: Any, strict: bool) -> bool:
@@ -37,5 +38,5 @@ def keeps_fresh(key: str, obj: Any, saved: Any, strict: bool) -> bool:
             "fresh, or build it with enabled=False as at save time (docs/checkpoints.md, "
             "\"Changing the configuration between runs\")"
         ))
-    warnings.warn(f"{what}: it starts fresh (scale {obj.get_scale()})", stacklevel=5)
+    warnings.warn(f"{what}: it starts fresh (scale {obj.get_scale()})", stacklevel=user_stacklevel())
     return True

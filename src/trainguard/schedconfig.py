@@ -54,7 +54,7 @@ def check_config(key: str, scheduler: Any, saved: Any) -> None:
         "takes the checkpoint's (a scheduler's load_state_dict takes every saved attribute, as torch's does). "
         f"To use this run's, {how}; "
         "ignore this if the change is not meant for this run (docs/checkpoints.md)",
-        stacklevel=6,  # the caller of tg.load (check_config, schedclass.check_entries, _load, load, dist's wrapper)
+        stacklevel=user_stacklevel(),  # the caller of tg.load or restore (a fixed 6 named userload.py)
     )
 
 

@@ -17,12 +17,12 @@ import contextlib
 import os
 import shlex
 from collections.abc import Iterator
-from typing import Any
 
 from . import layout
 from .errors import CorruptCheckpointError
 
 _SHOWN = 5  # earlier steps named in the hint
+_LOOKED = 20  # step directories whose manifest the hint looks for, at most
 
 
 @contextlib.contextmanager
@@ -67,26 +67,43 @@ class _Step:
 
 
 def _what_to_do(shown: str, step: int | None) -> str:
-    """The checkpoints to take instead: ``shown``'s run directory's earlier steps with a manifest."""
-    run = os.path.dirname(shown)
-    if step is None or not run:
+    """The checkpoints to take instead: ``shown``'s run directory's newest earlier steps with a manifest."""
+    run = os.path.dirname(shown) or "."  # "step-000000005" given in its run directory: the run is "."
+    if step is None:
         return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"
     try:
-        earlier = [s.step for s in _steps(run) if s.step < step and s.status == "committed"]
+        earlier, looked, rest = _earlier(run, step)
     except Exception:  # noqa: BLE001 - a listing that fails: the hint is a convenience, the error is the news
-        earlier = []
+        return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"  # not "no earlier step" (HTTP: no listing)
     q = shlex.quote(run)
     if not earlier:
-        return f"no earlier step of {run} has a manifest (`trainguard verify {q}` checks every step)"
-    newest = sorted(earlier, reverse=True)
-    steps = ", ".join(map(str, newest[:_SHOWN])) + (f" (and {len(newest) - _SHOWN} more)" if len(newest) > _SHOWN else "")
-    return (f"use an earlier step that verifies ({run} holds step{'s' if len(newest) > 1 else ''} {steps}: "
+        which = f"none of the {looked} newest earlier step directories" if rest else "no earlier step"
+        return f"{which} of {run} has a manifest (`trainguard verify {q}` checks every step)"
+    steps = ", ".join(map(str, earlier)) + (f" (and {rest} older step director{'ies' if rest > 1 else 'y'})" if rest else "")
+    return (f"use an earlier step that verifies ({run} holds step{'s' if len(earlier) > 1 or rest else ''} {steps}: "
             f"`trainguard verify {q}` says which verify)")
 
 
-def _steps(run: str) -> list[Any]:
-    from .commit import list_steps
+def _earlier(run: str, step: int) -> tuple[list[int], int, int]:
+    """The newest (up to ``_SHOWN``) steps before ``step`` in ``run`` whose directory holds a manifest, how many
+    step directories were looked in, and how many older ones were not. One listing of ``run``'s names (on an
+    object store a delimiter listing: a request per 1,000 step directories) and a lookup of the manifest of at
+    most ``_LOOKED`` of them, newest first. ``commit.list_steps`` (review57c) listed every object of the run on an
+    object store (a request per 1,000 objects: 1.0-1.4 s on the tests' SeaweedFS for a run of 100 steps of 32
+    ranks, against 0.02 s for the failed load itself), on every rank whose load failed, and stat'ed every step's
+    manifest on a file system."""
     from .storage import for_path
 
     storage, root = for_path(run)
-    return list_steps(storage, root)
+    dirs = getattr(storage, "listdir_dirs", None)
+    names = dirs(root) if dirs is not None else storage.listdir(root)
+    older = sorted(((s, n) for n in names if (s := layout.parse_step(n)) is not None and s < step), reverse=True)
+    found: list[int] = []
+    looked = 0
+    for s, name in older[:_LOOKED]:
+        if len(found) == _SHOWN:
+            break
+        looked += 1
+        if storage.exists(storage.join(root, name, layout.MANIFEST)):
+            found.append(s)
+    return found, looked, len(older) - looked
