@@ -136,6 +136,7 @@ def test_sampler_and_iterable_keep_the_epoch_through_random_world_size_changes()
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # about 4 minutes quiet; 293 s under load (session 57), the default bound is 300 s
 def test_the_whole_matrix(tmp_path: Path) -> None:
     """W in 1-4 x W' in 1-4 x sync, async, full, split_state, a 256-byte staging cap, background
     staging, CheckpointManager, with a RAM tier (about 4 minutes on 2 cores)."""
