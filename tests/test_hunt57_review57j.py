@@ -110,6 +110,7 @@ def test_a_manager_closed_while_another_managers_save_is_in_flight_frees_its_poo
     from trainguard import async_save, stage
 
     monkeypatch.setattr(stage, "_DEFAULT", {})
+    monkeypatch.setattr(stage, "_DIRECT", [])  # no earlier test's direct save (review57l: a manager keeps its pool)
     gate, real = threading.Event(), async_save._run
 
     def held(job, storage, target, *a, **kw):

@@ -119,7 +119,7 @@ def start_async_save(
             protected, optimizers = protected_tensors(state)
         handle = SaveHandle(step, target)
         handle.limit, handle.rank, handle.gc_hold = timeout or default_timeout(), ctx.rank, hold  # limit bounds its waits
-        pool = default_pool(max_staging_bytes, _USERS)  # the other open managers' caps keep their pools
+        pool = default_pool(max_staging_bytes, _USERS, managed)  # the other open managers' caps keep their pools
         job = _Job(handle, pool, optimizers)
         todo = [lf for lf in snap.leaves if lf.writer or lf.kind == "replicated"]
         now, later = [], todo if stage_in_background else []

@@ -237,31 +237,31 @@ class StagingPool:
 
 
 _DEFAULT: dict[tuple[int | None, bool | None], StagingPool] = {}
+_DIRECT: list[int | None] = []  # the cap of the last direct (not a manager's) async save
 
 
 def _cap(max_bytes: Any) -> int | None:  # a pool's key: a numpy int or 0-d tensor cap as its value
     return None if max_bytes is None else operator.index(max_bytes)
 
 
-def default_pool(max_bytes: int | None = None, users: Iterable[Any] = ()) -> StagingPool:
-    """The process-wide pool for a cap (one per distinct ``max_bytes``), ``async_save``'s call. A new cap replaces
-    the pools of caps no open async manager of ``users`` has (``max_staging_bytes``): a model's and an EMA's manager
-    with different caps each keep theirs (before, each save freed the other's and allocated its own again)."""
+def default_pool(max_bytes: int | None = None, users: Iterable[Any] = (), managed: bool = False) -> StagingPool:
+    """The process-wide pool for a cap, ``async_save``'s call. Every save drops idle pools of caps no open async manager
+    of ``users`` has (review57j), but a manager's save (``managed``) keeps the last direct ``tg.save``'s: a model's manager
+    and an EMA's direct save (or manager) with different caps each keep theirs, not reallocated (review57d, 57l)."""
     key = (_cap(max_bytes), None)
-    kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users} | {key[0]}
-    for k in list(_DEFAULT):  # at every save: a manager closed while another's save was in flight left its pool (review57j)
+    kept = {_cap(getattr(u, "max_staging_bytes", None)) for u in users} | {key[0]} | set(_DIRECT if managed else ())
+    for k in list(_DEFAULT):
         if not _DEFAULT[k].in_use and k[0] not in kept:
             del _DEFAULT[k]
-    pool = _DEFAULT.get(key)
-    if pool is None:
-        pool = _DEFAULT[key] = StagingPool(max_bytes=key[0])
-    return pool
+    _DIRECT[:] = _DIRECT if managed else [key[0]]
+    if key not in _DEFAULT:
+        _DEFAULT[key] = StagingPool(max_bytes=key[0])
+    return _DEFAULT[key]
 
 
 def pool_capacity(max_bytes: int | None) -> int:
     """Bytes the process-wide pool for this cap holds now (0: none yet); ``ramroom`` asks it."""
-    pool = _DEFAULT.get((_cap(max_bytes), None))  # the key default_pool made: a 0-d tensor cap as its value too
-    return 0 if pool is None else pool.capacity
+    return getattr(_DEFAULT.get((_cap(max_bytes), None)), "capacity", 0)  # default_pool's key: a 0-d tensor cap too
 
 
 _FORKED_OFF: list[StagingPool] = []  # a forked child's inherited pools: kept, never used there

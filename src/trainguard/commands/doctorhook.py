@@ -55,6 +55,9 @@ def _package_of(path: Path) -> tuple[str, str]:
 
 # The top-level packages load_hook imported (a script with relative imports): a later call in the same
 # process (tests, a notebook) for another folder's package of that name drops them instead of reusing them.
+# Only those the doctor imported itself: a package the calling program had imported (tg.doctor run from a
+# training script inside it) is never dropped (its modules were, by a later call for another folder's
+# package of that name, session 57's review57l).
 _LOADED: set[str] = set()
 
 
@@ -101,6 +104,9 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
     if spec is None or spec.loader is None:
         raise CommandError(f"{path}: cannot import this file as Python")
     mod = importlib.util.module_from_spec(spec)
+    # The calling program's own import of this module (tg.doctor from a program that imported proj.train) is put
+    # back after the hook: left replaced, pickling its objects failed ("not the same object", review57l).
+    prior = sys.modules.get(name)
     folder = str(path.resolve().parent)
     sys.path.insert(0, folder)  # so the script's own sibling imports work
     if package:
@@ -117,7 +123,8 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
             # "AttributeError: 'NoneType' object has no attribute '__dict__'" (exit 2).
             if package:
                 _free_package(path, package, top)
-                _LOADED.add(package.split(".")[0])
+                if package.split(".")[0] not in sys.modules:  # the doctor imports it: not the caller's own
+                    _LOADED.add(package.split(".")[0])
                 try:
                     importlib.import_module(package)
                 except SystemExit as e:  # sys.exit(3) there ended the doctor with 3 and no word
@@ -152,6 +159,8 @@ def load_hook(path: Path) -> tuple[Mapping[str, Any], Any]:
                 f"{', '.join(sorted(env))}: create the process group in main(), not in the hook)") if env else ""
         raise CommandError(f"{path}: {type(e).__name__}: {e}{hint}") from e
     finally:
+        if prior is not None:
+            sys.modules[name] = prior
         os.environ.update(env)
         sys.argv = argv
         for added in (folder, top) if package else (folder,):
