@@ -171,12 +171,24 @@ def _nothing_leaks_into_later_tests():
     * A hang watchdog thread (``trainguard-watchdog``) the test started and did not stop fails the
       test, and is stopped: one that ``_Heart()`` started with that environment probed this process
       (``os.kill(pid, 0)``) every 0.2 s for good, and ``test_fault_agent42``, which records this
-      process's kills, saw two more than its drill's (CI)."""
+      process's kills, saw two more than its drill's (CI).
+    * The stop signals' handlers are put back (main thread only). A test that ran the agent's
+      ``after_result``/``ignore_late`` in this process left SIGINT ignored, and every child started later
+      inherited SIG_IGN: ``trainguard run`` keeps an ignored signal ignored (as ``nohup`` asks), so
+      ``test_hunt54_agent54``'s agent never stopped on SIGINT (2 of 4 full runs in session 57; reproduced
+      with ``trap '' INT``)."""
+    import signal
     import threading
 
     env = dict(os.environ)
     before = {t.ident for t in threading.enumerate()}
+    main = threading.current_thread() is threading.main_thread()
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    handlers = {s: signal.getsignal(s) for s in sigs} if main else {}
     yield
+    for s, h in handlers.items():
+        if h is not None and signal.getsignal(s) is not h:
+            signal.signal(s, h)
     now = dict(os.environ)
     for k in now.keys() - env.keys():
         if k != "PYTEST_CURRENT_TEST":
