@@ -57,10 +57,10 @@ def _save(rank: int, world: int, root: str, mode: str) -> dict[str, torch.Tensor
     staging buffer and block: every shared chunk staged and hashed in 4 pieces), zero-copy
     (async, written and hashed from the live tensors), host-batches (sync, every chunk through the
     bounded host buffer, as a GPU state's: ``streams.host_batches``)."""
-    from trainguard import api, async_save, streams
+    from trainguard import api, asyncjob, streams
 
     if mode == "pieces":
-        api.DEFAULT_BLOCK = async_save.DEFAULT_BLOCK = 16 << 10
+        api.DEFAULT_BLOCK = asyncjob.DEFAULT_BLOCK = 16 << 10  # asyncjob._stage_background reads it
     if mode == "zero-copy":
         os.environ["TRAINGUARD_ASYNC_ZERO_COPY"] = "1"
     if mode == "host-batches":

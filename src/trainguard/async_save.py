@@ -19,6 +19,9 @@ Called by ``api.start_save(async_=True)`` on every rank, from the training threa
 
 Contract: code that mutates parameters or optimizer state outside ``step()`` (EMA) calls
 ``handle.wait_staged()`` first; with ``stage_in_background=True``, before mutating any tensor.
+
+The job's state (``_Job``) and the save thread's background copies (``_stage_background``) live in
+``asyncjob.py``.
 """
 
 from __future__ import annotations
@@ -36,14 +39,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import gcpause, iostall, walks
 from .api import Leaf, _collective_capture, chunk_view, persist_and_commit
+from .asyncjob import Todo, _Job, _stage_background
 from .buffers import as_bytes
 from .dist import DistContext, default_timeout
 from .errors import CheckpointError, RankFailureError
 from .handle import SaveHandle
-from .io import DEFAULT_BLOCK
 from .planner import PAGE, Box
 from .stage import (
-    StagingPool,
     StorageKeys,
     default_pool,
     optimizer_writes,
@@ -51,7 +53,7 @@ from .stage import (
     trim_idle_pools,
     zero_copy_ok,
 )
-from .stagecopy import Batch, BatchCopier, copy_into, drained
+from .stagecopy import Batch, copy_into
 from .storage import Storage
 
 log = logging.getLogger("trainguard")
@@ -63,31 +65,6 @@ STARTING = threading.RLock()  # held by api.start_save around start_async_save: 
 _INFLIGHT: _Job | None = None  # the one save in flight in this process
 _UNCOLLECTED: SaveHandle | None = None  # a direct tg.save's failed handle, for the next direct async save
 _before_background_stage: Any = None  # test seam: the save thread calls it before its background copies
-
-
-class _Job:
-    """One async save's staging state, shared by the training thread and the save thread."""
-
-    def __init__(self, handle: SaveHandle, pool: StagingPool, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.handle = handle
-        self.pool = pool
-        self.optimizer_ids = {id(o) for o in optimizers}
-        self.copies: dict[int, torch.Tensor] = {}  # id(leaf) -> host copy made in the call
-        self.later: set[int] = set()  # id(leaf) of leaves the save thread stages (its chunks only)
-        self.storages = StorageKeys(())  # of those leaves' memory: a step() writing one waits
-        self.error: BaseException | None = None
-        self.cuda_events: dict[int, Any] = {}  # device index -> event recorded at save time
-        self.zero_copy = False  # write protected CPU chunks from their own memory (see _write_live)
-        self.began: bool | None = False  # its thread began (_run); None: cancelled before it did
-        self.go = threading.Event()  # set once thread.start() returned: _run waits for it, not holding the GIL
-
-    def release(self) -> None:
-        """The save ended (its thread, ``_run``) or never got a thread (``start_async_save``): drop its
-        copies and leaves (staged by now: nothing asks), release the staging pool and the collector."""
-        self.copies.clear()
-        self.later, self.storages = set(), StorageKeys(())
-        self.pool.release()
-        gcpause.release(self.handle.gc_hold)
 
 
 def start_async_save(
@@ -218,7 +195,6 @@ def _run(job: _Job, storage: Storage, target: str, boxed: list[Any], ctx: DistCo
         handle.set_error(outcome[1])
 
 
-Todo = list[tuple[int, torch.Tensor, bool, int]]  # (index, the chunk's bytes (uint8), already a host copy, page phase)
 ZERO_COPY_BATCH = 256 << 20  # zero-copy writes' batch size; between two, the save thread copies the rest if step() waits
 def _stage(job: _Job, mine: list[tuple[Leaf, Box]], rank: int) -> tuple[list[int] | None, Iterator[Batch]]:
     """The ``stage`` of ``api._write_rank`` (save thread): the page phase of each chunk's
@@ -290,22 +266,6 @@ def _write_live(job: _Job, todo: Todo) -> Iterator[Batch]:
             yield from _stage_background(job, todo[k + 1 :])
             return
     h.set_staged()
-
-
-def _stage_background(job: _Job, todo: Todo) -> Iterator[Batch]:
-    copier = BatchCopier(job.cuda_events)
-    buf = job.pool.buffer(job.pool.background_for([b.numel() for _, b, ready, _p in todo if not ready], block=DEFAULT_BLOCK))
-    h = job.handle
-
-    def copy(slot: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        h.staged_background_bytes += src.numel()
-        return copier.copy(slot, src)
-
-    def flush() -> None:  # the batch's copies are done before it is written
-        copier.flush()
-        h.staging_batches += 1
-
-    yield from copier.batches(drained(todo), buf, block=DEFAULT_BLOCK, copy=copy, flush=flush, last=h.set_staged)  # last: step() may run
 
 
 def wait_staging_in_flight() -> None:

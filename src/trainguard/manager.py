@@ -4,6 +4,8 @@ bytes move in ``api``/``io``; the manager decides and keeps the run directory ti
 Every rank constructs the manager and calls ``restore``, ``save`` and ``close`` in the same
 order. Rank 0 alone holds the run directory's lock, cleans debris, applies retention and
 lists checkpoints; it shares its decisions with the other ranks through the store.
+
+``close``/``__exit__``, ``wait`` and the failure reports are inherited from ``managerclose._ManagerClose``.
 """
 
 from __future__ import annotations
@@ -13,16 +15,15 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
 from . import async_save, entrydrop, gradwatch, layout, partread, policies, retention, runlock, saveevent
 from .api import start_save
-from .async_save import release_staging, use_staging
+from .async_save import use_staging
 from .commit import RunLock, clean_debris
 from .dist import DistContext
-from .distwait import closing_round, default_timeout, drop_channel
+from .distwait import default_timeout
 from .elastic import sharedstore, stops, watchdog
 from .errors import CheckpointError, is_data_error
 from .events import EVENTS_FILE, EventLog
@@ -30,6 +31,7 @@ from .handle import SaveHandle
 from .inspect import not_overwritten, partly_read_refusal, touched_tensors, unmatched_entries
 from .iostall import StuckWriteError
 from .loader import load  # not tg.load (userload.py): restore falls back to older steps itself
+from .managerclose import _ManagerClose
 from .metricvals import MetricValue
 from .onethread import one_thread_at_a_time
 from .ownsteps import OwnSteps
@@ -45,7 +47,7 @@ log = logging.getLogger("trainguard")
 
 @one_thread_at_a_time("open", "save", "wait", "restore", "close", rounds=("open", "restore"))
 @watchdog.untimed("wait", "restore")  # not timed by the hang watchdog, as a save is not (watchdog.py)
-class CheckpointManager:
+class CheckpointManager(_ManagerClose):
     """Saves by policy, keeps by policy, restores the newest checkpoint that verifies.
 
     Every rank, in this order: construct, ``open()`` (or ``with``), ``restore``, ``save`` once per step,
@@ -142,48 +144,6 @@ class CheckpointManager:
 
     def __enter__(self) -> CheckpointManager:
         return self.open()
-
-    def __exit__(self, *exc: Any) -> None:
-        clean = isinstance(exc[1], SystemExit) and exc[1].code in (0, None)  # sys.exit(0) in the block: a clean end
-        if exc[0] is None or clean:
-            return self.close()
-        try:  # the block's own exception goes on: a failed last save is logged, not raised over it
-            self._failing = True  # no closing round: the others may wait for this rank elsewhere
-            self.close(keep_ram_tier=True)
-        except CheckpointError as e:
-            log.error("trainguard: while handling %s: %s", exc[0].__name__, e)
-
-    def close(self, *, keep_ram_tier: bool = False) -> None:
-        """Every rank, last: wait for the save in flight (its error is raised here, or warned with ``on_error="warn"``), release the lock, the async staging memory and the manager's channel (``distwait.drop_channel``). The RAM tier is removed unless ``keep_ram_tier``, an exception or a preemption signal (any rank's)."""
-        flag("keep_ram_tier", keep_ram_tier)
-        drop_channel(self.ctx)  # from the process's channels (one per trial of a sweep stayed): self.ctx goes on
-        failing = self.__dict__.pop("_failing", False)  # __exit__ with an exception: no closing round
-        if not self._opened:
-            return
-        watchdog.suspend()  # training is over: what follows (the last save, evaluation) is no hang
-        try:
-            self.wait()
-            stops.note_stop(self)  # a stop signal while it waited for the last save too: the run was stopped
-            if self.ram:
-                self.ram.close(clean=not (keep_ram_tier or self._preempt.is_set() or self.should_stop))  # any rank's signal
-            if not failing:
-                closing_round(self.ctx, self.timeout)  # rank 0 (the store's host) leaves last
-        finally:
-            if self.async_save:
-                release_staging(self)  # after a failed last save too: its pool was released
-            if threading.current_thread() is threading.main_thread():  # Python refuses elsewhere: they stay set
-                policies.unchain_handlers(self._on_signal, self._old_handlers)  # another open manager's chain too
-            if self._lock:
-                self._lock.release()
-            self._opened = False
-
-    @property
-    def exit_code(self) -> int:
-        """After ``close()``: 0, or 128 + the stop signal that stopped the run (any rank's: 143), for ``sys.exit`` (docs/elastic.md)."""
-        return 0 if self.stopped_by is None else 128 + self.stopped_by
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        policies.on_stop_signal(self, signum, frame)  # only sets a flag (and tells a manager opened before this one)
 
     def save(self, step: SupportsIndex, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, MetricValue] | None = None) -> SaveHandle | None:
@@ -310,26 +270,6 @@ class CheckpointManager:
         stall += saveevent.retention_waited(self, manifest.step, time.monotonic() - r0)  # sync: training waited for it
         policies.report_saved(self, h, manifest.step, stall, manifest.total_bytes)  # to the policy and the event log
 
-    def _report_failure(self, e: CheckpointError, step: int | None) -> None:
-        self.events.emit("save_failed", step=step, error=str(e)[:2000])
-        self._metrics.pop(step, None)  # not committed: a step on disk has its manifest's (retention._facts), none stays
-        if self.ram:  # a save into RAM that found no room there: the next ones go to the run directory
-            self.ram.no_room(step, e)
-        # Raised whatever on_error: a stuck write; the run lock lost (another job may write there); a permanent error
-        # failing a second save in a row (a value no save can store; a metric refused once is passed anew). Every rank's alike.
-        again, self._failed_permanent = self._failed_permanent, is_permanent(e)
-        if self.on_error == "raise" or isinstance(e, StuckWriteError) or (is_permanent(e) and (again or runlock.LOST in str(e))):
-            raise e
-        log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
-        warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
-
-    def wait(self) -> None:
-        """Every rank: block until the save in flight is committed; raises its error (``on_error="warn"``: warns)."""
-        try:
-            self._finish_pending()
-        except CheckpointError as e:
-            self._report_failure(e, step=getattr(self, "_pending_step", None))
-
     def _apply_retention(self, newest: int) -> None:
         apply_retention(self, newest)  # after `newest` is committed, on rank 0, holding the lock (retention.py)
 
@@ -393,8 +333,4 @@ class CheckpointManager:
     def latest_step(self) -> int | None:
         """The newest committed step (manifest present, in the run directory or the RAM tier; not verified). Any process; no collective."""
         return retention.newest_step(self)  # the RAM tier's newest too
-
-    def _require_open(self) -> None:
-        if not self._opened:
-            raise CheckpointError("CheckpointManager is not open: use `with CheckpointManager(...) as mgr:` or call open()")
 

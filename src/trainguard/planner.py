@@ -2,6 +2,7 @@
 rank reads for the boxes it owns. No I/O, no torch.distributed: tested with simulated ranks.
 
 Boxes are ``(offsets, sizes)`` in a tensor's global index space, stored row-major.
+``Box``, ``full_box``, ``Regular`` and their helpers live in ``boxes.py`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .boxes import Box, Regular, align_up, full_box, row_major_strides  # noqa: F401 - moved there (capture, index, io, manifest)
 from .cover import _sweep, check_cover, tiles  # noqa: F401 - their home was here (api, manifest, tests)
 
 # Chunks of at least this size start at a page boundary (O_DIRECT and mmap friendly);
@@ -20,63 +22,6 @@ PAGE, SMALL_ALIGN, PAGE_ALIGN_FROM = 4096, 64, 1 << 20
 # Replicated tensors larger than this are split into row ranges so ranks can share the work.
 SPLIT_BYTES = 64 << 20
 SCRATCH_BYTES = 4 << 20  # a column shard's rows are read through scratch this much at a time
-
-
-def align_up(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class Box:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-    def intersect(self, other: Box) -> Box | None:
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets, strict=True))
-        hi = tuple(min(a + s, b + t) for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes, strict=True))
-        if any(h <= low for low, h in zip(lo, hi, strict=True)) and self.sizes:
-            return None
-        return Box(lo, tuple(h - low for low, h in zip(lo, hi, strict=True)))
-
-    def flat_start_in(self, outer: Box) -> int:
-        """Row-major element index of this box's first element inside ``outer``."""
-        idx = 0
-        for o, oo, s in zip(self.offsets, outer.offsets, outer.sizes, strict=True):
-            idx = idx * s + (o - oo)
-        return idx
-
-    def is_contiguous_in(self, outer: Box) -> bool:
-        """True when this box's elements form one contiguous run in ``outer`` (row-major)."""
-        diff = [i for i, (a, b) in enumerate(zip(self.sizes, outer.sizes, strict=True)) if a != b]
-        if not diff:
-            return True
-        return all(self.sizes[j] == 1 for j in range(diff[-1]))
-
-
-def row_major_strides(sizes: Sequence[int]) -> tuple[int, ...]:
-    """Element strides of a contiguous (row-major) array of ``sizes``."""
-    out, acc = [], 1
-    for s in reversed(sizes):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
-
-
-_FULL: dict[tuple[int, ...], Box] = {}  # shape -> its whole box, shared (a Box is immutable)
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    """A whole tensor's box, one object per shape (at most 65,536 kept): a new one per tensor kept
-    alive by an async save would count towards the interpreter's next full garbage collection."""
-    if (box := _FULL.get(key := tuple(shape))) is None:
-        box = _FULL[key] = Box((0,) * len(key), key)
-        if len(_FULL) > 65_536:
-            _FULL.clear()
-    return box
 
 
 def row_split(shape: Sequence[int], itemsize: int, max_bytes: int = SPLIT_BYTES) -> list[Box]:
@@ -365,36 +310,3 @@ def _last_flat(inter: Box, outer: Box) -> int:
     last = Box(tuple(o + s - 1 for o, s in zip(inter.offsets, inter.sizes, strict=True)), tuple(1 for _ in inter.sizes))
     return last.flat_start_in(outer)
 
-
-@dataclass(frozen=True)
-class Regular:
-    """A tensor split into ``parts`` along ``dim`` with ``torch.chunk`` / DTensor ``Shard(dim)``
-    semantics: chunk size ``c = ceil(n / parts)``; part ``i`` starts at ``min(i*c, n)`` and
-    holds ``max(0, min(c, n - i*c))`` rows (as ``compute_local_shape_and_global_offset``)."""
-
-    dim: int
-    parts: int
-
-    def chunk(self, shape: Sequence[int]) -> int:
-        return -(-shape[self.dim] // self.parts)
-
-    def part_box(self, shape: Sequence[int], i: int) -> Box:
-        n, c = shape[self.dim], self.chunk(shape)
-        lo = min(i * c, n)
-        offs = [0] * len(shape)
-        sizes = list(shape)
-        offs[self.dim], sizes[self.dim] = lo, max(0, min(c, n - lo))
-        return Box(tuple(offs), tuple(sizes))
-
-    def nonempty(self, shape: Sequence[int]) -> int:
-        """How many leading parts hold at least one row along ``dim`` (the rest are empty)."""
-        c = self.chunk(shape)
-        return min(self.parts, -(-shape[self.dim] // c)) if c else 0
-
-    def overlapping(self, shape: Sequence[int], dest: Box) -> range:
-        """The parts whose boxes meet ``dest`` along ``dim``: O(1), no scan of the parts."""
-        c = self.chunk(shape)
-        lo, hi = dest.offsets[self.dim], dest.offsets[self.dim] + dest.sizes[self.dim]
-        if not c or hi <= lo:
-            return range(0)
-        return range(lo // c, min(self.nonempty(shape), -(-hi // c)))

@@ -1,6 +1,6 @@
 """Copying chunks into a staging buffer, batch by batch, for the writer (``io.write_batches``).
 
-Who calls what: the async save thread (``async_save._stage_background``) lays its chunks out in
+Who calls what: the async save thread (``asyncjob._stage_background``) lays its chunks out in
 the pool's background buffer with :func:`pack_batches` and copies them with a
 :class:`BatchCopier`; a sync save of device chunks (``streams.host_batches``, the calling
 thread) uses :func:`pack_batches` with a plain copy; the save call copies the tensors that
@@ -43,7 +43,7 @@ def pack_batches(
     a chunk larger than what is left is split into pieces that start on a checksum ``block`` of
     their chunk. When ``buf`` is full the batch is handed over (``flush()`` first), and
     ``buf`` is reused once the writer asks for the next. ``last()`` runs before the final
-    batch is handed over. Used by the async save thread (``async_save._stage_background``)
+    batch is handed over. Used by the async save thread (``asyncjob._stage_background``)
     and by sync saves of device chunks (``streams.host_batches``)."""
     room = buf.numel()
     batch: Batch = []
@@ -80,7 +80,7 @@ def _piece(free: int, left: int, block: int) -> int:
 
 
 def drained(items: list[Any]) -> Iterator[Any]:
-    """``items`` in order, each removed from the list as it is taken (``async_save._stage_background``
+    """``items`` in order, each removed from the list as it is taken (``asyncjob._stage_background``
     feeds ``pack_batches`` so): an entry and its byte view are freed once staged instead of living
     until the save ends (gcpause.py says why that matters)."""
     items.reverse()
@@ -98,7 +98,7 @@ COPY_PIECE = 8 << 20
 
 
 class BatchCopier:
-    """The copies of one save's ``pack_batches`` (``async_save._stage_background``, save thread):
+    """The copies of one save's ``pack_batches`` (``asyncjob._stage_background``, save thread):
     :meth:`copy` starts a device source's copy at once (non-blocking, on a stream per device that
     waits for ``events``, recorded at the save's call) and queues a CPU source's; :meth:`flush`
     (before a batch is handed to the writer) copies the queued ones (:func:`copy_many`) and
@@ -141,7 +141,7 @@ class BatchCopier:
     def batches(self, items: Iterable[tuple[int, torch.Tensor, bool, int]], buf: torch.Tensor, *, block: int,
                 copy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], flush: Callable[[], None],
                 last: Callable[[], None]) -> Iterator[Batch]:
-        """``pack_batches`` whose copies go through this copier (``async_save._stage_background``):
+        """``pack_batches`` whose copies go through this copier (``asyncjob._stage_background``):
         whatever ends it early (a copy raising, the writer closing it after a failed write) first
         waits for the device copies in flight (:meth:`settle`)."""
         try:

@@ -1,5 +1,6 @@
 """Local (and POSIX shared) filesystems: pwrite/preadv on file descriptors, fsync of files and
-directories, atomic renames. The default backend."""
+directories, atomic renames. The default backend. ``LocalStorage``'s directory and metadata
+operations are inherited from ``localdirs._LocalDirs``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import errno
 import os
 import threading
 
-from . import _durable, _fallocate, _pagecache
+from . import _fallocate, _pagecache
 from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported from here by others)
     DIRECT_ALIGN,
     DIRECT_MIN,
@@ -22,6 +23,7 @@ from ._direct import (  # noqa: F401  (page_phase and DIRECT_ALIGN are imported 
 from ._diskfull import disk_error as _disk_error
 from ._diskfull import progress as _progress
 from ._open import open_regular as _open_regular
+from .localdirs import _LocalDirs
 
 READ_PIECE = 4 << 20  # bytes per read call of a hot load: fits the L3 cache twice over (2 streams)
 # Files mostly not in the page cache, read buffered (no O_DIRECT here): each read op in one
@@ -316,76 +318,15 @@ class _LocalReader:
         self.dfd, self.fd = None, -1
 
 
-class LocalStorage:
+class LocalStorage(_LocalDirs):
     atomic_rename = True
     direct_io = True  # open_write(path, direct=True) is understood
-
-    def join(self, *parts: str) -> str:
-        return os.path.join(*parts)
-
-    def makedirs(self, path: str) -> None:
-        _durable.makedirs(path)  # each new directory fsynced into its parent
-
-    def listdir(self, path: str) -> list[str]:
-        try:
-            return sorted(os.listdir(path))
-        except FileNotFoundError:
-            return []
-
-    def exists(self, path: str) -> bool:
-        """False only when ``path`` is not there; another error (EIO, EACCES) is raised: os.path.exists
-        answers False to it, and a manager's open deleted a committed step whose manifest's stat failed."""
-        try:
-            os.stat(path)
-        except (FileNotFoundError, NotADirectoryError):
-            return False
-        except OSError as e:  # a symbolic link loop is there: opening it (O_NOFOLLOW) finds it corrupt, as any link
-            if e.errno != errno.ELOOP:
-                raise
-        return True
-
-    def size(self, path: str) -> int:
-        return os.stat(path, follow_symlinks=False).st_size
 
     def read_bytes(self, path: str, limit: int) -> bytes:
         fd = _open_regular(path)
         with os.fdopen(fd, "rb") as f:
             # Never ask for more than the file holds: read(n) allocates n bytes up front.
             return f.read(min(os.fstat(fd).st_size, limit) + 1)
-
-    def write_atomic(self, path: str, data: bytes) -> None:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[_progress(os.write(fd, view)) :]
-            os.fsync(fd)
-        except BaseException as e:  # an I/O error, or Ctrl-C: neither the descriptor nor the temp file left
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(e, OSError):
-                raise _disk_error(e, path, len(data)) from e
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
-        self.fsync_dir(os.path.dirname(path))
-
-    def rename_dir(self, src: str, dst: str) -> None:
-        if os.path.exists(dst):
-            raise FileExistsError(errno.EEXIST, "exists", dst)
-        os.rename(src, dst)
-        self.fsync_dir(os.path.dirname(dst))
-
-    def remove_tree(self, path: str) -> None:
-        """Manifest first (durably): a delete cut short leaves no manifest whose data is gone. A
-        symlink (a checkpoint linked into the run directory) is unlinked; what it points at stays."""
-        if os.path.islink(path):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return
-        _durable.remove_tree(path)  # stops, data kept, when the manifest's removal is not durable
 
     def open_write(self, path: str, *, direct: bool = False) -> _LocalWriter:
         """A writer for a new data file; ``direct``: send aligned pages through O_DIRECT."""
@@ -395,6 +336,3 @@ class LocalStorage:
         """A reader; ``direct=False``: no O_DIRECT even when the file is cold (other processes
         of this machine read the same bytes: through the page cache the disk is read once)."""
         return _LocalReader(path, direct=direct)
-
-    def fsync_dir(self, path: str) -> None:
-        _durable.fsync_dir(path)
