@@ -17,6 +17,7 @@ steps that it did not write (an earlier run's, which this run went back behind a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import numbers
@@ -33,6 +34,7 @@ from .dist import DistContext
 from .distwait import forget_passed
 from .errors import whole
 from .metricvals import checked_metrics, metric_values  # noqa: F401  (manager.py, tests)
+from .permanent import flag
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,7 @@ class SavePolicy(ABC):
         """True when a checkpoint should be written at this step (same answer on every rank)."""
 
     def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        """Called after a save: ``stall_s`` is the time training was blocked, ``duration_s`` the whole save;
-        optional hook."""
+        """Called after a save: ``stall_s`` the time training was blocked, ``duration_s`` the whole save; optional hook."""
         return None
 
     def describe(self) -> str:
@@ -73,6 +74,7 @@ class EveryNSteps(SavePolicy):
         self.n, self.at_start = whole(n), at_start  # before the checks: a refused one's repr (a traceback's locals) works
         if type(self.n) is not int or self.n < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
+        self.at_start = flag("at_start", at_start)  # True or False, as tg.save's: at_start="no" (truthy) saved step 0
 
     def should_save(self, step: int, now: float) -> bool:
         if step == 0 and not self.at_start:
@@ -80,7 +82,7 @@ class EveryNSteps(SavePolicy):
         return step % self.n == 0
 
     def __repr__(self) -> str:
-        return f"EveryNSteps({self.n!r})"
+        return f"EveryNSteps({self.n!r}{', at_start=True' if self.at_start else ''})"
 
 
 class EverySeconds(SavePolicy):
@@ -318,10 +320,8 @@ def decide(ctx: DistContext, want: bool, preempt: bool, timeout: float | None) -
         except Exception:  # a store that stopped answering: the broadcast below says so, on every rank
             pass
     out = ctx.broadcast("decide", [bool(want), preempt], timeout=timeout)
-    try:
+    with contextlib.suppress(Exception):  # a store that stopped answering: the next round says so
         forget_passed(ctx)  # rank 0: the keys of the decisions every rank has read
-    except Exception:  # a store that stopped answering: the next round says so
-        pass
     return bool(out[0]), bool(out[1])
 
 
