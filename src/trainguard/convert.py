@@ -48,9 +48,10 @@ def detect(path: str | os.PathLike[str]) -> str:
     before anything is read or written). A path that is not there, or a run directory (``step-*`` directories,
     no manifest of its own), is refused saying so: before, both were told to pass ``--from``."""
     p = os.fspath(path)
-    if p.endswith(INDEX):  # Hugging Face shards: model.safetensors.index.json, pytorch_model.bin.index.json
-        return target_format(p[: -len(INDEX)])
-    if (by_name := target_format(p)) != "trainguard":
+    # Hugging Face shards' index (model.safetensors.index.json, pytorch_model.bin.index.json), or a file by its name
+    if (by_name := target_format(p[: -len(INDEX)] if p.endswith(INDEX) else p)) != "trainguard":
+        if "://" not in p and not os.path.lexists(p):  # a foreign file is local; "cannot read X as ...: FileNotFoundError" before
+            raise CheckpointError(f"{p}: no such file or directory; check the path")
         return by_name
     storage, d = for_path(p)
     if storage.exists(storage.join(d, "manifest.json")):

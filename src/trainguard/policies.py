@@ -32,6 +32,7 @@ from typing import Any, SupportsIndex
 from . import saveevent
 from .errors import whole
 from .metricvals import checked_metrics, metric_values  # noqa: F401  (manager.py, tests)
+from .permanent import flag
 from .stopping import (  # noqa: F401  (moved there; manager.py and forks.py call them here)
     chain_preemption,
     decide,
@@ -65,8 +66,7 @@ class SavePolicy(ABC):
         """True when a checkpoint should be written at this step (same answer on every rank)."""
 
     def on_saved(self, step: int, stall_s: float, duration_s: float) -> None:
-        """Called after a save: ``stall_s`` is the time training was blocked, ``duration_s`` the whole save;
-        optional hook."""
+        """Called after a save: ``stall_s`` the time training was blocked, ``duration_s`` the whole save; optional hook."""
         return None
 
     def describe(self) -> str:
@@ -80,6 +80,7 @@ class EveryNSteps(SavePolicy):
         self.n, self.at_start = whole(n), at_start  # before the checks: a refused one's repr (a traceback's locals) works
         if type(self.n) is not int or self.n < 1:  # a numpy int is one (errors.whole), a bool or 2.0 is not
             raise ValueError(f"EveryNSteps(n={n!r}): n must be a positive integer number of steps")
+        self.at_start = flag("at_start", at_start)  # True or False, as tg.save's: at_start="no" (truthy) saved step 0
 
     def should_save(self, step: int, now: float) -> bool:
         if step == 0 and not self.at_start:
@@ -87,7 +88,7 @@ class EveryNSteps(SavePolicy):
         return step % self.n == 0
 
     def __repr__(self) -> str:
-        return f"EveryNSteps({self.n!r})"
+        return f"EveryNSteps({self.n!r}{', at_start=True' if self.at_start else ''})"
 
 
 class EverySeconds(SavePolicy):
@@ -307,4 +308,3 @@ def report_saved(manager: Any, h: Any, step: int, stall: float, total_bytes: int
     on_saved(step, stall - own, h.duration_s - own, **waited)
     if not getattr(h, "logged", False):  # logged as it commits (saveevent.at_commit, at_sync_commit)
         saveevent.emit(manager.events, h, step, stall, h.duration_s, total_bytes, async_save=manager.async_save)
-
