@@ -115,6 +115,23 @@ def test_state_dict_of_a_wrapped_model_loads_into_the_bare_module(pretrained, tm
         assert all(torch.equal(a, b) for a, b in zip(inner.state_dict().values(), source.state_dict().values(), strict=True))
 
 
+def test_prefixed_state_dict_with_a_layer_added_loads_what_fits_with_strict_false(pretrained, tmp_path):
+    _, source = pretrained
+    path = str(tmp_path / "step-000000001")
+    tg.save(path, {"model": {"module." + k: v for k, v in source.state_dict().items()}})
+    dest = _backbone()
+    dest[2] = torch.nn.Linear(16, 10)
+    dest.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(tg.StateMismatchError) as e:
+        tg.load(path, {"model": dest})
+    assert "model/extra.weight" in str(e.value) and "model/module.0.weight" not in str(e.value)
+    with pytest.warns(UserWarning):
+        got = tg.load(path, {"model": dest}, strict=False)  # before: nothing loaded, every tensor "left as they are"
+    assert got.missing_keys == ["model/extra.weight", "model/extra.bias"] and got.unexpected_keys == []
+    assert got.mismatched_keys == ["model/module.2.weight", "model/module.2.bias"]  # the checkpoint's paths
+    assert torch.equal(dest[0].weight, source[0].weight) and torch.equal(dest[0].bias, source[0].bias)
+
+
 def test_other_param_groups_are_told_how_to_start_a_new_optimizer(pretrained):
     path, _ = pretrained
     model = _backbone()

@@ -115,7 +115,8 @@ def record_keys(manifest: Manifest, missing: list[str], unexpected: list[str], m
     ``load_state_dict(strict=False)`` returns its missing and unexpected keys. ``missing_keys``: the
     state's entries and paths (``model/head.weight``: module tensors, plain-dict keys) the checkpoint
     lacks, left as they are; ``unexpected_keys``: the checkpoint's that the state lacks, not read;
-    ``mismatched_keys``: tensors of another shape (or without memory, or no cast), kept as they are.
+    ``mismatched_keys``: tensors of another shape (or without memory, or no cast), kept as they are, by the
+    checkpoint's path (``wrapnames.keyed``: a ``module.``-prefixed dict keeps its prefix there).
     Before review58b a fine-tune's ``strict=False`` load only warned them: a script had to parse the text."""
     manifest.missing_keys, manifest.unexpected_keys = list(missing), list(unexpected)  # type: ignore[attr-defined]
     manifest.mismatched_keys = list(mismatched)  # type: ignore[attr-defined]

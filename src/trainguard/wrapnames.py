@@ -28,8 +28,9 @@ def strip(name: str) -> str:
 
 def keyed(refs: list[str], dest: dict[str, Any], head: str) -> dict[str, Any]:
     """``dest`` (path -> the state's tensor) keyed by the checkpoint's paths ``refs`` when those are
-    exactly the module's own without its leading ``module.``, or with wrapper prefixes the module's
-    lack; else ``dest``."""
+    exactly the module's own without its leading ``module.``, or when every one of them carries wrapper
+    prefixes and, without them, some are the module's (those are keyed so; the module's others stay under
+    their names, missing from the checkpoint, and the checkpoint's others unexpected); else ``dest``."""
     if not refs or any(p in dest for p in refs):
         return dest
     w = head + "module."
@@ -38,8 +39,10 @@ def keyed(refs: list[str], dest: dict[str, Any], head: str) -> dict[str, Any]:
         if set(alias.values()) == set(dest):
             return {p: dest[q] for p, q in alias.items()}
     alias = {p: head + strip(p[len(head) :]) for p in refs}
-    if len(set(alias.values())) == len(refs) and set(alias.values()) == set(dest):
-        return {p: dest[q] for p, q in alias.items()}
+    if all(p != q for p, q in alias.items()) and len(set(alias.values())) == len(refs) and any(q in dest for q in alias.values()):
+        out = {p: dest[q] for p, q in alias.items() if q in dest}  # a layer added since (strict=False): missing as usual
+        out.update((q, t) for q, t in dest.items() if q not in set(alias.values()))
+        return out
     return dest
 
 
@@ -51,7 +54,9 @@ def to_module(state_dict: Mapping[str, Any], actual: Mapping[str, str]) -> Mappi
     if all("module." + k in actual for k in state_dict):
         return {"module." + k: v for k, v in state_dict.items()}
     stripped = {strip(k): v for k, v in state_dict.items()}
-    return stripped if len(stripped) == len(state_dict) and all(k in actual for k in stripped) else state_dict
+    if len(stripped) == len(state_dict) and all(k not in state_dict for k in stripped) and any(k in actual for k in stripped):
+        return stripped  # those the module lacks stay unexpected (strict=False): as keyed() left them
+    return state_dict
 
 
 def same_extra(have: list[str], saved: list[str]) -> bool:
