@@ -72,10 +72,10 @@ class StateMismatchError(CheckpointError, KeyError):
         msg += ". Pass strict=False to load what matches, or tg.load(..., only=[...]) to load a subset."
         if unexpected and not missing and not mismatched:
             msg += " Ranks that each hold part of the model (pipeline stages) load with split_state=True." if split is None else split
-        from .prefixhint import entry_hint, prefix_hint, rename_hint  # wrapped or renamed since the save
+        from .prefixhint import entry_hint, prefix_hint, wrap_hints  # wrapped or renamed since the save
 
         super().__init__(msg + _changed_config_hint(missing, unexpected, mismatched) + _wrapped_weight_hint(missing, unexpected)
-                         + prefix_hint(missing, unexpected) + rename_hint(missing, unexpected) + entry_hint(missing, unexpected))
+                         + prefix_hint(missing, unexpected) + wrap_hints(missing, unexpected) + entry_hint(missing, unexpected))
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])

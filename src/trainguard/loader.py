@@ -58,6 +58,8 @@ def load(
     verified unless ``verify=False``. All ranks succeed or all raise. An async save in flight
     first finishes copying the state it saves (``async_save.wait_staging_in_flight``).
     ``split_state=True``: each rank takes only the tensors its state holds (pipeline stages: ``split.py``).
+    Returns the checkpoint's manifest, with what this rank's load left alone (``rankload.record_keys``):
+    ``missing_keys``, ``unexpected_keys``, ``mismatched_keys`` (empty after a strict load).
     """
     check_timeout(timeout)
     check_flags(strict=strict, verify=verify, split_state=split_state)  # strict="no" is truthy: a strict load
@@ -231,6 +233,7 @@ def _load(
         plans.append((key, obj, skel, dest, refs))
     rankload.refuse_or_report(strict, missing, unexpected, mismatched, manifest, ctx,  # strict=False: modules' left tensors warned
                               {k for k, o, *_ in plans if isinstance(o, ModuleAdapter)})
+    rankload.record_keys(manifest, missing, unexpected, list(bad))  # the returned manifest's missing_keys, ...
     check_entries(manifest, {p[0]: state[p[0]] for p in plans},  # a scheduler's class; requires_grad changed: warn
                   {k: state[k] for k in missing_keys})  # strict=False: a scheduler added since the save
     if bad:  # by path, not the first word of each line: a path may hold a space ("my layer.weight")

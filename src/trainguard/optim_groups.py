@@ -50,7 +50,12 @@ def count_mismatch(saved_groups: Sequence[Mapping[str, Any]], names: Sequence[st
             "build the optimizer with the same groups as when it was saved (a group that the run adds with "
             "optimizer.add_param_group() at a later step than this checkpoint's is added after the load, at that step)"
         )
+    parts.append(FRESH)  # before review58b a fine-tune's new optimizer (other groups) was only told to rebuild the old one
     return "; ".join(parts)
+
+
+FRESH = ("or, to start a new optimizer (a fine-tune from this checkpoint, new parameter groups), leave it out of the "
+         "load: tg.load(path, state, only=[the other entries, e.g. 'model']), or out of the state with strict=False")
 
 
 def left_out_hint(saved: Sequence[str], current: Sequence[str]) -> str:

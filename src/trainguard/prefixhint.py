@@ -124,3 +124,71 @@ def entry_hint(missing: list[str], unexpected: list[str]) -> str:
     return (f" Entry {fresh[0]!r} is not in the checkpoint and its {gone[0]!r} is not in the state: if it was renamed since "
             f"the save, give it its name of save time (state[{gone[0]!r}] = state.pop({fresh[0]!r})); strict=False would "
             f"leave {fresh[0]!r} as built, not loaded.")
+
+
+
+def _by_entry(missing: list[str], unexpected: list[str]) -> dict[str, tuple[set[str], set[str]]]:
+    """entry -> (the state's names the checkpoint lacks, the checkpoint's the state lacks), without the entry."""
+    out: dict[str, tuple[set[str], set[str]]] = {}
+    for names, side in ((missing, 0), (unexpected, 1)):
+        for p in names:
+            if "/" in p:
+                key, rest = p.split("/", 1)
+                out.setdefault(key, (set(), set()))[side].add(rest)
+    return out
+
+
+def inserted(missing: list[str], unexpected: list[str]) -> dict[str, list[tuple[str, str, int]]]:
+    """Per module entry, the submodules wrapped since the save: ``(old, new, n)`` where the
+    checkpoint's ``n`` tensors under ``old`` (``0``: ``0.weight``, ``0.bias``) are all the state's under
+    ``new``, ``old`` with one component added (``0.base``; PEFT's ``q.base_layer``): a LoRA-style adapter
+    (or any container) put around a layer; per tensor the innermost place (a whole model wrapped is
+    :func:`prefix_hint`'s)."""
+    out: dict[str, list[tuple[str, str, int]]] = {}
+    for key, (state, saved) in _by_entry(missing, unexpected).items():
+        without: dict[tuple[str, ...], set[tuple[int, str]]] = {}  # a state name less one component -> (where, which)
+        for c in state:
+            d = c.split(".")
+            for j in range(1, len(d) - 1):
+                without.setdefault((*d[:j], *d[j + 1 :]), set()).add((j, d[j]))
+        found: dict[tuple[str, str], set[str]] = {}  # (old, new) -> the checkpoint's names it explains
+        for n in saved:
+            cut = tuple(n.split("."))
+            for j, x in without.get(cut, ()):
+                old = ".".join(cut[:j])
+                found.setdefault((old, f"{old}.{x}"), set()).add(n)
+        whole = [(old, new, len(names)) for (old, new), names in found.items()
+                 if names == {n for n in saved if n.startswith(old + ".")}]  # all the checkpoint holds under `old`
+        olds = Counter(old for old, _, _ in whole)  # two places fit (an adapter's lora_A.weight beside base.weight)
+        pairs = [w for w in whole if olds[w[0]] == 1 and not any(o.startswith(w[0] + ".") for o in olds)]
+        if pairs:
+            out[key] = sorted(pairs)
+    return out
+
+
+def insert_hint(missing: list[str], unexpected: list[str]) -> tuple[str, set[str]]:
+    """(" <hint>." per module entry with submodules wrapped since the save (:func:`inserted`), naming
+    them and the state's tensors that are new beside them (the adapters), or ""; the paths it explains).
+    Called by :func:`wrap_hints`."""
+    out, explained = "", set()
+    for key, pairs in inserted(missing, unexpected).items():
+        state, saved = _by_entry(missing, unexpected)[key]
+        said = [f"'{o}' -> '{n}' ({k} tensor{'s' * (k > 1)})" for o, n, k in pairs]
+        moved = {c for _, n, _ in pairs for c in state if c.startswith(n + ".")}
+        new = sorted(c for _, n, _ in pairs for c in state if c.startswith(n.rsplit(".", 1)[0] + ".") and c not in moved)
+        explained |= {f"{key}/{c}" for c in [*moved, *new]} | {f"{key}/{c}" for o, _, _ in pairs for c in saved if c.startswith(o + ".")}
+        added = f"; beside them the state has tensors the checkpoint lacks ({', '.join(new[:6])}{', ...' * (len(new) > 6)}: the adapters?)" if new else ""
+        out += (f" Entry {key!r}: the checkpoint's tensors of submodules wrapped since the save (an adapter such as LoRA "
+                f"around a layer?) are in the state one level down: {', '.join(said[:4])}{', ...' * (len(said) > 4)}{added}. "
+                "strict=False would leave the wrapped layers as built, not loaded: load the checkpoint into the model before "
+                f"adding the adapters (tg.load(path, {{{key!r}: model}}, only=[{key!r}]), then wrap), or load it into nothing "
+                "and rename its keys for model.load_state_dict (docs/checkpoints.md, \"Fine-tuning from a checkpoint\").")
+    return out, explained
+
+
+def wrap_hints(missing: list[str], unexpected: list[str]) -> str:
+    """``errors.StateMismatchError``: :func:`insert_hint`, then :func:`rename_hint` of the paths it does not
+    explain. Before review58b a LoRA layer (``0.weight`` become ``0.base.weight``, ``0.A`` and ``0.B`` added)
+    was told as ``'0.bias', '0.weight' -> '0.A', '0.B' (in some order)``, a rename that is not one."""
+    hint, explained = insert_hint(missing, unexpected)
+    return hint + rename_hint([p for p in missing if p not in explained], [p for p in unexpected if p not in explained])

@@ -13,6 +13,7 @@ from typing import Any
 from . import split
 from .errors import CorruptCheckpointError, StateMismatchError
 from .manifest import Manifest
+from .prefixhint import insert_hint
 from .userframe import user_stacklevel
 
 
@@ -104,7 +105,21 @@ def refuse_or_report(strict: bool, missing: list[str], unexpected: list[str], mi
         parts = [f"{len(fresh)} left as they are, which the checkpoint lacks: {', '.join(fresh[:20])}"] * bool(fresh)
         parts += [f"{len(unread)} of the checkpoint's not read, which the state lacks: {', '.join(unread[:20])}"] * bool(unread)
         warnings.warn(f"strict=False: module tensors {'; '.join(parts)}{' ...' * (len(fresh) > 20 or len(unread) > 20)}"
-                      " (a load with strict=True lists the differences with what to change)", stacklevel=user_stacklevel())
+                      " (a load with strict=True lists the differences with what to change)" + insert_hint(fresh, unread)[0],
+                      stacklevel=user_stacklevel())
+
+
+def record_keys(manifest: Manifest, missing: list[str], unexpected: list[str], mismatched: list[str]) -> None:
+    """``loader._load``, every rank, once the state's fit is known (a strict load that got here found none):
+    what the load leaves alone, on the manifest that ``tg.load`` returns, as torch's
+    ``load_state_dict(strict=False)`` returns its missing and unexpected keys. ``missing_keys``: the
+    state's entries and paths (``model/head.weight``: module tensors, plain-dict keys) the checkpoint
+    lacks, left as they are; ``unexpected_keys``: the checkpoint's that the state lacks, not read;
+    ``mismatched_keys``: tensors of another shape (or without memory, or no cast), kept as they are, by the
+    checkpoint's path (``wrapnames.keyed``: a ``module.``-prefixed dict keeps its prefix there).
+    Before review58b a fine-tune's ``strict=False`` load only warned them: a script had to parse the text."""
+    manifest.missing_keys, manifest.unexpected_keys = list(missing), list(unexpected)  # type: ignore[attr-defined]
+    manifest.mismatched_keys = list(mismatched)  # type: ignore[attr-defined]
 
 
 def mismatch_error(missing: list[str], unexpected: list[str], mismatched: list[str], manifest: Manifest,

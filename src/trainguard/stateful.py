@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from . import wrapnames
 from .commhooks import POWER_SGD, HookStateAdapter, hook_kind
 from .errors import UnsupportedValueError
 from .flatten import refill
@@ -108,8 +109,7 @@ class ModuleAdapter:
         current = self.module.state_dict()
         keys = list(current)
         actual = dict(zip(canonical_names(self.module, keys), keys, strict=True))
-        if state_dict and not any(k in actual for k in state_dict) and all("module." + k in actual for k in state_dict):
-            state_dict = {"module." + k: v for k, v in state_dict.items()}  # see unwrapped_names
+        state_dict = wrapnames.to_module(state_dict, actual)  # see unwrapped_names
         mapped = {actual.get(k, k): v for k, v in state_dict.items()}
         for name, names in self.tied().items():  # one name of a tie loads the others
             if name in actual and actual[name] not in mapped:
@@ -138,11 +138,7 @@ class ModuleAdapter:
         ``dest``. ``convert`` drops the ``module.`` of a torch file saved from a DDP model; a model
         whose child is named ``module`` (an EMA wrapper) saved so then loads again, and
         ``load_state_dict`` puts the prefix back."""
-        w = head + "module."
-        if not refs or any(p in dest for p in refs) or not all(p.startswith(w) for p in dest):
-            return dest
-        alias = {p: w + p[len(head) :] for p in refs}
-        return {p: dest[q] for p, q in alias.items()} if set(alias.values()) == set(dest) else dest
+        return wrapnames.keyed(refs, dest, head)  # and a plain dict saved from a DDP / compiled model's state_dict()
 
     @staticmethod
     def extra_state_paths(paths: Iterable[str], prefix: str) -> set[str]:
@@ -163,8 +159,8 @@ class ModuleAdapter:
             return [], []
         have = [k for k in current if _EXTRA.search("/" + k)]
         saved = [k for k in skel if type(k) is str and _EXTRA.search("/" + k)]
-        if set(have) != set(saved) and {"module." + k for k in saved} == set(have):
-            return [], []  # imported without DDP's "module." prefix (unwrapped_names)
+        if wrapnames.same_extra(have, saved):
+            return [], []  # imported without DDP's "module." prefix, or saved with it (unwrapped_names)
         return [k for k in have if k not in skel], [k for k in saved if k not in current]
 
     def param_names(self) -> dict[int, str]:
@@ -229,7 +225,8 @@ class OptimizerAdapter:
             self._warned = True
             warnings.warn(
                 f"{unnamed} optimizer parameter(s) belong to no nn.Module in the saved state; they are "
-                "keyed by index, which breaks if parameters are re-ordered. Save the model in the same state.",
+                "keyed by index, which breaks if parameters are re-ordered. Save the model in the same state (to save "
+                "some parameters only, a frozen model's adapters: an nn.ParameterDict of them as the entry, docs/checkpoints.md).",
                 stacklevel=3,
             )
         if len(set(out)) != len(out):
