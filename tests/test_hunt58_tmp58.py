@@ -29,6 +29,14 @@ from trainguard.export import export
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
+try:
+    from test_storage_s3 import weed  # noqa: F401  (the session's SeaweedFS server)
+except BaseException:  # noqa: BLE001 - pytest's Skipped: no `weed` binary; only the S3 test skips
+
+    @pytest.fixture
+    def weed() -> None:
+        pytest.skip("SeaweedFS `weed` binary not installed")
+
 # Three writers, each stopped after its bytes are written and before its rename (the output's commit); then
 # "ready" on stdout, and a wait on stdin that only the parent's SIGKILL ends.
 _CHILD = textwrap.dedent("""
@@ -78,7 +86,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     return d
 
 
-def _weight(path: Path) -> torch.Tensor:
+def _weight(path: Path | str) -> torch.Tensor:
     m = torch.nn.Linear(8, 4)
     tg.load(str(path), {"model": m})
     return m.weight.detach().clone()
@@ -211,3 +219,90 @@ def test_convert_to_dcp_on_a_full_disk_says_so(ckpt: str, tmp_path: Path, monkey
     with pytest.raises(tg.DiskFullError, match="no space left on device"):
         convert(ckpt, out, dst_format="dcp")
     assert os.listdir(tmp_path) == []
+
+
+def test_read_only_file_system_named(ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destination on a read-only mount (root too: EROFS, not EACCES). Before, consolidate and convert's import
+    said "OSError: [Errno 30] Read-only file system: '<dst>.tmp-<id>'" (a temporary name, nothing to change),
+    export "this user may not write in DIR". A read-only mount simulated: creating anything in it is EROFS."""
+    import errno
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    export(ckpt, tmp_path / "src.pt")
+    real_open, real_mkdir, real_statvfs, real_access = os.open, os.mkdir, os.statvfs, os.access
+
+    def inside(p: object) -> bool:
+        return os.path.abspath(os.fsdecode(p)).startswith(str(ro) + os.sep)  # type: ignore[arg-type]
+
+    def erofs(p: object) -> OSError:
+        return OSError(errno.EROFS, "Read-only file system", os.fsdecode(p))  # type: ignore[arg-type]
+
+    def fake_open(p, flags, *a, **k):  # type: ignore[no-untyped-def]
+        if flags & os.O_CREAT and inside(p):
+            raise erofs(p)
+        return real_open(p, flags, *a, **k)
+
+    def fake_mkdir(p, *a, **k):  # type: ignore[no-untyped-def]
+        if inside(p):
+            raise erofs(p)
+        return real_mkdir(p, *a, **k)
+
+    class RoStat:
+        def __init__(self, st: os.statvfs_result) -> None:
+            self.st = st
+            self.f_flag = st.f_flag | os.ST_RDONLY
+
+        def __getattr__(self, k: str) -> object:
+            return getattr(self.st, k)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    monkeypatch.setattr(os, "statvfs", lambda p: RoStat(real_statvfs(p)) if os.fspath(p) == str(ro) else real_statvfs(p))
+    monkeypatch.setattr(os, "access", lambda p, m, **k: False if os.fspath(p) == str(ro) and m & os.W_OK
+                        else real_access(p, m, **k))
+    for f in (lambda: export(ckpt, ro / "m.pt"), lambda: consolidate(ckpt, ro / "full"),
+              lambda: convert(Path(ckpt), ro / "imp.dcp", dst_format="dcp"), lambda: convert(tmp_path / "src.pt", ro / "imp")):
+        with pytest.raises(tg.CheckpointError, match=f"{ro} is on a read-only file system"):
+            f()
+    assert os.listdir(ro) == []
+
+
+
+def test_consolidate_onto_s3_aborts_a_killed_writers_idle_upload(ckpt: str, weed, monkeypatch, caplog) -> None:  # noqa: F811
+    """A consolidate (or plain tg.save) to S3 killed mid-upload left an incomplete multipart upload under its
+    destination: parts billed, no object, and no manager's open looks there. The next write of that destination aborts
+    it once idle (``_stale``); one active within the idle limit (maybe a live writer's) is left, with a warning saying
+    how to abort it. The uploads are made as a killed writer leaves them."""
+    import logging
+    import uuid
+
+    import s3fs
+
+    from trainguard.storage import _stale
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    base = uuid.uuid4().hex[:10]
+
+    def upload(name: str) -> str:
+        key = f"{base}/{name}/data-00000.bin"
+        uid = fs.call_s3("create_multipart_upload", Bucket="tgtest", Key=key)["UploadId"]
+        fs.call_s3("upload_part", Bucket="tgtest", Key=key, UploadId=uid, PartNumber=1, Body=b"x" * (5 << 20))
+        return uid
+
+    def uploads(name: str) -> list[str]:
+        got = fs.call_s3("list_multipart_uploads", Bucket="tgtest", Prefix=f"{base}/{name}/")
+        return [u["UploadId"] for u in got.get("Uploads") or []]
+
+    live = upload("live")
+    upload("dead")
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        monkeypatch.setattr(_stale, "IDLE_BOUNDS", 1e9)  # active within the idle limit: maybe a live writer's
+        consolidate(ckpt, f"s3://tgtest/{base}/live")
+        assert uploads("live") == [live]
+        assert f"--upload-id {live}" in caplog.text
+        monkeypatch.setattr(_stale, "IDLE_BOUNDS", -1.0)  # idle for long enough
+        consolidate(ckpt, f"s3://tgtest/{base}/dead")
+    assert uploads("dead") == []
+    assert uploads("live") == [live]  # another destination's: not looked at
+    assert torch.equal(_weight(f"s3://tgtest/{base}/dead"), _weight(ckpt))

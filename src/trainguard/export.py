@@ -278,6 +278,10 @@ def check_destination(out: str) -> None:
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):  # torch.save's own words were "[enforce fail at inline_container.cc]"
+        with contextlib.suppress(OSError):
+            if os.statvfs(parent).f_flag & os.ST_RDONLY:  # not the user's rights: a read-only mount (root too)
+                raise CheckpointError(f"{out}: {parent} is on a read-only file system; write the output to a "
+                                      "directory on a writable one (or remount it read-write)")
         raise CheckpointError(f"{out}: this user may not write in {parent}; write the output to a directory you may "
                               "write to (or give this user write access to it)")
     if _is_trainguard(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten
