@@ -42,6 +42,7 @@ except BaseException:  # noqa: BLE001 - pytest's Skipped: no `weed` binary; only
 _CHILD = textwrap.dedent("""
     import sys, threading
     import torch.distributed.checkpoint as dcp
+    import trainguard.api as api
     import trainguard.consolidate as cons
     import trainguard.stwrite as stwrite
     from trainguard.consolidate import consolidate
@@ -66,12 +67,14 @@ _CHILD = textwrap.dedent("""
     real_commit, real_rename = cons.commit_dir, LocalStorage.rename_dir
     cons.commit_dir = lambda st, parent, name, *a: (stop_after(lambda: None)() if name.startswith("step-")
                                                     else real_commit(st, parent, name, *a))
+    api.commit_dir = stop_after(lambda *a: None)
     LocalStorage.rename_dir = lambda st, a, b: (stop_after(real_rename) if ".old-" in b else real_rename)(st, a, b)
     for fn in (lambda: export(ck, out + "/m.safetensors"), lambda: convert(ck, out + "/m.dcp", dst_format="dcp"),
                lambda: consolidate(ck, out + "/run/step-000000003"),
-               lambda: consolidate(ck, out + "/over", overwrite=True)):  # stopped between its two renames
+               lambda: consolidate(ck, out + "/over", overwrite=True),  # stopped between its two renames
+               lambda: convert(sys.argv[3], out + "/imp")):  # a plain tg.save: stopped before its commit
         threading.Thread(target=fn, daemon=True).start()
-    for _ in range(4):
+    for _ in range(5):
         if not written.acquire(timeout=120):
             sys.exit("a writer did not get to its rename")
     print("ready", flush=True)
@@ -107,14 +110,15 @@ def test_killed_writers_temps_removed_by_next_write_live_ones_left(ckpt: str, tm
     consolidate(tmp_path / "before", out / "over")  # the output an overwrite killed between its renames set aside
     before = _weight(out / "over")
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", _CHILD, ckpt, str(out)], stdin=subprocess.PIPE,
+    export(ckpt, tmp_path / "src.pt")
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, ckpt, str(out), str(tmp_path / "src.pt")], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env)
     try:
         assert child.stdout is not None
         ready, _, _ = select.select([child.stdout], [], [], 180)  # bounded: the handshake, not a sleep
         assert ready and child.stdout.readline() == b"ready\n", child.poll()
         left = _temps(out)
-        assert len([n for n in left if not n.endswith(".owner")]) == 4, left  # over.old-<id> and 3 temps
+        assert len([n for n in left if not n.endswith(".owner")]) == 5, left  # over.old-<id> and 4 temps
         assert "over" not in os.listdir(out)
         # A live writer's temporary output stays while another writer of the same target goes on, and while a
         # manager opens the run directory it consolidates into (its debris cleanup: the run lock is not its).
@@ -135,12 +139,13 @@ def test_killed_writers_temps_removed_by_next_write_live_ones_left(ckpt: str, tm
         consolidate(ckpt, out / "over")
     assert torch.equal(_weight(out / "over"), before)
     consolidate(ckpt, out / "over", overwrite=True)
+    convert(tmp_path / "src.pt", out / "imp")
     export(ckpt, out / "m.safetensors")
     convert(ckpt, out / "m.dcp", dst_format="dcp")
     _open_close(out / "run")  # the manager's cleanup: a dead consolidate's directory, and its owner file
     assert _temps(out) == []
     consolidate(ckpt, out / "run" / "step-000000003")
-    assert sorted(os.listdir(out)) == ["m.dcp", "m.safetensors", "over", "run"]
+    assert sorted(os.listdir(out)) == ["imp", "m.dcp", "m.safetensors", "over", "run"]
     assert sorted(os.listdir(out / "run")) == [".lock", "events.jsonl", "step-000000003"]
     assert torch.equal(_weight(out / "run" / "step-000000003"), _weight(Path(ckpt)))
     assert torch.equal(_weight(out / "over"), _weight(Path(ckpt)))

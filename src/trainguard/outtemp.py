@@ -60,17 +60,19 @@ def temp_re(name: str) -> re.Pattern[str]:
 
 
 @contextlib.contextmanager
-def owned(tmp: str) -> Iterator[None]:
+def owned(tmp: str, *, strict: bool = True) -> Iterator[None]:
     """The writer of the temporary output ``tmp`` (``export.replacing``, ``dcp_export.write_dcp``,
-    ``consolidate.write_full``; one process), around everything from before ``tmp`` is created to after it is
-    renamed or removed: ``<tmp>.owner`` holds its pid, host and start under a POSIX lock, and goes at the end. A
-    file system without locks (ENOLCK), or a name too long for the suffix: the record only, or no owner file (a
-    temp left then is warned about by :func:`sweep`, not removed)."""
+    ``consolidate.write_full``; one process; rank 0 of a plain ``tg.save``, ``api.persist_and_commit``), around
+    everything from before ``tmp`` is created to after it is renamed or removed: ``<tmp>.owner`` holds its pid, host
+    and start under a POSIX lock, and goes at the end. A file system without locks (ENOLCK), or a name too long for
+    the suffix: the record only, or no owner file (a temp left then is warned about by :func:`sweep`, not removed).
+    Not ``strict`` (a save's rank 0, which must not fail outside its rounds): no owner file when it cannot be made;
+    the save's own write into the directory fails then, and says why, on every rank."""
     owner = os.path.abspath(tmp + OWNER)
     try:
         fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
-        if e.errno != errno.ENAMETOOLONG:
+        if strict and e.errno != errno.ENAMETOOLONG:
             raise  # a read-only or full directory: the temp output could not be written there either
         yield
         return
@@ -79,7 +81,11 @@ def owned(tmp: str) -> Iterator[None]:
     try:
         with contextlib.suppress(OSError):  # ENOLCK (a mount without locks): the record still names host and pid
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        try:
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+        except OSError:
+            if strict:
+                raise
         yield
     finally:
         with contextlib.suppress(OSError):
