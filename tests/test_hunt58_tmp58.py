@@ -311,3 +311,22 @@ def test_consolidate_onto_s3_aborts_a_killed_writers_idle_upload(ckpt: str, weed
     assert uploads("dead") == []
     assert uploads("live") == [live]  # another destination's: not looked at
     assert torch.equal(_weight(f"s3://tgtest/{base}/dead"), _weight(ckpt))
+
+
+def test_own_writer_seen_through_another_path_is_left_alone(tmp_path: Path) -> None:
+    """A writer of this process (another thread's export) seen through a symbolic link to its directory: not opened
+    (closing a descriptor of its owner file here would drop its POSIX lock), not warned about, not removed."""
+    from trainguard import outtemp
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real)
+    tmp = real / ".m.pt.tmp-0123456789ab"
+    with outtemp.owned(str(tmp)):
+        tmp.write_bytes(b"x")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert outtemp.sweep(str(tmp_path / "link" / "m.pt")) == []
+        assert tmp.exists()
+        tmp.unlink()
+    assert os.listdir(real) == []

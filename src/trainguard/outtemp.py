@@ -46,7 +46,7 @@ from . import layout
 
 log = logging.getLogger("trainguard")
 OWNER = ".owner"
-_MINE: set[str] = set()  # owner files of this process's live writers (absolute paths)
+_MINE: dict[str, int] = {}  # owner files of this process's live writers (absolute path -> descriptor): ``_mine``
 _LOCK = threading.Lock()
 # File systems whose locks are this kernel's: a free lock there is a dead writer's, whatever host it named.
 LOCAL_FS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "zfs", "f2fs", "overlay", "vfat",
@@ -77,7 +77,7 @@ def owned(tmp: str, *, strict: bool = True) -> Iterator[None]:
         yield
         return
     with _LOCK:
-        _MINE.add(owner)
+        _MINE[owner] = fd
     try:
         with contextlib.suppress(OSError):  # ENOLCK (a mount without locks): the record still names host and pid
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -91,7 +91,7 @@ def owned(tmp: str, *, strict: bool = True) -> Iterator[None]:
         with contextlib.suppress(OSError):
             os.unlink(owner)
         with _LOCK:
-            _MINE.discard(owner)
+            _MINE.pop(owner, None)
         os.close(fd)
 
 
@@ -111,7 +111,7 @@ def sweep(target: str) -> list[str]:
     for t in temps:
         path = os.path.join(head, t)
         owner = path + OWNER
-        if owner in _MINE:
+        if _mine(owner):
             olds.pop(t.rsplit(".tmp-", 1)[1], None)
             continue
         if t + OWNER not in names:
@@ -165,6 +165,25 @@ def _settle(head: str, name: str, old: str) -> list[str]:
     return []
 
 
+def _mine(owner: str) -> bool:
+    """Whether ``owner`` is the owner file of a live writer of this process, by path or, through another path to
+    the same directory (a symbolic link, a bind mount), by inode: opening and closing it here would drop that
+    writer's POSIX lock (``runlock._held_here``)."""
+    with _LOCK:
+        mine = dict(_MINE)
+    if owner in mine:
+        return True
+    try:
+        st = os.stat(owner)
+    except OSError:
+        return False
+    for fd in mine.values():
+        with contextlib.suppress(OSError):
+            if os.path.samestat(os.fstat(fd), st):
+                return True
+    return False
+
+
 def _appeared(owner: str) -> bool:
     """Whether the owner file exists now (a writer that created it since the listing: its temp is not unowned)."""
     return os.path.lexists(owner)
@@ -177,8 +196,8 @@ def kept_for_writer(path: str) -> bool:
     the open removed its directory under it. False (removed as debris) when it has no owner file or its writer is
     dead; the owner file of a dead one goes by :func:`drop_owner` after it."""
     owner = os.path.abspath(path) + OWNER
-    if owner in _MINE or not os.path.lexists(owner):
-        return owner in _MINE
+    if _mine(owner) or not os.path.lexists(owner):
+        return _mine(owner)
     why = _alive(owner)
     if why and why != "live":
         _unknown(path, os.path.basename(path).rsplit(".tmp-", 1)[0], why)
