@@ -330,3 +330,21 @@ def test_own_writer_seen_through_another_path_is_left_alone(tmp_path: Path) -> N
         assert tmp.exists()
         tmp.unlink()
     assert os.listdir(real) == []
+
+
+def test_consolidate_out_of_inodes_is_a_disk_full_error(ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC creating the destination's directory (a file system out of inodes, or full): a DiskFullError, as
+    tg.save's; before, "CheckpointError: ... OSError: [Errno 28] No space left on device: 'DST.tmp-<id>'"."""
+    import errno
+
+    real_mkdir = os.mkdir
+
+    def full(p, *a, **k):  # type: ignore[no-untyped-def]
+        if os.fsdecode(p).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, "No space left on device", os.fsdecode(p))
+        return real_mkdir(p, *a, **k)
+
+    monkeypatch.setattr(os, "mkdir", full)
+    with pytest.raises(tg.DiskFullError, match="out of space or of inodes"):
+        consolidate(ckpt, tmp_path / "full")
+    assert os.listdir(tmp_path) == []

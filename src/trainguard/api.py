@@ -213,7 +213,7 @@ def persist_and_commit(
     replicas.compare(ctx, snap, begin, sigs, timeout, step)  # replicated tensors that differ: a warning (rank 0)
     hashed = splitplan.owners(ctx, snap, sigs, timeout)  # split_state: tensors another group writes, hashed here
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
-    with owned(work, strict=False) if ctx.rank == 0 and not managed and storage.atomic_rename else nullcontext():
+    with owned(work) if ctx.rank == 0 and not managed and storage.atomic_rename else nullcontext():
         report: dict[str, Any] = {"error": None}
         write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
         try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early

@@ -14,6 +14,7 @@ The manifest is written last and the directory renamed into place, as in a save.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import time
@@ -26,7 +27,7 @@ import torch
 from . import layout
 from .buffers import aligned_empty
 from .commit import check_file_sizes, commit_dir, occupied, read_manifest
-from .errors import CheckpointError, StepExistsError
+from .errors import CheckpointError, DiskFullError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_batches
 from .manifest import Chunk, Manifest, TensorEntry
@@ -60,6 +61,10 @@ def consolidate(
         if isinstance(e, CheckpointError):
             raise
         why = write_refused(e) or f"{type(e).__name__}: {e}"  # a read-only destination: what to change, not its temp name
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # creating a file or directory (out of space or inodes), as tg.save
+            raise DiskFullError(e.errno, f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: no space left on "
+                                "device: the file system is out of space or of inodes (`df -h`, `df -i`). Free some, "
+                                "or write elsewhere") from e
         raise CheckpointError(f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: {why}") from e
 
 

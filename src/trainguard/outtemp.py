@@ -28,7 +28,6 @@ writes in place there, the manifest last).
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -60,20 +59,19 @@ def temp_re(name: str) -> re.Pattern[str]:
 
 
 @contextlib.contextmanager
-def owned(tmp: str, *, strict: bool = True) -> Iterator[None]:
+def owned(tmp: str) -> Iterator[None]:
     """The writer of the temporary output ``tmp`` (``export.replacing``, ``dcp_export.write_dcp``,
     ``consolidate.write_full``; one process; rank 0 of a plain ``tg.save``, ``api.persist_and_commit``), around
     everything from before ``tmp`` is created to after it is renamed or removed: ``<tmp>.owner`` holds its pid, host
-    and start under a POSIX lock, and goes at the end. A file system without locks (ENOLCK), or a name too long for
-    the suffix: the record only, or no owner file (a temp left then is warned about by :func:`sweep`, not removed).
-    Not ``strict`` (a save's rank 0, which must not fail outside its rounds): no owner file when it cannot be made;
-    the save's own write into the directory fails then, and says why, on every rank."""
+    and start under a POSIX lock, and goes at the end. Best effort, never raises: where the owner file cannot be made
+    or written (a read-only or full file system, a name too long for the suffix) the writer goes on without one, and
+    its own write says what is wrong (a ``DiskFullError``, the read-only file system: the callers' words); a file
+    system without locks (ENOLCK) keeps the record only. A temp left without an owner file is warned about by
+    :func:`sweep`, not removed."""
     owner = os.path.abspath(tmp + OWNER)
     try:
         fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as e:
-        if strict and e.errno != errno.ENAMETOOLONG:
-            raise  # a read-only or full directory: the temp output could not be written there either
+    except OSError:
         yield
         return
     with _LOCK:
@@ -81,11 +79,8 @@ def owned(tmp: str, *, strict: bool = True) -> Iterator[None]:
     try:
         with contextlib.suppress(OSError):  # ENOLCK (a mount without locks): the record still names host and pid
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        try:
+        with contextlib.suppress(OSError):  # ENOSPC: an empty record (a free lock on a local file system still tells)
             os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
-        except OSError:
-            if strict:
-                raise
         yield
     finally:
         with contextlib.suppress(OSError):
