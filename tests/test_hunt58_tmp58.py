@@ -348,3 +348,20 @@ def test_consolidate_out_of_inodes_is_a_disk_full_error(ckpt: str, tmp_path: Pat
     with pytest.raises(tg.DiskFullError, match="out of space or of inodes"):
         consolidate(ckpt, tmp_path / "full")
     assert os.listdir(tmp_path) == []
+
+
+def test_overwrite_killed_while_removing_the_old_one(ckpt: str, tmp_path: Path) -> None:
+    """A consolidate --overwrite killed after its commit, while it removed the previous output it had set aside
+    (``full.old-<id>``, its manifest removed first): that directory stayed for good. The next write of ``full``
+    removes it (its writer, named by the owner file of the same id, is dead: a pid that has exited)."""
+    consolidate(ckpt, tmp_path / "full")
+    old = tmp_path / "full.old-00000000000000ab"
+    old.mkdir()
+    (old / "data-00000.bin").write_bytes(b"z" * 4096)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    (tmp_path / "full.tmp-00000000000000ab.owner").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(),
+                                                                         "since": 0}))
+    consolidate(ckpt, tmp_path / "full", overwrite=True)
+    assert os.listdir(tmp_path) == ["full"]
+    assert torch.equal(_weight(tmp_path / "full"), _weight(ckpt))
