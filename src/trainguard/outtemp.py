@@ -111,7 +111,8 @@ def sweep(target: str) -> list[str]:
             continue
         if t + OWNER not in names:
             if t in names and not _appeared(owner) and os.path.lexists(path):
-                _unknown(path, target, "it has no owner file (written by a trainguard before session 58?)")
+                _unknown(path, target, ("it has no owner file: a CheckpointManager's save (its next open removes "
+                                          "it), or a writer of a trainguard before session 58"))
             continue
         old = olds.pop(t.rsplit(".tmp-", 1)[1], None) if not t.startswith(".") else None
         why = _alive(owner)
