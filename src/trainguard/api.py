@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from .handle import SaveHandle
 from .index import encode as encode_index
 from .io import DEFAULT_BLOCK, WriteChunk, tensor_bytes, write_batches
 from .manifest import Chunk, Manifest, TensorEntry, checksum
+from .outtemp import owned, sweep
 from .permanent import check_save_args, is_permanent, keeps_own
 from .planner import check_cover, layout_file
 from .samesave import recheck, written_etags
@@ -197,6 +199,8 @@ def persist_and_commit(
     if ctx.rank == 0:
         hello["id"] = uuid.uuid4().hex[:16]
         try:
+            if not managed and storage.atomic_rename:  # killed earlier writers' temp directories (outtemp)
+                sweep(storage.join(parent, name))
             hello.update(occupied(storage, storage.join(parent, name), overwrite, above=not managed))  # its root: checked at open
         except Exception as e:  # a listing that failed (name too long, no permission, EIO, an object store's error)
             if not ctx.is_distributed:  # a CheckpointError: a manager's on_error="warn" applies to it
@@ -209,63 +213,64 @@ def persist_and_commit(
     replicas.compare(ctx, snap, begin, sigs, timeout, step)  # replicated tensors that differ: a warning (rank 0)
     hashed = splitplan.owners(ctx, snap, sigs, timeout)  # split_state: tensors another group writes, hashed here
     work = storage.join(parent, layout_mod.tmp_dir(name, save_id) if storage.atomic_rename else name)
-    report: dict[str, Any] = {"error": None}
-    write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
-    try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early
-        fault("begin", ctx.rank)
-        storage.makedirs(work)
-        report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage, sigs, hashed)
-        fault("written", ctx.rank)
-    except Exception as e:
-        report, write_error = {"error": describe_error(e)}, e
-    except BaseException:  # Ctrl-C while writing, one process: no temp directory left behind
-        if not ctx.is_distributed and storage.atomic_rename:  # (an object store writes in place: debris)
-            storage.remove_tree(work)
-        raise
-    # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
-    outcome: dict[str, Any] = {"error": None}
-    manifest = None
-    try:
-        written = ctx.gather("written", report, timeout=timeout)
-    except RankFailureError as e:  # rank 0 only: a rank died or never reported
-        written, outcome = None, failure_record(e)
-    if ctx.rank == 0 and written is not None:
-        try:
-            raise_failures("save", written, ctx)
-            manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step, sigs)
-            check_shared(storage, work, written)
-            fault("before_manifest", ctx.rank)
-            claim_commit(ctx, save_id)
-            # Invariant: the manifest is written only after every rank reported its data durable.
-            commit_dir(storage, parent, name, work, manifest, overwrite, save_id)
-            recheck(storage, work, written)  # object stores: another save of this step since the check before
-            outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
-        except RankFailureError as e:
-            outcome = failure_record(e)
-        except Exception as e:  # "permanent": every rank's error is (rank 0's run lock lost: runlock.check_owned)
-            outcome = {"error": describe_error(e), "permanent": is_permanent(e)}
-            write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
-        except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed); an
-            if not ctx.is_distributed and storage.atomic_rename:  # object store's manifest IS the commit
+    with owned(work) if ctx.rank == 0 and not managed and storage.atomic_rename else nullcontext():
+        report: dict[str, Any] = {"error": None}
+        write_error: Exception | None = None  # one process: raised as itself (its type tells the cause)
+        try:  # from here on a rank's error is reported in "written": no rank may leave the rounds early
+            fault("begin", ctx.rank)
+            storage.makedirs(work)
+            report = _write_rank(storage, work, snap, ctx, [b["own"] for b in begin], stage, sigs, hashed)
+            fault("written", ctx.rank)
+        except Exception as e:
+            report, write_error = {"error": describe_error(e)}, e
+        except BaseException:  # Ctrl-C while writing, one process: no temp directory left behind
+            if not ctx.is_distributed and storage.atomic_rename:  # (an object store writes in place: debris)
                 storage.remove_tree(work)
             raise
-    if ctx.rank == 0 and outcome.get("error"):  # the temp directory goes; a lost run lock is named as the cause
-        outcome, write_error = discard(storage, work, outcome, write_error, written, manifest)
-    try:
-        outcome = ctx.broadcast("commit", outcome, timeout=timeout)
-    except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
-        abandon_commit(ctx, save_id, shown, e)
-    if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
-        # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
-        discard_late(storage, work, outcome, report)  # not another save's step (object stores: samesave)
-    if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
-        raise save_failed(write_error, shown)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
-    if outcome.get("failures"):
-        raise from_record(outcome)
-    check_commit(shown, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)
-    if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)
-        return LazyManifest(storage, storage.join(parent, name), outcome["step"], outcome["total_bytes"])  # type: ignore[return-value]
-    return manifest
+        # Only rank 0 receives the chunk lists (a gather, not an all_gather: O(world) store traffic).
+        outcome: dict[str, Any] = {"error": None}
+        manifest = None
+        try:
+            written = ctx.gather("written", report, timeout=timeout)
+        except RankFailureError as e:  # rank 0 only: a rank died or never reported
+            written, outcome = None, failure_record(e)
+        if ctx.rank == 0 and written is not None:
+            try:
+                raise_failures("save", written, ctx)
+                manifest = _build_manifest(snap, written, ctx, layout, snap.metadata or metadata, step, sigs)
+                check_shared(storage, work, written)
+                fault("before_manifest", ctx.rank)
+                claim_commit(ctx, save_id)
+                # Invariant: the manifest is written only after every rank reported its data durable.
+                commit_dir(storage, parent, name, work, manifest, overwrite, save_id)
+                recheck(storage, work, written)  # object stores: another save of this step since the check before
+                outcome = {"error": None, "step": manifest.step, "total_bytes": manifest.total_bytes}
+            except RankFailureError as e:
+                outcome = failure_record(e)
+            except Exception as e:  # "permanent": every rank's error is (rank 0's run lock lost: runlock.check_owned)
+                outcome = {"error": describe_error(e), "permanent": is_permanent(e)}
+                write_error = write_error or e  # one process: raised as itself below (a StepExistsError stays one)
+            except BaseException:  # Ctrl-C in the commit, one process: as above (gone once renamed); an
+                if not ctx.is_distributed and storage.atomic_rename:  # object store's manifest IS the commit
+                    storage.remove_tree(work)
+                raise
+        if ctx.rank == 0 and outcome.get("error"):  # the temp directory goes; a lost run lock is named as the cause
+            outcome, write_error = discard(storage, work, outcome, write_error, written, manifest)
+        try:
+            outcome = ctx.broadcast("commit", outcome, timeout=timeout)
+        except RankFailureError as e:  # another rank: gave up waiting for rank 0's outcome
+            abandon_commit(ctx, save_id, shown, e)
+        if ctx.rank != 0 and str(ctx.rank) in outcome.get("failures", {}):
+            # Named as failed: maybe a late rank that (re)created the temp directory after rank 0 removed it.
+            discard_late(storage, work, outcome, report)  # not another save's step (object stores: samesave)
+        if write_error is not None and not ctx.is_distributed:  # one process: the error itself, after the cleanup
+            raise save_failed(write_error, shown)  # a DiskFullError stays one; ENOSPC creating a file (inodes) becomes one
+        if outcome.get("failures"):
+            raise from_record(outcome)
+        check_commit(shown, outcome)  # rank 0's failed commit: raised on every rank (permanent as rank 0's error was)
+        if manifest is None:  # other ranks: no manifest read per rank per save (thousands of ranks)
+            return LazyManifest(storage, storage.join(parent, name), outcome["step"], outcome["total_bytes"])  # type: ignore[return-value]
+        return manifest
 
 
 layout_mod = layout  # the module, shadowed by the ``layout`` keyword in this file

@@ -29,6 +29,7 @@ from .manifest import MAX_MANIFEST_BYTES, Manifest, parse
 from .runlock import RunLock, check_owned  # noqa: F401  (the manager imports RunLock from here)
 from .samesave import check_objects, drop_listed
 from .storage import Storage, location
+from .storage._stale import abort_under
 from .storage._urls import bucket_root
 
 _UNKNOWN_STATS = 8  # list_steps with known names: more step directories not known than this, the flat listing
@@ -320,6 +321,8 @@ def occupied(storage: Storage, final: str, overwrite: bool, *, above: bool = Tru
     if refused := unsafe_target(storage, final, above):  # EBUSY at the commit; deleted with it; a live run's step
         return refused
     if layout.MANIFEST not in names:
+        if above:  # not a manager's (its open aborted its step directories' uploads): a killed writer's, idle
+            abort_under(storage, final)
         return _drop_leftovers(storage, final, names)
     if not overwrite:
         return {"exists": f"{location(storage, final)} already holds a committed checkpoint; " + (

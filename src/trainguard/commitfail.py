@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from . import layout
 from .errors import CheckpointError, describe_error
+from .outtemp import drop_owner, kept_for_writer
 from .runlock import check_owned, holder_of
 from .samesave import concurrent, drop_failed, remove_own
 from .storage import Storage
@@ -103,15 +104,20 @@ def removed(storage: Storage, path: str, name: str) -> list[str]:
     until hunt53: a read-only key's open said "removed debris ... ['step-000000005']", which stayed).
     On S3, a directory written to within the idle limit is left (``_stale.active``: maybe a live save's, another
     process's; ``_stale.recheck`` looks again): ``[]``. On an object store the objects of one listing go, not a
-    manifest (``_stale.drop_incomplete``: a save that committed the step since ``list_steps`` listed it keeps it)."""
-    if active(storage, path):
+    manifest (``_stale.drop_incomplete``: a save that committed the step since ``list_steps`` listed it keeps it).
+    On local disk, a temp directory whose ``consolidate``/``convert`` writer is alive (``outtemp.kept_for_writer``: its
+    owner file's lock; that writer takes no run lock) is left: ``[]``; a dead one's owner file goes with it."""
+    if active(storage, path) or storage.atomic_rename and kept_for_writer(path):  # a consolidate's: its owner lives
         return []
     if not storage.atomic_rename and hasattr(storage, "objects") and layout.parse_step(name) is not None:
         # a step directory without a manifest, as listed: one that appeared since stays
         return [name] if drop_incomplete(storage, path) else []
     storage.remove_tree(path)
     if storage.atomic_rename:
-        return [] if os.path.lexists(path) else [name]
+        if os.path.lexists(path):
+            return []
+        drop_owner(path)
+        return [name]
     try:
         return [] if storage.listdir(path) else [name]  # objects left (not exists(): SeaweedFS keeps a folder entry)
     except OSError:

@@ -13,6 +13,8 @@ The manifest is written last and the directory renamed into place, as in a save.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
 import os
 import time
@@ -25,10 +27,11 @@ import torch
 from . import layout
 from .buffers import aligned_empty
 from .commit import check_file_sizes, commit_dir, occupied, read_manifest
-from .errors import CheckpointError, StepExistsError
+from .errors import CheckpointError, DiskFullError, StepExistsError
 from .index import ChunkSource, plan_args
 from .io import DEFAULT_BLOCK, ReadTarget, WriteChunk, read_targets, tensor_bytes, write_batches
 from .manifest import Chunk, Manifest, TensorEntry
+from .outtemp import owned, sweep
 from .planner import PAGE, Box, full_box, layout_file, plan_reads
 from .storage import for_path
 from .storage._diskfull import write_refused
@@ -58,6 +61,10 @@ def consolidate(
         if isinstance(e, CheckpointError):
             raise
         why = write_refused(e) or f"{type(e).__name__}: {e}"  # a read-only destination: what to change, not its temp name
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):  # creating a file or directory (out of space or inodes), as tg.save
+            raise DiskFullError(e.errno, f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: no space left on "
+                                "device: the file system is out of space or of inodes (`df -h`, `df -i`). Free some, "
+                                "or write elsewhere") from e
         raise CheckpointError(f"consolidate {os.fspath(src)} -> {os.fspath(dst)} failed: {why}") from e
 
 
@@ -120,9 +127,12 @@ def write_full(
     tensor in ``owners``; ``manifest(tensors, files)`` makes the manifest from the written tensors'
     entries (one chunk each) and the files. Written into a temporary directory (where the storage
     renames), the manifest last, renamed into place (``commit.commit_dir``): a failure or Ctrl-C
-    leaves no temporary directory and nothing that looks like a checkpoint. Refuses a ``parent/name``
+    leaves no temporary directory and nothing that looks like a checkpoint; one killed (SIGKILL) leaves its temporary
+    directory, which the next ``write_full`` of ``parent/name`` removes (local disk: ``outtemp``). Refuses a ``parent/name``
     that holds a checkpoint (``StepExistsError``; unless ``overwrite``) or other files."""
     final = dstore.join(parent, name)
+    if dstore.atomic_rename:  # local disk: killed earlier writers' temp directories go, a checkpoint set aside is back
+        sweep(final)
     why = occupied(dstore, final, overwrite)
     if why.get("exists"):
         raise StepExistsError(f"{final} already holds a checkpoint; pass --overwrite to replace it")
@@ -134,20 +144,21 @@ def write_full(
     fname = layout.data_file(0)
     sizes = [e.nbytes for _p, e in items]
     offs, size = layout_file(sizes)
-    try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
-        dstore.makedirs(work)
-        owners: list[int] = []  # the tensor of each chunk written: a large one's pieces give its checksums
-        sums: list[list[str]] = [[] for _ in items]
-        for i, s in zip(owners, write_batches(dstore, dstore.join(work, fname), batches(offs, owners), size,
-                                               block=DEFAULT_BLOCK), strict=True):
-            sums[i] += s
-        tensors = {path: TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
-                   for (path, e), off, n, s in zip(items, offs, sizes, sums, strict=True)}
-        out = manifest(tensors, {fname: size})
-        commit_dir(dstore, parent, name, work, out, overwrite, save_id)
-    except BaseException:
-        dstore.remove_tree(work)
-        raise
+    with owned(work) if dstore.atomic_rename else contextlib.nullcontext():
+        try:  # from here on a failure (an I/O error, Ctrl-C) leaves no temp directory behind
+            dstore.makedirs(work)
+            owners: list[int] = []  # the tensor of each chunk written: a large one's pieces give its checksums
+            sums: list[list[str]] = [[] for _ in items]
+            for i, s in zip(owners, write_batches(dstore, dstore.join(work, fname), batches(offs, owners), size,
+                                                   block=DEFAULT_BLOCK), strict=True):
+                sums[i] += s
+            tensors = {path: TensorEntry(e.dtype, list(e.shape), [Chunk([0] * len(e.shape), list(e.shape), fname, off, n, s)] if n else [])
+                       for (path, e), off, n, s in zip(items, offs, sizes, sums, strict=True)}
+            out = manifest(tensors, {fname: size})
+            commit_dir(dstore, parent, name, work, out, overwrite, save_id)
+        except BaseException:
+            dstore.remove_tree(work)
+            raise
     return out
 
 

@@ -212,22 +212,27 @@ def replacing(out: str) -> Iterator[str]:
     """A temporary file beside ``out`` to write into (``export``, ``convert`` to one file): once
     written it is fsynced and renamed over ``out``, so a reader finds the old file or the new one
     and a failed or interrupted write (a full disk, an unsupported dtype) leaves an earlier file
-    at ``out`` as it was; on failure the temporary file is removed."""
+    at ``out`` as it was; on failure the temporary file is removed. One killed (SIGKILL) cannot remove it: the
+    next ``replacing`` of ``out`` does, once its writer is dead (``outtemp``: the temporary file's owner file)."""
+    from .outtemp import owned, sweep
+
     head, name = os.path.split(absolute(out))
     tmp = os.path.join(head, f".{name}.tmp-{uuid.uuid4().hex[:12]}")
-    try:
-        yield tmp
-        os.chmod(tmp, 0o666 & ~_umask())  # as any file the user creates: safetensors' save_file makes it 0600
-        fd = os.open(tmp, os.O_RDONLY)
+    sweep(out)  # earlier writers of ``out`` killed mid-write (SIGKILL, OOM): their temporary files go
+    with owned(tmp):  # until the temporary file is gone: a later writer can tell this one is alive
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_umask())  # as any file the user creates: safetensors' save_file makes it 0600
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     fd = os.open(head, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself durable
@@ -273,6 +278,10 @@ def check_destination(out: str) -> None:
     if not os.path.isdir(parent):
         raise CheckpointError(f"{out}: the directory {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK):  # torch.save's own words were "[enforce fail at inline_container.cc]"
+        with contextlib.suppress(OSError):
+            if os.statvfs(parent).f_flag & os.ST_RDONLY:  # not the user's rights: a read-only mount (root too)
+                raise CheckpointError(f"{out}: {parent} is on a read-only file system; write the output to a "
+                                      "directory on a writable one (or remount it read-write)")
         raise CheckpointError(f"{out}: this user may not write in {parent}; write the output to a directory you may "
                               "write to (or give this user write access to it)")
     if _is_trainguard(os.path.join(parent, "manifest.json")):  # its data-*.bin or manifest.json: overwritten

@@ -66,13 +66,18 @@ def save_failed(e: BaseException, target: str) -> BaseException:
 
 
 def write_refused(e: BaseException) -> str | None:
-    """What a local ``PermissionError`` of a write (``e``: creating the save's temporary directory or a
+    """What a local ``PermissionError`` or EROFS of a write (``e``: creating the save's temporary directory or a
     file in it) tells the user, or ``None`` for any other error (an object store's 403, marked
     ``remote``, has its own words: ``errors.store_refused``). ``save_failed`` (``tg.save``, ``convert``'s
     import) and ``consolidate``: it was "PermissionError: [Errno 13] Permission denied: 'DST.tmp-<id>'",
     a temporary name and nothing to change."""
-    if not isinstance(e, PermissionError) or getattr(e, "remote", False):
+    if not isinstance(e, OSError) or getattr(e, "remote", False):
         return None
     where = os.path.dirname(os.fspath(e.filename)) if e.filename is not None else "the destination's directory"
+    if e.errno == errno.EROFS:  # said "OSError: [Errno 30] Read-only file system: 'DST.tmp-<id>'" (hunt58 tmp58)
+        return (f"{where} is on a read-only file system: write to a directory on a writable one (or remount it "
+                "read-write)")
+    if not isinstance(e, PermissionError):
+        return None
     return (f"this user may not write in {where} ({e.strerror or e}): save to a directory you may write to, "
             "or give this user write access to it")

@@ -86,6 +86,42 @@ def abort_uploads(storage: Any, root: str) -> list[str]:
     return done
 
 
+def abort_under(storage: Any, path: str) -> list[str]:
+    """``commit.occupied``, rank 0, before a plain ``tg.save``, ``consolidate`` or ``convert`` writes the checkpoint
+    ``path`` in place on S3: abort the idle incomplete multipart uploads under it that a killed writer of it left (a
+    manager's open looks only in its run directory's step directories: ``abort_uploads``). Before (hunt58 tmp58), a
+    ``consolidate`` killed mid-upload left its parts, billed, for good. One active within the idle limit may be a live
+    writer's: left, with a warning saying how to abort it. Returns the keys aborted; never raises."""
+    if not getattr(storage, "_s3", False):
+        return []
+    io, limit = storage.io, _idle_limit(storage)
+    bucket, _, key = path.strip("/").partition("/")
+    done: list[str] = []
+    try:
+        uploads, now = _list(io, bucket, key.rstrip("/") + "/")
+    except Exception as e:  # noqa: BLE001 - best effort: the write goes on
+        log.warning("trainguard: could not list the incomplete multipart uploads under s3://%s (%s)", path, error_text(e))
+        return done
+    for k, upload_id, initiated in uploads:
+        try:
+            if not _idle(io, bucket, k, upload_id, initiated, now, limit):
+                log.warning("trainguard: left the incomplete upload of s3://%s/%s, active within %.0f s (maybe a live "
+                            "writer's); once nothing writes s3://%s, abort it: aws s3api abort-multipart-upload "
+                            "--bucket %s --key %s --upload-id %s", bucket, k, limit, path, bucket, k, upload_id)
+                continue
+            io.call_s3("abort_multipart_upload", Bucket=bucket, Key=k, UploadId=upload_id)
+        except FileNotFoundError:  # completed or aborted meanwhile
+            continue
+        except Exception as e:  # noqa: BLE001
+            log.warning("trainguard: could not abort the incomplete upload of s3://%s/%s (%s)", bucket, k, error_text(e))
+            continue
+        done.append(k)
+    if done:
+        log.warning("trainguard: aborted %d incomplete upload(s) a killed writer left under s3://%s: %s", len(done),
+                    path, done[:5])
+    return done
+
+
 def recheck(storage: Any, root: str) -> list[str]:
     """``retention.apply_retention`` (rank 0, after a save): once ``IDLE_BOUNDS`` store bounds have passed since
     ``abort_uploads`` left a young upload in ``root`` (or ``active`` a step directory without a manifest),
