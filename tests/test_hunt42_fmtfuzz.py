@@ -80,7 +80,7 @@ def test_retention_reads_metrics_that_are_not_a_dict_as_none(tmp_path: Path) -> 
             for step in (2, 3):
                 mgr.save(step, state, metrics={"loss": float(step)})
     assert not [w for w in caught if "retention" in str(w.message)], [str(w.message) for w in caught]
-    assert sorted(os.listdir(run)) == [".lock", "events.jsonl", "step-000000002", "step-000000003"]
+    assert sorted(os.listdir(run)) == [".lock", ".trainguard-run-id", "events.jsonl", "step-000000002", "step-000000003"]
 
 
 def test_skeleton_errors_quote_a_bounded_part_of_the_value(tmp_path: Path) -> None:

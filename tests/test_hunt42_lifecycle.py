@@ -112,7 +112,7 @@ def test_policies_take_numpy_and_tensor_ints_as_the_steps_do(tmp_path: Path) -> 
     with tg.CheckpointManager(tmp_path, save=every, keep=keep, handle_signals=False) as mgr:
         for step in range(1, 9):
             mgr.save(step, {"model": nn.Linear(2, 2)})
-    assert sorted(os.listdir(tmp_path)) == [".lock", "events.jsonl", "step-000000004", "step-000000006", "step-000000008"]
+    assert sorted(os.listdir(tmp_path)) == [".lock", ".trainguard-run-id", "events.jsonl", "step-000000004", "step-000000006", "step-000000008"]
     for bad in (True, 2.0, np.float64(2.0), "2"):  # still refused, saying what an n must be
         with pytest.raises(ValueError, match="positive integer"):
             tg.EveryNSteps(bad)

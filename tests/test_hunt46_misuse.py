@@ -146,7 +146,7 @@ def test_a_fresh_start_one_level_above_a_run_is_warned_about_naming_the_run(tmp_
     said = [r.getMessage() for r in caplog.records if "starts this run afresh" in r.getMessage()]
     assert len(said) == 1 and "'run1' (newest step 2)" in said[0], said
     assert f"CheckpointManager({str(tmp_path / 'ckpts' / 'run1')!r})" in said[0] and "notes" not in said[0]
-    assert sorted(os.listdir(tmp_path / "ckpts" / "run1")) == [".lock", "events.jsonl", "step-000000001", "step-000000002"]
+    assert sorted(os.listdir(tmp_path / "ckpts" / "run1")) == [".lock", ".trainguard-run-id", "events.jsonl", "step-000000001", "step-000000002"]
     caplog.clear()  # a fresh start where no run lies below: nothing
     with tg.CheckpointManager(tmp_path / "other", handle_signals=False) as mgr:
         assert mgr.restore({"model": model}) is None

@@ -135,4 +135,4 @@ def test_disk_full_under_rlimit_fsize(tmp_path):
     assert "ERROR:" in r.stdout, r.stdout
     assert "file too large writing" in r.stdout and "ulimit -f" in r.stdout, r.stdout
     assert "bytes were needed" in r.stdout and "bytes in all" in r.stdout and "no space left" not in r.stdout, r.stdout
-    assert "LEFT: ['.lock', 'events.jsonl']" in r.stdout, r.stdout
+    assert "LEFT: ['.lock', '.trainguard-run-id', 'events.jsonl']" in r.stdout, r.stdout

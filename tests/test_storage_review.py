@@ -40,7 +40,7 @@ def test_retention_unlinks_a_linked_in_checkpoint_and_keeps_what_it_points_at(tm
         assert m.restore(state) == 0
         for s in (1, 2, 3):
             m.save(s, state)
-    assert sorted(os.listdir(run)) == [".lock", "events.jsonl", layout.step_dir(2), layout.step_dir(3)]
+    assert sorted(os.listdir(run)) == [".lock", ".trainguard-run-id", "events.jsonl", layout.step_dir(2), layout.step_dir(3)]
     assert tg.verify(pre).ok  # the pretrained checkpoint is untouched
 
 

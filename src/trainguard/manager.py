@@ -38,6 +38,7 @@ from .ownsteps import OwnSteps
 from .permanent import check_manager_args, config_errors, flag, from_medium, is_permanent, mark, open_error
 from .policies import EveryNSteps, KeepLatest, RetentionPolicy, SavePolicy
 from .retention import DONE, apply_retention, remove_replaced, restore_candidates, set_aside, unrestored_error
+from .runid import run_meta, run_restored  # which run wrote a checkpoint
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
@@ -113,7 +114,7 @@ class CheckpointManager(_ManagerClose):
                     layout.open_run_root(self.storage, self._root)  # not a checkpoint itself
                     sharedstore.warn_shared_store()  # plain torchrun: its restarts may hang (elastic/sharedstore.py)
                     if self._lock:
-                        self._lock.acquire()
+                        self._lock.acquire(wait=0.5 * (self.timeout or default_timeout()))  # an old incarnation's last save: stopwait.wait_free
                         runlock.release_when_gone(self, self._lock)  # dropped without close(): released when collected
                     removed = clean_debris(self.storage, self._root)
                     if removed:
@@ -142,8 +143,7 @@ class CheckpointManager(_ManagerClose):
         self.events.emit("manager_open", world_size=self.ctx.world_size, async_save=self.async_save)
         return self
 
-    def __enter__(self) -> CheckpointManager:
-        return self.open()
+    def __enter__(self) -> CheckpointManager: return self.open()
 
     def save(self, step: SupportsIndex, state: Mapping[str, Any], *, force: bool = False,
              metrics: Mapping[str, MetricValue] | None = None) -> SaveHandle | None:
@@ -193,7 +193,7 @@ class CheckpointManager(_ManagerClose):
             return None
         self._own.check_save(step, self._restored)  # after restore(): a save behind it, or far behind this run's newest, is refused
         target = self.storage.join(self._root, layout.step_dir(step))
-        meta = {"step": step, "metrics": values}
+        meta = {"step": step, "metrics": values, **run_meta(self)}  # runid: which run wrote it
         saveevent.started(self, step, values)  # rank 0: its save_start event (trainguard report), the metrics for its retention
         try:  # RAM tier: the run directory when it has no room; its round ("ram_room") failing fails the save (on_error)
             storage, target = self.ram.target(step, self.timeout, state) if self.ram else (self.storage, target)
@@ -315,7 +315,7 @@ class CheckpointManager(_ManagerClose):
             self.last_saved_step, self._restored = step, step
             self._own.roll_back(step)
             self._rejected.discard(step)  # its RAM copy failed, its durable one loaded: usable (tiers.RamTier.restored)
-            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier)
+            self.events.emit("restore", step=step, seconds=round(time.monotonic() - t0, 6), source=path, tier=tier, **run_restored(self, step, path, m.metadata))
             if self.ram:
                 self.ram.restored(step, tier, lambda _s: None, m.total_bytes)  # retention: at the first commit, not here
             return step

@@ -16,7 +16,7 @@ import warnings
 import weakref
 from typing import Any
 
-from . import layout
+from . import layout, stopwait
 from .errors import CheckpointError, LockedError
 from .permanent import mark
 from .userframe import user_stacklevel
@@ -40,9 +40,12 @@ class RunLock:
         self.fd: int | None = None
         self._real = ""  # the lock file's real path while held (release does not resolve it again)
         self._info = b""  # the holder record this process wrote: another job's, or none, there later (_taken)
+        self._also = b""  # the record mark_stopping writes, accepted while it replaces _info
         self.gone: weakref.finalize | None = None  # release_when_gone's: one per lock, however often its manager opens
 
-    def acquire(self) -> None:
+    def acquire(self, wait: float = 0.0) -> None:
+        """``CheckpointManager.open``, rank 0. ``wait``: how long to wait for a holder whose record says it is
+        stopping (``mark_stopping``: an old incarnation finishing its last save), at most."""
         real = os.path.realpath(self.path)
         # _held_here: the same directory through another path (a bind mount, a second mount of the same NFS
         # export) resolves elsewhere; POSIX locks of one process do not conflict, so lockf took it again
@@ -57,7 +60,7 @@ class RunLock:
             ))
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:  # any failure (an I/O error, Ctrl-C) closes the descriptor, and the lock goes with it
-            self._take(fd)
+            self._take(fd, wait)
         except BaseException:
             os.close(fd)
             raise
@@ -66,20 +69,15 @@ class RunLock:
         for key in {os.path.abspath(os.path.dirname(self.path)), os.path.dirname(real)}:
             _OWNED[key] = self
 
-    def _take(self, fd: int) -> None:
+    def _take(self, fd: int, wait: float = 0.0) -> None:
         """``acquire``: lock ``fd`` and write this process as the holder (the caller closes ``fd`` on error)."""
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held by another job: the lock failed (ENOLCK, EIO)
                 raise
-            locked = LockedError(
-                f"{os.path.dirname(self.path)} is in use by another job ({_read_holder(fd)}). Stop that job, or "
-                "point this one at another directory; two writers would delete each other's checkpoints"
-            )
-            # Permanent only when the holder is a live process of this host: a lost node's lock on a
-            # shared file system may linger (an NFS lease) and go; a restart may then take it.
-            raise (mark(locked) if _live_here(fd) else locked) from None
+            if not (_stopping(fd) and stopwait.wait_free(fd, wait, os.path.dirname(self.path), _read_holder)):
+                raise _locked_error(fd, os.path.dirname(self.path), wait) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
             if _earlier_attempt(fd):  # torchrun's agent restarted this job's workers: expected, not a warning
@@ -87,7 +85,7 @@ class RunLock:
                          os.path.dirname(self.path), old)
             else:
                 warnings.warn(_taken_over(os.path.dirname(self.path), old, fd), stacklevel=user_stacklevel())
-        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), **_attempt()}).encode()
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), **_attempt(), **stopwait.who()}).encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, info, 0)
         os.fsync(fd)
@@ -273,7 +271,7 @@ def _taken(lock: RunLock) -> str | None:
         now = os.pread(fd, 4096, 0)
     except OSError:
         return None  # the medium's error: nothing known
-    if now == lock._info or not lock._info:
+    if now == lock._info or (lock._also and now == lock._also) or not lock._info:  # _also: mark_stopping's record, being written
         return None
     return (f"was held by another job meanwhile ({_read_holder(fd) or 'it ended and released it'}) after this "
             f"process lost its lock on it {_HOW}")
@@ -285,9 +283,48 @@ def _read_holder(fd: int) -> str:
         if not raw:
             return ""
         d = json.loads(raw)
-        return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}"
-    except (OSError, ValueError):
+        return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}{stopwait.describe(d)}"
+    except (OSError, ValueError, TypeError, AttributeError):
         return "unknown holder"
+
+
+def _stopping(fd: int) -> bool:
+    """Whether the holder record in ``fd`` says its job is stopping (``mark_stopping``)."""
+    try:
+        return isinstance(json.loads(os.pread(fd, 4096, 0)).get("stopping"), (int, float))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _locked_error(fd: int, root: str, wait: float) -> LockedError:
+    """``_take``'s error: the lock is held by another job, named by its holder record."""
+    if _stopping(fd):  # still finishing its last save after ``wait``: a later start takes it (not permanent)
+        return LockedError(
+            f"{root} is in use by another job ({_read_holder(fd)}), which got a stop signal and is still finishing "
+            f"its last save after {wait:.0f} s: an earlier incarnation of this job (preempted, requeued)? Let it "
+            "finish (killing it loses that save) and start this job again, or point this one at another directory")
+    locked = LockedError(
+        f"{root} is in use by another job ({_read_holder(fd)}). Stop that job, or point this one at another "
+        "directory (a launch script copied from another run's?); two writers would delete each other's checkpoints. "
+        "If it is an earlier incarnation of this job, wait for it to exit: a job stopping on SIGTERM holds the lock "
+        "until its last save is written"
+    )
+    # Permanent only when the holder is a live process of this host: a lost node's lock on a
+    # shared file system may linger (an NFS lease) and go; a restart may then take it.
+    return mark(locked) if _live_here(fd) else locked
+
+
+def mark_stopping(lock: RunLock | None, signum: int) -> None:
+    """``stops.note_stop`` on the rank holding the lock (rank 0), once, when a stop signal makes the job save
+    and stop: the holder record says so, and a new incarnation started meanwhile (a requeue) waits for this
+    one's last save instead of failing (``_take``). Never raises: the record is advisory."""
+    if lock is None or lock.fd is None or not lock._info:
+        return
+    with contextlib.suppress(OSError, ValueError, TypeError):
+        info = json.dumps({**json.loads(lock._info), "stopping": time.time(), "signal": int(signum)}).encode()
+        lock._also = info  # first: a commit's check (_taken, on the save thread) may read it meanwhile
+        os.pwrite(lock.fd, info, 0)  # longer than the record it replaces, which it starts like: no truncation
+        lock._info = info
 
 
 def _taken_over(root: str, old: str, fd: int) -> str:

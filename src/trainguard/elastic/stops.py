@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from .. import runlock
 from ..permanent import PERMANENT_EXIT, headline
 from . import errfiles, hangnote
 from .faults import EXIT_CODE as FAULT_EXIT
@@ -48,6 +49,7 @@ def note_stop(mgr: Any, remote: bool = False) -> None:
     if mgr.stopped_by is not None or not (own or remote):
         return
     mgr.stopped_by = int(own) or PREEMPTED - 128
+    runlock.mark_stopping(getattr(mgr, "_lock", None), mgr.stopped_by)  # rank 0: a new incarnation waits for its last save
     path = os.environ.get(STOP_FILE_ENV)
     if path:
         try:

@@ -1,0 +1,76 @@
+"""The run lock's holder record, told apart (``runlock``): which job holds it, and whether it is stopping.
+
+Two things a second job needs when it finds the run directory locked (session 58, review58d):
+
+- *which job* holds it: pid, host and start time named a process, not a job. ``who`` adds the holder's
+  command line and, under Slurm, its job id, so that a launch script copied from another run (the same
+  ``--ckpt-dir`` by mistake) is recognised from the message (``describe``);
+- *whether it is about to let go*: a requeued job (or one restarted by hand) whose old incarnation got its
+  stop signal and is still writing its last (async) save found the lock held by a live process of this host
+  and failed for good (``LockedError``, exit 78 under ``trainguard run``), with the advice to stop that job,
+  which loses the save. The holder now marks its record when it stops (``runlock.mark_stopping``), and a new
+  job waits for such a holder (``wait_free``), bounded by half the manager's ``timeout`` (its other ranks
+  wait for rank 0's open that long at most: 300 s by default), logging once what it waits for. A holder
+  that has not marked its record (a job still training) is refused at once, as before.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("trainguard")
+POLL = 0.2  # seconds between two tries of the lock while waiting for a stopping holder
+
+
+def who() -> dict[str, Any]:
+    """Fields naming this job in its holder record: its command line (300 characters at most) and Slurm job id."""
+    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *sys.argv])[:300]}
+    job = os.environ.get("SLURM_JOB_ID", "")
+    if job:
+        out["job"] = f"slurm {job}" + (f"_{os.environ['SLURM_ARRAY_TASK_ID']}" if os.environ.get("SLURM_ARRAY_TASK_ID") else "")
+    return out
+
+
+def describe(d: dict[str, Any]) -> str:
+    """``runlock._read_holder``: the record's job fields as text after its pid, host and time ("" for records
+    written before them)."""
+    parts = []
+    if isinstance(d.get("job"), str):
+        parts.append(d["job"])
+    if isinstance(d.get("cmd"), str):
+        parts.append(f"running `{d['cmd']}`")
+    if isinstance(d.get("stopping"), (int, float)):
+        parts.append(f"stopping since {time.ctime(d['stopping'])} (signal {d.get('signal')})")
+    return "".join(f", {p}" for p in parts)
+
+
+def wait_free(fd: int, wait: float, root: str, holder: Callable[[int], str]) -> bool:
+    """``runlock.RunLock._take`` on rank 0, the lock held by a holder that is stopping: try the lock every
+    ``POLL`` s for ``wait`` s at most. True once taken (the caller writes its record); False when the time is up,
+    or the record no longer says stopping (another job took the lock meanwhile): the caller raises
+    ``LockedError``. A lock error other than "held" is raised."""
+    if wait <= 0:
+        return False
+    log.warning("trainguard: %s is locked by a job that is stopping (%s): waiting up to %.0f s for its last save",
+                root, holder(fd), wait)
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        time.sleep(POLL)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+            if ", stopping since " not in holder(fd):  # another job holds it now
+                return False
+            continue
+        log.info("trainguard: the stopping job let go of %s; taking its lock", root)
+        return True
+    return False
