@@ -119,3 +119,13 @@ def test_second_job_is_told_which_job_holds_the_lock_and_waits_for_one_stopping(
         if p.poll() is None:
             p.kill()
         p.communicate(timeout=30)
+
+
+def test_the_lock_record_hides_the_values_of_options_named_like_secrets(monkeypatch):
+    from trainguard import stopwait
+
+    monkeypatch.setattr(stopwait.sys, "argv", ["train.py", "--config", "a.yaml", "--hf-token", "hf_abc", "--api-key=sk1", "PASSWORD=pw", "--lr", "3e-4"])
+    cmd = stopwait.who()["cmd"]
+    assert "a.yaml" in cmd and "3e-4" in cmd  # what tells two copy-pasted jobs apart stays
+    assert "hf_abc" not in cmd and "sk1" not in cmd and "pw" not in cmd.replace("PASSWORD", "")
+    assert "--hf-token ***" in cmd and "--api-key=***" in cmd and "PASSWORD=***" in cmd

@@ -20,6 +20,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -29,9 +30,28 @@ log = logging.getLogger("trainguard")
 POLL = 0.2  # seconds between two tries of the lock while waiting for a stopping holder
 
 
+_SECRET = re.compile(r"token|key|secret|passw|auth|cred", re.I)
+
+
+def _shown(argv: list[str]) -> list[str]:
+    """``argv`` as the lock record shows it (a 0644 file in the run directory): the value of an option whose
+    name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``) is replaced by ``***``."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        name, eq, _ = a.partition("=")
+        if eq and _SECRET.search(name):
+            out.append(f"{name}=***")
+        elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and _SECRET.search(argv[i - 1]):
+            out.append("***")
+        else:
+            out.append(a)
+    return out
+
+
 def who() -> dict[str, Any]:
-    """Fields naming this job in its holder record: its command line (300 characters at most) and Slurm job id."""
-    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *sys.argv])[:300]}
+    """Fields naming this job in its holder record: its command line (300 characters at most, the values of
+    options named like secrets hidden) and Slurm job id."""
+    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(sys.argv)])[:300]}
     job = os.environ.get("SLURM_JOB_ID", "")
     if job:
         out["job"] = f"slurm {job}" + (f"_{os.environ['SLURM_ARRAY_TASK_ID']}" if os.environ.get("SLURM_ARRAY_TASK_ID") else "")
