@@ -23,7 +23,7 @@ from .commit import list_steps, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
-from .keptseen import committed, kept_damaged, kept_gone, remember_files
+from .keptseen import committed, kept_damaged, kept_gone, metadata_picks, remember_files
 from .manifestfacts import read_facts
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -138,6 +138,7 @@ def _plan(mgr: CheckpointManager, newest: int) -> tuple[list[Any], list[Any], se
         else:
             infos.append(info)
     _warn_no_metric(mgr, infos)
+    mgr._picks = metadata_picks(mgr.keep, infos)  # type: ignore[attr-defined]  # keptseen._stand_ins: which to look at
     kept, older = _steps_kept(mgr.keep, infos), {i.step for i in infos if i.step < newest}
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
