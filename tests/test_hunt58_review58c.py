@@ -9,6 +9,8 @@ object store a HEAD each). Only the steps a ``KeepBest`` picked can change what 
 from __future__ import annotations
 
 import shutil
+import sys
+import warnings
 from collections import Counter
 
 import torch
@@ -75,3 +77,35 @@ def test_keepbest_pick_gone_is_still_seen_under_a_union(tmp_path):
         (tmp_path / layout.step_dir(1) / layout.MANIFEST).unlink()  # the best, gone since retention listed it
         mgr.save(4, _state(4), metrics={"loss": 4.0})  # 2 is now the best: not deleted in 1's trust
     assert (tmp_path / layout.step_dir(2) / layout.MANIFEST).exists()
+
+
+def _registry_entries() -> int:
+    """Entries of every module's ``__warningregistry__`` (what ``warnings.warn`` keeps per distinct text)."""
+    return sum(len(r) for m in list(sys.modules.values())
+               if isinstance(r := getattr(m, "__dict__", {}).get("__warningregistry__"), dict))
+
+
+def test_failing_saves_and_saves_mid_accumulation_keep_no_warning_per_save(tmp_path, monkeypatch):
+    """``on_error="warn"`` with every save failing (a disk that stays broken for days), and saves after
+    backward() before step(): each save's warning names its step, and ``warnings.warn`` kept one registry entry
+    per text for the process's life (300 failing saves: 305 entries). Each is still shown, every time."""
+    monkeypatch.setenv("TRAINGUARD_CRASH_AT", "begin")
+    monkeypatch.setenv("TRAINGUARD_CRASH_KIND", "raise")
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model, "optim": opt}
+    saves = 100
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")  # a plain script's: the registry is used
+        with tg.CheckpointManager(tmp_path, save=tg.EveryNSteps(1), on_error="warn", handle_signals=False) as mgr:
+            mgr.save(0, state)  # watches the optimizer (gradwatch)
+            before = _registry_entries()
+            for s in range(1, saves + 1):
+                model(torch.ones(1, 4)).sum().backward()  # gradients no step() used: warned at each save
+                mgr.save(s, state)
+            after = _registry_entries()
+    failed = [w for w in seen if "failed (on_error='warn')" in str(w.message)]
+    pending = [w for w in seen if "comes after backward()" in str(w.message)]
+    assert len(failed) >= saves and len(pending) >= saves  # each shown
+    assert after - before <= 10, (before, after)  # was 2 a save
+    assert failed[0].filename == __file__  # the caller's line, not the library's

@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any, SupportsIndex
 
@@ -39,6 +38,7 @@ from .retention import DONE, apply_retention, remove_replaced, restore_candidate
 from .stateful import check_state
 from .storage import for_path
 from .tiers import RamTier
+from .userframe import warn_each
 
 log = logging.getLogger("trainguard")
 
@@ -321,7 +321,7 @@ class CheckpointManager:
         if self.on_error == "raise" or isinstance(e, StuckWriteError) or (is_permanent(e) and (again or runlock.LOST in str(e))):
             raise e
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
-        warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
+        warn_each(f"save of step {step} failed (on_error='warn'): {e}")  # a text per step: kept in no registry
 
     def wait(self) -> None:
         """Every rank: block until the save in flight is committed; raises its error (``on_error="warn"``: warns)."""

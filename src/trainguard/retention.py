@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import numbers
 import secrets
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from .ramleft import unused_copies
 from .relist import committed_steps
 from .storage._stale import recheck
 from .tiers import location, stale_reason
+from .userframe import warn_each
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -50,7 +50,7 @@ def apply_retention(mgr: CheckpointManager, newest: int) -> None:
     except Exception as e:
         log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
         mgr.events.emit("retention_failed", step=newest, error=str(e)[:2000])
-        warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=3)
+        warn_each(f"retention after step {newest} failed; old checkpoints were kept: {e}")
 
 
 def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -> None:
