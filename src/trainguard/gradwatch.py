@@ -18,13 +18,14 @@ as before, cost 2-4 microseconds per parameter at every ``backward()`` (see ``_a
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .userframe import warn_each
 
 
 class PendingGradientsWarning(UserWarning):
@@ -177,14 +178,14 @@ def check(state: Mapping[str, Any], step: int) -> None:
             continue
         names = pending(opt)
         if names:
-            warnings.warn(
+            warn_each(  # at every such save: its text (the step) kept in no registry (userframe.py)
                 f"trainguard: the save of step {step} comes after backward() but before {key!r}.step(): "
                 f"{len(names)} parameter(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) hold "
                 "gradients no step() used yet. Gradients are not saved, so a resume from this checkpoint loses "
                 "them (the rest of a gradient-accumulation window would start without its earlier micro-batches) "
                 "and does not continue bit-identically. Call mgr.save(step, state) after optimizer.step(), at "
                 "the end of an accumulation window (docs/checkpoints.md#what-is-saved)",
-                PendingGradientsWarning, stacklevel=5,
+                PendingGradientsWarning,
             )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from typing import Any
 
 from . import policies, runlock
@@ -22,6 +21,7 @@ from .elastic import stops, watchdog
 from .errors import CheckpointError
 from .iostall import StuckWriteError
 from .permanent import flag, is_permanent
+from .userframe import warn_each
 
 log = logging.getLogger("trainguard")
 
@@ -82,7 +82,7 @@ class _ManagerClose:
         if self.on_error == "raise" or isinstance(e, StuckWriteError) or (is_permanent(e) and (again or runlock.LOST in str(e))):
             raise e
         log.warning("trainguard: save of step %s failed, training continues: %s", step, e)
-        warnings.warn(f"save of step {step} failed (on_error='warn'): {e}", stacklevel=3)
+        warn_each(f"save of step {step} failed (on_error='warn'): {e}")  # a text per step: kept in no registry
 
     def wait(self) -> None:
         """Every rank: block until the save in flight is committed; raises its error (``on_error="warn"``: warns)."""

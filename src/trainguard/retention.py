@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import numbers
 import secrets
-import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,7 @@ from .commit import list_steps, settle_aside
 from .errors import CheckpointError, StepExistsError, error_text, is_store_client_error
 from .faults import fault
 from .freshhint import at_or_before, nested_runs, older_holds  # noqa: F401  (at_or_before, older_holds: manager.restore's)
-from .keptseen import committed, kept_damaged, kept_gone, remember_files
+from .keptseen import committed, kept_damaged, kept_gone, metadata_picks, remember_files
 from .manifestfacts import read_facts
 from .permanent import mark
 from .policies import CheckpointInfo, KeepBest
@@ -31,6 +30,7 @@ from .ramleft import unused_copies
 from .relist import committed_steps
 from .storage._stale import recheck
 from .tiers import location, stale_reason
+from .userframe import warn_each
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -50,7 +50,7 @@ def apply_retention(mgr: CheckpointManager, newest: int) -> None:
     except Exception as e:
         log.warning("trainguard: retention after step %d failed (checkpoints are intact): %s", newest, e)
         mgr.events.emit("retention_failed", step=newest, error=str(e)[:2000])
-        warnings.warn(f"retention after step {newest} failed; old checkpoints were kept: {e}", stacklevel=3)
+        warn_each(f"retention after step {newest} failed; old checkpoints were kept: {e}")
 
 
 def at_commit(mgr: CheckpointManager, handle: Any, clock: Callable[[], float]) -> None:
@@ -138,6 +138,7 @@ def _plan(mgr: CheckpointManager, newest: int) -> tuple[list[Any], list[Any], se
         else:
             infos.append(info)
     _warn_no_metric(mgr, infos)
+    mgr._picks = metadata_picks(mgr.keep, infos)  # type: ignore[attr-defined]  # keptseen._stand_ins: which to look at
     kept, older = _steps_kept(mgr.keep, infos), {i.step for i in infos if i.step < newest}
     # ... and one checkpoint before the newest, whatever the policy chose (KeepBest when the newest
     # is the best, KeepEvery(k) at a multiple of k): the newest may be unreadable when the job dies.
