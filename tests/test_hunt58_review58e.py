@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import builtins
-import os
 import sys
 import warnings
 
