@@ -138,14 +138,27 @@ def _by_entry(missing: list[str], unexpected: list[str]) -> dict[str, tuple[set[
     return out
 
 
-def inserted(missing: list[str], unexpected: list[str]) -> dict[str, list[tuple[str, str, int]]]:
+def _under(names: set[str]) -> dict[str, list[str]]:
+    """Each leading dotted part of ``names`` (``0``, ``0.base`` of ``0.base.weight``) -> the names below it:
+    one walk of the names, where a scan of all names per part was quadratic (review58e)."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        d = n.split(".")
+        for j in range(1, len(d)):
+            out.setdefault(".".join(d[:j]), []).append(n)
+    return out
+
+
+def inserted(missing: list[str], unexpected: list[str], by_entry: dict[str, tuple[set[str], set[str]]] | None = None
+             ) -> dict[str, list[tuple[str, str, int]]]:
     """Per module entry, the submodules wrapped since the save: ``(old, new, n)`` where the
     checkpoint's ``n`` tensors under ``old`` (``0``: ``0.weight``, ``0.bias``) are all the state's under
     ``new``, ``old`` with one component added (``0.base``; PEFT's ``q.base_layer``): a LoRA-style adapter
     (or any container) put around a layer; per tensor the innermost place (a whole model wrapped is
-    :func:`prefix_hint`'s)."""
+    :func:`prefix_hint`'s). Linear in the names (times their depth): a model of 10,000 tensors, every
+    layer wrapped, is told in well under a second (before review58e: a scan of all names per layer)."""
     out: dict[str, list[tuple[str, str, int]]] = {}
-    for key, (state, saved) in _by_entry(missing, unexpected).items():
+    for key, (state, saved) in (by_entry or _by_entry(missing, unexpected)).items():
         without: dict[tuple[str, ...], set[tuple[int, str]]] = {}  # a state name less one component -> (where, which)
         for c in state:
             d = c.split(".")
@@ -157,10 +170,12 @@ def inserted(missing: list[str], unexpected: list[str]) -> dict[str, list[tuple[
             for j, x in without.get(cut, ()):
                 old = ".".join(cut[:j])
                 found.setdefault((old, f"{old}.{x}"), set()).add(n)
+        below = _under(saved)
         whole = [(old, new, len(names)) for (old, new), names in found.items()
-                 if names == {n for n in saved if n.startswith(old + ".")}]  # all the checkpoint holds under `old`
+                 if len(names) == len(below.get(old, ()))]  # all the checkpoint holds under `old`
         olds = Counter(old for old, _, _ in whole)  # two places fit (an adapter's lora_A.weight beside base.weight)
-        pairs = [w for w in whole if olds[w[0]] == 1 and not any(o.startswith(w[0] + ".") for o in olds)]
+        above = {".".join(o.split(".")[:j]) for o in olds for j in range(1, o.count(".") + 1)}  # an old within another
+        pairs = [w for w in whole if olds[w[0]] == 1 and w[0] not in above]
         if pairs:
             out[key] = sorted(pairs)
     return out
@@ -169,14 +184,16 @@ def inserted(missing: list[str], unexpected: list[str]) -> dict[str, list[tuple[
 def insert_hint(missing: list[str], unexpected: list[str]) -> tuple[str, set[str]]:
     """(" <hint>." per module entry with submodules wrapped since the save (:func:`inserted`), naming
     them and the state's tensors that are new beside them (the adapters), or ""; the paths it explains).
-    Called by :func:`wrap_hints`."""
+    Called by :func:`wrap_hints`, and by ``rankload.refuse_or_report`` for a ``strict=False`` load's warning."""
     out, explained = "", set()
-    for key, pairs in inserted(missing, unexpected).items():
-        state, saved = _by_entry(missing, unexpected)[key]
+    by_entry = _by_entry(missing, unexpected)
+    for key, pairs in inserted(missing, unexpected, by_entry).items():
+        state, saved = by_entry[key]
+        s_below, c_below = _under(state), _under(saved)
         said = [f"'{o}' -> '{n}' ({k} tensor{'s' * (k > 1)})" for o, n, k in pairs]
-        moved = {c for _, n, _ in pairs for c in state if c.startswith(n + ".")}
-        new = sorted(c for _, n, _ in pairs for c in state if c.startswith(n.rsplit(".", 1)[0] + ".") and c not in moved)
-        explained |= {f"{key}/{c}" for c in [*moved, *new]} | {f"{key}/{c}" for o, _, _ in pairs for c in saved if c.startswith(o + ".")}
+        moved = {c for _, n, _ in pairs for c in s_below.get(n, ())}
+        new = sorted(c for o, _, _ in pairs for c in s_below.get(o, ()) if c not in moved)
+        explained |= {f"{key}/{c}" for c in [*moved, *new]} | {f"{key}/{c}" for o, _, _ in pairs for c in c_below.get(o, ())}
         added = f"; beside them the state has tensors the checkpoint lacks ({', '.join(new[:6])}{', ...' * (len(new) > 6)}: the adapters?)" if new else ""
         out += (f" Entry {key!r}: the checkpoint's tensors of submodules wrapped since the save (an adapter such as LoRA "
                 f"around a layer?) are in the state one level down: {', '.join(said[:4])}{', ...' * (len(said) > 4)}{added}. "

@@ -159,9 +159,9 @@ class ModuleAdapter:
             return [], []
         have = [k for k in current if _EXTRA.search("/" + k)]
         saved = [k for k in skel if type(k) is str and _EXTRA.search("/" + k)]
-        if wrapnames.same_extra(have, saved):
-            return [], []  # imported without DDP's "module." prefix, or saved with it (unwrapped_names)
-        return [k for k in have if k not in skel], [k for k in saved if k not in current]
+        m = wrapnames.own_names(list(skel), current) or {}  # imported without DDP's "module.", or saved with it
+        taken = {m.get(k, k) for k in saved}
+        return [k for k in have if k not in taken], [k for k in saved if m.get(k, k) not in current]
 
     def param_names(self) -> dict[int, str]:
         """``id(param) -> name``; a tie by its first name, under which ``capture`` writes the tensor (optnames.py)."""
