@@ -359,7 +359,8 @@ def test_doctor_json_is_the_only_stdout_and_a_half_plan_is_named(tmp_path: Path)
     assert "--node-mtbf" in {f["check"]: f for f in json.loads(p.stdout)}["interval"]["message"]
     script.write_text("def trainguard_state():\n    raise RuntimeError('no GPU here')\n")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-    assert p.returncode == 2 and p.stderr.startswith("error:") and "no GPU here" in p.stderr, p.stderr
+    err = json.loads(p.stdout)  # --json: the error as one JSON object on stdout (an "error:" line on stderr before polish58)
+    assert p.returncode == 2 and err["exit_code"] == 2 and "no GPU here" in err["error"], (p.stdout, p.stderr)
 
 
 def test_report_skips_event_lines_without_the_fields_of_their_kind(tmp_path: Path) -> None:

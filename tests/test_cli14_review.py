@@ -151,7 +151,7 @@ def test_a_run_directory_given_where_one_checkpoint_is_expected_is_named_as_such
     url = f"memory://cli14-{tmp_path.name}"  # an object store: the command to run names the URL
     _run_dir(url)
     r = _run("inspect", url)
-    assert r.exit_code == 2 and f"trainguard ls memory:///cli14-{tmp_path.name}`" in r.output, r.output
+    assert r.exit_code == 2 and f"trainguard ls memory://cli14-{tmp_path.name}`" in r.output, r.output
 
 
 def test_an_object_store_that_cannot_be_reached_is_a_one_line_error(tmp_path, monkeypatch):

@@ -34,11 +34,11 @@ def test_every_zero_is_refused() -> None:
 
 
 def test_cli_errors_name_the_options_not_python_parameters() -> None:
-    cases = [("--node-mtbf 0 --save-stall 30s --restart 1m", "--node-mtbf 0s", "node_mtbf_s"),
-             ("--node-failures-per-day -1 --save-stall 30s --restart 1m", "--node-failures-per-day -1",
+    cases = [("--node-mtbf 0 --save-stall 30s --restart 1m", "'--node-mtbf': 0: a finite", "node_mtbf_s"),  # polish58: as parsed
+             ("--node-failures-per-day -1 --save-stall 30s --restart 1m", "'--node-failures-per-day': -1: a finite",
               "node_failures_per_day"),
-             ("--node-failures-per-day 1 --save-stall 0s --restart 1m", "--save-stall 0s", "stall_s"),
-             ("--node-failures-per-day 1 --save-stall 30s --restart 1m --step-time 0", "--step-time 0s", "step_time_s")]
+             ("--node-failures-per-day 1 --save-stall 0s --restart 1m", "'--save-stall': 0s: a finite", "stall_s"),
+             ("--node-failures-per-day 1 --save-stall 30s --restart 1m --step-time 0", "'--step-time': 0: a finite", "step_time_s")]
     for args, want, internal in cases:
         res = CliRunner().invoke(plan_cmd, args.split())
         assert res.exit_code == 2 and want in res.output and internal not in res.output, (args, res.output)

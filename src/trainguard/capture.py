@@ -264,7 +264,7 @@ def _leaf(path: str, t: torch.Tensor, local: bool, layout_kind: str, rank: int =
             )
         t, dt = t.full_tensor(), False  # collective on the training group: every rank reaches it in the same order
     if dt:
-        data, shape, offsets, writer = shard_of(t)
+        data, shape, offsets, writer = shard_of(t, path)
     else:  # a plain tensor (shard_of's answer, without its checks)
         _refuse_kind(path, t)  # first: a nested tensor has no shape
         data, shape, writer = t, tuple(t.shape), True

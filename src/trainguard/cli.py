@@ -6,7 +6,9 @@ out of range) are one ``error:`` line with the command's usage, exit code 2; a C
 line, exit code 130 (click's "Aborted!" exited 1, ``verify``'s code for a corrupt checkpoint). Errors derived from :class:`CheckpointError` are printed as one
 clear line (exit code 2), never as a traceback from deep inside the library; so is an OSError (a
 file the user may not read, an I/O error), with what to do for a permission error, and an error of
-an object store's client library (an endpoint that does not answer, missing credentials).
+an object store's client library (an endpoint that does not answer, missing credentials). With
+``--json`` (a command that has it), each of these errors is one JSON object on stdout instead,
+``{"error": ..., "kind": ..., "exit_code": ...}``, with the same exit code (:func:`commands.failed`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 
 import click
 
-from .commands import CommandError, printable, stdout_gone
+from .commands import CommandError, failed, printable, stdout_gone, wants_json
 from .errors import CheckpointError, SettingError, is_store_client_error
 
 # click 8.2's error for a group called without a command (the help, exit 2). click 8.1 (which
@@ -40,6 +42,7 @@ class _Group(click.Group):
             raise _usage(e) from None
 
     def invoke(self, ctx: click.Context):  # type: ignore[override]
+        as_json = wants_json(self, ctx)  # `--json` given to a command that has it: its errors are JSON on stdout
         try:
             return super().invoke(ctx)
         except _NO_ARGS_HELP:
@@ -47,28 +50,32 @@ class _Group(click.Group):
         except click.UsageError as e:  # a command's options and arguments (unknown, missing, out of range)
             name = ctx.invoked_subcommand  # the command being parsed: click's parser errors carry no context
             cmd = self.get_command(ctx, name) if name and e.ctx is None else None
-            raise _usage(e, click.Context(cmd, info_name=name, parent=ctx) if cmd else ctx) from None
+            err = _usage(e, click.Context(cmd, info_name=name, parent=ctx) if cmd else ctx)
+            err.as_json, err.kind = as_json, "usage"
+            raise err from None
+        except CommandError as e:  # a command's own refusal: click's main shows it (CommandError.show)
+            e.as_json = as_json
+            raise
         except KeyboardInterrupt:  # Ctrl-C in a command without its own handling (verify, ls, inspect, report, ...)
             # click's "Aborted!" exited 1: verify's code for a corrupt checkpoint, so a script took a Ctrl-C
             # (or a scheduler's SIGINT) for corruption. 130 as the writing commands (terminated_as_interrupt).
             cmd = f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip()
-            click.echo(f"\ninterrupted: `{cmd}` stopped before it finished", err=True)
-            sys.exit(130)
+            if not as_json:
+                click.echo("", err=True)
+            failed(f"`{cmd}` stopped before it finished", 130, "interrupted", as_json, prefix="interrupted")
         except (CheckpointError, SettingError) as e:  # SettingError: a malformed TRAINGUARD_* variable, input too
-            click.echo(f"error: {printable(e)}", err=True)  # a path from the command line: no control characters
-            sys.exit(2)
+            failed(printable(e), 2, type(e).__name__, as_json)  # a path from the command line: no control characters
         except OSError as e:  # a file the command cannot read (permissions, EIO): one line, not a traceback
             if e.errno == errno.EPIPE:  # output piped into `head`, written after the work was done: as `ls | head`
                 stdout_gone()
                 sys.exit(0)
             if getattr(e, "remote", False):  # an object store's HTTP error (FsspecStorage): no file, no errno of its own
-                _store_failed(e)
-            click.echo(f"error: {_os_error(e)}", err=True)
-            sys.exit(2)
+                _store_failed(e, as_json)
+            failed(_os_error(e), 2, type(e).__name__, as_json)
         except Exception as e:  # an object store's client: unreachable endpoint, no credentials
             if not is_store_client_error(e):
                 raise
-            _store_failed(e)
+            _store_failed(e, as_json)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Each command's whole first sentence, wrapped: click cuts it at the terminal width ("...").
@@ -88,12 +95,11 @@ def _usage(e: click.UsageError, fallback: click.Context | None = None) -> Comman
     return CommandError(" ".join(e.format_message().split()) + where, 2)
 
 
-def _store_failed(e: Exception) -> None:
+def _store_failed(e: Exception, as_json: bool = False) -> None:
     """``_Group.invoke``'s one line for an object store's error (s3fs's "Please reduce your request
     rate." alone named neither the store nor the cause), then exit 2."""
-    click.echo(f"error: the object store failed: {type(e).__name__}: {printable(e)} (check its endpoint, "
-               "e.g. AWS_ENDPOINT_URL, and the credentials, or try again: docs/storage.md)", err=True)
-    sys.exit(2)
+    failed(f"the object store failed: {type(e).__name__}: {printable(e)} (check its endpoint, e.g. AWS_ENDPOINT_URL, "
+           "and the credentials, or try again: docs/storage.md)", 2, "store", as_json)
 
 
 def _os_error(e: OSError) -> str:

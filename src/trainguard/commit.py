@@ -42,9 +42,11 @@ def read_manifest(storage: Storage, directory: str) -> Manifest:
     m = parse(*manifest_bytes(storage, directory))
     named = layout.parse_step(os.path.basename(directory.rstrip("/")))
     if named is not None and named != m.step:
-        raise CorruptCheckpointError(
+        err = CorruptCheckpointError(
             f"{location(storage, directory)} is named step {named} but holds the checkpoint of step {m.step} (renamed or copied by "
             f"hand?): rename it {layout.step_dir(m.step)}, or to a name that is not a step's", file=layout.MANIFEST)
+        err.advice_given = True  # type: ignore[attr-defined]  # the rename is the fix: tg.load names no earlier step
+        raise err
     return m
 
 

@@ -11,13 +11,15 @@ from __future__ import annotations
 from typing import Any
 
 
-def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
+def shard_of(t: Any, path: str | None = None) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
     """For a tensor leaf: ``(local tensor, global shape, global offsets of the local box, writer)``.
 
     Plain tensors are whole (offsets 0). A DTensor gives its local shard; ``writer`` is False
     on ranks that hold a replica of a box another rank writes (coordinate > 0 on a mesh
     dimension with a ``Replicate`` placement, or along a dim of the larger mesh that the
-    DTensor's mesh is a slice of: ``first_replica``), so each box is written once.
+    DTensor's mesh is a slice of: ``first_replica``), so each box is written once. A ``Shard``
+    DTensor whose local shard is not torch's split (:func:`refuse_uneven`) raises
+    ``UnsupportedValueError`` naming ``path`` (the capture's and the load's tensor).
     """
     if not is_dtensor(t):
         shape = tuple(t.shape)
@@ -42,10 +44,42 @@ def shard_of(t: Any) -> tuple[Any, tuple[int, ...], tuple[int, ...], bool]:
         # FSDP2 over a tensor-parallel model: torch's offsets give only each dim's first index.
         offsets = strided_offsets(tuple(t.shape), tuple(mesh.shape), coord, placements, tuple(t.to_local().shape))
     else:
-        _, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        local_shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+        if tuple(local_shape) != tuple(t.to_local().shape):
+            refuse_uneven(t, tuple(local_shape), path)
     coord = coord or []
     writer = all(c == 0 for c, p in zip(coord, placements, strict=False) if isinstance(p, Replicate))
     return t.to_local(), tuple(t.shape), tuple(offsets), writer and first_replica(mesh)
+
+
+def refuse_uneven(t: Any, expected: tuple[int, ...], path: str | None) -> None:
+    """:func:`shard_of`, on the rank whose local shard of DTensor ``t`` is not the ``expected`` shape
+    that torch's split of ``t.shape`` over its mesh gives this rank (``torch.chunk``'s sizes): a
+    ``DTensor.from_local(..., shape=, stride=)`` of other split sizes (rows 3 and 5 of 8 on 2 ranks).
+    Its offsets are known to no rank (torch's are the even split's), so neither a save nor a load
+    can place it: refused, naming the tensor, the sizes and the split that works. Every rank raises
+    it in its own capture (save) or plan (load); each one's error reaches the others through the
+    operation's first round. Before (polish58) a save wrote the box at the even split's offset,
+    past the tensor's end (``chunk extends past the tensor`` at every load)."""
+    from .errors import UnsupportedValueError
+
+    local = tuple(t.to_local().shape)
+    mesh = t.device_mesh
+    dims = [d for d, (a, b) in enumerate(zip(local, expected, strict=True)) if a != b]
+    split = ""
+    if mesh.ndim == 1 and dims:
+        n, d = mesh.size(), dims[0]
+        c = -(-t.shape[d] // n)
+        split = f" (torch.chunk: {', '.join(str(max(0, min(c, t.shape[d] - i * c))) for i in range(n))} rows of dim {d} over the {n} ranks)"
+    name = f"tensor {path!r}" if path else "a DTensor"
+    raise UnsupportedValueError(
+        f"{name}: DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)} holds a local shard of "
+        f"{local} on rank {t.device_mesh.get_rank()}, where torch's split gives this rank {expected}{split}: a DTensor "
+        "built by DTensor.from_local with other (uneven) split sizes cannot be saved or loaded into, since no rank "
+        "knows where its shard starts. Give each rank torch.chunk's part of the full tensor "
+        "(DTensor.from_local(full.chunk(world_size, dim)[rank], ...), or distribute_tensor), or save its local "
+        "shards as a rank-local entry (an object with trainguard_rank_local = True)"
+    )
 
 
 _FIRST: dict[int, tuple[Any, bool, tuple[int, ...] | None]] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from .commit import check_file_sizes
-from .dtensor import shard_of
+from .dtensor import is_dtensor, shard_of
 from .errors import CorruptCheckpointError
 from .index import ChunkSource
 from .layout import data_file, index_file
@@ -42,8 +42,10 @@ def check_needed(storage: Storage, directory: str, manifest: Manifest, src: Chun
             if p in bad:
                 continue
             e, live = manifest.tensors[p], dest.get(p)
+            if live is not None and e.regular is None and is_dtensor(live):
+                shard_of(live, p)  # an uneven DTensor.from_local shard refused before the plan round (dtensor.refuse_uneven)
             if e.regular is not None and live is not None:  # read into this rank's shard: the parts it overlaps
-                data, _shape, offsets, _ = shard_of(live)
+                data, _shape, offsets, _ = shard_of(live, p)
                 box = Box(tuple(offsets), tuple(data.shape))
                 parts.update(i for i in e.regular.overlapping(e.shape, box) if i < e.regular.nonempty(e.shape))
             elif e.regular is None and len(e.chunks) == 1:
@@ -80,8 +82,11 @@ def read_index(storage: Storage, directory: str, src: ChunkSource, part: int) ->
         raise CorruptCheckpointError(f"{location(storage, path)}: index file is missing", file=index_file(part)) from None
 
 
+LOAD_ANOTHER = "load another checkpoint (a CheckpointManager's restore goes back to the newest one that verifies)"
+"""The end of :func:`what_to_do`, which ``tg.load`` (``srcnamed.advised``) replaces with the run's earlier steps."""
+
+
 def what_to_do(manifest: Manifest) -> str:
     """The advice on a missing file: which ranks wrote the checkpoint and that each of their files is needed."""
-    return (f" (the checkpoint was saved by {manifest.world_size} rank(s), each writing its own files; a load at any "
-            "world size needs every file the manifest lists: copy the checkpoint directory whole, or load another "
-            "checkpoint; a CheckpointManager's restore goes back to the newest one that verifies)")
+    return (f"; the checkpoint was saved by {manifest.world_size} rank(s), each writing its own files, and a load at any "
+            f"world size needs every file the manifest lists: copy the checkpoint directory whole, or {LOAD_ANOTHER}")

@@ -34,8 +34,9 @@ from typing import Any
 from .errors import CheckpointError, CorruptCheckpointError, agree_load
 from .stateful import OptimizerAdapter, RNGState
 
+VERIFY_FIRST = "load a checkpoint that verifies before using it"  # tg.load names the run's earlier steps (srcnamed.advised)
 PARTLY = (" The load had begun writing into the state (tensors are read in place, entries loaded in turn): "
-          "the state may hold part of the checkpoint's values; load a checkpoint that verifies before using it.")
+          f"the state may hold part of the checkpoint's values; {VERIFY_FIRST}.")
 
 
 def partly_read(e: BaseException, wrote: Iterable[Any] | None) -> BaseException:

@@ -17,6 +17,7 @@ import contextlib
 import os
 import shlex
 from collections.abc import Iterator
+from typing import Any
 
 from . import layout
 from .errors import CorruptCheckpointError
@@ -43,20 +44,56 @@ def named(e: CorruptCheckpointError, src: str) -> CorruptCheckpointError:
     msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
     if msg is None or "trainguard verify" in msg:
         return e
-    shown = src.rstrip("/") or src
+    shown = _canonical(src.rstrip("/") or src)
     in_checkpoint(e, shown, _Step(layout.parse_step(os.path.basename(shown))))
     return advised(e, shown)
 
 
 def advised(e: CorruptCheckpointError, src: str) -> CorruptCheckpointError:
     """``e`` with what to do added (once): :func:`named` without naming the checkpoint again, for
-    ``tg.load`` (``userload.py``), whose errors name it already; the same object."""
+    ``tg.load`` (``userload.py``), whose errors name it already; the same object.
+
+    A message that says what to do already gets one piece of advice, not two: a missing file's
+    (``loadfiles.what_to_do``: "copy the checkpoint directory whole, or load another checkpoint (...)")
+    and a load that had begun writing into the state (``partread.PARTLY``: "load a checkpoint that
+    verifies before using it") have their "another checkpoint" replaced by the earlier steps; a
+    checkpoint whose directory was renamed (``commit.read_manifest``: rename it back) gets nothing.
+    Before (polish58) each was followed by ``; use an earlier step that verifies (...)``."""
     msg = e.args[0] if e.args and isinstance(e.args[0], str) else None
-    if msg is None or "trainguard verify" in msg:
+    if msg is None or "trainguard verify" in msg or getattr(e, "advice_given", False):
         return e
-    shown = src.rstrip("/") or src
-    e.args = (f"{msg.rstrip('. ')}; {_what_to_do(shown, layout.parse_step(os.path.basename(shown)))}", *e.args[1:])
+    shown = _canonical(src.rstrip("/") or src)
+    step = layout.parse_step(os.path.basename(shown))
+    for generic, merged in _generic():
+        if generic in msg:
+            e.args = (msg.replace(generic, merged(*_advice(shown, step)), 1), *e.args[1:])
+            return e
+    e.args = (f"{msg.rstrip('. ')}; {_what_to_do(shown, step)}", *e.args[1:])
     return e
+
+
+def _generic() -> tuple[tuple[str, Any], ...]:
+    """The advice other modules end a message with that names no checkpoint, and how :func:`advised`
+    writes it with ``(what, note)`` of :func:`_advice` in its place."""
+    from .loadfiles import LOAD_ANOTHER
+    from .partread import VERIFY_FIRST
+
+    return ((LOAD_ANOTHER, lambda what, note: f"load {what} ({note})"),
+            (VERIFY_FIRST, lambda what, note: f"load {what} before using it ({note})"))
+
+
+def _canonical(src: str) -> str:
+    """A URL as the error's own paths show it (``storage.location``: ``memory:///run`` as ``memory://run``);
+    a local path as given (``step-000000005`` in its run directory stays relative)."""
+    if "://" not in src:
+        return src
+    from .storage import for_path, location
+
+    try:
+        storage, root = for_path(src)
+    except Exception:  # noqa: BLE001 - an unknown scheme: shown as given
+        return src
+    return location(storage, root)
 
 
 class _Step:
@@ -68,20 +105,28 @@ class _Step:
 
 def _what_to_do(shown: str, step: int | None) -> str:
     """The checkpoints to take instead: ``shown``'s run directory's newest earlier steps with a manifest."""
+    what, note = _advice(shown, step)
+    return f"use {what} ({note})" if what.startswith("an earlier") else note
+
+
+def _advice(shown: str, step: int | None) -> tuple[str, str]:
+    """What to load instead of ``shown`` and a note that names it: ``("an earlier step that verifies",
+    "<run> holds steps 4, 3: `trainguard verify <run>` says which verify")`` when ``shown``'s run directory
+    holds earlier steps with a manifest; else ``("another checkpoint", <why none is named>)``."""
     run = os.path.dirname(shown) or "."  # "step-000000005" given in its run directory: the run is "."
     if step is None:
-        return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"
+        return "another checkpoint", f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"
     try:
         earlier, looked, rest = _earlier(run, step)
     except Exception:  # noqa: BLE001 - a listing that fails: the hint is a convenience, the error is the news
-        return f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"  # not "no earlier step" (HTTP: no listing)
+        return "another checkpoint", f"`trainguard verify {shlex.quote(shown)}` lists every damaged file"  # HTTP: no listing
     q = shlex.quote(run)
     if not earlier:
         which = f"none of the {looked} newest earlier step directories" if rest else "no earlier step"
-        return f"{which} of {run} has a manifest (`trainguard verify {q}` checks every step)"
+        return "another checkpoint", f"{which} of {run} has a manifest: `trainguard verify {q}` checks every step"
     steps = ", ".join(map(str, earlier)) + (f" (and {rest} older step director{'ies' if rest > 1 else 'y'})" if rest else "")
-    return (f"use an earlier step that verifies ({run} holds step{'s' if len(earlier) > 1 or rest else ''} {steps}: "
-            f"`trainguard verify {q}` says which verify)")
+    return ("an earlier step that verifies",
+            f"{run} holds step{'s' if len(earlier) > 1 or rest else ''} {steps}: `trainguard verify {q}` says which verify")
 
 
 def _earlier(run: str, step: int) -> tuple[list[int], int, int]:

@@ -7,7 +7,9 @@ its own, and its skip lines stay as they were.
 A ``CorruptCheckpointError`` of a checkpoint in a run directory (a failed block checksum, a data file
 cut short or missing, a damaged manifest or index) gets the words ``export``, ``convert`` and
 ``consolidate`` give it (:func:`trainguard.srcnamed.advised`): the run directory's earlier steps that
-hold a manifest, newest first, and the ``trainguard verify`` command that says which of them verify.
+hold a manifest, newest first, and the ``trainguard verify`` command that says which of them verify;
+an error that says what to do already (a missing file, a load that had begun writing) gets them in
+place of its own "another checkpoint", one piece of advice (polish58).
 Before (review57c), ``tg.load`` of a step whose data file was cut by one byte said only
 ``.../data-00000.bin: 6004159 bytes on disk, the manifest says 6004160 (truncated or replaced)``,
 and of a damaged manifest ``checksum mismatch: the manifest is corrupt``: nothing to do. The listing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -73,12 +74,44 @@ class CommandError(click.ClickException):
         super().__init__(message)
         self.exit_code = exit_code
         self.detail = detail
+        self.as_json = False  # set by cli._Group.invoke when the command was given --json
+        self.kind = "command"  # "usage": click's error of an option or argument (cli._usage)
 
     def show(self, file: Any = None) -> None:
-        """click's ``main`` calls it before exiting with ``exit_code``."""
+        """click's ``main`` calls it before exiting with ``exit_code``: one ``error:`` line on stderr, or with
+        ``--json`` one JSON object on stdout (:func:`failed`)."""
+        if self.as_json:
+            out = {"error": printable(self.format_message()), "kind": self.kind, "exit_code": self.exit_code}
+            click.echo(json.dumps(out | ({"detail": self.detail.splitlines()} if self.detail else {})), file=file)
+            return
         click.echo(f"error: {printable(self.format_message())}", err=True, file=file)
         for line in self.detail.splitlines():
             click.echo(f"  {printable(line)}", err=True, file=file)
+
+
+def failed(message: str, code: int, kind: str, as_json: bool, prefix: str = "error") -> None:
+    """``cli._Group.invoke``'s end of a command that failed: ``<prefix>: message`` on stderr, or with ``--json``
+    ``{"error": message, "kind": kind, "exit_code": code}`` on stdout (a script parses it: before polish58 a
+    command given --json printed its error as text on stderr and nothing on stdout); then exit ``code``.
+    ``kind``: the error's class name (``NotACheckpointError``, ``CorruptCheckpointError``, ``OSError``...),
+    ``"usage"``, ``"command"``, ``"store"`` or ``"interrupted"``."""
+    if as_json:
+        click.echo(json.dumps({"error": message, "kind": kind, "exit_code": code}))
+    else:
+        click.echo(f"{prefix}: {message}", err=True)
+    sys.exit(code)
+
+
+def wants_json(group: click.Group, ctx: click.Context) -> bool:
+    """``cli._Group.invoke``, before the command runs: whether the command named on the command line has a
+    ``--json`` option and it was given (before a ``--``). Read from the arguments, not the parsed options: an
+    error parsing another option comes before ``--json`` is parsed."""
+    args = [*(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", None) or ()), *ctx.args]
+    cmd = group.get_command(ctx, args[0]) if args else None
+    if cmd is None or not any(p.name == "as_json" for p in cmd.params):
+        return False
+    rest = args[1:]
+    return "--json" in (rest[:rest.index("--")] if "--" in rest else rest)
 
 
 def check_plot_target(plot: str) -> None:

@@ -37,29 +37,68 @@ def _reliability() -> Any:
 
 
 class _Duration(click.ParamType):
+    """A duration option of ``plan`` and ``doctor``: finite, and > 0 (``zero=False``) or >= 0. click's
+    error names the option: ``Invalid value for '--restart': -1s: a duration >= 0 is needed (e.g. 10m)``.
+    Before (polish58), ``-1s`` and ``nan`` were "cannot read ... as a duration" (no range said), and
+    ``doctor`` took ``--node-mtbf 0s`` or ``--step-time 0`` without a word unless every input of the
+    interval check was given."""
+
     name = "duration"
 
+    def __init__(self, zero: bool = False) -> None:
+        self.zero = zero
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        need = f"a finite duration {'>= 0' if self.zero else '> 0'} is needed (e.g. {'10m' if self.zero else '30s'})"
+        text = str(value).strip()
         try:
-            return parse_duration(value)
+            seconds = parse_duration(text.removeprefix("-") if text.startswith("-") else value)
         except ValueError as e:
-            self.fail(str(e), param, ctx)
+            if _number(text) is not None:  # nan, inf, -inf: a number, not one in range
+                self.fail(f"{text}: {need}", param, ctx)
+            self.fail(str(e).replace(repr(text.removeprefix("-")), repr(text), 1), param, ctx)
+        if text.startswith("-") and seconds or not math.isfinite(seconds) or not (seconds >= 0 if self.zero else seconds > 0):
+            self.fail(f"{text}: {need}", param, ctx)
+        return 0.0 if text.startswith("-") else seconds
+
+
+class _Rate(click.ParamType):
+    """``--node-failures-per-day``: a finite number > 0, checked as click parses it (``doctor`` without
+    ``--save-stall`` took -1, 0 and nan without a word before polish58)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        rate = _number(str(value).strip())
+        if rate is None:
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not 0 < rate < math.inf:
+            self.fail(f"{value}: a finite number of failures per node per day > 0 is needed (e.g. 0.0065)", param, ctx)
+        return rate
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
 
 
 DURATION = _Duration()
+DURATION0 = _Duration(zero=True)  # --restart: 0 is an instant restart
 
 
 def _failure_options(restart_required: bool) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
         opts = [
             click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="nodes in the job"),
-            click.option("--node-failures-per-day", type=float, help="failures per node per day, e.g. 0.0065"),
+            click.option("--node-failures-per-day", type=_Rate(), help="failures per node per day, e.g. 0.0065"),
             click.option("--node-mtbf", type=DURATION, help="or a node's mean time between failures, e.g. 400d"),
             click.option("--save-stall", type=DURATION, required=restart_required,
                          help="time training is blocked per save (async: the blocking part), e.g. 30s"),
             # No default when required: click 8.5 (tested here) takes an explicit default=None as a value, and no --restart
             # ended in make_plan's TypeError traceback instead of "Missing option".
-            click.option("--restart", type=DURATION, required=restart_required, **({} if restart_required else {"default": 0.0}),
+            click.option("--restart", type=DURATION0, required=restart_required, **({} if restart_required else {"default": 0.0}),
                          help="time from a failure until training runs again, e.g. 10m"
                               + ("" if restart_required else " (default 0)")),
             click.option("--step-time", type=DURATION, help="time per training step, e.g. 2s, to express intervals in steps"),
@@ -302,8 +341,14 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
                                    ("--save-stall (the seconds a save stops training)", save_stall is not None)) if not ok]
         findings.append(Finding("interval", "info", "not checked: it needs " + " and ".join(missing)
                                 + " besides what was given"))
-    if as_json:
-        click.echo(json.dumps([f.__dict__ for f in findings]))
+    unhooked = (f"{script} defines no trainguard_state(), so it was not imported and only its source was checked",
+                "add a trainguard_state() that returns the state dict, or (state, manager), and keep training under "
+                "`if __name__ == \"__main__\":` to check the state too")
+    if as_json:  # one JSON list on stdout, the refusal of a script without the hook among the findings
+        extra = [] if hooked else [Finding("hook", "error", *unhooked).__dict__]
+        click.echo(json.dumps([f.__dict__ for f in findings] + extra))
+        if not hooked:
+            sys.exit(1)
     else:
         t = Table(title=f"trainguard doctor {script}")
         for col in ("check", "status", "finding", "fix"):
@@ -313,8 +358,6 @@ def doctor_cmd(script: str, nodes: int, node_failures_per_day: float | None, nod
             t.add_row(f.check, f"[{style[f.severity]}]{f.severity}[/]", f.message, f.fix)
         PipeConsole().print(t)
     if not hooked:  # not imported: its module-level code (training, at times) never ran
-        raise CommandError(f"{script} defines no trainguard_state(), so it was not imported and only its source was "
-                           "checked (above): add a trainguard_state() that returns the state dict, or (state, manager), "
-                           "and keep training under `if __name__ == \"__main__\":` to check the state too", exit_code=1)
+        raise CommandError(f"{unhooked[0]} (above): {unhooked[1]}", exit_code=1)
     if any(f.severity == "error" for f in findings):
         sys.exit(1)

@@ -144,8 +144,9 @@ class FsspecStorage:
             return []
 
     def url(self, path: str) -> str:
-        """The URL that ``storage.for_path`` maps back to ``path`` on this filesystem."""
-        return str(self.fs.unstrip_protocol(path))
+        """The URL that ``storage.for_path`` maps back to ``path``; ``memory:///run`` (fsspec's) as ``memory://run``, as users
+        write it (both are ``/run``): one message named both before polish58."""
+        return "memory://" + u[10:] if (u := str(self.fs.unstrip_protocol(path))).startswith("memory:///") else u
 
     @_remote
     def exists(self, path: str) -> bool:
