@@ -193,6 +193,7 @@ def test_doctor_refuses_a_hook_whose_manager_is_unusable_in_one_line_exit_2(tmp_
     assert len(lines) == 1 and lines[0].startswith(f"error: {script}: ") and says in lines[0], r.output
 
 
+@pytest.mark.slow  # both examples run in make test (test_examples.py), the SIGTERM stop there on the plain loop: suite time
 def test_fsdp2_and_transformers_examples_save_on_sigterm_and_stop(tmp_path):
     """docs/interop.md: the examples' tests check "that on SIGTERM each saves the step and exits";
     tests/test_examples.py did so for plain_loop.py and ddp_torchrun.py only. fsdp2.py (SIGTERM to

@@ -74,6 +74,7 @@ def _tree(tmp_path: Path) -> Path:
     return src
 
 
+@pytest.mark.slow  # a whole demo run; the demo itself is in make test (test_demo.py): `make test-slow` (suite time)
 def test_demo_without_matplotlib_runs_to_its_verdict_and_leaves_the_default_timeline_out(tmp_path):
     p = _cli(NO_MATPLOTLIB, "demo", "--size", "tiny", "--steps", "6", "--fault-step", "3", "--save-every", "2",
              cwd=tmp_path, timeout=240)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from test_hunt47_install import _alive, _descendants, _end
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +65,7 @@ def _stopped_and_removed(demo: subprocess.Popen, below: set[int], tmp_path: Path
     assert list(tmp_path.glob("trainguard-demo-*")) == []
 
 
+@pytest.mark.slow  # the demo's stop path is in make test (test_demo_interrupted_exits_130..., test_hunt47_install): suite time
 def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path):
     demo = _demo_at_step_100(tmp_path)
     below: set[int] = set()
@@ -81,6 +84,7 @@ def test_demo_second_sigterm_right_after_the_first_still_stops_its_runs(tmp_path
         _end(demo, below)
 
 
+@pytest.mark.slow  # a whole demo run for one line of its output: `make test-slow` (suite time)
 def test_demo_keep_terminated_says_its_directories_are_kept(tmp_path):
     """``demo --keep`` stopped by SIGTERM keeps its run directories (as printed on stdout), and said
     on stderr that they were removed."""

@@ -98,7 +98,8 @@ def _exits(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, id="SIGTERM"),  # SIGINT (the same path): `make test-slow`
+                                 pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.slow)])
 def test_stop_signal_while_waiting_for_peers_in_the_first_rendezvous(tmp_path: Path, sig) -> None:
     """Before: torch installs the agent's stop-signal handlers only when it starts workers. An agent in its first
     rendezvous (``--nnodes 2``, its peer not started) died of SIGTERM's default action (returncode -15, no

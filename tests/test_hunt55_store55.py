@@ -16,6 +16,8 @@ import re
 import shutil
 import tempfile
 
+import pytest
+
 from test_storage_s3 import weed  # noqa: F401  (the session's server; skips without `weed`)
 
 from conftest import TESTS, run_py
@@ -47,6 +49,7 @@ def test_a_forkserver_child_talks_to_the_server_this_module_reads(weed):  # noqa
         assert got == weed.endpoint, f"a child saves to {got}, the test reads {weed.endpoint}"
 
 
+@pytest.mark.slow  # an order-of-tests regression guard (two files' tests in one process): `make test-slow` (suite time)
 def test_store54s_two_saves_pass_after_review54ds_two_rank_test_in_one_process():
     """The session-54 failure, in a pytest process of its own: review54d's another-prefix test, the test above and
     store54's two-saves test in one of the 2 plans (of 3) that failed. Before, the test above and that plan failed
