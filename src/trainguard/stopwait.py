@@ -11,13 +11,17 @@ Two things a second job needs when it finds the run directory locked (session 58
   which loses the save. The holder now marks its record when it stops (``runlock.mark_stopping``), and a new
   job waits for such a holder (``wait_free``), bounded by half the manager's ``timeout`` (its other ranks
   wait for rank 0's open that long at most: 300 s by default), logging once what it waits for. A holder
-  that has not marked its record (a job still training) is refused at once, as before.
+  that has not marked its record (a job still training) is refused at once, as before; so is one that marked
+  it longer ago than the manager's timeout (``budget``): a job that went on training after its stop signal (a
+  loop that does not check ``mgr.should_stop``, a notebook interrupted and resumed) is not about to let go, and
+  a requeued job waited 300 s at each of its restarts for it (review58g).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -69,6 +73,33 @@ def describe(d: dict[str, Any]) -> str:
     if isinstance(d.get("stopping"), (int, float)):
         parts.append(f"stopping since {time.ctime(d['stopping'])} (signal {d.get('signal')})")
     return "".join(f", {p}" for p in parts)
+
+
+def since(fd: int) -> float | None:
+    """When the holder record in ``fd`` says its job began stopping (``runlock.mark_stopping``), or None."""
+    try:
+        t = json.loads(os.pread(fd, 4096, 0)).get("stopping")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
+def stale(fd: int, wait: float) -> float | None:
+    """How long ago the holder in ``fd`` began stopping, where that is longer than ``2 * wait`` (the manager's
+    ``timeout``): a job that went on after its stop signal, or is stuck in its last save. None otherwise (a holder
+    not stopping, or stopping for less; ``wait`` 0: never stale)."""
+    t = since(fd)
+    age = None if t is None else time.time() - t
+    return age if age is not None and wait > 0 and age >= 2 * wait else None
+
+
+def budget(fd: int, wait: float) -> float:
+    """``runlock.RunLock._take`` on rank 0, the lock held: how long to wait for its holder (``wait_free``). 0
+    unless the holder record says stopping; else ``wait`` at most, and no longer than until the holder has been
+    stopping for ``2 * wait`` (the manager's timeout): before, a holder that marked itself stopping and went on
+    training was waited for at every start of a job, however long ago it got its stop signal."""
+    t = since(fd)
+    return 0.0 if t is None else max(0.0, min(wait, 2 * wait - (time.time() - t)))
 
 
 def wait_free(fd: int, wait: float, root: str, holder: Callable[[int], str]) -> bool:

@@ -1,0 +1,107 @@
+"""Session 58, review58g: a hostile review of review58d (run ids in manifests, the lock record's command
+line, waiting for a stopping holder).
+
+- a holder that marked itself stopping (a stop signal seen by ``save``) and then went on training (a loop
+  not checking ``mgr.should_stop``, a notebook interrupted and resumed) made every new job wait half its
+  timeout (300 s by default) and then fail with a non-permanent error: under ``trainguard run`` each restart
+  waited 300 s again, where before review58d the job exited 78 at once. A mark older than the manager's
+  timeout is no longer waited for, and the refusal is permanent again for a live holder of this host.
+
+One holder subprocess (a real ``RunLock``: POSIX locks do not conflict within one process), driven by
+lines on its stdin, every wait bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import trainguard as tg
+from trainguard.permanent import is_permanent
+
+SRC = str(Path(tg.__file__).resolve().parents[1])
+HOLDER = r"""
+import json, os, sys, time
+from trainguard import runlock
+lock = runlock.RunLock(sys.argv[1])
+lock.acquire()
+runlock.mark_stopping(lock, 15)
+rec = json.loads(lock._info)
+rec["stopping"] = time.time() - 3600  # got its stop signal an hour ago, and still runs
+os.ftruncate(lock.fd, 0)
+os.pwrite(lock.fd, json.dumps(rec).encode(), 0)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def _line(p: subprocess.Popen, want: str, timeout: float = 60) -> None:
+    timer = threading.Timer(timeout, p.kill)
+    timer.start()
+    try:
+        got = p.stdout.readline().strip()
+    finally:
+        timer.cancel()
+    assert got == want, (got, p.stderr.read() if p.poll() is not None else "")
+
+
+def test_a_holder_stopping_for_longer_than_the_timeout_is_refused_at_once_for_good(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: waited timeout/2, then a non-permanent LockedError (trainguard run: restart, wait again)."""
+    root = tmp_path / "run"
+    root.mkdir()
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(root)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _line(p, "held")
+        with caplog.at_level(logging.INFO, logger="trainguard"), pytest.raises(tg.LockedError) as e:
+            tg.CheckpointManager(root, handle_signals=False, timeout=4).open()
+        assert "waiting up to" not in caplog.text, caplog.text
+        assert is_permanent(e.value), str(e.value)  # a live holder of this host: exit 78, no restart loop
+        assert f"pid {p.pid} " in str(e.value) and "should_stop" in str(e.value), str(e.value)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+
+
+def test_an_object_store_error_on_the_run_id_fails_neither_restore_nor_save(caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the run id's read/write caught OSError only; botocore's EndpointConnectionError (no OSError: an
+    endpoint unreachable for a moment) on the id file raised out of a restore that had loaded its step, and out
+    of the first save past ``on_error``. The id is advisory: the save and the restore go on without it."""
+    import torch
+    from botocore.exceptions import EndpointConnectionError
+
+    from trainguard.ramview import RUN_ID
+
+    root, st = "memory://review58g/idfail", {"w": torch.ones(4)}
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as m:
+        m.save(1, st)
+
+    def flaky(m: tg.CheckpointManager) -> None:
+        exists = m.storage.exists
+
+        def patched(path: str) -> bool:
+            if path.endswith(RUN_ID):
+                raise EndpointConnectionError(endpoint_url="http://127.0.0.1:9")
+            return exists(path)
+
+        m.storage.exists = patched  # type: ignore[method-assign]
+
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False) as m:
+            flaky(m)
+            assert m.restore(st) == 1
+        with tg.CheckpointManager(root + "2", save=tg.EveryNSteps(1), handle_signals=False) as m:
+            flaky(m)
+            assert m.save(1, st) is not None
+    assert "cannot read or write the run id" in caplog.text, caplog.text
+    with tg.CheckpointManager(root + "2", handle_signals=False) as m:  # that save committed
+        assert m.restore(st) == 1
