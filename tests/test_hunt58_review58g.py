@@ -105,3 +105,25 @@ def test_an_object_store_error_on_the_run_id_fails_neither_restore_nor_save(capl
     assert "cannot read or write the run id" in caplog.text, caplog.text
     with tg.CheckpointManager(root + "2", handle_signals=False) as m:  # that save committed
         assert m.restore(st) == 1
+
+
+def test_a_manager_opened_again_after_its_directory_was_removed_names_the_new_run(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Before: the run id was read once per manager object; a notebook's ``with mgr:`` again after ``rm -rf run``
+    (start over) saved with the deleted run's id, and the next job warned that its own step came from another run."""
+    import shutil
+
+    import torch
+
+    root, st = tmp_path / "run", {"w": torch.ones(3)}
+    mgr = tg.CheckpointManager(root, save=tg.EveryNSteps(1), handle_signals=False)
+    with mgr:
+        mgr.save(1, st)
+    shutil.rmtree(root)
+    with mgr:
+        assert mgr.restore(st) is None
+        assert mgr.save(2, st) is not None
+    with caplog.at_level(logging.WARNING, logger="trainguard"):
+        with tg.CheckpointManager(root, handle_signals=False) as m:
+            assert m.restore(st) == 2
+    assert "another run" not in caplog.text, caplog.text

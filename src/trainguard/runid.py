@@ -33,7 +33,9 @@ KEY = "run"  # in a manifest's metadata: {"id": the run directory's id, "dir": w
 
 def run_id(mgr: Any) -> str:
     """``run_meta`` and ``run_restored`` on rank 0, holding the lock ("" on other ranks: their metadata is not written);
-    read once per manager. An id file that cannot be read or written (a medium's error, an object store's: an
+    read once per ``open`` (``CheckpointManager.open`` forgets it: a manager opened again after its directory was
+    removed to start over kept the deleted run's id, which its saves carried, and the next job, finding the new
+    id file, warned that its own steps came from another run; review58g). An id file that cannot be read or written (a medium's error, an object store's: an
     ``OSError``, a ``CheckpointError`` of the storage layer, or a client library's own exception such as botocore's
     ``EndpointConnectionError``, which is no ``OSError``) leaves the manager without one: its saves then carry no
     id, as before; nothing fails for it. Before (review58g), a store client's exception escaped: a ``restore`` that
