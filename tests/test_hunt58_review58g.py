@@ -127,3 +127,17 @@ def test_a_manager_opened_again_after_its_directory_was_removed_names_the_new_ru
         with tg.CheckpointManager(root, handle_signals=False) as m:
             assert m.restore(st) == 2
     assert "another run" not in caplog.text, caplog.text
+
+
+def test_the_lock_record_hides_url_credentials_and_secret_query_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the .lock record (0644, in the run directory) kept ``postgresql://u:pw@host``, a presigned URL's
+    signature and ``--db-pass X`` as given: only options named token/key/secret/passw/auth/cred were hidden."""
+    from trainguard import stopwait
+
+    monkeypatch.setattr(stopwait.sys, "argv", [
+        "train.py", "--db", "postgresql://u:pw123@h/db", "--data=https://h/x?X-Amz-Signature=SIG1&a=1",
+        "--db-pass", "pw2", "https://ex.com/a?token=TT9&x=1", "--lr", "3e-4"])
+    cmd = stopwait.who()["cmd"]
+    for secret in ("pw123", "SIG1", "pw2", "TT9"):
+        assert secret not in cmd, cmd
+    assert "postgresql://" in cmd and "h/db" in cmd and "3e-4" in cmd and "a=1" in cmd, cmd  # the rest stays

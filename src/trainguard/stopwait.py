@@ -34,21 +34,30 @@ log = logging.getLogger("trainguard")
 POLL = 0.2  # seconds between two tries of the lock while waiting for a stopping holder
 
 
-_SECRET = re.compile(r"token|key|secret|passw|auth|cred", re.I)
+_SECRET = re.compile(r"token|key|secret|passw|pass$|pwd|auth|cred", re.I)
+# In any argument: a URL's user:password@ and query values named like secrets (?sig=, &token=), e.g.
+# --db postgresql://u:pw@host/db, --data https://host/x?X-Amz-Signature=...: review58g.
+_IN_URL = re.compile(r"(://)[^/@\s]+@|([?&][^=&\s]*(?:token|key|secret|passw|pwd|sig|auth|cred)[^=&\s]*=)[^&\s]+", re.I)
+
+
+def _hide_urls(a: str) -> str:
+    return _IN_URL.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", a)
 
 
 def _shown(argv: list[str]) -> list[str]:
     """``argv`` as the lock record shows it (a 0644 file in the run directory): the value of an option whose
-    name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``) is replaced by ``***``."""
+    name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``, ``--db-pass X``) is replaced by
+    ``***``, and so are a URL's ``user:password@`` and its query values named like secrets (``?sig=``) in any
+    argument (before, review58g: ``--db postgresql://u:pw@host/db`` was written as given)."""
     out: list[str] = []
     for i, a in enumerate(argv):
         name, eq, _ = a.partition("=")
-        if eq and _SECRET.search(name):
+        if eq and _SECRET.search(name) and "://" not in name and not name.startswith(("?", "&")):
             out.append(f"{name}=***")
         elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and _SECRET.search(argv[i - 1]):
             out.append("***")
         else:
-            out.append(a)
+            out.append(_hide_urls(a))
     return out
 
 
