@@ -141,3 +141,14 @@ def test_the_lock_record_hides_url_credentials_and_secret_query_values(monkeypat
     for secret in ("pw123", "SIG1", "pw2", "TT9"):
         assert secret not in cmd, cmd
     assert "postgresql://" in cmd and "h/db" in cmd and "3e-4" in cmd and "a=1" in cmd, cmd  # the rest stays
+
+
+def test_a_manager_opens_with_a_program_s_own_sys_argv_of_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the lock record's command line called str methods on each ``sys.argv`` item; a program that set
+    ``sys.argv`` with a ``pathlib.Path`` in it (a launcher, a test harness) could not open a manager."""
+    from trainguard import stopwait
+
+    monkeypatch.setattr(stopwait.sys, "argv", ["train.py", tmp_path / "cfg.yaml"])
+    with tg.CheckpointManager(tmp_path / "run", handle_signals=False):
+        pass
+    assert (tmp_path / "run" / ".lock").exists()

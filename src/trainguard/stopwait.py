@@ -63,8 +63,10 @@ def _shown(argv: list[str]) -> list[str]:
 
 def who() -> dict[str, Any]:
     """Fields naming this job in its holder record: its command line (300 characters at most, the values of
-    options named like secrets hidden) and Slurm job id."""
-    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(sys.argv)])[:300]}
+    options named like secrets hidden) and Slurm job id. ``sys.argv`` as a program may have set it: items that are
+    no str (a ``pathlib.Path``) as ``str``; before (review58g) they failed the manager's ``open``."""
+    argv = [str(a) for a in (getattr(sys, "argv", None) or [])]
+    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(argv)])[:300]}
     job = os.environ.get("SLURM_JOB_ID", "")
     if job:
         out["job"] = f"slurm {job}" + (f"_{os.environ['SLURM_ARRAY_TASK_ID']}" if os.environ.get("SLURM_ARRAY_TASK_ID") else "")
