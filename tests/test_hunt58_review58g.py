@@ -152,3 +152,17 @@ def test_a_manager_opens_with_a_program_s_own_sys_argv_of_paths(tmp_path: Path, 
     with tg.CheckpointManager(tmp_path / "run", handle_signals=False):
         pass
     assert (tmp_path / "run" / ".lock").exists()
+
+
+def test_the_lock_record_names_a_slurm_array_task_as_squeue_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: task 3 of array job 1000 (its own SLURM_JOB_ID 1003) was named "slurm 1003_3", which no squeue
+    line shows and scancel does not take; it is "slurm 1000_3 (job 1003)" now."""
+    from trainguard import stopwait
+
+    monkeypatch.setenv("SLURM_JOB_ID", "1003")
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "1000")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert stopwait.who()["job"].startswith("slurm 1000_3"), stopwait.who()
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
+    monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
+    assert stopwait.who()["job"] == "slurm 1003"

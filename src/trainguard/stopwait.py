@@ -67,9 +67,9 @@ def who() -> dict[str, Any]:
     no str (a ``pathlib.Path``) as ``str``; before (review58g) they failed the manager's ``open``."""
     argv = [str(a) for a in (getattr(sys, "argv", None) or [])]
     out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(argv)])[:300]}
-    job = os.environ.get("SLURM_JOB_ID", "")
-    if job:
-        out["job"] = f"slurm {job}" + (f"_{os.environ['SLURM_ARRAY_TASK_ID']}" if os.environ.get("SLURM_ARRAY_TASK_ID") else "")
+    job, array, task = (os.environ.get(f"SLURM_{k}", "") for k in ("JOB_ID", "ARRAY_JOB_ID", "ARRAY_TASK_ID"))
+    if job:  # an array task: squeue/scancel name it <array job id>_<task id>; its own SLURM_JOB_ID is another number
+        out["job"] = f"slurm {array}_{task} (job {job})" if array and task else f"slurm {job}"
     return out
 
 
