@@ -166,3 +166,41 @@ def test_the_lock_record_names_a_slurm_array_task_as_squeue_does(monkeypatch: py
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID")
     monkeypatch.delenv("SLURM_ARRAY_TASK_ID")
     assert stopwait.who()["job"] == "slurm 1003"
+
+
+TAKER = r"""
+import sys
+from trainguard import runlock
+lock = runlock.RunLock(sys.argv[1])
+lock.acquire()
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_stop_signal_after_the_lock_was_lost_leaves_the_new_holder_s_record_alone(tmp_path: Path) -> None:
+    """Before: ``mark_stopping`` wrote this process's record, marked stopping, over whatever the file held: after
+    the lock was lost (a backup closing a descriptor of .lock) and taken by another job, that job's record then
+    said "stopping", and a third job waited for it (timeout/2) though it was training."""
+    import json
+
+    from trainguard import runlock
+
+    root = tmp_path / "run"
+    root.mkdir()
+    mine = runlock.RunLock(str(root))
+    mine.acquire()
+    os.close(os.open(root / ".lock", os.O_RDONLY))  # any close of the file drops this process's POSIX lock
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-c", TAKER, str(root)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _line(p, "held")
+        runlock.mark_stopping(mine, 15)
+        rec = json.loads((root / ".lock").read_bytes())
+        assert rec["pid"] == p.pid and "stopping" not in rec, rec
+    finally:
+        if p.poll() is None:
+            p.kill()
+        p.communicate(timeout=30)
+        mine.release()

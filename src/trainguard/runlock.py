@@ -318,6 +318,8 @@ def mark_stopping(lock: RunLock | None, signum: int) -> None:
     if lock is None or lock.fd is None or not lock._info:
         return
     with contextlib.suppress(OSError, ValueError, TypeError):
+        if os.pread(lock.fd, len(lock._info) + 1, 0) != lock._info:  # another job's record (the lock lost, _taken): not ours to mark
+            return
         info = json.dumps({**json.loads(lock._info), "stopping": time.time(), "signal": int(signum)}).encode()
         lock._also = info  # first: a commit's check (_taken, on the save thread) may read it meanwhile
         os.pwrite(lock.fd, info, 0)  # longer than the record it replaces, which it starts like: no truncation
