@@ -133,6 +133,7 @@ class CheckpointManager(_ManagerClose):
             if self._lock:
                 self._lock.release()
             raise
+        self._run_id = None  # runid.run_id reads it again: the directory may have been removed and begun anew since the last open
         self._opened, self._pid, self._ppid = True, os.getpid(), os.getppid()  # before the handlers: one that runs meanwhile sees an open manager (policies.on_stop_signal); _pid: forks.manager_call; _ppid: a parent-death SIGINT
         if self.handle_signals and threading.current_thread() is threading.main_thread():
             hup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) in (signal.SIG_DFL, self._on_signal) else []

@@ -23,6 +23,7 @@ import logging
 import uuid
 from typing import Any
 
+from .errors import CheckpointError, is_store_client_error
 from .ramview import RUN_ID
 from .storage import location
 
@@ -32,8 +33,13 @@ KEY = "run"  # in a manifest's metadata: {"id": the run directory's id, "dir": w
 
 def run_id(mgr: Any) -> str:
     """``run_meta`` and ``run_restored`` on rank 0, holding the lock ("" on other ranks: their metadata is not written);
-    read once per manager. An id file that cannot be read or written (a medium's error) leaves the manager
-    without one: its saves then carry no id, as before; nothing fails for it."""
+    read once per ``open`` (``CheckpointManager.open`` forgets it: a manager opened again after its directory was
+    removed to start over kept the deleted run's id, which its saves carried, and the next job, finding the new
+    id file, warned that its own steps came from another run; review58g). An id file that cannot be read or written (a medium's error, an object store's: an
+    ``OSError``, a ``CheckpointError`` of the storage layer, or a client library's own exception such as botocore's
+    ``EndpointConnectionError``, which is no ``OSError``) leaves the manager without one: its saves then carry no
+    id, as before; nothing fails for it. Before (review58g), a store client's exception escaped: a ``restore`` that
+    had loaded its step raised it, and the first ``save`` raised it past ``on_error``."""
     if mgr.ctx.rank != 0:
         return ""
     if (rid := mgr.__dict__.get("_run_id")) is not None:
@@ -45,7 +51,9 @@ def run_id(mgr: Any) -> str:
         else:
             rid = uuid.uuid4().hex
             st.write_atomic(marker, rid.encode())
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - see above; anything else is a bug, raised
+        if not isinstance(e, (OSError, CheckpointError)) and not is_store_client_error(e):
+            raise
         log.warning("trainguard: cannot read or write the run id %s (%s): saves carry none", marker, e)
         rid = ""
     mgr._run_id = rid

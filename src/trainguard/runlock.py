@@ -76,7 +76,7 @@ class RunLock:
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):  # not held by another job: the lock failed (ENOLCK, EIO)
                 raise
-            if not (_stopping(fd) and stopwait.wait_free(fd, wait, os.path.dirname(self.path), _read_holder)):
+            if not ((w := stopwait.budget(fd, wait)) > 0 and stopwait.wait_free(fd, w, os.path.dirname(self.path), _read_holder)):
                 raise _locked_error(fd, os.path.dirname(self.path), wait) from None
         old = _read_holder(fd)
         if old and f"pid {os.getpid()} " not in old + " ":
@@ -288,22 +288,19 @@ def _read_holder(fd: int) -> str:
         return "unknown holder"
 
 
-def _stopping(fd: int) -> bool:
-    """Whether the holder record in ``fd`` says its job is stopping (``mark_stopping``)."""
-    try:
-        return isinstance(json.loads(os.pread(fd, 4096, 0)).get("stopping"), (int, float))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
 def _locked_error(fd: int, root: str, wait: float) -> LockedError:
     """``_take``'s error: the lock is held by another job, named by its holder record."""
-    if _stopping(fd):  # still finishing its last save after ``wait``: a later start takes it (not permanent)
+    age = stopwait.stale(fd, wait)
+    if age is None and stopwait.since(fd) is not None:  # still finishing its last save after ``wait``: a later start takes it (not permanent)
         return LockedError(
             f"{root} is in use by another job ({_read_holder(fd)}), which got a stop signal and is still finishing "
             f"its last save after {wait:.0f} s: an earlier incarnation of this job (preempted, requeued)? Let it "
             "finish (killing it loses that save) and start this job again, or point this one at another directory")
     locked = LockedError(
+        f"{root} is in use by another job ({_read_holder(fd)}), which got a stop signal {age:.0f} s ago and still holds "
+        f"the lock, longer than this manager's timeout ({2 * wait:.0f} s): a job that goes on after its stop signal (a "
+        "loop that does not check mgr.should_stop, a notebook interrupted and resumed) or stuck in its last save. Stop "
+        "that job, or point this one at another directory") if age is not None else LockedError(
         f"{root} is in use by another job ({_read_holder(fd)}). Stop that job, or point this one at another "
         "directory (a launch script copied from another run's?); two writers would delete each other's checkpoints. "
         "If it is an earlier incarnation of this job, wait for it to exit: a job stopping on SIGTERM holds the lock "
@@ -321,6 +318,8 @@ def mark_stopping(lock: RunLock | None, signum: int) -> None:
     if lock is None or lock.fd is None or not lock._info:
         return
     with contextlib.suppress(OSError, ValueError, TypeError):
+        if os.pread(lock.fd, len(lock._info) + 1, 0) != lock._info:  # another job's record (the lock lost, _taken): not ours to mark
+            return
         info = json.dumps({**json.loads(lock._info), "stopping": time.time(), "signal": int(signum)}).encode()
         lock._also = info  # first: a commit's check (_taken, on the save thread) may read it meanwhile
         os.pwrite(lock.fd, info, 0)  # longer than the record it replaces, which it starts like: no truncation

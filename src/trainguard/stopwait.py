@@ -11,13 +11,17 @@ Two things a second job needs when it finds the run directory locked (session 58
   which loses the save. The holder now marks its record when it stops (``runlock.mark_stopping``), and a new
   job waits for such a holder (``wait_free``), bounded by half the manager's ``timeout`` (its other ranks
   wait for rank 0's open that long at most: 300 s by default), logging once what it waits for. A holder
-  that has not marked its record (a job still training) is refused at once, as before.
+  that has not marked its record (a job still training) is refused at once, as before; so is one that marked
+  it longer ago than the manager's timeout (``budget``): a job that went on training after its stop signal (a
+  loop that does not check ``mgr.should_stop``, a notebook interrupted and resumed) is not about to let go, and
+  a requeued job waited 300 s at each of its restarts for it (review58g).
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import logging
 import os
 import re
@@ -30,31 +34,42 @@ log = logging.getLogger("trainguard")
 POLL = 0.2  # seconds between two tries of the lock while waiting for a stopping holder
 
 
-_SECRET = re.compile(r"token|key|secret|passw|auth|cred", re.I)
+_SECRET = re.compile(r"token|key|secret|passw|pass$|pwd|auth|cred", re.I)
+# In any argument: a URL's user:password@ and query values named like secrets (?sig=, &token=), e.g.
+# --db postgresql://u:pw@host/db, --data https://host/x?X-Amz-Signature=...: review58g.
+_IN_URL = re.compile(r"(://)[^/@\s]+@|([?&][^=&\s]*(?:token|key|secret|passw|pwd|sig|auth|cred)[^=&\s]*=)[^&\s]+", re.I)
+
+
+def _hide_urls(a: str) -> str:
+    return _IN_URL.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", a)
 
 
 def _shown(argv: list[str]) -> list[str]:
     """``argv`` as the lock record shows it (a 0644 file in the run directory): the value of an option whose
-    name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``) is replaced by ``***``."""
+    name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``, ``--db-pass X``) is replaced by
+    ``***``, and so are a URL's ``user:password@`` and its query values named like secrets (``?sig=``) in any
+    argument (before, review58g: ``--db postgresql://u:pw@host/db`` was written as given)."""
     out: list[str] = []
     for i, a in enumerate(argv):
         name, eq, _ = a.partition("=")
-        if eq and _SECRET.search(name):
+        if eq and _SECRET.search(name) and "://" not in name and not name.startswith(("?", "&")):
             out.append(f"{name}=***")
         elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and _SECRET.search(argv[i - 1]):
             out.append("***")
         else:
-            out.append(a)
+            out.append(_hide_urls(a))
     return out
 
 
 def who() -> dict[str, Any]:
     """Fields naming this job in its holder record: its command line (300 characters at most, the values of
-    options named like secrets hidden) and Slurm job id."""
-    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(sys.argv)])[:300]}
-    job = os.environ.get("SLURM_JOB_ID", "")
-    if job:
-        out["job"] = f"slurm {job}" + (f"_{os.environ['SLURM_ARRAY_TASK_ID']}" if os.environ.get("SLURM_ARRAY_TASK_ID") else "")
+    options named like secrets hidden) and Slurm job id. ``sys.argv`` as a program may have set it: items that are
+    no str (a ``pathlib.Path``) as ``str``; before (review58g) they failed the manager's ``open``."""
+    argv = [str(a) for a in (getattr(sys, "argv", None) or [])]
+    out: dict[str, Any] = {"cmd": " ".join([os.path.basename(sys.executable or "python"), *_shown(argv)])[:300]}
+    job, array, task = (os.environ.get(f"SLURM_{k}", "") for k in ("JOB_ID", "ARRAY_JOB_ID", "ARRAY_TASK_ID"))
+    if job:  # an array task: squeue/scancel name it <array job id>_<task id>; its own SLURM_JOB_ID is another number
+        out["job"] = f"slurm {array}_{task} (job {job})" if array and task else f"slurm {job}"
     return out
 
 
@@ -69,6 +84,33 @@ def describe(d: dict[str, Any]) -> str:
     if isinstance(d.get("stopping"), (int, float)):
         parts.append(f"stopping since {time.ctime(d['stopping'])} (signal {d.get('signal')})")
     return "".join(f", {p}" for p in parts)
+
+
+def since(fd: int) -> float | None:
+    """When the holder record in ``fd`` says its job began stopping (``runlock.mark_stopping``), or None."""
+    try:
+        t = json.loads(os.pread(fd, 4096, 0)).get("stopping")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+
+
+def stale(fd: int, wait: float) -> float | None:
+    """How long ago the holder in ``fd`` began stopping, where that is longer than ``2 * wait`` (the manager's
+    ``timeout``): a job that went on after its stop signal, or is stuck in its last save. None otherwise (a holder
+    not stopping, or stopping for less; ``wait`` 0: never stale)."""
+    t = since(fd)
+    age = None if t is None else time.time() - t
+    return age if age is not None and wait > 0 and age >= 2 * wait else None
+
+
+def budget(fd: int, wait: float) -> float:
+    """``runlock.RunLock._take`` on rank 0, the lock held: how long to wait for its holder (``wait_free``). 0
+    unless the holder record says stopping; else ``wait`` at most, and no longer than until the holder has been
+    stopping for ``2 * wait`` (the manager's timeout): before, a holder that marked itself stopping and went on
+    training was waited for at every start of a job, however long ago it got its stop signal."""
+    t = since(fd)
+    return 0.0 if t is None else max(0.0, min(wait, 2 * wait - (time.time() - t)))
 
 
 def wait_free(fd: int, wait: float, root: str, holder: Callable[[int], str]) -> bool:
