@@ -76,8 +76,9 @@ def test_known_limits_name_every_torch_internal_that_trainguard_run_replaces():
     for owner, attr in replaced:
         assert attr in item, f"{owner}.{attr} is replaced by trainguard run but not named in Known limits"
         assert owner in item or owner == "api", f"{owner} ({attr}) not named in Known limits"
-    for module in ("launcher.py", "reap.py", "spare.py"):
+    for module in ("agenthooks.py", "reap.py", "spare.py"):  # agenthooks.py: launcher.py's hooks since split58
         assert module in item
+        assert "orig" in (root / "src" / "trainguard" / "elastic" / module).read_text()  # it does wrap torch's
 
 
 def test_ddp_example_spreads_the_replicated_state_over_the_ranks(tmp_path):

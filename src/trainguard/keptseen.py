@@ -21,7 +21,7 @@ from . import layout
 from .commit import list_steps
 from .errors import CheckpointError, NotACheckpointError
 from .manifestfacts import read_sizes
-from .policies import KeepBest, KeepUnion
+from .policies import KeepAll, KeepBest, KeepEvery, KeepLatest, KeepUnion
 
 if TYPE_CHECKING:
     from .manager import CheckpointManager
@@ -86,13 +86,29 @@ def metadata_picks(policy: Any, infos: list[Any]) -> set[int] | None:
     if type(policy).select is KeepBest.select:
         return set(policy.select(infos))
     if type(policy).select is KeepUnion.select:
+        return _member_picks(policy, infos)
+    return None
+
+
+def _member_picks(policy: Any, infos: list[Any]) -> set[int] | None:
+    """``metadata_picks`` of one policy of a union that reads metadata. A policy of the user's that says it reads
+    no metadata (``reads_metadata = False``, its own ``select``) may still keep a step because of the others (the
+    oldest one): the step rule of ``_stand_ins`` (newer than the oldest deleted) is ``KeepLatest``'s, so None (every
+    kept step, as before review58c). review58h: ``KeepLatest(2) | KeepBest(..) | KeepFirst()`` with the first
+    step's manifest removed deleted the oldest valid step, which KeepFirst keeps in its place."""
+    if type(policy).select is KeepUnion.select:  # KeepLatest(2) | KeepEvery(5) | KeepBest(..): a union in a union
         out: set[int] = set()
         for p in policy.policies:
-            if (more := metadata_picks(p, infos)) is None:
+            if (more := _member_picks(p, infos)) is None:
                 return None
             out |= more
         return out
-    return None
+    if not policy.reads_metadata and type(policy).select not in _STEP_SELECTS:
+        return None
+    return metadata_picks(policy, infos)
+
+
+_STEP_SELECTS = (KeepLatest.select, KeepEvery.select, KeepAll.select)  # policies of steps alone: their gone steps change nothing _stand_ins misses
 
 
 # The newest kept steps whose files' sizes ``kept_damaged`` holds on to, and the most stand-ins it looks at per save:
