@@ -79,6 +79,11 @@ def _fs():
     return fsspec.filesystem("memory")
 
 
+def _steps(names) -> list[str]:
+    """The names that are not the run's own files (``.trainguard-run-id``, since session 58: ``runid.py``)."""
+    return sorted(n for n in names if not n.startswith("."))
+
+
 def test_a_failed_save_on_a_filesystem_with_directories_leaves_no_empty_step_directory(monkeypatch):
     """``memory://`` (as sftp, HDFS) has directories: the save's ``makedirs`` made ``step-000000003``; its failure's
     cleanup (``samesave.drop_failed``) deleted the objects and left the directory, which every later listing of the
@@ -101,10 +106,10 @@ def test_a_failed_save_on_a_filesystem_with_directories_leaves_no_empty_step_dir
         with pytest.raises(tg.CheckpointError):
             mgr.save(2, state, force=True)
         monkeypatch.setattr(api, "_write_rank", orig)
-        assert [p.rsplit("/", 1)[1] for p in _fs().ls(root, detail=False)] == ["step-000000001"]
+        assert _steps(p.rsplit("/", 1)[1] for p in _fs().ls(root, detail=False)) == ["step-000000001"]
         for step in (3, 4):
             mgr.save(step, state, force=True)
-        assert mgr.storage.listdir_dirs(mgr._root) == ["step-000000003", "step-000000004"]
+        assert _steps(mgr.storage.listdir_dirs(mgr._root)) == ["step-000000003", "step-000000004"]
 
 
 def test_a_crashed_saves_directory_on_a_filesystem_with_directories_goes_at_open():
@@ -118,8 +123,8 @@ def test_a_crashed_saves_directory_on_a_filesystem_with_directories_goes_at_open
     _fs().makedirs(f"{root}/step-000000002", exist_ok=True)  # as a save's makedirs
     _fs().pipe(f"{root}/step-000000002/data-00000.bin", b"a crashed save's data")
     with tg.CheckpointManager(url, keep=tg.KeepLatest(2), handle_signals=False) as mgr:
-        assert mgr.storage.listdir_dirs(mgr._root) == ["step-000000001"]
-    assert [p.rsplit("/", 1)[1] for p in _fs().ls(root, detail=False)] == ["step-000000001"]
+        assert _steps(mgr.storage.listdir_dirs(mgr._root)) == ["step-000000001"]
+    assert _steps(p.rsplit("/", 1)[1] for p in _fs().ls(root, detail=False)) == ["step-000000001"]
 
 
 def _debris_with_a_subdirectory(url: str, pipe) -> None:
@@ -149,7 +154,7 @@ def test_a_crashed_saves_objects_in_a_subdirectory_go_at_open_on_memory(caplog):
     root = "/" + url.split("://", 1)[1]
     _debris_with_a_subdirectory(url, lambda name, data: _fs().pipe(f"{root}/{name}", data))
     assert _opens_twice(url, caplog) == [True, False]  # before: [True, True]
-    assert [k.rsplit("/", 2)[-2] for k in _fs().find(root)] == ["step-000000001", "step-000000001"]
+    assert [k.rsplit("/", 2)[-2] for k in _fs().find(root) if not k.endswith("/.trainguard-run-id")] == ["step-000000001", "step-000000001"]
 
 
 try:  # the session's SeaweedFS server (its module skips without `weed`): only the S3 test needs it
@@ -171,4 +176,4 @@ def test_a_crashed_saves_objects_in_a_subdirectory_go_at_open_on_s3(weed, monkey
     _debris_with_a_subdirectory(f"s3://{key}", lambda name, data: fs.pipe_file(f"{key}/{name}", data))
     assert _opens_twice(f"s3://{key}", caplog) == [True, False]
     fs.invalidate_cache()
-    assert sorted(k.rsplit("/", 1)[1] for k in fs.find(key)) == ["data-00000.bin", "manifest.json"]
+    assert _steps(k.rsplit("/", 1)[1] for k in fs.find(key)) == ["data-00000.bin", "manifest.json"]
