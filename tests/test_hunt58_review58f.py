@@ -99,3 +99,25 @@ def test_refused_upload_listing_asked_and_warned_once(monkeypatch: pytest.Monkey
             assert _stale.abort_under(storage, f"bkt/run/ck-{i}") == []
     assert calls == ["list_multipart_uploads"]
     assert caplog.text.count("could not list the incomplete multipart uploads") == 1
+
+
+def test_writer_in_another_pid_namespace_of_this_host_is_not_judged_by_pid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer in a container with this host's name (host networking) and other pids, on a mount without locks
+    (F_GETLK fails): its pid, unknown here, said nothing about it, and its live temp output was removed. Now the
+    record names its PID namespace; one of another namespace is left, with the warning naming it."""
+    import json
+    import socket
+
+    d = tmp_path / "full.tmp-00000000000000bb"
+    d.mkdir()
+    (d / "data-00000.bin").write_bytes(b"z")
+    pid = 4_000_000  # above any pid_max: no process of this namespace
+    ns = os.stat("/proc/self/ns/pid").st_ino + 1  # another PID namespace
+    (tmp_path / (d.name + ".owner")).write_text(json.dumps({"pid": pid, "host": socket.gethostname(),
+                                                            "since": time.time(), "pidns": ns}))
+    monkeypatch.setattr(outtemp, "_held", lambda fd: None)
+    with pytest.warns(UserWarning, match="another PID namespace"):
+        assert outtemp.sweep(str(tmp_path / "full")) == []
+    assert (d / "data-00000.bin").read_bytes() == b"z"

@@ -16,8 +16,9 @@ same target calls :func:`sweep`, which removes the temporary outputs of that tar
 
 - the owner's lock is held by another process: a live writer (of this host, or, on a shared file system whose
   locks reach the server, e.g. NFSv4, of another): left;
-- the lock is free and the record names this host: dead unless its pid is alive and started before the record
-  (``runlock._live_here``), then left with a warning (liveness unknown);
+- the lock is free and the record names this host and this PID namespace: dead unless its pid is alive and started
+  before the record (``runlock._live_here``), then left with a warning (liveness unknown); another PID namespace of
+  this host name (a container with host networking) is judged as another host (its pids mean nothing here);
 - the lock is free and the record names another host: dead where the file system is local (its locks are this
   kernel's: a container with another host name); on a network file system (NFS, Lustre, CIFS, FUSE, ...) a free lock
   may be a lock that the mount keeps local: left, with a warning naming the path and how to remove it;
@@ -84,7 +85,8 @@ def owned(tmp: str) -> Iterator[None]:
         with contextlib.suppress(OSError):  # ENOLCK (a mount without locks): the record still names host and pid
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with contextlib.suppress(OSError):  # ENOSPC: an empty record (a free lock on a local file system still tells)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                     "pidns": _pidns()}).encode())
         try:  # review58f: created under its own name, a sweep of another process could find it in the instant
             os.rename(stage, owner)  # before its lock and record, take it for a dead writer's and remove it
         except OSError:
@@ -250,12 +252,16 @@ def _alive(owner: str) -> str:
         except (OSError, ValueError):
             rec = {}
         host = rec.get("host") if isinstance(rec, dict) else None
-        if host == socket.gethostname():  # this host: its pid tells (a free lock too, or none on this mount)
+        ns = rec.get("pidns") if isinstance(rec, dict) else None
+        if host == socket.gethostname() and (ns is None or ns == _pidns()):  # this host's PID namespace: its pid tells
             return f"its writer, pid {rec.get('pid')} on this host, is alive but holds no lock" if _pid_alive(rec) else ""
+        # review58f: a container of the same host name (host networking) has other pids: one gone here may be alive
+        # there; only the lock tells (before, on a mount without locks, a live writer's temp there was removed)
         if held is False and _local_fs(owner):
             return ""  # this kernel's locks: a free one is a dead writer's, whatever host it named
         if held is None:
-            return f"its writer ran on host {host or 'unknown'} and this file system has no locks to tell"
+            where = " (in another PID namespace: a container)" if host == socket.gethostname() else ""
+            return f"its writer ran on host {host or 'unknown'}{where} and this file system has no locks to tell"
         return f"its writer ran on host {host or 'unknown'} and this network file system's locks may not reach it"
     finally:
         os.close(fd)
@@ -267,6 +273,15 @@ def _held(fd: int) -> bool | None:
     try:
         probe = struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock, 64-bit Linux
         return struct.unpack("@hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0] != fcntl.F_UNLCK
+    except OSError:
+        return None
+
+
+def _pidns() -> int | None:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), for the owner record: a pid means something
+    only in its namespace. None where it cannot be told (not Linux)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
 
