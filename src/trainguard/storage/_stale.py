@@ -95,8 +95,8 @@ def abort_under(storage: Any, path: str) -> list[str]:
     manager's open looks only in its run directory's step directories: ``abort_uploads``). Before (hunt58 tmp58), a
     ``consolidate`` killed mid-upload left its parts, billed, for good. One active within the idle limit may be a live
     writer's: left, with a warning saying how to abort it. Returns the keys aborted; never raises. A listing that
-    fails (a policy without ``s3:ListBucketMultipartUploads``) is warned about once per bucket and process, and not
-    asked again: before (review58f), every plain ``tg.save`` onto such a bucket paid a refused request and logged a
+    is refused (``PermissionError``: a policy without ``s3:ListBucketMultipartUploads``) is warned about once per
+    bucket and process, and not asked again: before (review58f), every plain ``tg.save`` onto such a bucket paid a refused request and logged a
     warning."""
     if not getattr(storage, "_s3", False):
         return []
@@ -108,10 +108,12 @@ def abort_under(storage: Any, path: str) -> list[str]:
     try:
         uploads, now = _list(io, bucket, key.rstrip("/") + "/")
     except Exception as e:  # noqa: BLE001 - best effort: the write goes on
-        _UNLISTED.add(bucket)
+        denied = isinstance(e, PermissionError)  # a policy's refusal stays; a timeout, a dead server may not
+        if denied:
+            _UNLISTED.add(bucket)
         log.warning("trainguard: could not list the incomplete multipart uploads under s3://%s (%s): those a killed "
-                    "writer left stay (add a bucket lifecycle rule that aborts them); not asked again in this process",
-                    path, error_text(e))
+                    "writer left stay (add a bucket lifecycle rule that aborts them)%s", path, error_text(e),
+                    "; not asked again in this process" if denied else "")
         return done
     for k, upload_id, initiated in uploads:
         try:
