@@ -9,13 +9,16 @@ manager under the run lock (``commit.clean_debris``); nothing looked beside thes
 
 Now each such writer holds an *owner file* ``<temp>.owner`` for as long as its temporary output exists
 (:func:`owned`, created before it and removed after it): its pid, host and start time, under a POSIX record lock
-as the run lock's (``runlock``: the lock goes when the process dies). Before it writes, the next writer of the
+as the run lock's (``runlock``: the lock goes when the process dies). It is locked and written as ``<temp>.owner.new``
+and renamed into place, so no sweep ever finds it unlocked and empty while its writer lives (review58f: a sweep of
+another process in that instant removed it as a dead writer's). Before it writes, the next writer of the
 same target calls :func:`sweep`, which removes the temporary outputs of that target whose writer is dead:
 
 - the owner's lock is held by another process: a live writer (of this host, or, on a shared file system whose
   locks reach the server, e.g. NFSv4, of another): left;
-- the lock is free and the record names this host: dead unless its pid is alive and started before the record
-  (``runlock._live_here``), then left with a warning (liveness unknown);
+- the lock is free and the record names this host and this PID namespace: dead unless its pid is alive and started
+  before the record (``runlock._live_here``), then left with a warning (liveness unknown); another PID namespace of
+  this host name (a container with host networking) is judged as another host (its pids mean nothing here);
 - the lock is free and the record names another host: dead where the file system is local (its locks are this
   kernel's: a container with another host name); on a network file system (NFS, Lustre, CIFS, FUSE, ...) a free lock
   may be a lock that the mount keeps local: left, with a warning naming the path and how to remove it;
@@ -45,6 +48,7 @@ from . import layout
 
 log = logging.getLogger("trainguard")
 OWNER = ".owner"
+STAGE = ".new"  # ``owned``: the owner file before it is locked and written (no sweep's pattern matches it)
 _MINE: dict[str, int] = {}  # owner files of this process's live writers (absolute path -> descriptor): ``_mine``
 _LOCK = threading.Lock()
 # File systems whose locks are this kernel's: a free lock there is a dead writer's, whatever host it named.
@@ -69,8 +73,9 @@ def owned(tmp: str) -> Iterator[None]:
     system without locks (ENOLCK) keeps the record only. A temp left without an owner file is warned about by
     :func:`sweep`, not removed."""
     owner = os.path.abspath(tmp + OWNER)
+    stage = owner + STAGE  # locked and written under this name, then renamed: never seen unlocked and empty
     try:
-        fd = os.open(owner, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(stage, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError:
         yield
         return
@@ -80,7 +85,13 @@ def owned(tmp: str) -> Iterator[None]:
         with contextlib.suppress(OSError):  # ENOLCK (a mount without locks): the record still names host and pid
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with contextlib.suppress(OSError):  # ENOSPC: an empty record (a free lock on a local file system still tells)
-            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode())
+            os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                                     "pidns": _pidns()}).encode())
+        try:  # review58f: created under its own name, a sweep of another process could find it in the instant
+            os.rename(stage, owner)  # before its lock and record, take it for a dead writer's and remove it
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(stage)
         yield
     finally:
         with contextlib.suppress(OSError):
@@ -97,11 +108,14 @@ def sweep(target: str) -> list[str]:
     head, name = os.path.split(os.path.abspath(target.rstrip("/") or target))
     pattern = temp_re(name)
     try:
-        names = set(os.listdir(head))
+        names = os.listdir(head)
     except OSError:
         return []  # no directory (yet): nothing left there
-    temps = sorted({n[: -len(OWNER)] if n.endswith(OWNER) else n for n in names if pattern.match(n)})
-    olds = {n.rsplit(".old-", 1)[1]: n for n in names if layout.is_old_of(n, name)}  # an overwrite's aside, by id
+    ours = [n for n in names if n.startswith((f"{name}.tmp-", f".{name}.tmp-", f"{name}.old-"))]  # C speed: one
+    # listing of a directory of 20,000 entries per plain tg.save; the regexes below only for this target's names
+    temps = sorted({n[: -len(OWNER)] if n.endswith(OWNER) else n for n in ours if pattern.match(n)})
+    olds = {n.rsplit(".old-", 1)[1]: n for n in ours if layout.is_old_of(n, name)}  # an overwrite's aside, by id
+    names = set(ours)  # the temps, owner files and asides of this target: what the loop below asks about
     done = []
     for t in temps:
         path = os.path.join(head, t)
@@ -238,12 +252,16 @@ def _alive(owner: str) -> str:
         except (OSError, ValueError):
             rec = {}
         host = rec.get("host") if isinstance(rec, dict) else None
-        if host == socket.gethostname():  # this host: its pid tells (a free lock too, or none on this mount)
+        ns = rec.get("pidns") if isinstance(rec, dict) else None
+        if host == socket.gethostname() and (ns is None or ns == _pidns()):  # this host's PID namespace: its pid tells
             return f"its writer, pid {rec.get('pid')} on this host, is alive but holds no lock" if _pid_alive(rec) else ""
+        # review58f: a container of the same host name (host networking) has other pids: one gone here may be alive
+        # there; only the lock tells (before, on a mount without locks, a live writer's temp there was removed)
         if held is False and _local_fs(owner):
             return ""  # this kernel's locks: a free one is a dead writer's, whatever host it named
         if held is None:
-            return f"its writer ran on host {host or 'unknown'} and this file system has no locks to tell"
+            where = " (in another PID namespace: a container)" if host == socket.gethostname() else ""
+            return f"its writer ran on host {host or 'unknown'}{where} and this file system has no locks to tell"
         return f"its writer ran on host {host or 'unknown'} and this network file system's locks may not reach it"
     finally:
         os.close(fd)
@@ -255,6 +273,15 @@ def _held(fd: int) -> bool | None:
     try:
         probe = struct.pack("@hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)  # struct flock, 64-bit Linux
         return struct.unpack("@hhqqi4x", fcntl.fcntl(fd, fcntl.F_GETLK, probe))[0] != fcntl.F_UNLCK
+    except OSError:
+        return None
+
+
+def _pidns() -> int | None:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), for the owner record: a pid means something
+    only in its namespace. None where it cannot be told (not Linux)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
 

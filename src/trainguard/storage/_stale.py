@@ -86,21 +86,34 @@ def abort_uploads(storage: Any, root: str) -> list[str]:
     return done
 
 
+_UNLISTED: set[str] = set()  # ``abort_under``: buckets whose upload listing failed (no s3:ListBucketMultipartUploads)
+
+
 def abort_under(storage: Any, path: str) -> list[str]:
     """``commit.occupied``, rank 0, before a plain ``tg.save``, ``consolidate`` or ``convert`` writes the checkpoint
     ``path`` in place on S3: abort the idle incomplete multipart uploads under it that a killed writer of it left (a
     manager's open looks only in its run directory's step directories: ``abort_uploads``). Before (hunt58 tmp58), a
     ``consolidate`` killed mid-upload left its parts, billed, for good. One active within the idle limit may be a live
-    writer's: left, with a warning saying how to abort it. Returns the keys aborted; never raises."""
+    writer's: left, with a warning saying how to abort it. Returns the keys aborted; never raises. A listing that
+    is refused (``PermissionError``: a policy without ``s3:ListBucketMultipartUploads``) is warned about once per
+    bucket and process, and not asked again: before (review58f), every plain ``tg.save`` onto such a bucket paid a refused request and logged a
+    warning."""
     if not getattr(storage, "_s3", False):
         return []
     io, limit = storage.io, _idle_limit(storage)
     bucket, _, key = path.strip("/").partition("/")
     done: list[str] = []
+    if bucket in _UNLISTED:  # refused before, in this process: not asked (nor warned about) once per save
+        return done
     try:
         uploads, now = _list(io, bucket, key.rstrip("/") + "/")
     except Exception as e:  # noqa: BLE001 - best effort: the write goes on
-        log.warning("trainguard: could not list the incomplete multipart uploads under s3://%s (%s)", path, error_text(e))
+        denied = isinstance(e, PermissionError)  # a policy's refusal stays; a timeout, a dead server may not
+        if denied:
+            _UNLISTED.add(bucket)
+        log.warning("trainguard: could not list the incomplete multipart uploads under s3://%s (%s): those a killed "
+                    "writer left stay (add a bucket lifecycle rule that aborts them)%s", path, error_text(e),
+                    "; not asked again in this process" if denied else "")
         return done
     for k, upload_id, initiated in uploads:
         try:
