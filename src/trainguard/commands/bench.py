@@ -17,6 +17,7 @@ from . import (
     CommandError,
     PipeConsole,
     Terminated,
+    failed,
     raise_terminated_on_sigterm,
     restore_sigterm,
 )
@@ -91,9 +92,13 @@ def bench(directory: str, size: int, rounds: int, device: str, keep: bool, as_js
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: selfbench.run cleaned up first (selfbench.Interrupted)
         left = getattr(e, "left", [])
         term = isinstance(e, Terminated) or isinstance(e.__cause__, Terminated)
+        what = f"left {', '.join(left)}" if left else "its files are removed"
+        if rank == 0 and as_json:  # one JSON object on stdout, as every --json error (commands.failed); before
+            # (review58i) a Ctrl-C of `bench --json` left stdout empty, its one line on stderr
+            failed(f"`trainguard bench` stopped before it finished: {what}", 143 if term else 130,
+                   "terminated" if term else "interrupted", True)
         if rank == 0:
-            click.echo(("terminated" if term else "interrupted") + ": "
-                       + (f"left {', '.join(left)}" if left else "its files are removed"), err=True)
+            click.echo(("terminated" if term else "interrupted") + ": " + what, err=True)
         sys.exit(143 if term else 130)
     finally:
         restore_sigterm(old_term)

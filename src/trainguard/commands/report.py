@@ -36,11 +36,17 @@ def report(run_dir: str, plot: str | None, as_json: bool) -> None:
                            f"{last:g} (a garbled event log?); remove the events whose \"t\" is no Unix time from "
                            "its events.jsonl")
     summary = rep.summary(tally, root=run_dir)  # an interrupted save committed on disk is a save
-    click.echo(json.dumps(summary, indent=2) if as_json else rep.format_summary(summary))
+    if not as_json:  # the summary first: the plot takes seconds
+        click.echo(rep.format_summary(summary))
     if plot:
+        # --json: the plot before the summary, so that stdout holds one JSON document: the summary, or the error
+        # object of a plot that failed (or a Ctrl-C while it is drawn). Before (review58i) the error object
+        # followed the summary, and `json.loads` of stdout failed ("Extra data").
         with plot_written(plot):
             rep.plot_tally(tally, plot, title=run_dir)
         click.echo(f"timeline written to {printable(plot)}", err=as_json)  # --json: stdout holds the JSON only
+    if as_json:
+        click.echo(json.dumps(summary, indent=2))
 
 
 def _check_plot(plot: str) -> str:
