@@ -76,8 +76,8 @@ def refuse_uneven(t: Any, expected: tuple[int, ...], path: str | None) -> None:
         f"{name}: DTensor of shape {tuple(t.shape)} with placements {tuple(t.placements)} holds a local shard of "
         f"{local} on rank {t.device_mesh.get_rank()}, where torch's split gives this rank {expected}{split}: a DTensor "
         "built by DTensor.from_local with other (uneven) split sizes cannot be saved or loaded into, since no rank "
-        "knows where its shard starts. Give each rank torch.chunk's part of the full tensor "
-        "(DTensor.from_local(full.chunk(world_size, dim)[rank], ...), or distribute_tensor), or save its local "
+        "knows where its shard starts. Give each rank torch's part of the full tensor "
+        "(distribute_tensor(full, mesh, placements), or DTensor.from_local of its .to_local()), or save its local "
         "shards as a rank-local entry (an object with trainguard_rank_local = True)"
     )
 
