@@ -1,0 +1,58 @@
+"""Session 58, review58j: a hostile review of review58g (the lock record's command line), review58f (outtemp's
+owner files) and review58h (``keptseen._member_picks``).
+
+- ``stopwait._shown``'s URL pattern backtracked over every ``?`` of an argument without white space, ``=`` or ``&``:
+  ``'?token' * 1700`` (10,200 characters) took 58 s in the manager's ``open``, ``'?' * 10_000`` 6 s, 100,000
+  characters hours (cubic); each pattern now scans once;
+- secrets inside an argument were shown: JSON (``--config '{"api_key": "x"}'``), a header (``Authorization: Bearer
+  x``), an override list (``a=1,hf_token=x``), and the part before the last ``=`` of ``Authorization: Basic
+  dXNlcjpwdw==`` (most of a base64 user:password).
+
+In-process, except the first test: a regex holds the GIL, so only a subprocess can bound it (it loads
+stopwait.py alone, without torch).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainguard import stopwait
+
+
+def test_a_long_argument_of_questions_is_shown_at_once() -> None:
+    """Before: over 90 s for this argument (cubic in its length); now milliseconds. The bound (30 s) is not a timing
+    assert of the fix: it stops the old code."""
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('sw', sys.argv[1]); "
+            "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); "
+            "print(len(m._shown(['--prompt', '?token' * 2000])))")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, stopwait.__file__], capture_output=True, text=True,
+                             timeout=30, env={**os.environ, "PYTHONPATH": ""})
+    except subprocess.TimeoutExpired:
+        pytest.fail("stopwait._shown ran for over 30 s on one 12,000-character argument")
+    assert out.returncode == 0 and out.stdout.strip() == "2", out
+
+
+@pytest.mark.parametrize(("arg", "secret"), [
+    ('{"api_key": "sk-JSON1", "lr": 1}', "sk-JSON1"),
+    ("{'hf_token':'hf_PY2'}", "hf_PY2"),
+    ("Authorization: Bearer eyBEARER3", "eyBEARER3"),
+    ("Authorization: Basic dXNlcjpwdw==", "dXNlcjpwdw"),
+    ("optim.lr=1e-3,wandb.api_key=WB4", "WB4"),
+    ("trainer.token: TK5", "TK5"),
+    ("--password:PW6", "PW6"),
+])
+def test_the_lock_record_hides_secrets_inside_an_argument(arg: str, secret: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stopwait.sys, "argv", ["train.py", "--set", arg, "--lr", "3e-4"])
+    cmd = stopwait.who()["cmd"]
+    assert secret not in cmd and "3e-4" in cmd, cmd
+
+
+def test_the_lock_record_keeps_what_names_no_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["train.py", '{"lr": 0.1, "name": "run-7"}', "--url=https://h/x?a=1&b=2", "a:b", "", "x\udcff"]
+    monkeypatch.setattr(stopwait.sys, "argv", argv)
+    assert stopwait.who()["cmd"].endswith(" ".join(argv)), stopwait.who()
