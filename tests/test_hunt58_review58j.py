@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +57,34 @@ def test_the_lock_record_keeps_what_names_no_secret(monkeypatch: pytest.MonkeyPa
     argv = ["train.py", '{"lr": 0.1, "name": "run-7"}', "--url=https://h/x?a=1&b=2", "a:b", "", "x\udcff"]
     monkeypatch.setattr(stopwait.sys, "argv", argv)
     assert stopwait.who()["cmd"].endswith(" ".join(argv)), stopwait.who()
+
+
+@pytest.mark.parametrize("record", [b'{"pid": 1, "host": "h", "since": 1e300}',
+                                    b'{"pid": 1, "host": "h", "since": 1, "stopping": Infinity, "signal": 15}',
+                                    b'{"pid": 1, "host": "h", "since": 1, "stopping": 1' + b"0" * 400 + b"}"])
+def test_an_odd_lock_record_is_named_not_raised(record: bytes, tmp_path: Path) -> None:
+    """Before: a record whose times are past ``time_t`` (``time.ctime`` raises OverflowError, which no caller caught)
+    made the manager's open raise OverflowError instead of LockedError; a 400-digit int, ``stopwait.since`` too."""
+    from trainguard import runlock
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    try:
+        os.write(fd, record)
+        assert isinstance(runlock._read_holder(fd), str)
+        stopwait.budget(fd, 10.0), stopwait.stale(fd, 10.0)  # no exception
+    finally:
+        os.close(fd)
+
+
+def test_an_interrupt_while_the_owner_file_is_made_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: a KeyboardInterrupt between creating ``<temp>.owner.new`` and renaming it left it for good (its
+    ``finally`` removed ``<temp>.owner`` only, and no sweep matches the staged name)."""
+    from trainguard import outtemp
+
+    def interrupted(*_a: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(outtemp.fcntl, "lockf", interrupted)
+    with pytest.raises(KeyboardInterrupt), outtemp.owned(str(tmp_path / ".out.pt.tmp-0123abcd")):
+        pass
+    assert os.listdir(tmp_path) == []

@@ -94,8 +94,9 @@ def owned(tmp: str) -> Iterator[None]:
                 os.unlink(stage)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(owner)
+        for left in (owner, stage):  # stage: an interrupt (Ctrl-C) before its rename left it, matched by no sweep (review58j)
+            with contextlib.suppress(OSError):
+                os.unlink(left)
         with _LOCK:
             _MINE.pop(owner, None)
         os.close(fd)

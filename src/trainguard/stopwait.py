@@ -111,9 +111,9 @@ def since(fd: int) -> float | None:
     """When the holder record in ``fd`` says its job began stopping (``runlock.mark_stopping``), or None."""
     try:
         t = json.loads(os.pread(fd, 4096, 0)).get("stopping")
-    except (OSError, ValueError, AttributeError):
+        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+    except (OSError, ValueError, AttributeError, OverflowError):  # OverflowError: an int of 400 digits (review58j)
         return None
-    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
 def stale(fd: int, wait: float) -> float | None:
