@@ -88,3 +88,17 @@ def test_an_interrupt_while_the_owner_file_is_made_leaves_no_file(tmp_path: Path
     with pytest.raises(KeyboardInterrupt), outtemp.owned(str(tmp_path / ".out.pt.tmp-0123abcd")):
         pass
     assert os.listdir(tmp_path) == []
+
+
+def test_a_sweep_removes_an_old_staged_owner_file_of_a_killed_writer(tmp_path: Path) -> None:
+    """Before: ``<temp>.owner.new`` of a writer killed (SIGKILL) before its rename stayed for good beside the output;
+    now a sweep removes it once it is older than ``STAGE_AGE`` and unlocked. A fresh one (a live writer's, in that
+    instant) stays."""
+    from trainguard import outtemp
+
+    old, fresh = tmp_path / ".out.pt.tmp-0123abcd.owner.new", tmp_path / ".out.pt.tmp-4567abcd.owner.new"
+    old.write_bytes(b"")
+    fresh.write_bytes(b"")
+    os.utime(old, (1.0, 1.0))
+    outtemp.sweep(str(tmp_path / "out.pt"))
+    assert sorted(os.listdir(tmp_path)) == [fresh.name]
