@@ -102,3 +102,30 @@ def test_a_sweep_removes_an_old_staged_owner_file_of_a_killed_writer(tmp_path: P
     os.utime(old, (1.0, 1.0))
     outtemp.sweep(str(tmp_path / "out.pt"))
     assert sorted(os.listdir(tmp_path)) == [fresh.name]
+
+
+def test_a_users_step_policy_without_keepbest_still_gets_its_gone_step_replaced(tmp_path: Path) -> None:
+    """review58h's case without a policy that reads metadata: ``KeepLatest(2) | KeepFirst()``,
+    step 1's manifest removed by hand. Before, the save of step 4 deleted step 2, the oldest valid checkpoint, which
+    KeepFirst keeps now."""
+    import trainguard as tg
+    from trainguard import layout
+    from trainguard.policies import RetentionPolicy
+
+    class KeepFirst(RetentionPolicy):
+        reads_metadata = False
+
+        def select(self, checkpoints):  # noqa: ANN001, ANN202
+            return {min(c.step for c in checkpoints)} if checkpoints else set()
+
+    root = tmp_path / "run"
+    keep = tg.KeepLatest(2) | KeepFirst()
+    with tg.CheckpointManager(root, save=tg.EveryNSteps(1), keep=keep, handle_signals=False) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"p": tg.StateDict(step=step)})
+        mgr.wait()
+        (root / layout.step_dir(1) / layout.MANIFEST).unlink()  # by hand (or a cleanup job)
+        mgr.save(4, {"p": tg.StateDict(step=4)})
+        mgr.wait()
+    held = {layout.parse_step(p.name) for p in root.iterdir() if (p / layout.MANIFEST).exists()}
+    assert 2 in held, held
