@@ -79,8 +79,8 @@ def _stand_ins(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest:
 def metadata_picks(policy: Any, infos: list[Any]) -> set[int] | None:
     """``retention._plan``: the steps whose loss may change what ``policy`` keeps beyond what their steps alone
     decide (``_stand_ins``). A ``KeepBest`` picks its n best: a step it did not pick, gone, changes nothing it
-    picks; policies of steps alone (``KeepLatest``, ``KeepEvery``, ``KeepAll``), none; a union, its policies';
-    any other policy that reads metadata (the user's own ``select``): None, every kept step."""
+    picks; the built-in policies of steps alone (``KeepLatest``, ``KeepEvery``, ``KeepAll``), none; a union, its
+    policies'; any other policy (the user's own ``select``, whether it reads metadata or not): None, every kept step."""
     if not policy.reads_metadata:  # a user's policy of steps (KeepFirst) alone or in a union of such: None (review58j)
         return set() if _steps_alone(policy) else None
     if type(policy).select is KeepBest.select:
