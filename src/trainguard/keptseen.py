@@ -71,7 +71,7 @@ def _stand_ins(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest:
     if not doomed:
         return []
     picks = mgr.__dict__.get("_picks")  # retention._plan's: None when any kept step may be one
-    low = -1 if picks is None and mgr.keep.reads_metadata else min(doomed)
+    low = -1 if picks is None and (mgr.keep.reads_metadata or "_picks" in mgr.__dict__) else min(doomed)
     before = max((s.step for s in steps if s.step in keep and s.step < newest), default=None)
     return [s for s in steps if s.step in keep and (low < s.step or s.step in (before, newest) or s.step in (picks or ()))]
 
@@ -79,10 +79,10 @@ def _stand_ins(mgr: CheckpointManager, steps: list[Any], keep: set[int], newest:
 def metadata_picks(policy: Any, infos: list[Any]) -> set[int] | None:
     """``retention._plan``: the steps whose loss may change what ``policy`` keeps beyond what their steps alone
     decide (``_stand_ins``). A ``KeepBest`` picks its n best: a step it did not pick, gone, changes nothing it
-    picks; policies of steps alone (``KeepLatest``, ``KeepEvery``, ``KeepAll``), none; a union, its policies';
-    any other policy that reads metadata (the user's own ``select``): None, every kept step."""
-    if not policy.reads_metadata:
-        return set()
+    picks; the built-in policies of steps alone (``KeepLatest``, ``KeepEvery``, ``KeepAll``), none; a union, its
+    policies'; any other policy (the user's own ``select``, whether it reads metadata or not): None, every kept step."""
+    if not policy.reads_metadata:  # a user's policy of steps (KeepFirst) alone or in a union of such: None (review58j)
+        return set() if _steps_alone(policy) else None
     if type(policy).select is KeepBest.select:
         return set(policy.select(infos))
     if type(policy).select is KeepUnion.select:
@@ -109,6 +109,16 @@ def _member_picks(policy: Any, infos: list[Any]) -> set[int] | None:
 
 
 _STEP_SELECTS = (KeepLatest.select, KeepEvery.select, KeepAll.select)  # policies of steps alone: their gone steps change nothing _stand_ins misses
+
+
+def _steps_alone(policy: Any) -> bool:
+    """``metadata_picks``: whether ``policy`` is a built-in policy of steps alone, or a union of such. Before
+    (review58j), any policy that reads no metadata counted: ``KeepLatest(2) | KeepFirst()`` (a user's) with the first
+    step's manifest removed by hand deleted the oldest valid step, which KeepFirst keeps in its place (review58h had
+    fixed it only in a union that also reads metadata)."""
+    if type(policy).select is KeepUnion.select:
+        return all(_steps_alone(p) for p in policy.policies)
+    return type(policy).select in _STEP_SELECTS
 
 
 # The newest kept steps whose files' sizes ``kept_damaged`` holds on to, and the most stand-ins it looks at per save:

@@ -11,7 +11,8 @@ Now each such writer holds an *owner file* ``<temp>.owner`` for as long as its t
 (:func:`owned`, created before it and removed after it): its pid, host and start time, under a POSIX record lock
 as the run lock's (``runlock``: the lock goes when the process dies). It is locked and written as ``<temp>.owner.new``
 and renamed into place, so no sweep ever finds it unlocked and empty while its writer lives (review58f: a sweep of
-another process in that instant removed it as a dead writer's). Before it writes, the next writer of the
+another process in that instant removed it as a dead writer's); one left by a writer killed in that instant goes
+at a sweep an hour later (``_stage_left``, review58j). Before it writes, the next writer of the
 same target calls :func:`sweep`, which removes the temporary outputs of that target whose writer is dead:
 
 - the owner's lock is held by another process: a live writer (of this host, or, on a shared file system whose
@@ -94,8 +95,9 @@ def owned(tmp: str) -> Iterator[None]:
                 os.unlink(stage)
         yield
     finally:
-        with contextlib.suppress(OSError):
-            os.unlink(owner)
+        for left in (owner, stage):  # stage: an interrupt (Ctrl-C) before its rename left it, matched by no sweep (review58j)
+            with contextlib.suppress(OSError):
+                os.unlink(left)
         with _LOCK:
             _MINE.pop(owner, None)
         os.close(fd)
@@ -116,7 +118,8 @@ def sweep(target: str) -> list[str]:
     temps = sorted({n[: -len(OWNER)] if n.endswith(OWNER) else n for n in ours if pattern.match(n)})
     olds = {n.rsplit(".old-", 1)[1]: n for n in ours if layout.is_old_of(n, name)}  # an overwrite's aside, by id
     names = set(ours)  # the temps, owner files and asides of this target: what the loop below asks about
-    done = []
+    done = [p for n in ours if n.endswith(OWNER + STAGE) and pattern.match(n[: -len(STAGE)])
+            and _stage_left(p := os.path.join(head, n))]
     for t in temps:
         path = os.path.join(head, t)
         owner = path + OWNER
@@ -263,6 +266,28 @@ def _alive(owner: str) -> str:
             where = " (in another PID namespace: a container)" if host == socket.gethostname() else ""
             return f"its writer ran on host {host or 'unknown'}{where} and this file system has no locks to tell"
         return f"its writer ran on host {host or 'unknown'} and this network file system's locks may not reach it"
+    finally:
+        os.close(fd)
+
+
+STAGE_AGE = 3600.0  # seconds: a staged owner file older than this is a killed writer's (``owned`` renames it at once)
+
+
+def _stage_left(stage: str) -> bool:
+    """``sweep``: remove ``<temp>.owner.new`` where its writer was killed between creating and renaming it (``owned``:
+    microseconds; its temp output was not made yet), told by its age (``STAGE_AGE``) and a lock no other process
+    holds. Before (review58j), it stayed for good: no sweep's pattern matches it. True when removed."""
+    try:
+        fd = os.open(stage, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if time.time() - os.fstat(fd).st_mtime < STAGE_AGE or _held(fd) or _mine(stage[: -len(STAGE)]):
+            return False
+        os.unlink(stage)
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 

@@ -284,7 +284,7 @@ def _read_holder(fd: int) -> str:
             return ""
         d = json.loads(raw)
         return f"pid {d.get('pid')} on {d.get('host')} since {time.ctime(d.get('since', 0))}{stopwait.describe(d)}"
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError):  # time.ctime(1e300): review58j
         return "unknown holder"
 
 

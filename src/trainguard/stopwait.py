@@ -35,24 +35,45 @@ POLL = 0.2  # seconds between two tries of the lock while waiting for a stopping
 
 
 _SECRET = re.compile(r"token|key|secret|passw|pass$|pwd|auth|cred", re.I)
+_QUERY_SECRET = re.compile(r"token|key|secret|passw|pwd|sig|auth|cred", re.I)
 # In any argument: a URL's user:password@ and query values named like secrets (?sig=, &token=), e.g.
-# --db postgresql://u:pw@host/db, --data https://host/x?X-Amz-Signature=...: review58g.
-_IN_URL = re.compile(r"(://)[^/@\s]+@|([?&][^=&\s]*(?:token|key|secret|passw|pwd|sig|auth|cred)[^=&\s]*=)[^&\s]+", re.I)
+# --db postgresql://u:pw@host/db, --data https://host/x?X-Amz-Signature=...: review58g. Each pattern scans a stretch
+# between two delimiters once (the secret names are looked for in the callback): review58j, the single pattern before
+# backtracked over every "?" (a 10,000-character argument of questions naming tokens took 58 s in the manager's open).
+_CRED = re.compile(r"://[^/@\s]+@")
+_QUERY = re.compile(r"[?&]([^=&?\s]*)=")
+_QVAL = re.compile(r"[^&\s]+")
+# Inside an argument, a name like a secret followed by ":" or "=" (review58j): JSON ({"api_key": "x"}), a header
+# ("Authorization: Bearer x"), a YAML/Hydra override list (a=1,hf_token=x). The name at a word's start only: linear.
+_PAIR = re.compile(r"(?<![\w.+-])([\"']?)([\w.+-]+)\1(\s*[:=]\s*)(\"[^\"]{0,256}\"|'[^']{0,256}'"
+                   r"|(?:(?:bearer|basic|token)\s+)?[^\s,;}\]&\"']+)", re.I)
+_NAME = re.compile(r"[-+]*[\w.+-]+")  # an option's or a variable's name (--api-key=, HF_TOKEN=): _shown
 
 
 def _hide_urls(a: str) -> str:
-    return _IN_URL.sub(lambda m: f"{m.group(1)}***@" if m.group(1) else f"{m.group(2)}***", a)
+    a = _CRED.sub("://***@", a)
+    out, pos = [], 0
+    for m in _QUERY.finditer(a):
+        if m.start() >= pos and _QUERY_SECRET.search(m.group(1)) and (v := _QVAL.match(a, m.end())):
+            out += [a[pos:m.end()], "***"]
+            pos = v.end()
+    out.append(a[pos:])
+    return _PAIR.sub(lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}***" if _SECRET.search(m[2])
+                     and not m[0].endswith("***") else m[0], "".join(out))
 
 
 def _shown(argv: list[str]) -> list[str]:
     """``argv`` as the lock record shows it (a 0644 file in the run directory): the value of an option whose
     name looks like a secret (``--hf-token X``, ``--api-key=X``, ``PASSWORD=X``, ``--db-pass X``) is replaced by
     ``***``, and so are a URL's ``user:password@`` and its query values named like secrets (``?sig=``) in any
-    argument (before, review58g: ``--db postgresql://u:pw@host/db`` was written as given)."""
+    argument (before, review58g: ``--db postgresql://u:pw@host/db`` was written as given), and inside an argument
+    the value after ``:`` or ``=`` of a name like a secret (review58j: ``'{"api_key": "X"}'``, ``Authorization: Bearer
+    X``, ``a=1,hf_token=X`` were shown; ``Authorization: Basic dXNlcjpwdw==`` as ``...dXNlcjpwdw=***``). Linear in
+    the argument's length (the manager's ``open`` on rank 0, through ``who``)."""
     out: list[str] = []
     for i, a in enumerate(argv):
         name, eq, _ = a.partition("=")
-        if eq and _SECRET.search(name) and "://" not in name and not name.startswith(("?", "&")):
+        if eq and _SECRET.search(name) and _NAME.fullmatch(name):  # not "Authorization: Basic dXNlcjpwdw=="
             out.append(f"{name}=***")
         elif i and argv[i - 1].startswith("-") and "=" not in argv[i - 1] and _SECRET.search(argv[i - 1]):
             out.append("***")
@@ -90,9 +111,9 @@ def since(fd: int) -> float | None:
     """When the holder record in ``fd`` says its job began stopping (``runlock.mark_stopping``), or None."""
     try:
         t = json.loads(os.pread(fd, 4096, 0)).get("stopping")
-    except (OSError, ValueError, AttributeError):
+        return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
+    except (OSError, ValueError, AttributeError, OverflowError):  # OverflowError: an int of 400 digits (review58j)
         return None
-    return float(t) if isinstance(t, (int, float)) and not isinstance(t, bool) else None
 
 
 def stale(fd: int, wait: float) -> float | None:
