@@ -17,12 +17,12 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
 import trainguard as tg
+from test_hunt58_review58d import _line  # the holder subprocess's next line, bounded
 from trainguard.permanent import is_permanent
 
 SRC = str(Path(tg.__file__).resolve().parents[1])
@@ -40,15 +40,6 @@ print("held", flush=True)
 sys.stdin.readline()
 """
 
-
-def _line(p: subprocess.Popen, want: str, timeout: float = 60) -> None:
-    timer = threading.Timer(timeout, p.kill)
-    timer.start()
-    try:
-        got = p.stdout.readline().strip()
-    finally:
-        timer.cancel()
-    assert got == want, (got, p.stderr.read() if p.poll() is not None else "")
 
 
 def test_a_holder_stopping_for_longer_than_the_timeout_is_refused_at_once_for_good(
